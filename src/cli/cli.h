@@ -1,0 +1,34 @@
+/*
+ * cli/cli.h — the llmem command line: one file per subcommand, shared option parsing.
+ *
+ * Output discipline (SPEC §7): with --json, stdout is exactly one JSON object; logs, progress and
+ * human notes go to stderr. Exit codes: 0 success, 1 failure, 2 usage error, 3 a plan that does not
+ * fit (the plan itself is still printed).
+ */
+#ifndef LLMEM_CLI_H
+#define LLMEM_CLI_H
+
+#include <stdint.h>
+
+enum { CLI_OK = 0, CLI_FAIL = 1, CLI_USAGE = 2, CLI_NOFIT = 3 };
+
+int cli_info(int argc, char **argv);
+int cli_plan(int argc, char **argv);
+
+struct llmem_plan;
+/* Writes the plan's envelope as an SVG picture to path; CLI_FAIL (message on stderr) on error. */
+int cli_plan_svg(const struct llmem_plan *plan, const char *path);
+
+/* Option values, each with an error naming the flag on stderr (returns CLI_USAGE on failure). */
+int cli_parse_size(const char *flag, const char *value, int64_t *out);
+int cli_parse_int(const char *flag, const char *value, int64_t min, int64_t max, int64_t *out);
+int cli_parse_double(const char *flag, const char *value, double min_excl, double max_incl,
+                     double *out);
+
+/* Prints "llmem <cmd>: message" to stderr for usage errors; returns CLI_USAGE. */
+int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Makes library log lines at or above WARN (INFO with verbose) go to stderr. */
+void cli_log_init(int verbose);
+
+#endif

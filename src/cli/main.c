@@ -1,0 +1,108 @@
+/*
+ * cli/main.c — `llmem <command> [options]`: dispatch, help, and the stderr log sink.
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "core/log.h"
+#include "llmem/size.h"
+
+static const char usage[] =
+    "llmem — an LLM inference runtime whose memory is planned, not discovered\n"
+    "\n"
+    "usage: llmem <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  info              this machine: RAM, cgroup limit, available memory, ceiling,\n"
+    "                    RLIMIT_MEMLOCK, CPU and ISA features (and CUDA devices)\n"
+    "  plan MODEL        the memory plan for a model directory or a catalog name\n"
+    "                    (`llmem plan --list` shows the catalog)\n"
+    "\n"
+    "Run `llmem <command> --help` for the options of a command.\n";
+
+/* While set, error lines are left to the caller, which reports them with more context. */
+static int quiet_errors;
+
+static void log_to_stderr(enum llmem_log_level level, const char *line, void *user) {
+    (void)user;
+    if (quiet_errors && level == LLMEM_LOG_ERROR)
+        return;
+    static const char *const prefix[] = {"error", "warning", "info", "debug"};
+    fprintf(stderr, "llmem %s: %s\n", prefix[level], line);
+}
+
+void cli_log_init(int verbose) {
+    llmem_log_set_callback(log_to_stderr, NULL, verbose ? LLMEM_LOG_DEBUG : LLMEM_LOG_WARN);
+}
+
+int cli_usage_error(const char *cmd, const char *fmt, ...) {
+    fprintf(stderr, "llmem%s%s: ", *cmd ? " " : "", cmd);
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "\n");
+    return CLI_USAGE;
+}
+
+int cli_parse_size(const char *flag, const char *value, int64_t *out) {
+    /* The parser's own message names the problem; say which flag it was about. */
+    quiet_errors = 1;
+    int status = llmem_size_parse(value, out);
+    quiet_errors = 0;
+    if (status != LLMEM_OK) {
+        const char *msg = strchr(llmem_last_error(), ':');
+        return cli_usage_error("", "%s: %s", flag, msg != NULL ? msg + 2 : llmem_last_error());
+    }
+    return CLI_OK;
+}
+
+int cli_parse_int(const char *flag, const char *value, int64_t min, int64_t max, int64_t *out) {
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(value, &end, 10);
+    if (value[0] == '\0' || *end != '\0' || errno != 0)
+        return cli_usage_error("", "%s: '%s' is not an integer", flag, value);
+    if (v < min || v > max)
+        return cli_usage_error("", "%s: %lld is out of range [%lld, %lld]", flag, v,
+                               (long long)min, (long long)max);
+    *out = v;
+    return CLI_OK;
+}
+
+int cli_parse_double(const char *flag, const char *value, double min_excl, double max_incl,
+                     double *out) {
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(value, &end);
+    if (value[0] == '\0' || *end != '\0' || errno != 0 || v != v)
+        return cli_usage_error("", "%s: '%s' is not a number", flag, value);
+    if (!(v > min_excl && v <= max_incl))
+        return cli_usage_error("", "%s: %s is out of range (%g, %g]", flag, value, min_excl,
+                               max_incl);
+    *out = v;
+    return CLI_OK;
+}
+
+int main(int argc, char **argv) {
+    cli_log_init(getenv("LLMEM_VERBOSE") != NULL);
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
+        strcmp(argv[1], "help") == 0) {
+        fputs(usage, argc < 2 ? stderr : stdout);
+        return argc < 2 ? CLI_USAGE : CLI_OK;
+    }
+    if (strcmp(argv[1], "--version") == 0) {
+        printf("llmem 0.1.0\n");
+        return CLI_OK;
+    }
+    if (strcmp(argv[1], "info") == 0)
+        return cli_info(argc - 1, argv + 1);
+    if (strcmp(argv[1], "plan") == 0)
+        return cli_plan(argc - 1, argv + 1);
+    fprintf(stderr, "llmem: unknown command '%s'\n\n%s", argv[1], usage);
+    return CLI_USAGE;
+}

@@ -1,0 +1,446 @@
+/*
+ * cli/plan.c — `llmem plan`: the memory plan for a model directory, a catalog name, or explicit
+ * numbers, on this machine or a simulated one. Asks model/ for the geometry and sys/ (or the
+ * backend registry) for the machine, hands numbers to plan/, and prints the result as text,
+ * JSON (--json) and an SVG picture (--svg).
+ */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "cli/cli.h"
+#include "core/json.h"
+#include "core/log.h"
+#include "llmem/backend.h"
+#include "llmem/model.h"
+#include "llmem/plan.h"
+#include "llmem/size.h"
+#include "llmem/sys.h"
+#include "plan/plan_json.h"
+
+static const char plan_usage[] =
+    "usage: llmem plan MODEL [options]      MODEL: a model directory or a catalog name\n"
+    "       llmem plan --weights SIZE --kv-bytes-per-token N [--max-context N] [options]\n"
+    "       llmem plan --list\n"
+    "\n"
+    "Computes, without loading anything, what the model commits (weights, one full window of KV,\n"
+    "runtime transients), what is reclaimable cache (the session bank), how much context fits,\n"
+    "and the allocation limit, trip and ceiling the engine will apply.\n"
+    "\n"
+    "machine (default: this machine, probed):\n"
+    "  --total SIZE               memory the engine's process can have (RAM or device memory)\n"
+    "  --ceiling SIZE             hard ceiling (default: the total)\n"
+    "  --backend cpu|cuda         plan for host memory (default) or a CUDA device\n"
+    "  --device N                 which CUDA device (default 0)\n"
+    "model by numbers (instead of MODEL):\n"
+    "  --weights SIZE             bytes of all weights\n"
+    "  --kv-bytes-per-token N     KV bytes per token at 2 bytes per element\n"
+    "  --max-context N            the model's maximum context (default: none)\n"
+    "plan:\n"
+    "  --context N                the context window to reserve (default: what fits)\n"
+    "  --budget SIZE              plan as if the machine had SIZE\n"
+    "  --memory-limit SIZE        the engine budget, exactly (bounded by the machine)\n"
+    "  --util F                   the engine budget as a fraction of the ceiling, in (0, 1]\n"
+    "  --kv-format FMT            f16 (default), bf16, f32, q8, q4, tq\n"
+    "  --max-sequences N          running batch size (default 1)\n"
+    "  --max-batch-tokens N       most tokens in one forward step (default 512)\n"
+    "  --working-set SIZE         also report the bank's dynamic ceiling at this live KV\n"
+    "output:\n"
+    "  --json                     one JSON object on stdout\n"
+    "  --svg FILE                 a picture of the envelope\n"
+    "  --list                     the built-in catalog\n"
+    "\n"
+    "Sizes take K/M/G/T suffixes (binary): 48G, 512M, 1.5T. Exit status: 0 when the plan fits,\n"
+    "3 when the model does not fit or the requested context is overcommitted, 1 on errors,\n"
+    "2 on usage errors.\n";
+
+enum {
+    OPT_TOTAL = 256,
+    OPT_CEILING,
+    OPT_WEIGHTS,
+    OPT_KV_BYTES,
+    OPT_MAX_CONTEXT,
+    OPT_CONTEXT,
+    OPT_BUDGET,
+    OPT_MEMORY_LIMIT,
+    OPT_UTIL,
+    OPT_KV_FORMAT,
+    OPT_MAX_SEQUENCES,
+    OPT_MAX_BATCH_TOKENS,
+    OPT_WORKING_SET,
+    OPT_BACKEND,
+    OPT_DEVICE,
+    OPT_JSON,
+    OPT_SVG,
+    OPT_LIST,
+    OPT_HELP,
+};
+
+static const struct option plan_options[] = {
+    {"total", required_argument, NULL, OPT_TOTAL},
+    {"ceiling", required_argument, NULL, OPT_CEILING},
+    {"weights", required_argument, NULL, OPT_WEIGHTS},
+    {"kv-bytes-per-token", required_argument, NULL, OPT_KV_BYTES},
+    {"max-context", required_argument, NULL, OPT_MAX_CONTEXT},
+    {"context", required_argument, NULL, OPT_CONTEXT},
+    {"budget", required_argument, NULL, OPT_BUDGET},
+    {"memory-limit", required_argument, NULL, OPT_MEMORY_LIMIT},
+    {"util", required_argument, NULL, OPT_UTIL},
+    {"kv-format", required_argument, NULL, OPT_KV_FORMAT},
+    {"max-sequences", required_argument, NULL, OPT_MAX_SEQUENCES},
+    {"max-batch-tokens", required_argument, NULL, OPT_MAX_BATCH_TOKENS},
+    {"working-set", required_argument, NULL, OPT_WORKING_SET},
+    {"backend", required_argument, NULL, OPT_BACKEND},
+    {"device", required_argument, NULL, OPT_DEVICE},
+    {"json", no_argument, NULL, OPT_JSON},
+    {"svg", required_argument, NULL, OPT_SVG},
+    {"list", no_argument, NULL, OPT_LIST},
+    {"help", no_argument, NULL, OPT_HELP},
+    {NULL, 0, NULL, 0},
+};
+
+struct plan_args {
+    struct llmem_plan_params params;
+    const char *model;
+    int64_t total, ceiling, weights, kv_bytes, max_context, working_set;
+    int have_working_set;
+    int64_t device;
+    int json, list;
+    const char *svg;
+};
+
+#define MAX_CONTEXT_TOKENS ((int64_t)1 << 40)
+#define MAX_COUNT ((int64_t)1 << 30)
+
+static int parse_args(int argc, char **argv, struct plan_args *a) {
+    memset(a, 0, sizeof(*a));
+    a->params.kv_format = LLMEM_KV_FORMAT_F16;
+    optind = 1;
+    opterr = 0;
+    int c, rc = CLI_OK;
+    while (rc == CLI_OK && (c = getopt_long(argc, argv, ":h", plan_options, NULL)) != -1) {
+        switch (c) {
+        case OPT_TOTAL: rc = cli_parse_size("--total", optarg, &a->total); break;
+        case OPT_CEILING: rc = cli_parse_size("--ceiling", optarg, &a->ceiling); break;
+        case OPT_WEIGHTS: rc = cli_parse_size("--weights", optarg, &a->weights); break;
+        case OPT_KV_BYTES:
+            rc = cli_parse_int("--kv-bytes-per-token", optarg, 1, INT64_MAX / 4, &a->kv_bytes);
+            break;
+        case OPT_MAX_CONTEXT:
+            rc = cli_parse_int("--max-context", optarg, 1, MAX_CONTEXT_TOKENS, &a->max_context);
+            break;
+        case OPT_CONTEXT:
+            rc = cli_parse_int("--context", optarg, 1, MAX_CONTEXT_TOKENS,
+                               &a->params.requested_context);
+            break;
+        case OPT_BUDGET:
+            rc = cli_parse_size("--budget", optarg, &a->params.memory_budget_bytes);
+            break;
+        case OPT_MEMORY_LIMIT:
+            rc = cli_parse_size("--memory-limit", optarg, &a->params.memory_limit_bytes);
+            break;
+        case OPT_UTIL: rc = cli_parse_double("--util", optarg, 0.0, 1.0, &a->params.util); break;
+        case OPT_KV_FORMAT:
+            if (llmem_kv_format_parse(optarg, &a->params.kv_format) != LLMEM_OK)
+                rc = CLI_USAGE; /* the parser said which names exist */
+            break;
+        case OPT_MAX_SEQUENCES:
+            rc = cli_parse_int("--max-sequences", optarg, 1, MAX_COUNT, &a->params.max_sequences);
+            break;
+        case OPT_MAX_BATCH_TOKENS:
+            rc = cli_parse_int("--max-batch-tokens", optarg, 1, MAX_COUNT,
+                               &a->params.max_batch_tokens);
+            break;
+        case OPT_WORKING_SET:
+            rc = cli_parse_size("--working-set", optarg, &a->working_set);
+            a->have_working_set = 1;
+            break;
+        case OPT_BACKEND:
+            if (strcmp(optarg, "cpu") == 0)
+                a->params.target = LLMEM_PLAN_HOST;
+            else if (strcmp(optarg, "cuda") == 0)
+                a->params.target = LLMEM_PLAN_CUDA;
+            else
+                rc = cli_usage_error("plan", "--backend: '%s' is not cpu or cuda", optarg);
+            break;
+        case OPT_DEVICE: rc = cli_parse_int("--device", optarg, 0, 1024, &a->device); break;
+        case OPT_JSON: a->json = 1; break;
+        case OPT_SVG: a->svg = optarg; break;
+        case OPT_LIST: a->list = 1; break;
+        case 'h':
+        case OPT_HELP: fputs(plan_usage, stdout); return -1;
+        case ':': return cli_usage_error("plan", "%s needs a value", argv[optind - 1]);
+        default: return cli_usage_error("plan", "unknown option '%s' (see --help)",
+                                        argv[optind - 1]);
+        }
+    }
+    if (rc != CLI_OK)
+        return rc;
+    if (optind < argc)
+        a->model = argv[optind++];
+    if (optind < argc)
+        return cli_usage_error("plan", "unexpected argument '%s'", argv[optind]);
+    if (a->params.memory_limit_bytes > 0 && a->params.util > 0)
+        return cli_usage_error("plan", "--memory-limit and --util both set the engine budget;"
+                                       " give one");
+    int by_numbers = a->weights > 0 || a->kv_bytes > 0 || a->max_context > 0;
+    if (a->model != NULL && by_numbers)
+        return cli_usage_error("plan", "--weights, --kv-bytes-per-token and --max-context"
+                                       " describe a model; give them instead of MODEL");
+    if (a->model == NULL && !a->list && (a->weights <= 0 || a->kv_bytes <= 0))
+        return cli_usage_error("plan", "give a MODEL (directory or catalog name) or"
+                                       " --weights and --kv-bytes-per-token (see --help)");
+    return CLI_OK;
+}
+
+/* ---- the catalog --------------------------------------------------------------------------- */
+
+static int print_catalog(int json) {
+    size_t n = llmem_catalog_count();
+    if (json) {
+        cJSON *root = cJSON_CreateObject(), *models = cJSON_AddArrayToObject(root, "models");
+        for (size_t i = 0; i < n; i++) {
+            const struct llmem_model_geometry *g = llmem_catalog_get(i);
+            cJSON *m = cJSON_CreateObject();
+            cJSON_AddItemToArray(models, m);
+            llmem_json_add_string(m, "name", g->name);
+            llmem_json_add_string(m, "arch", g->arch);
+            llmem_json_add_string(m, "source", g->source);
+            llmem_json_add_int(m, "n_params", g->n_params);
+            llmem_json_add_int(m, "weights_bytes", g->weights_bytes);
+            llmem_json_add_int(m, "kv_bytes_per_token", llmem_geometry_kv_bytes_per_token(g));
+            llmem_json_add_int(m, "max_context", g->max_context);
+        }
+        char *text = llmem_json_print(root, 1);
+        cJSON_Delete(root);
+        if (text == NULL)
+            return CLI_FAIL;
+        printf("%s\n", text);
+        free(text);
+        return CLI_OK;
+    }
+    printf("%-20s %-8s %8s %9s %12s %10s  %s\n", "name", "arch", "params", "weights",
+           "KV/token", "max ctx", "source");
+    for (size_t i = 0; i < n; i++) {
+        const struct llmem_model_geometry *g = llmem_catalog_get(i);
+        char w[LLMEM_SIZE_STR_MAX];
+        printf("%-20s %-8s %7.2fB %9s %10lld B %10lld  %s\n", g->name, g->arch,
+               (double)g->n_params / 1e9, llmem_size_format_gib(g->weights_bytes, w, sizeof(w)),
+               (long long)llmem_geometry_kv_bytes_per_token(g), (long long)g->max_context,
+               g->source);
+    }
+    return CLI_OK;
+}
+
+/* ---- the machine ---------------------------------------------------------------------------- */
+
+struct machine {
+    char label[160];
+    int64_t total, ceiling;
+};
+
+static int probe_machine(const struct plan_args *a, struct machine *m) {
+    struct llmem_device_info info;
+    if (a->params.target == LLMEM_PLAN_CUDA) {
+        int n = 0;
+        if (llmem_backend_device_count(&n) != LLMEM_OK || n == 0) {
+            if (a->total > 0) { /* planning a device we do not have, by numbers */
+                snprintf(m->label, sizeof(m->label), "CUDA device (simulated)");
+                return CLI_OK;
+            }
+            fprintf(stderr, "llmem plan: no CUDA device %s; give --total to plan for one\n",
+                    llmem_backend_cuda_available() ? "found" : "(built without CUDA)");
+            return CLI_FAIL;
+        }
+        if (a->device >= n) {
+            fprintf(stderr, "llmem plan: --device %lld: only %d CUDA device(s)\n",
+                    (long long)a->device, n);
+            return CLI_FAIL;
+        }
+        if (llmem_backend_device_info((int)a->device, &info) != LLMEM_OK)
+            return CLI_FAIL;
+        snprintf(m->label, sizeof(m->label), "cuda:%lld %s", (long long)a->device, info.name);
+    } else {
+        if (llmem_sys_probe_host(&info) != LLMEM_OK)
+            return CLI_FAIL;
+        snprintf(m->label, sizeof(m->label), "this host (%s)", info.name);
+    }
+    /* On a host the engine's memory is min(RAM, cgroup limit): the ceiling of SPEC §1. */
+    m->total = info.max_recommended_working_set_size;
+    m->ceiling = info.max_recommended_working_set_size;
+    return CLI_OK;
+}
+
+/* ---- the model ------------------------------------------------------------------------------ */
+
+static int resolve_model(const char *name, struct llmem_model_geometry *g) {
+    struct stat st;
+    if (stat(name, &st) == 0 || strchr(name, '/') != NULL || strcmp(name, ".") == 0)
+        return llmem_model_geometry_load(name, g) == LLMEM_OK ? CLI_OK : CLI_FAIL;
+    const struct llmem_model_geometry *entry = llmem_catalog_find(name);
+    if (entry == NULL) {
+        fprintf(stderr,
+                "llmem plan: unknown model '%s': not a directory and not in the catalog"
+                " (llmem plan --list)\n",
+                name);
+        return CLI_FAIL;
+    }
+    *g = *entry;
+    return CLI_OK;
+}
+
+/* ---- output --------------------------------------------------------------------------------- */
+
+static void row(const char *name, int64_t bytes, const char *why) {
+    char s[LLMEM_SIZE_STR_MAX];
+    fprintf(stdout, "  %-22s %16lld  %9s  %s\n", name, (long long)bytes,
+            llmem_size_format_gib(bytes, s, sizeof(s)), why);
+}
+
+static void print_human(const struct llmem_plan *p, const struct llmem_model_geometry *g,
+                        const char *machine, const struct plan_args *a, int64_t dynamic_ceiling) {
+    char line[512], s1[LLMEM_SIZE_STR_MAX], s2[LLMEM_SIZE_STR_MAX], s3[LLMEM_SIZE_STR_MAX];
+    printf("%s\n\n", llmem_plan_describe(p, line, sizeof(line)));
+    if (g != NULL)
+        printf("  model    %s (%s): %lld layers, %lld query / %lld KV heads × %lld, %.2fB params\n",
+               g->name, g->arch, (long long)g->n_layers, (long long)g->n_heads,
+               (long long)g->n_kv_heads, (long long)g->head_dim, (double)g->n_params / 1e9);
+    printf("  machine  %s\n\n", machine);
+
+    printf("  %-22s %16s  %9s\n", "", "bytes", "GiB");
+    row("total", p->total_bytes, "memory the process can have");
+    row("ceiling", p->ceiling_bytes, p->ceiling_bytes < p->total_bytes ? "below the total" : "");
+    if (p->budget_bytes > 0)
+        row("budget", p->budget_bytes, "--budget");
+    snprintf(line, sizeof(line), "engine budget (%s)", llmem_usable_source_name(p->usable_source));
+    row("usable", p->usable_bytes, line);
+    row("weights", p->weights_bytes, "committed");
+    snprintf(line, sizeof(line), "committed: %lld tokens × %lld B (%s)",
+             (long long)p->context_window_resolved,
+             (long long)(p->kv_bytes_per_token_effective + p->aux_bytes_per_token),
+             llmem_kv_format_name(p->kv_format));
+    row("KV reserve", p->kv_reserve_bytes, line);
+    snprintf(line, sizeof(line), "committed: max(workspace %s, min(3G, usable/8))",
+             llmem_size_format(p->computed_workspace_bytes, s1, sizeof(s1)));
+    row("runtime transients", p->runtime_transients_bytes, line);
+    row("session bank, steady", p->bank_steady_bytes, "cache: beside one full window");
+    row("session bank, idle", p->bank_idle_max_bytes, "cache: when no long context is live");
+    row("bank floor", p->bank_floor_bytes, "the bank never yields below this");
+    row("headroom", p->headroom_bytes, "unplanned");
+
+    printf("\n  context  %lld tokens (machine fit %lld, model max %lld); KV %lld B/token as %s"
+           " (%lld at 2 B/element)\n",
+           (long long)p->context_window_resolved, (long long)p->context_window_fit,
+           (long long)p->model_max_context, (long long)p->kv_bytes_per_token_effective,
+           llmem_kv_format_name(p->kv_format), (long long)p->kv_bytes_per_token);
+    printf("  pool     %lld tokens: %lld full window(s); %lld sequence(s), %lld tokens per step\n",
+           (long long)p->pool_tokens, (long long)p->max_full_window_sequences,
+           (long long)p->max_sequences, (long long)p->max_batch_tokens);
+    if (a->have_working_set)
+        printf("  bank     %s at a live working set of %s\n",
+               llmem_size_format_gib(dynamic_ceiling, s1, sizeof(s1)),
+               llmem_size_format_gib(a->working_set, s2, sizeof(s2)));
+
+    int ok = p->footprint_bytes < p->allocation_limit_bytes &&
+             p->allocation_limit_bytes < p->trip_bytes && p->trip_bytes < p->ceiling_bytes;
+    printf("\n  limits   footprint %s < allocation limit %s < trip %s < ceiling %s",
+           llmem_size_format_gib(p->footprint_bytes, s1, sizeof(s1)),
+           llmem_size_format_gib(p->allocation_limit_bytes, s2, sizeof(s2)),
+           llmem_size_format_gib(p->trip_bytes, s3, sizeof(s3)),
+           llmem_size_format_gib(p->ceiling_bytes, line, sizeof(line)));
+    printf(": %s\n", ok ? "holds" : "BROKEN");
+    printf("  util     %.3f, band (%.3f, %.3f)%s\n", p->util, p->band_low, p->band_high,
+           p->band_empty ? ": EMPTY" : p->util_in_band ? ": inside" : ": OUTSIDE");
+    const char *verdict = p->overcommitted    ? "OVERCOMMITTED"
+                          : !p->model_fits    ? "MODEL DOES NOT FIT"
+                          : !ok               ? "fits, but the limits are unsafe"
+                                              : "fits";
+    printf("  verdict  %s\n", verdict);
+    if (p->n_notes > 0)
+        printf("\nnotes:\n");
+    for (int i = 0; i < p->n_notes; i++)
+        printf("  - %s\n", p->notes[i]);
+}
+
+int cli_plan(int argc, char **argv) {
+    struct plan_args a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc != CLI_OK)
+        return rc < 0 ? CLI_OK : rc;
+    if (a.list)
+        return print_catalog(a.json);
+
+    struct llmem_model_geometry geom, *g = NULL;
+    if (a.model != NULL) {
+        if ((rc = resolve_model(a.model, &geom)) != CLI_OK)
+            return rc;
+        g = &geom;
+        a.params.weights_bytes = g->weights_bytes;
+        a.params.kv_bytes_per_token = llmem_geometry_kv_bytes_per_token(g);
+        a.params.model_max_context = g->max_context;
+        a.params.computed_workspace_bytes = llmem_geometry_workspace_bytes(
+            g, a.params.max_batch_tokens, a.params.max_sequences);
+    } else {
+        a.params.weights_bytes = a.weights;
+        a.params.kv_bytes_per_token = a.kv_bytes;
+        a.params.model_max_context = a.max_context;
+    }
+
+    struct machine m = {.total = a.total, .ceiling = a.ceiling};
+    if (a.total > 0) {
+        snprintf(m.label, sizeof(m.label), "simulated (--total)");
+    } else {
+        if ((rc = probe_machine(&a, &m)) != CLI_OK)
+            return rc;
+        if (a.ceiling > 0)
+            m.ceiling = a.ceiling;
+    }
+    a.params.total_bytes = m.total;
+    a.params.ceiling_bytes = m.ceiling;
+
+    struct llmem_plan plan;
+    if (llmem_plan_compute(&a.params, &plan) != LLMEM_OK)
+        return CLI_FAIL;
+    int64_t dynamic_ceiling = llmem_plan_bank_dynamic_ceiling(&plan, a.working_set, 0);
+
+    if (a.svg != NULL && cli_plan_svg(&plan, a.svg) != CLI_OK)
+        return CLI_FAIL;
+
+    if (a.json) {
+        cJSON *o = llmem_plan_json(&plan);
+        if (o == NULL)
+            return CLI_FAIL;
+        if (a.have_working_set) {
+            llmem_json_add_int(o, "working_set_bytes", a.working_set);
+            llmem_json_add_int(o, "bank_dynamic_ceiling_bytes", dynamic_ceiling);
+        }
+        llmem_json_add_string(o, "machine", m.label);
+        if (g != NULL) {
+            cJSON *mo = cJSON_AddObjectToObject(o, "model");
+            llmem_json_add_string(mo, "name", g->name);
+            llmem_json_add_string(mo, "arch", g->arch);
+            llmem_json_add_string(mo, "source", g->source);
+            llmem_json_add_int(mo, "n_params", g->n_params);
+            llmem_json_add_int(mo, "n_layers", g->n_layers);
+            llmem_json_add_int(mo, "n_heads", g->n_heads);
+            llmem_json_add_int(mo, "n_kv_heads", g->n_kv_heads);
+            llmem_json_add_int(mo, "head_dim", g->head_dim);
+            llmem_json_add_int(mo, "max_context", g->max_context);
+        }
+        char *text = llmem_json_print(o, 1);
+        cJSON_Delete(o);
+        if (text == NULL)
+            return CLI_FAIL;
+        printf("%s\n", text);
+        free(text);
+    } else {
+        print_human(&plan, g, m.label, &a, dynamic_ceiling);
+    }
+    if (!plan.available) {
+        fprintf(stderr, "llmem plan: memory plan unavailable (%s)\n", plan.unavailable_reason);
+        return CLI_FAIL;
+    }
+    return plan.model_fits ? CLI_OK : CLI_NOFIT;
+}

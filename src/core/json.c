@@ -1,0 +1,130 @@
+/*
+ * core/json.c — the one JSON helper (see core/json.h). cJSON stores numbers as doubles, so
+ * integer reads check that the value is integral and within ±2^53 (exactly representable), and
+ * integer writes go through a raw "%lld" item so 64-bit values are never rounded.
+ */
+#include "core/json.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "core/file.h"
+#include "core/log.h"
+
+#define JSON_EXACT_LIMIT 9007199254740992.0 /* 2^53 */
+
+int llmem_json_parse(const char *text, size_t len, const char *what, cJSON **out) {
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
+    if (root == NULL) {
+        size_t at = (end != NULL && end >= text) ? (size_t)(end - text) : 0;
+        LLMEM_ERROR("%s: invalid JSON at byte %zu of %zu", what, at, len);
+        return LLMEM_EFORMAT;
+    }
+    *out = root;
+    return LLMEM_OK;
+}
+
+int llmem_json_parse_file(const char *path, int64_t max_bytes, cJSON **out) {
+    char *text = NULL;
+    size_t len = 0;
+    int status = llmem_file_read(path, max_bytes, &text, &len);
+    if (status != LLMEM_OK)
+        return status;
+    status = llmem_json_parse(text, len, path, out);
+    free(text);
+    return status;
+}
+
+int llmem_json_int(const cJSON *item, int64_t *out) {
+    if (item == NULL || cJSON_IsNull(item))
+        return LLMEM_ENOENT;
+    if (!cJSON_IsNumber(item))
+        return LLMEM_EFORMAT;
+    double d = item->valuedouble;
+    if (!isfinite(d) || d != floor(d) || fabs(d) > JSON_EXACT_LIMIT)
+        return LLMEM_ERANGE;
+    *out = (int64_t)d;
+    return LLMEM_OK;
+}
+
+int llmem_json_get_int(const cJSON *obj, const char *key, int64_t *out) {
+    return llmem_json_int(cJSON_GetObjectItemCaseSensitive(obj, key), out);
+}
+
+int llmem_json_get_double(const cJSON *obj, const char *key, double *out) {
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (item == NULL || cJSON_IsNull(item))
+        return LLMEM_ENOENT;
+    if (!cJSON_IsNumber(item))
+        return LLMEM_EFORMAT;
+    *out = item->valuedouble;
+    return LLMEM_OK;
+}
+
+int llmem_json_get_bool(const cJSON *obj, const char *key, int *out) {
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (item == NULL || cJSON_IsNull(item))
+        return LLMEM_ENOENT;
+    if (!cJSON_IsBool(item))
+        return LLMEM_EFORMAT;
+    *out = cJSON_IsTrue(item);
+    return LLMEM_OK;
+}
+
+int llmem_json_get_string(const cJSON *obj, const char *key, const char **out) {
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (item == NULL || cJSON_IsNull(item))
+        return LLMEM_ENOENT;
+    if (!cJSON_IsString(item))
+        return LLMEM_EFORMAT;
+    *out = item->valuestring;
+    return LLMEM_OK;
+}
+
+static int added(const cJSON *item, const char *key) {
+    if (item != NULL)
+        return LLMEM_OK;
+    LLMEM_ERROR("out of memory adding '%s'", key);
+    return LLMEM_ENOMEM;
+}
+
+int llmem_json_add_int(cJSON *obj, const char *key, int64_t value) {
+    char num[24];
+    snprintf(num, sizeof(num), "%" PRId64, value);
+    return added(cJSON_AddRawToObject(obj, key, num), key);
+}
+
+int llmem_json_add_double(cJSON *obj, const char *key, double value) {
+    if (!isfinite(value))
+        return added(cJSON_AddNullToObject(obj, key), key);
+    char num[40];
+    snprintf(num, sizeof(num), "%.17g", value);
+    /* Shortest form that reads back the same double, for tidy output. */
+    for (int prec = 1; prec < 17; prec++) {
+        char shorter[40];
+        snprintf(shorter, sizeof(shorter), "%.*g", prec, value);
+        if (strtod(shorter, NULL) == value) {
+            snprintf(num, sizeof(num), "%s", shorter);
+            break;
+        }
+    }
+    return added(cJSON_AddRawToObject(obj, key, num), key);
+}
+
+int llmem_json_add_string(cJSON *obj, const char *key, const char *value) {
+    return added(cJSON_AddStringToObject(obj, key, value), key);
+}
+
+int llmem_json_add_bool(cJSON *obj, const char *key, int value) {
+    return added(cJSON_AddBoolToObject(obj, key, value), key);
+}
+
+char *llmem_json_print(const cJSON *item, int pretty) {
+    char *s = pretty ? cJSON_Print(item) : cJSON_PrintUnformatted(item);
+    if (s == NULL)
+        LLMEM_ERROR("out of memory printing JSON");
+    return s;
+}

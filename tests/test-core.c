@@ -1,0 +1,219 @@
+/*
+ * tests/test-core.c — status codes, the log callback, the size parser and formatter, the JSON
+ * helper and bounded file reads.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/file.h"
+#include "core/json.h"
+#include "core/log.h"
+#include "llmem/size.h"
+#include "llmem/status.h"
+#include "testutil.h"
+
+static void test_status_strings(void **state) {
+    (void)state;
+    int codes[] = {LLMEM_OK,     LLMEM_EINVAL, LLMEM_ENOMEM,       LLMEM_EIO,
+                   LLMEM_ENOENT, LLMEM_EFORMAT, LLMEM_ERANGE, LLMEM_EUNSUPPORTED};
+    for (size_t i = 0; i < sizeof(codes) / sizeof(codes[0]); i++) {
+        assert_string_not_equal(llmem_status_str(codes[i]), "unknown status");
+        assert_true(strncmp(llmem_status_name(codes[i]), "LLMEM_", 6) == 0);
+    }
+    assert_string_equal(llmem_status_name(LLMEM_ENOMEM), "LLMEM_ENOMEM");
+    assert_string_equal(llmem_status_str(12345), "unknown status");
+}
+
+struct captured {
+    int n;
+    enum llmem_log_level level;
+    char line[1024];
+};
+
+static void capture(enum llmem_log_level level, const char *line, void *user) {
+    struct captured *c = user;
+    c->n++;
+    c->level = level;
+    snprintf(c->line, sizeof(c->line), "%s", line);
+}
+
+static void test_log_callback(void **state) {
+    (void)state;
+    struct captured c = {0};
+    llmem_log_set_callback(capture, &c, LLMEM_LOG_WARN);
+    LLMEM_INFO("dropped %d", 1);
+    assert_int_equal(c.n, 0);
+    LLMEM_WARN("kept %d", 2);
+    assert_int_equal(c.n, 1);
+    assert_string_equal(c.line, "test_log_callback: kept 2");
+    LLMEM_ERROR("bad %s", "thing");
+    assert_int_equal(c.n, 2);
+    assert_int_equal(c.level, LLMEM_LOG_ERROR);
+    assert_string_equal(llmem_last_error(), "test_log_callback: bad thing");
+    llmem_log_set_callback(NULL, NULL, LLMEM_LOG_ERROR);
+    LLMEM_ERROR("silent but kept");
+    assert_int_equal(c.n, 2);
+    assert_string_equal(llmem_last_error(), "test_log_callback: silent but kept");
+}
+
+static void test_size_parse_valid(void **state) {
+    (void)state;
+    const struct {
+        const char *text;
+        int64_t bytes;
+    } cases[] = {
+        {"0", 0},
+        {"4096", 4096},
+        {"48G", 48LL << 30},
+        {"48g", 48LL << 30},
+        {"48GiB", 48LL << 30},
+        {"48GB", 48LL << 30},
+        {"512M", 512LL << 20},
+        {"1.5T", 3LL << 39},
+        {"1K", 1024},
+        {"0.5K", 512},
+        {"1.0009765625K", 1025},
+        {"0.3K", 307}, /* 307.2 rounded down */
+        {"100B", 100},
+        {" 2G ", 2LL << 30},
+        {"+1M", 1 << 20},
+        {"8388607T", 8388607LL << 40},
+        {"9223372036854775807", INT64_MAX},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        int64_t v = -1;
+        assert_int_equal(llmem_size_parse(cases[i].text, &v), LLMEM_OK);
+        assert_int_equal(v, cases[i].bytes);
+    }
+}
+
+static void test_size_parse_invalid(void **state) {
+    (void)state;
+    const struct {
+        const char *text;
+        int status;
+        const char *phrase;
+    } cases[] = {
+        {"", LLMEM_EINVAL, "empty"},
+        {"-5G", LLMEM_EINVAL, "negative"},
+        {"G", LLMEM_EINVAL, "not a size"},
+        {"abc", LLMEM_EINVAL, "not a size"},
+        {"12X", LLMEM_EINVAL, "unexpected 'X'"},
+        {"12GG", LLMEM_EINVAL, "unexpected"},
+        {"1.5", LLMEM_EINVAL, "fraction needs a unit"},
+        {"1.G", LLMEM_EINVAL, "digits after the decimal point"},
+        {"8388608T", LLMEM_ERANGE, "too large"},
+        {"9223372036854775808", LLMEM_ERANGE, "too large"},
+        {"99999999999999999999999", LLMEM_ERANGE, "too large"},
+        {"1 2", LLMEM_EINVAL, "unexpected"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        int64_t v = 42;
+        assert_int_equal(llmem_size_parse(cases[i].text, &v), cases[i].status);
+        assert_int_equal(v, 42);
+        assert_non_null(strstr(llmem_last_error(), cases[i].phrase));
+    }
+    int64_t v = 0;
+    assert_int_equal(llmem_size_parse(NULL, &v), LLMEM_EINVAL);
+}
+
+static void test_size_format(void **state) {
+    (void)state;
+    char b[LLMEM_SIZE_STR_MAX];
+    assert_string_equal(llmem_size_format(48LL << 30, b, sizeof(b)), "48G");
+    assert_string_equal(llmem_size_format(512LL << 20, b, sizeof(b)), "512M");
+    assert_string_equal(llmem_size_format(900, b, sizeof(b)), "900B");
+    assert_string_equal(llmem_size_format((36LL << 30) + (1LL << 29), b, sizeof(b)), "36.5G");
+    assert_string_equal(llmem_size_format(-(2LL << 30), b, sizeof(b)), "-2G");
+    assert_string_equal(llmem_size_format(INT64_MIN, b, sizeof(b)), "-8E");
+    assert_string_equal(llmem_size_format_gib(21313949792LL, b, sizeof(b)), "19.9G");
+    /* Formatting then parsing a whole size gives it back. */
+    int64_t v = 0;
+    assert_int_equal(llmem_size_parse(llmem_size_format(3LL << 40, b, sizeof(b)), &v), LLMEM_OK);
+    assert_int_equal(v, 3LL << 40);
+}
+
+static void test_json_reads(void **state) {
+    (void)state;
+    const char *doc = "{\"a\": 9007199254740992, \"b\": 1.5, \"c\": \"x\", \"d\": true,"
+                      " \"e\": null, \"f\": [1], \"g\": 9007199254740994}";
+    cJSON *root = NULL;
+    assert_int_equal(llmem_json_parse(doc, strlen(doc), "doc", &root), LLMEM_OK);
+    int64_t i = 0;
+    double d = 0;
+    const char *s = NULL;
+    int b = 0;
+    assert_int_equal(llmem_json_get_int(root, "a", &i), LLMEM_OK);
+    assert_int_equal(i, 9007199254740992LL);
+    assert_int_equal(llmem_json_get_int(root, "b", &i), LLMEM_ERANGE);
+    assert_int_equal(llmem_json_get_int(root, "g", &i), LLMEM_ERANGE);
+    assert_int_equal(llmem_json_get_int(root, "c", &i), LLMEM_EFORMAT);
+    assert_int_equal(llmem_json_get_int(root, "e", &i), LLMEM_ENOENT);
+    assert_int_equal(llmem_json_get_int(root, "zz", &i), LLMEM_ENOENT);
+    assert_int_equal(llmem_json_get_double(root, "b", &d), LLMEM_OK);
+    assert_true(d == 1.5);
+    assert_int_equal(llmem_json_get_string(root, "c", &s), LLMEM_OK);
+    assert_string_equal(s, "x");
+    assert_int_equal(llmem_json_get_string(root, "f", &s), LLMEM_EFORMAT);
+    assert_int_equal(llmem_json_get_bool(root, "d", &b), LLMEM_OK);
+    assert_true(b);
+    cJSON_Delete(root);
+
+    const char *bad = "{\"a\": 1,, }";
+    assert_int_equal(llmem_json_parse(bad, strlen(bad), "bad.json", &root), LLMEM_EFORMAT);
+    assert_non_null(strstr(llmem_last_error(), "bad.json: invalid JSON at byte"));
+}
+
+static void test_json_writes_exact_integers(void **state) {
+    (void)state;
+    cJSON *o = cJSON_CreateObject();
+    assert_int_equal(llmem_json_add_int(o, "max", INT64_MAX), LLMEM_OK);
+    assert_int_equal(llmem_json_add_int(o, "n", -7), LLMEM_OK);
+    assert_int_equal(llmem_json_add_double(o, "u", 0.75), LLMEM_OK);
+    assert_int_equal(llmem_json_add_double(o, "third", 1.0 / 3.0), LLMEM_OK);
+    char *text = llmem_json_print(o, 0);
+    assert_string_equal(text, "{\"max\":9223372036854775807,\"n\":-7,\"u\":0.75,"
+                              "\"third\":0.3333333333333333}");
+    free(text);
+    cJSON_Delete(o);
+}
+
+static void test_file_read_bounds(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    char *path = tu_write_file(dir, "f.txt", "hello", -1);
+    char *data = NULL;
+    size_t len = 0;
+    assert_int_equal(llmem_file_read(path, 5, &data, &len), LLMEM_OK);
+    assert_int_equal(len, 5);
+    assert_string_equal(data, "hello");
+    free(data);
+    assert_int_equal(llmem_file_read(path, 4, &data, &len), LLMEM_ERANGE);
+    assert_non_null(strstr(llmem_last_error(), "more than the 4 allowed"));
+    assert_int_equal(llmem_file_read(dir, 100, &data, &len), LLMEM_EIO);
+    char missing[4200];
+    assert_int_equal(llmem_path_join(missing, sizeof(missing), dir, "nope.json"), LLMEM_OK);
+    assert_int_equal(llmem_file_read(missing, 100, &data, &len), LLMEM_ENOENT);
+    assert_non_null(strstr(llmem_last_error(), "nope.json"));
+    char small[8];
+    assert_int_equal(llmem_path_join(small, sizeof(small), "/a/long/dir", "x"), LLMEM_ERANGE);
+    tu_rmtree(dir);
+    free(path);
+    free(dir);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_status_strings),
+        cmocka_unit_test(test_log_callback),
+        cmocka_unit_test(test_size_parse_valid),
+        cmocka_unit_test(test_size_parse_invalid),
+        cmocka_unit_test(test_size_format),
+        cmocka_unit_test(test_json_reads),
+        cmocka_unit_test(test_json_writes_exact_integers),
+        cmocka_unit_test(test_file_read_bounds),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,118 @@
+/*
+ * tests/testutil.c — see testutil.h.
+ */
+#include "testutil.h"
+
+#include <fcntl.h>
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+char *tu_mkdtemp(void) {
+    const char *tmp = getenv("TMPDIR");
+    char buf[4096];
+    snprintf(buf, sizeof(buf), "%s/llmem-test-XXXXXX", tmp != NULL && *tmp ? tmp : "/tmp");
+    char *dir = mkdtemp(buf);
+    assert_non_null(dir);
+    return strdup(dir);
+}
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+void tu_rmtree(const char *path) { nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS); }
+
+char *tu_write_file(const char *dir, const char *name, const void *data, long len) {
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *path = malloc(n);
+    assert_non_null(path);
+    snprintf(path, n, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    size_t size = len < 0 ? strlen((const char *)data) : (size_t)len;
+    assert_int_equal(fwrite(data, 1, size, f), size);
+    assert_int_equal(fclose(f), 0);
+    return path;
+}
+
+static char *slurp_fd(int fd) {
+    size_t cap = 4096, len = 0;
+    char *buf = malloc(cap);
+    assert_non_null(buf);
+    for (;;) {
+        if (len + 1 >= cap) {
+            cap *= 2;
+            buf = realloc(buf, cap);
+            assert_non_null(buf);
+        }
+        ssize_t n = read(fd, buf + len, cap - len - 1);
+        if (n <= 0)
+            break;
+        len += (size_t)n;
+    }
+    buf[len] = '\0';
+    return buf;
+}
+
+struct tu_run tu_llmem_argv(int n, const char *const *args) {
+    /* stdout and stderr go to unlinked temp files, so large outputs never block on a pipe. */
+    char out_path[] = "/tmp/llmem-out-XXXXXX", err_path[] = "/tmp/llmem-err-XXXXXX";
+    int out_fd = mkstemp(out_path), err_fd = mkstemp(err_path);
+    assert_true(out_fd >= 0 && err_fd >= 0);
+    unlink(out_path);
+    unlink(err_path);
+
+    const char **argv = calloc((size_t)n + 2, sizeof(*argv));
+    assert_non_null(argv);
+    argv[0] = LLMEM_BIN;
+    for (int i = 0; i < n; i++)
+        argv[i + 1] = args[i];
+
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        dup2(out_fd, 1);
+        dup2(err_fd, 2);
+        int devnull = open("/dev/null", O_RDONLY);
+        if (devnull >= 0)
+            dup2(devnull, 0);
+        execv(LLMEM_BIN, (char *const *)argv);
+        _exit(127);
+    }
+    free(argv);
+    int wstatus = 0;
+    assert_int_equal(waitpid(pid, &wstatus, 0), pid);
+
+    struct tu_run run;
+    run.exit_code = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 128 + WTERMSIG(wstatus);
+    lseek(out_fd, 0, SEEK_SET);
+    lseek(err_fd, 0, SEEK_SET);
+    run.out = slurp_fd(out_fd);
+    run.err = slurp_fd(err_fd);
+    close(out_fd);
+    close(err_fd);
+    return run;
+}
+
+struct tu_run tu_llmem(const char *arg, ...) {
+    const char *args[64];
+    int n = 0;
+    va_list ap;
+    va_start(ap, arg);
+    for (const char *a = arg; a != NULL && n < 64; a = va_arg(ap, const char *))
+        args[n++] = a;
+    va_end(ap);
+    return tu_llmem_argv(n, args);
+}
+
+void tu_run_free(struct tu_run *run) {
+    free(run->out);
+    free(run->err);
+    run->out = run->err = NULL;
+}

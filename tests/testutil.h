@@ -1,0 +1,32 @@
+/*
+ * tests/testutil.h — shared helpers for the cmocka suites: temporary directories and files, and
+ * running the built `llmem` binary with its stdout, stderr and exit status captured.
+ */
+#ifndef LLMEM_TESTUTIL_H
+#define LLMEM_TESTUTIL_H
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+/* A fresh directory under $TMPDIR (or /tmp); removed with everything in it by tu_rmtree. */
+char *tu_mkdtemp(void);
+void tu_rmtree(const char *path);
+/* Writes len bytes to dir/name (len < 0: strlen(data)); returns the malloc'ed full path. */
+char *tu_write_file(const char *dir, const char *name, const void *data, long len);
+
+struct tu_run {
+    int exit_code; /* the exit status, or 128 + signal */
+    char *out;     /* stdout, NUL-terminated */
+    char *err;     /* stderr, NUL-terminated */
+};
+/* Runs LLMEM_BIN with the arguments (NULL-terminated list) and captures everything. */
+struct tu_run tu_llmem(const char *arg, ...);
+/* Same with an argv array of n entries (not counting the program). */
+struct tu_run tu_llmem_argv(int n, const char *const *args);
+void tu_run_free(struct tu_run *run);
+
+#endif
