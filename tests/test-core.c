@@ -128,7 +128,7 @@ static void test_size_format(void **state) {
     assert_string_equal(llmem_size_format((36LL << 30) + (1LL << 29), b, sizeof(b)), "36.5G");
     assert_string_equal(llmem_size_format(-(2LL << 30), b, sizeof(b)), "-2G");
     assert_string_equal(llmem_size_format(INT64_MIN, b, sizeof(b)), "-8E");
-    assert_string_equal(llmem_size_format_gib(21313949792LL, b, sizeof(b)), "19.9G");
+    assert_string_equal(llmem_size_format_short(21313949792LL, b, sizeof(b)), "19.9G");
     /* Formatting then parsing a whole size gives it back. */
     int64_t v = 0;
     assert_int_equal(llmem_size_parse(llmem_size_format(3LL << 40, b, sizeof(b)), &v), LLMEM_OK);
@@ -191,7 +191,7 @@ static void test_file_read_bounds(void **state) {
     assert_string_equal(data, "hello");
     free(data);
     assert_int_equal(llmem_file_read(path, 4, &data, &len), LLMEM_ERANGE);
-    assert_non_null(strstr(llmem_last_error(), "more than the 4 allowed"));
+    assert_non_null(strstr(llmem_last_error(), "more than the 4 bytes allowed"));
     assert_int_equal(llmem_file_read(dir, 100, &data, &len), LLMEM_EIO);
     char missing[4200];
     assert_int_equal(llmem_path_join(missing, sizeof(missing), dir, "nope.json"), LLMEM_OK);
@@ -201,6 +201,34 @@ static void test_file_read_bounds(void **state) {
     assert_int_equal(llmem_path_join(small, sizeof(small), "/a/long/dir", "x"), LLMEM_ERANGE);
     tu_rmtree(dir);
     free(path);
+    free(dir);
+}
+
+static void test_file_read_quiet_proc(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp(), *data = NULL;
+    size_t len = 0;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/missing", dir);
+    llmem_path_join(path, sizeof(path), dir, "missing"); /* reset the last error */
+    assert_int_equal(llmem_file_read_quiet(path, 100, &data, &len), LLMEM_ENOENT);
+    assert_null(strstr(llmem_last_error(), "missing")); /* quiet: nothing at ERROR */
+    assert_int_equal(llmem_file_read_quiet(dir, 100, &data, &len), LLMEM_EIO); /* a directory */
+    /* A pseudo-file reports size 0 but has contents. */
+    assert_int_equal(llmem_file_read_quiet("/proc/self/status", 1 << 20, &data, &len), LLMEM_OK);
+    assert_true(len > 0 && strstr(data, "Name:") != NULL);
+    free(data);
+    /* Longer than the bound. */
+    char big[10000];
+    memset(big, 'x', sizeof(big) - 1);
+    big[sizeof(big) - 1] = '\0';
+    free(tu_write_file(dir, "big", big, -1));
+    snprintf(path, sizeof(path), "%s/big", dir);
+    assert_int_equal(llmem_file_read_quiet(path, 9998, &data, &len), LLMEM_ERANGE);
+    assert_int_equal(llmem_file_read_quiet(path, 9999, &data, &len), LLMEM_OK);
+    assert_int_equal(len, 9999);
+    free(data);
+    tu_rmtree(dir);
     free(dir);
 }
 
@@ -214,6 +242,7 @@ int main(void) {
         cmocka_unit_test(test_json_reads),
         cmocka_unit_test(test_json_writes_exact_integers),
         cmocka_unit_test(test_file_read_bounds),
+        cmocka_unit_test(test_file_read_quiet_proc),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

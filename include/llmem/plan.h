@@ -186,7 +186,8 @@ struct llmem_plan {
     int64_t bank_steady_bytes;
     int64_t headroom_bytes;
 
-    /* limits and the util band (§3.1) */
+    /* limits and the util band (§3.1); with a budget, "ceiling" and "total" below mean
+     * min(ceiling, budget) and min(total, budget): the budget simulates a smaller machine */
     double util;                  /* the applied fraction: usable / ceiling */
     double util_requested;        /* --util as given; 0 when none */
     int64_t allocation_limit_bytes;

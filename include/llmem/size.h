@@ -26,8 +26,9 @@ int llmem_size_parse(const char *text, int64_t *bytes);
 #define LLMEM_SIZE_STR_MAX 32
 char *llmem_size_format(int64_t bytes, char *buf, size_t buf_size);
 
-/* Like llmem_size_format but always one decimal in GiB ("19.9G"), as the plan's describe line. */
-char *llmem_size_format_gib(int64_t bytes, char *buf, size_t buf_size);
+/* Always one decimal, in GiB from 1 GiB up ("19.9G", "36.0G"), else in the largest unit that
+ * keeps it ≥ 1 ("11.0M", "900B"): the form of the plan's describe line and tables. */
+char *llmem_size_format_short(int64_t bytes, char *buf, size_t buf_size);
 
 #ifdef __cplusplus
 }

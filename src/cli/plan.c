@@ -227,7 +227,7 @@ static int print_catalog(int json) {
         const struct llmem_model_geometry *g = llmem_catalog_get(i);
         char w[LLMEM_SIZE_STR_MAX];
         printf("%-20s %-8s %7.2fB %9s %10lld B %10lld  %s\n", g->name, g->arch,
-               (double)g->n_params / 1e9, llmem_size_format_gib(g->weights_bytes, w, sizeof(w)),
+               (double)g->n_params / 1e9, llmem_size_format_short(g->weights_bytes, w, sizeof(w)),
                (long long)llmem_geometry_kv_bytes_per_token(g), (long long)g->max_context,
                g->source);
     }
@@ -296,7 +296,7 @@ static int resolve_model(const char *name, struct llmem_model_geometry *g) {
 static void row(const char *name, int64_t bytes, const char *why) {
     char s[LLMEM_SIZE_STR_MAX];
     fprintf(stdout, "  %-22s %16lld  %9s  %s\n", name, (long long)bytes,
-            llmem_size_format_gib(bytes, s, sizeof(s)), why);
+            llmem_size_format_short(bytes, s, sizeof(s)), why);
 }
 
 static void print_human(const struct llmem_plan *p, const struct llmem_model_geometry *g,
@@ -309,7 +309,7 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
                (long long)g->n_kv_heads, (long long)g->head_dim, (double)g->n_params / 1e9);
     printf("  machine  %s\n\n", machine);
 
-    printf("  %-22s %16s  %9s\n", "", "bytes", "GiB");
+    printf("  %-22s %16s  %9s\n", "", "bytes", "size");
     row("total", p->total_bytes, "memory the process can have");
     row("ceiling", p->ceiling_bytes, p->ceiling_bytes < p->total_bytes ? "below the total" : "");
     if (p->budget_bytes > 0)
@@ -340,16 +340,19 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
            (long long)p->max_sequences, (long long)p->max_batch_tokens);
     if (a->have_working_set)
         printf("  bank     %s at a live working set of %s\n",
-               llmem_size_format_gib(dynamic_ceiling, s1, sizeof(s1)),
-               llmem_size_format_gib(a->working_set, s2, sizeof(s2)));
+               llmem_size_format_short(dynamic_ceiling, s1, sizeof(s1)),
+               llmem_size_format_short(a->working_set, s2, sizeof(s2)));
 
+    /* With --budget the limits are derived against the simulated machine. */
+    int64_t ceiling = p->budget_bytes > 0 && p->budget_bytes < p->ceiling_bytes ? p->budget_bytes
+                                                                                : p->ceiling_bytes;
     int ok = p->footprint_bytes < p->allocation_limit_bytes &&
-             p->allocation_limit_bytes < p->trip_bytes && p->trip_bytes < p->ceiling_bytes;
+             p->allocation_limit_bytes < p->trip_bytes && p->trip_bytes < ceiling;
     printf("\n  limits   footprint %s < allocation limit %s < trip %s < ceiling %s",
-           llmem_size_format_gib(p->footprint_bytes, s1, sizeof(s1)),
-           llmem_size_format_gib(p->allocation_limit_bytes, s2, sizeof(s2)),
-           llmem_size_format_gib(p->trip_bytes, s3, sizeof(s3)),
-           llmem_size_format_gib(p->ceiling_bytes, line, sizeof(line)));
+           llmem_size_format_short(p->footprint_bytes, s1, sizeof(s1)),
+           llmem_size_format_short(p->allocation_limit_bytes, s2, sizeof(s2)),
+           llmem_size_format_short(p->trip_bytes, s3, sizeof(s3)),
+           llmem_size_format_short(ceiling, line, sizeof(line)));
     printf(": %s\n", ok ? "holds" : "BROKEN");
     printf("  util     %.3f, band (%.3f, %.3f)%s\n", p->util, p->band_low, p->band_high,
            p->band_empty ? ": EMPTY" : p->util_in_band ? ": inside" : ": OUTSIDE");

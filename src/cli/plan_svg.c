@@ -14,8 +14,9 @@
 #define W 960
 #define BAR_X 40
 #define BAR_W 880
-#define BAR_Y 92
+#define BAR_Y 132
 #define BAR_H 56
+#define WRAP 125 /* characters per line of the describe text */
 
 struct segment {
     const char *name;
@@ -39,18 +40,49 @@ static double x_of(int64_t bytes, int64_t scale) {
     return BAR_X + (double)BAR_W * (double)bytes / (double)scale;
 }
 
+/* A vertical line through the bar with its label in its own row above it. */
 static void marker(FILE *f, const char *name, int64_t bytes, int64_t scale, const char *color,
                    int row) {
     char s[LLMEM_SIZE_STR_MAX];
     double x = x_of(bytes, scale);
-    int label_y = BAR_Y - 12 - 16 * row;
+    int label_y = BAR_Y - 10 - 16 * row;
+    /* The allocation limit reads leftwards and the trip rightwards, so that neither label is
+     * crossed by the other's line; any label near an edge turns inwards. */
+    const char *anchor = row == 0 ? "end" : row == 1 ? "start" : "middle";
+    if (x > W - 180)
+        anchor = "end";
+    else if (x < BAR_X + 180)
+        anchor = "start";
     fprintf(f, "<line x1='%.1f' y1='%d' x2='%.1f' y2='%d' stroke='%s' stroke-width='2'%s/>\n", x,
-            label_y + 4, x, BAR_Y + BAR_H + 8, color,
-            row == 0 ? "" : " stroke-dasharray='5,3'");
-    fprintf(f,
-            "<text x='%.1f' y='%d' fill='%s' font-size='12' text-anchor='%s'>%s %s</text>\n",
-            x, label_y, color, x > W - 160 ? "end" : "middle", name,
-            llmem_size_format_gib(bytes, s, sizeof(s)));
+            label_y + 4, x, BAR_Y + BAR_H + 8, color, row == 0 ? "" : " stroke-dasharray='5,3'");
+    fprintf(f, "<text x='%.1f' y='%d' fill='%s' font-size='12' text-anchor='%s'>%s %s</text>\n",
+            x + (anchor[0] == 'e' ? -4 : anchor[0] == 's' ? 4 : 0), label_y, color, anchor, name,
+            llmem_size_format_short(bytes, s, sizeof(s)));
+}
+
+/* The describe line, wrapped at spaces into lines of at most WRAP characters. */
+static int wrapped_text(FILE *f, const char *text, int x, int y) {
+    char line[WRAP + 1];
+    int lines = 0;
+    while (*text) {
+        size_t n = strlen(text);
+        if (n > WRAP) {
+            n = WRAP;
+            while (n > 0 && text[n] != ' ')
+                n--;
+            if (n == 0)
+                n = WRAP;
+        }
+        memcpy(line, text, n);
+        line[n] = '\0';
+        fprintf(f, "<text x='%d' y='%d' font-size='12' fill='#444'>", x, y + 16 * lines++);
+        xml_text(f, line);
+        fprintf(f, "</text>\n");
+        text += n;
+        while (*text == ' ')
+            text++;
+    }
+    return lines;
 }
 
 int cli_plan_svg(const struct llmem_plan *p, const char *path) {
@@ -81,16 +113,15 @@ int cli_plan_svg(const struct llmem_plan *p, const char *path) {
         scale = 1;
 
     char line[512], s[LLMEM_SIZE_STR_MAX];
-    int height = 300;
+    int height = 330;
     fprintf(f, "<svg xmlns='http://www.w3.org/2000/svg' width='%d' height='%d' viewBox='0 0 %d %d'"
                " font-family='DejaVu Sans, Helvetica, Arial, sans-serif'>\n",
             W, height, W, height);
     fprintf(f, "<rect width='100%%' height='100%%' fill='#ffffff'/>\n");
     fprintf(f, "<text x='%d' y='24' font-size='15' font-weight='bold' fill='#222'>", BAR_X);
     xml_text(f, p->available ? "llmem memory plan" : "llmem memory plan — unavailable");
-    fprintf(f, "</text>\n<text x='%d' y='44' font-size='11.5' fill='#444'>", BAR_X);
-    xml_text(f, llmem_plan_describe(p, line, sizeof(line)));
     fprintf(f, "</text>\n");
+    wrapped_text(f, llmem_plan_describe(p, line, sizeof(line)), BAR_X, 46);
 
     /* The machine: an outline from 0 to the total. */
     fprintf(f, "<rect x='%d' y='%d' width='%.1f' height='%d' fill='#f4f4f4' stroke='#999'/>\n",
@@ -103,12 +134,12 @@ int cli_plan_svg(const struct llmem_plan *p, const char *path) {
         fprintf(f, "<rect x='%.1f' y='%d' width='%.1f' height='%d' fill='%s'>"
                    "<title>%s %s</title></rect>\n",
                 x, BAR_Y, w, BAR_H, segs[i].fill, segs[i].name,
-                llmem_size_format_gib(segs[i].bytes, s, sizeof(s)));
+                llmem_size_format_short(segs[i].bytes, s, sizeof(s)));
         if (w > 70)
             fprintf(f, "<text x='%.1f' y='%d' font-size='12' fill='#fff' text-anchor='middle'>"
                        "%s</text>\n",
                     x + w / 2, BAR_Y + BAR_H / 2 + 4,
-                    llmem_size_format_gib(segs[i].bytes, s, sizeof(s)));
+                    llmem_size_format_short(segs[i].bytes, s, sizeof(s)));
         x += w;
     }
     if (p->available) {
@@ -116,13 +147,19 @@ int cli_plan_svg(const struct llmem_plan *p, const char *path) {
         marker(f, "trip", p->trip_bytes, scale, "#c0392b", 1);
         marker(f, "ceiling", p->ceiling_bytes, scale, "#000000", 2);
     }
+    if (p->available && sum > p->total_bytes)
+        fprintf(f, "<text x='%d' y='%d' font-size='12' fill='#c0392b' text-anchor='end'>"
+                   "needs %s: %s more than the machine has</text>\n",
+                BAR_X + BAR_W, BAR_Y + BAR_H + 22,
+                llmem_size_format_short(sum, s, sizeof(s)),
+                llmem_size_format_short(sum - p->total_bytes, line, sizeof(line)));
     /* Scale ticks under the bar. */
     fprintf(f, "<text x='%d' y='%d' font-size='11' fill='#666'>0</text>\n", BAR_X,
             BAR_Y + BAR_H + 22);
     fprintf(f, "<text x='%.1f' y='%d' font-size='11' fill='#666' text-anchor='end'>"
                "memory %s</text>\n",
             x_of(p->total_bytes, scale), BAR_Y + BAR_H + 22,
-            llmem_size_format_gib(p->total_bytes, s, sizeof(s)));
+            llmem_size_format_short(p->total_bytes, s, sizeof(s)));
 
     /* Legend. */
     int ly = BAR_Y + BAR_H + 52;
@@ -131,7 +168,7 @@ int cli_plan_svg(const struct llmem_plan *p, const char *path) {
         fprintf(f, "<rect x='%d' y='%d' width='14' height='14' fill='%s'/>\n", lx, row - 11,
                 segs[i].fill);
         fprintf(f, "<text x='%d' y='%d' font-size='12.5' fill='#222'>%s %s</text>\n", lx + 20,
-                row, segs[i].name, llmem_size_format_gib(segs[i].bytes, s, sizeof(s)));
+                row, segs[i].name, llmem_size_format_short(segs[i].bytes, s, sizeof(s)));
     }
     fprintf(f, "<text x='%d' y='%d' font-size='12' fill='#444'>context %lld tokens, KV %s"
                ", util %.3f (band %.3f–%.3f)%s</text>\n",

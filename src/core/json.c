@@ -122,6 +122,10 @@ int llmem_json_add_bool(cJSON *obj, const char *key, int value) {
     return added(cJSON_AddBoolToObject(obj, key, value), key);
 }
 
+int llmem_json_add_null(cJSON *obj, const char *key) {
+    return added(cJSON_AddNullToObject(obj, key), key);
+}
+
 char *llmem_json_print(const cJSON *item, int pretty) {
     char *s = pretty ? cJSON_Print(item) : cJSON_PrintUnformatted(item);
     if (s == NULL)

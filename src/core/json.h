@@ -27,11 +27,13 @@ int llmem_json_get_string(const cJSON *obj, const char *key, const char **out);
 /* An item (not a key) as an exact integer; same statuses as llmem_json_get_int. */
 int llmem_json_int(const cJSON *item, int64_t *out);
 
-/* Builders: return 0, or LLMEM_ENOMEM (logged). */
+/* Builders: return 0, or LLMEM_ENOMEM (logged). Integers and doubles are added as raw number
+ * text (exact), so read them back only after printing and parsing again. */
 int llmem_json_add_int(cJSON *obj, const char *key, int64_t value);
 int llmem_json_add_double(cJSON *obj, const char *key, double value);
 int llmem_json_add_string(cJSON *obj, const char *key, const char *value);
 int llmem_json_add_bool(cJSON *obj, const char *key, int value);
+int llmem_json_add_null(cJSON *obj, const char *key);
 
 /* Prints to a malloc'ed string (free with free()); NULL on out of memory (logged). */
 char *llmem_json_print(const cJSON *item, int pretty);

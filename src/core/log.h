@@ -10,6 +10,10 @@
 
 #include "llmem/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #if defined(__GNUC__)
 #define LLMEM_PRINTF(a, b) __attribute__((format(printf, a, b)))
 #else
@@ -30,5 +34,9 @@ void llmem_assert_fail(const char *file, int line, const char *expr);
         if (!(cond))                                                                               \
             llmem_assert_fail(__FILE__, __LINE__, #cond);                                          \
     } while (0)
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

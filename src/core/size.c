@@ -123,7 +123,16 @@ char *llmem_size_format(int64_t bytes, char *buf, size_t buf_size) {
     return buf;
 }
 
-char *llmem_size_format_gib(int64_t bytes, char *buf, size_t buf_size) {
-    snprintf(buf, buf_size, "%.1fG", (double)bytes / (double)(1LL << 30));
+char *llmem_size_format_short(int64_t bytes, char *buf, size_t buf_size) {
+    static const char units[] = {'B', 'K', 'M', 'G'};
+    uint64_t mag = bytes < 0 ? (uint64_t)0 - (uint64_t)bytes : (uint64_t)bytes;
+    int u = 0;
+    while (u < 3 && mag >= ((uint64_t)1 << (10 * (u + 1))))
+        u++;
+    if (u == 0)
+        snprintf(buf, buf_size, "%" PRId64 "B", bytes);
+    else
+        snprintf(buf, buf_size, "%.1f%c", (double)bytes / (double)((uint64_t)1 << (10 * u)),
+                 units[u]);
     return buf;
 }

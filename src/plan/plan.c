@@ -200,7 +200,10 @@ static void plan_bank(struct llmem_plan *plan) {
 /* ---- §3.1: allocation limit, trip, ceiling and the util band --------------------------------- */
 
 static void plan_limits(const struct llmem_plan_params *p, struct llmem_plan *plan) {
-    double ceiling = (double)plan->ceiling_bytes, total = (double)plan->total_bytes;
+    /* A budget simulates a smaller machine: the limits are derived against it too. */
+    int64_t budget = plan->budget_bytes > 0 ? plan->budget_bytes : INT64_MAX;
+    double ceiling = (double)min64(plan->ceiling_bytes, budget);
+    double total = (double)min64(plan->total_bytes, budget);
     plan->util_requested = p->util;
     plan->allocation_limit_bytes = plan->usable_bytes;
     plan->util = (double)plan->usable_bytes / ceiling;
@@ -212,13 +215,13 @@ static void plan_limits(const struct llmem_plan_params *p, struct llmem_plan *pl
     plan->band_high = ceiling / total - TRIP_OFFSET;
     plan->band_empty = plan->band_low >= plan->band_high;
     plan->util_in_band = plan->util > plan->band_low && plan->util < plan->band_high;
-    plan->trip_above_ceiling = plan->trip_bytes >= plan->ceiling_bytes;
+    plan->trip_above_ceiling = plan->trip_bytes >= (int64_t)ceiling;
 }
 
 /* ---- step 7: notes ---------------------------------------------------------------------------- */
 
 #define SZ(v) llmem_size_format((v), (char[LLMEM_SIZE_STR_MAX]){0}, LLMEM_SIZE_STR_MAX)
-#define GIB(v) llmem_size_format_gib((v), (char[LLMEM_SIZE_STR_MAX]){0}, LLMEM_SIZE_STR_MAX)
+#define GIB(v) llmem_size_format_short((v), (char[LLMEM_SIZE_STR_MAX]){0}, LLMEM_SIZE_STR_MAX)
 
 static void plan_notes(const struct llmem_plan_params *p, struct llmem_plan *plan) {
     int64_t model_max = p->model_max_context;
@@ -247,10 +250,15 @@ static void plan_notes(const struct llmem_plan_params *p, struct llmem_plan *pla
         int64_t need = add_sat(add_sat(plan->weights_bytes, plan->runtime_transients_bytes),
                                add_sat(plan->bank_floor_bytes,
                                        mul_sat(resolved, plan->per_token_bytes)));
+        int formula = plan->usable_source == LLMEM_USABLE_FORMULA ||
+                      plan->usable_source == LLMEM_USABLE_BUDGET;
         note(plan,
              "MODEL DOES NOT FIT: weights + minimum runtime (%lld tokens of context) need %s but"
-             " the engine budget is %s; use fewer bits per weight or a smaller model",
-             (long long)resolved, GIB(need), GIB(plan->usable_bytes));
+             " the engine budget is %s; use fewer bits per weight or a smaller model%s",
+             (long long)resolved, GIB(need), GIB(plan->usable_bytes),
+             formula && need <= plan->planning_bytes
+                 ? ", or give the engine more of this machine (--util, --memory-limit)"
+                 : "");
     } else if (plan->machine_bound) {
         enum llmem_kv_format smaller = smaller_format(p->kv_format);
         char lever[160] = "";

@@ -19,7 +19,7 @@ cJSON *llmem_plan_json(const struct llmem_plan *plan) {
     int st = 0;
     st |= llmem_json_add_bool(o, "available", plan->available);
     if (plan->available)
-        st |= cJSON_AddNullToObject(o, "unavailable_reason") == NULL;
+        st |= llmem_json_add_null(o, "unavailable_reason");
     else
         st |= llmem_json_add_string(o, "unavailable_reason", plan->unavailable_reason);
     st |= llmem_json_add_string(o, "describe", llmem_plan_describe(plan, describe, sizeof(describe)));

@@ -1,0 +1,195 @@
+/*
+ * cli/info.c — `llmem info [--json]`: the machine probe of SPEC §1 for the host and every CUDA
+ * device. Human output is an aligned list that says where the ceiling comes from; --json is
+ * one object with the host's fields at the top level (and again under "host") and "devices".
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "core/json.h"
+#include "llmem/backend.h"
+#include "llmem/status.h"
+#include "llmem/size.h"
+#include "llmem/sys.h"
+#include "sys/probe.h"
+
+static const char info_usage[] =
+    "usage: llmem info [--json]\n"
+    "\n"
+    "Probes this machine: physical RAM, the cgroup memory limit, the ceiling (the smaller of the\n"
+    "two), available memory, RLIMIT_MEMLOCK, the CPU and its ISA features, and every CUDA\n"
+    "device with its total and free memory. A value that cannot be read is shown as unknown.\n"
+    "\n"
+    "options:\n"
+    "  --json      print one JSON object on stdout: the host's fields at the top level (sizes\n"
+    "              in bytes; null when unknown, \"unlimited\" when no limit is set), the same\n"
+    "              under \"host\", and \"devices\": one object per CUDA device\n"
+    "  -h, --help  show this help\n";
+
+#define LABEL "  %-13s "
+
+/* A size for people: "23.5G", "unknown", or `unlimited_word` for LLMEM_SYS_UNLIMITED. */
+static const char *fmt_size(int64_t v, const char *unlimited_word, char *buf, size_t n) {
+    if (v == LLMEM_SYS_UNLIMITED)
+        return unlimited_word;
+    if (v < 0)
+        return "unknown";
+    return llmem_size_format(v, buf, n);
+}
+
+static void print_host(const struct llmem_device_info *h) {
+    char a[LLMEM_SIZE_STR_MAX], b[LLMEM_SIZE_STR_MAX];
+    printf("host: %s", h->name[0] ? h->name : "unknown CPU");
+    if (h->n_cpus > 0)
+        printf(", %d CPU%s", h->n_cpus, h->n_cpus == 1 ? "" : "s");
+    printf("\n");
+    printf(LABEL "%s\n", "isa", h->arch[0] ? h->arch : "none detected");
+    printf(LABEL "%s (physical RAM)\n", "memory", fmt_size(h->memory_size, "", a, sizeof(a)));
+
+    /* The ceiling, and why. */
+    printf(LABEL "%s ", "ceiling", fmt_size(h->max_recommended_working_set_size, "", a, sizeof(a)));
+    switch (h->ceiling_source) {
+    case LLMEM_CEILING_CGROUP: printf("(cgroup v%d limit, below RAM)\n", h->cgroup_version); break;
+    case LLMEM_CEILING_RAM:
+        if (h->cgroup_limit == LLMEM_SYS_UNLIMITED)
+            printf("(RAM; no cgroup limit)\n");
+        else
+            printf("(RAM; the cgroup v%d limit %s is not below it)\n", h->cgroup_version,
+                   llmem_size_format(h->cgroup_limit, b, sizeof(b)));
+        break;
+    default:
+        printf("(%s)\n", h->memory_size < 0 ? "RAM unknown" : "cgroup limit unreadable");
+        break;
+    }
+    printf(LABEL "%s\n", "max buffer", fmt_size(h->max_buffer_length, "", a, sizeof(a)));
+
+    /* Available, and what bounds it. */
+    printf(LABEL "%s", "available", fmt_size(h->available, "", a, sizeof(a)));
+    if (h->available >= 0 && h->cgroup_headroom >= 0 && h->available == h->cgroup_headroom &&
+        h->available < h->mem_available)
+        printf(" (cgroup headroom; MemAvailable %s)\n",
+               llmem_size_format(h->mem_available, b, sizeof(b)));
+    else if (h->available >= 0)
+        printf(" (MemAvailable)\n");
+    else
+        printf("\n");
+
+    /* The cgroup itself. */
+    if (h->cgroup_version == 0) {
+        printf(LABEL "%s\n", "cgroup",
+               h->cgroup_limit == LLMEM_SYS_UNLIMITED ? "none (no memory controller)" : "unknown");
+    } else {
+        printf(LABEL "v%d %s, limit %s", "cgroup", h->cgroup_version,
+               h->cgroup_path[0] ? h->cgroup_path : "?",
+               fmt_size(h->cgroup_limit, "none", a, sizeof(a)));
+        if (h->cgroup_limit >= 0)
+            printf(", headroom %s", fmt_size(h->cgroup_headroom, "none", b, sizeof(b)));
+        printf("\n");
+    }
+    printf(LABEL "%s (RLIMIT_MEMLOCK)\n", "wired limit",
+           fmt_size(h->wired_limit, "unlimited", a, sizeof(a)));
+}
+
+static void print_device(const struct llmem_device_info *d) {
+    char a[LLMEM_SIZE_STR_MAX];
+    printf("cuda %d: %s", d->index, d->name[0] ? d->name : "unknown device");
+    if (d->arch[0])
+        printf(", %s", d->arch);
+    printf("\n");
+    printf(LABEL "%s (device memory)\n", "memory", fmt_size(d->memory_size, "", a, sizeof(a)));
+    printf(LABEL "%s (device memory)\n", "ceiling",
+           fmt_size(d->max_recommended_working_set_size, "", a, sizeof(a)));
+    printf(LABEL "%s\n", "max buffer", fmt_size(d->max_buffer_length, "", a, sizeof(a)));
+    printf(LABEL "%s (cudaMemGetInfo free)\n", "available",
+           fmt_size(d->available, "", a, sizeof(a)));
+}
+
+static int print_json(const struct llmem_device_info *host, const struct llmem_device_info *devices,
+                      int n_devices) {
+    int status = CLI_FAIL;
+    cJSON *root = cJSON_CreateObject();
+    if (root == NULL || llmem_sys_device_info_json(host, root) != LLMEM_OK ||
+        llmem_json_add_bool(root, "cuda_built", llmem_backend_cuda_available()) != LLMEM_OK)
+        goto out_delete;
+    cJSON *host_obj = cJSON_AddObjectToObject(root, "host");
+    if (host_obj == NULL || llmem_sys_device_info_json(host, host_obj) != LLMEM_OK)
+        goto out_delete;
+    cJSON *list = cJSON_AddArrayToObject(root, "devices");
+    if (list == NULL)
+        goto out_delete;
+    for (int i = 0; i < n_devices; i++) {
+        cJSON *dev = cJSON_CreateObject();
+        if (dev == NULL || !cJSON_AddItemToArray(list, dev)) {
+            cJSON_Delete(dev);
+            goto out_delete;
+        }
+        if (llmem_sys_device_info_json(&devices[i], dev) != LLMEM_OK)
+            goto out_delete;
+    }
+    char *text = llmem_json_print(root, 1);
+    if (text == NULL)
+        goto out_delete;
+    printf("%s\n", text);
+    free(text);
+    status = CLI_OK;
+out_delete:
+    if (status != CLI_OK)
+        fprintf(stderr, "llmem info: out of memory building the JSON output\n");
+    cJSON_Delete(root);
+    return status;
+}
+
+int cli_info(int argc, char **argv) {
+    int json = 0;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--json") == 0) {
+            json = 1;
+        } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            fputs(info_usage, stdout);
+            return CLI_OK;
+        } else {
+            cli_usage_error("info", "unknown %s '%s' (see `llmem info --help`)",
+                            argv[i][0] == '-' ? "option" : "argument", argv[i]);
+            return CLI_USAGE;
+        }
+    }
+
+    struct llmem_device_info host;
+    if (llmem_sys_probe_host(&host) != LLMEM_OK)
+        return CLI_FAIL;
+
+    int n_devices = 0, status = CLI_OK;
+    llmem_backend_device_count(&n_devices);
+    struct llmem_device_info *devices = NULL;
+    if (n_devices > 0) {
+        devices = calloc((size_t)n_devices, sizeof(*devices));
+        if (devices == NULL) {
+            fprintf(stderr, "llmem info: out of memory\n");
+            return CLI_FAIL;
+        }
+    }
+    int n_ok = 0;
+    for (int i = 0; i < n_devices; i++)
+        if (llmem_backend_device_info(i, &devices[n_ok]) == LLMEM_OK)
+            n_ok++;
+        else
+            status = CLI_FAIL; /* the runtime's error is already on stderr */
+
+    if (json) {
+        int s = print_json(&host, devices, n_ok);
+        if (s != CLI_OK)
+            status = s;
+    } else {
+        print_host(&host);
+        for (int i = 0; i < n_ok; i++)
+            print_device(&devices[i]);
+        if (!llmem_backend_cuda_available())
+            printf("cuda: not built in\n");
+        else if (n_devices == 0)
+            printf("cuda: no devices (LLMEM_VERBOSE=1 says why)\n");
+    }
+    free(devices);
+    return status;
+}

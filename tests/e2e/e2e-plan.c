@@ -1,0 +1,385 @@
+/*
+ * tests/e2e/e2e-plan.c — `llmem plan` through the built binary: the reference numbers of SPEC §2.4
+ * via --json, the model directory and catalog paths, the SVG, the exit codes, and clear single
+ * errors for missing directories, broken configs and hostile safetensors headers.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/json.h"
+#include "testutil.h"
+
+#define GiB (1LL << 30)
+#define REF "--weights", "21313949792", "--kv-bytes-per-token", "65536", "--max-context", "262144"
+
+/* Parses stdout as exactly one JSON object (nothing before or after it). */
+static cJSON *json_of(const struct tu_run *run) {
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithOpts(run->out, &end, 1);
+    if (root == NULL)
+        fprintf(stderr, "stdout is not one JSON object:\n%s\nstderr:\n%s\n", run->out, run->err);
+    assert_non_null(root);
+    assert_true(cJSON_IsObject(root));
+    return root;
+}
+
+static int64_t get_int(const cJSON *o, const char *key) {
+    int64_t v = 0;
+    if (llmem_json_get_int(o, key, &v) != 0)
+        fail_msg("missing integer '%s'", key);
+    return v;
+}
+
+static int get_bool(const cJSON *o, const char *key) {
+    int v = 0;
+    if (llmem_json_get_bool(o, key, &v) != 0)
+        fail_msg("missing bool '%s'", key);
+    return v;
+}
+
+static int count_lines(const char *s) {
+    int n = 0;
+    for (; *s; s++)
+        n += *s == '\n';
+    return n;
+}
+
+static void test_reference_numbers_json(void **state) {
+    (void)state;
+    struct tu_run run = tu_llmem("plan", "--total", "48G", REF, "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    cJSON *o = json_of(&run);
+    assert_int_equal(get_int(o, "usable_bytes"), 36 * GiB);
+    assert_int_equal(get_int(o, "runtime_transients_bytes"), 3 * GiB);
+    assert_int_equal(get_int(o, "bank_floor_bytes"), 1 * GiB);
+    assert_int_equal(get_int(o, "context_window_resolved"), 196608);
+    assert_true(get_bool(o, "machine_bound"));
+    assert_int_equal(get_int(o, "bank_idle_max_bytes"), 14119530400LL);
+    assert_int_equal(get_int(o, "bank_steady_bytes"), 1234628512LL);
+    const char *describe = NULL;
+    assert_int_equal(llmem_json_get_string(o, "describe", &describe), 0);
+    assert_string_equal(describe, "48G host: engine budget 36.0G, weights 19.9G, context 196608"
+                                  " (machine-bound), session bank up to 13.1G (yields to 1.1G"
+                                  " under long-context load)");
+    /* every key the plan promises */
+    const char *keys[] = {"available", "unavailable_reason", "total_bytes", "usable_bytes",
+                          "usable_source", "weights_bytes", "kv_bytes_per_token",
+                          "kv_bytes_per_token_effective", "kv_format", "runtime_transients_bytes",
+                          "bank_floor_bytes", "model_fits", "context_window_fit",
+                          "context_window_resolved", "machine_bound", "overcommitted",
+                          "kv_reserve_bytes", "bank_idle_max_bytes", "bank_steady_bytes",
+                          "headroom_bytes", "pool_tokens", "max_full_window_sequences",
+                          "ceiling_bytes", "allocation_limit_bytes", "trip_bytes", "util",
+                          "band_low", "band_high", "notes", "describe"};
+    for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)
+        if (cJSON_GetObjectItemCaseSensitive(o, keys[i]) == NULL)
+            fail_msg("missing key %s", keys[i]);
+    assert_null(cJSON_GetObjectItemCaseSensitive(o, "bank_dynamic_ceiling_bytes"));
+    cJSON_Delete(o);
+    tu_run_free(&run);
+
+    run = tu_llmem("plan", "--total", "48G", REF, "--kv-format", "q8", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    o = json_of(&run);
+    assert_int_equal(get_int(o, "context_window_resolved"), 262144);
+    assert_int_equal(get_int(o, "kv_bytes_per_token_effective"), 34816);
+    cJSON_Delete(o);
+    tu_run_free(&run);
+
+    run = tu_llmem("plan", "--total=128G", REF, "--json", NULL);
+    o = json_of(&run);
+    assert_int_equal(get_int(o, "usable_bytes"), 96 * GiB);
+    assert_int_equal(get_int(o, "context_window_resolved"), 262144);
+    assert_int_equal(get_int(o, "bank_idle_max_bytes"), 48 * GiB);
+    assert_int_equal(get_int(o, "bank_steady_bytes"), 48 * GiB);
+    cJSON_Delete(o);
+    tu_run_free(&run);
+}
+
+static void test_usable_by_machine_size(void **state) {
+    (void)state;
+    const struct {
+        const char *total;
+        int64_t usable;
+    } cases[] = {{"8G", 7730941132LL},
+                 {"16G", 12 * GiB},
+                 {"48G", 36 * GiB},
+                 {"128G", 96 * GiB},
+                 {"512G", 192 * GiB}};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        struct tu_run run = tu_llmem("plan", "--total", cases[i].total, "--weights", "1G",
+                                     "--kv-bytes-per-token", "65536", "--max-context", "262144",
+                                     "--json", NULL);
+        cJSON *o = json_of(&run);
+        assert_int_equal(get_int(o, "usable_bytes"), cases[i].usable);
+        cJSON_Delete(o);
+        tu_run_free(&run);
+    }
+}
+
+static void test_every_kv_format(void **state) {
+    (void)state;
+    const struct {
+        const char *name;
+        int64_t bytes;
+    } cases[] = {{"f32", 131072}, {"f16", 65536}, {"bf16", 65536},
+                 {"q8", 34816},   {"q4", 20480},  {"tq", 25600}};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        struct tu_run run = tu_llmem("plan", "--total", "48G", REF, "--kv-format", cases[i].name,
+                                     "--json", NULL);
+        cJSON *o = json_of(&run);
+        assert_int_equal(get_int(o, "kv_bytes_per_token_effective"), cases[i].bytes);
+        const char *fmt = NULL;
+        assert_int_equal(llmem_json_get_string(o, "kv_format", &fmt), 0);
+        assert_string_equal(fmt, cases[i].name);
+        cJSON_Delete(o);
+        tu_run_free(&run);
+    }
+}
+
+static void test_util_band_trap(void **state) {
+    (void)state;
+    struct tu_run run = tu_llmem("plan", "--total", "96G", "--ceiling", "72G", "--util", "0.9",
+                                 "--weights", "40G", "--kv-bytes-per-token", "131072",
+                                 "--max-context", "1048576", "--json", NULL);
+    cJSON *o = json_of(&run);
+    assert_true(get_bool(o, "band_empty"));
+    assert_true(get_bool(o, "trip_above_ceiling"));
+    assert_int_equal(get_int(o, "ceiling_bytes"), 72 * GiB);
+    char *notes = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(o, "notes"));
+    assert_non_null(strstr(notes, "util band is empty"));
+    assert_non_null(strstr(notes, "raise the ceiling or shrink the footprint"));
+    assert_non_null(strstr(notes, "soft valve would never fire"));
+    free(notes);
+    cJSON_Delete(o);
+    tu_run_free(&run);
+
+    /* The human output says it in the limits and util lines. */
+    run = tu_llmem("plan", "--total", "96G", "--ceiling", "72G", "--util", "0.9", "--weights",
+                   "40G", "--kv-bytes-per-token", "131072", "--max-context", "1048576", NULL);
+    assert_non_null(strstr(run.out, "BROKEN"));
+    assert_non_null(strstr(run.out, ": EMPTY"));
+    tu_run_free(&run);
+}
+
+static void test_working_set(void **state) {
+    (void)state;
+    struct tu_run run =
+        tu_llmem("plan", "--total", "48G", REF, "--working-set", "4G", "--json", NULL);
+    cJSON *o = json_of(&run);
+    assert_int_equal(get_int(o, "bank_dynamic_ceiling_bytes"), 14119530400LL - 4 * GiB);
+    cJSON_Delete(o);
+    tu_run_free(&run);
+}
+
+static void test_model_dir_and_catalog(void **state) {
+    (void)state;
+    struct tu_run run = tu_llmem("plan", LLMEM_SOURCE_DIR "/models/pycoder", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    cJSON *o = json_of(&run);
+    assert_true(get_bool(o, "model_fits"));
+    assert_int_equal(get_int(o, "context_window_resolved"), 2048);
+    assert_int_equal(get_int(o, "kv_bytes_per_token"), 6 * 2 * 2 * 64 * 2);
+    cJSON *model = cJSON_GetObjectItemCaseSensitive(o, "model");
+    assert_int_equal(get_int(model, "n_layers"), 6);
+    assert_true(get_int(o, "weights_bytes") > 11000000);
+    cJSON_Delete(o);
+    tu_run_free(&run);
+
+    /* On a small budget with an explicit context. */
+    run = tu_llmem("plan", LLMEM_SOURCE_DIR "/models/pycoder", "--budget", "32M", "--context",
+                   "1024", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    o = json_of(&run);
+    assert_int_equal(get_int(o, "context_window_resolved"), 1024);
+    assert_true(get_int(o, "context_raw") < 2048);
+    assert_true(get_bool(o, "model_fits"));
+    cJSON_Delete(o);
+    tu_run_free(&run);
+
+    /* Human output: describe line, the table, the verdict. */
+    run = tu_llmem("plan", "llama-3.1-8b", "--total", "64G", NULL);
+    assert_int_equal(run.exit_code, 0);
+    assert_non_null(strstr(run.out, "64G host: engine budget 48.0G, weights 15.0G"));
+    assert_non_null(strstr(run.out, "KV reserve"));
+    assert_non_null(strstr(run.out, "verdict  fits"));
+    tu_run_free(&run);
+
+    run = tu_llmem("plan", "--list", NULL);
+    assert_int_equal(run.exit_code, 0);
+    assert_true(count_lines(run.out) >= 16);
+    assert_non_null(strstr(run.out, "qwen3-32b"));
+    tu_run_free(&run);
+}
+
+static void test_model_does_not_fit(void **state) {
+    (void)state;
+    struct tu_run run = tu_llmem("plan", "llama-3.1-70b", "--total", "64G", "--json", NULL);
+    assert_int_equal(run.exit_code, 3);
+    cJSON *o = json_of(&run);
+    assert_false(get_bool(o, "model_fits"));
+    assert_int_equal(get_int(o, "context_window_resolved"), 4096);
+    const char *describe = NULL;
+    llmem_json_get_string(o, "describe", &describe);
+    assert_non_null(strstr(describe, "MODEL DOES NOT FIT"));
+    cJSON_Delete(o);
+    tu_run_free(&run);
+
+    run = tu_llmem("plan", "llama-3.1-8b", "--total", "64G", "--context", "131072", "--kv-format",
+                   "f32", NULL);
+    assert_int_equal(run.exit_code, 3);
+    assert_non_null(strstr(run.out, "OVERCOMMITTED"));
+    tu_run_free(&run);
+}
+
+static void test_svg(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/plan.svg", dir);
+    struct tu_run run = tu_llmem("plan", "--total", "48G", REF, "--svg", path, "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    cJSON *o = json_of(&run);
+    cJSON_Delete(o);
+    tu_run_free(&run);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    char buf[16384];
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    assert_true(strncmp(buf, "<svg", 4) == 0);
+    assert_non_null(strstr(buf, "weights 19.9G"));
+    assert_non_null(strstr(buf, "trip"));
+    assert_non_null(strstr(buf, "ceiling"));
+    assert_non_null(strstr(buf, "</svg>"));
+    tu_rmtree(dir);
+    free(dir);
+}
+
+static void test_usage_errors(void **state) {
+    (void)state;
+    const struct {
+        const char *args[6];
+        const char *phrase;
+    } cases[] = {
+        {{"plan", "--total", "-5G", "--weights", "1G"}, "negative"},
+        {{"plan", "--budget", "12X", "llama-3.1-8b"}, "--budget"},
+        {{"plan", "--util", "1.5", "llama-3.1-8b"}, "--util"},
+        {{"plan", "--kv-format", "q5", "llama-3.1-8b"}, "q5"},
+        {{"plan", "--bogus", "llama-3.1-8b"}, "unknown option"},
+        {{"plan", "--context"}, "needs a value"},
+        {{"plan"}, "give a MODEL"},
+        {{"plan", "llama-3.1-8b", "--weights", "1G"}, "instead of MODEL"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        int n = 0;
+        while (n < 6 && cases[i].args[n] != NULL)
+            n++;
+        struct tu_run run = tu_llmem_argv(n, cases[i].args);
+        assert_int_equal(run.exit_code, 2);
+        if (strstr(run.err, cases[i].phrase) == NULL)
+            fail_msg("case %zu: '%s' not in: %s", i, cases[i].phrase, run.err);
+        assert_string_equal(run.out, "");
+        tu_run_free(&run);
+    }
+}
+
+/* A model directory whose files are broken fails with one line on stderr, exit 1. */
+static void expect_clean_failure(const char *dir, const char *phrase) {
+    struct tu_run run = tu_llmem("plan", dir, "--json", NULL);
+    assert_int_equal(run.exit_code, 1);
+    assert_string_equal(run.out, "");
+    if (strstr(run.err, phrase) == NULL || count_lines(run.err) != 1)
+        fail_msg("expected one line with '%s', got: %s", phrase, run.err);
+    tu_run_free(&run);
+}
+
+static const char good_config[] =
+    "{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_hidden_layers\": 2,"
+    " \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"intermediate_size\": 128,"
+    " \"vocab_size\": 100, \"max_position_embeddings\": 1024, \"tie_word_embeddings\": true}";
+
+static void write_safetensors(const char *dir, const char *header, uint64_t declared_len,
+                              size_t data_bytes) {
+    size_t hl = strlen(header);
+    size_t total = 8 + hl + data_bytes;
+    unsigned char *buf = calloc(1, total);
+    for (int i = 0; i < 8; i++)
+        buf[i] = (unsigned char)(declared_len >> (8 * i));
+    memcpy(buf + 8, header, hl);
+    free(tu_write_file(dir, "model.safetensors", buf, (long)total));
+    free(buf);
+}
+
+static void test_broken_models(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    char missing[4200];
+    snprintf(missing, sizeof(missing), "%s/not-there", dir);
+    expect_clean_failure(missing, "not-there");
+
+    /* no config.json */
+    expect_clean_failure(dir, "config.json");
+
+    /* bad JSON */
+    free(tu_write_file(dir, "config.json", "{\"hidden_size\": 64,", -1));
+    expect_clean_failure(dir, "config.json");
+
+    /* a missing field */
+    free(tu_write_file(dir, "config.json",
+                       "{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_attention_heads\": 4,"
+                       " \"intermediate_size\": 128, \"vocab_size\": 100,"
+                       " \"max_position_embeddings\": 1024}",
+                       -1));
+    expect_clean_failure(dir, "num_hidden_layers");
+
+    /* a good config, then hostile safetensors headers */
+    free(tu_write_file(dir, "config.json", good_config, -1));
+    expect_clean_failure(dir, "model.safetensors");
+
+    free(tu_write_file(dir, "model.safetensors", "abc", 3)); /* shorter than 8 bytes */
+    expect_clean_failure(dir, "model.safetensors");
+
+    const char *hdr = "{\"w\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}";
+    write_safetensors(dir, hdr, (uint64_t)1 << 62, 8); /* absurd length */
+    expect_clean_failure(dir, "model.safetensors");
+    write_safetensors(dir, hdr, strlen(hdr) + 100, 8); /* length past the end */
+    expect_clean_failure(dir, "model.safetensors");
+    write_safetensors(dir, "{\"w\": [}", 8, 0); /* bad JSON */
+    expect_clean_failure(dir, "model.safetensors");
+    const char *past = "{\"w\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 800]}}";
+    write_safetensors(dir, past, strlen(past), 8); /* offsets past the end */
+    expect_clean_failure(dir, "model.safetensors");
+
+    /* and a valid one plans */
+    write_safetensors(dir, hdr, strlen(hdr), 8);
+    struct tu_run run = tu_llmem("plan", dir, "--total", "16G", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    cJSON *o = json_of(&run);
+    assert_int_equal(get_int(o, "weights_bytes"), 8);
+    cJSON_Delete(o);
+    tu_run_free(&run);
+
+    expect_clean_failure("no-such-model-name", "unknown model");
+    tu_rmtree(dir);
+    free(dir);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_reference_numbers_json),
+        cmocka_unit_test(test_usable_by_machine_size),
+        cmocka_unit_test(test_every_kv_format),
+        cmocka_unit_test(test_util_band_trap),
+        cmocka_unit_test(test_working_set),
+        cmocka_unit_test(test_model_dir_and_catalog),
+        cmocka_unit_test(test_model_does_not_fit),
+        cmocka_unit_test(test_svg),
+        cmocka_unit_test(test_usage_errors),
+        cmocka_unit_test(test_broken_models),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,63 @@
+/*
+ * tests/test-backend.c — the backend registry and CUDA device discovery. The registry checks run
+ * everywhere; the device checks need a CUDA build and a GPU, and the suite exits 77 (skipped)
+ * without them.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "testutil.h"
+
+#include "llmem/backend.h"
+#include "llmem/status.h"
+#include "llmem/sys.h"
+
+static void test_registry(void **state) {
+    (void)state;
+    int n = -1;
+    assert_int_equal(llmem_backend_device_count(&n), LLMEM_OK);
+    assert_true(n >= 0);
+    if (!llmem_backend_cuda_available())
+        assert_int_equal(n, 0);
+    struct llmem_device_info info;
+    assert_int_equal(llmem_backend_device_info(n, &info), LLMEM_EINVAL);
+    assert_int_equal(llmem_backend_device_info(-1, &info), LLMEM_EINVAL);
+    assert_non_null(strstr(llmem_last_error(), "no device"));
+}
+
+static void test_devices(void **state) {
+    (void)state;
+    int n = 0;
+    assert_int_equal(llmem_backend_device_count(&n), LLMEM_OK);
+    for (int i = 0; i < n; i++) {
+        struct llmem_device_info info;
+        assert_int_equal(llmem_backend_device_info(i, &info), LLMEM_OK);
+        assert_int_equal(info.kind, LLMEM_DEVICE_CUDA);
+        assert_int_equal(info.index, i);
+        assert_true(info.name[0] != '\0');
+        assert_true(strncmp(info.arch, "sm_", 3) == 0 && strlen(info.arch) >= 5);
+        assert_true(info.memory_size > 0);
+        assert_int_equal(info.max_recommended_working_set_size, info.memory_size);
+        assert_int_equal(info.max_buffer_length, info.memory_size);
+        assert_int_equal(info.ceiling_source, LLMEM_CEILING_DEVICE);
+        assert_true(info.available > 0 && info.available <= info.memory_size);
+        printf("cuda %d: %s %s, %lld bytes, %lld free\n", i, info.name, info.arch,
+               (long long)info.memory_size, (long long)info.available);
+    }
+}
+
+int main(void) {
+    const struct CMUnitTest registry[] = {cmocka_unit_test(test_registry)};
+    int failed = cmocka_run_group_tests_name("registry", registry, NULL, NULL);
+    if (failed)
+        return failed;
+    int n = 0;
+    llmem_backend_device_count(&n);
+    if (!llmem_backend_cuda_available() || n == 0) {
+        printf("skipped: %s\n",
+               llmem_backend_cuda_available() ? "no CUDA device" : "built without CUDA");
+        return 77;
+    }
+    const struct CMUnitTest devices[] = {cmocka_unit_test(test_devices)};
+    return cmocka_run_group_tests_name("cuda devices", devices, NULL, NULL);
+}
