@@ -137,8 +137,8 @@ static void test_size_format(void **state) {
 
 static void test_json_reads(void **state) {
     (void)state;
-    const char *doc = "{\"a\": 9007199254740992, \"b\": 1.5, \"c\": \"x\", \"d\": true,"
-                      " \"e\": null, \"f\": [1], \"g\": 9007199254740994}";
+    const char *doc = "{\"a\": 9007199254740991, \"b\": 1.5, \"c\": \"x\", \"d\": true,"
+                      " \"e\": null, \"f\": [1], \"g\": 9007199254740993}";
     cJSON *root = NULL;
     assert_int_equal(llmem_json_parse(doc, strlen(doc), "doc", &root), LLMEM_OK);
     int64_t i = 0;
@@ -146,7 +146,7 @@ static void test_json_reads(void **state) {
     const char *s = NULL;
     int b = 0;
     assert_int_equal(llmem_json_get_int(root, "a", &i), LLMEM_OK);
-    assert_int_equal(i, 9007199254740992LL);
+    assert_int_equal(i, 9007199254740991LL);
     assert_int_equal(llmem_json_get_int(root, "b", &i), LLMEM_ERANGE);
     assert_int_equal(llmem_json_get_int(root, "g", &i), LLMEM_ERANGE);
     assert_int_equal(llmem_json_get_int(root, "c", &i), LLMEM_EFORMAT);
@@ -164,6 +164,12 @@ static void test_json_reads(void **state) {
     const char *bad = "{\"a\": 1,, }";
     assert_int_equal(llmem_json_parse(bad, strlen(bad), "bad.json", &root), LLMEM_EFORMAT);
     assert_non_null(strstr(llmem_last_error(), "bad.json: invalid JSON at byte"));
+    const char *trailing = "{\"a\": 1} x";
+    assert_int_equal(llmem_json_parse(trailing, strlen(trailing), "t.json", &root), LLMEM_EFORMAT);
+    assert_non_null(strstr(llmem_last_error(), "unexpected text after the JSON document"));
+    const char *spaces = "{\"a\": 1}\n  ";
+    assert_int_equal(llmem_json_parse(spaces, strlen(spaces), "s.json", &root), LLMEM_OK);
+    cJSON_Delete(root);
 }
 
 static void test_json_writes_exact_integers(void **state) {

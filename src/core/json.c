@@ -5,6 +5,7 @@
  */
 #include "core/json.h"
 
+#include <ctype.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -22,6 +23,15 @@ int llmem_json_parse(const char *text, size_t len, const char *what, cJSON **out
         size_t at = (end != NULL && end >= text) ? (size_t)(end - text) : 0;
         LLMEM_ERROR("%s: invalid JSON at byte %zu of %zu", what, at, len);
         return LLMEM_EFORMAT;
+    }
+    /* One document: only whitespace (or the terminator) may follow it. */
+    for (const char *p = end; p != NULL && p < text + len && *p != '\0'; p++) {
+        if (!isspace((unsigned char)*p)) {
+            LLMEM_ERROR("%s: unexpected text after the JSON document at byte %zu of %zu", what,
+                        (size_t)(p - text), len);
+            cJSON_Delete(root);
+            return LLMEM_EFORMAT;
+        }
     }
     *out = root;
     return LLMEM_OK;
@@ -44,7 +54,8 @@ int llmem_json_int(const cJSON *item, int64_t *out) {
     if (!cJSON_IsNumber(item))
         return LLMEM_EFORMAT;
     double d = item->valuedouble;
-    if (!isfinite(d) || d != floor(d) || fabs(d) > JSON_EXACT_LIMIT)
+    /* Strictly below 2^53: from there on, distinct integers in the text read as the same double. */
+    if (!isfinite(d) || d != floor(d) || fabs(d) >= JSON_EXACT_LIMIT)
         return LLMEM_ERANGE;
     *out = (int64_t)d;
     return LLMEM_OK;

@@ -13,13 +13,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Parses len bytes of text; `what` names the document in the error ("config.json"). */
+/* Parses len bytes of text holding exactly one JSON document (trailing whitespace allowed);
+ * `what` names the document in the error ("config.json"). */
 int llmem_json_parse(const char *text, size_t len, const char *what, cJSON **out);
 /* Reads and parses a file of at most max_bytes. LLMEM_ENOENT when missing. */
 int llmem_json_parse_file(const char *path, int64_t max_bytes, cJSON **out);
 
 /* Typed lookups: LLMEM_ENOENT when the key is absent or null, LLMEM_EFORMAT on a wrong type,
- * LLMEM_ERANGE for a non-integer or one beyond ±2^53. Nothing is logged. */
+ * LLMEM_ERANGE for a non-integer or one not strictly within ±2^53. Nothing is logged. */
 int llmem_json_get_int(const cJSON *obj, const char *key, int64_t *out);
 int llmem_json_get_double(const cJSON *obj, const char *key, double *out);
 int llmem_json_get_bool(const cJSON *obj, const char *key, int *out);

@@ -1,0 +1,140 @@
+/*
+ * llmem/model.h — a Hugging Face model directory read into numbers (SPEC §2.5, §5).
+ *
+ * Two things live here:
+ *  - the model geometry (`struct llmem_model_geometry`, declared in plan.h) read from config.json
+ *    and the safetensors headers, which is what `llmem plan MODEL_DIR` hands to the planner;
+ *  - the safetensors tensor table: every tensor's name, dtype, shape and byte range, read from the
+ *    headers of a single `model.safetensors` or of the shards listed by
+ *    `model.safetensors.index.json`. Only the 8-byte length prefix and the JSON header of each file
+ *    are read, never the tensor data; the loader maps the data later using these offsets.
+ *
+ * Every function returns an `enum llmem_status`; a failure is logged once (one line naming the
+ * file and, where there is one, the tensor or field) and leaves the outputs untouched.
+ * Hostile files are expected: sizes, offsets and element counts are all checked before use.
+ */
+#ifndef LLMEM_MODEL_H
+#define LLMEM_MODEL_H
+
+#include <stdint.h>
+
+#include "llmem/plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * Element types (the safetensors dtype spellings)
+ * ------------------------------------------------------------------------------------------- */
+
+enum llmem_dtype {
+    LLMEM_DTYPE_F32 = 0,
+    LLMEM_DTYPE_F16,
+    LLMEM_DTYPE_BF16,
+    LLMEM_DTYPE_F64,
+    LLMEM_DTYPE_F8_E4M3,
+    LLMEM_DTYPE_F8_E5M2,
+    LLMEM_DTYPE_I8,
+    LLMEM_DTYPE_U8,
+    LLMEM_DTYPE_I16,
+    LLMEM_DTYPE_U16,
+    LLMEM_DTYPE_I32,
+    LLMEM_DTYPE_U32,
+    LLMEM_DTYPE_I64,
+    LLMEM_DTYPE_U64,
+    LLMEM_DTYPE_BOOL,
+    LLMEM_DTYPE_COUNT
+};
+
+/* The safetensors spelling ("BF16"); "?" for a value out of range. */
+const char *llmem_dtype_name(enum llmem_dtype dtype);
+/* Bytes per element (BF16 2, F32 4, BOOL 1 ...); 0 for a value out of range. */
+int64_t llmem_dtype_size(enum llmem_dtype dtype);
+/* "BF16" → LLMEM_DTYPE_BF16 (exact, case-sensitive, as safetensors writes it); LLMEM_ENOENT when
+ * unknown. Not logged: the caller names the file and tensor. */
+int llmem_dtype_parse(const char *name, enum llmem_dtype *dtype);
+
+/* ---------------------------------------------------------------------------------------------
+ * The safetensors tensor table
+ * ------------------------------------------------------------------------------------------- */
+
+#define LLMEM_ST_MAX_DIMS 8
+/* Header lengths above this are refused (the reference implementation's limit is 100 MB). */
+#define LLMEM_ST_MAX_HEADER_BYTES ((int64_t)100 << 20)
+
+struct llmem_st_tensor {
+    char *name; /* owned by the table */
+    enum llmem_dtype dtype;
+    int n_dims;
+    int64_t shape[LLMEM_ST_MAX_DIMS]; /* (n_dims), outermost first; the rest 0 */
+    int64_t n_elements;               /* product of shape; 1 for a scalar */
+    int64_t n_bytes;                  /* n_elements × dtype size = offset_end − offset_begin */
+    int64_t offset_begin;             /* data_offsets[0], relative to the file's data section */
+    int64_t offset_end;               /* data_offsets[1] */
+    int file_index;                   /* into llmem_safetensors.files */
+};
+
+struct llmem_st_file {
+    char *path;
+    int64_t file_bytes;   /* the file's size when its header was read */
+    int64_t header_bytes; /* the JSON header's length (the value of the 8-byte prefix) */
+    int64_t data_offset;  /* 8 + header_bytes: where offset 0 of the data section lies */
+};
+
+/* The tensors of one file or of one model directory. A tensor's bytes are at file position
+ * files[t->file_index].data_offset + t->offset_begin, for t->n_bytes bytes. Guarantees after a
+ * successful load: names are unique; every dtype is known; every byte range lies inside its
+ * file's data section, matches the shape, and overlaps no other tensor's range in that file. */
+struct llmem_safetensors {
+    int n_files;
+    struct llmem_st_file *files; /* (n_files) */
+    int n_tensors;
+    struct llmem_st_tensor *tensors; /* (n_tensors), sorted by name (strcmp) */
+    int64_t n_elements;              /* Σ n_elements: the parameters as stored */
+    int64_t n_bytes;                 /* Σ n_bytes: the weights as stored */
+};
+
+/* Reads the header of one .safetensors file (8-byte little-endian length, then the JSON header;
+ * `__metadata__` is checked to be an object of strings and skipped). LLMEM_ENOENT when the file
+ * is missing, LLMEM_EFORMAT for a malformed or inconsistent header, LLMEM_EIO, LLMEM_ENOMEM. */
+int llmem_safetensors_load(const char *path, struct llmem_safetensors **out);
+
+/* Reads the tensor table of a model directory: `model.safetensors` when present, else the shards
+ * named by `model.safetensors.index.json` (each shard read once; every tensor of the weight map
+ * must be in the shard it names; a tensor in two shards is an error). LLMEM_ENOENT when the
+ * directory, both files or a listed shard is missing; otherwise as llmem_safetensors_load. */
+int llmem_safetensors_load_dir(const char *model_dir, struct llmem_safetensors **out);
+
+/* NULL is a no-op. */
+void llmem_safetensors_free(struct llmem_safetensors *st);
+
+/* The tensor with this name (binary search), or NULL. Not logged. */
+const struct llmem_st_tensor *llmem_safetensors_find(const struct llmem_safetensors *st,
+                                                     const char *name);
+
+/* ---------------------------------------------------------------------------------------------
+ * Geometry
+ * ------------------------------------------------------------------------------------------- */
+
+/* Fills *geom from MODEL_DIR/config.json alone (n_params and weights_bytes stay 0). Families:
+ * llama, mistral, qwen2, qwen3 (by model_type, else by architectures), also nested under
+ * `text_config`. head_dim falls back to hidden_size / num_attention_heads, num_key_value_heads to
+ * num_attention_heads; sliding_window counts when use_sliding_window is true, when layer_types has
+ * "sliding_attention", or (mistral) whenever it is set; rope_theta / rope_scaling /
+ * rope_parameters are checked for type. name is the directory's base name, source the path.
+ * LLMEM_ENOENT for a missing directory or config.json, LLMEM_EFORMAT for a missing, mistyped or
+ * out-of-range field, LLMEM_EUNSUPPORTED for another architecture. */
+int llmem_model_geometry_load_config(const char *model_dir, struct llmem_model_geometry *geom);
+
+/* llmem_model_geometry_load_config, then the safetensors headers (llmem_safetensors_load_dir):
+ * n_params = Σ elements, weights_bytes = Σ tensor bytes. A checkpoint that has
+ * model.embed_tokens.weight but no lm_head.weight is recorded as tied whatever the config says
+ * (logged as a warning). */
+int llmem_model_geometry_load(const char *model_dir, struct llmem_model_geometry *geom);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

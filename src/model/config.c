@@ -1,0 +1,532 @@
+/*
+ * model/config.c — a Hugging Face config.json → struct llmem_model_geometry (SPEC §2.5).
+ *
+ * Families: llama, mistral, qwen2, qwen3, chosen by model_type (the nested text_config's first,
+ * then the top level's), by architectures ("LlamaForCausalLM" ...) only when there is no
+ * model_type (transformers, too, picks the model class from model_type). When a `text_config`
+ * object is present (multimodal wrappers), the geometry is read from it.
+ *
+ * Rules: head_dim defaults to hidden_size / num_attention_heads (which must then divide),
+ * num_key_value_heads to num_attention_heads (and must divide it); qwen2 always has q/k/v biases,
+ * qwen3 always q/k norms, the others read attention_bias. sliding_window counts only when some
+ * layer slides: layer_types has "sliding_attention"; else use_sliding_window is true (for qwen2/3
+ * also some layer at or above max_window_layers, default 28, as transformers derives it); else, for
+ * mistral, whenever sliding_window is set. rope_theta / rope_scaling / rope_parameters are checked
+ * for type only (nothing about RoPE is in the geometry yet).
+ *
+ * Guarantees: every integer is read exactly (no double rounding) and bounded so that the planner's
+ * 64-bit products of them cannot overflow; a missing, mistyped or out-of-range field gives one
+ * error line naming config.json's path and the field.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "core/file.h"
+#include "core/json.h"
+#include "core/log.h"
+#include "llmem/model.h"
+#include "model/model_int.h"
+
+#define CONFIG_FUNC       "llmem_model_geometry_load_config"
+#define CONFIG_ERROR(...) llmem_log_line(LLMEM_LOG_ERROR, CONFIG_FUNC, __VA_ARGS__)
+#define CONFIG_MAX_BYTES  ((int64_t)16 << 20)
+#define CONFIG_PATH_MAX   4096
+
+/* Bounds on the geometry: far above any published model, low enough that the planner's products
+ * (layers × hidden × intermediate, heads × head_dim × hidden × layers, vocab × hidden) stay well
+ * inside int64. */
+#define MAX_LAYERS       ((int64_t)1 << 16)
+#define MAX_HIDDEN       ((int64_t)1 << 20)
+#define MAX_HEADS        ((int64_t)1 << 16)
+#define MAX_HEAD_DIM     ((int64_t)1 << 16)
+#define MAX_ATTN_WIDTH   ((int64_t)1 << 20) /* n_heads × head_dim */
+#define MAX_INTERMEDIATE ((int64_t)1 << 22)
+#define MAX_VOCAB        ((int64_t)1 << 24)
+#define MAX_CONTEXT      ((int64_t)1 << 32)
+
+static const struct {
+    const char *model_type;
+    const char *architecture;
+} families[] = {
+    {"llama", "LlamaForCausalLM"},
+    {"mistral", "MistralForCausalLM"},
+    {"qwen2", "Qwen2ForCausalLM"},
+    {"qwen3", "Qwen3ForCausalLM"},
+};
+#define N_FAMILIES (sizeof(families) / sizeof(families[0]))
+
+struct config {
+    const char *path;   /* config.json, for messages */
+    const cJSON *root;  /* the document */
+    const cJSON *text;  /* root, or root.text_config */
+    const char *prefix; /* "" or "text_config.", for messages */
+};
+
+static const char *json_type_name(const cJSON *item) {
+    if (cJSON_IsBool(item))
+        return "a boolean";
+    if (cJSON_IsNumber(item))
+        return "a number";
+    if (cJSON_IsString(item))
+        return "a string";
+    if (cJSON_IsArray(item))
+        return "an array";
+    if (cJSON_IsObject(item))
+        return "an object";
+    if (cJSON_IsNull(item))
+        return "null";
+    return "invalid";
+}
+
+/* ---- typed fields --------------------------------------------------------------------------- */
+
+/* An integer field of the text config within [min, max]. Absent (or null) and not required:
+ * LLMEM_ENOENT, not logged. */
+static int config_int(const struct config *c, const char *key, int required, int64_t min,
+                      int64_t max, int64_t *out) {
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(c->text, key);
+    int64_t v = 0;
+    int status = llmem_json_int(item, &v);
+    if (status == LLMEM_ENOENT) {
+        if (!required)
+            return LLMEM_ENOENT;
+        CONFIG_ERROR("%s: missing '%s%s'", c->path, c->prefix, key);
+        return LLMEM_EFORMAT;
+    }
+    if (status == LLMEM_EFORMAT) {
+        CONFIG_ERROR("%s: '%s%s' must be an integer, not %s", c->path, c->prefix, key,
+                     json_type_name(item));
+        return LLMEM_EFORMAT;
+    }
+    if (status != LLMEM_OK) {
+        double d = item->valuedouble;
+        if (isfinite(d) && d == floor(d))
+            CONFIG_ERROR("%s: '%s%s' is %g, outside [%" PRId64 ", %" PRId64 "]", c->path, c->prefix,
+                         key, d, min, max);
+        else
+            CONFIG_ERROR("%s: '%s%s' must be an integer, not %g", c->path, c->prefix, key, d);
+        return LLMEM_EFORMAT;
+    }
+    if (v < min || v > max) {
+        CONFIG_ERROR("%s: '%s%s' is %" PRId64 ", outside [%" PRId64 ", %" PRId64 "]", c->path,
+                     c->prefix, key, v, min, max);
+        return LLMEM_EFORMAT;
+    }
+    *out = v;
+    return LLMEM_OK;
+}
+
+/* A boolean field of `obj`; *out keeps its value when absent or null. */
+static int config_bool(const struct config *c, const cJSON *obj, const char *key, int *out) {
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (item == NULL || cJSON_IsNull(item))
+        return LLMEM_OK;
+    if (!cJSON_IsBool(item)) {
+        CONFIG_ERROR("%s: '%s%s' must be true or false, not %s", c->path,
+                     obj == c->root ? "" : c->prefix, key, json_type_name(item));
+        return LLMEM_EFORMAT;
+    }
+    *out = cJSON_IsTrue(item);
+    return LLMEM_OK;
+}
+
+/* A string field of `obj`; NULL when absent or null. */
+static int config_string(const struct config *c, const cJSON *obj, const char *key,
+                         const char **out) {
+    *out = NULL;
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (item == NULL || cJSON_IsNull(item))
+        return LLMEM_OK;
+    if (!cJSON_IsString(item)) {
+        CONFIG_ERROR("%s: '%s%s' must be a string, not %s", c->path,
+                     obj == c->root ? "" : c->prefix, key, json_type_name(item));
+        return LLMEM_EFORMAT;
+    }
+    *out = item->valuestring;
+    return LLMEM_OK;
+}
+
+/* ---- architecture --------------------------------------------------------------------------- */
+
+static const char *family_of_type(const char *model_type) {
+    for (size_t i = 0; model_type != NULL && i < N_FAMILIES; i++)
+        if (strcmp(model_type, families[i].model_type) == 0)
+            return families[i].model_type;
+    return NULL;
+}
+
+/* The family of the first known entry of `architectures` in obj; NULL when none. */
+static int family_of_architectures(const struct config *c, const cJSON *obj, const char **family,
+                                   const char **first) {
+    const cJSON *archs = cJSON_GetObjectItemCaseSensitive(obj, "architectures");
+    if (archs == NULL || cJSON_IsNull(archs))
+        return LLMEM_OK;
+    if (!cJSON_IsArray(archs)) {
+        CONFIG_ERROR("%s: '%sarchitectures' must be an array of strings", c->path,
+                     obj == c->root ? "" : c->prefix);
+        return LLMEM_EFORMAT;
+    }
+    const cJSON *a = NULL;
+    cJSON_ArrayForEach(a, archs) {
+        if (!cJSON_IsString(a)) {
+            CONFIG_ERROR("%s: '%sarchitectures' must be an array of strings", c->path,
+                         obj == c->root ? "" : c->prefix);
+            return LLMEM_EFORMAT;
+        }
+        if (*first == NULL)
+            *first = a->valuestring;
+        for (size_t i = 0; *family == NULL && i < N_FAMILIES; i++)
+            if (strcmp(a->valuestring, families[i].architecture) == 0)
+                *family = families[i].model_type;
+    }
+    return LLMEM_OK;
+}
+
+/* The family: the first supported model_type (text_config's, then the top level's); without any
+ * model_type, the first supported entry of architectures. */
+static int config_arch(const struct config *c, const char **arch) {
+    const char *text_type = NULL, *root_type = NULL, *first = NULL, *by_arch = NULL;
+    int status = config_string(c, c->text, "model_type", &text_type);
+    if (status == LLMEM_OK && c->text != c->root)
+        status = config_string(c, c->root, "model_type", &root_type);
+    if (status == LLMEM_OK)
+        status = family_of_architectures(c, c->text, &by_arch, &first);
+    if (status == LLMEM_OK && c->text != c->root)
+        status = family_of_architectures(c, c->root, &by_arch, &first);
+    if (status != LLMEM_OK)
+        return status;
+
+    const char *seen = text_type != NULL ? text_type : root_type;
+    *arch = family_of_type(text_type);
+    if (*arch == NULL)
+        *arch = family_of_type(root_type);
+    if (*arch == NULL && seen == NULL)
+        *arch = by_arch;
+    if (*arch != NULL)
+        return LLMEM_OK;
+    if (seen == NULL && first == NULL) {
+        CONFIG_ERROR("%s: missing 'model_type' (and no 'architectures')", c->path);
+        return LLMEM_EFORMAT;
+    }
+    CONFIG_ERROR("%s: %s '%.100s' is not supported (llmem reads llama, mistral, qwen2, qwen3)",
+                 c->path, seen != NULL ? "model_type" : "architecture",
+                 seen != NULL ? seen : first);
+    return LLMEM_EUNSUPPORTED;
+}
+
+/* ---- RoPE (checked, not recorded) ----------------------------------------------------------- */
+
+static int rope_positive(const struct config *c, const cJSON *obj, const char *where,
+                         const char *key) {
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (item == NULL || cJSON_IsNull(item))
+        return LLMEM_OK;
+    if (!cJSON_IsNumber(item) || !isfinite(item->valuedouble) || item->valuedouble <= 0) {
+        CONFIG_ERROR("%s: '%s%s%s' must be a positive number", c->path, where, *where ? "." : "",
+                     key);
+        return LLMEM_EFORMAT;
+    }
+    return LLMEM_OK;
+}
+
+/* One rope_scaling / rope_parameters object: rope_theta and factor positive, the type a string. */
+static int rope_object(const struct config *c, const cJSON *obj, const char *where) {
+    static const char *const numbers[] = {"rope_theta", "factor"};
+    static const char *const strings[] = {"rope_type", "type"};
+    for (size_t i = 0; i < 2; i++) {
+        int status = rope_positive(c, obj, where, numbers[i]);
+        if (status != LLMEM_OK)
+            return status;
+        const cJSON *item = cJSON_GetObjectItemCaseSensitive(obj, strings[i]);
+        if (item != NULL && !cJSON_IsNull(item) && !cJSON_IsString(item)) {
+            CONFIG_ERROR("%s: '%s.%s' must be a string, not %s", c->path, where, strings[i],
+                         json_type_name(item));
+            return LLMEM_EFORMAT;
+        }
+    }
+    return LLMEM_OK;
+}
+
+static int config_rope(const struct config *c) {
+    char where[64];
+    int status = rope_positive(c, c->text, "", "rope_theta");
+    if (status != LLMEM_OK)
+        return status;
+    static const char *const keys[] = {"rope_scaling", "rope_parameters"};
+    for (size_t k = 0; k < 2; k++) {
+        const cJSON *obj = cJSON_GetObjectItemCaseSensitive(c->text, keys[k]);
+        if (obj == NULL || cJSON_IsNull(obj))
+            continue;
+        snprintf(where, sizeof(where), "%s%s", c->prefix, keys[k]);
+        if (!cJSON_IsObject(obj)) {
+            CONFIG_ERROR("%s: '%s' must be an object or null, not %s", c->path, where,
+                         json_type_name(obj));
+            return LLMEM_EFORMAT;
+        }
+        status = rope_object(c, obj, where);
+        if (status != LLMEM_OK)
+            return status;
+        /* rope_parameters may also be keyed by layer type ({"full_attention": {...}, ...}). */
+        const cJSON *child = NULL;
+        cJSON_ArrayForEach(child, obj) {
+            if (!cJSON_IsObject(child))
+                continue;
+            snprintf(where, sizeof(where), "%s%s.%.20s", c->prefix, keys[k],
+                     child->string != NULL ? child->string : "");
+            status = rope_object(c, child, where);
+            if (status != LLMEM_OK)
+                return status;
+        }
+    }
+    return LLMEM_OK;
+}
+
+/* ---- sliding window ------------------------------------------------------------------------- */
+
+static int config_sliding_window(const struct config *c, const char *arch, int64_t n_layers,
+                                 int64_t *out) {
+    int64_t window = 0;
+    int status = config_int(c, "sliding_window", 0, 1, MAX_CONTEXT, &window);
+    if (status != LLMEM_OK && status != LLMEM_ENOENT)
+        return status;
+    int has_window = status == LLMEM_OK;
+
+    int use = -1; /* use_sliding_window: -1 absent */
+    status = config_bool(c, c->text, "use_sliding_window", &use);
+    if (status != LLMEM_OK)
+        return status;
+
+    int sliding = 0; /* some layer slides */
+    const char *why = NULL;
+    const cJSON *types = cJSON_GetObjectItemCaseSensitive(c->text, "layer_types");
+    if (types != NULL && !cJSON_IsNull(types)) {
+        if (!cJSON_IsArray(types)) {
+            CONFIG_ERROR("%s: '%slayer_types' must be an array of strings, not %s", c->path,
+                         c->prefix, json_type_name(types));
+            return LLMEM_EFORMAT;
+        }
+        int n = cJSON_GetArraySize(types);
+        if ((int64_t)n != n_layers) {
+            CONFIG_ERROR("%s: '%slayer_types' has %d entries for %" PRId64 " layers", c->path,
+                         c->prefix, n, n_layers);
+            return LLMEM_EFORMAT;
+        }
+        sliding = 0;
+        int i = 0;
+        const cJSON *t = NULL;
+        cJSON_ArrayForEach(t, types) {
+            if (!cJSON_IsString(t)) {
+                CONFIG_ERROR("%s: '%slayer_types[%d]' must be a string, not %s", c->path, c->prefix,
+                             i, json_type_name(t));
+                return LLMEM_EFORMAT;
+            }
+            if (strcmp(t->valuestring, "sliding_attention") == 0) {
+                sliding = 1;
+            } else if (strcmp(t->valuestring, "full_attention") != 0) {
+                CONFIG_ERROR("%s: '%slayer_types[%d]' is '%.40s'; llmem supports full_attention "
+                             "and sliding_attention",
+                             c->path, c->prefix, i, t->valuestring);
+                return LLMEM_EUNSUPPORTED;
+            }
+            i++;
+        }
+        why = "layer_types has sliding_attention";
+    } else if (use >= 0) {
+        /* Without a window there is nothing to slide over (transformers then attends fully). */
+        sliding = use && has_window;
+        if (sliding && strcmp(arch, "mistral") != 0) {
+            /* qwen2/qwen3: only the layers at or above max_window_layers slide. */
+            int64_t max_window_layers = 28;
+            status = config_int(c, "max_window_layers", 0, 0, MAX_LAYERS, &max_window_layers);
+            if (status != LLMEM_OK && status != LLMEM_ENOENT)
+                return status;
+            sliding = max_window_layers < n_layers;
+        }
+    } else {
+        sliding = strcmp(arch, "mistral") == 0 && has_window;
+    }
+    if (sliding && !has_window) {
+        CONFIG_ERROR("%s: %s but '%ssliding_window' is not set", c->path, why, c->prefix);
+        return LLMEM_EFORMAT;
+    }
+    *out = sliding ? window : 0;
+    return LLMEM_OK;
+}
+
+/* ---- name and source ------------------------------------------------------------------------ */
+
+static int utf8_continuation(char ch) {
+    return ((unsigned char)ch & 0xC0) == 0x80;
+}
+
+/* Copies the n bytes at src into dst[size], cut short at a UTF-8 character boundary. */
+static void copy_head(char *dst, size_t size, const char *src, size_t n) {
+    if (n >= size) {
+        n = size - 1;
+        while (n > 0 && utf8_continuation(src[n]))
+            n--;
+    }
+    memcpy(dst, src, n);
+    dst[n] = '\0';
+}
+
+/* Copies src into dst[size]; when too long, "..." and the end of src (from a character start). */
+static void copy_tail(char *dst, size_t size, const char *src) {
+    size_t len = strlen(src);
+    if (len < size) {
+        memcpy(dst, src, len + 1);
+        return;
+    }
+    size_t start = len - (size - 4);
+    while (start < len && utf8_continuation(src[start]))
+        start++;
+    snprintf(dst, size, "...%s", src + start);
+}
+
+/* The directory's base name ("models/pycoder/" → "pycoder"; "." → the real directory's name). */
+static void dir_name(const char *dir, char *dst, size_t size) {
+    char *resolved = NULL;
+    for (int pass = 0; pass < 2; pass++) {
+        size_t end = strlen(dir);
+        while (end > 1 && dir[end - 1] == '/')
+            end--;
+        size_t start = end;
+        while (start > 0 && dir[start - 1] != '/')
+            start--;
+        size_t n = end - start;
+        int vague = n == 0 || (n == 1 && dir[start] == '.') ||
+                    (n == 2 && dir[start] == '.' && dir[start + 1] == '.');
+        if (!vague || pass == 1) {
+            copy_head(dst, size, dir + start, n);
+            break;
+        }
+        resolved = realpath(dir, NULL);
+        if (resolved == NULL) {
+            copy_head(dst, size, dir + start, n);
+            break;
+        }
+        dir = resolved;
+    }
+    free(resolved);
+}
+
+/* ---- the geometry --------------------------------------------------------------------------- */
+
+static int config_geometry(const struct config *c, struct llmem_model_geometry *g) {
+    const char *arch = NULL;
+    int status = config_arch(c, &arch);
+    if (status != LLMEM_OK)
+        return status;
+    snprintf(g->arch, sizeof(g->arch), "%s", arch);
+
+    if ((status = config_int(c, "hidden_size", 1, 1, MAX_HIDDEN, &g->hidden_size)) ||
+        (status = config_int(c, "num_hidden_layers", 1, 1, MAX_LAYERS, &g->n_layers)) ||
+        (status = config_int(c, "num_attention_heads", 1, 1, MAX_HEADS, &g->n_heads)) ||
+        (status = config_int(c, "vocab_size", 1, 1, MAX_VOCAB, &g->vocab_size)) ||
+        (status =
+             config_int(c, "intermediate_size", 1, 1, MAX_INTERMEDIATE, &g->intermediate_size)) ||
+        (status = config_int(c, "max_position_embeddings", 1, 1, MAX_CONTEXT, &g->max_context)))
+        return status;
+
+    status = config_int(c, "num_key_value_heads", 0, 1, g->n_heads, &g->n_kv_heads);
+    if (status == LLMEM_ENOENT)
+        g->n_kv_heads = g->n_heads;
+    else if (status != LLMEM_OK)
+        return status;
+    if (g->n_heads % g->n_kv_heads != 0) {
+        CONFIG_ERROR("%s: num_attention_heads (%" PRId64 ") is not a multiple of "
+                     "num_key_value_heads (%" PRId64 ")",
+                     c->path, g->n_heads, g->n_kv_heads);
+        return LLMEM_EFORMAT;
+    }
+
+    status = config_int(c, "head_dim", 0, 1, MAX_HEAD_DIM, &g->head_dim);
+    if (status == LLMEM_ENOENT) {
+        if (g->hidden_size % g->n_heads != 0) {
+            CONFIG_ERROR("%s: no 'head_dim', and hidden_size (%" PRId64 ") is not divisible by "
+                         "num_attention_heads (%" PRId64 ")",
+                         c->path, g->hidden_size, g->n_heads);
+            return LLMEM_EFORMAT;
+        }
+        g->head_dim = g->hidden_size / g->n_heads;
+    } else if (status != LLMEM_OK) {
+        return status;
+    }
+    if (g->n_heads * g->head_dim > MAX_ATTN_WIDTH) {
+        CONFIG_ERROR("%s: num_attention_heads × head_dim = %" PRId64 " × %" PRId64
+                     " is more than %" PRId64,
+                     c->path, g->n_heads, g->head_dim, MAX_ATTN_WIDTH);
+        return LLMEM_EFORMAT;
+    }
+
+    /* Tied embeddings: the text config's value, else the top level's (multimodal wrappers keep it
+     * there), else false as in transformers. */
+    g->tied_embeddings = 0;
+    if (c->text != c->root &&
+        (status = config_bool(c, c->root, "tie_word_embeddings", &g->tied_embeddings)) != LLMEM_OK)
+        return status;
+    if ((status = config_bool(c, c->text, "tie_word_embeddings", &g->tied_embeddings)) != LLMEM_OK)
+        return status;
+
+    g->attention_bias = 0;
+    if ((status = config_bool(c, c->text, "attention_bias", &g->attention_bias)) != LLMEM_OK)
+        return status;
+    if (strcmp(arch, "qwen2") == 0)
+        g->attention_bias = 1; /* Qwen2 projections always carry q/k/v biases */
+    g->qk_norm = strcmp(arch, "qwen3") == 0;
+
+    if ((status = config_rope(c)) != LLMEM_OK)
+        return status;
+    return config_sliding_window(c, arch, g->n_layers, &g->sliding_window);
+}
+
+int llmem_model_geometry_load_config(const char *model_dir, struct llmem_model_geometry *geom) {
+    int status = llmem_model_dir_check(model_dir, CONFIG_FUNC);
+    if (status != LLMEM_OK)
+        return status;
+    char path[CONFIG_PATH_MAX];
+    status = llmem_path_join(path, sizeof(path), model_dir, "config.json");
+    if (status != LLMEM_OK)
+        return status;
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        CONFIG_ERROR("no config.json in %s", model_dir);
+        return LLMEM_ENOENT;
+    }
+    cJSON *root = NULL;
+    status = llmem_json_parse_file(path, CONFIG_MAX_BYTES, &root);
+    if (status != LLMEM_OK)
+        return status;
+
+    struct config c = {.path = path, .root = root, .text = root, .prefix = ""};
+    struct llmem_model_geometry g;
+    memset(&g, 0, sizeof(g));
+    if (!cJSON_IsObject(root)) {
+        CONFIG_ERROR("%s: not a JSON object", path);
+        status = LLMEM_EFORMAT;
+        goto out_json;
+    }
+    const cJSON *text = cJSON_GetObjectItemCaseSensitive(root, "text_config");
+    if (text != NULL && !cJSON_IsNull(text)) {
+        if (!cJSON_IsObject(text)) {
+            CONFIG_ERROR("%s: 'text_config' must be an object, not %s", path, json_type_name(text));
+            status = LLMEM_EFORMAT;
+            goto out_json;
+        }
+        c.text = text;
+        c.prefix = "text_config.";
+    }
+    status = config_geometry(&c, &g);
+    if (status != LLMEM_OK)
+        goto out_json;
+    dir_name(model_dir, g.name, sizeof(g.name));
+    copy_tail(g.source, sizeof(g.source), model_dir);
+    *geom = g;
+out_json:
+    cJSON_Delete(root);
+    return status;
+}
