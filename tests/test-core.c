@@ -16,7 +16,7 @@
 
 static void test_status_strings(void **state) {
     (void)state;
-    int codes[] = {LLMEM_OK,     LLMEM_EINVAL, LLMEM_ENOMEM,       LLMEM_EIO,
+    int codes[] = {LLMEM_OK,     LLMEM_EINVAL,  LLMEM_ENOMEM, LLMEM_EIO,
                    LLMEM_ENOENT, LLMEM_EFORMAT, LLMEM_ERANGE, LLMEM_EUNSUPPORTED};
     for (size_t i = 0; i < sizeof(codes) / sizeof(codes[0]); i++) {
         assert_string_not_equal(llmem_status_str(codes[i]), "unknown status");

@@ -11,7 +11,7 @@
 #include "llmem/plan.h"
 #include "testutil.h"
 
-#define GiB LLMEM_GIB
+#define GiB         LLMEM_GIB
 #define REF_WEIGHTS 21313949792LL
 
 static struct llmem_plan_params ref_params(int64_t total) {
@@ -107,8 +107,8 @@ static void test_envelope_sizes(void **state) {
         int64_t total_gib;
         int64_t usable;
     } cases[] = {
-        {8, 7730941132LL}, {16, 12 * GiB},  {24, 18 * GiB},   {32, 24 * GiB},
-        {48, 36 * GiB},    {64, 48 * GiB},  {96, 72 * GiB},   {128, 96 * GiB},
+        {8, 7730941132LL}, {16, 12 * GiB},   {24, 18 * GiB},   {32, 24 * GiB},
+        {48, 36 * GiB},    {64, 48 * GiB},   {96, 72 * GiB},   {128, 96 * GiB},
         {192, 144 * GiB},  {256, 192 * GiB}, {512, 192 * GiB},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
@@ -463,17 +463,17 @@ static void test_model_does_not_fit(void **state) {
 static void test_kv_format_bytes(void **state) {
     (void)state;
     const int64_t expect[LLMEM_KV_FORMAT_COUNT] = {
-        [LLMEM_KV_FORMAT_F16] = 65536, [LLMEM_KV_FORMAT_BF16] = 65536,
+        [LLMEM_KV_FORMAT_F16] = 65536,  [LLMEM_KV_FORMAT_BF16] = 65536,
         [LLMEM_KV_FORMAT_F32] = 131072, [LLMEM_KV_FORMAT_Q8] = 34816,
-        [LLMEM_KV_FORMAT_Q4] = 20480,  [LLMEM_KV_FORMAT_TQ] = 25600,
+        [LLMEM_KV_FORMAT_Q4] = 20480,   [LLMEM_KV_FORMAT_TQ] = 25600,
     };
     for (int f = 0; f < LLMEM_KV_FORMAT_COUNT; f++) {
         assert_int_equal(llmem_kv_bytes_per_token_effective(65536, (enum llmem_kv_format)f),
                          expect[f]);
         enum llmem_kv_format parsed;
-        assert_int_equal(llmem_kv_format_parse(llmem_kv_format_name((enum llmem_kv_format)f),
-                                               &parsed),
-                         LLMEM_OK);
+        assert_int_equal(
+            llmem_kv_format_parse(llmem_kv_format_name((enum llmem_kv_format)f), &parsed),
+            LLMEM_OK);
         assert_int_equal(parsed, f);
         /* The plan carries the same number and prices the reserve with it. */
         struct llmem_plan_params params = ref_params(48 * GiB);
@@ -556,11 +556,11 @@ static void test_catalog(void **state) {
         const char *name;
         int64_t params;
     } published[] = {
-        {"llama-3.2-1b", 1235814400LL},    {"llama-3.2-3b", 3212749824LL},
-        {"llama-3.1-8b", 8030261248LL},    {"llama-3.1-70b", 70553706496LL},
-        {"qwen2.5-0.5b", 494032768LL},     {"qwen2.5-7b", 7615616512LL},
-        {"qwen2.5-72b", 72706203648LL},    {"mistral-7b-v0.3", 7248023552LL},
-        {"tinyllama-1.1b", 1100048384LL},  {"qwen3-8b", 8190735360LL},
+        {"llama-3.2-1b", 1235814400LL},   {"llama-3.2-3b", 3212749824LL},
+        {"llama-3.1-8b", 8030261248LL},   {"llama-3.1-70b", 70553706496LL},
+        {"qwen2.5-0.5b", 494032768LL},    {"qwen2.5-7b", 7615616512LL},
+        {"qwen2.5-72b", 72706203648LL},   {"mistral-7b-v0.3", 7248023552LL},
+        {"tinyllama-1.1b", 1100048384LL}, {"qwen3-8b", 8190735360LL},
     };
     for (size_t i = 0; i < sizeof(published) / sizeof(published[0]); i++) {
         const struct llmem_model_geometry *g = llmem_catalog_find(published[i].name);

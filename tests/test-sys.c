@@ -23,7 +23,8 @@
 /* Writes root/rel, creating the directories on the way. */
 static void put(const char *root, const char *rel, const char *text) {
     char path[4096];
-    snprintf(path, sizeof(path), "%s/%s", root, rel);
+    int n = snprintf(path, sizeof(path), "%s/%s", root, rel);
+    assert_true(n > 0 && (size_t)n < sizeof(path));
     for (char *p = path + strlen(root) + 1; *p != '\0'; p++) {
         if (*p == '/') {
             *p = '\0';

@@ -26,7 +26,9 @@ static int rm_entry(const char *path, const struct stat *st, int flag, struct FT
     return remove(path);
 }
 
-void tu_rmtree(const char *path) { nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS); }
+void tu_rmtree(const char *path) {
+    nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
 
 char *tu_write_file(const char *dir, const char *name, const void *data, long len) {
     size_t n = strlen(dir) + strlen(name) + 2;

@@ -45,7 +45,7 @@ enum llmem_kv_format {
  *   + f16 min), tq 36 + 14 (keys 8-bit + f16 scale + f16 zero; values 3-bit + f16 scale).
  * This table is the source of truth that kv/ codecs are tested against. */
 struct llmem_kv_format_info {
-    const char *name;      /* "f16", "q8", ... */
+    const char *name;          /* "f16", "q8", ... */
     int64_t key_group_bytes;   /* per 32 key elements */
     int64_t value_group_bytes; /* per 32 value elements */
 };
@@ -63,23 +63,23 @@ int64_t llmem_kv_bytes_per_token_effective(int64_t kv_bytes_per_token, enum llme
  * ------------------------------------------------------------------------------------------- */
 
 struct llmem_model_geometry {
-    char name[128];            /* catalog name or model directory name */
-    char arch[32];             /* "llama", "mistral", "qwen2", "qwen3" */
-    char source[96];           /* where the numbers come from (Hugging Face id or a path) */
-    int64_t n_layers;          /* num_hidden_layers */
+    char name[128];   /* catalog name or model directory name */
+    char arch[32];    /* "llama", "mistral", "qwen2", "qwen3" */
+    char source[96];  /* where the numbers come from (Hugging Face id or a path) */
+    int64_t n_layers; /* num_hidden_layers */
     int64_t hidden_size;
-    int64_t n_heads;           /* num_attention_heads */
-    int64_t n_kv_heads;        /* num_key_value_heads */
+    int64_t n_heads;    /* num_attention_heads */
+    int64_t n_kv_heads; /* num_key_value_heads */
     int64_t head_dim;
     int64_t intermediate_size;
     int64_t vocab_size;
-    int64_t max_context;       /* max_position_embeddings */
-    int64_t sliding_window;    /* tokens; 0 when every layer attends to the full context */
-    int tied_embeddings;       /* lm_head shares the embedding matrix */
-    int attention_bias;        /* q/k/v projections have a bias (Qwen2) */
-    int qk_norm;               /* per-head RMSNorm of q and k (Qwen3) */
-    int64_t n_params;          /* parameters as stored */
-    int64_t weights_bytes;     /* bytes of all tensors as stored */
+    int64_t max_context;    /* max_position_embeddings */
+    int64_t sliding_window; /* tokens; 0 when every layer attends to the full context */
+    int tied_embeddings;    /* lm_head shares the embedding matrix */
+    int attention_bias;     /* q/k/v projections have a bias (Qwen2) */
+    int qk_norm;            /* per-head RMSNorm of q and k (Qwen3) */
+    int64_t n_params;       /* parameters as stored */
+    int64_t weights_bytes;  /* bytes of all tensors as stored */
 };
 
 /* Σ over attention layers of 2 (K and V) × n_kv_heads × head_dim × 2 bytes. */
@@ -119,25 +119,25 @@ const char *llmem_usable_source_name(enum llmem_usable_source source);
 
 struct llmem_plan_params {
     enum llmem_plan_target target;
-    int64_t total_bytes;          /* required: min(RAM, cgroup limit), or device memory */
-    int64_t ceiling_bytes;        /* 0: equals total */
-    int64_t weights_bytes;        /* required */
-    int64_t kv_bytes_per_token;   /* required: at 2 bytes per element */
+    int64_t total_bytes;        /* required: min(RAM, cgroup limit), or device memory */
+    int64_t ceiling_bytes;      /* 0: equals total */
+    int64_t weights_bytes;      /* required */
+    int64_t kv_bytes_per_token; /* required: at 2 bytes per element */
     enum llmem_kv_format kv_format;
     int64_t aux_bytes_per_token;
     int64_t prefill_transient_bytes_per_token;
-    int64_t model_max_context;    /* 0: the model sets no limit */
-    int64_t requested_context;    /* 0: the plan picks the fit */
-    int64_t memory_budget_bytes;  /* 0: none (--budget) */
-    int64_t memory_limit_bytes;   /* 0: none (--memory-limit) */
-    double util;                  /* 0: none (--util), else in (0, 1] */
-    int64_t max_sequences;        /* 0: 1 */
-    int64_t max_batch_tokens;     /* 0: 512 */
+    int64_t model_max_context;        /* 0: the model sets no limit */
+    int64_t requested_context;        /* 0: the plan picks the fit */
+    int64_t memory_budget_bytes;      /* 0: none (--budget) */
+    int64_t memory_limit_bytes;       /* 0: none (--memory-limit) */
+    double util;                      /* 0: none (--util), else in (0, 1] */
+    int64_t max_sequences;            /* 0: 1 */
+    int64_t max_batch_tokens;         /* 0: 512 */
     int64_t computed_workspace_bytes; /* from llmem_geometry_workspace_bytes; 0 without geometry */
 };
 
 #define LLMEM_PLAN_MAX_NOTES 12
-#define LLMEM_PLAN_NOTE_MAX 400
+#define LLMEM_PLAN_NOTE_MAX  400
 
 struct llmem_plan {
     int available;
@@ -147,9 +147,9 @@ struct llmem_plan {
     /* envelope (§2.2 step 1) */
     int64_t total_bytes;
     int64_t ceiling_bytes;
-    int64_t budget_bytes;         /* 0 when none */
-    int64_t planning_bytes;       /* min(total, ceiling, budget) */
-    int64_t usable_bytes;         /* the engine budget */
+    int64_t budget_bytes;   /* 0 when none */
+    int64_t planning_bytes; /* min(total, ceiling, budget) */
+    int64_t usable_bytes;   /* the engine budget */
     enum llmem_usable_source usable_source;
 
     /* commitments and caches (steps 2–3) */
@@ -159,7 +159,7 @@ struct llmem_plan {
     enum llmem_kv_format kv_format;
     int64_t aux_bytes_per_token;
     int64_t prefill_transient_bytes_per_token;
-    int64_t per_token_bytes;      /* kv_eff + aux + prefill_transient */
+    int64_t per_token_bytes; /* kv_eff + aux + prefill_transient */
     int64_t computed_workspace_bytes;
     int64_t runtime_transients_bytes;
     int64_t bank_floor_bytes;
@@ -167,14 +167,14 @@ struct llmem_plan {
 
     /* context (steps 4–5) */
     int64_t kv_budget_bytes;
-    int64_t context_raw;          /* kv_budget / per_token */
-    int64_t model_max_context;    /* 0: none */
-    int64_t requested_context;    /* 0: none */
-    int64_t context_window_fit;   /* what the machine fits, capped at the model's maximum */
+    int64_t context_raw;             /* kv_budget / per_token */
+    int64_t model_max_context;       /* 0: none */
+    int64_t requested_context;       /* 0: none */
+    int64_t context_window_fit;      /* what the machine fits, capped at the model's maximum */
     int64_t context_window_resolved; /* the window the engine runs with */
     int model_fits;
-    int machine_bound;            /* the machine, not the model, limits the window */
-    int overcommitted;            /* an explicit context above the machine fit */
+    int machine_bound; /* the machine, not the model, limits the window */
+    int overcommitted; /* an explicit context above the machine fit */
     int64_t kv_reserve_bytes;
     int64_t pool_tokens;
     int64_t max_full_window_sequences;
@@ -188,13 +188,13 @@ struct llmem_plan {
 
     /* limits and the util band (§3.1); with a budget, "ceiling" and "total" below mean
      * min(ceiling, budget) and min(total, budget): the budget simulates a smaller machine */
-    double util;                  /* the applied fraction: usable / ceiling */
-    double util_requested;        /* --util as given; 0 when none */
+    double util;           /* the applied fraction: usable / ceiling */
+    double util_requested; /* --util as given; 0 when none */
     int64_t allocation_limit_bytes;
     int64_t trip_bytes;
-    int64_t footprint_bytes;      /* weights + transients + kv_reserve + bank_floor */
-    double band_low;              /* footprint / ceiling */
-    double band_high;             /* ceiling / total − 0.05 */
+    int64_t footprint_bytes; /* weights + transients + kv_reserve + bank_floor */
+    double band_low;         /* footprint / ceiling */
+    double band_high;        /* ceiling / total − 0.05 */
     int band_empty;
     int util_in_band;
     int trip_above_ceiling;

@@ -68,8 +68,8 @@ int cli_parse_int(const char *flag, const char *value, int64_t min, int64_t max,
     if (value[0] == '\0' || *end != '\0' || errno != 0)
         return cli_usage_error("", "%s: '%s' is not an integer", flag, value);
     if (v < min || v > max)
-        return cli_usage_error("", "%s: %lld is out of range [%lld, %lld]", flag, v,
-                               (long long)min, (long long)max);
+        return cli_usage_error("", "%s: %lld is out of range [%lld, %lld]", flag, v, (long long)min,
+                               (long long)max);
     *out = v;
     return CLI_OK;
 }

@@ -112,7 +112,7 @@ struct plan_args {
 };
 
 #define MAX_CONTEXT_TOKENS ((int64_t)1 << 40)
-#define MAX_COUNT ((int64_t)1 << 30)
+#define MAX_COUNT          ((int64_t)1 << 30)
 
 static int parse_args(int argc, char **argv, struct plan_args *a) {
     memset(a, 0, sizeof(*a));
@@ -172,8 +172,8 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
         case 'h':
         case OPT_HELP: fputs(plan_usage, stdout); return -1;
         case ':': return cli_usage_error("plan", "%s needs a value", argv[optind - 1]);
-        default: return cli_usage_error("plan", "unknown option '%s' (see --help)",
-                                        argv[optind - 1]);
+        default:
+            return cli_usage_error("plan", "unknown option '%s' (see --help)", argv[optind - 1]);
         }
     }
     if (rc != CLI_OK)
@@ -221,8 +221,8 @@ static int print_catalog(int json) {
         free(text);
         return CLI_OK;
     }
-    printf("%-20s %-8s %8s %9s %12s %10s  %s\n", "name", "arch", "params", "weights",
-           "KV/token", "max ctx", "source");
+    printf("%-20s %-8s %8s %9s %12s %10s  %s\n", "name", "arch", "params", "weights", "KV/token",
+           "max ctx", "source");
     for (size_t i = 0; i < n; i++) {
         const struct llmem_model_geometry *g = llmem_catalog_get(i);
         char w[LLMEM_SIZE_STR_MAX];
@@ -355,11 +355,13 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
            llmem_size_format_short(ceiling, line, sizeof(line)));
     printf(": %s\n", ok ? "holds" : "BROKEN");
     printf("  util     %.3f, band (%.3f, %.3f)%s\n", p->util, p->band_low, p->band_high,
-           p->band_empty ? ": EMPTY" : p->util_in_band ? ": inside" : ": OUTSIDE");
-    const char *verdict = p->overcommitted    ? "OVERCOMMITTED"
-                          : !p->model_fits    ? "MODEL DOES NOT FIT"
-                          : !ok               ? "fits, but the limits are unsafe"
-                                              : "fits";
+           p->band_empty     ? ": EMPTY"
+           : p->util_in_band ? ": inside"
+                             : ": OUTSIDE");
+    const char *verdict = p->overcommitted ? "OVERCOMMITTED"
+                          : !p->model_fits ? "MODEL DOES NOT FIT"
+                          : !ok            ? "fits, but the limits are unsafe"
+                                           : "fits";
     printf("  verdict  %s\n", verdict);
     if (p->n_notes > 0)
         printf("\nnotes:\n");
@@ -383,8 +385,8 @@ int cli_plan(int argc, char **argv) {
         a.params.weights_bytes = g->weights_bytes;
         a.params.kv_bytes_per_token = llmem_geometry_kv_bytes_per_token(g);
         a.params.model_max_context = g->max_context;
-        a.params.computed_workspace_bytes = llmem_geometry_workspace_bytes(
-            g, a.params.max_batch_tokens, a.params.max_sequences);
+        a.params.computed_workspace_bytes =
+            llmem_geometry_workspace_bytes(g, a.params.max_batch_tokens, a.params.max_sequences);
     } else {
         a.params.weights_bytes = a.weights;
         a.params.kv_bytes_per_token = a.kv_bytes;

@@ -11,12 +11,12 @@
 #include "llmem/plan.h"
 #include "llmem/size.h"
 
-#define W 960
+#define W     960
 #define BAR_X 40
 #define BAR_W 880
 #define BAR_Y 132
 #define BAR_H 56
-#define WRAP 125 /* characters per line of the describe text */
+#define WRAP  125 /* characters per line of the describe text */
 
 struct segment {
     const char *name;
@@ -56,8 +56,10 @@ static void marker(FILE *f, const char *name, int64_t bytes, int64_t scale, cons
     fprintf(f, "<line x1='%.1f' y1='%d' x2='%.1f' y2='%d' stroke='%s' stroke-width='2'%s/>\n", x,
             label_y + 4, x, BAR_Y + BAR_H + 8, color, row == 0 ? "" : " stroke-dasharray='5,3'");
     fprintf(f, "<text x='%.1f' y='%d' fill='%s' font-size='12' text-anchor='%s'>%s %s</text>\n",
-            x + (anchor[0] == 'e' ? -4 : anchor[0] == 's' ? 4 : 0), label_y, color, anchor, name,
-            llmem_size_format_short(bytes, s, sizeof(s)));
+            x + (anchor[0] == 'e'   ? -4
+                 : anchor[0] == 's' ? 4
+                                    : 0),
+            label_y, color, anchor, name, llmem_size_format_short(bytes, s, sizeof(s)));
 }
 
 /* The describe line, wrapped at spaces into lines of at most WRAP characters. */
@@ -114,8 +116,9 @@ int cli_plan_svg(const struct llmem_plan *p, const char *path) {
 
     char line[512], s[LLMEM_SIZE_STR_MAX];
     int height = 330;
-    fprintf(f, "<svg xmlns='http://www.w3.org/2000/svg' width='%d' height='%d' viewBox='0 0 %d %d'"
-               " font-family='DejaVu Sans, Helvetica, Arial, sans-serif'>\n",
+    fprintf(f,
+            "<svg xmlns='http://www.w3.org/2000/svg' width='%d' height='%d' viewBox='0 0 %d %d'"
+            " font-family='DejaVu Sans, Helvetica, Arial, sans-serif'>\n",
             W, height, W, height);
     fprintf(f, "<rect width='100%%' height='100%%' fill='#ffffff'/>\n");
     fprintf(f, "<text x='%d' y='24' font-size='15' font-weight='bold' fill='#222'>", BAR_X);
@@ -131,13 +134,15 @@ int cli_plan_svg(const struct llmem_plan *p, const char *path) {
         double w = (double)BAR_W * (double)segs[i].bytes / (double)scale;
         if (w <= 0)
             continue;
-        fprintf(f, "<rect x='%.1f' y='%d' width='%.1f' height='%d' fill='%s'>"
-                   "<title>%s %s</title></rect>\n",
+        fprintf(f,
+                "<rect x='%.1f' y='%d' width='%.1f' height='%d' fill='%s'>"
+                "<title>%s %s</title></rect>\n",
                 x, BAR_Y, w, BAR_H, segs[i].fill, segs[i].name,
                 llmem_size_format_short(segs[i].bytes, s, sizeof(s)));
         if (w > 70)
-            fprintf(f, "<text x='%.1f' y='%d' font-size='12' fill='#fff' text-anchor='middle'>"
-                       "%s</text>\n",
+            fprintf(f,
+                    "<text x='%.1f' y='%d' font-size='12' fill='#fff' text-anchor='middle'>"
+                    "%s</text>\n",
                     x + w / 2, BAR_Y + BAR_H / 2 + 4,
                     llmem_size_format_short(segs[i].bytes, s, sizeof(s)));
         x += w;
@@ -148,16 +153,17 @@ int cli_plan_svg(const struct llmem_plan *p, const char *path) {
         marker(f, "ceiling", p->ceiling_bytes, scale, "#000000", 2);
     }
     if (p->available && sum > p->total_bytes)
-        fprintf(f, "<text x='%d' y='%d' font-size='12' fill='#c0392b' text-anchor='end'>"
-                   "needs %s: %s more than the machine has</text>\n",
-                BAR_X + BAR_W, BAR_Y + BAR_H + 22,
-                llmem_size_format_short(sum, s, sizeof(s)),
+        fprintf(f,
+                "<text x='%d' y='%d' font-size='12' fill='#c0392b' text-anchor='end'>"
+                "needs %s: %s more than the machine has</text>\n",
+                BAR_X + BAR_W, BAR_Y + BAR_H + 22, llmem_size_format_short(sum, s, sizeof(s)),
                 llmem_size_format_short(sum - p->total_bytes, line, sizeof(line)));
     /* Scale ticks under the bar. */
     fprintf(f, "<text x='%d' y='%d' font-size='11' fill='#666'>0</text>\n", BAR_X,
             BAR_Y + BAR_H + 22);
-    fprintf(f, "<text x='%.1f' y='%d' font-size='11' fill='#666' text-anchor='end'>"
-               "memory %s</text>\n",
+    fprintf(f,
+            "<text x='%.1f' y='%d' font-size='11' fill='#666' text-anchor='end'>"
+            "memory %s</text>\n",
             x_of(p->total_bytes, scale), BAR_Y + BAR_H + 22,
             llmem_size_format_short(p->total_bytes, s, sizeof(s)));
 
@@ -167,11 +173,12 @@ int cli_plan_svg(const struct llmem_plan *p, const char *path) {
         int lx = BAR_X + (i % 3) * 300, row = ly + (i / 3) * 22;
         fprintf(f, "<rect x='%d' y='%d' width='14' height='14' fill='%s'/>\n", lx, row - 11,
                 segs[i].fill);
-        fprintf(f, "<text x='%d' y='%d' font-size='12.5' fill='#222'>%s %s</text>\n", lx + 20,
-                row, segs[i].name, llmem_size_format_short(segs[i].bytes, s, sizeof(s)));
+        fprintf(f, "<text x='%d' y='%d' font-size='12.5' fill='#222'>%s %s</text>\n", lx + 20, row,
+                segs[i].name, llmem_size_format_short(segs[i].bytes, s, sizeof(s)));
     }
-    fprintf(f, "<text x='%d' y='%d' font-size='12' fill='#444'>context %lld tokens, KV %s"
-               ", util %.3f (band %.3f–%.3f)%s</text>\n",
+    fprintf(f,
+            "<text x='%d' y='%d' font-size='12' fill='#444'>context %lld tokens, KV %s"
+            ", util %.3f (band %.3f–%.3f)%s</text>\n",
             BAR_X, ly + 56, (long long)p->context_window_resolved,
             llmem_kv_format_name(p->kv_format), p->util, p->band_low, p->band_high,
             p->band_empty ? ", band EMPTY" : "");

@@ -57,7 +57,9 @@ void llmem_log_set_callback(llmem_log_fn fn, void *user, enum llmem_log_level ma
     atomic_store(&sink_index, next);
 }
 
-const char *llmem_last_error(void) { return last_error; }
+const char *llmem_last_error(void) {
+    return last_error;
+}
 
 void llmem_log_line(enum llmem_log_level level, const char *func, const char *fmt, ...) {
     struct log_sink sink = sinks[atomic_load(&sink_index)];
@@ -80,7 +82,9 @@ void llmem_log_line(enum llmem_log_level level, const char *func, const char *fm
         sink.fn(level, line, sink.user);
 }
 
-void llmem_set_assert_callback(llmem_assert_fn fn) { atomic_store(&assert_fn, fn); }
+void llmem_set_assert_callback(llmem_assert_fn fn) {
+    atomic_store(&assert_fn, fn);
+}
 
 void llmem_assert_fail(const char *file, int line, const char *expr) {
     llmem_assert_fn fn = atomic_load(&assert_fn);

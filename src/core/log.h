@@ -25,8 +25,8 @@ void llmem_log_line(enum llmem_log_level level, const char *func, const char *fm
 void llmem_assert_fail(const char *file, int line, const char *expr);
 
 #define LLMEM_ERROR(...) llmem_log_line(LLMEM_LOG_ERROR, __func__, __VA_ARGS__)
-#define LLMEM_WARN(...) llmem_log_line(LLMEM_LOG_WARN, __func__, __VA_ARGS__)
-#define LLMEM_INFO(...) llmem_log_line(LLMEM_LOG_INFO, __func__, __VA_ARGS__)
+#define LLMEM_WARN(...)  llmem_log_line(LLMEM_LOG_WARN, __func__, __VA_ARGS__)
+#define LLMEM_INFO(...)  llmem_log_line(LLMEM_LOG_INFO, __func__, __VA_ARGS__)
 #define LLMEM_DEBUG(...) llmem_log_line(LLMEM_LOG_DEBUG, __func__, __VA_ARGS__)
 
 #define LLMEM_ASSERT(cond)                                                                         \

@@ -24,11 +24,11 @@ int64_t llmem_geometry_param_count(const struct llmem_model_geometry *g) {
     int64_t h = g->hidden_size;
     int64_t q_dim = sat_mul(g->n_heads, g->head_dim);
     int64_t kv_dim = sat_mul(g->n_kv_heads, g->head_dim);
-    int64_t layer = sat_mul(h, q_dim);             /* q_proj */
-    layer = sat_add(layer, sat_mul(2 * h, kv_dim)); /* k_proj, v_proj */
-    layer = sat_add(layer, sat_mul(q_dim, h));      /* o_proj */
+    int64_t layer = sat_mul(h, q_dim);                            /* q_proj */
+    layer = sat_add(layer, sat_mul(2 * h, kv_dim));               /* k_proj, v_proj */
+    layer = sat_add(layer, sat_mul(q_dim, h));                    /* o_proj */
     layer = sat_add(layer, sat_mul(3 * h, g->intermediate_size)); /* gate, up, down */
-    layer = sat_add(layer, 2 * h);                                 /* two RMSNorms */
+    layer = sat_add(layer, 2 * h);                                /* two RMSNorms */
     if (g->attention_bias)
         layer = sat_add(layer, sat_add(q_dim, 2 * kv_dim));
     if (g->qk_norm)
@@ -54,7 +54,7 @@ int64_t llmem_geometry_workspace_bytes(const struct llmem_model_geometry *g,
     per_token = sat_add(per_token, sat_mul(2, kv_dim));
     per_token = sat_add(per_token, sat_mul(2, g->intermediate_size));
     per_token = sat_add(per_token, sat_mul(g->n_heads, 512));
-    int64_t floats = sat_add(sat_mul(max_batch_tokens, per_token),
-                             sat_mul(max_sequences, g->vocab_size));
+    int64_t floats =
+        sat_add(sat_mul(max_batch_tokens, per_token), sat_mul(max_sequences, g->vocab_size));
     return sat_mul(floats, (int64_t)sizeof(float));
 }

@@ -21,19 +21,25 @@
 #include "llmem/plan.h"
 #include "llmem/size.h"
 
-#define USABLE_CAP (192 * LLMEM_GIB)
-#define USABLE_FLOOR (8 * LLMEM_GIB)
-#define TRANSIENTS_CAP (3 * LLMEM_GIB)
-#define BANK_FLOOR_CAP LLMEM_GIB
-#define BANK_CAP (48 * LLMEM_GIB)
+#define USABLE_CAP            (192 * LLMEM_GIB)
+#define USABLE_FLOOR          (8 * LLMEM_GIB)
+#define TRANSIENTS_CAP        (3 * LLMEM_GIB)
+#define BANK_FLOOR_CAP        LLMEM_GIB
+#define BANK_CAP              (48 * LLMEM_GIB)
 #define TRANSIENT_RESERVE_CAP (16 * LLMEM_GIB)
-#define CONTEXT_ALIGN 4096
-#define CONTEXT_MINIMUM 4096
-#define TRIP_OFFSET 0.05
+#define CONTEXT_ALIGN         4096
+#define CONTEXT_MINIMUM       4096
+#define TRIP_OFFSET           0.05
 
-static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
-static int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }
+static int64_t min64(int64_t a, int64_t b) {
+    return a < b ? a : b;
+}
+static int64_t max64(int64_t a, int64_t b) {
+    return a > b ? a : b;
+}
+static int64_t clamp64(int64_t v, int64_t lo, int64_t hi) {
+    return v < lo ? lo : v > hi ? hi : v;
+}
 
 /* floor(a × num / den) for a ≥ 0, without overflow. */
 static int64_t muldiv(int64_t a, int64_t num, int64_t den) {
@@ -47,9 +53,15 @@ static int64_t mul_sat(int64_t a, int64_t b) {
 }
 
 /* a − b and a + b as signed values, saturated (never wrapped). */
-static int64_t sat(__int128 r) { return r < INT64_MIN ? INT64_MIN : r > INT64_MAX ? INT64_MAX : (int64_t)r; }
-static int64_t sub_sat(int64_t a, int64_t b) { return sat((__int128)a - b); }
-static int64_t add_sat(int64_t a, int64_t b) { return sat((__int128)a + b); }
+static int64_t sat(__int128 r) {
+    return r < INT64_MIN ? INT64_MIN : r > INT64_MAX ? INT64_MAX : (int64_t)r;
+}
+static int64_t sub_sat(int64_t a, int64_t b) {
+    return sat((__int128)a - b);
+}
+static int64_t add_sat(int64_t a, int64_t b) {
+    return sat((__int128)a + b);
+}
 
 static void note(struct llmem_plan *plan, const char *fmt, ...) LLMEM_PRINTF(2, 3);
 static void note(struct llmem_plan *plan, const char *fmt, ...) {
@@ -156,14 +168,14 @@ static void plan_context(const struct llmem_plan_params *p, struct llmem_plan *p
         max64(p->computed_workspace_bytes, min64(TRANSIENTS_CAP, plan->usable_bytes / 8));
     plan->bank_floor_bytes = min64(BANK_FLOOR_CAP, plan->usable_bytes / 16);
 
-    int64_t left = sub_sat(sub_sat(plan->usable_bytes, plan->weights_bytes),
-                           plan->runtime_transients_bytes);
+    int64_t left =
+        sub_sat(sub_sat(plan->usable_bytes, plan->weights_bytes), plan->runtime_transients_bytes);
     plan->kv_budget_bytes = max64(0, sub_sat(left, plan->bank_floor_bytes));
     int64_t raw = plan->kv_budget_bytes / plan->per_token_bytes;
     int64_t fit = raw >= CONTEXT_ALIGN ? raw / CONTEXT_ALIGN * CONTEXT_ALIGN : raw;
     int64_t model_max = p->model_max_context > 0 ? p->model_max_context : INT64_MAX;
-    int64_t minimum = min64(p->requested_context > 0 ? p->requested_context : CONTEXT_MINIMUM,
-                            model_max);
+    int64_t minimum =
+        min64(p->requested_context > 0 ? p->requested_context : CONTEXT_MINIMUM, model_max);
 
     plan->context_raw = raw;
     plan->pool_tokens = raw;
@@ -188,8 +200,8 @@ static void plan_context(const struct llmem_plan_params *p, struct llmem_plan *p
 /* ---- step 6: the bank ------------------------------------------------------------------------ */
 
 static void plan_bank(struct llmem_plan *plan) {
-    int64_t left = sub_sat(sub_sat(plan->usable_bytes, plan->weights_bytes),
-                           plan->runtime_transients_bytes);
+    int64_t left =
+        sub_sat(sub_sat(plan->usable_bytes, plan->weights_bytes), plan->runtime_transients_bytes);
     int64_t steady = sub_sat(left, plan->kv_reserve_bytes);
     plan->bank_cap_bytes = BANK_CAP;
     plan->bank_idle_max_bytes = clamp64(left, plan->bank_floor_bytes, BANK_CAP);
@@ -218,9 +230,10 @@ static void plan_limits(const struct llmem_plan_params *p, struct llmem_plan *pl
     plan->trip_above_ceiling = plan->trip_bytes >= (int64_t)ceiling;
 }
 
-/* ---- step 7: notes ---------------------------------------------------------------------------- */
+/* ---- step 7: notes ----------------------------------------------------------------------------
+ */
 
-#define SZ(v) llmem_size_format((v), (char[LLMEM_SIZE_STR_MAX]){0}, LLMEM_SIZE_STR_MAX)
+#define SZ(v)  llmem_size_format((v), (char[LLMEM_SIZE_STR_MAX]){0}, LLMEM_SIZE_STR_MAX)
 #define GIB(v) llmem_size_format_short((v), (char[LLMEM_SIZE_STR_MAX]){0}, LLMEM_SIZE_STR_MAX)
 
 static void plan_notes(const struct llmem_plan_params *p, struct llmem_plan *plan) {
@@ -228,13 +241,14 @@ static void plan_notes(const struct llmem_plan_params *p, struct llmem_plan *pla
     int64_t resolved = plan->context_window_resolved;
     int64_t window_kv = plan->kv_reserve_bytes;
 
-    if (plan->budget_bytes > 0 && plan->budget_bytes < min64(plan->total_bytes,
-                                                             plan->ceiling_bytes))
+    if (plan->budget_bytes > 0 &&
+        plan->budget_bytes < min64(plan->total_bytes, plan->ceiling_bytes))
         note(plan, "planning for a budget of %s instead of this machine's %s (--budget)",
              SZ(plan->budget_bytes), SZ(min64(plan->total_bytes, plan->ceiling_bytes)));
     if (plan->ceiling_bytes < plan->total_bytes)
-        note(plan, "the ceiling %s (a cgroup, wired or device limit) is below the memory size %s;"
-                   " the plan is made against the ceiling",
+        note(plan,
+             "the ceiling %s (a cgroup, wired or device limit) is below the memory size %s;"
+             " the plan is made against the ceiling",
              SZ(plan->ceiling_bytes), SZ(plan->total_bytes));
     if (p->requested_context > 0 && model_max > 0 && p->requested_context > model_max)
         note(plan, "requested context %lld is above the model's maximum %lld; using %lld",
@@ -247,9 +261,9 @@ static void plan_notes(const struct llmem_plan_params *p, struct llmem_plan *pla
              (long long)resolved, (long long)plan->context_raw, GIB(window_kv),
              GIB(plan->kv_budget_bytes));
     } else if (!plan->model_fits) {
-        int64_t need = add_sat(add_sat(plan->weights_bytes, plan->runtime_transients_bytes),
-                               add_sat(plan->bank_floor_bytes,
-                                       mul_sat(resolved, plan->per_token_bytes)));
+        int64_t need =
+            add_sat(add_sat(plan->weights_bytes, plan->runtime_transients_bytes),
+                    add_sat(plan->bank_floor_bytes, mul_sat(resolved, plan->per_token_bytes)));
         int formula = plan->usable_source == LLMEM_USABLE_FORMULA ||
                       plan->usable_source == LLMEM_USABLE_BUDGET;
         note(plan,
@@ -284,8 +298,9 @@ static void plan_notes(const struct llmem_plan_params *p, struct llmem_plan *pla
                  (long long)plan->context_window_fit, lever);
         }
     } else if (p->requested_context == 0) {
-        note(plan, "context is the model's maximum %lld (the machine would fit %lld); one full"
-                   " window of KV is %s",
+        note(plan,
+             "context is the model's maximum %lld (the machine would fit %lld); one full"
+             " window of KV is %s",
              (long long)plan->context_window_fit, (long long)plan->context_raw, SZ(window_kv));
     }
     if (plan->model_fits && !plan->overcommitted && plan->max_full_window_sequences > 1)
@@ -318,7 +333,8 @@ static void plan_notes(const struct llmem_plan_params *p, struct llmem_plan *pla
              GIB(plan->planning_bytes - plan->usable_bytes));
 }
 
-/* ---- the plan --------------------------------------------------------------------------------- */
+/* ---- the plan ---------------------------------------------------------------------------------
+ */
 
 int llmem_plan_compute(const struct llmem_plan_params *params, struct llmem_plan *plan) {
     memset(plan, 0, sizeof(*plan));
@@ -366,11 +382,11 @@ char *llmem_plan_describe(const struct llmem_plan *plan, char *buf, size_t buf_s
     char budget[64] = "";
     if (plan->budget_bytes > 0)
         snprintf(budget, sizeof(budget), " (budget %s)", SZ(plan->budget_bytes));
-    const char *why = plan->overcommitted          ? "OVERCOMMITTED"
+    const char *why = plan->overcommitted           ? "OVERCOMMITTED"
                       : plan->requested_context > 0 ? "requested"
-                      : !plan->model_fits          ? "minimum"
-                      : plan->machine_bound        ? "machine-bound"
-                                                   : "model maximum";
+                      : !plan->model_fits           ? "minimum"
+                      : plan->machine_bound         ? "machine-bound"
+                                                    : "model maximum";
     snprintf(buf, buf_size,
              "%s %s%s: engine budget %s, weights %s, context %lld (%s), session bank up to %s"
              " (yields to %s under long-context load)%s",

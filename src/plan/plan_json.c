@@ -22,12 +22,13 @@ cJSON *llmem_plan_json(const struct llmem_plan *plan) {
         st |= llmem_json_add_null(o, "unavailable_reason");
     else
         st |= llmem_json_add_string(o, "unavailable_reason", plan->unavailable_reason);
-    st |= llmem_json_add_string(o, "describe", llmem_plan_describe(plan, describe, sizeof(describe)));
+    st |=
+        llmem_json_add_string(o, "describe", llmem_plan_describe(plan, describe, sizeof(describe)));
     st |= llmem_json_add_string(o, "target", plan->target == LLMEM_PLAN_CUDA ? "cuda" : "host");
 
-#define I64(name) st |= llmem_json_add_int(o, #name, plan->name)
+#define I64(name)  st |= llmem_json_add_int(o, #name, plan->name)
 #define BOOL(name) st |= llmem_json_add_bool(o, #name, plan->name)
-#define DBL(name) st |= llmem_json_add_double(o, #name, plan->name)
+#define DBL(name)  st |= llmem_json_add_double(o, #name, plan->name)
     I64(total_bytes);
     I64(ceiling_bytes);
     I64(budget_bytes);

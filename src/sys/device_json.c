@@ -15,7 +15,8 @@ static int add_size(cJSON *obj, const char *key, int64_t value) {
 }
 
 static int add_text(cJSON *obj, const char *key, const char *value) {
-    return value[0] != '\0' ? llmem_json_add_string(obj, key, value) : llmem_json_add_null(obj, key);
+    return value[0] != '\0' ? llmem_json_add_string(obj, key, value)
+                            : llmem_json_add_null(obj, key);
 }
 
 int llmem_sys_device_info_json(const struct llmem_device_info *info, cJSON *obj) {

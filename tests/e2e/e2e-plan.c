@@ -64,15 +64,36 @@ static void test_reference_numbers_json(void **state) {
                                   " (machine-bound), session bank up to 13.1G (yields to 1.1G"
                                   " under long-context load)");
     /* every key the plan promises */
-    const char *keys[] = {"available", "unavailable_reason", "total_bytes", "usable_bytes",
-                          "usable_source", "weights_bytes", "kv_bytes_per_token",
-                          "kv_bytes_per_token_effective", "kv_format", "runtime_transients_bytes",
-                          "bank_floor_bytes", "model_fits", "context_window_fit",
-                          "context_window_resolved", "machine_bound", "overcommitted",
-                          "kv_reserve_bytes", "bank_idle_max_bytes", "bank_steady_bytes",
-                          "headroom_bytes", "pool_tokens", "max_full_window_sequences",
-                          "ceiling_bytes", "allocation_limit_bytes", "trip_bytes", "util",
-                          "band_low", "band_high", "notes", "describe"};
+    const char *keys[] = {"available",
+                          "unavailable_reason",
+                          "total_bytes",
+                          "usable_bytes",
+                          "usable_source",
+                          "weights_bytes",
+                          "kv_bytes_per_token",
+                          "kv_bytes_per_token_effective",
+                          "kv_format",
+                          "runtime_transients_bytes",
+                          "bank_floor_bytes",
+                          "model_fits",
+                          "context_window_fit",
+                          "context_window_resolved",
+                          "machine_bound",
+                          "overcommitted",
+                          "kv_reserve_bytes",
+                          "bank_idle_max_bytes",
+                          "bank_steady_bytes",
+                          "headroom_bytes",
+                          "pool_tokens",
+                          "max_full_window_sequences",
+                          "ceiling_bytes",
+                          "allocation_limit_bytes",
+                          "trip_bytes",
+                          "util",
+                          "band_low",
+                          "band_high",
+                          "notes",
+                          "describe"};
     for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)
         if (cJSON_GetObjectItemCaseSensitive(o, keys[i]) == NULL)
             fail_msg("missing key %s", keys[i]);
@@ -109,9 +130,9 @@ static void test_usable_by_machine_size(void **state) {
                  {"128G", 96 * GiB},
                  {"512G", 192 * GiB}};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-        struct tu_run run = tu_llmem("plan", "--total", cases[i].total, "--weights", "1G",
-                                     "--kv-bytes-per-token", "65536", "--max-context", "262144",
-                                     "--json", NULL);
+        struct tu_run run =
+            tu_llmem("plan", "--total", cases[i].total, "--weights", "1G", "--kv-bytes-per-token",
+                     "65536", "--max-context", "262144", "--json", NULL);
         cJSON *o = json_of(&run);
         assert_int_equal(get_int(o, "usable_bytes"), cases[i].usable);
         cJSON_Delete(o);
@@ -127,8 +148,8 @@ static void test_every_kv_format(void **state) {
     } cases[] = {{"f32", 131072}, {"f16", 65536}, {"bf16", 65536},
                  {"q8", 34816},   {"q4", 20480},  {"tq", 25600}};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-        struct tu_run run = tu_llmem("plan", "--total", "48G", REF, "--kv-format", cases[i].name,
-                                     "--json", NULL);
+        struct tu_run run =
+            tu_llmem("plan", "--total", "48G", REF, "--kv-format", cases[i].name, "--json", NULL);
         cJSON *o = json_of(&run);
         assert_int_equal(get_int(o, "kv_bytes_per_token_effective"), cases[i].bytes);
         const char *fmt = NULL;
@@ -141,9 +162,9 @@ static void test_every_kv_format(void **state) {
 
 static void test_util_band_trap(void **state) {
     (void)state;
-    struct tu_run run = tu_llmem("plan", "--total", "96G", "--ceiling", "72G", "--util", "0.9",
-                                 "--weights", "40G", "--kv-bytes-per-token", "131072",
-                                 "--max-context", "1048576", "--json", NULL);
+    struct tu_run run =
+        tu_llmem("plan", "--total", "96G", "--ceiling", "72G", "--util", "0.9", "--weights", "40G",
+                 "--kv-bytes-per-token", "131072", "--max-context", "1048576", "--json", NULL);
     cJSON *o = json_of(&run);
     assert_true(get_bool(o, "band_empty"));
     assert_true(get_bool(o, "trip_above_ceiling"));
@@ -231,6 +252,22 @@ static void test_model_does_not_fit(void **state) {
                    "f32", NULL);
     assert_int_equal(run.exit_code, 3);
     assert_non_null(strstr(run.out, "OVERCOMMITTED"));
+    tu_run_free(&run);
+}
+
+static void test_cuda_target_by_numbers(void **state) {
+    (void)state;
+    /* Planning a device this machine may not have: --total stands for its memory. */
+    struct tu_run run =
+        tu_llmem("plan", "llama-3.1-8b", "--backend", "cuda", "--total", "141G", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    cJSON *o = json_of(&run);
+    const char *target = NULL, *describe = NULL;
+    assert_int_equal(llmem_json_get_string(o, "target", &target), 0);
+    assert_string_equal(target, "cuda");
+    assert_int_equal(llmem_json_get_string(o, "describe", &describe), 0);
+    assert_true(strncmp(describe, "141G cuda: engine budget 105.8G", 31) == 0);
+    cJSON_Delete(o);
     tu_run_free(&run);
 }
 
@@ -329,11 +366,12 @@ static void test_broken_models(void **state) {
     expect_clean_failure(dir, "config.json");
 
     /* a missing field */
-    free(tu_write_file(dir, "config.json",
-                       "{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_attention_heads\": 4,"
-                       " \"intermediate_size\": 128, \"vocab_size\": 100,"
-                       " \"max_position_embeddings\": 1024}",
-                       -1));
+    free(
+        tu_write_file(dir, "config.json",
+                      "{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_attention_heads\": 4,"
+                      " \"intermediate_size\": 128, \"vocab_size\": 100,"
+                      " \"max_position_embeddings\": 1024}",
+                      -1));
     expect_clean_failure(dir, "num_hidden_layers");
 
     /* a good config, then hostile safetensors headers */
@@ -377,6 +415,7 @@ int main(void) {
         cmocka_unit_test(test_working_set),
         cmocka_unit_test(test_model_dir_and_catalog),
         cmocka_unit_test(test_model_does_not_fit),
+        cmocka_unit_test(test_cuda_target_by_numbers),
         cmocka_unit_test(test_svg),
         cmocka_unit_test(test_usage_errors),
         cmocka_unit_test(test_broken_models),
