@@ -3,6 +3,7 @@
  */
 #include "testutil.h"
 
+#include <cjson/cJSON.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <stdio.h>
@@ -117,4 +118,16 @@ void tu_run_free(struct tu_run *run) {
     free(run->out);
     free(run->err);
     run->out = run->err = NULL;
+}
+
+cJSON *tu_json_stdout(const struct tu_run *run) {
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithOpts(run->out, &end, 0);
+    while (root != NULL && (*end == ' ' || *end == '\n' || *end == '\t' || *end == '\r'))
+        end++;
+    if (root == NULL || !cJSON_IsObject(root) || *end != '\0') {
+        cJSON_Delete(root);
+        fail_msg("stdout is not exactly one JSON object:\n%s\nstderr:\n%s", run->out, run->err);
+    }
+    return root;
 }

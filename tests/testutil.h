@@ -29,4 +29,9 @@ struct tu_run tu_llmem(const char *arg, ...);
 struct tu_run tu_llmem_argv(int n, const char *const *args);
 void tu_run_free(struct tu_run *run);
 
+/* Parses run->out as exactly one JSON object (only whitespace around it); fails the test
+ * otherwise, printing stdout and stderr. Free with cJSON_Delete. */
+struct cJSON;
+struct cJSON *tu_json_stdout(const struct tu_run *run);
+
 #endif

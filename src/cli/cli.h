@@ -28,6 +28,10 @@ int cli_parse_double(const char *flag, const char *value, double min_excl, doubl
 /* Prints "llmem <cmd>: message" to stderr for usage errors; returns CLI_USAGE. */
 int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* Prints root as pretty JSON and a newline on stdout, then deletes it. */
+struct cJSON;
+int cli_print_json(struct cJSON *root);
+
 /* Makes library log lines at or above WARN (INFO with verbose) go to stderr. */
 void cli_log_init(int verbose);
 

@@ -108,7 +108,6 @@ static void print_device(const struct llmem_device_info *d) {
 
 static int print_json(const struct llmem_device_info *host, const struct llmem_device_info *devices,
                       int n_devices) {
-    int status = CLI_FAIL;
     cJSON *root = cJSON_CreateObject();
     if (root == NULL || llmem_sys_device_info_json(host, root) != LLMEM_OK ||
         llmem_json_add_bool(root, "cuda_built", llmem_backend_cuda_available()) != LLMEM_OK)
@@ -128,17 +127,11 @@ static int print_json(const struct llmem_device_info *host, const struct llmem_d
         if (llmem_sys_device_info_json(&devices[i], dev) != LLMEM_OK)
             goto out_delete;
     }
-    char *text = llmem_json_print(root, 1);
-    if (text == NULL)
-        goto out_delete;
-    printf("%s\n", text);
-    free(text);
-    status = CLI_OK;
+    return cli_print_json(root);
 out_delete:
-    if (status != CLI_OK)
-        fprintf(stderr, "llmem info: out of memory building the JSON output\n");
+    fprintf(stderr, "llmem info: out of memory building the JSON output\n");
     cJSON_Delete(root);
-    return status;
+    return CLI_FAIL;
 }
 
 int cli_info(int argc, char **argv) {

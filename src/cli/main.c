@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "cli/cli.h"
+#include "core/json.h"
 #include "core/log.h"
 #include "llmem/size.h"
 
@@ -85,6 +86,16 @@ int cli_parse_double(const char *flag, const char *value, double min_excl, doubl
         return cli_usage_error("", "%s: %s is out of range (%g, %g]", flag, value, min_excl,
                                max_incl);
     *out = v;
+    return CLI_OK;
+}
+
+int cli_print_json(cJSON *root) {
+    char *text = llmem_json_print(root, 1);
+    cJSON_Delete(root);
+    if (text == NULL)
+        return CLI_FAIL;
+    printf("%s\n", text);
+    free(text);
     return CLI_OK;
 }
 

@@ -197,29 +197,45 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
 
 /* ---- the catalog --------------------------------------------------------------------------- */
 
+/* A geometry's numbers as JSON fields (the catalog list and the plan's "model" object). */
+static int geometry_json(cJSON *o, const struct llmem_model_geometry *g) {
+    int st = llmem_json_add_string(o, "name", g->name);
+    st |= llmem_json_add_string(o, "arch", g->arch);
+    st |= llmem_json_add_string(o, "source", g->source);
+    st |= llmem_json_add_int(o, "n_params", g->n_params);
+    st |= llmem_json_add_int(o, "weights_bytes", g->weights_bytes);
+    st |= llmem_json_add_int(o, "n_layers", g->n_layers);
+    st |= llmem_json_add_int(o, "hidden_size", g->hidden_size);
+    st |= llmem_json_add_int(o, "n_heads", g->n_heads);
+    st |= llmem_json_add_int(o, "n_kv_heads", g->n_kv_heads);
+    st |= llmem_json_add_int(o, "head_dim", g->head_dim);
+    st |= llmem_json_add_int(o, "intermediate_size", g->intermediate_size);
+    st |= llmem_json_add_int(o, "vocab_size", g->vocab_size);
+    st |= llmem_json_add_int(o, "max_context", g->max_context);
+    st |= llmem_json_add_int(o, "sliding_window", g->sliding_window);
+    st |= llmem_json_add_int(o, "kv_bytes_per_token", llmem_geometry_kv_bytes_per_token(g));
+    return st != 0 ? LLMEM_ENOMEM : LLMEM_OK;
+}
+
 static int print_catalog(int json) {
     size_t n = llmem_catalog_count();
     if (json) {
-        cJSON *root = cJSON_CreateObject(), *models = cJSON_AddArrayToObject(root, "models");
-        for (size_t i = 0; i < n; i++) {
-            const struct llmem_model_geometry *g = llmem_catalog_get(i);
+        cJSON *root = cJSON_CreateObject();
+        cJSON *models = root != NULL ? cJSON_AddArrayToObject(root, "models") : NULL;
+        for (size_t i = 0; models != NULL && i < n; i++) {
             cJSON *m = cJSON_CreateObject();
-            cJSON_AddItemToArray(models, m);
-            llmem_json_add_string(m, "name", g->name);
-            llmem_json_add_string(m, "arch", g->arch);
-            llmem_json_add_string(m, "source", g->source);
-            llmem_json_add_int(m, "n_params", g->n_params);
-            llmem_json_add_int(m, "weights_bytes", g->weights_bytes);
-            llmem_json_add_int(m, "kv_bytes_per_token", llmem_geometry_kv_bytes_per_token(g));
-            llmem_json_add_int(m, "max_context", g->max_context);
+            if (m == NULL || !cJSON_AddItemToArray(models, m) ||
+                geometry_json(m, llmem_catalog_get(i)) != LLMEM_OK) {
+                cJSON_Delete(m);
+                models = NULL;
+            }
         }
-        char *text = llmem_json_print(root, 1);
-        cJSON_Delete(root);
-        if (text == NULL)
+        if (models == NULL) {
+            cJSON_Delete(root);
+            fprintf(stderr, "llmem plan: out of memory building the JSON output\n");
             return CLI_FAIL;
-        printf("%s\n", text);
-        free(text);
-        return CLI_OK;
+        }
+        return cli_print_json(root);
     }
     printf("%-20s %-8s %8s %9s %12s %10s  %s\n", "name", "arch", "params", "weights", "KV/token",
            "max ctx", "source");
@@ -417,29 +433,22 @@ int cli_plan(int argc, char **argv) {
         cJSON *o = llmem_plan_json(&plan);
         if (o == NULL)
             return CLI_FAIL;
+        int st = llmem_json_add_string(o, "machine", m.label);
         if (a.have_working_set) {
-            llmem_json_add_int(o, "working_set_bytes", a.working_set);
-            llmem_json_add_int(o, "bank_dynamic_ceiling_bytes", dynamic_ceiling);
+            st |= llmem_json_add_int(o, "working_set_bytes", a.working_set);
+            st |= llmem_json_add_int(o, "bank_dynamic_ceiling_bytes", dynamic_ceiling);
         }
-        llmem_json_add_string(o, "machine", m.label);
         if (g != NULL) {
             cJSON *mo = cJSON_AddObjectToObject(o, "model");
-            llmem_json_add_string(mo, "name", g->name);
-            llmem_json_add_string(mo, "arch", g->arch);
-            llmem_json_add_string(mo, "source", g->source);
-            llmem_json_add_int(mo, "n_params", g->n_params);
-            llmem_json_add_int(mo, "n_layers", g->n_layers);
-            llmem_json_add_int(mo, "n_heads", g->n_heads);
-            llmem_json_add_int(mo, "n_kv_heads", g->n_kv_heads);
-            llmem_json_add_int(mo, "head_dim", g->head_dim);
-            llmem_json_add_int(mo, "max_context", g->max_context);
+            st |= mo == NULL || geometry_json(mo, g) != LLMEM_OK;
         }
-        char *text = llmem_json_print(o, 1);
-        cJSON_Delete(o);
-        if (text == NULL)
+        if (st != 0) {
+            cJSON_Delete(o);
+            fprintf(stderr, "llmem plan: out of memory building the JSON output\n");
             return CLI_FAIL;
-        printf("%s\n", text);
-        free(text);
+        }
+        if (cli_print_json(o) != CLI_OK)
+            return CLI_FAIL;
     } else {
         print_human(&plan, g, m.label, &a, dynamic_ceiling);
     }

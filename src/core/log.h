@@ -28,6 +28,8 @@ void llmem_assert_fail(const char *file, int line, const char *expr);
 #define LLMEM_WARN(...)  llmem_log_line(LLMEM_LOG_WARN, __func__, __VA_ARGS__)
 #define LLMEM_INFO(...)  llmem_log_line(LLMEM_LOG_INFO, __func__, __VA_ARGS__)
 #define LLMEM_DEBUG(...) llmem_log_line(LLMEM_LOG_DEBUG, __func__, __VA_ARGS__)
+/* For helpers that report on behalf of the public function that called them. */
+#define LLMEM_ERROR_AS(func, ...) llmem_log_line(LLMEM_LOG_ERROR, func, __VA_ARGS__)
 
 #define LLMEM_ASSERT(cond)                                                                         \
     do {                                                                                           \

@@ -32,7 +32,7 @@
 #include "model/model_int.h"
 
 #define CONFIG_FUNC       "llmem_model_geometry_load_config"
-#define CONFIG_ERROR(...) llmem_log_line(LLMEM_LOG_ERROR, CONFIG_FUNC, __VA_ARGS__)
+#define CONFIG_ERROR(...) LLMEM_ERROR_AS(CONFIG_FUNC, __VA_ARGS__)
 #define CONFIG_MAX_BYTES  ((int64_t)16 << 20)
 #define CONFIG_PATH_MAX   4096
 

@@ -19,23 +19,22 @@
 #include "core/log.h"
 #include "model/model_int.h"
 
-#define MODEL_ERROR(func, ...) llmem_log_line(LLMEM_LOG_ERROR, func, __VA_ARGS__)
-#define INDEX_MAX_BYTES        ((int64_t)64 << 20)
-#define MODEL_PATH_MAX         4096
+#define INDEX_MAX_BYTES ((int64_t)64 << 20)
+#define MODEL_PATH_MAX  4096
 
 int llmem_model_dir_check(const char *dir, const char *func) {
     struct stat st;
     if (stat(dir, &st) != 0) {
         int err = errno;
         if (err == ENOENT || err == ENOTDIR) {
-            MODEL_ERROR(func, "model directory '%s' does not exist", dir);
+            LLMEM_ERROR_AS(func, "model directory '%s' does not exist", dir);
             return LLMEM_ENOENT;
         }
-        MODEL_ERROR(func, "model directory '%s': %s", dir, strerror(err));
+        LLMEM_ERROR_AS(func, "model directory '%s': %s", dir, strerror(err));
         return LLMEM_EIO;
     }
     if (!S_ISDIR(st.st_mode)) {
-        MODEL_ERROR(func, "'%s' is not a model directory (not a directory)", dir);
+        LLMEM_ERROR_AS(func, "'%s' is not a model directory (not a directory)", dir);
         return LLMEM_EINVAL;
     }
     return LLMEM_OK;
@@ -71,30 +70,30 @@ static int load_sharded(const char *dir, const char *index_path, struct llmem_sa
         return status;
     const char **shards = NULL;
     if (!cJSON_IsObject(root)) {
-        MODEL_ERROR(func, "%s: not a JSON object", index_path);
+        LLMEM_ERROR_AS(func, "%s: not a JSON object", index_path);
         status = LLMEM_EFORMAT;
         goto out_json;
     }
     const cJSON *map = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
     if (map == NULL || cJSON_IsNull(map)) {
-        MODEL_ERROR(func, "%s: missing 'weight_map'", index_path);
+        LLMEM_ERROR_AS(func, "%s: missing 'weight_map'", index_path);
         status = LLMEM_EFORMAT;
         goto out_json;
     }
     if (!cJSON_IsObject(map)) {
-        MODEL_ERROR(func, "%s: 'weight_map' is not an object", index_path);
+        LLMEM_ERROR_AS(func, "%s: 'weight_map' is not an object", index_path);
         status = LLMEM_EFORMAT;
         goto out_json;
     }
     int n_entries = cJSON_GetArraySize(map);
     if (n_entries == 0) {
-        MODEL_ERROR(func, "%s: 'weight_map' is empty", index_path);
+        LLMEM_ERROR_AS(func, "%s: 'weight_map' is empty", index_path);
         status = LLMEM_EFORMAT;
         goto out_json;
     }
     shards = malloc((size_t)n_entries * sizeof(*shards));
     if (shards == NULL) {
-        MODEL_ERROR(func, "%s: out of memory", index_path);
+        LLMEM_ERROR_AS(func, "%s: out of memory", index_path);
         status = LLMEM_ENOMEM;
         goto out_json;
     }
@@ -103,15 +102,16 @@ static int load_sharded(const char *dir, const char *index_path, struct llmem_sa
     cJSON_ArrayForEach(entry, map) {
         const char *tensor = entry->string != NULL ? entry->string : "";
         if (!cJSON_IsString(entry)) {
-            MODEL_ERROR(func, "%s: weight_map entry '%.200s' is not a string", index_path, tensor);
+            LLMEM_ERROR_AS(func, "%s: weight_map entry '%.200s' is not a string", index_path,
+                           tensor);
             status = LLMEM_EFORMAT;
             goto out_shards;
         }
         if (!is_plain_file_name(entry->valuestring)) {
-            MODEL_ERROR(func,
-                        "%s: weight_map entry '%.200s' names '%.200s', which is not a file name "
-                        "in the model directory",
-                        index_path, tensor, entry->valuestring);
+            LLMEM_ERROR_AS(func,
+                           "%s: weight_map entry '%.200s' names '%.200s', which is not a file name "
+                           "in the model directory",
+                           index_path, tensor, entry->valuestring);
             status = LLMEM_EFORMAT;
             goto out_shards;
         }
@@ -130,8 +130,8 @@ static int load_sharded(const char *dir, const char *index_path, struct llmem_sa
         if (status != LLMEM_OK)
             goto out_shards;
         if (!file_exists(path)) {
-            MODEL_ERROR(func, "%s: shard '%s' listed in the index is missing (%s)", index_path,
-                        shards[i], path);
+            LLMEM_ERROR_AS(func, "%s: shard '%s' listed in the index is missing (%s)", index_path,
+                           shards[i], path);
             status = LLMEM_ENOENT;
             goto out_shards;
         }
@@ -147,15 +147,16 @@ static int load_sharded(const char *dir, const char *index_path, struct llmem_sa
         const struct llmem_st_tensor *t = llmem_safetensors_find(st, entry->string);
         int want = shard_index(shards, n_unique, entry->valuestring);
         if (t == NULL) {
-            MODEL_ERROR(func, "%s: tensor '%.200s' listed in the index is missing from shard '%s'",
-                        index_path, entry->string, entry->valuestring);
+            LLMEM_ERROR_AS(func,
+                           "%s: tensor '%.200s' listed in the index is missing from shard '%s'",
+                           index_path, entry->string, entry->valuestring);
             status = LLMEM_EFORMAT;
             goto out_shards;
         }
         if (t->file_index != want) {
-            MODEL_ERROR(func, "%s: tensor '%.200s' is listed in shard '%s' but stored in %s",
-                        index_path, entry->string, entry->valuestring,
-                        st->files[t->file_index].path);
+            LLMEM_ERROR_AS(func, "%s: tensor '%.200s' is listed in shard '%s' but stored in %s",
+                           index_path, entry->string, entry->valuestring,
+                           st->files[t->file_index].path);
             status = LLMEM_EFORMAT;
             goto out_shards;
         }
@@ -191,11 +192,12 @@ int llmem_safetensors_load_dir(const char *model_dir, struct llmem_safetensors *
     } else if (file_exists(index)) {
         status = load_sharded(model_dir, index, st, func);
     } else {
-        MODEL_ERROR(func, "no model.safetensors or model.safetensors.index.json in %s", model_dir);
+        LLMEM_ERROR_AS(func, "no model.safetensors or model.safetensors.index.json in %s",
+                       model_dir);
         status = LLMEM_ENOENT;
     }
     if (status == LLMEM_OK && st->n_tensors == 0) {
-        MODEL_ERROR(func, "%s: the safetensors headers list no tensors", model_dir);
+        LLMEM_ERROR_AS(func, "%s: the safetensors headers list no tensors", model_dir);
         status = LLMEM_EFORMAT;
     }
     if (status != LLMEM_OK) {

@@ -29,8 +29,6 @@
 #include "core/log.h"
 #include "model/model_int.h"
 
-#define ST_ERROR(func, ...) llmem_log_line(LLMEM_LOG_ERROR, func, __VA_ARGS__)
-
 /* ---- dtypes --------------------------------------------------------------------------------- */
 
 static const struct {
@@ -70,7 +68,7 @@ int llmem_dtype_parse(const char *name, enum llmem_dtype *dtype) {
 struct llmem_safetensors *llmem_st_table_new(const char *func) {
     struct llmem_safetensors *st = calloc(1, sizeof(*st));
     if (st == NULL)
-        ST_ERROR(func, "out of memory");
+        LLMEM_ERROR_AS(func, "out of memory");
     return st;
 }
 
@@ -116,38 +114,39 @@ static void format_shape(char *buf, size_t size, const int64_t *shape, int n_dim
 static int parse_tensor(const cJSON *item, const char *name, const char *path, int64_t data_bytes,
                         const char *func, struct llmem_st_tensor *t) {
     if (!cJSON_IsObject(item)) {
-        ST_ERROR(func, "%s: tensor '%.200s': entry is not an object", path, name);
+        LLMEM_ERROR_AS(func, "%s: tensor '%.200s': entry is not an object", path, name);
         return LLMEM_EFORMAT;
     }
 
     const char *dtype_name = NULL;
     int status = llmem_json_get_string(item, "dtype", &dtype_name);
     if (status == LLMEM_ENOENT) {
-        ST_ERROR(func, "%s: tensor '%.200s': missing 'dtype'", path, name);
+        LLMEM_ERROR_AS(func, "%s: tensor '%.200s': missing 'dtype'", path, name);
         return LLMEM_EFORMAT;
     }
     if (status != LLMEM_OK) {
-        ST_ERROR(func, "%s: tensor '%.200s': 'dtype' is not a string", path, name);
+        LLMEM_ERROR_AS(func, "%s: tensor '%.200s': 'dtype' is not a string", path, name);
         return LLMEM_EFORMAT;
     }
     if (llmem_dtype_parse(dtype_name, &t->dtype) != LLMEM_OK) {
-        ST_ERROR(func, "%s: tensor '%.200s': unknown dtype '%.40s'", path, name, dtype_name);
+        LLMEM_ERROR_AS(func, "%s: tensor '%.200s': unknown dtype '%.40s'", path, name, dtype_name);
         return LLMEM_EFORMAT;
     }
 
     const cJSON *shape = cJSON_GetObjectItemCaseSensitive(item, "shape");
     if (shape == NULL) {
-        ST_ERROR(func, "%s: tensor '%.200s': missing 'shape'", path, name);
+        LLMEM_ERROR_AS(func, "%s: tensor '%.200s': missing 'shape'", path, name);
         return LLMEM_EFORMAT;
     }
     if (!cJSON_IsArray(shape)) {
-        ST_ERROR(func, "%s: tensor '%.200s': 'shape' is not an array", path, name);
+        LLMEM_ERROR_AS(func, "%s: tensor '%.200s': 'shape' is not an array", path, name);
         return LLMEM_EFORMAT;
     }
     int n_dims = cJSON_GetArraySize(shape);
     if (n_dims > LLMEM_ST_MAX_DIMS) {
-        ST_ERROR(func, "%s: tensor '%.200s': shape has %d dimensions, at most %d are supported",
-                 path, name, n_dims, LLMEM_ST_MAX_DIMS);
+        LLMEM_ERROR_AS(func,
+                       "%s: tensor '%.200s': shape has %d dimensions, at most %d are supported",
+                       path, name, n_dims, LLMEM_ST_MAX_DIMS);
         return LLMEM_EFORMAT;
     }
     t->n_dims = n_dims;
@@ -158,8 +157,8 @@ static int parse_tensor(const cJSON *item, const char *name, const char *path, i
     cJSON_ArrayForEach(d, shape) {
         int64_t v = 0;
         if (llmem_json_int(d, &v) != LLMEM_OK || v < 0) {
-            ST_ERROR(func, "%s: tensor '%.200s': shape[%d] is not a non-negative integer", path,
-                     name, dim);
+            LLMEM_ERROR_AS(func, "%s: tensor '%.200s': shape[%d] is not a non-negative integer",
+                           path, name, dim);
             return LLMEM_EFORMAT;
         }
         t->shape[dim++] = v;
@@ -170,8 +169,9 @@ static int parse_tensor(const cJSON *item, const char *name, const char *path, i
     format_shape(shape_text, sizeof(shape_text), t->shape, n_dims);
     int64_t n_bytes = 0;
     if (overflow || __builtin_mul_overflow(n_elements, llmem_dtype_size(t->dtype), &n_bytes)) {
-        ST_ERROR(func, "%s: tensor '%.200s': shape [%s] is too large (its size overflows 64 bits)",
-                 path, name, shape_text);
+        LLMEM_ERROR_AS(func,
+                       "%s: tensor '%.200s': shape [%s] is too large (its size overflows 64 bits)",
+                       path, name, shape_text);
         return LLMEM_EFORMAT;
     }
     t->n_elements = n_elements;
@@ -179,36 +179,39 @@ static int parse_tensor(const cJSON *item, const char *name, const char *path, i
 
     const cJSON *offsets = cJSON_GetObjectItemCaseSensitive(item, "data_offsets");
     if (offsets == NULL) {
-        ST_ERROR(func, "%s: tensor '%.200s': missing 'data_offsets'", path, name);
+        LLMEM_ERROR_AS(func, "%s: tensor '%.200s': missing 'data_offsets'", path, name);
         return LLMEM_EFORMAT;
     }
     int64_t begin = 0, end = 0;
     if (!cJSON_IsArray(offsets) || cJSON_GetArraySize(offsets) != 2 ||
         llmem_json_int(cJSON_GetArrayItem(offsets, 0), &begin) != LLMEM_OK ||
         llmem_json_int(cJSON_GetArrayItem(offsets, 1), &end) != LLMEM_OK || begin < 0 || end < 0) {
-        ST_ERROR(func, "%s: tensor '%.200s': 'data_offsets' is not two non-negative integers", path,
-                 name);
+        LLMEM_ERROR_AS(func, "%s: tensor '%.200s': 'data_offsets' is not two non-negative integers",
+                       path, name);
         return LLMEM_EFORMAT;
     }
     if (begin > end) {
-        ST_ERROR(func,
-                 "%s: tensor '%.200s': data_offsets [%" PRId64 ", %" PRId64 "] begin after they "
-                 "end",
-                 path, name, begin, end);
+        LLMEM_ERROR_AS(func,
+                       "%s: tensor '%.200s': data_offsets [%" PRId64 ", %" PRId64
+                       "] begin after they "
+                       "end",
+                       path, name, begin, end);
         return LLMEM_EFORMAT;
     }
     if (end > data_bytes) {
-        ST_ERROR(func,
-                 "%s: tensor '%.200s': data_offsets [%" PRId64 ", %" PRId64 "] run past the end "
-                 "of the data section (%" PRId64 " bytes)",
-                 path, name, begin, end, data_bytes);
+        LLMEM_ERROR_AS(func,
+                       "%s: tensor '%.200s': data_offsets [%" PRId64 ", %" PRId64
+                       "] run past the end "
+                       "of the data section (%" PRId64 " bytes)",
+                       path, name, begin, end, data_bytes);
         return LLMEM_EFORMAT;
     }
     if (end - begin != n_bytes) {
-        ST_ERROR(func,
-                 "%s: tensor '%.200s': data_offsets [%" PRId64 ", %" PRId64 "] hold %" PRId64
-                 " bytes but %s [%s] is %" PRId64 " bytes (size mismatch)",
-                 path, name, begin, end, end - begin, dtypes[t->dtype].name, shape_text, n_bytes);
+        LLMEM_ERROR_AS(func,
+                       "%s: tensor '%.200s': data_offsets [%" PRId64 ", %" PRId64 "] hold %" PRId64
+                       " bytes but %s [%s] is %" PRId64 " bytes (size mismatch)",
+                       path, name, begin, end, end - begin, dtypes[t->dtype].name, shape_text,
+                       n_bytes);
         return LLMEM_EFORMAT;
     }
     t->offset_begin = begin;
@@ -218,14 +221,14 @@ static int parse_tensor(const cJSON *item, const char *name, const char *path, i
 
 static int check_metadata(const cJSON *meta, const char *path, const char *func) {
     if (!cJSON_IsObject(meta)) {
-        ST_ERROR(func, "%s: '__metadata__' is not an object", path);
+        LLMEM_ERROR_AS(func, "%s: '__metadata__' is not an object", path);
         return LLMEM_EFORMAT;
     }
     const cJSON *kv = NULL;
     cJSON_ArrayForEach(kv, meta) {
         if (!cJSON_IsString(kv)) {
-            ST_ERROR(func, "%s: '__metadata__' entry '%.200s' is not a string", path,
-                     kv->string != NULL ? kv->string : "");
+            LLMEM_ERROR_AS(func, "%s: '__metadata__' entry '%.200s' is not a string", path,
+                           kv->string != NULL ? kv->string : "");
             return LLMEM_EFORMAT;
         }
     }
@@ -247,7 +250,7 @@ static int check_overlap(struct llmem_st_tensor *tensors, int n, const char *pat
         return LLMEM_OK;
     struct llmem_st_tensor **order = malloc((size_t)n * sizeof(*order));
     if (order == NULL) {
-        ST_ERROR(func, "%s: out of memory", path);
+        LLMEM_ERROR_AS(func, "%s: out of memory", path);
         return LLMEM_ENOMEM;
     }
     int n_order = 0;
@@ -259,11 +262,11 @@ static int check_overlap(struct llmem_st_tensor *tensors, int n, const char *pat
     for (int i = 1; i < n_order; i++) {
         const struct llmem_st_tensor *p = order[i - 1], *q = order[i];
         if (q->offset_begin < p->offset_end) {
-            ST_ERROR(func,
-                     "%s: tensors '%.200s' [%" PRId64 ", %" PRId64 ") and '%.200s' [%" PRId64
-                     ", %" PRId64 ") overlap",
-                     path, p->name, p->offset_begin, p->offset_end, q->name, q->offset_begin,
-                     q->offset_end);
+            LLMEM_ERROR_AS(func,
+                           "%s: tensors '%.200s' [%" PRId64 ", %" PRId64 ") and '%.200s' [%" PRId64
+                           ", %" PRId64 ") overlap",
+                           path, p->name, p->offset_begin, p->offset_end, q->name, q->offset_begin,
+                           q->offset_end);
             status = LLMEM_EFORMAT;
             break;
         }
@@ -278,8 +281,8 @@ static int check_names(struct llmem_st_tensor *tensors, int n, const char *path,
         qsort(tensors, (size_t)n, sizeof(*tensors), cmp_tensor_name);
     for (int i = 1; i < n; i++) {
         if (strcmp(tensors[i - 1].name, tensors[i].name) == 0) {
-            ST_ERROR(func, "%s: tensor '%.200s' appears twice (duplicate name)", path,
-                     tensors[i].name);
+            LLMEM_ERROR_AS(func, "%s: tensor '%.200s' appears twice (duplicate name)", path,
+                           tensors[i].name);
             return LLMEM_EFORMAT;
         }
     }
@@ -294,27 +297,28 @@ static int read_header(const char *path, const char *func, struct llmem_st_file 
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         int err = errno;
-        ST_ERROR(func, "%s: %s", path, strerror(err));
+        LLMEM_ERROR_AS(func, "%s: %s", path, strerror(err));
         return err == ENOENT ? LLMEM_ENOENT : LLMEM_EIO;
     }
     int status = LLMEM_OK;
     struct stat st;
     if (fstat(fd, &st) != 0) {
-        ST_ERROR(func, "%s: %s", path, strerror(errno));
+        LLMEM_ERROR_AS(func, "%s: %s", path, strerror(errno));
         status = LLMEM_EIO;
         goto out_close;
     }
     if (!S_ISREG(st.st_mode)) {
-        ST_ERROR(func, "%s: not a regular file", path);
+        LLMEM_ERROR_AS(func, "%s: not a regular file", path);
         status = LLMEM_EIO;
         goto out_close;
     }
     int64_t file_bytes = (int64_t)st.st_size;
     if (file_bytes < 8) {
-        ST_ERROR(func,
-                 "%s: file is %" PRId64 " bytes, too short for a safetensors file (truncated: "
-                 "no 8-byte header length)",
-                 path, file_bytes);
+        LLMEM_ERROR_AS(func,
+                       "%s: file is %" PRId64
+                       " bytes, too short for a safetensors file (truncated: "
+                       "no 8-byte header length)",
+                       path, file_bytes);
         status = LLMEM_EFORMAT;
         goto out_close;
     }
@@ -326,27 +330,27 @@ static int read_header(const char *path, const char *func, struct llmem_st_file 
     for (int i = 7; i >= 0; i--)
         n = (n << 8) | prefix[i];
     if (n == 0) {
-        ST_ERROR(func, "%s: header length is 0", path);
+        LLMEM_ERROR_AS(func, "%s: header length is 0", path);
         status = LLMEM_EFORMAT;
         goto out_close;
     }
     if (n > (uint64_t)LLMEM_ST_MAX_HEADER_BYTES) {
-        ST_ERROR(func, "%s: header length %" PRIu64 " exceeds the limit of %" PRId64 " bytes", path,
-                 n, LLMEM_ST_MAX_HEADER_BYTES);
+        LLMEM_ERROR_AS(func, "%s: header length %" PRIu64 " exceeds the limit of %" PRId64 " bytes",
+                       path, n, LLMEM_ST_MAX_HEADER_BYTES);
         status = LLMEM_EFORMAT;
         goto out_close;
     }
     if (n > (uint64_t)(file_bytes - 8)) {
-        ST_ERROR(func,
-                 "%s: header length %" PRIu64 " runs past the end of the file (%" PRId64
-                 " bytes; truncated?)",
-                 path, n, file_bytes);
+        LLMEM_ERROR_AS(func,
+                       "%s: header length %" PRIu64 " runs past the end of the file (%" PRId64
+                       " bytes; truncated?)",
+                       path, n, file_bytes);
         status = LLMEM_EFORMAT;
         goto out_close;
     }
     char *buf = malloc((size_t)n);
     if (buf == NULL) {
-        ST_ERROR(func, "%s: out of memory for a %" PRIu64 "-byte header", path, n);
+        LLMEM_ERROR_AS(func, "%s: out of memory for a %" PRIu64 "-byte header", path, n);
         status = LLMEM_ENOMEM;
         goto out_close;
     }
@@ -376,7 +380,7 @@ int llmem_st_table_add_file(struct llmem_safetensors *st, const char *path, cons
     if (status != LLMEM_OK)
         return status;
     if (!cJSON_IsObject(root)) {
-        ST_ERROR(func, "%s: header is not a JSON object", path);
+        LLMEM_ERROR_AS(func, "%s: header is not a JSON object", path);
         status = LLMEM_EFORMAT;
         goto out_json;
     }
@@ -384,13 +388,13 @@ int llmem_st_table_add_file(struct llmem_safetensors *st, const char *path, cons
     /* Room for the file and for every entry of the header (one may be __metadata__). */
     int n_entries = cJSON_GetArraySize(root);
     if (st->n_files == INT_MAX || n_entries > INT_MAX - st->n_tensors) {
-        ST_ERROR(func, "%s: too many tensors", path);
+        LLMEM_ERROR_AS(func, "%s: too many tensors", path);
         status = LLMEM_ERANGE;
         goto out_json;
     }
     struct llmem_st_file *files = realloc(st->files, (size_t)(st->n_files + 1) * sizeof(*files));
     if (files == NULL) {
-        ST_ERROR(func, "%s: out of memory", path);
+        LLMEM_ERROR_AS(func, "%s: out of memory", path);
         status = LLMEM_ENOMEM;
         goto out_json;
     }
@@ -399,14 +403,14 @@ int llmem_st_table_add_file(struct llmem_safetensors *st, const char *path, cons
     struct llmem_st_tensor *tensors =
         realloc(st->tensors, ((size_t)st->n_tensors + (size_t)n_entries + 1) * sizeof(*tensors));
     if (tensors == NULL) {
-        ST_ERROR(func, "%s: out of memory for %d tensors", path, n_entries);
+        LLMEM_ERROR_AS(func, "%s: out of memory for %d tensors", path, n_entries);
         status = LLMEM_ENOMEM;
         goto out_json;
     }
     st->tensors = tensors;
     file.path = strdup(path);
     if (file.path == NULL) {
-        ST_ERROR(func, "%s: out of memory", path);
+        LLMEM_ERROR_AS(func, "%s: out of memory", path);
         status = LLMEM_ENOMEM;
         goto out_json;
     }
@@ -430,7 +434,7 @@ int llmem_st_table_add_file(struct llmem_safetensors *st, const char *path, cons
             goto out_json;
         t.name = strdup(name);
         if (t.name == NULL) {
-            ST_ERROR(func, "%s: out of memory", path);
+            LLMEM_ERROR_AS(func, "%s: out of memory", path);
             status = LLMEM_ENOMEM;
             goto out_json;
         }
@@ -452,14 +456,15 @@ int llmem_st_table_finish(struct llmem_safetensors *st, const char *func) {
         const struct llmem_st_tensor *t = &st->tensors[i];
         if (i > 0 && strcmp(t[-1].name, t->name) == 0) {
             /* Names within one file were checked as it was added: this is across files. */
-            ST_ERROR(func, "tensor '%.200s' appears twice (duplicate name): in %s and in %s",
-                     t->name, st->files[t[-1].file_index].path, st->files[t->file_index].path);
+            LLMEM_ERROR_AS(func, "tensor '%.200s' appears twice (duplicate name): in %s and in %s",
+                           t->name, st->files[t[-1].file_index].path,
+                           st->files[t->file_index].path);
             return LLMEM_EFORMAT;
         }
         if (__builtin_add_overflow(n_elements, t->n_elements, &n_elements) ||
             __builtin_add_overflow(n_bytes, t->n_bytes, &n_bytes)) {
-            ST_ERROR(func, "%s: the tensors' total size overflows 64 bits",
-                     st->files[t->file_index].path);
+            LLMEM_ERROR_AS(func, "%s: the tensors' total size overflows 64 bits",
+                           st->files[t->file_index].path);
             return LLMEM_EFORMAT;
         }
     }

@@ -51,14 +51,7 @@ static void test_json(void **state) {
     (void)state;
     struct tu_run run = tu_llmem("info", "--json", NULL);
     assert_int_equal(run.exit_code, 0);
-    /* Exactly one object: parse must consume all of stdout (trailing whitespace aside). */
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithOpts(run.out, &end, 0);
-    assert_non_null(root);
-    assert_true(cJSON_IsObject(root));
-    while (*end == ' ' || *end == '\n' || *end == '\t' || *end == '\r')
-        end++;
-    assert_int_equal(*end, '\0');
+    cJSON *root = tu_json_stdout(&run);
 
     check_host_keys(root);
     const cJSON *host = cJSON_GetObjectItemCaseSensitive(root, "host");

@@ -14,17 +14,6 @@
 #define GiB (1LL << 30)
 #define REF "--weights", "21313949792", "--kv-bytes-per-token", "65536", "--max-context", "262144"
 
-/* Parses stdout as exactly one JSON object (nothing before or after it). */
-static cJSON *json_of(const struct tu_run *run) {
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithOpts(run->out, &end, 1);
-    if (root == NULL)
-        fprintf(stderr, "stdout is not one JSON object:\n%s\nstderr:\n%s\n", run->out, run->err);
-    assert_non_null(root);
-    assert_true(cJSON_IsObject(root));
-    return root;
-}
-
 static int64_t get_int(const cJSON *o, const char *key) {
     int64_t v = 0;
     if (llmem_json_get_int(o, key, &v) != 0)
@@ -50,7 +39,7 @@ static void test_reference_numbers_json(void **state) {
     (void)state;
     struct tu_run run = tu_llmem("plan", "--total", "48G", REF, "--json", NULL);
     assert_int_equal(run.exit_code, 0);
-    cJSON *o = json_of(&run);
+    cJSON *o = tu_json_stdout(&run);
     assert_int_equal(get_int(o, "usable_bytes"), 36 * GiB);
     assert_int_equal(get_int(o, "runtime_transients_bytes"), 3 * GiB);
     assert_int_equal(get_int(o, "bank_floor_bytes"), 1 * GiB);
@@ -103,14 +92,14 @@ static void test_reference_numbers_json(void **state) {
 
     run = tu_llmem("plan", "--total", "48G", REF, "--kv-format", "q8", "--json", NULL);
     assert_int_equal(run.exit_code, 0);
-    o = json_of(&run);
+    o = tu_json_stdout(&run);
     assert_int_equal(get_int(o, "context_window_resolved"), 262144);
     assert_int_equal(get_int(o, "kv_bytes_per_token_effective"), 34816);
     cJSON_Delete(o);
     tu_run_free(&run);
 
     run = tu_llmem("plan", "--total=128G", REF, "--json", NULL);
-    o = json_of(&run);
+    o = tu_json_stdout(&run);
     assert_int_equal(get_int(o, "usable_bytes"), 96 * GiB);
     assert_int_equal(get_int(o, "context_window_resolved"), 262144);
     assert_int_equal(get_int(o, "bank_idle_max_bytes"), 48 * GiB);
@@ -133,7 +122,7 @@ static void test_usable_by_machine_size(void **state) {
         struct tu_run run =
             tu_llmem("plan", "--total", cases[i].total, "--weights", "1G", "--kv-bytes-per-token",
                      "65536", "--max-context", "262144", "--json", NULL);
-        cJSON *o = json_of(&run);
+        cJSON *o = tu_json_stdout(&run);
         assert_int_equal(get_int(o, "usable_bytes"), cases[i].usable);
         cJSON_Delete(o);
         tu_run_free(&run);
@@ -150,7 +139,7 @@ static void test_every_kv_format(void **state) {
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         struct tu_run run =
             tu_llmem("plan", "--total", "48G", REF, "--kv-format", cases[i].name, "--json", NULL);
-        cJSON *o = json_of(&run);
+        cJSON *o = tu_json_stdout(&run);
         assert_int_equal(get_int(o, "kv_bytes_per_token_effective"), cases[i].bytes);
         const char *fmt = NULL;
         assert_int_equal(llmem_json_get_string(o, "kv_format", &fmt), 0);
@@ -165,7 +154,7 @@ static void test_util_band_trap(void **state) {
     struct tu_run run =
         tu_llmem("plan", "--total", "96G", "--ceiling", "72G", "--util", "0.9", "--weights", "40G",
                  "--kv-bytes-per-token", "131072", "--max-context", "1048576", "--json", NULL);
-    cJSON *o = json_of(&run);
+    cJSON *o = tu_json_stdout(&run);
     assert_true(get_bool(o, "band_empty"));
     assert_true(get_bool(o, "trip_above_ceiling"));
     assert_int_equal(get_int(o, "ceiling_bytes"), 72 * GiB);
@@ -189,7 +178,7 @@ static void test_working_set(void **state) {
     (void)state;
     struct tu_run run =
         tu_llmem("plan", "--total", "48G", REF, "--working-set", "4G", "--json", NULL);
-    cJSON *o = json_of(&run);
+    cJSON *o = tu_json_stdout(&run);
     assert_int_equal(get_int(o, "bank_dynamic_ceiling_bytes"), 14119530400LL - 4 * GiB);
     cJSON_Delete(o);
     tu_run_free(&run);
@@ -199,7 +188,7 @@ static void test_model_dir_and_catalog(void **state) {
     (void)state;
     struct tu_run run = tu_llmem("plan", LLMEM_SOURCE_DIR "/models/pycoder", "--json", NULL);
     assert_int_equal(run.exit_code, 0);
-    cJSON *o = json_of(&run);
+    cJSON *o = tu_json_stdout(&run);
     assert_true(get_bool(o, "model_fits"));
     assert_int_equal(get_int(o, "context_window_resolved"), 2048);
     assert_int_equal(get_int(o, "kv_bytes_per_token"), 6 * 2 * 2 * 64 * 2);
@@ -213,7 +202,7 @@ static void test_model_dir_and_catalog(void **state) {
     run = tu_llmem("plan", LLMEM_SOURCE_DIR "/models/pycoder", "--budget", "32M", "--context",
                    "1024", "--json", NULL);
     assert_int_equal(run.exit_code, 0);
-    o = json_of(&run);
+    o = tu_json_stdout(&run);
     assert_int_equal(get_int(o, "context_window_resolved"), 1024);
     assert_true(get_int(o, "context_raw") < 2048);
     assert_true(get_bool(o, "model_fits"));
@@ -239,7 +228,7 @@ static void test_model_does_not_fit(void **state) {
     (void)state;
     struct tu_run run = tu_llmem("plan", "llama-3.1-70b", "--total", "64G", "--json", NULL);
     assert_int_equal(run.exit_code, 3);
-    cJSON *o = json_of(&run);
+    cJSON *o = tu_json_stdout(&run);
     assert_false(get_bool(o, "model_fits"));
     assert_int_equal(get_int(o, "context_window_resolved"), 4096);
     const char *describe = NULL;
@@ -261,7 +250,7 @@ static void test_cuda_target_by_numbers(void **state) {
     struct tu_run run =
         tu_llmem("plan", "llama-3.1-8b", "--backend", "cuda", "--total", "141G", "--json", NULL);
     assert_int_equal(run.exit_code, 0);
-    cJSON *o = json_of(&run);
+    cJSON *o = tu_json_stdout(&run);
     const char *target = NULL, *describe = NULL;
     assert_int_equal(llmem_json_get_string(o, "target", &target), 0);
     assert_string_equal(target, "cuda");
@@ -278,7 +267,7 @@ static void test_svg(void **state) {
     snprintf(path, sizeof(path), "%s/plan.svg", dir);
     struct tu_run run = tu_llmem("plan", "--total", "48G", REF, "--svg", path, "--json", NULL);
     assert_int_equal(run.exit_code, 0);
-    cJSON *o = json_of(&run);
+    cJSON *o = tu_json_stdout(&run);
     cJSON_Delete(o);
     tu_run_free(&run);
     FILE *f = fopen(path, "r");
@@ -396,7 +385,7 @@ static void test_broken_models(void **state) {
     write_safetensors(dir, hdr, strlen(hdr), 8);
     struct tu_run run = tu_llmem("plan", dir, "--total", "16G", "--json", NULL);
     assert_int_equal(run.exit_code, 0);
-    cJSON *o = json_of(&run);
+    cJSON *o = tu_json_stdout(&run);
     assert_int_equal(get_int(o, "weights_bytes"), 8);
     cJSON_Delete(o);
     tu_run_free(&run);
