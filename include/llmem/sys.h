@@ -98,6 +98,10 @@ int llmem_sys_probe_host(struct llmem_device_info *info);
  * the real process. LLMEM_ERANGE (logged) when root is too long for a path. */
 int llmem_sys_probe_host_at(const char *root, struct llmem_device_info *info);
 
+/* The soft RLIMIT_MEMLOCK of this process in bytes (read with getrlimit, also as root, where
+ * the kernel would let mlock go past it): LLMEM_SYS_UNLIMITED or LLMEM_SYS_UNKNOWN otherwise. */
+int64_t llmem_sys_memlock_limit(void);
+
 /* ---------------------------------------------------------------------------------------------
  * ISA features (x86-64: CPUID, with XGETBV for the AVX and AVX-512 register state the OS saves;
  * aarch64: the auxiliary vector; other targets: none)

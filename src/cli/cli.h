@@ -14,6 +14,7 @@ enum { CLI_OK = 0, CLI_FAIL = 1, CLI_USAGE = 2, CLI_NOFIT = 3 };
 
 int cli_info(int argc, char **argv);
 int cli_plan(int argc, char **argv);
+int cli_bench(int argc, char **argv);
 
 struct llmem_plan;
 /* Writes the plan's envelope as an SVG picture to path; CLI_FAIL (message on stderr) on error. */
@@ -31,6 +32,11 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format
 /* Prints root as pretty JSON and a newline on stdout, then deletes it. */
 struct cJSON;
 int cli_print_json(struct cJSON *root);
+
+/* A progress bar on stderr, drawn only when stderr is a terminal; done ≤ total. */
+void cli_progress(const char *label, int64_t done, int64_t total);
+/* Ends the bar's line (if one was drawn). */
+void cli_progress_done(void);
 
 /* Makes library log lines at or above WARN (INFO with verbose) go to stderr. */
 void cli_log_init(int verbose);

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli/cli.h"
 #include "core/json.h"
@@ -22,6 +23,7 @@ static const char usage[] =
     "                    RLIMIT_MEMLOCK, CPU and ISA features (and CUDA devices)\n"
     "  plan MODEL        the memory plan for a model directory or a catalog name\n"
     "                    (`llmem plan --list` shows the catalog)\n"
+    "  bench mem         the caching allocator against malloc and mmap\n"
     "\n"
     "Run `llmem <command> --help` for the options of a command.\n";
 
@@ -89,6 +91,26 @@ int cli_parse_double(const char *flag, const char *value, double min_excl, doubl
     return CLI_OK;
 }
 
+static int progress_drawn;
+
+void cli_progress(const char *label, int64_t done, int64_t total) {
+    if (total <= 0 || !isatty(STDERR_FILENO))
+        return;
+    const int width = 40;
+    int filled = (int)(done * width / total);
+    fprintf(stderr, "\r%s [%.*s%*s] %3d%%", label, filled,
+            "########################################", width - filled, "",
+            (int)(done * 100 / total));
+    fflush(stderr);
+    progress_drawn = 1;
+}
+
+void cli_progress_done(void) {
+    if (progress_drawn)
+        fputc('\n', stderr);
+    progress_drawn = 0;
+}
+
 int cli_print_json(cJSON *root) {
     char *text = llmem_json_print(root, 1);
     cJSON_Delete(root);
@@ -114,6 +136,8 @@ int main(int argc, char **argv) {
         return cli_info(argc - 1, argv + 1);
     if (strcmp(argv[1], "plan") == 0)
         return cli_plan(argc - 1, argv + 1);
+    if (strcmp(argv[1], "bench") == 0)
+        return cli_bench(argc - 1, argv + 1);
     fprintf(stderr, "llmem: unknown command '%s'\n\n%s", argv[1], usage);
     return CLI_USAGE;
 }

@@ -211,7 +211,7 @@ static int64_t physical_ram(void) {
     return (int64_t)pages * page_size;
 }
 
-static int64_t memlock_limit(void) {
+int64_t llmem_sys_memlock_limit(void) {
     struct rlimit rl;
     if (getrlimit(RLIMIT_MEMLOCK, &rl) != 0) {
         LLMEM_WARN("getrlimit(RLIMIT_MEMLOCK): %s", strerror(errno));
@@ -280,7 +280,7 @@ int llmem_sys_probe_host_at(const char *root, struct llmem_device_info *info) {
     else
         info->available = cg.headroom;
 
-    info->wired_limit = memlock_limit();
+    info->wired_limit = llmem_sys_memlock_limit();
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     info->n_cpus = cpus > 0 && cpus <= INT_MAX ? (int)cpus : -1;
     read_cpu_name(prefix, real, info->name, sizeof(info->name));
