@@ -12,7 +12,7 @@
  *              log-uniform size from 64 B to 16 MiB.
  * One operation is one allocation or one free. Buffers are not written (the allocator's own cost
  * is measured); --touch writes one byte per page of each new buffer, which adds the page faults
- * that a cache avoids (and runs a tenth of the operations, since faults dominate).
+ * that a cache avoids (and runs a hundredth of the operations, since faults dominate).
  */
 #include <getopt.h>
 #include <stdio.h>
@@ -213,8 +213,8 @@ static int bench_mem(int argc, char **argv) {
     if (quick && reps == 5)
         reps = 3;
 
-    /* Touching pages costs far more than allocating: a tenth of the operations then. */
-    int scale = do_touch ? 10 : 1;
+    /* Touching pages costs far more than allocating: a hundredth of the operations then. */
+    int scale = do_touch ? 100 : 1;
     struct pattern patterns[2];
     if (make_inference(&patterns[0], (quick ? 300 : 2000) / scale) != 0 ||
         make_random(&patterns[1], (quick ? 40000 : 300000) / (size_t)scale, 0x5eed) != 0) {
