@@ -176,22 +176,28 @@ static int cmp_double(const void *a, const void *b) {
  */
 
 static const char bench_usage[] =
-    "usage: llmem bench mem [--quick] [--reps N] [--touch] [--json]\n"
+    "usage: llmem bench mem [--quick] [--steps N] [--reps N] [--touch] [--json]\n"
     "\n"
     "Allocation/free throughput of the caching allocator against malloc/free and mmap/munmap,\n"
     "for an inference-like pattern and a random one; medians of N runs (default 5) and ratios\n"
-    "measured side by side. --quick finishes in a few seconds; --touch also writes each new\n"
-    "page; --json prints one object with per-pattern name, llmem_ops_per_s, malloc_ops_per_s,\n"
+    "measured side by side. --quick finishes in a few seconds; --steps N sets the length (N\n"
+    "inference steps, 150 N random operations; default 2000, quick 300); --touch also writes\n"
+    "each new"
+    " page; --json prints one object with per-pattern name, llmem_ops_per_s, malloc_ops_per_s,\n"
     "mmap_ops_per_s.\n";
 
 static int bench_mem(int argc, char **argv) {
     static const struct option options[] = {
-        {"quick", no_argument, NULL, 'q'}, {"reps", required_argument, NULL, 'r'},
-        {"touch", no_argument, NULL, 't'}, {"json", no_argument, NULL, 'j'},
-        {"help", no_argument, NULL, 'h'},  {NULL, 0, NULL, 0},
+        {"quick", no_argument, NULL, 'q'},
+        {"reps", required_argument, NULL, 'r'},
+        {"touch", no_argument, NULL, 't'},
+        {"json", no_argument, NULL, 'j'},
+        {"steps", required_argument, NULL, 's'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
     };
     int quick = 0, do_touch = 0, json = 0, c;
-    int64_t reps = 5;
+    int64_t reps = 5, steps = 0;
     optind = 1;
     opterr = 0;
     while ((c = getopt_long(argc, argv, ":h", options, NULL)) != -1) {
@@ -201,6 +207,10 @@ static int bench_mem(int argc, char **argv) {
         case 'j': json = 1; break;
         case 'r':
             if (cli_parse_int("--reps", optarg, 1, 1000, &reps) != CLI_OK)
+                return CLI_USAGE;
+            break;
+        case 's':
+            if (cli_parse_int("--steps", optarg, 1, 1000000, &steps) != CLI_OK)
                 return CLI_USAGE;
             break;
         case 'h': fputs(bench_usage, stdout); return CLI_OK;
@@ -214,10 +224,11 @@ static int bench_mem(int argc, char **argv) {
         reps = 3;
 
     /* Touching pages costs far more than allocating: a hundredth of the operations then. */
-    int scale = do_touch ? 100 : 1;
+    if (steps == 0)
+        steps = (quick ? 300 : 2000) / (do_touch ? 100 : 1);
     struct pattern patterns[2];
-    if (make_inference(&patterns[0], (quick ? 300 : 2000) / scale) != 0 ||
-        make_random(&patterns[1], (quick ? 40000 : 300000) / (size_t)scale, 0x5eed) != 0) {
+    if (make_inference(&patterns[0], (int)steps) != 0 ||
+        make_random(&patterns[1], 150 * (size_t)steps, 0x5eed) != 0) {
         fprintf(stderr, "llmem bench mem: out of memory building the patterns\n");
         return CLI_FAIL;
     }

@@ -10,7 +10,7 @@
 
 static void test_bench_mem_json(void **state) {
     (void)state;
-    struct tu_run run = tu_llmem("bench", "mem", "--quick", "--reps", "1", "--json", NULL);
+    struct tu_run run = tu_llmem("bench", "mem", "--steps", "3", "--reps", "1", "--json", NULL);
     assert_int_equal(run.exit_code, 0);
     cJSON *root = tu_json_stdout(&run);
     const cJSON *patterns = cJSON_GetObjectItemCaseSensitive(root, "patterns");
