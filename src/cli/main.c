@@ -24,6 +24,8 @@ static const char usage[] =
     "  plan MODEL        the memory plan for a model directory or a catalog name\n"
     "                    (`llmem plan --list` shows the catalog)\n"
     "  bench mem         the caching allocator against malloc and mmap\n"
+    "  bench kv          attention over the KV caches against the memory bandwidth,\n"
+    "                    the accuracy of each KV format, and the cost of appending\n"
     "\n"
     "Run `llmem <command> --help` for the options of a command.\n";
 

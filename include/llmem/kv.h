@@ -1,0 +1,167 @@
+/*
+ * llmem/kv.h — KV caches (SPEC §4): where keys and values live, how they grow, how they are
+ * stored, and how attention reads them.
+ *
+ * One interface over four layouts, all holding every layer of many sequences:
+ *   paged       (the default) a block pool per layer, [num_blocks, block_size, kv_heads, head_dim],
+ *               block ids shared across layers, one block table per sequence, reference-counted
+ *               blocks (fork shares them; a write to a shared block copies it first), growth ×1.5
+ *               clamped to max_blocks;
+ *   contiguous  per sequence one buffer per layer, grown to the next multiple of `step` tokens;
+ *   blocks      per sequence a list of independent blocks of block_size (default 1024) tokens;
+ *   ragged      one buffer per layer of [max_sequences rows, capacity, kv_heads, head_dim] with
+ *               per-row lengths; capacity grows in steps, or is pinned by freeze_capacity.
+ * Storage formats f32, f16, bf16, q8, q4 (rotated by default), tq: the bytes per token are exactly
+ * the planner's ratio table (llmem_kv_bytes_per_token_effective). All memory comes from a
+ * struct llmem_mem with the tag `kv`.
+ *
+ * Writing is three steps, so that a forward pass can write layer by layer: reserve room for n
+ * tokens (the only step that allocates: it may fail cleanly, leaving the sequence intact), write
+ * each layer, then set the new length. Attention (GQA, causal, optional sliding window) walks the
+ * sequence's storage in place — blocks are never concatenated — by one of three routes:
+ * `direct` (one pass with an online softmax), `partitioned` (partitions of 512 tokens merged
+ * exactly, in ascending order; used from 2048 tokens or when there are too few query heads to
+ * keep every thread busy) and `fallback` (gather to f32 rows and run the reference).
+ */
+#ifndef LLMEM_KV_H
+#define LLMEM_KV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "llmem/mem.h"
+#include "llmem/plan.h"
+#include "llmem/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum llmem_kv_layout {
+    LLMEM_KV_LAYOUT_PAGED = 0,
+    LLMEM_KV_LAYOUT_CONTIGUOUS,
+    LLMEM_KV_LAYOUT_BLOCKS,
+    LLMEM_KV_LAYOUT_RAGGED,
+    LLMEM_KV_LAYOUT_COUNT
+};
+const char *llmem_kv_layout_name(enum llmem_kv_layout layout);
+/* LLMEM_EINVAL (logged, listing the names) for an unknown name. */
+int llmem_kv_layout_parse(const char *name, enum llmem_kv_layout *layout);
+
+struct llmem_kv_config {
+    enum llmem_kv_layout layout;
+    enum llmem_kv_format format;
+    int n_layers;
+    int n_kv_heads;
+    int head_dim;       /* a multiple of 32 */
+    int max_sequences;  /* sequence ids are 0..max_sequences−1 (ragged: the rows) */
+    int block_size;     /* paged: tokens per block (16); blocks layout: 1024 */
+    int64_t num_blocks; /* paged: the initial pool (1024) */
+    int64_t max_blocks; /* paged: growth stops here (0: only the memory limit stops it) */
+    int dynamic;        /* paged: grow when the pool runs out (else an overflowing reserve fails) */
+    int step;           /* contiguous and ragged: growth step in tokens (256) */
+    int rotate;         /* q4: randomized Hadamard rotation (on) */
+    uint64_t seed;      /* the rotation's signs */
+    int n_threads;      /* attention threads; ≤ 0: online CPUs */
+};
+
+/* The defaults above (paged, f16, 64 sequences); the geometry fields are left 0. */
+void llmem_kv_config_default(struct llmem_kv_config *config);
+/* Applies LLMEM_KV_LAYOUT, LLMEM_KV_FORMAT, LLMEM_KV_BLOCK_SIZE, LLMEM_KV_NUM_BLOCKS and
+ * LLMEM_KV_DYNAMIC (0/1) where set; LLMEM_EINVAL (logged, naming the variable) for a bad value. */
+int llmem_kv_config_from_env(struct llmem_kv_config *config);
+
+/* Stored bytes of one token, all layers, K and V: n_layers × n_kv_heads × (K + V row bytes). */
+int64_t llmem_kv_token_bytes(const struct llmem_kv_config *config);
+
+struct llmem_kv;
+
+/* mem: where the KV memory comes from (tag kv); NULL makes a private host allocator. */
+int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
+                    struct llmem_kv **out);
+void llmem_kv_destroy(struct llmem_kv *kv);
+
+/* Sequences. */
+int llmem_kv_seq_new(struct llmem_kv *kv, int *seq);
+/* A new sequence with src's contents: paged layouts share src's blocks (copy on write), the
+ * others copy. */
+int llmem_kv_seq_fork(struct llmem_kv *kv, int src, int *dst);
+void llmem_kv_seq_free(struct llmem_kv *kv, int seq);
+int64_t llmem_kv_seq_length(const struct llmem_kv *kv, int seq);
+
+/* Room for n more tokens after the current length. LLMEM_ENOMEM or LLMEM_ERANGE (logged) when it
+ * cannot grow (memory limit, max_blocks, growth off, frozen capacity): nothing changes then. */
+int llmem_kv_reserve(struct llmem_kv *kv, int seq, int64_t n);
+/* Writes n tokens of one layer at positions [pos, pos + n): k and v are [n, n_kv_heads, head_dim].
+ * pos may be below the length (a rewrite); pos + n must lie within the reserved room. A write
+ * into a block shared with another sequence copies the block first (all layers), which can fail
+ * with LLMEM_ENOMEM (logged) before anything is written. */
+int llmem_kv_write(struct llmem_kv *kv, int seq, int layer, int64_t pos, int64_t n, const float *k,
+                   const float *v);
+/* Sets the sequence's length (≤ the reserved room) after every layer was written. */
+void llmem_kv_set_length(struct llmem_kv *kv, int seq, int64_t length);
+/* reserve + write every layer + set_length, for k and v of [n_layers, n, n_kv_heads, head_dim]. */
+int llmem_kv_append(struct llmem_kv *kv, int seq, int64_t n, const float *k, const float *v);
+/* Drops the last n tokens (releasing whole blocks that no longer hold any). */
+void llmem_kv_trim(struct llmem_kv *kv, int seq, int64_t n);
+/* Ragged: grows every row to `capacity` tokens now and never allocates again; a reserve past it
+ * fails with LLMEM_ERANGE. Other layouts: LLMEM_EUNSUPPORTED. */
+int llmem_kv_freeze_capacity(struct llmem_kv *kv, int64_t capacity);
+
+enum llmem_kv_route {
+    LLMEM_KV_ROUTE_AUTO = 0,
+    LLMEM_KV_ROUTE_DIRECT,
+    LLMEM_KV_ROUTE_PARTITIONED,
+    LLMEM_KV_ROUTE_FALLBACK
+};
+
+struct llmem_kv_attn {
+    int n_heads;    /* query heads, a multiple of n_kv_heads (GQA) */
+    float scale;    /* 0: 1 / sqrt(head_dim) */
+    int64_t window; /* 0: full causal; else each query sees its last `window` tokens */
+    enum llmem_kv_route route;
+};
+
+/* Attention of n_q queries at positions [q_pos, q_pos + n_q) of one layer: q and out are
+ * [n_q, n_heads, head_dim]; query i sees keys at positions ≤ q_pos + i (within the window).
+ * q_pos + n_q must not exceed the sequence's length. LLMEM_ENOMEM (logged) when the workspace
+ * cannot be allocated. */
+int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int64_t n_q,
+                    const float *q, float *out, const struct llmem_kv_attn *attn);
+
+#define LLMEM_KV_STATS_FIELDS(X)                                                                   \
+    X(n_sequences)                                                                                 \
+    X(tokens)          /* Σ sequence lengths */                                                   \
+    X(capacity_tokens) /* tokens the storage can hold without growing */                           \
+    X(bytes)           /* KV memory held */                                                        \
+    X(n_blocks)        /* paged: the pool */                                                       \
+    X(n_blocks_used)                                                                               \
+    X(n_blocks_free)                                                                               \
+    X(n_blocks_shared) /* paged: blocks with more than one reference */                            \
+    X(grow_events)                                                                                 \
+    X(cow_copies)                                                                                  \
+    X(updates) /* write calls */                                                                   \
+    X(bytes_written)                                                                               \
+    X(route_direct)                                                                                \
+    X(route_partitioned)                                                                           \
+    X(route_fallback)                                                                              \
+    X(attend_ns) /* time spent in attention */
+
+#define LLMEM_KV_STATS_FIELD_(name) int64_t name;
+struct llmem_kv_stats {
+    LLMEM_KV_STATS_FIELDS(LLMEM_KV_STATS_FIELD_)
+};
+#undef LLMEM_KV_STATS_FIELD_
+
+void llmem_kv_stats(struct llmem_kv *kv, struct llmem_kv_stats *stats);
+
+/* Checks every invariant (reference counts equal the references in block tables, free and used
+ * blocks partition the pool, lengths within capacity, byte counts); LLMEM_EFORMAT with the broken
+ * invariant logged. For tests. */
+int llmem_kv_check(struct llmem_kv *kv);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

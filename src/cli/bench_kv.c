@@ -1,0 +1,983 @@
+/*
+ * cli/bench_kv.c — `llmem bench kv`: decode attention over the KV caches (SPEC §4) against the
+ * machine's memory bandwidth, the accuracy of each storage format, and the cost of appending.
+ *
+ * Shapes are those of a Llama-3-8B-like layer: 32 query heads, 8 KV heads (GQA 4:1), head_dim
+ * 128, one layer per cache (attention reads one layer per call, so every figure is per layer).
+ *
+ *   bandwidth   read: every thread sums its share of a buffer far larger than the last-level cache
+ *               (512 MiB, from an llmem_mem allocator, written once first); copy: memcpy of one
+ *               half onto the other, counting bytes read + bytes written (SPEC §8). Measured with
+ *               the attention's thread count, before and after the attention runs; the figure is
+ *               the median of all passes.
+ *   attention   one query per sequence at its last position (decode), over B sequences of ctx
+ *               tokens, for every layout × format; the time is that of attending all B sequences
+ *               (B calls), and the KV bytes read are B × ctx × n_kv_heads × (K + V row bytes),
+ *               i.e. llmem_kv_token_bytes with one layer. The caches of one (format, ctx) are held
+ *               together where they fit in 2 GiB, and their repetitions are interleaved, so that
+ *               paged and contiguous are compared side by side (paging overhead: f16, longest
+ *               context, largest batch measured there).
+ *   accuracy    relative RMS error of the attention output of each format against f32 storage,
+ *               on the same Gaussian keys, values and queries (ctx 4096, 8 queries).
+ *   append      4096 tokens appended to one sequence in f16, one at a time (decode) and in
+ *               512-token chunks, per layout, with the growth events each layout went through
+ *               (the paged pool starts at 16 blocks, 256 tokens, as the contiguous step, so that
+ *               it grows too).
+ * Keys and values are Gaussian (unit variance), cycled from 4096 generated tokens; queries are
+ * Gaussian too, so with the default scale the scores are ≈ N(0, 1): flat attention, the case
+ * where every stored byte matters.
+ */
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli/cli.h"
+#include "core/json.h"
+#include "core/pool.h"
+#include "llmem/kv.h"
+#include "llmem/mem.h"
+#include "llmem/sys.h"
+
+/* ---- shapes, grid and helpers ------------------------------------------------------------------
+ */
+
+enum {
+    N_HEADS = 32,
+    N_KV_HEADS = 8,
+    HEAD_DIM = 128,
+    KV_FLOATS = N_KV_HEADS * HEAD_DIM, /* one token's K (or V) row, all KV heads */
+    Q_FLOATS = N_HEADS * HEAD_DIM,     /* one query, all heads */
+    DATA_TOKENS = 4096,                /* generated tokens, cycled */
+    WRITE_RUN = 512,                   /* tokens per write when filling */
+    ACC_QUERIES = 8,
+    APPEND_CHUNK = 512,
+    MAX_BATCH = 64,
+};
+
+#define GRID_MAX_TOKENS     ((int64_t)128 * 1024) /* ctx × batch of a default point */
+#define GROUP_BUDGET        ((int64_t)2 << 30)    /* KV bytes held at once */
+#define EXPLICIT_MAX_TOKENS ((int64_t)256 * 1024)
+
+static const int64_t full_ctxs[] = {1024, 4096, 16384, 32768};
+static const int64_t quick_ctxs[] = {4096, 32768};
+static const int64_t full_batches[] = {1, 4, 16};
+static const int64_t quick_batches[] = {1, 4};
+#define COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Sorts v in place and returns its median. */
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof(*v), cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static void fill_gaussian(float *x, size_t n, uint64_t seed) {
+    uint64_t s = seed;
+    for (size_t i = 0; i < n; i += 2) {
+        double u1 = ((double)(rng_next(&s) >> 11) + 1.0) * 0x1p-53; /* (0, 1] */
+        double u2 = (double)(rng_next(&s) >> 11) * 0x1p-53;
+        double r = sqrt(-2.0 * log(u1)), a = 2.0 * M_PI * u2;
+        x[i] = (float)(r * cos(a));
+        if (i + 1 < n)
+            x[i + 1] = (float)(r * sin(a));
+    }
+}
+
+/* The run: what to measure, and the shared state. */
+struct bench {
+    struct llmem_mem *mem;
+    int n_threads; /* as asked (≤ 0: online CPUs) */
+    int threads;   /* as run */
+    int64_t reps;
+    const float *k_data, *v_data; /* [DATA_TOKENS, KV_FLOATS] */
+    int64_t progress_done, progress_total;
+};
+
+static void progress(struct bench *b) {
+    cli_progress("bench kv", ++b->progress_done, b->progress_total);
+}
+
+/* ---- memory bandwidth --------------------------------------------------------------------------
+ */
+
+typedef uint64_t u64x2 __attribute__((vector_size(16)));
+
+struct bw_job {
+    uint8_t *buf;
+    size_t bytes, chunk; /* the whole buffer; one task's share (a multiple of 64) */
+    int copy;            /* 0: read (sum); 1: copy the first half onto the second */
+    uint64_t sink[256];  /* per task, so that the sums are not optimized away */
+};
+
+static void bw_task(void *arg, int task, int thread) {
+    (void)thread;
+    struct bw_job *j = arg;
+    size_t lo = (size_t)task * j->chunk;
+    if (j->copy) {
+        size_t half = j->bytes / 2;
+        size_t n = lo + j->chunk <= half ? j->chunk : half - lo;
+        memcpy(j->buf + half + lo, j->buf + lo, n);
+        return;
+    }
+    size_t n = lo + j->chunk <= j->bytes ? j->chunk : j->bytes - lo;
+    const u64x2 *p = (const u64x2 *)(const void *)(j->buf + lo);
+    u64x2 a = {0, 0}, b = {0, 0}, c = {0, 0}, d = {0, 0};
+    for (size_t i = 0; i + 4 <= n / 16; i += 4) {
+        a += p[i];
+        b += p[i + 1];
+        c += p[i + 2];
+        d += p[i + 3];
+    }
+    u64x2 s = a + b + c + d;
+    j->sink[task % 256] += s[0] + s[1];
+}
+
+static void touch_task(void *arg, int task, int thread) {
+    (void)thread;
+    struct bw_job *j = arg;
+    size_t lo = (size_t)task * j->chunk;
+    size_t n = lo + j->chunk <= j->bytes ? j->chunk : j->bytes - lo;
+    memset(j->buf + lo, (int)(task & 0x7f) + 1, n);
+}
+
+/* Appends `passes` read and copy measurements (GB/s) to read_gbps / copy_gbps. */
+static int measure_bandwidth(struct bench *b, struct llmem_pool *pool, int64_t bytes, int passes,
+                             double *read_gbps, double *copy_gbps) {
+    struct bw_job *j = calloc(1, sizeof(*j));
+    if (j == NULL)
+        return CLI_FAIL;
+    j->bytes = (size_t)bytes & ~(size_t)127;
+    j->buf = llmem_mem_alloc(b->mem, j->bytes, LLMEM_TAG_SCRATCH);
+    if (j->buf == NULL) {
+        free(j);
+        return CLI_FAIL;
+    }
+    const int tasks = 64;
+    j->chunk = ((j->bytes + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
+    llmem_pool_run(pool, tasks, touch_task, j);
+    for (int p = -1; p < passes; p++) {
+        /* read: all of it */
+        j->copy = 0;
+        j->chunk = ((j->bytes + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
+        double t0 = now_s();
+        llmem_pool_run(pool, tasks, bw_task, j);
+        double t_read = now_s() - t0;
+        /* copy: half onto half, bytes read + bytes written */
+        j->copy = 1;
+        j->chunk = ((j->bytes / 2 + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
+        t0 = now_s();
+        llmem_pool_run(pool, tasks, bw_task, j);
+        double t_copy = now_s() - t0;
+        if (p >= 0) { /* the first pass warms up */
+            read_gbps[p] = (double)j->bytes / t_read * 1e-9;
+            copy_gbps[p] = (double)j->bytes / t_copy * 1e-9;
+        }
+        progress(b);
+    }
+    uint64_t sum = 0;
+    for (int i = 0; i < 256; i++)
+        sum += j->sink[i];
+    volatile uint64_t keep = sum;
+    (void)keep;
+    llmem_mem_free(b->mem, j->buf);
+    free(j);
+    return CLI_OK;
+}
+
+/* ---- caches ------------------------------------------------------------------------------------
+ */
+
+/* A cache of n_seqs sequences of ctx tokens each, one layer, Gaussian data. */
+static int build_cache(struct bench *b, enum llmem_kv_layout layout, enum llmem_kv_format format,
+                       int64_t ctx, int n_seqs, struct llmem_kv **out) {
+    struct llmem_kv_config cfg;
+    llmem_kv_config_default(&cfg);
+    cfg.layout = layout;
+    cfg.format = format;
+    cfg.n_layers = 1;
+    cfg.n_kv_heads = N_KV_HEADS;
+    cfg.head_dim = HEAD_DIM;
+    cfg.max_sequences = n_seqs;
+    cfg.n_threads = b->n_threads;
+    cfg.num_blocks = (ctx + 15) / 16 * n_seqs; /* paged: exactly what the batch needs */
+    struct llmem_kv *kv = NULL;
+    if (llmem_kv_create(&cfg, b->mem, &kv) != LLMEM_OK)
+        return CLI_FAIL;
+    for (int s = 0; s < n_seqs; s++) {
+        int seq = -1;
+        if (llmem_kv_seq_new(kv, &seq) != LLMEM_OK || llmem_kv_reserve(kv, seq, ctx) != LLMEM_OK)
+            goto out_destroy;
+        /* Each sequence starts at its own place in the data so that they differ. */
+        int64_t start = ((int64_t)s * 977) % DATA_TOKENS;
+        for (int64_t pos = 0; pos < ctx;) {
+            int64_t at = (start + pos) % DATA_TOKENS, n = ctx - pos;
+            if (n > DATA_TOKENS - at)
+                n = DATA_TOKENS - at;
+            if (n > WRITE_RUN)
+                n = WRITE_RUN;
+            if (llmem_kv_write(kv, seq, 0, pos, n, b->k_data + (size_t)at * KV_FLOATS,
+                               b->v_data + (size_t)at * KV_FLOATS) != LLMEM_OK)
+                goto out_destroy;
+            pos += n;
+            llmem_kv_set_length(kv, seq, pos); /* a write starts at most at the length */
+        }
+        progress(b);
+    }
+    *out = kv;
+    return CLI_OK;
+out_destroy:
+    llmem_kv_destroy(kv);
+    return CLI_FAIL;
+}
+
+/* ---- attention ---------------------------------------------------------------------------------
+ */
+
+struct point {
+    enum llmem_kv_layout layout;
+    enum llmem_kv_format format;
+    int64_t ctx, batch;
+    double seconds; /* median over the repetitions */
+    int64_t kv_bytes;
+    const char *route;
+};
+
+static int64_t kv_read_bytes(enum llmem_kv_format format, int64_t ctx, int64_t batch) {
+    struct llmem_kv_config cfg = {
+        .format = format, .n_layers = 1, .n_kv_heads = N_KV_HEADS, .head_dim = HEAD_DIM};
+    return batch * ctx * llmem_kv_token_bytes(&cfg);
+}
+
+static const char *route_taken(const struct llmem_kv_stats *before,
+                               const struct llmem_kv_stats *after) {
+    if (after->route_fallback > before->route_fallback)
+        return "fallback";
+    if (after->route_partitioned > before->route_partitioned)
+        return after->route_direct > before->route_direct ? "mixed" : "partitioned";
+    return "direct";
+}
+
+/* Attends the first `batch` sequences of kv once each (decode: one query at the last position);
+ * returns seconds, or a negative value on failure. */
+static double attend_batch(struct llmem_kv *kv, int64_t ctx, int64_t batch, const float *q,
+                           float *out) {
+    const struct llmem_kv_attn attn = {.n_heads = N_HEADS};
+    double t0 = now_s();
+    for (int s = 0; s < batch; s++)
+        if (llmem_kv_attend(kv, s, 0, ctx - 1, 1, q + (size_t)s * Q_FLOATS,
+                            out + (size_t)s * Q_FLOATS, &attn) != LLMEM_OK)
+            return -1;
+    return now_s() - t0;
+}
+
+/* Measures points[first, last) — all of one format and context — holding the caches of as many
+ * layouts at once as GROUP_BUDGET allows, with the repetitions interleaved across them. */
+static int run_points(struct bench *b, struct point *points, int first, int last, const float *q,
+                      float *out) {
+    int rc = CLI_OK;
+    double *times = calloc((size_t)(last - first) * (size_t)b->reps, sizeof(*times));
+    if (times == NULL)
+        return CLI_FAIL;
+    int i = first;
+    while (i < last && rc == CLI_OK) {
+        /* A set of layouts that fits: each layout's cache holds its largest batch. */
+        struct llmem_kv *caches[LLMEM_KV_LAYOUT_COUNT] = {NULL};
+        int64_t held = 0;
+        int end = i;
+        while (end < last) {
+            enum llmem_kv_layout layout = points[end].layout;
+            int64_t max_batch = 0;
+            int k = end;
+            for (; k < last && points[k].layout == layout; k++)
+                max_batch = points[k].batch > max_batch ? points[k].batch : max_batch;
+            int64_t bytes = kv_read_bytes(points[end].format, points[end].ctx, max_batch);
+            if (end > i && held + bytes > GROUP_BUDGET)
+                break;
+            held += bytes;
+            if (build_cache(b, layout, points[end].format, points[end].ctx, (int)max_batch,
+                            &caches[layout]) != CLI_OK) {
+                fprintf(stderr,
+                        "llmem bench kv: cannot build a %s %s cache of %lld × %lld"
+                        " tokens\n",
+                        llmem_kv_layout_name(layout), llmem_kv_format_name(points[end].format),
+                        (long long)max_batch, (long long)points[end].ctx);
+                rc = CLI_FAIL;
+                break;
+            }
+            end = k;
+        }
+        /* One untimed pass (it also records the route), then the repetitions interleaved. */
+        for (int64_t r = -1; rc == CLI_OK && r < b->reps; r++) {
+            for (int p = i; p < end && rc == CLI_OK; p++) {
+                struct llmem_kv *kv = caches[points[p].layout];
+                struct llmem_kv_stats before, after;
+                llmem_kv_stats(kv, &before);
+                double t = attend_batch(kv, points[p].ctx, points[p].batch, q, out);
+                if (t < 0) {
+                    fprintf(stderr, "llmem bench kv: attention failed\n");
+                    rc = CLI_FAIL;
+                    break;
+                }
+                if (r < 0) {
+                    llmem_kv_stats(kv, &after);
+                    points[p].route = route_taken(&before, &after);
+                } else {
+                    times[(size_t)(p - first) * (size_t)b->reps + (size_t)r] = t;
+                }
+                progress(b);
+            }
+        }
+        for (int p = i; p < end && rc == CLI_OK; p++) {
+            points[p].seconds = median(times + (size_t)(p - first) * (size_t)b->reps, (int)b->reps);
+            points[p].kv_bytes = kv_read_bytes(points[p].format, points[p].ctx, points[p].batch);
+        }
+        for (int l = 0; l < LLMEM_KV_LAYOUT_COUNT; l++)
+            llmem_kv_destroy(caches[l]);
+        i = end;
+    }
+    free(times);
+    return rc;
+}
+
+/* ---- accuracy ----------------------------------------------------------------------------------
+ */
+
+struct accuracy {
+    enum llmem_kv_format format;
+    double rel_error;
+};
+
+/* The outputs of ACC_QUERIES decode queries over one sequence of ctx tokens in `format`. */
+static int attend_format(struct bench *b, enum llmem_kv_format format, int64_t ctx, const float *q,
+                         float *out) {
+    struct llmem_kv *kv = NULL;
+    if (build_cache(b, LLMEM_KV_LAYOUT_PAGED, format, ctx, 1, &kv) != CLI_OK)
+        return CLI_FAIL;
+    const struct llmem_kv_attn attn = {.n_heads = N_HEADS};
+    int rc = CLI_OK;
+    for (int i = 0; i < ACC_QUERIES && rc == CLI_OK; i++)
+        if (llmem_kv_attend(kv, 0, 0, ctx - 1, 1, q + (size_t)i * Q_FLOATS,
+                            out + (size_t)i * Q_FLOATS, &attn) != LLMEM_OK)
+            rc = CLI_FAIL;
+    llmem_kv_destroy(kv);
+    return rc;
+}
+
+static int run_accuracy(struct bench *b, const enum llmem_kv_format *formats, int n_formats,
+                        int64_t ctx, struct accuracy *acc) {
+    const size_t n = (size_t)ACC_QUERIES * Q_FLOATS;
+    float *q = malloc(n * sizeof(float)), *ref = malloc(n * sizeof(float)),
+          *out = malloc(n * sizeof(float));
+    int rc = q != NULL && ref != NULL && out != NULL ? CLI_OK : CLI_FAIL;
+    if (rc == CLI_OK) {
+        fill_gaussian(q, n, 0xacc);
+        rc = attend_format(b, LLMEM_KV_FORMAT_F32, ctx, q, ref);
+    }
+    for (int f = 0; f < n_formats && rc == CLI_OK; f++) {
+        rc = attend_format(b, formats[f], ctx, q, out);
+        double err = 0, norm = 0;
+        for (size_t i = 0; i < n && rc == CLI_OK; i++) {
+            double d = (double)out[i] - (double)ref[i];
+            err += d * d;
+            norm += (double)ref[i] * (double)ref[i];
+        }
+        acc[f] = (struct accuracy){formats[f], norm > 0 ? sqrt(err / norm) : 0};
+    }
+    free(q), free(ref), free(out);
+    return rc;
+}
+
+/* ---- append and grow ---------------------------------------------------------------------------
+ */
+
+struct append_result {
+    enum llmem_kv_layout layout;
+    const char *mode; /* "token" or "chunk" */
+    int64_t tokens, chunk;
+    double ns_per_token;
+    int64_t grow_events;
+};
+
+/* Appends `tokens` tokens in pieces of `chunk` to a fresh f16 cache; returns seconds (< 0: failed).
+ */
+static double append_once(struct bench *b, enum llmem_kv_layout layout, int64_t tokens,
+                          int64_t chunk, int64_t *grow_events) {
+    struct llmem_kv_config cfg;
+    llmem_kv_config_default(&cfg);
+    cfg.layout = layout;
+    cfg.format = LLMEM_KV_FORMAT_F16;
+    cfg.n_layers = 1;
+    cfg.n_kv_heads = N_KV_HEADS;
+    cfg.head_dim = HEAD_DIM;
+    cfg.max_sequences = 1;
+    cfg.n_threads = b->n_threads;
+    cfg.num_blocks = 16; /* 256 tokens, like the contiguous step: the pool grows too */
+    struct llmem_kv *kv = NULL;
+    int seq = -1;
+    if (llmem_kv_create(&cfg, b->mem, &kv) != LLMEM_OK)
+        return -1;
+    double t = -1;
+    if (llmem_kv_seq_new(kv, &seq) == LLMEM_OK) {
+        double t0 = now_s();
+        int64_t pos = 0;
+        while (pos < tokens) {
+            int64_t at = pos % DATA_TOKENS, n = tokens - pos;
+            n = n > chunk ? chunk : n;
+            n = n > DATA_TOKENS - at ? DATA_TOKENS - at : n;
+            if (llmem_kv_append(kv, seq, n, b->k_data + (size_t)at * KV_FLOATS,
+                                b->v_data + (size_t)at * KV_FLOATS) != LLMEM_OK)
+                break;
+            pos += n;
+        }
+        if (pos == tokens)
+            t = now_s() - t0;
+        struct llmem_kv_stats st;
+        llmem_kv_stats(kv, &st);
+        *grow_events = st.grow_events;
+    }
+    llmem_kv_destroy(kv);
+    return t;
+}
+
+static int run_append(struct bench *b, const enum llmem_kv_layout *layouts, int n_layouts,
+                      int64_t tokens, struct append_result *res) {
+    const int64_t chunks[2] = {1, tokens < APPEND_CHUNK ? tokens : APPEND_CHUNK};
+    int n = 2 * n_layouts, rc = CLI_OK;
+    double *times = calloc((size_t)n * (size_t)b->reps, sizeof(*times));
+    if (times == NULL)
+        return CLI_FAIL;
+    for (int i = 0; i < n; i++)
+        res[i] = (struct append_result){
+            layouts[i / 2], i % 2 ? "chunk" : "token", tokens, chunks[i % 2], 0, 0};
+    for (int64_t r = -1; r < b->reps && rc == CLI_OK; r++) {
+        for (int i = 0; i < n && rc == CLI_OK; i++) {
+            double t = append_once(b, res[i].layout, tokens, res[i].chunk, &res[i].grow_events);
+            if (t < 0) {
+                fprintf(stderr, "llmem bench kv: appending to a %s cache failed\n",
+                        llmem_kv_layout_name(res[i].layout));
+                rc = CLI_FAIL;
+            } else if (r >= 0) {
+                times[(size_t)i * (size_t)b->reps + (size_t)r] = t;
+            }
+            progress(b);
+        }
+    }
+    for (int i = 0; i < n && rc == CLI_OK; i++)
+        res[i].ns_per_token =
+            median(times + (size_t)i * (size_t)b->reps, (int)b->reps) * 1e9 / (double)tokens;
+    free(times);
+    return rc;
+}
+
+/* ---- output ------------------------------------------------------------------------------------
+ */
+
+struct results {
+    struct llmem_device_info host;
+    int64_t bw_bytes;
+    double read_gbps, copy_gbps;
+    struct point *points;
+    int n_points;
+    struct accuracy acc[LLMEM_KV_FORMAT_COUNT];
+    int n_acc;
+    int64_t acc_ctx;
+    struct append_result app[2 * LLMEM_KV_LAYOUT_COUNT];
+    int n_app;
+    int paging; /* whether paged and contiguous f16 were both measured */
+    int64_t paging_ctx, paging_batch;
+    double paging_paged_s, paging_contiguous_s;
+    int64_t peak_bytes;
+};
+
+/* Paged against contiguous for f16 at the longest context both ran, the largest batch there. */
+static void find_paging(struct results *res) {
+    res->paging = 0;
+    for (int i = 0; i < res->n_points; i++) {
+        const struct point *p = &res->points[i];
+        if (p->format != LLMEM_KV_FORMAT_F16 || p->layout != LLMEM_KV_LAYOUT_PAGED)
+            continue;
+        for (int k = 0; k < res->n_points; k++) {
+            const struct point *c = &res->points[k];
+            if (c->format != LLMEM_KV_FORMAT_F16 || c->layout != LLMEM_KV_LAYOUT_CONTIGUOUS ||
+                c->ctx != p->ctx || c->batch != p->batch)
+                continue;
+            if (!res->paging || p->ctx > res->paging_ctx ||
+                (p->ctx == res->paging_ctx && p->batch > res->paging_batch)) {
+                res->paging = 1;
+                res->paging_ctx = p->ctx;
+                res->paging_batch = p->batch;
+                res->paging_paged_s = p->seconds;
+                res->paging_contiguous_s = c->seconds;
+            }
+        }
+    }
+}
+
+static int print_json(const struct results *res, const struct bench *b, int quick) {
+    cJSON *root = cJSON_CreateObject();
+    int st = root == NULL;
+    cJSON *machine = st ? NULL : cJSON_AddObjectToObject(root, "machine");
+    st |= machine == NULL || llmem_json_add_string(machine, "cpu", res->host.name) ||
+          llmem_json_add_int(machine, "n_cpus", res->host.n_cpus) ||
+          llmem_json_add_int(root, "threads", b->threads) ||
+          llmem_json_add_int(root, "reps", b->reps) || llmem_json_add_bool(root, "quick", quick);
+    cJSON *shape = st ? NULL : cJSON_AddObjectToObject(root, "shape");
+    st |= shape == NULL || llmem_json_add_int(shape, "n_heads", N_HEADS) ||
+          llmem_json_add_int(shape, "n_kv_heads", N_KV_HEADS) ||
+          llmem_json_add_int(shape, "head_dim", HEAD_DIM) ||
+          llmem_json_add_int(shape, "n_layers", 1);
+    st |= st || llmem_json_add_int(root, "bandwidth_bytes", res->bw_bytes) ||
+          llmem_json_add_double(root, "bandwidth_read_gbps", res->read_gbps) ||
+          llmem_json_add_double(root, "bandwidth_copy_gbps", res->copy_gbps);
+    cJSON *list = st ? NULL : cJSON_AddArrayToObject(root, "attention");
+    st |= list == NULL;
+    for (int i = 0; i < res->n_points && !st; i++) {
+        const struct point *p = &res->points[i];
+        double gbps = (double)p->kv_bytes / p->seconds * 1e-9;
+        cJSON *o = cJSON_CreateObject();
+        st |= o == NULL || !cJSON_AddItemToArray(list, o);
+        st |= st || llmem_json_add_string(o, "layout", llmem_kv_layout_name(p->layout)) ||
+              llmem_json_add_string(o, "format", llmem_kv_format_name(p->format)) ||
+              llmem_json_add_int(o, "ctx", p->ctx) || llmem_json_add_int(o, "batch", p->batch) ||
+              llmem_json_add_double(o, "seconds", p->seconds) ||
+              llmem_json_add_int(o, "kv_bytes", p->kv_bytes) ||
+              llmem_json_add_double(o, "gbps", gbps) ||
+              llmem_json_add_double(o, "fraction_of_bandwidth", gbps / res->read_gbps) ||
+              llmem_json_add_string(o, "route", p->route);
+    }
+    list = st ? NULL : cJSON_AddArrayToObject(root, "accuracy");
+    st |= list == NULL;
+    for (int i = 0; i < res->n_acc && !st; i++) {
+        cJSON *o = cJSON_CreateObject();
+        st |= o == NULL || !cJSON_AddItemToArray(list, o);
+        st |= st || llmem_json_add_string(o, "format", llmem_kv_format_name(res->acc[i].format)) ||
+              llmem_json_add_int(o, "ctx", res->acc_ctx) ||
+              llmem_json_add_double(o, "rel_error", res->acc[i].rel_error);
+    }
+    list = st ? NULL : cJSON_AddArrayToObject(root, "append");
+    st |= list == NULL;
+    for (int i = 0; i < res->n_app && !st; i++) {
+        const struct append_result *a = &res->app[i];
+        cJSON *o = cJSON_CreateObject();
+        st |= o == NULL || !cJSON_AddItemToArray(list, o);
+        st |= st || llmem_json_add_string(o, "layout", llmem_kv_layout_name(a->layout)) ||
+              llmem_json_add_string(o, "mode", a->mode) ||
+              llmem_json_add_int(o, "tokens", a->tokens) ||
+              llmem_json_add_int(o, "chunk", a->chunk) ||
+              llmem_json_add_double(o, "ns_per_token", a->ns_per_token) ||
+              llmem_json_add_int(o, "grow_events", a->grow_events);
+    }
+    if (!st && res->paging) {
+        cJSON *o = cJSON_AddObjectToObject(root, "paging");
+        st |= o == NULL || llmem_json_add_int(o, "ctx", res->paging_ctx) ||
+              llmem_json_add_int(o, "batch", res->paging_batch) ||
+              llmem_json_add_double(o, "paged_seconds", res->paging_paged_s) ||
+              llmem_json_add_double(o, "contiguous_seconds", res->paging_contiguous_s);
+        st |= st || llmem_json_add_double(root, "paging_overhead",
+                                          res->paging_paged_s / res->paging_contiguous_s - 1);
+    } else {
+        st |= st || llmem_json_add_null(root, "paging_overhead");
+    }
+    st |= st || llmem_json_add_int(root, "memory_peak_bytes", res->peak_bytes);
+    if (st) {
+        cJSON_Delete(root);
+        fprintf(stderr, "llmem bench kv: out of memory building the JSON output\n");
+        return CLI_FAIL;
+    }
+    return cli_print_json(root);
+}
+
+static void print_table(const struct results *res, const struct bench *b) {
+    printf("llmem bench kv: %s, %d CPUs, %d threads; %d query heads, %d KV heads, head_dim %d,"
+           " one layer; median of %lld runs\n",
+           res->host.name, res->host.n_cpus, b->threads, N_HEADS, N_KV_HEADS, HEAD_DIM,
+           (long long)b->reps);
+    printf("memory bandwidth (%lld MiB buffer, %d threads): read %.1f GB/s, copy %.1f GB/s"
+           " (bytes read + written)\n\n",
+           (long long)(res->bw_bytes >> 20), b->threads, res->read_gbps, res->copy_gbps);
+
+    printf("decode attention: one query per sequence at its last position, all sequences of the"
+           " batch\n");
+    printf("%-10s %-6s %6s %5s %10s %9s %8s %8s  %s\n", "layout", "format", "ctx", "batch",
+           "time ms", "KV MiB", "GB/s", "of read", "route");
+    for (int i = 0; i < res->n_points; i++) {
+        const struct point *p = &res->points[i];
+        double gbps = (double)p->kv_bytes / p->seconds * 1e-9;
+        printf("%-10s %-6s %6lld %5lld %10.3f %9.1f %8.2f %7.1f%%  %s\n",
+               llmem_kv_layout_name(p->layout), llmem_kv_format_name(p->format), (long long)p->ctx,
+               (long long)p->batch, p->seconds * 1e3, (double)p->kv_bytes / (1 << 20), gbps,
+               100 * gbps / res->read_gbps, p->route);
+    }
+    if (res->paging)
+        printf("\npaging overhead (f16, ctx %lld, batch %lld): paged %.3f ms, contiguous %.3f ms:"
+               " %+.1f%% (goal <= 5%%)\n",
+               (long long)res->paging_ctx, (long long)res->paging_batch, res->paging_paged_s * 1e3,
+               res->paging_contiguous_s * 1e3,
+               100 * (res->paging_paged_s / res->paging_contiguous_s - 1));
+
+    printf("\naccuracy at ctx %lld: relative RMS error of the output against f32 storage"
+           " (Gaussian data, %d queries)\n",
+           (long long)res->acc_ctx, ACC_QUERIES);
+    printf("%-6s %12s\n", "format", "rel error");
+    for (int i = 0; i < res->n_acc; i++)
+        printf("%-6s %12.3e\n", llmem_kv_format_name(res->acc[i].format), res->acc[i].rel_error);
+
+    if (res->n_app > 0)
+        printf("\nappend %lld tokens to one sequence (f16, one layer)\n",
+               (long long)res->app[0].tokens);
+    printf("%-10s %-6s %6s %12s %12s\n", "layout", "mode", "chunk", "ns/token", "grow events");
+    for (int i = 0; i < res->n_app; i++) {
+        const struct append_result *a = &res->app[i];
+        printf("%-10s %-6s %6lld %12.0f %12lld\n", llmem_kv_layout_name(a->layout), a->mode,
+               (long long)a->chunk, a->ns_per_token, (long long)a->grow_events);
+    }
+    printf("\nmemory peak: %.0f MiB\n", (double)res->peak_bytes / (1 << 20));
+}
+
+/* ---- the command -------------------------------------------------------------------------------
+ */
+
+static const char bench_kv_usage[] =
+    "usage: llmem bench kv [--quick] [--reps N] [--threads N] [--json]\n"
+    "                      [--ctx N] [--batch N] [--layouts L,..] [--formats F,..] [--bw-size "
+    "SIZE]\n"
+    "\n"
+    "Decode attention over the KV caches (32 query heads, 8 KV heads, head_dim 128, one layer)\n"
+    "for every layout (paged, contiguous, blocks, ragged) and format (f16, bf16, f32, q8, q4,\n"
+    "tq), at contexts 1K-32K and batches 1/4/16 (ctx x batch <= 128K tokens): time, KV bytes\n"
+    "read per second, and the fraction of the memory read bandwidth measured in the same run;\n"
+    "the paged/contiguous ratio (f16, longest context); each format's error against f32; and\n"
+    "the time per token of appending 4096 tokens one at a time and in chunks of 512.\n"
+    "\n"
+    "  --quick        paged and contiguous x f16 and q8 at ctx 4K and 32K, batch 1 and 4, plus\n"
+    "                 every format at ctx 4K (under 20 s on 2 cores)\n"
+    "  --reps N       repetitions, medians reported (default 5, quick 3)\n"
+    "  --threads N    attention and bandwidth threads (default: the online CPUs)\n"
+    "  --json         one JSON object: machine, bandwidth_read_gbps, bandwidth_copy_gbps,\n"
+    "                 attention[] {layout, format, ctx, batch, seconds, kv_bytes, gbps,\n"
+    "                 fraction_of_bandwidth, route}, accuracy[] {format, rel_error},\n"
+    "                 append[] {layout, mode, ns_per_token, grow_events}, paging_overhead\n"
+    "  --ctx N        one context instead of the grid (also the accuracy context and the number\n"
+    "                 of appended tokens)\n"
+    "  --batch N      one batch size instead of 1/4/16 (ctx x batch <= 256K tokens)\n"
+    "  --layouts L,.. --formats F,..  restrict the attention grid (accuracy and append follow)\n"
+    "  --bw-size SIZE the bandwidth buffer (default 512M, quick 256M)\n";
+
+/* Parses a comma-separated list of names through `parse`; returns the count or −1. */
+static int parse_list(const char *flag, const char *value, int max, int *out,
+                      int (*parse)(const char *, int *)) {
+    char buf[256];
+    if (strlen(value) >= sizeof(buf))
+        return cli_usage_error("bench kv", "%s: list too long", flag), -1;
+    strcpy(buf, value);
+    int n = 0;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok != NULL;
+         tok = strtok_r(NULL, ",", &save)) {
+        int v;
+        if (parse(tok, &v) != LLMEM_OK)
+            return -1;
+        int dup = 0;
+        for (int i = 0; i < n; i++)
+            dup |= out[i] == v;
+        if (!dup && n < max)
+            out[n++] = v;
+    }
+    if (n == 0)
+        return cli_usage_error("bench kv", "%s: empty list", flag), -1;
+    return n;
+}
+
+static int parse_layout(const char *name, int *out) {
+    enum llmem_kv_layout l;
+    int st = llmem_kv_layout_parse(name, &l);
+    *out = (int)l;
+    return st;
+}
+
+static int parse_format(const char *name, int *out) {
+    enum llmem_kv_format f;
+    int st = llmem_kv_format_parse(name, &f);
+    *out = (int)f;
+    return st;
+}
+
+/* The attention points, ordered by format, then context, then layout, then batch. */
+static int make_points(struct point *points, const int *layouts, int n_layouts, const int *formats,
+                       int n_formats, const int64_t *ctxs, int n_ctxs, const int64_t *batches,
+                       int n_batches, int64_t max_tokens, int quick_extra) {
+    int n = 0;
+    for (int f = 0; f < LLMEM_KV_FORMAT_COUNT; f++) {
+        int in_grid = 0;
+        for (int i = 0; i < n_formats; i++)
+            in_grid |= formats[i] == f;
+        for (int c = 0; c < n_ctxs; c++) {
+            for (int l = 0; l < LLMEM_KV_LAYOUT_COUNT; l++) {
+                int in_layouts = 0;
+                for (int i = 0; i < n_layouts; i++)
+                    in_layouts |= layouts[i] == l;
+                for (int bi = 0; bi < n_batches; bi++) {
+                    int take = in_grid && in_layouts && ctxs[c] * batches[bi] <= max_tokens;
+                    /* --quick: every other format once, paged, first context, batch 1 */
+                    if (!in_grid && quick_extra)
+                        take = l == LLMEM_KV_LAYOUT_PAGED && c == 0 && bi == 0;
+                    if (take && points != NULL)
+                        points[n] = (struct point){(enum llmem_kv_layout)l,
+                                                   (enum llmem_kv_format)f,
+                                                   ctxs[c],
+                                                   batches[bi],
+                                                   0,
+                                                   0,
+                                                   "direct"};
+                    n += take;
+                }
+            }
+        }
+    }
+    return n;
+}
+
+int cli_bench_kv(int argc, char **argv) {
+    static const struct option options[] = {
+        {"quick", no_argument, NULL, 'q'},
+        {"reps", required_argument, NULL, 'r'},
+        {"threads", required_argument, NULL, 't'},
+        {"json", no_argument, NULL, 'j'},
+        {"ctx", required_argument, NULL, 'c'},
+        {"batch", required_argument, NULL, 'b'},
+        {"layouts", required_argument, NULL, 'L'},
+        {"formats", required_argument, NULL, 'F'},
+        {"bw-size", required_argument, NULL, 'w'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    int quick = 0, json = 0, c;
+    int64_t reps = 0, threads = 0, ctx = 0, batch = 0, bw_bytes = 0;
+    int layouts[LLMEM_KV_LAYOUT_COUNT], formats[LLMEM_KV_FORMAT_COUNT];
+    int n_layouts = 0, n_formats = 0;
+    optind = 1;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, ":h", options, NULL)) != -1) {
+        switch (c) {
+        case 'q': quick = 1; break;
+        case 'j': json = 1; break;
+        case 'r':
+            if (cli_parse_int("--reps", optarg, 1, 1000, &reps) != CLI_OK)
+                return CLI_USAGE;
+            break;
+        case 't':
+            if (cli_parse_int("--threads", optarg, 1, 1024, &threads) != CLI_OK)
+                return CLI_USAGE;
+            break;
+        case 'c':
+            if (cli_parse_int("--ctx", optarg, 1, EXPLICIT_MAX_TOKENS, &ctx) != CLI_OK)
+                return CLI_USAGE;
+            break;
+        case 'b':
+            if (cli_parse_int("--batch", optarg, 1, MAX_BATCH, &batch) != CLI_OK)
+                return CLI_USAGE;
+            break;
+        case 'L':
+            if ((n_layouts = parse_list("--layouts", optarg, LLMEM_KV_LAYOUT_COUNT, layouts,
+                                        parse_layout)) < 0)
+                return CLI_USAGE;
+            break;
+        case 'F':
+            if ((n_formats = parse_list("--formats", optarg, LLMEM_KV_FORMAT_COUNT, formats,
+                                        parse_format)) < 0)
+                return CLI_USAGE;
+            break;
+        case 'w':
+            if (cli_parse_size("--bw-size", optarg, &bw_bytes) != CLI_OK)
+                return CLI_USAGE;
+            if (bw_bytes < 4096 || bw_bytes > ((int64_t)16 << 30))
+                return cli_usage_error("bench kv", "--bw-size: must lie in [4K, 16G]");
+            break;
+        case 'h': fputs(bench_kv_usage, stdout); return CLI_OK;
+        case ':': return cli_usage_error("bench kv", "%s needs a value", argv[optind - 1]);
+        default:
+            return cli_usage_error("bench kv", "unknown option '%s' (see --help)",
+                                   argv[optind - 1]);
+        }
+    }
+    if (optind < argc)
+        return cli_usage_error("bench kv", "unexpected argument '%s'", argv[optind]);
+    if (ctx > 0 && batch > 0 && ctx * batch > EXPLICIT_MAX_TOKENS)
+        return cli_usage_error("bench kv", "--ctx x --batch: %lld tokens is over %lld",
+                               (long long)(ctx * batch), (long long)EXPLICIT_MAX_TOKENS);
+    if (reps == 0)
+        reps = quick ? 3 : 5;
+    if (bw_bytes == 0)
+        bw_bytes = (int64_t)(quick ? 256 : 512) << 20;
+
+    /* The grid. */
+    int quick_extra = quick && n_formats == 0;
+    if (n_layouts == 0) {
+        n_layouts = quick ? 2 : LLMEM_KV_LAYOUT_COUNT;
+        for (int i = 0; i < n_layouts; i++)
+            layouts[i] = i; /* paged, contiguous first */
+    }
+    if (n_formats == 0) {
+        static const int quick_formats[] = {LLMEM_KV_FORMAT_F16, LLMEM_KV_FORMAT_Q8};
+        n_formats = quick ? 2 : LLMEM_KV_FORMAT_COUNT;
+        for (int i = 0; i < n_formats; i++)
+            formats[i] = quick ? quick_formats[i] : i;
+    }
+    const int64_t *ctxs = quick ? quick_ctxs : full_ctxs;
+    int n_ctxs = quick ? COUNT(quick_ctxs) : COUNT(full_ctxs);
+    const int64_t *batches = quick ? quick_batches : full_batches;
+    int n_batches = quick ? COUNT(quick_batches) : COUNT(full_batches);
+    int64_t max_tokens = GRID_MAX_TOKENS;
+    if (ctx > 0) {
+        ctxs = &ctx;
+        n_ctxs = 1;
+    }
+    if (batch > 0) {
+        batches = &batch;
+        n_batches = 1;
+    }
+    if (ctx > 0 || batch > 0)
+        max_tokens = EXPLICIT_MAX_TOKENS;
+
+    struct results res;
+    memset(&res, 0, sizeof(res));
+    res.n_points = make_points(NULL, layouts, n_layouts, formats, n_formats, ctxs, n_ctxs, batches,
+                               n_batches, max_tokens, quick_extra);
+    if (res.n_points == 0)
+        return cli_usage_error("bench kv", "no attention point fits (ctx x batch <= %lld)",
+                               (long long)max_tokens);
+    res.points = calloc((size_t)res.n_points, sizeof(*res.points));
+    int64_t max_batch = 1;
+    for (int i = 0; i < n_batches; i++)
+        max_batch = batches[i] > max_batch ? batches[i] : max_batch;
+    float *k_data = malloc((size_t)DATA_TOKENS * KV_FLOATS * sizeof(float));
+    float *v_data = malloc((size_t)DATA_TOKENS * KV_FLOATS * sizeof(float));
+    float *q = malloc((size_t)max_batch * Q_FLOATS * sizeof(float));
+    float *out = malloc((size_t)max_batch * Q_FLOATS * sizeof(float));
+    struct llmem_mem *mem = NULL;
+    struct llmem_pool *pool = NULL;
+    double *read_gbps = NULL, *copy_gbps = NULL;
+    int rc = CLI_FAIL;
+    if (res.points == NULL || k_data == NULL || v_data == NULL || q == NULL || out == NULL) {
+        fprintf(stderr, "llmem bench kv: out of memory\n");
+        goto out;
+    }
+    make_points(res.points, layouts, n_layouts, formats, n_formats, ctxs, n_ctxs, batches,
+                n_batches, max_tokens, quick_extra);
+    fill_gaussian(k_data, (size_t)DATA_TOKENS * KV_FLOATS, 0x6b);
+    fill_gaussian(v_data, (size_t)DATA_TOKENS * KV_FLOATS, 0x76);
+    fill_gaussian(q, (size_t)max_batch * Q_FLOATS, 0x71);
+
+    /* Freed KV buffers go back to the OS: only the attention workspace stays cached. */
+    struct llmem_mem_config mcfg = {.cache_limit_bytes = (int64_t)64 << 20};
+    if (llmem_mem_create(&mcfg, &mem) != LLMEM_OK ||
+        llmem_pool_create((int)threads, &pool) != LLMEM_OK)
+        goto out;
+    struct bench b = {.mem = mem,
+                      .n_threads = (int)threads,
+                      .threads = llmem_pool_threads(pool),
+                      .reps = reps,
+                      .k_data = k_data,
+                      .v_data = v_data};
+
+    /* Progress units: bandwidth passes, filled sequences, timed attention runs, the accuracy
+     * caches and the append runs. */
+    int bw_passes = reps < 3 ? 3 : (int)reps;
+    b.progress_total = 2 * (int64_t)(bw_passes + 1);
+    for (int i = 0; i < res.n_points; i++) {
+        const struct point *p = &res.points[i];
+        b.progress_total += reps + 1;
+        /* the sequences filled: the largest batch of each (format, ctx, layout) */
+        if (i + 1 == res.n_points || res.points[i + 1].layout != p->layout ||
+            res.points[i + 1].ctx != p->ctx || res.points[i + 1].format != p->format)
+            b.progress_total += p->batch;
+    }
+    res.acc_ctx = ctx > 0 ? ctx : DATA_TOKENS;
+    res.n_acc = n_formats + (quick_extra ? LLMEM_KV_FORMAT_COUNT - n_formats : 0);
+    b.progress_total += res.n_acc + 1 + 2 * n_layouts * (reps + 1);
+
+    read_gbps = calloc(2 * (size_t)bw_passes, sizeof(double));
+    copy_gbps = calloc(2 * (size_t)bw_passes, sizeof(double));
+    if (read_gbps == NULL || copy_gbps == NULL)
+        goto out;
+    res.bw_bytes = bw_bytes;
+    if (measure_bandwidth(&b, pool, bw_bytes, bw_passes, read_gbps, copy_gbps) != CLI_OK)
+        goto out;
+
+    /* Attention: one (format, ctx) at a time. */
+    for (int i = 0; i < res.n_points;) {
+        int end = i;
+        while (end < res.n_points && res.points[end].format == res.points[i].format &&
+               res.points[end].ctx == res.points[i].ctx)
+            end++;
+        if (run_points(&b, res.points, i, end, q, out) != CLI_OK)
+            goto out;
+        i = end;
+    }
+    find_paging(&res);
+
+    /* Accuracy: the grid's formats (every format with --quick). */
+    enum llmem_kv_format acc_formats[LLMEM_KV_FORMAT_COUNT];
+    int n_acc = 0;
+    for (int f = 0; f < LLMEM_KV_FORMAT_COUNT; f++) {
+        int in = quick_extra;
+        for (int i = 0; i < n_formats; i++)
+            in |= formats[i] == f;
+        if (in)
+            acc_formats[n_acc++] = (enum llmem_kv_format)f;
+    }
+    res.n_acc = n_acc;
+    if (run_accuracy(&b, acc_formats, n_acc, res.acc_ctx, res.acc) != CLI_OK)
+        goto out;
+
+    /* Append and grow: the grid's layouts, in f16. */
+    enum llmem_kv_layout app_layouts[LLMEM_KV_LAYOUT_COUNT];
+    for (int i = 0; i < n_layouts; i++)
+        app_layouts[i] = (enum llmem_kv_layout)layouts[i];
+    res.n_app = 2 * n_layouts;
+    if (run_append(&b, app_layouts, n_layouts, ctx > 0 ? ctx : DATA_TOKENS, res.app) != CLI_OK)
+        goto out;
+
+    /* Bandwidth again, after everything, so that drift over the run shows in the median. */
+    if (measure_bandwidth(&b, pool, bw_bytes, bw_passes, read_gbps + bw_passes,
+                          copy_gbps + bw_passes) != CLI_OK)
+        goto out;
+    res.read_gbps = median(read_gbps, 2 * bw_passes);
+    res.copy_gbps = median(copy_gbps, 2 * bw_passes);
+    res.peak_bytes = llmem_mem_peak(mem);
+    cli_progress_done();
+
+    llmem_sys_probe_host(&res.host);
+    if (json) {
+        rc = print_json(&res, &b, quick);
+    } else {
+        print_table(&res, &b);
+        rc = CLI_OK;
+    }
+out:
+    cli_progress_done();
+    free(read_gbps), free(copy_gbps);
+    llmem_pool_destroy(pool);
+    llmem_mem_destroy(mem);
+    free(res.points), free(k_data), free(v_data), free(q), free(out);
+    return rc;
+}

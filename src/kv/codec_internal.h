@@ -1,0 +1,92 @@
+/*
+ * kv/codec_internal.h — the inner loops behind kv/codec.h and their run-time selection.
+ *
+ * The f32, f16 and bf16 rows are read by kernels written for three instruction sets: portable C
+ * (every target), AVX2 + FMA + F16C and AVX-512 (F, BW, VL) on x86-64. The best set this CPU and
+ * OS support (llmem_sys_isa_features) is picked once, on first use; quantized formats decode a
+ * row into floats and then use the f32 kernels. Tests and benchmarks may pin a lower set to
+ * compare the paths with each other.
+ */
+#ifndef LLMEM_KV_CODEC_INTERNAL_H
+#define LLMEM_KV_CODEC_INTERNAL_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "llmem/plan.h"
+
+#define LLMEM_KV_MAX_HEAD_DIM 1024
+
+/* Bytes of one group of 32 elements per layout (the layouts are described at the top of
+ * kv/codec.c; every scale, min and zero is a little-endian f16 after the codes). */
+#define LLMEM_KV_F32_GROUP_BYTES  128 /* 32 × f32 */
+#define LLMEM_KV_HALF_GROUP_BYTES 64  /* 32 × f16 or bf16 */
+#define LLMEM_KV_Q8_GROUP_BYTES   34  /* 32 int8 codes, scale at 32 */
+#define LLMEM_KV_Q4_GROUP_BYTES   20  /* 16 bytes of nibbles, scale at 16, min at 18 */
+#define LLMEM_KV_TQK_GROUP_BYTES  36  /* 32 uint8 codes, scale at 32, zero at 34 */
+#define LLMEM_KV_TQV_GROUP_BYTES  14  /* 12 bytes of 3-bit codes, scale at 12 */
+
+enum llmem_kv_isa {
+    LLMEM_KV_ISA_SCALAR = 0, /* portable C */
+    LLMEM_KV_ISA_AVX2,       /* AVX2 + FMA + F16C */
+    LLMEM_KV_ISA_AVX512      /* AVX-512 F + BW + VL (with the AVX2 set) */
+};
+
+/* Row kernels, indexed by format; n is a positive multiple of 32 and rows are read at any byte
+ * address. dot[f] reads a row in f's key layout, axpy[f] a row in f's value layout (they differ
+ * for tq only). (optional) entries are NULL: the caller decodes the row to f32 and uses the f32
+ * kernel; f32, f16 and bf16 are always present. */
+struct llmem_kv_kernels {
+    enum llmem_kv_isa isa;
+    const char *name; /* "scalar", "avx2", "avx512" */
+    /* Σ q[i]·row[i] */
+    float (*dot[LLMEM_KV_FORMAT_COUNT])(const uint8_t *row, const float *q, int n);
+    /* acc[i] += w · row[i] */
+    void (*axpy[LLMEM_KV_FORMAT_COUNT])(const uint8_t *row, float w, float *acc, int n);
+};
+
+/* The Lloyd–Max codebook of tq values (ascending), shared by every kernel. */
+extern const float llmem_kv_tq_centroids[8];
+
+/* IEEE half → f32, exact (subnormals, infinities; a NaN stays NaN with its payload). Branch-free
+ * so that loops over it vectorize; llmem_f16_to_f32 is this function. Normal halves and inf/NaN:
+ * the exponent and mantissa bits moved into place, rebiased by multiplying with 2^-112 (exact);
+ * subnormals: the mantissa m put under the exponent of 0.5, giving 0.5 + m·2^-24, minus 0.5. */
+static inline float llmem_kv_half_to_float(uint16_t h) {
+    uint32_t two_w = (uint32_t)h << 17; /* sign shifted out */
+    uint32_t sign = ((uint32_t)h & 0x8000u) << 16;
+    uint32_t nb = (two_w >> 4) + (0xe0u << 23), db = (two_w >> 17) | (126u << 23);
+    float normal, sub;
+    memcpy(&normal, &nb, sizeof(normal));
+    memcpy(&sub, &db, sizeof(sub));
+    normal *= 0x1p-112f;
+    sub -= 0.5f;
+    uint32_t rn, rs;
+    memcpy(&rn, &normal, sizeof(rn));
+    memcpy(&rs, &sub, sizeof(rs));
+    uint32_t is_sub = 0u - (uint32_t)(two_w < (1u << 27)); /* all ones for zero/subnormal */
+    uint32_t bits = sign | (rs & is_sub) | (rn & ~is_sub);
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+/* bfloat16 → f32: the upper half of the f32 bits. */
+static inline float llmem_kv_bf16_to_float(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+/* The kernels in use (resolved on the first call). */
+const struct llmem_kv_kernels *llmem_kv_kernels(void);
+/* The best instruction set this CPU supports for the kernels. */
+enum llmem_kv_isa llmem_kv_isa_best(void);
+/* Test and benchmark hooks, not for use while other threads run codecs: use `isa`, capped to
+ * the best supported, from now on; returns the set in effect. */
+enum llmem_kv_isa llmem_kv_codec_set_isa(enum llmem_kv_isa isa);
+/* on ≠ 0: the portable kernels; 0: back to the best set. */
+void llmem_kv_codec_force_scalar(int on);
+
+#endif

@@ -1,0 +1,505 @@
+/*
+ * kv/codec_simd.c — the row kernels of attention (dot with a key, accumulate a value) for every
+ * KV layout, in portable C and for x86-64 AVX2 and AVX-512, chosen at run time.
+ *
+ * Attention over a long context reads every stored key and value once per query: these loops are
+ * memory-bound, so the vector kernels convert each group to f32 in registers and never write the
+ * converted row anywhere: f16 with F16C (VCVTPH2PS), bf16 by zero-extending and shifting left by
+ * 16 (exact), q8/tq-key codes by sign/zero extension and one multiply (add) with the group's
+ * scale (and min), q4 nibbles by masking and shifting, tq's 3-bit codes by variable shifts and a
+ * lookup of the 8 centroids with a lane permute (VPERMPS). Products are accumulated in f32 with
+ * FMA in 2–4 independent accumulators, reduced at the end. bf16 deliberately does not use
+ * AVX512_BF16's VDPBF16PS: it would round the f32 query to bf16, and the contract is Σ q·key
+ * within f32 rounding. The portable kernels cover f32, f16 and bf16 (eight partial sums, which
+ * compilers vectorize); for the quantized layouts codec.c decodes the row and uses them.
+ *
+ * Every kernel computes the same mathematical sum; results differ between kernels only by the
+ * order of the f32 additions and by FMA's single rounding (|Δ| ≤ n·2^-24 Σ|q·k| for a dot,
+ * ≤ 2^-23 (|acc| + |w·v|) per element for an accumulation).
+ *
+ * Selection: llmem_sys_isa_features() once, on first use; the chosen table is published with an
+ * atomic pointer (threads racing on the first call store the same table). The x86 kernels are
+ * compiled with GCC/Clang target attributes, so the library itself needs no -m flags and runs on
+ * any x86-64; other targets get the portable kernels only.
+ */
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kv/codec_internal.h"
+#include "llmem/sys.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KV_X86 1
+#include <immintrin.h>
+#else
+#define KV_X86 0
+#endif
+
+/* ---- portable kernels ------------------------------------------------------------------------ */
+
+/* Eight partial sums (element i into sum i mod 8) keep the additions independent, so the loop is
+ * not one long chain of dependent f32 adds, and a compiler may turn it into vector code. */
+#define DOT_SCALAR(name, ELEM)                                                                     \
+    static float name(const uint8_t *row, const float *q, int n) {                                 \
+        float s[8] = {0};                                                                          \
+        for (int i = 0; i < n; i += 8)                                                             \
+            for (int j = 0; j < 8; j++)                                                            \
+                s[j] += q[i + j] * ELEM(row, i + j);                                               \
+        return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));                  \
+    }
+
+static inline float elem_f32(const uint8_t *row, int i) {
+    float k;
+    memcpy(&k, row + 4 * (size_t)i, sizeof(k));
+    return k;
+}
+
+static inline float elem_f16(const uint8_t *row, int i) {
+    uint16_t h;
+    memcpy(&h, row + 2 * (size_t)i, sizeof(h));
+    return llmem_kv_half_to_float(h);
+}
+
+static inline float elem_bf16(const uint8_t *row, int i) {
+    uint16_t b;
+    memcpy(&b, row + 2 * (size_t)i, sizeof(b));
+    return llmem_kv_bf16_to_float(b);
+}
+
+DOT_SCALAR(dot_f32_scalar, elem_f32)
+DOT_SCALAR(dot_f16_scalar, elem_f16)
+DOT_SCALAR(dot_bf16_scalar, elem_bf16)
+
+#define AXPY_SCALAR(name, ELEM)                                                                    \
+    static void name(const uint8_t *row, float w, float *acc, int n) {                             \
+        for (int i = 0; i < n; i++)                                                                \
+            acc[i] += w * ELEM(row, i);                                                            \
+    }
+
+AXPY_SCALAR(axpy_f32_scalar, elem_f32)
+AXPY_SCALAR(axpy_f16_scalar, elem_f16)
+AXPY_SCALAR(axpy_bf16_scalar, elem_bf16)
+
+static const struct llmem_kv_kernels kernels_scalar = {
+    .isa = LLMEM_KV_ISA_SCALAR,
+    .name = "scalar",
+    .dot = {[LLMEM_KV_FORMAT_F32] = dot_f32_scalar,
+            [LLMEM_KV_FORMAT_F16] = dot_f16_scalar,
+            [LLMEM_KV_FORMAT_BF16] = dot_bf16_scalar},
+    .axpy = {[LLMEM_KV_FORMAT_F32] = axpy_f32_scalar,
+             [LLMEM_KV_FORMAT_F16] = axpy_f16_scalar,
+             [LLMEM_KV_FORMAT_BF16] = axpy_bf16_scalar},
+};
+
+#if KV_X86
+/* ---- AVX2 + FMA + F16C ----------------------------------------------------------------------- */
+
+#define TARGET_AVX2 __attribute__((target("avx,avx2,fma,f16c")))
+
+TARGET_AVX2 static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+TARGET_AVX2 static inline __m256 load8_f16(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
+}
+
+TARGET_AVX2 static inline __m256 load8_bf16(const uint8_t *p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+TARGET_AVX2 static float dot_f32_avx2(const uint8_t *row, const float *q, int n) {
+    const float *k = (const float *)(const void *)row;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + i), _mm256_loadu_ps(q + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k + i + 8), _mm256_loadu_ps(q + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k + i + 16), _mm256_loadu_ps(q + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k + i + 24), _mm256_loadu_ps(q + i + 24), a3);
+    }
+    return hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+TARGET_AVX2 static float dot_f16_avx2(const uint8_t *row, const float *q, int n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 32) {
+        const uint8_t *p = row + 2 * (size_t)i;
+        a0 = _mm256_fmadd_ps(load8_f16(p), _mm256_loadu_ps(q + i), a0);
+        a1 = _mm256_fmadd_ps(load8_f16(p + 16), _mm256_loadu_ps(q + i + 8), a1);
+        a2 = _mm256_fmadd_ps(load8_f16(p + 32), _mm256_loadu_ps(q + i + 16), a2);
+        a3 = _mm256_fmadd_ps(load8_f16(p + 48), _mm256_loadu_ps(q + i + 24), a3);
+    }
+    return hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+TARGET_AVX2 static float dot_bf16_avx2(const uint8_t *row, const float *q, int n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 32) {
+        const uint8_t *p = row + 2 * (size_t)i;
+        a0 = _mm256_fmadd_ps(load8_bf16(p), _mm256_loadu_ps(q + i), a0);
+        a1 = _mm256_fmadd_ps(load8_bf16(p + 16), _mm256_loadu_ps(q + i + 8), a1);
+        a2 = _mm256_fmadd_ps(load8_bf16(p + 32), _mm256_loadu_ps(q + i + 16), a2);
+        a3 = _mm256_fmadd_ps(load8_bf16(p + 48), _mm256_loadu_ps(q + i + 24), a3);
+    }
+    return hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+TARGET_AVX2 static void axpy_f32_avx2(const uint8_t *row, float w, float *acc, int n) {
+    const float *v = (const float *)(const void *)row;
+    __m256 vw = _mm256_set1_ps(w);
+    for (int i = 0; i < n; i += 8)
+        _mm256_storeu_ps(acc + i,
+                         _mm256_fmadd_ps(_mm256_loadu_ps(v + i), vw, _mm256_loadu_ps(acc + i)));
+}
+
+TARGET_AVX2 static void axpy_f16_avx2(const uint8_t *row, float w, float *acc, int n) {
+    __m256 vw = _mm256_set1_ps(w);
+    for (int i = 0; i < n; i += 8)
+        _mm256_storeu_ps(
+            acc + i, _mm256_fmadd_ps(load8_f16(row + 2 * (size_t)i), vw, _mm256_loadu_ps(acc + i)));
+}
+
+TARGET_AVX2 static void axpy_bf16_avx2(const uint8_t *row, float w, float *acc, int n) {
+    __m256 vw = _mm256_set1_ps(w);
+    for (int i = 0; i < n; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(load8_bf16(row + 2 * (size_t)i), vw,
+                                                  _mm256_loadu_ps(acc + i)));
+}
+
+/* Quantized groups, decoded into four vectors of 8 (elements 0–7, 8–15, 16–23, 24–31); the
+ * arithmetic is that of the portable decoders in codec.c (FMA may fuse m + c·s). */
+
+static inline uint16_t get_u16(const uint8_t *p) {
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+
+TARGET_AVX2 static inline __m256 bcast_f16(const uint8_t *p) {
+    return _mm256_set1_ps(_cvtsh_ss(get_u16(p)));
+}
+
+TARGET_AVX2 static inline __m256 u8x8_to_ps(__m128i b) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+}
+
+TARGET_AVX2 static inline void q8_group_avx2(const uint8_t *p, __m256 v[4]) {
+    __m256 s = bcast_f16(p + 32);
+    for (int j = 0; j < 4; j++) {
+        __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)(p + 8 * j));
+        v[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s);
+    }
+}
+
+TARGET_AVX2 static inline void q4_group_avx2(const uint8_t *p, __m256 v[4]) {
+    __m256 s = bcast_f16(p + 16), m = bcast_f16(p + 18);
+    __m128i b = _mm_loadu_si128((const __m128i *)(const void *)p);
+    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0f));                    /* elements 0–15 */
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f)); /* 16–31 */
+    v[0] = _mm256_fmadd_ps(u8x8_to_ps(lo), s, m);
+    v[1] = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(lo, 8)), s, m);
+    v[2] = _mm256_fmadd_ps(u8x8_to_ps(hi), s, m);
+    v[3] = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(hi, 8)), s, m);
+}
+
+TARGET_AVX2 static inline void tqk_group_avx2(const uint8_t *p, __m256 v[4]) {
+    __m256 s = bcast_f16(p + 32), m = bcast_f16(p + 34);
+    for (int j = 0; j < 4; j++) {
+        __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)(p + 8 * j));
+        v[j] = _mm256_fmadd_ps(u8x8_to_ps(c), s, m);
+    }
+}
+
+/* 3-bit codes: each 3 bytes hold 8 codes; VPERMPS looks the 8 centroids up. */
+TARGET_AVX2 static inline void tqv_group_avx2(const uint8_t *p, __m256 v[4]) {
+    __m256 s = bcast_f16(p + 12);
+    __m256 book = _mm256_loadu_ps(llmem_kv_tq_centroids);
+    __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+    for (int k = 0; k < 4; k++) {
+        const uint8_t *b = p + 3 * k;
+        int bits = b[0] | (b[1] << 8) | (b[2] << 16);
+        __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts),
+                                       _mm256_set1_epi32(7));
+        v[k] = _mm256_mul_ps(_mm256_permutevar8x32_ps(book, idx), s);
+    }
+}
+
+#define QUANT_DOT_AVX2(fmt, GROUP, BYTES)                                                          \
+    TARGET_AVX2 static float dot_##fmt##_avx2(const uint8_t *row, const float *q, int n) {         \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                 \
+        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();                                 \
+        for (int i = 0; i < n; i += 32, row += (BYTES)) {                                          \
+            __m256 v[4];                                                                           \
+            GROUP(row, v);                                                                         \
+            a0 = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(q + i), a0);                                \
+            a1 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(q + i + 8), a1);                            \
+            a2 = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(q + i + 16), a2);                           \
+            a3 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(q + i + 24), a3);                           \
+        }                                                                                          \
+        return hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));               \
+    }
+
+#define QUANT_AXPY_AVX2(fmt, GROUP, BYTES)                                                         \
+    TARGET_AVX2 static void axpy_##fmt##_avx2(const uint8_t *row, float w, float *acc, int n) {    \
+        __m256 vw = _mm256_set1_ps(w);                                                             \
+        for (int i = 0; i < n; i += 32, row += (BYTES)) {                                          \
+            __m256 v[4];                                                                           \
+            GROUP(row, v);                                                                         \
+            for (int j = 0; j < 4; j++)                                                            \
+                _mm256_storeu_ps(acc + i + 8 * j,                                                  \
+                                 _mm256_fmadd_ps(v[j], vw, _mm256_loadu_ps(acc + i + 8 * j)));     \
+        }                                                                                          \
+    }
+
+QUANT_DOT_AVX2(q8, q8_group_avx2, LLMEM_KV_Q8_GROUP_BYTES)
+QUANT_DOT_AVX2(q4, q4_group_avx2, LLMEM_KV_Q4_GROUP_BYTES)
+QUANT_DOT_AVX2(tqk, tqk_group_avx2, LLMEM_KV_TQK_GROUP_BYTES)
+QUANT_AXPY_AVX2(q8, q8_group_avx2, LLMEM_KV_Q8_GROUP_BYTES)
+QUANT_AXPY_AVX2(q4, q4_group_avx2, LLMEM_KV_Q4_GROUP_BYTES)
+QUANT_AXPY_AVX2(tqv, tqv_group_avx2, LLMEM_KV_TQV_GROUP_BYTES)
+
+static const struct llmem_kv_kernels kernels_avx2 = {
+    .isa = LLMEM_KV_ISA_AVX2,
+    .name = "avx2",
+    .dot = {[LLMEM_KV_FORMAT_F32] = dot_f32_avx2,
+            [LLMEM_KV_FORMAT_F16] = dot_f16_avx2,
+            [LLMEM_KV_FORMAT_BF16] = dot_bf16_avx2,
+            [LLMEM_KV_FORMAT_Q8] = dot_q8_avx2,
+            [LLMEM_KV_FORMAT_Q4] = dot_q4_avx2,
+            [LLMEM_KV_FORMAT_TQ] = dot_tqk_avx2},
+    .axpy = {[LLMEM_KV_FORMAT_F32] = axpy_f32_avx2,
+             [LLMEM_KV_FORMAT_F16] = axpy_f16_avx2,
+             [LLMEM_KV_FORMAT_BF16] = axpy_bf16_avx2,
+             [LLMEM_KV_FORMAT_Q8] = axpy_q8_avx2,
+             [LLMEM_KV_FORMAT_Q4] = axpy_q4_avx2,
+             [LLMEM_KV_FORMAT_TQ] = axpy_tqv_avx2},
+};
+
+/* ---- AVX-512 F + BW + VL --------------------------------------------------------------------- */
+
+#define TARGET_AVX512 __attribute__((target("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
+
+TARGET_AVX512 static inline __m512 load16_f16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p));
+}
+
+TARGET_AVX512 static inline __m512 load16_bf16(const uint8_t *p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* Two vectors per group of 32, four accumulators over pairs of groups. */
+#define DOT512_BODY(LOAD, STRIDE)                                                                  \
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                                     \
+    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();                                     \
+    int i = 0;                                                                                     \
+    for (; i + 64 <= n; i += 64) {                                                                 \
+        const uint8_t *p = row + (STRIDE) * (size_t)i;                                             \
+        a0 = _mm512_fmadd_ps(LOAD(p), _mm512_loadu_ps(q + i), a0);                                 \
+        a1 = _mm512_fmadd_ps(LOAD(p + 16 * (STRIDE)), _mm512_loadu_ps(q + i + 16), a1);            \
+        a2 = _mm512_fmadd_ps(LOAD(p + 32 * (STRIDE)), _mm512_loadu_ps(q + i + 32), a2);            \
+        a3 = _mm512_fmadd_ps(LOAD(p + 48 * (STRIDE)), _mm512_loadu_ps(q + i + 48), a3);            \
+    }                                                                                              \
+    if (i < n) {                                                                                   \
+        const uint8_t *p = row + (STRIDE) * (size_t)i;                                             \
+        a0 = _mm512_fmadd_ps(LOAD(p), _mm512_loadu_ps(q + i), a0);                                 \
+        a1 = _mm512_fmadd_ps(LOAD(p + 16 * (STRIDE)), _mm512_loadu_ps(q + i + 16), a1);            \
+    }                                                                                              \
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)))
+
+TARGET_AVX512 static inline __m512 load16_f32(const uint8_t *p) {
+    return _mm512_loadu_ps((const void *)p);
+}
+
+TARGET_AVX512 static float dot_f32_avx512(const uint8_t *row, const float *q, int n) {
+    DOT512_BODY(load16_f32, 4);
+}
+
+TARGET_AVX512 static float dot_f16_avx512(const uint8_t *row, const float *q, int n) {
+    DOT512_BODY(load16_f16, 2);
+}
+
+TARGET_AVX512 static float dot_bf16_avx512(const uint8_t *row, const float *q, int n) {
+    DOT512_BODY(load16_bf16, 2);
+}
+
+#define AXPY512_BODY(LOAD, STRIDE)                                                                 \
+    __m512 vw = _mm512_set1_ps(w);                                                                 \
+    for (int i = 0; i < n; i += 32) {                                                              \
+        const uint8_t *p = row + (STRIDE) * (size_t)i;                                             \
+        __m512 r0 = _mm512_fmadd_ps(LOAD(p), vw, _mm512_loadu_ps(acc + i));                        \
+        __m512 r1 = _mm512_fmadd_ps(LOAD(p + 16 * (STRIDE)), vw, _mm512_loadu_ps(acc + i + 16));   \
+        _mm512_storeu_ps(acc + i, r0);                                                             \
+        _mm512_storeu_ps(acc + i + 16, r1);                                                        \
+    }
+
+TARGET_AVX512 static void axpy_f32_avx512(const uint8_t *row, float w, float *acc,
+                                          int n){AXPY512_BODY(load16_f32, 4)}
+
+TARGET_AVX512 static void axpy_f16_avx512(const uint8_t *row, float w, float *acc,
+                                          int n){AXPY512_BODY(load16_f16, 2)}
+
+TARGET_AVX512 static void axpy_bf16_avx512(const uint8_t *row, float w, float *acc,
+                                           int n){AXPY512_BODY(load16_bf16, 2)}
+
+/* Quantized groups, decoded into two vectors of 16 (elements 0–15, 16–31). */
+
+TARGET_AVX512 static inline __m512 bcast512_f16(const uint8_t *p) {
+    return _mm512_set1_ps(_cvtsh_ss(get_u16(p)));
+}
+
+TARGET_AVX512 static inline __m512 u8x16_to_ps(__m128i b) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+}
+
+TARGET_AVX512 static inline void q8_group_avx512(const uint8_t *p, __m512 v[2]) {
+    __m512 s = bcast512_f16(p + 32);
+    for (int j = 0; j < 2; j++) {
+        __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(p + 16 * j));
+        v[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), s);
+    }
+}
+
+TARGET_AVX512 static inline void q4_group_avx512(const uint8_t *p, __m512 v[2]) {
+    __m512 s = bcast512_f16(p + 16), m = bcast512_f16(p + 18);
+    __m128i b = _mm_loadu_si128((const __m128i *)(const void *)p);
+    v[0] = _mm512_fmadd_ps(u8x16_to_ps(_mm_and_si128(b, _mm_set1_epi8(0x0f))), s, m);
+    v[1] = _mm512_fmadd_ps(u8x16_to_ps(_mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f))), s,
+                           m);
+}
+
+TARGET_AVX512 static inline void tqk_group_avx512(const uint8_t *p, __m512 v[2]) {
+    __m512 s = bcast512_f16(p + 32), m = bcast512_f16(p + 34);
+    for (int j = 0; j < 2; j++)
+        v[j] = _mm512_fmadd_ps(
+            u8x16_to_ps(_mm_loadu_si128((const __m128i *)(const void *)(p + 16 * j))), s, m);
+}
+
+TARGET_AVX512 static inline void tqv_group_avx512(const uint8_t *p, __m512 v[2]) {
+    __m512 s = bcast512_f16(p + 12);
+    /* indices stay below 8: the upper half of the table is never read */
+    __m512 book = _mm512_castps256_ps512(_mm256_loadu_ps(llmem_kv_tq_centroids));
+    __m512i shifts = _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21);
+    for (int j = 0; j < 2; j++) {
+        const uint8_t *b = p + 6 * j;
+        int lo = b[0] | (b[1] << 8) | (b[2] << 16), hi = b[3] | (b[4] << 8) | (b[5] << 16);
+        __m512i bits = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(lo)),
+                                          _mm256_set1_epi32(hi), 1);
+        __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(bits, shifts), _mm512_set1_epi32(7));
+        v[j] = _mm512_mul_ps(_mm512_permutexvar_ps(idx, book), s);
+    }
+}
+
+#define QUANT_DOT_AVX512(fmt, GROUP, BYTES)                                                        \
+    TARGET_AVX512 static float dot_##fmt##_avx512(const uint8_t *row, const float *q, int n) {     \
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                                 \
+        for (int i = 0; i < n; i += 32, row += (BYTES)) {                                          \
+            __m512 v[2];                                                                           \
+            GROUP(row, v);                                                                         \
+            a0 = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(q + i), a0);                                \
+            a1 = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(q + i + 16), a1);                           \
+        }                                                                                          \
+        return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));                                        \
+    }
+
+#define QUANT_AXPY_AVX512(fmt, GROUP, BYTES)                                                       \
+    TARGET_AVX512 static void axpy_##fmt##_avx512(const uint8_t *row, float w, float *acc,         \
+                                                  int n) {                                         \
+        __m512 vw = _mm512_set1_ps(w);                                                             \
+        for (int i = 0; i < n; i += 32, row += (BYTES)) {                                          \
+            __m512 v[2];                                                                           \
+            GROUP(row, v);                                                                         \
+            _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(v[0], vw, _mm512_loadu_ps(acc + i)));        \
+            _mm512_storeu_ps(acc + i + 16,                                                         \
+                             _mm512_fmadd_ps(v[1], vw, _mm512_loadu_ps(acc + i + 16)));            \
+        }                                                                                          \
+    }
+
+QUANT_DOT_AVX512(q8, q8_group_avx512, LLMEM_KV_Q8_GROUP_BYTES)
+QUANT_DOT_AVX512(q4, q4_group_avx512, LLMEM_KV_Q4_GROUP_BYTES)
+QUANT_DOT_AVX512(tqk, tqk_group_avx512, LLMEM_KV_TQK_GROUP_BYTES)
+QUANT_AXPY_AVX512(q8, q8_group_avx512, LLMEM_KV_Q8_GROUP_BYTES)
+QUANT_AXPY_AVX512(q4, q4_group_avx512, LLMEM_KV_Q4_GROUP_BYTES)
+QUANT_AXPY_AVX512(tqv, tqv_group_avx512, LLMEM_KV_TQV_GROUP_BYTES)
+
+static const struct llmem_kv_kernels kernels_avx512 = {
+    .isa = LLMEM_KV_ISA_AVX512,
+    .name = "avx512",
+    .dot = {[LLMEM_KV_FORMAT_F32] = dot_f32_avx512,
+            [LLMEM_KV_FORMAT_F16] = dot_f16_avx512,
+            [LLMEM_KV_FORMAT_BF16] = dot_bf16_avx512,
+            [LLMEM_KV_FORMAT_Q8] = dot_q8_avx512,
+            [LLMEM_KV_FORMAT_Q4] = dot_q4_avx512,
+            [LLMEM_KV_FORMAT_TQ] = dot_tqk_avx512},
+    .axpy = {[LLMEM_KV_FORMAT_F32] = axpy_f32_avx512,
+             [LLMEM_KV_FORMAT_F16] = axpy_f16_avx512,
+             [LLMEM_KV_FORMAT_BF16] = axpy_bf16_avx512,
+             [LLMEM_KV_FORMAT_Q8] = axpy_q8_avx512,
+             [LLMEM_KV_FORMAT_Q4] = axpy_q4_avx512,
+             [LLMEM_KV_FORMAT_TQ] = axpy_tqv_avx512},
+};
+#endif /* KV_X86 */
+
+/* ---- selection ------------------------------------------------------------------------------- */
+
+#define ISA_AVX2_SET   (LLMEM_ISA_AVX | LLMEM_ISA_AVX2 | LLMEM_ISA_FMA | LLMEM_ISA_F16C)
+#define ISA_AVX512_SET (ISA_AVX2_SET | LLMEM_ISA_AVX512F | LLMEM_ISA_AVX512BW | LLMEM_ISA_AVX512VL)
+
+enum llmem_kv_isa llmem_kv_isa_best(void) {
+#if KV_X86
+    uint32_t f = llmem_sys_isa_features();
+    if ((f & ISA_AVX512_SET) == ISA_AVX512_SET)
+        return LLMEM_KV_ISA_AVX512;
+    if ((f & ISA_AVX2_SET) == ISA_AVX2_SET)
+        return LLMEM_KV_ISA_AVX2;
+#endif
+    return LLMEM_KV_ISA_SCALAR;
+}
+
+static const struct llmem_kv_kernels *table_for(enum llmem_kv_isa isa) {
+#if KV_X86
+    if (isa == LLMEM_KV_ISA_AVX512)
+        return &kernels_avx512;
+    if (isa == LLMEM_KV_ISA_AVX2)
+        return &kernels_avx2;
+#endif
+    (void)isa;
+    return &kernels_scalar;
+}
+
+static _Atomic(const struct llmem_kv_kernels *) active;
+
+const struct llmem_kv_kernels *llmem_kv_kernels(void) {
+    const struct llmem_kv_kernels *k = atomic_load_explicit(&active, memory_order_acquire);
+    if (k != NULL)
+        return k;
+    const struct llmem_kv_kernels *best = table_for(llmem_kv_isa_best());
+    const struct llmem_kv_kernels *expected = NULL;
+    /* a table pinned in between (llmem_kv_codec_set_isa) wins */
+    if (!atomic_compare_exchange_strong_explicit(&active, &expected, best, memory_order_acq_rel,
+                                                 memory_order_acquire))
+        return expected;
+    return best;
+}
+
+enum llmem_kv_isa llmem_kv_codec_set_isa(enum llmem_kv_isa isa) {
+    enum llmem_kv_isa best = llmem_kv_isa_best();
+    if ((int)isa > (int)best)
+        isa = best;
+    if ((int)isa < (int)LLMEM_KV_ISA_SCALAR)
+        isa = LLMEM_KV_ISA_SCALAR;
+    const struct llmem_kv_kernels *k = table_for(isa);
+    atomic_store_explicit(&active, k, memory_order_release);
+    return k->isa;
+}
+
+void llmem_kv_codec_force_scalar(int on) {
+    llmem_kv_codec_set_isa(on ? LLMEM_KV_ISA_SCALAR : llmem_kv_isa_best());
+}

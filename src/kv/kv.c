@@ -1,0 +1,779 @@
+/*
+ * kv/kv.c — KV cache layouts: sequences, storage, growth, sharing, trimming (see llmem/kv.h).
+ *
+ * Every layout answers one question for attention and writes: where do the bytes of token `pos`
+ * of layer `layer` live, and how many tokens follow contiguously (llmem_kv_span).
+ *   paged       k_pool[layer] + (table[pos / bs] · bs + pos % bs) · k_tok
+ *   contiguous  k_buf[layer] + pos · k_tok
+ *   blocks      block[pos / bs]: [K: n_layers × bs × k_tok][V: n_layers × bs × v_tok]
+ *   ragged      r_k[layer] + (seq · capacity + pos) · k_tok
+ * Guarantees: every allocation happens in reserve (or in the copy-on-write of a shared block),
+ * and a failed one leaves every sequence exactly as it was; a paged block's reference count is
+ * the number of block tables that hold it (llmem_kv_check verifies it).
+ */
+#include "kv/kv_int.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "core/log.h"
+
+static const char *const layout_names[LLMEM_KV_LAYOUT_COUNT] = {"paged", "contiguous", "blocks",
+                                                                "ragged"};
+
+const char *llmem_kv_layout_name(enum llmem_kv_layout layout) {
+    return (unsigned)layout < LLMEM_KV_LAYOUT_COUNT ? layout_names[layout] : "unknown";
+}
+
+int llmem_kv_layout_parse(const char *name, enum llmem_kv_layout *layout) {
+    for (int i = 0; i < LLMEM_KV_LAYOUT_COUNT; i++) {
+        if (name != NULL && strcasecmp(name, layout_names[i]) == 0) {
+            *layout = (enum llmem_kv_layout)i;
+            return LLMEM_OK;
+        }
+    }
+    LLMEM_ERROR("unknown KV layout '%s' (layouts: paged, contiguous, blocks, ragged)",
+                name != NULL ? name : "");
+    return LLMEM_EINVAL;
+}
+
+void llmem_kv_config_default(struct llmem_kv_config *c) {
+    memset(c, 0, sizeof(*c));
+    c->layout = LLMEM_KV_LAYOUT_PAGED;
+    c->format = LLMEM_KV_FORMAT_F16;
+    c->max_sequences = 64;
+    c->num_blocks = 1024;
+    c->dynamic = 1;
+    c->step = 256;
+    c->rotate = 1;
+    c->seed = 0x6c6c6d656d6b76ULL;
+}
+
+static int env_int(const char *name, int64_t lo, int64_t hi, int64_t *out) {
+    const char *s = getenv(name);
+    if (s == NULL || *s == '\0')
+        return 0;
+    char *end = NULL;
+    long long v = strtoll(s, &end, 10);
+    if (*end != '\0' || v < lo || v > hi) {
+        LLMEM_ERROR("%s='%s' is not an integer in [%lld, %lld]", name, s, (long long)lo,
+                    (long long)hi);
+        return -1;
+    }
+    *out = v;
+    return 1;
+}
+
+int llmem_kv_config_from_env(struct llmem_kv_config *c) {
+    const char *s = getenv("LLMEM_KV_LAYOUT");
+    if (s != NULL && *s != '\0' && llmem_kv_layout_parse(s, &c->layout) != LLMEM_OK)
+        return LLMEM_EINVAL;
+    s = getenv("LLMEM_KV_FORMAT");
+    if (s != NULL && *s != '\0' && llmem_kv_format_parse(s, &c->format) != LLMEM_OK)
+        return LLMEM_EINVAL;
+    int64_t v;
+    int r = env_int("LLMEM_KV_BLOCK_SIZE", 1, 1 << 20, &v);
+    if (r < 0)
+        return LLMEM_EINVAL;
+    if (r > 0)
+        c->block_size = (int)v;
+    if ((r = env_int("LLMEM_KV_NUM_BLOCKS", 1, (int64_t)1 << 40, &v)) < 0)
+        return LLMEM_EINVAL;
+    if (r > 0)
+        c->num_blocks = v;
+    if ((r = env_int("LLMEM_KV_DYNAMIC", 0, 1, &v)) < 0)
+        return LLMEM_EINVAL;
+    if (r > 0)
+        c->dynamic = (int)v;
+    return LLMEM_OK;
+}
+
+int64_t llmem_kv_token_bytes(const struct llmem_kv_config *c) {
+    const struct llmem_kv_format_info *f = llmem_kv_format_info(c->format);
+    if (f == NULL || c->head_dim % LLMEM_KV_GROUP != 0)
+        return 0;
+    int64_t groups = c->head_dim / LLMEM_KV_GROUP;
+    return (int64_t)c->n_layers * c->n_kv_heads * groups *
+           (f->key_group_bytes + f->value_group_bytes);
+}
+
+/* ---- storage helpers ----------------------------------------------------------------------------
+ */
+
+static int block_size(const struct llmem_kv *kv) {
+    return kv->cfg.block_size;
+}
+
+static uint8_t *kv_alloc(struct llmem_kv *kv, size_t bytes) {
+    uint8_t *p = llmem_mem_alloc(kv->mem, bytes, LLMEM_TAG_KV);
+    if (p != NULL)
+        kv->st.bytes += (int64_t)llmem_mem_size_class(kv->mem, bytes);
+    return p;
+}
+
+static void kv_release(struct llmem_kv *kv, void *p, size_t bytes) {
+    if (p == NULL)
+        return;
+    llmem_mem_free(kv->mem, p);
+    kv->st.bytes -= (int64_t)llmem_mem_size_class(kv->mem, bytes);
+}
+
+/* The bytes of one block in the blocks layout (all layers, K then V). */
+static size_t blocks_block_bytes(const struct llmem_kv *kv) {
+    return (size_t)kv->cfg.n_layers * (size_t)block_size(kv) * (kv->k_tok + kv->v_tok);
+}
+
+int64_t llmem_kv_span(const struct llmem_kv *kv, int seq, int layer, int64_t pos, uint8_t **k,
+                      uint8_t **v) {
+    const struct kv_seq *s = &kv->seqs[seq];
+    int64_t bs = block_size(kv), off = pos % bs;
+    switch (kv->cfg.layout) {
+    case LLMEM_KV_LAYOUT_PAGED: {
+        int64_t slot = s->table[pos / bs] * bs + off;
+        *k = kv->k_pool[layer] + (size_t)slot * kv->k_tok;
+        *v = kv->v_pool[layer] + (size_t)slot * kv->v_tok;
+        return bs - off;
+    }
+    case LLMEM_KV_LAYOUT_BLOCKS: {
+        uint8_t *b = (uint8_t *)(uintptr_t)s->table[pos / bs];
+        size_t k_part = (size_t)kv->cfg.n_layers * (size_t)bs * kv->k_tok;
+        *k = b + ((size_t)layer * (size_t)bs + (size_t)off) * kv->k_tok;
+        *v = b + k_part + ((size_t)layer * (size_t)bs + (size_t)off) * kv->v_tok;
+        return bs - off;
+    }
+    case LLMEM_KV_LAYOUT_CONTIGUOUS:
+        *k = s->k_buf[layer] + (size_t)pos * kv->k_tok;
+        *v = s->v_buf[layer] + (size_t)pos * kv->v_tok;
+        return s->capacity - pos;
+    default: {
+        size_t row = (size_t)seq * (size_t)kv->ragged_cap + (size_t)pos;
+        *k = kv->r_k[layer] + row * kv->k_tok;
+        *v = kv->r_v[layer] + row * kv->v_tok;
+        return kv->ragged_cap - pos;
+    }
+    }
+}
+
+/* ---- paged pool
+ * ----------------------------------------------------------------------------------- */
+
+/* Grows the pool to at least `required` blocks (×1.5 steps, clamped to max_blocks). */
+static int pool_grow(struct llmem_kv *kv, int64_t required) {
+    int64_t cur = kv->n_blocks, max = kv->cfg.max_blocks > 0 ? kv->cfg.max_blocks : INT32_MAX;
+    int64_t next = cur + (cur + 1) / 2;
+    if (next < required)
+        next = required;
+    if (next > max)
+        next = max;
+    if (!kv->cfg.dynamic || next < required) {
+        LLMEM_ERROR_AS("llmem_kv_reserve", "the paged pool needs %lld blocks but holds %lld%s",
+                       (long long)required, (long long)cur,
+                       kv->cfg.dynamic ? " and max_blocks stops it there" : " and growth is off");
+        return LLMEM_ERANGE;
+    }
+    int n_layers = kv->cfg.n_layers, bs = block_size(kv);
+    uint8_t **nk = calloc((size_t)n_layers, sizeof(*nk)),
+            **nv = calloc((size_t)n_layers, sizeof(*nv));
+    int32_t *rc = realloc(NULL, (size_t)next * sizeof(*rc));
+    int64_t *fr = realloc(NULL, (size_t)next * sizeof(*fr));
+    int status = (nk && nv && rc && fr) ? LLMEM_OK : LLMEM_ENOMEM;
+    for (int l = 0; status == LLMEM_OK && l < n_layers; l++) {
+        nk[l] = kv_alloc(kv, (size_t)next * (size_t)bs * kv->k_tok);
+        nv[l] = kv_alloc(kv, (size_t)next * (size_t)bs * kv->v_tok);
+        if (nk[l] == NULL || nv[l] == NULL)
+            status = LLMEM_ENOMEM;
+    }
+    if (status != LLMEM_OK) {
+        for (int l = 0; nk && nv && l < n_layers; l++) {
+            kv_release(kv, nk[l], (size_t)next * (size_t)bs * kv->k_tok);
+            kv_release(kv, nv[l], (size_t)next * (size_t)bs * kv->v_tok);
+        }
+        free(nk), free(nv), free(rc), free(fr);
+        LLMEM_ERROR_AS("llmem_kv_reserve", "cannot grow the paged pool from %lld to %lld blocks",
+                       (long long)cur, (long long)next);
+        return LLMEM_ENOMEM;
+    }
+    for (int l = 0; l < n_layers; l++) {
+        if (cur > 0) {
+            memcpy(nk[l], kv->k_pool[l], (size_t)cur * (size_t)bs * kv->k_tok);
+            memcpy(nv[l], kv->v_pool[l], (size_t)cur * (size_t)bs * kv->v_tok);
+        }
+        if (kv->k_pool != NULL) {
+            kv_release(kv, kv->k_pool[l], (size_t)cur * (size_t)bs * kv->k_tok);
+            kv_release(kv, kv->v_pool[l], (size_t)cur * (size_t)bs * kv->v_tok);
+        }
+    }
+    if (cur > 0)
+        memcpy(rc, kv->refcount, (size_t)cur * sizeof(*rc));
+    memcpy(fr, kv->free_ids, (size_t)kv->n_free * sizeof(*fr));
+    /* New ids go on the stack so that the lowest is handed out first. */
+    for (int64_t id = next - 1; id >= cur; id--) {
+        rc[id] = 0;
+        fr[kv->n_free++] = id;
+    }
+    free(kv->k_pool), free(kv->v_pool), free(kv->refcount), free(kv->free_ids);
+    kv->k_pool = nk, kv->v_pool = nv, kv->refcount = rc, kv->free_ids = fr;
+    if (cur > 0)
+        kv->st.grow_events++;
+    kv->n_blocks = next;
+    return LLMEM_OK;
+}
+
+static int64_t pool_take(struct llmem_kv *kv) {
+    int64_t id = kv->free_ids[--kv->n_free];
+    kv->refcount[id] = 1;
+    return id;
+}
+
+static void pool_unref(struct llmem_kv *kv, int64_t id) {
+    LLMEM_ASSERT(kv->refcount[id] > 0);
+    if (--kv->refcount[id] == 0)
+        kv->free_ids[kv->n_free++] = id;
+}
+
+static int table_reserve(struct kv_seq *s, int64_t n) {
+    if (n <= s->cap_table)
+        return LLMEM_OK;
+    int64_t cap = s->cap_table ? s->cap_table : 16;
+    while (cap < n)
+        cap *= 2;
+    int64_t *t = realloc(s->table, (size_t)cap * sizeof(*t));
+    if (t == NULL)
+        return LLMEM_ENOMEM;
+    s->table = t;
+    s->cap_table = cap;
+    return LLMEM_OK;
+}
+
+/* ---- per-layout growth
+ * ------------------------------------------------------------------------------ */
+
+static int64_t round_up(int64_t n, int64_t step) {
+    return (n + step - 1) / step;
+}
+
+static int reserve_paged(struct llmem_kv *kv, struct kv_seq *s, int64_t need) {
+    int64_t bs = block_size(kv), want = round_up(need, bs);
+    int64_t more = want - s->n_table;
+    if (more <= 0)
+        return LLMEM_OK;
+    if (table_reserve(s, want) != LLMEM_OK) {
+        LLMEM_ERROR_AS("llmem_kv_reserve", "out of memory for a block table of %lld",
+                       (long long)want);
+        return LLMEM_ENOMEM;
+    }
+    if (kv->n_free < more) {
+        int status = pool_grow(kv, kv->n_blocks - kv->n_free + more);
+        if (status != LLMEM_OK)
+            return status;
+    }
+    while (s->n_table < want)
+        s->table[s->n_table++] = pool_take(kv);
+    s->capacity = s->n_table * bs;
+    return LLMEM_OK;
+}
+
+static int reserve_blocks(struct llmem_kv *kv, struct kv_seq *s, int64_t need) {
+    int64_t bs = block_size(kv), want = round_up(need, bs);
+    if (want <= s->n_table)
+        return LLMEM_OK;
+    if (table_reserve(s, want) != LLMEM_OK) {
+        LLMEM_ERROR_AS("llmem_kv_reserve", "out of memory for a block list of %lld",
+                       (long long)want);
+        return LLMEM_ENOMEM;
+    }
+    int64_t first = s->n_table;
+    while (s->n_table < want) {
+        uint8_t *b = kv_alloc(kv, blocks_block_bytes(kv));
+        if (b == NULL) {
+            while (s->n_table > first)
+                kv_release(kv, (void *)(uintptr_t)s->table[--s->n_table], blocks_block_bytes(kv));
+            LLMEM_ERROR_AS("llmem_kv_reserve", "cannot allocate a block of %zu bytes",
+                           blocks_block_bytes(kv));
+            return LLMEM_ENOMEM;
+        }
+        s->table[s->n_table++] = (int64_t)(uintptr_t)b;
+    }
+    s->capacity = s->n_table * bs;
+    return LLMEM_OK;
+}
+
+static int reserve_contiguous(struct llmem_kv *kv, struct kv_seq *s, int64_t need) {
+    if (need <= s->capacity)
+        return LLMEM_OK;
+    int n_layers = kv->cfg.n_layers;
+    int64_t cap = (int64_t)round_up(need, kv->cfg.step) * kv->cfg.step;
+    uint8_t **nk = calloc((size_t)n_layers, sizeof(*nk)),
+            **nv = calloc((size_t)n_layers, sizeof(*nv));
+    int ok = nk != NULL && nv != NULL;
+    for (int l = 0; ok && l < n_layers; l++) {
+        nk[l] = kv_alloc(kv, (size_t)cap * kv->k_tok);
+        nv[l] = kv_alloc(kv, (size_t)cap * kv->v_tok);
+        ok = nk[l] != NULL && nv[l] != NULL;
+    }
+    if (!ok) {
+        for (int l = 0; nk && nv && l < n_layers; l++) {
+            kv_release(kv, nk[l], (size_t)cap * kv->k_tok);
+            kv_release(kv, nv[l], (size_t)cap * kv->v_tok);
+        }
+        free(nk), free(nv);
+        LLMEM_ERROR_AS("llmem_kv_reserve", "cannot grow a sequence to %lld tokens", (long long)cap);
+        return LLMEM_ENOMEM;
+    }
+    for (int l = 0; l < n_layers; l++) {
+        if (s->k_buf != NULL) {
+            memcpy(nk[l], s->k_buf[l], (size_t)s->length * kv->k_tok);
+            memcpy(nv[l], s->v_buf[l], (size_t)s->length * kv->v_tok);
+            kv_release(kv, s->k_buf[l], (size_t)s->capacity * kv->k_tok);
+            kv_release(kv, s->v_buf[l], (size_t)s->capacity * kv->v_tok);
+        }
+    }
+    if (s->k_buf != NULL)
+        kv->st.grow_events++;
+    free(s->k_buf), free(s->v_buf);
+    s->k_buf = nk, s->v_buf = nv;
+    s->capacity = cap;
+    return LLMEM_OK;
+}
+
+/* Ragged: every row shares one capacity; growing moves every row. */
+static int ragged_resize(struct llmem_kv *kv, int64_t cap) {
+    int n_layers = kv->cfg.n_layers, rows = kv->cfg.max_sequences;
+    uint8_t **nk = calloc((size_t)n_layers, sizeof(*nk)),
+            **nv = calloc((size_t)n_layers, sizeof(*nv));
+    int ok = nk != NULL && nv != NULL;
+    for (int l = 0; ok && l < n_layers; l++) {
+        nk[l] = kv_alloc(kv, (size_t)rows * (size_t)cap * kv->k_tok);
+        nv[l] = kv_alloc(kv, (size_t)rows * (size_t)cap * kv->v_tok);
+        ok = nk[l] != NULL && nv[l] != NULL;
+    }
+    int64_t old = kv->ragged_cap;
+    if (!ok) {
+        for (int l = 0; nk && nv && l < n_layers; l++) {
+            kv_release(kv, nk[l], (size_t)rows * (size_t)cap * kv->k_tok);
+            kv_release(kv, nv[l], (size_t)rows * (size_t)cap * kv->v_tok);
+        }
+        free(nk), free(nv);
+        LLMEM_ERROR_AS("llmem_kv_reserve", "cannot grow the ragged batch to %d × %lld tokens", rows,
+                       (long long)cap);
+        return LLMEM_ENOMEM;
+    }
+    for (int l = 0; l < n_layers && kv->r_k != NULL; l++) {
+        for (int r = 0; r < rows; r++) {
+            int64_t len = kv->seqs[r].length;
+            memcpy(nk[l] + (size_t)r * (size_t)cap * kv->k_tok,
+                   kv->r_k[l] + (size_t)r * (size_t)old * kv->k_tok, (size_t)len * kv->k_tok);
+            memcpy(nv[l] + (size_t)r * (size_t)cap * kv->v_tok,
+                   kv->r_v[l] + (size_t)r * (size_t)old * kv->v_tok, (size_t)len * kv->v_tok);
+        }
+        kv_release(kv, kv->r_k[l], (size_t)rows * (size_t)old * kv->k_tok);
+        kv_release(kv, kv->r_v[l], (size_t)rows * (size_t)old * kv->v_tok);
+    }
+    if (kv->r_k != NULL)
+        kv->st.grow_events++;
+    free(kv->r_k), free(kv->r_v);
+    kv->r_k = nk, kv->r_v = nv;
+    kv->ragged_cap = cap;
+    for (int r = 0; r < rows; r++)
+        kv->seqs[r].capacity = cap;
+    return LLMEM_OK;
+}
+
+static int reserve_ragged(struct llmem_kv *kv, int64_t need) {
+    if (need <= kv->ragged_cap)
+        return LLMEM_OK;
+    if (kv->frozen) {
+        LLMEM_ERROR_AS("llmem_kv_reserve",
+                       "%lld tokens do not fit the frozen ragged capacity of %lld", (long long)need,
+                       (long long)kv->ragged_cap);
+        return LLMEM_ERANGE;
+    }
+    return ragged_resize(kv, (int64_t)round_up(need, kv->cfg.step) * kv->cfg.step);
+}
+
+/* ---- the public functions
+ * --------------------------------------------------------------------------- */
+
+int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
+                    struct llmem_kv **out) {
+    struct llmem_kv_config c = *config;
+    if (c.block_size <= 0)
+        c.block_size = c.layout == LLMEM_KV_LAYOUT_BLOCKS ? 1024 : 16;
+    if (c.step <= 0)
+        c.step = 256;
+    if (c.num_blocks <= 0)
+        c.num_blocks = 1024;
+    if (c.max_sequences <= 0)
+        c.max_sequences = 64;
+    if (c.n_layers <= 0 || c.n_kv_heads <= 0 || c.head_dim <= 0 ||
+        (unsigned)c.layout >= LLMEM_KV_LAYOUT_COUNT) {
+        LLMEM_ERROR("invalid KV geometry: %d layers, %d KV heads, head_dim %d", c.n_layers,
+                    c.n_kv_heads, c.head_dim);
+        return LLMEM_EINVAL;
+    }
+    if (c.max_blocks > 0 && c.num_blocks > c.max_blocks)
+        c.num_blocks = c.max_blocks;
+    struct llmem_kv *kv = calloc(1, sizeof(*kv));
+    if (kv == NULL) {
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    kv->cfg = c;
+    int status = llmem_kv_codec_init(&kv->codec, c.format, c.head_dim, c.rotate, c.seed);
+    if (status != LLMEM_OK)
+        goto out_free;
+    kv->k_tok = (size_t)c.n_kv_heads * kv->codec.key_bytes;
+    kv->v_tok = (size_t)c.n_kv_heads * kv->codec.value_bytes;
+    kv->mem = mem;
+    if (mem == NULL) {
+        struct llmem_mem_config mc = {.cache_limit_bytes = 0};
+        if ((status = llmem_mem_create(&mc, &kv->mem)) != LLMEM_OK)
+            goto out_free;
+        kv->own_mem = 1;
+    }
+    kv->seqs = calloc((size_t)c.max_sequences, sizeof(*kv->seqs));
+    if (kv->seqs == NULL) {
+        LLMEM_ERROR("out of memory");
+        status = LLMEM_ENOMEM;
+        goto out_free;
+    }
+    if ((status = llmem_pool_create(c.n_threads, &kv->pool)) != LLMEM_OK)
+        goto out_free;
+    if (c.layout == LLMEM_KV_LAYOUT_PAGED) {
+        int saved = kv->cfg.dynamic;
+        kv->cfg.dynamic = 1; /* the initial pool is not growth */
+        status = pool_grow(kv, c.num_blocks);
+        kv->cfg.dynamic = saved;
+        if (status != LLMEM_OK)
+            goto out_free;
+    }
+    kv->st.n_blocks = kv->n_blocks;
+    *out = kv;
+    return LLMEM_OK;
+out_free:
+    llmem_kv_destroy(kv);
+    return status;
+}
+
+void llmem_kv_destroy(struct llmem_kv *kv) {
+    if (kv == NULL)
+        return;
+    for (int i = 0; kv->seqs != NULL && i < kv->cfg.max_sequences; i++)
+        if (kv->seqs[i].used)
+            llmem_kv_seq_free(kv, i);
+    for (int l = 0; l < kv->cfg.n_layers; l++) {
+        size_t bs = (size_t)block_size(kv), n = (size_t)kv->n_blocks;
+        if (kv->k_pool != NULL) {
+            kv_release(kv, kv->k_pool[l], n * bs * kv->k_tok);
+            kv_release(kv, kv->v_pool[l], n * bs * kv->v_tok);
+        }
+        size_t rows = (size_t)kv->cfg.max_sequences, cap = (size_t)kv->ragged_cap;
+        if (kv->r_k != NULL) {
+            kv_release(kv, kv->r_k[l], rows * cap * kv->k_tok);
+            kv_release(kv, kv->r_v[l], rows * cap * kv->v_tok);
+        }
+    }
+    free(kv->k_pool), free(kv->v_pool), free(kv->refcount), free(kv->free_ids);
+    free(kv->r_k), free(kv->r_v);
+    free(kv->seqs);
+    llmem_pool_destroy(kv->pool);
+    if (kv->own_mem)
+        llmem_mem_destroy(kv->mem);
+    free(kv);
+}
+
+int llmem_kv_seq_new(struct llmem_kv *kv, int *seq) {
+    for (int i = 0; i < kv->cfg.max_sequences; i++) {
+        struct kv_seq *s = &kv->seqs[i];
+        if (!s->used) {
+            memset(s, 0, sizeof(*s));
+            s->used = 1;
+            s->capacity = kv->cfg.layout == LLMEM_KV_LAYOUT_RAGGED ? kv->ragged_cap : 0;
+            kv->st.n_sequences++;
+            *seq = i;
+            return LLMEM_OK;
+        }
+    }
+    LLMEM_ERROR("all %d sequences are in use", kv->cfg.max_sequences);
+    return LLMEM_ERANGE;
+}
+
+static struct kv_seq *get_seq(struct llmem_kv *kv, int seq) {
+    LLMEM_ASSERT(seq >= 0 && seq < kv->cfg.max_sequences && kv->seqs[seq].used);
+    return &kv->seqs[seq];
+}
+
+int64_t llmem_kv_seq_length(const struct llmem_kv *kv, int seq) {
+    return get_seq((struct llmem_kv *)kv, seq)->length;
+}
+
+/* Releases storage past `keep` tokens (whole blocks only). */
+static void release_tail(struct llmem_kv *kv, struct kv_seq *s, int64_t keep) {
+    int64_t bs = block_size(kv), blocks = round_up(keep, bs);
+    if (kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED) {
+        while (s->n_table > blocks)
+            pool_unref(kv, s->table[--s->n_table]);
+        s->capacity = s->n_table * bs;
+    } else if (kv->cfg.layout == LLMEM_KV_LAYOUT_BLOCKS) {
+        while (s->n_table > blocks)
+            kv_release(kv, (void *)(uintptr_t)s->table[--s->n_table], blocks_block_bytes(kv));
+        s->capacity = s->n_table * bs;
+    }
+}
+
+void llmem_kv_seq_free(struct llmem_kv *kv, int seq) {
+    struct kv_seq *s = get_seq(kv, seq);
+    release_tail(kv, s, 0);
+    if (kv->cfg.layout == LLMEM_KV_LAYOUT_CONTIGUOUS && s->k_buf != NULL) {
+        for (int l = 0; l < kv->cfg.n_layers; l++) {
+            kv_release(kv, s->k_buf[l], (size_t)s->capacity * kv->k_tok);
+            kv_release(kv, s->v_buf[l], (size_t)s->capacity * kv->v_tok);
+        }
+    }
+    free(s->k_buf), free(s->v_buf), free(s->table);
+    memset(s, 0, sizeof(*s));
+    kv->st.n_sequences--;
+}
+
+int llmem_kv_reserve(struct llmem_kv *kv, int seq, int64_t n) {
+    struct kv_seq *s = get_seq(kv, seq);
+    LLMEM_ASSERT(n >= 0);
+    int64_t need = s->length + n;
+    switch (kv->cfg.layout) {
+    case LLMEM_KV_LAYOUT_PAGED: return reserve_paged(kv, s, need);
+    case LLMEM_KV_LAYOUT_BLOCKS: return reserve_blocks(kv, s, need);
+    case LLMEM_KV_LAYOUT_CONTIGUOUS: return reserve_contiguous(kv, s, need);
+    default: return reserve_ragged(kv, need);
+    }
+}
+
+/* Paged: gives the sequence its own copy of every shared block in [first, last]. */
+static int unshare_blocks(struct llmem_kv *kv, struct kv_seq *s, int64_t first, int64_t last) {
+    int64_t shared = 0;
+    for (int64_t b = first; b <= last; b++)
+        shared += kv->refcount[s->table[b]] > 1;
+    if (shared == 0)
+        return LLMEM_OK;
+    if (kv->n_free < shared) {
+        int status = pool_grow(kv, kv->n_blocks - kv->n_free + shared);
+        if (status != LLMEM_OK)
+            return status;
+    }
+    size_t bs = (size_t)block_size(kv);
+    for (int64_t b = first; b <= last; b++) {
+        int64_t old = s->table[b];
+        if (kv->refcount[old] <= 1)
+            continue;
+        int64_t id = pool_take(kv);
+        for (int l = 0; l < kv->cfg.n_layers; l++) {
+            memcpy(kv->k_pool[l] + (size_t)id * bs * kv->k_tok,
+                   kv->k_pool[l] + (size_t)old * bs * kv->k_tok, bs * kv->k_tok);
+            memcpy(kv->v_pool[l] + (size_t)id * bs * kv->v_tok,
+                   kv->v_pool[l] + (size_t)old * bs * kv->v_tok, bs * kv->v_tok);
+        }
+        pool_unref(kv, old);
+        s->table[b] = id;
+        kv->st.cow_copies++;
+    }
+    return LLMEM_OK;
+}
+
+int llmem_kv_write(struct llmem_kv *kv, int seq, int layer, int64_t pos, int64_t n, const float *k,
+                   const float *v) {
+    struct kv_seq *s = get_seq(kv, seq);
+    LLMEM_ASSERT(layer >= 0 && layer < kv->cfg.n_layers && pos >= 0 && n >= 0);
+    LLMEM_ASSERT(pos + n <= s->capacity && pos <= s->length);
+    if (n == 0)
+        return LLMEM_OK;
+    if (kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED) {
+        int64_t bs = block_size(kv);
+        int status = unshare_blocks(kv, s, pos / bs, (pos + n - 1) / bs);
+        if (status != LLMEM_OK)
+            return status;
+    }
+    const int heads = kv->cfg.n_kv_heads, hd = kv->cfg.head_dim;
+    for (int64_t t = 0; t < n;) {
+        uint8_t *kp, *vp;
+        int64_t run = llmem_kv_span(kv, seq, layer, pos + t, &kp, &vp);
+        if (run > n - t)
+            run = n - t;
+        for (int64_t i = 0; i < run; i++, t++) {
+            for (int h = 0; h < heads; h++) {
+                size_t row = ((size_t)t * (size_t)heads + (size_t)h) * (size_t)hd;
+                llmem_kv_encode_key(&kv->codec, k + row,
+                                    kp + (size_t)i * kv->k_tok + (size_t)h * kv->codec.key_bytes);
+                llmem_kv_encode_value(&kv->codec, v + row,
+                                      vp + (size_t)i * kv->v_tok +
+                                          (size_t)h * kv->codec.value_bytes);
+            }
+        }
+    }
+    kv->st.updates++;
+    kv->st.bytes_written += n * (int64_t)(kv->k_tok + kv->v_tok);
+    return LLMEM_OK;
+}
+
+void llmem_kv_set_length(struct llmem_kv *kv, int seq, int64_t length) {
+    struct kv_seq *s = get_seq(kv, seq);
+    LLMEM_ASSERT(length >= 0 && length <= s->capacity);
+    s->length = length;
+}
+
+int llmem_kv_append(struct llmem_kv *kv, int seq, int64_t n, const float *k, const float *v) {
+    int status = llmem_kv_reserve(kv, seq, n);
+    if (status != LLMEM_OK)
+        return status;
+    int64_t pos = get_seq(kv, seq)->length;
+    size_t layer_floats = (size_t)n * (size_t)kv->cfg.n_kv_heads * (size_t)kv->cfg.head_dim;
+    for (int l = 0; l < kv->cfg.n_layers; l++) {
+        status = llmem_kv_write(kv, seq, l, pos, n, k + (size_t)l * layer_floats,
+                                v + (size_t)l * layer_floats);
+        if (status != LLMEM_OK)
+            return status; /* only the first layer can fail (copy on write), before any write */
+    }
+    llmem_kv_set_length(kv, seq, pos + n);
+    return LLMEM_OK;
+}
+
+void llmem_kv_trim(struct llmem_kv *kv, int seq, int64_t n) {
+    struct kv_seq *s = get_seq(kv, seq);
+    s->length = n >= s->length ? 0 : s->length - n;
+    release_tail(kv, s, s->length);
+}
+
+int llmem_kv_seq_fork(struct llmem_kv *kv, int src, int *dst) {
+    struct kv_seq *from = get_seq(kv, src);
+    int status = llmem_kv_seq_new(kv, dst);
+    if (status != LLMEM_OK)
+        return status;
+    from = &kv->seqs[src];
+    struct kv_seq *to = &kv->seqs[*dst];
+    if (kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED) {
+        int64_t blocks = round_up(from->length, block_size(kv));
+        if (table_reserve(to, blocks) != LLMEM_OK) {
+            llmem_kv_seq_free(kv, *dst);
+            LLMEM_ERROR("out of memory for a block table");
+            return LLMEM_ENOMEM;
+        }
+        for (int64_t b = 0; b < blocks; b++) {
+            to->table[b] = from->table[b];
+            kv->refcount[from->table[b]]++;
+        }
+        to->n_table = blocks;
+        to->capacity = blocks * block_size(kv);
+        to->length = from->length;
+        return LLMEM_OK;
+    }
+    if ((status = llmem_kv_reserve(kv, *dst, from->length)) != LLMEM_OK) {
+        llmem_kv_seq_free(kv, *dst);
+        return status;
+    }
+    for (int l = 0; l < kv->cfg.n_layers; l++) {
+        for (int64_t pos = 0; pos < from->length;) {
+            uint8_t *sk, *sv, *dk, *dv;
+            int64_t a = llmem_kv_span(kv, src, l, pos, &sk, &sv);
+            int64_t b = llmem_kv_span(kv, *dst, l, pos, &dk, &dv);
+            int64_t run = a < b ? a : b;
+            if (run > from->length - pos)
+                run = from->length - pos;
+            memcpy(dk, sk, (size_t)run * kv->k_tok);
+            memcpy(dv, sv, (size_t)run * kv->v_tok);
+            pos += run;
+        }
+    }
+    to->length = from->length;
+    return LLMEM_OK;
+}
+
+int llmem_kv_freeze_capacity(struct llmem_kv *kv, int64_t capacity) {
+    if (kv->cfg.layout != LLMEM_KV_LAYOUT_RAGGED) {
+        LLMEM_ERROR("freeze_capacity applies to the ragged layout, not %s",
+                    llmem_kv_layout_name(kv->cfg.layout));
+        return LLMEM_EUNSUPPORTED;
+    }
+    for (int r = 0; r < kv->cfg.max_sequences; r++) {
+        if (kv->seqs[r].used && kv->seqs[r].length > capacity) {
+            LLMEM_ERROR("row %d holds %lld tokens, more than the capacity %lld", r,
+                        (long long)kv->seqs[r].length, (long long)capacity);
+            return LLMEM_ERANGE;
+        }
+    }
+    if (capacity != kv->ragged_cap) {
+        int status = ragged_resize(kv, capacity);
+        if (status != LLMEM_OK)
+            return status;
+    }
+    kv->frozen = 1;
+    return LLMEM_OK;
+}
+
+void llmem_kv_stats(struct llmem_kv *kv, struct llmem_kv_stats *st) {
+    *st = kv->st;
+    st->tokens = 0;
+    st->capacity_tokens = 0;
+    for (int i = 0; i < kv->cfg.max_sequences; i++) {
+        if (kv->seqs[i].used) {
+            st->tokens += kv->seqs[i].length;
+            st->capacity_tokens += kv->seqs[i].capacity;
+        }
+    }
+    st->n_blocks = kv->n_blocks;
+    st->n_blocks_free = kv->n_free;
+    st->n_blocks_used = kv->n_blocks - kv->n_free;
+    st->n_blocks_shared = 0;
+    for (int64_t b = 0; b < kv->n_blocks; b++)
+        st->n_blocks_shared += kv->refcount[b] > 1;
+}
+
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            LLMEM_ERROR("invariant broken: " __VA_ARGS__);                                         \
+            status = LLMEM_EFORMAT;                                                                \
+            goto out;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+int llmem_kv_check(struct llmem_kv *kv) {
+    int status = LLMEM_OK;
+    int32_t *refs = NULL;
+    int64_t bs = block_size(kv), n_used = 0;
+    if (kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED) {
+        refs = calloc((size_t)kv->n_blocks, sizeof(*refs));
+        CHECK(refs != NULL, "out of memory checking");
+    }
+    for (int i = 0; i < kv->cfg.max_sequences; i++) {
+        const struct kv_seq *s = &kv->seqs[i];
+        if (!s->used)
+            continue;
+        n_used++;
+        CHECK(s->length >= 0 && s->length <= s->capacity, "sequence %d: length %lld, capacity %lld",
+              i, (long long)s->length, (long long)s->capacity);
+        if (kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED || kv->cfg.layout == LLMEM_KV_LAYOUT_BLOCKS)
+            CHECK(s->capacity == s->n_table * bs, "sequence %d: capacity is not its blocks", i);
+        if (kv->cfg.layout == LLMEM_KV_LAYOUT_RAGGED)
+            CHECK(s->capacity == kv->ragged_cap, "row %d: capacity is not the batch's", i);
+        for (int64_t b = 0; refs != NULL && b < s->n_table; b++) {
+            CHECK(s->table[b] >= 0 && s->table[b] < kv->n_blocks, "sequence %d: bad block id", i);
+            refs[s->table[b]]++;
+        }
+    }
+    CHECK(n_used == kv->st.n_sequences, "%lld sequences in use, %lld counted", (long long)n_used,
+          (long long)kv->st.n_sequences);
+    if (refs != NULL) {
+        int64_t zero = 0;
+        for (int64_t b = 0; b < kv->n_blocks; b++) {
+            CHECK(refs[b] == kv->refcount[b], "block %lld: %d references, count %d", (long long)b,
+                  refs[b], kv->refcount[b]);
+            zero += refs[b] == 0;
+        }
+        CHECK(zero == kv->n_free, "%lld unreferenced blocks but %lld free", (long long)zero,
+              (long long)kv->n_free);
+        for (int64_t f = 0; f < kv->n_free; f++)
+            CHECK(kv->refcount[kv->free_ids[f]] == 0, "a free block is referenced");
+    }
+out:
+    free(refs);
+    return status;
+}

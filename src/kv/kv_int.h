@@ -1,0 +1,53 @@
+/*
+ * kv/kv_int.h — the inside of a KV cache, shared by kv.c (layouts, sequences, growth) and
+ * attention.c (the routes). A cache is driven by one thread at a time; attention parallelizes
+ * internally over its own pool.
+ */
+#ifndef LLMEM_KV_INT_H
+#define LLMEM_KV_INT_H
+
+#include "core/pool.h"
+#include "kv/codec.h"
+#include "llmem/kv.h"
+
+struct kv_seq {
+    int used;
+    int64_t length;   /* tokens written and committed */
+    int64_t capacity; /* tokens its storage holds */
+    /* paged: block ids; blocks layout: block buffers (as uintptr_t) */
+    int64_t *table; /* (n_table) */
+    int64_t n_table, cap_table;
+    /* contiguous: one K and one V buffer per layer, (capacity, k_tok) / (capacity, v_tok) */
+    uint8_t **k_buf, **v_buf; /* (n_layers) */
+};
+
+struct llmem_kv {
+    struct llmem_kv_config cfg;
+    struct llmem_kv_codec codec;
+    struct llmem_mem *mem;
+    int own_mem;
+    struct llmem_pool *pool;
+    size_t k_tok, v_tok; /* bytes of one token of one layer, all KV heads */
+    struct kv_seq *seqs; /* (max_sequences) */
+
+    /* paged */
+    uint8_t **k_pool, **v_pool; /* (n_layers) of (n_blocks, block_size, k_tok / v_tok) */
+    int64_t n_blocks;
+    int32_t *refcount; /* (n_blocks) */
+    int64_t *free_ids; /* a stack of free block ids */
+    int64_t n_free;
+
+    /* ragged */
+    uint8_t **r_k, **r_v; /* (n_layers) of (max_sequences, ragged_cap, k_tok / v_tok) */
+    int64_t ragged_cap;
+    int frozen;
+
+    struct llmem_kv_stats st;
+};
+
+/* The storage of token `pos` of a sequence's layer: K and V bytes of all heads, and how many
+ * tokens follow contiguously from there (to the end of its block or buffer). pos < capacity. */
+int64_t llmem_kv_span(const struct llmem_kv *kv, int seq, int layer, int64_t pos, uint8_t **k,
+                      uint8_t **v);
+
+#endif
