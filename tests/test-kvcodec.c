@@ -17,6 +17,7 @@
 #include "kv/codec_internal.h"
 #include "llmem/plan.h"
 #include "llmem/status.h"
+#include "llmem/sys.h"
 
 #define MAX_D  LLMEM_KV_MAX_HEAD_DIM
 #define N_ROWS 256
@@ -300,7 +301,7 @@ static void test_invalid_head_dim(void **state) {
             assert_true(fabsf(x[j] - y[j]) < 0.5f);
     }
     expect_einval((enum llmem_kv_format)LLMEM_KV_FORMAT_COUNT, 128, 0, "unknown KV format");
-    expect_einval((enum llmem_kv_format) - 1, 128, 0, "unknown KV format");
+    expect_einval((enum llmem_kv_format)(-1), 128, 0, "unknown KV format");
 }
 
 /* ---- round-trip error ------------------------------------------------------------------------ */
@@ -518,6 +519,17 @@ static const char *isa_name(enum llmem_kv_isa isa) {
 static void test_dot_axpy_match_decode(void **state) {
     (void)state;
     enum llmem_kv_isa best = llmem_kv_isa_best();
+    uint32_t feat = llmem_sys_isa_features();
+    char names[LLMEM_SYS_ARCH_MAX];
+    print_message("    cpu: %s\n", llmem_sys_isa_string(feat, names, sizeof(names)));
+    if ((feat & LLMEM_ISA_AVX512F) && (feat & LLMEM_ISA_AVX512BW) && (feat & LLMEM_ISA_AVX512VL) &&
+        (feat & LLMEM_ISA_AVX2) && (feat & LLMEM_ISA_FMA) && (feat & LLMEM_ISA_F16C))
+        assert_int_equal(best, LLMEM_KV_ISA_AVX512);
+    else if ((feat & LLMEM_ISA_AVX2) && (feat & LLMEM_ISA_FMA) && (feat & LLMEM_ISA_F16C))
+        assert_int_equal(best, LLMEM_KV_ISA_AVX2);
+    else
+        assert_int_equal(best, LLMEM_KV_ISA_SCALAR);
+    assert_int_equal(llmem_kv_kernels()->isa, best); /* the default is the best */
     for (int isa = LLMEM_KV_ISA_SCALAR; isa <= (int)best; isa++) {
         assert_int_equal(llmem_kv_codec_set_isa((enum llmem_kv_isa)isa), isa);
         assert_int_equal(llmem_kv_kernels()->isa, isa);
@@ -530,7 +542,7 @@ static void test_dot_axpy_match_decode(void **state) {
                 for (int trial = 0; trial < 32; trial++) {
                     float x[MAX_D], q[MAX_D], dec[MAX_D], acc[MAX_D], acc0[MAX_D];
                     uint8_t storage[MAX_D * 4 + 8];
-                    uint8_t *row = storage + (trial % 4) * 1 + (trial % 8 >= 4 ? 2 : 0);
+                    uint8_t *row = storage + trial % 8; /* any byte address */
                     make_row(&r, trial % 2 ? DATA_OUTLIER : DATA_GAUSS, d, x);
                     make_row(&r, DATA_GAUSS, d, q);
                     make_row(&r, DATA_GAUSS, d, acc0);

@@ -1,17 +1,18 @@
 /*
  * kv/attention.c — attention over a KV cache, by three routes (SPEC §4.4):
- *   direct       one task per (query, head): a single pass over the visible tokens with an online
- *                softmax (running max m, sum l, accumulator acc rescaled when m grows), folded
- *                partition by partition;
+ *   direct       one task per (query, KV head): a single pass over the visible tokens with an
+ *                online softmax (running max m, sum l, accumulator acc rescaled when m grows),
+ *                folded partition by partition;
  *   partitioned  the visible range split at absolute multiples of 512 tokens; one task per
- *                (query, head, partition) computes (m_p, l_p, acc_p), and the partitions are
+ *                (query, KV head, partition) computes (m_p, l_p, acc_p), and the partitions are
  *                folded in ascending order: m' = max(m, m_p), l' = l·e^(m−m') + l_p·e^(m_p−m'),
  *                acc likewise — the same arithmetic as direct, spread over threads;
  *   fallback     the visible keys and values gathered as f32 rows and the reference (two passes,
  *                double accumulation).
- * Keys are read in their stored domain: a rotated format gets the query rotated once, and values
- * are accumulated rotated with one inverse rotation at the end. The routes differ only by float
- * rounding.
+ * GQA: a task serves every query head of one KV head, so each key and value row is read from
+ * memory once per query, not once per query head. Keys are read in their stored domain: a rotated
+ * format gets the query rotated once, and values are accumulated rotated with one inverse rotation
+ * at the end. The routes differ only by float rounding.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -33,22 +34,31 @@ struct attn_job {
     const float *q; /* scaled and (for rotated keys) rotated: [n_q, n_heads, hd] */
     float *out;
     float *parts;   /* partitioned: [n_q, n_heads, n_parts, hd + 2] */
-    float *scratch; /* fallback: per thread */
+    float *scratch; /* per thread: direct and partitioned GROUP_STRIDE, fallback FALLBACK_STRIDE */
 };
+
+/* Per-thread scratch of direct and partitioned: one partition's state for a group of heads. */
+#define GROUP_STRIDE(group, hd) ((size_t)(group) * (size_t)((hd) + 2))
 
 static void visible(const struct attn_job *j, int64_t i, int64_t *lo, int64_t *hi) {
     *hi = j->q_pos + i;
     *lo = j->window > 0 && *hi - j->window + 1 > 0 ? *hi - j->window + 1 : 0;
 }
 
-/* The online-softmax state of one query head over [lo, hi], a range within one partition. */
+/* The online-softmax state over [lo, hi] (within one partition) of the `group` query heads that
+ * share KV head kvh: q holds their rows back to back; state g is acc at st + g·(hd+2), then m, l.
+ * Every key and value row is read once for the whole group. */
 static void segment(const struct attn_job *j, int kvh, const float *q, int64_t lo, int64_t hi,
-                    float *m_out, float *l_out, float *acc) {
+                    float *st) {
     const struct llmem_kv *kv = j->kv;
     const struct llmem_kv_codec *c = &kv->codec;
-    const int hd = kv->cfg.head_dim;
-    float m = -INFINITY, l = 0;
-    memset(acc, 0, (size_t)hd * sizeof(float));
+    const int hd = kv->cfg.head_dim, group = j->group;
+    for (int g = 0; g < group; g++) {
+        float *sg = st + (size_t)g * (size_t)(hd + 2);
+        memset(sg, 0, (size_t)hd * sizeof(float));
+        sg[hd] = -INFINITY;
+        sg[hd + 1] = 0;
+    }
     size_t k_off = (size_t)kvh * c->key_bytes, v_off = (size_t)kvh * c->value_bytes;
     for (int64_t pos = lo; pos <= hi;) {
         uint8_t *kp, *vp;
@@ -56,101 +66,107 @@ static void segment(const struct attn_job *j, int kvh, const float *q, int64_t l
         if (run > hi - pos + 1)
             run = hi - pos + 1;
         for (int64_t t = 0; t < run; t++) {
-            float s = llmem_kv_dot_key(c, kp + (size_t)t * kv->k_tok + k_off, q);
-            if (s > m) {
-                float corr = expf(m - s);
-                l *= corr;
-                for (int d = 0; d < hd; d++)
-                    acc[d] *= corr;
-                m = s;
+            const uint8_t *krow = kp + (size_t)t * kv->k_tok + k_off;
+            const uint8_t *vrow = vp + (size_t)t * kv->v_tok + v_off;
+            for (int g = 0; g < group; g++) {
+                float *sg = st + (size_t)g * (size_t)(hd + 2);
+                float s = llmem_kv_dot_key(c, krow, q + (size_t)g * (size_t)hd);
+                if (s > sg[hd]) {
+                    float corr = expf(sg[hd] - s);
+                    sg[hd + 1] *= corr;
+                    for (int d = 0; d < hd; d++)
+                        sg[d] *= corr;
+                    sg[hd] = s;
+                }
+                float p = expf(s - sg[hd]);
+                sg[hd + 1] += p;
+                llmem_kv_axpy_value(c, vrow, p, sg);
             }
-            float p = expf(s - m);
-            l += p;
-            llmem_kv_axpy_value(c, vp + (size_t)t * kv->v_tok + v_off, p, acc);
         }
         pos += run;
     }
-    *m_out = m;
-    *l_out = l;
 }
 
-/* Folds a partition's state (m_p, l_p, acc_p) into a running one, in ascending order. */
-static void fold(int hd, float *m, float *l, float *acc, float m_p, float l_p, const float *acc_p) {
+/* Folds a partition's state (acc_p, m_p, l_p at p[hd], p[hd+1]) into a running one, in
+ * ascending order: m' = max(m, m_p), l' = l·e^(m−m') + l_p·e^(m_p−m'), acc likewise. */
+static void fold(int hd, float *m, float *l, float *acc, const float *p) {
+    float m_p = p[hd], l_p = p[hd + 1];
     if (l_p == 0)
         return;
     float top = m_p > *m ? m_p : *m;
     float a = *l > 0 ? expf(*m - top) : 0, b = expf(m_p - top);
     for (int d = 0; d < hd; d++)
-        acc[d] = acc[d] * a + acc_p[d] * b;
+        acc[d] = acc[d] * a + p[d] * b;
     *l = *l * a + l_p * b;
     *m = top;
 }
 
-/* One pass over [lo, hi]: the state of one query head, built partition by partition (the same
- * 512-token partitions and the same folding as the partitioned route, so the routes agree). */
-static void partial(const struct attn_job *j, int kvh, const float *q, int64_t lo, int64_t hi,
-                    float *m_out, float *l_out, float *acc) {
-    const int hd = j->kv->cfg.head_dim;
-    float part[1024], m = -INFINITY, l = 0;
-    memset(acc, 0, (size_t)hd * sizeof(float));
-    for (int64_t p_lo = lo; p_lo <= hi;) {
-        int64_t p_hi = (p_lo / PARTITION + 1) * PARTITION - 1;
-        if (p_hi > hi)
-            p_hi = hi;
-        float m_p, l_p;
-        segment(j, kvh, q, p_lo, p_hi, &m_p, &l_p, part);
-        fold(hd, &m, &l, acc, m_p, l_p, part);
-        p_lo = p_hi + 1;
-    }
-    *m_out = m;
-    *l_out = l;
-}
-
-static void finish(const struct llmem_kv *kv, float *out, const float *acc, float l) {
+static void finish(const struct llmem_kv *kv, float *out, float l) {
     const int hd = kv->cfg.head_dim;
     for (int d = 0; d < hd; d++)
-        out[d] = l > 0 ? acc[d] / l : 0;
+        out[d] = l > 0 ? out[d] / l : 0;
     if (kv->codec.rotate_values)
         llmem_kv_rotate_inverse(&kv->codec, out);
 }
 
+/* direct: task = (query, KV head); one pass, partition by partition, folded as it goes. */
 static void direct_task(void *arg, int task, int thread) {
-    (void)thread;
     const struct attn_job *j = arg;
-    int64_t i = task / j->n_heads;
-    int h = task % j->n_heads;
+    const int hd = j->kv->cfg.head_dim, n_kv = j->n_heads / j->group;
+    int64_t i = task / n_kv;
+    int kvh = task % n_kv;
     int64_t lo, hi;
     visible(j, i, &lo, &hi);
-    size_t row = ((size_t)i * (size_t)j->n_heads + (size_t)h) * (size_t)j->kv->cfg.head_dim;
-    float m, l;
-    partial(j, h / j->group, j->q + row, lo, hi, &m, &l, j->out + row);
-    finish(j->kv, j->out + row, j->out + row, l);
+    size_t row = ((size_t)i * (size_t)j->n_heads + (size_t)kvh * (size_t)j->group) * (size_t)hd;
+    float *st = j->scratch + (size_t)thread * GROUP_STRIDE(j->group, hd);
+    float m[64], l[64];
+    float *out = j->out + row;
+    memset(out, 0, (size_t)j->group * (size_t)hd * sizeof(float));
+    for (int g = 0; g < j->group; g++)
+        m[g] = -INFINITY, l[g] = 0;
+    for (int64_t p_lo = lo; p_lo <= hi;) {
+        int64_t p_hi = (p_lo / PARTITION + 1) * PARTITION - 1;
+        if (p_hi > hi)
+            p_hi = hi;
+        segment(j, kvh, j->q + row, p_lo, p_hi, st);
+        for (int g = 0; g < j->group; g++)
+            fold(hd, &m[g], &l[g], out + (size_t)g * (size_t)hd, st + (size_t)g * (size_t)(hd + 2));
+        p_lo = p_hi + 1;
+    }
+    for (int g = 0; g < j->group; g++)
+        finish(j->kv, out + (size_t)g * (size_t)hd, l[g]);
 }
 
+/* partitioned: task = (query, KV head, partition); the states land in j->parts. */
 static void partition_task(void *arg, int task, int thread) {
-    (void)thread;
     const struct attn_job *j = arg;
-    const int hd = j->kv->cfg.head_dim;
-    int64_t p = task % j->n_parts, ih = task / j->n_parts;
-    int64_t i = ih / j->n_heads;
-    int h = (int)(ih % j->n_heads);
-    float *slot = j->parts + (size_t)task * (size_t)(hd + 2);
+    const int hd = j->kv->cfg.head_dim, n_kv = j->n_heads / j->group;
+    int64_t p = task % j->n_parts, ik = task / j->n_parts;
+    int64_t i = ik / n_kv;
+    int kvh = (int)(ik % n_kv);
     int64_t lo, hi;
     visible(j, i, &lo, &hi);
     int64_t p_lo = (j->first_part + p) * PARTITION, p_hi = p_lo + PARTITION - 1;
-    if (p_lo < lo)
-        p_lo = lo;
-    if (p_hi > hi)
-        p_hi = hi;
-    if (p_lo > p_hi) {
-        slot[hd] = -INFINITY; /* empty: contributes nothing */
-        slot[hd + 1] = 0;
-        return;
+    p_lo = p_lo < lo ? lo : p_lo;
+    p_hi = p_hi > hi ? hi : p_hi;
+    float *st = j->scratch + (size_t)thread * GROUP_STRIDE(j->group, hd);
+    size_t row = ((size_t)i * (size_t)j->n_heads + (size_t)kvh * (size_t)j->group) * (size_t)hd;
+    if (p_lo <= p_hi) {
+        segment(j, kvh, j->q + row, p_lo, p_hi, st);
+    } else {
+        for (int g = 0; g < j->group; g++) { /* empty: contributes nothing */
+            st[(size_t)g * (size_t)(hd + 2) + (size_t)hd] = -INFINITY;
+            st[(size_t)g * (size_t)(hd + 2) + (size_t)hd + 1] = 0;
+        }
     }
-    size_t row = ((size_t)i * (size_t)j->n_heads + (size_t)h) * (size_t)hd;
-    segment(j, h / j->group, j->q + row, p_lo, p_hi, &slot[hd], &slot[hd + 1], slot);
+    for (int g = 0; g < j->group; g++) {
+        size_t head = (size_t)i * (size_t)j->n_heads + (size_t)kvh * (size_t)j->group + (size_t)g;
+        float *slot = j->parts + (head * (size_t)j->n_parts + (size_t)p) * (size_t)(hd + 2);
+        memcpy(slot, st + (size_t)g * (size_t)(hd + 2), (size_t)(hd + 2) * sizeof(float));
+    }
 }
 
+/* merge: task = (query, head); the partitions folded in ascending order. */
 static void merge_task(void *arg, int task, int thread) {
     (void)thread;
     const struct attn_job *j = arg;
@@ -159,11 +175,9 @@ static void merge_task(void *arg, int task, int thread) {
     float *out = j->out + (size_t)task * (size_t)hd;
     float m = -INFINITY, l = 0;
     memset(out, 0, (size_t)hd * sizeof(float));
-    for (int64_t p = 0; p < j->n_parts; p++) {
-        const float *slot = parts + p * (hd + 2);
-        fold(hd, &m, &l, out, slot[hd], slot[hd + 1], slot);
-    }
-    finish(j->kv, out, out, l);
+    for (int64_t p = 0; p < j->n_parts; p++)
+        fold(hd, &m, &l, out, parts + p * (hd + 2));
+    finish(j->kv, out, l);
 }
 
 static void fallback_task(void *arg, int task, int thread) {
@@ -223,7 +237,8 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
     LLMEM_ASSERT(seq >= 0 && seq < kv->cfg.max_sequences && s->used);
     LLMEM_ASSERT(layer >= 0 && layer < kv->cfg.n_layers && q_pos >= 0 && n_q > 0);
     LLMEM_ASSERT(q_pos + n_q <= s->length);
-    LLMEM_ASSERT(n_heads > 0 && n_heads % kv->cfg.n_kv_heads == 0);
+    LLMEM_ASSERT(n_heads > 0 && n_heads % kv->cfg.n_kv_heads == 0 &&
+                 n_heads / kv->cfg.n_kv_heads <= 64);
     int64_t t0 = now_ns();
     struct attn_job j = {.kv = kv,
                          .seq = seq,
@@ -250,13 +265,16 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
                     : LLMEM_KV_ROUTE_DIRECT;
 
     size_t work = q_floats;
+    if (route == LLMEM_KV_ROUTE_FALLBACK) {
+        int64_t window = attn->window > 0 ? attn->window : q_pos + n_q;
+        work += (size_t)threads * (size_t)FALLBACK_STRIDE(window, hd);
+    } else {
+        work += (size_t)threads * GROUP_STRIDE(j.group, hd);
+    }
     if (route == LLMEM_KV_ROUTE_PARTITIONED) {
         j.first_part = lo0 / PARTITION;
         j.n_parts = hi1 / PARTITION - j.first_part + 1;
         work += (size_t)n_q * (size_t)n_heads * (size_t)j.n_parts * (size_t)(hd + 2);
-    } else if (route == LLMEM_KV_ROUTE_FALLBACK) {
-        int64_t window = attn->window > 0 ? attn->window : q_pos + n_q;
-        work += (size_t)threads * (size_t)FALLBACK_STRIDE(window, hd);
     }
     float *ws = llmem_mem_alloc(kv->mem, work * sizeof(float), LLMEM_TAG_SCRATCH);
     if (ws == NULL)
@@ -269,20 +287,20 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
             llmem_kv_rotate(&kv->codec, qs + r);
     j.q = qs;
 
-    int tasks = (int)(n_q * n_heads);
+    int tasks = (int)(n_q * n_heads), group_tasks = (int)(n_q * kv->cfg.n_kv_heads);
+    j.scratch = ws + q_floats;
     switch (route) {
     case LLMEM_KV_ROUTE_PARTITIONED:
-        j.parts = ws + q_floats;
-        llmem_pool_run(kv->pool, (int)(tasks * j.n_parts), partition_task, &j);
+        j.parts = j.scratch + (size_t)threads * GROUP_STRIDE(j.group, hd);
+        llmem_pool_run(kv->pool, (int)(group_tasks * j.n_parts), partition_task, &j);
         llmem_pool_run(kv->pool, tasks, merge_task, &j);
         kv->st.route_partitioned++;
         break;
     case LLMEM_KV_ROUTE_FALLBACK:
-        j.scratch = ws + q_floats;
         llmem_pool_run(kv->pool, tasks, fallback_task, &j);
         kv->st.route_fallback++;
         break;
-    default: llmem_pool_run(kv->pool, tasks, direct_task, &j); kv->st.route_direct++;
+    default: llmem_pool_run(kv->pool, group_tasks, direct_task, &j); kv->st.route_direct++;
     }
     llmem_mem_free(kv->mem, ws);
     kv->st.attend_ns += now_ns() - t0;

@@ -1,11 +1,11 @@
 /*
  * kv/codec_internal.h — the inner loops behind kv/codec.h and their run-time selection.
  *
- * The f32, f16 and bf16 rows are read by kernels written for three instruction sets: portable C
- * (every target), AVX2 + FMA + F16C and AVX-512 (F, BW, VL) on x86-64. The best set this CPU and
- * OS support (llmem_sys_isa_features) is picked once, on first use; quantized formats decode a
- * row into floats and then use the f32 kernels. Tests and benchmarks may pin a lower set to
- * compare the paths with each other.
+ * Every layout has row kernels (a dot with a key, an accumulation of a value) for three
+ * instruction sets: portable C (every target; f32, f16 and bf16 only, the quantized layouts are
+ * decoded to f32 first), AVX2 + FMA + F16C and AVX-512 (F, BW, VL) on x86-64. The best set this
+ * CPU and OS support (llmem_sys_isa_features) is picked once, on first use. Tests and benchmarks
+ * may pin a lower set to compare the paths with each other.
  */
 #ifndef LLMEM_KV_CODEC_INTERNAL_H
 #define LLMEM_KV_CODEC_INTERNAL_H
