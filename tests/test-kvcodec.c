@@ -785,6 +785,38 @@ static void test_degenerate_groups(void **state) {
     }
 }
 
+/* The GQA group kernels equal the per-head ones, for every format and group size. */
+static void test_group_kernels_match(void **state) {
+    (void)state;
+    struct rng r = {0x9a9a};
+    const int d = 128;
+    for (int f = 0; f < LLMEM_KV_FORMAT_COUNT; f++) {
+        struct llmem_kv_codec c = make_codec((enum llmem_kv_format)f, d, 1);
+        float x[128], q[8 * 128], s[8], w[8], acc[8 * 130], ref[8 * 130];
+        uint8_t key[1024], value[1024];
+        make_row(&r, DATA_GAUSS, d, x);
+        llmem_kv_encode_key(&c, x, key);
+        llmem_kv_encode_value(&c, x, value);
+        for (int i = 0; i < 8 * d; i++)
+            q[i] = rng_gauss(&r);
+        for (int G = 1; G <= 8; G++) {
+            llmem_kv_dot_key_group(&c, key, q, G, s);
+            for (int g = 0; g < G; g++) {
+                float one = llmem_kv_dot_key(&c, key, q + g * d);
+                assert_true(fabsf(s[g] - one) <= 1e-5f * (1.0f + fabsf(one)));
+                w[g] = rng_gauss(&r);
+            }
+            for (int i = 0; i < 8 * 130; i++)
+                acc[i] = ref[i] = (float)i * 0.01f;
+            llmem_kv_axpy_value_group(&c, value, w, G, acc, 130);
+            for (int g = 0; g < G; g++)
+                llmem_kv_axpy_value(&c, value, w[g], ref + g * 130);
+            for (int i = 0; i < 8 * 130; i++)
+                assert_true(fabsf(acc[i] - ref[i]) <= 1e-5f * (1.0f + fabsf(ref[i])));
+        }
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_f16_known_values),
@@ -800,6 +832,7 @@ int main(void) {
         cmocka_unit_test(test_simd_matches_scalar),
         cmocka_unit_test(test_attention_in_rotated_domain),
         cmocka_unit_test(test_degenerate_groups),
+        cmocka_unit_test(test_group_kernels_match),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

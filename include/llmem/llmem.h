@@ -8,6 +8,8 @@
 #include "llmem/size.h"
 #include "llmem/sys.h"
 #include "llmem/plan.h"
+#include "llmem/mem.h"
+#include "llmem/kv.h"
 #include "llmem/backend.h"
 #include "llmem/model.h"
 

@@ -1,18 +1,18 @@
 /*
  * kv/attention.c — attention over a KV cache, by three routes (SPEC §4.4):
- *   direct       one task per (query, KV head): a single pass over the visible tokens with an
- *                online softmax (running max m, sum l, accumulator acc rescaled when m grows),
+ *   direct       one task per query: a single pass over the visible tokens with an online
+ *                softmax per head (running max m, sum l, accumulator acc rescaled when m grows),
  *                folded partition by partition;
  *   partitioned  the visible range split at absolute multiples of 512 tokens; one task per
- *                (query, KV head, partition) computes (m_p, l_p, acc_p), and the partitions are
+ *                (query, partition) computes (m_p, l_p, acc_p) per head, and the partitions are
  *                folded in ascending order: m' = max(m, m_p), l' = l·e^(m−m') + l_p·e^(m_p−m'),
  *                acc likewise — the same arithmetic as direct, spread over threads;
  *   fallback     the visible keys and values gathered as f32 rows and the reference (two passes,
  *                double accumulation).
- * GQA: a task serves every query head of one KV head, so each key and value row is read from
- * memory once per query, not once per query head. Keys are read in their stored domain: a rotated
- * format gets the query rotated once, and values are accumulated rotated with one inverse rotation
- * at the end. The routes differ only by float rounding.
+ * A task reads each token's keys and values (all KV heads, contiguous in every layout) once, in
+ * storage order, and each KV head's row serves its whole GQA group. Keys are read in their stored
+ * domain: a rotated format gets the query rotated once, and values are accumulated rotated with one
+ * inverse rotation at the end. The routes differ only by float rounding.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -34,53 +34,58 @@ struct attn_job {
     const float *q; /* scaled and (for rotated keys) rotated: [n_q, n_heads, hd] */
     float *out;
     float *parts;   /* partitioned: [n_q, n_heads, n_parts, hd + 2] */
-    float *scratch; /* per thread: direct and partitioned GROUP_STRIDE, fallback FALLBACK_STRIDE */
+    float *scratch; /* per thread: direct and partitioned HEADS_STRIDE, fallback FALLBACK_STRIDE */
 };
 
-/* Per-thread scratch of direct and partitioned: one partition's state for a group of heads. */
-#define GROUP_STRIDE(group, hd) ((size_t)(group) * (size_t)((hd) + 2))
+/* Per-thread scratch of direct and partitioned: one partition's state for every head (acc, m, l),
+ * and direct's running m and l per head. */
+#define HEADS_STRIDE(n_heads, hd) ((size_t)(n_heads) * (size_t)((hd) + 4))
 
 static void visible(const struct attn_job *j, int64_t i, int64_t *lo, int64_t *hi) {
     *hi = j->q_pos + i;
     *lo = j->window > 0 && *hi - j->window + 1 > 0 ? *hi - j->window + 1 : 0;
 }
 
-/* The online-softmax state over [lo, hi] (within one partition) of the `group` query heads that
- * share KV head kvh: q holds their rows back to back; state g is acc at st + g·(hd+2), then m, l.
- * Every key and value row is read once for the whole group. */
-static void segment(const struct attn_job *j, int kvh, const float *q, int64_t lo, int64_t hi,
-                    float *st) {
+/* The online-softmax state over [lo, hi] (within one partition) of every query head of one
+ * query: q holds its n_heads rows; state h is acc at st + h·(hd+2), then m, l. Tokens are read
+ * in storage order, each token's K and V rows (all KV heads) once, and a KV head's row serves
+ * its whole GQA group. */
+static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_t hi, float *st) {
     const struct llmem_kv *kv = j->kv;
     const struct llmem_kv_codec *c = &kv->codec;
-    const int hd = kv->cfg.head_dim, group = j->group;
-    for (int g = 0; g < group; g++) {
-        float *sg = st + (size_t)g * (size_t)(hd + 2);
-        memset(sg, 0, (size_t)hd * sizeof(float));
-        sg[hd] = -INFINITY;
-        sg[hd + 1] = 0;
+    const int hd = kv->cfg.head_dim, group = j->group, n_kv = j->n_heads / group;
+    const size_t hs = (size_t)(hd + 2);
+    for (int h = 0; h < j->n_heads; h++) {
+        float *sh = st + (size_t)h * hs;
+        memset(sh, 0, (size_t)hd * sizeof(float));
+        sh[hd] = -INFINITY;
+        sh[hd + 1] = 0;
     }
-    size_t k_off = (size_t)kvh * c->key_bytes, v_off = (size_t)kvh * c->value_bytes;
     for (int64_t pos = lo; pos <= hi;) {
         uint8_t *kp, *vp;
         int64_t run = llmem_kv_span(kv, j->seq, j->layer, pos, &kp, &vp);
         if (run > hi - pos + 1)
             run = hi - pos + 1;
         for (int64_t t = 0; t < run; t++) {
-            const uint8_t *krow = kp + (size_t)t * kv->k_tok + k_off;
-            const uint8_t *vrow = vp + (size_t)t * kv->v_tok + v_off;
-            for (int g = 0; g < group; g++) {
-                float *sg = st + (size_t)g * (size_t)(hd + 2);
-                float s = llmem_kv_dot_key(c, krow, q + (size_t)g * (size_t)hd);
-                if (s > sg[hd]) {
-                    float corr = expf(sg[hd] - s);
-                    sg[hd + 1] *= corr;
-                    for (int d = 0; d < hd; d++)
-                        sg[d] *= corr;
-                    sg[hd] = s;
+            const uint8_t *ktok = kp + (size_t)t * kv->k_tok, *vtok = vp + (size_t)t * kv->v_tok;
+            for (int kvh = 0; kvh < n_kv; kvh++) {
+                float s[64], w[64];
+                float *sg = st + (size_t)kvh * (size_t)group * hs;
+                llmem_kv_dot_key_group(c, ktok + (size_t)kvh * c->key_bytes,
+                                       q + (size_t)kvh * (size_t)group * (size_t)hd, group, s);
+                for (int g = 0; g < group; g++) {
+                    float *sh = sg + (size_t)g * hs;
+                    if (s[g] > sh[hd]) {
+                        float corr = expf(sh[hd] - s[g]);
+                        sh[hd + 1] *= corr;
+                        for (int d = 0; d < hd; d++)
+                            sh[d] *= corr;
+                        sh[hd] = s[g];
+                    }
+                    w[g] = expf(s[g] - sh[hd]);
+                    sh[hd + 1] += w[g];
                 }
-                float p = expf(s - sg[hd]);
-                sg[hd + 1] += p;
-                llmem_kv_axpy_value(c, vrow, p, sg);
+                llmem_kv_axpy_value_group(c, vtok + (size_t)kvh * c->value_bytes, w, group, sg, hs);
             }
         }
         pos += run;
@@ -109,60 +114,55 @@ static void finish(const struct llmem_kv *kv, float *out, float l) {
         llmem_kv_rotate_inverse(&kv->codec, out);
 }
 
-/* direct: task = (query, KV head); one pass, partition by partition, folded as it goes. */
+/* direct: task = query; one pass, partition by partition, folded as it goes. */
 static void direct_task(void *arg, int task, int thread) {
     const struct attn_job *j = arg;
-    const int hd = j->kv->cfg.head_dim, n_kv = j->n_heads / j->group;
-    int64_t i = task / n_kv;
-    int kvh = task % n_kv;
-    int64_t lo, hi;
+    const int hd = j->kv->cfg.head_dim, n_heads = j->n_heads;
+    int64_t i = task, lo, hi;
     visible(j, i, &lo, &hi);
-    size_t row = ((size_t)i * (size_t)j->n_heads + (size_t)kvh * (size_t)j->group) * (size_t)hd;
-    float *st = j->scratch + (size_t)thread * GROUP_STRIDE(j->group, hd);
-    float m[64], l[64];
+    size_t row = (size_t)i * (size_t)n_heads * (size_t)hd;
+    float *st = j->scratch + (size_t)thread * HEADS_STRIDE(n_heads, hd);
+    float *m = st + (size_t)n_heads * (size_t)(hd + 2), *l = m + n_heads;
     float *out = j->out + row;
-    memset(out, 0, (size_t)j->group * (size_t)hd * sizeof(float));
-    for (int g = 0; g < j->group; g++)
-        m[g] = -INFINITY, l[g] = 0;
+    memset(out, 0, (size_t)n_heads * (size_t)hd * sizeof(float));
+    for (int h = 0; h < n_heads; h++)
+        m[h] = -INFINITY, l[h] = 0;
     for (int64_t p_lo = lo; p_lo <= hi;) {
         int64_t p_hi = (p_lo / PARTITION + 1) * PARTITION - 1;
         if (p_hi > hi)
             p_hi = hi;
-        segment(j, kvh, j->q + row, p_lo, p_hi, st);
-        for (int g = 0; g < j->group; g++)
-            fold(hd, &m[g], &l[g], out + (size_t)g * (size_t)hd, st + (size_t)g * (size_t)(hd + 2));
+        segment(j, j->q + row, p_lo, p_hi, st);
+        for (int h = 0; h < n_heads; h++)
+            fold(hd, &m[h], &l[h], out + (size_t)h * (size_t)hd, st + (size_t)h * (size_t)(hd + 2));
         p_lo = p_hi + 1;
     }
-    for (int g = 0; g < j->group; g++)
-        finish(j->kv, out + (size_t)g * (size_t)hd, l[g]);
+    for (int h = 0; h < n_heads; h++)
+        finish(j->kv, out + (size_t)h * (size_t)hd, l[h]);
 }
 
-/* partitioned: task = (query, KV head, partition); the states land in j->parts. */
+/* partitioned: task = (query, partition); the states of every head land in j->parts. */
 static void partition_task(void *arg, int task, int thread) {
     const struct attn_job *j = arg;
-    const int hd = j->kv->cfg.head_dim, n_kv = j->n_heads / j->group;
-    int64_t p = task % j->n_parts, ik = task / j->n_parts;
-    int64_t i = ik / n_kv;
-    int kvh = (int)(ik % n_kv);
+    const int hd = j->kv->cfg.head_dim, n_heads = j->n_heads;
+    int64_t p = task % j->n_parts, i = task / j->n_parts;
     int64_t lo, hi;
     visible(j, i, &lo, &hi);
     int64_t p_lo = (j->first_part + p) * PARTITION, p_hi = p_lo + PARTITION - 1;
     p_lo = p_lo < lo ? lo : p_lo;
     p_hi = p_hi > hi ? hi : p_hi;
-    float *st = j->scratch + (size_t)thread * GROUP_STRIDE(j->group, hd);
-    size_t row = ((size_t)i * (size_t)j->n_heads + (size_t)kvh * (size_t)j->group) * (size_t)hd;
+    float *st = j->scratch + (size_t)thread * HEADS_STRIDE(n_heads, hd);
     if (p_lo <= p_hi) {
-        segment(j, kvh, j->q + row, p_lo, p_hi, st);
+        segment(j, j->q + (size_t)i * (size_t)n_heads * (size_t)hd, p_lo, p_hi, st);
     } else {
-        for (int g = 0; g < j->group; g++) { /* empty: contributes nothing */
-            st[(size_t)g * (size_t)(hd + 2) + (size_t)hd] = -INFINITY;
-            st[(size_t)g * (size_t)(hd + 2) + (size_t)hd + 1] = 0;
+        for (int h = 0; h < n_heads; h++) { /* empty: contributes nothing */
+            st[(size_t)h * (size_t)(hd + 2) + (size_t)hd] = -INFINITY;
+            st[(size_t)h * (size_t)(hd + 2) + (size_t)hd + 1] = 0;
         }
     }
-    for (int g = 0; g < j->group; g++) {
-        size_t head = (size_t)i * (size_t)j->n_heads + (size_t)kvh * (size_t)j->group + (size_t)g;
+    for (int h = 0; h < n_heads; h++) {
+        size_t head = (size_t)i * (size_t)n_heads + (size_t)h;
         float *slot = j->parts + (head * (size_t)j->n_parts + (size_t)p) * (size_t)(hd + 2);
-        memcpy(slot, st + (size_t)g * (size_t)(hd + 2), (size_t)(hd + 2) * sizeof(float));
+        memcpy(slot, st + (size_t)h * (size_t)(hd + 2), (size_t)(hd + 2) * sizeof(float));
     }
 }
 
@@ -269,7 +269,7 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
         int64_t window = attn->window > 0 ? attn->window : q_pos + n_q;
         work += (size_t)threads * (size_t)FALLBACK_STRIDE(window, hd);
     } else {
-        work += (size_t)threads * GROUP_STRIDE(j.group, hd);
+        work += (size_t)threads * HEADS_STRIDE(n_heads, hd);
     }
     if (route == LLMEM_KV_ROUTE_PARTITIONED) {
         j.first_part = lo0 / PARTITION;
@@ -287,12 +287,12 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
             llmem_kv_rotate(&kv->codec, qs + r);
     j.q = qs;
 
-    int tasks = (int)(n_q * n_heads), group_tasks = (int)(n_q * kv->cfg.n_kv_heads);
+    int tasks = (int)(n_q * n_heads);
     j.scratch = ws + q_floats;
     switch (route) {
     case LLMEM_KV_ROUTE_PARTITIONED:
-        j.parts = j.scratch + (size_t)threads * GROUP_STRIDE(j.group, hd);
-        llmem_pool_run(kv->pool, (int)(group_tasks * j.n_parts), partition_task, &j);
+        j.parts = j.scratch + (size_t)threads * HEADS_STRIDE(n_heads, hd);
+        llmem_pool_run(kv->pool, (int)(n_q * j.n_parts), partition_task, &j);
         llmem_pool_run(kv->pool, tasks, merge_task, &j);
         kv->st.route_partitioned++;
         break;
@@ -300,7 +300,7 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
         llmem_pool_run(kv->pool, tasks, fallback_task, &j);
         kv->st.route_fallback++;
         break;
-    default: llmem_pool_run(kv->pool, group_tasks, direct_task, &j); kv->st.route_direct++;
+    default: llmem_pool_run(kv->pool, (int)n_q, direct_task, &j); kv->st.route_direct++;
     }
     llmem_mem_free(kv->mem, ws);
     kv->st.attend_ns += now_ns() - t0;

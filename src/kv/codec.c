@@ -528,6 +528,28 @@ float llmem_kv_dot_key(const struct llmem_kv_codec *c, const uint8_t *key, const
     return k->dot[LLMEM_KV_FORMAT_F32]((const uint8_t *)x, q, c->head_dim);
 }
 
+void llmem_kv_dot_key_group(const struct llmem_kv_codec *c, const uint8_t *key, const float *q,
+                            int heads, float *s) {
+    const struct llmem_kv_kernels *k = llmem_kv_kernels();
+    if (k->dot_group[c->format] != NULL) {
+        k->dot_group[c->format](key, q, heads, c->head_dim, s);
+        return;
+    }
+    for (int g = 0; g < heads; g++)
+        s[g] = llmem_kv_dot_key(c, key, q + (size_t)g * (size_t)c->head_dim);
+}
+
+void llmem_kv_axpy_value_group(const struct llmem_kv_codec *c, const uint8_t *value, const float *w,
+                               int heads, float *acc, size_t stride) {
+    const struct llmem_kv_kernels *k = llmem_kv_kernels();
+    if (k->axpy_group[c->format] != NULL) {
+        k->axpy_group[c->format](value, w, heads, acc, stride, c->head_dim);
+        return;
+    }
+    for (int g = 0; g < heads; g++)
+        llmem_kv_axpy_value(c, value, w[g], acc + (size_t)g * stride);
+}
+
 void llmem_kv_axpy_value(const struct llmem_kv_codec *c, const uint8_t *value, float w,
                          float *acc) {
     LLMEM_ASSERT((unsigned)c->format < LLMEM_KV_FORMAT_COUNT);

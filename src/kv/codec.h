@@ -29,12 +29,12 @@
 
 struct llmem_kv_codec {
     enum llmem_kv_format format;
-    int head_dim;          /* a multiple of 32 (and a power of two when rotating) */
-    int rotate_keys;       /* keys are stored rotated (q4 with rotation) */
-    int rotate_values;     /* values are stored rotated (q4 with rotation, tq) */
-    size_t key_bytes;      /* stored bytes of one head's key row */
-    size_t value_bytes;    /* stored bytes of one head's value row */
-    float signs[1024];     /* D of the rotation, ±1; head_dim ≤ 1024 */
+    int head_dim;       /* a multiple of 32 (and a power of two when rotating) */
+    int rotate_keys;    /* keys are stored rotated (q4 with rotation) */
+    int rotate_values;  /* values are stored rotated (q4 with rotation, tq) */
+    size_t key_bytes;   /* stored bytes of one head's key row */
+    size_t value_bytes; /* stored bytes of one head's value row */
+    float signs[1024];  /* D of the rotation, ±1; head_dim ≤ 1024 */
 };
 
 /* LLMEM_EINVAL (logged) for a head_dim that is not a positive multiple of 32 (≤ 1024), or not a
@@ -56,8 +56,14 @@ void llmem_kv_decode_value(const struct llmem_kv_codec *c, const uint8_t *in, fl
 /* Σ q[i]·key[i] over the head (q given in the key's domain: rotated when rotate_keys). */
 float llmem_kv_dot_key(const struct llmem_kv_codec *c, const uint8_t *key, const float *q);
 /* acc[i] += w · value[i] (acc in the value's domain). */
-void llmem_kv_axpy_value(const struct llmem_kv_codec *c, const uint8_t *value, float w,
-                         float *acc);
+void llmem_kv_axpy_value(const struct llmem_kv_codec *c, const uint8_t *value, float w, float *acc);
+
+/* The same for the `heads` query heads of a GQA group, reading the stored row once:
+ * s[g] = Σ q[g·head_dim + i]·key[i], and acc[g·stride + i] += w[g]·value[i]. */
+void llmem_kv_dot_key_group(const struct llmem_kv_codec *c, const uint8_t *key, const float *q,
+                            int heads, float *s);
+void llmem_kv_axpy_value_group(const struct llmem_kv_codec *c, const uint8_t *value, const float *w,
+                               int heads, float *acc, size_t stride);
 
 /* IEEE half and bfloat16 conversions (round to nearest even), scalar and exact. */
 uint16_t llmem_f32_to_f16(float x);

@@ -43,6 +43,12 @@ struct llmem_kv_kernels {
     float (*dot[LLMEM_KV_FORMAT_COUNT])(const uint8_t *row, const float *q, int n);
     /* acc[i] += w · row[i] */
     void (*axpy[LLMEM_KV_FORMAT_COUNT])(const uint8_t *row, float w, float *acc, int n);
+    /* (optional) defaults to G calls of dot: s[g] = Σ q[g·n + i]·row[i], the row read once */
+    void (*dot_group[LLMEM_KV_FORMAT_COUNT])(const uint8_t *row, const float *q, int G, int n,
+                                             float *s);
+    /* (optional) defaults to G calls of axpy: acc[g·stride + i] += w[g]·row[i] */
+    void (*axpy_group[LLMEM_KV_FORMAT_COUNT])(const uint8_t *row, const float *w, int G, float *acc,
+                                              size_t stride, int n);
 };
 
 /* The Lloyd–Max codebook of tq values (ascending), shared by every kernel. */

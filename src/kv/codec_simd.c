@@ -349,6 +349,58 @@ TARGET_AVX512 static void axpy_f16_avx512(const uint8_t *row, float w, float *ac
 TARGET_AVX512 static void axpy_bf16_avx512(const uint8_t *row, float w, float *acc,
                                            int n){AXPY512_BODY(load16_bf16, 2)}
 
+/* A GQA group: four query heads per pass over the row, so each 16 elements are loaded and
+ * converted once for four independent FMA chains. */
+#define DOTG512_BODY(LOAD, STRIDE, DOT1)                                                           \
+    int g = 0;                                                                                     \
+    for (; g + 4 <= G; g += 4) {                                                                   \
+        const float *q0 = q + (size_t)g * (size_t)n, *q1 = q0 + n, *q2 = q1 + n, *q3 = q2 + n;     \
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                                 \
+        __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();                                 \
+        for (int i = 0; i < n; i += 16) {                                                          \
+            __m512 k = LOAD(row + (STRIDE) * (size_t)i);                                           \
+            a0 = _mm512_fmadd_ps(k, _mm512_loadu_ps(q0 + i), a0);                                  \
+            a1 = _mm512_fmadd_ps(k, _mm512_loadu_ps(q1 + i), a1);                                  \
+            a2 = _mm512_fmadd_ps(k, _mm512_loadu_ps(q2 + i), a2);                                  \
+            a3 = _mm512_fmadd_ps(k, _mm512_loadu_ps(q3 + i), a3);                                  \
+        }                                                                                          \
+        s[g] = _mm512_reduce_add_ps(a0);                                                           \
+        s[g + 1] = _mm512_reduce_add_ps(a1);                                                       \
+        s[g + 2] = _mm512_reduce_add_ps(a2);                                                       \
+        s[g + 3] = _mm512_reduce_add_ps(a3);                                                       \
+    }                                                                                              \
+    for (; g < G; g++)                                                                             \
+    s[g] = DOT1(row, q + (size_t)g * (size_t)n, n)
+
+#define AXPYG512_BODY(LOAD, STRIDE)                                                                \
+    for (int i = 0; i < n; i += 16) {                                                              \
+        __m512 v = LOAD(row + (STRIDE) * (size_t)i);                                               \
+        for (int g = 0; g < G; g++) {                                                              \
+            float *a = acc + (size_t)g * stride + i;                                               \
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(v, _mm512_set1_ps(w[g]), _mm512_loadu_ps(a)));     \
+        }                                                                                          \
+    }
+
+TARGET_AVX512
+    static void dotg_f32_avx512(const uint8_t *row, const float *q, int G, int n, float *s) {
+    DOTG512_BODY(load16_f32, 4, dot_f32_avx512);
+}
+TARGET_AVX512 static void dotg_f16_avx512(const uint8_t *row, const float *q, int G, int n,
+                                          float *s) {
+    DOTG512_BODY(load16_f16, 2, dot_f16_avx512);
+}
+TARGET_AVX512 static void dotg_bf16_avx512(const uint8_t *row, const float *q, int G, int n,
+                                           float *s) {
+    DOTG512_BODY(load16_bf16, 2, dot_bf16_avx512);
+}
+TARGET_AVX512 static void axpyg_f32_avx512(const uint8_t *row, const float *w, int G, float *acc,
+                                           size_t stride,
+                                           int n){AXPYG512_BODY(load16_f32, 4)} TARGET_AVX512
+    static void axpyg_f16_avx512(const uint8_t *row, const float *w, int G, float *acc,
+                                 size_t stride, int n){AXPYG512_BODY(load16_f16, 2)} TARGET_AVX512
+    static void axpyg_bf16_avx512(const uint8_t *row, const float *w, int G, float *acc,
+                                  size_t stride, int n){AXPYG512_BODY(load16_bf16, 2)}
+
 /* Quantized groups, decoded into two vectors of 16 (elements 0–15, 16–31). */
 
 TARGET_AVX512 static inline __m512 bcast512_f16(const uint8_t *p) {
@@ -444,6 +496,12 @@ static const struct llmem_kv_kernels kernels_avx512 = {
              [LLMEM_KV_FORMAT_Q8] = axpy_q8_avx512,
              [LLMEM_KV_FORMAT_Q4] = axpy_q4_avx512,
              [LLMEM_KV_FORMAT_TQ] = axpy_tqv_avx512},
+    .dot_group = {[LLMEM_KV_FORMAT_F32] = dotg_f32_avx512,
+                  [LLMEM_KV_FORMAT_F16] = dotg_f16_avx512,
+                  [LLMEM_KV_FORMAT_BF16] = dotg_bf16_avx512},
+    .axpy_group = {[LLMEM_KV_FORMAT_F32] = axpyg_f32_avx512,
+                   [LLMEM_KV_FORMAT_F16] = axpyg_f16_avx512,
+                   [LLMEM_KV_FORMAT_BF16] = axpyg_bf16_avx512},
 };
 #endif /* KV_X86 */
 
