@@ -19,10 +19,15 @@
  *               context, largest batch measured there).
  *   accuracy    relative RMS error of the attention output of each format against f32 storage,
  *               on the same Gaussian keys, values and queries (ctx 4096, 8 queries).
- *   append      4096 tokens appended to one sequence in f16, one at a time (decode) and in
- *               512-token chunks, per layout, with the growth events each layout went through
- *               (the paged pool starts at 16 blocks, 256 tokens, as the contiguous step, so that
- *               it grows too).
+ *   append      4096 tokens appended to one sequence in f16, one at a time (decode), in
+ *               512-token chunks, and one at a time into room reserved up front (no growth: the
+ *               cost of encoding and writing alone), per layout, with the growth events each
+ *               layout went through (the paged pool starts at 16 blocks, 256 tokens, as the
+ *               contiguous step, so that it grows too). Each run is timed twice: cold (the
+ *               allocator's cache emptied first, so new memory comes from the OS and faults on
+ *               first touch) and warm (right after, the cache holding the buffers of that run).
+ * --quick keeps paged and contiguous × f16 and q8 at ctx 4K (batch 1, 4) and 32K (batch 1), and
+ * every other format once (paged, ctx 4K, batch 1).
  * Keys and values are Gaussian (unit variance), cycled from 4096 generated tokens; queries are
  * Gaussian too, so with the default scale the scores are ≈ N(0, 1): flat attention, the case
  * where every stored byte matters.
@@ -32,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #include "cli/cli.h"
@@ -41,8 +47,7 @@
 #include "llmem/mem.h"
 #include "llmem/sys.h"
 
-/* ---- shapes, grid and helpers ------------------------------------------------------------------
- */
+/* ---- shapes, grid and helpers ---------------------------------------------------------------- */
 
 enum {
     N_HEADS = 32,
@@ -65,7 +70,8 @@ static const int64_t full_ctxs[] = {1024, 4096, 16384, 32768};
 static const int64_t quick_ctxs[] = {4096, 32768};
 static const int64_t full_batches[] = {1, 4, 16};
 static const int64_t quick_batches[] = {1, 4};
-#define COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
+#define QUICK_MAX_TOKENS ((int64_t)32 * 1024) /* --quick: ctx × batch */
+#define COUNT(a)         ((int)(sizeof(a) / sizeof((a)[0])))
 
 static double now_s(void) {
     struct timespec ts;
@@ -109,6 +115,7 @@ struct bench {
     int n_threads; /* as asked (≤ 0: online CPUs) */
     int threads;   /* as run */
     int64_t reps;
+    enum llmem_kv_route route;    /* attention's route (AUTO: the library chooses) */
     const float *k_data, *v_data; /* [DATA_TOKENS, KV_FLOATS] */
     int64_t progress_done, progress_total;
 };
@@ -117,8 +124,7 @@ static void progress(struct bench *b) {
     cli_progress("bench kv", ++b->progress_done, b->progress_total);
 }
 
-/* ---- memory bandwidth --------------------------------------------------------------------------
- */
+/* ---- memory bandwidth ------------------------------------------------------------------------ */
 
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
 
@@ -135,10 +141,14 @@ static void bw_task(void *arg, int task, int thread) {
     size_t lo = (size_t)task * j->chunk;
     if (j->copy) {
         size_t half = j->bytes / 2;
+        if (lo >= half)
+            return;
         size_t n = lo + j->chunk <= half ? j->chunk : half - lo;
         memcpy(j->buf + half + lo, j->buf + lo, n);
         return;
     }
+    if (lo >= j->bytes)
+        return;
     size_t n = lo + j->chunk <= j->bytes ? j->chunk : j->bytes - lo;
     const u64x2 *p = (const u64x2 *)(const void *)(j->buf + lo);
     u64x2 a = {0, 0}, b = {0, 0}, c = {0, 0}, d = {0, 0};
@@ -156,6 +166,8 @@ static void touch_task(void *arg, int task, int thread) {
     (void)thread;
     struct bw_job *j = arg;
     size_t lo = (size_t)task * j->chunk;
+    if (lo >= j->bytes)
+        return;
     size_t n = lo + j->chunk <= j->bytes ? j->chunk : j->bytes - lo;
     memset(j->buf + lo, (int)(task & 0x7f) + 1, n);
 }
@@ -204,8 +216,7 @@ static int measure_bandwidth(struct bench *b, struct llmem_pool *pool, int64_t b
     return CLI_OK;
 }
 
-/* ---- caches ------------------------------------------------------------------------------------
- */
+/* ---- caches ---------------------------------------------------------------------------------- */
 
 /* A cache of n_seqs sequences of ctx tokens each, one layer, Gaussian data. */
 static int build_cache(struct bench *b, enum llmem_kv_layout layout, enum llmem_kv_format format,
@@ -250,8 +261,7 @@ out_destroy:
     return CLI_FAIL;
 }
 
-/* ---- attention ---------------------------------------------------------------------------------
- */
+/* ---- attention ------------------------------------------------------------------------------- */
 
 struct point {
     enum llmem_kv_layout layout;
@@ -279,9 +289,9 @@ static const char *route_taken(const struct llmem_kv_stats *before,
 
 /* Attends the first `batch` sequences of kv once each (decode: one query at the last position);
  * returns seconds, or a negative value on failure. */
-static double attend_batch(struct llmem_kv *kv, int64_t ctx, int64_t batch, const float *q,
-                           float *out) {
-    const struct llmem_kv_attn attn = {.n_heads = N_HEADS};
+static double attend_batch(struct llmem_kv *kv, enum llmem_kv_route route, int64_t ctx,
+                           int64_t batch, const float *q, float *out) {
+    const struct llmem_kv_attn attn = {.n_heads = N_HEADS, .route = route};
     double t0 = now_s();
     for (int s = 0; s < batch; s++)
         if (llmem_kv_attend(kv, s, 0, ctx - 1, 1, q + (size_t)s * Q_FLOATS,
@@ -317,7 +327,7 @@ static int run_points(struct bench *b, struct point *points, int first, int last
             if (build_cache(b, layout, points[end].format, points[end].ctx, (int)max_batch,
                             &caches[layout]) != CLI_OK) {
                 fprintf(stderr,
-                        "llmem bench kv: cannot build a %s %s cache of %lld × %lld"
+                        "llmem bench kv: cannot build a %s %s cache of %lld x %lld"
                         " tokens\n",
                         llmem_kv_layout_name(layout), llmem_kv_format_name(points[end].format),
                         (long long)max_batch, (long long)points[end].ctx);
@@ -332,7 +342,7 @@ static int run_points(struct bench *b, struct point *points, int first, int last
                 struct llmem_kv *kv = caches[points[p].layout];
                 struct llmem_kv_stats before, after;
                 llmem_kv_stats(kv, &before);
-                double t = attend_batch(kv, points[p].ctx, points[p].batch, q, out);
+                double t = attend_batch(kv, b->route, points[p].ctx, points[p].batch, q, out);
                 if (t < 0) {
                     fprintf(stderr, "llmem bench kv: attention failed\n");
                     rc = CLI_FAIL;
@@ -353,14 +363,14 @@ static int run_points(struct bench *b, struct point *points, int first, int last
         }
         for (int l = 0; l < LLMEM_KV_LAYOUT_COUNT; l++)
             llmem_kv_destroy(caches[l]);
+        llmem_mem_clear_cache(b->mem); /* the KV memory goes back to the OS */
         i = end;
     }
     free(times);
     return rc;
 }
 
-/* ---- accuracy ----------------------------------------------------------------------------------
- */
+/* ---- accuracy -------------------------------------------------------------------------------- */
 
 struct accuracy {
     enum llmem_kv_format format;
@@ -407,21 +417,24 @@ static int run_accuracy(struct bench *b, const enum llmem_kv_format *formats, in
     return rc;
 }
 
-/* ---- append and grow ---------------------------------------------------------------------------
- */
+/* ---- append and grow ------------------------------------------------------------------------- */
 
 struct append_result {
     enum llmem_kv_layout layout;
-    const char *mode; /* "token" or "chunk" */
+    const char *mode; /* "token", "chunk" or "reserved" */
     int64_t tokens, chunk;
-    double ns_per_token;
+    double ns_per_token;      /* warm: the allocator's cache holds this run's buffers */
+    double ns_per_token_cold; /* cold: the cache was emptied, fresh pages fault on first touch */
     int64_t grow_events;
 };
 
-/* Appends `tokens` tokens in pieces of `chunk` to a fresh f16 cache; returns seconds (< 0: failed).
- */
+enum { N_APPEND_MODES = 3 };
+static const char *const append_modes[N_APPEND_MODES] = {"token", "chunk", "reserved"};
+
+/* Appends `tokens` tokens in pieces of `chunk` to a fresh f16 cache (with all the room reserved
+ * first, untimed, when `reserved`); returns seconds (< 0: failed). */
 static double append_once(struct bench *b, enum llmem_kv_layout layout, int64_t tokens,
-                          int64_t chunk, int64_t *grow_events) {
+                          int64_t chunk, int reserved, int64_t *grow_events) {
     struct llmem_kv_config cfg;
     llmem_kv_config_default(&cfg);
     cfg.layout = layout;
@@ -437,7 +450,10 @@ static double append_once(struct bench *b, enum llmem_kv_layout layout, int64_t 
     if (llmem_kv_create(&cfg, b->mem, &kv) != LLMEM_OK)
         return -1;
     double t = -1;
-    if (llmem_kv_seq_new(kv, &seq) == LLMEM_OK) {
+    if (llmem_kv_seq_new(kv, &seq) == LLMEM_OK &&
+        (!reserved || llmem_kv_reserve(kv, seq, tokens) == LLMEM_OK)) {
+        struct llmem_kv_stats st0, st;
+        llmem_kv_stats(kv, &st0);
         double t0 = now_s();
         int64_t pos = 0;
         while (pos < tokens) {
@@ -451,46 +467,55 @@ static double append_once(struct bench *b, enum llmem_kv_layout layout, int64_t 
         }
         if (pos == tokens)
             t = now_s() - t0;
-        struct llmem_kv_stats st;
         llmem_kv_stats(kv, &st);
-        *grow_events = st.grow_events;
+        *grow_events = st.grow_events - st0.grow_events;
     }
     llmem_kv_destroy(kv);
     return t;
 }
 
+/* Per repetition and per (layout, mode): one cold run, then one warm run. */
 static int run_append(struct bench *b, const enum llmem_kv_layout *layouts, int n_layouts,
                       int64_t tokens, struct append_result *res) {
-    const int64_t chunks[2] = {1, tokens < APPEND_CHUNK ? tokens : APPEND_CHUNK};
-    int n = 2 * n_layouts, rc = CLI_OK;
-    double *times = calloc((size_t)n * (size_t)b->reps, sizeof(*times));
+    const int64_t chunks[N_APPEND_MODES] = {1, tokens < APPEND_CHUNK ? tokens : APPEND_CHUNK, 1};
+    int n = N_APPEND_MODES * n_layouts, rc = CLI_OK;
+    double *times = calloc(2 * (size_t)n * (size_t)b->reps, sizeof(*times));
     if (times == NULL)
         return CLI_FAIL;
     for (int i = 0; i < n; i++)
-        res[i] = (struct append_result){
-            layouts[i / 2], i % 2 ? "chunk" : "token", tokens, chunks[i % 2], 0, 0};
-    for (int64_t r = -1; r < b->reps && rc == CLI_OK; r++) {
+        res[i] = (struct append_result){.layout = layouts[i / N_APPEND_MODES],
+                                        .mode = append_modes[i % N_APPEND_MODES],
+                                        .tokens = tokens,
+                                        .chunk = chunks[i % N_APPEND_MODES]};
+    for (int64_t r = 0; r < b->reps && rc == CLI_OK; r++) {
         for (int i = 0; i < n && rc == CLI_OK; i++) {
-            double t = append_once(b, res[i].layout, tokens, res[i].chunk, &res[i].grow_events);
-            if (t < 0) {
-                fprintf(stderr, "llmem bench kv: appending to a %s cache failed\n",
-                        llmem_kv_layout_name(res[i].layout));
-                rc = CLI_FAIL;
-            } else if (r >= 0) {
-                times[(size_t)i * (size_t)b->reps + (size_t)r] = t;
+            for (int warm = 0; warm < 2 && rc == CLI_OK; warm++) {
+                if (!warm)
+                    llmem_mem_clear_cache(b->mem);
+                double t = append_once(b, res[i].layout, tokens, res[i].chunk,
+                                       i % N_APPEND_MODES == 2, &res[i].grow_events);
+                if (t < 0) {
+                    fprintf(stderr, "llmem bench kv: appending to a %s cache failed\n",
+                            llmem_kv_layout_name(res[i].layout));
+                    rc = CLI_FAIL;
+                }
+                times[((size_t)(2 * i + warm)) * (size_t)b->reps + (size_t)r] = t;
+                progress(b);
             }
-            progress(b);
         }
     }
-    for (int i = 0; i < n && rc == CLI_OK; i++)
-        res[i].ns_per_token =
-            median(times + (size_t)i * (size_t)b->reps, (int)b->reps) * 1e9 / (double)tokens;
+    for (int i = 0; i < n && rc == CLI_OK; i++) {
+        double per = 1e9 / (double)tokens;
+        res[i].ns_per_token_cold = median(times + (size_t)(2 * i) * (size_t)b->reps, (int)b->reps);
+        res[i].ns_per_token = median(times + (size_t)(2 * i + 1) * (size_t)b->reps, (int)b->reps);
+        res[i].ns_per_token_cold *= per;
+        res[i].ns_per_token *= per;
+    }
     free(times);
     return rc;
 }
 
-/* ---- output ------------------------------------------------------------------------------------
- */
+/* ---- output ---------------------------------------------------------------------------------- */
 
 struct results {
     struct llmem_device_info host;
@@ -501,12 +526,13 @@ struct results {
     struct accuracy acc[LLMEM_KV_FORMAT_COUNT];
     int n_acc;
     int64_t acc_ctx;
-    struct append_result app[2 * LLMEM_KV_LAYOUT_COUNT];
+    struct append_result app[N_APPEND_MODES * LLMEM_KV_LAYOUT_COUNT];
     int n_app;
     int paging; /* whether paged and contiguous f16 were both measured */
     int64_t paging_ctx, paging_batch;
     double paging_paged_s, paging_contiguous_s;
-    int64_t peak_bytes;
+    int64_t peak_bytes; /* the allocator's active peak */
+    int64_t rss_peak_bytes;
 };
 
 /* Paged against contiguous for f16 at the longest context both ran, the largest batch there. */
@@ -585,6 +611,7 @@ static int print_json(const struct results *res, const struct bench *b, int quic
               llmem_json_add_int(o, "tokens", a->tokens) ||
               llmem_json_add_int(o, "chunk", a->chunk) ||
               llmem_json_add_double(o, "ns_per_token", a->ns_per_token) ||
+              llmem_json_add_double(o, "ns_per_token_cold", a->ns_per_token_cold) ||
               llmem_json_add_int(o, "grow_events", a->grow_events);
     }
     if (!st && res->paging) {
@@ -598,7 +625,8 @@ static int print_json(const struct results *res, const struct bench *b, int quic
     } else {
         st |= st || llmem_json_add_null(root, "paging_overhead");
     }
-    st |= st || llmem_json_add_int(root, "memory_peak_bytes", res->peak_bytes);
+    st |= st || llmem_json_add_int(root, "memory_peak_bytes", res->peak_bytes) ||
+          llmem_json_add_int(root, "rss_peak_bytes", res->rss_peak_bytes);
     if (st) {
         cJSON_Delete(root);
         fprintf(stderr, "llmem bench kv: out of memory building the JSON output\n");
@@ -608,13 +636,14 @@ static int print_json(const struct results *res, const struct bench *b, int quic
 }
 
 static void print_table(const struct results *res, const struct bench *b) {
-    printf("llmem bench kv: %s, %d CPUs, %d threads; %d query heads, %d KV heads, head_dim %d,"
+    printf("llmem bench kv: %s, %d CPUs, %d thread%s; %d query heads, %d KV heads, head_dim %d,"
            " one layer; median of %lld runs\n",
-           res->host.name, res->host.n_cpus, b->threads, N_HEADS, N_KV_HEADS, HEAD_DIM,
-           (long long)b->reps);
-    printf("memory bandwidth (%lld MiB buffer, %d threads): read %.1f GB/s, copy %.1f GB/s"
+           res->host.name, res->host.n_cpus, b->threads, b->threads == 1 ? "" : "s", N_HEADS,
+           N_KV_HEADS, HEAD_DIM, (long long)b->reps);
+    printf("memory bandwidth (%lld MiB buffer, %d thread%s): read %.1f GB/s, copy %.1f GB/s"
            " (bytes read + written)\n\n",
-           (long long)(res->bw_bytes >> 20), b->threads, res->read_gbps, res->copy_gbps);
+           (long long)(res->bw_bytes >> 20), b->threads, b->threads == 1 ? "" : "s", res->read_gbps,
+           res->copy_gbps);
 
     printf("decode attention: one query per sequence at its last position, all sequences of the"
            " batch\n");
@@ -643,45 +672,56 @@ static void print_table(const struct results *res, const struct bench *b) {
         printf("%-6s %12.3e\n", llmem_kv_format_name(res->acc[i].format), res->acc[i].rel_error);
 
     if (res->n_app > 0)
-        printf("\nappend %lld tokens to one sequence (f16, one layer)\n",
+        printf("\nappend %lld tokens to one sequence (f16, one layer): ns per token, with the"
+               " allocator's cache\nholding the run's buffers (warm) or emptied first (cold: fresh"
+               " pages); reserved: the room\nreserved up front (no growth)\n",
                (long long)res->app[0].tokens);
-    printf("%-10s %-6s %6s %12s %12s\n", "layout", "mode", "chunk", "ns/token", "grow events");
+    printf("%-10s %-9s %6s %12s %12s %12s\n", "layout", "mode", "chunk", "warm ns", "cold ns",
+           "grow events");
     for (int i = 0; i < res->n_app; i++) {
         const struct append_result *a = &res->app[i];
-        printf("%-10s %-6s %6lld %12.0f %12lld\n", llmem_kv_layout_name(a->layout), a->mode,
-               (long long)a->chunk, a->ns_per_token, (long long)a->grow_events);
+        printf("%-10s %-9s %6lld %12.0f %12.0f %12lld\n", llmem_kv_layout_name(a->layout), a->mode,
+               (long long)a->chunk, a->ns_per_token, a->ns_per_token_cold,
+               (long long)a->grow_events);
     }
-    printf("\nmemory peak: %.0f MiB\n", (double)res->peak_bytes / (1 << 20));
+    printf("\nmemory peak: %.0f MiB in llmem buffers, %.0f MiB resident\n",
+           (double)res->peak_bytes / (1 << 20), (double)res->rss_peak_bytes / (1 << 20));
 }
 
-/* ---- the command -------------------------------------------------------------------------------
- */
+/* ---- the command ----------------------------------------------------------------------------- */
 
 static const char bench_kv_usage[] =
     "usage: llmem bench kv [--quick] [--reps N] [--threads N] [--json]\n"
-    "                      [--ctx N] [--batch N] [--layouts L,..] [--formats F,..] [--bw-size "
-    "SIZE]\n"
+    "                      [--ctx N] [--batch N] [--kv-layout L,..] [--kv-format F,..]\n"
+    "                      [--bw-size SIZE] [--route R]\n"
     "\n"
     "Decode attention over the KV caches (32 query heads, 8 KV heads, head_dim 128, one layer)\n"
     "for every layout (paged, contiguous, blocks, ragged) and format (f16, bf16, f32, q8, q4,\n"
     "tq), at contexts 1K-32K and batches 1/4/16 (ctx x batch <= 128K tokens): time, KV bytes\n"
     "read per second, and the fraction of the memory read bandwidth measured in the same run;\n"
-    "the paged/contiguous ratio (f16, longest context); each format's error against f32; and\n"
-    "the time per token of appending 4096 tokens one at a time and in chunks of 512.\n"
+    "the paged/contiguous ratio (f16, longest context); each format's error against f32 at\n"
+    "ctx 4096; and the time per token of appending 4096 tokens (f16) one at a time, in chunks\n"
+    "of 512, and one at a time into reserved room, warm (allocator cache) and cold.\n"
     "\n"
-    "  --quick        paged and contiguous x f16 and q8 at ctx 4K and 32K, batch 1 and 4, plus\n"
-    "                 every format at ctx 4K (under 20 s on 2 cores)\n"
+    "  --quick        paged and contiguous x f16 and q8 at ctx 4K (batch 1, 4) and 32K (batch\n"
+    "                 1), every other format at ctx 4K: under 20 s on 2 cores\n"
     "  --reps N       repetitions, medians reported (default 5, quick 3)\n"
     "  --threads N    attention and bandwidth threads (default: the online CPUs)\n"
-    "  --json         one JSON object: machine, bandwidth_read_gbps, bandwidth_copy_gbps,\n"
-    "                 attention[] {layout, format, ctx, batch, seconds, kv_bytes, gbps,\n"
-    "                 fraction_of_bandwidth, route}, accuracy[] {format, rel_error},\n"
-    "                 append[] {layout, mode, ns_per_token, grow_events}, paging_overhead\n"
-    "  --ctx N        one context instead of the grid (also the accuracy context and the number\n"
-    "                 of appended tokens)\n"
+    "  --json         one JSON object: machine, threads, bandwidth_read_gbps,\n"
+    "                 bandwidth_copy_gbps, attention[] {layout, format, ctx, batch, seconds,\n"
+    "                 kv_bytes, gbps, fraction_of_bandwidth, route}, accuracy[] {format, ctx,\n"
+    "                 rel_error}, append[] {layout, mode, tokens, chunk, ns_per_token,\n"
+    "                 ns_per_token_cold, grow_events}, paging {ctx, batch, paged_seconds,\n"
+    "                 contiguous_seconds}, paging_overhead (null without paged and contiguous\n"
+    "                 f16), memory_peak_bytes, rss_peak_bytes\n"
+    "  --ctx N        one context instead of the grid; accuracy and append then use\n"
+    "                 min(N, 4096) tokens (a small N makes the smallest run)\n"
     "  --batch N      one batch size instead of 1/4/16 (ctx x batch <= 256K tokens)\n"
-    "  --layouts L,.. --formats F,..  restrict the attention grid (accuracy and append follow)\n"
-    "  --bw-size SIZE the bandwidth buffer (default 512M, quick 256M)\n";
+    "  --kv-layout L,..  (or --layouts) only these layouts; append follows\n"
+    "  --kv-format F,..  (or --formats) only these formats; accuracy follows\n"
+    "  --bw-size SIZE the bandwidth buffer (default 512M, quick 256M)\n"
+    "  --route R      attention route: auto (default: the library's choice), direct,\n"
+    "                 partitioned or fallback\n";
 
 /* Parses a comma-separated list of names through `parse`; returns the count or −1. */
 static int parse_list(const char *flag, const char *value, int max, int *out,
@@ -764,9 +804,12 @@ int cli_bench_kv(int argc, char **argv) {
         {"json", no_argument, NULL, 'j'},
         {"ctx", required_argument, NULL, 'c'},
         {"batch", required_argument, NULL, 'b'},
+        {"kv-layout", required_argument, NULL, 'L'},
+        {"kv-format", required_argument, NULL, 'F'},
         {"layouts", required_argument, NULL, 'L'},
         {"formats", required_argument, NULL, 'F'},
         {"bw-size", required_argument, NULL, 'w'},
+        {"route", required_argument, NULL, 'R'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -774,6 +817,7 @@ int cli_bench_kv(int argc, char **argv) {
     int64_t reps = 0, threads = 0, ctx = 0, batch = 0, bw_bytes = 0;
     int layouts[LLMEM_KV_LAYOUT_COUNT], formats[LLMEM_KV_FORMAT_COUNT];
     int n_layouts = 0, n_formats = 0;
+    enum llmem_kv_route route = LLMEM_KV_ROUTE_AUTO;
     optind = 1;
     opterr = 0;
     while ((c = getopt_long(argc, argv, ":h", options, NULL)) != -1) {
@@ -797,12 +841,12 @@ int cli_bench_kv(int argc, char **argv) {
                 return CLI_USAGE;
             break;
         case 'L':
-            if ((n_layouts = parse_list("--layouts", optarg, LLMEM_KV_LAYOUT_COUNT, layouts,
+            if ((n_layouts = parse_list("--kv-layout", optarg, LLMEM_KV_LAYOUT_COUNT, layouts,
                                         parse_layout)) < 0)
                 return CLI_USAGE;
             break;
         case 'F':
-            if ((n_formats = parse_list("--formats", optarg, LLMEM_KV_FORMAT_COUNT, formats,
+            if ((n_formats = parse_list("--kv-format", optarg, LLMEM_KV_FORMAT_COUNT, formats,
                                         parse_format)) < 0)
                 return CLI_USAGE;
             break;
@@ -812,6 +856,19 @@ int cli_bench_kv(int argc, char **argv) {
             if (bw_bytes < 4096 || bw_bytes > ((int64_t)16 << 30))
                 return cli_usage_error("bench kv", "--bw-size: must lie in [4K, 16G]");
             break;
+        case 'R': {
+            static const char *const routes[] = {"auto", "direct", "partitioned", "fallback"};
+            int r = 0;
+            while (r < 4 && strcmp(optarg, routes[r]) != 0)
+                r++;
+            if (r == 4)
+                return cli_usage_error("bench kv",
+                                       "--route: '%s' is not one of auto, direct, partitioned,"
+                                       " fallback",
+                                       optarg);
+            route = (enum llmem_kv_route)r;
+            break;
+        }
         case 'h': fputs(bench_kv_usage, stdout); return CLI_OK;
         case ':': return cli_usage_error("bench kv", "%s needs a value", argv[optind - 1]);
         default:
@@ -846,7 +903,7 @@ int cli_bench_kv(int argc, char **argv) {
     int n_ctxs = quick ? COUNT(quick_ctxs) : COUNT(full_ctxs);
     const int64_t *batches = quick ? quick_batches : full_batches;
     int n_batches = quick ? COUNT(quick_batches) : COUNT(full_batches);
-    int64_t max_tokens = GRID_MAX_TOKENS;
+    int64_t max_tokens = quick ? QUICK_MAX_TOKENS : GRID_MAX_TOKENS;
     if (ctx > 0) {
         ctxs = &ctx;
         n_ctxs = 1;
@@ -887,8 +944,9 @@ int cli_bench_kv(int argc, char **argv) {
     fill_gaussian(v_data, (size_t)DATA_TOKENS * KV_FLOATS, 0x76);
     fill_gaussian(q, (size_t)max_batch * Q_FLOATS, 0x71);
 
-    /* Freed KV buffers go back to the OS: only the attention workspace stays cached. */
-    struct llmem_mem_config mcfg = {.cache_limit_bytes = (int64_t)64 << 20};
+    /* A cache large enough for every buffer of one append run (a warm run reuses them all);
+     * attention caches are released to the OS when they are destroyed. */
+    struct llmem_mem_config mcfg = {.cache_limit_bytes = (int64_t)256 << 20};
     if (llmem_mem_create(&mcfg, &mem) != LLMEM_OK ||
         llmem_pool_create((int)threads, &pool) != LLMEM_OK)
         goto out;
@@ -896,6 +954,7 @@ int cli_bench_kv(int argc, char **argv) {
                       .n_threads = (int)threads,
                       .threads = llmem_pool_threads(pool),
                       .reps = reps,
+                      .route = route,
                       .k_data = k_data,
                       .v_data = v_data};
 
@@ -911,9 +970,9 @@ int cli_bench_kv(int argc, char **argv) {
             res.points[i + 1].ctx != p->ctx || res.points[i + 1].format != p->format)
             b.progress_total += p->batch;
     }
-    res.acc_ctx = ctx > 0 ? ctx : DATA_TOKENS;
+    res.acc_ctx = ctx > 0 && ctx < DATA_TOKENS ? ctx : DATA_TOKENS;
     res.n_acc = n_formats + (quick_extra ? LLMEM_KV_FORMAT_COUNT - n_formats : 0);
-    b.progress_total += res.n_acc + 1 + 2 * n_layouts * (reps + 1);
+    b.progress_total += res.n_acc + 1 + 2 * N_APPEND_MODES * n_layouts * reps;
 
     read_gbps = calloc(2 * (size_t)bw_passes, sizeof(double));
     copy_gbps = calloc(2 * (size_t)bw_passes, sizeof(double));
@@ -953,8 +1012,8 @@ int cli_bench_kv(int argc, char **argv) {
     enum llmem_kv_layout app_layouts[LLMEM_KV_LAYOUT_COUNT];
     for (int i = 0; i < n_layouts; i++)
         app_layouts[i] = (enum llmem_kv_layout)layouts[i];
-    res.n_app = 2 * n_layouts;
-    if (run_append(&b, app_layouts, n_layouts, ctx > 0 ? ctx : DATA_TOKENS, res.app) != CLI_OK)
+    res.n_app = N_APPEND_MODES * n_layouts;
+    if (run_append(&b, app_layouts, n_layouts, res.acc_ctx, res.app) != CLI_OK)
         goto out;
 
     /* Bandwidth again, after everything, so that drift over the run shows in the median. */
@@ -964,6 +1023,8 @@ int cli_bench_kv(int argc, char **argv) {
     res.read_gbps = median(read_gbps, 2 * bw_passes);
     res.copy_gbps = median(copy_gbps, 2 * bw_passes);
     res.peak_bytes = llmem_mem_peak(mem);
+    struct rusage ru;
+    res.rss_peak_bytes = getrusage(RUSAGE_SELF, &ru) == 0 ? (int64_t)ru.ru_maxrss * 1024 : 0;
     cli_progress_done();
 
     llmem_sys_probe_host(&res.host);

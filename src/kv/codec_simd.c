@@ -331,23 +331,29 @@ TARGET_AVX512 static float dot_bf16_avx512(const uint8_t *row, const float *q, i
 }
 
 #define AXPY512_BODY(LOAD, STRIDE)                                                                 \
-    __m512 vw = _mm512_set1_ps(w);                                                                 \
-    for (int i = 0; i < n; i += 32) {                                                              \
-        const uint8_t *p = row + (STRIDE) * (size_t)i;                                             \
-        __m512 r0 = _mm512_fmadd_ps(LOAD(p), vw, _mm512_loadu_ps(acc + i));                        \
-        __m512 r1 = _mm512_fmadd_ps(LOAD(p + 16 * (STRIDE)), vw, _mm512_loadu_ps(acc + i + 16));   \
-        _mm512_storeu_ps(acc + i, r0);                                                             \
-        _mm512_storeu_ps(acc + i + 16, r1);                                                        \
-    }
+    do {                                                                                           \
+        __m512 vw = _mm512_set1_ps(w);                                                             \
+        for (int i = 0; i < n; i += 32) {                                                          \
+            const uint8_t *p = row + (STRIDE) * (size_t)i;                                         \
+            __m512 r0 = _mm512_fmadd_ps(LOAD(p), vw, _mm512_loadu_ps(acc + i));                    \
+            __m512 r1 =                                                                            \
+                _mm512_fmadd_ps(LOAD(p + 16 * (STRIDE)), vw, _mm512_loadu_ps(acc + i + 16));       \
+            _mm512_storeu_ps(acc + i, r0);                                                         \
+            _mm512_storeu_ps(acc + i + 16, r1);                                                    \
+        }                                                                                          \
+    } while (0)
 
-TARGET_AVX512 static void axpy_f32_avx512(const uint8_t *row, float w, float *acc,
-                                          int n){AXPY512_BODY(load16_f32, 4)}
+TARGET_AVX512 static void axpy_f32_avx512(const uint8_t *row, float w, float *acc, int n) {
+    AXPY512_BODY(load16_f32, 4);
+}
 
-TARGET_AVX512 static void axpy_f16_avx512(const uint8_t *row, float w, float *acc,
-                                          int n){AXPY512_BODY(load16_f16, 2)}
+TARGET_AVX512 static void axpy_f16_avx512(const uint8_t *row, float w, float *acc, int n) {
+    AXPY512_BODY(load16_f16, 2);
+}
 
-TARGET_AVX512 static void axpy_bf16_avx512(const uint8_t *row, float w, float *acc,
-                                           int n){AXPY512_BODY(load16_bf16, 2)}
+TARGET_AVX512 static void axpy_bf16_avx512(const uint8_t *row, float w, float *acc, int n) {
+    AXPY512_BODY(load16_bf16, 2);
+}
 
 /* A GQA group: four query heads per pass over the row, so each 16 elements are loaded and
  * converted once for four independent FMA chains. */
@@ -373,16 +379,18 @@ TARGET_AVX512 static void axpy_bf16_avx512(const uint8_t *row, float w, float *a
     s[g] = DOT1(row, q + (size_t)g * (size_t)n, n)
 
 #define AXPYG512_BODY(LOAD, STRIDE)                                                                \
-    for (int i = 0; i < n; i += 16) {                                                              \
-        __m512 v = LOAD(row + (STRIDE) * (size_t)i);                                               \
-        for (int g = 0; g < G; g++) {                                                              \
-            float *a = acc + (size_t)g * stride + i;                                               \
-            _mm512_storeu_ps(a, _mm512_fmadd_ps(v, _mm512_set1_ps(w[g]), _mm512_loadu_ps(a)));     \
+    do {                                                                                           \
+        for (int i = 0; i < n; i += 16) {                                                          \
+            __m512 v = LOAD(row + (STRIDE) * (size_t)i);                                           \
+            for (int g = 0; g < G; g++) {                                                          \
+                float *a = acc + (size_t)g * stride + i;                                           \
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(v, _mm512_set1_ps(w[g]), _mm512_loadu_ps(a))); \
+            }                                                                                      \
         }                                                                                          \
-    }
+    } while (0)
 
 TARGET_AVX512
-    static void dotg_f32_avx512(const uint8_t *row, const float *q, int G, int n, float *s) {
+static void dotg_f32_avx512(const uint8_t *row, const float *q, int G, int n, float *s) {
     DOTG512_BODY(load16_f32, 4, dot_f32_avx512);
 }
 TARGET_AVX512 static void dotg_f16_avx512(const uint8_t *row, const float *q, int G, int n,
@@ -394,12 +402,21 @@ TARGET_AVX512 static void dotg_bf16_avx512(const uint8_t *row, const float *q, i
     DOTG512_BODY(load16_bf16, 2, dot_bf16_avx512);
 }
 TARGET_AVX512 static void axpyg_f32_avx512(const uint8_t *row, const float *w, int G, float *acc,
-                                           size_t stride,
-                                           int n){AXPYG512_BODY(load16_f32, 4)} TARGET_AVX512
-    static void axpyg_f16_avx512(const uint8_t *row, const float *w, int G, float *acc,
-                                 size_t stride, int n){AXPYG512_BODY(load16_f16, 2)} TARGET_AVX512
-    static void axpyg_bf16_avx512(const uint8_t *row, const float *w, int G, float *acc,
-                                  size_t stride, int n){AXPYG512_BODY(load16_bf16, 2)}
+                                           size_t stride, int n) {
+    AXPYG512_BODY(load16_f32, 4);
+}
+
+TARGET_AVX512
+static void axpyg_f16_avx512(const uint8_t *row, const float *w, int G, float *acc, size_t stride,
+                             int n) {
+    AXPYG512_BODY(load16_f16, 2);
+}
+
+TARGET_AVX512
+static void axpyg_bf16_avx512(const uint8_t *row, const float *w, int G, float *acc, size_t stride,
+                              int n) {
+    AXPYG512_BODY(load16_bf16, 2);
+}
 
 /* Quantized groups, decoded into two vectors of 16 (elements 0–15, 16–31). */
 

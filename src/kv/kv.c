@@ -206,7 +206,8 @@ static int pool_grow(struct llmem_kv *kv, int64_t required) {
     }
     if (cur > 0)
         memcpy(rc, kv->refcount, (size_t)cur * sizeof(*rc));
-    memcpy(fr, kv->free_ids, (size_t)kv->n_free * sizeof(*fr));
+    if (kv->n_free > 0)
+        memcpy(fr, kv->free_ids, (size_t)kv->n_free * sizeof(*fr));
     /* New ids go on the stack so that the lowest is handed out first. */
     for (int64_t id = next - 1; id >= cur; id--) {
         rc[id] = 0;

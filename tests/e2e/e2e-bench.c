@@ -1,7 +1,8 @@
 /*
- * tests/e2e/e2e-bench.c — `llmem bench mem` through the built binary: the table and the JSON
- * shape (one object, one entry per pattern with its three throughputs). Speed is not asserted
- * here: numbers go to docs/BENCHMARKS.md.
+ * tests/e2e/e2e-bench.c — `llmem bench mem` and `llmem bench kv` through the built binary: the
+ * JSON shape (one object; per pattern its three throughputs; per layout × format an attention
+ * point, per format an accuracy, per layout × mode an append cost). Speed is not asserted here:
+ * numbers go to docs/BENCHMARKS.md.
  */
 #include <string.h>
 
@@ -32,6 +33,87 @@ static void test_bench_mem_json(void **state) {
     tu_run_free(&run);
 }
 
+static double get_double(const cJSON *obj, const char *key) {
+    double v = -1;
+    assert_int_equal(llmem_json_get_double(obj, key, &v), 0);
+    return v;
+}
+
+static void test_bench_kv_json(void **state) {
+    (void)state;
+    /* The smallest run: every layout and format, one tiny point, one repetition. */
+    struct tu_run run = tu_llmem("bench", "kv", "--ctx", "48", "--batch", "2", "--reps", "1",
+                                 "--bw-size", "1M", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    cJSON *root = tu_json_stdout(&run);
+    const cJSON *machine = cJSON_GetObjectItemCaseSensitive(root, "machine");
+    assert_true(cJSON_IsObject(machine));
+    assert_true(get_double(root, "bandwidth_read_gbps") > 0);
+    assert_true(get_double(root, "bandwidth_copy_gbps") > 0);
+
+    const char *layouts[] = {"paged", "contiguous", "blocks", "ragged"};
+    const char *formats[] = {"f16", "bf16", "f32", "q8", "q4", "tq"};
+    /* K + V bytes of one token of one layer: 8 KV heads × 4 groups of 32 × (K + V group bytes) */
+    const int64_t token_bytes[] = {8 * 4 * 128, 8 * 4 * 128, 8 * 4 * 256,
+                                   8 * 4 * 68,  8 * 4 * 40,  8 * 4 * 50};
+    const cJSON *attention = cJSON_GetObjectItemCaseSensitive(root, "attention");
+    assert_int_equal(cJSON_GetArraySize(attention), 24);
+    int seen[4][6] = {{0}};
+    const cJSON *p;
+    cJSON_ArrayForEach(p, attention) {
+        const char *layout = NULL, *format = NULL;
+        int64_t ctx = 0, batch = 0, kv_bytes = 0;
+        assert_int_equal(llmem_json_get_string(p, "layout", &layout), 0);
+        assert_int_equal(llmem_json_get_string(p, "format", &format), 0);
+        assert_int_equal(llmem_json_get_int(p, "ctx", &ctx), 0);
+        assert_int_equal(llmem_json_get_int(p, "batch", &batch), 0);
+        assert_int_equal(llmem_json_get_int(p, "kv_bytes", &kv_bytes), 0);
+        assert_int_equal(ctx, 48);
+        assert_int_equal(batch, 2);
+        int l = 0, f = 0;
+        while (l < 4 && strcmp(layouts[l], layout) != 0)
+            l++;
+        while (f < 6 && strcmp(formats[f], format) != 0)
+            f++;
+        assert_true(l < 4 && f < 6);
+        seen[l][f]++;
+        assert_int_equal(kv_bytes, 2 * 48 * token_bytes[f]);
+        assert_true(get_double(p, "seconds") > 0);
+        assert_true(get_double(p, "gbps") > 0);
+        assert_true(get_double(p, "fraction_of_bandwidth") > 0);
+    }
+    for (int l = 0; l < 4; l++)
+        for (int f = 0; f < 6; f++)
+            assert_int_equal(seen[l][f], 1);
+
+    const cJSON *accuracy = cJSON_GetObjectItemCaseSensitive(root, "accuracy");
+    assert_int_equal(cJSON_GetArraySize(accuracy), 6);
+    cJSON_ArrayForEach(p, accuracy) {
+        const char *format = NULL;
+        assert_int_equal(llmem_json_get_string(p, "format", &format), 0);
+        double err = get_double(p, "rel_error");
+        assert_true(err >= 0 && err < 1);
+        if (strcmp(format, "f32") == 0)
+            assert_true(err == 0);
+    }
+
+    const cJSON *append = cJSON_GetObjectItemCaseSensitive(root, "append");
+    assert_int_equal(cJSON_GetArraySize(append), 4 * 3);
+    cJSON_ArrayForEach(p, append) {
+        const char *mode = NULL;
+        int64_t grow_events = -1;
+        assert_int_equal(llmem_json_get_string(p, "mode", &mode), 0);
+        assert_true(get_double(p, "ns_per_token") > 0);
+        assert_true(get_double(p, "ns_per_token_cold") > 0);
+        assert_int_equal(llmem_json_get_int(p, "grow_events", &grow_events), 0);
+        assert_true(grow_events >= 0);
+    }
+    double overhead = 0;
+    assert_int_equal(llmem_json_get_double(root, "paging_overhead", &overhead), 0);
+    cJSON_Delete(root);
+    tu_run_free(&run);
+}
+
 static void test_bench_usage(void **state) {
     (void)state;
     struct tu_run run = tu_llmem("bench", "nothing", NULL);
@@ -41,11 +123,19 @@ static void test_bench_usage(void **state) {
     run = tu_llmem("bench", "mem", "--reps", "0", NULL);
     assert_int_equal(run.exit_code, 2);
     tu_run_free(&run);
+    run = tu_llmem("bench", "kv", "--ctx", "0", NULL);
+    assert_int_equal(run.exit_code, 2);
+    tu_run_free(&run);
+    run = tu_llmem("bench", "kv", "--kv-format", "f16,f12", NULL);
+    assert_int_equal(run.exit_code, 2);
+    assert_non_null(strstr(run.err, "f12"));
+    tu_run_free(&run);
 }
 
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bench_mem_json),
+        cmocka_unit_test(test_bench_kv_json),
         cmocka_unit_test(test_bench_usage),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
