@@ -31,6 +31,17 @@ void llmem_assert_fail(const char *file, int line, const char *expr);
 /* For helpers that report on behalf of the public function that called them. */
 #define LLMEM_ERROR_AS(func, ...) llmem_log_line(LLMEM_LOG_ERROR, func, __VA_ARGS__)
 
+/* For invariant checkers (llmem_mem_check, llmem_kv_check): logs "invariant broken: …", sets the
+ * caller's `status` to LLMEM_EFORMAT and jumps to its `out` label. */
+#define LLMEM_INVARIANT(cond, ...)                                                                 \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            LLMEM_ERROR("invariant broken: " __VA_ARGS__);                                         \
+            status = LLMEM_EFORMAT;                                                                \
+            goto out;                                                                              \
+        }                                                                                          \
+    } while (0)
+
 #define LLMEM_ASSERT(cond)                                                                         \
     do {                                                                                           \
         if (!(cond))                                                                               \

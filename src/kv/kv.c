@@ -727,52 +727,47 @@ void llmem_kv_stats(struct llmem_kv *kv, struct llmem_kv_stats *st) {
         st->n_blocks_shared += kv->refcount[b] > 1;
 }
 
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            LLMEM_ERROR("invariant broken: " __VA_ARGS__);                                         \
-            status = LLMEM_EFORMAT;                                                                \
-            goto out;                                                                              \
-        }                                                                                          \
-    } while (0)
-
 int llmem_kv_check(struct llmem_kv *kv) {
     int status = LLMEM_OK;
     int32_t *refs = NULL;
     int64_t bs = block_size(kv), n_used = 0;
     if (kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED) {
         refs = calloc((size_t)kv->n_blocks, sizeof(*refs));
-        CHECK(refs != NULL, "out of memory checking");
+        LLMEM_INVARIANT(refs != NULL, "out of memory checking");
     }
     for (int i = 0; i < kv->cfg.max_sequences; i++) {
         const struct kv_seq *s = &kv->seqs[i];
         if (!s->used)
             continue;
         n_used++;
-        CHECK(s->length >= 0 && s->length <= s->capacity, "sequence %d: length %lld, capacity %lld",
-              i, (long long)s->length, (long long)s->capacity);
+        LLMEM_INVARIANT(s->length >= 0 && s->length <= s->capacity,
+                        "sequence %d: length %lld, capacity %lld", i, (long long)s->length,
+                        (long long)s->capacity);
         if (kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED || kv->cfg.layout == LLMEM_KV_LAYOUT_BLOCKS)
-            CHECK(s->capacity == s->n_table * bs, "sequence %d: capacity is not its blocks", i);
+            LLMEM_INVARIANT(s->capacity == s->n_table * bs,
+                            "sequence %d: capacity is not its blocks", i);
         if (kv->cfg.layout == LLMEM_KV_LAYOUT_RAGGED)
-            CHECK(s->capacity == kv->ragged_cap, "row %d: capacity is not the batch's", i);
+            LLMEM_INVARIANT(s->capacity == kv->ragged_cap, "row %d: capacity is not the batch's",
+                            i);
         for (int64_t b = 0; refs != NULL && b < s->n_table; b++) {
-            CHECK(s->table[b] >= 0 && s->table[b] < kv->n_blocks, "sequence %d: bad block id", i);
+            LLMEM_INVARIANT(s->table[b] >= 0 && s->table[b] < kv->n_blocks,
+                            "sequence %d: bad block id", i);
             refs[s->table[b]]++;
         }
     }
-    CHECK(n_used == kv->st.n_sequences, "%lld sequences in use, %lld counted", (long long)n_used,
-          (long long)kv->st.n_sequences);
+    LLMEM_INVARIANT(n_used == kv->st.n_sequences, "%lld sequences in use, %lld counted",
+                    (long long)n_used, (long long)kv->st.n_sequences);
     if (refs != NULL) {
         int64_t zero = 0;
         for (int64_t b = 0; b < kv->n_blocks; b++) {
-            CHECK(refs[b] == kv->refcount[b], "block %lld: %d references, count %d", (long long)b,
-                  refs[b], kv->refcount[b]);
+            LLMEM_INVARIANT(refs[b] == kv->refcount[b], "block %lld: %d references, count %d",
+                            (long long)b, refs[b], kv->refcount[b]);
             zero += refs[b] == 0;
         }
-        CHECK(zero == kv->n_free, "%lld unreferenced blocks but %lld free", (long long)zero,
-              (long long)kv->n_free);
+        LLMEM_INVARIANT(zero == kv->n_free, "%lld unreferenced blocks but %lld free",
+                        (long long)zero, (long long)kv->n_free);
         for (int64_t f = 0; f < kv->n_free; f++)
-            CHECK(kv->refcount[kv->free_ids[f]] == 0, "a free block is referenced");
+            LLMEM_INVARIANT(kv->refcount[kv->free_ids[f]] == 0, "a free block is referenced");
     }
 out:
     free(refs);

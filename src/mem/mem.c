@@ -745,15 +745,6 @@ char *llmem_mem_stats_json(struct llmem_mem *m) {
 /* ---- the invariant checker --------------------------------------------------------------------
  */
 
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            LLMEM_ERROR("invariant broken: " __VA_ARGS__);                                         \
-            status = LLMEM_EFORMAT;                                                                \
-            goto out;                                                                              \
-        }                                                                                          \
-    } while (0)
-
 int llmem_mem_check(struct llmem_mem *m) {
     int status = LLMEM_OK;
     pthread_mutex_lock(&m->lock);
@@ -765,60 +756,68 @@ int llmem_mem_check(struct llmem_mem *m) {
             continue;
         const struct block *b = m->active.vals[i];
         n++;
-        CHECK(b->ptr == m->active.keys[i], "map key and block address differ");
-        CHECK(b->state == BLOCK_ACTIVE || b->state == BLOCK_TRACKED, "a mapped block is cached");
-        CHECK(b->state == BLOCK_TRACKED || b->size == llmem_mem_size_class(m, b->requested),
-              "a buffer of %zu bytes is not the class of its request %zu", b->size, b->requested);
-        CHECK(b->tag < LLMEM_TAG_COUNT, "bad tag %d", b->tag);
+        LLMEM_INVARIANT(b->ptr == m->active.keys[i], "map key and block address differ");
+        LLMEM_INVARIANT(b->state == BLOCK_ACTIVE || b->state == BLOCK_TRACKED,
+                        "a mapped block is cached");
+        LLMEM_INVARIANT(
+            b->state == BLOCK_TRACKED || b->size == llmem_mem_size_class(m, b->requested),
+            "a buffer of %zu bytes is not the class of its request %zu", b->size, b->requested);
+        LLMEM_INVARIANT(b->tag < LLMEM_TAG_COUNT, "bad tag %d", b->tag);
         tag_bytes[b->tag] += (int64_t)b->size;
         tag_n[b->tag]++;
         active += (int64_t)b->size;
         requested += (int64_t)b->requested;
         wired += b->wired ? (int64_t)b->size : 0;
     }
-    CHECK((size_t)n == m->active.n, "the map holds %zu entries, %" PRId64 " found", m->active.n, n);
-    CHECK(active == st->active_bytes, "active %" PRId64 " != sum of buffers %" PRId64,
-          st->active_bytes, active);
-    CHECK(requested == st->requested_bytes, "requested bytes disagree");
-    CHECK(wired == st->wired_bytes && wired <= st->wired_limit_bytes, "wired bytes disagree");
+    LLMEM_INVARIANT((size_t)n == m->active.n, "the map holds %zu entries, %" PRId64 " found",
+                    m->active.n, n);
+    LLMEM_INVARIANT(active == st->active_bytes, "active %" PRId64 " != sum of buffers %" PRId64,
+                    st->active_bytes, active);
+    LLMEM_INVARIANT(requested == st->requested_bytes, "requested bytes disagree");
+    LLMEM_INVARIANT(wired == st->wired_bytes && wired <= st->wired_limit_bytes,
+                    "wired bytes disagree");
     int64_t tag_sum = 0;
     for (int t = 0; t < LLMEM_TAG_COUNT; t++) {
-        CHECK(tag_bytes[t] == st->tags[t].active_bytes && tag_n[t] == st->tags[t].n_active,
-              "tag %s disagrees with its buffers", llmem_mem_tag_name((enum llmem_mem_tag)t));
-        CHECK(st->tags[t].peak_bytes >= st->tags[t].active_bytes, "tag peak below active");
+        LLMEM_INVARIANT(
+            tag_bytes[t] == st->tags[t].active_bytes && tag_n[t] == st->tags[t].n_active,
+            "tag %s disagrees with its buffers", llmem_mem_tag_name((enum llmem_mem_tag)t));
+        LLMEM_INVARIANT(st->tags[t].peak_bytes >= st->tags[t].active_bytes,
+                        "tag peak below active");
         tag_sum += st->tags[t].active_bytes;
     }
-    CHECK(tag_sum == st->active_bytes, "per-tag sum %" PRId64 " != active %" PRId64, tag_sum,
-          st->active_bytes);
-    CHECK(st->peak_bytes >= st->active_bytes, "peak below active");
+    LLMEM_INVARIANT(tag_sum == st->active_bytes, "per-tag sum %" PRId64 " != active %" PRId64,
+                    tag_sum, st->active_bytes);
+    LLMEM_INVARIANT(st->peak_bytes >= st->active_bytes, "peak below active");
 
     int64_t cached = 0, n_cached = 0;
     const struct block *prev = NULL;
     for (const struct block *b = m->lru_head; b != NULL; prev = b, b = b->lru_next) {
-        CHECK(b->state == BLOCK_CACHED, "a block in the LRU is not cached");
-        CHECK(b->lru_prev == prev, "LRU links are broken");
-        CHECK(!b->wired, "a cached block is wired");
-        CHECK(map_find(&m->active, b->ptr) < 0, "a cached buffer is also active");
+        LLMEM_INVARIANT(b->state == BLOCK_CACHED, "a block in the LRU is not cached");
+        LLMEM_INVARIANT(b->lru_prev == prev, "LRU links are broken");
+        LLMEM_INVARIANT(!b->wired, "a cached block is wired");
+        LLMEM_INVARIANT(map_find(&m->active, b->ptr) < 0, "a cached buffer is also active");
         cached += (int64_t)b->size;
         n_cached++;
     }
-    CHECK(prev == m->lru_tail, "the LRU tail is wrong");
-    CHECK(cached == st->cache_bytes && n_cached == st->n_cached,
-          "cache %" PRId64 " bytes in %" PRId64 " buffers, counted %" PRId64 " in %" PRId64, cached,
-          n_cached, st->cache_bytes, st->n_cached);
+    LLMEM_INVARIANT(prev == m->lru_tail, "the LRU tail is wrong");
+    LLMEM_INVARIANT(cached == st->cache_bytes && n_cached == st->n_cached,
+                    "cache %" PRId64 " bytes in %" PRId64 " buffers, counted %" PRId64
+                    " in %" PRId64,
+                    cached, n_cached, st->cache_bytes, st->n_cached);
     int64_t in_classes = 0;
     for (size_t i = 0; i < m->classes.cap; i++) {
         if (m->classes.keys[i] == 0)
             continue;
         const struct block *p = NULL;
         for (const struct block *b = m->classes.vals[i]; b != NULL; p = b, b = b->cls_next) {
-            CHECK(b->size == m->classes.keys[i], "a block is in the wrong class list");
-            CHECK(b->state == BLOCK_CACHED && b->cls_prev == p, "class list links are broken");
+            LLMEM_INVARIANT(b->size == m->classes.keys[i], "a block is in the wrong class list");
+            LLMEM_INVARIANT(b->state == BLOCK_CACHED && b->cls_prev == p,
+                            "class list links are broken");
             in_classes++;
         }
     }
-    CHECK(in_classes == n_cached, "class lists hold %" PRId64 " blocks, the LRU %" PRId64,
-          in_classes, n_cached);
+    LLMEM_INVARIANT(in_classes == n_cached, "class lists hold %" PRId64 " blocks, the LRU %" PRId64,
+                    in_classes, n_cached);
 out:
     pthread_mutex_unlock(&m->lock);
     return status;
