@@ -124,7 +124,7 @@ static int make_random(struct pattern *p, size_t n_ops, uint64_t seed) {
 enum which { USE_LLMEM = 0, USE_MALLOC, USE_MMAP, N_WHICH };
 static const char *const which_name[N_WHICH] = {"llmem", "malloc", "mmap"};
 
-static double now_s(void) {
+double cli_now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
@@ -138,7 +138,7 @@ static void touch(void *p, size_t bytes, size_t page) {
 /* Runs the pattern once; returns seconds, or a negative value when an allocation failed. */
 static double run_once(const struct pattern *p, enum which w, struct llmem_mem *mem, void **slots,
                        size_t *sizes, int do_touch, size_t page) {
-    double t0 = now_s();
+    double t0 = cli_now_s();
     for (size_t i = 0; i < p->n_ops; i++) {
         const struct op *o = &p->ops[i];
         if (o->bytes > 0) {
@@ -166,12 +166,17 @@ static double run_once(const struct pattern *p, enum which w, struct llmem_mem *
             }
         }
     }
-    return now_s() - t0;
+    return cli_now_s() - t0;
 }
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
+}
+
+double cli_median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof(*v), cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 /* ---- the command ------------------------------------------------------------------------------
@@ -265,8 +270,7 @@ static int bench_mem(int argc, char **argv) {
             }
         }
         for (int w = 0; w < N_WHICH && rc == CLI_OK; w++) {
-            qsort(times + w * reps, (size_t)reps, sizeof(double), cmp_double);
-            ops_per_s[pi][w] = (double)p->n_ops / times[w * reps + reps / 2];
+            ops_per_s[pi][w] = (double)p->n_ops / cli_median(times + w * reps, (int)reps);
         }
         free(slots);
         free(sizes);

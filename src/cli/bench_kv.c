@@ -73,23 +73,6 @@ static const int64_t quick_batches[] = {1, 4};
 #define QUICK_MAX_TOKENS ((int64_t)32 * 1024) /* --quick: ctx × batch */
 #define COUNT(a)         ((int)(sizeof(a) / sizeof((a)[0])))
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* Sorts v in place and returns its median. */
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof(*v), cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
     uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -191,15 +174,15 @@ static int measure_bandwidth(struct bench *b, struct llmem_pool *pool, int64_t b
         /* read: all of it */
         j->copy = 0;
         j->chunk = ((j->bytes + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
-        double t0 = now_s();
+        double t0 = cli_now_s();
         llmem_pool_run(pool, tasks, bw_task, j);
-        double t_read = now_s() - t0;
+        double t_read = cli_now_s() - t0;
         /* copy: half onto half, bytes read + bytes written */
         j->copy = 1;
         j->chunk = ((j->bytes / 2 + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
-        t0 = now_s();
+        t0 = cli_now_s();
         llmem_pool_run(pool, tasks, bw_task, j);
-        double t_copy = now_s() - t0;
+        double t_copy = cli_now_s() - t0;
         if (p >= 0) { /* the first pass warms up */
             read_gbps[p] = (double)j->bytes / t_read * 1e-9;
             copy_gbps[p] = (double)j->bytes / t_copy * 1e-9;
@@ -292,12 +275,12 @@ static const char *route_taken(const struct llmem_kv_stats *before,
 static double attend_batch(struct llmem_kv *kv, enum llmem_kv_route route, int64_t ctx,
                            int64_t batch, const float *q, float *out) {
     const struct llmem_kv_attn attn = {.n_heads = N_HEADS, .route = route};
-    double t0 = now_s();
+    double t0 = cli_now_s();
     for (int s = 0; s < batch; s++)
         if (llmem_kv_attend(kv, s, 0, ctx - 1, 1, q + (size_t)s * Q_FLOATS,
                             out + (size_t)s * Q_FLOATS, &attn) != LLMEM_OK)
             return -1;
-    return now_s() - t0;
+    return cli_now_s() - t0;
 }
 
 /* Measures points[first, last) — all of one format and context — holding the caches of as many
@@ -358,7 +341,8 @@ static int run_points(struct bench *b, struct point *points, int first, int last
             }
         }
         for (int p = i; p < end && rc == CLI_OK; p++) {
-            points[p].seconds = median(times + (size_t)(p - first) * (size_t)b->reps, (int)b->reps);
+            points[p].seconds =
+                cli_median(times + (size_t)(p - first) * (size_t)b->reps, (int)b->reps);
             points[p].kv_bytes = kv_read_bytes(points[p].format, points[p].ctx, points[p].batch);
         }
         for (int l = 0; l < LLMEM_KV_LAYOUT_COUNT; l++)
@@ -454,7 +438,7 @@ static double append_once(struct bench *b, enum llmem_kv_layout layout, int64_t 
         (!reserved || llmem_kv_reserve(kv, seq, tokens) == LLMEM_OK)) {
         struct llmem_kv_stats st0, st;
         llmem_kv_stats(kv, &st0);
-        double t0 = now_s();
+        double t0 = cli_now_s();
         int64_t pos = 0;
         while (pos < tokens) {
             int64_t at = pos % DATA_TOKENS, n = tokens - pos;
@@ -466,7 +450,7 @@ static double append_once(struct bench *b, enum llmem_kv_layout layout, int64_t 
             pos += n;
         }
         if (pos == tokens)
-            t = now_s() - t0;
+            t = cli_now_s() - t0;
         llmem_kv_stats(kv, &st);
         *grow_events = st.grow_events - st0.grow_events;
     }
@@ -506,8 +490,10 @@ static int run_append(struct bench *b, const enum llmem_kv_layout *layouts, int 
     }
     for (int i = 0; i < n && rc == CLI_OK; i++) {
         double per = 1e9 / (double)tokens;
-        res[i].ns_per_token_cold = median(times + (size_t)(2 * i) * (size_t)b->reps, (int)b->reps);
-        res[i].ns_per_token = median(times + (size_t)(2 * i + 1) * (size_t)b->reps, (int)b->reps);
+        res[i].ns_per_token_cold =
+            cli_median(times + (size_t)(2 * i) * (size_t)b->reps, (int)b->reps);
+        res[i].ns_per_token =
+            cli_median(times + (size_t)(2 * i + 1) * (size_t)b->reps, (int)b->reps);
         res[i].ns_per_token_cold *= per;
         res[i].ns_per_token *= per;
     }
@@ -1020,8 +1006,8 @@ int cli_bench_kv(int argc, char **argv) {
     if (measure_bandwidth(&b, pool, bw_bytes, bw_passes, read_gbps + bw_passes,
                           copy_gbps + bw_passes) != CLI_OK)
         goto out;
-    res.read_gbps = median(read_gbps, 2 * bw_passes);
-    res.copy_gbps = median(copy_gbps, 2 * bw_passes);
+    res.read_gbps = cli_median(read_gbps, 2 * bw_passes);
+    res.copy_gbps = cli_median(copy_gbps, 2 * bw_passes);
     res.peak_bytes = llmem_mem_peak(mem);
     struct rusage ru;
     res.rss_peak_bytes = getrusage(RUSAGE_SELF, &ru) == 0 ? (int64_t)ru.ru_maxrss * 1024 : 0;

@@ -35,6 +35,10 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format
 struct cJSON;
 int cli_print_json(struct cJSON *root);
 
+/* Benchmarks: monotonic seconds, and the median of n values (sorted in place). */
+double cli_now_s(void);
+double cli_median(double *v, int n);
+
 /* A progress bar on stderr, drawn only when stderr is a terminal; done ≤ total. */
 void cli_progress(const char *label, int64_t done, int64_t total);
 /* Ends the bar's line (if one was drawn). */
