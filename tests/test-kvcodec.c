@@ -785,6 +785,39 @@ static void test_degenerate_groups(void **state) {
     }
 }
 
+/* The tile kernel equals row-by-row accumulation, for every format, tile length and group. */
+static void test_tile_kernel_matches(void **state) {
+    (void)state;
+    struct rng r = {0x7171};
+    const int d = 128, T_max = 16;
+    for (int f = 0; f < LLMEM_KV_FORMAT_COUNT; f++) {
+        struct llmem_kv_codec c = make_codec((enum llmem_kv_format)f, d, 1);
+        size_t stride = c.value_bytes + 24; /* rows further apart than their size */
+        uint8_t *rows = calloc((size_t)T_max, stride);
+        float x[128], w[6 * 16], acc[6 * 130], ref[6 * 130];
+        for (int t = 0; t < T_max; t++) {
+            make_row(&r, DATA_GAUSS, d, x);
+            llmem_kv_encode_value(&c, x, rows + (size_t)t * stride);
+        }
+        for (int G = 1; G <= 6; G++) {
+            for (int T = 1; T <= T_max; T += 5) {
+                for (int i = 0; i < G * T; i++)
+                    w[i] = (float)rng_uniform(&r);
+                for (int i = 0; i < 6 * 130; i++)
+                    acc[i] = ref[i] = (float)i * 0.01f;
+                llmem_kv_axpy_value_tile(&c, rows, stride, T, w, G, acc, 130);
+                for (int t = 0; t < T; t++)
+                    for (int g = 0; g < G; g++)
+                        llmem_kv_axpy_value(&c, rows + (size_t)t * stride, w[g * T + t],
+                                            ref + g * 130);
+                for (int i = 0; i < 6 * 130; i++)
+                    assert_true(fabsf(acc[i] - ref[i]) <= 1e-5f * (1.0f + fabsf(ref[i])));
+            }
+        }
+        free(rows);
+    }
+}
+
 /* The GQA group kernels equal the per-head ones, for every format and group size. */
 static void test_group_kernels_match(void **state) {
     (void)state;
@@ -833,6 +866,7 @@ int main(void) {
         cmocka_unit_test(test_attention_in_rotated_domain),
         cmocka_unit_test(test_degenerate_groups),
         cmocka_unit_test(test_group_kernels_match),
+        cmocka_unit_test(test_tile_kernel_matches),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

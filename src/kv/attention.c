@@ -24,6 +24,7 @@
 
 #define PARTITION      512
 #define PARTITION_FROM 2048
+#define TILE           16 /* tokens scored and accumulated together */
 /* floats of fallback scratch per thread: scores, a row, and hd doubles (aligned) */
 #define FALLBACK_STRIDE(window, hd) ((window) + 3 * (hd) + 2)
 
@@ -66,26 +67,40 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
         int64_t run = llmem_kv_span(kv, j->seq, j->layer, pos, &kp, &vp);
         if (run > hi - pos + 1)
             run = hi - pos + 1;
-        for (int64_t t = 0; t < run; t++) {
-            const uint8_t *ktok = kp + (size_t)t * kv->k_tok, *vtok = vp + (size_t)t * kv->v_tok;
+        /* Tiles of up to TILE tokens: scores for the tile, one softmax rescale per tile, and the
+         * values accumulated with the accumulators held across the tile. */
+        for (int64_t t0 = 0; t0 < run; t0 += TILE) {
+            int T = run - t0 < TILE ? (int)(run - t0) : TILE;
+            const uint8_t *ktile = kp + (size_t)t0 * kv->k_tok,
+                          *vtile = vp + (size_t)t0 * kv->v_tok;
             for (int kvh = 0; kvh < n_kv; kvh++) {
-                float s[64], w[64];
+                float s[TILE][64], w[64 * TILE];
                 float *sg = st + (size_t)kvh * (size_t)group * hs;
-                llmem_kv_dot_key_group(c, ktok + (size_t)kvh * c->key_bytes,
-                                       q + (size_t)kvh * (size_t)group * (size_t)hd, group, s);
+                const float *qg = q + (size_t)kvh * (size_t)group * (size_t)hd;
+                for (int t = 0; t < T; t++)
+                    llmem_kv_dot_key_group(
+                        c, ktile + (size_t)t * kv->k_tok + (size_t)kvh * c->key_bytes, qg, group,
+                        s[t]);
                 for (int g = 0; g < group; g++) {
-                    float *sh = sg + (size_t)g * hs;
-                    if (s[g] > sh[hd]) {
-                        float corr = expf(sh[hd] - s[g]);
+                    float *sh = sg + (size_t)g * hs, top = sh[hd];
+                    for (int t = 0; t < T; t++)
+                        top = s[t][g] > top ? s[t][g] : top;
+                    if (top > sh[hd]) {
+                        float corr = expf(sh[hd] - top);
                         sh[hd + 1] *= corr;
                         for (int d = 0; d < hd; d++)
                             sh[d] *= corr;
-                        sh[hd] = s[g];
+                        sh[hd] = top;
                     }
-                    w[g] = expf(s[g] - sh[hd]);
-                    sh[hd + 1] += w[g];
+                    float sum = 0;
+                    for (int t = 0; t < T; t++) {
+                        w[g * T + t] = expf(s[t][g] - top);
+                        sum += w[g * T + t];
+                    }
+                    sh[hd + 1] += sum;
                 }
-                llmem_kv_axpy_value_group(c, vtok + (size_t)kvh * c->value_bytes, w, group, sg, hs);
+                llmem_kv_axpy_value_tile(c, vtile + (size_t)kvh * c->value_bytes, kv->v_tok, T, w,
+                                         group, sg, hs);
             }
         }
         pos += run;

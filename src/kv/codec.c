@@ -550,6 +550,20 @@ void llmem_kv_axpy_value_group(const struct llmem_kv_codec *c, const uint8_t *va
         llmem_kv_axpy_value(c, value, w[g], acc + (size_t)g * stride);
 }
 
+void llmem_kv_axpy_value_tile(const struct llmem_kv_codec *c, const uint8_t *values,
+                              size_t row_stride, int T, const float *w, int heads, float *acc,
+                              size_t stride) {
+    const struct llmem_kv_kernels *k = llmem_kv_kernels();
+    if (k->axpy_tile[c->format] != NULL) {
+        k->axpy_tile[c->format](values, row_stride, T, w, heads, acc, stride, c->head_dim);
+        return;
+    }
+    for (int t = 0; t < T; t++)
+        for (int g = 0; g < heads; g++)
+            llmem_kv_axpy_value(c, values + (size_t)t * row_stride, w[g * T + t],
+                                acc + (size_t)g * stride);
+}
+
 void llmem_kv_axpy_value(const struct llmem_kv_codec *c, const uint8_t *value, float w,
                          float *acc) {
     LLMEM_ASSERT((unsigned)c->format < LLMEM_KV_FORMAT_COUNT);

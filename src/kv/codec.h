@@ -65,6 +65,12 @@ void llmem_kv_dot_key_group(const struct llmem_kv_codec *c, const uint8_t *key, 
 void llmem_kv_axpy_value_group(const struct llmem_kv_codec *c, const uint8_t *value, const float *w,
                                int heads, float *acc, size_t stride);
 
+/* Values of T consecutive tokens (rows row_stride bytes apart) for a group of heads, weights
+ * w[g·T + t]: acc[g·stride + i] += Σ_t w[g·T + t]·value_t[i]. */
+void llmem_kv_axpy_value_tile(const struct llmem_kv_codec *c, const uint8_t *values,
+                              size_t row_stride, int T, const float *w, int heads, float *acc,
+                              size_t stride);
+
 /* IEEE half and bfloat16 conversions (round to nearest even), scalar and exact. */
 uint16_t llmem_f32_to_f16(float x);
 float llmem_f16_to_f32(uint16_t h);

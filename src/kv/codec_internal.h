@@ -49,6 +49,11 @@ struct llmem_kv_kernels {
     /* (optional) defaults to G calls of axpy: acc[g·stride + i] += w[g]·row[i] */
     void (*axpy_group[LLMEM_KV_FORMAT_COUNT])(const uint8_t *row, const float *w, int G, float *acc,
                                               size_t stride, int n);
+    /* (optional) defaults to axpy per row and head: for T rows at row_stride bytes apart,
+     * acc[g·stride + i] += Σ_t w[g·T + t]·row_t[i], the accumulators held across the rows */
+    void (*axpy_tile[LLMEM_KV_FORMAT_COUNT])(const uint8_t *rows, size_t row_stride, int T,
+                                             const float *w, int G, float *acc, size_t stride,
+                                             int n);
 };
 
 /* The Lloyd–Max codebook of tq values (ascending), shared by every kernel. */

@@ -418,6 +418,61 @@ static void axpyg_bf16_avx512(const uint8_t *row, const float *w, int G, float *
     AXPYG512_BODY(load16_bf16, 2);
 }
 
+/* A tile of T rows for a group of heads: four accumulators stay in registers across the rows,
+ * and each 16 elements of a row are loaded and converted once for the four heads. */
+#define AXPYT512_BODY(LOAD, STRIDE)                                                                \
+    do {                                                                                           \
+        for (int i = 0; i < n; i += 16) {                                                          \
+            int g = 0;                                                                             \
+            for (; g + 4 <= G; g += 4) {                                                           \
+                float *c0 = acc + (size_t)g * stride + i, *c1 = c0 + stride;                       \
+                float *c2 = c1 + stride, *c3 = c2 + stride;                                        \
+                const float *w0 = w + (size_t)g * (size_t)T, *w1 = w0 + T, *w2 = w1 + T;           \
+                const float *w3 = w2 + T;                                                          \
+                __m512 a0 = _mm512_loadu_ps(c0), a1 = _mm512_loadu_ps(c1);                         \
+                __m512 a2 = _mm512_loadu_ps(c2), a3 = _mm512_loadu_ps(c3);                         \
+                for (int t = 0; t < T; t++) {                                                      \
+                    __m512 v = LOAD(rows + (size_t)t * row_stride + (STRIDE) * (size_t)i);         \
+                    a0 = _mm512_fmadd_ps(v, _mm512_set1_ps(w0[t]), a0);                            \
+                    a1 = _mm512_fmadd_ps(v, _mm512_set1_ps(w1[t]), a1);                            \
+                    a2 = _mm512_fmadd_ps(v, _mm512_set1_ps(w2[t]), a2);                            \
+                    a3 = _mm512_fmadd_ps(v, _mm512_set1_ps(w3[t]), a3);                            \
+                }                                                                                  \
+                _mm512_storeu_ps(c0, a0);                                                          \
+                _mm512_storeu_ps(c1, a1);                                                          \
+                _mm512_storeu_ps(c2, a2);                                                          \
+                _mm512_storeu_ps(c3, a3);                                                          \
+            }                                                                                      \
+            for (; g < G; g++) {                                                                   \
+                float *c0 = acc + (size_t)g * stride + i;                                          \
+                __m512 a0 = _mm512_loadu_ps(c0);                                                   \
+                for (int t = 0; t < T; t++)                                                        \
+                    a0 = _mm512_fmadd_ps(                                                          \
+                        LOAD(rows + (size_t)t * row_stride + (STRIDE) * (size_t)i),                \
+                        _mm512_set1_ps(w[(size_t)g * (size_t)T + (size_t)t]), a0);                 \
+                _mm512_storeu_ps(c0, a0);                                                          \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+
+TARGET_AVX512 static void axpyt_f32_avx512(const uint8_t *rows, size_t row_stride, int T,
+                                           const float *w, int G, float *acc, size_t stride,
+                                           int n) {
+    AXPYT512_BODY(load16_f32, 4);
+}
+
+TARGET_AVX512 static void axpyt_f16_avx512(const uint8_t *rows, size_t row_stride, int T,
+                                           const float *w, int G, float *acc, size_t stride,
+                                           int n) {
+    AXPYT512_BODY(load16_f16, 2);
+}
+
+TARGET_AVX512 static void axpyt_bf16_avx512(const uint8_t *rows, size_t row_stride, int T,
+                                            const float *w, int G, float *acc, size_t stride,
+                                            int n) {
+    AXPYT512_BODY(load16_bf16, 2);
+}
+
 /* Quantized groups, decoded into two vectors of 16 (elements 0–15, 16–31). */
 
 TARGET_AVX512 static inline __m512 bcast512_f16(const uint8_t *p) {
@@ -519,6 +574,9 @@ static const struct llmem_kv_kernels kernels_avx512 = {
     .axpy_group = {[LLMEM_KV_FORMAT_F32] = axpyg_f32_avx512,
                    [LLMEM_KV_FORMAT_F16] = axpyg_f16_avx512,
                    [LLMEM_KV_FORMAT_BF16] = axpyg_bf16_avx512},
+    .axpy_tile = {[LLMEM_KV_FORMAT_F32] = axpyt_f32_avx512,
+                  [LLMEM_KV_FORMAT_F16] = axpyt_f16_avx512,
+                  [LLMEM_KV_FORMAT_BF16] = axpyt_bf16_avx512},
 };
 #endif /* KV_X86 */
 
