@@ -326,6 +326,22 @@ static const struct bound bounds[] = {
 
 /* ‖x − x̂‖ / ‖x‖ over N_ROWS rows, x̂ brought back to the original domain; also the largest
  * element error relative to max(|x|, 2^-14) (the f16 normal range). */
+/* Encodes and decodes one row, undoing the rotation: x̂ in the original domain. */
+static void roundtrip(const struct llmem_kv_codec *c, int value, const float *x, float *y) {
+    uint8_t buf[MAX_D * 4];
+    if (value) {
+        llmem_kv_encode_value(c, x, buf);
+        llmem_kv_decode_value(c, buf, y);
+        if (c->rotate_values)
+            llmem_kv_rotate_inverse(c, y);
+    } else {
+        llmem_kv_encode_key(c, x, buf);
+        llmem_kv_decode_key(c, buf, y);
+        if (c->rotate_keys)
+            llmem_kv_rotate_inverse(c, y);
+    }
+}
+
 static double roundtrip_error(const struct llmem_kv_codec *c, int value, enum data_kind kind,
                               uint64_t seed, double *max_rel) {
     struct rng r = {seed};
@@ -333,19 +349,8 @@ static double roundtrip_error(const struct llmem_kv_codec *c, int value, enum da
     *max_rel = 0;
     for (int row = 0; row < N_ROWS; row++) {
         float x[MAX_D], y[MAX_D];
-        uint8_t buf[MAX_D * 4];
         make_row(&r, kind, c->head_dim, x);
-        if (value) {
-            llmem_kv_encode_value(c, x, buf);
-            llmem_kv_decode_value(c, buf, y);
-            if (c->rotate_values)
-                llmem_kv_rotate_inverse(c, y);
-        } else {
-            llmem_kv_encode_key(c, x, buf);
-            llmem_kv_decode_key(c, buf, y);
-            if (c->rotate_keys)
-                llmem_kv_rotate_inverse(c, y);
-        }
+        roundtrip(c, value, x, y);
         for (int i = 0; i < c->head_dim; i++) {
             double e = (double)x[i] - (double)y[i];
             num += e * e;
@@ -674,21 +679,6 @@ static void test_attention_in_rotated_domain(void **state) {
 }
 
 /* ---- degenerate groups ----------------------------------------------------------------------- */
-
-static void roundtrip(const struct llmem_kv_codec *c, int value, const float *x, float *y) {
-    uint8_t buf[MAX_D * 4];
-    if (value) {
-        llmem_kv_encode_value(c, x, buf);
-        llmem_kv_decode_value(c, buf, y);
-        if (c->rotate_values)
-            llmem_kv_rotate_inverse(c, y);
-    } else {
-        llmem_kv_encode_key(c, x, buf);
-        llmem_kv_decode_key(c, buf, y);
-        if (c->rotate_keys)
-            llmem_kv_rotate_inverse(c, y);
-    }
-}
 
 static int quantized(enum llmem_kv_format f) {
     return f == LLMEM_KV_FORMAT_Q8 || f == LLMEM_KV_FORMAT_Q4 || f == LLMEM_KV_FORMAT_TQ;

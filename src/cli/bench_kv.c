@@ -201,18 +201,24 @@ static int measure_bandwidth(struct bench *b, struct llmem_pool *pool, int64_t b
 
 /* ---- caches ---------------------------------------------------------------------------------- */
 
+/* The benchmark's shape: one layer of N_KV_HEADS × HEAD_DIM, n_seqs sequences. */
+static void bench_config(const struct bench *b, enum llmem_kv_layout layout,
+                         enum llmem_kv_format format, int n_seqs, struct llmem_kv_config *cfg) {
+    llmem_kv_config_default(cfg);
+    cfg->layout = layout;
+    cfg->format = format;
+    cfg->n_layers = 1;
+    cfg->n_kv_heads = N_KV_HEADS;
+    cfg->head_dim = HEAD_DIM;
+    cfg->max_sequences = n_seqs;
+    cfg->n_threads = b->n_threads;
+}
+
 /* A cache of n_seqs sequences of ctx tokens each, one layer, Gaussian data. */
 static int build_cache(struct bench *b, enum llmem_kv_layout layout, enum llmem_kv_format format,
                        int64_t ctx, int n_seqs, struct llmem_kv **out) {
     struct llmem_kv_config cfg;
-    llmem_kv_config_default(&cfg);
-    cfg.layout = layout;
-    cfg.format = format;
-    cfg.n_layers = 1;
-    cfg.n_kv_heads = N_KV_HEADS;
-    cfg.head_dim = HEAD_DIM;
-    cfg.max_sequences = n_seqs;
-    cfg.n_threads = b->n_threads;
+    bench_config(b, layout, format, n_seqs, &cfg);
     cfg.num_blocks = (ctx + 15) / 16 * n_seqs; /* paged: exactly what the batch needs */
     struct llmem_kv *kv = NULL;
     if (llmem_kv_create(&cfg, b->mem, &kv) != LLMEM_OK)
@@ -420,14 +426,7 @@ static const char *const append_modes[N_APPEND_MODES] = {"token", "chunk", "rese
 static double append_once(struct bench *b, enum llmem_kv_layout layout, int64_t tokens,
                           int64_t chunk, int reserved, int64_t *grow_events) {
     struct llmem_kv_config cfg;
-    llmem_kv_config_default(&cfg);
-    cfg.layout = layout;
-    cfg.format = LLMEM_KV_FORMAT_F16;
-    cfg.n_layers = 1;
-    cfg.n_kv_heads = N_KV_HEADS;
-    cfg.head_dim = HEAD_DIM;
-    cfg.max_sequences = 1;
-    cfg.n_threads = b->n_threads;
+    bench_config(b, layout, LLMEM_KV_FORMAT_F16, 1, &cfg);
     cfg.num_blocks = 16; /* 256 tokens, like the contiguous step: the pool grows too */
     struct llmem_kv *kv = NULL;
     int seq = -1;
