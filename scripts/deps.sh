@@ -7,6 +7,9 @@ packages=(
     cmake make gcc pkg-config
     libcjson-dev
     libcmocka-dev
+    libpcre2-dev
+    libxxhash-dev
+    libopenblas-dev
 )
 
 missing=()
