@@ -1,0 +1,63 @@
+/*
+ * backend/ops.h — the backend table (SPEC §8): the operations a forward pass needs, as function
+ * pointers over a context, so that the model code never knows which backend runs it.
+ *
+ * Activations are f32, row-major. Weights are used in place, in the dtype the checkpoint stores
+ * (bf16, f16 or f32). Small per-channel vectors (norm weights, biases) are handed over as f32.
+ * Every operation is synchronous and deterministic for a given thread count; none allocates
+ * model-sized memory (scratch a kernel needs is sized at create time).
+ */
+#ifndef LLMEM_BACKEND_OPS_H
+#define LLMEM_BACKEND_OPS_H
+
+#include <stdint.h>
+
+#include "llmem/model.h"
+
+/* A weight matrix [rows, cols], row-major: rows are output features, cols input features. */
+struct llmem_weight {
+    const void *data;
+    enum llmem_dtype dtype; /* F32, F16 or BF16 */
+    int64_t rows;
+    int64_t cols;
+};
+
+struct llmem_backend_ops {
+    const char *name; /* "cpu" */
+    void (*destroy)(void *ctx);
+    int (*threads)(void *ctx);
+
+    /* y[n, w.rows] = x[n, w.cols] · wᵀ, plus bias[w.rows] on every row when bias is not NULL.
+     * f32 accumulation; x and y do not alias. */
+    void (*matmul)(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,
+                   const float *bias);
+    /* For each of n rows of `dim`: y = x / sqrt(mean(x²) + eps) · weight (the HF Llama RMSNorm, in
+     * f32). y may equal x. */
+    void (*rmsnorm)(void *ctx, const float *x, const float *weight, int64_t n, int64_t dim,
+                    float eps, float *y);
+    /* Rotary embedding in place on x [n, n_heads, head_dim], HF "rotate_half" pairing (i with
+     * i + head_dim/2). Token t is at position pos[t]; angle = (float)pos[t] · inv_freq[i] in f32,
+     * cos/sin of that f32 angle rounded to f32 (inv_freq has head_dim/2 entries). */
+    void (*rope)(void *ctx, float *x, int64_t n, int n_heads, int head_dim, const int64_t *pos,
+                 const float *inv_freq);
+    /* out[i] = silu(gate[i]) · up[i] for i < n; out may equal gate. */
+    void (*swiglu)(void *ctx, const float *gate, const float *up, int64_t n, float *out);
+    /* out[t, :] = table[ids[t], :] as f32, for t < n (table is [vocab, dim]; ids in range). */
+    void (*embedding)(void *ctx, const struct llmem_weight *table, const int32_t *ids, int64_t n,
+                      float *out);
+    /* y[i] += x[i] for i < n. */
+    void (*add)(void *ctx, float *y, const float *x, int64_t n);
+};
+
+struct llmem_backend {
+    const struct llmem_backend_ops *ops;
+    void *ctx;
+};
+
+/* The CPU backend with n_threads threads (≤ 0: the online CPUs). LLMEM_ENOMEM / LLMEM_EIO
+ * (logged). */
+int llmem_backend_cpu_create(int n_threads, struct llmem_backend **out);
+/* NULL is a no-op. */
+void llmem_backend_destroy(struct llmem_backend *backend);
+
+#endif
