@@ -107,96 +107,8 @@ static void progress(struct bench *b) {
     cli_progress("bench kv", ++b->progress_done, b->progress_total);
 }
 
-/* ---- memory bandwidth ------------------------------------------------------------------------ */
-
-typedef uint64_t u64x2 __attribute__((vector_size(16)));
-
-struct bw_job {
-    uint8_t *buf;
-    size_t bytes, chunk; /* the whole buffer; one task's share (a multiple of 64) */
-    int copy;            /* 0: read (sum); 1: copy the first half onto the second */
-    uint64_t sink[256];  /* per task, so that the sums are not optimized away */
-};
-
-static void bw_task(void *arg, int task, int thread) {
-    (void)thread;
-    struct bw_job *j = arg;
-    size_t lo = (size_t)task * j->chunk;
-    if (j->copy) {
-        size_t half = j->bytes / 2;
-        if (lo >= half)
-            return;
-        size_t n = lo + j->chunk <= half ? j->chunk : half - lo;
-        memcpy(j->buf + half + lo, j->buf + lo, n);
-        return;
-    }
-    if (lo >= j->bytes)
-        return;
-    size_t n = lo + j->chunk <= j->bytes ? j->chunk : j->bytes - lo;
-    const u64x2 *p = (const u64x2 *)(const void *)(j->buf + lo);
-    u64x2 a = {0, 0}, b = {0, 0}, c = {0, 0}, d = {0, 0};
-    for (size_t i = 0; i + 4 <= n / 16; i += 4) {
-        a += p[i];
-        b += p[i + 1];
-        c += p[i + 2];
-        d += p[i + 3];
-    }
-    u64x2 s = a + b + c + d;
-    j->sink[task % 256] += s[0] + s[1];
-}
-
-static void touch_task(void *arg, int task, int thread) {
-    (void)thread;
-    struct bw_job *j = arg;
-    size_t lo = (size_t)task * j->chunk;
-    if (lo >= j->bytes)
-        return;
-    size_t n = lo + j->chunk <= j->bytes ? j->chunk : j->bytes - lo;
-    memset(j->buf + lo, (int)(task & 0x7f) + 1, n);
-}
-
-/* Appends `passes` read and copy measurements (GB/s) to read_gbps / copy_gbps. */
-static int measure_bandwidth(struct bench *b, struct llmem_pool *pool, int64_t bytes, int passes,
-                             double *read_gbps, double *copy_gbps) {
-    struct bw_job *j = calloc(1, sizeof(*j));
-    if (j == NULL)
-        return CLI_FAIL;
-    j->bytes = (size_t)bytes & ~(size_t)127;
-    j->buf = llmem_mem_alloc(b->mem, j->bytes, LLMEM_TAG_SCRATCH);
-    if (j->buf == NULL) {
-        free(j);
-        return CLI_FAIL;
-    }
-    const int tasks = 64;
-    j->chunk = ((j->bytes + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
-    llmem_pool_run(pool, tasks, touch_task, j);
-    for (int p = -1; p < passes; p++) {
-        /* read: all of it */
-        j->copy = 0;
-        j->chunk = ((j->bytes + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
-        double t0 = cli_now_s();
-        llmem_pool_run(pool, tasks, bw_task, j);
-        double t_read = cli_now_s() - t0;
-        /* copy: half onto half, bytes read + bytes written */
-        j->copy = 1;
-        j->chunk = ((j->bytes / 2 + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
-        t0 = cli_now_s();
-        llmem_pool_run(pool, tasks, bw_task, j);
-        double t_copy = cli_now_s() - t0;
-        if (p >= 0) { /* the first pass warms up */
-            read_gbps[p] = (double)j->bytes / t_read * 1e-9;
-            copy_gbps[p] = (double)j->bytes / t_copy * 1e-9;
-        }
-        progress(b);
-    }
-    uint64_t sum = 0;
-    for (int i = 0; i < 256; i++)
-        sum += j->sink[i];
-    volatile uint64_t keep = sum;
-    (void)keep;
-    llmem_mem_free(b->mem, j->buf);
-    free(j);
-    return CLI_OK;
+static void bench_tick(void *arg) {
+    progress(arg);
 }
 
 /* ---- caches ---------------------------------------------------------------------------------- */
@@ -964,7 +876,8 @@ int cli_bench_kv(int argc, char **argv) {
     if (read_gbps == NULL || copy_gbps == NULL)
         goto out;
     res.bw_bytes = bw_bytes;
-    if (measure_bandwidth(&b, pool, bw_bytes, bw_passes, read_gbps, copy_gbps) != CLI_OK)
+    if (cli_bandwidth(b.mem, pool, bw_bytes, bw_passes, read_gbps, copy_gbps, bench_tick, &b) !=
+        CLI_OK)
         goto out;
 
     /* Attention: one (format, ctx) at a time. */
@@ -1002,8 +915,8 @@ int cli_bench_kv(int argc, char **argv) {
         goto out;
 
     /* Bandwidth again, after everything, so that drift over the run shows in the median. */
-    if (measure_bandwidth(&b, pool, bw_bytes, bw_passes, read_gbps + bw_passes,
-                          copy_gbps + bw_passes) != CLI_OK)
+    if (cli_bandwidth(b.mem, pool, bw_bytes, bw_passes, read_gbps + bw_passes,
+                      copy_gbps + bw_passes, bench_tick, &b) != CLI_OK)
         goto out;
     res.read_gbps = cli_median(read_gbps, 2 * bw_passes);
     res.copy_gbps = cli_median(copy_gbps, 2 * bw_passes);

@@ -39,6 +39,14 @@ int cli_print_json(struct cJSON *root);
 double cli_now_s(void);
 double cli_median(double *v, int n);
 
+/* Appends `passes` read and copy bandwidth measurements (GB/s) to read_gbps / copy_gbps, with a
+ * multithreaded pass over a `bytes` buffer from mem (tag scratch); tick (optional) is called after
+ * every pass. CLI_FAIL when the buffer cannot be allocated. */
+struct llmem_mem;
+struct llmem_pool;
+int cli_bandwidth(struct llmem_mem *mem, struct llmem_pool *pool, int64_t bytes, int passes,
+                  double *read_gbps, double *copy_gbps, void (*tick)(void *), void *tick_arg);
+
 /* A progress bar on stderr, drawn only when stderr is a terminal; done ≤ total. */
 void cli_progress(const char *label, int64_t done, int64_t total);
 /* Ends the bar's line (if one was drawn). */
