@@ -1,0 +1,329 @@
+/*
+ * backend/cpu/cpu.c — the CPU backend (SPEC §8): its table, its context (the thread pool and the
+ * GEMM scratch, allocated once at create), and the element-wise operations.
+ *
+ * The element-wise operations (rmsnorm, rope, swiglu, embedding, add) are written as plain loops
+ * over f32 that compilers vectorize; they are memory- or libm-bound, and each runs on the calling
+ * thread alone unless it is large enough (CPU_PAR_MIN elements) for a pool dispatch (~1 µs) to
+ * pay off, in which case the rows or the elements are split into contiguous ranges.
+ *
+ * Numerics follow the Hugging Face Llama modules in f32: rmsnorm sums the squares (in double, so
+ * the sum is exact to f32 rounding for any dim), then x · (1/sqrt(mean + eps)) · weight in f32;
+ * rope takes angle = (float)pos · inv_freq in f32 and the f32 roundings of cos and sin of that
+ * angle computed in double (as PyTorch's correctly rounded results do); silu is x / (1 + e^−x).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+
+#include "backend/cpu/cpu_int.h"
+#include "core/log.h"
+#include "core/pool.h"
+
+/* Elements below which an element-wise operation runs on the calling thread alone. */
+#define CPU_PAR_MIN ((int64_t)1 << 15)
+
+float cpu_f16_to_f32(uint16_t h) {
+    uint32_t sign = ((uint32_t)h & 0x8000u) << 16;
+    uint32_t exp = ((uint32_t)h >> 10) & 0x1f, mant = (uint32_t)h & 0x3ff;
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    if (exp == 0x1f) {
+        v.u = sign | 0x7f800000u | (mant << 13);
+    } else if (exp == 0) {
+        v.f = (float)mant * 0x1p-24f; /* zero or subnormal: exact */
+        v.u |= sign;
+    } else {
+        v.u = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    return v.f;
+}
+
+/* ---- parallel ranges --------------------------------------------------------------------------
+ */
+
+struct range_job {
+    void (*fn)(void *arg, int64_t begin, int64_t end);
+    void *arg;
+    int64_t count, per_task;
+};
+
+static void range_task(void *arg, int task, int thread) {
+    (void)thread;
+    const struct range_job *j = arg;
+    int64_t b = (int64_t)task * j->per_task;
+    int64_t e = b + j->per_task < j->count ? b + j->per_task : j->count;
+    if (b < e)
+        j->fn(j->arg, b, e);
+}
+
+/* fn over [0, count) in contiguous ranges; `work` is the total element count (for the decision
+ * to go parallel at all). */
+static void parallel_range(struct cpu_ctx *c, int64_t count, int64_t work,
+                           void (*fn)(void *arg, int64_t begin, int64_t end), void *arg) {
+    if (count <= 0)
+        return;
+    if (c->n_threads == 1 || work < CPU_PAR_MIN || count == 1) {
+        fn(arg, 0, count);
+        return;
+    }
+    int64_t tasks = count < c->n_threads ? count : c->n_threads;
+    struct range_job j = {fn, arg, count, (count + tasks - 1) / tasks};
+    llmem_pool_run(c->pool, (int)((count + j.per_task - 1) / j.per_task), range_task, &j);
+}
+
+/* ---- rmsnorm ----------------------------------------------------------------------------------
+ */
+
+struct rmsnorm_args {
+    const float *x, *weight;
+    float *y;
+    int64_t dim;
+    float eps;
+};
+
+static void rmsnorm_rows(void *arg, int64_t begin, int64_t end) {
+    const struct rmsnorm_args *a = arg;
+    const int64_t dim = a->dim;
+    for (int64_t t = begin; t < end; t++) {
+        const float *x = a->x + t * dim;
+        float *y = a->y + t * dim;
+        double s[4] = {0, 0, 0, 0};
+        int64_t i = 0;
+        for (; i + 4 <= dim; i += 4)
+            for (int k = 0; k < 4; k++)
+                s[k] += (double)x[i + k] * (double)x[i + k];
+        for (; i < dim; i++)
+            s[0] += (double)x[i] * (double)x[i];
+        float mean = (float)(((s[0] + s[1]) + (s[2] + s[3])) / (double)dim);
+        float inv = 1.0f / sqrtf(mean + a->eps);
+        for (i = 0; i < dim; i++)
+            y[i] = (x[i] * inv) * a->weight[i];
+    }
+}
+
+static void cpu_rmsnorm(void *ctx, const float *x, const float *weight, int64_t n, int64_t dim,
+                        float eps, float *y) {
+    LLMEM_ASSERT(x != NULL && weight != NULL && y != NULL && dim > 0 && n >= 0);
+    struct rmsnorm_args a = {x, weight, y, dim, eps};
+    parallel_range(ctx, n, n * dim, rmsnorm_rows, &a);
+}
+
+/* ---- rope -------------------------------------------------------------------------------------
+ */
+
+#define ROPE_HALF_MAX 1024
+
+struct rope_args {
+    float *x;
+    int n_heads, head_dim;
+    const int64_t *pos;
+    const float *inv_freq;
+};
+
+static void rope_rows(void *arg, int64_t begin, int64_t end) {
+    const struct rope_args *a = arg;
+    const int half = a->head_dim / 2;
+    float cs[ROPE_HALF_MAX], sn[ROPE_HALF_MAX];
+    for (int64_t t = begin; t < end; t++) {
+        float p = (float)a->pos[t];
+        for (int i = 0; i < half; i++) {
+            float angle = p * a->inv_freq[i];
+            cs[i] = (float)cos((double)angle);
+            sn[i] = (float)sin((double)angle);
+        }
+        for (int h = 0; h < a->n_heads; h++) {
+            float *v = a->x + (t * a->n_heads + h) * (int64_t)a->head_dim;
+            for (int i = 0; i < half; i++) {
+                float x0 = v[i], x1 = v[i + half];
+                float r0 = x0 * cs[i], r1 = -x1 * sn[i];
+                float r2 = x1 * cs[i], r3 = x0 * sn[i];
+                v[i] = r0 + r1;
+                v[i + half] = r2 + r3;
+            }
+        }
+    }
+}
+
+static void cpu_rope(void *ctx, float *x, int64_t n, int n_heads, int head_dim, const int64_t *pos,
+                     const float *inv_freq) {
+    LLMEM_ASSERT(x != NULL && pos != NULL && inv_freq != NULL && n >= 0 && n_heads > 0);
+    LLMEM_ASSERT(head_dim > 0 && head_dim % 2 == 0 && head_dim / 2 <= ROPE_HALF_MAX);
+    struct rope_args a = {x, n_heads, head_dim, pos, inv_freq};
+    /* cos and sin cost ~40 ns a pair: count them as work too. */
+    parallel_range(ctx, n, n * ((int64_t)n_heads * head_dim + 20 * head_dim), rope_rows, &a);
+}
+
+/* ---- swiglu, add ------------------------------------------------------------------------------
+ */
+
+struct swiglu_args {
+    const float *gate, *up;
+    float *out;
+};
+
+static void swiglu_range(void *arg, int64_t begin, int64_t end) {
+    const struct swiglu_args *a = arg;
+    for (int64_t i = begin; i < end; i++) {
+        float g = a->gate[i];
+        a->out[i] = g / (1.0f + expf(-g)) * a->up[i];
+    }
+}
+
+static void cpu_swiglu(void *ctx, const float *gate, const float *up, int64_t n, float *out) {
+    LLMEM_ASSERT(gate != NULL && up != NULL && out != NULL && n >= 0);
+    struct swiglu_args a = {gate, up, out};
+    /* expf costs several ns: worth threads at an eighth of the usual size. */
+    parallel_range(ctx, n, n * 8, swiglu_range, &a);
+}
+
+struct add_args {
+    float *y;
+    const float *x;
+};
+
+static void add_range(void *arg, int64_t begin, int64_t end) {
+    const struct add_args *a = arg;
+    float *restrict y = a->y;
+    const float *restrict x = a->x;
+    for (int64_t i = begin; i < end; i++)
+        y[i] += x[i];
+}
+
+static void cpu_add(void *ctx, float *y, const float *x, int64_t n) {
+    LLMEM_ASSERT(y != NULL && x != NULL && n >= 0);
+    struct add_args a = {y, x};
+    /* Bandwidth-bound: threads pay off only for large vectors. */
+    parallel_range(ctx, n, n / 4, add_range, &a);
+}
+
+/* ---- embedding --------------------------------------------------------------------------------
+ */
+
+struct embedding_args {
+    const struct llmem_weight *table;
+    const int32_t *ids;
+    float *out;
+};
+
+static void embedding_rows(void *arg, int64_t begin, int64_t end) {
+    const struct embedding_args *a = arg;
+    const int64_t dim = a->table->cols;
+    for (int64_t t = begin; t < end; t++) {
+        LLMEM_ASSERT(a->ids[t] >= 0 && a->ids[t] < a->table->rows);
+        float *o = a->out + t * dim;
+        const uint8_t *row =
+            (const uint8_t *)a->table->data +
+            (size_t)a->ids[t] * (size_t)dim * (size_t)llmem_dtype_size(a->table->dtype);
+        const uint16_t *h = (const uint16_t *)(const void *)row;
+        switch (a->table->dtype) {
+        case LLMEM_DTYPE_BF16:
+            for (int64_t i = 0; i < dim; i++)
+                o[i] = cpu_bf16_to_f32(h[i]);
+            break;
+        case LLMEM_DTYPE_F16:
+            for (int64_t i = 0; i < dim; i++)
+                o[i] = cpu_f16_to_f32(h[i]);
+            break;
+        default: memcpy(o, row, (size_t)dim * sizeof(float));
+        }
+    }
+}
+
+static void cpu_embedding(void *ctx, const struct llmem_weight *table, const int32_t *ids,
+                          int64_t n, float *out) {
+    LLMEM_ASSERT(table != NULL && ids != NULL && out != NULL && n >= 0);
+    LLMEM_ASSERT(table->dtype == LLMEM_DTYPE_F32 || table->dtype == LLMEM_DTYPE_F16 ||
+                 table->dtype == LLMEM_DTYPE_BF16);
+    struct embedding_args a = {table, ids, out};
+    parallel_range(ctx, n, n * table->cols, embedding_rows, &a);
+}
+
+/* ---- the table --------------------------------------------------------------------------------
+ */
+
+static void cpu_destroy(void *ctx) {
+    struct cpu_ctx *c = ctx;
+    if (c == NULL)
+        return;
+    llmem_pool_destroy(c->pool);
+    free(c->xt);
+    free(c->wpanel);
+    free(c);
+}
+
+static int cpu_threads(void *ctx) {
+    return ((struct cpu_ctx *)ctx)->n_threads;
+}
+
+static const struct llmem_backend_ops cpu_ops = {
+    .name = "cpu",
+    .destroy = cpu_destroy,
+    .threads = cpu_threads,
+    .matmul = cpu_matmul,
+    .rmsnorm = cpu_rmsnorm,
+    .rope = cpu_rope,
+    .swiglu = cpu_swiglu,
+    .embedding = cpu_embedding,
+    .add = cpu_add,
+};
+
+int llmem_backend_cpu_create(int n_threads, struct llmem_backend **out) {
+    LLMEM_ASSERT(out != NULL);
+    *out = NULL;
+    struct llmem_backend *b = calloc(1, sizeof(*b));
+    struct cpu_ctx *c = calloc(1, sizeof(*c));
+    if (b == NULL || c == NULL) {
+        free(b);
+        free(c);
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    int rc = llmem_pool_create(n_threads, &c->pool);
+    if (rc != LLMEM_OK) {
+        free(b);
+        free(c);
+        return rc;
+    }
+    c->n_threads = llmem_pool_threads(c->pool);
+    c->isa = cpu_isa_best();
+    c->path = CPU_MATMUL_AUTO;
+    c->gemm_min_n = 16;
+    c->blas_f32 = 0;
+    size_t panel = (size_t)c->n_threads * CPU_GEMM_MR * CPU_GEMM_KC_MAX * sizeof(float);
+    if (posix_memalign((void **)&c->xt, 64, CPU_GEMM_XT_BYTES) != 0 ||
+        posix_memalign((void **)&c->wpanel, 64, panel) != 0) {
+        cpu_destroy(c);
+        free(b);
+        LLMEM_ERROR("out of memory for %zu bytes of GEMM scratch", CPU_GEMM_XT_BYTES + panel);
+        return LLMEM_ENOMEM;
+    }
+    /* OpenBLAS runs its own threads: as many as ours, never more. */
+    openblas_set_num_threads(c->n_threads);
+    b->ops = &cpu_ops;
+    b->ctx = c;
+    *out = b;
+    return LLMEM_OK;
+}
+
+void llmem_backend_destroy(struct llmem_backend *backend) {
+    if (backend == NULL)
+        return;
+    backend->ops->destroy(backend->ctx);
+    free(backend);
+}
+
+enum cpu_isa llmem_backend_cpu_set_isa(struct llmem_backend *backend, enum cpu_isa isa) {
+    struct cpu_ctx *c = backend->ctx;
+    enum cpu_isa best = cpu_isa_best();
+    c->isa = isa > best ? best : isa;
+    return c->isa;
+}
+
+void llmem_backend_cpu_set_matmul_path(struct llmem_backend *backend, enum cpu_matmul_path path) {
+    ((struct cpu_ctx *)backend->ctx)->path = path;
+}

@@ -1,0 +1,67 @@
+/*
+ * backend/cpu/cpu_int.h — the CPU backend's context and its kernel tables, shared by cpu.c (the
+ * backend table and the small operations) and matmul.c (the matrix products).
+ */
+#ifndef LLMEM_BACKEND_CPU_INT_H
+#define LLMEM_BACKEND_CPU_INT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend/ops.h"
+
+struct llmem_pool;
+
+/* GEMM blocking (matmul.c): W rows per micro-tile, tokens per packed strip, the largest K block,
+ * and the shared buffer of transposed activations. */
+#define CPU_GEMM_MR       12
+#define CPU_GEMM_NR       32
+#define CPU_GEMM_KC_MAX   4096
+#define CPU_GEMM_XT_BYTES ((size_t)4 << 20)
+
+/* Which kernels run (the best the CPU supports unless capped for tests and benchmarks). */
+enum cpu_isa { CPU_ISA_SCALAR = 0, CPU_ISA_AVX2, CPU_ISA_AVX512 };
+
+/* How a matmul is computed: by the row count n (AUTO), or forced for tests and benchmarks. */
+enum cpu_matmul_path {
+    CPU_MATMUL_AUTO = 0,
+    CPU_MATMUL_DECODE, /* stream W once, all n rows of x per weight row */
+    CPU_MATMUL_GEMM,   /* packed, cache-blocked GEMM */
+    CPU_MATMUL_BLAS    /* OpenBLAS sgemm (f32 weights only; others fall back to GEMM) */
+};
+
+struct cpu_ctx {
+    struct llmem_pool *pool;
+    int n_threads;
+    enum cpu_isa isa;
+    enum cpu_matmul_path path;
+    int blas_f32;       /* AUTO uses OpenBLAS for f32 weights in prefill */
+    int64_t gemm_min_n; /* AUTO: n at or above this takes the GEMM path */
+    float *xt;          /* (CPU_GEMM_XT_BYTES / 4) transposed, packed activations */
+    float *wpanel;      /* (n_threads, CPU_GEMM_MR, CPU_GEMM_KC_MAX) W rows as f32 */
+};
+
+/* The matmul of the backend table (matmul.c). */
+void cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,
+                const float *bias);
+
+/* The best ISA of this CPU for the kernels. */
+enum cpu_isa cpu_isa_best(void);
+const char *cpu_isa_name(enum cpu_isa isa);
+
+/* Test and benchmark hooks on a backend made by llmem_backend_cpu_create: the kernels' ISA
+ * (capped to the best supported; returns the one in effect) and the matmul path. */
+enum cpu_isa llmem_backend_cpu_set_isa(struct llmem_backend *backend, enum cpu_isa isa);
+void llmem_backend_cpu_set_matmul_path(struct llmem_backend *backend, enum cpu_matmul_path path);
+
+/* bf16 and f16 to f32, exact. */
+static inline float cpu_bf16_to_f32(uint16_t b) {
+    union {
+        uint32_t u;
+        float f;
+    } v = {(uint32_t)b << 16};
+    return v.f;
+}
+float cpu_f16_to_f32(uint16_t h);
+
+#endif

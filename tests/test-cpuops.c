@@ -1,0 +1,355 @@
+/*
+ * tests/test-cpuops.c — every operation of the CPU backend against a float64 reference on seeded
+ * random data: weight dtypes bf16/f16/f32, odd shapes, n = 1…300, 1–3 threads, every ISA the
+ * machine has, both matmul paths (which must also agree with each other), bias on and off.
+ *
+ * Tolerances, stated against the float64 result of the same (exactly representable) inputs:
+ *   matmul      |y − ref| ≤ 1e-6 · Σ_k |x_k · w_k| + 1e-6 · |bias|   (f32 accumulation)
+ *   rmsnorm     |y − ref| ≤ 1e-6 · |ref| + 1e-30
+ *   rope        |y − ref| ≤ 1e-6 · (|x_i| + |x_{i+h}|)   (ref: double rotation by the f32 cos/sin
+ *               of the f32 angle, as the contract says)
+ *   swiglu      |y − ref| ≤ 1e-6 · |ref| + 1e-30
+ *   embedding, add: exact.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/cpu_int.h"
+#include "backend/ops.h"
+#include "testutil.h"
+
+/* ---- data -------------------------------------------------------------------------------------
+ */
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static uint64_t rng(void) {
+    uint64_t x = rng_state;
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    return rng_state = x;
+}
+
+/* Uniform in [-1, 1). */
+static float frand(void) {
+    return (float)((double)(rng() >> 11) * 0x1p-53 * 2.0 - 1.0);
+}
+
+/* A random weight matrix in dtype, and its values as double (decoded independently). */
+static void *make_weight(enum llmem_dtype dt, int64_t count, double *val) {
+    void *data = malloc((size_t)(count > 0 ? count : 1) * 4);
+    assert_non_null(data);
+    for (int64_t i = 0; i < count; i++) {
+        uint64_t r = rng();
+        if (dt == LLMEM_DTYPE_F32) {
+            float f = frand();
+            ((float *)data)[i] = f;
+            val[i] = f;
+        } else if (dt == LLMEM_DTYPE_BF16) {
+            float f = frand();
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            uint16_t b = (uint16_t)(u >> 16);
+            ((uint16_t *)data)[i] = b;
+            u = (uint32_t)b << 16;
+            memcpy(&f, &u, 4);
+            val[i] = f;
+        } else { /* f16: sign, exponent field 1..16 (normals up to 2), random mantissa, or a
+                    subnormal now and then */
+            uint16_t sign = (uint16_t)(r & 1), mant = (uint16_t)((r >> 1) & 0x3ff);
+            uint16_t exp = (uint16_t)((r >> 11) % 17);
+            ((uint16_t *)data)[i] = (uint16_t)(sign << 15 | exp << 10 | mant);
+            double m = exp == 0 ? mant / 1024.0 : 1.0 + mant / 1024.0;
+            val[i] = (sign ? -1 : 1) * ldexp(m, (exp == 0 ? 1 : exp) - 15);
+        }
+    }
+    return data;
+}
+
+static float *make_floats(int64_t count) {
+    float *v = malloc((size_t)(count > 0 ? count : 1) * sizeof(float));
+    assert_non_null(v);
+    for (int64_t i = 0; i < count; i++)
+        v[i] = frand();
+    return v;
+}
+
+static struct llmem_backend *make_backend(int threads) {
+    struct llmem_backend *b = NULL;
+    assert_int_equal(llmem_backend_cpu_create(threads, &b), LLMEM_OK);
+    assert_non_null(b);
+    assert_string_equal(b->ops->name, "cpu");
+    assert_int_equal(b->ops->threads(b->ctx), threads);
+    return b;
+}
+
+/* ---- matmul -----------------------------------------------------------------------------------
+ */
+
+static double worst_ratio; /* the largest |err| / bound seen, printed at the end */
+
+/* Runs one matmul on the given path and checks it; returns y (malloc'ed). */
+static float *check_matmul(struct llmem_backend *b, enum cpu_matmul_path path,
+                           const struct llmem_weight *w, const double *wv, const float *x,
+                           int64_t n, const float *bias) {
+    const int64_t rows = w->rows, cols = w->cols;
+    float *y = malloc((size_t)(n * rows > 0 ? n * rows : 1) * sizeof(float));
+    assert_non_null(y);
+    for (int64_t i = 0; i < n * rows; i++)
+        y[i] = NAN;
+    llmem_backend_cpu_set_matmul_path(b, path);
+    b->ops->matmul(b->ctx, w, x, n, y, bias);
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t r = 0; r < rows; r++) {
+            double ref = bias != NULL ? bias[r] : 0.0, mag = 0.0;
+            for (int64_t k = 0; k < cols; k++) {
+                double p = (double)x[t * cols + k] * wv[r * cols + k];
+                ref += p;
+                mag += fabs(p);
+            }
+            double bound = 1e-6 * mag + 1e-6 * (bias != NULL ? fabs(bias[r]) : 0.0) + 1e-30;
+            double err = fabs((double)y[t * rows + r] - ref);
+            if (err / bound > worst_ratio)
+                worst_ratio = err / bound;
+            if (!(err <= bound)) {
+                fprintf(stderr,
+                        "matmul %s %lldx%lld n=%lld path=%d y[%lld,%lld]=%.9g ref=%.9g bound=%g\n",
+                        llmem_dtype_name(w->dtype), (long long)rows, (long long)cols, (long long)n,
+                        (int)path, (long long)t, (long long)r, (double)y[t * rows + r], ref, bound);
+                fail();
+            }
+        }
+    return y;
+}
+
+static void matmul_case(struct llmem_backend *b, enum llmem_dtype dt, int64_t rows, int64_t cols,
+                        int64_t n, int with_bias) {
+    double *wv = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof(double));
+    assert_non_null(wv);
+    struct llmem_weight w = {make_weight(dt, rows * cols, wv), dt, rows, cols};
+    float *x = make_floats(n * cols);
+    float *bias = with_bias ? make_floats(rows) : NULL;
+    float *yd = check_matmul(b, CPU_MATMUL_DECODE, &w, wv, x, n, bias);
+    float *yg = check_matmul(b, CPU_MATMUL_GEMM, &w, wv, x, n, bias);
+    float *ya = check_matmul(b, CPU_MATMUL_AUTO, &w, wv, x, n, bias);
+    /* The two paths agree with each other to twice the reference bound (checked above), and
+     * AUTO is one of them exactly. */
+    for (int64_t i = 0; i < n * rows; i++)
+        assert_true(ya[i] == yd[i] || ya[i] == yg[i]);
+    if (dt == LLMEM_DTYPE_F32) {
+        float *yb = check_matmul(b, CPU_MATMUL_BLAS, &w, wv, x, n, bias);
+        free(yb);
+    }
+    llmem_backend_cpu_set_matmul_path(b, CPU_MATMUL_AUTO);
+    free(yd);
+    free(yg);
+    free(ya);
+    free(bias);
+    free(x);
+    free((void *)w.data);
+    free(wv);
+}
+
+static const enum llmem_dtype dtypes[3] = {LLMEM_DTYPE_BF16, LLMEM_DTYPE_F16, LLMEM_DTYPE_F32};
+
+static void test_matmul_shapes(void **state) {
+    (void)state;
+    static const int64_t shapes[][2] = {{1, 1}, {3, 37}, {67, 129}, {16, 32}, {25, 64}, {13, 300}};
+    static const int64_t ns[] = {1, 3, 17, 64, 100};
+    for (int threads = 1; threads <= 3; threads++) {
+        struct llmem_backend *b = make_backend(threads);
+        for (int isa = CPU_ISA_SCALAR; isa <= (int)cpu_isa_best(); isa++) {
+            assert_int_equal(llmem_backend_cpu_set_isa(b, (enum cpu_isa)isa), isa);
+            for (int d = 0; d < 3; d++)
+                for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
+                    for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]); i++)
+                        matmul_case(b, dtypes[d], shapes[s][0], shapes[s][1], ns[i],
+                                    (int)((s + i) & 1));
+        }
+        llmem_backend_destroy(b);
+    }
+    fprintf(stderr, "matmul: worst |err| / bound = %.3f\n", worst_ratio);
+}
+
+/* Enough rows for the multi-task split, more than one K block (cols > 4096) and more than one
+ * token block of packed activations (n = 300 with K blocks of 4112). */
+static void test_matmul_blocks(void **state) {
+    (void)state;
+    struct llmem_backend *b = make_backend(2);
+    for (int isa = CPU_ISA_SCALAR; isa <= (int)cpu_isa_best(); isa++) {
+        llmem_backend_cpu_set_isa(b, (enum cpu_isa)isa);
+        matmul_case(b, LLMEM_DTYPE_BF16, 5, 8200, 300, 1);
+        matmul_case(b, LLMEM_DTYPE_F16, 3, 4100, 17, 0);
+        matmul_case(b, LLMEM_DTYPE_F32, 1030, 40, 5, 1);
+        matmul_case(b, LLMEM_DTYPE_BF16, 2053, 64, 33, 0);
+    }
+    llmem_backend_destroy(b);
+    fprintf(stderr, "matmul blocks: worst |err| / bound = %.3f\n", worst_ratio);
+}
+
+static void test_matmul_empty(void **state) {
+    (void)state;
+    struct llmem_backend *b = make_backend(2);
+    float bias[3] = {1, 2, 3}, y[6] = {0}, x[1] = {0};
+    uint16_t data[1] = {0};
+    struct llmem_weight w = {data, LLMEM_DTYPE_BF16, 3, 0};
+    b->ops->matmul(b->ctx, &w, x, 2, y, bias);
+    for (int i = 0; i < 6; i++)
+        assert_true(y[i] == bias[i % 3]);
+    b->ops->matmul(b->ctx, &w, x, 0, y, NULL); /* n = 0: nothing */
+    llmem_backend_destroy(b);
+}
+
+/* ---- element-wise operations ------------------------------------------------------------------
+ */
+
+static void test_rmsnorm(void **state) {
+    (void)state;
+    static const int64_t cases[][2] = {{1, 1}, {3, 37}, {5, 2048}, {64, 1024}, {100, 129}};
+    for (int threads = 1; threads <= 3; threads++) {
+        struct llmem_backend *b = make_backend(threads);
+        for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+            int64_t n = cases[c][0], dim = cases[c][1];
+            float *x = make_floats(n * dim), *wt = make_floats(dim);
+            float *y = malloc((size_t)(n * dim) * sizeof(float));
+            float *inplace = malloc((size_t)(n * dim) * sizeof(float));
+            assert_non_null(y);
+            assert_non_null(inplace);
+            memcpy(inplace, x, (size_t)(n * dim) * sizeof(float));
+            const float eps = 1e-5f;
+            b->ops->rmsnorm(b->ctx, x, wt, n, dim, eps, y);
+            b->ops->rmsnorm(b->ctx, inplace, wt, n, dim, eps, inplace);
+            for (int64_t t = 0; t < n; t++) {
+                double s = 0;
+                for (int64_t i = 0; i < dim; i++)
+                    s += (double)x[t * dim + i] * x[t * dim + i];
+                double inv = 1.0 / sqrt(s / (double)dim + (double)eps);
+                for (int64_t i = 0; i < dim; i++) {
+                    double ref = x[t * dim + i] * inv * wt[i];
+                    assert_true(fabs(y[t * dim + i] - ref) <= 1e-6 * fabs(ref) + 1e-30);
+                    assert_true(inplace[t * dim + i] == y[t * dim + i]);
+                }
+            }
+            free(x);
+            free(wt);
+            free(y);
+            free(inplace);
+        }
+        llmem_backend_destroy(b);
+    }
+}
+
+static void test_rope(void **state) {
+    (void)state;
+    static const int head_dims[] = {32, 64, 128};
+    for (int threads = 1; threads <= 3; threads++) {
+        struct llmem_backend *b = make_backend(threads);
+        for (size_t hd = 0; hd < 3; hd++) {
+            const int head_dim = head_dims[hd], half = head_dim / 2, n_heads = 3;
+            const int64_t n = threads == 2 ? 130 : 7;
+            float inv_freq[64];
+            for (int i = 0; i < half; i++)
+                inv_freq[i] = (float)(1.0 / pow(500000.0, 2.0 * i / head_dim));
+            int64_t pos[130];
+            for (int64_t t = 0; t < n; t++)
+                pos[t] = t == 0 ? 0 : t == 1 ? 100000 : t == 2 ? 131071 : (int64_t)(rng() % 200000);
+            float *x = make_floats(n * n_heads * head_dim);
+            float *y = malloc((size_t)(n * n_heads * head_dim) * sizeof(float));
+            assert_non_null(y);
+            memcpy(y, x, (size_t)(n * n_heads * head_dim) * sizeof(float));
+            b->ops->rope(b->ctx, y, n, n_heads, head_dim, pos, inv_freq);
+            for (int64_t t = 0; t < n; t++)
+                for (int h = 0; h < n_heads; h++)
+                    for (int i = 0; i < half; i++) {
+                        int64_t base = (t * n_heads + h) * head_dim;
+                        float angle = (float)pos[t] * inv_freq[i];
+                        double c = (float)cos((double)angle), s = (float)sin((double)angle);
+                        double x0 = x[base + i], x1 = x[base + i + half];
+                        double r0 = x0 * c - x1 * s, r1 = x1 * c + x0 * s;
+                        double tol = 1e-6 * (fabs(x0) + fabs(x1));
+                        assert_true(fabs(y[base + i] - r0) <= tol);
+                        assert_true(fabs(y[base + i + half] - r1) <= tol);
+                    }
+            free(x);
+            free(y);
+        }
+        llmem_backend_destroy(b);
+    }
+}
+
+static void test_swiglu_add(void **state) {
+    (void)state;
+    static const int64_t sizes[] = {1, 37, 8192, 300000};
+    for (int threads = 1; threads <= 3; threads++) {
+        struct llmem_backend *b = make_backend(threads);
+        for (size_t c = 0; c < 4; c++) {
+            int64_t n = sizes[c];
+            float *g = make_floats(n), *u = make_floats(n), *out = malloc((size_t)n * 4);
+            float *g2 = malloc((size_t)n * 4);
+            assert_non_null(out);
+            assert_non_null(g2);
+            for (int64_t i = 0; i < n; i++)
+                g[i] *= 20.0f; /* both tails of the sigmoid */
+            memcpy(g2, g, (size_t)n * 4);
+            b->ops->swiglu(b->ctx, g, u, n, out);
+            b->ops->swiglu(b->ctx, g2, u, n, g2); /* out == gate */
+            for (int64_t i = 0; i < n; i++) {
+                double ref = (double)g[i] / (1.0 + exp(-(double)g[i])) * u[i];
+                assert_true(fabs(out[i] - ref) <= 1e-6 * fabs(ref) + 1e-30);
+                assert_true(g2[i] == out[i]);
+            }
+            float *y = make_floats(n), *y0 = malloc((size_t)n * 4);
+            assert_non_null(y0);
+            memcpy(y0, y, (size_t)n * 4);
+            b->ops->add(b->ctx, y, u, n);
+            for (int64_t i = 0; i < n; i++)
+                assert_true(y[i] == y0[i] + u[i]);
+            free(g), free(u), free(out), free(g2), free(y), free(y0);
+        }
+        llmem_backend_destroy(b);
+    }
+}
+
+static void test_embedding(void **state) {
+    (void)state;
+    for (int threads = 1; threads <= 3; threads += 2) {
+        struct llmem_backend *b = make_backend(threads);
+        for (int d = 0; d < 3; d++) {
+            const int64_t vocab = 50, dim = threads == 1 ? 37 : 4096, n = 20;
+            double *val = malloc((size_t)(vocab * dim) * sizeof(double));
+            assert_non_null(val);
+            struct llmem_weight table = {make_weight(dtypes[d], vocab * dim, val), dtypes[d], vocab,
+                                         dim};
+            int32_t ids[20];
+            for (int t = 0; t < n; t++)
+                ids[t] = t == 0 ? 0 : t == 1 ? (int32_t)vocab - 1 : (int32_t)(rng() % vocab);
+            float *out = malloc((size_t)(n * dim) * sizeof(float));
+            assert_non_null(out);
+            b->ops->embedding(b->ctx, &table, ids, n, out);
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t i = 0; i < dim; i++)
+                    assert_true((double)out[t * dim + i] == val[ids[t] * dim + i]);
+            free(out);
+            free((void *)table.data);
+            free(val);
+        }
+        llmem_backend_destroy(b);
+    }
+}
+
+static void test_destroy_null(void **state) {
+    (void)state;
+    llmem_backend_destroy(NULL);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_matmul_shapes), cmocka_unit_test(test_matmul_blocks),
+        cmocka_unit_test(test_matmul_empty),  cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_rope),          cmocka_unit_test(test_swiglu_add),
+        cmocka_unit_test(test_embedding),     cmocka_unit_test(test_destroy_null),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
