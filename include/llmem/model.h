@@ -133,6 +133,101 @@ int llmem_model_geometry_load_config(const char *model_dir, struct llmem_model_g
  * (logged as a warning). */
 int llmem_model_geometry_load(const char *model_dir, struct llmem_model_geometry *geom);
 
+/* ---------------------------------------------------------------------------------------------
+ * The full configuration: what the forward pass runs on
+ * ------------------------------------------------------------------------------------------- */
+
+#define LLMEM_MAX_EOS 8
+
+struct llmem_model_config {
+    struct llmem_model_geometry geom;
+    double rms_norm_eps; /* 1e-6 when absent */
+    char hidden_act[16]; /* "silu" (the only one supported) */
+    double rope_theta;   /* 10000 when absent */
+    char rope_type[24];  /* "default", "linear", "llama3"; others are refused at load */
+    double rope_factor;  /* linear, llama3 */
+    double rope_low_freq_factor, rope_high_freq_factor; /* llama3 */
+    int64_t rope_original_max_context;                  /* llama3 */
+    uint8_t *layer_sliding; /* (n_layers) 1 where the layer attends within geom.sliding_window */
+    int32_t bos_id;         /* config.json's; −1 when absent */
+    int32_t eos_ids[LLMEM_MAX_EOS];
+    int n_eos;
+};
+
+/* Reads MODEL_DIR/config.json as llmem_model_geometry_load_config does, plus the RoPE numbers,
+ * rms_norm_eps, hidden_act, bos/eos ids and which layers slide. Free with
+ * llmem_model_config_free. */
+int llmem_model_config_load(const char *model_dir, struct llmem_model_config *cfg);
+void llmem_model_config_free(struct llmem_model_config *cfg);
+
+/* The rotary inverse frequencies, as transformers computes them in f32: inv_freq[i] =
+ * 1 / theta^(2i / head_dim) for i < head_dim / 2, then scaled by `linear` (÷ factor) or `llama3`
+ * (wavelength-dependent: long wavelengths ÷ factor, short unchanged, smooth in between); then
+ * rounded to round_to when it is F16 or BF16 (what a transformers model cast with .to(dtype)
+ * rotates by), else left in f32. */
+void llmem_rope_inv_freq(const struct llmem_model_config *cfg, enum llmem_dtype round_to,
+                         float *inv_freq);
+
+/* ---------------------------------------------------------------------------------------------
+ * A model loaded for inference
+ * ------------------------------------------------------------------------------------------- */
+
+struct llmem_mem;
+struct llmem_model;
+
+/* Progress of long work: done of total units (bytes for a load). */
+typedef void (*llmem_progress_fn)(void *arg, int64_t done, int64_t total);
+
+/* Loads a model directory: config.json in full, the safetensors files memory-mapped (tracked by
+ * mem under the tag weights, read in with progress reported), every tensor of the architecture
+ * bound and checked against the config. progress may be NULL. LLMEM_ENOENT (missing directory,
+ * file or tensor), LLMEM_EFORMAT (a malformed file, a shape that disagrees with the config),
+ * LLMEM_EUNSUPPORTED (an architecture, dtype, rope type or activation llmem does not run),
+ * LLMEM_ENOMEM (the memory limit), LLMEM_EIO — each logged once, naming the file and tensor.
+ * LLMEM_ROPE_FREQ=checkpoint rounds the rotary frequencies to the embedding's dtype (see
+ * llmem_rope_inv_freq); unset or f32 keeps them exact. */
+int llmem_model_load(const char *model_dir, struct llmem_mem *mem, llmem_progress_fn progress,
+                     void *progress_arg, struct llmem_model **out);
+/* NULL is a no-op. */
+void llmem_model_free(struct llmem_model *model);
+/* The configuration; geom.n_params and geom.weights_bytes are those of the files. */
+const struct llmem_model_config *llmem_model_get_config(const struct llmem_model *model);
+
+/* ---------------------------------------------------------------------------------------------
+ * The forward pass
+ * ------------------------------------------------------------------------------------------- */
+
+struct llmem_backend;
+struct llmem_kv;
+struct llmem_forward;
+
+/* One sequence's part of a batch: n_tokens consecutive tokens at positions [pos, pos + n_tokens)
+ * of KV sequence `seq` (pos at most the sequence's length: tokens past it are rewritten). */
+struct llmem_batch_seq {
+    int seq;
+    int64_t pos;
+    int64_t n_tokens;
+    int all_logits; /* 1: logits of every token; 0: of the last one */
+};
+
+/* A forward pass of `model` on `backend` over `kv` (whose geometry must match the model), for
+ * batches of up to max_batch_tokens tokens; its activations come from the model's allocator (tag
+ * scratch). LLMEM_ENOMEM (logged). */
+int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *backend,
+                         struct llmem_kv *kv, int64_t max_batch_tokens, struct llmem_forward **out);
+void llmem_forward_free(struct llmem_forward *forward);
+int64_t llmem_forward_max_tokens(const struct llmem_forward *forward);
+/* The activations' bytes for a batch of max_batch_tokens (what create allocates). */
+int64_t llmem_forward_workspace_bytes(const struct llmem_model_geometry *g,
+                                      int64_t max_batch_tokens);
+
+/* Runs one batch: tokens holds each sequence's tokens in order; logits receives the requested rows
+ * ([Σ (all_logits ? n_tokens : 1), vocab], in order). The KV of every sequence is extended (or
+ * rewritten) first; on any failure (LLMEM_ENOMEM from the cache, LLMEM_EINVAL for a token id out
+ * of the vocabulary or a bad position — logged) the sequences keep their previous lengths. */
+int llmem_forward_run(struct llmem_forward *forward, const int32_t *tokens,
+                      const struct llmem_batch_seq *seqs, int n_seqs, float *logits);
+
 #ifdef __cplusplus
 }
 #endif

@@ -12,7 +12,8 @@
  * layer slides: layer_types has "sliding_attention"; else use_sliding_window is true (for qwen2/3
  * also some layer at or above max_window_layers, default 28, as transformers derives it); else, for
  * mistral, whenever sliding_window is set. rope_theta / rope_scaling / rope_parameters are checked
- * for type only (nothing about RoPE is in the geometry yet).
+ * for type by the geometry, and read into the full configuration (struct llmem_model_config) that
+ * the forward pass runs on, with rms_norm_eps, hidden_act and the token ids of config.json.
  *
  * Guarantees: every integer is read exactly (no double rounding) and bounded so that the planner's
  * 64-bit products of them cannot overflow; a missing, mistyped or out-of-range field gives one
@@ -285,10 +286,105 @@ static int config_rope(const struct config *c) {
     return LLMEM_OK;
 }
 
+/* The RoPE numbers: rope_theta at the top level or in rope_parameters (10000 when absent); the
+ * scaling from rope_parameters (transformers 5) or rope_scaling, its type spelled rope_type or
+ * type. A rope_parameters object keyed by layer type is read at its full_attention entry. */
+static void config_rope_values(const struct config *c, struct llmem_model_config *cfg) {
+    const cJSON *params = cJSON_GetObjectItemCaseSensitive(c->text, "rope_parameters");
+    if (cJSON_IsObject(params)) {
+        const cJSON *full = cJSON_GetObjectItemCaseSensitive(params, "full_attention");
+        if (cJSON_IsObject(full))
+            params = full;
+    } else {
+        params = NULL;
+    }
+    const cJSON *scaling = cJSON_GetObjectItemCaseSensitive(c->text, "rope_scaling");
+    if (!cJSON_IsObject(scaling))
+        scaling = params;
+    const cJSON *theta = cJSON_GetObjectItemCaseSensitive(c->text, "rope_theta");
+    if (!cJSON_IsNumber(theta) && params != NULL)
+        theta = cJSON_GetObjectItemCaseSensitive(params, "rope_theta");
+    cfg->rope_theta = cJSON_IsNumber(theta) ? theta->valuedouble : 10000.0;
+    snprintf(cfg->rope_type, sizeof(cfg->rope_type), "default");
+    cfg->rope_factor = 1.0;
+    cfg->rope_low_freq_factor = 1.0;
+    cfg->rope_high_freq_factor = 4.0;
+    cfg->rope_original_max_context = 8192;
+    if (scaling == NULL)
+        return;
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(scaling, "rope_type");
+    if (!cJSON_IsString(type))
+        type = cJSON_GetObjectItemCaseSensitive(scaling, "type");
+    if (cJSON_IsString(type))
+        snprintf(cfg->rope_type, sizeof(cfg->rope_type), "%s", type->valuestring);
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(scaling, "factor");
+    if (cJSON_IsNumber(v))
+        cfg->rope_factor = v->valuedouble;
+    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(scaling, "low_freq_factor")))
+        cfg->rope_low_freq_factor = v->valuedouble;
+    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(scaling, "high_freq_factor")))
+        cfg->rope_high_freq_factor = v->valuedouble;
+    if (cJSON_IsNumber(
+            v = cJSON_GetObjectItemCaseSensitive(scaling, "original_max_position_embeddings")))
+        cfg->rope_original_max_context = (int64_t)v->valuedouble;
+}
+
+/* bos_token_id and eos_token_id (an integer or a list of them); −1 / none when absent. */
+static int config_token_ids(const struct config *c, struct llmem_model_config *cfg) {
+    cfg->bos_id = -1;
+    cfg->n_eos = 0;
+    int64_t v = 0;
+    int status = config_int(c, "bos_token_id", 0, 0, MAX_VOCAB, &v);
+    if (status == LLMEM_OK)
+        cfg->bos_id = (int32_t)v;
+    else if (status != LLMEM_ENOENT)
+        return status;
+    const cJSON *eos = cJSON_GetObjectItemCaseSensitive(c->text, "eos_token_id");
+    if (cJSON_IsArray(eos)) {
+        const cJSON *e = NULL;
+        cJSON_ArrayForEach(e, eos) {
+            if (llmem_json_int(e, &v) != LLMEM_OK || v < 0 || v >= MAX_VOCAB) {
+                CONFIG_ERROR("%s: '%seos_token_id' must hold token ids", c->path, c->prefix);
+                return LLMEM_EFORMAT;
+            }
+            if (cfg->n_eos < LLMEM_MAX_EOS)
+                cfg->eos_ids[cfg->n_eos++] = (int32_t)v;
+        }
+        return LLMEM_OK;
+    }
+    status = config_int(c, "eos_token_id", 0, 0, MAX_VOCAB, &v);
+    if (status == LLMEM_OK)
+        cfg->eos_ids[cfg->n_eos++] = (int32_t)v;
+    return status == LLMEM_ENOENT ? LLMEM_OK : status;
+}
+
+/* The numbers the forward pass needs beyond the geometry. */
+static int config_runtime(const struct config *c, struct llmem_model_config *cfg) {
+    config_rope_values(c, cfg);
+    cfg->rms_norm_eps = 1e-6;
+    const cJSON *eps = cJSON_GetObjectItemCaseSensitive(c->text, "rms_norm_eps");
+    if (eps != NULL && !cJSON_IsNull(eps)) {
+        if (!cJSON_IsNumber(eps) || !(eps->valuedouble > 0 && eps->valuedouble < 1)) {
+            CONFIG_ERROR("%s: '%srms_norm_eps' must be a number in (0, 1)", c->path, c->prefix);
+            return LLMEM_EFORMAT;
+        }
+        cfg->rms_norm_eps = eps->valuedouble;
+    }
+    const char *act = NULL;
+    int status = config_string(c, c->text, "hidden_act", &act);
+    if (status == LLMEM_OK && act == NULL)
+        status = config_string(c, c->text, "hidden_activation", &act);
+    if (status != LLMEM_OK)
+        return status;
+    snprintf(cfg->hidden_act, sizeof(cfg->hidden_act), "%s", act != NULL ? act : "silu");
+    return config_token_ids(c, cfg);
+}
+
 /* ---- sliding window ------------------------------------------------------------------------- */
 
 static int config_sliding_window(const struct config *c, const char *arch, int64_t n_layers,
-                                 int64_t *out) {
+                                 int64_t *out, uint8_t *layers) {
+    int64_t slide_from = 0; /* without layer_types, layers from here on slide */
     int64_t window = 0;
     int status = config_int(c, "sliding_window", 0, 1, MAX_CONTEXT, &window);
     if (status != LLMEM_OK && status != LLMEM_ENOENT)
@@ -326,6 +422,8 @@ static int config_sliding_window(const struct config *c, const char *arch, int64
             }
             if (strcmp(t->valuestring, "sliding_attention") == 0) {
                 sliding = 1;
+                if (layers != NULL)
+                    layers[i] = 1;
             } else if (strcmp(t->valuestring, "full_attention") != 0) {
                 CONFIG_ERROR("%s: '%slayer_types[%d]' is '%.40s'; llmem supports full_attention "
                              "and sliding_attention",
@@ -345,6 +443,7 @@ static int config_sliding_window(const struct config *c, const char *arch, int64
             if (status != LLMEM_OK && status != LLMEM_ENOENT)
                 return status;
             sliding = max_window_layers < n_layers;
+            slide_from = max_window_layers;
         }
     } else {
         sliding = strcmp(arch, "mistral") == 0 && has_window;
@@ -353,6 +452,9 @@ static int config_sliding_window(const struct config *c, const char *arch, int64
         CONFIG_ERROR("%s: %s but '%ssliding_window' is not set", c->path, why, c->prefix);
         return LLMEM_EFORMAT;
     }
+    if (layers != NULL && (types == NULL || cJSON_IsNull(types)))
+        for (int64_t i = slide_from; sliding && i < n_layers; i++)
+            layers[i] = 1;
     *out = sliding ? window : 0;
     return LLMEM_OK;
 }
@@ -416,7 +518,8 @@ static void dir_name(const char *dir, char *dst, size_t size) {
 
 /* ---- the geometry --------------------------------------------------------------------------- */
 
-static int config_geometry(const struct config *c, struct llmem_model_geometry *g) {
+static int config_geometry(const struct config *c, struct llmem_model_geometry *g,
+                           uint8_t **layers) {
     const char *arch = NULL;
     int status = config_arch(c, &arch);
     if (status != LLMEM_OK)
@@ -481,10 +584,20 @@ static int config_geometry(const struct config *c, struct llmem_model_geometry *
 
     if ((status = config_rope(c)) != LLMEM_OK)
         return status;
-    return config_sliding_window(c, arch, g->n_layers, &g->sliding_window);
+    if (layers != NULL) {
+        *layers = calloc((size_t)g->n_layers, 1);
+        if (*layers == NULL) {
+            CONFIG_ERROR("out of memory");
+            return LLMEM_ENOMEM;
+        }
+    }
+    return config_sliding_window(c, arch, g->n_layers, &g->sliding_window,
+                                 layers != NULL ? *layers : NULL);
 }
 
-int llmem_model_geometry_load_config(const char *model_dir, struct llmem_model_geometry *geom) {
+/* Reads config.json; with cfg, also the runtime numbers and the per-layer sliding flags. */
+static int config_load(const char *model_dir, struct llmem_model_geometry *geom,
+                       struct llmem_model_config *cfg) {
     int status = llmem_model_dir_check(model_dir, CONFIG_FUNC);
     if (status != LLMEM_OK)
         return status;
@@ -520,13 +633,40 @@ int llmem_model_geometry_load_config(const char *model_dir, struct llmem_model_g
         c.text = text;
         c.prefix = "text_config.";
     }
-    status = config_geometry(&c, &g);
-    if (status != LLMEM_OK)
+    uint8_t *layers = NULL;
+    status = config_geometry(&c, &g, cfg != NULL ? &layers : NULL);
+    if (status == LLMEM_OK && cfg != NULL)
+        status = config_runtime(&c, cfg);
+    if (status != LLMEM_OK) {
+        free(layers);
         goto out_json;
+    }
     dir_name(model_dir, g.name, sizeof(g.name));
     copy_tail(g.source, sizeof(g.source), model_dir);
     *geom = g;
+    if (cfg != NULL)
+        cfg->layer_sliding = layers;
 out_json:
     cJSON_Delete(root);
     return status;
+}
+
+int llmem_model_geometry_load_config(const char *model_dir, struct llmem_model_geometry *geom) {
+    return config_load(model_dir, geom, NULL);
+}
+
+int llmem_model_config_load(const char *model_dir, struct llmem_model_config *cfg) {
+    struct llmem_model_config c;
+    memset(&c, 0, sizeof(c));
+    int status = config_load(model_dir, &c.geom, &c);
+    if (status == LLMEM_OK)
+        *cfg = c;
+    return status;
+}
+
+void llmem_model_config_free(struct llmem_model_config *cfg) {
+    if (cfg == NULL)
+        return;
+    free(cfg->layer_sliding);
+    cfg->layer_sliding = NULL;
 }

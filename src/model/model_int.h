@@ -6,6 +6,8 @@
 #ifndef LLMEM_MODEL_MODEL_INT_H
 #define LLMEM_MODEL_MODEL_INT_H
 
+#include "backend/ops.h"
+#include "llmem/mem.h"
 #include "llmem/model.h"
 
 /* LLMEM_OK when dir is an existing directory; else LLMEM_ENOENT (missing) or LLMEM_EINVAL (not a
@@ -23,5 +25,32 @@ int llmem_st_table_add_file(struct llmem_safetensors *st, const char *path, cons
 /* Sorts the tensors by name, rejects a name found in two files, and sums the element and byte
  * counts. */
 int llmem_st_table_finish(struct llmem_safetensors *st, const char *func);
+
+/* One decoder layer's weights: matrices used in place from the mapped files, small vectors as f32
+ * copies (tag weights). */
+struct model_layer {
+    struct llmem_weight wq, wk, wv,
+        wo; /* (n_heads·hd, hidden) (kv·hd, hidden) … (hidden, n_heads·hd) */
+    struct llmem_weight w_gate, w_up, w_down; /* (inter, hidden) (inter, hidden) (hidden, inter) */
+    float *attn_norm;                         /* (hidden) input_layernorm */
+    float *mlp_norm;                          /* (hidden) post_attention_layernorm */
+    float *bq, *bk, *bv;                      /* (n_heads·hd) (kv·hd) (kv·hd), or NULL */
+    float *q_norm, *k_norm;                   /* (hd), or NULL */
+    int64_t window;                           /* 0, or the sliding window of this layer */
+};
+
+struct llmem_model {
+    struct llmem_model_config cfg;
+    struct llmem_safetensors *st;
+    struct llmem_mem *mem;
+    void **maps;                 /* (st->n_files) the mapped files */
+    size_t *map_bytes;           /* (st->n_files) */
+    struct llmem_weight embed;   /* (vocab, hidden) */
+    struct llmem_weight lm_head; /* (vocab, hidden): embed when tied */
+    float *final_norm;           /* (hidden) */
+    float *inv_freq;             /* (hd / 2) */
+    struct model_layer *layers;  /* (n_layers) */
+    int64_t vector_bytes;        /* the f32 copies, for the accounting */
+};
 
 #endif

