@@ -23,15 +23,15 @@
 #define TOK_DATA LLMEM_TEST_DATA "/tok"
 
 static const char *const all_tokenizers[] = {
-    "pycoder",    "tiny-llama3", "tiny-qwen2",        "tiny-qwen3",
-    "tok-gpt2",   "tok-ignore-merges", "tok-metaspace", "tiny-mistral-swa",
+    "pycoder",  "tiny-llama3",       "tiny-qwen2",    "tiny-qwen3",
+    "tok-gpt2", "tok-ignore-merges", "tok-metaspace", "tiny-mistral-swa",
 };
 #define N_TOKENIZERS (sizeof(all_tokenizers) / sizeof(all_tokenizers[0]))
 
 /* The tokenizers whose decode inverts encode on any valid UTF-8 text. */
 static const char *const invertible[] = {
-    "pycoder", "tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tok-gpt2", "tok-ignore-merges",
-    "tiny-mistral-swa",
+    "pycoder",  "tiny-llama3",       "tiny-qwen2",       "tiny-qwen3",
+    "tok-gpt2", "tok-ignore-merges", "tiny-mistral-swa",
 };
 #define N_INVERTIBLE (sizeof(invertible) / sizeof(invertible[0]))
 
@@ -107,7 +107,30 @@ static int32_t *json_ids(const cJSON *arr, int64_t *n) {
     return ids;
 }
 
-/* The streamed pieces of ids, concatenated. */
+/* A case's text: `key`, or `key`_hex where the text holds a NUL (which cJSON strings cannot). */
+static char *case_text(const cJSON *c, const char *key, size_t *len) {
+    char hex_key[64];
+    snprintf(hex_key, sizeof(hex_key), "%s_hex", key);
+    const cJSON *hex = cJSON_GetObjectItem(c, hex_key);
+    if (hex == NULL) {
+        const char *s = cJSON_GetObjectItem(c, key)->valuestring;
+        *len = strlen(s);
+        return strdup(s);
+    }
+    size_t n = strlen(hex->valuestring) / 2;
+    char *p = malloc(n + 1);
+    assert_non_null(p);
+    for (size_t i = 0; i < n; i++) {
+        unsigned v = 0;
+        assert_int_equal(sscanf(hex->valuestring + 2 * i, "%2x", &v), 1);
+        p[i] = (char)v;
+    }
+    p[n] = '\0';
+    *len = n;
+    return p;
+}
+
+/* The streamed pieces of ids, concatenated (pieces are NUL-terminated: for texts without NUL). */
 static char *stream_decode(const struct llmem_tokenizer *tok, const int32_t *ids, int64_t n,
                            int skip_special) {
     struct llmem_detok *d = NULL;
@@ -151,12 +174,13 @@ static void check_tokenizer(const char *name) {
     int n_cases = 0, n_bad = 0;
     const cJSON *c = NULL;
     cJSON_ArrayForEach(c, cJSON_GetObjectItem(root, "cases")) {
-        const char *text = cJSON_GetObjectItem(c, "text")->valuestring;
-        const char *decoded = cJSON_GetObjectItem(c, "decoded")->valuestring;
+        size_t text_len = 0, decoded_len = 0;
+        char *text = case_text(c, "text", &text_len);
+        char *decoded = case_text(c, "decoded", &decoded_len);
         int64_t n_want = 0, n = 0;
         int32_t *want = json_ids(cJSON_GetObjectItem(c, "ids"), &n_want);
         int32_t *ids = NULL;
-        assert_int_equal(llmem_tokenizer_encode(tok, text, strlen(text), &ids, &n), LLMEM_OK);
+        assert_int_equal(llmem_tokenizer_encode(tok, text, text_len, &ids, &n), LLMEM_OK);
         int ok = n == n_want && memcmp(ids, want, (size_t)n * sizeof(*ids)) == 0;
         if (!ok) {
             fprintf(stderr, "%s: encode \"%s\" differs\n", name, text);
@@ -166,19 +190,21 @@ static void check_tokenizer(const char *name) {
         char *out = NULL;
         size_t out_len = 0;
         assert_int_equal(llmem_tokenizer_decode(tok, want, n_want, 0, &out, &out_len), LLMEM_OK);
-        if (strcmp(out, decoded) != 0 || out_len != strlen(decoded)) {
-            fprintf(stderr, "%s: decode of \"%s\": want \"%s\", got \"%s\"\n", name, text,
-                    decoded, out);
+        if (out_len != decoded_len || memcmp(out, decoded, out_len) != 0) {
+            fprintf(stderr, "%s: decode of \"%s\": want \"%s\", got \"%s\"\n", name, text, decoded,
+                    out);
             ok = 0;
         }
         char *streamed = stream_decode(tok, want, n_want, 0);
-        if (strcmp(streamed, out) != 0) {
+        if (memchr(out, '\0', out_len) == NULL && strcmp(streamed, out) != 0) {
             fprintf(stderr, "%s: streamed decode of \"%s\": \"%s\" != \"%s\"\n", name, text,
                     streamed, out);
             ok = 0;
         }
         n_cases++;
         n_bad += !ok;
+        free(text);
+        free(decoded);
         free(streamed);
         free(out);
         free(ids);
@@ -467,7 +493,7 @@ static void expect_render(const struct llmem_tokenizer *tok, enum llmem_chat_tem
     "'<|im_end|>\\\\n' }}{%- else %}{{- '<|im_start|>system\\\\nYou are Qwen, created by Alibaba " \
     "Cloud. You are a helpful assistant.<|im_end|>\\\\n' }}{%- endif %}\"}"
 #define CHATML_CONFIG                                                                              \
-    "{\"eos_token\": {\"content\": \"<|im_end|>\", \"lstrip\": false}, \"chat_template\": \"{% "    \
+    "{\"eos_token\": {\"content\": \"<|im_end|>\", \"lstrip\": false}, \"chat_template\": \"{% "   \
     "for message in messages %}{{'<|im_start|>' + message['role'] + '\\\\n' + message['content'] " \
     "+ '<|im_end|>' + '\\\\n'}}{% endfor %}\"}"
 #define LLAMA3_CONFIG                                                                              \
@@ -476,7 +502,8 @@ static void expect_render(const struct llmem_tokenizer *tok, enum llmem_chat_tem
     "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\\\n\\\\n'+ message['content'] " \
     "| trim + '<|eot_id|>' %}\"}]}"
 #define MISTRAL_CONFIG                                                                             \
-    "{\"bos_token\": \"<s>\", \"eos_token\": \"</s>\", \"chat_template\": \"{{ bos_token }}{% for " \
+    "{\"bos_token\": \"<s>\", \"eos_token\": \"</s>\", \"chat_template\": \"{{ bos_token }}{% "    \
+    "for "                                                                                         \
     "message in messages %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% endfor %}\"}"
 
 static void test_chat_templates(void **state) {
@@ -588,9 +615,9 @@ static void test_chat_templates(void **state) {
     free(sub);
 
     for (int i = LLMEM_CHAT_CHATML; i <= LLMEM_CHAT_MISTRAL; i++) {
-        assert_int_equal(llmem_chat_template_parse(
-                             llmem_chat_template_name((enum llmem_chat_template)i), &t),
-                         LLMEM_OK);
+        assert_int_equal(
+            llmem_chat_template_parse(llmem_chat_template_name((enum llmem_chat_template)i), &t),
+            LLMEM_OK);
         assert_int_equal(t, i);
     }
     assert_string_equal(llmem_chat_template_name(LLMEM_CHAT_NONE), "none");
@@ -610,8 +637,9 @@ static void expect_load_failure(const char *dir, const char *name, const char *j
     assert_null(tok);
 }
 
-#define BPE_MODEL "\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, " \
-                  "\"merges\": [\"a b\"]}"
+#define BPE_MODEL                                                                                  \
+    "\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, "                  \
+    "\"merges\": [\"a b\"]}"
 
 static void test_load_errors(void **state) {
     const char *dir = *state;
@@ -628,7 +656,8 @@ static void test_load_errors(void **state) {
                         LLMEM_EUNSUPPORTED, "model type 'Unigram'");
     expect_load_failure(dir, "wordpiece", "{\"model\": {\"type\": \"WordPiece\", \"vocab\": {}}}",
                         LLMEM_EUNSUPPORTED, "'WordPiece'");
-    expect_load_failure(dir, "pretok", "{" BPE_MODEL ", \"pre_tokenizer\": {\"type\": "
+    expect_load_failure(dir, "pretok",
+                        "{" BPE_MODEL ", \"pre_tokenizer\": {\"type\": "
                         "\"Whitespace\"}}",
                         LLMEM_EUNSUPPORTED, "pre-tokenizer 'Whitespace'");
     expect_load_failure(dir, "split-behavior",
@@ -640,8 +669,7 @@ static void test_load_errors(void **state) {
                         "\"pretokenizers\": [{\"type\": \"Split\", \"pattern\": {\"Regex\": "
                         "\"(a|b\"}, \"behavior\": \"Isolated\", \"invert\": false}]}}",
                         LLMEM_EFORMAT, "not a valid regex");
-    expect_load_failure(dir, "normalizer",
-                        "{" BPE_MODEL ", \"normalizer\": {\"type\": \"NFKC\"}}",
+    expect_load_failure(dir, "normalizer", "{" BPE_MODEL ", \"normalizer\": {\"type\": \"NFKC\"}}",
                         LLMEM_EUNSUPPORTED, "normalizer 'NFKC'");
     expect_load_failure(dir, "decoder", "{" BPE_MODEL ", \"decoder\": {\"type\": \"WordPiece\"}}",
                         LLMEM_EUNSUPPORTED, "decoder 'WordPiece'");
@@ -684,8 +712,7 @@ static void test_load_errors(void **state) {
                    "not valid UTF-8");
     const int32_t bad_ids[] = {0, 5};
     char *text = NULL;
-    expect_failure(llmem_tokenizer_decode(tok, bad_ids, 2, 0, &text, NULL), LLMEM_EINVAL,
-                   "id 5");
+    expect_failure(llmem_tokenizer_decode(tok, bad_ids, 2, 0, &text, NULL), LLMEM_EINVAL, "id 5");
     assert_null(text);
     llmem_tokenizer_free(tok);
     llmem_tokenizer_free(NULL);
@@ -711,8 +738,8 @@ static void time_encode(const char *name, const char *text, size_t len, const ch
     size_t out_len = 0;
     assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &out, &out_len), LLMEM_OK);
     double t2 = now_s();
-    print_message("%-18s %s: %zu bytes → %lld ids, encode %.3f s, decode %.3f s\n", name, what,
-                  len, (long long)n, t1 - t0, t2 - t1);
+    print_message("%-18s %s: %zu bytes → %lld ids, encode %.3f s, decode %.3f s\n", name, what, len,
+                  (long long)n, t1 - t0, t2 - t1);
     assert_int_equal(out_len, len);
     assert_memory_equal(out, text, len);
     assert_true(t1 - t0 < 10.0); /* generous: sanitizer builds run here too */

@@ -197,8 +197,8 @@ int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_templat
     return LLMEM_OK;
 }
 
-int llmem_chat_stop_ids(const struct llmem_tokenizer *tok, enum llmem_chat_template t,
-                        int32_t *ids, int max) {
+int llmem_chat_stop_ids(const struct llmem_tokenizer *tok, enum llmem_chat_template t, int32_t *ids,
+                        int max) {
     LLMEM_ASSERT(tok != NULL && (ids != NULL || max == 0));
     const char *stops[2] = {NULL, NULL};
     if (t == LLMEM_CHAT_CHATML)

@@ -22,36 +22,45 @@
 #include "core/log.h"
 #include "tok/tok_int.h"
 
-/* ---- lists of strings ----------------------------------------------------------------------- */
+/* ---- lists of strings: one buffer, the end of each string ----------------------------------- */
 
 struct strs {
-    struct tok_buf *v;
+    struct tok_buf text;
+    size_t *ends; /* (n) string i is text[ends[i − 1] (or 0), ends[i]) */
     size_t n, cap;
 };
 
-static struct tok_buf *strs_add(struct strs *l) {
+/* Ends the string being written at the end of text. */
+static int strs_end(struct strs *l) {
     if (l->n == l->cap) {
-        size_t cap = l->cap ? 2 * l->cap : 16;
-        struct tok_buf *v = realloc(l->v, cap * sizeof(*v));
-        if (v == NULL)
-            return NULL;
-        l->v = v, l->cap = cap;
+        size_t cap = l->cap ? 2 * l->cap : 64;
+        size_t *e = realloc(l->ends, cap * sizeof(*e));
+        if (e == NULL)
+            return LLMEM_ENOMEM;
+        l->ends = e, l->cap = cap;
     }
-    struct tok_buf *b = &l->v[l->n++];
-    memset(b, 0, sizeof(*b));
-    if (tok_buf_reserve(b, 0) != LLMEM_OK) {
-        l->n--;
-        return NULL;
-    }
-    return b;
+    l->ends[l->n++] = l->text.n;
+    return LLMEM_OK;
+}
+
+static int strs_push(struct strs *l, const char *p, size_t n) {
+    return tok_buf_add(&l->text, p, n) != LLMEM_OK ? LLMEM_ENOMEM : strs_end(l);
+}
+
+static const char *strs_at(const struct strs *l, size_t i, size_t *n) {
+    size_t s = i > 0 ? l->ends[i - 1] : 0;
+    *n = l->ends[i] - s;
+    return l->text.p + s;
+}
+
+static void strs_clear(struct strs *l) {
+    l->text.n = 0;
+    l->n = 0;
 }
 
 static void strs_free(struct strs *l) {
-    for (size_t i = 0; i < l->n; i++)
-        tok_buf_free(&l->v[i]);
-    free(l->v);
-    l->v = NULL;
-    l->n = l->cap = 0;
+    tok_buf_free(&l->text);
+    free(l->ends);
 }
 
 static void strs_swap(struct strs *a, struct strs *b) {
@@ -64,75 +73,56 @@ static void strs_swap(struct strs *a, struct strs *b) {
 
 static int dec_byte_level(const struct strs *in, struct strs *out) {
     struct tok_buf bytes = {0};
-    int status = LLMEM_OK;
+    int status = tok_buf_reserve(&bytes, in->text.n);
     for (size_t i = 0; i < in->n && status == LLMEM_OK; i++) {
-        const struct tok_buf *t = &in->v[i];
+        size_t n;
+        const char *t = strs_at(in, i, &n);
         size_t mark = bytes.n;
         int mapped = 1;
-        for (size_t k = 0; k < t->n && mapped;) {
+        for (size_t k = 0; k < n;) {
             uint32_t cp;
-            size_t cl = tok_utf8_char((const unsigned char *)t->p + k, t->n - k, &cp);
+            size_t cl = tok_utf8_char((const unsigned char *)t + k, n - k, &cp);
             int b = cl ? tok_cp_byte(cp) : -1;
             if (b < 0) {
                 mapped = 0;
                 break;
             }
-            unsigned char c = (unsigned char)b;
-            status = tok_buf_add(&bytes, &c, 1);
-            if (status != LLMEM_OK)
-                break;
+            bytes.p[bytes.n++] = (char)b; /* never more bytes than the text had */
             k += cl;
         }
-        if (status == LLMEM_OK && !mapped) { /* a token outside the map keeps its own bytes */
+        if (!mapped) { /* a token outside the map keeps its own bytes */
             bytes.n = mark;
-            status = tok_buf_add(&bytes, t->p, t->n);
+            status = tok_buf_add(&bytes, t, n);
         }
     }
-    struct tok_buf *o = status == LLMEM_OK ? strs_add(out) : NULL;
-    if (o == NULL || tok_utf8_lossy(o, bytes.p, bytes.n) != LLMEM_OK)
-        status = LLMEM_ENOMEM;
+    if (status == LLMEM_OK)
+        status = tok_utf8_lossy(&out->text, bytes.p, bytes.n);
+    if (status == LLMEM_OK)
+        status = strs_end(out);
     tok_buf_free(&bytes);
     return status;
 }
 
-static int dec_metaspace(const struct tok_dec *d, const struct strs *in, struct strs *out) {
+/* Each string with pattern a replaced by b (Replace), or by a space, dropped in the first string
+ * when `drop_first` (Metaspace). */
+static int dec_replace(const struct tok_str *a, const struct tok_str *b, int drop_first,
+                       const struct strs *in, struct strs *out) {
     for (size_t i = 0; i < in->n; i++) {
-        const struct tok_buf *t = &in->v[i];
-        struct tok_buf *o = strs_add(out);
-        if (o == NULL)
-            return LLMEM_ENOMEM;
-        for (size_t k = 0; k < t->n;) {
-            if (t->n - k >= d->a.n && memcmp(t->p + k, d->a.p, d->a.n) == 0) {
-                if (!(i == 0 && d->prepend) && tok_buf_add(o, " ", 1) != LLMEM_OK)
-                    return LLMEM_ENOMEM;
-                k += d->a.n;
-            } else {
-                if (tok_buf_add(o, t->p + k, 1) != LLMEM_OK)
-                    return LLMEM_ENOMEM;
-                k++;
-            }
+        size_t n;
+        const char *t = strs_at(in, i, &n);
+        for (size_t k = 0; k < n;) {
+            const char *hit = n - k >= a->n ? memmem(t + k, n - k, a->p, a->n) : NULL;
+            size_t end = hit ? (size_t)(hit - t) : n;
+            if (tok_buf_add(&out->text, t + k, end - k) != LLMEM_OK)
+                return LLMEM_ENOMEM;
+            if (hit == NULL)
+                break;
+            if (!(i == 0 && drop_first) && tok_buf_add(&out->text, b->p, b->n) != LLMEM_OK)
+                return LLMEM_ENOMEM;
+            k = end + a->n;
         }
-    }
-    return LLMEM_OK;
-}
-
-static int dec_replace(const struct tok_dec *d, const struct strs *in, struct strs *out) {
-    for (size_t i = 0; i < in->n; i++) {
-        const struct tok_buf *t = &in->v[i];
-        struct tok_buf *o = strs_add(out);
-        if (o == NULL)
+        if (strs_end(out) != LLMEM_OK)
             return LLMEM_ENOMEM;
-        for (size_t k = 0; k < t->n;) {
-            if (t->n - k >= d->a.n && memcmp(t->p + k, d->a.p, d->a.n) == 0) {
-                if (tok_buf_add(o, d->b.p, d->b.n) != LLMEM_OK)
-                    return LLMEM_ENOMEM;
-                k += d->a.n;
-            } else {
-                if (tok_buf_add(o, t->p + k, 1) != LLMEM_OK)
-                    return LLMEM_ENOMEM;
-                k++;
-            }
-        }
     }
     return LLMEM_OK;
 }
@@ -148,25 +138,22 @@ static int hex_digit(char c) {
 }
 
 /* The byte of a "<0xNN>" token, −1 for any other token. */
-static int byte_token(const struct tok_buf *t) {
-    if (t->n != 6 || memcmp(t->p, "<0x", 3) != 0 || t->p[5] != '>')
+static int byte_token(const char *t, size_t n) {
+    if (n != 6 || memcmp(t, "<0x", 3) != 0 || t[5] != '>')
         return -1;
-    int hi = hex_digit(t->p[3]), lo = hex_digit(t->p[4]);
+    int hi = hex_digit(t[3]), lo = hex_digit(t[4]);
     return hi < 0 || lo < 0 ? -1 : hi * 16 + lo;
 }
 
 static int flush_bytes(struct tok_buf *bytes, size_t n_tokens, struct strs *out) {
     if (n_tokens == 0)
         return LLMEM_OK;
-    struct tok_buf *o = strs_add(out);
-    if (o == NULL)
-        return LLMEM_ENOMEM;
     if (tok_utf8_check(bytes->p, bytes->n) == bytes->n) {
-        if (tok_buf_add(o, bytes->p, bytes->n) != LLMEM_OK)
+        if (strs_push(out, bytes->p, bytes->n) != LLMEM_OK)
             return LLMEM_ENOMEM;
     } else {
         for (size_t k = 0; k < n_tokens; k++)
-            if (tok_utf8_put(o, 0xFFFD) != LLMEM_OK)
+            if (strs_push(out, "\xEF\xBF\xBD", 3) != LLMEM_OK)
                 return LLMEM_ENOMEM;
     }
     bytes->n = 0;
@@ -178,7 +165,9 @@ static int dec_byte_fallback(const struct strs *in, struct strs *out) {
     size_t n_tokens = 0;
     int status = tok_buf_reserve(&bytes, 16);
     for (size_t i = 0; i < in->n && status == LLMEM_OK; i++) {
-        int b = byte_token(&in->v[i]);
+        size_t n;
+        const char *t = strs_at(in, i, &n);
+        int b = byte_token(t, n);
         if (b >= 0) {
             unsigned char c = (unsigned char)b;
             status = tok_buf_add(&bytes, &c, 1);
@@ -187,9 +176,8 @@ static int dec_byte_fallback(const struct strs *in, struct strs *out) {
         }
         status = flush_bytes(&bytes, n_tokens, out);
         n_tokens = 0;
-        struct tok_buf *o = status == LLMEM_OK ? strs_add(out) : NULL;
-        if (o == NULL || tok_buf_add(o, in->v[i].p, in->v[i].n) != LLMEM_OK)
-            status = LLMEM_ENOMEM;
+        if (status == LLMEM_OK)
+            status = strs_push(out, t, n);
     }
     if (status == LLMEM_OK)
         status = flush_bytes(&bytes, n_tokens, out);
@@ -198,27 +186,20 @@ static int dec_byte_fallback(const struct strs *in, struct strs *out) {
 }
 
 static int dec_fuse(const struct strs *in, struct strs *out) {
-    struct tok_buf *o = strs_add(out);
-    if (o == NULL)
-        return LLMEM_ENOMEM;
-    for (size_t i = 0; i < in->n; i++)
-        if (tok_buf_add(o, in->v[i].p, in->v[i].n) != LLMEM_OK)
-            return LLMEM_ENOMEM;
-    return LLMEM_OK;
+    return strs_push(out, in->text.p, in->text.n);
 }
 
 static int dec_strip(const struct tok_dec *d, const struct strs *in, struct strs *out) {
     const struct tok_str *c = &d->a;
     for (size_t i = 0; i < in->n; i++) {
-        const struct tok_buf *t = &in->v[i];
-        size_t s = 0, e = t->n;
-        for (int k = 0; k < d->start && e - s >= c->n && memcmp(t->p + s, c->p, c->n) == 0; k++)
+        size_t n;
+        const char *t = strs_at(in, i, &n);
+        size_t s = 0, e = n;
+        for (int k = 0; k < d->start && e - s >= c->n && memcmp(t + s, c->p, c->n) == 0; k++)
             s += c->n;
-        for (int k = 0; k < d->stop && e - s >= c->n && memcmp(t->p + e - c->n, c->p, c->n) == 0;
-             k++)
+        for (int k = 0; k < d->stop && e - s >= c->n && memcmp(t + e - c->n, c->p, c->n) == 0; k++)
             e -= c->n;
-        struct tok_buf *o = strs_add(out);
-        if (o == NULL || tok_buf_add(o, t->p + s, e - s) != LLMEM_OK)
+        if (strs_push(out, t + s, e - s) != LLMEM_OK)
             return LLMEM_ENOMEM;
     }
     return LLMEM_OK;
@@ -249,38 +230,45 @@ static int check_ids(const struct llmem_tokenizer *tok, const int32_t *ids, int6
 static int decode_into(const struct llmem_tokenizer *tok, const int32_t *ids, int64_t n,
                        int skip_special, struct tok_buf *out) {
     struct strs a = {0}, b = {0};
-    int status = LLMEM_OK;
+    static const struct tok_str space = {" ", 1};
+    int status = tok_buf_reserve(&a.text, 0);
     for (int64_t i = 0; i < n && status == LLMEM_OK; i++) {
         if (skip_special && tok->kind[ids[i]] == TOK_KIND_SPECIAL)
             continue;
         const struct tok_str *t = token_text(tok, ids[i]);
-        struct tok_buf *s = strs_add(&a);
-        if (s == NULL || tok_buf_add(s, t->p, t->n) != LLMEM_OK)
-            status = LLMEM_ENOMEM;
+        status = strs_push(&a, t->p, t->n);
     }
     for (int k = 0; k < tok->n_decs && status == LLMEM_OK; k++) {
         const struct tok_dec *d = &tok->decs[k];
+        strs_clear(&b);
+        if ((status = tok_buf_reserve(&b.text, 0)) != LLMEM_OK)
+            break;
         switch (d->kind) {
         case TOK_DEC_BYTELEVEL: status = dec_byte_level(&a, &b); break;
-        case TOK_DEC_METASPACE: status = dec_metaspace(d, &a, &b); break;
-        case TOK_DEC_REPLACE: status = dec_replace(d, &a, &b); break;
+        case TOK_DEC_METASPACE: status = dec_replace(&d->a, &space, d->prepend, &a, &b); break;
+        case TOK_DEC_REPLACE: status = dec_replace(&d->a, &d->b, 0, &a, &b); break;
         case TOK_DEC_BYTEFALLBACK: status = dec_byte_fallback(&a, &b); break;
         case TOK_DEC_FUSE: status = dec_fuse(&a, &b); break;
         case TOK_DEC_STRIP: status = dec_strip(d, &a, &b); break;
         }
         strs_swap(&a, &b);
-        strs_free(&b);
     }
-    struct tok_buf joined = {0};
-    for (size_t i = 0; i < a.n && status == LLMEM_OK; i++) {
-        if (!tok->has_decoder && i > 0)
-            status = tok_buf_add(&joined, " ", 1);
+    if (status == LLMEM_OK && tok->has_decoder) { /* the steps keep text valid; this guards */
+        status = tok_utf8_lossy(out, a.text.p, a.text.n);
+    } else if (status == LLMEM_OK) { /* no decoder: the strings joined with spaces */
+        struct tok_buf joined = {0};
+        for (size_t i = 0; i < a.n && status == LLMEM_OK; i++) {
+            size_t len;
+            const char *t = strs_at(&a, i, &len);
+            if (i > 0)
+                status = tok_buf_add(&joined, " ", 1);
+            if (status == LLMEM_OK)
+                status = tok_buf_add(&joined, t, len);
+        }
         if (status == LLMEM_OK)
-            status = tok_buf_add(&joined, a.v[i].p, a.v[i].n);
+            status = tok_utf8_lossy(out, joined.p, joined.n);
+        tok_buf_free(&joined);
     }
-    if (status == LLMEM_OK) /* every step keeps text valid; this only guards the contract */
-        status = tok_utf8_lossy(out, joined.p, joined.n);
-    tok_buf_free(&joined);
     strs_free(&a);
     strs_free(&b);
     return status;
@@ -357,8 +345,8 @@ static int detok_step(struct llmem_detok *d, int at_end, char **piece, const cha
             struct tok_buf pre = {0};
             d->prefix = d->read;
             d->read = d->n;
-            status = decode_into(d->tok, d->ids + d->prefix, (int64_t)(d->read - d->prefix), 0,
-                                 &pre);
+            status =
+                decode_into(d->tok, d->ids + d->prefix, (int64_t)(d->read - d->prefix), 0, &pre);
             d->prefix_len = pre.n;
             tok_buf_free(&pre);
         }

@@ -348,13 +348,15 @@ static int metaspace(struct encoder *e, const struct tok_pre *pre, const char *s
                      int at_start, struct pieces *out) {
     const struct tok_str *r = &pre->repl;
     size_t base = out->text.n;
-    int prepend = pre->prepend == TOK_PREPEND_ALWAYS || (pre->prepend == TOK_PREPEND_FIRST && at_start);
+    int prepend =
+        pre->prepend == TOK_PREPEND_ALWAYS || (pre->prepend == TOK_PREPEND_FIRST && at_start);
     if (prepend && !(len > 0 && s[0] == ' ') && !(len >= r->n && memcmp(s, r->p, r->n) == 0)) {
         if (tok_buf_add(&out->text, r->p, r->n) != LLMEM_OK)
             return LLMEM_ENOMEM;
     }
     for (size_t i = 0; i < len; i++) {
-        int st = s[i] == ' ' ? tok_buf_add(&out->text, r->p, r->n) : tok_buf_add(&out->text, s + i, 1);
+        int st =
+            s[i] == ' ' ? tok_buf_add(&out->text, r->p, r->n) : tok_buf_add(&out->text, s + i, 1);
         if (st != LLMEM_OK)
             return LLMEM_ENOMEM;
     }

@@ -20,12 +20,12 @@
 #include "core/log.h"
 #include "tok/tok_int.h"
 
-#define LOAD_FUNC      "llmem_tokenizer_load"
+#define LOAD_FUNC       "llmem_tokenizer_load"
 #define LOAD_ERROR(...) LLMEM_ERROR_AS(LOAD_FUNC, __VA_ARGS__)
-#define TOK_MAX_BYTES  ((int64_t)512 << 20)
-#define CFG_MAX_BYTES  ((int64_t)16 << 20)
-#define MAX_VOCAB      ((int64_t)1 << 26)
-#define PATH_MAX_LEN   4096
+#define TOK_MAX_BYTES   ((int64_t)512 << 20)
+#define CFG_MAX_BYTES   ((int64_t)16 << 20)
+#define MAX_VOCAB       ((int64_t)1 << 26)
+#define PATH_MAX_LEN    4096
 
 struct loader {
     struct llmem_tokenizer *tok;
@@ -135,8 +135,8 @@ static int compile_regex(const struct loader *l, const char *where, const char *
     int err = 0;
     PCRE2_SIZE at = 0;
     uint32_t flags = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
-    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, flags, &err, &at,
-                                   NULL);
+    pcre2_code *re =
+        pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, flags, &err, &at, NULL);
     if (re == NULL) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(err, msg, sizeof(msg));
@@ -684,8 +684,7 @@ static int add_dec(struct loader *l, const cJSON *obj, const char *where, int de
             (status = get_str(l, obj, where, "content", 1, &b)))
             return status;
         if (is_regex || a[0] == '\0') {
-            LOAD_ERROR("%s: '%s' Replace decoder needs a non-empty String pattern", l->path,
-                       where);
+            LOAD_ERROR("%s: '%s' Replace decoder needs a non-empty String pattern", l->path, where);
             return LLMEM_EUNSUPPORTED;
         }
     } else if (strcmp(type, "Strip") == 0) {
@@ -699,8 +698,7 @@ static int add_dec(struct loader *l, const cJSON *obj, const char *where, int de
         if (status != LLMEM_OK && status != LLMEM_ENOENT)
             return status;
         uint32_t cp;
-        if (a[0] == '\0' ||
-            tok_utf8_char((const unsigned char *)a, strlen(a), &cp) != strlen(a)) {
+        if (a[0] == '\0' || tok_utf8_char((const unsigned char *)a, strlen(a), &cp) != strlen(a)) {
             LOAD_ERROR("%s: '%s.content' must be one character", l->path, where);
             return LLMEM_EFORMAT;
         }
@@ -858,8 +856,8 @@ int llmem_tokenizer_load(const char *model_dir, struct llmem_tokenizer **out) {
     if ((status = added_max_id(&l, added, &max_added_id)) != LLMEM_OK ||
         (status = load_model(&l, root, max_added_id)) != LLMEM_OK ||
         (status = load_added(&l, added)) != LLMEM_OK ||
-        (status = add_norm(&l, cJSON_GetObjectItemCaseSensitive(root, "normalizer"),
-                           "normalizer", 0)) != LLMEM_OK ||
+        (status = add_norm(&l, cJSON_GetObjectItemCaseSensitive(root, "normalizer"), "normalizer",
+                           0)) != LLMEM_OK ||
         (status = add_pre(&l, cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"),
                           "pre_tokenizer", 0)) != LLMEM_OK ||
         (status = add_dec(&l, cJSON_GetObjectItemCaseSensitive(root, "decoder"), "decoder", 0)) !=

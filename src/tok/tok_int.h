@@ -55,8 +55,8 @@ int tok_cp_byte(uint32_t cp);
 
 /* Strings → ids: open addressing over ids, the strings kept by the owner (`keys`). */
 struct tok_strmap {
-    int32_t *slots; /* (cap) id, −1 empty */
-    size_t mask;    /* cap − 1 */
+    int32_t *slots;             /* (cap) id, −1 empty */
+    size_t mask;                /* cap − 1 */
     const struct tok_str *keys; /* (n_ids) the owner's strings, by id */
 };
 int tok_strmap_init(struct tok_strmap *m, size_t n, const struct tok_str *keys);
@@ -95,11 +95,11 @@ enum tok_pre_kind { TOK_PRE_SPLIT, TOK_PRE_BYTELEVEL, TOK_PRE_METASPACE };
 enum tok_prepend { TOK_PREPEND_ALWAYS, TOK_PREPEND_FIRST, TOK_PREPEND_NEVER };
 struct tok_pre {
     enum tok_pre_kind kind;
-    pcre2_code *re;        /* Split, ByteLevel with use_regex (else NULL) */
-    int add_prefix_space;  /* ByteLevel */
-    struct tok_str repl;   /* Metaspace: the replacement ("▁") */
+    pcre2_code *re;           /* Split, ByteLevel with use_regex (else NULL) */
+    int add_prefix_space;     /* ByteLevel */
+    struct tok_str repl;      /* Metaspace: the replacement ("▁") */
     enum tok_prepend prepend; /* Metaspace */
-    int split;             /* Metaspace: split before each replacement */
+    int split;                /* Metaspace: split before each replacement */
 };
 
 enum tok_dec_kind {
@@ -129,11 +129,11 @@ struct tok_added {
 enum tok_kind { TOK_KIND_NONE = 0, TOK_KIND_VOCAB, TOK_KIND_ADDED, TOK_KIND_SPECIAL };
 
 struct llmem_tokenizer {
-    int32_t n_vocab;          /* max id + 1 */
-    struct tok_str *pieces;   /* (n_vocab) the model vocabulary's strings; p NULL for a gap */
-    uint8_t *kind;            /* (n_vocab) enum tok_kind */
-    int32_t *added_of;        /* (n_vocab) index into added[] for added ids, else −1 */
-    struct tok_strmap vocab;  /* model vocabulary: string → id */
+    int32_t n_vocab;         /* max id + 1 */
+    struct tok_str *pieces;  /* (n_vocab) the model vocabulary's strings; p NULL for a gap */
+    uint8_t *kind;           /* (n_vocab) enum tok_kind */
+    int32_t *added_of;       /* (n_vocab) index into added[] for added ids, else −1 */
+    struct tok_strmap vocab; /* model vocabulary: string → id */
     struct tok_mergemap merges;
     int32_t n_merges;
 
@@ -141,11 +141,11 @@ struct llmem_tokenizer {
     int ignore_merges;
     int byte_fallback;
     int fuse_unk;
-    int32_t unk_id;           /* −1 without unk_token */
-    int32_t byte_ids[256];    /* <0xNN> ids for byte_fallback, −1 when absent */
+    int32_t unk_id;             /* −1 without unk_token */
+    int32_t byte_ids[256];      /* <0xNN> ids for byte_fallback, −1 when absent */
     int32_t bytelevel_ids[256]; /* the id of each byte's ByteLevel character, −1 when absent */
 
-    struct tok_added *added;  /* (n_added) */
+    struct tok_added *added; /* (n_added) */
     int n_added;
     int32_t *added_by_byte[256]; /* indexes into added[] by first byte, longest first, −1 ended */
 
@@ -153,14 +153,14 @@ struct llmem_tokenizer {
     int n_norms;
     struct tok_pre *pres;
     int n_pres;
-    int byte_level;           /* some pre-tokenizer step is ByteLevel */
+    int byte_level; /* some pre-tokenizer step is ByteLevel */
     struct tok_dec *decs;
     int n_decs;
-    int has_decoder;          /* 0: tokens are joined with spaces (no decoder) */
+    int has_decoder; /* 0: tokens are joined with spaces (no decoder) */
 
     int32_t bos_id, eos_id;
-    char *bos_text, *eos_text;     /* from tokenizer_config.json, NULL when absent */
-    char *chat_template;           /* the template text, NULL when none */
+    char *bos_text, *eos_text; /* from tokenizer_config.json, NULL when absent */
+    char *chat_template;       /* the template text, NULL when none */
 };
 
 /* Merge lookup: the rank (and *id) of the pair, −1 when the pair does not merge. */
