@@ -23,8 +23,16 @@
 #define TOK_DATA LLMEM_TEST_DATA "/tok"
 
 static const char *const all_tokenizers[] = {
-    "pycoder",  "tiny-llama3",       "tiny-qwen2",    "tiny-qwen3",
-    "tok-gpt2", "tok-ignore-merges", "tok-metaspace", "tiny-mistral-swa",
+    "pycoder",
+    "tiny-llama3",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tok-gpt2",
+    "tok-ignore-merges",
+    "tok-metaspace",
+    "tiny-mistral-swa",
+    "tok-metaspace-split",
+    "tok-bytelevel-prefix",
 };
 #define N_TOKENIZERS (sizeof(all_tokenizers) / sizeof(all_tokenizers[0]))
 
@@ -228,7 +236,7 @@ static void check_tokenizer(const char *name) {
         free(out);
         free(ids);
     }
-    print_message("%-18s %2d encode+decode cases, %d decode cases: %s\n", name, n_cases, n_decode,
+    print_message("%-20s %2d encode+decode cases, %d decode cases: %s\n", name, n_cases, n_decode,
                   n_bad ? "FAIL" : "ok");
     cJSON_Delete(root);
     llmem_tokenizer_free(tok);
@@ -738,7 +746,7 @@ static void time_encode(const char *name, const char *text, size_t len, const ch
     size_t out_len = 0;
     assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &out, &out_len), LLMEM_OK);
     double t2 = now_s();
-    print_message("%-18s %s: %zu bytes → %lld ids, encode %.3f s, decode %.3f s\n", name, what, len,
+    print_message("%-20s %s: %zu bytes → %lld ids, encode %.3f s, decode %.3f s\n", name, what, len,
                   (long long)n, t1 - t0, t2 - t1);
     assert_int_equal(out_len, len);
     assert_memory_equal(out, text, len);
