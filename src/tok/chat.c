@@ -1,0 +1,222 @@
+/*
+ * tok/chat.c — chat templates: recognized by their markers, rendered by C.
+ *
+ * The Jinja text of a model's template is never interpreted. It is matched to a family
+ * (<|im_start|> → ChatML, <|start_header_id|> → Llama 3, [INST] → Mistral) and the family is
+ * rendered here, byte for byte as the Hugging Face templates render plain conversations (no
+ * tools):
+ *  - ChatML (Qwen2.5-Instruct and generic ChatML): "<|im_start|>{role}\n{content}<|im_end|>\n"
+ *    per message, "<|im_start|>assistant\n" as the generation prompt. When the model's own
+ *    template carries Qwen2.5's default system prompt ("You are Qwen, created by Alibaba Cloud.
+ *    You are a helpful assistant.") and the first message is not a system message, that system
+ *    message is inserted first, as Qwen2.5's template does; generic ChatML inserts nothing.
+ *  - Llama 3 (Meta-Llama-3-Instruct): BOS, then per message
+ *    "<|start_header_id|>{role}<|end_header_id|>\n\n{content, trimmed}<|eot_id|>", and
+ *    "<|start_header_id|>assistant<|end_header_id|>\n\n" as the generation prompt. (Llama 3.1's
+ *    template adds a "Cutting Knowledge Date" system header; the 3.0 form is rendered.)
+ *  - Mistral (Mistral-7B-Instruct-v0.2): BOS, then "[INST] {user} [/INST]" and "{assistant}</s>"
+ *    alternating, user first; a leading system message is put before the first user message,
+ *    separated by a blank line. The template has no generation prompt.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+#include "tok/tok_int.h"
+
+static const char QWEN_DEFAULT_SYSTEM[] =
+    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
+
+static const char *const names[] = {"none", "chatml", "llama3", "mistral"};
+
+const char *llmem_chat_template_name(enum llmem_chat_template t) {
+    return (unsigned)t < sizeof(names) / sizeof(names[0]) ? names[t] : "unknown";
+}
+
+int llmem_chat_template_parse(const char *name, enum llmem_chat_template *t) {
+    LLMEM_ASSERT(name != NULL && t != NULL);
+    for (int i = LLMEM_CHAT_CHATML; i <= LLMEM_CHAT_MISTRAL; i++) {
+        if (strcmp(name, names[i]) == 0) {
+            *t = (enum llmem_chat_template)i;
+            return LLMEM_OK;
+        }
+    }
+    LLMEM_ERROR("unknown chat template '%s' (chatml, llama3 or mistral)", name);
+    return LLMEM_EINVAL;
+}
+
+int llmem_tokenizer_chat_template(const struct llmem_tokenizer *tok, enum llmem_chat_template *t) {
+    LLMEM_ASSERT(tok != NULL && t != NULL);
+    const char *s = tok->chat_template;
+    *t = LLMEM_CHAT_NONE;
+    if (s == NULL)
+        return LLMEM_OK;
+    if (strstr(s, "<|im_start|>") != NULL)
+        *t = LLMEM_CHAT_CHATML;
+    else if (strstr(s, "<|start_header_id|>") != NULL)
+        *t = LLMEM_CHAT_LLAMA3;
+    else if (strstr(s, "[INST]") != NULL)
+        *t = LLMEM_CHAT_MISTRAL;
+    else {
+        LLMEM_ERROR("unrecognized chat template; pass --chat-template chatml|llama3|mistral");
+        return LLMEM_EUNSUPPORTED;
+    }
+    return LLMEM_OK;
+}
+
+/* ---- rendering ------------------------------------------------------------------------------ */
+
+static int add(struct tok_buf *b, const char *s) {
+    return tok_buf_add(b, s, strlen(s));
+}
+
+static int is_ws(char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
+}
+
+/* Jinja's trim: the content without leading and trailing whitespace. */
+static int add_trimmed(struct tok_buf *b, const char *s) {
+    size_t n = strlen(s), i = 0;
+    while (i < n && is_ws(s[i]))
+        i++;
+    while (n > i && is_ws(s[n - 1]))
+        n--;
+    return tok_buf_add(b, s + i, n - i);
+}
+
+static int known_role(const char *role) {
+    return strcmp(role, "system") == 0 || strcmp(role, "user") == 0 ||
+           strcmp(role, "assistant") == 0;
+}
+
+static int render_chatml(const struct llmem_tokenizer *tok, const struct llmem_chat_message *m,
+                         int n, int gen, struct tok_buf *b) {
+    int st = LLMEM_OK;
+    if (tok->chat_template != NULL && strstr(tok->chat_template, QWEN_DEFAULT_SYSTEM) != NULL &&
+        (n == 0 || strcmp(m[0].role, "system") != 0)) {
+        st |= add(b, "<|im_start|>system\n");
+        st |= add(b, QWEN_DEFAULT_SYSTEM);
+        st |= add(b, "<|im_end|>\n");
+    }
+    for (int i = 0; i < n; i++) {
+        st |= add(b, "<|im_start|>");
+        st |= add(b, m[i].role);
+        st |= add(b, "\n");
+        st |= add(b, m[i].content);
+        st |= add(b, "<|im_end|>\n");
+    }
+    if (gen)
+        st |= add(b, "<|im_start|>assistant\n");
+    return st ? LLMEM_ENOMEM : LLMEM_OK;
+}
+
+static int render_llama3(const struct llmem_tokenizer *tok, const struct llmem_chat_message *m,
+                         int n, int gen, struct tok_buf *b) {
+    int st = add(b, tok->bos_text != NULL ? tok->bos_text : "<|begin_of_text|>");
+    for (int i = 0; i < n; i++) {
+        st |= add(b, "<|start_header_id|>");
+        st |= add(b, m[i].role);
+        st |= add(b, "<|end_header_id|>\n\n");
+        st |= add_trimmed(b, m[i].content);
+        st |= add(b, "<|eot_id|>");
+    }
+    if (gen)
+        st |= add(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    return st ? LLMEM_ENOMEM : LLMEM_OK;
+}
+
+static int render_mistral(const struct llmem_tokenizer *tok, const struct llmem_chat_message *m,
+                          int n, struct tok_buf *b) {
+    const char *system = NULL;
+    if (n > 0 && strcmp(m[0].role, "system") == 0) {
+        system = m[0].content;
+        m++, n--;
+    }
+    for (int i = 0; i < n; i++) {
+        const char *want = i % 2 == 0 ? "user" : "assistant";
+        if (strcmp(m[i].role, want) != 0) {
+            LLMEM_ERROR_AS("llmem_chat_render",
+                           "mistral: after the optional system message, roles must alternate "
+                           "user/assistant (message %d is '%s')",
+                           i + (system != NULL), m[i].role);
+            return LLMEM_EINVAL;
+        }
+    }
+    int st = add(b, tok->bos_text != NULL ? tok->bos_text : "<s>");
+    for (int i = 0; i < n; i++) {
+        if (i % 2 == 0) {
+            st |= add(b, "[INST] ");
+            if (i == 0 && system != NULL) {
+                st |= add(b, system);
+                st |= add(b, "\n\n");
+            }
+            st |= add(b, m[i].content);
+            st |= add(b, " [/INST]");
+        } else {
+            st |= add(b, m[i].content);
+            st |= add(b, tok->eos_text != NULL ? tok->eos_text : "</s>");
+        }
+    }
+    return st ? LLMEM_ENOMEM : LLMEM_OK;
+}
+
+int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_template t,
+                      const struct llmem_chat_message *messages, int n_messages,
+                      int add_generation_prompt, char **text) {
+    LLMEM_ASSERT(tok != NULL && text != NULL && (messages != NULL || n_messages == 0));
+    *text = NULL;
+    if (t != LLMEM_CHAT_CHATML && t != LLMEM_CHAT_LLAMA3 && t != LLMEM_CHAT_MISTRAL) {
+        LLMEM_ERROR("no chat template to render with; pass --chat-template chatml|llama3|mistral");
+        return LLMEM_EINVAL;
+    }
+    for (int i = 0; i < n_messages; i++) {
+        if (messages[i].role == NULL || messages[i].content == NULL ||
+            !known_role(messages[i].role)) {
+            LLMEM_ERROR("message %d: role '%s' is not system, user or assistant", i,
+                        messages[i].role ? messages[i].role : "(null)");
+            return LLMEM_EINVAL;
+        }
+    }
+    struct tok_buf b = {0};
+    int status = tok_buf_reserve(&b, 256);
+    if (status == LLMEM_OK) {
+        if (t == LLMEM_CHAT_CHATML)
+            status = render_chatml(tok, messages, n_messages, add_generation_prompt, &b);
+        else if (t == LLMEM_CHAT_LLAMA3)
+            status = render_llama3(tok, messages, n_messages, add_generation_prompt, &b);
+        else
+            status = render_mistral(tok, messages, n_messages, &b);
+    }
+    if (status != LLMEM_OK) {
+        if (status == LLMEM_ENOMEM)
+            LLMEM_ERROR("out of memory");
+        tok_buf_free(&b);
+        return status;
+    }
+    *text = b.p;
+    return LLMEM_OK;
+}
+
+int llmem_chat_stop_ids(const struct llmem_tokenizer *tok, enum llmem_chat_template t, int32_t *ids,
+                        int max) {
+    LLMEM_ASSERT(tok != NULL && (ids != NULL || max == 0));
+    const char *stops[2] = {NULL, NULL};
+    if (t == LLMEM_CHAT_CHATML)
+        stops[0] = "<|im_end|>", stops[1] = "<|endoftext|>";
+    else if (t == LLMEM_CHAT_LLAMA3)
+        stops[0] = "<|eot_id|>", stops[1] = "<|eom_id|>";
+    else if (t == LLMEM_CHAT_MISTRAL)
+        stops[0] = tok->eos_text != NULL ? tok->eos_text : "</s>";
+    int n = 0;
+    for (int i = 0; i < 2; i++) {
+        if (stops[i] == NULL)
+            continue;
+        int32_t id = tok_piece_id(tok, stops[i], strlen(stops[i]));
+        if (id < 0)
+            continue;
+        if (n < max)
+            ids[n] = id;
+        n++;
+    }
+    return n;
+}
