@@ -575,11 +575,14 @@ static void test_catalog(void **state) {
 static void test_workspace(void **state) {
     (void)state;
     const struct llmem_model_geometry *g = llmem_catalog_find("llama-3.1-8b");
-    int64_t per_token = 3 * 4096 + 2 * 4096 + 2 * 1024 + 2 * 14336 + 32 * 512;
-    assert_int_equal(llmem_geometry_workspace_bytes(g, 512, 1), 4 * (512 * per_token + 128256));
-    assert_int_equal(llmem_geometry_workspace_bytes(g, 0, 0), 4 * (512 * per_token + 128256));
+    int64_t per_token = 2 * 4096 + 3 * 4096 + 2 * 1024 + 2 * 14336 + 2;
+    int64_t parts = 512 * 32 * (128 + 2);
+    assert_int_equal(llmem_geometry_workspace_bytes(g, 512, 1),
+                     4 * (512 * per_token + parts + 128256));
+    assert_int_equal(llmem_geometry_workspace_bytes(g, 0, 0),
+                     4 * (512 * per_token + parts + 128256));
     assert_int_equal(llmem_geometry_workspace_bytes(g, 2048, 16),
-                     4 * (2048 * per_token + 16 * 128256));
+                     4 * (2048 * per_token + parts + 16 * 128256));
     /* A large workspace raises the transients above min(3G, usable/8). */
     struct llmem_plan_params params = ref_params(48 * GiB);
     params.computed_workspace_bytes = 5 * GiB;

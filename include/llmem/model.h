@@ -217,9 +217,6 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
                          struct llmem_kv *kv, int64_t max_batch_tokens, struct llmem_forward **out);
 void llmem_forward_free(struct llmem_forward *forward);
 int64_t llmem_forward_max_tokens(const struct llmem_forward *forward);
-/* The activations' bytes for a batch of max_batch_tokens (what create allocates). */
-int64_t llmem_forward_workspace_bytes(const struct llmem_model_geometry *g,
-                                      int64_t max_batch_tokens);
 
 /* Runs one batch: tokens holds each sequence's tokens in order; logits receives the requested rows
  * ([Σ (all_logits ? n_tokens : 1), vocab], in order). The KV of every sequence is extended (or

@@ -89,11 +89,14 @@ int64_t llmem_geometry_kv_bytes_per_token(const struct llmem_model_geometry *g);
  * RMSNorms, the final norm, and lm_head unless tied. */
 int64_t llmem_geometry_param_count(const struct llmem_model_geometry *g);
 /* The engine's scratch need for its largest step, f32 activations (SPEC §2.2 computed_workspace),
- * T = max_batch_tokens, S = max_sequences:
- *   4 × [ T × (3·hidden + 2·n_heads·head_dim + 2·n_kv_heads·head_dim + 2·intermediate
- *              + n_heads·512)  +  S × vocab ]
- * (residual, norm output, attention output; q and its attention output; k, v; gate and up;
- * one 512-token score partition per query row and head; one logits row per sequence). */
+ * T = max_batch_tokens, S = max_sequences, exactly the buffers the engine allocates:
+ *   4 × [ T × (2·hidden + 3·n_heads·head_dim + 2·n_kv_heads·head_dim + 2·intermediate + 2)
+ *         + LLMEM_ATTN_PARTITION_ROWS × n_heads × (head_dim + 2)  +  S × vocab ]
+ * (residual and block input/output; q, its attention output and attention's scaled copy of it;
+ * k, v; gate and up; positions; the partial states of partitioned attention, whose queries the
+ * engine batches so that queries × partitions stays within LLMEM_ATTN_PARTITION_ROWS; one logits
+ * row per sequence). */
+#define LLMEM_ATTN_PARTITION_ROWS 512
 int64_t llmem_geometry_workspace_bytes(const struct llmem_model_geometry *g,
                                        int64_t max_batch_tokens, int64_t max_sequences);
 

@@ -11,8 +11,10 @@
  * then the rows that want logits: rmsnorm, ·lm_headᵀ.
  *
  * Memory: the activations are sized once, at create, for max_batch_tokens tokens (tag scratch);
- * this is exactly what llmem_forward_workspace_bytes reports to the planner, plus attention's own
- * workspace (allocated per call by the KV cache, also tag scratch).
+ * attention allocates its own workspace per call (also tag scratch), bounded by handing it the
+ * queries of a long prefill chunk in groups so that queries × 512-token partitions stays within
+ * LLMEM_ATTN_PARTITION_ROWS. Together with the caller's logits rows this is exactly the planner's
+ * computed workspace (llmem_geometry_workspace_bytes).
  */
 #include <inttypes.h>
 #include <stdlib.h>
@@ -36,15 +38,6 @@ struct llmem_forward {
     float *gate, *up; /* (T, inter) */
     int64_t *pos;     /* (T) position of each token */
 };
-
-/* The activations' bytes for max_batch_tokens tokens: the buffers above. */
-int64_t llmem_forward_workspace_bytes(const struct llmem_model_geometry *g,
-                                      int64_t max_batch_tokens) {
-    const int64_t T = max_batch_tokens;
-    const int64_t q_dim = g->n_heads * g->head_dim, kv_dim = g->n_kv_heads * g->head_dim;
-    int64_t floats = T * (2 * g->hidden_size + 2 * q_dim + 2 * kv_dim + 2 * g->intermediate_size);
-    return floats * (int64_t)sizeof(float) + T * (int64_t)sizeof(int64_t);
-}
 
 int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *backend,
                          struct llmem_kv *kv, int64_t max_batch_tokens,

@@ -49,12 +49,14 @@ int64_t llmem_geometry_workspace_bytes(const struct llmem_model_geometry *g,
         max_sequences = 1;
     int64_t q_dim = sat_mul(g->n_heads, g->head_dim);
     int64_t kv_dim = sat_mul(g->n_kv_heads, g->head_dim);
-    int64_t per_token = sat_mul(3, g->hidden_size);
-    per_token = sat_add(per_token, sat_mul(2, q_dim));
+    int64_t per_token = sat_mul(2, g->hidden_size);
+    per_token = sat_add(per_token, sat_mul(3, q_dim));
     per_token = sat_add(per_token, sat_mul(2, kv_dim));
     per_token = sat_add(per_token, sat_mul(2, g->intermediate_size));
-    per_token = sat_add(per_token, sat_mul(g->n_heads, 512));
-    int64_t floats =
-        sat_add(sat_mul(max_batch_tokens, per_token), sat_mul(max_sequences, g->vocab_size));
+    per_token = sat_add(per_token, 2); /* the position, an int64 */
+    int64_t floats = sat_mul(max_batch_tokens, per_token);
+    floats = sat_add(floats, sat_mul(LLMEM_ATTN_PARTITION_ROWS, sat_mul(g->n_heads,
+                                                                        g->head_dim + 2)));
+    floats = sat_add(floats, sat_mul(max_sequences, g->vocab_size));
     return sat_mul(floats, (int64_t)sizeof(float));
 }

@@ -1,0 +1,132 @@
+/*
+ * llmem/engine.h — the inference engine: a model opened inside its memory plan, and generation.
+ *
+ * Opening computes the plan first, from the model's real geometry and this machine (SPEC §2), and
+ * refuses a model that does not fit before anything is loaded; then the allocator's limits are set
+ * from the plan (SPEC §3.1), and the weights, tokenizer, backend, KV cache and forward pass are
+ * created inside them. Generation prefills the prompt in chunks of max_batch_tokens, then decodes
+ * one token at a time with the sampler until EOS, a stop string or max_tokens.
+ */
+#ifndef LLMEM_ENGINE_H
+#define LLMEM_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "llmem/kv.h"
+#include "llmem/mem.h"
+#include "llmem/model.h"
+#include "llmem/plan.h"
+#include "llmem/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * Sampling
+ * ------------------------------------------------------------------------------------------- */
+
+struct llmem_sampling {
+    double temperature; /* 0: greedy */
+    int64_t top_k;      /* 0: off */
+    double top_p;       /* 1: off */
+    double min_p;       /* 0: off */
+    uint64_t seed;
+};
+/* Greedy. */
+void llmem_sampling_default(struct llmem_sampling *s);
+
+struct llmem_sampler;
+/* LLMEM_EINVAL (logged) for out-of-range parameters, LLMEM_ENOMEM. */
+int llmem_sampler_create(const struct llmem_sampling *params, int64_t vocab,
+                         struct llmem_sampler **out);
+void llmem_sampler_free(struct llmem_sampler *s);
+/* The next token for a row of vocab logits. */
+int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits);
+
+/* ---------------------------------------------------------------------------------------------
+ * The engine
+ * ------------------------------------------------------------------------------------------- */
+
+struct llmem_engine_config {
+    const char *model_dir;
+    enum llmem_kv_layout kv_layout; /* paged */
+    enum llmem_kv_format kv_format; /* f16 */
+    int64_t context;                /* --context; 0: the plan's window */
+    int64_t budget_bytes;           /* --budget; 0: none */
+    int64_t memory_limit_bytes;     /* --memory-limit; 0: none */
+    double util;                    /* --util; 0: none */
+    int n_threads;                  /* --threads; ≤ 0: the online CPUs */
+    int64_t max_batch_tokens;       /* 512 */
+    int64_t max_sequences;          /* 1 */
+};
+void llmem_engine_config_default(struct llmem_engine_config *c);
+
+struct llmem_engine;
+struct llmem_tokenizer;
+
+/* Plans, then loads. A model that does not fit (or a --context above the machine's fit) is refused
+ * before loading with LLMEM_ENOMEM and the plan's explanation logged; otherwise as
+ * llmem_model_load, llmem_tokenizer_load, llmem_kv_create. progress (optional) follows the load. */
+int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_fn progress,
+                      void *progress_arg, struct llmem_engine **out);
+void llmem_engine_close(struct llmem_engine *e);
+
+const struct llmem_plan *llmem_engine_plan(const struct llmem_engine *e);
+struct llmem_mem *llmem_engine_mem(struct llmem_engine *e);
+struct llmem_kv *llmem_engine_kv(struct llmem_engine *e);
+struct llmem_model *llmem_engine_model(struct llmem_engine *e);
+struct llmem_forward *llmem_engine_forward(struct llmem_engine *e);
+const struct llmem_tokenizer *llmem_engine_tokenizer(const struct llmem_engine *e);
+/* The limits applied, as one line ("memory limit 12.0G (util 0.50 × ceiling 24.0G), trip 13.2G,
+ * cache limit 1.5G, KV f16 paged, context 32768"), for the log line of SPEC §3.1. */
+void llmem_engine_limits_line(const struct llmem_engine *e, char *buf, size_t size);
+
+/* ---------------------------------------------------------------------------------------------
+ * Generation
+ * ------------------------------------------------------------------------------------------- */
+
+/* Called with each new piece of text (possibly empty while a character or a possible stop string
+ * is incomplete) and the token it came with; return non-zero to stop. */
+typedef int (*llmem_token_fn)(void *arg, int32_t id, const char *text, size_t len);
+
+struct llmem_generate_params {
+    int64_t max_tokens; /* 0: up to the context */
+    struct llmem_sampling sampling;
+    const char *const *stop; /* stop strings (not included in the output) */
+    int n_stop;
+    const int32_t *stop_ids; /* more ids that end generation (a chat template's end of turn) */
+    int n_stop_ids;
+    int ignore_eos;
+    llmem_progress_fn prefill_progress; /* (optional) prompt tokens done of total */
+    void *progress_arg;
+};
+void llmem_generate_params_default(struct llmem_generate_params *p);
+
+struct llmem_generate_result {
+    int32_t *ids; /* generated ids (malloc'ed; free with llmem_generate_result_free) */
+    int64_t n_ids;
+    char *text; /* their text, up to a stop string (malloc'ed) */
+    size_t text_len;
+    const char *finish_reason; /* "stop" (EOS, a stop id or string), "length", "cancelled" */
+    int64_t prompt_tokens;
+    double ttft_ms;  /* prompt in → first token out */
+    double prefill_s, decode_s;
+    int64_t decode_tokens; /* tokens produced by decode steps (the first comes from prefill) */
+};
+void llmem_generate_result_free(struct llmem_generate_result *r);
+
+/* Generates a continuation of the prompt on a fresh sequence (freed at the end). LLMEM_EINVAL
+ * (logged) for an empty prompt, an id outside the vocabulary, or a prompt longer than the
+ * context; LLMEM_ENOMEM when the KV cache cannot grow (the request ends; the engine stays
+ * usable). */
+int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
+                          const struct llmem_generate_params *params, llmem_token_fn on_token,
+                          void *arg, struct llmem_generate_result *result);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

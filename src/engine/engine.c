@@ -1,0 +1,417 @@
+/*
+ * engine/engine.c — a model opened inside its memory plan, and the generation loop.
+ *
+ * Open: geometry (headers only) → machine probe → plan → refuse if it does not fit → allocator with
+ * the plan's limits → weights, tokenizer, backend, KV cache, forward pass. The KV pool is sized by
+ * the plan: it starts with room for one full window and may grow (×1.5) up to the plan's pool
+ * tokens; the allocator's memory limit bounds everything together.
+ *
+ * Generate: prefill in chunks (logits of the last token only), then decode token by token. Text is
+ * streamed through the detokenizer; a stop string ends generation and is cut from the text, and
+ * text that might be the start of a stop string is held back until it is not.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend/ops.h"
+#include "core/log.h"
+#include "llmem/engine.h"
+#include "llmem/size.h"
+#include "llmem/sys.h"
+#include "llmem/tokenizer.h"
+
+struct llmem_engine {
+    struct llmem_engine_config cfg;
+    struct llmem_plan plan;
+    struct llmem_mem *mem;
+    struct llmem_model *model;
+    struct llmem_tokenizer *tok;
+    struct llmem_backend *be;
+    struct llmem_kv *kv;
+    struct llmem_forward *fwd;
+    float *logits; /* (max_sequences, vocab) tag scratch */
+    int64_t vocab;
+    int32_t eos[LLMEM_MAX_EOS + 1];
+    int n_eos;
+};
+
+void llmem_engine_config_default(struct llmem_engine_config *c) {
+    memset(c, 0, sizeof(*c));
+    c->kv_layout = LLMEM_KV_LAYOUT_PAGED;
+    c->kv_format = LLMEM_KV_FORMAT_F16;
+    c->max_batch_tokens = 512;
+    c->max_sequences = 1;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ---- open ----------------------------------------------------------------------------------- */
+
+static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry *g) {
+    struct llmem_device_info host;
+    int status = llmem_sys_probe_host(&host);
+    if (status != LLMEM_OK)
+        return status;
+    const struct llmem_engine_config *c = &e->cfg;
+    struct llmem_plan_params p = {
+        .target = LLMEM_PLAN_HOST,
+        .total_bytes = host.max_recommended_working_set_size,
+        .ceiling_bytes = host.max_recommended_working_set_size,
+        .weights_bytes = g->weights_bytes,
+        .kv_bytes_per_token = llmem_geometry_kv_bytes_per_token(g),
+        .kv_format = c->kv_format,
+        .model_max_context = g->max_context,
+        .requested_context = c->context,
+        .memory_budget_bytes = c->budget_bytes,
+        .memory_limit_bytes = c->memory_limit_bytes,
+        .util = c->util,
+        .max_sequences = c->max_sequences,
+        .max_batch_tokens = c->max_batch_tokens,
+        .computed_workspace_bytes =
+            llmem_geometry_workspace_bytes(g, c->max_batch_tokens, c->max_sequences),
+    };
+    if ((status = llmem_plan_compute(&p, &e->plan)) != LLMEM_OK)
+        return status;
+    char line[512];
+    llmem_plan_describe(&e->plan, line, sizeof(line));
+    if (!e->plan.model_fits || e->plan.overcommitted) {
+        LLMEM_ERROR("%s: refused before loading: %s", c->model_dir, line);
+        for (int i = 0; i < e->plan.n_notes; i++)
+            LLMEM_ERROR("%s", e->plan.notes[i]);
+        return LLMEM_ENOMEM;
+    }
+    LLMEM_INFO("plan: %s", line);
+    return LLMEM_OK;
+}
+
+static int open_kv(struct llmem_engine *e) {
+    const struct llmem_model_geometry *g = &llmem_model_get_config(e->model)->geom;
+    struct llmem_kv_config kc;
+    llmem_kv_config_default(&kc);
+    kc.layout = e->cfg.kv_layout;
+    kc.format = e->cfg.kv_format;
+    kc.n_layers = (int)g->n_layers;
+    kc.n_kv_heads = (int)g->n_kv_heads;
+    kc.head_dim = (int)g->head_dim;
+    kc.max_sequences = (int)(e->cfg.max_sequences + 1); /* one spare for a fork */
+    kc.n_threads = e->cfg.n_threads;
+    if (kc.layout == LLMEM_KV_LAYOUT_PAGED) {
+        int64_t window_blocks = (e->plan.context_window_resolved + kc.block_size - 1) / kc.block_size;
+        int64_t pool_blocks = (e->plan.pool_tokens + kc.block_size - 1) / kc.block_size;
+        kc.num_blocks = window_blocks < 64 ? window_blocks : 64;
+        kc.max_blocks = pool_blocks > window_blocks ? pool_blocks : window_blocks;
+        kc.dynamic = 1;
+    }
+    return llmem_kv_create(&kc, e->mem, &e->kv);
+}
+
+int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_fn progress,
+                      void *progress_arg, struct llmem_engine **out) {
+    struct llmem_engine *e = calloc(1, sizeof(*e));
+    if (e == NULL) {
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    e->cfg = *config;
+    if (e->cfg.max_batch_tokens <= 0)
+        e->cfg.max_batch_tokens = 512;
+    if (e->cfg.max_sequences <= 0)
+        e->cfg.max_sequences = 1;
+    struct llmem_model_geometry g;
+    int status = llmem_model_geometry_load(config->model_dir, &g);
+    if (status != LLMEM_OK || (status = plan_model(e, &g)) != LLMEM_OK)
+        goto fail;
+
+    struct llmem_mem_config mc = {.memory_limit_bytes = e->plan.allocation_limit_bytes,
+                                  .cache_limit_bytes = -1,
+                                  .usable_bytes = e->plan.usable_bytes};
+    if ((status = llmem_mem_create(&mc, &e->mem)) != LLMEM_OK ||
+        (status = llmem_model_load(config->model_dir, e->mem, progress, progress_arg,
+                                   &e->model)) != LLMEM_OK ||
+        (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
+        (status = llmem_backend_cpu_create(config->n_threads, &e->be)) != LLMEM_OK ||
+        (status = open_kv(e)) != LLMEM_OK ||
+        (status = llmem_forward_create(e->model, e->be, e->kv, e->cfg.max_batch_tokens,
+                                       &e->fwd)) != LLMEM_OK)
+        goto fail;
+    const struct llmem_model_config *mcfg = llmem_model_get_config(e->model);
+    e->vocab = mcfg->geom.vocab_size;
+    if (llmem_tokenizer_vocab_size(e->tok) > e->vocab) {
+        LLMEM_ERROR("%s: the tokenizer has %d tokens but the model only %" PRId64,
+                    config->model_dir, llmem_tokenizer_vocab_size(e->tok), e->vocab);
+        status = LLMEM_EFORMAT;
+        goto fail;
+    }
+    e->logits = llmem_mem_alloc(e->mem, (size_t)(e->cfg.max_sequences * e->vocab) * sizeof(float),
+                                LLMEM_TAG_SCRATCH);
+    if (e->logits == NULL) {
+        status = LLMEM_ENOMEM;
+        goto fail;
+    }
+    for (int i = 0; i < mcfg->n_eos; i++)
+        e->eos[e->n_eos++] = mcfg->eos_ids[i];
+    if (llmem_tokenizer_eos(e->tok) >= 0)
+        e->eos[e->n_eos++] = llmem_tokenizer_eos(e->tok);
+    *out = e;
+    return LLMEM_OK;
+fail:
+    llmem_engine_close(e);
+    return status;
+}
+
+void llmem_engine_close(struct llmem_engine *e) {
+    if (e == NULL)
+        return;
+    if (e->mem != NULL)
+        llmem_mem_free(e->mem, e->logits);
+    llmem_forward_free(e->fwd);
+    llmem_kv_destroy(e->kv);
+    llmem_backend_destroy(e->be);
+    llmem_tokenizer_free(e->tok);
+    llmem_model_free(e->model);
+    llmem_mem_destroy(e->mem);
+    free(e);
+}
+
+const struct llmem_plan *llmem_engine_plan(const struct llmem_engine *e) {
+    return &e->plan;
+}
+struct llmem_mem *llmem_engine_mem(struct llmem_engine *e) {
+    return e->mem;
+}
+struct llmem_kv *llmem_engine_kv(struct llmem_engine *e) {
+    return e->kv;
+}
+struct llmem_model *llmem_engine_model(struct llmem_engine *e) {
+    return e->model;
+}
+struct llmem_forward *llmem_engine_forward(struct llmem_engine *e) {
+    return e->fwd;
+}
+const struct llmem_tokenizer *llmem_engine_tokenizer(const struct llmem_engine *e) {
+    return e->tok;
+}
+
+void llmem_engine_limits_line(const struct llmem_engine *e, char *buf, size_t size) {
+    const struct llmem_plan *p = &e->plan;
+    char limit[32], ceiling[32], trip[32], cache[32];
+    struct llmem_mem_stats st;
+    llmem_mem_stats(e->mem, &st);
+    snprintf(buf, size,
+             "memory limit %s (util %.2f × ceiling %s), trip %s, cache limit %s, KV %s %s, "
+             "context %" PRId64,
+             llmem_size_format_short(st.memory_limit_bytes, limit, sizeof(limit)), p->util,
+             llmem_size_format_short(p->ceiling_bytes, ceiling, sizeof(ceiling)),
+             llmem_size_format_short(p->trip_bytes, trip, sizeof(trip)),
+             llmem_size_format_short(st.cache_limit_bytes, cache, sizeof(cache)),
+             llmem_kv_format_name(e->cfg.kv_format), llmem_kv_layout_name(e->cfg.kv_layout),
+             p->context_window_resolved);
+}
+
+/* ---- generation ----------------------------------------------------------------------------- */
+
+void llmem_generate_params_default(struct llmem_generate_params *p) {
+    memset(p, 0, sizeof(*p));
+    llmem_sampling_default(&p->sampling);
+}
+
+void llmem_generate_result_free(struct llmem_generate_result *r) {
+    if (r == NULL)
+        return;
+    free(r->ids);
+    free(r->text);
+    memset(r, 0, sizeof(*r));
+}
+
+/* The generated text, and how much of it has been handed to the caller. */
+struct stream {
+    char *text;
+    size_t len, cap, emitted;
+};
+
+static int stream_append(struct stream *s, const char *piece) {
+    size_t n = strlen(piece);
+    if (s->len + n + 1 > s->cap) {
+        size_t cap = s->cap ? s->cap * 2 : 256;
+        while (cap < s->len + n + 1)
+            cap *= 2;
+        char *t = realloc(s->text, cap);
+        if (t == NULL)
+            return LLMEM_ENOMEM;
+        s->text = t;
+        s->cap = cap;
+    }
+    memcpy(s->text + s->len, piece, n + 1);
+    s->len += n;
+    return LLMEM_OK;
+}
+
+/* Where a stop string starts in the text (searching only where a new one can be), or −1; and
+ * through *safe how much of the text can be emitted without splitting a possible stop string. */
+static int64_t find_stop(const struct stream *s, const struct llmem_generate_params *p,
+                         size_t *safe) {
+    *safe = s->len;
+    for (int i = 0; i < p->n_stop; i++) {
+        size_t n = strlen(p->stop[i]);
+        if (n == 0)
+            continue;
+        size_t from = s->emitted;
+        const char *hit = NULL;
+        for (const char *q = s->text + from; (q = strstr(q, p->stop[i])) != NULL; q++) {
+            hit = q;
+            break;
+        }
+        if (hit != NULL)
+            return hit - s->text;
+        /* the longest tail of the text that begins the stop string */
+        for (size_t k = n - 1; k > 0; k--) {
+            if (k <= s->len - s->emitted && memcmp(s->text + s->len - k, p->stop[i], k) == 0) {
+                if (s->len - k < *safe)
+                    *safe = s->len - k;
+                break;
+            }
+        }
+    }
+    return -1;
+}
+
+static int is_stop_id(const struct llmem_engine *e, const struct llmem_generate_params *p,
+                      int32_t id) {
+    for (int i = 0; !p->ignore_eos && i < e->n_eos; i++)
+        if (e->eos[i] == id)
+            return 1;
+    for (int i = 0; i < p->n_stop_ids; i++)
+        if (p->stop_ids[i] == id)
+            return 1;
+    return 0;
+}
+
+int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
+                          const struct llmem_generate_params *p, llmem_token_fn on_token,
+                          void *arg, struct llmem_generate_result *r) {
+    memset(r, 0, sizeof(*r));
+    const int64_t context = e->plan.context_window_resolved;
+    if (n_prompt <= 0 || n_prompt >= context) {
+        LLMEM_ERROR("the prompt has %" PRId64 " tokens; it must have 1 to %" PRId64
+                    " (the context window is %" PRId64 ")",
+                    n_prompt, context - 1, context);
+        return LLMEM_EINVAL;
+    }
+    int64_t max_tokens = context - n_prompt;
+    if (p->max_tokens > 0 && p->max_tokens < max_tokens)
+        max_tokens = p->max_tokens;
+    struct llmem_sampler *sampler = NULL;
+    struct llmem_detok *detok = NULL;
+    struct stream s = {0};
+    int seq = -1;
+    int status = llmem_sampler_create(&p->sampling, e->vocab, &sampler);
+    if (status != LLMEM_OK ||
+        (status = llmem_detok_create(e->tok, 1, &detok)) != LLMEM_OK ||
+        (status = llmem_kv_seq_new(e->kv, &seq)) != LLMEM_OK)
+        goto out;
+    r->ids = malloc((size_t)max_tokens * sizeof(int32_t));
+    if (r->ids == NULL) {
+        LLMEM_ERROR("out of memory");
+        status = LLMEM_ENOMEM;
+        goto out;
+    }
+    r->prompt_tokens = n_prompt;
+    r->finish_reason = "length";
+    int stop_string = 0;
+
+    /* Prefill. */
+    double t0 = now_s();
+    const int64_t chunk = e->cfg.max_batch_tokens;
+    for (int64_t pos = 0; pos < n_prompt; pos += chunk) {
+        int64_t n = n_prompt - pos < chunk ? n_prompt - pos : chunk;
+        struct llmem_batch_seq b = {.seq = seq, .pos = pos, .n_tokens = n};
+        if ((status = llmem_forward_run(e->fwd, prompt + pos, &b, 1, e->logits)) != LLMEM_OK)
+            goto out;
+        if (p->prefill_progress != NULL)
+            p->prefill_progress(p->progress_arg, pos + n, n_prompt);
+    }
+    double t1 = now_s();
+    r->prefill_s = t1 - t0;
+
+    /* Decode. */
+    for (int64_t i = 0; i < max_tokens; i++) {
+        int32_t id = llmem_sampler_sample(sampler, e->logits);
+        if (i == 0)
+            r->ttft_ms = (now_s() - t0) * 1e3;
+        if (is_stop_id(e, p, id)) {
+            r->finish_reason = "stop";
+            break;
+        }
+        r->ids[r->n_ids++] = id;
+        char *piece = NULL;
+        if ((status = llmem_detok_push(detok, id, &piece)) != LLMEM_OK)
+            goto out;
+        status = stream_append(&s, piece);
+        free(piece);
+        if (status != LLMEM_OK)
+            goto out;
+        size_t safe = 0;
+        int64_t stop_at = find_stop(&s, p, &safe);
+        if (stop_at >= 0) {
+            s.len = (size_t)stop_at;
+            s.text[s.len] = '\0';
+            safe = s.len;
+            r->finish_reason = "stop";
+            stop_string = 1;
+        }
+        int cancel = 0;
+        if (on_token != NULL)
+            cancel = on_token(arg, id, s.text + s.emitted, safe - s.emitted);
+        s.emitted = safe;
+        if (stop_at >= 0)
+            break;
+        if (cancel) {
+            r->finish_reason = "cancelled";
+            break;
+        }
+        if (i + 1 == max_tokens)
+            break;
+        struct llmem_batch_seq b = {.seq = seq, .pos = n_prompt + i, .n_tokens = 1};
+        if ((status = llmem_forward_run(e->fwd, &id, &b, 1, e->logits)) != LLMEM_OK)
+            goto out;
+        r->decode_tokens++;
+    }
+    r->decode_s = now_s() - t1;
+    if (!stop_string) { /* flush what was held back: an incomplete character, a stop prefix */
+        char *rest = NULL;
+        if ((status = llmem_detok_finish(detok, &rest)) == LLMEM_OK) {
+            status = stream_append(&s, rest);
+            free(rest);
+        }
+        if (status != LLMEM_OK)
+            goto out;
+        if (on_token != NULL && s.emitted < s.len)
+            on_token(arg, -1, s.text + s.emitted, s.len - s.emitted);
+        s.emitted = s.len;
+    }
+    if (s.text == NULL && (status = stream_append(&s, "")) != LLMEM_OK)
+        goto out;
+    r->text = s.text;
+    r->text_len = s.len;
+    s.text = NULL;
+out:
+    if (seq >= 0)
+        llmem_kv_seq_free(e->kv, seq);
+    free(s.text);
+    llmem_detok_free(detok);
+    llmem_sampler_free(sampler);
+    if (status != LLMEM_OK) {
+        if (status == LLMEM_ENOMEM)
+            LLMEM_ERROR("the request ends: out of memory after %" PRId64 " tokens",
+                        r->n_ids);
+        llmem_generate_result_free(r);
+    }
+    return status;
+}
