@@ -111,7 +111,7 @@ struct llmem_generate_result {
     size_t text_len;
     const char *finish_reason; /* "stop" (EOS, a stop id or string), "length", "cancelled" */
     int64_t prompt_tokens;
-    double ttft_ms;  /* prompt in → first token out */
+    double ttft_ms; /* prompt in → first token out */
     double prefill_s, decode_s;
     int64_t decode_tokens; /* tokens produced by decode steps (the first comes from prefill) */
 };

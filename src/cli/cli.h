@@ -15,6 +15,8 @@ enum { CLI_OK = 0, CLI_FAIL = 1, CLI_USAGE = 2, CLI_NOFIT = 3 };
 int cli_info(int argc, char **argv);
 int cli_plan(int argc, char **argv);
 int cli_bench(int argc, char **argv);
+/* `llmem run`, `chat`, `tokenize` and `logits` (run.c), by argv[0]. */
+int cli_run(int argc, char **argv);
 /* `llmem bench kv` (bench_kv.c), dispatched by cli_bench. */
 int cli_bench_kv(int argc, char **argv);
 

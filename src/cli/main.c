@@ -23,6 +23,10 @@ static const char usage[] =
     "                    RLIMIT_MEMLOCK, CPU and ISA features (and CUDA devices)\n"
     "  plan MODEL        the memory plan for a model directory or a catalog name\n"
     "                    (`llmem plan --list` shows the catalog)\n"
+    "  run MODEL -p TEXT generate text (streams to stdout; --json, --stats)\n"
+    "  chat MODEL        an interactive conversation with the model's chat template\n"
+    "  tokenize MODEL    the token ids of --text TEXT\n"
+    "  logits MODEL      teacher-forced logits of --ids, to a .npy file\n"
     "  bench mem         the caching allocator against malloc and mmap\n"
     "  bench kv          attention over the KV caches against the memory bandwidth,\n"
     "                    the accuracy of each KV format, and the cost of appending\n"
@@ -140,6 +144,10 @@ int main(int argc, char **argv) {
         return cli_plan(argc - 1, argv + 1);
     if (strcmp(argv[1], "bench") == 0)
         return cli_bench(argc - 1, argv + 1);
+    static const char *const run_commands[] = {"run", "chat", "tokenize", "logits"};
+    for (size_t i = 0; i < sizeof(run_commands) / sizeof(run_commands[0]); i++)
+        if (strcmp(argv[1], run_commands[i]) == 0)
+            return cli_run(argc - 1, argv + 1);
     fprintf(stderr, "llmem: unknown command '%s'\n\n%s", argv[1], usage);
     return CLI_USAGE;
 }

@@ -103,7 +103,10 @@ static int open_kv(struct llmem_engine *e) {
     kc.max_sequences = (int)(e->cfg.max_sequences + 1); /* one spare for a fork */
     kc.n_threads = e->cfg.n_threads;
     if (kc.layout == LLMEM_KV_LAYOUT_PAGED) {
-        int64_t window_blocks = (e->plan.context_window_resolved + kc.block_size - 1) / kc.block_size;
+        if (kc.block_size <= 0)
+            kc.block_size = 16;
+        int64_t window_blocks =
+            (e->plan.context_window_resolved + kc.block_size - 1) / kc.block_size;
         int64_t pool_blocks = (e->plan.pool_tokens + kc.block_size - 1) / kc.block_size;
         kc.num_blocks = window_blocks < 64 ? window_blocks : 64;
         kc.max_blocks = pool_blocks > window_blocks ? pool_blocks : window_blocks;
@@ -133,13 +136,13 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
                                   .cache_limit_bytes = -1,
                                   .usable_bytes = e->plan.usable_bytes};
     if ((status = llmem_mem_create(&mc, &e->mem)) != LLMEM_OK ||
-        (status = llmem_model_load(config->model_dir, e->mem, progress, progress_arg,
-                                   &e->model)) != LLMEM_OK ||
+        (status = llmem_model_load(config->model_dir, e->mem, progress, progress_arg, &e->model)) !=
+            LLMEM_OK ||
         (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
         (status = llmem_backend_cpu_create(config->n_threads, &e->be)) != LLMEM_OK ||
         (status = open_kv(e)) != LLMEM_OK ||
-        (status = llmem_forward_create(e->model, e->be, e->kv, e->cfg.max_batch_tokens,
-                                       &e->fwd)) != LLMEM_OK)
+        (status = llmem_forward_create(e->model, e->be, e->kv, e->cfg.max_batch_tokens, &e->fwd)) !=
+            LLMEM_OK)
         goto fail;
     const struct llmem_model_config *mcfg = llmem_model_get_config(e->model);
     e->vocab = mcfg->geom.vocab_size;
@@ -294,8 +297,8 @@ static int is_stop_id(const struct llmem_engine *e, const struct llmem_generate_
 }
 
 int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
-                          const struct llmem_generate_params *p, llmem_token_fn on_token,
-                          void *arg, struct llmem_generate_result *r) {
+                          const struct llmem_generate_params *p, llmem_token_fn on_token, void *arg,
+                          struct llmem_generate_result *r) {
     memset(r, 0, sizeof(*r));
     const int64_t context = e->plan.context_window_resolved;
     if (n_prompt <= 0 || n_prompt >= context) {
@@ -312,8 +315,7 @@ int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t
     struct stream s = {0};
     int seq = -1;
     int status = llmem_sampler_create(&p->sampling, e->vocab, &sampler);
-    if (status != LLMEM_OK ||
-        (status = llmem_detok_create(e->tok, 1, &detok)) != LLMEM_OK ||
+    if (status != LLMEM_OK || (status = llmem_detok_create(e->tok, 1, &detok)) != LLMEM_OK ||
         (status = llmem_kv_seq_new(e->kv, &seq)) != LLMEM_OK)
         goto out;
     r->ids = malloc((size_t)max_tokens * sizeof(int32_t));
@@ -409,8 +411,7 @@ out:
     llmem_sampler_free(sampler);
     if (status != LLMEM_OK) {
         if (status == LLMEM_ENOMEM)
-            LLMEM_ERROR("the request ends: out of memory after %" PRId64 " tokens",
-                        r->n_ids);
+            LLMEM_ERROR("the request ends: out of memory after %" PRId64 " tokens", r->n_ids);
         llmem_generate_result_free(r);
     }
     return status;

@@ -20,7 +20,7 @@ struct llmem_sampler {
         float logit;
         int32_t id;
         float prob;
-    } *c; /* (vocab) */
+    } * c; /* (vocab) */
 };
 
 void llmem_sampling_default(struct llmem_sampling *s) {

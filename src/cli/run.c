@@ -1,0 +1,574 @@
+/*
+ * cli/run.c — the commands that run a model: `llmem run`, `llmem chat`, `llmem tokenize` and
+ * `llmem logits`, with one set of model, plan and KV options and one set of sampling options.
+ *
+ * stdout carries only the product (the generated text, or with --json exactly one object); the
+ * plan line, the limits applied, progress bars (on a terminal) and --stats go to stderr, except
+ * that with --json the stats are part of the object.
+ */
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "cli/cli.h"
+#include "core/json.h"
+#include "core/npy.h"
+#include "llmem/engine.h"
+#include "llmem/size.h"
+#include "llmem/tokenizer.h"
+
+enum {
+    OPT_KV_LAYOUT = 256,
+    OPT_KV_FORMAT,
+    OPT_CONTEXT,
+    OPT_BUDGET,
+    OPT_MEMORY_LIMIT,
+    OPT_UTIL,
+    OPT_THREADS,
+    OPT_MAX_BATCH_TOKENS,
+    OPT_TEMPERATURE,
+    OPT_TOP_K,
+    OPT_TOP_P,
+    OPT_MIN_P,
+    OPT_SEED,
+    OPT_STOP,
+    OPT_IGNORE_EOS,
+    OPT_IDS,
+    OPT_JSON,
+    OPT_STATS,
+    OPT_TEXT,
+    OPT_OUT,
+    OPT_CHAT_TEMPLATE,
+    OPT_SYSTEM,
+    OPT_HELP,
+};
+
+static const struct option options[] = {
+    {"kv-layout", required_argument, NULL, OPT_KV_LAYOUT},
+    {"kv-format", required_argument, NULL, OPT_KV_FORMAT},
+    {"context", required_argument, NULL, OPT_CONTEXT},
+    {"budget", required_argument, NULL, OPT_BUDGET},
+    {"memory-limit", required_argument, NULL, OPT_MEMORY_LIMIT},
+    {"util", required_argument, NULL, OPT_UTIL},
+    {"threads", required_argument, NULL, OPT_THREADS},
+    {"max-batch-tokens", required_argument, NULL, OPT_MAX_BATCH_TOKENS},
+    {"temperature", required_argument, NULL, OPT_TEMPERATURE},
+    {"temp", required_argument, NULL, OPT_TEMPERATURE},
+    {"top-k", required_argument, NULL, OPT_TOP_K},
+    {"top-p", required_argument, NULL, OPT_TOP_P},
+    {"min-p", required_argument, NULL, OPT_MIN_P},
+    {"seed", required_argument, NULL, OPT_SEED},
+    {"stop", required_argument, NULL, OPT_STOP},
+    {"ignore-eos", no_argument, NULL, OPT_IGNORE_EOS},
+    {"max-tokens", required_argument, NULL, 'n'},
+    {"prompt", required_argument, NULL, 'p'},
+    {"ids", required_argument, NULL, OPT_IDS},
+    {"json", no_argument, NULL, OPT_JSON},
+    {"stats", no_argument, NULL, OPT_STATS},
+    {"text", required_argument, NULL, OPT_TEXT},
+    {"out", required_argument, NULL, OPT_OUT},
+    {"chat-template", required_argument, NULL, OPT_CHAT_TEMPLATE},
+    {"system", required_argument, NULL, OPT_SYSTEM},
+    {"help", no_argument, NULL, OPT_HELP},
+    {NULL, 0, NULL, 0},
+};
+
+#define MAX_STOP 16
+
+struct run_args {
+    const char *cmd;
+    struct llmem_engine_config engine;
+    struct llmem_generate_params gen;
+    const char *stop[MAX_STOP];
+    const char *prompt, *ids, *text, *out, *chat_template, *system;
+    int json, stats, help;
+};
+
+static const char common_help[] =
+    "model, plan and KV options:\n"
+    "  --context N          the context window (default: what the plan fits, up to the model's)\n"
+    "  --budget SIZE        plan as if the machine had SIZE of memory (e.g. 2G)\n"
+    "  --memory-limit SIZE  the engine budget, exactly\n"
+    "  --util U             the engine budget as a fraction of the ceiling (0 < U ≤ 1)\n"
+    "  --kv-layout L        paged (default), contiguous, blocks, ragged\n"
+    "  --kv-format F        f16 (default), bf16, f32, q8, q4, tq\n"
+    "  --threads N          CPU threads (default: the online CPUs)\n"
+    "  --max-batch-tokens N the prefill chunk (default 512)\n";
+
+static const char sampling_help[] =
+    "sampling options:\n"
+    "  -n, --max-tokens N   tokens to generate at most (default 128)\n"
+    "  --temperature T      0 is greedy (default)\n"
+    "  --top-k K, --top-p P, --min-p P, --seed S\n"
+    "  --stop TEXT          end at TEXT (repeatable; not printed)\n"
+    "  --ignore-eos         keep going after the end-of-sequence token\n";
+
+static int parse(int argc, char **argv, struct run_args *a) {
+    optind = 1;
+    opterr = 0;
+    int c, rc = CLI_OK;
+    int64_t v = 0;
+    double d = 0;
+    while (rc == CLI_OK && (c = getopt_long(argc, argv, ":hp:n:", options, NULL)) != -1) {
+        switch (c) {
+        case OPT_KV_LAYOUT:
+            if (llmem_kv_layout_parse(optarg, &a->engine.kv_layout) != LLMEM_OK)
+                rc = CLI_USAGE;
+            break;
+        case OPT_KV_FORMAT:
+            if (llmem_kv_format_parse(optarg, &a->engine.kv_format) != LLMEM_OK)
+                rc = CLI_USAGE;
+            break;
+        case OPT_CONTEXT:
+            rc = cli_parse_int("--context", optarg, 2, (int64_t)1 << 40, &a->engine.context);
+            break;
+        case OPT_BUDGET: rc = cli_parse_size("--budget", optarg, &a->engine.budget_bytes); break;
+        case OPT_MEMORY_LIMIT:
+            rc = cli_parse_size("--memory-limit", optarg, &a->engine.memory_limit_bytes);
+            break;
+        case OPT_UTIL: rc = cli_parse_double("--util", optarg, 0.0, 1.0, &a->engine.util); break;
+        case OPT_THREADS:
+            rc = cli_parse_int("--threads", optarg, 1, 1024, &v);
+            a->engine.n_threads = (int)v;
+            break;
+        case OPT_MAX_BATCH_TOKENS:
+            rc = cli_parse_int("--max-batch-tokens", optarg, 1, 1 << 20,
+                               &a->engine.max_batch_tokens);
+            break;
+        case OPT_TEMPERATURE:
+            rc = cli_parse_double("--temperature", optarg, -1e-300, 100.0, &d);
+            a->gen.sampling.temperature = d;
+            break;
+        case OPT_TOP_K:
+            rc = cli_parse_int("--top-k", optarg, 0, 1 << 30, &a->gen.sampling.top_k);
+            break;
+        case OPT_TOP_P:
+            rc = cli_parse_double("--top-p", optarg, 0.0, 1.0, &a->gen.sampling.top_p);
+            break;
+        case OPT_MIN_P:
+            rc = cli_parse_double("--min-p", optarg, -1e-300, 1.0, &a->gen.sampling.min_p);
+            break;
+        case OPT_SEED:
+            rc = cli_parse_int("--seed", optarg, 0, INT64_MAX, &v);
+            a->gen.sampling.seed = (uint64_t)v;
+            break;
+        case OPT_STOP:
+            if (a->gen.n_stop == MAX_STOP)
+                rc = cli_usage_error(a->cmd, "at most %d --stop strings", MAX_STOP);
+            else
+                a->stop[a->gen.n_stop++] = optarg;
+            break;
+        case OPT_IGNORE_EOS: a->gen.ignore_eos = 1; break;
+        case 'n':
+            rc = cli_parse_int("--max-tokens", optarg, 1, (int64_t)1 << 40, &a->gen.max_tokens);
+            break;
+        case 'p': a->prompt = optarg; break;
+        case OPT_IDS: a->ids = optarg; break;
+        case OPT_JSON: a->json = 1; break;
+        case OPT_STATS: a->stats = 1; break;
+        case OPT_TEXT: a->text = optarg; break;
+        case OPT_OUT: a->out = optarg; break;
+        case OPT_CHAT_TEMPLATE: a->chat_template = optarg; break;
+        case OPT_SYSTEM: a->system = optarg; break;
+        case 'h':
+        case OPT_HELP: a->help = 1; break;
+        case ':': rc = cli_usage_error(a->cmd, "%s needs a value", argv[optind - 1]); break;
+        default: rc = cli_usage_error(a->cmd, "unknown option '%s' (see --help)", argv[optind - 1]);
+        }
+    }
+    a->gen.stop = a->stop;
+    return rc;
+}
+
+/* "1,2,3" → ids (malloc'ed). */
+static int parse_ids(const char *cmd, const char *s, int32_t **ids, int64_t *n) {
+    size_t cap = 1;
+    for (const char *q = s; *q; q++)
+        cap += *q == ',';
+    *ids = malloc(cap * sizeof(int32_t));
+    *n = 0;
+    if (*ids == NULL)
+        return CLI_FAIL;
+    const char *q = s;
+    while (*q) {
+        char *end = NULL;
+        long long v = strtoll(q, &end, 10);
+        if (end == q || v < 0 || v > INT32_MAX || (*end != ',' && *end != '\0')) {
+            free(*ids);
+            return cli_usage_error(cmd, "--ids: '%s' is not a comma-separated list of token ids",
+                                   s);
+        }
+        (*ids)[(*n)++] = (int32_t)v;
+        q = *end == ',' ? end + 1 : end;
+    }
+    if (*n == 0) {
+        free(*ids);
+        return cli_usage_error(cmd, "--ids: empty list");
+    }
+    return CLI_OK;
+}
+
+/* ---- the engine ------------------------------------------------------------------------------ */
+
+static void load_progress(void *arg, int64_t done, int64_t total) {
+    (void)arg;
+    cli_progress("loading", done, total);
+}
+
+static void prefill_progress(void *arg, int64_t done, int64_t total) {
+    (void)arg;
+    if (total >= 2048)
+        cli_progress("prefill", done, total);
+}
+
+static int open_engine(const char *model, struct run_args *a, struct llmem_engine **e) {
+    a->engine.model_dir = model;
+    int status = llmem_engine_open(&a->engine, load_progress, NULL, e);
+    cli_progress_done();
+    if (status != LLMEM_OK) {
+        fprintf(stderr, "llmem %s: cannot run %s (%s)\n", a->cmd, model, llmem_status_name(status));
+        return status == LLMEM_ENOMEM ? CLI_NOFIT : CLI_FAIL;
+    }
+    char line[512];
+    llmem_plan_describe(llmem_engine_plan(*e), line, sizeof(line));
+    fprintf(stderr, "llmem: %s\n", line);
+    llmem_engine_limits_line(*e, line, sizeof(line));
+    fprintf(stderr, "llmem: limits applied: %s\n", line);
+    return CLI_OK;
+}
+
+/* Memory planned against measured, per tag, as JSON. */
+static cJSON *memory_json(struct llmem_engine *e) {
+    const struct llmem_plan *p = llmem_engine_plan(e);
+    struct llmem_mem_stats st;
+    llmem_mem_stats(llmem_engine_mem(e), &st);
+    cJSON *m = cJSON_CreateObject();
+    struct {
+        const char *name;
+        int64_t planned, peak;
+    } rows[] = {
+        {"weights", p->weights_bytes, st.tags[LLMEM_TAG_WEIGHTS].peak_bytes},
+        {"kv", p->kv_reserve_bytes, st.tags[LLMEM_TAG_KV].peak_bytes},
+        {"scratch", p->runtime_transients_bytes, st.tags[LLMEM_TAG_SCRATCH].peak_bytes},
+        {"cache", st.cache_limit_bytes, st.cache_bytes},
+    };
+    int bad = m == NULL;
+    for (size_t i = 0; !bad && i < sizeof(rows) / sizeof(rows[0]); i++) {
+        cJSON *o = cJSON_AddObjectToObject(m, rows[i].name);
+        bad = o == NULL || llmem_json_add_int(o, "planned_bytes", rows[i].planned) ||
+              llmem_json_add_int(o, "measured_peak_bytes", rows[i].peak);
+    }
+    bad = bad || llmem_json_add_int(m, "computed_workspace_bytes", p->computed_workspace_bytes) ||
+          llmem_json_add_int(m, "active_bytes", st.active_bytes) ||
+          llmem_json_add_int(m, "peak_bytes", st.peak_bytes) ||
+          llmem_json_add_int(m, "memory_limit_bytes", st.memory_limit_bytes);
+    if (bad) {
+        cJSON_Delete(m);
+        return NULL;
+    }
+    return m;
+}
+
+static void print_stats(struct llmem_engine *e, const struct llmem_generate_result *r) {
+    double prefill = r->prefill_s > 0 ? (double)r->prompt_tokens / r->prefill_s : 0;
+    double decode = r->decode_s > 0 ? (double)r->decode_tokens / r->decode_s : 0;
+    struct llmem_mem_stats st;
+    llmem_mem_stats(llmem_engine_mem(e), &st);
+    char a[32], pk[32], c[32], kv[32];
+    fprintf(stderr,
+            "\nllmem stats: prompt %" PRId64 " tokens, prefill %.1f tok/s, ttft %.1f ms; "
+            "generated %" PRId64 " tokens, decode %.1f tok/s (%s)\n"
+            "llmem memory: active %s, peak %s, cache %s, KV peak %s\n",
+            r->prompt_tokens, prefill, r->ttft_ms, r->n_ids, decode, r->finish_reason,
+            llmem_size_format_short(st.active_bytes, a, sizeof(a)),
+            llmem_size_format_short(st.peak_bytes, pk, sizeof(pk)),
+            llmem_size_format_short(st.cache_bytes, c, sizeof(c)),
+            llmem_size_format_short(st.tags[LLMEM_TAG_KV].peak_bytes, kv, sizeof(kv)));
+}
+
+static int stream_stdout(void *arg, int32_t id, const char *text, size_t len) {
+    (void)arg, (void)id;
+    fwrite(text, 1, len, stdout);
+    fflush(stdout);
+    return 0;
+}
+
+/* ---- llmem run ------------------------------------------------------------------------------- */
+
+static const char run_usage[] =
+    "usage: llmem run MODEL (-p TEXT | --ids 1,2,3) [options]\n"
+    "\n"
+    "Generates a continuation and streams it to stdout.\n"
+    "  -p, --prompt TEXT    the prompt (encoded without a BOS token)\n"
+    "  --ids LIST           the prompt as token ids\n"
+    "  --stats              tokens/s and memory on stderr\n"
+    "  --json               stdout is one object: ids, text, finish_reason\n"
+    "                       (and stats with --stats)\n";
+
+static int run_main(int argc, char **argv, struct run_args *a) {
+    if (a->help) {
+        printf("%s\n%s\n%s", run_usage, sampling_help, common_help);
+        return CLI_OK;
+    }
+    if (optind != argc - 1)
+        return cli_usage_error(a->cmd, "needs one MODEL directory (see --help)");
+    if ((a->prompt == NULL) == (a->ids == NULL))
+        return cli_usage_error(a->cmd, "give either -p TEXT or --ids LIST");
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    if (a->ids != NULL && parse_ids(a->cmd, a->ids, &ids, &n) != CLI_OK)
+        return CLI_USAGE;
+    struct llmem_engine *e = NULL;
+    int rc = open_engine(argv[optind], a, &e);
+    if (rc != CLI_OK)
+        goto out;
+    if (a->prompt != NULL && llmem_tokenizer_encode(llmem_engine_tokenizer(e), a->prompt,
+                                                    strlen(a->prompt), &ids, &n) != LLMEM_OK) {
+        rc = CLI_FAIL;
+        goto out;
+    }
+    if (n == 0) {
+        rc = cli_usage_error(a->cmd, "the prompt is empty");
+        goto out;
+    }
+    if (a->gen.max_tokens == 0)
+        a->gen.max_tokens = 128;
+    a->gen.prefill_progress = isatty(2) ? prefill_progress : NULL;
+    struct llmem_generate_result r;
+    int status =
+        llmem_engine_generate(e, ids, n, &a->gen, a->json ? NULL : stream_stdout, NULL, &r);
+    cli_progress_done();
+    if (status != LLMEM_OK) {
+        rc = CLI_FAIL;
+        goto out;
+    }
+    if (a->json) {
+        cJSON *root = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(root, "ids");
+        for (int64_t i = 0; arr != NULL && i < r.n_ids; i++)
+            cJSON_AddItemToArray(arr, cJSON_CreateNumber(r.ids[i]));
+        cJSON_AddStringToObject(root, "text", r.text);
+        cJSON_AddStringToObject(root, "finish_reason", r.finish_reason);
+        if (a->stats) {
+            cJSON *s = cJSON_AddObjectToObject(root, "stats");
+            llmem_json_add_int(s, "prompt_tokens", r.prompt_tokens);
+            llmem_json_add_int(s, "generated_tokens", r.n_ids);
+            llmem_json_add_double(s, "ttft_ms", r.ttft_ms);
+            llmem_json_add_double(s, "prefill_tokens_per_s",
+                                  r.prefill_s > 0 ? (double)r.prompt_tokens / r.prefill_s : 0);
+            llmem_json_add_double(s, "decode_tokens_per_s",
+                                  r.decode_s > 0 ? (double)r.decode_tokens / r.decode_s : 0);
+            cJSON *m = memory_json(e);
+            if (m != NULL)
+                cJSON_AddItemToObject(s, "memory", m);
+        }
+        rc = cli_print_json(root);
+    } else {
+        printf("\n");
+        if (a->stats)
+            print_stats(e, &r);
+    }
+    llmem_generate_result_free(&r);
+out:
+    free(ids);
+    llmem_engine_close(e);
+    return rc;
+}
+
+/* ---- llmem chat ------------------------------------------------------------------------------ */
+
+static const char chat_usage[] =
+    "usage: llmem chat MODEL [options]\n"
+    "\n"
+    "An interactive conversation on stdin/stdout with the model's chat template. An empty line or\n"
+    "end of input ends it.\n"
+    "  --chat-template T    chatml, llama3 or mistral (default: recognized from the model)\n"
+    "  --system TEXT        a system message\n"
+    "  --stats              tokens/s and memory after each answer\n";
+
+static int chat_main(int argc, char **argv, struct run_args *a) {
+    if (a->help) {
+        printf("%s\n%s\n%s", chat_usage, sampling_help, common_help);
+        return CLI_OK;
+    }
+    if (optind != argc - 1)
+        return cli_usage_error(a->cmd, "needs one MODEL directory (see --help)");
+    enum llmem_chat_template tmpl = LLMEM_CHAT_NONE;
+    if (a->chat_template != NULL && llmem_chat_template_parse(a->chat_template, &tmpl) != LLMEM_OK)
+        return CLI_USAGE;
+    struct llmem_engine *e = NULL;
+    int rc = open_engine(argv[optind], a, &e);
+    if (rc != CLI_OK)
+        return rc;
+    const struct llmem_tokenizer *tok = llmem_engine_tokenizer(e);
+    if (tmpl == LLMEM_CHAT_NONE) {
+        if (llmem_tokenizer_chat_template(tok, &tmpl) != LLMEM_OK) {
+            llmem_engine_close(e);
+            return CLI_FAIL;
+        }
+        if (tmpl == LLMEM_CHAT_NONE) {
+            fprintf(stderr,
+                    "llmem chat: %s has no chat template; pass --chat-template "
+                    "chatml|llama3|mistral\n",
+                    argv[optind]);
+            llmem_engine_close(e);
+            return CLI_FAIL;
+        }
+    }
+    int32_t stop_ids[8];
+    a->gen.n_stop_ids = llmem_chat_stop_ids(tok, tmpl, stop_ids, 8);
+    a->gen.stop_ids = stop_ids;
+    if (a->gen.max_tokens == 0)
+        a->gen.max_tokens = 512;
+
+    struct llmem_chat_message msgs[256];
+    char *owned[256];
+    int n_msgs = 0, n_owned = 0;
+    if (a->system != NULL)
+        msgs[n_msgs++] = (struct llmem_chat_message){"system", a->system};
+    char line[8192];
+    int interactive = isatty(0);
+    for (;;) {
+        if (interactive)
+            fprintf(stderr, "> ");
+        if (fgets(line, sizeof(line), stdin) == NULL)
+            break;
+        line[strcspn(line, "\n")] = '\0';
+        if (line[0] == '\0' || n_msgs + 2 > 256 || n_owned + 2 > 256)
+            break;
+        owned[n_owned] = strdup(line);
+        if (owned[n_owned] == NULL)
+            break;
+        msgs[n_msgs++] = (struct llmem_chat_message){"user", owned[n_owned++]};
+        char *text = NULL;
+        int32_t *ids = NULL;
+        int64_t n = 0;
+        if (llmem_chat_render(tok, tmpl, msgs, n_msgs, 1, &text) != LLMEM_OK ||
+            llmem_tokenizer_encode(tok, text, strlen(text), &ids, &n) != LLMEM_OK) {
+            free(text);
+            rc = CLI_FAIL;
+            break;
+        }
+        free(text);
+        struct llmem_generate_result r;
+        int status = llmem_engine_generate(e, ids, n, &a->gen, stream_stdout, NULL, &r);
+        free(ids);
+        if (status != LLMEM_OK) {
+            rc = CLI_FAIL;
+            break;
+        }
+        printf("\n");
+        fflush(stdout);
+        if (a->stats)
+            print_stats(e, &r);
+        owned[n_owned] = r.text;
+        r.text = NULL;
+        msgs[n_msgs++] = (struct llmem_chat_message){"assistant", owned[n_owned++]};
+        llmem_generate_result_free(&r);
+    }
+    for (int i = 0; i < n_owned; i++)
+        free(owned[i]);
+    llmem_engine_close(e);
+    return rc;
+}
+
+/* ---- llmem tokenize / llmem logits ------------------------------------------------------------
+ */
+
+static int tokenize_main(int argc, char **argv, struct run_args *a) {
+    if (a->help) {
+        printf("usage: llmem tokenize MODEL --text TEXT [--json]\n\n"
+               "Prints the token ids of TEXT (no BOS added); --json prints {\"ids\": [...]}.\n");
+        return CLI_OK;
+    }
+    if (optind != argc - 1 || a->text == NULL)
+        return cli_usage_error(a->cmd, "usage: llmem tokenize MODEL --text TEXT [--json]");
+    struct llmem_tokenizer *tok = NULL;
+    if (llmem_tokenizer_load(argv[optind], &tok) != LLMEM_OK)
+        return CLI_FAIL;
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    int rc = CLI_FAIL;
+    if (llmem_tokenizer_encode(tok, a->text, strlen(a->text), &ids, &n) == LLMEM_OK) {
+        if (a->json) {
+            cJSON *root = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(root, "ids");
+            for (int64_t i = 0; arr != NULL && i < n; i++)
+                cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
+            rc = cli_print_json(root);
+        } else {
+            for (int64_t i = 0; i < n; i++)
+                printf("%s%d", i ? "," : "", ids[i]);
+            printf("\n");
+            rc = CLI_OK;
+        }
+    }
+    free(ids);
+    llmem_tokenizer_free(tok);
+    return rc;
+}
+
+static int logits_main(int argc, char **argv, struct run_args *a) {
+    if (a->help) {
+        printf("usage: llmem logits MODEL --ids 1,2,3 --out FILE.npy [options]\n\n"
+               "Writes the teacher-forced logits of every position, float32 [n, vocab].\n\n%s",
+               common_help);
+        return CLI_OK;
+    }
+    if (optind != argc - 1 || a->ids == NULL || a->out == NULL)
+        return cli_usage_error(a->cmd, "usage: llmem logits MODEL --ids 1,2,3 --out FILE.npy");
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    if (parse_ids(a->cmd, a->ids, &ids, &n) != CLI_OK)
+        return CLI_USAGE;
+    struct llmem_engine *e = NULL;
+    int rc = open_engine(argv[optind], a, &e);
+    float *logits = NULL;
+    int seq = -1;
+    if (rc != CLI_OK)
+        goto out;
+    int64_t vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size;
+    int64_t chunk = a->engine.max_batch_tokens > 0 ? a->engine.max_batch_tokens : 512;
+    logits = malloc((size_t)(n * vocab) * sizeof(float));
+    rc = CLI_FAIL;
+    if (logits == NULL || llmem_kv_seq_new(llmem_engine_kv(e), &seq) != LLMEM_OK)
+        goto out;
+    for (int64_t pos = 0; pos < n; pos += chunk) {
+        int64_t m = n - pos < chunk ? n - pos : chunk;
+        struct llmem_batch_seq b = {.seq = seq, .pos = pos, .n_tokens = m, .all_logits = 1};
+        if (llmem_forward_run(llmem_engine_forward(e), ids + pos, &b, 1, logits + pos * vocab) !=
+            LLMEM_OK)
+            goto out;
+    }
+    if (llmem_npy_write_f32(a->out, logits, n, vocab) == LLMEM_OK)
+        rc = CLI_OK;
+out:
+    free(logits);
+    free(ids);
+    llmem_engine_close(e);
+    return rc;
+}
+
+/* ---- dispatch ----------------------------------------------------------------------------------
+ */
+
+int cli_run(int argc, char **argv) {
+    struct run_args a;
+    memset(&a, 0, sizeof(a));
+    a.cmd = argv[0];
+    llmem_engine_config_default(&a.engine);
+    llmem_generate_params_default(&a.gen);
+    int rc = parse(argc, argv, &a);
+    if (rc != CLI_OK)
+        return rc;
+    if (strcmp(a.cmd, "chat") == 0)
+        return chat_main(argc, argv, &a);
+    if (strcmp(a.cmd, "tokenize") == 0)
+        return tokenize_main(argc, argv, &a);
+    if (strcmp(a.cmd, "logits") == 0)
+        return logits_main(argc, argv, &a);
+    return run_main(argc, argv, &a);
+}
