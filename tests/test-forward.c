@@ -266,10 +266,162 @@ static void test_parity_transformers_cast(void **state) {
             parity_one(all_models[m], REF_CAST, 64, 1e-4);
 }
 
+/* ---- layouts, batches, formats --------------------------------------------------------------- */
+
+static const char *const layout_models[] = {"pycoder", "tiny-mistral-swa", "tiny-qwen3"};
+
+/* Every layout gives the paged layout's logits (f32 KV), prefilling in chunks of 7 and of 64. */
+static void test_layouts_agree(void **state) {
+    (void)state;
+    for (size_t m = 0; m < 3; m++) {
+        struct generation gens[1];
+        load_generations(layout_models[m], REF_F32, gens, 1);
+        char dir[512];
+        model_dir(layout_models[m], dir, sizeof(dir));
+        for (int chunk = 7; chunk <= 64; chunk += 57) {
+            float *ref = NULL;
+            for (int layout = 0; layout < LLMEM_KV_LAYOUT_COUNT; layout++) {
+                struct rig r;
+                rig_open(&r, dir, (enum llmem_kv_layout)layout, LLMEM_KV_FORMAT_F32, chunk, 2);
+                float *logits = teacher_forced(&r, gens[0].ids, gens[0].n);
+                if (ref == NULL) {
+                    ref = logits;
+                    logits = NULL;
+                } else {
+                    double d = max_abs_diff(logits, ref, (size_t)(gens[0].n * r.vocab));
+                    printf("  %-18s %-10s chunk %2d: max |Δ| vs paged %.2e\n", layout_models[m],
+                           llmem_kv_layout_name((enum llmem_kv_layout)layout), chunk, d);
+                    assert_true(d <= 1e-5);
+                }
+                free(logits);
+                rig_close(&r);
+            }
+            free(ref);
+        }
+        free_generations(gens, 1);
+    }
+}
+
+/* Sequences batched together give their single-run logits: a prefill of several prompts in one
+ * pass, then greedy decoding of all of them in one pass per step. */
+static void test_batch_equals_single(void **state) {
+    (void)state;
+    for (size_t m = 0; m < 3; m++) {
+        struct generation gens[3];
+        int n = load_generations(layout_models[m], REF_CAST, gens, 3);
+        char dir[512];
+        struct rig r;
+        rig_open(&r, model_dir(layout_models[m], dir, sizeof(dir)), LLMEM_KV_LAYOUT_PAGED,
+                 LLMEM_KV_FORMAT_F32, 512, 2);
+        const int steps = 24;
+        /* single runs: greedy tokens and logits of every step */
+        int32_t single_tok[3][32];
+        float *single = malloc((size_t)(3 * (steps + 1) * r.vocab) * sizeof(float));
+        for (int i = 0; i < n; i++) {
+            int seq;
+            assert_int_equal(llmem_kv_seq_new(r.kv, &seq), LLMEM_OK);
+            float *row = single + (size_t)(i * (steps + 1)) * (size_t)r.vocab;
+            prefill(&r, seq, gens[i].ids, gens[i].n_prompt, row);
+            for (int t = 0; t < steps; t++) {
+                single_tok[i][t] = (int32_t)argmax(row, r.vocab, NULL);
+                row += r.vocab;
+                struct llmem_batch_seq b = {seq, gens[i].n_prompt + t, 1, 0};
+                assert_int_equal(llmem_forward_run(r.fwd, &single_tok[i][t], &b, 1, row), LLMEM_OK);
+            }
+            llmem_kv_seq_free(r.kv, seq);
+        }
+        /* batched */
+        int seqs[3];
+        struct llmem_batch_seq b[3];
+        int32_t tokens[256];
+        int64_t T = 0;
+        for (int i = 0; i < n; i++) {
+            assert_int_equal(llmem_kv_seq_new(r.kv, &seqs[i]), LLMEM_OK);
+            b[i] = (struct llmem_batch_seq){seqs[i], 0, gens[i].n_prompt, 0};
+            memcpy(tokens + T, gens[i].ids, (size_t)gens[i].n_prompt * sizeof(int32_t));
+            T += gens[i].n_prompt;
+        }
+        float *logits = malloc((size_t)(3 * r.vocab) * sizeof(float));
+        assert_int_equal(llmem_forward_run(r.fwd, tokens, b, n, logits), LLMEM_OK);
+        double worst = 0;
+        for (int t = 0; t <= steps; t++) {
+            for (int i = 0; i < n; i++) {
+                const float *want = single + (size_t)(i * (steps + 1) + t) * (size_t)r.vocab;
+                worst = fmax(worst, max_abs_diff(logits + i * r.vocab, want, (size_t)r.vocab));
+                if (t < steps) {
+                    tokens[i] = (int32_t)argmax(logits + i * r.vocab, r.vocab, NULL);
+                    assert_int_equal(tokens[i], single_tok[i][t]);
+                    b[i] = (struct llmem_batch_seq){seqs[i], gens[i].n_prompt + t, 1, 0};
+                }
+            }
+            if (t < steps)
+                assert_int_equal(llmem_forward_run(r.fwd, tokens, b, n, logits), LLMEM_OK);
+        }
+        printf("  %-18s batch of %d vs single, %d steps: max |Δ| %.2e\n", layout_models[m], n,
+               steps, worst);
+        assert_true(worst <= 1e-5);
+        for (int i = 0; i < n; i++)
+            llmem_kv_seq_free(r.kv, seqs[i]);
+        free(logits);
+        free(single);
+        rig_close(&r);
+        free_generations(gens, n);
+    }
+}
+
+/* Stored KV formats against f32 KV: the largest logit error over the reference generations, for
+ * the bounds documented in docs/MODELS.md (measured here, asserted with margin). */
+static void test_kv_format_bounds(void **state) {
+    (void)state;
+    static const struct {
+        enum llmem_kv_format format;
+        double bound_random, bound_pycoder;
+    } formats[] = {
+        {LLMEM_KV_FORMAT_F16, 1.5e-2, 4e-2}, {LLMEM_KV_FORMAT_BF16, 1e-1, 2.5e-1},
+        {LLMEM_KV_FORMAT_Q8, 4e-1, 1.0},     {LLMEM_KV_FORMAT_Q4, 4.5, 10.0},
+        {LLMEM_KV_FORMAT_TQ, 4.5, 8.0},
+    };
+    for (size_t m = 0; m < N_MODELS; m++) {
+        if (!selected(all_models[m]))
+            continue;
+        struct generation gens[2];
+        int n = load_generations(all_models[m], REF_F32, gens, 2);
+        char dir[512];
+        model_dir(all_models[m], dir, sizeof(dir));
+        struct rig r;
+        rig_open(&r, dir, LLMEM_KV_LAYOUT_PAGED, LLMEM_KV_FORMAT_F32, 64, 2);
+        float *exact[2];
+        for (int i = 0; i < n; i++)
+            exact[i] = teacher_forced(&r, gens[i].ids, gens[i].n);
+        rig_close(&r);
+        for (size_t f = 0; f < sizeof(formats) / sizeof(formats[0]); f++) {
+            rig_open(&r, dir, LLMEM_KV_LAYOUT_PAGED, formats[f].format, 64, 2);
+            double worst = 0;
+            for (int i = 0; i < n; i++) {
+                float *logits = teacher_forced(&r, gens[i].ids, gens[i].n);
+                worst = fmax(worst, max_abs_diff(logits, exact[i], (size_t)(gens[i].n * r.vocab)));
+                free(logits);
+            }
+            double bound = strcmp(all_models[m], "pycoder") == 0 ? formats[f].bound_pycoder
+                                                                 : formats[f].bound_random;
+            printf("  %-18s KV %-4s: max |Δ logits| vs f32 KV %.2e (bound %.1e)\n", all_models[m],
+                   llmem_kv_format_name(formats[f].format), worst, bound);
+            assert_true(worst <= bound);
+            rig_close(&r);
+        }
+        for (int i = 0; i < n; i++)
+            free(exact[i]);
+        free_generations(gens, n);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parity_transformers_f32),
         cmocka_unit_test(test_parity_transformers_cast),
+        cmocka_unit_test(test_layouts_agree),
+        cmocka_unit_test(test_batch_equals_single),
+        cmocka_unit_test(test_kv_format_bounds),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -4,7 +4,7 @@
  * Open: geometry (headers only) → machine probe → plan → refuse if it does not fit → allocator with
  * the plan's limits → weights, tokenizer, backend, KV cache, forward pass. The KV pool is sized by
  * the plan: it starts with room for one full window and may grow (×1.5) up to the plan's pool
- * tokens; the allocator's memory limit bounds everything together.
+ * tokens and at most one window per sequence; the allocator's memory limit bounds everything.
  *
  * Generate: prefill in chunks (logits of the last token only), then decode token by token. Text is
  * streamed through the detokenizer; a stop string ends generation and is cut from the text, and
@@ -108,8 +108,13 @@ static int open_kv(struct llmem_engine *e) {
         int64_t window_blocks =
             (e->plan.context_window_resolved + kc.block_size - 1) / kc.block_size;
         int64_t pool_blocks = (e->plan.pool_tokens + kc.block_size - 1) / kc.block_size;
+        /* Start small and grow ×1.5 on demand, up to the pool the plan leaves for KV, and
+         * never past one full window per sequence (the window is what a sequence can use). */
+        int64_t max_blocks = window_blocks * e->cfg.max_sequences;
+        if (pool_blocks < max_blocks)
+            max_blocks = pool_blocks > window_blocks ? pool_blocks : window_blocks;
         kc.num_blocks = window_blocks < 64 ? window_blocks : 64;
-        kc.max_blocks = pool_blocks > window_blocks ? pool_blocks : window_blocks;
+        kc.max_blocks = max_blocks;
         kc.dynamic = 1;
     }
     return llmem_kv_create(&kc, e->mem, &e->kv);
