@@ -2,9 +2,9 @@
  * engine/engine.c — a model opened inside its memory plan, and the generation loop.
  *
  * Open: geometry (headers only) → machine probe → plan → refuse if it does not fit → allocator with
- * the plan's limits → weights, tokenizer, backend, KV cache, forward pass. The KV pool is sized by
- * the plan: it starts with room for one full window and may grow (×1.5) up to the plan's pool
- * tokens and at most one window per sequence; the allocator's memory limit bounds everything.
+ * the plan's limits → weights, tokenizer, backend, KV cache, forward pass. The paged KV pool is the
+ * plan's reserve (one window per sequence), allocated at open; the allocator's memory limit bounds
+ * everything together.
  *
  * Generate: prefill in chunks (logits of the last token only), then decode token by token. Text is
  * streamed through the detokenizer; a stop string ends generation and is cut from the text, and
@@ -82,9 +82,9 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
     char line[512];
     llmem_plan_describe(&e->plan, line, sizeof(line));
     if (!e->plan.model_fits || e->plan.overcommitted) {
-        LLMEM_ERROR("%s: refused before loading: %s", c->model_dir, line);
+        LLMEM_ERROR_AS("llmem_engine_open", "%s: refused before loading: %s", c->model_dir, line);
         for (int i = 0; i < e->plan.n_notes; i++)
-            LLMEM_ERROR("%s", e->plan.notes[i]);
+            LLMEM_ERROR_AS("llmem_engine_open", "%s", e->plan.notes[i]);
         return LLMEM_ENOMEM;
     }
     LLMEM_INFO("plan: %s", line);
@@ -103,19 +103,21 @@ static int open_kv(struct llmem_engine *e) {
     kc.max_sequences = (int)(e->cfg.max_sequences + 1); /* one spare for a fork */
     kc.n_threads = e->cfg.n_threads;
     if (kc.layout == LLMEM_KV_LAYOUT_PAGED) {
+        /* The pool the plan commits, allocated now: one window per sequence, within the pool
+         * tokens the plan leaves for KV. Large buffers are mapped lazily, so pages become
+         * resident as tokens arrive, but the bytes are accounted (and limited) from the start
+         * and a growing pool never needs old + new at once. */
         if (kc.block_size <= 0)
             kc.block_size = 16;
         int64_t window_blocks =
             (e->plan.context_window_resolved + kc.block_size - 1) / kc.block_size;
-        int64_t pool_blocks = (e->plan.pool_tokens + kc.block_size - 1) / kc.block_size;
-        /* Start small and grow ×1.5 on demand, up to the pool the plan leaves for KV, and
-         * never past one full window per sequence (the window is what a sequence can use). */
-        int64_t max_blocks = window_blocks * e->cfg.max_sequences;
-        if (pool_blocks < max_blocks)
-            max_blocks = pool_blocks > window_blocks ? pool_blocks : window_blocks;
-        kc.num_blocks = window_blocks < 64 ? window_blocks : 64;
-        kc.max_blocks = max_blocks;
-        kc.dynamic = 1;
+        int64_t pool_blocks = e->plan.pool_tokens / kc.block_size;
+        int64_t blocks = window_blocks * e->cfg.max_sequences;
+        if (pool_blocks < blocks)
+            blocks = pool_blocks > window_blocks ? pool_blocks : window_blocks;
+        kc.num_blocks = blocks;
+        kc.max_blocks = blocks;
+        kc.dynamic = 0;
     }
     return llmem_kv_create(&kc, e->mem, &e->kv);
 }
@@ -213,10 +215,10 @@ void llmem_engine_limits_line(const struct llmem_engine *e, char *buf, size_t si
     struct llmem_mem_stats st;
     llmem_mem_stats(e->mem, &st);
     snprintf(buf, size,
-             "memory limit %s (util %.2f × ceiling %s), trip %s, cache limit %s, KV %s %s, "
+             "memory limit %s (util %.2f × %s), trip %s, cache limit %s, KV %s %s, "
              "context %" PRId64,
              llmem_size_format_short(st.memory_limit_bytes, limit, sizeof(limit)), p->util,
-             llmem_size_format_short(p->ceiling_bytes, ceiling, sizeof(ceiling)),
+             llmem_size_format_short(p->planning_bytes, ceiling, sizeof(ceiling)),
              llmem_size_format_short(p->trip_bytes, trip, sizeof(trip)),
              llmem_size_format_short(st.cache_limit_bytes, cache, sizeof(cache)),
              llmem_kv_format_name(e->cfg.kv_format), llmem_kv_layout_name(e->cfg.kv_layout),
