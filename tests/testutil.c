@@ -63,13 +63,20 @@ static char *slurp_fd(int fd) {
     return buf;
 }
 
-struct tu_run tu_llmem_argv(int n, const char *const *args) {
-    /* stdout and stderr go to unlinked temp files, so large outputs never block on a pipe. */
+struct tu_run tu_llmem_input(const char *input, int n, const char *const *args) {
+    /* stdin, stdout and stderr are unlinked temp files, so large outputs never block on a pipe. */
     char out_path[] = "/tmp/llmem-out-XXXXXX", err_path[] = "/tmp/llmem-err-XXXXXX";
-    int out_fd = mkstemp(out_path), err_fd = mkstemp(err_path);
-    assert_true(out_fd >= 0 && err_fd >= 0);
+    char in_path[] = "/tmp/llmem-in-XXXXXX";
+    int out_fd = mkstemp(out_path), err_fd = mkstemp(err_path), in_fd = mkstemp(in_path);
+    assert_true(out_fd >= 0 && err_fd >= 0 && in_fd >= 0);
     unlink(out_path);
     unlink(err_path);
+    unlink(in_path);
+    if (input != NULL) {
+        size_t len = strlen(input);
+        assert_int_equal(write(in_fd, input, len), (ssize_t)len);
+        lseek(in_fd, 0, SEEK_SET);
+    }
 
     const char **argv = calloc((size_t)n + 2, sizeof(*argv));
     assert_non_null(argv);
@@ -82,9 +89,7 @@ struct tu_run tu_llmem_argv(int n, const char *const *args) {
     if (pid == 0) {
         dup2(out_fd, 1);
         dup2(err_fd, 2);
-        int devnull = open("/dev/null", O_RDONLY);
-        if (devnull >= 0)
-            dup2(devnull, 0);
+        dup2(in_fd, 0);
         execv(LLMEM_BIN, (char *const *)argv);
         _exit(127);
     }
@@ -100,7 +105,12 @@ struct tu_run tu_llmem_argv(int n, const char *const *args) {
     run.err = slurp_fd(err_fd);
     close(out_fd);
     close(err_fd);
+    close(in_fd);
     return run;
+}
+
+struct tu_run tu_llmem_argv(int n, const char *const *args) {
+    return tu_llmem_input(NULL, n, args);
 }
 
 struct tu_run tu_llmem(const char *arg, ...) {

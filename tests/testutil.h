@@ -27,6 +27,8 @@ struct tu_run {
 struct tu_run tu_llmem(const char *arg, ...);
 /* Same with an argv array of n entries (not counting the program). */
 struct tu_run tu_llmem_argv(int n, const char *const *args);
+/* Same with `input` on stdin (NULL: empty). */
+struct tu_run tu_llmem_input(const char *input, int n, const char *const *args);
 void tu_run_free(struct tu_run *run);
 
 /* Parses run->out as exactly one JSON object (only whitespace around it); fails the test

@@ -1,0 +1,330 @@
+/*
+ * tests/e2e/e2e-run.c — the built binary running models: `llmem run` against transformers' greedy
+ * output for pycoder (ids and text), --json and --stats, `llmem tokenize`, `llmem logits` against
+ * transformers' logits, `llmem chat` with a template, a model refused by its plan, and bad input
+ * (missing, truncated or corrupt files, an unknown architecture, a missing tensor, a shape that
+ * disagrees with the config, a broken tokenizer.json), each a clear error.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "core/json.h"
+#include "core/npy.h"
+#include "testutil.h"
+
+#define PYCODER LLMEM_SOURCE_DIR "/models/pycoder"
+#define REFS    LLMEM_TEST_DATA "/models/pycoder"
+
+static cJSON *reference(void) {
+    cJSON *root = NULL;
+    assert_int_equal(llmem_json_parse_file(REFS "/reference.json", 1 << 24, &root), 0);
+    return root;
+}
+
+static void ids_csv(const cJSON *ids, char *buf, size_t size) {
+    size_t len = 0;
+    const cJSON *id = NULL;
+    cJSON_ArrayForEach(id, ids) {
+        len += (size_t)snprintf(buf + len, size - len, "%s%d", len ? "," : "", id->valueint);
+        assert_true(len < size);
+    }
+}
+
+/* llmem run --json gives transformers' greedy ids and text for every pycoder prompt. */
+static void test_run_greedy_matches(void **state) {
+    (void)state;
+    cJSON *ref = reference();
+    const cJSON *g = NULL;
+    cJSON_ArrayForEach(g, cJSON_GetObjectItem(ref, "generations")) {
+        const cJSON *greedy = cJSON_GetObjectItem(g, "greedy_ids");
+        char n[16];
+        snprintf(n, sizeof(n), "%d", cJSON_GetArraySize(greedy));
+        const char *prompt = cJSON_GetObjectItem(g, "prompt")->valuestring;
+        struct tu_run r = tu_llmem("run", PYCODER, "-p", prompt, "-n", n, "--ignore-eos", "--json",
+                                   "--threads", "2", NULL);
+        assert_int_equal(r.exit_code, 0);
+        cJSON *out = tu_json_stdout(&r);
+        const cJSON *ids = cJSON_GetObjectItem(out, "ids");
+        assert_int_equal(cJSON_GetArraySize(ids), cJSON_GetArraySize(greedy));
+        for (int i = 0; i < cJSON_GetArraySize(ids); i++)
+            assert_int_equal(cJSON_GetArrayItem(ids, i)->valueint,
+                             cJSON_GetArrayItem(greedy, i)->valueint);
+        assert_string_equal(cJSON_GetObjectItem(out, "text")->valuestring,
+                            cJSON_GetObjectItem(g, "greedy_text")->valuestring);
+        /* the plan line and the limits applied are on stderr, never on stdout */
+        assert_non_null(strstr(r.err, "limits applied: memory limit"));
+        cJSON_Delete(out);
+        tu_run_free(&r);
+
+        /* the same prompt as ids, streamed as text: the same text and a newline */
+        char csv[4096];
+        ids_csv(cJSON_GetObjectItem(g, "prompt_ids"), csv, sizeof(csv));
+        r = tu_llmem("run", PYCODER, "--ids", csv, "-n", n, "--ignore-eos", NULL);
+        assert_int_equal(r.exit_code, 0);
+        size_t len = strlen(r.out);
+        assert_true(len > 0 && r.out[len - 1] == '\n');
+        r.out[len - 1] = '\0';
+        assert_string_equal(r.out, cJSON_GetObjectItem(g, "greedy_text")->valuestring);
+        tu_run_free(&r);
+    }
+    cJSON_Delete(ref);
+}
+
+static void test_run_stats_json(void **state) {
+    (void)state;
+    struct tu_run r = tu_llmem("run", PYCODER, "-p", "import os\n", "-n", "16", "--stats", "--json",
+                               "--temperature", "0.8", "--top-p", "0.9", "--seed", "3",
+                               "--kv-format", "q8", "--kv-layout", "contiguous", NULL);
+    assert_int_equal(r.exit_code, 0);
+    cJSON *out = tu_json_stdout(&r);
+    const cJSON *stats = cJSON_GetObjectItem(out, "stats");
+    assert_non_null(stats);
+    assert_int_equal(cJSON_GetObjectItem(stats, "prompt_tokens")->valueint, 3);
+    assert_true(cJSON_GetObjectItem(stats, "ttft_ms")->valuedouble > 0);
+    assert_true(cJSON_GetObjectItem(stats, "prefill_tokens_per_s")->valuedouble > 0);
+    const cJSON *mem = cJSON_GetObjectItem(stats, "memory");
+    const char *tags[] = {"weights", "kv", "scratch", "cache"};
+    for (int i = 0; i < 4; i++) {
+        const cJSON *t = cJSON_GetObjectItem(mem, tags[i]);
+        assert_non_null(cJSON_GetObjectItem(t, "planned_bytes"));
+        assert_non_null(cJSON_GetObjectItem(t, "measured_peak_bytes"));
+    }
+    assert_true(cJSON_GetObjectItem(cJSON_GetObjectItem(mem, "weights"), "measured_peak_bytes")
+                    ->valuedouble >= 11540992);
+    /* the same seed gives the same sample */
+    struct tu_run r2 = tu_llmem("run", PYCODER, "-p", "import os\n", "-n", "16", "--json",
+                                "--temperature", "0.8", "--top-p", "0.9", "--seed", "3",
+                                "--kv-format", "q8", "--kv-layout", "contiguous", NULL);
+    cJSON *out2 = tu_json_stdout(&r2);
+    assert_string_equal(cJSON_GetObjectItem(out, "text")->valuestring,
+                        cJSON_GetObjectItem(out2, "text")->valuestring);
+    cJSON_Delete(out);
+    cJSON_Delete(out2);
+    tu_run_free(&r);
+    tu_run_free(&r2);
+}
+
+static void test_tokenize_and_logits(void **state) {
+    (void)state;
+    cJSON *ref = reference();
+    const cJSON *g = cJSON_GetArrayItem(cJSON_GetObjectItem(ref, "generations"), 0);
+    struct tu_run r = tu_llmem("tokenize", PYCODER, "--text",
+                               cJSON_GetObjectItem(g, "prompt")->valuestring, "--json", NULL);
+    assert_int_equal(r.exit_code, 0);
+    cJSON *out = tu_json_stdout(&r);
+    char got[4096], want[4096];
+    ids_csv(cJSON_GetObjectItem(out, "ids"), got, sizeof(got));
+    ids_csv(cJSON_GetObjectItem(g, "prompt_ids"), want, sizeof(want));
+    assert_string_equal(got, want);
+    cJSON_Delete(out);
+    tu_run_free(&r);
+
+    /* teacher-forced logits of prompt + continuation, against transformers (f32) */
+    cJSON *hf = NULL;
+    assert_int_equal(llmem_json_parse_file(REFS "/hf_reference.json", 1 << 24, &hf), 0);
+    const cJSON *h = cJSON_GetArrayItem(cJSON_GetObjectItem(hf, "generations"), 0);
+    char ids[8192];
+    ids_csv(cJSON_GetObjectItem(h, "prompt_ids"), ids, sizeof(ids));
+    size_t len = strlen(ids);
+    ids[len++] = ',';
+    ids_csv(cJSON_GetObjectItem(h, "teacher_ids"), ids + len, sizeof(ids) - len);
+    char *dir = tu_mkdtemp(), path[512];
+    snprintf(path, sizeof(path), "%s/logits.npy", dir);
+    r = tu_llmem("logits", PYCODER, "--ids", ids, "--out", path, "--kv-format", "f32",
+                 "--max-batch-tokens", "16", NULL);
+    assert_int_equal(r.exit_code, 0);
+    float *a = NULL, *b = NULL;
+    int64_t ar, ac, br, bc;
+    assert_int_equal(llmem_npy_read_f32(path, &a, &ar, &ac), 0);
+    assert_int_equal(llmem_npy_read_f32(REFS "/hf_logits_0.npy", &b, &br, &bc), 0);
+    assert_int_equal(ar, br);
+    assert_int_equal(ac, bc);
+    double worst = 0;
+    for (int64_t i = 0; i < ar * ac; i++)
+        worst = fmax(worst, fabs((double)a[i] - (double)b[i]));
+    printf("  llmem logits vs transformers: %lld × %lld, max |Δ| %.2e\n", (long long)ar,
+           (long long)ac, worst);
+    assert_true(worst <= 1e-4);
+    free(a);
+    free(b);
+    tu_run_free(&r);
+    tu_rmtree(dir);
+    free(dir);
+    cJSON_Delete(hf);
+    cJSON_Delete(ref);
+}
+
+static void test_chat(void **state) {
+    (void)state;
+    const char *args[] = {"chat", PYCODER, "--chat-template", "chatml", "-n", "8"};
+    struct tu_run r = tu_llmem_input("def add(a, b):\nclass Foo:\n", 6, args);
+    assert_int_equal(r.exit_code, 0);
+    /* two answers, one line each at least */
+    int lines = 0;
+    for (const char *p = r.out; *p; p++)
+        lines += *p == '\n';
+    assert_true(lines >= 2);
+    tu_run_free(&r);
+    /* pycoder's tokenizer has no template: without --chat-template that is a clear error */
+    r = tu_llmem_input("hi\n", 2, args);
+    assert_int_equal(r.exit_code, 1);
+    assert_non_null(strstr(r.err, "has no chat template; pass --chat-template"));
+    tu_run_free(&r);
+    const char *bad[] = {"chat", PYCODER, "--chat-template", "vicuna"};
+    r = tu_llmem_input("hi\n", 4, bad);
+    assert_int_equal(r.exit_code, 2);
+    assert_non_null(strstr(r.err, "chatml"));
+    tu_run_free(&r);
+}
+
+static void test_refused_by_plan(void **state) {
+    (void)state;
+    struct tu_run r = tu_llmem("run", PYCODER, "-p", "x", "--budget", "8M", NULL);
+    assert_int_equal(r.exit_code, 3);
+    assert_non_null(strstr(r.err, "refused before loading"));
+    assert_non_null(strstr(r.err, "MODEL DOES NOT FIT"));
+    assert_string_equal(r.out, "");
+    tu_run_free(&r);
+}
+
+/* ---- bad input --------------------------------------------------------------------------------
+ */
+
+/* A copy of pycoder in a temporary directory, for breaking one file. */
+static char *copy_pycoder(void) {
+    char *dir = tu_mkdtemp();
+    const char *files[] = {"config.json", "generation_config.json", "model.safetensors",
+                           "tokenizer.json", "tokenizer_config.json"};
+    for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
+        char src[512];
+        snprintf(src, sizeof(src), "%s/%s", PYCODER, files[i]);
+        FILE *f = fopen(src, "rb");
+        assert_non_null(f);
+        fseek(f, 0, SEEK_END);
+        long n = ftell(f);
+        fseek(f, 0, SEEK_SET);
+        char *buf = malloc((size_t)n);
+        assert_int_equal(fread(buf, 1, (size_t)n, f), (size_t)n);
+        fclose(f);
+        free(tu_write_file(dir, files[i], buf, n));
+        free(buf);
+    }
+    return dir;
+}
+
+static char *read_all(const char *path, long *n) {
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    fseek(f, 0, SEEK_END);
+    *n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc((size_t)*n + 1);
+    assert_int_equal(fread(buf, 1, (size_t)*n, f), (size_t)*n);
+    buf[*n] = '\0';
+    fclose(f);
+    return buf;
+}
+
+/* Replaces the first occurrence of `from` in dir/name with `to` (same length keeps offsets). */
+static void edit(const char *dir, const char *name, const char *from, const char *to) {
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    long n = 0;
+    char *buf = read_all(path, &n);
+    char *hit = memmem(buf, (size_t)n, from, strlen(from));
+    assert_non_null(hit);
+    size_t fl = strlen(from), tl = strlen(to);
+    char *out = malloc((size_t)n + tl + 1);
+    size_t pre = (size_t)(hit - buf);
+    memcpy(out, buf, pre);
+    memcpy(out + pre, to, tl);
+    memcpy(out + pre + tl, hit + fl, (size_t)n - pre - fl);
+    free(tu_write_file(dir, name, out, (long)((size_t)n - fl + tl)));
+    free(out);
+    free(buf);
+}
+
+static void expect_failure(const char *dir, const char *needle) {
+    struct tu_run r = tu_llmem("run", dir, "-p", "def", "-n", "2", NULL);
+    if (r.exit_code != 1 || strstr(r.err, needle) == NULL)
+        printf("exit %d, stderr:\n%s\n(expected '%s')\n", r.exit_code, r.err, needle);
+    assert_int_equal(r.exit_code, 1);
+    assert_non_null(strstr(r.err, needle));
+    assert_string_equal(r.out, "");
+    tu_run_free(&r);
+    tu_rmtree(dir);
+    free((char *)dir);
+}
+
+static void test_bad_input(void **state) {
+    (void)state;
+    struct tu_run r = tu_llmem("run", "/nonexistent/model", "-p", "x", NULL);
+    assert_int_equal(r.exit_code, 1);
+    assert_non_null(strstr(r.err, "/nonexistent/model"));
+    tu_run_free(&r);
+
+    /* truncated weights: the header promises more bytes than the file has */
+    char *dir = copy_pycoder(), path[512];
+    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+    assert_int_equal(truncate(path, 1 << 20), 0);
+    expect_failure(dir, "model.safetensors");
+
+    /* a corrupt header (its JSON broken) */
+    dir = copy_pycoder();
+    edit(dir, "model.safetensors", "\"dtype\"", "\"dtypf\"");
+    expect_failure(dir, "model.safetensors");
+
+    /* a missing tensor (renamed in the header, same length) */
+    dir = copy_pycoder();
+    edit(dir, "model.safetensors", "model.norm.weight", "model.norX.weight");
+    expect_failure(dir, "tensor 'model.norm.weight' is missing");
+
+    /* a shape that disagrees with the config */
+    dir = copy_pycoder();
+    edit(dir, "config.json", "\"intermediate_size\": 768", "\"intermediate_size\": 512");
+    expect_failure(dir, "has shape [768, 256]; the config says [512, 256]");
+
+    /* an unknown architecture */
+    dir = copy_pycoder();
+    edit(dir, "config.json", "\"model_type\": \"llama\"", "\"model_type\": \"gpt2\"");
+    expect_failure(dir, "'gpt2' is not supported");
+
+    /* a broken tokenizer.json */
+    dir = copy_pycoder();
+    snprintf(path, sizeof(path), "%s/tokenizer.json", dir);
+    assert_int_equal(truncate(path, 1000), 0);
+    expect_failure(dir, "tokenizer.json");
+
+    /* an unsupported tokenizer model */
+    dir = copy_pycoder();
+    edit(dir, "tokenizer.json", "\"type\": \"BPE\"", "\"type\": \"Unigram\"");
+    expect_failure(dir, "Unigram");
+
+    /* bad option values */
+    r = tu_llmem("run", PYCODER, "--ids", "1,x,3", NULL);
+    assert_int_equal(r.exit_code, 2);
+    assert_non_null(strstr(r.err, "--ids"));
+    tu_run_free(&r);
+    r = tu_llmem("run", PYCODER, "--ids", "1,2", "--kv-format", "q3", NULL);
+    assert_int_equal(r.exit_code, 2);
+    tu_run_free(&r);
+    r = tu_llmem("run", PYCODER, "--ids", "999999", NULL);
+    assert_int_equal(r.exit_code, 1);
+    assert_non_null(strstr(r.err, "outside the vocabulary"));
+    tu_run_free(&r);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_run_greedy_matches),  cmocka_unit_test(test_run_stats_json),
+        cmocka_unit_test(test_tokenize_and_logits), cmocka_unit_test(test_chat),
+        cmocka_unit_test(test_refused_by_plan),     cmocka_unit_test(test_bad_input),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
