@@ -19,6 +19,8 @@ build: deps
 
 run: build
 	./$(BUILD)/llmem plan models/pycoder
+	./$(BUILD)/llmem run models/pycoder --stats -n 96 \
+		-p "$$(printf 'import os\nimport sys\n\n\ndef main():\n')"
 
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)

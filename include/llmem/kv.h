@@ -33,6 +33,8 @@
 #include "llmem/plan.h"
 #include "llmem/status.h"
 
+struct llmem_pool;
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -63,6 +65,8 @@ struct llmem_kv_config {
     int rotate;         /* q4: randomized Hadamard rotation (on) */
     uint64_t seed;      /* the rotation's signs */
     int n_threads;      /* attention threads; ≤ 0: online CPUs */
+    struct llmem_pool *pool; /* (optional) the threads to run attention on, shared with the
+                              * caller's other work (not destroyed); NULL: a pool of n_threads */
 };
 
 /* The defaults above (paged, f16, 64 sequences); the geometry fields are left 0. */

@@ -143,9 +143,9 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
                                   .cache_limit_bytes = -1,
                                   .usable_bytes = e->plan.usable_bytes};
     if ((status = llmem_mem_create(&mc, &e->mem)) != LLMEM_OK ||
+        (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
         (status = llmem_model_load(config->model_dir, e->mem, progress, progress_arg, &e->model)) !=
             LLMEM_OK ||
-        (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
         (status = llmem_backend_cpu_create(config->n_threads, &e->be)) != LLMEM_OK ||
         (status = open_kv(e)) != LLMEM_OK ||
         (status = llmem_forward_create(e->model, e->be, e->kv, e->cfg.max_batch_tokens, &e->fwd)) !=

@@ -439,7 +439,9 @@ int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
         status = LLMEM_ENOMEM;
         goto out_free;
     }
-    if ((status = llmem_pool_create(c.n_threads, &kv->pool)) != LLMEM_OK)
+    if (c.pool != NULL)
+        kv->pool = c.pool;
+    else if ((status = llmem_pool_create(c.n_threads, &kv->pool)) != LLMEM_OK)
         goto out_free;
     if (c.layout == LLMEM_KV_LAYOUT_PAGED) {
         int saved = kv->cfg.dynamic;
@@ -478,7 +480,8 @@ void llmem_kv_destroy(struct llmem_kv *kv) {
     free(kv->k_pool), free(kv->v_pool), free(kv->refcount), free(kv->free_ids);
     free(kv->r_k), free(kv->r_v);
     free(kv->seqs);
-    llmem_pool_destroy(kv->pool);
+    if (kv->pool != kv->cfg.pool)
+        llmem_pool_destroy(kv->pool);
     if (kv->own_mem)
         llmem_mem_destroy(kv->mem);
     free(kv);
