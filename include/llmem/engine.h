@@ -78,6 +78,8 @@ struct llmem_mem *llmem_engine_mem(struct llmem_engine *e);
 struct llmem_kv *llmem_engine_kv(struct llmem_engine *e);
 struct llmem_model *llmem_engine_model(struct llmem_engine *e);
 struct llmem_forward *llmem_engine_forward(struct llmem_engine *e);
+/* The threads the engine's kernels run on (for work that must not compete with them). */
+struct llmem_pool *llmem_engine_pool(struct llmem_engine *e);
 const struct llmem_tokenizer *llmem_engine_tokenizer(const struct llmem_engine *e);
 /* The limits applied, as one line ("memory limit 12.0G (util 0.50 × ceiling 24.0G), trip 13.2G,
  * cache limit 1.5G, KV f16 paged, context 32768"), for the log line of SPEC §3.1. */

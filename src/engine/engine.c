@@ -18,6 +18,7 @@
 
 #include "backend/ops.h"
 #include "core/log.h"
+#include "core/pool.h"
 #include "llmem/engine.h"
 #include "llmem/size.h"
 #include "llmem/sys.h"
@@ -29,6 +30,7 @@ struct llmem_engine {
     struct llmem_mem *mem;
     struct llmem_model *model;
     struct llmem_tokenizer *tok;
+    struct llmem_pool *pool; /* the threads every kernel runs on */
     struct llmem_backend *be;
     struct llmem_kv *kv;
     struct llmem_forward *fwd;
@@ -102,6 +104,7 @@ static int open_kv(struct llmem_engine *e) {
     kc.head_dim = (int)g->head_dim;
     kc.max_sequences = (int)(e->cfg.max_sequences + 1); /* one spare for a fork */
     kc.n_threads = e->cfg.n_threads;
+    kc.pool = e->pool;
     if (kc.layout == LLMEM_KV_LAYOUT_PAGED) {
         /* The pool the plan commits, allocated now: one window per sequence, within the pool
          * tokens the plan leaves for KV. Large buffers are mapped lazily, so pages become
@@ -146,6 +149,7 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
         (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
         (status = llmem_model_load(config->model_dir, e->mem, progress, progress_arg, &e->model)) !=
             LLMEM_OK ||
+        (status = llmem_pool_create(config->n_threads, &e->pool)) != LLMEM_OK ||
         (status = llmem_backend_cpu_create(config->n_threads, &e->be)) != LLMEM_OK ||
         (status = open_kv(e)) != LLMEM_OK ||
         (status = llmem_forward_create(e->model, e->be, e->kv, e->cfg.max_batch_tokens, &e->fwd)) !=
@@ -184,6 +188,7 @@ void llmem_engine_close(struct llmem_engine *e) {
     llmem_forward_free(e->fwd);
     llmem_kv_destroy(e->kv);
     llmem_backend_destroy(e->be);
+    llmem_pool_destroy(e->pool);
     llmem_tokenizer_free(e->tok);
     llmem_model_free(e->model);
     llmem_mem_destroy(e->mem);
@@ -201,6 +206,9 @@ struct llmem_kv *llmem_engine_kv(struct llmem_engine *e) {
 }
 struct llmem_model *llmem_engine_model(struct llmem_engine *e) {
     return e->model;
+}
+struct llmem_pool *llmem_engine_pool(struct llmem_engine *e) {
+    return e->pool;
 }
 struct llmem_forward *llmem_engine_forward(struct llmem_engine *e) {
     return e->fwd;

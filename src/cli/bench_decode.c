@@ -1,0 +1,267 @@
+/*
+ * cli/bench_decode.c — `llmem bench decode MODEL`: end-to-end prefill and decode speed of a real
+ * model through the engine, for each thread count asked, against the machine's read bandwidth
+ * probed right before and right after every run (this machine's bandwidth drifts by 1.5× within
+ * minutes, so each run is compared with its own neighbourhood).
+ *
+ * One run: a prompt of --prompt random tokens (ids 5 … vocab−1, seeded) prefilled in chunks of
+ * 512, then --gen tokens decoded greedily with EOS ignored. Reported, as medians over --reps runs:
+ *   prefill tokens/s and GFLOP/s: 2 × (the layers' matmul parameters) per token, plus attention
+ *                                  (4 × head_dim × heads × layers per query-key pair, causal), plus
+ *                                  one lm_head row set for the last token;
+ *   decode tokens/s, and bytes/s: every token reads all matmul weights (layers and lm_head) and
+ *                                  the KV of the tokens before it (at the run's mean length);
+ *   fraction of read bandwidth:   decode bytes/s ÷ the median of the probes around the run;
+ *   overhead per token:           measured time per token − bytes per token ÷ probed bandwidth,
+ *                                  what dispatch and everything that is not streaming costs.
+ */
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "cli/cli.h"
+#include "core/json.h"
+#include "core/pool.h"
+#include "llmem/engine.h"
+#include "llmem/size.h"
+
+#define MAX_THREADS_LIST 8
+#define MAX_REPS         32
+
+struct decode_point {
+    int threads;
+    double prefill_tps, prefill_gflops, decode_tps, decode_gbps, bw_gbps, fraction, overhead_ms;
+};
+
+static void progress_tick(void *arg) {
+    int64_t *p = arg;
+    cli_progress("bench decode", ++p[0], p[1]);
+}
+
+/* Bytes of the matmul weights one decode step reads, and its FLOPs per prompt token. */
+static void model_costs(const struct llmem_model_config *c, int64_t *weight_bytes,
+                        double *flops_per_token, int64_t *elem_bytes) {
+    const struct llmem_model_geometry *g = &c->geom;
+    int64_t q = g->n_heads * g->head_dim, kv = g->n_kv_heads * g->head_dim;
+    int64_t per_layer =
+        g->hidden_size * (2 * q + 2 * kv) + 3 * g->hidden_size * g->intermediate_size;
+    int64_t params = per_layer * g->n_layers;
+    *elem_bytes = g->weights_bytes / (g->n_params > 0 ? g->n_params : 1);
+    *weight_bytes = (params + g->vocab_size * g->hidden_size) * *elem_bytes;
+    *flops_per_token = 2.0 * (double)params;
+}
+
+static const char usage[] =
+    "usage: llmem bench decode MODEL [options]\n"
+    "\n"
+    "Prefill and decode speed of MODEL, against the memory read bandwidth probed before and after\n"
+    "each run.\n"
+    "  --prompt N       prompt tokens (default 512)\n"
+    "  --gen N          generated tokens (default 128)\n"
+    "  --threads LIST   thread counts, e.g. 1,2 (default: the online CPUs)\n"
+    "  --reps N         runs per thread count (default 3)\n"
+    "  --kv-format F    the KV format (default f16)\n"
+    "  --bw-size SIZE   the bandwidth probe's buffer (default 512M)\n"
+    "  --json           one JSON object: model, weights_bytes, points[] {threads, "
+    "prefill_tokens_per_s,\n"
+    "                   prefill_gflops, decode_tokens_per_s, decode_gbps, bandwidth_read_gbps,\n"
+    "                   fraction_of_bandwidth, overhead_ms_per_token}\n";
+
+int cli_bench_decode(int argc, char **argv) {
+    enum {
+        OPT_PROMPT = 256,
+        OPT_GEN,
+        OPT_THREADS,
+        OPT_REPS,
+        OPT_KV_FORMAT,
+        OPT_BW,
+        OPT_JSON,
+        OPT_HELP
+    };
+    static const struct option opts[] = {
+        {"prompt", required_argument, NULL, OPT_PROMPT},
+        {"gen", required_argument, NULL, OPT_GEN},
+        {"threads", required_argument, NULL, OPT_THREADS},
+        {"reps", required_argument, NULL, OPT_REPS},
+        {"kv-format", required_argument, NULL, OPT_KV_FORMAT},
+        {"bw-size", required_argument, NULL, OPT_BW},
+        {"json", no_argument, NULL, OPT_JSON},
+        {"help", no_argument, NULL, OPT_HELP},
+        {NULL, 0, NULL, 0},
+    };
+    int64_t n_prompt = 512, n_gen = 128, reps = 3, bw_bytes = (int64_t)512 << 20;
+    int threads[MAX_THREADS_LIST], n_threads = 0, json = 0;
+    enum llmem_kv_format format = LLMEM_KV_FORMAT_F16;
+    optind = 1;
+    opterr = 0;
+    int c, rc = CLI_OK;
+    while (rc == CLI_OK && (c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+        switch (c) {
+        case OPT_PROMPT: rc = cli_parse_int("--prompt", optarg, 1, 1 << 20, &n_prompt); break;
+        case OPT_GEN: rc = cli_parse_int("--gen", optarg, 1, 1 << 20, &n_gen); break;
+        case OPT_REPS: rc = cli_parse_int("--reps", optarg, 1, MAX_REPS, &reps); break;
+        case OPT_BW: rc = cli_parse_size("--bw-size", optarg, &bw_bytes); break;
+        case OPT_JSON: json = 1; break;
+        case OPT_KV_FORMAT:
+            if (llmem_kv_format_parse(optarg, &format) != LLMEM_OK)
+                rc = CLI_USAGE;
+            break;
+        case OPT_THREADS:
+            for (char *p = optarg; rc == CLI_OK && *p;) {
+                char *end = NULL;
+                long v = strtol(p, &end, 10);
+                if (end == p || v < 1 || v > 1024 || n_threads == MAX_THREADS_LIST ||
+                    (*end != ',' && *end != '\0'))
+                    rc = cli_usage_error("bench decode", "--threads: '%s' is not a list like 1,2",
+                                         optarg);
+                else
+                    threads[n_threads++] = (int)v;
+                p = *end == ',' ? end + 1 : end;
+            }
+            break;
+        case 'h':
+        case OPT_HELP: fputs(usage, stdout); return CLI_OK;
+        case ':': rc = cli_usage_error("bench decode", "%s needs a value", argv[optind - 1]); break;
+        default:
+            rc = cli_usage_error("bench decode", "unknown option '%s' (see --help)",
+                                 argv[optind - 1]);
+        }
+    }
+    if (rc != CLI_OK)
+        return rc;
+    if (optind != argc - 1)
+        return cli_usage_error("bench decode", "needs one MODEL directory (see --help)");
+    if (n_threads == 0)
+        threads[n_threads++] = 0;
+    const char *model = argv[optind];
+
+    struct decode_point points[MAX_THREADS_LIST];
+    int64_t prog[2] = {0, (int64_t)n_threads * reps * 3};
+    struct llmem_engine *e = NULL;
+    struct llmem_pool *pool = NULL;
+    int32_t *prompt = malloc((size_t)n_prompt * sizeof(int32_t));
+    int64_t weight_bytes = 0, elem_bytes = 2;
+    double flops_per_token = 0;
+    rc = CLI_FAIL;
+    if (prompt == NULL)
+        goto out;
+    for (int t = 0; t < n_threads; t++) {
+        struct llmem_engine_config cfg;
+        llmem_engine_config_default(&cfg);
+        cfg.model_dir = model;
+        cfg.n_threads = threads[t];
+        cfg.kv_format = format;
+        cfg.context = n_prompt + n_gen + 1;
+        if (llmem_engine_open(&cfg, NULL, NULL, &e) != LLMEM_OK)
+            goto out;
+        pool = llmem_engine_pool(e); /* the probe runs on the engine's own threads */
+        const struct llmem_model_config *mc = llmem_model_get_config(llmem_engine_model(e));
+        model_costs(mc, &weight_bytes, &flops_per_token, &elem_bytes);
+        const struct llmem_model_geometry *g = &mc->geom;
+        uint64_t x = 99;
+        for (int64_t i = 0; i < n_prompt; i++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            prompt[i] = (int32_t)(5 + (int64_t)(x >> 33) % (g->vocab_size - 5));
+        }
+        double kv_token =
+            (double)llmem_kv_token_bytes(&(struct llmem_kv_config){.format = format,
+                                                                   .n_layers = (int)g->n_layers,
+                                                                   .n_kv_heads = (int)g->n_kv_heads,
+                                                                   .head_dim = (int)g->head_dim});
+        double attn_flops = 4.0 * (double)(g->n_heads * g->head_dim * g->n_layers) *
+                            (double)n_prompt * (double)(n_prompt + 1) / 2.0;
+        double bytes_per_token = (double)weight_bytes + kv_token * ((double)n_prompt + n_gen / 2.0);
+        double pre[MAX_REPS], gfl[MAX_REPS], dec[MAX_REPS], bw[MAX_REPS], frac[MAX_REPS],
+            over[MAX_REPS];
+        for (int64_t r = 0; r < reps; r++) {
+            double rd[2], cp[2];
+            if (cli_bandwidth(llmem_engine_mem(e), pool, bw_bytes, 1, &rd[0], &cp[0], progress_tick,
+                              prog) != CLI_OK)
+                goto out;
+            struct llmem_generate_params p;
+            llmem_generate_params_default(&p);
+            p.max_tokens = n_gen;
+            p.ignore_eos = 1;
+            struct llmem_generate_result res;
+            if (llmem_engine_generate(e, prompt, n_prompt, &p, NULL, NULL, &res) != LLMEM_OK)
+                goto out;
+            progress_tick(prog);
+            if (cli_bandwidth(llmem_engine_mem(e), pool, bw_bytes, 1, &rd[1], &cp[1], progress_tick,
+                              prog) != CLI_OK) {
+                llmem_generate_result_free(&res);
+                goto out;
+            }
+            pre[r] = (double)n_prompt / res.prefill_s;
+            gfl[r] = ((double)n_prompt * flops_per_token + attn_flops +
+                      2.0 * (double)(g->vocab_size * g->hidden_size)) /
+                     res.prefill_s * 1e-9;
+            dec[r] = (double)res.decode_tokens / res.decode_s;
+            bw[r] = (rd[0] + rd[1]) / 2;
+            frac[r] = bytes_per_token * dec[r] * 1e-9 / bw[r];
+            over[r] = (1.0 / dec[r] - bytes_per_token / (bw[r] * 1e9)) * 1e3;
+            llmem_generate_result_free(&res);
+        }
+        struct decode_point *pt = &points[t];
+        pt->threads = threads[t] > 0 ? threads[t] : llmem_pool_threads(pool);
+        pt->prefill_tps = cli_median(pre, (int)reps);
+        pt->prefill_gflops = cli_median(gfl, (int)reps);
+        pt->decode_tps = cli_median(dec, (int)reps);
+        pt->decode_gbps = pt->decode_tps * bytes_per_token * 1e-9;
+        pt->bw_gbps = cli_median(bw, (int)reps);
+        pt->fraction = cli_median(frac, (int)reps);
+        pt->overhead_ms = cli_median(over, (int)reps);
+        llmem_engine_close(e);
+        e = NULL;
+    }
+    cli_progress_done();
+    if (json) {
+        cJSON *root = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(root, "points");
+        int bad = root == NULL || arr == NULL || llmem_json_add_string(root, "model", model) ||
+                  llmem_json_add_int(root, "prompt_tokens", n_prompt) ||
+                  llmem_json_add_int(root, "generated_tokens", n_gen) ||
+                  llmem_json_add_int(root, "decode_weight_bytes_per_token", weight_bytes);
+        for (int t = 0; !bad && t < n_threads; t++) {
+            const struct decode_point *pt = &points[t];
+            cJSON *o = cJSON_CreateObject();
+            bad = o == NULL || !cJSON_AddItemToArray(arr, o) ||
+                  llmem_json_add_int(o, "threads", pt->threads) ||
+                  llmem_json_add_double(o, "prefill_tokens_per_s", pt->prefill_tps) ||
+                  llmem_json_add_double(o, "prefill_gflops", pt->prefill_gflops) ||
+                  llmem_json_add_double(o, "decode_tokens_per_s", pt->decode_tps) ||
+                  llmem_json_add_double(o, "decode_gbps", pt->decode_gbps) ||
+                  llmem_json_add_double(o, "bandwidth_read_gbps", pt->bw_gbps) ||
+                  llmem_json_add_double(o, "fraction_of_bandwidth", pt->fraction) ||
+                  llmem_json_add_double(o, "overhead_ms_per_token", pt->overhead_ms);
+        }
+        if (bad) {
+            cJSON_Delete(root);
+            goto out;
+        }
+        rc = cli_print_json(root);
+    } else {
+        char wb[32];
+        printf("llmem bench decode: %s, prompt %" PRId64 ", %" PRId64
+               " generated, KV %s; decode reads %s of weights per token; median of %" PRId64
+               " runs\n",
+               model, n_prompt, n_gen, llmem_kv_format_name(format),
+               llmem_size_format_short(weight_bytes, wb, sizeof(wb)), reps);
+        printf("threads  prefill tok/s  GFLOP/s  decode tok/s   GB/s  read bw GB/s  of bw  "
+               "overhead ms/tok\n");
+        for (int t = 0; t < n_threads; t++) {
+            const struct decode_point *pt = &points[t];
+            printf("%7d  %13.1f  %7.1f  %12.1f  %5.1f  %12.1f  %4.0f%%  %15.3f\n", pt->threads,
+                   pt->prefill_tps, pt->prefill_gflops, pt->decode_tps, pt->decode_gbps,
+                   pt->bw_gbps, 100 * pt->fraction, pt->overhead_ms);
+        }
+        rc = CLI_OK;
+    }
+out:
+    cli_progress_done();
+    free(prompt);
+    llmem_engine_close(e);
+    return rc;
+}
