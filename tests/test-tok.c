@@ -19,6 +19,7 @@
 #include "llmem/status.h"
 #include "llmem/tokenizer.h"
 #include "testutil.h"
+#include "tok/tok_int.h"
 
 #define TOK_DATA LLMEM_TEST_DATA "/tok"
 
@@ -727,6 +728,36 @@ static void test_load_errors(void **state) {
     llmem_detok_free(NULL);
 }
 
+/* ---- NFC ------------------------------------------------------------------------------------ */
+
+/* tok_nfc against Python's unicodedata.normalize("NFC", s) on random strings of combining marks,
+ * Hangul jamo and syllables, singletons and composition exclusions (tests/data/tok/nfc.json). */
+static void test_nfc(void **state) {
+    (void)state;
+    cJSON *root = NULL;
+    assert_int_equal(llmem_json_parse_file(TOK_DATA "/nfc.json", 1 << 22, &root), LLMEM_OK);
+    int n = 0, n_bad = 0;
+    const cJSON *v = NULL;
+    cJSON_ArrayForEach(v, cJSON_GetObjectItem(root, "vectors")) {
+        const char *in = cJSON_GetArrayItem(v, 0)->valuestring;
+        const char *want = cJSON_GetArrayItem(v, 1)->valuestring;
+        struct tok_buf out = {0};
+        assert_int_equal(tok_buf_reserve(&out, 0), LLMEM_OK);
+        assert_int_equal(tok_nfc(&out, in, strlen(in)), LLMEM_OK);
+        if (strcmp(out.p, want) != 0) {
+            fprintf(stderr, "NFC of \"%s\": want \"%s\", got \"%s\"\n", in, want, out.p);
+            n_bad++;
+        }
+        n++;
+        tok_buf_free(&out);
+    }
+    print_message("NFC: %d vectors (Unicode %s)\n", n,
+                  cJSON_GetObjectItem(root, "unicode")->valuestring);
+    cJSON_Delete(root);
+    assert_true(n > 400);
+    assert_int_equal(n_bad, 0);
+}
+
 /* ---- speed ---------------------------------------------------------------------------------- */
 
 static double now_s(void) {
@@ -782,6 +813,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_added_tokens, setup, teardown),
         cmocka_unit_test_setup_teardown(test_chat_templates, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_errors, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nfc, setup, teardown),
         cmocka_unit_test_setup_teardown(test_encode_megabyte, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -275,6 +275,13 @@ static int normalize(struct encoder *e, const char *s, size_t len) {
             struct tok_buf t = e->norm;
             e->norm = e->tmp;
             e->tmp = t;
+        } else if (nm->kind == TOK_NORM_NFC) {
+            e->tmp.n = 0;
+            if (tok_nfc(&e->tmp, e->norm.p, e->norm.n) != LLMEM_OK)
+                return LLMEM_ENOMEM;
+            struct tok_buf t = e->norm;
+            e->norm = e->tmp;
+            e->tmp = t;
         } else if (replace_all(&e->norm, &e->tmp, &nm->a, &nm->b) != LLMEM_OK) {
             return LLMEM_ENOMEM;
         }

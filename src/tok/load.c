@@ -503,9 +503,11 @@ static int add_norm(struct loader *l, const cJSON *obj, const char *where, int d
             free(norm.a.p);
             return status;
         }
+    } else if (strcmp(type, "NFC") == 0) {
+        norm.kind = TOK_NORM_NFC;
     } else {
-        LOAD_ERROR("%s: normalizer '%s' (%s) is not supported (Prepend, Replace or a Sequence of "
-                   "them)",
+        LOAD_ERROR("%s: normalizer '%s' (%s) is not supported (NFC, Prepend, Replace or a Sequence "
+                   "of them)",
                    l->path, type, where);
         return LLMEM_EUNSUPPORTED;
     }

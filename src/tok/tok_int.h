@@ -45,6 +45,9 @@ int tok_utf8_put(struct tok_buf *b, uint32_t cp);
  * String::from_utf8_lossy and Python's errors="replace" do). */
 int tok_utf8_lossy(struct tok_buf *b, const char *p, size_t n);
 
+/* Appends the NFC form of valid UTF-8 text (nfc.c). */
+int tok_nfc(struct tok_buf *out, const char *s, size_t n);
+
 /* The GPT-2 byte ↔ character map of ByteLevel: the printable bytes of Latin-1 stand for
  * themselves, the 68 others for U+0100… in byte order. */
 uint32_t tok_byte_cp(unsigned b);
@@ -84,7 +87,7 @@ void tok_mergemap_free(struct tok_mergemap *m);
 
 /* ---- pipeline steps ------------------------------------------------------------------------- */
 
-enum tok_norm_kind { TOK_NORM_PREPEND, TOK_NORM_REPLACE };
+enum tok_norm_kind { TOK_NORM_PREPEND, TOK_NORM_REPLACE, TOK_NORM_NFC };
 struct tok_norm {
     enum tok_norm_kind kind;
     struct tok_str a; /* Prepend: the prefix; Replace: the pattern */
