@@ -34,6 +34,7 @@ static const char *const all_tokenizers[] = {
     "tiny-mistral-swa",
     "tok-metaspace-split",
     "tok-bytelevel-prefix",
+    "tok-nfc",
 };
 #define N_TOKENIZERS (sizeof(all_tokenizers) / sizeof(all_tokenizers[0]))
 
