@@ -798,11 +798,35 @@ static void test_encode_megabyte(void **state) {
     text[len] = '\0';
     time_encode("tiny-llama3", text, len, "1 MiB random text");
     time_encode("tiny-mistral-swa", text, len, "1 MiB random text");
+    len = 0; /* English-like: common words, punctuation and newlines */
+    static const char *const words[] = {
+        "the",   "of",    "and",   "to",       "in",    "is",      "that", "for",  "it",   "as",
+        "was",   "with",  "be",    "by",       "on",    "not",     "he",   "I",    "this", "are",
+        "or",    "his",   "from",  "at",       "which", "but",     "have", "an",   "had",  "they",
+        "you",   "were",  "their", "one",      "all",   "we",      "can",  "her",  "has",  "there",
+        "been",  "if",    "more",  "when",     "will",  "would",   "who",  "so",   "no",   "memory",
+        "token", "model", "cache", "planned,", "runs.", "(small)", "2024", "x=1;", "\n",
+    };
+    while (len < (1 << 20)) {
+        const char *w = words[rng() % (sizeof(words) / sizeof(words[0]))];
+        size_t wl = strlen(w);
+        memcpy(text + len, w, wl);
+        len += wl;
+        text[len++] = ' ';
+    }
+    text[len] = '\0';
+    time_encode("tiny-llama3", text, len, "1 MiB of English words");
+    time_encode("tiny-mistral-swa", text, len, "1 MiB of English words");
     /* One piece of a megabyte: no spaces, so BPE sees a single word. */
     for (size_t i = 0; i < len; i++)
         text[i] = "abcdefghij"[rng() % 10];
     time_encode("tiny-mistral-swa", text, len, "1 MiB without spaces");
     time_encode("tiny-qwen2", text, len, "1 MiB without spaces");
+    /* Long runs of whitespace: the split regex must stay linear on them. */
+    for (size_t i = 0; i < len; i++)
+        text[i] = i % 100000 == 99999 ? 'x' : " \t"[(i / 50000) % 2];
+    time_encode("tiny-llama3", text, len, "1 MiB of whitespace");
+    time_encode("tok-gpt2", text, len, "1 MiB of whitespace");
     free(text);
 }
 
