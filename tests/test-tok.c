@@ -696,8 +696,36 @@ static void test_load_errors(void **state) {
                         "\"merges\": []}}",
                         LLMEM_EUNSUPPORTED, "dropout");
 
-    /* A tiny BPE with both merge spellings works. */
+    expect_load_failure(dir, "single-word",
+                        "{" BPE_MODEL ", \"added_tokens\": [{\"id\": 3, \"content\": \"<x>\", "
+                        "\"single_word\": true}]}",
+                        LLMEM_EUNSUPPORTED, "single_word");
+    expect_load_failure(dir, "replace-regex",
+                        "{" BPE_MODEL ", \"normalizer\": {\"type\": \"Replace\", \"pattern\": "
+                        "{\"Regex\": \" +\"}, \"content\": \" \"}}",
+                        LLMEM_EUNSUPPORTED, "Regex pattern");
+    expect_load_failure(dir, "unknown-merge-token",
+                        "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, "
+                        "\"merges\": [\"a a b\"]}}",
+                        LLMEM_EFORMAT, "two tokens");
+
+    /* An empty vocabulary loads and encodes to nothing; without a decoder tokens join with
+     * spaces, as tokenizers does. */
     char sub[1024];
+    snprintf(sub, sizeof(sub), "%s/empty", dir);
+    assert_int_equal(mkdir(sub, 0755), 0);
+    free(tu_write_file(sub, "tokenizer.json",
+                       "{\"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []}}", -1));
+    tok = load_dir(sub);
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    assert_int_equal(llmem_tokenizer_vocab_size(tok), 0);
+    assert_int_equal(llmem_tokenizer_encode(tok, "abc", 3, &ids, &n), LLMEM_OK);
+    assert_int_equal(n, 0);
+    free(ids);
+    llmem_tokenizer_free(tok);
+
+    /* A tiny BPE with both merge spellings works. */
     snprintf(sub, sizeof(sub), "%s/tiny", dir);
     assert_int_equal(mkdir(sub, 0755), 0);
     free(tu_write_file(sub, "tokenizer.json",
@@ -706,13 +734,27 @@ static void test_load_errors(void **state) {
                        "\"decoder\": {\"type\": \"Fuse\"}}",
                        -1));
     tok = load_dir(sub);
-    int32_t *ids = NULL;
-    int64_t n = 0;
     assert_int_equal(llmem_tokenizer_encode(tok, "abcab", 5, &ids, &n), LLMEM_OK);
     assert_int_equal(n, 2);
     assert_int_equal(ids[0], 4);
     assert_int_equal(ids[1], 2);
+    char *joined = NULL;
+    assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &joined, NULL), LLMEM_OK);
+    assert_string_equal(joined, "abcab");
+    free(joined);
     free(ids);
+    llmem_tokenizer_free(tok);
+    snprintf(sub, sizeof(sub), "%s/no-decoder", dir);
+    assert_int_equal(mkdir(sub, 0755), 0);
+    free(tu_write_file(sub, "tokenizer.json",
+                       "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2, "
+                       "\"c\": 3, \"abc\": 4}, \"merges\": [\"a b\", [\"ab\", \"c\"]]}}",
+                       -1));
+    tok = load_dir(sub);
+    const int32_t pair[] = {4, 2};
+    assert_int_equal(llmem_tokenizer_decode(tok, pair, 2, 0, &joined, NULL), LLMEM_OK);
+    assert_string_equal(joined, "abc ab");
+    free(joined);
 
     /* Bad input to encode and decode. */
     expect_failure(llmem_tokenizer_encode(tok, "a\xC3(b", 4, &ids, &n), LLMEM_EINVAL,

@@ -173,15 +173,16 @@ static int add_vocab(struct loader *l, const cJSON *vocab, int64_t max_added_id)
         n++;
     }
     tok->n_vocab = (int32_t)(max_id + 1);
-    tok->pieces = calloc((size_t)tok->n_vocab, sizeof(*tok->pieces));
-    tok->kind = calloc((size_t)tok->n_vocab, 1);
-    tok->added_of = malloc((size_t)tok->n_vocab * sizeof(*tok->added_of));
+    size_t n_alloc = tok->n_vocab > 0 ? (size_t)tok->n_vocab : 1; /* an empty vocabulary is valid */
+    tok->pieces = calloc(n_alloc, sizeof(*tok->pieces));
+    tok->kind = calloc(n_alloc, 1);
+    tok->added_of = malloc(n_alloc * sizeof(*tok->added_of));
     if (tok->pieces == NULL || tok->kind == NULL || tok->added_of == NULL ||
         tok_strmap_init(&tok->vocab, n, tok->pieces) != LLMEM_OK) {
         LOAD_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
-    memset(tok->added_of, 0xFF, (size_t)tok->n_vocab * sizeof(*tok->added_of));
+    memset(tok->added_of, 0xFF, n_alloc * sizeof(*tok->added_of));
     cJSON_ArrayForEach(e, vocab) {
         int32_t id = (int32_t)e->valuedouble;
         if (tok->pieces[id].p != NULL) {
