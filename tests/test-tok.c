@@ -590,6 +590,46 @@ static void test_chat_templates(void **state) {
     llmem_tokenizer_free(tok);
     free(sub);
 
+    /* The published Mistral variants, told apart by their spacing (template texts abridged to
+     * the lines that render plain conversations). */
+    static const char v01[] =
+        "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] "
+        "%}{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}"
+        "{%- endif %}{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == "
+        "'user' %}{%- if loop.first and system_message is defined %}{{- ' [INST] ' + "
+        "system_message + '\\n\\n' + message['content'] + ' [/INST]' }}{%- else %}{{- ' [INST] ' + "
+        "message['content'] + ' [/INST]' }}{%- endif %}{%- elif message['role'] == 'assistant' %}"
+        "{{- ' ' + message['content'] + eos_token}}{%- endif %}{%- endfor %}";
+    static const char v03[] =
+        "{%- for message in loop_messages %}{%- if message[\"role\"] == \"user\" %}{%- if "
+        "loop.last "
+        "and system_message is defined %}{{- \"[INST] \" + system_message + \"\\n\\n\" + "
+        "message[\"content\"] + \"[/INST]\" }}{%- else %}{{- \"[INST] \" + message[\"content\"] + "
+        "\"[/INST]\" }}{%- endif %}{%- elif message[\"role\"] == \"assistant\" %}{{- \" \" + "
+        "message[\"content\"]|trim + eos_token}}{%- endif %}{%- endfor %}";
+    static const struct {
+        const char *name, *template_text, *want;
+    } variants[] = {
+        {"mistral-v01", v01, "<s> [INST] Be brief.\n\nHi [/INST] Hello</s> [INST] Bye [/INST]"},
+        {"mistral-v03", v03, "<s>[INST] Hi[/INST] Hello</s>[INST] Be brief.\n\nBye[/INST]"},
+    };
+    for (size_t i = 0; i < sizeof(variants) / sizeof(variants[0]); i++) {
+        cJSON *cfg = cJSON_CreateObject();
+        cJSON_AddStringToObject(cfg, "bos_token", "<s>");
+        cJSON_AddStringToObject(cfg, "eos_token", "</s>");
+        cJSON_AddStringToObject(cfg, "chat_template", variants[i].template_text);
+        char *cfg_text = cJSON_Print(cfg);
+        sub = model_with_config(dir, variants[i].name, cfg_text);
+        tok = load_dir(sub);
+        assert_int_equal(llmem_tokenizer_chat_template(tok, &t), LLMEM_OK);
+        assert_int_equal(t, LLMEM_CHAT_MISTRAL);
+        expect_render(tok, t, with_system, 4, 1, variants[i].want);
+        llmem_tokenizer_free(tok);
+        free(sub);
+        free(cfg_text);
+        cJSON_Delete(cfg);
+    }
+
     /* chat_template.jinja wins over the config. */
     sub = model_with_config(dir, "jinja", MISTRAL_CONFIG);
     free(tu_write_file(sub, "chat_template.jinja",

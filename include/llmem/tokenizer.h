@@ -113,9 +113,12 @@ struct llmem_chat_message {
  *  - Llama 3: "<|begin_of_text|>" then "<|start_header_id|>{role}<|end_header_id|>\n\n{content,
  *    whitespace-trimmed}<|eot_id|>" per message, "<|start_header_id|>assistant<|end_header_id|>
  *    \n\n" to prompt (Llama 3.0's form: 3.1's "Cutting Knowledge Date" header is not added).
- *  - Mistral (Instruct v0.2): "<s>" then "[INST] {user} [/INST]{assistant}</s>" per exchange; a
- *    leading system message is put before the first user message with a blank line between;
- *    add_generation_prompt adds nothing (the text already ends with [/INST]).
+ *  - Mistral (Instruct v0.2, and without a template): "<s>" then "[INST] {user} [/INST]
+ *    {assistant}</s>" (no space after [/INST]) per exchange; a leading system message is put
+ *    before the first user message with a blank line between; add_generation_prompt adds nothing
+ *    (the text already ends with [/INST]). The spacing of v0.1's and v0.3's templates is read
+ *    from their text (" [INST] u [/INST] a</s>"; "[INST] u[/INST] a</s>" with the system message
+ *    on the last user turn).
  * BOS/EOS texts are the tokenizer's bos_token/eos_token when it has them. */
 int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_template t,
                       const struct llmem_chat_message *messages, int n_messages,
