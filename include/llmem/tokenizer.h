@@ -65,8 +65,10 @@ int llmem_tokenizer_decode(const struct llmem_tokenizer *tok, const int32_t *ids
 /* Streaming decode: feed ids one at a time, get back the text that is now complete (a character
  * split over several byte tokens is held back until it is whole). The pieces, finish included,
  * add up to llmem_tokenizer_decode of all ids fed (the pieces are NUL-terminated strings, so a
- * decoded NUL character ends its piece early). Each push costs O(the ids since the last complete
- * character). */
+ * decoded NUL character ends its piece early). With a ByteFallback decoder a run of <0xNN> byte
+ * tokens is held until a token ends it (a later byte can turn the whole run into U+FFFD), so a
+ * newline spelled <0x0A> appears one token late. Each push costs O(the ids since the last
+ * complete character). */
 struct llmem_detok;
 int llmem_detok_create(const struct llmem_tokenizer *tok, int skip_special,
                        struct llmem_detok **out);

@@ -669,6 +669,7 @@ static int add_dec(struct loader *l, const cJSON *obj, const char *where, int de
         dec.kind = TOK_DEC_BYTELEVEL;
     } else if (strcmp(type, "ByteFallback") == 0) {
         dec.kind = TOK_DEC_BYTEFALLBACK;
+        tok->dec_byte_fallback = 1;
     } else if (strcmp(type, "Fuse") == 0) {
         dec.kind = TOK_DEC_FUSE;
     } else if (strcmp(type, "Metaspace") == 0) {

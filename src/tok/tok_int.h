@@ -159,7 +159,8 @@ struct llmem_tokenizer {
     int byte_level; /* some pre-tokenizer step is ByteLevel */
     struct tok_dec *decs;
     int n_decs;
-    int has_decoder; /* 0: tokens are joined with spaces (no decoder) */
+    int has_decoder;       /* 0: tokens are joined with spaces (no decoder) */
+    int dec_byte_fallback; /* a decoder step is ByteFallback */
 
     int32_t bos_id, eos_id;
     char *bos_text, *eos_text; /* from tokenizer_config.json, NULL when absent */
