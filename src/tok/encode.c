@@ -2,7 +2,7 @@
  * tok/encode.c — text → ids: added tokens, normalizer, pre-tokenizer, BPE.
  *
  * The text is first cut at added tokens (leftmost-longest match on the raw text); each stretch
- * between them is normalized (Prepend, Replace), cut into pieces by the pre-tokenizer steps in
+ * between them is normalized (NFC, Prepend, Replace), cut into pieces by the pre-tokenizer steps in
  * order (Split by a PCRE2 regex, ByteLevel, Metaspace), and each piece goes through BPE.
  *
  * BPE is the merge-by-rank algorithm of Hugging Face `tokenizers`: the piece starts as one symbol

@@ -3,7 +3,8 @@
  *
  * load.c reads tokenizer.json and tokenizer_config.json into this struct; encode.c runs the
  * pipeline (added tokens → normalizer → pre-tokenizer → BPE); decode.c runs the decoder and the
- * streaming detokenizer; chat.c renders chat templates; utf8.c holds the UTF-8 helpers.
+ * streaming detokenizer; chat.c renders chat templates; nfc.c is the NFC normalizer; util.c holds
+ * the buffer, UTF-8, byte-map and hash-table helpers.
  */
 #ifndef LLMEM_TOK_INT_H
 #define LLMEM_TOK_INT_H
@@ -32,7 +33,7 @@ int tok_buf_reserve(struct tok_buf *b, size_t extra);
 int tok_buf_add(struct tok_buf *b, const void *p, size_t n);
 void tok_buf_free(struct tok_buf *b);
 
-/* ---- UTF-8 (utf8.c) ------------------------------------------------------------------------- */
+/* ---- UTF-8 (util.c) ------------------------------------------------------------------------- */
 
 /* Length of the valid UTF-8 character at p (at most n bytes available), 0 when invalid
  * (overlong, surrogate, above U+10FFFF, truncated); *cp gets the code point. */
