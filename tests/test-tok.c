@@ -574,6 +574,22 @@ static void test_chat_templates(void **state) {
                   "<|im_start|>assistant\n");
     expect_render(tok, t, with_system, 2, 0,
                   "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
+    /* The rendered text encodes with its markers as the special ids. */
+    char *rendered = NULL;
+    assert_int_equal(llmem_chat_render(tok, t, conv, 3, 1, &rendered), LLMEM_OK);
+    int32_t *ids = NULL;
+    int64_t n_ids = 0, n_start = 0;
+    assert_int_equal(llmem_tokenizer_encode(tok, rendered, strlen(rendered), &ids, &n_ids),
+                     LLMEM_OK);
+    for (int64_t i = 0; i < n_ids; i++)
+        n_start += ids[i] == llmem_tokenizer_token_id(tok, "<|im_start|>");
+    assert_int_equal(n_start, 5); /* system, three messages, the prompt */
+    char *back = NULL;
+    assert_int_equal(llmem_tokenizer_decode(tok, ids, n_ids, 0, &back, NULL), LLMEM_OK);
+    assert_string_equal(back, rendered);
+    free(back);
+    free(ids);
+    free(rendered);
     int32_t stops[4];
     assert_int_equal(llmem_chat_stop_ids(tok, t, stops, 4), 1);
     assert_int_equal(stops[0], llmem_tokenizer_token_id(tok, "<|im_end|>"));
