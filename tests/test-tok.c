@@ -19,6 +19,7 @@
 #include "llmem/status.h"
 #include "llmem/tokenizer.h"
 #include "testutil.h"
+#include "tok/tok_int.h"
 
 #define TOK_DATA LLMEM_TEST_DATA "/tok"
 
@@ -33,6 +34,7 @@ static const char *const all_tokenizers[] = {
     "tiny-mistral-swa",
     "tok-metaspace-split",
     "tok-bytelevel-prefix",
+    "tok-nfc",
 };
 #define N_TOKENIZERS (sizeof(all_tokenizers) / sizeof(all_tokenizers[0]))
 
@@ -333,6 +335,8 @@ static void test_round_trip_random(void **state) {
     }
 }
 
+static void check_random_ids(const struct llmem_tokenizer *tok);
+
 /* Random bytes: invalid UTF-8 is refused, valid stretches round trip; random ids always decode to
  * valid UTF-8. */
 static void test_random_bytes(void **state) {
@@ -364,8 +368,18 @@ static void test_random_bytes(void **state) {
     }
     assert_true(n_invalid > 0 && n_valid > 0);
     n_error_lines = 0;
+    llmem_tokenizer_free(tok);
+    /* Random ids (byte tokens cut inside characters among them) on every reference tokenizer. */
+    for (size_t t = 0; t < N_TOKENIZERS; t++) {
+        tok = load(all_tokenizers[t]);
+        check_random_ids(tok);
+        llmem_tokenizer_free(tok);
+    }
+}
+
+static void check_random_ids(const struct llmem_tokenizer *tok) {
     int32_t vocab = llmem_tokenizer_vocab_size(tok);
-    for (int iter = 0; iter < 500; iter++) {
+    for (int iter = 0; iter < 300; iter++) {
         int32_t ids[16];
         int64_t n = 1 + rng() % 16;
         for (int64_t i = 0; i < n; i++)
@@ -373,6 +387,13 @@ static void test_random_bytes(void **state) {
         char *out = NULL;
         size_t out_len = 0;
         assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &out, &out_len), LLMEM_OK);
+        char *streamed = stream_decode(tok, ids, n, 0);
+        if (memchr(out, '\0', out_len) == NULL && strcmp(streamed, out) != 0) {
+            print_error("stream \"%s\" != decode \"%s\"\n", streamed, out);
+            print_ids("ids", ids, n);
+            fail();
+        }
+        free(streamed);
         /* valid UTF-8: encode accepts it */
         int32_t *again = NULL;
         int64_t n_again = 0;
@@ -380,7 +401,6 @@ static void test_random_bytes(void **state) {
         free(again);
         free(out);
     }
-    llmem_tokenizer_free(tok);
 }
 
 /* ---- added tokens, specials, lookups -------------------------------------------------------- */
@@ -435,7 +455,8 @@ static void test_added_tokens(void **state) {
     assert_int_equal(n, 4); /* ▁ and three bytes */
     assert_int_equal(ids[1], llmem_tokenizer_token_id(tok, "<0xE2>"));
     assert_int_equal(ids[3], llmem_tokenizer_token_id(tok, "<0x83>"));
-    /* A character cut short decodes to U+FFFD, held back by the stream until the end. */
+    /* A character cut short decodes to U+FFFD; the stream holds a run of byte tokens until a
+     * token ends it (a later byte can turn the whole run into U+FFFD), or until the end. */
     assert_int_equal(llmem_tokenizer_decode(tok, ids, 3, 0, &out, NULL), LLMEM_OK);
     assert_string_equal(out, "\xEF\xBF\xBD\xEF\xBF\xBD");
     free(out);
@@ -448,10 +469,22 @@ static void test_added_tokens(void **state) {
         free(piece);
     }
     assert_int_equal(llmem_detok_push(d, ids[3], &piece), LLMEM_OK);
-    assert_string_equal(piece, snow);
+    assert_string_equal(piece, "");
+    free(piece);
+    assert_int_equal(llmem_detok_push(d, llmem_tokenizer_eos(tok), &piece), LLMEM_OK);
+    assert_string_equal(piece, "\xE2\x98\x83</s>");
     free(piece);
     assert_int_equal(llmem_detok_finish(d, &piece), LLMEM_OK);
     assert_string_equal(piece, "");
+    free(piece);
+    llmem_detok_free(d);
+    assert_int_equal(llmem_detok_create(tok, 0, &d), LLMEM_OK);
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(llmem_detok_push(d, ids[i], &piece), LLMEM_OK);
+        free(piece);
+    }
+    assert_int_equal(llmem_detok_finish(d, &piece), LLMEM_OK);
+    assert_string_equal(piece, snow);
     free(piece);
     llmem_detok_free(d);
     free(ids);
@@ -541,6 +574,22 @@ static void test_chat_templates(void **state) {
                   "<|im_start|>assistant\n");
     expect_render(tok, t, with_system, 2, 0,
                   "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
+    /* The rendered text encodes with its markers as the special ids. */
+    char *rendered = NULL;
+    assert_int_equal(llmem_chat_render(tok, t, conv, 3, 1, &rendered), LLMEM_OK);
+    int32_t *ids = NULL;
+    int64_t n_ids = 0, n_start = 0;
+    assert_int_equal(llmem_tokenizer_encode(tok, rendered, strlen(rendered), &ids, &n_ids),
+                     LLMEM_OK);
+    for (int64_t i = 0; i < n_ids; i++)
+        n_start += ids[i] == llmem_tokenizer_token_id(tok, "<|im_start|>");
+    assert_int_equal(n_start, 5); /* system, three messages, the prompt */
+    char *back = NULL;
+    assert_int_equal(llmem_tokenizer_decode(tok, ids, n_ids, 0, &back, NULL), LLMEM_OK);
+    assert_string_equal(back, rendered);
+    free(back);
+    free(ids);
+    free(rendered);
     int32_t stops[4];
     assert_int_equal(llmem_chat_stop_ids(tok, t, stops, 4), 1);
     assert_int_equal(stops[0], llmem_tokenizer_token_id(tok, "<|im_end|>"));
@@ -587,6 +636,46 @@ static void test_chat_templates(void **state) {
                    "alternate");
     llmem_tokenizer_free(tok);
     free(sub);
+
+    /* The published Mistral variants, told apart by their spacing (template texts abridged to
+     * the lines that render plain conversations). */
+    static const char v01[] =
+        "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] "
+        "%}{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}"
+        "{%- endif %}{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == "
+        "'user' %}{%- if loop.first and system_message is defined %}{{- ' [INST] ' + "
+        "system_message + '\\n\\n' + message['content'] + ' [/INST]' }}{%- else %}{{- ' [INST] ' + "
+        "message['content'] + ' [/INST]' }}{%- endif %}{%- elif message['role'] == 'assistant' %}"
+        "{{- ' ' + message['content'] + eos_token}}{%- endif %}{%- endfor %}";
+    static const char v03[] =
+        "{%- for message in loop_messages %}{%- if message[\"role\"] == \"user\" %}{%- if "
+        "loop.last "
+        "and system_message is defined %}{{- \"[INST] \" + system_message + \"\\n\\n\" + "
+        "message[\"content\"] + \"[/INST]\" }}{%- else %}{{- \"[INST] \" + message[\"content\"] + "
+        "\"[/INST]\" }}{%- endif %}{%- elif message[\"role\"] == \"assistant\" %}{{- \" \" + "
+        "message[\"content\"]|trim + eos_token}}{%- endif %}{%- endfor %}";
+    static const struct {
+        const char *name, *template_text, *want;
+    } variants[] = {
+        {"mistral-v01", v01, "<s> [INST] Be brief.\n\nHi [/INST] Hello</s> [INST] Bye [/INST]"},
+        {"mistral-v03", v03, "<s>[INST] Hi[/INST] Hello</s>[INST] Be brief.\n\nBye[/INST]"},
+    };
+    for (size_t i = 0; i < sizeof(variants) / sizeof(variants[0]); i++) {
+        cJSON *cfg = cJSON_CreateObject();
+        cJSON_AddStringToObject(cfg, "bos_token", "<s>");
+        cJSON_AddStringToObject(cfg, "eos_token", "</s>");
+        cJSON_AddStringToObject(cfg, "chat_template", variants[i].template_text);
+        char *cfg_text = cJSON_Print(cfg);
+        sub = model_with_config(dir, variants[i].name, cfg_text);
+        tok = load_dir(sub);
+        assert_int_equal(llmem_tokenizer_chat_template(tok, &t), LLMEM_OK);
+        assert_int_equal(t, LLMEM_CHAT_MISTRAL);
+        expect_render(tok, t, with_system, 4, 1, variants[i].want);
+        llmem_tokenizer_free(tok);
+        free(sub);
+        free(cfg_text);
+        cJSON_Delete(cfg);
+    }
 
     /* chat_template.jinja wins over the config. */
     sub = model_with_config(dir, "jinja", MISTRAL_CONFIG);
@@ -694,8 +783,36 @@ static void test_load_errors(void **state) {
                         "\"merges\": []}}",
                         LLMEM_EUNSUPPORTED, "dropout");
 
-    /* A tiny BPE with both merge spellings works. */
+    expect_load_failure(dir, "single-word",
+                        "{" BPE_MODEL ", \"added_tokens\": [{\"id\": 3, \"content\": \"<x>\", "
+                        "\"single_word\": true}]}",
+                        LLMEM_EUNSUPPORTED, "single_word");
+    expect_load_failure(dir, "replace-regex",
+                        "{" BPE_MODEL ", \"normalizer\": {\"type\": \"Replace\", \"pattern\": "
+                        "{\"Regex\": \" +\"}, \"content\": \" \"}}",
+                        LLMEM_EUNSUPPORTED, "Regex pattern");
+    expect_load_failure(dir, "unknown-merge-token",
+                        "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, "
+                        "\"merges\": [\"a a b\"]}}",
+                        LLMEM_EFORMAT, "two tokens");
+
+    /* An empty vocabulary loads and encodes to nothing; without a decoder tokens join with
+     * spaces, as tokenizers does. */
     char sub[1024];
+    snprintf(sub, sizeof(sub), "%s/empty", dir);
+    assert_int_equal(mkdir(sub, 0755), 0);
+    free(tu_write_file(sub, "tokenizer.json",
+                       "{\"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []}}", -1));
+    tok = load_dir(sub);
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    assert_int_equal(llmem_tokenizer_vocab_size(tok), 0);
+    assert_int_equal(llmem_tokenizer_encode(tok, "abc", 3, &ids, &n), LLMEM_OK);
+    assert_int_equal(n, 0);
+    free(ids);
+    llmem_tokenizer_free(tok);
+
+    /* A tiny BPE with both merge spellings works. */
     snprintf(sub, sizeof(sub), "%s/tiny", dir);
     assert_int_equal(mkdir(sub, 0755), 0);
     free(tu_write_file(sub, "tokenizer.json",
@@ -704,13 +821,27 @@ static void test_load_errors(void **state) {
                        "\"decoder\": {\"type\": \"Fuse\"}}",
                        -1));
     tok = load_dir(sub);
-    int32_t *ids = NULL;
-    int64_t n = 0;
     assert_int_equal(llmem_tokenizer_encode(tok, "abcab", 5, &ids, &n), LLMEM_OK);
     assert_int_equal(n, 2);
     assert_int_equal(ids[0], 4);
     assert_int_equal(ids[1], 2);
+    char *joined = NULL;
+    assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &joined, NULL), LLMEM_OK);
+    assert_string_equal(joined, "abcab");
+    free(joined);
     free(ids);
+    llmem_tokenizer_free(tok);
+    snprintf(sub, sizeof(sub), "%s/no-decoder", dir);
+    assert_int_equal(mkdir(sub, 0755), 0);
+    free(tu_write_file(sub, "tokenizer.json",
+                       "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2, "
+                       "\"c\": 3, \"abc\": 4}, \"merges\": [\"a b\", [\"ab\", \"c\"]]}}",
+                       -1));
+    tok = load_dir(sub);
+    const int32_t pair[] = {4, 2};
+    assert_int_equal(llmem_tokenizer_decode(tok, pair, 2, 0, &joined, NULL), LLMEM_OK);
+    assert_string_equal(joined, "abc ab");
+    free(joined);
 
     /* Bad input to encode and decode. */
     expect_failure(llmem_tokenizer_encode(tok, "a\xC3(b", 4, &ids, &n), LLMEM_EINVAL,
@@ -725,6 +856,36 @@ static void test_load_errors(void **state) {
     llmem_tokenizer_free(tok);
     llmem_tokenizer_free(NULL);
     llmem_detok_free(NULL);
+}
+
+/* ---- NFC ------------------------------------------------------------------------------------ */
+
+/* tok_nfc against Python's unicodedata.normalize("NFC", s) on random strings of combining marks,
+ * Hangul jamo and syllables, singletons and composition exclusions (tests/data/tok/nfc.json). */
+static void test_nfc(void **state) {
+    (void)state;
+    cJSON *root = NULL;
+    assert_int_equal(llmem_json_parse_file(TOK_DATA "/nfc.json", 1 << 22, &root), LLMEM_OK);
+    int n = 0, n_bad = 0;
+    const cJSON *v = NULL;
+    cJSON_ArrayForEach(v, cJSON_GetObjectItem(root, "vectors")) {
+        const char *in = cJSON_GetArrayItem(v, 0)->valuestring;
+        const char *want = cJSON_GetArrayItem(v, 1)->valuestring;
+        struct tok_buf out = {0};
+        assert_int_equal(tok_buf_reserve(&out, 0), LLMEM_OK);
+        assert_int_equal(tok_nfc(&out, in, strlen(in)), LLMEM_OK);
+        if (strcmp(out.p, want) != 0) {
+            fprintf(stderr, "NFC of \"%s\": want \"%s\", got \"%s\"\n", in, want, out.p);
+            n_bad++;
+        }
+        n++;
+        tok_buf_free(&out);
+    }
+    print_message("NFC: %d vectors (Unicode %s)\n", n,
+                  cJSON_GetObjectItem(root, "unicode")->valuestring);
+    cJSON_Delete(root);
+    assert_true(n > 400);
+    assert_int_equal(n_bad, 0);
 }
 
 /* ---- speed ---------------------------------------------------------------------------------- */
@@ -766,11 +927,35 @@ static void test_encode_megabyte(void **state) {
     text[len] = '\0';
     time_encode("tiny-llama3", text, len, "1 MiB random text");
     time_encode("tiny-mistral-swa", text, len, "1 MiB random text");
+    len = 0; /* English-like: common words, punctuation and newlines */
+    static const char *const words[] = {
+        "the",   "of",    "and",   "to",       "in",    "is",      "that", "for",  "it",   "as",
+        "was",   "with",  "be",    "by",       "on",    "not",     "he",   "I",    "this", "are",
+        "or",    "his",   "from",  "at",       "which", "but",     "have", "an",   "had",  "they",
+        "you",   "were",  "their", "one",      "all",   "we",      "can",  "her",  "has",  "there",
+        "been",  "if",    "more",  "when",     "will",  "would",   "who",  "so",   "no",   "memory",
+        "token", "model", "cache", "planned,", "runs.", "(small)", "2024", "x=1;", "\n",
+    };
+    while (len < (1 << 20)) {
+        const char *w = words[rng() % (sizeof(words) / sizeof(words[0]))];
+        size_t wl = strlen(w);
+        memcpy(text + len, w, wl);
+        len += wl;
+        text[len++] = ' ';
+    }
+    text[len] = '\0';
+    time_encode("tiny-llama3", text, len, "1 MiB of English words");
+    time_encode("tiny-mistral-swa", text, len, "1 MiB of English words");
     /* One piece of a megabyte: no spaces, so BPE sees a single word. */
     for (size_t i = 0; i < len; i++)
         text[i] = "abcdefghij"[rng() % 10];
     time_encode("tiny-mistral-swa", text, len, "1 MiB without spaces");
     time_encode("tiny-qwen2", text, len, "1 MiB without spaces");
+    /* Long runs of whitespace: the split regex must stay linear on them. */
+    for (size_t i = 0; i < len; i++)
+        text[i] = i % 100000 == 99999 ? 'x' : " \t"[(i / 50000) % 2];
+    time_encode("tiny-llama3", text, len, "1 MiB of whitespace");
+    time_encode("tok-gpt2", text, len, "1 MiB of whitespace");
     free(text);
 }
 
@@ -782,6 +967,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_added_tokens, setup, teardown),
         cmocka_unit_test_setup_teardown(test_chat_templates, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_errors, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nfc, setup, teardown),
         cmocka_unit_test_setup_teardown(test_encode_megabyte, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -7,12 +7,15 @@
  *  - pre-tokenizers: Sequence[Split(regex, Isolated), ByteLevel(use_regex=false)] (the regex run
  *    by PCRE2 with Unicode properties), ByteLevel(use_regex=true) (the GPT-2 pattern), Metaspace,
  *    none;
- *  - normalizers: none, Prepend, Replace, Sequence of those;
+ *  - normalizers: none, NFC (Qwen), Prepend, Replace (String pattern), Sequence of those;
  *  - decoders: ByteLevel, Metaspace, Sequence[Replace, ByteFallback, Fuse, Strip];
- *  - added tokens (special or not) split out of the text before the model runs.
+ *  - added tokens (special or not, lstrip/rstrip) split out of the raw text before the model runs
+ *    (leftmost-longest match).
+ * The post_processor is not applied: encode never adds BOS/EOS (callers add bos ids themselves).
  * Chat templates are recognized, not interpreted: the template text of tokenizer_config.json (or
  * chat_template.jinja) is matched to one of the families ChatML/Qwen, Llama 3 and Mistral, which
- * are then rendered by C code.
+ * are then rendered by C code (see llmem_chat_render for the exact forms).
+ * A loaded tokenizer is read-only: encode and decode may run on several threads at once.
  */
 #ifndef LLMEM_TOKENIZER_H
 #define LLMEM_TOKENIZER_H
@@ -60,8 +63,12 @@ int llmem_tokenizer_decode(const struct llmem_tokenizer *tok, const int32_t *ids
                            int skip_special, char **text, size_t *len);
 
 /* Streaming decode: feed ids one at a time, get back the text that is now complete (a character
- * split over several byte tokens is held back until it is whole). The output equals
- * llmem_tokenizer_decode of all ids fed so far, in pieces. */
+ * split over several byte tokens is held back until it is whole). The pieces, finish included,
+ * add up to llmem_tokenizer_decode of all ids fed (the pieces are NUL-terminated strings, so a
+ * decoded NUL character ends its piece early). With a ByteFallback decoder a run of <0xNN> byte
+ * tokens is held until a token ends it (a later byte can turn the whole run into U+FFFD), so a
+ * newline spelled <0x0A> appears one token late. Each push costs O(the ids since the last
+ * complete character). */
 struct llmem_detok;
 int llmem_detok_create(const struct llmem_tokenizer *tok, int skip_special,
                        struct llmem_detok **out);
@@ -99,14 +106,30 @@ struct llmem_chat_message {
 /* Renders messages with a family's template as text to be encoded (special tokens inline, a BOS
  * text where the family starts with one), ending with the assistant header when
  * add_generation_prompt. *text is malloc'ed. LLMEM_EINVAL (logged) for LLMEM_CHAT_NONE, an
- * unknown role or a role order the family refuses (Mistral: alternating user/assistant). */
+ * unknown role or a role order the family refuses (Mistral: alternating user/assistant).
+ * The forms, as the Hugging Face templates render conversations without tools:
+ *  - ChatML: "<|im_start|>{role}\n{content}<|im_end|>\n" per message, "<|im_start|>assistant\n"
+ *    to prompt. When the tokenizer's own template carries Qwen2.5's default system prompt ("You
+ *    are Qwen, created by Alibaba Cloud. You are a helpful assistant.") and the first message is
+ *    not a system message, that system message comes first, as Qwen2.5 renders it.
+ *  - Llama 3: "<|begin_of_text|>" then "<|start_header_id|>{role}<|end_header_id|>\n\n{content,
+ *    whitespace-trimmed}<|eot_id|>" per message, "<|start_header_id|>assistant<|end_header_id|>
+ *    \n\n" to prompt (Llama 3.0's form: 3.1's "Cutting Knowledge Date" header is not added).
+ *  - Mistral (Instruct v0.2, and without a template): "<s>" then "[INST] {user} [/INST]
+ *    {assistant}</s>" (no space after [/INST]) per exchange; a leading system message is put
+ *    before the first user message with a blank line between; add_generation_prompt adds nothing
+ *    (the text already ends with [/INST]). The spacing of v0.1's and v0.3's templates is read
+ *    from their text (" [INST] u [/INST] a</s>"; "[INST] u[/INST] a</s>" with the system message
+ *    on the last user turn).
+ * BOS/EOS texts are the tokenizer's bos_token/eos_token when it has them. */
 int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_template t,
                       const struct llmem_chat_message *messages, int n_messages,
                       int add_generation_prompt, char **text);
-/* The ids that end an assistant turn in this family (<|im_end|>, <|eot_id|>, </s>) besides the
- * tokenizer's eos: up to `max` into ids, returning how many exist in the vocabulary. */
-int llmem_chat_stop_ids(const struct llmem_tokenizer *tok, enum llmem_chat_template t,
-                        int32_t *ids, int max);
+/* The ids that end an assistant turn in this family (ChatML: <|im_end|>, <|endoftext|>; Llama 3:
+ * <|eot_id|>, <|eom_id|>; Mistral: the eos text or </s>), to stop on besides the tokenizer's eos:
+ * up to `max` into ids, returning how many exist in the vocabulary. */
+int llmem_chat_stop_ids(const struct llmem_tokenizer *tok, enum llmem_chat_template t, int32_t *ids,
+                        int max);
 
 #ifdef __cplusplus
 }

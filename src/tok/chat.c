@@ -14,9 +14,12 @@
  *    "<|start_header_id|>{role}<|end_header_id|>\n\n{content, trimmed}<|eot_id|>", and
  *    "<|start_header_id|>assistant<|end_header_id|>\n\n" as the generation prompt. (Llama 3.1's
  *    template adds a "Cutting Knowledge Date" system header; the 3.0 form is rendered.)
- *  - Mistral (Mistral-7B-Instruct-v0.2): BOS, then "[INST] {user} [/INST]" and "{assistant}</s>"
- *    alternating, user first; a leading system message is put before the first user message,
- *    separated by a blank line. The template has no generation prompt.
+ *  - Mistral: BOS, then "[INST] {user} [/INST]" and "{assistant}</s>" alternating, user first; a
+ *    leading system message is put before the first user message, separated by a blank line
+ *    (Mistral-7B-Instruct-v0.2, and the form used without a template). The spacing of the other
+ *    published variants is read from the template's text: v0.1's " [INST] u [/INST] a</s>", and
+ *    v0.3's "[INST] u[/INST] a</s>" with the system message on the last user turn. The template
+ *    has no generation prompt.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -125,6 +128,35 @@ static int render_llama3(const struct llmem_tokenizer *tok, const struct llmem_c
     return st ? LLMEM_ENOMEM : LLMEM_OK;
 }
 
+/* The spacing of a Mistral template, read from its text (the three published variants differ only
+ * in it): v0.2 "[INST] u [/INST]a</s>", v0.1 (updated) " [INST] u [/INST] a</s>", v0.3
+ * "[INST] u[/INST] a</s>" with the system message on the last user turn. */
+struct mistral_style {
+    int space_before_inst;   /* " [INST] " */
+    int space_before_close;  /* " [/INST]" */
+    int space_before_answer; /* " " + assistant content */
+    int trim_answer;         /* assistant content | trim */
+    int system_on_last;      /* the system message goes with the last user message, not the first */
+};
+
+static int has_any(const char *s, const char *a, const char *b) {
+    return strstr(s, a) != NULL || strstr(s, b) != NULL;
+}
+
+static struct mistral_style mistral_style_of(const char *t) {
+    struct mistral_style st = {0, 1, 0, 0, 0}; /* v0.2, also without a template */
+    if (t == NULL || strstr(t, "[INST]") == NULL)
+        return st;
+    st.space_before_inst = has_any(t, "' [INST] '", "\" [INST] \"");
+    st.space_before_close = !has_any(t, "+ '[/INST]'", "+ \"[/INST]\"");
+    st.space_before_answer = has_any(t, "' ' + message", "\" \" + message");
+    st.trim_answer = has_any(t, "content'] | trim + eos", "content\"]|trim + eos") ||
+                     has_any(t, "content']|trim + eos", "content\"] | trim + eos");
+    st.system_on_last = has_any(t, "loop.last and system_message", "user_messages[-1]") ||
+                        strstr(t, "last_user_message") != NULL;
+    return st;
+}
+
 static int render_mistral(const struct llmem_tokenizer *tok, const struct llmem_chat_message *m,
                           int n, struct tok_buf *b) {
     const char *system = NULL;
@@ -132,6 +164,7 @@ static int render_mistral(const struct llmem_tokenizer *tok, const struct llmem_
         system = m[0].content;
         m++, n--;
     }
+    int last_user = -1;
     for (int i = 0; i < n; i++) {
         const char *want = i % 2 == 0 ? "user" : "assistant";
         if (strcmp(m[i].role, want) != 0) {
@@ -141,19 +174,25 @@ static int render_mistral(const struct llmem_tokenizer *tok, const struct llmem_
                            i + (system != NULL), m[i].role);
             return LLMEM_EINVAL;
         }
+        if (i % 2 == 0)
+            last_user = i;
     }
+    struct mistral_style style = mistral_style_of(tok->chat_template);
+    int system_at = style.system_on_last ? last_user : 0;
     int st = add(b, tok->bos_text != NULL ? tok->bos_text : "<s>");
     for (int i = 0; i < n; i++) {
         if (i % 2 == 0) {
-            st |= add(b, "[INST] ");
-            if (i == 0 && system != NULL) {
+            st |= add(b, style.space_before_inst ? " [INST] " : "[INST] ");
+            if (i == system_at && system != NULL) {
                 st |= add(b, system);
                 st |= add(b, "\n\n");
             }
             st |= add(b, m[i].content);
-            st |= add(b, " [/INST]");
+            st |= add(b, style.space_before_close ? " [/INST]" : "[/INST]");
         } else {
-            st |= add(b, m[i].content);
+            if (style.space_before_answer)
+                st |= add(b, " ");
+            st |= style.trim_answer ? add_trimmed(b, m[i].content) : add(b, m[i].content);
             st |= add(b, tok->eos_text != NULL ? tok->eos_text : "</s>");
         }
     }

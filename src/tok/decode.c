@@ -14,7 +14,8 @@
  * ids[prefix:read] unless it ends with U+FFFD (a character still incomplete). Decoding a window
  * rather than everything keeps each push O(window), and decoding from `prefix` keeps the
  * first-token rules of Metaspace and Strip identical in both decodes, so the pieces add up to the
- * full decode.
+ * full decode. A run of ByteFallback byte tokens is held until it ends, since a later byte can turn
+ * the whole run into U+FFFD.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -304,6 +305,7 @@ struct llmem_detok {
     size_t n, cap;
     size_t prefix, read; /* the window starts at prefix; ids[prefix:read] are written out */
     size_t prefix_len;   /* bytes of the decode of ids[prefix:read] */
+    char prefix_last;    /* its last byte */
 };
 
 int llmem_detok_create(const struct llmem_tokenizer *tok, int skip_special,
@@ -331,6 +333,17 @@ static int ends_incomplete(const struct tok_buf *t) {
     return t->n >= 3 && memcmp(t->p + t->n - 3, "\xEF\xBF\xBD", 3) == 0;
 }
 
+/* With a ByteFallback decoder, whether the last id is a <0xNN> byte token: a run of them decodes
+ * all or nothing (U+FFFD per token when the run is not valid UTF-8), so the run is written only
+ * once a token that ends it arrives (or at the end), which delays a lone byte token (a newline
+ * spelled <0x0A>) by one token. */
+static int in_byte_run(const struct llmem_detok *d) {
+    if (!d->tok->dec_byte_fallback || d->n == 0)
+        return 0;
+    const struct tok_str *t = token_text(d->tok, d->ids[d->n - 1]);
+    return byte_token(t->p, t->n) >= 0;
+}
+
 /* Writes the text past the window's written part; at_end: also what is incomplete. */
 static int detok_step(struct llmem_detok *d, int at_end, char **piece, const char *func) {
     struct tok_buf text = {0};
@@ -338,7 +351,15 @@ static int detok_step(struct llmem_detok *d, int at_end, char **piece, const cha
     struct tok_buf outp = {0};
     if (status == LLMEM_OK)
         status = tok_buf_reserve(&outp, 0);
-    if (status == LLMEM_OK && text.n > d->prefix_len && (at_end || !ends_incomplete(&text))) {
+    int hold = !at_end && (ends_incomplete(&text) || in_byte_run(d));
+    /* The written part must stay a prefix of the window's text (defensive: the decoders keep it).
+     */
+    if (status == LLMEM_OK &&
+        (text.n < d->prefix_len ||
+         (d->prefix_len > 0 && text.p[d->prefix_len - 1] != d->prefix_last) ||
+         (text.n > d->prefix_len && ((unsigned char)text.p[d->prefix_len] & 0xC0) == 0x80)))
+        hold = !at_end;
+    if (status == LLMEM_OK && text.n > d->prefix_len && !hold) {
         status = tok_buf_add(&outp, text.p + d->prefix_len, text.n - d->prefix_len);
         if (status == LLMEM_OK && !at_end) {
             /* The new window: what was just completed. */
@@ -348,6 +369,7 @@ static int detok_step(struct llmem_detok *d, int at_end, char **piece, const cha
             status =
                 decode_into(d->tok, d->ids + d->prefix, (int64_t)(d->read - d->prefix), 0, &pre);
             d->prefix_len = pre.n;
+            d->prefix_last = pre.n > 0 ? pre.p[pre.n - 1] : 0;
             tok_buf_free(&pre);
         }
     }
@@ -355,6 +377,7 @@ static int detok_step(struct llmem_detok *d, int at_end, char **piece, const cha
         /* Everything is written: later pushes continue after it. */
         d->read = d->n;
         d->prefix_len = text.n;
+        d->prefix_last = text.p[text.n - 1];
     }
     tok_buf_free(&text);
     if (status != LLMEM_OK) {

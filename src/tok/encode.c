@@ -2,7 +2,7 @@
  * tok/encode.c — text → ids: added tokens, normalizer, pre-tokenizer, BPE.
  *
  * The text is first cut at added tokens (leftmost-longest match on the raw text); each stretch
- * between them is normalized (Prepend, Replace), cut into pieces by the pre-tokenizer steps in
+ * between them is normalized (NFC, Prepend, Replace), cut into pieces by the pre-tokenizer steps in
  * order (Split by a PCRE2 regex, ByteLevel, Metaspace), and each piece goes through BPE.
  *
  * BPE is the merge-by-rank algorithm of Hugging Face `tokenizers`: the piece starts as one symbol
@@ -81,8 +81,9 @@ struct sym {
 
 struct cand {
     int32_t rank;
-    int32_t pos; /* the left symbol */
-    int32_t id;  /* the merged id */
+    int32_t pos;         /* the left symbol */
+    int32_t id;          /* the merged id */
+    int32_t left, right; /* the pair's ids when pushed: a popped pair is stale if they changed */
 };
 
 struct encoder {
@@ -96,6 +97,10 @@ struct encoder {
     struct cand *heap;
     size_t n_heap, heap_cap;
 };
+
+/* The heap is 4-ary: half the depth of a binary heap, and the four children share a cache line
+ * or two, which matters when a megabyte-long word puts a million candidates in it. */
+#define HEAP_ARITY 4
 
 static int cand_less(const struct cand *x, const struct cand *y) {
     return x->rank != y->rank ? x->rank < y->rank : x->pos < y->pos;
@@ -111,7 +116,7 @@ static int heap_push(struct encoder *e, struct cand c) {
     }
     size_t i = e->n_heap++;
     while (i > 0) {
-        size_t parent = (i - 1) / 2;
+        size_t parent = (i - 1) / HEAP_ARITY;
         if (!cand_less(&c, &e->heap[parent]))
             break;
         e->heap[i] = e->heap[parent];
@@ -126,15 +131,17 @@ static struct cand heap_pop(struct encoder *e) {
     struct cand last = e->heap[--e->n_heap];
     size_t i = 0, n = e->n_heap;
     for (;;) {
-        size_t c = 2 * i + 1;
-        if (c >= n)
+        size_t first = HEAP_ARITY * i + 1, best = first;
+        if (first >= n)
             break;
-        if (c + 1 < n && cand_less(&e->heap[c + 1], &e->heap[c]))
-            c++;
-        if (!cand_less(&e->heap[c], &last))
+        size_t end = first + HEAP_ARITY < n ? first + HEAP_ARITY : n;
+        for (size_t c = first + 1; c < end; c++)
+            if (cand_less(&e->heap[c], &e->heap[best]))
+                best = c;
+        if (!cand_less(&e->heap[best], &last))
             break;
-        e->heap[i] = e->heap[c];
-        i = c;
+        e->heap[i] = e->heap[best];
+        i = best;
     }
     if (n > 0)
         e->heap[i] = last;
@@ -148,7 +155,7 @@ static int push_pair(struct encoder *e, int32_t pos) {
     int32_t rank = tok_merge_get(&e->tok->merges, e->syms[pos].id, e->syms[next].id, &id);
     if (rank < 0)
         return LLMEM_OK;
-    return heap_push(e, (struct cand){rank, pos, id});
+    return heap_push(e, (struct cand){rank, pos, id, e->syms[pos].id, e->syms[next].id});
 }
 
 static int add_sym(struct encoder *e, size_t *n, int32_t id) {
@@ -215,8 +222,7 @@ static int bpe(struct encoder *e, const char *s, size_t len) {
         if (!left->alive || left->next < 0)
             continue;
         struct sym *right = &e->syms[left->next];
-        int32_t id = 0;
-        if (tok_merge_get(&tok->merges, left->id, right->id, &id) != c.rank || id != c.id)
+        if (left->id != c.left || right->id != c.right)
             continue;
         left->id = c.id;
         right->alive = 0;
@@ -271,6 +277,13 @@ static int normalize(struct encoder *e, const char *s, size_t len) {
             e->tmp.n = 0;
             if (tok_buf_add(&e->tmp, nm->a.p, nm->a.n) != LLMEM_OK ||
                 tok_buf_add(&e->tmp, e->norm.p, e->norm.n) != LLMEM_OK)
+                return LLMEM_ENOMEM;
+            struct tok_buf t = e->norm;
+            e->norm = e->tmp;
+            e->tmp = t;
+        } else if (nm->kind == TOK_NORM_NFC) {
+            e->tmp.n = 0;
+            if (tok_nfc(&e->tmp, e->norm.p, e->norm.n) != LLMEM_OK)
                 return LLMEM_ENOMEM;
             struct tok_buf t = e->norm;
             e->norm = e->tmp;

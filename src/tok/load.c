@@ -173,15 +173,16 @@ static int add_vocab(struct loader *l, const cJSON *vocab, int64_t max_added_id)
         n++;
     }
     tok->n_vocab = (int32_t)(max_id + 1);
-    tok->pieces = calloc((size_t)tok->n_vocab, sizeof(*tok->pieces));
-    tok->kind = calloc((size_t)tok->n_vocab, 1);
-    tok->added_of = malloc((size_t)tok->n_vocab * sizeof(*tok->added_of));
+    size_t n_alloc = tok->n_vocab > 0 ? (size_t)tok->n_vocab : 1; /* an empty vocabulary is valid */
+    tok->pieces = calloc(n_alloc, sizeof(*tok->pieces));
+    tok->kind = calloc(n_alloc, 1);
+    tok->added_of = malloc(n_alloc * sizeof(*tok->added_of));
     if (tok->pieces == NULL || tok->kind == NULL || tok->added_of == NULL ||
         tok_strmap_init(&tok->vocab, n, tok->pieces) != LLMEM_OK) {
         LOAD_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
-    memset(tok->added_of, 0xFF, (size_t)tok->n_vocab * sizeof(*tok->added_of));
+    memset(tok->added_of, 0xFF, n_alloc * sizeof(*tok->added_of));
     cJSON_ArrayForEach(e, vocab) {
         int32_t id = (int32_t)e->valuedouble;
         if (tok->pieces[id].p != NULL) {
@@ -503,9 +504,11 @@ static int add_norm(struct loader *l, const cJSON *obj, const char *where, int d
             free(norm.a.p);
             return status;
         }
+    } else if (strcmp(type, "NFC") == 0) {
+        norm.kind = TOK_NORM_NFC;
     } else {
-        LOAD_ERROR("%s: normalizer '%s' (%s) is not supported (Prepend, Replace or a Sequence of "
-                   "them)",
+        LOAD_ERROR("%s: normalizer '%s' (%s) is not supported (NFC, Prepend, Replace or a Sequence "
+                   "of them)",
                    l->path, type, where);
         return LLMEM_EUNSUPPORTED;
     }
@@ -666,6 +669,7 @@ static int add_dec(struct loader *l, const cJSON *obj, const char *where, int de
         dec.kind = TOK_DEC_BYTELEVEL;
     } else if (strcmp(type, "ByteFallback") == 0) {
         dec.kind = TOK_DEC_BYTEFALLBACK;
+        tok->dec_byte_fallback = 1;
     } else if (strcmp(type, "Fuse") == 0) {
         dec.kind = TOK_DEC_FUSE;
     } else if (strcmp(type, "Metaspace") == 0) {

@@ -3,7 +3,8 @@
  *
  * load.c reads tokenizer.json and tokenizer_config.json into this struct; encode.c runs the
  * pipeline (added tokens → normalizer → pre-tokenizer → BPE); decode.c runs the decoder and the
- * streaming detokenizer; chat.c renders chat templates; utf8.c holds the UTF-8 helpers.
+ * streaming detokenizer; chat.c renders chat templates; nfc.c is the NFC normalizer; util.c holds
+ * the buffer, UTF-8, byte-map and hash-table helpers.
  */
 #ifndef LLMEM_TOK_INT_H
 #define LLMEM_TOK_INT_H
@@ -32,7 +33,7 @@ int tok_buf_reserve(struct tok_buf *b, size_t extra);
 int tok_buf_add(struct tok_buf *b, const void *p, size_t n);
 void tok_buf_free(struct tok_buf *b);
 
-/* ---- UTF-8 (utf8.c) ------------------------------------------------------------------------- */
+/* ---- UTF-8 (util.c) ------------------------------------------------------------------------- */
 
 /* Length of the valid UTF-8 character at p (at most n bytes available), 0 when invalid
  * (overlong, surrogate, above U+10FFFF, truncated); *cp gets the code point. */
@@ -44,6 +45,9 @@ int tok_utf8_put(struct tok_buf *b, uint32_t cp);
 /* Appends p with every invalid sequence replaced by U+FFFD, one per maximal subpart (what Rust's
  * String::from_utf8_lossy and Python's errors="replace" do). */
 int tok_utf8_lossy(struct tok_buf *b, const char *p, size_t n);
+
+/* Appends the NFC form of valid UTF-8 text (nfc.c). */
+int tok_nfc(struct tok_buf *out, const char *s, size_t n);
 
 /* The GPT-2 byte ↔ character map of ByteLevel: the printable bytes of Latin-1 stand for
  * themselves, the 68 others for U+0100… in byte order. */
@@ -84,7 +88,7 @@ void tok_mergemap_free(struct tok_mergemap *m);
 
 /* ---- pipeline steps ------------------------------------------------------------------------- */
 
-enum tok_norm_kind { TOK_NORM_PREPEND, TOK_NORM_REPLACE };
+enum tok_norm_kind { TOK_NORM_PREPEND, TOK_NORM_REPLACE, TOK_NORM_NFC };
 struct tok_norm {
     enum tok_norm_kind kind;
     struct tok_str a; /* Prepend: the prefix; Replace: the pattern */
@@ -156,7 +160,8 @@ struct llmem_tokenizer {
     int byte_level; /* some pre-tokenizer step is ByteLevel */
     struct tok_dec *decs;
     int n_decs;
-    int has_decoder; /* 0: tokens are joined with spaces (no decoder) */
+    int has_decoder;       /* 0: tokens are joined with spaces (no decoder) */
+    int dec_byte_fallback; /* a decoder step is ByteFallback */
 
     int32_t bos_id, eos_id;
     char *bos_text, *eos_text; /* from tokenizer_config.json, NULL when absent */
