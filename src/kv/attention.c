@@ -20,11 +20,12 @@
 #include <time.h>
 
 #include "core/log.h"
+#include "kv/codec_internal.h"
 #include "kv/kv_int.h"
 
 #define PARTITION      512
 #define PARTITION_FROM 2048
-#define TILE           16 /* tokens scored and accumulated together */
+#define TILE           LLMEM_KV_TILE /* tokens scored and accumulated together */
 /* floats of fallback scratch per thread: scores, a row, and hd doubles (aligned) */
 #define FALLBACK_STRIDE(window, hd) ((window) + 3 * (hd) + 2)
 
@@ -56,6 +57,10 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
     const struct llmem_kv_codec *c = &kv->codec;
     const int hd = kv->cfg.head_dim, group = j->group, n_kv = j->n_heads / group;
     const size_t hs = (size_t)(hd + 2);
+    /* The fused tile kernel serves groups of four query heads (a GQA group of 4k: k calls). */
+    void (*fused)(const uint8_t *, size_t, const uint8_t *, size_t, int, const float *, int,
+                  float *, size_t) =
+        group % 4 == 0 ? llmem_kv_kernels()->attn_tile[c->format] : NULL;
     for (int h = 0; h < j->n_heads; h++) {
         float *sh = st + (size_t)h * hs;
         memset(sh, 0, (size_t)hd * sizeof(float));
@@ -73,6 +78,15 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
             int T = run - t0 < TILE ? (int)(run - t0) : TILE;
             const uint8_t *ktile = kp + (size_t)t0 * kv->k_tok,
                           *vtile = vp + (size_t)t0 * kv->v_tok;
+            if (fused != NULL) {
+                for (int kvh = 0; kvh < n_kv; kvh++)
+                    for (int g = 0; g < group; g += 4)
+                        fused(ktile + (size_t)kvh * c->key_bytes, kv->k_tok,
+                              vtile + (size_t)kvh * c->value_bytes, kv->v_tok, T,
+                              q + ((size_t)kvh * (size_t)group + (size_t)g) * (size_t)hd, hd,
+                              st + ((size_t)kvh * (size_t)group + (size_t)g) * hs, hs);
+                continue;
+            }
             for (int kvh = 0; kvh < n_kv; kvh++) {
                 float s[TILE][64], w[64 * TILE];
                 float *sg = st + (size_t)kvh * (size_t)group * hs;
