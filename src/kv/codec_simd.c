@@ -654,14 +654,37 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
         const __m512 c0 = _mm512_set1_ps(sc[0]), c1 = _mm512_set1_ps(sc[1]);                       \
         const __m512 c2 = _mm512_set1_ps(sc[2]), c3 = _mm512_set1_ps(sc[3]);                       \
         const float *w = sc + 4;                                                                   \
-        for (int i = 0; i < n; i += 32) {                                                          \
-            float *d[4] = {st + i, st + hs + i, st + 2 * hs + i, st + 3 * hs + i};                 \
+        int i = 0;                                                                                 \
+        for (; i + 64 <= n; i += 64) {                                                             \
+            __m512 x[4][4];                                                                        \
+            const __m512 c[4] = {c0, c1, c2, c3};                                                  \
+            for (int g = 0; g < 4; g++)                                                            \
+                for (int e = 0; e < 4; e++)                                                        \
+                    x[g][e] = _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)g * hs + i + 16 * e),     \
+                                            c[g]);                                                 \
+            const uint8_t *v = values;                                                             \
+            for (int t = 0; t < T; t++, v += value_stride) {                                       \
+                __m512 v0 = CHUNK(v, i), v1 = CHUNK(v, i + 16);                                    \
+                __m512 v2 = CHUNK(v, i + 32), v3 = CHUNK(v, i + 48);                               \
+                for (int g = 0; g < 4; g++) {                                                      \
+                    __m512 wg = _mm512_set1_ps(w[4 * t + g]);                                      \
+                    x[g][0] = _mm512_fmadd_ps(v0, wg, x[g][0]);                                    \
+                    x[g][1] = _mm512_fmadd_ps(v1, wg, x[g][1]);                                    \
+                    x[g][2] = _mm512_fmadd_ps(v2, wg, x[g][2]);                                    \
+                    x[g][3] = _mm512_fmadd_ps(v3, wg, x[g][3]);                                    \
+                }                                                                                  \
+            }                                                                                      \
+            for (int g = 0; g < 4; g++)                                                            \
+                for (int e = 0; e < 4; e++)                                                        \
+                    _mm512_storeu_ps(st + (size_t)g * hs + i + 16 * e, x[g][e]);                   \
+        }                                                                                          \
+        for (; i < n; i += 32) { /* head_dim ≡ 32 (mod 64) */                                      \
             __m512 x[4][2];                                                                        \
             const __m512 c[4] = {c0, c1, c2, c3};                                                  \
-            for (int g = 0; g < 4; g++) {                                                          \
-                x[g][0] = _mm512_mul_ps(_mm512_loadu_ps(d[g]), c[g]);                              \
-                x[g][1] = _mm512_mul_ps(_mm512_loadu_ps(d[g] + 16), c[g]);                         \
-            }                                                                                      \
+            for (int g = 0; g < 4; g++)                                                            \
+                for (int e = 0; e < 2; e++)                                                        \
+                    x[g][e] = _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)g * hs + i + 16 * e),     \
+                                            c[g]);                                                 \
             const uint8_t *v = values;                                                             \
             for (int t = 0; t < T; t++, v += value_stride) {                                       \
                 __m512 v0 = CHUNK(v, i), v1 = CHUNK(v, i + 16);                                    \
@@ -671,10 +694,9 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
                     x[g][1] = _mm512_fmadd_ps(v1, wg, x[g][1]);                                    \
                 }                                                                                  \
             }                                                                                      \
-            for (int g = 0; g < 4; g++) {                                                          \
-                _mm512_storeu_ps(d[g], x[g][0]);                                                   \
-                _mm512_storeu_ps(d[g] + 16, x[g][1]);                                              \
-            }                                                                                      \
+            for (int g = 0; g < 4; g++)                                                            \
+                for (int e = 0; e < 2; e++)                                                        \
+                    _mm512_storeu_ps(st + (size_t)g * hs + i + 16 * e, x[g][e]);                   \
         }                                                                                          \
     }
 
