@@ -178,7 +178,7 @@ out_destroy:
 
 /* ---- compute ceiling ------------------------------------------------------------------------- */
 
-enum { FMA_CHAINS = 12, FMA_ITERS = 1 << 21 };
+enum { FMA_CHAINS = 12, FMA_ITERS = 1 << 23 }; /* about 50 ms a pass: a sustained rate */
 
 struct fma_job {
     int lanes; /* f32 lanes per FMA: 16, 8, or 1 (portable) */

@@ -25,9 +25,6 @@
 
 #define PARTITION      512
 #define PARTITION_FROM 2048
-#ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 3
-#endif
 #define TILE           LLMEM_KV_TILE /* tokens scored and accumulated together */
 /* floats of fallback scratch per thread: scores, a row, and hd doubles (aligned) */
 #define FALLBACK_STRIDE(window, hd) ((window) + 3 * (hd) + 2)
@@ -54,7 +51,7 @@ static void visible(const struct attn_job *j, int64_t i, int64_t *lo, int64_t *h
 /* Prefetches slice i (of `slice` bytes, a multiple of 64) of the `total` bytes at base. */
 static inline void prefetch_slice(const uint8_t *base, int i, size_t slice, size_t total) {
     for (size_t x = (size_t)i * slice; x < (size_t)(i + 1) * slice && x < total; x += 64)
-        __builtin_prefetch(base + x, 0, PREFETCH_LOCALITY);
+        __builtin_prefetch(base + x, 0, 3);
 }
 
 /* The online-softmax state over [lo, hi] (within one partition) of every query head of one
