@@ -13,6 +13,10 @@
  * storage order, and each KV head's row serves its whole GQA group. Keys are read in their stored
  * domain: a rotated format gets the query rotated once, and values are accumulated rotated with one
  * inverse rotation at the end. The routes differ only by float rounding.
+ * Where the kernels have one (AVX-512; f32, f16, bf16, q8; groups of 4k heads), a tile of 16 tokens
+ * of one KV head is a single call for four query heads (scores, softmax, values: attn_tile in
+ * kv/codec_internal.h); otherwise scores come from dot_group per token and values from axpy_tile.
+ * The next tile's bytes are prefetched while a tile is computed.
  */
 #include <math.h>
 #include <stdlib.h>
