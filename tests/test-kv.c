@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "kv/codec.h"
+#include "kv/codec_internal.h"
 #include "llmem/kv.h"
 #include "testutil.h"
 
@@ -280,6 +281,80 @@ static void test_routes_agree(void **state) {
     assert_int_equal(st.route_fallback, 1);
     free(a), free(b), free(c), free(d.k), free(d.v);
     llmem_kv_destroy(kv);
+}
+
+/* The fused tile kernel (AVX-512, groups of 4k query heads, f32/f16/bf16/q8) against the float64
+ * reference and against the unfused kernels of a lower instruction set on the same queries: tails
+ * of tiles (37 tokens, queries at 33..36), sliding windows that start inside a tile, GQA 2 (no
+ * fused kernel), 4 and 8 (two calls per KV head), head_dim 96 (not a multiple of 64), and direct
+ * against partitioned over several partitions. */
+static void test_fused_tile_kernel(void **state) {
+    (void)state;
+    static const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_F32, LLMEM_KV_FORMAT_F16,
+                                                   LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_Q8};
+    static const double tol[] = {1e-5, 1e-5, 1e-2, 1e-2};
+    static const int groups[] = {2, 4, 8};
+    enum llmem_kv_isa best = llmem_kv_isa_best();
+    for (int f = 0; f < 4; f++) {
+        for (int layout = 0; layout < 2; layout++) {
+            for (int gi = 0; gi < 3; gi++) {
+                const int hd = gi == 1 && layout == 1 ? 96 : 128, kvh = 2;
+                const int n_heads = kvh * groups[gi];
+                struct llmem_kv *kv =
+                    make_kv((enum llmem_kv_layout)layout, formats[f], 1, kvh, hd, NULL);
+                int seq;
+                assert_int_equal(llmem_kv_seq_new(kv, &seq), LLMEM_OK);
+                struct data d = data_new(1, kvh, hd, 1200);
+                append_random(kv, seq, &d, 37, 0, formats[f] == LLMEM_KV_FORMAT_F16);
+                const int64_t windows[] = {0, 20, 7};
+                for (int w = 0; w < 3; w++) {
+                    size_t n = (size_t)4 * (size_t)n_heads * (size_t)hd;
+                    float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
+                    uint64_t saved = rng;
+                    llmem_kv_codec_set_isa(best);
+                    double e = attend_error(kv, seq, &d, 0, 33, 4, n_heads, windows[w],
+                                            LLMEM_KV_ROUTE_DIRECT, a);
+                    if (formats[f] != LLMEM_KV_FORMAT_Q8)
+                        assert_true(e <= tol[f]);
+                    rng = saved;
+                    llmem_kv_codec_set_isa(best > LLMEM_KV_ISA_AVX2 ? LLMEM_KV_ISA_AVX2 : best);
+                    attend_error(kv, seq, &d, 0, 33, 4, n_heads, windows[w], LLMEM_KV_ROUTE_DIRECT,
+                                 b);
+                    llmem_kv_codec_set_isa(best);
+                    for (size_t r = 0; r < n; r += (size_t)hd) {
+                        double num = 0, den = 0;
+                        for (int x = 0; x < hd; x++) {
+                            num += (double)(a[r + x] - b[r + x]) * (a[r + x] - b[r + x]);
+                            den += (double)b[r + x] * b[r + x];
+                        }
+                        assert_true(sqrt(num / den) <= 1e-5);
+                    }
+                    free(a), free(b);
+                }
+                /* several partitions: direct and partitioned, the same arithmetic */
+                append_random(kv, seq, &d, 1100, 0, formats[f] == LLMEM_KV_FORMAT_F16);
+                size_t n = (size_t)2 * (size_t)n_heads * (size_t)hd;
+                float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
+                uint64_t saved = rng;
+                double e = attend_error(kv, seq, &d, 0, 1131, 2, n_heads, 0,
+                                        LLMEM_KV_ROUTE_DIRECT, a);
+                if (formats[f] != LLMEM_KV_FORMAT_Q8)
+                    assert_true(e <= tol[f]);
+                rng = saved;
+                attend_error(kv, seq, &d, 0, 1131, 2, n_heads, 0, LLMEM_KV_ROUTE_PARTITIONED, b);
+                for (size_t r = 0; r < n; r += (size_t)hd) {
+                    double num = 0, den = 0;
+                    for (int x = 0; x < hd; x++) {
+                        num += (double)(a[r + x] - b[r + x]) * (a[r + x] - b[r + x]);
+                        den += (double)a[r + x] * a[r + x];
+                    }
+                    assert_true(sqrt(num / den) <= 1e-6);
+                }
+                free(a), free(b), free(d.k), free(d.v);
+                llmem_kv_destroy(kv);
+            }
+        }
+    }
 }
 
 static void test_ragged_rows(void **state) {
@@ -600,6 +675,7 @@ int main(void) {
         cmocka_unit_test(test_layouts_match_reference),
         cmocka_unit_test(test_half_formats_within_rounding),
         cmocka_unit_test(test_routes_agree),
+        cmocka_unit_test(test_fused_tile_kernel),
         cmocka_unit_test(test_ragged_rows),
         cmocka_unit_test(test_quantized_attention_error),
         cmocka_unit_test(test_paged_share_and_copy_on_write),

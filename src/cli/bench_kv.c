@@ -10,6 +10,13 @@
  *               half onto the other, counting bytes read + bytes written (SPEC §8). Measured with
  *               the attention's thread count, before and after the attention runs; the figure is
  *               the median of all passes.
+ *   compute     the sustained rate of f32 multiply-adds: every thread runs 12 independent chains of
+ *               vector FMAs (512-bit where the CPU has AVX-512F, else 256-bit), measured with the
+ *               attention's thread count before and after the attention runs (median of all
+ *               passes). Decode attention with a GQA group of G query heads per KV head does G
+ *               multiply-adds per stored K element (scores) and G per V element (values), so a
+ *               format of b bytes per element cannot run faster than rate / G × b bytes per
+ *               second: the compute bound, printed next to the bandwidth bound.
  *   attention   one query per sequence at its last position (decode), over B sequences of ctx
  *               tokens, for every layout × format; the time is that of attending all B sequences
  *               (B calls), and the KV bytes read are B × ctx × n_kv_heads × (K + V row bytes),
@@ -46,6 +53,13 @@
 #include "llmem/kv.h"
 #include "llmem/mem.h"
 #include "llmem/sys.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define BENCH_X86 1
+#include <immintrin.h>
+#else
+#define BENCH_X86 0
+#endif
 
 /* ---- shapes, grid and helpers ---------------------------------------------------------------- */
 
@@ -160,6 +174,100 @@ static int build_cache(struct bench *b, enum llmem_kv_layout layout, enum llmem_
 out_destroy:
     llmem_kv_destroy(kv);
     return CLI_FAIL;
+}
+
+/* ---- compute ceiling ------------------------------------------------------------------------- */
+
+enum { FMA_CHAINS = 12, FMA_ITERS = 1 << 23 }; /* about 50 ms a pass: a sustained rate */
+
+struct fma_job {
+    int lanes; /* f32 lanes per FMA: 16, 8, or 1 (portable) */
+    volatile float sink;
+};
+
+#if BENCH_X86
+__attribute__((target("avx512f"))) static float fma_chains512(void) {
+    __m512 a[FMA_CHAINS];
+    const __m512 x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
+    for (int c = 0; c < FMA_CHAINS; c++)
+        a[c] = _mm512_set1_ps((float)c);
+    for (int i = 0; i < FMA_ITERS; i++)
+        for (int c = 0; c < FMA_CHAINS; c++)
+            a[c] = _mm512_fmadd_ps(a[c], x, y);
+    for (int c = 1; c < FMA_CHAINS; c++)
+        a[0] = _mm512_add_ps(a[0], a[c]);
+    return _mm512_reduce_add_ps(a[0]);
+}
+
+__attribute__((target("avx,fma"))) static float fma_chains256(void) {
+    __m256 a[FMA_CHAINS];
+    const __m256 x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
+    for (int c = 0; c < FMA_CHAINS; c++)
+        a[c] = _mm256_set1_ps((float)c);
+    for (int i = 0; i < FMA_ITERS; i++)
+        for (int c = 0; c < FMA_CHAINS; c++)
+            a[c] = _mm256_fmadd_ps(a[c], x, y);
+    for (int c = 1; c < FMA_CHAINS; c++)
+        a[0] = _mm256_add_ps(a[0], a[c]);
+    float v[8];
+    _mm256_storeu_ps(v, a[0]);
+    return v[0] + v[7];
+}
+#endif
+
+static float fma_chains1(void) {
+    float a[FMA_CHAINS];
+    for (int c = 0; c < FMA_CHAINS; c++)
+        a[c] = (float)c;
+    for (int i = 0; i < FMA_ITERS; i++)
+        for (int c = 0; c < FMA_CHAINS; c++)
+            a[c] = fmaf(a[c], 0.999999f, 1e-7f);
+    return a[0] + a[FMA_CHAINS - 1];
+}
+
+static void fma_task(void *arg, int task, int thread) {
+    (void)task, (void)thread;
+    struct fma_job *j = arg;
+#if BENCH_X86
+    if (j->lanes == 16) {
+        j->sink = fma_chains512();
+        return;
+    }
+    if (j->lanes == 8) {
+        j->sink = fma_chains256();
+        return;
+    }
+#endif
+    j->sink = fma_chains1();
+}
+
+/* f32 multiply-adds per second of all threads together, one value per pass; returns the lanes
+ * of the vectors used. */
+static int fma_rate(struct llmem_pool *pool, int passes, double *rate) {
+    struct fma_job j = {.lanes = 1};
+#if BENCH_X86
+    uint32_t f = llmem_sys_isa_features();
+    if (f & LLMEM_ISA_AVX512F)
+        j.lanes = 16;
+    else if ((f & (LLMEM_ISA_AVX | LLMEM_ISA_FMA)) == (LLMEM_ISA_AVX | LLMEM_ISA_FMA))
+        j.lanes = 8;
+#endif
+    int threads = llmem_pool_threads(pool);
+    for (int p = 0; p < passes; p++) {
+        double t0 = cli_now_s();
+        llmem_pool_run(pool, threads, fma_task, &j);
+        double t = cli_now_s() - t0;
+        rate[p] = (double)threads * FMA_ITERS * FMA_CHAINS * j.lanes / t;
+    }
+    return j.lanes;
+}
+
+/* The compute bound of decode attention in GB/s of K + V: G multiply-adds per stored element. */
+static double compute_bound_gbps(double fma_per_s, enum llmem_kv_format format) {
+    struct llmem_kv_config cfg = {
+        .format = format, .n_layers = 1, .n_kv_heads = N_KV_HEADS, .head_dim = HEAD_DIM};
+    double bytes_per_elem = (double)llmem_kv_token_bytes(&cfg) / (2.0 * KV_FLOATS);
+    return fma_per_s / (N_HEADS / N_KV_HEADS) * bytes_per_elem * 1e-9;
 }
 
 /* ---- attention ------------------------------------------------------------------------------- */
@@ -418,6 +526,8 @@ struct results {
     struct llmem_device_info host;
     int64_t bw_bytes;
     double read_gbps, copy_gbps;
+    double fma_per_s; /* f32 multiply-adds per second, all threads */
+    int fma_lanes;
     struct point *points;
     int n_points;
     struct accuracy acc[LLMEM_KV_FORMAT_COUNT];
@@ -471,12 +581,15 @@ static int print_json(const struct results *res, const struct bench *b, int quic
           llmem_json_add_int(shape, "n_layers", 1);
     st |= st || llmem_json_add_int(root, "bandwidth_bytes", res->bw_bytes) ||
           llmem_json_add_double(root, "bandwidth_read_gbps", res->read_gbps) ||
-          llmem_json_add_double(root, "bandwidth_copy_gbps", res->copy_gbps);
+          llmem_json_add_double(root, "bandwidth_copy_gbps", res->copy_gbps) ||
+          llmem_json_add_double(root, "fma_per_s", res->fma_per_s) ||
+          llmem_json_add_int(root, "fma_lanes", res->fma_lanes);
     cJSON *list = st ? NULL : cJSON_AddArrayToObject(root, "attention");
     st |= list == NULL;
     for (int i = 0; i < res->n_points && !st; i++) {
         const struct point *p = &res->points[i];
         double gbps = (double)p->kv_bytes / p->seconds * 1e-9;
+        double bound = compute_bound_gbps(res->fma_per_s, p->format);
         cJSON *o = cJSON_CreateObject();
         st |= o == NULL || !cJSON_AddItemToArray(list, o);
         st |= st || llmem_json_add_string(o, "layout", llmem_kv_layout_name(p->layout)) ||
@@ -486,6 +599,8 @@ static int print_json(const struct results *res, const struct bench *b, int quic
               llmem_json_add_int(o, "kv_bytes", p->kv_bytes) ||
               llmem_json_add_double(o, "gbps", gbps) ||
               llmem_json_add_double(o, "fraction_of_bandwidth", gbps / res->read_gbps) ||
+              llmem_json_add_double(o, "compute_bound_gbps", bound) ||
+              llmem_json_add_double(o, "fraction_of_compute_bound", gbps / bound) ||
               llmem_json_add_string(o, "route", p->route);
     }
     list = st ? NULL : cJSON_AddArrayToObject(root, "accuracy");
@@ -538,21 +653,31 @@ static void print_table(const struct results *res, const struct bench *b) {
            res->host.name, res->host.n_cpus, b->threads, b->threads == 1 ? "" : "s", N_HEADS,
            N_KV_HEADS, HEAD_DIM, (long long)b->reps);
     printf("memory bandwidth (%lld MiB buffer, %d thread%s): read %.1f GB/s, copy %.1f GB/s"
-           " (bytes read + written)\n\n",
+           " (bytes read + written)\n",
            (long long)(res->bw_bytes >> 20), b->threads, b->threads == 1 ? "" : "s", res->read_gbps,
            res->copy_gbps);
+    printf("compute (%d thread%s, %d-lane FMA): %.1f G f32 multiply-adds/s; decode attention does"
+           " %d (the GQA group)\nper stored K or V element, so it cannot beat rate / %d x bytes"
+           " per element: f16 and bf16 %.1f GB/s,\nf32 %.1f, q8 %.1f (\"of FMA\": the share of"
+           " that bound)\n\n",
+           b->threads, b->threads == 1 ? "" : "s", res->fma_lanes, res->fma_per_s * 1e-9,
+           N_HEADS / N_KV_HEADS, N_HEADS / N_KV_HEADS,
+           compute_bound_gbps(res->fma_per_s, LLMEM_KV_FORMAT_F16),
+           compute_bound_gbps(res->fma_per_s, LLMEM_KV_FORMAT_F32),
+           compute_bound_gbps(res->fma_per_s, LLMEM_KV_FORMAT_Q8));
 
     printf("decode attention: one query per sequence at its last position, all sequences of the"
            " batch\n");
-    printf("%-10s %-6s %6s %5s %10s %9s %8s %8s  %s\n", "layout", "format", "ctx", "batch",
-           "time ms", "KV MiB", "GB/s", "of read", "route");
+    printf("%-10s %-6s %6s %5s %10s %9s %8s %8s %7s  %s\n", "layout", "format", "ctx", "batch",
+           "time ms", "KV MiB", "GB/s", "of read", "of FMA", "route");
     for (int i = 0; i < res->n_points; i++) {
         const struct point *p = &res->points[i];
         double gbps = (double)p->kv_bytes / p->seconds * 1e-9;
-        printf("%-10s %-6s %6lld %5lld %10.3f %9.1f %8.2f %7.1f%%  %s\n",
+        printf("%-10s %-6s %6lld %5lld %10.3f %9.1f %8.2f %7.1f%% %6.1f%%  %s\n",
                llmem_kv_layout_name(p->layout), llmem_kv_format_name(p->format), (long long)p->ctx,
                (long long)p->batch, p->seconds * 1e3, (double)p->kv_bytes / (1 << 20), gbps,
-               100 * gbps / res->read_gbps, p->route);
+               100 * gbps / res->read_gbps,
+               100 * gbps / compute_bound_gbps(res->fma_per_s, p->format), p->route);
     }
     if (res->paging)
         printf("\npaging overhead (f16, ctx %lld, batch %lld): paged %.3f ms, contiguous %.3f ms:"
@@ -596,6 +721,8 @@ static const char bench_kv_usage[] =
     "for every layout (paged, contiguous, blocks, ragged) and format (f16, bf16, f32, q8, q4,\n"
     "tq), at contexts 1K-32K and batches 1/4/16 (ctx x batch <= 128K tokens): time, KV bytes\n"
     "read per second, and the fraction of the memory read bandwidth measured in the same run;\n"
+    "and the fraction of the compute bound (the f32 FMA rate measured in the same run, G = 4\n"
+    "multiply-adds per stored element);\n"
     "the paged/contiguous ratio (f16, longest context); each format's error against f32 at\n"
     "ctx 4096; and the time per token of appending 4096 tokens (f16) one at a time, in chunks\n"
     "of 512, and one at a time into reserved room, warm (allocator cache) and cold.\n"
@@ -605,9 +732,10 @@ static const char bench_kv_usage[] =
     "  --reps N       repetitions, medians reported (default 5, quick 3)\n"
     "  --threads N    attention and bandwidth threads (default: the online CPUs)\n"
     "  --json         one JSON object: machine, threads, bandwidth_read_gbps,\n"
-    "                 bandwidth_copy_gbps, attention[] {layout, format, ctx, batch, seconds,\n"
-    "                 kv_bytes, gbps, fraction_of_bandwidth, route}, accuracy[] {format, ctx,\n"
-    "                 rel_error}, append[] {layout, mode, tokens, chunk, ns_per_token,\n"
+    "                 bandwidth_copy_gbps, fma_per_s, fma_lanes, attention[] {layout, format,\n"
+    "                 ctx, batch, seconds, kv_bytes, gbps, fraction_of_bandwidth,\n"
+    "                 compute_bound_gbps, fraction_of_compute_bound, route}, accuracy[]\n"
+    "                 {format, ctx, rel_error}, append[] {layout, mode, tokens, chunk, ns_per_token,\n"
     "                 ns_per_token_cold, grow_events}, paging {ctx, batch, paged_seconds,\n"
     "                 contiguous_seconds}, paging_overhead (null without paged and contiguous\n"
     "                 f16), memory_peak_bytes, rss_peak_bytes\n"
@@ -829,7 +957,7 @@ int cli_bench_kv(int argc, char **argv) {
     float *out = malloc((size_t)max_batch * Q_FLOATS * sizeof(float));
     struct llmem_mem *mem = NULL;
     struct llmem_pool *pool = NULL;
-    double *read_gbps = NULL, *copy_gbps = NULL;
+    double *read_gbps = NULL, *copy_gbps = NULL, *fma_rates = NULL;
     int rc = CLI_FAIL;
     if (res.points == NULL || k_data == NULL || v_data == NULL || q == NULL || out == NULL) {
         fprintf(stderr, "llmem bench kv: out of memory\n");
@@ -873,8 +1001,10 @@ int cli_bench_kv(int argc, char **argv) {
 
     read_gbps = calloc(2 * (size_t)bw_passes, sizeof(double));
     copy_gbps = calloc(2 * (size_t)bw_passes, sizeof(double));
-    if (read_gbps == NULL || copy_gbps == NULL)
+    fma_rates = calloc(2 * (size_t)bw_passes, sizeof(double));
+    if (read_gbps == NULL || copy_gbps == NULL || fma_rates == NULL)
         goto out;
+    res.fma_lanes = fma_rate(pool, bw_passes, fma_rates);
     res.bw_bytes = bw_bytes;
     if (cli_bandwidth(b.mem, pool, bw_bytes, bw_passes, read_gbps, copy_gbps, bench_tick, &b) !=
         CLI_OK)
@@ -918,6 +1048,8 @@ int cli_bench_kv(int argc, char **argv) {
     if (cli_bandwidth(b.mem, pool, bw_bytes, bw_passes, read_gbps + bw_passes,
                       copy_gbps + bw_passes, bench_tick, &b) != CLI_OK)
         goto out;
+    fma_rate(pool, bw_passes, fma_rates + bw_passes);
+    res.fma_per_s = cli_median(fma_rates, 2 * bw_passes);
     res.read_gbps = cli_median(read_gbps, 2 * bw_passes);
     res.copy_gbps = cli_median(copy_gbps, 2 * bw_passes);
     res.peak_bytes = llmem_mem_peak(mem);
@@ -934,7 +1066,7 @@ int cli_bench_kv(int argc, char **argv) {
     }
 out:
     cli_progress_done();
-    free(read_gbps), free(copy_gbps);
+    free(read_gbps), free(copy_gbps), free(fma_rates);
     llmem_pool_destroy(pool);
     llmem_mem_destroy(mem);
     free(res.points), free(k_data), free(v_data), free(q), free(out);

@@ -13,6 +13,10 @@
  * storage order, and each KV head's row serves its whole GQA group. Keys are read in their stored
  * domain: a rotated format gets the query rotated once, and values are accumulated rotated with one
  * inverse rotation at the end. The routes differ only by float rounding.
+ * Where the kernels have one (AVX-512; f32, f16, bf16, q8; groups of 4k heads), a tile of 16 tokens
+ * of one KV head is a single call for four query heads (scores, softmax, values: attn_tile in
+ * kv/codec_internal.h); otherwise scores come from dot_group per token and values from axpy_tile.
+ * The next tile's bytes are prefetched while a tile is computed.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -20,11 +24,12 @@
 #include <time.h>
 
 #include "core/log.h"
+#include "kv/codec_internal.h"
 #include "kv/kv_int.h"
 
 #define PARTITION      512
 #define PARTITION_FROM 2048
-#define TILE           16 /* tokens scored and accumulated together */
+#define TILE           LLMEM_KV_TILE /* tokens scored and accumulated together */
 /* floats of fallback scratch per thread: scores, a row, and hd doubles (aligned) */
 #define FALLBACK_STRIDE(window, hd) ((window) + 3 * (hd) + 2)
 
@@ -47,6 +52,12 @@ static void visible(const struct attn_job *j, int64_t i, int64_t *lo, int64_t *h
     *lo = j->window > 0 && *hi - j->window + 1 > 0 ? *hi - j->window + 1 : 0;
 }
 
+/* Prefetches slice i (of `slice` bytes, a multiple of 64) of the `total` bytes at base. */
+static inline void prefetch_slice(const uint8_t *base, int i, size_t slice, size_t total) {
+    for (size_t x = (size_t)i * slice; x < (size_t)(i + 1) * slice && x < total; x += 64)
+        __builtin_prefetch(base + x, 0, 3);
+}
+
 /* The online-softmax state over [lo, hi] (within one partition) of every query head of one
  * query: q holds its n_heads rows; state h is acc at st + h·(hd+2), then m, l. Tokens are read
  * in storage order, each token's K and V rows (all KV heads) once, and a KV head's row serves
@@ -56,25 +67,65 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
     const struct llmem_kv_codec *c = &kv->codec;
     const int hd = kv->cfg.head_dim, group = j->group, n_kv = j->n_heads / group;
     const size_t hs = (size_t)(hd + 2);
+    /* The fused tile kernel serves groups of four query heads (a GQA group of 4k: k calls). */
+    void (*fused)(const uint8_t *, size_t, const uint8_t *, size_t, int, const float *, int,
+                  float *, size_t) =
+        group % 4 == 0 ? llmem_kv_kernels()->attn_tile[c->format] : NULL;
     for (int h = 0; h < j->n_heads; h++) {
         float *sh = st + (size_t)h * hs;
         memset(sh, 0, (size_t)hd * sizeof(float));
         sh[hd] = -INFINITY;
         sh[hd + 1] = 0;
     }
+    uint8_t *kp, *vp;
+    int64_t run = llmem_kv_span(kv, j->seq, j->layer, lo, &kp, &vp);
     for (int64_t pos = lo; pos <= hi;) {
-        uint8_t *kp, *vp;
-        int64_t run = llmem_kv_span(kv, j->seq, j->layer, pos, &kp, &vp);
         if (run > hi - pos + 1)
             run = hi - pos + 1;
+        /* The next run (the next block of a paged cache), looked up ahead for the prefetches. */
+        uint8_t *nkp = NULL, *nvp = NULL;
+        int64_t nrun = pos + run <= hi ? llmem_kv_span(kv, j->seq, j->layer, pos + run, &nkp, &nvp)
+                                       : 0;
         /* Tiles of up to TILE tokens: scores for the tile, one softmax rescale per tile, and the
          * values accumulated with the accumulators held across the tile. */
         for (int64_t t0 = 0; t0 < run; t0 += TILE) {
             int T = run - t0 < TILE ? (int)(run - t0) : TILE;
             const uint8_t *ktile = kp + (size_t)t0 * kv->k_tok,
                           *vtile = vp + (size_t)t0 * kv->v_tok;
+            /* The next tile's K and V bytes, prefetched an eighth (1 / n_kv) per KV head while
+             * this tile is computed: a tile reads its rows with a stride of a token, which the
+             * hardware prefetchers do not follow far enough ahead. */
+            const uint8_t *pk = NULL, *pv = NULL;
+            int64_t pT = 0;
+            if (t0 + TILE < run) {
+                pk = ktile + (size_t)TILE * kv->k_tok, pv = vtile + (size_t)TILE * kv->v_tok;
+                pT = run - t0 - TILE;
+            } else if (nrun > 0) {
+                pk = nkp, pv = nvp, pT = nrun;
+            }
+            pT = pT < TILE ? pT : TILE;
+            size_t pk_slice = ((size_t)pT * kv->k_tok / (size_t)n_kv + 63) & ~(size_t)63;
+            size_t pv_slice = ((size_t)pT * kv->v_tok / (size_t)n_kv + 63) & ~(size_t)63;
+            if (fused != NULL) {
+                for (int kvh = 0; kvh < n_kv; kvh++) {
+                    if (pT > 0) {
+                        prefetch_slice(pk, kvh, pk_slice, (size_t)pT * kv->k_tok);
+                        prefetch_slice(pv, kvh, pv_slice, (size_t)pT * kv->v_tok);
+                    }
+                    for (int g = 0; g < group; g += 4)
+                        fused(ktile + (size_t)kvh * c->key_bytes, kv->k_tok,
+                              vtile + (size_t)kvh * c->value_bytes, kv->v_tok, T,
+                              q + ((size_t)kvh * (size_t)group + (size_t)g) * (size_t)hd, hd,
+                              st + ((size_t)kvh * (size_t)group + (size_t)g) * hs, hs);
+                }
+                continue;
+            }
             for (int kvh = 0; kvh < n_kv; kvh++) {
                 float s[TILE][64], w[64 * TILE];
+                if (pT > 0) {
+                    prefetch_slice(pk, kvh, pk_slice, (size_t)pT * kv->k_tok);
+                    prefetch_slice(pv, kvh, pv_slice, (size_t)pT * kv->v_tok);
+                }
                 float *sg = st + (size_t)kvh * (size_t)group * hs;
                 const float *qg = q + (size_t)kvh * (size_t)group * (size_t)hd;
                 for (int t = 0; t < T; t++)
@@ -104,6 +155,7 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
             }
         }
         pos += run;
+        kp = nkp, vp = nvp, run = nrun;
     }
 }
 

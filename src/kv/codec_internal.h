@@ -16,6 +16,7 @@
 #include "llmem/plan.h"
 
 #define LLMEM_KV_MAX_HEAD_DIM 1024
+#define LLMEM_KV_TILE         16 /* tokens of an attention tile */
 
 /* Bytes of one group of 32 elements per layout (the layouts are described at the top of
  * kv/codec.c; every scale, min and zero is a little-endian f16 after the codes). */
@@ -54,6 +55,15 @@ struct llmem_kv_kernels {
     void (*axpy_tile[LLMEM_KV_FORMAT_COUNT])(const uint8_t *rows, size_t row_stride, int T,
                                              const float *w, int G, float *acc, size_t stride,
                                              int n);
+    /* (optional) one tile of decode attention (n = head_dim): the T ≤ LLMEM_KV_TILE tokens of one
+     * KV head, keys and values key_stride and value_stride bytes apart, for four query heads
+     * q[g·n + i] (scaled, in the key's domain) whose online-softmax states lie at st + g·hs
+     * (acc[0, n), then m at n and l at n + 1): the scores, the new maximum m' per head, the
+     * state rescaled by e^(m − m'), and the weights e^(s − m') accumulated with the values.
+     * NULL: attention scores with dot_group and accumulates with axpy_tile. */
+    void (*attn_tile[LLMEM_KV_FORMAT_COUNT])(const uint8_t *keys, size_t key_stride,
+                                             const uint8_t *values, size_t value_stride, int T,
+                                             const float *q, int n, float *st, size_t hs);
 };
 
 /* The Lloyd–Max codebook of tq values (ascending), shared by every kernel. */

@@ -22,6 +22,7 @@
  * compiled with GCC/Clang target attributes, so the library itself needs no -m flags and runs on
  * any x86-64; other targets get the portable kernels only.
  */
+#include <math.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -553,6 +554,196 @@ QUANT_AXPY_AVX512(q8, q8_group_avx512, LLMEM_KV_Q8_GROUP_BYTES)
 QUANT_AXPY_AVX512(q4, q4_group_avx512, LLMEM_KV_Q4_GROUP_BYTES)
 QUANT_AXPY_AVX512(tqv, tqv_group_avx512, LLMEM_KV_TQV_GROUP_BYTES)
 
+/* ---- AVX-512: one tile of decode attention for a group of four query heads ------------------ */
+
+/* e^x in f32 for x ≤ 0 (the arguments of a softmax), within about 1 ulp for x ≥ −87: Cody–Waite
+ * reduction x = n·ln 2 + r (|r| ≤ ln 2 / 2, ln 2 split in two so that n·ln2_hi is exact), the
+ * degree-7 polynomial of Cephes' expf for e^r, and VSCALEFPS for 2^n, which underflows gradually
+ * to 0. Below −110 the result is 0 (−∞ included), above 88.7 it saturates. */
+TARGET_AVX512 static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Elements [i, i + 16) of a stored row as f32, per format (i a multiple of 16). */
+TARGET_AVX512 static inline __m512 chunk_f32(const uint8_t *row, int i) {
+    return _mm512_loadu_ps((const void *)(row + 4 * (size_t)i));
+}
+TARGET_AVX512 static inline __m512 chunk_f16(const uint8_t *row, int i) {
+    return load16_f16(row + 2 * (size_t)i);
+}
+TARGET_AVX512 static inline __m512 chunk_bf16(const uint8_t *row, int i) {
+    return load16_bf16(row + 2 * (size_t)i);
+}
+TARGET_AVX512 static inline __m512 chunk_q8(const uint8_t *row, int i) {
+    const uint8_t *p = row + (size_t)LLMEM_KV_Q8_GROUP_BYTES * (size_t)(i >> 5);
+    __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(p + (i & 16)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), bcast512_f16(p + 32));
+}
+
+/* Four vectors (heads 0–3 of one token) summed into 4 lanes: per 128-bit lane, [h0, h1, h2, h3]
+ * partial sums (the four lanes still to be added). */
+TARGET_AVX512 static inline __m512 sum4_lanes(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    return _mm512_add_ps(_mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+/* Four such vectors (tokens 0–3) into one: lane 4·t + g = Σ q_g·k_t. */
+TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512 u3) {
+    __m512 p01 = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 p23 = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_f32x4(u2, u3, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* A tile of T ≤ 16 tokens of one KV head for four query heads (see attn_tile in
+ * kv/codec_internal.h). Scores: four tokens at a time against the four queries, sixteen
+ * accumulators, each key chunk converted once and each query chunk loaded once per four tokens,
+ * then one transposing reduction into a vector of 16 scores (lane 4·t + g). Softmax: the tile's
+ * maximum per head, one rescale factor per head, the weights by exp512. Values: 64 elements at a
+ * time for the four heads (sixteen accumulators, the old state rescaled as it is loaded), each
+ * value chunk converted once for the four heads. */
+#define ATTN_TILE512(name, CHUNK)                                                                  \
+    TARGET_AVX512 static void name(const uint8_t *keys, size_t key_stride, const uint8_t *values,  \
+                                   size_t value_stride, int T, const float *q, int n, float *st,   \
+                                   size_t hs) {                                                    \
+        float sc[80] __attribute__((aligned(64)));                                                 \
+        const float *q0 = q, *q1 = q0 + n, *q2 = q1 + n, *q3 = q2 + n;                             \
+        for (int t0 = 0; t0 < T; t0 += 4) {                                                        \
+            const uint8_t *k[4];                                                                   \
+            for (int u = 0; u < 4; u++) /* past T: the last row again, masked below */             \
+                k[u] = keys + (size_t)(t0 + u < T ? t0 + u : T - 1) * key_stride;                  \
+            __m512 a[4][4];                                                                        \
+            for (int u = 0; u < 4; u++)                                                            \
+                for (int g = 0; g < 4; g++)                                                        \
+                    a[u][g] = _mm512_setzero_ps();                                                 \
+            for (int i = 0; i < n; i += 16) {                                                      \
+                __m512 x0 = _mm512_loadu_ps(q0 + i), x1 = _mm512_loadu_ps(q1 + i);                 \
+                __m512 x2 = _mm512_loadu_ps(q2 + i), x3 = _mm512_loadu_ps(q3 + i);                 \
+                for (int u = 0; u < 4; u++) {                                                      \
+                    __m512 kc = CHUNK(k[u], i);                                                    \
+                    a[u][0] = _mm512_fmadd_ps(kc, x0, a[u][0]);                                    \
+                    a[u][1] = _mm512_fmadd_ps(kc, x1, a[u][1]);                                    \
+                    a[u][2] = _mm512_fmadd_ps(kc, x2, a[u][2]);                                    \
+                    a[u][3] = _mm512_fmadd_ps(kc, x3, a[u][3]);                                    \
+                }                                                                                  \
+            }                                                                                      \
+            _mm512_store_ps(sc + 4 * t0,                                                           \
+                            sum16(sum4_lanes(a[0][0], a[0][1], a[0][2], a[0][3]),                  \
+                                  sum4_lanes(a[1][0], a[1][1], a[1][2], a[1][3]),                  \
+                                  sum4_lanes(a[2][0], a[2][1], a[2][2], a[2][3]),                  \
+                                  sum4_lanes(a[3][0], a[3][1], a[3][2], a[3][3])));                \
+        }                                                                                          \
+        attn_softmax512(sc, T, st, hs, n);                                                         \
+        const __m512 c0 = _mm512_set1_ps(sc[0]), c1 = _mm512_set1_ps(sc[1]);                       \
+        const __m512 c2 = _mm512_set1_ps(sc[2]), c3 = _mm512_set1_ps(sc[3]);                       \
+        const float *w = sc + 4;                                                                   \
+        int i = 0;                                                                                 \
+        for (; i + 64 <= n; i += 64) {                                                             \
+            __m512 x[4][4];                                                                        \
+            const __m512 c[4] = {c0, c1, c2, c3};                                                  \
+            for (int g = 0; g < 4; g++)                                                            \
+                for (int e = 0; e < 4; e++)                                                        \
+                    x[g][e] = _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)g * hs + i + 16 * e),     \
+                                            c[g]);                                                 \
+            const uint8_t *v = values;                                                             \
+            for (int t = 0; t < T; t++, v += value_stride) {                                       \
+                __m512 v0 = CHUNK(v, i), v1 = CHUNK(v, i + 16);                                    \
+                __m512 v2 = CHUNK(v, i + 32), v3 = CHUNK(v, i + 48);                               \
+                for (int g = 0; g < 4; g++) {                                                      \
+                    __m512 wg = _mm512_set1_ps(w[4 * t + g]);                                      \
+                    x[g][0] = _mm512_fmadd_ps(v0, wg, x[g][0]);                                    \
+                    x[g][1] = _mm512_fmadd_ps(v1, wg, x[g][1]);                                    \
+                    x[g][2] = _mm512_fmadd_ps(v2, wg, x[g][2]);                                    \
+                    x[g][3] = _mm512_fmadd_ps(v3, wg, x[g][3]);                                    \
+                }                                                                                  \
+            }                                                                                      \
+            for (int g = 0; g < 4; g++)                                                            \
+                for (int e = 0; e < 4; e++)                                                        \
+                    _mm512_storeu_ps(st + (size_t)g * hs + i + 16 * e, x[g][e]);                   \
+        }                                                                                          \
+        for (; i < n; i += 32) { /* head_dim ≡ 32 (mod 64) */                                      \
+            __m512 x[4][2];                                                                        \
+            const __m512 c[4] = {c0, c1, c2, c3};                                                  \
+            for (int g = 0; g < 4; g++)                                                            \
+                for (int e = 0; e < 2; e++)                                                        \
+                    x[g][e] = _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)g * hs + i + 16 * e),     \
+                                            c[g]);                                                 \
+            const uint8_t *v = values;                                                             \
+            for (int t = 0; t < T; t++, v += value_stride) {                                       \
+                __m512 v0 = CHUNK(v, i), v1 = CHUNK(v, i + 16);                                    \
+                for (int g = 0; g < 4; g++) {                                                      \
+                    __m512 wg = _mm512_set1_ps(w[4 * t + g]);                                      \
+                    x[g][0] = _mm512_fmadd_ps(v0, wg, x[g][0]);                                    \
+                    x[g][1] = _mm512_fmadd_ps(v1, wg, x[g][1]);                                    \
+                }                                                                                  \
+            }                                                                                      \
+            for (int g = 0; g < 4; g++)                                                            \
+                for (int e = 0; e < 2; e++)                                                        \
+                    _mm512_storeu_ps(st + (size_t)g * hs + i + 16 * e, x[g][e]);                   \
+        }                                                                                          \
+    }
+
+/* The softmax step of a tile: sc[4·t + g] holds the scores (t < T); afterwards sc[0..3] hold the
+ * heads' rescale factors e^(m − m') and sc[4 + 4·t + g] the weights e^(s − m') (0 past T), and
+ * each head's m and l (st + g·hs + n, + n + 1) are updated: l' = l·e^(m − m') + Σ weights. */
+TARGET_AVX512 static void attn_softmax512(float *sc, int T, float *st, size_t hs, int n) {
+    __m512 s[4];
+    for (int j = 0; j < 4; j++) {
+        int left = T - 4 * j; /* tokens of this vector */
+        __mmask16 valid = (__mmask16)(left >= 4 ? 0xffffu : left <= 0 ? 0u : (1u << (4 * left)) - 1);
+        s[j] = _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), valid, sc + 16 * j);
+    }
+    __m512 mx = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
+    mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
+    mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(2, 3, 0, 1)));
+    __m128 m_old = _mm_setr_ps(st[n], st[hs + n], st[2 * hs + n], st[3 * hs + n]);
+    __m128 l_old = _mm_setr_ps(st[n + 1], st[hs + n + 1], st[2 * hs + n + 1], st[3 * hs + n + 1]);
+    __m128 m_new = _mm_max_ps(m_old, _mm512_castps512_ps128(mx));
+    __m512 top = _mm512_broadcast_f32x4(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        __m512 w = exp512(_mm512_sub_ps(s[j], top)); /* −∞ past T: 0 */
+        _mm512_storeu_ps(sc + 4 + 16 * j, w);
+        sum = _mm512_add_ps(sum, w);
+    }
+    sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(1, 0, 3, 2)));
+    sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(2, 3, 0, 1)));
+    /* e^(m − m'): 1 exactly where the maximum stays, 0 for the first tile (m = −∞) */
+    __m128 corr = _mm512_castps512_ps128(
+        exp512(_mm512_castps128_ps512(_mm_sub_ps(m_old, m_new))));
+    __m128 l_new = _mm_add_ps(_mm_mul_ps(l_old, corr), _mm512_castps512_ps128(sum));
+    float mv[4], lv[4];
+    _mm_storeu_ps(mv, m_new);
+    _mm_storeu_ps(lv, l_new);
+    _mm_storeu_ps(sc, corr);
+    for (int g = 0; g < 4; g++) {
+        st[(size_t)g * hs + (size_t)n] = mv[g];
+        st[(size_t)g * hs + (size_t)n + 1] = lv[g];
+    }
+}
+
+ATTN_TILE512(attn_tile_f32_avx512, chunk_f32)
+ATTN_TILE512(attn_tile_f16_avx512, chunk_f16)
+ATTN_TILE512(attn_tile_bf16_avx512, chunk_bf16)
+ATTN_TILE512(attn_tile_q8_avx512, chunk_q8)
+
 static const struct llmem_kv_kernels kernels_avx512 = {
     .isa = LLMEM_KV_ISA_AVX512,
     .name = "avx512",
@@ -577,6 +768,10 @@ static const struct llmem_kv_kernels kernels_avx512 = {
     .axpy_tile = {[LLMEM_KV_FORMAT_F32] = axpyt_f32_avx512,
                   [LLMEM_KV_FORMAT_F16] = axpyt_f16_avx512,
                   [LLMEM_KV_FORMAT_BF16] = axpyt_bf16_avx512},
+    .attn_tile = {[LLMEM_KV_FORMAT_F32] = attn_tile_f32_avx512,
+                  [LLMEM_KV_FORMAT_F16] = attn_tile_f16_avx512,
+                  [LLMEM_KV_FORMAT_BF16] = attn_tile_bf16_avx512,
+                  [LLMEM_KV_FORMAT_Q8] = attn_tile_q8_avx512},
 };
 #endif /* KV_X86 */
 
