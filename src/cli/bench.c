@@ -337,9 +337,10 @@ out:
 
 int cli_bench(int argc, char **argv) {
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
-        fputs("usage: llmem bench mem|kv [options]\n\nbenchmarks:\n  mem    the caching allocator"
-              " against malloc and mmap\n  kv     attention over the KV caches against the memory"
-              " bandwidth, format accuracy, append cost\n",
+        fputs("usage: llmem bench mem|kv|matmul [options]\n\nbenchmarks:\n  mem    the caching"
+              " allocator against malloc and mmap\n  kv     attention over the KV caches against the"
+              " memory bandwidth, format accuracy, append cost\n  matmul the CPU matmul against the"
+              " memory bandwidth and the FMA peak\n",
               argc < 2 ? stderr : stdout);
         return argc < 2 ? CLI_USAGE : CLI_OK;
     }
@@ -347,5 +348,7 @@ int cli_bench(int argc, char **argv) {
         return bench_mem(argc - 1, argv + 1);
     if (strcmp(argv[1], "kv") == 0)
         return cli_bench_kv(argc - 1, argv + 1);
-    return cli_usage_error("bench", "unknown benchmark '%s' (benchmarks: mem, kv)", argv[1]);
+    if (strcmp(argv[1], "matmul") == 0)
+        return cli_bench_matmul(argc - 1, argv + 1);
+    return cli_usage_error("bench", "unknown benchmark '%s' (benchmarks: mem, kv, matmul)", argv[1]);
 }

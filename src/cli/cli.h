@@ -17,6 +17,8 @@ int cli_plan(int argc, char **argv);
 int cli_bench(int argc, char **argv);
 /* `llmem bench kv` (bench_kv.c), dispatched by cli_bench. */
 int cli_bench_kv(int argc, char **argv);
+/* `llmem bench matmul` (bench_matmul.c), dispatched by cli_bench. */
+int cli_bench_matmul(int argc, char **argv);
 
 struct llmem_plan;
 /* Writes the plan's envelope as an SVG picture to path; CLI_FAIL (message on stderr) on error. */

@@ -169,6 +169,10 @@ TARGET_AVX2 static ALWAYS_INLINE void gemv_tile_avx2(const struct llmem_weight *
                                                      const int R, const int NX) {
     const int64_t cols = w->cols, rows = w->rows;
     const void *wr[2] = {row_ptr(w, r), R > 1 ? row_ptr(w, r + 1) : NULL};
+    const char *pf[2]; /* the rows after these (see gemv_tile_avx512) */
+    const size_t esize = dt == LLMEM_DTYPE_F32 ? 4 : 2;
+    for (int i = 0; i < R; i++)
+        pf[i] = r + R + i < rows ? (const char *)row_ptr(w, r + R + i) : (const char *)wr[i];
     __m256 acc[2][4];
     for (int i = 0; i < R; i++)
         for (int j = 0; j < NX; j++)
@@ -179,6 +183,8 @@ TARGET_AVX2 static ALWAYS_INLINE void gemv_tile_avx2(const struct llmem_weight *
         for (int j = 0; j < NX; j++)
             xv[j] = _mm256_loadu_ps(x + (j0 + j) * cols + k);
         for (int i = 0; i < R; i++) {
+            if ((k & 15) == 0)
+                _mm_prefetch(pf[i] + (size_t)k * esize, _MM_HINT_T0);
             __m256 wv = load8_avx2(wr[i], dt, k);
             for (int j = 0; j < NX; j++)
                 acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
@@ -294,8 +300,13 @@ gemv_tile_avx512(const struct llmem_weight *w, enum llmem_dtype dt, const float 
                  int64_t j0, float *y, const float *bias, const int R, const int NX) {
     const int64_t cols = w->cols, rows = w->rows;
     const void *wr[4];
-    for (int i = 0; i < R; i++)
+    const char *pf[4]; /* the rows after these: prefetched, since rows of a few KiB are too
+                          short for the hardware prefetchers, which stop at page boundaries */
+    const size_t esize = dt == LLMEM_DTYPE_F32 ? 4 : 2;
+    for (int i = 0; i < R; i++) {
         wr[i] = row_ptr(w, r + i);
+        pf[i] = r + R + i < rows ? (const char *)row_ptr(w, r + R + i) : (const char *)wr[i];
+    }
     __m512 acc[4][4];
     for (int i = 0; i < R; i++)
         for (int j = 0; j < NX; j++)
@@ -306,6 +317,7 @@ gemv_tile_avx512(const struct llmem_weight *w, enum llmem_dtype dt, const float 
         for (int j = 0; j < NX; j++)
             xv[j] = _mm512_loadu_ps(x + (j0 + j) * cols + k);
         for (int i = 0; i < R; i++) {
+            _mm_prefetch(pf[i] + (size_t)k * esize, _MM_HINT_T0);
             __m512 wv = load16_avx512(wr[i], dt, k, 0xffff);
             for (int j = 0; j < NX; j++)
                 acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
