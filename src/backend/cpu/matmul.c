@@ -42,6 +42,7 @@
 #endif
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
+int llmem_cpu_kc = CPU_GEMM_KC_MAX;
 
 /* ---- the ISA ----------------------------------------------------------------------------------
  */
@@ -124,13 +125,13 @@ static void gemv_scalar(const struct llmem_weight *w, const float *x, int64_t n,
     }
 }
 
-/* The micro-kernel's contract (every ISA): acc[i][t] = Σ_k a[i·lda + k] · b[k·32 + t] for
+/* The micro-kernel's contract (every ISA): acc[i][t] = Σ_k a[k·12 + i] · b[k·32 + t] for
  * i < 12, t < 32, written to tile[i·32 + t]. */
-static void micro_scalar(const float *a, int64_t lda, const float *b, int64_t kc, float *tile) {
+static void micro_scalar(const float *a, const float *b, int64_t kc, float *tile) {
     for (int i = 0; i < CPU_GEMM_MR; i++) {
         float acc[CPU_GEMM_NR] = {0};
         for (int64_t k = 0; k < kc; k++) {
-            float av = a[i * lda + k];
+            float av = a[k * CPU_GEMM_MR + i];
             for (int t = 0; t < CPU_GEMM_NR; t++)
                 acc[t] += av * b[k * CPU_GEMM_NR + t];
         }
@@ -249,8 +250,8 @@ TARGET_AVX2 static void convert_avx2(const void *row, enum llmem_dtype dt, int64
 }
 
 /* 6 W rows × 16 tokens: 12 accumulators; the 12 × 32 tile is four of these. */
-TARGET_AVX2 static ALWAYS_INLINE void micro6x16_avx2(const float *a, int64_t lda, const float *b,
-                                                     int64_t kc, float *tile) {
+TARGET_AVX2 static ALWAYS_INLINE void micro6x16_avx2(const float *a, const float *b, int64_t kc,
+                                                     float *tile) {
     __m256 acc[6][2];
     for (int i = 0; i < 6; i++)
         acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -258,7 +259,7 @@ TARGET_AVX2 static ALWAYS_INLINE void micro6x16_avx2(const float *a, int64_t lda
         __m256 b0 = _mm256_loadu_ps(b + k * CPU_GEMM_NR),
                b1 = _mm256_loadu_ps(b + k * CPU_GEMM_NR + 8);
         for (int i = 0; i < 6; i++) {
-            __m256 av = _mm256_broadcast_ss(a + i * lda + k);
+            __m256 av = _mm256_broadcast_ss(a + k * CPU_GEMM_MR + i);
             acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
             acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
         }
@@ -269,12 +270,11 @@ TARGET_AVX2 static ALWAYS_INLINE void micro6x16_avx2(const float *a, int64_t lda
     }
 }
 
-TARGET_AVX2 static void micro_avx2(const float *a, int64_t lda, const float *b, int64_t kc,
-                                   float *tile) {
-    micro6x16_avx2(a, lda, b, kc, tile);
-    micro6x16_avx2(a, lda, b + 16, kc, tile + 16);
-    micro6x16_avx2(a + 6 * lda, lda, b, kc, tile + 6 * CPU_GEMM_NR);
-    micro6x16_avx2(a + 6 * lda, lda, b + 16, kc, tile + 6 * CPU_GEMM_NR + 16);
+TARGET_AVX2 static void micro_avx2(const float *a, const float *b, int64_t kc, float *tile) {
+    micro6x16_avx2(a, b, kc, tile);
+    micro6x16_avx2(a, b + 16, kc, tile + 16);
+    micro6x16_avx2(a + 6, b, kc, tile + 6 * CPU_GEMM_NR);
+    micro6x16_avx2(a + 6, b + 16, kc, tile + 6 * CPU_GEMM_NR + 16);
 }
 
 /* ---- AVX-512 ----------------------------------------------------------------------------------
@@ -389,8 +389,7 @@ TARGET_AVX512 static void convert_avx512(const void *row, enum llmem_dtype dt, i
         dst[k] = weight_at(row, dt, k);
 }
 
-TARGET_AVX512 static void micro_avx512(const float *a, int64_t lda, const float *b, int64_t kc,
-                                       float *tile) {
+TARGET_AVX512 static void micro_avx512(const float *a, const float *b, int64_t kc, float *tile) {
     __m512 acc[CPU_GEMM_MR][2];
     for (int i = 0; i < CPU_GEMM_MR; i++)
         acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -398,7 +397,7 @@ TARGET_AVX512 static void micro_avx512(const float *a, int64_t lda, const float 
         __m512 b0 = _mm512_loadu_ps(b + k * CPU_GEMM_NR);
         __m512 b1 = _mm512_loadu_ps(b + k * CPU_GEMM_NR + 16);
         for (int i = 0; i < CPU_GEMM_MR; i++) {
-            __m512 av = _mm512_set1_ps(a[i * lda + k]);
+            __m512 av = _mm512_set1_ps(a[k * CPU_GEMM_MR + i]);
             acc[i][0] = _mm512_fmadd_ps(av, b0, acc[i][0]);
             acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
         }
@@ -417,7 +416,7 @@ struct matmul_kernels {
     void (*gemv)(const struct llmem_weight *w, const float *x, int64_t n, float *y,
                  const float *bias, int64_t r0, int64_t r1);
     void (*convert)(const void *row, enum llmem_dtype dt, int64_t count, float *dst);
-    void (*micro)(const float *a, int64_t lda, const float *b, int64_t kc, float *tile);
+    void (*micro)(const float *a, const float *b, int64_t kc, float *tile);
 };
 
 static const struct matmul_kernels kernels[3] = {
@@ -457,8 +456,9 @@ static void matmul_decode(struct cpu_ctx *c, const struct matmul_kernels *k,
     /* Below ~64 K multiply-adds a dispatch costs more than it saves. */
     int tasks = w->rows * w->cols * n < (int64_t)1 << 16 ? 1 : c->n_threads;
     /* A few tasks per thread balance a machine shared with other work; each is contiguous. */
-    if (tasks > 1 && w->rows >= (int64_t)tasks * 4 * 256)
-        tasks *= 4;
+    if (tasks > 1)
+        tasks = (int)(w->rows / 64 < (int64_t)tasks * 16 ? (w->rows + 63) / 64 : tasks * 16);
+
     int64_t per = (w->rows + tasks - 1) / tasks;
     per = (per + 3) & ~(int64_t)3;
     tasks = (int)((w->rows + per - 1) / per);
@@ -506,7 +506,12 @@ static void gemm_task(void *arg, int task, int thread) {
     const struct gemm_job *j = arg;
     const struct llmem_weight *w = j->w;
     const int64_t rows = w->rows, kc = j->kc;
-    float *a = j->c->wpanel + (size_t)thread * CPU_GEMM_MR * CPU_GEMM_KC_MAX;
+    /* Per thread: 12 converted rows, kc + 16 floats apart (at a multiple of 4 KiB all 12 would
+     * share one set of the L1 cache), then the same interleaved as [k][12] for the kernel. */
+    float *rowbuf =
+        j->c->wpanel + (size_t)thread * CPU_GEMM_MR * (CPU_GEMM_LDA_MAX + CPU_GEMM_KC_MAX);
+    float *a = rowbuf + (size_t)CPU_GEMM_MR * CPU_GEMM_LDA_MAX;
+    const int64_t lda = kc + 16;
     float tile[CPU_GEMM_MR * CPU_GEMM_NR] __attribute__((aligned(64)));
     int64_t r_begin = (int64_t)task * j->rows_per_task;
     int64_t r_end = r_begin + j->rows_per_task < rows ? r_begin + j->rows_per_task : rows;
@@ -515,12 +520,14 @@ static void gemm_task(void *arg, int task, int thread) {
         int mr = r_end - r0 < CPU_GEMM_MR ? (int)(r_end - r0) : CPU_GEMM_MR;
         for (int i = 0; i < mr; i++)
             j->k->convert((const uint8_t *)row_ptr(w, r0 + i) + (size_t)j->p0 * esize, w->dtype, kc,
-                          a + (size_t)i * (size_t)kc);
-        if (mr < CPU_GEMM_MR)
-            memset(a + (size_t)mr * (size_t)kc, 0,
-                   (size_t)(CPU_GEMM_MR - mr) * (size_t)kc * sizeof(float));
+                          rowbuf + (size_t)i * (size_t)lda);
+        for (int i = mr; i < CPU_GEMM_MR; i++)
+            memset(rowbuf + (size_t)i * (size_t)lda, 0, (size_t)kc * sizeof(float));
+        for (int64_t k = 0; k < kc; k++)
+            for (int i = 0; i < CPU_GEMM_MR; i++)
+                a[k * CPU_GEMM_MR + i] = rowbuf[i * lda + k];
         for (int64_t s = 0; s < j->n_strips; s++) {
-            j->k->micro(a, kc, j->c->xt + (size_t)s * (size_t)kc * CPU_GEMM_NR, kc, tile);
+            j->k->micro(a, j->c->xt + (size_t)s * (size_t)kc * CPU_GEMM_NR, kc, tile);
             int64_t t0 = j->j0 + s * CPU_GEMM_NR;
             int nt = j->j0 + j->nb - t0 < CPU_GEMM_NR ? (int)(j->j0 + j->nb - t0) : CPU_GEMM_NR;
             for (int t = 0; t < nt; t++) {
@@ -543,7 +550,7 @@ static void matmul_gemm(struct cpu_ctx *c, const struct matmul_kernels *k,
                         const struct llmem_weight *w, const float *x, int64_t n, float *y,
                         const float *bias) {
     const int64_t cols = w->cols, rows = w->rows;
-    int64_t n_kblocks = (cols + CPU_GEMM_KC_MAX - 1) / CPU_GEMM_KC_MAX;
+    int64_t n_kblocks = (cols + llmem_cpu_kc - 1) / llmem_cpu_kc;
     int64_t kc_step = (cols + n_kblocks - 1) / n_kblocks;
     kc_step = (kc_step + 15) & ~(int64_t)15;
     /* Tasks: a few contiguous ranges of W rows per thread, each a multiple of the tile height. */
