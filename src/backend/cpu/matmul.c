@@ -42,7 +42,6 @@
 #endif
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
-int llmem_cpu_kc = CPU_GEMM_KC_MAX;
 
 /* ---- the ISA ----------------------------------------------------------------------------------
  */
@@ -550,7 +549,7 @@ static void matmul_gemm(struct cpu_ctx *c, const struct matmul_kernels *k,
                         const struct llmem_weight *w, const float *x, int64_t n, float *y,
                         const float *bias) {
     const int64_t cols = w->cols, rows = w->rows;
-    int64_t n_kblocks = (cols + llmem_cpu_kc - 1) / llmem_cpu_kc;
+    int64_t n_kblocks = (cols + CPU_GEMM_KC_MAX - 1) / CPU_GEMM_KC_MAX;
     int64_t kc_step = (cols + n_kblocks - 1) / n_kblocks;
     kc_step = (kc_step + 15) & ~(int64_t)15;
     /* Tasks: a few contiguous ranges of W rows per thread, each a multiple of the tile height. */
