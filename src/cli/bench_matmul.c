@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cblas.h>
+
 #include "backend/cpu/cpu_int.h"
 #include "cli/cli.h"
 #include "core/json.h"
@@ -271,10 +273,13 @@ int cli_bench_matmul(int argc, char **argv) {
                      N_PREFILL_SHAPES;
 
     /* Peaks and dispatch first, on a quiet pool. */
-    double peak = 0, peak_dp = 0, disp = 0;
+    double peak = 0, peak256 = 0, peak_dp = 0, disp = 0;
     if (isa != CPU_ISA_SCALAR) {
-        peak = peak_gflops(pool, 0, isa);
-        peak = peak_gflops(pool, 0, isa) > peak ? peak_gflops(pool, 0, isa) : peak;
+        for (int i = 0; i < 3; i++) { /* the best of three: the rate the core can reach */
+            double p = peak_gflops(pool, 0, isa), p256 = peak_gflops(pool, 0, CPU_ISA_AVX2);
+            peak = p > peak ? p : peak;
+            peak256 = p256 > peak256 ? p256 : peak256;
+        }
         if (has_bf16)
             peak_dp = peak_gflops(pool, 1, isa);
     }
@@ -363,6 +368,8 @@ int cli_bench_matmul(int argc, char **argv) {
               llmem_json_add_double(root, "read_gbps", bw_read) ||
               llmem_json_add_double(root, "copy_gbps", bw_copy) ||
               llmem_json_add_double(root, "peak_fma_gflops", peak) ||
+              llmem_json_add_double(root, "peak_fma256_gflops", peak256) ||
+              llmem_json_add_string(root, "openblas_core", openblas_get_corename()) ||
               llmem_json_add_double(root, "peak_dpbf16_gflops", peak_dp) ||
               llmem_json_add_double(root, "pool_dispatch_us", disp);
         cJSON *dl = st ? NULL : cJSON_AddArrayToObject(root, "decode");
@@ -401,10 +408,10 @@ int cli_bench_matmul(int argc, char **argv) {
                host.name, host.n_cpus, n_threads, cpu_isa_name(isa), (long long)reps);
         printf("read bandwidth %.1f GB/s, copy %.1f GB/s (before and after decode)\n", bw_read,
                bw_copy);
-        printf("peak f32 FMA %.1f GFLOP/s", peak);
+        printf("peak f32 FMA %.1f GFLOP/s (256-bit: %.1f)", peak, peak256);
         if (has_bf16)
             printf(", VDPBF16PS %.1f GFLOP/s", peak_dp);
-        printf("; pool dispatch %.2f us\n\n", disp);
+        printf("; pool dispatch %.2f us; OpenBLAS core %s\n\n", disp, openblas_get_corename());
         printf("decode (GB/s of weights; fraction of read bandwidth)\n");
         printf("%-6s %-11s %3s %9s %9s\n", "dtype", "shape", "n", "GB/s", "of read");
         for (int i = 0; i < n_dres; i++) {
