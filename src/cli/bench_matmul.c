@@ -1,8 +1,9 @@
 /*
  * cli/bench_matmul.c — `llmem bench matmul`: the CPU backend's matrix products against the
  * machine's own limits, measured in the same run:
- *   bandwidth  the multithreaded streaming read (cli_bandwidth), probed right before and right
- *              after the decode runs; decode is reported as a fraction of its median;
+ *   bandwidth  the multithreaded streaming read (cli_bandwidth) over 128 MiB, probed right
+ *              before and right after every timed decode run; each run's fraction is taken
+ *              against the mean of its two probes, and the median over runs is reported;
  *   decode     y = x · Wᵀ for n = 1 (and 4) on Llama-3.2-1B shapes; each timed run cycles over
  *              enough copies of W (like the layers of a model) that the weights come from memory,
  *              not from the last-level cache; GB/s = weight bytes / time;
@@ -232,19 +233,18 @@ int cli_bench_matmul(int argc, char **argv) {
     if (reps == 0)
         reps = quick ? 3 : 5;
     const int64_t stream_bytes = (quick ? (int64_t)160 : 400) << 20; /* per decode run */
-    const int64_t bw_bytes = (quick ? (int64_t)256 : 512) << 20;
-    const int bw_passes = 3;
+    const int64_t bw_bytes = (int64_t)128 << 20; /* 4x the last-level cache of this machine */
     const int n_decode_n = quick ? 1 : 2;
     const int64_t decode_ns[2] = {1, 4};
 
     struct llmem_backend *be = NULL;
     struct llmem_pool *pool = NULL;
     struct llmem_mem *mem = NULL;
-    struct llmem_mem_config mcfg = {.cache_limit_bytes = 0};
+    struct llmem_mem_config mcfg = {.cache_limit_bytes = (int64_t)256 << 20}; /* the probe's */
     uint8_t *wbuf = NULL;
     float *x = NULL, *y = NULL, *times = NULL;
     double *tv = NULL;
-    double read_gbps[2 * 3], copy_gbps[2 * 3];
+    double copy_gbps[1], *probe_read = NULL, *probe_copy = NULL, *frac = NULL;
     struct decode_result dres[3 * N_SHAPES * 2];
     struct prefill_result pres[3 * N_PREFILL_SHAPES * 2];
     int n_dres = 0, n_pres = 0, rc = CLI_FAIL;
@@ -264,13 +264,17 @@ int cli_bench_matmul(int argc, char **argv) {
     x = malloc((size_t)PREFILL_N * 8192 * sizeof(float));
     y = malloc((size_t)PREFILL_N * 8192 * sizeof(float));
     tv = malloc((size_t)reps * sizeof(double));
-    if (wbuf == NULL || x == NULL || y == NULL || tv == NULL) {
+    frac = malloc((size_t)reps * sizeof(double));
+    size_t max_probes = 1 + (size_t)(3 * N_SHAPES * n_decode_n) * (size_t)reps;
+    probe_read = malloc(max_probes * sizeof(double));
+    probe_copy = malloc(max_probes * sizeof(double));
+    if (wbuf == NULL || x == NULL || y == NULL || tv == NULL || frac == NULL ||
+        probe_read == NULL || probe_copy == NULL) {
         fprintf(stderr, "llmem bench matmul: out of memory\n");
         goto out;
     }
     fill_floats(x, (int64_t)PREFILL_N * 8192);
-    progress_total = 2 * (bw_passes + 1) + 3 * N_SHAPES * n_decode_n + 3 * N_PREFILL_SHAPES + 1 +
-                     N_PREFILL_SHAPES;
+    progress_total = 3 * N_SHAPES * n_decode_n + 3 * N_PREFILL_SHAPES + 1 + N_PREFILL_SHAPES;
 
     /* Peaks and dispatch first, on a quiet pool. */
     double peak = 0, peak256 = 0, peak_dp = 0, disp = 0;
@@ -286,9 +290,16 @@ int cli_bench_matmul(int argc, char **argv) {
     disp = dispatch_us(pool);
     tick(NULL);
 
-    /* ---- decode, between two bandwidth probes ---- */
-    if (cli_bandwidth(mem, pool, bw_bytes, bw_passes, read_gbps, copy_gbps, tick, NULL) != CLI_OK)
+    /* ---- decode, every timed run between two bandwidth probes ---- */
+    /* The machine may be shared: a probe before and after each timed run, and the fraction of
+     * each run against the mean of its two probes, so that load that comes and goes hits both
+     * sides of the ratio alike. */
+    int n_probe = 0;
+    double prev_read;
+    if (cli_bandwidth(mem, pool, bw_bytes, 1, &prev_read, &copy_gbps[0], NULL, NULL) != CLI_OK)
         goto out;
+    probe_read[n_probe] = prev_read;
+    probe_copy[n_probe++] = copy_gbps[0];
     for (int d = 0; d < 3; d++) {
         for (int s = 0; s < N_SHAPES; s++) {
             int64_t rows = shapes[s][0], cols = shapes[s][1];
@@ -306,23 +317,30 @@ int cli_bench_matmul(int argc, char **argv) {
                                                  cols};
                         be->ops->matmul(be->ctx, &w, x, n, y, NULL);
                     }
-                    if (r >= 0)
-                        tv[r] = cli_now_s() - t0;
+                    double t = cli_now_s() - t0, rd, cp;
+                    if (cli_bandwidth(mem, pool, bw_bytes, 1, &rd, &cp, NULL, NULL) != CLI_OK)
+                        goto out;
+                    if (r >= 0) {
+                        tv[r] = t / copies;
+                        frac[r] = (double)wbytes / tv[r] * 1e-9 / (0.5 * (prev_read + rd));
+                        probe_read[n_probe] = rd;
+                        probe_copy[n_probe++] = cp;
+                    }
+                    prev_read = rd;
                 }
-                double t = cli_median(tv, (int)reps) / copies;
-                dres[n_dres++] = (struct decode_result){
-                    rows, cols, n, bench_dtypes[d], (double)wbytes / t * 1e-9, 0};
+                double t = cli_median(tv, (int)reps);
+                dres[n_dres++] = (struct decode_result){rows,
+                                                        cols,
+                                                        n,
+                                                        bench_dtypes[d],
+                                                        (double)wbytes / t * 1e-9,
+                                                        cli_median(frac, (int)reps)};
                 tick(NULL);
             }
         }
     }
-    if (cli_bandwidth(mem, pool, bw_bytes, bw_passes, read_gbps + bw_passes, copy_gbps + bw_passes,
-                      tick, NULL) != CLI_OK)
-        goto out;
-    double bw_read = cli_median(read_gbps, 2 * bw_passes);
-    double bw_copy = cli_median(copy_gbps, 2 * bw_passes);
-    for (int i = 0; i < n_dres; i++)
-        dres[i].fraction = dres[i].gbps / bw_read;
+    double bw_read = cli_median(probe_read, n_probe);
+    double bw_copy = cli_median(probe_copy, n_probe);
 
     /* ---- prefill ---- */
     for (int d = 0; d < 3; d++) {
@@ -406,13 +424,15 @@ int cli_bench_matmul(int argc, char **argv) {
     } else {
         printf("llmem bench matmul: %s, %d CPUs, %d threads, %s kernels; medians of %lld runs\n\n",
                host.name, host.n_cpus, n_threads, cpu_isa_name(isa), (long long)reps);
-        printf("read bandwidth %.1f GB/s, copy %.1f GB/s (before and after decode)\n", bw_read,
-               bw_copy);
+        printf("read bandwidth %.1f GB/s, copy %.1f GB/s (medians of the probes around every"
+               " decode run)\n",
+               bw_read, bw_copy);
         printf("peak f32 FMA %.1f GFLOP/s (256-bit: %.1f)", peak, peak256);
         if (has_bf16)
             printf(", VDPBF16PS %.1f GFLOP/s", peak_dp);
         printf("; pool dispatch %.2f us; OpenBLAS core %s\n\n", disp, openblas_get_corename());
-        printf("decode (GB/s of weights; fraction of read bandwidth)\n");
+        printf("decode (GB/s of weights; median fraction of the read bandwidth probed around each "
+               "run)\n");
         printf("%-6s %-11s %3s %9s %9s\n", "dtype", "shape", "n", "GB/s", "of read");
         for (int i = 0; i < n_dres; i++) {
             char shape[32];
@@ -434,6 +454,9 @@ int cli_bench_matmul(int argc, char **argv) {
     }
 out:
     free(tv);
+    free(frac);
+    free(probe_read);
+    free(probe_copy);
     free(x);
     free(y);
     free(wbuf);
