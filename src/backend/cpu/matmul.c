@@ -5,9 +5,10 @@
  * Two algorithms, by the number n of activation rows:
  *
  * Decode (n small): memory-bound. Each task owns a contiguous range of W rows and streams them
- * once: four W rows at a time are converted to f32 in registers (bf16 by zero-extension and a
- * 16-bit shift, f16 by VCVTPH2PS) and multiplied with up to four rows of x into 16 independent
- * vector accumulators; more than four rows of x re-read the four W rows from L1, not from memory.
+ * once, converting weights to f32 in registers (bf16 by zero-extension and a 16-bit shift, f16 by
+ * VCVTPH2PS). For one row of x the rows are read as one sequential stream with a software
+ * prefetch 8 KiB ahead; for more, four W rows at a time (two with AVX2) are multiplied with two
+ * (four) rows of x at a time, and further rows of x re-read those W rows from L1, not memory.
  *
  * GEMM (n large): compute-bound. The problem is computed transposed, yᵀ = W · xᵀ, so that W never
  * needs a transposed packing: a block of tokens of x is packed once per call and block, by all
@@ -339,9 +340,54 @@ gemv_tile_avx512(const struct llmem_weight *w, enum llmem_dtype dt, const float 
                 _mm512_reduce_add_ps(acc[i][j]) + (bias != NULL ? bias[r + i] : 0.0f);
 }
 
+/* One row of x (single-sequence decode): the task's rows read as one sequential stream, as the
+ * bandwidth probe reads, four accumulators along k, and a software prefetch DECODE_PF_BYTES
+ * ahead that crosses page and row boundaries (where the hardware prefetchers stop). Measured on
+ * the development machine: 0.90–0.92 of the probed read bandwidth against 0.80–0.83 for the
+ * four-row tiles, which read four interleaved streams. */
+#define DECODE_PF_BYTES 8192
+
+TARGET_AVX512 static ALWAYS_INLINE void gemv1_avx512(const struct llmem_weight *w,
+                                                     enum llmem_dtype dt, const float *x, float *y,
+                                                     const float *bias, int64_t r0, int64_t r1) {
+    const int64_t cols = w->cols;
+    const size_t esize = dt == LLMEM_DTYPE_F32 ? 4 : 2;
+    for (int64_t r = r0; r < r1; r++) {
+        const char *wr = row_ptr(w, r);
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t k = 0;
+        for (; k + 64 <= cols; k += 64) {
+            const char *pf = wr + (size_t)k * esize + DECODE_PF_BYTES;
+            _mm_prefetch(pf, _MM_HINT_T0);
+            _mm_prefetch(pf + 64, _MM_HINT_T0);
+            if (esize == 4) {
+                _mm_prefetch(pf + 128, _MM_HINT_T0);
+                _mm_prefetch(pf + 192, _MM_HINT_T0);
+            }
+            a0 = _mm512_fmadd_ps(load16_avx512(wr, dt, k, 0xffff), _mm512_loadu_ps(x + k), a0);
+            a1 = _mm512_fmadd_ps(load16_avx512(wr, dt, k + 16, 0xffff), _mm512_loadu_ps(x + k + 16),
+                                 a1);
+            a2 = _mm512_fmadd_ps(load16_avx512(wr, dt, k + 32, 0xffff), _mm512_loadu_ps(x + k + 32),
+                                 a2);
+            a3 = _mm512_fmadd_ps(load16_avx512(wr, dt, k + 48, 0xffff), _mm512_loadu_ps(x + k + 48),
+                                 a3);
+        }
+        for (; k < cols; k += 16) {
+            __mmask16 m = cols - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - k)) - 1);
+            a0 = _mm512_fmadd_ps(load16_avx512(wr, dt, k, m), _mm512_maskz_loadu_ps(m, x + k), a0);
+        }
+        y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))) +
+               (bias != NULL ? bias[r] : 0.0f);
+    }
+}
+
 TARGET_AVX512 static void gemv_avx512_dt(const struct llmem_weight *w, enum llmem_dtype dt,
                                          const float *x, int64_t n, float *y, const float *bias,
                                          int64_t r0, int64_t r1) {
+    if (n == 1) {
+        gemv1_avx512(w, dt, x, y, bias, r0, r1);
+        return;
+    }
     int64_t r = r0;
     /* Two rows of x at a time: with four (16 accumulators) GCC keeps the accumulator array in
      * memory, which made n = 4 a third slower than two passes of two. */
