@@ -1,7 +1,7 @@
 /*
  * cli/bench_matmul.c — `llmem bench matmul`: the CPU backend's matrix products against the
  * machine's own limits, measured in the same run:
- *   bandwidth  the multithreaded streaming read (cli_bandwidth) over 128 MiB, probed right
+ *   bandwidth  the multithreaded streaming read (cli_bandwidth) over 512 MiB, probed right
  *              before and right after every timed decode run; each run's fraction is taken
  *              against the mean of its two probes, and the median over runs is reported;
  *   decode     y = x · Wᵀ for n = 1 (and 4) on Llama-3.2-1B shapes; each timed run cycles over
@@ -233,14 +233,16 @@ int cli_bench_matmul(int argc, char **argv) {
     if (reps == 0)
         reps = quick ? 3 : 5;
     const int64_t stream_bytes = (quick ? (int64_t)160 : 400) << 20; /* per decode run */
-    const int64_t bw_bytes = (int64_t)128 << 20; /* 4x the last-level cache of this machine */
+    /* Far beyond any last-level cache: the probe must not read from cache. */
+    const int64_t bw_bytes = (int64_t)512 << 20;
     const int n_decode_n = quick ? 1 : 2;
     const int64_t decode_ns[2] = {1, 4};
 
     struct llmem_backend *be = NULL;
     struct llmem_pool *pool = NULL;
     struct llmem_mem *mem = NULL;
-    struct llmem_mem_config mcfg = {.cache_limit_bytes = (int64_t)256 << 20}; /* the probe's */
+    struct llmem_mem_config mcfg = {.cache_limit_bytes = (int64_t)1
+                                                         << 30}; /* keeps the probe buffer */
     uint8_t *wbuf = NULL;
     float *x = NULL, *y = NULL, *times = NULL;
     double *tv = NULL;
