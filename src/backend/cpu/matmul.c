@@ -500,9 +500,13 @@ static void matmul_decode(struct cpu_ctx *c, const struct matmul_kernels *k,
                           const float *bias) {
     /* Below ~64 K multiply-adds a dispatch costs more than it saves. */
     int tasks = w->rows * w->cols * n < (int64_t)1 << 16 ? 1 : c->n_threads;
-    /* A few tasks per thread balance a machine shared with other work; each is contiguous. */
-    if (tasks > 1)
-        tasks = (int)(w->rows / 64 < (int64_t)tasks * 16 ? (w->rows + 63) / 64 : tasks * 16);
+    /* Several tasks per thread balance a machine shared with other work, but each task's first
+     * rows come without prefetch: tasks of at least 1 MiB, up to 16 per thread, contiguous. */
+    if (tasks > 1) {
+        int64_t by_size = w->rows * w->cols * llmem_dtype_size(w->dtype) >> 20;
+        int64_t most = (int64_t)tasks * 16;
+        tasks = (int)(by_size < tasks ? tasks : by_size > most ? most : by_size);
+    }
 
     int64_t per = (w->rows + tasks - 1) / tasks;
     per = (per + 3) & ~(int64_t)3;
