@@ -17,8 +17,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <stdatomic.h>
+#include <time.h>
+
 #include "backend/cpu/cpu_int.h"
 #include "backend/ops.h"
+#include "core/pool.h"
 #include "testutil.h"
 
 /* ---- data -------------------------------------------------------------------------------------
@@ -339,6 +343,46 @@ static void test_embedding(void **state) {
     }
 }
 
+/* ---- the pool the backend runs on --------------------------------------------------------------
+ */
+
+struct pool_count {
+    _Atomic int hits[64];
+    _Atomic int bad_thread;
+    int threads;
+};
+
+static void count_task(void *arg, int task, int thread) {
+    struct pool_count *c = arg;
+    atomic_fetch_add(&c->hits[task], 1);
+    if (thread < 0 || thread >= c->threads)
+        atomic_store(&c->bad_thread, 1);
+}
+
+/* Every task runs exactly once per run, with a valid thread index, whether the workers are
+ * spinning (back-to-back runs) or asleep (a pause longer than the spin between runs). */
+static void test_pool_runs(void **state) {
+    (void)state;
+    for (int threads = 1; threads <= 4; threads++) {
+        struct llmem_pool *pool = NULL;
+        assert_int_equal(llmem_pool_create(threads, &pool), LLMEM_OK);
+        assert_int_equal(llmem_pool_threads(pool), threads);
+        for (int run = 0; run < 400; run++) {
+            struct pool_count c = {.threads = threads};
+            int n_tasks = 1 + run % 64;
+            llmem_pool_run(pool, n_tasks, count_task, &c);
+            for (int t = 0; t < 64; t++)
+                assert_int_equal(atomic_load(&c.hits[t]), t < n_tasks ? 1 : 0);
+            assert_int_equal(atomic_load(&c.bad_thread), 0);
+            if (run % 100 == 99) {
+                struct timespec pause = {0, 2 * 1000 * 1000}; /* 2 ms: the workers sleep */
+                nanosleep(&pause, NULL);
+            }
+        }
+        llmem_pool_destroy(pool);
+    }
+}
+
 static void test_destroy_null(void **state) {
     (void)state;
     llmem_backend_destroy(NULL);
@@ -349,7 +393,8 @@ int main(void) {
         cmocka_unit_test(test_matmul_shapes), cmocka_unit_test(test_matmul_blocks),
         cmocka_unit_test(test_matmul_empty),  cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),          cmocka_unit_test(test_swiglu_add),
-        cmocka_unit_test(test_embedding),     cmocka_unit_test(test_destroy_null),
+        cmocka_unit_test(test_embedding),     cmocka_unit_test(test_pool_runs),
+        cmocka_unit_test(test_destroy_null),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -21,6 +21,8 @@ int cli_run(int argc, char **argv);
 int cli_bench_kv(int argc, char **argv);
 /* `llmem bench decode MODEL` (bench_decode.c). */
 int cli_bench_decode(int argc, char **argv);
+/* `llmem bench matmul` (bench_matmul.c), dispatched by cli_bench. */
+int cli_bench_matmul(int argc, char **argv);
 
 struct llmem_plan;
 /* Writes the plan's envelope as an SVG picture to path; CLI_FAIL (message on stderr) on error. */

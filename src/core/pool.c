@@ -7,14 +7,17 @@
  * workers through a condition variable alone (a futex wake and a reschedule, tens of µs) would
  * cost more than the small operations themselves. Workers therefore spin on the generation
  * counter for a short while after each run (POOL_SPIN_NS) before sleeping on the condition
- * variable, and the caller spins on the count of busy workers before sleeping on its own. The
- * generation is published with release order after the run's fields, and read with acquire, so
- * the fields need no lock; the mutex only guards the sleeping paths (a worker re-checks the
- * generation under it before waiting, and the caller bumps it under it, so no wake-up is lost).
+ * variable, and the caller spins on the count of busy workers before sleeping on its own. After
+ * POOL_YIELD_NS a spinning thread yields at every check, so that on an oversubscribed machine it
+ * does not hold the CPU that the thread it waits for needs. The generation is published with
+ * release order after the run's fields, and read with acquire, so the fields need no lock; the
+ * mutex only guards the sleeping paths (a worker re-checks the generation under it before
+ * waiting, and the caller bumps it under it, so no wake-up is lost).
  */
 #include "core/pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -62,7 +65,8 @@ static void take_tasks(struct llmem_pool *p, int thread) {
 }
 
 /* How long a worker (or the waiting caller) spins before it sleeps. */
-#define POOL_SPIN_NS 100000
+#define POOL_SPIN_NS  100000
+#define POOL_YIELD_NS 5000
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -83,6 +87,10 @@ static int spin_until(struct llmem_pool *p, int (*cond_fn)(struct llmem_pool *, 
                 start = t;
             else if (t - start > POOL_SPIN_NS)
                 return 0;
+            /* Past the first few µs the awaited thread is likely not running (more runnable
+             * threads than CPUs): give the CPU away rather than burn the slice it needs. */
+            else if (t - start > POOL_YIELD_NS)
+                sched_yield();
         }
         cpu_relax();
     }

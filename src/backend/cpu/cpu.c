@@ -292,9 +292,10 @@ int llmem_backend_cpu_create(int n_threads, struct llmem_backend **out) {
     c->n_threads = llmem_pool_threads(c->pool);
     c->isa = cpu_isa_best();
     c->path = CPU_MATMUL_AUTO;
-    c->gemm_min_n = 16;
+    c->gemm_min_n = 24; /* measured crossover: below, converting W costs more than it saves */
     c->blas_f32 = 0;
-    size_t panel = (size_t)c->n_threads * CPU_GEMM_MR * CPU_GEMM_KC_MAX * sizeof(float);
+    size_t panel =
+        (size_t)c->n_threads * CPU_GEMM_MR * (CPU_GEMM_LDA_MAX + CPU_GEMM_KC_MAX) * sizeof(float);
     if (posix_memalign((void **)&c->xt, 64, CPU_GEMM_XT_BYTES) != 0 ||
         posix_memalign((void **)&c->wpanel, 64, panel) != 0) {
         cpu_destroy(c);

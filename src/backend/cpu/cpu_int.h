@@ -17,6 +17,7 @@ struct llmem_pool;
 #define CPU_GEMM_MR       12
 #define CPU_GEMM_NR       32
 #define CPU_GEMM_KC_MAX   4096
+#define CPU_GEMM_LDA_MAX  (CPU_GEMM_KC_MAX + 16)
 #define CPU_GEMM_XT_BYTES ((size_t)4 << 20)
 
 /* Which kernels run (the best the CPU supports unless capped for tests and benchmarks). */
@@ -38,7 +39,8 @@ struct cpu_ctx {
     int blas_f32;       /* AUTO uses OpenBLAS for f32 weights in prefill */
     int64_t gemm_min_n; /* AUTO: n at or above this takes the GEMM path */
     float *xt;          /* (CPU_GEMM_XT_BYTES / 4) transposed, packed activations */
-    float *wpanel;      /* (n_threads, CPU_GEMM_MR, CPU_GEMM_KC_MAX) W rows as f32 */
+    float *wpanel;      /* (n_threads, MR × (LDA_MAX + KC_MAX)): W rows as f32, then
+                          interleaved [k][MR] for the micro-kernel */
 };
 
 /* The matmul of the backend table (matmul.c). */
