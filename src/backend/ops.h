@@ -57,6 +57,16 @@ struct llmem_backend {
 /* The CPU backend with n_threads threads (≤ 0: the online CPUs). LLMEM_ENOMEM / LLMEM_EIO
  * (logged). */
 int llmem_backend_cpu_create(int n_threads, struct llmem_backend **out);
+/* The CPU backend on the caller's thread pool (shared with its other kernels, so that no two pools
+ * spin against each other; not destroyed with the backend), with its GEMM scratch
+ * (llmem_backend_cpu_scratch_bytes) from mem under the tag scratch. */
+struct llmem_pool;
+struct llmem_mem;
+int llmem_backend_cpu_create_shared(struct llmem_pool *pool, struct llmem_mem *mem,
+                                    struct llmem_backend **out);
+/* The fixed scratch of the CPU backend's GEMM on n_threads threads: packed activations and one
+ * panel of converted weights per thread. */
+int64_t llmem_backend_cpu_scratch_bytes(int n_threads);
 /* NULL is a no-op. */
 void llmem_backend_destroy(struct llmem_backend *backend);
 

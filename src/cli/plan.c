@@ -8,8 +8,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <sys/stat.h>
 
+#include "backend/ops.h"
 #include "cli/cli.h"
 #include "core/json.h"
 #include "core/log.h"
@@ -401,8 +403,15 @@ int cli_plan(int argc, char **argv) {
         a.params.weights_bytes = g->weights_bytes;
         a.params.kv_bytes_per_token = llmem_geometry_kv_bytes_per_token(g);
         a.params.model_max_context = g->max_context;
+        /* what the engine allocates: the forward pass's buffers, and on a host the CPU backend's
+         * GEMM scratch for the online CPUs (llmem run's default thread count) */
         a.params.computed_workspace_bytes =
             llmem_geometry_workspace_bytes(g, a.params.max_batch_tokens, a.params.max_sequences);
+        if (a.params.target == LLMEM_PLAN_HOST) {
+            long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+            a.params.computed_workspace_bytes +=
+                llmem_backend_cpu_scratch_bytes(cpus > 0 ? (int)cpus : 1);
+        }
     } else {
         a.params.weights_bytes = a.weights;
         a.params.kv_bytes_per_token = a.kv_bytes;

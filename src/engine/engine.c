@@ -56,7 +56,7 @@ static double now_s(void) {
 
 /* ---- open ----------------------------------------------------------------------------------- */
 
-static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry *g) {
+static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry *g, int threads) {
     struct llmem_device_info host;
     int status = llmem_sys_probe_host(&host);
     if (status != LLMEM_OK)
@@ -76,8 +76,10 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
         .util = c->util,
         .max_sequences = c->max_sequences,
         .max_batch_tokens = c->max_batch_tokens,
+        /* the forward pass's buffers and the backend's fixed GEMM scratch */
         .computed_workspace_bytes =
-            llmem_geometry_workspace_bytes(g, c->max_batch_tokens, c->max_sequences),
+            llmem_geometry_workspace_bytes(g, c->max_batch_tokens, c->max_sequences) +
+            llmem_backend_cpu_scratch_bytes(threads),
     };
     if ((status = llmem_plan_compute(&p, &e->plan)) != LLMEM_OK)
         return status;
@@ -139,7 +141,8 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
         e->cfg.max_sequences = 1;
     struct llmem_model_geometry g;
     int status = llmem_model_geometry_load(config->model_dir, &g);
-    if (status != LLMEM_OK || (status = plan_model(e, &g)) != LLMEM_OK)
+    if (status != LLMEM_OK || (status = llmem_pool_create(config->n_threads, &e->pool)) ||
+        (status = plan_model(e, &g, llmem_pool_threads(e->pool))) != LLMEM_OK)
         goto fail;
 
     struct llmem_mem_config mc = {.memory_limit_bytes = e->plan.allocation_limit_bytes,
@@ -149,8 +152,7 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
         (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
         (status = llmem_model_load(config->model_dir, e->mem, progress, progress_arg, &e->model)) !=
             LLMEM_OK ||
-        (status = llmem_pool_create(config->n_threads, &e->pool)) != LLMEM_OK ||
-        (status = llmem_backend_cpu_create(config->n_threads, &e->be)) != LLMEM_OK ||
+        (status = llmem_backend_cpu_create_shared(e->pool, e->mem, &e->be)) != LLMEM_OK ||
         (status = open_kv(e)) != LLMEM_OK ||
         (status = llmem_forward_create(e->model, e->be, e->kv, e->cfg.max_batch_tokens, &e->fwd)) !=
             LLMEM_OK)

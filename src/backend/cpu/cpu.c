@@ -21,6 +21,7 @@
 #include "backend/cpu/cpu_int.h"
 #include "core/log.h"
 #include "core/pool.h"
+#include "llmem/mem.h"
 
 /* Elements below which an element-wise operation runs on the calling thread alone. */
 #define CPU_PAR_MIN ((int64_t)1 << 15)
@@ -250,9 +251,15 @@ static void cpu_destroy(void *ctx) {
     struct cpu_ctx *c = ctx;
     if (c == NULL)
         return;
-    llmem_pool_destroy(c->pool);
-    free(c->xt);
-    free(c->wpanel);
+    if (c->own_pool)
+        llmem_pool_destroy(c->pool);
+    if (c->mem != NULL) {
+        llmem_mem_free(c->mem, c->xt);
+        llmem_mem_free(c->mem, c->wpanel);
+    } else {
+        free(c->xt);
+        free(c->wpanel);
+    }
     free(c);
 }
 
@@ -272,7 +279,14 @@ static const struct llmem_backend_ops cpu_ops = {
     .add = cpu_add,
 };
 
-int llmem_backend_cpu_create(int n_threads, struct llmem_backend **out) {
+int64_t llmem_backend_cpu_scratch_bytes(int n_threads) {
+    return (int64_t)CPU_GEMM_XT_BYTES + (int64_t)n_threads * CPU_GEMM_MR *
+                                            (CPU_GEMM_LDA_MAX + CPU_GEMM_KC_MAX) *
+                                            (int64_t)sizeof(float);
+}
+
+static int cpu_create(int n_threads, struct llmem_pool *pool, struct llmem_mem *mem,
+                      struct llmem_backend **out) {
     LLMEM_ASSERT(out != NULL);
     *out = NULL;
     struct llmem_backend *b = calloc(1, sizeof(*b));
@@ -283,24 +297,37 @@ int llmem_backend_cpu_create(int n_threads, struct llmem_backend **out) {
         LLMEM_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
-    int rc = llmem_pool_create(n_threads, &c->pool);
-    if (rc != LLMEM_OK) {
-        free(b);
-        free(c);
-        return rc;
+    c->pool = pool;
+    if (pool == NULL) {
+        int rc = llmem_pool_create(n_threads, &c->pool);
+        if (rc != LLMEM_OK) {
+            free(b);
+            free(c);
+            return rc;
+        }
+        c->own_pool = 1;
     }
+    c->mem = mem;
     c->n_threads = llmem_pool_threads(c->pool);
     c->isa = cpu_isa_best();
     c->path = CPU_MATMUL_AUTO;
     c->gemm_min_n = 24; /* measured crossover: below, converting W costs more than it saves */
     c->blas_f32 = 0;
-    size_t panel =
-        (size_t)c->n_threads * CPU_GEMM_MR * (CPU_GEMM_LDA_MAX + CPU_GEMM_KC_MAX) * sizeof(float);
-    if (posix_memalign((void **)&c->xt, 64, CPU_GEMM_XT_BYTES) != 0 ||
-        posix_memalign((void **)&c->wpanel, 64, panel) != 0) {
+    size_t panel = (size_t)llmem_backend_cpu_scratch_bytes(c->n_threads) - CPU_GEMM_XT_BYTES;
+    int ok;
+    if (mem != NULL) {
+        c->xt = llmem_mem_alloc(mem, CPU_GEMM_XT_BYTES, LLMEM_TAG_SCRATCH);
+        c->wpanel = llmem_mem_alloc(mem, panel, LLMEM_TAG_SCRATCH);
+        ok = c->xt != NULL && c->wpanel != NULL; /* large buffers are page-aligned */
+    } else {
+        ok = posix_memalign((void **)&c->xt, 64, CPU_GEMM_XT_BYTES) == 0 &&
+             posix_memalign((void **)&c->wpanel, 64, panel) == 0;
+        if (!ok)
+            LLMEM_ERROR("out of memory for %zu bytes of GEMM scratch", CPU_GEMM_XT_BYTES + panel);
+    }
+    if (!ok) {
         cpu_destroy(c);
         free(b);
-        LLMEM_ERROR("out of memory for %zu bytes of GEMM scratch", CPU_GEMM_XT_BYTES + panel);
         return LLMEM_ENOMEM;
     }
     /* OpenBLAS runs its own threads: as many as ours, never more. */
@@ -309,6 +336,16 @@ int llmem_backend_cpu_create(int n_threads, struct llmem_backend **out) {
     b->ctx = c;
     *out = b;
     return LLMEM_OK;
+}
+
+int llmem_backend_cpu_create(int n_threads, struct llmem_backend **out) {
+    return cpu_create(n_threads, NULL, NULL, out);
+}
+
+int llmem_backend_cpu_create_shared(struct llmem_pool *pool, struct llmem_mem *mem,
+                                    struct llmem_backend **out) {
+    LLMEM_ASSERT(pool != NULL && mem != NULL);
+    return cpu_create(0, pool, mem, out);
 }
 
 void llmem_backend_destroy(struct llmem_backend *backend) {

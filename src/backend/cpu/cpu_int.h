@@ -33,6 +33,8 @@ enum cpu_matmul_path {
 
 struct cpu_ctx {
     struct llmem_pool *pool;
+    int own_pool;          /* the pool was created here (else it is the caller's) */
+    struct llmem_mem *mem; /* where xt and wpanel come from (tag scratch); NULL: the C heap */
     int n_threads;
     enum cpu_isa isa;
     enum cpu_matmul_path path;
