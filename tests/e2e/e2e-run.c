@@ -196,28 +196,6 @@ static void test_refused_by_plan(void **state) {
 /* ---- bad input --------------------------------------------------------------------------------
  */
 
-/* A copy of pycoder in a temporary directory, for breaking one file. */
-static char *copy_pycoder(void) {
-    char *dir = tu_mkdtemp();
-    const char *files[] = {"config.json", "generation_config.json", "model.safetensors",
-                           "tokenizer.json", "tokenizer_config.json"};
-    for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
-        char src[512];
-        snprintf(src, sizeof(src), "%s/%s", PYCODER, files[i]);
-        FILE *f = fopen(src, "rb");
-        assert_non_null(f);
-        fseek(f, 0, SEEK_END);
-        long n = ftell(f);
-        fseek(f, 0, SEEK_SET);
-        char *buf = malloc((size_t)n);
-        assert_int_equal(fread(buf, 1, (size_t)n, f), (size_t)n);
-        fclose(f);
-        free(tu_write_file(dir, files[i], buf, n));
-        free(buf);
-    }
-    return dir;
-}
-
 static char *read_all(const char *path, long *n) {
     FILE *f = fopen(path, "rb");
     assert_non_null(f);
@@ -229,6 +207,22 @@ static char *read_all(const char *path, long *n) {
     buf[*n] = '\0';
     fclose(f);
     return buf;
+}
+
+/* A copy of pycoder in a temporary directory, for breaking one file. */
+static char *copy_pycoder(void) {
+    char *dir = tu_mkdtemp();
+    const char *files[] = {"config.json", "generation_config.json", "model.safetensors",
+                           "tokenizer.json", "tokenizer_config.json"};
+    for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
+        char src[512];
+        snprintf(src, sizeof(src), "%s/%s", PYCODER, files[i]);
+        long n = 0;
+        char *buf = read_all(src, &n);
+        free(tu_write_file(dir, files[i], buf, n));
+        free(buf);
+    }
+    return dir;
 }
 
 /* Replaces the first occurrence of `from` in dir/name with `to` (same length keeps offsets). */
