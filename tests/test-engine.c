@@ -323,6 +323,60 @@ static void test_request_out_of_memory(void **state) {
     llmem_engine_close(e);
 }
 
+/* An allocation attempt fails at every point of opening the engine and of one request: the n-th
+ * attempt, for n = 1, 2, … until the whole sequence runs past the fault. A failure the allocator
+ * cannot absorb (by releasing its cache and retrying) is a clean LLMEM_ENOMEM (the sanitizer build
+ * checks that nothing leaks); one it absorbs leaves every invariant intact. */
+static void test_out_of_memory_everywhere(void **state) {
+    (void)state;
+    struct llmem_engine_config c;
+    llmem_engine_config_default(&c);
+    c.model_dir = PYCODER;
+    c.context = 64;
+    c.n_threads = 2;
+    int32_t prompt[40];
+    for (int i = 0; i < 40; i++)
+        prompt[i] = 100 + 7 * i;
+    struct llmem_generate_params p;
+    llmem_generate_params_default(&p);
+    p.max_tokens = 8;
+    p.ignore_eos = 1;
+    llmem_log_set_callback(capture, NULL, LLMEM_LOG_ERROR);
+    int open_failures = 0, request_failures = 0;
+    for (int64_t n = 1; n < 10000; n++) {
+        llmem_mem_fault_inject(n);
+        struct llmem_engine *e = NULL;
+        int status = llmem_engine_open(&c, NULL, NULL, &e);
+        if (status != LLMEM_OK) {
+            assert_int_equal(status, LLMEM_ENOMEM);
+            assert_null(e);
+            open_failures++;
+            continue;
+        }
+        struct llmem_generate_result r;
+        status = llmem_engine_generate(e, prompt, 40, &p, NULL, NULL, &r);
+        int pending = llmem_mem_fault_pending();
+        llmem_mem_fault_inject(0);
+        if (status == LLMEM_OK) {
+            assert_int_equal(r.n_ids, 8);
+            llmem_generate_result_free(&r);
+        } else {
+            assert_int_equal(status, LLMEM_ENOMEM);
+            request_failures++;
+        }
+        assert_int_equal(llmem_kv_check(llmem_engine_kv(e)), LLMEM_OK);
+        assert_int_equal(llmem_mem_check(llmem_engine_mem(e)), LLMEM_OK);
+        llmem_engine_close(e);
+        if (pending)
+            break; /* the fault never fired: every allocation was covered */
+    }
+    llmem_mem_fault_inject(0);
+    llmem_log_set_callback(NULL, NULL, LLMEM_LOG_WARN);
+    printf("  %d failures while opening, %d during the request, all clean\n", open_failures,
+           request_failures);
+    assert_true(open_failures > 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sampler),
@@ -330,6 +384,7 @@ int main(void) {
         cmocka_unit_test(test_memory_promise),
         cmocka_unit_test(test_refused_before_loading),
         cmocka_unit_test(test_request_out_of_memory),
+        cmocka_unit_test(test_out_of_memory_everywhere),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
