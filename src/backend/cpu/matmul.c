@@ -287,48 +287,53 @@ TARGET_AVX512 static ALWAYS_INLINE float reduce16_avx512(__m512 v) {
 /* R weight rows × NX rows of x, one accumulator each; PF: prefetch the weights PF bytes ahead
  * of every row (0: none). */
 TARGET_AVX512 static ALWAYS_INLINE void
-gemv_tile_avx512(const void *w, enum llmem_dtype dt, int64_t ld, int64_t i0, const float *x,
-                 int64_t cols, int64_t t0, float *y, int64_t ldy, const float *bias, const int R,
-                 const int NX, const size_t PF) {
+gemv_tile_avx512_s(const void *w, enum llmem_dtype dt, int64_t ld, int64_t i0, int64_t step,
+                   const float *x, int64_t cols, int64_t t0, float *y, int64_t ldy,
+                   const float *bias, const int R, const int NX, const size_t PF) {
     const size_t esize = dt == LLMEM_DTYPE_F32 ? 4 : 2;
     const void *wr[8];
-    for (int i = 0; i < R; i++)
-        wr[i] = row_at(w, dt, ld, i0 + i);
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
+        wr[i] = row_at(w, dt, ld, i0 + i * step);
     const float *xr[8];
-    for (int j = 0; j < NX; j++)
+    _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
         xr[j] = x + (t0 + j) * cols;
     __m512 acc[8][8];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < NX; j++)
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
             acc[i][j] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= cols; k += 16) {
         __m512 xv[8];
-        for (int j = 0; j < NX; j++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
             xv[j] = _mm512_loadu_ps(xr[j] + k);
-        for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
             if (PF != 0 && ((k * esize) & 63) == 0)
                 _mm_prefetch((const char *)wr[i] + (size_t)k * esize + PF, _MM_HINT_T0);
             __m512 wv = load16_avx512(wr[i], dt, k, 0xffff);
-            for (int j = 0; j < NX; j++)
+            _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
                 acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
         }
     }
     if (k < cols) {
         __mmask16 m = (__mmask16)((1u << (cols - k)) - 1);
         __m512 xv[8];
-        for (int j = 0; j < NX; j++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
             xv[j] = _mm512_maskz_loadu_ps(m, xr[j] + k);
-        for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
             __m512 wv = load16_avx512(wr[i], dt, k, m);
-            for (int j = 0; j < NX; j++)
+            _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
                 acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
         }
     }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < NX; j++)
-            y[(t0 + j) * ldy + i0 + i] = finish(reduce16_avx512(acc[i][j]), bias, i0 + i);
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
+            y[(t0 + j) * ldy + i0 + i * step] =
+                finish(reduce16_avx512(acc[i][j]), bias, i0 + i * step);
 }
+
+/* R consecutive weight rows × NX rows of x. */
+#define gemv_tile_avx512(w, dt, ld, i0, x, cols, t0, y, ldy, bias, R, NX, PF)                       \
+    gemv_tile_avx512_s(w, dt, ld, i0, 1, x, cols, t0, y, ldy, bias, R, NX, PF)
 
 /* Single-sequence decode streams the task's rows DECODE_PF_BYTES ahead of the reads: rows of a
  * few KiB are too short for the hardware prefetchers, which stop at page boundaries. */
@@ -341,10 +346,13 @@ TARGET_AVX512 static ALWAYS_INLINE void gemv_avx512_dt(const void *w, enum llmem
                                                        int64_t ldy, const float *bias) {
     int64_t i = 0;
     if (n == 1) {
-        for (; i + DECODE_R1 <= nrows; i += DECODE_R1)
-            gemv_tile_avx512(w, dt, ld, i, x, cols, 0, y, ldy, bias, DECODE_R1, 1,
-                             DECODE_PF_BYTES);
-        for (; i < nrows; i++)
+        /* DECODE_R1 long sequential streams: the range in DECODE_R1 parts, one row of each at a
+         * time (consecutive rows, read together, would be DECODE_R1 short streams). */
+        int64_t part = nrows / DECODE_R1;
+        for (; i < part; i++)
+            gemv_tile_avx512_s(w, dt, ld, i, part, x, cols, 0, y, ldy, bias, DECODE_R1, 1,
+                               DECODE_PF_BYTES);
+        for (i = part * DECODE_R1; i < nrows; i++)
             gemv_tile_avx512(w, dt, ld, i, x, cols, 0, y, ldy, bias, 1, 1, DECODE_PF_BYTES);
         return;
     }
