@@ -253,13 +253,10 @@ static void cpu_destroy(void *ctx) {
         return;
     if (c->own_pool)
         llmem_pool_destroy(c->pool);
-    if (c->mem != NULL) {
-        llmem_mem_free(c->mem, c->xt);
+    if (c->mem != NULL)
         llmem_mem_free(c->mem, c->wpanel);
-    } else {
-        free(c->xt);
+    else
         free(c->wpanel);
-    }
     free(c);
 }
 
@@ -280,9 +277,7 @@ static const struct llmem_backend_ops cpu_ops = {
 };
 
 int64_t llmem_backend_cpu_scratch_bytes(int n_threads) {
-    return (int64_t)CPU_GEMM_XT_BYTES + (int64_t)n_threads * CPU_GEMM_MR *
-                                            (CPU_GEMM_LDA_MAX + CPU_GEMM_KC_MAX) *
-                                            (int64_t)sizeof(float);
+    return (int64_t)n_threads * CPU_GEMM_MR * CPU_GEMM_K_MAX * (int64_t)sizeof(float);
 }
 
 static int cpu_create(int n_threads, struct llmem_pool *pool, struct llmem_mem *mem,
@@ -313,17 +308,15 @@ static int cpu_create(int n_threads, struct llmem_pool *pool, struct llmem_mem *
     c->path = CPU_MATMUL_AUTO;
     c->gemm_min_n = 24; /* measured crossover: below, converting W costs more than it saves */
     c->blas_f32 = 0;
-    size_t panel = (size_t)llmem_backend_cpu_scratch_bytes(c->n_threads) - CPU_GEMM_XT_BYTES;
+    size_t panel = (size_t)llmem_backend_cpu_scratch_bytes(c->n_threads);
     int ok;
     if (mem != NULL) {
-        c->xt = llmem_mem_alloc(mem, CPU_GEMM_XT_BYTES, LLMEM_TAG_SCRATCH);
         c->wpanel = llmem_mem_alloc(mem, panel, LLMEM_TAG_SCRATCH);
-        ok = c->xt != NULL && c->wpanel != NULL; /* large buffers are page-aligned */
+        ok = c->wpanel != NULL; /* large buffers are page-aligned */
     } else {
-        ok = posix_memalign((void **)&c->xt, 64, CPU_GEMM_XT_BYTES) == 0 &&
-             posix_memalign((void **)&c->wpanel, 64, panel) == 0;
+        ok = posix_memalign((void **)&c->wpanel, 64, panel) == 0;
         if (!ok)
-            LLMEM_ERROR("out of memory for %zu bytes of GEMM scratch", CPU_GEMM_XT_BYTES + panel);
+            LLMEM_ERROR("out of memory for %zu bytes of GEMM scratch", panel);
     }
     if (!ok) {
         cpu_destroy(c);

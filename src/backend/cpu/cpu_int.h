@@ -12,13 +12,12 @@
 
 struct llmem_pool;
 
-/* GEMM blocking (matmul.c): W rows per micro-tile, tokens per packed strip, the largest K block,
- * and the shared buffer of transposed activations. */
-#define CPU_GEMM_MR       12
-#define CPU_GEMM_NR       32
-#define CPU_GEMM_KC_MAX   4096
-#define CPU_GEMM_LDA_MAX  (CPU_GEMM_KC_MAX + 16)
-#define CPU_GEMM_XT_BYTES ((size_t)4 << 20)
+/* GEMM blocking (matmul.c): W rows and rows of x per tile, the longest W row the per-thread
+ * scratch converts (longer ones take the decode kernels), the bytes of x per token block. */
+#define CPU_GEMM_MR           4
+#define CPU_GEMM_NR           6
+#define CPU_GEMM_K_MAX        16384
+#define CPU_GEMM_XBLOCK_BYTES ((size_t)384 << 10)
 
 /* Which kernels run (the best the CPU supports unless capped for tests and benchmarks). */
 enum cpu_isa { CPU_ISA_SCALAR = 0, CPU_ISA_AVX2, CPU_ISA_AVX512 };
@@ -34,15 +33,13 @@ enum cpu_matmul_path {
 struct cpu_ctx {
     struct llmem_pool *pool;
     int own_pool;          /* the pool was created here (else it is the caller's) */
-    struct llmem_mem *mem; /* where xt and wpanel come from (tag scratch); NULL: the C heap */
+    struct llmem_mem *mem; /* where wpanel comes from (tag scratch); NULL: the C heap */
     int n_threads;
     enum cpu_isa isa;
     enum cpu_matmul_path path;
     int blas_f32;       /* AUTO uses OpenBLAS for f32 weights in prefill */
     int64_t gemm_min_n; /* AUTO: n at or above this takes the GEMM path */
-    float *xt;          /* (CPU_GEMM_XT_BYTES / 4) transposed, packed activations */
-    float *wpanel;      /* (n_threads, MR × (LDA_MAX + KC_MAX)): W rows as f32, then
-                          interleaved [k][MR] for the micro-kernel */
+    float *wpanel;      /* (n_threads, MR × K_MAX): W rows converted to f32 */
 };
 
 /* The matmul of the backend table (matmul.c). */

@@ -24,6 +24,7 @@
  * (no activation is rounded to bf16), so the paths differ only by the order of the additions:
  * |y − y_exact| ≤ ~cols · 2^-24 · Σ|x·w| in the worst case, far less in practice.
  */
+#include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -69,8 +70,13 @@ const char *cpu_isa_name(enum cpu_isa isa) {
     }
 }
 
-/* ---- portable kernels -------------------------------------------------------------------------
- */
+/* ---- the canonical order ----------------------------------------------------------------------
+ *
+ * Every path, every ISA, computes y[t, r] as: 16 f32 lanes, zero at first; for k0 = 0, 16, … below
+ * cols rounded up to 16, lane l ← fma(w[k0 + l], x[k0 + l], lane l), both zero where k0 + l ≥ cols;
+ * then the tree h8[i] = l[i] + l[i+8], h4[i] = h8[i] + h8[i+4], h2[i] = h4[i] + h4[i+2],
+ * s = h2[0] + h2[1]; then y = s + bias[r] (y = s without bias). Weights convert to f32 exactly, so
+ * y depends on x[t, :], W[r, :] and bias[r] alone: not on n, the path, the threads or the ISA. */
 
 static ALWAYS_INLINE float weight_at(const void *row, enum llmem_dtype dt, int64_t k) {
     switch (dt) {
@@ -80,9 +86,26 @@ static ALWAYS_INLINE float weight_at(const void *row, enum llmem_dtype dt, int64
     }
 }
 
-static const void *row_ptr(const struct llmem_weight *w, int64_t r) {
-    return (const uint8_t *)w->data +
-           (size_t)r * (size_t)w->cols * (size_t)llmem_dtype_size(w->dtype);
+static ALWAYS_INLINE const void *row_at(const void *w, enum llmem_dtype dt, int64_t ld, int64_t i) {
+    return (const uint8_t *)w + (size_t)i * (size_t)ld * (dt == LLMEM_DTYPE_F32 ? 4u : 2u);
+}
+
+static ALWAYS_INLINE float finish(float s, const float *bias, int64_t i) {
+    return bias != NULL ? s + bias[i] : s;
+}
+
+/* ---- portable kernels -------------------------------------------------------------------------
+ */
+
+static float reduce16_scalar(const float *l) {
+    float h8[8], h4[4], h2[2];
+    for (int i = 0; i < 8; i++)
+        h8[i] = l[i] + l[i + 8];
+    for (int i = 0; i < 4; i++)
+        h4[i] = h8[i] + h8[i + 4];
+    for (int i = 0; i < 2; i++)
+        h2[i] = h4[i] + h4[i + 2];
+    return h2[0] + h2[1];
 }
 
 /* Converts `count` weights of a row to f32. */
@@ -95,51 +118,29 @@ static void convert_scalar(const void *row, enum llmem_dtype dt, int64_t count, 
         dst[k] = weight_at(row, dt, k);
 }
 
-/* One W row against up to 8 rows of x: 8 partial sums per x row keep the adds independent. */
-static void gemv_scalar(const struct llmem_weight *w, const float *x, int64_t n, float *y,
-                        const float *bias, int64_t r0, int64_t r1) {
-    const int64_t cols = w->cols, rows = w->rows;
-    for (int64_t r = r0; r < r1; r++) {
-        const void *wr = row_ptr(w, r);
-        for (int64_t j0 = 0; j0 < n; j0 += 4) {
-            int nx = n - j0 < 4 ? (int)(n - j0) : 4;
-            float s[4][8] = {{0}};
-            int64_t k = 0;
-            for (; k + 8 <= cols; k += 8)
-                for (int i = 0; i < 8; i++) {
-                    float wv = weight_at(wr, w->dtype, k + i);
-                    for (int j = 0; j < nx; j++)
-                        s[j][i] += wv * x[(j0 + j) * cols + k + i];
+/* The matmul contract on a range of weight rows: w is its first row (rows ld elements apart),
+ * y[t·ldy + i] for t < n, i < nrows; bias is the range's first entry (or NULL). */
+static void gemv_scalar(const void *w, enum llmem_dtype dt, int64_t ld, int64_t nrows,
+                        const float *x, int64_t cols, int64_t n, float *y, int64_t ldy,
+                        const float *bias) {
+    for (int64_t i = 0; i < nrows; i++) {
+        const void *wr = row_at(w, dt, ld, i);
+        for (int64_t t = 0; t < n; t++) {
+            const float *xr = x + t * cols;
+            float acc[16] = {0};
+            for (int64_t k0 = 0; k0 < cols; k0 += 16)
+                for (int l = 0; l < 16; l++) {
+                    int64_t k = k0 + l;
+                    float wv = k < cols ? weight_at(wr, dt, k) : 0.0f;
+                    float xv = k < cols ? xr[k] : 0.0f;
+                    acc[l] = fmaf(wv, xv, acc[l]);
                 }
-            for (; k < cols; k++) {
-                float wv = weight_at(wr, w->dtype, k);
-                for (int j = 0; j < nx; j++)
-                    s[j][k & 7] += wv * x[(j0 + j) * cols + k];
-            }
-            for (int j = 0; j < nx; j++) {
-                float t = ((s[j][0] + s[j][1]) + (s[j][2] + s[j][3])) +
-                          ((s[j][4] + s[j][5]) + (s[j][6] + s[j][7]));
-                y[(j0 + j) * rows + r] = t + (bias != NULL ? bias[r] : 0.0f);
-            }
+            y[t * ldy + i] = finish(reduce16_scalar(acc), bias, i);
         }
     }
 }
 
-/* The micro-kernel's contract (every ISA): acc[i][t] = Σ_k a[k·12 + i] · b[k·32 + t] for
- * i < 12, t < 32, written to tile[i·32 + t]. */
-static void micro_scalar(const float *a, const float *b, int64_t kc, float *tile) {
-    for (int i = 0; i < CPU_GEMM_MR; i++) {
-        float acc[CPU_GEMM_NR] = {0};
-        for (int64_t k = 0; k < kc; k++) {
-            float av = a[k * CPU_GEMM_MR + i];
-            for (int t = 0; t < CPU_GEMM_NR; t++)
-                acc[t] += av * b[k * CPU_GEMM_NR + t];
-        }
-        memcpy(tile + i * CPU_GEMM_NR, acc, sizeof(acc));
-    }
-}
-
-/* ---- AVX2 + FMA + F16C ------------------------------------------------------------------------
+/* ---- AVX2 + FMA + F16C: the 16 lanes as two 8-lane halves --------------------------------------
  */
 
 #if CPU_X86
@@ -156,80 +157,88 @@ TARGET_AVX2 static ALWAYS_INLINE __m256 load8_avx2(const void *row, enum llmem_d
     return _mm256_loadu_ps((const float *)row + k);
 }
 
-TARGET_AVX2 static ALWAYS_INLINE float hsum_avx2(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* The canonical tree over lanes 0–7 (lo) and 8–15 (hi). */
+TARGET_AVX2 static ALWAYS_INLINE float reduce16_avx2(__m256 lo, __m256 hi) {
+    __m256 h8 = _mm256_add_ps(lo, hi);
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
-/* R W rows (R ≤ 2) × NX x rows (NX ≤ 4): 8 accumulators at most, with 16 registers. */
-TARGET_AVX2 static ALWAYS_INLINE void gemv_tile_avx2(const struct llmem_weight *w,
-                                                     enum llmem_dtype dt, const float *x, int64_t r,
-                                                     int64_t j0, float *y, const float *bias,
-                                                     const int R, const int NX) {
-    const int64_t cols = w->cols, rows = w->rows;
-    const void *wr[2] = {row_ptr(w, r), R > 1 ? row_ptr(w, r + 1) : NULL};
-    const char *pf[2]; /* the rows after these (see gemv_tile_avx512) */
-    const size_t esize = dt == LLMEM_DTYPE_F32 ? 4 : 2;
+/* R weight rows × NX rows of x (R · NX ≤ 6: 12 accumulators of 16 registers). */
+TARGET_AVX2 static ALWAYS_INLINE void
+gemv_tile_avx2(const void *w, enum llmem_dtype dt, int64_t ld, int64_t i0, const float *x,
+               int64_t cols, int64_t t0, float *y, int64_t ldy, const float *bias, const int R,
+               const int NX) {
+    const void *wr[3];
     for (int i = 0; i < R; i++)
-        pf[i] = r + R + i < rows ? (const char *)row_ptr(w, r + R + i) : (const char *)wr[i];
-    __m256 acc[2][4];
+        wr[i] = row_at(w, dt, ld, i0 + i);
+    const float *xr[3];
+    for (int j = 0; j < NX; j++)
+        xr[j] = x + (t0 + j) * cols;
+    __m256 lo[3][3], hi[3][3];
     for (int i = 0; i < R; i++)
         for (int j = 0; j < NX; j++)
-            acc[i][j] = _mm256_setzero_ps();
+            lo[i][j] = hi[i][j] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 8 <= cols; k += 8) {
-        __m256 xv[4];
-        for (int j = 0; j < NX; j++)
-            xv[j] = _mm256_loadu_ps(x + (j0 + j) * cols + k);
+    for (; k + 16 <= cols; k += 16) {
         for (int i = 0; i < R; i++) {
-            if ((k & 15) == 0)
-                _mm_prefetch(pf[i] + (size_t)k * esize, _MM_HINT_T0);
-            __m256 wv = load8_avx2(wr[i], dt, k);
-            for (int j = 0; j < NX; j++)
-                acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
+            __m256 w0 = load8_avx2(wr[i], dt, k), w1 = load8_avx2(wr[i], dt, k + 8);
+            for (int j = 0; j < NX; j++) {
+                lo[i][j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr[j] + k), lo[i][j]);
+                hi[i][j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr[j] + k + 8), hi[i][j]);
+            }
         }
     }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < NX; j++) {
-            float s = hsum_avx2(acc[i][j]);
+    if (k < cols) { /* the tail, zero-padded to 16 */
+        float wt[3][16] = {{0}}, xt[3][16] = {{0}};
+        for (int i = 0; i < R; i++)
             for (int64_t kk = k; kk < cols; kk++)
-                s += weight_at(wr[i], dt, kk) * x[(j0 + j) * cols + kk];
-            y[(j0 + j) * rows + r + i] = s + (bias != NULL ? bias[r + i] : 0.0f);
+                wt[i][kk - k] = weight_at(wr[i], dt, kk);
+        for (int j = 0; j < NX; j++)
+            memcpy(xt[j], xr[j] + k, (size_t)(cols - k) * sizeof(float));
+        for (int i = 0; i < R; i++)
+            for (int j = 0; j < NX; j++) {
+                lo[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(wt[i]), _mm256_loadu_ps(xt[j]), lo[i][j]);
+                hi[i][j] =
+                    _mm256_fmadd_ps(_mm256_loadu_ps(wt[i] + 8), _mm256_loadu_ps(xt[j] + 8), hi[i][j]);
+            }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < NX; j++)
+            y[(t0 + j) * ldy + i0 + i] = finish(reduce16_avx2(lo[i][j], hi[i][j]), bias, i0 + i);
+}
+
+TARGET_AVX2 static ALWAYS_INLINE void gemv_avx2_dt(const void *w, enum llmem_dtype dt, int64_t ld,
+                                                   int64_t nrows, const float *x, int64_t cols,
+                                                   int64_t n, float *y, int64_t ldy,
+                                                   const float *bias) {
+    int64_t i = 0;
+    for (; i + 2 <= nrows; i += 2)
+        for (int64_t t = 0; t < n; t += 3) {
+            switch (n - t < 3 ? n - t : 3) {
+            case 1: gemv_tile_avx2(w, dt, ld, i, x, cols, t, y, ldy, bias, 2, 1); break;
+            case 2: gemv_tile_avx2(w, dt, ld, i, x, cols, t, y, ldy, bias, 2, 2); break;
+            default: gemv_tile_avx2(w, dt, ld, i, x, cols, t, y, ldy, bias, 2, 3);
+            }
+        }
+    for (; i < nrows; i++)
+        for (int64_t t = 0; t < n; t += 3) {
+            switch (n - t < 3 ? n - t : 3) {
+            case 1: gemv_tile_avx2(w, dt, ld, i, x, cols, t, y, ldy, bias, 1, 1); break;
+            case 2: gemv_tile_avx2(w, dt, ld, i, x, cols, t, y, ldy, bias, 1, 2); break;
+            default: gemv_tile_avx2(w, dt, ld, i, x, cols, t, y, ldy, bias, 1, 3);
+            }
         }
 }
 
-TARGET_AVX2 static void gemv_avx2_dt(const struct llmem_weight *w, enum llmem_dtype dt,
-                                     const float *x, int64_t n, float *y, const float *bias,
-                                     int64_t r0, int64_t r1) {
-    int64_t r = r0;
-    for (; r + 2 <= r1; r += 2)
-        for (int64_t j0 = 0; j0 < n; j0 += 4) {
-            switch (n - j0 < 4 ? n - j0 : 4) {
-            case 1: gemv_tile_avx2(w, dt, x, r, j0, y, bias, 2, 1); break;
-            case 2: gemv_tile_avx2(w, dt, x, r, j0, y, bias, 2, 2); break;
-            case 3: gemv_tile_avx2(w, dt, x, r, j0, y, bias, 2, 3); break;
-            default: gemv_tile_avx2(w, dt, x, r, j0, y, bias, 2, 4);
-            }
-        }
-    for (; r < r1; r++)
-        for (int64_t j0 = 0; j0 < n; j0 += 4) {
-            switch (n - j0 < 4 ? n - j0 : 4) {
-            case 1: gemv_tile_avx2(w, dt, x, r, j0, y, bias, 1, 1); break;
-            case 2: gemv_tile_avx2(w, dt, x, r, j0, y, bias, 1, 2); break;
-            case 3: gemv_tile_avx2(w, dt, x, r, j0, y, bias, 1, 3); break;
-            default: gemv_tile_avx2(w, dt, x, r, j0, y, bias, 1, 4);
-            }
-        }
-}
-
-TARGET_AVX2 static void gemv_avx2(const struct llmem_weight *w, const float *x, int64_t n, float *y,
-                                  const float *bias, int64_t r0, int64_t r1) {
-    switch (w->dtype) {
-    case LLMEM_DTYPE_BF16: gemv_avx2_dt(w, LLMEM_DTYPE_BF16, x, n, y, bias, r0, r1); break;
-    case LLMEM_DTYPE_F16: gemv_avx2_dt(w, LLMEM_DTYPE_F16, x, n, y, bias, r0, r1); break;
-    default: gemv_avx2_dt(w, LLMEM_DTYPE_F32, x, n, y, bias, r0, r1);
+TARGET_AVX2 static void gemv_avx2(const void *w, enum llmem_dtype dt, int64_t ld, int64_t nrows,
+                                  const float *x, int64_t cols, int64_t n, float *y, int64_t ldy,
+                                  const float *bias) {
+    switch (dt) {
+    case LLMEM_DTYPE_BF16: gemv_avx2_dt(w, LLMEM_DTYPE_BF16, ld, nrows, x, cols, n, y, ldy, bias); break;
+    case LLMEM_DTYPE_F16: gemv_avx2_dt(w, LLMEM_DTYPE_F16, ld, nrows, x, cols, n, y, ldy, bias); break;
+    default: gemv_avx2_dt(w, LLMEM_DTYPE_F32, ld, nrows, x, cols, n, y, ldy, bias);
     }
 }
 
@@ -249,40 +258,12 @@ TARGET_AVX2 static void convert_avx2(const void *row, enum llmem_dtype dt, int64
         dst[k] = weight_at(row, dt, k);
 }
 
-/* 6 W rows × 16 tokens: 12 accumulators; the 12 × 32 tile is four of these. */
-TARGET_AVX2 static ALWAYS_INLINE void micro6x16_avx2(const float *a, const float *b, int64_t kc,
-                                                     float *tile) {
-    __m256 acc[6][2];
-    for (int i = 0; i < 6; i++)
-        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < kc; k++) {
-        __m256 b0 = _mm256_loadu_ps(b + k * CPU_GEMM_NR),
-               b1 = _mm256_loadu_ps(b + k * CPU_GEMM_NR + 8);
-        for (int i = 0; i < 6; i++) {
-            __m256 av = _mm256_broadcast_ss(a + k * CPU_GEMM_MR + i);
-            acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
-        }
-    }
-    for (int i = 0; i < 6; i++) {
-        _mm256_storeu_ps(tile + i * CPU_GEMM_NR, acc[i][0]);
-        _mm256_storeu_ps(tile + i * CPU_GEMM_NR + 8, acc[i][1]);
-    }
-}
-
-TARGET_AVX2 static void micro_avx2(const float *a, const float *b, int64_t kc, float *tile) {
-    micro6x16_avx2(a, b, kc, tile);
-    micro6x16_avx2(a, b + 16, kc, tile + 16);
-    micro6x16_avx2(a + 6, b, kc, tile + 6 * CPU_GEMM_NR);
-    micro6x16_avx2(a + 6, b + 16, kc, tile + 6 * CPU_GEMM_NR + 16);
-}
-
 /* ---- AVX-512 ----------------------------------------------------------------------------------
  */
 
 #define TARGET_AVX512 __attribute__((target("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
 
-/* 16 weights from k as f32; lanes at or beyond `left` (when < 16) read as zero. */
+/* 16 weights from k as f32; lanes outside the mask read as zero. */
 TARGET_AVX512 static ALWAYS_INLINE __m512 load16_avx512(const void *row, enum llmem_dtype dt,
                                                         int64_t k, __mmask16 m) {
     if (dt == LLMEM_DTYPE_BF16) {
@@ -294,127 +275,118 @@ TARGET_AVX512 static ALWAYS_INLINE __m512 load16_avx512(const void *row, enum ll
     return _mm512_maskz_loadu_ps(m, (const float *)row + k);
 }
 
-/* R W rows × NX x rows (R, NX ≤ 4; called with R · NX ≤ 8). */
+/* The canonical tree (not _mm512_reduce_add_ps, whose order is the compiler's). */
+TARGET_AVX512 static ALWAYS_INLINE float reduce16_avx512(__m512 v) {
+    __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+/* R weight rows × NX rows of x, one accumulator each; PF: prefetch the weights PF bytes ahead
+ * of every row (0: none). */
 TARGET_AVX512 static ALWAYS_INLINE void
-gemv_tile_avx512(const struct llmem_weight *w, enum llmem_dtype dt, const float *x, int64_t r,
-                 int64_t j0, float *y, const float *bias, const int R, const int NX) {
-    const int64_t cols = w->cols, rows = w->rows;
-    const void *wr[4];
-    const char *pf[4]; /* the rows after these: prefetched, since rows of a few KiB are too
-                          short for the hardware prefetchers, which stop at page boundaries */
+gemv_tile_avx512_s(const void *w, enum llmem_dtype dt, int64_t ld, int64_t i0, int64_t step,
+                   const float *x, int64_t cols, int64_t t0, float *y, int64_t ldy,
+                   const float *bias, const int R, const int NX, const size_t PF) {
     const size_t esize = dt == LLMEM_DTYPE_F32 ? 4 : 2;
-    for (int i = 0; i < R; i++) {
-        wr[i] = row_ptr(w, r + i);
-        pf[i] = r + R + i < rows ? (const char *)row_ptr(w, r + R + i) : (const char *)wr[i];
-    }
-    __m512 acc[4][4];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < NX; j++)
+    const void *wr[8];
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
+        wr[i] = row_at(w, dt, ld, i0 + i * step);
+    const float *xr[8];
+    _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
+        xr[j] = x + (t0 + j) * cols;
+    __m512 acc[8][8];
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
             acc[i][j] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= cols; k += 16) {
-        __m512 xv[4];
-        for (int j = 0; j < NX; j++)
-            xv[j] = _mm512_loadu_ps(x + (j0 + j) * cols + k);
-        for (int i = 0; i < R; i++) {
-            _mm_prefetch(pf[i] + (size_t)k * esize, _MM_HINT_T0);
+        __m512 xv[8];
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
+            xv[j] = _mm512_loadu_ps(xr[j] + k);
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+            if (PF != 0 && ((k * esize) & 63) == 0)
+                _mm_prefetch((const char *)wr[i] + (size_t)k * esize + PF, _MM_HINT_T0);
             __m512 wv = load16_avx512(wr[i], dt, k, 0xffff);
-            for (int j = 0; j < NX; j++)
+            _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
                 acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
         }
     }
     if (k < cols) {
         __mmask16 m = (__mmask16)((1u << (cols - k)) - 1);
-        __m512 xv[4];
-        for (int j = 0; j < NX; j++)
-            xv[j] = _mm512_maskz_loadu_ps(m, x + (j0 + j) * cols + k);
-        for (int i = 0; i < R; i++) {
+        __m512 xv[8];
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
+            xv[j] = _mm512_maskz_loadu_ps(m, xr[j] + k);
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
             __m512 wv = load16_avx512(wr[i], dt, k, m);
-            for (int j = 0; j < NX; j++)
+            _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
                 acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
         }
     }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < NX; j++)
-            y[(j0 + j) * rows + r + i] =
-                _mm512_reduce_add_ps(acc[i][j]) + (bias != NULL ? bias[r + i] : 0.0f);
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
+            y[(t0 + j) * ldy + i0 + i * step] =
+                finish(reduce16_avx512(acc[i][j]), bias, i0 + i * step);
 }
 
-/* One row of x (single-sequence decode): the task's rows read as one sequential stream, as the
- * bandwidth probe reads, four accumulators along k, and a software prefetch DECODE_PF_BYTES
- * ahead that crosses page and row boundaries (where the hardware prefetchers stop). Measured on
- * the development machine: 0.90–0.92 of the probed read bandwidth against 0.80–0.83 for the
- * four-row tiles, which read four interleaved streams. */
+/* R consecutive weight rows × NX rows of x. */
+#define gemv_tile_avx512(w, dt, ld, i0, x, cols, t0, y, ldy, bias, R, NX, PF)                       \
+    gemv_tile_avx512_s(w, dt, ld, i0, 1, x, cols, t0, y, ldy, bias, R, NX, PF)
+
+/* Single-sequence decode streams the task's rows DECODE_PF_BYTES ahead of the reads: rows of a
+ * few KiB are too short for the hardware prefetchers, which stop at page boundaries. */
 #define DECODE_PF_BYTES 8192
+#define DECODE_R1       4 /* weight rows at a time for one row of x: independent FMA chains */
 
-TARGET_AVX512 static ALWAYS_INLINE void gemv1_avx512(const struct llmem_weight *w,
-                                                     enum llmem_dtype dt, const float *x, float *y,
-                                                     const float *bias, int64_t r0, int64_t r1) {
-    const int64_t cols = w->cols;
-    const size_t esize = dt == LLMEM_DTYPE_F32 ? 4 : 2;
-    for (int64_t r = r0; r < r1; r++) {
-        const char *wr = row_ptr(w, r);
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        int64_t k = 0;
-        for (; k + 64 <= cols; k += 64) {
-            const char *pf = wr + (size_t)k * esize + DECODE_PF_BYTES;
-            _mm_prefetch(pf, _MM_HINT_T0);
-            _mm_prefetch(pf + 64, _MM_HINT_T0);
-            if (esize == 4) {
-                _mm_prefetch(pf + 128, _MM_HINT_T0);
-                _mm_prefetch(pf + 192, _MM_HINT_T0);
-            }
-            a0 = _mm512_fmadd_ps(load16_avx512(wr, dt, k, 0xffff), _mm512_loadu_ps(x + k), a0);
-            a1 = _mm512_fmadd_ps(load16_avx512(wr, dt, k + 16, 0xffff), _mm512_loadu_ps(x + k + 16),
-                                 a1);
-            a2 = _mm512_fmadd_ps(load16_avx512(wr, dt, k + 32, 0xffff), _mm512_loadu_ps(x + k + 32),
-                                 a2);
-            a3 = _mm512_fmadd_ps(load16_avx512(wr, dt, k + 48, 0xffff), _mm512_loadu_ps(x + k + 48),
-                                 a3);
-        }
-        for (; k < cols; k += 16) {
-            __mmask16 m = cols - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - k)) - 1);
-            a0 = _mm512_fmadd_ps(load16_avx512(wr, dt, k, m), _mm512_maskz_loadu_ps(m, x + k), a0);
-        }
-        y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))) +
-               (bias != NULL ? bias[r] : 0.0f);
-    }
-}
-
-TARGET_AVX512 static void gemv_avx512_dt(const struct llmem_weight *w, enum llmem_dtype dt,
-                                         const float *x, int64_t n, float *y, const float *bias,
-                                         int64_t r0, int64_t r1) {
+TARGET_AVX512 static ALWAYS_INLINE void gemv_avx512_dt(const void *w, enum llmem_dtype dt,
+                                                       int64_t ld, int64_t nrows, const float *x,
+                                                       int64_t cols, int64_t n, float *y,
+                                                       int64_t ldy, const float *bias) {
+    int64_t i = 0;
     if (n == 1) {
-        gemv1_avx512(w, dt, x, y, bias, r0, r1);
+        /* DECODE_R1 long sequential streams: the range in DECODE_R1 parts, one row of each at a
+         * time (consecutive rows, read together, would be DECODE_R1 short streams). */
+        int64_t part = nrows / DECODE_R1;
+        for (; i < part; i++)
+            gemv_tile_avx512_s(w, dt, ld, i, part, x, cols, 0, y, ldy, bias, DECODE_R1, 1,
+                               DECODE_PF_BYTES);
+        for (i = part * DECODE_R1; i < nrows; i++)
+            gemv_tile_avx512(w, dt, ld, i, x, cols, 0, y, ldy, bias, 1, 1, DECODE_PF_BYTES);
         return;
     }
-    int64_t r = r0;
     /* Two rows of x at a time: with four (16 accumulators) GCC keeps the accumulator array in
-     * memory, which made n = 4 a third slower than two passes of two. */
-    for (; r + 4 <= r1; r += 4)
-        for (int64_t j0 = 0; j0 < n; j0 += 2) {
-            if (n - j0 == 1)
-                gemv_tile_avx512(w, dt, x, r, j0, y, bias, 4, 1);
+     * memory. */
+    for (; i + 4 <= nrows; i += 4)
+        for (int64_t t = 0; t < n; t += 2) {
+            if (n - t == 1)
+                gemv_tile_avx512(w, dt, ld, i, x, cols, t, y, ldy, bias, 4, 1, 0);
             else
-                gemv_tile_avx512(w, dt, x, r, j0, y, bias, 4, 2);
+                gemv_tile_avx512(w, dt, ld, i, x, cols, t, y, ldy, bias, 4, 2, 0);
         }
-    for (; r < r1; r++)
-        for (int64_t j0 = 0; j0 < n; j0 += 4) {
-            switch (n - j0 < 4 ? n - j0 : 4) {
-            case 1: gemv_tile_avx512(w, dt, x, r, j0, y, bias, 1, 1); break;
-            case 2: gemv_tile_avx512(w, dt, x, r, j0, y, bias, 1, 2); break;
-            case 3: gemv_tile_avx512(w, dt, x, r, j0, y, bias, 1, 3); break;
-            default: gemv_tile_avx512(w, dt, x, r, j0, y, bias, 1, 4);
+    for (; i < nrows; i++)
+        for (int64_t t = 0; t < n; t += 4) {
+            switch (n - t < 4 ? n - t : 4) {
+            case 1: gemv_tile_avx512(w, dt, ld, i, x, cols, t, y, ldy, bias, 1, 1, 0); break;
+            case 2: gemv_tile_avx512(w, dt, ld, i, x, cols, t, y, ldy, bias, 1, 2, 0); break;
+            case 3: gemv_tile_avx512(w, dt, ld, i, x, cols, t, y, ldy, bias, 1, 3, 0); break;
+            default: gemv_tile_avx512(w, dt, ld, i, x, cols, t, y, ldy, bias, 1, 4, 0);
             }
         }
 }
 
-TARGET_AVX512 static void gemv_avx512(const struct llmem_weight *w, const float *x, int64_t n,
-                                      float *y, const float *bias, int64_t r0, int64_t r1) {
-    switch (w->dtype) {
-    case LLMEM_DTYPE_BF16: gemv_avx512_dt(w, LLMEM_DTYPE_BF16, x, n, y, bias, r0, r1); break;
-    case LLMEM_DTYPE_F16: gemv_avx512_dt(w, LLMEM_DTYPE_F16, x, n, y, bias, r0, r1); break;
-    default: gemv_avx512_dt(w, LLMEM_DTYPE_F32, x, n, y, bias, r0, r1);
+TARGET_AVX512 static void gemv_avx512(const void *w, enum llmem_dtype dt, int64_t ld,
+                                      int64_t nrows, const float *x, int64_t cols, int64_t n,
+                                      float *y, int64_t ldy, const float *bias) {
+    switch (dt) {
+    case LLMEM_DTYPE_BF16:
+        gemv_avx512_dt(w, LLMEM_DTYPE_BF16, ld, nrows, x, cols, n, y, ldy, bias);
+        break;
+    case LLMEM_DTYPE_F16:
+        gemv_avx512_dt(w, LLMEM_DTYPE_F16, ld, nrows, x, cols, n, y, ldy, bias);
+        break;
+    default: gemv_avx512_dt(w, LLMEM_DTYPE_F32, ld, nrows, x, cols, n, y, ldy, bias);
     }
 }
 
@@ -434,46 +406,71 @@ TARGET_AVX512 static void convert_avx512(const void *row, enum llmem_dtype dt, i
         dst[k] = weight_at(row, dt, k);
 }
 
-TARGET_AVX512 static void micro_avx512(const float *a, const float *b, int64_t kc, float *tile) {
-    __m512 acc[CPU_GEMM_MR][2];
-    for (int i = 0; i < CPU_GEMM_MR; i++)
-        acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kc; k++) {
-        __m512 b0 = _mm512_loadu_ps(b + k * CPU_GEMM_NR);
-        __m512 b1 = _mm512_loadu_ps(b + k * CPU_GEMM_NR + 16);
-        for (int i = 0; i < CPU_GEMM_MR; i++) {
-            __m512 av = _mm512_set1_ps(a[k * CPU_GEMM_MR + i]);
-            acc[i][0] = _mm512_fmadd_ps(av, b0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
+/* The GEMM's tiles: CPU_GEMM_MR converted rows (f32, ld apart) × CPU_GEMM_NR rows of x. */
+TARGET_AVX512 static void panel_avx512(const float *a, int64_t ld, int64_t mr, const float *x,
+                                       int64_t cols, int64_t n, float *y, int64_t ldy,
+                                       const float *bias) {
+    int64_t t = 0;
+    if (mr == CPU_GEMM_MR) {
+        for (; t + CPU_GEMM_NR <= n; t += CPU_GEMM_NR)
+            gemv_tile_avx512(a, LLMEM_DTYPE_F32, ld, 0, x, cols, t, y, ldy, bias, CPU_GEMM_MR,
+                             CPU_GEMM_NR, 0);
+        switch (n - t) {
+        case 0: break;
+        case 1: gemv_tile_avx512(a, LLMEM_DTYPE_F32, ld, 0, x, cols, t, y, ldy, bias, CPU_GEMM_MR, 1, 0); break;
+        case 2: gemv_tile_avx512(a, LLMEM_DTYPE_F32, ld, 0, x, cols, t, y, ldy, bias, CPU_GEMM_MR, 2, 0); break;
+        case 3: gemv_tile_avx512(a, LLMEM_DTYPE_F32, ld, 0, x, cols, t, y, ldy, bias, CPU_GEMM_MR, 3, 0); break;
+        case 4: gemv_tile_avx512(a, LLMEM_DTYPE_F32, ld, 0, x, cols, t, y, ldy, bias, CPU_GEMM_MR, 4, 0); break;
+        default:
+            gemv_avx512_dt(a, LLMEM_DTYPE_F32, ld, mr, x + t * cols, cols, n - t, y + t * ldy, ldy,
+                           bias);
         }
+        return;
     }
-    for (int i = 0; i < CPU_GEMM_MR; i++) {
-        _mm512_storeu_ps(tile + i * CPU_GEMM_NR, acc[i][0]);
-        _mm512_storeu_ps(tile + i * CPU_GEMM_NR + 16, acc[i][1]);
-    }
+    gemv_avx512_dt(a, LLMEM_DTYPE_F32, ld, mr, x, cols, n, y, ldy, bias);
 }
 #endif /* CPU_X86 */
+
+static void panel_generic_scalar(const float *a, int64_t ld, int64_t mr, const float *x,
+                                 int64_t cols, int64_t n, float *y, int64_t ldy,
+                                 const float *bias) {
+    gemv_scalar(a, LLMEM_DTYPE_F32, ld, mr, x, cols, n, y, ldy, bias);
+}
+
+#if CPU_X86
+TARGET_AVX2 static void panel_avx2(const float *a, int64_t ld, int64_t mr, const float *x,
+                                   int64_t cols, int64_t n, float *y, int64_t ldy,
+                                   const float *bias) {
+    gemv_avx2_dt(a, LLMEM_DTYPE_F32, ld, mr, x, cols, n, y, ldy, bias);
+}
+#endif
 
 /* ---- the kernel tables ------------------------------------------------------------------------
  */
 
 struct matmul_kernels {
-    void (*gemv)(const struct llmem_weight *w, const float *x, int64_t n, float *y,
-                 const float *bias, int64_t r0, int64_t r1);
+    void (*gemv)(const void *w, enum llmem_dtype dt, int64_t ld, int64_t nrows, const float *x,
+                 int64_t cols, int64_t n, float *y, int64_t ldy, const float *bias);
     void (*convert)(const void *row, enum llmem_dtype dt, int64_t count, float *dst);
-    void (*micro)(const float *a, const float *b, int64_t kc, float *tile);
+    void (*panel)(const float *a, int64_t ld, int64_t mr, const float *x, int64_t cols, int64_t n,
+                  float *y, int64_t ldy, const float *bias);
 };
 
 static const struct matmul_kernels kernels[3] = {
-    [CPU_ISA_SCALAR] = {gemv_scalar, convert_scalar, micro_scalar},
+    [CPU_ISA_SCALAR] = {gemv_scalar, convert_scalar, panel_generic_scalar},
 #if CPU_X86
-    [CPU_ISA_AVX2] = {gemv_avx2, convert_avx2, micro_avx2},
-    [CPU_ISA_AVX512] = {gemv_avx512, convert_avx512, micro_avx512},
+    [CPU_ISA_AVX2] = {gemv_avx2, convert_avx2, panel_avx2},
+    [CPU_ISA_AVX512] = {gemv_avx512, convert_avx512, panel_avx512},
 #else
-    [CPU_ISA_AVX2] = {gemv_scalar, convert_scalar, micro_scalar},
-    [CPU_ISA_AVX512] = {gemv_scalar, convert_scalar, micro_scalar},
+    [CPU_ISA_AVX2] = {gemv_scalar, convert_scalar, panel_generic_scalar},
+    [CPU_ISA_AVX512] = {gemv_scalar, convert_scalar, panel_generic_scalar},
 #endif
 };
+
+static const void *row_ptr(const struct llmem_weight *w, int64_t r) {
+    return (const uint8_t *)w->data +
+           (size_t)r * (size_t)w->cols * (size_t)llmem_dtype_size(w->dtype);
+}
 
 /* ---- decode -----------------------------------------------------------------------------------
  */
@@ -492,7 +489,8 @@ static void gemv_task(void *arg, int task, int thread) {
     int64_t r0 = (int64_t)task * j->rows_per_task;
     int64_t r1 = r0 + j->rows_per_task < j->w->rows ? r0 + j->rows_per_task : j->w->rows;
     if (r0 < r1)
-        j->k->gemv(j->w, j->x, j->n, j->y, j->bias, r0, r1);
+        j->k->gemv(row_ptr(j->w, r0), j->w->dtype, j->w->cols, r1 - r0, j->x, j->w->cols, j->n,
+                   j->y + r0, j->w->rows, j->bias != NULL ? j->bias + r0 : NULL);
 }
 
 static void matmul_decode(struct cpu_ctx *c, const struct matmul_kernels *k,
@@ -516,7 +514,11 @@ static void matmul_decode(struct cpu_ctx *c, const struct matmul_kernels *k,
 }
 
 /* ---- GEMM -------------------------------------------------------------------------------------
- */
+ *
+ * Tiles of CPU_GEMM_MR weight rows × CPU_GEMM_NR rows of x in the canonical dot-product form
+ * (vectorized over k, one 16-lane accumulator per output): each task owns a range of W rows and
+ * converts CPU_GEMM_MR of them at a time, the whole row, to f32 in per-thread scratch; the
+ * converted rows are reused by every tile of a token block, whose rows of x stay in L2. */
 
 struct gemm_job {
     struct cpu_ctx *c;
@@ -524,73 +526,26 @@ struct gemm_job {
     const struct llmem_weight *w;
     const float *x, *bias;
     float *y;
-    int64_t p0, kc;        /* this K block: columns [p0, p0 + kc) */
-    int64_t j0, nb;        /* this token block: rows [j0, j0 + nb) of x and y */
-    int64_t n_strips;      /* ceil(nb / 32) */
+    int64_t n, nb;         /* tokens, and tokens per block */
     int64_t rows_per_task; /* a multiple of CPU_GEMM_MR */
 };
-
-/* Packs strip `task` of the token block as xt[s][k][32] (tokens past the block are zero). */
-static void pack_task(void *arg, int task, int thread) {
-    (void)thread;
-    const struct gemm_job *j = arg;
-    const int64_t cols = j->w->cols, kc = j->kc;
-    float *dst = j->c->xt + (size_t)task * (size_t)kc * CPU_GEMM_NR;
-    int64_t t0 = j->j0 + (int64_t)task * CPU_GEMM_NR;
-    int64_t nt = j->j0 + j->nb - t0 < CPU_GEMM_NR ? j->j0 + j->nb - t0 : CPU_GEMM_NR;
-    if (nt < CPU_GEMM_NR)
-        memset(dst, 0, (size_t)kc * CPU_GEMM_NR * sizeof(float));
-    /* 8 tokens × 8 columns at a time: reads and writes stay within a few cache lines. */
-    for (int64_t k0 = 0; k0 < kc; k0 += 8) {
-        int64_t k1 = k0 + 8 < kc ? k0 + 8 : kc;
-        for (int64_t t = 0; t < nt; t++) {
-            const float *src = j->x + (t0 + t) * cols + j->p0;
-            for (int64_t k = k0; k < k1; k++)
-                dst[k * CPU_GEMM_NR + t] = src[k];
-        }
-    }
-}
 
 static void gemm_task(void *arg, int task, int thread) {
     const struct gemm_job *j = arg;
     const struct llmem_weight *w = j->w;
-    const int64_t rows = w->rows, kc = j->kc;
-    /* Per thread: 12 converted rows, kc + 16 floats apart (at a multiple of 4 KiB all 12 would
-     * share one set of the L1 cache), then the same interleaved as [k][12] for the kernel. */
-    float *rowbuf =
-        j->c->wpanel + (size_t)thread * CPU_GEMM_MR * (CPU_GEMM_LDA_MAX + CPU_GEMM_KC_MAX);
-    float *a = rowbuf + (size_t)CPU_GEMM_MR * CPU_GEMM_LDA_MAX;
-    const int64_t lda = kc + 16;
-    float tile[CPU_GEMM_MR * CPU_GEMM_NR] __attribute__((aligned(64)));
+    const int64_t rows = w->rows, cols = w->cols;
+    const int64_t ld = (cols + 15) & ~(int64_t)15;
+    float *a = j->c->wpanel + (size_t)thread * CPU_GEMM_MR * CPU_GEMM_K_MAX;
     int64_t r_begin = (int64_t)task * j->rows_per_task;
     int64_t r_end = r_begin + j->rows_per_task < rows ? r_begin + j->rows_per_task : rows;
-    size_t esize = (size_t)llmem_dtype_size(w->dtype);
-    for (int64_t r0 = r_begin; r0 < r_end; r0 += CPU_GEMM_MR) {
-        int mr = r_end - r0 < CPU_GEMM_MR ? (int)(r_end - r0) : CPU_GEMM_MR;
-        for (int i = 0; i < mr; i++)
-            j->k->convert((const uint8_t *)row_ptr(w, r0 + i) + (size_t)j->p0 * esize, w->dtype, kc,
-                          rowbuf + (size_t)i * (size_t)lda);
-        for (int i = mr; i < CPU_GEMM_MR; i++)
-            memset(rowbuf + (size_t)i * (size_t)lda, 0, (size_t)kc * sizeof(float));
-        for (int64_t k = 0; k < kc; k++)
-            for (int i = 0; i < CPU_GEMM_MR; i++)
-                a[k * CPU_GEMM_MR + i] = rowbuf[i * lda + k];
-        for (int64_t s = 0; s < j->n_strips; s++) {
-            j->k->micro(a, j->c->xt + (size_t)s * (size_t)kc * CPU_GEMM_NR, kc, tile);
-            int64_t t0 = j->j0 + s * CPU_GEMM_NR;
-            int nt = j->j0 + j->nb - t0 < CPU_GEMM_NR ? (int)(j->j0 + j->nb - t0) : CPU_GEMM_NR;
-            for (int t = 0; t < nt; t++) {
-                float *yr = j->y + (t0 + t) * rows + r0;
-                if (j->p0 > 0)
-                    for (int i = 0; i < mr; i++)
-                        yr[i] += tile[i * CPU_GEMM_NR + t];
-                else if (j->bias != NULL)
-                    for (int i = 0; i < mr; i++)
-                        yr[i] = tile[i * CPU_GEMM_NR + t] + j->bias[r0 + i];
-                else
-                    for (int i = 0; i < mr; i++)
-                        yr[i] = tile[i * CPU_GEMM_NR + t];
-            }
+    for (int64_t t0 = 0; t0 < j->n; t0 += j->nb) {
+        int64_t nt = j->n - t0 < j->nb ? j->n - t0 : j->nb;
+        for (int64_t r0 = r_begin; r0 < r_end; r0 += CPU_GEMM_MR) {
+            int64_t mr = r_end - r0 < CPU_GEMM_MR ? r_end - r0 : CPU_GEMM_MR;
+            for (int64_t i = 0; i < mr; i++)
+                j->k->convert(row_ptr(w, r0 + i), w->dtype, cols, a + i * ld);
+            j->k->panel(a, ld, mr, j->x + t0 * cols, cols, nt, j->y + t0 * rows + r0, rows,
+                        j->bias != NULL ? j->bias + r0 : NULL);
         }
     }
 }
@@ -599,26 +554,22 @@ static void matmul_gemm(struct cpu_ctx *c, const struct matmul_kernels *k,
                         const struct llmem_weight *w, const float *x, int64_t n, float *y,
                         const float *bias) {
     const int64_t cols = w->cols, rows = w->rows;
-    int64_t n_kblocks = (cols + CPU_GEMM_KC_MAX - 1) / CPU_GEMM_KC_MAX;
-    int64_t kc_step = (cols + n_kblocks - 1) / n_kblocks;
-    kc_step = (kc_step + 15) & ~(int64_t)15;
+    if (cols > CPU_GEMM_K_MAX) { /* rows longer than the scratch: the decode kernels, same sums */
+        matmul_decode(c, k, w, x, n, y, bias);
+        return;
+    }
+    /* Token blocks whose rows of x fit in about half the L2 cache. */
+    int64_t nb = (int64_t)(CPU_GEMM_XBLOCK_BYTES / sizeof(float)) / cols;
+    nb = nb / CPU_GEMM_NR * CPU_GEMM_NR;
+    if (nb < 2 * CPU_GEMM_NR)
+        nb = 2 * CPU_GEMM_NR;
     /* Tasks: a few contiguous ranges of W rows per thread, each a multiple of the tile height. */
     int tasks = c->n_threads * 4;
     int64_t per = (rows + tasks - 1) / tasks;
     per = (per + CPU_GEMM_MR - 1) / CPU_GEMM_MR * CPU_GEMM_MR;
     int n_tasks = (int)((rows + per - 1) / per);
-    for (int64_t p0 = 0; p0 < cols; p0 += kc_step) {
-        int64_t kc = cols - p0 < kc_step ? cols - p0 : kc_step;
-        int64_t max_strips = (int64_t)(CPU_GEMM_XT_BYTES / sizeof(float)) / (kc * CPU_GEMM_NR);
-        int64_t nb_max = max_strips * CPU_GEMM_NR;
-        for (int64_t j0 = 0; j0 < n; j0 += nb_max) {
-            struct gemm_job job = {c, k, w, x, bias, y, p0, kc, j0, 0, 0, per};
-            job.nb = n - j0 < nb_max ? n - j0 : nb_max;
-            job.n_strips = (job.nb + CPU_GEMM_NR - 1) / CPU_GEMM_NR;
-            llmem_pool_run(c->pool, (int)job.n_strips, pack_task, &job);
-            llmem_pool_run(c->pool, n_tasks, gemm_task, &job);
-        }
-    }
+    struct gemm_job job = {c, k, w, x, bias, y, n, nb, per};
+    llmem_pool_run(c->pool, n_tasks, gemm_task, &job);
 }
 
 /* OpenBLAS for f32 weights: one sgemm, then the bias. OpenBLAS runs on its own threads, as many
