@@ -415,6 +415,116 @@ static void test_kv_format_bounds(void **state) {
     }
 }
 
+/* ---- sharded checkpoints ----------------------------------------------------------------------
+ */
+
+/* pycoder re-written as two shards plus model.safetensors.index.json (the tensors split by name)
+ * gives the single file's logits exactly: the loader maps both files and binds across them. */
+static void test_sharded_pycoder(void **state) {
+    (void)state;
+    char src[512];
+    snprintf(src, sizeof(src), "%s/models/pycoder", LLMEM_SOURCE_DIR);
+    char path[600];
+    snprintf(path, sizeof(path), "%s/model.safetensors", src);
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    uint64_t hlen = 0;
+    assert_int_equal(fread(&hlen, 8, 1, f), 1);
+    char *hjson = calloc(1, hlen + 1);
+    assert_int_equal(fread(hjson, 1, hlen, f), hlen);
+    cJSON *header = cJSON_Parse(hjson);
+    assert_non_null(header);
+    char *dir = tu_mkdtemp();
+    const char *copy[] = {"config.json", "tokenizer.json", "tokenizer_config.json"};
+    for (int i = 0; i < 3; i++) {
+        char from[700];
+        snprintf(from, sizeof(from), "%s/%s", src, copy[i]);
+        FILE *g = fopen(from, "rb");
+        assert_non_null(g);
+        fseek(g, 0, SEEK_END);
+        long n = ftell(g);
+        fseek(g, 0, SEEK_SET);
+        char *buf = malloc((size_t)n);
+        assert_int_equal(fread(buf, 1, (size_t)n, g), (size_t)n);
+        fclose(g);
+        free(tu_write_file(dir, copy[i], buf, n));
+        free(buf);
+    }
+    /* shard 0: the embeddings and layers 0–2; shard 1: the rest */
+    cJSON *heads[2] = {cJSON_CreateObject(), cJSON_CreateObject()};
+    cJSON *map = cJSON_CreateObject();
+    int64_t offs[2] = {0, 0};
+    char *data[2] = {NULL, NULL};
+    size_t sizes[2] = {0, 0};
+    const cJSON *t = NULL;
+    cJSON_ArrayForEach(t, header) {
+        if (strcmp(t->string, "__metadata__") == 0)
+            continue;
+        int which = strstr(t->string, "embed") != NULL || strstr(t->string, "layers.0.") ||
+                            strstr(t->string, "layers.1.") || strstr(t->string, "layers.2.")
+                        ? 0
+                        : 1;
+        const cJSON *o = cJSON_GetObjectItem(t, "data_offsets");
+        int64_t a = (int64_t)cJSON_GetArrayItem(o, 0)->valuedouble;
+        int64_t b = (int64_t)cJSON_GetArrayItem(o, 1)->valuedouble;
+        data[which] = realloc(data[which], sizes[which] + (size_t)(b - a));
+        fseek(f, (long)(8 + hlen + (uint64_t)a), SEEK_SET);
+        assert_int_equal(fread(data[which] + sizes[which], 1, (size_t)(b - a), f), (size_t)(b - a));
+        sizes[which] += (size_t)(b - a);
+        cJSON *e = cJSON_Duplicate(t, 1);
+        cJSON *no = cJSON_CreateArray();
+        cJSON_AddItemToArray(no, cJSON_CreateNumber((double)offs[which]));
+        cJSON_AddItemToArray(no, cJSON_CreateNumber((double)(offs[which] + b - a)));
+        cJSON_ReplaceItemInObject(e, "data_offsets", no);
+        cJSON_AddItemToObject(heads[which], t->string, e);
+        offs[which] += b - a;
+        cJSON_AddStringToObject(map, t->string,
+                                which == 0 ? "model-00001-of-00002.safetensors"
+                                           : "model-00002-of-00002.safetensors");
+    }
+    fclose(f);
+    for (int w = 0; w < 2; w++) {
+        char *h = cJSON_PrintUnformatted(heads[w]);
+        uint64_t n = strlen(h);
+        size_t total = 8 + n + sizes[w];
+        char *file = malloc(total);
+        memcpy(file, &n, 8);
+        memcpy(file + 8, h, n);
+        memcpy(file + 8 + n, data[w], sizes[w]);
+        free(tu_write_file(
+            dir, w == 0 ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors",
+            file, (long)total));
+        free(file);
+        free(h);
+        free(data[w]);
+        cJSON_Delete(heads[w]);
+    }
+    cJSON *index = cJSON_CreateObject();
+    cJSON_AddItemToObject(index, "weight_map", map);
+    char *idx = cJSON_PrintUnformatted(index);
+    free(tu_write_file(dir, "model.safetensors.index.json", idx, -1));
+    free(idx);
+    cJSON_Delete(index);
+    cJSON_Delete(header);
+    free(hjson);
+
+    struct generation gens[1];
+    load_generations("pycoder", REF_F32, gens, 1);
+    struct rig one, two;
+    rig_open(&one, src, LLMEM_KV_LAYOUT_PAGED, LLMEM_KV_FORMAT_F32, 64, 2);
+    rig_open(&two, dir, LLMEM_KV_LAYOUT_PAGED, LLMEM_KV_FORMAT_F32, 64, 2);
+    float *a = teacher_forced(&one, gens[0].ids, gens[0].n);
+    float *b = teacher_forced(&two, gens[0].ids, gens[0].n);
+    assert_memory_equal(a, b, (size_t)(gens[0].n * one.vocab) * sizeof(float));
+    free(a);
+    free(b);
+    rig_close(&one);
+    rig_close(&two);
+    free_generations(gens, 1);
+    tu_rmtree(dir);
+    free(dir);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parity_transformers_f32),
@@ -422,6 +532,7 @@ int main(void) {
         cmocka_unit_test(test_layouts_agree),
         cmocka_unit_test(test_batch_equals_single),
         cmocka_unit_test(test_kv_format_bounds),
+        cmocka_unit_test(test_sharded_pycoder),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
