@@ -2,27 +2,20 @@
  * backend/cpu/matmul.c — y[n, rows] = x[n, cols] · Wᵀ (+ bias) for bf16, f16 and f32 weights,
  * f32 activations, f32 accumulation; portable C, AVX2+FMA+F16C and AVX-512, chosen at run time.
  *
- * Two algorithms, by the number n of activation rows:
+ * Every path computes each output in one canonical order (see "the canonical order" below), so a
+ * row of x gives the same bits alone or in any batch, on any path, thread count or ISA.
  *
  * Decode (n small): memory-bound. Each task owns a contiguous range of W rows and streams them
  * once, converting weights to f32 in registers (bf16 by zero-extension and a 16-bit shift, f16 by
- * VCVTPH2PS). For one row of x the rows are read as one sequential stream with a software
- * prefetch 8 KiB ahead; for more, four W rows at a time (two with AVX2) are multiplied with two
- * (four) rows of x at a time, and further rows of x re-read those W rows from L1, not memory.
+ * VCVTPH2PS), one 16-lane accumulator per (row, token). For one row of x, four rows are read at a
+ * time from four quarters of the range (four long sequential streams, prefetched 8 KiB ahead);
+ * for more, four W rows at a time are multiplied with two rows of x at a time.
  *
- * GEMM (n large): compute-bound. The problem is computed transposed, yᵀ = W · xᵀ, so that W never
- * needs a transposed packing: a block of tokens of x is packed once per call and block, by all
- * threads together, as xᵀ strips [k][32 tokens] (zero-padded); then each task owns a range of W
- * rows, converts 12 of them at a time to f32 (one K block, ≤ 4096 columns, into per-thread
- * scratch) and runs the 12 × 32 micro-kernel over every strip: per k, two vector loads of the
- * strip and twelve broadcasts of W, 24 FMAs into 24 accumulators (AVX-512; AVX2 runs it as four
- * 6 × 16 tiles). The conversion of W is amortized over all tokens of a block, the packing of x over
- * all rows of W. The tile is written to y once per K block (transposed, through a small buffer).
- * Columns beyond 4096 are split into equal K blocks, accumulated into y.
- *
- * Numerics: every path computes Σ_k x·w in f32 with FMA from the exact f32 value of each weight
- * (no activation is rounded to bf16), so the paths differ only by the order of the additions:
- * |y − y_exact| ≤ ~cols · 2^-24 · Σ|x·w| in the worst case, far less in practice.
+ * GEMM (n large): each task owns a range of W rows; a token block of x is packed once per block,
+ * by all threads, as [k/16][6 tokens][16]; each panel of 4 W rows is converted to f32 as
+ * [k/16][4][16] and multiplied with every packed strip: 4 × 6 tiles, 10 vector loads and 24 FMAs
+ * per 16 columns, one accumulator per output, reduced by the canonical tree. Rows longer than
+ * CPU_GEMM_K_MAX take the decode kernels.
  */
 #include <math.h>
 #include <stdatomic.h>
