@@ -2,6 +2,8 @@
  * tests/test-cpuops.c — every operation of the CPU backend against a float64 reference on seeded
  * random data: weight dtypes bf16/f16/f32, odd shapes, n = 1…300, 1–3 threads, every ISA the
  * machine has, both matmul paths (which must also agree with each other), bias on and off.
+ * matmul is batch invariant: a row of x gives the same bits alone or in any batch, on any path,
+ * thread count and ISA (one canonical summation order).
  *
  * Tolerances, stated against the float64 result of the same (exactly representable) inputs:
  *   matmul      |y − ref| ≤ 1e-6 · Σ_k |x_k · w_k| + 1e-6 · |bias|   (f32 accumulation)
@@ -138,10 +140,9 @@ static void matmul_case(struct llmem_backend *b, enum llmem_dtype dt, int64_t ro
     float *yd = check_matmul(b, CPU_MATMUL_DECODE, &w, wv, x, n, bias);
     float *yg = check_matmul(b, CPU_MATMUL_GEMM, &w, wv, x, n, bias);
     float *ya = check_matmul(b, CPU_MATMUL_AUTO, &w, wv, x, n, bias);
-    /* The two paths agree with each other to twice the reference bound (checked above), and
-     * AUTO is one of them exactly. */
-    for (int64_t i = 0; i < n * rows; i++)
-        assert_true(ya[i] == yd[i] || ya[i] == yg[i]);
+    /* The paths give the same bits (one summation order). */
+    assert_memory_equal(yd, yg, (size_t)(n * rows) * sizeof(float));
+    assert_memory_equal(ya, yd, (size_t)(n * rows) * sizeof(float));
     if (dt == LLMEM_DTYPE_F32) {
         float *yb = check_matmul(b, CPU_MATMUL_BLAS, &w, wv, x, n, bias);
         free(yb);
@@ -191,6 +192,67 @@ static void test_matmul_blocks(void **state) {
     }
     llmem_backend_destroy(b);
     fprintf(stderr, "matmul blocks: worst |err| / bound = %.3f\n", worst_ratio);
+}
+
+/* Batch invariance: every row of matmul(x[0..n)) equals matmul(x[i..i+1)) bit for bit, for
+ * n = 1…100 (both paths, AUTO), 1–3 threads, and every ISA gives the same bits. The single rows
+ * are checked against the float64 reference. The scalar and AVX2 kernels run a subset of n. */
+static void test_matmul_batch_invariance(void **state) {
+    (void)state;
+    static const int64_t shapes[][2] = {{37, 4100}, {67, 129}, {29, 16}, {5, 8200}};
+    static const int64_t few_n[] = {2, 3, 7, 23, 24, 25, 31, 100};
+    const int64_t max_n = 100;
+    for (int d = 0; d < 3; d++)
+        for (size_t sh = 0; sh < sizeof(shapes) / sizeof(shapes[0]); sh++) {
+            const int64_t rows = shapes[sh][0], cols = shapes[sh][1];
+            double *wv = malloc((size_t)(rows * cols) * sizeof(double));
+            assert_non_null(wv);
+            struct llmem_weight w = {make_weight(dtypes[d], rows * cols, wv), dtypes[d], rows,
+                                     cols};
+            float *x = make_floats(max_n * cols);
+            float *bias = (sh & 1) ? make_floats(rows) : NULL;
+            float *single = malloc((size_t)(max_n * rows) * sizeof(float));
+            float *batch = malloc((size_t)(max_n * rows) * sizeof(float));
+            assert_non_null(single);
+            assert_non_null(batch);
+            int have_single = 0;
+            for (int threads = 1; threads <= 3; threads++) {
+                struct llmem_backend *b = make_backend(threads);
+                for (int isa = CPU_ISA_SCALAR; isa <= (int)cpu_isa_best(); isa++) {
+                    llmem_backend_cpu_set_isa(b, (enum cpu_isa)isa);
+                    for (int64_t i = 0; i < max_n; i++) {
+                        float *y1 = check_matmul(b, CPU_MATMUL_AUTO, &w, wv + 0, x + i * cols, 1,
+                                                 bias);
+                        if (!have_single)
+                            memcpy(single + i * rows, y1, (size_t)rows * sizeof(float));
+                        else /* the same bits on every ISA and thread count */
+                            assert_memory_equal(single + i * rows, y1,
+                                                (size_t)rows * sizeof(float));
+                        free(y1);
+                    }
+                    have_single = 1;
+                    int full = isa == (int)cpu_isa_best();
+                    int64_t count = full ? max_n : (int64_t)(sizeof(few_n) / sizeof(few_n[0]));
+                    for (int64_t c = 0; c < count; c++) {
+                        int64_t n = full ? c + 1 : few_n[c];
+                        for (int p = CPU_MATMUL_AUTO; p <= CPU_MATMUL_GEMM; p++) {
+                            llmem_backend_cpu_set_matmul_path(b, (enum cpu_matmul_path)p);
+                            b->ops->matmul(b->ctx, &w, x, n, batch, bias);
+                            if (memcmp(batch, single, (size_t)(n * rows) * sizeof(float)) != 0) {
+                                fprintf(stderr, "batch invariance: %s %lldx%lld n=%lld path=%d "
+                                        "isa=%d threads=%d\n", llmem_dtype_name(w.dtype),
+                                        (long long)rows, (long long)cols, (long long)n, p, isa,
+                                        threads);
+                                fail();
+                            }
+                        }
+                    }
+                    llmem_backend_cpu_set_matmul_path(b, CPU_MATMUL_AUTO);
+                }
+                llmem_backend_destroy(b);
+            }
+            free(single), free(batch), free(bias), free(x), free((void *)w.data), free(wv);
+        }
 }
 
 static void test_matmul_empty(void **state) {
@@ -391,6 +453,7 @@ static void test_destroy_null(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matmul_shapes), cmocka_unit_test(test_matmul_blocks),
+        cmocka_unit_test(test_matmul_batch_invariance),
         cmocka_unit_test(test_matmul_empty),  cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),          cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_embedding),     cmocka_unit_test(test_pool_runs),

@@ -253,10 +253,13 @@ static void cpu_destroy(void *ctx) {
         return;
     if (c->own_pool)
         llmem_pool_destroy(c->pool);
-    if (c->mem != NULL)
+    if (c->mem != NULL) {
+        llmem_mem_free(c->mem, c->xt);
         llmem_mem_free(c->mem, c->wpanel);
-    else
+    } else {
+        free(c->xt);
         free(c->wpanel);
+    }
     free(c);
 }
 
@@ -277,7 +280,8 @@ static const struct llmem_backend_ops cpu_ops = {
 };
 
 int64_t llmem_backend_cpu_scratch_bytes(int n_threads) {
-    return (int64_t)n_threads * CPU_GEMM_MR * CPU_GEMM_K_MAX * (int64_t)sizeof(float);
+    return (int64_t)CPU_GEMM_XT_BYTES +
+           (int64_t)n_threads * CPU_GEMM_MR * CPU_GEMM_K_MAX * (int64_t)sizeof(float);
 }
 
 static int cpu_create(int n_threads, struct llmem_pool *pool, struct llmem_mem *mem,
@@ -308,15 +312,17 @@ static int cpu_create(int n_threads, struct llmem_pool *pool, struct llmem_mem *
     c->path = CPU_MATMUL_AUTO;
     c->gemm_min_n = 24; /* measured crossover: below, converting W costs more than it saves */
     c->blas_f32 = 0;
-    size_t panel = (size_t)llmem_backend_cpu_scratch_bytes(c->n_threads);
+    size_t panel = (size_t)llmem_backend_cpu_scratch_bytes(c->n_threads) - CPU_GEMM_XT_BYTES;
     int ok;
     if (mem != NULL) {
+        c->xt = llmem_mem_alloc(mem, CPU_GEMM_XT_BYTES, LLMEM_TAG_SCRATCH);
         c->wpanel = llmem_mem_alloc(mem, panel, LLMEM_TAG_SCRATCH);
-        ok = c->wpanel != NULL; /* large buffers are page-aligned */
+        ok = c->xt != NULL && c->wpanel != NULL; /* large buffers are page-aligned */
     } else {
-        ok = posix_memalign((void **)&c->wpanel, 64, panel) == 0;
+        ok = posix_memalign((void **)&c->xt, 64, CPU_GEMM_XT_BYTES) == 0 &&
+             posix_memalign((void **)&c->wpanel, 64, panel) == 0;
         if (!ok)
-            LLMEM_ERROR("out of memory for %zu bytes of GEMM scratch", panel);
+            LLMEM_ERROR("out of memory for %zu bytes of GEMM scratch", CPU_GEMM_XT_BYTES + panel);
     }
     if (!ok) {
         cpu_destroy(c);

@@ -17,7 +17,8 @@ struct llmem_pool;
 #define CPU_GEMM_MR           4
 #define CPU_GEMM_NR           6
 #define CPU_GEMM_K_MAX        16384
-#define CPU_GEMM_XBLOCK_BYTES ((size_t)384 << 10)
+#define CPU_GEMM_XBLOCK_BYTES ((size_t)768 << 10)
+#define CPU_GEMM_XT_BYTES     (CPU_GEMM_XBLOCK_BYTES + ((size_t)CPU_GEMM_K_MAX * CPU_GEMM_NR * 4))
 
 /* Which kernels run (the best the CPU supports unless capped for tests and benchmarks). */
 enum cpu_isa { CPU_ISA_SCALAR = 0, CPU_ISA_AVX2, CPU_ISA_AVX512 };
@@ -33,12 +34,13 @@ enum cpu_matmul_path {
 struct cpu_ctx {
     struct llmem_pool *pool;
     int own_pool;          /* the pool was created here (else it is the caller's) */
-    struct llmem_mem *mem; /* where wpanel comes from (tag scratch); NULL: the C heap */
+    struct llmem_mem *mem; /* where xt and wpanel come from (tag scratch); NULL: the C heap */
     int n_threads;
     enum cpu_isa isa;
     enum cpu_matmul_path path;
     int blas_f32;       /* AUTO uses OpenBLAS for f32 weights in prefill */
     int64_t gemm_min_n; /* AUTO: n at or above this takes the GEMM path */
+    float *xt;          /* (CPU_GEMM_XT_BYTES) a block of x, packed (AVX-512 GEMM) */
     float *wpanel;      /* (n_threads, MR × K_MAX): W rows converted to f32 */
 };
 

@@ -2,27 +2,20 @@
  * backend/cpu/matmul.c — y[n, rows] = x[n, cols] · Wᵀ (+ bias) for bf16, f16 and f32 weights,
  * f32 activations, f32 accumulation; portable C, AVX2+FMA+F16C and AVX-512, chosen at run time.
  *
- * Two algorithms, by the number n of activation rows:
+ * Every path computes each output in one canonical order (see "the canonical order" below), so a
+ * row of x gives the same bits alone or in any batch, on any path, thread count or ISA.
  *
  * Decode (n small): memory-bound. Each task owns a contiguous range of W rows and streams them
  * once, converting weights to f32 in registers (bf16 by zero-extension and a 16-bit shift, f16 by
- * VCVTPH2PS). For one row of x the rows are read as one sequential stream with a software
- * prefetch 8 KiB ahead; for more, four W rows at a time (two with AVX2) are multiplied with two
- * (four) rows of x at a time, and further rows of x re-read those W rows from L1, not memory.
+ * VCVTPH2PS), one 16-lane accumulator per (row, token). For one row of x, four rows are read at a
+ * time from four quarters of the range (four long sequential streams, prefetched 8 KiB ahead);
+ * for more, four W rows at a time are multiplied with two rows of x at a time.
  *
- * GEMM (n large): compute-bound. The problem is computed transposed, yᵀ = W · xᵀ, so that W never
- * needs a transposed packing: a block of tokens of x is packed once per call and block, by all
- * threads together, as xᵀ strips [k][32 tokens] (zero-padded); then each task owns a range of W
- * rows, converts 12 of them at a time to f32 (one K block, ≤ 4096 columns, into per-thread
- * scratch) and runs the 12 × 32 micro-kernel over every strip: per k, two vector loads of the
- * strip and twelve broadcasts of W, 24 FMAs into 24 accumulators (AVX-512; AVX2 runs it as four
- * 6 × 16 tiles). The conversion of W is amortized over all tokens of a block, the packing of x over
- * all rows of W. The tile is written to y once per K block (transposed, through a small buffer).
- * Columns beyond 4096 are split into equal K blocks, accumulated into y.
- *
- * Numerics: every path computes Σ_k x·w in f32 with FMA from the exact f32 value of each weight
- * (no activation is rounded to bf16), so the paths differ only by the order of the additions:
- * |y − y_exact| ≤ ~cols · 2^-24 · Σ|x·w| in the worst case, far less in practice.
+ * GEMM (n large): each task owns a range of W rows; a token block of x is packed once per block,
+ * by all threads, as [k/16][6 tokens][16]; each panel of 4 W rows is converted to f32 as
+ * [k/16][4][16] and multiplied with every packed strip: 4 × 6 tiles, 10 vector loads and 24 FMAs
+ * per 16 columns, one accumulator per output, reduced by the canonical tree. Rows longer than
+ * CPU_GEMM_K_MAX take the decode kernels.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -429,6 +422,57 @@ TARGET_AVX512 static void panel_avx512(const float *a, int64_t ld, int64_t mr, c
     }
     gemv_avx512_dt(a, LLMEM_DTYPE_F32, ld, mr, x, cols, n, y, ldy, bias);
 }
+
+/* Packed operands of the AVX-512 GEMM: a = CPU_GEMM_MR weight rows as [k/16][MR][16], b =
+ * CPU_GEMM_NR rows of x as [k/16][NR][16], both zero-padded, nk = k blocks of 16. One sequential
+ * stream each; the canonical sums of the mr × nt valid outputs go to y. */
+TARGET_AVX512 static void micro_avx512(const float *a, const float *b, int64_t nk, int mr, int nt,
+                                       float *y, int64_t ldy, const float *bias) {
+    __m512 acc[CPU_GEMM_MR][CPU_GEMM_NR];
+    _Pragma("GCC unroll 8") for (int i = 0; i < CPU_GEMM_MR; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < CPU_GEMM_NR; j++)
+            acc[i][j] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nk; s++) {
+        const float *as = a + s * (CPU_GEMM_MR * 16), *bs = b + s * (CPU_GEMM_NR * 16);
+        __m512 xv[CPU_GEMM_NR];
+        _Pragma("GCC unroll 8") for (int j = 0; j < CPU_GEMM_NR; j++)
+            xv[j] = _mm512_load_ps(bs + j * 16);
+        _Pragma("GCC unroll 8") for (int i = 0; i < CPU_GEMM_MR; i++) {
+            __m512 wv = _mm512_load_ps(as + i * 16);
+            _Pragma("GCC unroll 8") for (int j = 0; j < CPU_GEMM_NR; j++)
+                acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < CPU_GEMM_MR; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < CPU_GEMM_NR; j++)
+            if (i < mr && j < nt)
+                y[j * ldy + i] = finish(reduce16_avx512(acc[i][j]), bias, i);
+}
+
+/* Converts mr ≤ CPU_GEMM_MR weight rows into the packed [k/16][MR][16] layout. */
+TARGET_AVX512 static void pack_w_avx512(const void *w, enum llmem_dtype dt, int64_t ld, int mr,
+                                        int64_t cols, float *a) {
+    const int64_t nk = (cols + 15) / 16;
+    const size_t esize = dt == LLMEM_DTYPE_F32 ? 4 : 2;
+    for (int i = 0; i < CPU_GEMM_MR; i++) {
+        const void *wr = row_at(w, dt, ld, i);
+        /* the same row of the next panel, read after this panel's tiles: into L2 meanwhile */
+        const char *next = (const char *)row_at(w, dt, ld, i + CPU_GEMM_MR);
+        for (int64_t s = 0; s < nk; s++) {
+            if (((s * 16 * esize) & 63) == 0)
+                _mm_prefetch(next + s * 16 * esize, _MM_HINT_T1);
+            __m512 v = _mm512_setzero_ps();
+            if (i < mr) {
+                int64_t left = cols - s * 16;
+                __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+                v = dt == LLMEM_DTYPE_BF16  ? load16_avx512(wr, LLMEM_DTYPE_BF16, s * 16, m)
+                    : dt == LLMEM_DTYPE_F16 ? load16_avx512(wr, LLMEM_DTYPE_F16, s * 16, m)
+                                            : load16_avx512(wr, LLMEM_DTYPE_F32, s * 16, m);
+            }
+            _mm512_store_ps(a + (s * CPU_GEMM_MR + i) * 16, v);
+        }
+    }
+}
 #endif /* CPU_X86 */
 
 static void panel_generic_scalar(const float *a, int64_t ld, int64_t mr, const float *x,
@@ -527,6 +571,7 @@ struct gemm_job {
     const float *x, *bias;
     float *y;
     int64_t n, nb;         /* tokens, and tokens per block */
+    int64_t t0, nt;        /* the packed block (AVX-512): its first token and its tokens */
     int64_t rows_per_task; /* a multiple of CPU_GEMM_MR */
 };
 
@@ -550,6 +595,50 @@ static void gemm_task(void *arg, int task, int thread) {
     }
 }
 
+#if CPU_X86
+/* Packs strip `task` of the block: CPU_GEMM_NR rows of x as [k/16][NR][16], zero-padded. */
+static void pack_x_task(void *arg, int task, int thread) {
+    (void)thread;
+    const struct gemm_job *j = arg;
+    const int64_t cols = j->w->cols, nk = (cols + 15) / 16;
+    float *dst = j->c->xt + (size_t)task * (size_t)nk * CPU_GEMM_NR * 16;
+    for (int jj = 0; jj < CPU_GEMM_NR; jj++) {
+        int64_t t = (int64_t)task * CPU_GEMM_NR + jj;
+        const float *src = j->x + (j->t0 + t) * cols;
+        for (int64_t s = 0; s < nk; s++) {
+            float *d = dst + (s * CPU_GEMM_NR + jj) * 16;
+            int64_t left = t < j->nt ? cols - s * 16 : 0;
+            if (left >= 16)
+                memcpy(d, src + s * 16, 16 * sizeof(float));
+            else {
+                memset(d, 0, 16 * sizeof(float));
+                if (left > 0)
+                    memcpy(d, src + s * 16, (size_t)left * sizeof(float));
+            }
+        }
+    }
+}
+
+static void gemm_packed_task(void *arg, int task, int thread) {
+    const struct gemm_job *j = arg;
+    const struct llmem_weight *w = j->w;
+    const int64_t rows = w->rows, cols = w->cols, nk = (cols + 15) / 16;
+    float *a = j->c->wpanel + (size_t)thread * CPU_GEMM_MR * CPU_GEMM_K_MAX;
+    int64_t r_begin = (int64_t)task * j->rows_per_task;
+    int64_t r_end = r_begin + j->rows_per_task < rows ? r_begin + j->rows_per_task : rows;
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += CPU_GEMM_MR) {
+        int mr = r_end - r0 < CPU_GEMM_MR ? (int)(r_end - r0) : CPU_GEMM_MR;
+        pack_w_avx512(row_ptr(w, r0), w->dtype, cols, mr, cols, a);
+        for (int64_t t = 0; t < j->nt; t += CPU_GEMM_NR) {
+            int nt = j->nt - t < CPU_GEMM_NR ? (int)(j->nt - t) : CPU_GEMM_NR;
+            micro_avx512(a, j->c->xt + (size_t)(t / CPU_GEMM_NR) * (size_t)nk * CPU_GEMM_NR * 16,
+                         nk, mr, nt, j->y + (j->t0 + t) * rows + r0, rows,
+                         j->bias != NULL ? j->bias + r0 : NULL);
+        }
+    }
+}
+#endif
+
 static void matmul_gemm(struct cpu_ctx *c, const struct matmul_kernels *k,
                         const struct llmem_weight *w, const float *x, int64_t n, float *y,
                         const float *bias) {
@@ -558,17 +647,30 @@ static void matmul_gemm(struct cpu_ctx *c, const struct matmul_kernels *k,
         matmul_decode(c, k, w, x, n, y, bias);
         return;
     }
-    /* Token blocks whose rows of x fit in about half the L2 cache. */
-    int64_t nb = (int64_t)(CPU_GEMM_XBLOCK_BYTES / sizeof(float)) / cols;
-    nb = nb / CPU_GEMM_NR * CPU_GEMM_NR;
-    if (nb < 2 * CPU_GEMM_NR)
-        nb = 2 * CPU_GEMM_NR;
     /* Tasks: a few contiguous ranges of W rows per thread, each a multiple of the tile height. */
     int tasks = c->n_threads * 4;
     int64_t per = (rows + tasks - 1) / tasks;
     per = (per + CPU_GEMM_MR - 1) / CPU_GEMM_MR * CPU_GEMM_MR;
     int n_tasks = (int)((rows + per - 1) / per);
-    struct gemm_job job = {c, k, w, x, bias, y, n, nb, per};
+    const int64_t k16 = (cols + 15) & ~(int64_t)15;
+    /* Token blocks whose packed rows of x fit in the shared buffer (about half the L2 cache). */
+    int64_t nb = (int64_t)(CPU_GEMM_XBLOCK_BYTES / sizeof(float)) / k16;
+    nb = nb / CPU_GEMM_NR * CPU_GEMM_NR;
+    if (nb < CPU_GEMM_NR)
+        nb = CPU_GEMM_NR;
+    struct gemm_job job = {c, k, w, x, bias, y, n, nb, 0, 0, per};
+#if CPU_X86
+    if (c->isa == CPU_ISA_AVX512 && nb * k16 * (int64_t)sizeof(float) <= (int64_t)CPU_GEMM_XT_BYTES) {
+        for (int64_t t0 = 0; t0 < n; t0 += nb) {
+            job.t0 = t0;
+            job.nt = n - t0 < nb ? n - t0 : nb;
+            llmem_pool_run(c->pool, (int)((job.nt + CPU_GEMM_NR - 1) / CPU_GEMM_NR), pack_x_task,
+                           &job);
+            llmem_pool_run(c->pool, n_tasks, gemm_packed_task, &job);
+        }
+        return;
+    }
+#endif
     llmem_pool_run(c->pool, n_tasks, gemm_task, &job);
 }
 
