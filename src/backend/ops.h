@@ -4,7 +4,9 @@
  *
  * Activations are f32, row-major. Weights are used in place, in the dtype the checkpoint stores
  * (bf16, f16 or f32). Small per-channel vectors (norm weights, biases) are handed over as f32.
- * Every operation is synchronous and deterministic for a given thread count; none allocates
+ * Every operation is synchronous and deterministic; matmul is also batch invariant: each output
+ * row depends only on its row of x (not on the other rows, the thread count or the path taken),
+ * bit for bit, so a sequence's logits do not depend on what it is batched with. None allocates
  * model-sized memory (scratch a kernel needs is sized at create time).
  */
 #ifndef LLMEM_BACKEND_OPS_H
