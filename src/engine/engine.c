@@ -104,7 +104,7 @@ static int open_kv(struct llmem_engine *e) {
     kc.n_layers = (int)g->n_layers;
     kc.n_kv_heads = (int)g->n_kv_heads;
     kc.head_dim = (int)g->head_dim;
-    kc.max_sequences = (int)(e->cfg.max_sequences + 1); /* one spare for a fork */
+    kc.max_sequences = (int)e->cfg.max_sequences;
     kc.n_threads = e->cfg.n_threads;
     kc.pool = e->pool;
     if (kc.layout == LLMEM_KV_LAYOUT_PAGED) {
