@@ -10,6 +10,7 @@ packages=(
     libpcre2-dev
     libxxhash-dev
     libopenblas-dev
+    libssl-dev
 )
 
 missing=()

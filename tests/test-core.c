@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "core/file.h"
+#include "core/hash.h"
 #include "core/json.h"
 #include "core/log.h"
 #include "llmem/size.h"
@@ -238,6 +239,65 @@ static void test_file_read_quiet_proc(void **state) {
     free(dir);
 }
 
+/* ---- hashes ------------------------------------------------------------------------------------
+ */
+
+static void hex(const uint8_t *b, int n, char *out) {
+    for (int i = 0; i < n; i++)
+        sprintf(out + 2 * i, "%02x", b[i]);
+}
+
+static void test_hashes(void **state) {
+    (void)state;
+    /* SHA-256: the FIPS 180-2 vector, and parts hash as their concatenation */
+    uint8_t d[32];
+    char h[65];
+    const void *abc[] = {"abc"};
+    size_t abc_n[] = {3};
+    llmem_sha256(abc, abc_n, 1, d);
+    hex(d, 32, h);
+    assert_string_equal(h, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    const void *parts[] = {"a", "", "bc"};
+    size_t sizes[] = {1, 0, 2};
+    uint8_t d2[32];
+    llmem_sha256(parts, sizes, 3, d2);
+    assert_memory_equal(d, d2, 32);
+
+    /* XXH3-128 of a file: the empty input's published value, and a file read in several steps
+     * equals the same bytes hashed at once (a different file differs) */
+    char *dir = tu_mkdtemp();
+    char *empty = tu_write_file(dir, "empty", "", 0);
+    uint8_t x[16];
+    assert_int_equal(llmem_digest_file(empty, x), LLMEM_OK);
+    hex(x, 16, h);
+    assert_string_equal(h, "99aa06d3014798d86001c324468d497f");
+    size_t big = (9u << 20) + 123;
+    char *data = malloc(big);
+    for (size_t i = 0; i < big; i++)
+        data[i] = (char)(i * 2654435761u >> 13);
+    char *path = tu_write_file(dir, "big", data, (long)big);
+    uint8_t y[16], z[16];
+    assert_int_equal(llmem_digest_file(path, y), LLMEM_OK);
+    data[big / 2] ^= 1;
+    char *path2 = tu_write_file(dir, "big2", data, (long)big);
+    assert_int_equal(llmem_digest_file(path2, z), LLMEM_OK);
+    assert_memory_not_equal(y, z, 16);
+    data[big / 2] ^= 1;
+    free(tu_write_file(dir, "big3", data, (long)big));
+    char p3[600];
+    snprintf(p3, sizeof(p3), "%s/big3", dir);
+    assert_int_equal(llmem_digest_file(p3, z), LLMEM_OK);
+    assert_memory_equal(y, z, 16);
+    snprintf(p3, sizeof(p3), "%s/missing", dir);
+    assert_int_equal(llmem_digest_file(p3, z), LLMEM_ENOENT);
+    free(data);
+    free(empty);
+    free(path);
+    free(path2);
+    tu_rmtree(dir);
+    free(dir);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_status_strings),
@@ -249,6 +309,7 @@ int main(void) {
         cmocka_unit_test(test_json_writes_exact_integers),
         cmocka_unit_test(test_file_read_bounds),
         cmocka_unit_test(test_file_read_quiet_proc),
+        cmocka_unit_test(test_hashes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
