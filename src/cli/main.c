@@ -30,6 +30,8 @@ static const char usage[] =
     "  bench mem         the caching allocator against malloc and mmap\n"
     "  bench kv          attention over the KV caches against the memory bandwidth,\n"
     "                    the accuracy of each KV format, and the cost of appending\n"
+    "  bench matmul      the CPU matmul against the memory bandwidth and the FMA peak\n"
+    "  bench decode MODEL  prefill and decode speed against the memory bandwidth\n"
     "\n"
     "Run `llmem <command> --help` for the options of a command.\n";
 
