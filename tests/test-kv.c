@@ -336,8 +336,8 @@ static void test_fused_tile_kernel(void **state) {
                 size_t n = (size_t)2 * (size_t)n_heads * (size_t)hd;
                 float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
                 uint64_t saved = rng;
-                double e = attend_error(kv, seq, &d, 0, 1131, 2, n_heads, 0,
-                                        LLMEM_KV_ROUTE_DIRECT, a);
+                double e =
+                    attend_error(kv, seq, &d, 0, 1131, 2, n_heads, 0, LLMEM_KV_ROUTE_DIRECT, a);
                 if (formats[f] != LLMEM_KV_FORMAT_Q8)
                     assert_true(e <= tol[f]);
                 rng = saved;
@@ -475,6 +475,68 @@ static void test_paged_share_and_copy_on_write(void **state) {
     assert_true(attend_error(kv, b, &db, 0, 44, 1, 4, 0, LLMEM_KV_ROUTE_AUTO, NULL) <= 1e-5);
     assert_int_equal(llmem_kv_check(kv), LLMEM_OK);
     free(da.k), free(da.v), free(db.k), free(db.v);
+    llmem_kv_destroy(kv);
+}
+
+/* Blocks held outside any sequence (the session bank's): they outlive their sequence, a new
+ * sequence starts from them without a copy, a rewrite copies them first, and releasing the last
+ * holder frees them; the invariant checker counts holds. */
+static void test_paged_held_blocks(void **state) {
+    (void)state;
+    struct llmem_kv *kv = make_kv(LLMEM_KV_LAYOUT_PAGED, LLMEM_KV_FORMAT_F32, 2, 2, 64, NULL);
+    assert_int_equal(llmem_kv_block_size(kv), 16);
+    int a;
+    assert_int_equal(llmem_kv_seq_new(kv, &a), LLMEM_OK);
+    struct data da = data_new(2, 2, 64, 200);
+    append_random(kv, a, &da, 40, 0, 0); /* 2 full blocks + 8 tokens */
+    const int64_t *ids = NULL;
+    assert_int_equal(llmem_kv_seq_blocks(kv, a, &ids), 3);
+    int64_t held[2] = {ids[0], ids[1]};
+    llmem_kv_block_hold(kv, held[0]);
+    llmem_kv_block_hold(kv, held[1]);
+    assert_int_equal(llmem_kv_check(kv), LLMEM_OK);
+    int64_t free_before = llmem_kv_blocks_free(kv);
+    llmem_kv_seq_free(kv, a);
+    assert_int_equal(llmem_kv_blocks_free(kv), free_before + 1); /* only the partial block */
+    assert_int_equal(llmem_kv_check(kv), LLMEM_OK);
+
+    /* a new sequence from the held blocks reads the same keys and values, then grows on */
+    int b;
+    assert_int_equal(llmem_kv_seq_new_from_blocks(kv, held, 2, &b), LLMEM_OK);
+    assert_int_equal(llmem_kv_seq_length(kv, b), 32);
+    da.len = 32;
+    append_random(kv, b, &da, 20, 0, 0);
+    assert_true(attend_error(kv, b, &da, 1, 51, 1, 4, 0, LLMEM_KV_ROUTE_AUTO, NULL) <= 1e-5);
+    struct llmem_kv_stats st;
+    llmem_kv_stats(kv, &st);
+    assert_int_equal(st.cow_copies, 0);
+
+    /* rewriting a token of a held block copies it: another sequence from the holds still sees the
+     * original */
+    int c;
+    assert_int_equal(llmem_kv_seq_new_from_blocks(kv, held, 2, &c), LLMEM_OK);
+    struct data dc = data_new(2, 2, 64, 200);
+    memcpy(dc.k, da.k, sizeof(float) * 2 * 200 * 128);
+    memcpy(dc.v, da.v, sizeof(float) * 2 * 200 * 128);
+    dc.len = 32;
+    llmem_kv_trim(kv, b, 40); /* b keeps 12 tokens, all inside the first held block */
+    da.len = 12;
+    append_random(kv, b, &da, 3, 0, 0); /* rewrites positions 12–14 */
+    llmem_kv_stats(kv, &st);
+    assert_int_equal(st.cow_copies, 1);
+    assert_true(attend_error(kv, b, &da, 0, 14, 1, 4, 0, LLMEM_KV_ROUTE_AUTO, NULL) <= 1e-5);
+    assert_true(attend_error(kv, c, &dc, 1, 31, 1, 4, 0, LLMEM_KV_ROUTE_AUTO, NULL) <= 1e-5);
+    assert_int_equal(llmem_kv_check(kv), LLMEM_OK);
+
+    /* the last holder and the last sequence let go: every block is free again */
+    llmem_kv_seq_free(kv, b);
+    llmem_kv_seq_free(kv, c);
+    llmem_kv_block_release(kv, held[0]);
+    llmem_kv_block_release(kv, held[1]);
+    llmem_kv_stats(kv, &st);
+    assert_int_equal(st.n_blocks_used, 0);
+    assert_int_equal(llmem_kv_check(kv), LLMEM_OK);
+    free(da.k), free(da.v), free(dc.k), free(dc.v);
     llmem_kv_destroy(kv);
 }
 
@@ -679,6 +741,7 @@ int main(void) {
         cmocka_unit_test(test_ragged_rows),
         cmocka_unit_test(test_quantized_attention_error),
         cmocka_unit_test(test_paged_share_and_copy_on_write),
+        cmocka_unit_test(test_paged_held_blocks),
         cmocka_unit_test(test_paged_growth_and_limits),
         cmocka_unit_test(test_ragged_freeze_capacity),
         cmocka_unit_test(test_bytes_per_token_match_plan),

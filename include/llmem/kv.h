@@ -112,6 +112,21 @@ void llmem_kv_trim(struct llmem_kv *kv, int seq, int64_t n);
  * fails with LLMEM_ERANGE. Other layouts: LLMEM_EUNSUPPORTED. */
 int llmem_kv_freeze_capacity(struct llmem_kv *kv, int64_t capacity);
 
+/* Paged: blocks held outside any sequence — what the session bank keeps of finished sequences.
+ * A held block stays allocated (and is never written: a sequence that shares it copies it first)
+ * until its last holder and its last sequence let go. */
+int llmem_kv_block_size(const struct llmem_kv *kv);
+int64_t llmem_kv_blocks_free(const struct llmem_kv *kv); /* paged; 0 for other layouts */
+/* The ids of the blocks holding a sequence's tokens: ceil(length / block_size) of them. */
+int64_t llmem_kv_seq_blocks(struct llmem_kv *kv, int seq, const int64_t **ids);
+/* One more holder of a block in use / one fewer (the last reference frees it). */
+void llmem_kv_block_hold(struct llmem_kv *kv, int64_t id);
+void llmem_kv_block_release(struct llmem_kv *kv, int64_t id);
+/* A new sequence whose first n_blocks × block_size tokens are these blocks, shared (no copy);
+ * LLMEM_ERANGE when no sequence is free, LLMEM_ENOMEM (logged). */
+int llmem_kv_seq_new_from_blocks(struct llmem_kv *kv, const int64_t *ids, int64_t n_blocks,
+                                 int *seq);
+
 enum llmem_kv_route {
     LLMEM_KV_ROUTE_AUTO = 0,
     LLMEM_KV_ROUTE_DIRECT,

@@ -176,8 +176,9 @@ static int pool_grow(struct llmem_kv *kv, int64_t required) {
     uint8_t **nk = calloc((size_t)n_layers, sizeof(*nk)),
             **nv = calloc((size_t)n_layers, sizeof(*nv));
     int32_t *rc = realloc(NULL, (size_t)next * sizeof(*rc));
+    int32_t *hd = calloc((size_t)next, sizeof(*hd));
     int64_t *fr = realloc(NULL, (size_t)next * sizeof(*fr));
-    int status = (nk && nv && rc && fr) ? LLMEM_OK : LLMEM_ENOMEM;
+    int status = (nk && nv && rc && hd && fr) ? LLMEM_OK : LLMEM_ENOMEM;
     for (int l = 0; status == LLMEM_OK && l < n_layers; l++) {
         nk[l] = kv_alloc(kv, (size_t)next * (size_t)bs * kv->k_tok);
         nv[l] = kv_alloc(kv, (size_t)next * (size_t)bs * kv->v_tok);
@@ -189,7 +190,7 @@ static int pool_grow(struct llmem_kv *kv, int64_t required) {
             kv_release(kv, nk[l], (size_t)next * (size_t)bs * kv->k_tok);
             kv_release(kv, nv[l], (size_t)next * (size_t)bs * kv->v_tok);
         }
-        free(nk), free(nv), free(rc), free(fr);
+        free(nk), free(nv), free(rc), free(hd), free(fr);
         LLMEM_ERROR_AS("llmem_kv_reserve", "cannot grow the paged pool from %lld to %lld blocks",
                        (long long)cur, (long long)next);
         return LLMEM_ENOMEM;
@@ -204,8 +205,10 @@ static int pool_grow(struct llmem_kv *kv, int64_t required) {
             kv_release(kv, kv->v_pool[l], (size_t)cur * (size_t)bs * kv->v_tok);
         }
     }
-    if (cur > 0)
+    if (cur > 0) {
         memcpy(rc, kv->refcount, (size_t)cur * sizeof(*rc));
+        memcpy(hd, kv->held, (size_t)cur * sizeof(*hd));
+    }
     if (kv->n_free > 0)
         memcpy(fr, kv->free_ids, (size_t)kv->n_free * sizeof(*fr));
     /* New ids go on the stack so that the lowest is handed out first. */
@@ -213,8 +216,8 @@ static int pool_grow(struct llmem_kv *kv, int64_t required) {
         rc[id] = 0;
         fr[kv->n_free++] = id;
     }
-    free(kv->k_pool), free(kv->v_pool), free(kv->refcount), free(kv->free_ids);
-    kv->k_pool = nk, kv->v_pool = nv, kv->refcount = rc, kv->free_ids = fr;
+    free(kv->k_pool), free(kv->v_pool), free(kv->refcount), free(kv->held), free(kv->free_ids);
+    kv->k_pool = nk, kv->v_pool = nv, kv->refcount = rc, kv->held = hd, kv->free_ids = fr;
     if (cur > 0)
         kv->st.grow_events++;
     kv->n_blocks = next;
@@ -477,7 +480,7 @@ void llmem_kv_destroy(struct llmem_kv *kv) {
             kv_release(kv, kv->r_v[l], rows * cap * kv->v_tok);
         }
     }
-    free(kv->k_pool), free(kv->v_pool), free(kv->refcount), free(kv->free_ids);
+    free(kv->k_pool), free(kv->v_pool), free(kv->refcount), free(kv->held), free(kv->free_ids);
     free(kv->r_k), free(kv->r_v);
     free(kv->seqs);
     if (kv->pool != kv->cfg.pool)
@@ -763,9 +766,10 @@ int llmem_kv_check(struct llmem_kv *kv) {
     if (refs != NULL) {
         int64_t zero = 0;
         for (int64_t b = 0; b < kv->n_blocks; b++) {
-            LLMEM_INVARIANT(refs[b] == kv->refcount[b], "block %lld: %d references, count %d",
-                            (long long)b, refs[b], kv->refcount[b]);
-            zero += refs[b] == 0;
+            LLMEM_INVARIANT(refs[b] + kv->held[b] == kv->refcount[b],
+                            "block %lld: %d references and %d holds, count %d", (long long)b,
+                            refs[b], kv->held[b], kv->refcount[b]);
+            zero += kv->refcount[b] == 0;
         }
         LLMEM_INVARIANT(zero == kv->n_free, "%lld unreferenced blocks but %lld free",
                         (long long)zero, (long long)kv->n_free);
@@ -775,4 +779,59 @@ int llmem_kv_check(struct llmem_kv *kv) {
 out:
     free(refs);
     return status;
+}
+
+/* ---- blocks held outside sequences (paged) ----------------------------------------------------
+ */
+
+int llmem_kv_block_size(const struct llmem_kv *kv) {
+    return block_size(kv);
+}
+
+int64_t llmem_kv_blocks_free(const struct llmem_kv *kv) {
+    return kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED ? kv->n_free : 0;
+}
+
+int64_t llmem_kv_seq_blocks(struct llmem_kv *kv, int seq, const int64_t **ids) {
+    struct kv_seq *s = get_seq(kv, seq);
+    LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED);
+    *ids = s->table;
+    return round_up(s->length, block_size(kv));
+}
+
+void llmem_kv_block_hold(struct llmem_kv *kv, int64_t id) {
+    LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED && id >= 0 && id < kv->n_blocks &&
+                 kv->refcount[id] > 0);
+    kv->refcount[id]++;
+    kv->held[id]++;
+}
+
+void llmem_kv_block_release(struct llmem_kv *kv, int64_t id) {
+    LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED && id >= 0 && id < kv->n_blocks &&
+                 kv->held[id] > 0);
+    kv->held[id]--;
+    pool_unref(kv, id);
+}
+
+int llmem_kv_seq_new_from_blocks(struct llmem_kv *kv, const int64_t *ids, int64_t n_blocks,
+                                 int *seq) {
+    LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED && n_blocks >= 0);
+    for (int64_t b = 0; b < n_blocks; b++)
+        LLMEM_ASSERT(ids[b] >= 0 && ids[b] < kv->n_blocks && kv->refcount[ids[b]] > 0);
+    int status = llmem_kv_seq_new(kv, seq);
+    if (status != LLMEM_OK)
+        return status;
+    struct kv_seq *s = &kv->seqs[*seq];
+    if (table_reserve(s, n_blocks) != LLMEM_OK) {
+        llmem_kv_seq_free(kv, *seq);
+        LLMEM_ERROR("out of memory for a block table");
+        return LLMEM_ENOMEM;
+    }
+    for (int64_t b = 0; b < n_blocks; b++) {
+        s->table[b] = ids[b];
+        kv->refcount[ids[b]]++;
+    }
+    s->n_table = n_blocks;
+    s->capacity = s->length = n_blocks * block_size(kv);
+    return LLMEM_OK;
 }

@@ -34,6 +34,7 @@ struct llmem_kv {
     uint8_t **k_pool, **v_pool; /* (n_layers) of (n_blocks, block_size, k_tok / v_tok) */
     int64_t n_blocks;
     int32_t *refcount; /* (n_blocks) */
+    int32_t *held;     /* (n_blocks) of those references, the ones held outside any sequence */
     int64_t *free_ids; /* a stack of free block ids */
     int64_t n_free;
 
