@@ -4,13 +4,16 @@
  * the block hashes themselves.
  */
 #include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "backend/ops.h"
 #include "llmem/bank.h"
+#include "llmem/model.h"
 #include "testutil.h"
 
 #define PYCODER LLMEM_SOURCE_DIR "/models/pycoder"
@@ -176,10 +179,211 @@ static void test_block_hash(void **state) {
     assert_memory_not_equal(a, b, 32);
 }
 
+/* ---- the RAM tier on a real model ------------------------------------------------------------ */
+
+struct rig {
+    struct llmem_mem *mem;
+    struct llmem_model *model;
+    struct llmem_backend *be;
+    struct llmem_kv *kv;
+    struct llmem_forward *fwd;
+    struct llmem_bank *bank;
+    int64_t vocab;
+};
+
+static void rig_open(struct rig *r) {
+    memset(r, 0, sizeof(*r));
+    struct llmem_mem_config mc = {.cache_limit_bytes = -1};
+    assert_int_equal(llmem_mem_create(&mc, &r->mem), LLMEM_OK);
+    assert_int_equal(llmem_model_load(PYCODER, r->mem, NULL, NULL, &r->model), LLMEM_OK);
+    const struct llmem_model_geometry *g = &llmem_model_get_config(r->model)->geom;
+    r->vocab = g->vocab_size;
+    assert_int_equal(llmem_backend_cpu_create(2, &r->be), LLMEM_OK);
+    struct llmem_kv_config kc;
+    llmem_kv_config_default(&kc);
+    kc.format = LLMEM_KV_FORMAT_F32;
+    kc.n_layers = (int)g->n_layers;
+    kc.n_kv_heads = (int)g->n_kv_heads;
+    kc.head_dim = (int)g->head_dim;
+    kc.max_sequences = 4;
+    kc.num_blocks = 320;
+    kc.n_threads = 2;
+    assert_int_equal(llmem_kv_create(&kc, r->mem, &r->kv), LLMEM_OK);
+    assert_int_equal(llmem_forward_create(r->model, r->be, r->kv, 512, &r->fwd), LLMEM_OK);
+    struct llmem_bank_identity id;
+    assert_int_equal(llmem_bank_identity(PYCODER, kc.format, kc.layout, NULL, NULL, &id), LLMEM_OK);
+    assert_int_equal(llmem_bank_create(r->kv, id.root, &r->bank), LLMEM_OK);
+}
+
+static void rig_close(struct rig *r) {
+    llmem_bank_destroy(r->bank);
+    struct llmem_kv_stats ks;
+    llmem_kv_stats(r->kv, &ks);
+    assert_int_equal(ks.n_blocks_used, 0); /* the bank let go of every block */
+    assert_int_equal(llmem_kv_check(r->kv), LLMEM_OK);
+    llmem_forward_free(r->fwd);
+    llmem_kv_destroy(r->kv);
+    llmem_backend_destroy(r->be);
+    llmem_model_free(r->model);
+    llmem_mem_destroy(r->mem);
+}
+
+/* Runs tokens[from..n) on seq (which holds tokens[0..from)) with every row's logits. */
+static float *run_rows(struct rig *r, int seq, const int32_t *tokens, int64_t from, int64_t n) {
+    float *logits = malloc((size_t)((n - from) * r->vocab) * sizeof(float));
+    for (int64_t pos = from; pos < n; pos += 512) {
+        int64_t m = n - pos < 512 ? n - pos : 512;
+        struct llmem_batch_seq b = {seq, pos, m, 1};
+        assert_int_equal(
+            llmem_forward_run(r->fwd, tokens + pos, &b, 1, logits + (pos - from) * r->vocab),
+            LLMEM_OK);
+    }
+    return logits;
+}
+
+static void make_prompt(int32_t *t, int64_t n, uint64_t seed) {
+    for (int64_t i = 0; i < n; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        t[i] = (int32_t)(5 + (seed >> 33) % 4000);
+    }
+}
+
+/* A prompt that shares k tokens with one the bank holds gives the same logits as a cold prefill,
+ * for k = 0, 1, 15, 16, 17 and 1000 (blocks of 16: none, none, none, one, one, 62). */
+static void test_prefix_reuse_equals_cold(void **state) {
+    (void)state;
+    static const int64_t shared[] = {0, 1, 15, 16, 17, 1000};
+    struct rig r;
+    rig_open(&r);
+    for (size_t c = 0; c < sizeof(shared) / sizeof(shared[0]); c++) {
+        int64_t k = shared[c], na = k + 9, nb = k + 13;
+        int32_t *a = malloc((size_t)na * 4), *b = malloc((size_t)nb * 4);
+        make_prompt(a, na, 1000 + c);
+        memcpy(b, a, (size_t)k * 4);
+        make_prompt(b + k, nb - k, 2000 + c);
+        /* cold */
+        int seq;
+        assert_int_equal(llmem_kv_seq_new(r.kv, &seq), LLMEM_OK);
+        float *cold = run_rows(&r, seq, b, 0, nb);
+        llmem_kv_seq_free(r.kv, seq);
+        /* a finished request for A leaves its full blocks in the bank */
+        assert_int_equal(llmem_kv_seq_new(r.kv, &seq), LLMEM_OK);
+        free(run_rows(&r, seq, a, 0, na));
+        assert_int_equal(llmem_bank_insert(r.bank, seq, a, na), LLMEM_OK);
+        llmem_kv_seq_free(r.kv, seq);
+        /* B reuses what matches and prefills the rest */
+        int64_t ids[128];
+        int64_t m = llmem_bank_lookup(r.bank, b, nb, (nb - 1) / 16, ids);
+        assert_int_equal(m, k / 16);
+        assert_int_equal(llmem_kv_seq_new_from_blocks(r.kv, ids, m, &seq), LLMEM_OK);
+        float *warm = run_rows(&r, seq, b, m * 16, nb);
+        llmem_kv_seq_free(r.kv, seq);
+        double worst = 0;
+        for (int64_t i = 0; i < (nb - m * 16) * r.vocab; i++) {
+            double d = fabs((double)warm[i] - (double)cold[m * 16 * r.vocab + i]);
+            worst = d > worst ? d : worst;
+        }
+        printf("  shared %4lld tokens: %lld blocks reused, max |Δ logits| vs cold %.2e\n",
+               (long long)k, (long long)m, worst);
+        assert_true(worst <= 1e-5);
+        assert_int_equal(llmem_kv_check(r.kv), LLMEM_OK);
+        free(cold), free(warm), free(a), free(b);
+        llmem_bank_trim(r.bank, 0);
+    }
+    rig_close(&r);
+}
+
+/* Two sequences started from the same banked blocks diverge; each equals its cold run. */
+static void test_shared_blocks_diverge(void **state) {
+    (void)state;
+    struct rig r;
+    rig_open(&r);
+    int32_t base[40], x[60], y[60];
+    make_prompt(base, 40, 7);
+    memcpy(x, base, sizeof(base));
+    memcpy(y, base, sizeof(base));
+    make_prompt(x + 40, 20, 8);
+    make_prompt(y + 40, 20, 9);
+    int seq;
+    assert_int_equal(llmem_kv_seq_new(r.kv, &seq), LLMEM_OK);
+    free(run_rows(&r, seq, base, 0, 40));
+    assert_int_equal(llmem_bank_insert(r.bank, seq, base, 40), LLMEM_OK);
+    llmem_kv_seq_free(r.kv, seq);
+    float *want[2], *got[2];
+    const int32_t *p[2] = {x, y};
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(llmem_kv_seq_new(r.kv, &seq), LLMEM_OK);
+        want[i] = run_rows(&r, seq, p[i], 0, 60);
+        llmem_kv_seq_free(r.kv, seq);
+    }
+    int s[2];
+    int64_t ids[4];
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(llmem_bank_lookup(r.bank, p[i], 60, 3, ids), 2);
+        assert_int_equal(llmem_kv_seq_new_from_blocks(r.kv, ids, 2, &s[i]), LLMEM_OK);
+    }
+    /* interleaved, token by token */
+    for (int i = 0; i < 2; i++)
+        got[i] = malloc((size_t)(28 * r.vocab) * sizeof(float));
+    for (int64_t pos = 32; pos < 60; pos++)
+        for (int i = 0; i < 2; i++) {
+            struct llmem_batch_seq b = {s[i], pos, 1, 1};
+            assert_int_equal(
+                llmem_forward_run(r.fwd, p[i] + pos, &b, 1, got[i] + (pos - 32) * r.vocab),
+                LLMEM_OK);
+        }
+    for (int i = 0; i < 2; i++) {
+        assert_memory_equal(got[i], want[i] + 32 * r.vocab, (size_t)(28 * r.vocab) * 4);
+        llmem_kv_seq_free(r.kv, s[i]);
+        free(got[i]), free(want[i]);
+    }
+    assert_int_equal(llmem_kv_check(r.kv), LLMEM_OK);
+    rig_close(&r);
+}
+
+/* Eviction takes the least recently used block, and a chain's last block before its first. */
+static void test_eviction_order(void **state) {
+    (void)state;
+    struct rig r;
+    rig_open(&r);
+    int32_t x[48], y[48];
+    make_prompt(x, 48, 11);
+    make_prompt(y, 48, 12);
+    const int32_t *p[2] = {x, y};
+    for (int i = 0; i < 2; i++) {
+        int seq;
+        assert_int_equal(llmem_kv_seq_new(r.kv, &seq), LLMEM_OK);
+        free(run_rows(&r, seq, p[i], 0, 48));
+        assert_int_equal(llmem_bank_insert(r.bank, seq, p[i], 48), LLMEM_OK);
+        llmem_kv_seq_free(r.kv, seq);
+    }
+    struct llmem_bank_stats st;
+    llmem_bank_stats(r.bank, &st);
+    assert_int_equal(st.blocks, 6);
+    int64_t bb = st.bytes / 6, ids[3];
+    /* x was banked first, then y; using x again makes y the least recent */
+    assert_int_equal(llmem_bank_lookup(r.bank, x, 48, 3, ids), 3);
+    llmem_bank_trim(r.bank, 5 * bb); /* y's last block goes */
+    assert_int_equal(llmem_bank_lookup(r.bank, y, 48, 3, ids), 2);
+    assert_int_equal(llmem_bank_lookup(r.bank, x, 48, 3, ids), 3);
+    llmem_bank_trim(r.bank, 3 * bb); /* y's two remaining blocks, last first */
+    assert_int_equal(llmem_bank_lookup(r.bank, y, 48, 3, ids), 0);
+    assert_int_equal(llmem_bank_lookup(r.bank, x, 48, 3, ids), 3);
+    llmem_bank_trim(r.bank, 2 * bb); /* then x's last block */
+    assert_int_equal(llmem_bank_lookup(r.bank, x, 48, 3, ids), 2);
+    llmem_bank_stats(r.bank, &st);
+    assert_int_equal(st.evicted_blocks, 4);
+    assert_int_equal(st.blocks, 2);
+    rig_close(&r);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_identity),
         cmocka_unit_test(test_block_hash),
+        cmocka_unit_test(test_prefix_reuse_equals_cold),
+        cmocka_unit_test(test_shared_blocks_diverge),
+        cmocka_unit_test(test_eviction_order),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

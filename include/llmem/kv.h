@@ -116,6 +116,7 @@ int llmem_kv_freeze_capacity(struct llmem_kv *kv, int64_t capacity);
  * A held block stays allocated (and is never written: a sequence that shares it copies it first)
  * until its last holder and its last sequence let go. */
 int llmem_kv_block_size(const struct llmem_kv *kv);
+int64_t llmem_kv_block_bytes(const struct llmem_kv *kv); /* one block, all layers, K and V */
 int64_t llmem_kv_blocks_free(const struct llmem_kv *kv); /* paged; 0 for other layouts */
 /* The ids of the blocks holding a sequence's tokens: ceil(length / block_size) of them. */
 int64_t llmem_kv_seq_blocks(struct llmem_kv *kv, int seq, const int64_t **ids);

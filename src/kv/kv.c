@@ -788,6 +788,10 @@ int llmem_kv_block_size(const struct llmem_kv *kv) {
     return block_size(kv);
 }
 
+int64_t llmem_kv_block_bytes(const struct llmem_kv *kv) {
+    return (int64_t)block_size(kv) * kv->cfg.n_layers * (int64_t)(kv->k_tok + kv->v_tok);
+}
+
 int64_t llmem_kv_blocks_free(const struct llmem_kv *kv) {
     return kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED ? kv->n_free : 0;
 }
