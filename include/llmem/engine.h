@@ -3,9 +3,11 @@
  *
  * Opening computes the plan first, from the model's real geometry and this machine (SPEC §2), and
  * refuses a model that does not fit before anything is loaded; then the allocator's limits are set
- * from the plan (SPEC §3.1), and the weights, tokenizer, backend, KV cache and forward pass are
- * created inside them. Generation prefills the prompt in chunks of max_batch_tokens, then decodes
- * one token at a time with the sampler until EOS, a stop string or max_tokens.
+ * from the plan (SPEC §3.1), and the weights, tokenizer, backend, KV cache, session bank and
+ * forward pass are created inside them. Generation takes the prompt's longest banked prefix,
+ * prefills the rest in chunks of max_batch_tokens, then decodes one token at a time with the
+ * sampler until EOS, a stop string or max_tokens; the finished sequence's full blocks go to the
+ * bank (llmem/bank.h), which yields its blocks to requests that need them.
  */
 #ifndef LLMEM_ENGINE_H
 #define LLMEM_ENGINE_H
@@ -60,11 +62,14 @@ struct llmem_engine_config {
     int n_threads;                  /* --threads; ≤ 0: the online CPUs */
     int64_t max_batch_tokens;       /* 512 */
     int64_t max_sequences;          /* 1 */
+    int64_t bank_max_bytes;         /* --bank-max: the RAM tier's cap; 0: the plan's ceiling */
+    int no_bank;                    /* 1: no session bank */
 };
 void llmem_engine_config_default(struct llmem_engine_config *c);
 
 struct llmem_engine;
 struct llmem_tokenizer;
+struct llmem_bank;
 
 /* Plans, then loads. A model that does not fit (or a --context above the machine's fit) is refused
  * before loading with LLMEM_ENOMEM and the plan's explanation logged; otherwise as
@@ -78,6 +83,8 @@ struct llmem_mem *llmem_engine_mem(struct llmem_engine *e);
 struct llmem_kv *llmem_engine_kv(struct llmem_engine *e);
 struct llmem_model *llmem_engine_model(struct llmem_engine *e);
 struct llmem_forward *llmem_engine_forward(struct llmem_engine *e);
+/* The session bank's RAM tier (NULL without one: no_bank or a layout other than paged). */
+struct llmem_bank *llmem_engine_bank(struct llmem_engine *e);
 /* The threads the engine's kernels run on (for work that must not compete with them). */
 struct llmem_pool *llmem_engine_pool(struct llmem_engine *e);
 const struct llmem_tokenizer *llmem_engine_tokenizer(const struct llmem_engine *e);
@@ -113,7 +120,8 @@ struct llmem_generate_result {
     size_t text_len;
     const char *finish_reason; /* "stop" (EOS, a stop id or string), "length", "cancelled" */
     int64_t prompt_tokens;
-    double ttft_ms; /* prompt in → first token out */
+    int64_t reused_tokens; /* of them, taken from the session bank instead of prefilled */
+    double ttft_ms;        /* prompt in → first token out */
     double prefill_s, decode_s;
     int64_t decode_tokens; /* tokens produced by decode steps (the first comes from prefill) */
 };

@@ -31,6 +31,7 @@ enum {
     OPT_UTIL,
     OPT_THREADS,
     OPT_MAX_BATCH_TOKENS,
+    OPT_BANK_MAX,
     OPT_TEMPERATURE,
     OPT_TOP_K,
     OPT_TOP_P,
@@ -57,6 +58,7 @@ static const struct option options[] = {
     {"util", required_argument, NULL, OPT_UTIL},
     {"threads", required_argument, NULL, OPT_THREADS},
     {"max-batch-tokens", required_argument, NULL, OPT_MAX_BATCH_TOKENS},
+    {"bank-max", required_argument, NULL, OPT_BANK_MAX},
     {"temperature", required_argument, NULL, OPT_TEMPERATURE},
     {"temp", required_argument, NULL, OPT_TEMPERATURE},
     {"top-k", required_argument, NULL, OPT_TOP_K},
@@ -98,7 +100,8 @@ static const char common_help[] =
     "  --kv-layout L        paged (default), contiguous, blocks, ragged\n"
     "  --kv-format F        f16 (default), bf16, f32, q8, q4, tq\n"
     "  --threads N          CPU threads (default: the online CPUs)\n"
-    "  --max-batch-tokens N the prefill chunk (default 512)\n";
+    "  --max-batch-tokens N the prefill chunk (default 512)\n"
+    "  --bank-max SIZE      the session bank's RAM cap (default: the plan's; 0: no bank)\n";
 
 static const char sampling_help[] =
     "sampling options:\n"
@@ -139,6 +142,10 @@ static int parse(int argc, char **argv, struct run_args *a) {
         case OPT_MAX_BATCH_TOKENS:
             rc = cli_parse_int("--max-batch-tokens", optarg, 1, 1 << 20,
                                &a->engine.max_batch_tokens);
+            break;
+        case OPT_BANK_MAX:
+            rc = cli_parse_size("--bank-max", optarg, &a->engine.bank_max_bytes);
+            a->engine.no_bank = rc == CLI_OK && a->engine.bank_max_bytes == 0;
             break;
         case OPT_TEMPERATURE:
             rc = cli_parse_double("--temperature", optarg, -1e-300, 100.0, &d);
@@ -275,17 +282,19 @@ static cJSON *memory_json(struct llmem_engine *e) {
 }
 
 static void print_stats(struct llmem_engine *e, const struct llmem_generate_result *r) {
-    double prefill = r->prefill_s > 0 ? (double)r->prompt_tokens / r->prefill_s : 0;
+    double prefill =
+        r->prefill_s > 0 ? (double)(r->prompt_tokens - r->reused_tokens) / r->prefill_s : 0;
     double decode = r->decode_s > 0 ? (double)r->decode_tokens / r->decode_s : 0;
     struct llmem_mem_stats st;
     llmem_mem_stats(llmem_engine_mem(e), &st);
     char a[32], pk[32], c[32], kv[32];
     fprintf(stderr,
-            "\nllmem stats: prompt %" PRId64 " tokens, prefill %.1f tok/s, ttft %.1f ms; "
+            "\nllmem stats: prompt %" PRId64 " tokens (%" PRId64
+            " from the session bank), prefill %.1f tok/s, ttft %.1f ms; "
             "generated %" PRId64 " tokens, decode %.1f tok/s (%s)\n"
             "llmem memory: active %s, peak %s, cache %s, KV peak %s\n",
-            r->prompt_tokens, prefill, r->ttft_ms, r->n_ids, decode, r->finish_reason,
-            llmem_size_format_short(st.active_bytes, a, sizeof(a)),
+            r->prompt_tokens, r->reused_tokens, prefill, r->ttft_ms, r->n_ids, decode,
+            r->finish_reason, llmem_size_format_short(st.active_bytes, a, sizeof(a)),
             llmem_size_format_short(st.peak_bytes, pk, sizeof(pk)),
             llmem_size_format_short(st.cache_bytes, c, sizeof(c)),
             llmem_size_format_short(st.tags[LLMEM_TAG_KV].peak_bytes, kv, sizeof(kv)));
@@ -356,10 +365,12 @@ static int run_main(int argc, char **argv, struct run_args *a) {
         if (a->stats) {
             cJSON *s = cJSON_AddObjectToObject(root, "stats");
             llmem_json_add_int(s, "prompt_tokens", r.prompt_tokens);
+            llmem_json_add_int(s, "reused_ram_tokens", r.reused_tokens);
             llmem_json_add_int(s, "generated_tokens", r.n_ids);
             llmem_json_add_double(s, "ttft_ms", r.ttft_ms);
-            llmem_json_add_double(s, "prefill_tokens_per_s",
-                                  r.prefill_s > 0 ? (double)r.prompt_tokens / r.prefill_s : 0);
+            llmem_json_add_double(
+                s, "prefill_tokens_per_s",
+                r.prefill_s > 0 ? (double)(r.prompt_tokens - r.reused_tokens) / r.prefill_s : 0);
             llmem_json_add_double(s, "decode_tokens_per_s",
                                   r.decode_s > 0 ? (double)r.decode_tokens / r.decode_s : 0);
             cJSON *m = memory_json(e);

@@ -14,11 +14,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "backend/ops.h"
 #include "core/log.h"
 #include "core/pool.h"
+#include "llmem/bank.h"
 #include "llmem/engine.h"
 #include "llmem/size.h"
 #include "llmem/sys.h"
@@ -33,6 +36,7 @@ struct llmem_engine {
     struct llmem_pool *pool; /* the threads every kernel runs on */
     struct llmem_backend *be;
     struct llmem_kv *kv;
+    struct llmem_bank *bank; /* the RAM tier of the session bank (paged layout), or NULL */
     struct llmem_forward *fwd;
     float *logits; /* (max_sequences, vocab) tag scratch */
     int64_t vocab;
@@ -127,6 +131,43 @@ static int open_kv(struct llmem_engine *e) {
     return llmem_kv_create(&kc, e->mem, &e->kv);
 }
 
+/* The digest cache of the bank's identity: $XDG_CACHE_HOME/llmem/digests, else
+ * ~/.cache/llmem/digests (directories created); NULL when neither can be made (the weights are
+ * then digested at every open). */
+static char *digest_cache_path(void) {
+    const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+    char dir[4096];
+    if (xdg != NULL && *xdg == '/')
+        snprintf(dir, sizeof(dir), "%s/llmem", xdg);
+    else if (home != NULL && *home == '/')
+        snprintf(dir, sizeof(dir), "%s/.cache/llmem", home);
+    else
+        return NULL;
+    char *slash = strrchr(dir, '/');
+    *slash = '\0';
+    mkdir(dir, 0700); /* the parent (…/.cache) may not exist yet */
+    *slash = '/';
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+        LLMEM_WARN("%s: %s; the model's digest is not cached", dir, strerror(errno));
+        return NULL;
+    }
+    char *path = malloc(strlen(dir) + sizeof("/digests"));
+    if (path != NULL)
+        sprintf(path, "%s/digests", dir);
+    return path;
+}
+
+static int open_bank(struct llmem_engine *e) {
+    struct llmem_bank_identity id;
+    char *cache = digest_cache_path();
+    int status =
+        llmem_bank_identity(e->cfg.model_dir, e->cfg.kv_format, e->cfg.kv_layout, NULL, cache, &id);
+    free(cache);
+    if (status == LLMEM_OK)
+        status = llmem_bank_create(e->kv, id.root, &e->bank);
+    return status;
+}
+
 int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_fn progress,
                       void *progress_arg, struct llmem_engine **out) {
     struct llmem_engine *e = calloc(1, sizeof(*e));
@@ -156,6 +197,9 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
         (status = open_kv(e)) != LLMEM_OK ||
         (status = llmem_forward_create(e->model, e->be, e->kv, e->cfg.max_batch_tokens, &e->fwd)) !=
             LLMEM_OK)
+        goto fail;
+    if (e->cfg.kv_layout == LLMEM_KV_LAYOUT_PAGED && !e->cfg.no_bank &&
+        (status = open_bank(e)) != LLMEM_OK)
         goto fail;
     const struct llmem_model_config *mcfg = llmem_model_get_config(e->model);
     e->vocab = mcfg->geom.vocab_size;
@@ -188,6 +232,7 @@ void llmem_engine_close(struct llmem_engine *e) {
     if (e->mem != NULL)
         llmem_mem_free(e->mem, e->logits);
     llmem_forward_free(e->fwd);
+    llmem_bank_destroy(e->bank);
     llmem_kv_destroy(e->kv);
     llmem_backend_destroy(e->be);
     llmem_pool_destroy(e->pool);
@@ -313,6 +358,73 @@ static int is_stop_id(const struct llmem_engine *e, const struct llmem_generate_
     return 0;
 }
 
+/* ---- the bank around a request ----------------------------------------------------------------
+ */
+
+/* A sequence for the prompt, starting from the banked blocks that begin it (at least its last
+ * token is left to prefill, for its logits). */
+static int start_sequence(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt, int *seq,
+                          int64_t *reused) {
+    *reused = 0;
+    if (e->bank == NULL)
+        return llmem_kv_seq_new(e->kv, seq);
+    const int64_t bs = llmem_kv_block_size(e->kv);
+    int64_t max_blocks = (n_prompt - 1) / bs;
+    int64_t *ids = malloc((size_t)(max_blocks > 0 ? max_blocks : 1) * sizeof(int64_t));
+    if (ids == NULL) {
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    int64_t n = llmem_bank_lookup(e->bank, prompt, n_prompt, max_blocks, ids);
+    int status = llmem_kv_seq_new_from_blocks(e->kv, ids, n, seq);
+    free(ids);
+    if (status == LLMEM_OK)
+        *reused = n * bs;
+    return status;
+}
+
+/* Runs n tokens at pos on seq, first evicting banked blocks (least recently used) while the pool
+ * has fewer free blocks than the step needs: the bank yields to the work in flight. */
+static int step(struct llmem_engine *e, int seq, const int32_t *tokens, int64_t pos, int64_t n) {
+    if (e->bank != NULL) {
+        const int64_t bs = llmem_kv_block_size(e->kv);
+        int64_t have = (llmem_kv_seq_length(e->kv, seq) + bs - 1) / bs;
+        int64_t need = (pos + n + bs - 1) / bs - have;
+        struct llmem_bank_stats st;
+        llmem_bank_stats(e->bank, &st);
+        while (need > llmem_kv_blocks_free(e->kv) && st.blocks > 0) {
+            llmem_bank_trim(e->bank, st.bytes - llmem_kv_block_bytes(e->kv));
+            llmem_bank_stats(e->bank, &st);
+        }
+    }
+    struct llmem_batch_seq b = {.seq = seq, .pos = pos, .n_tokens = n};
+    return llmem_forward_run(e->fwd, tokens, &b, 1, e->logits);
+}
+
+/* Banks a finished sequence's full blocks (prompt, then the generated tokens whose KV was
+ * written), then holds the bank to its budget: --bank-max and the plan's dynamic ceiling with no
+ * request in flight. A bank that cannot take them only loses the reuse (logged). */
+static void bank_sequence(struct llmem_engine *e, int seq, const int32_t *prompt, int64_t n_prompt,
+                          const int32_t *ids, int64_t n_ids) {
+    if (e->bank == NULL)
+        return;
+    int32_t *all = malloc((size_t)(n_prompt + n_ids) * sizeof(int32_t));
+    if (all == NULL)
+        return;
+    memcpy(all, prompt, (size_t)n_prompt * sizeof(int32_t));
+    memcpy(all + n_prompt, ids, (size_t)n_ids * sizeof(int32_t));
+    llmem_bank_insert(e->bank, seq, all, n_prompt + n_ids);
+    free(all);
+    int64_t cap = llmem_plan_bank_dynamic_ceiling(&e->plan, 0, 0);
+    if (e->cfg.bank_max_bytes > 0 && e->cfg.bank_max_bytes < cap)
+        cap = e->cfg.bank_max_bytes;
+    llmem_bank_trim(e->bank, cap);
+}
+
+struct llmem_bank *llmem_engine_bank(struct llmem_engine *e) {
+    return e->bank;
+}
+
 int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
                           const struct llmem_generate_params *p, llmem_token_fn on_token, void *arg,
                           struct llmem_generate_result *r) {
@@ -332,8 +444,9 @@ int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t
     struct stream s = {0};
     int seq = -1;
     int status = llmem_sampler_create(&p->sampling, e->vocab, &sampler);
+    int64_t reused = 0;
     if (status != LLMEM_OK || (status = llmem_detok_create(e->tok, 1, &detok)) != LLMEM_OK ||
-        (status = llmem_kv_seq_new(e->kv, &seq)) != LLMEM_OK)
+        (status = start_sequence(e, prompt, n_prompt, &seq, &reused)) != LLMEM_OK)
         goto out;
     r->ids = malloc((size_t)max_tokens * sizeof(int32_t));
     if (r->ids == NULL) {
@@ -342,16 +455,16 @@ int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t
         goto out;
     }
     r->prompt_tokens = n_prompt;
+    r->reused_tokens = reused;
     r->finish_reason = "length";
     int stop_string = 0;
 
     /* Prefill. */
     double t0 = now_s();
     const int64_t chunk = e->cfg.max_batch_tokens;
-    for (int64_t pos = 0; pos < n_prompt; pos += chunk) {
+    for (int64_t pos = reused; pos < n_prompt; pos += chunk) {
         int64_t n = n_prompt - pos < chunk ? n_prompt - pos : chunk;
-        struct llmem_batch_seq b = {.seq = seq, .pos = pos, .n_tokens = n};
-        if ((status = llmem_forward_run(e->fwd, prompt + pos, &b, 1, e->logits)) != LLMEM_OK)
+        if ((status = step(e, seq, prompt + pos, pos, n)) != LLMEM_OK)
             goto out;
         if (p->prefill_progress != NULL)
             p->prefill_progress(p->progress_arg, pos + n, n_prompt);
@@ -397,8 +510,7 @@ int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t
         }
         if (i + 1 == max_tokens)
             break;
-        struct llmem_batch_seq b = {.seq = seq, .pos = n_prompt + i, .n_tokens = 1};
-        if ((status = llmem_forward_run(e->fwd, &id, &b, 1, e->logits)) != LLMEM_OK)
+        if ((status = step(e, seq, &id, n_prompt + i, 1)) != LLMEM_OK)
             goto out;
         r->decode_tokens++;
     }
@@ -420,6 +532,7 @@ int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t
     r->text = s.text;
     r->text_len = s.len;
     s.text = NULL;
+    bank_sequence(e, seq, prompt, n_prompt, r->ids, r->n_ids);
 out:
     if (seq >= 0)
         llmem_kv_seq_free(e->kv, seq);

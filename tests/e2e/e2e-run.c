@@ -86,6 +86,7 @@ static void test_run_stats_json(void **state) {
     const cJSON *stats = cJSON_GetObjectItem(out, "stats");
     assert_non_null(stats);
     assert_int_equal(cJSON_GetObjectItem(stats, "prompt_tokens")->valueint, 3);
+    assert_int_equal(cJSON_GetObjectItem(stats, "reused_ram_tokens")->valueint, 0);
     assert_true(cJSON_GetObjectItem(stats, "ttft_ms")->valuedouble > 0);
     assert_true(cJSON_GetObjectItem(stats, "prefill_tokens_per_s")->valuedouble > 0);
     const cJSON *mem = cJSON_GetObjectItem(stats, "memory");
@@ -162,9 +163,14 @@ static void test_tokenize_and_logits(void **state) {
 
 static void test_chat(void **state) {
     (void)state;
-    const char *args[] = {"chat", PYCODER, "--chat-template", "chatml", "-n", "8"};
-    struct tu_run r = tu_llmem_input("def add(a, b):\nclass Foo:\n", 6, args);
+    const char *args[] = {"chat", PYCODER, "--chat-template", "chatml", "-n", "8", "--stats"};
+    struct tu_run r = tu_llmem_input("def add(a, b):\nclass Foo:\n", 7, args);
     assert_int_equal(r.exit_code, 0);
+    /* the second turn takes the first turn's blocks from the session bank */
+    assert_non_null(strstr(r.err, "(0 from the session bank)"));
+    const char *second = strstr(strstr(r.err, "(0 from the session bank)") + 1, "llmem stats:");
+    assert_non_null(second);
+    assert_null(strstr(second, "(0 from the session bank)"));
     /* two answers, one line each at least */
     int lines = 0;
     for (const char *p = r.out; *p; p++)
