@@ -383,6 +383,15 @@ static int start_sequence(struct llmem_engine *e, const int32_t *prompt, int64_t
     return status;
 }
 
+/* The bank's budget with `working_set` bytes of KV in flight: the plan's dynamic ceiling
+ * (SPEC §2.3), and --bank-max. */
+static int64_t bank_cap(const struct llmem_engine *e, int64_t working_set) {
+    int64_t cap = llmem_plan_bank_dynamic_ceiling(&e->plan, working_set, 0);
+    if (e->cfg.bank_max_bytes > 0 && e->cfg.bank_max_bytes < cap)
+        cap = e->cfg.bank_max_bytes;
+    return cap;
+}
+
 /* Runs n tokens at pos on seq, first evicting banked blocks (least recently used) while the pool
  * has fewer free blocks than the step needs: the bank yields to the work in flight. */
 static int step(struct llmem_engine *e, int seq, const int32_t *tokens, int64_t pos, int64_t n) {
@@ -390,6 +399,9 @@ static int step(struct llmem_engine *e, int seq, const int32_t *tokens, int64_t 
         const int64_t bs = llmem_kv_block_size(e->kv);
         int64_t have = (llmem_kv_seq_length(e->kv, seq) + bs - 1) / bs;
         int64_t need = (pos + n + bs - 1) / bs - have;
+        /* the bank's budget at this working set (SPEC §2.3), then room for the step */
+        int64_t working_set = (have + (need > 0 ? need : 0)) * llmem_kv_block_bytes(e->kv);
+        llmem_bank_trim(e->bank, bank_cap(e, working_set));
         struct llmem_bank_stats st;
         llmem_bank_stats(e->bank, &st);
         while (need > llmem_kv_blocks_free(e->kv) && st.blocks > 0) {
@@ -402,8 +414,8 @@ static int step(struct llmem_engine *e, int seq, const int32_t *tokens, int64_t 
 }
 
 /* Banks a finished sequence's full blocks (prompt, then the generated tokens whose KV was
- * written), then holds the bank to its budget: --bank-max and the plan's dynamic ceiling with no
- * request in flight. A bank that cannot take them only loses the reuse (logged). */
+ * written), then holds the bank to its budget with no request in flight. A bank that cannot take
+ * them only loses the reuse (logged). */
 static void bank_sequence(struct llmem_engine *e, int seq, const int32_t *prompt, int64_t n_prompt,
                           const int32_t *ids, int64_t n_ids) {
     if (e->bank == NULL)
@@ -415,10 +427,7 @@ static void bank_sequence(struct llmem_engine *e, int seq, const int32_t *prompt
     memcpy(all + n_prompt, ids, (size_t)n_ids * sizeof(int32_t));
     llmem_bank_insert(e->bank, seq, all, n_prompt + n_ids);
     free(all);
-    int64_t cap = llmem_plan_bank_dynamic_ceiling(&e->plan, 0, 0);
-    if (e->cfg.bank_max_bytes > 0 && e->cfg.bank_max_bytes < cap)
-        cap = e->cfg.bank_max_bytes;
-    llmem_bank_trim(e->bank, cap);
+    llmem_bank_trim(e->bank, bank_cap(e, 0));
 }
 
 struct llmem_bank *llmem_engine_bank(struct llmem_engine *e) {
