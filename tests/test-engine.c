@@ -17,6 +17,21 @@
 
 #define PYCODER LLMEM_SOURCE_DIR "/models/pycoder"
 
+/* ---- error capture
+ * -------------------------------------------------------------------------------- */
+
+static int n_errors;
+static char last_errors[4096];
+
+static void capture(enum llmem_log_level level, const char *line, void *user) {
+    (void)user;
+    if (level != LLMEM_LOG_ERROR)
+        return;
+    n_errors++;
+    size_t used = strlen(last_errors);
+    snprintf(last_errors + used, sizeof(last_errors) - used, "%s\n", line);
+}
+
 /* ---- sampler -------------------------------------------------------------------------------- */
 
 static void test_sampler(void **state) {
@@ -240,6 +255,59 @@ static void test_generate_reuses_prefix(void **state) {
     llmem_engine_close(e);
 }
 
+/* Admission: a request whose KV cannot fit the pool (here most of it taken by another sequence)
+ * is refused before a single token of KV is written; the bank is emptied first to make room. */
+static void test_admission_refuses_before_writing(void **state) {
+    (void)state;
+    int32_t prompt[600];
+    for (int i = 0; i < 600; i++)
+        prompt[i] = 40 + i % 2000;
+    struct llmem_generate_params p;
+    llmem_generate_params_default(&p);
+    p.max_tokens = 8;
+    p.ignore_eos = 1;
+    struct llmem_generate_result r;
+    struct llmem_engine *e = NULL;
+    struct llmem_kv *kv = NULL;
+    int other;
+    struct llmem_engine_config c;
+    llmem_engine_config_default(&c);
+    c.model_dir = PYCODER;
+    c.max_sequences = 2;
+    c.n_threads = 2;
+    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    kv = llmem_engine_kv(e);
+    assert_int_equal(llmem_engine_generate(e, prompt, 600, &p, NULL, NULL, &r), LLMEM_OK);
+    llmem_generate_result_free(&r);
+    struct llmem_bank_stats bs;
+    llmem_bank_stats(llmem_engine_bank(e), &bs);
+    assert_true(bs.blocks > 0);
+    assert_int_equal(llmem_kv_seq_new(kv, &other), LLMEM_OK);
+    /* leave 5 blocks free: with the bank's, fewer than an 800-token request needs */
+    assert_int_equal(llmem_kv_reserve(kv, other, (llmem_kv_blocks_free(kv) - 5) * 16), LLMEM_OK);
+    assert_true(5 + bs.blocks < 800 / 16);
+    struct llmem_kv_stats before, after;
+    llmem_kv_stats(kv, &before);
+    llmem_log_set_callback(capture, NULL, LLMEM_LOG_ERROR);
+    last_errors[0] = '\0';
+    int32_t other_prompt[800];
+    for (int i = 0; i < 800; i++)
+        other_prompt[i] = 3000 - i;
+    assert_int_equal(llmem_engine_generate(e, other_prompt, 800, &p, NULL, NULL, &r), LLMEM_ENOMEM);
+    llmem_log_set_callback(NULL, NULL, LLMEM_LOG_WARN);
+    assert_non_null(strstr(last_errors, "refused before prefill"));
+    llmem_kv_stats(kv, &after);
+    assert_int_equal(after.bytes_written, before.bytes_written); /* nothing was written */
+    llmem_bank_stats(llmem_engine_bank(e), &bs);
+    assert_int_equal(bs.blocks, 0); /* the bank gave everything back first */
+    /* with the other sequence gone, the same request runs */
+    llmem_kv_seq_free(kv, other);
+    assert_int_equal(llmem_engine_generate(e, other_prompt, 800, &p, NULL, NULL, &r), LLMEM_OK);
+    llmem_generate_result_free(&r);
+    assert_int_equal(llmem_kv_check(kv), LLMEM_OK);
+    llmem_engine_close(e);
+}
+
 /* ---- the memory promise -----------------------------------------------------------------------
  */
 
@@ -300,18 +368,6 @@ static void test_memory_promise(void **state) {
 
 /* ---- refusals ---------------------------------------------------------------------------------
  */
-
-static int n_errors;
-static char last_errors[4096];
-
-static void capture(enum llmem_log_level level, const char *line, void *user) {
-    (void)user;
-    if (level != LLMEM_LOG_ERROR)
-        return;
-    n_errors++;
-    size_t used = strlen(last_errors);
-    snprintf(last_errors + used, sizeof(last_errors) - used, "%s\n", line);
-}
 
 static void test_refused_before_loading(void **state) {
     (void)state;
@@ -428,6 +484,7 @@ int main(void) {
         cmocka_unit_test(test_sampler),
         cmocka_unit_test(test_generate_stops),
         cmocka_unit_test(test_generate_reuses_prefix),
+        cmocka_unit_test(test_admission_refuses_before_writing),
         cmocka_unit_test(test_memory_promise),
         cmocka_unit_test(test_refused_before_loading),
         cmocka_unit_test(test_request_out_of_memory),

@@ -430,6 +430,37 @@ static void bank_sequence(struct llmem_engine *e, int seq, const int32_t *prompt
     llmem_bank_trim(e->bank, bank_cap(e, 0));
 }
 
+/* Admission (SPEC §6.5): the request's whole footprint in KV blocks must be free, or become free
+ * by evicting banked blocks, before anything is written; otherwise it is refused now rather than
+ * failing half-way. The prefix the sequence took from the bank is already pinned by it. */
+static int admit(struct llmem_engine *e, int seq, int64_t tokens) {
+    if (e->cfg.kv_layout != LLMEM_KV_LAYOUT_PAGED)
+        return LLMEM_OK;
+    const int64_t bs = llmem_kv_block_size(e->kv);
+    int64_t have = (llmem_kv_seq_length(e->kv, seq) + bs - 1) / bs;
+    int64_t need = (tokens + bs - 1) / bs - have;
+    struct llmem_bank_stats st = {0};
+    if (e->bank != NULL)
+        llmem_bank_stats(e->bank, &st);
+    while (need > llmem_kv_blocks_free(e->kv) && st.blocks > 0) {
+        llmem_bank_trim(e->bank, st.bytes - llmem_kv_block_bytes(e->kv));
+        llmem_bank_stats(e->bank, &st);
+    }
+    if (need > llmem_kv_blocks_free(e->kv)) {
+        char b1[32], b2[32];
+        LLMEM_ERROR("refused before prefill: the request needs %" PRId64
+                    " more KV blocks (%s) but %" PRId64
+                    " are free (%s) after emptying the session bank; shorten the prompt or -n, "
+                    "or quantize the KV (--kv-format q8)",
+                    need, llmem_size_format_short(need * llmem_kv_block_bytes(e->kv), b1, 32),
+                    llmem_kv_blocks_free(e->kv),
+                    llmem_size_format_short(
+                        llmem_kv_blocks_free(e->kv) * llmem_kv_block_bytes(e->kv), b2, 32));
+        return LLMEM_ENOMEM;
+    }
+    return LLMEM_OK;
+}
+
 struct llmem_bank *llmem_engine_bank(struct llmem_engine *e) {
     return e->bank;
 }
@@ -456,6 +487,8 @@ int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t
     int64_t reused = 0;
     if (status != LLMEM_OK || (status = llmem_detok_create(e->tok, 1, &detok)) != LLMEM_OK ||
         (status = start_sequence(e, prompt, n_prompt, &seq, &reused)) != LLMEM_OK)
+        goto out;
+    if ((status = admit(e, seq, n_prompt + max_tokens)) != LLMEM_OK)
         goto out;
     r->ids = malloc((size_t)max_tokens * sizeof(int32_t));
     if (r->ids == NULL) {
