@@ -308,6 +308,142 @@ static void test_admission_refuses_before_writing(void **state) {
     llmem_engine_close(e);
 }
 
+/* ---- the pressure guard -----------------------------------------------------------------------
+ */
+
+static struct llmem_guard_reading quiet(void) {
+    return (struct llmem_guard_reading){.allocator_bytes = 100,
+                                        .allocation_limit = 1000,
+                                        .resident_bytes = 200,
+                                        .trip_bytes = 1100,
+                                        .ceiling_bytes = 1200,
+                                        .psi_some = 0,
+                                        .psi_full = 0};
+}
+
+/* Levels by signal, and the edge, re-arm, flap and defer rules, with a made-up clock. */
+static void test_guard_rules(void **state) {
+    (void)state;
+    struct llmem_guard_reading r = quiet(), w = quiet(), c = quiet();
+    assert_int_equal(llmem_guard_classify(&r, NULL), LLMEM_GUARD_CLEAR);
+    w.allocator_bytes = 980; /* 98 % of the allocation limit */
+    assert_int_equal(llmem_guard_classify(&w, NULL), LLMEM_GUARD_WARNING);
+    struct llmem_guard_reading x = quiet();
+    x.resident_bytes = 1100; /* at the trip */
+    assert_int_equal(llmem_guard_classify(&x, NULL), LLMEM_GUARD_WARNING);
+    x = quiet();
+    x.psi_some = 12;
+    assert_int_equal(llmem_guard_classify(&x, NULL), LLMEM_GUARD_WARNING);
+    c.resident_bytes = 1150; /* 96 % of the ceiling */
+    const char *why = NULL;
+    assert_int_equal(llmem_guard_classify(&c, &why), LLMEM_GUARD_CRITICAL);
+    assert_non_null(strstr(why, "ceiling"));
+    x = quiet();
+    x.psi_full = 6;
+    assert_int_equal(llmem_guard_classify(&x, NULL), LLMEM_GUARD_CRITICAL);
+    x = quiet();
+    x.resident_bytes = -1; /* unknown signals never fire */
+    x.psi_some = x.psi_full = -1;
+    assert_int_equal(llmem_guard_classify(&x, NULL), LLMEM_GUARD_CLEAR);
+
+    struct llmem_guard g;
+    llmem_guard_init(&g);
+    assert_int_equal(llmem_guard_decide(&g, &r, 0, 0), LLMEM_GUARD_CLEAR);
+    assert_int_equal(llmem_guard_decide(&g, &w, 1, 0), LLMEM_GUARD_WARNING); /* rising edge */
+    assert_int_equal(llmem_guard_decide(&g, &w, 2, 0), LLMEM_GUARD_CLEAR);   /* stays up */
+    assert_int_equal(llmem_guard_decide(&g, &w, 120, 0), LLMEM_GUARD_CLEAR);
+    assert_int_equal(llmem_guard_decide(&g, &w, 121, 0), LLMEM_GUARD_WARNING); /* re-armed */
+    assert_int_equal(llmem_guard_decide(&g, &r, 125, 0), LLMEM_GUARD_CLEAR);
+    assert_int_equal(llmem_guard_decide(&g, &w, 130, 0), LLMEM_GUARD_CLEAR); /* a flap */
+    assert_int_equal(g.suppressed, 1);
+    assert_int_equal(llmem_guard_decide(&g, &r, 140, 0), LLMEM_GUARD_CLEAR);
+    assert_int_equal(llmem_guard_decide(&g, &w, 152, 0), LLMEM_GUARD_WARNING); /* 31 s later */
+    /* mid-step, a warning waits up to 60 s ... */
+    assert_int_equal(llmem_guard_decide(&g, &r, 160, 0), LLMEM_GUARD_CLEAR);
+    assert_int_equal(llmem_guard_decide(&g, &w, 300, 1), LLMEM_GUARD_CLEAR);
+    assert_int_equal(g.deferred, 1);
+    assert_int_equal(llmem_guard_decide(&g, &w, 330, 1), LLMEM_GUARD_CLEAR);
+    assert_int_equal(llmem_guard_decide(&g, &w, 360, 1), LLMEM_GUARD_WARNING);
+    /* ... or acts as soon as the step ends */
+    assert_int_equal(llmem_guard_decide(&g, &r, 361, 0), LLMEM_GUARD_CLEAR);
+    assert_int_equal(llmem_guard_decide(&g, &w, 500, 1), LLMEM_GUARD_CLEAR);
+    assert_int_equal(llmem_guard_decide(&g, &w, 501, 0), LLMEM_GUARD_WARNING);
+    /* a critical never waits, mid-step or not, and has its own edge and re-arm */
+    assert_int_equal(llmem_guard_decide(&g, &c, 502, 1), LLMEM_GUARD_CRITICAL);
+    assert_int_equal(llmem_guard_decide(&g, &c, 503, 1), LLMEM_GUARD_CLEAR);
+    assert_int_equal(llmem_guard_decide(&g, &c, 623, 1), LLMEM_GUARD_CRITICAL);
+    assert_int_equal(g.warnings, 5);
+    assert_int_equal(g.criticals, 2);
+}
+
+struct fake_pressure {
+    enum llmem_guard_level level;
+};
+
+static void fake_source(void *arg, struct llmem_guard_reading *r) {
+    const struct fake_pressure *f = arg;
+    if (f->level == LLMEM_GUARD_WARNING)
+        r->psi_some = 50;
+    else if (f->level == LLMEM_GUARD_CRITICAL)
+        r->psi_full = 50;
+    else
+        r->psi_some = r->psi_full = 0;
+}
+
+/* The engine acts on what the guard decides: a warning halves the bank and releases the
+ * allocator's cache; a critical empties the bank and refuses new requests until it clears. */
+static void test_guard_actions(void **state) {
+    (void)state;
+    struct fake_pressure f = {LLMEM_GUARD_CLEAR};
+    struct llmem_engine_config c;
+    llmem_engine_config_default(&c);
+    c.model_dir = PYCODER;
+    c.n_threads = 2;
+    c.guard_source = fake_source;
+    c.guard_source_arg = &f;
+    struct llmem_engine *e = NULL;
+    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    int32_t prompt[640];
+    for (int i = 0; i < 640; i++)
+        prompt[i] = 50 + (i * 13) % 3000;
+    struct llmem_generate_params p;
+    llmem_generate_params_default(&p);
+    p.max_tokens = 4;
+    p.ignore_eos = 1;
+    struct llmem_generate_result r;
+    assert_int_equal(llmem_engine_generate(e, prompt, 640, &p, NULL, NULL, &r), LLMEM_OK);
+    llmem_generate_result_free(&r);
+    struct llmem_bank_stats bs;
+    llmem_bank_stats(llmem_engine_bank(e), &bs);
+    int64_t banked = bs.blocks;
+    assert_true(banked >= 40);
+    assert_true(llmem_mem_cache_size(llmem_engine_mem(e)) > 0);
+
+    f.level = LLMEM_GUARD_WARNING;
+    int32_t other[8] = {9, 8, 7, 6, 5, 4, 3, 2};
+    assert_int_equal(llmem_engine_generate(e, other, 8, &p, NULL, NULL, &r), LLMEM_OK);
+    llmem_generate_result_free(&r);
+    llmem_bank_stats(llmem_engine_bank(e), &bs);
+    assert_int_equal(llmem_engine_guard(e)->warnings, 1);
+    assert_true(bs.blocks <= banked - banked / 2 + 1);
+
+    f.level = LLMEM_GUARD_CRITICAL;
+    llmem_log_set_callback(capture, NULL, LLMEM_LOG_ERROR);
+    last_errors[0] = '\0';
+    assert_int_equal(llmem_engine_generate(e, other, 8, &p, NULL, NULL, &r), LLMEM_ENOMEM);
+    llmem_log_set_callback(NULL, NULL, LLMEM_LOG_WARN);
+    assert_non_null(strstr(last_errors, "critical memory pressure"));
+    llmem_bank_stats(llmem_engine_bank(e), &bs);
+    assert_int_equal(bs.blocks, 0);
+    assert_int_equal(llmem_mem_cache_size(llmem_engine_mem(e)), 0);
+    assert_int_equal(llmem_engine_guard(e)->criticals, 1);
+
+    f.level = LLMEM_GUARD_CLEAR; /* cleared: requests are admitted again */
+    assert_int_equal(llmem_engine_generate(e, other, 8, &p, NULL, NULL, &r), LLMEM_OK);
+    llmem_generate_result_free(&r);
+    llmem_engine_close(e);
+}
+
 /* ---- the memory promise -----------------------------------------------------------------------
  */
 
@@ -485,6 +621,8 @@ int main(void) {
         cmocka_unit_test(test_generate_stops),
         cmocka_unit_test(test_generate_reuses_prefix),
         cmocka_unit_test(test_admission_refuses_before_writing),
+        cmocka_unit_test(test_guard_rules),
+        cmocka_unit_test(test_guard_actions),
         cmocka_unit_test(test_memory_promise),
         cmocka_unit_test(test_refused_before_loading),
         cmocka_unit_test(test_request_out_of_memory),

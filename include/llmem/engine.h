@@ -48,22 +48,74 @@ void llmem_sampler_free(struct llmem_sampler *s);
 int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits);
 
 /* ---------------------------------------------------------------------------------------------
+ * The pressure guard (SPEC §6.4)
+ *
+ * warning  — allocator active + cache ≥ 0.97 × the allocation limit, resident memory ≥ the trip,
+ *            or PSI "some" memory pressure ≥ LLMEM_GUARD_PSI_SOME % (avg10): shrink the session
+ *            bank to half and release the allocator's cache;
+ * critical — resident memory ≥ 0.95 × the ceiling, or PSI "full" ≥ LLMEM_GUARD_PSI_FULL %: empty
+ *            the bank, release the cache, and admit no new request until it clears.
+ * A level acts on its rising edge; while it stays up it acts again every 120 s (re-arm), and an
+ * edge within 30 s of the last action of its level is a flap and waits for the re-arm. A warning
+ * may wait up to 60 s while a request is mid-step; a critical never waits.
+ * ------------------------------------------------------------------------------------------- */
+
+#define LLMEM_GUARD_PSI_SOME 10.0
+#define LLMEM_GUARD_PSI_FULL 5.0
+#define LLMEM_GUARD_REARM_S  120.0
+#define LLMEM_GUARD_FLAP_S   30.0
+#define LLMEM_GUARD_DEFER_S  60.0
+
+enum llmem_guard_level { LLMEM_GUARD_CLEAR = 0, LLMEM_GUARD_WARNING, LLMEM_GUARD_CRITICAL };
+
+/* One look at the machine (sizes in bytes; LLMEM_SYS_UNKNOWN / −1 where unknown). */
+struct llmem_guard_reading {
+    int64_t allocator_bytes; /* active + cache */
+    int64_t allocation_limit;
+    int64_t resident_bytes;
+    int64_t trip_bytes, ceiling_bytes;
+    double psi_some, psi_full; /* avg10, % */
+};
+
+/* The level a reading signals, and which signal (a static string) when not clear. */
+enum llmem_guard_level llmem_guard_classify(const struct llmem_guard_reading *r, const char **why);
+
+struct llmem_guard {
+    enum llmem_guard_level prev; /* the last reading's level */
+    double last_action[3];       /* per level: when it last acted (−inf: never) */
+    double deferred_since;       /* a warning waiting for the step to end (−1: none) */
+    int64_t warnings, criticals, deferred, suppressed; /* actions taken, waits, flaps ignored */
+};
+void llmem_guard_init(struct llmem_guard *g);
+/* What to do now (seconds on any monotonic clock) about a reading: LLMEM_GUARD_CLEAR for
+ * nothing, else the action's level (counted). */
+enum llmem_guard_level llmem_guard_decide(struct llmem_guard *g,
+                                          const struct llmem_guard_reading *r, double now,
+                                          int mid_step);
+
+/* A source of readings for the engine's guard (tests fake pressure with one); the engine's own
+ * reads the allocator, /proc/self/statm and /proc/pressure/memory. */
+typedef void (*llmem_guard_source_fn)(void *arg, struct llmem_guard_reading *r);
+
+/* ---------------------------------------------------------------------------------------------
  * The engine
  * ------------------------------------------------------------------------------------------- */
 
 struct llmem_engine_config {
     const char *model_dir;
-    enum llmem_kv_layout kv_layout; /* paged */
-    enum llmem_kv_format kv_format; /* f16 */
-    int64_t context;                /* --context; 0: the plan's window */
-    int64_t budget_bytes;           /* --budget; 0: none */
-    int64_t memory_limit_bytes;     /* --memory-limit; 0: none */
-    double util;                    /* --util; 0: none */
-    int n_threads;                  /* --threads; ≤ 0: the online CPUs */
-    int64_t max_batch_tokens;       /* 512 */
-    int64_t max_sequences;          /* 1 */
-    int64_t bank_max_bytes;         /* --bank-max: the RAM tier's cap; 0: the plan's ceiling */
-    int no_bank;                    /* 1: no session bank */
+    enum llmem_kv_layout kv_layout;     /* paged */
+    enum llmem_kv_format kv_format;     /* f16 */
+    int64_t context;                    /* --context; 0: the plan's window */
+    int64_t budget_bytes;               /* --budget; 0: none */
+    int64_t memory_limit_bytes;         /* --memory-limit; 0: none */
+    double util;                        /* --util; 0: none */
+    int n_threads;                      /* --threads; ≤ 0: the online CPUs */
+    int64_t max_batch_tokens;           /* 512 */
+    int64_t max_sequences;              /* 1 */
+    int64_t bank_max_bytes;             /* --bank-max: the RAM tier's cap; 0: the plan's ceiling */
+    int no_bank;                        /* 1: no session bank */
+    llmem_guard_source_fn guard_source; /* (optional) replaces the machine's readings */
+    void *guard_source_arg;
 };
 void llmem_engine_config_default(struct llmem_engine_config *c);
 
@@ -83,6 +135,8 @@ struct llmem_mem *llmem_engine_mem(struct llmem_engine *e);
 struct llmem_kv *llmem_engine_kv(struct llmem_engine *e);
 struct llmem_model *llmem_engine_model(struct llmem_engine *e);
 struct llmem_forward *llmem_engine_forward(struct llmem_engine *e);
+/* The engine's pressure guard (its counters). */
+const struct llmem_guard *llmem_engine_guard(const struct llmem_engine *e);
 /* The session bank's RAM tier (NULL without one: no_bank or a layout other than paged). */
 struct llmem_bank *llmem_engine_bank(struct llmem_engine *e);
 /* The threads the engine's kernels run on (for work that must not compete with them). */

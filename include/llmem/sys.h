@@ -131,6 +131,20 @@ uint32_t llmem_sys_isa_features(void);
  * for none) into buf, always NUL-terminated; returns buf. */
 char *llmem_sys_isa_string(uint32_t features, char *buf, size_t buf_size);
 
+/* ---------------------------------------------------------------------------------------------
+ * Memory pressure (SPEC §6.4)
+ * ------------------------------------------------------------------------------------------- */
+
+struct llmem_sys_pressure {
+    int64_t resident_bytes; /* this process's resident memory; LLMEM_SYS_UNKNOWN */
+    double psi_some_avg10;  /* % of the last 10 s some task stalled on memory; −1 unknown */
+    double psi_full_avg10;  /* % of the last 10 s all tasks stalled on memory; −1 unknown */
+};
+/* Reads /proc/self/statm and /proc/pressure/memory; what cannot be read is unknown. */
+void llmem_sys_pressure_read(struct llmem_sys_pressure *p);
+/* The same below `root` (a directory prefix without a trailing '/'), for tests. */
+void llmem_sys_pressure_read_at(const char *root, struct llmem_sys_pressure *p);
+
 #ifdef __cplusplus
 }
 #endif

@@ -37,6 +37,10 @@ struct llmem_engine {
     struct llmem_backend *be;
     struct llmem_kv *kv;
     struct llmem_bank *bank; /* the RAM tier of the session bank (paged layout), or NULL */
+    struct llmem_guard guard;
+    struct llmem_sys_pressure pressure; /* the last read of /proc, and when */
+    double pressure_at;
+    int refusing; /* a critical is in effect: no new request is admitted */
     struct llmem_forward *fwd;
     float *logits; /* (max_sequences, vocab) tag scratch */
     int64_t vocab;
@@ -176,6 +180,8 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
         return LLMEM_ENOMEM;
     }
     e->cfg = *config;
+    llmem_guard_init(&e->guard);
+    e->pressure_at = -1;
     if (e->cfg.max_batch_tokens <= 0)
         e->cfg.max_batch_tokens = 512;
     if (e->cfg.max_sequences <= 0)
@@ -358,6 +364,67 @@ static int is_stop_id(const struct llmem_engine *e, const struct llmem_generate_
     return 0;
 }
 
+/* ---- the pressure guard ------------------------------------------------------------------------
+ */
+
+static void guard_reading(struct llmem_engine *e, struct llmem_guard_reading *r) {
+    struct llmem_mem_stats st;
+    llmem_mem_stats(e->mem, &st);
+    double now = now_s();
+    if (e->pressure_at < 0 || now - e->pressure_at >= 0.05) { /* /proc at most 20 times a second */
+        llmem_sys_pressure_read(&e->pressure);
+        e->pressure_at = now;
+    }
+    *r = (struct llmem_guard_reading){
+        .allocator_bytes = st.active_bytes + st.cache_bytes,
+        .allocation_limit = st.memory_limit_bytes,
+        .resident_bytes = e->pressure.resident_bytes,
+        .trip_bytes = e->plan.trip_bytes,
+        .ceiling_bytes = e->plan.planning_bytes,
+        .psi_some = e->pressure.psi_some_avg10,
+        .psi_full = e->pressure.psi_full_avg10,
+    };
+    if (e->cfg.guard_source != NULL)
+        e->cfg.guard_source(e->cfg.guard_source_arg, r);
+}
+
+/* Reads the signals and acts (SPEC §6.4): a warning halves the bank and releases the allocator's
+ * cache; a critical empties the bank, releases the cache and stops admissions until it clears. */
+static void guard_check(struct llmem_engine *e, int mid_step) {
+    struct llmem_guard_reading r;
+    guard_reading(e, &r);
+    const char *why = NULL;
+    enum llmem_guard_level level = llmem_guard_classify(&r, &why);
+    if (level < LLMEM_GUARD_CRITICAL && e->refusing) {
+        e->refusing = 0;
+        LLMEM_WARN("guard: the critical memory pressure has cleared; admitting requests again");
+    }
+    enum llmem_guard_level act = llmem_guard_decide(&e->guard, &r, now_s(), mid_step);
+    if (act == LLMEM_GUARD_CLEAR)
+        return;
+    struct llmem_bank_stats bs = {0};
+    if (e->bank != NULL) {
+        llmem_bank_stats(e->bank, &bs);
+        llmem_bank_trim(e->bank, act == LLMEM_GUARD_CRITICAL ? 0 : bs.bytes / 2);
+    }
+    int64_t cache = llmem_mem_cache_size(e->mem);
+    llmem_mem_clear_cache(e->mem);
+    if (act == LLMEM_GUARD_CRITICAL)
+        e->refusing = 1;
+    char b1[32], b2[32];
+    LLMEM_WARN("guard: %s (%s): session bank %s → %s, allocator cache %s released%s",
+               act == LLMEM_GUARD_CRITICAL ? "critical" : "warning", why,
+               llmem_size_format_short(bs.bytes, b1, sizeof(b1)),
+               llmem_size_format_short(act == LLMEM_GUARD_CRITICAL ? 0 : bs.bytes - bs.bytes / 2,
+                                       b2, sizeof(b2)),
+               llmem_size_format_short(cache, b1, sizeof(b1)),
+               act == LLMEM_GUARD_CRITICAL ? "; no new requests until it clears" : "");
+}
+
+const struct llmem_guard *llmem_engine_guard(const struct llmem_engine *e) {
+    return &e->guard;
+}
+
 /* ---- the bank around a request ----------------------------------------------------------------
  */
 
@@ -395,6 +462,7 @@ static int64_t bank_cap(const struct llmem_engine *e, int64_t working_set) {
 /* Runs n tokens at pos on seq, first evicting banked blocks (least recently used) while the pool
  * has fewer free blocks than the step needs: the bank yields to the work in flight. */
 static int step(struct llmem_engine *e, int seq, const int32_t *tokens, int64_t pos, int64_t n) {
+    guard_check(e, 1);
     if (e->bank != NULL) {
         const int64_t bs = llmem_kv_block_size(e->kv);
         int64_t have = (llmem_kv_seq_length(e->kv, seq) + bs - 1) / bs;
@@ -434,6 +502,12 @@ static void bank_sequence(struct llmem_engine *e, int seq, const int32_t *prompt
  * by evicting banked blocks, before anything is written; otherwise it is refused now rather than
  * failing half-way. The prefix the sequence took from the bank is already pinned by it. */
 static int admit(struct llmem_engine *e, int seq, int64_t tokens) {
+    guard_check(e, 0);
+    if (e->refusing) {
+        LLMEM_ERROR("refused: the machine is under critical memory pressure; no new request is "
+                    "admitted until it clears");
+        return LLMEM_ENOMEM;
+    }
     if (e->cfg.kv_layout != LLMEM_KV_LAYOUT_PAGED)
         return LLMEM_OK;
     const int64_t bs = llmem_kv_block_size(e->kv);

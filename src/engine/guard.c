@@ -1,0 +1,89 @@
+/*
+ * engine/guard.c — the pressure guard's decisions (see llmem/engine.h): which level a reading
+ * signals, and when a level acts — on its rising edge, again after the re-arm time while it stays
+ * up, never twice within the flap time, a warning deferred at most the defer time while a request
+ * is mid-step, a critical never deferred. Pure: time is an argument, so every rule is tested with
+ * made-up clocks.
+ */
+#include <math.h>
+
+#include "llmem/engine.h"
+#include "llmem/sys.h"
+
+enum llmem_guard_level llmem_guard_classify(const struct llmem_guard_reading *r, const char **why) {
+    const char *w = NULL;
+    enum llmem_guard_level level = LLMEM_GUARD_CLEAR;
+    if (r->resident_bytes >= 0 && r->ceiling_bytes > 0 &&
+        (double)r->resident_bytes >= 0.95 * (double)r->ceiling_bytes) {
+        level = LLMEM_GUARD_CRITICAL;
+        w = "resident memory at 95 % of the ceiling";
+    } else if (r->psi_full >= LLMEM_GUARD_PSI_FULL) {
+        level = LLMEM_GUARD_CRITICAL;
+        w = "memory pressure stalls every task (PSI full)";
+    } else if (r->allocation_limit > 0 &&
+               (double)r->allocator_bytes >= 0.97 * (double)r->allocation_limit) {
+        level = LLMEM_GUARD_WARNING;
+        w = "the allocator at 97 % of its limit";
+    } else if (r->resident_bytes >= 0 && r->trip_bytes > 0 && r->resident_bytes >= r->trip_bytes) {
+        level = LLMEM_GUARD_WARNING;
+        w = "resident memory past the trip";
+    } else if (r->psi_some >= LLMEM_GUARD_PSI_SOME) {
+        level = LLMEM_GUARD_WARNING;
+        w = "memory pressure stalls some tasks (PSI some)";
+    }
+    if (why != NULL)
+        *why = w;
+    return level;
+}
+
+void llmem_guard_init(struct llmem_guard *g) {
+    *g = (struct llmem_guard){.prev = LLMEM_GUARD_CLEAR, .deferred_since = -1};
+    for (int i = 0; i < 3; i++)
+        g->last_action[i] = -INFINITY;
+}
+
+/* Whether a level that is up now acts: on a rising edge outside the flap time, or while it stays
+ * up once the re-arm time has passed. */
+static int due(struct llmem_guard *g, enum llmem_guard_level level, int rising, double now) {
+    double since = now - g->last_action[level];
+    if (rising && since >= LLMEM_GUARD_FLAP_S)
+        return 1;
+    if (since >= LLMEM_GUARD_REARM_S)
+        return 1;
+    if (rising)
+        g->suppressed++;
+    return 0;
+}
+
+enum llmem_guard_level llmem_guard_decide(struct llmem_guard *g,
+                                          const struct llmem_guard_reading *r, double now,
+                                          int mid_step) {
+    enum llmem_guard_level level = llmem_guard_classify(r, NULL), act = LLMEM_GUARD_CLEAR;
+    if (level == LLMEM_GUARD_CRITICAL) {
+        if (due(g, LLMEM_GUARD_CRITICAL, g->prev < LLMEM_GUARD_CRITICAL, now))
+            act = LLMEM_GUARD_CRITICAL;
+        g->deferred_since = -1; /* a critical covers any warning waiting */
+    } else if (level == LLMEM_GUARD_WARNING) {
+        int waiting = g->deferred_since >= 0;
+        if (waiting || due(g, LLMEM_GUARD_WARNING, g->prev < LLMEM_GUARD_WARNING, now)) {
+            if (mid_step && !waiting) {
+                g->deferred_since = now;
+                g->deferred++;
+            } else if (!mid_step || now - g->deferred_since >= LLMEM_GUARD_DEFER_S) {
+                act = LLMEM_GUARD_WARNING;
+                g->deferred_since = -1;
+            }
+        }
+    } else {
+        g->deferred_since = -1; /* cleared before it acted */
+    }
+    g->prev = level;
+    if (act != LLMEM_GUARD_CLEAR) {
+        g->last_action[act] = now;
+        if (act == LLMEM_GUARD_CRITICAL)
+            g->criticals++;
+        else
+            g->warnings++;
+    }
+    return act;
+}
