@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <sys/stat.h>
 
 #include "testutil.h"
@@ -651,6 +652,30 @@ static void test_root_forms(void **state) {
     assert_string_equal(llmem_ceiling_source_name((enum llmem_ceiling_source)99), "unknown");
 }
 
+/* Memory pressure: resident pages from statm, PSI averages; unreadable files are unknown. */
+static void test_pressure(void **state) {
+    (void)state;
+    char *root = tu_mkdtemp();
+    struct llmem_sys_pressure p;
+    llmem_sys_pressure_read_at(root, &p); /* nothing there */
+    assert_int_equal(p.resident_bytes, LLMEM_SYS_UNKNOWN);
+    assert_true(p.psi_some_avg10 < 0 && p.psi_full_avg10 < 0);
+    put(root, "proc/self/statm", "765 434 405 5 0 123 0\n");
+    put(root, "proc/pressure/memory",
+        "some avg10=12.50 avg60=3.00 avg300=1.00 total=99\n"
+        "full avg10=0.75 avg60=0.20 avg300=0.00 total=5\n");
+    llmem_sys_pressure_read_at(root, &p);
+    assert_int_equal(p.resident_bytes, 434 * (int64_t)sysconf(_SC_PAGESIZE));
+    assert_true(p.psi_some_avg10 == 12.5 && p.psi_full_avg10 == 0.75);
+    put(root, "proc/pressure/memory", "garbage\n");
+    llmem_sys_pressure_read_at(root, &p);
+    assert_true(p.psi_some_avg10 < 0 && p.psi_full_avg10 < 0);
+    llmem_sys_pressure_read(&p); /* the real one reads this process */
+    assert_true(p.resident_bytes > 0);
+    tu_rmtree(root);
+    free(root);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_v2_nested_parent_limit),
@@ -677,6 +702,7 @@ int main(void) {
         cmocka_unit_test(test_parse_u64),
         cmocka_unit_test(test_json),
         cmocka_unit_test(test_root_forms),
+        cmocka_unit_test(test_pressure),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
