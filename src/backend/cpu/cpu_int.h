@@ -23,10 +23,11 @@ struct llmem_pool;
 #define CPU_GEMM512_MR        32
 #define CPU_GEMM512_NR        12
 #define CPU_GEMM512_KC        2048
-#define CPU_GEMM512_STRIPS    8
-#define CPU_GEMM_XBLOCK_BYTES ((size_t)3 << 20)
-#define CPU_GEMM_XT_BYTES                                                                          \
-    (CPU_GEMM_XBLOCK_BYTES + ((size_t)CPU_GEMM_K_MAX * CPU_GEMM512_NR * 4))
+#define CPU_GEMM512_STRIPS    12
+#define CPU_GEMM_XBLOCK_BYTES ((size_t)9 << 19)
+#define CPU_GEMM_XT_BYTES     CPU_GEMM_XBLOCK_BYTES
+_Static_assert(CPU_GEMM_XBLOCK_BYTES >= (size_t)CPU_GEMM_K_MAX * CPU_GEMM512_NR * 4,
+               "a block of x holds at least one strip");
 /* Per-thread scratch, in floats: the larger of the portable panel and the AVX-512 W chunk plus
  * the partial sums (16 lanes of every output of CPU_GEMM512_STRIPS tiles). */
 #define CPU_GEMM_THREAD_FLOATS_512                                                                 \

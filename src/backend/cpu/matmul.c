@@ -11,11 +11,14 @@
  * time from four quarters of the range (four long sequential streams, prefetched 8 KiB ahead);
  * for more, four W rows at a time are multiplied with two rows of x at a time.
  *
- * GEMM (n large): each task owns a range of W rows; a token block of x is packed once per block,
- * by all threads, as [k/16][6 tokens][16]; each panel of 4 W rows is converted to f32 as
- * [k/16][4][16] and multiplied with every packed strip: 4 × 6 tiles, 10 vector loads and 24 FMAs
- * per 16 columns, one accumulator per output, reduced by the canonical tree. Rows longer than
- * CPU_GEMM_K_MAX take the decode kernels.
+ * GEMM (n large), AVX-512: lane by lane (the 16 lanes of the canonical sums are independent
+ * chains), a tile of 32 W rows × 12 rows of x is an outer-product GEMM vectorized over W rows:
+ * 24 accumulators, 2 vector loads and 12 broadcasts per 24 FMAs. Each task owns a range of W
+ * rows; a block of x (up to 4.5 MiB) is packed once per block, by all threads, per lane as
+ * [l][k/16][12]; W is converted in chunks of 2048 columns, transposed per lane ([l][k/16][32]),
+ * and multiplied with every strip of the block; the 16 lane sums of a tile are added by the
+ * canonical tree at the end, 16 outputs per vector. Portable and AVX2: 4 converted W rows ×
+ * rows of x, one accumulator per output. Rows longer than CPU_GEMM_K_MAX take the decode kernels.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -642,25 +645,29 @@ static void gemm_task(void *arg, int task, int thread) {
 #if CPU_X86
 /* Packs strip `task` of the block: CPU_GEMM512_NR rows of x as [l][k/16][NR] (column 16 s + l of
  * row j at (l · nk + s) · NR + j), zero past cols and past the block. */
-static void pack_x_task(void *arg, int task, int thread) {
+TARGET_AVX512 static void pack_x_task(void *arg, int task, int thread) {
     (void)thread;
     const struct gemm_job *j = arg;
     const int64_t cols = j->w->cols, nk = (cols + 15) / 16;
     float *dst = j->c->xt + (size_t)task * (size_t)nk * 16 * CPU_GEMM512_NR;
     const float *src[CPU_GEMM512_NR];
-    int valid = 0;
     for (int jj = 0; jj < CPU_GEMM512_NR; jj++) {
         int64_t t = (int64_t)task * CPU_GEMM512_NR + jj;
         src[jj] = t < j->nt ? j->x + (j->t0 + t) * cols : NULL;
-        valid += src[jj] != NULL;
     }
-    for (int l = 0; l < 16; l++)
-        for (int64_t s = 0; s < nk; s++) {
-            float *d = dst + ((size_t)l * (size_t)nk + (size_t)s) * CPU_GEMM512_NR;
-            int64_t k = s * 16 + l;
-            for (int jj = 0; jj < CPU_GEMM512_NR; jj++)
-                d[jj] = jj < valid && k < cols ? src[jj][k] : 0.0f;
-        }
+    const __mmask16 m12 = (__mmask16)((1u << CPU_GEMM512_NR) - 1);
+    for (int64_t s = 0; s < nk; s++) {
+        int64_t left = cols - s * 16;
+        __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        __m512 r[16];
+        for (int jj = 0; jj < 16; jj++)
+            r[jj] = jj < CPU_GEMM512_NR && src[jj] != NULL ? _mm512_maskz_loadu_ps(m, src[jj] + s * 16)
+                                                           : _mm512_setzero_ps();
+        transpose16_avx512(r);
+        for (int l = 0; l < 16; l++)
+            _mm512_mask_storeu_ps(dst + ((size_t)l * (size_t)nk + (size_t)s) * CPU_GEMM512_NR, m12,
+                                  r[l]);
+    }
 }
 
 /* A task: its range of W rows, 32 at a time; per chunk of columns, the chunk of the panel is
