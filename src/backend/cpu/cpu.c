@@ -16,8 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <cblas.h>
-
 #include "backend/cpu/cpu_int.h"
 #include "core/log.h"
 #include "core/pool.h"
@@ -329,8 +327,6 @@ static int cpu_create(int n_threads, struct llmem_pool *pool, struct llmem_mem *
         free(b);
         return LLMEM_ENOMEM;
     }
-    /* OpenBLAS runs its own threads: as many as ours, never more. */
-    openblas_set_num_threads(c->n_threads);
     b->ops = &cpu_ops;
     b->ctx = c;
     *out = b;

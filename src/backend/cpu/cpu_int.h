@@ -57,6 +57,7 @@ struct cpu_ctx {
     enum cpu_isa isa;
     enum cpu_matmul_path path;
     int blas_f32;       /* AUTO uses OpenBLAS for f32 weights in prefill */
+    int blas_sized;     /* OpenBLAS's threads were set to n_threads (at its first use) */
     int64_t gemm_min_n; /* AUTO: n at or above this takes the GEMM path */
     float *xt;          /* (CPU_GEMM_XT_BYTES) a block of x, packed (AVX-512 GEMM) */
     float *wpanel;      /* (n_threads, CPU_GEMM_THREAD_FLOATS): W converted to f32, sums */

@@ -750,9 +750,15 @@ static void matmul_gemm(struct cpu_ctx *c, const struct matmul_kernels *k,
 }
 
 /* OpenBLAS for f32 weights: one sgemm, then the bias. OpenBLAS runs on its own threads, as many
- * as the backend has (set at create); the pool's workers sleep meanwhile or spin briefly. */
-static void matmul_blas(const struct llmem_weight *w, const float *x, int64_t n, float *y,
-                        const float *bias) {
+ * as the backend has, set at the path's first use: not at create, since an OpenBLAS sized for
+ * threads it never runs still has them poll for work (sched_yield) beside the pool's on a
+ * small machine. The pool's workers sleep meanwhile or spin briefly. */
+static void matmul_blas(struct cpu_ctx *c, const struct llmem_weight *w, const float *x,
+                        int64_t n, float *y, const float *bias) {
+    if (!c->blas_sized) {
+        openblas_set_num_threads(c->n_threads);
+        c->blas_sized = 1;
+    }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)w->rows,
                 (blasint)w->cols, 1.0f, x, (blasint)w->cols, (const float *)w->data,
                 (blasint)w->cols, 0.0f, y, (blasint)w->rows);
@@ -787,7 +793,7 @@ void cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t
         path = CPU_MATMUL_GEMM;
     switch (path) {
     case CPU_MATMUL_DECODE: matmul_decode(c, k, w, x, n, y, bias); break;
-    case CPU_MATMUL_BLAS: matmul_blas(w, x, n, y, bias); break;
+    case CPU_MATMUL_BLAS: matmul_blas(c, w, x, n, y, bias); break;
     default: matmul_gemm(c, k, w, x, n, y, bias);
     }
 }
