@@ -16,8 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <cblas.h>
-
 #include "backend/cpu/cpu_int.h"
 #include "core/log.h"
 #include "core/pool.h"
@@ -281,7 +279,7 @@ static const struct llmem_backend_ops cpu_ops = {
 
 int64_t llmem_backend_cpu_scratch_bytes(int n_threads) {
     return (int64_t)CPU_GEMM_XT_BYTES +
-           (int64_t)n_threads * CPU_GEMM_MR * CPU_GEMM_K_MAX * (int64_t)sizeof(float);
+           (int64_t)n_threads * (int64_t)CPU_GEMM_THREAD_FLOATS * (int64_t)sizeof(float);
 }
 
 static int cpu_create(int n_threads, struct llmem_pool *pool, struct llmem_mem *mem,
@@ -329,8 +327,6 @@ static int cpu_create(int n_threads, struct llmem_pool *pool, struct llmem_mem *
         free(b);
         return LLMEM_ENOMEM;
     }
-    /* OpenBLAS runs its own threads: as many as ours, never more. */
-    openblas_set_num_threads(c->n_threads);
     b->ops = &cpu_ops;
     b->ctx = c;
     *out = b;

@@ -12,13 +12,31 @@
 
 struct llmem_pool;
 
-/* GEMM blocking (matmul.c): W rows and rows of x per tile, the longest W row the per-thread
- * scratch converts (longer ones take the decode kernels), the bytes of x per token block. */
+/* GEMM blocking (matmul.c). The portable and AVX2 GEMM: CPU_GEMM_MR W rows converted at a time,
+ * the whole row (at most CPU_GEMM_K_MAX columns; longer rows take the decode kernels). The AVX-512
+ * GEMM: tiles of CPU_GEMM512_MR W rows × CPU_GEMM512_NR rows of x, W converted in chunks of
+ * CPU_GEMM512_KC columns; with more than one chunk, the partial sums of at most
+ * CPU_GEMM512_STRIPS strips of x wait in per-thread scratch between chunks. A block of x (at most
+ * CPU_GEMM_XBLOCK_BYTES, at least one strip) is packed once for all threads. */
 #define CPU_GEMM_MR           4
-#define CPU_GEMM_NR           6
 #define CPU_GEMM_K_MAX        16384
-#define CPU_GEMM_XBLOCK_BYTES ((size_t)768 << 10)
-#define CPU_GEMM_XT_BYTES     (CPU_GEMM_XBLOCK_BYTES + ((size_t)CPU_GEMM_K_MAX * CPU_GEMM_NR * 4))
+#define CPU_GEMM512_MR        32
+#define CPU_GEMM512_NR        12
+#define CPU_GEMM512_KC        2048
+#define CPU_GEMM512_STRIPS    12
+#define CPU_GEMM_XBLOCK_BYTES ((size_t)9 << 19)
+#define CPU_GEMM_XT_BYTES     CPU_GEMM_XBLOCK_BYTES
+_Static_assert(CPU_GEMM_XBLOCK_BYTES >= (size_t)CPU_GEMM_K_MAX * CPU_GEMM512_NR * 4,
+               "a block of x holds at least one strip");
+/* Per-thread scratch, in floats: the larger of the portable panel and the AVX-512 W chunk plus
+ * the partial sums (16 lanes of every output of CPU_GEMM512_STRIPS tiles). */
+#define CPU_GEMM_THREAD_FLOATS_512                                                                 \
+    ((size_t)CPU_GEMM512_MR * CPU_GEMM512_KC +                                                     \
+     (size_t)CPU_GEMM512_STRIPS * 16 * CPU_GEMM512_MR * CPU_GEMM512_NR)
+#define CPU_GEMM_THREAD_FLOATS                                                                     \
+    ((size_t)CPU_GEMM_MR * CPU_GEMM_K_MAX > CPU_GEMM_THREAD_FLOATS_512                             \
+         ? (size_t)CPU_GEMM_MR * CPU_GEMM_K_MAX                                                    \
+         : CPU_GEMM_THREAD_FLOATS_512)
 
 /* Which kernels run (the best the CPU supports unless capped for tests and benchmarks). */
 enum cpu_isa { CPU_ISA_SCALAR = 0, CPU_ISA_AVX2, CPU_ISA_AVX512 };
@@ -39,9 +57,10 @@ struct cpu_ctx {
     enum cpu_isa isa;
     enum cpu_matmul_path path;
     int blas_f32;       /* AUTO uses OpenBLAS for f32 weights in prefill */
+    int blas_sized;     /* OpenBLAS's threads were set to n_threads (at its first use) */
     int64_t gemm_min_n; /* AUTO: n at or above this takes the GEMM path */
     float *xt;          /* (CPU_GEMM_XT_BYTES) a block of x, packed (AVX-512 GEMM) */
-    float *wpanel;      /* (n_threads, MR × K_MAX): W rows converted to f32 */
+    float *wpanel;      /* (n_threads, CPU_GEMM_THREAD_FLOATS): W converted to f32, sums */
 };
 
 /* The matmul of the backend table (matmul.c). */

@@ -11,11 +11,14 @@
  * time from four quarters of the range (four long sequential streams, prefetched 8 KiB ahead);
  * for more, four W rows at a time are multiplied with two rows of x at a time.
  *
- * GEMM (n large): each task owns a range of W rows; a token block of x is packed once per block,
- * by all threads, as [k/16][6 tokens][16]; each panel of 4 W rows is converted to f32 as
- * [k/16][4][16] and multiplied with every packed strip: 4 × 6 tiles, 10 vector loads and 24 FMAs
- * per 16 columns, one accumulator per output, reduced by the canonical tree. Rows longer than
- * CPU_GEMM_K_MAX take the decode kernels.
+ * GEMM (n large), AVX-512: lane by lane (the 16 lanes of the canonical sums are independent
+ * chains), a tile of 32 W rows × 12 rows of x is an outer-product GEMM vectorized over W rows:
+ * 24 accumulators, 2 vector loads and 12 broadcasts per 24 FMAs. Each task owns a range of W
+ * rows; a block of x (up to 4.5 MiB) is packed once per block, by all threads, per lane as
+ * [l][k/16][12]; W is converted in chunks of 2048 columns, transposed per lane ([l][k/16][32]),
+ * and multiplied with every strip of the block; the 16 lane sums of a tile are added by the
+ * canonical tree at the end, 16 outputs per vector. Portable and AVX2: 4 converted W rows ×
+ * rows of x, one accumulator per output. Rows longer than CPU_GEMM_K_MAX take the decode kernels.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -342,6 +345,13 @@ TARGET_AVX512 static ALWAYS_INLINE void gemv_avx512_dt(const void *w, enum llmem
         /* DECODE_R1 long sequential streams: the range in DECODE_R1 parts, one row of each at a
          * time (consecutive rows, read together, would be DECODE_R1 short streams). */
         int64_t part = nrows / DECODE_R1;
+        /* The first DECODE_PF_BYTES of every stream: the loop prefetches only beyond them. */
+        const size_t esize = dt == LLMEM_DTYPE_F32 ? 4 : 2;
+        const size_t span = (size_t)(part > 0 ? part : 1) * (size_t)ld * esize;
+        const size_t warm = span < DECODE_PF_BYTES ? span : DECODE_PF_BYTES;
+        for (int r = 0; r < DECODE_R1; r++)
+            for (size_t o = 0; o < warm; o += 64)
+                _mm_prefetch((const char *)row_at(w, dt, ld, part * r) + o, _MM_HINT_T0);
         for (; i < part; i++)
             gemv_tile_avx512_s(w, dt, ld, i, part, x, cols, 0, y, ldy, bias, DECODE_R1, 1,
                                DECODE_PF_BYTES);
@@ -399,78 +409,122 @@ TARGET_AVX512 static void convert_avx512(const void *row, enum llmem_dtype dt, i
         dst[k] = weight_at(row, dt, k);
 }
 
-/* The GEMM's tiles: CPU_GEMM_MR converted rows (f32, ld apart) × CPU_GEMM_NR rows of x. */
-TARGET_AVX512 static void panel_avx512(const float *a, int64_t ld, int64_t mr, const float *x,
-                                       int64_t cols, int64_t n, float *y, int64_t ldy,
-                                       const float *bias) {
-    int64_t t = 0;
-    if (mr == CPU_GEMM_MR) {
-        for (; t + CPU_GEMM_NR <= n; t += CPU_GEMM_NR)
-            gemv_tile_avx512(a, LLMEM_DTYPE_F32, ld, 0, x, cols, t, y, ldy, bias, CPU_GEMM_MR,
-                             CPU_GEMM_NR, 0);
-        switch (n - t) {
-        case 0: break;
-        case 1: gemv_tile_avx512(a, LLMEM_DTYPE_F32, ld, 0, x, cols, t, y, ldy, bias, CPU_GEMM_MR, 1, 0); break;
-        case 2: gemv_tile_avx512(a, LLMEM_DTYPE_F32, ld, 0, x, cols, t, y, ldy, bias, CPU_GEMM_MR, 2, 0); break;
-        case 3: gemv_tile_avx512(a, LLMEM_DTYPE_F32, ld, 0, x, cols, t, y, ldy, bias, CPU_GEMM_MR, 3, 0); break;
-        case 4: gemv_tile_avx512(a, LLMEM_DTYPE_F32, ld, 0, x, cols, t, y, ldy, bias, CPU_GEMM_MR, 4, 0); break;
-        default:
-            gemv_avx512_dt(a, LLMEM_DTYPE_F32, ld, mr, x + t * cols, cols, n - t, y + t * ldy, ldy,
-                           bias);
-        }
-        return;
-    }
-    gemv_avx512_dt(a, LLMEM_DTYPE_F32, ld, mr, x, cols, n, y, ldy, bias);
-}
+/* The AVX-512 GEMM works lane by lane: the canonical sums are 16 independent chains per output
+ * (lane l takes the columns k ≡ l mod 16 in increasing order), so for one lane at a time a tile is
+ * an ordinary outer-product GEMM, vectorized over 16 W rows with one element of x broadcast:
+ * 32 rows × 12 rows of x, 24 accumulators, 2 vector loads and 12 broadcasts per 24 FMAs. W is
+ * packed per lane ([l][k/16][32], a 16 × 16 transpose per block) and x too ([l][k/16][12]); the
+ * 16 lanes' partial sums of a tile are kept in scratch and added by the canonical tree at the end,
+ * 16 outputs per vector. */
 
-/* Packed operands of the AVX-512 GEMM: a = CPU_GEMM_MR weight rows as [k/16][MR][16], b =
- * CPU_GEMM_NR rows of x as [k/16][NR][16], both zero-padded, nk = k blocks of 16. One sequential
- * stream each; the canonical sums of the mr × nt valid outputs go to y. */
-TARGET_AVX512 static void micro_avx512(const float *a, const float *b, int64_t nk, int mr, int nt,
-                                       float *y, int64_t ldy, const float *bias) {
-    __m512 acc[CPU_GEMM_MR][CPU_GEMM_NR];
-    _Pragma("GCC unroll 8") for (int i = 0; i < CPU_GEMM_MR; i++)
-        _Pragma("GCC unroll 8") for (int j = 0; j < CPU_GEMM_NR; j++)
-            acc[i][j] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < nk; s++) {
-        const float *as = a + s * (CPU_GEMM_MR * 16), *bs = b + s * (CPU_GEMM_NR * 16);
-        __m512 xv[CPU_GEMM_NR];
-        _Pragma("GCC unroll 8") for (int j = 0; j < CPU_GEMM_NR; j++)
-            xv[j] = _mm512_load_ps(bs + j * 16);
-        _Pragma("GCC unroll 8") for (int i = 0; i < CPU_GEMM_MR; i++) {
-            __m512 wv = _mm512_load_ps(as + i * 16);
-            _Pragma("GCC unroll 8") for (int j = 0; j < CPU_GEMM_NR; j++)
-                acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+/* One lane of a tile: ns steps of wp ([step][32]) and xp ([step][12]); the 24 accumulators start
+ * from st (or zero) and go back to st ([24][16]: row group g, row of x j at g · 12 + j). */
+TARGET_AVX512 static void lane_avx512(const float *wp, const float *xp, int64_t ns, float *st,
+                                      int init) {
+    __m512 acc0[CPU_GEMM512_NR], acc1[CPU_GEMM512_NR];
+    _Pragma("GCC unroll 12") for (int j = 0; j < CPU_GEMM512_NR; j++) {
+        acc0[j] = init ? _mm512_load_ps(st + j * 16) : _mm512_setzero_ps();
+        acc1[j] = init ? _mm512_load_ps(st + (CPU_GEMM512_NR + j) * 16) : _mm512_setzero_ps();
+    }
+    for (int64_t s = 0; s < ns; s++) {
+        __m512 w0 = _mm512_load_ps(wp + s * 32), w1 = _mm512_load_ps(wp + s * 32 + 16);
+        const float *xs = xp + s * CPU_GEMM512_NR;
+        _Pragma("GCC unroll 12") for (int j = 0; j < CPU_GEMM512_NR; j++) {
+            __m512 xb = _mm512_set1_ps(xs[j]);
+            acc0[j] = _mm512_fmadd_ps(w0, xb, acc0[j]);
+            acc1[j] = _mm512_fmadd_ps(w1, xb, acc1[j]);
         }
     }
-    _Pragma("GCC unroll 8") for (int i = 0; i < CPU_GEMM_MR; i++)
-        _Pragma("GCC unroll 8") for (int j = 0; j < CPU_GEMM_NR; j++)
-            if (i < mr && j < nt)
-                y[j * ldy + i] = finish(reduce16_avx512(acc[i][j]), bias, i);
+    _Pragma("GCC unroll 12") for (int j = 0; j < CPU_GEMM512_NR; j++) {
+        _mm512_store_ps(st + j * 16, acc0[j]);
+        _mm512_store_ps(st + (CPU_GEMM512_NR + j) * 16, acc1[j]);
+    }
 }
 
-/* Converts mr ≤ CPU_GEMM_MR weight rows into the packed [k/16][MR][16] layout. */
+/* The canonical tree over the 16 lanes of a tile's sums (st: [16][24][16]), plus the bias, into
+ * y: mr ≤ 32 valid W rows, nt ≤ 12 valid rows of x. */
+TARGET_AVX512 static void finish_tile_avx512(const float *st, int mr, int nt, float *y,
+                                             int64_t ldy, const float *bias) {
+    const int per = 2 * CPU_GEMM512_NR * 16;
+    for (int g = 0; g < 2; g++) {
+        int rows = mr - g * 16;
+        if (rows <= 0)
+            break;
+        __mmask16 m = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1);
+        __m512 b = bias != NULL ? _mm512_maskz_loadu_ps(m, bias + g * 16) : _mm512_setzero_ps();
+        for (int j = 0; j < nt; j++) {
+            const float *p = st + (g * CPU_GEMM512_NR + j) * 16;
+            __m512 h8[8], h4[4], h2[2];
+            for (int i = 0; i < 8; i++)
+                h8[i] = _mm512_add_ps(_mm512_load_ps(p + i * per), _mm512_load_ps(p + (i + 8) * per));
+            for (int i = 0; i < 4; i++)
+                h4[i] = _mm512_add_ps(h8[i], h8[i + 4]);
+            for (int i = 0; i < 2; i++)
+                h2[i] = _mm512_add_ps(h4[i], h4[i + 2]);
+            __m512 v = _mm512_add_ps(h2[0], h2[1]);
+            if (bias != NULL)
+                v = _mm512_add_ps(v, b);
+            _mm512_mask_storeu_ps(y + j * ldy + g * 16, m, v);
+        }
+    }
+}
+
+/* 16 × 16 transpose: out[c][r] = in[r][c]. */
+TARGET_AVX512 static ALWAYS_INLINE void transpose16_avx512(__m512 r[16]) {
+    __m512 a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        b[4 * i + 0] = _mm512_shuffle_ps(a[4 * i], a[4 * i + 2], 0x44);
+        b[4 * i + 1] = _mm512_shuffle_ps(a[4 * i], a[4 * i + 2], 0xEE);
+        b[4 * i + 2] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0x44);
+        b[4 * i + 3] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0xEE);
+    }
+    /* b[4i + c], 128-bit lane q: rows 4i … 4i+3 of column 4q + c */
+    for (int c = 0; c < 4; c++) {
+        __m512 e0 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0x88);
+        __m512 e1 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0xDD);
+        __m512 e2 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0x88);
+        __m512 e3 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_f32x4(e0, e2, 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(e0, e2, 0xDD);
+        r[4 + c] = _mm512_shuffle_f32x4(e1, e3, 0x88);
+        r[12 + c] = _mm512_shuffle_f32x4(e1, e3, 0xDD);
+    }
+}
+
+/* Converts columns [16 · s0, 16 · (s0 + ns)) of mr ≤ 32 weight rows (ld apart) into wp as
+ * [l][ns][32]: zero past cols and past mr. */
+TARGET_AVX512 static ALWAYS_INLINE void pack_w_avx512_dt(const void *w, enum llmem_dtype dt,
+                                                         int64_t ld, int mr, int64_t cols,
+                                                         int64_t s0, int64_t ns, float *wp) {
+    for (int g = 0; g < 2; g++) {
+        const void *wr[16];
+        for (int i = 0; i < 16; i++)
+            wr[i] = row_at(w, dt, ld, g * 16 + i < mr ? g * 16 + i : 0);
+        for (int64_t s = 0; s < ns; s++) {
+            int64_t k = (s0 + s) * 16, left = cols - k;
+            __mmask16 m = left >= 16 ? (__mmask16)0xffff
+                          : left > 0 ? (__mmask16)((1u << left) - 1)
+                                     : (__mmask16)0;
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = g * 16 + i < mr ? load16_avx512(wr[i], dt, k, m) : _mm512_setzero_ps();
+            transpose16_avx512(r);
+            for (int l = 0; l < 16; l++)
+                _mm512_store_ps(wp + ((size_t)l * (size_t)ns + (size_t)s) * 32 + g * 16, r[l]);
+        }
+    }
+}
+
 TARGET_AVX512 static void pack_w_avx512(const void *w, enum llmem_dtype dt, int64_t ld, int mr,
-                                        int64_t cols, float *a) {
-    const int64_t nk = (cols + 15) / 16;
-    const size_t esize = dt == LLMEM_DTYPE_F32 ? 4 : 2;
-    for (int i = 0; i < CPU_GEMM_MR; i++) {
-        const void *wr = row_at(w, dt, ld, i);
-        /* the same row of the next panel, read after this panel's tiles: into L2 meanwhile */
-        const char *next = (const char *)row_at(w, dt, ld, i + CPU_GEMM_MR);
-        for (int64_t s = 0; s < nk; s++) {
-            if (((s * 16 * esize) & 63) == 0)
-                _mm_prefetch(next + s * 16 * esize, _MM_HINT_T1);
-            __m512 v = _mm512_setzero_ps();
-            if (i < mr) {
-                int64_t left = cols - s * 16;
-                __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-                v = dt == LLMEM_DTYPE_BF16  ? load16_avx512(wr, LLMEM_DTYPE_BF16, s * 16, m)
-                    : dt == LLMEM_DTYPE_F16 ? load16_avx512(wr, LLMEM_DTYPE_F16, s * 16, m)
-                                            : load16_avx512(wr, LLMEM_DTYPE_F32, s * 16, m);
-            }
-            _mm512_store_ps(a + (s * CPU_GEMM_MR + i) * 16, v);
-        }
+                                        int64_t cols, int64_t s0, int64_t ns, float *wp) {
+    switch (dt) {
+    case LLMEM_DTYPE_BF16: pack_w_avx512_dt(w, LLMEM_DTYPE_BF16, ld, mr, cols, s0, ns, wp); break;
+    case LLMEM_DTYPE_F16: pack_w_avx512_dt(w, LLMEM_DTYPE_F16, ld, mr, cols, s0, ns, wp); break;
+    default: pack_w_avx512_dt(w, LLMEM_DTYPE_F32, ld, mr, cols, s0, ns, wp);
     }
 }
 #endif /* CPU_X86 */
@@ -504,7 +558,7 @@ static const struct matmul_kernels kernels[3] = {
     [CPU_ISA_SCALAR] = {gemv_scalar, convert_scalar, panel_generic_scalar},
 #if CPU_X86
     [CPU_ISA_AVX2] = {gemv_avx2, convert_avx2, panel_avx2},
-    [CPU_ISA_AVX512] = {gemv_avx512, convert_avx512, panel_avx512},
+    [CPU_ISA_AVX512] = {gemv_avx512, convert_avx512, panel_avx2},
 #else
     [CPU_ISA_AVX2] = {gemv_scalar, convert_scalar, panel_generic_scalar},
     [CPU_ISA_AVX512] = {gemv_scalar, convert_scalar, panel_generic_scalar},
@@ -519,19 +573,21 @@ static const void *row_ptr(const struct llmem_weight *w, int64_t r) {
 /* ---- decode -----------------------------------------------------------------------------------
  */
 
+#define DECODE_TASKS_MAX 96
+
 struct gemv_job {
     const struct matmul_kernels *k;
     const struct llmem_weight *w;
     const float *x, *bias;
     float *y;
-    int64_t n, rows_per_task; /* a multiple of 4 */
+    int64_t n;
+    int64_t bound[DECODE_TASKS_MAX + 1]; /* task t: rows [bound[t], bound[t + 1]) */
 };
 
 static void gemv_task(void *arg, int task, int thread) {
     (void)thread;
     const struct gemv_job *j = arg;
-    int64_t r0 = (int64_t)task * j->rows_per_task;
-    int64_t r1 = r0 + j->rows_per_task < j->w->rows ? r0 + j->rows_per_task : j->w->rows;
+    int64_t r0 = j->bound[task], r1 = j->bound[task + 1];
     if (r0 < r1)
         j->k->gemv(row_ptr(j->w, r0), j->w->dtype, j->w->cols, r1 - r0, j->x, j->w->cols, j->n,
                    j->y + r0, j->w->rows, j->bias != NULL ? j->bias + r0 : NULL);
@@ -540,29 +596,42 @@ static void gemv_task(void *arg, int task, int thread) {
 static void matmul_decode(struct cpu_ctx *c, const struct matmul_kernels *k,
                           const struct llmem_weight *w, const float *x, int64_t n, float *y,
                           const float *bias) {
+    struct gemv_job job = {k, w, x, bias, y, n, {0}};
+    const int64_t rows = w->rows;
+    int tasks = 1;
     /* Below ~64 K multiply-adds a dispatch costs more than it saves. */
-    int tasks = w->rows * w->cols * n < (int64_t)1 << 16 ? 1 : c->n_threads;
-    /* Several tasks per thread balance a machine shared with other work, but each task's first
-     * rows come without prefetch: tasks of at least 1 MiB, up to 16 per thread, contiguous. */
-    if (tasks > 1) {
-        int64_t by_size = w->rows * w->cols * llmem_dtype_size(w->dtype) >> 20;
-        int64_t most = (int64_t)tasks * 16;
-        tasks = (int)(by_size < tasks ? tasks : by_size > most ? most : by_size);
+    if (c->n_threads > 1 && rows * w->cols * n >= (int64_t)1 << 16) {
+        /* Guided ranges, contiguous: each task takes 1/(2 · threads) of the rows left, at most
+         * 4 MiB and at least 64 KiB (multiples of 4 rows), so the ranges shrink towards the end
+         * and the threads finish within a small task of each other, also when one of them is
+         * slowed by other work on the machine. */
+        const int64_t row_bytes = w->cols * llmem_dtype_size(w->dtype);
+        int64_t lo = (((int64_t)64 << 10) / row_bytes + 3) & ~(int64_t)3;
+        int64_t hi = (((int64_t)4 << 20) / row_bytes + 3) & ~(int64_t)3;
+        lo = lo < 4 ? 4 : lo;
+        hi = hi < lo ? lo : hi;
+        int64_t r = 0;
+        tasks = 0;
+        while (r < rows) {
+            int64_t left = rows - r, take = left / (2 * c->n_threads);
+            take = (take + 3) & ~(int64_t)3;
+            take = take < lo ? lo : take > hi ? hi : take;
+            if (tasks == DECODE_TASKS_MAX - 1 || take > left)
+                take = left;
+            job.bound[tasks++] = r;
+            r += take;
+        }
     }
-
-    int64_t per = (w->rows + tasks - 1) / tasks;
-    per = (per + 3) & ~(int64_t)3;
-    tasks = (int)((w->rows + per - 1) / per);
-    struct gemv_job job = {k, w, x, bias, y, n, per};
+    job.bound[tasks] = rows;
     llmem_pool_run(c->pool, tasks, gemv_task, &job);
 }
 
 /* ---- GEMM -------------------------------------------------------------------------------------
  *
- * Tiles of CPU_GEMM_MR weight rows × CPU_GEMM_NR rows of x in the canonical dot-product form
- * (vectorized over k, one 16-lane accumulator per output): each task owns a range of W rows and
- * converts CPU_GEMM_MR of them at a time, the whole row, to f32 in per-thread scratch; the
- * converted rows are reused by every tile of a token block, whose rows of x stay in L2. */
+ * Portable and AVX2: tiles of CPU_GEMM_MR weight rows × a few rows of x in the canonical
+ * dot-product form (vectorized over k, one 16-lane accumulator per output): each task owns a range
+ * of W rows and converts CPU_GEMM_MR of them at a time, the whole row, to f32 in per-thread
+ * scratch, reused by every tile of a token block. AVX-512: lane by lane (see lane_avx512). */
 
 struct gemm_job {
     struct cpu_ctx *c;
@@ -580,7 +649,7 @@ static void gemm_task(void *arg, int task, int thread) {
     const struct llmem_weight *w = j->w;
     const int64_t rows = w->rows, cols = w->cols;
     const int64_t ld = (cols + 15) & ~(int64_t)15;
-    float *a = j->c->wpanel + (size_t)thread * CPU_GEMM_MR * CPU_GEMM_K_MAX;
+    float *a = j->c->wpanel + (size_t)thread * CPU_GEMM_THREAD_FLOATS;
     int64_t r_begin = (int64_t)task * j->rows_per_task;
     int64_t r_end = r_begin + j->rows_per_task < rows ? r_begin + j->rows_per_task : rows;
     for (int64_t t0 = 0; t0 < j->n; t0 += j->nb) {
@@ -596,44 +665,67 @@ static void gemm_task(void *arg, int task, int thread) {
 }
 
 #if CPU_X86
-/* Packs strip `task` of the block: CPU_GEMM_NR rows of x as [k/16][NR][16], zero-padded. */
-static void pack_x_task(void *arg, int task, int thread) {
+/* Packs strip `task` of the block: CPU_GEMM512_NR rows of x as [l][k/16][NR] (column 16 s + l of
+ * row j at (l · nk + s) · NR + j), zero past cols and past the block. */
+TARGET_AVX512 static void pack_x_task(void *arg, int task, int thread) {
     (void)thread;
     const struct gemm_job *j = arg;
     const int64_t cols = j->w->cols, nk = (cols + 15) / 16;
-    float *dst = j->c->xt + (size_t)task * (size_t)nk * CPU_GEMM_NR * 16;
-    for (int jj = 0; jj < CPU_GEMM_NR; jj++) {
-        int64_t t = (int64_t)task * CPU_GEMM_NR + jj;
-        const float *src = j->x + (j->t0 + t) * cols;
-        for (int64_t s = 0; s < nk; s++) {
-            float *d = dst + (s * CPU_GEMM_NR + jj) * 16;
-            int64_t left = t < j->nt ? cols - s * 16 : 0;
-            if (left >= 16)
-                memcpy(d, src + s * 16, 16 * sizeof(float));
-            else {
-                memset(d, 0, 16 * sizeof(float));
-                if (left > 0)
-                    memcpy(d, src + s * 16, (size_t)left * sizeof(float));
-            }
-        }
+    float *dst = j->c->xt + (size_t)task * (size_t)nk * 16 * CPU_GEMM512_NR;
+    const float *src[CPU_GEMM512_NR];
+    for (int jj = 0; jj < CPU_GEMM512_NR; jj++) {
+        int64_t t = (int64_t)task * CPU_GEMM512_NR + jj;
+        src[jj] = t < j->nt ? j->x + (j->t0 + t) * cols : NULL;
+    }
+    const __mmask16 m12 = (__mmask16)((1u << CPU_GEMM512_NR) - 1);
+    for (int64_t s = 0; s < nk; s++) {
+        int64_t left = cols - s * 16;
+        __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        __m512 r[16];
+        for (int jj = 0; jj < 16; jj++)
+            r[jj] = jj < CPU_GEMM512_NR && src[jj] != NULL ? _mm512_maskz_loadu_ps(m, src[jj] + s * 16)
+                                                           : _mm512_setzero_ps();
+        transpose16_avx512(r);
+        for (int l = 0; l < 16; l++)
+            _mm512_mask_storeu_ps(dst + ((size_t)l * (size_t)nk + (size_t)s) * CPU_GEMM512_NR, m12,
+                                  r[l]);
     }
 }
 
+/* A task: its range of W rows, 32 at a time; per chunk of columns, the chunk of the panel is
+ * converted once and multiplied with every strip of the block, lane by lane. */
 static void gemm_packed_task(void *arg, int task, int thread) {
     const struct gemm_job *j = arg;
     const struct llmem_weight *w = j->w;
     const int64_t rows = w->rows, cols = w->cols, nk = (cols + 15) / 16;
-    float *a = j->c->wpanel + (size_t)thread * CPU_GEMM_MR * CPU_GEMM_K_MAX;
+    const int64_t kc = CPU_GEMM512_KC / 16; /* steps per chunk */
+    float *wp = j->c->wpanel + (size_t)thread * CPU_GEMM_THREAD_FLOATS;
+    float *sums = wp + (size_t)CPU_GEMM512_MR * CPU_GEMM512_KC;
+    const size_t tile = (size_t)16 * CPU_GEMM512_MR * CPU_GEMM512_NR; /* floats of a tile's sums */
+    const size_t strip = (size_t)nk * 16 * CPU_GEMM512_NR;              /* floats of a packed strip */
+    const int64_t strips = (j->nt + CPU_GEMM512_NR - 1) / CPU_GEMM512_NR;
+    const int multi = nk > kc; /* then strips ≤ CPU_GEMM512_STRIPS */
     int64_t r_begin = (int64_t)task * j->rows_per_task;
     int64_t r_end = r_begin + j->rows_per_task < rows ? r_begin + j->rows_per_task : rows;
-    for (int64_t r0 = r_begin; r0 < r_end; r0 += CPU_GEMM_MR) {
-        int mr = r_end - r0 < CPU_GEMM_MR ? (int)(r_end - r0) : CPU_GEMM_MR;
-        pack_w_avx512(row_ptr(w, r0), w->dtype, cols, mr, cols, a);
-        for (int64_t t = 0; t < j->nt; t += CPU_GEMM_NR) {
-            int nt = j->nt - t < CPU_GEMM_NR ? (int)(j->nt - t) : CPU_GEMM_NR;
-            micro_avx512(a, j->c->xt + (size_t)(t / CPU_GEMM_NR) * (size_t)nk * CPU_GEMM_NR * 16,
-                         nk, mr, nt, j->y + (j->t0 + t) * rows + r0, rows,
-                         j->bias != NULL ? j->bias + r0 : NULL);
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += CPU_GEMM512_MR) {
+        int mr = r_end - r0 < CPU_GEMM512_MR ? (int)(r_end - r0) : CPU_GEMM512_MR;
+        for (int64_t s0 = 0; s0 < nk; s0 += kc) {
+            int64_t ns = nk - s0 < kc ? nk - s0 : kc;
+            pack_w_avx512(row_ptr(w, r0), w->dtype, cols, mr, cols, s0, ns, wp);
+            for (int64_t q = 0; q < strips; q++) {
+                float *st = sums + (multi ? (size_t)q * tile : 0);
+                const float *xs = j->c->xt + (size_t)q * strip;
+                for (int l = 0; l < 16; l++)
+                    lane_avx512(wp + (size_t)l * (size_t)ns * 32,
+                                xs + ((size_t)l * (size_t)nk + (size_t)s0) * CPU_GEMM512_NR, ns,
+                                st + (size_t)l * 2 * CPU_GEMM512_NR * 16, s0 > 0);
+                if (!multi || s0 + ns == nk) {
+                    int64_t t = q * CPU_GEMM512_NR;
+                    int nt = j->nt - t < CPU_GEMM512_NR ? (int)(j->nt - t) : CPU_GEMM512_NR;
+                    finish_tile_avx512(st, mr, nt, j->y + (j->t0 + t) * rows + r0, rows,
+                                       j->bias != NULL ? j->bias + r0 : NULL);
+                }
+            }
         }
     }
 }
@@ -648,24 +740,29 @@ static void matmul_gemm(struct cpu_ctx *c, const struct matmul_kernels *k,
         return;
     }
     /* Tasks: a few contiguous ranges of W rows per thread, each a multiple of the tile height. */
+    const int64_t mr = c->isa == CPU_ISA_AVX512 ? CPU_GEMM512_MR : CPU_GEMM_MR;
     int tasks = c->n_threads * 4;
     int64_t per = (rows + tasks - 1) / tasks;
-    per = (per + CPU_GEMM_MR - 1) / CPU_GEMM_MR * CPU_GEMM_MR;
+    per = (per + mr - 1) / mr * mr;
     int n_tasks = (int)((rows + per - 1) / per);
     const int64_t k16 = (cols + 15) & ~(int64_t)15;
-    /* Token blocks whose packed rows of x fit in the shared buffer (about half the L2 cache). */
+    /* Token blocks whose rows of x fit in the shared buffer, whole strips. */
     int64_t nb = (int64_t)(CPU_GEMM_XBLOCK_BYTES / sizeof(float)) / k16;
-    nb = nb / CPU_GEMM_NR * CPU_GEMM_NR;
-    if (nb < CPU_GEMM_NR)
-        nb = CPU_GEMM_NR;
+    nb = nb / CPU_GEMM512_NR * CPU_GEMM512_NR;
+    if (nb < CPU_GEMM512_NR)
+        nb = CPU_GEMM512_NR;
     struct gemm_job job = {c, k, w, x, bias, y, n, nb, 0, 0, per};
 #if CPU_X86
-    if (c->isa == CPU_ISA_AVX512 && nb * k16 * (int64_t)sizeof(float) <= (int64_t)CPU_GEMM_XT_BYTES) {
+    if (c->isa == CPU_ISA_AVX512) {
+        /* Partial sums wait between column chunks for at most CPU_GEMM512_STRIPS strips. */
+        if (k16 > CPU_GEMM512_KC && nb > (int64_t)CPU_GEMM512_STRIPS * CPU_GEMM512_NR)
+            nb = (int64_t)CPU_GEMM512_STRIPS * CPU_GEMM512_NR;
+        job.nb = nb;
         for (int64_t t0 = 0; t0 < n; t0 += nb) {
             job.t0 = t0;
             job.nt = n - t0 < nb ? n - t0 : nb;
-            llmem_pool_run(c->pool, (int)((job.nt + CPU_GEMM_NR - 1) / CPU_GEMM_NR), pack_x_task,
-                           &job);
+            llmem_pool_run(c->pool, (int)((job.nt + CPU_GEMM512_NR - 1) / CPU_GEMM512_NR),
+                           pack_x_task, &job);
             llmem_pool_run(c->pool, n_tasks, gemm_packed_task, &job);
         }
         return;
@@ -675,9 +772,15 @@ static void matmul_gemm(struct cpu_ctx *c, const struct matmul_kernels *k,
 }
 
 /* OpenBLAS for f32 weights: one sgemm, then the bias. OpenBLAS runs on its own threads, as many
- * as the backend has (set at create); the pool's workers sleep meanwhile or spin briefly. */
-static void matmul_blas(const struct llmem_weight *w, const float *x, int64_t n, float *y,
-                        const float *bias) {
+ * as the backend has, set at the path's first use: not at create, since an OpenBLAS sized for
+ * threads it never runs still has them poll for work (sched_yield) beside the pool's on a
+ * small machine. The pool's workers sleep meanwhile or spin briefly. */
+static void matmul_blas(struct cpu_ctx *c, const struct llmem_weight *w, const float *x,
+                        int64_t n, float *y, const float *bias) {
+    if (!c->blas_sized) {
+        openblas_set_num_threads(c->n_threads);
+        c->blas_sized = 1;
+    }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)w->rows,
                 (blasint)w->cols, 1.0f, x, (blasint)w->cols, (const float *)w->data,
                 (blasint)w->cols, 0.0f, y, (blasint)w->rows);
@@ -712,7 +815,7 @@ void cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t
         path = CPU_MATMUL_GEMM;
     switch (path) {
     case CPU_MATMUL_DECODE: matmul_decode(c, k, w, x, n, y, bias); break;
-    case CPU_MATMUL_BLAS: matmul_blas(w, x, n, y, bias); break;
+    case CPU_MATMUL_BLAS: matmul_blas(c, w, x, n, y, bias); break;
     default: matmul_gemm(c, k, w, x, n, y, bias);
     }
 }
