@@ -76,9 +76,13 @@ const char *cpu_isa_name(enum cpu_isa isa) {
 
 static ALWAYS_INLINE float weight_at(const void *row, enum llmem_dtype dt, int64_t k) {
     switch (dt) {
-    case LLMEM_DTYPE_BF16: return cpu_bf16_to_f32(((const uint16_t *)row)[k]);
-    case LLMEM_DTYPE_F16: return cpu_f16_to_f32(((const uint16_t *)row)[k]);
-    default: return ((const float *)row)[k];
+    case LLMEM_DTYPE_BF16: return cpu_bf16_to_f32(cpu_u16_at(row, k));
+    case LLMEM_DTYPE_F16: return cpu_f16_to_f32(cpu_u16_at(row, k));
+    default: {
+        float v;
+        memcpy(&v, (const uint8_t *)row + 4 * k, sizeof(v));
+        return v;
+    }
     }
 }
 
