@@ -610,10 +610,10 @@ static void matmul_decode(struct cpu_ctx *c, const struct matmul_kernels *k,
 
 /* ---- GEMM -------------------------------------------------------------------------------------
  *
- * Tiles of CPU_GEMM_MR weight rows × CPU_GEMM_NR rows of x in the canonical dot-product form
- * (vectorized over k, one 16-lane accumulator per output): each task owns a range of W rows and
- * converts CPU_GEMM_MR of them at a time, the whole row, to f32 in per-thread scratch; the
- * converted rows are reused by every tile of a token block, whose rows of x stay in L2. */
+ * Portable and AVX2: tiles of CPU_GEMM_MR weight rows × a few rows of x in the canonical
+ * dot-product form (vectorized over k, one 16-lane accumulator per output): each task owns a range
+ * of W rows and converts CPU_GEMM_MR of them at a time, the whole row, to f32 in per-thread
+ * scratch, reused by every tile of a token block. AVX-512: lane by lane (see lane_avx512). */
 
 struct gemm_job {
     struct cpu_ctx *c;
