@@ -218,15 +218,14 @@ static void embedding_rows(void *arg, int64_t begin, int64_t end) {
         const uint8_t *row =
             (const uint8_t *)a->table->data +
             (size_t)a->ids[t] * (size_t)dim * (size_t)llmem_dtype_size(a->table->dtype);
-        const uint16_t *h = (const uint16_t *)(const void *)row;
         switch (a->table->dtype) {
         case LLMEM_DTYPE_BF16:
             for (int64_t i = 0; i < dim; i++)
-                o[i] = cpu_bf16_to_f32(h[i]);
+                o[i] = cpu_bf16_to_f32(cpu_u16_at(row, i));
             break;
         case LLMEM_DTYPE_F16:
             for (int64_t i = 0; i < dim; i++)
-                o[i] = cpu_f16_to_f32(h[i]);
+                o[i] = cpu_f16_to_f32(cpu_u16_at(row, i));
             break;
         default: memcpy(o, row, (size_t)dim * sizeof(float));
         }

@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "backend/ops.h"
 
@@ -75,6 +76,14 @@ const char *cpu_isa_name(enum cpu_isa isa);
  * (capped to the best supported; returns the one in effect) and the matmul path. */
 enum cpu_isa llmem_backend_cpu_set_isa(struct llmem_backend *backend, enum cpu_isa isa);
 void llmem_backend_cpu_set_matmul_path(struct llmem_backend *backend, enum cpu_matmul_path path);
+
+/* Element k of 16-bit data that may be misaligned (tensors of a safetensors file sit at any
+ * byte offset). */
+static inline uint16_t cpu_u16_at(const void *p, int64_t k) {
+    uint16_t v;
+    memcpy(&v, (const uint8_t *)p + 2 * k, sizeof(v));
+    return v;
+}
 
 /* bf16 and f16 to f32, exact. */
 static inline float cpu_bf16_to_f32(uint16_t b) {

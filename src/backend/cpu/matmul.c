@@ -76,9 +76,13 @@ const char *cpu_isa_name(enum cpu_isa isa) {
 
 static ALWAYS_INLINE float weight_at(const void *row, enum llmem_dtype dt, int64_t k) {
     switch (dt) {
-    case LLMEM_DTYPE_BF16: return cpu_bf16_to_f32(((const uint16_t *)row)[k]);
-    case LLMEM_DTYPE_F16: return cpu_f16_to_f32(((const uint16_t *)row)[k]);
-    default: return ((const float *)row)[k];
+    case LLMEM_DTYPE_BF16: return cpu_bf16_to_f32(cpu_u16_at(row, k));
+    case LLMEM_DTYPE_F16: return cpu_f16_to_f32(cpu_u16_at(row, k));
+    default: {
+        float v;
+        memcpy(&v, (const uint8_t *)row + 4 * k, sizeof(v));
+        return v;
+    }
     }
 }
 
@@ -345,13 +349,6 @@ TARGET_AVX512 static ALWAYS_INLINE void gemv_avx512_dt(const void *w, enum llmem
         /* DECODE_R1 long sequential streams: the range in DECODE_R1 parts, one row of each at a
          * time (consecutive rows, read together, would be DECODE_R1 short streams). */
         int64_t part = nrows / DECODE_R1;
-        /* The first DECODE_PF_BYTES of every stream: the loop prefetches only beyond them. */
-        const size_t esize = dt == LLMEM_DTYPE_F32 ? 4 : 2;
-        const size_t span = (size_t)(part > 0 ? part : 1) * (size_t)ld * esize;
-        const size_t warm = span < DECODE_PF_BYTES ? span : DECODE_PF_BYTES;
-        for (int r = 0; r < DECODE_R1; r++)
-            for (size_t o = 0; o < warm; o += 64)
-                _mm_prefetch((const char *)row_at(w, dt, ld, part * r) + o, _MM_HINT_T0);
         for (; i < part; i++)
             gemv_tile_avx512_s(w, dt, ld, i, part, x, cols, 0, y, ldy, bias, DECODE_R1, 1,
                                DECODE_PF_BYTES);
@@ -573,21 +570,19 @@ static const void *row_ptr(const struct llmem_weight *w, int64_t r) {
 /* ---- decode -----------------------------------------------------------------------------------
  */
 
-#define DECODE_TASKS_MAX 96
-
 struct gemv_job {
     const struct matmul_kernels *k;
     const struct llmem_weight *w;
     const float *x, *bias;
     float *y;
-    int64_t n;
-    int64_t bound[DECODE_TASKS_MAX + 1]; /* task t: rows [bound[t], bound[t + 1]) */
+    int64_t n, rows_per_task; /* a multiple of 4 */
 };
 
 static void gemv_task(void *arg, int task, int thread) {
     (void)thread;
     const struct gemv_job *j = arg;
-    int64_t r0 = j->bound[task], r1 = j->bound[task + 1];
+    int64_t r0 = (int64_t)task * j->rows_per_task;
+    int64_t r1 = r0 + j->rows_per_task < j->w->rows ? r0 + j->rows_per_task : j->w->rows;
     if (r0 < r1)
         j->k->gemv(row_ptr(j->w, r0), j->w->dtype, j->w->cols, r1 - r0, j->x, j->w->cols, j->n,
                    j->y + r0, j->w->rows, j->bias != NULL ? j->bias + r0 : NULL);
@@ -596,33 +591,20 @@ static void gemv_task(void *arg, int task, int thread) {
 static void matmul_decode(struct cpu_ctx *c, const struct matmul_kernels *k,
                           const struct llmem_weight *w, const float *x, int64_t n, float *y,
                           const float *bias) {
-    struct gemv_job job = {k, w, x, bias, y, n, {0}};
-    const int64_t rows = w->rows;
-    int tasks = 1;
     /* Below ~64 K multiply-adds a dispatch costs more than it saves. */
-    if (c->n_threads > 1 && rows * w->cols * n >= (int64_t)1 << 16) {
-        /* Guided ranges, contiguous: each task takes 1/(2 · threads) of the rows left, at most
-         * 4 MiB and at least 64 KiB (multiples of 4 rows), so the ranges shrink towards the end
-         * and the threads finish within a small task of each other, also when one of them is
-         * slowed by other work on the machine. */
-        const int64_t row_bytes = w->cols * llmem_dtype_size(w->dtype);
-        int64_t lo = (((int64_t)64 << 10) / row_bytes + 3) & ~(int64_t)3;
-        int64_t hi = (((int64_t)4 << 20) / row_bytes + 3) & ~(int64_t)3;
-        lo = lo < 4 ? 4 : lo;
-        hi = hi < lo ? lo : hi;
-        int64_t r = 0;
-        tasks = 0;
-        while (r < rows) {
-            int64_t left = rows - r, take = left / (2 * c->n_threads);
-            take = (take + 3) & ~(int64_t)3;
-            take = take < lo ? lo : take > hi ? hi : take;
-            if (tasks == DECODE_TASKS_MAX - 1 || take > left)
-                take = left;
-            job.bound[tasks++] = r;
-            r += take;
-        }
+    int tasks = w->rows * w->cols * n < (int64_t)1 << 16 ? 1 : c->n_threads;
+    /* Several tasks per thread balance a machine shared with other work, but each task's first
+     * rows come without prefetch: tasks of at least 1 MiB, up to 16 per thread, contiguous. */
+    if (tasks > 1) {
+        int64_t by_size = w->rows * w->cols * llmem_dtype_size(w->dtype) >> 20;
+        int64_t most = (int64_t)tasks * 16;
+        tasks = (int)(by_size < tasks ? tasks : by_size > most ? most : by_size);
     }
-    job.bound[tasks] = rows;
+
+    int64_t per = (w->rows + tasks - 1) / tasks;
+    per = (per + 3) & ~(int64_t)3;
+    tasks = (int)((w->rows + per - 1) / per);
+    struct gemv_job job = {k, w, x, bias, y, n, per};
     llmem_pool_run(c->pool, tasks, gemv_task, &job);
 }
 
