@@ -21,6 +21,8 @@ if [ ! -f "$work/llama1b-f16/model.safetensors" ]; then
     "${PYTHON:-python3}" "$here/bench/convert_dtype.py" "$work/llama1b" "$work/llama1b-f16" --dtype f16
 fi
 for model in "$here/models/pycoder" "$work/llama1b" "$work/llama1b-f16"; do
-    "$build/llmem" bench decode "$model" --threads 1,2 --reps "${REPS:-3}"
-    echo
+    for mode in "" --no-mmap; do
+        "$build/llmem" bench decode "$model" --threads 1,2 --reps "${REPS:-3}" $mode
+        echo
+    done
 done

@@ -195,7 +195,7 @@ static void rig_open(struct rig *r) {
     memset(r, 0, sizeof(*r));
     struct llmem_mem_config mc = {.cache_limit_bytes = -1};
     assert_int_equal(llmem_mem_create(&mc, &r->mem), LLMEM_OK);
-    assert_int_equal(llmem_model_load(PYCODER, r->mem, NULL, NULL, &r->model), LLMEM_OK);
+    assert_int_equal(llmem_model_load(PYCODER, r->mem, 0, NULL, NULL, &r->model), LLMEM_OK);
     const struct llmem_model_geometry *g = &llmem_model_get_config(r->model)->geom;
     r->vocab = g->vocab_size;
     assert_int_equal(llmem_backend_cpu_create(2, &r->be), LLMEM_OK);

@@ -37,7 +37,7 @@ static void rig_open(struct rig *r, const char *dir, enum llmem_kv_layout layout
     memset(r, 0, sizeof(*r));
     struct llmem_mem_config mc = {.cache_limit_bytes = -1};
     assert_int_equal(llmem_mem_create(&mc, &r->mem), LLMEM_OK);
-    assert_int_equal(llmem_model_load(dir, r->mem, NULL, NULL, &r->model), LLMEM_OK);
+    assert_int_equal(llmem_model_load(dir, r->mem, 0, NULL, NULL, &r->model), LLMEM_OK);
     const struct llmem_model_geometry *g = &llmem_model_get_config(r->model)->geom;
     r->vocab = g->vocab_size;
     assert_int_equal(llmem_backend_cpu_create(threads, &r->be), LLMEM_OK);

@@ -103,17 +103,18 @@ typedef void (*llmem_guard_source_fn)(void *arg, struct llmem_guard_reading *r);
 
 struct llmem_engine_config {
     const char *model_dir;
-    enum llmem_kv_layout kv_layout;     /* paged */
-    enum llmem_kv_format kv_format;     /* f16 */
-    int64_t context;                    /* --context; 0: the plan's window */
-    int64_t budget_bytes;               /* --budget; 0: none */
-    int64_t memory_limit_bytes;         /* --memory-limit; 0: none */
-    double util;                        /* --util; 0: none */
-    int n_threads;                      /* --threads; ≤ 0: the online CPUs */
-    int64_t max_batch_tokens;           /* 512 */
-    int64_t max_sequences;              /* 1 */
-    int64_t bank_max_bytes;             /* --bank-max: the RAM tier's cap; 0: the plan's ceiling */
-    int no_bank;                        /* 1: no session bank */
+    enum llmem_kv_layout kv_layout; /* paged */
+    enum llmem_kv_format kv_format; /* f16 */
+    int64_t context;                /* --context; 0: the plan's window */
+    int64_t budget_bytes;           /* --budget; 0: none */
+    int64_t memory_limit_bytes;     /* --memory-limit; 0: none */
+    double util;                    /* --util; 0: none */
+    int n_threads;                  /* --threads; ≤ 0: the online CPUs */
+    int64_t max_batch_tokens;       /* 512 */
+    int64_t max_sequences;          /* 1 */
+    int64_t bank_max_bytes;         /* --bank-max: the RAM tier's cap; 0: the plan's ceiling */
+    int no_bank;                    /* 1: no session bank */
+    int no_mmap; /* --no-mmap: the weights read into (huge-page) memory instead of mapped */
     llmem_guard_source_fn guard_source; /* (optional) replaces the machine's readings */
     void *guard_source_arg;
 };

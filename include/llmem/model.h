@@ -178,16 +178,20 @@ struct llmem_model;
 /* Progress of long work: done of total units (bytes for a load). */
 typedef void (*llmem_progress_fn)(void *arg, int64_t done, int64_t total);
 
-/* Loads a model directory: config.json in full, the safetensors files memory-mapped (tracked by
- * mem under the tag weights, read in with progress reported), every tensor of the architecture
- * bound and checked against the config. progress may be NULL. LLMEM_ENOENT (missing directory,
- * file or tensor), LLMEM_EFORMAT (a malformed file, a shape that disagrees with the config),
+/* Loads a model directory: config.json in full, the safetensors files memory-mapped and used in
+ * place (tracked by mem under the tag weights, read in with progress reported), every tensor of
+ * the architecture bound and checked against the config. With LLMEM_MODEL_LOAD_NO_MMAP the files
+ * are read into anonymous memory instead, on transparent huge pages where the kernel offers them
+ * (fewer TLB misses when every decode step streams all weights; the bytes are the same, but not
+ * reclaimable as page cache). progress may be NULL. LLMEM_ENOENT (missing directory, file or
+ * tensor), LLMEM_EFORMAT (a malformed file, a shape that disagrees with the config),
  * LLMEM_EUNSUPPORTED (an architecture, dtype, rope type or activation llmem does not run),
  * LLMEM_ENOMEM (the memory limit), LLMEM_EIO — each logged once, naming the file and tensor.
  * LLMEM_ROPE_FREQ=checkpoint rounds the rotary frequencies to the embedding's dtype (see
  * llmem_rope_inv_freq); unset or f32 keeps them exact. */
-int llmem_model_load(const char *model_dir, struct llmem_mem *mem, llmem_progress_fn progress,
-                     void *progress_arg, struct llmem_model **out);
+#define LLMEM_MODEL_LOAD_NO_MMAP 1
+int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
+                     llmem_progress_fn progress, void *progress_arg, struct llmem_model **out);
 /* NULL is a no-op. */
 void llmem_model_free(struct llmem_model *model);
 /* The configuration; geom.n_params and geom.weights_bytes are those of the files. */

@@ -32,6 +32,7 @@ enum {
     OPT_THREADS,
     OPT_MAX_BATCH_TOKENS,
     OPT_BANK_MAX,
+    OPT_NO_MMAP,
     OPT_TEMPERATURE,
     OPT_TOP_K,
     OPT_TOP_P,
@@ -59,6 +60,7 @@ static const struct option options[] = {
     {"threads", required_argument, NULL, OPT_THREADS},
     {"max-batch-tokens", required_argument, NULL, OPT_MAX_BATCH_TOKENS},
     {"bank-max", required_argument, NULL, OPT_BANK_MAX},
+    {"no-mmap", no_argument, NULL, OPT_NO_MMAP},
     {"temperature", required_argument, NULL, OPT_TEMPERATURE},
     {"temp", required_argument, NULL, OPT_TEMPERATURE},
     {"top-k", required_argument, NULL, OPT_TOP_K},
@@ -101,7 +103,9 @@ static const char common_help[] =
     "  --kv-format F        f16 (default), bf16, f32, q8, q4, tq\n"
     "  --threads N          CPU threads (default: the online CPUs)\n"
     "  --max-batch-tokens N the prefill chunk (default 512)\n"
-    "  --bank-max SIZE      the session bank's RAM cap (default: the plan's; 0: no bank)\n";
+    "  --bank-max SIZE      the session bank's RAM cap (default: the plan's; 0: no bank)\n"
+    "  --no-mmap            read the weights into memory (huge pages) instead of mapping\n"
+    "                       the files: faster decode, not reclaimable as page cache\n";
 
 static const char sampling_help[] =
     "sampling options:\n"
@@ -143,6 +147,7 @@ static int parse(int argc, char **argv, struct run_args *a) {
             rc = cli_parse_int("--max-batch-tokens", optarg, 1, 1 << 20,
                                &a->engine.max_batch_tokens);
             break;
+        case OPT_NO_MMAP: a->engine.no_mmap = 1; break;
         case OPT_BANK_MAX:
             rc = cli_parse_size("--bank-max", optarg, &a->engine.bank_max_bytes);
             a->engine.no_bank = rc == CLI_OK && a->engine.bank_max_bytes == 0;

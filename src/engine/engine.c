@@ -197,8 +197,9 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
                                   .usable_bytes = e->plan.usable_bytes};
     if ((status = llmem_mem_create(&mc, &e->mem)) != LLMEM_OK ||
         (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
-        (status = llmem_model_load(config->model_dir, e->mem, progress, progress_arg, &e->model)) !=
-            LLMEM_OK ||
+        (status = llmem_model_load(config->model_dir, e->mem,
+                                   config->no_mmap ? LLMEM_MODEL_LOAD_NO_MMAP : 0, progress,
+                                   progress_arg, &e->model)) != LLMEM_OK ||
         (status = llmem_backend_cpu_create_shared(e->pool, e->mem, &e->be)) != LLMEM_OK ||
         (status = open_kv(e)) != LLMEM_OK ||
         (status = llmem_forward_create(e->model, e->be, e->kv, e->cfg.max_batch_tokens, &e->fwd)) !=
