@@ -66,6 +66,7 @@ static const char usage[] =
     "  --reps N         runs per thread count (default 3)\n"
     "  --kv-format F    the KV format (default f16)\n"
     "  --bw-size SIZE   the bandwidth probe's buffer (default 512M)\n"
+    "  --no-mmap        read the weights into (huge-page) memory, as llmem run --no-mmap\n"
     "  --json           one JSON object: model, weights_bytes, points[] {threads, "
     "prefill_tokens_per_s,\n"
     "                   prefill_gflops, decode_tokens_per_s, decode_gbps, bandwidth_read_gbps,\n"
@@ -80,6 +81,7 @@ int cli_bench_decode(int argc, char **argv) {
         OPT_KV_FORMAT,
         OPT_BW,
         OPT_JSON,
+        OPT_NO_MMAP,
         OPT_HELP
     };
     static const struct option opts[] = {
@@ -90,11 +92,12 @@ int cli_bench_decode(int argc, char **argv) {
         {"kv-format", required_argument, NULL, OPT_KV_FORMAT},
         {"bw-size", required_argument, NULL, OPT_BW},
         {"json", no_argument, NULL, OPT_JSON},
+        {"no-mmap", no_argument, NULL, OPT_NO_MMAP},
         {"help", no_argument, NULL, OPT_HELP},
         {NULL, 0, NULL, 0},
     };
     int64_t n_prompt = 512, n_gen = 128, reps = 3, bw_bytes = (int64_t)512 << 20;
-    int threads[MAX_THREADS_LIST], n_threads = 0, json = 0;
+    int threads[MAX_THREADS_LIST], n_threads = 0, json = 0, no_mmap = 0;
     enum llmem_kv_format format = LLMEM_KV_FORMAT_F16;
     optind = 1;
     opterr = 0;
@@ -106,6 +109,7 @@ int cli_bench_decode(int argc, char **argv) {
         case OPT_REPS: rc = cli_parse_int("--reps", optarg, 1, MAX_REPS, &reps); break;
         case OPT_BW: rc = cli_parse_size("--bw-size", optarg, &bw_bytes); break;
         case OPT_JSON: json = 1; break;
+        case OPT_NO_MMAP: no_mmap = 1; break;
         case OPT_KV_FORMAT:
             if (llmem_kv_format_parse(optarg, &format) != LLMEM_OK)
                 rc = CLI_USAGE;
@@ -155,6 +159,7 @@ int cli_bench_decode(int argc, char **argv) {
         cfg.model_dir = model;
         cfg.n_threads = threads[t];
         cfg.kv_format = format;
+        cfg.no_mmap = no_mmap;
         cfg.context = n_prompt + n_gen + 1;
         if (llmem_engine_open(&cfg, NULL, NULL, &e) != LLMEM_OK)
             goto out;
@@ -244,10 +249,10 @@ int cli_bench_decode(int argc, char **argv) {
         rc = cli_print_json(root);
     } else {
         char wb[32];
-        printf("llmem bench decode: %s, prompt %" PRId64 ", %" PRId64
+        printf("llmem bench decode: %s%s, prompt %" PRId64 ", %" PRId64
                " generated, KV %s; decode reads %s of weights per token; median of %" PRId64
                " runs\n",
-               model, n_prompt, n_gen, llmem_kv_format_name(format),
+               model, no_mmap ? " (--no-mmap)" : "", n_prompt, n_gen, llmem_kv_format_name(format),
                llmem_size_format_short(weight_bytes, wb, sizeof(wb)), reps);
         printf("threads  prefill tok/s  GFLOP/s  decode tok/s   GB/s  read bw GB/s  of bw  "
                "overhead ms/tok\n");
