@@ -160,6 +160,7 @@ int cli_bench_decode(int argc, char **argv) {
         cfg.n_threads = threads[t];
         cfg.kv_format = format;
         cfg.no_mmap = no_mmap;
+        cfg.no_bank = 1; /* every run prefills its whole prompt */
         cfg.context = n_prompt + n_gen + 1;
         if (llmem_engine_open(&cfg, NULL, NULL, &e) != LLMEM_OK)
             goto out;
