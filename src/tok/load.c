@@ -451,6 +451,26 @@ static int load_added(struct loader *l, const cJSON *added) {
 
 /* ---- normalizer ----------------------------------------------------------------------------- */
 
+/* A Sequence's members (obj[key], an array), each added by `add` one level deeper, with its
+ * position in `where` for messages. */
+static int add_sequence(struct loader *l, const cJSON *obj, const char *where, const char *key,
+                        int depth, int (*add)(struct loader *, const cJSON *, const char *, int)) {
+    const cJSON *list = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (!cJSON_IsArray(list)) {
+        LOAD_ERROR("%s: '%s.%s' must be an array", l->path, where, key);
+        return LLMEM_EFORMAT;
+    }
+    int i = 0, status = LLMEM_OK;
+    const cJSON *e = NULL;
+    cJSON_ArrayForEach(e, list) {
+        char sub[96];
+        snprintf(sub, sizeof(sub), "%s.%s[%d]", where, key, i++);
+        if ((status = add(l, e, sub, depth + 1)) != LLMEM_OK)
+            return status;
+    }
+    return LLMEM_OK;
+}
+
 static int add_norm(struct loader *l, const cJSON *obj, const char *where, int depth) {
     struct llmem_tokenizer *tok = l->tok;
     if (obj == NULL || cJSON_IsNull(obj))
@@ -459,22 +479,8 @@ static int add_norm(struct loader *l, const cJSON *obj, const char *where, int d
     int status = get_type(l, obj, where, &type);
     if (status != LLMEM_OK)
         return status;
-    if (strcmp(type, "Sequence") == 0 && depth == 0) {
-        const cJSON *list = cJSON_GetObjectItemCaseSensitive(obj, "normalizers");
-        if (!cJSON_IsArray(list)) {
-            LOAD_ERROR("%s: '%s.normalizers' must be an array", l->path, where);
-            return LLMEM_EFORMAT;
-        }
-        int i = 0;
-        const cJSON *e = NULL;
-        cJSON_ArrayForEach(e, list) {
-            char sub[96];
-            snprintf(sub, sizeof(sub), "%s.normalizers[%d]", where, i++);
-            if ((status = add_norm(l, e, sub, depth + 1)) != LLMEM_OK)
-                return status;
-        }
-        return LLMEM_OK;
-    }
+    if (strcmp(type, "Sequence") == 0 && depth == 0)
+        return add_sequence(l, obj, where, "normalizers", depth, add_norm);
     struct tok_norm norm = {0};
     if (strcmp(type, "Prepend") == 0) {
         const char *s = NULL;
@@ -549,22 +555,8 @@ static int add_pre(struct loader *l, const cJSON *obj, const char *where, int de
     if (status != LLMEM_OK)
         return status;
     struct tok_pre pre = {0};
-    if (strcmp(type, "Sequence") == 0 && depth == 0) {
-        const cJSON *list = cJSON_GetObjectItemCaseSensitive(obj, "pretokenizers");
-        if (!cJSON_IsArray(list)) {
-            LOAD_ERROR("%s: '%s.pretokenizers' must be an array", l->path, where);
-            return LLMEM_EFORMAT;
-        }
-        int i = 0;
-        const cJSON *e = NULL;
-        cJSON_ArrayForEach(e, list) {
-            char sub[96];
-            snprintf(sub, sizeof(sub), "%s.pretokenizers[%d]", where, i++);
-            if ((status = add_pre(l, e, sub, depth + 1)) != LLMEM_OK)
-                return status;
-        }
-        return LLMEM_OK;
-    }
+    if (strcmp(type, "Sequence") == 0 && depth == 0)
+        return add_sequence(l, obj, where, "pretokenizers", depth, add_pre);
     if (strcmp(type, "Split") == 0) {
         const char *pat = NULL, *behavior = NULL;
         int is_regex = 0, invert = 0;
@@ -647,22 +639,8 @@ static int add_dec(struct loader *l, const cJSON *obj, const char *where, int de
     if (status != LLMEM_OK)
         return status;
     tok->has_decoder = 1;
-    if (strcmp(type, "Sequence") == 0 && depth == 0) {
-        const cJSON *list = cJSON_GetObjectItemCaseSensitive(obj, "decoders");
-        if (!cJSON_IsArray(list)) {
-            LOAD_ERROR("%s: '%s.decoders' must be an array", l->path, where);
-            return LLMEM_EFORMAT;
-        }
-        int i = 0;
-        const cJSON *e = NULL;
-        cJSON_ArrayForEach(e, list) {
-            char sub[96];
-            snprintf(sub, sizeof(sub), "%s.decoders[%d]", where, i++);
-            if ((status = add_dec(l, e, sub, depth + 1)) != LLMEM_OK)
-                return status;
-        }
-        return LLMEM_OK;
-    }
+    if (strcmp(type, "Sequence") == 0 && depth == 0)
+        return add_sequence(l, obj, where, "decoders", depth, add_dec);
     struct tok_dec dec = {0};
     const char *a = NULL, *b = NULL;
     if (strcmp(type, "ByteLevel") == 0) {
