@@ -460,23 +460,32 @@ static int64_t bank_cap(const struct llmem_engine *e, int64_t working_set) {
     return cap;
 }
 
+/* The blocks seq still lacks to hold tokens [0, end), after evicting banked blocks (least
+ * recently used first) while the pool has fewer free blocks than that: the bank yields to the
+ * work in flight. Paged layout. */
+static int64_t make_room(struct llmem_engine *e, int seq, int64_t end) {
+    const int64_t bs = llmem_kv_block_size(e->kv), block_bytes = llmem_kv_block_bytes(e->kv);
+    int64_t need = (end + bs - 1) / bs - (llmem_kv_seq_length(e->kv, seq) + bs - 1) / bs;
+    struct llmem_bank_stats st = {0};
+    if (e->bank != NULL)
+        llmem_bank_stats(e->bank, &st);
+    while (need > llmem_kv_blocks_free(e->kv) && st.blocks > 0) {
+        llmem_bank_trim(e->bank, st.bytes - block_bytes);
+        llmem_bank_stats(e->bank, &st);
+    }
+    return need;
+}
+
 /* Runs n tokens at pos on seq, first evicting banked blocks (least recently used) while the pool
  * has fewer free blocks than the step needs: the bank yields to the work in flight. */
 static int step(struct llmem_engine *e, int seq, const int32_t *tokens, int64_t pos, int64_t n) {
     guard_check(e, 1);
     if (e->bank != NULL) {
-        const int64_t bs = llmem_kv_block_size(e->kv);
-        int64_t have = (llmem_kv_seq_length(e->kv, seq) + bs - 1) / bs;
-        int64_t need = (pos + n + bs - 1) / bs - have;
         /* the bank's budget at this working set (SPEC §2.3), then room for the step */
-        int64_t working_set = (have + (need > 0 ? need : 0)) * llmem_kv_block_bytes(e->kv);
-        llmem_bank_trim(e->bank, bank_cap(e, working_set));
-        struct llmem_bank_stats st;
-        llmem_bank_stats(e->bank, &st);
-        while (need > llmem_kv_blocks_free(e->kv) && st.blocks > 0) {
-            llmem_bank_trim(e->bank, st.bytes - llmem_kv_block_bytes(e->kv));
-            llmem_bank_stats(e->bank, &st);
-        }
+        const int64_t bs = llmem_kv_block_size(e->kv), len = llmem_kv_seq_length(e->kv, seq);
+        int64_t blocks = ((pos + n > len ? pos + n : len) + bs - 1) / bs;
+        llmem_bank_trim(e->bank, bank_cap(e, blocks * llmem_kv_block_bytes(e->kv)));
+        make_room(e, seq, pos + n);
     }
     struct llmem_batch_seq b = {.seq = seq, .pos = pos, .n_tokens = n};
     return llmem_forward_run(e->fwd, tokens, &b, 1, e->logits);
@@ -511,16 +520,7 @@ static int admit(struct llmem_engine *e, int seq, int64_t tokens) {
     }
     if (e->cfg.kv_layout != LLMEM_KV_LAYOUT_PAGED)
         return LLMEM_OK;
-    const int64_t bs = llmem_kv_block_size(e->kv);
-    int64_t have = (llmem_kv_seq_length(e->kv, seq) + bs - 1) / bs;
-    int64_t need = (tokens + bs - 1) / bs - have;
-    struct llmem_bank_stats st = {0};
-    if (e->bank != NULL)
-        llmem_bank_stats(e->bank, &st);
-    while (need > llmem_kv_blocks_free(e->kv) && st.blocks > 0) {
-        llmem_bank_trim(e->bank, st.bytes - llmem_kv_block_bytes(e->kv));
-        llmem_bank_stats(e->bank, &st);
-    }
+    int64_t need = make_room(e, seq, tokens);
     if (need > llmem_kv_blocks_free(e->kv)) {
         char b1[32], b2[32];
         LLMEM_ERROR("refused before prefill: the request needs %" PRId64
