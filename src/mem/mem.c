@@ -63,11 +63,30 @@ static int fault_hit(void) {
 /* ---- the host kind ----------------------------------------------------------------------------
  */
 
+/* Large buffers of 2 MiB or more start on a 2 MiB boundary and ask for transparent huge pages:
+ * KV pools, weights read into memory and GEMM scratch are streamed, and 4 KiB pages would cost a
+ * TLB walk every 4 KiB (dearer still under virtualization). The mapping is cut to exactly
+ * [p, p + bytes), so host_free unmaps what it is given. */
+#define HUGE_PAGE ((size_t)2 << 20)
+
 static void *host_alloc(void *ctx, size_t bytes, int large) {
     (void)ctx;
     if (large) {
-        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        return p == MAP_FAILED ? NULL : p;
+        size_t extra = bytes >= HUGE_PAGE ? HUGE_PAGE : 0;
+        char *p = mmap(NULL, bytes + extra, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                       -1, 0);
+        if (p == MAP_FAILED)
+            return NULL;
+        if (extra > 0) {
+            size_t head = (HUGE_PAGE - ((uintptr_t)p & (HUGE_PAGE - 1))) & (HUGE_PAGE - 1);
+            if (head > 0)
+                munmap(p, head);
+            if (extra - head > 0)
+                munmap(p + head + bytes, extra - head);
+            p += head;
+            madvise(p, bytes, MADV_HUGEPAGE); /* advice: a kernel without THP ignores it */
+        }
+        return p;
     }
     void *p = NULL;
     return posix_memalign(&p, SMALL_ALIGN, bytes) == 0 ? p : NULL;
