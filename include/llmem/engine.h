@@ -163,6 +163,7 @@ struct llmem_generate_params {
     const int32_t *stop_ids; /* more ids that end generation (a chat template's end of turn) */
     int n_stop_ids;
     int ignore_eos;
+    int logprobs; /* per token, the log-probability and this many alternatives (0–20); −1: none */
     llmem_progress_fn prefill_progress; /* (optional) prompt tokens done of total */
     void *progress_arg;
 };
@@ -189,6 +190,90 @@ void llmem_generate_result_free(struct llmem_generate_result *r);
 int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
                           const struct llmem_generate_params *params, llmem_token_fn on_token,
                           void *arg, struct llmem_generate_result *result);
+
+/* ---------------------------------------------------------------------------------------------
+ * Serving: many requests at once (SPEC §7)
+ *
+ * A scheduler thread keeps a waiting queue and a running set (at most max_sequences). Each step
+ * runs one forward pass that mixes chunked prefill (up to max_batch_tokens prompt tokens, the
+ * oldest waiting requests first) with one decode token for every running sequence, on the shared
+ * paged KV. A request whose KV blocks run out while others run is preempted — the newest first:
+ * its blocks go to the session bank and it waits again at the head of the queue, resuming from
+ * the bank — instead of failing; a request that can never fit is refused before its prefill
+ * (status LLMEM_ENOMEM, with the plan's numbers in the message). Cancelling a request (or its
+ * on_token returning non-zero) frees its blocks at the next step.
+ *
+ * Callbacks run on the scheduler thread: they must return quickly and must not call back into
+ * the engine (submit and cancel excepted).
+ * ------------------------------------------------------------------------------------------- */
+
+#define LLMEM_MAX_TOP_LOGPROBS 20
+
+/* One generated token (or, with id = −1, the text held back until the end). */
+struct llmem_token_event {
+    int32_t id;
+    const char *text; /* the new text (possibly empty while a character or stop string is open) */
+    size_t len;
+    float logprob;             /* log-probability of id under the model (temperature applied) */
+    int n_top;                 /* the `logprobs` most likely tokens and their log-probabilities */
+    const int32_t *top_ids;    /* most likely first */
+    const float *top_logprobs;
+};
+
+struct llmem_request_events {
+    /* Each token; non-zero cancels the request (its finish_reason is then "cancelled"). */
+    int (*on_token)(void *arg, const struct llmem_token_event *ev);
+    /* Exactly once, last: status LLMEM_OK with the result (ids, text, finish_reason, counts,
+     * timings; valid during the call only), or an error with a message for the client (a memory
+     * refusal: LLMEM_ENOMEM with the fit and the advice; a bad request: LLMEM_EINVAL). */
+    void (*on_done)(void *arg, int status, const struct llmem_generate_result *result,
+                    const char *message);
+    void *arg;
+};
+
+struct llmem_serve_config {
+    int64_t max_queue; /* waiting requests beyond which submit says LLMEM_EBUSY (0: 256) */
+};
+
+/* Starts the scheduler thread. LLMEM_EINVAL if it runs already; LLMEM_ENOMEM. */
+int llmem_engine_serve_start(struct llmem_engine *e, const struct llmem_serve_config *config);
+/* Cancels every request (on_done with "cancelled"), then stops the thread. No-op if not started. */
+void llmem_engine_serve_stop(struct llmem_engine *e);
+
+/* Queues a request (prompt copied; params' strings copied) and returns its id. LLMEM_EBUSY when
+ * the queue is full, LLMEM_EINVAL (with the reason logged) for an empty prompt, an id outside the
+ * vocabulary or a prompt that leaves no room in the context, LLMEM_ENOMEM. Thread-safe. */
+int llmem_engine_submit(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
+                        const struct llmem_generate_params *params,
+                        const struct llmem_request_events *events, uint64_t *id);
+/* Cancels a queued or running request; unknown or finished ids are ignored. Thread-safe. */
+void llmem_engine_cancel(struct llmem_engine *e, uint64_t id);
+/* Releases the allocator's cache and empties the session bank (POST /admin/cache/clear);
+ * returns the bytes released. Thread-safe. */
+int64_t llmem_engine_clear_cache(struct llmem_engine *e);
+
+/* Histograms for Prometheus: counts[i] = observations ≤ bounds[i] (cumulative), then +Inf. */
+#define LLMEM_HIST_BUCKETS 12
+struct llmem_histogram {
+    double bounds[LLMEM_HIST_BUCKETS]; /* seconds, ascending */
+    int64_t counts[LLMEM_HIST_BUCKETS];
+    int64_t count;
+    double sum;
+};
+
+/* A consistent snapshot, refreshed after every scheduler step. Thread-safe. */
+struct llmem_engine_metrics {
+    int64_t requests_ok, requests_cancelled, requests_refused, requests_failed;
+    int64_t prompt_tokens, generated_tokens, reused_tokens;
+    int64_t running, waiting, preemptions, steps;
+    struct llmem_histogram ttft, inter_token; /* seconds */
+    int64_t kv_blocks_used, kv_blocks_free, kv_block_bytes;
+    int64_t bank_bytes, bank_blocks, bank_hit_blocks, bank_lookups, bank_evicted_blocks;
+    int64_t mem_active, mem_peak, mem_cache, mem_limit; /* the allocator (llmem_mem_stats) */
+    int64_t guard_warnings, guard_criticals;
+    int refusing; /* a critical memory pressure is in effect */
+};
+void llmem_engine_metrics(struct llmem_engine *e, struct llmem_engine_metrics *m);
 
 #ifdef __cplusplus
 }

@@ -22,7 +22,8 @@ enum llmem_status {
     LLMEM_ENOENT = -4,      /* a file, model or name does not exist */
     LLMEM_EFORMAT = -5,     /* a file or document is malformed */
     LLMEM_ERANGE = -6,      /* a number is out of range or would overflow */
-    LLMEM_EUNSUPPORTED = -7 /* valid input that this build does not support */
+    LLMEM_EUNSUPPORTED = -7, /* valid input that this build does not support */
+    LLMEM_EBUSY = -8         /* a queue or resource is full for now: try again later */
 };
 
 /* A short human description ("out of memory"); never NULL, also for unknown values. */

@@ -32,6 +32,7 @@ const char *llmem_status_str(int status) {
     case LLMEM_EFORMAT: return "malformed input";
     case LLMEM_ERANGE: return "value out of range";
     case LLMEM_EUNSUPPORTED: return "not supported";
+    case LLMEM_EBUSY: return "busy, try again later";
     default: return "unknown status";
     }
 }
@@ -46,6 +47,7 @@ const char *llmem_status_name(int status) {
     case LLMEM_EFORMAT: return "LLMEM_EFORMAT";
     case LLMEM_ERANGE: return "LLMEM_ERANGE";
     case LLMEM_EUNSUPPORTED: return "LLMEM_EUNSUPPORTED";
+    case LLMEM_EBUSY: return "LLMEM_EBUSY";
     default: return "LLMEM_UNKNOWN";
     }
 }

@@ -1,14 +1,11 @@
 /*
- * engine/engine.c — a model opened inside its memory plan, and the generation loop.
+ * engine/engine.c — a model opened inside its memory plan, its pressure guard, and the session bank
+ * around a request (the requests themselves are scheduled in sched.c).
  *
  * Open: geometry (headers only) → machine probe → plan → refuse if it does not fit → allocator with
  * the plan's limits → weights, tokenizer, backend, KV cache, forward pass. The paged KV pool is the
  * plan's reserve (one window per sequence), allocated at open; the allocator's memory limit bounds
  * everything together.
- *
- * Generate: prefill in chunks (logits of the last token only), then decode token by token. Text is
- * streamed through the detokenizer; a stop string ends generation and is cut from the text, and
- * text that might be the start of a stop string is held back until it is not.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -26,27 +23,8 @@
 #include "llmem/size.h"
 #include "llmem/sys.h"
 #include "llmem/tokenizer.h"
+#include "engine/engine_int.h"
 
-struct llmem_engine {
-    struct llmem_engine_config cfg;
-    struct llmem_plan plan;
-    struct llmem_mem *mem;
-    struct llmem_model *model;
-    struct llmem_tokenizer *tok;
-    struct llmem_pool *pool; /* the threads every kernel runs on */
-    struct llmem_backend *be;
-    struct llmem_kv *kv;
-    struct llmem_bank *bank; /* the RAM tier of the session bank (paged layout), or NULL */
-    struct llmem_guard guard;
-    struct llmem_sys_pressure pressure; /* the last read of /proc, and when */
-    double pressure_at;
-    int refusing; /* a critical is in effect: no new request is admitted */
-    struct llmem_forward *fwd;
-    float *logits; /* (max_sequences, vocab) tag scratch */
-    int64_t vocab;
-    int32_t eos[LLMEM_MAX_EOS + 1];
-    int n_eos;
-};
 
 void llmem_engine_config_default(struct llmem_engine_config *c) {
     memset(c, 0, sizeof(*c));
@@ -56,7 +34,7 @@ void llmem_engine_config_default(struct llmem_engine_config *c) {
     c->max_sequences = 1;
 }
 
-static double now_s(void) {
+double llmem_engine_now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
@@ -180,6 +158,7 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
         return LLMEM_ENOMEM;
     }
     e->cfg = *config;
+    llmem_engine_sched_init(e);
     llmem_guard_init(&e->guard);
     e->pressure_at = -1;
     if (e->cfg.max_batch_tokens <= 0)
@@ -236,6 +215,7 @@ fail:
 void llmem_engine_close(struct llmem_engine *e) {
     if (e == NULL)
         return;
+    llmem_engine_sched_fini(e); /* stops serving: no step runs past here */
     if (e->mem != NULL)
         llmem_mem_free(e->mem, e->logits);
     llmem_forward_free(e->fwd);
@@ -287,91 +267,13 @@ void llmem_engine_limits_line(const struct llmem_engine *e, char *buf, size_t si
              p->context_window_resolved);
 }
 
-/* ---- generation ----------------------------------------------------------------------------- */
-
-void llmem_generate_params_default(struct llmem_generate_params *p) {
-    memset(p, 0, sizeof(*p));
-    llmem_sampling_default(&p->sampling);
-}
-
-void llmem_generate_result_free(struct llmem_generate_result *r) {
-    if (r == NULL)
-        return;
-    free(r->ids);
-    free(r->text);
-    memset(r, 0, sizeof(*r));
-}
-
-/* The generated text, and how much of it has been handed to the caller. */
-struct stream {
-    char *text;
-    size_t len, cap, emitted;
-};
-
-static int stream_append(struct stream *s, const char *piece) {
-    size_t n = strlen(piece);
-    if (s->len + n + 1 > s->cap) {
-        size_t cap = s->cap ? s->cap * 2 : 256;
-        while (cap < s->len + n + 1)
-            cap *= 2;
-        char *t = realloc(s->text, cap);
-        if (t == NULL)
-            return LLMEM_ENOMEM;
-        s->text = t;
-        s->cap = cap;
-    }
-    memcpy(s->text + s->len, piece, n + 1);
-    s->len += n;
-    return LLMEM_OK;
-}
-
-/* Where a stop string starts in the text (searching only where a new one can be), or −1; and
- * through *safe how much of the text can be emitted without splitting a possible stop string. */
-static int64_t find_stop(const struct stream *s, const struct llmem_generate_params *p,
-                         size_t *safe) {
-    *safe = s->len;
-    for (int i = 0; i < p->n_stop; i++) {
-        size_t n = strlen(p->stop[i]);
-        if (n == 0)
-            continue;
-        size_t from = s->emitted;
-        const char *hit = NULL;
-        for (const char *q = s->text + from; (q = strstr(q, p->stop[i])) != NULL; q++) {
-            hit = q;
-            break;
-        }
-        if (hit != NULL)
-            return hit - s->text;
-        /* the longest tail of the text that begins the stop string */
-        for (size_t k = n - 1; k > 0; k--) {
-            if (k <= s->len - s->emitted && memcmp(s->text + s->len - k, p->stop[i], k) == 0) {
-                if (s->len - k < *safe)
-                    *safe = s->len - k;
-                break;
-            }
-        }
-    }
-    return -1;
-}
-
-static int is_stop_id(const struct llmem_engine *e, const struct llmem_generate_params *p,
-                      int32_t id) {
-    for (int i = 0; !p->ignore_eos && i < e->n_eos; i++)
-        if (e->eos[i] == id)
-            return 1;
-    for (int i = 0; i < p->n_stop_ids; i++)
-        if (p->stop_ids[i] == id)
-            return 1;
-    return 0;
-}
-
 /* ---- the pressure guard ------------------------------------------------------------------------
  */
 
 static void guard_reading(struct llmem_engine *e, struct llmem_guard_reading *r) {
     struct llmem_mem_stats st;
     llmem_mem_stats(e->mem, &st);
-    double now = now_s();
+    double now = llmem_engine_now_s();
     if (e->pressure_at < 0 || now - e->pressure_at >= 0.05) { /* /proc at most 20 times a second */
         llmem_sys_pressure_read(&e->pressure);
         e->pressure_at = now;
@@ -391,7 +293,7 @@ static void guard_reading(struct llmem_engine *e, struct llmem_guard_reading *r)
 
 /* Reads the signals and acts (SPEC §6.4): a warning halves the bank and releases the allocator's
  * cache; a critical empties the bank, releases the cache and stops admissions until it clears. */
-static void guard_check(struct llmem_engine *e, int mid_step) {
+void llmem_engine_guard_check(struct llmem_engine *e, int mid_step) {
     struct llmem_guard_reading r;
     guard_reading(e, &r);
     const char *why = NULL;
@@ -400,7 +302,7 @@ static void guard_check(struct llmem_engine *e, int mid_step) {
         e->refusing = 0;
         LLMEM_WARN("guard: the critical memory pressure has cleared; admitting requests again");
     }
-    enum llmem_guard_level act = llmem_guard_decide(&e->guard, &r, now_s(), mid_step);
+    enum llmem_guard_level act = llmem_guard_decide(&e->guard, &r, llmem_engine_now_s(), mid_step);
     if (act == LLMEM_GUARD_CLEAR)
         return;
     struct llmem_bank_stats bs = {0};
@@ -429,25 +331,23 @@ const struct llmem_guard *llmem_engine_guard(const struct llmem_engine *e) {
 /* ---- the bank around a request ----------------------------------------------------------------
  */
 
-/* A sequence for the prompt, starting from the banked blocks that begin it (at least its last
- * token is left to prefill, for its logits). */
-static int start_sequence(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt, int *seq,
-                          int64_t *reused) {
+int llmem_engine_start_sequence(struct llmem_engine *e, const int32_t *tokens, int64_t n, int *seq,
+                                int64_t *reused) {
     *reused = 0;
     if (e->bank == NULL)
         return llmem_kv_seq_new(e->kv, seq);
     const int64_t bs = llmem_kv_block_size(e->kv);
-    int64_t max_blocks = (n_prompt - 1) / bs;
+    int64_t max_blocks = (n - 1) / bs;
     int64_t *ids = malloc((size_t)(max_blocks > 0 ? max_blocks : 1) * sizeof(int64_t));
     if (ids == NULL) {
         LLMEM_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
-    int64_t n = llmem_bank_lookup(e->bank, prompt, n_prompt, max_blocks, ids);
-    int status = llmem_kv_seq_new_from_blocks(e->kv, ids, n, seq);
+    int64_t got = llmem_bank_lookup(e->bank, tokens, n, max_blocks, ids);
+    int status = llmem_kv_seq_new_from_blocks(e->kv, ids, got, seq);
     free(ids);
     if (status == LLMEM_OK)
-        *reused = n * bs;
+        *reused = got * bs;
     return status;
 }
 
@@ -460,10 +360,14 @@ static int64_t bank_cap(const struct llmem_engine *e, int64_t working_set) {
     return cap;
 }
 
-/* The blocks seq still lacks to hold tokens [0, end), after evicting banked blocks (least
- * recently used first) while the pool has fewer free blocks than that: the bank yields to the
- * work in flight. Paged layout. */
-static int64_t make_room(struct llmem_engine *e, int seq, int64_t end) {
+void llmem_engine_bank_budget(struct llmem_engine *e, int64_t blocks) {
+    if (e->bank != NULL)
+        llmem_bank_trim(e->bank, bank_cap(e, blocks * llmem_kv_block_bytes(e->kv)));
+}
+
+int64_t llmem_engine_make_room(struct llmem_engine *e, int seq, int64_t end) {
+    if (e->cfg.kv_layout != LLMEM_KV_LAYOUT_PAGED)
+        return 0;
     const int64_t bs = llmem_kv_block_size(e->kv), block_bytes = llmem_kv_block_bytes(e->kv);
     int64_t need = (end + bs - 1) / bs - (llmem_kv_seq_length(e->kv, seq) + bs - 1) / bs;
     struct llmem_bank_stats st = {0};
@@ -476,190 +380,22 @@ static int64_t make_room(struct llmem_engine *e, int seq, int64_t end) {
     return need;
 }
 
-/* Runs n tokens at pos on seq, first evicting banked blocks (least recently used) while the pool
- * has fewer free blocks than the step needs: the bank yields to the work in flight. */
-static int step(struct llmem_engine *e, int seq, const int32_t *tokens, int64_t pos, int64_t n) {
-    guard_check(e, 1);
+void llmem_engine_bank_sequence(struct llmem_engine *e, int seq, const int32_t *tokens, int64_t n) {
+    if (e->bank != NULL)
+        llmem_bank_insert(e->bank, seq, tokens, n);
+}
+
+int64_t llmem_engine_release_caches(struct llmem_engine *e) {
+    struct llmem_bank_stats bs = {0};
     if (e->bank != NULL) {
-        /* the bank's budget at this working set (SPEC §2.3), then room for the step */
-        const int64_t bs = llmem_kv_block_size(e->kv), len = llmem_kv_seq_length(e->kv, seq);
-        int64_t blocks = ((pos + n > len ? pos + n : len) + bs - 1) / bs;
-        llmem_bank_trim(e->bank, bank_cap(e, blocks * llmem_kv_block_bytes(e->kv)));
-        make_room(e, seq, pos + n);
+        llmem_bank_stats(e->bank, &bs);
+        llmem_bank_trim(e->bank, 0);
     }
-    struct llmem_batch_seq b = {.seq = seq, .pos = pos, .n_tokens = n};
-    return llmem_forward_run(e->fwd, tokens, &b, 1, e->logits);
-}
-
-/* Banks a finished sequence's full blocks (prompt, then the generated tokens whose KV was
- * written), then holds the bank to its budget with no request in flight. A bank that cannot take
- * them only loses the reuse (logged). */
-static void bank_sequence(struct llmem_engine *e, int seq, const int32_t *prompt, int64_t n_prompt,
-                          const int32_t *ids, int64_t n_ids) {
-    if (e->bank == NULL)
-        return;
-    int32_t *all = malloc((size_t)(n_prompt + n_ids) * sizeof(int32_t));
-    if (all == NULL)
-        return;
-    memcpy(all, prompt, (size_t)n_prompt * sizeof(int32_t));
-    memcpy(all + n_prompt, ids, (size_t)n_ids * sizeof(int32_t));
-    llmem_bank_insert(e->bank, seq, all, n_prompt + n_ids);
-    free(all);
-    llmem_bank_trim(e->bank, bank_cap(e, 0));
-}
-
-/* Admission (SPEC §6.5): the request's whole footprint in KV blocks must be free, or become free
- * by evicting banked blocks, before anything is written; otherwise it is refused now rather than
- * failing half-way. The prefix the sequence took from the bank is already pinned by it. */
-static int admit(struct llmem_engine *e, int seq, int64_t tokens) {
-    guard_check(e, 0);
-    if (e->refusing) {
-        LLMEM_ERROR("refused: the machine is under critical memory pressure; no new request is "
-                    "admitted until it clears");
-        return LLMEM_ENOMEM;
-    }
-    if (e->cfg.kv_layout != LLMEM_KV_LAYOUT_PAGED)
-        return LLMEM_OK;
-    int64_t need = make_room(e, seq, tokens);
-    if (need > llmem_kv_blocks_free(e->kv)) {
-        char b1[32], b2[32];
-        LLMEM_ERROR("refused before prefill: the request needs %" PRId64
-                    " more KV blocks (%s) but %" PRId64
-                    " are free (%s) after emptying the session bank; shorten the prompt or -n, "
-                    "or quantize the KV (--kv-format q8)",
-                    need, llmem_size_format_short(need * llmem_kv_block_bytes(e->kv), b1, 32),
-                    llmem_kv_blocks_free(e->kv),
-                    llmem_size_format_short(
-                        llmem_kv_blocks_free(e->kv) * llmem_kv_block_bytes(e->kv), b2, 32));
-        return LLMEM_ENOMEM;
-    }
-    return LLMEM_OK;
+    int64_t cache = llmem_mem_cache_size(e->mem);
+    llmem_mem_clear_cache(e->mem);
+    return bs.bytes + cache;
 }
 
 struct llmem_bank *llmem_engine_bank(struct llmem_engine *e) {
     return e->bank;
-}
-
-int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
-                          const struct llmem_generate_params *p, llmem_token_fn on_token, void *arg,
-                          struct llmem_generate_result *r) {
-    memset(r, 0, sizeof(*r));
-    const int64_t context = e->plan.context_window_resolved;
-    if (n_prompt <= 0 || n_prompt >= context) {
-        LLMEM_ERROR("the prompt has %" PRId64 " tokens; it must have 1 to %" PRId64
-                    " (the context window is %" PRId64 ")",
-                    n_prompt, context - 1, context);
-        return LLMEM_EINVAL;
-    }
-    int64_t max_tokens = context - n_prompt;
-    if (p->max_tokens > 0 && p->max_tokens < max_tokens)
-        max_tokens = p->max_tokens;
-    struct llmem_sampler *sampler = NULL;
-    struct llmem_detok *detok = NULL;
-    struct stream s = {0};
-    int seq = -1;
-    int status = llmem_sampler_create(&p->sampling, e->vocab, &sampler);
-    int64_t reused = 0;
-    if (status != LLMEM_OK || (status = llmem_detok_create(e->tok, 1, &detok)) != LLMEM_OK ||
-        (status = start_sequence(e, prompt, n_prompt, &seq, &reused)) != LLMEM_OK)
-        goto out;
-    if ((status = admit(e, seq, n_prompt + max_tokens)) != LLMEM_OK)
-        goto out;
-    r->ids = malloc((size_t)max_tokens * sizeof(int32_t));
-    if (r->ids == NULL) {
-        LLMEM_ERROR("out of memory");
-        status = LLMEM_ENOMEM;
-        goto out;
-    }
-    r->prompt_tokens = n_prompt;
-    r->reused_tokens = reused;
-    r->finish_reason = "length";
-    int stop_string = 0;
-
-    /* Prefill. */
-    double t0 = now_s();
-    const int64_t chunk = e->cfg.max_batch_tokens;
-    for (int64_t pos = reused; pos < n_prompt; pos += chunk) {
-        int64_t n = n_prompt - pos < chunk ? n_prompt - pos : chunk;
-        if ((status = step(e, seq, prompt + pos, pos, n)) != LLMEM_OK)
-            goto out;
-        if (p->prefill_progress != NULL)
-            p->prefill_progress(p->progress_arg, pos + n, n_prompt);
-    }
-    double t1 = now_s();
-    r->prefill_s = t1 - t0;
-
-    /* Decode. */
-    for (int64_t i = 0; i < max_tokens; i++) {
-        int32_t id = llmem_sampler_sample(sampler, e->logits);
-        if (i == 0)
-            r->ttft_ms = (now_s() - t0) * 1e3;
-        if (is_stop_id(e, p, id)) {
-            r->finish_reason = "stop";
-            break;
-        }
-        r->ids[r->n_ids++] = id;
-        char *piece = NULL;
-        if ((status = llmem_detok_push(detok, id, &piece)) != LLMEM_OK)
-            goto out;
-        status = stream_append(&s, piece);
-        free(piece);
-        if (status != LLMEM_OK)
-            goto out;
-        size_t safe = 0;
-        int64_t stop_at = find_stop(&s, p, &safe);
-        if (stop_at >= 0) {
-            s.len = (size_t)stop_at;
-            s.text[s.len] = '\0';
-            safe = s.len;
-            r->finish_reason = "stop";
-            stop_string = 1;
-        }
-        int cancel = 0;
-        if (on_token != NULL)
-            cancel = on_token(arg, id, s.text + s.emitted, safe - s.emitted);
-        s.emitted = safe;
-        if (stop_at >= 0)
-            break;
-        if (cancel) {
-            r->finish_reason = "cancelled";
-            break;
-        }
-        if (i + 1 == max_tokens)
-            break;
-        if ((status = step(e, seq, &id, n_prompt + i, 1)) != LLMEM_OK)
-            goto out;
-        r->decode_tokens++;
-    }
-    r->decode_s = now_s() - t1;
-    if (!stop_string) { /* flush what was held back: an incomplete character, a stop prefix */
-        char *rest = NULL;
-        if ((status = llmem_detok_finish(detok, &rest)) == LLMEM_OK) {
-            status = stream_append(&s, rest);
-            free(rest);
-        }
-        if (status != LLMEM_OK)
-            goto out;
-        if (on_token != NULL && s.emitted < s.len)
-            on_token(arg, -1, s.text + s.emitted, s.len - s.emitted);
-        s.emitted = s.len;
-    }
-    if (s.text == NULL && (status = stream_append(&s, "")) != LLMEM_OK)
-        goto out;
-    r->text = s.text;
-    r->text_len = s.len;
-    s.text = NULL;
-    bank_sequence(e, seq, prompt, n_prompt, r->ids, r->n_ids);
-out:
-    if (seq >= 0)
-        llmem_kv_seq_free(e->kv, seq);
-    free(s.text);
-    llmem_detok_free(detok);
-    llmem_sampler_free(sampler);
-    if (status != LLMEM_OK) {
-        if (status == LLMEM_ENOMEM)
-            LLMEM_ERROR("the request ends: out of memory after %" PRId64 " tokens", r->n_ids);
-        llmem_generate_result_free(r);
-    }
-    return status;
 }

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "core/log.h"
+#include "engine/engine_int.h"
 #include "llmem/engine.h"
 
 struct llmem_sampler {
@@ -135,4 +136,32 @@ int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits) {
             return s->c[i].id;
     }
     return s->c[n - 1].id;
+}
+
+void llmem_logprobs(const float *logits, int64_t vocab, double temperature, int32_t id, int n,
+                    float *logprob, int32_t *top_ids, float *top_logprobs) {
+    const double t = temperature > 0 ? temperature : 1.0;
+    float top = logits[0];
+    for (int64_t i = 1; i < vocab; i++)
+        top = logits[i] > top ? logits[i] : top;
+    double sum = 0;
+    for (int64_t i = 0; i < vocab; i++)
+        sum += exp(((double)logits[i] - top) / t);
+    const double lse = (double)top / t + log(sum);
+    *logprob = (float)((double)logits[id] / t - lse);
+    /* the n largest, by insertion into a sorted list (n ≤ 20) */
+    int have = 0;
+    for (int64_t i = 0; i < vocab && n > 0; i++) {
+        float x = logits[i];
+        if (have == n && x <= logits[top_ids[n - 1]])
+            continue;
+        int at = have < n ? have++ : n - 1;
+        while (at > 0 && logits[top_ids[at - 1]] < x) {
+            top_ids[at] = top_ids[at - 1];
+            at--;
+        }
+        top_ids[at] = (int32_t)i;
+    }
+    for (int i = 0; i < have; i++)
+        top_logprobs[i] = (float)((double)logits[top_ids[i]] / t - lse);
 }
