@@ -237,10 +237,11 @@ struct llmem_serve_config {
 
 /* Starts the scheduler thread. LLMEM_EINVAL if it runs already; LLMEM_ENOMEM. */
 int llmem_engine_serve_start(struct llmem_engine *e, const struct llmem_serve_config *config);
-/* Cancels every request (on_done with "cancelled"), then stops the thread. No-op if not started. */
+/* Stops the thread, then ends every request still queued or running as cancelled (on_done). */
 void llmem_engine_serve_stop(struct llmem_engine *e);
 
-/* Queues a request (prompt copied; params' strings copied) and returns its id. LLMEM_EBUSY when
+/* Queues a request (prompt copied; params' strings copied; it waits while the scheduler is not
+ * running, and a closing engine cancels it) and returns its id. LLMEM_EBUSY when
  * the queue is full, LLMEM_EINVAL (with the reason logged) for an empty prompt, an id outside the
  * vocabulary or a prompt that leaves no room in the context, LLMEM_ENOMEM. Thread-safe. */
 int llmem_engine_submit(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,

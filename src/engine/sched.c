@@ -142,6 +142,8 @@ static int is_stop_id(const struct llmem_engine *e, const struct llmem_generate_
     return 0;
 }
 
+static void publish(struct llmem_engine *e);
+
 /* ---- a request's life ------------------------------------------------------------------------ */
 
 static void request_free(struct request *r) {
@@ -285,6 +287,7 @@ static void request_finish(struct llmem_engine *e, struct request *r, const char
     } else {
         c->requests_failed++;
     }
+    publish(e); /* the metrics count it before its client hears */
     if (r->ev.on_done != NULL)
         r->ev.on_done(r->ev.arg, status, status == LLMEM_OK ? &res : NULL, message);
     request_free(r);
@@ -439,6 +442,8 @@ static void admit(struct llmem_engine *e) {
         int seq = -1;
         int64_t reused = 0;
         int status = llmem_engine_start_sequence(e, r->toks, r->n_toks, &seq, &reused);
+        if (status == LLMEM_ERANGE && e->n_running > 0)
+            break; /* every sequence slot is taken (an embedder holds some): wait */
         if (status != LLMEM_OK) {
             e->waiting = r->next;
             request_finish(e, r, "error", status, llmem_last_error());
@@ -701,6 +706,26 @@ int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t
 
 /* ---- serving --------------------------------------------------------------------------------- */
 
+/* Ends every request as cancelled (the scheduler is not running). */
+static void cancel_all(struct llmem_engine *e) {
+    intake(e);
+    while (e->running != NULL) {
+        struct request *r = e->running;
+        e->running = r->next;
+        e->n_running--;
+        request_finish(e, r, "cancelled", LLMEM_OK, NULL);
+    }
+    while (e->waiting != NULL) {
+        struct request *r = e->waiting;
+        e->waiting = r->next;
+        request_finish(e, r, "cancelled", LLMEM_OK, NULL);
+    }
+    pthread_mutex_lock(&e->mu);
+    e->queued = 0;
+    pthread_mutex_unlock(&e->mu);
+    publish(e);
+}
+
 static void *sched_thread(void *arg) {
     struct llmem_engine *e = arg;
     int64_t active = 0;
@@ -734,20 +759,6 @@ static void *sched_thread(void *arg) {
         e->queued = active + count(e->incoming);
         pthread_mutex_unlock(&e->mu);
     }
-    /* stopping: every request ends as cancelled */
-    intake(e);
-    while (e->running != NULL) {
-        struct request *r = e->running;
-        e->running = r->next;
-        e->n_running--;
-        request_finish(e, r, "cancelled", LLMEM_OK, NULL);
-    }
-    while (e->waiting != NULL) {
-        struct request *r = e->waiting;
-        e->waiting = r->next;
-        request_finish(e, r, "cancelled", LLMEM_OK, NULL);
-    }
-    publish(e);
     return NULL;
 }
 
@@ -775,15 +786,13 @@ void llmem_engine_serve_stop(struct llmem_engine *e) {
     pthread_mutex_unlock(&e->mu);
     pthread_join(e->thread, NULL);
     e->serving = 0;
+    cancel_all(e);
 }
 
 void llmem_engine_sched_fini(struct llmem_engine *e) {
     llmem_engine_serve_stop(e);
-    while (e->waiting != NULL) { /* a generate interrupted by an error leaves none, but be sure */
-        struct request *r = e->waiting;
-        e->waiting = r->next;
-        request_free(r);
-    }
+    if (e->kv != NULL && e->mem != NULL) /* an engine that opened */
+        cancel_all(e);
     free(e->cancels);
     pthread_cond_destroy(&e->done);
     pthread_cond_destroy(&e->wake);
