@@ -255,6 +255,54 @@ static void test_matmul_batch_invariance(void **state) {
         }
 }
 
+/* Several matmuls of one input in one call give each matmul's own bits: q/k/v-like and
+ * gate/up-like sets (mixed dtypes and shapes, with and without bias), n = 1, 4 and 40 (decode and
+ * GEMM paths), 1 to 3 threads. */
+static void test_matmul_multi(void **state) {
+    (void)state;
+    static const int64_t shapes[3][2] = {{256, 512}, {64, 512}, {1000, 512}};
+    double *wv[3];
+    struct llmem_weight w[3];
+    for (int i = 0; i < 3; i++) {
+        wv[i] = malloc((size_t)(shapes[i][0] * shapes[i][1]) * sizeof(double));
+        assert_non_null(wv[i]);
+        w[i] = (struct llmem_weight){make_weight(dtypes[i], shapes[i][0] * shapes[i][1], wv[i]),
+                                     dtypes[i], shapes[i][0], shapes[i][1]};
+    }
+    float *x = make_floats(40 * 512), *bias = make_floats(1000);
+    for (int threads = 1; threads <= 3; threads++) {
+        struct llmem_backend *b = make_backend(threads);
+        for (int count = 2; count <= 3; count++) {
+            for (int with_bias = 0; with_bias < 2; with_bias++) {
+                static const int64_t ns[] = {1, 4, 40};
+                for (size_t k = 0; k < 3; k++) {
+                    int64_t n = ns[k];
+                    const struct llmem_weight *wp[3] = {&w[0], &w[1], &w[2]};
+                    const float *bp[3] = {bias, NULL, bias};
+                    float *y[3], *want[3];
+                    for (int i = 0; i < count; i++) {
+                        y[i] = malloc((size_t)(n * w[i].rows) * sizeof(float));
+                        want[i] = malloc((size_t)(n * w[i].rows) * sizeof(float));
+                        assert_non_null(y[i]);
+                        assert_non_null(want[i]);
+                        b->ops->matmul(b->ctx, &w[i], x, n, want[i], with_bias ? bp[i] : NULL);
+                    }
+                    b->ops->matmul_multi(b->ctx, count, wp, x, n, y, with_bias ? bp : NULL);
+                    for (int i = 0; i < count; i++) {
+                        assert_memory_equal(y[i], want[i],
+                                            (size_t)(n * w[i].rows) * sizeof(float));
+                        free(y[i]), free(want[i]);
+                    }
+                }
+            }
+        }
+        llmem_backend_destroy(b);
+    }
+    for (int i = 0; i < 3; i++)
+        free((void *)w[i].data), free(wv[i]);
+    free(x), free(bias);
+}
+
 static void test_matmul_empty(void **state) {
     (void)state;
     struct llmem_backend *b = make_backend(2);
@@ -454,6 +502,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matmul_shapes), cmocka_unit_test(test_matmul_blocks),
         cmocka_unit_test(test_matmul_batch_invariance),
+        cmocka_unit_test(test_matmul_multi),
         cmocka_unit_test(test_matmul_empty),  cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),          cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_embedding),     cmocka_unit_test(test_pool_runs),

@@ -33,6 +33,11 @@ struct llmem_backend_ops {
      * f32 accumulation; x and y do not alias. */
     void (*matmul)(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,
                    const float *bias);
+    /* count matmuls of the same x — y[i] = x · w[i]ᵀ (+ bias[i] where bias and bias[i] are not
+     * NULL) — with exactly the results of `matmul` on each, in one dispatch where that saves the
+     * threads' hand-offs (decode: q, k and v; gate and up). count ≤ 4. */
+    void (*matmul_multi)(void *ctx, int count, const struct llmem_weight *const *w,
+                         const float *x, int64_t n, float *const *y, const float *const *bias);
     /* For each of n rows of `dim`: y = x / sqrt(mean(x²) + eps) · weight (the HF Llama RMSNorm, in
      * f32). y may equal x. */
     void (*rmsnorm)(void *ctx, const float *x, const float *weight, int64_t n, int64_t dim,

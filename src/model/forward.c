@@ -98,6 +98,18 @@ int64_t llmem_forward_max_tokens(const struct llmem_forward *f) {
 
 /* ---- one layer ------------------------------------------------------------------------------ */
 
+/* Several matmuls of one input: one dispatch where the backend offers it. */
+static void matmul_multi(struct llmem_forward *f, int count, const struct llmem_weight *const *w,
+                         const float *x, int64_t n, float *const *y, const float *const *bias) {
+    const struct llmem_backend_ops *ops = f->be->ops;
+    if (ops->matmul_multi != NULL) {
+        ops->matmul_multi(f->be->ctx, count, w, x, n, y, bias);
+        return;
+    }
+    for (int i = 0; i < count; i++)
+        ops->matmul(f->be->ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
+}
+
 static int attention_block(struct llmem_forward *f, const struct model_layer *L, int layer,
                            const struct llmem_batch_seq *seqs, int n_seqs, int64_t T) {
     const struct llmem_backend_ops *ops = f->be->ops;
@@ -109,9 +121,12 @@ static int attention_block(struct llmem_forward *f, const struct model_layer *L,
     const float eps = (float)c->rms_norm_eps;
 
     ops->rmsnorm(ctx, f->x, L->attn_norm, T, g->hidden_size, eps, f->xn);
-    ops->matmul(ctx, &L->wq, f->xn, T, f->q, L->bq);
-    ops->matmul(ctx, &L->wk, f->xn, T, f->k, L->bk);
-    ops->matmul(ctx, &L->wv, f->xn, T, f->v, L->bv);
+    {
+        const struct llmem_weight *w[3] = {&L->wq, &L->wk, &L->wv};
+        float *y[3] = {f->q, f->k, f->v};
+        const float *b[3] = {L->bq, L->bk, L->bv};
+        matmul_multi(f, 3, w, f->xn, T, y, b);
+    }
     if (L->q_norm != NULL) {
         ops->rmsnorm(ctx, f->q, L->q_norm, T * nh, hd, eps, f->q);
         ops->rmsnorm(ctx, f->k, L->k_norm, T * nkv, hd, eps, f->k);
@@ -143,8 +158,11 @@ static void mlp_block(struct llmem_forward *f, const struct model_layer *L, int6
     const struct llmem_model_geometry *g = &f->model->cfg.geom;
     ops->rmsnorm(ctx, f->x, L->mlp_norm, T, g->hidden_size, (float)f->model->cfg.rms_norm_eps,
                  f->xn);
-    ops->matmul(ctx, &L->w_gate, f->xn, T, f->gate, NULL);
-    ops->matmul(ctx, &L->w_up, f->xn, T, f->up, NULL);
+    {
+        const struct llmem_weight *w[2] = {&L->w_gate, &L->w_up};
+        float *y[2] = {f->gate, f->up};
+        matmul_multi(f, 2, w, f->xn, T, y, NULL);
+    }
     ops->swiglu(ctx, f->gate, f->up, T * g->intermediate_size, f->gate);
     ops->matmul(ctx, &L->w_down, f->gate, T, f->xn, NULL);
     ops->add(ctx, f->x, f->xn, T * g->hidden_size);

@@ -269,6 +269,7 @@ static const struct llmem_backend_ops cpu_ops = {
     .destroy = cpu_destroy,
     .threads = cpu_threads,
     .matmul = cpu_matmul,
+    .matmul_multi = cpu_matmul_multi,
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,
     .swiglu = cpu_swiglu,

@@ -65,6 +65,8 @@ struct cpu_ctx {
 };
 
 /* The matmul of the backend table (matmul.c). */
+void cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w, const float *x,
+                      int64_t n, float *const *y, const float *const *bias);
 void cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,
                 const float *bias);
 

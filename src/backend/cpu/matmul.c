@@ -608,6 +608,68 @@ static void matmul_decode(struct cpu_ctx *c, const struct matmul_kernels *k,
     llmem_pool_run(c->pool, tasks, gemv_task, &job);
 }
 
+/* Several matrices of the same input in one dispatch: each split as matmul_decode would split it
+ * alone, the tasks of all of them run together. */
+#define MULTI_TASKS 256
+struct gemv_multi_job {
+    const struct matmul_kernels *k;
+    const float *x;
+    int64_t n;
+    struct {
+        const struct llmem_weight *w;
+        float *y;
+        const float *bias;
+        int64_t r0, r1;
+    } t[MULTI_TASKS];
+};
+
+static void gemv_multi_task(void *arg, int task, int thread) {
+    (void)thread;
+    const struct gemv_multi_job *j = arg;
+    const struct llmem_weight *w = j->t[task].w;
+    int64_t r0 = j->t[task].r0, r1 = j->t[task].r1;
+    j->k->gemv(row_ptr(w, r0), w->dtype, w->cols, r1 - r0, j->x, w->cols, j->n, j->t[task].y + r0,
+               w->rows, j->t[task].bias != NULL ? j->t[task].bias + r0 : NULL);
+}
+
+static void matmul_decode_multi(struct cpu_ctx *c, const struct matmul_kernels *k, int count,
+                                const struct llmem_weight *const *w, const float *x, int64_t n,
+                                float *const *y, const float *const *bias) {
+    int64_t work = 0;
+    for (int i = 0; i < count; i++)
+        work += w[i]->rows * w[i]->cols * n;
+    struct gemv_multi_job *job = malloc(sizeof(*job));
+    if (job == NULL) { /* one dispatch each, then */
+        for (int i = 0; i < count; i++)
+            matmul_decode(c, k, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
+        return;
+    }
+    job->k = k, job->x = x, job->n = n;
+    int tasks = 0;
+    for (int i = 0; i < count; i++) {
+        /* Below ~64 K multiply-adds in all, one task; else as matmul_decode splits one matrix */
+        int per_w = work < (int64_t)1 << 16 ? 1 : c->n_threads;
+        if (per_w > 1) {
+            int64_t by_size = w[i]->rows * w[i]->cols * llmem_dtype_size(w[i]->dtype) >> 20;
+            int64_t most = (int64_t)per_w * 16;
+            per_w = (int)(by_size < per_w ? per_w : by_size > most ? most : by_size);
+        }
+        if (per_w > MULTI_TASKS / count)
+            per_w = MULTI_TASKS / count;
+        int64_t per = (w[i]->rows + per_w - 1) / per_w;
+        per = (per + 3) & ~(int64_t)3;
+        for (int64_t r0 = 0; r0 < w[i]->rows; r0 += per) {
+            job->t[tasks].w = w[i], job->t[tasks].y = y[i];
+            job->t[tasks].bias = bias != NULL ? bias[i] : NULL;
+            job->t[tasks].r0 = r0;
+            job->t[tasks].r1 = r0 + per < w[i]->rows ? r0 + per : w[i]->rows;
+            tasks++;
+        }
+    }
+    llmem_pool_run(c->pool, tasks, gemv_multi_task, job);
+    free(job);
+}
+
 /* ---- GEMM -------------------------------------------------------------------------------------
  *
  * Portable and AVX2: tiles of CPU_GEMM_MR weight rows × a few rows of x in the canonical
@@ -770,6 +832,21 @@ static void matmul_blas(struct cpu_ctx *c, const struct llmem_weight *w, const f
         for (int64_t t = 0; t < n; t++)
             for (int64_t r = 0; r < w->rows; r++)
                 y[t * w->rows + r] += bias[r];
+}
+
+void cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w, const float *x,
+                      int64_t n, float *const *y, const float *const *bias) {
+    struct cpu_ctx *c = ctx;
+    LLMEM_ASSERT(count >= 1 && count <= 4);
+    int decode = c->path == CPU_MATMUL_DECODE || (c->path == CPU_MATMUL_AUTO && n < c->gemm_min_n);
+    for (int i = 0; i < count && decode; i++)
+        decode = w[i]->rows > 0 && w[i]->cols > 0 && n > 0;
+    if (!decode || count == 1) {
+        for (int i = 0; i < count; i++)
+            cpu_matmul(ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
+        return;
+    }
+    matmul_decode_multi(c, &kernels[c->isa], count, w, x, n, y, bias);
 }
 
 void cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,
