@@ -6,9 +6,12 @@
  * plan's reserve (one window per sequence), allocated at open; the allocator's memory limit bounds
  * everything together.
  *
- * Generate: prefill in chunks (logits of the last token only), then decode token by token. Text is
+ * Generate: the longest banked prefix of the prompt (RAM tier, then the spill store), prefill of
+ * the rest in chunks (logits of the last token only), then decode token by token. Text is
  * streamed through the detokenizer; a stop string ends generation and is cut from the text, and
- * text that might be the start of a stop string is held back until it is not.
+ * text that might be the start of a stop string is held back until it is not. At the end the
+ * sequence's full blocks are banked, and its chunks not on disk yet are queued for the spill
+ * store's writer thread (a copy of their bytes: the writer never reads the KV pool).
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -24,6 +27,7 @@
 #include "llmem/bank.h"
 #include "llmem/engine.h"
 #include "llmem/size.h"
+#include "llmem/spill.h"
 #include "llmem/sys.h"
 #include "llmem/tokenizer.h"
 
@@ -36,7 +40,11 @@ struct llmem_engine {
     struct llmem_pool *pool; /* the threads every kernel runs on */
     struct llmem_backend *be;
     struct llmem_kv *kv;
-    struct llmem_bank *bank; /* the RAM tier of the session bank (paged layout), or NULL */
+    struct llmem_bank *bank;   /* the RAM tier of the session bank (paged layout), or NULL */
+    struct llmem_spill *spill; /* the bank's spill store, or NULL */
+    uint8_t root[32];          /* the bank's chain root: the model's identity */
+    int64_t ram_bytes;         /* this machine's RAM (for the spill store's default cap) */
+    int64_t reused_ram_tokens, reused_disk_tokens;
     struct llmem_guard guard;
     struct llmem_sys_pressure pressure; /* the last read of /proc, and when */
     double pressure_at;
@@ -69,6 +77,7 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
     int status = llmem_sys_probe_host(&host);
     if (status != LLMEM_OK)
         return status;
+    e->ram_bytes = host.memory_size;
     const struct llmem_engine_config *c = &e->cfg;
     struct llmem_plan_params p = {
         .target = LLMEM_PLAN_HOST,
@@ -169,6 +178,22 @@ static int open_bank(struct llmem_engine *e) {
     free(cache);
     if (status == LLMEM_OK)
         status = llmem_bank_create(e->kv, id.root, &e->bank);
+    if (status != LLMEM_OK || e->cfg.no_spill)
+        return status;
+    memcpy(e->root, id.root, 32);
+    struct llmem_spill_config sc;
+    llmem_spill_config_default(&sc);
+    sc.dir = e->cfg.bank_dir;
+    sc.max_bytes = e->cfg.spill_max_bytes;
+    sc.ram_bytes = e->ram_bytes > 0 ? e->ram_bytes : 0;
+    sc.mem = e->mem;
+    sc.free_probe = e->cfg.spill_free_probe;
+    sc.free_probe_arg = e->cfg.spill_free_probe_arg;
+    status = llmem_spill_open(&sc, &e->spill);
+    if (status != LLMEM_OK && e->cfg.bank_dir == NULL) {
+        LLMEM_WARN("the session bank runs without its spill tier");
+        status = LLMEM_OK;
+    }
     return status;
 }
 
@@ -236,6 +261,7 @@ fail:
 void llmem_engine_close(struct llmem_engine *e) {
     if (e == NULL)
         return;
+    llmem_spill_close(e->spill); /* flushes pending writes (staging memory from e->mem) */
     if (e->mem != NULL)
         llmem_mem_free(e->mem, e->logits);
     llmem_forward_free(e->fwd);
@@ -384,9 +410,13 @@ static void guard_reading(struct llmem_engine *e, struct llmem_guard_reading *r)
         .ceiling_bytes = e->plan.planning_bytes,
         .psi_some = e->pressure.psi_some_avg10,
         .psi_full = e->pressure.psi_full_avg10,
+        .cgroup_high = e->pressure.cgroup_high,
+        .cgroup_max = e->pressure.cgroup_max,
+        .cgroup_oom = e->pressure.cgroup_oom,
     };
     if (e->cfg.guard_source != NULL)
         e->cfg.guard_source(e->cfg.guard_source_arg, r);
+    llmem_guard_events(&e->guard, r);
 }
 
 /* Reads the signals and acts (SPEC §6.4): a warning halves the bank and releases the allocator's
@@ -429,11 +459,31 @@ const struct llmem_guard *llmem_engine_guard(const struct llmem_engine *e) {
 /* ---- the bank around a request ----------------------------------------------------------------
  */
 
+/* Evicts banked blocks (least recently used first) until `blocks` KV blocks are free or the bank
+ * is empty; returns the free blocks. */
+static int64_t evict_until_free(struct llmem_engine *e, int64_t blocks) {
+    const int64_t block_bytes = llmem_kv_block_bytes(e->kv);
+    struct llmem_bank_stats st = {0};
+    if (e->bank != NULL)
+        llmem_bank_stats(e->bank, &st);
+    while (blocks > llmem_kv_blocks_free(e->kv) && st.blocks > 0) {
+        llmem_bank_trim(e->bank, st.bytes - block_bytes);
+        llmem_bank_stats(e->bank, &st);
+    }
+    return llmem_kv_blocks_free(e->kv);
+}
+
+static int64_t room_for_load(void *arg, int64_t blocks) {
+    return evict_until_free(arg, blocks);
+}
+
 /* A sequence for the prompt, starting from the banked blocks that begin it (at least its last
- * token is left to prefill, for its logits). */
+ * token is left to prefill, for its logits): the RAM tier's, then the spill store's from where
+ * RAM stops. Blocks loaded from disk are banked too. While they load, the RAM blocks are held so
+ * that the room made for the loads never takes them. */
 static int start_sequence(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt, int *seq,
-                          int64_t *reused) {
-    *reused = 0;
+                          int64_t *reused_ram, int64_t *reused_disk) {
+    *reused_ram = *reused_disk = 0;
     if (e->bank == NULL)
         return llmem_kv_seq_new(e->kv, seq);
     const int64_t bs = llmem_kv_block_size(e->kv);
@@ -443,11 +493,28 @@ static int start_sequence(struct llmem_engine *e, const int32_t *prompt, int64_t
         LLMEM_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
-    int64_t n = llmem_bank_lookup(e->bank, prompt, n_prompt, max_blocks, ids);
-    int status = llmem_kv_seq_new_from_blocks(e->kv, ids, n, seq);
+    int64_t n = llmem_bank_lookup(e->bank, prompt, n_prompt, max_blocks, ids), n_disk = 0;
+    int status;
+    if (e->spill != NULL && n < max_blocks && llmem_spill_owned(e->spill)) {
+        for (int64_t k = 0; k < n; k++)
+            llmem_kv_block_hold(e->kv, ids[k]);
+        n_disk = llmem_spill_load(e->spill, e->kv, e->root, prompt, n_prompt, n, max_blocks,
+                                  ids + n, room_for_load, e);
+        status = llmem_kv_seq_new_from_blocks(e->kv, ids, n + n_disk, seq);
+        if (status == LLMEM_OK && n_disk > 0)
+            llmem_bank_insert(e->bank, *seq, prompt, (n + n_disk) * bs);
+        for (int64_t k = 0; k < n + n_disk; k++)
+            llmem_kv_block_release(e->kv, ids[k]);
+    } else {
+        status = llmem_kv_seq_new_from_blocks(e->kv, ids, n, seq);
+    }
     free(ids);
-    if (status == LLMEM_OK)
-        *reused = n * bs;
+    if (status == LLMEM_OK) {
+        *reused_ram = n * bs;
+        *reused_disk = n_disk * bs;
+        e->reused_ram_tokens += n * bs;
+        e->reused_disk_tokens += n_disk * bs;
+    }
     return status;
 }
 
@@ -464,15 +531,9 @@ static int64_t bank_cap(const struct llmem_engine *e, int64_t working_set) {
  * recently used first) while the pool has fewer free blocks than that: the bank yields to the
  * work in flight. Paged layout. */
 static int64_t make_room(struct llmem_engine *e, int seq, int64_t end) {
-    const int64_t bs = llmem_kv_block_size(e->kv), block_bytes = llmem_kv_block_bytes(e->kv);
+    const int64_t bs = llmem_kv_block_size(e->kv);
     int64_t need = (end + bs - 1) / bs - (llmem_kv_seq_length(e->kv, seq) + bs - 1) / bs;
-    struct llmem_bank_stats st = {0};
-    if (e->bank != NULL)
-        llmem_bank_stats(e->bank, &st);
-    while (need > llmem_kv_blocks_free(e->kv) && st.blocks > 0) {
-        llmem_bank_trim(e->bank, st.bytes - block_bytes);
-        llmem_bank_stats(e->bank, &st);
-    }
+    evict_until_free(e, need);
     return need;
 }
 
@@ -492,8 +553,9 @@ static int step(struct llmem_engine *e, int seq, const int32_t *tokens, int64_t 
 }
 
 /* Banks a finished sequence's full blocks (prompt, then the generated tokens whose KV was
- * written), then holds the bank to its budget with no request in flight. A bank that cannot take
- * them only loses the reuse (logged). */
+ * written) and queues the chunks of them that are not on disk yet for the spill store, then holds
+ * the bank to its budget with no request in flight. A bank that cannot take them only loses the
+ * reuse (logged). */
 static void bank_sequence(struct llmem_engine *e, int seq, const int32_t *prompt, int64_t n_prompt,
                           const int32_t *ids, int64_t n_ids) {
     if (e->bank == NULL)
@@ -504,6 +566,15 @@ static void bank_sequence(struct llmem_engine *e, int seq, const int32_t *prompt
     memcpy(all, prompt, (size_t)n_prompt * sizeof(int32_t));
     memcpy(all + n_prompt, ids, (size_t)n_ids * sizeof(int32_t));
     llmem_bank_insert(e->bank, seq, all, n_prompt + n_ids);
+    if (e->spill != NULL) {
+        const int64_t bs = llmem_kv_block_size(e->kv);
+        const int64_t *blocks = NULL;
+        llmem_kv_seq_blocks(e->kv, seq, &blocks);
+        int64_t full = llmem_kv_seq_length(e->kv, seq) / bs;
+        if (full > (n_prompt + n_ids) / bs)
+            full = (n_prompt + n_ids) / bs;
+        llmem_spill_submit(e->spill, e->kv, e->root, all, blocks, full);
+    }
     free(all);
     llmem_bank_trim(e->bank, bank_cap(e, 0));
 }
@@ -540,10 +611,31 @@ struct llmem_bank *llmem_engine_bank(struct llmem_engine *e) {
     return e->bank;
 }
 
+struct llmem_spill *llmem_engine_spill(struct llmem_engine *e) {
+    return e->spill;
+}
+
+void llmem_engine_bank_stats(struct llmem_engine *e, struct llmem_engine_bank_stats *st) {
+    memset(st, 0, sizeof(*st));
+    if (e->bank != NULL)
+        llmem_bank_stats(e->bank, &st->ram);
+    if (e->spill != NULL) {
+        llmem_spill_stats(e->spill, &st->spill);
+        st->spill_on = 1;
+    }
+    st->reused_ram_tokens = e->reused_ram_tokens;
+    st->reused_disk_tokens = e->reused_disk_tokens;
+    st->guard_warnings = e->guard.warnings;
+    st->guard_criticals = e->guard.criticals;
+    st->guard_deferred = e->guard.deferred;
+    st->guard_suppressed = e->guard.suppressed;
+}
+
 int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
                           const struct llmem_generate_params *p, llmem_token_fn on_token, void *arg,
                           struct llmem_generate_result *r) {
     memset(r, 0, sizeof(*r));
+    const double t_in = now_s();
     const int64_t context = e->plan.context_window_resolved;
     if (n_prompt <= 0 || n_prompt >= context) {
         LLMEM_ERROR("the prompt has %" PRId64 " tokens; it must have 1 to %" PRId64
@@ -559,10 +651,12 @@ int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t
     struct stream s = {0};
     int seq = -1;
     int status = llmem_sampler_create(&p->sampling, e->vocab, &sampler);
-    int64_t reused = 0;
+    int64_t reused_ram = 0, reused_disk = 0;
     if (status != LLMEM_OK || (status = llmem_detok_create(e->tok, 1, &detok)) != LLMEM_OK ||
-        (status = start_sequence(e, prompt, n_prompt, &seq, &reused)) != LLMEM_OK)
+        (status = start_sequence(e, prompt, n_prompt, &seq, &reused_ram, &reused_disk)) !=
+            LLMEM_OK)
         goto out;
+    const int64_t reused = reused_ram + reused_disk;
     if ((status = admit(e, seq, n_prompt + max_tokens)) != LLMEM_OK)
         goto out;
     r->ids = malloc((size_t)max_tokens * sizeof(int32_t));
@@ -573,6 +667,8 @@ int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t
     }
     r->prompt_tokens = n_prompt;
     r->reused_tokens = reused;
+    r->reused_ram_tokens = reused_ram;
+    r->reused_disk_tokens = reused_disk;
     r->finish_reason = "length";
     int stop_string = 0;
 
@@ -593,7 +689,7 @@ int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t
     for (int64_t i = 0; i < max_tokens; i++) {
         int32_t id = llmem_sampler_sample(sampler, e->logits);
         if (i == 0)
-            r->ttft_ms = (now_s() - t0) * 1e3;
+            r->ttft_ms = (now_s() - t_in) * 1e3;
         if (is_stop_id(e, p, id)) {
             r->finish_reason = "stop";
             break;
