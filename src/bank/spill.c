@@ -419,6 +419,7 @@ static int db_open(struct llmem_spill *s, char *why, size_t why_size) {
     if (rc == SQLITE_OK)
         rc = sqlite3_exec(s->db,
                           "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"
+                          "PRAGMA wal_autocheckpoint=64; PRAGMA journal_size_limit=262144;"
                           "PRAGMA user_version=1;",
                           NULL, NULL, &err);
     if (rc == SQLITE_OK)
