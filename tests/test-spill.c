@@ -1003,8 +1003,7 @@ static void test_out_of_memory(void **state) {
 
 #define KILL_PREFIXES 12
 
-static int child_writer_loop(const char *dir, rlim_t start, int unused) {
-    (void)unused;
+static int child_writer_loop(const char *dir, rlim_t start, int ready_fd) {
     struct llmem_kv *kv = make_kv(LLMEM_KV_FORMAT_F16, 256);
     struct llmem_spill_config c;
     llmem_spill_config_default(&c);
@@ -1021,6 +1020,12 @@ static int child_writer_loop(const char *dir, rlim_t start, int unused) {
         llmem_kv_seq_blocks(kv, seq, &ids);
         llmem_spill_submit(s, kv, ROOT_A, t, ids, 60);
         llmem_kv_seq_free(kv, seq);
+        if (i == start) { /* the first prefix queued (odd rounds: and written) */
+            if (start % 2 == 1)
+                llmem_spill_flush(s, 10);
+            if (write(ready_fd, "r", 1) != 1)
+                return 31;
+        }
         if (i % 4 == 3)
             llmem_spill_flush(s, 10);
     }
@@ -1036,13 +1041,20 @@ static void test_killed_writer(void **state) {
     srand(12345);
     int64_t dropped = 0, orphans = 0, temps = 0, files = 0;
     for (int round = 0; round < 16; round++) {
+        int ready[2];
+        assert_int_equal(pipe(ready), 0);
         pid_t pid = fork();
         assert_true(pid >= 0);
         if (pid == 0) {
             llmem_log_set_callback(NULL, NULL, LLMEM_LOG_ERROR);
-            _exit(child_writer_loop(dir, (rlim_t)(round * 5), 0));
+            close(ready[0]);
+            _exit(child_writer_loop(dir, (rlim_t)(round * 5 + round % 2), ready[1]));
         }
-        struct timespec ts = {0, (long)(5 + rand() % 60) * 1000000L};
+        close(ready[1]);
+        char go;
+        assert_int_equal(read(ready[0], &go, 1), 1); /* it writes now: kill it somewhere */
+        close(ready[0]);
+        struct timespec ts = {0, (long)(rand() % 40) * 1000000L};
         nanosleep(&ts, NULL);
         kill(pid, SIGKILL);
         int ws = 0;

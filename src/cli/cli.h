@@ -23,6 +23,8 @@ int cli_gc(int argc, char **argv);
 int cli_bench_kv(int argc, char **argv);
 /* `llmem bench decode MODEL` (bench_decode.c). */
 int cli_bench_decode(int argc, char **argv);
+/* `llmem bench bank MODEL` (bench_bank.c): time to first token with the session bank. */
+int cli_bench_bank(int argc, char **argv);
 /* `llmem bench matmul` (bench_matmul.c), dispatched by cli_bench. */
 int cli_bench_matmul(int argc, char **argv);
 

@@ -85,7 +85,8 @@ int cli_gc(int argc, char **argv) {
         return cli_print_json(root);
     }
     char b[32], cap[32];
-    printf("%s: %" PRId64 " chunk files, %s in all (cap %s)\n", c.dir, st.files,
+    printf("%s: %" PRId64 " chunk %s, %s in all (cap %s)\n", c.dir, st.files,
+           st.files == 1 ? "file" : "files",
            llmem_size_format_short(st.bytes, b, sizeof(b)),
            llmem_size_format_short(st.cap_bytes, cap, sizeof(cap)));
     printf("  rows dropped (file missing, truncated or corrupt): %" PRId64 "\n", st.rows_dropped);

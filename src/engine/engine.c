@@ -566,7 +566,7 @@ static void bank_sequence(struct llmem_engine *e, int seq, const int32_t *prompt
     memcpy(all, prompt, (size_t)n_prompt * sizeof(int32_t));
     memcpy(all + n_prompt, ids, (size_t)n_ids * sizeof(int32_t));
     llmem_bank_insert(e->bank, seq, all, n_prompt + n_ids);
-    if (e->spill != NULL) {
+    if (e->spill != NULL && !e->refusing) { /* no staging copies under critical pressure */
         const int64_t bs = llmem_kv_block_size(e->kv);
         const int64_t *blocks = NULL;
         llmem_kv_seq_blocks(e->kv, seq, &blocks);
