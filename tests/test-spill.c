@@ -84,7 +84,8 @@ static int fill_seq(struct llmem_kv *kv, const int32_t *t, int64_t n) {
         for (int64_t i = 0; i < n; i++)
             for (int h = 0; h < HEADS; h++)
                 for (int d = 0; d < HDIM; d++) {
-                    size_t at = (size_t)l * per + ((size_t)i * HEADS + (size_t)h) * HDIM + (size_t)d;
+                    size_t at =
+                        (size_t)l * per + ((size_t)i * HEADS + (size_t)h) * HDIM + (size_t)d;
                     k[at] = sinf((float)t[i] * 0.013f + (float)d * 0.1f + (float)(l + h) +
                                  (float)i * 0.001f);
                     v[at] = cosf((float)t[i] * 0.017f - (float)d * 0.07f + (float)(l * 3 + h));
@@ -559,8 +560,7 @@ static void test_reconcile(void **state) {
     llmem_spill_close(s);
 
     /* an unreadable manifest: rebuilt from the chunk files, nothing lost */
-    free(tu_write_file(dir, "manifest.sqlite", "this is not a database, not even close......",
-                       -1));
+    free(tu_write_file(dir, "manifest.sqlite", "this is not a database, not even close......", -1));
     unlink(strcat(strcpy(p, dir), "/manifest.sqlite-wal"));
     capture_start();
     s = open_store(dir, 0);
@@ -773,8 +773,8 @@ static int child_failing_writes(const char *dir, rlim_t fsize, int no_floor) {
     llmem_kv_seq_free(kv, seq);
     llmem_spill_close(s);
     struct llmem_spill_stats g;
-    if (rc == 0 && (llmem_spill_gc(&c, &g) != LLMEM_OK || g.rows_dropped != 0 ||
-                    g.files != st.written_chunks))
+    if (rc == 0 &&
+        (llmem_spill_gc(&c, &g) != LLMEM_OK || g.rows_dropped != 0 || g.files != st.written_chunks))
         rc = 15;
     llmem_kv_destroy(kv);
     return rc;

@@ -671,7 +671,7 @@ static void test_pressure(void **state) {
     llmem_sys_pressure_read_at(root, &p);
     assert_true(p.psi_some_avg10 < 0 && p.psi_full_avg10 < 0);
     assert_int_equal(p.cgroup_high, LLMEM_SYS_UNKNOWN); /* no cgroup under this root */
-    llmem_sys_pressure_read(&p); /* the real one reads this process */
+    llmem_sys_pressure_read(&p);                        /* the real one reads this process */
     assert_true(p.resident_bytes > 0);
     tu_rmtree(root);
     free(root);

@@ -80,7 +80,7 @@ struct llmem_guard_reading {
     int64_t allocation_limit;
     int64_t resident_bytes;
     int64_t trip_bytes, ceiling_bytes;
-    double psi_some, psi_full; /* avg10, % */
+    double psi_some, psi_full;                   /* avg10, % */
     int64_t cgroup_high, cgroup_max, cgroup_oom; /* memory.events counters (−1: unknown) */
     /* how much they grew since the previous reading (high; max + oom), from llmem_guard_events */
     int64_t cgroup_high_rise, cgroup_max_rise;
@@ -94,7 +94,7 @@ struct llmem_guard {
     double last_action[3];       /* per level: when it last acted (−inf: never) */
     double deferred_since;       /* a warning waiting for the step to end (−1: none) */
     int64_t warnings, criticals, deferred, suppressed; /* actions taken, waits, flaps ignored */
-    int64_t cgroup_high, cgroup_max, cgroup_oom;      /* the last counters seen (−1: none) */
+    int64_t cgroup_high, cgroup_max, cgroup_oom;       /* the last counters seen (−1: none) */
 };
 void llmem_guard_init(struct llmem_guard *g);
 /* Sets r's cgroup rises from its counters and the previous reading's (0 for the first reading,
@@ -167,9 +167,9 @@ struct llmem_spill *llmem_engine_spill(struct llmem_engine *e);
 /* Everything the session bank did, in one struct: the RAM tier, the spill store, the guard's
  * actions, and the tokens requests took from each tier. */
 struct llmem_engine_bank_stats {
-    struct llmem_bank_stats ram;    /* zeros without a bank */
-    struct llmem_spill_stats spill; /* zeros without a spill store */
-    int spill_on;                   /* a spill store is open (owned or not) */
+    struct llmem_bank_stats ram;                   /* zeros without a bank */
+    struct llmem_spill_stats spill;                /* zeros without a spill store */
+    int spill_on;                                  /* a spill store is open (owned or not) */
     int64_t reused_ram_tokens, reused_disk_tokens; /* over all requests */
     int64_t guard_warnings, guard_criticals, guard_deferred, guard_suppressed;
 };
@@ -211,7 +211,7 @@ struct llmem_generate_result {
     int64_t prompt_tokens;
     int64_t reused_tokens; /* of them, taken from the session bank instead of prefilled: */
     int64_t reused_ram_tokens, reused_disk_tokens; /* from its RAM tier, from the spill store */
-    double ttft_ms;        /* prompt in → first token out (the bank's lookup and loads included) */
+    double ttft_ms; /* prompt in → first token out (the bank's lookup and loads included) */
     double prefill_s, decode_s;
     int64_t decode_tokens; /* tokens produced by decode steps (the first comes from prefill) */
 };

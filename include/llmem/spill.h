@@ -10,8 +10,9 @@
  *   <key hex>.kv      one file per chunk of up to 16 blocks (256 tokens with blocks of 16): a
  *                     192-byte header (magic, version, the model identity's root, the chunk's key,
  *                     parent and position, token and block counts, the KV format and geometry,
- *                     payload size, and an XXH3-128 checksum of the whole file), the token ids, then
- *                     each block's raw bytes as llmem_kv_block_copy_out gives them.
+ *                     payload size, and an XXH3-128 checksum of the whole file), the token
+ *                     ids, then each block's raw bytes as llmem_kv_block_copy_out gives them.
+ *
  * A chunk's key is the chain hash of its last block (llmem/bank.h), so a file is addressed by its
  * content: the same tokens under the same identity are the same file, and a chunk already on disk
  * is never written again. Chunks start at multiples of 16 blocks from the start of the prefix; the
@@ -23,11 +24,11 @@
  *
  * Writing happens off the generation path: llmem_spill_submit copies the blocks of the chunks that
  * are not on disk yet into staging memory (from the store's allocator, tag bank, bounded by
- * queue_bytes) and queues them; a writer thread writes each chunk to a temp file, fsyncs it, renames
- * it into place, fsyncs the directory, and only then adds the manifest row. The KV pool is never
- * read by that thread, so a pool that grows (and moves) while a write is pending is safe. A process
- * killed at any point leaves at worst an orphan or temp file (removed at the next open), never a
- * row that points at an incomplete file. Closing flushes what is pending for up to 10 s.
+ * queue_bytes) and queues them; a writer thread writes each chunk to a temp file, fsyncs it,
+ * renames it into place, fsyncs the directory, and only then adds the manifest row. The KV pool is
+ * never read by that thread, so a pool that grows (and moves) while a write is pending is safe. A
+ * process killed at any point leaves at worst an orphan or temp file (removed at the next open),
+ * never a row that points at an incomplete file. Closing flushes what is pending for up to 10 s.
  *
  * Bounds: the store's size cap counts every file in the directory (chunks, temp files, the
  * manifest, anything else); before each write the least recently used chunks (the deepest of a
@@ -55,12 +56,12 @@
 extern "C" {
 #endif
 
-#define LLMEM_SPILL_CHUNK_BLOCKS    16  /* blocks per chunk file (at most) */
-#define LLMEM_SPILL_MIN_TOKENS      512 /* shorter prefixes are not written */
-#define LLMEM_SPILL_FLUSH_S         10.0
-#define LLMEM_SPILL_MIN_FREE_BYTES  ((int64_t)1 << 30)
-#define LLMEM_SPILL_HOURLY_BYTES    ((int64_t)128 << 30)
-#define LLMEM_SPILL_QUEUE_BYTES     ((int64_t)256 << 20)
+#define LLMEM_SPILL_CHUNK_BLOCKS   16  /* blocks per chunk file (at most) */
+#define LLMEM_SPILL_MIN_TOKENS     512 /* shorter prefixes are not written */
+#define LLMEM_SPILL_FLUSH_S        10.0
+#define LLMEM_SPILL_MIN_FREE_BYTES ((int64_t)1 << 30)
+#define LLMEM_SPILL_HOURLY_BYTES   ((int64_t)128 << 30)
+#define LLMEM_SPILL_QUEUE_BYTES    ((int64_t)256 << 20)
 
 /* Free bytes on the disk holding dir (tests force a full disk with one); LLMEM_SYS_UNKNOWN when
  * unknown. */
@@ -120,16 +121,15 @@ int64_t llmem_spill_submit(struct llmem_spill *s, struct llmem_kv *kv, const uin
  * returns how many. room (optional) is asked for free blocks before each chunk; without room the
  * lookup stops there. */
 int64_t llmem_spill_load(struct llmem_spill *s, struct llmem_kv *kv, const uint8_t root[32],
-                         const int32_t *tokens, int64_t n_tokens, int64_t from,
-                         int64_t max_blocks, int64_t *ids, llmem_spill_room_fn room,
-                         void *room_arg);
+                         const int32_t *tokens, int64_t n_tokens, int64_t from, int64_t max_blocks,
+                         int64_t *ids, llmem_spill_room_fn room, void *room_arg);
 
 /* Waits until every queued write is done or timeout_s passed; returns the number of chunks still
  * pending (0: all written or skipped). */
 int64_t llmem_spill_flush(struct llmem_spill *s, double timeout_s);
 
 #define LLMEM_SPILL_STATS_FIELDS(X)                                                                \
-    X(owned)     /* 1: this process owns the store */                                             \
+    X(owned)     /* 1: this process owns the store */                                              \
     X(files)     /* chunk files */                                                                 \
     X(bytes)     /* every file in the directory */                                                 \
     X(cap_bytes) /* the size cap */                                                                \

@@ -47,16 +47,16 @@
 #include "llmem/spill.h"
 #include "llmem/sys.h"
 
-#define MAGIC          "LLMEMKV"
-#define VERSION        1
-#define HEADER_BYTES   192
-#define OFF_CHECKSUM   168
-#define MANIFEST       "manifest.sqlite"
-#define SCHEMA_VERSION 1
-#define NAME_LEN       (64 + 3) /* "<64 hex>.kv" */
-#define MAX_CANDIDATES 64       /* children of one parent considered per lookup step */
-#define MAX_PEEKS      8        /* of them, headers read to compare tokens */
-#define MAX_PEEK_TOKENS 1024    /* token ids of one chunk compared at most (blocks up to 64) */
+#define MAGIC           "LLMEMKV"
+#define VERSION         1
+#define HEADER_BYTES    192
+#define OFF_CHECKSUM    168
+#define MANIFEST        "manifest.sqlite"
+#define SCHEMA_VERSION  1
+#define NAME_LEN        (64 + 3) /* "<64 hex>.kv" */
+#define MAX_CANDIDATES  64       /* children of one parent considered per lookup step */
+#define MAX_PEEKS       8        /* of them, headers read to compare tokens */
+#define MAX_PEEK_TOKENS 1024     /* token ids of one chunk compared at most (blocks up to 64) */
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "spill files are written and read as little-endian in place"
@@ -100,7 +100,15 @@ struct llmem_spill {
 };
 
 /* Why a chunk file cannot be served. */
-enum reason { CHUNK_OK = 0, CHUNK_IO, CHUNK_TRUNCATED, CHUNK_CORRUPT, CHUNK_IDENTITY, CHUNK_FORMAT, CHUNK_NO_MEMORY };
+enum reason {
+    CHUNK_OK = 0,
+    CHUNK_IO,
+    CHUNK_TRUNCATED,
+    CHUNK_CORRUPT,
+    CHUNK_IDENTITY,
+    CHUNK_FORMAT,
+    CHUNK_NO_MEMORY
+};
 
 /* ---- small helpers ------------------------------------------------------------------------- */
 
@@ -249,8 +257,8 @@ static void header_encode(const struct header *h, uint8_t b[HEADER_BYTES]) {
 }
 
 /* Decodes and checks the header's own consistency against a file of file_size bytes. */
-static enum reason header_decode(const uint8_t b[HEADER_BYTES], int64_t file_size,
-                                 struct header *h, char *why, size_t why_size) {
+static enum reason header_decode(const uint8_t b[HEADER_BYTES], int64_t file_size, struct header *h,
+                                 char *why, size_t why_size) {
     if (memcmp(b, MAGIC, 8) != 0) {
         snprintf(why, why_size, "not a spill chunk (bad magic)");
         return CHUNK_CORRUPT;
@@ -393,9 +401,8 @@ static void db_close(struct llmem_spill *s) {
 static int db_open(struct llmem_spill *s, char *why, size_t why_size) {
     char path[PATH_MAX + 32];
     path_of(s, MANIFEST, path, sizeof(path));
-    int rc = sqlite3_open_v2(path, &s->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE |
-                                               SQLITE_OPEN_FULLMUTEX,
-                             NULL);
+    int rc = sqlite3_open_v2(
+        path, &s->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, NULL);
     int version = -1;
     sqlite3_stmt *v = NULL;
     if (rc == SQLITE_OK)
@@ -437,8 +444,9 @@ static int db_open(struct llmem_spill *s, char *why, size_t why_size) {
         {&s->q_exists, "SELECT 1 FROM chunks WHERE hash = ?1"},
         {&s->q_children, "SELECT hash, tokens, bytes FROM chunks WHERE parent = ?1 "
                          "ORDER BY last_access DESC LIMIT 64"},
-        {&s->q_insert, "INSERT OR REPLACE INTO chunks(hash, parent, file, position, tokens, "
-                       "bytes, created, last_access, hits) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, 0)"},
+        {&s->q_insert,
+         "INSERT OR REPLACE INTO chunks(hash, parent, file, position, tokens, "
+         "bytes, created, last_access, hits) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, 0)"},
         {&s->q_delete, "DELETE FROM chunks WHERE hash = ?1"},
         {&s->q_touch, "UPDATE chunks SET last_access = ?2, hits = hits + 1 WHERE hash = ?1"},
         {&s->q_lru, "SELECT hash, bytes FROM chunks ORDER BY last_access, position DESC LIMIT 16"},
@@ -506,8 +514,7 @@ static void drop_chunk(struct llmem_spill *s, const uint8_t key[32], int64_t byt
 }
 
 /* Drops a chunk that failed a check, counting it and saying why. Under the lock. */
-static void drop_bad(struct llmem_spill *s, const uint8_t key[32], int64_t bytes,
-                     const char *why) {
+static void drop_bad(struct llmem_spill *s, const uint8_t key[32], int64_t bytes, const char *why) {
     char name[NAME_LEN + 1];
     chunk_name(key, name);
     LLMEM_WARN("%s/%s: %s; the chunk is dropped", s->dir, name, why);
@@ -703,9 +710,9 @@ static int reconcile(struct llmem_spill *s, int rebuild) {
         if (!key_ok || file == NULL || strcmp(file, name) != 0)
             problem = "a malformed manifest row";
         else
-            problem = check_row(s, e, parent, sqlite3_column_int64(q, 3),
-                                sqlite3_column_int64(q, 4), sqlite3_column_int64(q, 5), why,
-                                sizeof(why));
+            problem =
+                check_row(s, e, parent, sqlite3_column_int64(q, 3), sqlite3_column_int64(q, 4),
+                          sqlite3_column_int64(q, 5), why, sizeof(why));
         if (problem == NULL) {
             e->seen = 1;
             s->chunk_bytes += e->size;
@@ -734,8 +741,8 @@ static int reconcile(struct llmem_spill *s, int rebuild) {
     }
     sqlite3_finalize(q);
     q = NULL;
-    sqlite3_exec(s->db, "DELETE FROM chunks WHERE length(hash) != 32 OR length(parent) != 32",
-                 NULL, NULL, NULL);
+    sqlite3_exec(s->db, "DELETE FROM chunks WHERE length(hash) != 32 OR length(parent) != 32", NULL,
+                 NULL, NULL);
     for (int64_t i = 0; i < n_bad; i++)
         if (db_delete(s, bad[i]) == 0)
             s->st.rows_dropped++;
@@ -1109,7 +1116,8 @@ static void write_job(struct llmem_spill *s, struct job *j) {
         return;
     }
     if (s->window_bytes + j->bytes > s->cfg.hourly_write_bytes) {
-        snprintf(msg, sizeof(msg), "%s written within the hour, the write budget; spill writes "
+        snprintf(msg, sizeof(msg),
+                 "%s written within the hour, the write budget; spill writes "
                  "wait for the next hour",
                  llmem_size_format_short(s->cfg.hourly_write_bytes, b1, sizeof(b1)));
         skip(s, &s->st.skip_budget, &s->warned_budget, msg);
@@ -1425,9 +1433,8 @@ static enum reason verify_candidate(struct llmem_spill *s, const struct llmem_kv
 }
 
 int64_t llmem_spill_load(struct llmem_spill *s, struct llmem_kv *kv, const uint8_t root[32],
-                         const int32_t *tokens, int64_t n_tokens, int64_t from,
-                         int64_t max_blocks, int64_t *ids, llmem_spill_room_fn room,
-                         void *room_arg) {
+                         const int32_t *tokens, int64_t n_tokens, int64_t from, int64_t max_blocks,
+                         int64_t *ids, llmem_spill_room_fn room, void *room_arg) {
     const int bs = llmem_kv_block_size(kv);
     const int64_t per = LLMEM_SPILL_CHUNK_BLOCKS, full = n_tokens / bs;
     if (max_blocks > full)
@@ -1487,8 +1494,8 @@ int64_t llmem_spill_load(struct llmem_spill *s, struct llmem_kv *kv, const uint8
             if (best < 0)
                 break;
             char why[512];
-            enum reason r = verify_candidate(s, kv, root, h[c0], tokens, c0, &cand[best], &buf,
-                                             why, sizeof(why));
+            enum reason r = verify_candidate(s, kv, root, h[c0], tokens, c0, &cand[best], &buf, why,
+                                             sizeof(why));
             if (r == CHUNK_OK) {
                 chosen = best;
                 break;

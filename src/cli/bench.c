@@ -357,7 +357,6 @@ int cli_bench(int argc, char **argv) {
         return cli_bench_decode(argc - 1, argv + 1);
     if (strcmp(argv[1], "bank") == 0)
         return cli_bench_bank(argc - 1, argv + 1);
-    return cli_usage_error("bench",
-                           "unknown benchmark '%s' (benchmarks: mem, kv, matmul, decode, bank)",
-                           argv[1]);
+    return cli_usage_error(
+        "bench", "unknown benchmark '%s' (benchmarks: mem, kv, matmul, decode, bank)", argv[1]);
 }

@@ -52,8 +52,7 @@ static int rm_entry(const char *path, const struct stat *st, int flag, struct FT
     return remove(path);
 }
 
-static int open_engine(const char *model, int threads, const char *dir,
-                       struct llmem_engine **e) {
+static int open_engine(const char *model, int threads, const char *dir, struct llmem_engine **e) {
     struct llmem_engine_config c;
     llmem_engine_config_default(&c);
     c.model_dir = model;
@@ -113,8 +112,8 @@ int cli_bench_bank(int argc, char **argv) {
         case OPT_HELP: fputs(usage, stdout); return CLI_OK;
         case ':': rc = cli_usage_error("bench bank", "%s needs a value", argv[optind - 1]); break;
         default:
-            rc = cli_usage_error("bench bank", "unknown option '%s' (see --help)",
-                                 argv[optind - 1]);
+            rc =
+                cli_usage_error("bench bank", "unknown option '%s' (see --help)", argv[optind - 1]);
         }
     }
     if (rc != CLI_OK)
@@ -156,8 +155,8 @@ int cli_bench_bank(int argc, char **argv) {
     for (int64_t r = 0; r < reps; r++) {
         llmem_bank_trim(llmem_engine_bank(e), 0);
         /* cold, with its answer put into the next turn; then the RAM hit and the next turn */
-        if (request(e, turn, n_prompt, N_GEN, &cases[0].ms[r], &cases[0].reused,
-                    turn + n_prompt) != CLI_OK ||
+        if (request(e, turn, n_prompt, N_GEN, &cases[0].ms[r], &cases[0].reused, turn + n_prompt) !=
+                CLI_OK ||
             request(e, turn, n_prompt, 1, &cases[1].ms[r], &cases[1].reused, NULL) != CLI_OK ||
             request(e, turn, n_turn, 1, &cases[2].ms[r], &cases[2].reused, NULL) != CLI_OK)
             goto out;

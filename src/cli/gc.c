@@ -74,10 +74,22 @@ int cli_gc(int argc, char **argv) {
     if (json) {
         cJSON *root = cJSON_CreateObject();
         int bad = root == NULL || llmem_json_add_string(root, "dir", c.dir);
-#define ADD_(name) bad = bad || llmem_json_add_int(root, #name, st.name);
-        ADD_(files) ADD_(bytes) ADD_(cap_bytes) ADD_(rows_dropped) ADD_(orphans_removed)
-            ADD_(temps_removed) ADD_(rows_rebuilt) ADD_(evicted_files) ADD_(evicted_bytes)
-#undef ADD_
+        const struct {
+            const char *key;
+            int64_t value;
+        } fields[] = {
+            {"files", st.files},
+            {"bytes", st.bytes},
+            {"cap_bytes", st.cap_bytes},
+            {"rows_dropped", st.rows_dropped},
+            {"orphans_removed", st.orphans_removed},
+            {"temps_removed", st.temps_removed},
+            {"rows_rebuilt", st.rows_rebuilt},
+            {"evicted_files", st.evicted_files},
+            {"evicted_bytes", st.evicted_bytes},
+        };
+        for (size_t i = 0; !bad && i < sizeof(fields) / sizeof(fields[0]); i++)
+            bad = llmem_json_add_int(root, fields[i].key, fields[i].value);
         if (bad) {
             cJSON_Delete(root);
             return CLI_FAIL;
@@ -86,8 +98,7 @@ int cli_gc(int argc, char **argv) {
     }
     char b[32], cap[32];
     printf("%s: %" PRId64 " chunk %s, %s in all (cap %s)\n", c.dir, st.files,
-           st.files == 1 ? "file" : "files",
-           llmem_size_format_short(st.bytes, b, sizeof(b)),
+           st.files == 1 ? "file" : "files", llmem_size_format_short(st.bytes, b, sizeof(b)),
            llmem_size_format_short(st.cap_bytes, cap, sizeof(cap)));
     printf("  rows dropped (file missing, truncated or corrupt): %" PRId64 "\n", st.rows_dropped);
     printf("  orphan files removed: %" PRId64 ", temp files removed: %" PRId64 "\n",

@@ -326,9 +326,8 @@ static void print_stats(struct llmem_engine *e, const struct llmem_generate_resu
     bank_stats(e, &bs);
     char a[32], pk[32], c[32], kv[32], bb[32], sw[32], sr[32], sb[32];
     fprintf(stderr,
-            "\nllmem stats: prompt %" PRId64 " tokens (%" PRId64
-            " from the session bank: %" PRId64 " from RAM, %" PRId64
-            " from disk), prefill %.1f tok/s, ttft %.1f ms; "
+            "\nllmem stats: prompt %" PRId64 " tokens (%" PRId64 " from the session bank: %" PRId64
+            " from RAM, %" PRId64 " from disk), prefill %.1f tok/s, ttft %.1f ms; "
             "generated %" PRId64 " tokens, decode %.1f tok/s (%s)\n"
             "llmem memory: active %s, peak %s, cache %s, KV peak %s\n",
             r->prompt_tokens, r->reused_tokens, r->reused_ram_tokens, r->reused_disk_tokens,
@@ -357,8 +356,8 @@ static void print_stats(struct llmem_engine *e, const struct llmem_generate_resu
                     bs.spill.miss_corrupt + bs.spill.miss_truncated + bs.spill.miss_io +
                     bs.spill.miss_no_room + bs.spill.miss_no_memory,
                 bs.spill.skip_cap + bs.spill.skip_disk_low + bs.spill.skip_budget +
-                    bs.spill.skip_queue_full + bs.spill.skip_no_memory +
-                    bs.spill.skip_write_error + bs.spill.skip_shutdown);
+                    bs.spill.skip_queue_full + bs.spill.skip_no_memory + bs.spill.skip_write_error +
+                    bs.spill.skip_shutdown);
 }
 
 static int stream_stdout(void *arg, int32_t id, const char *text, size_t len) {
@@ -506,9 +505,8 @@ static int conversation_ids(const struct llmem_tokenizer *tok, const struct conv
 /* Keeps prompt ids + generated ids (taking ownership of text and ids) when the generated ids
  * decode to exactly the answer's text (not when a stop string cut it); else forgets the
  * conversation, and the next turn encodes its whole text. */
-static void conversation_keep(const struct llmem_tokenizer *tok, struct conversation *c,
-                              char *text, int32_t *ids, int64_t n,
-                              const struct llmem_generate_result *r) {
+static void conversation_keep(const struct llmem_tokenizer *tok, struct conversation *c, char *text,
+                              int32_t *ids, int64_t n, const struct llmem_generate_result *r) {
     conversation_free(c);
     char *decoded = NULL;
     size_t len = 0;

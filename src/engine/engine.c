@@ -653,8 +653,7 @@ int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t
     int status = llmem_sampler_create(&p->sampling, e->vocab, &sampler);
     int64_t reused_ram = 0, reused_disk = 0;
     if (status != LLMEM_OK || (status = llmem_detok_create(e->tok, 1, &detok)) != LLMEM_OK ||
-        (status = start_sequence(e, prompt, n_prompt, &seq, &reused_ram, &reused_disk)) !=
-            LLMEM_OK)
+        (status = start_sequence(e, prompt, n_prompt, &seq, &reused_ram, &reused_disk)) != LLMEM_OK)
         goto out;
     const int64_t reused = reused_ram + reused_disk;
     if ((status = admit(e, seq, n_prompt + max_tokens)) != LLMEM_OK)

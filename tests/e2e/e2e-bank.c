@@ -50,9 +50,9 @@ static int64_t spill_stat(const cJSON *out, const char *key) {
 }
 
 static struct tu_run run_ids(const char *ids, const char *dir, const char *extra) {
-    const char *args[16] = {"run",         PYCODER, "--ids",      ids,     "-n",
-                            "16",          "--ignore-eos", "--json", "--stats", "--threads",
-                            "2",           "--bank-dir", dir};
+    const char *args[16] = {"run", PYCODER,        "--ids",  ids,       "-n",
+                            "16",  "--ignore-eos", "--json", "--stats", "--threads",
+                            "2",   "--bank-dir",   dir};
     int n = 13;
     if (extra != NULL)
         args[n++] = extra;
@@ -110,8 +110,8 @@ static void test_second_process_restores(void **state) {
     char *z = cJSON_PrintUnformatted(cJSON_GetObjectItem(third, "ids"));
     assert_string_equal(x, z);
     /* human --stats name both tiers */
-    const char *args[] = {"run",  PYCODER,  "--ids",     ids, "-n", "4", "--stats",
-                          "--bank-dir", dir, "--threads", "2"};
+    const char *args[] = {"run",     PYCODER,      "--ids", ids,         "-n", "4",
+                          "--stats", "--bank-dir", dir,     "--threads", "2"};
     struct tu_run d = tu_llmem_argv(11, args);
     assert_int_equal(d.exit_code, 0);
     assert_non_null(strstr(d.err, "(688 from the session bank: 0 from RAM, 688 from disk)"));
@@ -136,8 +136,8 @@ static void test_chat_from_disk(void **state) {
         len += (size_t)snprintf(input + len, sizeof(input) - len, "v%d = compute(%d, %d); ", i, i,
                                 i * 7 % 13);
     snprintf(input + len, sizeof(input) - len, "\nreturn v1\n");
-    const char *args[] = {"chat",       PYCODER, "--chat-template", "chatml", "-n",  "8",
-                          "--ignore-eos", "--stats", "--bank-dir",    dir,      "--threads", "2"};
+    const char *args[] = {"chat",         PYCODER,   "--chat-template", "chatml", "-n",        "8",
+                          "--ignore-eos", "--stats", "--bank-dir",      dir,      "--threads", "2"};
     struct tu_run a = tu_llmem_input(input, 12, args);
     assert_int_equal(a.exit_code, 0);
     const char *t1 = strstr(a.err, "llmem stats:"), *t2 = t1 ? strstr(t1 + 1, "llmem stats:") : 0;
@@ -187,8 +187,8 @@ static pid_t start_holder(const char *dir, int *in, char *err_path) {
         int null = open("/dev/null", O_WRONLY);
         dup2(null, 1);
         close(fds[1]);
-        execl(LLMEM_BIN, LLMEM_BIN, "chat", PYCODER, "--chat-template", "chatml", "--bank-dir",
-              dir, "--threads", "1", (char *)NULL);
+        execl(LLMEM_BIN, LLMEM_BIN, "chat", PYCODER, "--chat-template", "chatml", "--bank-dir", dir,
+              "--threads", "1", (char *)NULL);
         _exit(127);
     }
     close(fds[0]);
