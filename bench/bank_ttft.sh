@@ -48,8 +48,9 @@ for _ in $(seq "$reps"); do
         "$llmem" chat "$model" --chat-template chatml -n 16 --ignore-eos --stats --no-spill \
             --threads "$threads" 2>&1 >/dev/null | grep '^llmem stats:')
     first=$(echo "$err" | sed -n 1p | sed 's/.*prompt \([0-9]*\) tokens.*/\1/')
-    chat+=("$(echo "$err" | sed -n 2p | sed 's/.*ttft \([0-9.]*\) ms.*/\1/')")
-    turn2=$(echo "$err" | sed -n 2p | sed 's/.*prompt \([0-9]* tokens ([0-9]* from the session bank\).*/\1/')
+    second=$(echo "$err" | sed -n 2p)
+    chat+=("$(echo "$second" | sed 's/.*ttft \([0-9.]*\) ms.*/\1/')")
+    turn2=$(echo "$second" | sed 's/.*prompt \([0-9]*\) tokens (\([0-9]*\) from the session bank.*/\1 tokens, \2 from the bank/')
 done
 
 c=$(printf '%s\n' "${cold[@]}" | median)
@@ -59,6 +60,8 @@ echo "== across processes (median of $reps, ms)"
 printf '  %-58s %8.1f\n' "cold (llmem run --no-spill, 1500 tokens)" "$c"
 printf '  %-58s %8.1f  %5.1f %% of cold\n' "disk hit (llmem run, a new process on the store)" "$d" \
     "$(awk -v a="$d" -v b="$c" 'BEGIN {print 100 * a / b}')"
-printf '  %-58s %8.1f  %5.1f %% of cold\n' "chat, second turn (first message $first tokens; $turn2)" \
+printf '  %-58s %8.1f  %5.1f %% of cold\n' "llmem chat, second turn ($turn2)" \
     "$t" "$(awk -v a="$t" -v b="$c" 'BEGIN {print 100 * a / b}')"
-echo "  runs: cold ${cold[*]}; disk ${disk[*]}; chat ${chat[*]}"
+runs() { printf '%s\n' "$@" | awk '{printf "%s%.1f", (NR > 1 ? " " : ""), $1}'; }
+echo "  (the chat's first message: $first tokens)"
+echo "  runs: cold $(runs "${cold[@]}"); disk $(runs "${disk[@]}"); chat $(runs "${chat[@]}")"
