@@ -679,6 +679,7 @@ static int logits_main(int argc, char **argv, struct run_args *a) {
     int64_t n = 0;
     if (parse_ids(a->cmd, a->ids, &ids, &n) != CLI_OK)
         return CLI_USAGE;
+    a->engine.no_spill = 1; /* teacher forcing never uses the bank: leave the store to others */
     struct llmem_engine *e = NULL;
     int rc = open_engine(argv[optind], a, &e);
     float *logits = NULL;
