@@ -11,6 +11,7 @@ packages=(
     libxxhash-dev
     libopenblas-dev
     libssl-dev
+    libsqlite3-dev
 )
 
 missing=()

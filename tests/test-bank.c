@@ -377,6 +377,52 @@ static void test_eviction_order(void **state) {
     rig_close(&r);
 }
 
+/* A block's raw bytes copied out (as the spill store writes them) and into fresh blocks of the
+ * pool (as it loads them) continue a prompt exactly as the original blocks do: the logits of the
+ * tail are bit for bit those of a cold prefill. */
+static void test_block_bytes_roundtrip(void **state) {
+    (void)state;
+    struct rig r;
+    rig_open(&r);
+    int32_t a[1013];
+    make_prompt(a, 1013, 77);
+    int seq;
+    assert_int_equal(llmem_kv_seq_new(r.kv, &seq), LLMEM_OK);
+    float *cold = run_rows(&r, seq, a, 0, 1013);
+    const int64_t *ids = NULL;
+    llmem_kv_seq_blocks(r.kv, seq, &ids);
+    int64_t bb = llmem_kv_block_bytes(r.kv), n = 1000 / 16;
+    uint8_t *bytes = malloc((size_t)(n * bb));
+    for (int64_t b = 0; b < n; b++)
+        llmem_kv_block_copy_out(r.kv, ids[b], bytes + b * bb);
+    llmem_kv_seq_free(r.kv, seq);
+    struct llmem_kv_stats ks;
+    llmem_kv_stats(r.kv, &ks);
+    assert_int_equal(ks.n_blocks_used, 0);
+    int64_t fresh[64];
+    for (int64_t b = 0; b < n; b++)
+        assert_int_equal(llmem_kv_block_new_from(r.kv, bytes + b * bb, &fresh[b]), LLMEM_OK);
+    assert_int_equal(llmem_kv_check(r.kv), LLMEM_OK);
+    assert_int_equal(llmem_kv_seq_new_from_blocks(r.kv, fresh, n, &seq), LLMEM_OK);
+    for (int64_t b = 0; b < n; b++)
+        llmem_kv_block_release(r.kv, fresh[b]); /* the sequence holds them now */
+    float *warm = run_rows(&r, seq, a, n * 16, 1013);
+    assert_memory_equal(warm, cold + n * 16 * r.vocab, (size_t)((1013 - n * 16) * r.vocab) * 4);
+    llmem_kv_seq_free(r.kv, seq);
+    /* a pool with no free block refuses, without growing */
+    int64_t total = llmem_kv_blocks_free(r.kv), got = 0, id;
+    int64_t *all = malloc((size_t)total * sizeof(int64_t));
+    while (llmem_kv_block_new_from(r.kv, bytes, &id) == LLMEM_OK)
+        all[got++] = id;
+    assert_int_equal(got, total);
+    assert_int_equal(llmem_kv_blocks_free(r.kv), 0);
+    for (int64_t i = 0; i < got; i++)
+        llmem_kv_block_release(r.kv, all[i]);
+    assert_int_equal(llmem_kv_check(r.kv), LLMEM_OK);
+    free(all), free(bytes), free(cold), free(warm);
+    rig_close(&r);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_identity),
@@ -384,6 +430,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_reuse_equals_cold),
         cmocka_unit_test(test_shared_blocks_diverge),
         cmocka_unit_test(test_eviction_order),
+        cmocka_unit_test(test_block_bytes_roundtrip),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

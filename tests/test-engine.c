@@ -12,6 +12,7 @@
 #include "core/log.h"
 #include "llmem/bank.h"
 #include "llmem/engine.h"
+#include "llmem/spill.h"
 #include "llmem/tokenizer.h"
 #include "testutil.h"
 
@@ -28,6 +29,15 @@ static void capture(enum llmem_log_level level, const char *line, void *user) {
     if (level != LLMEM_LOG_ERROR)
         return;
     n_errors++;
+    size_t used = strlen(last_errors);
+    snprintf(last_errors + used, sizeof(last_errors) - used, "%s\n", line);
+}
+
+/* Every line at WARN and above. */
+static void capture_all(enum llmem_log_level level, const char *line, void *user) {
+    (void)user;
+    if (level > LLMEM_LOG_WARN)
+        return;
     size_t used = strlen(last_errors);
     snprintf(last_errors + used, sizeof(last_errors) - used, "%s\n", line);
 }
@@ -118,6 +128,7 @@ static struct llmem_engine *open_pycoder(int64_t context, enum llmem_kv_format f
     c.context = context;
     c.kv_format = format;
     c.n_threads = 2;
+    c.no_spill = 1; /* these requests start cold: nothing of an earlier run is on disk */
     struct llmem_engine *e = NULL;
     assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
     return e;
@@ -376,10 +387,46 @@ static void test_guard_rules(void **state) {
     assert_int_equal(llmem_guard_decide(&g, &c, 623, 1), LLMEM_GUARD_CRITICAL);
     assert_int_equal(g.warnings, 5);
     assert_int_equal(g.criticals, 2);
+
+    /* cgroup memory.events: a rising high count is a warning, a rising max or oom count a
+     * critical; counts that stay, go unknown or go down (another cgroup) signal nothing */
+    struct llmem_guard h;
+    llmem_guard_init(&h);
+    struct llmem_guard_reading e = quiet();
+    e.cgroup_high = 10, e.cgroup_max = 3, e.cgroup_oom = 0;
+    llmem_guard_events(&h, &e); /* the first reading is the baseline */
+    assert_int_equal(e.cgroup_high_rise + e.cgroup_max_rise, 0);
+    assert_int_equal(llmem_guard_classify(&e, NULL), LLMEM_GUARD_CLEAR);
+    e.cgroup_high = 12;
+    llmem_guard_events(&h, &e);
+    assert_int_equal(e.cgroup_high_rise, 2);
+    assert_int_equal(llmem_guard_classify(&e, &why), LLMEM_GUARD_WARNING);
+    assert_non_null(strstr(why, "memory.high"));
+    llmem_guard_events(&h, &e); /* the same count again: clear */
+    assert_int_equal(llmem_guard_classify(&e, NULL), LLMEM_GUARD_CLEAR);
+    e.cgroup_oom = 1;
+    llmem_guard_events(&h, &e);
+    assert_int_equal(llmem_guard_classify(&e, &why), LLMEM_GUARD_CRITICAL);
+    assert_non_null(strstr(why, "memory.max"));
+    e.cgroup_max = 4;
+    llmem_guard_events(&h, &e);
+    assert_int_equal(e.cgroup_max_rise, 1);
+    assert_int_equal(llmem_guard_classify(&e, NULL), LLMEM_GUARD_CRITICAL);
+    e.cgroup_max = 0; /* went down */
+    llmem_guard_events(&h, &e);
+    assert_int_equal(llmem_guard_classify(&e, NULL), LLMEM_GUARD_CLEAR);
+    e.cgroup_high = e.cgroup_max = e.cgroup_oom = -1; /* unknown */
+    llmem_guard_events(&h, &e);
+    assert_int_equal(llmem_guard_classify(&e, NULL), LLMEM_GUARD_CLEAR);
+    e.cgroup_high = 50; /* known again: a new baseline, not a rise */
+    llmem_guard_events(&h, &e);
+    assert_int_equal(llmem_guard_classify(&e, NULL), LLMEM_GUARD_CLEAR);
 }
 
 struct fake_pressure {
     enum llmem_guard_level level;
+    int64_t high, max, oom; /* memory.events counters, when events is set */
+    int events;
 };
 
 static void fake_source(void *arg, struct llmem_guard_reading *r) {
@@ -390,6 +437,12 @@ static void fake_source(void *arg, struct llmem_guard_reading *r) {
         r->psi_full = 50;
     else
         r->psi_some = r->psi_full = 0;
+    r->resident_bytes = -1;
+    if (f->events) {
+        r->cgroup_high = f->high;
+        r->cgroup_max = f->max;
+        r->cgroup_oom = f->oom;
+    }
 }
 
 /* The engine acts on what the guard decides: a warning halves the bank and releases the
@@ -443,6 +496,355 @@ static void test_guard_actions(void **state) {
     f.level = LLMEM_GUARD_CLEAR; /* cleared: requests are admitted again */
     assert_int_equal(llmem_engine_generate(e, other, 8, &p, NULL, NULL, &r), LLMEM_OK);
     llmem_generate_result_free(&r);
+    llmem_engine_close(e);
+}
+
+/* ---- the spill tier ---------------------------------------------------------------------------
+ */
+
+static struct llmem_engine *open_with_store(const char *model, const char *bank_dir,
+                                            int64_t spill_max, llmem_spill_free_fn probe,
+                                            void *probe_arg) {
+    struct llmem_engine_config c;
+    llmem_engine_config_default(&c);
+    c.model_dir = model;
+    c.n_threads = 2;
+    c.bank_dir = bank_dir;
+    c.spill_max_bytes = spill_max;
+    c.spill_free_probe = probe;
+    c.spill_free_probe_arg = probe_arg;
+    struct llmem_engine *e = NULL;
+    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    return e;
+}
+
+static void long_prompt(int32_t *p, int n, int salt) {
+    for (int i = 0; i < n; i++)
+        p[i] = 20 + (i * 37 + salt * 101) % 3900;
+}
+
+/* A second engine on the same store (what a second process sees: an empty RAM tier, the store
+ * on disk) restores the prompt's prefix from disk and generates the same tokens; a third request
+ * then finds it in RAM. Prompts of 600 tokens: two whole chunks and a partial one. */
+static void test_spill_restores_in_a_new_engine(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    int32_t prompt[600];
+    long_prompt(prompt, 600, 0);
+    struct llmem_generate_params p;
+    llmem_generate_params_default(&p);
+    p.max_tokens = 16;
+    p.ignore_eos = 1;
+    struct llmem_generate_result cold, disk, ram;
+    struct llmem_engine *e = open_with_store(PYCODER, dir, 0, NULL, NULL);
+    assert_int_equal(llmem_engine_generate(e, prompt, 600, &p, NULL, NULL, &cold), LLMEM_OK);
+    assert_int_equal(cold.reused_tokens, 0);
+    llmem_engine_close(e); /* flushes the writes */
+
+    e = open_with_store(PYCODER, dir, 0, NULL, NULL);
+    assert_int_equal(llmem_engine_generate(e, prompt, 600, &p, NULL, NULL, &disk), LLMEM_OK);
+    assert_int_equal(disk.reused_disk_tokens, 599 / 16 * 16);
+    assert_int_equal(disk.reused_ram_tokens, 0);
+    assert_int_equal(disk.n_ids, cold.n_ids);
+    assert_memory_equal(disk.ids, cold.ids, (size_t)cold.n_ids * sizeof(int32_t));
+    assert_int_equal(llmem_engine_generate(e, prompt, 600, &p, NULL, NULL, &ram), LLMEM_OK);
+    assert_int_equal(ram.reused_ram_tokens, 599 / 16 * 16);
+    assert_int_equal(ram.reused_disk_tokens, 0);
+    assert_memory_equal(ram.ids, cold.ids, (size_t)cold.n_ids * sizeof(int32_t));
+    printf("  600-token prompt: ttft cold %.1f ms, from disk %.1f ms, from RAM %.1f ms\n",
+           cold.ttft_ms, disk.ttft_ms, ram.ttft_ms);
+    struct llmem_engine_bank_stats bs;
+    llmem_engine_bank_stats(e, &bs);
+    assert_true(bs.spill_on && bs.spill.owned);
+    assert_int_equal(bs.reused_disk_tokens, 592);
+    assert_int_equal(bs.reused_ram_tokens, 592);
+    assert_int_equal(bs.spill.read_blocks, 37);
+    assert_int_equal(bs.spill.written_chunks, 0); /* all of it was on disk already */
+    assert_int_equal(llmem_kv_check(llmem_engine_kv(e)), LLMEM_OK);
+
+    /* a prompt that shares 420 tokens, from a third engine: the chunk that agrees, then the
+     * first blocks of the chunk where it leaves them */
+    llmem_engine_close(e);
+    e = open_with_store(PYCODER, dir, 0, NULL, NULL);
+    int32_t other[560];
+    memcpy(other, prompt, 420 * sizeof(int32_t));
+    long_prompt(other + 420, 140, 9);
+    struct llmem_generate_result r;
+    p.max_tokens = 2;
+    assert_int_equal(llmem_engine_generate(e, other, 560, &p, NULL, NULL, &r), LLMEM_OK);
+    assert_int_equal(r.reused_disk_tokens, 420 / 16 * 16);
+    llmem_generate_result_free(&r);
+    llmem_engine_close(e);
+    llmem_generate_result_free(&cold);
+    llmem_generate_result_free(&disk);
+    llmem_generate_result_free(&ram);
+    tu_rmtree(dir);
+    free(dir);
+}
+
+/* A copy of pycoder with the same config and header but one weight changed is another model:
+ * on the same store it never takes the first one's KV, from RAM or disk. */
+static void test_spill_other_weights(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp(), *model = tu_mkdtemp();
+    const char *files[] = {"config.json", "model.safetensors", "tokenizer.json",
+                           "tokenizer_config.json", "generation_config.json"};
+    for (int i = 0; i < 5; i++) {
+        char cmd[2048];
+        snprintf(cmd, sizeof(cmd), "cp '%s/%s' '%s/'", PYCODER, files[i], model);
+        assert_int_equal(system(cmd), 0);
+    }
+    /* the low byte of a bf16 weight past the header: a mantissa bit, the same shapes */
+    char weights[600];
+    snprintf(weights, sizeof(weights), "%s/model.safetensors", model);
+    FILE *f = fopen(weights, "r+b");
+    assert_non_null(f);
+    uint64_t header = 0;
+    assert_int_equal(fread(&header, 8, 1, f), 1);
+    long at = (long)(8 + header + 4096) & ~1L;
+    fseek(f, at, SEEK_SET);
+    int b = fgetc(f);
+    fseek(f, at, SEEK_SET);
+    fputc(b ^ 1, f);
+    fclose(f);
+
+    int32_t prompt[600];
+    long_prompt(prompt, 600, 3);
+    struct llmem_generate_params p;
+    llmem_generate_params_default(&p);
+    p.max_tokens = 4;
+    p.ignore_eos = 1;
+    struct llmem_generate_result r;
+    struct llmem_engine *e = open_with_store(PYCODER, dir, 0, NULL, NULL);
+    assert_int_equal(llmem_engine_generate(e, prompt, 600, &p, NULL, NULL, &r), LLMEM_OK);
+    llmem_generate_result_free(&r);
+    llmem_engine_close(e);
+    e = open_with_store(model, dir, 0, NULL, NULL);
+    assert_int_equal(llmem_engine_generate(e, prompt, 600, &p, NULL, NULL, &r), LLMEM_OK);
+    assert_int_equal(r.reused_tokens, 0);
+    llmem_generate_result_free(&r);
+    struct llmem_engine_bank_stats bs;
+    llmem_engine_bank_stats(e, &bs);
+    assert_int_equal(bs.spill.hit_chunks, 0);
+    assert_int_equal(bs.spill.miss_absent, 1);
+    llmem_engine_close(e);
+    /* while the original still finds its own */
+    e = open_with_store(PYCODER, dir, 0, NULL, NULL);
+    assert_int_equal(llmem_engine_generate(e, prompt, 600, &p, NULL, NULL, &r), LLMEM_OK);
+    assert_int_equal(r.reused_disk_tokens, 599 / 16 * 16);
+    llmem_generate_result_free(&r);
+    llmem_engine_close(e);
+    tu_rmtree(model);
+    tu_rmtree(dir);
+    free(model);
+    free(dir);
+}
+
+static int64_t no_free_disk(void *arg, const char *dir) {
+    (void)arg, (void)dir;
+    return 64 << 20;
+}
+
+/* A full disk (the store's free-space probe forced under 1 GiB) and a cap too small for a chunk:
+ * nothing is written, nothing fails, the output is the same. */
+static void test_spill_full_disk(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    int32_t prompt[600];
+    long_prompt(prompt, 600, 5);
+    struct llmem_generate_params p;
+    llmem_generate_params_default(&p);
+    p.max_tokens = 12;
+    p.ignore_eos = 1;
+    struct llmem_generate_result want, r;
+    struct llmem_engine *e = open_pycoder(0, LLMEM_KV_FORMAT_F16);
+    assert_int_equal(llmem_engine_generate(e, prompt, 600, &p, NULL, NULL, &want), LLMEM_OK);
+    llmem_engine_close(e);
+    for (int variant = 0; variant < 2; variant++) {
+        e = variant == 0 ? open_with_store(PYCODER, dir, 0, no_free_disk, NULL)
+                         : open_with_store(PYCODER, dir, 256 << 10, NULL, NULL);
+        llmem_log_set_callback(capture, NULL, LLMEM_LOG_WARN);
+        last_errors[0] = '\0';
+        n_errors = 0;
+        assert_int_equal(llmem_engine_generate(e, prompt, 600, &p, NULL, NULL, &r), LLMEM_OK);
+        assert_memory_equal(r.ids, want.ids, (size_t)want.n_ids * sizeof(int32_t));
+        llmem_generate_result_free(&r);
+        llmem_spill_flush(llmem_engine_spill(e), 10);
+        struct llmem_engine_bank_stats bs;
+        llmem_engine_bank_stats(e, &bs);
+        llmem_log_set_callback(NULL, NULL, LLMEM_LOG_WARN);
+        assert_int_equal(n_errors, 0);
+        assert_int_equal(bs.spill.written_chunks, 0);
+        assert_int_equal(bs.spill.files, 0);
+        if (variant == 0) /* 611 tokens of KV: 38 blocks, 3 chunks */
+            assert_int_equal(bs.spill.skip_disk_low, 3);
+        else
+            assert_int_equal(bs.spill.skip_cap, 3);
+        assert_true(bs.spill.bytes <= (variant == 0 ? (64 << 20) / 4 : 256 << 10));
+        llmem_engine_close(e);
+    }
+    llmem_generate_result_free(&want);
+    tu_rmtree(dir);
+    free(dir);
+}
+
+/* ---- the RAM tier's ceiling ---------------------------------------------------------------- */
+
+static void no_pressure(void *arg, struct llmem_guard_reading *r) {
+    (void)arg;
+    r->resident_bytes = -1;
+    r->psi_some = r->psi_full = 0;
+    r->allocator_bytes = 0;
+}
+
+struct ceiling_watch {
+    struct llmem_engine *e;
+    int64_t steps, worst_margin, min_ceiling, max_bank;
+};
+
+static void check_ceiling(struct ceiling_watch *w) {
+    struct llmem_kv_stats ks;
+    llmem_kv_stats(llmem_engine_kv(w->e), &ks);
+    struct llmem_bank_stats bs;
+    llmem_bank_stats(llmem_engine_bank(w->e), &bs);
+    int64_t blocks = (ks.tokens + 15) / 16;
+    int64_t ceiling = llmem_plan_bank_dynamic_ceiling(
+        llmem_engine_plan(w->e), blocks * llmem_kv_block_bytes(llmem_engine_kv(w->e)), 0);
+    assert_true(bs.bytes <= ceiling);
+    int64_t margin = ceiling - bs.bytes;
+    if (w->steps == 0 || margin < w->worst_margin)
+        w->worst_margin = margin;
+    if (w->steps == 0 || ceiling < w->min_ceiling)
+        w->min_ceiling = ceiling;
+    if (bs.bytes > w->max_bank)
+        w->max_bank = bs.bytes;
+    w->steps++;
+}
+
+static void ceiling_progress(void *arg, int64_t done, int64_t total) {
+    (void)done, (void)total;
+    check_ceiling(arg);
+}
+
+static int ceiling_token(void *arg, int32_t id, const char *text, size_t len) {
+    (void)id, (void)text, (void)len;
+    check_ceiling(arg);
+    return 0;
+}
+
+/* The RAM bank stays within llmem_plan_bank_dynamic_ceiling at the live working set, checked
+ * after every step (prefill chunks of 64 and every decoded token), while requests grow to the
+ * window. Under a 26 MiB budget (context 768, two sequences) the pool is what the plan leaves for
+ * KV, so a request alone can never push the bank past the ceiling; one that reuses a long banked
+ * prefix can (its shared blocks count in the bank and in the working set), and there the ceiling
+ * falls below the bank's size and the bank yields. */
+static void test_bank_within_dynamic_ceiling(void **state) {
+    (void)state;
+    struct llmem_engine_config c;
+    llmem_engine_config_default(&c);
+    c.model_dir = PYCODER;
+    c.n_threads = 2;
+    c.budget_bytes = 26 << 20;
+    c.context = 768;
+    c.max_sequences = 2;
+    c.max_batch_tokens = 64;
+    c.no_spill = 1;
+    /* this test process's resident memory is not the 26 MiB machine the plan pretends: the
+     * guard reads no pressure */
+    c.guard_source = no_pressure;
+    struct llmem_engine *e = NULL;
+    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    struct ceiling_watch w = {.e = e};
+    struct llmem_generate_params p;
+    llmem_generate_params_default(&p);
+    p.ignore_eos = 1;
+    p.prefill_progress = ceiling_progress;
+    p.progress_arg = &w;
+    struct llmem_generate_result r;
+    int32_t prompt[740];
+    p.max_tokens = 8;
+    for (int k = 0; k < 2; k++) { /* fill the bank */
+        long_prompt(prompt, 500, 20 + k);
+        assert_int_equal(llmem_engine_generate(e, prompt, 500, &p, ceiling_token, &w, &r),
+                         LLMEM_OK);
+        llmem_generate_result_free(&r);
+    }
+    long_prompt(prompt, 740, 30);
+    assert_int_equal(llmem_engine_generate(e, prompt, 600, &p, ceiling_token, &w, &r), LLMEM_OK);
+    llmem_generate_result_free(&r);
+    struct llmem_bank_stats before;
+    llmem_bank_stats(llmem_engine_bank(e), &before);
+    p.max_tokens = 20;
+    assert_int_equal(llmem_engine_generate(e, prompt, 740, &p, ceiling_token, &w, &r), LLMEM_OK);
+    assert_int_equal(r.reused_ram_tokens, 592);
+    llmem_generate_result_free(&r);
+    check_ceiling(&w);
+    printf("  %lld steps checked: bank up to %lld B, ceiling down to %lld B, smallest margin "
+           "%lld B; %lld B banked before the long request\n",
+           (long long)w.steps, (long long)w.max_bank, (long long)w.min_ceiling,
+           (long long)w.worst_margin, (long long)before.bytes);
+    assert_true(w.steps > 60);
+    assert_true(w.min_ceiling < before.bytes); /* the ceiling did bind */
+    assert_int_equal(llmem_kv_check(llmem_engine_kv(e)), LLMEM_OK);
+    llmem_engine_close(e);
+}
+
+/* The engine's guard watches memory.events through its reading source: a rising high count
+ * halves the bank, a rising oom count empties it and refuses requests until the count stops
+ * rising. */
+static void test_guard_cgroup_events(void **state) {
+    (void)state;
+    struct fake_pressure f = {.events = 1, .high = 7, .max = 0, .oom = 0};
+    struct llmem_engine_config c;
+    llmem_engine_config_default(&c);
+    c.model_dir = PYCODER;
+    c.n_threads = 2;
+    c.no_spill = 1;
+    c.guard_source = fake_source;
+    c.guard_source_arg = &f;
+    struct llmem_engine *e = NULL;
+    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    int32_t prompt[640];
+    for (int i = 0; i < 640; i++)
+        prompt[i] = 50 + (i * 17) % 3000;
+    struct llmem_generate_params p;
+    llmem_generate_params_default(&p);
+    p.max_tokens = 4;
+    p.ignore_eos = 1;
+    struct llmem_generate_result r;
+    assert_int_equal(llmem_engine_generate(e, prompt, 640, &p, NULL, NULL, &r), LLMEM_OK);
+    llmem_generate_result_free(&r);
+    struct llmem_bank_stats bs;
+    llmem_bank_stats(llmem_engine_bank(e), &bs);
+    int64_t banked = bs.blocks;
+    assert_true(banked >= 40);
+    assert_int_equal(llmem_engine_guard(e)->warnings + llmem_engine_guard(e)->criticals, 0);
+
+    f.high = 9; /* throttled over memory.high */
+    int32_t other[8] = {9, 8, 7, 6, 5, 4, 3, 2};
+    assert_int_equal(llmem_engine_generate(e, other, 8, &p, NULL, NULL, &r), LLMEM_OK);
+    llmem_generate_result_free(&r);
+    assert_int_equal(llmem_engine_guard(e)->warnings, 1);
+    llmem_bank_stats(llmem_engine_bank(e), &bs);
+    assert_true(bs.blocks <= banked - banked / 2 + 1);
+
+    f.oom = 1; /* the OOM killer ran in this cgroup */
+    llmem_log_set_callback(capture_all, NULL, LLMEM_LOG_WARN);
+    last_errors[0] = '\0';
+    assert_int_equal(llmem_engine_generate(e, other, 8, &p, NULL, NULL, &r), LLMEM_ENOMEM);
+    llmem_log_set_callback(NULL, NULL, LLMEM_LOG_WARN);
+    assert_non_null(strstr(last_errors, "memory.max or invoked the OOM killer"));
+    assert_non_null(strstr(last_errors, "critical memory pressure"));
+    assert_int_equal(llmem_engine_guard(e)->criticals, 1);
+    llmem_bank_stats(llmem_engine_bank(e), &bs);
+    assert_int_equal(bs.blocks, 0);
+    /* the count no longer rises: admitted again */
+    assert_int_equal(llmem_engine_generate(e, other, 8, &p, NULL, NULL, &r), LLMEM_OK);
+    llmem_generate_result_free(&r);
+    struct llmem_engine_bank_stats st;
+    llmem_engine_bank_stats(e, &st);
+    assert_int_equal(st.guard_warnings, 1);
+    assert_int_equal(st.guard_criticals, 1);
     llmem_engine_close(e);
 }
 
@@ -625,6 +1027,11 @@ int main(void) {
         cmocka_unit_test(test_admission_refuses_before_writing),
         cmocka_unit_test(test_guard_rules),
         cmocka_unit_test(test_guard_actions),
+        cmocka_unit_test(test_guard_cgroup_events),
+        cmocka_unit_test(test_spill_restores_in_a_new_engine),
+        cmocka_unit_test(test_spill_other_weights),
+        cmocka_unit_test(test_spill_full_disk),
+        cmocka_unit_test(test_bank_within_dynamic_ceiling),
         cmocka_unit_test(test_memory_promise),
         cmocka_unit_test(test_refused_before_loading),
         cmocka_unit_test(test_request_out_of_memory),

@@ -670,10 +670,51 @@ static void test_pressure(void **state) {
     put(root, "proc/pressure/memory", "garbage\n");
     llmem_sys_pressure_read_at(root, &p);
     assert_true(p.psi_some_avg10 < 0 && p.psi_full_avg10 < 0);
-    llmem_sys_pressure_read(&p); /* the real one reads this process */
+    assert_int_equal(p.cgroup_high, LLMEM_SYS_UNKNOWN); /* no cgroup under this root */
+    llmem_sys_pressure_read(&p);                        /* the real one reads this process */
     assert_true(p.resident_bytes > 0);
     tu_rmtree(root);
     free(root);
+
+    /* the cgroup v2 memory.events counters of this process's cgroup */
+    root = tu_mkdtemp();
+    put(root, "proc/self/cgroup", "0::/app.slice/llmem.scope\n");
+    put(root, "proc/self/mountinfo", v2_mountinfo);
+    put(root, "sys/fs/cgroup/cgroup.controllers", "memory\n");
+    put(root, "sys/fs/cgroup/app.slice/llmem.scope/memory.events",
+        "low 0\nhigh 17\nmax 3\noom 1\noom_kill 1\noom_group_kill 0\n");
+    llmem_sys_pressure_read_at(root, &p);
+    assert_int_equal(p.cgroup_high, 17);
+    assert_int_equal(p.cgroup_max, 3);
+    assert_int_equal(p.cgroup_oom, 1); /* "oom", not "oom_kill" */
+    put(root, "sys/fs/cgroup/app.slice/llmem.scope/memory.events", "high 18\nmax x\n");
+    llmem_sys_pressure_read_at(root, &p); /* read again each time; a bad line is unknown */
+    assert_int_equal(p.cgroup_high, 18);
+    assert_int_equal(p.cgroup_max, LLMEM_SYS_UNKNOWN);
+    assert_int_equal(p.cgroup_oom, LLMEM_SYS_UNKNOWN);
+    tu_rmtree(root);
+    free(root);
+
+    /* v1: no memory.events */
+    root = tu_mkdtemp();
+    put(root, "proc/self/cgroup", "4:memory:/user/job\n");
+    put(root, "proc/self/mountinfo", v1_mountinfo);
+    put(root, "sys/fs/cgroup/memory/user/job/memory.limit_in_bytes", "1073741824\n");
+    llmem_sys_pressure_read_at(root, &p);
+    assert_int_equal(p.cgroup_high, LLMEM_SYS_UNKNOWN);
+    tu_rmtree(root);
+    free(root);
+}
+
+/* Free disk space: statvfs of a directory that exists, unknown for one that does not. */
+static void test_disk_free(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    assert_true(llmem_sys_disk_free(dir) > 0);
+    assert_int_equal(llmem_sys_disk_free("/nonexistent/llmem"), LLMEM_SYS_UNKNOWN);
+    assert_int_equal(llmem_sys_disk_free(NULL), LLMEM_SYS_UNKNOWN);
+    tu_rmtree(dir);
+    free(dir);
 }
 
 int main(void) {
@@ -703,6 +744,7 @@ int main(void) {
         cmocka_unit_test(test_json),
         cmocka_unit_test(test_root_forms),
         cmocka_unit_test(test_pressure),
+        cmocka_unit_test(test_disk_free),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

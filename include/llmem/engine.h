@@ -4,10 +4,12 @@
  * Opening computes the plan first, from the model's real geometry and this machine (SPEC §2), and
  * refuses a model that does not fit before anything is loaded; then the allocator's limits are set
  * from the plan (SPEC §3.1), and the weights, tokenizer, backend, KV cache, session bank and
- * forward pass are created inside them. Generation takes the prompt's longest banked prefix,
- * prefills the rest in chunks of max_batch_tokens, then decodes one token at a time with the
- * sampler until EOS, a stop string or max_tokens; the finished sequence's full blocks go to the
- * bank (llmem/bank.h), which yields its blocks to requests that need them.
+ * forward pass are created inside them. Generation takes the prompt's longest banked prefix —
+ * from the RAM tier, then continued from the spill store on disk (llmem/spill.h) — prefills the
+ * rest in chunks of max_batch_tokens, then decodes one token at a time with the sampler until EOS,
+ * a stop string or max_tokens; the finished sequence's full blocks go to the bank (llmem/bank.h),
+ * which yields its blocks to requests that need them, and the chunks of them not on disk yet are
+ * queued for the spill store's writer.
  */
 #ifndef LLMEM_ENGINE_H
 #define LLMEM_ENGINE_H
@@ -15,10 +17,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "llmem/bank.h"
 #include "llmem/kv.h"
 #include "llmem/mem.h"
 #include "llmem/model.h"
 #include "llmem/plan.h"
+#include "llmem/spill.h"
 #include "llmem/status.h"
 
 #ifdef __cplusplus
@@ -51,10 +55,12 @@ int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits);
  * The pressure guard (SPEC §6.4)
  *
  * warning  — allocator active + cache ≥ 0.97 × the allocation limit, resident memory ≥ the trip,
- *            or PSI "some" memory pressure ≥ LLMEM_GUARD_PSI_SOME % (avg10): shrink the session
- *            bank to half and release the allocator's cache;
- * critical — resident memory ≥ 0.95 × the ceiling, or PSI "full" ≥ LLMEM_GUARD_PSI_FULL %: empty
- *            the bank, release the cache, and admit no new request until it clears.
+ *            PSI "some" memory pressure ≥ LLMEM_GUARD_PSI_SOME % (avg10), or a rising `high`
+ *            count in the cgroup's memory.events: shrink the session bank to half and release the
+ *            allocator's cache;
+ * critical — resident memory ≥ 0.95 × the ceiling, PSI "full" ≥ LLMEM_GUARD_PSI_FULL %, or a
+ *            rising `max` or `oom` count in memory.events: empty the bank, release the cache, and
+ *            admit no new request until it clears.
  * A level acts on its rising edge; while it stays up it acts again every 120 s (re-arm), and an
  * edge within 30 s of the last action of its level is a flap and waits for the re-arm. A warning
  * may wait up to 60 s while a request is mid-step; a critical never waits.
@@ -74,7 +80,10 @@ struct llmem_guard_reading {
     int64_t allocation_limit;
     int64_t resident_bytes;
     int64_t trip_bytes, ceiling_bytes;
-    double psi_some, psi_full; /* avg10, % */
+    double psi_some, psi_full;                   /* avg10, % */
+    int64_t cgroup_high, cgroup_max, cgroup_oom; /* memory.events counters (−1: unknown) */
+    /* how much they grew since the previous reading (high; max + oom), from llmem_guard_events */
+    int64_t cgroup_high_rise, cgroup_max_rise;
 };
 
 /* The level a reading signals, and which signal (a static string) when not clear. */
@@ -85,8 +94,12 @@ struct llmem_guard {
     double last_action[3];       /* per level: when it last acted (−inf: never) */
     double deferred_since;       /* a warning waiting for the step to end (−1: none) */
     int64_t warnings, criticals, deferred, suppressed; /* actions taken, waits, flaps ignored */
+    int64_t cgroup_high, cgroup_max, cgroup_oom;       /* the last counters seen (−1: none) */
 };
 void llmem_guard_init(struct llmem_guard *g);
+/* Sets r's cgroup rises from its counters and the previous reading's (0 for the first reading,
+ * for an unknown counter, and when a counter went down: a new cgroup), and remembers them. */
+void llmem_guard_events(struct llmem_guard *g, struct llmem_guard_reading *r);
 /* What to do now (seconds on any monotonic clock) about a reading: LLMEM_GUARD_CLEAR for
  * nothing, else the action's level (counted). */
 enum llmem_guard_level llmem_guard_decide(struct llmem_guard *g,
@@ -113,7 +126,14 @@ struct llmem_engine_config {
     int64_t max_batch_tokens;       /* 512 */
     int64_t max_sequences;          /* 1 */
     int64_t bank_max_bytes;         /* --bank-max: the RAM tier's cap; 0: the plan's ceiling */
-    int no_bank;                    /* 1: no session bank */
+    int no_bank;                    /* 1: no session bank (and no spill tier) */
+    const char *bank_dir;           /* --bank-dir: the spill store; NULL: the default directory
+                                     * (a default one that cannot be opened only turns spilling
+                                     * off, with a warning; a given one is an error) */
+    int64_t spill_max_bytes;        /* --spill-max: the store's size cap; 0: the default */
+    int no_spill;                   /* --no-spill: the bank stays in RAM */
+    llmem_spill_free_fn spill_free_probe; /* (optional) the store's free-disk probe (tests) */
+    void *spill_free_probe_arg;
     int no_mmap; /* --no-mmap: the weights read into (huge-page) memory instead of mapped */
     llmem_guard_source_fn guard_source; /* (optional) replaces the machine's readings */
     void *guard_source_arg;
@@ -140,6 +160,21 @@ struct llmem_forward *llmem_engine_forward(struct llmem_engine *e);
 const struct llmem_guard *llmem_engine_guard(const struct llmem_engine *e);
 /* The session bank's RAM tier (NULL without one: no_bank or a layout other than paged). */
 struct llmem_bank *llmem_engine_bank(struct llmem_engine *e);
+/* The spill store (NULL without one: no bank, no_spill, or a default directory that could not be
+ * opened). */
+struct llmem_spill *llmem_engine_spill(struct llmem_engine *e);
+
+/* Everything the session bank did, in one struct: the RAM tier, the spill store, the guard's
+ * actions, and the tokens requests took from each tier. */
+struct llmem_engine_bank_stats {
+    struct llmem_bank_stats ram;                   /* zeros without a bank */
+    struct llmem_spill_stats spill;                /* zeros without a spill store */
+    int spill_on;                                  /* a spill store is open (owned or not) */
+    int64_t reused_ram_tokens, reused_disk_tokens; /* over all requests */
+    int64_t guard_warnings, guard_criticals, guard_deferred, guard_suppressed;
+};
+/* Not while serving (the scheduler thread owns the bank then): llmem_engine_metrics has them. */
+void llmem_engine_bank_stats(struct llmem_engine *e, struct llmem_engine_bank_stats *stats);
 /* The threads the engine's kernels run on (for work that must not compete with them). */
 struct llmem_pool *llmem_engine_pool(struct llmem_engine *e);
 const struct llmem_tokenizer *llmem_engine_tokenizer(const struct llmem_engine *e);
@@ -176,8 +211,9 @@ struct llmem_generate_result {
     size_t text_len;
     const char *finish_reason; /* "stop" (EOS, a stop id or string), "length", "cancelled" */
     int64_t prompt_tokens;
-    int64_t reused_tokens; /* of them, taken from the session bank instead of prefilled */
-    double ttft_ms;        /* prompt in → first token out */
+    int64_t reused_tokens; /* of them, taken from the session bank instead of prefilled: */
+    int64_t reused_ram_tokens, reused_disk_tokens; /* from its RAM tier, from the spill store */
+    double ttft_ms; /* prompt in → first token out (the bank's lookup and loads included) */
     double prefill_s, decode_s;
     int64_t decode_tokens; /* tokens produced by decode steps (the first comes from prefill) */
 };
@@ -269,9 +305,8 @@ struct llmem_engine_metrics {
     int64_t running, waiting, preemptions, steps;
     struct llmem_histogram ttft, inter_token; /* seconds */
     int64_t kv_blocks_used, kv_blocks_free, kv_block_bytes;
-    int64_t bank_bytes, bank_blocks, bank_hit_blocks, bank_lookups, bank_evicted_blocks;
+    struct llmem_engine_bank_stats bank; /* RAM tier, spill store, guard actions */
     int64_t mem_active, mem_peak, mem_cache, mem_limit; /* the allocator (llmem_mem_stats) */
-    int64_t guard_warnings, guard_criticals;
     int refusing; /* a critical memory pressure is in effect */
 };
 void llmem_engine_metrics(struct llmem_engine *e, struct llmem_engine_metrics *m);

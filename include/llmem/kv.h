@@ -127,6 +127,16 @@ void llmem_kv_block_release(struct llmem_kv *kv, int64_t id);
  * LLMEM_ERANGE when no sequence is free, LLMEM_ENOMEM (logged). */
 int llmem_kv_seq_new_from_blocks(struct llmem_kv *kv, const int64_t *ids, int64_t n_blocks,
                                  int *seq);
+/* Paged: a block's stored bytes, every layer, as one run of llmem_kv_block_bytes bytes laid out
+ * [n_layers][K: block_size × n_kv_heads × key bytes | V: block_size × n_kv_heads × value bytes]
+ * (the session bank's spill files hold blocks in this form). */
+void llmem_kv_block_copy_out(const struct llmem_kv *kv, int64_t id, void *dst);
+/* Paged: a free block filled with bytes in that layout, held once by the caller (let go with
+ * llmem_kv_block_release). The pool does not grow for it: LLMEM_ERANGE (not logged) when no
+ * block is free, so callers check llmem_kv_blocks_free first. */
+int llmem_kv_block_new_from(struct llmem_kv *kv, const void *src, int64_t *id);
+/* The configuration the cache was created with (defaults filled in). */
+const struct llmem_kv_config *llmem_kv_get_config(const struct llmem_kv *kv);
 
 enum llmem_kv_route {
     LLMEM_KV_ROUTE_AUTO = 0,

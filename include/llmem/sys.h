@@ -139,11 +139,24 @@ struct llmem_sys_pressure {
     int64_t resident_bytes; /* this process's resident memory; LLMEM_SYS_UNKNOWN */
     double psi_some_avg10;  /* % of the last 10 s some task stalled on memory; −1 unknown */
     double psi_full_avg10;  /* % of the last 10 s all tasks stalled on memory; −1 unknown */
+    /* the counters of this process's cgroup v2 memory.events (they only ever grow); UNKNOWN
+     * without a v2 memory cgroup: times usage went over memory.high (and was throttled), times
+     * it reached memory.max (reclaim was forced), times the OOM killer was invoked */
+    int64_t cgroup_high, cgroup_max, cgroup_oom;
 };
-/* Reads /proc/self/statm and /proc/pressure/memory; what cannot be read is unknown. */
+/* Reads /proc/self/statm, /proc/pressure/memory and the cgroup's memory.events (the cgroup's
+ * directory is found once per root and remembered); what cannot be read is unknown. */
 void llmem_sys_pressure_read(struct llmem_sys_pressure *p);
 /* The same below `root` (a directory prefix without a trailing '/'), for tests. */
 void llmem_sys_pressure_read_at(const char *root, struct llmem_sys_pressure *p);
+
+/* ---------------------------------------------------------------------------------------------
+ * Disk space
+ * ------------------------------------------------------------------------------------------- */
+
+/* Bytes an unprivileged process can still write on the file system holding path (statvfs:
+ * f_bavail × f_frsize); LLMEM_SYS_UNKNOWN when it cannot be read. */
+int64_t llmem_sys_disk_free(const char *path);
 
 #ifdef __cplusplus
 }

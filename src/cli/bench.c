@@ -2,7 +2,8 @@
  * cli/bench.c — `llmem bench <what>`: benchmarks that report medians of repeated runs and ratios
  * measured side by side in one run (absolute numbers are only as good as a quiet machine).
  *
- * `llmem bench kv` lives in bench_kv.c, `llmem bench decode` in bench_decode.c.
+ * `llmem bench kv` lives in bench_kv.c, `llmem bench decode` in bench_decode.c, `llmem bench bank`
+ * in bench_bank.c.
  *
  * `llmem bench mem`: allocation/free throughput of the caching allocator against glibc
  * malloc/free and against raw mmap/munmap, on the same operation sequence:
@@ -337,11 +338,12 @@ out:
 
 int cli_bench(int argc, char **argv) {
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
-        fputs("usage: llmem bench mem|kv|matmul|decode [options]\n\nbenchmarks:\n  mem    the "
-              "caching allocator against malloc and mmap\n  kv     attention over the KV caches "
-              "against the memory bandwidth, format accuracy, append cost\n  matmul the CPU matmul "
-              "against the memory bandwidth and the FMA peak\n  decode prefill and decode speed of "
-              "a model against the memory bandwidth\n",
+        fputs("usage: llmem bench mem|kv|matmul|decode|bank [options]\n\nbenchmarks:\n  mem    "
+              "the caching allocator against malloc and mmap\n  kv     attention over the KV "
+              "caches against the memory bandwidth, format accuracy, append cost\n  matmul the CPU "
+              "matmul against the memory bandwidth and the FMA peak\n  decode prefill and decode "
+              "speed of a model against the memory bandwidth\n  bank   time to first token cold, "
+              "from the session bank's RAM tier, as a chat turn, from its spill store\n",
               argc < 2 ? stderr : stdout);
         return argc < 2 ? CLI_USAGE : CLI_OK;
     }
@@ -353,6 +355,8 @@ int cli_bench(int argc, char **argv) {
         return cli_bench_matmul(argc - 1, argv + 1);
     if (strcmp(argv[1], "decode") == 0)
         return cli_bench_decode(argc - 1, argv + 1);
-    return cli_usage_error("bench", "unknown benchmark '%s' (benchmarks: mem, kv, matmul, decode)",
-                           argv[1]);
+    if (strcmp(argv[1], "bank") == 0)
+        return cli_bench_bank(argc - 1, argv + 1);
+    return cli_usage_error(
+        "bench", "unknown benchmark '%s' (benchmarks: mem, kv, matmul, decode, bank)", argv[1]);
 }

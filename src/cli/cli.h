@@ -17,10 +17,14 @@ int cli_plan(int argc, char **argv);
 int cli_bench(int argc, char **argv);
 /* `llmem run`, `chat`, `tokenize` and `logits` (run.c), by argv[0]. */
 int cli_run(int argc, char **argv);
+/* `llmem gc` (gc.c): the session bank's spill store reconciled offline. */
+int cli_gc(int argc, char **argv);
 /* `llmem bench kv` (bench_kv.c), dispatched by cli_bench. */
 int cli_bench_kv(int argc, char **argv);
 /* `llmem bench decode MODEL` (bench_decode.c). */
 int cli_bench_decode(int argc, char **argv);
+/* `llmem bench bank MODEL` (bench_bank.c): time to first token with the session bank. */
+int cli_bench_bank(int argc, char **argv);
 /* `llmem bench matmul` (bench_matmul.c), dispatched by cli_bench. */
 int cli_bench_matmul(int argc, char **argv);
 

@@ -27,6 +27,8 @@ static const char usage[] =
     "  chat MODEL        an interactive conversation with the model's chat template\n"
     "  tokenize MODEL    the token ids of --text TEXT\n"
     "  logits MODEL      teacher-forced logits of --ids, to a .npy file\n"
+    "  gc                reconcile the session bank's spill store on disk (--bank-dir,\n"
+    "                    --json): drop bad rows, remove orphans, hold it to its cap\n"
     "  bench mem         the caching allocator against malloc and mmap\n"
     "  bench kv          attention over the KV caches against the memory bandwidth,\n"
     "                    the accuracy of each KV format, and the cost of appending\n"
@@ -146,6 +148,8 @@ int main(int argc, char **argv) {
         return cli_plan(argc - 1, argv + 1);
     if (strcmp(argv[1], "bench") == 0)
         return cli_bench(argc - 1, argv + 1);
+    if (strcmp(argv[1], "gc") == 0)
+        return cli_gc(argc - 1, argv + 1);
     static const char *const run_commands[] = {"run", "chat", "tokenize", "logits"};
     for (size_t i = 0; i < sizeof(run_commands) / sizeof(run_commands[0]); i++)
         if (strcmp(argv[1], run_commands[i]) == 0)

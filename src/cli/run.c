@@ -18,6 +18,7 @@
 #include "cli/cli.h"
 #include "core/json.h"
 #include "core/npy.h"
+#include "engine/stats_json.h"
 #include "llmem/engine.h"
 #include "llmem/size.h"
 #include "llmem/tokenizer.h"
@@ -32,6 +33,9 @@ enum {
     OPT_THREADS,
     OPT_MAX_BATCH_TOKENS,
     OPT_BANK_MAX,
+    OPT_BANK_DIR,
+    OPT_SPILL_MAX,
+    OPT_NO_SPILL,
     OPT_NO_MMAP,
     OPT_TEMPERATURE,
     OPT_TOP_K,
@@ -60,6 +64,9 @@ static const struct option options[] = {
     {"threads", required_argument, NULL, OPT_THREADS},
     {"max-batch-tokens", required_argument, NULL, OPT_MAX_BATCH_TOKENS},
     {"bank-max", required_argument, NULL, OPT_BANK_MAX},
+    {"bank-dir", required_argument, NULL, OPT_BANK_DIR},
+    {"spill-max", required_argument, NULL, OPT_SPILL_MAX},
+    {"no-spill", no_argument, NULL, OPT_NO_SPILL},
     {"no-mmap", no_argument, NULL, OPT_NO_MMAP},
     {"temperature", required_argument, NULL, OPT_TEMPERATURE},
     {"temp", required_argument, NULL, OPT_TEMPERATURE},
@@ -104,6 +111,12 @@ static const char common_help[] =
     "  --threads N          CPU threads (default: the online CPUs)\n"
     "  --max-batch-tokens N the prefill chunk (default 512)\n"
     "  --bank-max SIZE      the session bank's RAM cap (default: the plan's; 0: no bank)\n"
+    "  --bank-dir DIR       the bank's spill store on disk (default:\n"
+    "                       $XDG_CACHE_HOME/llmem/bank, else ~/.cache/llmem/bank)\n"
+    "  --spill-max SIZE     the spill store's size cap (default by RAM: 16G up to 16G, 24G up\n"
+    "                       to 32G, 32G up to 64G, 100G above; at most a quarter of the disk;\n"
+    "                       0: no spill store)\n"
+    "  --no-spill           keep the session bank in RAM only\n"
     "  --no-mmap            read the weights into memory (huge pages) instead of mapping\n"
     "                       the files: faster decode, not reclaimable as page cache\n";
 
@@ -152,6 +165,16 @@ static int parse(int argc, char **argv, struct run_args *a) {
             rc = cli_parse_size("--bank-max", optarg, &a->engine.bank_max_bytes);
             a->engine.no_bank = rc == CLI_OK && a->engine.bank_max_bytes == 0;
             break;
+        case OPT_BANK_DIR:
+            if (optarg[0] == '\0')
+                rc = cli_usage_error(a->cmd, "--bank-dir needs a directory");
+            a->engine.bank_dir = optarg;
+            break;
+        case OPT_SPILL_MAX:
+            rc = cli_parse_size("--spill-max", optarg, &a->engine.spill_max_bytes);
+            a->engine.no_spill = rc == CLI_OK && a->engine.spill_max_bytes == 0;
+            break;
+        case OPT_NO_SPILL: a->engine.no_spill = 1; break;
         case OPT_TEMPERATURE:
             rc = cli_parse_double("--temperature", optarg, -1e-300, 100.0, &d);
             a->gen.sampling.temperature = d;
@@ -286,23 +309,55 @@ static cJSON *memory_json(struct llmem_engine *e) {
     return m;
 }
 
+/* The session bank's stats with its pending spill writes done (bounded), so that the bytes
+ * written are those of this process. */
+static void bank_stats(struct llmem_engine *e, struct llmem_engine_bank_stats *bs) {
+    llmem_spill_flush(llmem_engine_spill(e), LLMEM_SPILL_FLUSH_S);
+    llmem_engine_bank_stats(e, bs);
+}
+
 static void print_stats(struct llmem_engine *e, const struct llmem_generate_result *r) {
     double prefill =
         r->prefill_s > 0 ? (double)(r->prompt_tokens - r->reused_tokens) / r->prefill_s : 0;
     double decode = r->decode_s > 0 ? (double)r->decode_tokens / r->decode_s : 0;
     struct llmem_mem_stats st;
     llmem_mem_stats(llmem_engine_mem(e), &st);
-    char a[32], pk[32], c[32], kv[32];
+    struct llmem_engine_bank_stats bs;
+    bank_stats(e, &bs);
+    char a[32], pk[32], c[32], kv[32], bb[32], sw[32], sr[32], sb[32];
     fprintf(stderr,
-            "\nllmem stats: prompt %" PRId64 " tokens (%" PRId64
-            " from the session bank), prefill %.1f tok/s, ttft %.1f ms; "
+            "\nllmem stats: prompt %" PRId64 " tokens (%" PRId64 " from the session bank: %" PRId64
+            " from RAM, %" PRId64 " from disk), prefill %.1f tok/s, ttft %.1f ms; "
             "generated %" PRId64 " tokens, decode %.1f tok/s (%s)\n"
             "llmem memory: active %s, peak %s, cache %s, KV peak %s\n",
-            r->prompt_tokens, r->reused_tokens, prefill, r->ttft_ms, r->n_ids, decode,
-            r->finish_reason, llmem_size_format_short(st.active_bytes, a, sizeof(a)),
+            r->prompt_tokens, r->reused_tokens, r->reused_ram_tokens, r->reused_disk_tokens,
+            prefill, r->ttft_ms, r->n_ids, decode, r->finish_reason,
+            llmem_size_format_short(st.active_bytes, a, sizeof(a)),
             llmem_size_format_short(st.peak_bytes, pk, sizeof(pk)),
             llmem_size_format_short(st.cache_bytes, c, sizeof(c)),
             llmem_size_format_short(st.tags[LLMEM_TAG_KV].peak_bytes, kv, sizeof(kv)));
+    fprintf(stderr, "llmem bank: RAM %s in %" PRId64 " blocks (%" PRId64 " evicted)",
+            llmem_size_format_short(bs.ram.bytes, bb, sizeof(bb)), bs.ram.blocks,
+            bs.ram.evicted_blocks);
+    if (!bs.spill_on)
+        fprintf(stderr, "; no spill store\n");
+    else if (!bs.spill.owned)
+        fprintf(stderr, "; spill store %s in use by another process: not read or written\n",
+                llmem_spill_dir(llmem_engine_spill(e)));
+    else
+        fprintf(stderr,
+                "; spill %s: %" PRId64 " files, %s; written %s, read %s; %" PRId64
+                " misses, %" PRId64 " writes skipped\n",
+                llmem_spill_dir(llmem_engine_spill(e)), bs.spill.files,
+                llmem_size_format_short(bs.spill.bytes, sb, sizeof(sb)),
+                llmem_size_format_short(bs.spill.write_bytes, sw, sizeof(sw)),
+                llmem_size_format_short(bs.spill.read_bytes, sr, sizeof(sr)),
+                bs.spill.miss_absent + bs.spill.miss_identity + bs.spill.miss_format +
+                    bs.spill.miss_corrupt + bs.spill.miss_truncated + bs.spill.miss_io +
+                    bs.spill.miss_no_room + bs.spill.miss_no_memory,
+                bs.spill.skip_cap + bs.spill.skip_disk_low + bs.spill.skip_budget +
+                    bs.spill.skip_queue_full + bs.spill.skip_no_memory + bs.spill.skip_write_error +
+                    bs.spill.skip_shutdown);
 }
 
 static int stream_stdout(void *arg, int32_t id, const char *text, size_t len) {
@@ -320,9 +375,10 @@ static const char run_usage[] =
     "Generates a continuation and streams it to stdout.\n"
     "  -p, --prompt TEXT    the prompt (encoded without a BOS token)\n"
     "  --ids LIST           the prompt as token ids\n"
-    "  --stats              tokens/s and memory on stderr\n"
+    "  --stats              tokens/s, memory and the session bank on stderr\n"
     "  --json               stdout is one object: ids, text, finish_reason\n"
-    "                       (and stats with --stats)\n";
+    "                       (and stats with --stats: reused_ram_tokens, reused_disk_tokens,\n"
+    "                       ttft_ms, memory, bank)\n";
 
 static int run_main(int argc, char **argv, struct run_args *a) {
     if (a->help) {
@@ -370,7 +426,8 @@ static int run_main(int argc, char **argv, struct run_args *a) {
         if (a->stats) {
             cJSON *s = cJSON_AddObjectToObject(root, "stats");
             llmem_json_add_int(s, "prompt_tokens", r.prompt_tokens);
-            llmem_json_add_int(s, "reused_ram_tokens", r.reused_tokens);
+            llmem_json_add_int(s, "reused_ram_tokens", r.reused_ram_tokens);
+            llmem_json_add_int(s, "reused_disk_tokens", r.reused_disk_tokens);
             llmem_json_add_int(s, "generated_tokens", r.n_ids);
             llmem_json_add_double(s, "ttft_ms", r.ttft_ms);
             llmem_json_add_double(
@@ -381,6 +438,11 @@ static int run_main(int argc, char **argv, struct run_args *a) {
             cJSON *m = memory_json(e);
             if (m != NULL)
                 cJSON_AddItemToObject(s, "memory", m);
+            struct llmem_engine_bank_stats bs;
+            bank_stats(e, &bs);
+            cJSON *b = llmem_engine_bank_stats_json(&bs);
+            if (b != NULL)
+                cJSON_AddItemToObject(s, "bank", b);
         }
         rc = cli_print_json(root);
     } else {
@@ -397,11 +459,85 @@ out:
 
 /* ---- llmem chat ------------------------------------------------------------------------------ */
 
+/* The conversation so far as the model saw it: the last turn's prompt ids and the ids it
+ * generated, and the text they stand for (that prompt's rendering + the answer's text). The next
+ * turn's rendering begins with that text whenever the template renders the answer as it was
+ * generated; then its ids are these ids + the encoding of the rest (which starts at the template's
+ * end-of-turn token), so the whole conversation is a prefix the session bank holds. Re-encoding
+ * the whole text instead could split the answer into other tokens than those generated, and lose
+ * the reuse from there on. */
+struct conversation {
+    int32_t *ids;
+    int64_t n;
+    char *text;
+};
+
+static void conversation_free(struct conversation *c) {
+    free(c->ids);
+    free(c->text);
+    memset(c, 0, sizeof(*c));
+}
+
+/* The ids of the rendered text: the conversation's ids + the rest encoded when the text
+ * continues the conversation, else the whole text encoded. */
+static int conversation_ids(const struct llmem_tokenizer *tok, const struct conversation *c,
+                            const char *text, int32_t **ids, int64_t *n) {
+    size_t len = c->text != NULL ? strlen(c->text) : 0;
+    if (c->text == NULL || strncmp(text, c->text, len) != 0)
+        return llmem_tokenizer_encode(tok, text, strlen(text), ids, n);
+    int32_t *rest = NULL;
+    int64_t n_rest = 0;
+    int status = llmem_tokenizer_encode(tok, text + len, strlen(text + len), &rest, &n_rest);
+    if (status != LLMEM_OK)
+        return status;
+    *ids = malloc((size_t)(c->n + n_rest + 1) * sizeof(int32_t));
+    if (*ids == NULL) {
+        free(rest);
+        return LLMEM_ENOMEM;
+    }
+    memcpy(*ids, c->ids, (size_t)c->n * sizeof(int32_t));
+    memcpy(*ids + c->n, rest, (size_t)n_rest * sizeof(int32_t));
+    *n = c->n + n_rest;
+    free(rest);
+    return LLMEM_OK;
+}
+
+/* Keeps prompt ids + generated ids (taking ownership of text and ids) when the generated ids
+ * decode to exactly the answer's text (not when a stop string cut it); else forgets the
+ * conversation, and the next turn encodes its whole text. */
+static void conversation_keep(const struct llmem_tokenizer *tok, struct conversation *c, char *text,
+                              int32_t *ids, int64_t n, const struct llmem_generate_result *r) {
+    conversation_free(c);
+    char *decoded = NULL;
+    size_t len = 0;
+    int32_t *all = realloc(ids, (size_t)(n + r->n_ids + 1) * sizeof(int32_t));
+    char *joined = malloc(strlen(text) + r->text_len + 1);
+    int same = all != NULL && joined != NULL &&
+               llmem_tokenizer_decode(tok, r->ids, r->n_ids, 1, &decoded, &len) == LLMEM_OK &&
+               len == r->text_len && memcmp(decoded, r->text, len) == 0;
+    free(decoded);
+    if (all == NULL)
+        all = ids;
+    if (!same) {
+        free(all);
+        free(joined);
+        free(text);
+        return;
+    }
+    memcpy(all + n, r->ids, (size_t)r->n_ids * sizeof(int32_t));
+    sprintf(joined, "%s%s", text, r->text);
+    free(text);
+    c->ids = all;
+    c->n = n + r->n_ids;
+    c->text = joined;
+}
+
 static const char chat_usage[] =
     "usage: llmem chat MODEL [options]\n"
     "\n"
     "An interactive conversation on stdin/stdout with the model's chat template. An empty line or\n"
-    "end of input ends it.\n"
+    "end of input ends it. Each turn continues the ids of the one before, so the whole\n"
+    "conversation so far comes from the session bank and only the new message is prefilled.\n"
     "  --chat-template T    chatml, llama3 or mistral (default: recognized from the model)\n"
     "  --system TEXT        a system message\n"
     "  --stats              tokens/s and memory after each answer\n";
@@ -442,6 +578,7 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
         a->gen.max_tokens = 512;
 
     struct llmem_chat_message msgs[256];
+    struct conversation conv = {0};
     char *owned[256];
     int n_msgs = 0, n_owned = 0;
     if (a->system != NULL)
@@ -464,19 +601,20 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
         int32_t *ids = NULL;
         int64_t n = 0;
         if (llmem_chat_render(tok, tmpl, msgs, n_msgs, 1, &text) != LLMEM_OK ||
-            llmem_tokenizer_encode(tok, text, strlen(text), &ids, &n) != LLMEM_OK) {
+            conversation_ids(tok, &conv, text, &ids, &n) != LLMEM_OK) {
             free(text);
             rc = CLI_FAIL;
             break;
         }
-        free(text);
         struct llmem_generate_result r;
         int status = llmem_engine_generate(e, ids, n, &a->gen, stream_stdout, NULL, &r);
-        free(ids);
         if (status != LLMEM_OK) {
+            free(text);
+            free(ids);
             rc = CLI_FAIL;
             break;
         }
+        conversation_keep(tok, &conv, text, ids, n, &r);
         printf("\n");
         fflush(stdout);
         if (a->stats)
@@ -486,6 +624,7 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
         msgs[n_msgs++] = (struct llmem_chat_message){"assistant", owned[n_owned++]};
         llmem_generate_result_free(&r);
     }
+    conversation_free(&conv);
     for (int i = 0; i < n_owned; i++)
         free(owned[i]);
     llmem_engine_close(e);
@@ -540,6 +679,7 @@ static int logits_main(int argc, char **argv, struct run_args *a) {
     int64_t n = 0;
     if (parse_ids(a->cmd, a->ids, &ids, &n) != CLI_OK)
         return CLI_USAGE;
+    a->engine.no_spill = 1; /* teacher forcing never uses the bank: leave the store to others */
     struct llmem_engine *e = NULL;
     int rc = open_engine(argv[optind], a, &e);
     float *logits = NULL;

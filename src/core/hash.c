@@ -52,6 +52,12 @@ out:
     return status;
 }
 
+void llmem_digest(const void *p, size_t n, uint8_t out[16]) {
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, XXH3_128bits(p, n));
+    memcpy(out, c.digest, 16);
+}
+
 void llmem_sha256(const void *const *parts, const size_t *sizes, int n_parts, uint8_t out[32]) {
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
     unsigned int len = 0;

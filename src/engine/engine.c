@@ -6,6 +6,10 @@
  * the plan's limits → weights, tokenizer, backend, KV cache, forward pass. The paged KV pool is the
  * plan's reserve (one window per sequence), allocated at open; the allocator's memory limit bounds
  * everything together.
+ *
+ * A request starts from the longest banked prefix of its tokens (the RAM tier, then the spill
+ * store); when it ends (or is preempted) its full blocks are banked, and its chunks not on disk yet
+ * are queued for the spill store's writer thread.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -21,6 +25,7 @@
 #include "llmem/bank.h"
 #include "llmem/engine.h"
 #include "llmem/size.h"
+#include "llmem/spill.h"
 #include "llmem/sys.h"
 #include "llmem/tokenizer.h"
 #include "engine/engine_int.h"
@@ -47,6 +52,7 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
     int status = llmem_sys_probe_host(&host);
     if (status != LLMEM_OK)
         return status;
+    e->ram_bytes = host.memory_size;
     const struct llmem_engine_config *c = &e->cfg;
     struct llmem_plan_params p = {
         .target = LLMEM_PLAN_HOST,
@@ -147,6 +153,22 @@ static int open_bank(struct llmem_engine *e) {
     free(cache);
     if (status == LLMEM_OK)
         status = llmem_bank_create(e->kv, id.root, &e->bank);
+    if (status != LLMEM_OK || e->cfg.no_spill)
+        return status;
+    memcpy(e->root, id.root, 32);
+    struct llmem_spill_config sc;
+    llmem_spill_config_default(&sc);
+    sc.dir = e->cfg.bank_dir;
+    sc.max_bytes = e->cfg.spill_max_bytes;
+    sc.ram_bytes = e->ram_bytes > 0 ? e->ram_bytes : 0;
+    sc.mem = e->mem;
+    sc.free_probe = e->cfg.spill_free_probe;
+    sc.free_probe_arg = e->cfg.spill_free_probe_arg;
+    status = llmem_spill_open(&sc, &e->spill);
+    if (status != LLMEM_OK && e->cfg.bank_dir == NULL) {
+        LLMEM_WARN("the session bank runs without its spill tier");
+        status = LLMEM_OK;
+    }
     return status;
 }
 
@@ -216,6 +238,7 @@ void llmem_engine_close(struct llmem_engine *e) {
     if (e == NULL)
         return;
     llmem_engine_sched_fini(e); /* stops serving: no step runs past here */
+    llmem_spill_close(e->spill); /* flushes pending writes (staging memory from e->mem) */
     if (e->mem != NULL)
         llmem_mem_free(e->mem, e->logits);
     llmem_forward_free(e->fwd);
@@ -286,9 +309,13 @@ static void guard_reading(struct llmem_engine *e, struct llmem_guard_reading *r)
         .ceiling_bytes = e->plan.planning_bytes,
         .psi_some = e->pressure.psi_some_avg10,
         .psi_full = e->pressure.psi_full_avg10,
+        .cgroup_high = e->pressure.cgroup_high,
+        .cgroup_max = e->pressure.cgroup_max,
+        .cgroup_oom = e->pressure.cgroup_oom,
     };
     if (e->cfg.guard_source != NULL)
         e->cfg.guard_source(e->cfg.guard_source_arg, r);
+    llmem_guard_events(&e->guard, r);
 }
 
 /* Reads the signals and acts (SPEC §6.4): a warning halves the bank and releases the allocator's
@@ -331,9 +358,30 @@ const struct llmem_guard *llmem_engine_guard(const struct llmem_engine *e) {
 /* ---- the bank around a request ----------------------------------------------------------------
  */
 
+/* Evicts banked blocks (least recently used first) until `blocks` KV blocks are free or the bank
+ * is empty; returns the free blocks. */
+static int64_t evict_until_free(struct llmem_engine *e, int64_t blocks) {
+    const int64_t block_bytes = llmem_kv_block_bytes(e->kv);
+    struct llmem_bank_stats st = {0};
+    if (e->bank != NULL)
+        llmem_bank_stats(e->bank, &st);
+    while (blocks > llmem_kv_blocks_free(e->kv) && st.blocks > 0) {
+        llmem_bank_trim(e->bank, st.bytes - block_bytes);
+        llmem_bank_stats(e->bank, &st);
+    }
+    return llmem_kv_blocks_free(e->kv);
+}
+
+static int64_t room_for_load(void *arg, int64_t blocks) {
+    return evict_until_free(arg, blocks);
+}
+
+/* The RAM tier's blocks, then the spill store's from where RAM stops. Blocks loaded from disk are
+ * banked too. While they load, the RAM blocks are held so that the room made for the loads never
+ * takes them. */
 int llmem_engine_start_sequence(struct llmem_engine *e, const int32_t *tokens, int64_t n, int *seq,
-                                int64_t *reused) {
-    *reused = 0;
+                                int64_t *reused_ram, int64_t *reused_disk) {
+    *reused_ram = *reused_disk = 0;
     if (e->bank == NULL)
         return llmem_kv_seq_new(e->kv, seq);
     const int64_t bs = llmem_kv_block_size(e->kv);
@@ -343,11 +391,26 @@ int llmem_engine_start_sequence(struct llmem_engine *e, const int32_t *tokens, i
         LLMEM_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
-    int64_t got = llmem_bank_lookup(e->bank, tokens, n, max_blocks, ids);
-    int status = llmem_kv_seq_new_from_blocks(e->kv, ids, got, seq);
+    int64_t got = llmem_bank_lookup(e->bank, tokens, n, max_blocks, ids), n_disk = 0;
+    int status;
+    if (e->spill != NULL && got < max_blocks && llmem_spill_owned(e->spill)) {
+        for (int64_t k = 0; k < got; k++)
+            llmem_kv_block_hold(e->kv, ids[k]);
+        n_disk = llmem_spill_load(e->spill, e->kv, e->root, tokens, n, got, max_blocks, ids + got,
+                                  room_for_load, e);
+        status = llmem_kv_seq_new_from_blocks(e->kv, ids, got + n_disk, seq);
+        if (status == LLMEM_OK && n_disk > 0)
+            llmem_bank_insert(e->bank, *seq, tokens, (got + n_disk) * bs);
+        for (int64_t k = 0; k < got + n_disk; k++)
+            llmem_kv_block_release(e->kv, ids[k]);
+    } else {
+        status = llmem_kv_seq_new_from_blocks(e->kv, ids, got, seq);
+    }
     free(ids);
-    if (status == LLMEM_OK)
-        *reused = got * bs;
+    if (status == LLMEM_OK) {
+        *reused_ram = got * bs;
+        *reused_disk = n_disk * bs;
+    }
     return status;
 }
 
@@ -368,21 +431,25 @@ void llmem_engine_bank_budget(struct llmem_engine *e, int64_t blocks) {
 int64_t llmem_engine_make_room(struct llmem_engine *e, int seq, int64_t end) {
     if (e->cfg.kv_layout != LLMEM_KV_LAYOUT_PAGED)
         return 0;
-    const int64_t bs = llmem_kv_block_size(e->kv), block_bytes = llmem_kv_block_bytes(e->kv);
+    const int64_t bs = llmem_kv_block_size(e->kv);
     int64_t need = (end + bs - 1) / bs - (llmem_kv_seq_length(e->kv, seq) + bs - 1) / bs;
-    struct llmem_bank_stats st = {0};
-    if (e->bank != NULL)
-        llmem_bank_stats(e->bank, &st);
-    while (need > llmem_kv_blocks_free(e->kv) && st.blocks > 0) {
-        llmem_bank_trim(e->bank, st.bytes - block_bytes);
-        llmem_bank_stats(e->bank, &st);
-    }
+    evict_until_free(e, need);
     return need;
 }
 
 void llmem_engine_bank_sequence(struct llmem_engine *e, int seq, const int32_t *tokens, int64_t n) {
-    if (e->bank != NULL)
-        llmem_bank_insert(e->bank, seq, tokens, n);
+    if (e->bank == NULL)
+        return;
+    llmem_bank_insert(e->bank, seq, tokens, n);
+    if (e->spill != NULL && !e->refusing) { /* no staging copies under critical pressure */
+        const int64_t bs = llmem_kv_block_size(e->kv);
+        const int64_t *blocks = NULL;
+        llmem_kv_seq_blocks(e->kv, seq, &blocks);
+        int64_t full = llmem_kv_seq_length(e->kv, seq) / bs;
+        if (full > n / bs)
+            full = n / bs;
+        llmem_spill_submit(e->spill, e->kv, e->root, tokens, blocks, full);
+    }
 }
 
 int64_t llmem_engine_release_caches(struct llmem_engine *e) {
@@ -398,4 +465,24 @@ int64_t llmem_engine_release_caches(struct llmem_engine *e) {
 
 struct llmem_bank *llmem_engine_bank(struct llmem_engine *e) {
     return e->bank;
+}
+
+struct llmem_spill *llmem_engine_spill(struct llmem_engine *e) {
+    return e->spill;
+}
+
+void llmem_engine_bank_stats(struct llmem_engine *e, struct llmem_engine_bank_stats *st) {
+    memset(st, 0, sizeof(*st));
+    if (e->bank != NULL)
+        llmem_bank_stats(e->bank, &st->ram);
+    if (e->spill != NULL) {
+        llmem_spill_stats(e->spill, &st->spill);
+        st->spill_on = 1;
+    }
+    st->reused_ram_tokens = e->reused_ram_tokens;
+    st->reused_disk_tokens = e->reused_disk_tokens;
+    st->guard_warnings = e->guard.warnings;
+    st->guard_criticals = e->guard.criticals;
+    st->guard_deferred = e->guard.deferred;
+    st->guard_suppressed = e->guard.suppressed;
 }

@@ -22,7 +22,11 @@ struct llmem_engine {
     struct llmem_pool *pool; /* the threads every kernel runs on */
     struct llmem_backend *be;
     struct llmem_kv *kv;
-    struct llmem_bank *bank; /* the RAM tier of the session bank (paged layout), or NULL */
+    struct llmem_bank *bank;   /* the RAM tier of the session bank (paged layout), or NULL */
+    struct llmem_spill *spill; /* the bank's spill store, or NULL */
+    uint8_t root[32];          /* the bank's chain root: the model's identity */
+    int64_t ram_bytes;         /* this machine's RAM (for the spill store's default cap) */
+    int64_t reused_ram_tokens, reused_disk_tokens; /* over all requests (scheduler thread) */
     struct llmem_guard guard;
     struct llmem_sys_pressure pressure; /* the last read of /proc, and when */
     double pressure_at;
@@ -65,15 +69,16 @@ double llmem_engine_now_s(void);
 /* Reads the pressure signals and acts on them (SPEC §6.4). */
 void llmem_engine_guard_check(struct llmem_engine *e, int mid_step);
 /* A new sequence holding the banked blocks that begin tokens[0, n) — at least the last token is
- * left to compute — and how many tokens they cover. */
+ * left to compute — and how many tokens they cover from the RAM tier and from the spill store. */
 int llmem_engine_start_sequence(struct llmem_engine *e, const int32_t *tokens, int64_t n, int *seq,
-                                int64_t *reused);
+                                int64_t *reused_ram, int64_t *reused_disk);
 /* Holds the bank to its budget (SPEC §2.3) with `blocks` KV blocks in flight. */
 void llmem_engine_bank_budget(struct llmem_engine *e, int64_t blocks);
 /* The blocks seq still lacks to hold tokens [0, end), after evicting banked blocks while the pool
  * has fewer free blocks than that (paged layout; 0 for the others). */
 int64_t llmem_engine_make_room(struct llmem_engine *e, int seq, int64_t end);
-/* Banks the full blocks of seq, whose KV holds tokens[0, n). */
+/* Banks the full blocks of seq, whose KV holds tokens[0, n), and queues the chunks of them not on
+ * disk yet for the spill store's writer (a copy of their bytes: it never reads the KV pool). */
 void llmem_engine_bank_sequence(struct llmem_engine *e, int seq, const int32_t *tokens, int64_t n);
 /* Empties the bank and the allocator's cache; the bytes released. Scheduler thread only. */
 int64_t llmem_engine_release_caches(struct llmem_engine *e);

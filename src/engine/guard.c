@@ -20,6 +20,9 @@ enum llmem_guard_level llmem_guard_classify(const struct llmem_guard_reading *r,
     } else if (r->psi_full >= LLMEM_GUARD_PSI_FULL) {
         level = LLMEM_GUARD_CRITICAL;
         w = "memory pressure stalls every task (PSI full)";
+    } else if (r->cgroup_max_rise > 0) {
+        level = LLMEM_GUARD_CRITICAL;
+        w = "the cgroup reached memory.max or invoked the OOM killer (memory.events)";
     } else if (r->allocation_limit > 0 &&
                (double)r->allocator_bytes >= 0.97 * (double)r->allocation_limit) {
         level = LLMEM_GUARD_WARNING;
@@ -30,6 +33,9 @@ enum llmem_guard_level llmem_guard_classify(const struct llmem_guard_reading *r,
     } else if (r->psi_some >= LLMEM_GUARD_PSI_SOME) {
         level = LLMEM_GUARD_WARNING;
         w = "memory pressure stalls some tasks (PSI some)";
+    } else if (r->cgroup_high_rise > 0) {
+        level = LLMEM_GUARD_WARNING;
+        w = "the cgroup went over memory.high (memory.events)";
     }
     if (why != NULL)
         *why = w;
@@ -37,9 +43,26 @@ enum llmem_guard_level llmem_guard_classify(const struct llmem_guard_reading *r,
 }
 
 void llmem_guard_init(struct llmem_guard *g) {
-    *g = (struct llmem_guard){.prev = LLMEM_GUARD_CLEAR, .deferred_since = -1};
+    *g = (struct llmem_guard){.prev = LLMEM_GUARD_CLEAR,
+                              .deferred_since = -1,
+                              .cgroup_high = -1,
+                              .cgroup_max = -1,
+                              .cgroup_oom = -1};
     for (int i = 0; i < 3; i++)
         g->last_action[i] = -INFINITY;
+}
+
+/* How much a counter grew; 0 when either reading is unknown or it went down. */
+static int64_t rise(int64_t before, int64_t now) {
+    return before >= 0 && now > before ? now - before : 0;
+}
+
+void llmem_guard_events(struct llmem_guard *g, struct llmem_guard_reading *r) {
+    r->cgroup_high_rise = rise(g->cgroup_high, r->cgroup_high);
+    r->cgroup_max_rise = rise(g->cgroup_max, r->cgroup_max) + rise(g->cgroup_oom, r->cgroup_oom);
+    g->cgroup_high = r->cgroup_high;
+    g->cgroup_max = r->cgroup_max;
+    g->cgroup_oom = r->cgroup_oom;
 }
 
 /* Whether a level that is up now acts: on a rising edge outside the flap time, or while it stays

@@ -45,7 +45,7 @@ struct request {
     struct llmem_detok *detok;
     struct stream s;
     int stop_string;
-    int64_t reused;                 /* prompt tokens taken from the bank at the first admission */
+    int64_t reused_ram, reused_disk; /* prompt tokens taken from the bank at the first admission */
     double t_submit, t_admit, t_first, t_last;
     int64_t decode_tokens;
 };
@@ -273,7 +273,9 @@ static void request_finish(struct llmem_engine *e, struct request *r, const char
         res.text_len = r->s.len;
         res.finish_reason = reason;
         res.prompt_tokens = r->n_prompt;
-        res.reused_tokens = r->reused;
+        res.reused_tokens = r->reused_ram + r->reused_disk;
+        res.reused_ram_tokens = r->reused_ram;
+        res.reused_disk_tokens = r->reused_disk;
         res.ttft_ms = r->t_first > 0 ? (r->t_first - r->t_submit) * 1e3 : 0;
         res.prefill_s = r->t_first > 0 ? r->t_first - r->t_admit : now - r->t_admit;
         res.decode_s = r->t_first > 0 ? now - r->t_first : 0;
@@ -440,8 +442,10 @@ static void admit(struct llmem_engine *e) {
             continue;
         }
         int seq = -1;
-        int64_t reused = 0;
-        int status = llmem_engine_start_sequence(e, r->toks, r->n_toks, &seq, &reused);
+        int64_t from_ram = 0, from_disk = 0;
+        int status =
+            llmem_engine_start_sequence(e, r->toks, r->n_toks, &seq, &from_ram, &from_disk);
+        const int64_t reused = from_ram + from_disk;
         if (status == LLMEM_ERANGE && e->n_running > 0)
             break; /* every sequence slot is taken (an embedder holds some): wait */
         if (status != LLMEM_OK) {
@@ -468,7 +472,9 @@ static void admit(struct llmem_engine *e) {
         r->age = e->admitted++;
         if (r->t_admit == 0) {
             r->t_admit = llmem_engine_now_s();
-            r->reused = reused;
+            r->reused_ram = from_ram, r->reused_disk = from_disk;
+            e->reused_ram_tokens += from_ram;
+            e->reused_disk_tokens += from_disk;
             e->counters.reused_tokens += reused;
             e->counters.prompt_tokens += r->n_prompt;
         }
@@ -575,17 +581,11 @@ static void publish(struct llmem_engine *e) {
         m.kv_blocks_used = ks.n_blocks_used;
         m.kv_block_bytes = llmem_kv_block_bytes(e->kv);
     }
-    if (e->bank != NULL) {
-        struct llmem_bank_stats bs;
-        llmem_bank_stats(e->bank, &bs);
-        m.bank_bytes = bs.bytes, m.bank_blocks = bs.blocks, m.bank_hit_blocks = bs.hit_blocks;
-        m.bank_lookups = bs.lookups, m.bank_evicted_blocks = bs.evicted_blocks;
-    }
+    llmem_engine_bank_stats(e, &m.bank);
     struct llmem_mem_stats st;
     llmem_mem_stats(e->mem, &st);
     m.mem_active = st.active_bytes, m.mem_peak = st.peak_bytes, m.mem_cache = st.cache_bytes;
     m.mem_limit = st.memory_limit_bytes;
-    m.guard_warnings = e->guard.warnings, m.guard_criticals = e->guard.criticals;
     m.refusing = e->refusing;
     pthread_mutex_lock(&e->mu);
     m.waiting += count(e->incoming);

@@ -839,3 +839,36 @@ int llmem_kv_seq_new_from_blocks(struct llmem_kv *kv, const int64_t *ids, int64_
     s->capacity = s->length = n_blocks * block_size(kv);
     return LLMEM_OK;
 }
+
+void llmem_kv_block_copy_out(const struct llmem_kv *kv, int64_t id, void *dst) {
+    LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED && id >= 0 && id < kv->n_blocks &&
+                 kv->refcount[id] > 0);
+    size_t bs = (size_t)block_size(kv), k = bs * kv->k_tok, v = bs * kv->v_tok;
+    uint8_t *out = dst;
+    for (int l = 0; l < kv->cfg.n_layers; l++) {
+        memcpy(out, kv->k_pool[l] + (size_t)id * k, k);
+        memcpy(out + k, kv->v_pool[l] + (size_t)id * v, v);
+        out += k + v;
+    }
+}
+
+int llmem_kv_block_new_from(struct llmem_kv *kv, const void *src, int64_t *id) {
+    LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED);
+    if (kv->n_free == 0)
+        return LLMEM_ERANGE;
+    int64_t b = pool_take(kv);
+    kv->held[b]++;
+    size_t bs = (size_t)block_size(kv), k = bs * kv->k_tok, v = bs * kv->v_tok;
+    const uint8_t *in = src;
+    for (int l = 0; l < kv->cfg.n_layers; l++) {
+        memcpy(kv->k_pool[l] + (size_t)b * k, in, k);
+        memcpy(kv->v_pool[l] + (size_t)b * v, in + k, v);
+        in += k + v;
+    }
+    *id = b;
+    return LLMEM_OK;
+}
+
+const struct llmem_kv_config *llmem_kv_get_config(const struct llmem_kv *kv) {
+    return &kv->cfg;
+}

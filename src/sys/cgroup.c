@@ -363,3 +363,21 @@ void llmem_sys_cgroup_probe(const char *root, struct llmem_sys_cgroup *cg) {
                    : w.headroom_unknown           ? LLMEM_SYS_UNKNOWN
                                                   : w.headroom;
 }
+
+int llmem_sys_cgroup_v2_dir(const char *root, char *dir, size_t dir_size) {
+    char cpath[PATH_MAX], rel[PATH_MAX];
+    int version = 0;
+    if (read_self_cgroup(root, &version, cpath, sizeof(cpath)) != 1 || version != 2)
+        return 0;
+    struct cg_mount m;
+    if (!find_mount(root, 2, &m))
+        return 0;
+    relative_path(&m, cpath, rel, sizeof(rel));
+    int n = snprintf(dir, dir_size, "%s%s", m.point, rel);
+    if (n < 0 || (size_t)n >= dir_size || !is_dir(dir)) {
+        n = snprintf(dir, dir_size, "%s", m.point);
+        if (n < 0 || (size_t)n >= dir_size)
+            return 0;
+    }
+    return 1;
+}

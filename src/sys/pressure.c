@@ -2,8 +2,12 @@
  * sys/pressure.c — memory pressure as the guard sees it (SPEC §6.4): this process's resident
  * memory (/proc/self/statm: resident pages × page size) and the kernel's pressure stall
  * information for memory (/proc/pressure/memory: the "some" and "full" 10-second averages, in
- * percent of wall time). Read below a root directory so that tests can fake both files.
+ * percent of wall time), and the counters of the cgroup v2 memory.events of this process's
+ * cgroup (high, max, oom: how often usage crossed memory.high, hit memory.max, invoked the OOM
+ * killer; the guard watches them rise). Read below a root directory so that tests can fake them.
  */
+#include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +16,7 @@
 #include "core/file.h"
 #include "llmem/status.h"
 #include "llmem/sys.h"
+#include "sys/probe.h"
 
 static int read_small(const char *root, const char *path, char **text) {
     char full[4096];
@@ -35,7 +40,40 @@ static double psi_avg10(const char *text, const char *kind) {
     return -1;
 }
 
+/* The memory.events path of this process's cgroup below root, found once per root: the last
+ * root asked for and its answer are remembered ("" when there is none). */
+static void events_path(const char *root, char *path, size_t size) {
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    static char cached_root[PATH_MAX], cached_path[PATH_MAX];
+    static int cached;
+    pthread_mutex_lock(&lock);
+    if (!cached || strcmp(cached_root, root) != 0) {
+        char dir[PATH_MAX];
+        cached_path[0] = '\0';
+        if (llmem_sys_cgroup_v2_dir(root, dir, sizeof(dir)) &&
+            strlen(dir) + sizeof("/memory.events") <= sizeof(cached_path))
+            snprintf(cached_path, sizeof(cached_path), "%s/memory.events", dir);
+        snprintf(cached_root, sizeof(cached_root), "%s", root);
+        cached = strlen(root) < sizeof(cached_root);
+    }
+    snprintf(path, size, "%s", cached_path);
+    pthread_mutex_unlock(&lock);
+}
+
+static void read_events(const char *root, struct llmem_sys_pressure *p) {
+    char path[PATH_MAX], *text = NULL;
+    size_t len = 0;
+    events_path(root, path, sizeof(path));
+    if (path[0] == '\0' || llmem_file_read_quiet(path, 1 << 16, &text, &len) != LLMEM_OK)
+        return;
+    p->cgroup_high = llmem_sys_stat_field(text, "high");
+    p->cgroup_max = llmem_sys_stat_field(text, "max");
+    p->cgroup_oom = llmem_sys_stat_field(text, "oom");
+    free(text);
+}
+
 void llmem_sys_pressure_read_at(const char *root, struct llmem_sys_pressure *p) {
+    p->cgroup_high = p->cgroup_max = p->cgroup_oom = LLMEM_SYS_UNKNOWN;
     p->resident_bytes = LLMEM_SYS_UNKNOWN;
     p->psi_some_avg10 = p->psi_full_avg10 = -1;
     char *text = NULL;
@@ -50,6 +88,7 @@ void llmem_sys_pressure_read_at(const char *root, struct llmem_sys_pressure *p) 
         p->psi_full_avg10 = psi_avg10(text, "full");
         free(text);
     }
+    read_events(root, p);
 }
 
 void llmem_sys_pressure_read(struct llmem_sys_pressure *p) {

@@ -33,6 +33,11 @@ struct llmem_sys_cgroup {
  * what cannot be read is UNKNOWN in *cg. */
 void llmem_sys_cgroup_probe(const char *root, struct llmem_sys_cgroup *cg);
 
+/* The directory of this process's cgroup in the v2 hierarchy, as read below `root` (its mount
+ * point when the cgroup's own directory is not there): 1 with dir filled, 0 when the memory
+ * controller is not on a v2 hierarchy or nothing can be read. */
+int llmem_sys_cgroup_v2_dir(const char *root, char *dir, size_t dir_size);
+
 /* Adds the device's fields to obj. Keys: backend ("cpu" | "cuda"), index (CUDA only), name,
  * arch, memory_size, max_recommended_working_set_size, ceiling_source, max_buffer_length,
  * available; for the host also mem_available, cgroup_limit, cgroup_headroom, cgroup_version,

@@ -166,11 +166,13 @@ static void test_chat(void **state) {
     const char *args[] = {"chat", PYCODER, "--chat-template", "chatml", "-n", "8", "--stats"};
     struct tu_run r = tu_llmem_input("def add(a, b):\nclass Foo:\n", 7, args);
     assert_int_equal(r.exit_code, 0);
-    /* the second turn takes the first turn's blocks from the session bank */
-    assert_non_null(strstr(r.err, "(0 from the session bank)"));
-    const char *second = strstr(strstr(r.err, "(0 from the session bank)") + 1, "llmem stats:");
+    /* the second turn takes the whole first turn (prompt and answer, in full blocks) from the
+     * session bank: 31 + 8 tokens, of which 38 have KV, are 2 blocks */
+    const char *first = strstr(r.err, "prompt 31 tokens (0 from the session bank");
+    assert_non_null(first);
+    const char *second = strstr(first + 1, "llmem stats:");
     assert_non_null(second);
-    assert_null(strstr(second, "(0 from the session bank)"));
+    assert_non_null(strstr(second, "(32 from the session bank: 32 from RAM, 0 from disk)"));
     /* two answers, one line each at least */
     int lines = 0;
     for (const char *p = r.out; *p; p++)
