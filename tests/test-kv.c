@@ -283,6 +283,35 @@ static void test_routes_agree(void **state) {
     llmem_kv_destroy(kv);
 }
 
+/* direct with a single query splits its KV heads over the threads; every head's output is the
+ * same bits as when the query is computed whole (here: as the second of two queries, which does
+ * not split), for GQA 2 (the unfused kernels) and 4 (the fused one), f32 and f16. */
+static void test_direct_split_same_bits(void **state) {
+    (void)state;
+    static const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_F32, LLMEM_KV_FORMAT_F16};
+    for (int f = 0; f < 2; f++) {
+        for (int group = 2; group <= 4; group += 2) {
+            struct llmem_kv *kv = make_kv(LLMEM_KV_LAYOUT_PAGED, formats[f], 1, 4, 64, NULL);
+            int seq;
+            assert_int_equal(llmem_kv_seq_new(kv, &seq), LLMEM_OK);
+            struct data d = data_new(1, 4, 64, 1500);
+            append_random(kv, seq, &d, 1500, 0, 0);
+            const int n_heads = 4 * group;
+            size_t row = (size_t)n_heads * 64;
+            float *q = malloc(2 * row * sizeof(float)), *two = malloc(2 * row * sizeof(float)),
+                  *one = malloc(row * sizeof(float));
+            for (size_t x = 0; x < 2 * row; x++)
+                q[x] = gauss();
+            struct llmem_kv_attn attn = {.n_heads = n_heads, .route = LLMEM_KV_ROUTE_DIRECT};
+            assert_int_equal(llmem_kv_attend(kv, seq, 0, 1498, 2, q, two, &attn), LLMEM_OK);
+            assert_int_equal(llmem_kv_attend(kv, seq, 0, 1499, 1, q + row, one, &attn), LLMEM_OK);
+            assert_memory_equal(one, two + row, row * sizeof(float));
+            free(q), free(two), free(one), free(d.k), free(d.v);
+            llmem_kv_destroy(kv);
+        }
+    }
+}
+
 /* The fused tile kernel (AVX-512, groups of 4k query heads, f32/f16/bf16/q8) against the float64
  * reference and against the unfused kernels of a lower instruction set on the same queries: tails
  * of tiles (37 tokens, queries at 33..36), sliding windows that start inside a tile, GQA 2 (no
@@ -737,6 +766,7 @@ int main(void) {
         cmocka_unit_test(test_layouts_match_reference),
         cmocka_unit_test(test_half_formats_within_rounding),
         cmocka_unit_test(test_routes_agree),
+        cmocka_unit_test(test_direct_split_same_bits),
         cmocka_unit_test(test_fused_tile_kernel),
         cmocka_unit_test(test_ragged_rows),
         cmocka_unit_test(test_quantized_attention_error),

@@ -29,6 +29,8 @@
 
 #define PARTITION      512
 #define PARTITION_FROM 2048
+/* direct splits the KV heads over threads from this many multiply-adds (span × heads × hd) */
+#define DIRECT_SPLIT_MIN (1 << 16)
 #define TILE           LLMEM_KV_TILE /* tokens scored and accumulated together */
 /* floats of fallback scratch per thread: scores, a row, and hd doubles (aligned) */
 #define FALLBACK_STRIDE(window, hd) ((window) + 3 * (hd) + 2)
@@ -36,6 +38,7 @@
 struct attn_job {
     struct llmem_kv *kv;
     int seq, layer, n_heads, group;
+    int kv_split; /* direct: each query's KV heads in this many contiguous ranges, one task each */
     int64_t q_pos, n_q, window, n_parts, first_part;
     const float *q; /* scaled and (for rotated keys) rotated: [n_q, n_heads, hd] */
     float *out;
@@ -58,11 +61,12 @@ static inline void prefetch_slice(const uint8_t *base, int i, size_t slice, size
         __builtin_prefetch(base + x, 0, 3);
 }
 
-/* The online-softmax state over [lo, hi] (within one partition) of every query head of one
- * query: q holds its n_heads rows; state h is acc at st + h·(hd+2), then m, l. Tokens are read
- * in storage order, each token's K and V rows (all KV heads) once, and a KV head's row serves
- * its whole GQA group. */
-static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_t hi, float *st) {
+/* The online-softmax state over [lo, hi] (within one partition) of the query heads of KV heads
+ * [kv0, kv1) of one query: q holds its n_heads rows; state h is acc at st + h·(hd+2), then m, l.
+ * Tokens are read in storage order, each token's K and V rows once, and a KV head's row serves its
+ * whole GQA group. A head's state is the same whichever other heads are computed with it. */
+static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_t hi, float *st,
+                    int kv0, int kv1) {
     const struct llmem_kv *kv = j->kv;
     const struct llmem_kv_codec *c = &kv->codec;
     const int hd = kv->cfg.head_dim, group = j->group, n_kv = j->n_heads / group;
@@ -71,7 +75,7 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
     void (*fused)(const uint8_t *, size_t, const uint8_t *, size_t, int, const float *, int,
                   float *, size_t) =
         group % 4 == 0 ? llmem_kv_kernels()->attn_tile[c->format] : NULL;
-    for (int h = 0; h < j->n_heads; h++) {
+    for (int h = kv0 * group; h < kv1 * group; h++) {
         float *sh = st + (size_t)h * hs;
         memset(sh, 0, (size_t)hd * sizeof(float));
         sh[hd] = -INFINITY;
@@ -107,7 +111,7 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
             size_t pk_slice = ((size_t)pT * kv->k_tok / (size_t)n_kv + 63) & ~(size_t)63;
             size_t pv_slice = ((size_t)pT * kv->v_tok / (size_t)n_kv + 63) & ~(size_t)63;
             if (fused != NULL) {
-                for (int kvh = 0; kvh < n_kv; kvh++) {
+                for (int kvh = kv0; kvh < kv1; kvh++) {
                     if (pT > 0) {
                         prefetch_slice(pk, kvh, pk_slice, (size_t)pT * kv->k_tok);
                         prefetch_slice(pv, kvh, pv_slice, (size_t)pT * kv->v_tok);
@@ -120,7 +124,7 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
                 }
                 continue;
             }
-            for (int kvh = 0; kvh < n_kv; kvh++) {
+            for (int kvh = kv0; kvh < kv1; kvh++) {
                 float s[TILE][64], w[64 * TILE];
                 if (pT > 0) {
                     prefetch_slice(pk, kvh, pk_slice, (size_t)pT * kv->k_tok);
@@ -181,29 +185,33 @@ static void finish(const struct llmem_kv *kv, float *out, float l) {
         llmem_kv_rotate_inverse(&kv->codec, out);
 }
 
-/* direct: task = query; one pass, partition by partition, folded as it goes. */
+/* direct: task = (query, range of KV heads); one pass, partition by partition, folded as it
+ * goes. */
 static void direct_task(void *arg, int task, int thread) {
     const struct attn_job *j = arg;
-    const int hd = j->kv->cfg.head_dim, n_heads = j->n_heads;
-    int64_t i = task, lo, hi;
+    const int hd = j->kv->cfg.head_dim, n_heads = j->n_heads, n_kv = n_heads / j->group;
+    int64_t i = task / j->kv_split, lo, hi;
+    const int part = task % j->kv_split;
+    const int kv0 = part * n_kv / j->kv_split, kv1 = (part + 1) * n_kv / j->kv_split;
+    const int h0 = kv0 * j->group, h1 = kv1 * j->group;
     visible(j, i, &lo, &hi);
     size_t row = (size_t)i * (size_t)n_heads * (size_t)hd;
     float *st = j->scratch + (size_t)thread * HEADS_STRIDE(n_heads, hd);
     float *m = st + (size_t)n_heads * (size_t)(hd + 2), *l = m + n_heads;
     float *out = j->out + row;
-    memset(out, 0, (size_t)n_heads * (size_t)hd * sizeof(float));
-    for (int h = 0; h < n_heads; h++)
+    memset(out + (size_t)h0 * (size_t)hd, 0, (size_t)(h1 - h0) * (size_t)hd * sizeof(float));
+    for (int h = h0; h < h1; h++)
         m[h] = -INFINITY, l[h] = 0;
     for (int64_t p_lo = lo; p_lo <= hi;) {
         int64_t p_hi = (p_lo / PARTITION + 1) * PARTITION - 1;
         if (p_hi > hi)
             p_hi = hi;
-        segment(j, j->q + row, p_lo, p_hi, st);
-        for (int h = 0; h < n_heads; h++)
+        segment(j, j->q + row, p_lo, p_hi, st, kv0, kv1);
+        for (int h = h0; h < h1; h++)
             fold(hd, &m[h], &l[h], out + (size_t)h * (size_t)hd, st + (size_t)h * (size_t)(hd + 2));
         p_lo = p_hi + 1;
     }
-    for (int h = 0; h < n_heads; h++)
+    for (int h = h0; h < h1; h++)
         finish(j->kv, out + (size_t)h * (size_t)hd, l[h]);
 }
 
@@ -219,7 +227,8 @@ static void partition_task(void *arg, int task, int thread) {
     p_hi = p_hi > hi ? hi : p_hi;
     float *st = j->scratch + (size_t)thread * HEADS_STRIDE(n_heads, hd);
     if (p_lo <= p_hi) {
-        segment(j, j->q + (size_t)i * (size_t)n_heads * (size_t)hd, p_lo, p_hi, st);
+        segment(j, j->q + (size_t)i * (size_t)n_heads * (size_t)hd, p_lo, p_hi, st, 0,
+                j->n_heads / j->group);
     } else {
         for (int h = 0; h < n_heads; h++) { /* empty: contributes nothing */
             st[(size_t)h * (size_t)(hd + 2) + (size_t)hd] = -INFINITY;
@@ -367,7 +376,16 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
         llmem_pool_run(kv->pool, tasks, fallback_task, &j);
         kv->st.route_fallback++;
         break;
-    default: llmem_pool_run(kv->pool, (int)n_q, direct_task, &j); kv->st.route_direct++;
+    default:
+        /* Fewer queries than threads (decode): the KV heads split too, when the work pays for a
+         * dispatch. */
+        j.kv_split = 1;
+        if (n_q < threads && span * n_heads * hd >= DIRECT_SPLIT_MIN) {
+            int n_kv = n_heads / j.group, want = (int)((threads + n_q - 1) / n_q);
+            j.kv_split = want < n_kv ? want : n_kv;
+        }
+        llmem_pool_run(kv->pool, (int)n_q * j.kv_split, direct_task, &j);
+        kv->st.route_direct++;
     }
     llmem_mem_free(kv->mem, ws);
     kv->st.attend_ns += now_ns() - t0;
