@@ -312,22 +312,23 @@ static void test_direct_split_same_bits(void **state) {
     }
 }
 
-/* The fused tile kernel (AVX-512, groups of 4k query heads, f32/f16/bf16/q8) against the float64
- * reference and against the unfused kernels of a lower instruction set on the same queries: tails
- * of tiles (37 tokens, queries at 33..36), sliding windows that start inside a tile, GQA 2 (no
- * fused kernel), 4 and 8 (two calls per KV head), head_dim 96 (not a multiple of 64), and direct
- * against partitioned over several partitions. */
+/* The fused tile kernels (AVX-512, groups of four and of two query heads, f32/f16/bf16/q8)
+ * against the float64 reference and against the unfused kernels of a lower instruction set on the
+ * same queries: tails of tiles (37 tokens, queries at 33..36), sliding windows that start inside a
+ * tile, GQA 2 (the kernel of two), 4, 6 (one call of four and one of two per KV head) and 8 (two
+ * calls of four), head_dim 96 (not a multiple of 64), and direct against partitioned over several
+ * partitions. */
 static void test_fused_tile_kernel(void **state) {
     (void)state;
     static const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_F32, LLMEM_KV_FORMAT_F16,
                                                    LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_Q8};
     static const double tol[] = {1e-5, 1e-5, 1e-2, 1e-2};
-    static const int groups[] = {2, 4, 8};
+    static const int groups[] = {2, 4, 6, 8};
     enum llmem_kv_isa best = llmem_kv_isa_best();
     for (int f = 0; f < 4; f++) {
         for (int layout = 0; layout < 2; layout++) {
-            for (int gi = 0; gi < 3; gi++) {
-                const int hd = gi == 1 && layout == 1 ? 96 : 128, kvh = 2;
+            for (int gi = 0; gi < 4; gi++) {
+                const int hd = gi % 2 == 1 && layout == 1 ? 96 : 128, kvh = 2;
                 const int n_heads = kvh * groups[gi];
                 struct llmem_kv *kv =
                     make_kv((enum llmem_kv_layout)layout, formats[f], 1, kvh, hd, NULL);

@@ -71,10 +71,15 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
     const struct llmem_kv_codec *c = &kv->codec;
     const int hd = kv->cfg.head_dim, group = j->group, n_kv = j->n_heads / group;
     const size_t hs = (size_t)(hd + 2);
-    /* The fused tile kernel serves groups of four query heads (a GQA group of 4k: k calls). */
+    /* The fused tile kernels serve groups of four query heads (a GQA group of 4k: k calls) and
+     * of two (2k + 2: k calls of four, one of two). */
     void (*fused)(const uint8_t *, size_t, const uint8_t *, size_t, int, const float *, int,
-                  float *, size_t) =
-        group % 4 == 0 ? llmem_kv_kernels()->attn_tile[c->format] : NULL;
+                  float *, size_t) = llmem_kv_kernels()->attn_tile[c->format];
+    void (*fused2)(const uint8_t *, size_t, const uint8_t *, size_t, int, const float *, int,
+                   float *, size_t) = llmem_kv_kernels()->attn_tile2[c->format];
+    const int g4 = group % 4 == 0 ? group : group % 2 == 0 && fused2 != NULL ? group - 2 : -1;
+    if (g4 < 0 || (g4 > 0 && fused == NULL))
+        fused = NULL, fused2 = NULL;
     for (int h = kv0 * group; h < kv1 * group; h++) {
         float *sh = st + (size_t)h * hs;
         memset(sh, 0, (size_t)hd * sizeof(float));
@@ -110,17 +115,21 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
             pT = pT < TILE ? pT : TILE;
             size_t pk_slice = ((size_t)pT * kv->k_tok / (size_t)n_kv + 63) & ~(size_t)63;
             size_t pv_slice = ((size_t)pT * kv->v_tok / (size_t)n_kv + 63) & ~(size_t)63;
-            if (fused != NULL) {
+            if (fused != NULL || fused2 != NULL) {
                 for (int kvh = kv0; kvh < kv1; kvh++) {
                     if (pT > 0) {
                         prefetch_slice(pk, kvh, pk_slice, (size_t)pT * kv->k_tok);
                         prefetch_slice(pv, kvh, pv_slice, (size_t)pT * kv->v_tok);
                     }
-                    for (int g = 0; g < group; g += 4)
-                        fused(ktile + (size_t)kvh * c->key_bytes, kv->k_tok,
-                              vtile + (size_t)kvh * c->value_bytes, kv->v_tok, T,
-                              q + ((size_t)kvh * (size_t)group + (size_t)g) * (size_t)hd, hd,
-                              st + ((size_t)kvh * (size_t)group + (size_t)g) * hs, hs);
+                    const uint8_t *kh = ktile + (size_t)kvh * c->key_bytes,
+                                  *vh = vtile + (size_t)kvh * c->value_bytes;
+                    const size_t h0 = (size_t)kvh * (size_t)group;
+                    for (int g = 0; g < g4; g += 4)
+                        fused(kh, kv->k_tok, vh, kv->v_tok, T, q + (h0 + (size_t)g) * (size_t)hd,
+                              hd, st + (h0 + (size_t)g) * hs, hs);
+                    if (g4 < group)
+                        fused2(kh, kv->k_tok, vh, kv->v_tok, T, q + (h0 + (size_t)g4) * (size_t)hd,
+                               hd, st + (h0 + (size_t)g4) * hs, hs);
                 }
                 continue;
             }

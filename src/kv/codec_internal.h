@@ -64,6 +64,10 @@ struct llmem_kv_kernels {
     void (*attn_tile[LLMEM_KV_FORMAT_COUNT])(const uint8_t *keys, size_t key_stride,
                                              const uint8_t *values, size_t value_stride, int T,
                                              const float *q, int n, float *st, size_t hs);
+    /* (optional) the same for two query heads (GQA groups of 2, 6, 10, …) */
+    void (*attn_tile2[LLMEM_KV_FORMAT_COUNT])(const uint8_t *keys, size_t key_stride,
+                                              const uint8_t *values, size_t value_stride, int T,
+                                              const float *q, int n, float *st, size_t hs);
 };
 
 /* The Lloyd–Max codebook of tq values (ascending), shared by every kernel. */

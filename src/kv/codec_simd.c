@@ -612,53 +612,51 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
                          _mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* A tile of T ≤ 16 tokens of one KV head for four query heads (see attn_tile in
- * kv/codec_internal.h). Scores: four tokens at a time against the four queries, sixteen
- * accumulators, each key chunk converted once and each query chunk loaded once per four tokens,
- * then one transposing reduction into a vector of 16 scores (lane 4·t + g). Softmax: the tile's
+/* A tile of T ≤ 16 tokens of one KV head for G = 4 or 2 query heads (see attn_tile in
+ * kv/codec_internal.h). Scores: 16/G tokens at a time against the G queries, sixteen
+ * accumulators, each key chunk converted once and each query chunk loaded once per 16/G tokens,
+ * then one transposing reduction into a vector of 16 scores (lane G·t + g). Softmax: the tile's
  * maximum per head, one rescale factor per head, the weights by exp512. Values: 64 elements at a
- * time for the four heads (sixteen accumulators, the old state rescaled as it is loaded), each
- * value chunk converted once for the four heads. */
-#define ATTN_TILE512(name, CHUNK)                                                                  \
+ * time for the G heads (the old state rescaled as it is loaded), each value chunk converted once
+ * for the G heads. */
+#define ATTN_TILE512(name, CHUNK, G)                                                               \
     TARGET_AVX512 static void name(const uint8_t *keys, size_t key_stride, const uint8_t *values,  \
                                    size_t value_stride, int T, const float *q, int n, float *st,   \
                                    size_t hs) {                                                    \
+        enum { TOK = 16 / (G) };                                                                   \
         float sc[80] __attribute__((aligned(64)));                                                 \
-        const float *q0 = q, *q1 = q0 + n, *q2 = q1 + n, *q3 = q2 + n;                             \
-        for (int t0 = 0; t0 < T; t0 += 4) {                                                        \
-            const uint8_t *k[4];                                                                   \
-            for (int u = 0; u < 4; u++) /* past T: the last row again, masked below */             \
+        for (int t0 = 0; t0 < T; t0 += TOK) {                                                      \
+            const uint8_t *k[TOK];                                                                 \
+            for (int u = 0; u < TOK; u++) /* past T: the last row again, masked below */           \
                 k[u] = keys + (size_t)(t0 + u < T ? t0 + u : T - 1) * key_stride;                  \
-            __m512 a[4][4];                                                                        \
-            for (int u = 0; u < 4; u++)                                                            \
-                for (int g = 0; g < 4; g++)                                                        \
-                    a[u][g] = _mm512_setzero_ps();                                                 \
+            __m512 a[16]; /* a[u·G + g]: token u, head g */                                        \
+            for (int x = 0; x < 16; x++)                                                           \
+                a[x] = _mm512_setzero_ps();                                                        \
             for (int i = 0; i < n; i += 16) {                                                      \
-                __m512 x0 = _mm512_loadu_ps(q0 + i), x1 = _mm512_loadu_ps(q1 + i);                 \
-                __m512 x2 = _mm512_loadu_ps(q2 + i), x3 = _mm512_loadu_ps(q3 + i);                 \
-                for (int u = 0; u < 4; u++) {                                                      \
+                __m512 x[G];                                                                       \
+                for (int g = 0; g < (G); g++)                                                      \
+                    x[g] = _mm512_loadu_ps(q + (size_t)g * (size_t)n + i);                         \
+                for (int u = 0; u < TOK; u++) {                                                    \
                     __m512 kc = CHUNK(k[u], i);                                                    \
-                    a[u][0] = _mm512_fmadd_ps(kc, x0, a[u][0]);                                    \
-                    a[u][1] = _mm512_fmadd_ps(kc, x1, a[u][1]);                                    \
-                    a[u][2] = _mm512_fmadd_ps(kc, x2, a[u][2]);                                    \
-                    a[u][3] = _mm512_fmadd_ps(kc, x3, a[u][3]);                                    \
+                    for (int g = 0; g < (G); g++)                                                  \
+                        a[u * (G) + g] = _mm512_fmadd_ps(kc, x[g], a[u * (G) + g]);                \
                 }                                                                                  \
             }                                                                                      \
-            _mm512_store_ps(sc + 4 * t0,                                                           \
-                            sum16(sum4_lanes(a[0][0], a[0][1], a[0][2], a[0][3]),                  \
-                                  sum4_lanes(a[1][0], a[1][1], a[1][2], a[1][3]),                  \
-                                  sum4_lanes(a[2][0], a[2][1], a[2][2], a[2][3]),                  \
-                                  sum4_lanes(a[3][0], a[3][1], a[3][2], a[3][3])));                \
+            _mm512_store_ps(sc + (G) * t0,                                                         \
+                            sum16(sum4_lanes(a[0], a[1], a[2], a[3]),                              \
+                                  sum4_lanes(a[4], a[5], a[6], a[7]),                              \
+                                  sum4_lanes(a[8], a[9], a[10], a[11]),                            \
+                                  sum4_lanes(a[12], a[13], a[14], a[15])));                        \
         }                                                                                          \
-        attn_softmax512(sc, T, st, hs, n);                                                         \
-        const __m512 c0 = _mm512_set1_ps(sc[0]), c1 = _mm512_set1_ps(sc[1]);                       \
-        const __m512 c2 = _mm512_set1_ps(sc[2]), c3 = _mm512_set1_ps(sc[3]);                       \
+        attn_softmax512(sc, T, st, hs, n, G);                                                      \
+        __m512 c[G];                                                                               \
+        for (int g = 0; g < (G); g++)                                                              \
+            c[g] = _mm512_set1_ps(sc[g]);                                                          \
         const float *w = sc + 4;                                                                   \
         int i = 0;                                                                                 \
         for (; i + 64 <= n; i += 64) {                                                             \
-            __m512 x[4][4];                                                                        \
-            const __m512 c[4] = {c0, c1, c2, c3};                                                  \
-            for (int g = 0; g < 4; g++)                                                            \
+            __m512 x[G][4];                                                                        \
+            for (int g = 0; g < (G); g++)                                                          \
                 for (int e = 0; e < 4; e++)                                                        \
                     x[g][e] = _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)g * hs + i + 16 * e),     \
                                             c[g]);                                                 \
@@ -666,65 +664,78 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
             for (int t = 0; t < T; t++, v += value_stride) {                                       \
                 __m512 v0 = CHUNK(v, i), v1 = CHUNK(v, i + 16);                                    \
                 __m512 v2 = CHUNK(v, i + 32), v3 = CHUNK(v, i + 48);                               \
-                for (int g = 0; g < 4; g++) {                                                      \
-                    __m512 wg = _mm512_set1_ps(w[4 * t + g]);                                      \
+                for (int g = 0; g < (G); g++) {                                                    \
+                    __m512 wg = _mm512_set1_ps(w[(G) * t + g]);                                    \
                     x[g][0] = _mm512_fmadd_ps(v0, wg, x[g][0]);                                    \
                     x[g][1] = _mm512_fmadd_ps(v1, wg, x[g][1]);                                    \
                     x[g][2] = _mm512_fmadd_ps(v2, wg, x[g][2]);                                    \
                     x[g][3] = _mm512_fmadd_ps(v3, wg, x[g][3]);                                    \
                 }                                                                                  \
             }                                                                                      \
-            for (int g = 0; g < 4; g++)                                                            \
+            for (int g = 0; g < (G); g++)                                                          \
                 for (int e = 0; e < 4; e++)                                                        \
                     _mm512_storeu_ps(st + (size_t)g * hs + i + 16 * e, x[g][e]);                   \
         }                                                                                          \
         for (; i < n; i += 32) { /* head_dim ≡ 32 (mod 64) */                                      \
-            __m512 x[4][2];                                                                        \
-            const __m512 c[4] = {c0, c1, c2, c3};                                                  \
-            for (int g = 0; g < 4; g++)                                                            \
+            __m512 x[G][2];                                                                        \
+            for (int g = 0; g < (G); g++)                                                          \
                 for (int e = 0; e < 2; e++)                                                        \
                     x[g][e] = _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)g * hs + i + 16 * e),     \
                                             c[g]);                                                 \
             const uint8_t *v = values;                                                             \
             for (int t = 0; t < T; t++, v += value_stride) {                                       \
                 __m512 v0 = CHUNK(v, i), v1 = CHUNK(v, i + 16);                                    \
-                for (int g = 0; g < 4; g++) {                                                      \
-                    __m512 wg = _mm512_set1_ps(w[4 * t + g]);                                      \
+                for (int g = 0; g < (G); g++) {                                                    \
+                    __m512 wg = _mm512_set1_ps(w[(G) * t + g]);                                    \
                     x[g][0] = _mm512_fmadd_ps(v0, wg, x[g][0]);                                    \
                     x[g][1] = _mm512_fmadd_ps(v1, wg, x[g][1]);                                    \
                 }                                                                                  \
             }                                                                                      \
-            for (int g = 0; g < 4; g++)                                                            \
+            for (int g = 0; g < (G); g++)                                                          \
                 for (int e = 0; e < 2; e++)                                                        \
                     _mm512_storeu_ps(st + (size_t)g * hs + i + 16 * e, x[g][e]);                   \
         }                                                                                          \
     }
 
-/* The softmax step of a tile: sc[4·t + g] holds the scores (t < T); afterwards sc[0..3] hold the
- * heads' rescale factors e^(m − m') and sc[4 + 4·t + g] the weights e^(s − m') (0 past T), and
- * each head's m and l (st + g·hs + n, + n + 1) are updated: l' = l·e^(m − m') + Σ weights. */
-TARGET_AVX512 static void attn_softmax512(float *sc, int T, float *st, size_t hs, int n) {
+/* The softmax step of a tile for G = 4 or 2 heads: sc[G·t + g] holds the scores (t < T);
+ * afterwards sc[0..G) hold the heads' rescale factors e^(m − m') and sc[4 + G·t + g] the weights
+ * e^(s − m') (0 past T), and each head's m and l (st + g·hs + n, + n + 1) are updated:
+ * l' = l·e^(m − m') + Σ weights. Lane l of a vector belongs to head l mod G, so the reductions
+ * keep lanes of one head together: across the 128-bit quarters, and for G = 2 within them. */
+TARGET_AVX512 static inline void attn_softmax512(float *sc, int T, float *st, size_t hs, int n,
+                                                 int G) {
+    const int per = 16 / G; /* tokens per vector */
+    const int vecs = (T + per - 1) / per;
     __m512 s[4];
     for (int j = 0; j < 4; j++) {
-        int left = T - 4 * j; /* tokens of this vector */
-        __mmask16 valid = (__mmask16)(left >= 4 ? 0xffffu : left <= 0 ? 0u : (1u << (4 * left)) - 1);
-        s[j] = _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), valid, sc + 16 * j);
+        int left = T - per * j; /* tokens of this vector */
+        __mmask16 valid =
+            (__mmask16)(left >= per ? 0xffffu : left <= 0 ? 0u : (1u << (G * left)) - 1);
+        s[j] = j < vecs ? _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), valid, sc + 16 * j)
+                        : _mm512_set1_ps(-INFINITY);
     }
     __m512 mx = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
     mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
     mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(2, 3, 0, 1)));
-    __m128 m_old = _mm_setr_ps(st[n], st[hs + n], st[2 * hs + n], st[3 * hs + n]);
-    __m128 l_old = _mm_setr_ps(st[n + 1], st[hs + n + 1], st[2 * hs + n + 1], st[3 * hs + n + 1]);
+    if (G == 2)
+        mx = _mm512_max_ps(mx, _mm512_shuffle_ps(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
+    /* lanes 0..3: heads 0..3, or 0, 1, 0, 1 */
+    __m128 m_old = _mm_setr_ps(st[n], st[hs + n], st[(size_t)(2 % G) * hs + n],
+                               st[(size_t)(3 % G) * hs + n]);
+    __m128 l_old = _mm_setr_ps(st[n + 1], st[hs + n + 1], st[(size_t)(2 % G) * hs + n + 1],
+                               st[(size_t)(3 % G) * hs + n + 1]);
     __m128 m_new = _mm_max_ps(m_old, _mm512_castps512_ps128(mx));
     __m512 top = _mm512_broadcast_f32x4(m_new);
     __m512 sum = _mm512_setzero_ps();
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < vecs; j++) {
         __m512 w = exp512(_mm512_sub_ps(s[j], top)); /* −∞ past T: 0 */
         _mm512_storeu_ps(sc + 4 + 16 * j, w);
         sum = _mm512_add_ps(sum, w);
     }
     sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(1, 0, 3, 2)));
     sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(2, 3, 0, 1)));
+    if (G == 2)
+        sum = _mm512_add_ps(sum, _mm512_shuffle_ps(sum, sum, _MM_SHUFFLE(1, 0, 3, 2)));
     /* e^(m − m'): 1 exactly where the maximum stays, 0 for the first tile (m = −∞) */
     __m128 corr = _mm512_castps512_ps128(
         exp512(_mm512_castps128_ps512(_mm_sub_ps(m_old, m_new))));
@@ -733,16 +744,20 @@ TARGET_AVX512 static void attn_softmax512(float *sc, int T, float *st, size_t hs
     _mm_storeu_ps(mv, m_new);
     _mm_storeu_ps(lv, l_new);
     _mm_storeu_ps(sc, corr);
-    for (int g = 0; g < 4; g++) {
+    for (int g = 0; g < G; g++) {
         st[(size_t)g * hs + (size_t)n] = mv[g];
         st[(size_t)g * hs + (size_t)n + 1] = lv[g];
     }
 }
 
-ATTN_TILE512(attn_tile_f32_avx512, chunk_f32)
-ATTN_TILE512(attn_tile_f16_avx512, chunk_f16)
-ATTN_TILE512(attn_tile_bf16_avx512, chunk_bf16)
-ATTN_TILE512(attn_tile_q8_avx512, chunk_q8)
+ATTN_TILE512(attn_tile_f32_avx512, chunk_f32, 4)
+ATTN_TILE512(attn_tile_f16_avx512, chunk_f16, 4)
+ATTN_TILE512(attn_tile_bf16_avx512, chunk_bf16, 4)
+ATTN_TILE512(attn_tile_q8_avx512, chunk_q8, 4)
+ATTN_TILE512(attn_tile2_f32_avx512, chunk_f32, 2)
+ATTN_TILE512(attn_tile2_f16_avx512, chunk_f16, 2)
+ATTN_TILE512(attn_tile2_bf16_avx512, chunk_bf16, 2)
+ATTN_TILE512(attn_tile2_q8_avx512, chunk_q8, 2)
 
 static const struct llmem_kv_kernels kernels_avx512 = {
     .isa = LLMEM_KV_ISA_AVX512,
@@ -772,6 +787,10 @@ static const struct llmem_kv_kernels kernels_avx512 = {
                   [LLMEM_KV_FORMAT_F16] = attn_tile_f16_avx512,
                   [LLMEM_KV_FORMAT_BF16] = attn_tile_bf16_avx512,
                   [LLMEM_KV_FORMAT_Q8] = attn_tile_q8_avx512},
+    .attn_tile2 = {[LLMEM_KV_FORMAT_F32] = attn_tile2_f32_avx512,
+                   [LLMEM_KV_FORMAT_F16] = attn_tile2_f16_avx512,
+                   [LLMEM_KV_FORMAT_BF16] = attn_tile2_bf16_avx512,
+                   [LLMEM_KV_FORMAT_Q8] = attn_tile2_q8_avx512},
 };
 #endif /* KV_X86 */
 
