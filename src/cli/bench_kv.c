@@ -1009,6 +1009,7 @@ int cli_bench_kv(int argc, char **argv) {
     if (cli_bandwidth(b.mem, pool, bw_bytes, bw_passes, read_gbps, copy_gbps, bench_tick, &b) !=
         CLI_OK)
         goto out;
+    llmem_mem_clear_cache(b.mem); /* every group of caches starts from fresh memory */
 
     /* Attention: one (format, ctx) at a time. */
     for (int i = 0; i < res.n_points;) {
