@@ -11,6 +11,8 @@ packages=(
     libxxhash-dev
     libopenblas-dev
     libssl-dev
+    libmicrohttpd-dev
+    curl
 )
 
 missing=()

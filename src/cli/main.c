@@ -25,6 +25,8 @@ static const char usage[] =
     "                    (`llmem plan --list` shows the catalog)\n"
     "  run MODEL -p TEXT generate text (streams to stdout; --json, --stats)\n"
     "  chat MODEL        an interactive conversation with the model's chat template\n"
+    "  serve MODEL       an OpenAI-compatible HTTP server (completions, chat, SSE,\n"
+    "                    /health, /metrics)\n"
     "  tokenize MODEL    the token ids of --text TEXT\n"
     "  logits MODEL      teacher-forced logits of --ids, to a .npy file\n"
     "  bench mem         the caching allocator against malloc and mmap\n"
@@ -146,6 +148,8 @@ int main(int argc, char **argv) {
         return cli_plan(argc - 1, argv + 1);
     if (strcmp(argv[1], "bench") == 0)
         return cli_bench(argc - 1, argv + 1);
+    if (strcmp(argv[1], "serve") == 0)
+        return cli_serve(argc - 1, argv + 1);
     static const char *const run_commands[] = {"run", "chat", "tokenize", "logits"};
     for (size_t i = 0; i < sizeof(run_commands) / sizeof(run_commands[0]); i++)
         if (strcmp(argv[1], run_commands[i]) == 0)
