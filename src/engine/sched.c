@@ -722,6 +722,7 @@ static void *sched_thread(void *arg) {
             break;
         if (clear) {
             int64_t bytes = llmem_engine_release_caches(e);
+            publish(e); /* whoever asked sees the emptied bank in the metrics */
             pthread_mutex_lock(&e->mu);
             e->clear_requested = 0;
             e->cleared_bytes = bytes;
