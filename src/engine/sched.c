@@ -524,10 +524,12 @@ static void intake(struct llmem_engine *e) {
     e->incoming = NULL;
     uint64_t cancels[64];
     int64_t n_cancels = e->n_cancels < 64 ? e->n_cancels : 64;
-    memcpy(cancels, e->cancels, (size_t)n_cancels * sizeof(uint64_t));
-    memmove(e->cancels, e->cancels + n_cancels,
-            (size_t)(e->n_cancels - n_cancels) * sizeof(uint64_t));
-    e->n_cancels -= n_cancels;
+    if (n_cancels > 0) { /* e->cancels is NULL until the first cancel */
+        memcpy(cancels, e->cancels, (size_t)n_cancels * sizeof(uint64_t));
+        memmove(e->cancels, e->cancels + n_cancels,
+                (size_t)(e->n_cancels - n_cancels) * sizeof(uint64_t));
+        e->n_cancels -= n_cancels;
+    }
     pthread_mutex_unlock(&e->mu);
     while (in != NULL) {
         struct request *next = in->next;

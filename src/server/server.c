@@ -35,6 +35,7 @@
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <microhttpd.h>
 
@@ -63,7 +64,9 @@ struct llmem_server {
     uint64_t salt; /* random: response ids and default seeds differ between runs */
 
     pthread_mutex_t mu; /* what follows */
+    pthread_cond_t idle; /* n_jobs_alive dropped to 0 */
     int accepting;
+    int64_t n_jobs_alive; /* jobs not yet freed (their responses are still being written) */
     struct srv_counters counters;
     uint64_t n_jobs;
 };
@@ -127,6 +130,7 @@ static void job_release(struct job *j) {
     pthread_mutex_unlock(&j->mu);
     if (!last)
         return;
+    struct llmem_server *s = j->srv;
     for (struct event *e = j->head, *next; e != NULL; e = next) {
         next = e->next;
         free(e);
@@ -139,6 +143,10 @@ static void job_release(struct job *j) {
     pthread_cond_destroy(&j->cv);
     pthread_mutex_destroy(&j->mu);
     free(j);
+    pthread_mutex_lock(&s->mu);
+    if (--s->n_jobs_alive == 0)
+        pthread_cond_broadcast(&s->idle);
+    pthread_mutex_unlock(&s->mu);
 }
 
 /* Scheduler thread: queue the piece, wake the connection. */
@@ -555,6 +563,9 @@ static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c
     pthread_condattr_destroy(&ca);
     j->refs = 1; /* the connection's */
     j->srv = s;
+    pthread_mutex_lock(&s->mu);
+    s->n_jobs_alive++;
+    pthread_mutex_unlock(&s->mu);
     j->tail = &j->head;
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
@@ -860,6 +871,11 @@ int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config 
         return LLMEM_ENOMEM;
     }
     pthread_mutex_init(&s->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->idle, &ca);
+    pthread_condattr_destroy(&ca);
     s->engine = e;
     s->tok = llmem_engine_tokenizer(e);
     s->name = strdup(cfg->model_name);
@@ -888,7 +904,7 @@ int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config 
         goto fail;
     s->accepting = 1;
     unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
-                     MHD_USE_POLL | MHD_USE_ERROR_LOG;
+                     MHD_USE_POLL | MHD_USE_ERROR_LOG | MHD_USE_ITC; /* ITC: quiesce at stop */
     if (ai->ai_family == AF_INET6)
         flags |= MHD_USE_IPv6;
     int64_t max_queue = cfg->max_queue > 0 ? cfg->max_queue : 256;
@@ -920,21 +936,39 @@ fail:
     freeaddrinfo(ai);
     free(s->name);
     free(s->api_key);
+    pthread_cond_destroy(&s->idle);
     pthread_mutex_destroy(&s->mu);
     free(s);
     return status;
 }
 
+#define STOP_GRACE_S 5 /* how long stop waits for the answers in flight to be written */
+
 void llmem_server_stop(struct llmem_server *s) {
     if (s == NULL)
         return;
+    MHD_socket listen = MHD_quiesce_daemon(s->daemon); /* no new connections */
     pthread_mutex_lock(&s->mu);
     s->accepting = 0; /* no submit from here on: every job submitted gets its on_done below */
     pthread_mutex_unlock(&s->mu);
     llmem_engine_serve_stop(s->engine); /* requests in flight end as cancelled */
-    MHD_stop_daemon(s->daemon);          /* their connections answer, then close */
+    /* their connections answer (a stream ends with an error event); give them time to write it
+     * before the daemon closes every socket */
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += STOP_GRACE_S;
+    pthread_mutex_lock(&s->mu);
+    while (s->n_jobs_alive > 0 && pthread_cond_timedwait(&s->idle, &s->mu, &until) == 0)
+        ;
+    if (s->n_jobs_alive > 0)
+        LLMEM_WARN("stopping with %" PRId64 " answer(s) unfinished", s->n_jobs_alive);
+    pthread_mutex_unlock(&s->mu);
+    MHD_stop_daemon(s->daemon);
+    if (listen != MHD_INVALID_SOCKET)
+        close(listen);
     free(s->name);
     free(s->api_key);
+    pthread_cond_destroy(&s->idle);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }

@@ -21,7 +21,12 @@
 #include <cjson/cJSON.h>
 
 #include "core/json.h"
+#include "llmem/engine.h"
+#include "llmem/server.h"
 #include "testutil.h"
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
 
 #define PYCODER LLMEM_SOURCE_DIR "/models/pycoder"
 #define REFS    LLMEM_TEST_DATA "/models/pycoder"
@@ -914,6 +919,117 @@ static void test_memory_burst(void **state) {
     free(dir);
 }
 
+/* ---- the library, in this process ----------------------------------------------------------- */
+
+static int pressure; /* 1: the fake guard source reads critical memory pressure */
+
+static void fake_guard(void *arg, struct llmem_guard_reading *r) {
+    (void)arg;
+    if (__atomic_load_n(&pressure, __ATOMIC_SEQ_CST))
+        r->resident_bytes = r->ceiling_bytes; /* ≥ 0.95 × the ceiling: critical */
+    else
+        r->resident_bytes = 0, r->psi_some = r->psi_full = 0;
+}
+
+/* llmem_server_start/stop on an engine whose guard reads fake pressure: a critical refuses new
+ * requests with 507 insufficient_memory and the engine's reason, and when it clears the server
+ * serves again; stopping with a stream in flight ends that stream with an error event. */
+static void test_library_507_and_stop(void **state) {
+    (void)state;
+    struct llmem_engine_config ec;
+    llmem_engine_config_default(&ec);
+    ec.model_dir = PYCODER;
+    ec.max_sequences = 4;
+    ec.n_threads = 2;
+    ec.guard_source = fake_guard;
+    struct llmem_engine *e = NULL;
+    assert_int_equal(llmem_engine_open(&ec, NULL, NULL, &e), LLMEM_OK);
+    struct llmem_server_config sc;
+    llmem_server_config_default(&sc);
+    sc.port = 0;
+    sc.model_name = "pycoder";
+    struct llmem_server *s = NULL;
+    assert_int_equal(llmem_server_start(e, &sc, &s), LLMEM_OK);
+    assert_true(llmem_server_port(s) > 0);
+    struct tu_server view = {0};
+    snprintf(view.url, sizeof(view.url), "%s", llmem_server_url(s));
+    const char body[] = "{\"prompt\": \"def f():\", \"max_tokens\": 4, \"temperature\": 0}";
+
+    struct tu_http h = post(&view, "/v1/completions", body);
+    assert_int_equal(h.status, 200);
+    tu_http_free(&h);
+    __atomic_store_n(&pressure, 1, __ATOMIC_SEQ_CST);
+    for (int stream = 0; stream < 2; stream++) {
+        h = post(&view, "/v1/completions",
+                 stream ? "{\"prompt\": \"x\", \"max_tokens\": 4, \"stream\": true}" : body);
+        assert_int_equal(h.status, 507); /* a stream that never started is an error response */
+        cJSON *root = tu_http_json(&h);
+        const cJSON *err = cJSON_GetObjectItem(root, "error");
+        assert_string_equal(cJSON_GetObjectItem(err, "type")->valuestring, "insufficient_memory");
+        assert_non_null(strstr(cJSON_GetObjectItem(err, "message")->valuestring,
+                               "critical memory pressure"));
+        cJSON_Delete(root);
+        tu_http_free(&h);
+    }
+    h = get(&view, "/health");
+    cJSON *health = tu_http_json(&h);
+    assert_string_equal(cJSON_GetObjectItem(health, "status")->valuestring, "refusing");
+    assert_string_equal(
+        cJSON_GetObjectItem(cJSON_GetObjectItem(health, "guard"), "state")->valuestring,
+        "critical");
+    cJSON_Delete(health);
+    tu_http_free(&h);
+    assert_true(metric(&view, "llmem_requests_total{outcome=\"refused\"}") == 2);
+    assert_true(metric(&view, "llmem_guard_actions_total{level=\"critical\"}") >= 1);
+    __atomic_store_n(&pressure, 0, __ATOMIC_SEQ_CST);
+    for (int i = 0; i < 100; i++) { /* the guard looks at least once a second */
+        h = post(&view, "/v1/completions", body);
+        int status = h.status;
+        tu_http_free(&h);
+        if (status == 200)
+            break;
+        assert_int_equal(status, 507);
+        usleep(100 * 1000);
+    }
+    assert_true(metric(&view, "llmem_requests_total{outcome=\"ok\"}") == 2);
+
+    /* a long stream, read by curl in the background; stop the server under it */
+    char out[] = "/tmp/llmem-stream-XXXXXX", url[256];
+    int fd = mkstemp(out);
+    assert_true(fd >= 0);
+    url_of(&view, "/v1/completions", url, sizeof(url));
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fd, 1);
+        execlp("curl", "curl", "-sN", "-d",
+               "{\"prompt\": \"def main():\", \"max_tokens\": 1900, \"temperature\": 0, "
+               "\"ignore_eos\": true, \"stream\": true}",
+               url, (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 600; i++) {
+        char buf[64] = "";
+        if (pread(fd, buf, sizeof(buf) - 1, 0) > 0 && strstr(buf, "data: ") != NULL)
+            break;
+        usleep(20 * 1000);
+    }
+    llmem_server_stop(s);
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        fail_msg("curl ended with status %d", status);
+    static char text[1 << 20];
+    ssize_t n = pread(fd, text, sizeof(text) - 1, 0);
+    assert_true(n > 0);
+    text[n] = '\0';
+    close(fd);
+    unlink(out);
+    assert_non_null(strstr(text, "\"code\":\"server_shutting_down\""));
+    const char *tail = text + strlen(text) - strlen("data: [DONE]\n\n");
+    assert_string_equal(tail, "data: [DONE]\n\n");
+    llmem_engine_close(e);
+}
+
 int main(void) {
     const struct CMUnitTest shared[] = {
         cmocka_unit_test(test_completions_match_run),
@@ -932,6 +1048,7 @@ int main(void) {
         cmocka_unit_test(test_queue_full),
         cmocka_unit_test(test_util_matches_plan),
         cmocka_unit_test(test_memory_burst),
+        cmocka_unit_test(test_library_507_and_stop),
     };
     int failed = cmocka_run_group_tests_name("e2e-serve (one server)", shared, group_setup,
                                              group_teardown);
