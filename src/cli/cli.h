@@ -22,6 +22,8 @@ int cli_run(int argc, char **argv);
 int cli_bench_kv(int argc, char **argv);
 /* `llmem bench decode MODEL` (bench_decode.c). */
 int cli_bench_decode(int argc, char **argv);
+/* `llmem bench serve MODEL` (bench_serve.c). */
+int cli_bench_serve(int argc, char **argv);
 /* `llmem bench matmul` (bench_matmul.c), dispatched by cli_bench. */
 int cli_bench_matmul(int argc, char **argv);
 
