@@ -339,6 +339,8 @@ static void stream_render(struct job *j, struct event *evs, int done) {
         sse(j, srv_render_chunk(r, "", 0, NULL, 0, j->finish_reason, 0));
         if (r->include_usage)
             sse(j, srv_render_usage_chunk(r, j->prompt_tokens, j->completion_tokens));
+        LLMEM_DEBUG("request %s: 200 (stream), %" PRId64 " prompt + %" PRId64 " tokens (%s)",
+                    j->id_str, j->prompt_tokens, j->completion_tokens, j->finish_reason);
     } else {
         struct srv_error err;
         job_error(j, &err);
