@@ -17,8 +17,7 @@
 
 static const struct srv_model model = {.name = "pycoder", .vocab = 4096, .context = 2048};
 
-static int parse(enum srv_kind kind, const char *body, struct srv_request *r,
-                 struct srv_error *e) {
+static int parse(enum srv_kind kind, const char *body, struct srv_request *r, struct srv_error *e) {
     memset(e, 0, sizeof(*e));
     return srv_request_parse(kind, body, strlen(body), &model, r, e);
 }
@@ -49,15 +48,16 @@ static void test_parse_completion(void **state) {
     struct srv_request r;
     struct srv_error e;
     /* every field */
-    assert_int_equal(parse(SRV_COMPLETIONS,
-                           "{\"model\": \"pycoder\", \"prompt\": \"def f():\", \"max_tokens\": 7, "
-                           "\"temperature\": 0.5, \"top_p\": 0.9, \"top_k\": 40, \"min_p\": 0.05, "
-                           "\"seed\": 42, \"stop\": [\"\\n\\n\", \"x\"], \"n\": 1, \"logprobs\": 3, "
-                           "\"stream\": true, \"stream_options\": {\"include_usage\": true}, "
-                           "\"ignore_eos\": true, \"echo\": false, \"best_of\": 1, "
-                           "\"presence_penalty\": 0, \"user\": \"u\", \"unknown\": [1]}",
-                           &r, &e),
-                     0);
+    assert_int_equal(
+        parse(SRV_COMPLETIONS,
+              "{\"model\": \"pycoder\", \"prompt\": \"def f():\", \"max_tokens\": 7, "
+              "\"temperature\": 0.5, \"top_p\": 0.9, \"top_k\": 40, \"min_p\": 0.05, "
+              "\"seed\": 42, \"stop\": [\"\\n\\n\", \"x\"], \"n\": 1, \"logprobs\": 3, "
+              "\"stream\": true, \"stream_options\": {\"include_usage\": true}, "
+              "\"ignore_eos\": true, \"echo\": false, \"best_of\": 1, "
+              "\"presence_penalty\": 0, \"user\": \"u\", \"unknown\": [1]}",
+              &r, &e),
+        0);
     assert_int_equal(r.kind, SRV_COMPLETIONS);
     assert_string_equal(r.prompt_text, "def f():");
     assert_null(r.prompt_ids);
@@ -95,9 +95,8 @@ static void test_parse_completion(void **state) {
     assert_int_equal(parse(SRV_COMPLETIONS, "{\"prompt\": [[5, 6]]}", &r, &e), 0);
     assert_int_equal(r.n_prompt_ids, 2);
     srv_request_free(&r);
-    assert_int_equal(parse(SRV_COMPLETIONS, "{\"prompt\": [\"only\"], \"max_tokens\": null}", &r,
-                           &e),
-                     0);
+    assert_int_equal(
+        parse(SRV_COMPLETIONS, "{\"prompt\": [\"only\"], \"max_tokens\": null}", &r, &e), 0);
     assert_string_equal(r.prompt_text, "only");
     assert_int_equal(r.max_tokens, 16);
     srv_request_free(&r);
@@ -187,10 +186,9 @@ static void test_parse_errors(void **state) {
         {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"stream\": true, \"stream_options\": 3}", 400,
          "stream_options", "invalid_type"},
         {SRV_COMPLETIONS,
-         "{\"prompt\": \"x\", \"stream\": true, \"stream_options\": {\"include_usage\": 1}}",
-         400, "stream_options.include_usage", "invalid_type"},
-        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"echo\": true}", 400, "echo",
-         "unsupported_value"},
+         "{\"prompt\": \"x\", \"stream\": true, \"stream_options\": {\"include_usage\": 1}}", 400,
+         "stream_options.include_usage", "invalid_type"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"echo\": true}", 400, "echo", "unsupported_value"},
         {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"best_of\": 2}", 400, "best_of",
          "unsupported_value"},
         {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"suffix\": \"s\"}", 400, "suffix",
@@ -213,9 +211,8 @@ static void test_parse_errors(void **state) {
         {SRV_CHAT,
          "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", 400,
          "messages", "invalid_value"},
-        {SRV_CHAT,
-         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"logprobs\": 2}", 400,
-         "logprobs", "invalid_type"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"logprobs\": 2}",
+         400, "logprobs", "invalid_type"},
         {SRV_CHAT,
          "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"logprobs\": true, "
          "\"top_logprobs\": 30}",
@@ -240,13 +237,11 @@ static void test_parse_errors(void **state) {
         struct srv_request r;
         struct srv_error e;
         int rc = parse(cases[i].kind, cases[i].body, &r, &e);
-        if (rc != -1 || e.http != cases[i].http ||
-            (cases[i].param == NULL) != (e.param == NULL) ||
-            (cases[i].param != NULL && strcmp(cases[i].param, e.param) != 0) ||
-            e.code == NULL || strcmp(cases[i].code, e.code) != 0)
+        if (rc != -1 || e.http != cases[i].http || (cases[i].param == NULL) != (e.param == NULL) ||
+            (cases[i].param != NULL && strcmp(cases[i].param, e.param) != 0) || e.code == NULL ||
+            strcmp(cases[i].code, e.code) != 0)
             fail_msg("case %zu %s: rc %d, http %d, param %s, code %s: %s", i, cases[i].body, rc,
-                     e.http, e.param ? e.param : "(null)", e.code ? e.code : "(null)",
-                     e.message);
+                     e.http, e.param ? e.param : "(null)", e.code ? e.code : "(null)", e.message);
         assert_true(strlen(e.message) > 8);
         assert_string_equal(e.type, "invalid_request_error");
         srv_request_free(&r); /* a failed parse leaves nothing behind but what free frees */
@@ -295,9 +290,15 @@ static cJSON *parsed(char *text) {
 
 static void test_render_completion(void **state) {
     (void)state;
-    struct srv_token toks[2] = {{.id = 5, .logprob = -0.25f, .n_top = 2, .top_ids = {5, 9},
+    struct srv_token toks[2] = {{.id = 5,
+                                 .logprob = -0.25f,
+                                 .n_top = 2,
+                                 .top_ids = {5, 9},
                                  .top_logprobs = {-0.25f, -1.5f}},
-                                {.id = 12, .logprob = -0.5f, .n_top = 2, .top_ids = {12, 12},
+                                {.id = 12,
+                                 .logprob = -0.5f,
+                                 .n_top = 2,
+                                 .top_ids = {12, 12},
                                  .top_logprobs = {-0.5f, -0.5f}}};
     struct srv_render r = render(SRV_COMPLETIONS, 2);
     cJSON *o = parsed(srv_render_response(&r, "ab", 2, toks, 2, "length", 3, 2));
@@ -318,9 +319,8 @@ static void test_render_completion(void **state) {
     assert_int_equal(cJSON_GetArraySize(top0), 2);
     assert_true(cJSON_GetObjectItem(top0, "<9>")->valuedouble == -1.5);
     /* a duplicate alternative is one key */
-    assert_int_equal(cJSON_GetArraySize(cJSON_GetArrayItem(cJSON_GetObjectItem(lp, "top_logprobs"),
-                                                           1)),
-                     1);
+    assert_int_equal(
+        cJSON_GetArraySize(cJSON_GetArrayItem(cJSON_GetObjectItem(lp, "top_logprobs"), 1)), 1);
     /* text offsets: where each token's text starts */
     assert_int_equal(cJSON_GetArrayItem(cJSON_GetObjectItem(lp, "text_offset"), 1)->valueint, 3);
     const cJSON *u = cJSON_GetObjectItem(o, "usage");
@@ -340,8 +340,8 @@ static void test_render_completion(void **state) {
 
 static void test_render_chat(void **state) {
     (void)state;
-    struct srv_token tok = {.id = 7, .logprob = -0.125f, .n_top = 1, .top_ids = {7},
-                            .top_logprobs = {-0.125f}};
+    struct srv_token tok = {
+        .id = 7, .logprob = -0.125f, .n_top = 1, .top_ids = {7}, .top_logprobs = {-0.125f}};
     struct srv_render r = render(SRV_CHAT, 1);
     r.id = "chatcmpl-1";
     cJSON *o = parsed(srv_render_response(&r, "hello", 5, &tok, 1, "stop", 10, 1));
@@ -350,8 +350,8 @@ static void test_render_chat(void **state) {
     const cJSON *m = cJSON_GetObjectItem(c, "message");
     assert_string_equal(cJSON_GetObjectItem(m, "role")->valuestring, "assistant");
     assert_string_equal(cJSON_GetObjectItem(m, "content")->valuestring, "hello");
-    const cJSON *entry = cJSON_GetArrayItem(
-        cJSON_GetObjectItem(cJSON_GetObjectItem(c, "logprobs"), "content"), 0);
+    const cJSON *entry =
+        cJSON_GetArrayItem(cJSON_GetObjectItem(cJSON_GetObjectItem(c, "logprobs"), "content"), 0);
     assert_string_equal(cJSON_GetObjectItem(entry, "token")->valuestring, "<7>");
     assert_true(cJSON_GetObjectItem(entry, "logprob")->valuedouble == -0.125);
     assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(entry, "bytes")), 3);
@@ -365,8 +365,8 @@ static void test_render_chat(void **state) {
     o = parsed(srv_render_chunk(&r, "", 0, NULL, 0, NULL, 1));
     assert_string_equal(cJSON_GetObjectItem(o, "object")->valuestring, "chat.completion.chunk");
     assert_true(cJSON_IsNull(cJSON_GetObjectItem(o, "usage")));
-    const cJSON *d = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0),
-                                         "delta");
+    const cJSON *d =
+        cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0), "delta");
     assert_string_equal(cJSON_GetObjectItem(d, "role")->valuestring, "assistant");
     assert_string_equal(cJSON_GetObjectItem(d, "content")->valuestring, "");
     cJSON_Delete(o);
@@ -521,7 +521,8 @@ static void test_health(void **state) {
     assert_true(cJSON_GetObjectItem(lim, "allocation_limit_bytes")->valuedouble ==
                 (double)plan.allocation_limit_bytes);
     assert_true(cJSON_GetObjectItem(lim, "trip_bytes")->valuedouble == (double)plan.trip_bytes);
-    assert_true(cJSON_GetObjectItem(lim, "ceiling_bytes")->valuedouble == (double)((int64_t)48 << 30));
+    assert_true(cJSON_GetObjectItem(lim, "ceiling_bytes")->valuedouble ==
+                (double)((int64_t)48 << 30));
     assert_string_equal(cJSON_GetObjectItem(lim, "applied")->valuestring, "memory limit 24.0G");
     assert_true(cJSON_GetObjectItem(cJSON_GetObjectItem(o, "plan"), "context_window_resolved")
                     ->valuedouble == (double)plan.context_window_resolved);
@@ -556,16 +557,11 @@ static void test_buf(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_utf8),
-        cmocka_unit_test(test_parse_completion),
-        cmocka_unit_test(test_parse_chat),
-        cmocka_unit_test(test_parse_errors),
-        cmocka_unit_test(test_check_prompt),
-        cmocka_unit_test(test_render_completion),
-        cmocka_unit_test(test_render_chat),
-        cmocka_unit_test(test_render_error_and_models),
-        cmocka_unit_test(test_metrics),
-        cmocka_unit_test(test_health),
+        cmocka_unit_test(test_utf8),         cmocka_unit_test(test_parse_completion),
+        cmocka_unit_test(test_parse_chat),   cmocka_unit_test(test_parse_errors),
+        cmocka_unit_test(test_check_prompt), cmocka_unit_test(test_render_completion),
+        cmocka_unit_test(test_render_chat),  cmocka_unit_test(test_render_error_and_models),
+        cmocka_unit_test(test_metrics),      cmocka_unit_test(test_health),
         cmocka_unit_test(test_buf),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -231,8 +231,8 @@ int tu_serve_stop(struct tu_server *s) {
 
 /* ---- HTTP through curl ----------------------------------------------------------------------- */
 
-struct tu_http tu_http_argv(const char *method, const char *url, const char *body, long len,
-                            int n, const char *const *extra) {
+struct tu_http tu_http_argv(const char *method, const char *url, const char *body, long len, int n,
+                            const char *const *extra) {
     char path[] = "/tmp/llmem-body-XXXXXX";
     int fd = mkstemp(path);
     assert_true(fd >= 0);

@@ -54,8 +54,8 @@ struct tu_http {
     char *body;
 };
 struct tu_http tu_http(const char *method, const char *url, const char *body);
-struct tu_http tu_http_argv(const char *method, const char *url, const char *body, long len,
-                            int n, const char *const *extra);
+struct tu_http tu_http_argv(const char *method, const char *url, const char *body, long len, int n,
+                            const char *const *extra);
 void tu_http_free(struct tu_http *h);
 struct cJSON *tu_http_json(const struct tu_http *h);
 

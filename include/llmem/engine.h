@@ -275,7 +275,7 @@ struct llmem_engine_metrics {
     int64_t mem_active, mem_peak, mem_cache, mem_limit; /* the allocator (llmem_mem_stats) */
     int64_t guard_warnings, guard_criticals, guard_deferred, guard_suppressed;
     enum llmem_guard_level guard_level; /* the guard's last reading */
-    int refusing; /* a critical memory pressure is in effect */
+    int refusing;                       /* a critical memory pressure is in effect */
 };
 void llmem_engine_metrics(struct llmem_engine *e, struct llmem_engine_metrics *m);
 

@@ -337,13 +337,15 @@ out:
 
 int cli_bench(int argc, char **argv) {
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
-        fputs("usage: llmem bench mem|kv|matmul|decode|serve [options]\n\nbenchmarks:\n  mem    the "
-              "caching allocator against malloc and mmap\n  kv     attention over the KV caches "
-              "against the memory bandwidth, format accuracy, append cost\n  matmul the CPU matmul "
-              "against the memory bandwidth and the FMA peak\n  decode prefill and decode speed of "
-              "a model against the memory bandwidth\n  serve  throughput and time to first token of the HTTP "
-              "server under concurrent clients, and the gain of prefix reuse\n",
-              argc < 2 ? stderr : stdout);
+        fputs(
+            "usage: llmem bench mem|kv|matmul|decode|serve [options]\n\nbenchmarks:\n  mem    the "
+            "caching allocator against malloc and mmap\n  kv     attention over the KV caches "
+            "against the memory bandwidth, format accuracy, append cost\n  matmul the CPU matmul "
+            "against the memory bandwidth and the FMA peak\n  decode prefill and decode speed of "
+            "a model against the memory bandwidth\n  serve  throughput and time to first token of "
+            "the HTTP "
+            "server under concurrent clients, and the gain of prefix reuse\n",
+            argc < 2 ? stderr : stdout);
         return argc < 2 ? CLI_USAGE : CLI_OK;
     }
     if (strcmp(argv[1], "mem") == 0)
@@ -356,6 +358,6 @@ int cli_bench(int argc, char **argv) {
         return cli_bench_decode(argc - 1, argv + 1);
     if (strcmp(argv[1], "serve") == 0)
         return cli_bench_serve(argc - 1, argv + 1);
-    return cli_usage_error("bench", "unknown benchmark '%s' (benchmarks: mem, kv, matmul, decode, serve)",
-                           argv[1]);
+    return cli_usage_error(
+        "bench", "unknown benchmark '%s' (benchmarks: mem, kv, matmul, decode, serve)", argv[1]);
 }

@@ -6,9 +6,9 @@
  * to it over real sockets. Each client sends streaming completions one after another (a closed
  * loop) until the run's requests are done. A prompt is token ids (random, seeded; so every prompt
  * has exactly the length asked) and every request generates exactly --max-tokens tokens (EOS
- * ignored); one unmeasured request goes first. Per request: TTFT = first SSE event − request sent; inter-token latency = (last event
- * − first event) / (tokens − 1). Per run: tokens/s = generated tokens / wall time; TTFT p50 and
- * p99 over its requests (p99 is the largest below 100 requests).
+ * ignored); one unmeasured request goes first. Per request: TTFT = first SSE event − request sent;
+ * inter-token latency = (last event − first event) / (tokens − 1). Per run: tokens/s = generated
+ * tokens / wall time; TTFT p50 and p99 over its requests (p99 is the largest below 100 requests).
  *
  * The prefix workload sends prompts of S shared tokens + P distinct ones, against a run with the
  * same lengths where nothing is shared (each prompt starts with its own S tokens); one unmeasured
@@ -228,8 +228,17 @@ static void free_bodies(char **b, int n) {
 
 /* ---- the command ----------------------------------------------------------------------------- */
 
-enum { OPT_CLIENTS = CLI_OPT_ENGINE_END, OPT_REQUESTS, OPT_PROMPT, OPT_GEN, OPT_SHARED,
-       OPT_PREFIX_CLIENTS, OPT_MAX_SEQUENCES, OPT_JSON, OPT_HELP };
+enum {
+    OPT_CLIENTS = CLI_OPT_ENGINE_END,
+    OPT_REQUESTS,
+    OPT_PROMPT,
+    OPT_GEN,
+    OPT_SHARED,
+    OPT_PREFIX_CLIENTS,
+    OPT_MAX_SEQUENCES,
+    OPT_JSON,
+    OPT_HELP
+};
 
 static const struct option options[] = {
     CLI_ENGINE_OPTIONS,
@@ -355,8 +364,10 @@ int cli_bench_serve(int argc, char **argv) {
     const int64_t vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size;
     const int64_t context = llmem_engine_plan(e)->context_window_resolved;
     if (prompt + gen >= context || (shared > 0 && shared + prompt + gen >= context)) {
-        fprintf(stderr, "llmem bench serve: prompt + generated tokens must stay below the context "
-                        "window (%" PRId64 ")\n", context);
+        fprintf(stderr,
+                "llmem bench serve: prompt + generated tokens must stay below the context "
+                "window (%" PRId64 ")\n",
+                context);
         rc = CLI_USAGE;
         goto out;
     }

@@ -54,6 +54,7 @@ enum {
     CLI_OPT_NO_MMAP,
     CLI_OPT_ENGINE_END
 };
+// clang-format off
 #define CLI_ENGINE_OPTIONS                                                                         \
     {"kv-layout", required_argument, NULL, CLI_OPT_KV_LAYOUT},                                     \
         {"kv-format", required_argument, NULL, CLI_OPT_KV_FORMAT},                                 \
@@ -65,6 +66,7 @@ enum {
         {"max-batch-tokens", required_argument, NULL, CLI_OPT_MAX_BATCH_TOKENS},                   \
         {"bank-max", required_argument, NULL, CLI_OPT_BANK_MAX},                                   \
         {"no-mmap", no_argument, NULL, CLI_OPT_NO_MMAP}
+// clang-format on
 extern const char cli_engine_help[];
 struct llmem_engine_config;
 struct llmem_engine;

@@ -130,8 +130,7 @@ static int parse(int argc, char **argv, struct run_args *a) {
         case ':': rc = cli_usage_error(a->cmd, "%s needs a value", argv[optind - 1]); break;
         default:
             if ((rc = cli_engine_option(c, optarg, &a->engine)) < 0)
-                rc = cli_usage_error(a->cmd, "unknown option '%s' (see --help)",
-                                     argv[optind - 1]);
+                rc = cli_usage_error(a->cmd, "unknown option '%s' (see --help)", argv[optind - 1]);
         }
     }
     a->gen.stop = a->stop;

@@ -85,7 +85,9 @@ int cli_serve(int argc, char **argv) {
         case OPT_MAX_SEQUENCES:
             rc = cli_parse_int("--max-sequences", optarg, 1, 4096, &ec.max_sequences);
             break;
-        case OPT_MAX_QUEUE: rc = cli_parse_int("--max-queue", optarg, 1, 1 << 20, &sc.max_queue); break;
+        case OPT_MAX_QUEUE:
+            rc = cli_parse_int("--max-queue", optarg, 1, 1 << 20, &sc.max_queue);
+            break;
         case OPT_MAX_BODY:
             rc = cli_parse_size("--max-body", optarg, &sc.max_body_bytes);
             if (rc == CLI_OK && sc.max_body_bytes <= 0)
@@ -98,8 +100,7 @@ int cli_serve(int argc, char **argv) {
         case ':': rc = cli_usage_error("serve", "%s needs a value", argv[optind - 1]); break;
         default:
             if ((rc = cli_engine_option(c, optarg, &ec)) < 0)
-                rc = cli_usage_error("serve", "unknown option '%s' (see --help)",
-                                     argv[optind - 1]);
+                rc = cli_usage_error("serve", "unknown option '%s' (see --help)", argv[optind - 1]);
         }
     }
     if (rc != CLI_OK)

@@ -28,8 +28,9 @@ int llmem_json_parse_msg(const char *text, size_t len, const char *what, cJSON *
     /* One document: only whitespace (or the terminator) may follow it. */
     for (const char *p = end; p != NULL && p < text + len && *p != '\0'; p++) {
         if (!isspace((unsigned char)*p)) {
-            snprintf(msg, msg_size, "%s: unexpected text after the JSON document at byte %zu of %zu",
-                     what, (size_t)(p - text), len);
+            snprintf(msg, msg_size,
+                     "%s: unexpected text after the JSON document at byte %zu of %zu", what,
+                     (size_t)(p - text), len);
             cJSON_Delete(root);
             return LLMEM_EFORMAT;
         }

@@ -17,8 +17,8 @@
 
 static void metric(struct srv_buf *b, const char *name, const char *type, const char *help,
                    int64_t value) {
-    srv_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %" PRId64 "\n", name, help, name, type,
-                   name, value);
+    srv_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %" PRId64 "\n", name, help, name, type, name,
+                   value);
 }
 
 static void header(struct srv_buf *b, const char *name, const char *type, const char *help) {
@@ -133,12 +133,11 @@ char *srv_render_health(const struct srv_health *h, const struct llmem_engine_me
 
     /* the limits as `llmem plan` computes them (with a budget: against the simulated machine),
      * and the allocator's limits as applied */
-    int64_t ceiling = p->budget_bytes > 0 && p->budget_bytes < p->ceiling_bytes
-                          ? p->budget_bytes
-                          : p->ceiling_bytes;
+    int64_t ceiling = p->budget_bytes > 0 && p->budget_bytes < p->ceiling_bytes ? p->budget_bytes
+                                                                                : p->ceiling_bytes;
     cJSON *l = bad ? NULL : cJSON_AddObjectToObject(o, "limits");
-    bad = bad || l == NULL || llmem_json_add_int(l, "allocation_limit_bytes",
-                                                 p->allocation_limit_bytes) ||
+    bad = bad || l == NULL ||
+          llmem_json_add_int(l, "allocation_limit_bytes", p->allocation_limit_bytes) ||
           llmem_json_add_int(l, "trip_bytes", p->trip_bytes) ||
           llmem_json_add_int(l, "ceiling_bytes", ceiling) ||
           llmem_json_add_int(l, "footprint_bytes", p->footprint_bytes) ||

@@ -151,8 +151,7 @@ static int field_int(const cJSON *o, const char *key, int64_t *v, struct srv_err
     case LLMEM_OK: return 1;
     case LLMEM_ENOENT: return 0;
     case LLMEM_ERANGE: return bad(e, key, "invalid_value", "'%s' must be an integer", key);
-    default:
-        return bad(e, key, "invalid_type", "Invalid type for '%s': expected an integer", key);
+    default: return bad(e, key, "invalid_type", "Invalid type for '%s': expected an integer", key);
     }
 }
 
@@ -280,8 +279,7 @@ static int message_content(const cJSON *msg, const char *role, int i, struct srv
     int k = 0;
     cJSON_ArrayForEach(part, c) {
         const char *type = NULL, *text = NULL;
-        if (!cJSON_IsObject(part) ||
-            llmem_json_get_string(part, "type", &type) != LLMEM_OK ||
+        if (!cJSON_IsObject(part) || llmem_json_get_string(part, "type", &type) != LLMEM_OK ||
             strcmp(type, "text") != 0 || llmem_json_get_string(part, "text", &text) != LLMEM_OK) {
             srv_buf_free(&b);
             return bad(e, "messages", "invalid_value",
@@ -466,8 +464,7 @@ static int parse_logprobs(const cJSON *root, struct srv_request *r, struct srv_e
         if (have_top < 0)
             return -1;
         if (have_top && !on)
-            return bad(e, "top_logprobs", "invalid_value",
-                       "'top_logprobs' needs 'logprobs': true");
+            return bad(e, "top_logprobs", "invalid_value", "'top_logprobs' needs 'logprobs': true");
         if (!on)
             return 0;
         if (!have_top)
@@ -490,8 +487,7 @@ int srv_request_parse(enum srv_kind kind, const char *body, size_t len, const st
     if (!srv_utf8_valid(body, len))
         return bad(e, NULL, "invalid_encoding", "the request body is not valid UTF-8");
     char msg[256];
-    if (llmem_json_parse_msg(body, len, "the request body", &r->root, msg, sizeof(msg)) !=
-        LLMEM_OK)
+    if (llmem_json_parse_msg(body, len, "the request body", &r->root, msg, sizeof(msg)) != LLMEM_OK)
         return bad(e, NULL, "invalid_json", "%s", msg);
     const cJSON *root = r->root;
     if (!cJSON_IsObject(root))
@@ -538,8 +534,8 @@ int srv_request_parse(enum srv_kind kind, const char *body, size_t len, const st
     else if ((got = field_int(root, "max_tokens", &mt, e)) < 0)
         return -1;
     if (got && mt < 1)
-        return bad(e, mt_key, "invalid_value", "'%s' is %" PRId64 "; it must be at least 1",
-                   mt_key, mt);
+        return bad(e, mt_key, "invalid_value", "'%s' is %" PRId64 "; it must be at least 1", mt_key,
+                   mt);
     if (got && mt > m->context)
         return bad(e, mt_key, "invalid_value",
                    "'%s' is %" PRId64 "; the context window is %" PRId64 " tokens", mt_key, mt,
@@ -649,8 +645,7 @@ static cJSON *chat_logprobs(struct srv_render *r, const struct srv_token *toks, 
         if (!bad_) {
             cJSON_AddItemToArray(content, entry);
             bad_ = llmem_json_add_string(entry, "token", text) ||
-                   add_logprob(entry, "logprob", toks[i].logprob) ||
-                   add_bytes(entry, text);
+                   add_logprob(entry, "logprob", toks[i].logprob) || add_bytes(entry, text);
         } else {
             cJSON_Delete(entry);
         }
@@ -664,8 +659,7 @@ static cJSON *chat_logprobs(struct srv_render *r, const struct srv_token *toks, 
             if (!bad_) {
                 cJSON_AddItemToArray(top, t);
                 bad_ = llmem_json_add_string(t, "token", tt) ||
-                       add_logprob(t, "logprob", toks[i].top_logprobs[k]) ||
-                       add_bytes(t, tt);
+                       add_logprob(t, "logprob", toks[i].top_logprobs[k]) || add_bytes(t, tt);
             } else {
                 cJSON_Delete(t);
             }
@@ -786,8 +780,7 @@ char *srv_render_chunk(struct srv_render *r, const char *text, size_t len,
                        int first) {
     cJSON *o = new_response(r, 1);
     cJSON *choices = o != NULL ? cJSON_AddArrayToObject(o, "choices") : NULL;
-    cJSON *c =
-        choices != NULL ? choice(r, text, len, toks, n_toks, finish_reason, 1, first) : NULL;
+    cJSON *c = choices != NULL ? choice(r, text, len, toks, n_toks, finish_reason, 1, first) : NULL;
     if (c != NULL)
         cJSON_AddItemToArray(choices, c);
     /* with include_usage every chunk has a usage field, null until the last (as OpenAI) */

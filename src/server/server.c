@@ -44,10 +44,10 @@
 #include "llmem/size.h"
 #include "server/server_int.h"
 
-#define POLL_MS          100 /* how often a waiting connection looks at its socket */
-#define MAX_CHAT_STOPS   8
-#define RETRY_AFTER_S    "1"
-#define CONN_TIMEOUT_S   120
+#define POLL_MS        100 /* how often a waiting connection looks at its socket */
+#define MAX_CHAT_STOPS 8
+#define RETRY_AFTER_S  "1"
+#define CONN_TIMEOUT_S 120
 
 struct llmem_server {
     struct llmem_engine *engine;
@@ -63,7 +63,7 @@ struct llmem_server {
     char url[160];
     uint64_t salt; /* random: response ids and default seeds differ between runs */
 
-    pthread_mutex_t mu; /* what follows */
+    pthread_mutex_t mu;  /* what follows */
     pthread_cond_t idle; /* n_jobs_alive dropped to 0 */
     int accepting;
     int64_t n_jobs_alive; /* jobs not yet freed (their responses are still being written) */
@@ -583,8 +583,8 @@ static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c
         goto out;
     }
     j->n_prompt = n;
-    snprintf(j->id_str, sizeof(j->id_str), "%s-%016" PRIx64,
-             kind == SRV_CHAT ? "chatcmpl" : "cmpl", splitmix(s->salt ^ j->id));
+    snprintf(j->id_str, sizeof(j->id_str), "%s-%016" PRIx64, kind == SRV_CHAT ? "chatcmpl" : "cmpl",
+             splitmix(s->salt ^ j->id));
     j->render = (struct srv_render){.kind = kind,
                                     .id = j->id_str,
                                     .model = s->name,
@@ -713,8 +713,8 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         *con_cls = cn;
         const char *want = NULL;
         cn->route = route_of(url, &want);
-        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND,
-                                                     MHD_HTTP_HEADER_CONTENT_LENGTH);
+        const char *cl =
+            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl != NULL && strtoll(cl, NULL, 10) > s->max_body) {
             cn->answered = 1;
             char b[32];
@@ -811,8 +811,7 @@ static int is_loopback(const struct sockaddr *a) {
         return (ntohl(((const struct sockaddr_in *)a)->sin_addr.s_addr) >> 24) == 127;
     if (a->sa_family == AF_INET6) {
         const struct in6_addr *v6 = &((const struct sockaddr_in6 *)a)->sin6_addr;
-        return IN6_IS_ADDR_LOOPBACK(v6) ||
-               (IN6_IS_ADDR_V4MAPPED(v6) && v6->s6_addr[12] == 127);
+        return IN6_IS_ADDR_LOOPBACK(v6) || (IN6_IS_ADDR_V4MAPPED(v6) && v6->s6_addr[12] == 127);
     }
     return 0;
 }
@@ -883,10 +882,10 @@ int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config 
     s->name = strdup(cfg->model_name);
     s->api_key = cfg->api_key != NULL && *cfg->api_key ? strdup(cfg->api_key) : NULL;
     s->max_body = cfg->max_body_bytes > 0 ? cfg->max_body_bytes : LLMEM_SERVER_MAX_BODY_BYTES;
-    s->model = (struct srv_model){
-        .name = s->name,
-        .vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size,
-        .context = llmem_engine_plan(e)->context_window_resolved};
+    s->model =
+        (struct srv_model){.name = s->name,
+                           .vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size,
+                           .context = llmem_engine_plan(e)->context_window_resolved};
     if (getrandom(&s->salt, sizeof(s->salt), 0) != (ssize_t)sizeof(s->salt))
         s->salt = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)s;
     if (s->name == NULL || (cfg->api_key != NULL && *cfg->api_key && s->api_key == NULL)) {
@@ -914,8 +913,8 @@ int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config 
     s->daemon = MHD_start_daemon(
         flags, (uint16_t)cfg->port, NULL, NULL, handle, s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log,
         NULL, MHD_OPTION_SOCK_ADDR, ai->ai_addr, MHD_OPTION_NOTIFY_COMPLETED, completed, s,
-        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)CONN_TIMEOUT_S, MHD_OPTION_CONNECTION_LIMIT,
-        limit, MHD_OPTION_THREAD_STACK_SIZE, (size_t)(512 << 10), MHD_OPTION_END);
+        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)CONN_TIMEOUT_S, MHD_OPTION_CONNECTION_LIMIT, limit,
+        MHD_OPTION_THREAD_STACK_SIZE, (size_t)(512 << 10), MHD_OPTION_END);
     if (s->daemon == NULL) {
         LLMEM_ERROR("cannot listen on %s port %d (is the port in use?)", host, cfg->port);
         llmem_engine_serve_stop(e);

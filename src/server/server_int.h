@@ -142,8 +142,8 @@ char *srv_render_model(const struct srv_model *m, int64_t created);
 
 /* The server's own counts (requests that never reached the engine). */
 struct srv_counters {
-    int64_t rejected; /* 503: the queue was full */
-    int64_t invalid;  /* 4xx before the engine: bad JSON, fields, auth, size */
+    int64_t rejected;     /* 503: the queue was full */
+    int64_t invalid;      /* 4xx before the engine: bad JSON, fields, auth, size */
     int64_t disconnected; /* clients that left before their request ended */
 };
 
@@ -154,7 +154,7 @@ char *srv_render_metrics(const struct llmem_engine_metrics *m, const struct srv_
 struct srv_health {
     const char *model;
     const struct llmem_plan *plan;
-    const char *limits_line;          /* llmem_engine_limits_line */
+    const char *limits_line;           /* llmem_engine_limits_line */
     const struct llmem_mem_stats *mem; /* the allocator now */
     const char *kv_format, *kv_layout;
     const char *chat_template; /* "none" when chat is unavailable */

@@ -16,7 +16,7 @@
 
 #include "testutil.h"
 
-#define PYCODER LLMEM_SOURCE_DIR "/models/pycoder"
+#define PYCODER  LLMEM_SOURCE_DIR "/models/pycoder"
 #define NODE_DIR LLMEM_SOURCE_DIR "/tests/e2e/node"
 
 static int have(const char *program) {
@@ -39,8 +39,8 @@ static void test_openai_node_client(void **state) {
     const char *args[] = {PYCODER, "--chat-template", "chatml", "--threads", "2"};
     struct tu_server s;
     tu_serve_start(&s, 5, args);
-    struct tu_run r = tu_exec(
-        "node", NULL, 3, (const char *[]){NODE_DIR "/serve.test.mjs", s.url, expected});
+    struct tu_run r =
+        tu_exec("node", NULL, 3, (const char *[]){NODE_DIR "/serve.test.mjs", s.url, expected});
     printf("%s%s", r.out, r.err);
     int node_rc = r.exit_code;
     tu_run_free(&r);

@@ -287,8 +287,7 @@ static void test_chat(void **state) {
     assert_string_equal(cJSON_GetObjectItem(m, "role")->valuestring, "assistant");
     assert_string_equal(cJSON_GetObjectItem(m, "content")->valuestring, want);
     assert_int_equal(
-        cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "completion_tokens")->valueint,
-        24);
+        cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "completion_tokens")->valueint, 24);
     cJSON_Delete(root);
     tu_http_free(&h);
 
@@ -298,9 +297,8 @@ static void test_chat(void **state) {
     assert_int_equal(h.status, 200);
     cJSON *ev[128];
     int n = sse_events(h.body, ev, 128);
-    const cJSON *d0 = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(ev[0], "choices"),
-                                                             0),
-                                          "delta");
+    const cJSON *d0 =
+        cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(ev[0], "choices"), 0), "delta");
     assert_string_equal(cJSON_GetObjectItem(d0, "role")->valuestring, "assistant");
     char text[4096] = "";
     int tokens = 0;
@@ -517,18 +515,28 @@ static void test_models_health_metrics(void **state) {
     h = get(&srv, "/metrics");
     assert_int_equal(h.status, 200);
     assert_non_null(strstr(h.headers, "text/plain; version=0.0.4"));
-    static const char *const names[] = {
-        "llmem_mem_active_bytes ", "llmem_mem_peak_bytes ", "llmem_mem_cache_bytes ",
-        "llmem_mem_limit_bytes ", "llmem_kv_blocks_used ", "llmem_kv_blocks_free ",
-        "llmem_bank_bytes ", "llmem_bank_hits_total ",
-        "llmem_guard_actions_total{level=\"warning\"} ",
-        "llmem_guard_actions_total{level=\"critical\"} ", "llmem_requests_total{outcome=\"ok\"} ",
-        "llmem_prompt_tokens_total ", "llmem_generation_tokens_total ",
-        "llmem_requests_running ", "llmem_requests_waiting ", "llmem_preemptions_total ",
-        "# TYPE llmem_ttft_seconds histogram", "llmem_ttft_seconds_bucket{le=\"+Inf\"} ",
-        "llmem_ttft_seconds_sum ", "llmem_ttft_seconds_count ",
-        "# TYPE llmem_inter_token_seconds histogram",
-        "llmem_inter_token_seconds_bucket{le=\"0.005\"} "};
+    static const char *const names[] = {"llmem_mem_active_bytes ",
+                                        "llmem_mem_peak_bytes ",
+                                        "llmem_mem_cache_bytes ",
+                                        "llmem_mem_limit_bytes ",
+                                        "llmem_kv_blocks_used ",
+                                        "llmem_kv_blocks_free ",
+                                        "llmem_bank_bytes ",
+                                        "llmem_bank_hits_total ",
+                                        "llmem_guard_actions_total{level=\"warning\"} ",
+                                        "llmem_guard_actions_total{level=\"critical\"} ",
+                                        "llmem_requests_total{outcome=\"ok\"} ",
+                                        "llmem_prompt_tokens_total ",
+                                        "llmem_generation_tokens_total ",
+                                        "llmem_requests_running ",
+                                        "llmem_requests_waiting ",
+                                        "llmem_preemptions_total ",
+                                        "# TYPE llmem_ttft_seconds histogram",
+                                        "llmem_ttft_seconds_bucket{le=\"+Inf\"} ",
+                                        "llmem_ttft_seconds_sum ",
+                                        "llmem_ttft_seconds_count ",
+                                        "# TYPE llmem_inter_token_seconds histogram",
+                                        "llmem_inter_token_seconds_bucket{le=\"0.005\"} "};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if (strstr(h.body, names[i]) == NULL)
             fail_msg("/metrics lacks '%s':\n%s", names[i], h.body);
@@ -612,15 +620,14 @@ static void test_bad_requests(void **state) {
     expect_error(C, "{\"prompt\": \"x\", \"top_k\": -7}", -1, 400, "top_k", NULL);
     expect_error(C, "{\"prompt\": \"x\", \"min_p\": 2}", -1, 400, "min_p", NULL);
     expect_error(C, "{\"prompt\": \"x\", \"seed\": \"s\"}", -1, 400, "seed", "invalid_type");
-    expect_error(C, "{\"prompt\": \"x\", \"stream\": \"yes\"}", -1, 400, "stream",
-                 "invalid_type");
+    expect_error(C, "{\"prompt\": \"x\", \"stream\": \"yes\"}", -1, 400, "stream", "invalid_type");
     expect_error(C, "{\"prompt\": \"x\", \"stop\": 3}", -1, 400, "stop", "invalid_type");
     expect_error(C, "{\"prompt\": \"x\", \"stop\": [\"a\", 1]}", -1, 400, "stop", NULL);
     expect_error(C, "{\"prompt\": \"x\", \"n\": 2}", -1, 400, "n", NULL);
     expect_error(C, "{\"prompt\": \"x\", \"logprobs\": 99}", -1, 400, "logprobs", NULL);
     expect_error(C, "{\"prompt\": \"x\", \"echo\": true}", -1, 400, "echo", NULL);
-    expect_error(C, "{\"prompt\": \"x\", \"stream_options\": {\"include_usage\": true}}", -1,
-                 400, "stream_options", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"stream_options\": {\"include_usage\": true}}", -1, 400,
+                 "stream_options", NULL);
     expect_error(C, "{\"prompt\": 42}", -1, 400, "prompt", "invalid_type");
     expect_error(C, "{\"prompt\": []}", -1, 400, "prompt", NULL);
     expect_error(C, "{\"prompt\": [1, -2]}", -1, 400, "prompt", NULL);
@@ -643,13 +650,15 @@ static void test_bad_requests(void **state) {
     expect_error(CH, "{\"messages\": []}", -1, 400, "messages", NULL);
     expect_error(CH, "{\"messages\": [{\"role\": \"wizard\", \"content\": \"x\"}]}", -1, 400,
                  "messages", NULL);
-    expect_error(CH, "{\"messages\": [{\"role\": \"user\", \"content\": 5}]}", -1, 400,
-                 "messages", NULL);
-    expect_error(CH, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
-                     "\"top_logprobs\": 2}",
+    expect_error(CH, "{\"messages\": [{\"role\": \"user\", \"content\": 5}]}", -1, 400, "messages",
+                 NULL);
+    expect_error(CH,
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+                 "\"top_logprobs\": 2}",
                  -1, 400, "top_logprobs", NULL);
-    expect_error(CH, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
-                     "\"max_completion_tokens\": -1}",
+    expect_error(CH,
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+                 "\"max_completion_tokens\": -1}",
                  -1, 400, "max_completion_tokens", NULL);
     /* a body over the limit (4 MiB) */
     size_t huge_len = (size_t)5 << 20;
@@ -716,8 +725,8 @@ static void test_api_key_and_no_template(void **state) {
     assert_int_equal(h.status, 200);
     tu_http_free(&h);
     url_of(&s, "/v1/chat/completions", url, sizeof(url));
-    h = tu_http_argv("POST", url, "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}",
-                     -1, 2, right);
+    h = tu_http_argv("POST", url, "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", -1,
+                     2, right);
     assert_int_equal(h.status, 400);
     assert_non_null(strstr(h.body, "has no chat template"));
     assert_non_null(strstr(h.body, "--chat-template"));
@@ -846,8 +855,8 @@ static void test_util_matches_plan(void **state) {
  * simulated machine.) */
 static void test_memory_burst(void **state) {
     (void)state;
-    const char *args[] = {PYCODER,    "--budget", "64M", "--memory-limit", "30M",
-                          "--context", "512",     "--threads", "2"};
+    const char *args[] = {PYCODER, "--budget",  "64M", "--memory-limit", "30M", "--context",
+                          "512",   "--threads", "2"};
     struct tu_server s;
     tu_serve_start(&s, 9, args);
     char url[256], *dir = tu_mkdtemp();
@@ -966,8 +975,8 @@ static void test_library_507_and_stop(void **state) {
         cJSON *root = tu_http_json(&h);
         const cJSON *err = cJSON_GetObjectItem(root, "error");
         assert_string_equal(cJSON_GetObjectItem(err, "type")->valuestring, "insufficient_memory");
-        assert_non_null(strstr(cJSON_GetObjectItem(err, "message")->valuestring,
-                               "critical memory pressure"));
+        assert_non_null(
+            strstr(cJSON_GetObjectItem(err, "message")->valuestring, "critical memory pressure"));
         cJSON_Delete(root);
         tu_http_free(&h);
     }
@@ -1044,14 +1053,12 @@ int main(void) {
         cmocka_unit_test(test_cache_clear),
     };
     const struct CMUnitTest own[] = {
-        cmocka_unit_test(test_api_key_and_no_template),
-        cmocka_unit_test(test_queue_full),
-        cmocka_unit_test(test_util_matches_plan),
-        cmocka_unit_test(test_memory_burst),
+        cmocka_unit_test(test_api_key_and_no_template), cmocka_unit_test(test_queue_full),
+        cmocka_unit_test(test_util_matches_plan),       cmocka_unit_test(test_memory_burst),
         cmocka_unit_test(test_library_507_and_stop),
     };
-    int failed = cmocka_run_group_tests_name("e2e-serve (one server)", shared, group_setup,
-                                             group_teardown);
+    int failed =
+        cmocka_run_group_tests_name("e2e-serve (one server)", shared, group_setup, group_teardown);
     failed += cmocka_run_group_tests_name("e2e-serve (own servers)", own, NULL, NULL);
     return failed;
 }
