@@ -105,7 +105,6 @@ struct job {
     struct srv_request req;
     struct srv_render render;
     char id_str[48];
-    int64_t n_prompt;
 
     /* from the scheduler, under mu */
     struct event *head, **tail;
@@ -582,7 +581,6 @@ static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c
         ok = respond_error(s, c, &err);
         goto out;
     }
-    j->n_prompt = n;
     snprintf(j->id_str, sizeof(j->id_str), "%s-%016" PRIx64, kind == SRV_CHAT ? "chatcmpl" : "cmpl",
              splitmix(s->salt ^ j->id));
     j->render = (struct srv_render){.kind = kind,
@@ -695,6 +693,7 @@ static int authorized(const struct llmem_server *s, struct MHD_Connection *c) {
 /* Per HTTP request: the route and the body as it arrives. */
 struct conn {
     enum route route;
+    const char *method; /* the route's */
     struct srv_buf body;
     int too_large;
     int answered; /* a response was queued before the body was read */
@@ -711,8 +710,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         if ((cn = calloc(1, sizeof(*cn))) == NULL)
             return MHD_NO;
         *con_cls = cn;
-        const char *want = NULL;
-        cn->route = route_of(url, &want);
+        cn->route = route_of(url, &cn->method);
         const char *cl =
             MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl != NULL && strtoll(cl, NULL, 10) > s->max_body) {
@@ -739,8 +737,8 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         return MHD_YES;
     cn->answered = 1;
 
-    const char *want = NULL;
-    enum route r = route_of(url, &want);
+    enum route r = cn->route;
+    const char *want = cn->method;
     if (r != R_HEALTH && !authorized(s, c)) {
         srv_fail(&err, 401, "invalid_request_error", NULL, "invalid_api_key",
                  "Incorrect or missing API key: send 'Authorization: Bearer <key>'");
