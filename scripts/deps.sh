@@ -12,6 +12,8 @@ packages=(
     libopenblas-dev
     libssl-dev
     libsqlite3-dev
+    libmicrohttpd-dev
+    curl
 )
 
 missing=()

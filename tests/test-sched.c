@@ -261,24 +261,26 @@ static void test_cancel_and_refuse(void **state) {
     llmem_engine_close(e);
 }
 
-/* A full queue says LLMEM_EBUSY; a bad request is refused by submit itself; requests still
- * queued when the engine closes end as cancelled. */
+/* A full queue says LLMEM_EBUSY; a bad request, or any request to an engine that is not serving,
+ * is refused by submit itself; requests still running or queued when the engine closes end as
+ * cancelled. */
 static void test_submit_checks(void **state) {
     (void)state;
     struct llmem_engine *e = open_pycoder(1);
+    int32_t prompt[4] = {5, 6, 7, 8};
+    struct llmem_generate_params p;
+    llmem_generate_params_default(&p);
+    p.max_tokens = 900; /* long enough that none ends while the queue fills */
+    p.ignore_eos = 1;
+    uint64_t id;
+    assert_int_equal(llmem_engine_submit(e, prompt, 4, &p, NULL, &id), LLMEM_EINVAL);
     struct llmem_serve_config sc = {.max_queue = 2};
     assert_int_equal(llmem_engine_serve_start(e, &sc), LLMEM_OK);
     assert_int_equal(llmem_engine_serve_start(e, &sc), LLMEM_EINVAL);
-    llmem_engine_serve_stop(e); /* stopped, requests only queue: the queue fills for sure */
     pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
     pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
     int n_done = 0;
     struct outcome out[3];
-    int32_t prompt[4] = {5, 6, 7, 8};
-    struct llmem_generate_params p;
-    llmem_generate_params_default(&p);
-    p.max_tokens = 4;
-    uint64_t id;
     for (int i = 0; i < 3; i++) { /* max_queue waiting + max_sequences running */
         out[i] = (struct outcome){.mu = &mu, .cv = &cv, .n_done = &n_done, .logprobs_ok = 1};
         struct llmem_request_events ev = {.on_token = on_token, .on_done = on_done, .arg = &out[i]};

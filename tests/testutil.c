@@ -5,6 +5,8 @@
 
 #include <cjson/cJSON.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <time.h>
 #include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -63,7 +65,7 @@ static char *slurp_fd(int fd) {
     return buf;
 }
 
-struct tu_run tu_llmem_input(const char *input, int n, const char *const *args) {
+struct tu_run tu_exec(const char *bin, const char *input, int n, const char *const *args) {
     /* stdin, stdout and stderr are unlinked temp files, so large outputs never block on a pipe. */
     char out_path[] = "/tmp/llmem-out-XXXXXX", err_path[] = "/tmp/llmem-err-XXXXXX";
     char in_path[] = "/tmp/llmem-in-XXXXXX";
@@ -80,7 +82,7 @@ struct tu_run tu_llmem_input(const char *input, int n, const char *const *args) 
 
     const char **argv = calloc((size_t)n + 2, sizeof(*argv));
     assert_non_null(argv);
-    argv[0] = LLMEM_BIN;
+    argv[0] = bin;
     for (int i = 0; i < n; i++)
         argv[i + 1] = args[i];
 
@@ -90,7 +92,7 @@ struct tu_run tu_llmem_input(const char *input, int n, const char *const *args) 
         dup2(out_fd, 1);
         dup2(err_fd, 2);
         dup2(in_fd, 0);
-        execv(LLMEM_BIN, (char *const *)argv);
+        execvp(bin, (char *const *)argv);
         _exit(127);
     }
     free(argv);
@@ -107,6 +109,10 @@ struct tu_run tu_llmem_input(const char *input, int n, const char *const *args) 
     close(err_fd);
     close(in_fd);
     return run;
+}
+
+struct tu_run tu_llmem_input(const char *input, int n, const char *const *args) {
+    return tu_exec(LLMEM_BIN, input, n, args);
 }
 
 struct tu_run tu_llmem_argv(int n, const char *const *args) {
@@ -139,5 +145,158 @@ cJSON *tu_json_stdout(const struct tu_run *run) {
         cJSON_Delete(root);
         fail_msg("stdout is not exactly one JSON object:\n%s\nstderr:\n%s", run->out, run->err);
     }
+    return root;
+}
+
+/* ---- llmem serve ----------------------------------------------------------------------------- */
+
+void tu_serve_start(struct tu_server *s, int n, const char *const *args) {
+    memset(s, 0, sizeof(*s));
+    char err_path[] = "/tmp/llmem-serve-XXXXXX";
+    int fd = mkstemp(err_path);
+    assert_true(fd >= 0);
+    s->err_path = strdup(err_path);
+    const char **argv = calloc((size_t)n + 6, sizeof(*argv));
+    assert_non_null(argv);
+    int k = 0;
+    argv[k++] = LLMEM_BIN;
+    argv[k++] = "serve";
+    for (int i = 0; i < n; i++)
+        argv[k++] = args[i];
+    argv[k++] = "--port";
+    argv[k++] = "0";
+    s->pid = fork();
+    assert_true(s->pid >= 0);
+    if (s->pid == 0) {
+        int null = open("/dev/null", O_RDWR);
+        dup2(null, 0);
+        dup2(null, 1);
+        dup2(fd, 2);
+        execv(LLMEM_BIN, (char *const *)argv);
+        _exit(127);
+    }
+    free(argv);
+    close(fd);
+    /* the URL is on the line that says it serves; 60 s for a slow (sanitized) start */
+    for (int tries = 0; tries < 6000; tries++) {
+        char *err = tu_serve_stderr(s);
+        const char *at = strstr(err, " at http://");
+        if (at != NULL) {
+            at += 4;
+            size_t len = strcspn(at, "; \n");
+            assert_true(len < sizeof(s->url));
+            memcpy(s->url, at, len);
+            s->url[len] = '\0';
+            free(err);
+            return;
+        }
+        int status = 0;
+        if (waitpid(s->pid, &status, WNOHANG) == s->pid) {
+            s->pid = 0;
+            fail_msg("llmem serve exited before serving:\n%s", err);
+        }
+        free(err);
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    fail_msg("llmem serve did not print its URL");
+}
+
+char *tu_serve_stderr(const struct tu_server *s) {
+    int fd = open(s->err_path, O_RDONLY);
+    assert_true(fd >= 0);
+    char *text = slurp_fd(fd);
+    close(fd);
+    return text;
+}
+
+int tu_serve_stop(struct tu_server *s) {
+    int code = -1;
+    if (s->pid > 0) {
+        kill(s->pid, SIGTERM);
+        int status = 0;
+        assert_int_equal(waitpid(s->pid, &status, 0), s->pid);
+        code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        if (code != 0) {
+            char *err = tu_serve_stderr(s);
+            print_message("llmem serve exited with %d:\n%s\n", code, err);
+            free(err);
+        }
+    }
+    unlink(s->err_path);
+    free(s->err_path);
+    memset(s, 0, sizeof(*s));
+    return code;
+}
+
+/* ---- HTTP through curl ----------------------------------------------------------------------- */
+
+struct tu_http tu_http_argv(const char *method, const char *url, const char *body, long len, int n,
+                            const char *const *extra) {
+    char path[] = "/tmp/llmem-body-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    if (body != NULL) {
+        size_t size = len < 0 ? strlen(body) : (size_t)len;
+        assert_int_equal(write(fd, body, size), (ssize_t)size);
+    }
+    close(fd);
+    char data[64];
+    snprintf(data, sizeof(data), "@%s", path);
+    const char *args[64];
+    int k = 0;
+    args[k++] = "-sS";
+    args[k++] = "-i";
+    args[k++] = "--max-time";
+    args[k++] = "120";
+    args[k++] = "-X";
+    args[k++] = method;
+    if (body != NULL) {
+        args[k++] = "-H";
+        args[k++] = "Content-Type: application/json";
+        args[k++] = "--data-binary";
+        args[k++] = data;
+    }
+    for (int i = 0; i < n && k < 62; i++)
+        args[k++] = extra[i];
+    args[k++] = url;
+    struct tu_run r = tu_exec("curl", NULL, k, args);
+    unlink(path);
+    struct tu_http h = {0};
+    if (r.exit_code != 0)
+        fail_msg("curl %s %s failed (%d): %s", method, url, r.exit_code, r.err);
+    /* skip interim responses (100 Continue), then the status line, headers, body */
+    char *p = r.out;
+    for (;;) {
+        assert_true(strncmp(p, "HTTP/", 5) == 0);
+        h.status = atoi(strchr(p, ' ') + 1);
+        char *end = strstr(p, "\r\n\r\n");
+        assert_non_null(end);
+        if (h.status >= 200) {
+            *end = '\0';
+            h.headers = strdup(p);
+            h.body = strdup(end + 4);
+            break;
+        }
+        p = end + 4;
+    }
+    tu_run_free(&r);
+    return h;
+}
+
+struct tu_http tu_http(const char *method, const char *url, const char *body) {
+    return tu_http_argv(method, url, body, -1, 0, NULL);
+}
+
+void tu_http_free(struct tu_http *h) {
+    free(h->headers);
+    free(h->body);
+    memset(h, 0, sizeof(*h));
+}
+
+cJSON *tu_http_json(const struct tu_http *h) {
+    cJSON *root = cJSON_Parse(h->body);
+    if (root == NULL)
+        fail_msg("not JSON (HTTP %d):\n%s", h->status, h->body);
     return root;
 }

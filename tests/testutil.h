@@ -30,6 +30,34 @@ struct tu_run tu_llmem_argv(int n, const char *const *args);
 /* Same with `input` on stdin (NULL: empty). */
 struct tu_run tu_llmem_input(const char *input, int n, const char *const *args);
 void tu_run_free(struct tu_run *run);
+/* Runs any program (found on PATH) the same way. */
+struct tu_run tu_exec(const char *bin, const char *input, int n, const char *const *args);
+
+/* `llmem serve ARGS --port 0`, stderr to a temp file; returns once it has printed its URL (the
+ * test fails if it exits first). */
+struct tu_server {
+    int pid;
+    char url[128]; /* "http://127.0.0.1:PORT" */
+    char *err_path;
+};
+void tu_serve_start(struct tu_server *s, int n, const char *const *args);
+/* What it has written on stderr so far (malloc'ed). */
+char *tu_serve_stderr(const struct tu_server *s);
+/* SIGTERM, then waits: the exit status (its stderr is printed when not 0). */
+int tu_serve_stop(struct tu_server *s);
+
+/* One HTTP request through curl: the final status, the header block and the body (malloc'ed).
+ * body NULL: none; len < 0: strlen(body). extra: more curl arguments. */
+struct tu_http {
+    int status;
+    char *headers;
+    char *body;
+};
+struct tu_http tu_http(const char *method, const char *url, const char *body);
+struct tu_http tu_http_argv(const char *method, const char *url, const char *body, long len, int n,
+                            const char *const *extra);
+void tu_http_free(struct tu_http *h);
+struct cJSON *tu_http_json(const struct tu_http *h);
 
 /* Parses run->out as exactly one JSON object (only whitespace around it); fails the test
  * otherwise, printing stdout and stderr. Free with cJSON_Delete. */

@@ -152,6 +152,8 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
 void llmem_engine_close(struct llmem_engine *e);
 
 const struct llmem_plan *llmem_engine_plan(const struct llmem_engine *e);
+/* The configuration it was opened with (defaults applied: max_batch_tokens, max_sequences). */
+const struct llmem_engine_config *llmem_engine_get_config(const struct llmem_engine *e);
 struct llmem_mem *llmem_engine_mem(struct llmem_engine *e);
 struct llmem_kv *llmem_engine_kv(struct llmem_engine *e);
 struct llmem_model *llmem_engine_model(struct llmem_engine *e);
@@ -276,10 +278,10 @@ int llmem_engine_serve_start(struct llmem_engine *e, const struct llmem_serve_co
 /* Stops the thread, then ends every request still queued or running as cancelled (on_done). */
 void llmem_engine_serve_stop(struct llmem_engine *e);
 
-/* Queues a request (prompt copied; params' strings copied; it waits while the scheduler is not
- * running, and a closing engine cancels it) and returns its id. LLMEM_EBUSY when
+/* Queues a request (prompt copied; params' strings copied) and returns its id. LLMEM_EBUSY when
  * the queue is full, LLMEM_EINVAL (with the reason logged) for an empty prompt, an id outside the
- * vocabulary or a prompt that leaves no room in the context, LLMEM_ENOMEM. Thread-safe. */
+ * vocabulary, a prompt that leaves no room in the context, or an engine that is not serving (not
+ * started, or stopping); LLMEM_ENOMEM. Every request it accepts gets its on_done. Thread-safe. */
 int llmem_engine_submit(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
                         const struct llmem_generate_params *params,
                         const struct llmem_request_events *events, uint64_t *id);
@@ -307,7 +309,8 @@ struct llmem_engine_metrics {
     int64_t kv_blocks_used, kv_blocks_free, kv_block_bytes;
     struct llmem_engine_bank_stats bank; /* RAM tier, spill store, guard actions */
     int64_t mem_active, mem_peak, mem_cache, mem_limit; /* the allocator (llmem_mem_stats) */
-    int refusing; /* a critical memory pressure is in effect */
+    enum llmem_guard_level guard_level; /* the guard's last reading */
+    int refusing;                       /* a critical memory pressure is in effect */
 };
 void llmem_engine_metrics(struct llmem_engine *e, struct llmem_engine_metrics *m);
 

@@ -338,12 +338,16 @@ out:
 
 int cli_bench(int argc, char **argv) {
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
-        fputs("usage: llmem bench mem|kv|matmul|decode|bank [options]\n\nbenchmarks:\n  mem    "
-              "the caching allocator against malloc and mmap\n  kv     attention over the KV "
-              "caches against the memory bandwidth, format accuracy, append cost\n  matmul the CPU "
-              "matmul against the memory bandwidth and the FMA peak\n  decode prefill and decode "
-              "speed of a model against the memory bandwidth\n  bank   time to first token cold, "
-              "from the session bank's RAM tier, as a chat turn, from its spill store\n",
+        fputs("usage: llmem bench mem|kv|matmul|decode|bank|serve [options]\n\nbenchmarks:\n"
+              "  mem    the caching allocator against malloc and mmap\n"
+              "  kv     attention over the KV caches against the memory bandwidth, format "
+              "accuracy, append cost\n"
+              "  matmul the CPU matmul against the memory bandwidth and the FMA peak\n"
+              "  decode prefill and decode speed of a model against the memory bandwidth\n"
+              "  bank   time to first token cold, from the session bank's RAM tier, as a chat "
+              "turn, from its spill store\n"
+              "  serve  throughput and time to first token of the HTTP server under concurrent "
+              "clients, and the gain of prefix reuse\n",
               argc < 2 ? stderr : stdout);
         return argc < 2 ? CLI_USAGE : CLI_OK;
     }
@@ -357,6 +361,9 @@ int cli_bench(int argc, char **argv) {
         return cli_bench_decode(argc - 1, argv + 1);
     if (strcmp(argv[1], "bank") == 0)
         return cli_bench_bank(argc - 1, argv + 1);
+    if (strcmp(argv[1], "serve") == 0)
+        return cli_bench_serve(argc - 1, argv + 1);
     return cli_usage_error(
-        "bench", "unknown benchmark '%s' (benchmarks: mem, kv, matmul, decode, bank)", argv[1]);
+        "bench", "unknown benchmark '%s' (benchmarks: mem, kv, matmul, decode, bank, serve)",
+        argv[1]);
 }

@@ -8,6 +8,7 @@
 #ifndef LLMEM_CLI_H
 #define LLMEM_CLI_H
 
+#include <getopt.h>
 #include <stdint.h>
 
 enum { CLI_OK = 0, CLI_FAIL = 1, CLI_USAGE = 2, CLI_NOFIT = 3 };
@@ -25,6 +26,8 @@ int cli_bench_kv(int argc, char **argv);
 int cli_bench_decode(int argc, char **argv);
 /* `llmem bench bank MODEL` (bench_bank.c): time to first token with the session bank. */
 int cli_bench_bank(int argc, char **argv);
+/* `llmem bench serve MODEL` (bench_serve.c). */
+int cli_bench_serve(int argc, char **argv);
 /* `llmem bench matmul` (bench_matmul.c), dispatched by cli_bench. */
 int cli_bench_matmul(int argc, char **argv);
 
@@ -37,6 +40,54 @@ int cli_parse_size(const char *flag, const char *value, int64_t *out);
 int cli_parse_int(const char *flag, const char *value, int64_t min, int64_t max, int64_t *out);
 int cli_parse_double(const char *flag, const char *value, double min_excl, double max_incl,
                      double *out);
+
+/* The model, plan and KV options of every command that opens an engine (engine_opts.c): the
+ * getopt_long entries, their values (a command's own options start at CLI_OPT_ENGINE_END), the
+ * help text, and the parser: CLI_OK, CLI_USAGE (the message printed), or -1 when `opt` is not
+ * one of them. */
+enum {
+    CLI_OPT_KV_LAYOUT = 256,
+    CLI_OPT_KV_FORMAT,
+    CLI_OPT_CONTEXT,
+    CLI_OPT_BUDGET,
+    CLI_OPT_MEMORY_LIMIT,
+    CLI_OPT_UTIL,
+    CLI_OPT_THREADS,
+    CLI_OPT_MAX_BATCH_TOKENS,
+    CLI_OPT_BANK_MAX,
+    CLI_OPT_BANK_DIR,
+    CLI_OPT_SPILL_MAX,
+    CLI_OPT_NO_SPILL,
+    CLI_OPT_NO_MMAP,
+    CLI_OPT_ENGINE_END
+};
+// clang-format off
+#define CLI_ENGINE_OPTIONS                                                                         \
+    {"kv-layout", required_argument, NULL, CLI_OPT_KV_LAYOUT},                                     \
+        {"kv-format", required_argument, NULL, CLI_OPT_KV_FORMAT},                                 \
+        {"context", required_argument, NULL, CLI_OPT_CONTEXT},                                     \
+        {"budget", required_argument, NULL, CLI_OPT_BUDGET},                                       \
+        {"memory-limit", required_argument, NULL, CLI_OPT_MEMORY_LIMIT},                           \
+        {"util", required_argument, NULL, CLI_OPT_UTIL},                                           \
+        {"threads", required_argument, NULL, CLI_OPT_THREADS},                                     \
+        {"max-batch-tokens", required_argument, NULL, CLI_OPT_MAX_BATCH_TOKENS},                   \
+        {"bank-max", required_argument, NULL, CLI_OPT_BANK_MAX},                                   \
+        {"bank-dir", required_argument, NULL, CLI_OPT_BANK_DIR},                                   \
+        {"spill-max", required_argument, NULL, CLI_OPT_SPILL_MAX},                                 \
+        {"no-spill", no_argument, NULL, CLI_OPT_NO_SPILL},                                         \
+        {"no-mmap", no_argument, NULL, CLI_OPT_NO_MMAP}
+// clang-format on
+extern const char cli_engine_help[];
+struct llmem_engine_config;
+struct llmem_engine;
+int cli_engine_option(int opt, const char *arg, struct llmem_engine_config *c);
+/* Opens the engine for MODEL: the plan line on stderr, then (print_limits) the limits applied.
+ * CLI_NOFIT when the plan refuses the model, CLI_FAIL on other errors (a message on stderr). */
+int cli_engine_open(const char *cmd, const char *model, struct llmem_engine_config *c,
+                    int print_limits, struct llmem_engine **e);
+
+/* `llmem serve MODEL` (serve.c). */
+int cli_serve(int argc, char **argv);
 
 /* Prints "llmem <cmd>: message" to stderr for usage errors; returns CLI_USAGE. */
 int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

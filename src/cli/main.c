@@ -25,6 +25,8 @@ static const char usage[] =
     "                    (`llmem plan --list` shows the catalog)\n"
     "  run MODEL -p TEXT generate text (streams to stdout; --json, --stats)\n"
     "  chat MODEL        an interactive conversation with the model's chat template\n"
+    "  serve MODEL       an OpenAI-compatible HTTP server (completions, chat, SSE,\n"
+    "                    /health, /metrics)\n"
     "  tokenize MODEL    the token ids of --text TEXT\n"
     "  logits MODEL      teacher-forced logits of --ids, to a .npy file\n"
     "  gc                reconcile the session bank's spill store on disk (--bank-dir,\n"
@@ -34,6 +36,7 @@ static const char usage[] =
     "                    the accuracy of each KV format, and the cost of appending\n"
     "  bench matmul      the CPU matmul against the memory bandwidth and the FMA peak\n"
     "  bench decode MODEL  prefill and decode speed against the memory bandwidth\n"
+    "  bench serve MODEL   HTTP throughput and time to first token under concurrent clients\n"
     "\n"
     "Run `llmem <command> --help` for the options of a command.\n";
 
@@ -150,6 +153,8 @@ int main(int argc, char **argv) {
         return cli_bench(argc - 1, argv + 1);
     if (strcmp(argv[1], "gc") == 0)
         return cli_gc(argc - 1, argv + 1);
+    if (strcmp(argv[1], "serve") == 0)
+        return cli_serve(argc - 1, argv + 1);
     static const char *const run_commands[] = {"run", "chat", "tokenize", "logits"};
     for (size_t i = 0; i < sizeof(run_commands) / sizeof(run_commands[0]); i++)
         if (strcmp(argv[1], run_commands[i]) == 0)

@@ -24,20 +24,7 @@
 #include "llmem/tokenizer.h"
 
 enum {
-    OPT_KV_LAYOUT = 256,
-    OPT_KV_FORMAT,
-    OPT_CONTEXT,
-    OPT_BUDGET,
-    OPT_MEMORY_LIMIT,
-    OPT_UTIL,
-    OPT_THREADS,
-    OPT_MAX_BATCH_TOKENS,
-    OPT_BANK_MAX,
-    OPT_BANK_DIR,
-    OPT_SPILL_MAX,
-    OPT_NO_SPILL,
-    OPT_NO_MMAP,
-    OPT_TEMPERATURE,
+    OPT_TEMPERATURE = CLI_OPT_ENGINE_END,
     OPT_TOP_K,
     OPT_TOP_P,
     OPT_MIN_P,
@@ -55,19 +42,7 @@ enum {
 };
 
 static const struct option options[] = {
-    {"kv-layout", required_argument, NULL, OPT_KV_LAYOUT},
-    {"kv-format", required_argument, NULL, OPT_KV_FORMAT},
-    {"context", required_argument, NULL, OPT_CONTEXT},
-    {"budget", required_argument, NULL, OPT_BUDGET},
-    {"memory-limit", required_argument, NULL, OPT_MEMORY_LIMIT},
-    {"util", required_argument, NULL, OPT_UTIL},
-    {"threads", required_argument, NULL, OPT_THREADS},
-    {"max-batch-tokens", required_argument, NULL, OPT_MAX_BATCH_TOKENS},
-    {"bank-max", required_argument, NULL, OPT_BANK_MAX},
-    {"bank-dir", required_argument, NULL, OPT_BANK_DIR},
-    {"spill-max", required_argument, NULL, OPT_SPILL_MAX},
-    {"no-spill", no_argument, NULL, OPT_NO_SPILL},
-    {"no-mmap", no_argument, NULL, OPT_NO_MMAP},
+    CLI_ENGINE_OPTIONS,
     {"temperature", required_argument, NULL, OPT_TEMPERATURE},
     {"temp", required_argument, NULL, OPT_TEMPERATURE},
     {"top-k", required_argument, NULL, OPT_TOP_K},
@@ -100,26 +75,6 @@ struct run_args {
     int json, stats, help;
 };
 
-static const char common_help[] =
-    "model, plan and KV options:\n"
-    "  --context N          the context window (default: what the plan fits, up to the model's)\n"
-    "  --budget SIZE        plan as if the machine had SIZE of memory (e.g. 2G)\n"
-    "  --memory-limit SIZE  the engine budget, exactly\n"
-    "  --util U             the engine budget as a fraction of the ceiling (0 < U ≤ 1)\n"
-    "  --kv-layout L        paged (default), contiguous, blocks, ragged\n"
-    "  --kv-format F        f16 (default), bf16, f32, q8, q4, tq\n"
-    "  --threads N          CPU threads (default: the online CPUs)\n"
-    "  --max-batch-tokens N the prefill chunk (default 512)\n"
-    "  --bank-max SIZE      the session bank's RAM cap (default: the plan's; 0: no bank)\n"
-    "  --bank-dir DIR       the bank's spill store on disk (default:\n"
-    "                       $XDG_CACHE_HOME/llmem/bank, else ~/.cache/llmem/bank)\n"
-    "  --spill-max SIZE     the spill store's size cap (default by RAM: 16G up to 16G, 24G up\n"
-    "                       to 32G, 32G up to 64G, 100G above; at most a quarter of the disk;\n"
-    "                       0: no spill store)\n"
-    "  --no-spill           keep the session bank in RAM only\n"
-    "  --no-mmap            read the weights into memory (huge pages) instead of mapping\n"
-    "                       the files: faster decode, not reclaimable as page cache\n";
-
 static const char sampling_help[] =
     "sampling options:\n"
     "  -n, --max-tokens N   tokens to generate at most (default 128)\n"
@@ -136,45 +91,6 @@ static int parse(int argc, char **argv, struct run_args *a) {
     double d = 0;
     while (rc == CLI_OK && (c = getopt_long(argc, argv, ":hp:n:", options, NULL)) != -1) {
         switch (c) {
-        case OPT_KV_LAYOUT:
-            if (llmem_kv_layout_parse(optarg, &a->engine.kv_layout) != LLMEM_OK)
-                rc = CLI_USAGE;
-            break;
-        case OPT_KV_FORMAT:
-            if (llmem_kv_format_parse(optarg, &a->engine.kv_format) != LLMEM_OK)
-                rc = CLI_USAGE;
-            break;
-        case OPT_CONTEXT:
-            rc = cli_parse_int("--context", optarg, 2, (int64_t)1 << 40, &a->engine.context);
-            break;
-        case OPT_BUDGET: rc = cli_parse_size("--budget", optarg, &a->engine.budget_bytes); break;
-        case OPT_MEMORY_LIMIT:
-            rc = cli_parse_size("--memory-limit", optarg, &a->engine.memory_limit_bytes);
-            break;
-        case OPT_UTIL: rc = cli_parse_double("--util", optarg, 0.0, 1.0, &a->engine.util); break;
-        case OPT_THREADS:
-            rc = cli_parse_int("--threads", optarg, 1, 1024, &v);
-            a->engine.n_threads = (int)v;
-            break;
-        case OPT_MAX_BATCH_TOKENS:
-            rc = cli_parse_int("--max-batch-tokens", optarg, 1, 1 << 20,
-                               &a->engine.max_batch_tokens);
-            break;
-        case OPT_NO_MMAP: a->engine.no_mmap = 1; break;
-        case OPT_BANK_MAX:
-            rc = cli_parse_size("--bank-max", optarg, &a->engine.bank_max_bytes);
-            a->engine.no_bank = rc == CLI_OK && a->engine.bank_max_bytes == 0;
-            break;
-        case OPT_BANK_DIR:
-            if (optarg[0] == '\0')
-                rc = cli_usage_error(a->cmd, "--bank-dir needs a directory");
-            a->engine.bank_dir = optarg;
-            break;
-        case OPT_SPILL_MAX:
-            rc = cli_parse_size("--spill-max", optarg, &a->engine.spill_max_bytes);
-            a->engine.no_spill = rc == CLI_OK && a->engine.spill_max_bytes == 0;
-            break;
-        case OPT_NO_SPILL: a->engine.no_spill = 1; break;
         case OPT_TEMPERATURE:
             rc = cli_parse_double("--temperature", optarg, -1e-300, 100.0, &d);
             a->gen.sampling.temperature = d;
@@ -213,7 +129,9 @@ static int parse(int argc, char **argv, struct run_args *a) {
         case 'h':
         case OPT_HELP: a->help = 1; break;
         case ':': rc = cli_usage_error(a->cmd, "%s needs a value", argv[optind - 1]); break;
-        default: rc = cli_usage_error(a->cmd, "unknown option '%s' (see --help)", argv[optind - 1]);
+        default:
+            if ((rc = cli_engine_option(c, optarg, &a->engine)) < 0)
+                rc = cli_usage_error(a->cmd, "unknown option '%s' (see --help)", argv[optind - 1]);
         }
     }
     a->gen.stop = a->stop;
@@ -250,11 +168,6 @@ static int parse_ids(const char *cmd, const char *s, int32_t **ids, int64_t *n) 
 
 /* ---- the engine ------------------------------------------------------------------------------ */
 
-static void load_progress(void *arg, int64_t done, int64_t total) {
-    (void)arg;
-    cli_progress("loading", done, total);
-}
-
 static void prefill_progress(void *arg, int64_t done, int64_t total) {
     (void)arg;
     if (total >= 2048)
@@ -262,19 +175,7 @@ static void prefill_progress(void *arg, int64_t done, int64_t total) {
 }
 
 static int open_engine(const char *model, struct run_args *a, struct llmem_engine **e) {
-    a->engine.model_dir = model;
-    int status = llmem_engine_open(&a->engine, load_progress, NULL, e);
-    cli_progress_done();
-    if (status != LLMEM_OK) {
-        fprintf(stderr, "llmem %s: cannot run %s (%s)\n", a->cmd, model, llmem_status_name(status));
-        return status == LLMEM_ENOMEM ? CLI_NOFIT : CLI_FAIL;
-    }
-    char line[512];
-    llmem_plan_describe(llmem_engine_plan(*e), line, sizeof(line));
-    fprintf(stderr, "llmem: %s\n", line);
-    llmem_engine_limits_line(*e, line, sizeof(line));
-    fprintf(stderr, "llmem: limits applied: %s\n", line);
-    return CLI_OK;
+    return cli_engine_open(a->cmd, model, &a->engine, 1, e);
 }
 
 /* Memory planned against measured, per tag, as JSON. */
@@ -382,7 +283,7 @@ static const char run_usage[] =
 
 static int run_main(int argc, char **argv, struct run_args *a) {
     if (a->help) {
-        printf("%s\n%s\n%s", run_usage, sampling_help, common_help);
+        printf("%s\n%s\n%s", run_usage, sampling_help, cli_engine_help);
         return CLI_OK;
     }
     if (optind != argc - 1)
@@ -544,7 +445,7 @@ static const char chat_usage[] =
 
 static int chat_main(int argc, char **argv, struct run_args *a) {
     if (a->help) {
-        printf("%s\n%s\n%s", chat_usage, sampling_help, common_help);
+        printf("%s\n%s\n%s", chat_usage, sampling_help, cli_engine_help);
         return CLI_OK;
     }
     if (optind != argc - 1)
@@ -670,7 +571,7 @@ static int logits_main(int argc, char **argv, struct run_args *a) {
     if (a->help) {
         printf("usage: llmem logits MODEL --ids 1,2,3 --out FILE.npy [options]\n\n"
                "Writes the teacher-forced logits of every position, float32 [n, vocab].\n\n%s",
-               common_help);
+               cli_engine_help);
         return CLI_OK;
     }
     if (optind != argc - 1 || a->ids == NULL || a->out == NULL)

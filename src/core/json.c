@@ -16,25 +16,35 @@
 
 #define JSON_EXACT_LIMIT 9007199254740992.0 /* 2^53 */
 
-int llmem_json_parse(const char *text, size_t len, const char *what, cJSON **out) {
+int llmem_json_parse_msg(const char *text, size_t len, const char *what, cJSON **out, char *msg,
+                         size_t msg_size) {
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
     if (root == NULL) {
         size_t at = (end != NULL && end >= text) ? (size_t)(end - text) : 0;
-        LLMEM_ERROR("%s: invalid JSON at byte %zu of %zu", what, at, len);
+        snprintf(msg, msg_size, "%s: invalid JSON at byte %zu of %zu", what, at, len);
         return LLMEM_EFORMAT;
     }
     /* One document: only whitespace (or the terminator) may follow it. */
     for (const char *p = end; p != NULL && p < text + len && *p != '\0'; p++) {
         if (!isspace((unsigned char)*p)) {
-            LLMEM_ERROR("%s: unexpected text after the JSON document at byte %zu of %zu", what,
-                        (size_t)(p - text), len);
+            snprintf(msg, msg_size,
+                     "%s: unexpected text after the JSON document at byte %zu of %zu", what,
+                     (size_t)(p - text), len);
             cJSON_Delete(root);
             return LLMEM_EFORMAT;
         }
     }
     *out = root;
     return LLMEM_OK;
+}
+
+int llmem_json_parse(const char *text, size_t len, const char *what, cJSON **out) {
+    char msg[512];
+    int status = llmem_json_parse_msg(text, len, what, out, msg, sizeof(msg));
+    if (status != LLMEM_OK)
+        LLMEM_ERROR("%s", msg);
+    return status;
 }
 
 int llmem_json_parse_file(const char *path, int64_t max_bytes, cJSON **out) {

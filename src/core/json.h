@@ -16,6 +16,10 @@
 /* Parses len bytes of text holding exactly one JSON document (trailing whitespace allowed);
  * `what` names the document in the error ("config.json"). */
 int llmem_json_parse(const char *text, size_t len, const char *what, cJSON **out);
+/* The same without logging: the reason goes to msg (for input that is someone else's mistake,
+ * such as a client's request body). */
+int llmem_json_parse_msg(const char *text, size_t len, const char *what, cJSON **out, char *msg,
+                         size_t msg_size);
 /* Reads and parses a file of at most max_bytes. LLMEM_ENOENT when missing. */
 int llmem_json_parse_file(const char *path, int64_t max_bytes, cJSON **out);
 

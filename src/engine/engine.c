@@ -255,6 +255,9 @@ void llmem_engine_close(struct llmem_engine *e) {
 const struct llmem_plan *llmem_engine_plan(const struct llmem_engine *e) {
     return &e->plan;
 }
+const struct llmem_engine_config *llmem_engine_get_config(const struct llmem_engine *e) {
+    return &e->cfg;
+}
 struct llmem_mem *llmem_engine_mem(struct llmem_engine *e) {
     return e->mem;
 }

@@ -588,6 +588,7 @@ static void publish(struct llmem_engine *e) {
     llmem_mem_stats(e->mem, &st);
     m.mem_active = st.active_bytes, m.mem_peak = st.peak_bytes, m.mem_cache = st.cache_bytes;
     m.mem_limit = st.memory_limit_bytes;
+    m.guard_level = e->guard.prev;
     m.refusing = e->refusing;
     pthread_mutex_lock(&e->mu);
     m.waiting += count(e->incoming);
@@ -747,6 +748,7 @@ static void *sched_thread(void *arg) {
             break;
         if (clear) {
             int64_t bytes = llmem_engine_release_caches(e);
+            publish(e); /* whoever asked sees the emptied bank in the metrics */
             pthread_mutex_lock(&e->mu);
             e->clear_requested = 0;
             e->cleared_bytes = bytes;
@@ -770,12 +772,17 @@ int llmem_engine_serve_start(struct llmem_engine *e, const struct llmem_serve_co
         return LLMEM_EINVAL;
     }
     e->max_queue = config != NULL && config->max_queue > 0 ? config->max_queue : 256;
+    pthread_mutex_lock(&e->mu);
     e->stopping = 0;
+    e->serving = 1; /* before the thread runs: submit reads it under mu */
+    pthread_mutex_unlock(&e->mu);
     if (pthread_create(&e->thread, NULL, sched_thread, e) != 0) {
+        pthread_mutex_lock(&e->mu);
+        e->serving = 0;
+        pthread_mutex_unlock(&e->mu);
         LLMEM_ERROR("cannot start the scheduler thread");
         return LLMEM_ENOMEM;
     }
-    e->serving = 1;
     return LLMEM_OK;
 }
 
@@ -787,7 +794,10 @@ void llmem_engine_serve_stop(struct llmem_engine *e) {
     pthread_cond_broadcast(&e->wake);
     pthread_mutex_unlock(&e->mu);
     pthread_join(e->thread, NULL);
+    pthread_mutex_lock(&e->mu);
     e->serving = 0;
+    pthread_cond_broadcast(&e->done); /* a cache clear the thread left undone waits no more */
+    pthread_mutex_unlock(&e->mu);
     cancel_all(e);
 }
 
@@ -809,6 +819,14 @@ int llmem_engine_submit(struct llmem_engine *e, const int32_t *prompt, int64_t n
     if (status != LLMEM_OK)
         return status;
     pthread_mutex_lock(&e->mu);
+    if (!e->serving || e->stopping) {
+        /* nothing would ever step it: the scheduler thread is not running or has taken its
+         * last intake */
+        pthread_mutex_unlock(&e->mu);
+        request_free(r);
+        LLMEM_ERROR("the engine is not serving");
+        return LLMEM_EINVAL;
+    }
     if (e->queued >= e->max_queue + e->cfg.max_sequences) {
         pthread_mutex_unlock(&e->mu);
         request_free(r);

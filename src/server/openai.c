@@ -1,0 +1,823 @@
+/*
+ * server/openai.c — the OpenAI API as this server speaks it: a request body checked field by
+ * field into generation parameters, and the response shapes (completion, chat completion, their
+ * streaming chunks, usage, the model list, the error object).
+ *
+ * Validation is strict about what would otherwise be silently wrong: a field of the wrong type,
+ * a value out of its range, a parameter this engine does not implement (n > 1, echo, penalties,
+ * logit_bias, tools) is a 400 naming the field; fields it does not know are ignored, as OpenAI's
+ * clients send some by default. Defaults follow OpenAI: max_tokens 16 for completions, up to the
+ * context for chat; temperature 1 when absent (0 is greedy); top_p 1.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/json.h"
+#include "server/server_int.h"
+
+/* ---- text ------------------------------------------------------------------------------------ */
+
+static int buf_reserve(struct srv_buf *b, size_t more) {
+    if (b->failed)
+        return -1;
+    if (b->len + more + 1 <= b->cap)
+        return 0;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + more + 1)
+        cap *= 2;
+    char *d = realloc(b->data, cap);
+    if (d == NULL) {
+        b->failed = 1;
+        return -1;
+    }
+    b->data = d;
+    b->cap = cap;
+    return 0;
+}
+
+void srv_buf_append(struct srv_buf *b, const char *s, size_t n) {
+    if (buf_reserve(b, n) != 0)
+        return;
+    memcpy(b->data + b->len, s, n);
+    b->len += n;
+    b->data[b->len] = '\0';
+}
+
+void srv_buf_printf(struct srv_buf *b, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0 || buf_reserve(b, (size_t)n) != 0)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(b->data + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+}
+
+void srv_buf_free(struct srv_buf *b) {
+    free(b->data);
+    memset(b, 0, sizeof(*b));
+}
+
+int srv_utf8_valid(const char *str, size_t n) {
+    const unsigned char *s = (const unsigned char *)str;
+    size_t i = 0;
+    while (i < n) {
+        unsigned c = s[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        size_t len;
+        unsigned cp, min;
+        if ((c & 0xE0) == 0xC0)
+            len = 2, cp = c & 0x1F, min = 0x80;
+        else if ((c & 0xF0) == 0xE0)
+            len = 3, cp = c & 0x0F, min = 0x800;
+        else if ((c & 0xF8) == 0xF0)
+            len = 4, cp = c & 0x07, min = 0x10000;
+        else
+            return 0;
+        if (i + len > n)
+            return 0;
+        for (size_t k = 1; k < len; k++) {
+            if ((s[i + k] & 0xC0) != 0x80)
+                return 0;
+            cp = (cp << 6) | (s[i + k] & 0x3F);
+        }
+        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+            return 0;
+        i += len;
+    }
+    return 1;
+}
+
+/* ---- errors ---------------------------------------------------------------------------------- */
+
+int srv_fail(struct srv_error *e, int http, const char *type, const char *param, const char *code,
+             const char *fmt, ...) {
+    e->http = http;
+    e->type = type;
+    e->param = param;
+    e->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof(e->message), fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+static int bad(struct srv_error *e, const char *param, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int bad(struct srv_error *e, const char *param, const char *code, const char *fmt, ...) {
+    e->http = 400;
+    e->type = "invalid_request_error";
+    e->param = param;
+    e->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof(e->message), fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+char *srv_error_json(const struct srv_error *e) {
+    cJSON *root = cJSON_CreateObject();
+    cJSON *o = cJSON_AddObjectToObject(root, "error");
+    char *text = NULL;
+    if (o != NULL && llmem_json_add_string(o, "message", e->message) == 0 &&
+        llmem_json_add_string(o, "type", e->type != NULL ? e->type : "server_error") == 0 &&
+        (e->param != NULL ? llmem_json_add_string(o, "param", e->param)
+                          : llmem_json_add_null(o, "param")) == 0 &&
+        (e->code != NULL ? llmem_json_add_string(o, "code", e->code)
+                         : llmem_json_add_null(o, "code")) == 0)
+        text = llmem_json_print(root, 0);
+    cJSON_Delete(root);
+    return text;
+}
+
+/* ---- typed fields ---------------------------------------------------------------------------- */
+
+/* Each returns 0 when the key is absent or null, 1 with the value, -1 with err filled. */
+
+static int field_int(const cJSON *o, const char *key, int64_t *v, struct srv_error *e) {
+    switch (llmem_json_get_int(o, key, v)) {
+    case LLMEM_OK: return 1;
+    case LLMEM_ENOENT: return 0;
+    case LLMEM_ERANGE: return bad(e, key, "invalid_value", "'%s' must be an integer", key);
+    default: return bad(e, key, "invalid_type", "Invalid type for '%s': expected an integer", key);
+    }
+}
+
+static int field_num(const cJSON *o, const char *key, double *v, struct srv_error *e) {
+    switch (llmem_json_get_double(o, key, v)) {
+    case LLMEM_OK: return 1;
+    case LLMEM_ENOENT: return 0;
+    default: return bad(e, key, "invalid_type", "Invalid type for '%s': expected a number", key);
+    }
+}
+
+static int field_bool(const cJSON *o, const char *key, int *v, struct srv_error *e) {
+    switch (llmem_json_get_bool(o, key, v)) {
+    case LLMEM_OK: return 1;
+    case LLMEM_ENOENT: return 0;
+    default: return bad(e, key, "invalid_type", "Invalid type for '%s': expected a boolean", key);
+    }
+}
+
+static int field_str(const cJSON *o, const char *key, const char **v, struct srv_error *e) {
+    switch (llmem_json_get_string(o, key, v)) {
+    case LLMEM_OK: return 1;
+    case LLMEM_ENOENT: return 0;
+    default: return bad(e, key, "invalid_type", "Invalid type for '%s': expected a string", key);
+    }
+}
+
+/* A number field within [lo, hi] (lo_open: lo itself excluded). */
+static int field_range(const cJSON *o, const char *key, double lo, int lo_open, double hi,
+                       double *v, struct srv_error *e) {
+    int got = field_num(o, key, v, e);
+    if (got == 1 && (!isfinite(*v) || *v < lo || (lo_open && *v == lo) || *v > hi))
+        return bad(e, key, "invalid_value", "'%s' is %g; it must be in %c%g, %g]", key, *v,
+                   lo_open ? '(' : '[', lo, hi);
+    return got;
+}
+
+/* ---- the prompt and the messages ------------------------------------------------------------- */
+
+static int ids_from_array(const cJSON *arr, const struct srv_model *m, struct srv_request *r,
+                          struct srv_error *e) {
+    int n = cJSON_GetArraySize(arr);
+    if (n == 0)
+        return bad(e, "prompt", "invalid_value", "'prompt' is empty");
+    r->prompt_ids = malloc((size_t)n * sizeof(int32_t));
+    if (r->prompt_ids == NULL)
+        return srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    const cJSON *it = NULL;
+    cJSON_ArrayForEach(it, arr) {
+        int64_t v = 0;
+        if (llmem_json_int(it, &v) != LLMEM_OK)
+            return bad(e, "prompt", "invalid_type",
+                       "'prompt' must be a string or an array of token ids (integers)");
+        if (v < 0 || v >= m->vocab)
+            return bad(e, "prompt", "invalid_value",
+                       "token %" PRId64 " of 'prompt' is %" PRId64
+                       ", outside the vocabulary (0 to %" PRId64 ")",
+                       r->n_prompt_ids, v, m->vocab - 1);
+        r->prompt_ids[r->n_prompt_ids++] = (int32_t)v;
+    }
+    return 0;
+}
+
+static int parse_prompt(const cJSON *root, const struct srv_model *m, struct srv_request *r,
+                        struct srv_error *e) {
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(root, "prompt");
+    if (p == NULL || cJSON_IsNull(p))
+        return bad(e, "prompt", "missing_required_parameter", "'prompt' is required");
+    if (cJSON_IsString(p)) {
+        r->prompt_text = p->valuestring;
+        return 0;
+    }
+    if (!cJSON_IsArray(p))
+        return bad(e, "prompt", "invalid_type",
+                   "Invalid type for 'prompt': expected a string or an array of token ids");
+    const cJSON *first = cJSON_GetArrayItem(p, 0);
+    if (first != NULL && (cJSON_IsString(first) || cJSON_IsArray(first))) {
+        /* a batch of prompts: this server answers one prompt per request */
+        if (cJSON_GetArraySize(p) != 1)
+            return bad(e, "prompt", "invalid_value",
+                       "'prompt' holds %d prompts; this server takes one per request",
+                       cJSON_GetArraySize(p));
+        if (cJSON_IsString(first)) {
+            r->prompt_text = first->valuestring;
+            return 0;
+        }
+        return ids_from_array(first, m, r, e);
+    }
+    return ids_from_array(p, m, r, e);
+}
+
+static int own(struct srv_request *r, char *s) {
+    char **o = realloc(r->owned, (size_t)(r->n_owned + 1) * sizeof(*o));
+    if (o == NULL) {
+        free(s);
+        return -1;
+    }
+    r->owned = o;
+    r->owned[r->n_owned++] = s;
+    return 0;
+}
+
+/* A message's content: a string, or an array of {"type": "text", "text": …} parts (joined with
+ * newlines); null only for an assistant. */
+static int message_content(const cJSON *msg, const char *role, int i, struct srv_request *r,
+                           const char **out, struct srv_error *e) {
+    const cJSON *c = cJSON_GetObjectItemCaseSensitive(msg, "content");
+    if (c == NULL || cJSON_IsNull(c)) {
+        if (strcmp(role, "assistant") == 0) {
+            *out = "";
+            return 0;
+        }
+        return bad(e, "messages", "missing_required_parameter",
+                   "messages[%d] (%s) has no 'content'", i, role);
+    }
+    if (cJSON_IsString(c)) {
+        *out = c->valuestring;
+        return 0;
+    }
+    if (!cJSON_IsArray(c))
+        return bad(e, "messages", "invalid_type",
+                   "messages[%d].content must be a string or an array of text parts", i);
+    struct srv_buf b = {0};
+    const cJSON *part = NULL;
+    int k = 0;
+    cJSON_ArrayForEach(part, c) {
+        const char *type = NULL, *text = NULL;
+        if (!cJSON_IsObject(part) || llmem_json_get_string(part, "type", &type) != LLMEM_OK ||
+            strcmp(type, "text") != 0 || llmem_json_get_string(part, "text", &text) != LLMEM_OK) {
+            srv_buf_free(&b);
+            return bad(e, "messages", "invalid_value",
+                       "messages[%d].content[%d] is not a text part ({\"type\": \"text\", "
+                       "\"text\": …}); this server reads text only",
+                       i, k);
+        }
+        if (k++ > 0)
+            srv_buf_append(&b, "\n", 1);
+        srv_buf_append(&b, text, strlen(text));
+    }
+    if (b.data == NULL)
+        srv_buf_append(&b, "", 0);
+    if (b.failed) {
+        srv_buf_free(&b);
+        return srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    if (own(r, b.data) != 0)
+        return srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    *out = b.data;
+    return 0;
+}
+
+static int parse_messages(const cJSON *root, struct srv_request *r, struct srv_error *e) {
+    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(root, "messages");
+    if (msgs == NULL || cJSON_IsNull(msgs))
+        return bad(e, "messages", "missing_required_parameter", "'messages' is required");
+    if (!cJSON_IsArray(msgs))
+        return bad(e, "messages", "invalid_type",
+                   "Invalid type for 'messages': expected an array of messages");
+    int n = cJSON_GetArraySize(msgs);
+    if (n == 0)
+        return bad(e, "messages", "invalid_value", "'messages' is empty");
+    if (n > SRV_MAX_MESSAGES)
+        return bad(e, "messages", "invalid_value", "'messages' holds %d messages; at most %d", n,
+                   SRV_MAX_MESSAGES);
+    r->messages = calloc((size_t)n, sizeof(*r->messages));
+    if (r->messages == NULL)
+        return srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    const cJSON *msg = NULL;
+    cJSON_ArrayForEach(msg, msgs) {
+        int i = r->n_messages;
+        const char *role = NULL;
+        if (!cJSON_IsObject(msg))
+            return bad(e, "messages", "invalid_type", "messages[%d] is not an object", i);
+        if (llmem_json_get_string(msg, "role", &role) != LLMEM_OK)
+            return bad(e, "messages", "invalid_value", "messages[%d] has no 'role' string", i);
+        if (strcmp(role, "developer") == 0)
+            role = "system"; /* OpenAI's newer name for the system message */
+        if (strcmp(role, "system") != 0 && strcmp(role, "user") != 0 &&
+            strcmp(role, "assistant") != 0)
+            return bad(e, "messages", "invalid_value",
+                       "messages[%d] has role '%s'; this server takes system, user and "
+                       "assistant messages",
+                       i, role);
+        const char *content = NULL;
+        if (message_content(msg, role, i, r, &content, e) != 0)
+            return -1;
+        r->messages[r->n_messages++] = (struct llmem_chat_message){role, content};
+    }
+    return 0;
+}
+
+/* ---- the request ----------------------------------------------------------------------------- */
+
+/* Fields this engine does not implement: allowed only at their neutral values. */
+static int unsupported(const cJSON *root, struct srv_error *e) {
+    int v = 0;
+    int64_t i = 0;
+    double d = 0;
+    const char *s = NULL;
+    int got;
+    if ((got = field_bool(root, "echo", &v, e)) < 0)
+        return -1;
+    if (got && v)
+        return bad(e, "echo", "unsupported_value", "'echo' is not supported");
+    if ((got = field_int(root, "best_of", &i, e)) < 0)
+        return -1;
+    if (got && i != 1)
+        return bad(e, "best_of", "unsupported_value", "'best_of' must be 1 on this server");
+    if ((got = field_str(root, "suffix", &s, e)) < 0)
+        return -1;
+    if (got && *s)
+        return bad(e, "suffix", "unsupported_value", "'suffix' is not supported");
+    static const char *const penalties[] = {"presence_penalty", "frequency_penalty"};
+    for (int k = 0; k < 2; k++) {
+        if ((got = field_num(root, penalties[k], &d, e)) < 0)
+            return -1;
+        if (got && d != 0)
+            return bad(e, penalties[k], "unsupported_value", "'%s' is not supported (only 0)",
+                       penalties[k]);
+    }
+    const cJSON *lb = cJSON_GetObjectItemCaseSensitive(root, "logit_bias");
+    if (lb != NULL && !cJSON_IsNull(lb) && !(cJSON_IsObject(lb) && lb->child == NULL))
+        return bad(e, "logit_bias", "unsupported_value", "'logit_bias' is not supported");
+    const cJSON *tools = cJSON_GetObjectItemCaseSensitive(root, "tools");
+    if (tools != NULL && !cJSON_IsNull(tools) && !(cJSON_IsArray(tools) && tools->child == NULL))
+        return bad(e, "tools", "unsupported_value", "'tools' are not supported");
+    const cJSON *rf = cJSON_GetObjectItemCaseSensitive(root, "response_format");
+    if (rf != NULL && !cJSON_IsNull(rf)) {
+        const char *type = NULL;
+        if (!cJSON_IsObject(rf) || llmem_json_get_string(rf, "type", &type) != LLMEM_OK ||
+            strcmp(type, "text") != 0)
+            return bad(e, "response_format", "unsupported_value",
+                       "'response_format' must be {\"type\": \"text\"} on this server");
+    }
+    return 0;
+}
+
+static int parse_stop(const cJSON *root, struct srv_request *r, struct srv_error *e) {
+    const cJSON *stop = cJSON_GetObjectItemCaseSensitive(root, "stop");
+    if (stop == NULL || cJSON_IsNull(stop))
+        return 0;
+    if (cJSON_IsString(stop)) {
+        if (*stop->valuestring)
+            r->stop[r->n_stop++] = stop->valuestring;
+        return 0;
+    }
+    if (!cJSON_IsArray(stop))
+        return bad(e, "stop", "invalid_type",
+                   "Invalid type for 'stop': expected a string or an array of strings");
+    if (cJSON_GetArraySize(stop) > SRV_MAX_STOP)
+        return bad(e, "stop", "invalid_value", "'stop' holds %d strings; at most %d",
+                   cJSON_GetArraySize(stop), SRV_MAX_STOP);
+    const cJSON *s = NULL;
+    cJSON_ArrayForEach(s, stop) {
+        if (!cJSON_IsString(s))
+            return bad(e, "stop", "invalid_type",
+                       "Invalid type for 'stop': expected a string or an array of strings");
+        if (*s->valuestring)
+            r->stop[r->n_stop++] = s->valuestring;
+    }
+    return 0;
+}
+
+static int parse_sampling(const cJSON *root, struct srv_request *r, struct srv_error *e) {
+    struct llmem_sampling *s = &r->sampling;
+    double d = 0;
+    int64_t i = 0;
+    int got;
+    s->temperature = 1.0; /* OpenAI's default */
+    if ((got = field_range(root, "temperature", 0, 0, 2, &d, e)) < 0)
+        return -1;
+    if (got)
+        s->temperature = d;
+    if ((got = field_range(root, "top_p", 0, 1, 1, &d, e)) < 0)
+        return -1;
+    if (got)
+        s->top_p = d;
+    if ((got = field_range(root, "min_p", 0, 0, 1, &d, e)) < 0)
+        return -1;
+    if (got)
+        s->min_p = d;
+    if ((got = field_int(root, "top_k", &i, e)) < 0)
+        return -1;
+    if (got && (i < -1 || i > INT32_MAX))
+        return bad(e, "top_k", "invalid_value",
+                   "'top_k' is %" PRId64 "; it must be -1 or 0 (off) or a positive count", i);
+    if (got)
+        s->top_k = i < 0 ? 0 : i;
+    if ((got = field_int(root, "seed", &i, e)) < 0)
+        return -1;
+    if (got)
+        s->seed = (uint64_t)i;
+    r->have_seed = got;
+    return 0;
+}
+
+static int parse_logprobs(const cJSON *root, struct srv_request *r, struct srv_error *e) {
+    int64_t k = 0;
+    int got, on = 0;
+    r->logprobs = -1;
+    if (r->kind == SRV_COMPLETIONS) {
+        if ((got = field_int(root, "logprobs", &k, e)) < 0)
+            return -1;
+        if (!got)
+            return 0;
+    } else {
+        if ((got = field_bool(root, "logprobs", &on, e)) < 0)
+            return -1;
+        int have_top = field_int(root, "top_logprobs", &k, e);
+        if (have_top < 0)
+            return -1;
+        if (have_top && !on)
+            return bad(e, "top_logprobs", "invalid_value", "'top_logprobs' needs 'logprobs': true");
+        if (!on)
+            return 0;
+        if (!have_top)
+            k = 0;
+    }
+    const char *key = r->kind == SRV_COMPLETIONS ? "logprobs" : "top_logprobs";
+    if (k < 0 || k > LLMEM_MAX_TOP_LOGPROBS)
+        return bad(e, key, "invalid_value", "'%s' is %" PRId64 "; it must be in [0, %d]", key, k,
+                   LLMEM_MAX_TOP_LOGPROBS);
+    r->logprobs = (int)k;
+    return 0;
+}
+
+int srv_request_parse(enum srv_kind kind, const char *body, size_t len, const struct srv_model *m,
+                      struct srv_request *r, struct srv_error *e) {
+    memset(r, 0, sizeof(*r));
+    r->kind = kind;
+    llmem_sampling_default(&r->sampling);
+    r->logprobs = -1;
+    if (!srv_utf8_valid(body, len))
+        return bad(e, NULL, "invalid_encoding", "the request body is not valid UTF-8");
+    char msg[256];
+    if (llmem_json_parse_msg(body, len, "the request body", &r->root, msg, sizeof(msg)) != LLMEM_OK)
+        return bad(e, NULL, "invalid_json", "%s", msg);
+    const cJSON *root = r->root;
+    if (!cJSON_IsObject(root))
+        return bad(e, NULL, "invalid_json", "the request body must be a JSON object");
+
+    const char *model = NULL;
+    int got;
+    if ((got = field_str(root, "model", &model, e)) < 0)
+        return -1;
+    if (got && strcmp(model, m->name) != 0)
+        return srv_fail(e, 404, "invalid_request_error", "model", "model_not_found",
+                        "The model '%s' does not exist; this server serves '%s'", model, m->name);
+    int64_t n = 1;
+    if (field_int(root, "n", &n, e) < 0)
+        return -1;
+    if (n != 1)
+        return bad(e, "n", "unsupported_value", "'n' is %" PRId64 "; only 1 is supported", n);
+    if (unsupported(root, e) != 0)
+        return -1;
+    if (field_bool(root, "stream", &r->stream, e) < 0)
+        return -1;
+    const cJSON *so = cJSON_GetObjectItemCaseSensitive(root, "stream_options");
+    if (so != NULL && !cJSON_IsNull(so)) {
+        if (!cJSON_IsObject(so))
+            return bad(e, "stream_options", "invalid_type",
+                       "Invalid type for 'stream_options': expected an object");
+        if (!r->stream)
+            return bad(e, "stream_options", "invalid_value",
+                       "'stream_options' is only allowed when 'stream' is true");
+        if (field_bool(so, "include_usage", &r->include_usage, e) < 0) {
+            e->param = "stream_options.include_usage";
+            return -1;
+        }
+    }
+
+    /* max_tokens: chat prefers max_completion_tokens */
+    const char *mt_key = "max_tokens";
+    int64_t mt = 0;
+    got = 0;
+    if (kind == SRV_CHAT && (got = field_int(root, "max_completion_tokens", &mt, e)) < 0)
+        return -1;
+    if (got)
+        mt_key = "max_completion_tokens";
+    else if ((got = field_int(root, "max_tokens", &mt, e)) < 0)
+        return -1;
+    if (got && mt < 1)
+        return bad(e, mt_key, "invalid_value", "'%s' is %" PRId64 "; it must be at least 1", mt_key,
+                   mt);
+    if (got && mt > m->context)
+        return bad(e, mt_key, "invalid_value",
+                   "'%s' is %" PRId64 "; the context window is %" PRId64 " tokens", mt_key, mt,
+                   m->context);
+    r->max_tokens = got ? mt : kind == SRV_COMPLETIONS ? 16 : 0;
+
+    if (parse_sampling(root, r, e) != 0 || parse_stop(root, r, e) != 0 ||
+        parse_logprobs(root, r, e) != 0)
+        return -1;
+    if (field_bool(root, "ignore_eos", &r->ignore_eos, e) < 0)
+        return -1;
+    return kind == SRV_COMPLETIONS ? parse_prompt(root, m, r, e) : parse_messages(root, r, e);
+}
+
+void srv_request_free(struct srv_request *r) {
+    if (r == NULL)
+        return;
+    cJSON_Delete(r->root);
+    free(r->prompt_ids);
+    free(r->messages);
+    for (int i = 0; i < r->n_owned; i++)
+        free(r->owned[i]);
+    free(r->owned);
+    memset(r, 0, sizeof(*r));
+}
+
+int srv_check_prompt(enum srv_kind kind, int64_t n_prompt, const struct srv_model *m,
+                     struct srv_error *e) {
+    const char *param = kind == SRV_CHAT ? "messages" : "prompt";
+    if (n_prompt <= 0)
+        return bad(e, param, "invalid_value", "the prompt is empty (no tokens)");
+    if (n_prompt >= m->context)
+        return bad(e, param, "context_length_exceeded",
+                   "This model's maximum context length is %" PRId64
+                   " tokens; the prompt has %" PRId64
+                   " tokens, which leaves no room for a completion",
+                   m->context, n_prompt);
+    return 0;
+}
+
+/* ---- responses ------------------------------------------------------------------------------- */
+
+/* A log-probability as the shortest decimal that reads back as the same float. */
+static cJSON *logprob_number(float v) {
+    if (!isfinite(v))
+        return cJSON_CreateNull();
+    char num[32];
+    for (int prec = 1; prec <= 9; prec++) {
+        snprintf(num, sizeof(num), "%.*g", prec, (double)v);
+        if (strtof(num, NULL) == v)
+            break;
+    }
+    return cJSON_CreateRaw(num);
+}
+
+static int add_logprob(cJSON *o, const char *key, float v) {
+    cJSON *n = logprob_number(v);
+    if (n == NULL)
+        return -1;
+    cJSON_AddItemToObject(o, key, n);
+    return 0;
+}
+
+static cJSON *new_response(const struct srv_render *r, int chunk) {
+    cJSON *o = cJSON_CreateObject();
+    if (o == NULL)
+        return NULL;
+    const char *object = r->kind == SRV_CHAT ? (chunk ? "chat.completion.chunk" : "chat.completion")
+                                             : "text_completion";
+    if (llmem_json_add_string(o, "id", r->id) || llmem_json_add_string(o, "object", object) ||
+        llmem_json_add_int(o, "created", r->created) ||
+        llmem_json_add_string(o, "model", r->model)) {
+        cJSON_Delete(o);
+        return NULL;
+    }
+    return o;
+}
+
+static int add_usage(cJSON *o, int64_t prompt, int64_t completion) {
+    cJSON *u = cJSON_AddObjectToObject(o, "usage");
+    return u == NULL || llmem_json_add_int(u, "prompt_tokens", prompt) ||
+           llmem_json_add_int(u, "completion_tokens", completion) ||
+           llmem_json_add_int(u, "total_tokens", prompt + completion);
+}
+
+static int add_bytes(cJSON *o, const char *text) {
+    cJSON *arr = cJSON_AddArrayToObject(o, "bytes");
+    if (arr == NULL)
+        return -1;
+    for (const unsigned char *p = (const unsigned char *)text; *p; p++) {
+        cJSON *n = cJSON_CreateNumber(*p);
+        if (n == NULL)
+            return -1;
+        cJSON_AddItemToArray(arr, n);
+    }
+    return 0;
+}
+
+/* chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": null} */
+static cJSON *chat_logprobs(struct srv_render *r, const struct srv_token *toks, int64_t n) {
+    cJSON *lp = cJSON_CreateObject(), *content = cJSON_AddArrayToObject(lp, "content");
+    int bad_ = content == NULL || llmem_json_add_null(lp, "refusal");
+    for (int64_t i = 0; !bad_ && i < n; i++) {
+        cJSON *entry = cJSON_CreateObject();
+        char *text = r->piece(r->piece_arg, toks[i].id);
+        bad_ = entry == NULL || text == NULL;
+        if (!bad_) {
+            cJSON_AddItemToArray(content, entry);
+            bad_ = llmem_json_add_string(entry, "token", text) ||
+                   add_logprob(entry, "logprob", toks[i].logprob) || add_bytes(entry, text);
+        } else {
+            cJSON_Delete(entry);
+        }
+        free(text);
+        cJSON *top = bad_ ? NULL : cJSON_AddArrayToObject(entry, "top_logprobs");
+        bad_ = bad_ || top == NULL;
+        for (int k = 0; !bad_ && k < toks[i].n_top; k++) {
+            cJSON *t = cJSON_CreateObject();
+            char *tt = r->piece(r->piece_arg, toks[i].top_ids[k]);
+            bad_ = t == NULL || tt == NULL;
+            if (!bad_) {
+                cJSON_AddItemToArray(top, t);
+                bad_ = llmem_json_add_string(t, "token", tt) ||
+                       add_logprob(t, "logprob", toks[i].top_logprobs[k]) || add_bytes(t, tt);
+            } else {
+                cJSON_Delete(t);
+            }
+            free(tt);
+        }
+    }
+    if (bad_) {
+        cJSON_Delete(lp);
+        return NULL;
+    }
+    return lp;
+}
+
+/* completions: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"} */
+static cJSON *completion_logprobs(struct srv_render *r, const struct srv_token *toks, int64_t n) {
+    cJSON *lp = cJSON_CreateObject();
+    cJSON *tokens = cJSON_AddArrayToObject(lp, "tokens");
+    cJSON *token_lp = cJSON_AddArrayToObject(lp, "token_logprobs");
+    cJSON *top = cJSON_AddArrayToObject(lp, "top_logprobs");
+    cJSON *offsets = cJSON_AddArrayToObject(lp, "text_offset");
+    int bad_ = tokens == NULL || token_lp == NULL || top == NULL || offsets == NULL;
+    for (int64_t i = 0; !bad_ && i < n; i++) {
+        char *text = r->piece(r->piece_arg, toks[i].id);
+        cJSON *s = text != NULL ? cJSON_CreateString(text) : NULL;
+        cJSON *l = logprob_number(toks[i].logprob);
+        cJSON *off = cJSON_CreateNumber((double)r->text_offset);
+        cJSON *d = cJSON_CreateObject();
+        bad_ = s == NULL || l == NULL || off == NULL || d == NULL;
+        if (text != NULL)
+            r->text_offset += (int64_t)strlen(text);
+        free(text);
+        if (bad_) {
+            cJSON_Delete(s), cJSON_Delete(l), cJSON_Delete(off), cJSON_Delete(d);
+            break;
+        }
+        cJSON_AddItemToArray(tokens, s);
+        cJSON_AddItemToArray(token_lp, l);
+        cJSON_AddItemToArray(offsets, off);
+        cJSON_AddItemToArray(top, d);
+        for (int k = 0; !bad_ && k < toks[i].n_top; k++) {
+            char *tt = r->piece(r->piece_arg, toks[i].top_ids[k]);
+            bad_ = tt == NULL;
+            if (!bad_ && cJSON_GetObjectItemCaseSensitive(d, tt) == NULL)
+                bad_ = add_logprob(d, tt, toks[i].top_logprobs[k]);
+            free(tt);
+        }
+    }
+    if (bad_) {
+        cJSON_Delete(lp);
+        return NULL;
+    }
+    return lp;
+}
+
+/* One choice: index, text | message | delta, logprobs, finish_reason. */
+static cJSON *choice(struct srv_render *r, const char *text, size_t len,
+                     const struct srv_token *toks, int64_t n_toks, const char *finish_reason,
+                     int chunk, int first) {
+    cJSON *c = cJSON_CreateObject();
+    int bad_ = c == NULL || llmem_json_add_int(c, "index", 0);
+    char *t = malloc(len + 1);
+    bad_ = bad_ || t == NULL;
+    if (!bad_) {
+        memcpy(t, text, len);
+        t[len] = '\0';
+        if (r->kind == SRV_COMPLETIONS) {
+            bad_ = llmem_json_add_string(c, "text", t);
+        } else {
+            cJSON *m = cJSON_AddObjectToObject(c, chunk ? "delta" : "message");
+            bad_ = m == NULL;
+            if (!bad_ && (!chunk || first))
+                bad_ = llmem_json_add_string(m, "role", "assistant");
+            if (!bad_ && (!chunk || len > 0 || first || n_toks > 0))
+                bad_ = llmem_json_add_string(m, "content", t);
+        }
+    }
+    free(t);
+    if (!bad_) {
+        if (r->logprobs >= 0 && (n_toks > 0 || !chunk)) {
+            cJSON *lp = r->kind == SRV_CHAT ? chat_logprobs(r, toks, n_toks)
+                                            : completion_logprobs(r, toks, n_toks);
+            bad_ = lp == NULL;
+            if (!bad_)
+                cJSON_AddItemToObject(c, "logprobs", lp);
+        } else {
+            bad_ = llmem_json_add_null(c, "logprobs");
+        }
+    }
+    if (!bad_)
+        bad_ = finish_reason != NULL ? llmem_json_add_string(c, "finish_reason", finish_reason)
+                                     : llmem_json_add_null(c, "finish_reason");
+    if (bad_) {
+        cJSON_Delete(c);
+        return NULL;
+    }
+    return c;
+}
+
+static char *finish(cJSON *o, int bad_) {
+    char *s = bad_ || o == NULL ? NULL : llmem_json_print(o, 0);
+    cJSON_Delete(o);
+    return s;
+}
+
+char *srv_render_response(struct srv_render *r, const char *text, size_t len,
+                          const struct srv_token *toks, int64_t n_toks, const char *finish_reason,
+                          int64_t prompt_tokens, int64_t completion_tokens) {
+    cJSON *o = new_response(r, 0);
+    cJSON *choices = o != NULL ? cJSON_AddArrayToObject(o, "choices") : NULL;
+    cJSON *c = choices != NULL ? choice(r, text, len, toks, n_toks, finish_reason, 0, 0) : NULL;
+    if (c != NULL)
+        cJSON_AddItemToArray(choices, c);
+    return finish(o, c == NULL || add_usage(o, prompt_tokens, completion_tokens));
+}
+
+char *srv_render_chunk(struct srv_render *r, const char *text, size_t len,
+                       const struct srv_token *toks, int64_t n_toks, const char *finish_reason,
+                       int first) {
+    cJSON *o = new_response(r, 1);
+    cJSON *choices = o != NULL ? cJSON_AddArrayToObject(o, "choices") : NULL;
+    cJSON *c = choices != NULL ? choice(r, text, len, toks, n_toks, finish_reason, 1, first) : NULL;
+    if (c != NULL)
+        cJSON_AddItemToArray(choices, c);
+    /* with include_usage every chunk has a usage field, null until the last (as OpenAI) */
+    return finish(o, c == NULL || (r->include_usage && llmem_json_add_null(o, "usage")));
+}
+
+char *srv_render_usage_chunk(const struct srv_render *r, int64_t prompt_tokens,
+                             int64_t completion_tokens) {
+    cJSON *o = new_response(r, 1);
+    return finish(o, o == NULL || cJSON_AddArrayToObject(o, "choices") == NULL ||
+                         add_usage(o, prompt_tokens, completion_tokens));
+}
+
+static cJSON *model_object(const struct srv_model *m, int64_t created) {
+    cJSON *md = cJSON_CreateObject();
+    if (md == NULL || llmem_json_add_string(md, "id", m->name) ||
+        llmem_json_add_string(md, "object", "model") ||
+        llmem_json_add_int(md, "created", created) ||
+        llmem_json_add_string(md, "owned_by", "llmem") ||
+        llmem_json_add_int(md, "max_model_len", m->context)) {
+        cJSON_Delete(md);
+        return NULL;
+    }
+    return md;
+}
+
+char *srv_render_models(const struct srv_model *m, int64_t created) {
+    cJSON *o = cJSON_CreateObject();
+    int bad_ = o == NULL || llmem_json_add_string(o, "object", "list");
+    cJSON *data = !bad_ ? cJSON_AddArrayToObject(o, "data") : NULL;
+    cJSON *md = data != NULL ? model_object(m, created) : NULL;
+    if (md != NULL)
+        cJSON_AddItemToArray(data, md);
+    return finish(o, md == NULL);
+}
+
+char *srv_render_model(const struct srv_model *m, int64_t created) {
+    cJSON *md = model_object(m, created);
+    return finish(md, md == NULL);
+}

@@ -1,0 +1,165 @@
+/*
+ * server/server_int.h — what the server's files share: a growable text buffer, the OpenAI
+ * request as validated parameters and the OpenAI response shapes (openai.c), and the /metrics and
+ * /health documents (metrics.c). Everything here is a pure function of its arguments (no network,
+ * no engine), so tests/test-server.c runs it alone; server.c puts it on the wire.
+ */
+#ifndef LLMEM_SERVER_INT_H
+#define LLMEM_SERVER_INT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cjson/cJSON.h>
+
+#include "llmem/engine.h"
+#include "llmem/tokenizer.h"
+
+/* ---- text ------------------------------------------------------------------------------------ */
+
+/* A growable NUL-terminated buffer. On out of memory it stops growing and remembers (`failed`);
+ * check once at the end. */
+struct srv_buf {
+    char *data;
+    size_t len, cap;
+    int failed;
+};
+void srv_buf_append(struct srv_buf *b, const char *s, size_t n);
+void srv_buf_printf(struct srv_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void srv_buf_free(struct srv_buf *b);
+
+/* 1 when the n bytes are well-formed UTF-8 (no overlongs, no surrogates, at most U+10FFFF). */
+int srv_utf8_valid(const char *s, size_t n);
+
+/* ---- errors ---------------------------------------------------------------------------------- */
+
+struct srv_error {
+    int http;          /* 400, 401, 404, 405, 413, 500, 503, 507 */
+    const char *type;  /* "invalid_request_error", "insufficient_memory", "server_error", … */
+    const char *param; /* the offending field, or NULL (static strings or the request's keys) */
+    const char *code;  /* "invalid_type", "model_not_found", … or NULL */
+    char message[1024];
+};
+/* Fills e (printf-style message); returns -1 so a validator can `return srv_fail(...)`. */
+int srv_fail(struct srv_error *e, int http, const char *type, const char *param, const char *code,
+             const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+/* {"error": {"message", "type", "param", "code"}}, malloc'ed; NULL on out of memory. */
+char *srv_error_json(const struct srv_error *e);
+
+/* ---- requests -------------------------------------------------------------------------------- */
+
+enum srv_kind { SRV_COMPLETIONS, SRV_CHAT };
+
+#define SRV_MAX_STOP     16
+#define SRV_MAX_MESSAGES 1024
+
+/* What a request may ask of this model. */
+struct srv_model {
+    const char *name; /* the only model id served */
+    int64_t vocab;
+    int64_t context; /* the engine's context window: max_tokens above it is refused */
+};
+
+/* A validated request. Strings point into `root` (or into `owned`), which it keeps alive. */
+struct srv_request {
+    enum srv_kind kind;
+    cJSON *root;
+    /* completions: the prompt as text or as token ids (malloc'ed) */
+    const char *prompt_text;
+    int32_t *prompt_ids;
+    int64_t n_prompt_ids;
+    /* chat */
+    struct llmem_chat_message *messages; /* malloc'ed */
+    int n_messages;
+    char **owned; /* contents joined from parts */
+    int n_owned;
+    /* generation */
+    int64_t max_tokens; /* 0: up to the context */
+    struct llmem_sampling sampling;
+    int have_seed; /* 0: the server picks a seed */
+    const char *stop[SRV_MAX_STOP];
+    int n_stop;
+    int logprobs; /* −1: none; else the alternatives per token (0–20) */
+    int ignore_eos;
+    int stream, include_usage;
+};
+
+/* Parses and validates a request body (any bytes; len of them). On success fills req (free with
+ * srv_request_free) and returns 0; otherwise fills err (400 for malformed JSON, invalid UTF-8,
+ * wrong types and out-of-range values; 404 for another model) and returns -1. Nothing is logged. */
+int srv_request_parse(enum srv_kind kind, const char *body, size_t len, const struct srv_model *m,
+                      struct srv_request *req, struct srv_error *err);
+void srv_request_free(struct srv_request *req);
+
+/* The prompt's length against the context: 0, or -1 with a 400 (context_length_exceeded). */
+int srv_check_prompt(enum srv_kind kind, int64_t n_prompt, const struct srv_model *m,
+                     struct srv_error *err);
+
+/* ---- responses ------------------------------------------------------------------------------- */
+
+/* One generated token with its log-probabilities (as the engine reports them). */
+struct srv_token {
+    int32_t id;
+    float logprob;
+    int n_top;
+    int32_t top_ids[LLMEM_MAX_TOP_LOGPROBS];
+    float top_logprobs[LLMEM_MAX_TOP_LOGPROBS];
+};
+
+/* The text of one token (malloc'ed; NULL on out of memory), for logprobs. */
+typedef char *(*srv_piece_fn)(void *arg, int32_t id);
+
+/* What every response of one request shares. */
+struct srv_render {
+    enum srv_kind kind;
+    const char *id; /* "cmpl-…" / "chatcmpl-…" */
+    const char *model;
+    int64_t created; /* Unix seconds */
+    int logprobs;    /* as in the request */
+    int include_usage;
+    srv_piece_fn piece;
+    void *piece_arg;
+    int64_t text_offset; /* completions logprobs: where the next token's text starts */
+};
+
+/* The whole non-streaming response, malloc'ed (NULL on out of memory). */
+char *srv_render_response(struct srv_render *r, const char *text, size_t len,
+                          const struct srv_token *toks, int64_t n_toks, const char *finish_reason,
+                          int64_t prompt_tokens, int64_t completion_tokens);
+/* One streaming chunk (the JSON after "data: "): a text delta with its tokens' logprobs, and a
+ * finish_reason (NULL while it goes on). first: the chat chunk that carries the role. */
+char *srv_render_chunk(struct srv_render *r, const char *text, size_t len,
+                       const struct srv_token *toks, int64_t n_toks, const char *finish_reason,
+                       int first);
+/* The last chunk with include_usage: no choices, the usage. */
+char *srv_render_usage_chunk(const struct srv_render *r, int64_t prompt_tokens,
+                             int64_t completion_tokens);
+/* GET /v1/models, and GET /v1/models/{id}. */
+char *srv_render_models(const struct srv_model *m, int64_t created);
+char *srv_render_model(const struct srv_model *m, int64_t created);
+
+/* ---- /metrics and /health -------------------------------------------------------------------- */
+
+/* The server's own counts (requests that never reached the engine). */
+struct srv_counters {
+    int64_t rejected;     /* 503: the queue was full */
+    int64_t invalid;      /* 4xx before the engine: bad JSON, fields, auth, size */
+    int64_t disconnected; /* clients that left before their request ended */
+};
+
+/* Prometheus text exposition (version 0.0.4), malloc'ed. */
+char *srv_render_metrics(const struct llmem_engine_metrics *m, const struct srv_counters *c);
+
+/* What /health reports besides the engine's metrics. */
+struct srv_health {
+    const char *model;
+    const struct llmem_plan *plan;
+    const char *limits_line;           /* llmem_engine_limits_line */
+    const struct llmem_mem_stats *mem; /* the allocator now */
+    const char *kv_format, *kv_layout;
+    const char *chat_template; /* "none" when chat is unavailable */
+};
+char *srv_render_health(const struct srv_health *h, const struct llmem_engine_metrics *m,
+                        const struct srv_counters *c);
+
+#endif

@@ -1,0 +1,1064 @@
+/*
+ * tests/e2e/e2e-serve.c — `llmem serve models/pycoder` on a free loopback port, driven with curl
+ * (and a raw socket for a client that goes away): completions and chat, non-streaming and
+ * streaming, greedy text equal to `llmem run`'s, logprobs, 16 concurrent clients equal to single
+ * requests, a disconnect that frees its KV, bank hits for a shared system prompt, the cache
+ * clear, /health and /metrics, bad requests (each a 4xx with an OpenAI error object, the server
+ * serving on), the API key, a full queue (503), --util against `llmem plan`, and a burst of long
+ * requests on a small memory budget (each completes or gets 507; the allocator's peak stays
+ * under its limit).
+ */
+#include <arpa/inet.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "core/json.h"
+#include "llmem/engine.h"
+#include "llmem/server.h"
+#include "testutil.h"
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#define PYCODER LLMEM_SOURCE_DIR "/models/pycoder"
+#define REFS    LLMEM_TEST_DATA "/models/pycoder"
+
+static struct tu_server srv; /* chatml, the defaults: shared by the tests of the first group */
+
+static void url_of(const struct tu_server *s, const char *path, char *buf, size_t size) {
+    snprintf(buf, size, "%s%s", s->url, path);
+}
+
+static struct tu_http post(const struct tu_server *s, const char *path, const char *body) {
+    char url[256];
+    url_of(s, path, url, sizeof(url));
+    return tu_http("POST", url, body);
+}
+
+static struct tu_http get(const struct tu_server *s, const char *path) {
+    char url[256];
+    url_of(s, path, url, sizeof(url));
+    return tu_http("GET", url, NULL);
+}
+
+/* The value of one sample line of /metrics ("name" or "name{labels}"). */
+static double metric(const struct tu_server *s, const char *name) {
+    struct tu_http h = get(s, "/metrics");
+    assert_int_equal(h.status, 200);
+    size_t n = strlen(name);
+    for (const char *p = h.body; p != NULL && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+        if (strncmp(p, name, n) == 0 && p[n] == ' ') {
+            double v = strtod(p + n + 1, NULL);
+            tu_http_free(&h);
+            return v;
+        }
+    }
+    fail_msg("no metric %s in:\n%s", name, h.body);
+    return 0;
+}
+
+/* Until nothing runs or waits: the metrics are published after the scheduler step that
+ * answered the last client, which may come a moment after the answer. */
+static void wait_idle(const struct tu_server *s) {
+    for (int i = 0; i < 600; i++) {
+        if (metric(s, "llmem_requests_running") == 0 && metric(s, "llmem_requests_waiting") == 0)
+            return;
+        usleep(50 * 1000);
+    }
+    fail_msg("the server does not become idle");
+}
+
+static char *json_escape(const char *s) {
+    cJSON *str = cJSON_CreateString(s);
+    char *out = cJSON_PrintUnformatted(str);
+    cJSON_Delete(str);
+    return out;
+}
+
+/* `llmem run MODEL -p PROMPT -n N --ignore-eos --json`'s text (malloc'ed). */
+static char *run_text(const char *prompt, int n) {
+    char num[16];
+    snprintf(num, sizeof(num), "%d", n);
+    struct tu_run r =
+        tu_llmem("run", PYCODER, "-p", prompt, "-n", num, "--ignore-eos", "--json", NULL);
+    assert_int_equal(r.exit_code, 0);
+    cJSON *out = tu_json_stdout(&r);
+    char *text = strdup(cJSON_GetObjectItem(out, "text")->valuestring);
+    cJSON_Delete(out);
+    tu_run_free(&r);
+    return text;
+}
+
+/* A greedy completion request's text (malloc'ed); the response's shape checked on the way. */
+static char *complete(const struct tu_server *s, const char *prompt_json, int n) {
+    char body[8192];
+    snprintf(body, sizeof(body),
+             "{\"model\": \"pycoder\", \"prompt\": %s, \"max_tokens\": %d, \"temperature\": 0, "
+             "\"ignore_eos\": true}",
+             prompt_json, n);
+    struct tu_http h = post(s, "/v1/completions", body);
+    assert_int_equal(h.status, 200);
+    cJSON *root = tu_http_json(&h);
+    assert_string_equal(cJSON_GetObjectItem(root, "object")->valuestring, "text_completion");
+    assert_string_equal(cJSON_GetObjectItem(root, "model")->valuestring, "pycoder");
+    assert_true(strncmp(cJSON_GetObjectItem(root, "id")->valuestring, "cmpl-", 5) == 0);
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0);
+    assert_int_equal(cJSON_GetObjectItem(c, "index")->valueint, 0);
+    assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "length");
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(c, "logprobs")));
+    const cJSON *u = cJSON_GetObjectItem(root, "usage");
+    assert_int_equal(cJSON_GetObjectItem(u, "completion_tokens")->valueint, n);
+    assert_int_equal(cJSON_GetObjectItem(u, "total_tokens")->valueint,
+                     cJSON_GetObjectItem(u, "prompt_tokens")->valueint + n);
+    char *text = strdup(cJSON_GetObjectItem(c, "text")->valuestring);
+    cJSON_Delete(root);
+    tu_http_free(&h);
+    return text;
+}
+
+/* The JSON payloads of an SSE body, in order, checking that it ends with data: [DONE]. */
+static int sse_events(const char *body, cJSON **events, int max) {
+    int n = 0, done = 0;
+    for (const char *p = body; *p;) {
+        const char *end = strstr(p, "\n\n");
+        assert_non_null(end);
+        assert_true(strncmp(p, "data: ", 6) == 0);
+        assert_false(done); /* nothing after [DONE] */
+        if (strncmp(p + 6, "[DONE]", 6) == 0) {
+            done = 1;
+        } else {
+            assert_true(n < max);
+            events[n] = cJSON_ParseWithLength(p + 6, (size_t)(end - p - 6));
+            assert_non_null(events[n]);
+            n++;
+        }
+        p = end + 2;
+    }
+    assert_true(done);
+    return n;
+}
+
+static int group_setup(void **state) {
+    (void)state;
+    const char *args[] = {PYCODER, "--chat-template", "chatml", "--threads", "2"};
+    tu_serve_start(&srv, 5, args);
+    return 0;
+}
+
+static int group_teardown(void **state) {
+    (void)state;
+    assert_int_equal(tu_serve_stop(&srv), 0); /* SIGTERM stops it cleanly */
+    return 0;
+}
+
+/* ---- completions ----------------------------------------------------------------------------- */
+
+/* Greedy completions equal `llmem run` for every reference prompt, as text and as token ids. */
+static void test_completions_match_run(void **state) {
+    (void)state;
+    cJSON *ref = NULL;
+    assert_int_equal(llmem_json_parse_file(REFS "/reference.json", 1 << 24, &ref), 0);
+    const cJSON *g = NULL;
+    cJSON_ArrayForEach(g, cJSON_GetObjectItem(ref, "generations")) {
+        const char *prompt = cJSON_GetObjectItem(g, "prompt")->valuestring;
+        char *want = run_text(prompt, 40);
+        char *esc = json_escape(prompt);
+        char *got = complete(&srv, esc, 40);
+        assert_string_equal(got, want);
+        free(got);
+        char *ids = cJSON_PrintUnformatted(cJSON_GetObjectItem(g, "prompt_ids"));
+        got = complete(&srv, ids, 40);
+        assert_string_equal(got, want);
+        free(got);
+        free(ids);
+        free(esc);
+        free(want);
+    }
+    cJSON_Delete(ref);
+}
+
+/* stream: true gives the same text in chunks, a finish chunk, the usage, then [DONE]. */
+static void test_completions_stream(void **state) {
+    (void)state;
+    const char *prompt = "import os\nimport sys\n\n\ndef main():\n";
+    char *want = run_text(prompt, 32);
+    char *esc = json_escape(prompt), body[4096];
+    snprintf(body, sizeof(body),
+             "{\"prompt\": %s, \"max_tokens\": 32, \"temperature\": 0, \"ignore_eos\": true, "
+             "\"stream\": true, \"stream_options\": {\"include_usage\": true}}",
+             esc);
+    struct tu_http h = post(&srv, "/v1/completions", body);
+    assert_int_equal(h.status, 200);
+    assert_non_null(strstr(h.headers, "text/event-stream"));
+    cJSON *ev[128];
+    int n = sse_events(h.body, ev, 128);
+    assert_true(n >= 3);
+    char text[4096] = "";
+    for (int i = 0; i < n - 2; i++) {
+        const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(ev[i], "choices"), 0);
+        assert_true(cJSON_IsNull(cJSON_GetObjectItem(c, "finish_reason")));
+        assert_true(cJSON_IsNull(cJSON_GetObjectItem(ev[i], "usage")));
+        strcat(text, cJSON_GetObjectItem(c, "text")->valuestring);
+    }
+    assert_string_equal(text, want);
+    const cJSON *last = cJSON_GetArrayItem(cJSON_GetObjectItem(ev[n - 2], "choices"), 0);
+    assert_string_equal(cJSON_GetObjectItem(last, "finish_reason")->valuestring, "length");
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(ev[n - 1], "choices")), 0);
+    const cJSON *u = cJSON_GetObjectItem(ev[n - 1], "usage");
+    assert_int_equal(cJSON_GetObjectItem(u, "prompt_tokens")->valueint, 9);
+    assert_int_equal(cJSON_GetObjectItem(u, "completion_tokens")->valueint, 32);
+    for (int i = 0; i < n; i++)
+        cJSON_Delete(ev[i]);
+    tu_http_free(&h);
+    free(esc);
+    free(want);
+}
+
+/* A stop string ends the text before it (finish_reason stop); logprobs have one entry per token,
+ * the greedy token being the most likely. */
+static void test_stop_and_logprobs(void **state) {
+    (void)state;
+    struct tu_http h = post(&srv, "/v1/completions",
+                            "{\"prompt\": \"def fibonacci(n):\\n\", \"max_tokens\": 64, "
+                            "\"temperature\": 0, \"stop\": [\"\\n\\n\", \"return\"]}");
+    assert_int_equal(h.status, 200);
+    cJSON *root = tu_http_json(&h);
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0);
+    assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "stop");
+    const char *text = cJSON_GetObjectItem(c, "text")->valuestring;
+    assert_null(strstr(text, "return"));
+    assert_null(strstr(text, "\n\n"));
+    cJSON_Delete(root);
+    tu_http_free(&h);
+
+    h = post(&srv, "/v1/completions",
+             "{\"prompt\": \"class Stack:\\n\", \"max_tokens\": 8, \"temperature\": 0, "
+             "\"logprobs\": 3, \"ignore_eos\": true}");
+    assert_int_equal(h.status, 200);
+    root = tu_http_json(&h);
+    c = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0);
+    const cJSON *lp = cJSON_GetObjectItem(c, "logprobs");
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(lp, "tokens")), 8);
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(lp, "text_offset")), 8);
+    for (int i = 0; i < 8; i++) {
+        double l = cJSON_GetArrayItem(cJSON_GetObjectItem(lp, "token_logprobs"), i)->valuedouble;
+        const cJSON *top = cJSON_GetArrayItem(cJSON_GetObjectItem(lp, "top_logprobs"), i);
+        assert_true(l <= 0);
+        assert_true(cJSON_GetArraySize(top) >= 1 && cJSON_GetArraySize(top) <= 3);
+        const cJSON *t = NULL;
+        cJSON_ArrayForEach(t, top) assert_true(t->valuedouble <= l + 1e-6); /* greedy: the max */
+        const char *tok = cJSON_GetArrayItem(cJSON_GetObjectItem(lp, "tokens"), i)->valuestring;
+        assert_non_null(cJSON_GetObjectItem(top, tok));
+    }
+    cJSON_Delete(root);
+    tu_http_free(&h);
+}
+
+/* ---- chat ------------------------------------------------------------------------------------ */
+
+static const char chat_body[] =
+    "{\"model\": \"pycoder\", \"messages\": [{\"role\": \"system\", \"content\": \"You write "
+    "Python.\"}, {\"role\": \"user\", \"content\": \"def add(a, b):\"}], \"max_tokens\": 24, "
+    "\"temperature\": 0, \"ignore_eos\": true%s}";
+
+/* Chat renders ChatML and continues it exactly as `llmem run` continues the rendered text;
+ * streaming gives the role first, then the same content. */
+static void test_chat(void **state) {
+    (void)state;
+    char *want = run_text("<|im_start|>system\nYou write Python.<|im_end|>\n"
+                          "<|im_start|>user\ndef add(a, b):<|im_end|>\n<|im_start|>assistant\n",
+                          24);
+    char body[2048];
+    snprintf(body, sizeof(body), chat_body, "");
+    struct tu_http h = post(&srv, "/v1/chat/completions", body);
+    assert_int_equal(h.status, 200);
+    cJSON *root = tu_http_json(&h);
+    assert_string_equal(cJSON_GetObjectItem(root, "object")->valuestring, "chat.completion");
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0);
+    const cJSON *m = cJSON_GetObjectItem(c, "message");
+    assert_string_equal(cJSON_GetObjectItem(m, "role")->valuestring, "assistant");
+    assert_string_equal(cJSON_GetObjectItem(m, "content")->valuestring, want);
+    assert_int_equal(
+        cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "completion_tokens")->valueint, 24);
+    cJSON_Delete(root);
+    tu_http_free(&h);
+
+    snprintf(body, sizeof(body), chat_body,
+             ", \"stream\": true, \"logprobs\": true, \"top_logprobs\": 2");
+    h = post(&srv, "/v1/chat/completions", body);
+    assert_int_equal(h.status, 200);
+    cJSON *ev[128];
+    int n = sse_events(h.body, ev, 128);
+    const cJSON *d0 =
+        cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(ev[0], "choices"), 0), "delta");
+    assert_string_equal(cJSON_GetObjectItem(d0, "role")->valuestring, "assistant");
+    char text[4096] = "";
+    int tokens = 0;
+    for (int i = 0; i < n; i++) {
+        assert_string_equal(cJSON_GetObjectItem(ev[i], "object")->valuestring,
+                            "chat.completion.chunk");
+        const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItem(ev[i], "choices"), 0);
+        const cJSON *content = cJSON_GetObjectItem(cJSON_GetObjectItem(ch, "delta"), "content");
+        if (cJSON_IsString(content))
+            strcat(text, content->valuestring);
+        const cJSON *lp = cJSON_GetObjectItem(cJSON_GetObjectItem(ch, "logprobs"), "content");
+        const cJSON *t = NULL;
+        cJSON_ArrayForEach(t, lp) {
+            tokens++;
+            assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(t, "top_logprobs")), 2);
+        }
+        if (i == n - 1)
+            assert_string_equal(cJSON_GetObjectItem(ch, "finish_reason")->valuestring, "length");
+    }
+    assert_string_equal(text, want);
+    assert_int_equal(tokens, 24);
+    for (int i = 0; i < n; i++)
+        cJSON_Delete(ev[i]);
+    tu_http_free(&h);
+    free(want);
+}
+
+/* ---- many clients ---------------------------------------------------------------------------- */
+
+/* 16 clients at once (one curl, 16 parallel transfers) get what each got alone. */
+static void test_concurrent_equal_single(void **state) {
+    (void)state;
+    enum { N = 16 };
+    char *alone[N];
+    char *dir = tu_mkdtemp();
+    const char *args[8 * N + 8];
+    char bodies[N][256], outs[N][512], url[256];
+    url_of(&srv, "/v1/completions", url, sizeof(url));
+    int k = 0;
+    args[k++] = "-sS";
+    args[k++] = "-Z";
+    args[k++] = "--parallel-max";
+    args[k++] = "16";
+    for (int i = 0; i < N; i++) {
+        char prompt[64];
+        snprintf(prompt, sizeof(prompt), "\"def task_%d(items):\\n\"", i);
+        alone[i] = complete(&srv, prompt, 48);
+        snprintf(bodies[i], sizeof(bodies[i]),
+                 "{\"prompt\": %s, \"max_tokens\": 48, \"temperature\": 0, \"ignore_eos\": true%s}",
+                 prompt, i % 2 ? ", \"stream\": true" : "");
+        snprintf(outs[i], sizeof(outs[i]), "%s/%d.out", dir, i);
+        if (i > 0)
+            args[k++] = "--next";
+        args[k++] = "-H";
+        args[k++] = "Content-Type: application/json";
+        args[k++] = "-d";
+        args[k++] = bodies[i];
+        args[k++] = "-o";
+        args[k++] = outs[i];
+        args[k++] = url;
+    }
+    double before = metric(&srv, "llmem_scheduler_steps_total");
+    struct tu_run r = tu_exec("curl", NULL, k, args);
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+    for (int i = 0; i < N; i++) {
+        FILE *f = fopen(outs[i], "rb");
+        assert_non_null(f);
+        static char buf[1 << 16];
+        size_t len = fread(buf, 1, sizeof(buf) - 1, f);
+        fclose(f);
+        buf[len] = '\0';
+        char text[4096] = "";
+        if (i % 2) {
+            cJSON *ev[128];
+            int n = sse_events(buf, ev, 128);
+            for (int e = 0; e < n; e++) {
+                const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(ev[e], "choices"), 0);
+                strcat(text, cJSON_GetObjectItem(c, "text")->valuestring);
+                cJSON_Delete(ev[e]);
+            }
+        } else {
+            cJSON *root = cJSON_Parse(buf);
+            assert_non_null(root);
+            const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0);
+            snprintf(text, sizeof(text), "%s", cJSON_GetObjectItem(c, "text")->valuestring);
+            cJSON_Delete(root);
+        }
+        assert_string_equal(text, alone[i]);
+        free(alone[i]);
+    }
+    /* they ran batched: far fewer steps than 16 requests × 48 tokens one by one */
+    assert_true(metric(&srv, "llmem_scheduler_steps_total") - before < N * 48);
+    tu_rmtree(dir);
+    free(dir);
+}
+
+/* A client that closes its socket mid-stream cancels its request: the scheduler frees its KV
+ * (the only blocks left in use are the bank's) and counts a cancelled request. */
+static void test_disconnect_frees_kv(void **state) {
+    (void)state;
+    double cancelled = metric(&srv, "llmem_requests_total{outcome=\"cancelled\"}");
+    int port = atoi(strrchr(srv.url, ':') + 1);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    const char body[] = "{\"prompt\": \"def main():\\n\", \"max_tokens\": 1900, \"temperature\": "
+                        "0, \"ignore_eos\": true, \"stream\": true}";
+    char req[1024];
+    int len = snprintf(req, sizeof(req),
+                       "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                       "application/json\r\nContent-Length: %zu\r\n\r\n%s",
+                       strlen(body), body);
+    assert_int_equal(write(fd, req, (size_t)len), len);
+    /* read until the first token's chunk has arrived */
+    char buf[8192];
+    size_t got = 0;
+    while (got < sizeof(buf) - 1) {
+        ssize_t n = read(fd, buf + got, sizeof(buf) - 1 - got);
+        assert_true(n > 0);
+        got += (size_t)n;
+        buf[got] = '\0';
+        if (strstr(buf, "data: {") != NULL)
+            break;
+    }
+    assert_non_null(strstr(buf, "200 OK"));
+    close(fd);
+    /* the scheduler notices at its next step; wait for it (no time is asserted) */
+    wait_idle(&srv);
+    assert_true(metric(&srv, "llmem_requests_total{outcome=\"cancelled\"}") >= cancelled + 1);
+    assert_true(metric(&srv, "llmem_client_disconnects_total") >= 1);
+    assert_true(metric(&srv, "llmem_generation_tokens_total") > 0);
+    assert_int_equal(metric(&srv, "llmem_kv_blocks_used"), metric(&srv, "llmem_bank_blocks"));
+}
+
+/* Requests that share a long system prompt take its blocks from the session bank. */
+static void test_shared_prefix_bank_hits(void **state) {
+    (void)state;
+    char system[8192] = "You are a careful Python reviewer. ";
+    for (int i = 0; i < 40; i++)
+        snprintf(system + strlen(system), sizeof(system) - strlen(system),
+                 "Rule %d: keep function %d short and name it well. ", i, i);
+    double hits = metric(&srv, "llmem_bank_hits_total");
+    double reused = metric(&srv, "llmem_prompt_tokens_reused_total");
+    for (int i = 0; i < 4; i++) {
+        char body[16384];
+        snprintf(body, sizeof(body),
+                 "{\"messages\": [{\"role\": \"system\", \"content\": \"%s\"}, {\"role\": "
+                 "\"user\", \"content\": \"def check_%d(x):\"}], \"max_tokens\": 8, "
+                 "\"temperature\": 0}",
+                 system, i);
+        struct tu_http h = post(&srv, "/v1/chat/completions", body);
+        assert_int_equal(h.status, 200);
+        tu_http_free(&h);
+    }
+    double new_hits = metric(&srv, "llmem_bank_hits_total") - hits;
+    printf("  shared system prompt: %.0f bank blocks hit, %.0f prompt tokens reused\n", new_hits,
+           metric(&srv, "llmem_prompt_tokens_reused_total") - reused);
+    assert_true(new_hits >= 3 * 16); /* three requests after the first reuse ≥ 16 blocks each */
+    assert_true(metric(&srv, "llmem_prompt_tokens_reused_total") - reused >= 3 * 256);
+}
+
+/* ---- the other routes ------------------------------------------------------------------------ */
+
+static void test_models_health_metrics(void **state) {
+    (void)state;
+    struct tu_http h = get(&srv, "/v1/models");
+    assert_int_equal(h.status, 200);
+    cJSON *root = tu_http_json(&h);
+    const cJSON *m = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "data"), 0);
+    assert_string_equal(cJSON_GetObjectItem(m, "id")->valuestring, "pycoder");
+    assert_string_equal(cJSON_GetObjectItem(m, "object")->valuestring, "model");
+    cJSON_Delete(root);
+    tu_http_free(&h);
+    h = get(&srv, "/v1/models/pycoder");
+    assert_int_equal(h.status, 200);
+    tu_http_free(&h);
+    h = get(&srv, "/v1/models/gpt-4");
+    assert_int_equal(h.status, 404);
+    tu_http_free(&h);
+
+    h = get(&srv, "/health");
+    assert_int_equal(h.status, 200);
+    root = tu_http_json(&h);
+    assert_string_equal(cJSON_GetObjectItem(root, "status")->valuestring, "ok");
+    const cJSON *plan = cJSON_GetObjectItem(root, "plan");
+    const cJSON *lim = cJSON_GetObjectItem(root, "limits");
+    assert_int_equal(cJSON_GetObjectItem(plan, "max_sequences")->valueint, 16);
+    assert_true(cJSON_GetObjectItem(lim, "allocation_limit_bytes")->valuedouble ==
+                cJSON_GetObjectItem(plan, "allocation_limit_bytes")->valuedouble);
+    assert_true(cJSON_GetObjectItem(lim, "memory_limit_bytes")->valuedouble ==
+                cJSON_GetObjectItem(lim, "allocation_limit_bytes")->valuedouble);
+    assert_true(cJSON_GetObjectItem(lim, "trip_bytes")->valuedouble >
+                cJSON_GetObjectItem(lim, "allocation_limit_bytes")->valuedouble);
+    const cJSON *mem = cJSON_GetObjectItem(root, "memory");
+    assert_true(cJSON_GetObjectItem(mem, "peak_bytes")->valuedouble <=
+                cJSON_GetObjectItem(mem, "limit_bytes")->valuedouble);
+    assert_true(cJSON_GetObjectItem(mem, "active_bytes")->valuedouble > 11e6); /* weights */
+    assert_non_null(cJSON_GetObjectItem(mem, "cache_bytes"));
+    const cJSON *kv = cJSON_GetObjectItem(root, "kv");
+    assert_string_equal(cJSON_GetObjectItem(kv, "format")->valuestring, "f16");
+    assert_string_equal(cJSON_GetObjectItem(kv, "layout")->valuestring, "paged");
+    assert_int_equal(cJSON_GetObjectItem(kv, "blocks_used")->valueint +
+                         cJSON_GetObjectItem(kv, "blocks_free")->valueint,
+                     16 * 2048 / 16);
+    assert_non_null(cJSON_GetObjectItem(cJSON_GetObjectItem(root, "bank"), "bytes"));
+    assert_string_equal(
+        cJSON_GetObjectItem(cJSON_GetObjectItem(root, "guard"), "state")->valuestring, "clear");
+    assert_string_equal(cJSON_GetObjectItem(root, "chat_template")->valuestring, "chatml");
+    cJSON_Delete(root);
+    tu_http_free(&h);
+
+    h = get(&srv, "/metrics");
+    assert_int_equal(h.status, 200);
+    assert_non_null(strstr(h.headers, "text/plain; version=0.0.4"));
+    static const char *const names[] = {"llmem_mem_active_bytes ",
+                                        "llmem_mem_peak_bytes ",
+                                        "llmem_mem_cache_bytes ",
+                                        "llmem_mem_limit_bytes ",
+                                        "llmem_kv_blocks_used ",
+                                        "llmem_kv_blocks_free ",
+                                        "llmem_bank_bytes ",
+                                        "llmem_bank_hits_total ",
+                                        "llmem_guard_actions_total{level=\"warning\"} ",
+                                        "llmem_guard_actions_total{level=\"critical\"} ",
+                                        "llmem_requests_total{outcome=\"ok\"} ",
+                                        "llmem_prompt_tokens_total ",
+                                        "llmem_generation_tokens_total ",
+                                        "llmem_requests_running ",
+                                        "llmem_requests_waiting ",
+                                        "llmem_preemptions_total ",
+                                        "# TYPE llmem_ttft_seconds histogram",
+                                        "llmem_ttft_seconds_bucket{le=\"+Inf\"} ",
+                                        "llmem_ttft_seconds_sum ",
+                                        "llmem_ttft_seconds_count ",
+                                        "# TYPE llmem_inter_token_seconds histogram",
+                                        "llmem_inter_token_seconds_bucket{le=\"0.005\"} "};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if (strstr(h.body, names[i]) == NULL)
+            fail_msg("/metrics lacks '%s':\n%s", names[i], h.body);
+    /* every sample line is "llmem_… value" */
+    for (const char *p = h.body; *p; p = strchr(p, '\n') + 1) {
+        if (*p != '#')
+            assert_true(strncmp(p, "llmem_", 6) == 0);
+        assert_non_null(strchr(p, '\n'));
+    }
+    tu_http_free(&h);
+    assert_true(metric(&srv, "llmem_mem_peak_bytes") <= metric(&srv, "llmem_mem_limit_bytes"));
+    assert_true(metric(&srv, "llmem_ttft_seconds_count") >= 1);
+}
+
+/* POST /admin/cache/clear empties the bank: no KV block stays in use. */
+static void test_cache_clear(void **state) {
+    (void)state;
+    struct tu_http h = post(&srv, "/v1/completions",
+                            "{\"prompt\": \"def fibonacci(n):\\n\", \"max_tokens\": 40, "
+                            "\"temperature\": 0, \"ignore_eos\": true}");
+    assert_int_equal(h.status, 200);
+    tu_http_free(&h);
+    assert_true(metric(&srv, "llmem_bank_blocks") > 0);
+    h = post(&srv, "/admin/cache/clear", NULL);
+    assert_int_equal(h.status, 200);
+    cJSON *root = tu_http_json(&h);
+    assert_true(cJSON_GetObjectItem(root, "released_bytes")->valuedouble > 0);
+    cJSON_Delete(root);
+    tu_http_free(&h);
+    assert_int_equal(metric(&srv, "llmem_bank_blocks"), 0);
+    assert_int_equal(metric(&srv, "llmem_kv_blocks_used"), 0);
+}
+
+/* ---- bad requests ---------------------------------------------------------------------------- */
+
+static void expect_error(const char *path, const char *body, long len, int status,
+                         const char *param, const char *code) {
+    char url[256];
+    url_of(&srv, path, url, sizeof(url));
+    struct tu_http h = tu_http_argv("POST", url, body, len, 0, NULL);
+    if (h.status != status)
+        fail_msg("%s %.200s: HTTP %d, expected %d: %s", path, body, h.status, status, h.body);
+    cJSON *root = tu_http_json(&h);
+    const cJSON *e = cJSON_GetObjectItem(root, "error");
+    assert_non_null(e);
+    assert_true(cJSON_IsString(cJSON_GetObjectItem(e, "message")));
+    assert_true(strlen(cJSON_GetObjectItem(e, "message")->valuestring) > 10);
+    assert_true(cJSON_IsString(cJSON_GetObjectItem(e, "type")));
+    const cJSON *p = cJSON_GetObjectItem(e, "param"), *c = cJSON_GetObjectItem(e, "code");
+    if (param != NULL)
+        assert_string_equal(p->valuestring, param);
+    else
+        assert_true(cJSON_IsNull(p) || cJSON_IsString(p));
+    if (code != NULL)
+        assert_string_equal(c->valuestring, code);
+    cJSON_Delete(root);
+    tu_http_free(&h);
+}
+
+static void test_bad_requests(void **state) {
+    (void)state;
+    double invalid = metric(&srv, "llmem_requests_total{outcome=\"invalid\"}");
+    const char *C = "/v1/completions", *CH = "/v1/chat/completions";
+    expect_error(C, "{\"prompt\": \"x\",", -1, 400, NULL, "invalid_json");
+    expect_error(C, "not json", -1, 400, NULL, "invalid_json");
+    expect_error(C, "[1, 2]", -1, 400, NULL, "invalid_json");
+    expect_error(C, "", -1, 400, NULL, "invalid_json");
+    expect_error(C, "{\"prompt\": \"a\xff\xfe\"}", -1, 400, NULL, "invalid_encoding");
+    expect_error(C, "{\"prompt\": \"\xed\xa0\x80\"}", -1, 400, NULL, "invalid_encoding");
+    expect_error(C, "{\"prompt\": \"x\", \"max_tokens\": -5}", -1, 400, "max_tokens", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"max_tokens\": 0}", -1, 400, "max_tokens", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"max_tokens\": 1e15}", -1, 400, "max_tokens", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"max_tokens\": \"10\"}", -1, 400, "max_tokens",
+                 "invalid_type");
+    expect_error(C, "{\"prompt\": \"x\", \"max_tokens\": 2.5}", -1, 400, "max_tokens", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"temperature\": \"hot\"}", -1, 400, "temperature",
+                 "invalid_type");
+    expect_error(C, "{\"prompt\": \"x\", \"temperature\": -1}", -1, 400, "temperature", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"temperature\": 1e308}", -1, 400, "temperature", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"top_p\": 0}", -1, 400, "top_p", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"top_k\": -7}", -1, 400, "top_k", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"min_p\": 2}", -1, 400, "min_p", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"seed\": \"s\"}", -1, 400, "seed", "invalid_type");
+    expect_error(C, "{\"prompt\": \"x\", \"stream\": \"yes\"}", -1, 400, "stream", "invalid_type");
+    expect_error(C, "{\"prompt\": \"x\", \"stop\": 3}", -1, 400, "stop", "invalid_type");
+    expect_error(C, "{\"prompt\": \"x\", \"stop\": [\"a\", 1]}", -1, 400, "stop", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"n\": 2}", -1, 400, "n", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"logprobs\": 99}", -1, 400, "logprobs", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"echo\": true}", -1, 400, "echo", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"stream_options\": {\"include_usage\": true}}", -1, 400,
+                 "stream_options", NULL);
+    expect_error(C, "{\"prompt\": 42}", -1, 400, "prompt", "invalid_type");
+    expect_error(C, "{\"prompt\": []}", -1, 400, "prompt", NULL);
+    expect_error(C, "{\"prompt\": [1, -2]}", -1, 400, "prompt", NULL);
+    expect_error(C, "{\"prompt\": [1, 99999]}", -1, 400, "prompt", NULL);
+    expect_error(C, "{\"prompt\": [\"a\", \"b\"]}", -1, 400, "prompt", NULL);
+    expect_error(C, "{\"max_tokens\": 3}", -1, 400, "prompt", "missing_required_parameter");
+    expect_error(C, "{\"prompt\": \"\"}", -1, 400, "prompt", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"model\": \"gpt-4\"}", -1, 404, "model",
+                 "model_not_found");
+    expect_error(C, "{\"prompt\": \"x\", \"model\": 7}", -1, 400, "model", "invalid_type");
+    /* a prompt longer than the context window */
+    static char big[40000];
+    strcpy(big, "{\"prompt\": [");
+    for (int i = 0; i < 2100; i++)
+        strcat(big, i ? ",42" : "42");
+    strcat(big, "]}");
+    expect_error(C, big, -1, 400, "prompt", "context_length_exceeded");
+    /* chat */
+    expect_error(CH, "{\"messages\": \"hi\"}", -1, 400, "messages", "invalid_type");
+    expect_error(CH, "{\"messages\": []}", -1, 400, "messages", NULL);
+    expect_error(CH, "{\"messages\": [{\"role\": \"wizard\", \"content\": \"x\"}]}", -1, 400,
+                 "messages", NULL);
+    expect_error(CH, "{\"messages\": [{\"role\": \"user\", \"content\": 5}]}", -1, 400, "messages",
+                 NULL);
+    expect_error(CH,
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+                 "\"top_logprobs\": 2}",
+                 -1, 400, "top_logprobs", NULL);
+    expect_error(CH,
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+                 "\"max_completion_tokens\": -1}",
+                 -1, 400, "max_completion_tokens", NULL);
+    /* a body over the limit (4 MiB) */
+    size_t huge_len = (size_t)5 << 20;
+    char *huge = malloc(huge_len + 1);
+    memset(huge, ' ', huge_len);
+    huge[huge_len] = '\0';
+    memcpy(huge, "{\"prompt\": \"", 12);
+    memcpy(huge + huge_len - 2, "\"}", 2);
+    expect_error(C, huge, (long)huge_len, 413, NULL, "request_too_large");
+    free(huge);
+    /* routes and methods */
+    struct tu_http h = get(&srv, "/v1/nothing");
+    assert_int_equal(h.status, 404);
+    tu_http_free(&h);
+    h = get(&srv, "/v1/completions");
+    assert_int_equal(h.status, 405);
+    assert_non_null(strstr(h.headers, "Allow: POST"));
+    tu_http_free(&h);
+    /* every one of them was counted, and the server serves on */
+    assert_true(metric(&srv, "llmem_requests_total{outcome=\"invalid\"}") - invalid >= 40);
+    char *text = complete(&srv, "\"def ok():\"", 4);
+    free(text);
+    assert_int_equal(metric(&srv, "llmem_requests_total{outcome=\"failed\"}"), 0);
+}
+
+/* ---- other servers --------------------------------------------------------------------------- */
+
+/* --api-key: every route but /health needs the Bearer key; without --chat-template, pycoder
+ * (no template of its own) refuses chat with a clear 400. */
+static void test_api_key_and_no_template(void **state) {
+    (void)state;
+    const char *args[] = {PYCODER, "--api-key", "s3cret", "--threads", "2"};
+    struct tu_server s;
+    tu_serve_start(&s, 5, args);
+    char url[256];
+    url_of(&s, "/v1/models", url, sizeof(url));
+    struct tu_http h = tu_http("GET", url, NULL);
+    assert_int_equal(h.status, 401);
+    assert_non_null(strstr(h.headers, "WWW-Authenticate: Bearer"));
+    cJSON *root = tu_http_json(&h);
+    assert_string_equal(
+        cJSON_GetObjectItem(cJSON_GetObjectItem(root, "error"), "code")->valuestring,
+        "invalid_api_key");
+    cJSON_Delete(root);
+    tu_http_free(&h);
+    const char *wrong[] = {"-H", "Authorization: Bearer s3creT"};
+    const char *right[] = {"-H", "Authorization: Bearer s3cret"};
+    h = tu_http_argv("GET", url, NULL, 0, 2, wrong);
+    assert_int_equal(h.status, 401);
+    tu_http_free(&h);
+    h = tu_http_argv("GET", url, NULL, 0, 2, right);
+    assert_int_equal(h.status, 200);
+    tu_http_free(&h);
+    url_of(&s, "/metrics", url, sizeof(url));
+    h = tu_http("GET", url, NULL);
+    assert_int_equal(h.status, 401);
+    tu_http_free(&h);
+    url_of(&s, "/v1/completions", url, sizeof(url));
+    h = tu_http("POST", url, "{\"prompt\": \"x\"}");
+    assert_int_equal(h.status, 401);
+    tu_http_free(&h);
+    url_of(&s, "/health", url, sizeof(url));
+    h = tu_http("GET", url, NULL);
+    assert_int_equal(h.status, 200);
+    tu_http_free(&h);
+    url_of(&s, "/v1/chat/completions", url, sizeof(url));
+    h = tu_http_argv("POST", url, "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", -1,
+                     2, right);
+    assert_int_equal(h.status, 400);
+    assert_non_null(strstr(h.body, "has no chat template"));
+    assert_non_null(strstr(h.body, "--chat-template"));
+    tu_http_free(&h);
+    assert_int_equal(tu_serve_stop(&s), 0);
+
+    /* a bind beyond loopback without a key is refused before the model loads */
+    struct tu_run r = tu_llmem("serve", PYCODER, "--host", "0.0.0.0", "--port", "0", NULL);
+    assert_int_equal(r.exit_code, 2);
+    assert_non_null(strstr(r.err, "needs an API key"));
+    assert_null(strstr(r.err, "engine budget")); /* nothing was planned or loaded */
+    tu_run_free(&r);
+}
+
+/* --max-queue 1 with one sequence: requests beyond the running one and the one waiting get 503
+ * with Retry-After; the others complete. */
+static void test_queue_full(void **state) {
+    (void)state;
+    const char *args[] = {PYCODER, "--max-queue", "1", "--max-sequences", "1", "--threads", "2"};
+    struct tu_server s;
+    tu_serve_start(&s, 7, args);
+    char url[256], *dir = tu_mkdtemp(), outs[6][512];
+    url_of(&s, "/v1/completions", url, sizeof(url));
+    const char *cargs[8 * 6 + 8];
+    int k = 0;
+    cargs[k++] = "-sS";
+    cargs[k++] = "-Z";
+    for (int i = 0; i < 6; i++) {
+        snprintf(outs[i], sizeof(outs[i]), "%s/%d", dir, i);
+        if (i > 0)
+            cargs[k++] = "--next";
+        cargs[k++] = "-i";
+        cargs[k++] = "-d";
+        cargs[k++] = "{\"prompt\": \"def main():\", \"max_tokens\": 600, \"temperature\": 0, "
+                     "\"ignore_eos\": true}";
+        cargs[k++] = "-o";
+        cargs[k++] = outs[i];
+        cargs[k++] = url;
+    }
+    struct tu_run r = tu_exec("curl", NULL, k, cargs);
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+    int ok = 0, busy = 0;
+    for (int i = 0; i < 6; i++) {
+        struct tu_run cat = tu_exec("cat", NULL, 1, (const char *[]){outs[i]});
+        if (strstr(cat.out, "HTTP/1.1 200") != NULL) {
+            ok++;
+        } else {
+            assert_non_null(strstr(cat.out, "HTTP/1.1 503"));
+            assert_non_null(strstr(cat.out, "Retry-After: 1"));
+            assert_non_null(strstr(cat.out, "\"queue_full\""));
+            busy++;
+        }
+        tu_run_free(&cat);
+    }
+    assert_true(ok >= 2);
+    assert_true(busy >= 1);
+    assert_true(metric(&s, "llmem_requests_total{outcome=\"rejected\"}") == busy);
+    assert_int_equal(tu_serve_stop(&s), 0);
+    tu_rmtree(dir);
+    free(dir);
+}
+
+/* A size in the form the plan and the limits line print it ("11.8G") after `key`. */
+static void size_after(const char *text, const char *key, char *out, size_t size) {
+    const char *p = strstr(text, key);
+    if (p == NULL)
+        fail_msg("no '%s' in:\n%s", key, text);
+    p += strlen(key);
+    size_t n = strcspn(p, " ,");
+    assert_true(n < size);
+    memcpy(out, p, n);
+    out[n] = '\0';
+}
+
+/* --util 0.5: serve applies, prints and reports on /health the allocation limit and the trip
+ * that `llmem plan --util 0.5` computes. */
+static void test_util_matches_plan(void **state) {
+    (void)state;
+    struct tu_run plan = tu_llmem("plan", PYCODER, "--util", "0.5", "--json", NULL);
+    assert_int_equal(plan.exit_code, 0);
+    cJSON *pj = tu_json_stdout(&plan);
+    struct tu_run human = tu_llmem("plan", PYCODER, "--util", "0.5", NULL);
+    char plan_limit[32], plan_trip[32], serve_limit[32], serve_trip[32];
+    size_after(human.out, "allocation limit ", plan_limit, sizeof(plan_limit));
+    size_after(human.out, "< trip ", plan_trip, sizeof(plan_trip));
+
+    const char *args[] = {PYCODER, "--util", "0.5", "--threads", "2"};
+    struct tu_server s;
+    tu_serve_start(&s, 5, args);
+    char *err = tu_serve_stderr(&s);
+    const char *line = strstr(err, "limits applied: ");
+    assert_non_null(line);
+    size_after(line, "memory limit ", serve_limit, sizeof(serve_limit));
+    size_after(line, "trip ", serve_trip, sizeof(serve_trip));
+    assert_string_equal(serve_limit, plan_limit);
+    assert_string_equal(serve_trip, plan_trip);
+    assert_non_null(strstr(line, "util 0.50"));
+    free(err);
+
+    char url[256];
+    url_of(&s, "/health", url, sizeof(url));
+    struct tu_http h = tu_http("GET", url, NULL);
+    cJSON *health = tu_http_json(&h);
+    const cJSON *lim = cJSON_GetObjectItem(health, "limits");
+    assert_true(cJSON_GetObjectItem(lim, "allocation_limit_bytes")->valuedouble ==
+                cJSON_GetObjectItem(pj, "allocation_limit_bytes")->valuedouble);
+    assert_true(cJSON_GetObjectItem(lim, "trip_bytes")->valuedouble ==
+                cJSON_GetObjectItem(pj, "trip_bytes")->valuedouble);
+    assert_true(cJSON_GetObjectItem(lim, "memory_limit_bytes")->valuedouble ==
+                cJSON_GetObjectItem(pj, "allocation_limit_bytes")->valuedouble);
+    assert_true(cJSON_GetObjectItem(lim, "util")->valuedouble == 0.5);
+    cJSON_Delete(health);
+    tu_http_free(&h);
+    assert_int_equal(tu_serve_stop(&s), 0);
+    cJSON_Delete(pj);
+    tu_run_free(&plan);
+    tu_run_free(&human);
+}
+
+/* A small machine (--budget 64M) and an engine budget of 30M (--memory-limit): the KV pool holds
+ * about three full 512-token windows. A burst of 64 requests of ~480 tokens each: every one
+ * completes or is refused with 507, the server never fails, and the allocator's peak stays
+ * within its limit. (The memory limit keeps the engine below the budget by more than this
+ * process's own libraries and stacks, which the guard's resident reading counts against the
+ * simulated machine.) */
+static void test_memory_burst(void **state) {
+    (void)state;
+    const char *args[] = {PYCODER, "--budget",  "64M", "--memory-limit", "30M", "--context",
+                          "512",   "--threads", "2"};
+    struct tu_server s;
+    tu_serve_start(&s, 9, args);
+    char url[256], *dir = tu_mkdtemp();
+    url_of(&s, "/v1/completions", url, sizeof(url));
+    enum { N = 64 };
+    static char bodies[N][4096], outs[N][512];
+    const char *cargs[8 * N + 8];
+    int k = 0;
+    cargs[k++] = "-sS";
+    cargs[k++] = "-Z";
+    cargs[k++] = "--parallel-max";
+    cargs[k++] = "64";
+    for (int i = 0; i < N; i++) {
+        int at = snprintf(bodies[i], sizeof(bodies[i]), "{\"prompt\": \"");
+        for (int l = 0; l < 20; l++)
+            at += snprintf(bodies[i] + at, sizeof(bodies[i]) - (size_t)at,
+                           "def f%d_%d(x):\\n    return x * %d\\n", i, l, l);
+        snprintf(bodies[i] + at, sizeof(bodies[i]) - (size_t)at,
+                 "\", \"max_tokens\": 200, \"temperature\": 0, \"ignore_eos\": true%s}",
+                 i % 4 == 0 ? ", \"stream\": true" : "");
+        snprintf(outs[i], sizeof(outs[i]), "%s/%d", dir, i);
+        if (i > 0)
+            cargs[k++] = "--next";
+        cargs[k++] = "-d";
+        cargs[k++] = bodies[i];
+        cargs[k++] = "-w";
+        cargs[k++] = "%{http_code}\\n";
+        cargs[k++] = "-o";
+        cargs[k++] = outs[i];
+        cargs[k++] = url;
+    }
+    struct tu_run r = tu_exec("curl", NULL, k, cargs);
+    assert_int_equal(r.exit_code, 0);
+    int ok = 0, refused = 0;
+    for (const char *p = r.out; *p; p = strchr(p, '\n') + 1) {
+        int code = atoi(p);
+        if (code == 200)
+            ok++;
+        else if (code == 507)
+            refused++;
+        else
+            fail_msg("a request got HTTP %d", code);
+    }
+    tu_run_free(&r);
+    assert_int_equal(ok + refused, N);
+    /* a 507 carries the engine's explanation */
+    for (int i = 0; i < N; i++) {
+        struct tu_run cat = tu_exec("cat", NULL, 1, (const char *[]){outs[i]});
+        if (strstr(cat.out, "insufficient_memory") != NULL)
+            assert_non_null(strstr(cat.out, "\"type\":\"insufficient_memory\""));
+        else if (i % 4 == 0)
+            assert_non_null(strstr(cat.out, "data: [DONE]"));
+        else
+            assert_non_null(strstr(cat.out, "\"completion_tokens\":200"));
+        tu_run_free(&cat);
+    }
+    wait_idle(&s);
+    printf("  64 long requests on a 30M engine budget: %d completed, %d refused (507), "
+           "%.0f preemptions, peak %.0f of limit %.0f bytes\n",
+           ok, refused, metric(&s, "llmem_preemptions_total"), metric(&s, "llmem_mem_peak_bytes"),
+           metric(&s, "llmem_mem_limit_bytes"));
+    assert_true(metric(&s, "llmem_mem_peak_bytes") <= metric(&s, "llmem_mem_limit_bytes"));
+    assert_int_equal(metric(&s, "llmem_requests_total{outcome=\"failed\"}"), 0);
+    struct tu_http h = get(&s, "/health");
+    assert_int_equal(h.status, 200);
+    tu_http_free(&h);
+    assert_int_equal(tu_serve_stop(&s), 0);
+    tu_rmtree(dir);
+    free(dir);
+}
+
+/* ---- the library, in this process ----------------------------------------------------------- */
+
+static int pressure; /* 1: the fake guard source reads critical memory pressure */
+
+static void fake_guard(void *arg, struct llmem_guard_reading *r) {
+    (void)arg;
+    if (__atomic_load_n(&pressure, __ATOMIC_SEQ_CST))
+        r->resident_bytes = r->ceiling_bytes; /* ≥ 0.95 × the ceiling: critical */
+    else
+        r->resident_bytes = 0, r->psi_some = r->psi_full = 0;
+}
+
+/* llmem_server_start/stop on an engine whose guard reads fake pressure: a critical refuses new
+ * requests with 507 insufficient_memory and the engine's reason, and when it clears the server
+ * serves again; stopping with a stream in flight ends that stream with an error event. */
+static void test_library_507_and_stop(void **state) {
+    (void)state;
+    struct llmem_engine_config ec;
+    llmem_engine_config_default(&ec);
+    ec.model_dir = PYCODER;
+    ec.max_sequences = 4;
+    ec.n_threads = 2;
+    ec.guard_source = fake_guard;
+    struct llmem_engine *e = NULL;
+    assert_int_equal(llmem_engine_open(&ec, NULL, NULL, &e), LLMEM_OK);
+    struct llmem_server_config sc;
+    llmem_server_config_default(&sc);
+    sc.port = 0;
+    sc.model_name = "pycoder";
+    struct llmem_server *s = NULL;
+    assert_int_equal(llmem_server_start(e, &sc, &s), LLMEM_OK);
+    assert_true(llmem_server_port(s) > 0);
+    struct tu_server view = {0};
+    snprintf(view.url, sizeof(view.url), "%s", llmem_server_url(s));
+    const char body[] = "{\"prompt\": \"def f():\", \"max_tokens\": 4, \"temperature\": 0}";
+
+    struct tu_http h = post(&view, "/v1/completions", body);
+    assert_int_equal(h.status, 200);
+    tu_http_free(&h);
+    __atomic_store_n(&pressure, 1, __ATOMIC_SEQ_CST);
+    for (int stream = 0; stream < 2; stream++) {
+        h = post(&view, "/v1/completions",
+                 stream ? "{\"prompt\": \"x\", \"max_tokens\": 4, \"stream\": true}" : body);
+        assert_int_equal(h.status, 507); /* a stream that never started is an error response */
+        cJSON *root = tu_http_json(&h);
+        const cJSON *err = cJSON_GetObjectItem(root, "error");
+        assert_string_equal(cJSON_GetObjectItem(err, "type")->valuestring, "insufficient_memory");
+        assert_non_null(
+            strstr(cJSON_GetObjectItem(err, "message")->valuestring, "critical memory pressure"));
+        cJSON_Delete(root);
+        tu_http_free(&h);
+    }
+    h = get(&view, "/health");
+    cJSON *health = tu_http_json(&h);
+    assert_string_equal(cJSON_GetObjectItem(health, "status")->valuestring, "refusing");
+    assert_string_equal(
+        cJSON_GetObjectItem(cJSON_GetObjectItem(health, "guard"), "state")->valuestring,
+        "critical");
+    cJSON_Delete(health);
+    tu_http_free(&h);
+    assert_true(metric(&view, "llmem_requests_total{outcome=\"refused\"}") == 2);
+    assert_true(metric(&view, "llmem_guard_actions_total{level=\"critical\"}") >= 1);
+    __atomic_store_n(&pressure, 0, __ATOMIC_SEQ_CST);
+    for (int i = 0; i < 100; i++) { /* the guard looks at least once a second */
+        h = post(&view, "/v1/completions", body);
+        int status = h.status;
+        tu_http_free(&h);
+        if (status == 200)
+            break;
+        assert_int_equal(status, 507);
+        usleep(100 * 1000);
+    }
+    assert_true(metric(&view, "llmem_requests_total{outcome=\"ok\"}") == 2);
+
+    /* a long stream, read by curl in the background; stop the server under it */
+    char out[] = "/tmp/llmem-stream-XXXXXX", url[256];
+    int fd = mkstemp(out);
+    assert_true(fd >= 0);
+    url_of(&view, "/v1/completions", url, sizeof(url));
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fd, 1);
+        execlp("curl", "curl", "-sN", "-d",
+               "{\"prompt\": \"def main():\", \"max_tokens\": 1900, \"temperature\": 0, "
+               "\"ignore_eos\": true, \"stream\": true}",
+               url, (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 600; i++) {
+        char buf[64] = "";
+        if (pread(fd, buf, sizeof(buf) - 1, 0) > 0 && strstr(buf, "data: ") != NULL)
+            break;
+        usleep(20 * 1000);
+    }
+    llmem_server_stop(s);
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        fail_msg("curl ended with status %d", status);
+    static char text[1 << 20];
+    ssize_t n = pread(fd, text, sizeof(text) - 1, 0);
+    assert_true(n > 0);
+    text[n] = '\0';
+    close(fd);
+    unlink(out);
+    assert_non_null(strstr(text, "\"code\":\"server_shutting_down\""));
+    const char *tail = text + strlen(text) - strlen("data: [DONE]\n\n");
+    assert_string_equal(tail, "data: [DONE]\n\n");
+    llmem_engine_close(e);
+}
+
+int main(void) {
+    const struct CMUnitTest shared[] = {
+        cmocka_unit_test(test_completions_match_run),
+        cmocka_unit_test(test_completions_stream),
+        cmocka_unit_test(test_stop_and_logprobs),
+        cmocka_unit_test(test_chat),
+        cmocka_unit_test(test_concurrent_equal_single),
+        cmocka_unit_test(test_disconnect_frees_kv),
+        cmocka_unit_test(test_shared_prefix_bank_hits),
+        cmocka_unit_test(test_models_health_metrics),
+        cmocka_unit_test(test_bad_requests),
+        cmocka_unit_test(test_cache_clear),
+    };
+    const struct CMUnitTest own[] = {
+        cmocka_unit_test(test_api_key_and_no_template), cmocka_unit_test(test_queue_full),
+        cmocka_unit_test(test_util_matches_plan),       cmocka_unit_test(test_memory_burst),
+        cmocka_unit_test(test_library_507_and_stop),
+    };
+    int failed =
+        cmocka_run_group_tests_name("e2e-serve (one server)", shared, group_setup, group_teardown);
+    failed += cmocka_run_group_tests_name("e2e-serve (own servers)", own, NULL, NULL);
+    return failed;
+}

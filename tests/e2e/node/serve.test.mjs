@@ -1,0 +1,186 @@
+// The official OpenAI Node client against a running `llmem serve models/pycoder --chat-template
+// chatml` (started by tests/e2e/e2e-serve-node.c, which passes the base URL and the text that
+// `llmem run` generates greedily for PROMPT).
+//
+//   node serve.test.mjs BASE_URL EXPECTED_TEXT
+//
+// Exit status 0 when every check passes; each failure is printed.
+import assert from "node:assert/strict";
+import OpenAI from "openai";
+
+const [baseURL, expected] = process.argv.slice(2);
+const PROMPT = "def fibonacci(n):\n";
+const N = 32;
+const client = new OpenAI({ baseURL: `${baseURL}/v1`, apiKey: "unused", maxRetries: 0 });
+const greedy = { temperature: 0, ignore_eos: true };
+
+async function metric(name) {
+  const text = await (await fetch(`${baseURL}/metrics`)).text();
+  const line = text.split("\n").find((l) => l.startsWith(`${name} `));
+  assert.ok(line, `no metric ${name}`);
+  return Number(line.slice(name.length + 1));
+}
+
+async function waitIdle() {
+  for (let i = 0; i < 600; i++) {
+    if ((await metric("llmem_requests_running")) === 0 && (await metric("llmem_requests_waiting")) === 0)
+      return;
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  assert.fail("the server does not become idle");
+}
+
+async function complete(prompt, extra = {}) {
+  const r = await client.completions.create({ model: "pycoder", prompt, max_tokens: N, ...greedy, ...extra });
+  return r.choices[0].text;
+}
+
+async function streamText(params, create) {
+  const stream = await create({ ...params, stream: true, stream_options: { include_usage: true } });
+  let text = "";
+  let usage = null;
+  let finish = null;
+  for await (const chunk of stream) {
+    if (chunk.usage) usage = chunk.usage;
+    const c = chunk.choices[0];
+    if (!c) continue;
+    text += c.text ?? c.delta?.content ?? "";
+    if (c.finish_reason) finish = c.finish_reason;
+  }
+  return { text, usage, finish };
+}
+
+const chatParams = (user) => ({
+  model: "pycoder",
+  messages: [
+    { role: "system", content: "You write Python." },
+    { role: "user", content: user },
+  ],
+  max_tokens: 24,
+  ...greedy,
+});
+
+const tests = {
+  async models() {
+    const list = await client.models.list();
+    assert.deepEqual(list.data.map((m) => m.id), ["pycoder"]);
+  },
+
+  async completionEqualsRun() {
+    const r = await client.completions.create({ model: "pycoder", prompt: PROMPT, max_tokens: N, ...greedy });
+    assert.equal(r.object, "text_completion");
+    assert.equal(r.choices[0].text, expected);
+    assert.equal(r.choices[0].finish_reason, "length");
+    assert.equal(r.usage.completion_tokens, N);
+    assert.equal(r.usage.total_tokens, r.usage.prompt_tokens + N);
+  },
+
+  async completionStream() {
+    const s = await streamText({ model: "pycoder", prompt: PROMPT, max_tokens: N, ...greedy }, (p) =>
+      client.completions.create(p),
+    );
+    assert.equal(s.text, expected);
+    assert.equal(s.finish, "length");
+    assert.equal(s.usage.completion_tokens, N);
+  },
+
+  async chatAndChatStream() {
+    const r = await client.chat.completions.create(chatParams("def add(a, b):"));
+    assert.equal(r.object, "chat.completion");
+    assert.equal(r.choices[0].message.role, "assistant");
+    assert.ok(r.choices[0].message.content.length > 0);
+    assert.equal(r.usage.completion_tokens, 24);
+    const s = await streamText(chatParams("def add(a, b):"), (p) => client.chat.completions.create(p));
+    assert.equal(s.text, r.choices[0].message.content);
+    assert.equal(s.usage.completion_tokens, 24);
+    // logprobs, the chat way
+    const l = await client.chat.completions.create({ ...chatParams("x = "), max_tokens: 4, logprobs: true, top_logprobs: 2 });
+    assert.equal(l.choices[0].logprobs.content.length, 4);
+    for (const t of l.choices[0].logprobs.content) {
+      assert.equal(t.top_logprobs.length, 2);
+      assert.ok(t.logprob <= 0 && t.logprob >= t.top_logprobs[1].logprob);
+    }
+  },
+
+  async sixteenConcurrentEqualSingle() {
+    const prompts = Array.from({ length: 16 }, (_, i) => `def handler_${i}(request):\n`);
+    const alone = [];
+    for (const p of prompts) alone.push(await complete(p));
+    const together = await Promise.all(
+      prompts.map((p, i) =>
+        i % 2
+          ? complete(p)
+          : streamText({ model: "pycoder", prompt: p, max_tokens: N, ...greedy }, (q) =>
+              client.completions.create(q),
+            ).then((s) => s.text),
+      ),
+    );
+    assert.deepEqual(together, alone);
+    // and chat, 16 at once
+    const chats = Array.from({ length: 16 }, (_, i) => chatParams(`def step_${i}():`));
+    const chatAlone = [];
+    for (const c of chats) chatAlone.push((await client.chat.completions.create(c)).choices[0].message.content);
+    const chatTogether = await Promise.all(
+      chats.map((c) => client.chat.completions.create(c).then((r) => r.choices[0].message.content)),
+    );
+    assert.deepEqual(chatTogether, chatAlone);
+  },
+
+  async abortMidStreamFreesKv() {
+    await waitIdle();
+    const cancelled = await metric('llmem_requests_total{outcome="cancelled"}');
+    const stream = await client.completions.create({
+      model: "pycoder",
+      prompt: PROMPT,
+      max_tokens: 1900,
+      ...greedy,
+      stream: true,
+    });
+    let chunks = 0;
+    for await (const chunk of stream) {
+      assert.ok(chunk.choices.length === 1);
+      if (++chunks === 3) {
+        stream.controller.abort();
+        break;
+      }
+    }
+    await waitIdle();
+    assert.ok((await metric('llmem_requests_total{outcome="cancelled"}')) >= cancelled + 1);
+    assert.equal(await metric("llmem_kv_blocks_used"), await metric("llmem_bank_blocks"));
+    assert.ok((await metric("llmem_generation_tokens_total")) > 0);
+  },
+
+  async badRequests() {
+    await assert.rejects(
+      client.completions.create({ model: "pycoder", prompt: "x", max_tokens: -1 }),
+      (e) => e instanceof OpenAI.BadRequestError && e.status === 400 && e.param === "max_tokens",
+    );
+    await assert.rejects(
+      client.completions.create({ model: "pycoder", prompt: "x", temperature: "hot" }),
+      (e) => e instanceof OpenAI.BadRequestError && e.code === "invalid_type",
+    );
+    await assert.rejects(
+      client.chat.completions.create({ model: "gpt-4o", messages: [{ role: "user", content: "hi" }] }),
+      (e) => e instanceof OpenAI.NotFoundError && e.code === "model_not_found",
+    );
+    await assert.rejects(
+      client.completions.create({ model: "pycoder", prompt: "x", n: 2 }),
+      (e) => e.status === 400 && e.param === "n",
+    );
+    // still serving
+    assert.equal(await complete(PROMPT), expected);
+  },
+};
+
+let failed = 0;
+for (const [name, fn] of Object.entries(tests)) {
+  try {
+    await fn();
+    console.log(`ok   ${name}`);
+  } catch (e) {
+    failed++;
+    console.log(`FAIL ${name}: ${e?.stack ?? e}`);
+  }
+}
+console.log(failed ? `${failed} failed` : "all passed");
+process.exit(failed ? 1 : 0);

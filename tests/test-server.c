@@ -1,0 +1,568 @@
+/*
+ * tests/test-server.c — the server's pure parts, without a network: request parsing and
+ * validation (every field, its type and range, its default), the prompt against the context,
+ * the OpenAI response shapes (completion, chat, streaming chunks, usage, logprobs, errors,
+ * models), the Prometheus exposition and the /health document.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "llmem/plan.h"
+#include "server/server_int.h"
+#include "testutil.h"
+
+static const struct srv_model model = {.name = "pycoder", .vocab = 4096, .context = 2048};
+
+static int parse(enum srv_kind kind, const char *body, struct srv_request *r, struct srv_error *e) {
+    memset(e, 0, sizeof(*e));
+    return srv_request_parse(kind, body, strlen(body), &model, r, e);
+}
+
+static void test_utf8(void **state) {
+    (void)state;
+    static const struct {
+        const char *s;
+        int ok;
+    } cases[] = {
+        {"plain ascii", 1},
+        {"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80", 1}, /* é € 😀 */
+        {"\xc3", 0},                                      /* truncated */
+        {"\xc0\xaf", 0},                                  /* overlong '/' */
+        {"\xe0\x80\xaf", 0},                              /* overlong, 3 bytes */
+        {"\xed\xa0\x80", 0},                              /* a surrogate */
+        {"\xf4\x90\x80\x80", 0},                          /* above U+10FFFF */
+        {"\xff", 0},
+        {"a\x80z", 0}, /* a lone continuation byte */
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+        assert_int_equal(srv_utf8_valid(cases[i].s, strlen(cases[i].s)), cases[i].ok);
+    assert_int_equal(srv_utf8_valid("a\0b", 3), 1); /* NUL is a character */
+}
+
+static void test_parse_completion(void **state) {
+    (void)state;
+    struct srv_request r;
+    struct srv_error e;
+    /* every field */
+    assert_int_equal(
+        parse(SRV_COMPLETIONS,
+              "{\"model\": \"pycoder\", \"prompt\": \"def f():\", \"max_tokens\": 7, "
+              "\"temperature\": 0.5, \"top_p\": 0.9, \"top_k\": 40, \"min_p\": 0.05, "
+              "\"seed\": 42, \"stop\": [\"\\n\\n\", \"x\"], \"n\": 1, \"logprobs\": 3, "
+              "\"stream\": true, \"stream_options\": {\"include_usage\": true}, "
+              "\"ignore_eos\": true, \"echo\": false, \"best_of\": 1, "
+              "\"presence_penalty\": 0, \"user\": \"u\", \"unknown\": [1]}",
+              &r, &e),
+        0);
+    assert_int_equal(r.kind, SRV_COMPLETIONS);
+    assert_string_equal(r.prompt_text, "def f():");
+    assert_null(r.prompt_ids);
+    assert_int_equal(r.max_tokens, 7);
+    assert_true(r.sampling.temperature == 0.5 && r.sampling.top_p == 0.9);
+    assert_int_equal(r.sampling.top_k, 40);
+    assert_true(r.sampling.min_p == 0.05);
+    assert_int_equal(r.sampling.seed, 42);
+    assert_true(r.have_seed);
+    assert_int_equal(r.n_stop, 2);
+    assert_string_equal(r.stop[0], "\n\n");
+    assert_int_equal(r.logprobs, 3);
+    assert_true(r.stream && r.include_usage && r.ignore_eos);
+    srv_request_free(&r);
+
+    /* defaults: OpenAI's 16 tokens, temperature 1, top_p 1, no logprobs, a server-picked seed */
+    assert_int_equal(parse(SRV_COMPLETIONS, "{\"prompt\": \"x\"}", &r, &e), 0);
+    assert_int_equal(r.max_tokens, 16);
+    assert_true(r.sampling.temperature == 1.0 && r.sampling.top_p == 1.0);
+    assert_int_equal(r.sampling.top_k, 0);
+    assert_int_equal(r.logprobs, -1);
+    assert_false(r.have_seed || r.stream || r.include_usage || r.ignore_eos);
+    assert_int_equal(r.n_stop, 0);
+    srv_request_free(&r);
+
+    /* prompts as token ids, a one-prompt batch, a single stop string, top_k -1 (off) */
+    assert_int_equal(parse(SRV_COMPLETIONS,
+                           "{\"prompt\": [1, 2, 4095], \"stop\": \"end\", \"top_k\": -1}", &r, &e),
+                     0);
+    assert_int_equal(r.n_prompt_ids, 3);
+    assert_int_equal(r.prompt_ids[2], 4095);
+    assert_int_equal(r.n_stop, 1);
+    assert_int_equal(r.sampling.top_k, 0);
+    srv_request_free(&r);
+    assert_int_equal(parse(SRV_COMPLETIONS, "{\"prompt\": [[5, 6]]}", &r, &e), 0);
+    assert_int_equal(r.n_prompt_ids, 2);
+    srv_request_free(&r);
+    assert_int_equal(
+        parse(SRV_COMPLETIONS, "{\"prompt\": [\"only\"], \"max_tokens\": null}", &r, &e), 0);
+    assert_string_equal(r.prompt_text, "only");
+    assert_int_equal(r.max_tokens, 16);
+    srv_request_free(&r);
+}
+
+static void test_parse_chat(void **state) {
+    (void)state;
+    struct srv_request r;
+    struct srv_error e;
+    assert_int_equal(
+        parse(SRV_CHAT,
+              "{\"messages\": [{\"role\": \"developer\", \"content\": \"be brief\"}, {\"role\": "
+              "\"user\", \"content\": [{\"type\": \"text\", \"text\": \"a\"}, {\"type\": "
+              "\"text\", \"text\": \"b\"}]}, {\"role\": \"assistant\", \"content\": null}], "
+              "\"max_tokens\": 100, \"max_completion_tokens\": 9, \"logprobs\": true, "
+              "\"top_logprobs\": 4, \"response_format\": {\"type\": \"text\"}, \"tools\": []}",
+              &r, &e),
+        0);
+    assert_int_equal(r.n_messages, 3);
+    assert_string_equal(r.messages[0].role, "system");
+    assert_string_equal(r.messages[1].content, "a\nb");
+    assert_string_equal(r.messages[2].content, "");
+    assert_int_equal(r.max_tokens, 9); /* max_completion_tokens wins */
+    assert_int_equal(r.logprobs, 4);
+    srv_request_free(&r);
+    /* chat defaults: up to the context; logprobs true alone: no alternatives */
+    assert_int_equal(parse(SRV_CHAT,
+                           "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+                           "\"logprobs\": true}",
+                           &r, &e),
+                     0);
+    assert_int_equal(r.max_tokens, 0);
+    assert_int_equal(r.logprobs, 0);
+    srv_request_free(&r);
+}
+
+/* Each bad body: its HTTP status, the param named and the code. */
+static void test_parse_errors(void **state) {
+    (void)state;
+    static const struct {
+        enum srv_kind kind;
+        const char *body;
+        int http;
+        const char *param, *code;
+    } cases[] = {
+        {SRV_COMPLETIONS, "", 400, NULL, "invalid_json"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\"} trailing", 400, NULL, "invalid_json"},
+        {SRV_COMPLETIONS, "\"a string\"", 400, NULL, "invalid_json"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"\xc3\x28\"}", 400, NULL, "invalid_encoding"},
+        {SRV_COMPLETIONS, "{}", 400, "prompt", "missing_required_parameter"},
+        {SRV_COMPLETIONS, "{\"prompt\": true}", 400, "prompt", "invalid_type"},
+        {SRV_COMPLETIONS, "{\"prompt\": [1, 2.5]}", 400, "prompt", "invalid_type"},
+        {SRV_COMPLETIONS, "{\"prompt\": [4096]}", 400, "prompt", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": [-1]}", 400, "prompt", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": [\"a\", \"b\"]}", 400, "prompt", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"model\": \"other\"}", 404, "model",
+         "model_not_found"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"max_tokens\": -1}", 400, "max_tokens",
+         "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"max_tokens\": 2049}", 400, "max_tokens",
+         "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"max_tokens\": 1e300}", 400, "max_tokens",
+         "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"max_tokens\": [1]}", 400, "max_tokens",
+         "invalid_type"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"temperature\": 2.5}", 400, "temperature",
+         "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"temperature\": null, \"top_p\": 1.5}", 400,
+         "top_p", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"top_k\": 1.5}", 400, "top_k", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"min_p\": -0.1}", 400, "min_p", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"seed\": true}", 400, "seed", "invalid_type"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"stop\": {}}", 400, "stop", "invalid_type"},
+        {SRV_COMPLETIONS,
+         "{\"prompt\": \"x\", \"stop\": [\"1\",\"2\",\"3\",\"4\",\"5\",\"6\",\"7\",\"8\",\"9\","
+         "\"10\",\"11\",\"12\",\"13\",\"14\",\"15\",\"16\",\"17\"]}",
+         400, "stop", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"n\": 3}", 400, "n", "unsupported_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"n\": \"1\"}", 400, "n", "invalid_type"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logprobs\": 21}", 400, "logprobs",
+         "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logprobs\": true}", 400, "logprobs",
+         "invalid_type"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"stream\": 1}", 400, "stream", "invalid_type"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"stream_options\": {}}", 400, "stream_options",
+         "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"stream\": true, \"stream_options\": 3}", 400,
+         "stream_options", "invalid_type"},
+        {SRV_COMPLETIONS,
+         "{\"prompt\": \"x\", \"stream\": true, \"stream_options\": {\"include_usage\": 1}}", 400,
+         "stream_options.include_usage", "invalid_type"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"echo\": true}", 400, "echo", "unsupported_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"best_of\": 2}", 400, "best_of",
+         "unsupported_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"suffix\": \"s\"}", 400, "suffix",
+         "unsupported_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"frequency_penalty\": 0.5}", 400,
+         "frequency_penalty", "unsupported_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"1\": 5}}", 400, "logit_bias",
+         "unsupported_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"ignore_eos\": \"y\"}", 400, "ignore_eos",
+         "invalid_type"},
+        {SRV_CHAT, "{}", 400, "messages", "missing_required_parameter"},
+        {SRV_CHAT, "{\"messages\": {}}", 400, "messages", "invalid_type"},
+        {SRV_CHAT, "{\"messages\": []}", 400, "messages", "invalid_value"},
+        {SRV_CHAT, "{\"messages\": [7]}", 400, "messages", "invalid_type"},
+        {SRV_CHAT, "{\"messages\": [{\"content\": \"x\"}]}", 400, "messages", "invalid_value"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"tool\", \"content\": \"x\"}]}", 400, "messages",
+         "invalid_value"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\"}]}", 400, "messages",
+         "missing_required_parameter"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", 400,
+         "messages", "invalid_value"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"logprobs\": 2}",
+         400, "logprobs", "invalid_type"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"logprobs\": true, "
+         "\"top_logprobs\": 30}",
+         400, "top_logprobs", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"top_logprobs\": 1}", 400,
+         "top_logprobs", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_completion_tokens\": "
+         "0}",
+         400, "max_completion_tokens", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": "
+         "\"function\"}]}",
+         400, "tools", "unsupported_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": "
+         "{\"type\": \"json_object\"}}",
+         400, "response_format", "unsupported_value"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        struct srv_request r;
+        struct srv_error e;
+        int rc = parse(cases[i].kind, cases[i].body, &r, &e);
+        if (rc != -1 || e.http != cases[i].http || (cases[i].param == NULL) != (e.param == NULL) ||
+            (cases[i].param != NULL && strcmp(cases[i].param, e.param) != 0) || e.code == NULL ||
+            strcmp(cases[i].code, e.code) != 0)
+            fail_msg("case %zu %s: rc %d, http %d, param %s, code %s: %s", i, cases[i].body, rc,
+                     e.http, e.param ? e.param : "(null)", e.code ? e.code : "(null)", e.message);
+        assert_true(strlen(e.message) > 8);
+        assert_string_equal(e.type, "invalid_request_error");
+        srv_request_free(&r); /* a failed parse leaves nothing behind but what free frees */
+    }
+}
+
+static void test_check_prompt(void **state) {
+    (void)state;
+    struct srv_error e;
+    assert_int_equal(srv_check_prompt(SRV_COMPLETIONS, 1, &model, &e), 0);
+    assert_int_equal(srv_check_prompt(SRV_COMPLETIONS, 2047, &model, &e), 0);
+    assert_int_equal(srv_check_prompt(SRV_CHAT, 2048, &model, &e), -1);
+    assert_string_equal(e.code, "context_length_exceeded");
+    assert_string_equal(e.param, "messages");
+    assert_non_null(strstr(e.message, "2048"));
+    assert_int_equal(srv_check_prompt(SRV_COMPLETIONS, 0, &model, &e), -1);
+    assert_string_equal(e.param, "prompt");
+}
+
+/* ---- rendering ------------------------------------------------------------------------------- */
+
+/* Token i's text is "<i>". */
+static char *fake_piece(void *arg, int32_t id) {
+    (void)arg;
+    char *s = malloc(16);
+    snprintf(s, 16, "<%d>", id);
+    return s;
+}
+
+static struct srv_render render(enum srv_kind kind, int logprobs) {
+    return (struct srv_render){.kind = kind,
+                               .id = "cmpl-1",
+                               .model = "pycoder",
+                               .created = 1700000000,
+                               .logprobs = logprobs,
+                               .piece = fake_piece};
+}
+
+static cJSON *parsed(char *text) {
+    assert_non_null(text);
+    cJSON *root = cJSON_Parse(text);
+    assert_non_null(root);
+    free(text);
+    return root;
+}
+
+static void test_render_completion(void **state) {
+    (void)state;
+    struct srv_token toks[2] = {{.id = 5,
+                                 .logprob = -0.25f,
+                                 .n_top = 2,
+                                 .top_ids = {5, 9},
+                                 .top_logprobs = {-0.25f, -1.5f}},
+                                {.id = 12,
+                                 .logprob = -0.5f,
+                                 .n_top = 2,
+                                 .top_ids = {12, 12},
+                                 .top_logprobs = {-0.5f, -0.5f}}};
+    struct srv_render r = render(SRV_COMPLETIONS, 2);
+    cJSON *o = parsed(srv_render_response(&r, "ab", 2, toks, 2, "length", 3, 2));
+    assert_string_equal(cJSON_GetObjectItem(o, "id")->valuestring, "cmpl-1");
+    assert_string_equal(cJSON_GetObjectItem(o, "object")->valuestring, "text_completion");
+    assert_int_equal(cJSON_GetObjectItem(o, "created")->valuedouble, 1700000000);
+    assert_string_equal(cJSON_GetObjectItem(o, "model")->valuestring, "pycoder");
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
+    assert_int_equal(cJSON_GetObjectItem(c, "index")->valueint, 0);
+    assert_string_equal(cJSON_GetObjectItem(c, "text")->valuestring, "ab");
+    assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "length");
+    const cJSON *lp = cJSON_GetObjectItem(c, "logprobs");
+    assert_string_equal(cJSON_GetArrayItem(cJSON_GetObjectItem(lp, "tokens"), 1)->valuestring,
+                        "<12>");
+    assert_true(cJSON_GetArrayItem(cJSON_GetObjectItem(lp, "token_logprobs"), 0)->valuedouble ==
+                -0.25);
+    const cJSON *top0 = cJSON_GetArrayItem(cJSON_GetObjectItem(lp, "top_logprobs"), 0);
+    assert_int_equal(cJSON_GetArraySize(top0), 2);
+    assert_true(cJSON_GetObjectItem(top0, "<9>")->valuedouble == -1.5);
+    /* a duplicate alternative is one key */
+    assert_int_equal(
+        cJSON_GetArraySize(cJSON_GetArrayItem(cJSON_GetObjectItem(lp, "top_logprobs"), 1)), 1);
+    /* text offsets: where each token's text starts */
+    assert_int_equal(cJSON_GetArrayItem(cJSON_GetObjectItem(lp, "text_offset"), 1)->valueint, 3);
+    const cJSON *u = cJSON_GetObjectItem(o, "usage");
+    assert_int_equal(cJSON_GetObjectItem(u, "prompt_tokens")->valueint, 3);
+    assert_int_equal(cJSON_GetObjectItem(u, "completion_tokens")->valueint, 2);
+    assert_int_equal(cJSON_GetObjectItem(u, "total_tokens")->valueint, 5);
+    cJSON_Delete(o);
+
+    /* without logprobs: null; a text with quotes and a newline survives */
+    r = render(SRV_COMPLETIONS, -1);
+    o = parsed(srv_render_response(&r, "say \"hi\"\n", 9, NULL, 0, "stop", 1, 1));
+    c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(c, "logprobs")));
+    assert_string_equal(cJSON_GetObjectItem(c, "text")->valuestring, "say \"hi\"\n");
+    cJSON_Delete(o);
+}
+
+static void test_render_chat(void **state) {
+    (void)state;
+    struct srv_token tok = {
+        .id = 7, .logprob = -0.125f, .n_top = 1, .top_ids = {7}, .top_logprobs = {-0.125f}};
+    struct srv_render r = render(SRV_CHAT, 1);
+    r.id = "chatcmpl-1";
+    cJSON *o = parsed(srv_render_response(&r, "hello", 5, &tok, 1, "stop", 10, 1));
+    assert_string_equal(cJSON_GetObjectItem(o, "object")->valuestring, "chat.completion");
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
+    const cJSON *m = cJSON_GetObjectItem(c, "message");
+    assert_string_equal(cJSON_GetObjectItem(m, "role")->valuestring, "assistant");
+    assert_string_equal(cJSON_GetObjectItem(m, "content")->valuestring, "hello");
+    const cJSON *entry =
+        cJSON_GetArrayItem(cJSON_GetObjectItem(cJSON_GetObjectItem(c, "logprobs"), "content"), 0);
+    assert_string_equal(cJSON_GetObjectItem(entry, "token")->valuestring, "<7>");
+    assert_true(cJSON_GetObjectItem(entry, "logprob")->valuedouble == -0.125);
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(entry, "bytes")), 3);
+    assert_int_equal(cJSON_GetArrayItem(cJSON_GetObjectItem(entry, "bytes"), 0)->valueint, '<');
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(entry, "top_logprobs")), 1);
+    cJSON_Delete(o);
+
+    /* chunks: the first carries the role, later ones only content, the last the reason */
+    r.logprobs = -1;
+    r.include_usage = 1;
+    o = parsed(srv_render_chunk(&r, "", 0, NULL, 0, NULL, 1));
+    assert_string_equal(cJSON_GetObjectItem(o, "object")->valuestring, "chat.completion.chunk");
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(o, "usage")));
+    const cJSON *d =
+        cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0), "delta");
+    assert_string_equal(cJSON_GetObjectItem(d, "role")->valuestring, "assistant");
+    assert_string_equal(cJSON_GetObjectItem(d, "content")->valuestring, "");
+    cJSON_Delete(o);
+    o = parsed(srv_render_chunk(&r, "lo", 2, NULL, 0, NULL, 0));
+    d = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0), "delta");
+    assert_null(cJSON_GetObjectItem(d, "role"));
+    assert_string_equal(cJSON_GetObjectItem(d, "content")->valuestring, "lo");
+    cJSON_Delete(o);
+    o = parsed(srv_render_chunk(&r, "", 0, NULL, 0, "length", 0));
+    c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(c, "delta")), 0);
+    assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "length");
+    cJSON_Delete(o);
+    o = parsed(srv_render_usage_chunk(&r, 4, 6));
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(o, "choices")), 0);
+    assert_int_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(o, "usage"), "total_tokens")->valueint,
+                     10);
+    cJSON_Delete(o);
+}
+
+static void test_render_error_and_models(void **state) {
+    (void)state;
+    struct srv_error e;
+    assert_int_equal(srv_fail(&e, 507, "insufficient_memory", NULL, "insufficient_memory",
+                              "needs %d blocks", 12),
+                     -1);
+    cJSON *o = parsed(srv_error_json(&e));
+    const cJSON *err = cJSON_GetObjectItem(o, "error");
+    assert_string_equal(cJSON_GetObjectItem(err, "message")->valuestring, "needs 12 blocks");
+    assert_string_equal(cJSON_GetObjectItem(err, "type")->valuestring, "insufficient_memory");
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(err, "param")));
+    assert_string_equal(cJSON_GetObjectItem(err, "code")->valuestring, "insufficient_memory");
+    assert_int_equal(cJSON_GetArraySize(err), 4);
+    cJSON_Delete(o);
+
+    o = parsed(srv_render_models(&model, 5));
+    assert_string_equal(cJSON_GetObjectItem(o, "object")->valuestring, "list");
+    const cJSON *m = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "data"), 0);
+    assert_string_equal(cJSON_GetObjectItem(m, "id")->valuestring, "pycoder");
+    assert_string_equal(cJSON_GetObjectItem(m, "object")->valuestring, "model");
+    assert_int_equal(cJSON_GetObjectItem(m, "max_model_len")->valueint, 2048);
+    cJSON_Delete(o);
+}
+
+/* ---- /metrics and /health -------------------------------------------------------------------- */
+
+static void sample_metrics(struct llmem_engine_metrics *m) {
+    memset(m, 0, sizeof(*m));
+    static const double bounds[LLMEM_HIST_BUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                                      0.5,   1,    2.5,   5,    10,  30};
+    memcpy(m->ttft.bounds, bounds, sizeof(bounds));
+    memcpy(m->inter_token.bounds, bounds, sizeof(bounds));
+    for (int i = 0; i < LLMEM_HIST_BUCKETS; i++)
+        m->ttft.counts[i] = i >= 4 ? 3 : 0;
+    m->ttft.count = 4; /* one above the last bound */
+    m->ttft.sum = 40.5;
+    m->mem_active = 100, m->mem_peak = 200, m->mem_cache = 7, m->mem_limit = 1000;
+    m->kv_blocks_used = 11, m->kv_blocks_free = 21, m->bank.ram.bytes = 4096, m->bank.ram.hit_blocks = 3;
+    m->bank.guard_warnings = 2, m->bank.guard_criticals = 1, m->guard_level = LLMEM_GUARD_WARNING;
+    m->requests_ok = 5, m->requests_cancelled = 1, m->requests_refused = 2;
+    m->prompt_tokens = 50, m->generated_tokens = 60, m->running = 1, m->waiting = 2;
+    m->preemptions = 9;
+}
+
+static void expect_line(const char *text, const char *line) {
+    char needle[256];
+    snprintf(needle, sizeof(needle), "\n%s\n", line);
+    if (strstr(text, needle) == NULL)
+        fail_msg("no line '%s' in:\n%s", line, text);
+}
+
+static void test_metrics(void **state) {
+    (void)state;
+    struct llmem_engine_metrics m;
+    sample_metrics(&m);
+    struct srv_counters c = {.rejected = 4, .invalid = 6, .disconnected = 1};
+    char *text = srv_render_metrics(&m, &c);
+    assert_non_null(text);
+    expect_line(text, "llmem_mem_active_bytes 100");
+    expect_line(text, "llmem_mem_peak_bytes 200");
+    expect_line(text, "llmem_mem_cache_bytes 7");
+    expect_line(text, "llmem_mem_limit_bytes 1000");
+    expect_line(text, "llmem_kv_blocks_used 11");
+    expect_line(text, "llmem_kv_blocks_free 21");
+    expect_line(text, "llmem_bank_bytes 4096");
+    expect_line(text, "llmem_bank_hits_total 3");
+    expect_line(text, "llmem_guard_actions_total{level=\"warning\"} 2");
+    expect_line(text, "llmem_guard_actions_total{level=\"critical\"} 1");
+    expect_line(text, "llmem_guard_level 1");
+    expect_line(text, "llmem_requests_total{outcome=\"ok\"} 5");
+    expect_line(text, "llmem_requests_total{outcome=\"refused\"} 2");
+    expect_line(text, "llmem_requests_total{outcome=\"rejected\"} 4");
+    expect_line(text, "llmem_requests_total{outcome=\"invalid\"} 6");
+    expect_line(text, "llmem_prompt_tokens_total 50");
+    expect_line(text, "llmem_generation_tokens_total 60");
+    expect_line(text, "llmem_requests_running 1");
+    expect_line(text, "llmem_requests_waiting 2");
+    expect_line(text, "llmem_preemptions_total 9");
+    expect_line(text, "# TYPE llmem_ttft_seconds histogram");
+    expect_line(text, "llmem_ttft_seconds_bucket{le=\"0.05\"} 0");
+    expect_line(text, "llmem_ttft_seconds_bucket{le=\"0.1\"} 3");
+    expect_line(text, "llmem_ttft_seconds_bucket{le=\"30\"} 3");
+    expect_line(text, "llmem_ttft_seconds_bucket{le=\"+Inf\"} 4");
+    expect_line(text, "llmem_ttft_seconds_sum 40.5");
+    expect_line(text, "llmem_ttft_seconds_count 4");
+    expect_line(text, "# TYPE llmem_requests_total counter");
+    expect_line(text, "# TYPE llmem_mem_active_bytes gauge");
+    /* the exposition format: every line is a comment or "llmem_name[{labels}] value" */
+    for (const char *p = text; *p;) {
+        const char *end = strchr(p, '\n');
+        assert_non_null(end);
+        if (*p != '#') {
+            assert_true(strncmp(p, "llmem_", 6) == 0);
+            const char *sp = memchr(p, ' ', (size_t)(end - p));
+            assert_non_null(sp);
+            char *num_end = NULL;
+            strtod(sp + 1, &num_end);
+            assert_true(num_end == end);
+        }
+        p = end + 1;
+    }
+    free(text);
+}
+
+static void test_health(void **state) {
+    (void)state;
+    struct llmem_plan_params pp = {.target = LLMEM_PLAN_HOST,
+                                   .total_bytes = (int64_t)48 << 30,
+                                   .weights_bytes = 21313949792,
+                                   .kv_bytes_per_token = 65536,
+                                   .model_max_context = 262144,
+                                   .util = 0.5};
+    struct llmem_plan plan;
+    assert_int_equal(llmem_plan_compute(&pp, &plan), 0);
+    struct llmem_mem_stats st = {0};
+    st.active_bytes = 10, st.peak_bytes = 20, st.cache_bytes = 5;
+    st.memory_limit_bytes = plan.allocation_limit_bytes, st.cache_limit_bytes = 99;
+    struct llmem_engine_metrics m;
+    sample_metrics(&m);
+    m.refusing = 1;
+    struct srv_counters c = {0};
+    struct srv_health h = {.model = "big",
+                           .plan = &plan,
+                           .limits_line = "memory limit 24.0G",
+                           .mem = &st,
+                           .kv_format = "q8",
+                           .kv_layout = "paged",
+                           .chat_template = "chatml"};
+    cJSON *o = parsed(srv_render_health(&h, &m, &c));
+    assert_string_equal(cJSON_GetObjectItem(o, "status")->valuestring, "refusing");
+    const cJSON *lim = cJSON_GetObjectItem(o, "limits");
+    assert_true(cJSON_GetObjectItem(lim, "allocation_limit_bytes")->valuedouble ==
+                (double)plan.allocation_limit_bytes);
+    assert_true(cJSON_GetObjectItem(lim, "trip_bytes")->valuedouble == (double)plan.trip_bytes);
+    assert_true(cJSON_GetObjectItem(lim, "ceiling_bytes")->valuedouble ==
+                (double)((int64_t)48 << 30));
+    assert_string_equal(cJSON_GetObjectItem(lim, "applied")->valuestring, "memory limit 24.0G");
+    assert_true(cJSON_GetObjectItem(cJSON_GetObjectItem(o, "plan"), "context_window_resolved")
+                    ->valuedouble == (double)plan.context_window_resolved);
+    assert_int_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(o, "memory"), "cache_bytes")->valueint,
+                     5);
+    assert_string_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(o, "kv"), "format")->valuestring,
+                        "q8");
+    const cJSON *g = cJSON_GetObjectItem(o, "guard");
+    assert_string_equal(cJSON_GetObjectItem(g, "state")->valuestring, "warning");
+    assert_int_equal(cJSON_GetObjectItem(g, "criticals")->valueint, 1);
+    assert_true(cJSON_IsTrue(cJSON_GetObjectItem(g, "refusing")));
+    assert_int_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(o, "bank"), "hit_blocks")->valueint,
+                     3);
+    assert_int_equal(
+        cJSON_GetObjectItem(cJSON_GetObjectItem(o, "requests"), "preemptions")->valueint, 9);
+    cJSON_Delete(o);
+}
+
+/* Buffers: growth across many appends, printf. */
+static void test_buf(void **state) {
+    (void)state;
+    struct srv_buf b = {0};
+    for (int i = 0; i < 1000; i++)
+        srv_buf_printf(&b, "%d,", i);
+    assert_false(b.failed);
+    assert_int_equal(strncmp(b.data, "0,1,2,", 6), 0);
+    assert_int_equal(b.data[b.len], '\0');
+    assert_non_null(strstr(b.data, ",999,"));
+    srv_buf_free(&b);
+    assert_null(b.data);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_utf8),         cmocka_unit_test(test_parse_completion),
+        cmocka_unit_test(test_parse_chat),   cmocka_unit_test(test_parse_errors),
+        cmocka_unit_test(test_check_prompt), cmocka_unit_test(test_render_completion),
+        cmocka_unit_test(test_render_chat),  cmocka_unit_test(test_render_error_and_models),
+        cmocka_unit_test(test_metrics),      cmocka_unit_test(test_health),
+        cmocka_unit_test(test_buf),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
