@@ -803,7 +803,7 @@ static void size_after(const char *text, const char *key, char *out, size_t size
 }
 
 /* --util 0.5: serve applies, prints and reports on /health the allocation limit and the trip
- * that `llmem plan --util 0.5` computes. */
+ * that `llmem plan --util 0.5` computes; run and chat apply and print the same. */
 static void test_util_matches_plan(void **state) {
     (void)state;
     struct tu_run plan = tu_llmem("plan", PYCODER, "--util", "0.5", "--json", NULL);
@@ -826,6 +826,23 @@ static void test_util_matches_plan(void **state) {
     assert_string_equal(serve_trip, plan_trip);
     assert_non_null(strstr(line, "util 0.50"));
     free(err);
+    /* llmem run and llmem chat apply and print the same */
+    const char *run_args[] = {"run", PYCODER, "--util", "0.5", "--threads", "2", "-p", "x", "-n",
+                              "1"};
+    const char *chat_args[] = {"chat", PYCODER, "--util", "0.5", "--threads", "2",
+                               "--chat-template", "chatml"};
+    struct tu_run runs[2] = {tu_llmem_argv(10, run_args), tu_llmem_input("", 8, chat_args)};
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(runs[i].exit_code, 0);
+        const char *applied = strstr(runs[i].err, "limits applied: ");
+        assert_non_null(applied);
+        char limit[32], trip[32];
+        size_after(applied, "memory limit ", limit, sizeof(limit));
+        size_after(applied, "trip ", trip, sizeof(trip));
+        assert_string_equal(limit, plan_limit);
+        assert_string_equal(trip, plan_trip);
+        tu_run_free(&runs[i]);
+    }
 
     char url[256];
     url_of(&s, "/health", url, sizeof(url));
