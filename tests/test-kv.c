@@ -13,6 +13,7 @@
 #include "kv/codec.h"
 #include "kv/codec_internal.h"
 #include "llmem/kv.h"
+#include "llmem/sys.h"
 #include "testutil.h"
 
 /* ---- data and the reference ---------------------------------------------------------------------
@@ -511,6 +512,44 @@ static void test_paged_share_and_copy_on_write(void **state) {
 /* Blocks held outside any sequence (the session bank's): they outlive their sequence, a new
  * sequence starts from them without a copy, a rewrite copies them first, and releasing the last
  * holder frees them; the invariant checker counts holds. */
+/* Released pages of free blocks: the resident memory falls by about the pool's size, and the
+ * pool works as before afterwards (a new sequence in the released blocks attends correctly). */
+static void test_paged_release_free(void **state) {
+    (void)state;
+    struct llmem_kv_config c;
+    llmem_kv_config_default(&c);
+    c.format = LLMEM_KV_FORMAT_F32;
+    c.n_layers = 1;
+    c.n_kv_heads = 8;
+    c.head_dim = 128;
+    c.max_sequences = 2;
+    c.num_blocks = 256; /* 64 KiB per block for K and for V: 32 MiB in all */
+    c.n_threads = 2;
+    struct llmem_kv *kv = NULL;
+    assert_int_equal(llmem_kv_create(&c, NULL, &kv), LLMEM_OK);
+    int seq;
+    assert_int_equal(llmem_kv_seq_new(kv, &seq), LLMEM_OK);
+    struct data d = data_new(1, 8, 128, 4096);
+    append_random(kv, seq, &d, 4096, 0, 0); /* every block written: resident */
+    struct llmem_sys_pressure before, after;
+    llmem_sys_pressure_read(&before);
+    assert_int_equal(llmem_kv_release_free(kv), 0); /* nothing is free yet */
+    llmem_kv_seq_free(kv, seq);
+    int64_t released = llmem_kv_release_free(kv);
+    llmem_sys_pressure_read(&after);
+    assert_int_equal(released, (int64_t)32 << 20);
+    assert_true(before.resident_bytes - after.resident_bytes >= (int64_t)24 << 20);
+    assert_int_equal(llmem_kv_check(kv), LLMEM_OK);
+    free(d.k), free(d.v);
+    /* the released blocks serve a new sequence */
+    assert_int_equal(llmem_kv_seq_new(kv, &seq), LLMEM_OK);
+    d = data_new(1, 8, 128, 1000);
+    append_random(kv, seq, &d, 1000, 0, 0);
+    assert_true(attend_error(kv, seq, &d, 0, 990, 10, 32, 0, LLMEM_KV_ROUTE_AUTO, NULL) <= 1e-5);
+    free(d.k), free(d.v);
+    llmem_kv_destroy(kv);
+}
+
 static void test_paged_held_blocks(void **state) {
     (void)state;
     struct llmem_kv *kv = make_kv(LLMEM_KV_LAYOUT_PAGED, LLMEM_KV_FORMAT_F32, 2, 2, 64, NULL);
@@ -773,6 +812,7 @@ int main(void) {
         cmocka_unit_test(test_quantized_attention_error),
         cmocka_unit_test(test_paged_share_and_copy_on_write),
         cmocka_unit_test(test_paged_held_blocks),
+        cmocka_unit_test(test_paged_release_free),
         cmocka_unit_test(test_paged_growth_and_limits),
         cmocka_unit_test(test_ragged_freeze_capacity),
         cmocka_unit_test(test_bytes_per_token_match_plan),

@@ -118,6 +118,11 @@ int llmem_kv_freeze_capacity(struct llmem_kv *kv, int64_t capacity);
 int llmem_kv_block_size(const struct llmem_kv *kv);
 int64_t llmem_kv_block_bytes(const struct llmem_kv *kv); /* one block, all layers, K and V */
 int64_t llmem_kv_blocks_free(const struct llmem_kv *kv); /* paged; 0 for other layouts */
+/* Paged: gives the memory pages of the free blocks back to the operating system (they stay
+ * allocated, and accounted, to the pool, and read as zeros until written again), so that the
+ * resident memory falls after a sequence or the session bank let blocks go; the bytes released.
+ * 0 for other layouts. */
+int64_t llmem_kv_release_free(struct llmem_kv *kv);
 /* The ids of the blocks holding a sequence's tokens: ceil(length / block_size) of them. */
 int64_t llmem_kv_seq_blocks(struct llmem_kv *kv, int seq, const int64_t **ids);
 /* One more holder of a block in use / one fewer (the last reference frees it). */

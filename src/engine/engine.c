@@ -342,15 +342,19 @@ void llmem_engine_guard_check(struct llmem_engine *e, int mid_step) {
     }
     int64_t cache = llmem_mem_cache_size(e->mem);
     llmem_mem_clear_cache(e->mem);
+    /* the pages of free KV blocks go back too, or the resident memory would never fall */
+    int64_t pages = llmem_kv_release_free(e->kv);
     if (act == LLMEM_GUARD_CRITICAL)
         e->refusing = 1;
-    char b1[32], b2[32];
-    LLMEM_WARN("guard: %s (%s): session bank %s → %s, allocator cache %s released%s",
+    char b1[32], b2[32], b3[32], b4[32];
+    LLMEM_WARN("guard: %s (%s): session bank %s → %s, allocator cache %s and free KV pages %s "
+               "released%s",
                act == LLMEM_GUARD_CRITICAL ? "critical" : "warning", why,
                llmem_size_format_short(bs.bytes, b1, sizeof(b1)),
                llmem_size_format_short(act == LLMEM_GUARD_CRITICAL ? 0 : bs.bytes - bs.bytes / 2,
                                        b2, sizeof(b2)),
-               llmem_size_format_short(cache, b1, sizeof(b1)),
+               llmem_size_format_short(cache, b3, sizeof(b3)),
+               llmem_size_format_short(pages, b4, sizeof(b4)),
                act == LLMEM_GUARD_CRITICAL ? "; no new requests until it clears" : "");
 }
 
@@ -463,6 +467,7 @@ int64_t llmem_engine_release_caches(struct llmem_engine *e) {
     }
     int64_t cache = llmem_mem_cache_size(e->mem);
     llmem_mem_clear_cache(e->mem);
+    llmem_kv_release_free(e->kv); /* resident memory, not the plan's: not counted in the return */
     return bs.bytes + cache;
 }
 

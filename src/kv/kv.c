@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "core/log.h"
 
@@ -794,6 +796,44 @@ int64_t llmem_kv_block_bytes(const struct llmem_kv *kv) {
 
 int64_t llmem_kv_blocks_free(const struct llmem_kv *kv) {
     return kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED ? kv->n_free : 0;
+}
+
+static int cmp_id(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Gives the pages of [p, p + n) that lie wholly inside it back to the kernel; the bytes given. */
+static int64_t release_span(uint8_t *p, size_t n) {
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = ((uintptr_t)p + page - 1) & ~(page - 1), hi = ((uintptr_t)p + n) & ~(page - 1);
+    if (hi <= lo || madvise((void *)lo, hi - lo, MADV_DONTNEED) != 0)
+        return 0;
+    return (int64_t)(hi - lo);
+}
+
+int64_t llmem_kv_release_free(struct llmem_kv *kv) {
+    if (kv->cfg.layout != LLMEM_KV_LAYOUT_PAGED || kv->n_free == 0)
+        return 0;
+    int64_t *ids = malloc((size_t)kv->n_free * sizeof(int64_t));
+    if (ids == NULL)
+        return 0; /* nothing released: the pages stay, which is only a missed saving */
+    memcpy(ids, kv->free_ids, (size_t)kv->n_free * sizeof(int64_t));
+    qsort(ids, (size_t)kv->n_free, sizeof(int64_t), cmp_id);
+    const size_t kb = (size_t)block_size(kv) * kv->k_tok, vb = (size_t)block_size(kv) * kv->v_tok;
+    int64_t released = 0;
+    for (int64_t i = 0; i < kv->n_free;) {
+        int64_t j = i + 1; /* a run of consecutive free blocks [ids[i], ids[j − 1]] */
+        while (j < kv->n_free && ids[j] == ids[j - 1] + 1)
+            j++;
+        for (int l = 0; l < kv->cfg.n_layers; l++) {
+            released += release_span(kv->k_pool[l] + (size_t)ids[i] * kb, (size_t)(j - i) * kb);
+            released += release_span(kv->v_pool[l] + (size_t)ids[i] * vb, (size_t)(j - i) * vb);
+        }
+        i = j;
+    }
+    free(ids);
+    return released;
 }
 
 int64_t llmem_kv_seq_blocks(struct llmem_kv *kv, int seq, const int64_t **ids) {
