@@ -447,20 +447,22 @@ static void fake_source(void *arg, struct llmem_guard_reading *r) {
 
 /* The engine acts on what the guard decides: a warning halves the bank and releases the
  * allocator's cache; a critical empties the bank and refuses new requests until it clears. */
-static void test_guard_actions(void **state) {
-    (void)state;
-    struct fake_pressure f = {LLMEM_GUARD_CLEAR};
+/* pycoder with its guard reading f, after a 640-token request (prompt ids 50 + i·stride mod
+ * 3000) that left its blocks in the bank; *banked: how many (at least 40). */
+static struct llmem_engine *open_banked(struct fake_pressure *f, int stride, int no_spill,
+                                        int64_t *banked) {
     struct llmem_engine_config c;
     llmem_engine_config_default(&c);
     c.model_dir = PYCODER;
     c.n_threads = 2;
+    c.no_spill = no_spill;
     c.guard_source = fake_source;
-    c.guard_source_arg = &f;
+    c.guard_source_arg = f;
     struct llmem_engine *e = NULL;
     assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
     int32_t prompt[640];
     for (int i = 0; i < 640; i++)
-        prompt[i] = 50 + (i * 13) % 3000;
+        prompt[i] = 50 + (i * stride) % 3000;
     struct llmem_generate_params p;
     llmem_generate_params_default(&p);
     p.max_tokens = 4;
@@ -470,8 +472,22 @@ static void test_guard_actions(void **state) {
     llmem_generate_result_free(&r);
     struct llmem_bank_stats bs;
     llmem_bank_stats(llmem_engine_bank(e), &bs);
-    int64_t banked = bs.blocks;
-    assert_true(banked >= 40);
+    *banked = bs.blocks;
+    assert_true(*banked >= 40);
+    return e;
+}
+
+static void test_guard_actions(void **state) {
+    (void)state;
+    struct fake_pressure f = {LLMEM_GUARD_CLEAR};
+    int64_t banked = 0;
+    struct llmem_engine *e = open_banked(&f, 13, 0, &banked);
+    struct llmem_bank_stats bs;
+    struct llmem_generate_params p;
+    llmem_generate_params_default(&p);
+    p.max_tokens = 4;
+    p.ignore_eos = 1;
+    struct llmem_generate_result r;
     assert_true(llmem_mem_cache_size(llmem_engine_mem(e)) > 0);
 
     f.level = LLMEM_GUARD_WARNING;
@@ -795,29 +811,14 @@ static void test_bank_within_dynamic_ceiling(void **state) {
 static void test_guard_cgroup_events(void **state) {
     (void)state;
     struct fake_pressure f = {.events = 1, .high = 7, .max = 0, .oom = 0};
-    struct llmem_engine_config c;
-    llmem_engine_config_default(&c);
-    c.model_dir = PYCODER;
-    c.n_threads = 2;
-    c.no_spill = 1;
-    c.guard_source = fake_source;
-    c.guard_source_arg = &f;
-    struct llmem_engine *e = NULL;
-    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
-    int32_t prompt[640];
-    for (int i = 0; i < 640; i++)
-        prompt[i] = 50 + (i * 17) % 3000;
+    int64_t banked = 0;
+    struct llmem_engine *e = open_banked(&f, 17, 1, &banked);
+    struct llmem_bank_stats bs;
     struct llmem_generate_params p;
     llmem_generate_params_default(&p);
     p.max_tokens = 4;
     p.ignore_eos = 1;
     struct llmem_generate_result r;
-    assert_int_equal(llmem_engine_generate(e, prompt, 640, &p, NULL, NULL, &r), LLMEM_OK);
-    llmem_generate_result_free(&r);
-    struct llmem_bank_stats bs;
-    llmem_bank_stats(llmem_engine_bank(e), &bs);
-    int64_t banked = bs.blocks;
-    assert_true(banked >= 40);
     assert_int_equal(llmem_engine_guard(e)->warnings + llmem_engine_guard(e)->criticals, 0);
 
     f.high = 9; /* throttled over memory.high */

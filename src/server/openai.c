@@ -100,29 +100,32 @@ int srv_utf8_valid(const char *str, size_t n) {
 
 /* ---- errors ---------------------------------------------------------------------------------- */
 
-int srv_fail(struct srv_error *e, int http, const char *type, const char *param, const char *code,
-             const char *fmt, ...) {
+static int vfail(struct srv_error *e, int http, const char *type, const char *param,
+                 const char *code, const char *fmt, va_list ap) {
     e->http = http;
     e->type = type;
     e->param = param;
     e->code = code;
+    vsnprintf(e->message, sizeof(e->message), fmt, ap);
+    return -1;
+}
+
+int srv_fail(struct srv_error *e, int http, const char *type, const char *param, const char *code,
+             const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(e->message, sizeof(e->message), fmt, ap);
+    vfail(e, http, type, param, code, fmt, ap);
     va_end(ap);
     return -1;
 }
 
+/* A 400 invalid_request_error about `param`. */
 static int bad(struct srv_error *e, const char *param, const char *code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 static int bad(struct srv_error *e, const char *param, const char *code, const char *fmt, ...) {
-    e->http = 400;
-    e->type = "invalid_request_error";
-    e->param = param;
-    e->code = code;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(e->message, sizeof(e->message), fmt, ap);
+    vfail(e, 400, "invalid_request_error", param, code, fmt, ap);
     va_end(ap);
     return -1;
 }
