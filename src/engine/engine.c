@@ -435,12 +435,12 @@ void llmem_engine_bank_budget(struct llmem_engine *e, int64_t blocks) {
         llmem_bank_trim(e->bank, bank_cap(e, blocks * llmem_kv_block_bytes(e->kv)));
 }
 
-int64_t llmem_engine_make_room(struct llmem_engine *e, int seq, int64_t end) {
+int64_t llmem_engine_make_room(struct llmem_engine *e, int seq, int64_t end, int64_t extra) {
     if (e->cfg.kv_layout != LLMEM_KV_LAYOUT_PAGED)
         return 0;
     const int64_t bs = llmem_kv_block_size(e->kv);
     int64_t need = (end + bs - 1) / bs - (llmem_kv_seq_length(e->kv, seq) + bs - 1) / bs;
-    evict_until_free(e, need);
+    evict_until_free(e, need + extra);
     return need;
 }
 

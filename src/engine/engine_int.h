@@ -75,8 +75,8 @@ int llmem_engine_start_sequence(struct llmem_engine *e, const int32_t *tokens, i
 /* Holds the bank to its budget (SPEC §2.3) with `blocks` KV blocks in flight. */
 void llmem_engine_bank_budget(struct llmem_engine *e, int64_t blocks);
 /* The blocks seq still lacks to hold tokens [0, end), after evicting banked blocks while the pool
- * has fewer free blocks than that (paged layout; 0 for the others). */
-int64_t llmem_engine_make_room(struct llmem_engine *e, int seq, int64_t end);
+ * has fewer free blocks than that plus `extra` (paged layout; 0 for the others). */
+int64_t llmem_engine_make_room(struct llmem_engine *e, int seq, int64_t end, int64_t extra);
 /* Banks the full blocks of seq, whose KV holds tokens[0, n), and queues the chunks of them not on
  * disk yet for the spill store's writer (a copy of their bytes: it never reads the KV pool). */
 void llmem_engine_bank_sequence(struct llmem_engine *e, int seq, const int32_t *tokens, int64_t n);

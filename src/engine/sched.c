@@ -456,8 +456,12 @@ static void admit(struct llmem_engine *e) {
         int64_t first = r->n_toks - reused;
         if (first > e->cfg.max_batch_tokens)
             first = e->cfg.max_batch_tokens;
-        if (paged && llmem_engine_make_room(e, seq, reused + first) > llmem_kv_blocks_free(e->kv)) {
-            /* no room for its first chunk yet: the running requests go first */
+        /* Room for its first chunk, and a block of headroom for each running request (the next
+         * block its decoding needs), or the newcomer would soon be preempted again. */
+        const int64_t headroom = e->n_running;
+        if (paged && llmem_engine_make_room(e, seq, reused + first, headroom) + headroom >
+                         llmem_kv_blocks_free(e->kv)) {
+            /* no room yet: the running requests go first */
             llmem_kv_seq_free(e->kv, seq);
             if (e->n_running == 0) { /* cannot happen: with nothing running the pool is free */
                 e->waiting = r->next;
@@ -509,7 +513,7 @@ static int plan_batch(struct llmem_engine *e, struct slot *slots, int32_t *token
                 slots[n] = (struct slot){r, take};
                 budget -= take;
                 if (paged)
-                    need += llmem_engine_make_room(e, r->seq, r->pos + take);
+                    need += llmem_engine_make_room(e, r->seq, r->pos + take, need);
                 n++;
             }
         }
