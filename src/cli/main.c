@@ -36,6 +36,7 @@ static const char usage[] =
     "                    the accuracy of each KV format, and the cost of appending\n"
     "  bench matmul      the CPU matmul against the memory bandwidth and the FMA peak\n"
     "  bench decode MODEL  prefill and decode speed against the memory bandwidth\n"
+    "  bench bank MODEL    time to first token cold, from RAM, as a chat turn, from disk\n"
     "  bench serve MODEL   HTTP throughput and time to first token under concurrent clients\n"
     "\n"
     "Run `llmem <command> --help` for the options of a command.\n";

@@ -376,6 +376,14 @@ static void list_append(struct request **head, struct request *r) {
     *p = r;
 }
 
+/* Takes r out of the running set and ends it. */
+static void finish_running(struct llmem_engine *e, struct request *r, const char *reason,
+                           int status, const char *message) {
+    list_remove(&e->running, r);
+    e->n_running--;
+    request_finish(e, r, reason, status, message);
+}
+
 /* Takes r out of the running set, its KV banked: it waits again at the head of the queue and
  * resumes from the bank. */
 static void preempt(struct llmem_engine *e, struct request *r) {
@@ -560,9 +568,7 @@ static void intake(struct llmem_engine *e) {
             }
         for (struct request *r = e->running; r != NULL; r = r->next)
             if (r->id == cancels[i]) {
-                list_remove(&e->running, r);
-                e->n_running--;
-                request_finish(e, r, "cancelled", LLMEM_OK, NULL);
+                finish_running(e, r, "cancelled", LLMEM_OK, NULL);
                 break;
             }
     }
@@ -622,9 +628,7 @@ static int64_t sched_step(struct llmem_engine *e) {
                 llmem_bank_trim(e->bank, bs.bytes / 2);
             }
             struct request *r = newest_running(e);
-            list_remove(&e->running, r);
-            e->n_running--;
-            request_finish(e, r, "error", status,
+            finish_running(e, r, "error", status,
                            status == LLMEM_ENOMEM ? "out of memory during the request"
                                                   : llmem_last_error());
         } else {
@@ -636,9 +640,7 @@ static int64_t sched_step(struct llmem_engine *e) {
                 int st = LLMEM_OK;
                 const char *reason = request_emit(e, r, e->logits + (size_t)i * e->vocab, &st);
                 if (reason != NULL) {
-                    list_remove(&e->running, r);
-                    e->n_running--;
-                    request_finish(e, r, reason, st, st == LLMEM_OK ? NULL : "out of memory");
+                    finish_running(e, r, reason, st, st == LLMEM_OK ? NULL : "out of memory");
                 }
             }
         }
