@@ -30,7 +30,6 @@
 #include "llmem/tokenizer.h"
 #include "engine/engine_int.h"
 
-
 void llmem_engine_config_default(struct llmem_engine_config *c) {
     memset(c, 0, sizeof(*c));
     c->kv_layout = LLMEM_KV_LAYOUT_PAGED;
@@ -237,7 +236,7 @@ fail:
 void llmem_engine_close(struct llmem_engine *e) {
     if (e == NULL)
         return;
-    llmem_engine_sched_fini(e); /* stops serving: no step runs past here */
+    llmem_engine_sched_fini(e);  /* stops serving: no step runs past here */
     llmem_spill_close(e->spill); /* flushes pending writes (staging memory from e->mem) */
     if (e->mem != NULL)
         llmem_mem_free(e->mem, e->logits);

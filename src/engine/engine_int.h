@@ -45,18 +45,18 @@ struct llmem_engine {
     pthread_t thread;
     int serving, stopping;
     int64_t max_queue;
-    struct request *incoming;  /* submitted, not yet seen by the scheduler (under mu) */
-    uint64_t *cancels;         /* ids to cancel (under mu) */
+    struct request *incoming; /* submitted, not yet seen by the scheduler (under mu) */
+    uint64_t *cancels;        /* ids to cancel (under mu) */
     int64_t n_cancels, cap_cancels;
-    int64_t queued;            /* incoming + waiting (under mu) */
-    int clear_requested;       /* under mu */
-    int64_t clear_generation;  /* bumped when a requested clear is done (under mu) */
-    int64_t cleared_bytes;     /* what the last clear released (under mu) */
-    uint64_t next_id;          /* under mu */
-    struct request *waiting;   /* admission order; preempted requests go back to the head */
-    struct request *running;   /* admission order, oldest first */
+    int64_t queued;           /* incoming + waiting (under mu) */
+    int clear_requested;      /* under mu */
+    int64_t clear_generation; /* bumped when a requested clear is done (under mu) */
+    int64_t cleared_bytes;    /* what the last clear released (under mu) */
+    uint64_t next_id;         /* under mu */
+    struct request *waiting;  /* admission order; preempted requests go back to the head */
+    struct request *running;  /* admission order, oldest first */
     int64_t n_running;
-    int64_t admitted;          /* admissions so far: a request's age */
+    int64_t admitted;                     /* admissions so far: a request's age */
     struct llmem_engine_metrics counters; /* the scheduler's own counts */
     struct llmem_engine_metrics snapshot; /* under mu: what llmem_engine_metrics returns */
 };

@@ -36,9 +36,9 @@ struct request {
     uint64_t id;
     int32_t *toks; /* the prompt, then the generated tokens */
     int64_t n_toks, n_prompt, max_tokens;
-    int64_t pos;   /* tokens whose KV is written (0 while waiting) */
-    int seq;       /* −1 while waiting */
-    int64_t age;   /* admission order (preemption takes the newest) */
+    int64_t pos;                    /* tokens whose KV is written (0 while waiting) */
+    int seq;                        /* −1 while waiting */
+    int64_t age;                    /* admission order (preemption takes the newest) */
     struct llmem_generate_params p; /* stop strings and ids owned */
     struct llmem_request_events ev;
     struct llmem_sampler *sampler;
@@ -332,9 +332,8 @@ static const char *request_emit(struct llmem_engine *e, struct request *r, const
     }
     int cancel = 0;
     if (r->ev.on_token != NULL) {
-        struct llmem_token_event ev = {.id = id,
-                                       .text = r->s.text + r->s.emitted,
-                                       .len = safe - r->s.emitted};
+        struct llmem_token_event ev = {
+            .id = id, .text = r->s.text + r->s.emitted, .len = safe - r->s.emitted};
         int32_t top_ids[LLMEM_MAX_TOP_LOGPROBS];
         float top_lp[LLMEM_MAX_TOP_LOGPROBS];
         if (r->p.logprobs >= 0) {
@@ -438,9 +437,8 @@ static void admit(struct llmem_engine *e) {
             char msg[512], b1[32], b2[32];
             int64_t bb = llmem_kv_block_bytes(e->kv);
             snprintf(msg, sizeof(msg),
-                     "refused before prefill: the request needs %" PRId64
-                     " KV blocks (%s: %" PRId64 " prompt tokens + up to %" PRId64
-                     " generated) but the pool holds %" PRId64
+                     "refused before prefill: the request needs %" PRId64 " KV blocks (%s: %" PRId64
+                     " prompt tokens + up to %" PRId64 " generated) but the pool holds %" PRId64
                      " (%s); shorten the prompt or max_tokens, or quantize the KV (--kv-format q8)",
                      footprint, llmem_size_format_short(footprint * bb, b1, sizeof(b1)),
                      r->n_prompt, r->max_tokens, pool,
@@ -530,8 +528,8 @@ static int plan_batch(struct llmem_engine *e, struct slot *slots, int32_t *token
             for (int i = 0; i < n; i++) {
                 struct request *r = slots[i].r;
                 memcpy(tokens + at, r->toks + r->pos, (size_t)slots[i].n * sizeof(int32_t));
-                seqs[i] = (struct llmem_batch_seq){.seq = r->seq, .pos = r->pos,
-                                                   .n_tokens = slots[i].n};
+                seqs[i] =
+                    (struct llmem_batch_seq){.seq = r->seq, .pos = r->pos, .n_tokens = slots[i].n};
                 at += slots[i].n;
             }
             return n;

@@ -31,7 +31,7 @@
 #define PARTITION_FROM 2048
 /* direct splits the KV heads over threads from this many multiply-adds (span × heads × hd) */
 #define DIRECT_SPLIT_MIN (1 << 16)
-#define TILE           LLMEM_KV_TILE /* tokens scored and accumulated together */
+#define TILE             LLMEM_KV_TILE /* tokens scored and accumulated together */
 /* floats of fallback scratch per thread: scores, a row, and hd doubles (aligned) */
 #define FALLBACK_STRIDE(window, hd) ((window) + 3 * (hd) + 2)
 
@@ -93,8 +93,8 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
             run = hi - pos + 1;
         /* The next run (the next block of a paged cache), looked up ahead for the prefetches. */
         uint8_t *nkp = NULL, *nvp = NULL;
-        int64_t nrun = pos + run <= hi ? llmem_kv_span(kv, j->seq, j->layer, pos + run, &nkp, &nvp)
-                                       : 0;
+        int64_t nrun =
+            pos + run <= hi ? llmem_kv_span(kv, j->seq, j->layer, pos + run, &nkp, &nvp) : 0;
         /* Tiles of up to TILE tokens: scores for the tile, one softmax rescale per tile, and the
          * values accumulated with the accumulators held across the tile. */
         for (int64_t t0 = 0; t0 < run; t0 += TILE) {

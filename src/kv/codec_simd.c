@@ -629,7 +629,7 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
             const uint8_t *k[TOK];                                                                 \
             for (int u = 0; u < TOK; u++) /* past T: the last row again, masked below */           \
                 k[u] = keys + (size_t)(t0 + u < T ? t0 + u : T - 1) * key_stride;                  \
-            __m512 a[16]; /* a[u·G + g]: token u, head g */                                        \
+            __m512 a[16]; /* a[u·G + g]: token u, head g */                                       \
             for (int x = 0; x < 16; x++)                                                           \
                 a[x] = _mm512_setzero_ps();                                                        \
             for (int i = 0; i < n; i += 16) {                                                      \
@@ -642,11 +642,10 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
                         a[u * (G) + g] = _mm512_fmadd_ps(kc, x[g], a[u * (G) + g]);                \
                 }                                                                                  \
             }                                                                                      \
-            _mm512_store_ps(sc + (G) * t0,                                                         \
-                            sum16(sum4_lanes(a[0], a[1], a[2], a[3]),                              \
-                                  sum4_lanes(a[4], a[5], a[6], a[7]),                              \
-                                  sum4_lanes(a[8], a[9], a[10], a[11]),                            \
-                                  sum4_lanes(a[12], a[13], a[14], a[15])));                        \
+            _mm512_store_ps(sc + (G)*t0, sum16(sum4_lanes(a[0], a[1], a[2], a[3]),                 \
+                                               sum4_lanes(a[4], a[5], a[6], a[7]),                 \
+                                               sum4_lanes(a[8], a[9], a[10], a[11]),               \
+                                               sum4_lanes(a[12], a[13], a[14], a[15])));           \
         }                                                                                          \
         attn_softmax512(sc, T, st, hs, n, G);                                                      \
         __m512 c[G];                                                                               \
@@ -658,14 +657,14 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
             __m512 x[G][4];                                                                        \
             for (int g = 0; g < (G); g++)                                                          \
                 for (int e = 0; e < 4; e++)                                                        \
-                    x[g][e] = _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)g * hs + i + 16 * e),     \
-                                            c[g]);                                                 \
+                    x[g][e] =                                                                      \
+                        _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)g * hs + i + 16 * e), c[g]);    \
             const uint8_t *v = values;                                                             \
             for (int t = 0; t < T; t++, v += value_stride) {                                       \
                 __m512 v0 = CHUNK(v, i), v1 = CHUNK(v, i + 16);                                    \
                 __m512 v2 = CHUNK(v, i + 32), v3 = CHUNK(v, i + 48);                               \
                 for (int g = 0; g < (G); g++) {                                                    \
-                    __m512 wg = _mm512_set1_ps(w[(G) * t + g]);                                    \
+                    __m512 wg = _mm512_set1_ps(w[(G)*t + g]);                                      \
                     x[g][0] = _mm512_fmadd_ps(v0, wg, x[g][0]);                                    \
                     x[g][1] = _mm512_fmadd_ps(v1, wg, x[g][1]);                                    \
                     x[g][2] = _mm512_fmadd_ps(v2, wg, x[g][2]);                                    \
@@ -676,17 +675,17 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
                 for (int e = 0; e < 4; e++)                                                        \
                     _mm512_storeu_ps(st + (size_t)g * hs + i + 16 * e, x[g][e]);                   \
         }                                                                                          \
-        for (; i < n; i += 32) { /* head_dim ≡ 32 (mod 64) */                                      \
+        for (; i < n; i += 32) { /* head_dim ≡ 32 (mod 64) */                                    \
             __m512 x[G][2];                                                                        \
             for (int g = 0; g < (G); g++)                                                          \
                 for (int e = 0; e < 2; e++)                                                        \
-                    x[g][e] = _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)g * hs + i + 16 * e),     \
-                                            c[g]);                                                 \
+                    x[g][e] =                                                                      \
+                        _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)g * hs + i + 16 * e), c[g]);    \
             const uint8_t *v = values;                                                             \
             for (int t = 0; t < T; t++, v += value_stride) {                                       \
                 __m512 v0 = CHUNK(v, i), v1 = CHUNK(v, i + 16);                                    \
                 for (int g = 0; g < (G); g++) {                                                    \
-                    __m512 wg = _mm512_set1_ps(w[(G) * t + g]);                                    \
+                    __m512 wg = _mm512_set1_ps(w[(G)*t + g]);                                      \
                     x[g][0] = _mm512_fmadd_ps(v0, wg, x[g][0]);                                    \
                     x[g][1] = _mm512_fmadd_ps(v1, wg, x[g][1]);                                    \
                 }                                                                                  \
@@ -709,8 +708,9 @@ TARGET_AVX512 static inline void attn_softmax512(float *sc, int T, float *st, si
     __m512 s[4];
     for (int j = 0; j < 4; j++) {
         int left = T - per * j; /* tokens of this vector */
-        __mmask16 valid =
-            (__mmask16)(left >= per ? 0xffffu : left <= 0 ? 0u : (1u << (G * left)) - 1);
+        __mmask16 valid = (__mmask16)(left >= per ? 0xffffu
+                                      : left <= 0 ? 0u
+                                                  : (1u << (G * left)) - 1);
         s[j] = j < vecs ? _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), valid, sc + 16 * j)
                         : _mm512_set1_ps(-INFINITY);
     }
@@ -720,8 +720,8 @@ TARGET_AVX512 static inline void attn_softmax512(float *sc, int T, float *st, si
     if (G == 2)
         mx = _mm512_max_ps(mx, _mm512_shuffle_ps(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
     /* lanes 0..3: heads 0..3, or 0, 1, 0, 1 */
-    __m128 m_old = _mm_setr_ps(st[n], st[hs + n], st[(size_t)(2 % G) * hs + n],
-                               st[(size_t)(3 % G) * hs + n]);
+    __m128 m_old =
+        _mm_setr_ps(st[n], st[hs + n], st[(size_t)(2 % G) * hs + n], st[(size_t)(3 % G) * hs + n]);
     __m128 l_old = _mm_setr_ps(st[n + 1], st[hs + n + 1], st[(size_t)(2 % G) * hs + n + 1],
                                st[(size_t)(3 % G) * hs + n + 1]);
     __m128 m_new = _mm_max_ps(m_old, _mm512_castps512_ps128(mx));
@@ -737,8 +737,7 @@ TARGET_AVX512 static inline void attn_softmax512(float *sc, int T, float *st, si
     if (G == 2)
         sum = _mm512_add_ps(sum, _mm512_shuffle_ps(sum, sum, _MM_SHUFFLE(1, 0, 3, 2)));
     /* e^(m − m'): 1 exactly where the maximum stays, 0 for the first tile (m = −∞) */
-    __m128 corr = _mm512_castps512_ps128(
-        exp512(_mm512_castps128_ps512(_mm_sub_ps(m_old, m_new))));
+    __m128 corr = _mm512_castps512_ps128(exp512(_mm512_castps128_ps512(_mm_sub_ps(m_old, m_new))));
     __m128 l_new = _mm_add_ps(_mm_mul_ps(l_old, corr), _mm512_castps512_ps128(sum));
     float mv[4], lv[4];
     _mm_storeu_ps(mv, m_new);

@@ -166,10 +166,10 @@ TARGET_AVX2 static ALWAYS_INLINE float reduce16_avx2(__m256 lo, __m256 hi) {
 }
 
 /* R weight rows × NX rows of x (R · NX ≤ 6: 12 accumulators of 16 registers). */
-TARGET_AVX2 static ALWAYS_INLINE void
-gemv_tile_avx2(const void *w, enum llmem_dtype dt, int64_t ld, int64_t i0, const float *x,
-               int64_t cols, int64_t t0, float *y, int64_t ldy, const float *bias, const int R,
-               const int NX) {
+TARGET_AVX2 static ALWAYS_INLINE void gemv_tile_avx2(const void *w, enum llmem_dtype dt, int64_t ld,
+                                                     int64_t i0, const float *x, int64_t cols,
+                                                     int64_t t0, float *y, int64_t ldy,
+                                                     const float *bias, const int R, const int NX) {
     const void *wr[3];
     for (int i = 0; i < R; i++)
         wr[i] = row_at(w, dt, ld, i0 + i);
@@ -199,9 +199,10 @@ gemv_tile_avx2(const void *w, enum llmem_dtype dt, int64_t ld, int64_t i0, const
             memcpy(xt[j], xr[j] + k, (size_t)(cols - k) * sizeof(float));
         for (int i = 0; i < R; i++)
             for (int j = 0; j < NX; j++) {
-                lo[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(wt[i]), _mm256_loadu_ps(xt[j]), lo[i][j]);
-                hi[i][j] =
-                    _mm256_fmadd_ps(_mm256_loadu_ps(wt[i] + 8), _mm256_loadu_ps(xt[j] + 8), hi[i][j]);
+                lo[i][j] =
+                    _mm256_fmadd_ps(_mm256_loadu_ps(wt[i]), _mm256_loadu_ps(xt[j]), lo[i][j]);
+                hi[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(wt[i] + 8), _mm256_loadu_ps(xt[j] + 8),
+                                           hi[i][j]);
             }
     }
     for (int i = 0; i < R; i++)
@@ -236,8 +237,12 @@ TARGET_AVX2 static void gemv_avx2(const void *w, enum llmem_dtype dt, int64_t ld
                                   const float *x, int64_t cols, int64_t n, float *y, int64_t ldy,
                                   const float *bias) {
     switch (dt) {
-    case LLMEM_DTYPE_BF16: gemv_avx2_dt(w, LLMEM_DTYPE_BF16, ld, nrows, x, cols, n, y, ldy, bias); break;
-    case LLMEM_DTYPE_F16: gemv_avx2_dt(w, LLMEM_DTYPE_F16, ld, nrows, x, cols, n, y, ldy, bias); break;
+    case LLMEM_DTYPE_BF16:
+        gemv_avx2_dt(w, LLMEM_DTYPE_BF16, ld, nrows, x, cols, n, y, ldy, bias);
+        break;
+    case LLMEM_DTYPE_F16:
+        gemv_avx2_dt(w, LLMEM_DTYPE_F16, ld, nrows, x, cols, n, y, ldy, bias);
+        break;
     default: gemv_avx2_dt(w, LLMEM_DTYPE_F32, ld, nrows, x, cols, n, y, ldy, bias);
     }
 }
@@ -292,47 +297,42 @@ gemv_tile_avx512_s(const void *w, enum llmem_dtype dt, int64_t ld, int64_t i0, i
                    const float *bias, const int R, const int NX, const size_t PF) {
     const size_t esize = dt == LLMEM_DTYPE_F32 ? 4 : 2;
     const void *wr[8];
-    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
-        wr[i] = row_at(w, dt, ld, i0 + i * step);
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) wr[i] = row_at(w, dt, ld, i0 + i * step);
     const float *xr[8];
-    _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
-        xr[j] = x + (t0 + j) * cols;
+    _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++) xr[j] = x + (t0 + j) * cols;
     __m512 acc[8][8];
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
-        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
-            acc[i][j] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++) acc[i][j] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= cols; k += 16) {
         __m512 xv[8];
-        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
-            xv[j] = _mm512_loadu_ps(xr[j] + k);
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++) xv[j] = _mm512_loadu_ps(xr[j] + k);
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
             if (PF != 0 && ((k * esize) & 63) == 0)
                 _mm_prefetch((const char *)wr[i] + (size_t)k * esize + PF, _MM_HINT_T0);
             __m512 wv = load16_avx512(wr[i], dt, k, 0xffff);
-            _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
-                acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+            _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++) acc[i][j] =
+                _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
         }
     }
     if (k < cols) {
         __mmask16 m = (__mmask16)((1u << (cols - k)) - 1);
         __m512 xv[8];
-        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
-            xv[j] = _mm512_maskz_loadu_ps(m, xr[j] + k);
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++) xv[j] =
+            _mm512_maskz_loadu_ps(m, xr[j] + k);
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
             __m512 wv = load16_avx512(wr[i], dt, k, m);
-            _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
-                acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+            _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++) acc[i][j] =
+                _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
         }
     }
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
-        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++)
-            y[(t0 + j) * ldy + i0 + i * step] =
-                finish(reduce16_avx512(acc[i][j]), bias, i0 + i * step);
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++) y[(t0 + j) * ldy + i0 + i * step] =
+            finish(reduce16_avx512(acc[i][j]), bias, i0 + i * step);
 }
 
 /* R consecutive weight rows × NX rows of x. */
-#define gemv_tile_avx512(w, dt, ld, i0, x, cols, t0, y, ldy, bias, R, NX, PF)                       \
+#define gemv_tile_avx512(w, dt, ld, i0, x, cols, t0, y, ldy, bias, R, NX, PF)                      \
     gemv_tile_avx512_s(w, dt, ld, i0, 1, x, cols, t0, y, ldy, bias, R, NX, PF)
 
 /* Single-sequence decode streams the task's rows DECODE_PF_BYTES ahead of the reads: rows of a
@@ -376,9 +376,9 @@ TARGET_AVX512 static ALWAYS_INLINE void gemv_avx512_dt(const void *w, enum llmem
         }
 }
 
-TARGET_AVX512 static void gemv_avx512(const void *w, enum llmem_dtype dt, int64_t ld,
-                                      int64_t nrows, const float *x, int64_t cols, int64_t n,
-                                      float *y, int64_t ldy, const float *bias) {
+TARGET_AVX512 static void gemv_avx512(const void *w, enum llmem_dtype dt, int64_t ld, int64_t nrows,
+                                      const float *x, int64_t cols, int64_t n, float *y,
+                                      int64_t ldy, const float *bias) {
     switch (dt) {
     case LLMEM_DTYPE_BF16:
         gemv_avx512_dt(w, LLMEM_DTYPE_BF16, ld, nrows, x, cols, n, y, ldy, bias);
@@ -440,8 +440,8 @@ TARGET_AVX512 static void lane_avx512(const float *wp, const float *xp, int64_t 
 
 /* The canonical tree over the 16 lanes of a tile's sums (st: [16][24][16]), plus the bias, into
  * y: mr ≤ 32 valid W rows, nt ≤ 12 valid rows of x. */
-TARGET_AVX512 static void finish_tile_avx512(const float *st, int mr, int nt, float *y,
-                                             int64_t ldy, const float *bias) {
+TARGET_AVX512 static void finish_tile_avx512(const float *st, int mr, int nt, float *y, int64_t ldy,
+                                             const float *bias) {
     const int per = 2 * CPU_GEMM512_NR * 16;
     for (int g = 0; g < 2; g++) {
         int rows = mr - g * 16;
@@ -453,7 +453,8 @@ TARGET_AVX512 static void finish_tile_avx512(const float *st, int mr, int nt, fl
             const float *p = st + (g * CPU_GEMM512_NR + j) * 16;
             __m512 h8[8], h4[4], h2[2];
             for (int i = 0; i < 8; i++)
-                h8[i] = _mm512_add_ps(_mm512_load_ps(p + i * per), _mm512_load_ps(p + (i + 8) * per));
+                h8[i] =
+                    _mm512_add_ps(_mm512_load_ps(p + i * per), _mm512_load_ps(p + (i + 8) * per));
             for (int i = 0; i < 4; i++)
                 h4[i] = _mm512_add_ps(h8[i], h8[i + 4]);
             for (int i = 0; i < 2; i++)
@@ -727,8 +728,9 @@ TARGET_AVX512 static void pack_x_task(void *arg, int task, int thread) {
         __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
         __m512 r[16];
         for (int jj = 0; jj < 16; jj++)
-            r[jj] = jj < CPU_GEMM512_NR && src[jj] != NULL ? _mm512_maskz_loadu_ps(m, src[jj] + s * 16)
-                                                           : _mm512_setzero_ps();
+            r[jj] = jj < CPU_GEMM512_NR && src[jj] != NULL
+                        ? _mm512_maskz_loadu_ps(m, src[jj] + s * 16)
+                        : _mm512_setzero_ps();
         transpose16_avx512(r);
         for (int l = 0; l < 16; l++)
             _mm512_mask_storeu_ps(dst + ((size_t)l * (size_t)nk + (size_t)s) * CPU_GEMM512_NR, m12,
@@ -746,7 +748,7 @@ static void gemm_packed_task(void *arg, int task, int thread) {
     float *wp = j->c->wpanel + (size_t)thread * CPU_GEMM_THREAD_FLOATS;
     float *sums = wp + (size_t)CPU_GEMM512_MR * CPU_GEMM512_KC;
     const size_t tile = (size_t)16 * CPU_GEMM512_MR * CPU_GEMM512_NR; /* floats of a tile's sums */
-    const size_t strip = (size_t)nk * 16 * CPU_GEMM512_NR;              /* floats of a packed strip */
+    const size_t strip = (size_t)nk * 16 * CPU_GEMM512_NR;            /* floats of a packed strip */
     const int64_t strips = (j->nt + CPU_GEMM512_NR - 1) / CPU_GEMM512_NR;
     const int multi = nk > kc; /* then strips ≤ CPU_GEMM512_STRIPS */
     int64_t r_begin = (int64_t)task * j->rows_per_task;
@@ -819,8 +821,8 @@ static void matmul_gemm(struct cpu_ctx *c, const struct matmul_kernels *k,
  * as the backend has, set at the path's first use: not at create, since an OpenBLAS sized for
  * threads it never runs still has them poll for work (sched_yield) beside the pool's on a
  * small machine. The pool's workers sleep meanwhile or spin briefly. */
-static void matmul_blas(struct cpu_ctx *c, const struct llmem_weight *w, const float *x,
-                        int64_t n, float *y, const float *bias) {
+static void matmul_blas(struct cpu_ctx *c, const struct llmem_weight *w, const float *x, int64_t n,
+                        float *y, const float *bias) {
     if (!c->blas_sized) {
         openblas_set_num_threads(c->n_threads);
         c->blas_sized = 1;
