@@ -506,12 +506,20 @@ static void test_guard_actions(void **state) {
     assert_non_null(strstr(last_errors, "critical memory pressure"));
     llmem_bank_stats(llmem_engine_bank(e), &bs);
     assert_int_equal(bs.blocks, 0);
-    assert_int_equal(llmem_mem_cache_size(llmem_engine_mem(e)), 0);
     assert_int_equal(llmem_engine_guard(e)->criticals, 1);
+    /* what is freed while critical is not cached: the first request's spill writes end now */
+    assert_int_equal(llmem_spill_flush(llmem_engine_spill(e), 10.0), 0);
+    assert_int_equal(llmem_mem_cache_size(llmem_engine_mem(e)), 0);
+    struct llmem_mem_stats ms;
+    llmem_mem_stats(llmem_engine_mem(e), &ms);
+    assert_int_equal(ms.cache_limit_bytes, 0);
 
-    f.level = LLMEM_GUARD_CLEAR; /* cleared: requests are admitted again */
+    f.level = LLMEM_GUARD_CLEAR; /* cleared: requests are admitted again, the cache is back */
     assert_int_equal(llmem_engine_generate(e, other, 8, &p, NULL, NULL, &r), LLMEM_OK);
     llmem_generate_result_free(&r);
+    llmem_mem_stats(llmem_engine_mem(e), &ms);
+    assert_true(ms.cache_limit_bytes > 0);
+    assert_true(llmem_mem_cache_size(llmem_engine_mem(e)) > 0);
     llmem_engine_close(e);
 }
 

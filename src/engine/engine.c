@@ -321,7 +321,8 @@ static void guard_reading(struct llmem_engine *e, struct llmem_guard_reading *r)
 }
 
 /* Reads the signals and acts (SPEC §6.4): a warning halves the bank and releases the allocator's
- * cache; a critical empties the bank, releases the cache and stops admissions until it clears. */
+ * cache; a critical empties the bank, releases the cache, keeps it empty and stops admissions
+ * until it clears. */
 void llmem_engine_guard_check(struct llmem_engine *e, int mid_step) {
     struct llmem_guard_reading r;
     guard_reading(e, &r);
@@ -329,6 +330,7 @@ void llmem_engine_guard_check(struct llmem_engine *e, int mid_step) {
     enum llmem_guard_level level = llmem_guard_classify(&r, &why);
     if (level < LLMEM_GUARD_CRITICAL && e->refusing) {
         e->refusing = 0;
+        llmem_mem_set_cache_limit(e->mem, e->cache_limit_saved);
         LLMEM_WARN("guard: the critical memory pressure has cleared; admitting requests again");
     }
     enum llmem_guard_level act = llmem_guard_decide(&e->guard, &r, llmem_engine_now_s(), mid_step);
@@ -339,6 +341,9 @@ void llmem_engine_guard_check(struct llmem_engine *e, int mid_step) {
         llmem_bank_stats(e->bank, &bs);
         llmem_bank_trim(e->bank, act == LLMEM_GUARD_CRITICAL ? 0 : bs.bytes / 2);
     }
+    /* while critical, nothing freed is cached (a spill write finishing later, a step's scratch) */
+    if (act == LLMEM_GUARD_CRITICAL && !e->refusing)
+        e->cache_limit_saved = llmem_mem_set_cache_limit(e->mem, 0);
     int64_t cache = llmem_mem_cache_size(e->mem);
     llmem_mem_clear_cache(e->mem);
     /* the pages of free KV blocks go back too, or the resident memory would never fall */

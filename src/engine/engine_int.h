@@ -31,6 +31,7 @@ struct llmem_engine {
     struct llmem_sys_pressure pressure; /* the last read of /proc, and when */
     double pressure_at;
     int refusing; /* a critical is in effect: no new request is admitted */
+    int64_t cache_limit_saved; /* the allocator's cache limit, set to 0 while refusing */
     struct llmem_forward *fwd;
     float *logits; /* (max_sequences, vocab) tag scratch */
     int64_t vocab;
