@@ -15,6 +15,18 @@
 extern "C" {
 #endif
 
+/* How a backend multiplies: f32 computes in f32 throughout (the reference); fast lets the GEMMs
+ * of prefill and large batches run on bf16 tensor cores with f32 accumulation (the activations
+ * rounded to the weights' 16-bit type). The CPU backend always computes in f32. */
+enum llmem_backend_precision {
+    LLMEM_PRECISION_FAST = 0,
+    LLMEM_PRECISION_F32,
+};
+
+/* "fast" / "f32" → *precision; LLMEM_EINVAL (logged) otherwise. */
+int llmem_backend_precision_parse(const char *name, enum llmem_backend_precision *precision);
+const char *llmem_backend_precision_name(enum llmem_backend_precision precision);
+
 /* 1 when this library was built with the CUDA backend, else 0. */
 int llmem_backend_cuda_available(void);
 

@@ -4,16 +4,23 @@
  *
  * Activations are f32, row-major. Weights are used in place, in the dtype the checkpoint stores
  * (bf16, f16 or f32). Small per-channel vectors (norm weights, biases) are handed over as f32.
- * Every operation is synchronous and deterministic; matmul is also batch invariant: each output
- * row depends only on its row of x (not on the other rows, the thread count or the path taken),
- * bit for bit, so a sequence's logits do not depend on what it is batched with. None allocates
- * model-sized memory (scratch a kernel needs is sized at create time).
+ * Activations, weights, norm weights and biases live in the backend's memory (`memory`: host
+ * memory for the CPU, device memory for CUDA), moved there with `copy`; the small per-call
+ * arrays (positions, token ids, rotary frequencies) are host memory.
+ * The CPU backend's operations are synchronous; a device backend's are queued in order on its
+ * stream, and `copy` and `sync` wait for them. All are deterministic; the CPU matmul is also
+ * batch invariant: each output row depends only on its row of x (not on the other rows, the
+ * thread count or the path taken), bit for bit, so a sequence's logits do not depend on what it
+ * is batched with (a device backend's GEMMs are batch invariant only within their rounding).
+ * None allocates model-sized memory.
  */
 #ifndef LLMEM_BACKEND_OPS_H
 #define LLMEM_BACKEND_OPS_H
 
 #include <stdint.h>
 
+#include "llmem/backend.h"
+#include "llmem/mem.h"
 #include "llmem/model.h"
 
 /* A weight matrix [rows, cols], row-major: rows are output features, cols input features. */
@@ -54,6 +61,15 @@ struct llmem_backend_ops {
                       float *out);
     /* y[i] += x[i] for i < n. */
     void (*add)(void *ctx, float *y, const float *x, int64_t n);
+
+    /* The raw memory the operations work on, for an allocator (llmem_mem) over it. */
+    const struct llmem_mem_raw_ops *(*memory)(void *ctx);
+    /* Copies `bytes` from src to dst, each host memory or the backend's, after every operation
+     * queued before it. LLMEM_EIO (logged) when the copy or an earlier operation failed. */
+    int (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
+    /* Waits for every operation queued. The first failure of any of them (LLMEM_EIO, or
+     * LLMEM_ENOMEM for scratch) is logged once and returned by every later copy and sync. */
+    int (*sync)(void *ctx);
 };
 
 struct llmem_backend {
@@ -74,6 +90,14 @@ int llmem_backend_cpu_create_shared(struct llmem_pool *pool, struct llmem_mem *m
 /* The fixed scratch of the CPU backend's GEMM on n_threads threads: packed activations and one
  * panel of converted weights per thread. */
 int64_t llmem_backend_cpu_scratch_bytes(int n_threads);
+/* The CUDA backend on GPU `device` computing at `precision`, its scratch from mem (an allocator
+ * over llmem_backend_cuda_memory(device), tag scratch; NULL: the backend's own). LLMEM_EUNSUPPORTED
+ * (logged) in a build without CUDA, LLMEM_EINVAL (logged) for a device that does not exist,
+ * LLMEM_EIO / LLMEM_ENOMEM (logged) when the runtime or cuBLAS fails to start. */
+int llmem_backend_cuda_create(int device, enum llmem_backend_precision precision,
+                              struct llmem_mem *mem, struct llmem_backend **out);
+/* Device memory of GPU `device` for llmem_mem_create; NULL without CUDA or such a device. */
+const struct llmem_mem_raw_ops *llmem_backend_cuda_memory(int device);
 /* NULL is a no-op. */
 void llmem_backend_destroy(struct llmem_backend *backend);
 

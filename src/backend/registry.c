@@ -5,11 +5,32 @@
  */
 #include "llmem/backend.h"
 
+#include <string.h>
+
+#include "backend/ops.h"
 #include "core/log.h"
 
 #ifdef LLMEM_CUDA
+#include "backend/cuda/backend.h"
 #include "backend/cuda/device.h"
 #endif
+
+int llmem_backend_precision_parse(const char *name, enum llmem_backend_precision *precision) {
+    LLMEM_ASSERT(name != NULL && precision != NULL);
+    if (strcmp(name, "fast") == 0)
+        *precision = LLMEM_PRECISION_FAST;
+    else if (strcmp(name, "f32") == 0)
+        *precision = LLMEM_PRECISION_F32;
+    else {
+        LLMEM_ERROR("unknown precision '%s' (fast or f32)", name);
+        return LLMEM_EINVAL;
+    }
+    return LLMEM_OK;
+}
+
+const char *llmem_backend_precision_name(enum llmem_backend_precision precision) {
+    return precision == LLMEM_PRECISION_F32 ? "f32" : "fast";
+}
 
 int llmem_backend_cuda_available(void) {
 #ifdef LLMEM_CUDA
@@ -41,5 +62,33 @@ int llmem_backend_device_info(int index, struct llmem_device_info *info) {
     return llmem_cuda_device_info(index, info);
 #else
     return LLMEM_EUNSUPPORTED; /* unreachable: n is 0 */
+#endif
+}
+
+int llmem_backend_cuda_create(int device, enum llmem_backend_precision precision,
+                              struct llmem_mem *mem, struct llmem_backend **out) {
+    LLMEM_ASSERT(out != NULL);
+    *out = NULL;
+#ifdef LLMEM_CUDA
+    int n = 0;
+    llmem_backend_device_count(&n);
+    if (device < 0 || device >= n) {
+        LLMEM_ERROR("no CUDA device %d (%d device%s present)", device, n, n == 1 ? "" : "s");
+        return LLMEM_EINVAL;
+    }
+    return llmem_cuda_backend_create(device, precision, mem, out);
+#else
+    (void)device, (void)precision, (void)mem;
+    LLMEM_ERROR("llmem_backend_cuda_create: this build has no CUDA backend");
+    return LLMEM_EUNSUPPORTED;
+#endif
+}
+
+const struct llmem_mem_raw_ops *llmem_backend_cuda_memory(int device) {
+#ifdef LLMEM_CUDA
+    return llmem_cuda_mem_ops(device);
+#else
+    (void)device;
+    return NULL;
 #endif
 }

@@ -264,6 +264,22 @@ static int cpu_threads(void *ctx) {
     return ((struct cpu_ctx *)ctx)->n_threads;
 }
 
+static const struct llmem_mem_raw_ops *cpu_memory(void *ctx) {
+    (void)ctx;
+    return llmem_mem_host_ops();
+}
+
+static int cpu_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+    (void)ctx;
+    memmove(dst, src, bytes);
+    return LLMEM_OK;
+}
+
+static int cpu_sync(void *ctx) {
+    (void)ctx;
+    return LLMEM_OK;
+}
+
 static const struct llmem_backend_ops cpu_ops = {
     .name = "cpu",
     .destroy = cpu_destroy,
@@ -275,6 +291,9 @@ static const struct llmem_backend_ops cpu_ops = {
     .swiglu = cpu_swiglu,
     .embedding = cpu_embedding,
     .add = cpu_add,
+    .memory = cpu_memory,
+    .copy = cpu_copy,
+    .sync = cpu_sync,
 };
 
 int64_t llmem_backend_cpu_scratch_bytes(int n_threads) {

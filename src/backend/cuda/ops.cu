@@ -1,0 +1,591 @@
+/*
+ * backend/cuda/ops.cu — the CUDA backend's table (backend/ops.h): every operation of a forward
+ * pass on one GPU, queued in order on the backend's own stream.
+ *
+ * Elementwise operations follow the CPU backend's arithmetic, operation for operation (no fused
+ * multiply-adds where the CPU rounds twice; sums of squares in double; cos and sin of the f32
+ * angle in double), so they agree with it to the last bit or two.
+ *
+ * matmul: a few rows of x (decode) go through our own memory-bound kernel in f32 (each warp owns
+ * a weight row and streams it once with 16-byte loads for all the rows of x); more rows go to
+ * cuBLAS: at fast precision the activations are rounded to the weights' 16-bit type and the
+ * product runs on the tensor cores with f32 accumulation; at f32 precision the weights are widened
+ * to f32 in slices of rows and multiplied in plain f32 (no TF32).
+ */
+#include "backend/cuda/backend.h"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+
+/* x rows up to which matmul takes the memory-bound kernel */
+#define GEMV_MAX_ROWS 8
+/* weight bytes widened to f32 at a time at f32 precision */
+#define WIDEN_SLICE_BYTES ((size_t)64 << 20)
+/* the small per-call host arrays (positions, ids, frequencies) are staged up to this many */
+#define SMALL_MAX 65536
+
+struct cuda_ctx {
+    int device;
+    enum llmem_backend_precision precision;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    struct llmem_mem *mem; /* scratch; NULL: cudaMalloc */
+    void *scratch;         /* activations rounded to 16 bits, or a slice of widened weights */
+    size_t scratch_bytes;
+    void *small;           /* device copies of the small host arrays */
+    void *small_host;      /* their pinned staging */
+    size_t small_bytes;
+    int failed;            /* the first failure's status (LLMEM_EIO, LLMEM_ENOMEM), reported by
+                            * copy and sync ever after: later operations are skipped */
+};
+
+static int check(struct cuda_ctx *c, cudaError_t err, const char *what) {
+    if (err == cudaSuccess)
+        return LLMEM_OK;
+    if (!c->failed)
+        LLMEM_ERROR("cuda backend: %s: %s", what, cudaGetErrorString(err));
+    if (!c->failed)
+        c->failed = LLMEM_EIO;
+    return LLMEM_EIO;
+}
+
+static int check_blas(struct cuda_ctx *c, cublasStatus_t st, const char *what) {
+    if (st == CUBLAS_STATUS_SUCCESS)
+        return LLMEM_OK;
+    if (!c->failed)
+        LLMEM_ERROR("cuda backend: %s: %s", what, cublasGetStatusString(st));
+    if (!c->failed)
+        c->failed = LLMEM_EIO;
+    return LLMEM_EIO;
+}
+
+static void launched(struct cuda_ctx *c, const char *what) {
+    check(c, cudaGetLastError(), what);
+}
+
+static void *dev_alloc(struct cuda_ctx *c, size_t bytes) {
+    if (c->mem != NULL)
+        return llmem_mem_alloc(c->mem, bytes, LLMEM_TAG_SCRATCH);
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        LLMEM_ERROR("cuda backend: cannot allocate %zu bytes of scratch on device %d", bytes,
+                    c->device);
+        return NULL;
+    }
+    return p;
+}
+
+static void dev_free(struct cuda_ctx *c, void *p) {
+    if (p == NULL)
+        return;
+    if (c->mem != NULL)
+        llmem_mem_free(c->mem, p);
+    else
+        cudaFree(p);
+}
+
+/* Scratch of at least `bytes`, grown (after the stream drains) when short. */
+static void *scratch(struct cuda_ctx *c, size_t bytes) {
+    if (bytes <= c->scratch_bytes)
+        return c->scratch;
+    cudaStreamSynchronize(c->stream);
+    dev_free(c, c->scratch);
+    c->scratch = dev_alloc(c, bytes);
+    c->scratch_bytes = c->scratch != NULL ? bytes : 0;
+    if (c->scratch == NULL && !c->failed)
+        c->failed = LLMEM_ENOMEM; /* logged by the allocator */
+    return c->scratch;
+}
+
+/* Copies a small host array to the device for the next kernel (staged through pinned memory, so
+ * the copy is queued on the stream and the caller's array may change at once). */
+static const void *small_upload(struct cuda_ctx *c, const void *host, size_t bytes) {
+    if (bytes > c->small_bytes) {
+        LLMEM_ERROR("cuda backend: %zu bytes of per-call data (at most %zu)", bytes,
+                    c->small_bytes);
+        c->failed = c->failed ? c->failed : LLMEM_EINVAL;
+        return NULL;
+    }
+    cudaStreamSynchronize(c->stream); /* the staging buffer is free again */
+    memcpy(c->small_host, host, bytes);
+    if (check(c, cudaMemcpyAsync(c->small, c->small_host, bytes, cudaMemcpyHostToDevice, c->stream),
+              "upload") != LLMEM_OK)
+        return NULL;
+    return c->small;
+}
+
+/* ---- elementwise kernels ---------------------------------------------------------------------
+ */
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t v) {
+    return __uint_as_float((uint32_t)v << 16);
+}
+
+__device__ __forceinline__ float weight_at(const void *w, enum llmem_dtype dt, int64_t i) {
+    switch (dt) {
+    case LLMEM_DTYPE_BF16: return bf16_to_f32(((const uint16_t *)w)[i]);
+    case LLMEM_DTYPE_F16: return __half2float(((const __half *)w)[i]);
+    default: return ((const float *)w)[i];
+    }
+}
+
+/* One block per row: the sum of squares in double, as the CPU does. */
+__global__ void rmsnorm_kernel(const float *x, const float *weight, int64_t dim, float eps,
+                               float *y) {
+    const float *xr = x + blockIdx.x * dim;
+    float *yr = y + blockIdx.x * dim;
+    double s = 0;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+        s += (double)xr[i] * (double)xr[i];
+    __shared__ double part[32];
+    for (int o = 16; o > 0; o /= 2)
+        s += __shfl_down_sync(0xffffffffu, s, o);
+    if ((threadIdx.x & 31) == 0)
+        part[threadIdx.x / 32] = s;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        s = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0;
+        for (int o = 16; o > 0; o /= 2)
+            s += __shfl_down_sync(0xffffffffu, s, o);
+        if (threadIdx.x == 0)
+            part[0] = s;
+    }
+    __syncthreads();
+    float mean = (float)(part[0] / (double)dim);
+    float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+        yr[i] = __fmul_rn(__fmul_rn(xr[i], inv), weight[i]);
+}
+
+/* grid (token, head), one thread per pair (i, i + half). */
+__global__ void rope_kernel(float *x, int n_heads, int head_dim, const int64_t *pos,
+                            const float *inv_freq) {
+    const int half = head_dim / 2;
+    const int64_t t = blockIdx.x;
+    float *v = x + (t * n_heads + blockIdx.y) * (int64_t)head_dim;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float angle = __fmul_rn((float)pos[t], inv_freq[i]);
+        float cs = (float)cos((double)angle), sn = (float)sin((double)angle);
+        float x0 = v[i], x1 = v[i + half];
+        v[i] = __fadd_rn(__fmul_rn(x0, cs), __fmul_rn(-x1, sn));
+        v[i + half] = __fadd_rn(__fmul_rn(x1, cs), __fmul_rn(x0, sn));
+    }
+}
+
+__global__ void swiglu_kernel(const float *gate, const float *up, int64_t n, float *out) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float g = gate[i];
+        out[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
+    }
+}
+
+__global__ void add_kernel(float *y, const float *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = __fadd_rn(y[i], x[i]);
+}
+
+/* y[t, r] += bias[r] */
+__global__ void bias_kernel(float *y, const float *bias, int64_t rows, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n * rows;
+         i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = __fadd_rn(y[i], bias[i % rows]);
+}
+
+__global__ void embedding_kernel(const void *table, enum llmem_dtype dt, int64_t dim,
+                                 const int32_t *ids, float *out) {
+    const int64_t t = blockIdx.x;
+    const int64_t base = (int64_t)ids[t] * dim;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+        out[t * dim + i] = weight_at(table, dt, base + i);
+}
+
+/* f32 → the weights' 16-bit type, round to nearest even */
+__global__ void round_kernel(const float *x, int64_t n, enum llmem_dtype dt, void *out) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        if (dt == LLMEM_DTYPE_BF16)
+            ((__nv_bfloat16 *)out)[i] = __float2bfloat16_rn(x[i]);
+        else
+            ((__half *)out)[i] = __float2half_rn(x[i]);
+    }
+}
+
+/* 16-bit weights → f32 */
+__global__ void widen_kernel(const void *w, enum llmem_dtype dt, int64_t n, float *out) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = weight_at(w, dt, i);
+}
+
+static unsigned grid_for(int64_t n, int threads) {
+    int64_t g = (n + threads - 1) / threads;
+    return (unsigned)(g < 1 ? 1 : g > 65535 * 8 ? 65535 * 8 : g);
+}
+
+/* ---- matmul ----------------------------------------------------------------------------------
+ */
+
+/* Eight weights from a 16-byte load, as f32. */
+template <enum llmem_dtype DT>
+__device__ __forceinline__ void unpack8(uint4 v, float *w) {
+    const uint32_t p[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        if (DT == LLMEM_DTYPE_BF16) {
+            w[2 * j] = __uint_as_float(p[j] << 16);
+            w[2 * j + 1] = __uint_as_float(p[j] & 0xffff0000u);
+        } else {
+            __half2 h = *reinterpret_cast<const __half2 *>(&p[j]);
+            float2 f = __half22float2(h);
+            w[2 * j] = f.x;
+            w[2 * j + 1] = f.y;
+        }
+    }
+}
+
+/* y[t, r] = Σ_k x[t, k] · w[r, k] for NX rows of x: one warp per weight row, 16-byte loads of
+ * 8 weights, each lane's partial sums reduced by shuffles. 16-bit weights, cols a multiple of 8
+ * and 16-byte aligned rows (checked by the caller). */
+template <enum llmem_dtype DT, int NX>
+__global__ void __launch_bounds__(256) gemv16_kernel(const void *w, int64_t rows, int64_t cols,
+                                                     const float *x, float *y, const float *bias) {
+    const int64_t r = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (r >= rows)
+        return;
+    const uint4 *wr = reinterpret_cast<const uint4 *>((const uint16_t *)w + r * cols);
+    float acc[NX];
+#pragma unroll
+    for (int j = 0; j < NX; j++)
+        acc[j] = 0;
+    const int64_t n8 = cols / 8;
+    for (int64_t k = lane; k < n8; k += 32) {
+        float wv[8];
+        unpack8<DT>(__ldcs(wr + k), wv); /* streamed once: do not keep it in L2 */
+#pragma unroll
+        for (int j = 0; j < NX; j++) {
+            const float4 *xr = reinterpret_cast<const float4 *>(x + j * cols + k * 8);
+            float4 a = __ldg(xr), b = __ldg(xr + 1);
+            acc[j] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x +
+                      wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NX; j++) {
+        float s = acc[j];
+        for (int o = 16; o > 0; o /= 2)
+            s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0)
+            y[j * rows + r] = bias != NULL ? s + bias[r] : s;
+    }
+}
+
+/* The general case (f32 weights, odd shapes): one warp per (row of x, weight row). */
+__global__ void gemv_any_kernel(const void *w, enum llmem_dtype dt, int64_t rows, int64_t cols,
+                                const float *x, int64_t n, float *y, const float *bias) {
+    const int64_t warp = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (warp >= rows * n)
+        return;
+    const int64_t r = warp % rows, t = warp / rows;
+    float s = 0;
+    for (int64_t k = lane; k < cols; k += 32)
+        s += weight_at(w, dt, r * cols + k) * x[t * cols + k];
+    for (int o = 16; o > 0; o /= 2)
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0)
+        y[t * rows + r] = bias != NULL ? s + bias[r] : s;
+}
+
+template <enum llmem_dtype DT>
+static void gemv16(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n,
+                   float *y, const float *bias) {
+    const int warps = 8;
+    dim3 grid((unsigned)((w->rows + warps - 1) / warps));
+    for (int64_t t = 0; t < n;) {
+        const int64_t left = n - t;
+        const float *xt = x + t * w->cols;
+        float *yt = y + t * w->rows;
+#define GEMV_CASE(NX)                                                                              \
+    case NX:                                                                                       \
+        gemv16_kernel<DT, NX>                                                                      \
+            <<<grid, warps * 32, 0, c->stream>>>(w->data, w->rows, w->cols, xt, yt, bias);         \
+        t += NX;                                                                                   \
+        break;
+        switch (left >= 4 ? 4 : (int)left) {
+            GEMV_CASE(1)
+            GEMV_CASE(2)
+            GEMV_CASE(3)
+            GEMV_CASE(4)
+        }
+#undef GEMV_CASE
+    }
+    launched(c, "gemv");
+}
+
+/* Column-major C[m, n] (ldc) = Aᵀ · B, A [k, m] and B [k, n] packed, in plain f32: the pedantic
+ * compute type keeps TF32 out even when the environment asks for it. */
+static void sgemm(struct cuda_ctx *c, int64_t m, int64_t n, int64_t k, const float *a,
+                  const float *b, float *y, int64_t ldc) {
+    const float one = 1.0f, zero = 0.0f;
+    check_blas(c,
+               cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, (int)n, (int)k, &one, a,
+                            CUDA_R_32F, (int)k, b, CUDA_R_32F, (int)k, &zero, y, CUDA_R_32F,
+                            (int)ldc, CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
+               "cublasGemmEx (f32)");
+}
+
+static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n,
+                        float *y, const float *bias) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    LLMEM_ASSERT(w != NULL && x != NULL && y != NULL && n >= 0);
+    if (n == 0 || c->failed)
+        return;
+    const int is16 = w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16;
+    if (n <= GEMV_MAX_ROWS) {
+        const int aligned = w->cols % 8 == 0 && ((uintptr_t)w->data & 15) == 0 &&
+                            ((uintptr_t)x & 15) == 0;
+        if (is16 && aligned) {
+            if (w->dtype == LLMEM_DTYPE_BF16)
+                gemv16<LLMEM_DTYPE_BF16>(c, w, x, n, y, bias);
+            else
+                gemv16<LLMEM_DTYPE_F16>(c, w, x, n, y, bias);
+        } else {
+            int64_t warps = w->rows * n;
+            gemv_any_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, c->stream>>>(
+                w->data, w->dtype, w->rows, w->cols, x, n, y, bias);
+            launched(c, "gemv");
+        }
+        return;
+    }
+    /* Row-major y[n, rows] = x[n, cols] · Wᵀ is, column-major, C[rows, n] = Aᵀ · B with A = W
+     * ([cols, rows], lda = cols) and B = x ([cols, n], ldb = cols). */
+    if (!is16) {
+        sgemm(c, w->rows, n, w->cols, (const float *)w->data, x, y, w->rows);
+    } else if (c->precision == LLMEM_PRECISION_FAST) {
+        const float one = 1.0f, zero = 0.0f;
+        void *xr = scratch(c, (size_t)(n * w->cols) * 2);
+        if (xr == NULL)
+            return;
+        round_kernel<<<grid_for(n * w->cols, 256), 256, 0, c->stream>>>(x, n * w->cols, w->dtype,
+                                                                      xr);
+        launched(c, "round");
+        const cudaDataType_t t = w->dtype == LLMEM_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+        check_blas(c,
+                   cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->rows, (int)n,
+                                (int)w->cols, &one, w->data, t, (int)w->cols, xr, t, (int)w->cols,
+                                &zero, y, CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT),
+                   "cublasGemmEx");
+    } else {
+        /* f32: slices of weight rows widened to f32, each a plain f32 GEMM into its columns of
+         * C (rows r0 … r0 + m of y's rows, ldc = rows). */
+        int64_t slice = (int64_t)(WIDEN_SLICE_BYTES / ((size_t)w->cols * 4));
+        slice = slice < 1 ? 1 : slice > w->rows ? w->rows : slice;
+        float *wf = (float *)scratch(c, (size_t)(slice * w->cols) * 4);
+        if (wf == NULL)
+            return;
+        for (int64_t r0 = 0; r0 < w->rows && !c->failed; r0 += slice) {
+            int64_t m = w->rows - r0 < slice ? w->rows - r0 : slice;
+            widen_kernel<<<grid_for(m * w->cols, 256), 256, 0, c->stream>>>(
+                (const uint16_t *)w->data + r0 * w->cols, w->dtype, m * w->cols, wf);
+            launched(c, "widen");
+            sgemm(c, m, n, w->cols, wf, x, y + r0, w->rows);
+        }
+    }
+    if (bias != NULL) {
+        bias_kernel<<<grid_for(n * w->rows, 256), 256, 0, c->stream>>>(y, bias, w->rows, n);
+        launched(c, "bias");
+    }
+}
+
+/* ---- the other operations --------------------------------------------------------------------
+ */
+
+static void cuda_rmsnorm(void *ctx, const float *x, const float *weight, int64_t n, int64_t dim,
+                         float eps, float *y) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    LLMEM_ASSERT(x != NULL && weight != NULL && y != NULL && dim > 0 && n >= 0);
+    if (n == 0 || c->failed)
+        return;
+    for (int64_t t = 0; t < n; t += 65535) {
+        unsigned rows = (unsigned)(n - t < 65535 ? n - t : 65535);
+        rmsnorm_kernel<<<rows, dim >= 1024 ? 1024 : 256, 0, c->stream>>>(x + t * dim, weight, dim,
+                                                                          eps, y + t * dim);
+    }
+    launched(c, "rmsnorm");
+}
+
+static void cuda_rope(void *ctx, float *x, int64_t n, int n_heads, int head_dim, const int64_t *pos,
+                      const float *inv_freq) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    LLMEM_ASSERT(x != NULL && pos != NULL && inv_freq != NULL && n >= 0 && n_heads > 0);
+    LLMEM_ASSERT(head_dim > 0 && head_dim % 2 == 0);
+    if (n == 0 || c->failed)
+        return;
+    const size_t pos_bytes = (size_t)n * sizeof(int64_t), freq_bytes = (size_t)head_dim / 2 * 4;
+    if (pos_bytes + freq_bytes > c->small_bytes) { /* a long prompt: in pieces */
+        int64_t per = (int64_t)((c->small_bytes - freq_bytes) / sizeof(int64_t));
+        for (int64_t t = 0; t < n; t += per)
+            cuda_rope(ctx, x + t * n_heads * (int64_t)head_dim, n - t < per ? n - t : per,
+                      n_heads, head_dim, pos + t, inv_freq);
+        return;
+    }
+    uint8_t staged[SMALL_MAX];
+    memcpy(staged, pos, pos_bytes);
+    memcpy(staged + pos_bytes, inv_freq, freq_bytes);
+    const uint8_t *d = (const uint8_t *)small_upload(c, staged, pos_bytes + freq_bytes);
+    if (d == NULL)
+        return;
+    for (int64_t t = 0; t < n; t += 65535) {
+        dim3 grid((unsigned)(n - t < 65535 ? n - t : 65535), (unsigned)n_heads);
+        int threads = head_dim / 2 < 128 ? 64 : 128;
+        rope_kernel<<<grid, threads, 0, c->stream>>>(x + t * n_heads * (int64_t)head_dim, n_heads,
+                                                     head_dim, (const int64_t *)d + t,
+                                                     (const float *)(d + pos_bytes));
+    }
+    launched(c, "rope");
+}
+
+static void cuda_swiglu(void *ctx, const float *gate, const float *up, int64_t n, float *out) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    LLMEM_ASSERT(gate != NULL && up != NULL && out != NULL && n >= 0);
+    if (n == 0 || c->failed)
+        return;
+    swiglu_kernel<<<grid_for(n, 256), 256, 0, c->stream>>>(gate, up, n, out);
+    launched(c, "swiglu");
+}
+
+static void cuda_add(void *ctx, float *y, const float *x, int64_t n) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    LLMEM_ASSERT(y != NULL && x != NULL && n >= 0);
+    if (n == 0 || c->failed)
+        return;
+    add_kernel<<<grid_for(n, 256), 256, 0, c->stream>>>(y, x, n);
+    launched(c, "add");
+}
+
+static void cuda_embedding(void *ctx, const struct llmem_weight *table, const int32_t *ids,
+                           int64_t n, float *out) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    LLMEM_ASSERT(table != NULL && ids != NULL && out != NULL && n >= 0);
+    if (n == 0 || c->failed)
+        return;
+    const int64_t per = (int64_t)(c->small_bytes / sizeof(int32_t));
+    for (int64_t t = 0; t < n; t += per) {
+        int64_t m = n - t < per ? n - t : per;
+        for (int64_t i = 0; i < m; i++)
+            LLMEM_ASSERT(ids[t + i] >= 0 && ids[t + i] < table->rows);
+        const int32_t *d = (const int32_t *)small_upload(c, ids + t, (size_t)m * sizeof(int32_t));
+        if (d == NULL)
+            return;
+        embedding_kernel<<<(unsigned)m, 256, 0, c->stream>>>(table->data, table->dtype,
+                                                             table->cols, d, out + t * table->cols);
+    }
+    launched(c, "embedding");
+}
+
+static int cuda_threads(void *ctx) {
+    (void)ctx;
+    return 1;
+}
+
+static const struct llmem_mem_raw_ops *cuda_memory(void *ctx) {
+    return llmem_cuda_mem_ops(((struct cuda_ctx *)ctx)->device);
+}
+
+static int cuda_sync(void *ctx) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    check(c, cudaStreamSynchronize(c->stream), "synchronize");
+    return c->failed;
+}
+
+static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (bytes > 0)
+        check(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream), "copy");
+    return cuda_sync(ctx);
+}
+
+static void cuda_destroy(void *ctx) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (c == NULL)
+        return;
+    if (c->stream != NULL)
+        cudaStreamSynchronize(c->stream);
+    dev_free(c, c->scratch);
+    if (c->small != NULL)
+        cudaFree(c->small);
+    if (c->small_host != NULL)
+        cudaFreeHost(c->small_host);
+    if (c->blas != NULL)
+        cublasDestroy(c->blas);
+    if (c->stream != NULL)
+        cudaStreamDestroy(c->stream);
+    (void)cudaGetLastError();
+    free(c);
+}
+
+static struct llmem_backend_ops make_ops(void) {
+    struct llmem_backend_ops o = {};
+    o.name = "cuda";
+    o.destroy = cuda_destroy;
+    o.threads = cuda_threads;
+    o.matmul = cuda_matmul;
+    o.rmsnorm = cuda_rmsnorm;
+    o.rope = cuda_rope;
+    o.swiglu = cuda_swiglu;
+    o.embedding = cuda_embedding;
+    o.add = cuda_add;
+    o.memory = cuda_memory;
+    o.copy = cuda_copy;
+    o.sync = cuda_sync;
+    return o;
+}
+
+static const struct llmem_backend_ops cuda_ops = make_ops();
+
+extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precision precision,
+                                         struct llmem_mem *mem, struct llmem_backend **out) {
+    *out = NULL;
+    struct cuda_ctx *c = (struct cuda_ctx *)calloc(1, sizeof(*c));
+    struct llmem_backend *b = (struct llmem_backend *)calloc(1, sizeof(*b));
+    if (c == NULL || b == NULL) {
+        free(c);
+        free(b);
+        LLMEM_ERROR("llmem_backend_cuda_create: out of memory");
+        return LLMEM_ENOMEM;
+    }
+    c->device = device;
+    c->precision = precision;
+    c->mem = mem;
+    c->small_bytes = SMALL_MAX;
+    int status = LLMEM_OK;
+    if (check(c, cudaSetDevice(device), "cudaSetDevice") != LLMEM_OK ||
+        check(c, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "stream") !=
+            LLMEM_OK ||
+        check(c, cudaMalloc(&c->small, c->small_bytes), "cudaMalloc") != LLMEM_OK ||
+        check(c, cudaHostAlloc(&c->small_host, c->small_bytes, cudaHostAllocDefault),
+              "cudaHostAlloc") != LLMEM_OK ||
+        check_blas(c, cublasCreate(&c->blas), "cublasCreate") != LLMEM_OK ||
+        check_blas(c, cublasSetStream(c->blas, c->stream), "cublasSetStream") != LLMEM_OK)
+        status = LLMEM_EIO;
+    if (status != LLMEM_OK) {
+        cuda_destroy(c);
+        free(b);
+        return status;
+    }
+    b->ops = &cuda_ops;
+    b->ctx = c;
+    *out = b;
+    return LLMEM_OK;
+}
