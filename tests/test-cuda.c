@@ -8,6 +8,10 @@
  * last place (1e-6 relative); matmul at f32 precision differs only by the order of the sums
  * (1e-5 of the largest output); at fast precision the activations are rounded to bf16 or f16 for
  * the tensor cores, which costs up to 1e-2 of the largest output (measured values are printed).
+ * The paged KV cache on the device stores the same bytes as on the host and attends within 1e-5
+ * (f32), 1e-3 (f16, bf16, q8: the CPU rounds the query differently) of the CPU; whole models at f32
+ * precision give the CPU's logits within 1e-3 and its greedy tokens; at fast precision the drift is
+ * printed and bounded.
  */
 #include <math.h>
 #include <stdio.h>
@@ -18,7 +22,10 @@
 
 #include "backend/ops.h"
 #include "llmem/backend.h"
+#include "llmem/engine.h"
+#include "llmem/kv.h"
 #include "llmem/mem.h"
+#include "llmem/model.h"
 #include "llmem/status.h"
 
 static struct llmem_backend *cpu, *gpu, *gpu_f32;
@@ -338,6 +345,217 @@ static void test_out_of_memory(void **state) {
     free(w);
 }
 
+/* ---- the paged KV cache on the device ---------------------------------------------------------
+ */
+
+/* The same writes into a host cache and a device cache: the stored blocks are byte-identical,
+ * and attention agrees, across blocks, with GQA, windows and a prefill's many queries. */
+static void test_kv_device(void **state) {
+    (void)state;
+    const enum llmem_kv_format fmts[] = {LLMEM_KV_FORMAT_F32, LLMEM_KV_FORMAT_F16,
+                                         LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_Q8};
+    const int hds[] = {64, 128};
+    for (int fi = 0; fi < 4; fi++)
+        for (int hi = 0; hi < 2; hi++) {
+            const int hd = hds[hi], n_kv = 2, n_heads = 8, layers = 2;
+            struct llmem_kv_config kc;
+            llmem_kv_config_default(&kc);
+            kc.format = fmts[fi];
+            kc.n_layers = layers;
+            kc.n_kv_heads = n_kv;
+            kc.head_dim = hd;
+            kc.max_sequences = 2;
+            kc.num_blocks = 64;
+            kc.n_threads = 2;
+            struct llmem_kv *host = NULL, *dev = NULL;
+            assert_int_equal(llmem_kv_create(&kc, NULL, &host), LLMEM_OK);
+            kc.device = gpu;
+            assert_int_equal(llmem_kv_create(&kc, dmem, &dev), LLMEM_OK);
+            const int64_t n = 203; /* 12 full blocks and a partial one */
+            const int64_t kv_floats = n * n_kv * hd, q_floats = n * n_heads * hd;
+            float *k = random_floats(kv_floats * layers, 2.0f);
+            float *v = random_floats(kv_floats * layers, 1.0f);
+            float *q = random_floats(q_floats, 1.0f);
+            int hs = -1, ds = -1;
+            assert_int_equal(llmem_kv_seq_new(host, &hs), LLMEM_OK);
+            assert_int_equal(llmem_kv_seq_new(dev, &ds), LLMEM_OK);
+            float *dk = to_device(k, (size_t)(kv_floats * layers) * 4);
+            float *dv = to_device(v, (size_t)(kv_floats * layers) * 4);
+            float *dq = to_device(q, (size_t)q_floats * 4);
+            assert_int_equal(llmem_kv_append(host, hs, n, k, v), LLMEM_OK);
+            assert_int_equal(llmem_kv_append(dev, ds, n, dk, dv), LLMEM_OK);
+            /* the stored bytes */
+            const int64_t bb = llmem_kv_block_bytes(host);
+            uint8_t *a = malloc((size_t)bb), *b = malloc((size_t)bb);
+            const int64_t *ih, *id;
+            int64_t nb = llmem_kv_seq_blocks(host, hs, &ih);
+            assert_int_equal(llmem_kv_seq_blocks(dev, ds, &id), nb);
+            for (int64_t i = 0; i < nb - 1; i++) { /* full blocks: every byte written */
+                llmem_kv_block_copy_out(host, ih[i], a);
+                llmem_kv_block_copy_out(dev, id[i], b);
+                assert_memory_equal(a, b, (size_t)bb);
+            }
+            /* attention: decode at the end, a prefill chunk, a window */
+            struct {
+                int64_t q_pos, n_q, window;
+            } cases[] = {{n - 1, 1, 0}, {n - 40, 40, 0}, {n - 3, 3, 37}, {0, 17, 0}};
+            float *out = malloc((size_t)q_floats * 4);
+            float *dout = llmem_mem_alloc(dmem, (size_t)q_floats * 4, LLMEM_TAG_SCRATCH);
+            double worst = 0;
+            for (int c = 0; c < 4; c++)
+                for (int layer = 0; layer < layers; layer++) {
+                    struct llmem_kv_attn at = {.n_heads = n_heads, .window = cases[c].window};
+                    assert_int_equal(
+                        llmem_kv_attend(host, hs, layer, cases[c].q_pos, cases[c].n_q, q, out, &at),
+                        LLMEM_OK);
+                    assert_int_equal(llmem_kv_attend(dev, ds, layer, cases[c].q_pos, cases[c].n_q,
+                                                     dq, dout, &at),
+                                     LLMEM_OK);
+                    float *g = to_host(dout, cases[c].n_q * n_heads * hd);
+                    worst = fmax(worst, rel_diff(out, g, cases[c].n_q * n_heads * hd));
+                    free(g);
+                }
+            printf("  kv %s head_dim %d: attention %.2e\n", llmem_kv_format_name(fmts[fi]), hd,
+                   worst);
+            assert_true(worst <= (fmts[fi] == LLMEM_KV_FORMAT_F32 ? 1e-5 : 1e-3));
+            /* a fork shares the blocks; a write into the partial block copies it on the device */
+            int fs = -1;
+            assert_int_equal(llmem_kv_seq_fork(dev, ds, &fs), LLMEM_OK);
+            assert_int_equal(llmem_kv_append(dev, fs, 1, dk, dv), LLMEM_OK);
+            struct llmem_kv_stats st;
+            llmem_kv_stats(dev, &st);
+            assert_int_equal(st.cow_copies, 1);
+            assert_true(st.route_device > 0);
+            assert_int_equal(llmem_kv_check(dev), LLMEM_OK);
+            assert_int_equal(gpu->ops->sync(gpu->ctx), LLMEM_OK);
+            llmem_mem_free(dmem, dk), llmem_mem_free(dmem, dv), llmem_mem_free(dmem, dq);
+            llmem_mem_free(dmem, dout);
+            llmem_kv_destroy(host);
+            llmem_kv_destroy(dev);
+            free(k), free(v), free(q), free(a), free(b), free(out);
+        }
+    /* formats and layouts the device does not hold are refused by name */
+    struct llmem_kv_config kc;
+    llmem_kv_config_default(&kc);
+    kc.n_layers = 1, kc.n_kv_heads = 1, kc.head_dim = 64, kc.device = gpu;
+    kc.format = LLMEM_KV_FORMAT_Q4;
+    struct llmem_kv *kv = NULL;
+    assert_int_equal(llmem_kv_create(&kc, dmem, &kv), LLMEM_EUNSUPPORTED);
+    kc.format = LLMEM_KV_FORMAT_F16, kc.layout = LLMEM_KV_LAYOUT_CONTIGUOUS;
+    assert_int_equal(llmem_kv_create(&kc, dmem, &kv), LLMEM_EUNSUPPORTED);
+}
+
+/* ---- whole models ----------------------------------------------------------------------------
+ */
+
+static struct llmem_engine *open_engine(const char *dir, enum llmem_backend_kind backend,
+                                        enum llmem_backend_precision precision,
+                                        enum llmem_kv_format format) {
+    struct llmem_engine_config c;
+    llmem_engine_config_default(&c);
+    c.model_dir = dir;
+    c.n_threads = 2;
+    c.no_bank = 1;
+    c.context = 512;
+    c.kv_format = format;
+    c.backend = backend;
+    c.precision = precision;
+    struct llmem_engine *e = NULL;
+    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    return e;
+}
+
+static float *teacher_forced(struct llmem_engine *e, const int32_t *ids, int64_t n, int64_t vocab) {
+    float *logits = malloc((size_t)(n * vocab) * sizeof(float));
+    assert_non_null(logits);
+    int seq = -1;
+    assert_int_equal(llmem_kv_seq_new(llmem_engine_kv(e), &seq), LLMEM_OK);
+    /* two prefill chunks of 32 tokens (the GEMM paths), then one token at a time (decode) */
+    for (int64_t pos = 0, m; pos < n; pos += m) {
+        m = pos < 64 ? (n - pos < 32 ? n - pos : 32) : 1;
+        struct llmem_batch_seq b = {.seq = seq, .pos = pos, .n_tokens = m, .all_logits = 1};
+        assert_int_equal(
+            llmem_forward_run(llmem_engine_forward(e), ids + pos, &b, 1, logits + pos * vocab),
+            LLMEM_OK);
+    }
+    llmem_kv_seq_free(llmem_engine_kv(e), seq);
+    return logits;
+}
+
+/* Every reference model: teacher-forced logits at f32 precision (f32 KV) within 1e-3 of the CPU;
+ * at fast precision (f16 KV) the drift is measured: max |Δ| and how often the top token changes. */
+static void test_models(void **state) {
+    (void)state;
+    const char *models[] = {
+        LLMEM_SOURCE_DIR "/models/pycoder",         LLMEM_TEST_DATA "/models/tiny-llama3",
+        LLMEM_TEST_DATA "/models/tiny-mistral-swa", LLMEM_TEST_DATA "/models/tiny-qwen2",
+        LLMEM_TEST_DATA "/models/tiny-qwen3",
+    };
+    for (size_t m = 0; m < sizeof(models) / sizeof(models[0]); m++) {
+        struct llmem_engine *cpu_e =
+            open_engine(models[m], LLMEM_BACKEND_CPU, LLMEM_PRECISION_F32, LLMEM_KV_FORMAT_F32);
+        const int64_t vocab = llmem_model_get_config(llmem_engine_model(cpu_e))->geom.vocab_size;
+        const int64_t n = 100;
+        int32_t ids[100];
+        for (int i = 0; i < n; i++)
+            ids[i] = (int32_t)((i * 7919 + 13) % (vocab < 2000 ? vocab : 2000));
+        float *ref = teacher_forced(cpu_e, ids, n, vocab);
+        llmem_engine_close(cpu_e);
+        for (int p = 0; p < 2; p++) {
+            struct llmem_engine *e = open_engine(
+                models[m], LLMEM_BACKEND_CUDA, p == 0 ? LLMEM_PRECISION_F32 : LLMEM_PRECISION_FAST,
+                p == 0 ? LLMEM_KV_FORMAT_F32 : LLMEM_KV_FORMAT_F16);
+            float *got = teacher_forced(e, ids, n, vocab);
+            double worst = 0;
+            int flips = 0;
+            for (int64_t t = 0; t < n; t++) {
+                int64_t a = 0, b = 0;
+                for (int64_t i = 0; i < vocab; i++) {
+                    const float *r = ref + t * vocab, *g = got + t * vocab;
+                    worst = fmax(worst, fabs((double)r[i] - (double)g[i]));
+                    a = r[i] > r[a] ? i : a;
+                    b = g[i] > g[b] ? i : b;
+                }
+                flips += a != b;
+            }
+            printf("  %s %s: max |dlogit| %.2e, top token differs at %d of %lld positions\n",
+                   strrchr(models[m], '/') + 1, p == 0 ? "f32" : "fast", worst, flips,
+                   (long long)n);
+            if (p == 0)
+                assert_true(worst <= 1e-3);
+            else
+                assert_true(worst <= 0.25);
+            free(got);
+            llmem_engine_close(e);
+        }
+        free(ref);
+    }
+}
+
+/* pycoder's greedy continuation: the same tokens on the GPU at f32 precision. */
+static void test_greedy(void **state) {
+    (void)state;
+    const char *dir = LLMEM_SOURCE_DIR "/models/pycoder";
+    int32_t prompt[24];
+    for (int i = 0; i < 24; i++)
+        prompt[i] = 100 + i * 31;
+    struct llmem_generate_params gp;
+    llmem_generate_params_default(&gp);
+    gp.max_tokens = 32;
+    gp.ignore_eos = 1;
+    struct llmem_generate_result r[2];
+    for (int b = 0; b < 2; b++) {
+        struct llmem_engine *e = open_engine(dir, b == 0 ? LLMEM_BACKEND_CPU : LLMEM_BACKEND_CUDA,
+                                             LLMEM_PRECISION_F32, LLMEM_KV_FORMAT_F32);
+        assert_int_equal(llmem_engine_generate(e, prompt, 24, &gp, NULL, NULL, &r[b]), LLMEM_OK);
+        llmem_engine_close(e);
+    }
+    assert_int_equal(r[0].n_ids, r[1].n_ids);
+    assert_memory_equal(r[0].ids, r[1].ids, (size_t)r[0].n_ids * sizeof(int32_t));
+    llmem_generate_result_free(&r[0]);
+    llmem_generate_result_free(&r[1]);
+}
+
 static int setup(void **state) {
     (void)state;
     struct llmem_mem_config cfg = {.ops = llmem_backend_cuda_memory(0)};
@@ -374,7 +592,8 @@ int main(void) {
         cmocka_unit_test(test_device_memory), cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),          cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_embedding),     cmocka_unit_test(test_matmul),
-        cmocka_unit_test(test_out_of_memory),
+        cmocka_unit_test(test_out_of_memory), cmocka_unit_test(test_kv_device),
+        cmocka_unit_test(test_models),        cmocka_unit_test(test_greedy),
     };
     return cmocka_run_group_tests_name("cuda", tests, setup, teardown);
 }

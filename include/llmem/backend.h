@@ -15,6 +15,15 @@
 extern "C" {
 #endif
 
+/* Which backend runs the forward pass. */
+enum llmem_backend_kind {
+    LLMEM_BACKEND_CPU = 0,
+    LLMEM_BACKEND_CUDA,
+};
+
+/* "cpu" / "cuda" → *kind; LLMEM_EINVAL (logged) otherwise. */
+int llmem_backend_kind_parse(const char *name, enum llmem_backend_kind *kind);
+
 /* How a backend multiplies: f32 computes in f32 throughout (the reference); fast lets the GEMMs
  * of prefill and large batches run on bf16 tensor cores with f32 accumulation (the activations
  * rounded to the weights' 16-bit type). The CPU backend always computes in f32. */
@@ -22,6 +31,12 @@ enum llmem_backend_precision {
     LLMEM_PRECISION_FAST = 0,
     LLMEM_PRECISION_F32,
 };
+
+/* The most scratch the CUDA backend takes for passes of up to max_tokens rows whose widest matrix
+ * has max_cols columns: the activations rounded to 16 bits (fast), or a slice of weights widened
+ * to f32 (f32). */
+int64_t llmem_backend_cuda_scratch_bytes(enum llmem_backend_precision precision, int64_t max_tokens,
+                                         int64_t max_cols);
 
 /* "fast" / "f32" → *precision; LLMEM_EINVAL (logged) otherwise. */
 int llmem_backend_precision_parse(const char *name, enum llmem_backend_precision *precision);

@@ -22,6 +22,7 @@
 #include "llmem/mem.h"
 #include "llmem/model.h"
 #include "llmem/plan.h"
+#include "llmem/backend.h"
 #include "llmem/spill.h"
 #include "llmem/status.h"
 
@@ -135,6 +136,9 @@ struct llmem_engine_config {
     llmem_spill_free_fn spill_free_probe; /* (optional) the store's free-disk probe (tests) */
     void *spill_free_probe_arg;
     int no_mmap; /* --no-mmap: the weights read into (huge-page) memory instead of mapped */
+    enum llmem_backend_kind backend;    /* --backend: cpu, or cuda (the whole pass on a GPU) */
+    int device;                         /* --device: the CUDA device */
+    enum llmem_backend_precision precision; /* --precision (cuda): fast or f32 */
     llmem_guard_source_fn guard_source; /* (optional) replaces the machine's readings */
     void *guard_source_arg;
 };

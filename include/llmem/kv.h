@@ -34,6 +34,7 @@
 #include "llmem/status.h"
 
 struct llmem_pool;
+struct llmem_backend;
 
 #ifdef __cplusplus
 extern "C" {
@@ -67,6 +68,11 @@ struct llmem_kv_config {
     int n_threads;      /* attention threads; ≤ 0: online CPUs */
     struct llmem_pool *pool; /* (optional) the threads to run attention on, shared with the
                               * caller's other work (not destroyed); NULL: a pool of n_threads */
+    /* (optional) a device backend (backend/ops.h with kv_encode and kv_attend) whose memory
+     * holds the pool: the mem given to llmem_kv_create allocates that memory. The paged layout
+     * and the f32, f16, bf16 and q8 formats only; writes, attention and block copies run on the
+     * device, and llmem_kv_write / llmem_kv_attend take the backend's memory for k, v, q, out. */
+    const struct llmem_backend *device;
 };
 
 /* The defaults above (paged, f16, 64 sequences); the geometry fields are left 0. */
@@ -180,6 +186,7 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
     X(route_direct)                                                                                \
     X(route_partitioned)                                                                           \
     X(route_fallback)                                                                              \
+    X(route_device)    /* attention on the device backend that holds the pool */                  \
     X(attend_ns) /* time spent in attention */
 
 #define LLMEM_KV_STATS_FIELD_(name) int64_t name;

@@ -194,6 +194,14 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
                      llmem_progress_fn progress, void *progress_arg, struct llmem_model **out);
 /* NULL is a no-op. */
 void llmem_model_free(struct llmem_model *model);
+/* A copy of a loaded model in the memory of a device backend (backend/ops.h): every matrix and
+ * vector allocated from mem (tag weights) and copied through the backend, progress per layer.
+ * The copy runs the forward pass on that backend; the original can be freed. LLMEM_ENOMEM or
+ * the backend's failure (logged); nothing is left allocated on failure. */
+struct llmem_backend;
+int llmem_model_to_device(const struct llmem_model *model, const struct llmem_backend *backend,
+                          struct llmem_mem *mem, llmem_progress_fn progress, void *progress_arg,
+                          struct llmem_model **out);
 /* The configuration; geom.n_params and geom.weights_bytes are those of the files. */
 const struct llmem_model_config *llmem_model_get_config(const struct llmem_model *model);
 

@@ -22,6 +22,7 @@
 #include "llmem/backend.h"
 #include "llmem/mem.h"
 #include "llmem/model.h"
+#include "llmem/plan.h"
 
 /* A weight matrix [rows, cols], row-major: rows are output features, cols input features. */
 struct llmem_weight {
@@ -29,6 +30,22 @@ struct llmem_weight {
     enum llmem_dtype dtype; /* F32, F16 or BF16 */
     int64_t rows;
     int64_t cols;
+};
+
+/* Attention of one sequence over a paged KV cache in the backend's memory (kv_attend). */
+struct llmem_backend_paged_attn {
+    enum llmem_kv_format format;  /* f32, f16, bf16 or q8 */
+    int n_heads, n_kv_heads, head_dim, block_size;
+    const uint8_t *k_pool, *v_pool; /* this layer's pools: block b's token j at b·block_size + j */
+    size_t k_tok, v_tok;            /* bytes of one token, all KV heads */
+    size_t key_bytes, value_bytes;  /* bytes of one head's row */
+    const int64_t *blocks;          /* host memory: the sequence's block ids, in order */
+    int64_t n_blocks;
+    int64_t q_pos, n_q; /* queries for positions q_pos … q_pos + n_q − 1, causal */
+    int64_t window;     /* 0: all earlier tokens; else each query sees its last `window` */
+    float scale;        /* of the scores (1 / sqrt(head_dim) usually) */
+    const float *q;     /* [n_q, n_heads, head_dim] */
+    float *out;         /* [n_q, n_heads, head_dim] */
 };
 
 struct llmem_backend_ops {
@@ -61,6 +78,14 @@ struct llmem_backend_ops {
                       float *out);
     /* y[i] += x[i] for i < n. */
     void (*add)(void *ctx, float *y, const float *x, int64_t n);
+
+    /* (optional: backends whose memory is not the host's, which then hold the paged KV pool)
+     * Encodes n rows of `heads` rows of head_dim floats (src [n, heads·head_dim]) into `format`
+     * (f32, f16, bf16 or q8, byte for byte as kv/codec.h), row i at dst + i·dst_stride, head h
+     * at + h·row_bytes; and attention over such a pool. */
+    void (*kv_encode)(void *ctx, enum llmem_kv_format format, const float *src, int64_t n,
+                      int heads, int head_dim, uint8_t *dst, size_t dst_stride, size_t row_bytes);
+    void (*kv_attend)(void *ctx, const struct llmem_backend_paged_attn *attn);
 
     /* The raw memory the operations work on, for an allocator (llmem_mem) over it. */
     const struct llmem_mem_raw_ops *(*memory)(void *ctx);

@@ -28,6 +28,27 @@ int llmem_backend_precision_parse(const char *name, enum llmem_backend_precision
     return LLMEM_OK;
 }
 
+int llmem_backend_kind_parse(const char *name, enum llmem_backend_kind *kind) {
+    LLMEM_ASSERT(name != NULL && kind != NULL);
+    if (strcmp(name, "cpu") == 0)
+        *kind = LLMEM_BACKEND_CPU;
+    else if (strcmp(name, "cuda") == 0)
+        *kind = LLMEM_BACKEND_CUDA;
+    else {
+        LLMEM_ERROR("unknown backend '%s' (cpu or cuda)", name);
+        return LLMEM_EINVAL;
+    }
+    return LLMEM_OK;
+}
+
+int64_t llmem_backend_cuda_scratch_bytes(enum llmem_backend_precision precision, int64_t max_tokens,
+                                         int64_t max_cols) {
+    /* ops.cu: GEMV_MAX_ROWS rows take no scratch; WIDEN_SLICE_BYTES of f32 weights at f32 */
+    if (precision == LLMEM_PRECISION_F32)
+        return (int64_t)64 << 20;
+    return max_tokens * max_cols * 2;
+}
+
 const char *llmem_backend_precision_name(enum llmem_backend_precision precision) {
     return precision == LLMEM_PRECISION_F32 ? "f32" : "fast";
 }

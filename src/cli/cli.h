@@ -59,6 +59,9 @@ enum {
     CLI_OPT_SPILL_MAX,
     CLI_OPT_NO_SPILL,
     CLI_OPT_NO_MMAP,
+    CLI_OPT_BACKEND,
+    CLI_OPT_DEVICE,
+    CLI_OPT_PRECISION,
     CLI_OPT_ENGINE_END
 };
 // clang-format off
@@ -75,7 +78,10 @@ enum {
         {"bank-dir", required_argument, NULL, CLI_OPT_BANK_DIR},                                   \
         {"spill-max", required_argument, NULL, CLI_OPT_SPILL_MAX},                                 \
         {"no-spill", no_argument, NULL, CLI_OPT_NO_SPILL},                                         \
-        {"no-mmap", no_argument, NULL, CLI_OPT_NO_MMAP}
+        {"no-mmap", no_argument, NULL, CLI_OPT_NO_MMAP},                                           \
+        {"backend", required_argument, NULL, CLI_OPT_BACKEND},                                     \
+        {"device", required_argument, NULL, CLI_OPT_DEVICE},                                       \
+        {"precision", required_argument, NULL, CLI_OPT_PRECISION}
 // clang-format on
 extern const char cli_engine_help[];
 struct llmem_engine_config;

@@ -26,7 +26,13 @@ const char cli_engine_help[] =
     "                       0: no spill store)\n"
     "  --no-spill           keep the session bank in RAM only\n"
     "  --no-mmap            read the weights into memory (huge pages) instead of mapping\n"
-    "                       the files: faster decode, not reclaimable as page cache\n";
+    "                       the files: faster decode, not reclaimable as page cache\n"
+    "  --backend B          cpu (default) or cuda: the whole forward pass, the weights and the\n"
+    "                       KV cache (paged; f16, bf16, f32 or q8) on a GPU, planned for its\n"
+    "                       memory\n"
+    "  --device N           the CUDA device (default 0)\n"
+    "  --precision P        cuda: fast (default: bf16/f16 tensor cores for prefill, f32\n"
+    "                       accumulation) or f32\n";
 
 int cli_engine_option(int opt, const char *arg, struct llmem_engine_config *c) {
     int64_t v = 0;
@@ -63,6 +69,14 @@ int cli_engine_option(int opt, const char *arg, struct llmem_engine_config *c) {
         c->no_spill = rc == CLI_OK && c->spill_max_bytes == 0;
         return rc;
     case CLI_OPT_NO_SPILL: c->no_spill = 1; return CLI_OK;
+    case CLI_OPT_BACKEND:
+        return llmem_backend_kind_parse(arg, &c->backend) == LLMEM_OK ? CLI_OK : CLI_USAGE;
+    case CLI_OPT_DEVICE:
+        rc = cli_parse_int("--device", arg, 0, 1024, &v);
+        c->device = (int)v;
+        return rc;
+    case CLI_OPT_PRECISION:
+        return llmem_backend_precision_parse(arg, &c->precision) == LLMEM_OK ? CLI_OK : CLI_USAGE;
     default: return -1;
     }
 }

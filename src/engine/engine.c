@@ -47,16 +47,22 @@ double llmem_engine_now_s(void) {
 /* ---- open ----------------------------------------------------------------------------------- */
 
 static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry *g, int threads) {
-    struct llmem_device_info host;
+    struct llmem_device_info host, machine;
     int status = llmem_sys_probe_host(&host);
     if (status != LLMEM_OK)
         return status;
     e->ram_bytes = host.memory_size;
     const struct llmem_engine_config *c = &e->cfg;
+    const int cuda = c->backend == LLMEM_BACKEND_CUDA;
+    machine = host;
+    if (cuda && (status = llmem_backend_device_info(c->device, &machine)) != LLMEM_OK)
+        return status;
+    const int64_t widest =
+        g->intermediate_size > g->hidden_size ? g->intermediate_size : g->hidden_size;
     struct llmem_plan_params p = {
-        .target = LLMEM_PLAN_HOST,
-        .total_bytes = host.max_recommended_working_set_size,
-        .ceiling_bytes = host.max_recommended_working_set_size,
+        .target = cuda ? LLMEM_PLAN_CUDA : LLMEM_PLAN_HOST,
+        .total_bytes = machine.max_recommended_working_set_size,
+        .ceiling_bytes = machine.max_recommended_working_set_size,
         .weights_bytes = g->weights_bytes,
         .kv_bytes_per_token = llmem_geometry_kv_bytes_per_token(g),
         .kv_format = c->kv_format,
@@ -70,7 +76,8 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
         /* the forward pass's buffers and the backend's fixed GEMM scratch */
         .computed_workspace_bytes =
             llmem_geometry_workspace_bytes(g, c->max_batch_tokens, c->max_sequences) +
-            llmem_backend_cpu_scratch_bytes(threads),
+            (cuda ? llmem_backend_cuda_scratch_bytes(c->precision, c->max_batch_tokens, widest)
+                  : llmem_backend_cpu_scratch_bytes(threads)),
     };
     if ((status = llmem_plan_compute(&p, &e->plan)) != LLMEM_OK)
         return status;
@@ -98,6 +105,7 @@ static int open_kv(struct llmem_engine *e) {
     kc.max_sequences = (int)e->cfg.max_sequences;
     kc.n_threads = e->cfg.n_threads;
     kc.pool = e->pool;
+    kc.device = e->cfg.backend == LLMEM_BACKEND_CUDA ? e->be : NULL;
     if (kc.layout == LLMEM_KV_LAYOUT_PAGED) {
         /* The pool the plan commits, allocated now: one window per sequence, within the pool
          * tokens the plan leaves for KV. Large buffers are mapped lazily, so pages become
@@ -160,7 +168,7 @@ static int open_bank(struct llmem_engine *e) {
     sc.dir = e->cfg.bank_dir;
     sc.max_bytes = e->cfg.spill_max_bytes;
     sc.ram_bytes = e->ram_bytes > 0 ? e->ram_bytes : 0;
-    sc.mem = e->mem;
+    sc.mem = e->host_mem;
     sc.free_probe = e->cfg.spill_free_probe;
     sc.free_probe_arg = e->cfg.spill_free_probe_arg;
     status = llmem_spill_open(&sc, &e->spill);
@@ -192,16 +200,39 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
         (status = plan_model(e, &g, llmem_pool_threads(e->pool))) != LLMEM_OK)
         goto fail;
 
-    struct llmem_mem_config mc = {.memory_limit_bytes = e->plan.allocation_limit_bytes,
+    struct llmem_mem_config mc = {.ops = config->backend == LLMEM_BACKEND_CUDA
+                                             ? llmem_backend_cuda_memory(config->device)
+                                             : NULL,
+                                  .memory_limit_bytes = e->plan.allocation_limit_bytes,
                                   .cache_limit_bytes = -1,
                                   .usable_bytes = e->plan.usable_bytes};
     if ((status = llmem_mem_create(&mc, &e->mem)) != LLMEM_OK ||
-        (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
-        (status = llmem_model_load(config->model_dir, e->mem,
-                                   config->no_mmap ? LLMEM_MODEL_LOAD_NO_MMAP : 0, progress,
-                                   progress_arg, &e->model)) != LLMEM_OK ||
-        (status = llmem_backend_cpu_create_shared(e->pool, e->mem, &e->be)) != LLMEM_OK ||
-        (status = open_kv(e)) != LLMEM_OK ||
+        (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK)
+        goto fail;
+    if (config->backend == LLMEM_BACKEND_CUDA) {
+        /* the model read on the host, copied to the device, and the host copy dropped */
+        struct llmem_mem_config hc = {.cache_limit_bytes = -1};
+        struct llmem_model *host_model = NULL;
+        if ((status = llmem_mem_create(&hc, &e->host_mem)) != LLMEM_OK ||
+            (status = llmem_backend_cuda_create(config->device, config->precision, e->mem,
+                                                &e->be)) != LLMEM_OK ||
+            (status = llmem_model_load(config->model_dir, e->host_mem,
+                                       config->no_mmap ? LLMEM_MODEL_LOAD_NO_MMAP : 0, progress,
+                                       progress_arg, &host_model)) != LLMEM_OK)
+            goto fail;
+        status = llmem_model_to_device(host_model, e->be, e->mem, NULL, NULL, &e->model);
+        llmem_model_free(host_model);
+        if (status != LLMEM_OK)
+            goto fail;
+    } else {
+        e->host_mem = e->mem;
+        if ((status = llmem_model_load(config->model_dir, e->mem,
+                                       config->no_mmap ? LLMEM_MODEL_LOAD_NO_MMAP : 0, progress,
+                                       progress_arg, &e->model)) != LLMEM_OK ||
+            (status = llmem_backend_cpu_create_shared(e->pool, e->mem, &e->be)) != LLMEM_OK)
+            goto fail;
+    }
+    if ((status = open_kv(e)) != LLMEM_OK ||
         (status = llmem_forward_create(e->model, e->be, e->kv, e->cfg.max_batch_tokens, &e->fwd)) !=
             LLMEM_OK)
         goto fail;
@@ -216,8 +247,8 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
         status = LLMEM_EFORMAT;
         goto fail;
     }
-    e->logits = llmem_mem_alloc(e->mem, (size_t)(e->cfg.max_sequences * e->vocab) * sizeof(float),
-                                LLMEM_TAG_SCRATCH);
+    e->logits = llmem_mem_alloc(
+        e->host_mem, (size_t)(e->cfg.max_sequences * e->vocab) * sizeof(float), LLMEM_TAG_SCRATCH);
     if (e->logits == NULL) {
         status = LLMEM_ENOMEM;
         goto fail;
@@ -238,15 +269,17 @@ void llmem_engine_close(struct llmem_engine *e) {
         return;
     llmem_engine_sched_fini(e);  /* stops serving: no step runs past here */
     llmem_spill_close(e->spill); /* flushes pending writes (staging memory from e->mem) */
-    if (e->mem != NULL)
-        llmem_mem_free(e->mem, e->logits);
+    if (e->host_mem != NULL)
+        llmem_mem_free(e->host_mem, e->logits);
     llmem_forward_free(e->fwd);
     llmem_bank_destroy(e->bank);
     llmem_kv_destroy(e->kv);
-    llmem_backend_destroy(e->be);
+    llmem_model_free(e->model);
+    llmem_backend_destroy(e->be); /* after what lives in its memory */
     llmem_pool_destroy(e->pool);
     llmem_tokenizer_free(e->tok);
-    llmem_model_free(e->model);
+    if (e->host_mem != e->mem)
+        llmem_mem_destroy(e->host_mem);
     llmem_mem_destroy(e->mem);
     free(e);
 }

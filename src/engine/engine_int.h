@@ -16,7 +16,9 @@ struct request;
 struct llmem_engine {
     struct llmem_engine_config cfg;
     struct llmem_plan plan;
-    struct llmem_mem *mem;
+    struct llmem_mem *mem;      /* the memory the plan governs: the host's, or the device's */
+    struct llmem_mem *host_mem; /* host memory: mem on the CPU; its own allocator with a device
+                                 * (the logits the sampler reads, the spill store's staging) */
     struct llmem_model *model;
     struct llmem_tokenizer *tok;
     struct llmem_pool *pool; /* the threads every kernel runs on */

@@ -23,6 +23,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "backend/ops.h"
 #include "core/log.h"
 #include "kv/codec_internal.h"
 #include "kv/kv_int.h"
@@ -325,6 +326,32 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
     LLMEM_ASSERT(n_heads > 0 && n_heads % kv->cfg.n_kv_heads == 0 &&
                  n_heads / kv->cfg.n_kv_heads <= 64);
     int64_t t0 = now_ns();
+    if (kv->cfg.device != NULL) { /* on the device that holds the pool */
+        const struct llmem_backend *d = kv->cfg.device;
+        const struct llmem_backend_paged_attn a = {
+            .format = kv->cfg.format,
+            .n_heads = n_heads,
+            .n_kv_heads = kv->cfg.n_kv_heads,
+            .head_dim = hd,
+            .block_size = kv->cfg.block_size,
+            .k_pool = kv->k_pool[layer],
+            .v_pool = kv->v_pool[layer],
+            .k_tok = kv->k_tok,
+            .v_tok = kv->v_tok,
+            .key_bytes = kv->codec.key_bytes,
+            .value_bytes = kv->codec.value_bytes,
+            .blocks = s->table,
+            .n_blocks = (q_pos + n_q + kv->cfg.block_size - 1) / kv->cfg.block_size,
+            .q_pos = q_pos,
+            .n_q = n_q,
+            .window = attn->window,
+            .scale = attn->scale > 0 ? attn->scale : 1.0f / sqrtf((float)hd),
+            .q = q,
+            .out = out};
+        d->ops->kv_attend(d->ctx, &a);
+        kv->st.route_device++;
+        return LLMEM_OK;
+    }
     struct attn_job j = {.kv = kv,
                          .seq = seq,
                          .layer = layer,

@@ -19,6 +19,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "backend/ops.h"
 #include "core/log.h"
 
 static const char *const layout_names[LLMEM_KV_LAYOUT_COUNT] = {"paged", "contiguous", "blocks",
@@ -121,6 +122,15 @@ static void kv_release(struct llmem_kv *kv, void *p, size_t bytes) {
     kv->st.bytes -= (int64_t)llmem_mem_size_class(kv->mem, bytes);
 }
 
+/* memcpy for the pool's memory: host or, with a device backend, through it. */
+static void kv_copy(const struct llmem_kv *kv, void *dst, const void *src, size_t bytes) {
+    const struct llmem_backend *d = kv->cfg.device;
+    if (d != NULL)
+        d->ops->copy(d->ctx, dst, src, bytes); /* a failure is the backend's, reported at sync */
+    else
+        memcpy(dst, src, bytes);
+}
+
 /* The bytes of one block in the blocks layout (all layers, K then V). */
 static size_t blocks_block_bytes(const struct llmem_kv *kv) {
     return (size_t)kv->cfg.n_layers * (size_t)block_size(kv) * (kv->k_tok + kv->v_tok);
@@ -199,8 +209,8 @@ static int pool_grow(struct llmem_kv *kv, int64_t required) {
     }
     for (int l = 0; l < n_layers; l++) {
         if (cur > 0) {
-            memcpy(nk[l], kv->k_pool[l], (size_t)cur * (size_t)bs * kv->k_tok);
-            memcpy(nv[l], kv->v_pool[l], (size_t)cur * (size_t)bs * kv->v_tok);
+            kv_copy(kv, nk[l], kv->k_pool[l], (size_t)cur * (size_t)bs * kv->k_tok);
+            kv_copy(kv, nv[l], kv->v_pool[l], (size_t)cur * (size_t)bs * kv->v_tok);
         }
         if (kv->k_pool != NULL) {
             kv_release(kv, kv->k_pool[l], (size_t)cur * (size_t)bs * kv->k_tok);
@@ -418,6 +428,17 @@ int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
                     c.n_kv_heads, c.head_dim);
         return LLMEM_EINVAL;
     }
+    if (c.device != NULL &&
+        (c.layout != LLMEM_KV_LAYOUT_PAGED || mem == NULL || c.device->ops->kv_encode == NULL ||
+         c.device->ops->kv_attend == NULL ||
+         (c.format != LLMEM_KV_FORMAT_F32 && c.format != LLMEM_KV_FORMAT_F16 &&
+          c.format != LLMEM_KV_FORMAT_BF16 && c.format != LLMEM_KV_FORMAT_Q8))) {
+        LLMEM_ERROR("a KV cache on the %s backend is paged, in f32, f16, bf16 or q8, over the "
+                    "backend's memory (asked: %s, %s)",
+                    c.device->ops->name, llmem_kv_layout_name(c.layout),
+                    llmem_kv_format_name(c.format));
+        return LLMEM_EUNSUPPORTED;
+    }
     if (c.max_blocks > 0 && c.num_blocks > c.max_blocks)
         c.num_blocks = c.max_blocks;
     struct llmem_kv *kv = calloc(1, sizeof(*kv));
@@ -576,10 +597,10 @@ static int unshare_blocks(struct llmem_kv *kv, struct kv_seq *s, int64_t first, 
             continue;
         int64_t id = pool_take(kv);
         for (int l = 0; l < kv->cfg.n_layers; l++) {
-            memcpy(kv->k_pool[l] + (size_t)id * bs * kv->k_tok,
-                   kv->k_pool[l] + (size_t)old * bs * kv->k_tok, bs * kv->k_tok);
-            memcpy(kv->v_pool[l] + (size_t)id * bs * kv->v_tok,
-                   kv->v_pool[l] + (size_t)old * bs * kv->v_tok, bs * kv->v_tok);
+            kv_copy(kv, kv->k_pool[l] + (size_t)id * bs * kv->k_tok,
+                    kv->k_pool[l] + (size_t)old * bs * kv->k_tok, bs * kv->k_tok);
+            kv_copy(kv, kv->v_pool[l] + (size_t)id * bs * kv->v_tok,
+                    kv->v_pool[l] + (size_t)old * bs * kv->v_tok, bs * kv->v_tok);
         }
         pool_unref(kv, old);
         s->table[b] = id;
@@ -602,11 +623,21 @@ int llmem_kv_write(struct llmem_kv *kv, int seq, int layer, int64_t pos, int64_t
             return status;
     }
     const int heads = kv->cfg.n_kv_heads, hd = kv->cfg.head_dim;
+    const struct llmem_backend *d = kv->cfg.device;
     for (int64_t t = 0; t < n;) {
         uint8_t *kp, *vp;
         int64_t run = llmem_kv_span(kv, seq, layer, pos + t, &kp, &vp);
         if (run > n - t)
             run = n - t;
+        if (d != NULL) { /* the run's rows, encoded on the device */
+            const size_t row = (size_t)t * (size_t)heads * (size_t)hd;
+            d->ops->kv_encode(d->ctx, kv->cfg.format, k + row, run, heads, hd, kp, kv->k_tok,
+                              kv->codec.key_bytes);
+            d->ops->kv_encode(d->ctx, kv->cfg.format, v + row, run, heads, hd, vp, kv->v_tok,
+                              kv->codec.value_bytes);
+            t += run;
+            continue;
+        }
         for (int64_t i = 0; i < run; i++, t++) {
             for (int h = 0; h < heads; h++) {
                 size_t row = ((size_t)t * (size_t)heads + (size_t)h) * (size_t)hd;
@@ -813,8 +844,8 @@ static int64_t release_span(uint8_t *p, size_t n) {
 }
 
 int64_t llmem_kv_release_free(struct llmem_kv *kv) {
-    if (kv->cfg.layout != LLMEM_KV_LAYOUT_PAGED || kv->n_free == 0)
-        return 0;
+    if (kv->cfg.layout != LLMEM_KV_LAYOUT_PAGED || kv->n_free == 0 || kv->cfg.device != NULL)
+        return 0; /* device memory is not paged by the kernel */
     int64_t *ids = malloc((size_t)kv->n_free * sizeof(int64_t));
     if (ids == NULL)
         return 0; /* nothing released: the pages stay, which is only a missed saving */
@@ -886,8 +917,8 @@ void llmem_kv_block_copy_out(const struct llmem_kv *kv, int64_t id, void *dst) {
     size_t bs = (size_t)block_size(kv), k = bs * kv->k_tok, v = bs * kv->v_tok;
     uint8_t *out = dst;
     for (int l = 0; l < kv->cfg.n_layers; l++) {
-        memcpy(out, kv->k_pool[l] + (size_t)id * k, k);
-        memcpy(out + k, kv->v_pool[l] + (size_t)id * v, v);
+        kv_copy(kv, out, kv->k_pool[l] + (size_t)id * k, k);
+        kv_copy(kv, out + k, kv->v_pool[l] + (size_t)id * v, v);
         out += k + v;
     }
 }
@@ -901,8 +932,8 @@ int llmem_kv_block_new_from(struct llmem_kv *kv, const void *src, int64_t *id) {
     size_t bs = (size_t)block_size(kv), k = bs * kv->k_tok, v = bs * kv->v_tok;
     const uint8_t *in = src;
     for (int l = 0; l < kv->cfg.n_layers; l++) {
-        memcpy(kv->k_pool[l] + (size_t)b * k, in, k);
-        memcpy(kv->v_pool[l] + (size_t)b * v, in + k, v);
+        kv_copy(kv, kv->k_pool[l] + (size_t)b * k, in, k);
+        kv_copy(kv, kv->v_pool[l] + (size_t)b * v, in + k, v);
         in += k + v;
     }
     *id = b;

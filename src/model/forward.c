@@ -72,9 +72,11 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
         if (*bufs[i].p == NULL)
             goto fail;
     }
-    f->pos = llmem_mem_alloc(f->mem, T * sizeof(int64_t), LLMEM_TAG_SCRATCH);
-    if (f->pos == NULL)
+    f->pos = malloc(T * sizeof(int64_t)); /* host memory, as the rope operation takes it */
+    if (f->pos == NULL) {
+        LLMEM_ERROR("out of memory");
         goto fail;
+    }
     *out = f;
     return LLMEM_OK;
 fail:
@@ -88,7 +90,7 @@ void llmem_forward_free(struct llmem_forward *f) {
     float *bufs[] = {f->x, f->xn, f->q, f->att, f->k, f->v, f->gate, f->up};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         llmem_mem_free(f->mem, bufs[i]);
-    llmem_mem_free(f->mem, f->pos);
+    free(f->pos);
     free(f);
 }
 
@@ -250,13 +252,26 @@ int llmem_forward_run(struct llmem_forward *f, const int32_t *tokens,
         int64_t first = b->all_logits ? row : row + b->n_tokens - 1;
         for (int64_t r = first; r < row + b->n_tokens; r++, i++)
             if (i != r)
-                memcpy(f->x + i * g->hidden_size, f->x + r * g->hidden_size,
-                       (size_t)g->hidden_size * sizeof(float));
+                ops->copy(ctx, f->x + i * g->hidden_size, f->x + r * g->hidden_size,
+                          (size_t)g->hidden_size * sizeof(float));
         row += b->n_tokens;
     }
     ops->rmsnorm(ctx, f->x, f->model->final_norm, n_logits, g->hidden_size,
                  (float)f->model->cfg.rms_norm_eps, f->xn);
-    ops->matmul(ctx, &f->model->lm_head, f->xn, n_logits, logits, NULL);
+    if (!f->model->on_device) {
+        ops->matmul(ctx, &f->model->lm_head, f->xn, n_logits, logits, NULL);
+        goto out;
+    }
+    /* on a device: the logits there, then to the caller's host memory */
+    const size_t bytes = (size_t)(n_logits * g->vocab_size) * sizeof(float);
+    float *dl = llmem_mem_alloc(f->mem, bytes, LLMEM_TAG_SCRATCH);
+    if (dl == NULL) {
+        status = LLMEM_ENOMEM;
+        goto out;
+    }
+    ops->matmul(ctx, &f->model->lm_head, f->xn, n_logits, dl, NULL);
+    status = ops->copy(ctx, logits, dl, bytes); /* and every failure of the pass */
+    llmem_mem_free(f->mem, dl);
 out:
     if (lengths != saved)
         free(lengths);

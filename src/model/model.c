@@ -336,6 +336,20 @@ fail:
 void llmem_model_free(struct llmem_model *m) {
     if (m == NULL)
         return;
+    if (m->on_device) {
+        for (int64_t i = 0; m->layers != NULL && i < m->cfg.geom.n_layers; i++) {
+            const struct model_layer *L = &m->layers[i];
+            const void *w[] = {L->wq.data,     L->wk.data,   L->wv.data,    L->wo.data,
+                               L->w_gate.data, L->w_up.data, L->w_down.data};
+            for (size_t k = 0; k < sizeof(w) / sizeof(w[0]); k++)
+                llmem_mem_free(m->mem, (void *)w[k]);
+        }
+        if (m->lm_head.data != m->embed.data)
+            llmem_mem_free(m->mem, (void *)m->lm_head.data);
+        llmem_mem_free(m->mem, (void *)m->embed.data);
+        free(m->inv_freq);
+        m->inv_freq = NULL;
+    }
     if (m->layers != NULL) {
         for (int64_t i = 0; i < m->cfg.geom.n_layers; i++) {
             struct model_layer *L = &m->layers[i];

@@ -51,6 +51,8 @@ struct llmem_model {
     float *inv_freq;             /* (hd / 2) */
     struct model_layer *layers;  /* (n_layers) */
     int64_t vector_bytes;        /* the f32 copies, for the accounting */
+    int on_device;               /* a copy in a device's memory (device.c): the matrices are
+                                  * buffers of mem too, inv_freq a malloc'd host array */
 };
 
 #endif

@@ -13,6 +13,7 @@
  * to f32 in slices of rows and multiplied in plain f32 (no TF32).
  */
 #include "backend/cuda/backend.h"
+#include "backend/cuda/kv.h"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -38,11 +39,11 @@ struct cuda_ctx {
     struct llmem_mem *mem; /* scratch; NULL: cudaMalloc */
     void *scratch;         /* activations rounded to 16 bits, or a slice of widened weights */
     size_t scratch_bytes;
-    void *small;           /* device copies of the small host arrays */
-    void *small_host;      /* their pinned staging */
+    void *small;      /* device copies of the small host arrays */
+    void *small_host; /* their pinned staging */
     size_t small_bytes;
-    int failed;            /* the first failure's status (LLMEM_EIO, LLMEM_ENOMEM), reported by
-                            * copy and sync ever after: later operations are skipped */
+    int failed; /* the first failure's status (LLMEM_EIO, LLMEM_ENOMEM), reported by
+                 * copy and sync ever after: later operations are skipped */
 };
 
 static int check(struct cuda_ctx *c, cudaError_t err, const char *what) {
@@ -235,8 +236,7 @@ static unsigned grid_for(int64_t n, int threads) {
  */
 
 /* Eight weights from a 16-byte load, as f32. */
-template <enum llmem_dtype DT>
-__device__ __forceinline__ void unpack8(uint4 v, float *w) {
+template <enum llmem_dtype DT> __device__ __forceinline__ void unpack8(uint4 v, float *w) {
     const uint32_t p[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int j = 0; j < 4; j++) {
@@ -352,8 +352,8 @@ static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x,
         return;
     const int is16 = w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16;
     if (n <= GEMV_MAX_ROWS) {
-        const int aligned = w->cols % 8 == 0 && ((uintptr_t)w->data & 15) == 0 &&
-                            ((uintptr_t)x & 15) == 0;
+        const int aligned =
+            w->cols % 8 == 0 && ((uintptr_t)w->data & 15) == 0 && ((uintptr_t)x & 15) == 0;
         if (is16 && aligned) {
             if (w->dtype == LLMEM_DTYPE_BF16)
                 gemv16<LLMEM_DTYPE_BF16>(c, w, x, n, y, bias);
@@ -377,7 +377,7 @@ static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x,
         if (xr == NULL)
             return;
         round_kernel<<<grid_for(n * w->cols, 256), 256, 0, c->stream>>>(x, n * w->cols, w->dtype,
-                                                                      xr);
+                                                                        xr);
         launched(c, "round");
         const cudaDataType_t t = w->dtype == LLMEM_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
         check_blas(c,
@@ -420,7 +420,7 @@ static void cuda_rmsnorm(void *ctx, const float *x, const float *weight, int64_t
     for (int64_t t = 0; t < n; t += 65535) {
         unsigned rows = (unsigned)(n - t < 65535 ? n - t : 65535);
         rmsnorm_kernel<<<rows, dim >= 1024 ? 1024 : 256, 0, c->stream>>>(x + t * dim, weight, dim,
-                                                                          eps, y + t * dim);
+                                                                         eps, y + t * dim);
     }
     launched(c, "rmsnorm");
 }
@@ -436,8 +436,8 @@ static void cuda_rope(void *ctx, float *x, int64_t n, int n_heads, int head_dim,
     if (pos_bytes + freq_bytes > c->small_bytes) { /* a long prompt: in pieces */
         int64_t per = (int64_t)((c->small_bytes - freq_bytes) / sizeof(int64_t));
         for (int64_t t = 0; t < n; t += per)
-            cuda_rope(ctx, x + t * n_heads * (int64_t)head_dim, n - t < per ? n - t : per,
-                      n_heads, head_dim, pos + t, inv_freq);
+            cuda_rope(ctx, x + t * n_heads * (int64_t)head_dim, n - t < per ? n - t : per, n_heads,
+                      head_dim, pos + t, inv_freq);
         return;
     }
     uint8_t staged[SMALL_MAX];
@@ -488,10 +488,47 @@ static void cuda_embedding(void *ctx, const struct llmem_weight *table, const in
         const int32_t *d = (const int32_t *)small_upload(c, ids + t, (size_t)m * sizeof(int32_t));
         if (d == NULL)
             return;
-        embedding_kernel<<<(unsigned)m, 256, 0, c->stream>>>(table->data, table->dtype,
-                                                             table->cols, d, out + t * table->cols);
+        embedding_kernel<<<(unsigned)m, 256, 0, c->stream>>>(table->data, table->dtype, table->cols,
+                                                             d, out + t * table->cols);
     }
     launched(c, "embedding");
+}
+
+static void cuda_kv_encode(void *ctx, enum llmem_kv_format format, const float *src, int64_t n,
+                           int heads, int head_dim, uint8_t *dst, size_t dst_stride,
+                           size_t row_bytes) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    LLMEM_ASSERT(format == LLMEM_KV_FORMAT_F32 || format == LLMEM_KV_FORMAT_F16 ||
+                 format == LLMEM_KV_FORMAT_BF16 || format == LLMEM_KV_FORMAT_Q8);
+    if (n == 0 || c->failed)
+        return;
+    llmem_cuda_kv_encode(c->stream, format, src, n, heads, head_dim, dst, dst_stride, row_bytes);
+    launched(c, "kv encode");
+}
+
+static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (a->n_q == 0 || c->failed)
+        return;
+    int32_t ids[SMALL_MAX / sizeof(int32_t)];
+    if (a->n_blocks > (int64_t)(SMALL_MAX / sizeof(int32_t))) {
+        LLMEM_ERROR("cuda backend: a sequence of %lld blocks (at most %zu)", (long long)a->n_blocks,
+                    SMALL_MAX / sizeof(int32_t));
+        c->failed = c->failed ? c->failed : LLMEM_EINVAL;
+        return;
+    }
+    for (int64_t b = 0; b < a->n_blocks; b++)
+        ids[b] = (int32_t)a->blocks[b];
+    const int32_t *d = (const int32_t *)small_upload(c, ids, (size_t)a->n_blocks * sizeof(int32_t));
+    if (d == NULL)
+        return;
+    if (llmem_cuda_kv_attend(c->stream, a, d) != LLMEM_OK) {
+        LLMEM_ERROR("cuda backend: attention over head_dim %d (a multiple of 32 up to 256)",
+                    a->head_dim);
+        c->failed = c->failed ? c->failed : LLMEM_EINVAL;
+        return;
+    }
+    launched(c, "kv attend");
 }
 
 static int cuda_threads(void *ctx) {
@@ -546,6 +583,8 @@ static struct llmem_backend_ops make_ops(void) {
     o.swiglu = cuda_swiglu;
     o.embedding = cuda_embedding;
     o.add = cuda_add;
+    o.kv_encode = cuda_kv_encode;
+    o.kv_attend = cuda_kv_attend;
     o.memory = cuda_memory;
     o.copy = cuda_copy;
     o.sync = cuda_sync;

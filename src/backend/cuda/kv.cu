@@ -1,0 +1,169 @@
+/*
+ * backend/cuda/kv.cu — the paged KV cache on the GPU: rows encoded into the stored formats (f32,
+ * f16, bf16, q8; the bytes of kv/codec.h, so that blocks move between the GPU, the host and the
+ * spill store unchanged) and attention over a sequence's blocks.
+ *
+ * Attention: one block of four warps per (query, head). The warps take the visible tokens in
+ * turn, each lane holding head_dim / 32 elements of the query and of its own accumulator; a
+ * token's score is a warp reduction, and each warp keeps its own online softmax (m, l, acc),
+ * merged through shared memory at the end: m = max m_w, l = Σ l_w·e^(m_w − m), and the same
+ * for acc.
+ */
+#include "backend/cuda/kv.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math.h>
+
+#define GROUP      32 /* elements per q8 group */
+#define Q8_BYTES   34 /* 32 codes and an f16 scale */
+#define WARPS      4
+#define MAX_LANE_D 8 /* head_dim ≤ 256 */
+
+/* ---- encode ----------------------------------------------------------------------------------
+ */
+
+/* grid (row, head), one warp: lane i takes elements i, i + 32, … of the head's row. */
+__global__ void encode_kernel(enum llmem_kv_format format, const float *src, int heads,
+                              int head_dim, uint8_t *dst, size_t dst_stride, size_t row_bytes) {
+    const int64_t t = blockIdx.x;
+    const int h = blockIdx.y, lane = threadIdx.x;
+    const float *x = src + (t * heads + h) * (int64_t)head_dim;
+    uint8_t *o = dst + (size_t)t * dst_stride + (size_t)h * row_bytes;
+    for (int d = lane; d < head_dim; d += 32) {
+        const float v = x[d];
+        switch (format) {
+        case LLMEM_KV_FORMAT_F32: ((float *)o)[d] = v; break;
+        case LLMEM_KV_FORMAT_F16: ((__half *)o)[d] = __float2half_rn(v); break;
+        case LLMEM_KV_FORMAT_BF16: ((__nv_bfloat16 *)o)[d] = __float2bfloat16_rn(v); break;
+        default: { /* q8: the group of 32 is this warp's 32 lanes */
+            float a = fabsf(v);
+            a = a == a ? a : 0.0f; /* NaN is skipped */
+            for (int s = 16; s > 0; s /= 2)
+                a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, s));
+            float sc = __fdiv_rn(a, 127.0f);
+            __half hs = sc > 0.0f ? __float2half_rn(fminf(sc, 65504.0f)) : __float2half_rn(0.0f);
+            float s = __half2float(hs), inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
+            float q = __fmul_rn(v, inv);
+            q = q == q ? q : 0.0f;
+            q = fminf(fmaxf(q, -127.0f), 127.0f);
+            uint8_t *g = o + (size_t)(d / GROUP) * Q8_BYTES;
+            g[d % GROUP] = (uint8_t)(int8_t)__float2int_rn(q);
+            if (lane == 0)
+                *(__half *)(g + GROUP) = hs; /* 34-byte groups: 2-byte aligned */
+        }
+        }
+    }
+}
+
+extern "C" void llmem_cuda_kv_encode(cudaStream_t stream, enum llmem_kv_format format,
+                                     const float *src, int64_t n, int heads, int head_dim,
+                                     uint8_t *dst, size_t dst_stride, size_t row_bytes) {
+    for (int64_t t = 0; t < n; t += 65535) {
+        dim3 grid((unsigned)(n - t < 65535 ? n - t : 65535), (unsigned)heads);
+        encode_kernel<<<grid, 32, 0, stream>>>(format, src + t * heads * (int64_t)head_dim, heads,
+                                               head_dim, dst + (size_t)t * dst_stride, dst_stride,
+                                               row_bytes);
+    }
+}
+
+/* ---- attention -------------------------------------------------------------------------------
+ */
+
+__device__ __forceinline__ float element(enum llmem_kv_format format, const uint8_t *row, int d) {
+    switch (format) {
+    case LLMEM_KV_FORMAT_F32: return ((const float *)row)[d];
+    case LLMEM_KV_FORMAT_F16: return __half2float(((const __half *)row)[d]);
+    case LLMEM_KV_FORMAT_BF16: return __bfloat162float(((const __nv_bfloat16 *)row)[d]);
+    default: {
+        const uint8_t *g = row + (size_t)(d / GROUP) * Q8_BYTES;
+        return __fmul_rn((float)(int8_t)g[d % GROUP], __half2float(*(const __half *)(g + GROUP)));
+    }
+    }
+}
+
+struct attn_args {
+    enum llmem_kv_format format;
+    int n_heads, group, head_dim, block_size;
+    const uint8_t *k_pool, *v_pool;
+    size_t k_tok, v_tok, key_bytes, value_bytes;
+    const int32_t *blocks;
+    int64_t q_pos, window;
+    float scale;
+    const float *q;
+    float *out;
+};
+
+__global__ void __launch_bounds__(WARPS * 32) attend_kernel(struct attn_args a) {
+    const int64_t i = blockIdx.x; /* query */
+    const int h = blockIdx.y, kvh = h / a.group;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int per = a.head_dim / 32; /* elements per lane */
+    const int64_t hi = a.q_pos + i;
+    const int64_t lo = a.window > 0 && hi - a.window + 1 > 0 ? hi - a.window + 1 : 0;
+    const float *q = a.q + (i * a.n_heads + h) * (int64_t)a.head_dim;
+    float qv[MAX_LANE_D], acc[MAX_LANE_D];
+    for (int j = 0; j < per; j++) {
+        qv[j] = q[lane + 32 * j];
+        acc[j] = 0;
+    }
+    float m = -INFINITY, l = 0;
+    for (int64_t t = lo + warp; t <= hi; t += WARPS) {
+        const size_t slot =
+            (size_t)a.blocks[t / a.block_size] * (size_t)a.block_size + (size_t)(t % a.block_size);
+        const uint8_t *k = a.k_pool + slot * a.k_tok + (size_t)kvh * a.key_bytes;
+        const uint8_t *v = a.v_pool + slot * a.v_tok + (size_t)kvh * a.value_bytes;
+        float s = 0;
+        for (int j = 0; j < per; j++)
+            s += qv[j] * element(a.format, k, lane + 32 * j);
+        for (int o = 16; o > 0; o /= 2)
+            s += __shfl_xor_sync(0xffffffffu, s, o);
+        s *= a.scale;
+        const float top = fmaxf(m, s), corr = expf(m - top), p = expf(s - top);
+        l = l * corr + p;
+        for (int j = 0; j < per; j++)
+            acc[j] = acc[j] * corr + p * element(a.format, v, lane + 32 * j);
+        m = top;
+    }
+    __shared__ float sm[WARPS], sl[WARPS], sacc[WARPS][32 * MAX_LANE_D];
+    if (lane == 0)
+        sm[warp] = m, sl[warp] = l;
+    for (int j = 0; j < per; j++)
+        sacc[warp][lane + 32 * j] = acc[j];
+    __syncthreads();
+    float top = -INFINITY;
+    for (int w = 0; w < WARPS; w++)
+        top = fmaxf(top, sm[w]);
+    float total = 0, f[WARPS];
+    for (int w = 0; w < WARPS; w++) {
+        f[w] = sl[w] > 0 ? expf(sm[w] - top) : 0;
+        total += sl[w] * f[w];
+    }
+    float *out = a.out + (i * a.n_heads + h) * (int64_t)a.head_dim;
+    for (int d = threadIdx.x; d < a.head_dim; d += WARPS * 32) {
+        float s = 0;
+        for (int w = 0; w < WARPS; w++)
+            s += sacc[w][d] * f[w];
+        out[d] = total > 0 ? s / total : 0;
+    }
+}
+
+extern "C" int llmem_cuda_kv_attend(cudaStream_t stream, const struct llmem_backend_paged_attn *p,
+                                    const int32_t *blocks) {
+    if (p->head_dim % 32 != 0 || p->head_dim > 32 * MAX_LANE_D || p->n_heads % p->n_kv_heads)
+        return LLMEM_EINVAL;
+    struct attn_args a = {p->format,    p->n_heads,     p->n_heads / p->n_kv_heads,
+                          p->head_dim,  p->block_size,  p->k_pool,
+                          p->v_pool,    p->k_tok,       p->v_tok,
+                          p->key_bytes, p->value_bytes, blocks,
+                          p->q_pos,     p->window,      p->scale,
+                          p->q,         p->out};
+    for (int64_t i = 0; i < p->n_q; i += 65535) {
+        dim3 grid((unsigned)(p->n_q - i < 65535 ? p->n_q - i : 65535), (unsigned)p->n_heads);
+        a.q = p->q + i * p->n_heads * (int64_t)p->head_dim;
+        a.out = p->out + i * p->n_heads * (int64_t)p->head_dim;
+        a.q_pos = p->q_pos + i;
+        attend_kernel<<<grid, WARPS * 32, 0, stream>>>(a);
+    }
+    return LLMEM_OK;
+}

@@ -1,0 +1,125 @@
+/*
+ * model/device.c — a loaded model copied into a device backend's memory: every matrix and small
+ * vector allocated from the device's allocator (tag weights) and moved through the backend, the
+ * configuration copied, the rotary frequencies kept on the host (the backend takes them per call).
+ * The copy owns its memory and shares nothing with the host model, which can be freed.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+#include "model/model_int.h"
+
+/* host bytes → a new buffer of the device; NULL on failure (logged by the allocator or here) */
+static void *upload(struct llmem_mem *mem, const struct llmem_backend *be, const void *host,
+                    size_t bytes) {
+    void *d = llmem_mem_alloc(mem, bytes, LLMEM_TAG_WEIGHTS);
+    if (d != NULL && be->ops->copy(be->ctx, d, host, bytes) != LLMEM_OK) {
+        llmem_mem_free(mem, d);
+        d = NULL;
+    }
+    return d;
+}
+
+static int upload_weight(struct llmem_model *m, const struct llmem_backend *be,
+                         struct llmem_weight *w) {
+    size_t bytes = (size_t)(w->rows * w->cols * llmem_dtype_size(w->dtype));
+    w->data = upload(m->mem, be, w->data, bytes);
+    return w->data != NULL ? LLMEM_OK : LLMEM_ENOMEM;
+}
+
+static int upload_vector(struct llmem_model *m, const struct llmem_backend *be, float **v,
+                         int64_t n) {
+    if (*v == NULL)
+        return LLMEM_OK;
+    *v = upload(m->mem, be, *v, (size_t)n * sizeof(float));
+    return *v != NULL ? LLMEM_OK : LLMEM_ENOMEM;
+}
+
+int llmem_model_to_device(const struct llmem_model *src, const struct llmem_backend *be,
+                          struct llmem_mem *mem, llmem_progress_fn progress, void *progress_arg,
+                          struct llmem_model **out) {
+    LLMEM_ASSERT(src != NULL && be != NULL && mem != NULL && out != NULL);
+    *out = NULL;
+    const struct llmem_model_geometry *g = &src->cfg.geom;
+    struct llmem_model *m = calloc(1, sizeof(*m));
+    struct model_layer *layers = calloc((size_t)g->n_layers, sizeof(*layers));
+    uint8_t *sliding = src->cfg.layer_sliding != NULL ? malloc((size_t)g->n_layers) : NULL;
+    float *inv_freq = malloc((size_t)g->head_dim / 2 * sizeof(float));
+    if (m == NULL || layers == NULL || inv_freq == NULL ||
+        (src->cfg.layer_sliding != NULL && sliding == NULL)) {
+        free(m), free(layers), free(sliding), free(inv_freq);
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    m->cfg = src->cfg;
+    m->cfg.layer_sliding = sliding;
+    if (sliding != NULL)
+        memcpy(sliding, src->cfg.layer_sliding, (size_t)g->n_layers);
+    memcpy(inv_freq, src->inv_freq, (size_t)g->head_dim / 2 * sizeof(float));
+    m->inv_freq = inv_freq;
+    m->mem = mem;
+    m->on_device = 1;
+    m->vector_bytes = src->vector_bytes;
+    m->embed = src->embed;
+    m->lm_head = src->lm_head;
+    memcpy(layers, src->layers, (size_t)g->n_layers * sizeof(*layers));
+    m->layers = layers;
+    /* NULL every device pointer first, so that a failure half-way frees only what was made */
+    m->final_norm = NULL;
+    for (int64_t l = 0; l < g->n_layers; l++) {
+        struct model_layer *L = &layers[l];
+        L->wq.data = L->wk.data = L->wv.data = L->wo.data = NULL;
+        L->w_gate.data = L->w_up.data = L->w_down.data = NULL;
+        L->attn_norm = L->mlp_norm = L->bq = L->bk = L->bv = L->q_norm = L->k_norm = NULL;
+    }
+    m->embed.data = m->lm_head.data = NULL;
+
+    const int64_t hidden = g->hidden_size, hd = g->head_dim;
+    const int64_t q_dim = g->n_heads * hd, kv_dim = g->n_kv_heads * hd;
+    struct llmem_weight e = src->embed;
+    int status = upload_weight(m, be, &e);
+    m->embed = e;
+    if (status == LLMEM_OK) {
+        if (src->lm_head.data == src->embed.data) {
+            m->lm_head = m->embed; /* tied */
+        } else {
+            struct llmem_weight h = src->lm_head;
+            status = upload_weight(m, be, &h);
+            m->lm_head = h;
+        }
+    }
+    float *final_norm = src->final_norm;
+    if (status == LLMEM_OK && (status = upload_vector(m, be, &final_norm, hidden)) == LLMEM_OK)
+        m->final_norm = final_norm;
+    for (int64_t l = 0; status == LLMEM_OK && l < g->n_layers; l++) {
+        const struct model_layer *S = &src->layers[l];
+        struct model_layer *L = &layers[l];
+        struct llmem_weight w[7] = {S->wq, S->wk, S->wv, S->wo, S->w_gate, S->w_up, S->w_down};
+        struct llmem_weight *dst[7] = {&L->wq,     &L->wk,   &L->wv,    &L->wo,
+                                       &L->w_gate, &L->w_up, &L->w_down};
+        for (int i = 0; status == LLMEM_OK && i < 7; i++) {
+            status = upload_weight(m, be, &w[i]);
+            if (status == LLMEM_OK)
+                *dst[i] = w[i];
+        }
+        float *v[7] = {S->attn_norm, S->mlp_norm, S->bq, S->bk, S->bv, S->q_norm, S->k_norm};
+        float **vd[7] = {&L->attn_norm, &L->mlp_norm, &L->bq,    &L->bk,
+                         &L->bv,        &L->q_norm,   &L->k_norm};
+        const int64_t n[7] = {hidden, hidden, q_dim, kv_dim, kv_dim, hd, hd};
+        for (int i = 0; status == LLMEM_OK && i < 7; i++) {
+            status = upload_vector(m, be, &v[i], n[i]);
+            if (status == LLMEM_OK)
+                *vd[i] = v[i];
+        }
+        if (progress != NULL)
+            progress(progress_arg, l + 1, g->n_layers);
+    }
+    if (status != LLMEM_OK) {
+        LLMEM_ERROR("cannot copy the model to the %s backend's memory", be->ops->name);
+        llmem_model_free(m);
+        return status;
+    }
+    *out = m;
+    return LLMEM_OK;
+}
