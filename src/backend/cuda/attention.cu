@@ -1,0 +1,731 @@
+/*
+ * backend/cuda/attention.cu — paged decode attention (split-K, GQA-aware, q8 decoded in-kernel).
+ *
+ * Work: one warp per (sequence, KV head, split of the context). The warp streams its split's
+ * blocks, 16 tokens at a time, into its own ring of shared-memory stages with cp.async (the K and
+ * V rows of its KV head: 16-byte copies for f16/bf16, 4-, 8- or 16-byte ones for the 34-byte q8
+ * groups), STAGES − 1 blocks ahead of the one it computes, and keeps an online softmax (m, l, acc)
+ * for the query heads of its GQA group. Every KV row is read from memory once for all of them.
+ *
+ * The arithmetic is on tensor cores (mma.m16n8k16, f32 accumulate), with the query heads as the
+ * 16 rows: row h holds query head h (h < group ≤ 8) rounded to 16 bits, row 8 + h the rounding's
+ * remainder, so scores carry ~16 significant bits of the f32 query, and in the value product the
+ * same split of the probabilities. Scores S = Q·Kᵀ per 8 tokens (K as the B operand: the k index
+ * is permuted so that each thread reads 8 consecutive elements of one key row, and the query is
+ * laid out the same way); then O += P·V with P taken straight from the score fragments and V as the
+ * B operand (ldmatrix.trans for 16-bit formats; q8 interleaves two tokens' codes per register).
+ * q8 codes become f16 exactly (magic-number conversion), times the group's f16 scale rounded to
+ * f16 (relative 2⁻¹²); bf16 keys and values are used as stored.
+ * 16-bit rows are stored in shared memory with their 16-byte chunks swizzled by the token (chunk ^
+ * f(token)), so that the key reads (8 tokens × 4 chunks) and the transposed value reads (8 tokens ×
+ * 1 chunk) both hit 32 distinct banks.
+ *
+ * Splits: when there is more than one, each warp writes its unnormalized (acc, m, l) and a second
+ * kernel merges a sequence's splits (out = Σ e^(m_s − M)·acc_s / Σ e^(m_s − M)·l_s). The split
+ * length is chosen so that the warps fill the GPU in whole waves.
+ */
+#include "backend/cuda/attention.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "core/log.h"
+
+namespace {
+
+constexpr int BLOCK = 16; /* tokens per KV block */
+constexpr int WARPS = 4;  /* warps per CTA, each with its own work item and stages */
+constexpr int MAX_GROUP = 8;
+constexpr float LOG2E = 1.4426950408889634f;
+
+enum Fmt { FMT_F16 = 0, FMT_BF16 = 1, FMT_Q8 = 2 };
+
+/* Bytes of one head's row, the unit copied, and the row stride in shared memory. */
+template <int FMT, int D> struct Geo {
+    static constexpr int ROW = FMT == FMT_Q8 ? 34 * D / 32 : 2 * D;
+    static constexpr int CP = FMT == FMT_Q8 ? (ROW % 16 == 0 ? 16 : ROW % 8 == 0 ? 8 : 4) : 16;
+    static constexpr int SROW = FMT == FMT_Q8 ? ROW + CP : ROW;
+    static constexpr int STAGE = 2 * BLOCK * SROW; /* K rows, then V rows */
+};
+
+struct Params {
+    const void *q;
+    int q_bf16;
+    const uint8_t *k_pool, *v_pool;
+    long long block_stride;
+    const int32_t *tables;
+    int table_stride;
+    const int32_t *lengths;
+    float *out;
+    float *part_acc; /* [batch, n_heads, n_splits, D] */
+    float2 *part_ml; /* [batch, n_heads, n_splits] */
+    int n_heads, n_kv, group;
+    int split_len, n_splits;
+    long long n_items;
+    float qscale; /* scale · log2(e): scores in base 2 */
+};
+
+/* ---- small device helpers ------------------------------------------------------------------ */
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+template <int N> __device__ __forceinline__ void cp_async(uint32_t dst, const void *src, int n) {
+    if constexpr (N == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(n));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
+                     "n"(N), "r"(n));
+}
+__device__ __forceinline__ void cp_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N> __device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ uint32_t lds32(const uint8_t *p) {
+    return *reinterpret_cast<const uint32_t *>(p);
+}
+
+/* The swizzled position of 16-byte chunk `ch` of a 16-bit row of token t (a bijection of the low
+ * three bits that differs in bit 2 between consecutive tokens). */
+__device__ __forceinline__ int swz(int ch, int t) {
+    return ch ^ (((t & 1) << 2) | ((t >> 1) & 3));
+}
+
+template <bool BF> __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
+                                                       uint32_t b1) {
+    if constexpr (BF)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Two floats rounded to the 16-bit type (hi) and their remainders rounded again (lo). */
+template <bool BF>
+__device__ __forceinline__ void split2(float x, float y, uint32_t &hi, uint32_t &lo) {
+    if constexpr (BF) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+        float2 hf = __bfloat1622float2(h);
+        __nv_bfloat162 l = __floats2bfloat162_rn(x - hf.x, y - hf.y);
+        hi = *reinterpret_cast<uint32_t *>(&h);
+        lo = *reinterpret_cast<uint32_t *>(&l);
+    } else {
+        __half2 h = __floats2half2_rn(x, y);
+        float2 hf = __half22float2(h);
+        __half2 l = __floats2half2_rn(x - hf.x, y - hf.y);
+        hi = *reinterpret_cast<uint32_t *>(&h);
+        lo = *reinterpret_cast<uint32_t *>(&l);
+    }
+}
+
+/* Two int8 codes (bytes `sel` picks of x, already xor 0x80) as f16, times the f16 scales s2. */
+__device__ __forceinline__ uint32_t dequant2(uint32_t x, uint32_t sel, __half2 s2) {
+    uint32_t h = __byte_perm(x, 0x64646464u, sel); /* 1024 + code + 128, exact */
+    __half2 v = __hsub2(*reinterpret_cast<__half2 *>(&h), __float2half2_rn(1152.0f));
+    v = __hmul2(v, s2);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+
+/* ---- the decode kernel --------------------------------------------------------------------- */
+
+/* Copies the K and V rows of one KV head of one block into a stage; rows ≥ n_valid are zeroed. */
+template <int FMT, int D>
+__device__ __forceinline__ void load_block(uint32_t stage, const uint8_t *kblk, const uint8_t *vblk,
+                                           int tok_stride, int n_valid, int lane) {
+    using G = Geo<FMT, D>;
+    constexpr int PER_ROW = G::ROW / G::CP;
+    constexpr int TOTAL = BLOCK * PER_ROW;
+#pragma unroll
+    for (int i0 = 0; i0 < TOTAL; i0 += 32) {
+        int i = i0 + lane;
+        if (TOTAL % 32 == 0 || i < TOTAL) {
+            int row = i / PER_ROW, ch = i % PER_ROW;
+            int n = row < n_valid ? G::CP : 0;
+            int sch = FMT == FMT_Q8 ? ch : swz(ch, row);
+            uint32_t d = stage + (uint32_t)(row * G::SROW + sch * G::CP);
+            size_t off = (size_t)row * (size_t)tok_stride + (size_t)ch * G::CP;
+            cp_async<G::CP>(d, kblk + off, n);
+            cp_async<G::CP>(d + BLOCK * G::SROW, vblk + off, n);
+        }
+    }
+}
+
+/* The B operand of two k-steps of S = Q·Kᵀ: 8 consecutive elements [32p + 8c, +8) of the key row
+ * of token t, as four registers of two 16-bit values. */
+template <int FMT, int D>
+__device__ __forceinline__ void load_k(const uint8_t *ks, int t, int p, int c, uint32_t kb[4]) {
+    using G = Geo<FMT, D>;
+    const uint8_t *row = ks + t * G::SROW;
+    if constexpr (FMT == FMT_Q8) {
+        int o = 34 * p + 8 * c;
+        uint32_t w0, w1;
+        if ((p & 1) == 0) {
+            w0 = lds32(row + o);
+            w1 = lds32(row + o + 4);
+        } else {
+            uint32_t a = lds32(row + o - 2), b = lds32(row + o + 2), d = lds32(row + o + 6);
+            w0 = __byte_perm(a, b, 0x5432);
+            w1 = __byte_perm(b, d, 0x5432);
+        }
+        uint32_t sc = *reinterpret_cast<const uint16_t *>(row + 34 * p + 32);
+        sc |= sc << 16;
+        __half2 s2 = *reinterpret_cast<__half2 *>(&sc);
+        w0 ^= 0x80808080u;
+        w1 ^= 0x80808080u;
+        kb[0] = dequant2(w0, 0x4140, s2);
+        kb[1] = dequant2(w0, 0x4342, s2);
+        kb[2] = dequant2(w1, 0x4140, s2);
+        kb[3] = dequant2(w1, 0x4342, s2);
+    } else {
+        uint4 v = *reinterpret_cast<const uint4 *>(row + swz(4 * p + c, t) * 16);
+        kb[0] = v.x;
+        kb[1] = v.y;
+        kb[2] = v.z;
+        kb[3] = v.w;
+    }
+}
+
+/* E = D/8 bytes of a q8 value row from byte o (even) on, as E/4 words. */
+template <int E>
+__device__ __forceinline__ void load_q8_run(const uint8_t *row, int o, uint32_t w[E / 4]) {
+    const uint8_t *base = row + (o & ~3);
+    uint32_t sel = (o & 2) ? 0x5432u : 0x3210u;
+    uint32_t prev = lds32(base);
+#pragma unroll
+    for (int i = 0; i < E / 4; i++) {
+        uint32_t next = lds32(base + 4 * (i + 1));
+        w[i] = __byte_perm(prev, next, sel);
+        prev = next;
+    }
+}
+
+template <int FMT, int D, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32) decode_kernel(const Params p) {
+    using G = Geo<FMT, D>;
+    constexpr bool BF = FMT == FMT_BF16;
+    constexpr int NT = D / 8; /* n-tiles of the output */
+    extern __shared__ __align__(16) uint8_t smem[];
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long long item = (long long)blockIdx.x * WARPS + warp;
+    if (item >= p.n_items)
+        return;
+    const int split = (int)(item % p.n_splits);
+    const long long rest = item / p.n_splits;
+    const int kvh = (int)(rest % p.n_kv);
+    const int b = (int)(rest / p.n_kv);
+    const int r = lane >> 2, c = lane & 3;
+    const int len = p.lengths[b];
+    const int t0 = split * p.split_len;
+    const int hq = kvh * p.group + r; /* this thread's query head (rows r and 8 + r) */
+    const bool head = r < p.group;
+
+    if (t0 >= len) {
+        if (p.n_splits == 1 && head)
+            for (int j = lane & 3; j < D; j += 4)
+                p.out[((size_t)b * p.n_heads + hq) * D + j] = 0.0f;
+        return;
+    }
+    const int t1 = min(t0 + p.split_len, len);
+    const int nblk = (t1 - t0 + BLOCK - 1) / BLOCK;
+
+    /* The query as A fragments: rows r (rounded) and 8 + r (remainder), k permuted like load_k. */
+    uint32_t qf[D / 32][8];
+#pragma unroll
+    for (int k = 0; k < D / 32; k++) {
+        float x[8];
+        if (head) {
+            size_t base = ((size_t)b * p.n_heads + hq) * D + 32 * k + 8 * c;
+            if (p.q_bf16) {
+                uint4 v = *reinterpret_cast<const uint4 *>((const __nv_bfloat16 *)p.q + base);
+                const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&v);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float2 f = __bfloat1622float2(h[i]);
+                    x[2 * i] = f.x;
+                    x[2 * i + 1] = f.y;
+                }
+            } else {
+                const float4 *f = reinterpret_cast<const float4 *>((const float *)p.q + base);
+                float4 a = f[0], bb = f[1];
+                x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+                x[4] = bb.x, x[5] = bb.y, x[6] = bb.z, x[7] = bb.w;
+            }
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                x[i] *= p.qscale;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                x[i] = 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            split2<BF>(x[2 * i], x[2 * i + 1], qf[k][2 * i], qf[k][2 * i + 1]);
+    }
+
+    uint8_t *ring = smem + (size_t)warp * STAGES * G::STAGE;
+    const uint32_t ring_s = smem_addr(ring);
+    const int32_t *table = p.tables + (size_t)b * p.table_stride + t0 / BLOCK;
+    const int tok_stride = p.n_kv * G::ROW;
+    const size_t head_off = (size_t)kvh * G::ROW;
+
+    auto issue = [&](int i) {
+        long long id = table[i];
+        const uint8_t *kb = p.k_pool + id * p.block_stride + head_off;
+        const uint8_t *vb = p.v_pool + id * p.block_stride + head_off;
+        load_block<FMT, D>(ring_s + (uint32_t)((i % STAGES) * G::STAGE), kb, vb, tok_stride,
+                           t1 - t0 - i * BLOCK, lane);
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < nblk)
+            issue(s);
+        cp_commit();
+    }
+
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+
+    for (int i = 0; i < nblk; i++) {
+        cp_wait<STAGES - 2>();
+        __syncwarp();
+        if (i + STAGES - 1 < nblk)
+            issue(i + STAGES - 1);
+        cp_commit();
+
+        const uint8_t *ks = ring + (i % STAGES) * G::STAGE;
+        const uint8_t *vs = ks + BLOCK * G::SROW;
+        const int valid = t1 - t0 - i * BLOCK;
+
+        /* scores of tokens 8j + 2c + {0, 1} for query head r */
+        float s[2][2];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            float cf[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int k = 0; k < D / 32; k++) {
+                uint32_t kb[4];
+                load_k<FMT, D>(ks, 8 * j + r, k, c, kb);
+                mma<BF>(cf, &qf[k][0], kb[0], kb[1]);
+                mma<BF>(cf, &qf[k][4], kb[2], kb[3]);
+            }
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                s[j][e] = 8 * j + 2 * c + e < valid ? cf[e] + cf[2 + e] : -INFINITY;
+        }
+
+        /* online softmax (base 2) */
+        float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m, mx);
+        const float alpha = exp2f(m - mn);
+        m = mn;
+        float pr[2][2];
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                pr[j][e] = exp2f(s[j][e] - mn);
+        l = l * alpha + (pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]);
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                acc[j][e] *= alpha;
+        uint32_t pa[4];
+        split2<BF>(pr[0][0], pr[0][1], pa[0], pa[1]);
+        split2<BF>(pr[1][0], pr[1][1], pa[2], pa[3]);
+
+        /* O += P·V */
+        if constexpr (FMT == FMT_Q8) {
+            constexpr int E = D / 8; /* dims of this thread: [E·r, E·r + E), n-tile j ↔ E·r + j */
+            const int o = 34 * (E * r / 32) + (E * r) % 32;
+            const int scale_at = 34 * (E * r / 32) + 32;
+            const uint8_t *ra = vs + (2 * c) * G::SROW, *rb = ra + G::SROW;
+            const uint8_t *rc = vs + (8 + 2 * c) * G::SROW, *rd = rc + G::SROW;
+            uint32_t wa[E / 4], wb[E / 4], wc[E / 4], wd[E / 4];
+            load_q8_run<E>(ra, o, wa);
+            load_q8_run<E>(rb, o, wb);
+            load_q8_run<E>(rc, o, wc);
+            load_q8_run<E>(rd, o, wd);
+            uint32_t sab = __byte_perm(*reinterpret_cast<const uint16_t *>(ra + scale_at),
+                                       *reinterpret_cast<const uint16_t *>(rb + scale_at), 0x5410);
+            uint32_t scd = __byte_perm(*reinterpret_cast<const uint16_t *>(rc + scale_at),
+                                       *reinterpret_cast<const uint16_t *>(rd + scale_at), 0x5410);
+            __half2 s_ab = *reinterpret_cast<__half2 *>(&sab);
+            __half2 s_cd = *reinterpret_cast<__half2 *>(&scd);
+#pragma unroll
+            for (int w = 0; w < E / 4; w++) {
+                uint32_t lo0 = __byte_perm(wa[w], wb[w], 0x5140) ^ 0x80808080u;
+                uint32_t hi0 = __byte_perm(wa[w], wb[w], 0x7362) ^ 0x80808080u;
+                uint32_t lo1 = __byte_perm(wc[w], wd[w], 0x5140) ^ 0x80808080u;
+                uint32_t hi1 = __byte_perm(wc[w], wd[w], 0x7362) ^ 0x80808080u;
+                mma<false>(acc[4 * w + 0], pa, dequant2(lo0, 0x4140, s_ab),
+                           dequant2(lo1, 0x4140, s_cd));
+                mma<false>(acc[4 * w + 1], pa, dequant2(lo0, 0x4342, s_ab),
+                           dequant2(lo1, 0x4342, s_cd));
+                mma<false>(acc[4 * w + 2], pa, dequant2(hi0, 0x4140, s_ab),
+                           dequant2(hi1, 0x4140, s_cd));
+                mma<false>(acc[4 * w + 3], pa, dequant2(hi0, 0x4342, s_ab),
+                           dequant2(hi1, 0x4342, s_cd));
+            }
+        } else {
+            const int mat = lane >> 3, t = (mat & 1) * 8 + (lane & 7);
+            const uint32_t vrow = smem_addr(vs + t * G::SROW);
+#pragma unroll
+            for (int u = 0; u < NT / 2; u++) {
+                uint32_t addr = vrow + (uint32_t)(swz(2 * u + (mat >> 1), t) * 16);
+                uint32_t v0, v1, v2, v3;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                             : "r"(addr));
+                mma<BF>(acc[2 * u], pa, v0, v1);
+                mma<BF>(acc[2 * u + 1], pa, v2, v3);
+            }
+        }
+    }
+    cp_wait<0>();
+
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (!head)
+        return;
+
+    /* column e of n-tile j is dim 8j + 2c + e (16-bit formats) or E·(2c + e) + j (q8) */
+    auto dim = [&](int j, int e) { return FMT == FMT_Q8 ? (D / 8) * (2 * c + e) + j : 8 * j + 2 * c + e; };
+    const size_t bh = (size_t)b * p.n_heads + hq;
+    if (p.n_splits == 1) {
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        float *o = p.out + bh * D;
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            if constexpr (FMT == FMT_Q8) {
+                o[dim(j, 0)] = (acc[j][0] + acc[j][2]) * inv;
+                o[dim(j, 1)] = (acc[j][1] + acc[j][3]) * inv;
+            } else {
+                *reinterpret_cast<float2 *>(o + dim(j, 0)) =
+                    make_float2((acc[j][0] + acc[j][2]) * inv, (acc[j][1] + acc[j][3]) * inv);
+            }
+        }
+    } else {
+        const size_t slot = bh * p.n_splits + split;
+        float *o = p.part_acc + slot * D;
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            if constexpr (FMT == FMT_Q8) {
+                o[dim(j, 0)] = acc[j][0] + acc[j][2];
+                o[dim(j, 1)] = acc[j][1] + acc[j][3];
+            } else {
+                *reinterpret_cast<float2 *>(o + dim(j, 0)) =
+                    make_float2(acc[j][0] + acc[j][2], acc[j][1] + acc[j][3]);
+            }
+        }
+        if (c == 0)
+            p.part_ml[slot] = make_float2(m, l);
+    }
+}
+
+/* ---- the merge of splits ------------------------------------------------------------------- */
+
+constexpr int MERGE_THREADS = 128;
+
+__device__ float block_reduce(float v, bool is_max, float *red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, w) : v + w;
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0)
+        red[warp] = v;
+    __syncthreads();
+    v = red[0];
+    for (int w = 1; w < MERGE_THREADS / 32; w++)
+        v = is_max ? fmaxf(v, red[w]) : v + red[w];
+    return v;
+}
+
+__global__ void __launch_bounds__(MERGE_THREADS)
+    merge_kernel(const float *part_acc, const float2 *part_ml, const int32_t *lengths, int n_heads,
+                 int n_splits, int split_len, int D, float *out) {
+    extern __shared__ float weight[]; /* [n_splits] */
+    __shared__ float red[MERGE_THREADS / 32];
+    const size_t bh = blockIdx.x;
+    const int b = (int)(bh / n_heads);
+    const int len = lengths[b];
+    const int ns = min(n_splits, (len + split_len - 1) / split_len);
+    const float2 *ml = part_ml + bh * n_splits;
+
+    float mx = -INFINITY;
+    for (int s = threadIdx.x; s < ns; s += MERGE_THREADS)
+        mx = fmaxf(mx, ml[s].x);
+    mx = block_reduce(mx, true, red);
+    float sum = 0.0f;
+    for (int s = threadIdx.x; s < ns; s += MERGE_THREADS) {
+        float w = exp2f(ml[s].x - mx);
+        weight[s] = w;
+        sum += w * ml[s].y;
+    }
+    sum = block_reduce(sum, false, red); /* its barriers also publish weight[] */
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const float *acc = part_acc + bh * n_splits * D;
+    for (int d = threadIdx.x; d < D; d += MERGE_THREADS) {
+        float o0 = 0.0f, o1 = 0.0f;
+        int s = 0;
+        for (; s + 1 < ns; s += 2) {
+            o0 += weight[s] * acc[(size_t)s * D + d];
+            o1 += weight[s + 1] * acc[(size_t)(s + 1) * D + d];
+        }
+        if (s < ns)
+            o0 += weight[s] * acc[(size_t)s * D + d];
+        out[bh * D + d] = (o0 + o1) * inv;
+    }
+}
+
+/* ---- host side ----------------------------------------------------------------------------- */
+
+/* Stages per warp: 3 by default (LLMEM_CUDA_ATTN_STAGES=2..4 to compare). */
+int stages_setting(void) {
+    static const int n = [] {
+        const char *e = getenv("LLMEM_CUDA_ATTN_STAGES");
+        int v = e ? atoi(e) : 3;
+        return v >= 2 && v <= 4 ? v : 3;
+    }();
+    return n;
+}
+
+typedef void (*kernel_fn)(const Params);
+
+struct KernelInfo {
+    kernel_fn fn;
+    int smem;
+    int warps_per_sm; /* resident warps per multiprocessor, 0 until asked */
+};
+
+template <int FMT, int D, int STAGES> KernelInfo *kernel_info(void) {
+    static KernelInfo info = {decode_kernel<FMT, D, STAGES>, WARPS * STAGES * Geo<FMT, D>::STAGE,
+                              0};
+    return &info;
+}
+
+template <int FMT, int D> KernelInfo *pick_stages(int stages) {
+    while (stages > 2 && WARPS * stages * Geo<FMT, D>::STAGE > 200 * 1024)
+        stages--; /* a CTA's stages stay well under the SM's 227 KB */
+    switch (stages) {
+    case 2: return kernel_info<FMT, D, 2>();
+    case 4: return kernel_info<FMT, D, 4>();
+    default: return kernel_info<FMT, D, 3>();
+    }
+}
+
+template <int FMT> KernelInfo *pick_dim(int head_dim, int stages) {
+    switch (head_dim) {
+    case 64: return pick_stages<FMT, 64>(stages);
+    case 128: return pick_stages<FMT, 128>(stages);
+    case 256: return pick_stages<FMT, 256>(stages);
+    default: return NULL;
+    }
+}
+
+KernelInfo *pick_kernel(const struct llmem_cuda_attn *a) {
+    int st = stages_setting();
+    switch (a->format) {
+    case LLMEM_KV_FORMAT_F16: return pick_dim<FMT_F16>(a->head_dim, st);
+    case LLMEM_KV_FORMAT_BF16: return pick_dim<FMT_BF16>(a->head_dim, st);
+    case LLMEM_KV_FORMAT_Q8: return pick_dim<FMT_Q8>(a->head_dim, st);
+    default: return NULL;
+    }
+}
+
+/* Raises the kernel's shared-memory limit and reads its occupancy, once. */
+int prepare(KernelInfo *k) {
+    if (k->warps_per_sm > 0)
+        return LLMEM_OK;
+    cudaError_t err =
+        cudaFuncSetAttribute(k->fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k->smem);
+    int blocks = 0;
+    if (err == cudaSuccess)
+        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k->fn, WARPS * 32, k->smem);
+    if (err != cudaSuccess || blocks == 0) {
+        LLMEM_ERROR_AS("llmem_cuda_attn_decode", "kernel set-up: %s (%d blocks per SM)",
+                       cudaGetErrorString(err), blocks);
+        return LLMEM_EIO;
+    }
+    k->warps_per_sm = blocks * WARPS;
+    return LLMEM_OK;
+}
+
+int sm_count(void) {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        return 0;
+    return n;
+}
+
+int check(const struct llmem_cuda_attn *a, KernelInfo **kernel) {
+    const char *why = NULL;
+    if (a->format != LLMEM_KV_FORMAT_F16 && a->format != LLMEM_KV_FORMAT_BF16 &&
+        a->format != LLMEM_KV_FORMAT_Q8)
+        why = "format (f16, bf16 or q8)";
+    else if (a->head_dim != 64 && a->head_dim != 128 && a->head_dim != 256)
+        why = "head_dim (64, 128 or 256)";
+    else if (a->block_size != BLOCK)
+        why = "block_size (16)";
+    else if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0 ||
+             a->n_heads / a->n_kv_heads > MAX_GROUP)
+        why = "n_heads (n_kv_heads × 1..8)";
+    else if (a->batch < 0 || a->max_len < 0 || a->table_stride * a->block_size < a->max_len)
+        why = "batch, max_len or table_stride";
+    else if (a->split_len < 0 || a->split_len % BLOCK != 0)
+        why = "split_len (a multiple of 16)";
+    else if (((uintptr_t)a->k_pool | (uintptr_t)a->v_pool | (uintptr_t)a->q) % 16 != 0 ||
+             a->block_stride % 16 != 0)
+        why = "alignment (pools, block_stride and q on 16 bytes)";
+    if (why) {
+        LLMEM_ERROR_AS("llmem_cuda_attn_decode", "unsupported %s", why);
+        return LLMEM_EINVAL;
+    }
+    *kernel = pick_kernel(a);
+    return prepare(*kernel);
+}
+
+/* Splits per sequence and their length, for `slots` resident warps. */
+void choose_split(const struct llmem_cuda_attn *a, long long slots, int *split_len,
+                  int *n_splits) {
+    const int blocks = (a->max_len + BLOCK - 1) / BLOCK;
+    const long long units = (long long)a->batch * a->n_kv_heads;
+    if (blocks <= 1 || units == 0) {
+        *split_len = blocks * BLOCK > 0 ? blocks * BLOCK : BLOCK;
+        *n_splits = 1;
+        return;
+    }
+    if (a->split_len > 0) {
+        *split_len = a->split_len;
+        *n_splits = (a->max_len + a->split_len - 1) / a->split_len;
+        return;
+    }
+    /* cost in block-times: waves × (blocks per split + a fixed cost of 2), +1 for the merge */
+    long long best = -1;
+    int best_len = blocks;
+    for (int n = 1; n <= blocks && n <= 4096; n++) {
+        int per = (blocks + n - 1) / n;
+        int eff = (blocks + per - 1) / per;
+        if (eff != n)
+            continue;
+        long long waves = (units * eff + slots - 1) / slots;
+        long long cost = waves * (per + 2) + (eff > 1 ? 1 : 0);
+        if (best < 0 || cost < best) {
+            best = cost;
+            best_len = per;
+        }
+    }
+    *split_len = best_len * BLOCK;
+    *n_splits = (blocks + best_len - 1) / best_len;
+}
+
+constexpr int MAX_SPLITS = 4096; /* the merge keeps a weight per split in shared memory */
+
+int plan(const struct llmem_cuda_attn *a, KernelInfo **kernel, int *split_len, int *n_splits) {
+    int rc = check(a, kernel);
+    if (rc != LLMEM_OK)
+        return rc;
+    long long slots = (long long)sm_count() * (*kernel)->warps_per_sm;
+    choose_split(a, slots > 0 ? slots : 1024, split_len, n_splits);
+    if (*n_splits > MAX_SPLITS) {
+        LLMEM_ERROR_AS("llmem_cuda_attn_decode", "split_len %d gives %d splits (at most %d)",
+                       *split_len, *n_splits, MAX_SPLITS);
+        return LLMEM_EINVAL;
+    }
+    return LLMEM_OK;
+}
+
+} // namespace
+
+extern "C" int llmem_cuda_attn_split(const struct llmem_cuda_attn *a, int *split_len,
+                                     int *n_splits) {
+    KernelInfo *k;
+    return plan(a, &k, split_len, n_splits);
+}
+
+extern "C" size_t llmem_cuda_attn_workspace_bytes(const struct llmem_cuda_attn *a) {
+    KernelInfo *k;
+    int len, n;
+    if (plan(a, &k, &len, &n) != LLMEM_OK || n <= 1)
+        return 0;
+    size_t slots = (size_t)a->batch * a->n_heads * n;
+    return slots * a->head_dim * sizeof(float) + slots * sizeof(float2);
+}
+
+extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
+    KernelInfo *k;
+    int split_len, n_splits;
+    int rc = plan(a, &k, &split_len, &n_splits);
+    if (rc != LLMEM_OK)
+        return rc;
+    if (a->batch == 0)
+        return LLMEM_OK;
+    size_t slots = (size_t)a->batch * a->n_heads * n_splits;
+    size_t need = n_splits > 1 ? slots * a->head_dim * sizeof(float) + slots * sizeof(float2) : 0;
+    if (need > a->workspace_bytes || (need > 0 && a->workspace == NULL)) {
+        LLMEM_ERROR("workspace of %zu bytes, %zu needed", a->workspace_bytes, need);
+        return LLMEM_EINVAL;
+    }
+
+    Params p;
+    p.q = a->q;
+    p.q_bf16 = a->q_bf16;
+    p.k_pool = (const uint8_t *)a->k_pool;
+    p.v_pool = (const uint8_t *)a->v_pool;
+    p.block_stride = a->block_stride;
+    p.tables = a->block_tables;
+    p.table_stride = a->table_stride;
+    p.lengths = a->lengths;
+    p.out = a->out;
+    p.part_acc = (float *)a->workspace;
+    p.part_ml = n_splits > 1 ? (float2 *)((float *)a->workspace + slots * a->head_dim) : NULL;
+    p.n_heads = a->n_heads;
+    p.n_kv = a->n_kv_heads;
+    p.group = a->n_heads / a->n_kv_heads;
+    p.split_len = split_len;
+    p.n_splits = n_splits;
+    p.n_items = (long long)a->batch * a->n_kv_heads * n_splits;
+    float scale = a->scale != 0.0f ? a->scale : 1.0f / sqrtf((float)a->head_dim);
+    p.qscale = scale * LOG2E;
+
+    cudaStream_t stream = (cudaStream_t)a->stream;
+    unsigned grid = (unsigned)((p.n_items + WARPS - 1) / WARPS);
+    k->fn<<<grid, WARPS * 32, k->smem, stream>>>(p);
+    cudaError_t err = cudaGetLastError();
+    if (err == cudaSuccess && n_splits > 1)
+        merge_kernel<<<(unsigned)((size_t)a->batch * a->n_heads), MERGE_THREADS,
+                       n_splits * sizeof(float), stream>>>(
+            p.part_acc, p.part_ml, a->lengths, a->n_heads, n_splits, split_len, a->head_dim,
+            a->out);
+    if (err == cudaSuccess)
+        err = cudaGetLastError();
+    if (err != cudaSuccess) {
+        LLMEM_ERROR("launch: %s", cudaGetErrorString(err));
+        return LLMEM_EIO;
+    }
+    return LLMEM_OK;
+}
