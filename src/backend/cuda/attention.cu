@@ -212,8 +212,9 @@ __device__ __forceinline__ void load_q8_run(const uint8_t *row, int o, uint32_t 
     }
 }
 
-template <int FMT, int D, int STAGES>
-__global__ void __launch_bounds__(WARPS * 32) decode_kernel(const Params p) {
+/* MINB: CTAs per SM the registers must allow (3: ≤ 168 registers a thread). */
+template <int FMT, int D, int STAGES, int MINB>
+__global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p) {
     using G = Geo<FMT, D>;
     constexpr bool BF = FMT == FMT_BF16;
     constexpr int NT = D / 8; /* n-tiles of the output */
@@ -223,10 +224,11 @@ __global__ void __launch_bounds__(WARPS * 32) decode_kernel(const Params p) {
     const long long item = (long long)blockIdx.x * WARPS + warp;
     if (item >= p.n_items)
         return;
-    const int split = (int)(item % p.n_splits);
-    const long long rest = item / p.n_splits;
-    const int kvh = (int)(rest % p.n_kv);
-    const int b = (int)(rest / p.n_kv);
+    /* KV heads vary fastest: neighbouring warps read neighbouring rows of the same tokens */
+    const int kvh = (int)(item % p.n_kv);
+    const long long rest = item / p.n_kv;
+    const int split = (int)(rest % p.n_splits);
+    const int b = (int)(rest / p.n_splits);
     const int r = lane >> 2, c = lane & 3;
     const int len = p.lengths[b];
     const int t0 = split * p.split_len;
@@ -242,7 +244,27 @@ __global__ void __launch_bounds__(WARPS * 32) decode_kernel(const Params p) {
     const int t1 = min(t0 + p.split_len, len);
     const int nblk = (t1 - t0 + BLOCK - 1) / BLOCK;
 
-    /* The query as A fragments: rows r (rounded) and 8 + r (remainder), k permuted like load_k. */
+    uint8_t *ring = smem + (size_t)warp * STAGES * G::STAGE;
+    const uint32_t ring_s = smem_addr(ring);
+    const int32_t *table = p.tables + (size_t)b * p.table_stride + t0 / BLOCK;
+    const int tok_stride = p.n_kv * G::ROW;
+    const size_t head_off = (size_t)kvh * G::ROW;
+
+    auto issue = [&](int i) {
+        long long id = table[i];
+        const uint8_t *kb = p.k_pool + id * p.block_stride + head_off;
+        const uint8_t *vb = p.v_pool + id * p.block_stride + head_off;
+        load_block<FMT, D>(ring_s + (uint32_t)((i % STAGES) * G::STAGE), kb, vb, tok_stride,
+                           t1 - t0 - i * BLOCK, lane);
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < nblk)
+            issue(s);
+        cp_commit();
+    }
+
+    /* The query as A fragments (loaded while the first blocks are in flight): rows r (rounded) and 8 + r (remainder), k permuted like load_k. */
     uint32_t qf[D / 32][8];
 #pragma unroll
     for (int k = 0; k < D / 32; k++) {
@@ -275,26 +297,6 @@ __global__ void __launch_bounds__(WARPS * 32) decode_kernel(const Params p) {
 #pragma unroll
         for (int i = 0; i < 4; i++)
             split2<BF>(x[2 * i], x[2 * i + 1], qf[k][2 * i], qf[k][2 * i + 1]);
-    }
-
-    uint8_t *ring = smem + (size_t)warp * STAGES * G::STAGE;
-    const uint32_t ring_s = smem_addr(ring);
-    const int32_t *table = p.tables + (size_t)b * p.table_stride + t0 / BLOCK;
-    const int tok_stride = p.n_kv * G::ROW;
-    const size_t head_off = (size_t)kvh * G::ROW;
-
-    auto issue = [&](int i) {
-        long long id = table[i];
-        const uint8_t *kb = p.k_pool + id * p.block_stride + head_off;
-        const uint8_t *vb = p.v_pool + id * p.block_stride + head_off;
-        load_block<FMT, D>(ring_s + (uint32_t)((i % STAGES) * G::STAGE), kb, vb, tok_stride,
-                           t1 - t0 - i * BLOCK, lane);
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) {
-        if (s < nblk)
-            issue(s);
-        cp_commit();
     }
 
     float acc[NT][4];
@@ -403,6 +405,8 @@ __global__ void __launch_bounds__(WARPS * 32) decode_kernel(const Params p) {
         }
     }
     cp_wait<0>();
+    /* the merge kernel may start launching; it waits for this grid's writes before reading */
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -445,7 +449,10 @@ __global__ void __launch_bounds__(WARPS * 32) decode_kernel(const Params p) {
 
 /* ---- the merge of splits ------------------------------------------------------------------- */
 
+/* One CTA per (sequence, head, 32 dims): every thread helps weigh the splits, then 16 groups of 8
+ * threads (a float4 each) sum a strided share of the splits, folded through shared memory. */
 constexpr int MERGE_THREADS = 128;
+constexpr int MERGE_DIMS = 32;
 
 __device__ float block_reduce(float v, bool is_max, float *red) {
 #pragma unroll
@@ -469,6 +476,9 @@ __global__ void __launch_bounds__(MERGE_THREADS)
                  int n_splits, int split_len, int D, float *out) {
     extern __shared__ float weight[]; /* [n_splits] */
     __shared__ float red[MERGE_THREADS / 32];
+    __shared__ float4 fold[MERGE_THREADS];
+    /* the decode kernel's partials are complete and visible after this */
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     const size_t bh = blockIdx.x;
     const int b = (int)(bh / n_heads);
     const int len = lengths[b];
@@ -487,30 +497,38 @@ __global__ void __launch_bounds__(MERGE_THREADS)
     }
     sum = block_reduce(sum, false, red); /* its barriers also publish weight[] */
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    const float *acc = part_acc + bh * n_splits * D;
-    for (int d = threadIdx.x; d < D; d += MERGE_THREADS) {
-        float o0 = 0.0f, o1 = 0.0f;
-        int s = 0;
-        for (; s + 1 < ns; s += 2) {
-            o0 += weight[s] * acc[(size_t)s * D + d];
-            o1 += weight[s + 1] * acc[(size_t)(s + 1) * D + d];
+
+    const int quad = threadIdx.x % (MERGE_DIMS / 4), sub = threadIdx.x / (MERGE_DIMS / 4);
+    constexpr int SUBS = MERGE_THREADS / (MERGE_DIMS / 4);
+    const int d0 = blockIdx.y * MERGE_DIMS + 4 * quad;
+    const float *acc = part_acc + bh * n_splits * D + d0;
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+    for (int s = sub; s < ns; s += SUBS) {
+        float4 a = *reinterpret_cast<const float4 *>(acc + (size_t)s * D);
+        float w = weight[s];
+        o.x += w * a.x, o.y += w * a.y, o.z += w * a.z, o.w += w * a.w;
+    }
+    fold[threadIdx.x] = o;
+    __syncthreads();
+    if (sub == 0) {
+        for (int k = 1; k < SUBS; k++) {
+            float4 a = fold[threadIdx.x + k * (MERGE_DIMS / 4)];
+            o.x += a.x, o.y += a.y, o.z += a.z, o.w += a.w;
         }
-        if (s < ns)
-            o0 += weight[s] * acc[(size_t)s * D + d];
-        out[bh * D + d] = (o0 + o1) * inv;
+        *reinterpret_cast<float4 *>(out + bh * D + d0) =
+            make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
     }
 }
 
 /* ---- host side ----------------------------------------------------------------------------- */
 
-/* Stages per warp: 3 by default (LLMEM_CUDA_ATTN_STAGES=2..4 to compare). */
-int stages_setting(void) {
-    static const int n = [] {
-        const char *e = getenv("LLMEM_CUDA_ATTN_STAGES");
-        int v = e ? atoi(e) : 3;
-        return v >= 2 && v <= 4 ? v : 3;
-    }();
-    return n;
+/* Stages per warp (3) and CTAs per SM the registers allow (q8: 3, else 2), for head_dim ≤ 128;
+ * LLMEM_CUDA_ATTN_STAGES=2..4 and LLMEM_CUDA_ATTN_CTAS=2..3 override them (to compare). */
+int env_int(const char *name, int lo, int hi, int fallback) {
+    const char *e = getenv(name);
+    int v = e ? atoi(e) : fallback;
+    return v >= lo && v <= hi ? v : fallback;
 }
 
 typedef void (*kernel_fn)(const Params);
@@ -521,37 +539,40 @@ struct KernelInfo {
     int warps_per_sm; /* resident warps per multiprocessor, 0 until asked */
 };
 
-template <int FMT, int D, int STAGES> KernelInfo *kernel_info(void) {
-    static KernelInfo info = {decode_kernel<FMT, D, STAGES>, WARPS * STAGES * Geo<FMT, D>::STAGE,
-                              0};
+template <int FMT, int D, int STAGES, int MINB> KernelInfo *kernel_info(void) {
+    static KernelInfo info = {decode_kernel<FMT, D, STAGES, MINB>,
+                              WARPS * STAGES * Geo<FMT, D>::STAGE, 0};
     return &info;
 }
 
-template <int FMT, int D> KernelInfo *pick_stages(int stages) {
+template <int FMT, int D, int MINB> KernelInfo *pick_stages(int stages) {
     while (stages > 2 && WARPS * stages * Geo<FMT, D>::STAGE > 200 * 1024)
         stages--; /* a CTA's stages stay well under the SM's 227 KB */
     switch (stages) {
-    case 2: return kernel_info<FMT, D, 2>();
-    case 4: return kernel_info<FMT, D, 4>();
-    default: return kernel_info<FMT, D, 3>();
+    case 2: return kernel_info<FMT, D, 2, MINB>();
+    case 4: return kernel_info<FMT, D, 4, MINB>();
+    default: return kernel_info<FMT, D, 3, MINB>();
     }
 }
 
-template <int FMT> KernelInfo *pick_dim(int head_dim, int stages) {
+template <int FMT> KernelInfo *pick_dim(int head_dim) {
+    static const int stages = env_int("LLMEM_CUDA_ATTN_STAGES", 2, 4, 3);
+    static const int ctas = env_int("LLMEM_CUDA_ATTN_CTAS", 2, 3, FMT == FMT_Q8 ? 3 : 2);
     switch (head_dim) {
-    case 64: return pick_stages<FMT, 64>(stages);
-    case 128: return pick_stages<FMT, 128>(stages);
-    case 256: return pick_stages<FMT, 256>(stages);
+    case 64:
+        return ctas == 3 ? pick_stages<FMT, 64, 3>(stages) : pick_stages<FMT, 64, 2>(stages);
+    case 128:
+        return ctas == 3 ? pick_stages<FMT, 128, 3>(stages) : pick_stages<FMT, 128, 2>(stages);
+    case 256: return pick_stages<FMT, 256, 1>(stages);
     default: return NULL;
     }
 }
 
 KernelInfo *pick_kernel(const struct llmem_cuda_attn *a) {
-    int st = stages_setting();
     switch (a->format) {
-    case LLMEM_KV_FORMAT_F16: return pick_dim<FMT_F16>(a->head_dim, st);
-    case LLMEM_KV_FORMAT_BF16: return pick_dim<FMT_BF16>(a->head_dim, st);
-    case LLMEM_KV_FORMAT_Q8: return pick_dim<FMT_Q8>(a->head_dim, st);
+    case LLMEM_KV_FORMAT_F16: return pick_dim<FMT_F16>(a->head_dim);
+    case LLMEM_KV_FORMAT_BF16: return pick_dim<FMT_BF16>(a->head_dim);
+    case LLMEM_KV_FORMAT_Q8: return pick_dim<FMT_Q8>(a->head_dim);
     default: return NULL;
     }
 }
@@ -716,11 +737,23 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
     unsigned grid = (unsigned)((p.n_items + WARPS - 1) / WARPS);
     k->fn<<<grid, WARPS * 32, k->smem, stream>>>(p);
     cudaError_t err = cudaGetLastError();
-    if (err == cudaSuccess && n_splits > 1)
-        merge_kernel<<<(unsigned)((size_t)a->batch * a->n_heads), MERGE_THREADS,
-                       n_splits * sizeof(float), stream>>>(
-            p.part_acc, p.part_ml, a->lengths, a->n_heads, n_splits, split_len, a->head_dim,
-            a->out);
+    if (err == cudaSuccess && n_splits > 1) {
+        /* launched as a programmatic dependent: its launch overlaps the decode kernel's tail */
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3((unsigned)((size_t)a->batch * a->n_heads),
+                           (unsigned)(a->head_dim / MERGE_DIMS));
+        cfg.blockDim = dim3(MERGE_THREADS);
+        cfg.dynamicSmemBytes = n_splits * sizeof(float);
+        cfg.stream = stream;
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        err = cudaLaunchKernelEx(&cfg, merge_kernel, (const float *)p.part_acc,
+                                 (const float2 *)p.part_ml, a->lengths, a->n_heads, n_splits,
+                                 split_len, a->head_dim, a->out);
+    }
     if (err == cudaSuccess)
         err = cudaGetLastError();
     if (err != cudaSuccess) {
