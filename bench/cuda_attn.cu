@@ -7,8 +7,10 @@
  * Shapes: 32 query heads, 8 KV heads, head_dim 128, blocks of 16 tokens, every sequence of the
  * batch at the full context, blocks scattered over the pool (a random permutation). A shape whose
  * K + V is smaller than 256 MiB rotates over enough disjoint copies of its cache that repeated
- * calls do not run from the L2 cache. Times are CUDA events around each call (both kernels when
- * the context is split), the median of --reps calls after --warmup.
+ * calls do not run from the L2 cache. Times are CUDA events (around both kernels when
+ * the context is split): the reported time is per call in replays of a CUDA graph of 10 calls
+ * (median of --reps replays; what a decode step captured in a graph pays), and "1 call" the median
+ * of --reps single calls with events around each (after --warmup), host launch gaps included.
  *
  *   llmem-bench-cuda-attn [--json] [--reps N] [--warmup N] [--formats bf16,q8]
  *                         [--shapes 64x8192,1x4096,16x2048,4x16384] [--copy-mib N]
@@ -35,6 +37,7 @@
 
 static const int N_HEADS = 32, N_KV = 8, HEAD_DIM = 128, BLOCK = 16;
 static const size_t ROTATE_BYTES = (size_t)256 << 20;
+static const int GRAPH_CALLS = 10;
 
 __device__ uint32_t hash32(uint64_t x) {
     x ^= x >> 33;
@@ -81,7 +84,7 @@ struct Result {
     const char *format;
     Shape s;
     int split_len, n_splits, n_sets;
-    double ms, kv_bytes;
+    double ms, ms_events, kv_bytes; /* ms: per call in graph replays; ms_events: one call */
 };
 
 int main(int argc, char **argv) {
@@ -241,7 +244,8 @@ int main(int argc, char **argv) {
                 CHECK(cudaMalloc(&ws, a.workspace_bytes));
             a.workspace = ws;
 
-            std::vector<float> t;
+            /* 1: events around each call */
+            std::vector<float> t, tg;
             for (int i = 0; i < warmup + reps; i++) {
                 a.block_tables = d_tables + (size_t)(i % sets) * nb;
                 if (i >= warmup)
@@ -258,13 +262,41 @@ int main(int argc, char **argv) {
                 CHECK(cudaEventElapsedTime(&ms, ev0[i], ev1[i]));
                 t.push_back(ms);
             }
+            /* 2: a graph of GRAPH_CALLS calls (as a decode step replays them), events around
+             * each replay: the time of the kernels without the host's launch gaps */
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+            for (int i = 0; i < GRAPH_CALLS; i++) {
+                a.block_tables = d_tables + (size_t)(i % sets) * nb;
+                if (llmem_cuda_attn_decode(&a) != 0)
+                    return 1;
+            }
+            CHECK(cudaStreamEndCapture(stream, &graph));
+            CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            for (int i = 0; i < 2 + reps; i++) {
+                if (i >= 2)
+                    CHECK(cudaEventRecord(ev0[i - 2], stream));
+                CHECK(cudaGraphLaunch(exec, stream));
+                if (i >= 2)
+                    CHECK(cudaEventRecord(ev1[i - 2], stream));
+            }
+            CHECK(cudaStreamSynchronize(stream));
+            for (int i = 0; i < reps; i++) {
+                float ms;
+                CHECK(cudaEventElapsedTime(&ms, ev0[i], ev1[i]));
+                tg.push_back(ms / GRAPH_CALLS);
+            }
+            CHECK(cudaGraphExecDestroy(exec));
+            CHECK(cudaGraphDestroy(graph));
             Result r;
             r.format = fname;
             r.s = s;
             r.split_len = split_len;
             r.n_splits = n_splits;
             r.n_sets = sets;
-            r.ms = median(t);
+            r.ms = median(tg);
+            r.ms_events = median(t);
             r.kv_bytes = (double)s.batch * s.ctx * N_KV * 2.0 * row;
             results.push_back(r);
             CHECK(cudaFree(ws));
@@ -286,10 +318,11 @@ int main(int argc, char **argv) {
             const Result &r = results[i];
             double bw = r.kv_bytes / (r.ms * 1e-3);
             printf("%s\n  {\"format\": \"%s\", \"batch\": %d, \"context\": %d, \"split_len\": %d,"
-                   " \"splits\": %d, \"cache_copies\": %d, \"ms\": %.5f, \"kv_bytes\": %.0f,"
+                   " \"splits\": %d, \"cache_copies\": %d, \"ms\": %.5f, \"ms_events\": %.5f,"
+                   " \"kv_bytes\": %.0f,"
                    " \"bytes_per_s\": %.4e, \"of_copy\": %.4f}",
                    i ? "," : "", r.format, r.s.batch, r.s.ctx, r.split_len, r.n_splits, r.n_sets,
-                   r.ms, r.kv_bytes, bw, bw / copy_bw);
+                   r.ms, r.ms_events, r.kv_bytes, bw, bw / copy_bw);
         }
         printf("\n]}\n");
     } else {
@@ -297,12 +330,13 @@ int main(int argc, char **argv) {
                prop.name, prop.multiProcessorCount, N_HEADS, N_KV, HEAD_DIM, BLOCK, reps);
         printf("copy D2D %zu MiB: %.3f ms, %.0f GB/s (read + write)\n", copy_mib, copy_t,
                copy_bw / 1e9);
-        printf("%-5s %6s %6s %7s %10s %9s %8s\n", "fmt", "batch", "ctx", "split", "time us",
-               "K+V GB/s", "of copy");
+        printf("%-5s %6s %6s %7s %10s %9s %8s %10s\n", "fmt", "batch", "ctx", "split", "time us",
+               "K+V GB/s", "of copy", "1 call us");
         for (const Result &r : results) {
             double bw = r.kv_bytes / (r.ms * 1e-3);
-            printf("%-5s %6d %6d %3d×%-4d %9.1f %9.0f %7.1f%%\n", r.format, r.s.batch, r.s.ctx,
-                   r.n_splits, r.split_len, r.ms * 1e3, bw / 1e9, 100.0 * bw / copy_bw);
+            printf("%-5s %6d %6d %3d×%-4d %9.1f %9.0f %7.1f%% %10.1f\n", r.format, r.s.batch,
+                   r.s.ctx, r.n_splits, r.split_len, r.ms * 1e3, bw / 1e9, 100.0 * bw / copy_bw,
+                   r.ms_events * 1e3);
         }
     }
     return 0;

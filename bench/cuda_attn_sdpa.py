@@ -3,8 +3,9 @@
 
 Runs llmem-bench-cuda-attn --json (the paged kernel: bf16 and q8, 32 query heads / 8 KV heads,
 head_dim 128, blocks of 16) and times torch.nn.functional.scaled_dot_product_attention(q, k, v,
-enable_gqa=True) on the same shapes with a contiguous [B, H, T, D] bf16 cache: one query token,
-CUDA events around each call, the median of --reps calls after warm-up. Shapes whose cache is
+enable_gqa=True) on the same shapes with a contiguous [B, H, T, D] bf16 cache, one query token,
+as the C benchmark times its kernels: per call in replays of a CUDA graph of 10 calls (median of
+--reps replays), and "1 call": CUDA events around single calls (median of --reps after warm-up). Shapes whose cache is
 under 256 MiB rotate over several caches, as the C benchmark does, so neither runs from L2.
 Prints one table: our time (bf16, q8), SDPA's, the ratios, and bytes/s against the copy bandwidth
 measured by the C benchmark in the same run.
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 ROTATE_BYTES = 256 << 20
+GRAPH_CALLS = 10
 
 
 def time_sdpa(batch, ctx, reps, warmup):
@@ -47,10 +49,31 @@ def time_sdpa(batch, ctx, reps, warmup):
             if i >= warmup:
                 stop[i - warmup].record()
     torch.cuda.synchronize()
-    ms = statistics.median(a.elapsed_time(b) for a, b in zip(start, stop))
-    del qs, ks, vs
+    ms_events = statistics.median(a.elapsed_time(b) for a, b in zip(start, stop))
+    # a CUDA graph of GRAPH_CALLS calls, events around each replay (as the C benchmark does)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(3):
+                F.scaled_dot_product_attention(qs[0], ks[0], vs[0], enable_gqa=True)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            for i in range(GRAPH_CALLS):
+                s = i % sets
+                F.scaled_dot_product_attention(qs[s], ks[s], vs[s], enable_gqa=True)
+    for i in range(2 + reps):
+        if i >= 2:
+            start[i - 2].record()
+        graph.replay()
+        if i >= 2:
+            stop[i - 2].record()
+    torch.cuda.synchronize()
+    ms = statistics.median(a.elapsed_time(b) for a, b in zip(start, stop)) / GRAPH_CALLS
+    del graph, qs, ks, vs
     torch.cuda.empty_cache()
-    return ms, kv_bytes
+    return ms, ms_events, kv_bytes
 
 
 def main():
@@ -73,8 +96,9 @@ def main():
 
     rows = []
     for (batch, ctx), fm in by_shape.items():
-        sdpa_ms, kv_bytes = time_sdpa(batch, ctx, args.reps, args.warmup)
+        sdpa_ms, sdpa_ms_events, kv_bytes = time_sdpa(batch, ctx, args.reps, args.warmup)
         rows.append({"batch": batch, "context": ctx, "sdpa_ms": sdpa_ms,
+                     "sdpa_ms_events": sdpa_ms_events,
                      "sdpa_bytes_per_s": kv_bytes / (sdpa_ms * 1e-3),
                      "bf16": fm.get("bf16"), "q8": fm.get("q8")})
 
@@ -83,7 +107,7 @@ def main():
     print(f"copy D2D: {copy_bw / 1e9:.0f} GB/s (read + write)")
     hdr = (f"{'batch x ctx':>12} | {'bf16 us':>8} {'GB/s':>6} {'%copy':>6} | {'q8 us':>7} "
            f"{'GB/s':>6} {'%copy':>6} {'bf16/q8':>7} | {'SDPA us':>8} {'GB/s':>6} | "
-           f"{'SDPA/bf16':>9} {'SDPA/q8':>8}")
+           f"{'SDPA/bf16':>9} {'SDPA/q8':>8} | 1 call: {'bf16':>6} {'SDPA':>6}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -96,7 +120,8 @@ def main():
               f"{100 * b['of_copy'] if b else 0:5.1f}% | "
               f"{qt:7.1f} {q['bytes_per_s'] / 1e9 if q else 0:6.0f} "
               f"{100 * q['of_copy'] if q else 0:5.1f}% {bt / qt:7.2f} | "
-              f"{st:8.1f} {r['sdpa_bytes_per_s'] / 1e9:6.0f} | {st / bt:9.2f} {st / qt:8.2f}")
+              f"{st:8.1f} {r['sdpa_bytes_per_s'] / 1e9:6.0f} | {st / bt:9.2f} {st / qt:8.2f} | "
+              f"{b['ms_events'] * 1e3 if b else 0:14.1f} {r['sdpa_ms_events'] * 1e3:6.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ours": ours, "sdpa": rows, "torch": torch.__version__}, f, indent=1)

@@ -2,18 +2,21 @@
  * backend/cuda/attention.cu — paged decode attention (split-K, GQA-aware, q8 decoded in-kernel).
  *
  * Work: one warp per (sequence, KV head, split of the context). The warp streams its split's
- * blocks, 16 tokens at a time, into its own ring of shared-memory stages with cp.async (the K and
- * V rows of its KV head: 16-byte copies for f16/bf16, 4-, 8- or 16-byte ones for the 34-byte q8
- * groups), STAGES − 1 blocks ahead of the one it computes, and keeps an online softmax (m, l, acc)
- * for the query heads of its GQA group. Every KV row is read from memory once for all of them.
+ * blocks, 16 tokens at a time, into its own ring of shared-memory stages with 16-byte cp.async that
+ * bypass L1 (the K and V rows of its KV head; a q8 row, 34 bytes a group, is copied from the 16-byte
+ * boundary below it: see Geo), STAGES − 1 blocks ahead of the one it computes, and keeps an online
+ * softmax (m, l, acc) for the query heads of its GQA group. Every KV row is read from memory once for
+ * all of them.
  *
  * The arithmetic is on tensor cores (mma.m16n8k16, f32 accumulate), with the query heads as the
  * 16 rows: row h holds query head h (h < group ≤ 8) rounded to 16 bits, row 8 + h the rounding's
  * remainder, so scores carry ~16 significant bits of the f32 query, and in the value product the
  * same split of the probabilities. Scores S = Q·Kᵀ per 8 tokens (K as the B operand: the k index
  * is permuted so that each thread reads 8 consecutive elements of one key row, and the query is
- * laid out the same way); then O += P·V with P taken straight from the score fragments and V as the
- * B operand (ldmatrix.trans for 16-bit formats; q8 interleaves two tokens' codes per register).
+ * laid out the same way); then Oᵀ += Vᵀ·Pᵀ, dims as the rows (V as the A operand: ldmatrix.trans
+ * for 16-bit formats, q8 interleaves two tokens' codes per register) and the probabilities, taken
+ * straight from the score fragments, as the B operand (with ≤ 4 heads their remainders ride in
+ * columns 4..7 of the same product).
  * q8 codes become f16 exactly (magic-number conversion), times the group's f16 scale rounded to
  * f16 (relative 2⁻¹²); bf16 keys and values are used as stored.
  * 16-bit rows are stored in shared memory with their 16-byte chunks swizzled by the token (chunk ^
@@ -44,10 +47,15 @@ constexpr float LOG2E = 1.4426950408889634f;
 enum Fmt { FMT_F16 = 0, FMT_BF16 = 1, FMT_Q8 = 2 };
 
 /* Bytes of one head's row, the unit copied, and the row stride in shared memory. */
+/* Bytes of one head's row, the 16-byte chunks copied for it and the row stride in shared memory.
+ * A q8 row (34 bytes a group) starts on 4, 8 or 16 bytes; its copy starts at the 16-byte boundary
+ * below it (L1-bypassing copies take 16 bytes), so in shared memory the row begins `shift` bytes
+ * into its slot (the bytes around it belong to the neighbouring heads' rows). */
 template <int FMT, int D> struct Geo {
     static constexpr int ROW = FMT == FMT_Q8 ? 34 * D / 32 : 2 * D;
-    static constexpr int CP = FMT == FMT_Q8 ? (ROW % 16 == 0 ? 16 : ROW % 8 == 0 ? 8 : 4) : 16;
-    static constexpr int SROW = FMT == FMT_Q8 ? ROW + CP : ROW;
+    static constexpr int ALIGN = ROW % 16 == 0 ? 16 : ROW % 8 == 0 ? 8 : 4;
+    static constexpr int NCH = FMT == FMT_Q8 ? (ROW + 16 - ALIGN + 15) / 16 : ROW / 16;
+    static constexpr int SROW = 16 * NCH;
     static constexpr int STAGE = 2 * BLOCK * SROW; /* K rows, then V rows */
 };
 
@@ -146,19 +154,21 @@ template <int FMT, int D>
 __device__ __forceinline__ void load_block(uint32_t stage, const uint8_t *kblk, const uint8_t *vblk,
                                            int tok_stride, int n_valid, int lane) {
     using G = Geo<FMT, D>;
-    constexpr int PER_ROW = G::ROW / G::CP;
-    constexpr int TOTAL = BLOCK * PER_ROW;
+    constexpr int TOTAL = BLOCK * G::NCH;
 #pragma unroll
     for (int i0 = 0; i0 < TOTAL; i0 += 32) {
         int i = i0 + lane;
         if (TOTAL % 32 == 0 || i < TOTAL) {
-            int row = i / PER_ROW, ch = i % PER_ROW;
-            int n = row < n_valid ? G::CP : 0;
+            int row = i / G::NCH, ch = i % G::NCH;
+            int n = row < n_valid ? 16 : 0;
             int sch = FMT == FMT_Q8 ? ch : swz(ch, row);
-            uint32_t d = stage + (uint32_t)(row * G::SROW + sch * G::CP);
-            size_t off = (size_t)row * (size_t)tok_stride + (size_t)ch * G::CP;
-            cp_async<G::CP>(d, kblk + off, n);
-            cp_async<G::CP>(d + BLOCK * G::SROW, vblk + off, n);
+            uint32_t d = stage + (uint32_t)(row * G::SROW + sch * 16);
+            size_t off = (size_t)row * (size_t)tok_stride;
+            if (FMT == FMT_Q8)
+                off -= (uintptr_t)(kblk + off) & 15; /* the pools share their alignment */
+            off += (size_t)ch * 16;
+            cp_async<16>(d, kblk + off, n);
+            cp_async<16>(d + BLOCK * G::SROW, vblk + off, n);
         }
     }
 }
@@ -166,9 +176,7 @@ __device__ __forceinline__ void load_block(uint32_t stage, const uint8_t *kblk, 
 /* The B operand of two k-steps of S = Q·Kᵀ: 8 consecutive elements [32p + 8c, +8) of the key row
  * of token t, as four registers of two 16-bit values. */
 template <int FMT, int D>
-__device__ __forceinline__ void load_k(const uint8_t *ks, int t, int p, int c, uint32_t kb[4]) {
-    using G = Geo<FMT, D>;
-    const uint8_t *row = ks + t * G::SROW;
+__device__ __forceinline__ void load_k(const uint8_t *row, int t, int p, int c, uint32_t kb[4]) {
     if constexpr (FMT == FMT_Q8) {
         int o = 34 * p + 8 * c;
         uint32_t w0, w1;
@@ -217,7 +225,6 @@ template <int FMT, int D, int STAGES, int MINB>
 __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p) {
     using G = Geo<FMT, D>;
     constexpr bool BF = FMT == FMT_BF16;
-    constexpr int NT = D / 8; /* n-tiles of the output */
     extern __shared__ __align__(16) uint8_t smem[];
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -250,6 +257,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     const int tok_stride = p.n_kv * G::ROW;
     const size_t head_off = (size_t)kvh * G::ROW;
 
+    /* where token t's row starts in a stage (q8: past its shift) */
+    auto row_at = [&](const uint8_t *base, int t) {
+        if constexpr (FMT == FMT_Q8)
+            return base + t * G::SROW + ((t * tok_stride + (int)head_off) & 15);
+        else
+            return base + t * G::SROW;
+    };
     auto issue = [&](int i) {
         long long id = table[i];
         const uint8_t *kb = p.k_pool + id * p.block_stride + head_off;
@@ -299,9 +313,16 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
             split2<BF>(x[2 * i], x[2 * i + 1], qf[k][2 * i], qf[k][2 * i + 1]);
     }
 
-    float acc[NT][4];
+    /* O accumulates transposed, Oᵀ += Vᵀ·Pᵀ: rows are dims (two per m-tile and thread), columns
+     * are head slots. With a group of ≤ 4, slot n < 4 carries head n's rounded probabilities and
+     * slot n + 4 their remainders (one product); with 5..8 heads, slot n is head n and the
+     * remainders take a second product into the same accumulators. */
+    constexpr int MT = D / 16; /* m-tiles of dims */
+    const bool packed = p.group <= 4;
+    const int h0 = packed ? (2 * c) & 3 : 2 * c; /* heads of this thread's columns */
+    float acc[MT][4];
 #pragma unroll
-    for (int j = 0; j < NT; j++)
+    for (int j = 0; j < MT; j++)
         acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     float m = -INFINITY, l = 0.0f;
 
@@ -316,21 +337,22 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         const uint8_t *vs = ks + BLOCK * G::SROW;
         const int valid = t1 - t0 - i * BLOCK;
 
-        /* scores of tokens 8j + 2c + {0, 1} for query head r */
+        /* scores of tokens 8j + 2c + {0, 1} for query head r (two chains of products each) */
         float s[2][2];
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            float cf[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float ce[4] = {0.0f, 0.0f, 0.0f, 0.0f}, co[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int k = 0; k < D / 32; k++) {
                 uint32_t kb[4];
-                load_k<FMT, D>(ks, 8 * j + r, k, c, kb);
-                mma<BF>(cf, &qf[k][0], kb[0], kb[1]);
-                mma<BF>(cf, &qf[k][4], kb[2], kb[3]);
+                load_k<FMT, D>(row_at(ks, 8 * j + r), 8 * j + r, k, c, kb);
+                mma<BF>(ce, &qf[k][0], kb[0], kb[1]);
+                mma<BF>(co, &qf[k][4], kb[2], kb[3]);
             }
 #pragma unroll
             for (int e = 0; e < 2; e++)
-                s[j][e] = 8 * j + 2 * c + e < valid ? cf[e] + cf[2 + e] : -INFINITY;
+                s[j][e] = 8 * j + 2 * c + e < valid ? (ce[e] + ce[2 + e]) + (co[e] + co[2 + e])
+                                                    : -INFINITY;
         }
 
         /* online softmax (base 2) */
@@ -347,22 +369,46 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
             for (int e = 0; e < 2; e++)
                 pr[j][e] = exp2f(s[j][e] - mn);
         l = l * alpha + (pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]);
+        /* rescale only when some head's maximum moved (rare once a few blocks are in) */
+        if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+            const float a0 = __shfl_sync(0xffffffffu, alpha, 4 * h0);
+            const float a1 = __shfl_sync(0xffffffffu, alpha, 4 * h0 + 4);
 #pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                acc[j][e] *= alpha;
-        uint32_t pa[4];
-        split2<BF>(pr[0][0], pr[0][1], pa[0], pa[1]);
-        split2<BF>(pr[1][0], pr[1][1], pa[2], pa[3]);
+            for (int j = 0; j < MT; j++) {
+                acc[j][0] *= a0, acc[j][2] *= a0;
+                acc[j][1] *= a1, acc[j][3] *= a1;
+            }
+        }
 
-        /* O += P·V */
+        /* Pᵀ as the B operand: column r of tokens 2c, 2c+1 (b0) and 8+2c, 9+2c (b1) */
+        uint32_t bh[2], bl[2];
+        if (packed) {
+            float x[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float own = pr[e >> 1][e & 1];
+                float other = __shfl_xor_sync(0xffffffffu, own, 16); /* head r − 4 */
+                x[e] = r < 4 ? own : other;
+            }
+            uint32_t h[2], lo[2];
+            split2<BF>(x[0], x[1], h[0], lo[0]);
+            split2<BF>(x[2], x[3], h[1], lo[1]);
+            bh[0] = r < 4 ? h[0] : lo[0];
+            bh[1] = r < 4 ? h[1] : lo[1];
+        } else {
+            split2<BF>(pr[0][0], pr[0][1], bh[0], bl[0]);
+            split2<BF>(pr[1][0], pr[1][1], bh[1], bl[1]);
+        }
+
+        /* Oᵀ += Vᵀ·Pᵀ */
         if constexpr (FMT == FMT_Q8) {
-            constexpr int E = D / 8; /* dims of this thread: [E·r, E·r + E), n-tile j ↔ E·r + j */
+            /* this thread's dims: [E·r, E·r + E); rows r and r + 8 of m-tile mt are dims
+             * E·r + mt and E·r + E/2 + mt */
+            constexpr int E = D / 8;
             const int o = 34 * (E * r / 32) + (E * r) % 32;
             const int scale_at = 34 * (E * r / 32) + 32;
-            const uint8_t *ra = vs + (2 * c) * G::SROW, *rb = ra + G::SROW;
-            const uint8_t *rc = vs + (8 + 2 * c) * G::SROW, *rd = rc + G::SROW;
+            const uint8_t *ra = row_at(vs, 2 * c), *rb = row_at(vs, 2 * c + 1);
+            const uint8_t *rc = row_at(vs, 8 + 2 * c), *rd = row_at(vs, 9 + 2 * c);
             uint32_t wa[E / 4], wb[E / 4], wc[E / 4], wd[E / 4];
             load_q8_run<E>(ra, o, wa);
             load_q8_run<E>(rb, o, wb);
@@ -372,35 +418,46 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
                                        *reinterpret_cast<const uint16_t *>(rb + scale_at), 0x5410);
             uint32_t scd = __byte_perm(*reinterpret_cast<const uint16_t *>(rc + scale_at),
                                        *reinterpret_cast<const uint16_t *>(rd + scale_at), 0x5410);
-            __half2 s_ab = *reinterpret_cast<__half2 *>(&sab);
-            __half2 s_cd = *reinterpret_cast<__half2 *>(&scd);
+            const __half2 s_ab = *reinterpret_cast<__half2 *>(&sab);
+            const __half2 s_cd = *reinterpret_cast<__half2 *>(&scd);
 #pragma unroll
-            for (int w = 0; w < E / 4; w++) {
-                uint32_t lo0 = __byte_perm(wa[w], wb[w], 0x5140) ^ 0x80808080u;
-                uint32_t hi0 = __byte_perm(wa[w], wb[w], 0x7362) ^ 0x80808080u;
-                uint32_t lo1 = __byte_perm(wc[w], wd[w], 0x5140) ^ 0x80808080u;
-                uint32_t hi1 = __byte_perm(wc[w], wd[w], 0x7362) ^ 0x80808080u;
-                mma<false>(acc[4 * w + 0], pa, dequant2(lo0, 0x4140, s_ab),
-                           dequant2(lo1, 0x4140, s_cd));
-                mma<false>(acc[4 * w + 1], pa, dequant2(lo0, 0x4342, s_ab),
-                           dequant2(lo1, 0x4342, s_cd));
-                mma<false>(acc[4 * w + 2], pa, dequant2(hi0, 0x4140, s_ab),
-                           dequant2(hi1, 0x4140, s_cd));
-                mma<false>(acc[4 * w + 3], pa, dequant2(hi0, 0x4342, s_ab),
-                           dequant2(hi1, 0x4342, s_cd));
+            for (int w = 0; w < E / 8; w++) {
+                /* bytes (a_k, b_k) interleaved, xor 0x80: words w (rows r) and w + E/8 (r + 8) */
+                uint32_t ab[2][2], cd[2][2];
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    const int x = w + half * (E / 8);
+                    ab[half][0] = __byte_perm(wa[x], wb[x], 0x5140) ^ 0x80808080u;
+                    ab[half][1] = __byte_perm(wa[x], wb[x], 0x7362) ^ 0x80808080u;
+                    cd[half][0] = __byte_perm(wc[x], wd[x], 0x5140) ^ 0x80808080u;
+                    cd[half][1] = __byte_perm(wc[x], wd[x], 0x7362) ^ 0x80808080u;
+                }
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const uint32_t sel = q & 1 ? 0x4342 : 0x4140;
+                    uint32_t a[4] = {dequant2(ab[0][q >> 1], sel, s_ab),
+                                     dequant2(ab[1][q >> 1], sel, s_ab),
+                                     dequant2(cd[0][q >> 1], sel, s_cd),
+                                     dequant2(cd[1][q >> 1], sel, s_cd)};
+                    mma<false>(acc[4 * w + q], a, bh[0], bh[1]);
+                    if (!packed)
+                        mma<false>(acc[4 * w + q], a, bl[0], bl[1]);
+                }
             }
         } else {
-            const int mat = lane >> 3, t = (mat & 1) * 8 + (lane & 7);
+            /* rows r and r + 8 of m-tile mt are dims 16·mt + r and 16·mt + 8 + r */
+            const int mat = lane >> 3, t = (mat >> 1) * 8 + (lane & 7);
             const uint32_t vrow = smem_addr(vs + t * G::SROW);
 #pragma unroll
-            for (int u = 0; u < NT / 2; u++) {
-                uint32_t addr = vrow + (uint32_t)(swz(2 * u + (mat >> 1), t) * 16);
-                uint32_t v0, v1, v2, v3;
+            for (int mt = 0; mt < MT; mt++) {
+                uint32_t addr = vrow + (uint32_t)(swz(2 * mt + (mat & 1), t) * 16);
+                uint32_t a[4];
                 asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                             : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                             : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                              : "r"(addr));
-                mma<BF>(acc[2 * u], pa, v0, v1);
-                mma<BF>(acc[2 * u + 1], pa, v2, v3);
+                mma<BF>(acc[mt], a, bh[0], bh[1]);
+                if (!packed)
+                    mma<BF>(acc[mt], a, bl[0], bl[1]);
             }
         }
     }
@@ -410,40 +467,50 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
 
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (!head)
-        return;
-
-    /* column e of n-tile j is dim 8j + 2c + e (16-bit formats) or E·(2c + e) + j (q8) */
-    auto dim = [&](int j, int e) { return FMT == FMT_Q8 ? (D / 8) * (2 * c + e) + j : 8 * j + 2 * c + e; };
-    const size_t bh = (size_t)b * p.n_heads + hq;
-    if (p.n_splits == 1) {
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        float *o = p.out + bh * D;
+    /* packed: add the remainder columns (c + 2) to the rounded ones (c) */
+    if (packed) {
 #pragma unroll
-        for (int j = 0; j < NT; j++) {
-            if constexpr (FMT == FMT_Q8) {
-                o[dim(j, 0)] = (acc[j][0] + acc[j][2]) * inv;
-                o[dim(j, 1)] = (acc[j][1] + acc[j][3]) * inv;
-            } else {
-                *reinterpret_cast<float2 *>(o + dim(j, 0)) =
-                    make_float2((acc[j][0] + acc[j][2]) * inv, (acc[j][1] + acc[j][3]) * inv);
+        for (int j = 0; j < MT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                acc[j][e] += __shfl_xor_sync(0xffffffffu, acc[j][e], 2);
+    }
+    /* this thread's columns: heads h0 and h0 + 1, with their m and l from the rows' threads */
+    const float l0 = __shfl_sync(0xffffffffu, l, 4 * h0), l1 = __shfl_sync(0xffffffffu, l, 4 * h0 + 4);
+    if (p.n_splits > 1 && c == 0 && head)
+        p.part_ml[((size_t)b * p.n_heads + hq) * p.n_splits + split] = make_float2(m, l);
+    if ((packed && c >= 2) || h0 >= p.group)
+        return;
+    const bool two = h0 + 1 < p.group;
+
+    auto dim = [&](int mt, int row8) {
+        return FMT == FMT_Q8 ? (D / 8) * r + row8 * (D / 16) + mt : 16 * mt + 8 * row8 + r;
+    };
+    const size_t bh0 = (size_t)b * p.n_heads + kvh * p.group + h0;
+    if (p.n_splits == 1) {
+        const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+        float *o0 = p.out + bh0 * D, *o1 = o0 + D;
+#pragma unroll
+        for (int j = 0; j < MT; j++) {
+            o0[dim(j, 0)] = acc[j][0] * i0;
+            o0[dim(j, 1)] = acc[j][2] * i0;
+            if (two) {
+                o1[dim(j, 0)] = acc[j][1] * i1;
+                o1[dim(j, 1)] = acc[j][3] * i1;
             }
         }
     } else {
-        const size_t slot = bh * p.n_splits + split;
-        float *o = p.part_acc + slot * D;
+        const size_t slot0 = bh0 * p.n_splits + split, slot1 = slot0 + p.n_splits;
+        float *o0 = p.part_acc + slot0 * D, *o1 = p.part_acc + slot1 * D;
 #pragma unroll
-        for (int j = 0; j < NT; j++) {
-            if constexpr (FMT == FMT_Q8) {
-                o[dim(j, 0)] = acc[j][0] + acc[j][2];
-                o[dim(j, 1)] = acc[j][1] + acc[j][3];
-            } else {
-                *reinterpret_cast<float2 *>(o + dim(j, 0)) =
-                    make_float2(acc[j][0] + acc[j][2], acc[j][1] + acc[j][3]);
+        for (int j = 0; j < MT; j++) {
+            o0[dim(j, 0)] = acc[j][0];
+            o0[dim(j, 1)] = acc[j][2];
+            if (two) {
+                o1[dim(j, 0)] = acc[j][1];
+                o1[dim(j, 1)] = acc[j][3];
             }
         }
-        if (c == 0)
-            p.part_ml[slot] = make_float2(m, l);
     }
 }
 
@@ -523,7 +590,8 @@ __global__ void __launch_bounds__(MERGE_THREADS)
 
 /* ---- host side ----------------------------------------------------------------------------- */
 
-/* Stages per warp (3) and CTAs per SM the registers allow (q8: 3, else 2), for head_dim ≤ 128;
+/* Stages per warp (q8: 3, else 4) and CTAs per SM the registers allow (q8: 3, else 2), for
+ * head_dim ≤ 128 (measured on an H200: docs/BENCHMARKS.md);
  * LLMEM_CUDA_ATTN_STAGES=2..4 and LLMEM_CUDA_ATTN_CTAS=2..3 override them (to compare). */
 int env_int(const char *name, int lo, int hi, int fallback) {
     const char *e = getenv(name);
@@ -556,7 +624,7 @@ template <int FMT, int D, int MINB> KernelInfo *pick_stages(int stages) {
 }
 
 template <int FMT> KernelInfo *pick_dim(int head_dim) {
-    static const int stages = env_int("LLMEM_CUDA_ATTN_STAGES", 2, 4, 3);
+    static const int stages = env_int("LLMEM_CUDA_ATTN_STAGES", 2, 4, FMT == FMT_Q8 ? 3 : 4);
     static const int ctas = env_int("LLMEM_CUDA_ATTN_CTAS", 2, 3, FMT == FMT_Q8 ? 3 : 2);
     switch (head_dim) {
     case 64:
@@ -595,11 +663,18 @@ int prepare(KernelInfo *k) {
     return LLMEM_OK;
 }
 
+/* Multiprocessors of the current device (asked once per device). */
 int sm_count(void) {
+    static int cached[64];
     int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    if (cudaGetDevice(&dev) != cudaSuccess)
         return 0;
+    if (dev >= 0 && dev < 64 && cached[dev] > 0)
+        return cached[dev];
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        return 0;
+    if (dev >= 0 && dev < 64)
+        cached[dev] = n;
     return n;
 }
 
