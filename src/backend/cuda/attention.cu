@@ -33,6 +33,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "core/log.h"
@@ -590,48 +591,62 @@ __global__ void __launch_bounds__(MERGE_THREADS)
 
 /* ---- host side ----------------------------------------------------------------------------- */
 
-/* Stages per warp (q8: 3, else 4) and CTAs per SM the registers allow (q8: 3, else 2), for
- * head_dim ≤ 128 (measured on an H200: docs/BENCHMARKS.md);
- * LLMEM_CUDA_ATTN_STAGES=2..4 and LLMEM_CUDA_ATTN_CTAS=2..3 override them (to compare). */
+/* Stages per warp and the most CTAs per SM, for head_dim ≤ 128 (measured on an H200:
+ * docs/BENCHMARKS.md). LLMEM_CUDA_ATTN_STAGES (2, 3, 4, 6, 8) and LLMEM_CUDA_ATTN_CTAS (1..4), or
+ * LLMEM_CUDA_ATTN_<FORMAT>_STAGES / _CTAS (format BF16, F16, Q8) for one format, override them. */
 int env_int(const char *name, int lo, int hi, int fallback) {
     const char *e = getenv(name);
     int v = e ? atoi(e) : fallback;
     return v >= lo && v <= hi ? v : fallback;
 }
 
+int env_format_int(const char *fmt, const char *what, int lo, int hi, int fallback) {
+    char name[64];
+    snprintf(name, sizeof(name), "LLMEM_CUDA_ATTN_%s", what);
+    int v = env_int(name, lo, hi, fallback);
+    snprintf(name, sizeof(name), "LLMEM_CUDA_ATTN_%s_%s", fmt, what);
+    return env_int(name, lo, hi, v);
+}
+
 typedef void (*kernel_fn)(const Params);
 
 struct KernelInfo {
     kernel_fn fn;
-    int smem;
+    int smem;         /* the stages' bytes */
+    int smem_alloc;   /* what a CTA asks for: at least smem, more to cap the CTAs per SM */
+    int max_ctas;     /* 0: as many as fit */
     int warps_per_sm; /* resident warps per multiprocessor, 0 until asked */
 };
 
-template <int FMT, int D, int STAGES, int MINB> KernelInfo *kernel_info(void) {
+template <int FMT, int D, int STAGES, int MINB> KernelInfo *kernel_info(int max_ctas) {
     static KernelInfo info = {decode_kernel<FMT, D, STAGES, MINB>,
-                              WARPS * STAGES * Geo<FMT, D>::STAGE, 0};
+                              WARPS * STAGES * Geo<FMT, D>::STAGE, 0, max_ctas, 0};
     return &info;
 }
 
-template <int FMT, int D, int MINB> KernelInfo *pick_stages(int stages) {
-    while (stages > 2 && WARPS * stages * Geo<FMT, D>::STAGE > 200 * 1024)
-        stages--; /* a CTA's stages stay well under the SM's 227 KB */
-    switch (stages) {
-    case 2: return kernel_info<FMT, D, 2, MINB>();
-    case 4: return kernel_info<FMT, D, 4, MINB>();
-    default: return kernel_info<FMT, D, 3, MINB>();
-    }
+constexpr int SMEM_CTA_MAX = 220 * 1024;
+
+template <int FMT, int D, int MINB> KernelInfo *pick_stages(int stages, int max_ctas) {
+    constexpr int ST = WARPS * Geo<FMT, D>::STAGE;
+    if (stages >= 8 && 8 * ST <= SMEM_CTA_MAX)
+        return kernel_info<FMT, D, 8, MINB>(max_ctas);
+    if (stages >= 6 && 6 * ST <= SMEM_CTA_MAX)
+        return kernel_info<FMT, D, 6, MINB>(max_ctas);
+    if (stages >= 4 && 4 * ST <= SMEM_CTA_MAX)
+        return kernel_info<FMT, D, 4, MINB>(max_ctas);
+    if (stages >= 3 && 3 * ST <= SMEM_CTA_MAX)
+        return kernel_info<FMT, D, 3, MINB>(max_ctas);
+    return kernel_info<FMT, D, 2, MINB>(max_ctas);
 }
 
 template <int FMT> KernelInfo *pick_dim(int head_dim) {
-    static const int stages = env_int("LLMEM_CUDA_ATTN_STAGES", 2, 4, FMT == FMT_Q8 ? 3 : 4);
-    static const int ctas = env_int("LLMEM_CUDA_ATTN_CTAS", 2, 3, FMT == FMT_Q8 ? 3 : 2);
+    static const char *name = FMT == FMT_Q8 ? "Q8" : FMT == FMT_BF16 ? "BF16" : "F16";
+    static const int stages = env_format_int(name, "STAGES", 2, 8, FMT == FMT_Q8 ? 3 : 4);
+    static const int ctas = env_format_int(name, "CTAS", 0, 4, 0);
     switch (head_dim) {
-    case 64:
-        return ctas == 3 ? pick_stages<FMT, 64, 3>(stages) : pick_stages<FMT, 64, 2>(stages);
-    case 128:
-        return ctas == 3 ? pick_stages<FMT, 128, 3>(stages) : pick_stages<FMT, 128, 2>(stages);
-    case 256: return pick_stages<FMT, 256, 1>(stages);
+    case 64: return pick_stages<FMT, 64, 2>(stages, ctas);
+    case 128: return pick_stages<FMT, 128, 2>(stages, ctas);
+    case 256: return pick_stages<FMT, 256, 1>(stages, ctas);
     default: return NULL;
     }
 }
@@ -649,11 +664,23 @@ KernelInfo *pick_kernel(const struct llmem_cuda_attn *a) {
 int prepare(KernelInfo *k) {
     if (k->warps_per_sm > 0)
         return LLMEM_OK;
-    cudaError_t err =
-        cudaFuncSetAttribute(k->fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k->smem);
+    k->smem_alloc = k->smem;
+    int dev = 0, per_sm = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err == cudaSuccess)
+        err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    if (err == cudaSuccess && k->max_ctas > 0) {
+        /* more than per_sm / (max_ctas + 1) a CTA (1 KB of it reserved) leaves room for fewer */
+        int floor_bytes = per_sm / (k->max_ctas + 1) - 1024 + 256;
+        k->smem_alloc = floor_bytes > k->smem ? floor_bytes : k->smem;
+    }
+    if (err == cudaSuccess)
+        err = cudaFuncSetAttribute(k->fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   k->smem_alloc);
     int blocks = 0;
     if (err == cudaSuccess)
-        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k->fn, WARPS * 32, k->smem);
+        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k->fn, WARPS * 32,
+                                                            k->smem_alloc);
     if (err != cudaSuccess || blocks == 0) {
         LLMEM_ERROR_AS("llmem_cuda_attn_decode", "kernel set-up: %s (%d blocks per SM)",
                        cudaGetErrorString(err), blocks);
@@ -810,7 +837,7 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
 
     cudaStream_t stream = (cudaStream_t)a->stream;
     unsigned grid = (unsigned)((p.n_items + WARPS - 1) / WARPS);
-    k->fn<<<grid, WARPS * 32, k->smem, stream>>>(p);
+    k->fn<<<grid, WARPS * 32, k->smem_alloc, stream>>>(p);
     cudaError_t err = cudaGetLastError();
     if (err == cudaSuccess && n_splits > 1) {
         /* launched as a programmatic dependent: its launch overlaps the decode kernel's tail */
