@@ -221,8 +221,9 @@ __device__ __forceinline__ void load_q8_run(const uint8_t *row, int o, uint32_t 
     }
 }
 
-/* MINB: CTAs per SM the registers must allow (3: ≤ 168 registers a thread). */
-template <int FMT, int D, int STAGES, int MINB>
+/* MINB: CTAs per SM the registers must allow. HOIST (q8): read a block's value codes before its
+ * scores. */
+template <int FMT, int D, int STAGES, int MINB, bool HOIST>
 __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p) {
     using G = Geo<FMT, D>;
     constexpr bool BF = FMT == FMT_BF16;
@@ -338,6 +339,27 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         const uint8_t *vs = ks + BLOCK * G::SROW;
         const int valid = t1 - t0 - i * BLOCK;
 
+        /* q8 values: this thread's E = D/8 code bytes of tokens 2c, 2c+1, 8+2c, 9+2c and their
+         * scales (HOIST: read before the scores, so that the reads overlap that work) */
+        constexpr int E = D / 8;
+        uint32_t wa[E / 4], wb[E / 4], wc[E / 4], wd[E / 4], sab = 0, scd = 0;
+        auto load_v = [&]() {
+            const int o = 34 * (E * r / 32) + (E * r) % 32;
+            const int scale_at = 34 * (E * r / 32) + 32;
+            const uint8_t *ra = row_at(vs, 2 * c), *rb = row_at(vs, 2 * c + 1);
+            const uint8_t *rc = row_at(vs, 8 + 2 * c), *rd = row_at(vs, 9 + 2 * c);
+            load_q8_run<E>(ra, o, wa);
+            load_q8_run<E>(rb, o, wb);
+            load_q8_run<E>(rc, o, wc);
+            load_q8_run<E>(rd, o, wd);
+            sab = __byte_perm(*reinterpret_cast<const uint16_t *>(ra + scale_at),
+                              *reinterpret_cast<const uint16_t *>(rb + scale_at), 0x5410);
+            scd = __byte_perm(*reinterpret_cast<const uint16_t *>(rc + scale_at),
+                              *reinterpret_cast<const uint16_t *>(rd + scale_at), 0x5410);
+        };
+        if constexpr (FMT == FMT_Q8 && HOIST)
+            load_v();
+
         /* scores of tokens 8j + 2c + {0, 1} for query head r (two chains of products each) */
         float s[2][2];
 #pragma unroll
@@ -405,20 +427,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         if constexpr (FMT == FMT_Q8) {
             /* this thread's dims: [E·r, E·r + E); rows r and r + 8 of m-tile mt are dims
              * E·r + mt and E·r + E/2 + mt */
-            constexpr int E = D / 8;
-            const int o = 34 * (E * r / 32) + (E * r) % 32;
-            const int scale_at = 34 * (E * r / 32) + 32;
-            const uint8_t *ra = row_at(vs, 2 * c), *rb = row_at(vs, 2 * c + 1);
-            const uint8_t *rc = row_at(vs, 8 + 2 * c), *rd = row_at(vs, 9 + 2 * c);
-            uint32_t wa[E / 4], wb[E / 4], wc[E / 4], wd[E / 4];
-            load_q8_run<E>(ra, o, wa);
-            load_q8_run<E>(rb, o, wb);
-            load_q8_run<E>(rc, o, wc);
-            load_q8_run<E>(rd, o, wd);
-            uint32_t sab = __byte_perm(*reinterpret_cast<const uint16_t *>(ra + scale_at),
-                                       *reinterpret_cast<const uint16_t *>(rb + scale_at), 0x5410);
-            uint32_t scd = __byte_perm(*reinterpret_cast<const uint16_t *>(rc + scale_at),
-                                       *reinterpret_cast<const uint16_t *>(rd + scale_at), 0x5410);
+            if constexpr (!HOIST)
+                load_v();
             const __half2 s_ab = *reinterpret_cast<__half2 *>(&sab);
             const __half2 s_cd = *reinterpret_cast<__half2 *>(&scd);
 #pragma unroll
@@ -618,8 +628,9 @@ struct KernelInfo {
     int warps_per_sm; /* resident warps per multiprocessor, 0 until asked */
 };
 
-template <int FMT, int D, int STAGES, int MINB> KernelInfo *kernel_info(int max_ctas) {
-    static KernelInfo info = {decode_kernel<FMT, D, STAGES, MINB>,
+template <int FMT, int D, int STAGES, int MINB, bool HOIST = false>
+KernelInfo *kernel_info(int max_ctas) {
+    static KernelInfo info = {decode_kernel<FMT, D, STAGES, MINB, HOIST>,
                               WARPS * STAGES * Geo<FMT, D>::STAGE, 0, max_ctas, 0};
     return &info;
 }
@@ -628,6 +639,11 @@ constexpr int SMEM_CTA_MAX = 220 * 1024;
 
 template <int FMT, int D, int MINB> KernelInfo *pick_stages(int stages, int max_ctas) {
     constexpr int ST = WARPS * Geo<FMT, D>::STAGE;
+    if constexpr (FMT == FMT_Q8) {
+        static const int hoist = env_int("LLMEM_CUDA_ATTN_Q8_HOIST", 0, 1, 1);
+        if (hoist && stages == 3)
+            return kernel_info<FMT, D, 3, MINB, true>(max_ctas);
+    }
     if (stages >= 8 && 8 * ST <= SMEM_CTA_MAX)
         return kernel_info<FMT, D, 8, MINB>(max_ctas);
     if (stages >= 6 && 6 * ST <= SMEM_CTA_MAX)
@@ -641,8 +657,9 @@ template <int FMT, int D, int MINB> KernelInfo *pick_stages(int stages, int max_
 
 template <int FMT> KernelInfo *pick_dim(int head_dim) {
     static const char *name = FMT == FMT_Q8 ? "Q8" : FMT == FMT_BF16 ? "BF16" : "F16";
-    static const int stages = env_format_int(name, "STAGES", 2, 8, FMT == FMT_Q8 ? 3 : 4);
-    static const int ctas = env_format_int(name, "CTAS", 0, 4, 0);
+    /* 16-bit: 3 stages, one CTA (4 warps) per SM; q8: 3 stages, two CTAs per SM */
+    static const int stages = env_format_int(name, "STAGES", 2, 8, 3);
+    static const int ctas = env_format_int(name, "CTAS", 0, 4, FMT == FMT_Q8 ? 2 : 1);
     switch (head_dim) {
     case 64: return pick_stages<FMT, 64, 2>(stages, ctas);
     case 128: return pick_stages<FMT, 128, 2>(stages, ctas);
