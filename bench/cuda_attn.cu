@@ -48,7 +48,8 @@ __device__ uint32_t hash32(uint64_t x) {
     return (uint32_t)x;
 }
 
-/* bf16 elements uniform in (-1, 1); q8 rows of 136 bytes: random codes, f16 scales in [2⁻⁸, 2⁻⁶). */
+/* bf16 elements uniform in (-1, 1); q8 rows of 136 bytes: random codes, f16 scales in [2⁻⁸, 2⁻⁶).
+ */
 __global__ void fill_pool(uint16_t *p, size_t n, int q8, uint64_t seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -181,8 +182,8 @@ int main(int argc, char **argv) {
         size_t max_blocks = 0;
         for (const Shape &s : shapes) {
             size_t nb = (size_t)s.batch * ((s.ctx + BLOCK - 1) / BLOCK);
-            size_t sets = std::max<size_t>(1, (ROTATE_BYTES + nb * block_bytes - 1) /
-                                                  (nb * block_bytes));
+            size_t sets =
+                std::max<size_t>(1, (ROTATE_BYTES + nb * block_bytes - 1) / (nb * block_bytes));
             max_blocks = std::max(max_blocks, nb * sets);
         }
         void *pool;
@@ -194,8 +195,8 @@ int main(int argc, char **argv) {
         for (const Shape &s : shapes) {
             const int nblk = (s.ctx + BLOCK - 1) / BLOCK;
             const size_t nb = (size_t)s.batch * nblk;
-            const int sets = (int)std::max<size_t>(
-                1, (ROTATE_BYTES + nb * block_bytes - 1) / (nb * block_bytes));
+            const int sets = (int)std::max<size_t>(1, (ROTATE_BYTES + nb * block_bytes - 1) /
+                                                          (nb * block_bytes));
             /* tables [sets][batch][nblk]: a random permutation of the first sets × nb blocks */
             std::vector<int32_t> ids(nb * sets);
             for (size_t i = 0; i < ids.size(); i++)

@@ -121,13 +121,12 @@ static double run_case(const struct attn_case *tc) {
         }
     }
     float *ref = calloc(n_out, sizeof(float));
-    struct llmem_kv_attn attn = {.n_heads = H, .scale = 0.0f, .window = 0,
-                                 .route = LLMEM_KV_ROUTE_AUTO};
+    struct llmem_kv_attn attn = {
+        .n_heads = H, .scale = 0.0f, .window = 0, .route = LLMEM_KV_ROUTE_AUTO};
     for (int b = 0; b < B; b++)
         if (tc->lengths[b] > 0)
             assert_int_equal(llmem_kv_attend(kv, seq[b], 0, tc->lengths[b] - 1, 1,
-                                             q + (size_t)b * H * D, ref + (size_t)b * H * D,
-                                             &attn),
+                                             q + (size_t)b * H * D, ref + (size_t)b * H * D, &attn),
                              LLMEM_OK);
 
     /* the GPU */
@@ -139,8 +138,7 @@ static double run_case(const struct attn_case *tc) {
     CU(cudaMalloc(&d_out, n_out * sizeof(float)));
     CU(cudaMemcpy(d_pool, pool, (size_t)n_blocks * block_bytes, cudaMemcpyHostToDevice));
     CU(cudaMemcpy(d_q, tc->q_bf16 ? (void *)q16 : (void *)q,
-                  n_out * (tc->q_bf16 ? sizeof(uint16_t) : sizeof(float)),
-                  cudaMemcpyHostToDevice));
+                  n_out * (tc->q_bf16 ? sizeof(uint16_t) : sizeof(float)), cudaMemcpyHostToDevice));
     CU(cudaMemcpy(d_tables, tables, (size_t)B * table_stride * sizeof(int32_t),
                   cudaMemcpyHostToDevice));
     CU(cudaMemcpy(d_len, tc->lengths, (size_t)B * sizeof(int32_t), cudaMemcpyHostToDevice));
@@ -184,8 +182,8 @@ static double run_case(const struct attn_case *tc) {
             double num = 0.0, den = 0.0;
             for (int i = 0; i < D; i++) {
                 if (!isfinite(g[i])) {
-                    fprintf(stderr, "seq %d (length %d) head %d dim %d: %g\n", b,
-                            tc->lengths[b], h, i, g[i]);
+                    fprintf(stderr, "seq %d (length %d) head %d dim %d: %g\n", b, tc->lengths[b], h,
+                            i, g[i]);
                     fail();
                 }
                 num += ((double)g[i] - r[i]) * ((double)g[i] - r[i]);
@@ -271,8 +269,13 @@ static void test_shapes(void **state) {
 
 static void test_rejects(void **state) {
     (void)state;
-    struct llmem_cuda_attn a = {.format = LLMEM_KV_FORMAT_Q4, .n_heads = 8, .n_kv_heads = 8,
-                                .head_dim = 128, .block_size = 16, .batch = 1, .max_len = 16,
+    struct llmem_cuda_attn a = {.format = LLMEM_KV_FORMAT_Q4,
+                                .n_heads = 8,
+                                .n_kv_heads = 8,
+                                .head_dim = 128,
+                                .block_size = 16,
+                                .batch = 1,
+                                .max_len = 16,
                                 .table_stride = 1};
     assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_EINVAL);
     a.format = LLMEM_KV_FORMAT_BF16;

@@ -3,10 +3,10 @@
  *
  * Work: one warp per (sequence, KV head, split of the context). The warp streams its split's
  * blocks, 16 tokens at a time, into its own ring of shared-memory stages with 16-byte cp.async that
- * bypass L1 (the K and V rows of its KV head; a q8 row, 34 bytes a group, is copied from the 16-byte
- * boundary below it: see Geo), STAGES − 1 blocks ahead of the one it computes, and keeps an online
- * softmax (m, l, acc) for the query heads of its GQA group. Every KV row is read from memory once for
- * all of them.
+ * bypass L1 (the K and V rows of its KV head; a q8 row, 34 bytes a group, is copied from the
+ * 16-byte boundary below it: see Geo), STAGES − 1 blocks ahead of the one it computes, and keeps an
+ * online softmax (m, l, acc) for the query heads of its GQA group. Every KV row is read from memory
+ * once for all of them.
  *
  * The arithmetic is on tensor cores (mma.m16n8k16, f32 accumulate), with the query heads as the
  * 16 rows: row h holds query head h (h < group ≤ 8) rounded to 16 bits, row 8 + h the rounding's
@@ -88,8 +88,8 @@ template <int N> __device__ __forceinline__ void cp_async(uint32_t dst, const vo
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                      "r"(n));
     else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
-                     "n"(N), "r"(n));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N),
+                     "r"(n));
 }
 __device__ __forceinline__ void cp_commit() {
     asm volatile("cp.async.commit_group;\n" ::);
@@ -108,8 +108,8 @@ __device__ __forceinline__ int swz(int ch, int t) {
     return ch ^ (((t & 1) << 2) | ((t >> 1) & 3));
 }
 
-template <bool BF> __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
-                                                       uint32_t b1) {
+template <bool BF>
+__device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     if constexpr (BF)
         asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
                      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -221,9 +221,8 @@ __device__ __forceinline__ void load_q8_run(const uint8_t *row, int o, uint32_t 
     }
 }
 
-/* MINB: CTAs per SM the registers must allow. HOIST (q8): read a block's value codes before its
- * scores. */
-template <int FMT, int D, int STAGES, int MINB, bool HOIST>
+/* MINB: CTAs per SM the registers must allow. */
+template <int FMT, int D, int STAGES, int MINB>
 __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p) {
     using G = Geo<FMT, D>;
     constexpr bool BF = FMT == FMT_BF16;
@@ -280,7 +279,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         cp_commit();
     }
 
-    /* The query as A fragments (loaded while the first blocks are in flight): rows r (rounded) and 8 + r (remainder), k permuted like load_k. */
+    /* The query as A fragments (loaded while the first blocks are in flight): rows r (rounded) and
+     * 8 + r (remainder), k permuted like load_k. */
     uint32_t qf[D / 32][8];
 #pragma unroll
     for (int k = 0; k < D / 32; k++) {
@@ -338,27 +338,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         const uint8_t *ks = ring + (i % STAGES) * G::STAGE;
         const uint8_t *vs = ks + BLOCK * G::SROW;
         const int valid = t1 - t0 - i * BLOCK;
-
-        /* q8 values: this thread's E = D/8 code bytes of tokens 2c, 2c+1, 8+2c, 9+2c and their
-         * scales (HOIST: read before the scores, so that the reads overlap that work) */
-        constexpr int E = D / 8;
-        uint32_t wa[E / 4], wb[E / 4], wc[E / 4], wd[E / 4], sab = 0, scd = 0;
-        auto load_v = [&]() {
-            const int o = 34 * (E * r / 32) + (E * r) % 32;
-            const int scale_at = 34 * (E * r / 32) + 32;
-            const uint8_t *ra = row_at(vs, 2 * c), *rb = row_at(vs, 2 * c + 1);
-            const uint8_t *rc = row_at(vs, 8 + 2 * c), *rd = row_at(vs, 9 + 2 * c);
-            load_q8_run<E>(ra, o, wa);
-            load_q8_run<E>(rb, o, wb);
-            load_q8_run<E>(rc, o, wc);
-            load_q8_run<E>(rd, o, wd);
-            sab = __byte_perm(*reinterpret_cast<const uint16_t *>(ra + scale_at),
-                              *reinterpret_cast<const uint16_t *>(rb + scale_at), 0x5410);
-            scd = __byte_perm(*reinterpret_cast<const uint16_t *>(rc + scale_at),
-                              *reinterpret_cast<const uint16_t *>(rd + scale_at), 0x5410);
-        };
-        if constexpr (FMT == FMT_Q8 && HOIST)
-            load_v();
 
         /* scores of tokens 8j + 2c + {0, 1} for query head r (two chains of products each) */
         float s[2][2];
@@ -427,8 +406,21 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         if constexpr (FMT == FMT_Q8) {
             /* this thread's dims: [E·r, E·r + E); rows r and r + 8 of m-tile mt are dims
              * E·r + mt and E·r + E/2 + mt */
-            if constexpr (!HOIST)
-                load_v();
+            /* this thread's E = D/8 code bytes of tokens 2c, 2c+1, 8+2c, 9+2c, and their scales */
+            constexpr int E = D / 8;
+            const int o = 34 * (E * r / 32) + (E * r) % 32;
+            const int scale_at = 34 * (E * r / 32) + 32;
+            const uint8_t *ra = row_at(vs, 2 * c), *rb = row_at(vs, 2 * c + 1);
+            const uint8_t *rc = row_at(vs, 8 + 2 * c), *rd = row_at(vs, 9 + 2 * c);
+            uint32_t wa[E / 4], wb[E / 4], wc[E / 4], wd[E / 4];
+            load_q8_run<E>(ra, o, wa);
+            load_q8_run<E>(rb, o, wb);
+            load_q8_run<E>(rc, o, wc);
+            load_q8_run<E>(rd, o, wd);
+            uint32_t sab = __byte_perm(*reinterpret_cast<const uint16_t *>(ra + scale_at),
+                                       *reinterpret_cast<const uint16_t *>(rb + scale_at), 0x5410);
+            uint32_t scd = __byte_perm(*reinterpret_cast<const uint16_t *>(rc + scale_at),
+                                       *reinterpret_cast<const uint16_t *>(rd + scale_at), 0x5410);
             const __half2 s_ab = *reinterpret_cast<__half2 *>(&sab);
             const __half2 s_cd = *reinterpret_cast<__half2 *>(&scd);
 #pragma unroll
@@ -446,10 +438,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
                     const uint32_t sel = q & 1 ? 0x4342 : 0x4140;
-                    uint32_t a[4] = {dequant2(ab[0][q >> 1], sel, s_ab),
-                                     dequant2(ab[1][q >> 1], sel, s_ab),
-                                     dequant2(cd[0][q >> 1], sel, s_cd),
-                                     dequant2(cd[1][q >> 1], sel, s_cd)};
+                    uint32_t a[4] = {
+                        dequant2(ab[0][q >> 1], sel, s_ab), dequant2(ab[1][q >> 1], sel, s_ab),
+                        dequant2(cd[0][q >> 1], sel, s_cd), dequant2(cd[1][q >> 1], sel, s_cd)};
                     mma<false>(acc[4 * w + q], a, bh[0], bh[1]);
                     if (!packed)
                         mma<false>(acc[4 * w + q], a, bl[0], bl[1]);
@@ -487,7 +478,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
                 acc[j][e] += __shfl_xor_sync(0xffffffffu, acc[j][e], 2);
     }
     /* this thread's columns: heads h0 and h0 + 1, with their m and l from the rows' threads */
-    const float l0 = __shfl_sync(0xffffffffu, l, 4 * h0), l1 = __shfl_sync(0xffffffffu, l, 4 * h0 + 4);
+    const float l0 = __shfl_sync(0xffffffffu, l, 4 * h0),
+                l1 = __shfl_sync(0xffffffffu, l, 4 * h0 + 4);
     if (p.n_splits > 1 && c == 0 && head)
         p.part_ml[((size_t)b * p.n_heads + hq) * p.n_splits + split] = make_float2(m, l);
     if ((packed && c >= 2) || h0 >= p.group)
@@ -628,9 +620,8 @@ struct KernelInfo {
     int warps_per_sm; /* resident warps per multiprocessor, 0 until asked */
 };
 
-template <int FMT, int D, int STAGES, int MINB, bool HOIST = false>
-KernelInfo *kernel_info(int max_ctas) {
-    static KernelInfo info = {decode_kernel<FMT, D, STAGES, MINB, HOIST>,
+template <int FMT, int D, int STAGES, int MINB> KernelInfo *kernel_info(int max_ctas) {
+    static KernelInfo info = {decode_kernel<FMT, D, STAGES, MINB>,
                               WARPS * STAGES * Geo<FMT, D>::STAGE, 0, max_ctas, 0};
     return &info;
 }
@@ -639,11 +630,6 @@ constexpr int SMEM_CTA_MAX = 220 * 1024;
 
 template <int FMT, int D, int MINB> KernelInfo *pick_stages(int stages, int max_ctas) {
     constexpr int ST = WARPS * Geo<FMT, D>::STAGE;
-    if constexpr (FMT == FMT_Q8) {
-        static const int hoist = env_int("LLMEM_CUDA_ATTN_Q8_HOIST", 0, 1, 1);
-        if (hoist && stages == 3)
-            return kernel_info<FMT, D, 3, MINB, true>(max_ctas);
-    }
     if (stages >= 8 && 8 * ST <= SMEM_CTA_MAX)
         return kernel_info<FMT, D, 8, MINB>(max_ctas);
     if (stages >= 6 && 6 * ST <= SMEM_CTA_MAX)
@@ -692,8 +678,8 @@ int prepare(KernelInfo *k) {
         k->smem_alloc = floor_bytes > k->smem ? floor_bytes : k->smem;
     }
     if (err == cudaSuccess)
-        err = cudaFuncSetAttribute(k->fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   k->smem_alloc);
+        err =
+            cudaFuncSetAttribute(k->fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k->smem_alloc);
     int blocks = 0;
     if (err == cudaSuccess)
         err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k->fn, WARPS * 32,
@@ -750,8 +736,7 @@ int check(const struct llmem_cuda_attn *a, KernelInfo **kernel) {
 }
 
 /* Splits per sequence and their length, for `slots` resident warps. */
-void choose_split(const struct llmem_cuda_attn *a, long long slots, int *split_len,
-                  int *n_splits) {
+void choose_split(const struct llmem_cuda_attn *a, long long slots, int *split_len, int *n_splits) {
     const int blocks = (a->max_len + BLOCK - 1) / BLOCK;
     const long long units = (long long)a->batch * a->n_kv_heads;
     if (blocks <= 1 || units == 0) {
@@ -859,8 +844,8 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
     if (err == cudaSuccess && n_splits > 1) {
         /* launched as a programmatic dependent: its launch overlaps the decode kernel's tail */
         cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3((unsigned)((size_t)a->batch * a->n_heads),
-                           (unsigned)(a->head_dim / MERGE_DIMS));
+        cfg.gridDim =
+            dim3((unsigned)((size_t)a->batch * a->n_heads), (unsigned)(a->head_dim / MERGE_DIMS));
         cfg.blockDim = dim3(MERGE_THREADS);
         cfg.dynamicSmemBytes = n_splits * sizeof(float);
         cfg.stream = stream;

@@ -45,7 +45,7 @@ struct llmem_cuda_attn {
     float scale;    /* 0: 1 / sqrt(head_dim) */
     int split_len;  /* tokens per split, a multiple of block_size; 0: chosen from the GPU's size */
 
-    const void *q;  /* [batch, n_heads, head_dim], f32, or bf16 when q_bf16 */
+    const void *q; /* [batch, n_heads, head_dim], f32, or bf16 when q_bf16 */
     int q_bf16;
     const void *k_pool, *v_pool; /* 16-byte aligned */
     int64_t block_stride;        /* bytes from one block to the next, in both pools */
