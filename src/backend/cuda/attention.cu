@@ -1,0 +1,868 @@
+/*
+ * backend/cuda/attention.cu — paged decode attention (split-K, GQA-aware, q8 decoded in-kernel).
+ *
+ * Work: one warp per (sequence, KV head, split of the context). The warp streams its split's
+ * blocks, 16 tokens at a time, into its own ring of shared-memory stages with 16-byte cp.async that
+ * bypass L1 (the K and V rows of its KV head; a q8 row, 34 bytes a group, is copied from the
+ * 16-byte boundary below it: see Geo), STAGES − 1 blocks ahead of the one it computes, and keeps an
+ * online softmax (m, l, acc) for the query heads of its GQA group. Every KV row is read from memory
+ * once for all of them.
+ *
+ * The arithmetic is on tensor cores (mma.m16n8k16, f32 accumulate), with the query heads as the
+ * 16 rows: row h holds query head h (h < group ≤ 8) rounded to 16 bits, row 8 + h the rounding's
+ * remainder, so scores carry ~16 significant bits of the f32 query, and in the value product the
+ * same split of the probabilities. Scores S = Q·Kᵀ per 8 tokens (K as the B operand: the k index
+ * is permuted so that each thread reads 8 consecutive elements of one key row, and the query is
+ * laid out the same way); then Oᵀ += Vᵀ·Pᵀ, dims as the rows (V as the A operand: ldmatrix.trans
+ * for 16-bit formats, q8 interleaves two tokens' codes per register) and the probabilities, taken
+ * straight from the score fragments, as the B operand (with ≤ 4 heads their remainders ride in
+ * columns 4..7 of the same product).
+ * q8 codes become f16 exactly (magic-number conversion), times the group's f16 scale rounded to
+ * f16 (relative 2⁻¹²); bf16 keys and values are used as stored.
+ * 16-bit rows are stored in shared memory with their 16-byte chunks swizzled by the token (chunk ^
+ * f(token)), so that the key reads (8 tokens × 4 chunks) and the transposed value reads (8 tokens ×
+ * 1 chunk) both hit 32 distinct banks.
+ *
+ * Splits: when there is more than one, each warp writes its unnormalized (acc, m, l) and a second
+ * kernel merges a sequence's splits (out = Σ e^(m_s − M)·acc_s / Σ e^(m_s − M)·l_s). The split
+ * length is chosen so that the warps fill the GPU in whole waves.
+ */
+#include "backend/cuda/attention.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "core/log.h"
+
+namespace {
+
+constexpr int BLOCK = 16; /* tokens per KV block */
+constexpr int WARPS = 4;  /* warps per CTA, each with its own work item and stages */
+constexpr int MAX_GROUP = 8;
+constexpr float LOG2E = 1.4426950408889634f;
+
+enum Fmt { FMT_F16 = 0, FMT_BF16 = 1, FMT_Q8 = 2 };
+
+/* Bytes of one head's row, the unit copied, and the row stride in shared memory. */
+/* Bytes of one head's row, the 16-byte chunks copied for it and the row stride in shared memory.
+ * A q8 row (34 bytes a group) starts on 4, 8 or 16 bytes; its copy starts at the 16-byte boundary
+ * below it (L1-bypassing copies take 16 bytes), so in shared memory the row begins `shift` bytes
+ * into its slot (the bytes around it belong to the neighbouring heads' rows). */
+template <int FMT, int D> struct Geo {
+    static constexpr int ROW = FMT == FMT_Q8 ? 34 * D / 32 : 2 * D;
+    static constexpr int ALIGN = ROW % 16 == 0 ? 16 : ROW % 8 == 0 ? 8 : 4;
+    static constexpr int NCH = FMT == FMT_Q8 ? (ROW + 16 - ALIGN + 15) / 16 : ROW / 16;
+    static constexpr int SROW = 16 * NCH;
+    static constexpr int STAGE = 2 * BLOCK * SROW; /* K rows, then V rows */
+};
+
+struct Params {
+    const void *q;
+    int q_bf16;
+    const uint8_t *k_pool, *v_pool;
+    long long block_stride;
+    const int32_t *tables;
+    int table_stride;
+    const int32_t *lengths;
+    float *out;
+    float *part_acc; /* [batch, n_heads, n_splits, D] */
+    float2 *part_ml; /* [batch, n_heads, n_splits] */
+    int n_heads, n_kv, group;
+    int split_len, n_splits;
+    long long n_items;
+    float qscale; /* scale · log2(e): scores in base 2 */
+};
+
+/* ---- small device helpers ------------------------------------------------------------------ */
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+template <int N> __device__ __forceinline__ void cp_async(uint32_t dst, const void *src, int n) {
+    if constexpr (N == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(n));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N),
+                     "r"(n));
+}
+__device__ __forceinline__ void cp_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N> __device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ uint32_t lds32(const uint8_t *p) {
+    return *reinterpret_cast<const uint32_t *>(p);
+}
+
+/* The swizzled position of 16-byte chunk `ch` of a 16-bit row of token t (a bijection of the low
+ * three bits that differs in bit 2 between consecutive tokens). */
+__device__ __forceinline__ int swz(int ch, int t) {
+    return ch ^ (((t & 1) << 2) | ((t >> 1) & 3));
+}
+
+template <bool BF>
+__device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    if constexpr (BF)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Two floats rounded to the 16-bit type (hi) and their remainders rounded again (lo). */
+template <bool BF>
+__device__ __forceinline__ void split2(float x, float y, uint32_t &hi, uint32_t &lo) {
+    if constexpr (BF) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+        float2 hf = __bfloat1622float2(h);
+        __nv_bfloat162 l = __floats2bfloat162_rn(x - hf.x, y - hf.y);
+        hi = *reinterpret_cast<uint32_t *>(&h);
+        lo = *reinterpret_cast<uint32_t *>(&l);
+    } else {
+        __half2 h = __floats2half2_rn(x, y);
+        float2 hf = __half22float2(h);
+        __half2 l = __floats2half2_rn(x - hf.x, y - hf.y);
+        hi = *reinterpret_cast<uint32_t *>(&h);
+        lo = *reinterpret_cast<uint32_t *>(&l);
+    }
+}
+
+/* Two int8 codes (bytes `sel` picks of x, already xor 0x80) as f16, times the f16 scales s2. */
+__device__ __forceinline__ uint32_t dequant2(uint32_t x, uint32_t sel, __half2 s2) {
+    uint32_t h = __byte_perm(x, 0x64646464u, sel); /* 1024 + code + 128, exact */
+    __half2 v = __hsub2(*reinterpret_cast<__half2 *>(&h), __float2half2_rn(1152.0f));
+    v = __hmul2(v, s2);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+
+/* ---- the decode kernel --------------------------------------------------------------------- */
+
+/* Copies the K and V rows of one KV head of one block into a stage; rows ≥ n_valid are zeroed. */
+template <int FMT, int D>
+__device__ __forceinline__ void load_block(uint32_t stage, const uint8_t *kblk, const uint8_t *vblk,
+                                           int tok_stride, int n_valid, int lane) {
+    using G = Geo<FMT, D>;
+    constexpr int TOTAL = BLOCK * G::NCH;
+#pragma unroll
+    for (int i0 = 0; i0 < TOTAL; i0 += 32) {
+        int i = i0 + lane;
+        if (TOTAL % 32 == 0 || i < TOTAL) {
+            int row = i / G::NCH, ch = i % G::NCH;
+            int n = row < n_valid ? 16 : 0;
+            int sch = FMT == FMT_Q8 ? ch : swz(ch, row);
+            uint32_t d = stage + (uint32_t)(row * G::SROW + sch * 16);
+            size_t off = (size_t)row * (size_t)tok_stride;
+            if (FMT == FMT_Q8)
+                off -= (uintptr_t)(kblk + off) & 15; /* the pools share their alignment */
+            off += (size_t)ch * 16;
+            cp_async<16>(d, kblk + off, n);
+            cp_async<16>(d + BLOCK * G::SROW, vblk + off, n);
+        }
+    }
+}
+
+/* The B operand of two k-steps of S = Q·Kᵀ: 8 consecutive elements [32p + 8c, +8) of the key row
+ * of token t, as four registers of two 16-bit values. */
+template <int FMT, int D>
+__device__ __forceinline__ void load_k(const uint8_t *row, int t, int p, int c, uint32_t kb[4]) {
+    if constexpr (FMT == FMT_Q8) {
+        int o = 34 * p + 8 * c;
+        uint32_t w0, w1;
+        if ((p & 1) == 0) {
+            w0 = lds32(row + o);
+            w1 = lds32(row + o + 4);
+        } else {
+            uint32_t a = lds32(row + o - 2), b = lds32(row + o + 2), d = lds32(row + o + 6);
+            w0 = __byte_perm(a, b, 0x5432);
+            w1 = __byte_perm(b, d, 0x5432);
+        }
+        uint32_t sc = *reinterpret_cast<const uint16_t *>(row + 34 * p + 32);
+        sc |= sc << 16;
+        __half2 s2 = *reinterpret_cast<__half2 *>(&sc);
+        w0 ^= 0x80808080u;
+        w1 ^= 0x80808080u;
+        kb[0] = dequant2(w0, 0x4140, s2);
+        kb[1] = dequant2(w0, 0x4342, s2);
+        kb[2] = dequant2(w1, 0x4140, s2);
+        kb[3] = dequant2(w1, 0x4342, s2);
+    } else {
+        uint4 v = *reinterpret_cast<const uint4 *>(row + swz(4 * p + c, t) * 16);
+        kb[0] = v.x;
+        kb[1] = v.y;
+        kb[2] = v.z;
+        kb[3] = v.w;
+    }
+}
+
+/* E = D/8 bytes of a q8 value row from byte o (even) on, as E/4 words. */
+template <int E>
+__device__ __forceinline__ void load_q8_run(const uint8_t *row, int o, uint32_t w[E / 4]) {
+    const uint8_t *base = row + (o & ~3);
+    uint32_t sel = (o & 2) ? 0x5432u : 0x3210u;
+    uint32_t prev = lds32(base);
+#pragma unroll
+    for (int i = 0; i < E / 4; i++) {
+        uint32_t next = lds32(base + 4 * (i + 1));
+        w[i] = __byte_perm(prev, next, sel);
+        prev = next;
+    }
+}
+
+/* MINB: CTAs per SM the registers must allow. */
+template <int FMT, int D, int STAGES, int MINB>
+__global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p) {
+    using G = Geo<FMT, D>;
+    constexpr bool BF = FMT == FMT_BF16;
+    extern __shared__ __align__(16) uint8_t smem[];
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long long item = (long long)blockIdx.x * WARPS + warp;
+    if (item >= p.n_items)
+        return;
+    /* KV heads vary fastest: neighbouring warps read neighbouring rows of the same tokens */
+    const int kvh = (int)(item % p.n_kv);
+    const long long rest = item / p.n_kv;
+    const int split = (int)(rest % p.n_splits);
+    const int b = (int)(rest / p.n_splits);
+    const int r = lane >> 2, c = lane & 3;
+    const int len = p.lengths[b];
+    const int t0 = split * p.split_len;
+    const int hq = kvh * p.group + r; /* this thread's query head (rows r and 8 + r) */
+    const bool head = r < p.group;
+
+    if (t0 >= len) {
+        if (p.n_splits == 1 && head)
+            for (int j = lane & 3; j < D; j += 4)
+                p.out[((size_t)b * p.n_heads + hq) * D + j] = 0.0f;
+        return;
+    }
+    const int t1 = min(t0 + p.split_len, len);
+    const int nblk = (t1 - t0 + BLOCK - 1) / BLOCK;
+
+    uint8_t *ring = smem + (size_t)warp * STAGES * G::STAGE;
+    const uint32_t ring_s = smem_addr(ring);
+    const int32_t *table = p.tables + (size_t)b * p.table_stride + t0 / BLOCK;
+    const int tok_stride = p.n_kv * G::ROW;
+    const size_t head_off = (size_t)kvh * G::ROW;
+
+    /* where token t's row starts in a stage (q8: past its shift) */
+    auto row_at = [&](const uint8_t *base, int t) {
+        if constexpr (FMT == FMT_Q8)
+            return base + t * G::SROW + ((t * tok_stride + (int)head_off) & 15);
+        else
+            return base + t * G::SROW;
+    };
+    auto issue = [&](int i) {
+        long long id = table[i];
+        const uint8_t *kb = p.k_pool + id * p.block_stride + head_off;
+        const uint8_t *vb = p.v_pool + id * p.block_stride + head_off;
+        load_block<FMT, D>(ring_s + (uint32_t)((i % STAGES) * G::STAGE), kb, vb, tok_stride,
+                           t1 - t0 - i * BLOCK, lane);
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < nblk)
+            issue(s);
+        cp_commit();
+    }
+
+    /* The query as A fragments (loaded while the first blocks are in flight): rows r (rounded) and
+     * 8 + r (remainder), k permuted like load_k. */
+    uint32_t qf[D / 32][8];
+#pragma unroll
+    for (int k = 0; k < D / 32; k++) {
+        float x[8];
+        if (head) {
+            size_t base = ((size_t)b * p.n_heads + hq) * D + 32 * k + 8 * c;
+            if (p.q_bf16) {
+                uint4 v = *reinterpret_cast<const uint4 *>((const __nv_bfloat16 *)p.q + base);
+                const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&v);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float2 f = __bfloat1622float2(h[i]);
+                    x[2 * i] = f.x;
+                    x[2 * i + 1] = f.y;
+                }
+            } else {
+                const float4 *f = reinterpret_cast<const float4 *>((const float *)p.q + base);
+                float4 a = f[0], bb = f[1];
+                x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+                x[4] = bb.x, x[5] = bb.y, x[6] = bb.z, x[7] = bb.w;
+            }
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                x[i] *= p.qscale;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                x[i] = 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            split2<BF>(x[2 * i], x[2 * i + 1], qf[k][2 * i], qf[k][2 * i + 1]);
+    }
+
+    /* O accumulates transposed, Oᵀ += Vᵀ·Pᵀ: rows are dims (two per m-tile and thread), columns
+     * are head slots. With a group of ≤ 4, slot n < 4 carries head n's rounded probabilities and
+     * slot n + 4 their remainders (one product); with 5..8 heads, slot n is head n and the
+     * remainders take a second product into the same accumulators. */
+    constexpr int MT = D / 16; /* m-tiles of dims */
+    const bool packed = p.group <= 4;
+    const int h0 = packed ? (2 * c) & 3 : 2 * c; /* heads of this thread's columns */
+    float acc[MT][4];
+#pragma unroll
+    for (int j = 0; j < MT; j++)
+        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+
+    for (int i = 0; i < nblk; i++) {
+        cp_wait<STAGES - 2>();
+        __syncwarp();
+        if (i + STAGES - 1 < nblk)
+            issue(i + STAGES - 1);
+        cp_commit();
+
+        const uint8_t *ks = ring + (i % STAGES) * G::STAGE;
+        const uint8_t *vs = ks + BLOCK * G::SROW;
+        const int valid = t1 - t0 - i * BLOCK;
+
+        /* scores of tokens 8j + 2c + {0, 1} for query head r (two chains of products each) */
+        float s[2][2];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            float ce[4] = {0.0f, 0.0f, 0.0f, 0.0f}, co[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int k = 0; k < D / 32; k++) {
+                uint32_t kb[4];
+                load_k<FMT, D>(row_at(ks, 8 * j + r), 8 * j + r, k, c, kb);
+                mma<BF>(ce, &qf[k][0], kb[0], kb[1]);
+                mma<BF>(co, &qf[k][4], kb[2], kb[3]);
+            }
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                s[j][e] = 8 * j + 2 * c + e < valid ? (ce[e] + ce[2 + e]) + (co[e] + co[2 + e])
+                                                    : -INFINITY;
+        }
+
+        /* online softmax (base 2) */
+        float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m, mx);
+        const float alpha = exp2f(m - mn);
+        m = mn;
+        float pr[2][2];
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                pr[j][e] = exp2f(s[j][e] - mn);
+        l = l * alpha + (pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]);
+        /* rescale only when some head's maximum moved (rare once a few blocks are in) */
+        if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+            const float a0 = __shfl_sync(0xffffffffu, alpha, 4 * h0);
+            const float a1 = __shfl_sync(0xffffffffu, alpha, 4 * h0 + 4);
+#pragma unroll
+            for (int j = 0; j < MT; j++) {
+                acc[j][0] *= a0, acc[j][2] *= a0;
+                acc[j][1] *= a1, acc[j][3] *= a1;
+            }
+        }
+
+        /* Pᵀ as the B operand: column r of tokens 2c, 2c+1 (b0) and 8+2c, 9+2c (b1) */
+        uint32_t bh[2], bl[2];
+        if (packed) {
+            float x[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float own = pr[e >> 1][e & 1];
+                float other = __shfl_xor_sync(0xffffffffu, own, 16); /* head r − 4 */
+                x[e] = r < 4 ? own : other;
+            }
+            uint32_t h[2], lo[2];
+            split2<BF>(x[0], x[1], h[0], lo[0]);
+            split2<BF>(x[2], x[3], h[1], lo[1]);
+            bh[0] = r < 4 ? h[0] : lo[0];
+            bh[1] = r < 4 ? h[1] : lo[1];
+        } else {
+            split2<BF>(pr[0][0], pr[0][1], bh[0], bl[0]);
+            split2<BF>(pr[1][0], pr[1][1], bh[1], bl[1]);
+        }
+
+        /* Oᵀ += Vᵀ·Pᵀ */
+        if constexpr (FMT == FMT_Q8) {
+            /* this thread's dims: [E·r, E·r + E); rows r and r + 8 of m-tile mt are dims
+             * E·r + mt and E·r + E/2 + mt */
+            /* this thread's E = D/8 code bytes of tokens 2c, 2c+1, 8+2c, 9+2c, and their scales */
+            constexpr int E = D / 8;
+            const int o = 34 * (E * r / 32) + (E * r) % 32;
+            const int scale_at = 34 * (E * r / 32) + 32;
+            const uint8_t *ra = row_at(vs, 2 * c), *rb = row_at(vs, 2 * c + 1);
+            const uint8_t *rc = row_at(vs, 8 + 2 * c), *rd = row_at(vs, 9 + 2 * c);
+            uint32_t wa[E / 4], wb[E / 4], wc[E / 4], wd[E / 4];
+            load_q8_run<E>(ra, o, wa);
+            load_q8_run<E>(rb, o, wb);
+            load_q8_run<E>(rc, o, wc);
+            load_q8_run<E>(rd, o, wd);
+            uint32_t sab = __byte_perm(*reinterpret_cast<const uint16_t *>(ra + scale_at),
+                                       *reinterpret_cast<const uint16_t *>(rb + scale_at), 0x5410);
+            uint32_t scd = __byte_perm(*reinterpret_cast<const uint16_t *>(rc + scale_at),
+                                       *reinterpret_cast<const uint16_t *>(rd + scale_at), 0x5410);
+            const __half2 s_ab = *reinterpret_cast<__half2 *>(&sab);
+            const __half2 s_cd = *reinterpret_cast<__half2 *>(&scd);
+#pragma unroll
+            for (int w = 0; w < E / 8; w++) {
+                /* bytes (a_k, b_k) interleaved, xor 0x80: words w (rows r) and w + E/8 (r + 8) */
+                uint32_t ab[2][2], cd[2][2];
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    const int x = w + half * (E / 8);
+                    ab[half][0] = __byte_perm(wa[x], wb[x], 0x5140) ^ 0x80808080u;
+                    ab[half][1] = __byte_perm(wa[x], wb[x], 0x7362) ^ 0x80808080u;
+                    cd[half][0] = __byte_perm(wc[x], wd[x], 0x5140) ^ 0x80808080u;
+                    cd[half][1] = __byte_perm(wc[x], wd[x], 0x7362) ^ 0x80808080u;
+                }
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const uint32_t sel = q & 1 ? 0x4342 : 0x4140;
+                    uint32_t a[4] = {
+                        dequant2(ab[0][q >> 1], sel, s_ab), dequant2(ab[1][q >> 1], sel, s_ab),
+                        dequant2(cd[0][q >> 1], sel, s_cd), dequant2(cd[1][q >> 1], sel, s_cd)};
+                    mma<false>(acc[4 * w + q], a, bh[0], bh[1]);
+                    if (!packed)
+                        mma<false>(acc[4 * w + q], a, bl[0], bl[1]);
+                }
+            }
+        } else {
+            /* rows r and r + 8 of m-tile mt are dims 16·mt + r and 16·mt + 8 + r */
+            const int mat = lane >> 3, t = (mat >> 1) * 8 + (lane & 7);
+            const uint32_t vrow = smem_addr(vs + t * G::SROW);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                uint32_t addr = vrow + (uint32_t)(swz(2 * mt + (mat & 1), t) * 16);
+                uint32_t a[4];
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                             : "r"(addr));
+                mma<BF>(acc[mt], a, bh[0], bh[1]);
+                if (!packed)
+                    mma<BF>(acc[mt], a, bl[0], bl[1]);
+            }
+        }
+    }
+    cp_wait<0>();
+    /* the merge kernel may start launching; it waits for this grid's writes before reading */
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    /* packed: add the remainder columns (c + 2) to the rounded ones (c) */
+    if (packed) {
+#pragma unroll
+        for (int j = 0; j < MT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                acc[j][e] += __shfl_xor_sync(0xffffffffu, acc[j][e], 2);
+    }
+    /* this thread's columns: heads h0 and h0 + 1, with their m and l from the rows' threads */
+    const float l0 = __shfl_sync(0xffffffffu, l, 4 * h0),
+                l1 = __shfl_sync(0xffffffffu, l, 4 * h0 + 4);
+    if (p.n_splits > 1 && c == 0 && head)
+        p.part_ml[((size_t)b * p.n_heads + hq) * p.n_splits + split] = make_float2(m, l);
+    if ((packed && c >= 2) || h0 >= p.group)
+        return;
+    const bool two = h0 + 1 < p.group;
+
+    auto dim = [&](int mt, int row8) {
+        return FMT == FMT_Q8 ? (D / 8) * r + row8 * (D / 16) + mt : 16 * mt + 8 * row8 + r;
+    };
+    const size_t bh0 = (size_t)b * p.n_heads + kvh * p.group + h0;
+    if (p.n_splits == 1) {
+        const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+        float *o0 = p.out + bh0 * D, *o1 = o0 + D;
+#pragma unroll
+        for (int j = 0; j < MT; j++) {
+            o0[dim(j, 0)] = acc[j][0] * i0;
+            o0[dim(j, 1)] = acc[j][2] * i0;
+            if (two) {
+                o1[dim(j, 0)] = acc[j][1] * i1;
+                o1[dim(j, 1)] = acc[j][3] * i1;
+            }
+        }
+    } else {
+        const size_t slot0 = bh0 * p.n_splits + split, slot1 = slot0 + p.n_splits;
+        float *o0 = p.part_acc + slot0 * D, *o1 = p.part_acc + slot1 * D;
+#pragma unroll
+        for (int j = 0; j < MT; j++) {
+            o0[dim(j, 0)] = acc[j][0];
+            o0[dim(j, 1)] = acc[j][2];
+            if (two) {
+                o1[dim(j, 0)] = acc[j][1];
+                o1[dim(j, 1)] = acc[j][3];
+            }
+        }
+    }
+}
+
+/* ---- the merge of splits ------------------------------------------------------------------- */
+
+/* One CTA per (sequence, head, 32 dims): every thread helps weigh the splits, then 16 groups of 8
+ * threads (a float4 each) sum a strided share of the splits, folded through shared memory. */
+constexpr int MERGE_THREADS = 128;
+constexpr int MERGE_DIMS = 32;
+
+__device__ float block_reduce(float v, bool is_max, float *red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, w) : v + w;
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0)
+        red[warp] = v;
+    __syncthreads();
+    v = red[0];
+    for (int w = 1; w < MERGE_THREADS / 32; w++)
+        v = is_max ? fmaxf(v, red[w]) : v + red[w];
+    return v;
+}
+
+__global__ void __launch_bounds__(MERGE_THREADS)
+    merge_kernel(const float *part_acc, const float2 *part_ml, const int32_t *lengths, int n_heads,
+                 int n_splits, int split_len, int D, float *out) {
+    extern __shared__ float weight[]; /* [n_splits] */
+    __shared__ float red[MERGE_THREADS / 32];
+    __shared__ float4 fold[MERGE_THREADS];
+    /* the decode kernel's partials are complete and visible after this */
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const size_t bh = blockIdx.x;
+    const int b = (int)(bh / n_heads);
+    const int len = lengths[b];
+    const int ns = min(n_splits, (len + split_len - 1) / split_len);
+    const float2 *ml = part_ml + bh * n_splits;
+
+    float mx = -INFINITY;
+    for (int s = threadIdx.x; s < ns; s += MERGE_THREADS)
+        mx = fmaxf(mx, ml[s].x);
+    mx = block_reduce(mx, true, red);
+    float sum = 0.0f;
+    for (int s = threadIdx.x; s < ns; s += MERGE_THREADS) {
+        float w = exp2f(ml[s].x - mx);
+        weight[s] = w;
+        sum += w * ml[s].y;
+    }
+    sum = block_reduce(sum, false, red); /* its barriers also publish weight[] */
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+
+    const int quad = threadIdx.x % (MERGE_DIMS / 4), sub = threadIdx.x / (MERGE_DIMS / 4);
+    constexpr int SUBS = MERGE_THREADS / (MERGE_DIMS / 4);
+    const int d0 = blockIdx.y * MERGE_DIMS + 4 * quad;
+    const float *acc = part_acc + bh * n_splits * D + d0;
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+    for (int s = sub; s < ns; s += SUBS) {
+        float4 a = *reinterpret_cast<const float4 *>(acc + (size_t)s * D);
+        float w = weight[s];
+        o.x += w * a.x, o.y += w * a.y, o.z += w * a.z, o.w += w * a.w;
+    }
+    fold[threadIdx.x] = o;
+    __syncthreads();
+    if (sub == 0) {
+        for (int k = 1; k < SUBS; k++) {
+            float4 a = fold[threadIdx.x + k * (MERGE_DIMS / 4)];
+            o.x += a.x, o.y += a.y, o.z += a.z, o.w += a.w;
+        }
+        *reinterpret_cast<float4 *>(out + bh * D + d0) =
+            make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+    }
+}
+
+/* ---- host side ----------------------------------------------------------------------------- */
+
+/* Stages per warp and the most CTAs per SM, for head_dim ≤ 128 (measured on an H200:
+ * docs/BENCHMARKS.md). LLMEM_CUDA_ATTN_STAGES (2, 3, 4, 6, 8) and LLMEM_CUDA_ATTN_CTAS (1..4), or
+ * LLMEM_CUDA_ATTN_<FORMAT>_STAGES / _CTAS (format BF16, F16, Q8) for one format, override them. */
+int env_int(const char *name, int lo, int hi, int fallback) {
+    const char *e = getenv(name);
+    int v = e ? atoi(e) : fallback;
+    return v >= lo && v <= hi ? v : fallback;
+}
+
+int env_format_int(const char *fmt, const char *what, int lo, int hi, int fallback) {
+    char name[64];
+    snprintf(name, sizeof(name), "LLMEM_CUDA_ATTN_%s", what);
+    int v = env_int(name, lo, hi, fallback);
+    snprintf(name, sizeof(name), "LLMEM_CUDA_ATTN_%s_%s", fmt, what);
+    return env_int(name, lo, hi, v);
+}
+
+typedef void (*kernel_fn)(const Params);
+
+struct KernelInfo {
+    kernel_fn fn;
+    int smem;         /* the stages' bytes */
+    int smem_alloc;   /* what a CTA asks for: at least smem, more to cap the CTAs per SM */
+    int max_ctas;     /* 0: as many as fit */
+    int warps_per_sm; /* resident warps per multiprocessor, 0 until asked */
+};
+
+template <int FMT, int D, int STAGES, int MINB> KernelInfo *kernel_info(int max_ctas) {
+    static KernelInfo info = {decode_kernel<FMT, D, STAGES, MINB>,
+                              WARPS * STAGES * Geo<FMT, D>::STAGE, 0, max_ctas, 0};
+    return &info;
+}
+
+constexpr int SMEM_CTA_MAX = 220 * 1024;
+
+template <int FMT, int D, int MINB> KernelInfo *pick_stages(int stages, int max_ctas) {
+    constexpr int ST = WARPS * Geo<FMT, D>::STAGE;
+    if (stages >= 8 && 8 * ST <= SMEM_CTA_MAX)
+        return kernel_info<FMT, D, 8, MINB>(max_ctas);
+    if (stages >= 6 && 6 * ST <= SMEM_CTA_MAX)
+        return kernel_info<FMT, D, 6, MINB>(max_ctas);
+    if (stages >= 4 && 4 * ST <= SMEM_CTA_MAX)
+        return kernel_info<FMT, D, 4, MINB>(max_ctas);
+    if (stages >= 3 && 3 * ST <= SMEM_CTA_MAX)
+        return kernel_info<FMT, D, 3, MINB>(max_ctas);
+    return kernel_info<FMT, D, 2, MINB>(max_ctas);
+}
+
+template <int FMT> KernelInfo *pick_dim(int head_dim) {
+    static const char *name = FMT == FMT_Q8 ? "Q8" : FMT == FMT_BF16 ? "BF16" : "F16";
+    /* 16-bit: 3 stages, one CTA (4 warps) per SM; q8: 3 stages, two CTAs per SM */
+    static const int stages = env_format_int(name, "STAGES", 2, 8, 3);
+    static const int ctas = env_format_int(name, "CTAS", 0, 4, FMT == FMT_Q8 ? 2 : 1);
+    switch (head_dim) {
+    case 64: return pick_stages<FMT, 64, 2>(stages, ctas);
+    case 128: return pick_stages<FMT, 128, 2>(stages, ctas);
+    case 256: return pick_stages<FMT, 256, 1>(stages, ctas);
+    default: return NULL;
+    }
+}
+
+KernelInfo *pick_kernel(const struct llmem_cuda_attn *a) {
+    switch (a->format) {
+    case LLMEM_KV_FORMAT_F16: return pick_dim<FMT_F16>(a->head_dim);
+    case LLMEM_KV_FORMAT_BF16: return pick_dim<FMT_BF16>(a->head_dim);
+    case LLMEM_KV_FORMAT_Q8: return pick_dim<FMT_Q8>(a->head_dim);
+    default: return NULL;
+    }
+}
+
+/* Raises the kernel's shared-memory limit and reads its occupancy, once. */
+int prepare(KernelInfo *k) {
+    if (k->warps_per_sm > 0)
+        return LLMEM_OK;
+    k->smem_alloc = k->smem;
+    int dev = 0, per_sm = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err == cudaSuccess)
+        err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    if (err == cudaSuccess && k->max_ctas > 0) {
+        /* more than per_sm / (max_ctas + 1) a CTA (1 KB of it reserved) leaves room for fewer */
+        int floor_bytes = per_sm / (k->max_ctas + 1) - 1024 + 256;
+        k->smem_alloc = floor_bytes > k->smem ? floor_bytes : k->smem;
+    }
+    if (err == cudaSuccess)
+        err =
+            cudaFuncSetAttribute(k->fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k->smem_alloc);
+    int blocks = 0;
+    if (err == cudaSuccess)
+        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k->fn, WARPS * 32,
+                                                            k->smem_alloc);
+    if (err != cudaSuccess || blocks == 0) {
+        LLMEM_ERROR_AS("llmem_cuda_attn_decode", "kernel set-up: %s (%d blocks per SM)",
+                       cudaGetErrorString(err), blocks);
+        return LLMEM_EIO;
+    }
+    k->warps_per_sm = blocks * WARPS;
+    return LLMEM_OK;
+}
+
+/* Multiprocessors of the current device (asked once per device). */
+int sm_count(void) {
+    static int cached[64];
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess)
+        return 0;
+    if (dev >= 0 && dev < 64 && cached[dev] > 0)
+        return cached[dev];
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        return 0;
+    if (dev >= 0 && dev < 64)
+        cached[dev] = n;
+    return n;
+}
+
+int check(const struct llmem_cuda_attn *a, KernelInfo **kernel) {
+    const char *why = NULL;
+    if (a->format != LLMEM_KV_FORMAT_F16 && a->format != LLMEM_KV_FORMAT_BF16 &&
+        a->format != LLMEM_KV_FORMAT_Q8)
+        why = "format (f16, bf16 or q8)";
+    else if (a->head_dim != 64 && a->head_dim != 128 && a->head_dim != 256)
+        why = "head_dim (64, 128 or 256)";
+    else if (a->block_size != BLOCK)
+        why = "block_size (16)";
+    else if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0 ||
+             a->n_heads / a->n_kv_heads > MAX_GROUP)
+        why = "n_heads (n_kv_heads × 1..8)";
+    else if (a->batch < 0 || a->max_len < 0 || a->table_stride * a->block_size < a->max_len)
+        why = "batch, max_len or table_stride";
+    else if (a->split_len < 0 || a->split_len % BLOCK != 0)
+        why = "split_len (a multiple of 16)";
+    else if (((uintptr_t)a->k_pool | (uintptr_t)a->v_pool | (uintptr_t)a->q) % 16 != 0 ||
+             a->block_stride % 16 != 0)
+        why = "alignment (pools, block_stride and q on 16 bytes)";
+    if (why) {
+        LLMEM_ERROR_AS("llmem_cuda_attn_decode", "unsupported %s", why);
+        return LLMEM_EINVAL;
+    }
+    *kernel = pick_kernel(a);
+    return prepare(*kernel);
+}
+
+/* Splits per sequence and their length, for `slots` resident warps. */
+void choose_split(const struct llmem_cuda_attn *a, long long slots, int *split_len, int *n_splits) {
+    const int blocks = (a->max_len + BLOCK - 1) / BLOCK;
+    const long long units = (long long)a->batch * a->n_kv_heads;
+    if (blocks <= 1 || units == 0) {
+        *split_len = blocks * BLOCK > 0 ? blocks * BLOCK : BLOCK;
+        *n_splits = 1;
+        return;
+    }
+    if (a->split_len > 0) {
+        *split_len = a->split_len;
+        *n_splits = (a->max_len + a->split_len - 1) / a->split_len;
+        return;
+    }
+    /* cost in block-times: waves × (blocks per split + a fixed cost of 2), +1 for the merge */
+    long long best = -1;
+    int best_len = blocks;
+    for (int n = 1; n <= blocks && n <= 4096; n++) {
+        int per = (blocks + n - 1) / n;
+        int eff = (blocks + per - 1) / per;
+        if (eff != n)
+            continue;
+        long long waves = (units * eff + slots - 1) / slots;
+        long long cost = waves * (per + 2) + (eff > 1 ? 1 : 0);
+        if (best < 0 || cost < best) {
+            best = cost;
+            best_len = per;
+        }
+    }
+    *split_len = best_len * BLOCK;
+    *n_splits = (blocks + best_len - 1) / best_len;
+}
+
+constexpr int MAX_SPLITS = 4096; /* the merge keeps a weight per split in shared memory */
+
+int plan(const struct llmem_cuda_attn *a, KernelInfo **kernel, int *split_len, int *n_splits) {
+    int rc = check(a, kernel);
+    if (rc != LLMEM_OK)
+        return rc;
+    long long slots = (long long)sm_count() * (*kernel)->warps_per_sm;
+    choose_split(a, slots > 0 ? slots : 1024, split_len, n_splits);
+    if (*n_splits > MAX_SPLITS) {
+        LLMEM_ERROR_AS("llmem_cuda_attn_decode", "split_len %d gives %d splits (at most %d)",
+                       *split_len, *n_splits, MAX_SPLITS);
+        return LLMEM_EINVAL;
+    }
+    return LLMEM_OK;
+}
+
+} // namespace
+
+extern "C" int llmem_cuda_attn_split(const struct llmem_cuda_attn *a, int *split_len,
+                                     int *n_splits) {
+    KernelInfo *k;
+    return plan(a, &k, split_len, n_splits);
+}
+
+extern "C" size_t llmem_cuda_attn_workspace_bytes(const struct llmem_cuda_attn *a) {
+    KernelInfo *k;
+    int len, n;
+    if (plan(a, &k, &len, &n) != LLMEM_OK || n <= 1)
+        return 0;
+    size_t slots = (size_t)a->batch * a->n_heads * n;
+    return slots * a->head_dim * sizeof(float) + slots * sizeof(float2);
+}
+
+extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
+    KernelInfo *k;
+    int split_len, n_splits;
+    int rc = plan(a, &k, &split_len, &n_splits);
+    if (rc != LLMEM_OK)
+        return rc;
+    if (a->batch == 0)
+        return LLMEM_OK;
+    size_t slots = (size_t)a->batch * a->n_heads * n_splits;
+    size_t need = n_splits > 1 ? slots * a->head_dim * sizeof(float) + slots * sizeof(float2) : 0;
+    if (need > a->workspace_bytes || (need > 0 && a->workspace == NULL)) {
+        LLMEM_ERROR("workspace of %zu bytes, %zu needed", a->workspace_bytes, need);
+        return LLMEM_EINVAL;
+    }
+
+    Params p;
+    p.q = a->q;
+    p.q_bf16 = a->q_bf16;
+    p.k_pool = (const uint8_t *)a->k_pool;
+    p.v_pool = (const uint8_t *)a->v_pool;
+    p.block_stride = a->block_stride;
+    p.tables = a->block_tables;
+    p.table_stride = a->table_stride;
+    p.lengths = a->lengths;
+    p.out = a->out;
+    p.part_acc = (float *)a->workspace;
+    p.part_ml = n_splits > 1 ? (float2 *)((float *)a->workspace + slots * a->head_dim) : NULL;
+    p.n_heads = a->n_heads;
+    p.n_kv = a->n_kv_heads;
+    p.group = a->n_heads / a->n_kv_heads;
+    p.split_len = split_len;
+    p.n_splits = n_splits;
+    p.n_items = (long long)a->batch * a->n_kv_heads * n_splits;
+    float scale = a->scale != 0.0f ? a->scale : 1.0f / sqrtf((float)a->head_dim);
+    p.qscale = scale * LOG2E;
+
+    cudaStream_t stream = (cudaStream_t)a->stream;
+    unsigned grid = (unsigned)((p.n_items + WARPS - 1) / WARPS);
+    k->fn<<<grid, WARPS * 32, k->smem_alloc, stream>>>(p);
+    cudaError_t err = cudaGetLastError();
+    if (err == cudaSuccess && n_splits > 1) {
+        /* launched as a programmatic dependent: its launch overlaps the decode kernel's tail */
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim =
+            dim3((unsigned)((size_t)a->batch * a->n_heads), (unsigned)(a->head_dim / MERGE_DIMS));
+        cfg.blockDim = dim3(MERGE_THREADS);
+        cfg.dynamicSmemBytes = n_splits * sizeof(float);
+        cfg.stream = stream;
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        err = cudaLaunchKernelEx(&cfg, merge_kernel, (const float *)p.part_acc,
+                                 (const float2 *)p.part_ml, a->lengths, a->n_heads, n_splits,
+                                 split_len, a->head_dim, a->out);
+    }
+    if (err == cudaSuccess)
+        err = cudaGetLastError();
+    if (err != cudaSuccess) {
+        LLMEM_ERROR("launch: %s", cudaGetErrorString(err));
+        return LLMEM_EIO;
+    }
+    return LLMEM_OK;
+}

@@ -1,0 +1,302 @@
+/*
+ * tests/test-cuda-attn.c — the GPU's paged decode attention (backend/cuda/attention.h) against
+ * the CPU attention of the same cache.
+ *
+ * Each case builds a one-layer paged cache on the CPU through the public kv API (random keys and
+ * values, sequences appended in interleaved chunks so that their block tables are scattered),
+ * copies every live block as llmem_kv_block_copy_out lays it out ([K | V]) to the device at its
+ * block id, and compares the GPU's output with llmem_kv_attend at the last position: for f16,
+ * bf16 and q8, GQA groups of 1, 4 and 8, head_dim 64, 128 (and 256), ragged lengths (0, 1, below,
+ * at and past a block, past a split), with the split chosen by the GPU's size and forced small.
+ * The output is poisoned (NaN) before each call, so an unwritten element fails.
+ *
+ * Tolerance, per (sequence, head), ‖gpu − cpu‖ / ‖cpu‖:
+ *   f16, bf16  1e-4: keys and values are used exactly; the query and the probabilities enter the
+ *              tensor cores as a 16-bit value plus its 16-bit remainder (~2⁻¹⁷), sums are f32;
+ *   q8         1e-3: as above, but each decoded element code·scale is rounded to f16 (2⁻¹²).
+ * The measured maxima are printed (typically 1e-6 and 1e-4).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "backend/cuda/attention.h"
+#include "kv/codec.h"
+#include "llmem/kv.h"
+#include "testutil.h"
+
+#define CU(call) assert_int_equal((int)(call), (int)cudaSuccess)
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static float frand(void) { /* uniform in [-1, 1) */
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (float)((rng_state >> 40) * (1.0 / 8388608.0)) - 1.0f;
+}
+
+struct attn_case {
+    enum llmem_kv_format format;
+    int n_heads, n_kv_heads, head_dim;
+    int batch;
+    const int *lengths;
+    int split_len; /* 0: the GPU's choice */
+    int q_bf16;
+};
+
+/* Runs one case; returns the largest relative error over (sequence, head). */
+static double run_case(const struct attn_case *tc) {
+    const int H = tc->n_heads, KV = tc->n_kv_heads, D = tc->head_dim, B = tc->batch;
+    int max_len = 0;
+    for (int b = 0; b < B; b++)
+        max_len = tc->lengths[b] > max_len ? tc->lengths[b] : max_len;
+
+    struct llmem_kv_config cfg;
+    llmem_kv_config_default(&cfg);
+    cfg.layout = LLMEM_KV_LAYOUT_PAGED;
+    cfg.format = tc->format;
+    cfg.n_layers = 1;
+    cfg.n_kv_heads = KV;
+    cfg.head_dim = D;
+    cfg.max_sequences = B;
+    cfg.block_size = 16;
+    cfg.num_blocks = 64;
+    cfg.dynamic = 1;
+    cfg.n_threads = 2;
+    struct llmem_kv *kv = NULL;
+    assert_int_equal(llmem_kv_create(&cfg, NULL, &kv), LLMEM_OK);
+
+    /* sequences appended 40 tokens at a time, round robin: scattered block tables */
+    int *seq = calloc((size_t)B, sizeof(int));
+    for (int b = 0; b < B; b++)
+        assert_int_equal(llmem_kv_seq_new(kv, &seq[b]), LLMEM_OK);
+    const int chunk = 40;
+    float *k = malloc((size_t)chunk * KV * D * sizeof(float));
+    float *v = malloc((size_t)chunk * KV * D * sizeof(float));
+    for (int done = 0; done < max_len; done += chunk) {
+        for (int b = 0; b < B; b++) {
+            int n = tc->lengths[b] - done;
+            n = n > chunk ? chunk : n;
+            if (n <= 0)
+                continue;
+            for (int i = 0; i < n * KV * D; i++) {
+                /* a few large keys make the softmax peaked in places */
+                k[i] = frand() * ((i % 97) == 0 ? 6.0f : 1.0f);
+                v[i] = frand();
+            }
+            assert_int_equal(llmem_kv_append(kv, seq[b], n, k, v), LLMEM_OK);
+        }
+    }
+
+    /* the pool as the device sees it: block id i at i × block_bytes, [K | V] */
+    struct llmem_kv_stats st;
+    llmem_kv_stats(kv, &st);
+    const size_t block_bytes = (size_t)llmem_kv_block_bytes(kv);
+    const int64_t n_blocks = st.n_blocks;
+    uint8_t *pool = calloc((size_t)n_blocks, block_bytes);
+    const int table_stride = (max_len + 15) / 16 > 0 ? (max_len + 15) / 16 : 1;
+    int32_t *tables = calloc((size_t)B * table_stride, sizeof(int32_t));
+    for (int b = 0; b < B; b++) {
+        const int64_t *ids;
+        int64_t n = llmem_kv_seq_blocks(kv, seq[b], &ids);
+        assert_true(n <= table_stride);
+        for (int64_t i = 0; i < n; i++) {
+            llmem_kv_block_copy_out(kv, ids[i], pool + (size_t)ids[i] * block_bytes);
+            tables[(size_t)b * table_stride + i] = (int32_t)ids[i];
+        }
+    }
+
+    /* queries (rounded to bf16 when the GPU reads bf16) and the CPU reference */
+    const size_t n_out = (size_t)B * H * D;
+    float *q = malloc(n_out * sizeof(float));
+    uint16_t *q16 = malloc(n_out * sizeof(uint16_t));
+    for (size_t i = 0; i < n_out; i++) {
+        q[i] = 2.0f * frand();
+        if (tc->q_bf16) {
+            q16[i] = llmem_f32_to_bf16(q[i]);
+            q[i] = llmem_bf16_to_f32(q16[i]);
+        }
+    }
+    float *ref = calloc(n_out, sizeof(float));
+    struct llmem_kv_attn attn = {
+        .n_heads = H, .scale = 0.0f, .window = 0, .route = LLMEM_KV_ROUTE_AUTO};
+    for (int b = 0; b < B; b++)
+        if (tc->lengths[b] > 0)
+            assert_int_equal(llmem_kv_attend(kv, seq[b], 0, tc->lengths[b] - 1, 1,
+                                             q + (size_t)b * H * D, ref + (size_t)b * H * D, &attn),
+                             LLMEM_OK);
+
+    /* the GPU */
+    void *d_pool, *d_q, *d_tables, *d_len, *d_out, *d_ws = NULL;
+    CU(cudaMalloc(&d_pool, (size_t)n_blocks * block_bytes));
+    CU(cudaMalloc(&d_q, n_out * sizeof(float)));
+    CU(cudaMalloc(&d_tables, (size_t)B * table_stride * sizeof(int32_t)));
+    CU(cudaMalloc(&d_len, (size_t)B * sizeof(int32_t)));
+    CU(cudaMalloc(&d_out, n_out * sizeof(float)));
+    CU(cudaMemcpy(d_pool, pool, (size_t)n_blocks * block_bytes, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(d_q, tc->q_bf16 ? (void *)q16 : (void *)q,
+                  n_out * (tc->q_bf16 ? sizeof(uint16_t) : sizeof(float)), cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(d_tables, tables, (size_t)B * table_stride * sizeof(int32_t),
+                  cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(d_len, tc->lengths, (size_t)B * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CU(cudaMemset(d_out, 0xff, n_out * sizeof(float))); /* NaN */
+
+    struct llmem_cuda_attn a = {
+        .format = tc->format,
+        .n_heads = H,
+        .n_kv_heads = KV,
+        .head_dim = D,
+        .block_size = 16,
+        .batch = B,
+        .max_len = max_len,
+        .split_len = tc->split_len,
+        .q = d_q,
+        .q_bf16 = tc->q_bf16,
+        .k_pool = d_pool,
+        .v_pool = (uint8_t *)d_pool + block_bytes / 2,
+        .block_stride = (int64_t)block_bytes,
+        .block_tables = d_tables,
+        .table_stride = table_stride,
+        .lengths = d_len,
+        .out = d_out,
+    };
+    a.workspace_bytes = llmem_cuda_attn_workspace_bytes(&a);
+    if (a.workspace_bytes > 0) {
+        CU(cudaMalloc(&d_ws, a.workspace_bytes));
+        a.workspace = d_ws;
+    }
+    int split_len = 0, n_splits = 0;
+    assert_int_equal(llmem_cuda_attn_split(&a, &split_len, &n_splits), LLMEM_OK);
+    assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_OK);
+    CU(cudaDeviceSynchronize());
+    float *out = malloc(n_out * sizeof(float));
+    CU(cudaMemcpy(out, d_out, n_out * sizeof(float), cudaMemcpyDeviceToHost));
+
+    double worst = 0.0;
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            const float *g = out + ((size_t)b * H + h) * D, *r = ref + ((size_t)b * H + h) * D;
+            double num = 0.0, den = 0.0;
+            for (int i = 0; i < D; i++) {
+                if (!isfinite(g[i])) {
+                    fprintf(stderr, "seq %d (length %d) head %d dim %d: %g\n", b, tc->lengths[b], h,
+                            i, g[i]);
+                    fail();
+                }
+                num += ((double)g[i] - r[i]) * ((double)g[i] - r[i]);
+                den += (double)r[i] * r[i];
+            }
+            double e = den > 0.0 ? sqrt(num / den) : sqrt(num);
+            worst = e > worst ? e : worst;
+        }
+    printf("  %-4s heads %2d/%d d %3d batch %d max_len %5d q %s split %4d × %3d: rel err %.2e\n",
+           llmem_kv_format_name(tc->format), H, KV, D, B, max_len, tc->q_bf16 ? "bf16" : "f32",
+           split_len, n_splits, worst);
+
+    cudaFree(d_pool);
+    cudaFree(d_q);
+    cudaFree(d_tables);
+    cudaFree(d_len);
+    cudaFree(d_out);
+    cudaFree(d_ws);
+    free(out);
+    free(ref);
+    free(q16);
+    free(q);
+    free(tables);
+    free(pool);
+    free(k);
+    free(v);
+    free(seq);
+    llmem_kv_destroy(kv);
+    return worst;
+}
+
+static double tolerance(enum llmem_kv_format f) {
+    return f == LLMEM_KV_FORMAT_Q8 ? 1e-3 : 1e-4;
+}
+
+/* lengths: empty, 1, within a block, a block exactly, just past, past a split of 32, long */
+static const int ragged[] = {1, 15, 16, 17, 0, 33, 100, 517, 1000, 2049};
+#define N_RAGGED ((int)(sizeof(ragged) / sizeof(ragged[0])))
+
+static void test_formats_groups_dims(void **state) {
+    (void)state;
+    const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_F16,
+                                            LLMEM_KV_FORMAT_Q8};
+    const int groups[][2] = {{4, 4}, {16, 4}, {16, 2}}; /* GQA 1, 4, 8 */
+    const int dims[] = {64, 128};
+    for (int f = 0; f < 3; f++)
+        for (int g = 0; g < 3; g++)
+            for (int d = 0; d < 2; d++)
+                for (int split = 0; split <= 32; split += 32) {
+                    struct attn_case tc = {formats[f], groups[g][0], groups[g][1], dims[d],
+                                           N_RAGGED,   ragged,       split,        0};
+                    assert_true(run_case(&tc) <= tolerance(formats[f]));
+                }
+}
+
+static void test_bf16_query_and_dim256(void **state) {
+    (void)state;
+    const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_F16,
+                                            LLMEM_KV_FORMAT_Q8};
+    for (int f = 0; f < 3; f++) {
+        struct attn_case tc = {formats[f], 32, 8, 128, N_RAGGED, ragged, 0, 1};
+        assert_true(run_case(&tc) <= tolerance(formats[f]));
+        struct attn_case t256 = {formats[f], 8, 2, 256, N_RAGGED, ragged, 48, 0};
+        assert_true(run_case(&t256) <= tolerance(formats[f]));
+    }
+}
+
+/* One long sequence split over the whole GPU, and a wide batch in one split each. */
+static void test_shapes(void **state) {
+    (void)state;
+    static const int one[] = {4000};
+    static int wide[64];
+    for (int i = 0; i < 64; i++)
+        wide[i] = 1 + (i * 37) % 300;
+    const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_Q8};
+    for (int f = 0; f < 2; f++) {
+        struct attn_case a = {formats[f], 32, 8, 128, 1, one, 0, 0};
+        assert_true(run_case(&a) <= tolerance(formats[f]));
+        struct attn_case b = {formats[f], 32, 8, 128, 64, wide, 0, 0};
+        assert_true(run_case(&b) <= tolerance(formats[f]));
+    }
+}
+
+static void test_rejects(void **state) {
+    (void)state;
+    struct llmem_cuda_attn a = {.format = LLMEM_KV_FORMAT_Q4,
+                                .n_heads = 8,
+                                .n_kv_heads = 8,
+                                .head_dim = 128,
+                                .block_size = 16,
+                                .batch = 1,
+                                .max_len = 16,
+                                .table_stride = 1};
+    assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_EINVAL);
+    a.format = LLMEM_KV_FORMAT_BF16;
+    a.head_dim = 96;
+    assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_EINVAL);
+    a.head_dim = 128;
+    a.n_heads = 128; /* a group of 16 */
+    assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_EINVAL);
+}
+
+int main(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        printf("skipped: no CUDA device\n");
+        return 77;
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_formats_groups_dims),
+        cmocka_unit_test(test_bf16_query_and_dim256),
+        cmocka_unit_test(test_shapes),
+        cmocka_unit_test(test_rejects),
+    };
+    return cmocka_run_group_tests_name("cuda attention", tests, NULL, NULL);
+}
