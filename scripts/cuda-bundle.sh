@@ -10,7 +10,7 @@ cd "$root"
 cmake -S . -B build-gpu -DLLMEM_CUDA=ON -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build-gpu -j"$(nproc)" >/dev/null
 rm -rf build-gpu-pack && mkdir -p build-gpu-pack/bundle/lib
-bins="build-gpu/llmem $(find build-gpu/tests build-gpu/bench -maxdepth 1 -type f -perm -u+x \
+bins="build-gpu/llmem $(find build-gpu build-gpu/tests -maxdepth 1 -type f -perm -u+x \
       \( -name 'test-cuda*' -o -name 'test-backend' -o -name 'llmem-bench-*' \) 2>/dev/null || true)"
 for b in $bins; do
     cp "$b" build-gpu-pack/bundle/

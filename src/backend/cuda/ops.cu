@@ -13,6 +13,7 @@
  * to f32 in slices of rows and multiplied in plain f32 (no TF32).
  */
 #include "backend/cuda/backend.h"
+#include "backend/cuda/attention.h"
 #include "backend/cuda/kv.h"
 
 #include <cublas_v2.h>
@@ -28,8 +29,10 @@
 #define GEMV_MAX_ROWS 8
 /* weight bytes widened to f32 at a time at f32 precision */
 #define WIDEN_SLICE_BYTES ((size_t)64 << 20)
-/* the small per-call host arrays (positions, ids, frequencies) are staged up to this many */
-#define SMALL_MAX 65536
+/* the small per-call host arrays (positions, ids, frequencies, block tables) are staged up to
+ * this many bytes a call, in a ring of slots so that no upload waits for the GPU */
+#define SMALL_MAX   65536
+#define SMALL_SLOTS 32
 
 struct cuda_ctx {
     int device;
@@ -39,9 +42,11 @@ struct cuda_ctx {
     struct llmem_mem *mem; /* scratch; NULL: cudaMalloc */
     void *scratch;         /* activations rounded to 16 bits, or a slice of widened weights */
     size_t scratch_bytes;
-    void *small;      /* device copies of the small host arrays */
-    void *small_host; /* their pinned staging */
+    void *small;      /* device copies of the small host arrays: SMALL_SLOTS slots */
+    void *small_host; /* their pinned staging, slot for slot */
     size_t small_bytes;
+    cudaEvent_t small_done[SMALL_SLOTS]; /* recorded after the work that read a slot */
+    int small_next;                      /* the slot the next upload takes */
     int failed; /* the first failure's status (LLMEM_EIO, LLMEM_ENOMEM), reported by
                  * copy and sync ever after: later operations are skipped */
 };
@@ -105,8 +110,9 @@ static void *scratch(struct cuda_ctx *c, size_t bytes) {
     return c->scratch;
 }
 
-/* Copies a small host array to the device for the next kernel (staged through pinned memory, so
- * the copy is queued on the stream and the caller's array may change at once). */
+/* Copies a small host array to the device for the next kernel, queued on the stream: through the
+ * next pinned slot of the ring, which is free once the work queued after its last upload is done
+ * (an event recorded at the following upload; the ring is long enough that this rarely waits). */
 static const void *small_upload(struct cuda_ctx *c, const void *host, size_t bytes) {
     if (bytes > c->small_bytes) {
         LLMEM_ERROR("cuda backend: %zu bytes of per-call data (at most %zu)", bytes,
@@ -114,12 +120,18 @@ static const void *small_upload(struct cuda_ctx *c, const void *host, size_t byt
         c->failed = c->failed ? c->failed : LLMEM_EINVAL;
         return NULL;
     }
-    cudaStreamSynchronize(c->stream); /* the staging buffer is free again */
-    memcpy(c->small_host, host, bytes);
-    if (check(c, cudaMemcpyAsync(c->small, c->small_host, bytes, cudaMemcpyHostToDevice, c->stream),
-              "upload") != LLMEM_OK)
+    const int prev = (c->small_next + SMALL_SLOTS - 1) % SMALL_SLOTS, slot = c->small_next;
+    c->small_next = (slot + 1) % SMALL_SLOTS;
+    if (check(c, cudaEventRecord(c->small_done[prev], c->stream), "event") != LLMEM_OK ||
+        check(c, cudaEventSynchronize(c->small_done[slot]), "event") != LLMEM_OK)
         return NULL;
-    return c->small;
+    uint8_t *h = (uint8_t *)c->small_host + (size_t)slot * c->small_bytes;
+    uint8_t *d = (uint8_t *)c->small + (size_t)slot * c->small_bytes;
+    memcpy(h, host, bytes);
+    if (check(c, cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, c->stream), "upload") !=
+        LLMEM_OK)
+        return NULL;
+    return d;
 }
 
 /* ---- elementwise kernels ---------------------------------------------------------------------
@@ -519,6 +531,42 @@ static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) 
     }
     for (int64_t b = 0; b < a->n_blocks; b++)
         ids[b] = (int32_t)a->blocks[b];
+    /* one decode query over the whole sequence: the split-K kernel of attention.cu */
+    const int group = a->n_heads / a->n_kv_heads;
+    if (a->n_q == 1 && a->window == 0 && a->format != LLMEM_KV_FORMAT_F32 && a->block_size == 16 &&
+        a->k_tok == a->v_tok && group <= 8 &&
+        (a->head_dim == 64 || a->head_dim == 128 || a->head_dim == 256) &&
+        a->n_blocks + 1 <= (int64_t)(SMALL_MAX / sizeof(int32_t))) {
+        ids[a->n_blocks] = (int32_t)(a->q_pos + 1); /* the length */
+        const int32_t *d =
+            (const int32_t *)small_upload(c, ids, (size_t)(a->n_blocks + 1) * sizeof(int32_t));
+        if (d == NULL)
+            return;
+        struct llmem_cuda_attn ca = {};
+        ca.format = a->format;
+        ca.n_heads = a->n_heads;
+        ca.n_kv_heads = a->n_kv_heads;
+        ca.head_dim = a->head_dim;
+        ca.block_size = a->block_size;
+        ca.batch = 1;
+        ca.max_len = (int)(a->q_pos + 1);
+        ca.scale = a->scale;
+        ca.q = a->q;
+        ca.k_pool = a->k_pool;
+        ca.v_pool = a->v_pool;
+        ca.block_stride = (int64_t)a->block_size * (int64_t)a->k_tok;
+        ca.block_tables = d;
+        ca.table_stride = (int)a->n_blocks;
+        ca.lengths = d + a->n_blocks;
+        ca.out = a->out;
+        ca.stream = c->stream;
+        ca.workspace_bytes = llmem_cuda_attn_workspace_bytes(&ca);
+        if (ca.workspace_bytes > 0 && (ca.workspace = scratch(c, ca.workspace_bytes)) == NULL)
+            return;
+        if (llmem_cuda_attn_decode(&ca) != LLMEM_OK)
+            c->failed = c->failed ? c->failed : LLMEM_EIO;
+        return;
+    }
     const int32_t *d = (const int32_t *)small_upload(c, ids, (size_t)a->n_blocks * sizeof(int32_t));
     if (d == NULL)
         return;
@@ -560,6 +608,9 @@ static void cuda_destroy(void *ctx) {
     if (c->stream != NULL)
         cudaStreamSynchronize(c->stream);
     dev_free(c, c->scratch);
+    for (int i = 0; i < SMALL_SLOTS; i++)
+        if (c->small_done[i] != NULL)
+            cudaEventDestroy(c->small_done[i]);
     if (c->small != NULL)
         cudaFree(c->small);
     if (c->small_host != NULL)
@@ -612,12 +663,16 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
     if (check(c, cudaSetDevice(device), "cudaSetDevice") != LLMEM_OK ||
         check(c, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "stream") !=
             LLMEM_OK ||
-        check(c, cudaMalloc(&c->small, c->small_bytes), "cudaMalloc") != LLMEM_OK ||
-        check(c, cudaHostAlloc(&c->small_host, c->small_bytes, cudaHostAllocDefault),
+        check(c, cudaMalloc(&c->small, c->small_bytes * SMALL_SLOTS), "cudaMalloc") != LLMEM_OK ||
+        check(c, cudaHostAlloc(&c->small_host, c->small_bytes * SMALL_SLOTS, cudaHostAllocDefault),
               "cudaHostAlloc") != LLMEM_OK ||
         check_blas(c, cublasCreate(&c->blas), "cublasCreate") != LLMEM_OK ||
         check_blas(c, cublasSetStream(c->blas, c->stream), "cublasSetStream") != LLMEM_OK)
         status = LLMEM_EIO;
+    for (int i = 0; status == LLMEM_OK && i < SMALL_SLOTS; i++)
+        if (check(c, cudaEventCreateWithFlags(&c->small_done[i], cudaEventDisableTiming),
+                  "event") != LLMEM_OK)
+            status = LLMEM_EIO;
     if (status != LLMEM_OK) {
         cuda_destroy(c);
         free(b);
