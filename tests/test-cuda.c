@@ -320,6 +320,46 @@ static void test_matmul(void **state) {
     assert_true(worst_fast > 0); /* the fast GEMMs did round (the test would see a no-op) */
 }
 
+/* Three matrices of one x in one launch (q, k, v with biases), and a set that cannot go together
+ * (mixed dtypes) one by one: each equals the CPU's. */
+static void test_matmul_multi(void **state) {
+    (void)state;
+    const int64_t cols = 512, rows[3] = {256, 64, 72};
+    const enum llmem_dtype mixed[3] = {LLMEM_DTYPE_BF16, LLMEM_DTYPE_F16, LLMEM_DTYPE_F32};
+    for (int mix = 0; mix < 2; mix++)
+        for (int64_t n = 1; n <= 5; n += 4) {
+            void *w[3], *dw[3];
+            float *b[3], *db[3], *y[3], *dy[3];
+            struct llmem_weight wh[3], wd[3];
+            const struct llmem_weight *ph[3], *pd[3];
+            float *x = random_floats(n * cols, 1.0f), *dx = to_device(x, (size_t)(n * cols) * 4);
+            for (int i = 0; i < 3; i++) {
+                size_t bytes;
+                enum llmem_dtype dt = mix ? mixed[i] : LLMEM_DTYPE_BF16;
+                w[i] = random_weight(dt, rows[i], cols, &bytes);
+                dw[i] = to_device(w[i], bytes);
+                b[i] = random_floats(rows[i], 1.0f);
+                db[i] = to_device(b[i], (size_t)rows[i] * 4);
+                y[i] = malloc((size_t)(n * rows[i]) * 4);
+                dy[i] = llmem_mem_alloc(dmem, (size_t)(n * rows[i]) * 4, LLMEM_TAG_SCRATCH);
+                wh[i] = (struct llmem_weight){w[i], dt, rows[i], cols};
+                wd[i] = (struct llmem_weight){dw[i], dt, rows[i], cols};
+                ph[i] = &wh[i], pd[i] = &wd[i];
+            }
+            cpu->ops->matmul_multi(cpu->ctx, 3, ph, x, n, y, (const float *const *)b);
+            gpu->ops->matmul_multi(gpu->ctx, 3, pd, dx, n, dy, (const float *const *)db);
+            for (int i = 0; i < 3; i++) {
+                float *g = to_host(dy[i], n * rows[i]);
+                assert_true(rel_diff(y[i], g, n * rows[i]) <= 1e-5);
+                free(g), free(w[i]), free(b[i]), free(y[i]);
+                llmem_mem_free(dmem, dw[i]), llmem_mem_free(dmem, db[i]);
+                llmem_mem_free(dmem, dy[i]);
+            }
+            llmem_mem_free(dmem, dx);
+            free(x);
+        }
+}
+
 /* Scratch beyond the allocator's limit: the operation is skipped and every later sync says why. */
 static void test_out_of_memory(void **state) {
     (void)state;
@@ -592,8 +632,9 @@ int main(void) {
         cmocka_unit_test(test_device_memory), cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),          cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_embedding),     cmocka_unit_test(test_matmul),
-        cmocka_unit_test(test_out_of_memory), cmocka_unit_test(test_kv_device),
-        cmocka_unit_test(test_models),        cmocka_unit_test(test_greedy),
+        cmocka_unit_test(test_matmul_multi),  cmocka_unit_test(test_out_of_memory),
+        cmocka_unit_test(test_kv_device),     cmocka_unit_test(test_models),
+        cmocka_unit_test(test_greedy),
     };
     return cmocka_run_group_tests_name("cuda", tests, setup, teardown);
 }

@@ -80,11 +80,13 @@ struct llmem_backend_ops {
     void (*add)(void *ctx, float *y, const float *x, int64_t n);
 
     /* (optional: backends whose memory is not the host's, which then hold the paged KV pool)
-     * Encodes n rows of `heads` rows of head_dim floats (src [n, heads·head_dim]) into `format`
-     * (f32, f16, bf16 or q8, byte for byte as kv/codec.h), row i at dst + i·dst_stride, head h
-     * at + h·row_bytes; and attention over such a pool. */
-    void (*kv_encode)(void *ctx, enum llmem_kv_format format, const float *src, int64_t n,
-                      int heads, int head_dim, uint8_t *dst, size_t dst_stride, size_t row_bytes);
+     * Encodes n tokens of keys and values, each `heads` rows of head_dim floats (k, v
+     * [n, heads·head_dim]), into `format` (f32, f16, bf16 or q8, whose key and value rows have the
+     * same size: byte for byte as kv/codec.h): token i at k_dst / v_dst + i·dst_stride, head h at
+     * + h·row_bytes; and attention over such a pool. */
+    void (*kv_encode)(void *ctx, enum llmem_kv_format format, const float *k, const float *v,
+                      int64_t n, int heads, int head_dim, uint8_t *k_dst, uint8_t *v_dst,
+                      size_t dst_stride, size_t row_bytes);
     void (*kv_attend)(void *ctx, const struct llmem_backend_paged_attn *attn);
 
     /* The raw memory the operations work on, for an allocator (llmem_mem) over it. */

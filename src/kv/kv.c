@@ -631,10 +631,8 @@ int llmem_kv_write(struct llmem_kv *kv, int seq, int layer, int64_t pos, int64_t
             run = n - t;
         if (d != NULL) { /* the run's rows, encoded on the device */
             const size_t row = (size_t)t * (size_t)heads * (size_t)hd;
-            d->ops->kv_encode(d->ctx, kv->cfg.format, k + row, run, heads, hd, kp, kv->k_tok,
-                              kv->codec.key_bytes);
-            d->ops->kv_encode(d->ctx, kv->cfg.format, v + row, run, heads, hd, vp, kv->v_tok,
-                              kv->codec.value_bytes);
+            d->ops->kv_encode(d->ctx, kv->cfg.format, k + row, v + row, run, heads, hd, kp, vp,
+                              kv->k_tok, kv->codec.key_bytes);
             t += run;
             continue;
         }

@@ -23,13 +23,15 @@
 /* ---- encode ----------------------------------------------------------------------------------
  */
 
-/* grid (row, head), one warp: lane i takes elements i, i + 32, … of the head's row. */
-__global__ void encode_kernel(enum llmem_kv_format format, const float *src, int heads,
-                              int head_dim, uint8_t *dst, size_t dst_stride, size_t row_bytes) {
+/* grid (token, head, keys or values), one warp: lane i takes elements i, i + 32, … of the
+ * head's row. */
+__global__ void encode_kernel(enum llmem_kv_format format, const float *k, const float *v,
+                              int heads, int head_dim, uint8_t *k_dst, uint8_t *v_dst,
+                              size_t dst_stride, size_t row_bytes) {
     const int64_t t = blockIdx.x;
     const int h = blockIdx.y, lane = threadIdx.x;
-    const float *x = src + (t * heads + h) * (int64_t)head_dim;
-    uint8_t *o = dst + (size_t)t * dst_stride + (size_t)h * row_bytes;
+    const float *x = (blockIdx.z == 0 ? k : v) + (t * heads + h) * (int64_t)head_dim;
+    uint8_t *o = (blockIdx.z == 0 ? k_dst : v_dst) + (size_t)t * dst_stride + (size_t)h * row_bytes;
     for (int d = lane; d < head_dim; d += 32) {
         const float v = x[d];
         switch (format) {
@@ -57,13 +59,15 @@ __global__ void encode_kernel(enum llmem_kv_format format, const float *src, int
 }
 
 extern "C" void llmem_cuda_kv_encode(cudaStream_t stream, enum llmem_kv_format format,
-                                     const float *src, int64_t n, int heads, int head_dim,
-                                     uint8_t *dst, size_t dst_stride, size_t row_bytes) {
+                                     const float *k, const float *v, int64_t n, int heads,
+                                     int head_dim, uint8_t *k_dst, uint8_t *v_dst,
+                                     size_t dst_stride, size_t row_bytes) {
     for (int64_t t = 0; t < n; t += 65535) {
-        dim3 grid((unsigned)(n - t < 65535 ? n - t : 65535), (unsigned)heads);
-        encode_kernel<<<grid, 32, 0, stream>>>(format, src + t * heads * (int64_t)head_dim, heads,
-                                               head_dim, dst + (size_t)t * dst_stride, dst_stride,
-                                               row_bytes);
+        dim3 grid((unsigned)(n - t < 65535 ? n - t : 65535), (unsigned)heads, 2);
+        const int64_t off = t * heads * (int64_t)head_dim;
+        encode_kernel<<<grid, 32, 0, stream>>>(
+            format, k + off, v + off, heads, head_dim, k_dst + (size_t)t * dst_stride,
+            v_dst + (size_t)t * dst_stride, dst_stride, row_bytes);
     }
 }
 

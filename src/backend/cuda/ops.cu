@@ -33,6 +33,7 @@
  * this many bytes a call, in a ring of slots so that no upload waits for the GPU */
 #define SMALL_MAX   65536
 #define SMALL_SLOTS 32
+#define SMALL_REUSE 4 /* the last uploads compared with a new one */
 
 struct cuda_ctx {
     int device;
@@ -45,29 +46,33 @@ struct cuda_ctx {
     void *small;      /* device copies of the small host arrays: SMALL_SLOTS slots */
     void *small_host; /* their pinned staging, slot for slot */
     size_t small_bytes;
-    cudaEvent_t small_done[SMALL_SLOTS]; /* recorded after the work that read a slot */
+    cudaEvent_t small_done[SMALL_SLOTS]; /* recorded after the copy out of a slot was queued */
+    size_t small_size[SMALL_SLOTS];      /* bytes each slot holds */
     int small_next;                      /* the slot the next upload takes */
     int failed; /* the first failure's status (LLMEM_EIO, LLMEM_ENOMEM), reported by
                  * copy and sync ever after: later operations are skipped */
 };
 
+/* The backend's first failure: logged once, kept as the status of every later copy and sync. */
+static void fail(struct cuda_ctx *c, int status, const char *what, const char *why) {
+    if (c->failed)
+        return;
+    if (why != NULL)
+        LLMEM_ERROR("cuda backend: %s: %s", what, why);
+    c->failed = status;
+}
+
 static int check(struct cuda_ctx *c, cudaError_t err, const char *what) {
     if (err == cudaSuccess)
         return LLMEM_OK;
-    if (!c->failed)
-        LLMEM_ERROR("cuda backend: %s: %s", what, cudaGetErrorString(err));
-    if (!c->failed)
-        c->failed = LLMEM_EIO;
+    fail(c, LLMEM_EIO, what, cudaGetErrorString(err));
     return LLMEM_EIO;
 }
 
 static int check_blas(struct cuda_ctx *c, cublasStatus_t st, const char *what) {
     if (st == CUBLAS_STATUS_SUCCESS)
         return LLMEM_OK;
-    if (!c->failed)
-        LLMEM_ERROR("cuda backend: %s: %s", what, cublasGetStatusString(st));
-    if (!c->failed)
-        c->failed = LLMEM_EIO;
+    fail(c, LLMEM_EIO, what, cublasGetStatusString(st));
     return LLMEM_EIO;
 }
 
@@ -105,8 +110,8 @@ static void *scratch(struct cuda_ctx *c, size_t bytes) {
     dev_free(c, c->scratch);
     c->scratch = dev_alloc(c, bytes);
     c->scratch_bytes = c->scratch != NULL ? bytes : 0;
-    if (c->scratch == NULL && !c->failed)
-        c->failed = LLMEM_ENOMEM; /* logged by the allocator */
+    if (c->scratch == NULL)
+        fail(c, LLMEM_ENOMEM, "scratch", NULL); /* logged by the allocator */
     return c->scratch;
 }
 
@@ -117,8 +122,17 @@ static const void *small_upload(struct cuda_ctx *c, const void *host, size_t byt
     if (bytes > c->small_bytes) {
         LLMEM_ERROR("cuda backend: %zu bytes of per-call data (at most %zu)", bytes,
                     c->small_bytes);
-        c->failed = c->failed ? c->failed : LLMEM_EINVAL;
+        fail(c, LLMEM_EINVAL, "per-call data", NULL);
         return NULL;
+    }
+    /* The same bytes as one of the last few uploads (every layer's positions and block table):
+     * its device copy again. A device slot is only rewritten by a copy queued after every kernel
+     * already queued, so a kernel queued now still reads these bytes. */
+    for (int i = 1; i <= SMALL_REUSE; i++) {
+        const int slot = (c->small_next + SMALL_SLOTS - i) % SMALL_SLOTS;
+        if (c->small_size[slot] == bytes &&
+            memcmp((uint8_t *)c->small_host + (size_t)slot * c->small_bytes, host, bytes) == 0)
+            return (uint8_t *)c->small + (size_t)slot * c->small_bytes;
     }
     const int prev = (c->small_next + SMALL_SLOTS - 1) % SMALL_SLOTS, slot = c->small_next;
     c->small_next = (slot + 1) % SMALL_SLOTS;
@@ -128,6 +142,7 @@ static const void *small_upload(struct cuda_ctx *c, const void *host, size_t byt
     uint8_t *h = (uint8_t *)c->small_host + (size_t)slot * c->small_bytes;
     uint8_t *d = (uint8_t *)c->small + (size_t)slot * c->small_bytes;
     memcpy(h, host, bytes);
+    c->small_size[slot] = bytes;
     if (check(c, cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, c->stream), "upload") !=
         LLMEM_OK)
         return NULL;
@@ -264,17 +279,28 @@ template <enum llmem_dtype DT> __device__ __forceinline__ void unpack8(uint4 v, 
     }
 }
 
+/* Up to four matrices of one dtype and column count multiplied with the same rows of x in one
+ * launch (q, k and v; gate and up): blockIdx.y picks the matrix. */
+struct gemv_set {
+    const void *w[4];
+    float *y[4];
+    const float *bias[4];
+    int64_t rows[4];
+};
+
 /* y[t, r] = Σ_k x[t, k] · w[r, k] for NX rows of x: one warp per weight row, 16-byte loads of
  * 8 weights, each lane's partial sums reduced by shuffles. 16-bit weights, cols a multiple of 8
  * and 16-byte aligned rows (checked by the caller). */
 template <enum llmem_dtype DT, int NX>
-__global__ void __launch_bounds__(256) gemv16_kernel(const void *w, int64_t rows, int64_t cols,
-                                                     const float *x, float *y, const float *bias) {
+__global__ void __launch_bounds__(256)
+    gemv16_kernel(struct gemv_set set, int64_t cols, const float *x, int64_t x_row0) {
+    const int m = blockIdx.y;
+    const int64_t rows = set.rows[m];
     const int64_t r = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x & 31;
     if (r >= rows)
         return;
-    const uint4 *wr = reinterpret_cast<const uint4 *>((const uint16_t *)w + r * cols);
+    const uint4 *wr = reinterpret_cast<const uint4 *>((const uint16_t *)set.w[m] + r * cols);
     float acc[NX];
 #pragma unroll
     for (int j = 0; j < NX; j++)
@@ -285,19 +311,21 @@ __global__ void __launch_bounds__(256) gemv16_kernel(const void *w, int64_t rows
         unpack8<DT>(__ldcs(wr + k), wv); /* streamed once: do not keep it in L2 */
 #pragma unroll
         for (int j = 0; j < NX; j++) {
-            const float4 *xr = reinterpret_cast<const float4 *>(x + j * cols + k * 8);
+            const float4 *xr = reinterpret_cast<const float4 *>(x + (x_row0 + j) * cols + k * 8);
             float4 a = __ldg(xr), b = __ldg(xr + 1);
             acc[j] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x +
                       wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
         }
     }
+    const float *bias = set.bias[m];
+    float *y = set.y[m];
 #pragma unroll
     for (int j = 0; j < NX; j++) {
         float s = acc[j];
         for (int o = 16; o > 0; o /= 2)
             s += __shfl_xor_sync(0xffffffffu, s, o);
         if (lane == 0)
-            y[j * rows + r] = bias != NULL ? s + bias[r] : s;
+            y[(x_row0 + j) * rows + r] = bias != NULL ? s + bias[r] : s;
     }
 }
 
@@ -319,21 +347,20 @@ __global__ void gemv_any_kernel(const void *w, enum llmem_dtype dt, int64_t rows
 }
 
 template <enum llmem_dtype DT>
-static void gemv16(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n,
-                   float *y, const float *bias) {
+static void gemv16(struct cuda_ctx *c, const struct gemv_set *set, int count, int64_t cols,
+                   const float *x, int64_t n) {
     const int warps = 8;
-    dim3 grid((unsigned)((w->rows + warps - 1) / warps));
+    int64_t most = 0;
+    for (int i = 0; i < count; i++)
+        most = set->rows[i] > most ? set->rows[i] : most;
+    dim3 grid((unsigned)((most + warps - 1) / warps), (unsigned)count);
     for (int64_t t = 0; t < n;) {
-        const int64_t left = n - t;
-        const float *xt = x + t * w->cols;
-        float *yt = y + t * w->rows;
 #define GEMV_CASE(NX)                                                                              \
     case NX:                                                                                       \
-        gemv16_kernel<DT, NX>                                                                      \
-            <<<grid, warps * 32, 0, c->stream>>>(w->data, w->rows, w->cols, xt, yt, bias);         \
+        gemv16_kernel<DT, NX><<<grid, warps * 32, 0, c->stream>>>(*set, cols, x, t);               \
         t += NX;                                                                                   \
         break;
-        switch (left >= 4 ? 4 : (int)left) {
+        switch (n - t >= 4 ? 4 : (int)(n - t)) {
             GEMV_CASE(1)
             GEMV_CASE(2)
             GEMV_CASE(3)
@@ -342,6 +369,20 @@ static void gemv16(struct cuda_ctx *c, const struct llmem_weight *w, const float
 #undef GEMV_CASE
     }
     launched(c, "gemv");
+}
+
+/* The memory-bound kernel applies: a decode's few rows, 16-bit weights in aligned rows. */
+static int gemv16_fits(const struct llmem_weight *w, const float *x, int64_t n) {
+    return n <= GEMV_MAX_ROWS && (w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16) &&
+           w->cols % 8 == 0 && ((uintptr_t)w->data & 15) == 0 && ((uintptr_t)x & 15) == 0;
+}
+
+static void gemv16_set(struct cuda_ctx *c, const struct gemv_set *set, int count,
+                       enum llmem_dtype dt, int64_t cols, const float *x, int64_t n) {
+    if (dt == LLMEM_DTYPE_BF16)
+        gemv16<LLMEM_DTYPE_BF16>(c, set, count, cols, x, n);
+    else
+        gemv16<LLMEM_DTYPE_F16>(c, set, count, cols, x, n);
 }
 
 /* Column-major C[m, n] (ldc) = Aᵀ · B, A [k, m] and B [k, n] packed, in plain f32: the pedantic
@@ -364,13 +405,9 @@ static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x,
         return;
     const int is16 = w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16;
     if (n <= GEMV_MAX_ROWS) {
-        const int aligned =
-            w->cols % 8 == 0 && ((uintptr_t)w->data & 15) == 0 && ((uintptr_t)x & 15) == 0;
-        if (is16 && aligned) {
-            if (w->dtype == LLMEM_DTYPE_BF16)
-                gemv16<LLMEM_DTYPE_BF16>(c, w, x, n, y, bias);
-            else
-                gemv16<LLMEM_DTYPE_F16>(c, w, x, n, y, bias);
+        if (gemv16_fits(w, x, n)) {
+            const struct gemv_set set = {{w->data}, {y}, {bias}, {w->rows}};
+            gemv16_set(c, &set, 1, w->dtype, w->cols, x, n);
         } else {
             int64_t warps = w->rows * n;
             gemv_any_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, c->stream>>>(
@@ -418,6 +455,31 @@ static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x,
         bias_kernel<<<grid_for(n * w->rows, 256), 256, 0, c->stream>>>(y, bias, w->rows, n);
         launched(c, "bias");
     }
+}
+
+/* Several matrices of the same x: one launch when all take the memory-bound kernel together. */
+static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w,
+                              const float *x, int64_t n, float *const *y,
+                              const float *const *bias) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    LLMEM_ASSERT(count >= 1 && count <= 4);
+    int together = 1;
+    for (int i = 0; i < count; i++)
+        together = together && gemv16_fits(w[i], x, n) && w[i]->dtype == w[0]->dtype &&
+                   w[i]->cols == w[0]->cols;
+    if (!together || n == 0 || c->failed) {
+        for (int i = 0; i < count; i++)
+            cuda_matmul(ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
+        return;
+    }
+    struct gemv_set set = {};
+    for (int i = 0; i < count; i++) {
+        set.w[i] = w[i]->data;
+        set.y[i] = y[i];
+        set.bias[i] = bias != NULL ? bias[i] : NULL;
+        set.rows[i] = w[i]->rows;
+    }
+    gemv16_set(c, &set, count, w[0]->dtype, w[0]->cols, x, n);
 }
 
 /* ---- the other operations --------------------------------------------------------------------
@@ -506,15 +568,16 @@ static void cuda_embedding(void *ctx, const struct llmem_weight *table, const in
     launched(c, "embedding");
 }
 
-static void cuda_kv_encode(void *ctx, enum llmem_kv_format format, const float *src, int64_t n,
-                           int heads, int head_dim, uint8_t *dst, size_t dst_stride,
-                           size_t row_bytes) {
+static void cuda_kv_encode(void *ctx, enum llmem_kv_format format, const float *k, const float *v,
+                           int64_t n, int heads, int head_dim, uint8_t *k_dst, uint8_t *v_dst,
+                           size_t dst_stride, size_t row_bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(format == LLMEM_KV_FORMAT_F32 || format == LLMEM_KV_FORMAT_F16 ||
                  format == LLMEM_KV_FORMAT_BF16 || format == LLMEM_KV_FORMAT_Q8);
     if (n == 0 || c->failed)
         return;
-    llmem_cuda_kv_encode(c->stream, format, src, n, heads, head_dim, dst, dst_stride, row_bytes);
+    llmem_cuda_kv_encode(c->stream, format, k, v, n, heads, head_dim, k_dst, v_dst, dst_stride,
+                         row_bytes);
     launched(c, "kv encode");
 }
 
@@ -526,7 +589,7 @@ static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) 
     if (a->n_blocks > (int64_t)(SMALL_MAX / sizeof(int32_t))) {
         LLMEM_ERROR("cuda backend: a sequence of %lld blocks (at most %zu)", (long long)a->n_blocks,
                     SMALL_MAX / sizeof(int32_t));
-        c->failed = c->failed ? c->failed : LLMEM_EINVAL;
+        fail(c, LLMEM_EINVAL, "per-call data", NULL);
         return;
     }
     for (int64_t b = 0; b < a->n_blocks; b++)
@@ -564,7 +627,7 @@ static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) 
         if (ca.workspace_bytes > 0 && (ca.workspace = scratch(c, ca.workspace_bytes)) == NULL)
             return;
         if (llmem_cuda_attn_decode(&ca) != LLMEM_OK)
-            c->failed = c->failed ? c->failed : LLMEM_EIO;
+            fail(c, LLMEM_EIO, "attention", NULL);
         return;
     }
     const int32_t *d = (const int32_t *)small_upload(c, ids, (size_t)a->n_blocks * sizeof(int32_t));
@@ -573,7 +636,7 @@ static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) 
     if (llmem_cuda_kv_attend(c->stream, a, d) != LLMEM_OK) {
         LLMEM_ERROR("cuda backend: attention over head_dim %d (a multiple of 32 up to 256)",
                     a->head_dim);
-        c->failed = c->failed ? c->failed : LLMEM_EINVAL;
+        fail(c, LLMEM_EINVAL, "per-call data", NULL);
         return;
     }
     launched(c, "kv attend");
@@ -629,6 +692,7 @@ static struct llmem_backend_ops make_ops(void) {
     o.destroy = cuda_destroy;
     o.threads = cuda_threads;
     o.matmul = cuda_matmul;
+    o.matmul_multi = cuda_matmul_multi;
     o.rmsnorm = cuda_rmsnorm;
     o.rope = cuda_rope;
     o.swiglu = cuda_swiglu;
