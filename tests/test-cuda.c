@@ -458,13 +458,59 @@ static void test_kv_device(void **state) {
             printf("  kv %s head_dim %d: attention %.2e\n", llmem_kv_format_name(fmts[fi]), hd,
                    worst);
             assert_true(worst <= (fmts[fi] == LLMEM_KV_FORMAT_F32 ? 1e-5 : 1e-3));
+            /* a decode step of three sequences at once (one forked, sharing the partial block):
+             * one token each written and attended, the same on both */
+            {
+                int hseq[3] = {hs, -1, -1}, dseq[3] = {ds, -1, -1};
+                assert_int_equal(llmem_kv_seq_fork(host, hs, &hseq[1]), LLMEM_OK);
+                assert_int_equal(llmem_kv_seq_fork(dev, ds, &dseq[1]), LLMEM_OK);
+                assert_int_equal(llmem_kv_seq_new(host, &hseq[2]), LLMEM_OK);
+                assert_int_equal(llmem_kv_seq_new(dev, &dseq[2]), LLMEM_OK);
+                assert_int_equal(llmem_kv_append(host, hseq[2], 37, k, v), LLMEM_OK);
+                assert_int_equal(llmem_kv_append(dev, dseq[2], 37, dk, dv), LLMEM_OK);
+                for (int i = 0; i < 3; i++) {
+                    int64_t len = llmem_kv_seq_length(host, hseq[i]);
+                    assert_int_equal(llmem_kv_reserve(host, hseq[i], 1), LLMEM_OK);
+                    assert_int_equal(llmem_kv_reserve(dev, dseq[i], 1), LLMEM_OK);
+                    llmem_kv_set_length(host, hseq[i], len + 1);
+                    llmem_kv_set_length(dev, dseq[i], len + 1);
+                }
+                const int64_t kv_row = n_kv * hd, q_row = n_heads * hd;
+                struct llmem_kv_attn at = {.n_heads = n_heads};
+                double w = 0;
+                for (int layer = 0; layer < layers; layer++) {
+                    /* the step's new keys: rows 100.. of the data, a different row per layer */
+                    const float *nk = k + (100 + layer * 3) * kv_row,
+                                *nv = v + (100 + layer * 3) * kv_row;
+                    const float *dnk = dk + (100 + layer * 3) * kv_row,
+                                *dnv = dv + (100 + layer * 3) * kv_row;
+                    assert_int_equal(llmem_kv_write_last(host, 3, hseq, layer, nk, nv), LLMEM_OK);
+                    assert_int_equal(llmem_kv_write_last(dev, 3, dseq, layer, dnk, dnv), LLMEM_OK);
+                    assert_int_equal(llmem_kv_attend_last(host, 3, hseq, layer, q, out, &at),
+                                     LLMEM_OK);
+                    assert_int_equal(llmem_kv_attend_last(dev, 3, dseq, layer, dq, dout, &at),
+                                     LLMEM_OK);
+                    float *g = to_host(dout, 3 * q_row);
+                    w = fmax(w, rel_diff(out, g, 3 * q_row));
+                    free(g);
+                }
+                printf("  kv %s head_dim %d: a decode step of 3 sequences %.2e\n",
+                       llmem_kv_format_name(fmts[fi]), hd, w);
+                assert_true(w <= (fmts[fi] == LLMEM_KV_FORMAT_F32 ? 1e-5 : 1e-3));
+                for (int i = 1; i < 3; i++) {
+                    llmem_kv_seq_free(host, hseq[i]);
+                    llmem_kv_seq_free(dev, dseq[i]);
+                }
+            }
             /* a fork shares the blocks; a write into the partial block copies it on the device */
             int fs = -1;
-            assert_int_equal(llmem_kv_seq_fork(dev, ds, &fs), LLMEM_OK);
-            assert_int_equal(llmem_kv_append(dev, fs, 1, dk, dv), LLMEM_OK);
             struct llmem_kv_stats st;
             llmem_kv_stats(dev, &st);
-            assert_int_equal(st.cow_copies, 1);
+            const int64_t cow = st.cow_copies;
+            assert_int_equal(llmem_kv_seq_fork(dev, ds, &fs), LLMEM_OK);
+            assert_int_equal(llmem_kv_append(dev, fs, 1, dk, dv), LLMEM_OK);
+            llmem_kv_stats(dev, &st);
+            assert_int_equal(st.cow_copies, cow + 1);
             assert_true(st.route_device > 0);
             assert_int_equal(llmem_kv_check(dev), LLMEM_OK);
             assert_int_equal(gpu->ops->sync(gpu->ctx), LLMEM_OK);

@@ -32,7 +32,9 @@ struct llmem_weight {
     int64_t cols;
 };
 
-/* Attention of one sequence over a paged KV cache in the backend's memory (kv_attend). */
+/* Attention of one sequence over a paged KV cache in the backend's memory (kv_attend); for
+ * kv_attend_last, the shared fields of a batch whose blocks, lengths come apart (q and out then
+ * [n_seqs, n_heads, head_dim], each sequence's one query at its last position, no window). */
 struct llmem_backend_paged_attn {
     enum llmem_kv_format format;  /* f32, f16, bf16 or q8 */
     int n_heads, n_kv_heads, head_dim, block_size;
@@ -82,12 +84,15 @@ struct llmem_backend_ops {
     /* (optional: backends whose memory is not the host's, which then hold the paged KV pool)
      * Encodes n tokens of keys and values, each `heads` rows of head_dim floats (k, v
      * [n, heads·head_dim]), into `format` (f32, f16, bf16 or q8, whose key and value rows have the
-     * same size: byte for byte as kv/codec.h): token i at k_dst / v_dst + i·dst_stride, head h at
-     * + h·row_bytes; and attention over such a pool. */
+     * same size: byte for byte as kv/codec.h): token i into pool slot slots[i] (host memory), at
+     * k_pool / v_pool + slots[i]·tok_bytes, head h at + h·row_bytes. Then attention over such a
+     * pool: one sequence's queries, or the last position of each of several sequences. */
     void (*kv_encode)(void *ctx, enum llmem_kv_format format, const float *k, const float *v,
-                      int64_t n, int heads, int head_dim, uint8_t *k_dst, uint8_t *v_dst,
-                      size_t dst_stride, size_t row_bytes);
+                      int64_t n, int heads, int head_dim, const int64_t *slots, uint8_t *k_pool,
+                      uint8_t *v_pool, size_t tok_bytes, size_t row_bytes);
     void (*kv_attend)(void *ctx, const struct llmem_backend_paged_attn *attn);
+    void (*kv_attend_last)(void *ctx, const struct llmem_backend_paged_attn *attn, int n_seqs,
+                           const int64_t *const *blocks, const int64_t *lengths);
 
     /* The raw memory the operations work on, for an allocator (llmem_mem) over it. */
     const struct llmem_mem_raw_ops *(*memory)(void *ctx);

@@ -316,6 +316,63 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* The fields of a device attention call that do not depend on the sequence. */
+static struct llmem_backend_paged_attn device_attn(const struct llmem_kv *kv, int layer,
+                                                   const struct llmem_kv_attn *attn, const float *q,
+                                                   float *out) {
+    const int hd = kv->cfg.head_dim;
+    return (struct llmem_backend_paged_attn){.format = kv->cfg.format,
+                                             .n_heads = attn->n_heads,
+                                             .n_kv_heads = kv->cfg.n_kv_heads,
+                                             .head_dim = hd,
+                                             .block_size = kv->cfg.block_size,
+                                             .k_pool = kv->k_pool[layer],
+                                             .v_pool = kv->v_pool[layer],
+                                             .k_tok = kv->k_tok,
+                                             .v_tok = kv->v_tok,
+                                             .key_bytes = kv->codec.key_bytes,
+                                             .value_bytes = kv->codec.value_bytes,
+                                             .window = attn->window,
+                                             .scale = attn->scale > 0 ? attn->scale
+                                                                      : 1.0f / sqrtf((float)hd),
+                                             .q = q,
+                                             .out = out};
+}
+
+int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, int layer, const float *q,
+                         float *out, const struct llmem_kv_attn *attn) {
+    const size_t row = (size_t)attn->n_heads * (size_t)kv->cfg.head_dim;
+    const struct llmem_backend *d = kv->cfg.device;
+    if (d == NULL || attn->window > 0) {
+        for (int i = 0; i < n; i++) {
+            const int64_t pos = llmem_kv_seq_length(kv, seqs[i]) - 1;
+            int status =
+                llmem_kv_attend(kv, seqs[i], layer, pos, 1, q + i * row, out + i * row, attn);
+            if (status != LLMEM_OK)
+                return status;
+        }
+        return LLMEM_OK;
+    }
+    const int64_t **blocks = malloc((size_t)n * sizeof(*blocks));
+    int64_t *lengths = malloc((size_t)n * sizeof(*lengths));
+    if (blocks == NULL || lengths == NULL) {
+        free(blocks), free(lengths);
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    for (int i = 0; i < n; i++) {
+        const struct kv_seq *s = &kv->seqs[seqs[i]];
+        LLMEM_ASSERT(seqs[i] >= 0 && seqs[i] < kv->cfg.max_sequences && s->used && s->length > 0);
+        blocks[i] = s->table;
+        lengths[i] = s->length;
+    }
+    const struct llmem_backend_paged_attn a = device_attn(kv, layer, attn, q, out);
+    d->ops->kv_attend_last(d->ctx, &a, n, blocks, lengths);
+    kv->st.route_device += n;
+    free(blocks), free(lengths);
+    return LLMEM_OK;
+}
+
 int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int64_t n_q,
                     const float *q, float *out, const struct llmem_kv_attn *attn) {
     const struct kv_seq *s = &kv->seqs[seq];
@@ -328,26 +385,11 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
     int64_t t0 = now_ns();
     if (kv->cfg.device != NULL) { /* on the device that holds the pool */
         const struct llmem_backend *d = kv->cfg.device;
-        const struct llmem_backend_paged_attn a = {
-            .format = kv->cfg.format,
-            .n_heads = n_heads,
-            .n_kv_heads = kv->cfg.n_kv_heads,
-            .head_dim = hd,
-            .block_size = kv->cfg.block_size,
-            .k_pool = kv->k_pool[layer],
-            .v_pool = kv->v_pool[layer],
-            .k_tok = kv->k_tok,
-            .v_tok = kv->v_tok,
-            .key_bytes = kv->codec.key_bytes,
-            .value_bytes = kv->codec.value_bytes,
-            .blocks = s->table,
-            .n_blocks = (q_pos + n_q + kv->cfg.block_size - 1) / kv->cfg.block_size,
-            .q_pos = q_pos,
-            .n_q = n_q,
-            .window = attn->window,
-            .scale = attn->scale > 0 ? attn->scale : 1.0f / sqrtf((float)hd),
-            .q = q,
-            .out = out};
+        struct llmem_backend_paged_attn a = device_attn(kv, layer, attn, q, out);
+        a.blocks = s->table;
+        a.n_blocks = (q_pos + n_q + kv->cfg.block_size - 1) / kv->cfg.block_size;
+        a.q_pos = q_pos;
+        a.n_q = n_q;
         d->ops->kv_attend(d->ctx, &a);
         kv->st.route_device++;
         return LLMEM_OK;

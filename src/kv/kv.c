@@ -430,7 +430,7 @@ int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
     }
     if (c.device != NULL &&
         (c.layout != LLMEM_KV_LAYOUT_PAGED || mem == NULL || c.device->ops->kv_encode == NULL ||
-         c.device->ops->kv_attend == NULL ||
+         c.device->ops->kv_attend == NULL || c.device->ops->kv_attend_last == NULL ||
          (c.format != LLMEM_KV_FORMAT_F32 && c.format != LLMEM_KV_FORMAT_F16 &&
           c.format != LLMEM_KV_FORMAT_BF16 && c.format != LLMEM_KV_FORMAT_Q8))) {
         LLMEM_ERROR("a KV cache on the %s backend is paged, in f32, f16, bf16 or q8, over the "
@@ -506,6 +506,7 @@ void llmem_kv_destroy(struct llmem_kv *kv) {
     free(kv->k_pool), free(kv->v_pool), free(kv->refcount), free(kv->held), free(kv->free_ids);
     free(kv->r_k), free(kv->r_v);
     free(kv->seqs);
+    free(kv->slots);
     if (kv->pool != kv->cfg.pool)
         llmem_pool_destroy(kv->pool);
     if (kv->own_mem)
@@ -609,6 +610,65 @@ static int unshare_blocks(struct llmem_kv *kv, struct kv_seq *s, int64_t first, 
     return LLMEM_OK;
 }
 
+/* Host memory for n slot numbers (LLMEM_ENOMEM logged when it cannot grow). */
+static int64_t *slots_room(struct llmem_kv *kv, int64_t n) {
+    if (n > kv->slots_cap) {
+        int64_t *p = realloc(kv->slots, (size_t)n * sizeof(int64_t));
+        if (p == NULL) {
+            LLMEM_ERROR_AS("llmem_kv_write", "out of memory");
+            return NULL;
+        }
+        kv->slots = p, kv->slots_cap = n;
+    }
+    return kv->slots;
+}
+
+/* Paged: the pool slot (block · block_size + offset) of a sequence's position. */
+static int64_t slot_of(const struct llmem_kv *kv, const struct kv_seq *s, int64_t pos) {
+    const int64_t bs = block_size(kv);
+    return s->table[pos / bs] * bs + pos % bs;
+}
+
+/* n tokens of one layer (k, v [n, n_kv_heads, head_dim], device memory) into their pool slots,
+ * on the device; counted as one write. */
+static void encode_slots(struct llmem_kv *kv, int layer, const float *k, const float *v, int64_t n,
+                         const int64_t *slots) {
+    const struct llmem_backend *d = kv->cfg.device;
+    d->ops->kv_encode(d->ctx, kv->cfg.format, k, v, n, kv->cfg.n_kv_heads, kv->cfg.head_dim, slots,
+                      kv->k_pool[layer], kv->v_pool[layer], kv->k_tok, kv->codec.key_bytes);
+    kv->st.updates++;
+    kv->st.bytes_written += n * (int64_t)(kv->k_tok + kv->v_tok);
+}
+
+int llmem_kv_write_last(struct llmem_kv *kv, int n, const int *seqs, int layer, const float *k,
+                        const float *v) {
+    const size_t row = (size_t)kv->cfg.n_kv_heads * (size_t)kv->cfg.head_dim;
+    if (kv->cfg.device == NULL) {
+        for (int i = 0; i < n; i++) {
+            const int64_t pos = llmem_kv_seq_length(kv, seqs[i]) - 1;
+            int status = llmem_kv_write(kv, seqs[i], layer, pos, 1, k + i * row, v + i * row);
+            if (status != LLMEM_OK)
+                return status;
+        }
+        return LLMEM_OK;
+    }
+    int64_t *slots = slots_room(kv, n);
+    if (slots == NULL)
+        return LLMEM_ENOMEM;
+    for (int i = 0; i < n; i++) {
+        struct kv_seq *s = get_seq(kv, seqs[i]);
+        const int64_t pos = s->length - 1, bs = block_size(kv);
+        LLMEM_ASSERT(pos >= 0 && layer >= 0 && layer < kv->cfg.n_layers);
+        int status = unshare_blocks(kv, s, pos / bs, pos / bs);
+        if (status != LLMEM_OK)
+            return status;
+        slots = kv->slots; /* (unsharing does not touch the slots) */
+        slots[i] = slot_of(kv, s, pos);
+    }
+    encode_slots(kv, layer, k, v, n, slots);
+    return LLMEM_OK;
+}
+
 int llmem_kv_write(struct llmem_kv *kv, int seq, int layer, int64_t pos, int64_t n, const float *k,
                    const float *v) {
     struct kv_seq *s = get_seq(kv, seq);
@@ -623,19 +683,20 @@ int llmem_kv_write(struct llmem_kv *kv, int seq, int layer, int64_t pos, int64_t
             return status;
     }
     const int heads = kv->cfg.n_kv_heads, hd = kv->cfg.head_dim;
-    const struct llmem_backend *d = kv->cfg.device;
+    if (kv->cfg.device != NULL) { /* every token to its pool slot, encoded on the device */
+        int64_t *slots = slots_room(kv, n);
+        if (slots == NULL)
+            return LLMEM_ENOMEM;
+        for (int64_t t = 0; t < n; t++)
+            slots[t] = slot_of(kv, s, pos + t);
+        encode_slots(kv, layer, k, v, n, slots);
+        return LLMEM_OK;
+    }
     for (int64_t t = 0; t < n;) {
         uint8_t *kp, *vp;
         int64_t run = llmem_kv_span(kv, seq, layer, pos + t, &kp, &vp);
         if (run > n - t)
             run = n - t;
-        if (d != NULL) { /* the run's rows, encoded on the device */
-            const size_t row = (size_t)t * (size_t)heads * (size_t)hd;
-            d->ops->kv_encode(d->ctx, kv->cfg.format, k + row, v + row, run, heads, hd, kp, vp,
-                              kv->k_tok, kv->codec.key_bytes);
-            t += run;
-            continue;
-        }
         for (int64_t i = 0; i < run; i++, t++) {
             for (int h = 0; h < heads; h++) {
                 size_t row = ((size_t)t * (size_t)heads + (size_t)h) * (size_t)hd;

@@ -43,6 +43,9 @@ struct llmem_kv {
     int64_t ragged_cap;
     int frozen;
 
+    int64_t *slots; /* device pools: the slot numbers of a write (slots_cap) */
+    int64_t slots_cap;
+
     struct llmem_kv_stats st;
 };
 

@@ -37,6 +37,7 @@ struct llmem_forward {
     float *k, *v;     /* (T, n_kv·hd) */
     float *gate, *up; /* (T, inter) */
     int64_t *pos;     /* (T) position of each token */
+    int *seq_ids;     /* (T) the sequences of a decode step */
 };
 
 int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *backend,
@@ -73,7 +74,8 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
             goto fail;
     }
     f->pos = malloc(T * sizeof(int64_t)); /* host memory, as the rope operation takes it */
-    if (f->pos == NULL) {
+    f->seq_ids = malloc(T * sizeof(int));
+    if (f->pos == NULL || f->seq_ids == NULL) {
         LLMEM_ERROR("out of memory");
         goto fail;
     }
@@ -91,6 +93,7 @@ void llmem_forward_free(struct llmem_forward *f) {
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         llmem_mem_free(f->mem, bufs[i]);
     free(f->pos);
+    free(f->seq_ids);
     free(f);
 }
 
@@ -113,7 +116,7 @@ static void matmul_multi(struct llmem_forward *f, int count, const struct llmem_
 }
 
 static int attention_block(struct llmem_forward *f, const struct model_layer *L, int layer,
-                           const struct llmem_batch_seq *seqs, int n_seqs, int64_t T) {
+                           const struct llmem_batch_seq *seqs, int n_seqs, int64_t T, int decode) {
     const struct llmem_backend_ops *ops = f->be->ops;
     void *ctx = f->be->ctx;
     const struct llmem_model_config *c = &f->model->cfg;
@@ -137,6 +140,14 @@ static int attention_block(struct llmem_forward *f, const struct model_layer *L,
     ops->rope(ctx, f->k, T, nkv, hd, f->pos, f->model->inv_freq);
 
     const struct llmem_kv_attn attn = {.n_heads = nh, .window = L->window};
+    if (decode) { /* one token for every sequence: each cache call once for the whole batch */
+        int status = llmem_kv_write_last(f->kv, n_seqs, f->seq_ids, layer, f->k, f->v);
+        if (status == LLMEM_OK)
+            status = llmem_kv_attend_last(f->kv, n_seqs, f->seq_ids, layer, f->q, f->att, &attn);
+        if (status != LLMEM_OK)
+            return status;
+        goto out_proj;
+    }
     int64_t row = 0;
     for (int s = 0; s < n_seqs; s++) {
         const struct llmem_batch_seq *b = &seqs[s];
@@ -149,6 +160,7 @@ static int attention_block(struct llmem_forward *f, const struct model_layer *L,
             return status;
         row += b->n_tokens;
     }
+out_proj:
     ops->matmul(ctx, &L->wo, f->att, T, f->xn, NULL);
     ops->add(ctx, f->x, f->xn, T * g->hidden_size);
     return LLMEM_OK;
@@ -231,10 +243,16 @@ int llmem_forward_run(struct llmem_forward *f, const int32_t *tokens,
     const struct llmem_backend_ops *ops = f->be->ops;
     void *ctx = f->be->ctx;
     ops->embedding(ctx, &f->model->embed, tokens, T, f->x);
+    /* a decode step: every sequence one token at its end (the lengths were just set to cover it) */
+    int decode = n_seqs > 1 && n_seqs <= f->max_tokens;
+    for (int s = 0; decode && s < n_seqs; s++) {
+        decode = seqs[s].n_tokens == 1;
+        f->seq_ids[s] = seqs[s].seq;
+    }
     int status = LLMEM_OK;
     for (int64_t l = 0; l < g->n_layers && status == LLMEM_OK; l++) {
         const struct model_layer *L = &f->model->layers[l];
-        status = attention_block(f, L, (int)l, seqs, n_seqs, T);
+        status = attention_block(f, L, (int)l, seqs, n_seqs, T, decode);
         if (status == LLMEM_OK)
             mlp_block(f, L, T);
     }

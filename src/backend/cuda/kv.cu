@@ -24,29 +24,30 @@
  */
 
 /* grid (token, head, keys or values), one warp: lane i takes elements i, i + 32, … of the
- * head's row. */
+ * head's row; the token goes to its pool slot. */
 __global__ void encode_kernel(enum llmem_kv_format format, const float *k, const float *v,
-                              int heads, int head_dim, uint8_t *k_dst, uint8_t *v_dst,
-                              size_t dst_stride, size_t row_bytes) {
+                              int heads, int head_dim, const int64_t *slots, uint8_t *k_pool,
+                              uint8_t *v_pool, size_t tok_bytes, size_t row_bytes) {
     const int64_t t = blockIdx.x;
     const int h = blockIdx.y, lane = threadIdx.x;
     const float *x = (blockIdx.z == 0 ? k : v) + (t * heads + h) * (int64_t)head_dim;
-    uint8_t *o = (blockIdx.z == 0 ? k_dst : v_dst) + (size_t)t * dst_stride + (size_t)h * row_bytes;
+    uint8_t *o =
+        (blockIdx.z == 0 ? k_pool : v_pool) + (size_t)slots[t] * tok_bytes + (size_t)h * row_bytes;
     for (int d = lane; d < head_dim; d += 32) {
-        const float v = x[d];
+        const float val = x[d];
         switch (format) {
-        case LLMEM_KV_FORMAT_F32: ((float *)o)[d] = v; break;
-        case LLMEM_KV_FORMAT_F16: ((__half *)o)[d] = __float2half_rn(v); break;
-        case LLMEM_KV_FORMAT_BF16: ((__nv_bfloat16 *)o)[d] = __float2bfloat16_rn(v); break;
+        case LLMEM_KV_FORMAT_F32: ((float *)o)[d] = val; break;
+        case LLMEM_KV_FORMAT_F16: ((__half *)o)[d] = __float2half_rn(val); break;
+        case LLMEM_KV_FORMAT_BF16: ((__nv_bfloat16 *)o)[d] = __float2bfloat16_rn(val); break;
         default: { /* q8: the group of 32 is this warp's 32 lanes */
-            float a = fabsf(v);
+            float a = fabsf(val);
             a = a == a ? a : 0.0f; /* NaN is skipped */
             for (int s = 16; s > 0; s /= 2)
                 a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, s));
             float sc = __fdiv_rn(a, 127.0f);
             __half hs = sc > 0.0f ? __float2half_rn(fminf(sc, 65504.0f)) : __float2half_rn(0.0f);
             float s = __half2float(hs), inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
-            float q = __fmul_rn(v, inv);
+            float q = __fmul_rn(val, inv);
             q = q == q ? q : 0.0f;
             q = fminf(fmaxf(q, -127.0f), 127.0f);
             uint8_t *g = o + (size_t)(d / GROUP) * Q8_BYTES;
@@ -60,14 +61,13 @@ __global__ void encode_kernel(enum llmem_kv_format format, const float *k, const
 
 extern "C" void llmem_cuda_kv_encode(cudaStream_t stream, enum llmem_kv_format format,
                                      const float *k, const float *v, int64_t n, int heads,
-                                     int head_dim, uint8_t *k_dst, uint8_t *v_dst,
-                                     size_t dst_stride, size_t row_bytes) {
+                                     int head_dim, const int64_t *slots, uint8_t *k_pool,
+                                     uint8_t *v_pool, size_t tok_bytes, size_t row_bytes) {
     for (int64_t t = 0; t < n; t += 65535) {
         dim3 grid((unsigned)(n - t < 65535 ? n - t : 65535), (unsigned)heads, 2);
         const int64_t off = t * heads * (int64_t)head_dim;
-        encode_kernel<<<grid, 32, 0, stream>>>(
-            format, k + off, v + off, heads, head_dim, k_dst + (size_t)t * dst_stride,
-            v_dst + (size_t)t * dst_stride, dst_stride, row_bytes);
+        encode_kernel<<<grid, 32, 0, stream>>>(format, k + off, v + off, heads, head_dim, slots + t,
+                                               k_pool, v_pool, tok_bytes, row_bytes);
     }
 }
 

@@ -12,10 +12,10 @@
 extern "C" {
 #endif
 
-/* See kv_encode in backend/ops.h. */
+/* See kv_encode in backend/ops.h; slots in device memory. */
 void llmem_cuda_kv_encode(cudaStream_t stream, enum llmem_kv_format format, const float *k,
-                          const float *v, int64_t n, int heads, int head_dim, uint8_t *k_dst,
-                          uint8_t *v_dst, size_t dst_stride, size_t row_bytes);
+                          const float *v, int64_t n, int heads, int head_dim, const int64_t *slots,
+                          uint8_t *k_pool, uint8_t *v_pool, size_t tok_bytes, size_t row_bytes);
 /* See kv_attend in backend/ops.h; blocks: the block ids in device memory. LLMEM_EINVAL for a
  * head_dim that is not a multiple of 32 up to 256. */
 int llmem_cuda_kv_attend(cudaStream_t stream, const struct llmem_backend_paged_attn *attn,

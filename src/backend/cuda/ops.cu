@@ -31,7 +31,7 @@
 #define WIDEN_SLICE_BYTES ((size_t)64 << 20)
 /* the small per-call host arrays (positions, ids, frequencies, block tables) are staged up to
  * this many bytes a call, in a ring of slots so that no upload waits for the GPU */
-#define SMALL_MAX   65536
+#define SMALL_MAX   (256 << 10)
 #define SMALL_SLOTS 32
 #define SMALL_REUSE 4 /* the last uploads compared with a new one */
 
@@ -49,6 +49,7 @@ struct cuda_ctx {
     cudaEvent_t small_done[SMALL_SLOTS]; /* recorded after the copy out of a slot was queued */
     size_t small_size[SMALL_SLOTS];      /* bytes each slot holds */
     int small_next;                      /* the slot the next upload takes */
+    int32_t *staging;                    /* SMALL_MAX bytes where block tables are assembled */
     int failed; /* the first failure's status (LLMEM_EIO, LLMEM_ENOMEM), reported by
                  * copy and sync ever after: later operations are skipped */
 };
@@ -569,77 +570,130 @@ static void cuda_embedding(void *ctx, const struct llmem_weight *table, const in
 }
 
 static void cuda_kv_encode(void *ctx, enum llmem_kv_format format, const float *k, const float *v,
-                           int64_t n, int heads, int head_dim, uint8_t *k_dst, uint8_t *v_dst,
-                           size_t dst_stride, size_t row_bytes) {
+                           int64_t n, int heads, int head_dim, const int64_t *slots,
+                           uint8_t *k_pool, uint8_t *v_pool, size_t tok_bytes, size_t row_bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(format == LLMEM_KV_FORMAT_F32 || format == LLMEM_KV_FORMAT_F16 ||
                  format == LLMEM_KV_FORMAT_BF16 || format == LLMEM_KV_FORMAT_Q8);
-    if (n == 0 || c->failed)
+    const int64_t per = (int64_t)(SMALL_MAX / sizeof(int64_t));
+    for (int64_t t = 0; t < n && !c->failed; t += per) {
+        const int64_t m = n - t < per ? n - t : per;
+        const int64_t *d = (const int64_t *)small_upload(c, slots + t, (size_t)m * sizeof(int64_t));
+        if (d == NULL)
+            return;
+        const int64_t off = t * heads * (int64_t)head_dim;
+        llmem_cuda_kv_encode(c->stream, format, k + off, v + off, m, heads, head_dim, d, k_pool,
+                             v_pool, tok_bytes, row_bytes);
+        launched(c, "kv encode");
+    }
+}
+
+/* The split-K decode kernel of attention.cu takes this batch: one query per sequence at its last
+ * position, no window, 16-bit or q8 blocks of 16 tokens. */
+static int decode_kernel_fits(const struct llmem_backend_paged_attn *a) {
+    const int group = a->n_heads / a->n_kv_heads;
+    return a->window == 0 && a->format != LLMEM_KV_FORMAT_F32 && a->block_size == 16 &&
+           a->k_tok == a->v_tok && group <= 8 &&
+           (a->head_dim == 64 || a->head_dim == 128 || a->head_dim == 256);
+}
+
+/* Runs the decode kernel over n_seqs sequences whose block tables (int32, table_stride apart) and
+ * lengths lie in c->staging, n_ints of them; q and out [n_seqs, n_heads, head_dim]. */
+static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_attn *a, int n_seqs,
+                          int table_stride, int max_len, size_t n_ints) {
+    const int32_t *d = (const int32_t *)small_upload(c, c->staging, n_ints * sizeof(int32_t));
+    if (d == NULL)
         return;
-    llmem_cuda_kv_encode(c->stream, format, k, v, n, heads, head_dim, k_dst, v_dst, dst_stride,
-                         row_bytes);
-    launched(c, "kv encode");
+    struct llmem_cuda_attn ca = {};
+    ca.format = a->format;
+    ca.n_heads = a->n_heads;
+    ca.n_kv_heads = a->n_kv_heads;
+    ca.head_dim = a->head_dim;
+    ca.block_size = a->block_size;
+    ca.batch = n_seqs;
+    ca.max_len = max_len;
+    ca.scale = a->scale;
+    ca.q = a->q;
+    ca.k_pool = a->k_pool;
+    ca.v_pool = a->v_pool;
+    ca.block_stride = (int64_t)a->block_size * (int64_t)a->k_tok;
+    ca.block_tables = d;
+    ca.table_stride = table_stride;
+    ca.lengths = d + (size_t)n_seqs * (size_t)table_stride;
+    ca.out = a->out;
+    ca.stream = c->stream;
+    ca.workspace_bytes = llmem_cuda_attn_workspace_bytes(&ca);
+    if (ca.workspace_bytes > 0 && (ca.workspace = scratch(c, ca.workspace_bytes)) == NULL)
+        return;
+    if (llmem_cuda_attn_decode(&ca) != LLMEM_OK)
+        fail(c, LLMEM_EIO, "attention", NULL); /* logged by attention.cu */
 }
 
 static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     if (a->n_q == 0 || c->failed)
         return;
-    int32_t ids[SMALL_MAX / sizeof(int32_t)];
-    if (a->n_blocks > (int64_t)(SMALL_MAX / sizeof(int32_t))) {
+    const size_t max_ints = SMALL_MAX / sizeof(int32_t);
+    if ((size_t)a->n_blocks + 1 > max_ints) {
         LLMEM_ERROR("cuda backend: a sequence of %lld blocks (at most %zu)", (long long)a->n_blocks,
-                    SMALL_MAX / sizeof(int32_t));
+                    max_ints - 1);
         fail(c, LLMEM_EINVAL, "per-call data", NULL);
         return;
     }
     for (int64_t b = 0; b < a->n_blocks; b++)
-        ids[b] = (int32_t)a->blocks[b];
-    /* one decode query over the whole sequence: the split-K kernel of attention.cu */
-    const int group = a->n_heads / a->n_kv_heads;
-    if (a->n_q == 1 && a->window == 0 && a->format != LLMEM_KV_FORMAT_F32 && a->block_size == 16 &&
-        a->k_tok == a->v_tok && group <= 8 &&
-        (a->head_dim == 64 || a->head_dim == 128 || a->head_dim == 256) &&
-        a->n_blocks + 1 <= (int64_t)(SMALL_MAX / sizeof(int32_t))) {
-        ids[a->n_blocks] = (int32_t)(a->q_pos + 1); /* the length */
-        const int32_t *d =
-            (const int32_t *)small_upload(c, ids, (size_t)(a->n_blocks + 1) * sizeof(int32_t));
-        if (d == NULL)
-            return;
-        struct llmem_cuda_attn ca = {};
-        ca.format = a->format;
-        ca.n_heads = a->n_heads;
-        ca.n_kv_heads = a->n_kv_heads;
-        ca.head_dim = a->head_dim;
-        ca.block_size = a->block_size;
-        ca.batch = 1;
-        ca.max_len = (int)(a->q_pos + 1);
-        ca.scale = a->scale;
-        ca.q = a->q;
-        ca.k_pool = a->k_pool;
-        ca.v_pool = a->v_pool;
-        ca.block_stride = (int64_t)a->block_size * (int64_t)a->k_tok;
-        ca.block_tables = d;
-        ca.table_stride = (int)a->n_blocks;
-        ca.lengths = d + a->n_blocks;
-        ca.out = a->out;
-        ca.stream = c->stream;
-        ca.workspace_bytes = llmem_cuda_attn_workspace_bytes(&ca);
-        if (ca.workspace_bytes > 0 && (ca.workspace = scratch(c, ca.workspace_bytes)) == NULL)
-            return;
-        if (llmem_cuda_attn_decode(&ca) != LLMEM_OK)
-            fail(c, LLMEM_EIO, "attention", NULL);
+        c->staging[b] = (int32_t)a->blocks[b];
+    if (a->n_q == 1 && decode_kernel_fits(a)) {            /* one query over the whole sequence */
+        c->staging[a->n_blocks] = (int32_t)(a->q_pos + 1); /* the length */
+        decode_kernel(c, a, 1, (int)a->n_blocks, (int)(a->q_pos + 1), (size_t)a->n_blocks + 1);
         return;
     }
-    const int32_t *d = (const int32_t *)small_upload(c, ids, (size_t)a->n_blocks * sizeof(int32_t));
+    const int32_t *d =
+        (const int32_t *)small_upload(c, c->staging, (size_t)a->n_blocks * sizeof(int32_t));
     if (d == NULL)
         return;
     if (llmem_cuda_kv_attend(c->stream, a, d) != LLMEM_OK) {
         LLMEM_ERROR("cuda backend: attention over head_dim %d (a multiple of 32 up to 256)",
                     a->head_dim);
-        fail(c, LLMEM_EINVAL, "per-call data", NULL);
+        fail(c, LLMEM_EINVAL, "attention", NULL);
         return;
     }
     launched(c, "kv attend");
+}
+
+/* The last position of each of n_seqs sequences: one launch of the decode kernel for all of them
+ * where it applies and their tables fit one upload, else sequence by sequence. */
+static void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn *a, int n_seqs,
+                                const int64_t *const *blocks, const int64_t *lengths) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (n_seqs == 0 || c->failed)
+        return;
+    int64_t most = 0;
+    for (int s = 0; s < n_seqs; s++)
+        most = lengths[s] > most ? lengths[s] : most;
+    const int64_t stride = (most + a->block_size - 1) / a->block_size;
+    const size_t n_ints = (size_t)n_seqs * (size_t)(stride + 1);
+    if (decode_kernel_fits(a) && n_ints <= SMALL_MAX / sizeof(int32_t)) {
+        for (int s = 0; s < n_seqs; s++) {
+            const int64_t nb = (lengths[s] + a->block_size - 1) / a->block_size;
+            int32_t *row = c->staging + (size_t)s * (size_t)stride;
+            for (int64_t b = 0; b < stride; b++)
+                row[b] = b < nb ? (int32_t)blocks[s][b] : 0;
+            c->staging[(size_t)n_seqs * (size_t)stride + (size_t)s] = (int32_t)lengths[s];
+        }
+        decode_kernel(c, a, n_seqs, (int)stride, (int)most, n_ints);
+        return;
+    }
+    const size_t row = (size_t)a->n_heads * (size_t)a->head_dim;
+    for (int s = 0; s < n_seqs; s++) {
+        struct llmem_backend_paged_attn one = *a;
+        one.blocks = blocks[s];
+        one.n_blocks = (lengths[s] + a->block_size - 1) / a->block_size;
+        one.q_pos = lengths[s] - 1;
+        one.n_q = 1;
+        one.q = a->q + (size_t)s * row;
+        one.out = a->out + (size_t)s * row;
+        cuda_kv_attend(ctx, &one);
+    }
 }
 
 static int cuda_threads(void *ctx) {
@@ -678,6 +732,7 @@ static void cuda_destroy(void *ctx) {
         cudaFree(c->small);
     if (c->small_host != NULL)
         cudaFreeHost(c->small_host);
+    free(c->staging);
     if (c->blas != NULL)
         cublasDestroy(c->blas);
     if (c->stream != NULL)
@@ -700,6 +755,7 @@ static struct llmem_backend_ops make_ops(void) {
     o.add = cuda_add;
     o.kv_encode = cuda_kv_encode;
     o.kv_attend = cuda_kv_attend;
+    o.kv_attend_last = cuda_kv_attend_last;
     o.memory = cuda_memory;
     o.copy = cuda_copy;
     o.sync = cuda_sync;
@@ -723,6 +779,13 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
     c->precision = precision;
     c->mem = mem;
     c->small_bytes = SMALL_MAX;
+    c->staging = (int32_t *)malloc(SMALL_MAX);
+    if (c->staging == NULL) {
+        free(c);
+        free(b);
+        LLMEM_ERROR("llmem_backend_cuda_create: out of memory");
+        return LLMEM_ENOMEM;
+    }
     int status = LLMEM_OK;
     if (check(c, cudaSetDevice(device), "cudaSetDevice") != LLMEM_OK ||
         check(c, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "stream") !=
