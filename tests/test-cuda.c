@@ -404,7 +404,7 @@ static void test_kv_device(void **state) {
             kc.n_layers = layers;
             kc.n_kv_heads = n_kv;
             kc.head_dim = hd;
-            kc.max_sequences = 2;
+            kc.max_sequences = 4;
             kc.num_blocks = 64;
             kc.n_threads = 2;
             struct llmem_kv *host = NULL, *dev = NULL;
