@@ -438,11 +438,12 @@ static void test_kv_device(void **state) {
             /* attention: decode at the end, a prefill chunk, a window */
             struct {
                 int64_t q_pos, n_q, window;
-            } cases[] = {{n - 1, 1, 0}, {n - 40, 40, 0}, {n - 3, 3, 37}, {0, 17, 0}};
+            } cases[] = {
+                {n - 1, 1, 0}, {n - 40, 40, 0}, {n - 3, 3, 37}, {0, 17, 0}, {n - 20, 20, 37}};
             float *out = malloc((size_t)q_floats * 4);
             float *dout = llmem_mem_alloc(dmem, (size_t)q_floats * 4, LLMEM_TAG_SCRATCH);
             double worst = 0;
-            for (int c = 0; c < 4; c++)
+            for (int c = 0; c < 5; c++)
                 for (int layer = 0; layer < layers; layer++) {
                     struct llmem_kv_attn at = {.n_heads = n_heads, .window = cases[c].window};
                     assert_int_equal(

@@ -3,11 +3,11 @@
  * f16, bf16, q8; the bytes of kv/codec.h, so that blocks move between the GPU, the host and the
  * spill store unchanged) and attention over a sequence's blocks.
  *
- * Attention: one block of four warps per (query, head). The warps take the visible tokens in
- * turn, each lane holding head_dim / 32 elements of the query and of its own accumulator; a
- * token's score is a warp reduction, and each warp keeps its own online softmax (m, l, acc),
- * merged through shared memory at the end: m = max m_w, l = Σ l_w·e^(m_w − m), and the same
- * for acc.
+ * Attention, a few queries: one block of four warps per (query, head). The warps take the
+ * visible tokens in turn, each lane holding head_dim / 32 elements of the query and of its own
+ * accumulator; a token's score is a warp reduction, and each warp keeps its own online softmax
+ * (m, l, acc), merged through shared memory at the end: m = max m_w, l = Σ l_w·e^(m_w − m), and
+ * the same for acc. Many queries (prefill): one warp per (query, head), see attend_rows_kernel.
  */
 #include "backend/cuda/kv.h"
 
@@ -19,6 +19,7 @@
 #define Q8_BYTES   34 /* 32 codes and an f16 scale */
 #define WARPS      4
 #define MAX_LANE_D 8 /* head_dim ≤ 256 */
+#define ROWS_FROM  8 /* queries from which a call takes attend_rows_kernel */
 
 /* ---- encode ----------------------------------------------------------------------------------
  */
@@ -152,6 +153,67 @@ __global__ void __launch_bounds__(WARPS * 32) attend_kernel(struct attn_args a) 
     }
 }
 
+/* Prefill chunks: one warp per (query, head), its lanes on 32 keys at a time (each lane a whole
+ * key row against the query held in shared memory), the chunk's softmax by warp reductions, then
+ * the 32 value rows accumulated with each lane on head_dim / 32 elements. */
+__global__ void __launch_bounds__(WARPS * 32) attend_rows_kernel(struct attn_args a, int64_t n_q) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int64_t i = blockIdx.x * (int64_t)WARPS + warp; /* query */
+    const int h = blockIdx.y, kvh = h / a.group;
+    const int per = a.head_dim / 32;
+    __shared__ float sq[WARPS][32 * MAX_LANE_D];
+    if (i >= n_q)
+        return;
+    const float *q = a.q + (i * a.n_heads + h) * (int64_t)a.head_dim;
+    for (int d = lane; d < a.head_dim; d += 32)
+        sq[warp][d] = q[d];
+    __syncwarp();
+    const int64_t hi = a.q_pos + i;
+    const int64_t lo = a.window > 0 && hi - a.window + 1 > 0 ? hi - a.window + 1 : 0;
+    float acc[MAX_LANE_D];
+    for (int j = 0; j < per; j++)
+        acc[j] = 0;
+    float m = -INFINITY, l = 0;
+    for (int64_t t0 = lo; t0 <= hi; t0 += 32) {
+        const int64_t t = t0 + lane;
+        float s = -INFINITY;
+        if (t <= hi) {
+            const size_t slot = (size_t)a.blocks[t / a.block_size] * (size_t)a.block_size +
+                                (size_t)(t % a.block_size);
+            const uint8_t *k = a.k_pool + slot * a.k_tok + (size_t)kvh * a.key_bytes;
+            float dot = 0;
+            for (int d = 0; d < a.head_dim; d++)
+                dot += sq[warp][d] * element(a.format, k, d);
+            s = dot * a.scale;
+        }
+        float top = s;
+        for (int o = 16; o > 0; o /= 2)
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+        top = fmaxf(top, m);
+        const float corr = expf(m - top), p = t <= hi ? expf(s - top) : 0;
+        float sum = p;
+        for (int o = 16; o > 0; o /= 2)
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        l = l * corr + sum;
+        for (int j = 0; j < per; j++)
+            acc[j] *= corr;
+        const int n = hi - t0 + 1 < 32 ? (int)(hi - t0 + 1) : 32;
+        for (int u = 0; u < n; u++) {
+            const float pu = __shfl_sync(0xffffffffu, p, u);
+            const int64_t tu = t0 + u;
+            const size_t slot = (size_t)a.blocks[tu / a.block_size] * (size_t)a.block_size +
+                                (size_t)(tu % a.block_size);
+            const uint8_t *v = a.v_pool + slot * a.v_tok + (size_t)kvh * a.value_bytes;
+            for (int j = 0; j < per; j++)
+                acc[j] += pu * element(a.format, v, lane + 32 * j);
+        }
+        m = top;
+    }
+    float *out = a.out + (i * a.n_heads + h) * (int64_t)a.head_dim;
+    for (int j = 0; j < per; j++)
+        out[lane + 32 * j] = l > 0 ? acc[j] / l : 0;
+}
+
 extern "C" int llmem_cuda_kv_attend(cudaStream_t stream, const struct llmem_backend_paged_attn *p,
                                     const int32_t *blocks) {
     if (p->head_dim % 32 != 0 || p->head_dim > 32 * MAX_LANE_D || p->n_heads % p->n_kv_heads)
@@ -162,6 +224,11 @@ extern "C" int llmem_cuda_kv_attend(cudaStream_t stream, const struct llmem_back
                           p->key_bytes, p->value_bytes, blocks,
                           p->q_pos,     p->window,      p->scale,
                           p->q,         p->out};
+    if (p->n_q >= ROWS_FROM) { /* many queries: a warp each */
+        dim3 grid((unsigned)((p->n_q + WARPS - 1) / WARPS), (unsigned)p->n_heads);
+        attend_rows_kernel<<<grid, WARPS * 32, 0, stream>>>(a, p->n_q);
+        return LLMEM_OK;
+    }
     for (int64_t i = 0; i < p->n_q; i += 65535) {
         dim3 grid((unsigned)(p->n_q - i < 65535 ? p->n_q - i : 65535), (unsigned)p->n_heads);
         a.q = p->q + i * p->n_heads * (int64_t)p->head_dim;
