@@ -662,7 +662,6 @@ int llmem_kv_write_last(struct llmem_kv *kv, int n, const int *seqs, int layer, 
         int status = unshare_blocks(kv, s, pos / bs, pos / bs);
         if (status != LLMEM_OK)
             return status;
-        slots = kv->slots; /* (unsharing does not touch the slots) */
         slots[i] = slot_of(kv, s, pos);
     }
     encode_slots(kv, layer, k, v, n, slots);

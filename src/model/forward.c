@@ -8,7 +8,12 @@
  *   xn = rmsnorm(x); q, k, v = xn·Wqᵀ (+b), xn·Wkᵀ (+b), xn·Wvᵀ (+b); q/k per-head rmsnorm (Qwen3);
  *   rope(q, k); per sequence: write k, v into the cache, attend (GQA, causal, sliding window);
  *   x += att·Woᵀ;  xn = rmsnorm(x);  x += (silu(xn·Wgᵀ) ⊙ xn·Wuᵀ)·Wdᵀ
- * then the rows that want logits: rmsnorm, ·lm_headᵀ.
+ * then the rows that want logits: rmsnorm, ·lm_headᵀ. A decode step (every sequence one token)
+ * writes and attends all its sequences with one cache call each (llmem_kv_write_last,
+ * llmem_kv_attend_last): one launch on a device.
+ *
+ * Any backend: the activations live in the model's allocator (host memory, or a device's for a
+ * model copied there by llmem_model_to_device); the logits come back to the caller's host memory.
  *
  * Memory: the activations are sized once, at create, for max_batch_tokens tokens (tag scratch);
  * attention allocates its own workspace per call (also tag scratch), bounded by handing it the
@@ -146,10 +151,9 @@ static int attention_block(struct llmem_forward *f, const struct model_layer *L,
             status = llmem_kv_attend_last(f->kv, n_seqs, f->seq_ids, layer, f->q, f->att, &attn);
         if (status != LLMEM_OK)
             return status;
-        goto out_proj;
     }
     int64_t row = 0;
-    for (int s = 0; s < n_seqs; s++) {
+    for (int s = 0; !decode && s < n_seqs; s++) {
         const struct llmem_batch_seq *b = &seqs[s];
         int status = llmem_kv_write(f->kv, b->seq, layer, b->pos, b->n_tokens, f->k + row * kv_dim,
                                     f->v + row * kv_dim);
@@ -160,7 +164,6 @@ static int attention_block(struct llmem_forward *f, const struct model_layer *L,
             return status;
         row += b->n_tokens;
     }
-out_proj:
     ops->matmul(ctx, &L->wo, f->att, T, f->xn, NULL);
     ops->add(ctx, f->x, f->xn, T * g->hidden_size);
     return LLMEM_OK;

@@ -49,9 +49,9 @@ struct cuda_ctx {
     cudaEvent_t small_done[SMALL_SLOTS]; /* recorded after the copy out of a slot was queued */
     size_t small_size[SMALL_SLOTS];      /* bytes each slot holds */
     int small_next;                      /* the slot the next upload takes */
-    int32_t *staging;                    /* SMALL_MAX bytes where block tables are assembled */
-    int failed; /* the first failure's status (LLMEM_EIO, LLMEM_ENOMEM), reported by
-                 * copy and sync ever after: later operations are skipped */
+    int32_t *staging; /* SMALL_MAX bytes where an upload is assembled (block tables, positions) */
+    int failed;       /* the first failure's status (LLMEM_EIO, LLMEM_ENOMEM), reported by
+                       * copy and sync ever after: later operations are skipped */
 };
 
 /* The backend's first failure: logged once, kept as the status of every later copy and sync. */
@@ -515,7 +515,7 @@ static void cuda_rope(void *ctx, float *x, int64_t n, int n_heads, int head_dim,
                       head_dim, pos + t, inv_freq);
         return;
     }
-    uint8_t staged[SMALL_MAX];
+    uint8_t *staged = (uint8_t *)c->staging;
     memcpy(staged, pos, pos_bytes);
     memcpy(staged + pos_bytes, inv_freq, freq_bytes);
     const uint8_t *d = (const uint8_t *)small_upload(c, staged, pos_bytes + freq_bytes);
