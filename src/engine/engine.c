@@ -339,7 +339,8 @@ static void guard_reading(struct llmem_engine *e, struct llmem_guard_reading *r)
     *r = (struct llmem_guard_reading){
         .allocator_bytes = st.active_bytes + st.cache_bytes,
         .allocation_limit = st.memory_limit_bytes,
-        .resident_bytes = e->pressure.resident_bytes,
+        /* the plan's trip and ceiling are the device's with --backend cuda: no host RSS rule */
+        .resident_bytes = e->cfg.backend == LLMEM_BACKEND_CUDA ? -1 : e->pressure.resident_bytes,
         .trip_bytes = e->plan.trip_bytes,
         .ceiling_bytes = e->plan.planning_bytes,
         .psi_some = e->pressure.psi_some_avg10,
