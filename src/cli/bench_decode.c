@@ -14,6 +14,8 @@
  *   fraction of read bandwidth:   decode bytes/s ÷ the median of the probes around the run;
  *   overhead per token:           measured time per token − bytes per token ÷ probed bandwidth,
  *                                  what dispatch and everything that is not streaming costs.
+ * With --backend cuda the whole pass runs on the GPU, and the bandwidth is the device-to-device
+ * copy's (bytes read + written) probed around each run: the fraction is then of that roofline.
  */
 #include <getopt.h>
 #include <inttypes.h>
@@ -55,6 +57,19 @@ static void model_costs(const struct llmem_model_config *c, int64_t *weight_byte
     *flops_per_token = 2.0 * (double)params;
 }
 
+/* The bandwidth around a run: the host's read bandwidth, or a device's copy bandwidth (in *bw). */
+static int probe(struct llmem_engine *e, struct llmem_pool *pool, enum llmem_backend_kind backend,
+                 int device, int64_t bytes, double *bw, double *copy, int64_t *prog) {
+    if (backend == LLMEM_BACKEND_CUDA) {
+        progress_tick(prog);
+        if (cli_device_copy_bandwidth(device, bytes, bw) != CLI_OK)
+            return CLI_FAIL;
+        *copy = *bw;
+        return CLI_OK;
+    }
+    return cli_bandwidth(llmem_engine_mem(e), pool, bytes, 1, bw, copy, progress_tick, prog);
+}
+
 static const char usage[] =
     "usage: llmem bench decode MODEL [options]\n"
     "\n"
@@ -67,6 +82,9 @@ static const char usage[] =
     "  --kv-format F    the KV format (default f16)\n"
     "  --bw-size SIZE   the bandwidth probe's buffer (default 512M)\n"
     "  --no-mmap        read the weights into (huge-page) memory, as llmem run --no-mmap\n"
+    "  --backend B      cpu (default) or cuda: then against the device's copy bandwidth\n"
+    "  --device N       the CUDA device (default 0)\n"
+    "  --precision P    cuda: fast (default) or f32\n"
     "  --json           one JSON object: model, weights_bytes, points[] {threads, "
     "prefill_tokens_per_s,\n"
     "                   prefill_gflops, decode_tokens_per_s, decode_gbps, bandwidth_read_gbps,\n"
@@ -82,6 +100,9 @@ int cli_bench_decode(int argc, char **argv) {
         OPT_BW,
         OPT_JSON,
         OPT_NO_MMAP,
+        OPT_BACKEND,
+        OPT_DEVICE,
+        OPT_PRECISION,
         OPT_HELP
     };
     static const struct option opts[] = {
@@ -93,12 +114,18 @@ int cli_bench_decode(int argc, char **argv) {
         {"bw-size", required_argument, NULL, OPT_BW},
         {"json", no_argument, NULL, OPT_JSON},
         {"no-mmap", no_argument, NULL, OPT_NO_MMAP},
+        {"backend", required_argument, NULL, OPT_BACKEND},
+        {"device", required_argument, NULL, OPT_DEVICE},
+        {"precision", required_argument, NULL, OPT_PRECISION},
         {"help", no_argument, NULL, OPT_HELP},
         {NULL, 0, NULL, 0},
     };
     int64_t n_prompt = 512, n_gen = 128, reps = 3, bw_bytes = (int64_t)512 << 20;
     int threads[MAX_THREADS_LIST], n_threads = 0, json = 0, no_mmap = 0;
     enum llmem_kv_format format = LLMEM_KV_FORMAT_F16;
+    enum llmem_backend_kind backend = LLMEM_BACKEND_CPU;
+    enum llmem_backend_precision precision = LLMEM_PRECISION_FAST;
+    int64_t device = 0;
     optind = 1;
     opterr = 0;
     int c, rc = CLI_OK;
@@ -110,6 +137,15 @@ int cli_bench_decode(int argc, char **argv) {
         case OPT_BW: rc = cli_parse_size("--bw-size", optarg, &bw_bytes); break;
         case OPT_JSON: json = 1; break;
         case OPT_NO_MMAP: no_mmap = 1; break;
+        case OPT_BACKEND:
+            if (llmem_backend_kind_parse(optarg, &backend) != LLMEM_OK)
+                rc = CLI_USAGE;
+            break;
+        case OPT_DEVICE: rc = cli_parse_int("--device", optarg, 0, 1024, &device); break;
+        case OPT_PRECISION:
+            if (llmem_backend_precision_parse(optarg, &precision) != LLMEM_OK)
+                rc = CLI_USAGE;
+            break;
         case OPT_KV_FORMAT:
             if (llmem_kv_format_parse(optarg, &format) != LLMEM_OK)
                 rc = CLI_USAGE;
@@ -160,6 +196,9 @@ int cli_bench_decode(int argc, char **argv) {
         cfg.n_threads = threads[t];
         cfg.kv_format = format;
         cfg.no_mmap = no_mmap;
+        cfg.backend = backend;
+        cfg.device = (int)device;
+        cfg.precision = precision;
         cfg.no_bank = 1; /* every run prefills its whole prompt */
         cfg.context = n_prompt + n_gen + 1;
         if (llmem_engine_open(&cfg, NULL, NULL, &e) != LLMEM_OK)
@@ -185,8 +224,7 @@ int cli_bench_decode(int argc, char **argv) {
             over[MAX_REPS];
         for (int64_t r = 0; r < reps; r++) {
             double rd[2], cp[2];
-            if (cli_bandwidth(llmem_engine_mem(e), pool, bw_bytes, 1, &rd[0], &cp[0], progress_tick,
-                              prog) != CLI_OK)
+            if (probe(e, pool, backend, (int)device, bw_bytes, &rd[0], &cp[0], prog) != CLI_OK)
                 goto out;
             struct llmem_generate_params p;
             llmem_generate_params_default(&p);
@@ -196,8 +234,7 @@ int cli_bench_decode(int argc, char **argv) {
             if (llmem_engine_generate(e, prompt, n_prompt, &p, NULL, NULL, &res) != LLMEM_OK)
                 goto out;
             progress_tick(prog);
-            if (cli_bandwidth(llmem_engine_mem(e), pool, bw_bytes, 1, &rd[1], &cp[1], progress_tick,
-                              prog) != CLI_OK) {
+            if (probe(e, pool, backend, (int)device, bw_bytes, &rd[1], &cp[1], prog) != CLI_OK) {
                 llmem_generate_result_free(&res);
                 goto out;
             }
@@ -229,7 +266,11 @@ int cli_bench_decode(int argc, char **argv) {
         int bad = root == NULL || arr == NULL || llmem_json_add_string(root, "model", model) ||
                   llmem_json_add_int(root, "prompt_tokens", n_prompt) ||
                   llmem_json_add_int(root, "generated_tokens", n_gen) ||
-                  llmem_json_add_int(root, "decode_weight_bytes_per_token", weight_bytes);
+                  llmem_json_add_int(root, "decode_weight_bytes_per_token", weight_bytes) ||
+                  llmem_json_add_string(root, "backend",
+                                        backend == LLMEM_BACKEND_CUDA ? "cuda" : "cpu") ||
+                  llmem_json_add_string(root, "bandwidth",
+                                        backend == LLMEM_BACKEND_CUDA ? "copy" : "read");
         for (int t = 0; !bad && t < n_threads; t++) {
             const struct decode_point *pt = &points[t];
             cJSON *o = cJSON_CreateObject();
@@ -255,8 +296,9 @@ int cli_bench_decode(int argc, char **argv) {
                " runs\n",
                model, no_mmap ? " (--no-mmap)" : "", n_prompt, n_gen, llmem_kv_format_name(format),
                llmem_size_format_short(weight_bytes, wb, sizeof(wb)), reps);
-        printf("threads  prefill tok/s  GFLOP/s  decode tok/s   GB/s  read bw GB/s  of bw  "
-               "overhead ms/tok\n");
+        printf("threads  prefill tok/s  GFLOP/s  decode tok/s   GB/s  %s bw GB/s  of bw  "
+               "overhead ms/tok\n",
+               backend == LLMEM_BACKEND_CUDA ? "copy" : "read");
         for (int t = 0; t < n_threads; t++) {
             const struct decode_point *pt = &points[t];
             printf("%7d  %13.1f  %7.1f  %12.1f  %5.1f  %12.1f  %4.0f%%  %15.3f\n", pt->threads,

@@ -114,6 +114,10 @@ struct llmem_pool;
 int cli_bandwidth(struct llmem_mem *mem, struct llmem_pool *pool, int64_t bytes, int passes,
                   double *read_gbps, double *copy_gbps, void (*tick)(void *), void *tick_arg);
 
+/* The device-to-device copy bandwidth of CUDA device `device` (bytes read + written per second,
+ * the best of 10 copies of `bytes` after a warm-up): the roofline's bandwidth (SPEC §8). */
+int cli_device_copy_bandwidth(int device, int64_t bytes, double *copy_gbps);
+
 /* A progress bar on stderr, drawn only when stderr is a terminal; done ≤ total. */
 void cli_progress(const char *label, int64_t done, int64_t total);
 /* Ends the bar's line (if one was drawn). */
