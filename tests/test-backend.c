@@ -51,13 +51,8 @@ int main(void) {
     int failed = cmocka_run_group_tests_name("registry", registry, NULL, NULL);
     if (failed)
         return failed;
-    int n = 0;
-    llmem_backend_device_count(&n);
-    if (!llmem_backend_cuda_available() || n == 0) {
-        printf("skipped: %s\n",
-               llmem_backend_cuda_available() ? "no CUDA device" : "built without CUDA");
+    if (tu_no_gpu())
         return 77;
-    }
     const struct CMUnitTest devices[] = {cmocka_unit_test(test_devices)};
     return cmocka_run_group_tests_name("cuda devices", devices, NULL, NULL);
 }

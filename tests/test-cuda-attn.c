@@ -287,11 +287,8 @@ static void test_rejects(void **state) {
 }
 
 int main(void) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-        printf("skipped: no CUDA device\n");
+    if (tu_no_gpu())
         return 77;
-    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_formats_groups_dims),
         cmocka_unit_test(test_bf16_query_and_dim256),

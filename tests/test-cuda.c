@@ -668,13 +668,8 @@ int main(void) {
     int failed = cmocka_run_group_tests_name("build", build, NULL, NULL);
     if (failed)
         return failed;
-    int n = 0;
-    llmem_backend_device_count(&n);
-    if (!llmem_backend_cuda_available() || n == 0) {
-        printf("skipped: %s\n",
-               llmem_backend_cuda_available() ? "no CUDA device" : "built without CUDA");
+    if (tu_no_gpu())
         return 77;
-    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_device_memory), cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),          cmocka_unit_test(test_swiglu_add),

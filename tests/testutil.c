@@ -15,6 +15,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "llmem/backend.h"
+
 char *tu_mkdtemp(void) {
     const char *tmp = getenv("TMPDIR");
     char buf[4096];
@@ -299,4 +301,14 @@ cJSON *tu_http_json(const struct tu_http *h) {
     if (root == NULL)
         fail_msg("not JSON (HTTP %d):\n%s", h->status, h->body);
     return root;
+}
+
+int tu_no_gpu(void) {
+    int n = 0;
+    llmem_backend_device_count(&n);
+    if (llmem_backend_cuda_available() && n > 0)
+        return 0;
+    printf("skipped: %s\n",
+           llmem_backend_cuda_available() ? "no CUDA device" : "built without CUDA");
+    return 1;
 }

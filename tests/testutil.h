@@ -59,6 +59,9 @@ struct tu_http tu_http_argv(const char *method, const char *url, const char *bod
 void tu_http_free(struct tu_http *h);
 struct cJSON *tu_http_json(const struct tu_http *h);
 
+/* 1 (after printing why: no CUDA build, or no device) when the CUDA suites must skip, else 0. */
+int tu_no_gpu(void);
+
 /* Parses run->out as exactly one JSON object (only whitespace around it); fails the test
  * otherwise, printing stdout and stderr. Free with cJSON_Delete. */
 struct cJSON;
