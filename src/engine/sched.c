@@ -433,6 +433,11 @@ static void admit(struct llmem_engine *e) {
             llmem_bank_stats(e->bank, &bs);
             pool += bs.blocks;
         }
+        if (paged) { /* banked blocks a running request shares are counted twice above */
+            struct llmem_kv_stats ks;
+            llmem_kv_stats(e->kv, &ks);
+            pool = pool < ks.n_blocks ? pool : ks.n_blocks;
+        }
         if (paged && footprint > pool) {
             char msg[512], b1[32], b2[32];
             int64_t bb = llmem_kv_block_bytes(e->kv);
