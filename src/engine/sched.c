@@ -452,6 +452,18 @@ static void admit(struct llmem_engine *e) {
             request_finish(e, r, "error", LLMEM_ENOMEM, msg);
             continue;
         }
+        /* Not even a block beyond the running requests' headroom could be freed: wait, without a
+         * bank lookup (and a disk load) that would only be undone. */
+        if (paged && e->n_running > 0) {
+            int64_t reclaimable = llmem_kv_blocks_free(e->kv);
+            if (e->bank != NULL) {
+                struct llmem_bank_stats bs;
+                llmem_bank_stats(e->bank, &bs);
+                reclaimable += bs.blocks;
+            }
+            if (reclaimable < e->n_running + 1)
+                break;
+        }
         int seq = -1;
         int64_t from_ram = 0, from_disk = 0;
         int status =
