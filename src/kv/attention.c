@@ -353,23 +353,16 @@ int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, int layer,
         }
         return LLMEM_OK;
     }
-    const int64_t **blocks = malloc((size_t)n * sizeof(*blocks));
-    int64_t *lengths = malloc((size_t)n * sizeof(*lengths));
-    if (blocks == NULL || lengths == NULL) {
-        free(blocks), free(lengths);
-        LLMEM_ERROR("out of memory");
-        return LLMEM_ENOMEM;
-    }
+    LLMEM_ASSERT(n <= kv->cfg.max_sequences);
     for (int i = 0; i < n; i++) {
         const struct kv_seq *s = &kv->seqs[seqs[i]];
         LLMEM_ASSERT(seqs[i] >= 0 && seqs[i] < kv->cfg.max_sequences && s->used && s->length > 0);
-        blocks[i] = s->table;
-        lengths[i] = s->length;
+        kv->last_blocks[i] = s->table;
+        kv->last_lengths[i] = s->length;
     }
     const struct llmem_backend_paged_attn a = device_attn(kv, layer, attn, q, out);
-    d->ops->kv_attend_last(d->ctx, &a, n, blocks, lengths);
+    d->ops->kv_attend_last(d->ctx, &a, n, kv->last_blocks, kv->last_lengths);
     kv->st.route_device += n;
-    free(blocks), free(lengths);
     return LLMEM_OK;
 }
 

@@ -460,7 +460,12 @@ int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
         kv->own_mem = 1;
     }
     kv->seqs = calloc((size_t)c.max_sequences, sizeof(*kv->seqs));
-    if (kv->seqs == NULL) {
+    if (c.device != NULL) {
+        kv->last_blocks = malloc((size_t)c.max_sequences * sizeof(*kv->last_blocks));
+        kv->last_lengths = malloc((size_t)c.max_sequences * sizeof(*kv->last_lengths));
+    }
+    if (kv->seqs == NULL ||
+        (c.device != NULL && (kv->last_blocks == NULL || kv->last_lengths == NULL))) {
         LLMEM_ERROR("out of memory");
         status = LLMEM_ENOMEM;
         goto out_free;
@@ -507,6 +512,7 @@ void llmem_kv_destroy(struct llmem_kv *kv) {
     free(kv->r_k), free(kv->r_v);
     free(kv->seqs);
     free(kv->slots);
+    free(kv->last_blocks), free(kv->last_lengths);
     if (kv->pool != kv->cfg.pool)
         llmem_pool_destroy(kv->pool);
     if (kv->own_mem)

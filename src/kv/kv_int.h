@@ -45,6 +45,8 @@ struct llmem_kv {
 
     int64_t *slots; /* device pools: the slot numbers of a write (slots_cap) */
     int64_t slots_cap;
+    const int64_t **last_blocks; /* device pools: llmem_kv_attend_last's block tables and */
+    int64_t *last_lengths;       /* lengths, (max_sequences) each */
 
     struct llmem_kv_stats st;
 };

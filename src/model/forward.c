@@ -247,7 +247,7 @@ int llmem_forward_run(struct llmem_forward *f, const int32_t *tokens,
     void *ctx = f->be->ctx;
     ops->embedding(ctx, &f->model->embed, tokens, T, f->x);
     /* a decode step: every sequence one token at its end (the lengths were just set to cover it) */
-    int decode = n_seqs > 1 && n_seqs <= f->max_tokens;
+    int decode = n_seqs > 1; /* (n_seqs ≤ T ≤ max_tokens: seq_ids has room) */
     for (int s = 0; decode && s < n_seqs; s++) {
         decode = seqs[s].n_tokens == 1;
         f->seq_ids[s] = seqs[s].seq;
