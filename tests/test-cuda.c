@@ -540,6 +540,7 @@ static struct llmem_engine *open_engine(const char *dir, enum llmem_backend_kind
                                         enum llmem_kv_format format) {
     struct llmem_engine_config c;
     llmem_engine_config_default(&c);
+    c.max_sequences = 4;
     c.model_dir = dir;
     c.n_threads = 2;
     c.no_bank = 1;
@@ -643,6 +644,72 @@ static void test_greedy(void **state) {
     llmem_generate_result_free(&r[1]);
 }
 
+/* Decode steps recorded as CUDA graphs and replayed give exactly the logits of the same steps run
+ * as usual: batches of two sizes, block tables growing past their padding (128 tokens), and
+ * sequences forked mid-block, so that a replayed step first copies a shared block. */
+static void test_graphs(void **state) {
+    (void)state;
+    const char *dir = LLMEM_SOURCE_DIR "/models/pycoder";
+    enum { STEPS = 48, SEQS = 4 };
+    float *out[2] = {NULL, NULL};
+    struct llmem_backend_counters count[2];
+    int64_t vocab = 0;
+    for (int run = 0; run < 2; run++) {
+        setenv("LLMEM_CUDA_GRAPHS", run == 0 ? "0" : "1", 1);
+        struct llmem_engine *e =
+            open_engine(dir, LLMEM_BACKEND_CUDA, LLMEM_PRECISION_FAST, LLMEM_KV_FORMAT_F16);
+        struct llmem_kv *kv = llmem_engine_kv(e);
+        struct llmem_forward *f = llmem_engine_forward(e);
+        vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size;
+        float *logits = malloc((size_t)(SEQS * vocab) * sizeof(float));
+        out[run] = calloc((size_t)(STEPS * SEQS * vocab), sizeof(float));
+        assert_non_null(logits);
+        assert_non_null(out[run]);
+        int seq[SEQS];
+        const int64_t lens[3] = {100, 117, 9};
+        int32_t ids[128];
+        for (int s = 0; s < 3; s++) {
+            for (int i = 0; i < lens[s]; i++)
+                ids[i] = (int32_t)((i * 31 + s * 7) % 1000);
+            assert_int_equal(llmem_kv_seq_new(kv, &seq[s]), LLMEM_OK);
+            struct llmem_batch_seq b = {.seq = seq[s], .pos = 0, .n_tokens = lens[s]};
+            assert_int_equal(llmem_forward_run(f, ids, &b, 1, logits), LLMEM_OK);
+        }
+        assert_int_equal(llmem_kv_seq_fork(kv, seq[1], &seq[3]), LLMEM_OK);
+        for (int step = 0; step < STEPS; step++) {
+            if (step == 30) { /* a replayed step's first write copies the shared block */
+                llmem_kv_seq_free(kv, seq[3]);
+                assert_int_equal(llmem_kv_seq_fork(kv, seq[2], &seq[3]), LLMEM_OK);
+            }
+            const int n = step % 8 < 6 ? SEQS : 2;
+            struct llmem_batch_seq b[SEQS];
+            int32_t tok[SEQS];
+            for (int s = 0; s < n; s++) {
+                b[s] = (struct llmem_batch_seq){
+                    .seq = seq[s], .pos = llmem_kv_seq_length(kv, seq[s]), .n_tokens = 1};
+                tok[s] = (int32_t)((step * 13 + s * 101) % 1000);
+            }
+            assert_int_equal(llmem_forward_run(f, tok, b, n, logits), LLMEM_OK);
+            memcpy(out[run] + (size_t)(step * SEQS * vocab), logits,
+                   (size_t)(n * vocab) * sizeof(float));
+        }
+        struct llmem_backend *be = llmem_engine_backend(e);
+        be->ops->counters(be->ctx, &count[run]);
+        free(logits);
+        llmem_engine_close(e);
+    }
+    unsetenv("LLMEM_CUDA_GRAPHS");
+    printf("  graphs: %lld recorded, %lld replayed, %lld missed\n",
+           (long long)count[1].graphs_recorded, (long long)count[1].graphs_replayed,
+           (long long)count[1].graphs_missed);
+    assert_int_equal(count[0].graphs_replayed, 0);
+    assert_true(count[1].graphs_recorded >= 2); /* the two batch sizes */
+    assert_true(count[1].graphs_replayed >= STEPS / 2);
+    assert_memory_equal(out[0], out[1], (size_t)(STEPS * SEQS * vocab) * sizeof(float));
+    free(out[0]);
+    free(out[1]);
+}
+
 static int setup(void **state) {
     (void)state;
     struct llmem_mem_config cfg = {.ops = llmem_backend_cuda_memory(0)};
@@ -676,7 +743,7 @@ int main(void) {
         cmocka_unit_test(test_embedding),     cmocka_unit_test(test_matmul),
         cmocka_unit_test(test_matmul_multi),  cmocka_unit_test(test_out_of_memory),
         cmocka_unit_test(test_kv_device),     cmocka_unit_test(test_models),
-        cmocka_unit_test(test_greedy),
+        cmocka_unit_test(test_greedy),        cmocka_unit_test(test_graphs),
     };
     return cmocka_run_group_tests_name("cuda", tests, setup, teardown);
 }

@@ -147,6 +147,7 @@ void llmem_engine_config_default(struct llmem_engine_config *c);
 struct llmem_engine;
 struct llmem_tokenizer;
 struct llmem_bank;
+struct llmem_backend;
 
 /* Plans, then loads. A model that does not fit (or a --context above the machine's fit) is refused
  * before loading with LLMEM_ENOMEM and the plan's explanation logged; otherwise as
@@ -162,6 +163,8 @@ struct llmem_mem *llmem_engine_mem(struct llmem_engine *e);
 struct llmem_kv *llmem_engine_kv(struct llmem_engine *e);
 struct llmem_model *llmem_engine_model(struct llmem_engine *e);
 struct llmem_forward *llmem_engine_forward(struct llmem_engine *e);
+/* The backend the forward pass runs on (backend/ops.h). */
+struct llmem_backend *llmem_engine_backend(struct llmem_engine *e);
 /* The engine's pressure guard (its counters). */
 const struct llmem_guard *llmem_engine_guard(const struct llmem_engine *e);
 /* The session bank's RAM tier (NULL without one: no_bank or a layout other than paged). */

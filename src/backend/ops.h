@@ -50,6 +50,13 @@ struct llmem_backend_paged_attn {
     float *out;         /* [n_q, n_heads, head_dim] */
 };
 
+/* What a backend did beyond the operations themselves. */
+struct llmem_backend_counters {
+    int64_t graphs_recorded; /* passes recorded as graphs (graph_begin) */
+    int64_t graphs_replayed; /* passes run as one launch of a recording */
+    int64_t graphs_missed;   /* passes that did not match their recording (run again) */
+};
+
 struct llmem_backend_ops {
     const char *name; /* "cpu" */
     void (*destroy)(void *ctx);
@@ -102,6 +109,19 @@ struct llmem_backend_ops {
     /* Waits for every operation queued. The first failure of any of them (LLMEM_EIO, or
      * LLMEM_ENOMEM for scratch) is logged once and returned by every later copy and sync. */
     int (*sync)(void *ctx);
+
+    /* (optional) A pass the caller repeats with the same shapes, between graph_begin and
+     * graph_end (a decode step): the backend may record it and replay the recording, with the
+     * pass's own small per-call arrays, as one launch. Its operations may be queued only at
+     * graph_end, and so may copies between the backend's buffers (those are queued ahead of the
+     * pass). graph_end returns LLMEM_OK when the pass is queued, LLMEM_EBUSY when nothing of it
+     * ran (it did not match its recording): the caller then runs the same pass again, right away;
+     * or the backend's failure. `key` tells passes of different shapes apart (the backend also
+     * compares every operation and argument). */
+    int (*graph_begin)(void *ctx, uint64_t key);
+    int (*graph_end)(void *ctx);
+    /* (optional) */
+    void (*counters)(void *ctx, struct llmem_backend_counters *out);
 };
 
 struct llmem_backend {

@@ -13,6 +13,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* XXH3-64 of n bytes at p; the same input and seed give the same value on every run. */
 uint64_t llmem_hash64(const void *p, size_t n, uint64_t seed);
 
@@ -25,5 +29,9 @@ void llmem_digest(const void *p, size_t n, uint8_t out[16]);
 
 /* SHA-256 of the concatenation of n_parts byte ranges. */
 void llmem_sha256(const void *const *parts, const size_t *sizes, int n_parts, uint8_t out[32]);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

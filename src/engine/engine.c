@@ -305,6 +305,9 @@ struct llmem_pool *llmem_engine_pool(struct llmem_engine *e) {
 struct llmem_forward *llmem_engine_forward(struct llmem_engine *e) {
     return e->fwd;
 }
+struct llmem_backend *llmem_engine_backend(struct llmem_engine *e) {
+    return e->be;
+}
 const struct llmem_tokenizer *llmem_engine_tokenizer(const struct llmem_engine *e) {
     return e->tok;
 }

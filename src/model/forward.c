@@ -8,9 +8,9 @@
  *   xn = rmsnorm(x); q, k, v = xn·Wqᵀ (+b), xn·Wkᵀ (+b), xn·Wvᵀ (+b); q/k per-head rmsnorm (Qwen3);
  *   rope(q, k); per sequence: write k, v into the cache, attend (GQA, causal, sliding window);
  *   x += att·Woᵀ;  xn = rmsnorm(x);  x += (silu(xn·Wgᵀ) ⊙ xn·Wuᵀ)·Wdᵀ
- * then the rows that want logits: rmsnorm, ·lm_headᵀ. A decode step (every sequence one token)
- * writes and attends all its sequences with one cache call each (llmem_kv_write_last,
- * llmem_kv_attend_last): one launch on a device.
+ * then the rows that want logits: rmsnorm, ·lm_headᵀ. A step's decodes (the leading sequences of
+ * one token each) are written and attended with one cache call each (llmem_kv_write_last,
+ * llmem_kv_attend_last): one launch on a device, also beside the prefill chunks of a mixed step.
  *
  * Any backend: the activations live in the model's allocator (host memory, or a device's for a
  * model copied there by llmem_model_to_device); the logits come back to the caller's host memory.
@@ -42,7 +42,9 @@ struct llmem_forward {
     float *k, *v;     /* (T, n_kv·hd) */
     float *gate, *up; /* (T, inter) */
     int64_t *pos;     /* (T) position of each token */
-    int *seq_ids;     /* (T) the sequences of a decode step */
+    int *seq_ids;     /* (T) the decoding sequences of a step */
+    float *dev_logits; /* on a device: the logits there, kept for the next pass (graphs) */
+    int64_t dev_logits_rows;
 };
 
 int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *backend,
@@ -97,6 +99,7 @@ void llmem_forward_free(struct llmem_forward *f) {
     float *bufs[] = {f->x, f->xn, f->q, f->att, f->k, f->v, f->gate, f->up};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         llmem_mem_free(f->mem, bufs[i]);
+    llmem_mem_free(f->mem, f->dev_logits);
     free(f->pos);
     free(f->seq_ids);
     free(f);
@@ -121,7 +124,7 @@ static void matmul_multi(struct llmem_forward *f, int count, const struct llmem_
 }
 
 static int attention_block(struct llmem_forward *f, const struct model_layer *L, int layer,
-                           const struct llmem_batch_seq *seqs, int n_seqs, int64_t T, int decode) {
+                           const struct llmem_batch_seq *seqs, int n_seqs, int64_t T, int n_last) {
     const struct llmem_backend_ops *ops = f->be->ops;
     void *ctx = f->be->ctx;
     const struct llmem_model_config *c = &f->model->cfg;
@@ -145,15 +148,15 @@ static int attention_block(struct llmem_forward *f, const struct model_layer *L,
     ops->rope(ctx, f->k, T, nkv, hd, f->pos, f->model->inv_freq);
 
     const struct llmem_kv_attn attn = {.n_heads = nh, .window = L->window};
-    if (decode) { /* one token for every sequence: each cache call once for the whole batch */
-        int status = llmem_kv_write_last(f->kv, n_seqs, f->seq_ids, layer, f->k, f->v);
+    if (n_last > 0) { /* the decodes, one token each: each cache call once for all of them */
+        int status = llmem_kv_write_last(f->kv, n_last, f->seq_ids, layer, f->k, f->v);
         if (status == LLMEM_OK)
-            status = llmem_kv_attend_last(f->kv, n_seqs, f->seq_ids, layer, f->q, f->att, &attn);
+            status = llmem_kv_attend_last(f->kv, n_last, f->seq_ids, layer, f->q, f->att, &attn);
         if (status != LLMEM_OK)
             return status;
     }
-    int64_t row = 0;
-    for (int s = 0; !decode && s < n_seqs; s++) {
+    int64_t row = n_last;
+    for (int s = n_last; s < n_seqs; s++) {
         const struct llmem_batch_seq *b = &seqs[s];
         int status = llmem_kv_write(f->kv, b->seq, layer, b->pos, b->n_tokens, f->k + row * kv_dim,
                                     f->v + row * kv_dim);
@@ -186,6 +189,39 @@ static void mlp_block(struct llmem_forward *f, const struct model_layer *L, int6
 }
 
 /* ---- the batch ------------------------------------------------------------------------------ */
+
+/* The layers and the logits rows of a batch whose cache lengths already cover it: into `logits`
+ * (the backend's memory). The first n_last sequences are decodes, one token each. */
+static int run_pass(struct llmem_forward *f, const int32_t *tokens,
+                    const struct llmem_batch_seq *seqs, int n_seqs, int64_t T, int64_t n_logits,
+                    int n_last, float *logits) {
+    const struct llmem_model_geometry *g = &f->model->cfg.geom;
+    const struct llmem_backend_ops *ops = f->be->ops;
+    void *ctx = f->be->ctx;
+    ops->embedding(ctx, &f->model->embed, tokens, T, f->x);
+    for (int64_t l = 0; l < g->n_layers; l++) {
+        const struct model_layer *L = &f->model->layers[l];
+        int status = attention_block(f, L, (int)l, seqs, n_seqs, T, n_last);
+        if (status != LLMEM_OK)
+            return status;
+        mlp_block(f, L, T);
+    }
+    /* The rows that want logits, gathered in order (row r moves to index i ≤ r). */
+    int64_t i = 0, row = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const struct llmem_batch_seq *b = &seqs[s];
+        int64_t first = b->all_logits ? row : row + b->n_tokens - 1;
+        for (int64_t r = first; r < row + b->n_tokens; r++, i++)
+            if (i != r)
+                ops->copy(ctx, f->x + i * g->hidden_size, f->x + r * g->hidden_size,
+                          (size_t)g->hidden_size * sizeof(float));
+        row += b->n_tokens;
+    }
+    ops->rmsnorm(ctx, f->x, f->model->final_norm, n_logits, g->hidden_size,
+                 (float)f->model->cfg.rms_norm_eps, f->xn);
+    ops->matmul(ctx, &f->model->lm_head, f->xn, n_logits, logits, NULL);
+    return LLMEM_OK;
+}
 
 int llmem_forward_run(struct llmem_forward *f, const int32_t *tokens,
                       const struct llmem_batch_seq *seqs, int n_seqs, float *logits) {
@@ -243,57 +279,53 @@ int llmem_forward_run(struct llmem_forward *f, const int32_t *tokens,
         llmem_kv_set_length(f->kv, seqs[s].seq, seqs[s].pos + seqs[s].n_tokens);
     }
 
+    /* The leading sequences of one token each (a step's decodes, each token at its sequence's end:
+     * the lengths were just set to cover it) go to the cache together. */
+    int n_last = 0; /* (n_seqs ≤ T ≤ max_tokens: seq_ids has room) */
+    while (n_last < n_seqs && seqs[n_last].n_tokens == 1) {
+        f->seq_ids[n_last] = seqs[n_last].seq;
+        n_last++;
+    }
     const struct llmem_backend_ops *ops = f->be->ops;
     void *ctx = f->be->ctx;
-    ops->embedding(ctx, &f->model->embed, tokens, T, f->x);
-    /* a decode step: every sequence one token at its end (the lengths were just set to cover it) */
-    int decode = n_seqs > 1; /* (n_seqs ≤ T ≤ max_tokens: seq_ids has room) */
-    for (int s = 0; decode && s < n_seqs; s++) {
-        decode = seqs[s].n_tokens == 1;
-        f->seq_ids[s] = seqs[s].seq;
-    }
+    /* On a device, a pure decode step may be recorded and replayed as one launch (graph_begin):
+     * when every sequence could take a fresh block without the pool growing mid-pass. */
+    const int graph = f->model->on_device && ops->graph_begin != NULL && n_last == n_seqs &&
+                      n_logits == n_seqs && llmem_kv_blocks_free(f->kv) >= n_seqs;
     int status = LLMEM_OK;
-    for (int64_t l = 0; l < g->n_layers && status == LLMEM_OK; l++) {
-        const struct model_layer *L = &f->model->layers[l];
-        status = attention_block(f, L, (int)l, seqs, n_seqs, T, decode);
-        if (status == LLMEM_OK)
-            mlp_block(f, L, T);
+    float *dl = NULL;
+    if (f->model->on_device) { /* the logits there, then to the caller's host memory */
+        if (n_logits > f->dev_logits_rows) {
+            llmem_mem_free(f->mem, f->dev_logits);
+            f->dev_logits_rows = 0;
+            f->dev_logits = llmem_mem_alloc(
+                f->mem, (size_t)(n_logits * g->vocab_size) * sizeof(float), LLMEM_TAG_SCRATCH);
+            if (f->dev_logits == NULL) {
+                status = LLMEM_ENOMEM;
+                goto failed;
+            }
+            f->dev_logits_rows = n_logits;
+        }
+        dl = f->dev_logits;
     }
-    if (status != LLMEM_OK) {
+    /* a replay that did not match runs again (recorded), and a recording that failed runs again
+     * without a graph */
+    for (int attempt = 0; attempt < 3; attempt++) {
+        if (graph && (status = ops->graph_begin(ctx, (uint64_t)n_seqs)) != LLMEM_OK)
+            break;
+        status = run_pass(f, tokens, seqs, n_seqs, T, n_logits, n_last, dl != NULL ? dl : logits);
+        int ended = graph ? ops->graph_end(ctx) : LLMEM_OK;
+        if (ended != LLMEM_EBUSY || status != LLMEM_OK) {
+            status = status != LLMEM_OK ? status : ended;
+            break;
+        }
+    }
+    if (status == LLMEM_OK && dl != NULL) /* and every failure of the pass */
+        status = ops->copy(ctx, logits, dl, (size_t)(n_logits * g->vocab_size) * sizeof(float));
+failed:
+    if (status != LLMEM_OK)
         for (int s = 0; s < n_seqs; s++)
             llmem_kv_set_length(f->kv, seqs[s].seq, lengths[s]);
-        goto out;
-    }
-
-    /* The rows that want logits, gathered in order (row r moves to index i ≤ r). */
-    int64_t i = 0;
-    row = 0;
-    for (int s = 0; s < n_seqs; s++) {
-        const struct llmem_batch_seq *b = &seqs[s];
-        int64_t first = b->all_logits ? row : row + b->n_tokens - 1;
-        for (int64_t r = first; r < row + b->n_tokens; r++, i++)
-            if (i != r)
-                ops->copy(ctx, f->x + i * g->hidden_size, f->x + r * g->hidden_size,
-                          (size_t)g->hidden_size * sizeof(float));
-        row += b->n_tokens;
-    }
-    ops->rmsnorm(ctx, f->x, f->model->final_norm, n_logits, g->hidden_size,
-                 (float)f->model->cfg.rms_norm_eps, f->xn);
-    if (!f->model->on_device) {
-        ops->matmul(ctx, &f->model->lm_head, f->xn, n_logits, logits, NULL);
-        goto out;
-    }
-    /* on a device: the logits there, then to the caller's host memory */
-    const size_t bytes = (size_t)(n_logits * g->vocab_size) * sizeof(float);
-    float *dl = llmem_mem_alloc(f->mem, bytes, LLMEM_TAG_SCRATCH);
-    if (dl == NULL) {
-        status = LLMEM_ENOMEM;
-        goto out;
-    }
-    ops->matmul(ctx, &f->model->lm_head, f->xn, n_logits, dl, NULL);
-    status = ops->copy(ctx, logits, dl, bytes); /* and every failure of the pass */
-    llmem_mem_free(f->mem, dl);
-out:
     if (lengths != saved)
         free(lengths);
     return status;

@@ -720,7 +720,8 @@ int check(const struct llmem_cuda_attn *a, KernelInfo **kernel) {
     else if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0 ||
              a->n_heads / a->n_kv_heads > MAX_GROUP)
         why = "n_heads (n_kv_heads × 1..8)";
-    else if (a->batch < 0 || a->max_len < 0 || a->table_stride * a->block_size < a->max_len)
+    else if (a->batch < 0 || a->max_len < 0 || a->table_stride < 0 ||
+             (a->table_stride > 0 && a->table_stride * a->block_size < a->max_len))
         why = "batch, max_len or table_stride";
     else if (a->split_len < 0 || a->split_len % BLOCK != 0)
         why = "split_len (a multiple of 16)";

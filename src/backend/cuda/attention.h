@@ -3,7 +3,10 @@
  * (implemented in attention.cu).
  *
  * One query token per sequence attends to every token its block table holds (decode: the query is
- * the last position, so the causal mask is the sequence's length). The block pool is the CPU
+ * the last position, so the causal mask is the sequence's length). A prefill chunk is such a batch
+ * too: its queries, each a "sequence" of its own length (position + 1), over one shared table
+ * (table_stride 0); the chunk's K and V rows then come from L2 once the first query read them.
+ * The block pool is the CPU
  * paged cache's layout for one layer, on the device: block `id`'s keys start at
  * k_pool + id × block_stride, token-major [block_size][n_kv_heads][key row bytes], and its values
  * likewise at v_pool + id × block_stride. With the pool copied as llmem_kv_block_copy_out writes a
@@ -50,7 +53,8 @@ struct llmem_cuda_attn {
     const void *k_pool, *v_pool; /* 16-byte aligned */
     int64_t block_stride;        /* bytes from one block to the next, in both pools */
     const int32_t *block_tables; /* [batch, table_stride]: block ids of each sequence in order */
-    int table_stride;
+    int table_stride; /* 0: every "sequence" reads the one table (which covers max_len tokens):
+                       * the queries of one sequence at several positions, a prefill chunk */
     const int32_t *lengths; /* [batch] tokens of each sequence, ≤ max_len; 0 gives zeros */
     float *out;             /* [batch, n_heads, head_dim] f32 */
 

@@ -11,6 +11,13 @@
  * cuBLAS: at fast precision the activations are rounded to the weights' 16-bit type and the
  * product runs on the tensor cores with f32 accumulation; at f32 precision the weights are widened
  * to f32 in slices of rows and multiplied in plain f32 (no TF32).
+ *
+ * Graphs (graph_begin / graph_end): a pass the caller repeats with the same shapes (a decode step)
+ * is run once as usual, recorded into a CUDA graph the second time, and from then on replayed
+ * with one launch: its operations then only stage their small per-call arrays (at the offsets the
+ * recording used) and extend a hash of every operation and argument, and the graph is launched
+ * when that hash equals the recording's; else nothing has run, and the caller runs the pass again
+ * (recorded afresh). LLMEM_CUDA_GRAPHS=0 turns them off.
  */
 #include "backend/cuda/backend.h"
 #include "backend/cuda/attention.h"
@@ -20,13 +27,17 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <initializer_list>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/hash.h"
 #include "core/log.h"
 
 /* x rows up to which matmul takes the memory-bound kernel */
 #define GEMV_MAX_ROWS 8
+/* 16-byte weight loads each lane has in flight in the matrix-vector kernel */
+#define GEMV_UNROLL 8
 /* weight bytes widened to f32 at a time at f32 precision */
 #define WIDEN_SLICE_BYTES ((size_t)64 << 20)
 /* the small per-call host arrays (positions, ids, frequencies, block tables) are staged up to
@@ -34,6 +45,20 @@
 #define SMALL_MAX   (256 << 10)
 #define SMALL_SLOTS 32
 #define SMALL_REUSE 4 /* the last uploads compared with a new one */
+#define GRAPHS      32 /* recorded passes kept, the least recently used replaced */
+#define GRAPH_MISSES 4 /* passes of a key that did not match its graph before it is given up */
+
+enum pass_mode { PASS_NOW, PASS_CAPTURE, PASS_STAGE };
+enum graph_state { GRAPH_SEEN, GRAPH_READY, GRAPH_OFF };
+
+struct graph {
+    uint64_t key;
+    uint64_t sig;          /* the hash of the recorded pass's operations and arguments */
+    cudaGraphExec_t exec;  /* GRAPH_READY */
+    enum graph_state state;
+    int misses;
+    uint64_t used;         /* the pass count at its last use */
+};
 
 struct cuda_ctx {
     int device;
@@ -52,6 +77,20 @@ struct cuda_ctx {
     int32_t *staging; /* SMALL_MAX bytes where an upload is assembled (block tables, positions) */
     int failed;       /* the first failure's status (LLMEM_EIO, LLMEM_ENOMEM), reported by
                        * copy and sync ever after: later operations are skipped */
+    /* graphs */
+    int graphs_on;
+    struct graph graphs[GRAPHS];
+    struct graph *pass; /* between graph_begin and graph_end */
+    enum pass_mode mode;
+    uint64_t sig;        /* of the pass's operations so far */
+    size_t arena_used;   /* per-call data the pass staged, from the start of the ring's memory */
+    size_t arena_off[SMALL_REUSE], arena_size[SMALL_REUSE];
+    int arena_n;
+    int pass_bad;        /* the pass cannot be recorded (per-call data or scratch would not fit) */
+    int pass_once;       /* the recording copied memory: it runs once, it is not kept */
+    int ring_stale;      /* a pass staged in the ring's memory: wait before the ring's next use */
+    uint64_t passes;
+    struct llmem_backend_counters counters;
 };
 
 /* The backend's first failure: logged once, kept as the status of every later copy and sync. */
@@ -107,6 +146,10 @@ static void dev_free(struct cuda_ctx *c, void *p) {
 static void *scratch(struct cuda_ctx *c, size_t bytes) {
     if (bytes <= c->scratch_bytes)
         return c->scratch;
+    if (c->mode != PASS_NOW) { /* no waiting while recording: the pass runs without a graph */
+        c->pass_bad = 1;
+        return NULL;
+    }
     cudaStreamSynchronize(c->stream);
     dev_free(c, c->scratch);
     c->scratch = dev_alloc(c, bytes);
@@ -119,7 +162,17 @@ static void *scratch(struct cuda_ctx *c, size_t bytes) {
 /* Copies a small host array to the device for the next kernel, queued on the stream: through the
  * next pinned slot of the ring, which is free once the work queued after its last upload is done
  * (an event recorded at the following upload; the ring is long enough that this rarely waits). */
+static const void *arena_upload(struct cuda_ctx *c, const void *host, size_t bytes);
+
 static const void *small_upload(struct cuda_ctx *c, const void *host, size_t bytes) {
+    if (c->mode != PASS_NOW)
+        return arena_upload(c, host, bytes);
+    if (c->ring_stale) { /* a graph's data lay in the ring's memory: wait for it */
+        if (check(c, cudaStreamSynchronize(c->stream), "synchronize") != LLMEM_OK)
+            return NULL;
+        memset(c->small_size, 0, sizeof(c->small_size));
+        c->ring_stale = 0;
+    }
     if (bytes > c->small_bytes) {
         LLMEM_ERROR("cuda backend: %zu bytes of per-call data (at most %zu)", bytes,
                     c->small_bytes);
@@ -148,6 +201,160 @@ static const void *small_upload(struct cuda_ctx *c, const void *host, size_t byt
         LLMEM_OK)
         return NULL;
     return d;
+}
+
+/* ---- graphs ----------------------------------------------------------------------------------
+ */
+
+/* A pass's per-call data, staged from the start of the ring's memory (free then: graph_begin
+ * waited for the stream), at offsets that depend only on the sizes and order of the uploads and on
+ * which of them repeat one of the last few; graph_end copies it to the device in one piece. */
+static const void *arena_upload(struct cuda_ctx *c, const void *host, size_t bytes) {
+    uint8_t *h = (uint8_t *)c->small_host, *d = (uint8_t *)c->small;
+    for (int i = 0; i < c->arena_n && i < SMALL_REUSE; i++)
+        if (c->arena_size[i] == bytes && memcmp(h + c->arena_off[i], host, bytes) == 0)
+            return d + c->arena_off[i];
+    const size_t off = (c->arena_used + 15) & ~(size_t)15;
+    if (off + bytes > c->small_bytes * SMALL_SLOTS) {
+        c->pass_bad = 1;
+        return NULL;
+    }
+    memcpy(h + off, host, bytes);
+    c->arena_off[c->arena_n % SMALL_REUSE] = off;
+    c->arena_size[c->arena_n % SMALL_REUSE] = bytes;
+    c->arena_n++;
+    c->arena_used = off + bytes;
+    return d + off;
+}
+
+static uint64_t arg(const void *p) {
+    return (uint64_t)(uintptr_t)p;
+}
+static uint64_t arg(int64_t v) {
+    return (uint64_t)v;
+}
+static uint64_t arg(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+}
+
+/* Called by every operation before it launches anything: its arguments extend the pass's hash.
+ * 1: do not launch (the pass is staged for a recorded graph). */
+static int staged(struct cuda_ctx *c, int op, std::initializer_list<uint64_t> args) {
+    if (c->pass == NULL)
+        return 0;
+    uint64_t v[24];
+    size_t n = 0;
+    v[n++] = (uint64_t)op;
+    for (uint64_t a : args)
+        if (n < sizeof(v) / sizeof(v[0]))
+            v[n++] = a;
+    c->sig = llmem_hash64(v, n * sizeof(uint64_t), c->sig);
+    return c->mode == PASS_STAGE;
+}
+
+static void graph_drop(struct graph *g) {
+    if (g->exec != NULL)
+        cudaGraphExecDestroy(g->exec);
+    g->exec = NULL;
+}
+
+static int cuda_graph_begin(void *ctx, uint64_t key) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    LLMEM_ASSERT(c->pass == NULL);
+    if (!c->graphs_on || c->failed)
+        return c->failed;
+    struct graph *g = NULL, *lru = &c->graphs[0];
+    for (int i = 0; i < GRAPHS && g == NULL; i++) {
+        if (c->graphs[i].used != 0 && c->graphs[i].key == key)
+            g = &c->graphs[i];
+        else if (c->graphs[i].used < lru->used)
+            lru = &c->graphs[i];
+    }
+    if (g == NULL) { /* a new pass: run as usual this time */
+        graph_drop(lru);
+        memset(lru, 0, sizeof(*lru));
+        lru->key = key;
+        lru->state = GRAPH_SEEN;
+        g = lru;
+    }
+    g->used = ++c->passes;
+    if (g->state == GRAPH_OFF)
+        return LLMEM_OK;
+    c->pass = g;
+    c->sig = key;
+    c->pass_bad = c->pass_once = 0;
+    c->arena_used = 0;
+    c->arena_n = 0;
+    c->mode = PASS_NOW;
+    if (g->state == GRAPH_READY || g->exec == NULL && g->sig != 0) {
+        /* the ring's memory takes this pass's data: nothing queued may still read it */
+        if (check(c, cudaStreamSynchronize(c->stream), "synchronize") != LLMEM_OK)
+            return c->failed;
+        c->ring_stale = 1;
+        c->mode = g->state == GRAPH_READY ? PASS_STAGE : PASS_CAPTURE;
+    }
+    if (c->mode == PASS_CAPTURE &&
+        cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeRelaxed) != cudaSuccess) {
+        (void)cudaGetLastError();
+        g->state = GRAPH_OFF;
+        c->mode = PASS_NOW;
+    }
+    return LLMEM_OK;
+}
+
+static int cuda_graph_end(void *ctx) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    struct graph *g = c->pass;
+    if (g == NULL)
+        return c->failed;
+    const enum pass_mode mode = c->mode;
+    c->pass = NULL;
+    c->mode = PASS_NOW;
+    const uint64_t v[2] = {c->sig, arg(c->scratch)}; /* what the kernels were given as scratch */
+    const uint64_t sig = llmem_hash64(v, sizeof(v), 0) | 1;
+    if (mode == PASS_NOW) { /* ran as usual: the next pass of this key is recorded */
+        g->sig = sig;
+        return c->failed;
+    }
+    if (mode == PASS_CAPTURE) {
+        cudaGraph_t graph = NULL;
+        cudaError_t err = cudaStreamEndCapture(c->stream, &graph);
+        if (err == cudaSuccess && !c->pass_bad)
+            err = cudaGraphInstantiate(&g->exec, graph, 0);
+        if (graph != NULL)
+            cudaGraphDestroy(graph);
+        if (err != cudaSuccess || c->pass_bad || c->failed) {
+            (void)cudaGetLastError();
+            g->exec = NULL;
+            g->state = GRAPH_OFF; /* nothing ran: again, without a graph */
+            return c->failed ? c->failed : LLMEM_EBUSY;
+        }
+        g->sig = sig;
+        g->state = GRAPH_READY;
+        c->counters.graphs_recorded++;
+    } else if (c->pass_bad || sig != g->sig) { /* nothing ran: record it again */
+        c->counters.graphs_missed++;
+        graph_drop(g);
+        g->state = ++g->misses >= GRAPH_MISSES ? GRAPH_OFF : GRAPH_SEEN;
+        return LLMEM_EBUSY;
+    }
+    if (c->arena_used > 0)
+        check(c,
+              cudaMemcpyAsync(c->small, c->small_host, c->arena_used, cudaMemcpyHostToDevice,
+                              c->stream),
+              "upload");
+    check(c, cudaGraphLaunch(g->exec, c->stream), "cudaGraphLaunch");
+    if (mode == PASS_STAGE) {
+        c->counters.graphs_replayed++;
+        g->misses = 0; /* only misses in a row give a key up */
+    }
+    if (c->pass_once) { /* it held a copy of this pass's own */
+        graph_drop(g);
+        g->state = GRAPH_SEEN;
+    }
+    return c->failed;
 }
 
 /* ---- elementwise kernels ---------------------------------------------------------------------
@@ -289,6 +496,21 @@ struct gemv_set {
     int64_t rows[4];
 };
 
+/* acc[j] += the 8 weights of chunk k (raw) · x[x_row0 + j, 8k … 8k + 7], for j < NX. */
+template <enum llmem_dtype DT, int NX>
+__device__ __forceinline__ void gemv_step(uint4 raw, const float *x, int64_t x_row0, int64_t cols,
+                                          int64_t k, float *acc) {
+    float wv[8];
+    unpack8<DT>(raw, wv);
+#pragma unroll
+    for (int j = 0; j < NX; j++) {
+        const float4 *xr = reinterpret_cast<const float4 *>(x + (x_row0 + j) * cols + k * 8);
+        float4 a = __ldg(xr), b = __ldg(xr + 1);
+        acc[j] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x +
+                  wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
+    }
+}
+
 /* y[t, r] = Σ_k x[t, k] · w[r, k] for NX rows of x: one warp per weight row, 16-byte loads of
  * 8 weights, each lane's partial sums reduced by shuffles. 16-bit weights, cols a multiple of 8
  * and 16-byte aligned rows (checked by the caller). */
@@ -307,17 +529,20 @@ __global__ void __launch_bounds__(256)
     for (int j = 0; j < NX; j++)
         acc[j] = 0;
     const int64_t n8 = cols / 8;
-    for (int64_t k = lane; k < n8; k += 32) {
-        float wv[8];
-        unpack8<DT>(__ldcs(wr + k), wv); /* streamed once: do not keep it in L2 */
+    int64_t k = lane;
+    /* GEMV_UNROLL loads of each lane in flight before any is used: one warp per row is too few
+     * to cover the memory's latency one load at a time */
+    for (; k + 32 * (GEMV_UNROLL - 1) < n8; k += 32 * GEMV_UNROLL) {
+        uint4 raw[GEMV_UNROLL];
 #pragma unroll
-        for (int j = 0; j < NX; j++) {
-            const float4 *xr = reinterpret_cast<const float4 *>(x + (x_row0 + j) * cols + k * 8);
-            float4 a = __ldg(xr), b = __ldg(xr + 1);
-            acc[j] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x +
-                      wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
-        }
+        for (int u = 0; u < GEMV_UNROLL; u++)
+            raw[u] = __ldcs(wr + k + 32 * u); /* streamed once: do not keep it in L2 */
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++)
+            gemv_step<DT, NX>(raw[u], x, x_row0, cols, k + 32 * u, acc);
     }
+    for (; k < n8; k += 32)
+        gemv_step<DT, NX>(__ldcs(wr + k), x, x_row0, cols, k, acc);
     const float *bias = set.bias[m];
     float *y = set.y[m];
 #pragma unroll
@@ -402,7 +627,9 @@ static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x,
                         float *y, const float *bias) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(w != NULL && x != NULL && y != NULL && n >= 0);
-    if (n == 0 || c->failed)
+    if (n == 0 || c->failed ||
+        staged(c, 1, {arg(w->data), arg((int64_t)w->dtype), arg(w->rows), arg(w->cols), arg(x),
+                      arg(n), arg(y), arg(bias)}))
         return;
     const int is16 = w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16;
     if (n <= GEMV_MAX_ROWS) {
@@ -473,6 +700,10 @@ static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *c
             cuda_matmul(ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
         return;
     }
+    for (int i = 0; i < count; i++)
+        staged(c, 3, {arg(w[i]->data), arg(w[i]->rows), arg(y[i]), arg(bias ? bias[i] : NULL)});
+    if (staged(c, 2, {arg((int64_t)count), arg(x), arg(n)}))
+        return;
     struct gemv_set set = {};
     for (int i = 0; i < count; i++) {
         set.w[i] = w[i]->data;
@@ -490,7 +721,7 @@ static void cuda_rmsnorm(void *ctx, const float *x, const float *weight, int64_t
                          float eps, float *y) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(x != NULL && weight != NULL && y != NULL && dim > 0 && n >= 0);
-    if (n == 0 || c->failed)
+    if (n == 0 || c->failed || staged(c, 4, {arg(x), arg(weight), arg(n), arg(dim), arg(eps), arg(y)}))
         return;
     for (int64_t t = 0; t < n; t += 65535) {
         unsigned rows = (unsigned)(n - t < 65535 ? n - t : 65535);
@@ -515,11 +746,12 @@ static void cuda_rope(void *ctx, float *x, int64_t n, int n_heads, int head_dim,
                       head_dim, pos + t, inv_freq);
         return;
     }
-    uint8_t *staged = (uint8_t *)c->staging;
-    memcpy(staged, pos, pos_bytes);
-    memcpy(staged + pos_bytes, inv_freq, freq_bytes);
-    const uint8_t *d = (const uint8_t *)small_upload(c, staged, pos_bytes + freq_bytes);
-    if (d == NULL)
+    uint8_t *packed = (uint8_t *)c->staging;
+    memcpy(packed, pos, pos_bytes);
+    memcpy(packed + pos_bytes, inv_freq, freq_bytes);
+    const uint8_t *d = (const uint8_t *)small_upload(c, packed, pos_bytes + freq_bytes);
+    if (d == NULL ||
+        staged(c, 5, {arg(x), arg(n), arg((int64_t)n_heads), arg((int64_t)head_dim), arg(d)}))
         return;
     for (int64_t t = 0; t < n; t += 65535) {
         dim3 grid((unsigned)(n - t < 65535 ? n - t : 65535), (unsigned)n_heads);
@@ -534,7 +766,7 @@ static void cuda_rope(void *ctx, float *x, int64_t n, int n_heads, int head_dim,
 static void cuda_swiglu(void *ctx, const float *gate, const float *up, int64_t n, float *out) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(gate != NULL && up != NULL && out != NULL && n >= 0);
-    if (n == 0 || c->failed)
+    if (n == 0 || c->failed || staged(c, 6, {arg(gate), arg(up), arg(n), arg(out)}))
         return;
     swiglu_kernel<<<grid_for(n, 256), 256, 0, c->stream>>>(gate, up, n, out);
     launched(c, "swiglu");
@@ -543,7 +775,7 @@ static void cuda_swiglu(void *ctx, const float *gate, const float *up, int64_t n
 static void cuda_add(void *ctx, float *y, const float *x, int64_t n) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(y != NULL && x != NULL && n >= 0);
-    if (n == 0 || c->failed)
+    if (n == 0 || c->failed || staged(c, 7, {arg(y), arg(x), arg(n)}))
         return;
     add_kernel<<<grid_for(n, 256), 256, 0, c->stream>>>(y, x, n);
     launched(c, "add");
@@ -563,6 +795,8 @@ static void cuda_embedding(void *ctx, const struct llmem_weight *table, const in
         const int32_t *d = (const int32_t *)small_upload(c, ids + t, (size_t)m * sizeof(int32_t));
         if (d == NULL)
             return;
+        if (staged(c, 8, {arg(table->data), arg(table->cols), arg(d), arg(m), arg(out)}))
+            continue;
         embedding_kernel<<<(unsigned)m, 256, 0, c->stream>>>(table->data, table->dtype, table->cols,
                                                              d, out + t * table->cols);
     }
@@ -581,6 +815,10 @@ static void cuda_kv_encode(void *ctx, enum llmem_kv_format format, const float *
         const int64_t *d = (const int64_t *)small_upload(c, slots + t, (size_t)m * sizeof(int64_t));
         if (d == NULL)
             return;
+        if (staged(c, 9, {arg((int64_t)format), arg(k), arg(v), arg(m), arg((int64_t)heads),
+                          arg((int64_t)head_dim), arg(d), arg(k_pool), arg(v_pool),
+                          arg((int64_t)tok_bytes), arg((int64_t)row_bytes)}))
+            continue;
         const int64_t off = t * heads * (int64_t)head_dim;
         llmem_cuda_kv_encode(c->stream, format, k + off, v + off, m, heads, head_dim, d, k_pool,
                              v_pool, tok_bytes, row_bytes);
@@ -588,8 +826,9 @@ static void cuda_kv_encode(void *ctx, enum llmem_kv_format format, const float *
     }
 }
 
-/* The split-K decode kernel of attention.cu takes this batch: one query per sequence at its last
- * position, no window, 16-bit or q8 blocks of 16 tokens. */
+/* The split-K decode kernel of attention.cu takes these queries (a sequence's last position, or a
+ * chunk's queries as sequences of their own lengths): no window, 16-bit or q8 blocks of 16
+ * tokens. */
 static int decode_kernel_fits(const struct llmem_backend_paged_attn *a) {
     const int group = a->n_heads / a->n_kv_heads;
     return a->window == 0 && a->format != LLMEM_KV_FORMAT_F32 && a->block_size == 16 &&
@@ -597,12 +836,18 @@ static int decode_kernel_fits(const struct llmem_backend_paged_attn *a) {
            (a->head_dim == 64 || a->head_dim == 128 || a->head_dim == 256);
 }
 
-/* Runs the decode kernel over n_seqs sequences whose block tables (int32, table_stride apart) and
- * lengths lie in c->staging, n_ints of them; q and out [n_seqs, n_heads, head_dim]. */
+/* Runs the decode kernel over n_seqs sequences whose block tables (int32, table_stride apart; 0:
+ * one table for all) and then, from index lengths_at, lengths lie in c->staging, n_ints of them in
+ * all; q and out [n_seqs, n_heads, head_dim]. */
 static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_attn *a, int n_seqs,
-                          int table_stride, int max_len, size_t n_ints) {
+                          int table_stride, size_t lengths_at, int max_len, size_t n_ints) {
     const int32_t *d = (const int32_t *)small_upload(c, c->staging, n_ints * sizeof(int32_t));
-    if (d == NULL)
+    if (d == NULL || staged(c, 10, {arg((int64_t)a->format), arg((int64_t)a->n_heads),
+                                    arg((int64_t)a->n_kv_heads), arg((int64_t)a->head_dim),
+                                    arg(a->q), arg(a->k_pool), arg(a->v_pool), arg(a->out),
+                                    arg((int64_t)n_seqs), arg((int64_t)table_stride),
+                                    arg((int64_t)lengths_at), arg((int64_t)max_len), arg(d),
+                                    arg(a->scale), arg((int64_t)a->k_tok)}))
         return;
     struct llmem_cuda_attn ca = {};
     ca.format = a->format;
@@ -619,7 +864,7 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
     ca.block_stride = (int64_t)a->block_size * (int64_t)a->k_tok;
     ca.block_tables = d;
     ca.table_stride = table_stride;
-    ca.lengths = d + (size_t)n_seqs * (size_t)table_stride;
+    ca.lengths = d + lengths_at;
     ca.out = a->out;
     ca.stream = c->stream;
     ca.workspace_bytes = llmem_cuda_attn_workspace_bytes(&ca);
@@ -642,14 +887,21 @@ static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) 
     }
     for (int64_t b = 0; b < a->n_blocks; b++)
         c->staging[b] = (int32_t)a->blocks[b];
-    if (a->n_q == 1 && decode_kernel_fits(a)) {            /* one query over the whole sequence */
-        c->staging[a->n_blocks] = (int32_t)(a->q_pos + 1); /* the length */
-        decode_kernel(c, a, 1, (int)a->n_blocks, (int)(a->q_pos + 1), (size_t)a->n_blocks + 1);
+    if (decode_kernel_fits(a) && (size_t)(a->n_blocks + a->n_q) <= max_ints) {
+        /* each query a "sequence" of its own length over the one table (on tensor cores) */
+        for (int64_t i = 0; i < a->n_q; i++)
+            c->staging[a->n_blocks + i] = (int32_t)(a->q_pos + i + 1);
+        decode_kernel(c, a, (int)a->n_q, 0, (size_t)a->n_blocks, (int)(a->q_pos + a->n_q),
+                      (size_t)(a->n_blocks + a->n_q));
         return;
     }
     const int32_t *d =
         (const int32_t *)small_upload(c, c->staging, (size_t)a->n_blocks * sizeof(int32_t));
-    if (d == NULL)
+    if (d == NULL ||
+        staged(c, 11, {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
+                       arg((int64_t)a->head_dim), arg(a->k_pool), arg(a->v_pool), arg(a->q),
+                       arg(a->out), arg(a->q_pos), arg(a->n_q), arg(a->window), arg(a->scale), arg(d),
+                       arg((int64_t)a->k_tok), arg((int64_t)a->v_tok), arg((int64_t)a->key_bytes)}))
         return;
     if (llmem_cuda_kv_attend(c->stream, a, d) != LLMEM_OK) {
         LLMEM_ERROR("cuda backend: attention over head_dim %d (a multiple of 32 up to 256)",
@@ -670,7 +922,11 @@ static void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn
     int64_t most = 0;
     for (int s = 0; s < n_seqs; s++)
         most = lengths[s] > most ? lengths[s] : most;
-    const int64_t stride = (most + a->block_size - 1) / a->block_size;
+    /* tables padded to a power of two of blocks: the same launch (and graph) for many steps */
+    int64_t stride = 8;
+    while (stride * a->block_size < most)
+        stride *= 2;
+    most = stride * a->block_size;
     const size_t n_ints = (size_t)n_seqs * (size_t)(stride + 1);
     if (decode_kernel_fits(a) && n_ints <= SMALL_MAX / sizeof(int32_t)) {
         for (int s = 0; s < n_seqs; s++) {
@@ -680,7 +936,7 @@ static void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn
                 row[b] = b < nb ? (int32_t)blocks[s][b] : 0;
             c->staging[(size_t)n_seqs * (size_t)stride + (size_t)s] = (int32_t)lengths[s];
         }
-        decode_kernel(c, a, n_seqs, (int)stride, (int)most, n_ints);
+        decode_kernel(c, a, n_seqs, (int)stride, (size_t)n_seqs * (size_t)stride, (int)most, n_ints);
         return;
     }
     const size_t row = (size_t)a->n_heads * (size_t)a->head_dim;
@@ -707,12 +963,24 @@ static const struct llmem_mem_raw_ops *cuda_memory(void *ctx) {
 
 static int cuda_sync(void *ctx) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    check(c, cudaStreamSynchronize(c->stream), "synchronize");
+    if (c->mode == PASS_NOW)
+        check(c, cudaStreamSynchronize(c->stream), "synchronize");
     return c->failed;
 }
 
+/* Inside a pass being recorded or staged: a copy between device buffers (a shared KV block made
+ * the sequence's own) is queued now, ahead of the graph, and is no part of the recording: while
+ * recording, it makes the graph one to run once. */
 static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (bytes > 0 && c->mode != PASS_NOW) {
+        if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream) != cudaSuccess) {
+            (void)cudaGetLastError();
+            c->pass_bad = 1;
+        }
+        c->pass_once |= c->mode == PASS_CAPTURE;
+        return c->failed;
+    }
     if (bytes > 0)
         check(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream), "copy");
     return cuda_sync(ctx);
@@ -724,6 +992,8 @@ static void cuda_destroy(void *ctx) {
         return;
     if (c->stream != NULL)
         cudaStreamSynchronize(c->stream);
+    for (int i = 0; i < GRAPHS; i++)
+        graph_drop(&c->graphs[i]);
     dev_free(c, c->scratch);
     for (int i = 0; i < SMALL_SLOTS; i++)
         if (c->small_done[i] != NULL)
@@ -739,6 +1009,10 @@ static void cuda_destroy(void *ctx) {
         cudaStreamDestroy(c->stream);
     (void)cudaGetLastError();
     free(c);
+}
+
+static void cuda_counters(void *ctx, struct llmem_backend_counters *out) {
+    *out = ((struct cuda_ctx *)ctx)->counters;
 }
 
 static struct llmem_backend_ops make_ops(void) {
@@ -759,6 +1033,9 @@ static struct llmem_backend_ops make_ops(void) {
     o.memory = cuda_memory;
     o.copy = cuda_copy;
     o.sync = cuda_sync;
+    o.graph_begin = cuda_graph_begin;
+    o.graph_end = cuda_graph_end;
+    o.counters = cuda_counters;
     return o;
 }
 
@@ -779,6 +1056,8 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
     c->precision = precision;
     c->mem = mem;
     c->small_bytes = SMALL_MAX;
+    const char *graphs = getenv("LLMEM_CUDA_GRAPHS");
+    c->graphs_on = graphs == NULL || strcmp(graphs, "0") != 0;
     c->staging = (int32_t *)malloc(SMALL_MAX);
     if (c->staging == NULL) {
         free(c);
