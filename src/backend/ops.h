@@ -36,7 +36,7 @@ struct llmem_weight {
  * kv_attend_last, the shared fields of a batch whose blocks, lengths come apart (q and out then
  * [n_seqs, n_heads, head_dim], each sequence's one query at its last position, no window). */
 struct llmem_backend_paged_attn {
-    enum llmem_kv_format format;  /* f32, f16, bf16 or q8 */
+    enum llmem_kv_format format; /* f32, f16, bf16 or q8 */
     int n_heads, n_kv_heads, head_dim, block_size;
     const uint8_t *k_pool, *v_pool; /* this layer's pools: block b's token j at b·block_size + j */
     size_t k_tok, v_tok;            /* bytes of one token, all KV heads */
@@ -55,6 +55,7 @@ struct llmem_backend_counters {
     int64_t graphs_recorded; /* passes recorded as graphs (graph_begin) */
     int64_t graphs_replayed; /* passes run as one launch of a recording */
     int64_t graphs_missed;   /* passes that did not match their recording (run again) */
+    double graphs_device_s;  /* the device's time running the replays, launch to last kernel */
 };
 
 struct llmem_backend_ops {
@@ -69,12 +70,16 @@ struct llmem_backend_ops {
     /* count matmuls of the same x — y[i] = x · w[i]ᵀ (+ bias[i] where bias and bias[i] are not
      * NULL) — with exactly the results of `matmul` on each, in one dispatch where that saves the
      * threads' hand-offs (decode: q, k and v; gate and up). count ≤ 4. */
-    void (*matmul_multi)(void *ctx, int count, const struct llmem_weight *const *w,
-                         const float *x, int64_t n, float *const *y, const float *const *bias);
+    void (*matmul_multi)(void *ctx, int count, const struct llmem_weight *const *w, const float *x,
+                         int64_t n, float *const *y, const float *const *bias);
     /* For each of n rows of `dim`: y = x / sqrt(mean(x²) + eps) · weight (the HF Llama RMSNorm, in
      * f32). y may equal x. */
     void (*rmsnorm)(void *ctx, const float *x, const float *weight, int64_t n, int64_t dim,
                     float eps, float *y);
+    /* (optional) x += res, then y = rmsnorm(x): exactly `add` then `rmsnorm`, in one pass. res
+     * may equal y. */
+    void (*add_rmsnorm)(void *ctx, float *x, const float *res, const float *weight, int64_t n,
+                        int64_t dim, float eps, float *y);
     /* Rotary embedding in place on x [n, n_heads, head_dim], HF "rotate_half" pairing (i with
      * i + head_dim/2). Token t is at position pos[t]; angle = (float)pos[t] · inv_freq[i] in f32,
      * cos/sin of that f32 angle rounded to f32 (inv_freq has head_dim/2 entries). */

@@ -13,7 +13,10 @@
  *                                  the KV of the tokens before it (at the run's mean length);
  *   fraction of read bandwidth:   decode bytes/s ÷ the median of the probes around the run;
  *   overhead per token:           measured time per token − bytes per token ÷ probed bandwidth,
- *                                  what dispatch and everything that is not streaming costs.
+ *                                  what dispatch and everything that is not streaming costs;
+ *   device time per token:         (a backend that replays decode steps as graphs) the device's
+ *                                  time per replayed step: the rest of a token's time is the
+ *                                  host's (the step's bookkeeping, sampling, the logits' copy).
  * With --backend cuda the whole pass runs on the GPU, and the bandwidth is the device-to-device
  * copy's (bytes read + written) probed around each run: the fraction is then of that roofline.
  */
@@ -25,6 +28,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "backend/ops.h"
 #include "cli/cli.h"
 #include "core/json.h"
 #include "core/pool.h"
@@ -37,6 +41,7 @@
 struct decode_point {
     int threads;
     double prefill_tps, prefill_gflops, decode_tps, decode_gbps, bw_gbps, fraction, overhead_ms;
+    double device_ms; /* the device's time per decode step replayed as a graph (0: none) */
 };
 
 static void progress_tick(void *arg) {
@@ -88,7 +93,7 @@ static const char usage[] =
     "  --json           one JSON object: model, weights_bytes, points[] {threads, "
     "prefill_tokens_per_s,\n"
     "                   prefill_gflops, decode_tokens_per_s, decode_gbps, bandwidth_read_gbps,\n"
-    "                   fraction_of_bandwidth, overhead_ms_per_token}\n";
+    "                   fraction_of_bandwidth, overhead_ms_per_token, device_ms_per_token}\n";
 
 int cli_bench_decode(int argc, char **argv) {
     enum {
@@ -221,7 +226,9 @@ int cli_bench_decode(int argc, char **argv) {
                             (double)n_prompt * (double)(n_prompt + 1) / 2.0;
         double bytes_per_token = (double)weight_bytes + kv_token * ((double)n_prompt + n_gen / 2.0);
         double pre[MAX_REPS], gfl[MAX_REPS], dec[MAX_REPS], bw[MAX_REPS], frac[MAX_REPS],
-            over[MAX_REPS];
+            over[MAX_REPS], dev[MAX_REPS];
+        struct llmem_backend *be = llmem_engine_backend(e);
+        struct llmem_backend_counters c0 = {0}, c1 = {0};
         for (int64_t r = 0; r < reps; r++) {
             double rd[2], cp[2];
             if (probe(e, pool, backend, (int)device, bw_bytes, &rd[0], &cp[0], prog) != CLI_OK)
@@ -231,8 +238,14 @@ int cli_bench_decode(int argc, char **argv) {
             p.max_tokens = n_gen;
             p.ignore_eos = 1;
             struct llmem_generate_result res;
+            if (be->ops->counters != NULL)
+                be->ops->counters(be->ctx, &c0);
             if (llmem_engine_generate(e, prompt, n_prompt, &p, NULL, NULL, &res) != LLMEM_OK)
                 goto out;
+            if (be->ops->counters != NULL)
+                be->ops->counters(be->ctx, &c1);
+            const int64_t replays = c1.graphs_replayed - c0.graphs_replayed;
+            dev[r] = replays > 0 ? (c1.graphs_device_s - c0.graphs_device_s) / replays * 1e3 : 0;
             progress_tick(prog);
             if (probe(e, pool, backend, (int)device, bw_bytes, &rd[1], &cp[1], prog) != CLI_OK) {
                 llmem_generate_result_free(&res);
@@ -257,6 +270,7 @@ int cli_bench_decode(int argc, char **argv) {
         pt->bw_gbps = cli_median(bw, (int)reps);
         pt->fraction = cli_median(frac, (int)reps);
         pt->overhead_ms = cli_median(over, (int)reps);
+        pt->device_ms = cli_median(dev, (int)reps);
         llmem_engine_close(e);
         e = NULL;
     }
@@ -282,7 +296,9 @@ int cli_bench_decode(int argc, char **argv) {
                   llmem_json_add_double(o, "decode_gbps", pt->decode_gbps) ||
                   llmem_json_add_double(o, "bandwidth_read_gbps", pt->bw_gbps) ||
                   llmem_json_add_double(o, "fraction_of_bandwidth", pt->fraction) ||
-                  llmem_json_add_double(o, "overhead_ms_per_token", pt->overhead_ms);
+                  llmem_json_add_double(o, "overhead_ms_per_token", pt->overhead_ms) ||
+                  (pt->device_ms > 0 &&
+                   llmem_json_add_double(o, "device_ms_per_token", pt->device_ms));
         }
         if (bad) {
             cJSON_Delete(root);
@@ -297,13 +313,17 @@ int cli_bench_decode(int argc, char **argv) {
                model, no_mmap ? " (--no-mmap)" : "", n_prompt, n_gen, llmem_kv_format_name(format),
                llmem_size_format_short(weight_bytes, wb, sizeof(wb)), reps);
         printf("threads  prefill tok/s  GFLOP/s  decode tok/s   GB/s  %s bw GB/s  of bw  "
-               "overhead ms/tok\n",
-               backend == LLMEM_BACKEND_CUDA ? "copy" : "read");
+               "overhead ms/tok%s\n",
+               backend == LLMEM_BACKEND_CUDA ? "copy" : "read",
+               backend == LLMEM_BACKEND_CUDA ? "  device ms/tok" : "");
         for (int t = 0; t < n_threads; t++) {
             const struct decode_point *pt = &points[t];
-            printf("%7d  %13.1f  %7.1f  %12.1f  %5.1f  %12.1f  %4.0f%%  %15.3f\n", pt->threads,
+            printf("%7d  %13.1f  %7.1f  %12.1f  %5.1f  %12.1f  %4.0f%%  %15.3f", pt->threads,
                    pt->prefill_tps, pt->prefill_gflops, pt->decode_tps, pt->decode_gbps,
                    pt->bw_gbps, 100 * pt->fraction, pt->overhead_ms);
+            if (backend == LLMEM_BACKEND_CUDA)
+                printf("  %14.3f", pt->device_ms);
+            printf("\n");
         }
         rc = CLI_OK;
     }

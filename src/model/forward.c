@@ -35,14 +35,14 @@ struct llmem_forward {
     struct llmem_kv *kv;
     struct llmem_mem *mem;
     int64_t max_tokens;
-    float *x;         /* (T, hidden) the residual stream */
-    float *xn;        /* (T, hidden) normed input of a block; its output before the residual add */
-    float *q;         /* (T, n_heads·hd) */
-    float *att;       /* (T, n_heads·hd) attention output */
-    float *k, *v;     /* (T, n_kv·hd) */
-    float *gate, *up; /* (T, inter) */
-    int64_t *pos;     /* (T) position of each token */
-    int *seq_ids;     /* (T) the decoding sequences of a step */
+    float *x;          /* (T, hidden) the residual stream */
+    float *xn;         /* (T, hidden) normed input of a block; its output before the residual add */
+    float *q;          /* (T, n_heads·hd) */
+    float *att;        /* (T, n_heads·hd) attention output */
+    float *k, *v;      /* (T, n_kv·hd) */
+    float *gate, *up;  /* (T, inter) */
+    int64_t *pos;      /* (T) position of each token */
+    int *seq_ids;      /* (T) the decoding sequences of a step */
     float *dev_logits; /* on a device: the logits there, kept for the next pass (graphs) */
     int64_t dev_logits_rows;
 };
@@ -111,6 +111,21 @@ int64_t llmem_forward_max_tokens(const struct llmem_forward *f) {
 
 /* ---- one layer ------------------------------------------------------------------------------ */
 
+/* xn = rmsnorm(x) with the norm weights w, after x += xn (the block before's output, when
+ * `residual`): one operation where the backend fuses the two. */
+static void residual_norm(struct llmem_forward *f, const float *w, int64_t T, int residual) {
+    const struct llmem_backend_ops *ops = f->be->ops;
+    const int64_t dim = f->model->cfg.geom.hidden_size;
+    const float eps = (float)f->model->cfg.rms_norm_eps;
+    if (residual && ops->add_rmsnorm != NULL) {
+        ops->add_rmsnorm(f->be->ctx, f->x, f->xn, w, T, dim, eps, f->xn);
+        return;
+    }
+    if (residual)
+        ops->add(f->be->ctx, f->x, f->xn, T * dim);
+    ops->rmsnorm(f->be->ctx, f->x, w, T, dim, eps, f->xn);
+}
+
 /* Several matmuls of one input: one dispatch where the backend offers it. */
 static void matmul_multi(struct llmem_forward *f, int count, const struct llmem_weight *const *w,
                          const float *x, int64_t n, float *const *y, const float *const *bias) {
@@ -133,7 +148,7 @@ static int attention_block(struct llmem_forward *f, const struct model_layer *L,
     const int64_t q_dim = (int64_t)nh * hd, kv_dim = (int64_t)nkv * hd;
     const float eps = (float)c->rms_norm_eps;
 
-    ops->rmsnorm(ctx, f->x, L->attn_norm, T, g->hidden_size, eps, f->xn);
+    residual_norm(f, L->attn_norm, T, layer > 0); /* the layer before's MLP output added first */
     {
         const struct llmem_weight *w[3] = {&L->wq, &L->wk, &L->wv};
         float *y[3] = {f->q, f->k, f->v};
@@ -167,8 +182,7 @@ static int attention_block(struct llmem_forward *f, const struct model_layer *L,
             return status;
         row += b->n_tokens;
     }
-    ops->matmul(ctx, &L->wo, f->att, T, f->xn, NULL);
-    ops->add(ctx, f->x, f->xn, T * g->hidden_size);
+    ops->matmul(ctx, &L->wo, f->att, T, f->xn, NULL); /* added to x by the next norm */
     return LLMEM_OK;
 }
 
@@ -176,16 +190,14 @@ static void mlp_block(struct llmem_forward *f, const struct model_layer *L, int6
     const struct llmem_backend_ops *ops = f->be->ops;
     void *ctx = f->be->ctx;
     const struct llmem_model_geometry *g = &f->model->cfg.geom;
-    ops->rmsnorm(ctx, f->x, L->mlp_norm, T, g->hidden_size, (float)f->model->cfg.rms_norm_eps,
-                 f->xn);
+    residual_norm(f, L->mlp_norm, T, 1);
     {
         const struct llmem_weight *w[2] = {&L->w_gate, &L->w_up};
         float *y[2] = {f->gate, f->up};
         matmul_multi(f, 2, w, f->xn, T, y, NULL);
     }
     ops->swiglu(ctx, f->gate, f->up, T * g->intermediate_size, f->gate);
-    ops->matmul(ctx, &L->w_down, f->gate, T, f->xn, NULL);
-    ops->add(ctx, f->x, f->xn, T * g->hidden_size);
+    ops->matmul(ctx, &L->w_down, f->gate, T, f->xn, NULL); /* added by the next norm */
 }
 
 /* ---- the batch ------------------------------------------------------------------------------ */
@@ -206,6 +218,7 @@ static int run_pass(struct llmem_forward *f, const int32_t *tokens,
             return status;
         mlp_block(f, L, T);
     }
+    ops->add(ctx, f->x, f->xn, T * g->hidden_size); /* the last MLP's output */
     /* The rows that want logits, gathered in order (row r moves to index i ≤ r). */
     int64_t i = 0, row = 0;
     for (int s = 0; s < n_seqs; s++) {

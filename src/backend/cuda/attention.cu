@@ -28,6 +28,7 @@
  * length is chosen so that the warps fill the GPU in whole waves.
  */
 #include "backend/cuda/attention.h"
+#include "backend/cuda/launch.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -228,6 +229,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     constexpr bool BF = FMT == FMT_BF16;
     extern __shared__ __align__(16) uint8_t smem[];
 
+    /* launched as a programmatic dependent (launch.h): the kernels before it are done first */
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long item = (long long)blockIdx.x * WARPS + warp;
     if (item >= p.n_items)
@@ -547,8 +550,9 @@ __global__ void __launch_bounds__(MERGE_THREADS)
     extern __shared__ float weight[]; /* [n_splits] */
     __shared__ float red[MERGE_THREADS / 32];
     __shared__ float4 fold[MERGE_THREADS];
-    /* the decode kernel's partials are complete and visible after this */
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    /* the decode kernel's partials are complete and visible after this; then the next kernel on
+     * the stream may start launching (launch.h) */
+    pdl_begin();
     const size_t bh = blockIdx.x;
     const int b = (int)(bh / n_heads);
     const int len = lengths[b];
@@ -840,24 +844,15 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
 
     cudaStream_t stream = (cudaStream_t)a->stream;
     unsigned grid = (unsigned)((p.n_items + WARPS - 1) / WARPS);
-    k->fn<<<grid, WARPS * 32, k->smem_alloc, stream>>>(p);
-    cudaError_t err = cudaGetLastError();
+    cudaError_t err = pdl_launch(stream, k->fn, dim3(grid), dim3(WARPS * 32), k->smem_alloc, p);
     if (err == cudaSuccess && n_splits > 1) {
         /* launched as a programmatic dependent: its launch overlaps the decode kernel's tail */
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim =
-            dim3((unsigned)((size_t)a->batch * a->n_heads), (unsigned)(a->head_dim / MERGE_DIMS));
-        cfg.blockDim = dim3(MERGE_THREADS);
-        cfg.dynamicSmemBytes = n_splits * sizeof(float);
-        cfg.stream = stream;
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr.val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
-        err = cudaLaunchKernelEx(&cfg, merge_kernel, (const float *)p.part_acc,
-                                 (const float2 *)p.part_ml, a->lengths, a->n_heads, n_splits,
-                                 split_len, a->head_dim, a->out);
+        err = pdl_launch(
+            stream, merge_kernel,
+            dim3((unsigned)((size_t)a->batch * a->n_heads), (unsigned)(a->head_dim / MERGE_DIMS)),
+            dim3(MERGE_THREADS), n_splits * sizeof(float), (const float *)p.part_acc,
+            (const float2 *)p.part_ml, a->lengths, a->n_heads, n_splits, split_len, a->head_dim,
+            a->out);
     }
     if (err == cudaSuccess)
         err = cudaGetLastError();

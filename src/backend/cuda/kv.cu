@@ -10,6 +10,7 @@
  * the same for acc. Many queries (prefill): one warp per (query, head), see attend_rows_kernel.
  */
 #include "backend/cuda/kv.h"
+#include "backend/cuda/launch.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -29,6 +30,7 @@
 __global__ void encode_kernel(enum llmem_kv_format format, const float *k, const float *v,
                               int heads, int head_dim, const int64_t *slots, uint8_t *k_pool,
                               uint8_t *v_pool, size_t tok_bytes, size_t row_bytes) {
+    pdl_begin();
     const int64_t t = blockIdx.x;
     const int h = blockIdx.y, lane = threadIdx.x;
     const float *x = (blockIdx.z == 0 ? k : v) + (t * heads + h) * (int64_t)head_dim;
@@ -67,8 +69,8 @@ extern "C" void llmem_cuda_kv_encode(cudaStream_t stream, enum llmem_kv_format f
     for (int64_t t = 0; t < n; t += 65535) {
         dim3 grid((unsigned)(n - t < 65535 ? n - t : 65535), (unsigned)heads, 2);
         const int64_t off = t * heads * (int64_t)head_dim;
-        encode_kernel<<<grid, 32, 0, stream>>>(format, k + off, v + off, heads, head_dim, slots + t,
-                                               k_pool, v_pool, tok_bytes, row_bytes);
+        pdl_launch(stream, encode_kernel, dim3(grid), dim3(32), 0, format, k + off, v + off, heads,
+                   head_dim, slots + t, k_pool, v_pool, tok_bytes, row_bytes);
     }
 }
 
@@ -100,6 +102,7 @@ struct attn_args {
 };
 
 __global__ void __launch_bounds__(WARPS * 32) attend_kernel(struct attn_args a) {
+    pdl_begin();
     const int64_t i = blockIdx.x; /* query */
     const int h = blockIdx.y, kvh = h / a.group;
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -157,6 +160,7 @@ __global__ void __launch_bounds__(WARPS * 32) attend_kernel(struct attn_args a) 
  * key row against the query held in shared memory), the chunk's softmax by warp reductions, then
  * the 32 value rows accumulated with each lane on head_dim / 32 elements. */
 __global__ void __launch_bounds__(WARPS * 32) attend_rows_kernel(struct attn_args a, int64_t n_q) {
+    pdl_begin();
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int64_t i = blockIdx.x * (int64_t)WARPS + warp; /* query */
     const int h = blockIdx.y, kvh = h / a.group;
@@ -226,7 +230,7 @@ extern "C" int llmem_cuda_kv_attend(cudaStream_t stream, const struct llmem_back
                           p->q,         p->out};
     if (p->n_q >= ROWS_FROM) { /* many queries: a warp each */
         dim3 grid((unsigned)((p->n_q + WARPS - 1) / WARPS), (unsigned)p->n_heads);
-        attend_rows_kernel<<<grid, WARPS * 32, 0, stream>>>(a, p->n_q);
+        pdl_launch(stream, attend_rows_kernel, dim3(grid), dim3(WARPS * 32), 0, a, p->n_q);
         return LLMEM_OK;
     }
     for (int64_t i = 0; i < p->n_q; i += 65535) {
@@ -234,7 +238,7 @@ extern "C" int llmem_cuda_kv_attend(cudaStream_t stream, const struct llmem_back
         a.q = p->q + i * p->n_heads * (int64_t)p->head_dim;
         a.out = p->out + i * p->n_heads * (int64_t)p->head_dim;
         a.q_pos = p->q_pos + i;
-        attend_kernel<<<grid, WARPS * 32, 0, stream>>>(a);
+        pdl_launch(stream, attend_kernel, dim3(grid), dim3(WARPS * 32), 0, a);
     }
     return LLMEM_OK;
 }

@@ -22,6 +22,7 @@
 #include "backend/cuda/backend.h"
 #include "backend/cuda/attention.h"
 #include "backend/cuda/kv.h"
+#include "backend/cuda/launch.h"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -42,22 +43,22 @@
 #define WIDEN_SLICE_BYTES ((size_t)64 << 20)
 /* the small per-call host arrays (positions, ids, frequencies, block tables) are staged up to
  * this many bytes a call, in a ring of slots so that no upload waits for the GPU */
-#define SMALL_MAX   (256 << 10)
-#define SMALL_SLOTS 32
-#define SMALL_REUSE 4 /* the last uploads compared with a new one */
-#define GRAPHS      32 /* recorded passes kept, the least recently used replaced */
-#define GRAPH_MISSES 4 /* passes of a key that did not match its graph before it is given up */
+#define SMALL_MAX    (256 << 10)
+#define SMALL_SLOTS  32
+#define SMALL_REUSE  4  /* the last uploads compared with a new one */
+#define GRAPHS       32 /* recorded passes kept, the least recently used replaced */
+#define GRAPH_MISSES 4  /* passes of a key that did not match its graph before it is given up */
 
 enum pass_mode { PASS_NOW, PASS_CAPTURE, PASS_STAGE };
 enum graph_state { GRAPH_SEEN, GRAPH_READY, GRAPH_OFF };
 
 struct graph {
     uint64_t key;
-    uint64_t sig;          /* the hash of the recorded pass's operations and arguments */
-    cudaGraphExec_t exec;  /* GRAPH_READY */
+    uint64_t sig;         /* the hash of the recorded pass's operations and arguments */
+    cudaGraphExec_t exec; /* GRAPH_READY */
     enum graph_state state;
     int misses;
-    uint64_t used;         /* the pass count at its last use */
+    uint64_t used; /* the pass count at its last use */
 };
 
 struct cuda_ctx {
@@ -82,15 +83,17 @@ struct cuda_ctx {
     struct graph graphs[GRAPHS];
     struct graph *pass; /* between graph_begin and graph_end */
     enum pass_mode mode;
-    uint64_t sig;        /* of the pass's operations so far */
-    size_t arena_used;   /* per-call data the pass staged, from the start of the ring's memory */
+    uint64_t sig;      /* of the pass's operations so far */
+    size_t arena_used; /* per-call data the pass staged, from the start of the ring's memory */
     size_t arena_off[SMALL_REUSE], arena_size[SMALL_REUSE];
     int arena_n;
-    int pass_bad;        /* the pass cannot be recorded (per-call data or scratch would not fit) */
-    int pass_once;       /* the recording copied memory: it runs once, it is not kept */
-    int ring_stale;      /* a pass staged in the ring's memory: wait before the ring's next use */
+    int pass_bad;   /* the pass cannot be recorded (per-call data or scratch would not fit) */
+    int pass_once;  /* the recording copied memory: it runs once, it is not kept */
+    int ring_stale; /* a pass staged in the ring's memory: wait before the ring's next use */
     uint64_t passes;
     struct llmem_backend_counters counters;
+    cudaEvent_t replay[2]; /* around the last replay, timed when it is done */
+    int replay_timed;      /* 0: replay[] pending */
 };
 
 /* The backend's first failure: logged once, kept as the status of every later copy and sync. */
@@ -260,6 +263,18 @@ static void graph_drop(struct graph *g) {
     g->exec = NULL;
 }
 
+/* Adds the last replay's device time to the counters (waiting for it). */
+static void replay_time(struct cuda_ctx *c) {
+    if (c->replay_timed)
+        return;
+    float ms = 0;
+    if (cudaEventSynchronize(c->replay[1]) == cudaSuccess &&
+        cudaEventElapsedTime(&ms, c->replay[0], c->replay[1]) == cudaSuccess)
+        c->counters.graphs_device_s += ms * 1e-3;
+    (void)cudaGetLastError();
+    c->replay_timed = 1;
+}
+
 static int cuda_graph_begin(void *ctx, uint64_t key) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(c->pass == NULL);
@@ -292,6 +307,7 @@ static int cuda_graph_begin(void *ctx, uint64_t key) {
         /* the ring's memory takes this pass's data: nothing queued may still read it */
         if (check(c, cudaStreamSynchronize(c->stream), "synchronize") != LLMEM_OK)
             return c->failed;
+        replay_time(c);
         c->ring_stale = 1;
         c->mode = g->state == GRAPH_READY ? PASS_STAGE : PASS_CAPTURE;
     }
@@ -345,7 +361,10 @@ static int cuda_graph_end(void *ctx) {
               cudaMemcpyAsync(c->small, c->small_host, c->arena_used, cudaMemcpyHostToDevice,
                               c->stream),
               "upload");
+    const int timed = mode == PASS_STAGE && cudaEventRecord(c->replay[0], c->stream) == cudaSuccess;
     check(c, cudaGraphLaunch(g->exec, c->stream), "cudaGraphLaunch");
+    if (timed && cudaEventRecord(c->replay[1], c->stream) == cudaSuccess)
+        c->replay_timed = 0;
     if (mode == PASS_STAGE) {
         c->counters.graphs_replayed++;
         g->misses = 0; /* only misses in a row give a key up */
@@ -372,14 +391,22 @@ __device__ __forceinline__ float weight_at(const void *w, enum llmem_dtype dt, i
     }
 }
 
-/* One block per row: the sum of squares in double, as the CPU does. */
-__global__ void rmsnorm_kernel(const float *x, const float *weight, int64_t dim, float eps,
-                               float *y) {
-    const float *xr = x + blockIdx.x * dim;
+/* One block per row: the sum of squares in double, as the CPU does. With res, first x += res
+ * (the residual add before the norm: exactly add_kernel's). */
+__global__ void rmsnorm_kernel(float *x, const float *res, const float *weight, int64_t dim,
+                               float eps, float *y) {
+    pdl_begin();
+    float *xr = x + blockIdx.x * dim;
     float *yr = y + blockIdx.x * dim;
     double s = 0;
-    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
-        s += (double)xr[i] * (double)xr[i];
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = xr[i];
+        if (res != NULL) {
+            v = __fadd_rn(v, res[blockIdx.x * dim + i]);
+            xr[i] = v;
+        }
+        s += (double)v * (double)v;
+    }
     __shared__ double part[32];
     for (int o = 16; o > 0; o /= 2)
         s += __shfl_down_sync(0xffffffffu, s, o);
@@ -403,6 +430,7 @@ __global__ void rmsnorm_kernel(const float *x, const float *weight, int64_t dim,
 /* grid (token, head), one thread per pair (i, i + half). */
 __global__ void rope_kernel(float *x, int n_heads, int head_dim, const int64_t *pos,
                             const float *inv_freq) {
+    pdl_begin();
     const int half = head_dim / 2;
     const int64_t t = blockIdx.x;
     float *v = x + (t * n_heads + blockIdx.y) * (int64_t)head_dim;
@@ -416,6 +444,7 @@ __global__ void rope_kernel(float *x, int n_heads, int head_dim, const int64_t *
 }
 
 __global__ void swiglu_kernel(const float *gate, const float *up, int64_t n, float *out) {
+    pdl_begin();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         float g = gate[i];
@@ -424,6 +453,7 @@ __global__ void swiglu_kernel(const float *gate, const float *up, int64_t n, flo
 }
 
 __global__ void add_kernel(float *y, const float *x, int64_t n) {
+    pdl_begin();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
         y[i] = __fadd_rn(y[i], x[i]);
@@ -431,6 +461,7 @@ __global__ void add_kernel(float *y, const float *x, int64_t n) {
 
 /* y[t, r] += bias[r] */
 __global__ void bias_kernel(float *y, const float *bias, int64_t rows, int64_t n) {
+    pdl_begin();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n * rows;
          i += (int64_t)gridDim.x * blockDim.x)
         y[i] = __fadd_rn(y[i], bias[i % rows]);
@@ -438,6 +469,7 @@ __global__ void bias_kernel(float *y, const float *bias, int64_t rows, int64_t n
 
 __global__ void embedding_kernel(const void *table, enum llmem_dtype dt, int64_t dim,
                                  const int32_t *ids, float *out) {
+    pdl_begin();
     const int64_t t = blockIdx.x;
     const int64_t base = (int64_t)ids[t] * dim;
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
@@ -446,6 +478,7 @@ __global__ void embedding_kernel(const void *table, enum llmem_dtype dt, int64_t
 
 /* f32 → the weights' 16-bit type, round to nearest even */
 __global__ void round_kernel(const float *x, int64_t n, enum llmem_dtype dt, void *out) {
+    pdl_begin();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         if (dt == LLMEM_DTYPE_BF16)
@@ -457,6 +490,7 @@ __global__ void round_kernel(const float *x, int64_t n, enum llmem_dtype dt, voi
 
 /* 16-bit weights → f32 */
 __global__ void widen_kernel(const void *w, enum llmem_dtype dt, int64_t n, float *out) {
+    pdl_begin();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
         out[i] = weight_at(w, dt, i);
@@ -517,6 +551,7 @@ __device__ __forceinline__ void gemv_step(uint4 raw, const float *x, int64_t x_r
 template <enum llmem_dtype DT, int NX>
 __global__ void __launch_bounds__(256)
     gemv16_kernel(struct gemv_set set, int64_t cols, const float *x, int64_t x_row0) {
+    pdl_begin();
     const int m = blockIdx.y;
     const int64_t rows = set.rows[m];
     const int64_t r = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
@@ -558,6 +593,7 @@ __global__ void __launch_bounds__(256)
 /* The general case (f32 weights, odd shapes): one warp per (row of x, weight row). */
 __global__ void gemv_any_kernel(const void *w, enum llmem_dtype dt, int64_t rows, int64_t cols,
                                 const float *x, int64_t n, float *y, const float *bias) {
+    pdl_begin();
     const int64_t warp = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x & 31;
     if (warp >= rows * n)
@@ -583,7 +619,8 @@ static void gemv16(struct cuda_ctx *c, const struct gemv_set *set, int count, in
     for (int64_t t = 0; t < n;) {
 #define GEMV_CASE(NX)                                                                              \
     case NX:                                                                                       \
-        gemv16_kernel<DT, NX><<<grid, warps * 32, 0, c->stream>>>(*set, cols, x, t);               \
+        pdl_launch(c->stream, gemv16_kernel<DT, NX>, dim3(grid), dim3(warps * 32), 0, *set, cols,  \
+                   x, t);                                                                          \
         t += NX;                                                                                   \
         break;
         switch (n - t >= 4 ? 4 : (int)(n - t)) {
@@ -623,14 +660,21 @@ static void sgemm(struct cuda_ctx *c, int64_t m, int64_t n, int64_t k, const flo
                "cublasGemmEx (f32)");
 }
 
-static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n,
-                        float *y, const float *bias) {
-    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    LLMEM_ASSERT(w != NULL && x != NULL && y != NULL && n >= 0);
-    if (n == 0 || c->failed ||
-        staged(c, 1, {arg(w->data), arg((int64_t)w->dtype), arg(w->rows), arg(w->cols), arg(x),
-                      arg(n), arg(y), arg(bias)}))
-        return;
+/* x rounded to the weights' 16-bit type in scratch, for the tensor cores (fast precision). */
+static const void *rounded(struct cuda_ctx *c, const float *x, int64_t n, int64_t cols,
+                           enum llmem_dtype dt) {
+    void *xr = scratch(c, (size_t)(n * cols) * 2);
+    if (xr == NULL)
+        return NULL;
+    pdl_launch(c->stream, round_kernel, dim3(grid_for(n * cols, 256)), dim3(256), 0, x, n * cols,
+               dt, xr);
+    launched(c, "round");
+    return xr;
+}
+
+/* cuda_matmul, where xr (if not NULL) is x already rounded for the fast GEMM. */
+static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, const void *xr,
+                   int64_t n, float *y, const float *bias) {
     const int is16 = w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16;
     if (n <= GEMV_MAX_ROWS) {
         if (gemv16_fits(w, x, n)) {
@@ -638,8 +682,8 @@ static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x,
             gemv16_set(c, &set, 1, w->dtype, w->cols, x, n);
         } else {
             int64_t warps = w->rows * n;
-            gemv_any_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, c->stream>>>(
-                w->data, w->dtype, w->rows, w->cols, x, n, y, bias);
+            pdl_launch(c->stream, gemv_any_kernel, dim3((unsigned)((warps + 7) / 8)), dim3(256), 0,
+                       w->data, w->dtype, w->rows, w->cols, x, n, y, bias);
             launched(c, "gemv");
         }
         return;
@@ -650,12 +694,8 @@ static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x,
         sgemm(c, w->rows, n, w->cols, (const float *)w->data, x, y, w->rows);
     } else if (c->precision == LLMEM_PRECISION_FAST) {
         const float one = 1.0f, zero = 0.0f;
-        void *xr = scratch(c, (size_t)(n * w->cols) * 2);
-        if (xr == NULL)
+        if (xr == NULL && (xr = rounded(c, x, n, w->cols, w->dtype)) == NULL)
             return;
-        round_kernel<<<grid_for(n * w->cols, 256), 256, 0, c->stream>>>(x, n * w->cols, w->dtype,
-                                                                        xr);
-        launched(c, "round");
         const cudaDataType_t t = w->dtype == LLMEM_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
         check_blas(c,
                    cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->rows, (int)n,
@@ -673,16 +713,29 @@ static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x,
             return;
         for (int64_t r0 = 0; r0 < w->rows && !c->failed; r0 += slice) {
             int64_t m = w->rows - r0 < slice ? w->rows - r0 : slice;
-            widen_kernel<<<grid_for(m * w->cols, 256), 256, 0, c->stream>>>(
-                (const uint16_t *)w->data + r0 * w->cols, w->dtype, m * w->cols, wf);
+            pdl_launch(c->stream, widen_kernel, dim3(grid_for(m * w->cols, 256)), dim3(256), 0,
+                       (const uint16_t *)w->data + r0 * w->cols, w->dtype, m * w->cols, wf);
             launched(c, "widen");
             sgemm(c, m, n, w->cols, wf, x, y + r0, w->rows);
         }
     }
     if (bias != NULL) {
-        bias_kernel<<<grid_for(n * w->rows, 256), 256, 0, c->stream>>>(y, bias, w->rows, n);
+        pdl_launch(c->stream, bias_kernel, dim3(grid_for(n * w->rows, 256)), dim3(256), 0, y, bias,
+                   w->rows, n);
         launched(c, "bias");
     }
+}
+
+static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n,
+                        float *y, const float *bias) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    LLMEM_ASSERT(w != NULL && x != NULL && y != NULL && n >= 0);
+    if (n == 0 || c->failed ||
+        staged(c, 1,
+               {arg(w->data), arg((int64_t)w->dtype), arg(w->rows), arg(w->cols), arg(x), arg(n),
+                arg(y), arg(bias)}))
+        return;
+    matmul(c, w, x, NULL, n, y, bias);
 }
 
 /* Several matrices of the same x: one launch when all take the memory-bound kernel together. */
@@ -696,8 +749,23 @@ static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *c
         together = together && gemv16_fits(w[i], x, n) && w[i]->dtype == w[0]->dtype &&
                    w[i]->cols == w[0]->cols;
     if (!together || n == 0 || c->failed) {
+        /* the fast GEMMs of one x: rounded once for all */
+        int shared = n > GEMV_MAX_ROWS && c->precision == LLMEM_PRECISION_FAST && !c->failed;
         for (int i = 0; i < count; i++)
-            cuda_matmul(ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
+            shared = shared && w[i]->dtype == w[0]->dtype && w[i]->cols == w[0]->cols &&
+                     (w[i]->dtype == LLMEM_DTYPE_BF16 || w[i]->dtype == LLMEM_DTYPE_F16);
+        if (!shared) {
+            for (int i = 0; i < count; i++)
+                cuda_matmul(ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
+            return;
+        }
+        for (int i = 0; i < count; i++)
+            staged(c, 3, {arg(w[i]->data), arg(w[i]->rows), arg(y[i]), arg(bias ? bias[i] : NULL)});
+        if (staged(c, 12, {arg((int64_t)count), arg(x), arg(n), arg(w[0]->cols)}))
+            return;
+        const void *xr = rounded(c, x, n, w[0]->cols, w[0]->dtype);
+        for (int i = 0; xr != NULL && i < count; i++)
+            matmul(c, w[i], x, xr, n, y[i], bias != NULL ? bias[i] : NULL);
         return;
     }
     for (int i = 0; i < count; i++)
@@ -717,18 +785,29 @@ static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *c
 /* ---- the other operations --------------------------------------------------------------------
  */
 
-static void cuda_rmsnorm(void *ctx, const float *x, const float *weight, int64_t n, int64_t dim,
-                         float eps, float *y) {
-    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+static void rmsnorm(struct cuda_ctx *c, float *x, const float *res, const float *weight, int64_t n,
+                    int64_t dim, float eps, float *y) {
     LLMEM_ASSERT(x != NULL && weight != NULL && y != NULL && dim > 0 && n >= 0);
-    if (n == 0 || c->failed || staged(c, 4, {arg(x), arg(weight), arg(n), arg(dim), arg(eps), arg(y)}))
+    if (n == 0 || c->failed ||
+        staged(c, 4, {arg(x), arg(res), arg(weight), arg(n), arg(dim), arg(eps), arg(y)}))
         return;
     for (int64_t t = 0; t < n; t += 65535) {
         unsigned rows = (unsigned)(n - t < 65535 ? n - t : 65535);
-        rmsnorm_kernel<<<rows, dim >= 1024 ? 1024 : 256, 0, c->stream>>>(x + t * dim, weight, dim,
-                                                                         eps, y + t * dim);
+        pdl_launch(c->stream, rmsnorm_kernel, dim3(rows), dim3(dim >= 1024 ? 1024 : 256), 0,
+                   x + t * dim, res != NULL ? res + t * dim : NULL, weight, dim, eps, y + t * dim);
     }
     launched(c, "rmsnorm");
+}
+
+static void cuda_rmsnorm(void *ctx, const float *x, const float *weight, int64_t n, int64_t dim,
+                         float eps, float *y) {
+    rmsnorm((struct cuda_ctx *)ctx, (float *)x, NULL, weight, n, dim, eps, y); /* x unwritten */
+}
+
+static void cuda_add_rmsnorm(void *ctx, float *x, const float *res, const float *weight, int64_t n,
+                             int64_t dim, float eps, float *y) {
+    LLMEM_ASSERT(res != NULL);
+    rmsnorm((struct cuda_ctx *)ctx, x, res, weight, n, dim, eps, y);
 }
 
 static void cuda_rope(void *ctx, float *x, int64_t n, int n_heads, int head_dim, const int64_t *pos,
@@ -756,9 +835,9 @@ static void cuda_rope(void *ctx, float *x, int64_t n, int n_heads, int head_dim,
     for (int64_t t = 0; t < n; t += 65535) {
         dim3 grid((unsigned)(n - t < 65535 ? n - t : 65535), (unsigned)n_heads);
         int threads = head_dim / 2 < 128 ? 64 : 128;
-        rope_kernel<<<grid, threads, 0, c->stream>>>(x + t * n_heads * (int64_t)head_dim, n_heads,
-                                                     head_dim, (const int64_t *)d + t,
-                                                     (const float *)(d + pos_bytes));
+        pdl_launch(c->stream, rope_kernel, dim3(grid), dim3(threads), 0,
+                   x + t * n_heads * (int64_t)head_dim, n_heads, head_dim, (const int64_t *)d + t,
+                   (const float *)(d + pos_bytes));
     }
     launched(c, "rope");
 }
@@ -768,7 +847,7 @@ static void cuda_swiglu(void *ctx, const float *gate, const float *up, int64_t n
     LLMEM_ASSERT(gate != NULL && up != NULL && out != NULL && n >= 0);
     if (n == 0 || c->failed || staged(c, 6, {arg(gate), arg(up), arg(n), arg(out)}))
         return;
-    swiglu_kernel<<<grid_for(n, 256), 256, 0, c->stream>>>(gate, up, n, out);
+    pdl_launch(c->stream, swiglu_kernel, dim3(grid_for(n, 256)), dim3(256), 0, gate, up, n, out);
     launched(c, "swiglu");
 }
 
@@ -777,7 +856,7 @@ static void cuda_add(void *ctx, float *y, const float *x, int64_t n) {
     LLMEM_ASSERT(y != NULL && x != NULL && n >= 0);
     if (n == 0 || c->failed || staged(c, 7, {arg(y), arg(x), arg(n)}))
         return;
-    add_kernel<<<grid_for(n, 256), 256, 0, c->stream>>>(y, x, n);
+    pdl_launch(c->stream, add_kernel, dim3(grid_for(n, 256)), dim3(256), 0, y, x, n);
     launched(c, "add");
 }
 
@@ -797,8 +876,8 @@ static void cuda_embedding(void *ctx, const struct llmem_weight *table, const in
             return;
         if (staged(c, 8, {arg(table->data), arg(table->cols), arg(d), arg(m), arg(out)}))
             continue;
-        embedding_kernel<<<(unsigned)m, 256, 0, c->stream>>>(table->data, table->dtype, table->cols,
-                                                             d, out + t * table->cols);
+        pdl_launch(c->stream, embedding_kernel, dim3((unsigned)m), dim3(256), 0, table->data,
+                   table->dtype, table->cols, d, out + t * table->cols);
     }
     launched(c, "embedding");
 }
@@ -815,9 +894,10 @@ static void cuda_kv_encode(void *ctx, enum llmem_kv_format format, const float *
         const int64_t *d = (const int64_t *)small_upload(c, slots + t, (size_t)m * sizeof(int64_t));
         if (d == NULL)
             return;
-        if (staged(c, 9, {arg((int64_t)format), arg(k), arg(v), arg(m), arg((int64_t)heads),
-                          arg((int64_t)head_dim), arg(d), arg(k_pool), arg(v_pool),
-                          arg((int64_t)tok_bytes), arg((int64_t)row_bytes)}))
+        if (staged(c, 9,
+                   {arg((int64_t)format), arg(k), arg(v), arg(m), arg((int64_t)heads),
+                    arg((int64_t)head_dim), arg(d), arg(k_pool), arg(v_pool),
+                    arg((int64_t)tok_bytes), arg((int64_t)row_bytes)}))
             continue;
         const int64_t off = t * heads * (int64_t)head_dim;
         llmem_cuda_kv_encode(c->stream, format, k + off, v + off, m, heads, head_dim, d, k_pool,
@@ -842,12 +922,12 @@ static int decode_kernel_fits(const struct llmem_backend_paged_attn *a) {
 static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_attn *a, int n_seqs,
                           int table_stride, size_t lengths_at, int max_len, size_t n_ints) {
     const int32_t *d = (const int32_t *)small_upload(c, c->staging, n_ints * sizeof(int32_t));
-    if (d == NULL || staged(c, 10, {arg((int64_t)a->format), arg((int64_t)a->n_heads),
-                                    arg((int64_t)a->n_kv_heads), arg((int64_t)a->head_dim),
-                                    arg(a->q), arg(a->k_pool), arg(a->v_pool), arg(a->out),
-                                    arg((int64_t)n_seqs), arg((int64_t)table_stride),
-                                    arg((int64_t)lengths_at), arg((int64_t)max_len), arg(d),
-                                    arg(a->scale), arg((int64_t)a->k_tok)}))
+    if (d == NULL ||
+        staged(c, 10,
+               {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
+                arg((int64_t)a->head_dim), arg(a->q), arg(a->k_pool), arg(a->v_pool), arg(a->out),
+                arg((int64_t)n_seqs), arg((int64_t)table_stride), arg((int64_t)lengths_at),
+                arg((int64_t)max_len), arg(d), arg(a->scale), arg((int64_t)a->k_tok)}))
         return;
     struct llmem_cuda_attn ca = {};
     ca.format = a->format;
@@ -898,10 +978,11 @@ static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) 
     const int32_t *d =
         (const int32_t *)small_upload(c, c->staging, (size_t)a->n_blocks * sizeof(int32_t));
     if (d == NULL ||
-        staged(c, 11, {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
-                       arg((int64_t)a->head_dim), arg(a->k_pool), arg(a->v_pool), arg(a->q),
-                       arg(a->out), arg(a->q_pos), arg(a->n_q), arg(a->window), arg(a->scale), arg(d),
-                       arg((int64_t)a->k_tok), arg((int64_t)a->v_tok), arg((int64_t)a->key_bytes)}))
+        staged(c, 11,
+               {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
+                arg((int64_t)a->head_dim), arg(a->k_pool), arg(a->v_pool), arg(a->q), arg(a->out),
+                arg(a->q_pos), arg(a->n_q), arg(a->window), arg(a->scale), arg(d),
+                arg((int64_t)a->k_tok), arg((int64_t)a->v_tok), arg((int64_t)a->key_bytes)}))
         return;
     if (llmem_cuda_kv_attend(c->stream, a, d) != LLMEM_OK) {
         LLMEM_ERROR("cuda backend: attention over head_dim %d (a multiple of 32 up to 256)",
@@ -936,7 +1017,8 @@ static void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn
                 row[b] = b < nb ? (int32_t)blocks[s][b] : 0;
             c->staging[(size_t)n_seqs * (size_t)stride + (size_t)s] = (int32_t)lengths[s];
         }
-        decode_kernel(c, a, n_seqs, (int)stride, (size_t)n_seqs * (size_t)stride, (int)most, n_ints);
+        decode_kernel(c, a, n_seqs, (int)stride, (size_t)n_seqs * (size_t)stride, (int)most,
+                      n_ints);
         return;
     }
     const size_t row = (size_t)a->n_heads * (size_t)a->head_dim;
@@ -994,6 +1076,9 @@ static void cuda_destroy(void *ctx) {
         cudaStreamSynchronize(c->stream);
     for (int i = 0; i < GRAPHS; i++)
         graph_drop(&c->graphs[i]);
+    for (int i = 0; i < 2; i++)
+        if (c->replay[i] != NULL)
+            cudaEventDestroy(c->replay[i]);
     dev_free(c, c->scratch);
     for (int i = 0; i < SMALL_SLOTS; i++)
         if (c->small_done[i] != NULL)
@@ -1012,7 +1097,9 @@ static void cuda_destroy(void *ctx) {
 }
 
 static void cuda_counters(void *ctx, struct llmem_backend_counters *out) {
-    *out = ((struct cuda_ctx *)ctx)->counters;
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    replay_time(c);
+    *out = c->counters;
 }
 
 static struct llmem_backend_ops make_ops(void) {
@@ -1023,6 +1110,7 @@ static struct llmem_backend_ops make_ops(void) {
     o.matmul = cuda_matmul;
     o.matmul_multi = cuda_matmul_multi;
     o.rmsnorm = cuda_rmsnorm;
+    o.add_rmsnorm = cuda_add_rmsnorm;
     o.rope = cuda_rope;
     o.swiglu = cuda_swiglu;
     o.embedding = cuda_embedding;
@@ -1075,6 +1163,10 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
         check_blas(c, cublasCreate(&c->blas), "cublasCreate") != LLMEM_OK ||
         check_blas(c, cublasSetStream(c->blas, c->stream), "cublasSetStream") != LLMEM_OK)
         status = LLMEM_EIO;
+    c->replay_timed = 1;
+    for (int i = 0; status == LLMEM_OK && i < 2; i++)
+        if (check(c, cudaEventCreate(&c->replay[i]), "event") != LLMEM_OK)
+            status = LLMEM_EIO;
     for (int i = 0; status == LLMEM_OK && i < SMALL_SLOTS; i++)
         if (check(c, cudaEventCreateWithFlags(&c->small_done[i], cudaEventDisableTiming),
                   "event") != LLMEM_OK)
