@@ -235,6 +235,22 @@ static void test_rope(void **state) {
         double e = rel_diff(x, g, n * heads * hd);
         printf("  rope head_dim %d: %.2e\n", hd, e);
         assert_true(e <= 1e-6);
+        /* q and k in one launch: the bits of one rope each (k with 2 heads) */
+        float *k2 = random_floats(n * 2 * hd, 2.0f);
+        float *dq = to_device(x, (size_t)(n * heads * hd) * 4),
+              *dk = to_device(k2, (size_t)(n * 2 * hd) * 4);
+        float *dq1 = to_device(x, (size_t)(n * heads * hd) * 4),
+              *dk1 = to_device(k2, (size_t)(n * 2 * hd) * 4);
+        gpu->ops->rope_qk(gpu->ctx, dq, dk, n, heads, 2, hd, pos, inv_freq);
+        gpu->ops->rope(gpu->ctx, dq1, n, heads, hd, pos, inv_freq);
+        gpu->ops->rope(gpu->ctx, dk1, n, 2, hd, pos, inv_freq);
+        float *q_a = to_host(dq, n * heads * hd), *q_b = to_host(dq1, n * heads * hd);
+        float *k_a = to_host(dk, n * 2 * hd), *k_b = to_host(dk1, n * 2 * hd);
+        assert_memory_equal(q_a, q_b, (size_t)(n * heads * hd) * 4);
+        assert_memory_equal(k_a, k_b, (size_t)(n * 2 * hd) * 4);
+        llmem_mem_free(dmem, dq), llmem_mem_free(dmem, dk), llmem_mem_free(dmem, dq1);
+        llmem_mem_free(dmem, dk1);
+        free(k2), free(q_a), free(q_b), free(k_a), free(k_b);
         llmem_mem_free(dmem, dx);
         free(x), free(g);
     }

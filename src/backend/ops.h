@@ -85,6 +85,10 @@ struct llmem_backend_ops {
      * cos/sin of that f32 angle rounded to f32 (inv_freq has head_dim/2 entries). */
     void (*rope)(void *ctx, float *x, int64_t n, int n_heads, int head_dim, const int64_t *pos,
                  const float *inv_freq);
+    /* (optional) rope on q [n, n_heads, head_dim] and on k [n, n_kv_heads, head_dim]: exactly the
+     * two `rope` calls, in one pass. */
+    void (*rope_qk)(void *ctx, float *q, float *k, int64_t n, int n_heads, int n_kv_heads,
+                    int head_dim, const int64_t *pos, const float *inv_freq);
     /* out[i] = silu(gate[i]) · up[i] for i < n; out may equal gate. */
     void (*swiglu)(void *ctx, const float *gate, const float *up, int64_t n, float *out);
     /* out[t, :] = table[ids[t], :] as f32, for t < n (table is [vocab, dim]; ids in range). */

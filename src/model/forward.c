@@ -159,8 +159,12 @@ static int attention_block(struct llmem_forward *f, const struct model_layer *L,
         ops->rmsnorm(ctx, f->q, L->q_norm, T * nh, hd, eps, f->q);
         ops->rmsnorm(ctx, f->k, L->k_norm, T * nkv, hd, eps, f->k);
     }
-    ops->rope(ctx, f->q, T, nh, hd, f->pos, f->model->inv_freq);
-    ops->rope(ctx, f->k, T, nkv, hd, f->pos, f->model->inv_freq);
+    if (ops->rope_qk != NULL) {
+        ops->rope_qk(ctx, f->q, f->k, T, nh, nkv, hd, f->pos, f->model->inv_freq);
+    } else {
+        ops->rope(ctx, f->q, T, nh, hd, f->pos, f->model->inv_freq);
+        ops->rope(ctx, f->k, T, nkv, hd, f->pos, f->model->inv_freq);
+    }
 
     const struct llmem_kv_attn attn = {.n_heads = nh, .window = L->window};
     if (n_last > 0) { /* the decodes, one token each: each cache call once for all of them */
@@ -197,7 +201,7 @@ static void mlp_block(struct llmem_forward *f, const struct model_layer *L, int6
         matmul_multi(f, 2, w, f->xn, T, y, NULL);
     }
     ops->swiglu(ctx, f->gate, f->up, T * g->intermediate_size, f->gate);
-    ops->matmul(ctx, &L->w_down, f->gate, T, f->xn, NULL); /* added by the next norm */
+    ops->matmul(ctx, &L->w_down, f->gate, T, f->xn, NULL); /* added to x by the next norm */
 }
 
 /* ---- the batch ------------------------------------------------------------------------------ */

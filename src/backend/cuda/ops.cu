@@ -428,12 +428,14 @@ __global__ void rmsnorm_kernel(float *x, const float *res, const float *weight, 
 }
 
 /* grid (token, head), one thread per pair (i, i + half). */
-__global__ void rope_kernel(float *x, int n_heads, int head_dim, const int64_t *pos,
-                            const float *inv_freq) {
+__global__ void rope_kernel(float *x, int n_heads, float *x2, int n_heads2, int head_dim,
+                            const int64_t *pos, const float *inv_freq) {
     pdl_begin();
     const int half = head_dim / 2;
     const int64_t t = blockIdx.x;
-    float *v = x + (t * n_heads + blockIdx.y) * (int64_t)head_dim;
+    const int h = (int)blockIdx.y; /* heads of x, then of x2 */
+    float *v = h < n_heads ? x + (t * n_heads + h) * (int64_t)head_dim
+                           : x2 + (t * n_heads2 + h - n_heads) * (int64_t)head_dim;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float angle = __fmul_rn((float)pos[t], inv_freq[i]);
         float cs = (float)cos((double)angle), sn = (float)sin((double)angle);
@@ -810,36 +812,49 @@ static void cuda_add_rmsnorm(void *ctx, float *x, const float *res, const float 
     rmsnorm((struct cuda_ctx *)ctx, x, res, weight, n, dim, eps, y);
 }
 
-static void cuda_rope(void *ctx, float *x, int64_t n, int n_heads, int head_dim, const int64_t *pos,
-                      const float *inv_freq) {
-    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+/* Rotary embedding of x [n, n_heads, head_dim] and x2 [n, n_heads2, head_dim] in one launch. */
+static void rope(struct cuda_ctx *c, float *x, int n_heads, float *x2, int n_heads2, int64_t n,
+                 int head_dim, const int64_t *pos, const float *inv_freq) {
     LLMEM_ASSERT(x != NULL && pos != NULL && inv_freq != NULL && n >= 0 && n_heads > 0);
-    LLMEM_ASSERT(head_dim > 0 && head_dim % 2 == 0);
+    LLMEM_ASSERT(head_dim > 0 && head_dim % 2 == 0 && (x2 != NULL || n_heads2 == 0));
     if (n == 0 || c->failed)
         return;
     const size_t pos_bytes = (size_t)n * sizeof(int64_t), freq_bytes = (size_t)head_dim / 2 * 4;
     if (pos_bytes + freq_bytes > c->small_bytes) { /* a long prompt: in pieces */
         int64_t per = (int64_t)((c->small_bytes - freq_bytes) / sizeof(int64_t));
         for (int64_t t = 0; t < n; t += per)
-            cuda_rope(ctx, x + t * n_heads * (int64_t)head_dim, n - t < per ? n - t : per, n_heads,
-                      head_dim, pos + t, inv_freq);
+            rope(c, x + t * n_heads * (int64_t)head_dim, n_heads,
+                 x2 != NULL ? x2 + t * n_heads2 * (int64_t)head_dim : NULL, n_heads2,
+                 n - t < per ? n - t : per, head_dim, pos + t, inv_freq);
         return;
     }
     uint8_t *packed = (uint8_t *)c->staging;
     memcpy(packed, pos, pos_bytes);
     memcpy(packed + pos_bytes, inv_freq, freq_bytes);
     const uint8_t *d = (const uint8_t *)small_upload(c, packed, pos_bytes + freq_bytes);
-    if (d == NULL ||
-        staged(c, 5, {arg(x), arg(n), arg((int64_t)n_heads), arg((int64_t)head_dim), arg(d)}))
+    if (d == NULL || staged(c, 5,
+                            {arg(x), arg((int64_t)n_heads), arg(x2), arg((int64_t)n_heads2), arg(n),
+                             arg((int64_t)head_dim), arg(d)}))
         return;
     for (int64_t t = 0; t < n; t += 65535) {
-        dim3 grid((unsigned)(n - t < 65535 ? n - t : 65535), (unsigned)n_heads);
+        dim3 grid((unsigned)(n - t < 65535 ? n - t : 65535), (unsigned)(n_heads + n_heads2));
         int threads = head_dim / 2 < 128 ? 64 : 128;
         pdl_launch(c->stream, rope_kernel, dim3(grid), dim3(threads), 0,
-                   x + t * n_heads * (int64_t)head_dim, n_heads, head_dim, (const int64_t *)d + t,
-                   (const float *)(d + pos_bytes));
+                   x + t * n_heads * (int64_t)head_dim, n_heads,
+                   x2 != NULL ? x2 + t * n_heads2 * (int64_t)head_dim : NULL, n_heads2, head_dim,
+                   (const int64_t *)d + t, (const float *)(d + pos_bytes));
     }
     launched(c, "rope");
+}
+
+static void cuda_rope(void *ctx, float *x, int64_t n, int n_heads, int head_dim, const int64_t *pos,
+                      const float *inv_freq) {
+    rope((struct cuda_ctx *)ctx, x, n_heads, NULL, 0, n, head_dim, pos, inv_freq);
+}
+
+static void cuda_rope_qk(void *ctx, float *q, float *k, int64_t n, int n_heads, int n_kv_heads,
+                         int head_dim, const int64_t *pos, const float *inv_freq) {
+    rope((struct cuda_ctx *)ctx, q, n_heads, k, n_kv_heads, n, head_dim, pos, inv_freq);
 }
 
 static void cuda_swiglu(void *ctx, const float *gate, const float *up, int64_t n, float *out) {
@@ -1112,6 +1127,7 @@ static struct llmem_backend_ops make_ops(void) {
     o.rmsnorm = cuda_rmsnorm;
     o.add_rmsnorm = cuda_add_rmsnorm;
     o.rope = cuda_rope;
+    o.rope_qk = cuda_rope_qk;
     o.swiglu = cuda_swiglu;
     o.embedding = cuda_embedding;
     o.add = cuda_add;
