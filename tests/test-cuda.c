@@ -752,6 +752,73 @@ static void test_graphs(void **state) {
     free(out[1]);
 }
 
+static char refusals[2048];
+static void capture_errors(enum llmem_log_level level, const char *line, void *user) {
+    (void)user;
+    size_t used = strlen(refusals);
+    if (level == LLMEM_LOG_ERROR)
+        snprintf(refusals + used, sizeof(refusals) - used, "%s\n", line);
+}
+
+/* The device plan holds on the GPU: under a budget, a request as long as the resolved context runs
+ * with the device allocator's peak within the plan's allocation limit; with most of the pool held
+ * by another sequence, a request that cannot fit is refused before any KV is written. */
+static void test_device_plan(void **state) {
+    (void)state;
+    struct llmem_engine_config c;
+    llmem_engine_config_default(&c);
+    c.model_dir = LLMEM_SOURCE_DIR "/models/pycoder";
+    c.backend = LLMEM_BACKEND_CUDA;
+    c.kv_format = LLMEM_KV_FORMAT_F16;
+    c.no_bank = 1;
+    c.max_sequences = 2;
+    c.budget_bytes = (int64_t)160 << 20;
+    struct llmem_engine *e = NULL;
+    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    const struct llmem_plan *plan = llmem_engine_plan(e);
+    const int64_t ctx = plan->context_window_resolved;
+    struct llmem_mem_stats ms;
+    llmem_mem_stats(llmem_engine_mem(e), &ms);
+    printf("  device plan: limit %lld, context %lld\n", (long long)plan->allocation_limit_bytes,
+           (long long)ctx);
+    assert_true(ms.memory_limit_bytes <= plan->allocation_limit_bytes);
+    assert_true(ctx >= 64);
+    const int64_t n = ctx - 8;
+    int32_t *prompt = malloc((size_t)ctx * sizeof(int32_t));
+    assert_non_null(prompt);
+    for (int64_t i = 0; i < ctx; i++)
+        prompt[i] = (int32_t)(40 + (i * 17) % 3000);
+    struct llmem_generate_params p;
+    llmem_generate_params_default(&p);
+    p.max_tokens = 8;
+    p.ignore_eos = 1;
+    struct llmem_generate_result r;
+    assert_int_equal(llmem_engine_generate(e, prompt, n, &p, NULL, NULL, &r), LLMEM_OK);
+    assert_int_equal(r.n_ids, 8);
+    llmem_generate_result_free(&r);
+    llmem_mem_stats(llmem_engine_mem(e), &ms);
+    printf("  device plan: peak %lld of %lld\n", (long long)ms.peak_bytes,
+           (long long)ms.memory_limit_bytes);
+    assert_true(ms.peak_bytes <= ms.memory_limit_bytes);
+    /* most of the pool held elsewhere: refused up front, nothing written */
+    struct llmem_kv *kv = llmem_engine_kv(e);
+    int other;
+    assert_int_equal(llmem_kv_seq_new(kv, &other), LLMEM_OK);
+    assert_int_equal(llmem_kv_reserve(kv, other, (llmem_kv_blocks_free(kv) - 2) * 16), LLMEM_OK);
+    struct llmem_kv_stats before, after;
+    llmem_kv_stats(kv, &before);
+    refusals[0] = '\0';
+    llmem_log_set_callback(capture_errors, NULL, LLMEM_LOG_ERROR);
+    assert_int_equal(llmem_engine_generate(e, prompt, n, &p, NULL, NULL, &r), LLMEM_ENOMEM);
+    llmem_log_set_callback(NULL, NULL, LLMEM_LOG_WARN);
+    assert_non_null(strstr(refusals, "refused before prefill"));
+    llmem_kv_stats(kv, &after);
+    assert_int_equal(after.bytes_written, before.bytes_written);
+    llmem_kv_seq_free(kv, other);
+    free(prompt);
+    llmem_engine_close(e);
+}
+
 static int setup(void **state) {
     (void)state;
     struct llmem_mem_config cfg = {.ops = llmem_backend_cuda_memory(0)};
@@ -786,6 +853,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_multi),  cmocka_unit_test(test_out_of_memory),
         cmocka_unit_test(test_kv_device),     cmocka_unit_test(test_models),
         cmocka_unit_test(test_greedy),        cmocka_unit_test(test_graphs),
+        cmocka_unit_test(test_device_plan),
     };
     return cmocka_run_group_tests_name("cuda", tests, setup, teardown);
 }
