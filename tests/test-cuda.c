@@ -305,10 +305,11 @@ static void test_matmul(void **state) {
     (void)state;
     const enum llmem_dtype dts[] = {LLMEM_DTYPE_BF16, LLMEM_DTYPE_F16, LLMEM_DTYPE_F32};
     const int64_t ns[] = {1, 3, 8, 9, 64};
-    const int64_t shapes[][2] = {{300, 512}, {77, 100}, {1024, 2048}};
+    /* the last: rows long enough for two warps a row in the matrix-vector kernel */
+    const int64_t shapes[][2] = {{300, 512}, {77, 100}, {1024, 2048}, {203, 8192}};
     double worst_f32 = 0, worst_fast = 0;
     for (int k = 0; k < 3; k++)
-        for (int s = 0; s < 3; s++) {
+        for (int s = 0; s < 4; s++) {
             const int64_t rows = shapes[s][0], cols = shapes[s][1];
             size_t bytes;
             void *w = random_weight(dts[k], rows, cols, &bytes);
