@@ -19,7 +19,12 @@
  * attention allocates its own workspace per call (also tag scratch), bounded by handing it the
  * queries of a long prefill chunk in groups so that queries × 512-token partitions stays within
  * LLMEM_ATTN_PARTITION_ROWS. Together with the caller's logits rows this is exactly the planner's
- * computed workspace (llmem_geometry_workspace_bytes).
+ * computed workspace (llmem_geometry_workspace_bytes). On a device the logits rows are computed
+ * there first, into a buffer kept from pass to pass (a replayed decode step writes where its
+ * recording did).
+ *
+ * A pure decode step on a backend with graphs (ops.h graph_begin) runs between graph_begin and
+ * graph_end, and again when the backend says its recording did not match.
  */
 #include <inttypes.h>
 #include <stdlib.h>
