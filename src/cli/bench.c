@@ -338,10 +338,12 @@ out:
 
 int cli_bench(int argc, char **argv) {
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
-        fputs("usage: llmem bench mem|kv|matmul|decode|bank|serve [options]\n\nbenchmarks:\n"
+        fputs("usage: llmem bench mem|kv|attn|matmul|decode|bank|serve [options]\n\nbenchmarks:\n"
               "  mem    the caching allocator against malloc and mmap\n"
               "  kv     attention over the KV caches against the memory bandwidth, format "
               "accuracy, append cost\n"
+              "  attn   paged decode attention on a GPU (--backend cuda) against its copy "
+              "bandwidth\n"
               "  matmul the CPU matmul against the memory bandwidth and the FMA peak\n"
               "  decode prefill and decode speed of a model against the memory bandwidth\n"
               "  bank   time to first token cold, from the session bank's RAM tier, as a chat "
@@ -355,6 +357,8 @@ int cli_bench(int argc, char **argv) {
         return bench_mem(argc - 1, argv + 1);
     if (strcmp(argv[1], "kv") == 0)
         return cli_bench_kv(argc - 1, argv + 1);
+    if (strcmp(argv[1], "attn") == 0)
+        return cli_bench_attn(argc - 1, argv + 1);
     if (strcmp(argv[1], "matmul") == 0)
         return cli_bench_matmul(argc - 1, argv + 1);
     if (strcmp(argv[1], "decode") == 0)
@@ -364,6 +368,6 @@ int cli_bench(int argc, char **argv) {
     if (strcmp(argv[1], "serve") == 0)
         return cli_bench_serve(argc - 1, argv + 1);
     return cli_usage_error(
-        "bench", "unknown benchmark '%s' (benchmarks: mem, kv, matmul, decode, bank, serve)",
+        "bench", "unknown benchmark '%s' (benchmarks: mem, kv, attn, matmul, decode, bank, serve)",
         argv[1]);
 }

@@ -22,6 +22,8 @@ int cli_run(int argc, char **argv);
 int cli_gc(int argc, char **argv);
 /* `llmem bench kv` (bench_kv.c), dispatched by cli_bench. */
 int cli_bench_kv(int argc, char **argv);
+/* `llmem bench attn` (bench_attn.c). */
+int cli_bench_attn(int argc, char **argv);
 /* `llmem bench decode MODEL` (bench_decode.c). */
 int cli_bench_decode(int argc, char **argv);
 /* `llmem bench bank MODEL` (bench_bank.c): time to first token with the session bank. */

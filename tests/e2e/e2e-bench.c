@@ -130,6 +130,19 @@ static void test_bench_usage(void **state) {
     assert_int_equal(run.exit_code, 2);
     assert_non_null(strstr(run.err, "f12"));
     tu_run_free(&run);
+    /* attn: the GPU's benchmark; bad shapes and formats are named, the CPU is sent to bench kv */
+    run = tu_llmem("bench", "attn", "--backend", "cuda", "--shapes", "64x", NULL);
+    assert_int_equal(run.exit_code, 2);
+    assert_non_null(strstr(run.err, "64x"));
+    tu_run_free(&run);
+    run = tu_llmem("bench", "attn", "--backend", "cuda", "--formats", "bf16,f12", NULL);
+    assert_int_equal(run.exit_code, 2);
+    assert_non_null(strstr(run.err, "f12"));
+    tu_run_free(&run);
+    run = tu_llmem("bench", "attn", NULL);
+    assert_int_equal(run.exit_code, 2);
+    assert_non_null(strstr(run.err, "bench kv"));
+    tu_run_free(&run);
 }
 
 int main(void) {
