@@ -17,7 +17,8 @@
  * with one launch: its operations then only stage their small per-call arrays (at the offsets the
  * recording used) and extend a hash of every operation and argument, and the graph is launched
  * when that hash equals the recording's; else nothing has run, and the caller runs the pass again
- * (recorded afresh). LLMEM_CUDA_GRAPHS=0 turns them off.
+ * (as usual, which also sizes any scratch the new shapes need; the next such pass is recorded
+ * afresh). LLMEM_CUDA_GRAPHS=0 turns them off.
  */
 #include "backend/cuda/backend.h"
 #include "backend/cuda/attention.h"
@@ -341,18 +342,20 @@ static int cuda_graph_end(void *ctx) {
             err = cudaGraphInstantiate(&g->exec, graph, 0);
         if (graph != NULL)
             cudaGraphDestroy(graph);
-        if (err != cudaSuccess || c->pass_bad || c->failed) {
+        if (err != cudaSuccess || c->pass_bad || c->failed) { /* nothing ran: again, */
             (void)cudaGetLastError();
             g->exec = NULL;
-            g->state = GRAPH_OFF; /* nothing ran: again, without a graph */
+            g->sig = 0; /* as usual (which sizes the scratch it lacked), then recorded */
+            g->state = err != cudaSuccess || ++g->misses >= GRAPH_MISSES ? GRAPH_OFF : GRAPH_SEEN;
             return c->failed ? c->failed : LLMEM_EBUSY;
         }
         g->sig = sig;
         g->state = GRAPH_READY;
         c->counters.graphs_recorded++;
-    } else if (c->pass_bad || sig != g->sig) { /* nothing ran: record it again */
+    } else if (c->pass_bad || sig != g->sig) { /* nothing ran: again, as usual, then recorded */
         c->counters.graphs_missed++;
         graph_drop(g);
+        g->sig = 0;
         g->state = ++g->misses >= GRAPH_MISSES ? GRAPH_OFF : GRAPH_SEEN;
         return LLMEM_EBUSY;
     }
