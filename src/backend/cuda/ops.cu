@@ -250,10 +250,10 @@ static int staged(struct cuda_ctx *c, int op, std::initializer_list<uint64_t> ar
         return 0;
     uint64_t v[24];
     size_t n = 0;
+    LLMEM_ASSERT(args.size() < sizeof(v) / sizeof(v[0]));
     v[n++] = (uint64_t)op;
     for (uint64_t a : args)
-        if (n < sizeof(v) / sizeof(v[0]))
-            v[n++] = a;
+        v[n++] = a;
     c->sig = llmem_hash64(v, n * sizeof(uint64_t), c->sig);
     return c->mode == PASS_STAGE;
 }
@@ -304,7 +304,7 @@ static int cuda_graph_begin(void *ctx, uint64_t key) {
     c->arena_used = 0;
     c->arena_n = 0;
     c->mode = PASS_NOW;
-    if (g->state == GRAPH_READY || g->exec == NULL && g->sig != 0) {
+    if (g->state == GRAPH_READY || (g->exec == NULL && g->sig != 0)) {
         /* the ring's memory takes this pass's data: nothing queued may still read it */
         if (check(c, cudaStreamSynchronize(c->stream), "synchronize") != LLMEM_OK)
             return c->failed;
