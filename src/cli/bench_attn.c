@@ -71,19 +71,6 @@ static int parse_shapes(const char *list, int64_t shapes[][2], int *n) {
     return *n > 0 ? CLI_OK : cli_usage_error("bench attn", "--shapes: empty list");
 }
 
-static int parse_formats(const char *s, enum llmem_kv_format *f, int *n) {
-    char buf[128];
-    snprintf(buf, sizeof(buf), "%s", s);
-    *n = 0;
-    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t != NULL;
-         t = strtok_r(NULL, ",", &save)) {
-        if (*n == MAX_FMTS || llmem_kv_format_parse(t, &f[*n]) != LLMEM_OK)
-            return cli_usage_error("bench attn", "--formats: '%s' (f16, bf16, q8, f32)", t);
-        (*n)++;
-    }
-    return *n > 0 ? CLI_OK : cli_usage_error("bench attn", "--formats: empty list");
-}
-
 /* Fills a random float buffer of n values in (-1, 1) on the host. */
 static float *random_host(int64_t n, uint64_t seed) {
     float *p = malloc((size_t)n * sizeof(float));
@@ -182,7 +169,7 @@ int cli_bench_attn(int argc, char **argv) {
     int64_t shapes[MAX_SHAPES][2] = {{64, 8192}, {1, 4096}, {16, 2048}}, device = 0, reps = 50,
             copy_bytes = (int64_t)1 << 30;
     int n_shapes = 3, n_fmts = 2, json = 0, rc = CLI_OK;
-    enum llmem_kv_format fmts[MAX_FMTS] = {LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_Q8};
+    int fmts[MAX_FMTS] = {LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_Q8};
     enum llmem_backend_kind backend = LLMEM_BACKEND_CPU;
     optind = 1;
     for (int o; rc == CLI_OK && (o = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
@@ -193,7 +180,11 @@ int cli_bench_attn(int argc, char **argv) {
             break;
         case OPT_DEVICE: rc = cli_parse_int("--device", optarg, 0, 1024, &device); break;
         case OPT_SHAPES: rc = parse_shapes(optarg, shapes, &n_shapes); break;
-        case OPT_FORMATS: rc = parse_formats(optarg, fmts, &n_fmts); break;
+        case OPT_FORMATS:
+            n_fmts = cli_parse_names("bench attn", "--formats", optarg, MAX_FMTS, fmts,
+                                     cli_kv_format_name_parse);
+            rc = n_fmts < 0 ? CLI_USAGE : CLI_OK;
+            break;
         case OPT_REPS: rc = cli_parse_int("--reps", optarg, GROUPS, 100000, &reps); break;
         case OPT_COPY: rc = cli_parse_size("--copy-size", optarg, &copy_bytes); break;
         case OPT_JSON: json = 1; break;

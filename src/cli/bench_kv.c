@@ -735,7 +735,8 @@ static const char bench_kv_usage[] =
     "                 bandwidth_copy_gbps, fma_per_s, fma_lanes, attention[] {layout, format,\n"
     "                 ctx, batch, seconds, kv_bytes, gbps, fraction_of_bandwidth,\n"
     "                 compute_bound_gbps, fraction_of_compute_bound, route}, accuracy[]\n"
-    "                 {format, ctx, rel_error}, append[] {layout, mode, tokens, chunk, ns_per_token,\n"
+    "                 {format, ctx, rel_error}, append[] {layout, mode, tokens, chunk, "
+    "ns_per_token,\n"
     "                 ns_per_token_cold, grow_events}, paging {ctx, batch, paged_seconds,\n"
     "                 contiguous_seconds}, paging_overhead (null without paged and contiguous\n"
     "                 f16), memory_peak_bytes, rss_peak_bytes\n"
@@ -748,41 +749,10 @@ static const char bench_kv_usage[] =
     "  --route R      attention route: auto (default: the library's choice), direct,\n"
     "                 partitioned or fallback\n";
 
-/* Parses a comma-separated list of names through `parse`; returns the count or −1. */
-static int parse_list(const char *flag, const char *value, int max, int *out,
-                      int (*parse)(const char *, int *)) {
-    char buf[256];
-    if (strlen(value) >= sizeof(buf))
-        return cli_usage_error("bench kv", "%s: list too long", flag), -1;
-    strcpy(buf, value);
-    int n = 0;
-    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok != NULL;
-         tok = strtok_r(NULL, ",", &save)) {
-        int v;
-        if (parse(tok, &v) != LLMEM_OK)
-            return -1;
-        int dup = 0;
-        for (int i = 0; i < n; i++)
-            dup |= out[i] == v;
-        if (!dup && n < max)
-            out[n++] = v;
-    }
-    if (n == 0)
-        return cli_usage_error("bench kv", "%s: empty list", flag), -1;
-    return n;
-}
-
 static int parse_layout(const char *name, int *out) {
     enum llmem_kv_layout l;
     int st = llmem_kv_layout_parse(name, &l);
     *out = (int)l;
-    return st;
-}
-
-static int parse_format(const char *name, int *out) {
-    enum llmem_kv_format f;
-    int st = llmem_kv_format_parse(name, &f);
-    *out = (int)f;
     return st;
 }
 
@@ -866,13 +836,14 @@ int cli_bench_kv(int argc, char **argv) {
                 return CLI_USAGE;
             break;
         case 'L':
-            if ((n_layouts = parse_list("--kv-layout", optarg, LLMEM_KV_LAYOUT_COUNT, layouts,
-                                        parse_layout)) < 0)
+            if ((n_layouts = cli_parse_names("bench kv", "--kv-layout", optarg,
+                                             LLMEM_KV_LAYOUT_COUNT, layouts, parse_layout)) < 0)
                 return CLI_USAGE;
             break;
         case 'F':
-            if ((n_formats = parse_list("--kv-format", optarg, LLMEM_KV_FORMAT_COUNT, formats,
-                                        parse_format)) < 0)
+            if ((n_formats =
+                     cli_parse_names("bench kv", "--kv-format", optarg, LLMEM_KV_FORMAT_COUNT,
+                                     formats, cli_kv_format_name_parse)) < 0)
                 return CLI_USAGE;
             break;
         case 'w':

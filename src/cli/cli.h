@@ -42,6 +42,12 @@ int cli_parse_size(const char *flag, const char *value, int64_t *out);
 int cli_parse_int(const char *flag, const char *value, int64_t min, int64_t max, int64_t *out);
 int cli_parse_double(const char *flag, const char *value, double min_excl, double max_incl,
                      double *out);
+/* A comma-separated list of names, each through `parse` (which logs a bad one), duplicates dropped,
+ * at most max kept: the count, or −1 (the message printed). */
+int cli_parse_names(const char *cmd, const char *flag, const char *value, int max, int *out,
+                    int (*parse)(const char *, int *));
+/* A KV format name as an int, for cli_parse_names. */
+int cli_kv_format_name_parse(const char *name, int *out);
 
 /* The model, plan and KV options of every command that opens an engine (engine_opts.c): the
  * getopt_long entries, their values (a command's own options start at CLI_OPT_ENGINE_END), the

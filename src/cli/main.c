@@ -11,6 +11,7 @@
 #include "cli/cli.h"
 #include "core/json.h"
 #include "core/log.h"
+#include "llmem/plan.h"
 #include "llmem/size.h"
 
 static const char usage[] =
@@ -103,6 +104,36 @@ int cli_parse_double(const char *flag, const char *value, double min_excl, doubl
                                max_incl);
     *out = v;
     return CLI_OK;
+}
+
+int cli_parse_names(const char *cmd, const char *flag, const char *value, int max, int *out,
+                    int (*parse)(const char *, int *)) {
+    char buf[256];
+    if (strlen(value) >= sizeof(buf))
+        return cli_usage_error(cmd, "%s: list too long", flag), -1;
+    strcpy(buf, value);
+    int n = 0;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok != NULL;
+         tok = strtok_r(NULL, ",", &save)) {
+        int v;
+        if (parse(tok, &v) != LLMEM_OK)
+            return -1;
+        int dup = 0;
+        for (int i = 0; i < n; i++)
+            dup |= out[i] == v;
+        if (!dup && n < max)
+            out[n++] = v;
+    }
+    if (n == 0)
+        return cli_usage_error(cmd, "%s: empty list", flag), -1;
+    return n;
+}
+
+int cli_kv_format_name_parse(const char *name, int *out) {
+    enum llmem_kv_format f;
+    int st = llmem_kv_format_parse(name, &f);
+    *out = (int)f;
+    return st;
 }
 
 static int progress_drawn;
