@@ -7,12 +7,13 @@
  *   llmem-bench-kv-stream [-t THREADS]
  *
  * Rows (GB/s of K + V bytes, the slowest thread's time):
- *   sum, sequential      every 64-byte line in address order (the hardware prefetchers' case)
- *   sum, per head        the kernel's order: a head's 256 bytes of each of the 16 rows, head by
- * head kernel               the kernel in that order, no prefetch kernel + prefetch    the next
- * block prefetched an eighth per head, as kv/attention.c does kernel + touch       the block read
- * through once in address order first, then the kernel kernel, in cache     the kernel over 4
- * blocks again and again (its compute rate)
+ * - sum, sequential: every 64-byte line in address order (the hardware prefetchers' case);
+ * - sum, per head: the kernel's order, a head's 256 bytes of each of the 16 rows, head by head;
+ * - kernel: the kernel in that order, no prefetch;
+ * - kernel + prefetch: the next block prefetched an eighth per head, spread over the kernel's
+ *   loops, as kv/attention.c does;
+ * - kernel + touch: the block read through once in address order first, then the kernel;
+ * - kernel, in cache: the kernel over 4 blocks again and again (its compute rate).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -34,7 +35,7 @@
 #define NMODES 6
 
 typedef void (*tile_fn)(const uint8_t *, size_t, const uint8_t *, size_t, int, const float *, int,
-                        float *, size_t);
+                        float *, size_t, const struct llmem_kv_prefetch *);
 
 static const char *const names[NMODES] = {"sum, sequential", "sum, per head",
                                           "kernel",          "kernel + prefetch",
@@ -91,12 +92,11 @@ static void *worker(void *arg) {
                                 sum_lines(v + row * ROW + h * HD * 2, HD * 2);
                     continue;
                 }
+                struct llmem_kv_prefetch pf = {{NULL, NULL}, {0, 0}};
                 if (mode == 3 && next != NULL)
-                    for (size_t x = (size_t)h * (BLOCK / NKV); x < (size_t)(h + 1) * (BLOCK / NKV);
-                         x += 64)
-                        __builtin_prefetch(next + x, 0, 3);
+                    pf.at[0] = next + (size_t)h * (BLOCK / NKV), pf.bytes[0] = BLOCK / NKV;
                 tile(k + h * HD * 2, ROW, v + h * HD * 2, ROW, TOK, q + h * 4 * HD, HD,
-                     st + h * 4 * (HD + 2), HD + 2);
+                     st + h * 4 * (HD + 2), HD + 2, &pf);
             }
         }
     secs[id] = now() - t;

@@ -56,10 +56,17 @@ static void visible(const struct attn_job *j, int64_t i, int64_t *lo, int64_t *h
     *lo = j->window > 0 && *hi - j->window + 1 > 0 ? *hi - j->window + 1 : 0;
 }
 
+/* The bytes of slice i (of `slice` bytes, a multiple of 64) of `total` bytes. */
+static inline size_t slice_bytes(int i, size_t slice, size_t total) {
+    size_t from = (size_t)i * slice;
+    return from >= total ? 0 : total - from < slice ? total - from : slice;
+}
+
 /* Prefetches slice i (of `slice` bytes, a multiple of 64) of the `total` bytes at base. */
 static inline void prefetch_slice(const uint8_t *base, int i, size_t slice, size_t total) {
-    for (size_t x = (size_t)i * slice; x < (size_t)(i + 1) * slice && x < total; x += 64)
-        __builtin_prefetch(base + x, 0, 3);
+    const uint8_t *p = base + (size_t)i * slice;
+    for (size_t x = 0; x < slice_bytes(i, slice, total); x += 64)
+        __builtin_prefetch(p + x, 0, 3);
 }
 
 /* The online-softmax state over [lo, hi] (within one partition) of the query heads of KV heads
@@ -75,9 +82,11 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
     /* The fused tile kernels serve groups of four query heads (a GQA group of 4k: k calls) and
      * of two (2k + 2: k calls of four, one of two). */
     void (*fused)(const uint8_t *, size_t, const uint8_t *, size_t, int, const float *, int,
-                  float *, size_t) = llmem_kv_kernels()->attn_tile[c->format];
+                  float *, size_t, const struct llmem_kv_prefetch *) =
+        llmem_kv_kernels()->attn_tile[c->format];
     void (*fused2)(const uint8_t *, size_t, const uint8_t *, size_t, int, const float *, int,
-                   float *, size_t) = llmem_kv_kernels()->attn_tile2[c->format];
+                   float *, size_t, const struct llmem_kv_prefetch *) =
+        llmem_kv_kernels()->attn_tile2[c->format];
     const int g4 = group % 4 == 0 ? group : group % 2 == 0 && fused2 != NULL ? group - 2 : -1;
     if (g4 < 0 || (g4 > 0 && fused == NULL))
         fused = NULL, fused2 = NULL;
@@ -103,8 +112,9 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
             const uint8_t *ktile = kp + (size_t)t0 * kv->k_tok,
                           *vtile = vp + (size_t)t0 * kv->v_tok;
             /* The next tile's K and V bytes, prefetched an eighth (1 / n_kv) per KV head while
-             * this tile is computed: a tile reads its rows with a stride of a token, which the
-             * hardware prefetchers do not follow far enough ahead. */
+             * this tile is computed (by the fused kernel, spread over its loops): a tile reads
+             * its rows with a stride of a token, which the hardware prefetchers do not follow far
+             * enough ahead. */
             const uint8_t *pk = NULL, *pv = NULL;
             int64_t pT = 0;
             if (t0 + TILE < run) {
@@ -118,19 +128,22 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
             size_t pv_slice = ((size_t)pT * kv->v_tok / (size_t)n_kv + 63) & ~(size_t)63;
             if (fused != NULL || fused2 != NULL) {
                 for (int kvh = kv0; kvh < kv1; kvh++) {
+                    struct llmem_kv_prefetch pf = {{pk, pv}, {0, 0}};
                     if (pT > 0) {
-                        prefetch_slice(pk, kvh, pk_slice, (size_t)pT * kv->k_tok);
-                        prefetch_slice(pv, kvh, pv_slice, (size_t)pT * kv->v_tok);
+                        pf.bytes[0] = slice_bytes(kvh, pk_slice, (size_t)pT * kv->k_tok);
+                        pf.bytes[1] = slice_bytes(kvh, pv_slice, (size_t)pT * kv->v_tok);
+                        pf.at[0] += (size_t)kvh * pk_slice;
+                        pf.at[1] += (size_t)kvh * pv_slice;
                     }
                     const uint8_t *kh = ktile + (size_t)kvh * c->key_bytes,
                                   *vh = vtile + (size_t)kvh * c->value_bytes;
                     const size_t h0 = (size_t)kvh * (size_t)group;
-                    for (int g = 0; g < g4; g += 4)
+                    for (int g = 0; g < g4; g += 4) /* the first call of the group prefetches */
                         fused(kh, kv->k_tok, vh, kv->v_tok, T, q + (h0 + (size_t)g) * (size_t)hd,
-                              hd, st + (h0 + (size_t)g) * hs, hs);
+                              hd, st + (h0 + (size_t)g) * hs, hs, g == 0 ? &pf : NULL);
                     if (g4 < group)
                         fused2(kh, kv->k_tok, vh, kv->v_tok, T, q + (h0 + (size_t)g4) * (size_t)hd,
-                               hd, st + (h0 + (size_t)g4) * hs, hs);
+                               hd, st + (h0 + (size_t)g4) * hs, hs, g4 == 0 ? &pf : NULL);
                 }
                 continue;
             }

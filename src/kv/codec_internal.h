@@ -37,6 +37,15 @@ enum llmem_kv_isa {
  * address. dot[f] reads a row in f's key layout, axpy[f] a row in f's value layout (they differ
  * for tq only). (optional) entries are NULL: the caller decodes the row to f32 and uses the f32
  * kernel; f32, f16 and bf16 are always present. */
+/* The bytes a tile kernel prefetches while it computes (its share of the next tile's K and V):
+ * two ranges, either empty (bytes 0). Spread over the kernel's loops, a few lines per step, the
+ * prefetches keep memory busy under the arithmetic; issued all at once before the tile, they
+ * queue behind each other and stall the tile's own loads. */
+struct llmem_kv_prefetch {
+    const uint8_t *at[2];
+    size_t bytes[2];
+};
+
 struct llmem_kv_kernels {
     enum llmem_kv_isa isa;
     const char *name; /* "scalar", "avx2", "avx512" */
@@ -59,15 +68,18 @@ struct llmem_kv_kernels {
      * KV head, keys and values key_stride and value_stride bytes apart, for four query heads
      * q[g·n + i] (scaled, in the key's domain) whose online-softmax states lie at st + g·hs
      * (acc[0, n), then m at n and l at n + 1): the scores, the new maximum m' per head, the
-     * state rescaled by e^(m − m'), and the weights e^(s − m') accumulated with the values.
+     * state rescaled by e^(m − m'), and the weights e^(s − m') accumulated with the values;
+     * pf (or NULL): bytes to prefetch meanwhile, spread over the kernel's loops.
      * NULL: attention scores with dot_group and accumulates with axpy_tile. */
     void (*attn_tile[LLMEM_KV_FORMAT_COUNT])(const uint8_t *keys, size_t key_stride,
                                              const uint8_t *values, size_t value_stride, int T,
-                                             const float *q, int n, float *st, size_t hs);
+                                             const float *q, int n, float *st, size_t hs,
+                                             const struct llmem_kv_prefetch *pf);
     /* (optional) the same for two query heads (GQA groups of 2, 6, 10, …) */
     void (*attn_tile2[LLMEM_KV_FORMAT_COUNT])(const uint8_t *keys, size_t key_stride,
                                               const uint8_t *values, size_t value_stride, int T,
-                                              const float *q, int n, float *st, size_t hs);
+                                              const float *q, int n, float *st, size_t hs,
+                                              const struct llmem_kv_prefetch *pf);
 };
 
 /* The Lloyd–Max codebook of tq values (ascending), shared by every kernel. */

@@ -612,6 +612,36 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
                          _mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* The prefetches of a tile kernel (struct llmem_kv_prefetch): `quota` lines per step of its
+ * loops, enough for all of them in `steps` steps; the first range, then the second. */
+struct pf_spread {
+    const uint8_t *p, *end, *next, *next_end;
+    int quota;
+};
+
+static inline struct pf_spread pf_spread_init(const struct llmem_kv_prefetch *pf, int steps) {
+    struct pf_spread s = {NULL, NULL, NULL, NULL, 0};
+    if (pf == NULL || steps <= 0)
+        return s;
+    s.p = pf->at[0], s.end = pf->at[0] + pf->bytes[0];
+    s.next = pf->at[1], s.next_end = pf->at[1] + pf->bytes[1];
+    size_t lines = (pf->bytes[0] + 63) / 64 + (pf->bytes[1] + 63) / 64;
+    s.quota = (int)((lines + (size_t)steps - 1) / (size_t)steps);
+    return s;
+}
+
+static inline void pf_step(struct pf_spread *s) {
+    for (int r = 0; r < s->quota; r++) {
+        if (s->p >= s->end) {
+            if (s->next >= s->next_end)
+                return;
+            s->p = s->next, s->end = s->next_end, s->next = s->next_end;
+        }
+        __builtin_prefetch(s->p, 0, 3);
+        s->p += 64;
+    }
+}
+
 /* A tile of T ≤ 16 tokens of one KV head for G = 4 or 2 query heads (see attn_tile in
  * kv/codec_internal.h). Scores: 16/G tokens at a time against the G queries, sixteen
  * accumulators, each key chunk converted once and each query chunk loaded once per 16/G tokens,
@@ -622,9 +652,11 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
 #define ATTN_TILE512(name, CHUNK, G)                                                               \
     TARGET_AVX512 static void name(const uint8_t *keys, size_t key_stride, const uint8_t *values,  \
                                    size_t value_stride, int T, const float *q, int n, float *st,   \
-                                   size_t hs) {                                                    \
+                                   size_t hs, const struct llmem_kv_prefetch *pf) {                \
         enum { TOK = 16 / (G) };                                                                   \
         float sc[80] __attribute__((aligned(64)));                                                 \
+        struct pf_spread sp =                                                                      \
+            pf_spread_init(pf, ((T + TOK - 1) / TOK) * (n / 16) + T * ((n + 63) / 64));            \
         for (int t0 = 0; t0 < T; t0 += TOK) {                                                      \
             const uint8_t *k[TOK];                                                                 \
             for (int u = 0; u < TOK; u++) /* past T: the last row again, masked below */           \
@@ -633,6 +665,7 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
             for (int x = 0; x < 16; x++)                                                           \
                 a[x] = _mm512_setzero_ps();                                                        \
             for (int i = 0; i < n; i += 16) {                                                      \
+                pf_step(&sp);                                                                      \
                 __m512 x[G];                                                                       \
                 for (int g = 0; g < (G); g++)                                                      \
                     x[g] = _mm512_loadu_ps(q + (size_t)g * (size_t)n + i);                         \
@@ -661,6 +694,7 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
                         _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)g * hs + i + 16 * e), c[g]);    \
             const uint8_t *v = values;                                                             \
             for (int t = 0; t < T; t++, v += value_stride) {                                       \
+                pf_step(&sp);                                                                      \
                 __m512 v0 = CHUNK(v, i), v1 = CHUNK(v, i + 16);                                    \
                 __m512 v2 = CHUNK(v, i + 32), v3 = CHUNK(v, i + 48);                               \
                 for (int g = 0; g < (G); g++) {                                                    \
@@ -683,6 +717,7 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
                         _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)g * hs + i + 16 * e), c[g]);    \
             const uint8_t *v = values;                                                             \
             for (int t = 0; t < T; t++, v += value_stride) {                                       \
+                pf_step(&sp);                                                                      \
                 __m512 v0 = CHUNK(v, i), v1 = CHUNK(v, i + 16);                                    \
                 for (int g = 0; g < (G); g++) {                                                    \
                     __m512 wg = _mm512_set1_ps(w[(G)*t + g]);                                      \
@@ -749,6 +784,12 @@ TARGET_AVX512 static inline void attn_softmax512(float *sc, int T, float *st, si
     }
 }
 
+/* The scores the softmax loads (vectors j < ⌈T / (16 / G)⌉) were all stored by the key loop, T ≥ 1;
+ * gcc 12 does not see it through the prefetch steps. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 ATTN_TILE512(attn_tile_f32_avx512, chunk_f32, 4)
 ATTN_TILE512(attn_tile_f16_avx512, chunk_f16, 4)
 ATTN_TILE512(attn_tile_bf16_avx512, chunk_bf16, 4)
@@ -757,6 +798,9 @@ ATTN_TILE512(attn_tile2_f32_avx512, chunk_f32, 2)
 ATTN_TILE512(attn_tile2_f16_avx512, chunk_f16, 2)
 ATTN_TILE512(attn_tile2_bf16_avx512, chunk_bf16, 2)
 ATTN_TILE512(attn_tile2_q8_avx512, chunk_q8, 2)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 static const struct llmem_kv_kernels kernels_avx512 = {
     .isa = LLMEM_KV_ISA_AVX512,
