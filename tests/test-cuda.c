@@ -713,6 +713,102 @@ static void test_greedy(void **state) {
         llmem_generate_result_free(&r[b]);
 }
 
+struct entry {
+    float v;
+    int32_t id;
+};
+
+static int by_value_desc(const void *a, const void *b) {
+    const struct entry *x = a, *y = b;
+    if (x->v != y->v)
+        return x->v > y->v ? -1 : 1;
+    return x->id < y->id ? -1 : x->id > y->id;
+}
+
+/* The k largest of a row, by value descending and equal values by the lower column. */
+static void top_ref(const float *row, int64_t cols, int k, int32_t *ids) {
+    struct entry *e = malloc((size_t)cols * sizeof(*e));
+    assert_non_null(e);
+    for (int64_t i = 0; i < cols; i++)
+        e[i] = (struct entry){row[i], (int32_t)i};
+    qsort(e, (size_t)cols, sizeof(*e), by_value_desc);
+    for (int j = 0; j < k; j++)
+        ids[j] = e[j].id;
+    free(e);
+}
+
+/* top_k against a reference: k of 1 (argmax), 2, 7 and 64; a vocabulary-sized row, short rows,
+ * many rows; coarse values (ties), −0 beside +0, and rows of one value (more ties than the
+ * kernel buffers). */
+static void test_top_k(void **state) {
+    (void)state;
+    const struct { int64_t n, cols; } shapes[] = {{3, 128256}, {130, 1000}, {5, 64}, {2, 5000}};
+    const int ks[] = {1, 2, 7, 64};
+    for (size_t sh = 0; sh < sizeof(shapes) / sizeof(shapes[0]); sh++) {
+        const int64_t n = shapes[sh].n, cols = shapes[sh].cols;
+        float *x = random_floats(n * cols, 8.0f);
+        for (int64_t i = 0; i < n * cols; i++)
+            x[i] = i % 3 == 0 ? roundf(x[i] * 4.0f) * 0.25f : x[i]; /* ties */
+        x[0] = -0.0f, x[1] = 0.0f;
+        if (sh == 3)
+            for (int64_t i = 0; i < cols; i++)
+                x[i] = 1.5f; /* the first row: one value */
+        float *dx = to_device(x, (size_t)(n * cols) * sizeof(float));
+        for (size_t kk = 0; kk < sizeof(ks) / sizeof(ks[0]); kk++) {
+            const int k = ks[kk];
+            if (k > cols)
+                continue;
+            int32_t *ids = malloc((size_t)(n * k) * sizeof(int32_t)), ref[64];
+            float *vals = malloc((size_t)(n * k) * sizeof(float));
+            assert_int_equal(gpu->ops->top_k(gpu->ctx, dx, n, cols, k, ids, vals), LLMEM_OK);
+            for (int64_t r = 0; r < n; r++) {
+                top_ref(x + r * cols, cols, k, ref);
+                assert_memory_equal(ids + r * k, ref, (size_t)k * sizeof(int32_t));
+                for (int j = 0; j < k; j++)
+                    assert_true(vals[r * k + j] == x[r * cols + ref[j]]);
+            }
+            free(ids), free(vals);
+        }
+        llmem_mem_free(dmem, dx);
+        free(x);
+    }
+}
+
+/* Sampling from the device's top k (temperature, top_k, top_p, seed) draws the same tokens as
+ * from whole rows of logits (which the engine takes when log-probabilities are asked for). */
+static void test_sampling_on_device(void **state) {
+    (void)state;
+    const char *dir = LLMEM_SOURCE_DIR "/models/pycoder";
+    int32_t prompt[16];
+    for (int i = 0; i < 16; i++)
+        prompt[i] = 200 + i * 17;
+    struct llmem_generate_params gp;
+    llmem_generate_params_default(&gp);
+    gp.max_tokens = 48;
+    gp.ignore_eos = 1;
+    gp.sampling.temperature = 0.9, gp.sampling.top_k = 40, gp.sampling.top_p = 0.95;
+    gp.sampling.seed = 5;
+    struct llmem_generate_result r[2];
+    int64_t top_rows[2];
+    for (int b = 0; b < 2; b++) {
+        struct llmem_engine *e =
+            open_engine(dir, LLMEM_BACKEND_CUDA, LLMEM_PRECISION_FAST, LLMEM_KV_FORMAT_F16);
+        gp.logprobs = b == 0 ? -1 : 1;
+        assert_int_equal(llmem_engine_generate(e, prompt, 16, &gp, NULL, NULL, &r[b]), LLMEM_OK);
+        const struct llmem_backend *be = llmem_engine_backend(e);
+        struct llmem_backend_counters bc;
+        be->ops->counters(be->ctx, &bc);
+        top_rows[b] = bc.top_k_rows;
+        llmem_engine_close(e);
+    }
+    assert_int_equal(top_rows[0], 48); /* every token from the device's top 40 */
+    assert_int_equal(top_rows[1], 0);
+    assert_int_equal(r[0].n_ids, r[1].n_ids);
+    assert_memory_equal(r[0].ids, r[1].ids, (size_t)r[0].n_ids * sizeof(int32_t));
+    for (int b = 0; b < 2; b++)
+        llmem_generate_result_free(&r[b]);
+}
+
 /* Decode steps recorded as CUDA graphs and replayed give exactly the logits of the same steps run
  * as usual: batches of two sizes, block tables growing past their padding (128 tokens), and
  * sequences forked mid-block, so that a replayed step first copies a shared block. */
@@ -880,6 +976,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_multi),  cmocka_unit_test(test_out_of_memory),
         cmocka_unit_test(test_kv_device),     cmocka_unit_test(test_models),
         cmocka_unit_test(test_greedy),        cmocka_unit_test(test_graphs),
+        cmocka_unit_test(test_top_k),         cmocka_unit_test(test_sampling_on_device),
         cmocka_unit_test(test_device_plan),
     };
     return cmocka_run_group_tests_name("cuda", tests, setup, teardown);

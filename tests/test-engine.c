@@ -118,6 +118,64 @@ static void test_sampler(void **state) {
     assert_int_equal(llmem_sampler_create(&p, V, &s), LLMEM_EINVAL);
 }
 
+/* The k largest of a row, by logit descending and equal logits by the lower id (the order of a
+ * device's top_k). */
+static void top_of(const float *logits, int V, int k, int32_t *ids, float *vals) {
+    int used[512] = {0};
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int i = 0; i < V; i++)
+            if (!used[i] && (best < 0 || logits[i] > logits[best]))
+                best = i;
+        used[best] = 1;
+        ids[j] = best;
+        vals[j] = logits[best];
+    }
+}
+
+/* Sampling from a row's top k gives the same tokens, draw for draw, as from the whole row: for
+ * greedy, top_k alone and with temperature, top-p and min-p, on rows with ties. */
+static void test_sampler_top(void **state) {
+    (void)state;
+    enum { V = 300, K = 64 };
+    float logits[V];
+    uint64_t x = 12345;
+    struct llmem_sampling p;
+    const struct {
+        double t;
+        int64_t top_k;
+        double top_p, min_p;
+    } cases[] = {{0, 0, 1, 0},       {0.7, 1, 1, 0},      {1.0, 5, 1, 0}, {2.0, 40, 0.9, 0},
+                 {0.8, 64, 1, 0.05}, {1.3, 17, 0.5, 0.1}, {5.0, 64, 1, 0}};
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        llmem_sampling_default(&p);
+        p.temperature = cases[c].t, p.top_k = cases[c].top_k;
+        p.top_p = cases[c].top_p, p.min_p = cases[c].min_p, p.seed = 99 + c;
+        int64_t need = llmem_sampling_top_needed(&p);
+        assert_true(need >= 1 && need <= K);
+        struct llmem_sampler *a = NULL, *b = NULL;
+        assert_int_equal(llmem_sampler_create(&p, V, &a), LLMEM_OK);
+        assert_int_equal(llmem_sampler_create(&p, V, &b), LLMEM_OK);
+        for (int step = 0; step < 200; step++) {
+            for (int i = 0; i < V; i++) { /* coarse values: many ties */
+                x = x * 6364136223846793005ull + 1442695040888963407ull;
+                logits[i] = (float)((x >> 40) % 64) * 0.125f - 4.0f;
+            }
+            int32_t ids[K];
+            float vals[K];
+            top_of(logits, V, K, ids, vals);
+            assert_int_equal(llmem_sampler_sample_top(b, ids, vals, K),
+                             llmem_sampler_sample(a, logits));
+        }
+        llmem_sampler_free(a);
+        llmem_sampler_free(b);
+    }
+    /* The whole row is needed without top_k at a temperature. */
+    llmem_sampling_default(&p);
+    p.temperature = 1.0;
+    assert_int_equal(llmem_sampling_top_needed(&p), 0);
+}
+
 /* ---- generation ---------------------------------------------------------------------------------
  */
 
@@ -1031,6 +1089,7 @@ static void test_out_of_memory_everywhere(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sampler),
+        cmocka_unit_test(test_sampler_top),
         cmocka_unit_test(test_generate_stops),
         cmocka_unit_test(test_generate_reuses_prefix),
         cmocka_unit_test(test_admission_refuses_before_writing),

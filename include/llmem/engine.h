@@ -51,6 +51,14 @@ int llmem_sampler_create(const struct llmem_sampling *params, int64_t vocab,
 void llmem_sampler_free(struct llmem_sampler *s);
 /* The next token for a row of vocab logits. */
 int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits);
+/* How many of a row's largest logits the sampling needs: 1 (greedy, or top_k 1), top_k (when
+ * set), or 0: the whole row. */
+int64_t llmem_sampling_top_needed(const struct llmem_sampling *params);
+/* The next token from a row's k largest logits (ids and values by logit descending, equal logits
+ * by the lower id), k ≥ llmem_sampling_top_needed > 0: the same token, and the same draw of the
+ * generator, as llmem_sampler_sample over the whole row. */
+int32_t llmem_sampler_sample_top(struct llmem_sampler *s, const int32_t *ids, const float *vals,
+                                 int64_t k);
 
 /* ---------------------------------------------------------------------------------------------
  * The pressure guard (SPEC §6.4)
@@ -136,10 +144,10 @@ struct llmem_engine_config {
     llmem_spill_free_fn spill_free_probe; /* (optional) the store's free-disk probe (tests) */
     void *spill_free_probe_arg;
     int no_mmap; /* --no-mmap: the weights read into (huge-page) memory instead of mapped */
-    enum llmem_backend_kind backend;    /* --backend: cpu, or cuda (the whole pass on a GPU) */
-    int device;                         /* --device: the CUDA device */
+    enum llmem_backend_kind backend;        /* --backend: cpu, or cuda (the whole pass on a GPU) */
+    int device;                             /* --device: the CUDA device */
     enum llmem_backend_precision precision; /* --precision (cuda): fast or f32 */
-    llmem_guard_source_fn guard_source; /* (optional) replaces the machine's readings */
+    llmem_guard_source_fn guard_source;     /* (optional) replaces the machine's readings */
     void *guard_source_arg;
 };
 void llmem_engine_config_default(struct llmem_engine_config *c);
@@ -259,9 +267,9 @@ struct llmem_token_event {
     int32_t id;
     const char *text; /* the new text (possibly empty while a character or stop string is open) */
     size_t len;
-    float logprob;             /* log-probability of id under the model (temperature applied) */
-    int n_top;                 /* the `logprobs` most likely tokens and their log-probabilities */
-    const int32_t *top_ids;    /* most likely first */
+    float logprob;          /* log-probability of id under the model (temperature applied) */
+    int n_top;              /* the `logprobs` most likely tokens and their log-probabilities */
+    const int32_t *top_ids; /* most likely first */
     const float *top_logprobs;
 };
 
@@ -314,10 +322,10 @@ struct llmem_engine_metrics {
     int64_t running, waiting, preemptions, steps;
     struct llmem_histogram ttft, inter_token; /* seconds */
     int64_t kv_blocks_used, kv_blocks_free, kv_block_bytes;
-    struct llmem_engine_bank_stats bank; /* RAM tier, spill store, guard actions */
+    struct llmem_engine_bank_stats bank;                /* RAM tier, spill store, guard actions */
     int64_t mem_active, mem_peak, mem_cache, mem_limit; /* the allocator (llmem_mem_stats) */
-    enum llmem_guard_level guard_level; /* the guard's last reading */
-    int refusing;                       /* a critical memory pressure is in effect */
+    enum llmem_guard_level guard_level;                 /* the guard's last reading */
+    int refusing; /* a critical memory pressure is in effect */
 };
 void llmem_engine_metrics(struct llmem_engine *e, struct llmem_engine_metrics *m);
 

@@ -237,6 +237,21 @@ int64_t llmem_forward_max_tokens(const struct llmem_forward *forward);
 int llmem_forward_run(struct llmem_forward *forward, const int32_t *tokens,
                       const struct llmem_batch_seq *seqs, int n_seqs, float *logits);
 
+/* The most entries of a row that llmem_forward_run_top returns. */
+#define LLMEM_TOP_K_MAX 64
+
+/* Whether llmem_forward_run_top can run: the model is on a device whose backend selects the
+ * largest logits there. */
+int llmem_forward_has_top(const struct llmem_forward *forward);
+
+/* llmem_forward_run, but of each logits row only its k (1 to LLMEM_TOP_K_MAX) largest entries
+ * come back, selected on the device: ids and vals [rows, k], by logit descending and equal logits
+ * by the lower id — all that greedy decoding (k = 1) or a sampler with top_k ≤ k needs, in a
+ * fraction of the bytes. LLMEM_EINVAL (logged) where llmem_forward_has_top is 0. */
+int llmem_forward_run_top(struct llmem_forward *forward, const int32_t *tokens,
+                          const struct llmem_batch_seq *seqs, int n_seqs, int k, int32_t *ids,
+                          float *vals);
+
 #ifdef __cplusplus
 }
 #endif

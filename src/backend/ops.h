@@ -56,6 +56,7 @@ struct llmem_backend_counters {
     int64_t graphs_replayed; /* passes run as one launch of a recording */
     int64_t graphs_missed;   /* passes that did not match their recording (run again) */
     double graphs_device_s;  /* the device's time running the replays, launch to last kernel */
+    int64_t top_k_rows;      /* rows of which only the largest k came back (top_k) */
 };
 
 struct llmem_backend_ops {
@@ -118,6 +119,15 @@ struct llmem_backend_ops {
     /* Waits for every operation queued. The first failure of any of them (LLMEM_EIO, or
      * LLMEM_ENOMEM for scratch) is logged once and returned by every later copy and sync. */
     int (*sync)(void *ctx);
+
+    /* (optional: backends whose memory is not the host's) The k ≤ LLMEM_TOP_K_MAX largest entries
+     * of each of n rows of x ([n, cols], the backend's memory, k ≤ cols), sorted by value
+     * descending and equal values by the lower column, after every operation queued before it:
+     * their columns into ids and their values into vals ([n, k], host memory). A sampler needs
+     * no more of a row than that, and k entries cross to the host instead of the row. Returns as
+     * copy does. */
+    int (*top_k)(void *ctx, const float *x, int64_t n, int64_t cols, int k, int32_t *ids,
+                 float *vals);
 
     /* (optional) A pass the caller repeats with the same shapes, between graph_begin and
      * graph_end (a decode step): the backend may record it and replay the recording, with the

@@ -8,7 +8,9 @@
  * has exactly the length asked) and every request generates exactly --max-tokens tokens (EOS
  * ignored); one unmeasured request goes first. Per request: TTFT = first SSE event − request sent;
  * inter-token latency = (last event − first event) / (tokens − 1). Per run: tokens/s = generated
- * tokens / wall time; TTFT p50 and p99 over its requests (p99 is the largest below 100 requests).
+ * tokens / wall time; TTFT p50 and p99 over its requests (p99 is the largest below 100 requests);
+ * the scheduler's steps, the wall time per step, and on a device with graphs the device's time
+ * per decode step replayed (the rest of a step is the host's: scheduling, sampling, HTTP).
  *
  * The prefix workload sends prompts of S shared tokens + P distinct ones, against a run with the
  * same lengths where nothing is shared (each prompt starts with its own S tokens); one unmeasured
@@ -27,6 +29,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "backend/ops.h"
 #include "cli/cli.h"
 #include "core/json.h"
 #include "core/pool.h"
@@ -127,9 +130,20 @@ static void *client(void *arg) {
 
 struct stats {
     int clients, requests, failed;
-    int64_t tokens, prefilled, reused;
+    int64_t tokens, prefilled, reused, steps;
     double wall_s, tokens_per_s, requests_per_s, ttft_p50_ms, ttft_p99_ms, itl_ms;
+    double step_ms;   /* wall time per scheduler step */
+    double device_ms; /* a device's time per decode step replayed as a graph; 0: none */
 };
+
+/* The backend's graph replays so far, and the device's time in them. */
+static void replays(struct llmem_engine *e, int64_t *n, double *seconds) {
+    const struct llmem_backend *be = llmem_engine_backend(e);
+    struct llmem_backend_counters c = {0};
+    if (be->ops->counters != NULL)
+        be->ops->counters(be->ctx, &c);
+    *n = c.graphs_replayed, *seconds = c.graphs_device_s;
+}
 
 static double percentile(double *v, int n, double q) {
     for (int i = 1; i < n; i++) /* insertion sort: n is small */
@@ -154,7 +168,10 @@ static int run_clients(struct llmem_engine *e, int port, char **bodies, int n, i
     }
     pthread_mutex_init(&r.mu, NULL);
     struct llmem_engine_metrics m0, m1;
+    int64_t g0, g1;
+    double d0, d1;
     llmem_engine_metrics(e, &m0);
+    replays(e, &g0, &d0);
     double t0 = cli_now_s();
     int started = 0;
     for (; started < clients; started++)
@@ -164,7 +181,13 @@ static int run_clients(struct llmem_engine *e, int port, char **bodies, int n, i
         pthread_join(th[i], NULL);
     double wall = cli_now_s() - t0;
     llmem_engine_metrics(e, &m1);
-    *st = (struct stats){.clients = clients, .requests = n, .wall_s = wall};
+    replays(e, &g1, &d1);
+    *st = (struct stats){.clients = clients,
+                         .requests = n,
+                         .wall_s = wall,
+                         .steps = m1.steps - m0.steps,
+                         .device_ms = g1 > g0 ? (d1 - d0) / (double)(g1 - g0) * 1e3 : 0};
+    st->step_ms = st->steps > 0 ? wall / (double)st->steps * 1e3 : 0;
     double itl = 0;
     int ok = 0;
     for (int i = 0; i < n; i++) {
@@ -296,7 +319,10 @@ static cJSON *stats_json(const struct stats *s, const char *workload) {
         llmem_json_add_double(o, "requests_per_s", s->requests_per_s) ||
         llmem_json_add_double(o, "ttft_p50_ms", s->ttft_p50_ms) ||
         llmem_json_add_double(o, "ttft_p99_ms", s->ttft_p99_ms) ||
-        llmem_json_add_double(o, "inter_token_ms", s->itl_ms)) {
+        llmem_json_add_double(o, "inter_token_ms", s->itl_ms) ||
+        llmem_json_add_int(o, "steps", s->steps) ||
+        llmem_json_add_double(o, "step_ms", s->step_ms) ||
+        llmem_json_add_double(o, "device_ms_per_decode_step", s->device_ms)) {
         cJSON_Delete(o);
         return NULL;
     }
@@ -304,9 +330,14 @@ static cJSON *stats_json(const struct stats *s, const char *workload) {
 }
 
 static void print_row(const char *label, const struct stats *s) {
-    printf("%-9s %7d %8d %9" PRId64 " %8" PRId64 " %9.1f %7.2f %10.1f %10.1f %7.2f%s\n", label,
-           s->clients, s->requests, s->prefilled, s->reused, s->tokens_per_s, s->requests_per_s,
-           s->ttft_p50_ms, s->ttft_p99_ms, s->itl_ms, s->failed ? "  (some failed)" : "");
+    char dev[16] = "-";
+    if (s->device_ms > 0)
+        snprintf(dev, sizeof(dev), "%.3f", s->device_ms);
+    printf("%-9s %7d %8d %9" PRId64 " %8" PRId64 " %9.1f %7.2f %10.1f %10.1f %7.2f %7" PRId64
+           " %7.3f %7s%s\n",
+           label, s->clients, s->requests, s->prefilled, s->reused, s->tokens_per_s,
+           s->requests_per_s, s->ttft_p50_ms, s->ttft_p99_ms, s->itl_ms, s->steps, s->step_ms, dev,
+           s->failed ? "  (some failed)" : "");
 }
 
 int cli_bench_serve(int argc, char **argv) {
@@ -391,8 +422,9 @@ int cli_bench_serve(int argc, char **argv) {
                " sequences; streaming completions over loopback HTTP, greedy, EOS ignored\n",
                argv[optind], host.name, host.n_cpus, threads, ec.max_sequences);
         printf("prompt %" PRId64 " tokens, %" PRId64 " generated per request\n", prompt, gen);
-        printf("\n%-9s %7s %8s %9s %8s %9s %7s %10s %10s %7s\n", "workload", "clients", "requests",
-               "prefilled", "reused", "tokens/s", "req/s", "TTFT p50", "TTFT p99", "ITL ms");
+        printf("\n%-9s %7s %8s %9s %8s %9s %7s %10s %10s %7s %7s %7s %7s\n", "workload", "clients",
+               "requests", "prefilled", "reused", "tokens/s", "req/s", "TTFT p50", "TTFT p99",
+               "ITL ms", "steps", "step ms", "dev ms");
     }
 
     /* one unmeasured request: the first one pays for page faults and cold caches */

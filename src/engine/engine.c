@@ -253,6 +253,8 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
         status = LLMEM_ENOMEM;
         goto fail;
     }
+    const char *on_device = getenv("LLMEM_SAMPLE_ON_DEVICE");
+    e->top_on_device = on_device == NULL || strcmp(on_device, "0") != 0;
     for (int i = 0; i < mcfg->n_eos; i++)
         e->eos[e->n_eos++] = mcfg->eos_ids[i];
     if (llmem_tokenizer_eos(e->tok) >= 0)

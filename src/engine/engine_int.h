@@ -32,10 +32,11 @@ struct llmem_engine {
     struct llmem_guard guard;
     struct llmem_sys_pressure pressure; /* the last read of /proc, and when */
     double pressure_at;
-    int refusing; /* a critical is in effect: no new request is admitted */
+    int refusing;              /* a critical is in effect: no new request is admitted */
     int64_t cache_limit_saved; /* the allocator's cache limit, set to 0 while refusing */
     struct llmem_forward *fwd;
-    float *logits; /* (max_sequences, vocab) tag scratch */
+    float *logits;     /* (max_sequences, vocab) tag scratch */
+    int top_on_device; /* sample from the device's top k where it can (LLMEM_SAMPLE_ON_DEVICE) */
     int64_t vocab;
     int32_t eos[LLMEM_MAX_EOS + 1];
     int n_eos;

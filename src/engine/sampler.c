@@ -90,21 +90,8 @@ static int by_logit_desc(const void *a, const void *b) {
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
-int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < s->vocab; i++)
-        if (logits[i] > logits[best])
-            best = i;
-    if (s->p.temperature == 0 || s->p.top_k == 1)
-        return (int32_t)best;
-
-    /* Candidates: all tokens, or the top k, sorted by logit. */
-    int64_t n = s->vocab;
-    for (int64_t i = 0; i < n; i++)
-        s->c[i] = (struct cand){.logit = logits[i], .id = (int32_t)i};
-    qsort(s->c, (size_t)n, sizeof(*s->c), by_logit_desc);
-    if (s->p.top_k > 0 && s->p.top_k < n)
-        n = s->p.top_k;
+/* A draw from s->c[0, n), sorted by logit descending: softmax at the temperature, top-p, min-p. */
+static int32_t draw(struct llmem_sampler *s, int64_t n) {
     double sum = 0, inv_t = 1.0 / s->p.temperature;
     for (int64_t i = 0; i < n; i++) {
         double e = exp(((double)s->c[i].logit - (double)s->c[0].logit) * inv_t);
@@ -136,6 +123,39 @@ int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits) {
             return s->c[i].id;
     }
     return s->c[n - 1].id;
+}
+
+int64_t llmem_sampling_top_needed(const struct llmem_sampling *p) {
+    return p->temperature == 0 || p->top_k == 1 ? 1 : p->top_k;
+}
+
+int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < s->vocab; i++)
+        if (logits[i] > logits[best])
+            best = i;
+    if (llmem_sampling_top_needed(&s->p) == 1)
+        return (int32_t)best;
+
+    /* Candidates: all tokens, or the top k, sorted by logit. */
+    int64_t n = s->vocab;
+    for (int64_t i = 0; i < n; i++)
+        s->c[i] = (struct cand){.logit = logits[i], .id = (int32_t)i};
+    qsort(s->c, (size_t)n, sizeof(*s->c), by_logit_desc);
+    if (s->p.top_k > 0 && s->p.top_k < n)
+        n = s->p.top_k;
+    return draw(s, n);
+}
+
+int32_t llmem_sampler_sample_top(struct llmem_sampler *s, const int32_t *ids, const float *vals,
+                                 int64_t k) {
+    int64_t need = llmem_sampling_top_needed(&s->p);
+    LLMEM_ASSERT(need > 0 && k >= need);
+    if (need == 1)
+        return ids[0];
+    for (int64_t i = 0; i < need; i++)
+        s->c[i] = (struct cand){.logit = vals[i], .id = ids[i]};
+    return draw(s, need < s->vocab ? need : s->vocab);
 }
 
 void llmem_logprobs(const float *logits, int64_t vocab, double temperature, int32_t id, int n,

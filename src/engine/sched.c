@@ -295,12 +295,22 @@ static void request_finish(struct llmem_engine *e, struct request *r, const char
     request_free(r);
 }
 
+/* A row of a step's output: the logits, or on a device only their largest k (ids, vals). */
+struct out_row {
+    const float *logits;
+    const int32_t *ids;
+    const float *vals;
+    int64_t k;
+};
+
 /* Samples r's next token and hands it to the client; the reason it ends (then `status` says how),
  * or NULL while it goes on. */
-static const char *request_emit(struct llmem_engine *e, struct request *r, const float *logits,
+static const char *request_emit(struct llmem_engine *e, struct request *r, struct out_row row,
                                 int *status) {
     *status = LLMEM_OK;
-    int32_t id = llmem_sampler_sample(r->sampler, logits);
+    const float *logits = row.logits;
+    int32_t id = logits != NULL ? llmem_sampler_sample(r->sampler, logits)
+                                : llmem_sampler_sample_top(r->sampler, row.ids, row.vals, row.k);
     double now = llmem_engine_now_s();
     struct llmem_engine_metrics *c = &e->counters;
     if (r->t_first == 0) {
@@ -336,7 +346,7 @@ static const char *request_emit(struct llmem_engine *e, struct request *r, const
             .id = id, .text = r->s.text + r->s.emitted, .len = safe - r->s.emitted};
         int32_t top_ids[LLMEM_MAX_TOP_LOGPROBS];
         float top_lp[LLMEM_MAX_TOP_LOGPROBS];
-        if (r->p.logprobs >= 0) {
+        if (r->p.logprobs >= 0) { /* (the whole row came back: top_k_for) */
             llmem_logprobs(logits, e->vocab, r->p.sampling.temperature, id, r->p.logprobs,
                            &ev.logprob, top_ids, top_lp);
             ev.n_top = r->p.logprobs;
@@ -621,6 +631,26 @@ static void publish(struct llmem_engine *e) {
     pthread_mutex_unlock(&e->mu);
 }
 
+/* On a device, how many of each row's largest logits the step needs when every request that
+ * samples in it can do with at most LLMEM_TOP_K_MAX of them and wants no log-probabilities; else 0
+ * (the whole rows; also with LLMEM_SAMPLE_ON_DEVICE=0). The top path's ids and values go to the
+ * logits buffer, which holds them when vocab ≥ 2 × LLMEM_TOP_K_MAX. */
+static int top_k_for(const struct llmem_engine *e, const struct slot *slots, int n) {
+    if (!e->top_on_device || !llmem_forward_has_top(e->fwd) || e->vocab < 2 * LLMEM_TOP_K_MAX)
+        return 0;
+    int64_t k = 1;
+    for (int i = 0; i < n; i++) {
+        const struct request *r = slots[i].r;
+        if (r->pos + slots[i].n < r->n_toks) /* a prefill chunk with more to come */
+            continue;
+        int64_t need = llmem_sampling_top_needed(&r->p.sampling);
+        if (need < 1 || need > LLMEM_TOP_K_MAX || r->p.logprobs >= 0)
+            return 0;
+        k = need > k ? need : k;
+    }
+    return (int)k;
+}
+
 /* One scheduler step: intake, admission, one forward pass, the sampled tokens. Returns the
  * requests still waiting or running. */
 static int64_t sched_step(struct llmem_engine *e) {
@@ -632,7 +662,12 @@ static int64_t sched_step(struct llmem_engine *e) {
         struct llmem_batch_seq seqs[e->n_running];
         int32_t *tokens = malloc((size_t)e->cfg.max_batch_tokens * sizeof(int32_t));
         int n = tokens != NULL ? plan_batch(e, slots, tokens, seqs) : 0;
-        int status = n > 0 ? llmem_forward_run(e->fwd, tokens, seqs, n, e->logits) : LLMEM_ENOMEM;
+        const int k = n > 0 ? top_k_for(e, slots, n) : 0;
+        int32_t *top_ids = (int32_t *)(void *)e->logits;
+        float *top_vals = e->logits + (size_t)n * (size_t)k;
+        int status = n <= 0  ? LLMEM_ENOMEM
+                     : k > 0 ? llmem_forward_run_top(e->fwd, tokens, seqs, n, k, top_ids, top_vals)
+                             : llmem_forward_run(e->fwd, tokens, seqs, n, e->logits);
         free(tokens);
         e->counters.steps++;
         if (status != LLMEM_OK) {
@@ -653,7 +688,12 @@ static int64_t sched_step(struct llmem_engine *e) {
                 if (r->pos < r->n_toks)
                     continue;
                 int st = LLMEM_OK;
-                const char *reason = request_emit(e, r, e->logits + (size_t)i * e->vocab, &st);
+                struct out_row row = {.logits = e->logits + (size_t)i * (size_t)e->vocab};
+                if (k > 0)
+                    row = (struct out_row){.ids = top_ids + (size_t)i * (size_t)k,
+                                           .vals = top_vals + (size_t)i * (size_t)k,
+                                           .k = k};
+                const char *reason = request_emit(e, r, row, &st);
                 if (reason != NULL) {
                     finish_running(e, r, reason, st, st == LLMEM_OK ? NULL : "out of memory");
                 }

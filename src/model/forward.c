@@ -13,7 +13,8 @@
  * llmem_kv_attend_last): one launch on a device, also beside the prefill chunks of a mixed step.
  *
  * Any backend: the activations live in the model's allocator (host memory, or a device's for a
- * model copied there by llmem_model_to_device); the logits come back to the caller's host memory.
+ * model copied there by llmem_model_to_device); the logits come back to the caller's host memory,
+ * or on a device only each row's largest few (llmem_forward_run_top: the backend's top_k).
  *
  * Memory: the activations are sized once, at create, for max_batch_tokens tokens (tag scratch);
  * attention allocates its own workspace per call (also tag scratch), bounded by handing it the
@@ -245,8 +246,14 @@ static int run_pass(struct llmem_forward *f, const int32_t *tokens,
     return LLMEM_OK;
 }
 
-int llmem_forward_run(struct llmem_forward *f, const int32_t *tokens,
-                      const struct llmem_batch_seq *seqs, int n_seqs, float *logits) {
+int llmem_forward_has_top(const struct llmem_forward *f) {
+    return f->model->on_device && f->be->ops->top_k != NULL;
+}
+
+/* llmem_forward_run, and llmem_forward_run_top with k > 0. */
+static int forward(struct llmem_forward *f, const int32_t *tokens,
+                   const struct llmem_batch_seq *seqs, int n_seqs, float *logits, int k,
+                   int32_t *ids, float *vals) {
     const struct llmem_model_geometry *g = &f->model->cfg.geom;
     int64_t T = 0, n_logits = 0;
     for (int s = 0; s < n_seqs; s++) {
@@ -343,7 +350,9 @@ int llmem_forward_run(struct llmem_forward *f, const int32_t *tokens,
         }
     }
     if (status == LLMEM_OK && dl != NULL) /* and every failure of the pass */
-        status = ops->copy(ctx, logits, dl, (size_t)(n_logits * g->vocab_size) * sizeof(float));
+        status =
+            k > 0 ? ops->top_k(ctx, dl, n_logits, g->vocab_size, k, ids, vals)
+                  : ops->copy(ctx, logits, dl, (size_t)(n_logits * g->vocab_size) * sizeof(float));
 failed:
     if (status != LLMEM_OK)
         for (int s = 0; s < n_seqs; s++)
@@ -351,4 +360,21 @@ failed:
     if (lengths != saved)
         free(lengths);
     return status;
+}
+
+int llmem_forward_run(struct llmem_forward *f, const int32_t *tokens,
+                      const struct llmem_batch_seq *seqs, int n_seqs, float *logits) {
+    return forward(f, tokens, seqs, n_seqs, logits, 0, NULL, NULL);
+}
+
+int llmem_forward_run_top(struct llmem_forward *f, const int32_t *tokens,
+                          const struct llmem_batch_seq *seqs, int n_seqs, int k, int32_t *ids,
+                          float *vals) {
+    if (!llmem_forward_has_top(f) || k < 1 || k > LLMEM_TOP_K_MAX ||
+        k > f->model->cfg.geom.vocab_size) {
+        LLMEM_ERROR("the top %d logits of a row: this pass selects 1 to %d on a device only", k,
+                    LLMEM_TOP_K_MAX);
+        return LLMEM_EINVAL;
+    }
+    return forward(f, tokens, seqs, n_seqs, NULL, k, ids, vals);
 }
