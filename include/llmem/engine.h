@@ -320,6 +320,8 @@ struct llmem_engine_metrics {
     int64_t requests_ok, requests_cancelled, requests_refused, requests_failed;
     int64_t prompt_tokens, generated_tokens, reused_tokens;
     int64_t running, waiting, preemptions, steps;
+    double step_seconds;    /* in scheduler steps, all told */
+    double forward_seconds; /* of which in forward passes (on a device: until its results) */
     struct llmem_histogram ttft, inter_token; /* seconds */
     int64_t kv_blocks_used, kv_blocks_free, kv_block_bytes;
     struct llmem_engine_bank_stats bank;                /* RAM tier, spill store, guard actions */

@@ -654,6 +654,7 @@ static int top_k_for(const struct llmem_engine *e, const struct slot *slots, int
 /* One scheduler step: intake, admission, one forward pass, the sampled tokens. Returns the
  * requests still waiting or running. */
 static int64_t sched_step(struct llmem_engine *e) {
+    const double t_step = llmem_engine_now_s();
     intake(e);
     llmem_engine_guard_check(e, e->n_running > 0);
     admit(e);
@@ -665,9 +666,11 @@ static int64_t sched_step(struct llmem_engine *e) {
         const int k = n > 0 ? top_k_for(e, slots, n) : 0;
         int32_t *top_ids = (int32_t *)(void *)e->logits;
         float *top_vals = e->logits + (size_t)n * (size_t)k;
+        const double t_forward = llmem_engine_now_s();
         int status = n <= 0  ? LLMEM_ENOMEM
                      : k > 0 ? llmem_forward_run_top(e->fwd, tokens, seqs, n, k, top_ids, top_vals)
                              : llmem_forward_run(e->fwd, tokens, seqs, n, e->logits);
+        e->counters.forward_seconds += llmem_engine_now_s() - t_forward;
         free(tokens);
         e->counters.steps++;
         if (status != LLMEM_OK) {
@@ -705,6 +708,7 @@ static int64_t sched_step(struct llmem_engine *e) {
     for (struct request *r = e->running; r != NULL; r = r->next)
         blocks += blocks_of(e, r->n_toks);
     llmem_engine_bank_budget(e, blocks);
+    e->counters.step_seconds += llmem_engine_now_s() - t_step;
     publish(e);
     return e->n_running + count(e->waiting);
 }

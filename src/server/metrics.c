@@ -51,7 +51,8 @@ char *srv_render_metrics(const struct llmem_engine_metrics *m, const struct srv_
     metric(&b, "llmem_kv_block_bytes", "gauge", "Bytes of one KV block (all layers).",
            m->kv_block_bytes);
     metric(&b, "llmem_bank_bytes", "gauge", "KV bytes the session bank holds.", m->bank.ram.bytes);
-    metric(&b, "llmem_bank_blocks", "gauge", "KV blocks the session bank holds.", m->bank.ram.blocks);
+    metric(&b, "llmem_bank_blocks", "gauge", "KV blocks the session bank holds.",
+           m->bank.ram.blocks);
     metric(&b, "llmem_bank_hits_total", "counter",
            "KV blocks handed from the session bank to new requests (prefill skipped).",
            m->bank.ram.hit_blocks);
@@ -113,6 +114,12 @@ char *srv_render_metrics(const struct llmem_engine_metrics *m, const struct srv_
            m->preemptions);
     metric(&b, "llmem_scheduler_steps_total", "counter", "Forward passes of the scheduler.",
            m->steps);
+    header(&b, "llmem_scheduler_step_seconds_total", "counter",
+           "Time in scheduler steps (admission, the forward pass, sampling, the bank).");
+    srv_buf_printf(&b, "llmem_scheduler_step_seconds_total %.9g\n", m->step_seconds);
+    header(&b, "llmem_forward_seconds_total", "counter",
+           "Time of the scheduler steps in forward passes (on a device, until its results).");
+    srv_buf_printf(&b, "llmem_forward_seconds_total %.9g\n", m->forward_seconds);
     histogram(&b, "llmem_ttft_seconds", "Time from a request's arrival to its first token.",
               &m->ttft);
     histogram(&b, "llmem_inter_token_seconds", "Time between a request's consecutive tokens.",

@@ -25,6 +25,7 @@
 #include "backend/cuda/kv.h"
 #include "backend/cuda/launch.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -42,6 +43,14 @@
 #define GEMV_UNROLL 8
 /* weight bytes widened to f32 at a time at f32 precision */
 #define WIDEN_SLICE_BYTES ((size_t)64 << 20)
+/* The fast GEMMs' plans (cublasLt: the algorithm its heuristic ranks first for a shape, given up
+ * to LT_WORKSPACE_MAX of workspace), kept in a table of LT_PLANS by shape. */
+#define LT_PLANS         1024
+#define LT_WORKSPACE_MAX ((size_t)32 << 20)
+/* RoPE's cosines and sines are computed once per token and block up to this head_dim / 2, in
+ * blocks of one token and a group of heads, about this many blocks (more for long batches) */
+#define ROPE_MAX_HALF 256
+#define ROPE_BLOCKS   264
 /* the small per-call host arrays (positions, ids, frequencies, block tables) are staged up to
  * this many bytes a call, in a ring of slots so that no upload waits for the GPU */
 #define SMALL_MAX    (256 << 10)
@@ -51,6 +60,18 @@
 #define GRAPH_MISSES 4  /* passes of a key that did not match its graph before it is given up */
 
 enum pass_mode { PASS_NOW, PASS_CAPTURE, PASS_STAGE };
+
+/* C[rows, n] = Aᵀ·B, column-major, A = W [cols, rows] and B = x [cols, n] in one 16-bit type, C
+ * f32: how cublasLt computes it. */
+struct lt_plan {
+    int64_t rows, n, cols;
+    cudaDataType_t type;
+    int ready; /* 0: a free slot */
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a, b, c;
+    cublasLtMatmulAlgo_t algo;
+    size_t workspace;
+};
 enum graph_state { GRAPH_SEEN, GRAPH_READY, GRAPH_OFF };
 
 struct graph {
@@ -97,6 +118,10 @@ struct cuda_ctx {
     int replay_timed;      /* 0: replay[] pending */
     void *top;             /* top_k's results on the device: ids, then values */
     size_t top_bytes;
+    cublasLtHandle_t lt;
+    struct lt_plan *lt_plans; /* (LT_PLANS) */
+    void *lt_ws;              /* the workspace of the plans that want one */
+    size_t lt_ws_bytes;
 };
 
 /* The backend's first failure: logged once, kept as the status of every later copy and sync. */
@@ -331,7 +356,8 @@ static int cuda_graph_end(void *ctx) {
     const enum pass_mode mode = c->mode;
     c->pass = NULL;
     c->mode = PASS_NOW;
-    const uint64_t v[2] = {c->sig, arg(c->scratch)}; /* what the kernels were given as scratch */
+    /* what the kernels were given as scratch */
+    const uint64_t v[3] = {c->sig, arg(c->scratch), arg(c->lt_ws)};
     const uint64_t sig = llmem_hash64(v, sizeof(v), 0) | 1;
     if (mode == PASS_NOW) { /* ran as usual: the next pass of this key is recorded */
         g->sig = sig;
@@ -433,20 +459,37 @@ __global__ void rmsnorm_kernel(float *x, const float *res, const float *weight, 
 }
 
 /* grid (token, head), one thread per pair (i, i + half). */
+/* A block per token and group of `per` heads (of x's heads, then x2's): the token's angles'
+ * cosines and sines once (in double, as the CPU backend computes them; per pair where
+ * head_dim / 2 > ROPE_MAX_HALF), then the group's pairs. */
+__device__ __forceinline__ void rope_angle(const int64_t *pos, const float *inv_freq, int64_t t,
+                                           int i, float *cs, float *sn) {
+    float angle = __fmul_rn((float)pos[t], inv_freq[i]);
+    *cs = (float)cos((double)angle), *sn = (float)sin((double)angle);
+}
+
 __global__ void rope_kernel(float *x, int n_heads, float *x2, int n_heads2, int head_dim,
-                            const int64_t *pos, const float *inv_freq) {
+                            const int64_t *pos, const float *inv_freq, int per) {
     pdl_begin();
-    const int half = head_dim / 2;
+    __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
+    const int half = head_dim / 2, shared = half <= ROPE_MAX_HALF;
     const int64_t t = blockIdx.x;
-    const int h = (int)blockIdx.y; /* heads of x, then of x2 */
-    float *v = h < n_heads ? x + (t * n_heads + h) * (int64_t)head_dim
-                           : x2 + (t * n_heads2 + h - n_heads) * (int64_t)head_dim;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float angle = __fmul_rn((float)pos[t], inv_freq[i]);
-        float cs = (float)cos((double)angle), sn = (float)sin((double)angle);
+    const int h0 = (int)blockIdx.y * per, h1 = min(h0 + per, n_heads + n_heads2);
+    for (int i = threadIdx.x; shared && i < half; i += blockDim.x)
+        rope_angle(pos, inv_freq, t, i, &cs[i], &sn[i]);
+    __syncthreads();
+    for (int j = h0 * half + (int)threadIdx.x; j < h1 * half; j += blockDim.x) {
+        const int h = j / half, i = j % half;
+        float *v = h < n_heads ? x + (t * n_heads + h) * (int64_t)head_dim
+                               : x2 + (t * n_heads2 + h - n_heads) * (int64_t)head_dim;
+        float c_, s_;
+        if (shared)
+            c_ = cs[i], s_ = sn[i];
+        else
+            rope_angle(pos, inv_freq, t, i, &c_, &s_);
         float x0 = v[i], x1 = v[i + half];
-        v[i] = __fadd_rn(__fmul_rn(x0, cs), __fmul_rn(-x1, sn));
-        v[i + half] = __fadd_rn(__fmul_rn(x1, cs), __fmul_rn(x0, sn));
+        v[i] = __fadd_rn(__fmul_rn(x0, c_), __fmul_rn(-x1, s_));
+        v[i + half] = __fadd_rn(__fmul_rn(x1, c_), __fmul_rn(x0, s_));
     }
 }
 
@@ -840,6 +883,98 @@ static const void *rounded(struct cuda_ctx *c, const float *x, int64_t n, int64_
     return xr;
 }
 
+static void lt_plan_free(struct lt_plan *p) {
+    if (!p->ready)
+        return;
+    cublasLtMatrixLayoutDestroy(p->a);
+    cublasLtMatrixLayoutDestroy(p->b);
+    cublasLtMatrixLayoutDestroy(p->c);
+    cublasLtMatmulDescDestroy(p->op);
+    p->ready = 0;
+}
+
+/* The best algorithm cublasLt's heuristic knows for the shape with at most `workspace` bytes of
+ * workspace; LLMEM_OK, or the status of a failure (logged). */
+static int lt_plan_make(struct cuda_ctx *c, struct lt_plan *p, size_t workspace) {
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t res = {};
+    int found = 0;
+    p->op = NULL, p->a = p->b = p->c = NULL, p->ready = 1;
+    cublasStatus_t st = cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatrixLayoutCreate(&p->a, p->type, (uint64_t)p->cols, (uint64_t)p->rows,
+                                        p->cols);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatrixLayoutCreate(&p->b, p->type, (uint64_t)p->cols, (uint64_t)p->n, p->cols);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, (uint64_t)p->rows, (uint64_t)p->n,
+                                        p->rows);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulPreferenceCreate(&pref);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                  &workspace, sizeof(workspace));
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &res,
+                                            &found);
+    if (st == CUBLAS_STATUS_SUCCESS && found == 0)
+        st = CUBLAS_STATUS_NOT_SUPPORTED;
+    if (pref != NULL)
+        cublasLtMatmulPreferenceDestroy(pref);
+    p->algo = res.algo;
+    p->workspace = res.workspaceSize;
+    return check_blas(c, st, "cublasLt plan");
+}
+
+/* The plan of a shape, made at its first use (and its workspace provided), or NULL: then the pass
+ * is failed, or is being recorded and runs again as usual (c->pass_bad). */
+static const struct lt_plan *lt_plan_for(struct cuda_ctx *c, int64_t rows, int64_t n, int64_t cols,
+                                         cudaDataType_t type) {
+    const int64_t key[4] = {rows, n, cols, (int64_t)type};
+    uint64_t h = llmem_hash64(key, sizeof(key), 0);
+    struct lt_plan *p = NULL;
+    for (int probe = 0; probe < 8; probe++) {
+        struct lt_plan *q = &c->lt_plans[(h + (uint64_t)probe) % LT_PLANS];
+        if (q->ready && q->rows == rows && q->n == n && q->cols == cols && q->type == type)
+            return q;
+        if (p == NULL && !q->ready)
+            p = q;
+    }
+    if (c->mode != PASS_NOW) { /* planning waits for the stream: not while recording */
+        c->pass_bad = 1;
+        return NULL;
+    }
+    if (p == NULL) /* a full neighbourhood: its first slot makes room */
+        lt_plan_free(p = &c->lt_plans[h % LT_PLANS]);
+    p->rows = rows, p->n = n, p->cols = cols, p->type = type;
+    if (lt_plan_make(c, p, LT_WORKSPACE_MAX) != LLMEM_OK) {
+        lt_plan_free(p);
+        return NULL;
+    }
+    if (p->workspace > c->lt_ws_bytes) {
+        check(c, cudaStreamSynchronize(c->stream), "synchronize");
+        dev_free(c, c->lt_ws);
+        c->lt_ws_bytes = 0;
+        if ((c->lt_ws = dev_alloc(c, p->workspace)) != NULL) {
+            c->lt_ws_bytes = p->workspace;
+        } else { /* refused by the memory limit: an algorithm without workspace */
+            (void)cudaGetLastError();
+            lt_plan_free(p);
+            p->rows = rows, p->n = n, p->cols = cols, p->type = type;
+            if (lt_plan_make(c, p, 0) != LLMEM_OK) {
+                lt_plan_free(p);
+                return NULL;
+            }
+        }
+    }
+    return p;
+}
+
 /* cuda_matmul, where xr (if not NULL) is x already rounded for the fast GEMM. */
 static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, const void *xr,
                    int64_t n, float *y, const float *bias) {
@@ -862,15 +997,15 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
         sgemm(c, w->rows, n, w->cols, (const float *)w->data, x, y, w->rows);
     } else if (c->precision == LLMEM_PRECISION_FAST) {
         const float one = 1.0f, zero = 0.0f;
-        if (xr == NULL && (xr = rounded(c, x, n, w->cols, w->dtype)) == NULL)
-            return;
         const cudaDataType_t t = w->dtype == LLMEM_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+        const struct lt_plan *p = lt_plan_for(c, w->rows, n, w->cols, t);
+        if (p == NULL || (xr == NULL && (xr = rounded(c, x, n, w->cols, w->dtype)) == NULL))
+            return;
         check_blas(c,
-                   cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->rows, (int)n,
-                                (int)w->cols, &one, w->data, t, (int)w->cols, xr, t, (int)w->cols,
-                                &zero, y, CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F,
-                                CUBLAS_GEMM_DEFAULT),
-                   "cublasGemmEx");
+                   cublasLtMatmul(c->lt, p->op, &one, w->data, p->a, xr, p->b, &zero, y, p->c, y,
+                                  p->c, &p->algo, p->workspace > 0 ? c->lt_ws : NULL, p->workspace,
+                                  c->stream),
+                   "cublasLtMatmul");
     } else {
         /* f32: slices of weight rows widened to f32, each a plain f32 GEMM into its columns of
          * C (rows r0 … r0 + m of y's rows, ldc = rows). */
@@ -1002,14 +1137,16 @@ static void rope(struct cuda_ctx *c, float *x, int n_heads, float *x2, int n_hea
                             {arg(x), arg((int64_t)n_heads), arg(x2), arg((int64_t)n_heads2), arg(n),
                              arg((int64_t)head_dim), arg(d)}))
         return;
-    for (int64_t t = 0; t < n; t += 65535) {
-        dim3 grid((unsigned)(n - t < 65535 ? n - t : 65535), (unsigned)(n_heads + n_heads2));
-        int threads = head_dim / 2 < 128 ? 64 : 128;
-        pdl_launch(c->stream, rope_kernel, dim3(grid), dim3(threads), 0,
+    /* the heads of a token in groups, enough blocks for the device (the angles once a block) */
+    const int heads = n_heads + n_heads2;
+    const int64_t want = (ROPE_BLOCKS + n - 1) / n;
+    const int groups = want < heads ? (int)want : heads, per = (heads + groups - 1) / groups;
+    for (int64_t t = 0; t < n; t += 65535)
+        pdl_launch(c->stream, rope_kernel,
+                   dim3((unsigned)(n - t < 65535 ? n - t : 65535), (unsigned)groups), dim3(256), 0,
                    x + t * n_heads * (int64_t)head_dim, n_heads,
                    x2 != NULL ? x2 + t * n_heads2 * (int64_t)head_dim : NULL, n_heads2, head_dim,
-                   (const int64_t *)d + t, (const float *)(d + pos_bytes));
-    }
+                   (const int64_t *)d + t, (const float *)(d + pos_bytes), per);
     launched(c, "rope");
 }
 
@@ -1311,6 +1448,12 @@ static void cuda_destroy(void *ctx) {
     free(c->staging);
     if (c->blas != NULL)
         cublasDestroy(c->blas);
+    for (int i = 0; c->lt_plans != NULL && i < LT_PLANS; i++)
+        lt_plan_free(&c->lt_plans[i]);
+    free(c->lt_plans);
+    if (c->lt != NULL)
+        cublasLtDestroy(c->lt);
+    dev_free(c, c->lt_ws);
     if (c->stream != NULL)
         cudaStreamDestroy(c->stream);
     (void)cudaGetLastError();
@@ -1384,8 +1527,14 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
         check(c, cudaHostAlloc(&c->small_host, c->small_bytes * SMALL_SLOTS, cudaHostAllocDefault),
               "cudaHostAlloc") != LLMEM_OK ||
         check_blas(c, cublasCreate(&c->blas), "cublasCreate") != LLMEM_OK ||
+        check_blas(c, cublasLtCreate(&c->lt), "cublasLtCreate") != LLMEM_OK ||
         check_blas(c, cublasSetStream(c->blas, c->stream), "cublasSetStream") != LLMEM_OK)
         status = LLMEM_EIO;
+    if (status == LLMEM_OK &&
+        (c->lt_plans = (struct lt_plan *)calloc(LT_PLANS, sizeof(struct lt_plan))) == NULL) {
+        LLMEM_ERROR("llmem_backend_cuda_create: out of memory");
+        status = LLMEM_ENOMEM;
+    }
     c->replay_timed = 1;
     for (int i = 0; status == LLMEM_OK && i < 2; i++)
         if (check(c, cudaEventCreate(&c->replay[i]), "event") != LLMEM_OK)
