@@ -429,6 +429,7 @@ static void sample_metrics(struct llmem_engine_metrics *m) {
     m->requests_ok = 5, m->requests_cancelled = 1, m->requests_refused = 2;
     m->prompt_tokens = 50, m->generated_tokens = 60, m->running = 1, m->waiting = 2;
     m->preemptions = 9;
+    m->steps = 12, m->step_seconds = 0.75, m->forward_seconds = 0.5;
 }
 
 static void expect_line(const char *text, const char *line) {
@@ -465,6 +466,9 @@ static void test_metrics(void **state) {
     expect_line(text, "llmem_requests_running 1");
     expect_line(text, "llmem_requests_waiting 2");
     expect_line(text, "llmem_preemptions_total 9");
+    expect_line(text, "llmem_scheduler_steps_total 12");
+    expect_line(text, "llmem_scheduler_step_seconds_total 0.75");
+    expect_line(text, "llmem_forward_seconds_total 0.5");
     expect_line(text, "# TYPE llmem_ttft_seconds histogram");
     expect_line(text, "llmem_ttft_seconds_bucket{le=\"0.05\"} 0");
     expect_line(text, "llmem_ttft_seconds_bucket{le=\"0.1\"} 3");
