@@ -404,6 +404,43 @@ static void test_matmul_multi(void **state) {
 }
 
 /* Scratch beyond the allocator's limit: the operation is skipped and every later sync says why. */
+/* Two matrices in one buffer (the second right after the first, as a device model's k and v,
+ * gate and up) into outputs a fixed stride apart: one batched GEMM, the results of two. */
+static void test_matmul_pair(void **state) {
+    (void)state;
+    const int64_t rows = 96, cols = 512, ns[2] = {33, 130}, stride = 130 * 96 + 64;
+    size_t bytes;
+    void *w = random_weight(LLMEM_DTYPE_BF16, 2 * rows, cols, &bytes); /* both, one buffer */
+    uint8_t *dw = to_device(w, bytes);
+    const struct llmem_weight pair[2] = {{dw, LLMEM_DTYPE_BF16, rows, cols},
+                                         {dw + bytes / 2, LLMEM_DTYPE_BF16, rows, cols}};
+    const struct llmem_weight host[2] = {{w, LLMEM_DTYPE_BF16, rows, cols},
+                                         {(uint8_t *)w + bytes / 2, LLMEM_DTYPE_BF16, rows, cols}};
+    assert_true(llmem_weight_follows(&pair[0], &pair[1]));
+    const struct llmem_weight *pp[2] = {&pair[0], &pair[1]};
+    float *dy = llmem_mem_alloc(dmem, (size_t)(2 * stride) * 4, LLMEM_TAG_SCRATCH);
+    float *dz = llmem_mem_alloc(dmem, (size_t)(130 * rows) * 4, LLMEM_TAG_SCRATCH);
+    for (int k = 0; k < 2; k++) {
+        const int64_t n = ns[k];
+        float *x = random_floats(n * cols, 1.0f), *dx = to_device(x, (size_t)(n * cols) * 4);
+        float *out[2] = {dy, dy + stride};
+        gpu->ops->matmul_multi(gpu->ctx, 2, pp, dx, n, out, NULL);
+        for (int i = 0; i < 2; i++) {
+            float *g = to_host(out[i], n * rows), *ref = malloc((size_t)(n * rows) * 4);
+            cpu->ops->matmul(cpu->ctx, &host[i], x, n, ref, NULL);
+            gpu->ops->matmul(gpu->ctx, &pair[i], dx, n, dz, NULL);
+            float *one = to_host(dz, n * rows);
+            assert_true(rel_diff(one, g, n * rows) <= 1e-5); /* f32 sums in another order */
+            assert_true(rel_diff(ref, g, n * rows) <= 2e-2); /* x rounded to bf16 */
+            free(g), free(ref), free(one);
+        }
+        llmem_mem_free(dmem, dx);
+        free(x);
+    }
+    llmem_mem_free(dmem, dy), llmem_mem_free(dmem, dz), llmem_mem_free(dmem, dw);
+    free(w);
+}
+
 static void test_out_of_memory(void **state) {
     (void)state;
     struct llmem_mem_config cfg = {.ops = llmem_backend_cuda_memory(0),
@@ -970,13 +1007,21 @@ int main(void) {
     if (tu_no_gpu())
         return 77;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_device_memory), cmocka_unit_test(test_rmsnorm),
-        cmocka_unit_test(test_rope),          cmocka_unit_test(test_swiglu_add),
-        cmocka_unit_test(test_embedding),     cmocka_unit_test(test_matmul),
-        cmocka_unit_test(test_matmul_multi),  cmocka_unit_test(test_out_of_memory),
-        cmocka_unit_test(test_kv_device),     cmocka_unit_test(test_models),
-        cmocka_unit_test(test_greedy),        cmocka_unit_test(test_graphs),
-        cmocka_unit_test(test_top_k),         cmocka_unit_test(test_sampling_on_device),
+        cmocka_unit_test(test_device_memory),
+        cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_swiglu_add),
+        cmocka_unit_test(test_embedding),
+        cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_matmul_multi),
+        cmocka_unit_test(test_matmul_pair),
+        cmocka_unit_test(test_out_of_memory),
+        cmocka_unit_test(test_kv_device),
+        cmocka_unit_test(test_models),
+        cmocka_unit_test(test_greedy),
+        cmocka_unit_test(test_graphs),
+        cmocka_unit_test(test_top_k),
+        cmocka_unit_test(test_sampling_on_device),
         cmocka_unit_test(test_device_plan),
     };
     return cmocka_run_group_tests_name("cuda", tests, setup, teardown);

@@ -32,6 +32,14 @@ struct llmem_weight {
     int64_t cols;
 };
 
+/* Whether b has a's shape and dtype and its bytes right after a's (one buffer holding both, as a
+ * device model's k and v, gate and up: a backend may multiply the pair as one batch). */
+static inline int llmem_weight_follows(const struct llmem_weight *a, const struct llmem_weight *b) {
+    return a->data != NULL && a->dtype == b->dtype && a->rows == b->rows && a->cols == b->cols &&
+           (const char *)b->data ==
+               (const char *)a->data + a->rows * a->cols * llmem_dtype_size(a->dtype);
+}
+
 /* Attention of one sequence over a paged KV cache in the backend's memory (kv_attend); for
  * kv_attend_last, the shared fields of a batch whose blocks, lengths come apart (q and out then
  * [n_seqs, n_heads, head_dim], each sequence's one query at its last position, no window). */

@@ -1,6 +1,7 @@
 /*
  * model/device.c — a loaded model copied into a device backend's memory: every matrix and small
- * vector allocated from the device's allocator (tag weights) and moved through the backend, the
+ * vector allocated from the device's allocator (tag weights) and moved through the backend (k and
+ * v, gate and up in one buffer a pair, so that a backend can multiply them as one batch), the
  * configuration copied, the rotary frequencies kept on the host (the backend takes them per call).
  * The copy owns its memory and shares nothing with the host model, which can be freed.
  */
@@ -26,6 +27,27 @@ static int upload_weight(struct llmem_model *m, const struct llmem_backend *be,
     size_t bytes = (size_t)(w->rows * w->cols * llmem_dtype_size(w->dtype));
     w->data = upload(m->mem, be, w->data, bytes);
     return w->data != NULL ? LLMEM_OK : LLMEM_ENOMEM;
+}
+
+/* a and b into one buffer, b right after a (llmem_weight_follows), where they have one shape
+ * and dtype; else each into its own */
+static int upload_pair(struct llmem_model *m, const struct llmem_backend *be,
+                       struct llmem_weight *a, struct llmem_weight *b) {
+    if (a->dtype != b->dtype || a->rows != b->rows || a->cols != b->cols) {
+        int status = upload_weight(m, be, a);
+        return status == LLMEM_OK ? upload_weight(m, be, b) : status;
+    }
+    size_t bytes = (size_t)(a->rows * a->cols * llmem_dtype_size(a->dtype));
+    uint8_t *d = llmem_mem_alloc(m->mem, 2 * bytes, LLMEM_TAG_WEIGHTS);
+    if (d == NULL)
+        return LLMEM_ENOMEM;
+    if (be->ops->copy(be->ctx, d, a->data, bytes) != LLMEM_OK ||
+        be->ops->copy(be->ctx, d + bytes, b->data, bytes) != LLMEM_OK) {
+        llmem_mem_free(m->mem, d);
+        return LLMEM_ENOMEM;
+    }
+    a->data = d, b->data = d + bytes;
+    return LLMEM_OK;
 }
 
 static int upload_vector(struct llmem_model *m, const struct llmem_backend *be, float **v,
@@ -99,9 +121,12 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         struct llmem_weight *dst[7] = {&L->wq,     &L->wk,   &L->wv,    &L->wo,
                                        &L->w_gate, &L->w_up, &L->w_down};
         for (int i = 0; status == LLMEM_OK && i < 7; i++) {
-            status = upload_weight(m, be, &w[i]);
+            const int pair = i == 1 || i == 4; /* k and v, gate and up */
+            status = pair ? upload_pair(m, be, &w[i], &w[i + 1]) : upload_weight(m, be, &w[i]);
             if (status == LLMEM_OK)
                 *dst[i] = w[i];
+            if (status == LLMEM_OK && pair)
+                *dst[i + 1] = w[i + 1], i++;
         }
         float *v[7] = {S->attn_norm, S->mlp_norm, S->bq, S->bk, S->bv, S->q_norm, S->k_norm};
         float **vd[7] = {&L->attn_norm, &L->mlp_norm, &L->bq,    &L->bk,

@@ -76,16 +76,17 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
         {&f->xn, T * (size_t)g->hidden_size},
         {&f->q, T * q_dim},
         {&f->att, T * q_dim},
-        {&f->k, T * kv_dim},
-        {&f->v, T * kv_dim},
-        {&f->gate, T * (size_t)g->intermediate_size},
-        {&f->up, T * (size_t)g->intermediate_size},
+        {&f->k, 2 * T * kv_dim},                          /* and v */
+        {&f->gate, 2 * T * (size_t)g->intermediate_size}, /* and up */
     };
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) {
         *bufs[i].p = llmem_mem_alloc(f->mem, bufs[i].floats * sizeof(float), LLMEM_TAG_SCRATCH);
         if (*bufs[i].p == NULL)
             goto fail;
     }
+    /* the outputs of a pair of matrices a fixed distance apart, as the pair may be multiplied */
+    f->v = f->k + T * kv_dim;
+    f->up = f->gate + T * (size_t)g->intermediate_size;
     f->pos = malloc(T * sizeof(int64_t)); /* host memory, as the rope operation takes it */
     f->seq_ids = malloc(T * sizeof(int));
     if (f->pos == NULL || f->seq_ids == NULL) {
@@ -102,7 +103,7 @@ fail:
 void llmem_forward_free(struct llmem_forward *f) {
     if (f == NULL)
         return;
-    float *bufs[] = {f->x, f->xn, f->q, f->att, f->k, f->v, f->gate, f->up};
+    float *bufs[] = {f->x, f->xn, f->q, f->att, f->k, f->gate}; /* (v and up within k, gate) */
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         llmem_mem_free(f->mem, bufs[i]);
     llmem_mem_free(f->mem, f->dev_logits);

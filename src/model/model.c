@@ -339,8 +339,14 @@ void llmem_model_free(struct llmem_model *m) {
     if (m->on_device) {
         for (int64_t i = 0; m->layers != NULL && i < m->cfg.geom.n_layers; i++) {
             const struct model_layer *L = &m->layers[i];
-            const void *w[] = {L->wq.data,     L->wk.data,   L->wv.data,    L->wo.data,
-                               L->w_gate.data, L->w_up.data, L->w_down.data};
+            /* the second of a pair in one buffer goes with the first */
+            const void *w[] = {L->wq.data,
+                               L->wk.data,
+                               llmem_weight_follows(&L->wk, &L->wv) ? NULL : L->wv.data,
+                               L->wo.data,
+                               L->w_gate.data,
+                               llmem_weight_follows(&L->w_gate, &L->w_up) ? NULL : L->w_up.data,
+                               L->w_down.data};
             for (size_t k = 0; k < sizeof(w) / sizeof(w[0]); k++)
                 llmem_mem_free(m->mem, (void *)w[k]);
         }

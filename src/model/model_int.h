@@ -52,7 +52,9 @@ struct llmem_model {
     struct model_layer *layers;  /* (n_layers) */
     int64_t vector_bytes;        /* the f32 copies, for the accounting */
     int on_device;               /* a copy in a device's memory (device.c): the matrices are
-                                  * buffers of mem too, inv_freq a malloc'd host array */
+                                  * buffers of mem too, inv_freq a malloc'd host array; wk and wv,
+                                  * w_gate and w_up one buffer each where the pair has one shape
+                                  * and dtype (llmem_weight_follows) */
 };
 
 #endif

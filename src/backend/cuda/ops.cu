@@ -62,9 +62,10 @@
 enum pass_mode { PASS_NOW, PASS_CAPTURE, PASS_STAGE };
 
 /* C[rows, n] = Aᵀ·B, column-major, A = W [cols, rows] and B = x [cols, n] in one 16-bit type, C
- * f32: how cublasLt computes it. */
+ * f32: how cublasLt computes it; `batch` of them (1 or 2), the matrices one after the other, the
+ * outputs stride_c floats apart, one B. */
 struct lt_plan {
-    int64_t rows, n, cols;
+    int64_t rows, n, cols, batch, stride_c;
     cudaDataType_t type;
     int ready; /* 0: a free slot */
     cublasLtMatmulDesc_t op;
@@ -914,6 +915,26 @@ static int lt_plan_make(struct cuda_ctx *c, struct lt_plan *p, size_t workspace)
     if (st == CUBLAS_STATUS_SUCCESS)
         st = cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, (uint64_t)p->rows, (uint64_t)p->n,
                                         p->rows);
+    const int32_t batch = (int32_t)p->batch;
+    const int64_t stride_a = p->rows * p->cols, stride_b = 0;
+    if (st == CUBLAS_STATUS_SUCCESS && batch > 1)
+        st = cublasLtMatrixLayoutSetAttribute(p->a, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
+                                              sizeof(batch));
+    if (st == CUBLAS_STATUS_SUCCESS && batch > 1)
+        st = cublasLtMatrixLayoutSetAttribute(p->a, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                              &stride_a, sizeof(stride_a));
+    if (st == CUBLAS_STATUS_SUCCESS && batch > 1)
+        st = cublasLtMatrixLayoutSetAttribute(p->b, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
+                                              sizeof(batch));
+    if (st == CUBLAS_STATUS_SUCCESS && batch > 1)
+        st = cublasLtMatrixLayoutSetAttribute(p->b, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                              &stride_b, sizeof(stride_b));
+    if (st == CUBLAS_STATUS_SUCCESS && batch > 1)
+        st = cublasLtMatrixLayoutSetAttribute(p->c, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
+                                              sizeof(batch));
+    if (st == CUBLAS_STATUS_SUCCESS && batch > 1)
+        st = cublasLtMatrixLayoutSetAttribute(p->c, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                              &p->stride_c, sizeof(p->stride_c));
     if (st == CUBLAS_STATUS_SUCCESS)
         st = cublasLtMatmulPreferenceCreate(&pref);
     if (st == CUBLAS_STATUS_SUCCESS)
@@ -934,13 +955,14 @@ static int lt_plan_make(struct cuda_ctx *c, struct lt_plan *p, size_t workspace)
 /* The plan of a shape, made at its first use (and its workspace provided), or NULL: then the pass
  * is failed, or is being recorded and runs again as usual (c->pass_bad). */
 static const struct lt_plan *lt_plan_for(struct cuda_ctx *c, int64_t rows, int64_t n, int64_t cols,
-                                         cudaDataType_t type) {
-    const int64_t key[4] = {rows, n, cols, (int64_t)type};
+                                         cudaDataType_t type, int64_t batch, int64_t stride_c) {
+    const int64_t key[6] = {rows, n, cols, (int64_t)type, batch, stride_c};
     uint64_t h = llmem_hash64(key, sizeof(key), 0);
     struct lt_plan *p = NULL;
     for (int probe = 0; probe < 8; probe++) {
         struct lt_plan *q = &c->lt_plans[(h + (uint64_t)probe) % LT_PLANS];
-        if (q->ready && q->rows == rows && q->n == n && q->cols == cols && q->type == type)
+        if (q->ready && q->rows == rows && q->n == n && q->cols == cols && q->type == type &&
+            q->batch == batch && q->stride_c == stride_c)
             return q;
         if (p == NULL && !q->ready)
             p = q;
@@ -951,7 +973,8 @@ static const struct lt_plan *lt_plan_for(struct cuda_ctx *c, int64_t rows, int64
     }
     if (p == NULL) /* a full neighbourhood: its first slot makes room */
         lt_plan_free(p = &c->lt_plans[h % LT_PLANS]);
-    p->rows = rows, p->n = n, p->cols = cols, p->type = type;
+    p->rows = rows, p->n = n, p->cols = cols, p->type = type, p->batch = batch;
+    p->stride_c = stride_c;
     if (lt_plan_make(c, p, LT_WORKSPACE_MAX) != LLMEM_OK) {
         lt_plan_free(p);
         return NULL;
@@ -964,8 +987,7 @@ static const struct lt_plan *lt_plan_for(struct cuda_ctx *c, int64_t rows, int64
             c->lt_ws_bytes = p->workspace;
         } else { /* refused by the memory limit: an algorithm without workspace */
             (void)cudaGetLastError();
-            lt_plan_free(p);
-            p->rows = rows, p->n = n, p->cols = cols, p->type = type;
+            lt_plan_free(p); /* (keeps the shape) */
             if (lt_plan_make(c, p, 0) != LLMEM_OK) {
                 lt_plan_free(p);
                 return NULL;
@@ -998,7 +1020,7 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
     } else if (c->precision == LLMEM_PRECISION_FAST) {
         const float one = 1.0f, zero = 0.0f;
         const cudaDataType_t t = w->dtype == LLMEM_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-        const struct lt_plan *p = lt_plan_for(c, w->rows, n, w->cols, t);
+        const struct lt_plan *p = lt_plan_for(c, w->rows, n, w->cols, t, 1, 0);
         if (p == NULL || (xr == NULL && (xr = rounded(c, x, n, w->cols, w->dtype)) == NULL))
             return;
         check_blas(c,
@@ -1067,8 +1089,29 @@ static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *c
         if (staged(c, 12, {arg((int64_t)count), arg(x), arg(n), arg(w[0]->cols)}))
             return;
         const void *xr = rounded(c, x, n, w[0]->cols, w[0]->dtype);
-        for (int i = 0; xr != NULL && i < count; i++)
+        for (int i = 0; xr != NULL && i < count; i++) {
+            /* a pair in one buffer, without biases, into outputs a fixed stride apart: one
+             * batched GEMM */
+            if (i + 1 < count && llmem_weight_follows(w[i], w[i + 1]) &&
+                (bias == NULL || (bias[i] == NULL && bias[i + 1] == NULL)) &&
+                y[i + 1] - y[i] >= n * w[i]->rows) {
+                const cudaDataType_t t = w[i]->dtype == LLMEM_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+                const float one = 1.0f, zero = 0.0f;
+                const struct lt_plan *p =
+                    lt_plan_for(c, w[i]->rows, n, w[i]->cols, t, 2, (int64_t)(y[i + 1] - y[i]));
+                if (p == NULL)
+                    return;
+                check_blas(c,
+                           cublasLtMatmul(c->lt, p->op, &one, w[i]->data, p->a, xr, p->b, &zero,
+                                          y[i], p->c, y[i], p->c, &p->algo,
+                                          p->workspace > 0 ? c->lt_ws : NULL, p->workspace,
+                                          c->stream),
+                           "cublasLtMatmul");
+                i++;
+                continue;
+            }
             matmul(c, w[i], x, xr, n, y[i], bias != NULL ? bias[i] : NULL);
+        }
         return;
     }
     for (int i = 0; i < count; i++)
