@@ -915,26 +915,19 @@ static int lt_plan_make(struct cuda_ctx *c, struct lt_plan *p, size_t workspace)
     if (st == CUBLAS_STATUS_SUCCESS)
         st = cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, (uint64_t)p->rows, (uint64_t)p->n,
                                         p->rows);
+    /* a batch: the matrices one after the other, one x (stride 0), the outputs stride_c apart */
     const int32_t batch = (int32_t)p->batch;
-    const int64_t stride_a = p->rows * p->cols, stride_b = 0;
-    if (st == CUBLAS_STATUS_SUCCESS && batch > 1)
-        st = cublasLtMatrixLayoutSetAttribute(p->a, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
-                                              sizeof(batch));
-    if (st == CUBLAS_STATUS_SUCCESS && batch > 1)
-        st = cublasLtMatrixLayoutSetAttribute(p->a, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                                              &stride_a, sizeof(stride_a));
-    if (st == CUBLAS_STATUS_SUCCESS && batch > 1)
-        st = cublasLtMatrixLayoutSetAttribute(p->b, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
-                                              sizeof(batch));
-    if (st == CUBLAS_STATUS_SUCCESS && batch > 1)
-        st = cublasLtMatrixLayoutSetAttribute(p->b, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                                              &stride_b, sizeof(stride_b));
-    if (st == CUBLAS_STATUS_SUCCESS && batch > 1)
-        st = cublasLtMatrixLayoutSetAttribute(p->c, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
-                                              sizeof(batch));
-    if (st == CUBLAS_STATUS_SUCCESS && batch > 1)
-        st = cublasLtMatrixLayoutSetAttribute(p->c, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                                              &p->stride_c, sizeof(p->stride_c));
+    cublasLtMatrixLayout_t layouts[3] = {p->a, p->b, p->c};
+    const int64_t strides[3] = {p->rows * p->cols, 0, p->stride_c};
+    for (int i = 0; batch > 1 && i < 3; i++) {
+        if (st == CUBLAS_STATUS_SUCCESS)
+            st = cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                  &batch, sizeof(batch));
+        if (st == CUBLAS_STATUS_SUCCESS)
+            st = cublasLtMatrixLayoutSetAttribute(layouts[i],
+                                                  CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                  &strides[i], sizeof(strides[i]));
+    }
     if (st == CUBLAS_STATUS_SUCCESS)
         st = cublasLtMatmulPreferenceCreate(&pref);
     if (st == CUBLAS_STATUS_SUCCESS)
