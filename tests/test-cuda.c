@@ -441,6 +441,45 @@ static void test_matmul_pair(void **state) {
     free(w);
 }
 
+/* matmul_swiglu gives the bits of matmul_multi and swiglu: one and two warps a row (2,048 and
+ * 4,096 columns), rows not a multiple of the block's, x rows in launches of up to 4, both 16-bit
+ * types, and a batch past the GEMV (the GEMMs). */
+static void test_matmul_swiglu(void **state) {
+    (void)state;
+    const int64_t rows = 102, colss[2] = {2048, 4096}, ns[4] = {1, 3, 5, 33};
+    const enum llmem_dtype dts[2] = {LLMEM_DTYPE_BF16, LLMEM_DTYPE_F16};
+    for (int ci = 0; ci < 2; ci++)
+        for (int di = 0; di < 2; di++) {
+            const int64_t cols = colss[ci];
+            size_t bytes;
+            void *w = random_weight(dts[di], 2 * rows, cols, &bytes);
+            uint8_t *dw = to_device(w, bytes);
+            const struct llmem_weight gate = {dw, dts[di], rows, cols},
+                                      up = {dw + bytes / 2, dts[di], rows, cols};
+            const struct llmem_weight *pair[2] = {&gate, &up};
+            for (int k = 0; k < 4; k++) {
+                const int64_t n = ns[k];
+                float *x = random_floats(n * cols, 1.0f),
+                      *dx = to_device(x, (size_t)(n * cols) * 4);
+                float *g = llmem_mem_alloc(dmem, (size_t)(n * rows) * 4, LLMEM_TAG_SCRATCH),
+                      *u = llmem_mem_alloc(dmem, (size_t)(n * rows) * 4, LLMEM_TAG_SCRATCH),
+                      *o = llmem_mem_alloc(dmem, (size_t)(n * rows) * 4, LLMEM_TAG_SCRATCH);
+                float *y[2] = {g, u};
+                gpu->ops->matmul_multi(gpu->ctx, 2, pair, dx, n, y, NULL);
+                gpu->ops->swiglu(gpu->ctx, g, u, n * rows, g);
+                float *want = to_host(g, n * rows);
+                gpu->ops->matmul_swiglu(gpu->ctx, &gate, &up, dx, n, g, u, o);
+                float *got = to_host(o, n * rows);
+                assert_memory_equal(want, got, (size_t)(n * rows) * 4);
+                llmem_mem_free(dmem, dx), llmem_mem_free(dmem, g), llmem_mem_free(dmem, u);
+                llmem_mem_free(dmem, o);
+                free(x), free(want), free(got);
+            }
+            llmem_mem_free(dmem, dw);
+            free(w);
+        }
+}
+
 static void test_out_of_memory(void **state) {
     (void)state;
     struct llmem_mem_config cfg = {.ops = llmem_backend_cuda_memory(0),
@@ -1007,21 +1046,14 @@ int main(void) {
     if (tu_no_gpu())
         return 77;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_device_memory),
-        cmocka_unit_test(test_rmsnorm),
-        cmocka_unit_test(test_rope),
-        cmocka_unit_test(test_swiglu_add),
-        cmocka_unit_test(test_embedding),
-        cmocka_unit_test(test_matmul),
-        cmocka_unit_test(test_matmul_multi),
-        cmocka_unit_test(test_matmul_pair),
-        cmocka_unit_test(test_out_of_memory),
-        cmocka_unit_test(test_kv_device),
-        cmocka_unit_test(test_models),
-        cmocka_unit_test(test_greedy),
-        cmocka_unit_test(test_graphs),
-        cmocka_unit_test(test_top_k),
-        cmocka_unit_test(test_sampling_on_device),
+        cmocka_unit_test(test_device_memory), cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_rope),          cmocka_unit_test(test_swiglu_add),
+        cmocka_unit_test(test_embedding),     cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_matmul_multi),  cmocka_unit_test(test_matmul_pair),
+        cmocka_unit_test(test_matmul_swiglu), cmocka_unit_test(test_out_of_memory),
+        cmocka_unit_test(test_kv_device),     cmocka_unit_test(test_models),
+        cmocka_unit_test(test_greedy),        cmocka_unit_test(test_graphs),
+        cmocka_unit_test(test_top_k),         cmocka_unit_test(test_sampling_on_device),
         cmocka_unit_test(test_device_plan),
     };
     return cmocka_run_group_tests_name("cuda", tests, setup, teardown);

@@ -100,6 +100,11 @@ struct llmem_backend_ops {
                     int head_dim, const int64_t *pos, const float *inv_freq);
     /* out[i] = silu(gate[i]) · up[i] for i < n; out may equal gate. */
     void (*swiglu)(void *ctx, const float *gate, const float *up, int64_t n, float *out);
+    /* (optional) matmul_multi of x with gate and up (one shape) into g and u, then swiglu of them
+     * into out (which may equal g), as one operation where the backend can: then g and u may be
+     * left unwritten. The bits of the two operations. */
+    void (*matmul_swiglu)(void *ctx, const struct llmem_weight *gate, const struct llmem_weight *up,
+                          const float *x, int64_t n, float *g, float *u, float *out);
     /* out[t, :] = table[ids[t], :] as f32, for t < n (table is [vocab, dim]; ids in range). */
     void (*embedding)(void *ctx, const struct llmem_weight *table, const int32_t *ids, int64_t n,
                       float *out);

@@ -202,12 +202,14 @@ static void mlp_block(struct llmem_forward *f, const struct model_layer *L, int6
     void *ctx = f->be->ctx;
     const struct llmem_model_geometry *g = &f->model->cfg.geom;
     residual_norm(f, L->mlp_norm, T, 1);
-    {
+    if (ops->matmul_swiglu != NULL) {
+        ops->matmul_swiglu(ctx, &L->w_gate, &L->w_up, f->xn, T, f->gate, f->up, f->gate);
+    } else {
         const struct llmem_weight *w[2] = {&L->w_gate, &L->w_up};
         float *y[2] = {f->gate, f->up};
         matmul_multi(f, 2, w, f->xn, T, y, NULL);
+        ops->swiglu(ctx, f->gate, f->up, T * g->intermediate_size, f->gate);
     }
-    ops->swiglu(ctx, f->gate, f->up, T * g->intermediate_size, f->gate);
     ops->matmul(ctx, &L->w_down, f->gate, T, f->xn, NULL); /* added to x by the next norm */
 }
 

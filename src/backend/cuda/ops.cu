@@ -494,13 +494,16 @@ __global__ void rope_kernel(float *x, int n_heads, float *x2, int n_heads2, int 
     }
 }
 
+/* silu(g) · u = g / (1 + e^−g) · u */
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
 __global__ void swiglu_kernel(const float *gate, const float *up, int64_t n, float *out) {
     pdl_begin();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        float g = gate[i];
-        out[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
-    }
+         i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = silu_mul(gate[i], up[i]);
 }
 
 __global__ void add_kernel(float *y, const float *x, int64_t n) {
@@ -738,23 +741,18 @@ __device__ __forceinline__ void gemv_step(uint4 raw, const float *x, int64_t x_r
  * columns: long rows need more warps in flight than rows), 16-byte loads of 8 weights, each lane's
  * partial sums reduced by shuffles, then the W warps' in shared memory. 16-bit weights, cols a
  * multiple of 8·W and 16-byte aligned rows (checked by the caller). */
+/* acc[j] = row wr (NULL: none, 0) · x[x_row0 + j] for j < NX, summed over the whole warp: its
+ * share `part` of W (W warps a row). */
 template <enum llmem_dtype DT, int NX, int W>
-__global__ void __launch_bounds__(256)
-    gemv16_kernel(struct gemv_set set, int64_t cols, const float *x, int64_t x_row0) {
-    pdl_begin();
-    const int m = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int64_t rows = set.rows[m];
-    const int64_t r = blockIdx.x * (int64_t)(blockDim.x / 32 / W) + warp / W;
-    if (W == 1 && r >= rows)
-        return;
-    float acc[NX];
+__device__ __forceinline__ void gemv_row(const uint16_t *w_row, int64_t cols, const float *x,
+                                         int64_t x_row0, int part, int lane, float *acc) {
 #pragma unroll
     for (int j = 0; j < NX; j++)
         acc[j] = 0;
-    if (r < rows) {
-        const uint4 *wr = reinterpret_cast<const uint4 *>((const uint16_t *)set.w[m] + r * cols);
-        const int64_t per = cols / 8 / W, end = (warp % W + 1) * per;
-        int64_t k = (warp % W) * per + lane;
+    if (w_row != NULL) {
+        const uint4 *wr = reinterpret_cast<const uint4 *>(w_row);
+        const int64_t per = cols / 8 / W, end = (part + 1) * per;
+        int64_t k = part * per + lane;
         /* GEMV_UNROLL loads of each lane in flight before any is used: a warp per row is too
          * few to cover the memory's latency one load at a time */
         for (; k + 32 * (GEMV_UNROLL - 1) < end; k += 32 * GEMV_UNROLL) {
@@ -769,14 +767,59 @@ __global__ void __launch_bounds__(256)
         for (; k < end; k += 32)
             gemv_step<DT, NX>(__ldcs(wr + k), x, x_row0, cols, k, acc);
     }
-    __shared__ float part[W > 1 ? 8 : 1][NX];
 #pragma unroll
-    for (int j = 0; j < NX; j++) {
+    for (int j = 0; j < NX; j++)
         for (int o = 16; o > 0; o /= 2)
             acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+}
+
+/* A block's 4 / W rows r of gate (warps 0–3) and of up (warps 4–7), W warps a row, and
+ * out[x_row0 + j, r] = silu(gate) · up: the pair's GEMVs (as gemv16_kernel sums them) and swiglu in
+ * one launch, with the bits of the three. */
+template <enum llmem_dtype DT, int NX, int W>
+__global__ void __launch_bounds__(256)
+    gemv16_swiglu_kernel(const uint16_t *gate, const uint16_t *up, int64_t rows, int64_t cols,
+                         const float *x, int64_t x_row0, float *out) {
+    pdl_begin();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, slot = warp % 4;
+    const int64_t r = blockIdx.x * (int64_t)(4 / W) + slot / W;
+    float acc[NX];
+    gemv_row<DT, NX, W>(r < rows ? (warp < 4 ? gate : up) + r * cols : NULL, cols, x, x_row0,
+                        slot % W, lane, acc);
+    __shared__ float part[8][NX];
+    if (lane == 0)
+#pragma unroll
+        for (int j = 0; j < NX; j++)
+            part[warp][j] = acc[j];
+    __syncthreads();
+    if (warp >= 4 || slot % W != 0 || lane != 0 || r >= rows)
+        return;
+#pragma unroll
+    for (int j = 0; j < NX; j++) {
+        float g = part[warp][j], u = part[warp + 4][j];
+        for (int i = 1; i < W; i++)
+            g += part[warp + i][j], u += part[warp + 4 + i][j];
+        out[(x_row0 + j) * rows + r] = silu_mul(g, u);
+    }
+}
+
+template <enum llmem_dtype DT, int NX, int W>
+__global__ void __launch_bounds__(256)
+    gemv16_kernel(struct gemv_set set, int64_t cols, const float *x, int64_t x_row0) {
+    pdl_begin();
+    const int m = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int64_t rows = set.rows[m];
+    const int64_t r = blockIdx.x * (int64_t)(blockDim.x / 32 / W) + warp / W;
+    if (W == 1 && r >= rows)
+        return;
+    float acc[NX];
+    gemv_row<DT, NX, W>(r < rows ? (const uint16_t *)set.w[m] + r * cols : NULL, cols, x, x_row0,
+                        warp % W, lane, acc);
+    __shared__ float part[W > 1 ? 8 : 1][NX];
+#pragma unroll
+    for (int j = 0; j < NX; j++)
         if (W > 1 && lane == 0)
             part[warp][j] = acc[j];
-    }
     if (W > 1) {
         __syncthreads();
         if (warp % W != 0 || r >= rows)
@@ -1205,6 +1248,55 @@ static void cuda_swiglu(void *ctx, const float *gate, const float *up, int64_t n
     launched(c, "swiglu");
 }
 
+/* A decode's few rows of x: a launch for up to 4 of them computes both GEMVs and swiglu
+ * (gemv16_swiglu_kernel); more rows take the GEMMs and swiglu. */
+static void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate,
+                               const struct llmem_weight *up, const float *x, int64_t n, float *g,
+                               float *u, float *out) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    LLMEM_ASSERT(gate != NULL && up != NULL && x != NULL && out != NULL && n >= 0);
+    if (!gemv16_fits(gate, x, n) || !gemv16_fits(up, x, n) || gate->dtype != up->dtype ||
+        gate->rows != up->rows || gate->cols != up->cols) {
+        const struct llmem_weight *w[2] = {gate, up};
+        float *y[2] = {g, u};
+        cuda_matmul_multi(ctx, 2, w, x, n, y, NULL);
+        cuda_swiglu(ctx, g, u, n * gate->rows, out);
+        return;
+    }
+    if (n == 0 || c->failed ||
+        staged(c, 13,
+               {arg(gate->data), arg(up->data), arg((int64_t)gate->dtype), arg(gate->rows),
+                arg(gate->cols), arg(x), arg(n), arg(out)}))
+        return;
+    const int64_t rows = gate->rows, cols = gate->cols;
+    const int split = cols >= 4096 && cols % 16 == 0 ? 2 : 1; /* as gemv16 */
+    const dim3 grid((unsigned)((rows + 4 / split - 1) / (4 / split)));
+    const uint16_t *wg = (const uint16_t *)gate->data, *wu = (const uint16_t *)up->data;
+    for (int64_t t = 0; t < n;) {
+        const int nx = n - t >= 4 ? 4 : (int)(n - t);
+#define SWIGLU_CASE(DT, NX)                                                                        \
+    if (gate->dtype == DT && nx == NX) {                                                           \
+        if (split == 2)                                                                            \
+            pdl_launch(c->stream, gemv16_swiglu_kernel<DT, NX, 2>, grid, dim3(256), 0, wg, wu,     \
+                       rows, cols, x, t, out);                                                     \
+        else                                                                                       \
+            pdl_launch(c->stream, gemv16_swiglu_kernel<DT, NX, 1>, grid, dim3(256), 0, wg, wu,     \
+                       rows, cols, x, t, out);                                                     \
+    }
+        SWIGLU_CASE(LLMEM_DTYPE_BF16, 1)
+        SWIGLU_CASE(LLMEM_DTYPE_BF16, 2)
+        SWIGLU_CASE(LLMEM_DTYPE_BF16, 3)
+        SWIGLU_CASE(LLMEM_DTYPE_BF16, 4)
+        SWIGLU_CASE(LLMEM_DTYPE_F16, 1)
+        SWIGLU_CASE(LLMEM_DTYPE_F16, 2)
+        SWIGLU_CASE(LLMEM_DTYPE_F16, 3)
+        SWIGLU_CASE(LLMEM_DTYPE_F16, 4)
+#undef SWIGLU_CASE
+        t += nx;
+    }
+    launched(c, "gemv swiglu");
+}
+
 static void cuda_add(void *ctx, float *y, const float *x, int64_t n) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(y != NULL && x != NULL && n >= 0);
@@ -1514,6 +1606,7 @@ static struct llmem_backend_ops make_ops(void) {
     o.rope = cuda_rope;
     o.rope_qk = cuda_rope_qk;
     o.swiglu = cuda_swiglu;
+    o.matmul_swiglu = cuda_matmul_swiglu;
     o.embedding = cuda_embedding;
     o.add = cuda_add;
     o.kv_encode = cuda_kv_encode;
