@@ -106,38 +106,66 @@ int cli_bandwidth(struct llmem_mem *mem, struct llmem_pool *pool, int64_t bytes,
     return CLI_OK;
 }
 
-int cli_device_copy_bandwidth(int device, int64_t bytes, double *copy_gbps) {
+struct cli_device_probe {
+    struct llmem_mem *mem;
+    struct llmem_backend *be;
+    uint8_t *a, *b;
+    int64_t bytes;
+};
+
+void cli_device_probe_close(struct cli_device_probe *p) {
+    if (p == NULL)
+        return;
+    if (p->mem != NULL) {
+        llmem_mem_free(p->mem, p->a);
+        llmem_mem_free(p->mem, p->b);
+    }
+    llmem_backend_destroy(p->be);
+    llmem_mem_destroy(p->mem);
+    free(p);
+}
+
+int cli_device_probe_open(int device, int64_t bytes, struct cli_device_probe **out) {
     struct llmem_mem_config mc = {.ops = llmem_backend_cuda_memory(device)};
-    struct llmem_mem *mem = NULL;
-    struct llmem_backend *be = NULL;
-    uint8_t *a = NULL, *b = NULL;
-    int rc = CLI_FAIL;
-    if (mc.ops == NULL || llmem_mem_create(&mc, &mem) != LLMEM_OK ||
-        llmem_backend_cuda_create(device, LLMEM_PRECISION_FAST, NULL, &be) != LLMEM_OK ||
-        (a = llmem_mem_alloc(mem, (size_t)bytes, LLMEM_TAG_SCRATCH)) == NULL ||
-        (b = llmem_mem_alloc(mem, (size_t)bytes, LLMEM_TAG_SCRATCH)) == NULL)
-        goto out;
+    struct cli_device_probe *p = calloc(1, sizeof(*p));
+    *out = NULL;
+    if (p == NULL)
+        return CLI_FAIL;
+    p->bytes = bytes;
+    if (mc.ops == NULL || llmem_mem_create(&mc, &p->mem) != LLMEM_OK ||
+        llmem_backend_cuda_create(device, LLMEM_PRECISION_FAST, NULL, &p->be) != LLMEM_OK ||
+        (p->a = llmem_mem_alloc(p->mem, (size_t)bytes, LLMEM_TAG_SCRATCH)) == NULL ||
+        (p->b = llmem_mem_alloc(p->mem, (size_t)bytes, LLMEM_TAG_SCRATCH)) == NULL) {
+        cli_device_probe_close(p);
+        return CLI_FAIL;
+    }
+    *out = p;
+    return CLI_OK;
+}
+
+int cli_device_probe_run(struct cli_device_probe *p, double *copy_gbps) {
     const int passes = 10;
     double best = 0;
     for (int i = 0; i <= passes; i++) { /* the first is a warm-up */
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-        if (be->ops->copy(be->ctx, b, a, (size_t)bytes) != LLMEM_OK)
-            goto out;
+        if (p->be->ops->copy(p->be->ctx, p->b, p->a, (size_t)p->bytes) != LLMEM_OK)
+            return CLI_FAIL;
         clock_gettime(CLOCK_MONOTONIC, &t1);
         double s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
-        double gbps = 2.0 * (double)bytes / s * 1e-9;
+        double gbps = 2.0 * (double)p->bytes / s * 1e-9;
         if (i > 0 && gbps > best)
             best = gbps;
     }
     *copy_gbps = best;
-    rc = CLI_OK;
-out:
-    if (mem != NULL) {
-        llmem_mem_free(mem, a);
-        llmem_mem_free(mem, b);
-    }
-    llmem_backend_destroy(be);
-    llmem_mem_destroy(mem);
+    return CLI_OK;
+}
+
+int cli_device_copy_bandwidth(int device, int64_t bytes, double *copy_gbps) {
+    struct cli_device_probe *p = NULL;
+    int rc = cli_device_probe_open(device, bytes, &p);
+    if (rc == CLI_OK)
+        rc = cli_device_probe_run(p, copy_gbps);
+    cli_device_probe_close(p);
     return rc;
 }

@@ -63,11 +63,11 @@ static void model_costs(const struct llmem_model_config *c, int64_t *weight_byte
 }
 
 /* The bandwidth around a run: the host's read bandwidth, or a device's copy bandwidth (in *bw). */
-static int probe(struct llmem_engine *e, struct llmem_pool *pool, enum llmem_backend_kind backend,
-                 int device, int64_t bytes, double *bw, double *copy, int64_t *prog) {
-    if (backend == LLMEM_BACKEND_CUDA) {
+static int probe(struct llmem_engine *e, struct llmem_pool *pool, struct cli_device_probe *dev,
+                 int64_t bytes, double *bw, double *copy, int64_t *prog) {
+    if (dev != NULL) {
         progress_tick(prog);
-        if (cli_device_copy_bandwidth(device, bytes, bw) != CLI_OK)
+        if (cli_device_probe_run(dev, bw) != CLI_OK)
             return CLI_FAIL;
         *copy = *bw;
         return CLI_OK;
@@ -188,6 +188,7 @@ int cli_bench_decode(int argc, char **argv) {
     int64_t prog[2] = {0, (int64_t)n_threads * reps * 3};
     struct llmem_engine *e = NULL;
     struct llmem_pool *pool = NULL;
+    struct cli_device_probe *dprobe = NULL; /* the device's probe (--backend cuda) */
     int32_t *prompt = malloc((size_t)n_prompt * sizeof(int32_t));
     int64_t weight_bytes = 0, elem_bytes = 2;
     double flops_per_token = 0;
@@ -209,6 +210,10 @@ int cli_bench_decode(int argc, char **argv) {
         if (llmem_engine_open(&cfg, NULL, NULL, &e) != LLMEM_OK)
             goto out;
         pool = llmem_engine_pool(e); /* the probe runs on the engine's own threads */
+        /* the device's probe: its buffers held from here to the end (see cli.h) */
+        if (backend == LLMEM_BACKEND_CUDA && dprobe == NULL &&
+            cli_device_probe_open((int)device, bw_bytes, &dprobe) != CLI_OK)
+            goto out;
         const struct llmem_model_config *mc = llmem_model_get_config(llmem_engine_model(e));
         model_costs(mc, &weight_bytes, &flops_per_token, &elem_bytes);
         const struct llmem_model_geometry *g = &mc->geom;
@@ -231,7 +236,7 @@ int cli_bench_decode(int argc, char **argv) {
         struct llmem_backend_counters c0 = {0}, c1 = {0};
         for (int64_t r = 0; r < reps; r++) {
             double rd[2], cp[2];
-            if (probe(e, pool, backend, (int)device, bw_bytes, &rd[0], &cp[0], prog) != CLI_OK)
+            if (probe(e, pool, dprobe, bw_bytes, &rd[0], &cp[0], prog) != CLI_OK)
                 goto out;
             struct llmem_generate_params p;
             llmem_generate_params_default(&p);
@@ -247,7 +252,7 @@ int cli_bench_decode(int argc, char **argv) {
             const int64_t replays = c1.graphs_replayed - c0.graphs_replayed;
             dev[r] = replays > 0 ? (c1.graphs_device_s - c0.graphs_device_s) / replays * 1e3 : 0;
             progress_tick(prog);
-            if (probe(e, pool, backend, (int)device, bw_bytes, &rd[1], &cp[1], prog) != CLI_OK) {
+            if (probe(e, pool, dprobe, bw_bytes, &rd[1], &cp[1], prog) != CLI_OK) {
                 llmem_generate_result_free(&res);
                 goto out;
             }
@@ -330,6 +335,7 @@ int cli_bench_decode(int argc, char **argv) {
 out:
     cli_progress_done();
     free(prompt);
+    cli_device_probe_close(dprobe);
     llmem_engine_close(e);
     return rc;
 }

@@ -125,6 +125,12 @@ int cli_bandwidth(struct llmem_mem *mem, struct llmem_pool *pool, int64_t bytes,
 /* The device-to-device copy bandwidth of CUDA device `device` (bytes read + written per second,
  * the best of 10 copies of `bytes` after a warm-up): the roofline's bandwidth (SPEC §8). */
 int cli_device_copy_bandwidth(int device, int64_t bytes, double *copy_gbps);
+/* The same probe kept open between runs: its buffers stay allocated, so that runs timed between
+ * two probes do not pay for freeing and mapping them again (the device's page tables). */
+struct cli_device_probe;
+int cli_device_probe_open(int device, int64_t bytes, struct cli_device_probe **out);
+int cli_device_probe_run(struct cli_device_probe *p, double *copy_gbps);
+void cli_device_probe_close(struct cli_device_probe *p);
 
 /* A progress bar on stderr, drawn only when stderr is a terminal; done ≤ total. */
 void cli_progress(const char *label, int64_t done, int64_t total);
