@@ -579,7 +579,8 @@ static void test_kv_device(void **state) {
                    worst);
             assert_true(worst <= (fmts[fi] == LLMEM_KV_FORMAT_F32 ? 1e-5 : 1e-3));
             /* a decode step of three sequences at once (one forked, sharing the partial block):
-             * one token each written and attended, the same on both */
+             * one token each written and attended, the same on both; then a mixed step: one
+             * decode token, a 5-token chunk and a 20-token chunk across a block boundary */
             {
                 int hseq[3] = {hs, -1, -1}, dseq[3] = {ds, -1, -1};
                 assert_int_equal(llmem_kv_seq_fork(host, hs, &hseq[1]), LLMEM_OK);
@@ -588,35 +589,54 @@ static void test_kv_device(void **state) {
                 assert_int_equal(llmem_kv_seq_new(dev, &dseq[2]), LLMEM_OK);
                 assert_int_equal(llmem_kv_append(host, hseq[2], 37, k, v), LLMEM_OK);
                 assert_int_equal(llmem_kv_append(dev, dseq[2], 37, dk, dv), LLMEM_OK);
-                for (int i = 0; i < 3; i++) {
-                    int64_t len = llmem_kv_seq_length(host, hseq[i]);
-                    assert_int_equal(llmem_kv_reserve(host, hseq[i], 1), LLMEM_OK);
-                    assert_int_equal(llmem_kv_reserve(dev, dseq[i], 1), LLMEM_OK);
-                    llmem_kv_set_length(host, hseq[i], len + 1);
-                    llmem_kv_set_length(dev, dseq[i], len + 1);
-                }
                 const int64_t kv_row = n_kv * hd, q_row = n_heads * hd;
-                struct llmem_kv_attn at = {.n_heads = n_heads};
-                double w = 0;
-                for (int layer = 0; layer < layers; layer++) {
-                    /* the step's new keys: rows 100.. of the data, a different row per layer */
-                    const float *nk = k + (100 + layer * 3) * kv_row,
-                                *nv = v + (100 + layer * 3) * kv_row;
-                    const float *dnk = dk + (100 + layer * 3) * kv_row,
-                                *dnv = dv + (100 + layer * 3) * kv_row;
-                    assert_int_equal(llmem_kv_write_last(host, 3, hseq, layer, nk, nv), LLMEM_OK);
-                    assert_int_equal(llmem_kv_write_last(dev, 3, dseq, layer, dnk, dnv), LLMEM_OK);
-                    assert_int_equal(llmem_kv_attend_last(host, 3, hseq, layer, q, out, &at),
-                                     LLMEM_OK);
-                    assert_int_equal(llmem_kv_attend_last(dev, 3, dseq, layer, dq, dout, &at),
-                                     LLMEM_OK);
-                    float *g = to_host(dout, 3 * q_row);
-                    w = fmax(w, rel_diff(out, g, 3 * q_row));
-                    free(g);
+                for (int mixed = 0; mixed < 2; mixed++) {
+                    const int64_t chunks[3] = {1, 5, 20}, ones[3] = {1, 1, 1};
+                    const int64_t *nq = mixed ? chunks : ones;
+                    const int64_t rows = nq[0] + nq[1] + nq[2];
+                    for (int i = 0; i < 3; i++) {
+                        int64_t len = llmem_kv_seq_length(host, hseq[i]);
+                        assert_int_equal(llmem_kv_reserve(host, hseq[i], nq[i]), LLMEM_OK);
+                        assert_int_equal(llmem_kv_reserve(dev, dseq[i], nq[i]), LLMEM_OK);
+                        llmem_kv_set_length(host, hseq[i], len + nq[i]);
+                        llmem_kv_set_length(dev, dseq[i], len + nq[i]);
+                    }
+                    struct llmem_kv_attn at = {.n_heads = n_heads};
+                    double w = 0;
+                    for (int layer = 0; layer < layers; layer++) {
+                        /* the step's new keys: rows 100.. of the data, other rows per layer */
+                        const int64_t r0 = 100 + layer * 3 + mixed * 40;
+                        const float *nk = k + r0 * kv_row, *nv = v + r0 * kv_row;
+                        const float *dnk = dk + r0 * kv_row, *dnv = dv + r0 * kv_row;
+                        const int64_t *arg = mixed ? nq : NULL;
+                        assert_int_equal(llmem_kv_write_last(host, 3, hseq, arg, layer, nk, nv),
+                                         LLMEM_OK);
+                        assert_int_equal(llmem_kv_write_last(dev, 3, dseq, arg, layer, dnk, dnv),
+                                         LLMEM_OK);
+                        assert_int_equal(
+                            llmem_kv_attend_last(host, 3, hseq, arg, layer, q, out, &at), LLMEM_OK);
+                        assert_int_equal(
+                            llmem_kv_attend_last(dev, 3, dseq, arg, layer, dq, dout, &at),
+                            LLMEM_OK);
+                        float *g = to_host(dout, rows * q_row);
+                        w = fmax(w, rel_diff(out, g, rows * q_row));
+                        free(g);
+                    }
+                    printf("  kv %s head_dim %d: a %s step of 3 sequences %.2e\n",
+                           llmem_kv_format_name(fmts[fi]), hd, mixed ? "mixed" : "decode", w);
+                    assert_true(w <= (fmts[fi] == LLMEM_KV_FORMAT_F32 ? 1e-5 : 1e-3));
                 }
-                printf("  kv %s head_dim %d: a decode step of 3 sequences %.2e\n",
-                       llmem_kv_format_name(fmts[fi]), hd, w);
-                assert_true(w <= (fmts[fi] == LLMEM_KV_FORMAT_F32 ? 1e-5 : 1e-3));
+                /* the stored bytes of the chunks, full blocks */
+                for (int i = 0; i < 3; i++) {
+                    const int64_t *bh, *bd;
+                    int64_t nbh = llmem_kv_seq_blocks(host, hseq[i], &bh);
+                    assert_int_equal(llmem_kv_seq_blocks(dev, dseq[i], &bd), nbh);
+                    for (int64_t j = 0; j + 1 < nbh; j++) {
+                        llmem_kv_block_copy_out(host, bh[j], a);
+                        llmem_kv_block_copy_out(dev, bd[j], b);
+                        assert_memory_equal(a, b, (size_t)bb);
+                    }
+                }
                 for (int i = 1; i < 3; i++) {
                     llmem_kv_seq_free(host, hseq[i]);
                     llmem_kv_seq_free(dev, dseq[i]);

@@ -509,9 +509,10 @@ static void test_paged_share_and_copy_on_write(void **state) {
     llmem_kv_destroy(kv);
 }
 
-/* A decode step for several sequences at once (llmem_kv_write_last, llmem_kv_attend_last) gives
- * the bits of writing and attending each sequence alone, including a fork that shares its partial
- * block (the write copies it) and a sliding window. */
+/* A step for several sequences at once (llmem_kv_write_last, llmem_kv_attend_last), a decode
+ * token each or chunks of several tokens, gives the bits of writing and attending each sequence
+ * alone, including a fork that shares its partial block (the write copies it) and a sliding
+ * window. */
 static void test_last_token_batch(void **state) {
     (void)state;
     const int layers = 2, kvh = 2, hd = 64, heads = 8;
@@ -519,10 +520,13 @@ static void test_last_token_batch(void **state) {
     struct data d = data_new(layers, kvh, hd, 64);
     for (int64_t i = 0; i < layers * 64 * row; i++)
         d.k[i] = gauss(), d.v[i] = gauss();
-    float q[3 * 8 * 64], out[2][3 * 8 * 64];
-    for (int i = 0; i < 3 * 8 * 64; i++)
+    float q[8 * 8 * 64], out[2][8 * 8 * 64];
+    for (int i = 0; i < 8 * 8 * 64; i++)
         q[i] = gauss();
-    for (int w = 0; w < 2; w++) {
+    for (int variant = 0; variant < 4; variant++) {
+        const int w = variant & 1, mixed = variant >> 1;
+        const int64_t chunks[3] = {1, 3, 4}, ones[3] = {1, 1, 1};
+        const int64_t *nq = mixed ? chunks : ones;
         struct llmem_kv *kv[2];
         int seqs[2][3];
         for (int c = 0; c < 2; c++) {
@@ -531,30 +535,32 @@ static void test_last_token_batch(void **state) {
             assert_int_equal(llmem_kv_append(kv[c], seqs[c][0], 40, d.k, d.v), LLMEM_OK);
             assert_int_equal(llmem_kv_seq_fork(kv[c], seqs[c][0], &seqs[c][1]), LLMEM_OK);
             assert_int_equal(llmem_kv_seq_new(kv[c], &seqs[c][2]), LLMEM_OK);
-            assert_int_equal(llmem_kv_append(kv[c], seqs[c][2], 17, d.k, d.v), LLMEM_OK);
+            assert_int_equal(llmem_kv_append(kv[c], seqs[c][2], 14, d.k, d.v), LLMEM_OK);
             for (int i = 0; i < 3; i++) {
                 const int64_t len = llmem_kv_seq_length(kv[c], seqs[c][i]);
-                assert_int_equal(llmem_kv_reserve(kv[c], seqs[c][i], 1), LLMEM_OK);
-                llmem_kv_set_length(kv[c], seqs[c][i], len + 1);
+                assert_int_equal(llmem_kv_reserve(kv[c], seqs[c][i], nq[i]), LLMEM_OK);
+                llmem_kv_set_length(kv[c], seqs[c][i], len + nq[i]);
             }
         }
         const struct llmem_kv_attn at = {.n_heads = heads, .window = w ? 9 : 0};
         for (int layer = 0; layer < layers; layer++) {
             const float *k = d.k + (size_t)(50 + layer) * (size_t)row,
                         *v = d.v + (size_t)(50 + layer) * (size_t)row;
-            for (int i = 0; i < 3; i++) { /* one by one */
-                const int64_t pos = llmem_kv_seq_length(kv[0], seqs[0][i]) - 1;
-                assert_int_equal(
-                    llmem_kv_write(kv[0], seqs[0][i], layer, pos, 1, k + i * row, v + i * row),
-                    LLMEM_OK);
-                assert_int_equal(llmem_kv_attend(kv[0], seqs[0][i], layer, pos, 1, q + i * qrow,
-                                                 out[0] + i * qrow, &at),
+            for (int i = 0, at_row = 0; i < 3; at_row += (int)nq[i], i++) { /* one by one */
+                const int64_t pos = llmem_kv_seq_length(kv[0], seqs[0][i]) - nq[i];
+                assert_int_equal(llmem_kv_write(kv[0], seqs[0][i], layer, pos, nq[i],
+                                                k + at_row * row, v + at_row * row),
+                                 LLMEM_OK);
+                assert_int_equal(llmem_kv_attend(kv[0], seqs[0][i], layer, pos, nq[i],
+                                                 q + at_row * qrow, out[0] + at_row * qrow, &at),
                                  LLMEM_OK);
             }
-            assert_int_equal(llmem_kv_write_last(kv[1], 3, seqs[1], layer, k, v), LLMEM_OK);
-            assert_int_equal(llmem_kv_attend_last(kv[1], 3, seqs[1], layer, q, out[1], &at),
+            const int64_t *arg = mixed ? nq : NULL;
+            assert_int_equal(llmem_kv_write_last(kv[1], 3, seqs[1], arg, layer, k, v), LLMEM_OK);
+            assert_int_equal(llmem_kv_attend_last(kv[1], 3, seqs[1], arg, layer, q, out[1], &at),
                              LLMEM_OK);
-            assert_memory_equal(out[0], out[1], sizeof(out[0]));
+            const size_t rows = (size_t)(nq[0] + nq[1] + nq[2]);
+            assert_memory_equal(out[0], out[1], rows * (size_t)qrow * sizeof(float));
         }
         struct llmem_kv_stats st;
         llmem_kv_stats(kv[1], &st);

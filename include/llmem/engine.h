@@ -322,6 +322,8 @@ struct llmem_engine_metrics {
     int64_t running, waiting, preemptions, steps;
     double step_seconds;    /* in scheduler steps, all told */
     double forward_seconds; /* of which in forward passes (on a device: until its results) */
+    int64_t prefill_steps;  /* steps whose batch held a prompt's chunk (not only decodes) */
+    double prefill_forward_seconds;           /* their forward passes' part of forward_seconds */
     struct llmem_histogram ttft, inter_token; /* seconds */
     int64_t kv_blocks_used, kv_blocks_free, kv_block_bytes;
     struct llmem_engine_bank_stats bank;                /* RAM tier, spill store, guard actions */

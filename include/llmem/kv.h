@@ -109,11 +109,12 @@ int llmem_kv_reserve(struct llmem_kv *kv, int seq, int64_t n);
  * with LLMEM_ENOMEM (logged) before anything is written. */
 int llmem_kv_write(struct llmem_kv *kv, int seq, int layer, int64_t pos, int64_t n, const float *k,
                    const float *v);
-/* Decode: for each of n sequences, one token of `layer` at its last position (length − 1; the
- * length already covers it): row i of k and v goes to seqs[i]. The same as llmem_kv_write for
- * each, but on a device in one launch. */
-int llmem_kv_write_last(struct llmem_kv *kv, int n, const int *seqs, int layer, const float *k,
-                        const float *v);
+/* A step's writes: for each of n sequences, its last n_q[i] tokens of `layer` (positions
+ * length − n_q[i] … length − 1; the length already covers them; n_q NULL: one each, a decode
+ * step), their rows of k and v one sequence after the other. The same as llmem_kv_write for each,
+ * but on a device in one launch. */
+int llmem_kv_write_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q, int layer,
+                        const float *k, const float *v);
 /* Sets the sequence's length (≤ the reserved room) after every layer was written. */
 void llmem_kv_set_length(struct llmem_kv *kv, int seq, int64_t length);
 /* reserve + write every layer + set_length, for k and v of [n_layers, n, n_kv_heads, head_dim]. */
@@ -176,11 +177,12 @@ struct llmem_kv_attn {
 int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int64_t n_q,
                     const float *q, float *out, const struct llmem_kv_attn *attn);
 
-/* Decode: for each of n sequences, attention of the query at its last position (q and out
- * [n, n_heads, head_dim], row i for seqs[i]). The same as llmem_kv_attend for each, but on a device
- * in one launch where the kernel allows. */
-int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, int layer, const float *q,
-                         float *out, const struct llmem_kv_attn *attn);
+/* A step's attention: for each of n sequences, the queries at its last n_q[i] positions (n_q
+ * NULL: the last one, a decode step); q and out [Σ n_q, n_heads, head_dim], one sequence's rows
+ * after the other's. The same as llmem_kv_attend for each, but on a device in one launch where
+ * the kernel allows. */
+int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q, int layer,
+                         const float *q, float *out, const struct llmem_kv_attn *attn);
 
 #define LLMEM_KV_STATS_FIELDS(X)                                                                   \
     X(n_sequences)                                                                                 \
@@ -198,8 +200,8 @@ int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, int layer,
     X(route_direct)                                                                                \
     X(route_partitioned)                                                                           \
     X(route_fallback)                                                                              \
-    X(route_device)    /* attention on the device backend that holds the pool */                  \
-    X(attend_ns) /* time spent in attention */
+    X(route_device) /* attention on the device backend that holds the pool */                      \
+    X(attend_ns)    /* time spent in attention */
 
 #define LLMEM_KV_STATS_FIELD_(name) int64_t name;
 struct llmem_kv_stats {

@@ -42,7 +42,7 @@ static inline int llmem_weight_follows(const struct llmem_weight *a, const struc
 
 /* Attention of one sequence over a paged KV cache in the backend's memory (kv_attend); for
  * kv_attend_last, the shared fields of a batch whose blocks, lengths come apart (q and out then
- * [n_seqs, n_heads, head_dim], each sequence's one query at its last position, no window). */
+ * [Σ n_q, n_heads, head_dim]: each sequence's queries at its last n_q positions, no window). */
 struct llmem_backend_paged_attn {
     enum llmem_kv_format format; /* f32, f16, bf16 or q8 */
     int n_heads, n_kv_heads, head_dim, block_size;
@@ -116,13 +116,15 @@ struct llmem_backend_ops {
      * [n, heads·head_dim]), into `format` (f32, f16, bf16 or q8, whose key and value rows have the
      * same size: byte for byte as kv/codec.h): token i into pool slot slots[i] (host memory), at
      * k_pool / v_pool + slots[i]·tok_bytes, head h at + h·row_bytes. Then attention over such a
-     * pool: one sequence's queries, or the last position of each of several sequences. */
+     * pool: one sequence's queries, or the last n_q[s] positions of each of several sequences
+     * (n_q NULL: one each). */
     void (*kv_encode)(void *ctx, enum llmem_kv_format format, const float *k, const float *v,
                       int64_t n, int heads, int head_dim, const int64_t *slots, uint8_t *k_pool,
                       uint8_t *v_pool, size_t tok_bytes, size_t row_bytes);
     void (*kv_attend)(void *ctx, const struct llmem_backend_paged_attn *attn);
     void (*kv_attend_last)(void *ctx, const struct llmem_backend_paged_attn *attn, int n_seqs,
-                           const int64_t *const *blocks, const int64_t *lengths);
+                           const int64_t *const *blocks, const int64_t *lengths,
+                           const int64_t *n_q);
 
     /* The raw memory the operations work on, for an allocator (llmem_mem) over it. */
     const struct llmem_mem_raw_ops *(*memory)(void *ctx);

@@ -127,7 +127,7 @@ static int measure(const struct llmem_backend *be, struct llmem_mem *mem,
             be->ops->counters(be->ctx, &c0);
         if (be->ops->graph_begin(be->ctx, (uint64_t)batch) != LLMEM_OK)
             goto out;
-        int status = llmem_kv_attend_last(kv, (int)batch, seqs, 0, dq, dout, &attn);
+        int status = llmem_kv_attend_last(kv, (int)batch, seqs, NULL, 0, dq, dout, &attn);
         int ended = be->ops->graph_end(be->ctx);
         if (ended == LLMEM_EBUSY) /* not replayed (nothing ran): not a call of the group */
             continue;

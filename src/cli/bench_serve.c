@@ -9,9 +9,10 @@
  * ignored); one unmeasured request goes first. Per request: TTFT = first SSE event − request sent;
  * inter-token latency = (last event − first event) / (tokens − 1). Per run: tokens/s = generated
  * tokens / wall time; TTFT p50 and p99 over its requests (p99 is the largest below 100 requests);
- * the scheduler's steps: wall time per step, the scheduler's own time in a step ("sched") and of
- * that the forward pass's ("forward"), and on a device with graphs the device's time per decode
- * step replayed ("dev ms").
+ * the scheduler's steps ("pf": those that prefill a prompt's chunk): wall time per step, the
+ * scheduler's own time in a step ("sched") and of that the forward pass's ("forward"; "fwd pf" in
+ * a step that prefills), and on a device with graphs the device's time per decode step replayed
+ * ("dev ms").
  *
  * The prefix workload sends prompts of S shared tokens + P distinct ones, against a run with the
  * same lengths where nothing is shared (each prompt starts with its own S tokens); one unmeasured
@@ -131,12 +132,13 @@ static void *client(void *arg) {
 
 struct stats {
     int clients, requests, failed;
-    int64_t tokens, prefilled, reused, steps;
+    int64_t tokens, prefilled, reused, steps, prefill_steps;
     double wall_s, tokens_per_s, requests_per_s, ttft_p50_ms, ttft_p99_ms, itl_ms;
-    double step_ms;    /* wall time per scheduler step */
-    double sched_ms;   /* the scheduler's time in a step */
-    double forward_ms; /* of which in the forward pass */
-    double device_ms;  /* a device's time per decode step replayed as a graph; 0: none */
+    double step_ms;            /* wall time per scheduler step */
+    double sched_ms;           /* the scheduler's time in a step */
+    double forward_ms;         /* of which in the forward pass */
+    double forward_prefill_ms; /* the forward pass of a step that prefills (a prompt's chunk) */
+    double device_ms;          /* a device's time per decode step replayed as a graph; 0: none */
 };
 
 /* The backend's graph replays so far, and the device's time in them. */
@@ -189,12 +191,16 @@ static int run_clients(struct llmem_engine *e, int port, char **bodies, int n, i
                          .requests = n,
                          .wall_s = wall,
                          .steps = m1.steps - m0.steps,
+                         .prefill_steps = m1.prefill_steps - m0.prefill_steps,
                          .device_ms = g1 > g0 ? (d1 - d0) / (double)(g1 - g0) * 1e3 : 0};
     if (st->steps > 0) {
         st->step_ms = wall / (double)st->steps * 1e3;
         st->sched_ms = (m1.step_seconds - m0.step_seconds) / (double)st->steps * 1e3;
         st->forward_ms = (m1.forward_seconds - m0.forward_seconds) / (double)st->steps * 1e3;
     }
+    if (st->prefill_steps > 0)
+        st->forward_prefill_ms = (m1.prefill_forward_seconds - m0.prefill_forward_seconds) /
+                                 (double)st->prefill_steps * 1e3;
     double itl = 0;
     int ok = 0;
     for (int i = 0; i < n; i++) {
@@ -289,8 +295,9 @@ static const char usage[] =
     "\n"
     "Throughput and time to first token of the HTTP server (in this process, on a loopback port)\n"
     "under concurrent streaming clients, and the gain of prefix reuse. Per run also the\n"
-    "scheduler's steps, wall ms per step, the scheduler's and the forward pass's ms in a\n"
-    "step, and on a device the device's ms per decode step replayed as a graph.\n"
+    "scheduler's steps (pf: those that prefill a prompt's chunk), wall ms per step, the\n"
+    "scheduler's and the forward pass's ms in a step (fwd pf: in a step that prefills), and\n"
+    "on a device the device's ms per decode step replayed as a graph.\n"
     "  --clients LIST       concurrent clients, one run each (default 1,4,16)\n"
     "  --requests N         requests per run (default 4 per client, at least 8)\n"
     "  --prompt-tokens P    prompt length (default 128)\n"
@@ -333,6 +340,8 @@ static cJSON *stats_json(const struct stats *s, const char *workload) {
         llmem_json_add_double(o, "step_ms", s->step_ms) ||
         llmem_json_add_double(o, "scheduler_ms_per_step", s->sched_ms) ||
         llmem_json_add_double(o, "forward_ms_per_step", s->forward_ms) ||
+        llmem_json_add_int(o, "prefill_steps", s->prefill_steps) ||
+        llmem_json_add_double(o, "forward_ms_per_prefill_step", s->forward_prefill_ms) ||
         llmem_json_add_double(o, "device_ms_per_decode_step", s->device_ms)) {
         cJSON_Delete(o);
         return NULL;
@@ -345,10 +354,11 @@ static void print_row(const char *label, const struct stats *s) {
     if (s->device_ms > 0)
         snprintf(dev, sizeof(dev), "%.3f", s->device_ms);
     printf("%-9s %7d %8d %9" PRId64 " %8" PRId64 " %9.1f %7.2f %10.1f %10.1f %7.2f %7" PRId64
-           " %7.3f %7.3f %7.3f %7s%s\n",
+           " %7" PRId64 " %7.3f %7.3f %7.3f %7.3f %7s%s\n",
            label, s->clients, s->requests, s->prefilled, s->reused, s->tokens_per_s,
-           s->requests_per_s, s->ttft_p50_ms, s->ttft_p99_ms, s->itl_ms, s->steps, s->step_ms,
-           s->sched_ms, s->forward_ms, dev, s->failed ? "  (some failed)" : "");
+           s->requests_per_s, s->ttft_p50_ms, s->ttft_p99_ms, s->itl_ms, s->steps, s->prefill_steps,
+           s->step_ms, s->sched_ms, s->forward_ms, s->forward_prefill_ms, dev,
+           s->failed ? "  (some failed)" : "");
 }
 
 int cli_bench_serve(int argc, char **argv) {
@@ -433,9 +443,10 @@ int cli_bench_serve(int argc, char **argv) {
                " sequences; streaming completions over loopback HTTP, greedy, EOS ignored\n",
                argv[optind], host.name, host.n_cpus, threads, ec.max_sequences);
         printf("prompt %" PRId64 " tokens, %" PRId64 " generated per request\n", prompt, gen);
-        printf("\n%-9s %7s %8s %9s %8s %9s %7s %10s %10s %7s %7s %7s %7s %7s %7s\n", "workload",
-               "clients", "requests", "prefilled", "reused", "tokens/s", "req/s", "TTFT p50",
-               "TTFT p99", "ITL ms", "steps", "step ms", "sched", "forward", "dev ms");
+        printf("\n%-9s %7s %8s %9s %8s %9s %7s %10s %10s %7s %7s %7s %7s %7s %7s %7s %7s\n",
+               "workload", "clients", "requests", "prefilled", "reused", "tokens/s", "req/s",
+               "TTFT p50", "TTFT p99", "ITL ms", "steps", "pf", "step ms", "sched", "forward",
+               "fwd pf", "dev ms");
     }
 
     /* one unmeasured request: the first one pays for page faults and cold caches */

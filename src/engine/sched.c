@@ -670,9 +670,16 @@ static int64_t sched_step(struct llmem_engine *e) {
         int status = n <= 0  ? LLMEM_ENOMEM
                      : k > 0 ? llmem_forward_run_top(e->fwd, tokens, seqs, n, k, top_ids, top_vals)
                              : llmem_forward_run(e->fwd, tokens, seqs, n, e->logits);
-        e->counters.forward_seconds += llmem_engine_now_s() - t_forward;
+        const double forward_s = llmem_engine_now_s() - t_forward;
+        e->counters.forward_seconds += forward_s;
         free(tokens);
         e->counters.steps++;
+        for (int i = 0; i < n; i++)
+            if (slots[i].r->pos < slots[i].r->n_toks - 1 || slots[i].n > 1) {
+                e->counters.prefill_steps++;
+                e->counters.prefill_forward_seconds += forward_s;
+                break;
+            }
         if (status != LLMEM_OK) {
             /* An allocation failure: the bank halves and the newest request ends (SPEC §6.5). */
             struct llmem_bank_stats bs = {0};

@@ -352,29 +352,33 @@ static struct llmem_backend_paged_attn device_attn(const struct llmem_kv *kv, in
                                              .out = out};
 }
 
-int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, int layer, const float *q,
-                         float *out, const struct llmem_kv_attn *attn) {
+int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q, int layer,
+                         const float *q, float *out, const struct llmem_kv_attn *attn) {
     const size_t row = (size_t)attn->n_heads * (size_t)kv->cfg.head_dim;
     const struct llmem_backend *d = kv->cfg.device;
     if (d == NULL || attn->window > 0) {
+        size_t at = 0;
         for (int i = 0; i < n; i++) {
-            const int64_t pos = llmem_kv_seq_length(kv, seqs[i]) - 1;
+            const int64_t m = n_q != NULL ? n_q[i] : 1;
+            const int64_t pos = llmem_kv_seq_length(kv, seqs[i]) - m;
             int status =
-                llmem_kv_attend(kv, seqs[i], layer, pos, 1, q + i * row, out + i * row, attn);
+                llmem_kv_attend(kv, seqs[i], layer, pos, m, q + at * row, out + at * row, attn);
             if (status != LLMEM_OK)
                 return status;
+            at += (size_t)m;
         }
         return LLMEM_OK;
     }
     LLMEM_ASSERT(n <= kv->cfg.max_sequences);
     for (int i = 0; i < n; i++) {
         const struct kv_seq *s = &kv->seqs[seqs[i]];
-        LLMEM_ASSERT(seqs[i] >= 0 && seqs[i] < kv->cfg.max_sequences && s->used && s->length > 0);
+        LLMEM_ASSERT(seqs[i] >= 0 && seqs[i] < kv->cfg.max_sequences && s->used &&
+                     s->length >= (n_q != NULL ? n_q[i] : 1) && (n_q == NULL || n_q[i] >= 1));
         kv->last_blocks[i] = s->table;
         kv->last_lengths[i] = s->length;
     }
     const struct llmem_backend_paged_attn a = device_attn(kv, layer, attn, q, out);
-    d->ops->kv_attend_last(d->ctx, &a, n, kv->last_blocks, kv->last_lengths);
+    d->ops->kv_attend_last(d->ctx, &a, n, kv->last_blocks, kv->last_lengths, n_q);
     kv->st.route_device += n;
     return LLMEM_OK;
 }

@@ -646,31 +646,40 @@ static void encode_slots(struct llmem_kv *kv, int layer, const float *k, const f
     kv->st.bytes_written += n * (int64_t)(kv->k_tok + kv->v_tok);
 }
 
-int llmem_kv_write_last(struct llmem_kv *kv, int n, const int *seqs, int layer, const float *k,
-                        const float *v) {
+int llmem_kv_write_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q, int layer,
+                        const float *k, const float *v) {
     const size_t row = (size_t)kv->cfg.n_kv_heads * (size_t)kv->cfg.head_dim;
     if (kv->cfg.device == NULL) {
+        size_t at = 0;
         for (int i = 0; i < n; i++) {
-            const int64_t pos = llmem_kv_seq_length(kv, seqs[i]) - 1;
-            int status = llmem_kv_write(kv, seqs[i], layer, pos, 1, k + i * row, v + i * row);
+            const int64_t m = n_q != NULL ? n_q[i] : 1;
+            const int64_t pos = llmem_kv_seq_length(kv, seqs[i]) - m;
+            int status = llmem_kv_write(kv, seqs[i], layer, pos, m, k + at * row, v + at * row);
             if (status != LLMEM_OK)
                 return status;
+            at += (size_t)m;
         }
         return LLMEM_OK;
     }
-    int64_t *slots = slots_room(kv, n);
+    int64_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += n_q != NULL ? n_q[i] : 1;
+    int64_t *slots = slots_room(kv, total);
     if (slots == NULL)
         return LLMEM_ENOMEM;
+    const int64_t bs = block_size(kv);
+    int64_t at = 0;
     for (int i = 0; i < n; i++) {
         struct kv_seq *s = get_seq(kv, seqs[i]);
-        const int64_t pos = s->length - 1, bs = block_size(kv);
-        LLMEM_ASSERT(pos >= 0 && layer >= 0 && layer < kv->cfg.n_layers);
-        int status = unshare_blocks(kv, s, pos / bs, pos / bs);
+        const int64_t m = n_q != NULL ? n_q[i] : 1, pos = s->length - m;
+        LLMEM_ASSERT(m >= 1 && pos >= 0 && layer >= 0 && layer < kv->cfg.n_layers);
+        int status = unshare_blocks(kv, s, pos / bs, (pos + m - 1) / bs);
         if (status != LLMEM_OK)
             return status;
-        slots[i] = slot_of(kv, s, pos);
+        for (int64_t t = 0; t < m; t++)
+            slots[at++] = slot_of(kv, s, pos + t);
     }
-    encode_slots(kv, layer, k, v, n, slots);
+    encode_slots(kv, layer, k, v, total, slots);
     return LLMEM_OK;
 }
 

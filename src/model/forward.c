@@ -6,11 +6,11 @@
  *
  * Per layer, for all T tokens of the batch at once:
  *   xn = rmsnorm(x); q, k, v = xn·Wqᵀ (+b), xn·Wkᵀ (+b), xn·Wvᵀ (+b); q/k per-head rmsnorm (Qwen3);
- *   rope(q, k); per sequence: write k, v into the cache, attend (GQA, causal, sliding window);
+ *   rope(q, k); write k, v into the cache, attend (GQA, causal, sliding window);
  *   x += att·Woᵀ;  xn = rmsnorm(x);  x += (silu(xn·Wgᵀ) ⊙ xn·Wuᵀ)·Wdᵀ
- * then the rows that want logits: rmsnorm, ·lm_headᵀ. A step's decodes (the leading sequences of
- * one token each) are written and attended with one cache call each (llmem_kv_write_last,
- * llmem_kv_attend_last): one launch on a device, also beside the prefill chunks of a mixed step.
+ * then the rows that want logits: rmsnorm, ·lm_headᵀ. A step's sequences (decode tokens and
+ * prefill chunks alike, each its sequence's last tokens) are written and attended with one cache
+ * call each (llmem_kv_write_last, llmem_kv_attend_last): one launch each on a device.
  *
  * Any backend: the activations live in the model's allocator (host memory, or a device's for a
  * model copied there by llmem_model_to_device); the logits come back to the caller's host memory,
@@ -48,7 +48,8 @@ struct llmem_forward {
     float *k, *v;      /* (T, n_kv·hd) */
     float *gate, *up;  /* (T, inter) */
     int64_t *pos;      /* (T) position of each token */
-    int *seq_ids;      /* (T) the decoding sequences of a step */
+    int *seq_ids;      /* (T) the sequences of a step */
+    int64_t *n_q;      /* (T) and their tokens */
     float *dev_logits; /* on a device: the logits there, kept for the next pass (graphs) */
     int64_t dev_logits_rows;
 };
@@ -89,7 +90,8 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
     f->up = f->gate + T * (size_t)g->intermediate_size;
     f->pos = malloc(T * sizeof(int64_t)); /* host memory, as the rope operation takes it */
     f->seq_ids = malloc(T * sizeof(int));
-    if (f->pos == NULL || f->seq_ids == NULL) {
+    f->n_q = malloc(T * sizeof(int64_t));
+    if (f->pos == NULL || f->seq_ids == NULL || f->n_q == NULL) {
         LLMEM_ERROR("out of memory");
         goto fail;
     }
@@ -109,6 +111,7 @@ void llmem_forward_free(struct llmem_forward *f) {
     llmem_mem_free(f->mem, f->dev_logits);
     free(f->pos);
     free(f->seq_ids);
+    free(f->n_q);
     free(f);
 }
 
@@ -146,13 +149,12 @@ static void matmul_multi(struct llmem_forward *f, int count, const struct llmem_
 }
 
 static int attention_block(struct llmem_forward *f, const struct model_layer *L, int layer,
-                           const struct llmem_batch_seq *seqs, int n_seqs, int64_t T, int n_last) {
+                           int n_seqs, int64_t T, int decode) {
     const struct llmem_backend_ops *ops = f->be->ops;
     void *ctx = f->be->ctx;
     const struct llmem_model_config *c = &f->model->cfg;
     const struct llmem_model_geometry *g = &c->geom;
     const int hd = (int)g->head_dim, nh = (int)g->n_heads, nkv = (int)g->n_kv_heads;
-    const int64_t q_dim = (int64_t)nh * hd, kv_dim = (int64_t)nkv * hd;
     const float eps = (float)c->rms_norm_eps;
 
     residual_norm(f, L->attn_norm, T, layer > 0); /* the layer before's MLP output added first */
@@ -173,26 +175,15 @@ static int attention_block(struct llmem_forward *f, const struct model_layer *L,
         ops->rope(ctx, f->k, T, nkv, hd, f->pos, f->model->inv_freq);
     }
 
+    /* every sequence's tokens are the last of it (the lengths cover them): each cache call once
+     * for the whole step (n_q NULL for a pure decode step, as its recording has it) */
     const struct llmem_kv_attn attn = {.n_heads = nh, .window = L->window};
-    if (n_last > 0) { /* the decodes, one token each: each cache call once for all of them */
-        int status = llmem_kv_write_last(f->kv, n_last, f->seq_ids, layer, f->k, f->v);
-        if (status == LLMEM_OK)
-            status = llmem_kv_attend_last(f->kv, n_last, f->seq_ids, layer, f->q, f->att, &attn);
-        if (status != LLMEM_OK)
-            return status;
-    }
-    int64_t row = n_last;
-    for (int s = n_last; s < n_seqs; s++) {
-        const struct llmem_batch_seq *b = &seqs[s];
-        int status = llmem_kv_write(f->kv, b->seq, layer, b->pos, b->n_tokens, f->k + row * kv_dim,
-                                    f->v + row * kv_dim);
-        if (status == LLMEM_OK)
-            status = llmem_kv_attend(f->kv, b->seq, layer, b->pos, b->n_tokens, f->q + row * q_dim,
-                                     f->att + row * q_dim, &attn);
-        if (status != LLMEM_OK)
-            return status;
-        row += b->n_tokens;
-    }
+    const int64_t *n_q = decode ? NULL : f->n_q;
+    int status = llmem_kv_write_last(f->kv, n_seqs, f->seq_ids, n_q, layer, f->k, f->v);
+    if (status == LLMEM_OK)
+        status = llmem_kv_attend_last(f->kv, n_seqs, f->seq_ids, n_q, layer, f->q, f->att, &attn);
+    if (status != LLMEM_OK)
+        return status;
     ops->matmul(ctx, &L->wo, f->att, T, f->xn, NULL); /* added to x by the next norm */
     return LLMEM_OK;
 }
@@ -216,17 +207,17 @@ static void mlp_block(struct llmem_forward *f, const struct model_layer *L, int6
 /* ---- the batch ------------------------------------------------------------------------------ */
 
 /* The layers and the logits rows of a batch whose cache lengths already cover it: into `logits`
- * (the backend's memory). The first n_last sequences are decodes, one token each. */
+ * (the backend's memory). `decode`: every sequence has one token. */
 static int run_pass(struct llmem_forward *f, const int32_t *tokens,
                     const struct llmem_batch_seq *seqs, int n_seqs, int64_t T, int64_t n_logits,
-                    int n_last, float *logits) {
+                    int decode, float *logits) {
     const struct llmem_model_geometry *g = &f->model->cfg.geom;
     const struct llmem_backend_ops *ops = f->be->ops;
     void *ctx = f->be->ctx;
     ops->embedding(ctx, &f->model->embed, tokens, T, f->x);
     for (int64_t l = 0; l < g->n_layers; l++) {
         const struct model_layer *L = &f->model->layers[l];
-        int status = attention_block(f, L, (int)l, seqs, n_seqs, T, n_last);
+        int status = attention_block(f, L, (int)l, n_seqs, T, decode);
         if (status != LLMEM_OK)
             return status;
         mlp_block(f, L, T);
@@ -313,16 +304,17 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
 
     /* The leading sequences of one token each (a step's decodes, each token at its sequence's end:
      * the lengths were just set to cover it) go to the cache together. */
-    int n_last = 0; /* (n_seqs ≤ T ≤ max_tokens: seq_ids has room) */
-    while (n_last < n_seqs && seqs[n_last].n_tokens == 1) {
-        f->seq_ids[n_last] = seqs[n_last].seq;
-        n_last++;
+    int decode = 1; /* (n_seqs ≤ T ≤ max_tokens: seq_ids and n_q have room) */
+    for (int s = 0; s < n_seqs; s++) {
+        f->seq_ids[s] = seqs[s].seq;
+        f->n_q[s] = seqs[s].n_tokens;
+        decode &= seqs[s].n_tokens == 1;
     }
     const struct llmem_backend_ops *ops = f->be->ops;
     void *ctx = f->be->ctx;
     /* On a device, a pure decode step may be recorded and replayed as one launch (graph_begin):
      * when every sequence could take a fresh block without the pool growing mid-pass. */
-    const int graph = f->model->on_device && ops->graph_begin != NULL && n_last == n_seqs &&
+    const int graph = f->model->on_device && ops->graph_begin != NULL && decode &&
                       n_logits == n_seqs && llmem_kv_blocks_free(f->kv) >= n_seqs;
     int status = LLMEM_OK;
     float *dl = NULL;
@@ -345,7 +337,7 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
     for (int attempt = 0; attempt < 3; attempt++) {
         if (graph && (status = ops->graph_begin(ctx, (uint64_t)n_seqs)) != LLMEM_OK)
             break;
-        status = run_pass(f, tokens, seqs, n_seqs, T, n_logits, n_last, dl != NULL ? dl : logits);
+        status = run_pass(f, tokens, seqs, n_seqs, T, n_logits, decode, dl != NULL ? dl : logits);
         int ended = graph ? ops->graph_end(ctx) : LLMEM_OK;
         if (ended != LLMEM_EBUSY || status != LLMEM_OK) {
             status = status != LLMEM_OK ? status : ended;

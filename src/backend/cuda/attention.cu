@@ -67,6 +67,7 @@ struct Params {
     const uint8_t *k_pool, *v_pool;
     long long block_stride;
     const int32_t *tables;
+    const int32_t *table_ids;
     int table_stride;
     const int32_t *lengths;
     float *out;
@@ -257,7 +258,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
 
     uint8_t *ring = smem + (size_t)warp * STAGES * G::STAGE;
     const uint32_t ring_s = smem_addr(ring);
-    const int32_t *table = p.tables + (size_t)b * p.table_stride + t0 / BLOCK;
+    const int32_t *table = p.tables +
+                           (size_t)(p.table_ids != nullptr ? p.table_ids[b] : b) * p.table_stride +
+                           t0 / BLOCK;
     const int tok_stride = p.n_kv * G::ROW;
     const size_t head_off = (size_t)kvh * G::ROW;
 
@@ -828,6 +831,7 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
     p.v_pool = (const uint8_t *)a->v_pool;
     p.block_stride = a->block_stride;
     p.tables = a->block_tables;
+    p.table_ids = a->table_ids;
     p.table_stride = a->table_stride;
     p.lengths = a->lengths;
     p.out = a->out;

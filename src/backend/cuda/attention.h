@@ -55,8 +55,10 @@ struct llmem_cuda_attn {
     const int32_t *block_tables; /* [batch, table_stride]: block ids of each sequence in order */
     int table_stride; /* 0: every "sequence" reads the one table (which covers max_len tokens):
                        * the queries of one sequence at several positions, a prefill chunk */
-    const int32_t *lengths; /* [batch] tokens of each sequence, ≤ max_len; 0 gives zeros */
-    float *out;             /* [batch, n_heads, head_dim] f32 */
+    const int32_t *table_ids; /* (optional) [batch]: the row of block_tables each sequence reads
+                               * (NULL: row b): the queries of several sequences' chunks */
+    const int32_t *lengths;   /* [batch] tokens of each sequence, ≤ max_len; 0 gives zeros */
+    float *out;               /* [batch, n_heads, head_dim] f32 */
 
     void *workspace; /* (optional when one split suffices) llmem_cuda_attn_workspace_bytes */
     size_t workspace_bytes;

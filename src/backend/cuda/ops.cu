@@ -1363,17 +1363,21 @@ static int decode_kernel_fits(const struct llmem_backend_paged_attn *a) {
 }
 
 /* Runs the decode kernel over n_seqs sequences whose block tables (int32, table_stride apart; 0:
- * one table for all) and then, from index lengths_at, lengths lie in c->staging, n_ints of them in
- * all; q and out [n_seqs, n_heads, head_dim]. */
+ * one table for all), then from index lengths_at their lengths, and from ids_at (NO_IDS: none) the
+ * table each reads lie in c->staging, n_ints of them in all; q and out [n_seqs, n_heads,
+ * head_dim]. */
+#define NO_IDS ((size_t)-1)
 static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_attn *a, int n_seqs,
-                          int table_stride, size_t lengths_at, int max_len, size_t n_ints) {
+                          int table_stride, size_t lengths_at, size_t ids_at, int max_len,
+                          size_t n_ints) {
     const int32_t *d = (const int32_t *)small_upload(c, c->staging, n_ints * sizeof(int32_t));
     if (d == NULL ||
         staged(c, 10,
                {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
                 arg((int64_t)a->head_dim), arg(a->q), arg(a->k_pool), arg(a->v_pool), arg(a->out),
                 arg((int64_t)n_seqs), arg((int64_t)table_stride), arg((int64_t)lengths_at),
-                arg((int64_t)max_len), arg(d), arg(a->scale), arg((int64_t)a->k_tok)}))
+                arg((int64_t)max_len), arg(d), arg(a->scale), arg((int64_t)a->k_tok),
+                arg((int64_t)ids_at)}))
         return;
     struct llmem_cuda_attn ca = {};
     ca.format = a->format;
@@ -1391,6 +1395,7 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
     ca.block_tables = d;
     ca.table_stride = table_stride;
     ca.lengths = d + lengths_at;
+    ca.table_ids = ids_at != NO_IDS ? d + ids_at : NULL;
     ca.out = a->out;
     ca.stream = c->stream;
     ca.workspace_bytes = llmem_cuda_attn_workspace_bytes(&ca);
@@ -1417,7 +1422,7 @@ static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) 
         /* each query a "sequence" of its own length over the one table (on tensor cores) */
         for (int64_t i = 0; i < a->n_q; i++)
             c->staging[a->n_blocks + i] = (int32_t)(a->q_pos + i + 1);
-        decode_kernel(c, a, (int)a->n_q, 0, (size_t)a->n_blocks, (int)(a->q_pos + a->n_q),
+        decode_kernel(c, a, (int)a->n_q, 0, (size_t)a->n_blocks, NO_IDS, (int)(a->q_pos + a->n_q),
                       (size_t)(a->n_blocks + a->n_q));
         return;
     }
@@ -1439,44 +1444,58 @@ static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) 
     launched(c, "kv attend");
 }
 
-/* The last position of each of n_seqs sequences: one launch of the decode kernel for all of them
- * where it applies and their tables fit one upload, else sequence by sequence. */
+/* The last n_q[s] positions (n_q NULL: the last one) of each of n_seqs sequences: one launch of the
+ * decode kernel for all their queries where it applies and the tables fit one upload (each query
+ * a "sequence" of its own length over its sequence's table), else sequence by sequence. */
 static void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn *a, int n_seqs,
-                                const int64_t *const *blocks, const int64_t *lengths) {
+                                const int64_t *const *blocks, const int64_t *lengths,
+                                const int64_t *n_q) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     if (n_seqs == 0 || c->failed)
         return;
-    int64_t most = 0;
-    for (int s = 0; s < n_seqs; s++)
+    int64_t most = 0, queries = 0;
+    for (int s = 0; s < n_seqs; s++) {
         most = lengths[s] > most ? lengths[s] : most;
+        queries += n_q != NULL ? n_q[s] : 1;
+    }
     /* tables padded to a power of two of blocks: the same launch (and graph) for many steps */
     int64_t stride = 8;
     while (stride * a->block_size < most)
         stride *= 2;
     most = stride * a->block_size;
-    const size_t n_ints = (size_t)n_seqs * (size_t)(stride + 1);
+    /* the tables, the queries' lengths, and (with n_q) the table of each query */
+    const size_t lengths_at = (size_t)n_seqs * (size_t)stride;
+    const size_t ids_at = n_q != NULL ? lengths_at + (size_t)queries : NO_IDS;
+    const size_t n_ints = lengths_at + (size_t)queries * (n_q != NULL ? 2 : 1);
     if (decode_kernel_fits(a) && n_ints <= SMALL_MAX / sizeof(int32_t)) {
+        size_t at = 0;
         for (int s = 0; s < n_seqs; s++) {
             const int64_t nb = (lengths[s] + a->block_size - 1) / a->block_size;
             int32_t *row = c->staging + (size_t)s * (size_t)stride;
             for (int64_t b = 0; b < stride; b++)
                 row[b] = b < nb ? (int32_t)blocks[s][b] : 0;
-            c->staging[(size_t)n_seqs * (size_t)stride + (size_t)s] = (int32_t)lengths[s];
+            const int64_t m = n_q != NULL ? n_q[s] : 1;
+            for (int64_t i = 0; i < m; i++, at++) {
+                c->staging[lengths_at + at] = (int32_t)(lengths[s] - m + i + 1);
+                if (n_q != NULL)
+                    c->staging[ids_at + at] = s;
+            }
         }
-        decode_kernel(c, a, n_seqs, (int)stride, (size_t)n_seqs * (size_t)stride, (int)most,
-                      n_ints);
+        decode_kernel(c, a, (int)queries, (int)stride, lengths_at, ids_at, (int)most, n_ints);
         return;
     }
     const size_t row = (size_t)a->n_heads * (size_t)a->head_dim;
+    size_t at = 0;
     for (int s = 0; s < n_seqs; s++) {
         struct llmem_backend_paged_attn one = *a;
         one.blocks = blocks[s];
         one.n_blocks = (lengths[s] + a->block_size - 1) / a->block_size;
-        one.q_pos = lengths[s] - 1;
-        one.n_q = 1;
-        one.q = a->q + (size_t)s * row;
-        one.out = a->out + (size_t)s * row;
+        one.n_q = n_q != NULL ? n_q[s] : 1;
+        one.q_pos = lengths[s] - one.n_q;
+        one.q = a->q + at * row;
+        one.out = a->out + at * row;
         cuda_kv_attend(ctx, &one);
+        at += (size_t)one.n_q;
     }
 }
 
