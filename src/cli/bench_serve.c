@@ -139,15 +139,16 @@ struct stats {
     double forward_ms;         /* of which in the forward pass */
     double forward_prefill_ms; /* the forward pass of a step that prefills (a prompt's chunk) */
     double device_ms;          /* a device's time per decode step replayed as a graph; 0: none */
+    int64_t replayed, recorded, missed; /* decode steps replayed, recorded, not matched */
 };
 
-/* The backend's graph replays so far, and the device's time in them. */
-static void replays(struct llmem_engine *e, int64_t *n, double *seconds) {
+/* The backend's graph counters so far (zeros without graphs). */
+static struct llmem_backend_counters graphs(struct llmem_engine *e) {
     const struct llmem_backend *be = llmem_engine_backend(e);
     struct llmem_backend_counters c = {0};
     if (be->ops->counters != NULL)
         be->ops->counters(be->ctx, &c);
-    *n = c.graphs_replayed, *seconds = c.graphs_device_s;
+    return c;
 }
 
 static double percentile(double *v, int n, double q) {
@@ -173,10 +174,9 @@ static int run_clients(struct llmem_engine *e, int port, char **bodies, int n, i
     }
     pthread_mutex_init(&r.mu, NULL);
     struct llmem_engine_metrics m0, m1;
-    int64_t g0, g1;
-    double d0, d1;
+    struct llmem_backend_counters g0, g1;
     llmem_engine_metrics(e, &m0);
-    replays(e, &g0, &d0);
+    g0 = graphs(e);
     double t0 = cli_now_s();
     int started = 0;
     for (; started < clients; started++)
@@ -186,13 +186,17 @@ static int run_clients(struct llmem_engine *e, int port, char **bodies, int n, i
         pthread_join(th[i], NULL);
     double wall = cli_now_s() - t0;
     llmem_engine_metrics(e, &m1);
-    replays(e, &g1, &d1);
+    g1 = graphs(e);
     *st = (struct stats){.clients = clients,
                          .requests = n,
                          .wall_s = wall,
                          .steps = m1.steps - m0.steps,
                          .prefill_steps = m1.prefill_steps - m0.prefill_steps,
-                         .device_ms = g1 > g0 ? (d1 - d0) / (double)(g1 - g0) * 1e3 : 0};
+                         .replayed = g1.graphs_replayed - g0.graphs_replayed,
+                         .recorded = g1.graphs_recorded - g0.graphs_recorded,
+                         .missed = g1.graphs_missed - g0.graphs_missed};
+    if (st->replayed > 0)
+        st->device_ms = (g1.graphs_device_s - g0.graphs_device_s) / (double)st->replayed * 1e3;
     if (st->steps > 0) {
         st->step_ms = wall / (double)st->steps * 1e3;
         st->sched_ms = (m1.step_seconds - m0.step_seconds) / (double)st->steps * 1e3;
@@ -297,7 +301,7 @@ static const char usage[] =
     "under concurrent streaming clients, and the gain of prefix reuse. Per run also the\n"
     "scheduler's steps (pf: those that prefill a prompt's chunk), wall ms per step, the\n"
     "scheduler's and the forward pass's ms in a step (fwd pf: in a step that prefills), and\n"
-    "on a device the device's ms per decode step replayed as a graph.\n"
+    "on a device the device's ms per decode step replayed as a graph, and how many were.\n"
     "  --clients LIST       concurrent clients, one run each (default 1,4,16)\n"
     "  --requests N         requests per run (default 4 per client, at least 8)\n"
     "  --prompt-tokens P    prompt length (default 128)\n"
@@ -342,7 +346,10 @@ static cJSON *stats_json(const struct stats *s, const char *workload) {
         llmem_json_add_double(o, "forward_ms_per_step", s->forward_ms) ||
         llmem_json_add_int(o, "prefill_steps", s->prefill_steps) ||
         llmem_json_add_double(o, "forward_ms_per_prefill_step", s->forward_prefill_ms) ||
-        llmem_json_add_double(o, "device_ms_per_decode_step", s->device_ms)) {
+        llmem_json_add_double(o, "device_ms_per_decode_step", s->device_ms) ||
+        llmem_json_add_int(o, "graphs_replayed", s->replayed) ||
+        llmem_json_add_int(o, "graphs_recorded", s->recorded) ||
+        llmem_json_add_int(o, "graphs_missed", s->missed)) {
         cJSON_Delete(o);
         return NULL;
     }
@@ -354,10 +361,10 @@ static void print_row(const char *label, const struct stats *s) {
     if (s->device_ms > 0)
         snprintf(dev, sizeof(dev), "%.3f", s->device_ms);
     printf("%-9s %7d %8d %9" PRId64 " %8" PRId64 " %9.1f %7.2f %10.1f %10.1f %7.2f %7" PRId64
-           " %7" PRId64 " %7.3f %7.3f %7.3f %7.3f %7s%s\n",
+           " %7" PRId64 " %7.3f %7.3f %7.3f %7.3f %7s %7" PRId64 "%s\n",
            label, s->clients, s->requests, s->prefilled, s->reused, s->tokens_per_s,
            s->requests_per_s, s->ttft_p50_ms, s->ttft_p99_ms, s->itl_ms, s->steps, s->prefill_steps,
-           s->step_ms, s->sched_ms, s->forward_ms, s->forward_prefill_ms, dev,
+           s->step_ms, s->sched_ms, s->forward_ms, s->forward_prefill_ms, dev, s->replayed,
            s->failed ? "  (some failed)" : "");
 }
 
@@ -443,10 +450,10 @@ int cli_bench_serve(int argc, char **argv) {
                " sequences; streaming completions over loopback HTTP, greedy, EOS ignored\n",
                argv[optind], host.name, host.n_cpus, threads, ec.max_sequences);
         printf("prompt %" PRId64 " tokens, %" PRId64 " generated per request\n", prompt, gen);
-        printf("\n%-9s %7s %8s %9s %8s %9s %7s %10s %10s %7s %7s %7s %7s %7s %7s %7s %7s\n",
+        printf("\n%-9s %7s %8s %9s %8s %9s %7s %10s %10s %7s %7s %7s %7s %7s %7s %7s %7s %7s\n",
                "workload", "clients", "requests", "prefilled", "reused", "tokens/s", "req/s",
                "TTFT p50", "TTFT p99", "ITL ms", "steps", "pf", "step ms", "sched", "forward",
-               "fwd pf", "dev ms");
+               "fwd pf", "dev ms", "replays");
     }
 
     /* one unmeasured request: the first one pays for page faults and cold caches */
