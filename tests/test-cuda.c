@@ -480,6 +480,69 @@ static void test_matmul_swiglu(void **state) {
         }
 }
 
+/* An rmsnorm's or a matmul_swiglu's output for a fast GEMM right after it: the operation writes
+ * its 16-bit copy as it goes (no rounding kernel of its own), and the GEMM gives the bits of one
+ * that rounds the same values separately. */
+static void test_shadow_copies(void **state) {
+    (void)state;
+    const int64_t rows = 96, cols = 1024, ns[2] = {5, 40};
+    size_t bytes;
+    void *w = random_weight(LLMEM_DTYPE_BF16, rows, cols, &bytes);
+    void *dw = to_device(w, bytes);
+    const struct llmem_weight wd = {dw, LLMEM_DTYPE_BF16, rows, cols};
+    size_t pair_bytes; /* gate and up: rows of cols, for the GEMM of cols above */
+    void *wp = random_weight(LLMEM_DTYPE_BF16, 2 * cols, cols, &pair_bytes);
+    uint8_t *dwp = to_device(wp, pair_bytes);
+    const struct llmem_weight gate = {dwp, LLMEM_DTYPE_BF16, cols, cols},
+                              up = {dwp + pair_bytes / 2, LLMEM_DTYPE_BF16, cols, cols};
+    for (int k = 0; k < 2; k++) {
+        const int64_t n = ns[k];
+        float *x = random_floats(n * cols, 1.0f), *r = random_floats(n * cols, 1.0f);
+        float *nw = random_floats(cols, 1.0f);
+        float *dx = to_device(x, (size_t)(n * cols) * 4),
+              *dr = to_device(r, (size_t)(n * cols) * 4);
+        float *dnw = to_device(nw, (size_t)cols * 4);
+        float *dy = llmem_mem_alloc(dmem, (size_t)(n * cols) * 4, LLMEM_TAG_SCRATCH),
+              *dy2 = llmem_mem_alloc(dmem, (size_t)(n * cols) * 4, LLMEM_TAG_SCRATCH),
+              *out = llmem_mem_alloc(dmem, (size_t)(n * rows) * 4, LLMEM_TAG_SCRATCH),
+              *g = llmem_mem_alloc(dmem, (size_t)(n * cols) * 4, LLMEM_TAG_SCRATCH),
+              *u = llmem_mem_alloc(dmem, (size_t)(n * cols) * 4, LLMEM_TAG_SCRATCH);
+        gpu->ops->matmul(gpu->ctx, &wd, dx, n, out, NULL); /* this width's first GEMM */
+        for (int op = 0; op < 3; op++) {
+            struct llmem_backend_counters c0, c1;
+            gpu->ops->counters(gpu->ctx, &c0);
+            if (op == 0)
+                gpu->ops->rmsnorm(gpu->ctx, dx, dnw, n, cols, 1e-5f, dy);
+            else if (op == 1)
+                gpu->ops->add_rmsnorm(gpu->ctx, dx, dr, dnw, n, cols, 1e-5f, dy);
+            else
+                gpu->ops->matmul_swiglu(gpu->ctx, &gate, &up, dx, n, g, u, dy);
+            gpu->ops->matmul(gpu->ctx, &wd, dy, n, out, NULL);
+            gpu->ops->counters(gpu->ctx, &c1);
+            float *got = to_host(out, n * rows);
+            /* the same values in another buffer: rounded by a kernel of their own */
+            assert_int_equal(gpu->ops->copy(gpu->ctx, dy2, dy, (size_t)(n * cols) * 4), LLMEM_OK);
+            gpu->ops->matmul(gpu->ctx, &wd, dy2, n, out, NULL);
+            float *want = to_host(out, n * rows);
+            assert_memory_equal(want, got, (size_t)(n * rows) * 4);
+            /* GEMMs of more than 8 rows round x; only matmul_swiglu's own input is rounded */
+            printf("  %s, %lld rows: %lld rounding kernels\n",
+                   op == 0   ? "rmsnorm"
+                   : op == 1 ? "add_rmsnorm"
+                             : "matmul_swiglu",
+                   (long long)n, (long long)(c1.rounds - c0.rounds));
+            assert_int_equal(c1.rounds - c0.rounds, n > 8 && op == 2 ? 1 : 0);
+            free(got), free(want);
+        }
+        llmem_mem_free(dmem, dx), llmem_mem_free(dmem, dr), llmem_mem_free(dmem, dnw);
+        llmem_mem_free(dmem, dy), llmem_mem_free(dmem, dy2), llmem_mem_free(dmem, out);
+        llmem_mem_free(dmem, g), llmem_mem_free(dmem, u);
+        free(x), free(r), free(nw);
+    }
+    llmem_mem_free(dmem, dw), llmem_mem_free(dmem, dwp);
+    free(w), free(wp);
+}
+
 static void test_out_of_memory(void **state) {
     (void)state;
     struct llmem_mem_config cfg = {.ops = llmem_backend_cuda_memory(0),
@@ -1066,14 +1129,23 @@ int main(void) {
     if (tu_no_gpu())
         return 77;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_device_memory), cmocka_unit_test(test_rmsnorm),
-        cmocka_unit_test(test_rope),          cmocka_unit_test(test_swiglu_add),
-        cmocka_unit_test(test_embedding),     cmocka_unit_test(test_matmul),
-        cmocka_unit_test(test_matmul_multi),  cmocka_unit_test(test_matmul_pair),
-        cmocka_unit_test(test_matmul_swiglu), cmocka_unit_test(test_out_of_memory),
-        cmocka_unit_test(test_kv_device),     cmocka_unit_test(test_models),
-        cmocka_unit_test(test_greedy),        cmocka_unit_test(test_graphs),
-        cmocka_unit_test(test_top_k),         cmocka_unit_test(test_sampling_on_device),
+        cmocka_unit_test(test_device_memory),
+        cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_swiglu_add),
+        cmocka_unit_test(test_embedding),
+        cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_matmul_multi),
+        cmocka_unit_test(test_matmul_pair),
+        cmocka_unit_test(test_matmul_swiglu),
+        cmocka_unit_test(test_shadow_copies),
+        cmocka_unit_test(test_out_of_memory),
+        cmocka_unit_test(test_kv_device),
+        cmocka_unit_test(test_models),
+        cmocka_unit_test(test_greedy),
+        cmocka_unit_test(test_graphs),
+        cmocka_unit_test(test_top_k),
+        cmocka_unit_test(test_sampling_on_device),
         cmocka_unit_test(test_device_plan),
     };
     return cmocka_run_group_tests_name("cuda", tests, setup, teardown);

@@ -65,6 +65,8 @@ struct llmem_backend_counters {
     int64_t graphs_missed;   /* passes that did not match their recording (run again) */
     double graphs_device_s;  /* the device's time running the replays, launch to last kernel */
     int64_t top_k_rows;      /* rows of which only the largest k came back (top_k) */
+    int64_t rounds; /* activations rounded to 16 bits for the fast GEMMs by a kernel of their own
+                     * (not written so by the operation that produced them) */
 };
 
 struct llmem_backend_ops {

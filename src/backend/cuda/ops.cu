@@ -123,6 +123,18 @@ struct cuda_ctx {
     struct lt_plan *lt_plans; /* (LT_PLANS) */
     void *lt_ws;              /* the workspace of the plans that want one */
     size_t lt_ws_bytes;
+    /* The 16-bit copy of an f32 activation written to scratch, beside it, by the operation that
+     * produced it (rmsnorm, swiglu), for the fast GEMMs that read it next: the copy of shadow_x
+     * (shadow_n floats, NULL: none) as shadow_dt, at shadow_at. Any other operation drops it. */
+    const float *shadow_x;
+    int64_t shadow_n;
+    enum llmem_dtype shadow_dt;
+    const void *shadow_at;
+    struct {
+        enum llmem_dtype dt;
+        int64_t cols;
+    } rounds[8];  /* the types and widths the fast GEMMs rounded x to last (the producers' cue) */
+    int n_rounds; /* widths recorded so far; the slot of the next is n_rounds mod 8 */
 };
 
 /* The backend's first failure: logged once, kept as the status of every later copy and sync. */
@@ -271,9 +283,29 @@ static uint64_t arg(float v) {
     return u;
 }
 
+/* The operations, as they extend a pass's hash (staged). */
+enum {
+    OP_MATMUL = 1,
+    OP_GEMV_SET,
+    OP_MATMUL_W, /* one weight of a matmul_multi */
+    OP_RMSNORM,
+    OP_ROPE,
+    OP_SWIGLU,
+    OP_ADD,
+    OP_EMBEDDING,
+    OP_KV_ENCODE,
+    OP_ATTN_DECODE,
+    OP_KV_ATTEND,
+    OP_MATMUL_MULTI,
+    OP_GEMV_SWIGLU,
+};
+
 /* Called by every operation before it launches anything: its arguments extend the pass's hash.
  * 1: do not launch (the pass is staged for a recorded graph). */
 static int staged(struct cuda_ctx *c, int op, std::initializer_list<uint64_t> args) {
+    if (op != OP_MATMUL && op != OP_GEMV_SET && op != OP_MATMUL_W && op != OP_MATMUL_MULTI &&
+        op != OP_GEMV_SWIGLU)
+        c->shadow_x = NULL; /* only the GEMMs read a shadow; any other operation may write */
     if (c->pass == NULL)
         return 0;
     uint64_t v[24];
@@ -307,6 +339,7 @@ static void replay_time(struct cuda_ctx *c) {
 static int cuda_graph_begin(void *ctx, uint64_t key) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(c->pass == NULL);
+    c->shadow_x = NULL;
     if (!c->graphs_on || c->failed)
         return c->failed;
     struct graph *g = NULL, *lru = &c->graphs[0];
@@ -351,6 +384,7 @@ static int cuda_graph_begin(void *ctx, uint64_t key) {
 
 static int cuda_graph_end(void *ctx) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    c->shadow_x = NULL;
     struct graph *g = c->pass;
     if (g == NULL)
         return c->failed;
@@ -423,10 +457,18 @@ __device__ __forceinline__ float weight_at(const void *w, enum llmem_dtype dt, i
     }
 }
 
+/* y's 16-bit copy (y16 not NULL): round to nearest even, as round_kernel. */
+__device__ __forceinline__ void store16(void *y16, enum llmem_dtype dt, int64_t i, float v) {
+    if (dt == LLMEM_DTYPE_BF16)
+        ((__nv_bfloat16 *)y16)[i] = __float2bfloat16_rn(v);
+    else
+        ((__half *)y16)[i] = __float2half_rn(v);
+}
+
 /* One block per row: the sum of squares in double, as the CPU does. With res, first x += res
- * (the residual add before the norm: exactly add_kernel's). */
+ * (the residual add before the norm: exactly add_kernel's). With y16, y's 16-bit copy too. */
 __global__ void rmsnorm_kernel(float *x, const float *res, const float *weight, int64_t dim,
-                               float eps, float *y) {
+                               float eps, float *y, void *y16, enum llmem_dtype dt) {
     pdl_begin();
     float *xr = x + blockIdx.x * dim;
     float *yr = y + blockIdx.x * dim;
@@ -455,8 +497,12 @@ __global__ void rmsnorm_kernel(float *x, const float *res, const float *weight, 
     __syncthreads();
     float mean = (float)(part[0] / (double)dim);
     float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
-    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
-        yr[i] = __fmul_rn(__fmul_rn(xr[i], inv), weight[i]);
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = __fmul_rn(__fmul_rn(xr[i], inv), weight[i]);
+        yr[i] = v;
+        if (y16 != NULL)
+            store16(y16, dt, blockIdx.x * dim + i, v);
+    }
 }
 
 /* grid (token, head), one thread per pair (i, i + half). */
@@ -499,11 +545,17 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
     return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
 }
 
-__global__ void swiglu_kernel(const float *gate, const float *up, int64_t n, float *out) {
+/* With out16, out's 16-bit copy too. */
+__global__ void swiglu_kernel(const float *gate, const float *up, int64_t n, float *out,
+                              void *out16, enum llmem_dtype dt) {
     pdl_begin();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x)
-        out[i] = silu_mul(gate[i], up[i]);
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const float v = silu_mul(gate[i], up[i]);
+        out[i] = v;
+        if (out16 != NULL)
+            store16(out16, dt, i, v);
+    }
 }
 
 __global__ void add_kernel(float *y, const float *x, int64_t n) {
@@ -915,15 +967,66 @@ static void sgemm(struct cuda_ctx *c, int64_t m, int64_t n, int64_t k, const flo
                "cublasGemmEx (f32)");
 }
 
+/* The 16-bit copy of x (n rows of cols) for weights of type dt, if the operation before wrote it.
+ */
+static const void *shadow_of(struct cuda_ctx *c, const float *x, int64_t n, int64_t cols,
+                             enum llmem_dtype dt) {
+    return c->shadow_x == x && c->shadow_n == n * cols && c->shadow_dt == dt &&
+                   c->shadow_at == c->scratch
+               ? c->shadow_at
+               : NULL;
+}
+
+/* Where an operation producing n rows of cols floats writes their 16-bit copy as well (*dt its
+ * type), or NULL: at fast precision, for a GEMM's rows (more than GEMV_MAX_ROWS), when the fast
+ * GEMMs rounded rows of this width before, into scratch that holds them already while a pass is
+ * recorded or staged. */
+static void *shadow_begin(struct cuda_ctx *c, int64_t n, int64_t cols, enum llmem_dtype *dt) {
+    c->shadow_x = NULL;
+    if (c->precision != LLMEM_PRECISION_FAST || n <= GEMV_MAX_ROWS)
+        return NULL;
+    for (int i = 0; i < c->n_rounds && i < (int)(sizeof(c->rounds) / sizeof(c->rounds[0])); i++) {
+        if (c->rounds[i].cols != cols)
+            continue;
+        const size_t bytes = (size_t)(n * cols) * 2;
+        if (bytes > c->scratch_bytes && c->mode != PASS_NOW)
+            return NULL;
+        *dt = c->rounds[i].dt;
+        return scratch(c, bytes);
+    }
+    return NULL;
+}
+
+static void shadow_set(struct cuda_ctx *c, const float *x, int64_t elems, enum llmem_dtype dt,
+                       const void *at) {
+    c->shadow_x = at != NULL ? x : NULL;
+    c->shadow_n = elems, c->shadow_dt = dt, c->shadow_at = at;
+}
+
+/* Drops the shadow when [y, y + n) overlaps its f32 original (a GEMM's output). */
+static void shadow_written(struct cuda_ctx *c, const float *y, int64_t n) {
+    if (c->shadow_x != NULL && y < c->shadow_x + c->shadow_n && c->shadow_x < y + n)
+        c->shadow_x = NULL;
+}
+
 /* x rounded to the weights' 16-bit type in scratch, for the tensor cores (fast precision). */
 static const void *rounded(struct cuda_ctx *c, const float *x, int64_t n, int64_t cols,
                            enum llmem_dtype dt) {
+    const int slots = (int)(sizeof(c->rounds) / sizeof(c->rounds[0]));
+    int known = 0;
+    for (int i = 0; i < c->n_rounds && i < slots; i++)
+        known |= c->rounds[i].cols == cols && c->rounds[i].dt == dt;
+    if (!known) { /* the oldest width makes room */
+        c->rounds[c->n_rounds % slots].dt = dt, c->rounds[c->n_rounds % slots].cols = cols;
+        c->n_rounds++;
+    }
     void *xr = scratch(c, (size_t)(n * cols) * 2);
     if (xr == NULL)
         return NULL;
     pdl_launch(c->stream, round_kernel, dim3(grid_for(n * cols, 256)), dim3(256), 0, x, n * cols,
                dt, xr);
     launched(c, "round");
+    c->counters.rounds++;
     return xr;
 }
 
@@ -1057,6 +1160,8 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
         const float one = 1.0f, zero = 0.0f;
         const cudaDataType_t t = w->dtype == LLMEM_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
         const struct lt_plan *p = lt_plan_for(c, w->rows, n, w->cols, t, 1, 0);
+        if (xr == NULL)
+            xr = shadow_of(c, x, n, w->cols, w->dtype);
         if (p == NULL || (xr == NULL && (xr = rounded(c, x, n, w->cols, w->dtype)) == NULL))
             return;
         check_blas(c,
@@ -1092,11 +1197,12 @@ static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x,
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(w != NULL && x != NULL && y != NULL && n >= 0);
     if (n == 0 || c->failed ||
-        staged(c, 1,
+        staged(c, OP_MATMUL,
                {arg(w->data), arg((int64_t)w->dtype), arg(w->rows), arg(w->cols), arg(x), arg(n),
-                arg(y), arg(bias)}))
+                arg(y), arg(bias), arg(shadow_of(c, x, n, w->cols, w->dtype))}))
         return;
     matmul(c, w, x, NULL, n, y, bias);
+    shadow_written(c, y, n * w->rows);
 }
 
 /* Several matrices of the same x: one launch when all take the memory-bound kernel together. */
@@ -1121,10 +1227,14 @@ static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *c
             return;
         }
         for (int i = 0; i < count; i++)
-            staged(c, 3, {arg(w[i]->data), arg(w[i]->rows), arg(y[i]), arg(bias ? bias[i] : NULL)});
-        if (staged(c, 12, {arg((int64_t)count), arg(x), arg(n), arg(w[0]->cols)}))
+            staged(c, OP_MATMUL_W,
+                   {arg(w[i]->data), arg(w[i]->rows), arg(y[i]), arg(bias ? bias[i] : NULL)});
+        const void *xr = shadow_of(c, x, n, w[0]->cols, w[0]->dtype);
+        if (staged(c, OP_MATMUL_MULTI,
+                   {arg((int64_t)count), arg(x), arg(n), arg(w[0]->cols), arg(xr)}))
             return;
-        const void *xr = rounded(c, x, n, w[0]->cols, w[0]->dtype);
+        if (xr == NULL)
+            xr = rounded(c, x, n, w[0]->cols, w[0]->dtype);
         for (int i = 0; xr != NULL && i < count; i++) {
             /* a pair in one buffer, without biases, into outputs a fixed stride apart: one
              * batched GEMM */
@@ -1148,11 +1258,14 @@ static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *c
             }
             matmul(c, w[i], x, xr, n, y[i], bias != NULL ? bias[i] : NULL);
         }
+        for (int i = 0; i < count; i++)
+            shadow_written(c, y[i], n * w[i]->rows);
         return;
     }
     for (int i = 0; i < count; i++)
-        staged(c, 3, {arg(w[i]->data), arg(w[i]->rows), arg(y[i]), arg(bias ? bias[i] : NULL)});
-    if (staged(c, 2, {arg((int64_t)count), arg(x), arg(n)}))
+        staged(c, OP_MATMUL_W,
+               {arg(w[i]->data), arg(w[i]->rows), arg(y[i]), arg(bias ? bias[i] : NULL)});
+    if (staged(c, OP_GEMV_SET, {arg((int64_t)count), arg(x), arg(n)}))
         return;
     struct gemv_set set = {};
     for (int i = 0; i < count; i++) {
@@ -1170,15 +1283,24 @@ static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *c
 static void rmsnorm(struct cuda_ctx *c, float *x, const float *res, const float *weight, int64_t n,
                     int64_t dim, float eps, float *y) {
     LLMEM_ASSERT(x != NULL && weight != NULL && y != NULL && dim > 0 && n >= 0);
-    if (n == 0 || c->failed ||
-        staged(c, 4, {arg(x), arg(res), arg(weight), arg(n), arg(dim), arg(eps), arg(y)}))
+    if (n == 0 || c->failed)
         return;
+    enum llmem_dtype dt = LLMEM_DTYPE_F32;
+    uint8_t *y16 = (uint8_t *)shadow_begin(c, n, dim, &dt);
+    if (staged(c, OP_RMSNORM,
+               {arg(x), arg(res), arg(weight), arg(n), arg(dim), arg(eps), arg(y), arg(y16),
+                arg((int64_t)dt)})) {
+        shadow_set(c, y, n * dim, dt, y16);
+        return;
+    }
     for (int64_t t = 0; t < n; t += 65535) {
         unsigned rows = (unsigned)(n - t < 65535 ? n - t : 65535);
         pdl_launch(c->stream, rmsnorm_kernel, dim3(rows), dim3(dim >= 1024 ? 1024 : 256), 0,
-                   x + t * dim, res != NULL ? res + t * dim : NULL, weight, dim, eps, y + t * dim);
+                   x + t * dim, res != NULL ? res + t * dim : NULL, weight, dim, eps, y + t * dim,
+                   y16 != NULL ? y16 + t * dim * 2 : NULL, dt);
     }
     launched(c, "rmsnorm");
+    shadow_set(c, y, n * dim, dt, y16);
 }
 
 static void cuda_rmsnorm(void *ctx, const float *x, const float *weight, int64_t n, int64_t dim,
@@ -1212,7 +1334,7 @@ static void rope(struct cuda_ctx *c, float *x, int n_heads, float *x2, int n_hea
     memcpy(packed, pos, pos_bytes);
     memcpy(packed + pos_bytes, inv_freq, freq_bytes);
     const uint8_t *d = (const uint8_t *)small_upload(c, packed, pos_bytes + freq_bytes);
-    if (d == NULL || staged(c, 5,
+    if (d == NULL || staged(c, OP_ROPE,
                             {arg(x), arg((int64_t)n_heads), arg(x2), arg((int64_t)n_heads2), arg(n),
                              arg((int64_t)head_dim), arg(d)}))
         return;
@@ -1239,13 +1361,26 @@ static void cuda_rope_qk(void *ctx, float *q, float *k, int64_t n, int n_heads, 
     rope((struct cuda_ctx *)ctx, q, n_heads, k, n_kv_heads, n, head_dim, pos, inv_freq);
 }
 
-static void cuda_swiglu(void *ctx, const float *gate, const float *up, int64_t n, float *out) {
-    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+/* swiglu, and for rows of `cols` (0: unknown) its 16-bit copy for the GEMM after it. */
+static void swiglu(struct cuda_ctx *c, const float *gate, const float *up, int64_t n, int64_t cols,
+                   float *out) {
     LLMEM_ASSERT(gate != NULL && up != NULL && out != NULL && n >= 0);
-    if (n == 0 || c->failed || staged(c, 6, {arg(gate), arg(up), arg(n), arg(out)}))
+    if (n == 0 || c->failed)
         return;
-    pdl_launch(c->stream, swiglu_kernel, dim3(grid_for(n, 256)), dim3(256), 0, gate, up, n, out);
+    enum llmem_dtype dt = LLMEM_DTYPE_F32;
+    void *o16 = cols > 0 && n % cols == 0 ? shadow_begin(c, n / cols, cols, &dt) : NULL;
+    if (staged(c, OP_SWIGLU, {arg(gate), arg(up), arg(n), arg(out), arg(o16), arg((int64_t)dt)})) {
+        shadow_set(c, out, n, dt, o16);
+        return;
+    }
+    pdl_launch(c->stream, swiglu_kernel, dim3(grid_for(n, 256)), dim3(256), 0, gate, up, n, out,
+               o16, dt);
     launched(c, "swiglu");
+    shadow_set(c, out, n, dt, o16);
+}
+
+static void cuda_swiglu(void *ctx, const float *gate, const float *up, int64_t n, float *out) {
+    swiglu((struct cuda_ctx *)ctx, gate, up, n, 0, out);
 }
 
 /* A decode's few rows of x: a launch for up to 4 of them computes both GEMVs and swiglu
@@ -1260,11 +1395,11 @@ static void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate,
         const struct llmem_weight *w[2] = {gate, up};
         float *y[2] = {g, u};
         cuda_matmul_multi(ctx, 2, w, x, n, y, NULL);
-        cuda_swiglu(ctx, g, u, n * gate->rows, out);
+        swiglu(c, g, u, n * gate->rows, gate->rows, out);
         return;
     }
     if (n == 0 || c->failed ||
-        staged(c, 13,
+        staged(c, OP_GEMV_SWIGLU,
                {arg(gate->data), arg(up->data), arg((int64_t)gate->dtype), arg(gate->rows),
                 arg(gate->cols), arg(x), arg(n), arg(out)}))
         return;
@@ -1300,7 +1435,7 @@ static void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate,
 static void cuda_add(void *ctx, float *y, const float *x, int64_t n) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(y != NULL && x != NULL && n >= 0);
-    if (n == 0 || c->failed || staged(c, 7, {arg(y), arg(x), arg(n)}))
+    if (n == 0 || c->failed || staged(c, OP_ADD, {arg(y), arg(x), arg(n)}))
         return;
     pdl_launch(c->stream, add_kernel, dim3(grid_for(n, 256)), dim3(256), 0, y, x, n);
     launched(c, "add");
@@ -1320,7 +1455,7 @@ static void cuda_embedding(void *ctx, const struct llmem_weight *table, const in
         const int32_t *d = (const int32_t *)small_upload(c, ids + t, (size_t)m * sizeof(int32_t));
         if (d == NULL)
             return;
-        if (staged(c, 8, {arg(table->data), arg(table->cols), arg(d), arg(m), arg(out)}))
+        if (staged(c, OP_EMBEDDING, {arg(table->data), arg(table->cols), arg(d), arg(m), arg(out)}))
             continue;
         pdl_launch(c->stream, embedding_kernel, dim3((unsigned)m), dim3(256), 0, table->data,
                    table->dtype, table->cols, d, out + t * table->cols);
@@ -1340,7 +1475,7 @@ static void cuda_kv_encode(void *ctx, enum llmem_kv_format format, const float *
         const int64_t *d = (const int64_t *)small_upload(c, slots + t, (size_t)m * sizeof(int64_t));
         if (d == NULL)
             return;
-        if (staged(c, 9,
+        if (staged(c, OP_KV_ENCODE,
                    {arg((int64_t)format), arg(k), arg(v), arg(m), arg((int64_t)heads),
                     arg((int64_t)head_dim), arg(d), arg(k_pool), arg(v_pool),
                     arg((int64_t)tok_bytes), arg((int64_t)row_bytes)}))
@@ -1372,7 +1507,7 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
                           size_t n_ints) {
     const int32_t *d = (const int32_t *)small_upload(c, c->staging, n_ints * sizeof(int32_t));
     if (d == NULL ||
-        staged(c, 10,
+        staged(c, OP_ATTN_DECODE,
                {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
                 arg((int64_t)a->head_dim), arg(a->q), arg(a->k_pool), arg(a->v_pool), arg(a->out),
                 arg((int64_t)n_seqs), arg((int64_t)table_stride), arg((int64_t)lengths_at),
@@ -1429,7 +1564,7 @@ static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) 
     const int32_t *d =
         (const int32_t *)small_upload(c, c->staging, (size_t)a->n_blocks * sizeof(int32_t));
     if (d == NULL ||
-        staged(c, 11,
+        staged(c, OP_KV_ATTEND,
                {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
                 arg((int64_t)a->head_dim), arg(a->k_pool), arg(a->v_pool), arg(a->q), arg(a->out),
                 arg(a->q_pos), arg(a->n_q), arg(a->window), arg(a->scale), arg(d),
@@ -1520,6 +1655,7 @@ static int cuda_sync(void *ctx) {
  * recording, it makes the graph one to run once. */
 static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    c->shadow_x = NULL;
     if (bytes > 0 && c->mode != PASS_NOW) {
         if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream) != cudaSuccess) {
             (void)cudaGetLastError();
