@@ -7,7 +7,9 @@
  * The rule every kernel launched this way keeps: pdl_begin() first, before it reads or writes
  * global memory and before any return. pdl_begin waits until the kernel before it has finished
  * and its writes are visible (so, by induction, every earlier kernel), then lets the next kernel
- * start launching.
+ * start launching. One exception: the GEMVs (ops.cu gemv_row) ask for their first weights before
+ * pdl_begin, since no kernel writes weights, and a thread with no row returns without it (the
+ * kernel still ends only after its other threads waited).
  */
 #ifndef LLMEM_BACKEND_CUDA_LAUNCH_H
 #define LLMEM_BACKEND_CUDA_LAUNCH_H

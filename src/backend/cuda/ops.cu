@@ -794,13 +794,16 @@ __device__ __forceinline__ void gemv_step(uint4 raw, const float *x, int64_t x_r
  * partial sums reduced by shuffles, then the W warps' in shared memory. 16-bit weights, cols a
  * multiple of 8·W and 16-byte aligned rows (checked by the caller). */
 /* acc[j] = row wr (NULL: none, 0) · x[x_row0 + j] for j < NX, summed over the whole warp: its
- * share `part` of W (W warps a row). */
+ * share `part` of W (W warps a row). The kernel's pdl_begin comes in here, after the first weights
+ * were asked for: the weights, written before any pass, do not wait for the kernels before this
+ * one (the next GEMV's weights stream in while they finish); x and everything else do. */
 template <enum llmem_dtype DT, int NX, int W>
 __device__ __forceinline__ void gemv_row(const uint16_t *w_row, int64_t cols, const float *x,
                                          int64_t x_row0, int part, int lane, float *acc) {
 #pragma unroll
     for (int j = 0; j < NX; j++)
         acc[j] = 0;
+    bool waited = false;
     if (w_row != NULL) {
         const uint4 *wr = reinterpret_cast<const uint4 *>(w_row);
         const int64_t per = cols / 8 / W, end = (part + 1) * per;
@@ -812,13 +815,19 @@ __device__ __forceinline__ void gemv_row(const uint16_t *w_row, int64_t cols, co
 #pragma unroll
             for (int u = 0; u < GEMV_UNROLL; u++)
                 raw[u] = __ldcs(wr + k + 32 * u); /* streamed once: do not keep it in L2 */
+            if (!waited)
+                pdl_begin(), waited = true;
 #pragma unroll
             for (int u = 0; u < GEMV_UNROLL; u++)
                 gemv_step<DT, NX>(raw[u], x, x_row0, cols, k + 32 * u, acc);
         }
+        if (!waited)
+            pdl_begin(), waited = true;
         for (; k < end; k += 32)
             gemv_step<DT, NX>(__ldcs(wr + k), x, x_row0, cols, k, acc);
     }
+    if (!waited)
+        pdl_begin();
 #pragma unroll
     for (int j = 0; j < NX; j++)
         for (int o = 16; o > 0; o /= 2)
@@ -832,7 +841,7 @@ template <enum llmem_dtype DT, int NX, int W>
 __global__ void __launch_bounds__(256)
     gemv16_swiglu_kernel(const uint16_t *gate, const uint16_t *up, int64_t rows, int64_t cols,
                          const float *x, int64_t x_row0, float *out) {
-    pdl_begin();
+    /* (pdl_begin in gemv_row) */
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, slot = warp % 4;
     const int64_t r = blockIdx.x * (int64_t)(4 / W) + slot / W;
     float acc[NX];
@@ -858,7 +867,7 @@ __global__ void __launch_bounds__(256)
 template <enum llmem_dtype DT, int NX, int W>
 __global__ void __launch_bounds__(256)
     gemv16_kernel(struct gemv_set set, int64_t cols, const float *x, int64_t x_row0) {
-    pdl_begin();
+    /* (pdl_begin in gemv_row: a warp without a row returns before touching memory) */
     const int m = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int64_t rows = set.rows[m];
     const int64_t r = blockIdx.x * (int64_t)(blockDim.x / 32 / W) + warp / W;
