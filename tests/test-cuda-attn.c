@@ -8,7 +8,8 @@
  * block id, and compares the GPU's output with llmem_kv_attend at the last position: for f16,
  * bf16 and q8, GQA groups of 1, 4 and 8, head_dim 64, 128 (and 256), ragged lengths (0, 1, below,
  * at and past a block, past a split), with the split chosen by the GPU's size and forced small.
- * The output is poisoned (NaN) before each call, so an unwritten element fails.
+ * The output is poisoned (NaN) before each call, so an unwritten element fails. Prefill chunks too:
+ * a sequence's last positions as queries over its one table, one a warp or packed several a warp.
  *
  * Tolerance, per (sequence, head), ‖gpu − cpu‖ / ‖cpu‖:
  *   f16, bf16  1e-4: keys and values are used exactly; the query and the probabilities enter the
@@ -267,6 +268,142 @@ static void test_shapes(void **state) {
     }
 }
 
+/* A prefill chunk: the last n_q positions of one sequence of `len` tokens, each query a "sequence"
+ * of its own length over the one table, pack of them a warp (1: one). With `split_ids`, the
+ * table is given twice (two identical rows) and the queries read row 0 up to query k, row 1 from
+ * there, in packs that start at 0, pack, … and at k, k + pack, … (packs never take queries of two
+ * tables). Compared with llmem_kv_attend over the same positions. */
+static double run_chunk(enum llmem_kv_format format, int H, int KV, int D, int len, int n_q,
+                        int split_len, int pack, int split_ids) {
+    struct llmem_kv_config cfg;
+    llmem_kv_config_default(&cfg);
+    cfg.layout = LLMEM_KV_LAYOUT_PAGED;
+    cfg.block_size = 16;
+    cfg.format = format;
+    cfg.n_layers = 1;
+    cfg.n_kv_heads = KV;
+    cfg.head_dim = D;
+    cfg.max_sequences = 1;
+    cfg.num_blocks = 64;
+    cfg.n_threads = 2;
+    struct llmem_kv *kv = NULL;
+    assert_int_equal(llmem_kv_create(&cfg, NULL, &kv), LLMEM_OK);
+    int seq = -1;
+    assert_int_equal(llmem_kv_seq_new(kv, &seq), LLMEM_OK);
+    float *k = malloc((size_t)len * KV * D * sizeof(float));
+    float *v = malloc((size_t)len * KV * D * sizeof(float));
+    for (int i = 0; i < len * KV * D; i++)
+        k[i] = frand() * ((i % 97) == 0 ? 6.0f : 1.0f), v[i] = frand();
+    assert_int_equal(llmem_kv_append(kv, seq, len, k, v), LLMEM_OK);
+    const size_t block_bytes = (size_t)llmem_kv_block_bytes(kv);
+    struct llmem_kv_stats st;
+    llmem_kv_stats(kv, &st);
+    uint8_t *pool = calloc((size_t)st.n_blocks, block_bytes);
+    const int64_t *ids;
+    const int nblk = (int)llmem_kv_seq_blocks(kv, seq, &ids);
+    /* two rows of table (the second a copy), the lengths, the table ids, the packs */
+    int32_t *ints = calloc((size_t)(2 * nblk + 3 * n_q), sizeof(int32_t));
+    int32_t *lens = ints + 2 * nblk, *tids = lens + n_q, *packs = tids + n_q;
+    for (int i = 0; i < nblk; i++) {
+        llmem_kv_block_copy_out(kv, ids[i], pool + (size_t)ids[i] * block_bytes);
+        ints[i] = ints[nblk + i] = (int32_t)ids[i];
+    }
+    const int split_at = n_q / 3;
+    int n_packs = 0;
+    for (int i = 0; i < n_q; i++) {
+        lens[i] = len - n_q + i + 1;
+        tids[i] = split_ids && i >= split_at;
+        const int from = tids[i] ? split_at : 0;
+        if ((i - from) % pack == 0)
+            packs[n_packs++] = i;
+    }
+    const size_t n_out = (size_t)n_q * H * D;
+    float *q = malloc(n_out * sizeof(float)), *ref = malloc(n_out * sizeof(float));
+    for (size_t i = 0; i < n_out; i++)
+        q[i] = 2.0f * frand();
+    struct llmem_kv_attn attn = {.n_heads = H};
+    assert_int_equal(llmem_kv_attend(kv, seq, 0, len - n_q, n_q, q, ref, &attn), LLMEM_OK);
+
+    void *d_pool, *d_q, *d_ints, *d_out, *d_ws = NULL;
+    CU(cudaMalloc(&d_pool, (size_t)st.n_blocks * block_bytes));
+    CU(cudaMalloc(&d_q, n_out * sizeof(float)));
+    CU(cudaMalloc(&d_ints, (size_t)(2 * nblk + 3 * n_q) * sizeof(int32_t)));
+    CU(cudaMalloc(&d_out, n_out * sizeof(float)));
+    CU(cudaMemcpy(d_pool, pool, (size_t)st.n_blocks * block_bytes, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(d_q, q, n_out * sizeof(float), cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(d_ints, ints, (size_t)(2 * nblk + 3 * n_q) * sizeof(int32_t),
+                  cudaMemcpyHostToDevice));
+    CU(cudaMemset(d_out, 0xff, n_out * sizeof(float))); /* NaN */
+    const int32_t *di = (const int32_t *)d_ints;
+    struct llmem_cuda_attn a = {.format = format,
+                                .n_heads = H,
+                                .n_kv_heads = KV,
+                                .head_dim = D,
+                                .block_size = 16,
+                                .batch = n_q,
+                                .max_len = len,
+                                .split_len = split_len,
+                                .q = d_q,
+                                .k_pool = d_pool,
+                                .v_pool = (uint8_t *)d_pool + block_bytes / 2,
+                                .block_stride = (int64_t)block_bytes,
+                                .block_tables = di,
+                                .table_stride = split_ids ? nblk : 0,
+                                .table_ids = split_ids ? di + 2 * nblk + n_q : NULL,
+                                .lengths = di + 2 * nblk,
+                                .pack = pack,
+                                .packs = split_ids ? di + 2 * nblk + 2 * n_q : NULL,
+                                .n_packs = split_ids ? n_packs : 0,
+                                .out = d_out};
+    a.workspace_bytes = llmem_cuda_attn_workspace_bytes(&a);
+    if (a.workspace_bytes > 0) {
+        CU(cudaMalloc(&d_ws, a.workspace_bytes));
+        a.workspace = d_ws;
+    }
+    assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_OK);
+    CU(cudaDeviceSynchronize());
+    float *out = malloc(n_out * sizeof(float));
+    CU(cudaMemcpy(out, d_out, n_out * sizeof(float), cudaMemcpyDeviceToHost));
+    double worst = 0.0;
+    for (int i = 0; i < n_q * H; i++) {
+        const float *g = out + (size_t)i * D, *r = ref + (size_t)i * D;
+        double num = 0.0, den = 0.0;
+        for (int j = 0; j < D; j++) {
+            assert_true(isfinite(g[j]));
+            num += ((double)g[j] - r[j]) * ((double)g[j] - r[j]);
+            den += (double)r[j] * r[j];
+        }
+        worst = fmax(worst, den > 0.0 ? sqrt(num / den) : sqrt(num));
+    }
+    printf("  chunk %-4s heads %2d/%d d %3d: %3d queries of %4d, %d a warp%s, split %3d: rel err "
+           "%.2e\n",
+           llmem_kv_format_name(format), H, KV, D, n_q, len, pack,
+           split_ids ? " (two tables, packs listed)" : "", split_len, worst);
+    cudaFree(d_pool), cudaFree(d_q), cudaFree(d_ints), cudaFree(d_out), cudaFree(d_ws);
+    free(out), free(ref), free(q), free(ints), free(pool), free(k), free(v);
+    llmem_kv_destroy(kv);
+    return worst;
+}
+
+/* A prefill chunk's queries, a warp each or packed 8 / group a warp (GQA 1, 2, 4; 8 packs one),
+ * with the packs' shorter queries skipping blocks and splits the longer ones read. */
+static void test_chunk_packs(void **state) {
+    (void)state;
+    const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_F16,
+                                            LLMEM_KV_FORMAT_Q8};
+    const int groups[][2] = {{4, 4}, {8, 4}, {16, 4}, {16, 2}}; /* GQA 1, 2, 4, 8 */
+    for (int f = 0; f < 3; f++)
+        for (int g = 0; g < 4; g++)
+            for (int d = 64; d <= 128; d += 64)
+                for (int variant = 0; variant < 4; variant++) {
+                    const int group = groups[g][0] / groups[g][1];
+                    const int pack = variant == 0 ? 1 : group <= 4 ? 8 / group : 1;
+                    const int split = variant == 2 ? 32 : 0, two = variant == 3;
+                    assert_true(run_chunk(formats[f], groups[g][0], groups[g][1], d, 300, 37, split,
+                                          pack, two) <= tolerance(formats[f]));
+                }
+}
+
 static void test_rejects(void **state) {
     (void)state;
     struct llmem_cuda_attn a = {.format = LLMEM_KV_FORMAT_Q4,
@@ -293,6 +430,7 @@ int main(void) {
         cmocka_unit_test(test_formats_groups_dims),
         cmocka_unit_test(test_bf16_query_and_dim256),
         cmocka_unit_test(test_shapes),
+        cmocka_unit_test(test_chunk_packs),
         cmocka_unit_test(test_rejects),
     };
     return cmocka_run_group_tests_name("cuda attention", tests, NULL, NULL);

@@ -1035,9 +1035,10 @@ static void test_graphs(void **state) {
 }
 
 /* A step that mixes a decode with two prefill chunks (one write and one attention launch for all
- * their tokens) gives each sequence the logits of running it alone: within the f32 parity bound
- * at f32 precision (the GEMMs of 48 rows and of 1, 17 or 30 sum in other orders, and an ulp of a
- * stored f16 key is 1e-3 relative: 4.2e-4 measured), within the fast drift's bound at fast. */
+ * their tokens) gives each sequence the logits of running it alone: at f32 precision within twice
+ * the f32 parity bound (each run lies within 1e-3 of the CPU's; the GEMMs of 48 rows and of 1, 17
+ * or 30 sum in other orders, and an ulp of a stored f16 key is 1e-3 relative: 4e-4 to 7e-4
+ * measured), at fast precision within the fast drift's bound. */
 static void test_mixed_step(void **state) {
     (void)state;
     const char *dir = LLMEM_SOURCE_DIR "/models/pycoder";
@@ -1086,7 +1087,7 @@ static void test_mixed_step(void **state) {
             worst = fmax(worst, fabs((double)mixed[i] - (double)alone[i]));
         printf("  %s: a mixed step against each sequence alone, max |dlogit| %.2e\n",
                pi == 0 ? "f32" : "fast", worst);
-        assert_true(worst <= (pi == 0 ? 1e-3 : 0.25));
+        assert_true(worst <= (pi == 0 ? 2e-3 : 0.25));
         free(mixed), free(alone);
         llmem_engine_close(e);
     }

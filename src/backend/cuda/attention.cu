@@ -1,12 +1,14 @@
 /*
  * backend/cuda/attention.cu — paged decode attention (split-K, GQA-aware, q8 decoded in-kernel).
  *
- * Work: one warp per (sequence, KV head, split of the context). The warp streams its split's
- * blocks, 16 tokens at a time, into its own ring of shared-memory stages with 16-byte cp.async that
- * bypass L1 (the K and V rows of its KV head; a q8 row, 34 bytes a group, is copied from the
- * 16-byte boundary below it: see Geo), STAGES − 1 blocks ahead of the one it computes, and keeps an
- * online softmax (m, l, acc) for the query heads of its GQA group. Every KV row is read from memory
- * once for all of them.
+ * Work: one warp per (sequence, KV head, split of the context); for the queries of a prefill chunk
+ * (one table), one warp per (pack of up to 8 / group queries, KV head, split), its rows the pack's
+ * (query, head) slots, so that a block's K and V are read once for the pack. The warp streams its
+ * split's blocks, 16 tokens at a time, into its own ring of shared-memory stages with 16-byte
+ * cp.async that bypass L1 (the K and V rows of its KV head; a q8 row, 34 bytes a group, is copied
+ * from the 16-byte boundary below it: see Geo), STAGES − 1 blocks ahead of the one it computes, and
+ * keeps an online softmax (m, l, acc) for the query heads of its GQA group. Every KV row is read
+ * from memory once for all of them.
  *
  * The arithmetic is on tensor cores (mma.m16n8k16, f32 accumulate), with the query heads as the
  * 16 rows: row h holds query head h (h < group ≤ 8) rounded to 16 bits, row 8 + h the rounding's
@@ -76,7 +78,10 @@ struct Params {
     int n_heads, n_kv, group;
     int split_len, n_splits;
     long long n_items;
-    float qscale; /* scale · log2(e): scores in base 2 */
+    int n_queries;        /* the batch */
+    int pack;             /* queries a warp takes (≥ 1) */
+    const int32_t *packs; /* the first query of each warp's pack (NULL: multiples of pack) */
+    float qscale;         /* scale · log2(e): scores in base 2 */
 };
 
 /* ---- small device helpers ------------------------------------------------------------------ */
@@ -240,27 +245,42 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     const int kvh = (int)(item % p.n_kv);
     const long long rest = item / p.n_kv;
     const int split = (int)(rest % p.n_splits);
-    const int b = (int)(rest / p.n_splits);
+    const int pk = (int)(rest / p.n_splits); /* the pack */
     const int r = lane >> 2, c = lane & 3;
-    const int len = p.lengths[b];
+    /* Rows (and columns of Oᵀ) are slots: slot s is head s mod group of query q0 + s / group, a
+     * query of the pack's table (slot_query: −1 for none). One query a warp: slot s is head s. */
+    const int q0 = p.packs != nullptr ? p.packs[pk] : pk * p.pack;
+    const int tab0 = p.table_ids != nullptr ? p.table_ids[q0] : q0;
+    auto slot_query = [&](int s) {
+        const int q = q0 + s / p.group;
+        if (s >= p.pack * p.group || q >= p.n_queries)
+            return -1;
+        const bool same =
+            p.table_ids != nullptr ? p.table_ids[q] == tab0 : p.table_stride == 0 || q == q0;
+        return same ? q : -1;
+    };
+    const int b = slot_query(r);                /* this thread's query (rows r and 8 + r) */
+    const int hq = kvh * p.group + r % p.group; /* and its head */
+    const bool head = b >= 0;
+    const int len_r = head ? p.lengths[b] : 0;
+    int len = len_r; /* the pack's longest */
+    for (int o = 4; o < 32; o *= 2)
+        len = max(len, __shfl_xor_sync(0xffffffffu, len, o));
     const int t0 = split * p.split_len;
-    const int hq = kvh * p.group + r; /* this thread's query head (rows r and 8 + r) */
-    const bool head = r < p.group;
 
     if (t0 >= len) {
         if (p.n_splits == 1 && head)
-            for (int j = lane & 3; j < D; j += 4)
+            for (int j = c; j < D; j += 4)
                 p.out[((size_t)b * p.n_heads + hq) * D + j] = 0.0f;
         return;
     }
     const int t1 = min(t0 + p.split_len, len);
+    const int t1_r = min(t0 + p.split_len, len_r); /* this row's end */
     const int nblk = (t1 - t0 + BLOCK - 1) / BLOCK;
 
     uint8_t *ring = smem + (size_t)warp * STAGES * G::STAGE;
     const uint32_t ring_s = smem_addr(ring);
-    const int32_t *table = p.tables +
-                           (size_t)(p.table_ids != nullptr ? p.table_ids[b] : b) * p.table_stride +
-                           t0 / BLOCK;
+    const int32_t *table = p.tables + (size_t)tab0 * p.table_stride + t0 / BLOCK;
     const int tok_stride = p.n_kv * G::ROW;
     const size_t head_off = (size_t)kvh * G::ROW;
 
@@ -326,7 +346,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
      * slot n + 4 their remainders (one product); with 5..8 heads, slot n is head n and the
      * remainders take a second product into the same accumulators. */
     constexpr int MT = D / 16; /* m-tiles of dims */
-    const bool packed = p.group <= 4;
+    const bool packed = p.group <= 4 && p.pack == 1;
     const int h0 = packed ? (2 * c) & 3 : 2 * c; /* heads of this thread's columns */
     float acc[MT][4];
 #pragma unroll
@@ -343,7 +363,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
 
         const uint8_t *ks = ring + (i % STAGES) * G::STAGE;
         const uint8_t *vs = ks + BLOCK * G::SROW;
-        const int valid = t1 - t0 - i * BLOCK;
+        const int valid = t1_r - t0 - i * BLOCK; /* this row's tokens in the block */
 
         /* scores of tokens 8j + 2c + {0, 1} for query head r (two chains of products each) */
         float s[2][2];
@@ -368,14 +388,16 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float mn = fmaxf(m, mx);
-        const float alpha = exp2f(m - mn);
+        /* a row of a pack with no token yet (a shorter query's split): nothing, not NaN */
+        const bool none = mn == -INFINITY;
+        const float alpha = none ? 1.0f : exp2f(m - mn);
         m = mn;
         float pr[2][2];
 #pragma unroll
         for (int j = 0; j < 2; j++)
 #pragma unroll
             for (int e = 0; e < 2; e++)
-                pr[j][e] = exp2f(s[j][e] - mn);
+                pr[j][e] = none ? 0.0f : exp2f(s[j][e] - mn);
         l = l * alpha + (pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]);
         /* rescale only when some head's maximum moved (rare once a few blocks are in) */
         if (__any_sync(0xffffffffu, alpha != 1.0f)) {
@@ -488,17 +510,20 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
                 l1 = __shfl_sync(0xffffffffu, l, 4 * h0 + 4);
     if (p.n_splits > 1 && c == 0 && head)
         p.part_ml[((size_t)b * p.n_heads + hq) * p.n_splits + split] = make_float2(m, l);
-    if ((packed && c >= 2) || h0 >= p.group)
+    /* this thread's columns: slots h0 and h0 + 1 */
+    const int qa = slot_query(h0), qb = slot_query(h0 + 1);
+    if ((packed && c >= 2) || qa < 0)
         return;
-    const bool two = h0 + 1 < p.group;
+    const bool two = qb >= 0;
 
     auto dim = [&](int mt, int row8) {
         return FMT == FMT_Q8 ? (D / 8) * r + row8 * (D / 16) + mt : 16 * mt + 8 * row8 + r;
     };
-    const size_t bh0 = (size_t)b * p.n_heads + kvh * p.group + h0;
+    const size_t bh0 = (size_t)qa * p.n_heads + kvh * p.group + h0 % p.group;
+    const size_t bh1 = two ? (size_t)qb * p.n_heads + kvh * p.group + (h0 + 1) % p.group : bh0;
     if (p.n_splits == 1) {
         const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-        float *o0 = p.out + bh0 * D, *o1 = o0 + D;
+        float *o0 = p.out + bh0 * D, *o1 = p.out + bh1 * D;
 #pragma unroll
         for (int j = 0; j < MT; j++) {
             o0[dim(j, 0)] = acc[j][0] * i0;
@@ -509,7 +534,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
             }
         }
     } else {
-        const size_t slot0 = bh0 * p.n_splits + split, slot1 = slot0 + p.n_splits;
+        const size_t slot0 = bh0 * p.n_splits + split, slot1 = bh1 * p.n_splits + split;
         float *o0 = p.part_acc + slot0 * D, *o1 = p.part_acc + slot1 * D;
 #pragma unroll
         for (int j = 0; j < MT; j++) {
@@ -730,6 +755,10 @@ int check(const struct llmem_cuda_attn *a, KernelInfo **kernel) {
     else if (a->batch < 0 || a->max_len < 0 || a->table_stride < 0 ||
              (a->table_stride > 0 && a->table_stride * a->block_size < a->max_len))
         why = "batch, max_len or table_stride";
+    else if (a->pack > 1 &&
+             (a->pack * (a->n_heads / a->n_kv_heads) > 8 || (a->packs != NULL && a->n_packs <= 0) ||
+              (a->table_stride > 0 && a->table_ids == NULL)))
+        why = "pack (8 / group queries at most, of one table each)";
     else if (a->split_len < 0 || a->split_len % BLOCK != 0)
         why = "split_len (a multiple of 16)";
     else if (((uintptr_t)a->k_pool | (uintptr_t)a->v_pool | (uintptr_t)a->q) % 16 != 0 ||
@@ -743,10 +772,17 @@ int check(const struct llmem_cuda_attn *a, KernelInfo **kernel) {
     return prepare(*kernel);
 }
 
+/* The queries' warps a split takes: one per pack. */
+long long warp_queries(const struct llmem_cuda_attn *a) {
+    if (a->pack <= 1)
+        return a->batch;
+    return a->packs != NULL ? a->n_packs : (a->batch + a->pack - 1) / a->pack;
+}
+
 /* Splits per sequence and their length, for `slots` resident warps. */
 void choose_split(const struct llmem_cuda_attn *a, long long slots, int *split_len, int *n_splits) {
     const int blocks = (a->max_len + BLOCK - 1) / BLOCK;
-    const long long units = (long long)a->batch * a->n_kv_heads;
+    const long long units = (long long)warp_queries(a) * a->n_kv_heads;
     if (blocks <= 1 || units == 0) {
         *split_len = blocks * BLOCK > 0 ? blocks * BLOCK : BLOCK;
         *n_splits = 1;
@@ -842,7 +878,10 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
     p.group = a->n_heads / a->n_kv_heads;
     p.split_len = split_len;
     p.n_splits = n_splits;
-    p.n_items = (long long)a->batch * a->n_kv_heads * n_splits;
+    p.n_items = warp_queries(a) * a->n_kv_heads * n_splits;
+    p.n_queries = a->batch;
+    p.pack = a->pack > 1 ? a->pack : 1;
+    p.packs = a->pack > 1 ? a->packs : NULL;
     float scale = a->scale != 0.0f ? a->scale : 1.0f / sqrtf((float)a->head_dim);
     p.qscale = scale * LOG2E;
 

@@ -58,7 +58,14 @@ struct llmem_cuda_attn {
     const int32_t *table_ids; /* (optional) [batch]: the row of block_tables each sequence reads
                                * (NULL: row b): the queries of several sequences' chunks */
     const int32_t *lengths;   /* [batch] tokens of each sequence, ≤ max_len; 0 gives zeros */
-    float *out;               /* [batch, n_heads, head_dim] f32 */
+    /* (optional) the queries of one table (a prefill chunk's) a warp takes together, up to
+     * 8 / group of them in the tensor cores' 16 rows, so that each K and V block is read once for
+     * all: pack of them (0 or 1: one query a warp), starting at packs[i] for i < n_packs (NULL:
+     * at multiples of pack); a pack's queries past the batch or of another table are skipped. */
+    int pack;
+    const int32_t *packs;
+    int n_packs;
+    float *out; /* [batch, n_heads, head_dim] f32 */
 
     void *workspace; /* (optional when one split suffices) llmem_cuda_attn_workspace_bytes */
     size_t workspace_bytes;

@@ -1506,22 +1506,34 @@ static int decode_kernel_fits(const struct llmem_backend_paged_attn *a) {
            (a->head_dim == 64 || a->head_dim == 128 || a->head_dim == 256);
 }
 
-/* Runs the decode kernel over n_seqs sequences whose block tables (int32, table_stride apart; 0:
- * one table for all), then from index lengths_at their lengths, and from ids_at (NO_IDS: none) the
- * table each reads lie in c->staging, n_ints of them in all; q and out [n_seqs, n_heads,
- * head_dim]. */
+/* What a launch of the decode kernel reads from c->staging (n_ints int32 in all): the block
+ * tables (table_stride apart; 0: one table for all) from index 0, the queries' lengths from
+ * lengths_at, the table of each query from ids_at and the first query of each pack from packs_at
+ * (NO_IDS: none); queries a warp takes together: pack. */
 #define NO_IDS ((size_t)-1)
-static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_attn *a, int n_seqs,
-                          int table_stride, size_t lengths_at, size_t ids_at, int max_len,
-                          size_t n_ints) {
-    const int32_t *d = (const int32_t *)small_upload(c, c->staging, n_ints * sizeof(int32_t));
+struct attn_call {
+    int n_queries, table_stride, max_len, pack, n_packs;
+    size_t lengths_at, ids_at, packs_at, n_ints;
+};
+
+/* Queries of a prefill chunk a warp takes together: as many as fill the kernel's 8 rows. */
+static int attn_pack(const struct llmem_backend_paged_attn *a) {
+    const int group = a->n_heads / a->n_kv_heads;
+    return group <= 4 ? 8 / group : 1;
+}
+
+/* Runs the decode kernel over the queries of `call`; q and out [n_queries, n_heads, head_dim]. */
+static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_attn *a,
+                          const struct attn_call *call) {
+    const int32_t *d = (const int32_t *)small_upload(c, c->staging, call->n_ints * sizeof(int32_t));
     if (d == NULL ||
         staged(c, OP_ATTN_DECODE,
                {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
                 arg((int64_t)a->head_dim), arg(a->q), arg(a->k_pool), arg(a->v_pool), arg(a->out),
-                arg((int64_t)n_seqs), arg((int64_t)table_stride), arg((int64_t)lengths_at),
-                arg((int64_t)max_len), arg(d), arg(a->scale), arg((int64_t)a->k_tok),
-                arg((int64_t)ids_at)}))
+                arg((int64_t)call->n_queries), arg((int64_t)call->table_stride),
+                arg((int64_t)call->lengths_at), arg((int64_t)call->max_len), arg(d), arg(a->scale),
+                arg((int64_t)a->k_tok), arg((int64_t)call->ids_at), arg((int64_t)call->pack),
+                arg((int64_t)call->packs_at), arg((int64_t)call->n_packs)}))
         return;
     struct llmem_cuda_attn ca = {};
     ca.format = a->format;
@@ -1529,17 +1541,20 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
     ca.n_kv_heads = a->n_kv_heads;
     ca.head_dim = a->head_dim;
     ca.block_size = a->block_size;
-    ca.batch = n_seqs;
-    ca.max_len = max_len;
+    ca.batch = call->n_queries;
+    ca.max_len = call->max_len;
     ca.scale = a->scale;
     ca.q = a->q;
     ca.k_pool = a->k_pool;
     ca.v_pool = a->v_pool;
     ca.block_stride = (int64_t)a->block_size * (int64_t)a->k_tok;
     ca.block_tables = d;
-    ca.table_stride = table_stride;
-    ca.lengths = d + lengths_at;
-    ca.table_ids = ids_at != NO_IDS ? d + ids_at : NULL;
+    ca.table_stride = call->table_stride;
+    ca.lengths = d + call->lengths_at;
+    ca.table_ids = call->ids_at != NO_IDS ? d + call->ids_at : NULL;
+    ca.pack = call->pack;
+    ca.packs = call->packs_at != NO_IDS ? d + call->packs_at : NULL;
+    ca.n_packs = call->n_packs;
     ca.out = a->out;
     ca.stream = c->stream;
     ca.workspace_bytes = llmem_cuda_attn_workspace_bytes(&ca);
@@ -1566,8 +1581,16 @@ static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) 
         /* each query a "sequence" of its own length over the one table (on tensor cores) */
         for (int64_t i = 0; i < a->n_q; i++)
             c->staging[a->n_blocks + i] = (int32_t)(a->q_pos + i + 1);
-        decode_kernel(c, a, (int)a->n_q, 0, (size_t)a->n_blocks, NO_IDS, (int)(a->q_pos + a->n_q),
-                      (size_t)(a->n_blocks + a->n_q));
+        const struct attn_call call = {.n_queries = (int)a->n_q,
+                                       .table_stride = 0,
+                                       .max_len = (int)(a->q_pos + a->n_q),
+                                       .pack = a->n_q > 1 ? attn_pack(a) : 1,
+                                       .n_packs = 0,
+                                       .lengths_at = (size_t)a->n_blocks,
+                                       .ids_at = NO_IDS,
+                                       .packs_at = NO_IDS,
+                                       .n_ints = (size_t)(a->n_blocks + a->n_q)};
+        decode_kernel(c, a, &call);
         return;
     }
     const int32_t *d =
@@ -1607,12 +1630,28 @@ static void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn
     while (stride * a->block_size < most)
         stride *= 2;
     most = stride * a->block_size;
-    /* the tables, the queries' lengths, and (with n_q) the table of each query */
-    const size_t lengths_at = (size_t)n_seqs * (size_t)stride;
-    const size_t ids_at = n_q != NULL ? lengths_at + (size_t)queries : NO_IDS;
-    const size_t n_ints = lengths_at + (size_t)queries * (n_q != NULL ? 2 : 1);
-    if (decode_kernel_fits(a) && n_ints <= SMALL_MAX / sizeof(int32_t)) {
-        size_t at = 0;
+    /* the tables, the queries' lengths, and with n_q the table of each query and the packs of
+     * a sequence's queries that a warp takes together (a decode's one query its own) */
+    const int pack = n_q != NULL ? attn_pack(a) : 1;
+    int64_t packs = 0;
+    for (int s = 0; n_q != NULL && s < n_seqs; s++)
+        packs += (n_q[s] + pack - 1) / pack;
+    struct attn_call call = {.n_queries = (int)queries,
+                             .table_stride = (int)stride,
+                             .max_len = (int)most,
+                             .pack = packs < queries ? pack : 1,
+                             .n_packs = packs < queries ? (int)packs : 0,
+                             .lengths_at = (size_t)n_seqs * (size_t)stride,
+                             .ids_at = NO_IDS,
+                             .packs_at = NO_IDS,
+                             .n_ints = 0};
+    call.n_ints = call.lengths_at + (size_t)queries;
+    if (n_q != NULL)
+        call.ids_at = call.n_ints, call.n_ints += (size_t)queries;
+    if (call.pack > 1)
+        call.packs_at = call.n_ints, call.n_ints += (size_t)packs;
+    if (decode_kernel_fits(a) && call.n_ints <= SMALL_MAX / sizeof(int32_t)) {
+        size_t at = 0, pk = 0;
         for (int s = 0; s < n_seqs; s++) {
             const int64_t nb = (lengths[s] + a->block_size - 1) / a->block_size;
             int32_t *row = c->staging + (size_t)s * (size_t)stride;
@@ -1620,12 +1659,14 @@ static void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn
                 row[b] = b < nb ? (int32_t)blocks[s][b] : 0;
             const int64_t m = n_q != NULL ? n_q[s] : 1;
             for (int64_t i = 0; i < m; i++, at++) {
-                c->staging[lengths_at + at] = (int32_t)(lengths[s] - m + i + 1);
-                if (n_q != NULL)
-                    c->staging[ids_at + at] = s;
+                c->staging[call.lengths_at + at] = (int32_t)(lengths[s] - m + i + 1);
+                if (call.ids_at != NO_IDS)
+                    c->staging[call.ids_at + at] = s;
+                if (call.packs_at != NO_IDS && i % call.pack == 0)
+                    c->staging[call.packs_at + pk++] = (int32_t)at;
             }
         }
-        decode_kernel(c, a, (int)queries, (int)stride, lengths_at, ids_at, (int)most, n_ints);
+        decode_kernel(c, a, &call);
         return;
     }
     const size_t row = (size_t)a->n_heads * (size_t)a->head_dim;
