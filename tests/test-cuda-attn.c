@@ -48,6 +48,42 @@ struct attn_case {
     int q_bf16;
 };
 
+/* Runs the attention a describes (its workspace allocated here) and returns its n_out floats of
+ * output, copied to the host. */
+static float *run_gpu(struct llmem_cuda_attn *a, size_t n_out) {
+    void *d_ws = NULL;
+    a->workspace_bytes = llmem_cuda_attn_workspace_bytes(a);
+    if (a->workspace_bytes > 0) {
+        CU(cudaMalloc(&d_ws, a->workspace_bytes));
+        a->workspace = d_ws;
+    }
+    assert_int_equal(llmem_cuda_attn_decode(a), LLMEM_OK);
+    CU(cudaDeviceSynchronize());
+    float *out = malloc(n_out * sizeof(float));
+    CU(cudaMemcpy(out, a->out, n_out * sizeof(float), cudaMemcpyDeviceToHost));
+    cudaFree(d_ws);
+    return out;
+}
+
+/* The largest ‖out − ref‖ / ‖ref‖ over `rows` rows of D; a non-finite output fails. */
+static double worst_rel_error(const float *out, const float *ref, int rows, int D) {
+    double worst = 0.0;
+    for (int row = 0; row < rows; row++) {
+        const float *g = out + (size_t)row * D, *r = ref + (size_t)row * D;
+        double num = 0.0, den = 0.0;
+        for (int i = 0; i < D; i++) {
+            if (!isfinite(g[i])) {
+                fprintf(stderr, "row %d (query × head) dim %d: %g\n", row, i, g[i]);
+                fail();
+            }
+            num += ((double)g[i] - r[i]) * ((double)g[i] - r[i]);
+            den += (double)r[i] * r[i];
+        }
+        worst = fmax(worst, den > 0.0 ? sqrt(num / den) : sqrt(num));
+    }
+    return worst;
+}
+
 /* Runs one case; returns the largest relative error over (sequence, head). */
 static double run_case(const struct attn_case *tc) {
     const int H = tc->n_heads, KV = tc->n_kv_heads, D = tc->head_dim, B = tc->batch;
@@ -131,7 +167,7 @@ static double run_case(const struct attn_case *tc) {
                              LLMEM_OK);
 
     /* the GPU */
-    void *d_pool, *d_q, *d_tables, *d_len, *d_out, *d_ws = NULL;
+    void *d_pool, *d_q, *d_tables, *d_len, *d_out;
     CU(cudaMalloc(&d_pool, (size_t)n_blocks * block_bytes));
     CU(cudaMalloc(&d_q, n_out * sizeof(float)));
     CU(cudaMalloc(&d_tables, (size_t)B * table_stride * sizeof(int32_t)));
@@ -164,35 +200,10 @@ static double run_case(const struct attn_case *tc) {
         .lengths = d_len,
         .out = d_out,
     };
-    a.workspace_bytes = llmem_cuda_attn_workspace_bytes(&a);
-    if (a.workspace_bytes > 0) {
-        CU(cudaMalloc(&d_ws, a.workspace_bytes));
-        a.workspace = d_ws;
-    }
     int split_len = 0, n_splits = 0;
     assert_int_equal(llmem_cuda_attn_split(&a, &split_len, &n_splits), LLMEM_OK);
-    assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_OK);
-    CU(cudaDeviceSynchronize());
-    float *out = malloc(n_out * sizeof(float));
-    CU(cudaMemcpy(out, d_out, n_out * sizeof(float), cudaMemcpyDeviceToHost));
-
-    double worst = 0.0;
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < H; h++) {
-            const float *g = out + ((size_t)b * H + h) * D, *r = ref + ((size_t)b * H + h) * D;
-            double num = 0.0, den = 0.0;
-            for (int i = 0; i < D; i++) {
-                if (!isfinite(g[i])) {
-                    fprintf(stderr, "seq %d (length %d) head %d dim %d: %g\n", b, tc->lengths[b], h,
-                            i, g[i]);
-                    fail();
-                }
-                num += ((double)g[i] - r[i]) * ((double)g[i] - r[i]);
-                den += (double)r[i] * r[i];
-            }
-            double e = den > 0.0 ? sqrt(num / den) : sqrt(num);
-            worst = e > worst ? e : worst;
-        }
+    float *out = run_gpu(&a, n_out);
+    const double worst = worst_rel_error(out, ref, B * H, D);
     printf("  %-4s heads %2d/%d d %3d batch %d max_len %5d q %s split %4d × %3d: rel err %.2e\n",
            llmem_kv_format_name(tc->format), H, KV, D, B, max_len, tc->q_bf16 ? "bf16" : "f32",
            split_len, n_splits, worst);
@@ -202,7 +213,6 @@ static double run_case(const struct attn_case *tc) {
     cudaFree(d_tables);
     cudaFree(d_len);
     cudaFree(d_out);
-    cudaFree(d_ws);
     free(out);
     free(ref);
     free(q16);
@@ -324,7 +334,7 @@ static double run_chunk(enum llmem_kv_format format, int H, int KV, int D, int l
     struct llmem_kv_attn attn = {.n_heads = H};
     assert_int_equal(llmem_kv_attend(kv, seq, 0, len - n_q, n_q, q, ref, &attn), LLMEM_OK);
 
-    void *d_pool, *d_q, *d_ints, *d_out, *d_ws = NULL;
+    void *d_pool, *d_q, *d_ints, *d_out;
     CU(cudaMalloc(&d_pool, (size_t)st.n_blocks * block_bytes));
     CU(cudaMalloc(&d_q, n_out * sizeof(float)));
     CU(cudaMalloc(&d_ints, (size_t)(2 * nblk + 3 * n_q) * sizeof(int32_t)));
@@ -355,31 +365,13 @@ static double run_chunk(enum llmem_kv_format format, int H, int KV, int D, int l
                                 .packs = split_ids ? di + 2 * nblk + 2 * n_q : NULL,
                                 .n_packs = split_ids ? n_packs : 0,
                                 .out = d_out};
-    a.workspace_bytes = llmem_cuda_attn_workspace_bytes(&a);
-    if (a.workspace_bytes > 0) {
-        CU(cudaMalloc(&d_ws, a.workspace_bytes));
-        a.workspace = d_ws;
-    }
-    assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_OK);
-    CU(cudaDeviceSynchronize());
-    float *out = malloc(n_out * sizeof(float));
-    CU(cudaMemcpy(out, d_out, n_out * sizeof(float), cudaMemcpyDeviceToHost));
-    double worst = 0.0;
-    for (int i = 0; i < n_q * H; i++) {
-        const float *g = out + (size_t)i * D, *r = ref + (size_t)i * D;
-        double num = 0.0, den = 0.0;
-        for (int j = 0; j < D; j++) {
-            assert_true(isfinite(g[j]));
-            num += ((double)g[j] - r[j]) * ((double)g[j] - r[j]);
-            den += (double)r[j] * r[j];
-        }
-        worst = fmax(worst, den > 0.0 ? sqrt(num / den) : sqrt(num));
-    }
+    float *out = run_gpu(&a, n_out);
+    const double worst = worst_rel_error(out, ref, n_q * H, D);
     printf("  chunk %-4s heads %2d/%d d %3d: %3d queries of %4d, %d a warp%s, split %3d: rel err "
            "%.2e\n",
            llmem_kv_format_name(format), H, KV, D, n_q, len, pack,
            split_ids ? " (two tables, packs listed)" : "", split_len, worst);
-    cudaFree(d_pool), cudaFree(d_q), cudaFree(d_ints), cudaFree(d_out), cudaFree(d_ws);
+    cudaFree(d_pool), cudaFree(d_q), cudaFree(d_ints), cudaFree(d_out);
     free(out), free(ref), free(q), free(ints), free(pool), free(k), free(v);
     llmem_kv_destroy(kv);
     return worst;
