@@ -48,8 +48,15 @@ struct attn_job {
 };
 
 /* Per-thread scratch of direct and partitioned: one partition's state for every head (acc, m, l),
- * and direct's running m and l per head. */
-#define HEADS_STRIDE(n_heads, hd) ((size_t)(n_heads) * (size_t)((hd) + 4))
+ * and direct's running m and l per head. A tile rewrites its heads' state, so each thread's slice
+ * starts on its own 4 KiB page and 16 KiB lie between slices: with slices back to back, the stream
+ * prefetcher of the core writing one slice runs on into the next and takes its lines from the core
+ * that is writing them (two threads at 32K tokens: 30 → 46 GB/s). */
+#define PAGE_FLOATS               1024
+#define THREAD_GAP_FLOATS         4096
+#define HEADS_STRIDE(n_heads, hd)                                                                  \
+    ((((size_t)(n_heads) * (size_t)((hd) + 4) + PAGE_FLOATS - 1) & ~(size_t)(PAGE_FLOATS - 1)) +    \
+     THREAD_GAP_FLOATS)
 
 static void visible(const struct attn_job *j, int64_t i, int64_t *lo, int64_t *hi) {
     *hi = j->q_pos + i;
@@ -428,7 +435,7 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
                     ? LLMEM_KV_ROUTE_PARTITIONED
                     : LLMEM_KV_ROUTE_DIRECT;
 
-    size_t work = q_floats;
+    size_t work = q_floats + PAGE_FLOATS; /* the scratch starts on a page */
     if (route == LLMEM_KV_ROUTE_FALLBACK) {
         int64_t window = attn->window > 0 ? attn->window : q_pos + n_q;
         work += (size_t)threads * (size_t)FALLBACK_STRIDE(window, hd);
@@ -452,7 +459,8 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
     j.q = qs;
 
     int tasks = (int)(n_q * n_heads);
-    j.scratch = ws + q_floats;
+    j.scratch = (float *)(((uintptr_t)(ws + q_floats) + 4 * PAGE_FLOATS - 1) &
+                          ~(uintptr_t)(4 * PAGE_FLOATS - 1));
     switch (route) {
     case LLMEM_KV_ROUTE_PARTITIONED:
         j.parts = j.scratch + (size_t)threads * HEADS_STRIDE(n_heads, hd);
