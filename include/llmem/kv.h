@@ -87,7 +87,8 @@ int64_t llmem_kv_token_bytes(const struct llmem_kv_config *config);
 
 struct llmem_kv;
 
-/* mem: where the KV memory comes from (tag kv); NULL makes a private host allocator. */
+/* mem: where the KV memory comes from (tag kv); NULL makes a private host allocator (its cache
+ * holds up to 16 MiB of freed buffers). */
 int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
                     struct llmem_kv **out);
 void llmem_kv_destroy(struct llmem_kv *kv);

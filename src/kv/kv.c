@@ -454,7 +454,9 @@ int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
     kv->v_tok = (size_t)c.n_kv_heads * kv->codec.value_bytes;
     kv->mem = mem;
     if (mem == NULL) {
-        struct llmem_mem_config mc = {.cache_limit_bytes = 0};
+        /* A cache of 16 MiB keeps attention's per-call workspace (about 1 MiB at 32K tokens)
+         * from going back to the OS, and being faulted in again, on every call. */
+        struct llmem_mem_config mc = {.cache_limit_bytes = (int64_t)16 << 20};
         if ((status = llmem_mem_create(&mc, &kv->mem)) != LLMEM_OK)
             goto out_free;
         kv->own_mem = 1;
