@@ -52,10 +52,10 @@ struct attn_job {
  * starts on its own 4 KiB page and 16 KiB lie between slices: with slices back to back, the stream
  * prefetcher of the core writing one slice runs on into the next and takes its lines from the core
  * that is writing them (two threads at 32K tokens: 30 → 46 GB/s). */
-#define PAGE_FLOATS               1024
-#define THREAD_GAP_FLOATS         4096
+#define PAGE_FLOATS       1024
+#define THREAD_GAP_FLOATS 4096
 #define HEADS_STRIDE(n_heads, hd)                                                                  \
-    ((((size_t)(n_heads) * (size_t)((hd) + 4) + PAGE_FLOATS - 1) & ~(size_t)(PAGE_FLOATS - 1)) +    \
+    ((((size_t)(n_heads) * (size_t)((hd) + 4) + PAGE_FLOATS - 1) & ~(size_t)(PAGE_FLOATS - 1)) +   \
      THREAD_GAP_FLOATS)
 
 static void visible(const struct attn_job *j, int64_t i, int64_t *lo, int64_t *hi) {
