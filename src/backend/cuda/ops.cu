@@ -766,12 +766,14 @@ template <enum llmem_dtype DT> __device__ __forceinline__ void unpack8(uint4 v, 
 }
 
 /* Up to four matrices of one dtype and column count multiplied with the same rows of x in one
- * launch (q, k and v; gate and up): blockIdx.y picks the matrix. */
+ * launch (q, k and v; gate and up): matrix m takes blocks [first[m], first[m + 1]) (gemv16 sets
+ * first; one grid of only the blocks with rows, so that q, k and v fit in one wave). */
 struct gemv_set {
     const void *w[4];
     float *y[4];
     const float *bias[4];
     int64_t rows[4];
+    unsigned first[5];
 };
 
 /* acc[j] += the 8 weights of chunk k (raw) · x[x_row0 + j, 8k … 8k + 7], for j < NX. */
@@ -864,13 +866,18 @@ __global__ void __launch_bounds__(256)
     }
 }
 
+/* At most 64 registers a thread: four blocks an SM, so that the down projection's 512 blocks
+ * (2,048 rows, two warps a row) run in one wave (at 70 registers, three: 1.3 waves). */
 template <enum llmem_dtype DT, int NX, int W>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 4)
     gemv16_kernel(struct gemv_set set, int64_t cols, const float *x, int64_t x_row0) {
     /* (pdl_begin in gemv_row: a warp without a row returns before touching memory) */
-    const int m = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    int m = 0;
+    while (m < 3 && blockIdx.x >= set.first[m + 1])
+        m++;
     const int64_t rows = set.rows[m];
-    const int64_t r = blockIdx.x * (int64_t)(blockDim.x / 32 / W) + warp / W;
+    const int64_t r = (blockIdx.x - set.first[m]) * (int64_t)(blockDim.x / 32 / W) + warp / W;
     if (W == 1 && r >= rows)
         return;
     float acc[NX];
@@ -920,14 +927,17 @@ template <enum llmem_dtype DT>
 static void gemv16(struct cuda_ctx *c, const struct gemv_set *set, int count, int64_t cols,
                    const float *x, int64_t n) {
     const int warps = 8;
-    int64_t most = 0;
-    for (int i = 0; i < count; i++)
-        most = set->rows[i] > most ? set->rows[i] : most;
     /* rows of 4096 columns and more: two warps a row (measured on the H200: down, 2048 × 8192,
      * 2.3 → 2.75 TB/s; gate+up, 2 × 8192 × 2048, is better at one) */
     const int split = cols >= 4096 && cols % 16 == 0 ? 2 : 1;
     const int per_block = warps / split;
-    dim3 grid((unsigned)((most + per_block - 1) / per_block), (unsigned)count);
+    struct gemv_set s = *set;
+    s.first[0] = 0;
+    for (int i = 0; i < 4; i++)
+        s.first[i + 1] =
+            s.first[i] + (i < count ? (unsigned)((s.rows[i] + per_block - 1) / per_block) : 0);
+    set = &s;
+    dim3 grid(s.first[4]);
     for (int64_t t = 0; t < n;) {
 #define GEMV_CASE(NX)                                                                              \
     case NX:                                                                                       \
@@ -1151,7 +1161,7 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
     const int is16 = w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16;
     if (n <= GEMV_MAX_ROWS) {
         if (gemv16_fits(w, x, n)) {
-            const struct gemv_set set = {{w->data}, {y}, {bias}, {w->rows}};
+            const struct gemv_set set = {{w->data}, {y}, {bias}, {w->rows}, {0}}; /* first: gemv16 */
             gemv16_set(c, &set, 1, w->dtype, w->cols, x, n);
         } else {
             int64_t warps = w->rows * n;
