@@ -1161,7 +1161,8 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
     const int is16 = w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16;
     if (n <= GEMV_MAX_ROWS) {
         if (gemv16_fits(w, x, n)) {
-            const struct gemv_set set = {{w->data}, {y}, {bias}, {w->rows}, {0}}; /* first: gemv16 */
+            const struct gemv_set set = {
+                {w->data}, {y}, {bias}, {w->rows}, {0}}; /* first: gemv16 */
             gemv16_set(c, &set, 1, w->dtype, w->cols, x, n);
         } else {
             int64_t warps = w->rows * n;
