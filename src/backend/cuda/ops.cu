@@ -866,10 +866,11 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-/* At most 64 registers a thread: four blocks an SM, so that the down projection's 512 blocks
- * (2,048 rows, two warps a row) run in one wave (at 70 registers, three: 1.3 waves). */
+/* One row of x: at most 64 registers a thread, four blocks an SM, so that the down projection's
+ * 512 blocks (2,048 rows, two warps a row) run in one wave (at 70 registers, three: 1.3 waves).
+ * More rows of x: at most 128 (uncapped, nvcc takes 218–255; at 64 they spill). */
 template <enum llmem_dtype DT, int NX, int W>
-__global__ void __launch_bounds__(256, 4)
+__global__ void __launch_bounds__(256, NX == 1 ? 4 : 2)
     gemv16_kernel(struct gemv_set set, int64_t cols, const float *x, int64_t x_row0) {
     /* (pdl_begin in gemv_row: a warp without a row returns before touching memory) */
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
