@@ -37,8 +37,12 @@
 #include "core/hash.h"
 #include "core/log.h"
 
-/* x rows up to which matmul takes the memory-bound kernel */
-#define GEMV_MAX_ROWS 8
+/* x rows up to which matmul takes the memory-bound kernel (gemv_rows): at f32 precision, where a
+ * GEMM first widens the weights, up to GEMV_MAX_ROWS; at fast precision up to GEMV_FAST_ROWS, the
+ * tensor cores being faster from 3 rows (on the H200 a decode step of 8 sequences took 3.06 ms on
+ * the device through the GEMV, one of 32 sequences 1.25 ms through the GEMMs) */
+#define GEMV_MAX_ROWS  8
+#define GEMV_FAST_ROWS 2
 /* 16-byte weight loads each lane has in flight in the matrix-vector kernel */
 #define GEMV_UNROLL 8
 /* weight bytes widened to f32 at a time at f32 precision */
@@ -136,6 +140,10 @@ struct cuda_ctx {
     } rounds[8];  /* the types and widths the fast GEMMs rounded x to last (the producers' cue) */
     int n_rounds; /* widths recorded so far; the slot of the next is n_rounds mod 8 */
 };
+
+static int64_t gemv_rows(const struct cuda_ctx *c) {
+    return c->precision == LLMEM_PRECISION_FAST ? GEMV_FAST_ROWS : GEMV_MAX_ROWS;
+}
 
 /* The backend's first failure: logged once, kept as the status of every later copy and sync. */
 static void fail(struct cuda_ctx *c, int status, const char *what, const char *why) {
@@ -962,8 +970,9 @@ static void gemv16(struct cuda_ctx *c, const struct gemv_set *set, int count, in
 }
 
 /* The memory-bound kernel applies: a decode's few rows, 16-bit weights in aligned rows. */
-static int gemv16_fits(const struct llmem_weight *w, const float *x, int64_t n) {
-    return n <= GEMV_MAX_ROWS && (w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16) &&
+static int gemv16_fits(const struct cuda_ctx *c, const struct llmem_weight *w, const float *x,
+                       int64_t n) {
+    return n <= gemv_rows(c) && (w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16) &&
            w->cols % 8 == 0 && ((uintptr_t)w->data & 15) == 0 && ((uintptr_t)x & 15) == 0;
 }
 
@@ -998,12 +1007,12 @@ static const void *shadow_of(struct cuda_ctx *c, const float *x, int64_t n, int6
 }
 
 /* Where an operation producing n rows of cols floats writes their 16-bit copy as well (*dt its
- * type), or NULL: at fast precision, for a GEMM's rows (more than GEMV_MAX_ROWS), when the fast
+ * type), or NULL: at fast precision, for a GEMM's rows (more than gemv_rows), when the fast
  * GEMMs rounded rows of this width before, into scratch that holds them already while a pass is
  * recorded or staged. */
 static void *shadow_begin(struct cuda_ctx *c, int64_t n, int64_t cols, enum llmem_dtype *dt) {
     c->shadow_x = NULL;
-    if (c->precision != LLMEM_PRECISION_FAST || n <= GEMV_MAX_ROWS)
+    if (c->precision != LLMEM_PRECISION_FAST || n <= gemv_rows(c))
         return NULL;
     for (int i = 0; i < c->n_rounds && i < (int)(sizeof(c->rounds) / sizeof(c->rounds[0])); i++) {
         if (c->rounds[i].cols != cols)
@@ -1160,8 +1169,8 @@ static const struct lt_plan *lt_plan_for(struct cuda_ctx *c, int64_t rows, int64
 static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, const void *xr,
                    int64_t n, float *y, const float *bias) {
     const int is16 = w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16;
-    if (n <= GEMV_MAX_ROWS) {
-        if (gemv16_fits(w, x, n)) {
+    if (n <= gemv_rows(c)) {
+        if (gemv16_fits(c, w, x, n)) {
             const struct gemv_set set = {
                 {w->data}, {y}, {bias}, {w->rows}, {0}}; /* first: gemv16 */
             gemv16_set(c, &set, 1, w->dtype, w->cols, x, n);
@@ -1234,11 +1243,11 @@ static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *c
     LLMEM_ASSERT(count >= 1 && count <= 4);
     int together = 1;
     for (int i = 0; i < count; i++)
-        together = together && gemv16_fits(w[i], x, n) && w[i]->dtype == w[0]->dtype &&
+        together = together && gemv16_fits(c, w[i], x, n) && w[i]->dtype == w[0]->dtype &&
                    w[i]->cols == w[0]->cols;
     if (!together || n == 0 || c->failed) {
         /* the fast GEMMs of one x: rounded once for all */
-        int shared = n > GEMV_MAX_ROWS && c->precision == LLMEM_PRECISION_FAST && !c->failed;
+        int shared = n > gemv_rows(c) && c->precision == LLMEM_PRECISION_FAST && !c->failed;
         for (int i = 0; i < count; i++)
             shared = shared && w[i]->dtype == w[0]->dtype && w[i]->cols == w[0]->cols &&
                      (w[i]->dtype == LLMEM_DTYPE_BF16 || w[i]->dtype == LLMEM_DTYPE_F16);
@@ -1411,7 +1420,7 @@ static void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate,
                                float *u, float *out) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(gate != NULL && up != NULL && x != NULL && out != NULL && n >= 0);
-    if (!gemv16_fits(gate, x, n) || !gemv16_fits(up, x, n) || gate->dtype != up->dtype ||
+    if (!gemv16_fits(c, gate, x, n) || !gemv16_fits(c, up, x, n) || gate->dtype != up->dtype ||
         gate->rows != up->rows || gate->cols != up->cols) {
         const struct llmem_weight *w[2] = {gate, up};
         float *y[2] = {g, u};
