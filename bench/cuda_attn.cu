@@ -14,6 +14,7 @@
  *
  *   llmem-bench-cuda-attn [--json] [--reps N] [--warmup N] [--formats bf16,q8]
  *                         [--shapes 64x8192,1x4096,16x2048,4x16384] [--copy-mib N]
+ *                         [--split-len TOKENS]   (a multiple of 16; default: the kernel's choice)
  */
 #include <algorithm>
 #include <cuda_runtime.h>
@@ -89,7 +90,7 @@ struct Result {
 };
 
 int main(int argc, char **argv) {
-    int json = 0, reps = 50, warmup = 10;
+    int json = 0, reps = 50, warmup = 10, split = 0;
     size_t copy_mib = 2048;
     std::vector<const char *> formats = {"bf16", "q8"};
     std::vector<Shape> shapes = {{64, 8192}, {1, 4096}, {16, 2048}, {4, 16384}};
@@ -102,6 +103,8 @@ int main(int argc, char **argv) {
             warmup = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--copy-mib") && i + 1 < argc)
             copy_mib = (size_t)atol(argv[++i]);
+        else if (!strcmp(argv[i], "--split-len") && i + 1 < argc)
+            split = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--formats") && i + 1 < argc) {
             formats.clear();
             for (char *t = strtok(argv[++i], ","); t; t = strtok(NULL, ","))
@@ -116,7 +119,7 @@ int main(int argc, char **argv) {
         } else {
             fprintf(stderr,
                     "usage: %s [--json] [--reps N] [--warmup N] [--formats bf16,q8,f16] "
-                    "[--shapes BxT,...] [--copy-mib N]\n",
+                    "[--shapes BxT,...] [--copy-mib N] [--split-len TOKENS]\n",
                     argv[0]);
             return 2;
         }
@@ -236,6 +239,7 @@ int main(int argc, char **argv) {
             a.lengths = d_len;
             a.out = d_out;
             a.stream = stream;
+            a.split_len = split; /* 0: the kernel's own choice */
             int split_len = 0, n_splits = 0;
             if (llmem_cuda_attn_split(&a, &split_len, &n_splits) != 0)
                 return 1;

@@ -22,6 +22,29 @@ __device__ __forceinline__ void pdl_begin() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+/* LLMEM_CUDA_PROFILE (ops.cu, one context of the process at a time): the event recorded on the
+ * stream before the first launch of an operation; NULL when off. */
+extern cudaEvent_t cuda_profile_start;
+extern int cuda_profile_pending;
+
+/* Spins for `cycles` clocks of the SM. */
+static __global__ void profile_lead_kernel(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+}
+
+/* The start of a timed operation, when profiling and none is pending: a spin of about 50 µs
+ * first, so that the operation's launches are queued behind it when the start event is reached
+ * and the time measured is the kernels' own, not the host's launching them. */
+static inline void profile_begin(cudaStream_t stream) {
+    if (cuda_profile_start == nullptr || cuda_profile_pending)
+        return;
+    profile_lead_kernel<<<1, 1, 0, stream>>>(100000);
+    cudaEventRecord(cuda_profile_start, stream);
+    cuda_profile_pending = 1;
+}
+
 /* kernel<<<grid, block, smem, stream>>>(args...) as a programmatic dependent launch. */
 template <typename... Params, typename... Args>
 static inline cudaError_t pdl_launch(cudaStream_t stream, void (*kernel)(Params...), dim3 grid,
@@ -36,6 +59,7 @@ static inline cudaError_t pdl_launch(cudaStream_t stream, void (*kernel)(Params.
     attr.val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
+    profile_begin(stream);
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 

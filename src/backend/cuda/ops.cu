@@ -19,6 +19,10 @@
  * when that hash equals the recording's; else nothing has run, and the caller runs the pass again
  * (as usual, which also sizes any scratch the new shapes need; the next such pass is recorded
  * afresh). LLMEM_CUDA_GRAPHS=0 turns them off.
+ *
+ * LLMEM_CUDA_PROFILE=1 times every operation's kernels on the device (events around them, the
+ * host waiting after each: no graphs, no overlap between kernels) and logs the totals per
+ * operation (INFO) when the backend is destroyed: where a pass's device time goes.
  */
 #include "backend/cuda/backend.h"
 #include "backend/cuda/attention.h"
@@ -88,6 +92,16 @@ struct graph {
     uint64_t used; /* the pass count at its last use */
 };
 
+cudaEvent_t cuda_profile_start = nullptr;
+int cuda_profile_pending = 0;
+
+#define PROFILE_OPS 32
+struct profile_op {
+    const char *what;
+    double ms;
+    int64_t calls;
+};
+
 struct cuda_ctx {
     int device;
     enum llmem_backend_precision precision;
@@ -119,6 +133,10 @@ struct cuda_ctx {
     int ring_stale; /* a pass staged in the ring's memory: wait before the ring's next use */
     uint64_t passes;
     struct llmem_backend_counters counters;
+    int profiling; /* LLMEM_CUDA_PROFILE: this context owns cuda_profile_start */
+    cudaEvent_t profile_end;
+    struct profile_op profile[PROFILE_OPS];
+    int profile_n;
     cudaEvent_t replay[2]; /* around the last replay, timed when it is done */
     int replay_timed;      /* 0: replay[] pending */
     void *top;             /* top_k's results on the device: ids, then values */
@@ -170,6 +188,45 @@ static int check_blas(struct cuda_ctx *c, cublasStatus_t st, const char *what) {
 
 static void launched(struct cuda_ctx *c, const char *what) {
     check(c, cudaGetLastError(), what);
+    if (!c->profiling || !cuda_profile_pending)
+        return;
+    /* the kernels since the start event: waited for, timed, added to the operation's total */
+    float ms = 0;
+    cuda_profile_pending = 0;
+    if (cudaEventRecord(c->profile_end, c->stream) != cudaSuccess ||
+        cudaEventSynchronize(c->profile_end) != cudaSuccess ||
+        cudaEventElapsedTime(&ms, cuda_profile_start, c->profile_end) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    int i = 0;
+    while (i < c->profile_n && strcmp(c->profile[i].what, what) != 0)
+        i++;
+    if (i == PROFILE_OPS)
+        return;
+    if (i == c->profile_n)
+        c->profile[c->profile_n++] = (struct profile_op){what, 0, 0};
+    c->profile[i].ms += ms;
+    c->profile[i].calls++;
+}
+
+/* The profile's totals, largest first, logged (INFO). */
+static void profile_log(struct cuda_ctx *c) {
+    double total = 0;
+    for (int i = 0; i < c->profile_n; i++)
+        total += c->profile[i].ms;
+    qsort(c->profile, (size_t)c->profile_n, sizeof(c->profile[0]),
+          [](const void *a, const void *b) {
+              double x = ((const struct profile_op *)a)->ms, y = ((const struct profile_op *)b)->ms;
+              return (x < y) - (x > y);
+          });
+    LLMEM_INFO("cuda profile, device %d: %.3f ms of kernels", c->device, total);
+    for (int i = 0; i < c->profile_n; i++) {
+        const struct profile_op *o = &c->profile[i];
+        LLMEM_INFO("cuda profile: %-12s %10.3f ms %5.1f %% %9lld calls %9.2f us each", o->what,
+                   o->ms, total > 0 ? 100 * o->ms / total : 0, (long long)o->calls,
+                   1000 * o->ms / (double)o->calls);
+    }
 }
 
 static void *dev_alloc(struct cuda_ctx *c, size_t bytes) {
@@ -1194,11 +1251,13 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
             xr = shadow_of(c, x, n, w->cols, w->dtype);
         if (p == NULL || (xr == NULL && (xr = rounded(c, x, n, w->cols, w->dtype)) == NULL))
             return;
+        profile_begin(c->stream);
         check_blas(c,
                    cublasLtMatmul(c->lt, p->op, &one, w->data, p->a, xr, p->b, &zero, y, p->c, y,
                                   p->c, &p->algo, p->workspace > 0 ? c->lt_ws : NULL, p->workspace,
                                   c->stream),
                    "cublasLtMatmul");
+        launched(c, "gemm");
     } else {
         /* f32: slices of weight rows widened to f32, each a plain f32 GEMM into its columns of
          * C (rows r0 … r0 + m of y's rows, ldc = rows). */
@@ -1277,12 +1336,14 @@ static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *c
                     lt_plan_for(c, w[i]->rows, n, w[i]->cols, t, 2, (int64_t)(y[i + 1] - y[i]));
                 if (p == NULL)
                     return;
+                profile_begin(c->stream);
                 check_blas(c,
                            cublasLtMatmul(c->lt, p->op, &one, w[i]->data, p->a, xr, p->b, &zero,
                                           y[i], p->c, y[i], p->c, &p->algo,
                                           p->workspace > 0 ? c->lt_ws : NULL, p->workspace,
                                           c->stream),
                            "cublasLtMatmul");
+                launched(c, "gemm pair");
                 i++;
                 continue;
             }
@@ -1583,6 +1644,8 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
         return;
     if (llmem_cuda_attn_decode(&ca) != LLMEM_OK)
         fail(c, LLMEM_EIO, "attention", NULL); /* logged by attention.cu */
+    else
+        launched(c, "attention");
 }
 
 static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) {
@@ -1785,6 +1848,13 @@ static void cuda_destroy(void *ctx) {
         return;
     if (c->stream != NULL)
         cudaStreamSynchronize(c->stream);
+    if (c->profiling) {
+        profile_log(c);
+        cudaEventDestroy(cuda_profile_start);
+        cuda_profile_start = nullptr, cuda_profile_pending = 0;
+    }
+    if (c->profile_end != NULL)
+        cudaEventDestroy(c->profile_end);
     for (int i = 0; i < GRAPHS; i++)
         graph_drop(&c->graphs[i]);
     for (int i = 0; i < 2; i++)
@@ -1898,6 +1968,17 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
         if (check(c, cudaEventCreateWithFlags(&c->small_done[i], cudaEventDisableTiming),
                   "event") != LLMEM_OK)
             status = LLMEM_EIO;
+    const char *profile = getenv("LLMEM_CUDA_PROFILE");
+    if (status == LLMEM_OK && profile != NULL && strcmp(profile, "0") != 0 &&
+        cuda_profile_start == nullptr) {
+        if (check(c, cudaEventCreate(&c->profile_end), "event") != LLMEM_OK ||
+            check(c, cudaEventCreate(&cuda_profile_start), "event") != LLMEM_OK) {
+            status = LLMEM_EIO;
+        } else {
+            c->profiling = 1;
+            c->graphs_on = 0; /* every operation timed on its own */
+        }
+    }
     if (status != LLMEM_OK) {
         cuda_destroy(c);
         free(b);
