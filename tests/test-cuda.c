@@ -972,6 +972,55 @@ static void test_sampling_on_device(void **state) {
         llmem_generate_result_free(&r[b]);
 }
 
+/* What a streaming callback received: the ids and text, in order; it cancels after `cancel_at`
+ * tokens (0: never). */
+struct heard {
+    int32_t ids[64];
+    int n, cancel_at;
+    char text[4096];
+    size_t len;
+};
+
+static int hear(void *arg, int32_t id, const char *text, size_t len) {
+    struct heard *h = arg;
+    if (id >= 0)
+        h->ids[h->n++] = id;
+    assert_true(h->len + len < sizeof(h->text));
+    memcpy(h->text + h->len, text, len);
+    h->len += len;
+    return h->cancel_at > 0 && h->n >= h->cancel_at;
+}
+
+/* Streaming from the device's top k: every token reaches the callback in order with its text,
+ * the pieces add up to the result, and a cancel from the callback ends the request with exactly
+ * the tokens the client heard. */
+static void test_streaming(void **state) {
+    (void)state;
+    const char *dir = LLMEM_SOURCE_DIR "/models/pycoder";
+    int32_t prompt[16];
+    for (int i = 0; i < 16; i++)
+        prompt[i] = 300 + i * 13;
+    struct llmem_generate_params gp;
+    llmem_generate_params_default(&gp);
+    gp.max_tokens = 40;
+    gp.ignore_eos = 1;
+    struct llmem_engine *e =
+        open_engine(dir, LLMEM_BACKEND_CUDA, LLMEM_PRECISION_FAST, LLMEM_KV_FORMAT_F16);
+    for (int cancel = 0; cancel < 2; cancel++) {
+        struct heard h = {.cancel_at = cancel ? 7 : 0};
+        struct llmem_generate_result r;
+        assert_int_equal(llmem_engine_generate(e, prompt, 16, &gp, hear, &h, &r), LLMEM_OK);
+        assert_string_equal(r.finish_reason, cancel ? "cancelled" : "length");
+        assert_int_equal(r.n_ids, cancel ? 7 : 40);
+        assert_int_equal(h.n, r.n_ids);
+        assert_memory_equal(h.ids, r.ids, (size_t)r.n_ids * sizeof(int32_t));
+        assert_int_equal(h.len, r.text_len);
+        assert_memory_equal(h.text, r.text, r.text_len);
+        llmem_generate_result_free(&r);
+    }
+    llmem_engine_close(e);
+}
+
 /* Decode steps recorded as CUDA graphs and replayed give exactly the logits of the same steps run
  * as usual: batches of two sizes, block tables growing past their padding (128 tokens), and
  * sequences forked mid-block, so that a replayed step first copies a shared block. */
@@ -1201,7 +1250,7 @@ int main(void) {
         cmocka_unit_test(test_models),        cmocka_unit_test(test_greedy),
         cmocka_unit_test(test_graphs),        cmocka_unit_test(test_mixed_step),
         cmocka_unit_test(test_top_k),         cmocka_unit_test(test_sampling_on_device),
-        cmocka_unit_test(test_device_plan),
+        cmocka_unit_test(test_streaming),     cmocka_unit_test(test_device_plan),
     };
     return cmocka_run_group_tests_name("cuda", tests, setup, teardown);
 }

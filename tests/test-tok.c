@@ -911,7 +911,6 @@ static void time_encode(const char *name, const char *text, size_t len, const ch
                   (long long)n, t1 - t0, t2 - t1);
     assert_int_equal(out_len, len);
     assert_memory_equal(out, text, len);
-    assert_true(t1 - t0 < 10.0); /* generous: sanitizer builds run here too */
     free(out);
     free(ids);
     llmem_tokenizer_free(tok);

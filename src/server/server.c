@@ -4,9 +4,12 @@
  *
  * Threads. MHD runs one thread per connection. A generation request (a "job") is submitted to the
  * engine and then waited for on that connection's thread: the scheduler's callbacks only append
- * the token to the job's queue under the job's mutex and signal its condition variable, so the
- * scheduler never blocks on a client. A streaming response is a content reader that sleeps on the
- * same condition variable and turns queued tokens into SSE chunks.
+ * the token to the job's queue under the job's mutex, so the scheduler never blocks on a client.
+ * Waking the connection is the waker thread's work: the scheduler hands it the job (one list
+ * under one mutex; waking the waker costs a system call only when it sleeps, once for a step's
+ * many tokens), and the waker signals each job's condition variable — a step's hundred wake-ups,
+ * each a system call, off the scheduler's thread. A streaming response is a content reader that
+ * sleeps on that condition variable and turns queued tokens into SSE chunks.
  *
  * Clients that go away. While a connection thread waits (for a non-streaming result, for a
  * stream's first token, between a stream's tokens) it wakes every 100 ms and polls its socket;
@@ -63,6 +66,14 @@ struct llmem_server {
     char url[160];
     uint64_t salt; /* random: response ids and default seeds differ between runs */
 
+    /* the waker (see Threads above) */
+    pthread_t waker;
+    int waker_on;
+    pthread_mutex_t wake_mu; /* what follows */
+    pthread_cond_t wake_cv;
+    struct job *wake_head; /* jobs to wake, each holding a reference */
+    int wake_stop;
+
     pthread_mutex_t mu;  /* what follows */
     pthread_cond_t idle; /* n_jobs_alive dropped to 0 */
     int accepting;
@@ -108,6 +119,8 @@ struct job {
 
     /* from the scheduler, under mu */
     struct event *head, **tail;
+    int wake_queued;       /* on the waker's list */
+    struct job *wake_next; /* (under the server's wake_mu) */
     int done, status, abandoned;
     char finish_reason[16];
     char *message;
@@ -148,7 +161,62 @@ static void job_release(struct job *j) {
     pthread_mutex_unlock(&s->mu);
 }
 
-/* Scheduler thread: queue the piece, wake the connection. */
+/* Scheduler thread: hands j to the waker, which signals its connection. */
+static void wake_later(struct llmem_server *s, struct job *j) {
+    pthread_mutex_lock(&s->wake_mu);
+    j->wake_next = s->wake_head;
+    s->wake_head = j;
+    pthread_cond_signal(&s->wake_cv);
+    pthread_mutex_unlock(&s->wake_mu);
+}
+
+static void *waker_main(void *arg) {
+    struct llmem_server *s = arg;
+    pthread_mutex_lock(&s->wake_mu);
+    for (;;) {
+        while (s->wake_head == NULL && !s->wake_stop)
+            pthread_cond_wait(&s->wake_cv, &s->wake_mu);
+        struct job *list = s->wake_head;
+        s->wake_head = NULL;
+        if (list == NULL)
+            break; /* stopping, nothing left */
+        pthread_mutex_unlock(&s->wake_mu);
+        for (struct job *j = list, *next; j != NULL; j = next) {
+            next = j->wake_next;
+            pthread_mutex_lock(&j->mu);
+            j->wake_queued = 0;
+            pthread_cond_signal(&j->cv);
+            pthread_mutex_unlock(&j->mu);
+            job_release(j); /* the list's reference */
+        }
+        pthread_mutex_lock(&s->wake_mu);
+    }
+    pthread_mutex_unlock(&s->wake_mu);
+    return NULL;
+}
+
+static void waker_start(struct llmem_server *s) {
+    pthread_mutex_init(&s->wake_mu, NULL);
+    pthread_cond_init(&s->wake_cv, NULL);
+    /* without it (no thread to be had) the scheduler signals the connections itself */
+    s->waker_on = pthread_create(&s->waker, NULL, waker_main, s) == 0;
+}
+
+/* After the last callback: the jobs still listed are woken and let go. */
+static void waker_stop(struct llmem_server *s) {
+    if (s->waker_on) {
+        pthread_mutex_lock(&s->wake_mu);
+        s->wake_stop = 1;
+        pthread_cond_signal(&s->wake_cv);
+        pthread_mutex_unlock(&s->wake_mu);
+        pthread_join(s->waker, NULL);
+        s->waker_on = 0;
+    }
+    pthread_cond_destroy(&s->wake_cv);
+    pthread_mutex_destroy(&s->wake_mu);
+}
+
+/* Scheduler thread: queue the piece, have the connection woken. */
 static int job_on_token(void *arg, const struct llmem_token_event *ev) {
     struct job *j = arg;
     struct event *e = malloc(sizeof(*e) + ev->len + 1);
@@ -169,8 +237,15 @@ static int job_on_token(void *arg, const struct llmem_token_event *ev) {
         j->tail = &e->next;
     }
     int cancel = j->abandoned || e == NULL; /* a token we cannot keep ends the request */
-    pthread_cond_signal(&j->cv);
+    struct llmem_server *s = j->srv;
+    int queue = s->waker_on && !j->wake_queued;
+    if (queue)
+        j->wake_queued = 1, j->refs++;
+    else if (!s->waker_on)
+        pthread_cond_signal(&j->cv);
     pthread_mutex_unlock(&j->mu);
+    if (queue)
+        wake_later(s, j);
     return cancel;
 }
 
@@ -875,6 +950,7 @@ int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config 
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&s->idle, &ca);
     pthread_condattr_destroy(&ca);
+    waker_start(s);
     s->engine = e;
     s->tok = llmem_engine_tokenizer(e);
     s->name = strdup(cfg->model_name);
@@ -933,6 +1009,7 @@ int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config 
     return LLMEM_OK;
 fail:
     freeaddrinfo(ai);
+    waker_stop(s);
     free(s->name);
     free(s->api_key);
     pthread_cond_destroy(&s->idle);
@@ -965,6 +1042,7 @@ void llmem_server_stop(struct llmem_server *s) {
     MHD_stop_daemon(s->daemon);
     if (listen != MHD_INVALID_SOCKET)
         close(listen);
+    waker_stop(s);
     free(s->name);
     free(s->api_key);
     pthread_cond_destroy(&s->idle);
