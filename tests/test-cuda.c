@@ -841,18 +841,24 @@ static void test_models(void **state) {
     }
 }
 
+/* A prompt of n ids base, base + step, …, and parameters for max_tokens tokens past any EOS. */
+static void long_run(int32_t *prompt, int n, int base, int step, int64_t max_tokens,
+                     struct llmem_generate_params *gp) {
+    for (int i = 0; i < n; i++)
+        prompt[i] = base + i * step;
+    llmem_generate_params_default(gp);
+    gp->max_tokens = max_tokens;
+    gp->ignore_eos = 1;
+}
+
 /* pycoder's greedy continuation: the same tokens on the GPU at f32 precision; at fast precision
  * (f16 KV) the first token that differs is reported. */
 static void test_greedy(void **state) {
     (void)state;
     const char *dir = LLMEM_SOURCE_DIR "/models/pycoder";
     int32_t prompt[24];
-    for (int i = 0; i < 24; i++)
-        prompt[i] = 100 + i * 31;
     struct llmem_generate_params gp;
-    llmem_generate_params_default(&gp);
-    gp.max_tokens = 32;
-    gp.ignore_eos = 1;
+    long_run(prompt, 24, 100, 31, 32, &gp);
     struct llmem_generate_result r[3];
     for (int b = 0; b < 3; b++) {
         struct llmem_engine *e = open_engine(dir, b == 0 ? LLMEM_BACKEND_CPU : LLMEM_BACKEND_CUDA,
@@ -943,12 +949,8 @@ static void test_sampling_on_device(void **state) {
     (void)state;
     const char *dir = LLMEM_SOURCE_DIR "/models/pycoder";
     int32_t prompt[16];
-    for (int i = 0; i < 16; i++)
-        prompt[i] = 200 + i * 17;
     struct llmem_generate_params gp;
-    llmem_generate_params_default(&gp);
-    gp.max_tokens = 48;
-    gp.ignore_eos = 1;
+    long_run(prompt, 16, 200, 17, 48, &gp);
     gp.sampling.temperature = 0.9, gp.sampling.top_k = 40, gp.sampling.top_p = 0.95;
     gp.sampling.seed = 5;
     struct llmem_generate_result r[2];
@@ -998,12 +1000,8 @@ static void test_streaming(void **state) {
     (void)state;
     const char *dir = LLMEM_SOURCE_DIR "/models/pycoder";
     int32_t prompt[16];
-    for (int i = 0; i < 16; i++)
-        prompt[i] = 300 + i * 13;
     struct llmem_generate_params gp;
-    llmem_generate_params_default(&gp);
-    gp.max_tokens = 40;
-    gp.ignore_eos = 1;
+    long_run(prompt, 16, 300, 13, 40, &gp);
     struct llmem_engine *e =
         open_engine(dir, LLMEM_BACKEND_CUDA, LLMEM_PRECISION_FAST, LLMEM_KV_FORMAT_F16);
     for (int cancel = 0; cancel < 2; cancel++) {
