@@ -25,6 +25,33 @@
 /* ---- encode ----------------------------------------------------------------------------------
  */
 
+/* Element d (of lane d mod 32) of a row in `format` at o: for q8 the warp's 32 lanes hold the
+ * group of 32 together. */
+__device__ __forceinline__ void encode_element(enum llmem_kv_format format, uint8_t *o, int d,
+                                               float val, int lane) {
+    switch (format) {
+    case LLMEM_KV_FORMAT_F32: ((float *)o)[d] = val; break;
+    case LLMEM_KV_FORMAT_F16: ((__half *)o)[d] = __float2half_rn(val); break;
+    case LLMEM_KV_FORMAT_BF16: ((__nv_bfloat16 *)o)[d] = __float2bfloat16_rn(val); break;
+    default: { /* q8: the group of 32 is this warp's 32 lanes */
+        float a = fabsf(val);
+        a = a == a ? a : 0.0f; /* NaN is skipped */
+        for (int s = 16; s > 0; s /= 2)
+            a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, s));
+        float sc = __fdiv_rn(a, 127.0f);
+        __half hs = sc > 0.0f ? __float2half_rn(fminf(sc, 65504.0f)) : __float2half_rn(0.0f);
+        float s = __half2float(hs), inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
+        float q = __fmul_rn(val, inv);
+        q = q == q ? q : 0.0f;
+        q = fminf(fmaxf(q, -127.0f), 127.0f);
+        uint8_t *g = o + (size_t)(d / GROUP) * Q8_BYTES;
+        g[d % GROUP] = (uint8_t)(int8_t)__float2int_rn(q);
+        if (lane == 0)
+            *(__half *)(g + GROUP) = hs; /* 34-byte groups: 2-byte aligned */
+    }
+    }
+}
+
 /* grid (token, head, keys or values), one warp: lane i takes elements i, i + 32, … of the
  * head's row; the token goes to its pool slot. */
 __global__ void encode_kernel(enum llmem_kv_format format, const float *k, const float *v,
@@ -36,30 +63,8 @@ __global__ void encode_kernel(enum llmem_kv_format format, const float *k, const
     const float *x = (blockIdx.z == 0 ? k : v) + (t * heads + h) * (int64_t)head_dim;
     uint8_t *o =
         (blockIdx.z == 0 ? k_pool : v_pool) + (size_t)slots[t] * tok_bytes + (size_t)h * row_bytes;
-    for (int d = lane; d < head_dim; d += 32) {
-        const float val = x[d];
-        switch (format) {
-        case LLMEM_KV_FORMAT_F32: ((float *)o)[d] = val; break;
-        case LLMEM_KV_FORMAT_F16: ((__half *)o)[d] = __float2half_rn(val); break;
-        case LLMEM_KV_FORMAT_BF16: ((__nv_bfloat16 *)o)[d] = __float2bfloat16_rn(val); break;
-        default: { /* q8: the group of 32 is this warp's 32 lanes */
-            float a = fabsf(val);
-            a = a == a ? a : 0.0f; /* NaN is skipped */
-            for (int s = 16; s > 0; s /= 2)
-                a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, s));
-            float sc = __fdiv_rn(a, 127.0f);
-            __half hs = sc > 0.0f ? __float2half_rn(fminf(sc, 65504.0f)) : __float2half_rn(0.0f);
-            float s = __half2float(hs), inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
-            float q = __fmul_rn(val, inv);
-            q = q == q ? q : 0.0f;
-            q = fminf(fmaxf(q, -127.0f), 127.0f);
-            uint8_t *g = o + (size_t)(d / GROUP) * Q8_BYTES;
-            g[d % GROUP] = (uint8_t)(int8_t)__float2int_rn(q);
-            if (lane == 0)
-                *(__half *)(g + GROUP) = hs; /* 34-byte groups: 2-byte aligned */
-        }
-        }
-    }
+    for (int d = lane; d < head_dim; d += 32)
+        encode_element(format, o, d, x[d], lane);
 }
 
 extern "C" void llmem_cuda_kv_encode(cudaStream_t stream, enum llmem_kv_format format,
@@ -72,6 +77,65 @@ extern "C" void llmem_cuda_kv_encode(cudaStream_t stream, enum llmem_kv_format f
         pdl_launch(stream, encode_kernel, dim3(grid), dim3(32), 0, format, k + off, v + off, heads,
                    head_dim, slots + t, k_pool, v_pool, tok_bytes, row_bytes);
     }
+}
+
+/* grid (token, group of ROPE_WARPS rows), one warp a row of the token: rows [0, heads) are its K
+ * heads (turned, written back, encoded), [heads, 2·heads) its V heads (encoded), then its Q heads
+ * (turned in place). The token's angles once a block, in shared memory. Lane i holds elements
+ * i + 32j; with head_dim a multiple of 64 a pair (d, d + head_dim / 2) is one lane's. */
+#define ROPE_WARPS 8
+__global__ void __launch_bounds__(ROPE_WARPS * 32)
+    rope_encode_kernel(enum llmem_kv_format format, float *q, int n_heads, float *k, const float *v,
+                       int heads, int head_dim, const int64_t *pos, const float *inv_freq,
+                       const int64_t *slots, uint8_t *k_pool, uint8_t *v_pool, size_t tok_bytes,
+                       size_t row_bytes) {
+    pdl_begin();
+    __shared__ float cs[16 * MAX_LANE_D], sn[16 * MAX_LANE_D];
+    const int64_t t = blockIdx.x;
+    const int per = head_dim / 32, half = per / 2; /* elements of a lane, pairs of a lane */
+    for (int i = threadIdx.x; i < head_dim / 2; i += blockDim.x)
+        rope_angle(pos, inv_freq, t, i, &cs[i], &sn[i]);
+    __syncthreads();
+    const int lane = threadIdx.x & 31, row = (int)blockIdx.y * ROPE_WARPS + threadIdx.x / 32;
+    if (row >= 2 * heads + n_heads)
+        return;
+    if (row >= heads && row < 2 * heads) {
+        const int h = row - heads;
+        const float *x = v + (t * heads + h) * (int64_t)head_dim;
+        uint8_t *o = v_pool + (size_t)slots[t] * tok_bytes + (size_t)h * row_bytes;
+        for (int j = 0; j < per; j++)
+            encode_element(format, o, lane + 32 * j, x[lane + 32 * j], lane);
+        return;
+    }
+    float *x = row < heads ? k + (t * heads + row) * (int64_t)head_dim
+                           : q + (t * n_heads + row - 2 * heads) * (int64_t)head_dim;
+    float r[MAX_LANE_D];
+    for (int j = 0; j < per; j++)
+        r[j] = x[lane + 32 * j];
+    for (int j = 0; j < half; j++)
+        rope_turn(&r[j], &r[j + half], cs[lane + 32 * j], sn[lane + 32 * j]);
+    for (int j = 0; j < per; j++)
+        x[lane + 32 * j] = r[j];
+    if (row < heads) {
+        uint8_t *o = k_pool + (size_t)slots[t] * tok_bytes + (size_t)row * row_bytes;
+        for (int j = 0; j < per; j++)
+            encode_element(format, o, lane + 32 * j, r[j], lane);
+    }
+}
+
+extern "C" int llmem_cuda_kv_encode_rope_fits(int64_t n, int head_dim) {
+    return n >= 1 && n <= 65535 && head_dim % 64 == 0 && head_dim <= 32 * MAX_LANE_D;
+}
+
+extern "C" void llmem_cuda_kv_encode_rope(cudaStream_t stream, enum llmem_kv_format format,
+                                          float *q, int n_heads, float *k, const float *v,
+                                          int64_t n, int heads, int head_dim, const int64_t *pos,
+                                          const float *inv_freq, const int64_t *slots,
+                                          uint8_t *k_pool, uint8_t *v_pool, size_t tok_bytes,
+                                          size_t row_bytes) {
+    dim3 grid((unsigned)n, (unsigned)((2 * heads + n_heads + ROPE_WARPS - 1) / ROPE_WARPS));
+    pdl_launch(stream, rope_encode_kernel, grid, dim3(ROPE_WARPS * 32), 0, format, q, n_heads, k, v,
+               heads, head_dim, pos, inv_freq, slots, k_pool, v_pool, tok_bytes, row_bytes);
 }
 
 /* ---- attention -------------------------------------------------------------------------------

@@ -102,6 +102,15 @@ struct profile_op {
     int64_t calls;
 };
 
+/* rope_qk of q and k, queued for the KV write after it (one launch for the two,
+ * llmem_cuda_kv_encode_rope), or launched alone by the next other operation (rope_flush). */
+struct rope_later {
+    float *q, *k;
+    int n_heads, n_kv_heads, head_dim;
+    int64_t n;
+    const uint8_t *d; /* the positions, then inv_freq, on the device */
+};
+
 struct cuda_ctx {
     int device;
     enum llmem_backend_precision precision;
@@ -133,6 +142,8 @@ struct cuda_ctx {
     int ring_stale; /* a pass staged in the ring's memory: wait before the ring's next use */
     uint64_t passes;
     struct llmem_backend_counters counters;
+    struct rope_later rope_later; /* with rope_pending */
+    int rope_pending;
     int profiling; /* LLMEM_CUDA_PROFILE: this context owns cuda_profile_start */
     cudaEvent_t profile_end;
     struct profile_op profile[PROFILE_OPS];
@@ -185,6 +196,8 @@ static int check_blas(struct cuda_ctx *c, cublasStatus_t st, const char *what) {
     fail(c, LLMEM_EIO, what, cublasGetStatusString(st));
     return LLMEM_EIO;
 }
+
+static void rope_flush(struct cuda_ctx *c);
 
 static void launched(struct cuda_ctx *c, const char *what) {
     check(c, cudaGetLastError(), what);
@@ -403,6 +416,7 @@ static void replay_time(struct cuda_ctx *c) {
 
 static int cuda_graph_begin(void *ctx, uint64_t key) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    rope_flush(c);
     LLMEM_ASSERT(c->pass == NULL);
     c->shadow_x = NULL;
     if (!c->graphs_on || c->failed)
@@ -449,6 +463,7 @@ static int cuda_graph_begin(void *ctx, uint64_t key) {
 
 static int cuda_graph_end(void *ctx) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    rope_flush(c);
     c->shadow_x = NULL;
     struct graph *g = c->pass;
     if (g == NULL)
@@ -574,12 +589,6 @@ __global__ void rmsnorm_kernel(float *x, const float *res, const float *weight, 
 /* A block per token and group of `per` heads (of x's heads, then x2's): the token's angles'
  * cosines and sines once (in double, as the CPU backend computes them; per pair where
  * head_dim / 2 > ROPE_MAX_HALF), then the group's pairs. */
-__device__ __forceinline__ void rope_angle(const int64_t *pos, const float *inv_freq, int64_t t,
-                                           int i, float *cs, float *sn) {
-    float angle = __fmul_rn((float)pos[t], inv_freq[i]);
-    *cs = (float)cos((double)angle), *sn = (float)sin((double)angle);
-}
-
 __global__ void rope_kernel(float *x, int n_heads, float *x2, int n_heads2, int head_dim,
                             const int64_t *pos, const float *inv_freq, int per) {
     pdl_begin();
@@ -599,9 +608,7 @@ __global__ void rope_kernel(float *x, int n_heads, float *x2, int n_heads2, int 
             c_ = cs[i], s_ = sn[i];
         else
             rope_angle(pos, inv_freq, t, i, &c_, &s_);
-        float x0 = v[i], x1 = v[i + half];
-        v[i] = __fadd_rn(__fmul_rn(x0, c_), __fmul_rn(-x1, s_));
-        v[i + half] = __fadd_rn(__fmul_rn(x1, c_), __fmul_rn(x0, s_));
+        rope_turn(&v[i], &v[i + half], c_, s_);
     }
 }
 
@@ -1284,6 +1291,7 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
 static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n,
                         float *y, const float *bias) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    rope_flush(c);
     LLMEM_ASSERT(w != NULL && x != NULL && y != NULL && n >= 0);
     if (n == 0 || c->failed ||
         staged(c, OP_MATMUL,
@@ -1299,6 +1307,7 @@ static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *c
                               const float *x, int64_t n, float *const *y,
                               const float *const *bias) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    rope_flush(c);
     LLMEM_ASSERT(count >= 1 && count <= 4);
     int together = 1;
     for (int i = 0; i < count; i++)
@@ -1373,6 +1382,7 @@ static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *c
 
 static void rmsnorm(struct cuda_ctx *c, float *x, const float *res, const float *weight, int64_t n,
                     int64_t dim, float eps, float *y) {
+    rope_flush(c);
     LLMEM_ASSERT(x != NULL && weight != NULL && y != NULL && dim > 0 && n >= 0);
     if (n == 0 || c->failed)
         return;
@@ -1405,11 +1415,28 @@ static void cuda_add_rmsnorm(void *ctx, float *x, const float *res, const float 
     rmsnorm((struct cuda_ctx *)ctx, x, res, weight, n, dim, eps, y);
 }
 
-/* Rotary embedding of x [n, n_heads, head_dim] and x2 [n, n_heads2, head_dim] in one launch. */
+static void rope_launch(struct cuda_ctx *c, float *x, int n_heads, float *x2, int n_heads2,
+                        int64_t n, int head_dim, const uint8_t *d);
+
+/* Launches a queued rope_qk on its own: first thing of every operation but the KV write that can
+ * take it, so that nothing reads q or k before they are turned. */
+static void rope_flush(struct cuda_ctx *c) {
+    if (!c->rope_pending)
+        return;
+    c->rope_pending = 0;
+    if (!c->failed)
+        rope_launch(c, c->rope_later.q, c->rope_later.n_heads, c->rope_later.k,
+                    c->rope_later.n_kv_heads, c->rope_later.n, c->rope_later.head_dim,
+                    c->rope_later.d);
+}
+
+/* Rotary embedding of x [n, n_heads, head_dim] and x2 [n, n_heads2, head_dim] in one launch; with
+ * x2 (q and k) queued for the KV write after it where it can take it (rope_later). */
 static void rope(struct cuda_ctx *c, float *x, int n_heads, float *x2, int n_heads2, int64_t n,
                  int head_dim, const int64_t *pos, const float *inv_freq) {
     LLMEM_ASSERT(x != NULL && pos != NULL && inv_freq != NULL && n >= 0 && n_heads > 0);
     LLMEM_ASSERT(head_dim > 0 && head_dim % 2 == 0 && (x2 != NULL || n_heads2 == 0));
+    rope_flush(c);
     if (n == 0 || c->failed)
         return;
     const size_t pos_bytes = (size_t)n * sizeof(int64_t), freq_bytes = (size_t)head_dim / 2 * 4;
@@ -1429,6 +1456,20 @@ static void rope(struct cuda_ctx *c, float *x, int n_heads, float *x2, int n_hea
                             {arg(x), arg((int64_t)n_heads), arg(x2), arg((int64_t)n_heads2), arg(n),
                              arg((int64_t)head_dim), arg(d)}))
         return;
+    if (x2 != NULL && llmem_cuda_kv_encode_rope_fits(n, head_dim)) {
+        c->rope_later.q = x, c->rope_later.k = x2, c->rope_later.n = n, c->rope_later.d = d;
+        c->rope_later.n_heads = n_heads, c->rope_later.n_kv_heads = n_heads2;
+        c->rope_later.head_dim = head_dim;
+        c->rope_pending = 1;
+        return;
+    }
+    rope_launch(c, x, n_heads, x2, n_heads2, n, head_dim, d);
+}
+
+/* rope_kernel over x and x2, pos and inv_freq at d (n positions, then head_dim / 2 floats). */
+static void rope_launch(struct cuda_ctx *c, float *x, int n_heads, float *x2, int n_heads2,
+                        int64_t n, int head_dim, const uint8_t *d) {
+    const size_t pos_bytes = (size_t)n * sizeof(int64_t);
     /* the heads of a token in groups, enough blocks for the device (the angles once a block) */
     const int heads = n_heads + n_heads2;
     const int64_t want = (ROPE_BLOCKS + n - 1) / n;
@@ -1455,6 +1496,7 @@ static void cuda_rope_qk(void *ctx, float *q, float *k, int64_t n, int n_heads, 
 /* swiglu, and for rows of `cols` (0: unknown) its 16-bit copy for the GEMM after it. */
 static void swiglu(struct cuda_ctx *c, const float *gate, const float *up, int64_t n, int64_t cols,
                    float *out) {
+    rope_flush(c);
     LLMEM_ASSERT(gate != NULL && up != NULL && out != NULL && n >= 0);
     if (n == 0 || c->failed)
         return;
@@ -1480,6 +1522,7 @@ static void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate,
                                const struct llmem_weight *up, const float *x, int64_t n, float *g,
                                float *u, float *out) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    rope_flush(c);
     LLMEM_ASSERT(gate != NULL && up != NULL && x != NULL && out != NULL && n >= 0);
     if (!gemv16_fits(c, gate, x, n) || !gemv16_fits(c, up, x, n) || gate->dtype != up->dtype ||
         gate->rows != up->rows || gate->cols != up->cols) {
@@ -1525,6 +1568,7 @@ static void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate,
 
 static void cuda_add(void *ctx, float *y, const float *x, int64_t n) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    rope_flush(c);
     LLMEM_ASSERT(y != NULL && x != NULL && n >= 0);
     if (n == 0 || c->failed || staged(c, OP_ADD, {arg(y), arg(x), arg(n)}))
         return;
@@ -1535,6 +1579,7 @@ static void cuda_add(void *ctx, float *y, const float *x, int64_t n) {
 static void cuda_embedding(void *ctx, const struct llmem_weight *table, const int32_t *ids,
                            int64_t n, float *out) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    rope_flush(c);
     LLMEM_ASSERT(table != NULL && ids != NULL && out != NULL && n >= 0);
     if (n == 0 || c->failed)
         return;
@@ -1571,6 +1616,18 @@ static void cuda_kv_encode(void *ctx, enum llmem_kv_format format, const float *
                     arg((int64_t)head_dim), arg(d), arg(k_pool), arg(v_pool),
                     arg((int64_t)tok_bytes), arg((int64_t)row_bytes)}))
             continue;
+        const struct rope_later *r = &c->rope_later;
+        if (c->rope_pending && r->k == k && r->n == n && m == n && r->n_kv_heads == heads &&
+            r->head_dim == head_dim) { /* the rope_qk just before: one launch for both */
+            c->rope_pending = 0;
+            llmem_cuda_kv_encode_rope(c->stream, format, r->q, r->n_heads, r->k, v, n, heads,
+                                      head_dim, (const int64_t *)r->d,
+                                      (const float *)(r->d + (size_t)n * sizeof(int64_t)), d,
+                                      k_pool, v_pool, tok_bytes, row_bytes);
+            launched(c, "rope + kv encode");
+            continue;
+        }
+        rope_flush(c);
         const int64_t off = t * heads * (int64_t)head_dim;
         llmem_cuda_kv_encode(c->stream, format, k + off, v + off, m, heads, head_dim, d, k_pool,
                              v_pool, tok_bytes, row_bytes);
@@ -1650,6 +1707,7 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
 
 static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    rope_flush(c);
     if (a->n_q == 0 || c->failed)
         return;
     const size_t max_ints = SMALL_MAX / sizeof(int32_t);
@@ -1702,6 +1760,7 @@ static void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn
                                 const int64_t *const *blocks, const int64_t *lengths,
                                 const int64_t *n_q) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    rope_flush(c);
     if (n_seqs == 0 || c->failed)
         return;
     int64_t most = 0, queries = 0;
@@ -1779,6 +1838,7 @@ static const struct llmem_mem_raw_ops *cuda_memory(void *ctx) {
 
 static int cuda_sync(void *ctx) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    rope_flush(c);
     if (c->mode == PASS_NOW)
         check(c, cudaStreamSynchronize(c->stream), "synchronize");
     return c->failed;
@@ -1789,6 +1849,7 @@ static int cuda_sync(void *ctx) {
  * recording, it makes the graph one to run once. */
 static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    rope_flush(c);
     c->shadow_x = NULL;
     if (bytes > 0 && c->mode != PASS_NOW) {
         if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream) != cudaSuccess) {
@@ -1806,6 +1867,7 @@ static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {
 static int cuda_top_k(void *ctx, const float *x, int64_t n, int64_t cols, int k, int32_t *ids,
                       float *vals) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    rope_flush(c);
     LLMEM_ASSERT(x != NULL && ids != NULL && vals != NULL && n >= 0 && k >= 1 &&
                  k <= LLMEM_TOP_K_MAX && k <= cols && c->mode == PASS_NOW);
     if (n == 0 || c->failed)
