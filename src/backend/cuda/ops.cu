@@ -381,6 +381,8 @@ enum {
 /* Called by every operation before it launches anything: its arguments extend the pass's hash.
  * 1: do not launch (the pass is staged for a recorded graph). */
 static int staged(struct cuda_ctx *c, int op, std::initializer_list<uint64_t> args) {
+    if (op != OP_KV_ENCODE) /* which may take it */
+        rope_flush(c);
     if (op != OP_MATMUL && op != OP_GEMV_SET && op != OP_MATMUL_W && op != OP_MATMUL_MULTI &&
         op != OP_GEMV_SWIGLU)
         c->shadow_x = NULL; /* only the GEMMs read a shadow; any other operation may write */
@@ -1291,7 +1293,6 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
 static void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n,
                         float *y, const float *bias) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    rope_flush(c);
     LLMEM_ASSERT(w != NULL && x != NULL && y != NULL && n >= 0);
     if (n == 0 || c->failed ||
         staged(c, OP_MATMUL,
@@ -1307,7 +1308,6 @@ static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *c
                               const float *x, int64_t n, float *const *y,
                               const float *const *bias) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    rope_flush(c);
     LLMEM_ASSERT(count >= 1 && count <= 4);
     int together = 1;
     for (int i = 0; i < count; i++)
@@ -1382,7 +1382,6 @@ static void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *c
 
 static void rmsnorm(struct cuda_ctx *c, float *x, const float *res, const float *weight, int64_t n,
                     int64_t dim, float eps, float *y) {
-    rope_flush(c);
     LLMEM_ASSERT(x != NULL && weight != NULL && y != NULL && dim > 0 && n >= 0);
     if (n == 0 || c->failed)
         return;
@@ -1418,8 +1417,9 @@ static void cuda_add_rmsnorm(void *ctx, float *x, const float *res, const float 
 static void rope_launch(struct cuda_ctx *c, float *x, int n_heads, float *x2, int n_heads2,
                         int64_t n, int head_dim, const uint8_t *d);
 
-/* Launches a queued rope_qk on its own: first thing of every operation but the KV write that can
- * take it, so that nothing reads q or k before they are turned. */
+/* Launches a queued rope_qk on its own, so that nothing reads q or k before they are turned: from
+ * staged, which every operation calls before it launches (all but the KV write that can take
+ * it), and first in those that stage nothing (copy, sync, top_k, graph_begin, graph_end). */
 static void rope_flush(struct cuda_ctx *c) {
     if (!c->rope_pending)
         return;
@@ -1436,7 +1436,6 @@ static void rope(struct cuda_ctx *c, float *x, int n_heads, float *x2, int n_hea
                  int head_dim, const int64_t *pos, const float *inv_freq) {
     LLMEM_ASSERT(x != NULL && pos != NULL && inv_freq != NULL && n >= 0 && n_heads > 0);
     LLMEM_ASSERT(head_dim > 0 && head_dim % 2 == 0 && (x2 != NULL || n_heads2 == 0));
-    rope_flush(c);
     if (n == 0 || c->failed)
         return;
     const size_t pos_bytes = (size_t)n * sizeof(int64_t), freq_bytes = (size_t)head_dim / 2 * 4;
@@ -1496,7 +1495,6 @@ static void cuda_rope_qk(void *ctx, float *q, float *k, int64_t n, int n_heads, 
 /* swiglu, and for rows of `cols` (0: unknown) its 16-bit copy for the GEMM after it. */
 static void swiglu(struct cuda_ctx *c, const float *gate, const float *up, int64_t n, int64_t cols,
                    float *out) {
-    rope_flush(c);
     LLMEM_ASSERT(gate != NULL && up != NULL && out != NULL && n >= 0);
     if (n == 0 || c->failed)
         return;
@@ -1522,7 +1520,6 @@ static void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate,
                                const struct llmem_weight *up, const float *x, int64_t n, float *g,
                                float *u, float *out) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    rope_flush(c);
     LLMEM_ASSERT(gate != NULL && up != NULL && x != NULL && out != NULL && n >= 0);
     if (!gemv16_fits(c, gate, x, n) || !gemv16_fits(c, up, x, n) || gate->dtype != up->dtype ||
         gate->rows != up->rows || gate->cols != up->cols) {
@@ -1568,7 +1565,6 @@ static void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate,
 
 static void cuda_add(void *ctx, float *y, const float *x, int64_t n) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    rope_flush(c);
     LLMEM_ASSERT(y != NULL && x != NULL && n >= 0);
     if (n == 0 || c->failed || staged(c, OP_ADD, {arg(y), arg(x), arg(n)}))
         return;
@@ -1579,7 +1575,6 @@ static void cuda_add(void *ctx, float *y, const float *x, int64_t n) {
 static void cuda_embedding(void *ctx, const struct llmem_weight *table, const int32_t *ids,
                            int64_t n, float *out) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    rope_flush(c);
     LLMEM_ASSERT(table != NULL && ids != NULL && out != NULL && n >= 0);
     if (n == 0 || c->failed)
         return;
@@ -1707,7 +1702,6 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
 
 static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    rope_flush(c);
     if (a->n_q == 0 || c->failed)
         return;
     const size_t max_ints = SMALL_MAX / sizeof(int32_t);
@@ -1760,7 +1754,6 @@ static void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn
                                 const int64_t *const *blocks, const int64_t *lengths,
                                 const int64_t *n_q) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    rope_flush(c);
     if (n_seqs == 0 || c->failed)
         return;
     int64_t most = 0, queries = 0;
