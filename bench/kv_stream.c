@@ -34,16 +34,13 @@
 #define BYTES  ((size_t)512 << 20)
 #define NMODES 6
 
-typedef void (*tile_fn)(const uint8_t *, size_t, const uint8_t *, size_t, int, const float *, int,
-                        float *, size_t, const struct llmem_kv_prefetch *);
-
 static const char *const names[NMODES] = {"sum, sequential", "sum, per head",
                                           "kernel",          "kernel + prefetch",
                                           "kernel + touch",  "kernel, in cache"};
 static uint8_t *buf;
 static int n_threads = 1, mode;
 static double secs[64];
-static tile_fn tile;
+static const struct llmem_kv_attn_tile *tile;
 
 static double now(void) {
     struct timespec t;
@@ -72,6 +69,11 @@ static void *worker(void *arg) {
         st[h * (HD + 2) + HD + 1] = 0;
     }
     uint64_t sink = 0;
+    float sc[2][LLMEM_KV_TILE_SC] __attribute__((aligned(64)));
+    int cur = 0;
+    const uint8_t *held_v = NULL;
+    float *held_st = NULL;
+    struct llmem_kv_prefetch held_pf = {NULL, 0};
     const int reps = mode == 5 ? 256 : 1;
     const size_t n = mode == 5 ? 4 : blocks;
     double t = now();
@@ -92,13 +94,23 @@ static void *worker(void *arg) {
                                 sum_lines(v + row * ROW + h * HD * 2, HD * 2);
                     continue;
                 }
-                struct llmem_kv_prefetch pf = {{NULL, NULL}, {0, 0}};
-                if (mode == 3 && next != NULL)
-                    pf.at[0] = next + (size_t)h * (BLOCK / NKV), pf.bytes[0] = BLOCK / NKV;
-                tile(k + h * HD * 2, ROW, v + h * HD * 2, ROW, TOK, q + h * 4 * HD, HD,
-                     st + h * 4 * (HD + 2), HD + 2, &pf);
+                /* as kv/attention.c: half the prefetch with the scores, half with the values,
+                 * and the values of each call after the scores of the next */
+                struct llmem_kv_prefetch pfk = {NULL, 0}, pfv = {NULL, 0};
+                if (mode == 3 && next != NULL) {
+                    pfk.at = next + (size_t)h * (BLOCK / NKV), pfk.bytes = BLOCK / NKV / 2;
+                    pfv.at = pfk.at + pfk.bytes, pfv.bytes = pfk.bytes;
+                }
+                float *sh = st + h * 4 * (HD + 2);
+                tile->scores(k + h * HD * 2, ROW, TOK, q + h * 4 * HD, HD, sh, HD + 2, sc[cur],
+                             pfk);
+                if (held_v != NULL)
+                    tile->values(held_v, ROW, TOK, sc[cur ^ 1], HD, held_st, HD + 2, held_pf);
+                held_v = v + h * HD * 2, held_st = sh, held_pf = pfv, cur ^= 1;
             }
         }
+    if (held_v != NULL)
+        tile->values(held_v, ROW, TOK, sc[cur ^ 1], HD, held_st, HD + 2, held_pf);
     secs[id] = now() - t;
     __asm__ volatile("" ::"r"(sink));
     return NULL;
@@ -113,8 +125,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: llmem-bench-kv-stream [-t THREADS]\n");
         return 2;
     }
-    tile = llmem_kv_kernels()->attn_tile[LLMEM_KV_FORMAT_F16];
-    if (tile == NULL) {
+    tile = &llmem_kv_kernels()->attn_tile[LLMEM_KV_FORMAT_F16];
+    if (tile->scores == NULL) {
         fprintf(stderr, "llmem-bench-kv-stream: no fused f16 tile kernel on this CPU (AVX-512)\n");
         return 1;
     }

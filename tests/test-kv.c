@@ -286,12 +286,13 @@ static void test_routes_agree(void **state) {
 
 /* direct with a single query splits its KV heads over the threads; every head's output is the
  * same bits as when the query is computed whole (here: as the second of two queries, which does
- * not split), for GQA 2 (the unfused kernels) and 4 (the fused one), f32 and f16. */
+ * not split), for GQA 1 (the per-token kernels), 2 and 4 (the tile kernels of two and of four), f32
+ * and f16. */
 static void test_direct_split_same_bits(void **state) {
     (void)state;
     static const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_F32, LLMEM_KV_FORMAT_F16};
     for (int f = 0; f < 2; f++) {
-        for (int group = 2; group <= 4; group += 2) {
+        for (int group = 1; group <= 4; group *= 2) {
             struct llmem_kv *kv = make_kv(LLMEM_KV_LAYOUT_PAGED, formats[f], 1, 4, 64, NULL);
             int seq;
             assert_int_equal(llmem_kv_seq_new(kv, &seq), LLMEM_OK);
@@ -313,8 +314,8 @@ static void test_direct_split_same_bits(void **state) {
     }
 }
 
-/* The fused tile kernels (AVX-512, groups of four and of two query heads, f32/f16/bf16/q8)
- * against the float64 reference and against the unfused kernels of a lower instruction set on the
+/* The tile kernels (AVX-512, groups of four and of two query heads, f32/f16/bf16/q8)
+ * against the float64 reference and against the per-token kernels of a lower instruction set on the
  * same queries: tails of tiles (37 tokens, queries at 33..36), sliding windows that start inside a
  * tile, GQA 2 (the kernel of two), 4, 6 (one call of four and one of two per KV head) and 8 (two
  * calls of four), head_dim 96 (not a multiple of 64), and direct against partitioned over several

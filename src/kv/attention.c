@@ -13,12 +13,14 @@
  * storage order, and each KV head's row serves its whole GQA group. Keys are read in their stored
  * domain: a rotated format gets the query rotated once, and values are accumulated rotated with one
  * inverse rotation at the end. The routes differ only by float rounding.
- * Where the kernels have one (AVX-512; f32, f16, bf16, q8; groups of 4k heads), a tile of 16 tokens
- * of one KV head is a single call for four query heads (scores, softmax, values: attn_tile in
- * kv/codec_internal.h); otherwise scores come from dot_group per token and values from axpy_tile.
+ * Where the kernels have one (AVX-512; f32, f16, bf16, q8; groups of 2k heads), a tile of 16 tokens
+ * of one KV head is two calls for four (or two) query heads: scores with the softmax, then values
+ * (attn_tile in kv/codec_internal.h), and the values of each call wait until the scores of the
+ * next have been issued; otherwise scores come from dot_group per token and values from axpy_tile.
  * The next tile's bytes are prefetched while a tile is computed.
  */
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -86,17 +88,22 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
     const struct llmem_kv_codec *c = &kv->codec;
     const int hd = kv->cfg.head_dim, group = j->group, n_kv = j->n_heads / group;
     const size_t hs = (size_t)(hd + 2);
-    /* The fused tile kernels serve groups of four query heads (a GQA group of 4k: k calls) and
-     * of two (2k + 2: k calls of four, one of two). */
-    void (*fused)(const uint8_t *, size_t, const uint8_t *, size_t, int, const float *, int,
-                  float *, size_t, const struct llmem_kv_prefetch *) =
-        llmem_kv_kernels()->attn_tile[c->format];
-    void (*fused2)(const uint8_t *, size_t, const uint8_t *, size_t, int, const float *, int,
-                   float *, size_t, const struct llmem_kv_prefetch *) =
-        llmem_kv_kernels()->attn_tile2[c->format];
-    const int g4 = group % 4 == 0 ? group : group % 2 == 0 && fused2 != NULL ? group - 2 : -1;
-    if (g4 < 0 || (g4 > 0 && fused == NULL))
-        fused = NULL, fused2 = NULL;
+    /* The tile kernels serve groups of four query heads (a GQA group of 4k: k calls) and of two
+     * (2k + 2: k calls of four, one of two). */
+    const struct llmem_kv_attn_tile *t4 = &llmem_kv_kernels()->attn_tile[c->format],
+                                    *t2 = &llmem_kv_kernels()->attn_tile2[c->format];
+    const int g4 = group % 4 == 0 ? group : group % 2 == 0 && t2->scores != NULL ? group - 2 : -1;
+    const bool tiled = g4 >= 0 && (g4 == 0 || t4->scores != NULL);
+    /* The values of the last tile call still to do: they run after the next call's scores. */
+    struct {
+        const struct llmem_kv_attn_tile *fn;
+        const uint8_t *v;
+        int T;
+        float *st;
+        struct llmem_kv_prefetch pf;
+    } held = {NULL, NULL, 0, NULL, {NULL, 0}};
+    float sc[2][LLMEM_KV_TILE_SC] __attribute__((aligned(64)));
+    int cur = 0;
     for (int h = kv0 * group; h < kv1 * group; h++) {
         float *sh = st + (size_t)h * hs;
         memset(sh, 0, (size_t)hd * sizeof(float));
@@ -119,7 +126,7 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
             const uint8_t *ktile = kp + (size_t)t0 * kv->k_tok,
                           *vtile = vp + (size_t)t0 * kv->v_tok;
             /* The next tile's K and V bytes, prefetched an eighth (1 / n_kv) per KV head while
-             * this tile is computed (by the fused kernel, spread over its loops): a tile reads
+             * this tile is computed (by the tile kernels, spread over their loops): a tile reads
              * its rows with a stride of a token, which the hardware prefetchers do not follow far
              * enough ahead. */
             const uint8_t *pk = NULL, *pv = NULL;
@@ -133,24 +140,32 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
             pT = pT < TILE ? pT : TILE;
             size_t pk_slice = ((size_t)pT * kv->k_tok / (size_t)n_kv + 63) & ~(size_t)63;
             size_t pv_slice = ((size_t)pT * kv->v_tok / (size_t)n_kv + 63) & ~(size_t)63;
-            if (fused != NULL || fused2 != NULL) {
+            if (tiled) {
                 for (int kvh = kv0; kvh < kv1; kvh++) {
-                    struct llmem_kv_prefetch pf = {{pk, pv}, {0, 0}};
+                    struct llmem_kv_prefetch pfk = {pk, 0}, pfv = {pv, 0};
                     if (pT > 0) {
-                        pf.bytes[0] = slice_bytes(kvh, pk_slice, (size_t)pT * kv->k_tok);
-                        pf.bytes[1] = slice_bytes(kvh, pv_slice, (size_t)pT * kv->v_tok);
-                        pf.at[0] += (size_t)kvh * pk_slice;
-                        pf.at[1] += (size_t)kvh * pv_slice;
+                        pfk.bytes = slice_bytes(kvh, pk_slice, (size_t)pT * kv->k_tok);
+                        pfv.bytes = slice_bytes(kvh, pv_slice, (size_t)pT * kv->v_tok);
+                        pfk.at += (size_t)kvh * pk_slice;
+                        pfv.at += (size_t)kvh * pv_slice;
                     }
                     const uint8_t *kh = ktile + (size_t)kvh * c->key_bytes,
                                   *vh = vtile + (size_t)kvh * c->value_bytes;
                     const size_t h0 = (size_t)kvh * (size_t)group;
-                    for (int g = 0; g < g4; g += 4) /* the first call of the group prefetches */
-                        fused(kh, kv->k_tok, vh, kv->v_tok, T, q + (h0 + (size_t)g) * (size_t)hd,
-                              hd, st + (h0 + (size_t)g) * hs, hs, g == 0 ? &pf : NULL);
-                    if (g4 < group)
-                        fused2(kh, kv->k_tok, vh, kv->v_tok, T, q + (h0 + (size_t)g4) * (size_t)hd,
-                               hd, st + (h0 + (size_t)g4) * hs, hs, g4 == 0 ? &pf : NULL);
+                    for (int g = 0; g < group;
+                         g += 4) { /* the first call of the group prefetches */
+                        const struct llmem_kv_attn_tile *fn = g < g4 ? t4 : t2;
+                        struct llmem_kv_prefetch none = {NULL, 0};
+                        float *sg = st + (h0 + (size_t)g) * hs;
+                        fn->scores(kh, kv->k_tok, T, q + (h0 + (size_t)g) * (size_t)hd, hd, sg, hs,
+                                   sc[cur], g == 0 ? pfk : none);
+                        if (held.fn != NULL)
+                            held.fn->values(held.v, kv->v_tok, held.T, sc[cur ^ 1], hd, held.st, hs,
+                                            held.pf);
+                        held.fn = fn, held.v = vh, held.T = T, held.st = sg;
+                        held.pf = g == 0 ? pfv : none;
+                        cur ^= 1;
+                    }
                 }
                 continue;
             }
@@ -191,6 +206,8 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
         pos += run;
         kp = nkp, vp = nvp, run = nrun;
     }
+    if (held.fn != NULL)
+        held.fn->values(held.v, kv->v_tok, held.T, sc[cur ^ 1], hd, held.st, hs, held.pf);
 }
 
 /* Folds a partition's state (acc_p, m_p, l_p at p[hd], p[hd+1]) into a running one, in

@@ -37,13 +37,33 @@ enum llmem_kv_isa {
  * address. dot[f] reads a row in f's key layout, axpy[f] a row in f's value layout (they differ
  * for tq only). (optional) entries are NULL: the caller decodes the row to f32 and uses the f32
  * kernel; f32, f16 and bf16 are always present. */
-/* The bytes a tile kernel prefetches while it computes (its share of the next tile's K and V):
- * two ranges, either empty (bytes 0). Spread over the kernel's loops, a few lines per step, the
- * prefetches keep memory busy under the arithmetic; issued all at once before the tile, they
- * queue behind each other and stall the tile's own loads. */
+/* The bytes a tile kernel prefetches while it computes (its share of the next tile's K or V),
+ * empty when bytes is 0. Spread over the kernel's loops, a few lines per step, the prefetches keep
+ * memory busy under the arithmetic; issued all at once before the tile, they queue behind each
+ * other and stall the tile's own loads. */
 struct llmem_kv_prefetch {
-    const uint8_t *at[2];
-    size_t bytes[2];
+    const uint8_t *at;
+    size_t bytes;
+};
+
+/* One tile of decode attention (n = head_dim): the T ≤ LLMEM_KV_TILE tokens of one KV head for
+ * G query heads q[g·n + i] (scaled, in the key's domain) whose online-softmax states lie at
+ * st + g·hs (acc[0, n), then m at n and l at n + 1), in two calls:
+ * - scores: the keys (key_stride bytes apart) against the queries, the new maximum m' and sum l'
+ *   of each head written to its state, and sc (LLMEM_KV_TILE_SC floats, 64-byte aligned)
+ *   filled with the rescale factors e^(m − m') (sc[g]) and the weights e^(s − m')
+ *   (sc[4 + G·t + g]);
+ * - values: each head's acc rescaled by sc[g] and the values (value_stride bytes apart)
+ *   accumulated with the weights of sc.
+ * scores touches only m and l, values only acc: the scores of the next tiles may run before the
+ * values of this one (each with its own sc), which hides the softmax's latency behind the values'
+ * arithmetic. pf: bytes to prefetch meanwhile, spread over the call's loops. */
+#define LLMEM_KV_TILE_SC 80
+struct llmem_kv_attn_tile {
+    void (*scores)(const uint8_t *keys, size_t key_stride, int T, const float *q, int n, float *st,
+                   size_t hs, float *sc, struct llmem_kv_prefetch pf);
+    void (*values)(const uint8_t *values, size_t value_stride, int T, const float *sc, int n,
+                   float *st, size_t hs, struct llmem_kv_prefetch pf);
 };
 
 struct llmem_kv_kernels {
@@ -64,22 +84,11 @@ struct llmem_kv_kernels {
     void (*axpy_tile[LLMEM_KV_FORMAT_COUNT])(const uint8_t *rows, size_t row_stride, int T,
                                              const float *w, int G, float *acc, size_t stride,
                                              int n);
-    /* (optional) one tile of decode attention (n = head_dim): the T ≤ LLMEM_KV_TILE tokens of one
-     * KV head, keys and values key_stride and value_stride bytes apart, for four query heads
-     * q[g·n + i] (scaled, in the key's domain) whose online-softmax states lie at st + g·hs
-     * (acc[0, n), then m at n and l at n + 1): the scores, the new maximum m' per head, the
-     * state rescaled by e^(m − m'), and the weights e^(s − m') accumulated with the values;
-     * pf (or NULL): bytes to prefetch meanwhile, spread over the kernel's loops.
-     * NULL: attention scores with dot_group and accumulates with axpy_tile. */
-    void (*attn_tile[LLMEM_KV_FORMAT_COUNT])(const uint8_t *keys, size_t key_stride,
-                                             const uint8_t *values, size_t value_stride, int T,
-                                             const float *q, int n, float *st, size_t hs,
-                                             const struct llmem_kv_prefetch *pf);
+    /* (optional) a tile of decode attention for four query heads (struct llmem_kv_attn_tile);
+     * NULL functions: attention scores with dot_group and accumulates with axpy_tile */
+    struct llmem_kv_attn_tile attn_tile[LLMEM_KV_FORMAT_COUNT];
     /* (optional) the same for two query heads (GQA groups of 2, 6, 10, …) */
-    void (*attn_tile2[LLMEM_KV_FORMAT_COUNT])(const uint8_t *keys, size_t key_stride,
-                                              const uint8_t *values, size_t value_stride, int T,
-                                              const float *q, int n, float *st, size_t hs,
-                                              const struct llmem_kv_prefetch *pf);
+    struct llmem_kv_attn_tile attn_tile2[LLMEM_KV_FORMAT_COUNT];
 };
 
 /* The Lloyd–Max codebook of tq values (ascending), shared by every kernel. */

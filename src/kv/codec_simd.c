@@ -613,50 +613,37 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
 }
 
 /* The prefetches of a tile kernel (struct llmem_kv_prefetch): `quota` lines per step of its
- * loops, enough for all of them in `steps` steps; the first range, then the second. */
+ * loops, enough for all of them in `steps` steps. */
 struct pf_spread {
-    const uint8_t *p, *end, *next, *next_end;
+    const uint8_t *p, *end;
     int quota;
 };
 
-static inline struct pf_spread pf_spread_init(const struct llmem_kv_prefetch *pf, int steps) {
-    struct pf_spread s = {NULL, NULL, NULL, NULL, 0};
-    if (pf == NULL || steps <= 0)
-        return s;
-    s.p = pf->at[0], s.end = pf->at[0] + pf->bytes[0];
-    s.next = pf->at[1], s.next_end = pf->at[1] + pf->bytes[1];
-    size_t lines = (pf->bytes[0] + 63) / 64 + (pf->bytes[1] + 63) / 64;
-    s.quota = (int)((lines + (size_t)steps - 1) / (size_t)steps);
+static inline struct pf_spread pf_spread_init(struct llmem_kv_prefetch pf, int steps) {
+    struct pf_spread s = {pf.at, pf.at + pf.bytes, 0};
+    if (pf.bytes > 0 && steps > 0)
+        s.quota = (int)(((pf.bytes + 63) / 64 + (size_t)steps - 1) / (size_t)steps);
     return s;
 }
 
 static inline void pf_step(struct pf_spread *s) {
-    for (int r = 0; r < s->quota; r++) {
-        if (s->p >= s->end) {
-            if (s->next >= s->next_end)
-                return;
-            s->p = s->next, s->end = s->next_end, s->next = s->next_end;
-        }
+    for (int r = 0; r < s->quota && s->p < s->end; r++, s->p += 64)
         __builtin_prefetch(s->p, 0, 3);
-        s->p += 64;
-    }
 }
 
-/* A tile of T ≤ 16 tokens of one KV head for G = 4 or 2 query heads (see attn_tile in
- * kv/codec_internal.h). Scores: 16/G tokens at a time against the G queries, sixteen
- * accumulators, each key chunk converted once and each query chunk loaded once per 16/G tokens,
- * then one transposing reduction into a vector of 16 scores (lane G·t + g). Softmax: the tile's
- * maximum per head, one rescale factor per head, the weights by exp512. Values: 64 elements at a
- * time for the G heads (the old state rescaled as it is loaded), each value chunk converted once
- * for the G heads. */
-#define ATTN_TILE512(name, CHUNK, G)                                                               \
-    TARGET_AVX512 static void name(const uint8_t *keys, size_t key_stride, const uint8_t *values,  \
-                                   size_t value_stride, int T, const float *q, int n, float *st,   \
-                                   size_t hs, const struct llmem_kv_prefetch *pf) {                \
+/* A tile of T ≤ 16 tokens of one KV head for G = 4 or 2 query heads, in two calls (see
+ * attn_tile in kv/codec_internal.h).
+ * Scores: 16/G tokens at a time against the G queries, sixteen accumulators, each key chunk
+ * converted once and each query chunk loaded once per 16/G tokens, then one transposing reduction
+ * into a vector of 16 scores (lane G·t + g); then the softmax step (attn_softmax512).
+ * Values: 64 elements at a time for the G heads (the old state rescaled as it is loaded), each
+ * value chunk converted once for the G heads. */
+#define ATTN_SCORES512(name, CHUNK, G)                                                             \
+    TARGET_AVX512 static void name(const uint8_t *keys, size_t key_stride, int T, const float *q,  \
+                                   int n, float *st, size_t hs, float *sc,                         \
+                                   struct llmem_kv_prefetch pf) {                                  \
         enum { TOK = 16 / (G) };                                                                   \
-        float sc[80] __attribute__((aligned(64)));                                                 \
-        struct pf_spread sp =                                                                      \
-            pf_spread_init(pf, ((T + TOK - 1) / TOK) * (n / 16) + T * ((n + 63) / 64));            \
+        struct pf_spread sp = pf_spread_init(pf, ((T + TOK - 1) / TOK) * (n / 16));                \
         for (int t0 = 0; t0 < T; t0 += TOK) {                                                      \
             const uint8_t *k[TOK];                                                                 \
             for (int u = 0; u < TOK; u++) /* past T: the last row again, masked below */           \
@@ -681,6 +668,13 @@ static inline void pf_step(struct pf_spread *s) {
                                                sum4_lanes(a[12], a[13], a[14], a[15])));           \
         }                                                                                          \
         attn_softmax512(sc, T, st, hs, n, G);                                                      \
+    }
+
+#define ATTN_VALUES512(name, CHUNK, G)                                                             \
+    TARGET_AVX512 static void name(const uint8_t *values, size_t value_stride, int T,              \
+                                   const float *sc, int n, float *st, size_t hs,                   \
+                                   struct llmem_kv_prefetch pf) {                                  \
+        struct pf_spread sp = pf_spread_init(pf, T * ((n + 63) / 64));                             \
         __m512 c[G];                                                                               \
         for (int g = 0; g < (G); g++)                                                              \
             c[g] = _mm512_set1_ps(sc[g]);                                                          \
@@ -790,14 +784,22 @@ TARGET_AVX512 static inline void attn_softmax512(float *sc, int T, float *st, si
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
-ATTN_TILE512(attn_tile_f32_avx512, chunk_f32, 4)
-ATTN_TILE512(attn_tile_f16_avx512, chunk_f16, 4)
-ATTN_TILE512(attn_tile_bf16_avx512, chunk_bf16, 4)
-ATTN_TILE512(attn_tile_q8_avx512, chunk_q8, 4)
-ATTN_TILE512(attn_tile2_f32_avx512, chunk_f32, 2)
-ATTN_TILE512(attn_tile2_f16_avx512, chunk_f16, 2)
-ATTN_TILE512(attn_tile2_bf16_avx512, chunk_bf16, 2)
-ATTN_TILE512(attn_tile2_q8_avx512, chunk_q8, 2)
+ATTN_SCORES512(attn_scores_f32_avx512, chunk_f32, 4)
+ATTN_VALUES512(attn_values_f32_avx512, chunk_f32, 4)
+ATTN_SCORES512(attn_scores_f16_avx512, chunk_f16, 4)
+ATTN_VALUES512(attn_values_f16_avx512, chunk_f16, 4)
+ATTN_SCORES512(attn_scores_bf16_avx512, chunk_bf16, 4)
+ATTN_VALUES512(attn_values_bf16_avx512, chunk_bf16, 4)
+ATTN_SCORES512(attn_scores_q8_avx512, chunk_q8, 4)
+ATTN_VALUES512(attn_values_q8_avx512, chunk_q8, 4)
+ATTN_SCORES512(attn_scores2_f32_avx512, chunk_f32, 2)
+ATTN_VALUES512(attn_values2_f32_avx512, chunk_f32, 2)
+ATTN_SCORES512(attn_scores2_f16_avx512, chunk_f16, 2)
+ATTN_VALUES512(attn_values2_f16_avx512, chunk_f16, 2)
+ATTN_SCORES512(attn_scores2_bf16_avx512, chunk_bf16, 2)
+ATTN_VALUES512(attn_values2_bf16_avx512, chunk_bf16, 2)
+ATTN_SCORES512(attn_scores2_q8_avx512, chunk_q8, 2)
+ATTN_VALUES512(attn_values2_q8_avx512, chunk_q8, 2)
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -826,14 +828,14 @@ static const struct llmem_kv_kernels kernels_avx512 = {
     .axpy_tile = {[LLMEM_KV_FORMAT_F32] = axpyt_f32_avx512,
                   [LLMEM_KV_FORMAT_F16] = axpyt_f16_avx512,
                   [LLMEM_KV_FORMAT_BF16] = axpyt_bf16_avx512},
-    .attn_tile = {[LLMEM_KV_FORMAT_F32] = attn_tile_f32_avx512,
-                  [LLMEM_KV_FORMAT_F16] = attn_tile_f16_avx512,
-                  [LLMEM_KV_FORMAT_BF16] = attn_tile_bf16_avx512,
-                  [LLMEM_KV_FORMAT_Q8] = attn_tile_q8_avx512},
-    .attn_tile2 = {[LLMEM_KV_FORMAT_F32] = attn_tile2_f32_avx512,
-                   [LLMEM_KV_FORMAT_F16] = attn_tile2_f16_avx512,
-                   [LLMEM_KV_FORMAT_BF16] = attn_tile2_bf16_avx512,
-                   [LLMEM_KV_FORMAT_Q8] = attn_tile2_q8_avx512},
+    .attn_tile = {[LLMEM_KV_FORMAT_F32] = {attn_scores_f32_avx512, attn_values_f32_avx512},
+                  [LLMEM_KV_FORMAT_F16] = {attn_scores_f16_avx512, attn_values_f16_avx512},
+                  [LLMEM_KV_FORMAT_BF16] = {attn_scores_bf16_avx512, attn_values_bf16_avx512},
+                  [LLMEM_KV_FORMAT_Q8] = {attn_scores_q8_avx512, attn_values_q8_avx512}},
+    .attn_tile2 = {[LLMEM_KV_FORMAT_F32] = {attn_scores2_f32_avx512, attn_values2_f32_avx512},
+                   [LLMEM_KV_FORMAT_F16] = {attn_scores2_f16_avx512, attn_values2_f16_avx512},
+                   [LLMEM_KV_FORMAT_BF16] = {attn_scores2_bf16_avx512, attn_values2_bf16_avx512},
+                   [LLMEM_KV_FORMAT_Q8] = {attn_scores2_q8_avx512, attn_values2_q8_avx512}},
 };
 #endif /* KV_X86 */
 
