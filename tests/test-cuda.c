@@ -908,7 +908,7 @@ static void top_ref(const float *row, int64_t cols, int k, int32_t *ids) {
 
 /* top_k against a reference: k of 1 (argmax), 2, 7 and 64; a vocabulary-sized row, short rows,
  * many rows; coarse values (ties), −0 beside +0, and rows of one value (more ties than the
- * kernel buffers). */
+ * kernel buffers). The results arrive with the sync that follows. */
 static void test_top_k(void **state) {
     (void)state;
     const struct { int64_t n, cols; } shapes[] = {{3, 128256}, {130, 1000}, {5, 64}, {2, 5000}};
@@ -929,7 +929,9 @@ static void test_top_k(void **state) {
                 continue;
             int32_t *ids = malloc((size_t)(n * k) * sizeof(int32_t)), ref[64];
             float *vals = malloc((size_t)(n * k) * sizeof(float));
+            memset(ids, 0xff, (size_t)(n * k) * sizeof(int32_t));
             assert_int_equal(gpu->ops->top_k(gpu->ctx, dx, n, cols, k, ids, vals), LLMEM_OK);
+            assert_int_equal(gpu->ops->sync(gpu->ctx), LLMEM_OK); /* the results land here */
             for (int64_t r = 0; r < n; r++) {
                 top_ref(x + r * cols, cols, k, ref);
                 assert_memory_equal(ids + r * k, ref, (size_t)k * sizeof(int32_t));
@@ -994,8 +996,10 @@ static int hear(void *arg, int32_t id, const char *text, size_t len) {
 }
 
 /* Streaming from the device's top k: every token reaches the callback in order with its text,
- * the pieces add up to the result, and a cancel from the callback ends the request with exactly
- * the tokens the client heard. */
+ * the pieces add up to the result, and a cancel from the callback or a stop string ends the
+ * request with exactly the tokens and text the client heard. Replayed decode steps hand a
+ * token over while the next step computes, so the cancel and the stop string show while the
+ * request is in the pass that follows: that pass's token is dropped and the KV left whole. */
 static void test_streaming(void **state) {
     (void)state;
     const char *dir = LLMEM_SOURCE_DIR "/models/pycoder";
@@ -1004,17 +1008,45 @@ static void test_streaming(void **state) {
     long_run(prompt, 16, 300, 13, 40, &gp);
     struct llmem_engine *e =
         open_engine(dir, LLMEM_BACKEND_CUDA, LLMEM_PRECISION_FAST, LLMEM_KV_FORMAT_F16);
-    for (int cancel = 0; cancel < 2; cancel++) {
-        struct heard h = {.cancel_at = cancel ? 7 : 0};
+    struct llmem_kv *kv = llmem_engine_kv(e);
+    struct llmem_kv_stats ks;
+    llmem_kv_stats(kv, &ks);
+    const int64_t free_blocks = ks.n_blocks_free;
+    struct heard full = {0};
+    char stop[8] = "";
+    for (int run = 0; run < 3; run++) {
+        struct heard h = {.cancel_at = run == 1 ? 7 : 0};
+        const char *stops[] = {stop};
+        gp.stop = run == 2 ? stops : NULL;
+        gp.n_stop = run == 2 ? 1 : 0;
         struct llmem_generate_result r;
         assert_int_equal(llmem_engine_generate(e, prompt, 16, &gp, hear, &h, &r), LLMEM_OK);
-        assert_string_equal(r.finish_reason, cancel ? "cancelled" : "length");
-        assert_int_equal(r.n_ids, cancel ? 7 : 40);
+        assert_string_equal(r.finish_reason, run == 0 ? "length" : run == 1 ? "cancelled" : "stop");
         assert_int_equal(h.n, r.n_ids);
         assert_memory_equal(h.ids, r.ids, (size_t)r.n_ids * sizeof(int32_t));
         assert_int_equal(h.len, r.text_len);
         assert_memory_equal(h.text, r.text, r.text_len);
+        if (run == 0) {
+            assert_int_equal(r.n_ids, 40);
+            full = h;
+            /* four characters from the middle of the text: where they first appear, it stops */
+            snprintf(stop, sizeof(stop), "%.4s", full.text + full.len / 2);
+        } else if (run == 1) {
+            assert_int_equal(r.n_ids, 7);
+            assert_memory_equal(r.ids, full.ids, 7 * sizeof(int32_t));
+        } else {
+            const char *at = strstr(full.text, stop);
+            assert_non_null(at);
+            assert_int_equal(r.text_len, (size_t)(at - full.text));
+            assert_memory_equal(r.text, full.text, r.text_len);
+            assert_true(r.n_ids >= 2 && r.n_ids < 40);
+            assert_memory_equal(r.ids, full.ids, (size_t)r.n_ids * sizeof(int32_t));
+        }
         llmem_generate_result_free(&r);
+        llmem_kv_stats(kv, &ks);
+        assert_int_equal(ks.n_sequences, 0);
+        assert_int_equal(ks.n_blocks_free, free_blocks);
+        assert_int_equal(llmem_kv_check(kv), LLMEM_OK);
     }
     llmem_engine_close(e);
 }
@@ -1211,6 +1243,37 @@ static void test_device_plan(void **state) {
     llmem_engine_close(e);
 }
 
+/* The default prefill chunk on a device: as large as the transient reserve the plan commits for
+ * 512 tokens holds (8192 with the whole H200; less under a small budget), the plan's commitments
+ * the same as with 512; an explicit chunk stays as given. */
+static void test_default_chunk(void **state) {
+    (void)state;
+    const int64_t budgets[] = {0, (int64_t)160 << 20};
+    for (int b = 0; b < 2; b++) {
+        struct llmem_engine_config c;
+        llmem_engine_config_default(&c);
+        c.model_dir = LLMEM_SOURCE_DIR "/models/pycoder";
+        c.backend = LLMEM_BACKEND_CUDA;
+        c.no_bank = 1;
+        c.budget_bytes = budgets[b];
+        struct llmem_engine *e = NULL, *e512 = NULL;
+        assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+        c.max_batch_tokens = 512;
+        assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e512), LLMEM_OK);
+        const int64_t chunk = llmem_engine_get_config(e)->max_batch_tokens;
+        printf("  budget %lld: prefill chunk %lld\n", (long long)budgets[b], (long long)chunk);
+        assert_true(chunk >= 512 && chunk <= 8192 && (chunk & (chunk - 1)) == 0);
+        if (b == 0)
+            assert_int_equal(chunk, 8192);
+        assert_int_equal(llmem_forward_max_tokens(llmem_engine_forward(e)), chunk);
+        assert_int_equal(llmem_engine_plan(e)->runtime_transients_bytes,
+                         llmem_engine_plan(e512)->runtime_transients_bytes);
+        assert_int_equal(llmem_engine_get_config(e512)->max_batch_tokens, 512);
+        llmem_engine_close(e512);
+        llmem_engine_close(e);
+    }
+}
+
 static int setup(void **state) {
     (void)state;
     struct llmem_mem_config cfg = {.ops = llmem_backend_cuda_memory(0)};
@@ -1249,6 +1312,7 @@ int main(void) {
         cmocka_unit_test(test_graphs),        cmocka_unit_test(test_mixed_step),
         cmocka_unit_test(test_top_k),         cmocka_unit_test(test_sampling_on_device),
         cmocka_unit_test(test_streaming),     cmocka_unit_test(test_device_plan),
+        cmocka_unit_test(test_default_chunk),
     };
     return cmocka_run_group_tests_name("cuda", tests, setup, teardown);
 }

@@ -132,7 +132,7 @@ struct llmem_engine_config {
     int64_t memory_limit_bytes;     /* --memory-limit; 0: none */
     double util;                    /* --util; 0: none */
     int n_threads;                  /* --threads; ≤ 0: the online CPUs */
-    int64_t max_batch_tokens;       /* 512 */
+    int64_t max_batch_tokens;       /* 0: 512, on a device up to 8192 (within the plan) */
     int64_t max_sequences;          /* 1 */
     int64_t bank_max_bytes;         /* --bank-max: the RAM tier's cap; 0: the plan's ceiling */
     int no_bank;                    /* 1: no session bank (and no spill tier) */

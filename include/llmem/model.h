@@ -252,6 +252,21 @@ int llmem_forward_run_top(struct llmem_forward *forward, const int32_t *tokens,
                           const struct llmem_batch_seq *seqs, int n_seqs, int k, int32_t *ids,
                           float *vals);
 
+/* llmem_forward_run_top in two halves, for a caller with work to do while the device computes:
+ * start returns once the pass is queued (a failure to queue it is returned at once, the lengths
+ * restored); llmem_forward_wait waits for it, and ids and vals hold its rows when it returns
+ * LLMEM_OK (on a failure the sequences keep their previous lengths). One pass at a time: every
+ * start is followed by a wait before the next pass; wait without a pass started returns LLMEM_OK.
+ * The KV of the pass's sequences must not be freed, trimmed or forked in between. */
+int llmem_forward_start_top(struct llmem_forward *forward, const int32_t *tokens,
+                            const struct llmem_batch_seq *seqs, int n_seqs, int k, int32_t *ids,
+                            float *vals);
+int llmem_forward_wait(struct llmem_forward *forward);
+
+/* Whether a decode step of n_seqs sequences (one token each, at their ends) would replay a
+ * recorded pass on the device: then starting it takes little of the host's time. */
+int llmem_forward_replays(const struct llmem_forward *forward, int n_seqs);
+
 #ifdef __cplusplus
 }
 #endif

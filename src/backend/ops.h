@@ -140,9 +140,10 @@ struct llmem_backend_ops {
     /* (optional: backends whose memory is not the host's) The k ≤ LLMEM_TOP_K_MAX largest entries
      * of each of n rows of x ([n, cols], the backend's memory, k ≤ cols), sorted by value
      * descending and equal values by the lower column, after every operation queued before it:
-     * their columns into ids and their values into vals ([n, k], host memory). A sampler needs
-     * no more of a row than that, and k entries cross to the host instead of the row. Returns as
-     * copy does. */
+     * their columns into ids and their values into vals ([n, k], host memory) by the time the
+     * next sync (or copy) returns: it queues the work and does not wait. A sampler needs no more
+     * of a row than that, and k entries cross to the host instead of the row. Returns the first
+     * failure so far, as sync does. */
     int (*top_k)(void *ctx, const float *x, int64_t n, int64_t cols, int k, int32_t *ids,
                  float *vals);
 
@@ -156,6 +157,9 @@ struct llmem_backend_ops {
      * compares every operation and argument). */
     int (*graph_begin)(void *ctx, uint64_t key);
     int (*graph_end)(void *ctx);
+    /* (optional, with graph_begin) Whether a pass of this key would be replayed: its recording is
+     * ready (graph_begin and graph_end then only stage and launch it; no recording, no run). */
+    int (*graph_ready)(void *ctx, uint64_t key);
     /* (optional) */
     void (*counters)(void *ctx, struct llmem_backend_counters *out);
 };

@@ -588,7 +588,7 @@ static int logits_main(int argc, char **argv, struct run_args *a) {
     if (rc != CLI_OK)
         goto out;
     int64_t vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size;
-    int64_t chunk = a->engine.max_batch_tokens > 0 ? a->engine.max_batch_tokens : 512;
+    int64_t chunk = llmem_forward_max_tokens(llmem_engine_forward(e));
     logits = malloc((size_t)(n * vocab) * sizeof(float));
     rc = CLI_FAIL;
     if (logits == NULL || llmem_kv_seq_new(llmem_engine_kv(e), &seq) != LLMEM_OK)

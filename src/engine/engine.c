@@ -34,7 +34,7 @@ void llmem_engine_config_default(struct llmem_engine_config *c) {
     memset(c, 0, sizeof(*c));
     c->kv_layout = LLMEM_KV_LAYOUT_PAGED;
     c->kv_format = LLMEM_KV_FORMAT_F16;
-    c->max_batch_tokens = 512;
+    c->max_batch_tokens = 0; /* 512, more on a device (default_batch_tokens) */
     c->max_sequences = 1;
 }
 
@@ -46,23 +46,19 @@ double llmem_engine_now_s(void) {
 
 /* ---- open ----------------------------------------------------------------------------------- */
 
-static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry *g, int threads) {
-    struct llmem_device_info host, machine;
-    int status = llmem_sys_probe_host(&host);
-    if (status != LLMEM_OK)
-        return status;
-    e->ram_bytes = host.memory_size;
+/* The plan's inputs for a forward pass of max_batch_tokens tokens. */
+static struct llmem_plan_params plan_params(const struct llmem_engine *e,
+                                            const struct llmem_model_geometry *g,
+                                            const struct llmem_device_info *machine, int threads,
+                                            int64_t max_batch_tokens) {
     const struct llmem_engine_config *c = &e->cfg;
     const int cuda = c->backend == LLMEM_BACKEND_CUDA;
-    machine = host;
-    if (cuda && (status = llmem_backend_device_info(c->device, &machine)) != LLMEM_OK)
-        return status;
     const int64_t widest =
         g->intermediate_size > g->hidden_size ? g->intermediate_size : g->hidden_size;
-    struct llmem_plan_params p = {
+    return (struct llmem_plan_params){
         .target = cuda ? LLMEM_PLAN_CUDA : LLMEM_PLAN_HOST,
-        .total_bytes = machine.max_recommended_working_set_size,
-        .ceiling_bytes = machine.max_recommended_working_set_size,
+        .total_bytes = machine->max_recommended_working_set_size,
+        .ceiling_bytes = machine->max_recommended_working_set_size,
         .weights_bytes = g->weights_bytes,
         .kv_bytes_per_token = llmem_geometry_kv_bytes_per_token(g),
         .kv_format = c->kv_format,
@@ -72,13 +68,57 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
         .memory_limit_bytes = c->memory_limit_bytes,
         .util = c->util,
         .max_sequences = c->max_sequences,
-        .max_batch_tokens = c->max_batch_tokens,
+        .max_batch_tokens = max_batch_tokens,
         /* the forward pass's buffers and the backend's fixed GEMM scratch */
         .computed_workspace_bytes =
-            llmem_geometry_workspace_bytes(g, c->max_batch_tokens, c->max_sequences) +
-            (cuda ? llmem_backend_cuda_scratch_bytes(c->precision, c->max_batch_tokens, widest)
+            llmem_geometry_workspace_bytes(g, max_batch_tokens, c->max_sequences) +
+            (cuda ? llmem_backend_cuda_scratch_bytes(c->precision, max_batch_tokens, widest)
                   : llmem_backend_cpu_scratch_bytes(threads)),
     };
+}
+
+/* The default prefill chunk (max_batch_tokens 0): 512 tokens (SPEC §2.1), and on a device the
+ * largest of 8192, 4096, 2048 and 1024 whose workspace fits within the transient reserve that the
+ * plan commits for 512 anyway (min(3 GiB, usable / 8) where the workspace is smaller): a GPU
+ * prefills a batch of prompts several times faster in one large step than in many small ones, at
+ * no cost to the plan. */
+static int64_t default_batch_tokens(const struct llmem_engine *e,
+                                    const struct llmem_model_geometry *g,
+                                    const struct llmem_device_info *machine, int threads) {
+    if (e->cfg.backend != LLMEM_BACKEND_CUDA)
+        return 512;
+    struct llmem_plan_params p = plan_params(e, g, machine, threads, 512);
+    struct llmem_plan base, plan;
+    if (llmem_plan_compute(&p, &base) != LLMEM_OK)
+        return 512;
+    for (int64_t tokens = 8192; tokens > 512; tokens /= 2) {
+        p = plan_params(e, g, machine, threads, tokens);
+        if (llmem_plan_compute(&p, &plan) == LLMEM_OK && plan.model_fits && !plan.overcommitted &&
+            plan.runtime_transients_bytes == base.runtime_transients_bytes)
+            return tokens;
+    }
+    return 512;
+}
+
+static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry *g, int threads) {
+    struct llmem_device_info host, machine;
+    int status = llmem_sys_probe_host(&host);
+    if (status != LLMEM_OK)
+        return status;
+    e->ram_bytes = host.memory_size;
+    const struct llmem_engine_config *c = &e->cfg;
+    machine = host;
+    if (c->backend == LLMEM_BACKEND_CUDA &&
+        (status = llmem_backend_device_info(c->device, &machine)) != LLMEM_OK)
+        return status;
+    if (e->cfg.max_batch_tokens <= 0) {
+        e->cfg.max_batch_tokens = default_batch_tokens(e, g, &machine, threads);
+        if (e->cfg.max_batch_tokens > 512)
+            LLMEM_INFO("prefill chunk: %" PRId64 " tokens (within the plan's transient reserve; "
+                       "--max-batch-tokens sets it)",
+                       e->cfg.max_batch_tokens);
+    }
+    struct llmem_plan_params p = plan_params(e, g, &machine, threads, c->max_batch_tokens);
     if ((status = llmem_plan_compute(&p, &e->plan)) != LLMEM_OK)
         return status;
     char line[512];
@@ -190,8 +230,6 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
     llmem_engine_sched_init(e);
     llmem_guard_init(&e->guard);
     e->pressure_at = -1;
-    if (e->cfg.max_batch_tokens <= 0)
-        e->cfg.max_batch_tokens = 512;
     if (e->cfg.max_sequences <= 0)
         e->cfg.max_sequences = 1;
     struct llmem_model_geometry g;

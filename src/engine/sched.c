@@ -48,6 +48,14 @@ struct request {
     int64_t reused_ram, reused_disk; /* prompt tokens taken from the bank at the first admission */
     double t_submit, t_admit, t_first, t_last;
     int64_t decode_tokens;
+    /* The last token of toks, sampled and not yet handed to the client (hand_over), with its
+     * log-probabilities when asked for (the logits are gone by then). */
+    int pending;
+    float lp;
+    int32_t lp_ids[LLMEM_MAX_TOP_LOGPROBS];
+    float lp_vals[LLMEM_MAX_TOP_LOGPROBS];
+    const char *ending; /* why it ends once its pending token is handed over, or NULL */
+    int in_flight;      /* part of the pass the step has started */
 };
 
 static const double TTFT_BOUNDS[LLMEM_HIST_BUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
@@ -303,28 +311,49 @@ struct out_row {
     int64_t k;
 };
 
-/* Samples r's next token and hands it to the client; the reason it ends (then `status` says how),
- * or NULL while it goes on. */
-static const char *request_emit(struct llmem_engine *e, struct request *r, struct out_row row,
-                                int *status) {
-    *status = LLMEM_OK;
-    const float *logits = row.logits;
-    int32_t id = logits != NULL ? llmem_sampler_sample(r->sampler, logits)
-                                : llmem_sampler_sample_top(r->sampler, row.ids, row.vals, row.k);
+/* The time of r's next token (the first, or one more of its decode). */
+static void token_time(struct llmem_engine *e, struct request *r) {
     double now = llmem_engine_now_s();
-    struct llmem_engine_metrics *c = &e->counters;
     if (r->t_first == 0) {
         r->t_first = now;
-        observe(&c->ttft, now - r->t_submit);
+        observe(&e->counters.ttft, now - r->t_submit);
     } else {
-        observe(&c->inter_token, now - r->t_last);
+        observe(&e->counters.inter_token, now - r->t_last);
         r->decode_tokens++;
     }
     r->t_last = now;
-    if (is_stop_id(e, &r->p, id))
+}
+
+/* Samples r's next token: appended to toks and pending (hand_over gives it to the client),
+ * r->ending set when it is the last one ("length"). Returns "stop" for an end-of-sequence id
+ * (nothing appended, the request ends now), else NULL. */
+static const char *request_sample(struct llmem_engine *e, struct request *r, struct out_row row) {
+    const float *logits = row.logits;
+    int32_t id = logits != NULL ? llmem_sampler_sample(r->sampler, logits)
+                                : llmem_sampler_sample_top(r->sampler, row.ids, row.vals, row.k);
+    if (is_stop_id(e, &r->p, id)) {
+        token_time(e, r);
         return "stop";
+    }
+    if (r->p.logprobs >= 0) /* (the whole row came back: top_k_for) */
+        llmem_logprobs(logits, e->vocab, r->p.sampling.temperature, id, r->p.logprobs, &r->lp,
+                       r->lp_ids, r->lp_vals);
     r->toks[r->n_toks++] = id;
-    c->generated_tokens++;
+    e->counters.generated_tokens++;
+    r->pending = 1;
+    if (r->n_toks - r->n_prompt == r->max_tokens)
+        r->ending = "length";
+    return NULL;
+}
+
+/* Hands r's pending token to the client: its text (held back while it may start a stop string)
+ * through on_token. Returns the reason r ends (`status` says how): a stop string, a cancel by
+ * the client, an error, or r->ending; NULL while it goes on. */
+static const char *hand_over(struct llmem_engine *e, struct request *r, int *status) {
+    *status = LLMEM_OK;
+    r->pending = 0;
+    token_time(e, r);
+    const int32_t id = r->toks[r->n_toks - 1];
     char *piece = NULL;
     if ((*status = llmem_detok_push(r->detok, id, &piece)) == LLMEM_OK) {
         *status = stream_append(&r->s, piece);
@@ -344,14 +373,11 @@ static const char *request_emit(struct llmem_engine *e, struct request *r, struc
     if (r->ev.on_token != NULL) {
         struct llmem_token_event ev = {
             .id = id, .text = r->s.text + r->s.emitted, .len = safe - r->s.emitted};
-        int32_t top_ids[LLMEM_MAX_TOP_LOGPROBS];
-        float top_lp[LLMEM_MAX_TOP_LOGPROBS];
-        if (r->p.logprobs >= 0) { /* (the whole row came back: top_k_for) */
-            llmem_logprobs(logits, e->vocab, r->p.sampling.temperature, id, r->p.logprobs,
-                           &ev.logprob, top_ids, top_lp);
+        if (r->p.logprobs >= 0) {
+            ev.logprob = r->lp;
             ev.n_top = r->p.logprobs;
-            ev.top_ids = top_ids;
-            ev.top_logprobs = top_lp;
+            ev.top_ids = r->lp_ids;
+            ev.top_logprobs = r->lp_vals;
         }
         cancel = r->ev.on_token(r->ev.arg, &ev);
     }
@@ -360,9 +386,7 @@ static const char *request_emit(struct llmem_engine *e, struct request *r, struc
         return "stop";
     if (cancel)
         return "cancelled";
-    if (r->n_toks - r->n_prompt == r->max_tokens)
-        return "length";
-    return NULL;
+    return r->ending;
 }
 
 /* ---- the running set ------------------------------------------------------------------------- */
@@ -651,13 +675,58 @@ static int top_k_for(const struct llmem_engine *e, const struct slot *slots, int
     return (int)k;
 }
 
-/* One scheduler step: intake, admission, one forward pass, the sampled tokens. Returns the
- * requests still waiting or running. */
+/* Hands over the pending tokens of the requests on `list` (running or waiting) and ends those
+ * that end; one in the pass in flight ends after it (r->ending). */
+static void hand_over_all(struct llmem_engine *e, struct request **list, int running) {
+    for (struct request *r = *list, *next; r != NULL; r = next) {
+        next = r->next;
+        if (!r->pending)
+            continue;
+        int st;
+        const char *reason = hand_over(e, r, &st);
+        if (reason == NULL)
+            continue;
+        if (r->in_flight) {
+            r->ending = reason;
+            continue;
+        }
+        if (running) {
+            finish_running(e, r, reason, st, st == LLMEM_OK ? NULL : "out of memory");
+        } else {
+            list_remove(list, r);
+            request_finish(e, r, reason, st, st == LLMEM_OK ? NULL : "out of memory");
+        }
+    }
+}
+
+/* One scheduler step: intake, the requests that ended last step finished, admission, one forward
+ * pass started; while the device computes it, the tokens sampled last step handed to the clients
+ * (detokenized, stop strings, on_token; before the pass when it prefills); then the pass's tokens
+ * sampled. A request whose stop string or cancel shows while it is in the pass ends after it (the
+ * pass's token discarded). Returns the requests still waiting or running. */
 static int64_t sched_step(struct llmem_engine *e) {
     const double t_step = llmem_engine_now_s();
     intake(e);
+    for (struct request *r = e->running, *next; r != NULL; r = next) {
+        next = r->next;
+        if (r->ending != NULL) { /* its last token, then the end */
+            int st = LLMEM_OK;
+            const char *reason = r->pending ? hand_over(e, r, &st) : r->ending;
+            finish_running(e, r, reason, st, st == LLMEM_OK ? NULL : "out of memory");
+        }
+    }
     llmem_engine_guard_check(e, e->n_running > 0);
     admit(e);
+    /* The last step's tokens are handed over while the device computes this one when it is a
+     * replayed decode step. Other passes queue their launches one by one (and a recording
+     * instantiates a graph), which takes the host long enough: the tokens go first. */
+    int overlap = e->n_running > 0 && llmem_forward_replays(e->fwd, (int)e->n_running);
+    for (struct request *r = e->running; r != NULL; r = r->next)
+        overlap &= r->n_toks - r->pos <= 1;
+    if (!overlap) {
+        hand_over_all(e, &e->running, 1);
+        hand_over_all(e, &e->waiting, 0);
+    }
     if (e->n_running > 0) {
         struct slot slots[e->n_running];
         struct llmem_batch_seq seqs[e->n_running];
@@ -666,13 +735,22 @@ static int64_t sched_step(struct llmem_engine *e) {
         const int k = n > 0 ? top_k_for(e, slots, n) : 0;
         int32_t *top_ids = (int32_t *)(void *)e->logits;
         float *top_vals = e->logits + (size_t)n * (size_t)k;
-        const double t_forward = llmem_engine_now_s();
-        int status = n <= 0  ? LLMEM_ENOMEM
-                     : k > 0 ? llmem_forward_run_top(e->fwd, tokens, seqs, n, k, top_ids, top_vals)
-                             : llmem_forward_run(e->fwd, tokens, seqs, n, e->logits);
-        const double forward_s = llmem_engine_now_s() - t_forward;
-        e->counters.forward_seconds += forward_s;
+        double t_forward = llmem_engine_now_s();
+        int status = n <= 0 ? LLMEM_ENOMEM
+                     : k > 0
+                         ? llmem_forward_start_top(e->fwd, tokens, seqs, n, k, top_ids, top_vals)
+                         : llmem_forward_run(e->fwd, tokens, seqs, n, e->logits);
+        double forward_s = llmem_engine_now_s() - t_forward;
         free(tokens);
+        for (int i = 0; i < n && status == LLMEM_OK; i++)
+            slots[i].r->in_flight = 1;
+        hand_over_all(e, &e->running, 1); /* (nothing pending after the hand-over above) */
+        hand_over_all(e, &e->waiting, 0);
+        t_forward = llmem_engine_now_s();
+        if (status == LLMEM_OK)
+            status = llmem_forward_wait(e->fwd);
+        forward_s += llmem_engine_now_s() - t_forward;
+        e->counters.forward_seconds += forward_s;
         e->counters.steps++;
         for (int i = 0; i < n; i++)
             if (slots[i].r->pos < slots[i].r->n_toks - 1 || slots[i].n > 1) {
@@ -680,6 +758,16 @@ static int64_t sched_step(struct llmem_engine *e) {
                 e->counters.prefill_forward_seconds += forward_s;
                 break;
             }
+        for (int i = 0; i < n; i++) { /* the pass done: KV written (OK) or lengths restored */
+            struct request *r = slots[i].r;
+            r->in_flight = 0;
+            if (status == LLMEM_OK)
+                r->pos += slots[i].n;
+            if (r->ending != NULL) {
+                slots[i].r = NULL;
+                finish_running(e, r, r->ending, LLMEM_OK, NULL);
+            }
+        }
         if (status != LLMEM_OK) {
             /* An allocation failure: the bank halves and the newest request ends (SPEC §6.5). */
             struct llmem_bank_stats bs = {0};
@@ -688,25 +776,23 @@ static int64_t sched_step(struct llmem_engine *e) {
                 llmem_bank_trim(e->bank, bs.bytes / 2);
             }
             struct request *r = newest_running(e);
-            finish_running(e, r, "error", status,
-                           status == LLMEM_ENOMEM ? "out of memory during the request"
-                                                  : llmem_last_error());
+            if (r != NULL)
+                finish_running(e, r, "error", status,
+                               status == LLMEM_ENOMEM ? "out of memory during the request"
+                                                      : llmem_last_error());
         } else {
             for (int i = 0; i < n; i++) {
                 struct request *r = slots[i].r;
-                r->pos += slots[i].n;
-                if (r->pos < r->n_toks)
+                if (r == NULL || r->pos < r->n_toks)
                     continue;
-                int st = LLMEM_OK;
                 struct out_row row = {.logits = e->logits + (size_t)i * (size_t)e->vocab};
                 if (k > 0)
                     row = (struct out_row){.ids = top_ids + (size_t)i * (size_t)k,
                                            .vals = top_vals + (size_t)i * (size_t)k,
                                            .k = k};
-                const char *reason = request_emit(e, r, row, &st);
-                if (reason != NULL) {
-                    finish_running(e, r, reason, st, st == LLMEM_OK ? NULL : "out of memory");
-                }
+                const char *reason = request_sample(e, r, row);
+                if (reason != NULL)
+                    finish_running(e, r, reason, LLMEM_OK, NULL);
             }
         }
     }

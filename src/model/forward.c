@@ -50,6 +50,8 @@ struct llmem_forward {
     int64_t *pos;      /* (T) position of each token */
     int *seq_ids;      /* (T) the sequences of a step */
     int64_t *n_q;      /* (T) and their tokens */
+    int64_t *lengths;  /* (T) their lengths before the pass, restored if it fails */
+    int pending;       /* sequences of a pass started and not yet waited for (seq_ids) */
     float *dev_logits; /* on a device: the logits there, kept for the next pass (graphs) */
     int64_t dev_logits_rows;
 };
@@ -91,7 +93,8 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
     f->pos = malloc(T * sizeof(int64_t)); /* host memory, as the rope operation takes it */
     f->seq_ids = malloc(T * sizeof(int));
     f->n_q = malloc(T * sizeof(int64_t));
-    if (f->pos == NULL || f->seq_ids == NULL || f->n_q == NULL) {
+    f->lengths = malloc(T * sizeof(int64_t));
+    if (f->pos == NULL || f->seq_ids == NULL || f->n_q == NULL || f->lengths == NULL) {
         LLMEM_ERROR("out of memory");
         goto fail;
     }
@@ -112,6 +115,7 @@ void llmem_forward_free(struct llmem_forward *f) {
     free(f->pos);
     free(f->seq_ids);
     free(f->n_q);
+    free(f->lengths);
     free(f);
 }
 
@@ -240,15 +244,29 @@ static int run_pass(struct llmem_forward *f, const int32_t *tokens,
     return LLMEM_OK;
 }
 
+int llmem_forward_replays(const struct llmem_forward *f, int n_seqs) {
+    const struct llmem_backend_ops *ops = f->be->ops;
+    return f->model->on_device && ops->graph_ready != NULL &&
+           llmem_kv_blocks_free(f->kv) >= n_seqs && ops->graph_ready(f->be->ctx, (uint64_t)n_seqs);
+}
+
 int llmem_forward_has_top(const struct llmem_forward *f) {
     return f->model->on_device && f->be->ops->top_k != NULL;
 }
 
-/* llmem_forward_run, and llmem_forward_run_top with k > 0. */
+/* The sequences of the last pass back at the lengths they had before it. */
+static void restore_lengths(struct llmem_forward *f, int n_seqs) {
+    for (int s = 0; s < n_seqs; s++)
+        llmem_kv_set_length(f->kv, f->seq_ids[s], f->lengths[s]);
+}
+
+/* llmem_forward_run, and llmem_forward_start_top with k > 0 (which returns once the pass is
+ * queued, llmem_forward_wait then waiting for it). */
 static int forward(struct llmem_forward *f, const int32_t *tokens,
                    const struct llmem_batch_seq *seqs, int n_seqs, float *logits, int k,
                    int32_t *ids, float *vals) {
     const struct llmem_model_geometry *g = &f->model->cfg.geom;
+    LLMEM_ASSERT(f->pending == 0); /* llmem_forward_wait first */
     int64_t T = 0, n_logits = 0;
     for (int s = 0; s < n_seqs; s++) {
         const struct llmem_batch_seq *b = &seqs[s];
@@ -286,14 +304,10 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
                 return status;
         }
     }
-    int64_t saved[64]; /* the lengths to restore on failure */
-    int64_t *lengths = n_seqs <= 64 ? saved : malloc((size_t)n_seqs * sizeof(int64_t));
-    if (lengths == NULL) {
-        LLMEM_ERROR("out of memory");
-        return LLMEM_ENOMEM;
+    for (int s = 0; s < n_seqs; s++) { /* (n_seqs ≤ T ≤ max_tokens: the arrays have room) */
+        f->seq_ids[s] = seqs[s].seq;
+        f->lengths[s] = llmem_kv_seq_length(f->kv, seqs[s].seq);
     }
-    for (int s = 0; s < n_seqs; s++)
-        lengths[s] = llmem_kv_seq_length(f->kv, seqs[s].seq);
     int64_t row = 0;
     for (int s = 0; s < n_seqs; s++) {
         for (int64_t i = 0; i < seqs[s].n_tokens; i++)
@@ -304,9 +318,8 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
 
     /* The leading sequences of one token each (a step's decodes, each token at its sequence's end:
      * the lengths were just set to cover it) go to the cache together. */
-    int decode = 1; /* (n_seqs ≤ T ≤ max_tokens: seq_ids and n_q have room) */
+    int decode = 1;
     for (int s = 0; s < n_seqs; s++) {
-        f->seq_ids[s] = seqs[s].seq;
         f->n_q[s] = seqs[s].n_tokens;
         decode &= seqs[s].n_tokens == 1;
     }
@@ -344,16 +357,28 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
             break;
         }
     }
-    if (status == LLMEM_OK && dl != NULL) /* and every failure of the pass */
-        status =
-            k > 0 ? ops->top_k(ctx, dl, n_logits, g->vocab_size, k, ids, vals)
-                  : ops->copy(ctx, logits, dl, (size_t)(n_logits * g->vocab_size) * sizeof(float));
+    if (status == LLMEM_OK && k > 0) { /* queued: llmem_forward_wait waits */
+        status = ops->top_k(ctx, dl, n_logits, g->vocab_size, k, ids, vals);
+        if (status == LLMEM_OK) {
+            f->pending = n_seqs;
+            return LLMEM_OK;
+        }
+    } else if (status == LLMEM_OK && dl != NULL) { /* and every failure of the pass */
+        status = ops->copy(ctx, logits, dl, (size_t)(n_logits * g->vocab_size) * sizeof(float));
+    }
 failed:
     if (status != LLMEM_OK)
-        for (int s = 0; s < n_seqs; s++)
-            llmem_kv_set_length(f->kv, seqs[s].seq, lengths[s]);
-    if (lengths != saved)
-        free(lengths);
+        restore_lengths(f, n_seqs);
+    return status;
+}
+
+int llmem_forward_wait(struct llmem_forward *f) {
+    if (f->pending == 0)
+        return LLMEM_OK;
+    int status = f->be->ops->sync(f->be->ctx);
+    if (status != LLMEM_OK)
+        restore_lengths(f, f->pending);
+    f->pending = 0;
     return status;
 }
 
@@ -362,9 +387,9 @@ int llmem_forward_run(struct llmem_forward *f, const int32_t *tokens,
     return forward(f, tokens, seqs, n_seqs, logits, 0, NULL, NULL);
 }
 
-int llmem_forward_run_top(struct llmem_forward *f, const int32_t *tokens,
-                          const struct llmem_batch_seq *seqs, int n_seqs, int k, int32_t *ids,
-                          float *vals) {
+int llmem_forward_start_top(struct llmem_forward *f, const int32_t *tokens,
+                            const struct llmem_batch_seq *seqs, int n_seqs, int k, int32_t *ids,
+                            float *vals) {
     if (!llmem_forward_has_top(f) || k < 1 || k > LLMEM_TOP_K_MAX ||
         k > f->model->cfg.geom.vocab_size) {
         LLMEM_ERROR("the top %d logits of a row: this pass selects 1 to %d on a device only", k,
@@ -372,4 +397,11 @@ int llmem_forward_run_top(struct llmem_forward *f, const int32_t *tokens,
         return LLMEM_EINVAL;
     }
     return forward(f, tokens, seqs, n_seqs, NULL, k, ids, vals);
+}
+
+int llmem_forward_run_top(struct llmem_forward *f, const int32_t *tokens,
+                          const struct llmem_batch_seq *seqs, int n_seqs, int k, int32_t *ids,
+                          float *vals) {
+    int status = llmem_forward_start_top(f, tokens, seqs, n_seqs, k, ids, vals);
+    return status == LLMEM_OK ? llmem_forward_wait(f) : status;
 }

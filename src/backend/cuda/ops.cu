@@ -152,6 +152,10 @@ struct cuda_ctx {
     int replay_timed;      /* 0: replay[] pending */
     void *top;             /* top_k's results on the device: ids, then values */
     size_t top_bytes;
+    void *top_host;   /* and their pinned copy (top_bytes), until sync hands them over */
+    int32_t *top_ids; /* where the next sync puts them (NULL: nothing pending) */
+    float *top_vals;
+    size_t top_count; /* n·k */
     cublasLtHandle_t lt;
     struct lt_plan *lt_plans; /* (LT_PLANS) */
     void *lt_ws;              /* the workspace of the plans that want one */
@@ -414,6 +418,14 @@ static void replay_time(struct cuda_ctx *c) {
         c->counters.graphs_device_s += ms * 1e-3;
     (void)cudaGetLastError();
     c->replay_timed = 1;
+}
+
+static int cuda_graph_ready(void *ctx, uint64_t key) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    for (int i = 0; c->graphs_on && !c->failed && i < GRAPHS; i++)
+        if (c->graphs[i].used != 0 && c->graphs[i].key == key)
+            return c->graphs[i].state == GRAPH_READY;
+    return 0;
 }
 
 static int cuda_graph_begin(void *ctx, uint64_t key) {
@@ -1834,6 +1846,14 @@ static int cuda_sync(void *ctx) {
     rope_flush(c);
     if (c->mode == PASS_NOW)
         check(c, cudaStreamSynchronize(c->stream), "synchronize");
+    if (c->top_ids != NULL && c->mode == PASS_NOW) { /* the results of the last top_k */
+        if (!c->failed) {
+            memcpy(c->top_ids, c->top_host, c->top_count * sizeof(int32_t));
+            memcpy(c->top_vals, (const int32_t *)c->top_host + c->top_count,
+                   c->top_count * sizeof(float));
+        }
+        c->top_ids = NULL, c->top_vals = NULL;
+    }
     return c->failed;
 }
 
@@ -1865,19 +1885,32 @@ static int cuda_top_k(void *ctx, const float *x, int64_t n, int64_t cols, int k,
                  k <= LLMEM_TOP_K_MAX && k <= cols && c->mode == PASS_NOW);
     if (n == 0 || c->failed)
         return c->failed;
-    const size_t bytes = (size_t)n * (size_t)k * (sizeof(int32_t) + sizeof(float));
-    if (bytes > c->top_bytes) {
-        check(c, cudaStreamSynchronize(c->stream), "synchronize");
+    const size_t count = (size_t)n * (size_t)k;
+    if (count * (sizeof(int32_t) + sizeof(float)) > c->top_bytes) {
+        /* doubled at least (freeing pinned memory waits for the device: not at every step of a
+         * growing batch) */
+        size_t bytes = c->top_bytes * 2 > 65536 ? c->top_bytes * 2 : 65536;
+        while (bytes < count * (sizeof(int32_t) + sizeof(float)))
+            bytes *= 2;
+        cuda_sync(ctx); /* a pending result is handed over before its buffers go */
         dev_free(c, c->top);
+        if (c->top_host != NULL)
+            cudaFreeHost(c->top_host);
+        c->top_host = NULL;
         c->top = dev_alloc(c, bytes);
         c->top_bytes = c->top != NULL ? bytes : 0;
         if (c->top == NULL) {
             fail(c, LLMEM_ENOMEM, "top_k", NULL); /* logged by the allocator */
             return c->failed;
         }
+        if (check(c, cudaHostAlloc(&c->top_host, bytes, cudaHostAllocDefault), "cudaHostAlloc") !=
+            LLMEM_OK) {
+            c->top_host = NULL;
+            return c->failed;
+        }
     }
     int32_t *d_ids = (int32_t *)c->top;
-    float *d_vals = (float *)(d_ids + (size_t)n * (size_t)k);
+    float *d_vals = (float *)(d_ids + count);
     if (k == 1)
         pdl_launch(c->stream, argmax_kernel, dim3((unsigned)n), dim3(TOP_THREADS), 0, x, cols,
                    d_ids, d_vals);
@@ -1887,14 +1920,11 @@ static int cuda_top_k(void *ctx, const float *x, int64_t n, int64_t cols, int k,
     launched(c, "top_k");
     c->counters.top_k_rows += n;
     check(c,
-          cudaMemcpyAsync(ids, d_ids, (size_t)n * (size_t)k * sizeof(int32_t),
+          cudaMemcpyAsync(c->top_host, d_ids, count * (sizeof(int32_t) + sizeof(float)),
                           cudaMemcpyDeviceToHost, c->stream),
           "top_k copy");
-    check(c,
-          cudaMemcpyAsync(vals, d_vals, (size_t)n * (size_t)k * sizeof(float),
-                          cudaMemcpyDeviceToHost, c->stream),
-          "top_k copy");
-    return cuda_sync(ctx);
+    c->top_ids = ids, c->top_vals = vals, c->top_count = count;
+    return c->failed;
 }
 
 static void cuda_destroy(void *ctx) {
@@ -1917,6 +1947,8 @@ static void cuda_destroy(void *ctx) {
             cudaEventDestroy(c->replay[i]);
     dev_free(c, c->scratch);
     dev_free(c, c->top);
+    if (c->top_host != NULL)
+        cudaFreeHost(c->top_host);
     for (int i = 0; i < SMALL_SLOTS; i++)
         if (c->small_done[i] != NULL)
             cudaEventDestroy(c->small_done[i]);
@@ -1969,6 +2001,7 @@ static struct llmem_backend_ops make_ops(void) {
     o.sync = cuda_sync;
     o.graph_begin = cuda_graph_begin;
     o.graph_end = cuda_graph_end;
+    o.graph_ready = cuda_graph_ready;
     o.counters = cuda_counters;
     return o;
 }
