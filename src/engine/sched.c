@@ -55,6 +55,7 @@ struct request {
     int32_t lp_ids[LLMEM_MAX_TOP_LOGPROBS];
     float lp_vals[LLMEM_MAX_TOP_LOGPROBS];
     const char *ending; /* why it ends once its pending token is handed over, or NULL */
+    int ending_status;  /* and how (LLMEM_OK, or the error of an "error") */
     int in_flight;      /* part of the pass the step has started */
 };
 
@@ -687,7 +688,7 @@ static void hand_over_all(struct llmem_engine *e, struct request **list, int run
         if (reason == NULL)
             continue;
         if (r->in_flight) {
-            r->ending = reason;
+            r->ending = reason, r->ending_status = st;
             continue;
         }
         if (running) {
@@ -765,7 +766,8 @@ static int64_t sched_step(struct llmem_engine *e) {
                 r->pos += slots[i].n;
             if (r->ending != NULL) {
                 slots[i].r = NULL;
-                finish_running(e, r, r->ending, LLMEM_OK, NULL);
+                finish_running(e, r, r->ending, r->ending_status,
+                               r->ending_status == LLMEM_OK ? NULL : "out of memory");
             }
         }
         if (status != LLMEM_OK) {

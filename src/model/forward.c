@@ -25,7 +25,9 @@
  * recording did).
  *
  * A pure decode step on a backend with graphs (ops.h graph_begin) runs between graph_begin and
- * graph_end, and again when the backend says its recording did not match.
+ * graph_end, and again when the backend says its recording did not match. With only the top few
+ * of each row asked for, the pass can be started (llmem_forward_start_top: queued up to the
+ * backend's top_k) and waited for later (llmem_forward_wait: the backend's sync delivers them).
  */
 #include <inttypes.h>
 #include <stdlib.h>
