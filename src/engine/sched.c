@@ -743,7 +743,7 @@ static int64_t sched_step(struct llmem_engine *e) {
                          : llmem_forward_run(e->fwd, tokens, seqs, n, e->logits);
         double forward_s = llmem_engine_now_s() - t_forward;
         free(tokens);
-        for (int i = 0; i < n && status == LLMEM_OK; i++)
+        for (int i = 0; i < n; i++) /* (queued or not: a request of the batch ends after it) */
             slots[i].r->in_flight = 1;
         hand_over_all(e, &e->running, 1); /* (nothing pending after the hand-over above) */
         hand_over_all(e, &e->waiting, 0);
