@@ -8,8 +8,9 @@
  * Decode (n small): memory-bound. Each task owns a contiguous range of W rows and streams them
  * once, converting weights to f32 in registers (bf16 by zero-extension and a 16-bit shift, f16 by
  * VCVTPH2PS), one 16-lane accumulator per (row, token). For one row of x, four rows are read at a
- * time from four quarters of the range (four long sequential streams, prefetched 8 KiB ahead);
- * for more, four W rows at a time are multiplied with two rows of x at a time.
+ * time from four quarters of the range (four long sequential streams, prefetched 2 KiB ahead);
+ * for more, four W rows at a time are multiplied with two rows of x at a time (prefetched as they
+ * are first read).
  *
  * GEMM (n large), AVX-512: lane by lane (the 16 lanes of the canonical sums are independent
  * chains), a tile of 32 W rows × 12 rows of x is an outer-product GEMM vectorized over W rows:
@@ -335,9 +336,11 @@ gemv_tile_avx512_s(const void *w, enum llmem_dtype dt, int64_t ld, int64_t i0, i
 #define gemv_tile_avx512(w, dt, ld, i0, x, cols, t0, y, ldy, bias, R, NX, PF)                      \
     gemv_tile_avx512_s(w, dt, ld, i0, 1, x, cols, t0, y, ldy, bias, R, NX, PF)
 
-/* Single-sequence decode streams the task's rows DECODE_PF_BYTES ahead of the reads: rows of a
- * few KiB are too short for the hardware prefetchers, which stop at page boundaries. */
-#define DECODE_PF_BYTES 8192
+/* Decode prefetches the task's rows DECODE_PF_BYTES ahead of the reads: rows of a few KiB are too
+ * short for the hardware prefetchers, which stop at page boundaries. Four streams 2 KiB ahead
+ * keep 128 lines in flight a core; 8 KiB ahead (512 lines, most of L1) streamed 15 % slower on
+ * the Zen 5 machines of docs/BENCHMARKS.md, and no prefetch 10 %. */
+#define DECODE_PF_BYTES 2048
 #define DECODE_R1       4 /* weight rows at a time for one row of x: independent FMA chains */
 
 TARGET_AVX512 static ALWAYS_INLINE void gemv_avx512_dt(const void *w, enum llmem_dtype dt,
@@ -361,9 +364,11 @@ TARGET_AVX512 static ALWAYS_INLINE void gemv_avx512_dt(const void *w, enum llmem
     for (; i + 4 <= nrows; i += 4)
         for (int64_t t = 0; t < n; t += 2) {
             if (n - t == 1)
-                gemv_tile_avx512(w, dt, ld, i, x, cols, t, y, ldy, bias, 4, 1, 0);
+                gemv_tile_avx512(w, dt, ld, i, x, cols, t, y, ldy, bias, 4, 1,
+                                 t == 0 ? DECODE_PF_BYTES : 0);
             else
-                gemv_tile_avx512(w, dt, ld, i, x, cols, t, y, ldy, bias, 4, 2, 0);
+                gemv_tile_avx512(w, dt, ld, i, x, cols, t, y, ldy, bias, 4, 2,
+                                 t == 0 ? DECODE_PF_BYTES : 0);
         }
     for (; i < nrows; i++)
         for (int64_t t = 0; t < n; t += 4) {
