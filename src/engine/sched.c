@@ -676,9 +676,9 @@ static int top_k_for(const struct llmem_engine *e, const struct slot *slots, int
     return (int)k;
 }
 
-/* Hands over the pending tokens of the requests on `list` (running or waiting) and ends those
- * that end; one in the pass in flight ends after it (r->ending). */
-static void hand_over_all(struct llmem_engine *e, struct request **list, int running) {
+/* Hands over the pending tokens of the requests on `list` (e->running or e->waiting) and ends
+ * those that end; one in the pass in flight ends after it (r->ending). */
+static void hand_over_all(struct llmem_engine *e, struct request **list) {
     for (struct request *r = *list, *next; r != NULL; r = next) {
         next = r->next;
         if (!r->pending)
@@ -691,7 +691,7 @@ static void hand_over_all(struct llmem_engine *e, struct request **list, int run
             r->ending = reason, r->ending_status = st;
             continue;
         }
-        if (running) {
+        if (list == &e->running) {
             finish_running(e, r, reason, st, st == LLMEM_OK ? NULL : "out of memory");
         } else {
             list_remove(list, r);
@@ -725,8 +725,8 @@ static int64_t sched_step(struct llmem_engine *e) {
     for (struct request *r = e->running; r != NULL; r = r->next)
         overlap &= r->n_toks - r->pos <= 1;
     if (!overlap) {
-        hand_over_all(e, &e->running, 1);
-        hand_over_all(e, &e->waiting, 0);
+        hand_over_all(e, &e->running);
+        hand_over_all(e, &e->waiting);
     }
     if (e->n_running > 0) {
         struct slot slots[e->n_running];
@@ -745,8 +745,8 @@ static int64_t sched_step(struct llmem_engine *e) {
         free(tokens);
         for (int i = 0; i < n; i++) /* (queued or not: a request of the batch ends after it) */
             slots[i].r->in_flight = 1;
-        hand_over_all(e, &e->running, 1); /* (nothing pending after the hand-over above) */
-        hand_over_all(e, &e->waiting, 0);
+        hand_over_all(e, &e->running); /* (none pending if they went first) */
+        hand_over_all(e, &e->waiting);
         t_forward = llmem_engine_now_s();
         if (status == LLMEM_OK)
             status = llmem_forward_wait(e->fwd);
