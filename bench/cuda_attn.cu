@@ -237,6 +237,7 @@ int main(int argc, char **argv) {
             a.block_stride = (int64_t)block_bytes;
             a.table_stride = nblk;
             a.lengths = d_len;
+            a.fresh = 1; /* as a decode step: the last token's block waits for the kernel before */
             a.out = d_out;
             a.stream = stream;
             a.split_len = split; /* 0: the kernel's own choice */

@@ -198,6 +198,7 @@ static double run_case(const struct attn_case *tc) {
         .block_tables = d_tables,
         .table_stride = table_stride,
         .lengths = d_len,
+        .fresh = 1, /* the decode's blocks asked for before the wait, all but the last */
         .out = d_out,
     };
     int split_len = 0, n_splits = 0;
@@ -361,6 +362,7 @@ static double run_chunk(enum llmem_kv_format format, int H, int KV, int D, int l
                                 .table_stride = split_ids ? nblk : 0,
                                 .table_ids = split_ids ? di + 2 * nblk + n_q : NULL,
                                 .lengths = di + 2 * nblk,
+                                .fresh = n_q, /* as the engine: the chunk's KV just written */
                                 .pack = pack,
                                 .packs = split_ids ? di + 2 * nblk + 2 * n_q : NULL,
                                 .n_packs = split_ids ? n_packs : 0,

@@ -35,6 +35,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -72,6 +73,7 @@ struct Params {
     const int32_t *table_ids;
     int table_stride;
     const int32_t *lengths;
+    int fresh; /* llmem_cuda_attn's */
     float *out;
     float *part_acc; /* [batch, n_heads, n_splits, D] */
     float2 *part_ml; /* [batch, n_heads, n_splits] */
@@ -235,8 +237,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     constexpr bool BF = FMT == FMT_BF16;
     extern __shared__ __align__(16) uint8_t smem[];
 
-    /* launched as a programmatic dependent (launch.h): the kernels before it are done first */
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    /* Launched as a programmatic dependent (launch.h): every kernel but the one before it has
+     * finished. Until the wait below, the warp reads only what no kernel writes (the tables and
+     * lengths, uploaded before the pass) and the blocks that the one before it cannot be writing
+     * (p.fresh), so that their copies are under way while it ends. */
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long item = (long long)blockIdx.x * WARPS + warp;
     if (item >= p.n_items)
@@ -269,6 +273,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     const int t0 = split * p.split_len;
 
     if (t0 >= len) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");
         if (p.n_splits == 1 && head)
             for (int j = c; j < D; j += 4)
                 p.out[((size_t)b * p.n_heads + hq) * D + j] = 0.0f;
@@ -298,8 +303,18 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         load_block<FMT, D>(ring_s + (uint32_t)((i % STAGES) * G::STAGE), kb, vb, tok_stride,
                            t1 - t0 - i * BLOCK, lane);
     };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) {
+    /* the first blocks that end at or before every row's length − fresh: issued before the wait */
+    int settled = p.fresh > 0 && head ? len_r - p.fresh : INT_MAX;
+    for (int o = 4; o < 32; o *= 2)
+        settled = min(settled, __shfl_xor_sync(0xffffffffu, settled, o));
+    const int early = p.fresh > 0 ? min(max((settled - t0) / BLOCK, 0), STAGES - 1) : 0;
+    for (int s = 0; s < early; s++) {
+        if (s < nblk)
+            issue(s);
+        cp_commit();
+    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    for (int s = early; s < STAGES - 1; s++) {
         if (s < nblk)
             issue(s);
         cp_commit();
@@ -870,6 +885,7 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
     p.table_ids = a->table_ids;
     p.table_stride = a->table_stride;
     p.lengths = a->lengths;
+    p.fresh = a->fresh;
     p.out = a->out;
     p.part_acc = (float *)a->workspace;
     p.part_ml = n_splits > 1 ? (float2 *)((float *)a->workspace + slots * a->head_dim) : NULL;

@@ -58,6 +58,10 @@ struct llmem_cuda_attn {
     const int32_t *table_ids; /* (optional) [batch]: the row of block_tables each sequence reads
                                * (NULL: row b): the queries of several sequences' chunks */
     const int32_t *lengths;   /* [batch] tokens of each sequence, ≤ max_len; 0 gives zeros */
+    /* The newest tokens of each sequence (up to its length) that the kernel before this one on
+     * the stream may still be writing (the KV write of the tokens attended): blocks wholly before
+     * them are asked for while that kernel ends. 0: none are read before it has finished. */
+    int fresh;
     /* (optional) the queries of one table (a prefill chunk's) a warp takes together, up to
      * 8 / group of them in the tensor cores' 16 rows, so that each K and V block is read once for
      * all: pack of them (0 or 1: one query a warp), starting at packs[i] for i < n_packs (NULL:

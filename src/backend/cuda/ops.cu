@@ -1659,8 +1659,11 @@ static int decode_kernel_fits(const struct llmem_backend_paged_attn *a) {
 #define NO_IDS ((size_t)-1)
 struct attn_call {
     int n_queries, table_stride, max_len, pack, n_packs;
+    int fresh; /* the newest tokens of a sequence, just written by the KV write before */
     size_t lengths_at, ids_at, packs_at, n_ints;
 };
+static_assert(sizeof(struct attn_call) == 6 * sizeof(int) + 4 * sizeof(size_t),
+              "attn_call is hashed as bytes: no padding");
 
 /* Queries of a prefill chunk a warp takes together: as many as fill the kernel's 8 rows. */
 static int attn_pack(const struct llmem_backend_paged_attn *a) {
@@ -1676,10 +1679,8 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
         staged(c, OP_ATTN_DECODE,
                {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
                 arg((int64_t)a->head_dim), arg(a->q), arg(a->k_pool), arg(a->v_pool), arg(a->out),
-                arg((int64_t)call->n_queries), arg((int64_t)call->table_stride),
-                arg((int64_t)call->lengths_at), arg((int64_t)call->max_len), arg(d), arg(a->scale),
-                arg((int64_t)a->k_tok), arg((int64_t)call->ids_at), arg((int64_t)call->pack),
-                arg((int64_t)call->packs_at), arg((int64_t)call->n_packs)}))
+                arg(d), arg(a->scale), arg((int64_t)a->k_tok),
+                arg((int64_t)llmem_hash64(call, sizeof(*call), 0))}))
         return;
     struct llmem_cuda_attn ca = {};
     ca.format = a->format;
@@ -1697,6 +1698,7 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
     ca.block_tables = d;
     ca.table_stride = call->table_stride;
     ca.lengths = d + call->lengths_at;
+    ca.fresh = call->fresh;
     ca.table_ids = call->ids_at != NO_IDS ? d + call->ids_at : NULL;
     ca.pack = call->pack;
     ca.packs = call->packs_at != NO_IDS ? d + call->packs_at : NULL;
@@ -1734,6 +1736,7 @@ static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) 
                                        .max_len = (int)(a->q_pos + a->n_q),
                                        .pack = a->n_q > 1 ? attn_pack(a) : 1,
                                        .n_packs = 0,
+                                       .fresh = (int)a->n_q,
                                        .lengths_at = (size_t)a->n_blocks,
                                        .ids_at = NO_IDS,
                                        .packs_at = NO_IDS,
@@ -1768,10 +1771,11 @@ static void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     if (n_seqs == 0 || c->failed)
         return;
-    int64_t most = 0, queries = 0;
+    int64_t most = 0, queries = 0, fresh = 1;
     for (int s = 0; s < n_seqs; s++) {
         most = lengths[s] > most ? lengths[s] : most;
         queries += n_q != NULL ? n_q[s] : 1;
+        fresh = n_q != NULL && n_q[s] > fresh ? n_q[s] : fresh;
     }
     /* tables padded to a power of two of blocks: the same launch (and graph) for many steps */
     int64_t stride = 8;
@@ -1789,6 +1793,7 @@ static void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn
                              .max_len = (int)most,
                              .pack = packs < queries ? pack : 1,
                              .n_packs = packs < queries ? (int)packs : 0,
+                             .fresh = (int)fresh,
                              .lengths_at = (size_t)n_seqs * (size_t)stride,
                              .ids_at = NO_IDS,
                              .packs_at = NO_IDS,
