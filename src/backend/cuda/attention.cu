@@ -808,7 +808,10 @@ void choose_split(const struct llmem_cuda_attn *a, long long slots, int *split_l
         *n_splits = (a->max_len + a->split_len - 1) / a->split_len;
         return;
     }
-    /* cost in block-times: waves × (blocks per split + a fixed cost of 2), +1 for the merge */
+    /* cost in 64ths of a block's time: waves × (blocks per split + a fixed cost of 2), and with
+     * more than one split the merge: 1, plus per split 1/64 (16-bit) or 1/16 (q8, whose blocks
+     * take about half the time) — fitted to the split sweeps in docs/BENCHMARKS.md */
+    const long long per_split = a->format == LLMEM_KV_FORMAT_Q8 ? 4 : 1;
     long long best = -1;
     int best_len = blocks;
     for (int n = 1; n <= blocks && n <= 4096; n++) {
@@ -817,7 +820,7 @@ void choose_split(const struct llmem_cuda_attn *a, long long slots, int *split_l
         if (eff != n)
             continue;
         long long waves = (units * eff + slots - 1) / slots;
-        long long cost = waves * (per + 2) + (eff > 1 ? 1 : 0);
+        long long cost = 64 * waves * (per + 2) + (eff > 1 ? 64 + per_split * eff : 0);
         if (best < 0 || cost < best) {
             best = cost;
             best_len = per;
