@@ -151,6 +151,14 @@ struct llmem_engine_config {
     void *guard_source_arg;
 };
 void llmem_engine_config_default(struct llmem_engine_config *c);
+/* What llmem_engine_open plans with, for a model of geometry g under configuration c on a machine
+ * of total_bytes (ceiling_bytes: its hard ceiling, SPEC §1), the CPU backend on `threads`
+ * threads: the forward pass's workspace and the backend's scratch, and a max_batch_tokens of 0
+ * resolved as the engine resolves it (512; on a device the largest chunk up to 8192 whose
+ * workspace fits the transient reserve the plan commits for 512). llmem plan prints the same. */
+void llmem_engine_plan_params(const struct llmem_engine_config *c,
+                              const struct llmem_model_geometry *g, int64_t total_bytes,
+                              int64_t ceiling_bytes, int threads, struct llmem_plan_params *out);
 
 struct llmem_engine;
 struct llmem_tokenizer;

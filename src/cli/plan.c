@@ -11,11 +11,11 @@
 #include <unistd.h>
 #include <sys/stat.h>
 
-#include "backend/ops.h"
 #include "cli/cli.h"
 #include "core/json.h"
 #include "core/log.h"
 #include "llmem/backend.h"
+#include "llmem/engine.h"
 #include "llmem/model.h"
 #include "llmem/plan.h"
 #include "llmem/size.h"
@@ -47,7 +47,8 @@ static const char plan_usage[] =
     "  --util F                   the engine budget as a fraction of the ceiling, in (0, 1]\n"
     "  --kv-format FMT            f16 (default), bf16, f32, q8, q4, tq\n"
     "  --max-sequences N          running batch size (default 1)\n"
-    "  --max-batch-tokens N       most tokens in one forward step (default 512)\n"
+    "  --max-batch-tokens N       most tokens in one forward step (default: as llmem run,\n"
+    "                             512; with --backend cuda up to 8192 within the plan)\n"
     "  --working-set SIZE         also report the bank's dynamic ceiling at this live KV\n"
     "output:\n"
     "  --json                     one JSON object on stdout\n"
@@ -396,27 +397,9 @@ int cli_plan(int argc, char **argv) {
         return print_catalog(a.json);
 
     struct llmem_model_geometry geom, *g = NULL;
-    if (a.model != NULL) {
-        if ((rc = resolve_model(a.model, &geom)) != CLI_OK)
-            return rc;
-        g = &geom;
-        a.params.weights_bytes = g->weights_bytes;
-        a.params.kv_bytes_per_token = llmem_geometry_kv_bytes_per_token(g);
-        a.params.model_max_context = g->max_context;
-        /* what the engine allocates: the forward pass's buffers, and on a host the CPU backend's
-         * GEMM scratch for the online CPUs (llmem run's default thread count) */
-        a.params.computed_workspace_bytes =
-            llmem_geometry_workspace_bytes(g, a.params.max_batch_tokens, a.params.max_sequences);
-        if (a.params.target == LLMEM_PLAN_HOST) {
-            long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-            a.params.computed_workspace_bytes +=
-                llmem_backend_cpu_scratch_bytes(cpus > 0 ? (int)cpus : 1);
-        }
-    } else {
-        a.params.weights_bytes = a.weights;
-        a.params.kv_bytes_per_token = a.kv_bytes;
-        a.params.model_max_context = a.max_context;
-    }
+    if (a.model != NULL && (rc = resolve_model(a.model, &geom)) != CLI_OK)
+        return rc;
+    g = a.model != NULL ? &geom : NULL;
 
     struct machine m = {.total = a.total, .ceiling = a.ceiling};
     if (a.total > 0) {
@@ -427,8 +410,31 @@ int cli_plan(int argc, char **argv) {
         if (a.ceiling > 0)
             m.ceiling = a.ceiling;
     }
-    a.params.total_bytes = m.total;
-    a.params.ceiling_bytes = m.ceiling;
+
+    if (g != NULL) {
+        /* what llmem run allocates with these settings: the forward pass's buffers, the
+         * backend's scratch (on a host for the online CPUs, llmem run's default thread count)
+         * and its prefill chunk */
+        struct llmem_engine_config cfg;
+        llmem_engine_config_default(&cfg);
+        cfg.kv_format = a.params.kv_format;
+        cfg.context = a.params.requested_context;
+        cfg.budget_bytes = a.params.memory_budget_bytes;
+        cfg.memory_limit_bytes = a.params.memory_limit_bytes;
+        cfg.util = a.params.util;
+        if (a.params.max_sequences > 0)
+            cfg.max_sequences = a.params.max_sequences;
+        cfg.max_batch_tokens = a.params.max_batch_tokens;
+        cfg.backend = a.params.target == LLMEM_PLAN_CUDA ? LLMEM_BACKEND_CUDA : LLMEM_BACKEND_CPU;
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        llmem_engine_plan_params(&cfg, g, m.total, m.ceiling, cpus > 0 ? (int)cpus : 1, &a.params);
+    } else {
+        a.params.weights_bytes = a.weights;
+        a.params.kv_bytes_per_token = a.kv_bytes;
+        a.params.model_max_context = a.max_context;
+        a.params.total_bytes = m.total;
+        a.params.ceiling_bytes = m.ceiling;
+    }
 
     struct llmem_plan plan;
     if (llmem_plan_compute(&a.params, &plan) != LLMEM_OK)

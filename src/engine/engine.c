@@ -47,18 +47,17 @@ double llmem_engine_now_s(void) {
 /* ---- open ----------------------------------------------------------------------------------- */
 
 /* The plan's inputs for a forward pass of max_batch_tokens tokens. */
-static struct llmem_plan_params plan_params(const struct llmem_engine *e,
+static struct llmem_plan_params plan_params(const struct llmem_engine_config *c,
                                             const struct llmem_model_geometry *g,
-                                            const struct llmem_device_info *machine, int threads,
+                                            int64_t total_bytes, int64_t ceiling_bytes, int threads,
                                             int64_t max_batch_tokens) {
-    const struct llmem_engine_config *c = &e->cfg;
     const int cuda = c->backend == LLMEM_BACKEND_CUDA;
     const int64_t widest =
         g->intermediate_size > g->hidden_size ? g->intermediate_size : g->hidden_size;
     return (struct llmem_plan_params){
         .target = cuda ? LLMEM_PLAN_CUDA : LLMEM_PLAN_HOST,
-        .total_bytes = machine->max_recommended_working_set_size,
-        .ceiling_bytes = machine->max_recommended_working_set_size,
+        .total_bytes = total_bytes,
+        .ceiling_bytes = ceiling_bytes,
         .weights_bytes = g->weights_bytes,
         .kv_bytes_per_token = llmem_geometry_kv_bytes_per_token(g),
         .kv_format = c->kv_format,
@@ -82,22 +81,31 @@ static struct llmem_plan_params plan_params(const struct llmem_engine *e,
  * plan commits for 512 anyway (min(3 GiB, usable / 8) where the workspace is smaller): a GPU
  * prefills a batch of prompts several times faster in one large step than in many small ones, at
  * no cost to the plan. */
-static int64_t default_batch_tokens(const struct llmem_engine *e,
-                                    const struct llmem_model_geometry *g,
-                                    const struct llmem_device_info *machine, int threads) {
-    if (e->cfg.backend != LLMEM_BACKEND_CUDA)
+static int64_t default_batch_tokens(const struct llmem_engine_config *c,
+                                    const struct llmem_model_geometry *g, int64_t total_bytes,
+                                    int64_t ceiling_bytes, int threads) {
+    if (c->backend != LLMEM_BACKEND_CUDA)
         return 512;
-    struct llmem_plan_params p = plan_params(e, g, machine, threads, 512);
+    struct llmem_plan_params p = plan_params(c, g, total_bytes, ceiling_bytes, threads, 512);
     struct llmem_plan base, plan;
     if (llmem_plan_compute(&p, &base) != LLMEM_OK)
         return 512;
     for (int64_t tokens = 8192; tokens > 512; tokens /= 2) {
-        p = plan_params(e, g, machine, threads, tokens);
+        p = plan_params(c, g, total_bytes, ceiling_bytes, threads, tokens);
         if (llmem_plan_compute(&p, &plan) == LLMEM_OK && plan.model_fits && !plan.overcommitted &&
             plan.runtime_transients_bytes == base.runtime_transients_bytes)
             return tokens;
     }
     return 512;
+}
+
+void llmem_engine_plan_params(const struct llmem_engine_config *c,
+                              const struct llmem_model_geometry *g, int64_t total_bytes,
+                              int64_t ceiling_bytes, int threads, struct llmem_plan_params *out) {
+    const int64_t chunk = c->max_batch_tokens > 0
+                              ? c->max_batch_tokens
+                              : default_batch_tokens(c, g, total_bytes, ceiling_bytes, threads);
+    *out = plan_params(c, g, total_bytes, ceiling_bytes, threads, chunk);
 }
 
 static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry *g, int threads) {
@@ -111,14 +119,16 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
     if (c->backend == LLMEM_BACKEND_CUDA &&
         (status = llmem_backend_device_info(c->device, &machine)) != LLMEM_OK)
         return status;
+    const int64_t total = machine.max_recommended_working_set_size;
+    struct llmem_plan_params p;
+    llmem_engine_plan_params(c, g, total, total, threads, &p);
     if (e->cfg.max_batch_tokens <= 0) {
-        e->cfg.max_batch_tokens = default_batch_tokens(e, g, &machine, threads);
-        if (e->cfg.max_batch_tokens > 512)
+        e->cfg.max_batch_tokens = p.max_batch_tokens;
+        if (p.max_batch_tokens > 512)
             LLMEM_INFO("prefill chunk: %" PRId64 " tokens (within the plan's transient reserve; "
                        "--max-batch-tokens sets it)",
-                       e->cfg.max_batch_tokens);
+                       p.max_batch_tokens);
     }
-    struct llmem_plan_params p = plan_params(e, g, &machine, threads, c->max_batch_tokens);
     if ((status = llmem_plan_compute(&p, &e->plan)) != LLMEM_OK)
         return status;
     char line[512];

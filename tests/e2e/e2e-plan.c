@@ -256,6 +256,27 @@ static void test_cuda_target_by_numbers(void **state) {
     assert_string_equal(target, "cuda");
     assert_int_equal(llmem_json_get_string(o, "describe", &describe), 0);
     assert_true(strncmp(describe, "141G cuda: engine budget 105.8G", 31) == 0);
+    /* the prefill chunk llmem run would take there: the largest up to 8192 whose workspace
+     * fits the transient reserve that 512 tokens commit anyway */
+    assert_int_equal(get_int(o, "max_batch_tokens"), 8192);
+    const int64_t transients = get_int(o, "runtime_transients_bytes");
+    cJSON_Delete(o);
+    tu_run_free(&run);
+
+    run = tu_llmem("plan", "llama-3.1-8b", "--backend", "cuda", "--total", "141G",
+                   "--max-batch-tokens", "512", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    o = tu_json_stdout(&run);
+    assert_int_equal(get_int(o, "max_batch_tokens"), 512);
+    assert_int_equal(get_int(o, "runtime_transients_bytes"), transients);
+    cJSON_Delete(o);
+    tu_run_free(&run);
+
+    /* a host keeps SPEC's 512 */
+    run = tu_llmem("plan", "llama-3.1-8b", "--total", "141G", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    o = tu_json_stdout(&run);
+    assert_int_equal(get_int(o, "max_batch_tokens"), 512);
     cJSON_Delete(o);
     tu_run_free(&run);
 }
