@@ -3,10 +3,11 @@
  *   direct       one task per query: a single pass over the visible tokens with an online
  *                softmax per head (running max m, sum l, accumulator acc rescaled when m grows),
  *                folded partition by partition;
- *   partitioned  the visible range split at absolute multiples of 512 tokens; one task per
- *                (query, partition) computes (m_p, l_p, acc_p) per head, and the partitions are
- *                folded in ascending order: m' = max(m, m_p), l' = l·e^(m−m') + l_p·e^(m_p−m'),
- *                acc likewise — the same arithmetic as direct, spread over threads;
+ *   partitioned  the visible range split at absolute multiples of 512 tokens; each (query,
+ *                partition) computes (m_p, l_p, acc_p) per head (a task takes a few consecutive
+ *                ones), and the partitions are folded in ascending order: m' = max(m, m_p),
+ *                l' = l·e^(m−m') + l_p·e^(m_p−m'), acc likewise — the same arithmetic as direct,
+ *                spread over threads;
  *   fallback     the visible keys and values gathered as f32 rows and the reference (two passes,
  *                double accumulation).
  * A task reads each token's keys and values (all KV heads, contiguous in every layout) once, in
@@ -17,7 +18,8 @@
  * of one KV head is two calls for four (or two) query heads: scores with the softmax, then values
  * (attn_tile in kv/codec_internal.h), and the values of each call wait until the scores of the
  * next have been issued; otherwise scores come from dot_group per token and values from axpy_tile.
- * The next tile's bytes are prefetched while a tile is computed.
+ * The next tile's bytes are prefetched while a tile is computed, across partition boundaries
+ * where the same thread goes on with the next partition.
  */
 #include <math.h>
 #include <stdbool.h>
@@ -32,6 +34,8 @@
 
 #define PARTITION      512
 #define PARTITION_FROM 2048
+/* consecutive partitions a task of the partitioned route takes */
+#define PARTS_PER_TASK 4
 /* direct splits the KV heads over threads from this many multiply-adds (span × heads × hd) */
 #define DIRECT_SPLIT_MIN (1 << 16)
 #define TILE             LLMEM_KV_TILE /* tokens scored and accumulated together */
@@ -81,9 +85,11 @@ static inline void prefetch_slice(const uint8_t *base, int i, size_t slice, size
 /* The online-softmax state over [lo, hi] (within one partition) of the query heads of KV heads
  * [kv0, kv1) of one query: q holds its n_heads rows; state h is acc at st + h·(hd+2), then m, l.
  * Tokens are read in storage order, each token's K and V rows once, and a KV head's row serves its
- * whole GQA group. A head's state is the same whichever other heads are computed with it. */
+ * whole GQA group. A head's state is the same whichever other heads are computed with it.
+ * pf_hi ≥ hi: the caller goes on with the tokens up to pf_hi next, so the last tile prefetches
+ * the first of them. */
 static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_t hi, float *st,
-                    int kv0, int kv1) {
+                    int kv0, int kv1, int64_t pf_hi) {
     const struct llmem_kv *kv = j->kv;
     const struct llmem_kv_codec *c = &kv->codec;
     const int hd = kv->cfg.head_dim, group = j->group, n_kv = j->n_heads / group;
@@ -118,7 +124,7 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
         /* The next run (the next block of a paged cache), looked up ahead for the prefetches. */
         uint8_t *nkp = NULL, *nvp = NULL;
         int64_t nrun =
-            pos + run <= hi ? llmem_kv_span(kv, j->seq, j->layer, pos + run, &nkp, &nvp) : 0;
+            pos + run <= pf_hi ? llmem_kv_span(kv, j->seq, j->layer, pos + run, &nkp, &nvp) : 0;
         /* Tiles of up to TILE tokens: scores for the tile, one softmax rescale per tile, and the
          * values accumulated with the accumulators held across the tile. */
         for (int64_t t0 = 0; t0 < run; t0 += TILE) {
@@ -253,7 +259,7 @@ static void direct_task(void *arg, int task, int thread) {
         int64_t p_hi = (p_lo / PARTITION + 1) * PARTITION - 1;
         if (p_hi > hi)
             p_hi = hi;
-        segment(j, j->q + row, p_lo, p_hi, st, kv0, kv1);
+        segment(j, j->q + row, p_lo, p_hi, st, kv0, kv1, hi);
         for (int h = h0; h < h1; h++)
             fold(hd, &m[h], &l[h], out + (size_t)h * (size_t)hd, st + (size_t)h * (size_t)(hd + 2));
         p_lo = p_hi + 1;
@@ -262,11 +268,11 @@ static void direct_task(void *arg, int task, int thread) {
         finish(j->kv, out + (size_t)h * (size_t)hd, l[h]);
 }
 
-/* partitioned: task = (query, partition); the states of every head land in j->parts. */
-static void partition_task(void *arg, int task, int thread) {
-    const struct attn_job *j = arg;
+/* partitioned: the states of every head of (query, partition) x land in j->parts; with the next
+ * partition of the same query to follow (more), its first tile is prefetched. */
+static void partition(const struct attn_job *j, int64_t x, int more, int thread) {
     const int hd = j->kv->cfg.head_dim, n_heads = j->n_heads;
-    int64_t p = task % j->n_parts, i = task / j->n_parts;
+    int64_t p = x % j->n_parts, i = x / j->n_parts;
     int64_t lo, hi;
     visible(j, i, &lo, &hi);
     int64_t p_lo = (j->first_part + p) * PARTITION, p_hi = p_lo + PARTITION - 1;
@@ -275,7 +281,7 @@ static void partition_task(void *arg, int task, int thread) {
     float *st = j->scratch + (size_t)thread * HEADS_STRIDE(n_heads, hd);
     if (p_lo <= p_hi) {
         segment(j, j->q + (size_t)i * (size_t)n_heads * (size_t)hd, p_lo, p_hi, st, 0,
-                j->n_heads / j->group);
+                j->n_heads / j->group, more ? hi : p_hi);
     } else {
         for (int h = 0; h < n_heads; h++) { /* empty: contributes nothing */
             st[(size_t)h * (size_t)(hd + 2) + (size_t)hd] = -INFINITY;
@@ -287,6 +293,17 @@ static void partition_task(void *arg, int task, int thread) {
         float *slot = j->parts + (head * (size_t)j->n_parts + (size_t)p) * (size_t)(hd + 2);
         memcpy(slot, st + (size_t)h * (size_t)(hd + 2), (size_t)(hd + 2) * sizeof(float));
     }
+}
+
+/* partitioned: task = PARTS_PER_TASK consecutive (query, partition) pairs, in order: a thread
+ * streams on from one partition into the next, prefetching across the boundary, and the pool
+ * still balances the tasks between threads. */
+static void partition_task(void *arg, int task, int thread) {
+    const struct attn_job *j = arg;
+    const int64_t all = j->n_q * j->n_parts, x0 = (int64_t)task * PARTS_PER_TASK;
+    const int64_t x1 = x0 + PARTS_PER_TASK < all ? x0 + PARTS_PER_TASK : all;
+    for (int64_t x = x0; x < x1; x++)
+        partition(j, x, x + 1 < x1 && (x + 1) / j->n_parts == x / j->n_parts, thread);
 }
 
 /* merge: task = (query, head); the partitions folded in ascending order. */
@@ -481,7 +498,8 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
     switch (route) {
     case LLMEM_KV_ROUTE_PARTITIONED:
         j.parts = j.scratch + (size_t)threads * HEADS_STRIDE(n_heads, hd);
-        llmem_pool_run(kv->pool, (int)(n_q * j.n_parts), partition_task, &j);
+        llmem_pool_run(kv->pool, (int)((n_q * j.n_parts + PARTS_PER_TASK - 1) / PARTS_PER_TASK),
+                       partition_task, &j);
         llmem_pool_run(kv->pool, tasks, merge_task, &j);
         kv->st.route_partitioned++;
         break;
