@@ -34,11 +34,17 @@
 
 #define PARTITION      512
 #define PARTITION_FROM 2048
-/* consecutive partitions a task of the partitioned route takes */
+/* the most consecutive partitions a task of the partitioned route takes (fewer when there would
+ * be fewer tasks than threads) */
 #define PARTS_PER_TASK 4
 /* direct splits the KV heads over threads from this many multiply-adds (span × heads × hd) */
 #define DIRECT_SPLIT_MIN (1 << 16)
-#define TILE             LLMEM_KV_TILE /* tokens scored and accumulated together */
+/* fewer queries than threads take the partitioned route from this many (and over PARTITION
+ * tokens): splitting by tokens streams whole rows, split KV heads read half-rows (whose
+ * neighbouring halves the other core's prefetchers fetch too); below it a second dispatch (the
+ * merge) costs more than it saves */
+#define PARTITION_SPLIT_MIN (1 << 20)
+#define TILE                LLMEM_KV_TILE /* tokens scored and accumulated together */
 /* floats of fallback scratch per thread: scores, a row, and hd doubles (aligned) */
 #define FALLBACK_STRIDE(window, hd) ((window) + 3 * (hd) + 2)
 
@@ -47,7 +53,8 @@ struct attn_job {
     int seq, layer, n_heads, group;
     int kv_split; /* direct: each query's KV heads in this many contiguous ranges, one task each */
     int64_t q_pos, n_q, window, n_parts, first_part;
-    const float *q; /* scaled and (for rotated keys) rotated: [n_q, n_heads, hd] */
+    int64_t parts_per_task; /* partitioned */
+    const float *q;         /* scaled and (for rotated keys) rotated: [n_q, n_heads, hd] */
     float *out;
     float *parts;   /* partitioned: [n_q, n_heads, n_parts, hd + 2] */
     float *scratch; /* per thread: direct and partitioned HEADS_STRIDE, fallback FALLBACK_STRIDE */
@@ -295,13 +302,13 @@ static void partition(const struct attn_job *j, int64_t x, int more, int thread)
     }
 }
 
-/* partitioned: task = PARTS_PER_TASK consecutive (query, partition) pairs, in order: a thread
+/* partitioned: task = parts_per_task consecutive (query, partition) pairs, in order: a thread
  * streams on from one partition into the next, prefetching across the boundary, and the pool
  * still balances the tasks between threads. */
 static void partition_task(void *arg, int task, int thread) {
     const struct attn_job *j = arg;
-    const int64_t all = j->n_q * j->n_parts, x0 = (int64_t)task * PARTS_PER_TASK;
-    const int64_t x1 = x0 + PARTS_PER_TASK < all ? x0 + PARTS_PER_TASK : all;
+    const int64_t all = j->n_q * j->n_parts, x0 = (int64_t)task * j->parts_per_task;
+    const int64_t x1 = x0 + j->parts_per_task < all ? x0 + j->parts_per_task : all;
     for (int64_t x = x0; x < x1; x++)
         partition(j, x, x + 1 < x1 && (x + 1) / j->n_parts == x / j->n_parts, thread);
 }
@@ -465,7 +472,8 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
     int threads = llmem_pool_threads(kv->pool);
     enum llmem_kv_route route = attn->route;
     if (route == LLMEM_KV_ROUTE_AUTO)
-        route = span >= PARTITION_FROM || (n_q * n_heads < threads && span > PARTITION)
+        route = span >= PARTITION_FROM || (n_q < threads && span > PARTITION &&
+                                           span * n_heads * hd >= PARTITION_SPLIT_MIN)
                     ? LLMEM_KV_ROUTE_PARTITIONED
                     : LLMEM_KV_ROUTE_DIRECT;
 
@@ -498,7 +506,11 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
     switch (route) {
     case LLMEM_KV_ROUTE_PARTITIONED:
         j.parts = j.scratch + (size_t)threads * HEADS_STRIDE(n_heads, hd);
-        llmem_pool_run(kv->pool, (int)((n_q * j.n_parts + PARTS_PER_TASK - 1) / PARTS_PER_TASK),
+        j.parts_per_task = n_q * j.n_parts / threads;
+        j.parts_per_task = j.parts_per_task < 1                ? 1
+                           : j.parts_per_task > PARTS_PER_TASK ? PARTS_PER_TASK
+                                                               : j.parts_per_task;
+        llmem_pool_run(kv->pool, (int)((n_q * j.n_parts + j.parts_per_task - 1) / j.parts_per_task),
                        partition_task, &j);
         llmem_pool_run(kv->pool, tasks, merge_task, &j);
         kv->st.route_partitioned++;
