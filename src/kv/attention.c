@@ -3,11 +3,10 @@
  *   direct       one task per query: a single pass over the visible tokens with an online
  *                softmax per head (running max m, sum l, accumulator acc rescaled when m grows),
  *                folded partition by partition;
- *   partitioned  the visible range split at absolute multiples of 512 tokens; each (query,
- *                partition) computes (m_p, l_p, acc_p) per head (a task takes a few consecutive
- *                ones), and the partitions are folded in ascending order: m' = max(m, m_p),
- *                l' = l·e^(m−m') + l_p·e^(m_p−m'), acc likewise — the same arithmetic as direct,
- *                spread over threads;
+ *   partitioned  the visible range split at absolute multiples of 512 tokens; one task per
+ *                (query, partition) computes (m_p, l_p, acc_p) per head, and the partitions are
+ *                folded in ascending order: m' = max(m, m_p), l' = l·e^(m−m') + l_p·e^(m_p−m'),
+ *                acc likewise — the same arithmetic as direct, spread over threads;
  *   fallback     the visible keys and values gathered as f32 rows and the reference (two passes,
  *                double accumulation).
  * A task reads each token's keys and values (all KV heads, contiguous in every layout) once, in
@@ -18,8 +17,8 @@
  * of one KV head is two calls for four (or two) query heads: scores with the softmax, then values
  * (attn_tile in kv/codec_internal.h), and the values of each call wait until the scores of the
  * next have been issued; otherwise scores come from dot_group per token and values from axpy_tile.
- * The next tile's bytes are prefetched while a tile is computed, across partition boundaries
- * where the same thread goes on with the next partition.
+ * The next tile's bytes are prefetched while a tile is computed (direct: across its partitions'
+ * boundaries too).
  */
 #include <math.h>
 #include <stdbool.h>
@@ -34,9 +33,6 @@
 
 #define PARTITION      512
 #define PARTITION_FROM 2048
-/* the most consecutive partitions a task of the partitioned route takes (fewer when there would
- * be fewer tasks than threads) */
-#define PARTS_PER_TASK 4
 /* direct splits the KV heads over threads from this many multiply-adds (span × heads × hd) */
 #define DIRECT_SPLIT_MIN (1 << 16)
 /* fewer queries than threads take the partitioned route from this many (and over PARTITION
@@ -53,8 +49,7 @@ struct attn_job {
     int seq, layer, n_heads, group;
     int kv_split; /* direct: each query's KV heads in this many contiguous ranges, one task each */
     int64_t q_pos, n_q, window, n_parts, first_part;
-    int64_t parts_per_task; /* partitioned */
-    const float *q;         /* scaled and (for rotated keys) rotated: [n_q, n_heads, hd] */
+    const float *q; /* scaled and (for rotated keys) rotated: [n_q, n_heads, hd] */
     float *out;
     float *parts;   /* partitioned: [n_q, n_heads, n_parts, hd + 2] */
     float *scratch; /* per thread: direct and partitioned HEADS_STRIDE, fallback FALLBACK_STRIDE */
@@ -275,11 +270,11 @@ static void direct_task(void *arg, int task, int thread) {
         finish(j->kv, out + (size_t)h * (size_t)hd, l[h]);
 }
 
-/* partitioned: the states of every head of (query, partition) x land in j->parts; with the next
- * partition of the same query to follow (more), its first tile is prefetched. */
-static void partition(const struct attn_job *j, int64_t x, int more, int thread) {
+/* partitioned: task = (query, partition); the states of every head land in j->parts. */
+static void partition_task(void *arg, int task, int thread) {
+    const struct attn_job *j = arg;
     const int hd = j->kv->cfg.head_dim, n_heads = j->n_heads;
-    int64_t p = x % j->n_parts, i = x / j->n_parts;
+    int64_t p = task % j->n_parts, i = task / j->n_parts;
     int64_t lo, hi;
     visible(j, i, &lo, &hi);
     int64_t p_lo = (j->first_part + p) * PARTITION, p_hi = p_lo + PARTITION - 1;
@@ -288,7 +283,7 @@ static void partition(const struct attn_job *j, int64_t x, int more, int thread)
     float *st = j->scratch + (size_t)thread * HEADS_STRIDE(n_heads, hd);
     if (p_lo <= p_hi) {
         segment(j, j->q + (size_t)i * (size_t)n_heads * (size_t)hd, p_lo, p_hi, st, 0,
-                j->n_heads / j->group, more ? hi : p_hi);
+                j->n_heads / j->group, p_hi);
     } else {
         for (int h = 0; h < n_heads; h++) { /* empty: contributes nothing */
             st[(size_t)h * (size_t)(hd + 2) + (size_t)hd] = -INFINITY;
@@ -300,17 +295,6 @@ static void partition(const struct attn_job *j, int64_t x, int more, int thread)
         float *slot = j->parts + (head * (size_t)j->n_parts + (size_t)p) * (size_t)(hd + 2);
         memcpy(slot, st + (size_t)h * (size_t)(hd + 2), (size_t)(hd + 2) * sizeof(float));
     }
-}
-
-/* partitioned: task = parts_per_task consecutive (query, partition) pairs, in order: a thread
- * streams on from one partition into the next, prefetching across the boundary, and the pool
- * still balances the tasks between threads. */
-static void partition_task(void *arg, int task, int thread) {
-    const struct attn_job *j = arg;
-    const int64_t all = j->n_q * j->n_parts, x0 = (int64_t)task * j->parts_per_task;
-    const int64_t x1 = x0 + j->parts_per_task < all ? x0 + j->parts_per_task : all;
-    for (int64_t x = x0; x < x1; x++)
-        partition(j, x, x + 1 < x1 && (x + 1) / j->n_parts == x / j->n_parts, thread);
 }
 
 /* merge: task = (query, head); the partitions folded in ascending order. */
@@ -506,12 +490,7 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
     switch (route) {
     case LLMEM_KV_ROUTE_PARTITIONED:
         j.parts = j.scratch + (size_t)threads * HEADS_STRIDE(n_heads, hd);
-        j.parts_per_task = n_q * j.n_parts / threads;
-        j.parts_per_task = j.parts_per_task < 1                ? 1
-                           : j.parts_per_task > PARTS_PER_TASK ? PARTS_PER_TASK
-                                                               : j.parts_per_task;
-        llmem_pool_run(kv->pool, (int)((n_q * j.n_parts + j.parts_per_task - 1) / j.parts_per_task),
-                       partition_task, &j);
+        llmem_pool_run(kv->pool, (int)(n_q * j.n_parts), partition_task, &j);
         llmem_pool_run(kv->pool, tasks, merge_task, &j);
         kv->st.route_partitioned++;
         break;
