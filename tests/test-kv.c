@@ -275,10 +275,14 @@ static void test_routes_agree(void **state) {
                 1e-5);
     assert_true(attend_error(kv, seq, &d, 0, 99, 1, n_heads, 64, LLMEM_KV_ROUTE_AUTO, NULL) <=
                 1e-5);
+    /* one query (fewer than the 2 threads) over more than 512 tokens: split by tokens (partitioned)
+     * where the work is 2^20 multiply-adds or more (1500 × 16 heads × 64), direct below (700) */
+    assert_true(attend_error(kv, seq, &d, 0, 1499, 1, 16, 0, LLMEM_KV_ROUTE_AUTO, NULL) <= 1e-5);
+    assert_true(attend_error(kv, seq, &d, 0, 699, 1, 16, 0, LLMEM_KV_ROUTE_AUTO, NULL) <= 1e-5);
     struct llmem_kv_stats st;
     llmem_kv_stats(kv, &st);
-    assert_int_equal(st.route_partitioned, 2);
-    assert_int_equal(st.route_direct, 2);
+    assert_int_equal(st.route_partitioned, 3);
+    assert_int_equal(st.route_direct, 3);
     assert_int_equal(st.route_fallback, 1);
     free(a), free(b), free(c), free(d.k), free(d.v);
     llmem_kv_destroy(kv);
