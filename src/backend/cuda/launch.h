@@ -7,9 +7,12 @@
  * The rule every kernel launched this way keeps: pdl_begin() first, before it reads or writes
  * global memory and before any return. pdl_begin waits until the kernel before it has finished
  * and its writes are visible (so, by induction, every earlier kernel), then lets the next kernel
- * start launching. One exception: the GEMVs (ops.cu gemv_row) ask for their first weights before
- * pdl_begin, since no kernel writes weights, and a thread with no row returns without it (the
- * kernel still ends only after its other threads waited).
+ * start launching. Two exceptions read what the kernels before them cannot be writing first: the
+ * GEMVs (ops.cu gemv_row) ask for their first weights before pdl_begin, since no kernel writes
+ * weights, and a thread with no row returns without it; the decode attention (attention.cu) reads
+ * its block tables and lengths (uploaded before the pass) and starts copying the blocks older than
+ * the tokens the KV write before it writes, and a warp with no work returns without waiting. Either
+ * kernel still ends only after its other threads waited.
  */
 #ifndef LLMEM_BACKEND_CUDA_LAUNCH_H
 #define LLMEM_BACKEND_CUDA_LAUNCH_H
