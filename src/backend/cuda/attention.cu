@@ -241,6 +241,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
      * finished. Until the wait below, the warp reads only what no kernel writes (the tables and
      * lengths, uploaded before the pass) and the blocks that the one before it cannot be writing
      * (p.fresh), so that their copies are under way while it ends. */
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); /* as pdl_begin does */
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long item = (long long)blockIdx.x * WARPS + warp;
     if (item >= p.n_items)
@@ -507,8 +508,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         }
     }
     cp_wait<0>();
-    /* the merge kernel may start launching; it waits for this grid's writes before reading */
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);

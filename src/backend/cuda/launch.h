@@ -5,9 +5,12 @@
  * graph of a decode step's ~200 small kernels that is most of the time between them.
  *
  * The rule every kernel launched this way keeps: pdl_begin() first, before it reads or writes
- * global memory and before any return. pdl_begin waits until the kernel before it has finished
- * and its writes are visible (so, by induction, every earlier kernel), then lets the next kernel
- * start launching. Two exceptions read what the kernels before them cannot be writing first: the
+ * global memory and before any return. pdl_begin lets the next kernel start launching, then waits
+ * until the kernel before it has finished and its writes are visible (so, by induction, every
+ * earlier kernel). Letting the next kernel launch first costs nothing in order (it waits the same
+ * way before it reads anything) and lets its blocks take the SMs' free slots while this one
+ * waits and runs: a GEMV's weights (below) are then on their way while the latency-bound kernels
+ * before it (norms, RoPE, attention) run, not after they end. Two exceptions read what the kernels before them cannot be writing first: the
  * GEMVs (ops.cu gemv_row) ask for their first weights before pdl_begin, since no kernel writes
  * weights, and a thread with no row returns without it; the decode attention (attention.cu) reads
  * its block tables and lengths (uploaded before the pass) and starts copying the blocks older than
@@ -21,8 +24,8 @@
 #include <utility>
 
 __device__ __forceinline__ void pdl_begin() {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
 /* LLMEM_CUDA_PROFILE (ops.cu, one context of the process at a time): the event recorded on the
