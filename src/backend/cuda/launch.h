@@ -10,13 +10,13 @@
  * earlier kernel). Letting the next kernel launch first costs nothing in order (it waits the same
  * way before it reads anything) and lets its blocks take the SMs' free slots while this one
  * waits and runs: a GEMV's weights (below) are then on their way while the latency-bound kernels
- * before it (norms, RoPE, attention) run, not after they end. Two exceptions read what the
+ * before it (norms, RoPE, attention) run, not after they end. Three exceptions read what the
  * kernels before them cannot be writing first: the GEMVs (ops.cu gemv_row) ask for their first
  * weights before pdl_begin, since no kernel writes weights, and a thread with no row returns
- * without it; the decode attention (attention.cu) reads its block tables and lengths (uploaded
- * before the pass) and starts copying the blocks older than the tokens the KV write before it
- * writes, and a warp with no work returns without waiting. Either kernel still ends only after
- * its other threads waited.
+ * without it; rmsnorm_kernel reads its weights before it; the decode attention (attention.cu) reads
+ * its block tables and lengths (uploaded before the pass) and starts copying the blocks older than
+ * the tokens the KV write before it writes, and a warp with no work returns without waiting. Either
+ * kernel still ends only after its other threads waited.
  */
 #ifndef LLMEM_BACKEND_CUDA_LAUNCH_H
 #define LLMEM_BACKEND_CUDA_LAUNCH_H

@@ -560,20 +560,53 @@ __device__ __forceinline__ void store16(void *y16, enum llmem_dtype dt, int64_t 
 }
 
 /* One block per row: the sum of squares in double, as the CPU does. With res, first x += res
- * (the residual add before the norm: exactly add_kernel's). With y16, y's 16-bit copy too. */
+ * (the residual add before the norm: exactly add_kernel's). With y16, y's 16-bit copy too.
+ * PER > 0: a thread's PER elements (i, i + blockDim, …; dim ≤ PER · blockDim) held in registers,
+ * every load of a pass asked for before any is used, the weights before the wait: a decode's norm
+ * is a chain of memory round trips, and a loop that stores x before it loads the next element
+ * makes one round trip per element. PER 0: any dim, element by element. */
+template <int PER>
 __global__ void rmsnorm_kernel(float *x, const float *res, const float *weight, int64_t dim,
                                float eps, float *y, void *y16, enum llmem_dtype dt) {
-    pdl_begin();
     float *xr = x + blockIdx.x * dim;
     float *yr = y + blockIdx.x * dim;
     double s = 0;
-    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = xr[i];
-        if (res != NULL) {
-            v = __fadd_rn(v, res[blockIdx.x * dim + i]);
-            xr[i] = v;
+    float v[PER > 0 ? PER : 1], w[PER > 0 ? PER : 1];
+    if constexpr (PER > 0) {
+#pragma unroll
+        for (int k = 0; k < PER; k++) { /* the weights: no kernel writes them */
+            const int64_t i = threadIdx.x + (int64_t)k * blockDim.x;
+            w[k] = i < dim ? weight[i] : 0.0f;
         }
-        s += (double)v * (double)v;
+        pdl_begin();
+        float r[PER > 0 ? PER : 1];
+#pragma unroll
+        for (int k = 0; k < PER; k++) {
+            const int64_t i = threadIdx.x + (int64_t)k * blockDim.x;
+            v[k] = i < dim ? xr[i] : 0.0f;
+            r[k] = i < dim && res != NULL ? res[blockIdx.x * dim + i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < PER; k++) {
+            const int64_t i = threadIdx.x + (int64_t)k * blockDim.x;
+            if (i >= dim)
+                continue;
+            if (res != NULL) {
+                v[k] = __fadd_rn(v[k], r[k]);
+                xr[i] = v[k];
+            }
+            s += (double)v[k] * (double)v[k];
+        }
+    } else {
+        pdl_begin();
+        for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+            float e = xr[i];
+            if (res != NULL) {
+                e = __fadd_rn(e, res[blockIdx.x * dim + i]);
+                xr[i] = e;
+            }
+            s += (double)e * (double)e;
+        }
     }
     __shared__ double part[32];
     for (int o = 16; o > 0; o /= 2)
@@ -591,11 +624,24 @@ __global__ void rmsnorm_kernel(float *x, const float *res, const float *weight, 
     __syncthreads();
     float mean = (float)(part[0] / (double)dim);
     float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
-    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float v = __fmul_rn(__fmul_rn(xr[i], inv), weight[i]);
-        yr[i] = v;
-        if (y16 != NULL)
-            store16(y16, dt, blockIdx.x * dim + i, v);
+    if constexpr (PER > 0) {
+#pragma unroll
+        for (int k = 0; k < PER; k++) {
+            const int64_t i = threadIdx.x + (int64_t)k * blockDim.x;
+            if (i >= dim)
+                continue;
+            const float e = __fmul_rn(__fmul_rn(v[k], inv), w[k]);
+            yr[i] = e;
+            if (y16 != NULL)
+                store16(y16, dt, blockIdx.x * dim + i, e);
+        }
+    } else {
+        for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+            const float e = __fmul_rn(__fmul_rn(xr[i], inv), weight[i]);
+            yr[i] = e;
+            if (y16 != NULL)
+                store16(y16, dt, blockIdx.x * dim + i, e);
+        }
     }
 }
 
@@ -1407,8 +1453,15 @@ static void rmsnorm(struct cuda_ctx *c, float *x, const float *res, const float 
     }
     for (int64_t t = 0; t < n; t += 65535) {
         unsigned rows = (unsigned)(n - t < 65535 ? n - t : 65535);
-        pdl_launch(c->stream, rmsnorm_kernel, dim3(rows), dim3(dim >= 1024 ? 1024 : 256), 0,
-                   x + t * dim, res != NULL ? res + t * dim : NULL, weight, dim, eps, y + t * dim,
+        const unsigned threads = dim >= 1024 ? 1024 : 256;
+        const int64_t per = (dim + threads - 1) / threads;
+        auto kernel = per <= 1   ? rmsnorm_kernel<1>
+                      : per <= 2 ? rmsnorm_kernel<2>
+                      : per <= 4 ? rmsnorm_kernel<4>
+                      : per <= 8 ? rmsnorm_kernel<8>
+                                 : rmsnorm_kernel<0>;
+        pdl_launch(c->stream, kernel, dim3(rows), dim3(threads), 0, x + t * dim,
+                   res != NULL ? res + t * dim : NULL, weight, dim, eps, y + t * dim,
                    y16 != NULL ? y16 + t * dim * 2 : NULL, dt);
     }
     launched(c, "rmsnorm");
