@@ -592,35 +592,54 @@ __global__ void __launch_bounds__(MERGE_THREADS)
     extern __shared__ float weight[]; /* [n_splits] */
     __shared__ float red[MERGE_THREADS / 32];
     __shared__ float4 fold[MERGE_THREADS];
-    /* the decode kernel's partials are complete and visible after this; then the next kernel on
-     * the stream may start launching (launch.h) */
-    pdl_begin();
     const size_t bh = blockIdx.x;
     const int b = (int)(bh / n_heads);
+    /* the length before the wait: uploaded before the pass, no kernel writes it (launch.h) */
     const int len = lengths[b];
     const int ns = min(n_splits, (len + split_len - 1) / split_len);
     const float2 *ml = part_ml + bh * n_splits;
+    const int quad = threadIdx.x % (MERGE_DIMS / 4), sub = threadIdx.x / (MERGE_DIMS / 4);
+    constexpr int SUBS = MERGE_THREADS / (MERGE_DIMS / 4), HELD = 4;
+    const int d0 = blockIdx.y * MERGE_DIMS + 4 * quad;
+    const float *acc = part_acc + bh * n_splits * D + d0;
+    /* the decode kernel's partials are complete and visible after this; then every first load of
+     * them is asked for before any is used (a thread's first split's m and l, its first HELD
+     * splits' accumulators): one memory round trip, not one a loop */
+    pdl_begin();
+    const float2 ml0 = threadIdx.x < ns ? ml[threadIdx.x] : make_float2(-INFINITY, 0.0f);
+    float4 held[HELD];
+#pragma unroll
+    for (int k = 0; k < HELD; k++) {
+        const int s = sub + k * SUBS;
+        held[k] = s < ns ? *reinterpret_cast<const float4 *>(acc + (size_t)s * D)
+                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
 
-    float mx = -INFINITY;
-    for (int s = threadIdx.x; s < ns; s += MERGE_THREADS)
+    float mx = ml0.x;
+    for (int s = threadIdx.x + MERGE_THREADS; s < ns; s += MERGE_THREADS)
         mx = fmaxf(mx, ml[s].x);
     mx = block_reduce(mx, true, red);
     float sum = 0.0f;
     for (int s = threadIdx.x; s < ns; s += MERGE_THREADS) {
-        float w = exp2f(ml[s].x - mx);
+        const float2 e = s == threadIdx.x ? ml0 : ml[s];
+        float w = exp2f(e.x - mx);
         weight[s] = w;
-        sum += w * ml[s].y;
+        sum += w * e.y;
     }
     sum = block_reduce(sum, false, red); /* its barriers also publish weight[] */
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
 
-    const int quad = threadIdx.x % (MERGE_DIMS / 4), sub = threadIdx.x / (MERGE_DIMS / 4);
-    constexpr int SUBS = MERGE_THREADS / (MERGE_DIMS / 4);
-    const int d0 = blockIdx.y * MERGE_DIMS + 4 * quad;
-    const float *acc = part_acc + bh * n_splits * D + d0;
     float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int k = 0; k < HELD; k++) {
+        const int s = sub + k * SUBS;
+        if (s >= ns)
+            break;
+        const float w = weight[s];
+        o.x += w * held[k].x, o.y += w * held[k].y, o.z += w * held[k].z, o.w += w * held[k].w;
+    }
 #pragma unroll 4
-    for (int s = sub; s < ns; s += SUBS) {
+    for (int s = sub + HELD * SUBS; s < ns; s += SUBS) {
         float4 a = *reinterpret_cast<const float4 *>(acc + (size_t)s * D);
         float w = weight[s];
         o.x += w * a.x, o.y += w * a.y, o.z += w * a.z, o.w += w * a.w;

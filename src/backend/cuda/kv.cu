@@ -89,35 +89,39 @@ __global__ void __launch_bounds__(ROPE_WARPS * 32)
                        int heads, int head_dim, const int64_t *pos, const float *inv_freq,
                        const int64_t *slots, uint8_t *k_pool, uint8_t *v_pool, size_t tok_bytes,
                        size_t row_bytes) {
-    pdl_begin();
     __shared__ float cs[16 * MAX_LANE_D], sn[16 * MAX_LANE_D];
     const int64_t t = blockIdx.x;
     const int per = head_dim / 32, half = per / 2; /* elements of a lane, pairs of a lane */
+    /* the angles and the slot before the wait: the positions, frequencies and slots were
+     * uploaded before the pass, no kernel writes them (launch.h) */
     for (int i = threadIdx.x; i < head_dim / 2; i += blockDim.x)
         rope_angle(pos, inv_freq, t, i, &cs[i], &sn[i]);
+    const int64_t slot = slots[t];
+    pdl_begin();
     __syncthreads();
     const int lane = threadIdx.x & 31, row = (int)blockIdx.y * ROPE_WARPS + threadIdx.x / 32;
     if (row >= 2 * heads + n_heads)
         return;
-    if (row >= heads && row < 2 * heads) {
-        const int h = row - heads;
-        const float *x = v + (t * heads + h) * (int64_t)head_dim;
-        uint8_t *o = v_pool + (size_t)slots[t] * tok_bytes + (size_t)h * row_bytes;
+    const bool is_v = row >= heads && row < 2 * heads;
+    float *x = row < heads ? k + (t * heads + row) * (int64_t)head_dim
+               : is_v      ? NULL
+                           : q + (t * n_heads + row - 2 * heads) * (int64_t)head_dim;
+    const float *src = is_v ? v + (t * heads + row - heads) * (int64_t)head_dim : x;
+    float r[MAX_LANE_D];
+    for (int j = 0; j < per; j++) /* every load before any store or encoding */
+        r[j] = src[lane + 32 * j];
+    if (is_v) {
+        uint8_t *o = v_pool + (size_t)slot * tok_bytes + (size_t)(row - heads) * row_bytes;
         for (int j = 0; j < per; j++)
-            encode_element(format, o, lane + 32 * j, x[lane + 32 * j], lane);
+            encode_element(format, o, lane + 32 * j, r[j], lane);
         return;
     }
-    float *x = row < heads ? k + (t * heads + row) * (int64_t)head_dim
-                           : q + (t * n_heads + row - 2 * heads) * (int64_t)head_dim;
-    float r[MAX_LANE_D];
-    for (int j = 0; j < per; j++)
-        r[j] = x[lane + 32 * j];
     for (int j = 0; j < half; j++)
         rope_turn(&r[j], &r[j + half], cs[lane + 32 * j], sn[lane + 32 * j]);
     for (int j = 0; j < per; j++)
         x[lane + 32 * j] = r[j];
     if (row < heads) {
-        uint8_t *o = k_pool + (size_t)slots[t] * tok_bytes + (size_t)row * row_bytes;
+        uint8_t *o = k_pool + (size_t)slot * tok_bytes + (size_t)row * row_bytes;
         for (int j = 0; j < per; j++)
             encode_element(format, o, lane + 32 * j, r[j], lane);
     }
