@@ -228,20 +228,24 @@ static int run_pass(struct llmem_forward *f, const int32_t *tokens,
             return status;
         mlp_block(f, L, T);
     }
-    ops->add(ctx, f->x, f->xn, T * g->hidden_size); /* the last MLP's output */
-    /* The rows that want logits, gathered in order (row r moves to index i ≤ r). */
-    int64_t i = 0, row = 0;
-    for (int s = 0; s < n_seqs; s++) {
-        const struct llmem_batch_seq *b = &seqs[s];
-        int64_t first = b->all_logits ? row : row + b->n_tokens - 1;
-        for (int64_t r = first; r < row + b->n_tokens; r++, i++)
-            if (i != r)
-                ops->copy(ctx, f->x + i * g->hidden_size, f->x + r * g->hidden_size,
-                          (size_t)g->hidden_size * sizeof(float));
-        row += b->n_tokens;
+    if (n_logits == T) { /* every row wants its logits (a decode step): in place */
+        residual_norm(f, f->model->final_norm, T, 1); /* the last MLP's output added first */
+    } else {
+        ops->add(ctx, f->x, f->xn, T * g->hidden_size); /* the last MLP's output */
+        /* The rows that want logits, gathered in order (row r moves to index i ≤ r). */
+        int64_t i = 0, row = 0;
+        for (int s = 0; s < n_seqs; s++) {
+            const struct llmem_batch_seq *b = &seqs[s];
+            int64_t first = b->all_logits ? row : row + b->n_tokens - 1;
+            for (int64_t r = first; r < row + b->n_tokens; r++, i++)
+                if (i != r)
+                    ops->copy(ctx, f->x + i * g->hidden_size, f->x + r * g->hidden_size,
+                              (size_t)g->hidden_size * sizeof(float));
+            row += b->n_tokens;
+        }
+        ops->rmsnorm(ctx, f->x, f->model->final_norm, n_logits, g->hidden_size,
+                     (float)f->model->cfg.rms_norm_eps, f->xn);
     }
-    ops->rmsnorm(ctx, f->x, f->model->final_norm, n_logits, g->hidden_size,
-                 (float)f->model->cfg.rms_norm_eps, f->xn);
     ops->matmul(ctx, &f->model->lm_head, f->xn, n_logits, logits, NULL);
     return LLMEM_OK;
 }

@@ -10,13 +10,16 @@
  * earlier kernel). Letting the next kernel launch first costs nothing in order (it waits the same
  * way before it reads anything) and lets its blocks take the SMs' free slots while this one
  * waits and runs: a GEMV's weights (below) are then on their way while the latency-bound kernels
- * before it (norms, RoPE, attention) run, not after they end. Three exceptions read what the
- * kernels before them cannot be writing first: the GEMVs (ops.cu gemv_row) ask for their first
- * weights before pdl_begin, since no kernel writes weights, and a thread with no row returns
- * without it; rmsnorm_kernel reads its weights before it; the decode attention (attention.cu) reads
- * its block tables and lengths (uploaded before the pass) and starts copying the blocks older than
- * the tokens the KV write before it writes, and a warp with no work returns without waiting. Either
- * kernel still ends only after its other threads waited.
+ * before it (norms, RoPE, attention) run, not after they end.
+ *
+ * The exception: before pdl_begin a kernel may read what no kernel writes, so that those loads
+ * are under way while the kernel before it ends: weights (the GEMVs' first loads in ops.cu
+ * gemv_row, the norms' weights, the embedding's rows) and what the host uploaded before the pass
+ * (token ids, positions and frequencies, pool slots, block tables and lengths: the embedding,
+ * RoPE with the KV write, the decode attention and its merge). The decode attention also starts
+ * copying the blocks older than the tokens the KV write before it writes. A GEMV thread with no
+ * row, and a decode-attention warp with no work, return without waiting; their kernels still end
+ * only after their other threads waited.
  */
 #ifndef LLMEM_BACKEND_CUDA_LAUNCH_H
 #define LLMEM_BACKEND_CUDA_LAUNCH_H

@@ -65,6 +65,7 @@
 #define SMALL_SLOTS  32
 #define SMALL_REUSE  4  /* the last uploads compared with a new one */
 #define GRAPHS       32 /* recorded passes kept, the least recently used replaced */
+#define REPLAY_TIMES 64 /* replays timed by event pairs, read when counters are asked for */
 #define GRAPH_MISSES 4  /* passes of a key that did not match its graph before it is given up */
 
 enum pass_mode { PASS_NOW, PASS_CAPTURE, PASS_STAGE };
@@ -148,11 +149,16 @@ struct cuda_ctx {
     cudaEvent_t profile_end;
     struct profile_op profile[PROFILE_OPS];
     int profile_n;
-    cudaEvent_t replay[2]; /* around the last replay, timed when it is done */
-    int replay_timed;      /* 0: replay[] pending */
-    void *top;             /* top_k's results on the device: ids, then values */
+    /* around the replays not yet added to the counters: pairs replay_first … + replay_pending
+     * (mod REPLAY_TIMES), read when the counters are asked for or a pair is needed again (a
+     * step's host time does not wait for them) */
+    cudaEvent_t replay[2 * REPLAY_TIMES];
+    int replay_first, replay_pending;
+    int idle;       /* the stream synchronized since anything was queued on it */
+    void *top_host; /* top_k's results (ids, then values; top_bytes), pinned, mapped, until
+                     * sync hands them over */
+    void *top;      /* the device's address of top_host */
     size_t top_bytes;
-    void *top_host;   /* and their pinned copy (top_bytes), until sync hands them over */
     int32_t *top_ids; /* where the next sync puts them (NULL: nothing pending) */
     float *top_vals;
     size_t top_count; /* n·k */
@@ -323,6 +329,7 @@ static const void *small_upload(struct cuda_ctx *c, const void *host, size_t byt
     uint8_t *d = (uint8_t *)c->small + (size_t)slot * c->small_bytes;
     memcpy(h, host, bytes);
     c->small_size[slot] = bytes;
+    c->idle = 0;
     if (check(c, cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, c->stream), "upload") !=
         LLMEM_OK)
         return NULL;
@@ -385,6 +392,7 @@ enum {
 /* Called by every operation before it launches anything: its arguments extend the pass's hash.
  * 1: do not launch (the pass is staged for a recorded graph). */
 static int staged(struct cuda_ctx *c, int op, std::initializer_list<uint64_t> args) {
+    c->idle = 0;            /* (every operation stages before it queues anything) */
     if (op != OP_KV_ENCODE) /* which may take it */
         rope_flush(c);
     if (op != OP_MATMUL && op != OP_GEMV_SET && op != OP_MATMUL_W && op != OP_MATMUL_MULTI &&
@@ -408,16 +416,18 @@ static void graph_drop(struct graph *g) {
     g->exec = NULL;
 }
 
-/* Adds the last replay's device time to the counters (waiting for it). */
-static void replay_time(struct cuda_ctx *c) {
-    if (c->replay_timed)
-        return;
-    float ms = 0;
-    if (cudaEventSynchronize(c->replay[1]) == cudaSuccess &&
-        cudaEventElapsedTime(&ms, c->replay[0], c->replay[1]) == cudaSuccess)
-        c->counters.graphs_device_s += ms * 1e-3;
-    (void)cudaGetLastError();
-    c->replay_timed = 1;
+/* Adds the oldest `n` timed replays' device time to the counters (waiting for them). */
+static void replay_time(struct cuda_ctx *c, int n) {
+    for (; n > 0 && c->replay_pending > 0; n--) {
+        cudaEvent_t *e = &c->replay[2 * c->replay_first];
+        float ms = 0;
+        if (cudaEventSynchronize(e[1]) == cudaSuccess &&
+            cudaEventElapsedTime(&ms, e[0], e[1]) == cudaSuccess)
+            c->counters.graphs_device_s += ms * 1e-3;
+        (void)cudaGetLastError();
+        c->replay_first = (c->replay_first + 1) % REPLAY_TIMES;
+        c->replay_pending--;
+    }
 }
 
 static int cuda_graph_ready(void *ctx, uint64_t key) {
@@ -460,9 +470,8 @@ static int cuda_graph_begin(void *ctx, uint64_t key) {
     c->mode = PASS_NOW;
     if (g->state == GRAPH_READY || (g->exec == NULL && g->sig != 0)) {
         /* the ring's memory takes this pass's data: nothing queued may still read it */
-        if (check(c, cudaStreamSynchronize(c->stream), "synchronize") != LLMEM_OK)
+        if (!c->idle && check(c, cudaStreamSynchronize(c->stream), "synchronize") != LLMEM_OK)
             return c->failed;
-        replay_time(c);
         c->ring_stale = 1;
         c->mode = g->state == GRAPH_READY ? PASS_STAGE : PASS_CAPTURE;
     }
@@ -516,15 +525,19 @@ static int cuda_graph_end(void *ctx) {
         g->state = ++g->misses >= GRAPH_MISSES ? GRAPH_OFF : GRAPH_SEEN;
         return LLMEM_EBUSY;
     }
+    c->idle = 0;
     if (c->arena_used > 0)
         check(c,
               cudaMemcpyAsync(c->small, c->small_host, c->arena_used, cudaMemcpyHostToDevice,
                               c->stream),
               "upload");
-    const int timed = mode == PASS_STAGE && cudaEventRecord(c->replay[0], c->stream) == cudaSuccess;
+    if (mode == PASS_STAGE && c->replay_pending == REPLAY_TIMES)
+        replay_time(c, 1); /* its pair is needed again */
+    cudaEvent_t *e = &c->replay[2 * ((c->replay_first + c->replay_pending) % REPLAY_TIMES)];
+    const int timed = mode == PASS_STAGE && cudaEventRecord(e[0], c->stream) == cudaSuccess;
     check(c, cudaGraphLaunch(g->exec, c->stream), "cudaGraphLaunch");
-    if (timed && cudaEventRecord(c->replay[1], c->stream) == cudaSuccess)
-        c->replay_timed = 0;
+    if (timed && cudaEventRecord(e[1], c->stream) == cudaSuccess)
+        c->replay_pending++;
     if (mode == PASS_STAGE) {
         c->counters.graphs_replayed++;
         g->misses = 0; /* only misses in a row give a key up */
@@ -705,12 +718,27 @@ __global__ void bias_kernel(float *y, const float *bias, int64_t rows, int64_t n
         y[i] = __fadd_rn(y[i], bias[i % rows]);
 }
 
+/* A block per token. The ids (uploaded before the pass) and a thread's first EMBED_HELD elements
+ * of the row (weights) are read before the wait: no kernel writes them (launch.h). */
+#define EMBED_HELD 8
 __global__ void embedding_kernel(const void *table, enum llmem_dtype dt, int64_t dim,
                                  const int32_t *ids, float *out) {
-    pdl_begin();
     const int64_t t = blockIdx.x;
     const int64_t base = (int64_t)ids[t] * dim;
-    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+    float v[EMBED_HELD];
+#pragma unroll
+    for (int k = 0; k < EMBED_HELD; k++) {
+        const int64_t i = threadIdx.x + (int64_t)k * blockDim.x;
+        v[k] = i < dim ? weight_at(table, dt, base + i) : 0.0f;
+    }
+    pdl_begin();
+#pragma unroll
+    for (int k = 0; k < EMBED_HELD; k++) {
+        const int64_t i = threadIdx.x + (int64_t)k * blockDim.x;
+        if (i < dim)
+            out[t * dim + i] = v[k];
+    }
+    for (int64_t i = threadIdx.x + (int64_t)EMBED_HELD * blockDim.x; i < dim; i += blockDim.x)
         out[t * dim + i] = weight_at(table, dt, base + i);
 }
 
@@ -751,7 +779,22 @@ __global__ void __launch_bounds__(TOP_THREADS)
     const float *row = x + (size_t)blockIdx.x * (size_t)cols;
     uint32_t best = 0;
     int64_t at = INT64_MAX;
-    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+    /* a thread's first ARGMAX_HELD entries asked for together, then the rest */
+    constexpr int ARGMAX_HELD = 4;
+    float e[ARGMAX_HELD];
+#pragma unroll
+    for (int j = 0; j < ARGMAX_HELD; j++) {
+        const int64_t i = threadIdx.x + (int64_t)j * blockDim.x;
+        e[j] = i < cols ? row[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < ARGMAX_HELD; j++) {
+        const int64_t i = threadIdx.x + (int64_t)j * blockDim.x;
+        const uint32_t k = order_key(e[j]);
+        if (i < cols && (k > best || at == INT64_MAX))
+            best = k, at = i;
+    }
+    for (int64_t i = threadIdx.x + (int64_t)ARGMAX_HELD * blockDim.x; i < cols; i += blockDim.x) {
         uint32_t k = order_key(row[i]);
         if (k > best || at == INT64_MAX)
             best = k, at = i;
@@ -1903,7 +1946,7 @@ static int cuda_sync(void *ctx) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     rope_flush(c);
     if (c->mode == PASS_NOW)
-        check(c, cudaStreamSynchronize(c->stream), "synchronize");
+        c->idle = check(c, cudaStreamSynchronize(c->stream), "synchronize") == LLMEM_OK;
     if (c->top_ids != NULL && c->mode == PASS_NOW) { /* the results of the last top_k */
         if (!c->failed) {
             memcpy(c->top_ids, c->top_host, c->top_count * sizeof(int32_t));
@@ -1921,6 +1964,7 @@ static int cuda_sync(void *ctx) {
 static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     rope_flush(c);
+    c->idle = 0;
     c->shadow_x = NULL;
     if (bytes > 0 && c->mode != PASS_NOW) {
         if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream) != cudaSuccess) {
@@ -1951,24 +1995,25 @@ static int cuda_top_k(void *ctx, const float *x, int64_t n, int64_t cols, int k,
         while (bytes < count * (sizeof(int32_t) + sizeof(float)))
             bytes *= 2;
         cuda_sync(ctx); /* a pending result is handed over before its buffers go */
-        dev_free(c, c->top);
         if (c->top_host != NULL)
             cudaFreeHost(c->top_host);
-        c->top_host = NULL;
-        c->top = dev_alloc(c, bytes);
-        c->top_bytes = c->top != NULL ? bytes : 0;
-        if (c->top == NULL) {
-            fail(c, LLMEM_ENOMEM, "top_k", NULL); /* logged by the allocator */
+        c->top_host = NULL, c->top = NULL, c->top_bytes = 0;
+        if (check(c, cudaHostAlloc(&c->top_host, bytes, cudaHostAllocMapped), "cudaHostAlloc") !=
+                LLMEM_OK ||
+            check(c, cudaHostGetDevicePointer(&c->top, c->top_host, 0),
+                  "cudaHostGetDevicePointer") != LLMEM_OK) {
+            if (c->top_host != NULL)
+                cudaFreeHost(c->top_host);
+            c->top_host = NULL, c->top = NULL;
             return c->failed;
         }
-        if (check(c, cudaHostAlloc(&c->top_host, bytes, cudaHostAllocDefault), "cudaHostAlloc") !=
-            LLMEM_OK) {
-            c->top_host = NULL;
-            return c->failed;
-        }
+        c->top_bytes = bytes;
     }
+    /* the kernels write the results to pinned host memory (mapped): sync hands them over
+     * without a copy queued after them */
     int32_t *d_ids = (int32_t *)c->top;
     float *d_vals = (float *)(d_ids + count);
+    c->idle = 0;
     if (k == 1)
         pdl_launch(c->stream, argmax_kernel, dim3((unsigned)n), dim3(TOP_THREADS), 0, x, cols,
                    d_ids, d_vals);
@@ -1977,10 +2022,6 @@ static int cuda_top_k(void *ctx, const float *x, int64_t n, int64_t cols, int k,
                    d_ids, d_vals);
     launched(c, "top_k");
     c->counters.top_k_rows += n;
-    check(c,
-          cudaMemcpyAsync(c->top_host, d_ids, count * (sizeof(int32_t) + sizeof(float)),
-                          cudaMemcpyDeviceToHost, c->stream),
-          "top_k copy");
     c->top_ids = ids, c->top_vals = vals, c->top_count = count;
     return c->failed;
 }
@@ -2000,11 +2041,10 @@ static void cuda_destroy(void *ctx) {
         cudaEventDestroy(c->profile_end);
     for (int i = 0; i < GRAPHS; i++)
         graph_drop(&c->graphs[i]);
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < 2 * REPLAY_TIMES; i++)
         if (c->replay[i] != NULL)
             cudaEventDestroy(c->replay[i]);
     dev_free(c, c->scratch);
-    dev_free(c, c->top);
     if (c->top_host != NULL)
         cudaFreeHost(c->top_host);
     for (int i = 0; i < SMALL_SLOTS; i++)
@@ -2031,7 +2071,7 @@ static void cuda_destroy(void *ctx) {
 
 static void cuda_counters(void *ctx, struct llmem_backend_counters *out) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    replay_time(c);
+    replay_time(c, REPLAY_TIMES);
     *out = c->counters;
 }
 
@@ -2106,8 +2146,7 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
         LLMEM_ERROR("llmem_backend_cuda_create: out of memory");
         status = LLMEM_ENOMEM;
     }
-    c->replay_timed = 1;
-    for (int i = 0; status == LLMEM_OK && i < 2; i++)
+    for (int i = 0; status == LLMEM_OK && i < 2 * REPLAY_TIMES; i++)
         if (check(c, cudaEventCreate(&c->replay[i]), "event") != LLMEM_OK)
             status = LLMEM_EIO;
     for (int i = 0; status == LLMEM_OK && i < SMALL_SLOTS; i++)
