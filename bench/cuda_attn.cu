@@ -25,16 +25,7 @@
 #include <vector>
 
 #include "backend/cuda/attention.h"
-
-#define CHECK(call)                                                                                \
-    do {                                                                                           \
-        cudaError_t err_ = (call);                                                                 \
-        if (err_ != cudaSuccess) {                                                                 \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                          \
-                    cudaGetErrorString(err_));                                                     \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "cuda_check.h"
 
 static const int N_HEADS = 32, N_KV = 8, HEAD_DIM = 128, BLOCK = 16;
 static const size_t ROTATE_BYTES = (size_t)256 << 20;

@@ -26,15 +26,8 @@
 #include <string.h>
 #include <vector>
 
-#define CHECK(call)                                                                                \
-    do {                                                                                           \
-        cudaError_t err_ = (call);                                                                 \
-        if (err_ != cudaSuccess) {                                                                 \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                          \
-                    cudaGetErrorString(err_));                                                     \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "backend/cuda/launch.h"
+#include "cuda_check.h"
 
 static const int LAYERS = 16, UNROLL = 8;
 
@@ -121,19 +114,11 @@ __global__ void read_kernel(const uint4 *p, int64_t n, unsigned *out) {
         out[0] = s;
 }
 
+/* A kernel launched as the backend launches its kernels (launch.h). */
 template <typename... P, typename... A>
 static void launch(cudaStream_t st, void (*kernel)(P...), unsigned grid, unsigned block,
                    A... args) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(block);
-    cfg.stream = st;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+    CHECK(pdl_launch(st, kernel, dim3(grid), dim3(block), 0, args...));
 }
 
 struct mat {
