@@ -237,10 +237,11 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     constexpr bool BF = FMT == FMT_BF16;
     extern __shared__ __align__(16) uint8_t smem[];
 
-    /* Launched as a programmatic dependent (launch.h): every kernel but the one before it has
-     * finished. Until the wait below, the warp reads only what no kernel writes (the tables and
-     * lengths, uploaded before the pass) and the blocks that the one before it cannot be writing
-     * (p.fresh), so that their copies are under way while it ends. */
+    /* Launched as a programmatic dependent (launch.h): the kernels before it may still be
+     * running. Until the wait below, the warp reads only what no kernel of this pass writes (the
+     * tables and lengths, uploaded before the pass, and the blocks wholly before each sequence's
+     * p.fresh newest tokens, written by earlier passes), so that their copies are under way while
+     * the KV write before it ends. */
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); /* as pdl_begin does */
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long item = (long long)blockIdx.x * WARPS + warp;
