@@ -260,6 +260,9 @@ static void test_bf16_query_and_dim256(void **state) {
         assert_true(run_case(&tc) <= tolerance(formats[f]));
         struct attn_case t256 = {formats[f], 8, 2, 256, N_RAGGED, ragged, 48, 0};
         assert_true(run_case(&t256) <= tolerance(formats[f]));
+        /* 4 KV heads: q8's warps share their stages */
+        struct attn_case t256s = {formats[f], 16, 4, 256, N_RAGGED, ragged, 0, 0};
+        assert_true(run_case(&t256s) <= tolerance(formats[f]));
     }
 }
 

@@ -4,11 +4,14 @@
  * Work: one warp per (sequence, KV head, split of the context); for the queries of a prefill chunk
  * (one table), one warp per (pack of up to 8 / group queries, KV head, split), its rows the pack's
  * (query, head) slots, so that a block's K and V are read once for the pack. The warp streams its
- * split's blocks, 16 tokens at a time, into its own ring of shared-memory stages with 16-byte
- * cp.async that bypass L1 (the K and V rows of its KV head; a q8 row, 34 bytes a group, is copied
- * from the 16-byte boundary below it: see Geo), STAGES − 1 blocks ahead of the one it computes, and
- * keeps an online softmax (m, l, acc) for the query heads of its GQA group. Every KV row is read
- * from memory once for all of them.
+ * split's blocks, 16 tokens at a time, into a ring of shared-memory stages with 16-byte cp.async,
+ * STAGES − 1 blocks ahead of the one it computes, and keeps an online softmax (m, l, acc) for the
+ * query heads of its GQA group. Every KV row is read from memory once for all of them. 16-bit rows
+ * are copied by their warp into its own ring, around L1. q8 rows (34 bytes a group) are not
+ * 16-byte aligned: when the KV heads come in fours, a CTA's four warps take four consecutive heads
+ * of the same tokens and copy their rows of each token as one aligned span into a ring they share
+ * (a barrier a block); otherwise each warp copies its rows from the 16-byte boundary below them,
+ * through L1, which serves the edges its neighbour's rows share (see Geo).
  *
  * The arithmetic is on tensor cores (mma.m16n8k16, f32 accumulate), with the query heads as the
  * 16 rows: row h holds query head h (h < group ≤ 8) rounded to 16 bits, row 8 + h the rounding's
@@ -51,17 +54,24 @@ constexpr float LOG2E = 1.4426950408889634f;
 
 enum Fmt { FMT_F16 = 0, FMT_BF16 = 1, FMT_Q8 = 2 };
 
-/* Bytes of one head's row, the unit copied, and the row stride in shared memory. */
-/* Bytes of one head's row, the 16-byte chunks copied for it and the row stride in shared memory.
- * A q8 row (34 bytes a group) starts on 4, 8 or 16 bytes; its copy starts at the 16-byte boundary
- * below it (L1-bypassing copies take 16 bytes), so in shared memory the row begins `shift` bytes
- * into its slot (the bytes around it belong to the neighbouring heads' rows). */
-template <int FMT, int D> struct Geo {
+/* Bytes of one head's row, the 16-byte chunks copied a token and the token stride in shared
+ * memory, per stage and per ring (of STAGES stages). A warp that copies its own rows (COOP false)
+ * takes each row alone: a q8 row (34 bytes a group) starts on 4, 8 or 16 bytes, so its copy starts
+ * at the 16-byte boundary below it and in shared memory the row begins `shift` bytes into its slot
+ * (the bytes around it belong to the neighbouring heads' rows). The CTA's warps copying together
+ * (COOP: consecutive KV heads of the same tokens) take their WARPS rows of a token as one
+ * contiguous span, 16-byte aligned: whole cache lines, none read twice. */
+template <int FMT, int D, bool COOP = false> struct Geo {
     static constexpr int ROW = FMT == FMT_Q8 ? 34 * D / 32 : 2 * D;
     static constexpr int ALIGN = ROW % 16 == 0 ? 16 : ROW % 8 == 0 ? 8 : 4;
-    static constexpr int NCH = FMT == FMT_Q8 ? (ROW + 16 - ALIGN + 15) / 16 : ROW / 16;
+    static constexpr int NCH = COOP            ? WARPS * ROW / 16
+                               : FMT == FMT_Q8 ? (ROW + 16 - ALIGN + 15) / 16
+                                               : ROW / 16;
     static constexpr int SROW = 16 * NCH;
-    static constexpr int STAGE = 2 * BLOCK * SROW; /* K rows, then V rows */
+    static constexpr int STAGE = 2 * BLOCK * SROW;         /* K rows, then V rows */
+    static constexpr int THREADS = COOP ? WARPS * 32 : 32; /* that copy a stage */
+    static constexpr int CTA_BYTES_PER_STAGE = COOP ? STAGE : WARPS * STAGE;
+    static_assert(!COOP || (WARPS * ROW) % 16 == 0, "a span of whole 16-byte chunks");
 };
 
 struct Params {
@@ -92,12 +102,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
 
-template <int N> __device__ __forceinline__ void cp_async(uint32_t dst, const void *src, int n) {
-    if constexpr (N == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+/* 16 bytes (n = 16; n = 0 zero-fills) copied to shared memory, through L1 (L1) or around it. */
+template <bool L1>
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, int n) {
+    if constexpr (L1)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                      "r"(n));
     else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N),
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                      "r"(n));
 }
 __device__ __forceinline__ void cp_commit() {
@@ -131,6 +143,14 @@ __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* 2^x by the multi-function unit, subnormal results flushed to 0 (a probability below 2⁻¹²⁶
+ * weighs nothing next to the maximum's 1); 2^−∞ = 0. */
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 /* Two floats rounded to the 16-bit type (hi) and their remainders rounded again (lo). */
 template <bool BF>
 __device__ __forceinline__ void split2(float x, float y, uint32_t &hi, uint32_t &lo) {
@@ -159,29 +179,52 @@ __device__ __forceinline__ uint32_t dequant2(uint32_t x, uint32_t sel, __half2 s
 
 /* ---- the decode kernel --------------------------------------------------------------------- */
 
-/* Copies the K and V rows of one KV head of one block into a stage; rows ≥ n_valid are zeroed. */
-template <int FMT, int D>
-__device__ __forceinline__ void load_block(uint32_t stage, const uint8_t *kblk, const uint8_t *vblk,
-                                           int tok_stride, int n_valid, int lane) {
-    using G = Geo<FMT, D>;
-    constexpr int TOTAL = BLOCK * G::NCH;
+/* A thread's share of copying a block's rows into a stage, the same for every block (the pools
+ * and block_stride are 16-byte aligned): for each of its 16-byte chunks the source offset from the
+ * first copied row of the block, and (token << 16) | destination offset in the stage. */
+template <int FMT, int D, bool COOP> struct CopyPlan {
+    using G = Geo<FMT, D, COOP>;
+    static constexpr int TOTAL = BLOCK * G::NCH;
+    static constexpr int N = (TOTAL + G::THREADS - 1) / G::THREADS;
+    int32_t src[N]; /* q8 alone: the first chunk of token 0 may start before it */
+    uint32_t dst[N];
+
+    __device__ __forceinline__ CopyPlan(int tok_stride, size_t head_off, int tid) {
 #pragma unroll
-    for (int i0 = 0; i0 < TOTAL; i0 += 32) {
-        int i = i0 + lane;
-        if (TOTAL % 32 == 0 || i < TOTAL) {
-            int row = i / G::NCH, ch = i % G::NCH;
-            int n = row < n_valid ? 16 : 0;
-            int sch = FMT == FMT_Q8 ? ch : swz(ch, row);
-            uint32_t d = stage + (uint32_t)(row * G::SROW + sch * 16);
-            size_t off = (size_t)row * (size_t)tok_stride;
-            if (FMT == FMT_Q8)
-                off -= (uintptr_t)(kblk + off) & 15; /* the pools share their alignment */
-            off += (size_t)ch * 16;
-            cp_async<16>(d, kblk + off, n);
-            cp_async<16>(d + BLOCK * G::SROW, vblk + off, n);
+        for (int k = 0; k < N; k++) {
+            const int i = G::THREADS * k + tid;
+            const int t = i / G::NCH, ch = i % G::NCH;
+            int32_t off = t * tok_stride;
+            if (FMT == FMT_Q8 && !COOP) /* from the 16-byte boundary below the row */
+                off -= (int32_t)((head_off + (size_t)off) & 15);
+            src[k] = off + ch * 16;
+            int at = ch * 16; /* 16-bit rows: chunks swizzled within each row */
+            if constexpr (FMT != FMT_Q8) {
+                constexpr int RCH = G::ROW / 16;
+                at = (ch / RCH) * G::ROW + swz(ch % RCH, t) * 16;
+            }
+            dst[k] = ((uint32_t)t << 16) | (uint32_t)(t * G::SROW + at);
         }
     }
-}
+
+    /* Copies the block's K and V rows into the stage at `stage`; tokens ≥ n_valid are zeroed. */
+    __device__ __forceinline__ void load(uint32_t stage, const uint8_t *kblk, long long v_minus_k,
+                                         int n_valid, int tid) const {
+        const uint32_t lim = (uint32_t)min(n_valid, BLOCK) << 16;
+#pragma unroll
+        for (int k = 0; k < N; k++) {
+            if (TOTAL % G::THREADS == 0 || k < N - 1 || tid < TOTAL - G::THREADS * (N - 1)) {
+                const int n = dst[k] < lim ? 16 : 0;
+                const uint32_t d = stage + (dst[k] & 0xffffu);
+                const uint8_t *src_k = kblk + src[k];
+                /* a q8 row alone shares its edge sectors with the next warp's: through L1 */
+                constexpr bool L1 = FMT == FMT_Q8 && !COOP;
+                cp_async16<L1>(d, src_k, n);
+                cp_async16<L1>(d + BLOCK * G::SROW, src_k + v_minus_k, n);
+            }
+        }
+    }
+};
 
 /* The B operand of two k-steps of S = Q·Kᵀ: 8 consecutive elements [32p + 8c, +8) of the key row
  * of token t, as four registers of two 16-bit values. */
@@ -216,11 +259,10 @@ __device__ __forceinline__ void load_k(const uint8_t *row, int t, int p, int c, 
     }
 }
 
-/* E = D/8 bytes of a q8 value row from byte o (even) on, as E/4 words. */
+/* E = D/8 bytes of a q8 value row as E/4 words, from `base` (4-byte aligned) on, each word taken
+ * `sel` bytes in (0x3210: none, 0x5432: two). */
 template <int E>
-__device__ __forceinline__ void load_q8_run(const uint8_t *row, int o, uint32_t w[E / 4]) {
-    const uint8_t *base = row + (o & ~3);
-    uint32_t sel = (o & 2) ? 0x5432u : 0x3210u;
+__device__ __forceinline__ void load_q8_run(const uint8_t *base, uint32_t sel, uint32_t w[E / 4]) {
     uint32_t prev = lds32(base);
 #pragma unroll
     for (int i = 0; i < E / 4; i++) {
@@ -230,10 +272,18 @@ __device__ __forceinline__ void load_q8_run(const uint8_t *row, int o, uint32_t 
     }
 }
 
-/* MINB: CTAs per SM the registers must allow. */
-template <int FMT, int D, int STAGES, int MINB>
+/* x, computed once: the compiler may not recompute it in a loop (offsets kept in registers rather
+ * than rebuilt from the lane index every block). */
+__device__ __forceinline__ int opaque(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+
+/* MINB: CTAs per SM the registers must allow. COOP: the CTA's warps take consecutive KV heads of
+ * the same tokens (n_kv a multiple of WARPS) and share their stages (see Geo). */
+template <int FMT, int D, int STAGES, int MINB, bool COOP>
 __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p) {
-    using G = Geo<FMT, D>;
+    using G = Geo<FMT, D, COOP>;
     constexpr bool BF = FMT == FMT_BF16;
     extern __shared__ __align__(16) uint8_t smem[];
 
@@ -285,25 +335,28 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     const int t1_r = min(t0 + p.split_len, len_r); /* this row's end */
     const int nblk = (t1 - t0 + BLOCK - 1) / BLOCK;
 
-    uint8_t *ring = smem + (size_t)warp * STAGES * G::STAGE;
+    uint8_t *ring = COOP ? smem : smem + (size_t)warp * STAGES * G::STAGE;
     const uint32_t ring_s = smem_addr(ring);
     const int32_t *table = p.tables + (size_t)tab0 * p.table_stride + t0 / BLOCK;
     const int tok_stride = p.n_kv * G::ROW;
     const size_t head_off = (size_t)kvh * G::ROW;
 
-    /* where token t's row starts in a stage (q8: past its shift) */
-    auto row_at = [&](const uint8_t *base, int t) {
-        if constexpr (FMT == FMT_Q8)
-            return base + t * G::SROW + ((t * tok_stride + (int)head_off) & 15);
+    /* where this warp's row of token t starts in a stage (q8 alone: past its shift) */
+    auto row_off = [&](int t) {
+        if constexpr (COOP)
+            return t * G::SROW + warp * G::ROW;
+        else if constexpr (FMT == FMT_Q8)
+            return t * G::SROW + (int)(((size_t)t * tok_stride + head_off) & 15);
         else
-            return base + t * G::SROW;
+            return t * G::SROW;
     };
-    auto issue = [&](int i) {
-        long long id = table[i];
-        const uint8_t *kb = p.k_pool + id * p.block_stride + head_off;
-        const uint8_t *vb = p.v_pool + id * p.block_stride + head_off;
-        load_block<FMT, D>(ring_s + (uint32_t)((i % STAGES) * G::STAGE), kb, vb, tok_stride,
-                           t1 - t0 - i * BLOCK, lane);
+    const int tid = COOP ? (int)threadIdx.x : lane;
+    const CopyPlan<FMT, D, COOP> plan(tok_stride, head_off, tid);
+    const uint8_t *k_first = p.k_pool + (COOP ? head_off - (size_t)warp * G::ROW : head_off);
+    const long long v_minus_k = p.v_pool - p.k_pool;
+    auto issue = [&](int i, int stage) {
+        plan.load(ring_s + (uint32_t)(stage * G::STAGE), k_first + table[i] * p.block_stride,
+                  v_minus_k, t1 - t0 - i * BLOCK, tid);
     };
     /* the first blocks that end at or before every row's length − fresh: issued before the wait */
     int settled = p.fresh > 0 && head ? len_r - p.fresh : INT_MAX;
@@ -312,13 +365,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     const int early = p.fresh > 0 ? min(max((settled - t0) / BLOCK, 0), STAGES - 1) : 0;
     for (int s = 0; s < early; s++) {
         if (s < nblk)
-            issue(s);
+            issue(s, s);
         cp_commit();
     }
     asm volatile("griddepcontrol.wait;" ::: "memory");
     for (int s = early; s < STAGES - 1; s++) {
         if (s < nblk)
-            issue(s);
+            issue(s, s);
         cp_commit();
     }
 
@@ -371,26 +424,36 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     float m = -INFINITY, l = 0.0f;
 
-    for (int i = 0; i < nblk; i++) {
-        cp_wait<STAGES - 2>();
-        __syncwarp();
-        if (i + STAGES - 1 < nblk)
-            issue(i + STAGES - 1);
-        cp_commit();
+    /* the rows this thread reads in a stage: keys 8j + r, values 2c, 2c + 1, 8 + 2c, 9 + 2c */
+    const int k_at[2] = {opaque(row_off(r)), opaque(row_off(8 + r))};
+    const int v_at[4] = {row_off(2 * c), row_off(2 * c + 1), row_off(8 + 2 * c),
+                         row_off(9 + 2 * c)};
+    /* q8: this thread's E = D/8 value codes of a row start at byte o (even) of it, and their
+     * group's scale at scale_at; the runs as 4-byte aligned loads from v_run, `sel` bytes in */
+    constexpr int E = D / 8;
+    const int o = 34 * (E * r / 32) + (E * r) % 32;
+    const int scale_at = 34 * (E * r / 32) + 32;
+    int v_run[4] = {0, 0, 0, 0}, v_scale[4] = {0, 0, 0, 0};
+    uint32_t v_sel = 0;
+    if constexpr (FMT == FMT_Q8) {
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            v_run[x] = opaque(v_at[x] + (o & ~3));
+            v_scale[x] = opaque(v_at[x] + scale_at);
+        }
+        v_sel = (uint32_t)opaque((o & 2) ? 0x5432 : 0x3210);
+    }
 
-        const uint8_t *ks = ring + (i % STAGES) * G::STAGE;
-        const uint8_t *vs = ks + BLOCK * G::SROW;
-        const int valid = t1_r - t0 - i * BLOCK; /* this row's tokens in the block */
-
-        /* scores of tokens 8j + 2c + {0, 1} for query head r (two chains of products each) */
-        float s[2][2];
+    /* scores of tokens 8j + 2c + {0, 1} of the block in stage `ks` for query head r (two chains of
+     * products each); −∞ past this row's `valid` tokens of the block */
+    auto scores = [&](const uint8_t *ks, int valid, float s[2][2]) {
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             float ce[4] = {0.0f, 0.0f, 0.0f, 0.0f}, co[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int k = 0; k < D / 32; k++) {
                 uint32_t kb[4];
-                load_k<FMT, D>(row_at(ks, 8 * j + r), 8 * j + r, k, c, kb);
+                load_k<FMT, D>(ks + k_at[j], 8 * j + r, k, c, kb);
                 mma<BF>(ce, &qf[k][0], kb[0], kb[1]);
                 mma<BF>(co, &qf[k][4], kb[2], kb[3]);
             }
@@ -399,6 +462,23 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
                 s[j][e] = 8 * j + 2 * c + e < valid ? (ce[e] + ce[2 + e]) + (co[e] + co[2 + e])
                                                     : -INFINITY;
         }
+    };
+    for (int i = 0, cur = 0; i < nblk; i++, cur = cur == STAGES - 1 ? 0 : cur + 1) {
+        /* block i has landed (and its copiers' writes are visible); every reader is done with
+         * block i − 1, whose stage the next copy takes */
+        cp_wait<STAGES - 2>();
+        if constexpr (COOP)
+            __syncthreads();
+        else
+            __syncwarp();
+        if (i + STAGES - 1 < nblk)
+            issue(i + STAGES - 1, cur == 0 ? STAGES - 1 : cur - 1);
+        cp_commit();
+
+        const uint8_t *ks = ring + cur * G::STAGE;
+        const uint8_t *vs = ks + BLOCK * G::SROW;
+        float s[2][2];
+        scores(ks, t1_r - t0 - i * BLOCK, s);
 
         /* online softmax (base 2) */
         float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
@@ -407,14 +487,14 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         const float mn = fmaxf(m, mx);
         /* a row of a pack with no token yet (a shorter query's split): nothing, not NaN */
         const bool none = mn == -INFINITY;
-        const float alpha = none ? 1.0f : exp2f(m - mn);
+        const float alpha = none ? 1.0f : ex2(m - mn);
         m = mn;
         float pr[2][2];
 #pragma unroll
         for (int j = 0; j < 2; j++)
 #pragma unroll
             for (int e = 0; e < 2; e++)
-                pr[j][e] = none ? 0.0f : exp2f(s[j][e] - mn);
+                pr[j][e] = none ? 0.0f : ex2(s[j][e] - mn);
         l = l * alpha + (pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]);
         /* rescale only when some head's maximum moved (rare once a few blocks are in) */
         if (__any_sync(0xffffffffu, alpha != 1.0f)) {
@@ -452,20 +532,16 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
             /* this thread's dims: [E·r, E·r + E); rows r and r + 8 of m-tile mt are dims
              * E·r + mt and E·r + E/2 + mt */
             /* this thread's E = D/8 code bytes of tokens 2c, 2c+1, 8+2c, 9+2c, and their scales */
-            constexpr int E = D / 8;
-            const int o = 34 * (E * r / 32) + (E * r) % 32;
-            const int scale_at = 34 * (E * r / 32) + 32;
-            const uint8_t *ra = row_at(vs, 2 * c), *rb = row_at(vs, 2 * c + 1);
-            const uint8_t *rc = row_at(vs, 8 + 2 * c), *rd = row_at(vs, 9 + 2 * c);
             uint32_t wa[E / 4], wb[E / 4], wc[E / 4], wd[E / 4];
-            load_q8_run<E>(ra, o, wa);
-            load_q8_run<E>(rb, o, wb);
-            load_q8_run<E>(rc, o, wc);
-            load_q8_run<E>(rd, o, wd);
-            uint32_t sab = __byte_perm(*reinterpret_cast<const uint16_t *>(ra + scale_at),
-                                       *reinterpret_cast<const uint16_t *>(rb + scale_at), 0x5410);
-            uint32_t scd = __byte_perm(*reinterpret_cast<const uint16_t *>(rc + scale_at),
-                                       *reinterpret_cast<const uint16_t *>(rd + scale_at), 0x5410);
+            load_q8_run<E>(vs + v_run[0], v_sel, wa);
+            load_q8_run<E>(vs + v_run[1], v_sel, wb);
+            load_q8_run<E>(vs + v_run[2], v_sel, wc);
+            load_q8_run<E>(vs + v_run[3], v_sel, wd);
+            auto scale = [&](int x) {
+                return *reinterpret_cast<const uint16_t *>(vs + v_scale[x]);
+            };
+            uint32_t sab = __byte_perm(scale(0), scale(1), 0x5410);
+            uint32_t scd = __byte_perm(scale(2), scale(3), 0x5410);
             const __half2 s_ab = *reinterpret_cast<__half2 *>(&sab);
             const __half2 s_cd = *reinterpret_cast<__half2 *>(&scd);
 #pragma unroll
@@ -684,47 +760,64 @@ struct KernelInfo {
     int smem_alloc;   /* what a CTA asks for: at least smem, more to cap the CTAs per SM */
     int max_ctas;     /* 0: as many as fit */
     int warps_per_sm; /* resident warps per multiprocessor, 0 until asked */
+    KernelInfo *wide; /* the same kernel at more CTAs per SM, taken when its split fills one wave */
 };
 
-template <int FMT, int D, int STAGES, int MINB> KernelInfo *kernel_info(int max_ctas) {
-    static KernelInfo info = {decode_kernel<FMT, D, STAGES, MINB>,
-                              WARPS * STAGES * Geo<FMT, D>::STAGE, 0, max_ctas, 0};
-    return &info;
+template <int FMT, int D, int STAGES, int MINB, bool COOP> KernelInfo *kernel_info(int max_ctas) {
+    static KernelInfo info[5]; /* by max_ctas */
+    KernelInfo *k = &info[max_ctas];
+    if (k->fn == nullptr)
+        *k = {decode_kernel<FMT, D, STAGES, MINB, COOP>,
+              STAGES * Geo<FMT, D, COOP>::CTA_BYTES_PER_STAGE,
+              0,
+              max_ctas,
+              0,
+              nullptr};
+    return k;
 }
 
 constexpr int SMEM_CTA_MAX = 220 * 1024;
 
-template <int FMT, int D, int MINB> KernelInfo *pick_stages(int stages, int max_ctas) {
-    constexpr int ST = WARPS * Geo<FMT, D>::STAGE;
+template <int FMT, int D, int MINB, bool COOP> KernelInfo *pick_stages(int stages, int max_ctas) {
+    constexpr int ST = Geo<FMT, D, COOP>::CTA_BYTES_PER_STAGE;
     if (stages >= 8 && 8 * ST <= SMEM_CTA_MAX)
-        return kernel_info<FMT, D, 8, MINB>(max_ctas);
+        return kernel_info<FMT, D, 8, MINB, COOP>(max_ctas);
     if (stages >= 6 && 6 * ST <= SMEM_CTA_MAX)
-        return kernel_info<FMT, D, 6, MINB>(max_ctas);
+        return kernel_info<FMT, D, 6, MINB, COOP>(max_ctas);
     if (stages >= 4 && 4 * ST <= SMEM_CTA_MAX)
-        return kernel_info<FMT, D, 4, MINB>(max_ctas);
+        return kernel_info<FMT, D, 4, MINB, COOP>(max_ctas);
     if (stages >= 3 && 3 * ST <= SMEM_CTA_MAX)
-        return kernel_info<FMT, D, 3, MINB>(max_ctas);
-    return kernel_info<FMT, D, 2, MINB>(max_ctas);
+        return kernel_info<FMT, D, 3, MINB, COOP>(max_ctas);
+    return kernel_info<FMT, D, 2, MINB, COOP>(max_ctas);
 }
 
-template <int FMT> KernelInfo *pick_dim(int head_dim) {
+template <int FMT, bool COOP> KernelInfo *pick_dim(int head_dim) {
     static const char *name = FMT == FMT_Q8 ? "Q8" : FMT == FMT_BF16 ? "BF16" : "F16";
-    /* 16-bit: 3 stages, one CTA (4 warps) per SM; q8: 3 stages, two CTAs per SM */
+    /* 16-bit: 3 stages, one CTA (4 warps) per SM; q8: 3 stages, two CTAs per SM, or three when
+     * the warps share their stages and the split fills one wave of them */
     static const int stages = env_format_int(name, "STAGES", 2, 8, 3);
     static const int ctas = env_format_int(name, "CTAS", 0, 4, FMT == FMT_Q8 ? 2 : 1);
+    static const bool wide = FMT == FMT_Q8 && COOP && ctas == 2;
+    KernelInfo *k = NULL;
     switch (head_dim) {
-    case 64: return pick_stages<FMT, 64, 2>(stages, ctas);
-    case 128: return pick_stages<FMT, 128, 2>(stages, ctas);
-    case 256: return pick_stages<FMT, 256, 1>(stages, ctas);
+    case 64: k = pick_stages<FMT, 64, 2, COOP>(stages, ctas); break;
+    case 128: k = pick_stages<FMT, 128, 2, COOP>(stages, ctas); break;
+    case 256: k = pick_stages<FMT, 256, 1, COOP>(stages, ctas); break;
     default: return NULL;
     }
+    if (wide && head_dim <= 128)
+        k->wide = head_dim == 64 ? pick_stages<FMT, 64, 2, COOP>(stages, 3)
+                                 : pick_stages<FMT, 128, 2, COOP>(stages, 3);
+    return k;
 }
 
 KernelInfo *pick_kernel(const struct llmem_cuda_attn *a) {
     switch (a->format) {
-    case LLMEM_KV_FORMAT_F16: return pick_dim<FMT_F16>(a->head_dim);
-    case LLMEM_KV_FORMAT_BF16: return pick_dim<FMT_BF16>(a->head_dim);
-    case LLMEM_KV_FORMAT_Q8: return pick_dim<FMT_Q8>(a->head_dim);
+    case LLMEM_KV_FORMAT_F16: return pick_dim<FMT_F16, false>(a->head_dim);
+    case LLMEM_KV_FORMAT_BF16: return pick_dim<FMT_BF16, false>(a->head_dim);
+    case LLMEM_KV_FORMAT_Q8: /* a CTA's warps share whole spans when they are one token's heads */
+        return a->n_kv_heads % WARPS == 0 ? pick_dim<FMT_Q8, true>(a->head_dim)
+                                          : pick_dim<FMT_Q8, false>(a->head_dim);
     default: return NULL;
     }
 }
@@ -743,7 +836,11 @@ int prepare(KernelInfo *k) {
         int floor_bytes = per_sm / (k->max_ctas + 1) - 1024 + 256;
         k->smem_alloc = floor_bytes > k->smem ? floor_bytes : k->smem;
     }
+    /* the kernel's limit covers every cap it is launched under (a KernelInfo per cap) */
+    cudaFuncAttributes attr;
     if (err == cudaSuccess)
+        err = cudaFuncGetAttributes(&attr, k->fn);
+    if (err == cudaSuccess && attr.maxDynamicSharedSizeBytes < k->smem_alloc)
         err =
             cudaFuncSetAttribute(k->fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k->smem_alloc);
     int blocks = 0;
@@ -857,6 +954,19 @@ int plan(const struct llmem_cuda_attn *a, KernelInfo **kernel, int *split_len, i
         return rc;
     long long slots = (long long)sm_count() * (*kernel)->warps_per_sm;
     choose_split(a, slots > 0 ? slots : 1024, split_len, n_splits);
+    /* more CTAs per SM pay when their split still runs in one wave (more warps to hide each
+     * other's latency); a second wave costs more than they give (docs/BENCHMARKS.md) */
+    KernelInfo *wide = (*kernel)->wide;
+    if (wide != NULL && a->split_len == 0 && prepare(wide) == LLMEM_OK) {
+        const long long wide_slots = (long long)sm_count() * wide->warps_per_sm;
+        int len, n;
+        choose_split(a, wide_slots, &len, &n);
+        if (wide_slots > slots && warp_queries(a) * a->n_kv_heads * n <= wide_slots) {
+            *kernel = wide;
+            *split_len = len;
+            *n_splits = n;
+        }
+    }
     if (*n_splits > MAX_SPLITS) {
         LLMEM_ERROR_AS("llmem_cuda_attn_decode", "split_len %d gives %d splits (at most %d)",
                        *split_len, *n_splits, MAX_SPLITS);
