@@ -733,9 +733,11 @@ __global__ void __launch_bounds__(MERGE_THREADS)
 
 /* ---- host side ----------------------------------------------------------------------------- */
 
-/* Stages per warp and the most CTAs per SM, for head_dim ≤ 128 (measured on an H200:
- * docs/BENCHMARKS.md). LLMEM_CUDA_ATTN_STAGES (2, 3, 4, 6, 8) and LLMEM_CUDA_ATTN_CTAS (1..4), or
- * LLMEM_CUDA_ATTN_<FORMAT>_STAGES / _CTAS (format BF16, F16, Q8) for one format, override them. */
+/* Stages per ring (a warp's, or the CTA's when its warps share their stages) and the most CTAs
+ * per SM, for head_dim ≤ 128 (measured on an H200: docs/BENCHMARKS.md). LLMEM_CUDA_ATTN_STAGES
+ * (2, 3, 4, 6, 8) and LLMEM_CUDA_ATTN_CTAS (1..4), or LLMEM_CUDA_ATTN_<FORMAT>_STAGES / _CTAS
+ * (format BF16, F16, Q8) for one format, override them; q8's CTAs set to other than 2 also turn
+ * off its taking three when the split fills one wave. */
 int env_int(const char *name, int lo, int hi, int fallback) {
     const char *e = getenv(name);
     int v = e ? atoi(e) : fallback;
