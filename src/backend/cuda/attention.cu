@@ -87,7 +87,7 @@ struct Params {
     const int32_t *lengths;
     int fresh; /* llmem_cuda_attn's */
     float *out;
-    float *part_acc; /* [batch, n_heads, n_splits, D] */
+    float *part_acc; /* [batch, n_heads, n_splits, D], each D in m-tile order (merge_dim) */
     float2 *part_ml; /* [batch, n_heads, n_splits] */
     int n_heads, n_kv, group;
     int split_len, n_splits;
@@ -623,15 +623,18 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
             }
         }
     } else {
+        /* a partial in m-tile order (position 16·mt + 8·row8 + r, which is dim() for 16-bit
+         * formats): a store of the eight row threads fills one 32-byte sector (q8's dims, E apart,
+         * would take eight); the merge writes q8's back in dim order (merge_dim) */
         const size_t slot0 = bh0 * p.n_splits + split, slot1 = bh1 * p.n_splits + split;
-        float *o0 = p.part_acc + slot0 * D, *o1 = p.part_acc + slot1 * D;
+        float *o0 = p.part_acc + slot0 * D + r, *o1 = p.part_acc + slot1 * D + r;
 #pragma unroll
         for (int j = 0; j < MT; j++) {
-            o0[dim(j, 0)] = acc[j][0];
-            o0[dim(j, 1)] = acc[j][2];
+            o0[16 * j] = acc[j][0];
+            o0[16 * j + 8] = acc[j][2];
             if (two) {
-                o1[dim(j, 0)] = acc[j][1];
-                o1[dim(j, 1)] = acc[j][3];
+                o1[16 * j] = acc[j][1];
+                o1[16 * j + 8] = acc[j][3];
             }
         }
     }
@@ -661,9 +664,16 @@ __device__ float block_reduce(float v, bool is_max, float *red) {
     return v;
 }
 
+/* The dim of position x of a partial (16·mt + 8·row8 + r: the decode kernel's m-tile order): x
+ * itself for 16-bit formats; for q8, whose thread r holds dims [E·r, E·r + E) (E = D/8), dim
+ * E·r + (D/16)·row8 + mt. */
+__device__ __forceinline__ int merge_dim(int x, int D, bool q8) {
+    return q8 ? (D / 8) * (x & 7) + (D / 16) * ((x >> 3) & 1) + (x >> 4) : x;
+}
+
 __global__ void __launch_bounds__(MERGE_THREADS)
     merge_kernel(const float *part_acc, const float2 *part_ml, const int32_t *lengths, int n_heads,
-                 int n_splits, int split_len, int D, float *out) {
+                 int n_splits, int split_len, int D, bool q8, float *out) {
     extern __shared__ float weight[]; /* [n_splits] */
     __shared__ float red[MERGE_THREADS / 32];
     __shared__ float4 fold[MERGE_THREADS];
@@ -726,8 +736,16 @@ __global__ void __launch_bounds__(MERGE_THREADS)
             float4 a = fold[threadIdx.x + k * (MERGE_DIMS / 4)];
             o.x += a.x, o.y += a.y, o.z += a.z, o.w += a.w;
         }
-        *reinterpret_cast<float4 *>(out + bh * D + d0) =
-            make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+        if (q8) {
+            float *ob = out + bh * D;
+            ob[merge_dim(d0, D, true)] = o.x * inv;
+            ob[merge_dim(d0 + 1, D, true)] = o.y * inv;
+            ob[merge_dim(d0 + 2, D, true)] = o.z * inv;
+            ob[merge_dim(d0 + 3, D, true)] = o.w * inv;
+        } else {
+            *reinterpret_cast<float4 *>(out + bh * D + d0) =
+                make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+        }
     }
 }
 
@@ -1043,7 +1061,7 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
             dim3((unsigned)((size_t)a->batch * a->n_heads), (unsigned)(a->head_dim / MERGE_DIMS)),
             dim3(MERGE_THREADS), n_splits * sizeof(float), (const float *)p.part_acc,
             (const float2 *)p.part_ml, a->lengths, a->n_heads, n_splits, split_len, a->head_dim,
-            a->out);
+            a->format == LLMEM_KV_FORMAT_Q8, a->out);
     }
     if (err == cudaSuccess)
         err = cudaGetLastError();
