@@ -352,57 +352,68 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     const CopyPlan<FMT, D, COOP> plan(tok_stride, head_off, tid);
     const uint8_t *k_first = p.k_pool + (COOP ? head_off - (size_t)warp * G::ROW : head_off);
     const long long v_minus_k = p.v_pool - p.k_pool;
-    auto issue = [&](int i, int stage) {
-        plan.load(ring_s + (uint32_t)(stage * G::STAGE), k_first + table[i] * p.block_stride,
-                  v_minus_k, t1 - t0 - i * BLOCK, tid);
+    auto issue_at = [&](int i, int stage, int32_t blk) {
+        plan.load(ring_s + (uint32_t)(stage * G::STAGE), k_first + blk * p.block_stride, v_minus_k,
+                  t1 - t0 - i * BLOCK, tid);
     };
     /* the first blocks that end at or before every row's length − fresh: issued before the wait */
     int settled = p.fresh > 0 && head ? len_r - p.fresh : INT_MAX;
     for (int o = 4; o < 32; o *= 2)
         settled = min(settled, __shfl_xor_sync(0xffffffffu, settled, o));
     const int early = p.fresh > 0 ? min(max((settled - t0) / BLOCK, 0), STAGES - 1) : 0;
+    /* the first blocks' table entries, all asked for before the first is used; in the loop, the
+     * entry of the block issued next is read a block ahead (its latency, an L1 hit at best, is
+     * not waited for before the copies) */
+    int32_t first_blk[STAGES - 1];
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++)
+        first_blk[s] = s < nblk ? table[s] : 0;
+    int32_t next_blk = STAGES - 1 < nblk ? table[STAGES - 1] : 0;
     for (int s = 0; s < early; s++) {
         if (s < nblk)
-            issue(s, s);
+            issue_at(s, s, first_blk[s]);
         cp_commit();
     }
     asm volatile("griddepcontrol.wait;" ::: "memory");
+
+    /* The query, asked for before the rest of the first blocks (behind their copies its loads
+     * would wait the longest), then as A fragments: rows r (rounded) and 8 + r (remainder), k
+     * permuted like load_k. */
+    uint4 qraw[D / 32][2];
+#pragma unroll
+    for (int k = 0; k < D / 32; k++) {
+        const size_t at = ((size_t)b * p.n_heads + hq) * D + 32 * k + 8 * c;
+        qraw[k][0] = qraw[k][1] = make_uint4(0, 0, 0, 0);
+        if (head && p.q_bf16)
+            qraw[k][0] = *reinterpret_cast<const uint4 *>((const __nv_bfloat16 *)p.q + at);
+        else if (head) {
+            qraw[k][0] = *reinterpret_cast<const uint4 *>((const float *)p.q + at);
+            qraw[k][1] = *reinterpret_cast<const uint4 *>((const float *)p.q + at + 4);
+        }
+    }
     for (int s = early; s < STAGES - 1; s++) {
         if (s < nblk)
-            issue(s, s);
+            issue_at(s, s, first_blk[s]);
         cp_commit();
     }
-
-    /* The query as A fragments (loaded while the first blocks are in flight): rows r (rounded) and
-     * 8 + r (remainder), k permuted like load_k. */
     uint32_t qf[D / 32][8];
 #pragma unroll
     for (int k = 0; k < D / 32; k++) {
         float x[8];
-        if (head) {
-            size_t base = ((size_t)b * p.n_heads + hq) * D + 32 * k + 8 * c;
-            if (p.q_bf16) {
-                uint4 v = *reinterpret_cast<const uint4 *>((const __nv_bfloat16 *)p.q + base);
-                const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&v);
+        if (p.q_bf16) {
+            const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&qraw[k][0]);
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float2 f = __bfloat1622float2(h[i]);
-                    x[2 * i] = f.x;
-                    x[2 * i + 1] = f.y;
-                }
-            } else {
-                const float4 *f = reinterpret_cast<const float4 *>((const float *)p.q + base);
-                float4 a = f[0], bb = f[1];
-                x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
-                x[4] = bb.x, x[5] = bb.y, x[6] = bb.z, x[7] = bb.w;
+            for (int i = 0; i < 4; i++) {
+                float2 f = __bfloat1622float2(h[i]);
+                x[2 * i] = f.x * p.qscale;
+                x[2 * i + 1] = f.y * p.qscale;
             }
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-                x[i] *= p.qscale;
         } else {
+            const uint32_t w[8] = {qraw[k][0].x, qraw[k][0].y, qraw[k][0].z, qraw[k][0].w,
+                                   qraw[k][1].x, qraw[k][1].y, qraw[k][1].z, qraw[k][1].w};
 #pragma unroll
             for (int i = 0; i < 8; i++)
-                x[i] = 0.0f;
+                x[i] = __uint_as_float(w[i]) * p.qscale;
         }
 #pragma unroll
         for (int i = 0; i < 4; i++)
@@ -469,8 +480,11 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
             __syncthreads();
         else
             __syncwarp();
-        if (i + STAGES - 1 < nblk)
-            issue(i + STAGES - 1, cur == 0 ? STAGES - 1 : cur - 1);
+        if (i + STAGES - 1 < nblk) {
+            issue_at(i + STAGES - 1, cur == 0 ? STAGES - 1 : cur - 1, next_blk);
+            if (i + STAGES < nblk)
+                next_blk = table[i + STAGES];
+        }
         cp_commit();
 
         const uint8_t *ks = ring + cur * G::STAGE;
@@ -610,7 +624,24 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     };
     const size_t bh0 = (size_t)qa * p.n_heads + kvh * p.group + h0 % p.group;
     const size_t bh1 = two ? (size_t)qb * p.n_heads + kvh * p.group + (h0 + 1) % p.group : bh0;
-    if (p.n_splits == 1) {
+    if (p.n_splits == 1 && FMT == FMT_Q8) {
+        /* thread r's dims are [E·r, E·r + E): acc[j][0] dim E·r + j, acc[j][2] dim E·r + MT + j,
+         * stored as whole float4s */
+        const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+        float *o0 = p.out + bh0 * D + E * r, *o1 = p.out + bh1 * D + E * r;
+#pragma unroll
+        for (int j = 0; j < MT; j += 4)
+#pragma unroll
+            for (int row8 = 0; row8 < 2; row8++) {
+                const int e = 2 * row8, at = row8 * MT + j;
+                *reinterpret_cast<float4 *>(o0 + at) = make_float4(
+                    acc[j][e] * i0, acc[j + 1][e] * i0, acc[j + 2][e] * i0, acc[j + 3][e] * i0);
+                if (two)
+                    *reinterpret_cast<float4 *>(o1 + at) =
+                        make_float4(acc[j][e + 1] * i1, acc[j + 1][e + 1] * i1,
+                                    acc[j + 2][e + 1] * i1, acc[j + 3][e + 1] * i1);
+            }
+    } else if (p.n_splits == 1) {
         const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
         float *o0 = p.out + bh0 * D, *o1 = p.out + bh1 * D;
 #pragma unroll
@@ -911,8 +942,8 @@ int check(const struct llmem_cuda_attn *a, KernelInfo **kernel) {
     else if (a->split_len < 0 || a->split_len % BLOCK != 0)
         why = "split_len (a multiple of 16)";
     else if (((uintptr_t)a->k_pool | (uintptr_t)a->v_pool | (uintptr_t)a->q) % 16 != 0 ||
-             a->block_stride % 16 != 0)
-        why = "alignment (pools, block_stride and q on 16 bytes)";
+             ((uintptr_t)a->out | (uintptr_t)a->workspace) % 16 != 0 || a->block_stride % 16 != 0)
+        why = "alignment (pools, block_stride, q, out and workspace on 16 bytes)";
     if (why) {
         LLMEM_ERROR_AS("llmem_cuda_attn_decode", "unsupported %s", why);
         return LLMEM_EINVAL;
