@@ -369,10 +369,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     for (int s = 0; s < STAGES - 1; s++)
         first_blk[s] = s < nblk ? table[s] : 0;
     int32_t next_blk = STAGES - 1 < nblk ? table[STAGES - 1] : 0;
-    for (int s = 0; s < early; s++) {
-        if (s < nblk)
-            issue_at(s, s, first_blk[s]);
-        cp_commit();
+#pragma unroll /* first_blk stays in registers */
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < early) {
+            if (s < nblk)
+                issue_at(s, s, first_blk[s]);
+            cp_commit();
+        }
     }
     asm volatile("griddepcontrol.wait;" ::: "memory");
 
@@ -391,10 +394,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
             qraw[k][1] = *reinterpret_cast<const uint4 *>((const float *)p.q + at + 4);
         }
     }
-    for (int s = early; s < STAGES - 1; s++) {
-        if (s < nblk)
-            issue_at(s, s, first_blk[s]);
-        cp_commit();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s >= early) {
+            if (s < nblk)
+                issue_at(s, s, first_blk[s]);
+            cp_commit();
+        }
     }
     uint32_t qf[D / 32][8];
 #pragma unroll
