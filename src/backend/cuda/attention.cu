@@ -28,9 +28,12 @@
  * f(token)), so that the key reads (8 tokens × 4 chunks) and the transposed value reads (8 tokens ×
  * 1 chunk) both hit 32 distinct banks.
  *
- * Splits: when there is more than one, each warp writes its unnormalized (acc, m, l) and a second
- * kernel merges a sequence's splits (out = Σ e^(m_s − M)·acc_s / Σ e^(m_s − M)·l_s). The split
+ * Splits: when there is more than one, each warp writes its unnormalized (acc, m, l), acc in the
+ * order of its m-tiles (whole sectors a store), and a second kernel merges a sequence's splits
+ * (out = Σ e^(m_s − M)·acc_s / Σ e^(m_s − M)·l_s), putting q8's dims back in order. The split
  * length is chosen so that the warps fill the GPU in whole waves.
+ * A warp asks for the query and the first blocks' table entries before its first copies, so
+ * that their loads do not queue behind those copies, and reads each table entry a block ahead.
  */
 #include "backend/cuda/attention.h"
 #include "backend/cuda/launch.h"
