@@ -418,6 +418,12 @@ static void test_rejects(void **state) {
     a.head_dim = 128;
     a.n_heads = 128; /* a group of 16 */
     assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_EINVAL);
+    a.n_heads = 8;
+    a.out = (float *)(uintptr_t)0x1004; /* the output off its 16-byte alignment */
+    assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_EINVAL);
+    a.out = NULL;
+    a.workspace = (void *)(uintptr_t)0x1008;
+    assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_EINVAL);
 }
 
 int main(void) {

@@ -628,9 +628,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         return;
     const bool two = qb >= 0;
 
-    auto dim = [&](int mt, int row8) {
-        return FMT == FMT_Q8 ? (D / 8) * r + row8 * (D / 16) + mt : 16 * mt + 8 * row8 + r;
-    };
+    /* 16-bit formats: rows r and r + 8 of m-tile mt are dims 16·mt + r and 16·mt + 8 + r */
+    auto dim = [&](int mt, int row8) { return 16 * mt + 8 * row8 + r; };
     const size_t bh0 = (size_t)qa * p.n_heads + kvh * p.group + h0 % p.group;
     const size_t bh1 = two ? (size_t)qb * p.n_heads + kvh * p.group + (h0 + 1) % p.group : bh0;
     if (p.n_splits == 1 && FMT == FMT_Q8) {

@@ -48,7 +48,7 @@ struct llmem_cuda_attn {
     float scale;    /* 0: 1 / sqrt(head_dim) */
     int split_len;  /* tokens per split, a multiple of block_size; 0: chosen from the GPU's size */
 
-    const void *q; /* [batch, n_heads, head_dim], f32, or bf16 when q_bf16 */
+    const void *q; /* [batch, n_heads, head_dim], f32, or bf16 when q_bf16; 16-byte aligned */
     int q_bf16;
     const void *k_pool, *v_pool; /* 16-byte aligned */
     int64_t block_stride;        /* bytes from one block to the next, in both pools */
@@ -69,9 +69,10 @@ struct llmem_cuda_attn {
     int pack;
     const int32_t *packs;
     int n_packs;
-    float *out; /* [batch, n_heads, head_dim] f32 */
+    float *out; /* [batch, n_heads, head_dim] f32, 16-byte aligned */
 
-    void *workspace; /* (optional when one split suffices) llmem_cuda_attn_workspace_bytes */
+    void *workspace; /* (optional when one split suffices) llmem_cuda_attn_workspace_bytes,
+                      * 16-byte aligned */
     size_t workspace_bytes;
     void *stream; /* cudaStream_t; NULL: the default stream */
 };
