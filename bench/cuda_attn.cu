@@ -4,17 +4,18 @@
  * bytes it reads, a device-to-device copy the bytes it reads plus those it writes; both are
  * measured in the same run).
  *
- * Shapes: 32 query heads, 8 KV heads, head_dim 128, blocks of 16 tokens, every sequence of the
- * batch at the full context, blocks scattered over the pool (a random permutation). A shape whose
- * K + V is smaller than 256 MiB rotates over enough disjoint copies of its cache that repeated
- * calls do not run from the L2 cache. Times are CUDA events (around both kernels when
- * the context is split): the reported time is per call in replays of a CUDA graph of 10 calls
- * (median of --reps replays; what a decode step captured in a graph pays), and "1 call" the median
- * of --reps single calls with events around each (after --warmup), host launch gaps included.
+ * Shapes: 32 query heads, 8 KV heads (--heads), head_dim 128, blocks of 16 tokens, every sequence
+ * of the batch at the full context, blocks scattered over the pool (a random permutation). A shape
+ * whose K + V is smaller than 256 MiB rotates over enough disjoint copies of its cache that
+ * repeated calls do not run from the L2 cache. Times are CUDA events (around both kernels when the
+ * context is split): the reported time is per call in replays of a CUDA graph of 10 calls (median
+ * of --reps replays; what a decode step captured in a graph pays), and "1 call" the median of
+ * --reps single calls with events around each (after --warmup), host launch gaps included.
  *
  *   llmem-bench-cuda-attn [--json] [--reps N] [--warmup N] [--formats bf16,q8]
  *                         [--shapes 64x8192,1x4096,16x2048,4x16384] [--copy-mib N]
  *                         [--split-len TOKENS]   (a multiple of 16; default: the kernel's choice)
+ *                         [--heads Q/KV]         (query / KV heads; default 32/8)
  */
 #include <algorithm>
 #include <cuda_runtime.h>
@@ -27,7 +28,8 @@
 #include "backend/cuda/attention.h"
 #include "cuda_check.h"
 
-static const int N_HEADS = 32, N_KV = 8, HEAD_DIM = 128, BLOCK = 16;
+static const int HEAD_DIM = 128, BLOCK = 16;
+static int n_heads = 32, n_kv = 8; /* --heads */
 static const size_t ROTATE_BYTES = (size_t)256 << 20;
 static const int GRAPH_CALLS = 10;
 
@@ -96,6 +98,10 @@ int main(int argc, char **argv) {
             copy_mib = (size_t)atol(argv[++i]);
         else if (!strcmp(argv[i], "--split-len") && i + 1 < argc)
             split = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--heads") && i + 1 < argc &&
+                 sscanf(argv[++i], "%d/%d", &n_heads, &n_kv) == 2 && n_kv > 0 &&
+                 n_heads % n_kv == 0 && n_heads / n_kv <= 8)
+            continue;
         else if (!strcmp(argv[i], "--formats") && i + 1 < argc) {
             formats.clear();
             for (char *t = strtok(argv[++i], ","); t; t = strtok(NULL, ","))
@@ -110,7 +116,7 @@ int main(int argc, char **argv) {
         } else {
             fprintf(stderr,
                     "usage: %s [--json] [--reps N] [--warmup N] [--formats bf16,q8,f16] "
-                    "[--shapes BxT,...] [--copy-mib N] [--split-len TOKENS]\n",
+                    "[--shapes BxT,...] [--copy-mib N] [--split-len TOKENS] [--heads Q/KV]\n",
                     argv[0]);
             return 2;
         }
@@ -169,7 +175,7 @@ int main(int argc, char **argv) {
             return 2;
         }
         const int row = fmt == LLMEM_KV_FORMAT_Q8 ? 34 * HEAD_DIM / 32 : 2 * HEAD_DIM;
-        const size_t half = (size_t)BLOCK * N_KV * row; /* K (or V) of one block */
+        const size_t half = (size_t)BLOCK * n_kv * row; /* K (or V) of one block */
         const size_t block_bytes = 2 * half;
 
         /* one pool for the largest shape (or its rotated copies) */
@@ -205,19 +211,19 @@ int main(int argc, char **argv) {
             float *d_q, *d_out;
             CHECK(cudaMalloc(&d_tables, ids.size() * sizeof(int32_t)));
             CHECK(cudaMalloc(&d_len, lens.size() * sizeof(int32_t)));
-            CHECK(cudaMalloc(&d_q, (size_t)s.batch * N_HEADS * HEAD_DIM * sizeof(float)));
-            CHECK(cudaMalloc(&d_out, (size_t)s.batch * N_HEADS * HEAD_DIM * sizeof(float)));
+            CHECK(cudaMalloc(&d_q, (size_t)s.batch * n_heads * HEAD_DIM * sizeof(float)));
+            CHECK(cudaMalloc(&d_out, (size_t)s.batch * n_heads * HEAD_DIM * sizeof(float)));
             CHECK(cudaMemcpy(d_tables, ids.data(), ids.size() * sizeof(int32_t),
                              cudaMemcpyHostToDevice));
             CHECK(cudaMemcpy(d_len, lens.data(), lens.size() * sizeof(int32_t),
                              cudaMemcpyHostToDevice));
-            fill_f32<<<256, 256, 0, stream>>>(d_q, (size_t)s.batch * N_HEADS * HEAD_DIM, 99);
+            fill_f32<<<256, 256, 0, stream>>>(d_q, (size_t)s.batch * n_heads * HEAD_DIM, 99);
 
             struct llmem_cuda_attn a;
             memset(&a, 0, sizeof(a));
             a.format = fmt;
-            a.n_heads = N_HEADS;
-            a.n_kv_heads = N_KV;
+            a.n_heads = n_heads;
+            a.n_kv_heads = n_kv;
             a.head_dim = HEAD_DIM;
             a.block_size = BLOCK;
             a.batch = s.batch;
@@ -294,7 +300,7 @@ int main(int argc, char **argv) {
             r.n_sets = sets;
             r.ms = median(tg);
             r.ms_events = median(t);
-            r.kv_bytes = (double)s.batch * s.ctx * N_KV * 2.0 * row;
+            r.kv_bytes = (double)s.batch * s.ctx * n_kv * 2.0 * row;
             results.push_back(r);
             CHECK(cudaFree(ws));
             CHECK(cudaFree(d_tables));
@@ -309,7 +315,7 @@ int main(int argc, char **argv) {
         printf("{\"gpu\": \"%s\", \"sms\": %d, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d,"
                " \"block_size\": %d, \"reps\": %d,\n \"copy\": {\"bytes\": %zu, \"ms\": %.4f, "
                "\"bytes_per_s\": %.4e},\n \"attention\": [",
-               prop.name, prop.multiProcessorCount, N_HEADS, N_KV, HEAD_DIM, BLOCK, reps,
+               prop.name, prop.multiProcessorCount, n_heads, n_kv, HEAD_DIM, BLOCK, reps,
                copy_bytes, copy_t, copy_bw);
         for (size_t i = 0; i < results.size(); i++) {
             const Result &r = results[i];
@@ -324,7 +330,7 @@ int main(int argc, char **argv) {
         printf("\n]}\n");
     } else {
         printf("%s, %d SMs; %d heads / %d KV heads, head_dim %d, blocks of %d; median of %d\n",
-               prop.name, prop.multiProcessorCount, N_HEADS, N_KV, HEAD_DIM, BLOCK, reps);
+               prop.name, prop.multiProcessorCount, n_heads, n_kv, HEAD_DIM, BLOCK, reps);
         printf("copy D2D %zu MiB: %.3f ms, %.0f GB/s (read + write)\n", copy_mib, copy_t,
                copy_bw / 1e9);
         printf("%-5s %6s %6s %7s %10s %9s %8s %10s\n", "fmt", "batch", "ctx", "split", "time us",

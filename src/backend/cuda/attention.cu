@@ -818,6 +818,7 @@ struct KernelInfo {
     int max_ctas;     /* 0: as many as fit */
     int warps_per_sm; /* resident warps per multiprocessor, 0 until asked */
     KernelInfo *wide; /* the same kernel at more CTAs per SM, taken when its split fills one wave */
+    KernelInfo *(*at_cap)(int max_ctas); /* the same kernel under another cap */
 };
 
 template <int FMT, int D, int STAGES, int MINB, bool COOP> KernelInfo *kernel_info(int max_ctas) {
@@ -829,7 +830,8 @@ template <int FMT, int D, int STAGES, int MINB, bool COOP> KernelInfo *kernel_in
               0,
               max_ctas,
               0,
-              nullptr};
+              nullptr,
+              kernel_info<FMT, D, STAGES, MINB, COOP>};
     return k;
 }
 
@@ -1022,6 +1024,21 @@ int plan(const struct llmem_cuda_attn *a, KernelInfo **kernel, int *split_len, i
             *kernel = wide;
             *split_len = len;
             *n_splits = n;
+        }
+    }
+    /* A grid that needs fewer CTAs an SM than the kernel allows is capped at that many. Its CTAs
+     * are placed while the kernels around it may still hold some SMs' slots (programmatic
+     * launches); uncapped, the first SMs with room would take two or three of them and others
+     * none, and the doubled-up CTAs would set the time (1 split × 8192 tokens, q8, 64 sequences:
+     * 550 µs a call in a graph against 426 alone). */
+    const int sms = sm_count();
+    if (sms > 0) {
+        const long long ctas = (warp_queries(a) * a->n_kv_heads * *n_splits + WARPS - 1) / WARPS;
+        const long long need = (ctas + sms - 1) / sms;
+        if (need >= 1 && need * WARPS < (*kernel)->warps_per_sm && need < 5) {
+            KernelInfo *capped = (*kernel)->at_cap((int)need);
+            if (prepare(capped) == LLMEM_OK && capped->warps_per_sm >= need * WARPS)
+                *kernel = capped;
         }
     }
     if (*n_splits > MAX_SPLITS) {
