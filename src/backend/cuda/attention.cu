@@ -372,14 +372,18 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     for (int s = 0; s < STAGES - 1; s++)
         first_blk[s] = s < nblk ? table[s] : 0;
     int32_t next_blk = STAGES - 1 < nblk ? table[STAGES - 1] : 0;
-#pragma unroll /* first_blk stays in registers */
-    for (int s = 0; s < STAGES - 1; s++) {
-        if (s < early) {
-            if (s < nblk)
-                issue_at(s, s, first_blk[s]);
-            cp_commit();
-        }
-    }
+    /* the first STAGES − 1 blocks, those before `early` or the rest (unrolled: first_blk stays in
+     * registers) */
+    auto issue_first = [&](bool before_early) {
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; s++)
+            if ((s < early) == before_early) {
+                if (s < nblk)
+                    issue_at(s, s, first_blk[s]);
+                cp_commit();
+            }
+    };
+    issue_first(true);
     asm volatile("griddepcontrol.wait;" ::: "memory");
 
     /* The query, asked for before the rest of the first blocks (behind their copies its loads
@@ -397,14 +401,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
             qraw[k][1] = *reinterpret_cast<const uint4 *>((const float *)p.q + at + 4);
         }
     }
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) {
-        if (s >= early) {
-            if (s < nblk)
-                issue_at(s, s, first_blk[s]);
-            cp_commit();
-        }
-    }
+    issue_first(false);
     uint32_t qf[D / 32][8];
 #pragma unroll
     for (int k = 0; k < D / 32; k++) {
@@ -865,8 +862,7 @@ template <int FMT, bool COOP> KernelInfo *pick_dim(int head_dim) {
     default: return NULL;
     }
     if (wide && head_dim <= 128)
-        k->wide = head_dim == 64 ? pick_stages<FMT, 64, 2, COOP>(stages, 3)
-                                 : pick_stages<FMT, 128, 2, COOP>(stages, 3);
+        k->wide = k->at_cap(3);
     return k;
 }
 
