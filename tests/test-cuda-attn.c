@@ -25,6 +25,7 @@
 #include <cuda_runtime_api.h>
 
 #include "backend/cuda/attention.h"
+#include "backend/ops.h"
 #include "kv/codec.h"
 #include "llmem/kv.h"
 #include "testutil.h"
@@ -403,7 +404,7 @@ static void test_chunk_packs(void **state) {
 
 static void test_rejects(void **state) {
     (void)state;
-    struct llmem_cuda_attn a = {.format = LLMEM_KV_FORMAT_Q4,
+    struct llmem_cuda_attn a = {.format = LLMEM_KV_FORMAT_F32,
                                 .n_heads = 8,
                                 .n_kv_heads = 8,
                                 .head_dim = 128,
@@ -413,6 +414,10 @@ static void test_rejects(void **state) {
                                 .table_stride = 1};
     assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_EINVAL);
     a.format = LLMEM_KV_FORMAT_BF16;
+    const struct llmem_backend_kv_rotation rot = {.keys = 1, .values = 1, .norm = 0.125f};
+    a.rotation = &rot; /* rotated rows are q4's and tq's alone */
+    assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_EINVAL);
+    a.rotation = NULL;
     a.head_dim = 96;
     assert_int_equal(llmem_cuda_attn_decode(&a), LLMEM_EINVAL);
     a.head_dim = 128;

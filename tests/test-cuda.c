@@ -574,19 +574,25 @@ static void test_out_of_memory(void **state) {
 /* ---- the paged KV cache on the device ---------------------------------------------------------
  */
 
-/* The same writes into a host cache and a device cache: the stored blocks are byte-identical,
- * and attention agrees, across blocks, with GQA, windows and a prefill's many queries. */
+/* The same writes into a host cache and a device cache: the stored blocks are byte-identical
+ * (q4's and tq's rotations and codes included), and attention agrees, across blocks, with GQA,
+ * windows and a prefill's many queries. */
 static void test_kv_device(void **state) {
     (void)state;
-    const enum llmem_kv_format fmts[] = {LLMEM_KV_FORMAT_F32, LLMEM_KV_FORMAT_F16,
-                                         LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_Q8};
+    const struct {
+        enum llmem_kv_format format;
+        int rotate;
+    } fmts[] = {{LLMEM_KV_FORMAT_F32, 1}, {LLMEM_KV_FORMAT_F16, 1}, {LLMEM_KV_FORMAT_BF16, 1},
+                {LLMEM_KV_FORMAT_Q8, 1},  {LLMEM_KV_FORMAT_Q4, 1},  {LLMEM_KV_FORMAT_Q4, 0},
+                {LLMEM_KV_FORMAT_TQ, 1}};
     const int hds[] = {64, 128};
-    for (int fi = 0; fi < 4; fi++)
+    for (size_t fi = 0; fi < sizeof(fmts) / sizeof(fmts[0]); fi++)
         for (int hi = 0; hi < 2; hi++) {
             const int hd = hds[hi], n_kv = 2, n_heads = 8, layers = 2;
             struct llmem_kv_config kc;
             llmem_kv_config_default(&kc);
-            kc.format = fmts[fi];
+            kc.format = fmts[fi].format;
+            kc.rotate = fmts[fi].rotate;
             kc.n_layers = layers;
             kc.n_kv_heads = n_kv;
             kc.head_dim = hd;
@@ -642,9 +648,11 @@ static void test_kv_device(void **state) {
                     worst = fmax(worst, rel_diff(out, g, cases[c].n_q * n_heads * hd));
                     free(g);
                 }
-            printf("  kv %s head_dim %d: attention %.2e\n", llmem_kv_format_name(fmts[fi]), hd,
-                   worst);
-            assert_true(worst <= (fmts[fi] == LLMEM_KV_FORMAT_F32 ? 1e-5 : 1e-3));
+            const char *name = llmem_kv_format_name(fmts[fi].format);
+            const char *how =
+                fmts[fi].format == LLMEM_KV_FORMAT_Q4 && !fmts[fi].rotate ? " (not rotated)" : "";
+            printf("  kv %s%s head_dim %d: attention %.2e\n", name, how, hd, worst);
+            assert_true(worst <= (fmts[fi].format == LLMEM_KV_FORMAT_F32 ? 1e-5 : 1e-3));
             /* a decode step of three sequences at once (one forked, sharing the partial block):
              * one token each written and attended, the same on both; then a mixed step: one
              * decode token, a 5-token chunk and a 20-token chunk across a block boundary */
@@ -689,9 +697,9 @@ static void test_kv_device(void **state) {
                         w = fmax(w, rel_diff(out, g, rows * q_row));
                         free(g);
                     }
-                    printf("  kv %s head_dim %d: a %s step of 3 sequences %.2e\n",
-                           llmem_kv_format_name(fmts[fi]), hd, mixed ? "mixed" : "decode", w);
-                    assert_true(w <= (fmts[fi] == LLMEM_KV_FORMAT_F32 ? 1e-5 : 1e-3));
+                    printf("  kv %s%s head_dim %d: a %s step of 3 sequences %.2e\n", name, how, hd,
+                           mixed ? "mixed" : "decode", w);
+                    assert_true(w <= (fmts[fi].format == LLMEM_KV_FORMAT_F32 ? 1e-5 : 1e-3));
                 }
                 /* the stored bytes of the chunks, full blocks */
                 for (int i = 0; i < 3; i++) {
@@ -727,13 +735,15 @@ static void test_kv_device(void **state) {
             llmem_kv_destroy(dev);
             free(k), free(v), free(q), free(a), free(b), free(out);
         }
-    /* formats and layouts the device does not hold are refused by name */
+    /* what the device does not hold is refused by name: rows rotated past head_dim 256, and
+     * layouts other than paged */
     struct llmem_kv_config kc;
     llmem_kv_config_default(&kc);
-    kc.n_layers = 1, kc.n_kv_heads = 1, kc.head_dim = 64, kc.device = gpu;
-    kc.format = LLMEM_KV_FORMAT_Q4;
+    kc.n_layers = 1, kc.n_kv_heads = 1, kc.head_dim = 512, kc.device = gpu;
+    kc.format = LLMEM_KV_FORMAT_TQ;
     struct llmem_kv *kv = NULL;
     assert_int_equal(llmem_kv_create(&kc, dmem, &kv), LLMEM_EUNSUPPORTED);
+    kc.head_dim = 64;
     kc.format = LLMEM_KV_FORMAT_F16, kc.layout = LLMEM_KV_LAYOUT_CONTIGUOUS;
     assert_int_equal(llmem_kv_create(&kc, dmem, &kv), LLMEM_EUNSUPPORTED);
 }
@@ -839,6 +849,69 @@ static void test_models(void **state) {
         }
         free(ref);
     }
+}
+
+/* The largest |a − b| over n logits. */
+static double max_abs_diff(const float *a, const float *b, int64_t n) {
+    double worst = 0;
+    for (int64_t i = 0; i < n; i++)
+        worst = fmax(worst, fabs((double)a[i] - (double)b[i]));
+    return worst;
+}
+
+/* pycoder with q4 (rotated) and tq caches at f32 precision, teacher-forced over prefill chunks and
+ * decode steps: the device's logits are as close to those of an f32 cache as the CPU's with the
+ * same format, and agree with the CPU's top token wherever it is clear. The two code the same
+ * keys and values only up to f32 rounding, which now and then moves a code by a step, or (tq's
+ * values) a group's fitted scale: so they do not agree to 1e-3 as with an f32 cache (H200: q4
+ * 2.0e-3, tq 0.73, against each format's own error of 3.9 and 5.2). */
+static void test_quantized_caches(void **state) {
+    (void)state;
+    const char *dir = LLMEM_SOURCE_DIR "/models/pycoder";
+    const int64_t n = 100;
+    int32_t ids[100];
+    for (int i = 0; i < n; i++)
+        ids[i] = (int32_t)((i * 7919 + 13) % 2000);
+    struct llmem_engine *e =
+        open_engine(dir, LLMEM_BACKEND_CPU, LLMEM_PRECISION_F32, LLMEM_KV_FORMAT_F32);
+    const int64_t vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size;
+    float *ref = teacher_forced(e, ids, n, vocab);
+    llmem_engine_close(e);
+    const enum llmem_kv_format fmts[] = {LLMEM_KV_FORMAT_Q4, LLMEM_KV_FORMAT_TQ};
+    for (int f = 0; f < 2; f++) {
+        float *out[2];
+        for (int b = 0; b < 2; b++) {
+            e = open_engine(dir, b == 0 ? LLMEM_BACKEND_CPU : LLMEM_BACKEND_CUDA,
+                            LLMEM_PRECISION_F32, fmts[f]);
+            out[b] = teacher_forced(e, ids, n, vocab);
+            llmem_engine_close(e);
+        }
+        const double cpu_err = max_abs_diff(out[0], ref, n * vocab);
+        const double gpu_err = max_abs_diff(out[1], ref, n * vocab);
+        const double apart = max_abs_diff(out[0], out[1], n * vocab);
+        int flips = 0, clear_flips = 0; /* top tokens that differ; of them, where the CPU's top
+                                         * token leads by ≥ 2e-3 */
+        for (int64_t t = 0; t < n; t++) {
+            const float *r = out[0] + t * vocab, *g = out[1] + t * vocab;
+            int64_t a = 0, c = 0;
+            for (int64_t i = 0; i < vocab; i++) {
+                a = r[i] > r[a] ? i : a;
+                c = g[i] > g[c] ? i : c;
+            }
+            double second = -INFINITY;
+            for (int64_t i = 0; i < vocab; i++)
+                second = i != a && r[i] > second ? r[i] : second;
+            flips += a != c;
+            clear_flips += a != c && r[a] - second >= 2e-3;
+        }
+        printf("  pycoder, %s cache, f32: max |dlogit| from an f32 cache %.2e (CPU) and %.2e "
+               "(device), %.2e apart; top token differs at %d of %lld positions\n",
+               llmem_kv_format_name(fmts[f]), cpu_err, gpu_err, apart, flips, (long long)n);
+        assert_true(gpu_err <= 1.25 * cpu_err);
+        assert_int_equal(clear_flips, 0);
+        free(out[0]), free(out[1]);
+    }
+    free(ref);
 }
 
 /* A prompt of n ids base, base + step, …, and parameters for max_tokens tokens past any EOS. */
@@ -1302,16 +1375,27 @@ int main(void) {
     if (tu_no_gpu())
         return 77;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_device_memory), cmocka_unit_test(test_rmsnorm),
-        cmocka_unit_test(test_rope),          cmocka_unit_test(test_swiglu_add),
-        cmocka_unit_test(test_embedding),     cmocka_unit_test(test_matmul),
-        cmocka_unit_test(test_matmul_multi),  cmocka_unit_test(test_matmul_pair),
-        cmocka_unit_test(test_matmul_swiglu), cmocka_unit_test(test_shadow_copies),
-        cmocka_unit_test(test_out_of_memory), cmocka_unit_test(test_kv_device),
-        cmocka_unit_test(test_models),        cmocka_unit_test(test_greedy),
-        cmocka_unit_test(test_graphs),        cmocka_unit_test(test_mixed_step),
-        cmocka_unit_test(test_top_k),         cmocka_unit_test(test_sampling_on_device),
-        cmocka_unit_test(test_streaming),     cmocka_unit_test(test_device_plan),
+        cmocka_unit_test(test_device_memory),
+        cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_swiglu_add),
+        cmocka_unit_test(test_embedding),
+        cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_matmul_multi),
+        cmocka_unit_test(test_matmul_pair),
+        cmocka_unit_test(test_matmul_swiglu),
+        cmocka_unit_test(test_shadow_copies),
+        cmocka_unit_test(test_out_of_memory),
+        cmocka_unit_test(test_kv_device),
+        cmocka_unit_test(test_models),
+        cmocka_unit_test(test_quantized_caches),
+        cmocka_unit_test(test_greedy),
+        cmocka_unit_test(test_graphs),
+        cmocka_unit_test(test_mixed_step),
+        cmocka_unit_test(test_top_k),
+        cmocka_unit_test(test_sampling_on_device),
+        cmocka_unit_test(test_streaming),
+        cmocka_unit_test(test_device_plan),
         cmocka_unit_test(test_default_chunk),
     };
     return cmocka_run_group_tests_name("cuda", tests, setup, teardown);

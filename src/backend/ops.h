@@ -40,11 +40,22 @@ static inline int llmem_weight_follows(const struct llmem_weight *a, const struc
                (const char *)a->data + a->rows * a->cols * llmem_dtype_size(a->dtype);
 }
 
+/* How a KV format stores its rows rotated (kv/codec.h: R = H·D/√head_dim, H the Walsh–Hadamard
+ * matrix): which rows, D's signs as bits (bit i % 32 of neg[i / 32] set: −1) and the norm
+ * 1/√head_dim as kv/codec.c computes it. q4 (with rotation) rotates keys and values, tq values. */
+#define LLMEM_BACKEND_ROTATION_DIMS 256 /* the largest head_dim a device cache rotates */
+struct llmem_backend_kv_rotation {
+    int keys, values;
+    float norm;
+    uint32_t neg[LLMEM_BACKEND_ROTATION_DIMS / 32];
+};
+
 /* Attention of one sequence over a paged KV cache in the backend's memory (kv_attend); for
  * kv_attend_last, the shared fields of a batch whose blocks, lengths come apart (q and out then
  * [Σ n_q, n_heads, head_dim]: each sequence's queries at its last n_q positions, no window). */
 struct llmem_backend_paged_attn {
-    enum llmem_kv_format format; /* f32, f16, bf16 or q8 */
+    enum llmem_kv_format format;                      /* any (kv/codec.h's bytes) */
+    const struct llmem_backend_kv_rotation *rotation; /* host memory; NULL: nothing rotated */
     int n_heads, n_kv_heads, head_dim, block_size;
     const uint8_t *k_pool, *v_pool; /* this layer's pools: block b's token j at b·block_size + j */
     size_t k_tok, v_tok;            /* bytes of one token, all KV heads */
@@ -115,14 +126,15 @@ struct llmem_backend_ops {
 
     /* (optional: backends whose memory is not the host's, which then hold the paged KV pool)
      * Encodes n tokens of keys and values, each `heads` rows of head_dim floats (k, v
-     * [n, heads·head_dim]), into `format` (f32, f16, bf16 or q8, whose key and value rows have the
-     * same size: byte for byte as kv/codec.h): token i into pool slot slots[i] (host memory), at
-     * k_pool / v_pool + slots[i]·tok_bytes, head h at + h·row_bytes. Then attention over such a
-     * pool: one sequence's queries, or the last n_q[s] positions of each of several sequences
-     * (n_q NULL: one each). */
-    void (*kv_encode)(void *ctx, enum llmem_kv_format format, const float *k, const float *v,
-                      int64_t n, int heads, int head_dim, const int64_t *slots, uint8_t *k_pool,
-                      uint8_t *v_pool, size_t tok_bytes, size_t row_bytes);
+     * [n, heads·head_dim]), into `format` (byte for byte as kv/codec.h, rotated as `rotation`
+     * says: NULL for none): token i into pool slot slots[i] (host memory), its key rows at
+     * k_pool + slots[i]·heads·key_bytes, head h at + h·key_bytes, its value rows likewise with
+     * value_bytes. Then attention over such a pool: one sequence's queries, or the last n_q[s]
+     * positions of each of several sequences (n_q NULL: one each). */
+    void (*kv_encode)(void *ctx, enum llmem_kv_format format,
+                      const struct llmem_backend_kv_rotation *rotation, const float *k,
+                      const float *v, int64_t n, int heads, int head_dim, const int64_t *slots,
+                      uint8_t *k_pool, uint8_t *v_pool, size_t key_bytes, size_t value_bytes);
     void (*kv_attend)(void *ctx, const struct llmem_backend_paged_attn *attn);
     void (*kv_attend_last)(void *ctx, const struct llmem_backend_paged_attn *attn, int n_seqs,
                            const int64_t *const *blocks, const int64_t *lengths,

@@ -46,7 +46,7 @@ static const char attn_help[] =
     "  --backend B      cuda (the CPU's caches: llmem bench kv)\n"
     "  --device N       the CUDA device (default 0)\n"
     "  --shapes LIST    BATCHxCONTEXT, e.g. 64x8192,1x4096 (default 64x8192,1x4096,16x2048)\n"
-    "  --formats LIST   f16, bf16, q8, f32 (default bf16,q8)\n"
+    "  --formats LIST   f16, bf16, q8, f32, q4, tq (default bf16,q8)\n"
     "  --reps N         calls timed per shape (default 50)\n"
     "  --copy-size SIZE the copy bandwidth probe's buffer (default 1G)\n"
     "  --json           one JSON object: device copy bandwidth, points[] {format, batch, context,\n"

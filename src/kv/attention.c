@@ -367,6 +367,7 @@ static struct llmem_backend_paged_attn device_attn(const struct llmem_kv *kv, in
                                                    float *out) {
     const int hd = kv->cfg.head_dim;
     return (struct llmem_backend_paged_attn){.format = kv->cfg.format,
+                                             .rotation = llmem_kv_device_rotation(kv),
                                              .n_heads = attn->n_heads,
                                              .n_kv_heads = kv->cfg.n_kv_heads,
                                              .head_dim = hd,

@@ -63,6 +63,7 @@
 
 #include "core/log.h"
 #include "kv/codec_internal.h"
+#include "plan/kv_codebook.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the KV formats are stored little-endian; big-endian hosts are not supported"
@@ -237,14 +238,14 @@ static void fwht(float *x, int n) {
     }
 }
 
-static float rotation_norm(int n) {
-    return (float)(1.0 / sqrt((double)n));
+float llmem_kv_rotation_norm(int head_dim) {
+    return (float)(1.0 / sqrt((double)head_dim));
 }
 
 void llmem_kv_rotate(const struct llmem_kv_codec *c, float *x) {
     int n = c->head_dim;
     LLMEM_ASSERT(n > 0 && n <= LLMEM_KV_MAX_HEAD_DIM && (n & (n - 1)) == 0);
-    float r = rotation_norm(n);
+    float r = llmem_kv_rotation_norm(n);
     for (int i = 0; i < n; i++)
         x[i] *= c->signs[i] * r;
     fwht(x, n);
@@ -253,7 +254,7 @@ void llmem_kv_rotate(const struct llmem_kv_codec *c, float *x) {
 void llmem_kv_rotate_inverse(const struct llmem_kv_codec *c, float *x) {
     int n = c->head_dim;
     LLMEM_ASSERT(n > 0 && n <= LLMEM_KV_MAX_HEAD_DIM && (n & (n - 1)) == 0);
-    float r = rotation_norm(n);
+    float r = llmem_kv_rotation_norm(n);
     fwht(x, n);
     for (int i = 0; i < n; i++)
         x[i] *= c->signs[i] * r;
@@ -369,12 +370,8 @@ static void tqk_decode(const uint8_t *in, float *x) {
 #define TQ_SCALE_ROUNDS 4
 
 /* Lloyd–Max quantizer of N(0, 1) with 8 levels, and the decision thresholds between them. */
-const float llmem_kv_tq_centroids[8] = {-2.15195f, -1.34391f, -0.75601f, -0.24509f,
-                                        0.24509f,  0.75601f,  1.34391f,  2.15195f};
-static const float tq_bounds[7] = {
-    (-2.15195f - 1.34391f) / 2, (-1.34391f - 0.75601f) / 2, (-0.75601f - 0.24509f) / 2, 0.0f,
-    (0.24509f + 0.75601f) / 2,  (0.75601f + 1.34391f) / 2,  (1.34391f + 2.15195f) / 2,
-};
+const float llmem_kv_tq_centroids[8] = LLMEM_KV_TQ_CENTROIDS;
+static const float tq_bounds[7] = LLMEM_KV_TQ_BOUNDS;
 
 /* Nearest centroid of every x/s; returns the squared error of the decoded group. */
 static float tq_assign(const float *x, float s, uint8_t *c) {

@@ -42,6 +42,8 @@ struct llmem_kv_codec {
 int llmem_kv_codec_init(struct llmem_kv_codec *c, enum llmem_kv_format format, int head_dim,
                         int rotate, uint64_t seed);
 
+/* 1/√head_dim, the norm of R, in f32. */
+float llmem_kv_rotation_norm(int head_dim);
 /* x ← R x and x ← Rᵀ x (in place, head_dim floats). */
 void llmem_kv_rotate(const struct llmem_kv_codec *c, float *x);
 void llmem_kv_rotate_inverse(const struct llmem_kv_codec *c, float *x);

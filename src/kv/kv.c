@@ -430,13 +430,9 @@ int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
     }
     if (c.device != NULL &&
         (c.layout != LLMEM_KV_LAYOUT_PAGED || mem == NULL || c.device->ops->kv_encode == NULL ||
-         c.device->ops->kv_attend == NULL || c.device->ops->kv_attend_last == NULL ||
-         (c.format != LLMEM_KV_FORMAT_F32 && c.format != LLMEM_KV_FORMAT_F16 &&
-          c.format != LLMEM_KV_FORMAT_BF16 && c.format != LLMEM_KV_FORMAT_Q8))) {
-        LLMEM_ERROR("a KV cache on the %s backend is paged, in f32, f16, bf16 or q8, over the "
-                    "backend's memory (asked: %s, %s)",
-                    c.device->ops->name, llmem_kv_layout_name(c.layout),
-                    llmem_kv_format_name(c.format));
+         c.device->ops->kv_attend == NULL || c.device->ops->kv_attend_last == NULL)) {
+        LLMEM_ERROR("a KV cache on the %s backend is paged, over the backend's memory (asked: %s)",
+                    c.device->ops->name, llmem_kv_layout_name(c.layout));
         return LLMEM_EUNSUPPORTED;
     }
     if (c.max_blocks > 0 && c.num_blocks > c.max_blocks)
@@ -452,6 +448,22 @@ int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
         goto out_free;
     kv->k_tok = (size_t)c.n_kv_heads * kv->codec.key_bytes;
     kv->v_tok = (size_t)c.n_kv_heads * kv->codec.value_bytes;
+    if (c.device != NULL && (kv->codec.rotate_keys || kv->codec.rotate_values)) {
+        if (c.head_dim > LLMEM_BACKEND_ROTATION_DIMS) {
+            LLMEM_ERROR("a KV cache on the %s backend rotates rows of head_dim %d at most (KV "
+                        "format %s, head_dim %d)",
+                        c.device->ops->name, LLMEM_BACKEND_ROTATION_DIMS,
+                        llmem_kv_format_name(c.format), c.head_dim);
+            status = LLMEM_EUNSUPPORTED;
+            goto out_free;
+        }
+        kv->rotation.keys = kv->codec.rotate_keys;
+        kv->rotation.values = kv->codec.rotate_values;
+        kv->rotation.norm = llmem_kv_rotation_norm(c.head_dim);
+        for (int i = 0; i < c.head_dim; i++)
+            if (kv->codec.signs[i] < 0)
+                kv->rotation.neg[i / 32] |= 1u << (i % 32);
+    }
     kv->mem = mem;
     if (mem == NULL) {
         /* A cache of 16 MiB keeps attention's per-call workspace (about 1 MiB at 32K tokens)
@@ -642,8 +654,9 @@ static int64_t slot_of(const struct llmem_kv *kv, const struct kv_seq *s, int64_
 static void encode_slots(struct llmem_kv *kv, int layer, const float *k, const float *v, int64_t n,
                          const int64_t *slots) {
     const struct llmem_backend *d = kv->cfg.device;
-    d->ops->kv_encode(d->ctx, kv->cfg.format, k, v, n, kv->cfg.n_kv_heads, kv->cfg.head_dim, slots,
-                      kv->k_pool[layer], kv->v_pool[layer], kv->k_tok, kv->codec.key_bytes);
+    d->ops->kv_encode(d->ctx, kv->cfg.format, llmem_kv_device_rotation(kv), k, v, n,
+                      kv->cfg.n_kv_heads, kv->cfg.head_dim, slots, kv->k_pool[layer],
+                      kv->v_pool[layer], kv->codec.key_bytes, kv->codec.value_bytes);
     kv->st.updates++;
     kv->st.bytes_written += n * (int64_t)(kv->k_tok + kv->v_tok);
 }

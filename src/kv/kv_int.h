@@ -6,6 +6,7 @@
 #ifndef LLMEM_KV_INT_H
 #define LLMEM_KV_INT_H
 
+#include "backend/ops.h"
 #include "core/pool.h"
 #include "kv/codec.h"
 #include "llmem/kv.h"
@@ -43,6 +44,8 @@ struct llmem_kv {
     int64_t ragged_cap;
     int frozen;
 
+    struct llmem_backend_kv_rotation
+        rotation;   /* device pools: the codec's, as a backend takes it */
     int64_t *slots; /* device pools: the slot numbers of a write (slots_cap) */
     int64_t slots_cap;
     const int64_t **last_blocks; /* device pools: llmem_kv_attend_last's block tables and */
@@ -55,5 +58,11 @@ struct llmem_kv {
  * tokens follow contiguously from there (to the end of its block or buffer). pos < capacity. */
 int64_t llmem_kv_span(const struct llmem_kv *kv, int seq, int layer, int64_t pos, uint8_t **k,
                       uint8_t **v);
+
+/* The rotation a device takes with this cache's rows: NULL when nothing is rotated. */
+static inline const struct llmem_backend_kv_rotation *
+llmem_kv_device_rotation(const struct llmem_kv *kv) {
+    return kv->rotation.keys || kv->rotation.values ? &kv->rotation : NULL;
+}
 
 #endif

@@ -36,6 +36,7 @@
  * that their loads do not queue behind those copies, and reads each table entry a block ahead.
  */
 #include "backend/cuda/attention.h"
+#include "backend/cuda/kv.h"
 #include "backend/cuda/launch.h"
 
 #include <cuda_bf16.h>
@@ -47,6 +48,7 @@
 #include <stdlib.h>
 
 #include "core/log.h"
+#include "plan/kv_codebook.h"
 
 namespace {
 
@@ -55,7 +57,7 @@ constexpr int WARPS = 4;  /* warps per CTA, each with its own work item and stag
 constexpr int MAX_GROUP = 8;
 constexpr float LOG2E = 1.4426950408889634f;
 
-enum Fmt { FMT_F16 = 0, FMT_BF16 = 1, FMT_Q8 = 2 };
+enum Fmt { FMT_F16 = 0, FMT_BF16 = 1, FMT_Q8 = 2, FMT_Q4 = 3, FMT_TQ = 4 };
 
 /* Bytes of one head's row, the 16-byte chunks copied a token and the token stride in shared
  * memory, per stage and per ring (of STAGES stages). A warp that copies its own rows (COOP false)
@@ -95,10 +97,12 @@ struct Params {
     int n_heads, n_kv, group;
     int split_len, n_splits;
     long long n_items;
-    int n_queries;        /* the batch */
-    int pack;             /* queries a warp takes (≥ 1) */
-    const int32_t *packs; /* the first query of each warp's pack (NULL: multiples of pack) */
-    float qscale;         /* scale · log2(e): scores in base 2 */
+    int n_queries;            /* the batch */
+    int pack;                 /* queries a warp takes (≥ 1) */
+    const int32_t *packs;     /* the first query of each warp's pack (NULL: multiples of pack) */
+    float qscale;             /* scale · log2(e): scores in base 2 */
+    long long v_block_stride; /* rows_kernel: the value pool's block_stride */
+    struct llmem_backend_kv_rotation rot; /* rows_kernel: queries rotated, outputs turned back */
 };
 
 /* ---- small device helpers ------------------------------------------------------------------ */
@@ -676,6 +680,251 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     }
 }
 
+/* ---- q4 and tq, on CUDA cores ------------------------------------------------------------
+ * Their codes do not become tensor-core operands as cheaply as q8's (q4's nibbles with a min,
+ * tq's keys with a zero, tq's 3-bit values on a codebook), so they take a kernel of their own on
+ * the same work items, splits and merge. A warp takes its split 32 tokens at a time: each lane a
+ * token, whose key row it decodes against the slots' queries (held in shared memory, read as
+ * broadcasts), so a score needs no reduction; the chunk's softmax by warp reductions; then the
+ * value rows one token after another, each lane on dims lane + 32j. A rotated format gets its
+ * queries rotated once, and each output or split's partial turned back (the merge is linear). */
+template <int FMT> struct RowsGeo {
+    static constexpr int KG = FMT == FMT_Q4 ? 20 : 36; /* bytes of a key group */
+    static constexpr int VG = FMT == FMT_Q4 ? 20 : 14; /* of a value group */
+};
+
+/* The float of a small unsigned integer c (< 2²³), exactly, without a conversion instruction. */
+__device__ __forceinline__ float small_float(uint32_t c) {
+    return __uint_as_float(0x4B000000u | c) - 8388608.0f;
+}
+
+__device__ __forceinline__ float2 half_pair(uint32_t w) {
+    return __half22float2(*reinterpret_cast<const __half2 *>(&w));
+}
+
+template <int FMT, int D>
+__global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p) {
+    constexpr int NG = D / 32; /* groups of a row, and dims of a lane */
+    constexpr int KG = RowsGeo<FMT>::KG, VG = RowsGeo<FMT>::VG;
+    __shared__ __align__(16) float sq[WARPS][MAX_GROUP][D]; /* the slots' queries, scaled */
+    __shared__ float sqsum[WARPS][MAX_GROUP][NG];           /* and each group's sum */
+    __shared__ float book[8];
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); /* as pdl_begin does */
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (FMT == FMT_TQ && threadIdx.x < 8) {
+        const float c[8] = LLMEM_KV_TQ_CENTROIDS;
+        book[threadIdx.x] = c[threadIdx.x];
+    }
+    __syncthreads();
+    const long long item = (long long)blockIdx.x * WARPS + warp;
+    if (item >= p.n_items)
+        return;
+    const int kvh = (int)(item % p.n_kv);
+    const long long rest = item / p.n_kv;
+    const int split = (int)(rest % p.n_splits);
+    const int pk = (int)(rest / p.n_splits);
+    const int q0 = p.packs != nullptr ? p.packs[pk] : pk * p.pack;
+    const int tab0 = p.table_ids != nullptr ? p.table_ids[q0] : q0;
+    const int S = p.pack * p.group; /* slots: head s % group of query q0 + s / group */
+    int qs[MAX_GROUP], len_s[MAX_GROUP], len = 0;
+#pragma unroll
+    for (int s = 0; s < MAX_GROUP; s++) {
+        const int q = q0 + s / p.group;
+        bool ok = s < S && q < p.n_queries;
+        if (ok)
+            ok = p.table_ids != nullptr ? p.table_ids[q] == tab0 : p.table_stride == 0 || q == q0;
+        qs[s] = ok ? q : -1;
+        len_s[s] = ok ? p.lengths[q] : 0;
+        len = max(len, len_s[s]);
+    }
+    auto at = [&](int s) { return (size_t)qs[s] * p.n_heads + kvh * p.group + s % p.group; };
+    const int t0 = split * p.split_len;
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (t0 >= len) {
+        if (p.n_splits == 1)
+            for (int s = 0; s < S; s++)
+                for (int d = lane; d < D && qs[s] >= 0; d += 32)
+                    p.out[at(s) * D + d] = 0.0f;
+        return;
+    }
+    const int t1 = min(t0 + p.split_len, len);
+
+    /* the queries: rotated, times scale · log2(e), and each group's sum (the min's weight) */
+#pragma unroll
+    for (int s = 0; s < MAX_GROUP; s++) {
+        if (s >= S)
+            break;
+        float x[NG];
+#pragma unroll
+        for (int j = 0; j < NG; j++) {
+            const size_t i = qs[s] >= 0 ? at(s) * D + lane + 32 * j : 0;
+            x[j] = qs[s] < 0  ? 0.0f
+                   : p.q_bf16 ? __bfloat162float(((const __nv_bfloat16 *)p.q)[i])
+                              : ((const float *)p.q)[i];
+        }
+        if (p.rot.keys)
+            kv_rotate(p.rot, x, NG, lane);
+#pragma unroll
+        for (int j = 0; j < NG; j++) {
+            float v = x[j] * p.qscale;
+            sq[warp][s][lane + 32 * j] = v;
+#pragma unroll
+            for (int o = 16; o > 0; o /= 2)
+                v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0)
+                sqsum[warp][s][j] = v;
+        }
+    }
+    __syncwarp();
+
+    const int32_t *table = p.tables + (size_t)tab0 * p.table_stride;
+    const size_t k_tok = (size_t)p.n_kv * KG * NG, v_tok = (size_t)p.n_kv * VG * NG;
+    const uint8_t *k_base = p.k_pool + (size_t)kvh * KG * NG;
+    const uint8_t *v_base = p.v_pool + (size_t)kvh * VG * NG;
+    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][NG];
+#pragma unroll
+    for (int s = 0; s < MAX_GROUP; s++) {
+        m[s] = -INFINITY, l[s] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NG; j++)
+            acc[s][j] = 0.0f;
+    }
+    for (int c0 = t0; c0 < t1; c0 += 32) {
+        const int t = c0 + lane;
+        const int32_t blk = t < t1 ? table[t / BLOCK] : 0;
+        /* scores: this lane's token against every slot */
+        float sc[MAX_GROUP];
+#pragma unroll
+        for (int s = 0; s < MAX_GROUP; s++)
+            sc[s] = 0.0f;
+        if (t < t1) {
+            const uint8_t *row = k_base + blk * p.block_stride + (size_t)(t % BLOCK) * k_tok;
+#pragma unroll
+            for (int g = 0; g < NG; g++) {
+                const uint32_t *w = reinterpret_cast<const uint32_t *>(row + g * KG);
+                float e[32]; /* the codes of the group, in element order */
+                uint32_t sm;
+                if constexpr (FMT == FMT_Q4) { /* byte j: element j (low), j + 16 (high) */
+#pragma unroll
+                    for (int b = 0; b < 4; b++) {
+                        const uint32_t x = w[b];
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            e[4 * b + i] = small_float((x >> (8 * i)) & 15u);
+                            e[16 + 4 * b + i] = small_float((x >> (8 * i + 4)) & 15u);
+                        }
+                    }
+                    sm = w[4]; /* scale, min */
+                } else {
+#pragma unroll
+                    for (int b = 0; b < 8; b++) {
+                        const uint32_t x = w[b];
+#pragma unroll
+                        for (int i = 0; i < 4; i++)
+                            e[4 * b + i] = small_float((x >> (8 * i)) & 255u);
+                    }
+                    sm = w[8]; /* scale, zero */
+                }
+                const float2 f = half_pair(sm);
+#pragma unroll
+                for (int s = 0; s < MAX_GROUP; s++) {
+                    if (s >= S)
+                        break;
+                    const float4 *qv = reinterpret_cast<const float4 *>(&sq[warp][s][32 * g]);
+                    float dot = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        const float4 a = qv[i];
+                        dot += a.x * e[4 * i] + a.y * e[4 * i + 1] + a.z * e[4 * i + 2] +
+                               a.w * e[4 * i + 3];
+                    }
+                    sc[s] += f.x * dot + f.y * sqsum[warp][s][g];
+                }
+            }
+        }
+        /* the chunk's softmax, slot by slot (a slot sees its own length) */
+        float pr[MAX_GROUP];
+#pragma unroll
+        for (int s = 0; s < MAX_GROUP; s++) {
+            pr[s] = 0.0f;
+            if (s >= S)
+                continue;
+            const float x = t < min(t1, len_s[s]) ? sc[s] : -INFINITY;
+            float mx = x;
+#pragma unroll
+            for (int o = 16; o > 0; o /= 2)
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float top = fmaxf(m[s], mx);
+            if (top == -INFINITY)
+                continue;
+            const float corr = exp2f(m[s] - top);
+            pr[s] = exp2f(x - top);
+            float sum = pr[s];
+#pragma unroll
+            for (int o = 16; o > 0; o /= 2)
+                sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            l[s] = l[s] * corr + sum;
+            m[s] = top;
+#pragma unroll
+            for (int j = 0; j < NG; j++)
+                acc[s][j] *= corr;
+        }
+        /* values: token u's row, this lane's element of each group */
+        const int n = min(32, t1 - c0);
+#pragma unroll 4
+        for (int u = 0; u < n; u++) {
+            const int32_t bu = __shfl_sync(0xffffffffu, blk, u);
+            const uint8_t *row =
+                v_base + bu * p.v_block_stride + (size_t)((c0 + u) % BLOCK) * v_tok;
+            float v[NG];
+#pragma unroll
+            for (int g = 0; g < NG; g++) {
+                const uint8_t *gr = row + g * VG;
+                if constexpr (FMT == FMT_Q4) {
+                    const uint32_t byte = gr[lane & 15];
+                    const float2 f = half_pair(*reinterpret_cast<const uint32_t *>(gr + 16));
+                    v[g] = f.y + small_float(lane < 16 ? byte & 15u : byte >> 4) * f.x;
+                } else {
+                    const int bit = 3 * lane; /* of the 12 bytes of codes (byte 12: the scale) */
+                    const uint32_t x = gr[bit / 8] | (uint32_t)gr[bit / 8 + 1] << 8;
+                    v[g] = book[(x >> (bit % 8)) & 7u] *
+                           __half2float(*reinterpret_cast<const __half *>(gr + 12));
+                }
+            }
+#pragma unroll
+            for (int s = 0; s < MAX_GROUP; s++) {
+                if (s >= S)
+                    break;
+                const float pu = __shfl_sync(0xffffffffu, pr[s], u);
+#pragma unroll
+                for (int g = 0; g < NG; g++)
+                    acc[s][g] += pu * v[g];
+            }
+        }
+    }
+    /* each slot with tokens in this split: the output, or the split's partial (dims in order) */
+#pragma unroll
+    for (int s = 0; s < MAX_GROUP; s++) {
+        if (s >= S || qs[s] < 0 || t0 >= len_s[s])
+            continue;
+        if (p.rot.values)
+            kv_rotate_inverse(p.rot, acc[s], NG, lane);
+        if (p.n_splits == 1) {
+            const float inv = l[s] > 0.0f ? 1.0f / l[s] : 0.0f;
+#pragma unroll
+            for (int j = 0; j < NG; j++)
+                p.out[at(s) * D + lane + 32 * j] = acc[s][j] * inv;
+        } else {
+            const size_t slot = at(s) * p.n_splits + split;
+#pragma unroll
+            for (int j = 0; j < NG; j++)
+                p.part_acc[slot * D + lane + 32 * j] = acc[s][j];
+            if (lane == 0)
+                p.part_ml[slot] = make_float2(m[s], l[s]);
+        }
+    }
+}
+
 /* ---- the merge of splits ------------------------------------------------------------------- */
 
 /* One CTA per (sequence, head, 32 dims): every thread helps weigh the splits, then 16 groups of 8
@@ -866,8 +1115,27 @@ template <int FMT, bool COOP> KernelInfo *pick_dim(int head_dim) {
     return k;
 }
 
+template <int FMT, int D> KernelInfo *rows_info(int max_ctas) {
+    static KernelInfo info[5]; /* by max_ctas */
+    KernelInfo *k = &info[max_ctas];
+    if (k->fn == nullptr)
+        *k = {rows_kernel<FMT, D>, 0, 0, max_ctas, 0, nullptr, rows_info<FMT, D>};
+    return k;
+}
+
+template <int FMT> KernelInfo *pick_rows(int head_dim) {
+    switch (head_dim) {
+    case 64: return rows_info<FMT, 64>(0);
+    case 128: return rows_info<FMT, 128>(0);
+    case 256: return rows_info<FMT, 256>(0);
+    default: return NULL;
+    }
+}
+
 KernelInfo *pick_kernel(const struct llmem_cuda_attn *a) {
     switch (a->format) {
+    case LLMEM_KV_FORMAT_Q4: return pick_rows<FMT_Q4>(a->head_dim);
+    case LLMEM_KV_FORMAT_TQ: return pick_rows<FMT_TQ>(a->head_dim);
     case LLMEM_KV_FORMAT_F16: return pick_dim<FMT_F16, false>(a->head_dim);
     case LLMEM_KV_FORMAT_BF16: return pick_dim<FMT_BF16, false>(a->head_dim);
     case LLMEM_KV_FORMAT_Q8: /* a CTA's warps share whole spans when they are one token's heads */
@@ -928,9 +1196,12 @@ int sm_count(void) {
 
 int check(const struct llmem_cuda_attn *a, KernelInfo **kernel) {
     const char *why = NULL;
+    const bool rows = a->format == LLMEM_KV_FORMAT_Q4 || a->format == LLMEM_KV_FORMAT_TQ;
     if (a->format != LLMEM_KV_FORMAT_F16 && a->format != LLMEM_KV_FORMAT_BF16 &&
-        a->format != LLMEM_KV_FORMAT_Q8)
-        why = "format (f16, bf16 or q8)";
+        a->format != LLMEM_KV_FORMAT_Q8 && !rows)
+        why = "format (f16, bf16, q8, q4 or tq)";
+    else if (a->rotation != NULL && (a->rotation->keys || a->rotation->values) && !rows)
+        why = "rotation (q4 and tq)";
     else if (a->head_dim != 64 && a->head_dim != 128 && a->head_dim != 256)
         why = "head_dim (64, 128 or 256)";
     else if (a->block_size != BLOCK)
@@ -948,7 +1219,8 @@ int check(const struct llmem_cuda_attn *a, KernelInfo **kernel) {
     else if (a->split_len < 0 || a->split_len % BLOCK != 0)
         why = "split_len (a multiple of 16)";
     else if (((uintptr_t)a->k_pool | (uintptr_t)a->v_pool | (uintptr_t)a->q) % 16 != 0 ||
-             ((uintptr_t)a->out | (uintptr_t)a->workspace) % 16 != 0 || a->block_stride % 16 != 0)
+             ((uintptr_t)a->out | (uintptr_t)a->workspace) % 16 != 0 || a->block_stride % 16 != 0 ||
+             a->v_block_stride % 16 != 0)
         why = "alignment (pools, block_stride, q, out and workspace on 16 bytes)";
     if (why) {
         LLMEM_ERROR_AS("llmem_cuda_attn_decode", "unsupported %s", why);
@@ -1102,6 +1374,8 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
     p.packs = a->pack > 1 ? a->packs : NULL;
     float scale = a->scale != 0.0f ? a->scale : 1.0f / sqrtf((float)a->head_dim);
     p.qscale = scale * LOG2E;
+    p.v_block_stride = a->v_block_stride > 0 ? a->v_block_stride : a->block_stride;
+    p.rot = a->rotation != NULL ? *a->rotation : llmem_backend_kv_rotation{};
 
     cudaStream_t stream = (cudaStream_t)a->stream;
     unsigned grid = (unsigned)((p.n_items + WARPS - 1) / WARPS);

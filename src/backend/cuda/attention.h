@@ -14,7 +14,9 @@
  * block_stride is the whole block; with separate K and V pools, block_stride is one block of K.
  *
  * Formats f16, bf16 and q8 (int8 codes with one f16 scale per 32 elements, 34 bytes a group: the
- * bytes of kv/codec.c); q8 is decoded inside the kernel. GQA groups of up to 8 query heads per KV
+ * bytes of kv/codec.c), on tensor cores, q8 decoded inside the kernel; q4 and tq (kv/codec.h, with
+ * their rotations) decoded inside a kernel on CUDA cores, whose values rows (tq's are smaller than
+ * its keys) may take their own block stride. GQA groups of up to 8 query heads per KV
  * head; head_dim 64, 128 or 256; block_size 16. Every pointer below is device memory.
  */
 #ifndef LLMEM_BACKEND_CUDA_ATTENTION_H
@@ -37,8 +39,10 @@
 extern "C" {
 #endif
 
+struct llmem_backend_kv_rotation; /* backend/ops.h */
+
 struct llmem_cuda_attn {
-    enum llmem_kv_format format; /* F16, BF16 or Q8 */
+    enum llmem_kv_format format; /* F16, BF16, Q8, Q4 or TQ */
     int n_heads;                 /* query heads, n_kv_heads × (1..8) */
     int n_kv_heads;
     int head_dim;   /* 64, 128 or 256 */
@@ -52,6 +56,9 @@ struct llmem_cuda_attn {
     int q_bf16;
     const void *k_pool, *v_pool; /* 16-byte aligned */
     int64_t block_stride;        /* bytes from one block to the next, in both pools */
+    int64_t v_block_stride;      /* (q4, tq) in the value pool, when not block_stride (0) */
+    /* (q4, tq; NULL: none) how the rows are rotated (host memory, read at the call) */
+    const struct llmem_backend_kv_rotation *rotation;
     const int32_t *block_tables; /* [batch, table_stride]: block ids of each sequence in order */
     int table_stride; /* 0: every "sequence" reads the one table (which covers max_len tokens):
                        * the queries of one sequence at several positions, a prefill chunk */

@@ -1702,12 +1702,16 @@ static void cuda_embedding(void *ctx, const struct llmem_weight *table, const in
     launched(c, "embedding");
 }
 
-static void cuda_kv_encode(void *ctx, enum llmem_kv_format format, const float *k, const float *v,
-                           int64_t n, int heads, int head_dim, const int64_t *slots,
-                           uint8_t *k_pool, uint8_t *v_pool, size_t tok_bytes, size_t row_bytes) {
+/* What a launch depends on of a rotation (0: none). */
+static uint64_t rotation_sig(const struct llmem_backend_kv_rotation *r) {
+    return r != NULL ? llmem_hash64(r, sizeof(*r), 1) : 0;
+}
+
+static void cuda_kv_encode(void *ctx, enum llmem_kv_format format,
+                           const struct llmem_backend_kv_rotation *rotation, const float *k,
+                           const float *v, int64_t n, int heads, int head_dim, const int64_t *slots,
+                           uint8_t *k_pool, uint8_t *v_pool, size_t key_bytes, size_t value_bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    LLMEM_ASSERT(format == LLMEM_KV_FORMAT_F32 || format == LLMEM_KV_FORMAT_F16 ||
-                 format == LLMEM_KV_FORMAT_BF16 || format == LLMEM_KV_FORMAT_Q8);
     const int64_t per = (int64_t)(SMALL_MAX / sizeof(int64_t));
     for (int64_t t = 0; t < n && !c->failed; t += per) {
         const int64_t m = n - t < per ? n - t : per;
@@ -1715,37 +1719,36 @@ static void cuda_kv_encode(void *ctx, enum llmem_kv_format format, const float *
         if (d == NULL)
             return;
         if (staged(c, OP_KV_ENCODE,
-                   {arg((int64_t)format), arg(k), arg(v), arg(m), arg((int64_t)heads),
-                    arg((int64_t)head_dim), arg(d), arg(k_pool), arg(v_pool),
-                    arg((int64_t)tok_bytes), arg((int64_t)row_bytes)}))
+                   {arg((int64_t)format), rotation_sig(rotation), arg(k), arg(v), arg(m),
+                    arg((int64_t)heads), arg((int64_t)head_dim), arg(d), arg(k_pool), arg(v_pool),
+                    arg((int64_t)key_bytes), arg((int64_t)value_bytes)}))
             continue;
         const struct rope_later *r = &c->rope_later;
         if (c->rope_pending && r->k == k && r->n == n && m == n && r->n_kv_heads == heads &&
             r->head_dim == head_dim) { /* the rope_qk just before: one launch for both */
             c->rope_pending = 0;
-            llmem_cuda_kv_encode_rope(c->stream, format, r->q, r->n_heads, r->k, v, n, heads,
-                                      head_dim, (const int64_t *)r->d,
+            llmem_cuda_kv_encode_rope(c->stream, format, rotation, r->q, r->n_heads, r->k, v, n,
+                                      heads, head_dim, (const int64_t *)r->d,
                                       (const float *)(r->d + (size_t)n * sizeof(int64_t)), d,
-                                      k_pool, v_pool, tok_bytes, row_bytes);
+                                      k_pool, v_pool, key_bytes, value_bytes);
             launched(c, "rope + kv encode");
             continue;
         }
         rope_flush(c);
         const int64_t off = t * heads * (int64_t)head_dim;
-        llmem_cuda_kv_encode(c->stream, format, k + off, v + off, m, heads, head_dim, d, k_pool,
-                             v_pool, tok_bytes, row_bytes);
+        llmem_cuda_kv_encode(c->stream, format, rotation, k + off, v + off, m, heads, head_dim, d,
+                             k_pool, v_pool, key_bytes, value_bytes);
         launched(c, "kv encode");
     }
 }
 
 /* The split-K decode kernel of attention.cu takes these queries (a sequence's last position, or a
- * chunk's queries as sequences of their own lengths): no window, 16-bit or q8 blocks of 16
- * tokens. */
+ * chunk's queries as sequences of their own lengths): no window, f16, bf16, q8 (on tensor cores),
+ * q4 or tq blocks of 16 tokens. */
 static int decode_kernel_fits(const struct llmem_backend_paged_attn *a) {
     const int group = a->n_heads / a->n_kv_heads;
     return a->window == 0 && a->format != LLMEM_KV_FORMAT_F32 && a->block_size == 16 &&
-           a->k_tok == a->v_tok && group <= 8 &&
-           (a->head_dim == 64 || a->head_dim == 128 || a->head_dim == 256);
+           group <= 8 && (a->head_dim == 64 || a->head_dim == 128 || a->head_dim == 256);
 }
 
 /* What a launch of the decode kernel reads from c->staging (n_ints int32 in all): the block
@@ -1775,8 +1778,8 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
         staged(c, OP_ATTN_DECODE,
                {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
                 arg((int64_t)a->head_dim), arg(a->q), arg(a->k_pool), arg(a->v_pool), arg(a->out),
-                arg(d), arg(a->scale), arg((int64_t)a->k_tok),
-                arg((int64_t)llmem_hash64(call, sizeof(*call), 0))}))
+                arg(d), arg(a->scale), arg((int64_t)a->k_tok), arg((int64_t)a->v_tok),
+                rotation_sig(a->rotation), arg((int64_t)llmem_hash64(call, sizeof(*call), 0))}))
         return;
     struct llmem_cuda_attn ca = {};
     ca.format = a->format;
@@ -1791,6 +1794,8 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
     ca.k_pool = a->k_pool;
     ca.v_pool = a->v_pool;
     ca.block_stride = (int64_t)a->block_size * (int64_t)a->k_tok;
+    ca.v_block_stride = (int64_t)a->block_size * (int64_t)a->v_tok;
+    ca.rotation = a->rotation;
     ca.block_tables = d;
     ca.table_stride = call->table_stride;
     ca.lengths = d + call->lengths_at;
@@ -1847,7 +1852,8 @@ static void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) 
                {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
                 arg((int64_t)a->head_dim), arg(a->k_pool), arg(a->v_pool), arg(a->q), arg(a->out),
                 arg(a->q_pos), arg(a->n_q), arg(a->window), arg(a->scale), arg(d),
-                arg((int64_t)a->k_tok), arg((int64_t)a->v_tok), arg((int64_t)a->key_bytes)}))
+                arg((int64_t)a->k_tok), arg((int64_t)a->v_tok), arg((int64_t)a->key_bytes),
+                arg((int64_t)a->value_bytes), rotation_sig(a->rotation)}))
         return;
     if (llmem_cuda_kv_attend(c->stream, a, d) != LLMEM_OK) {
         LLMEM_ERROR("cuda backend: attention over head_dim %d (a multiple of 32 up to 256)",
