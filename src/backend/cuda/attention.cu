@@ -693,28 +693,30 @@ template <int FMT> struct RowsGeo {
     static constexpr int VG = FMT == FMT_Q4 ? 20 : 14; /* of a value group */
 };
 
+__constant__ float tq_centroids[8] = LLMEM_KV_TQ_CENTROIDS;
+
 /* The float of a small unsigned integer c (< 2²³), exactly, without a conversion instruction. */
 __device__ __forceinline__ float small_float(uint32_t c) {
     return __uint_as_float(0x4B000000u | c) - 8388608.0f;
 }
 
+/* The two halves of a word (low, high) as floats. */
 __device__ __forceinline__ float2 half_pair(uint32_t w) {
-    return __half22float2(*reinterpret_cast<const __half2 *>(&w));
+    return make_float2(__half2float(__ushort_as_half((unsigned short)(w & 0xffffu))),
+                       __half2float(__ushort_as_half((unsigned short)(w >> 16))));
 }
 
-template <int FMT, int D>
+template <int FMT, int D, int SL>
 __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p) {
     constexpr int NG = D / 32; /* groups of a row, and dims of a lane */
     constexpr int KG = RowsGeo<FMT>::KG, VG = RowsGeo<FMT>::VG;
-    __shared__ __align__(16) float sq[WARPS][MAX_GROUP][D]; /* the slots' queries, scaled */
-    __shared__ float sqsum[WARPS][MAX_GROUP][NG];           /* and each group's sum */
+    __shared__ __align__(16) float sq[WARPS][SL][D]; /* the slots' queries, scaled */
+    __shared__ float sqsum[WARPS][SL][NG];           /* and each group's sum */
     __shared__ float book[8];
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); /* as pdl_begin does */
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (FMT == FMT_TQ && threadIdx.x < 8) {
-        const float c[8] = LLMEM_KV_TQ_CENTROIDS;
-        book[threadIdx.x] = c[threadIdx.x];
-    }
+    if (FMT == FMT_TQ && threadIdx.x < 8)
+        book[threadIdx.x] = tq_centroids[threadIdx.x];
     __syncthreads();
     const long long item = (long long)blockIdx.x * WARPS + warp;
     if (item >= p.n_items)
@@ -726,9 +728,9 @@ __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p) {
     const int q0 = p.packs != nullptr ? p.packs[pk] : pk * p.pack;
     const int tab0 = p.table_ids != nullptr ? p.table_ids[q0] : q0;
     const int S = p.pack * p.group; /* slots: head s % group of query q0 + s / group */
-    int qs[MAX_GROUP], len_s[MAX_GROUP], len = 0;
+    int qs[SL], len_s[SL], len = 0;
 #pragma unroll
-    for (int s = 0; s < MAX_GROUP; s++) {
+    for (int s = 0; s < SL; s++) {
         const int q = q0 + s / p.group;
         bool ok = s < S && q < p.n_queries;
         if (ok)
@@ -742,7 +744,8 @@ __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     if (t0 >= len) {
         if (p.n_splits == 1)
-            for (int s = 0; s < S; s++)
+#pragma unroll
+            for (int s = 0; s < SL; s++)
                 for (int d = lane; d < D && qs[s] >= 0; d += 32)
                     p.out[at(s) * D + d] = 0.0f;
         return;
@@ -751,7 +754,7 @@ __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p) {
 
     /* the queries: rotated, times scale · log2(e), and each group's sum (the min's weight) */
 #pragma unroll
-    for (int s = 0; s < MAX_GROUP; s++) {
+    for (int s = 0; s < SL; s++) {
         if (s >= S)
             break;
         float x[NG];
@@ -781,71 +784,65 @@ __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p) {
     const size_t k_tok = (size_t)p.n_kv * KG * NG, v_tok = (size_t)p.n_kv * VG * NG;
     const uint8_t *k_base = p.k_pool + (size_t)kvh * KG * NG;
     const uint8_t *v_base = p.v_pool + (size_t)kvh * VG * NG;
-    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][NG];
+    /* values: TP tokens at a time, each on 32 / TP lanes; a lane's elements of each group are
+     * hl + (32 / TP)·k (k < TP): for q4 the two nibbles of byte hl when TP = 2 */
+    constexpr int TP = D <= 128 ? 2 : 1, LT = 32 / TP;
+    const int hl = lane % LT, tp = lane / LT;
+    float m[SL], l[SL], acc[SL][NG * TP];
 #pragma unroll
-    for (int s = 0; s < MAX_GROUP; s++) {
+    for (int s = 0; s < SL; s++) {
         m[s] = -INFINITY, l[s] = 0.0f;
 #pragma unroll
-        for (int j = 0; j < NG; j++)
+        for (int j = 0; j < NG * TP; j++)
             acc[s][j] = 0.0f;
     }
     for (int c0 = t0; c0 < t1; c0 += 32) {
         const int t = c0 + lane;
         const int32_t blk = t < t1 ? table[t / BLOCK] : 0;
         /* scores: this lane's token against every slot */
-        float sc[MAX_GROUP];
+        float sc[SL];
 #pragma unroll
-        for (int s = 0; s < MAX_GROUP; s++)
+        for (int s = 0; s < SL; s++)
             sc[s] = 0.0f;
         if (t < t1) {
             const uint8_t *row = k_base + blk * p.block_stride + (size_t)(t % BLOCK) * k_tok;
 #pragma unroll
             for (int g = 0; g < NG; g++) {
-                const uint32_t *w = reinterpret_cast<const uint32_t *>(row + g * KG);
-                float e[32]; /* the codes of the group, in element order */
-                uint32_t sm;
-                if constexpr (FMT == FMT_Q4) { /* byte j: element j (low), j + 16 (high) */
+                constexpr int WORDS = FMT == FMT_Q4 ? 5 : 9; /* codes, then scale and min */
+                uint32_t w[WORDS];
 #pragma unroll
-                    for (int b = 0; b < 4; b++) {
-                        const uint32_t x = w[b];
+                for (int b = 0; b < WORDS; b++)
+                    w[b] = reinterpret_cast<const uint32_t *>(row + g * KG)[b];
+                float dot[SL];
 #pragma unroll
-                        for (int i = 0; i < 4; i++) {
-                            e[4 * b + i] = small_float((x >> (8 * i)) & 15u);
-                            e[16 + 4 * b + i] = small_float((x >> (8 * i + 4)) & 15u);
-                        }
+                for (int s = 0; s < SL; s++)
+                    dot[s] = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) { /* elements 4i .. 4i + 3 */
+                    float e[4];
+#pragma unroll
+                    for (int k = 0; k < 4; k++) /* q4: byte j holds element j (low), j + 16 */
+                        e[k] = FMT == FMT_Q4 ? small_float((w[i & 3] >> (8 * k + (i & 4))) & 15u)
+                                             : small_float((w[i] >> (8 * k)) & 255u);
+#pragma unroll
+                    for (int s = 0; s < SL; s++) {
+                        if (s >= S)
+                            break;
+                        const float4 a = reinterpret_cast<const float4 *>(&sq[warp][s][32 * g])[i];
+                        dot[s] += a.x * e[0] + a.y * e[1] + a.z * e[2] + a.w * e[3];
                     }
-                    sm = w[4]; /* scale, min */
-                } else {
-#pragma unroll
-                    for (int b = 0; b < 8; b++) {
-                        const uint32_t x = w[b];
-#pragma unroll
-                        for (int i = 0; i < 4; i++)
-                            e[4 * b + i] = small_float((x >> (8 * i)) & 255u);
-                    }
-                    sm = w[8]; /* scale, zero */
                 }
-                const float2 f = half_pair(sm);
+                const float2 f = half_pair(w[WORDS - 1]);
 #pragma unroll
-                for (int s = 0; s < MAX_GROUP; s++) {
-                    if (s >= S)
-                        break;
-                    const float4 *qv = reinterpret_cast<const float4 *>(&sq[warp][s][32 * g]);
-                    float dot = 0.0f;
-#pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        const float4 a = qv[i];
-                        dot += a.x * e[4 * i] + a.y * e[4 * i + 1] + a.z * e[4 * i + 2] +
-                               a.w * e[4 * i + 3];
-                    }
-                    sc[s] += f.x * dot + f.y * sqsum[warp][s][g];
-                }
+                for (int s = 0; s < SL; s++)
+                    if (s < S)
+                        sc[s] += f.x * dot[s] + f.y * sqsum[warp][s][g];
             }
         }
         /* the chunk's softmax, slot by slot (a slot sees its own length) */
-        float pr[MAX_GROUP];
+        float pr[SL];
 #pragma unroll
-        for (int s = 0; s < MAX_GROUP; s++) {
+        for (int s = 0; s < SL; s++) {
             pr[s] = 0.0f;
             if (s >= S)
                 continue;
@@ -866,59 +863,80 @@ __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p) {
             l[s] = l[s] * corr + sum;
             m[s] = top;
 #pragma unroll
-            for (int j = 0; j < NG; j++)
+            for (int j = 0; j < NG * TP; j++)
                 acc[s][j] *= corr;
         }
-        /* values: token u's row, this lane's element of each group */
+        /* values: token u + tp's row, this lane's elements of each group */
         const int n = min(32, t1 - c0);
-#pragma unroll 4
-        for (int u = 0; u < n; u++) {
-            const int32_t bu = __shfl_sync(0xffffffffu, blk, u);
+#pragma unroll 2
+        for (int u = 0; u < n; u += TP) {
+            const bool in = u + tp < n;
+            const int32_t bu = __shfl_sync(0xffffffffu, blk, (u + tp) & 31);
             const uint8_t *row =
-                v_base + bu * p.v_block_stride + (size_t)((c0 + u) % BLOCK) * v_tok;
-            float v[NG];
+                v_base + bu * p.v_block_stride + (size_t)((c0 + u + tp) % BLOCK) * v_tok;
+            float v[NG * TP];
 #pragma unroll
             for (int g = 0; g < NG; g++) {
                 const uint8_t *gr = row + g * VG;
-                if constexpr (FMT == FMT_Q4) {
-                    const uint32_t byte = gr[lane & 15];
-                    const float2 f = half_pair(*reinterpret_cast<const uint32_t *>(gr + 16));
-                    v[g] = f.y + small_float(lane < 16 ? byte & 15u : byte >> 4) * f.x;
-                } else {
-                    const int bit = 3 * lane; /* of the 12 bytes of codes (byte 12: the scale) */
-                    const uint32_t x = gr[bit / 8] | (uint32_t)gr[bit / 8 + 1] << 8;
-                    v[g] = book[(x >> (bit % 8)) & 7u] *
-                           __half2float(*reinterpret_cast<const __half *>(gr + 12));
+#pragma unroll
+                for (int k = 0; k < TP; k++) {
+                    const int e = hl + LT * k; /* the element of the group */
+                    float x;
+                    if constexpr (FMT == FMT_Q4) {
+                        const uint32_t byte = gr[e & 15];
+                        const float2 f = half_pair(*reinterpret_cast<const uint32_t *>(gr + 16));
+                        x = f.y + small_float(e < 16 ? byte & 15u : byte >> 4) * f.x;
+                    } else {
+                        const int bit = 3 * e; /* of the 12 bytes of codes (byte 12: the scale) */
+                        const uint32_t w = gr[bit / 8] | (uint32_t)gr[bit / 8 + 1] << 8;
+                        x = book[(w >> (bit % 8)) & 7u] *
+                            __half2float(*reinterpret_cast<const __half *>(gr + 12));
+                    }
+                    v[TP * g + k] = in ? x : 0.0f; /* past the chunk: any block's bytes */
                 }
             }
 #pragma unroll
-            for (int s = 0; s < MAX_GROUP; s++) {
+            for (int s = 0; s < SL; s++) {
                 if (s >= S)
                     break;
-                const float pu = __shfl_sync(0xffffffffu, pr[s], u);
+                const float pu = __shfl_sync(0xffffffffu, pr[s], (u + tp) & 31);
 #pragma unroll
-                for (int g = 0; g < NG; g++)
-                    acc[s][g] += pu * v[g];
+                for (int j = 0; j < NG * TP; j++)
+                    acc[s][j] += pu * v[j];
             }
         }
     }
     /* each slot with tokens in this split: the output, or the split's partial (dims in order) */
 #pragma unroll
-    for (int s = 0; s < MAX_GROUP; s++) {
+    for (int s = 0; s < SL; s++) {
         if (s >= S || qs[s] < 0 || t0 >= len_s[s])
             continue;
+        /* the token lanes' sums, then dims lane + 32j */
+        float o[NG];
+#pragma unroll
+        for (int g = 0; g < NG; g++) {
+            float x[TP];
+#pragma unroll
+            for (int k = 0; k < TP; k++) {
+                x[k] = acc[s][TP * g + k];
+#pragma unroll
+                for (int w = LT; w < 32; w *= 2)
+                    x[k] += __shfl_xor_sync(0xffffffffu, x[k], w);
+            }
+            o[g] = TP == 1 || lane < LT ? x[0] : x[TP - 1]; /* element lane = hl + LT·tp */
+        }
         if (p.rot.values)
-            kv_rotate_inverse(p.rot, acc[s], NG, lane);
+            kv_rotate_inverse(p.rot, o, NG, lane);
         if (p.n_splits == 1) {
             const float inv = l[s] > 0.0f ? 1.0f / l[s] : 0.0f;
 #pragma unroll
             for (int j = 0; j < NG; j++)
-                p.out[at(s) * D + lane + 32 * j] = acc[s][j] * inv;
+                p.out[at(s) * D + lane + 32 * j] = o[j] * inv;
         } else {
             const size_t slot = at(s) * p.n_splits + split;
 #pragma unroll
             for (int j = 0; j < NG; j++)
-                p.part_acc[slot * D + lane + 32 * j] = acc[s][j];
+                p.part_acc[slot * D + lane + 32 * j] = o[j];
             if (lane == 0)
                 p.part_ml[slot] = make_float2(m[s], l[s]);
         }
@@ -1115,27 +1133,33 @@ template <int FMT, bool COOP> KernelInfo *pick_dim(int head_dim) {
     return k;
 }
 
-template <int FMT, int D> KernelInfo *rows_info(int max_ctas) {
+template <int FMT, int D, int SL> KernelInfo *rows_info(int max_ctas) {
     static KernelInfo info[5]; /* by max_ctas */
     KernelInfo *k = &info[max_ctas];
     if (k->fn == nullptr)
-        *k = {rows_kernel<FMT, D>, 0, 0, max_ctas, 0, nullptr, rows_info<FMT, D>};
+        *k = {rows_kernel<FMT, D, SL>, 0, 0, max_ctas, 0, nullptr, rows_info<FMT, D, SL>};
     return k;
 }
 
-template <int FMT> KernelInfo *pick_rows(int head_dim) {
+/* slots: a warp's (query, head) rows, pack × group (fewer registers for 4) */
+template <int FMT, int SL> KernelInfo *pick_rows_dim(int head_dim) {
     switch (head_dim) {
-    case 64: return rows_info<FMT, 64>(0);
-    case 128: return rows_info<FMT, 128>(0);
-    case 256: return rows_info<FMT, 256>(0);
+    case 64: return rows_info<FMT, 64, SL>(0);
+    case 128: return rows_info<FMT, 128, SL>(0);
+    case 256: return rows_info<FMT, 256, SL>(0);
     default: return NULL;
     }
 }
 
+template <int FMT> KernelInfo *pick_rows(int head_dim, int slots) {
+    return slots <= 4 ? pick_rows_dim<FMT, 4>(head_dim) : pick_rows_dim<FMT, MAX_GROUP>(head_dim);
+}
+
 KernelInfo *pick_kernel(const struct llmem_cuda_attn *a) {
+    const int slots = (a->pack > 1 ? a->pack : 1) * (a->n_heads / a->n_kv_heads);
     switch (a->format) {
-    case LLMEM_KV_FORMAT_Q4: return pick_rows<FMT_Q4>(a->head_dim);
-    case LLMEM_KV_FORMAT_TQ: return pick_rows<FMT_TQ>(a->head_dim);
+    case LLMEM_KV_FORMAT_Q4: return pick_rows<FMT_Q4>(a->head_dim, slots);
+    case LLMEM_KV_FORMAT_TQ: return pick_rows<FMT_TQ>(a->head_dim, slots);
     case LLMEM_KV_FORMAT_F16: return pick_dim<FMT_F16, false>(a->head_dim);
     case LLMEM_KV_FORMAT_BF16: return pick_dim<FMT_BF16, false>(a->head_dim);
     case LLMEM_KV_FORMAT_Q8: /* a CTA's warps share whole spans when they are one token's heads */
