@@ -1,5 +1,6 @@
 /*
- * backend/cuda/attention.cu — paged decode attention (split-K, GQA-aware, q8 decoded in-kernel).
+ * backend/cuda/attention.cu — paged decode attention (split-K, GQA-aware, q8 decoded in-kernel on
+ * tensor cores; q4 and tq on CUDA cores, see rows_kernel).
  *
  * Work: one warp per (sequence, KV head, split of the context); for the queries of a prefill chunk
  * (one table), one warp per (pack of up to 8 / group queries, KV head, split), its rows the pack's
