@@ -748,6 +748,70 @@ static void test_kv_device(void **state) {
     assert_int_equal(llmem_kv_create(&kc, dmem, &kv), LLMEM_EUNSUPPORTED);
 }
 
+/* Blocks copied to the host without waiting (the spill store's staging, pinned or not): the
+ * thread goes on, frees the sequence and writes new tokens into the same blocks, given out again;
+ * after llmem_kv_copies_wait the copies hold the old bytes, those of a host cache with the same
+ * writes. */
+static void test_kv_copy_out_async(void **state) {
+    (void)state;
+    struct llmem_kv_config kc;
+    llmem_kv_config_default(&kc);
+    kc.format = LLMEM_KV_FORMAT_F16;
+    kc.n_layers = 3, kc.n_kv_heads = 2, kc.head_dim = 64, kc.max_sequences = 2, kc.num_blocks = 8;
+    struct llmem_kv *host = NULL, *dev = NULL;
+    assert_int_equal(llmem_kv_create(&kc, NULL, &host), LLMEM_OK);
+    kc.device = gpu;
+    assert_int_equal(llmem_kv_create(&kc, dmem, &dev), LLMEM_OK);
+    const int64_t n = 64, row = n * 2 * 64; /* four blocks */
+    float *k = random_floats(2 * row * 3, 1.0f), *v = random_floats(2 * row * 3, 1.0f);
+    float *dk = to_device(k, (size_t)(2 * row * 3) * 4),
+          *dv = to_device(v, (size_t)(2 * row * 3) * 4);
+    int hs = -1, ds = -1;
+    assert_int_equal(llmem_kv_seq_new(host, &hs), LLMEM_OK);
+    assert_int_equal(llmem_kv_seq_new(dev, &ds), LLMEM_OK);
+    assert_int_equal(llmem_kv_append(host, hs, n, k, v), LLMEM_OK);
+    assert_int_equal(llmem_kv_append(dev, ds, n, dk, dv), LLMEM_OK);
+    const int64_t bb = llmem_kv_block_bytes(dev);
+    const int64_t *ids = NULL;
+    assert_int_equal(llmem_kv_seq_blocks(dev, ds, &ids), 4);
+    int64_t took[4];
+    memcpy(took, ids, sizeof(took));
+    struct llmem_mem_config pc = {.ops = llmem_backend_cuda_pinned_memory()};
+    struct llmem_mem *pmem = NULL;
+    assert_non_null(pc.ops);
+    assert_int_equal(llmem_mem_create(&pc, &pmem), LLMEM_OK);
+    uint8_t *pinned = llmem_mem_alloc(pmem, (size_t)bb * 2, LLMEM_TAG_BANK);
+    uint8_t *plain = malloc((size_t)bb * 2), *want = malloc((size_t)bb);
+    assert_non_null(pinned);
+    for (int b = 0; b < 4; b++)
+        llmem_kv_block_copy_out_async(dev, took[b], b < 2 ? pinned + b * bb : plain + (b - 2) * bb);
+    /* the same blocks, given out again and overwritten at once (other rows of the data) */
+    llmem_kv_seq_free(dev, ds);
+    assert_int_equal(llmem_kv_seq_new(dev, &ds), LLMEM_OK);
+    assert_int_equal(llmem_kv_append(dev, ds, n, dk + row * 3, dv + row * 3), LLMEM_OK);
+    assert_int_equal(llmem_kv_seq_blocks(dev, ds, &ids), 4);
+    int reused = 0;
+    for (int b = 0; b < 4; b++)
+        for (int c = 0; c < 4; c++)
+            reused += ids[b] == took[c];
+    assert_true(reused > 0);
+    assert_int_equal(llmem_kv_copies_wait(dev), LLMEM_OK);
+    const int64_t *hid = NULL;
+    llmem_kv_seq_blocks(host, hs, &hid);
+    for (int b = 0; b < 4; b++) {
+        llmem_kv_block_copy_out(host, hid[b], want);
+        assert_memory_equal(b < 2 ? pinned + b * bb : plain + (b - 2) * bb, want, (size_t)bb);
+    }
+    assert_int_equal(llmem_kv_check(dev), LLMEM_OK);
+    assert_int_equal(gpu->ops->sync(gpu->ctx), LLMEM_OK);
+    llmem_mem_free(pmem, pinned);
+    llmem_mem_destroy(pmem);
+    free(plain), free(want), free(k), free(v);
+    llmem_mem_free(dmem, dk), llmem_mem_free(dmem, dv);
+    llmem_kv_destroy(host);
+    llmem_kv_destroy(dev);
+}
+
 /* ---- whole models ----------------------------------------------------------------------------
  */
 
@@ -912,6 +976,47 @@ static void test_quantized_caches(void **state) {
         free(out[0]), free(out[1]);
     }
     free(ref);
+}
+
+/* The spill store with the cache on the device: a first engine's prompt goes to disk through
+ * the device's copy queue and pinned staging; a second engine on the same store (an empty RAM
+ * tier) restores it into device blocks and generates the same tokens at f32 precision. */
+static void test_spill_on_device(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    int32_t prompt[600];
+    for (int i = 0; i < 600; i++)
+        prompt[i] = 20 + (i * 37) % 3900;
+    struct llmem_generate_params gp;
+    llmem_generate_params_default(&gp);
+    gp.max_tokens = 16;
+    gp.ignore_eos = 1;
+    struct llmem_generate_result r[2];
+    for (int run = 0; run < 2; run++) {
+        struct llmem_engine_config c;
+        llmem_engine_config_default(&c);
+        c.model_dir = LLMEM_SOURCE_DIR "/models/pycoder";
+        c.backend = LLMEM_BACKEND_CUDA;
+        c.precision = LLMEM_PRECISION_F32;
+        c.n_threads = 2;
+        c.bank_dir = dir;
+        struct llmem_engine *e = NULL;
+        assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+        assert_int_equal(llmem_engine_generate(e, prompt, 600, &gp, NULL, NULL, &r[run]), LLMEM_OK);
+        struct llmem_engine_bank_stats bs;
+        llmem_engine_bank_stats(e, &bs);
+        assert_true(bs.spill_on && bs.spill.owned);
+        assert_int_equal(r[run].reused_disk_tokens, run == 0 ? 0 : 599 / 16 * 16);
+        llmem_engine_close(e); /* flushes the writes */
+    }
+    printf("  600-token prompt on the device: ttft cold %.1f ms, from disk %.1f ms\n", r[0].ttft_ms,
+           r[1].ttft_ms);
+    assert_int_equal(r[1].n_ids, r[0].n_ids);
+    assert_memory_equal(r[1].ids, r[0].ids, (size_t)r[0].n_ids * sizeof(int32_t));
+    llmem_generate_result_free(&r[0]);
+    llmem_generate_result_free(&r[1]);
+    tu_rmtree(dir);
+    free(dir);
 }
 
 /* A prompt of n ids base, base + step, …, and parameters for max_tokens tokens past any EOS. */
@@ -1387,9 +1492,11 @@ int main(void) {
         cmocka_unit_test(test_shadow_copies),
         cmocka_unit_test(test_out_of_memory),
         cmocka_unit_test(test_kv_device),
+        cmocka_unit_test(test_kv_copy_out_async),
         cmocka_unit_test(test_models),
         cmocka_unit_test(test_quantized_caches),
         cmocka_unit_test(test_greedy),
+        cmocka_unit_test(test_spill_on_device),
         cmocka_unit_test(test_graphs),
         cmocka_unit_test(test_mixed_step),
         cmocka_unit_test(test_top_k),

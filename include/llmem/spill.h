@@ -25,8 +25,12 @@
  * Writing happens off the generation path: llmem_spill_submit copies the blocks of the chunks that
  * are not on disk yet into staging memory (from the store's allocator, tag bank, bounded by
  * queue_bytes) and queues them; a writer thread writes each chunk to a temp file, fsyncs it,
- * renames it into place, fsyncs the directory, and only then adds the manifest row. The KV pool is
- * never read by that thread, so a pool that grows (and moves) while a write is pending is safe. A
+ * renames it into place, fsyncs the directory, and only then adds the manifest row. A device
+ * cache's blocks are copied on the device's own copy queue (llmem_kv_block_copy_out_async: pinned
+ * staging memory makes them asynchronous), which the writer waits for, not the thread that
+ * generates; the cache must outlive the store. The KV pool is never read by the writer, and blocks
+ * given out again, or a pool that grows (and moves), are written only after those copies: a
+ * pending write is safe. A
  * process killed at any point leaves at worst an orphan or temp file (removed at the next open),
  * never a row that points at an incomplete file. Closing flushes what is pending for up to 10 s.
  *

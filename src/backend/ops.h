@@ -145,6 +145,16 @@ struct llmem_backend_ops {
     /* Copies `bytes` from src to dst, each host memory or the backend's, after every operation
      * queued before it. LLMEM_EIO (logged) when the copy or an earlier operation failed. */
     int (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
+    /* (optional: backends whose memory is not the host's) Queues a copy of `bytes` from the
+     * backend's memory at src to host memory at dst on a queue of its own, after every operation
+     * queued before it, and returns at once: the operations queued after it do not wait for it
+     * (dst pinned where the backend pins host memory, or the copy may wait for the host).
+     * copy_out_wait waits for every copy so queued, from any thread (LLMEM_EIO, logged, when one
+     * failed); copy_out_fence makes every operation queued after it wait, on the device, for
+     * those copies: before anything may write over what they read. */
+    void (*copy_out)(void *ctx, void *dst, const void *src, size_t bytes);
+    int (*copy_out_wait)(void *ctx);
+    void (*copy_out_fence)(void *ctx);
     /* Waits for every operation queued. The first failure of any of them (LLMEM_EIO, or
      * LLMEM_ENOMEM for scratch) is logged once and returned by every later copy and sync. */
     int (*sync)(void *ctx);
@@ -202,6 +212,9 @@ int llmem_backend_cuda_create(int device, enum llmem_backend_precision precision
                               struct llmem_mem *mem, struct llmem_backend **out);
 /* Device memory of GPU `device` for llmem_mem_create; NULL without CUDA or such a device. */
 const struct llmem_mem_raw_ops *llmem_backend_cuda_memory(int device);
+/* Pinned host memory for llmem_mem_create (staging that copies to and from a GPU do not wait
+ * for); NULL without CUDA. */
+const struct llmem_mem_raw_ops *llmem_backend_cuda_pinned_memory(void);
 /* NULL is a no-op. */
 void llmem_backend_destroy(struct llmem_backend *backend);
 

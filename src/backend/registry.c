@@ -113,3 +113,11 @@ const struct llmem_mem_raw_ops *llmem_backend_cuda_memory(int device) {
     return NULL;
 #endif
 }
+
+const struct llmem_mem_raw_ops *llmem_backend_cuda_pinned_memory(void) {
+#ifdef LLMEM_CUDA
+    return llmem_cuda_pinned_ops();
+#else
+    return NULL;
+#endif
+}

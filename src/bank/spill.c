@@ -79,6 +79,7 @@ struct job {
     int64_t when; /* submitted (ms since the epoch): created and last access of its row */
     uint8_t *buf;
     int64_t bytes;
+    const struct llmem_kv *copies; /* the cache whose copies to the host fill buf (NULL: done) */
 };
 
 struct llmem_spill {
@@ -946,7 +947,16 @@ int llmem_spill_open(const struct llmem_spill_config *c, struct llmem_spill **ou
     return spill_open(c, 0, out);
 }
 
+/* Waits for the copies that fill a job's buffer (on the writer's thread: the thread that
+ * generates does not wait for them); LLMEM_EIO (logged) when one failed. */
+static int job_filled(struct job *j) {
+    const struct llmem_kv *kv = j->copies;
+    j->copies = NULL;
+    return kv != NULL ? llmem_kv_copies_wait(kv) : LLMEM_OK;
+}
+
 static void free_job(struct llmem_spill *s, struct job *j) {
+    (void)job_filled(j); /* no copy may still write into the buffer */
     buf_free(s, j->buf);
     free(j);
 }
@@ -1205,7 +1215,10 @@ static void *writer_main(void *arg) {
             s->st.skip_shutdown++;
         } else {
             pthread_mutex_unlock(&s->lock);
-            write_job(s, j);
+            if (job_filled(j) == LLMEM_OK)
+                write_job(s, j);
+            else
+                LLMEM_WARN("spill: a chunk's blocks did not reach the host; not written");
             pthread_mutex_lock(&s->lock);
         }
         s->st.queued_bytes -= j->bytes;
@@ -1315,9 +1328,10 @@ int64_t llmem_spill_submit(struct llmem_spill *s, struct llmem_kv *kv, const uin
         }
         header_encode(&hd, buf);
         memcpy(buf + HEADER_BYTES, tokens + b0 * bs, (size_t)hd.n_tokens * 4);
-        for (int64_t b = b0; b < b1; b++)
-            llmem_kv_block_copy_out(kv, ids[b],
-                                    buf + hd.header_tokens_bytes + (b - b0) * hd.block_bytes);
+        for (int64_t b = b0; b < b1; b++) /* the writer waits for these */
+            llmem_kv_block_copy_out_async(kv, ids[b],
+                                          buf + hd.header_tokens_bytes + (b - b0) * hd.block_bytes);
+        j->copies = kv;
         memcpy(j->key, hd.key, 32);
         memcpy(j->parent, hd.parent, 32);
         j->position = hd.position;

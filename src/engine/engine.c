@@ -219,6 +219,14 @@ static int open_bank(struct llmem_engine *e) {
     sc.max_bytes = e->cfg.spill_max_bytes;
     sc.ram_bytes = e->ram_bytes > 0 ? e->ram_bytes : 0;
     sc.mem = e->host_mem;
+    if (e->cfg.backend == LLMEM_BACKEND_CUDA) {
+        /* pinned staging: the blocks' copies to it run on the device's copy queue, waited for
+         * by the writer; up to 64 MiB of it stays allocated between writes */
+        struct llmem_mem_config pc = {.ops = llmem_backend_cuda_pinned_memory(),
+                                      .cache_limit_bytes = (int64_t)64 << 20};
+        if (pc.ops != NULL && llmem_mem_create(&pc, &e->staging_mem) == LLMEM_OK)
+            sc.mem = e->staging_mem;
+    }
     sc.free_probe = e->cfg.spill_free_probe;
     sc.free_probe_arg = e->cfg.spill_free_probe_arg;
     status = llmem_spill_open(&sc, &e->spill);
@@ -318,7 +326,8 @@ void llmem_engine_close(struct llmem_engine *e) {
     if (e == NULL)
         return;
     llmem_engine_sched_fini(e);  /* stops serving: no step runs past here */
-    llmem_spill_close(e->spill); /* flushes pending writes (staging memory from e->mem) */
+    llmem_spill_close(e->spill); /* flushes pending writes (their staging memory) */
+    llmem_mem_destroy(e->staging_mem);
     if (e->host_mem != NULL)
         llmem_mem_free(e->host_mem, e->logits);
     llmem_forward_free(e->fwd);
@@ -559,6 +568,8 @@ int64_t llmem_engine_release_caches(struct llmem_engine *e) {
     int64_t cache = llmem_mem_cache_size(e->mem);
     llmem_mem_clear_cache(e->mem);
     llmem_kv_release_free(e->kv); /* resident memory, not the plan's: not counted in the return */
+    if (e->staging_mem != NULL)   /* pinned host memory: the same */
+        llmem_mem_clear_cache(e->staging_mem);
     return bs.bytes + cache;
 }
 

@@ -170,6 +170,15 @@ int64_t llmem_kv_span(const struct llmem_kv *kv, int seq, int layer, int64_t pos
 /* ---- paged pool
  * ----------------------------------------------------------------------------------- */
 
+/* Device pools: the work queued after this waits for the copies of llmem_kv_block_copy_out_async
+ * queued before it (before a block they read is written again, or a pool they read is let go). */
+static void copies_fence(struct llmem_kv *kv) {
+    if (kv->copies_pending) {
+        kv->cfg.device->ops->copy_out_fence(kv->cfg.device->ctx);
+        kv->copies_pending = 0;
+    }
+}
+
 /* Grows the pool to at least `required` blocks (×1.5 steps, clamped to max_blocks). */
 static int pool_grow(struct llmem_kv *kv, int64_t required) {
     int64_t cur = kv->n_blocks, max = kv->cfg.max_blocks > 0 ? kv->cfg.max_blocks : INT32_MAX;
@@ -207,6 +216,7 @@ static int pool_grow(struct llmem_kv *kv, int64_t required) {
                        (long long)cur, (long long)next);
         return LLMEM_ENOMEM;
     }
+    copies_fence(kv);
     for (int l = 0; l < n_layers; l++) {
         if (cur > 0) {
             kv_copy(kv, nk[l], kv->k_pool[l], (size_t)cur * (size_t)bs * kv->k_tok);
@@ -237,6 +247,7 @@ static int pool_grow(struct llmem_kv *kv, int64_t required) {
 }
 
 static int64_t pool_take(struct llmem_kv *kv) {
+    copies_fence(kv);
     int64_t id = kv->free_ids[--kv->n_free];
     kv->refcount[id] = 1;
     return id;
@@ -510,6 +521,8 @@ void llmem_kv_destroy(struct llmem_kv *kv) {
     for (int i = 0; kv->seqs != NULL && i < kv->cfg.max_sequences; i++)
         if (kv->seqs[i].used)
             llmem_kv_seq_free(kv, i);
+    if (kv->copies_pending) /* the pools stay until the copies that read them are done */
+        (void)llmem_kv_copies_wait(kv);
     for (int l = 0; l < kv->cfg.n_layers; l++) {
         size_t bs = (size_t)block_size(kv), n = (size_t)kv->n_blocks;
         if (kv->k_pool != NULL) {
@@ -999,16 +1012,42 @@ int llmem_kv_seq_new_from_blocks(struct llmem_kv *kv, const int64_t *ids, int64_
     return LLMEM_OK;
 }
 
-void llmem_kv_block_copy_out(const struct llmem_kv *kv, int64_t id, void *dst) {
+/* A block's K and V runs, layer by layer, each through copy(kv, dst, src, bytes). */
+static void block_out(const struct llmem_kv *kv, int64_t id, void *dst,
+                      void (*copy)(const struct llmem_kv *, void *, const void *, size_t)) {
     LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED && id >= 0 && id < kv->n_blocks &&
                  kv->refcount[id] > 0);
     size_t bs = (size_t)block_size(kv), k = bs * kv->k_tok, v = bs * kv->v_tok;
     uint8_t *out = dst;
     for (int l = 0; l < kv->cfg.n_layers; l++) {
-        kv_copy(kv, out, kv->k_pool[l] + (size_t)id * k, k);
-        kv_copy(kv, out + k, kv->v_pool[l] + (size_t)id * v, v);
+        copy(kv, out, kv->k_pool[l] + (size_t)id * k, k);
+        copy(kv, out + k, kv->v_pool[l] + (size_t)id * v, v);
         out += k + v;
     }
+}
+
+void llmem_kv_block_copy_out(const struct llmem_kv *kv, int64_t id, void *dst) {
+    block_out(kv, id, dst, kv_copy);
+}
+
+static void copy_out_async(const struct llmem_kv *kv, void *dst, const void *src, size_t bytes) {
+    kv->cfg.device->ops->copy_out(kv->cfg.device->ctx, dst, src, bytes);
+}
+
+void llmem_kv_block_copy_out_async(struct llmem_kv *kv, int64_t id, void *dst) {
+    const struct llmem_backend *d = kv->cfg.device;
+    if (d == NULL || d->ops->copy_out == NULL || d->ops->copy_out_wait == NULL ||
+        d->ops->copy_out_fence == NULL) {
+        block_out(kv, id, dst, kv_copy);
+        return;
+    }
+    block_out(kv, id, dst, copy_out_async);
+    kv->copies_pending = 1;
+}
+
+int llmem_kv_copies_wait(const struct llmem_kv *kv) {
+    const struct llmem_backend *d = kv->cfg.device;
+    return d != NULL && d->ops->copy_out_wait != NULL ? d->ops->copy_out_wait(d->ctx) : LLMEM_OK;
 }
 
 int llmem_kv_block_new_from(struct llmem_kv *kv, const void *src, int64_t *id) {

@@ -45,8 +45,9 @@ struct llmem_kv {
     int frozen;
 
     struct llmem_backend_kv_rotation
-        rotation;   /* device pools: the codec's, as a backend takes it */
-    int64_t *slots; /* device pools: the slot numbers of a write (slots_cap) */
+        rotation;       /* device pools: the codec's, as a backend takes it */
+    int copies_pending; /* device pools: block copies to the host not yet fenced (copies_fence) */
+    int64_t *slots;     /* device pools: the slot numbers of a write (slots_cap) */
     int64_t slots_cap;
     const int64_t **last_blocks; /* device pools: llmem_kv_attend_last's block tables and */
     int64_t *last_lengths;       /* lengths, (max_sequences) each */

@@ -154,7 +154,13 @@ struct cuda_ctx {
      * step's host time does not wait for them) */
     cudaEvent_t replay[2 * REPLAY_TIMES];
     int replay_first, replay_pending;
-    int idle;       /* the stream synchronized since anything was queued on it */
+    int idle; /* the stream synchronized since anything was queued on it */
+    /* copy_out: copies to the host on a stream of their own, each after the work queued on
+     * `stream` before it (the event copy_after, recorded again once something was queued since,
+     * copy_ordered 0); copy_done, recorded by copy_out_fence, for `stream` to wait on */
+    cudaStream_t copy_stream;
+    cudaEvent_t copy_after, copy_done;
+    int copy_ordered, copy_pending;
     void *top_host; /* top_k's results (ids, then values; top_bytes), pinned, mapped, until
                      * sync hands them over */
     void *top;      /* the device's address of top_host */
@@ -392,7 +398,8 @@ enum {
 /* Called by every operation before it launches anything: its arguments extend the pass's hash.
  * 1: do not launch (the pass is staged for a recorded graph). */
 static int staged(struct cuda_ctx *c, int op, std::initializer_list<uint64_t> args) {
-    c->idle = 0;            /* (every operation stages before it queues anything) */
+    c->idle = 0; /* (every operation stages before it queues anything) */
+    c->copy_ordered = 0;
     if (op != OP_KV_ENCODE) /* which may take it */
         rope_flush(c);
     if (op != OP_MATMUL && op != OP_GEMV_SET && op != OP_MATMUL_W && op != OP_MATMUL_MULTI &&
@@ -1971,6 +1978,7 @@ static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     rope_flush(c);
     c->idle = 0;
+    c->copy_ordered = 0;
     c->shadow_x = NULL;
     if (bytes > 0 && c->mode != PASS_NOW) {
         if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream) != cudaSuccess) {
@@ -2032,12 +2040,64 @@ static int cuda_top_k(void *ctx, const float *x, int64_t n, int64_t cols, int k,
     return c->failed;
 }
 
+static void cuda_copy_out(void *ctx, void *dst, const void *src, size_t bytes) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (c->pass != NULL) { /* inside a pass: queued as one of its operations */
+        cuda_copy(ctx, dst, src, bytes);
+        return;
+    }
+    rope_flush(c);
+    if (bytes == 0 || c->failed)
+        return;
+    if (!c->copy_ordered &&
+        (check(c, cudaEventRecord(c->copy_after, c->stream), "copy out") != LLMEM_OK ||
+         check(c, cudaStreamWaitEvent(c->copy_stream, c->copy_after, 0), "copy out") != LLMEM_OK))
+        return;
+    c->copy_ordered = 1;
+    c->copy_pending = 1;
+    check(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->copy_stream), "copy out");
+}
+
+/* Any thread: c->copy_stream is fixed, and nothing of c is written here. */
+static int cuda_copy_out_wait(void *ctx) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    cudaError_t err = cudaStreamSynchronize(c->copy_stream);
+    if (err != cudaSuccess) {
+        LLMEM_ERROR("cuda backend: copies to the host: %s", cudaGetErrorString(err));
+        return LLMEM_EIO;
+    }
+    return LLMEM_OK;
+}
+
+static void cuda_copy_out_fence(void *ctx) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (!c->copy_pending || c->failed)
+        return;
+    c->copy_pending = 0;
+    rope_flush(c);
+    if (c->pass != NULL) { /* a capture cannot wait on another stream's event: the host waits */
+        check(c, cudaStreamSynchronize(c->copy_stream), "copy out");
+        return;
+    }
+    if (check(c, cudaEventRecord(c->copy_done, c->copy_stream), "copy out") == LLMEM_OK)
+        check(c, cudaStreamWaitEvent(c->stream, c->copy_done, 0), "copy out");
+    c->idle = 0;
+}
+
 static void cuda_destroy(void *ctx) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     if (c == NULL)
         return;
     if (c->stream != NULL)
         cudaStreamSynchronize(c->stream);
+    if (c->copy_stream != NULL) {
+        cudaStreamSynchronize(c->copy_stream);
+        cudaStreamDestroy(c->copy_stream);
+    }
+    if (c->copy_after != NULL)
+        cudaEventDestroy(c->copy_after);
+    if (c->copy_done != NULL)
+        cudaEventDestroy(c->copy_done);
     if (c->profiling) {
         profile_log(c);
         cudaEventDestroy(cuda_profile_start);
@@ -2101,6 +2161,9 @@ static struct llmem_backend_ops make_ops(void) {
     o.kv_attend_last = cuda_kv_attend_last;
     o.memory = cuda_memory;
     o.copy = cuda_copy;
+    o.copy_out = cuda_copy_out;
+    o.copy_out_wait = cuda_copy_out_wait;
+    o.copy_out_fence = cuda_copy_out_fence;
     o.top_k = cuda_top_k;
     o.sync = cuda_sync;
     o.graph_begin = cuda_graph_begin;
@@ -2139,6 +2202,12 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
     int status = LLMEM_OK;
     if (check(c, cudaSetDevice(device), "cudaSetDevice") != LLMEM_OK ||
         check(c, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "stream") !=
+            LLMEM_OK ||
+        check(c, cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking), "stream") !=
+            LLMEM_OK ||
+        check(c, cudaEventCreateWithFlags(&c->copy_after, cudaEventDisableTiming), "event") !=
+            LLMEM_OK ||
+        check(c, cudaEventCreateWithFlags(&c->copy_done, cudaEventDisableTiming), "event") !=
             LLMEM_OK ||
         check(c, cudaMalloc(&c->small, c->small_bytes * SMALL_SLOTS), "cudaMalloc") != LLMEM_OK ||
         check(c, cudaHostAlloc(&c->small_host, c->small_bytes * SMALL_SLOTS, cudaHostAllocDefault),
