@@ -783,8 +783,10 @@ static void test_kv_copy_out_async(void **state) {
     uint8_t *pinned = llmem_mem_alloc(pmem, (size_t)bb * 2, LLMEM_TAG_BANK);
     uint8_t *plain = malloc((size_t)bb * 2), *want = malloc((size_t)bb);
     assert_non_null(pinned);
-    for (int b = 0; b < 4; b++)
-        llmem_kv_block_copy_out_async(dev, took[b], b < 2 ? pinned + b * bb : plain + (b - 2) * bb);
+    /* blocks 0 and 1 in one call (a run of ids, if they follow each other), 3 then 2 */
+    llmem_kv_blocks_copy_out_async(dev, took, 2, pinned);
+    llmem_kv_blocks_copy_out_async(dev, took + 3, 1, plain + bb);
+    llmem_kv_blocks_copy_out_async(dev, took + 2, 1, plain);
     /* the same blocks, given out again and overwritten at once (other rows of the data) */
     llmem_kv_seq_free(dev, ds);
     assert_int_equal(llmem_kv_seq_new(dev, &ds), LLMEM_OK);

@@ -150,11 +150,12 @@ int llmem_kv_seq_new_from_blocks(struct llmem_kv *kv, const int64_t *ids, int64_
  * [n_layers][K: block_size × n_kv_heads × key bytes | V: block_size × n_kv_heads × value bytes]
  * (the session bank's spill files hold blocks in this form). */
 void llmem_kv_block_copy_out(const struct llmem_kv *kv, int64_t id, void *dst);
-/* The same without waiting for a device cache's copies (a copy on the host): dst is complete once
- * llmem_kv_copies_wait has returned LLMEM_OK, which any thread may call (the work of the thread
- * that generates goes on meanwhile). A block given out again, or a pool let go, is written only
- * after these copies have read it. */
-void llmem_kv_block_copy_out_async(struct llmem_kv *kv, int64_t id, void *dst);
+/* Blocks ids[0 .. n) copied so, back to back, without waiting for a device cache's copies (a
+ * copy on the host): dst is complete once llmem_kv_copies_wait has returned LLMEM_OK, which any
+ * thread may call (the work of the thread that generates goes on meanwhile). A block given out
+ * again, or a pool let go, is written only after these copies have read it. Runs of consecutive
+ * ids take one copy a layer for K and one for V. */
+void llmem_kv_blocks_copy_out_async(struct llmem_kv *kv, const int64_t *ids, int64_t n, void *dst);
 int llmem_kv_copies_wait(const struct llmem_kv *kv);
 /* Paged: a free block filled with bytes in that layout, held once by the caller (let go with
  * llmem_kv_block_release). The pool does not grow for it: LLMEM_ERANGE (not logged) when no

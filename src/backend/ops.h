@@ -145,14 +145,16 @@ struct llmem_backend_ops {
     /* Copies `bytes` from src to dst, each host memory or the backend's, after every operation
      * queued before it. LLMEM_EIO (logged) when the copy or an earlier operation failed. */
     int (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
-    /* (optional: backends whose memory is not the host's) Queues a copy of `bytes` from the
-     * backend's memory at src to host memory at dst on a queue of its own, after every operation
-     * queued before it, and returns at once: the operations queued after it do not wait for it
-     * (dst pinned where the backend pins host memory, or the copy may wait for the host).
+    /* (optional: backends whose memory is not the host's) Queues a copy of `rows` runs of
+     * `bytes` from the backend's memory at src (src_pitch apart) to host memory at dst (dst_pitch
+     * apart) on a queue of its own, after every operation queued before it, and returns at once:
+     * the operations queued after it do not wait for it (dst pinned where the backend pins host
+     * memory, or the copy may wait for the host).
      * copy_out_wait waits for every copy so queued, from any thread (LLMEM_EIO, logged, when one
      * failed); copy_out_fence makes every operation queued after it wait, on the device, for
      * those copies: before anything may write over what they read. */
-    void (*copy_out)(void *ctx, void *dst, const void *src, size_t bytes);
+    void (*copy_out)(void *ctx, void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
+                     size_t bytes, size_t rows);
     int (*copy_out_wait)(void *ctx);
     void (*copy_out_fence)(void *ctx);
     /* Waits for every operation queued. The first failure of any of them (LLMEM_EIO, or

@@ -1328,10 +1328,8 @@ int64_t llmem_spill_submit(struct llmem_spill *s, struct llmem_kv *kv, const uin
         }
         header_encode(&hd, buf);
         memcpy(buf + HEADER_BYTES, tokens + b0 * bs, (size_t)hd.n_tokens * 4);
-        for (int64_t b = b0; b < b1; b++) /* the writer waits for these */
-            llmem_kv_block_copy_out_async(kv, ids[b],
-                                          buf + hd.header_tokens_bytes + (b - b0) * hd.block_bytes);
-        j->copies = kv;
+        llmem_kv_blocks_copy_out_async(kv, ids + b0, b1 - b0, buf + hd.header_tokens_bytes);
+        j->copies = kv; /* the writer waits for these */
         memcpy(j->key, hd.key, 32);
         memcpy(j->parent, hd.parent, 32);
         j->position = hd.position;

@@ -221,9 +221,11 @@ static int open_bank(struct llmem_engine *e) {
     sc.mem = e->host_mem;
     if (e->cfg.backend == LLMEM_BACKEND_CUDA) {
         /* pinned staging: the blocks' copies to it run on the device's copy queue, waited for
-         * by the writer; up to 64 MiB of it stays allocated between writes */
-        struct llmem_mem_config pc = {.ops = llmem_backend_cuda_pinned_memory(),
-                                      .cache_limit_bytes = (int64_t)64 << 20};
+         * by the writer. Pinning and unpinning take milliseconds (and unpinning waits for the
+         * device), so what the queue holds at most stays pinned between writes. */
+        struct llmem_mem_config pc = {
+            .ops = llmem_backend_cuda_pinned_memory(),
+            .cache_limit_bytes = sc.queue_bytes > 0 ? sc.queue_bytes : LLMEM_SPILL_QUEUE_BYTES};
         if (pc.ops != NULL && llmem_mem_create(&pc, &e->staging_mem) == LLMEM_OK)
             sc.mem = e->staging_mem;
     }

@@ -170,13 +170,16 @@ int64_t llmem_kv_span(const struct llmem_kv *kv, int seq, int layer, int64_t pos
 /* ---- paged pool
  * ----------------------------------------------------------------------------------- */
 
-/* Device pools: the work queued after this waits for the copies of llmem_kv_block_copy_out_async
- * queued before it (before a block they read is written again, or a pool they read is let go). */
+/* Device pools: the work queued after this waits for the copies of
+ * llmem_kv_blocks_copy_out_async queued before it (before a block they read is written again, or
+ * a pool they read is let go). The blocks they read are held until they are queued; one freed
+ * since (refcount 0) may be given out again, so the next pool_take fences (take_fence). */
 static void copies_fence(struct llmem_kv *kv) {
     if (kv->copies_pending) {
         kv->cfg.device->ops->copy_out_fence(kv->cfg.device->ctx);
         kv->copies_pending = 0;
     }
+    kv->take_fence = 0;
 }
 
 /* Grows the pool to at least `required` blocks (×1.5 steps, clamped to max_blocks). */
@@ -247,7 +250,8 @@ static int pool_grow(struct llmem_kv *kv, int64_t required) {
 }
 
 static int64_t pool_take(struct llmem_kv *kv) {
-    copies_fence(kv);
+    if (kv->take_fence)
+        copies_fence(kv);
     int64_t id = kv->free_ids[--kv->n_free];
     kv->refcount[id] = 1;
     return id;
@@ -255,8 +259,10 @@ static int64_t pool_take(struct llmem_kv *kv) {
 
 static void pool_unref(struct llmem_kv *kv, int64_t id) {
     LLMEM_ASSERT(kv->refcount[id] > 0);
-    if (--kv->refcount[id] == 0)
+    if (--kv->refcount[id] == 0) {
         kv->free_ids[kv->n_free++] = id;
+        kv->take_fence |= kv->copies_pending;
+    }
 }
 
 static int table_reserve(struct kv_seq *s, int64_t n) {
@@ -1012,36 +1018,42 @@ int llmem_kv_seq_new_from_blocks(struct llmem_kv *kv, const int64_t *ids, int64_
     return LLMEM_OK;
 }
 
-/* A block's K and V runs, layer by layer, each through copy(kv, dst, src, bytes). */
-static void block_out(const struct llmem_kv *kv, int64_t id, void *dst,
-                      void (*copy)(const struct llmem_kv *, void *, const void *, size_t)) {
+void llmem_kv_block_copy_out(const struct llmem_kv *kv, int64_t id, void *dst) {
     LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED && id >= 0 && id < kv->n_blocks &&
                  kv->refcount[id] > 0);
     size_t bs = (size_t)block_size(kv), k = bs * kv->k_tok, v = bs * kv->v_tok;
     uint8_t *out = dst;
     for (int l = 0; l < kv->cfg.n_layers; l++) {
-        copy(kv, out, kv->k_pool[l] + (size_t)id * k, k);
-        copy(kv, out + k, kv->v_pool[l] + (size_t)id * v, v);
+        kv_copy(kv, out, kv->k_pool[l] + (size_t)id * k, k);
+        kv_copy(kv, out + k, kv->v_pool[l] + (size_t)id * v, v);
         out += k + v;
     }
 }
 
-void llmem_kv_block_copy_out(const struct llmem_kv *kv, int64_t id, void *dst) {
-    block_out(kv, id, dst, kv_copy);
-}
-
-static void copy_out_async(const struct llmem_kv *kv, void *dst, const void *src, size_t bytes) {
-    kv->cfg.device->ops->copy_out(kv->cfg.device->ctx, dst, src, bytes);
-}
-
-void llmem_kv_block_copy_out_async(struct llmem_kv *kv, int64_t id, void *dst) {
+void llmem_kv_blocks_copy_out_async(struct llmem_kv *kv, const int64_t *ids, int64_t n, void *dst) {
     const struct llmem_backend *d = kv->cfg.device;
+    uint8_t *out = dst;
+    const size_t block = blocks_block_bytes(kv);
     if (d == NULL || d->ops->copy_out == NULL || d->ops->copy_out_wait == NULL ||
         d->ops->copy_out_fence == NULL) {
-        block_out(kv, id, dst, kv_copy);
+        for (int64_t i = 0; i < n; i++)
+            llmem_kv_block_copy_out(kv, ids[i], out + (size_t)i * block);
         return;
     }
-    block_out(kv, id, dst, copy_out_async);
+    /* a run of consecutive ids: one strided copy a layer for its K and one for its V */
+    const size_t bs = (size_t)block_size(kv), k = bs * kv->k_tok, v = bs * kv->v_tok;
+    for (int64_t i = 0, j; i < n; i = j) {
+        LLMEM_ASSERT(ids[i] >= 0 && ids[i] < kv->n_blocks && kv->refcount[ids[i]] > 0);
+        for (j = i + 1; j < n && ids[j] == ids[j - 1] + 1; j++)
+            LLMEM_ASSERT(kv->refcount[ids[j]] > 0);
+        uint8_t *o = out + (size_t)i * block;
+        for (int l = 0; l < kv->cfg.n_layers; l++, o += k + v) {
+            d->ops->copy_out(d->ctx, o, block, kv->k_pool[l] + (size_t)ids[i] * k, k, k,
+                             (size_t)(j - i));
+            d->ops->copy_out(d->ctx, o + k, block, kv->v_pool[l] + (size_t)ids[i] * v, v, v,
+                             (size_t)(j - i));
+        }
+    }
     kv->copies_pending = 1;
 }
 

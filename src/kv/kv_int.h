@@ -47,6 +47,7 @@ struct llmem_kv {
     struct llmem_backend_kv_rotation
         rotation;       /* device pools: the codec's, as a backend takes it */
     int copies_pending; /* device pools: block copies to the host not yet fenced (copies_fence) */
+    int take_fence;     /* and a block freed since: the next pool_take fences them */
     int64_t *slots;     /* device pools: the slot numbers of a write (slots_cap) */
     int64_t slots_cap;
     const int64_t **last_blocks; /* device pools: llmem_kv_attend_last's block tables and */

@@ -2040,14 +2040,16 @@ static int cuda_top_k(void *ctx, const float *x, int64_t n, int64_t cols, int k,
     return c->failed;
 }
 
-static void cuda_copy_out(void *ctx, void *dst, const void *src, size_t bytes) {
+static void cuda_copy_out(void *ctx, void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
+                          size_t bytes, size_t rows) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    if (c->pass != NULL) { /* inside a pass: queued as one of its operations */
-        cuda_copy(ctx, dst, src, bytes);
+    if (c->pass != NULL) { /* inside a pass: queued as its operations */
+        for (size_t r = 0; r < rows; r++)
+            cuda_copy(ctx, (char *)dst + r * dst_pitch, (const char *)src + r * src_pitch, bytes);
         return;
     }
     rope_flush(c);
-    if (bytes == 0 || c->failed)
+    if (bytes == 0 || rows == 0 || c->failed)
         return;
     if (!c->copy_ordered &&
         (check(c, cudaEventRecord(c->copy_after, c->stream), "copy out") != LLMEM_OK ||
@@ -2055,7 +2057,10 @@ static void cuda_copy_out(void *ctx, void *dst, const void *src, size_t bytes) {
         return;
     c->copy_ordered = 1;
     c->copy_pending = 1;
-    check(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->copy_stream), "copy out");
+    check(c,
+          cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, bytes, rows, cudaMemcpyDeviceToHost,
+                            c->copy_stream),
+          "copy out");
 }
 
 /* Any thread: c->copy_stream is fixed, and nothing of c is written here. */
