@@ -26,7 +26,7 @@
  * are not on disk yet into staging memory (from the store's allocator, tag bank, bounded by
  * queue_bytes) and queues them; a writer thread writes each chunk to a temp file, fsyncs it,
  * renames it into place, fsyncs the directory, and only then adds the manifest row. A device
- * cache's blocks are copied on the device's own copy queue (llmem_kv_block_copy_out_async: pinned
+ * cache's blocks are copied on the device's own copy queue (llmem_kv_blocks_copy_out_async: pinned
  * staging memory makes them asynchronous), which the writer waits for, not the thread that
  * generates; the cache must outlive the store. The KV pool is never read by the writer, and blocks
  * given out again, or a pool that grows (and moves), are written only after those copies: a

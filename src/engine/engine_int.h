@@ -19,7 +19,8 @@ struct llmem_engine {
     struct llmem_mem *mem;         /* the memory the plan governs: the host's, or the device's */
     struct llmem_mem *staging_mem; /* pinned host memory for the spill store's staging (CUDA) */
     struct llmem_mem *host_mem;    /* host memory: mem on the CPU; its own allocator with a device
-                                    * (the logits the sampler reads, the spill store's staging) */
+                                    * (the logits the sampler reads; the spill store's staging
+                                    * where none is pinned) */
     struct llmem_model *model;
     struct llmem_tokenizer *tok;
     struct llmem_pool *pool; /* the threads every kernel runs on */

@@ -278,6 +278,35 @@ __device__ __forceinline__ void load_q8_run(const uint8_t *base, uint32_t sel, u
     }
 }
 
+/* A warp's work item: KV heads vary fastest (neighbouring warps read neighbouring rows of the
+ * same tokens), then the splits of the context, then the packs of queries; q0 is the pack's first
+ * query and tab0 its table. */
+struct WorkItem {
+    int kvh, split, q0, tab0;
+};
+
+__device__ __forceinline__ WorkItem work_item(const Params &p, long long item) {
+    WorkItem w;
+    w.kvh = (int)(item % p.n_kv);
+    const long long rest = item / p.n_kv;
+    w.split = (int)(rest % p.n_splits);
+    const int pk = (int)(rest / p.n_splits);
+    w.q0 = p.packs != nullptr ? p.packs[pk] : pk * p.pack;
+    w.tab0 = p.table_ids != nullptr ? p.table_ids[w.q0] : w.q0;
+    return w;
+}
+
+/* The query of a pack's slot s (its head s mod group of query q0 + s / group): −1 past the pack
+ * or the batch, or for a query of another table. */
+__device__ __forceinline__ int pack_query(const Params &p, const WorkItem &w, int s) {
+    const int q = w.q0 + s / p.group;
+    if (s >= p.pack * p.group || q >= p.n_queries)
+        return -1;
+    const bool same =
+        p.table_ids != nullptr ? p.table_ids[q] == w.tab0 : p.table_stride == 0 || q == w.q0;
+    return same ? q : -1;
+}
+
 /* x, computed once: the compiler may not recompute it in a loop (offsets kept in registers rather
  * than rebuilt from the lane index every block). */
 __device__ __forceinline__ int opaque(int x) {
@@ -303,24 +332,11 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     const long long item = (long long)blockIdx.x * WARPS + warp;
     if (item >= p.n_items)
         return;
-    /* KV heads vary fastest: neighbouring warps read neighbouring rows of the same tokens */
-    const int kvh = (int)(item % p.n_kv);
-    const long long rest = item / p.n_kv;
-    const int split = (int)(rest % p.n_splits);
-    const int pk = (int)(rest / p.n_splits); /* the pack */
+    const WorkItem w = work_item(p, item);
+    const int kvh = w.kvh, split = w.split, tab0 = w.tab0;
     const int r = lane >> 2, c = lane & 3;
-    /* Rows (and columns of Oᵀ) are slots: slot s is head s mod group of query q0 + s / group, a
-     * query of the pack's table (slot_query: −1 for none). One query a warp: slot s is head s. */
-    const int q0 = p.packs != nullptr ? p.packs[pk] : pk * p.pack;
-    const int tab0 = p.table_ids != nullptr ? p.table_ids[q0] : q0;
-    auto slot_query = [&](int s) {
-        const int q = q0 + s / p.group;
-        if (s >= p.pack * p.group || q >= p.n_queries)
-            return -1;
-        const bool same =
-            p.table_ids != nullptr ? p.table_ids[q] == tab0 : p.table_stride == 0 || q == q0;
-        return same ? q : -1;
-    };
+    /* Rows (and columns of Oᵀ) are slots (slot_query). One query a warp: slot s is head s. */
+    auto slot_query = [&](int s) { return pack_query(p, w, s); };
     const int b = slot_query(r);                /* this thread's query (rows r and 8 + r) */
     const int hq = kvh * p.group + r % p.group; /* and its head */
     const bool head = b >= 0;
@@ -722,22 +738,14 @@ __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p) {
     const long long item = (long long)blockIdx.x * WARPS + warp;
     if (item >= p.n_items)
         return;
-    const int kvh = (int)(item % p.n_kv);
-    const long long rest = item / p.n_kv;
-    const int split = (int)(rest % p.n_splits);
-    const int pk = (int)(rest / p.n_splits);
-    const int q0 = p.packs != nullptr ? p.packs[pk] : pk * p.pack;
-    const int tab0 = p.table_ids != nullptr ? p.table_ids[q0] : q0;
-    const int S = p.pack * p.group; /* slots: head s % group of query q0 + s / group */
+    const WorkItem w = work_item(p, item);
+    const int kvh = w.kvh, split = w.split, tab0 = w.tab0;
+    const int S = p.pack * p.group; /* slots (pack_query) */
     int qs[SL], len_s[SL], len = 0;
 #pragma unroll
     for (int s = 0; s < SL; s++) {
-        const int q = q0 + s / p.group;
-        bool ok = s < S && q < p.n_queries;
-        if (ok)
-            ok = p.table_ids != nullptr ? p.table_ids[q] == tab0 : p.table_stride == 0 || q == q0;
-        qs[s] = ok ? q : -1;
-        len_s[s] = ok ? p.lengths[q] : 0;
+        qs[s] = pack_query(p, w, s);
+        len_s[s] = qs[s] >= 0 ? p.lengths[qs[s]] : 0;
         len = max(len, len_s[s]);
     }
     auto at = [&](int s) { return (size_t)qs[s] * p.n_heads + kvh * p.group + s % p.group; };

@@ -156,11 +156,11 @@ struct cuda_ctx {
     int replay_first, replay_pending;
     int idle; /* the stream synchronized since anything was queued on it */
     /* copy_out: copies to the host on a stream of their own, each after the work queued on
-     * `stream` before it (the event copy_after, recorded again once something was queued since,
-     * copy_ordered 0); copy_done, recorded by copy_out_fence, for `stream` to wait on */
+     * `stream` before it (the event copy_after); copy_done, recorded by copy_out_fence, for
+     * `stream` to wait on */
     cudaStream_t copy_stream;
     cudaEvent_t copy_after, copy_done;
-    int copy_ordered, copy_pending;
+    int copy_pending;
     void *top_host; /* top_k's results (ids, then values; top_bytes), pinned, mapped, until
                      * sync hands them over */
     void *top;      /* the device's address of top_host */
@@ -398,8 +398,7 @@ enum {
 /* Called by every operation before it launches anything: its arguments extend the pass's hash.
  * 1: do not launch (the pass is staged for a recorded graph). */
 static int staged(struct cuda_ctx *c, int op, std::initializer_list<uint64_t> args) {
-    c->idle = 0; /* (every operation stages before it queues anything) */
-    c->copy_ordered = 0;
+    c->idle = 0;            /* (every operation stages before it queues anything) */
     if (op != OP_KV_ENCODE) /* which may take it */
         rope_flush(c);
     if (op != OP_MATMUL && op != OP_GEMV_SET && op != OP_MATMUL_W && op != OP_MATMUL_MULTI &&
@@ -1978,7 +1977,6 @@ static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     rope_flush(c);
     c->idle = 0;
-    c->copy_ordered = 0;
     c->shadow_x = NULL;
     if (bytes > 0 && c->mode != PASS_NOW) {
         if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream) != cudaSuccess) {
@@ -2051,11 +2049,9 @@ static void cuda_copy_out(void *ctx, void *dst, size_t dst_pitch, const void *sr
     rope_flush(c);
     if (bytes == 0 || rows == 0 || c->failed)
         return;
-    if (!c->copy_ordered &&
-        (check(c, cudaEventRecord(c->copy_after, c->stream), "copy out") != LLMEM_OK ||
-         check(c, cudaStreamWaitEvent(c->copy_stream, c->copy_after, 0), "copy out") != LLMEM_OK))
+    if (check(c, cudaEventRecord(c->copy_after, c->stream), "copy out") != LLMEM_OK ||
+        check(c, cudaStreamWaitEvent(c->copy_stream, c->copy_after, 0), "copy out") != LLMEM_OK)
         return;
-    c->copy_ordered = 1;
     c->copy_pending = 1;
     check(c,
           cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, bytes, rows, cudaMemcpyDeviceToHost,
