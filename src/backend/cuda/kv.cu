@@ -39,6 +39,11 @@ struct kv_rows {
     size_t key_bytes, value_bytes;
 };
 
+/* q4 or tq: the encode kernels that hold their code (encode_group) */
+static bool quantized(enum llmem_kv_format format) {
+    return format == LLMEM_KV_FORMAT_Q4 || format == LLMEM_KV_FORMAT_TQ;
+}
+
 static kv_rows make_rows(enum llmem_kv_format format, const struct llmem_backend_kv_rotation *rot,
                          size_t key_bytes, size_t value_bytes) {
     kv_rows r = {};
@@ -123,7 +128,10 @@ __device__ __forceinline__ int tq_value_code(float val, __half *hs) {
     return best;
 }
 
-/* This lane's element of a group of `format` (keys or values) at g. */
+/* This lane's element of a group of `format` (keys or values) at g. QT: the format may be q4 or
+ * tq (their code kept out of the kernels of the other formats, whose KV write is on every
+ * decode step's path). */
+template <bool QT>
 __device__ __forceinline__ void encode_group(enum llmem_kv_format format, bool value, uint8_t *g,
                                              float val, int lane) {
     switch (format) {
@@ -143,6 +151,8 @@ __device__ __forceinline__ void encode_group(enum llmem_kv_format format, bool v
         return;
     }
     case LLMEM_KV_FORMAT_Q4: {
+        if constexpr (!QT)
+            return;
         __half hm, hs;
         const int c = affine_code(val, 15.0f, &hm, &hs);
         const int hi = __shfl_down_sync(FULL, c, 16); /* byte j: element j low, j + 16 high */
@@ -153,6 +163,8 @@ __device__ __forceinline__ void encode_group(enum llmem_kv_format format, bool v
         return;
     }
     default: { /* tq */
+        if constexpr (!QT)
+            return;
         __half hs, hm;
         if (!value) {
             g[lane] = (uint8_t)affine_code(val, 255.0f, &hm, &hs);
@@ -186,19 +198,21 @@ __host__ __device__ __forceinline__ int group_bytes(enum llmem_kv_format format,
 }
 
 /* A head's row, x[j] = element lane + 32j of the warp (per ≤ MAX_LANE_D, x not kept), into o. */
+template <bool QT>
 __device__ __forceinline__ void encode_row(const kv_rows &r, bool value, float *x, int per,
                                            int lane, uint8_t *o) {
-    if (value ? r.rot.values : r.rot.keys)
+    if (QT && (value ? r.rot.values : r.rot.keys))
         kv_rotate(r.rot, x, per, lane);
     const int gb = group_bytes(r.format, value);
 #pragma unroll
     for (int j = 0; j < MAX_LANE_D; j++)
         if (j < per)
-            encode_group(r.format, value, o + j * gb, x[j], lane);
+            encode_group<QT>(r.format, value, o + j * gb, x[j], lane);
 }
 
 /* grid (token, head, keys or values), one warp: lane i takes elements i, i + 32, … of the
  * head's row (MAX_LANE_D groups at a time); the token goes to its pool slot. */
+template <bool QT>
 __global__ void encode_kernel(kv_rows r, const float *k, const float *v, int heads, int head_dim,
                               const int64_t *slots, uint8_t *k_pool, uint8_t *v_pool) {
     pdl_begin();
@@ -216,7 +230,7 @@ __global__ void encode_kernel(kv_rows r, const float *k, const float *v, int hea
         for (int j = 0; j < MAX_LANE_D; j++)
             if (j < per)
                 e[j] = x[lane + GROUP * (j0 + j)];
-        encode_row(r, value, e, per, lane, o + (size_t)j0 * gb);
+        encode_row<QT>(r, value, e, per, lane, o + (size_t)j0 * gb);
     }
 }
 
@@ -229,8 +243,9 @@ extern "C" void llmem_cuda_kv_encode(cudaStream_t stream, enum llmem_kv_format f
     for (int64_t t = 0; t < n; t += 65535) {
         dim3 grid((unsigned)(n - t < 65535 ? n - t : 65535), (unsigned)heads, 2);
         const int64_t off = t * heads * (int64_t)head_dim;
-        pdl_launch(stream, encode_kernel, dim3(grid), dim3(32), 0, r, k + off, v + off, heads,
-                   head_dim, slots + t, k_pool, v_pool);
+        pdl_launch(stream, quantized(format) ? encode_kernel<true> : encode_kernel<false>,
+                   dim3(grid), dim3(32), 0, r, k + off, v + off, heads, head_dim, slots + t, k_pool,
+                   v_pool);
     }
 }
 
@@ -239,6 +254,7 @@ extern "C" void llmem_cuda_kv_encode(cudaStream_t stream, enum llmem_kv_format f
  * (turned in place). The token's angles once a block, in shared memory. Lane i holds elements
  * i + 32j; with head_dim a multiple of 64 a pair (d, d + head_dim / 2) is one lane's. */
 #define ROPE_WARPS 8
+template <bool QT>
 __global__ void __launch_bounds__(ROPE_WARPS * 32)
     rope_encode_kernel(kv_rows rw, float *q, int n_heads, float *k, const float *v, int heads,
                        int head_dim, const int64_t *pos, const float *inv_freq,
@@ -265,8 +281,8 @@ __global__ void __launch_bounds__(ROPE_WARPS * 32)
     for (int j = 0; j < per; j++) /* every load before any store or encoding */
         r[j] = src[lane + 32 * j];
     if (is_v) {
-        encode_row(rw, true, r, per, lane,
-                   v_pool + ((size_t)slot * heads + (size_t)(row - heads)) * rw.value_bytes);
+        encode_row<QT>(rw, true, r, per, lane,
+                       v_pool + ((size_t)slot * heads + (size_t)(row - heads)) * rw.value_bytes);
         return;
     }
     for (int j = 0; j < half; j++)
@@ -274,8 +290,8 @@ __global__ void __launch_bounds__(ROPE_WARPS * 32)
     for (int j = 0; j < per; j++)
         x[lane + 32 * j] = r[j];
     if (row < heads)
-        encode_row(rw, false, r, per, lane,
-                   k_pool + ((size_t)slot * heads + (size_t)row) * rw.key_bytes);
+        encode_row<QT>(rw, false, r, per, lane,
+                       k_pool + ((size_t)slot * heads + (size_t)row) * rw.key_bytes);
 }
 
 extern "C" int llmem_cuda_kv_encode_rope_fits(int64_t n, int head_dim) {
@@ -290,9 +306,9 @@ extern "C" void llmem_cuda_kv_encode_rope(cudaStream_t stream, enum llmem_kv_for
                                           uint8_t *k_pool, uint8_t *v_pool, size_t key_bytes,
                                           size_t value_bytes) {
     dim3 grid((unsigned)n, (unsigned)((2 * heads + n_heads + ROPE_WARPS - 1) / ROPE_WARPS));
-    pdl_launch(stream, rope_encode_kernel, grid, dim3(ROPE_WARPS * 32), 0,
-               make_rows(format, rotation, key_bytes, value_bytes), q, n_heads, k, v, heads,
-               head_dim, pos, inv_freq, slots, k_pool, v_pool);
+    pdl_launch(stream, quantized(format) ? rope_encode_kernel<true> : rope_encode_kernel<false>,
+               grid, dim3(ROPE_WARPS * 32), 0, make_rows(format, rotation, key_bytes, value_bytes),
+               q, n_heads, k, v, heads, head_dim, pos, inv_freq, slots, k_pool, v_pool);
 }
 
 /* ---- attention -------------------------------------------------------------------------------
