@@ -1,7 +1,8 @@
 /*
- * backend/cuda/kv.cu — the paged KV cache on the GPU: rows encoded into the stored formats (f32,
- * f16, bf16, q8; the bytes of kv/codec.h, so that blocks move between the GPU, the host and the
- * spill store unchanged) and attention over a sequence's blocks.
+ * backend/cuda/kv.cu — the paged KV cache on the GPU: rows encoded into the stored formats (all
+ * six, with q4's and tq's rotations: the bytes of kv/codec.h, so that blocks move between the GPU,
+ * the host and the spill store unchanged) and attention over a sequence's blocks where the
+ * split-K kernels of attention.cu do not take it (f32 caches, sliding windows).
  *
  * Attention, a few queries: one block of four warps per (query, head). The warps take the
  * visible tokens in turn, each lane holding head_dim / 32 elements of the query and of its own
