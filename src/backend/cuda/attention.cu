@@ -98,17 +98,12 @@ struct Params {
     int n_heads, n_kv, group;
     int split_len, n_splits;
     long long n_items;
-    int n_queries;        /* the batch */
-    int pack;             /* queries a warp takes (≥ 1) */
-    const int32_t *packs; /* the first query of each warp's pack (NULL: multiples of pack) */
-    float qscale;         /* scale · log2(e): scores in base 2 */
-};
-
-/* What rows_kernel takes beyond Params (a parameter of its own: the tensor-core kernel measured
- * 0.4 µs a call slower with these in Params). */
-struct RowsParams {
-    long long v_block_stride;             /* the value pool's block_stride */
-    struct llmem_backend_kv_rotation rot; /* queries rotated, outputs turned back */
+    int n_queries;            /* the batch */
+    int pack;                 /* queries a warp takes (≥ 1) */
+    const int32_t *packs;     /* the first query of each warp's pack (NULL: multiples of pack) */
+    float qscale;             /* scale · log2(e): scores in base 2 */
+    long long v_block_stride; /* rows_kernel: the value pool's block_stride */
+    struct llmem_backend_kv_rotation rot; /* rows_kernel: queries rotated, outputs turned back */
 };
 
 /* ---- small device helpers ------------------------------------------------------------------ */
@@ -337,25 +332,11 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     const long long item = (long long)blockIdx.x * WARPS + warp;
     if (item >= p.n_items)
         return;
-    /* (work_item and pack_query spelled out: with the helpers the prologue measured 5 % slower
-     * at 1 × 4096) */
-    const int kvh = (int)(item % p.n_kv);
-    const long long rest = item / p.n_kv;
-    const int split = (int)(rest % p.n_splits);
-    const int pk = (int)(rest / p.n_splits); /* the pack */
+    const WorkItem w = work_item(p, item);
+    const int kvh = w.kvh, split = w.split, tab0 = w.tab0;
     const int r = lane >> 2, c = lane & 3;
-    /* Rows (and columns of Oᵀ) are slots: slot s is head s mod group of query q0 + s / group, a
-     * query of the pack's table (slot_query: −1 for none). One query a warp: slot s is head s. */
-    const int q0 = p.packs != nullptr ? p.packs[pk] : pk * p.pack;
-    const int tab0 = p.table_ids != nullptr ? p.table_ids[q0] : q0;
-    auto slot_query = [&](int s) {
-        const int q = q0 + s / p.group;
-        if (s >= p.pack * p.group || q >= p.n_queries)
-            return -1;
-        const bool same =
-            p.table_ids != nullptr ? p.table_ids[q] == tab0 : p.table_stride == 0 || q == q0;
-        return same ? q : -1;
-    };
+    /* Rows (and columns of Oᵀ) are slots (pack_query). One query a warp: slot s is head s. */
+    auto slot_query = [&](int s) { return pack_query(p, w, s); };
     const int b = slot_query(r);                /* this thread's query (rows r and 8 + r) */
     const int hq = kvh * p.group + r % p.group; /* and its head */
     const bool head = b >= 0;
@@ -743,7 +724,7 @@ __device__ __forceinline__ float2 half_pair(uint32_t w) {
 }
 
 template <int FMT, int D, int SL>
-__global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p, const RowsParams rp) {
+__global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p) {
     constexpr int NG = D / 32; /* groups of a row, and dims of a lane */
     constexpr int KG = RowsGeo<FMT>::KG, VG = RowsGeo<FMT>::VG;
     __shared__ __align__(16) float sq[WARPS][SL][D]; /* the slots' queries, scaled */
@@ -793,8 +774,8 @@ __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p, const 
                    : p.q_bf16 ? __bfloat162float(((const __nv_bfloat16 *)p.q)[i])
                               : ((const float *)p.q)[i];
         }
-        if (rp.rot.keys)
-            kv_rotate(rp.rot, x, NG, lane);
+        if (p.rot.keys)
+            kv_rotate(p.rot, x, NG, lane);
 #pragma unroll
         for (int j = 0; j < NG; j++) {
             float v = x[j] * p.qscale;
@@ -901,7 +882,7 @@ __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p, const 
             const bool in = u + tp < n;
             const int32_t bu = __shfl_sync(0xffffffffu, blk, (u + tp) & 31);
             const uint8_t *row =
-                v_base + bu * rp.v_block_stride + (size_t)((c0 + u + tp) % BLOCK) * v_tok;
+                v_base + bu * p.v_block_stride + (size_t)((c0 + u + tp) % BLOCK) * v_tok;
             float v[NG * TP];
 #pragma unroll
             for (int g = 0; g < NG; g++) {
@@ -953,8 +934,8 @@ __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p, const 
             }
             o[g] = TP == 1 || lane < LT ? x[0] : x[TP - 1]; /* element lane = hl + LT·tp */
         }
-        if (rp.rot.values)
-            kv_rotate_inverse(rp.rot, o, NG, lane);
+        if (p.rot.values)
+            kv_rotate_inverse(p.rot, o, NG, lane);
         if (p.n_splits == 1) {
             const float inv = l[s] > 0.0f ? 1.0f / l[s] : 0.0f;
 #pragma unroll
@@ -1103,20 +1084,14 @@ int env_format_int(const char *fmt, const char *what, int lo, int hi, int fallba
 
 typedef void (*kernel_fn)(const Params);
 
-typedef void (*rows_fn)(const Params, const RowsParams);
-
 struct KernelInfo {
-    kernel_fn fn;     /* the tensor-core kernel, or */
-    rows_fn rows;     /* rows_kernel (q4, tq) */
+    kernel_fn fn;
     int smem;         /* the stages' bytes */
     int smem_alloc;   /* what a CTA asks for: at least smem, more to cap the CTAs per SM */
     int max_ctas;     /* 0: as many as fit */
     int warps_per_sm; /* resident warps per multiprocessor, 0 until asked */
     KernelInfo *wide; /* the same kernel at more CTAs per SM, taken when its split fills one wave */
     KernelInfo *(*at_cap)(int max_ctas); /* the same kernel under another cap */
-    const void *entry() const {
-        return fn != nullptr ? (const void *)fn : (const void *)rows;
-    }
 };
 
 template <int FMT, int D, int STAGES, int MINB, bool COOP> KernelInfo *kernel_info(int max_ctas) {
@@ -1124,7 +1099,6 @@ template <int FMT, int D, int STAGES, int MINB, bool COOP> KernelInfo *kernel_in
     KernelInfo *k = &info[max_ctas];
     if (k->fn == nullptr)
         *k = {decode_kernel<FMT, D, STAGES, MINB, COOP>,
-              nullptr,
               STAGES * Geo<FMT, D, COOP>::CTA_BYTES_PER_STAGE,
               0,
               max_ctas,
@@ -1172,7 +1146,7 @@ template <int FMT, int D, int SL> KernelInfo *rows_info(int max_ctas) {
     static KernelInfo info[5]; /* by max_ctas */
     KernelInfo *k = &info[max_ctas];
     if (k->fn == nullptr)
-        *k = {nullptr, rows_kernel<FMT, D, SL>, 0, 0, max_ctas, 0, nullptr, rows_info<FMT, D, SL>};
+        *k = {rows_kernel<FMT, D, SL>, 0, 0, max_ctas, 0, nullptr, rows_info<FMT, D, SL>};
     return k;
 }
 
@@ -1221,13 +1195,13 @@ int prepare(KernelInfo *k) {
     /* the kernel's limit covers every cap it is launched under (a KernelInfo per cap) */
     cudaFuncAttributes attr;
     if (err == cudaSuccess)
-        err = cudaFuncGetAttributes(&attr, k->entry());
+        err = cudaFuncGetAttributes(&attr, k->fn);
     if (err == cudaSuccess && attr.maxDynamicSharedSizeBytes < k->smem_alloc)
-        err = cudaFuncSetAttribute(k->entry(), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   k->smem_alloc);
+        err =
+            cudaFuncSetAttribute(k->fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k->smem_alloc);
     int blocks = 0;
     if (err == cudaSuccess)
-        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k->entry(), WARPS * 32,
+        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k->fn, WARPS * 32,
                                                             k->smem_alloc);
     if (err != cudaSuccess || blocks == 0) {
         LLMEM_ERROR_AS("llmem_cuda_attn_decode", "kernel set-up: %s (%d blocks per SM)",
@@ -1433,18 +1407,12 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
     p.packs = a->pack > 1 ? a->packs : NULL;
     float scale = a->scale != 0.0f ? a->scale : 1.0f / sqrtf((float)a->head_dim);
     p.qscale = scale * LOG2E;
+    p.v_block_stride = a->v_block_stride > 0 ? a->v_block_stride : a->block_stride;
+    p.rot = a->rotation != NULL ? *a->rotation : llmem_backend_kv_rotation{};
 
     cudaStream_t stream = (cudaStream_t)a->stream;
     unsigned grid = (unsigned)((p.n_items + WARPS - 1) / WARPS);
-    cudaError_t err;
-    if (k->rows != nullptr) {
-        RowsParams rp;
-        rp.v_block_stride = a->v_block_stride > 0 ? a->v_block_stride : a->block_stride;
-        rp.rot = a->rotation != NULL ? *a->rotation : llmem_backend_kv_rotation{};
-        err = pdl_launch(stream, k->rows, dim3(grid), dim3(WARPS * 32), k->smem_alloc, p, rp);
-    } else {
-        err = pdl_launch(stream, k->fn, dim3(grid), dim3(WARPS * 32), k->smem_alloc, p);
-    }
+    cudaError_t err = pdl_launch(stream, k->fn, dim3(grid), dim3(WARPS * 32), k->smem_alloc, p);
     if (err == cudaSuccess && n_splits > 1) {
         /* launched as a programmatic dependent: its launch overlaps the decode kernel's tail */
         err = pdl_launch(
