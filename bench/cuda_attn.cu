@@ -246,6 +246,13 @@ int main(int argc, char **argv) {
             if (a.workspace_bytes)
                 CHECK(cudaMalloc(&ws, a.workspace_bytes));
             a.workspace = ws;
+            /* the splits merged inside the kernel, as the engine calls it (LLMEM_CUDA_ATTN_FUSE=0:
+             * by the second kernel) */
+            unsigned *counters = NULL;
+            a.n_counters = llmem_cuda_attn_counters(&a);
+            CHECK(cudaMalloc(&counters, a.n_counters * sizeof(unsigned)));
+            CHECK(cudaMemset(counters, 0, a.n_counters * sizeof(unsigned)));
+            a.counters = counters;
 
             /* 1: events around each call */
             std::vector<float> t, tg;
@@ -303,6 +310,7 @@ int main(int argc, char **argv) {
             r.kv_bytes = (double)s.batch * s.ctx * n_kv * 2.0 * row;
             results.push_back(r);
             CHECK(cudaFree(ws));
+            CHECK(cudaFree(counters));
             CHECK(cudaFree(d_tables));
             CHECK(cudaFree(d_len));
             CHECK(cudaFree(d_q));

@@ -49,8 +49,20 @@ struct attn_case {
     int q_bf16;
 };
 
+/* a's output (n_out floats) after a call, copied to the host */
+static float *call_gpu(struct llmem_cuda_attn *a, size_t n_out) {
+    CU(cudaMemset(a->out, 0xff, n_out * sizeof(float))); /* NaN: every output must be written */
+    assert_int_equal(llmem_cuda_attn_decode(a), LLMEM_OK);
+    CU(cudaDeviceSynchronize());
+    float *out = malloc(n_out * sizeof(float));
+    CU(cudaMemcpy(out, a->out, n_out * sizeof(float), cudaMemcpyDeviceToHost));
+    return out;
+}
+
 /* Runs the attention a describes (its workspace allocated here) and returns its n_out floats of
- * output, copied to the host. */
+ * output. The splits are merged by the second kernel, then twice inside the kernel (counters
+ * given): the counters are left zero, the second call gives the first's bits, and both agree
+ * with the merge kernel's to 1e-6 of the output's largest magnitude (they add in other orders). */
 static float *run_gpu(struct llmem_cuda_attn *a, size_t n_out) {
     void *d_ws = NULL;
     a->workspace_bytes = llmem_cuda_attn_workspace_bytes(a);
@@ -58,12 +70,34 @@ static float *run_gpu(struct llmem_cuda_attn *a, size_t n_out) {
         CU(cudaMalloc(&d_ws, a->workspace_bytes));
         a->workspace = d_ws;
     }
-    assert_int_equal(llmem_cuda_attn_decode(a), LLMEM_OK);
-    CU(cudaDeviceSynchronize());
-    float *out = malloc(n_out * sizeof(float));
-    CU(cudaMemcpy(out, a->out, n_out * sizeof(float), cudaMemcpyDeviceToHost));
+    a->counters = NULL;
+    float *apart = call_gpu(a, n_out);
+    const size_t n_counters = llmem_cuda_attn_counters(a);
+    unsigned *d_counters = NULL;
+    CU(cudaMalloc((void **)&d_counters, n_counters * sizeof(unsigned)));
+    CU(cudaMemset(d_counters, 0, n_counters * sizeof(unsigned)));
+    a->counters = d_counters;
+    a->n_counters = n_counters;
+    float *fused = call_gpu(a, n_out), *again = call_gpu(a, n_out);
+    unsigned *counters = malloc(n_counters * sizeof(unsigned));
+    CU(cudaMemcpy(counters, d_counters, n_counters * sizeof(unsigned), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n_counters; i++)
+        assert_int_equal(counters[i], 0);
+    assert_memory_equal(fused, again, n_out * sizeof(float));
+    double big = 0.0, diff = 0.0;
+    for (size_t i = 0; i < n_out; i++) {
+        assert_true(isfinite(apart[i]));
+        big = fmax(big, fabs(apart[i]));
+        diff = fmax(diff, fabs((double)apart[i] - fused[i]));
+    }
+    assert_true(diff <= 1e-6 * big);
+    a->counters = NULL;
+    cudaFree(d_counters);
     cudaFree(d_ws);
-    return out;
+    free(counters);
+    free(again);
+    free(apart);
+    return fused;
 }
 
 /* The largest ‖out − ref‖ / ‖ref‖ over `rows` rows of D; a non-finite output fails. */
@@ -245,7 +279,7 @@ static void test_formats_groups_dims(void **state) {
     for (int f = 0; f < 3; f++)
         for (int g = 0; g < 3; g++)
             for (int d = 0; d < 2; d++)
-                for (int split = 0; split <= 32; split += 32) {
+                for (int split = 0; split <= 128; split = split == 0 ? 32 : 4 * split) {
                     struct attn_case tc = {formats[f], groups[g][0], groups[g][1], dims[d],
                                            N_RAGGED,   ragged,       split,        0};
                     assert_true(run_case(&tc) <= tolerance(formats[f]));

@@ -30,9 +30,10 @@
  * 1 chunk) both hit 32 distinct banks.
  *
  * Splits: when there is more than one, each warp writes its unnormalized (acc, m, l), acc in the
- * order of its m-tiles (whole sectors a store), and a second kernel merges a sequence's splits
- * (out = Σ e^(m_s − M)·acc_s / Σ e^(m_s − M)·l_s), putting q8's dims back in order. The split
- * length is chosen so that the warps fill the GPU in whole waves.
+ * order of its m-tiles (whole sectors a store), and the splits of a sequence are merged
+ * (out = Σ e^(m_s − M)·acc_s / Σ e^(m_s − M)·l_s, q8's dims put back in order): up to 8 by the
+ * warp that finishes the last of them (merge_if_last, given counters), more by a second kernel.
+ * The split length is chosen so that the warps fill the GPU in whole waves.
  * A warp asks for the query and the first blocks' table entries before its first copies, so
  * that their loads do not queue behind those copies, and reads each table entry a block ahead.
  */
@@ -49,7 +50,6 @@
 #include <stdlib.h>
 
 #include "core/log.h"
-#include "plan/kv_codebook.h"
 
 namespace {
 
@@ -103,6 +103,7 @@ struct Params {
     const int32_t *packs;     /* the first query of each warp's pack (NULL: multiples of pack) */
     float qscale;             /* scale · log2(e): scores in base 2 */
     long long v_block_stride; /* rows_kernel: the value pool's block_stride */
+    unsigned *counts;         /* per unit (merge_if_last); NULL: merge_kernel merges the splits */
     struct llmem_backend_kv_rotation rot; /* rows_kernel: queries rotated, outputs turned back */
 };
 
@@ -283,6 +284,7 @@ __device__ __forceinline__ void load_q8_run(const uint8_t *base, uint32_t sel, u
  * query and tab0 its table. */
 struct WorkItem {
     int kvh, split, q0, tab0;
+    int unit; /* the pack and KV head: the warps of its splits merge through counts[unit] */
 };
 
 __device__ __forceinline__ WorkItem work_item(const Params &p, long long item) {
@@ -291,6 +293,7 @@ __device__ __forceinline__ WorkItem work_item(const Params &p, long long item) {
     const long long rest = item / p.n_kv;
     w.split = (int)(rest % p.n_splits);
     const int pk = (int)(rest / p.n_splits);
+    w.unit = pk * p.n_kv + w.kvh;
     w.q0 = p.packs != nullptr ? p.packs[pk] : pk * p.pack;
     w.tab0 = p.table_ids != nullptr ? p.table_ids[w.q0] : w.q0;
     return w;
@@ -307,11 +310,157 @@ __device__ __forceinline__ int pack_query(const Params &p, const WorkItem &w, in
     return same ? q : -1;
 }
 
+/* The dim of position x of a partial (16·mt + 8·row8 + r: the decode kernel's m-tile order): x
+ * itself for 16-bit formats; for q8, whose thread r holds dims [E·r, E·r + E) (E = D/8), dim
+ * E·r + (D/16)·row8 + mt. */
+__device__ __forceinline__ int merge_dim(int x, int D, bool q8) {
+    return q8 ? (D / 8) * (x & 7) + (D / 16) * ((x >> 3) & 1) + (x >> 4) : x;
+}
+
+/* The merge of a unit's splits inside the kernel, when counts is set (at most 32 splits): each
+ * warp, once its lanes' partials are stored, counts itself in counts[w.unit] (last_of_unit), and
+ * the warp that counts last merges the unit's slots as merge_kernel does (merge_unit), reading the
+ * partials from L2 (other SMs wrote them), and sets the count back to 0 for the next call. */
+__device__ __forceinline__ bool last_of_unit(const Params &p, const WorkItem &w, int lane) {
+    /* the lanes' partials before lane 0's count (the barrier orders them before its release);
+     * no fence.sc: those are ordered among all of the GPU's, and cost a split each */
+    __syncwarp();
+    unsigned before = 0;
+    if (lane == 0)
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                     : "=r"(before)
+                     : "l"(p.counts + w.unit)
+                     : "memory");
+    before = __shfl_sync(0xffffffffu, before, 0);
+    if (before != (unsigned)p.n_splits - 1)
+        return false;
+    if (lane == 0)
+        p.counts[w.unit] = 0;
+    __syncwarp(); /* the other lanes' reads after lane 0's acquire */
+    return true;
+}
+
+/* SL: slots the warp takes at most (the loads in flight are shared among them); Q8: partials in
+ * the tensor-core kernel's m-tile order, q8's dims put back (merge_dim). */
+template <int D, int SL, bool Q8>
+__device__ __forceinline__ void merge_unit(const Params &p, const WorkItem &w, int lane) {
+    /* a row of D floats is Q float4s; a warp load takes R rows, QL float4s of a row a lane */
+    constexpr int Q = D / 4, R = Q >= 32 ? 1 : 32 / Q, QL = Q >= 32 ? Q / 32 : 1;
+    constexpr int U = 8 / (SL * QL) > 0 ? 8 / (SL * QL) : 1; /* loads in flight: U·SL·QL */
+    const int ro = Q >= 32 ? 0 : lane / Q, quad = Q >= 32 ? lane : lane % Q;
+    const int S = p.pack * p.group;
+    /* Each load below is asked for before any is used, so each round costs one trip to L2. Past
+     * a slot's splits (or for a slot without a query) a lane reads a row of the workspace that
+     * exists and drops what it read. */
+    size_t bh[SL];
+    int ns[SL], most = 0;
+    float2 ml[SL];
+#pragma unroll
+    for (int s = 0; s < SL; s++) {
+        const int q = s < S ? pack_query(p, w, s) : -1;
+        const int len = q >= 0 ? p.lengths[q] : 0;
+        ns[s] = q >= 0 ? min(p.n_splits, (len + p.split_len - 1) / p.split_len) : -1;
+        bh[s] = q >= 0 ? (size_t)q * p.n_heads + w.kvh * p.group + s % p.group : 0;
+        most = max(most, ns[s]);
+        ml[s] = __ldcg(p.part_ml + bh[s] * p.n_splits + min(lane, p.n_splits - 1));
+    }
+    /* lane j's split: its weight e^(m_j − M); the sum of weights times l */
+    float wt[SL], inv[SL];
+#pragma unroll
+    for (int s = 0; s < SL; s++) {
+        const float2 e = lane < ns[s] ? ml[s] : make_float2(-INFINITY, 0.0f);
+        float mx = e.x;
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2)
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        wt[s] = lane < ns[s] && mx > -INFINITY ? exp2f(e.x - mx) : 0.0f;
+        float sum = wt[s] * e.y;
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2)
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        inv[s] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    }
+    float4 acc[SL][QL];
+#pragma unroll
+    for (int s = 0; s < SL; s++)
+#pragma unroll
+        for (int k = 0; k < QL; k++)
+            acc[s][k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int j0 = 0; j0 < most; j0 += R * U) {
+        float4 a[U][SL][QL];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int s = 0; s < SL; s++)
+#pragma unroll
+                for (int k = 0; k < QL; k++)
+                    a[u][s][k] = __ldcg(reinterpret_cast<const float4 *>(
+                        p.part_acc +
+                        (bh[s] * p.n_splits + min(j0 + R * u + ro, p.n_splits - 1)) * D +
+                        4 * (quad + 32 * k)));
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int j = j0 + R * u + ro;
+#pragma unroll
+            for (int s = 0; s < SL; s++) {
+                const float x = __shfl_sync(0xffffffffu, wt[s], j & 31);
+#pragma unroll
+                for (int k = 0; k < QL; k++) {
+                    const float4 v = j < ns[s] ? a[u][s][k] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    acc[s][k].x += x * v.x, acc[s][k].y += x * v.y;
+                    acc[s][k].z += x * v.z, acc[s][k].w += x * v.w;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int s = 0; s < SL; s++) {
+#pragma unroll
+        for (int k = 0; k < QL; k++)
+#pragma unroll
+            for (int o = Q; o < 32; o *= 2) { /* the rows a warp load took together */
+                acc[s][k].x += __shfl_xor_sync(0xffffffffu, acc[s][k].x, o);
+                acc[s][k].y += __shfl_xor_sync(0xffffffffu, acc[s][k].y, o);
+                acc[s][k].z += __shfl_xor_sync(0xffffffffu, acc[s][k].z, o);
+                acc[s][k].w += __shfl_xor_sync(0xffffffffu, acc[s][k].w, o);
+            }
+        if (ns[s] < 0 || ro != 0)
+            continue;
+#pragma unroll
+        for (int k = 0; k < QL; k++) {
+            const int x = 4 * (quad + 32 * k);
+            const float4 a = acc[s][k];
+            float *ob = p.out + bh[s] * D;
+            if (Q8) {
+                ob[merge_dim(x, D, true)] = a.x * inv[s];
+                ob[merge_dim(x + 1, D, true)] = a.y * inv[s];
+                ob[merge_dim(x + 2, D, true)] = a.z * inv[s];
+                ob[merge_dim(x + 3, D, true)] = a.w * inv[s];
+            } else {
+                *reinterpret_cast<float4 *>(ob + x) =
+                    make_float4(a.x * inv[s], a.y * inv[s], a.z * inv[s], a.w * inv[s]);
+            }
+        }
+    }
+}
+
 /* x, computed once: the compiler may not recompute it in a loop (offsets kept in registers rather
  * than rebuilt from the lane index every block). */
 __device__ __forceinline__ int opaque(int x) {
     asm volatile("" : "+r"(x));
     return x;
+}
+
+/* The tensor-core kernel's merge when counts is set: up to 4 slots (a decode step's group), or 8.
+ */
+template <int FMT, int D>
+__device__ __forceinline__ void merge_if_last(const Params &p, const WorkItem &w, int lane) {
+    if (p.counts == nullptr || !last_of_unit(p, w, lane))
+        return;
+    if (p.pack * p.group <= 4)
+        merge_unit<D, 4, FMT == FMT_Q8>(p, w, lane);
+    else
+        merge_unit<D, MAX_GROUP, FMT == FMT_Q8>(p, w, lane);
 }
 
 /* MINB: CTAs per SM the registers must allow. COOP: the CTA's warps take consecutive KV heads of
@@ -351,6 +500,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         if (p.n_splits == 1 && head)
             for (int j = c; j < D; j += 4)
                 p.out[((size_t)b * p.n_heads + hq) * D + j] = 0.0f;
+        merge_if_last<FMT, D>(p, w, lane);
         return;
     }
     const int t1 = min(t0 + p.split_len, len);
@@ -642,59 +792,62 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         p.part_ml[((size_t)b * p.n_heads + hq) * p.n_splits + split] = make_float2(m, l);
     /* this thread's columns: slots h0 and h0 + 1 */
     const int qa = slot_query(h0), qb = slot_query(h0 + 1);
-    if ((packed && c >= 2) || qa < 0)
-        return;
-    const bool two = qb >= 0;
-
-    /* 16-bit formats: rows r and r + 8 of m-tile mt are dims 16·mt + r and 16·mt + 8 + r */
-    auto dim = [&](int mt, int row8) { return 16 * mt + 8 * row8 + r; };
-    const size_t bh0 = (size_t)qa * p.n_heads + kvh * p.group + h0 % p.group;
-    const size_t bh1 = two ? (size_t)qb * p.n_heads + kvh * p.group + (h0 + 1) % p.group : bh0;
-    if (p.n_splits == 1 && FMT == FMT_Q8) {
-        /* thread r's dims are [E·r, E·r + E): acc[j][0] dim E·r + j, acc[j][2] dim E·r + MT + j,
-         * stored as whole float4s */
-        const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-        float *o0 = p.out + bh0 * D + E * r, *o1 = p.out + bh1 * D + E * r;
+    /* the output (one split), or the split's partial */
+    auto store_out = [&]() {
+        const bool two = qb >= 0;
+        /* 16-bit formats: rows r and r + 8 of m-tile mt are dims 16·mt + r and 16·mt + 8 + r */
+        auto dim = [&](int mt, int row8) { return 16 * mt + 8 * row8 + r; };
+        const size_t bh0 = (size_t)qa * p.n_heads + kvh * p.group + h0 % p.group;
+        const size_t bh1 = two ? (size_t)qb * p.n_heads + kvh * p.group + (h0 + 1) % p.group : bh0;
+        if (p.n_splits == 1 && FMT == FMT_Q8) {
+            /* thread r's dims are [E·r, E·r + E): acc[j][0] dim E·r + j, acc[j][2] dim E·r + MT +
+             * j, stored as whole float4s */
+            const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+            float *o0 = p.out + bh0 * D + E * r, *o1 = p.out + bh1 * D + E * r;
 #pragma unroll
-        for (int j = 0; j < MT; j += 4)
+            for (int j = 0; j < MT; j += 4)
 #pragma unroll
-            for (int row8 = 0; row8 < 2; row8++) {
-                const int e = 2 * row8, at = row8 * MT + j;
-                *reinterpret_cast<float4 *>(o0 + at) = make_float4(
-                    acc[j][e] * i0, acc[j + 1][e] * i0, acc[j + 2][e] * i0, acc[j + 3][e] * i0);
-                if (two)
-                    *reinterpret_cast<float4 *>(o1 + at) =
-                        make_float4(acc[j][e + 1] * i1, acc[j + 1][e + 1] * i1,
-                                    acc[j + 2][e + 1] * i1, acc[j + 3][e + 1] * i1);
+                for (int row8 = 0; row8 < 2; row8++) {
+                    const int e = 2 * row8, at = row8 * MT + j;
+                    *reinterpret_cast<float4 *>(o0 + at) = make_float4(
+                        acc[j][e] * i0, acc[j + 1][e] * i0, acc[j + 2][e] * i0, acc[j + 3][e] * i0);
+                    if (two)
+                        *reinterpret_cast<float4 *>(o1 + at) =
+                            make_float4(acc[j][e + 1] * i1, acc[j + 1][e + 1] * i1,
+                                        acc[j + 2][e + 1] * i1, acc[j + 3][e + 1] * i1);
+                }
+        } else if (p.n_splits == 1) {
+            const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+            float *o0 = p.out + bh0 * D, *o1 = p.out + bh1 * D;
+#pragma unroll
+            for (int j = 0; j < MT; j++) {
+                o0[dim(j, 0)] = acc[j][0] * i0;
+                o0[dim(j, 1)] = acc[j][2] * i0;
+                if (two) {
+                    o1[dim(j, 0)] = acc[j][1] * i1;
+                    o1[dim(j, 1)] = acc[j][3] * i1;
+                }
             }
-    } else if (p.n_splits == 1) {
-        const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-        float *o0 = p.out + bh0 * D, *o1 = p.out + bh1 * D;
+        } else {
+            /* a partial in m-tile order (position 16·mt + 8·row8 + r, which is dim() for 16-bit
+             * formats): a store of the eight row threads fills one 32-byte sector (q8's dims, E
+             * apart, would take eight); the merge writes q8's back in dim order (merge_dim) */
+            const size_t slot0 = bh0 * p.n_splits + split, slot1 = bh1 * p.n_splits + split;
+            float *o0 = p.part_acc + slot0 * D + r, *o1 = p.part_acc + slot1 * D + r;
 #pragma unroll
-        for (int j = 0; j < MT; j++) {
-            o0[dim(j, 0)] = acc[j][0] * i0;
-            o0[dim(j, 1)] = acc[j][2] * i0;
-            if (two) {
-                o1[dim(j, 0)] = acc[j][1] * i1;
-                o1[dim(j, 1)] = acc[j][3] * i1;
+            for (int j = 0; j < MT; j++) {
+                o0[16 * j] = acc[j][0];
+                o0[16 * j + 8] = acc[j][2];
+                if (two) {
+                    o1[16 * j] = acc[j][1];
+                    o1[16 * j + 8] = acc[j][3];
+                }
             }
         }
-    } else {
-        /* a partial in m-tile order (position 16·mt + 8·row8 + r, which is dim() for 16-bit
-         * formats): a store of the eight row threads fills one 32-byte sector (q8's dims, E apart,
-         * would take eight); the merge writes q8's back in dim order (merge_dim) */
-        const size_t slot0 = bh0 * p.n_splits + split, slot1 = bh1 * p.n_splits + split;
-        float *o0 = p.part_acc + slot0 * D + r, *o1 = p.part_acc + slot1 * D + r;
-#pragma unroll
-        for (int j = 0; j < MT; j++) {
-            o0[16 * j] = acc[j][0];
-            o0[16 * j + 8] = acc[j][2];
-            if (two) {
-                o1[16 * j] = acc[j][1];
-                o1[16 * j + 8] = acc[j][3];
-            }
-        }
-    }
+    };
+    if (!((packed && c >= 2) || qa < 0))
+        store_out();
+    merge_if_last<FMT, D>(p, w, lane);
 }
 
 /* ---- q4 and tq, on CUDA cores ------------------------------------------------------------
@@ -709,8 +862,6 @@ template <int FMT> struct RowsGeo {
     static constexpr int KG = FMT == FMT_Q4 ? 20 : 36; /* bytes of a key group */
     static constexpr int VG = FMT == FMT_Q4 ? 20 : 14; /* of a value group */
 };
-
-__constant__ float tq_centroids[8] = LLMEM_KV_TQ_CENTROIDS;
 
 /* The float of a small unsigned integer c (< 2²³), exactly, without a conversion instruction. */
 __device__ __forceinline__ float small_float(uint32_t c) {
@@ -733,7 +884,7 @@ __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); /* as pdl_begin does */
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (FMT == FMT_TQ && threadIdx.x < 8)
-        book[threadIdx.x] = tq_centroids[threadIdx.x];
+        book[threadIdx.x] = tq_level(threadIdx.x);
     __syncthreads();
     const long long item = (long long)blockIdx.x * WARPS + warp;
     if (item >= p.n_items)
@@ -757,6 +908,8 @@ __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p) {
             for (int s = 0; s < SL; s++)
                 for (int d = lane; d < D && qs[s] >= 0; d += 32)
                     p.out[at(s) * D + d] = 0.0f;
+        if (p.counts != nullptr && last_of_unit(p, w, lane))
+            merge_unit<D, SL, false>(p, w, lane);
         return;
     }
     const int t1 = min(t0 + p.split_len, len);
@@ -950,6 +1103,8 @@ __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p) {
                 p.part_ml[slot] = make_float2(m[s], l[s]);
         }
     }
+    if (p.counts != nullptr && last_of_unit(p, w, lane))
+        merge_unit<D, SL, false>(p, w, lane);
 }
 
 /* ---- the merge of splits ------------------------------------------------------------------- */
@@ -974,13 +1129,6 @@ __device__ float block_reduce(float v, bool is_max, float *red) {
     for (int w = 1; w < MERGE_THREADS / 32; w++)
         v = is_max ? fmaxf(v, red[w]) : v + red[w];
     return v;
-}
-
-/* The dim of position x of a partial (16·mt + 8·row8 + r: the decode kernel's m-tile order): x
- * itself for 16-bit formats; for q8, whose thread r holds dims [E·r, E·r + E) (E = D/8), dim
- * E·r + (D/16)·row8 + mt. */
-__device__ __forceinline__ int merge_dim(int x, int D, bool q8) {
-    return q8 ? (D / 8) * (x & 7) + (D / 16) * ((x >> 3) & 1) + (x >> 4) : x;
 }
 
 __global__ void __launch_bounds__(MERGE_THREADS)
@@ -1350,7 +1498,27 @@ int plan(const struct llmem_cuda_attn *a, KernelInfo **kernel, int *split_len, i
     return LLMEM_OK;
 }
 
+/* Units of a call (a pack of queries and a KV head: the warps of its splits). */
+long long units(const struct llmem_cuda_attn *a) {
+    return warp_queries(a) * a->n_kv_heads;
+}
+
+/* Whether the splits are merged inside the attention kernel (merge_if_last): given counters for
+ * every unit, and at most LLMEM_CUDA_ATTN_FUSE splits (0..32, default 8). The merging warp waits
+ * for each round of its loads (8 rows of D floats a lane at a time, ≈ 0.6 µs on an H200): with
+ * 4 splits it saves 1.4 µs of a second kernel's 39 (16 × 2048), with 16 it costs 5 µs
+ * (1 × 256: 4.2 → 9.1 µs), docs/BENCHMARKS.md. */
+bool fused(const struct llmem_cuda_attn *a, int n_splits) {
+    static const int most = env_int("LLMEM_CUDA_ATTN_FUSE", 0, 32, 8);
+    return n_splits > 1 && n_splits <= most && a->counters != NULL &&
+           a->n_counters >= (size_t)units(a);
+}
+
 } // namespace
+
+extern "C" size_t llmem_cuda_attn_counters(const struct llmem_cuda_attn *a) {
+    return (size_t)units(a);
+}
 
 extern "C" int llmem_cuda_attn_split(const struct llmem_cuda_attn *a, int *split_len,
                                      int *n_splits) {
@@ -1409,11 +1577,13 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
     p.qscale = scale * LOG2E;
     p.v_block_stride = a->v_block_stride > 0 ? a->v_block_stride : a->block_stride;
     p.rot = a->rotation != NULL ? *a->rotation : llmem_backend_kv_rotation{};
+    const bool fuse = fused(a, n_splits);
+    p.counts = fuse ? a->counters : NULL;
 
     cudaStream_t stream = (cudaStream_t)a->stream;
     unsigned grid = (unsigned)((p.n_items + WARPS - 1) / WARPS);
     cudaError_t err = pdl_launch(stream, k->fn, dim3(grid), dim3(WARPS * 32), k->smem_alloc, p);
-    if (err == cudaSuccess && n_splits > 1) {
+    if (err == cudaSuccess && n_splits > 1 && !fuse) {
         /* launched as a programmatic dependent: its launch overlaps the decode kernel's tail */
         err = pdl_launch(
             stream, merge_kernel,

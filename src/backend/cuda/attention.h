@@ -81,6 +81,12 @@ struct llmem_cuda_attn {
     void *workspace; /* (optional when one split suffices) llmem_cuda_attn_workspace_bytes,
                       * 16-byte aligned */
     size_t workspace_bytes;
+    /* (optional) n_counters of llmem_cuda_attn_counters, zero before the first call, which every
+     * call leaves zero again: then the warp that finishes a sequence's splits last merges them
+     * inside the kernel (up to 8 splits: LLMEM_CUDA_ATTN_FUSE). NULL, fewer, or more splits: a
+     * second kernel merges them. Calls that may run at the same time need counters of their own. */
+    unsigned *counters;
+    size_t n_counters;
     void *stream; /* cudaStream_t; NULL: the default stream */
 };
 
@@ -90,6 +96,8 @@ struct llmem_cuda_attn {
 int llmem_cuda_attn_split(const struct llmem_cuda_attn *a, int *split_len, int *n_splits);
 /* Bytes of workspace the call needs (0 when one split suffices). */
 size_t llmem_cuda_attn_workspace_bytes(const struct llmem_cuda_attn *a);
+/* Counters the call's merge inside the kernel needs (one per sequence, or pack, and KV head). */
+size_t llmem_cuda_attn_counters(const struct llmem_cuda_attn *a);
 
 /* Launches the attention on the stream (asynchronous). LLMEM_EINVAL (logged) for parameters out of
  * the supported set or a workspace too small; LLMEM_EIO (logged) when a launch fails. */

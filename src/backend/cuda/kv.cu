@@ -12,7 +12,6 @@
  */
 #include "backend/cuda/kv.h"
 #include "backend/cuda/launch.h"
-#include "plan/kv_codebook.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -27,10 +26,6 @@
 #define MAX_LANE_D 8 /* head_dim ≤ 256 */
 #define ROWS_FROM  8 /* queries from which a call takes attend_rows_kernel */
 #define FULL       0xffffffffu
-
-/* tq's codebook and the thresholds between its levels */
-__constant__ float tq_centroids[8] = LLMEM_KV_TQ_CENTROIDS;
-__constant__ float tq_bounds[7] = LLMEM_KV_TQ_BOUNDS;
 
 /* A pool's rows: the format, its rotation (keys and values 0: none) and the bytes of one head's
  * key and value rows (a token's heads back to back). Passed by value to the kernels. */
@@ -100,10 +95,12 @@ __device__ __forceinline__ float ordered_sum(float v) {
 /* tq_assign: this lane's nearest centroid for scale sc; the group's squared error through err. */
 __device__ __forceinline__ int tq_assign(float val, float sc, float *err) {
     const float v = __fmul_rn(val, sc > 0.0f ? __fdiv_rn(1.0f, sc) : 0.0f);
+    constexpr float bounds[7] = LLMEM_KV_TQ_BOUNDS; /* between the levels */
     int k = 0;
+#pragma unroll
     for (int b = 0; b < 7; b++)
-        k += v > tq_bounds[b];
-    const float d = __fsub_rn(val, __fmul_rn(tq_centroids[k], sc));
+        k += v > bounds[b];
+    const float d = __fsub_rn(val, __fmul_rn(tq_level(k), sc));
     *err = ordered_sum(__fmul_rn(d, d));
     return k;
 }
@@ -114,7 +111,7 @@ __device__ __forceinline__ int tq_value_code(float val, __half *hs) {
     float best_err;
     int best = tq_assign(val, __half2float(best_h), &best_err), c = best;
     for (int round = 0; round < 4; round++) {
-        const float C = tq_centroids[c];
+        const float C = tq_level(c);
         const float num = ordered_sum(__fmul_rn(val, C)), den = ordered_sum(__fmul_rn(C, C));
         const __half h = f16_scale(__fdiv_rn(num, den));
         if (__half_as_ushort(h) == __half_as_ushort(best_h))
@@ -337,7 +334,7 @@ __device__ __forceinline__ float element(enum llmem_kv_format format, bool value
                    (float)g[i] * __half2float(*(const __half *)(g + GROUP));
         const int bit = 3 * i; /* within the 12 bytes of codes (byte 12 starts the scale) */
         const int c = ((g[bit / 8] | g[bit / 8 + 1] << 8) >> (bit % 8)) & 7;
-        return tq_centroids[c] * __half2float(*(const __half *)(g + 12));
+        return tq_level(c) * __half2float(*(const __half *)(g + 12));
     }
 }
 

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "backend/ops.h"
+#include "plan/kv_codebook.h"
 
 #ifdef __CUDACC__
 /* The angle of RoPE pair i of token t (pos[t] · inv_freq[i]): its cosine and sine, in double as
@@ -63,6 +64,15 @@ __device__ __forceinline__ void kv_rotate_inverse(const llmem_backend_kv_rotatio
                                                   int per, int lane) {
     warp_fwht(x, per, lane);
     rotation_signs(r, x, per, lane);
+}
+
+/* tq's level k (< 8) of plan/kv_codebook.h, from immediates: the modules hold no __constant__
+ * data of their own. */
+__device__ __forceinline__ float tq_level(int k) {
+    constexpr float c[8] = LLMEM_KV_TQ_CENTROIDS;
+    const float lo = k & 2 ? (k & 1 ? c[3] : c[2]) : (k & 1 ? c[1] : c[0]);
+    const float hi = k & 2 ? (k & 1 ? c[7] : c[6]) : (k & 1 ? c[5] : c[4]);
+    return k & 4 ? hi : lo;
 }
 
 /* A RoPE pair (x0, x1) turned by the angle of (c, s). */

@@ -61,12 +61,15 @@
 #define ROPE_BLOCKS   264
 /* the small per-call host arrays (positions, ids, frequencies, block tables) are staged up to
  * this many bytes a call, in a ring of slots so that no upload waits for the GPU */
-#define SMALL_MAX    (256 << 10)
-#define SMALL_SLOTS  32
-#define SMALL_REUSE  4  /* the last uploads compared with a new one */
-#define GRAPHS       32 /* recorded passes kept, the least recently used replaced */
-#define REPLAY_TIMES 64 /* replays timed by event pairs, read when counters are asked for */
-#define GRAPH_MISSES 4  /* passes of a key that did not match its graph before it is given up */
+#define SMALL_MAX   (256 << 10)
+#define SMALL_SLOTS 32
+#define SMALL_REUSE 4 /* the last uploads compared with a new one */
+/* after the small slots: the attention's counters (llmem_cuda_attn.counters; the stream's calls
+ * run one after another), for 4,096 sequences × KV heads */
+#define ATTN_COUNTERS_BYTES (4096 * sizeof(unsigned))
+#define GRAPHS              32 /* recorded passes kept, the least recently used replaced */
+#define REPLAY_TIMES        64 /* replays timed by event pairs, read when counters are asked for */
+#define GRAPH_MISSES        4 /* passes of a key that did not match its graph before it is given up */
 
 enum pass_mode { PASS_NOW, PASS_CAPTURE, PASS_STAGE };
 
@@ -120,7 +123,7 @@ struct cuda_ctx {
     struct llmem_mem *mem; /* scratch; NULL: cudaMalloc */
     void *scratch;         /* activations rounded to 16 bits, or a slice of widened weights */
     size_t scratch_bytes;
-    void *small;      /* device copies of the small host arrays: SMALL_SLOTS slots */
+    void *small; /* device copies of the small host arrays: SMALL_SLOTS slots, then the counters */
     void *small_host; /* their pinned staging, slot for slot */
     size_t small_bytes;
     cudaEvent_t small_done[SMALL_SLOTS]; /* recorded after the copy out of a slot was queued */
@@ -1813,6 +1816,8 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
     ca.out = a->out;
     ca.stream = c->stream;
     ca.workspace_bytes = llmem_cuda_attn_workspace_bytes(&ca);
+    ca.counters = (unsigned *)((uint8_t *)c->small + c->small_bytes * SMALL_SLOTS);
+    ca.n_counters = ATTN_COUNTERS_BYTES / sizeof(unsigned);
     if (ca.workspace_bytes > 0 && (ca.workspace = scratch(c, ca.workspace_bytes)) == NULL)
         return;
     if (llmem_cuda_attn_decode(&ca) != LLMEM_OK)
@@ -2210,7 +2215,12 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
             LLMEM_OK ||
         check(c, cudaEventCreateWithFlags(&c->copy_done, cudaEventDisableTiming), "event") !=
             LLMEM_OK ||
-        check(c, cudaMalloc(&c->small, c->small_bytes * SMALL_SLOTS), "cudaMalloc") != LLMEM_OK ||
+        check(c, cudaMalloc(&c->small, c->small_bytes * SMALL_SLOTS + ATTN_COUNTERS_BYTES),
+              "cudaMalloc") != LLMEM_OK ||
+        check(
+            c,
+            cudaMemset((uint8_t *)c->small + c->small_bytes * SMALL_SLOTS, 0, ATTN_COUNTERS_BYTES),
+            "cudaMemset") != LLMEM_OK ||
         check(c, cudaHostAlloc(&c->small_host, c->small_bytes * SMALL_SLOTS, cudaHostAllocDefault),
               "cudaHostAlloc") != LLMEM_OK ||
         check_blas(c, cublasCreate(&c->blas), "cublasCreate") != LLMEM_OK ||
