@@ -468,6 +468,9 @@ static void test_rejects(void **state) {
 int main(void) {
     if (tu_no_gpu())
         return 77;
+    /* every call with counters and at most 32 splits merges them inside the kernel (run_gpu
+     * compares that with the merge kernel), whatever the default threshold */
+    setenv("LLMEM_CUDA_ATTN_FUSE", "256", 1);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_formats_groups_dims),
         cmocka_unit_test(test_bf16_query_and_dim256),

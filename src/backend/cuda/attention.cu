@@ -31,8 +31,9 @@
  *
  * Splits: when there is more than one, each warp writes its unnormalized (acc, m, l), acc in the
  * order of its m-tiles (whole sectors a store), and the splits of a sequence are merged
- * (out = Σ e^(m_s − M)·acc_s / Σ e^(m_s − M)·l_s, q8's dims put back in order): up to 8 by the
- * warp that finishes the last of them (merge_if_last, given counters), more by a second kernel.
+ * (out = Σ e^(m_s − M)·acc_s / Σ e^(m_s − M)·l_s, q8's dims put back in order): by the warp
+ * that finishes the last of them when it has few rows to read (merge_if_last, given
+ * counters, see fused()), otherwise by a second kernel.
  * The split length is chosen so that the warps fill the GPU in whole waves.
  * A warp asks for the query and the first blocks' table entries before its first copies, so
  * that their loads do not queue behind those copies, and reads each table entry a block ahead.
@@ -317,7 +318,7 @@ __device__ __forceinline__ int merge_dim(int x, int D, bool q8) {
     return q8 ? (D / 8) * (x & 7) + (D / 16) * ((x >> 3) & 1) + (x >> 4) : x;
 }
 
-/* The merge of a unit's splits inside the kernel, when counts is set (at most 32 splits): each
+/* The merge of a unit's splits inside the kernel, when counts is set (fused()): each
  * warp, once its lanes' partials are stored, counts itself in counts[w.unit] (last_of_unit), and
  * the warp that counts last merges the unit's slots as merge_kernel does (merge_unit), reading the
  * partials from L2 (other SMs wrote them), and sets the count back to 0 for the next call. */
@@ -1504,13 +1505,16 @@ long long units(const struct llmem_cuda_attn *a) {
 }
 
 /* Whether the splits are merged inside the attention kernel (merge_if_last): given counters for
- * every unit, and at most LLMEM_CUDA_ATTN_FUSE splits (0..32, default 8). The merging warp waits
- * for each round of its loads (8 rows of D floats a lane at a time, ≈ 0.6 µs on an H200): with
- * 4 splits it saves 1.4 µs of a second kernel's 39 (16 × 2048), with 16 it costs 5 µs
- * (1 × 256: 4.2 → 9.1 µs), docs/BENCHMARKS.md. */
+ * every unit, when the merging warp reads at most LLMEM_CUDA_ATTN_FUSE rows of 128 floats (its
+ * slots × splits; 0..256, default 16). It waits for each round of its loads (8 such rows, about
+ * 0.6 µs on an H200), and two rounds cost about what the second kernel does: 16 × 2048, 4 splits
+ * of 4 slots, 39.1 → 37.7 µs; 1 × 256 in 8 splits, 32 rows, 8.1 µs against 4.2 with the merge
+ * kernel over 16 splits (docs/BENCHMARKS.md). */
 bool fused(const struct llmem_cuda_attn *a, int n_splits) {
-    static const int most = env_int("LLMEM_CUDA_ATTN_FUSE", 0, 32, 8);
-    return n_splits > 1 && n_splits <= most && a->counters != NULL &&
+    static const int most = env_int("LLMEM_CUDA_ATTN_FUSE", 0, 256, 16);
+    const long long rows = (long long)(a->pack > 1 ? a->pack : 1) * (a->n_heads / a->n_kv_heads) *
+                           n_splits * (a->head_dim > 128 ? 2 : 1);
+    return n_splits > 1 && n_splits <= 32 && rows <= most && a->counters != NULL &&
            a->n_counters >= (size_t)units(a);
 }
 

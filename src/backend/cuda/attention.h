@@ -83,7 +83,7 @@ struct llmem_cuda_attn {
     size_t workspace_bytes;
     /* (optional) n_counters of llmem_cuda_attn_counters, zero before the first call, which every
      * call leaves zero again: then the warp that finishes a sequence's splits last merges them
-     * inside the kernel (up to 8 splits: LLMEM_CUDA_ATTN_FUSE). NULL, fewer, or more splits: a
+     * inside the kernel, when they are few (LLMEM_CUDA_ATTN_FUSE); otherwise, or without them, a
      * second kernel merges them. Calls that may run at the same time need counters of their own. */
     unsigned *counters;
     size_t n_counters;
