@@ -323,8 +323,8 @@ __device__ __forceinline__ int merge_dim(int x, int D, bool q8) {
  * the warp that counts last merges the unit's slots as merge_kernel does (merge_unit), reading the
  * partials from L2 (other SMs wrote them), and sets the count back to 0 for the next call. */
 __device__ __forceinline__ bool last_of_unit(const Params &p, const WorkItem &w, int lane) {
-    /* the lanes' partials before lane 0's count (the barrier orders them before its release);
-     * no fence.sc: those are ordered among all of the GPU's, and cost a split each */
+    /* the lanes' partials before lane 0's count: the barrier orders them before the atomic's
+     * release, whose acquire in the last warp orders them before its reads */
     __syncwarp();
     unsigned before = 0;
     if (lane == 0)
@@ -452,8 +452,7 @@ __device__ __forceinline__ int opaque(int x) {
     return x;
 }
 
-/* The tensor-core kernel's merge when counts is set: up to 4 slots (a decode step's group), or 8.
- */
+/* The tensor-core kernel's merge (counts set): 4 slots (a decode step's group of 4), or 8. */
 template <int FMT, int D>
 __device__ __forceinline__ void merge_if_last(const Params &p, const WorkItem &w, int lane) {
     if (p.counts == nullptr || !last_of_unit(p, w, lane))

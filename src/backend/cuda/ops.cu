@@ -61,15 +61,16 @@
 #define ROPE_BLOCKS   264
 /* the small per-call host arrays (positions, ids, frequencies, block tables) are staged up to
  * this many bytes a call, in a ring of slots so that no upload waits for the GPU */
-#define SMALL_MAX   (256 << 10)
-#define SMALL_SLOTS 32
-#define SMALL_REUSE 4 /* the last uploads compared with a new one */
+#define SMALL_MAX    (256 << 10)
+#define SMALL_SLOTS  32
+#define SMALL_REUSE  4  /* the last uploads compared with a new one */
+#define GRAPHS       32 /* recorded passes kept, the least recently used replaced */
+#define REPLAY_TIMES 64 /* replays timed by event pairs, read when counters are asked for */
+#define GRAPH_MISSES 4  /* passes of a key that did not match its graph before it is given up */
+
 /* after the small slots: the attention's counters (llmem_cuda_attn.counters; the stream's calls
  * run one after another), for 4,096 sequences × KV heads */
 #define ATTN_COUNTERS_BYTES (4096 * sizeof(unsigned))
-#define GRAPHS              32 /* recorded passes kept, the least recently used replaced */
-#define REPLAY_TIMES        64 /* replays timed by event pairs, read when counters are asked for */
-#define GRAPH_MISSES        4 /* passes of a key that did not match its graph before it is given up */
 
 enum pass_mode { PASS_NOW, PASS_CAPTURE, PASS_STAGE };
 
