@@ -1817,8 +1817,12 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
     ca.out = a->out;
     ca.stream = c->stream;
     ca.workspace_bytes = llmem_cuda_attn_workspace_bytes(&ca);
-    ca.counters = (unsigned *)((uint8_t *)c->small + c->small_bytes * SMALL_SLOTS);
-    ca.n_counters = ATTN_COUNTERS_BYTES / sizeof(unsigned);
+    /* a prefill chunk's splits merged inside the kernel when they are few; a decode step's by the
+     * second kernel, which measured faster inside the pass (docs/BENCHMARKS.md) */
+    if (call->pack > 1) {
+        ca.counters = (unsigned *)((uint8_t *)c->small + c->small_bytes * SMALL_SLOTS);
+        ca.n_counters = ATTN_COUNTERS_BYTES / sizeof(unsigned);
+    }
     if (ca.workspace_bytes > 0 && (ca.workspace = scratch(c, ca.workspace_bytes)) == NULL)
         return;
     if (llmem_cuda_attn_decode(&ca) != LLMEM_OK)
