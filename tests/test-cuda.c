@@ -835,6 +835,13 @@ static struct llmem_engine *open_engine(const char *dir, enum llmem_backend_kind
     return e;
 }
 
+/* The defaults with pycoder on the device. */
+static void pycoder_on_device(struct llmem_engine_config *c) {
+    llmem_engine_config_default(c);
+    c->model_dir = LLMEM_SOURCE_DIR "/models/pycoder";
+    c->backend = LLMEM_BACKEND_CUDA;
+}
+
 static float *teacher_forced(struct llmem_engine *e, const int32_t *ids, int64_t n, int64_t vocab) {
     float *logits = malloc((size_t)(n * vocab) * sizeof(float));
     assert_non_null(logits);
@@ -996,9 +1003,7 @@ static void test_spill_on_device(void **state) {
     struct llmem_generate_result r[2];
     for (int run = 0; run < 2; run++) {
         struct llmem_engine_config c;
-        llmem_engine_config_default(&c);
-        c.model_dir = LLMEM_SOURCE_DIR "/models/pycoder";
-        c.backend = LLMEM_BACKEND_CUDA;
+        pycoder_on_device(&c);
         c.precision = LLMEM_PRECISION_F32;
         c.n_threads = 2;
         c.bank_dir = dir;
@@ -1370,9 +1375,7 @@ static void capture_errors(enum llmem_log_level level, const char *line, void *u
 static void test_device_plan(void **state) {
     (void)state;
     struct llmem_engine_config c;
-    llmem_engine_config_default(&c);
-    c.model_dir = LLMEM_SOURCE_DIR "/models/pycoder";
-    c.backend = LLMEM_BACKEND_CUDA;
+    pycoder_on_device(&c);
     c.kv_format = LLMEM_KV_FORMAT_F16;
     c.no_bank = 1;
     c.max_sequences = 2;
@@ -1431,9 +1434,7 @@ static void test_default_chunk(void **state) {
     const int64_t budgets[] = {0, (int64_t)160 << 20};
     for (int b = 0; b < 2; b++) {
         struct llmem_engine_config c;
-        llmem_engine_config_default(&c);
-        c.model_dir = LLMEM_SOURCE_DIR "/models/pycoder";
-        c.backend = LLMEM_BACKEND_CUDA;
+        pycoder_on_device(&c);
         c.no_bank = 1;
         c.budget_bytes = budgets[b];
         struct llmem_engine *e = NULL, *e512 = NULL;
