@@ -1236,6 +1236,121 @@ static void test_streaming(void **state) {
     llmem_engine_close(e);
 }
 
+/* Greedy decode steps queued behind the step in flight, their tokens fed on the device
+ * (LLMEM_DECODE_AHEAD), give the tokens of steps queued one at a time: a run to its length; one
+ * that samples a stop id mid-run, so that the step queued behind that token is dropped and the
+ * sequence set back; and, with the bank on, that run's prompt and tokens again, from the bank.
+ * Through the forward pass: three sequences' next two tokens, the second step queued before the
+ * first's results reached the host, equal two steps run one after the other. */
+static void test_decode_ahead(void **state) {
+    (void)state;
+    int32_t prompt[20];
+    struct llmem_generate_params gp;
+    long_run(prompt, 20, 200, 17, 48, &gp);
+    struct llmem_generate_result r[2][3];
+    int64_t ahead[2];
+    int32_t stop = -1;
+    for (int on = 0; on < 2; on++) {
+        setenv("LLMEM_DECODE_AHEAD", on ? "1" : "0", 1);
+        struct llmem_engine_config c;
+        pycoder_on_device(&c);
+        c.max_sequences = 4;
+        c.context = 512;
+        struct llmem_engine *e = NULL;
+        assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+        struct llmem_kv *kv = llmem_engine_kv(e);
+        assert_int_equal(llmem_engine_generate(e, prompt, 20, &gp, NULL, NULL, &r[on][0]),
+                         LLMEM_OK);
+        assert_int_equal(r[on][0].n_ids, 48);
+        if (on == 0)
+            stop = r[0][0].ids[30];
+        struct llmem_generate_params sp = gp;
+        sp.stop_ids = &stop;
+        sp.n_stop_ids = 1;
+        assert_int_equal(llmem_engine_generate(e, prompt, 20, &sp, NULL, NULL, &r[on][1]),
+                         LLMEM_OK);
+        assert_string_equal(r[on][1].finish_reason, "stop");
+        int32_t again[20 + 48];
+        memcpy(again, prompt, sizeof(prompt));
+        memcpy(again + 20, r[on][1].ids, (size_t)r[on][1].n_ids * sizeof(int32_t));
+        const int64_t n_again = 20 + r[on][1].n_ids;
+        assert_int_equal(llmem_engine_generate(e, again, n_again, &gp, NULL, NULL, &r[on][2]),
+                         LLMEM_OK);
+        assert_true(r[on][2].reused_tokens >= 16);
+        struct llmem_kv_stats ks;
+        llmem_kv_stats(kv, &ks);
+        assert_int_equal(ks.n_sequences, 0);
+        assert_int_equal(llmem_kv_check(kv), LLMEM_OK);
+        struct llmem_engine_metrics m;
+        llmem_engine_metrics(e, &m);
+        ahead[on] = m.ahead_steps;
+
+        /* the forward pass: start_top, start_next, then two waits */
+        struct llmem_forward *f = llmem_engine_forward(e);
+        const int64_t vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size;
+        float *logits = malloc((size_t)(3 * vocab) * sizeof(float));
+        assert_non_null(logits);
+        int seq[2][3];
+        int32_t next[2][2][3]; /* [one at a time, queued ahead][step][sequence] */
+        for (int way = 0; way < 2; way++) {
+            for (int s = 0; s < 3; s++) {
+                const int64_t len = 20 + 9 * s;
+                assert_int_equal(llmem_kv_seq_new(kv, &seq[way][s]), LLMEM_OK);
+                struct llmem_batch_seq b = {.seq = seq[way][s], .pos = 0, .n_tokens = len};
+                assert_int_equal(llmem_forward_run(f, r[0][0].ids, &b, 1, logits), LLMEM_OK);
+            }
+            struct llmem_batch_seq b[3];
+            int32_t tok[3] = {5, 77, 1234};
+            float vals[2][3];
+            for (int s = 0; s < 3; s++)
+                b[s] = (struct llmem_batch_seq){
+                    .seq = seq[way][s], .pos = llmem_kv_seq_length(kv, seq[way][s]), .n_tokens = 1};
+            if (way == 0) {
+                assert_int_equal(llmem_forward_run_top(f, tok, b, 3, 1, next[0][0], vals[0]),
+                                 LLMEM_OK);
+                for (int s = 0; s < 3; s++)
+                    b[s].pos++;
+                assert_int_equal(llmem_forward_run_top(f, next[0][0], b, 3, 1, next[0][1], vals[1]),
+                                 LLMEM_OK);
+            } else if (on) {
+                assert_int_equal(llmem_forward_start_top(f, tok, b, 3, 1, next[1][0], vals[0]),
+                                 LLMEM_OK);
+                assert_int_equal(llmem_forward_start_next(f, next[1][1], vals[1]), LLMEM_OK);
+                assert_int_equal(llmem_forward_wait(f), LLMEM_OK);
+                assert_int_equal(llmem_forward_wait(f), LLMEM_OK);
+                assert_memory_equal(next[1], next[0], sizeof(next[0]));
+                for (int s = 0; s < 3; s++)
+                    assert_int_equal(llmem_kv_seq_length(kv, seq[1][s]), 20 + 9 * s + 2);
+            } else { /* only after a greedy pass in flight */
+                assert_int_equal(llmem_forward_start_next(f, next[1][1], vals[1]), LLMEM_EINVAL);
+            }
+            for (int s = 0; s < 3; s++)
+                llmem_kv_seq_free(kv, seq[way][s]);
+        }
+        free(logits);
+        llmem_engine_close(e);
+    }
+    unsetenv("LLMEM_DECODE_AHEAD");
+    printf("  decode ahead: %lld steps queued ahead (0 without)\n", (long long)ahead[1]);
+    assert_int_equal(ahead[0], 0);
+    assert_true(ahead[1] >= 2 * 40);
+    for (int run = 0; run < 3; run++) {
+        assert_int_equal(r[0][run].n_ids, r[1][run].n_ids);
+        assert_memory_equal(r[0][run].ids, r[1][run].ids,
+                            (size_t)r[0][run].n_ids * sizeof(int32_t));
+        assert_int_equal(r[0][run].text_len, r[1][run].text_len);
+        assert_memory_equal(r[0][run].text, r[1][run].text, r[0][run].text_len);
+        assert_int_equal(r[0][run].reused_tokens, r[1][run].reused_tokens);
+    }
+    int64_t at = 0; /* the stopped run ends before the first stop id */
+    while (r[0][0].ids[at] != stop)
+        at++;
+    assert_int_equal(r[0][1].n_ids, at);
+    for (int on = 0; on < 2; on++)
+        for (int run = 0; run < 3; run++)
+            llmem_generate_result_free(&r[on][run]);
+}
+
 /* Decode steps recorded as CUDA graphs and replayed give exactly the logits of the same steps run
  * as usual: batches of two sizes, block tables growing past their padding (128 tokens), and
  * sequences forked mid-block, so that a replayed step first copies a shared block. */
@@ -1505,6 +1620,7 @@ int main(void) {
         cmocka_unit_test(test_top_k),
         cmocka_unit_test(test_sampling_on_device),
         cmocka_unit_test(test_streaming),
+        cmocka_unit_test(test_decode_ahead),
         cmocka_unit_test(test_device_plan),
         cmocka_unit_test(test_default_chunk),
     };

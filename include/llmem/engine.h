@@ -328,6 +328,8 @@ struct llmem_engine_metrics {
     int64_t requests_ok, requests_cancelled, requests_refused, requests_failed;
     int64_t prompt_tokens, generated_tokens, reused_tokens;
     int64_t running, waiting, preemptions, steps;
+    int64_t ahead_steps;    /* greedy decode steps queued behind the one in flight, their tokens
+                             * fed on the device (of steps) */
     double step_seconds;    /* in scheduler steps, all told */
     double forward_seconds; /* of which in forward passes (on a device: until its results) */
     int64_t prefill_steps;  /* steps whose batch held a prompt's chunk (not only decodes) */

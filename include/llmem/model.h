@@ -255,13 +255,29 @@ int llmem_forward_run_top(struct llmem_forward *forward, const int32_t *tokens,
 /* llmem_forward_run_top in two halves, for a caller with work to do while the device computes:
  * start returns once the pass is queued (a failure to queue it is returned at once, the lengths
  * restored); llmem_forward_wait waits for it, and ids and vals hold its rows when it returns
- * LLMEM_OK (on a failure the sequences keep their previous lengths). One pass at a time: every
- * start is followed by a wait before the next pass; wait without a pass started returns LLMEM_OK.
+ * LLMEM_OK (on a failure the sequences keep their previous lengths). One pass at a time (but for
+ * llmem_forward_start_next): every start is followed by a wait before the next pass; wait without
+ * a pass started returns LLMEM_OK.
  * The KV of the pass's sequences must not be freed, trimmed or forked in between. */
 int llmem_forward_start_top(struct llmem_forward *forward, const int32_t *tokens,
                             const struct llmem_batch_seq *seqs, int n_seqs, int k, int32_t *ids,
                             float *vals);
 int llmem_forward_wait(struct llmem_forward *forward);
+
+/* Whether llmem_forward_start_next can run: llmem_forward_has_top, and the backend can read a
+ * pass's tokens on the device. */
+int llmem_forward_has_next(const struct llmem_forward *forward);
+
+/* A greedy decode step queued behind the one pass in flight (llmem_forward_start_top with k = 1,
+ * one token for each sequence, not yet waited for) before that pass's results reach the host: the
+ * same sequences in the same order, each fed the id that pass selected for it, at the position
+ * after it; ids and vals as llmem_forward_start_top's with k = 1 (other arrays than the pass
+ * before's). Two passes are then in flight, and each llmem_forward_wait waits for the older one.
+ * A caller that does not take a selected id (it stops the sequence there) discards this step's
+ * result for it and sets the sequence's length back by one once the step is waited for.
+ * LLMEM_EINVAL (logged) without such a pass or where llmem_forward_has_next is 0; other failures
+ * as llmem_forward_start_top's. */
+int llmem_forward_start_next(struct llmem_forward *forward, int32_t *ids, float *vals);
 
 /* Whether a decode step of n_seqs sequences (one token each, at their ends) would replay a
  * recorded pass on the device: then starting it takes little of the host's time. */

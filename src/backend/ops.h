@@ -170,6 +170,14 @@ struct llmem_backend_ops {
      * failure so far, as sync does. */
     int (*top_k)(void *ctx, const float *x, int64_t n, int64_t cols, int k, int32_t *ids,
                  float *vals);
+    /* (optional, with top_k and embedding_top) Waits for the oldest top_k whose results have not
+     * reached the host yet and delivers them, leaving the work queued after it running: two top_k
+     * calls may be outstanding (each its own ids and vals). Returns the first failure so far. */
+    int (*top_k_wait)(void *ctx);
+    /* (optional, with top_k) embedding, its ids read on the device when it runs: row t's is the
+     * largest column of row t of the last top_k queued before it, with k = 1 (n ≤ its rows): a
+     * greedy decode's next tokens, queued before the host has seen them. */
+    void (*embedding_top)(void *ctx, const struct llmem_weight *table, int64_t n, float *out);
 
     /* (optional) A pass the caller repeats with the same shapes, between graph_begin and
      * graph_end (a decode step): the backend may record it and replay the recording, with the

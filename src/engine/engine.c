@@ -313,6 +313,14 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
     }
     const char *on_device = getenv("LLMEM_SAMPLE_ON_DEVICE");
     e->top_on_device = on_device == NULL || strcmp(on_device, "0") != 0;
+    const char *ahead = getenv("LLMEM_DECODE_AHEAD");
+    e->decode_ahead = ahead == NULL || strcmp(ahead, "0") != 0;
+    e->ahead = malloc((size_t)e->cfg.max_sequences * sizeof(*e->ahead));
+    if (e->ahead == NULL) {
+        LLMEM_ERROR("out of memory");
+        status = LLMEM_ENOMEM;
+        goto fail;
+    }
     for (int i = 0; i < mcfg->n_eos; i++)
         e->eos[e->n_eos++] = mcfg->eos_ids[i];
     if (llmem_tokenizer_eos(e->tok) >= 0)

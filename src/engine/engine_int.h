@@ -62,6 +62,13 @@ struct llmem_engine {
     struct request *waiting;  /* admission order; preempted requests go back to the head */
     struct request *running;  /* admission order, oldest first */
     int64_t n_running;
+    /* A greedy decode step queued behind the step in flight, fed its tokens on the device
+     * (llmem_forward_start_next; LLMEM_DECODE_AHEAD=0 turns it off): its requests (max_sequences
+     * slots), how many, and where its ids and values go in logits (floats from the start). */
+    int decode_ahead;
+    struct request **ahead;
+    int n_ahead;
+    size_t ahead_at;
     int64_t admitted;                     /* admissions so far: a request's age */
     struct llmem_engine_metrics counters; /* the scheduler's own counts */
     struct llmem_engine_metrics snapshot; /* under mu: what llmem_engine_metrics returns */

@@ -56,7 +56,7 @@ struct request {
     float lp_vals[LLMEM_MAX_TOP_LOGPROBS];
     const char *ending; /* why it ends once its pending token is handed over, or NULL */
     int ending_status;  /* and how (LLMEM_OK, or the error of an "error") */
-    int in_flight;      /* part of the pass the step has started */
+    int in_flight;      /* passes started that it is part of (two with one queued ahead) */
 };
 
 static const double TTFT_BOUNDS[LLMEM_HIST_BUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
@@ -618,7 +618,10 @@ static void intake(struct llmem_engine *e) {
             }
         for (struct request *r = e->running; r != NULL; r = r->next)
             if (r->id == cancels[i]) {
-                finish_running(e, r, "cancelled", LLMEM_OK, NULL);
+                if (r->in_flight) /* (in the pass queued ahead) */
+                    r->ending = "cancelled", r->ending_status = LLMEM_OK;
+                else
+                    finish_running(e, r, "cancelled", LLMEM_OK, NULL);
                 break;
             }
     }
@@ -676,6 +679,37 @@ static int top_k_for(const struct llmem_engine *e, const struct slot *slots, int
     return (int)k;
 }
 
+/* Whether the step just started (slots, k = 1) can have the next one queued behind it, its tokens
+ * fed on the device: it holds every running request, each decoding greedily with more tokens to
+ * come after this step's, none ending; none waits for admission, and each could take a new block
+ * without evicting banked ones. */
+static int can_go_ahead(const struct llmem_engine *e, const struct slot *slots, int n) {
+    if (!e->decode_ahead || n != e->n_running || e->waiting != NULL ||
+        !llmem_forward_has_next(e->fwd) ||
+        (e->cfg.kv_layout == LLMEM_KV_LAYOUT_PAGED && llmem_kv_blocks_free(e->kv) < n))
+        return 0;
+    for (int i = 0; i < n; i++) {
+        const struct request *r = slots[i].r;
+        if (slots[i].n != 1 || r->pos + 1 != r->n_toks || r->ending != NULL || r->in_flight != 1 ||
+            r->n_toks + 1 - r->n_prompt >= r->max_tokens)
+            return 0;
+    }
+    return 1;
+}
+
+/* The step queued ahead, waited for and dropped (its tokens not taken). */
+static void drop_ahead(struct llmem_engine *e) {
+    if (e->n_ahead == 0)
+        return;
+    (void)llmem_forward_wait(e->fwd); /* (a failure restored the lengths) */
+    for (int i = 0; i < e->n_ahead; i++) {
+        struct request *r = e->ahead[i];
+        r->in_flight--;
+        llmem_kv_set_length(e->kv, r->seq, r->pos);
+    }
+    e->n_ahead = 0;
+}
+
 /* Hands over the pending tokens of the requests on `list` (e->running or e->waiting) and ends
  * those that end; one in the pass in flight ends after it (r->ending). */
 static void hand_over_all(struct llmem_engine *e, struct request **list) {
@@ -710,7 +744,7 @@ static int64_t sched_step(struct llmem_engine *e) {
     intake(e);
     for (struct request *r = e->running, *next; r != NULL; r = next) {
         next = r->next;
-        if (r->ending != NULL) { /* its last token, then the end */
+        if (r->ending != NULL && !r->in_flight) { /* its last token, then the end */
             int st = LLMEM_OK;
             const char *reason = r->pending ? hand_over(e, r, &st) : r->ending;
             finish_running(e, r, reason, st, st == LLMEM_OK ? NULL : "out of memory");
@@ -724,27 +758,51 @@ static int64_t sched_step(struct llmem_engine *e) {
     int overlap = e->n_running > 0 && llmem_forward_replays(e->fwd, (int)e->n_running);
     for (struct request *r = e->running; r != NULL; r = r->next)
         overlap &= r->n_toks - r->pos <= 1;
+    overlap |= e->n_ahead > 0; /* (queued already) */
     if (!overlap) {
         hand_over_all(e, &e->running);
         hand_over_all(e, &e->waiting);
     }
     if (e->n_running > 0) {
         struct slot slots[e->n_running];
-        struct llmem_batch_seq seqs[e->n_running];
-        int32_t *tokens = malloc((size_t)e->cfg.max_batch_tokens * sizeof(int32_t));
-        int n = tokens != NULL ? plan_batch(e, slots, tokens, seqs) : 0;
-        const int k = n > 0 ? top_k_for(e, slots, n) : 0;
-        int32_t *top_ids = (int32_t *)(void *)e->logits;
-        float *top_vals = e->logits + (size_t)n * (size_t)k;
         double t_forward = llmem_engine_now_s();
-        int status = n <= 0 ? LLMEM_ENOMEM
-                     : k > 0
-                         ? llmem_forward_start_top(e->fwd, tokens, seqs, n, k, top_ids, top_vals)
-                         : llmem_forward_run(e->fwd, tokens, seqs, n, e->logits);
+        int n, k, status = LLMEM_OK;
+        size_t at = 0;        /* where the step's ids and values go in e->logits */
+        if (e->n_ahead > 0) { /* queued during the last step */
+            n = e->n_ahead, k = 1, at = e->ahead_at;
+            for (int i = 0; i < n; i++)
+                slots[i] = (struct slot){e->ahead[i], 1};
+            e->n_ahead = 0;
+        } else {
+            struct llmem_batch_seq seqs[e->n_running];
+            int32_t *tokens = malloc((size_t)e->cfg.max_batch_tokens * sizeof(int32_t));
+            n = tokens != NULL ? plan_batch(e, slots, tokens, seqs) : 0;
+            k = n > 0 ? top_k_for(e, slots, n) : 0;
+            status = n <= 0  ? LLMEM_ENOMEM
+                     : k > 0 ? llmem_forward_start_top(e->fwd, tokens, seqs, n, k,
+                                                       (int32_t *)(void *)e->logits,
+                                                       e->logits + (size_t)n * (size_t)k)
+                             : llmem_forward_run(e->fwd, tokens, seqs, n, e->logits);
+            free(tokens);
+            for (int i = 0; i < n; i++) /* (queued or not: a request of the batch ends after it) */
+                slots[i].r->in_flight = 1;
+        }
+        int32_t *top_ids = (int32_t *)(void *)(e->logits + at);
+        float *top_vals = e->logits + at + (size_t)n * (size_t)k;
+        if (status == LLMEM_OK && k == 1 && can_go_ahead(e, slots, n)) {
+            /* the next step queued now, its ids and values beside this one's */
+            const size_t next_at = at == 0 ? 2 * (size_t)n : 0;
+            if (llmem_forward_start_next(e->fwd, (int32_t *)(void *)(e->logits + next_at),
+                                         e->logits + next_at + n) == LLMEM_OK) {
+                for (int i = 0; i < n; i++) {
+                    e->ahead[i] = slots[i].r;
+                    slots[i].r->in_flight++;
+                }
+                e->n_ahead = n, e->ahead_at = next_at;
+                e->counters.ahead_steps++;
+            }
+        }
         double forward_s = llmem_engine_now_s() - t_forward;
-        free(tokens);
-        for (int i = 0; i < n; i++) /* (queued or not: a request of the batch ends after it) */
-            slots[i].r->in_flight = 1;
         hand_over_all(e, &e->running); /* (none pending if they went first) */
         hand_over_all(e, &e->waiting);
         t_forward = llmem_engine_now_s();
@@ -759,12 +817,19 @@ static int64_t sched_step(struct llmem_engine *e) {
                 e->counters.prefill_forward_seconds += forward_s;
                 break;
             }
+        if (status != LLMEM_OK && e->n_ahead > 0) { /* the step queued ahead failed with it */
+            for (int i = 0; i < e->n_ahead; i++)
+                e->ahead[i]->in_flight--;
+            e->n_ahead = 0;
+        }
         for (int i = 0; i < n; i++) { /* the pass done: KV written (OK) or lengths restored */
             struct request *r = slots[i].r;
-            r->in_flight = 0;
-            if (status == LLMEM_OK)
+            r->in_flight--;
+            if (status == LLMEM_OK && r->pos + slots[i].n <= r->n_toks)
                 r->pos += slots[i].n;
-            if (r->ending != NULL) {
+            else if (status == LLMEM_OK) /* fed on the device a token it did not take (a stop) */
+                llmem_kv_set_length(e->kv, r->seq, r->pos);
+            if (r->ending != NULL && !r->in_flight) {
                 slots[i].r = NULL;
                 finish_running(e, r, r->ending, r->ending_status,
                                r->ending_status == LLMEM_OK ? NULL : "out of memory");
@@ -785,7 +850,7 @@ static int64_t sched_step(struct llmem_engine *e) {
         } else {
             for (int i = 0; i < n; i++) {
                 struct request *r = slots[i].r;
-                if (r == NULL || r->pos < r->n_toks)
+                if (r == NULL || r->pos < r->n_toks || r->ending != NULL)
                     continue;
                 struct out_row row = {.logits = e->logits + (size_t)i * (size_t)e->vocab};
                 if (k > 0)
@@ -793,7 +858,9 @@ static int64_t sched_step(struct llmem_engine *e) {
                                            .vals = top_vals + (size_t)i * (size_t)k,
                                            .k = k};
                 const char *reason = request_sample(e, r, row);
-                if (reason != NULL)
+                if (reason != NULL && r->in_flight) /* in the step queued ahead: after it */
+                    r->ending = reason, r->ending_status = LLMEM_OK;
+                else if (reason != NULL)
                     finish_running(e, r, reason, LLMEM_OK, NULL);
             }
         }
@@ -871,6 +938,7 @@ int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t
 
 /* Ends every request as cancelled (the scheduler is not running). */
 static void cancel_all(struct llmem_engine *e) {
+    drop_ahead(e);
     intake(e);
     while (e->running != NULL) {
         struct request *r = e->running;
@@ -966,6 +1034,7 @@ void llmem_engine_sched_fini(struct llmem_engine *e) {
     if (e->kv != NULL && e->mem != NULL) /* an engine that opened */
         cancel_all(e);
     free(e->cancels);
+    free(e->ahead);
     pthread_cond_destroy(&e->done);
     pthread_cond_destroy(&e->wake);
     pthread_mutex_destroy(&e->mu);

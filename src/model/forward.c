@@ -28,6 +28,9 @@
  * graph_end, and again when the backend says its recording did not match. With only the top few
  * of each row asked for, the pass can be started (llmem_forward_start_top: queued up to the
  * backend's top_k) and waited for later (llmem_forward_wait: the backend's sync delivers them).
+ * A greedy decode step can be queued behind such a pass before its tokens reach the host
+ * (llmem_forward_start_next: its embedding reads them on the device); each wait is then for the
+ * older pass (the backend's top_k_wait).
  */
 #include <inttypes.h>
 #include <stdlib.h>
@@ -43,17 +46,24 @@ struct llmem_forward {
     struct llmem_kv *kv;
     struct llmem_mem *mem;
     int64_t max_tokens;
-    float *x;          /* (T, hidden) the residual stream */
-    float *xn;         /* (T, hidden) normed input of a block; its output before the residual add */
-    float *q;          /* (T, n_heads·hd) */
-    float *att;        /* (T, n_heads·hd) attention output */
-    float *k, *v;      /* (T, n_kv·hd) */
-    float *gate, *up;  /* (T, inter) */
-    int64_t *pos;      /* (T) position of each token */
-    int *seq_ids;      /* (T) the sequences of a step */
-    int64_t *n_q;      /* (T) and their tokens */
-    int64_t *lengths;  /* (T) their lengths before the pass, restored if it fails */
-    int pending;       /* sequences of a pass started and not yet waited for (seq_ids) */
+    float *x;         /* (T, hidden) the residual stream */
+    float *xn;        /* (T, hidden) normed input of a block; its output before the residual add */
+    float *q;         /* (T, n_heads·hd) */
+    float *att;       /* (T, n_heads·hd) attention output */
+    float *k, *v;     /* (T, n_kv·hd) */
+    float *gate, *up; /* (T, inter) */
+    int64_t *pos;     /* (T) position of each token */
+    int *seq_ids;     /* (T) the sequences of a step */
+    int64_t *n_q;     /* (T) and their tokens */
+    int64_t *lengths; /* (T) their lengths before the pass, restored if it fails */
+    /* the passes started and not yet waited for, oldest first: their sequences and lengths
+     * before them (the arrays, T each, swap with seq_ids and lengths as passes start) */
+    struct started {
+        int n_seqs, k;
+        int *seq_ids;
+        int64_t *lengths;
+    } started[2];
+    int n_started;
     float *dev_logits; /* on a device: the logits there, kept for the next pass (graphs) */
     int64_t dev_logits_rows;
 };
@@ -96,7 +106,13 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
     f->seq_ids = malloc(T * sizeof(int));
     f->n_q = malloc(T * sizeof(int64_t));
     f->lengths = malloc(T * sizeof(int64_t));
-    if (f->pos == NULL || f->seq_ids == NULL || f->n_q == NULL || f->lengths == NULL) {
+    int ok = f->pos != NULL && f->seq_ids != NULL && f->n_q != NULL && f->lengths != NULL;
+    for (int i = 0; i < 2; i++) {
+        f->started[i].seq_ids = malloc(T * sizeof(int));
+        f->started[i].lengths = malloc(T * sizeof(int64_t));
+        ok &= f->started[i].seq_ids != NULL && f->started[i].lengths != NULL;
+    }
+    if (!ok) {
         LLMEM_ERROR("out of memory");
         goto fail;
     }
@@ -118,6 +134,10 @@ void llmem_forward_free(struct llmem_forward *f) {
     free(f->seq_ids);
     free(f->n_q);
     free(f->lengths);
+    for (int i = 0; i < 2; i++) {
+        free(f->started[i].seq_ids);
+        free(f->started[i].lengths);
+    }
     free(f);
 }
 
@@ -220,7 +240,10 @@ static int run_pass(struct llmem_forward *f, const int32_t *tokens,
     const struct llmem_model_geometry *g = &f->model->cfg.geom;
     const struct llmem_backend_ops *ops = f->be->ops;
     void *ctx = f->be->ctx;
-    ops->embedding(ctx, &f->model->embed, tokens, T, f->x);
+    if (tokens != NULL)
+        ops->embedding(ctx, &f->model->embed, tokens, T, f->x);
+    else /* a greedy step's tokens, from the pass before it on the device */
+        ops->embedding_top(ctx, &f->model->embed, T, f->x);
     for (int64_t l = 0; l < g->n_layers; l++) {
         const struct model_layer *L = &f->model->layers[l];
         int status = attention_block(f, L, (int)l, n_seqs, T, decode);
@@ -260,19 +283,25 @@ int llmem_forward_has_top(const struct llmem_forward *f) {
     return f->model->on_device && f->be->ops->top_k != NULL;
 }
 
-/* The sequences of the last pass back at the lengths they had before it. */
-static void restore_lengths(struct llmem_forward *f, int n_seqs) {
+int llmem_forward_has_next(const struct llmem_forward *f) {
+    return llmem_forward_has_top(f) && f->be->ops->top_k_wait != NULL &&
+           f->be->ops->embedding_top != NULL;
+}
+
+/* Sequences back at the lengths they had before a pass. */
+static void restore_lengths(struct llmem_forward *f, int n_seqs, const int *seq_ids,
+                            const int64_t *lengths) {
     for (int s = 0; s < n_seqs; s++)
-        llmem_kv_set_length(f->kv, f->seq_ids[s], f->lengths[s]);
+        llmem_kv_set_length(f->kv, seq_ids[s], lengths[s]);
 }
 
 /* llmem_forward_run, and llmem_forward_start_top with k > 0 (which returns once the pass is
- * queued, llmem_forward_wait then waiting for it). */
+ * queued, llmem_forward_wait then waiting for it); tokens NULL: llmem_forward_start_next's. */
 static int forward(struct llmem_forward *f, const int32_t *tokens,
                    const struct llmem_batch_seq *seqs, int n_seqs, float *logits, int k,
                    int32_t *ids, float *vals) {
     const struct llmem_model_geometry *g = &f->model->cfg.geom;
-    LLMEM_ASSERT(f->pending == 0); /* llmem_forward_wait first */
+    LLMEM_ASSERT(f->n_started == 0 || tokens == NULL); /* llmem_forward_wait first */
     int64_t T = 0, n_logits = 0;
     for (int s = 0; s < n_seqs; s++) {
         const struct llmem_batch_seq *b = &seqs[s];
@@ -290,7 +319,7 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
                     f->max_tokens);
         return LLMEM_EINVAL;
     }
-    for (int64_t t = 0; t < T; t++) {
+    for (int64_t t = 0; tokens != NULL && t < T; t++) {
         if (tokens[t] < 0 || tokens[t] >= g->vocab_size) {
             LLMEM_ERROR("token id %d is outside the vocabulary (0 to %" PRId64 ")", tokens[t],
                         g->vocab_size - 1);
@@ -353,8 +382,10 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
     }
     /* a replay that did not match runs again (recorded), and a recording that failed runs again
      * without a graph */
+    /* (a step fed from the device is recorded apart from one whose tokens come from the host) */
+    const uint64_t key = (uint64_t)n_seqs | (tokens == NULL ? (uint64_t)1 << 32 : 0);
     for (int attempt = 0; attempt < 3; attempt++) {
-        if (graph && (status = ops->graph_begin(ctx, (uint64_t)n_seqs)) != LLMEM_OK)
+        if (graph && (status = ops->graph_begin(ctx, key)) != LLMEM_OK)
             break;
         status = run_pass(f, tokens, seqs, n_seqs, T, n_logits, decode, dl != NULL ? dl : logits);
         int ended = graph ? ops->graph_end(ctx) : LLMEM_OK;
@@ -365,8 +396,12 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
     }
     if (status == LLMEM_OK && k > 0) { /* queued: llmem_forward_wait waits */
         status = ops->top_k(ctx, dl, n_logits, g->vocab_size, k, ids, vals);
-        if (status == LLMEM_OK) {
-            f->pending = n_seqs;
+        if (status == LLMEM_OK) { /* its arrays become the pass's record */
+            struct started *p = &f->started[f->n_started++];
+            int *si = p->seq_ids;
+            int64_t *len = p->lengths;
+            p->seq_ids = f->seq_ids, p->lengths = f->lengths, p->n_seqs = n_seqs, p->k = k;
+            f->seq_ids = si, f->lengths = len;
             return LLMEM_OK;
         }
     } else if (status == LLMEM_OK && dl != NULL) { /* and every failure of the pass */
@@ -374,18 +409,26 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
     }
 failed:
     if (status != LLMEM_OK)
-        restore_lengths(f, n_seqs);
+        restore_lengths(f, n_seqs, f->seq_ids, f->lengths);
     return status;
 }
 
 int llmem_forward_wait(struct llmem_forward *f) {
-    if (f->pending == 0)
+    if (f->n_started == 0)
         return LLMEM_OK;
-    int status = f->be->ops->sync(f->be->ctx);
-    if (status != LLMEM_OK)
-        restore_lengths(f, f->pending);
-    f->pending = 0;
-    return status;
+    const struct llmem_backend_ops *ops = f->be->ops;
+    int status = f->n_started > 1 ? ops->top_k_wait(f->be->ctx) : ops->sync(f->be->ctx);
+    if (status != LLMEM_OK) { /* every pass started fails with it: the newest restored first */
+        for (int i = f->n_started - 1; i >= 0; i--)
+            restore_lengths(f, f->started[i].n_seqs, f->started[i].seq_ids, f->started[i].lengths);
+        f->n_started = 0;
+        return status;
+    }
+    struct started done = f->started[0];
+    f->started[0] = f->started[1];
+    f->started[1] = done;
+    f->n_started--;
+    return LLMEM_OK;
 }
 
 int llmem_forward_run(struct llmem_forward *f, const int32_t *tokens,
@@ -403,6 +446,27 @@ int llmem_forward_start_top(struct llmem_forward *f, const int32_t *tokens,
         return LLMEM_EINVAL;
     }
     return forward(f, tokens, seqs, n_seqs, NULL, k, ids, vals);
+}
+
+int llmem_forward_start_next(struct llmem_forward *f, int32_t *ids, float *vals) {
+    const struct started *p = &f->started[f->n_started > 0 ? f->n_started - 1 : 0];
+    if (!llmem_forward_has_next(f) || f->n_started != 1 || p->k != 1) {
+        LLMEM_ERROR("a decode step fed from the device follows one greedy pass in flight (%d "
+                    "started)",
+                    f->n_started);
+        return LLMEM_EINVAL;
+    }
+    struct llmem_batch_seq seqs[p->n_seqs];
+    for (int s = 0; s < p->n_seqs; s++) {
+        const int seq = p->seq_ids[s];
+        if (llmem_kv_seq_length(f->kv, seq) != p->lengths[s] + 1) {
+            LLMEM_ERROR("sequence %d: a step fed from the device follows a pass of one token", seq);
+            return LLMEM_EINVAL;
+        }
+        seqs[s] = (struct llmem_batch_seq){
+            .seq = seq, .pos = p->lengths[s] + 1, .n_tokens = 1, .all_logits = 0};
+    }
+    return forward(f, NULL, seqs, p->n_seqs, NULL, 1, ids, vals);
 }
 
 int llmem_forward_run_top(struct llmem_forward *f, const int32_t *tokens,

@@ -114,6 +114,9 @@ char *srv_render_metrics(const struct llmem_engine_metrics *m, const struct srv_
            m->preemptions);
     metric(&b, "llmem_scheduler_steps_total", "counter", "Forward passes of the scheduler.",
            m->steps);
+    metric(&b, "llmem_scheduler_ahead_steps_total", "counter",
+           "Greedy decode steps queued on the device before the step ahead of them had finished.",
+           m->ahead_steps);
     header(&b, "llmem_scheduler_step_seconds_total", "counter",
            "Time in scheduler steps (admission, the forward pass, sampling, the bank).");
     srv_buf_printf(&b, "llmem_scheduler_step_seconds_total %.9g\n", m->step_seconds);

@@ -69,8 +69,10 @@
 #define GRAPH_MISSES 4  /* passes of a key that did not match its graph before it is given up */
 
 /* after the small slots: the attention's counters (llmem_cuda_attn.counters; the stream's calls
- * run one after another), for 4,096 sequences × KV heads */
+ * run one after another), for 4,096 sequences × KV heads; then the ids a greedy top_k leaves for
+ * the next pass's embedding_top, for up to FEED_ROWS rows */
 #define ATTN_COUNTERS_BYTES (4096 * sizeof(unsigned))
+#define FEED_ROWS           4096
 
 enum pass_mode { PASS_NOW, PASS_CAPTURE, PASS_STAGE };
 
@@ -116,6 +118,14 @@ struct rope_later {
     const uint8_t *d; /* the positions, then inv_freq, on the device */
 };
 
+/* An outstanding top_k's results: where they go, and their slot of top_host. */
+struct top_out {
+    int32_t *ids;
+    float *vals;
+    size_t count; /* n·k */
+    int slot;
+};
+
 struct cuda_ctx {
     int device;
     enum llmem_backend_precision precision;
@@ -124,7 +134,8 @@ struct cuda_ctx {
     struct llmem_mem *mem; /* scratch; NULL: cudaMalloc */
     void *scratch;         /* activations rounded to 16 bits, or a slice of widened weights */
     size_t scratch_bytes;
-    void *small; /* device copies of the small host arrays: SMALL_SLOTS slots, then the counters */
+    void *small; /* device copies of the small host arrays: SMALL_SLOTS slots, then the counters
+                  * and the feed */
     void *small_host; /* their pinned staging, slot for slot */
     size_t small_bytes;
     cudaEvent_t small_done[SMALL_SLOTS]; /* recorded after the copy out of a slot was queued */
@@ -145,6 +156,9 @@ struct cuda_ctx {
     int pass_bad;   /* the pass cannot be recorded (per-call data or scratch would not fit) */
     int pass_once;  /* the recording copied memory: it runs once, it is not kept */
     int ring_stale; /* a pass staged in the ring's memory: wait before the ring's next use */
+    int ring_live;  /* uploads through the ring queued since the stream last synchronized */
+    cudaEvent_t arena_done; /* recorded after the last pass's per-call data was copied */
+    int arena_queued;       /* … and since the stream last synchronized */
     uint64_t passes;
     struct llmem_backend_counters counters;
     struct rope_later rope_later; /* with rope_pending */
@@ -165,13 +179,16 @@ struct cuda_ctx {
     cudaStream_t copy_stream;
     cudaEvent_t copy_after, copy_done;
     int copy_pending;
-    void *top_host; /* top_k's results (ids, then values; top_bytes), pinned, mapped, until
-                     * sync hands them over */
-    void *top;      /* the device's address of top_host */
+    /* top_k's results: two slots of top_bytes (ids, then values), pinned and mapped, until sync
+     * or top_k_wait hands them over; the slots of the calls outstanding, oldest first */
+    void *top_host;
+    void *top; /* the device's address of top_host */
     size_t top_bytes;
-    int32_t *top_ids; /* where the next sync puts them (NULL: nothing pending) */
-    float *top_vals;
-    size_t top_count; /* n·k */
+    struct top_out top_out[2];
+    int top_n, top_next;
+    cudaEvent_t top_done[2];
+    int32_t *feed;     /* (in small) the last greedy top_k's ids, FEED_ROWS at most */
+    int64_t feed_rows; /* the rows it left there (0: the last top_k left none) */
     cublasLtHandle_t lt;
     struct lt_plan *lt_plans; /* (LT_PLANS) */
     void *lt_ws;              /* the workspace of the plans that want one */
@@ -312,6 +329,7 @@ static const void *small_upload(struct cuda_ctx *c, const void *host, size_t byt
     if (c->ring_stale) { /* a graph's data lay in the ring's memory: wait for it */
         if (check(c, cudaStreamSynchronize(c->stream), "synchronize") != LLMEM_OK)
             return NULL;
+        c->arena_queued = 0;
         memset(c->small_size, 0, sizeof(c->small_size));
         c->ring_stale = 0;
     }
@@ -340,6 +358,7 @@ static const void *small_upload(struct cuda_ctx *c, const void *host, size_t byt
     memcpy(h, host, bytes);
     c->small_size[slot] = bytes;
     c->idle = 0;
+    c->ring_live = 1;
     if (check(c, cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, c->stream), "upload") !=
         LLMEM_OK)
         return NULL;
@@ -397,6 +416,7 @@ enum {
     OP_KV_ATTEND,
     OP_MATMUL_MULTI,
     OP_GEMV_SWIGLU,
+    OP_EMBEDDING_TOP,
 };
 
 /* Called by every operation before it launches anything: its arguments extend the pass's hash.
@@ -479,9 +499,17 @@ static int cuda_graph_begin(void *ctx, uint64_t key) {
     c->arena_n = 0;
     c->mode = PASS_NOW;
     if (g->state == GRAPH_READY || (g->exec == NULL && g->sig != 0)) {
-        /* the ring's memory takes this pass's data: nothing queued may still read it */
-        if (!c->idle && check(c, cudaStreamSynchronize(c->stream), "synchronize") != LLMEM_OK)
-            return c->failed;
+        /* the ring's pinned memory takes this pass's data: no copy queued may still read it.
+         * When only a pass's data was copied from it since the stream last synchronized, that
+         * copy is waited for, not the pass (its copy for this pass is queued after the pass). */
+        if (!c->idle && c->arena_queued && !c->ring_live) {
+            if (check(c, cudaEventSynchronize(c->arena_done), "synchronize") != LLMEM_OK)
+                return c->failed;
+        } else if (!c->idle) {
+            if (check(c, cudaStreamSynchronize(c->stream), "synchronize") != LLMEM_OK)
+                return c->failed;
+            c->ring_live = c->arena_queued = 0;
+        }
         c->ring_stale = 1;
         c->mode = g->state == GRAPH_READY ? PASS_STAGE : PASS_CAPTURE;
     }
@@ -536,11 +564,13 @@ static int cuda_graph_end(void *ctx) {
         return LLMEM_EBUSY;
     }
     c->idle = 0;
-    if (c->arena_used > 0)
+    if (c->arena_used > 0 &&
         check(c,
               cudaMemcpyAsync(c->small, c->small_host, c->arena_used, cudaMemcpyHostToDevice,
                               c->stream),
-              "upload");
+              "upload") == LLMEM_OK &&
+        check(c, cudaEventRecord(c->arena_done, c->stream), "event") == LLMEM_OK)
+        c->arena_queued = 1;
     if (mode == PASS_STAGE && c->replay_pending == REPLAY_TIMES)
         replay_time(c, 1); /* its pair is needed again */
     cudaEvent_t *e = &c->replay[2 * ((c->replay_first + c->replay_pending) % REPLAY_TIMES)];
@@ -731,9 +761,13 @@ __global__ void bias_kernel(float *y, const float *bias, int64_t rows, int64_t n
 /* A block per token. The ids (uploaded before the pass) and a thread's first EMBED_HELD elements
  * of the row (weights) are read before the wait: no kernel writes them (launch.h). */
 #define EMBED_HELD 8
+/* FED: the ids were written by the kernel before (top_k's feed), read after the wait for it. */
+template <bool FED>
 __global__ void embedding_kernel(const void *table, enum llmem_dtype dt, int64_t dim,
                                  const int32_t *ids, float *out) {
     const int64_t t = blockIdx.x;
+    if constexpr (FED)
+        pdl_begin();
     const int64_t base = (int64_t)ids[t] * dim;
     float v[EMBED_HELD];
 #pragma unroll
@@ -741,7 +775,8 @@ __global__ void embedding_kernel(const void *table, enum llmem_dtype dt, int64_t
         const int64_t i = threadIdx.x + (int64_t)k * blockDim.x;
         v[k] = i < dim ? weight_at(table, dt, base + i) : 0.0f;
     }
-    pdl_begin();
+    if constexpr (!FED)
+        pdl_begin();
 #pragma unroll
     for (int k = 0; k < EMBED_HELD; k++) {
         const int64_t i = threadIdx.x + (int64_t)k * blockDim.x;
@@ -784,7 +819,7 @@ __device__ __forceinline__ uint32_t order_key(float x) {
 
 /* The largest entry of each row and its column (the lowest of equal ones): a block per row. */
 __global__ void __launch_bounds__(TOP_THREADS)
-    argmax_kernel(const float *x, int64_t cols, int32_t *ids, float *vals) {
+    argmax_kernel(const float *x, int64_t cols, int32_t *ids, float *vals, int32_t *feed) {
     pdl_begin();
     const float *row = x + (size_t)blockIdx.x * (size_t)cols;
     uint32_t best = 0;
@@ -834,6 +869,8 @@ __global__ void __launch_bounds__(TOP_THREADS)
         if (lane == 0) {
             ids[blockIdx.x] = (int32_t)at;
             vals[blockIdx.x] = row[at];
+            if (feed != NULL)
+                feed[blockIdx.x] = (int32_t)at;
         }
     }
 }
@@ -1706,9 +1743,21 @@ static void cuda_embedding(void *ctx, const struct llmem_weight *table, const in
             return;
         if (staged(c, OP_EMBEDDING, {arg(table->data), arg(table->cols), arg(d), arg(m), arg(out)}))
             continue;
-        pdl_launch(c->stream, embedding_kernel, dim3((unsigned)m), dim3(256), 0, table->data,
+        pdl_launch(c->stream, embedding_kernel<false>, dim3((unsigned)m), dim3(256), 0, table->data,
                    table->dtype, table->cols, d, out + t * table->cols);
     }
+    launched(c, "embedding");
+}
+
+static void cuda_embedding_top(void *ctx, const struct llmem_weight *table, int64_t n, float *out) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    LLMEM_ASSERT(table != NULL && out != NULL && n >= 0 && n <= c->feed_rows);
+    if (n == 0 || c->failed)
+        return;
+    if (staged(c, OP_EMBEDDING_TOP, {arg(table->data), arg(table->cols), arg(n), arg(out)}))
+        return;
+    pdl_launch(c->stream, embedding_kernel<true>, dim3((unsigned)n), dim3(256), 0, table->data,
+               table->dtype, table->cols, (const int32_t *)c->feed, out);
     launched(c, "embedding");
 }
 
@@ -1964,19 +2013,37 @@ static const struct llmem_mem_raw_ops *cuda_memory(void *ctx) {
     return llmem_cuda_mem_ops(((struct cuda_ctx *)ctx)->device);
 }
 
+/* Hands the oldest outstanding top_k's results over (its kernel done). */
+static void top_deliver(struct cuda_ctx *c) {
+    const struct top_out o = c->top_out[0];
+    if (!c->failed) {
+        const int32_t *h =
+            (const int32_t *)((uint8_t *)c->top_host + (size_t)o.slot * c->top_bytes);
+        memcpy(o.ids, h, o.count * sizeof(int32_t));
+        memcpy(o.vals, h + o.count, o.count * sizeof(float));
+    }
+    c->top_out[0] = c->top_out[1];
+    c->top_n--;
+}
+
 static int cuda_sync(void *ctx) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     rope_flush(c);
-    if (c->mode == PASS_NOW)
+    if (c->mode == PASS_NOW) {
         c->idle = check(c, cudaStreamSynchronize(c->stream), "synchronize") == LLMEM_OK;
-    if (c->top_ids != NULL && c->mode == PASS_NOW) { /* the results of the last top_k */
-        if (!c->failed) {
-            memcpy(c->top_ids, c->top_host, c->top_count * sizeof(int32_t));
-            memcpy(c->top_vals, (const int32_t *)c->top_host + c->top_count,
-                   c->top_count * sizeof(float));
-        }
-        c->top_ids = NULL, c->top_vals = NULL;
+        c->ring_live = c->arena_queued = 0;
+        while (c->top_n > 0) /* the results of the top_k calls outstanding */
+            top_deliver(c);
     }
+    return c->failed;
+}
+
+static int cuda_top_k_wait(void *ctx) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (c->top_n == 0 || c->failed)
+        return c->failed;
+    if (check(c, cudaEventSynchronize(c->top_done[c->top_out[0].slot]), "synchronize") == LLMEM_OK)
+        top_deliver(c);
     return c->failed;
 }
 
@@ -2009,6 +2076,7 @@ static int cuda_top_k(void *ctx, const float *x, int64_t n, int64_t cols, int k,
                  k <= LLMEM_TOP_K_MAX && k <= cols && c->mode == PASS_NOW);
     if (n == 0 || c->failed)
         return c->failed;
+    LLMEM_ASSERT(c->top_n < 2); /* two outstanding at most */
     const size_t count = (size_t)n * (size_t)k;
     if (count * (sizeof(int32_t) + sizeof(float)) > c->top_bytes) {
         /* doubled at least (freeing pinned memory waits for the device: not at every step of a
@@ -2016,12 +2084,12 @@ static int cuda_top_k(void *ctx, const float *x, int64_t n, int64_t cols, int k,
         size_t bytes = c->top_bytes * 2 > 65536 ? c->top_bytes * 2 : 65536;
         while (bytes < count * (sizeof(int32_t) + sizeof(float)))
             bytes *= 2;
-        cuda_sync(ctx); /* a pending result is handed over before its buffers go */
+        cuda_sync(ctx); /* pending results are handed over before their buffers go */
         if (c->top_host != NULL)
             cudaFreeHost(c->top_host);
         c->top_host = NULL, c->top = NULL, c->top_bytes = 0;
-        if (check(c, cudaHostAlloc(&c->top_host, bytes, cudaHostAllocMapped), "cudaHostAlloc") !=
-                LLMEM_OK ||
+        if (check(c, cudaHostAlloc(&c->top_host, 2 * bytes, cudaHostAllocMapped),
+                  "cudaHostAlloc") != LLMEM_OK ||
             check(c, cudaHostGetDevicePointer(&c->top, c->top_host, 0),
                   "cudaHostGetDevicePointer") != LLMEM_OK) {
             if (c->top_host != NULL)
@@ -2031,20 +2099,24 @@ static int cuda_top_k(void *ctx, const float *x, int64_t n, int64_t cols, int k,
         }
         c->top_bytes = bytes;
     }
-    /* the kernels write the results to pinned host memory (mapped): sync hands them over
-     * without a copy queued after them */
-    int32_t *d_ids = (int32_t *)c->top;
+    /* the kernels write the results to pinned host memory (mapped): sync or top_k_wait hands
+     * them over without a copy queued after them */
+    const int slot = c->top_next;
+    c->top_next ^= 1;
+    int32_t *d_ids = (int32_t *)((uint8_t *)c->top + (size_t)slot * c->top_bytes);
     float *d_vals = (float *)(d_ids + count);
     c->idle = 0;
+    c->feed_rows = k == 1 && n <= FEED_ROWS ? n : 0;
     if (k == 1)
         pdl_launch(c->stream, argmax_kernel, dim3((unsigned)n), dim3(TOP_THREADS), 0, x, cols,
-                   d_ids, d_vals);
+                   d_ids, d_vals, c->feed_rows > 0 ? c->feed : (int32_t *)NULL);
     else
         pdl_launch(c->stream, top_k_kernel, dim3((unsigned)n), dim3(TOP_THREADS), 0, x, cols, k,
                    d_ids, d_vals);
     launched(c, "top_k");
     c->counters.top_k_rows += n;
-    c->top_ids = ids, c->top_vals = vals, c->top_count = count;
+    c->top_out[c->top_n++] = top_out{ids, vals, count, slot};
+    check(c, cudaEventRecord(c->top_done[slot], c->stream), "event");
     return c->failed;
 }
 
@@ -2127,6 +2199,11 @@ static void cuda_destroy(void *ctx) {
     for (int i = 0; i < SMALL_SLOTS; i++)
         if (c->small_done[i] != NULL)
             cudaEventDestroy(c->small_done[i]);
+    for (int i = 0; i < 2; i++)
+        if (c->top_done[i] != NULL)
+            cudaEventDestroy(c->top_done[i]);
+    if (c->arena_done != NULL)
+        cudaEventDestroy(c->arena_done);
     if (c->small != NULL)
         cudaFree(c->small);
     if (c->small_host != NULL)
@@ -2176,6 +2253,8 @@ static struct llmem_backend_ops make_ops(void) {
     o.copy_out_wait = cuda_copy_out_wait;
     o.copy_out_fence = cuda_copy_out_fence;
     o.top_k = cuda_top_k;
+    o.top_k_wait = cuda_top_k_wait;
+    o.embedding_top = cuda_embedding_top;
     o.sync = cuda_sync;
     o.graph_begin = cuda_graph_begin;
     o.graph_end = cuda_graph_end;
@@ -2220,7 +2299,9 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
             LLMEM_OK ||
         check(c, cudaEventCreateWithFlags(&c->copy_done, cudaEventDisableTiming), "event") !=
             LLMEM_OK ||
-        check(c, cudaMalloc(&c->small, c->small_bytes * SMALL_SLOTS + ATTN_COUNTERS_BYTES),
+        check(c,
+              cudaMalloc(&c->small, c->small_bytes * SMALL_SLOTS + ATTN_COUNTERS_BYTES +
+                                        FEED_ROWS * sizeof(int32_t)),
               "cudaMalloc") != LLMEM_OK ||
         check(
             c,
@@ -2244,6 +2325,17 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
         if (check(c, cudaEventCreateWithFlags(&c->small_done[i], cudaEventDisableTiming),
                   "event") != LLMEM_OK)
             status = LLMEM_EIO;
+    for (int i = 0; status == LLMEM_OK && i < 2; i++)
+        if (check(c, cudaEventCreateWithFlags(&c->top_done[i], cudaEventDisableTiming), "event") !=
+            LLMEM_OK)
+            status = LLMEM_EIO;
+    if (status == LLMEM_OK &&
+        check(c, cudaEventCreateWithFlags(&c->arena_done, cudaEventDisableTiming), "event") !=
+            LLMEM_OK)
+        status = LLMEM_EIO;
+    if (status == LLMEM_OK)
+        c->feed =
+            (int32_t *)((uint8_t *)c->small + c->small_bytes * SMALL_SLOTS + ATTN_COUNTERS_BYTES);
     const char *profile = getenv("LLMEM_CUDA_PROFILE");
     if (status == LLMEM_OK && profile != NULL && strcmp(profile, "0") != 0 &&
         cuda_profile_start == nullptr) {
