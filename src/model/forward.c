@@ -381,8 +381,8 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
         dl = f->dev_logits;
     }
     /* a replay that did not match runs again (recorded), and a recording that failed runs again
-     * without a graph */
-    /* (a step fed from the device is recorded apart from one whose tokens come from the host) */
+     * without a graph; a step fed from the device is recorded apart from one whose tokens come
+     * from the host */
     const uint64_t key = (uint64_t)n_seqs | (tokens == NULL ? (uint64_t)1 << 32 : 0);
     for (int attempt = 0; attempt < 3; attempt++) {
         if (graph && (status = ops->graph_begin(ctx, key)) != LLMEM_OK)
