@@ -14,9 +14,11 @@
  * printed and bounded.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "testutil.h"
 
@@ -1351,6 +1353,120 @@ static void test_decode_ahead(void **state) {
             llmem_generate_result_free(&r[on][run]);
 }
 
+/* A served request's progress (test_decode_ahead_serving). */
+struct served {
+    pthread_mutex_t *mu;
+    pthread_cond_t *cv;
+    int *n_done;
+    int tokens, cancel_at, status;
+    int64_t n_ids;
+    char reason[16];
+};
+
+static int served_token(void *arg, const struct llmem_token_event *ev) {
+    struct served *o = arg;
+    (void)ev;
+    pthread_mutex_lock(o->mu);
+    int cancel = ++o->tokens == o->cancel_at;
+    pthread_mutex_unlock(o->mu);
+    return cancel;
+}
+
+static void served_done(void *arg, int status, const struct llmem_generate_result *r,
+                        const char *message) {
+    struct served *o = arg;
+    (void)message;
+    pthread_mutex_lock(o->mu);
+    o->status = status;
+    if (r != NULL) {
+        snprintf(o->reason, sizeof(o->reason), "%s", r->finish_reason);
+        o->n_ids = r->n_ids;
+    }
+    (*o->n_done)++;
+    pthread_cond_broadcast(o->cv);
+    pthread_mutex_unlock(o->mu);
+}
+
+/* Until request o has streamed `tokens` tokens. */
+static void served_wait(struct served *o, int tokens) {
+    for (;;) {
+        pthread_mutex_lock(o->mu);
+        int got = o->tokens;
+        pthread_mutex_unlock(o->mu);
+        if (got >= tokens)
+            return;
+        nanosleep(&(struct timespec){0, 200000}, NULL);
+    }
+}
+
+/* Serving with decode steps queued ahead: requests that arrive while such steps run, one that
+ * cancels itself from its token callback and one the caller cancels mid-run end as asked, each
+ * with the tokens it wanted, every KV sequence freed. */
+static void test_decode_ahead_serving(void **state) {
+    (void)state;
+    struct llmem_engine_config c;
+    pycoder_on_device(&c);
+    c.max_sequences = 4;
+    c.context = 512;
+    struct llmem_engine *e = NULL;
+    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    assert_int_equal(llmem_engine_serve_start(e, NULL), LLMEM_OK);
+    enum { N = 6 };
+    const int max_tokens[N] = {40, 25, 200, 33, 50, 200}; /* 2 cancels itself, 5 is cancelled */
+    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+    int n_done = 0;
+    struct served out[N];
+    uint64_t ids[N];
+    for (int i = 0; i < N; i++) {
+        if (i == 1)
+            served_wait(&out[0], 8); /* the rest arrive while it decodes */
+        out[i] = (struct served){
+            .mu = &mu, .cv = &cv, .n_done = &n_done, .cancel_at = i == 2 ? 10 : 0, .n_ids = -1};
+        int32_t prompt[24];
+        for (int k = 0; k < 24; k++)
+            prompt[k] = (int32_t)(5 + (i * 131 + k * 17) % 3000);
+        struct llmem_generate_params p;
+        llmem_generate_params_default(&p);
+        p.max_tokens = max_tokens[i];
+        p.ignore_eos = 1;
+        struct llmem_request_events ev = {
+            .on_token = served_token, .on_done = served_done, .arg = &out[i]};
+        assert_int_equal(llmem_engine_submit(e, prompt, 12 + 2 * i, &p, &ev, &ids[i]), LLMEM_OK);
+    }
+    served_wait(&out[5], 5);
+    llmem_engine_cancel(e, ids[5]);
+    pthread_mutex_lock(&mu);
+    while (n_done < N)
+        pthread_cond_wait(&cv, &mu);
+    pthread_mutex_unlock(&mu);
+    struct llmem_engine_metrics m;
+    llmem_engine_metrics(e, &m);
+    llmem_engine_serve_stop(e);
+    printf("  serving: %lld of %lld steps queued ahead\n", (long long)m.ahead_steps,
+           (long long)m.steps);
+    for (int i = 0; i < N; i++) {
+        assert_int_equal(out[i].status, LLMEM_OK);
+        if (i == 2) {
+            assert_string_equal(out[i].reason, "cancelled");
+            assert_int_equal(out[i].n_ids, 10);
+        } else if (i == 5) {
+            assert_string_equal(out[i].reason, "cancelled");
+            assert_true(out[i].n_ids >= 5 && out[i].n_ids < max_tokens[i]);
+        } else {
+            assert_string_equal(out[i].reason, "length");
+            assert_int_equal(out[i].n_ids, max_tokens[i]);
+        }
+    }
+    assert_true(m.ahead_steps > 0);
+    assert_int_equal(m.running, 0);
+    struct llmem_kv_stats ks;
+    llmem_kv_stats(llmem_engine_kv(e), &ks);
+    assert_int_equal(ks.n_sequences, 0);
+    assert_int_equal(llmem_kv_check(llmem_engine_kv(e)), LLMEM_OK);
+    llmem_engine_close(e);
+}
+
 /* Decode steps recorded as CUDA graphs and replayed give exactly the logits of the same steps run
  * as usual: batches of two sizes, block tables growing past their padding (128 tokens), and
  * sequences forked mid-block, so that a replayed step first copies a shared block. */
@@ -1621,6 +1737,7 @@ int main(void) {
         cmocka_unit_test(test_sampling_on_device),
         cmocka_unit_test(test_streaming),
         cmocka_unit_test(test_decode_ahead),
+        cmocka_unit_test(test_decode_ahead_serving),
         cmocka_unit_test(test_device_plan),
         cmocka_unit_test(test_default_chunk),
     };
