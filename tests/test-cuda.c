@@ -844,6 +844,17 @@ static void pycoder_on_device(struct llmem_engine_config *c) {
     c->backend = LLMEM_BACKEND_CUDA;
 }
 
+/* pycoder on the device with its defaults (the bank on), 4 sequences of up to 512 tokens. */
+static struct llmem_engine *open_small_pycoder(void) {
+    struct llmem_engine_config c;
+    pycoder_on_device(&c);
+    c.max_sequences = 4;
+    c.context = 512;
+    struct llmem_engine *e = NULL;
+    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    return e;
+}
+
 static float *teacher_forced(struct llmem_engine *e, const int32_t *ids, int64_t n, int64_t vocab) {
     float *logits = malloc((size_t)(n * vocab) * sizeof(float));
     assert_non_null(logits);
@@ -1254,12 +1265,7 @@ static void test_decode_ahead(void **state) {
     int32_t stop = -1;
     for (int on = 0; on < 2; on++) {
         setenv("LLMEM_DECODE_AHEAD", on ? "1" : "0", 1);
-        struct llmem_engine_config c;
-        pycoder_on_device(&c);
-        c.max_sequences = 4;
-        c.context = 512;
-        struct llmem_engine *e = NULL;
-        assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+        struct llmem_engine *e = open_small_pycoder();
         struct llmem_kv *kv = llmem_engine_kv(e);
         assert_int_equal(llmem_engine_generate(e, prompt, 20, &gp, NULL, NULL, &r[on][0]),
                          LLMEM_OK);
@@ -1404,12 +1410,7 @@ static void served_wait(struct served *o, int tokens) {
  * with the tokens it wanted, every KV sequence freed. */
 static void test_decode_ahead_serving(void **state) {
     (void)state;
-    struct llmem_engine_config c;
-    pycoder_on_device(&c);
-    c.max_sequences = 4;
-    c.context = 512;
-    struct llmem_engine *e = NULL;
-    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    struct llmem_engine *e = open_small_pycoder();
     assert_int_equal(llmem_engine_serve_start(e, NULL), LLMEM_OK);
     enum { N = 6 };
     const int max_tokens[N] = {40, 25, 200, 33, 50, 200}; /* 2 cancels itself, 5 is cancelled */
