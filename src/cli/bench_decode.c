@@ -5,7 +5,10 @@
  * minutes, so each run is compared with its own neighbourhood).
  *
  * One run: a prompt of --prompt random tokens (ids 5 … vocab−1, seeded) prefilled in chunks of
- * 512, then --gen tokens decoded greedily with EOS ignored. Reported, as medians over --reps runs:
+ * 512, then --gen tokens decoded greedily with EOS ignored. --warmup untimed runs of at most 8
+ * generated tokens go first (by default two on a device, whose decode steps become CUDA graphs on
+ * their second and third use: a step with the host's tokens starts each run, fed ones follow).
+ * Reported, as medians over --reps runs:
  *   prefill tokens/s and GFLOP/s: 2 × (the layers' matmul parameters) per token, plus attention
  *                                  (4 × head_dim × heads × layers per query-key pair, causal), plus
  *                                  one lm_head row set for the last token;
@@ -84,6 +87,8 @@ static const char usage[] =
     "  --gen N          generated tokens (default 128)\n"
     "  --threads LIST   thread counts, e.g. 1,2 (default: the online CPUs)\n"
     "  --reps N         runs per thread count (default 3)\n"
+    "  --warmup N       untimed runs of up to 8 generated tokens first (default 2 with --backend\n"
+    "                   cuda: its decode steps recorded as graphs; 0 on the CPU)\n"
     "  --kv-format F    the KV format (default f16)\n"
     "  --bw-size SIZE   the bandwidth probe's buffer (default 512M)\n"
     "  --no-mmap        read the weights into (huge-page) memory, as llmem run --no-mmap\n"
@@ -101,6 +106,7 @@ int cli_bench_decode(int argc, char **argv) {
         OPT_GEN,
         OPT_THREADS,
         OPT_REPS,
+        OPT_WARMUP,
         OPT_KV_FORMAT,
         OPT_BW,
         OPT_JSON,
@@ -115,6 +121,7 @@ int cli_bench_decode(int argc, char **argv) {
         {"gen", required_argument, NULL, OPT_GEN},
         {"threads", required_argument, NULL, OPT_THREADS},
         {"reps", required_argument, NULL, OPT_REPS},
+        {"warmup", required_argument, NULL, OPT_WARMUP},
         {"kv-format", required_argument, NULL, OPT_KV_FORMAT},
         {"bw-size", required_argument, NULL, OPT_BW},
         {"json", no_argument, NULL, OPT_JSON},
@@ -130,7 +137,7 @@ int cli_bench_decode(int argc, char **argv) {
     enum llmem_kv_format format = LLMEM_KV_FORMAT_F16;
     enum llmem_backend_kind backend = LLMEM_BACKEND_CPU;
     enum llmem_backend_precision precision = LLMEM_PRECISION_FAST;
-    int64_t device = 0;
+    int64_t device = 0, warmup = -1; /* -1: by the backend */
     optind = 1;
     opterr = 0;
     int c, rc = CLI_OK;
@@ -139,6 +146,7 @@ int cli_bench_decode(int argc, char **argv) {
         case OPT_PROMPT: rc = cli_parse_int("--prompt", optarg, 1, 1 << 20, &n_prompt); break;
         case OPT_GEN: rc = cli_parse_int("--gen", optarg, 1, 1 << 20, &n_gen); break;
         case OPT_REPS: rc = cli_parse_int("--reps", optarg, 1, MAX_REPS, &reps); break;
+        case OPT_WARMUP: rc = cli_parse_int("--warmup", optarg, 0, MAX_REPS, &warmup); break;
         case OPT_BW: rc = cli_parse_size("--bw-size", optarg, &bw_bytes); break;
         case OPT_JSON: json = 1; break;
         case OPT_NO_MMAP: no_mmap = 1; break;
@@ -183,9 +191,11 @@ int cli_bench_decode(int argc, char **argv) {
     if (n_threads == 0)
         threads[n_threads++] = 0;
     const char *model = argv[optind];
+    if (warmup < 0) /* a device's decode steps are recorded as graphs the first times they run */
+        warmup = backend == LLMEM_BACKEND_CUDA ? 2 : 0;
 
     struct decode_point points[MAX_THREADS_LIST];
-    int64_t prog[2] = {0, (int64_t)n_threads * reps * 3};
+    int64_t prog[2] = {0, (int64_t)n_threads * (reps * 3 + warmup)};
     struct llmem_engine *e = NULL;
     struct llmem_pool *pool = NULL;
     struct cli_device_probe *dprobe = NULL; /* the device's probe (--backend cuda) */
@@ -234,6 +244,17 @@ int cli_bench_decode(int argc, char **argv) {
             over[MAX_REPS], dev[MAX_REPS];
         struct llmem_backend *be = llmem_engine_backend(e);
         struct llmem_backend_counters c0 = {0}, c1 = {0};
+        for (int64_t w = 0; w < warmup; w++) { /* untimed */
+            struct llmem_generate_params p;
+            llmem_generate_params_default(&p);
+            p.max_tokens = n_gen < 8 ? n_gen : 8;
+            p.ignore_eos = 1;
+            struct llmem_generate_result res;
+            if (llmem_engine_generate(e, prompt, n_prompt, &p, NULL, NULL, &res) != LLMEM_OK)
+                goto out;
+            llmem_generate_result_free(&res);
+            progress_tick(prog);
+        }
         for (int64_t r = 0; r < reps; r++) {
             double rd[2], cp[2];
             if (probe(e, pool, dprobe, bw_bytes, &rd[0], &cp[0], prog) != CLI_OK)
