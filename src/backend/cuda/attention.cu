@@ -1109,10 +1109,10 @@ __global__ void __launch_bounds__(WARPS * 32) rows_kernel(const Params p) {
 
 /* ---- the merge of splits ------------------------------------------------------------------- */
 
-/* One CTA per (sequence, head, 32 dims): every thread helps weigh the splits, then 16 groups of 8
- * threads (a float4 each) sum a strided share of the splits, folded through shared memory. */
+/* One CTA per (sequence, head, MERGE_DIMS dims): every thread helps weigh the splits, then
+ * 128 / (MERGE_DIMS / 4) groups of MERGE_DIMS / 4 threads (a float4 each) sum a strided share of
+ * the splits, folded through shared memory. */
 constexpr int MERGE_THREADS = 128;
-constexpr int MERGE_DIMS = 32;
 
 __device__ float block_reduce(float v, bool is_max, float *red) {
 #pragma unroll
@@ -1131,6 +1131,7 @@ __device__ float block_reduce(float v, bool is_max, float *red) {
     return v;
 }
 
+template <int MERGE_DIMS>
 __global__ void __launch_bounds__(MERGE_THREADS)
     merge_kernel(const float *part_acc, const float2 *part_ml, const int32_t *lengths, int n_heads,
                  int n_splits, int split_len, int D, bool q8, float *out) {
@@ -1517,6 +1518,19 @@ bool fused(const struct llmem_cuda_attn *a, int n_splits) {
            a->n_counters >= (size_t)units(a);
 }
 
+/* The dims a merge CTA takes (32, 64 or 128, at most head_dim): the fewest for which the merge
+ * of `rows` (sequence, head) rows needs at most four CTAs an SM, else the most. Smaller CTAs spread
+ * a few rows' splits over more SMs; past that their number costs more than it spreads (an H200,
+ * graph µs: bf16 1 × 4096, 32 rows, 8.0 at 32 dims against 9.1 at 128; q8 16 × 2048, 512 rows,
+ * 28.1 against 24.9; docs/BENCHMARKS.md). */
+int merge_dims(long long rows, int head_dim) {
+    const long long most = 4LL * (sm_count() > 0 ? sm_count() : 132);
+    int md = 32;
+    while (md < 128 && md < head_dim && rows * (head_dim / md) > most)
+        md *= 2;
+    return md < head_dim ? md : head_dim;
+}
+
 } // namespace
 
 extern "C" size_t llmem_cuda_attn_counters(const struct llmem_cuda_attn *a) {
@@ -1588,9 +1602,11 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
     cudaError_t err = pdl_launch(stream, k->fn, dim3(grid), dim3(WARPS * 32), k->smem_alloc, p);
     if (err == cudaSuccess && n_splits > 1 && !fuse) {
         /* launched as a programmatic dependent: its launch overlaps the decode kernel's tail */
+        const int md = merge_dims((long long)a->batch * a->n_heads, a->head_dim);
+        auto fn = md == 128 ? merge_kernel<128> : md == 64 ? merge_kernel<64> : merge_kernel<32>;
         err = pdl_launch(
-            stream, merge_kernel,
-            dim3((unsigned)((size_t)a->batch * a->n_heads), (unsigned)(a->head_dim / MERGE_DIMS)),
+            stream, fn,
+            dim3((unsigned)((size_t)a->batch * a->n_heads), (unsigned)(a->head_dim / md)),
             dim3(MERGE_THREADS), n_splits * sizeof(float), (const float *)p.part_acc,
             (const float2 *)p.part_ml, a->lengths, a->n_heads, n_splits, split_len, a->head_dim,
             a->format == LLMEM_KV_FORMAT_Q8, a->out);
