@@ -1522,12 +1522,16 @@ bool fused(const struct llmem_cuda_attn *a, int n_splits) {
  * of `rows` (sequence, head) rows needs at most four CTAs an SM, else the most. Smaller CTAs spread
  * a few rows' splits over more SMs; past that their number costs more than it spreads (an H200,
  * graph µs: bf16 1 × 4096, 32 rows, 8.0 at 32 dims against 9.1 at 128; q8 16 × 2048, 512 rows,
- * 28.1 against 24.9; docs/BENCHMARKS.md). */
+ * 28.1 against 24.9; docs/BENCHMARKS.md). LLMEM_CUDA_ATTN_MERGE_DIMS (32, 64, 128) overrides it. */
 int merge_dims(long long rows, int head_dim) {
+    static const int forced = env_int("LLMEM_CUDA_ATTN_MERGE_DIMS", 0, 128, 0);
     const long long most = 4LL * (sm_count() > 0 ? sm_count() : 132);
     int md = 32;
-    while (md < 128 && md < head_dim && rows * (head_dim / md) > most)
-        md *= 2;
+    if (forced == 32 || forced == 64 || forced == 128)
+        md = forced;
+    else
+        while (md < 128 && md < head_dim && rows * (head_dim / md) > most)
+            md *= 2;
     return md < head_dim ? md : head_dim;
 }
 
