@@ -1439,17 +1439,19 @@ void choose_split(const struct llmem_cuda_attn *a, long long slots, int *split_l
     const long long per_split = a->format == LLMEM_KV_FORMAT_Q8 ? 4 : 1;
     long long best = -1;
     int best_len = blocks;
-    for (int n = 1; n <= blocks && n <= 4096; n++) {
-        int per = (blocks + n - 1) / n;
-        int eff = (blocks + per - 1) / per;
-        if (eff != n)
-            continue;
-        long long waves = (units * eff + slots - 1) / slots;
-        long long cost = 64 * waves * (per + 2) + (eff > 1 ? 64 + per_split * eff : 0);
+    /* n splits of per blocks, n the fewest for its per: after n, the next such count is the
+     * fewest whose per is smaller (O(√blocks) counts, host time a call) */
+    for (int n = 1; n <= blocks && n <= 4096;) {
+        const int per = (blocks + n - 1) / n;
+        long long waves = (units * n + slots - 1) / slots;
+        long long cost = 64 * waves * (per + 2) + (n > 1 ? 64 + per_split * n : 0);
         if (best < 0 || cost < best) {
             best = cost;
             best_len = per;
         }
+        if (per == 1)
+            break;
+        n = (blocks + per - 2) / (per - 1);
     }
     *split_len = best_len * BLOCK;
     *n_splits = (blocks + best_len - 1) / best_len;
