@@ -5,8 +5,9 @@
  *                folded partition by partition;
  *   partitioned  the visible range split at absolute multiples of 512 tokens; one task per
  *                (query, partition) computes (m_p, l_p, acc_p) per head, and the partitions are
- *                folded in ascending order: m' = max(m, m_p), l' = l·e^(m−m') + l_p·e^(m_p−m'),
- *                acc likewise — the same arithmetic as direct, spread over threads;
+ *                merged in ascending order against their largest maximum M:
+ *                out = Σ e^(m_p−M)·acc_p / Σ e^(m_p−M)·l_p — direct's arithmetic up to rounding,
+ *                spread over threads;
  *   fallback     the visible keys and values gathered as f32 rows and the reference (two passes,
  *                double accumulation).
  * A task reads each token's keys and values (all KV heads, contiguous in every layout) once, in
@@ -297,17 +298,35 @@ static void partition_task(void *arg, int task, int thread) {
     }
 }
 
-/* merge: task = (query, head); the partitions folded in ascending order. */
+/* merge: task = (query, head); the partitions weighed against their largest maximum M, in
+ * ascending order: out = Σ e^(m_p − M)·acc_p / Σ e^(m_p − M)·l_p (one exponential a partition). */
 static void merge_task(void *arg, int task, int thread) {
     (void)thread;
     const struct attn_job *j = arg;
     const int hd = j->kv->cfg.head_dim;
-    const float *parts = j->parts + (size_t)task * (size_t)j->n_parts * (size_t)(hd + 2);
+    const size_t hs = (size_t)(hd + 2);
+    const float *parts = j->parts + (size_t)task * (size_t)j->n_parts * hs;
     float *out = j->out + (size_t)task * (size_t)hd;
-    float m = -INFINITY, l = 0;
+    float top = -INFINITY, l = 0;
+    for (int64_t p = 0; p < j->n_parts; p++) {
+        /* the partials have left the caches while the KV streamed through them: asked for
+         * all at once here, not line by line below */
+        for (size_t x = 0; x < hs * sizeof(float); x += 64)
+            __builtin_prefetch((const char *)(parts + p * hs) + x, 0, 3);
+        if (parts[p * hs + hd + 1] > 0 && parts[p * hs + hd] > top)
+            top = parts[p * hs + hd];
+    }
+    void (*axpy)(const uint8_t *, float, float *, int) =
+        llmem_kv_kernels()->axpy[LLMEM_KV_FORMAT_F32];
     memset(out, 0, (size_t)hd * sizeof(float));
-    for (int64_t p = 0; p < j->n_parts; p++)
-        fold(hd, &m, &l, out, parts + p * (hd + 2));
+    for (int64_t p = 0; p < j->n_parts; p++) {
+        const float *acc = parts + p * hs;
+        if (acc[hd + 1] == 0)
+            continue;
+        const float w = expf(acc[hd] - top);
+        l += acc[hd + 1] * w;
+        axpy((const uint8_t *)acc, w, out, hd);
+    }
     finish(j->kv, out, l);
 }
 
