@@ -1537,6 +1537,17 @@ int merge_dims(long long rows, int head_dim) {
     return md < head_dim ? md : head_dim;
 }
 
+/* Whether the decode kernel is launched as a programmatic dependent (launch.h). It pays where a
+ * call is short: its launch and first copies run under the kernel before it (bf16 4 × 16384,
+ * splits of 1024: 64.8 against 67.6 µs in stream order; 1 × 4096: 8.0 against 10.1). With splits
+ * of LLMEM_CUDA_ATTN_SERIAL_FROM tokens or more (default 4096; 0: never) the kernel goes in stream
+ * order, which measured faster for a grid of long CTAs in one wave (bf16 64 × 8192, one split:
+ * 479.7 against 483.8 µs; docs/BENCHMARKS.md). */
+bool programmatic(int split_len) {
+    static const int from = env_int("LLMEM_CUDA_ATTN_SERIAL_FROM", 0, 1 << 30, 4096);
+    return from == 0 || split_len < from;
+}
+
 } // namespace
 
 extern "C" size_t llmem_cuda_attn_counters(const struct llmem_cuda_attn *a) {
@@ -1605,7 +1616,14 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
 
     cudaStream_t stream = (cudaStream_t)a->stream;
     unsigned grid = (unsigned)((p.n_items + WARPS - 1) / WARPS);
-    cudaError_t err = pdl_launch(stream, k->fn, dim3(grid), dim3(WARPS * 32), k->smem_alloc, p);
+    cudaError_t err;
+    if (programmatic(split_len)) {
+        err = pdl_launch(stream, k->fn, dim3(grid), dim3(WARPS * 32), k->smem_alloc, p);
+    } else { /* in stream order: its griddepcontrol instructions have no grid to wait for */
+        profile_begin(stream);
+        k->fn<<<grid, WARPS * 32, k->smem_alloc, stream>>>(p);
+        err = cudaGetLastError();
+    }
     if (err == cudaSuccess && n_splits > 1 && !fuse) {
         /* launched as a programmatic dependent: its launch overlaps the decode kernel's tail */
         const int md = merge_dims((long long)a->batch * a->n_heads, a->head_dim);
