@@ -10,7 +10,8 @@
  * repeated calls do not run from the L2 cache. Times are CUDA events (around both kernels when the
  * context is split): the reported time is per call in replays of a CUDA graph of 10 calls (median
  * of --reps replays; what a decode step captured in a graph pays), and "1 call" the median of
- * --reps single calls with events around each (after --warmup), host launch gaps included.
+ * --reps single calls with events around each (after --warmup), host launch gaps included;
+ * "host us" the median host time of those calls (what enqueueing one costs the CPU).
  *
  *   llmem-bench-cuda-attn [--json] [--reps N] [--warmup N] [--formats bf16,q8]
  *                         [--shapes 64x8192,1x4096,16x2048,4x16384] [--copy-mib N]
@@ -18,6 +19,7 @@
  *                         [--heads Q/KV]         (query / KV heads; default 32/8)
  */
 #include <algorithm>
+#include <chrono>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -79,7 +81,8 @@ struct Result {
     const char *format;
     Shape s;
     int split_len, n_splits, n_sets;
-    double ms, ms_events, kv_bytes; /* ms: per call in graph replays; ms_events: one call */
+    double ms, ms_events, ms_host; /* per call: in graph replays; one call (events); its host time */
+    double kv_bytes;
 };
 
 int main(int argc, char **argv) {
@@ -254,16 +257,20 @@ int main(int argc, char **argv) {
             CHECK(cudaMemset(counters, 0, a.n_counters * sizeof(unsigned)));
             a.counters = counters;
 
-            /* 1: events around each call */
-            std::vector<float> t, tg;
+            /* 1: events around each call, and the host's time in the call (its enqueue) */
+            std::vector<float> t, tg, th;
             for (int i = 0; i < warmup + reps; i++) {
                 a.block_tables = d_tables + (size_t)(i % sets) * nb;
                 if (i >= warmup)
                     CHECK(cudaEventRecord(ev0[i - warmup], stream));
+                const auto h0 = std::chrono::steady_clock::now();
                 if (llmem_cuda_attn_decode(&a) != 0)
                     return 1;
-                if (i >= warmup)
+                const auto h1 = std::chrono::steady_clock::now();
+                if (i >= warmup) {
                     CHECK(cudaEventRecord(ev1[i - warmup], stream));
+                    th.push_back(std::chrono::duration<float, std::milli>(h1 - h0).count());
+                }
             }
             CHECK(cudaStreamSynchronize(stream));
             CHECK(cudaGetLastError());
@@ -307,6 +314,7 @@ int main(int argc, char **argv) {
             r.n_sets = sets;
             r.ms = median(tg);
             r.ms_events = median(t);
+            r.ms_host = median(th);
             r.kv_bytes = (double)s.batch * s.ctx * n_kv * 2.0 * row;
             results.push_back(r);
             CHECK(cudaFree(ws));
@@ -330,10 +338,10 @@ int main(int argc, char **argv) {
             double bw = r.kv_bytes / (r.ms * 1e-3);
             printf("%s\n  {\"format\": \"%s\", \"batch\": %d, \"context\": %d, \"split_len\": %d,"
                    " \"splits\": %d, \"cache_copies\": %d, \"ms\": %.5f, \"ms_events\": %.5f,"
-                   " \"kv_bytes\": %.0f,"
+                   " \"ms_host\": %.5f, \"kv_bytes\": %.0f,"
                    " \"bytes_per_s\": %.4e, \"of_copy\": %.4f}",
                    i ? "," : "", r.format, r.s.batch, r.s.ctx, r.split_len, r.n_splits, r.n_sets,
-                   r.ms, r.ms_events, r.kv_bytes, bw, bw / copy_bw);
+                   r.ms, r.ms_events, r.ms_host, r.kv_bytes, bw, bw / copy_bw);
         }
         printf("\n]}\n");
     } else {
@@ -341,13 +349,13 @@ int main(int argc, char **argv) {
                prop.name, prop.multiProcessorCount, n_heads, n_kv, HEAD_DIM, BLOCK, reps);
         printf("copy D2D %zu MiB: %.3f ms, %.0f GB/s (read + write)\n", copy_mib, copy_t,
                copy_bw / 1e9);
-        printf("%-5s %6s %6s %7s %10s %9s %8s %10s\n", "fmt", "batch", "ctx", "split", "time us",
-               "K+V GB/s", "of copy", "1 call us");
+        printf("%-5s %6s %6s %7s %10s %9s %8s %10s %8s\n", "fmt", "batch", "ctx", "split",
+               "time us", "K+V GB/s", "of copy", "1 call us", "host us");
         for (const Result &r : results) {
             double bw = r.kv_bytes / (r.ms * 1e-3);
-            printf("%-5s %6d %6d %3d×%-4d %9.1f %9.0f %7.1f%% %10.1f\n", r.format, r.s.batch,
-                   r.s.ctx, r.n_splits, r.split_len, r.ms * 1e3, bw / 1e9, 100.0 * bw / copy_bw,
-                   r.ms_events * 1e3);
+            printf("%-5s %6d %6d %3d×%-4d %9.1f %9.0f %7.1f%% %10.1f %8.1f\n", r.format,
+                   r.s.batch, r.s.ctx, r.n_splits, r.split_len, r.ms * 1e3, bw / 1e9,
+                   100.0 * bw / copy_bw, r.ms_events * 1e3, r.ms_host * 1e3);
         }
     }
     return 0;

@@ -24,6 +24,7 @@
  */
 #include <math.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -744,17 +745,29 @@ TARGET_AVX512 static inline void attn_softmax512(float *sc, int T, float *st, si
                         : _mm512_set1_ps(-INFINITY);
     }
     __m512 mx = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
-    mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
-    mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(2, 3, 0, 1)));
-    if (G == 2)
-        mx = _mm512_max_ps(mx, _mm512_shuffle_ps(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
     /* lanes 0..3: heads 0..3, or 0, 1, 0, 1 */
     __m128 m_old =
         _mm_setr_ps(st[n], st[hs + n], st[(size_t)(2 % G) * hs + n], st[(size_t)(3 % G) * hs + n]);
     __m128 l_old = _mm_setr_ps(st[n + 1], st[hs + n + 1], st[(size_t)(2 % G) * hs + n + 1],
                                st[(size_t)(3 % G) * hs + n + 1]);
-    __m128 m_new = _mm_max_ps(m_old, _mm512_castps512_ps128(mx));
-    __m512 top = _mm512_broadcast_f32x4(m_new);
+    __m512 top = _mm512_broadcast_f32x4(m_old);
+    /* Once a few tiles are in, no head's maximum moves in most tiles: m' = m, the weights are
+     * e^(s − m) and nothing is rescaled (e^0 = 1 exactly, so this is what the general path below
+     * computes). Telling so lane by lane, before the maxima are reduced across lanes, lets the
+     * exponentials start without waiting for that reduction: about 15 % of a tile's time. */
+    const bool stays = _mm_cmp_ps_mask(m_old, _mm_set1_ps(-INFINITY), _CMP_GT_OQ) == 0xf &&
+                       _mm512_cmp_ps_mask(mx, top, _CMP_GT_OQ) == 0;
+    __m128 m_new = m_old, corr = _mm_set1_ps(1.0f);
+    if (!stays) {
+        mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
+        mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(2, 3, 0, 1)));
+        if (G == 2)
+            mx = _mm512_max_ps(mx, _mm512_shuffle_ps(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
+        m_new = _mm_max_ps(m_old, _mm512_castps512_ps128(mx));
+        top = _mm512_broadcast_f32x4(m_new);
+        /* e^(m − m'): 1 exactly where the maximum stays, 0 for the first tile (m = −∞) */
+        corr = _mm512_castps512_ps128(exp512(_mm512_castps128_ps512(_mm_sub_ps(m_old, m_new))));
+    }
     __m512 sum = _mm512_setzero_ps();
     for (int j = 0; j < vecs; j++) {
         __m512 w = exp512(_mm512_sub_ps(s[j], top)); /* −∞ past T: 0 */
@@ -765,8 +778,6 @@ TARGET_AVX512 static inline void attn_softmax512(float *sc, int T, float *st, si
     sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(2, 3, 0, 1)));
     if (G == 2)
         sum = _mm512_add_ps(sum, _mm512_shuffle_ps(sum, sum, _MM_SHUFFLE(1, 0, 3, 2)));
-    /* e^(m − m'): 1 exactly where the maximum stays, 0 for the first tile (m = −∞) */
-    __m128 corr = _mm512_castps512_ps128(exp512(_mm512_castps128_ps512(_mm_sub_ps(m_old, m_new))));
     __m128 l_new = _mm_add_ps(_mm_mul_ps(l_old, corr), _mm512_castps512_ps128(sum));
     float mv[4], lv[4];
     _mm_storeu_ps(mv, m_new);
