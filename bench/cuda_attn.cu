@@ -81,7 +81,8 @@ struct Result {
     const char *format;
     Shape s;
     int split_len, n_splits, n_sets;
-    double ms, ms_events, ms_host; /* per call: in graph replays; one call (events); its host time */
+    double ms, ms_events,
+        ms_host; /* per call: in graph replays; one call (events); its host time */
     double kv_bytes;
 };
 
@@ -353,9 +354,9 @@ int main(int argc, char **argv) {
                "time us", "K+V GB/s", "of copy", "1 call us", "host us");
         for (const Result &r : results) {
             double bw = r.kv_bytes / (r.ms * 1e-3);
-            printf("%-5s %6d %6d %3d×%-4d %9.1f %9.0f %7.1f%% %10.1f %8.1f\n", r.format,
-                   r.s.batch, r.s.ctx, r.n_splits, r.split_len, r.ms * 1e3, bw / 1e9,
-                   100.0 * bw / copy_bw, r.ms_events * 1e3, r.ms_host * 1e3);
+            printf("%-5s %6d %6d %3d×%-4d %9.1f %9.0f %7.1f%% %10.1f %8.1f\n", r.format, r.s.batch,
+                   r.s.ctx, r.n_splits, r.split_len, r.ms * 1e3, bw / 1e9, 100.0 * bw / copy_bw,
+                   r.ms_events * 1e3, r.ms_host * 1e3);
         }
     }
     return 0;
