@@ -23,8 +23,10 @@
  * for 16-bit formats, q8 interleaves two tokens' codes per register) and the probabilities, taken
  * straight from the score fragments, as the B operand (with ≤ 4 heads their remainders ride in
  * columns 4..7 of the same product).
- * q8 codes become f16 exactly (magic-number conversion), times the group's f16 scale rounded to
- * f16 (relative 2⁻¹²); bf16 keys and values are used as stored.
+ * q8 keys are used as stored, on int8 tensor cores (mma.m16n8k32, one k-step a group) against
+ * the query in int8 steps (row h) and 254ths of a step (row 8 + h), each group's int32 sums times
+ * its scale; q8 value codes become f16 exactly (magic-number conversion), times the group's f16
+ * scale rounded to f16 (relative 2⁻¹²); bf16 keys and values are used as stored.
  * 16-bit rows are stored in shared memory with their 16-byte chunks swizzled by the token (chunk ^
  * f(token)), so that the key reads (8 tokens × 4 chunks) and the transposed value reads (8 tokens ×
  * 1 chunk) both hit 32 distinct banks.
@@ -155,6 +157,14 @@ __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* D = A·B on int8 tensor cores (m16n8k32, s32 accumulated from zero). */
+__device__ __forceinline__ void imma(int d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+}
+
 /* 2^x by the multi-function unit, subnormal results flushed to 0 (a probability below 2⁻¹²⁶
  * weighs nothing next to the maximum's 1); 2^−∞ = 0. */
 __device__ __forceinline__ float ex2(float x) {
@@ -234,36 +244,29 @@ template <int FMT, int D, bool COOP> struct CopyPlan {
     }
 };
 
-/* The B operand of two k-steps of S = Q·Kᵀ: 8 consecutive elements [32p + 8c, +8) of the key row
- * of token t, as four registers of two 16-bit values. */
-template <int FMT, int D>
+/* The B operand of two k-steps of S = Q·Kᵀ (16-bit formats): 8 consecutive elements [32p + 8c,
+ * +8) of the key row of token t, as four registers of two 16-bit values. */
 __device__ __forceinline__ void load_k(const uint8_t *row, int t, int p, int c, uint32_t kb[4]) {
-    if constexpr (FMT == FMT_Q8) {
-        int o = 34 * p + 8 * c;
-        uint32_t w0, w1;
-        if ((p & 1) == 0) {
-            w0 = lds32(row + o);
-            w1 = lds32(row + o + 4);
-        } else {
-            uint32_t a = lds32(row + o - 2), b = lds32(row + o + 2), d = lds32(row + o + 6);
-            w0 = __byte_perm(a, b, 0x5432);
-            w1 = __byte_perm(b, d, 0x5432);
-        }
-        uint32_t sc = *reinterpret_cast<const uint16_t *>(row + 34 * p + 32);
-        sc |= sc << 16;
-        __half2 s2 = *reinterpret_cast<__half2 *>(&sc);
-        w0 ^= 0x80808080u;
-        w1 ^= 0x80808080u;
-        kb[0] = dequant2(w0, 0x4140, s2);
-        kb[1] = dequant2(w0, 0x4342, s2);
-        kb[2] = dequant2(w1, 0x4140, s2);
-        kb[3] = dequant2(w1, 0x4342, s2);
+    uint4 v = *reinterpret_cast<const uint4 *>(row + swz(4 * p + c, t) * 16);
+    kb[0] = v.x;
+    kb[1] = v.y;
+    kb[2] = v.z;
+    kb[3] = v.w;
+}
+
+/* The B operand of S = Q·Kᵀ for q8 (one int8 k-step: group p): the codes [32p + 8c, +8) of a key
+ * row, as stored, in two words. A group is 34 bytes (32 codes, then its f16 scale), so odd groups
+ * start 2 bytes past a word. */
+__device__ __forceinline__ void load_k_codes(const uint8_t *row, int p, int c, uint32_t &w0,
+                                             uint32_t &w1) {
+    const int o = 34 * p + 8 * c;
+    if ((p & 1) == 0) {
+        w0 = lds32(row + o);
+        w1 = lds32(row + o + 4);
     } else {
-        uint4 v = *reinterpret_cast<const uint4 *>(row + swz(4 * p + c, t) * 16);
-        kb[0] = v.x;
-        kb[1] = v.y;
-        kb[2] = v.z;
-        kb[3] = v.w;
+        uint32_t a = lds32(row + o - 2), b = lds32(row + o + 2), d = lds32(row + o + 6);
+        w0 = __byte_perm(a, b, 0x5432);
+        w1 = __byte_perm(b, d, 0x5432);
     }
 }
 
@@ -573,28 +576,71 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
         }
     }
     issue_first(false);
-    uint32_t qf[D / 32][8];
+    float xq[D / 32][8]; /* this thread's query elements [32k + 8c, +8), scaled */
 #pragma unroll
     for (int k = 0; k < D / 32; k++) {
-        float x[8];
         if (p.q_bf16) {
             const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&qraw[k][0]);
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 float2 f = __bfloat1622float2(h[i]);
-                x[2 * i] = f.x * p.qscale;
-                x[2 * i + 1] = f.y * p.qscale;
+                xq[k][2 * i] = f.x * p.qscale;
+                xq[k][2 * i + 1] = f.y * p.qscale;
             }
         } else {
             const uint32_t w[8] = {qraw[k][0].x, qraw[k][0].y, qraw[k][0].z, qraw[k][0].w,
                                    qraw[k][1].x, qraw[k][1].y, qraw[k][1].z, qraw[k][1].w};
 #pragma unroll
             for (int i = 0; i < 8; i++)
-                x[i] = __uint_as_float(w[i]) * p.qscale;
+                xq[k][i] = __uint_as_float(w[i]) * p.qscale;
         }
+    }
+    /* 16-bit formats: qf[k] the A fragments of the two k-steps of group k, rounded (row r) and
+     * remainder (row 8 + r). q8: qf[k][0..3] one int8 k-step, the query row in steps of
+     * q_step = max |q| / 127 (row r) and the remainder in 254ths of a step (row 8 + r), about 15
+     * bits of the query; the keys' codes are used as stored and their groups' scales applied to
+     * the int32 sums (fewer instructions a block than turning every code into f16, and under the
+     * GPU's power cap fewer instructions are a higher clock). */
+    uint32_t qf[D / 32][FMT == FMT_Q8 ? 4 : 8];
+    float q_step = 0.0f;
+    if constexpr (FMT == FMT_Q8) {
+        float amax = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 4; i++)
-            split2<BF>(x[2 * i], x[2 * i + 1], qf[k][2 * i], qf[k][2 * i + 1]);
+        for (int k = 0; k < D / 32; k++)
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                amax = fmaxf(amax, fabsf(xq[k][i]));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        q_step = amax / 127.0f;
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        /* y + 1.5·2²³ rounds y to the integer whose two's complement the float's low byte then
+         * holds; the remainder in 254ths stays within ±127 */
+        const float M = 12582912.0f;
+#pragma unroll
+        for (int k = 0; k < D / 32; k++) {
+            uint32_t hb[8], lb[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float y = xq[k][i] * inv, t = __fadd_rn(y, M);
+                hb[i] = __float_as_uint(t);
+                lb[i] = __float_as_uint(__fmaf_rn(__fsub_rn(y, __fsub_rn(t, M)), 254.0f, M));
+            }
+            auto pack = [](const uint32_t *x) {
+                return __byte_perm(__byte_perm(x[0], x[1], 0x0040), __byte_perm(x[2], x[3], 0x0040),
+                                   0x5410);
+            };
+            qf[k][0] = pack(hb);
+            qf[k][1] = pack(lb);
+            qf[k][2] = pack(hb + 4);
+            qf[k][3] = pack(lb + 4);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < D / 32; k++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                split2<BF>(xq[k][2 * i], xq[k][2 * i + 1], qf[k][2 * i], qf[k][2 * i + 1]);
     }
 
     /* O accumulates transposed, Oᵀ += Vᵀ·Pᵀ: rows are dims (two per m-tile and thread), columns
@@ -635,18 +681,42 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     auto scores = [&](const uint8_t *ks, int valid, float s[2][2]) {
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            float ce[4] = {0.0f, 0.0f, 0.0f, 0.0f}, co[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float sum[2];
+            if constexpr (FMT == FMT_Q8) {
+                /* per group: the int32 sums of the query's steps (row r) and 254ths (row 8 + r),
+                 * times the scale of the group of each of tokens 2c, 2c + 1 */
+                sum[0] = sum[1] = 0.0f;
 #pragma unroll
-            for (int k = 0; k < D / 32; k++) {
-                uint32_t kb[4];
-                load_k<FMT, D>(ks + k_at[j], 8 * j + r, k, c, kb);
-                mma<BF>(ce, &qf[k][0], kb[0], kb[1]);
-                mma<BF>(co, &qf[k][4], kb[2], kb[3]);
+                for (int k = 0; k < D / 32; k++) {
+                    uint32_t w0, w1;
+                    load_k_codes(ks + k_at[j], k, c, w0, w1);
+                    int d[4];
+                    imma(d, qf[k], w0, w1);
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const float sk = __half2float(
+                            *reinterpret_cast<const __half *>(ks + v_at[2 * j + e] + 34 * k + 32));
+                        sum[e] += sk * ((float)d[e] + (float)d[2 + e] * (1.0f / 254.0f));
+                    }
+                }
+                sum[0] *= q_step;
+                sum[1] *= q_step;
+            } else {
+                float ce[4] = {0.0f, 0.0f, 0.0f, 0.0f}, co[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int k = 0; k < D / 32; k++) {
+                    uint32_t kb[4];
+                    load_k(ks + k_at[j], 8 * j + r, k, c, kb);
+                    mma<BF>(ce, &qf[k][0], kb[0], kb[1]);
+                    mma<BF>(co, &qf[k][4], kb[2], kb[3]);
+                }
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    sum[e] = (ce[e] + ce[2 + e]) + (co[e] + co[2 + e]);
             }
 #pragma unroll
             for (int e = 0; e < 2; e++)
-                s[j][e] = 8 * j + 2 * c + e < valid ? (ce[e] + ce[2 + e]) + (co[e] + co[2 + e])
-                                                    : -INFINITY;
+                s[j][e] = 8 * j + 2 * c + e < valid ? sum[e] : -INFINITY;
         }
     };
     for (int i = 0, cur = 0; i < nblk; i++, cur = cur == STAGES - 1 ? 0 : cur + 1) {
