@@ -684,7 +684,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
             float sum[2];
             if constexpr (FMT == FMT_Q8) {
                 /* per group: the int32 sums of the query's steps (row r) and 254ths (row 8 + r),
-                 * times the scale of the group of each of tokens 2c, 2c + 1 */
+                 * times the scale of the group of each of tokens 2c, 2c + 1 (v_at: where those
+                 * tokens' rows start, the same for keys as for values) */
                 sum[0] = sum[1] = 0.0f;
 #pragma unroll
                 for (int k = 0; k < D / 32; k++) {
