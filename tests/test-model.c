@@ -28,46 +28,6 @@
 #define PYCODER_N_PARAMS     5770496
 #define PYCODER_WEIGHT_BYTES 11540992
 
-/* ---- error capture -------------------------------------------------------------------------- */
-
-static int n_error_lines;
-
-static void count_errors(enum llmem_log_level level, const char *line, void *user) {
-    (void)line, (void)user;
-    if (level == LLMEM_LOG_ERROR)
-        n_error_lines++;
-}
-
-/* The call failed with `want`, logging one error line that contains `phrase`. */
-#define expect_failure(call, want, phrase) expect_failure_at(__LINE__, #call, (call), want, phrase)
-
-static void expect_failure_at(int line, const char *call, int status, int want,
-                              const char *phrase) {
-    const char *err = llmem_last_error();
-    if (status != want || strstr(err, phrase) == NULL || n_error_lines != 1) {
-        print_error("line %d: %s\n  status %s (want %s), %d error lines (want 1)\n"
-                    "  last error: %s\n  wanted phrase: %s\n",
-                    line, call, llmem_status_name(status), llmem_status_name(want), n_error_lines,
-                    err, phrase);
-        fail();
-    }
-    n_error_lines = 0;
-}
-
-static int setup(void **state) {
-    *state = tu_mkdtemp();
-    n_error_lines = 0;
-    llmem_log_set_callback(count_errors, NULL, LLMEM_LOG_ERROR);
-    return 0;
-}
-
-static int teardown(void **state) {
-    tu_rmtree(*state);
-    free(*state);
-    llmem_log_set_callback(NULL, NULL, LLMEM_LOG_ERROR);
-    return 0;
-}
-
 /* ---- writing test files --------------------------------------------------------------------- */
 
 /* dir/name: an 8-byte little-endian `length` (not necessarily the header's), the header text,
@@ -151,7 +111,7 @@ static struct llmem_model_geometry load_config_ok(const char *dir) {
                     llmem_last_error());
         fail();
     }
-    assert_int_equal(n_error_lines, 0);
+    assert_int_equal(tu_error_lines, 0);
     return g;
 }
 
@@ -231,7 +191,7 @@ static void test_dtypes(void **state) {
     }
     assert_string_equal(llmem_dtype_name(LLMEM_DTYPE_COUNT), "?");
     assert_int_equal(llmem_dtype_size(LLMEM_DTYPE_COUNT), 0);
-    assert_int_equal(n_error_lines, 0);
+    assert_int_equal(tu_error_lines, 0);
 }
 
 static void test_handmade_valid(void **state) {
@@ -261,7 +221,7 @@ static void test_handmade_valid(void **state) {
     llmem_safetensors_free(st);
     free(path);
     assert_int_equal(load_header(dir, "{}", 0), LLMEM_OK); /* no tensors is a valid file */
-    assert_int_equal(n_error_lines, 0);
+    assert_int_equal(tu_error_lines, 0);
 }
 
 /* ---- safetensors: hostile files ------------------------------------------------------------- */
@@ -270,17 +230,17 @@ static void test_hostile_prefix(void **state) {
     const char *dir = *state;
     struct llmem_safetensors *st = NULL;
 
-    expect_failure(llmem_safetensors_load("/nonexistent/x.safetensors", &st), LLMEM_ENOENT,
-                   "No such file");
+    tu_expect_failure(llmem_safetensors_load("/nonexistent/x.safetensors", &st), LLMEM_ENOENT,
+                      "No such file");
     free(tu_write_file(dir, "empty.safetensors", "", 0));
-    expect_failure(llmem_safetensors_load(dir, &st), LLMEM_EIO, "not a regular file");
+    tu_expect_failure(llmem_safetensors_load(dir, &st), LLMEM_EIO, "not a regular file");
 
     char path[4096];
     snprintf(path, sizeof(path), "%s/empty.safetensors", dir);
-    expect_failure(llmem_safetensors_load(path, &st), LLMEM_EFORMAT, "too short");
+    tu_expect_failure(llmem_safetensors_load(path, &st), LLMEM_EFORMAT, "too short");
     free(tu_write_file(dir, "five.safetensors", "\x10\0\0\0\0", 5));
     snprintf(path, sizeof(path), "%s/five.safetensors", dir);
-    expect_failure(llmem_safetensors_load(path, &st), LLMEM_EFORMAT, "truncated");
+    tu_expect_failure(llmem_safetensors_load(path, &st), LLMEM_EFORMAT, "truncated");
 
     const struct {
         uint64_t length;
@@ -296,7 +256,7 @@ static void test_hostile_prefix(void **state) {
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char *p = write_st_raw(dir, "len.safetensors", cases[i].length, "{\"a\": 1}", 100);
-        expect_failure(llmem_safetensors_load(p, &st), LLMEM_EFORMAT, cases[i].phrase);
+        tu_expect_failure(llmem_safetensors_load(p, &st), LLMEM_EFORMAT, cases[i].phrase);
         free(p);
     }
     assert_null(st);
@@ -394,16 +354,16 @@ static void test_hostile_headers(void **state) {
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         int status = load_header(dir, cases[i].header, cases[i].data_bytes);
         if (status != LLMEM_EFORMAT || strstr(llmem_last_error(), cases[i].phrase) == NULL ||
-            n_error_lines != 1) {
+            tu_error_lines != 1) {
             print_error("case %zu: %s\n  status %s, %d error lines, last error: %s\n"
                         "  wanted: %s\n",
-                        i, cases[i].header, llmem_status_name(status), n_error_lines,
+                        i, cases[i].header, llmem_status_name(status), tu_error_lines,
                         llmem_last_error(), cases[i].phrase);
             fail();
         }
         /* Every message names the file. */
         assert_non_null(strstr(llmem_last_error(), "t.safetensors"));
-        n_error_lines = 0;
+        tu_error_lines = 0;
     }
 }
 
@@ -453,30 +413,30 @@ static void test_sharded_valid(void **state) {
     assert_int_equal(g.weights_bytes, 13056 + 12800);
     assert_int_equal(g.n_params, 6400 + 64 + 6400);
     assert_int_equal(g.tied_embeddings, 0);
-    assert_int_equal(n_error_lines, 0);
+    assert_int_equal(tu_error_lines, 0);
 }
 
 static void test_sharded_hostile(void **state) {
     const char *dir = *state;
     struct llmem_safetensors *st = NULL;
 
-    expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_ENOENT,
-                   "no model.safetensors or model.safetensors.index.json in");
+    tu_expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_ENOENT,
+                      "no model.safetensors or model.safetensors.index.json in");
     char missing[4096];
     snprintf(missing, sizeof(missing), "%s/nope", dir);
-    expect_failure(llmem_safetensors_load_dir(missing, &st), LLMEM_ENOENT, "does not exist");
+    tu_expect_failure(llmem_safetensors_load_dir(missing, &st), LLMEM_ENOENT, "does not exist");
 
     /* A listed shard that is missing. */
     free(write_st(dir, "model-00001-of-00002.safetensors", shard1, 13056));
     free(tu_write_file(dir, "model.safetensors.index.json", index_json, -1));
-    expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_ENOENT,
-                   "shard 'model-00002-of-00002.safetensors' listed in the index is missing");
+    tu_expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_ENOENT,
+                      "shard 'model-00002-of-00002.safetensors' listed in the index is missing");
 
     /* A tensor of the index that its shard does not hold. */
     free(write_st(dir, "model-00002-of-00002.safetensors", "{}", 0));
-    expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_EFORMAT,
-                   "tensor 'lm_head.weight' listed in the index is missing from shard "
-                   "'model-00002-of-00002.safetensors'");
+    tu_expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_EFORMAT,
+                      "tensor 'lm_head.weight' listed in the index is missing from shard "
+                      "'model-00002-of-00002.safetensors'");
 
     /* A tensor stored in another shard than the index says. */
     free(write_st(dir, "model-00002-of-00002.safetensors", shard2, 12800));
@@ -485,19 +445,19 @@ static void test_sharded_hostile(void **state) {
                        "\"lm_head.weight\": \"model-00001-of-00002.safetensors\","
                        "\"model.norm.weight\": \"model-00002-of-00002.safetensors\"}}",
                        -1));
-    expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_EFORMAT,
-                   "is listed in shard 'model-00001-of-00002.safetensors' but stored in");
+    tu_expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_EFORMAT,
+                      "is listed in shard 'model-00001-of-00002.safetensors' but stored in");
 
     /* A tensor in two shards. */
     free(write_st(dir, "model-00002-of-00002.safetensors", shard1, 13056));
     free(tu_write_file(dir, "model.safetensors.index.json", index_json, -1));
-    expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_EFORMAT,
-                   "appears twice (duplicate name): in");
+    tu_expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_EFORMAT,
+                      "appears twice (duplicate name): in");
 
     /* A broken shard is reported with its own path. */
     free(write_st_raw(dir, "model-00002-of-00002.safetensors", 1 << 20, "{}", 0));
-    expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_EFORMAT,
-                   "model-00002-of-00002.safetensors: header length 1048576 runs past");
+    tu_expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_EFORMAT,
+                      "model-00002-of-00002.safetensors: header length 1048576 runs past");
 
     /* Malformed indexes. */
     const struct {
@@ -519,12 +479,12 @@ static void test_sharded_hostile(void **state) {
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         free(tu_write_file(dir, "model.safetensors.index.json", cases[i].index, -1));
-        expect_failure(llmem_safetensors_load_dir(dir, &st), cases[i].status, cases[i].phrase);
+        tu_expect_failure(llmem_safetensors_load_dir(dir, &st), cases[i].status, cases[i].phrase);
     }
 
     /* A single file wins over the index; an empty one has no tensors. */
     free(write_st(dir, "model.safetensors", "{}", 0));
-    expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_EFORMAT, "list no tensors");
+    tu_expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_EFORMAT, "list no tensors");
     assert_null(st);
 }
 
@@ -561,7 +521,7 @@ static void test_pycoder_geometry(void **state) {
     assert_int_equal(llmem_model_geometry_load(PYCODER_DIR "/", &h), LLMEM_OK);
     assert_string_equal(h.name, "pycoder");
     assert_int_equal(h.n_params, g.n_params);
-    assert_int_equal(n_error_lines, 0);
+    assert_int_equal(tu_error_lines, 0);
 }
 
 static void test_reference_configs(void **state) {
@@ -610,22 +570,22 @@ static void test_config_missing(void **state) {
     struct llmem_model_geometry g;
     char path[4096];
     snprintf(path, sizeof(path), "%s/no-such-model", dir);
-    expect_failure(llmem_model_geometry_load(path, &g), LLMEM_ENOENT, "model directory '");
-    expect_failure(llmem_model_geometry_load_config(path, &g), LLMEM_ENOENT, "does not exist");
+    tu_expect_failure(llmem_model_geometry_load(path, &g), LLMEM_ENOENT, "model directory '");
+    tu_expect_failure(llmem_model_geometry_load_config(path, &g), LLMEM_ENOENT, "does not exist");
     free(tu_write_file(dir, "file", "x", -1));
     snprintf(path, sizeof(path), "%s/file", dir);
-    expect_failure(llmem_model_geometry_load(path, &g), LLMEM_EINVAL, "not a directory");
+    tu_expect_failure(llmem_model_geometry_load(path, &g), LLMEM_EINVAL, "not a directory");
 
-    expect_failure(llmem_model_geometry_load(dir, &g), LLMEM_ENOENT, "no config.json in");
+    tu_expect_failure(llmem_model_geometry_load(dir, &g), LLMEM_ENOENT, "no config.json in");
     free(tu_write_file(dir, "config.json", "{\"hidden_size\": 64,", -1));
-    expect_failure(llmem_model_geometry_load(dir, &g), LLMEM_EFORMAT, "invalid JSON");
+    tu_expect_failure(llmem_model_geometry_load(dir, &g), LLMEM_EFORMAT, "invalid JSON");
     free(tu_write_file(dir, "config.json", "[64]", -1));
-    expect_failure(llmem_model_geometry_load(dir, &g), LLMEM_EFORMAT, "not a JSON object");
+    tu_expect_failure(llmem_model_geometry_load(dir, &g), LLMEM_EFORMAT, "not a JSON object");
 
     /* A valid config without weights. */
     write_config(dir, base_config, NULL);
-    expect_failure(llmem_model_geometry_load(dir, &g), LLMEM_ENOENT,
-                   "no model.safetensors or model.safetensors.index.json in");
+    tu_expect_failure(llmem_model_geometry_load(dir, &g), LLMEM_ENOENT,
+                      "no model.safetensors or model.safetensors.index.json in");
 }
 
 static void test_config_required_fields(void **state) {
@@ -638,13 +598,13 @@ static void test_config_required_fields(void **state) {
         char phrase[128];
         snprintf(phrase, sizeof(phrase), "config.json: missing '%s'", fields[i]);
         write_config(dir, base_config, fields[i], NULL, NULL);
-        expect_failure(llmem_model_geometry_load_config(dir, &g), LLMEM_EFORMAT, phrase);
+        tu_expect_failure(llmem_model_geometry_load_config(dir, &g), LLMEM_EFORMAT, phrase);
         write_config(dir, base_config, fields[i], "null", NULL);
-        expect_failure(llmem_model_geometry_load_config(dir, &g), LLMEM_EFORMAT, phrase);
+        tu_expect_failure(llmem_model_geometry_load_config(dir, &g), LLMEM_EFORMAT, phrase);
     }
     write_config(dir, base_config, "model_type", NULL, "architectures", NULL, NULL);
-    expect_failure(llmem_model_geometry_load_config(dir, &g), LLMEM_EFORMAT,
-                   "missing 'model_type'");
+    tu_expect_failure(llmem_model_geometry_load_config(dir, &g), LLMEM_EFORMAT,
+                      "missing 'model_type'");
 }
 
 static void test_config_bad_values(void **state) {
@@ -716,20 +676,20 @@ static void test_config_bad_values(void **state) {
         write_config(dir, base_config, cases[i].key, cases[i].value, NULL);
         int status = llmem_model_geometry_load_config(dir, &g);
         if (status != cases[i].status || strstr(llmem_last_error(), cases[i].phrase) == NULL ||
-            n_error_lines != 1) {
+            tu_error_lines != 1) {
             print_error("case %zu: %s = %s\n  status %s, %d error lines, last error: %s\n"
                         "  wanted: %s\n",
-                        i, cases[i].key, cases[i].value, llmem_status_name(status), n_error_lines,
+                        i, cases[i].key, cases[i].value, llmem_status_name(status), tu_error_lines,
                         llmem_last_error(), cases[i].phrase);
             fail();
         }
         assert_non_null(strstr(llmem_last_error(), "config.json"));
-        n_error_lines = 0;
+        tu_error_lines = 0;
     }
     write_config(dir, base_config, "num_attention_heads", "65536", "num_key_value_heads", "1",
                  "head_dim", "64", NULL);
-    expect_failure(llmem_model_geometry_load_config(dir, &g), LLMEM_EFORMAT,
-                   "num_attention_heads × head_dim = 65536 × 64 is more than 1048576");
+    tu_expect_failure(llmem_model_geometry_load_config(dir, &g), LLMEM_EFORMAT,
+                      "num_attention_heads × head_dim = 65536 × 64 is more than 1048576");
 }
 
 static void test_config_rope_spellings(void **state) {
@@ -796,8 +756,8 @@ static void test_config_families(void **state) {
     struct llmem_model_geometry bad;
     write_config(dir, base_config, "model_type", NULL, "architectures", "[\"GPT2LMHeadModel\"]",
                  NULL);
-    expect_failure(llmem_model_geometry_load_config(dir, &bad), LLMEM_EUNSUPPORTED,
-                   "architecture 'GPT2LMHeadModel' is not supported");
+    tu_expect_failure(llmem_model_geometry_load_config(dir, &bad), LLMEM_EUNSUPPORTED,
+                      "architecture 'GPT2LMHeadModel' is not supported");
 }
 
 static void test_config_text_config(void **state) {
@@ -834,8 +794,8 @@ static void test_config_text_config(void **state) {
              " \"vocab_size\": 100, \"max_position_embeddings\": 512}}");
     free(tu_write_file(dir, "config.json", wrapper, -1));
     struct llmem_model_geometry bad;
-    expect_failure(llmem_model_geometry_load_config(dir, &bad), LLMEM_EFORMAT,
-                   "config.json: missing 'text_config.hidden_size'");
+    tu_expect_failure(llmem_model_geometry_load_config(dir, &bad), LLMEM_EFORMAT,
+                      "config.json: missing 'text_config.hidden_size'");
 }
 
 static void test_config_sliding_window(void **state) {
@@ -893,7 +853,7 @@ static void test_geometry_name_source_tied(void **state) {
                   12800));
     struct llmem_model_geometry g;
     assert_int_equal(llmem_model_geometry_load(model, &g), LLMEM_OK);
-    assert_int_equal(n_error_lines, 0);
+    assert_int_equal(tu_error_lines, 0);
     assert_int_equal(g.tied_embeddings, 1);
     assert_int_equal(g.n_params, 6400);
     assert_int_equal(g.weights_bytes, 12800);
@@ -916,23 +876,24 @@ static void test_geometry_name_source_tied(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_pycoder_header, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_dtypes, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_handmade_valid, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_hostile_prefix, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_hostile_headers, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_sharded_valid, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_sharded_hostile, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_pycoder_geometry, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_reference_configs, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_config_missing, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_config_required_fields, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_config_bad_values, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_config_rope_spellings, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_config_families, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_config_text_config, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_config_sliding_window, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_geometry_name_source_tied, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_pycoder_header, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_dtypes, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_handmade_valid, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_hostile_prefix, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_hostile_headers, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_sharded_valid, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_sharded_hostile, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_pycoder_geometry, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_reference_configs, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_config_missing, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_config_required_fields, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_config_bad_values, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_config_rope_spellings, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_config_families, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_config_text_config, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_config_sliding_window, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_geometry_name_source_tied, tu_setup_dir,
+                                        tu_teardown_dir),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -63,21 +63,12 @@ static const char v1_mountinfo[] =
     "34 30 0:31 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
     "40 30 0:37 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n";
 
-/* Collects ERROR lines: the probe must never log one. */
-static int n_error_lines;
-static void count_errors(enum llmem_log_level level, const char *line, void *user) {
-    (void)line, (void)user;
-    if (level == LLMEM_LOG_ERROR)
-        n_error_lines++;
-}
-
 static struct llmem_device_info probe(const char *root) {
     struct llmem_device_info info;
-    n_error_lines = 0;
-    llmem_log_set_callback(count_errors, NULL, LLMEM_LOG_DEBUG);
+    tu_count_errors(LLMEM_LOG_DEBUG); /* every line through the callback; none an error */
     assert_int_equal(llmem_sys_probe_host_at(root, &info), LLMEM_OK);
-    llmem_log_set_callback(NULL, NULL, LLMEM_LOG_ERROR);
-    assert_int_equal(n_error_lines, 0);
+    tu_count_errors_stop();
+    assert_int_equal(tu_error_lines, 0);
     return info;
 }
 

@@ -45,46 +45,6 @@ static const char *const invertible[] = {
 };
 #define N_INVERTIBLE (sizeof(invertible) / sizeof(invertible[0]))
 
-/* ---- error capture -------------------------------------------------------------------------- */
-
-static int n_error_lines;
-
-static void count_errors(enum llmem_log_level level, const char *line, void *user) {
-    (void)line, (void)user;
-    if (level == LLMEM_LOG_ERROR)
-        n_error_lines++;
-}
-
-/* The call failed with `want`, logging one error line that contains `phrase`. */
-#define expect_failure(call, want, phrase) expect_failure_at(__LINE__, #call, (call), want, phrase)
-
-static void expect_failure_at(int line, const char *call, int status, int want,
-                              const char *phrase) {
-    const char *err = llmem_last_error();
-    if (status != want || strstr(err, phrase) == NULL || n_error_lines != 1) {
-        print_error("line %d: %s\n  status %s (want %s), %d error lines (want 1)\n"
-                    "  last error: %s\n  wanted phrase: %s\n",
-                    line, call, llmem_status_name(status), llmem_status_name(want), n_error_lines,
-                    err, phrase);
-        fail();
-    }
-    n_error_lines = 0;
-}
-
-static int setup(void **state) {
-    *state = tu_mkdtemp();
-    n_error_lines = 0;
-    llmem_log_set_callback(count_errors, NULL, LLMEM_LOG_ERROR);
-    return 0;
-}
-
-static int teardown(void **state) {
-    tu_rmtree(*state);
-    free(*state);
-    llmem_log_set_callback(NULL, NULL, LLMEM_LOG_ERROR);
-    return 0;
-}
-
 /* ---- helpers -------------------------------------------------------------------------------- */
 
 static struct llmem_tokenizer *load(const char *name) {
@@ -367,7 +327,7 @@ static void test_random_bytes(void **state) {
         free(ids);
     }
     assert_true(n_invalid > 0 && n_valid > 0);
-    n_error_lines = 0;
+    tu_error_lines = 0;
     llmem_tokenizer_free(tok);
     /* Random ids (byte tokens cut inside characters among them) on every reference tokenizer. */
     for (size_t t = 0; t < N_TOKENIZERS; t++) {
@@ -632,8 +592,8 @@ static void test_chat_templates(void **state) {
     expect_render(tok, t, with_system, 4, 1,
                   "<s>[INST] Be brief.\n\nHi [/INST]Hello</s>[INST] Bye [/INST]");
     expect_render(tok, t, conv, 2, 0, "<s>[INST] Hi there [/INST]Hello!</s>");
-    expect_failure(llmem_chat_render(tok, t, conv + 1, 2, 1, &(char *){NULL}), LLMEM_EINVAL,
-                   "alternate");
+    tu_expect_failure(llmem_chat_render(tok, t, conv + 1, 2, 1, &(char *){NULL}), LLMEM_EINVAL,
+                      "alternate");
     llmem_tokenizer_free(tok);
     free(sub);
 
@@ -692,11 +652,11 @@ static void test_chat_templates(void **state) {
     tok = load_dir(sub);
     assert_int_equal(llmem_tokenizer_chat_template(tok, &t), LLMEM_OK);
     assert_int_equal(t, LLMEM_CHAT_NONE);
-    expect_failure(llmem_chat_render(tok, LLMEM_CHAT_NONE, conv, 1, 1, &(char *){NULL}),
-                   LLMEM_EINVAL, "--chat-template");
+    tu_expect_failure(llmem_chat_render(tok, LLMEM_CHAT_NONE, conv, 1, 1, &(char *){NULL}),
+                      LLMEM_EINVAL, "--chat-template");
     const struct llmem_chat_message bad_role[] = {{"tool", "x"}};
-    expect_failure(llmem_chat_render(tok, LLMEM_CHAT_CHATML, bad_role, 1, 1, &(char *){NULL}),
-                   LLMEM_EINVAL, "role 'tool'");
+    tu_expect_failure(llmem_chat_render(tok, LLMEM_CHAT_CHATML, bad_role, 1, 1, &(char *){NULL}),
+                      LLMEM_EINVAL, "role 'tool'");
     /* An override renders ChatML without Qwen's default system message. */
     expect_render(tok, LLMEM_CHAT_CHATML, conv, 1, 0, "<|im_start|>user\nHi there<|im_end|>\n");
     llmem_tokenizer_free(tok);
@@ -706,8 +666,8 @@ static void test_chat_templates(void **state) {
                             "{\"chat_template\": \"{% for m in messages %}### {{ m.role }}: {{ "
                             "m.content }}{% endfor %}\"}");
     tok = load_dir(sub);
-    expect_failure(llmem_tokenizer_chat_template(tok, &t), LLMEM_EUNSUPPORTED,
-                   "unrecognized chat template");
+    tu_expect_failure(llmem_tokenizer_chat_template(tok, &t), LLMEM_EUNSUPPORTED,
+                      "unrecognized chat template");
     llmem_tokenizer_free(tok);
     free(sub);
 
@@ -718,7 +678,7 @@ static void test_chat_templates(void **state) {
         assert_int_equal(t, i);
     }
     assert_string_equal(llmem_chat_template_name(LLMEM_CHAT_NONE), "none");
-    expect_failure(llmem_chat_template_parse("vicuna", &t), LLMEM_EINVAL, "chatml");
+    tu_expect_failure(llmem_chat_template_parse("vicuna", &t), LLMEM_EINVAL, "chatml");
 }
 
 /* ---- errors --------------------------------------------------------------------------------- */
@@ -730,7 +690,7 @@ static void expect_load_failure(const char *dir, const char *name, const char *j
     assert_int_equal(mkdir(sub, 0755), 0);
     free(tu_write_file(sub, "tokenizer.json", json, -1));
     struct llmem_tokenizer *tok = (struct llmem_tokenizer *)&sub; /* must be reset to NULL */
-    expect_failure(llmem_tokenizer_load(sub, &tok), want, phrase);
+    tu_expect_failure(llmem_tokenizer_load(sub, &tok), want, phrase);
     assert_null(tok);
 }
 
@@ -743,7 +703,7 @@ static void test_load_errors(void **state) {
     struct llmem_tokenizer *tok = NULL;
     char missing[1024];
     snprintf(missing, sizeof(missing), "%s/nothing-here", dir);
-    expect_failure(llmem_tokenizer_load(missing, &tok), LLMEM_ENOENT, "tokenizer.json");
+    tu_expect_failure(llmem_tokenizer_load(missing, &tok), LLMEM_ENOENT, "tokenizer.json");
 
     expect_load_failure(dir, "malformed", "{\"model\": {", LLMEM_EFORMAT, "invalid JSON");
     expect_load_failure(dir, "no-model", "{\"version\": \"1.0\"}", LLMEM_EFORMAT,
@@ -844,14 +804,15 @@ static void test_load_errors(void **state) {
     free(joined);
 
     /* Bad input to encode and decode. */
-    expect_failure(llmem_tokenizer_encode(tok, "a\xC3(b", 4, &ids, &n), LLMEM_EINVAL,
-                   "not valid UTF-8");
+    tu_expect_failure(llmem_tokenizer_encode(tok, "a\xC3(b", 4, &ids, &n), LLMEM_EINVAL,
+                      "not valid UTF-8");
     assert_null(ids);
-    expect_failure(llmem_tokenizer_encode(tok, "\xED\xA0\x80", 3, &ids, &n), LLMEM_EINVAL,
-                   "not valid UTF-8");
+    tu_expect_failure(llmem_tokenizer_encode(tok, "\xED\xA0\x80", 3, &ids, &n), LLMEM_EINVAL,
+                      "not valid UTF-8");
     const int32_t bad_ids[] = {0, 5};
     char *text = NULL;
-    expect_failure(llmem_tokenizer_decode(tok, bad_ids, 2, 0, &text, NULL), LLMEM_EINVAL, "id 5");
+    tu_expect_failure(llmem_tokenizer_decode(tok, bad_ids, 2, 0, &text, NULL), LLMEM_EINVAL,
+                      "id 5");
     assert_null(text);
     llmem_tokenizer_free(tok);
     llmem_tokenizer_free(NULL);
@@ -960,14 +921,14 @@ static void test_encode_megabyte(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_reference_cases, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_round_trip_random, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_random_bytes, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_added_tokens, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_chat_templates, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_load_errors, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_nfc, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_encode_megabyte, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_reference_cases, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_round_trip_random, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_random_bytes, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_added_tokens, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_chat_templates, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_load_errors, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_nfc, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_encode_megabyte, tu_setup_dir, tu_teardown_dir),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -17,6 +17,48 @@
 
 #include "llmem/backend.h"
 
+int tu_error_lines;
+
+static void count_error(enum llmem_log_level level, const char *line, void *user) {
+    (void)line, (void)user;
+    if (level == LLMEM_LOG_ERROR)
+        tu_error_lines++;
+}
+
+void tu_count_errors(enum llmem_log_level level) {
+    tu_error_lines = 0;
+    llmem_log_set_callback(count_error, NULL, level);
+}
+
+void tu_count_errors_stop(void) {
+    llmem_log_set_callback(NULL, NULL, LLMEM_LOG_ERROR);
+}
+
+void tu_expect_failure_at(int line, const char *call, int status, int want, const char *phrase) {
+    const char *err = llmem_last_error();
+    if (status != want || strstr(err, phrase) == NULL || tu_error_lines != 1) {
+        print_error("line %d: %s\n  status %s (want %s), %d error lines (want 1)\n"
+                    "  last error: %s\n  wanted phrase: %s\n",
+                    line, call, llmem_status_name(status), llmem_status_name(want), tu_error_lines,
+                    err, phrase);
+        fail();
+    }
+    tu_error_lines = 0;
+}
+
+int tu_setup_dir(void **state) {
+    *state = tu_mkdtemp();
+    tu_count_errors(LLMEM_LOG_ERROR);
+    return 0;
+}
+
+int tu_teardown_dir(void **state) {
+    tu_rmtree(*state);
+    free(*state);
+    tu_count_errors_stop();
+    return 0;
+}
+
 char *tu_mkdtemp(void) {
     const char *tmp = getenv("TMPDIR");
     char buf[4096];

@@ -12,6 +12,22 @@
 
 #include <cmocka.h>
 
+#include "llmem/status.h"
+
+/* The library's ERROR lines, counted in tu_error_lines from tu_count_errors (its log callback,
+ * at `level`) until tu_count_errors_stop. */
+extern int tu_error_lines;
+void tu_count_errors(enum llmem_log_level level);
+void tu_count_errors_stop(void);
+/* The call failed with `want` and logged one error line, which contains `phrase` (so does
+ * llmem_last_error); the count starts again from 0. */
+#define tu_expect_failure(call, want, phrase)                                                      \
+    tu_expect_failure_at(__LINE__, #call, (call), want, phrase)
+void tu_expect_failure_at(int line, const char *call, int status, int want, const char *phrase);
+/* cmocka setup and teardown: a fresh directory (tu_mkdtemp) as the state, the errors counted. */
+int tu_setup_dir(void **state);
+int tu_teardown_dir(void **state);
+
 /* A fresh directory under $TMPDIR (or /tmp); removed with everything in it by tu_rmtree. */
 char *tu_mkdtemp(void);
 void tu_rmtree(const char *path);
