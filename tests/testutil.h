@@ -1,6 +1,7 @@
 /*
- * tests/testutil.h — shared helpers for the cmocka suites: temporary directories and files, and
- * running the built `llmem` binary with its stdout, stderr and exit status captured.
+ * tests/testutil.h — shared helpers for the cmocka suites: the library's error lines counted,
+ * temporary directories and files, and running the built `llmem` binary with its stdout, stderr
+ * and exit status captured.
  */
 #ifndef LLMEM_TESTUTIL_H
 #define LLMEM_TESTUTIL_H
