@@ -93,6 +93,7 @@ struct Params {
     const int32_t *tables;
     const int32_t *table_ids;
     int table_stride;
+    int table_len; /* entries of a table row that may be read: table_stride, or max_len's blocks */
     const int32_t *lengths;
     int fresh; /* llmem_cuda_attn's */
     float *out;
@@ -492,11 +493,21 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     const int b = slot_query(r);                /* this thread's query (rows r and 8 + r) */
     const int hq = kvh * p.group + r % p.group; /* and its head */
     const bool head = b >= 0;
+    const int t0 = split * p.split_len;
+    /* the first blocks' table entries, asked for together with the length rather than after it
+     * (entries past the sequence's blocks are read and dropped); in the loop, the entry of the
+     * block issued next is read a block ahead (its latency, an L1 hit at best, is not waited for
+     * before the copies) */
+    const int32_t *table = p.tables + (size_t)tab0 * p.table_stride + t0 / BLOCK;
+    const int readable = p.table_len - t0 / BLOCK;
+    int32_t first_blk[STAGES - 1];
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++)
+        first_blk[s] = s < readable ? table[s] : 0;
     const int len_r = head ? p.lengths[b] : 0;
     int len = len_r; /* the pack's longest */
     for (int o = 4; o < 32; o *= 2)
         len = max(len, __shfl_xor_sync(0xffffffffu, len, o));
-    const int t0 = split * p.split_len;
 
     if (t0 >= len) {
         asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -512,7 +523,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
 
     uint8_t *ring = COOP ? smem : smem + (size_t)warp * STAGES * G::STAGE;
     const uint32_t ring_s = smem_addr(ring);
-    const int32_t *table = p.tables + (size_t)tab0 * p.table_stride + t0 / BLOCK;
     const int tok_stride = p.n_kv * G::ROW;
     const size_t head_off = (size_t)kvh * G::ROW;
 
@@ -538,13 +548,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_kernel(const Params p
     for (int o = 4; o < 32; o *= 2)
         settled = min(settled, __shfl_xor_sync(0xffffffffu, settled, o));
     const int early = p.fresh > 0 ? min(max((settled - t0) / BLOCK, 0), STAGES - 1) : 0;
-    /* the first blocks' table entries, all asked for before the first is used; in the loop, the
-     * entry of the block issued next is read a block ahead (its latency, an L1 hit at best, is
-     * not waited for before the copies) */
-    int32_t first_blk[STAGES - 1];
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; s++)
-        first_blk[s] = s < nblk ? table[s] : 0;
     int32_t next_blk = STAGES - 1 < nblk ? table[STAGES - 1] : 0;
     /* the first STAGES − 1 blocks, those before `early` or the rest (unrolled: first_blk stays in
      * registers) */
@@ -1664,6 +1667,7 @@ extern "C" int llmem_cuda_attn_decode(const struct llmem_cuda_attn *a) {
     p.tables = a->block_tables;
     p.table_ids = a->table_ids;
     p.table_stride = a->table_stride;
+    p.table_len = a->table_stride > 0 ? a->table_stride : (a->max_len + BLOCK - 1) / BLOCK;
     p.lengths = a->lengths;
     p.fresh = a->fresh;
     p.out = a->out;
