@@ -594,6 +594,21 @@ TARGET_AVX512 static inline __m512 chunk_q8(const uint8_t *row, int i) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), bcast512_f16(p + 32));
 }
 
+/* The same as the chunks of the scores' steps: one (i a multiple of 16) or, for q8, the two of
+ * a group (i a multiple of 32), whose scale is then converted once. */
+TARGET_AVX512 static inline void chunks_f32(const uint8_t *row, int i, __m512 *v) {
+    v[0] = chunk_f32(row, i);
+}
+TARGET_AVX512 static inline void chunks_f16(const uint8_t *row, int i, __m512 *v) {
+    v[0] = chunk_f16(row, i);
+}
+TARGET_AVX512 static inline void chunks_bf16(const uint8_t *row, int i, __m512 *v) {
+    v[0] = chunk_bf16(row, i);
+}
+TARGET_AVX512 static inline void chunks_q8(const uint8_t *row, int i, __m512 *v) {
+    q8_group_avx512(row + (size_t)LLMEM_KV_Q8_GROUP_BYTES * (size_t)(i >> 5), v);
+}
+
 /* Four vectors (heads 0–3 of one token) summed into 4 lanes: per 128-bit lane, [h0, h1, h2, h3]
  * partial sums (the four lanes still to be added). */
 TARGET_AVX512 static inline __m512 sum4_lanes(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -639,12 +654,12 @@ static inline void pf_step(struct pf_spread *s) {
  * into a vector of 16 scores (lane G·t + g); then the softmax step (attn_softmax512).
  * Values: 64 elements at a time for the G heads (the old state rescaled as it is loaded), each
  * value chunk converted once for the G heads. */
-#define ATTN_SCORES512(name, CHUNK, G)                                                             \
+#define ATTN_SCORES512(name, CHUNKS, W, G)                                                         \
     TARGET_AVX512 static void name(const uint8_t *keys, size_t key_stride, int T, const float *q,  \
                                    int n, float *st, size_t hs, float *sc,                         \
                                    struct llmem_kv_prefetch pf) {                                  \
         enum { TOK = 16 / (G) };                                                                   \
-        struct pf_spread sp = pf_spread_init(pf, ((T + TOK - 1) / TOK) * (n / 16));                \
+        struct pf_spread sp = pf_spread_init(pf, ((T + TOK - 1) / TOK) * (n / (16 * (W))));        \
         for (int t0 = 0; t0 < T; t0 += TOK) {                                                      \
             const uint8_t *k[TOK];                                                                 \
             for (int u = 0; u < TOK; u++) /* past T: the last row again, masked below */           \
@@ -652,15 +667,18 @@ static inline void pf_step(struct pf_spread *s) {
             __m512 a[16]; /* a[u·G + g]: token u, head g */                                       \
             for (int x = 0; x < 16; x++)                                                           \
                 a[x] = _mm512_setzero_ps();                                                        \
-            for (int i = 0; i < n; i += 16) {                                                      \
+            for (int i = 0; i < n; i += 16 * (W)) {                                                \
                 pf_step(&sp);                                                                      \
-                __m512 x[G];                                                                       \
+                __m512 x[G][W];                                                                    \
                 for (int g = 0; g < (G); g++)                                                      \
-                    x[g] = _mm512_loadu_ps(q + (size_t)g * (size_t)n + i);                         \
+                    for (int w = 0; w < (W); w++)                                                  \
+                        x[g][w] = _mm512_loadu_ps(q + (size_t)g * (size_t)n + i + 16 * w);         \
                 for (int u = 0; u < TOK; u++) {                                                    \
-                    __m512 kc = CHUNK(k[u], i);                                                    \
-                    for (int g = 0; g < (G); g++)                                                  \
-                        a[u * (G) + g] = _mm512_fmadd_ps(kc, x[g], a[u * (G) + g]);                \
+                    __m512 kc[W];                                                                  \
+                    CHUNKS(k[u], i, kc);                                                           \
+                    for (int w = 0; w < (W); w++)                                                  \
+                        for (int g = 0; g < (G); g++)                                              \
+                            a[u * (G) + g] = _mm512_fmadd_ps(kc[w], x[g][w], a[u * (G) + g]);      \
                 }                                                                                  \
             }                                                                                      \
             _mm512_store_ps(sc + (G)*t0, sum16(sum4_lanes(a[0], a[1], a[2], a[3]),                 \
@@ -671,7 +689,7 @@ static inline void pf_step(struct pf_spread *s) {
         attn_softmax512(sc, T, st, hs, n, G);                                                      \
     }
 
-#define ATTN_VALUES512(name, CHUNK, G)                                                             \
+#define ATTN_VALUES512(name, CHUNKS, W, G)                                                             \
     TARGET_AVX512 static void name(const uint8_t *values, size_t value_stride, int T,              \
                                    const float *sc, int n, float *st, size_t hs,                   \
                                    struct llmem_kv_prefetch pf) {                                  \
@@ -690,14 +708,13 @@ static inline void pf_step(struct pf_spread *s) {
             const uint8_t *v = values;                                                             \
             for (int t = 0; t < T; t++, v += value_stride) {                                       \
                 pf_step(&sp);                                                                      \
-                __m512 v0 = CHUNK(v, i), v1 = CHUNK(v, i + 16);                                    \
-                __m512 v2 = CHUNK(v, i + 32), v3 = CHUNK(v, i + 48);                               \
+                __m512 vc[4];                                                                      \
+                for (int e = 0; e < 4; e += (W))                                                   \
+                    CHUNKS(v, i + 16 * e, vc + e);                                                 \
                 for (int g = 0; g < (G); g++) {                                                    \
                     __m512 wg = _mm512_set1_ps(w[(G)*t + g]);                                      \
-                    x[g][0] = _mm512_fmadd_ps(v0, wg, x[g][0]);                                    \
-                    x[g][1] = _mm512_fmadd_ps(v1, wg, x[g][1]);                                    \
-                    x[g][2] = _mm512_fmadd_ps(v2, wg, x[g][2]);                                    \
-                    x[g][3] = _mm512_fmadd_ps(v3, wg, x[g][3]);                                    \
+                    for (int e = 0; e < 4; e++)                                                    \
+                        x[g][e] = _mm512_fmadd_ps(vc[e], wg, x[g][e]);                             \
                 }                                                                                  \
             }                                                                                      \
             for (int g = 0; g < (G); g++)                                                          \
@@ -713,11 +730,13 @@ static inline void pf_step(struct pf_spread *s) {
             const uint8_t *v = values;                                                             \
             for (int t = 0; t < T; t++, v += value_stride) {                                       \
                 pf_step(&sp);                                                                      \
-                __m512 v0 = CHUNK(v, i), v1 = CHUNK(v, i + 16);                                    \
+                __m512 vc[2];                                                                      \
+                for (int e = 0; e < 2; e += (W))                                                   \
+                    CHUNKS(v, i + 16 * e, vc + e);                                                 \
                 for (int g = 0; g < (G); g++) {                                                    \
                     __m512 wg = _mm512_set1_ps(w[(G)*t + g]);                                      \
-                    x[g][0] = _mm512_fmadd_ps(v0, wg, x[g][0]);                                    \
-                    x[g][1] = _mm512_fmadd_ps(v1, wg, x[g][1]);                                    \
+                    x[g][0] = _mm512_fmadd_ps(vc[0], wg, x[g][0]);                                 \
+                    x[g][1] = _mm512_fmadd_ps(vc[1], wg, x[g][1]);                                 \
                 }                                                                                  \
             }                                                                                      \
             for (int g = 0; g < (G); g++)                                                          \
@@ -795,22 +814,22 @@ TARGET_AVX512 static inline void attn_softmax512(float *sc, int T, float *st, si
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
-ATTN_SCORES512(attn_scores_f32_avx512, chunk_f32, 4)
-ATTN_VALUES512(attn_values_f32_avx512, chunk_f32, 4)
-ATTN_SCORES512(attn_scores_f16_avx512, chunk_f16, 4)
-ATTN_VALUES512(attn_values_f16_avx512, chunk_f16, 4)
-ATTN_SCORES512(attn_scores_bf16_avx512, chunk_bf16, 4)
-ATTN_VALUES512(attn_values_bf16_avx512, chunk_bf16, 4)
-ATTN_SCORES512(attn_scores_q8_avx512, chunk_q8, 4)
-ATTN_VALUES512(attn_values_q8_avx512, chunk_q8, 4)
-ATTN_SCORES512(attn_scores2_f32_avx512, chunk_f32, 2)
-ATTN_VALUES512(attn_values2_f32_avx512, chunk_f32, 2)
-ATTN_SCORES512(attn_scores2_f16_avx512, chunk_f16, 2)
-ATTN_VALUES512(attn_values2_f16_avx512, chunk_f16, 2)
-ATTN_SCORES512(attn_scores2_bf16_avx512, chunk_bf16, 2)
-ATTN_VALUES512(attn_values2_bf16_avx512, chunk_bf16, 2)
-ATTN_SCORES512(attn_scores2_q8_avx512, chunk_q8, 2)
-ATTN_VALUES512(attn_values2_q8_avx512, chunk_q8, 2)
+ATTN_SCORES512(attn_scores_f32_avx512, chunks_f32, 1, 4)
+ATTN_VALUES512(attn_values_f32_avx512, chunks_f32, 1, 4)
+ATTN_SCORES512(attn_scores_f16_avx512, chunks_f16, 1, 4)
+ATTN_VALUES512(attn_values_f16_avx512, chunks_f16, 1, 4)
+ATTN_SCORES512(attn_scores_bf16_avx512, chunks_bf16, 1, 4)
+ATTN_VALUES512(attn_values_bf16_avx512, chunks_bf16, 1, 4)
+ATTN_SCORES512(attn_scores_q8_avx512, chunks_q8, 2, 4)
+ATTN_VALUES512(attn_values_q8_avx512, chunks_q8, 2, 4)
+ATTN_SCORES512(attn_scores2_f32_avx512, chunks_f32, 1, 2)
+ATTN_VALUES512(attn_values2_f32_avx512, chunks_f32, 1, 2)
+ATTN_SCORES512(attn_scores2_f16_avx512, chunks_f16, 1, 2)
+ATTN_VALUES512(attn_values2_f16_avx512, chunks_f16, 1, 2)
+ATTN_SCORES512(attn_scores2_bf16_avx512, chunks_bf16, 1, 2)
+ATTN_VALUES512(attn_values2_bf16_avx512, chunks_bf16, 1, 2)
+ATTN_SCORES512(attn_scores2_q8_avx512, chunks_q8, 2, 2)
+ATTN_VALUES512(attn_values2_q8_avx512, chunks_q8, 2, 2)
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
