@@ -689,7 +689,7 @@ static inline void pf_step(struct pf_spread *s) {
         attn_softmax512(sc, T, st, hs, n, G);                                                      \
     }
 
-#define ATTN_VALUES512(name, CHUNKS, W, G)                                                             \
+#define ATTN_VALUES512(name, CHUNKS, W, G)                                                         \
     TARGET_AVX512 static void name(const uint8_t *values, size_t value_stride, int T,              \
                                    const float *sc, int n, float *st, size_t hs,                   \
                                    struct llmem_kv_prefetch pf) {                                  \
