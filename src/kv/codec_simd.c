@@ -578,32 +578,17 @@ TARGET_AVX512 static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Elements [i, i + 16) of a stored row as f32, per format (i a multiple of 16). */
-TARGET_AVX512 static inline __m512 chunk_f32(const uint8_t *row, int i) {
-    return _mm512_loadu_ps((const void *)(row + 4 * (size_t)i));
-}
-TARGET_AVX512 static inline __m512 chunk_f16(const uint8_t *row, int i) {
-    return load16_f16(row + 2 * (size_t)i);
-}
-TARGET_AVX512 static inline __m512 chunk_bf16(const uint8_t *row, int i) {
-    return load16_bf16(row + 2 * (size_t)i);
-}
-TARGET_AVX512 static inline __m512 chunk_q8(const uint8_t *row, int i) {
-    const uint8_t *p = row + (size_t)LLMEM_KV_Q8_GROUP_BYTES * (size_t)(i >> 5);
-    __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(p + (i & 16)));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), bcast512_f16(p + 32));
-}
-
-/* The same as the chunks of the scores' steps: one (i a multiple of 16) or, for q8, the two of
- * a group (i a multiple of 32), whose scale is then converted once. */
+/* The elements of a stored row as f32 that a tile kernel's step takes, per format (W in
+ * ATTN_SCORES512): [i, i + 16) (i a multiple of 16), or for q8 the 32 of a group (i a multiple
+ * of 32), whose scale is then converted once for both halves. */
 TARGET_AVX512 static inline void chunks_f32(const uint8_t *row, int i, __m512 *v) {
-    v[0] = chunk_f32(row, i);
+    v[0] = _mm512_loadu_ps((const void *)(row + 4 * (size_t)i));
 }
 TARGET_AVX512 static inline void chunks_f16(const uint8_t *row, int i, __m512 *v) {
-    v[0] = chunk_f16(row, i);
+    v[0] = load16_f16(row + 2 * (size_t)i);
 }
 TARGET_AVX512 static inline void chunks_bf16(const uint8_t *row, int i, __m512 *v) {
-    v[0] = chunk_bf16(row, i);
+    v[0] = load16_bf16(row + 2 * (size_t)i);
 }
 TARGET_AVX512 static inline void chunks_q8(const uint8_t *row, int i, __m512 *v) {
     q8_group_avx512(row + (size_t)LLMEM_KV_Q8_GROUP_BYTES * (size_t)(i >> 5), v);
@@ -653,7 +638,8 @@ static inline void pf_step(struct pf_spread *s) {
  * converted once and each query chunk loaded once per 16/G tokens, then one transposing reduction
  * into a vector of 16 scores (lane G·t + g); then the softmax step (attn_softmax512).
  * Values: 64 elements at a time for the G heads (the old state rescaled as it is loaded), each
- * value chunk converted once for the G heads. */
+ * value chunk converted once for the G heads.
+ * CHUNKS converts W chunks of 16 elements a call (chunks_f16 and the like). */
 #define ATTN_SCORES512(name, CHUNKS, W, G)                                                         \
     TARGET_AVX512 static void name(const uint8_t *keys, size_t key_stride, int T, const float *q,  \
                                    int n, float *st, size_t hs, float *sc,                         \
