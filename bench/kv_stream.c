@@ -11,7 +11,9 @@
  * - sum, per head: the kernel's order, a head's 256 bytes of each of the 16 rows, head by head;
  * - kernel: the kernel in that order, no prefetch;
  * - kernel + prefetch: the next block prefetched an eighth per head, spread over the kernel's
- *   loops, as kv/attention.c does;
+ *   loops, as kv/attention.c does: an eighth of each 4 KiB page of its K and of its V;
+ * - kernel + prefetch, runs: the same amount, but each head's eighth of the block in one run
+ *   (K's half with the scores, V's with the values: a page or two at a time);
  * - kernel + touch: the block read through once in address order first, then the kernel;
  * - kernel, in cache: the kernel over 4 blocks again and again (its compute rate).
  */
@@ -32,11 +34,11 @@
 #define ROW    (NKV * HD * 2)          /* bytes of one token's K (or V), all heads */
 #define BLOCK  ((size_t)TOK * ROW * 2) /* K and V of one block */
 #define BYTES  ((size_t)512 << 20)
-#define NMODES 6
+#define NMODES 7
 
-static const char *const names[NMODES] = {"sum, sequential", "sum, per head",
-                                          "kernel",          "kernel + prefetch",
-                                          "kernel + touch",  "kernel, in cache"};
+static const char *const names[NMODES] = {
+    "sum, sequential",  "sum, per head",          "kernel", "kernel + prefetch", "kernel + touch",
+    "kernel, in cache", "kernel + prefetch, runs"};
 static uint8_t *buf;
 static int n_threads = 1, mode;
 static double secs[64];
@@ -73,7 +75,7 @@ static void *worker(void *arg) {
     int cur = 0;
     const uint8_t *held_v = NULL;
     float *held_st = NULL;
-    struct llmem_kv_prefetch held_pf = {NULL, 0};
+    struct llmem_kv_prefetch held_pf = {NULL, 0, 0, 0};
     const int reps = mode == 5 ? 256 : 1;
     const size_t n = mode == 5 ? 4 : blocks;
     double t = now();
@@ -96,10 +98,18 @@ static void *worker(void *arg) {
                 }
                 /* as kv/attention.c: half the prefetch with the scores, half with the values,
                  * and the values of each call after the scores of the next */
-                struct llmem_kv_prefetch pfk = {NULL, 0}, pfv = {NULL, 0};
+                struct llmem_kv_prefetch pfk = {NULL, 0, 0, 0}, pfv = {NULL, 0, 0, 0};
                 if (mode == 3 && next != NULL) {
-                    pfk.at = next + (size_t)h * (BLOCK / NKV), pfk.bytes = BLOCK / NKV / 2;
-                    pfv.at = pfk.at + pfk.bytes, pfv.bytes = pfk.bytes;
+                    const size_t slice = LLMEM_KV_PF_PAGE / NKV;
+                    pfk = (struct llmem_kv_prefetch){next, BLOCK / 2, (size_t)h * slice, slice};
+                    pfv = pfk;
+                    pfv.at += BLOCK / 2;
+                }
+                if (mode == 6 && next != NULL) {
+                    pfk = (struct llmem_kv_prefetch){next + (size_t)h * (BLOCK / NKV),
+                                                     BLOCK / NKV / 2, 0, BLOCK / NKV / 2};
+                    pfv = pfk;
+                    pfv.at += pfk.bytes;
                 }
                 float *sh = st + h * 4 * (HD + 2);
                 tile->scores(k + h * HD * 2, ROW, TOK, q + h * 4 * HD, HD, sh, HD + 2, sc[cur],
@@ -150,8 +160,8 @@ int main(int argc, char **argv) {
             }
             double bytes = mode == 5 ? 256.0 * 4 * BLOCK * n_threads
                                      : (double)(BYTES / BLOCK / n_threads * BLOCK * n_threads);
-            printf("  %-18s %6.1f%s", names[mode], bytes / slowest * 1e-9,
-                   mode % 3 == 2 ? "\n" : "");
+            printf("  %-23s %6.1f%s", names[mode], bytes / slowest * 1e-9,
+                   mode % 3 == 2 || mode == NMODES - 1 ? "\n" : "");
         }
         printf("\n");
     }

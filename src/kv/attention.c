@@ -72,17 +72,23 @@ static void visible(const struct attn_job *j, int64_t i, int64_t *lo, int64_t *h
     *lo = j->window > 0 && *hi - j->window + 1 > 0 ? *hi - j->window + 1 : 0;
 }
 
-/* The bytes of slice i (of `slice` bytes, a multiple of 64) of `total` bytes. */
-static inline size_t slice_bytes(int i, size_t slice, size_t total) {
-    size_t from = (size_t)i * slice;
-    return from >= total ? 0 : total - from < slice ? total - from : slice;
+/* Share i of n of the `total` bytes at base to prefetch: the same slice of each of their pages,
+ * whole lines, the n slices together covering every page once (struct llmem_kv_prefetch). */
+static struct llmem_kv_prefetch pf_share(const uint8_t *base, size_t total, int i, int n) {
+    const size_t slice = ((LLMEM_KV_PF_PAGE + (size_t)n - 1) / (size_t)n + 63) & ~(size_t)63;
+    struct llmem_kv_prefetch pf = {base, total, (size_t)i * slice, slice};
+    if (base == NULL || pf.off >= LLMEM_KV_PF_PAGE)
+        pf.len = 0;
+    else if (pf.off + slice > LLMEM_KV_PF_PAGE)
+        pf.len = LLMEM_KV_PF_PAGE - pf.off;
+    return pf;
 }
 
-/* Prefetches slice i (of `slice` bytes, a multiple of 64) of the `total` bytes at base. */
-static inline void prefetch_slice(const uint8_t *base, int i, size_t slice, size_t total) {
-    const uint8_t *p = base + (size_t)i * slice;
-    for (size_t x = 0; x < slice_bytes(i, slice, total); x += 64)
-        __builtin_prefetch(p + x, 0, 3);
+/* All of a share's lines at once (the routes without tile kernels). */
+static void prefetch_share(struct llmem_kv_prefetch pf) {
+    for (size_t page = 0; pf.len > 0 && page + pf.off < pf.bytes; page += LLMEM_KV_PF_PAGE)
+        for (size_t x = page + pf.off; x < page + pf.off + pf.len && x < pf.bytes; x += 64)
+            __builtin_prefetch(pf.at + x, 0, 3);
 }
 
 /* The online-softmax state over [lo, hi] (within one partition) of the query heads of KV heads
@@ -110,7 +116,7 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
         int T;
         float *st;
         struct llmem_kv_prefetch pf;
-    } held = {NULL, NULL, 0, NULL, {NULL, 0}};
+    } held = {NULL, NULL, 0, NULL, {NULL, 0, 0, 0}};
     float sc[2][LLMEM_KV_TILE_SC] __attribute__((aligned(64)));
     int cur = 0;
     for (int h = kv0 * group; h < kv1 * group; h++) {
@@ -134,10 +140,10 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
             int T = run - t0 < TILE ? (int)(run - t0) : TILE;
             const uint8_t *ktile = kp + (size_t)t0 * kv->k_tok,
                           *vtile = vp + (size_t)t0 * kv->v_tok;
-            /* The next tile's K and V bytes, prefetched an eighth (1 / n_kv) per KV head while
-             * this tile is computed (by the tile kernels, spread over their loops): a tile reads
-             * its rows with a stride of a token, which the hardware prefetchers do not follow far
-             * enough ahead. */
+            /* The next tile's K and V bytes, prefetched a share (1 / n_kv of each page) per KV
+             * head while this tile is computed (by the tile kernels, spread over their loops): a
+             * tile reads its rows with a stride of a token, which the hardware prefetchers do not
+             * follow far enough ahead. */
             const uint8_t *pk = NULL, *pv = NULL;
             int64_t pT = 0;
             if (t0 + TILE < run) {
@@ -147,24 +153,18 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
                 pk = nkp, pv = nvp, pT = nrun;
             }
             pT = pT < TILE ? pT : TILE;
-            size_t pk_slice = ((size_t)pT * kv->k_tok / (size_t)n_kv + 63) & ~(size_t)63;
-            size_t pv_slice = ((size_t)pT * kv->v_tok / (size_t)n_kv + 63) & ~(size_t)63;
+            const size_t pk_bytes = (size_t)pT * kv->k_tok, pv_bytes = (size_t)pT * kv->v_tok;
             if (tiled) {
                 for (int kvh = kv0; kvh < kv1; kvh++) {
-                    struct llmem_kv_prefetch pfk = {pk, 0}, pfv = {pv, 0};
-                    if (pT > 0) {
-                        pfk.bytes = slice_bytes(kvh, pk_slice, (size_t)pT * kv->k_tok);
-                        pfv.bytes = slice_bytes(kvh, pv_slice, (size_t)pT * kv->v_tok);
-                        pfk.at += (size_t)kvh * pk_slice;
-                        pfv.at += (size_t)kvh * pv_slice;
-                    }
+                    struct llmem_kv_prefetch pfk = pf_share(pk, pk_bytes, kvh, n_kv),
+                                             pfv = pf_share(pv, pv_bytes, kvh, n_kv);
                     const uint8_t *kh = ktile + (size_t)kvh * c->key_bytes,
                                   *vh = vtile + (size_t)kvh * c->value_bytes;
                     const size_t h0 = (size_t)kvh * (size_t)group;
                     for (int g = 0; g < group;
                          g += 4) { /* the first call of the group prefetches */
                         const struct llmem_kv_attn_tile *fn = g < g4 ? t4 : t2;
-                        struct llmem_kv_prefetch none = {NULL, 0};
+                        struct llmem_kv_prefetch none = {NULL, 0, 0, 0};
                         float *sg = st + (h0 + (size_t)g) * hs;
                         fn->scores(kh, kv->k_tok, T, q + (h0 + (size_t)g) * (size_t)hd, hd, sg, hs,
                                    sc[cur], g == 0 ? pfk : none);
@@ -180,10 +180,8 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
             }
             for (int kvh = kv0; kvh < kv1; kvh++) {
                 float s[TILE][64], w[64 * TILE];
-                if (pT > 0) {
-                    prefetch_slice(pk, kvh, pk_slice, (size_t)pT * kv->k_tok);
-                    prefetch_slice(pv, kvh, pv_slice, (size_t)pT * kv->v_tok);
-                }
+                prefetch_share(pf_share(pk, pk_bytes, kvh, n_kv));
+                prefetch_share(pf_share(pv, pv_bytes, kvh, n_kv));
                 float *sg = st + (size_t)kvh * (size_t)group * hs;
                 const float *qg = q + (size_t)kvh * (size_t)group * (size_t)hd;
                 for (int t = 0; t < T; t++)

@@ -37,13 +37,18 @@ enum llmem_kv_isa {
  * address. dot[f] reads a row in f's key layout, axpy[f] a row in f's value layout (they differ
  * for tq only). (optional) entries are NULL: the caller decodes the row to f32 and uses the f32
  * kernel; f32, f16 and bf16 are always present. */
-/* The bytes a tile kernel prefetches while it computes (its share of the next tile's K or V),
- * empty when bytes is 0. Spread over the kernel's loops, a few lines per step, the prefetches keep
- * memory busy under the arithmetic; issued all at once before the tile, they queue behind each
- * other and stall the tile's own loads. */
+/* The bytes a tile kernel prefetches while it computes: its share of the next tile's K or V, the
+ * same slice [off, off + len) of each LLMEM_KV_PF_PAGE bytes of the `bytes` at `at` (nothing when
+ * len is 0). Spread over the kernel's loops, a few lines per step, the prefetches keep memory busy
+ * under the arithmetic; issued all at once before the tile, they queue behind each other and stall
+ * the tile's own loads. A slice of every page rather than whole pages one after another: each call
+ * then starts the hardware stream prefetchers on all the tile's pages, which fetch the rest of
+ * them side by side through the core's many L2 miss slots (a software prefetch holds one of the
+ * few L1 ones for the whole trip). */
+#define LLMEM_KV_PF_PAGE 4096
 struct llmem_kv_prefetch {
     const uint8_t *at;
-    size_t bytes;
+    size_t bytes, off, len;
 };
 
 /* One tile of decode attention (n = head_dim): the T ≤ LLMEM_KV_TILE tokens of one KV head for

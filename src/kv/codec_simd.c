@@ -614,22 +614,36 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
 }
 
 /* The prefetches of a tile kernel (struct llmem_kv_prefetch): `quota` lines per step of its
- * loops, enough for all of them in `steps` steps. */
+ * loops, enough for all of them in `steps` steps; x is the next line's offset, page the start of
+ * its page's slice. */
 struct pf_spread {
-    const uint8_t *p, *end;
+    struct llmem_kv_prefetch pf;
+    size_t page, x;
     int quota;
 };
 
 static inline struct pf_spread pf_spread_init(struct llmem_kv_prefetch pf, int steps) {
-    struct pf_spread s = {pf.at, pf.at + pf.bytes, 0};
-    if (pf.bytes > 0 && steps > 0)
-        s.quota = (int)(((pf.bytes + 63) / 64 + (size_t)steps - 1) / (size_t)steps);
+    struct pf_spread s = {pf, 0, pf.off, 0};
+    if (pf.len > 0 && pf.off < pf.bytes && steps > 0) {
+        size_t pages = (pf.bytes - pf.off + LLMEM_KV_PF_PAGE - 1) / LLMEM_KV_PF_PAGE;
+        size_t lines = pages * ((pf.len + 63) / 64);
+        s.quota = (int)((lines + (size_t)steps - 1) / (size_t)steps);
+    }
     return s;
 }
 
 static inline void pf_step(struct pf_spread *s) {
-    for (int r = 0; r < s->quota && s->p < s->end; r++, s->p += 64)
-        __builtin_prefetch(s->p, 0, 3);
+    for (int r = 0; r < s->quota; r++, s->x += 64) {
+        if (s->x >= s->page + s->pf.off + s->pf.len) { /* the next page's slice */
+            s->page += LLMEM_KV_PF_PAGE;
+            s->x = s->page + s->pf.off;
+        }
+        if (s->x >= s->pf.bytes) {
+            s->quota = 0;
+            return;
+        }
+        __builtin_prefetch(s->pf.at + s->x, 0, 3);
+    }
 }
 
 /* A tile of T ≤ 16 tokens of one KV head for G = 4 or 2 query heads, in two calls (see
