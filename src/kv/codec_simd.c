@@ -660,6 +660,7 @@ static inline void pf_step(struct pf_spread *s) {
                                    struct llmem_kv_prefetch pf) {                                  \
         enum { TOK = 16 / (G) };                                                                   \
         struct pf_spread sp = pf_spread_init(pf, ((T + TOK - 1) / TOK) * (n / (16 * (W))));        \
+        __m512 sv[4]; /* the scores, lane G·t + g of vector t / TOK */                            \
         for (int t0 = 0; t0 < T; t0 += TOK) {                                                      \
             const uint8_t *k[TOK];                                                                 \
             for (int u = 0; u < TOK; u++) /* past T: the last row again, masked below */           \
@@ -681,12 +682,11 @@ static inline void pf_step(struct pf_spread *s) {
                             a[u * (G) + g] = _mm512_fmadd_ps(kc[w], x[g][w], a[u * (G) + g]);      \
                 }                                                                                  \
             }                                                                                      \
-            _mm512_store_ps(sc + (G)*t0, sum16(sum4_lanes(a[0], a[1], a[2], a[3]),                 \
-                                               sum4_lanes(a[4], a[5], a[6], a[7]),                 \
-                                               sum4_lanes(a[8], a[9], a[10], a[11]),               \
-                                               sum4_lanes(a[12], a[13], a[14], a[15])));           \
+            sv[t0 / TOK] = sum16(                                                                  \
+                sum4_lanes(a[0], a[1], a[2], a[3]), sum4_lanes(a[4], a[5], a[6], a[7]),            \
+                sum4_lanes(a[8], a[9], a[10], a[11]), sum4_lanes(a[12], a[13], a[14], a[15]));     \
         }                                                                                          \
-        attn_softmax512(sc, T, st, hs, n, G);                                                      \
+        attn_softmax512(sv, sc, T, st, hs, n, G);                                                  \
     }
 
 #define ATTN_VALUES512(name, CHUNKS, W, G)                                                         \
@@ -745,13 +745,15 @@ static inline void pf_step(struct pf_spread *s) {
         }                                                                                          \
     }
 
-/* The softmax step of a tile for G = 4 or 2 heads: sc[G·t + g] holds the scores (t < T);
- * afterwards sc[0..G) hold the heads' rescale factors e^(m − m') and sc[4 + G·t + g] the weights
+/* The softmax step of a tile for G = 4 or 2 heads: lane G·t + g of sv[0..4), counted across the
+ * vectors, holds the score of token t (t < T) and head g (the scores stay in registers: a masked
+ * load of a vector just stored would wait for the store to reach the cache); afterwards sc[0..G)
+ * hold the heads' rescale factors e^(m − m') and sc[4 + G·t + g] the weights
  * e^(s − m') (0 past T), and each head's m and l (st + g·hs + n, + n + 1) are updated:
  * l' = l·e^(m − m') + Σ weights. Lane l of a vector belongs to head l mod G, so the reductions
  * keep lanes of one head together: across the 128-bit quarters, and for G = 2 within them. */
-TARGET_AVX512 static inline void attn_softmax512(float *sc, int T, float *st, size_t hs, int n,
-                                                 int G) {
+TARGET_AVX512 static inline void attn_softmax512(const __m512 *sv, float *sc, int T, float *st,
+                                                 size_t hs, int n, int G) {
     const int per = 16 / G; /* tokens per vector */
     const int vecs = (T + per - 1) / per;
     __m512 s[4];
@@ -760,7 +762,7 @@ TARGET_AVX512 static inline void attn_softmax512(float *sc, int T, float *st, si
         __mmask16 valid = (__mmask16)(left >= per ? 0xffffu
                                       : left <= 0 ? 0u
                                                   : (1u << (G * left)) - 1);
-        s[j] = j < vecs ? _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), valid, sc + 16 * j)
+        s[j] = j < vecs ? _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sv[j])
                         : _mm512_set1_ps(-INFINITY);
     }
     __m512 mx = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
@@ -808,7 +810,7 @@ TARGET_AVX512 static inline void attn_softmax512(float *sc, int T, float *st, si
     }
 }
 
-/* The scores the softmax loads (vectors j < ⌈T / (16 / G)⌉) were all stored by the key loop, T ≥ 1;
+/* The scores the softmax takes (vectors j < ⌈T / (16 / G)⌉) were all set by the key loop, T ≥ 1;
  * gcc 12 does not see it through the prefetch steps. */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
