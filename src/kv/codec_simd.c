@@ -613,37 +613,41 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
                          _mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* The prefetches of a tile kernel (struct llmem_kv_prefetch): `quota` lines per step of its
- * loops, enough for all of them in `steps` steps; x is the next line's offset, page the start of
- * its page's slice. */
+/* The prefetches of a tile kernel (struct llmem_kv_prefetch): `quota` lines a step of its loops,
+ * enough for all of them in `steps` steps (unless there are fewer steps than pages) and a divisor
+ * of a slice's lines, so that a step's lines lie in one slice: the kernels' loops are short of
+ * registers, and the walk takes few. p is
+ * the next line, stop the end of its slice, skip the gap to the next page's slice (addresses as
+ * integers: the walk steps past the end of the bytes before it stops). */
 struct pf_spread {
-    struct llmem_kv_prefetch pf;
-    size_t page, x;
+    uintptr_t p, stop, end, skip;
     int quota;
 };
 
 static inline struct pf_spread pf_spread_init(struct llmem_kv_prefetch pf, int steps) {
-    struct pf_spread s = {pf, 0, pf.off, 0};
+    struct pf_spread s = {0, 0, 0, 0, 0};
     if (pf.len > 0 && pf.off < pf.bytes && steps > 0) {
-        size_t pages = (pf.bytes - pf.off + LLMEM_KV_PF_PAGE - 1) / LLMEM_KV_PF_PAGE;
-        size_t lines = pages * ((pf.len + 63) / 64);
-        s.quota = (int)((lines + (size_t)steps - 1) / (size_t)steps);
+        const size_t slice = (pf.len + 63) / 64; /* lines */
+        const size_t pages = (pf.bytes - pf.off + LLMEM_KV_PF_PAGE - 1) / LLMEM_KV_PF_PAGE;
+        size_t quota = (pages * slice + (size_t)steps - 1) / (size_t)steps;
+        if (quota > slice) /* fewer steps than pages (a short tile): some pages are left out */
+            quota = slice;
+        while (slice % quota != 0)
+            quota++;
+        const uintptr_t at = (uintptr_t)pf.at;
+        s = (struct pf_spread){at + pf.off, at + pf.off + 64 * slice, at + pf.bytes,
+                               LLMEM_KV_PF_PAGE - 64 * slice, (int)quota};
     }
     return s;
 }
 
 static inline void pf_step(struct pf_spread *s) {
-    for (int r = 0; r < s->quota; r++, s->x += 64) {
-        if (s->x >= s->page + s->pf.off + s->pf.len) { /* the next page's slice */
-            s->page += LLMEM_KV_PF_PAGE;
-            s->x = s->page + s->pf.off;
-        }
-        if (s->x >= s->pf.bytes) {
-            s->quota = 0;
-            return;
-        }
-        __builtin_prefetch(s->pf.at + s->x, 0, 3);
+    if (s->p == s->stop) { /* the next page's slice */
+        s->p += s->skip;
+        s->stop += LLMEM_KV_PF_PAGE;
     }
+    for (int r = 0; r < s->quota && s->p < s->end; r++, s->p += 64)
+        __builtin_prefetch((const void *)s->p, 0, 3);
 }
 
 /* A tile of T ≤ 16 tokens of one KV head for G = 4 or 2 query heads, in two calls (see
