@@ -759,8 +759,9 @@ static inline void pf_step(struct pf_spread *s) {
  * vectors, holds the score of token t (t < T) and head g (kept in registers, not stored and loaded
  * back with a mask: 2 % off a bf16 tile in cache); afterwards sc[0..G) hold the heads' rescale
  * factors e^(m − m') and sc[4 + G·t + g] the weights e^(s − m') (0 past T), and each head's m and
- * l (st + g·hs + n, + n + 1) are updated: l' = l·e^(m − m') + Σ weights. Lane l of a vector belongs to head l mod G, so the reductions
- * keep lanes of one head together: across the 128-bit quarters, and for G = 2 within them. */
+ * l (st + g·hs + n, + n + 1) are updated: l' = l·e^(m − m') + Σ weights. Lane l of a vector belongs
+ * to head l mod G, so the reductions keep lanes of one head together: across the 128-bit quarters,
+ * and for G = 2 within them. */
 TARGET_AVX512 static inline void attn_softmax512(const __m512 *sv, float *sc, int T, float *st,
                                                  size_t hs, int n, int G) {
     const int per = 16 / G; /* tokens per vector */
