@@ -318,23 +318,29 @@ static void test_direct_split_same_bits(void **state) {
     }
 }
 
-/* The tile kernels (AVX-512, groups of four and of two query heads, f32/f16/bf16/q8)
- * against the float64 reference and against the per-token kernels of a lower instruction set on the
- * same queries: tails of tiles (37 tokens, queries at 33..36), sliding windows that start inside a
- * tile, GQA 2 (the kernel of two), 4, 6 (one call of four and one of two per KV head) and 8 (two
- * calls of four), head_dim 96 (not a multiple of 64), and direct against partitioned over several
+/* The tile kernels (AVX2 and AVX-512, groups of four and of two query heads, every format)
+ * against the float64 reference and against the portable per-token kernels on the same queries:
+ * tails of tiles (37 tokens, queries at 33..36), sliding windows that start inside a tile, GQA 2
+ * (the kernel of two), 4, 6 (one call of four and one of two per KV head) and 8 (two calls of
+ * four), head_dim 96 (not a multiple of 64), and direct against partitioned over several
  * partitions. */
 static void test_fused_tile_kernel(void **state) {
     (void)state;
-    static const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_F32, LLMEM_KV_FORMAT_F16,
-                                                   LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_Q8};
-    static const double tol[] = {1e-5, 1e-5, 1e-2, 1e-2};
+    static const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_F32,  LLMEM_KV_FORMAT_F16,
+                                                   LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_Q8,
+                                                   LLMEM_KV_FORMAT_Q4,   LLMEM_KV_FORMAT_TQ};
+    /* against the float64 reference of the unrounded data (0: quantized, not asserted here) */
+    static const double tol[] = {1e-5, 1e-5, 1e-2, 0, 0, 0};
     static const int groups[] = {2, 4, 6, 8};
     enum llmem_kv_isa best = llmem_kv_isa_best();
-    for (int f = 0; f < 4; f++) {
+    for (int f = 0; f < 6; f++) {
         for (int layout = 0; layout < 2; layout++) {
             for (int gi = 0; gi < 4; gi++) {
-                const int hd = gi % 2 == 1 && layout == 1 ? 96 : 128, kvh = 2;
+                /* q4's and tq's rotations need a power of two */
+                const int rotated =
+                    formats[f] == LLMEM_KV_FORMAT_Q4 || formats[f] == LLMEM_KV_FORMAT_TQ;
+                const int hd = gi % 2 == 1 && layout == 1 && !rotated ? 96 : 128;
+                const int kvh = 2;
                 const int n_heads = kvh * groups[gi];
                 struct llmem_kv *kv =
                     make_kv((enum llmem_kv_layout)layout, formats[f], 1, kvh, hd, NULL);
@@ -347,24 +353,29 @@ static void test_fused_tile_kernel(void **state) {
                     size_t n = (size_t)4 * (size_t)n_heads * (size_t)hd;
                     float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
                     uint64_t saved = rng;
-                    llmem_kv_codec_set_isa(best);
-                    double e = attend_error(kv, seq, &d, 0, 33, 4, n_heads, windows[w],
-                                            LLMEM_KV_ROUTE_DIRECT, a);
-                    if (formats[f] != LLMEM_KV_FORMAT_Q8)
-                        assert_true(e <= tol[f]);
-                    rng = saved;
-                    llmem_kv_codec_set_isa(best > LLMEM_KV_ISA_AVX2 ? LLMEM_KV_ISA_AVX2 : best);
+                    llmem_kv_codec_set_isa(LLMEM_KV_ISA_SCALAR);
                     attend_error(kv, seq, &d, 0, 33, 4, n_heads, windows[w], LLMEM_KV_ROUTE_DIRECT,
                                  b);
-                    llmem_kv_codec_set_isa(best);
-                    for (size_t r = 0; r < n; r += (size_t)hd) {
-                        double num = 0, den = 0;
-                        for (int x = 0; x < hd; x++) {
-                            num += (double)(a[r + x] - b[r + x]) * (a[r + x] - b[r + x]);
-                            den += (double)b[r + x] * b[r + x];
+                    for (int isa = LLMEM_KV_ISA_AVX2; isa <= (int)best; isa++) {
+                        rng = saved;
+                        llmem_kv_codec_set_isa((enum llmem_kv_isa)isa);
+                        double e = attend_error(kv, seq, &d, 0, 33, 4, n_heads, windows[w],
+                                                LLMEM_KV_ROUTE_DIRECT, a);
+                        if (tol[f] > 0)
+                            assert_true(e <= tol[f]);
+                        for (size_t r = 0; r < n; r += (size_t)hd) {
+                            double num = 0, den = 0;
+                            for (int x = 0; x < hd; x++) {
+                                num += (double)(a[r + x] - b[r + x]) * (a[r + x] - b[r + x]);
+                                den += (double)b[r + x] * b[r + x];
+                            }
+                            if (!(sqrt(num / den) <= 1e-5))
+                                fail_msg("isa %d format %d group %d window %lld: %.3g", isa,
+                                         (int)formats[f], groups[gi], (long long)windows[w],
+                                         sqrt(num / den));
                         }
-                        assert_true(sqrt(num / den) <= 1e-5);
                     }
+                    llmem_kv_codec_set_isa(best);
                     free(a), free(b);
                 }
                 /* several partitions: direct and partitioned, the same arithmetic */
@@ -374,7 +385,7 @@ static void test_fused_tile_kernel(void **state) {
                 uint64_t saved = rng;
                 double e =
                     attend_error(kv, seq, &d, 0, 1131, 2, n_heads, 0, LLMEM_KV_ROUTE_DIRECT, a);
-                if (formats[f] != LLMEM_KV_FORMAT_Q8)
+                if (tol[f] > 0)
                     assert_true(e <= tol[f]);
                 rng = saved;
                 attend_error(kv, seq, &d, 0, 1131, 2, n_heads, 0, LLMEM_KV_ROUTE_PARTITIONED, b);

@@ -50,6 +50,7 @@
 #include "cli/cli.h"
 #include "core/json.h"
 #include "core/pool.h"
+#include "kv/codec_internal.h"
 #include "llmem/kv.h"
 #include "llmem/mem.h"
 #include "llmem/sys.h"
@@ -241,16 +242,13 @@ static void fma_task(void *arg, int task, int thread) {
     j->sink = fma_chains1();
 }
 
-/* f32 multiply-adds per second of all threads together, one value per pass; returns the lanes
- * of the vectors used. */
+/* f32 multiply-adds per second of all threads together, one value per pass, with the vectors
+ * of the attention kernels' instruction set; returns their lanes. */
 static int fma_rate(struct llmem_pool *pool, int passes, double *rate) {
     struct fma_job j = {.lanes = 1};
 #if BENCH_X86
-    uint32_t f = llmem_sys_isa_features();
-    if (f & LLMEM_ISA_AVX512F)
-        j.lanes = 16;
-    else if ((f & (LLMEM_ISA_AVX | LLMEM_ISA_FMA)) == (LLMEM_ISA_AVX | LLMEM_ISA_FMA))
-        j.lanes = 8;
+    enum llmem_kv_isa isa = llmem_kv_kernels()->isa;
+    j.lanes = isa == LLMEM_KV_ISA_AVX512 ? 16 : isa == LLMEM_KV_ISA_AVX2 ? 8 : 1;
 #endif
     int threads = llmem_pool_threads(pool);
     for (int p = 0; p < passes; p++) {
@@ -573,7 +571,8 @@ static int print_json(const struct results *res, const struct bench *b, int quic
     st |= machine == NULL || llmem_json_add_string(machine, "cpu", res->host.name) ||
           llmem_json_add_int(machine, "n_cpus", res->host.n_cpus) ||
           llmem_json_add_int(root, "threads", b->threads) ||
-          llmem_json_add_int(root, "reps", b->reps) || llmem_json_add_bool(root, "quick", quick);
+          llmem_json_add_int(root, "reps", b->reps) || llmem_json_add_bool(root, "quick", quick) ||
+          llmem_json_add_string(root, "kernels", llmem_kv_kernels()->name);
     cJSON *shape = st ? NULL : cJSON_AddObjectToObject(root, "shape");
     st |= shape == NULL || llmem_json_add_int(shape, "n_heads", N_HEADS) ||
           llmem_json_add_int(shape, "n_kv_heads", N_KV_HEADS) ||
@@ -648,10 +647,10 @@ static int print_json(const struct results *res, const struct bench *b, int quic
 }
 
 static void print_table(const struct results *res, const struct bench *b) {
-    printf("llmem bench kv: %s, %d CPUs, %d thread%s; %d query heads, %d KV heads, head_dim %d,"
-           " one layer; median of %lld runs\n",
-           res->host.name, res->host.n_cpus, b->threads, b->threads == 1 ? "" : "s", N_HEADS,
-           N_KV_HEADS, HEAD_DIM, (long long)b->reps);
+    printf("llmem bench kv: %s, %d CPUs, %d thread%s, %s kernels; %d query heads, %d KV heads,"
+           " head_dim %d, one layer; median of %lld runs\n",
+           res->host.name, res->host.n_cpus, b->threads, b->threads == 1 ? "" : "s",
+           llmem_kv_kernels()->name, N_HEADS, N_KV_HEADS, HEAD_DIM, (long long)b->reps);
     printf("memory bandwidth (%lld MiB buffer, %d thread%s): read %.1f GB/s, copy %.1f GB/s"
            " (bytes read + written)\n",
            (long long)(res->bw_bytes >> 20), b->threads, b->threads == 1 ? "" : "s", res->read_gbps,
@@ -715,7 +714,7 @@ static void print_table(const struct results *res, const struct bench *b) {
 static const char bench_kv_usage[] =
     "usage: llmem bench kv [--quick] [--reps N] [--threads N] [--json]\n"
     "                      [--ctx N] [--batch N] [--kv-layout L,..] [--kv-format F,..]\n"
-    "                      [--bw-size SIZE] [--route R]\n"
+    "                      [--bw-size SIZE] [--route R] [--isa I]\n"
     "\n"
     "Decode attention over the KV caches (32 query heads, 8 KV heads, head_dim 128, one layer)\n"
     "for every layout (paged, contiguous, blocks, ragged) and format (f16, bf16, f32, q8, q4,\n"
@@ -747,7 +746,9 @@ static const char bench_kv_usage[] =
     "  --kv-format F,..  (or --formats) only these formats; accuracy follows\n"
     "  --bw-size SIZE the bandwidth buffer (default 512M, quick 256M)\n"
     "  --route R      attention route: auto (default: the library's choice), direct,\n"
-    "                 partitioned or fallback\n";
+    "                 partitioned or fallback\n"
+    "  --isa I        the attention kernels' instruction set: best (default), avx512, avx2 or\n"
+    "                 scalar (portable C); the compute probe uses its vectors\n";
 
 static int parse_layout(const char *name, int *out) {
     enum llmem_kv_layout l;
@@ -805,6 +806,7 @@ int cli_bench_kv(int argc, char **argv) {
         {"formats", required_argument, NULL, 'F'},
         {"bw-size", required_argument, NULL, 'w'},
         {"route", required_argument, NULL, 'R'},
+        {"isa", required_argument, NULL, 'I'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -863,6 +865,20 @@ int cli_bench_kv(int argc, char **argv) {
                                        " fallback",
                                        optarg);
             route = (enum llmem_kv_route)r;
+            break;
+        }
+        case 'I': {
+            static const char *const isas[] = {"scalar", "avx2", "avx512", "best"};
+            int i = 0;
+            while (i < 4 && strcmp(optarg, isas[i]) != 0)
+                i++;
+            if (i == 4)
+                return cli_usage_error(
+                    "bench kv", "--isa: '%s' is not one of best, avx512, avx2, scalar", optarg);
+            enum llmem_kv_isa want = i == 3 ? llmem_kv_isa_best() : (enum llmem_kv_isa)i;
+            if (llmem_kv_codec_set_isa(want) != want)
+                return cli_usage_error("bench kv", "--isa: this CPU has no %s kernels (best: %s)",
+                                       optarg, isas[llmem_kv_isa_best()]);
             break;
         }
         case 'h': fputs(bench_kv_usage, stdout); return CLI_OK;

@@ -14,12 +14,12 @@
  * storage order, and each KV head's row serves its whole GQA group. Keys are read in their stored
  * domain: a rotated format gets the query rotated once, and values are accumulated rotated with one
  * inverse rotation at the end. The routes differ only by float rounding.
- * Where the kernels have one (AVX-512; f32, f16, bf16, q8; groups of 2k heads), a tile of 16 tokens
- * of one KV head is two calls for four (or two) query heads: scores with the softmax, then values
- * (attn_tile in kv/codec_internal.h), and the values of each call wait until the scores of the
- * next have been issued; otherwise scores come from dot_group per token and values from axpy_tile.
- * The next tile's bytes are prefetched while a tile is computed (direct: across its partitions'
- * boundaries too).
+ * Where the kernels have one (AVX2 and AVX-512, every format; groups of 2k heads), a tile of 16
+ * tokens of one KV head is two calls for four (or two) query heads: scores with the softmax, then
+ * values (attn_tile in kv/codec_internal.h), and the values of each call wait until the scores of
+ * the next have been issued; otherwise scores come from dot_group per token and values from
+ * axpy_tile. The next tile's bytes are prefetched while a tile is computed (direct: across its
+ * partitions' boundaries too).
  */
 #include <math.h>
 #include <stdbool.h>

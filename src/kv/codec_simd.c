@@ -96,6 +96,51 @@ static const struct llmem_kv_kernels kernels_scalar = {
 };
 
 #if KV_X86
+/* ---- the prefetches of the tile kernels (both instruction sets) ------------------------------ */
+
+/* The prefetches of a tile kernel (struct llmem_kv_prefetch): `quota` lines a step of its loops,
+ * enough for all of them in `steps` steps (unless there are fewer steps than pages) and a divisor
+ * of a slice's lines, so that a step's lines lie in one slice. The kernels' loops are short of
+ * registers and of branch slots, so the walk is kept to two tests a step (in cache it costs a
+ * tile about 6 %; a test a line, twice that): p is the next line, stop the end of its slice,
+ * skip the gap to the next page's slice (addresses as integers: the walk steps past the end of
+ * the bytes before it stops). */
+struct pf_spread {
+    uintptr_t p, stop, end, skip;
+    int quota;
+};
+
+static inline struct pf_spread pf_spread_init(struct llmem_kv_prefetch pf, int steps) {
+    struct pf_spread s = {0, UINTPTR_MAX, 0, 0, 0}; /* nothing: p never reaches stop or end */
+    if (pf.len > 0 && pf.off < pf.bytes && steps > 0) {
+        const size_t slice = (pf.len + 63) / 64; /* lines */
+        const size_t pages = (pf.bytes - pf.off + LLMEM_KV_PF_PAGE - 1) / LLMEM_KV_PF_PAGE;
+        size_t quota = (pages * slice + (size_t)steps - 1) / (size_t)steps;
+        if (quota > slice) /* fewer steps than pages (a short tile): some pages are left out */
+            quota = slice;
+        while (slice % quota != 0)
+            quota++;
+        const uintptr_t at = (uintptr_t)pf.at;
+        s = (struct pf_spread){at + pf.off, at + pf.off + 64 * slice, at + pf.bytes,
+                               LLMEM_KV_PF_PAGE - 64 * slice, (int)quota};
+    }
+    return s;
+}
+
+static inline void pf_step(struct pf_spread *s) {
+    if (s->p == s->stop) { /* the next page's slice */
+        s->p += s->skip;
+        s->stop += LLMEM_KV_PF_PAGE;
+    }
+    if (s->p < s->end) { /* two lines unconditionally (one more than a quota of 1 asks) */
+        __builtin_prefetch((const void *)s->p, 0, 3);
+        __builtin_prefetch((const void *)(s->p + 64), 0, 3);
+        for (int r = 2; r < s->quota; r++)
+            __builtin_prefetch((const void *)(s->p + 64 * (uintptr_t)r), 0, 3);
+        s->p += 64 * (uintptr_t)s->quota;
+    }
+}
+
 /* ---- AVX2 + FMA + F16C ----------------------------------------------------------------------- */
 
 #define TARGET_AVX2 __attribute__((target("avx,avx2,fma,f16c")))
@@ -267,6 +312,247 @@ QUANT_AXPY_AVX2(q8, q8_group_avx2, LLMEM_KV_Q8_GROUP_BYTES)
 QUANT_AXPY_AVX2(q4, q4_group_avx2, LLMEM_KV_Q4_GROUP_BYTES)
 QUANT_AXPY_AVX2(tqv, tqv_group_avx2, LLMEM_KV_TQV_GROUP_BYTES)
 
+/* ---- AVX2: one tile of decode attention for a group of four (or two) query heads ------------ */
+
+/* The AVX-512 tile kernels' arithmetic (see there) on 8 lanes. */
+
+/* e^x in f32 for x ≤ 0: exp512's reduction and polynomial, 2^n from its exponent bits; below
+ * −87.3 (where 2^n would be subnormal) the result is 0, −∞ included. */
+TARGET_AVX2 static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* The elements [i, i + 8·W) of a stored row as f32 (W in ATTN_SCORES256): one vector of 8 for
+ * f32, f16 and bf16; half a group of 32 (i a multiple of 16) for the quantized layouts, their
+ * arithmetic that of the group decoders above. */
+TARGET_AVX2 static inline void chunks8_f32(const uint8_t *row, int i, __m256 *v) {
+    v[0] = _mm256_loadu_ps((const void *)(row + 4 * (size_t)i));
+}
+TARGET_AVX2 static inline void chunks8_f16(const uint8_t *row, int i, __m256 *v) {
+    v[0] = load8_f16(row + 2 * (size_t)i);
+}
+TARGET_AVX2 static inline void chunks8_bf16(const uint8_t *row, int i, __m256 *v) {
+    v[0] = load8_bf16(row + 2 * (size_t)i);
+}
+TARGET_AVX2 static inline void chunks8_q8(const uint8_t *row, int i, __m256 *v) {
+    const uint8_t *p = row + (size_t)LLMEM_KV_Q8_GROUP_BYTES * (size_t)(i >> 5);
+    __m256 s = bcast_f16(p + 32);
+    for (int j = 0; j < 2; j++) {
+        __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)(p + (i & 16) + 8 * j));
+        v[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s);
+    }
+}
+TARGET_AVX2 static inline void chunks8_q4(const uint8_t *row, int i, __m256 *v) {
+    const uint8_t *p = row + (size_t)LLMEM_KV_Q4_GROUP_BYTES * (size_t)(i >> 5);
+    __m256 s = bcast_f16(p + 16), m = bcast_f16(p + 18);
+    __m128i b = _mm_loadu_si128((const __m128i *)(const void *)p);
+    if (i & 16) /* elements 16–31: the high nibbles */
+        b = _mm_srli_epi16(b, 4);
+    b = _mm_and_si128(b, _mm_set1_epi8(0x0f));
+    v[0] = _mm256_fmadd_ps(u8x8_to_ps(b), s, m);
+    v[1] = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(b, 8)), s, m);
+}
+TARGET_AVX2 static inline void chunks8_tqk(const uint8_t *row, int i, __m256 *v) {
+    const uint8_t *p = row + (size_t)LLMEM_KV_TQK_GROUP_BYTES * (size_t)(i >> 5);
+    __m256 s = bcast_f16(p + 32), m = bcast_f16(p + 34);
+    for (int j = 0; j < 2; j++) {
+        __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)(p + (i & 16) + 8 * j));
+        v[j] = _mm256_fmadd_ps(u8x8_to_ps(c), s, m);
+    }
+}
+TARGET_AVX2 static inline void chunks8_tqv(const uint8_t *row, int i, __m256 *v) {
+    const uint8_t *p = row + (size_t)LLMEM_KV_TQV_GROUP_BYTES * (size_t)(i >> 5);
+    __m256 s = bcast_f16(p + 12);
+    __m256 book = _mm256_loadu_ps(llmem_kv_tq_centroids);
+    __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+    for (int j = 0; j < 2; j++) {
+        const uint8_t *b = p + 3 * (((i & 16) >> 3) + j);
+        int bits = b[0] | (b[1] << 8) | (b[2] << 16);
+        __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts),
+                                       _mm256_set1_epi32(7));
+        v[j] = _mm256_mul_ps(_mm256_permutevar8x32_ps(book, idx), s);
+    }
+}
+
+/* Four vectors summed into 4 lanes per 128-bit half (sum4_lanes on 8 lanes), and two such
+ * results into one: lane 4·u + x = Σ of a[4·u + x] (u = 0, 1). */
+TARGET_AVX2 static inline __m256 sum4_lanes256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 t01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+    __m256 t23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+    return _mm256_add_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+TARGET_AVX2 static inline __m256 sum8(const __m256 *a) {
+    __m256 s0 = sum4_lanes256(a[0], a[1], a[2], a[3]), s1 = sum4_lanes256(a[4], a[5], a[6], a[7]);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20),
+                         _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+/* attn_softmax512 on 8 lanes: lane G·t + g of sv[0..2G) (8 / G tokens a vector). */
+TARGET_AVX2 static inline void attn_softmax256(const __m256 *sv, float *sc, int T, float *st,
+                                               size_t hs, int n, int G) {
+    const int per = 8 / G, nv = 2 * G; /* tokens per vector; vectors of a whole tile */
+    const int vecs = (T + per - 1) / per;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 s[8], mx = _mm256_set1_ps(-INFINITY);
+    for (int j = 0; j < nv; j++) {
+        int left = T - per * j; /* tokens of this vector */
+        __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(G * left), lane));
+        s[j] = j < vecs ? _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv[j], valid)
+                        : _mm256_set1_ps(-INFINITY);
+        mx = _mm256_max_ps(mx, s[j]);
+    }
+    /* lanes 0..3: heads 0..3, or 0, 1, 0, 1 */
+    __m128 m_old =
+        _mm_setr_ps(st[n], st[hs + n], st[(size_t)(2 % G) * hs + n], st[(size_t)(3 % G) * hs + n]);
+    __m128 l_old = _mm_setr_ps(st[n + 1], st[hs + n + 1], st[(size_t)(2 % G) * hs + n + 1],
+                               st[(size_t)(3 % G) * hs + n + 1]);
+    __m256 top = _mm256_set_m128(m_old, m_old);
+    const bool stays =
+        _mm_movemask_ps(_mm_cmp_ps(m_old, _mm_set1_ps(-INFINITY), _CMP_GT_OQ)) == 0xf &&
+        _mm256_movemask_ps(_mm256_cmp_ps(mx, top, _CMP_GT_OQ)) == 0;
+    __m128 m_new = m_old, corr = _mm_set1_ps(1.0f);
+    if (!stays) {
+        mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));
+        if (G == 2)
+            mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
+        m_new = _mm_max_ps(m_old, _mm256_castps256_ps128(mx));
+        top = _mm256_set_m128(m_new, m_new);
+        corr = _mm256_castps256_ps128(
+            exp256(_mm256_set_m128(_mm_setzero_ps(), _mm_sub_ps(m_old, m_new))));
+    }
+    __m256 sum = _mm256_setzero_ps();
+    for (int j = 0; j < vecs; j++) {
+        __m256 w = exp256(_mm256_sub_ps(s[j], top)); /* −∞ past T: 0 */
+        _mm256_storeu_ps(sc + 4 + 8 * j, w);
+        sum = _mm256_add_ps(sum, w);
+    }
+    sum = _mm256_add_ps(sum, _mm256_permute2f128_ps(sum, sum, 0x01));
+    if (G == 2)
+        sum = _mm256_add_ps(sum, _mm256_shuffle_ps(sum, sum, _MM_SHUFFLE(1, 0, 3, 2)));
+    __m128 l_new = _mm_add_ps(_mm_mul_ps(l_old, corr), _mm256_castps256_ps128(sum));
+    float mv[4], lv[4];
+    _mm_storeu_ps(mv, m_new);
+    _mm_storeu_ps(lv, l_new);
+    _mm_storeu_ps(sc, corr);
+    for (int g = 0; g < G; g++) {
+        st[(size_t)g * hs + (size_t)n] = mv[g];
+        st[(size_t)g * hs + (size_t)n + 1] = lv[g];
+    }
+}
+
+/* ATTN_SCORES512 and ATTN_VALUES512 on 8 lanes, with AVX2's sixteen registers: scores take 8 / G
+ * tokens at a time (eight accumulators; the query chunks are loaded as the FMAs' operands), values
+ * 16 elements at a time for the G heads. CHUNKS converts W chunks of 8 elements a call. */
+#define ATTN_SCORES256(name, CHUNKS, W, G)                                                         \
+    TARGET_AVX2 static void name(const uint8_t *keys, size_t key_stride, int T, const float *q,    \
+                                 int n, float *st, size_t hs, float *sc,                           \
+                                 struct llmem_kv_prefetch pf) {                                    \
+        enum { TOK = 8 / (G) };                                                                    \
+        struct pf_spread sp = pf_spread_init(pf, ((T + TOK - 1) / TOK) * (n / (8 * (W))));         \
+        __m256 sv[8]; /* the scores, lane G·t + g of vector t / TOK */                            \
+        for (int t0 = 0; t0 < T; t0 += TOK) {                                                      \
+            const uint8_t *k[TOK];                                                                 \
+            for (int u = 0; u < TOK; u++) /* past T: the last row again, masked below */           \
+                k[u] = keys + (size_t)(t0 + u < T ? t0 + u : T - 1) * key_stride;                  \
+            __m256 a[8]; /* a[u·G + g]: token u, head g */                                        \
+            for (int x = 0; x < 8; x++)                                                            \
+                a[x] = _mm256_setzero_ps();                                                        \
+            for (int i = 0; i < n; i += 8 * (W)) {                                                 \
+                pf_step(&sp);                                                                      \
+                for (int u = 0; u < TOK; u++) {                                                    \
+                    __m256 kc[W];                                                                  \
+                    CHUNKS(k[u], i, kc);                                                           \
+                    for (int w = 0; w < (W); w++)                                                  \
+                        for (int g = 0; g < (G); g++)                                              \
+                            a[u * (G) + g] = _mm256_fmadd_ps(                                      \
+                                kc[w], _mm256_loadu_ps(q + (size_t)g * (size_t)n + i + 8 * w),     \
+                                a[u * (G) + g]);                                                   \
+                }                                                                                  \
+            }                                                                                      \
+            sv[t0 / TOK] = sum8(a);                                                                \
+        }                                                                                          \
+        attn_softmax256(sv, sc, T, st, hs, n, G);                                                  \
+    }
+
+#define ATTN_VALUES256(name, CHUNKS, W, G)                                                         \
+    TARGET_AVX2 static void name(const uint8_t *values, size_t value_stride, int T,                \
+                                 const float *sc, int n, float *st, size_t hs,                     \
+                                 struct llmem_kv_prefetch pf) {                                    \
+        struct pf_spread sp = pf_spread_init(pf, T * (n / 16));                                    \
+        const float *w = sc + 4;                                                                   \
+        for (int i = 0; i < n; i += 16) {                                                          \
+            __m256 x[G][2];                                                                        \
+            for (int g = 0; g < (G); g++)                                                          \
+                for (int e = 0; e < 2; e++)                                                        \
+                    x[g][e] = _mm256_mul_ps(_mm256_loadu_ps(st + (size_t)g * hs + i + 8 * e),      \
+                                            _mm256_set1_ps(sc[g]));                                \
+            const uint8_t *v = values;                                                             \
+            for (int t = 0; t < T; t++, v += value_stride) {                                       \
+                pf_step(&sp);                                                                      \
+                __m256 vc[2];                                                                      \
+                for (int e = 0; e < 2; e += (W))                                                   \
+                    CHUNKS(v, i + 8 * e, vc + e);                                                  \
+                for (int g = 0; g < (G); g++) {                                                    \
+                    __m256 wg = _mm256_set1_ps(w[(G)*t + g]);                                      \
+                    x[g][0] = _mm256_fmadd_ps(vc[0], wg, x[g][0]);                                 \
+                    x[g][1] = _mm256_fmadd_ps(vc[1], wg, x[g][1]);                                 \
+                }                                                                                  \
+            }                                                                                      \
+            for (int g = 0; g < (G); g++)                                                          \
+                for (int e = 0; e < 2; e++)                                                        \
+                    _mm256_storeu_ps(st + (size_t)g * hs + i + 8 * e, x[g][e]);                    \
+        }                                                                                          \
+    }
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+ATTN_SCORES256(attn_scores_f32_avx2, chunks8_f32, 1, 4)
+ATTN_VALUES256(attn_values_f32_avx2, chunks8_f32, 1, 4)
+ATTN_SCORES256(attn_scores_f16_avx2, chunks8_f16, 1, 4)
+ATTN_VALUES256(attn_values_f16_avx2, chunks8_f16, 1, 4)
+ATTN_SCORES256(attn_scores_bf16_avx2, chunks8_bf16, 1, 4)
+ATTN_VALUES256(attn_values_bf16_avx2, chunks8_bf16, 1, 4)
+ATTN_SCORES256(attn_scores_q8_avx2, chunks8_q8, 2, 4)
+ATTN_VALUES256(attn_values_q8_avx2, chunks8_q8, 2, 4)
+ATTN_SCORES256(attn_scores_q4_avx2, chunks8_q4, 2, 4)
+ATTN_VALUES256(attn_values_q4_avx2, chunks8_q4, 2, 4)
+ATTN_SCORES256(attn_scores_tq_avx2, chunks8_tqk, 2, 4)
+ATTN_VALUES256(attn_values_tq_avx2, chunks8_tqv, 2, 4)
+ATTN_SCORES256(attn_scores2_f32_avx2, chunks8_f32, 1, 2)
+ATTN_VALUES256(attn_values2_f32_avx2, chunks8_f32, 1, 2)
+ATTN_SCORES256(attn_scores2_f16_avx2, chunks8_f16, 1, 2)
+ATTN_VALUES256(attn_values2_f16_avx2, chunks8_f16, 1, 2)
+ATTN_SCORES256(attn_scores2_bf16_avx2, chunks8_bf16, 1, 2)
+ATTN_VALUES256(attn_values2_bf16_avx2, chunks8_bf16, 1, 2)
+ATTN_SCORES256(attn_scores2_q8_avx2, chunks8_q8, 2, 2)
+ATTN_VALUES256(attn_values2_q8_avx2, chunks8_q8, 2, 2)
+ATTN_SCORES256(attn_scores2_q4_avx2, chunks8_q4, 2, 2)
+ATTN_VALUES256(attn_values2_q4_avx2, chunks8_q4, 2, 2)
+ATTN_SCORES256(attn_scores2_tq_avx2, chunks8_tqk, 2, 2)
+ATTN_VALUES256(attn_values2_tq_avx2, chunks8_tqv, 2, 2)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 static const struct llmem_kv_kernels kernels_avx2 = {
     .isa = LLMEM_KV_ISA_AVX2,
     .name = "avx2",
@@ -282,6 +568,18 @@ static const struct llmem_kv_kernels kernels_avx2 = {
              [LLMEM_KV_FORMAT_Q8] = axpy_q8_avx2,
              [LLMEM_KV_FORMAT_Q4] = axpy_q4_avx2,
              [LLMEM_KV_FORMAT_TQ] = axpy_tqv_avx2},
+    .attn_tile = {[LLMEM_KV_FORMAT_F32] = {attn_scores_f32_avx2, attn_values_f32_avx2},
+                  [LLMEM_KV_FORMAT_F16] = {attn_scores_f16_avx2, attn_values_f16_avx2},
+                  [LLMEM_KV_FORMAT_BF16] = {attn_scores_bf16_avx2, attn_values_bf16_avx2},
+                  [LLMEM_KV_FORMAT_Q8] = {attn_scores_q8_avx2, attn_values_q8_avx2},
+                  [LLMEM_KV_FORMAT_Q4] = {attn_scores_q4_avx2, attn_values_q4_avx2},
+                  [LLMEM_KV_FORMAT_TQ] = {attn_scores_tq_avx2, attn_values_tq_avx2}},
+    .attn_tile2 = {[LLMEM_KV_FORMAT_F32] = {attn_scores2_f32_avx2, attn_values2_f32_avx2},
+                   [LLMEM_KV_FORMAT_F16] = {attn_scores2_f16_avx2, attn_values2_f16_avx2},
+                   [LLMEM_KV_FORMAT_BF16] = {attn_scores2_bf16_avx2, attn_values2_bf16_avx2},
+                   [LLMEM_KV_FORMAT_Q8] = {attn_scores2_q8_avx2, attn_values2_q8_avx2},
+                   [LLMEM_KV_FORMAT_Q4] = {attn_scores2_q4_avx2, attn_values2_q4_avx2},
+                   [LLMEM_KV_FORMAT_TQ] = {attn_scores2_tq_avx2, attn_values2_tq_avx2}},
 };
 
 /* ---- AVX-512 F + BW + VL --------------------------------------------------------------------- */
@@ -593,6 +891,15 @@ TARGET_AVX512 static inline void chunks_bf16(const uint8_t *row, int i, __m512 *
 TARGET_AVX512 static inline void chunks_q8(const uint8_t *row, int i, __m512 *v) {
     q8_group_avx512(row + (size_t)LLMEM_KV_Q8_GROUP_BYTES * (size_t)(i >> 5), v);
 }
+TARGET_AVX512 static inline void chunks_q4(const uint8_t *row, int i, __m512 *v) {
+    q4_group_avx512(row + (size_t)LLMEM_KV_Q4_GROUP_BYTES * (size_t)(i >> 5), v);
+}
+TARGET_AVX512 static inline void chunks_tqk(const uint8_t *row, int i, __m512 *v) {
+    tqk_group_avx512(row + (size_t)LLMEM_KV_TQK_GROUP_BYTES * (size_t)(i >> 5), v);
+}
+TARGET_AVX512 static inline void chunks_tqv(const uint8_t *row, int i, __m512 *v) {
+    tqv_group_avx512(row + (size_t)LLMEM_KV_TQV_GROUP_BYTES * (size_t)(i >> 5), v);
+}
 
 /* Four vectors (heads 0–3 of one token) summed into 4 lanes: per 128-bit lane, [h0, h1, h2, h3]
  * partial sums (the four lanes still to be added). */
@@ -611,49 +918,6 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
                                _mm512_shuffle_f32x4(u2, u3, _MM_SHUFFLE(3, 2, 3, 2)));
     return _mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* The prefetches of a tile kernel (struct llmem_kv_prefetch): `quota` lines a step of its loops,
- * enough for all of them in `steps` steps (unless there are fewer steps than pages) and a divisor
- * of a slice's lines, so that a step's lines lie in one slice. The kernels' loops are short of
- * registers and of branch slots, so the walk is kept to two tests a step (in cache it costs a
- * tile about 6 %; a test a line, twice that): p is the next line, stop the end of its slice,
- * skip the gap to the next page's slice (addresses as integers: the walk steps past the end of
- * the bytes before it stops). */
-struct pf_spread {
-    uintptr_t p, stop, end, skip;
-    int quota;
-};
-
-static inline struct pf_spread pf_spread_init(struct llmem_kv_prefetch pf, int steps) {
-    struct pf_spread s = {0, UINTPTR_MAX, 0, 0, 0}; /* nothing: p never reaches stop or end */
-    if (pf.len > 0 && pf.off < pf.bytes && steps > 0) {
-        const size_t slice = (pf.len + 63) / 64; /* lines */
-        const size_t pages = (pf.bytes - pf.off + LLMEM_KV_PF_PAGE - 1) / LLMEM_KV_PF_PAGE;
-        size_t quota = (pages * slice + (size_t)steps - 1) / (size_t)steps;
-        if (quota > slice) /* fewer steps than pages (a short tile): some pages are left out */
-            quota = slice;
-        while (slice % quota != 0)
-            quota++;
-        const uintptr_t at = (uintptr_t)pf.at;
-        s = (struct pf_spread){at + pf.off, at + pf.off + 64 * slice, at + pf.bytes,
-                               LLMEM_KV_PF_PAGE - 64 * slice, (int)quota};
-    }
-    return s;
-}
-
-static inline void pf_step(struct pf_spread *s) {
-    if (s->p == s->stop) { /* the next page's slice */
-        s->p += s->skip;
-        s->stop += LLMEM_KV_PF_PAGE;
-    }
-    if (s->p < s->end) { /* two lines unconditionally (one more than a quota of 1 asks) */
-        __builtin_prefetch((const void *)s->p, 0, 3);
-        __builtin_prefetch((const void *)(s->p + 64), 0, 3);
-        for (int r = 2; r < s->quota; r++)
-            __builtin_prefetch((const void *)(s->p + 64 * (uintptr_t)r), 0, 3);
-        s->p += 64 * (uintptr_t)s->quota;
-    }
 }
 
 /* A tile of T ≤ 16 tokens of one KV head for G = 4 or 2 query heads, in two calls (see
@@ -842,6 +1106,14 @@ ATTN_SCORES512(attn_scores2_bf16_avx512, chunks_bf16, 1, 2)
 ATTN_VALUES512(attn_values2_bf16_avx512, chunks_bf16, 1, 2)
 ATTN_SCORES512(attn_scores2_q8_avx512, chunks_q8, 2, 2)
 ATTN_VALUES512(attn_values2_q8_avx512, chunks_q8, 2, 2)
+ATTN_SCORES512(attn_scores_q4_avx512, chunks_q4, 2, 4)
+ATTN_VALUES512(attn_values_q4_avx512, chunks_q4, 2, 4)
+ATTN_SCORES512(attn_scores2_q4_avx512, chunks_q4, 2, 2)
+ATTN_VALUES512(attn_values2_q4_avx512, chunks_q4, 2, 2)
+ATTN_SCORES512(attn_scores_tq_avx512, chunks_tqk, 2, 4)
+ATTN_VALUES512(attn_values_tq_avx512, chunks_tqv, 2, 4)
+ATTN_SCORES512(attn_scores2_tq_avx512, chunks_tqk, 2, 2)
+ATTN_VALUES512(attn_values2_tq_avx512, chunks_tqv, 2, 2)
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -873,11 +1145,15 @@ static const struct llmem_kv_kernels kernels_avx512 = {
     .attn_tile = {[LLMEM_KV_FORMAT_F32] = {attn_scores_f32_avx512, attn_values_f32_avx512},
                   [LLMEM_KV_FORMAT_F16] = {attn_scores_f16_avx512, attn_values_f16_avx512},
                   [LLMEM_KV_FORMAT_BF16] = {attn_scores_bf16_avx512, attn_values_bf16_avx512},
-                  [LLMEM_KV_FORMAT_Q8] = {attn_scores_q8_avx512, attn_values_q8_avx512}},
+                  [LLMEM_KV_FORMAT_Q8] = {attn_scores_q8_avx512, attn_values_q8_avx512},
+                  [LLMEM_KV_FORMAT_Q4] = {attn_scores_q4_avx512, attn_values_q4_avx512},
+                  [LLMEM_KV_FORMAT_TQ] = {attn_scores_tq_avx512, attn_values_tq_avx512}},
     .attn_tile2 = {[LLMEM_KV_FORMAT_F32] = {attn_scores2_f32_avx512, attn_values2_f32_avx512},
                    [LLMEM_KV_FORMAT_F16] = {attn_scores2_f16_avx512, attn_values2_f16_avx512},
                    [LLMEM_KV_FORMAT_BF16] = {attn_scores2_bf16_avx512, attn_values2_bf16_avx512},
-                   [LLMEM_KV_FORMAT_Q8] = {attn_scores2_q8_avx512, attn_values2_q8_avx512}},
+                   [LLMEM_KV_FORMAT_Q8] = {attn_scores2_q8_avx512, attn_values2_q8_avx512},
+                   [LLMEM_KV_FORMAT_Q4] = {attn_scores2_q4_avx512, attn_values2_q4_avx512},
+                   [LLMEM_KV_FORMAT_TQ] = {attn_scores2_tq_avx512, attn_values2_tq_avx512}},
 };
 #endif /* KV_X86 */
 

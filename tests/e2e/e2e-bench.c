@@ -110,6 +110,21 @@ static void test_bench_kv_json(void **state) {
     }
     double overhead = 0;
     assert_int_equal(llmem_json_get_double(root, "paging_overhead", &overhead), 0);
+    const char *kernels = NULL;
+    assert_int_equal(llmem_json_get_string(root, "kernels", &kernels), 0);
+    assert_true(strcmp(kernels, "scalar") == 0 || strcmp(kernels, "avx2") == 0 ||
+                strcmp(kernels, "avx512") == 0);
+    cJSON_Delete(root);
+    tu_run_free(&run);
+
+    /* the portable kernels on request */
+    run = tu_llmem("bench", "kv", "--ctx", "48", "--batch", "1", "--reps", "1", "--bw-size", "1M",
+                   "--kv-format", "q4", "--kv-layout", "paged", "--isa", "scalar", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    root = tu_json_stdout(&run);
+    assert_int_equal(llmem_json_get_string(root, "kernels", &kernels), 0);
+    assert_string_equal(kernels, "scalar");
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(root, "attention")), 1);
     cJSON_Delete(root);
     tu_run_free(&run);
 }
@@ -129,6 +144,10 @@ static void test_bench_usage(void **state) {
     run = tu_llmem("bench", "kv", "--kv-format", "f16,f12", NULL);
     assert_int_equal(run.exit_code, 2);
     assert_non_null(strstr(run.err, "f12"));
+    tu_run_free(&run);
+    run = tu_llmem("bench", "kv", "--isa", "avx9", NULL);
+    assert_int_equal(run.exit_code, 2);
+    assert_non_null(strstr(run.err, "avx9"));
     tu_run_free(&run);
     /* attn: the GPU's benchmark; bad shapes and formats are named, the CPU is sent to bench kv */
     run = tu_llmem("bench", "attn", "--backend", "cuda", "--shapes", "64x", NULL);
