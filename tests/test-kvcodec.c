@@ -780,64 +780,71 @@ static void test_tile_kernel_matches(void **state) {
     (void)state;
     struct rng r = {0x7171};
     const int d = 128, T_max = 16;
-    for (int f = 0; f < LLMEM_KV_FORMAT_COUNT; f++) {
-        struct llmem_kv_codec c = make_codec((enum llmem_kv_format)f, d, 1);
-        size_t stride = c.value_bytes + 24; /* rows further apart than their size */
-        uint8_t *rows = calloc((size_t)T_max, stride);
-        float x[128], w[6 * 16], acc[6 * 130], ref[6 * 130];
-        for (int t = 0; t < T_max; t++) {
-            make_row(&r, DATA_GAUSS, d, x);
-            llmem_kv_encode_value(&c, x, rows + (size_t)t * stride);
-        }
-        for (int G = 1; G <= 6; G++) {
-            for (int T = 1; T <= T_max; T += 5) {
-                for (int i = 0; i < G * T; i++)
-                    w[i] = (float)rng_uniform(&r);
-                for (int i = 0; i < 6 * 130; i++)
-                    acc[i] = ref[i] = (float)i * 0.01f;
-                llmem_kv_axpy_value_tile(&c, rows, stride, T, w, G, acc, 130);
-                for (int t = 0; t < T; t++)
-                    for (int g = 0; g < G; g++)
-                        llmem_kv_axpy_value(&c, rows + (size_t)t * stride, w[g * T + t],
-                                            ref + g * 130);
-                for (int i = 0; i < 6 * 130; i++)
-                    assert_true(fabsf(acc[i] - ref[i]) <= 1e-5f * (1.0f + fabsf(ref[i])));
+    for (int isa = 0; isa <= (int)llmem_kv_isa_best(); isa++)
+        for (int f = 0; f < LLMEM_KV_FORMAT_COUNT; f++) {
+            llmem_kv_codec_set_isa((enum llmem_kv_isa)isa);
+            struct llmem_kv_codec c = make_codec((enum llmem_kv_format)f, d, 1);
+            size_t stride = c.value_bytes + 24; /* rows further apart than their size */
+            uint8_t *rows = calloc((size_t)T_max, stride);
+            float x[128], w[6 * 16], acc[6 * 130], ref[6 * 130];
+            for (int t = 0; t < T_max; t++) {
+                make_row(&r, DATA_GAUSS, d, x);
+                llmem_kv_encode_value(&c, x, rows + (size_t)t * stride);
             }
+            for (int G = 1; G <= 6; G++) {
+                for (int T = 1; T <= T_max; T += 5) {
+                    for (int i = 0; i < G * T; i++)
+                        w[i] = (float)rng_uniform(&r);
+                    for (int i = 0; i < 6 * 130; i++)
+                        acc[i] = ref[i] = (float)i * 0.01f;
+                    llmem_kv_axpy_value_tile(&c, rows, stride, T, w, G, acc, 130);
+                    for (int t = 0; t < T; t++)
+                        for (int g = 0; g < G; g++)
+                            llmem_kv_axpy_value(&c, rows + (size_t)t * stride, w[g * T + t],
+                                                ref + g * 130);
+                    for (int i = 0; i < 6 * 130; i++)
+                        assert_true(fabsf(acc[i] - ref[i]) <= 1e-5f * (1.0f + fabsf(ref[i])));
+                }
+            }
+            free(rows);
         }
-        free(rows);
-    }
+    llmem_kv_codec_force_scalar(0);
 }
 
-/* The GQA group kernels equal the per-head ones, for every format and group size. */
+/* The GQA group kernels equal the per-head ones, for every instruction set, format and group
+ * size. */
 static void test_group_kernels_match(void **state) {
     (void)state;
     struct rng r = {0x9a9a};
     const int d = 128;
-    for (int f = 0; f < LLMEM_KV_FORMAT_COUNT; f++) {
-        struct llmem_kv_codec c = make_codec((enum llmem_kv_format)f, d, 1);
-        float x[128], q[8 * 128], s[8], w[8], acc[8 * 130], ref[8 * 130];
-        uint8_t key[1024], value[1024];
-        make_row(&r, DATA_GAUSS, d, x);
-        llmem_kv_encode_key(&c, x, key);
-        llmem_kv_encode_value(&c, x, value);
-        for (int i = 0; i < 8 * d; i++)
-            q[i] = rng_gauss(&r);
-        for (int G = 1; G <= 8; G++) {
-            llmem_kv_dot_key_group(&c, key, q, G, s);
-            for (int g = 0; g < G; g++) {
-                float one = llmem_kv_dot_key(&c, key, q + g * d);
-                assert_true(fabsf(s[g] - one) <= 1e-5f * (1.0f + fabsf(one)));
-                w[g] = rng_gauss(&r);
+    for (int isa = 0; isa <= (int)llmem_kv_isa_best(); isa++)
+        for (int f = 0; f < LLMEM_KV_FORMAT_COUNT; f++) {
+            llmem_kv_codec_set_isa((enum llmem_kv_isa)isa);
+            struct llmem_kv_codec c = make_codec((enum llmem_kv_format)f, d, 1);
+            float x[128], q[8 * 128], s[8], w[8], acc[8 * 130], ref[8 * 130];
+            uint8_t key[1024], value[1024];
+            make_row(&r, DATA_GAUSS, d, x);
+            llmem_kv_encode_key(&c, x, key);
+            llmem_kv_encode_value(&c, x, value);
+            for (int i = 0; i < 8 * d; i++)
+                q[i] = rng_gauss(&r);
+            for (int G = 1; G <= 8; G++) {
+                llmem_kv_dot_key_group(&c, key, q, G, s);
+                for (int g = 0; g < G; g++) {
+                    float one = llmem_kv_dot_key(&c, key, q + g * d);
+                    assert_true(fabsf(s[g] - one) <= 1e-5f * (1.0f + fabsf(one)));
+                    w[g] = rng_gauss(&r);
+                }
+                for (int i = 0; i < 8 * 130; i++)
+                    acc[i] = ref[i] = (float)i * 0.01f;
+                llmem_kv_axpy_value_group(&c, value, w, G, acc, 130);
+                for (int g = 0; g < G; g++)
+                    llmem_kv_axpy_value(&c, value, w[g], ref + g * 130);
+                for (int i = 0; i < 8 * 130; i++)
+                    assert_true(fabsf(acc[i] - ref[i]) <= 1e-5f * (1.0f + fabsf(ref[i])));
             }
-            for (int i = 0; i < 8 * 130; i++)
-                acc[i] = ref[i] = (float)i * 0.01f;
-            llmem_kv_axpy_value_group(&c, value, w, G, acc, 130);
-            for (int g = 0; g < G; g++)
-                llmem_kv_axpy_value(&c, value, w[g], ref + g * 130);
-            for (int i = 0; i < 8 * 130; i++)
-                assert_true(fabsf(acc[i] - ref[i]) <= 1e-5f * (1.0f + fabsf(ref[i])));
         }
-    }
+    llmem_kv_codec_force_scalar(0);
 }
 
 int main(void) {

@@ -525,15 +525,25 @@ float llmem_kv_dot_key(const struct llmem_kv_codec *c, const uint8_t *key, const
     return k->dot[LLMEM_KV_FORMAT_F32]((const uint8_t *)x, q, c->head_dim);
 }
 
+/* A format without a kernel of its own (the portable set's quantized formats) is decoded to f32
+ * first: once per row for all the heads it serves, then read by f32's kernels. */
 void llmem_kv_dot_key_group(const struct llmem_kv_codec *c, const uint8_t *key, const float *q,
                             int heads, float *s) {
     const struct llmem_kv_kernels *k = llmem_kv_kernels();
+    const int n = c->head_dim;
     if (k->dot_group[c->format] != NULL) {
-        k->dot_group[c->format](key, q, heads, c->head_dim, s);
+        k->dot_group[c->format](key, q, heads, n, s);
         return;
     }
-    for (int g = 0; g < heads; g++)
-        s[g] = llmem_kv_dot_key(c, key, q + (size_t)g * (size_t)c->head_dim);
+    if (k->dot[c->format] != NULL || heads == 1) {
+        for (int g = 0; g < heads; g++)
+            s[g] = llmem_kv_dot_key(c, key, q + (size_t)g * (size_t)n);
+        return;
+    }
+    float x[LLMEM_KV_MAX_HEAD_DIM];
+    decode_row(c, 0, key, x);
+    llmem_kv_dot_key_group(&(struct llmem_kv_codec){.format = LLMEM_KV_FORMAT_F32, .head_dim = n},
+                           (const uint8_t *)x, q, heads, s);
 }
 
 void llmem_kv_axpy_value_group(const struct llmem_kv_codec *c, const uint8_t *value, const float *w,
@@ -555,10 +565,20 @@ void llmem_kv_axpy_value_tile(const struct llmem_kv_codec *c, const uint8_t *val
         k->axpy_tile[c->format](values, row_stride, T, w, heads, acc, stride, c->head_dim);
         return;
     }
-    for (int t = 0; t < T; t++)
+    if (k->axpy[c->format] != NULL || heads == 1) {
+        for (int t = 0; t < T; t++)
+            for (int g = 0; g < heads; g++)
+                llmem_kv_axpy_value(c, values + (size_t)t * row_stride, w[g * T + t],
+                                    acc + (size_t)g * stride);
+        return;
+    }
+    float x[LLMEM_KV_MAX_HEAD_DIM];
+    for (int t = 0; t < T; t++) { /* each row decoded once for every head */
+        decode_row(c, 1, values + (size_t)t * row_stride, x);
         for (int g = 0; g < heads; g++)
-            llmem_kv_axpy_value(c, values + (size_t)t * row_stride, w[g * T + t],
-                                acc + (size_t)g * stride);
+            k->axpy[LLMEM_KV_FORMAT_F32]((const uint8_t *)x, w[g * T + t], acc + (size_t)g * stride,
+                                         c->head_dim);
+    }
 }
 
 void llmem_kv_axpy_value(const struct llmem_kv_codec *c, const uint8_t *value, float w,

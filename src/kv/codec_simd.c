@@ -84,6 +84,59 @@ AXPY_SCALAR(axpy_f32_scalar, elem_f32)
 AXPY_SCALAR(axpy_f16_scalar, elem_f16)
 AXPY_SCALAR(axpy_bf16_scalar, elem_bf16)
 
+/* GQA groups: each 8 elements of a row converted once for up to four heads, with the arithmetic
+ * of the per-head kernels above (the same partial sums in the same order, so the same results). */
+#define DOTG_SCALAR(name, ELEM)                                                                    \
+    static void name(const uint8_t *row, const float *q, int G, int n, float *s) {                 \
+        for (int g0 = 0; g0 < G; g0 += 4) {                                                        \
+            const int gn = G - g0 < 4 ? G - g0 : 4;                                                \
+            float a[4][8] = {{0}};                                                                 \
+            for (int i = 0; i < n; i += 8) {                                                       \
+                float x[8];                                                                        \
+                for (int j = 0; j < 8; j++)                                                        \
+                    x[j] = ELEM(row, i + j);                                                       \
+                for (int g = 0; g < gn; g++)                                                       \
+                    for (int j = 0; j < 8; j++)                                                    \
+                        a[g][j] += q[(size_t)(g0 + g) * (size_t)n + i + j] * x[j];                 \
+            }                                                                                      \
+            for (int g = 0; g < gn; g++)                                                           \
+                s[g0 + g] = ((a[g][0] + a[g][1]) + (a[g][2] + a[g][3])) +                          \
+                            ((a[g][4] + a[g][5]) + (a[g][6] + a[g][7]));                           \
+        }                                                                                          \
+    }
+
+/* T rows accumulated for G heads, 8 elements of the output at a time for up to four heads. */
+#define AXPYT_SCALAR(name, ELEM)                                                                   \
+    static void name(const uint8_t *rows, size_t row_stride, int T, const float *w, int G,         \
+                     float *acc, size_t stride, int n) {                                           \
+        for (int g0 = 0; g0 < G; g0 += 4) {                                                        \
+            const int gn = G - g0 < 4 ? G - g0 : 4;                                                \
+            for (int i = 0; i < n; i += 8) {                                                       \
+                float a[4][8];                                                                     \
+                for (int g = 0; g < gn; g++)                                                       \
+                    memcpy(a[g], acc + (size_t)(g0 + g) * stride + i, sizeof(a[g]));               \
+                for (int t = 0; t < T; t++) {                                                      \
+                    const uint8_t *row = rows + (size_t)t * row_stride;                            \
+                    float x[8];                                                                    \
+                    for (int j = 0; j < 8; j++)                                                    \
+                        x[j] = ELEM(row, i + j);                                                   \
+                    for (int g = 0; g < gn; g++)                                                   \
+                        for (int j = 0; j < 8; j++)                                                \
+                            a[g][j] += w[(size_t)(g0 + g) * (size_t)T + (size_t)t] * x[j];         \
+                }                                                                                  \
+                for (int g = 0; g < gn; g++)                                                       \
+                    memcpy(acc + (size_t)(g0 + g) * stride + i, a[g], sizeof(a[g]));               \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+DOTG_SCALAR(dotg_f32_scalar, elem_f32)
+DOTG_SCALAR(dotg_f16_scalar, elem_f16)
+DOTG_SCALAR(dotg_bf16_scalar, elem_bf16)
+AXPYT_SCALAR(axpyt_f32_scalar, elem_f32)
+AXPYT_SCALAR(axpyt_f16_scalar, elem_f16)
+AXPYT_SCALAR(axpyt_bf16_scalar, elem_bf16)
+
 static const struct llmem_kv_kernels kernels_scalar = {
     .isa = LLMEM_KV_ISA_SCALAR,
     .name = "scalar",
@@ -93,6 +146,12 @@ static const struct llmem_kv_kernels kernels_scalar = {
     .axpy = {[LLMEM_KV_FORMAT_F32] = axpy_f32_scalar,
              [LLMEM_KV_FORMAT_F16] = axpy_f16_scalar,
              [LLMEM_KV_FORMAT_BF16] = axpy_bf16_scalar},
+    .dot_group = {[LLMEM_KV_FORMAT_F32] = dotg_f32_scalar,
+                  [LLMEM_KV_FORMAT_F16] = dotg_f16_scalar,
+                  [LLMEM_KV_FORMAT_BF16] = dotg_bf16_scalar},
+    .axpy_tile = {[LLMEM_KV_FORMAT_F32] = axpyt_f32_scalar,
+                  [LLMEM_KV_FORMAT_F16] = axpyt_f16_scalar,
+                  [LLMEM_KV_FORMAT_BF16] = axpyt_bf16_scalar},
 };
 
 #if KV_X86
