@@ -792,6 +792,18 @@ static int make_points(struct point *points, const int *layouts, int n_layouts, 
     return n;
 }
 
+/* The index of value among names, or -1 after a usage error naming the choices. */
+static int pick(const char *flag, const char *value, const char *const *names, int n) {
+    for (int i = 0; i < n; i++)
+        if (strcmp(value, names[i]) == 0)
+            return i;
+    char list[128] = "";
+    for (int i = 0; i < n; i++)
+        snprintf(list + strlen(list), sizeof(list) - strlen(list), "%s%s", i ? ", " : "", names[i]);
+    cli_usage_error("bench kv", "%s: '%s' is not one of %s", flag, value, list);
+    return -1;
+}
+
 int cli_bench_kv(int argc, char **argv) {
     static const struct option options[] = {
         {"quick", no_argument, NULL, 'q'},
@@ -856,25 +868,17 @@ int cli_bench_kv(int argc, char **argv) {
             break;
         case 'R': {
             static const char *const routes[] = {"auto", "direct", "partitioned", "fallback"};
-            int r = 0;
-            while (r < 4 && strcmp(optarg, routes[r]) != 0)
-                r++;
-            if (r == 4)
-                return cli_usage_error("bench kv",
-                                       "--route: '%s' is not one of auto, direct, partitioned,"
-                                       " fallback",
-                                       optarg);
+            int r = pick("--route", optarg, routes, 4);
+            if (r < 0)
+                return CLI_USAGE;
             route = (enum llmem_kv_route)r;
             break;
         }
         case 'I': {
             static const char *const isas[] = {"scalar", "avx2", "avx512", "best"};
-            int i = 0;
-            while (i < 4 && strcmp(optarg, isas[i]) != 0)
-                i++;
-            if (i == 4)
-                return cli_usage_error(
-                    "bench kv", "--isa: '%s' is not one of best, avx512, avx2, scalar", optarg);
+            int i = pick("--isa", optarg, isas, 4);
+            if (i < 0)
+                return CLI_USAGE;
             enum llmem_kv_isa want = i == 3 ? llmem_kv_isa_best() : (enum llmem_kv_isa)i;
             if (llmem_kv_codec_set_isa(want) != want)
                 return cli_usage_error("bench kv", "--isa: this CPU has no %s kernels (best: %s)",
