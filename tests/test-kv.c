@@ -318,12 +318,12 @@ static void test_direct_split_same_bits(void **state) {
     }
 }
 
-/* The tile kernels (AVX2 and AVX-512, groups of four and of two query heads, every format)
+/* The tile kernels (AVX2 and AVX-512, groups of four, two and one query heads, every format)
  * against the float64 reference and against the portable per-token kernels on the same queries:
- * tails of tiles (37 tokens, queries at 33..36), sliding windows that start inside a tile, GQA 2
- * (the kernel of two), 4, 6 (one call of four and one of two per KV head) and 8 (two calls of
- * four), head_dim 96 (not a multiple of 64), and direct against partitioned over several
- * partitions. */
+ * tails of tiles (37 tokens, queries at 33..36), sliding windows that start inside a tile, GQA 1
+ * (the kernel of one), 2 (of two), 4, 6 (one call of four and one of two per KV head), 7 (four,
+ * two and one) and 8 (two calls of four), head_dim 96 (not a multiple of 64), and direct against
+ * partitioned over several partitions. */
 static void test_fused_tile_kernel(void **state) {
     (void)state;
     static const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_F32,  LLMEM_KV_FORMAT_F16,
@@ -331,11 +331,11 @@ static void test_fused_tile_kernel(void **state) {
                                                    LLMEM_KV_FORMAT_Q4,   LLMEM_KV_FORMAT_TQ};
     /* against the float64 reference of the unrounded data (0: quantized, not asserted here) */
     static const double tol[] = {1e-5, 1e-5, 1e-2, 0, 0, 0};
-    static const int groups[] = {2, 4, 6, 8};
+    static const int groups[] = {1, 2, 4, 6, 7, 8};
     enum llmem_kv_isa best = llmem_kv_isa_best();
     for (int f = 0; f < 6; f++) {
         for (int layout = 0; layout < 2; layout++) {
-            for (int gi = 0; gi < 4; gi++) {
+            for (int gi = 0; gi < 6; gi++) {
                 /* q4's and tq's rotations need a power of two */
                 const int rotated =
                     formats[f] == LLMEM_KV_FORMAT_Q4 || formats[f] == LLMEM_KV_FORMAT_TQ;

@@ -2,8 +2,9 @@
  * cli/bench_kv.c — `llmem bench kv`: decode attention over the KV caches (SPEC §4) against the
  * machine's memory bandwidth, the accuracy of each storage format, and the cost of appending.
  *
- * Shapes are those of a Llama-3-8B-like layer: 32 query heads, 8 KV heads (GQA 4:1), head_dim
- * 128, one layer per cache (attention reads one layer per call, so every figure is per layer).
+ * Shapes are those of a Llama-3-8B-like layer: 32 query heads, 8 KV heads (GQA 4:1; --heads sets
+ * others), head_dim 128, one layer per cache (attention reads one layer per call, so every figure
+ * is per layer).
  *
  *   bandwidth   read: every thread sums its share of a buffer far larger than the last-level cache
  *               (512 MiB, from an llmem_mem allocator, written once first); copy: memcpy of one
@@ -64,14 +65,15 @@
 
 /* ---- shapes, grid and helpers ---------------------------------------------------------------- */
 
+/* Query and KV heads (--heads; default those of a Llama-3-8B layer). */
+static int n_heads = 32, n_kv_heads = 8;
+#define KV_FLOATS ((size_t)n_kv_heads * HEAD_DIM) /* one token's K (or V) row, all KV heads */
+#define Q_FLOATS  ((size_t)n_heads * HEAD_DIM)    /* one query, all heads */
+
 enum {
-    N_HEADS = 32,
-    N_KV_HEADS = 8,
     HEAD_DIM = 128,
-    KV_FLOATS = N_KV_HEADS * HEAD_DIM, /* one token's K (or V) row, all KV heads */
-    Q_FLOATS = N_HEADS * HEAD_DIM,     /* one query, all heads */
-    DATA_TOKENS = 4096,                /* generated tokens, cycled */
-    WRITE_RUN = 512,                   /* tokens per write when filling */
+    DATA_TOKENS = 4096, /* generated tokens, cycled */
+    WRITE_RUN = 512,    /* tokens per write when filling */
     ACC_QUERIES = 8,
     APPEND_CHUNK = 512,
     MAX_BATCH = 64,
@@ -128,14 +130,14 @@ static void bench_tick(void *arg) {
 
 /* ---- caches ---------------------------------------------------------------------------------- */
 
-/* The benchmark's shape: one layer of N_KV_HEADS × HEAD_DIM, n_seqs sequences. */
+/* The benchmark's shape: one layer of n_kv_heads × HEAD_DIM, n_seqs sequences. */
 static void bench_config(const struct bench *b, enum llmem_kv_layout layout,
                          enum llmem_kv_format format, int n_seqs, struct llmem_kv_config *cfg) {
     llmem_kv_config_default(cfg);
     cfg->layout = layout;
     cfg->format = format;
     cfg->n_layers = 1;
-    cfg->n_kv_heads = N_KV_HEADS;
+    cfg->n_kv_heads = n_kv_heads;
     cfg->head_dim = HEAD_DIM;
     cfg->max_sequences = n_seqs;
     cfg->n_threads = b->n_threads;
@@ -263,9 +265,9 @@ static int fma_rate(struct llmem_pool *pool, int passes, double *rate) {
 /* The compute bound of decode attention in GB/s of K + V: G multiply-adds per stored element. */
 static double compute_bound_gbps(double fma_per_s, enum llmem_kv_format format) {
     struct llmem_kv_config cfg = {
-        .format = format, .n_layers = 1, .n_kv_heads = N_KV_HEADS, .head_dim = HEAD_DIM};
+        .format = format, .n_layers = 1, .n_kv_heads = n_kv_heads, .head_dim = HEAD_DIM};
     double bytes_per_elem = (double)llmem_kv_token_bytes(&cfg) / (2.0 * KV_FLOATS);
-    return fma_per_s / (N_HEADS / N_KV_HEADS) * bytes_per_elem * 1e-9;
+    return fma_per_s / (n_heads / n_kv_heads) * bytes_per_elem * 1e-9;
 }
 
 /* ---- attention ------------------------------------------------------------------------------- */
@@ -281,7 +283,7 @@ struct point {
 
 static int64_t kv_read_bytes(enum llmem_kv_format format, int64_t ctx, int64_t batch) {
     struct llmem_kv_config cfg = {
-        .format = format, .n_layers = 1, .n_kv_heads = N_KV_HEADS, .head_dim = HEAD_DIM};
+        .format = format, .n_layers = 1, .n_kv_heads = n_kv_heads, .head_dim = HEAD_DIM};
     return batch * ctx * llmem_kv_token_bytes(&cfg);
 }
 
@@ -298,7 +300,7 @@ static const char *route_taken(const struct llmem_kv_stats *before,
  * returns seconds, or a negative value on failure. */
 static double attend_batch(struct llmem_kv *kv, enum llmem_kv_route route, int64_t ctx,
                            int64_t batch, const float *q, float *out) {
-    const struct llmem_kv_attn attn = {.n_heads = N_HEADS, .route = route};
+    const struct llmem_kv_attn attn = {.n_heads = n_heads, .route = route};
     double t0 = cli_now_s();
     for (int s = 0; s < batch; s++)
         if (llmem_kv_attend(kv, s, 0, ctx - 1, 1, q + (size_t)s * Q_FLOATS,
@@ -391,7 +393,7 @@ static int attend_format(struct bench *b, enum llmem_kv_format format, int64_t c
     struct llmem_kv *kv = NULL;
     if (build_cache(b, LLMEM_KV_LAYOUT_PAGED, format, ctx, 1, &kv) != CLI_OK)
         return CLI_FAIL;
-    const struct llmem_kv_attn attn = {.n_heads = N_HEADS};
+    const struct llmem_kv_attn attn = {.n_heads = n_heads};
     int rc = CLI_OK;
     for (int i = 0; i < ACC_QUERIES && rc == CLI_OK; i++)
         if (llmem_kv_attend(kv, 0, 0, ctx - 1, 1, q + (size_t)i * Q_FLOATS,
@@ -574,8 +576,8 @@ static int print_json(const struct results *res, const struct bench *b, int quic
           llmem_json_add_int(root, "reps", b->reps) || llmem_json_add_bool(root, "quick", quick) ||
           llmem_json_add_string(root, "kernels", llmem_kv_kernels()->name);
     cJSON *shape = st ? NULL : cJSON_AddObjectToObject(root, "shape");
-    st |= shape == NULL || llmem_json_add_int(shape, "n_heads", N_HEADS) ||
-          llmem_json_add_int(shape, "n_kv_heads", N_KV_HEADS) ||
+    st |= shape == NULL || llmem_json_add_int(shape, "n_heads", n_heads) ||
+          llmem_json_add_int(shape, "n_kv_heads", n_kv_heads) ||
           llmem_json_add_int(shape, "head_dim", HEAD_DIM) ||
           llmem_json_add_int(shape, "n_layers", 1);
     st |= st || llmem_json_add_int(root, "bandwidth_bytes", res->bw_bytes) ||
@@ -650,7 +652,7 @@ static void print_table(const struct results *res, const struct bench *b) {
     printf("llmem bench kv: %s, %d CPUs, %d thread%s, %s kernels; %d query heads, %d KV heads,"
            " head_dim %d, one layer; median of %lld runs\n",
            res->host.name, res->host.n_cpus, b->threads, b->threads == 1 ? "" : "s",
-           llmem_kv_kernels()->name, N_HEADS, N_KV_HEADS, HEAD_DIM, (long long)b->reps);
+           llmem_kv_kernels()->name, n_heads, n_kv_heads, HEAD_DIM, (long long)b->reps);
     printf("memory bandwidth (%lld MiB buffer, %d thread%s): read %.1f GB/s, copy %.1f GB/s"
            " (bytes read + written)\n",
            (long long)(res->bw_bytes >> 20), b->threads, b->threads == 1 ? "" : "s", res->read_gbps,
@@ -660,7 +662,7 @@ static void print_table(const struct results *res, const struct bench *b) {
            " per element: f16 and bf16 %.1f GB/s,\nf32 %.1f, q8 %.1f (\"of FMA\": the share of"
            " that bound)\n\n",
            b->threads, b->threads == 1 ? "" : "s", res->fma_lanes, res->fma_per_s * 1e-9,
-           N_HEADS / N_KV_HEADS, N_HEADS / N_KV_HEADS,
+           n_heads / n_kv_heads, n_heads / n_kv_heads,
            compute_bound_gbps(res->fma_per_s, LLMEM_KV_FORMAT_F16),
            compute_bound_gbps(res->fma_per_s, LLMEM_KV_FORMAT_F32),
            compute_bound_gbps(res->fma_per_s, LLMEM_KV_FORMAT_Q8));
@@ -714,7 +716,7 @@ static void print_table(const struct results *res, const struct bench *b) {
 static const char bench_kv_usage[] =
     "usage: llmem bench kv [--quick] [--reps N] [--threads N] [--json]\n"
     "                      [--ctx N] [--batch N] [--kv-layout L,..] [--kv-format F,..]\n"
-    "                      [--bw-size SIZE] [--route R] [--isa I]\n"
+    "                      [--bw-size SIZE] [--route R] [--heads Q/KV] [--isa I]\n"
     "\n"
     "Decode attention over the KV caches (32 query heads, 8 KV heads, head_dim 128, one layer)\n"
     "for every layout (paged, contiguous, blocks, ragged) and format (f16, bf16, f32, q8, q4,\n"
@@ -747,6 +749,7 @@ static const char bench_kv_usage[] =
     "  --bw-size SIZE the bandwidth buffer (default 512M, quick 256M)\n"
     "  --route R      attention route: auto (default: the library's choice), direct,\n"
     "                 partitioned or fallback\n"
+    "  --heads Q/KV   query and KV heads (default 32/8; Q a multiple of KV, at most 256)\n"
     "  --isa I        the attention kernels' instruction set: best (default), avx512, avx2 or\n"
     "                 scalar (portable C); the compute probe uses its vectors\n";
 
@@ -819,6 +822,7 @@ int cli_bench_kv(int argc, char **argv) {
         {"bw-size", required_argument, NULL, 'w'},
         {"route", required_argument, NULL, 'R'},
         {"isa", required_argument, NULL, 'I'},
+        {"heads", required_argument, NULL, 'H'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -883,6 +887,17 @@ int cli_bench_kv(int argc, char **argv) {
             if (llmem_kv_codec_set_isa(want) != want)
                 return cli_usage_error("bench kv", "--isa: this CPU has no %s kernels (best: %s)",
                                        optarg, isas[llmem_kv_isa_best()]);
+            break;
+        }
+        case 'H': {
+            int q = 0, kv = 0, used = 0;
+            if (sscanf(optarg, "%d/%d%n", &q, &kv, &used) != 2 || optarg[used] != '\0' || kv < 1 ||
+                q < kv || q > 256 || q % kv != 0)
+                return cli_usage_error("bench kv",
+                                       "--heads: '%s' is not Q/KV with Q a multiple of KV, at most"
+                                       " 256",
+                                       optarg);
+            n_heads = q, n_kv_heads = kv;
             break;
         }
         case 'h': fputs(bench_kv_usage, stdout); return CLI_OK;

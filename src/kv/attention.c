@@ -14,8 +14,8 @@
  * storage order, and each KV head's row serves its whole GQA group. Keys are read in their stored
  * domain: a rotated format gets the query rotated once, and values are accumulated rotated with one
  * inverse rotation at the end. The routes differ only by float rounding.
- * Where the kernels have one (AVX2 and AVX-512, every format; groups of 2k heads), a tile of 16
- * tokens of one KV head is two calls for four (or two) query heads: scores with the softmax, then
+ * Where the kernels have one (AVX2 and AVX-512, every format and group), a tile of 16 tokens of
+ * one KV head is two calls for four (or two, or one) query heads: scores with the softmax, then
  * values (attn_tile in kv/codec_internal.h), and the values of each call wait until the scores of
  * the next have been issued; otherwise scores come from dot_group per token and values from
  * axpy_tile. The next tile's bytes are prefetched while a tile is computed (direct: across its
@@ -103,12 +103,14 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
     const struct llmem_kv_codec *c = &kv->codec;
     const int hd = kv->cfg.head_dim, group = j->group, n_kv = j->n_heads / group;
     const size_t hs = (size_t)(hd + 2);
-    /* The tile kernels serve groups of four query heads (a GQA group of 4k: k calls) and of two
-     * (2k + 2: k calls of four, one of two). */
-    const struct llmem_kv_attn_tile *t4 = &llmem_kv_kernels()->attn_tile[c->format],
-                                    *t2 = &llmem_kv_kernels()->attn_tile2[c->format];
-    const int g4 = group % 4 == 0 ? group : group % 2 == 0 && t2->scores != NULL ? group - 2 : -1;
-    const bool tiled = g4 >= 0 && (g4 == 0 || t4->scores != NULL);
+    /* The tile kernels serve four query heads a call, then two, then one: a GQA group of 4k + r
+     * takes k calls of four, and one of two and one of one as r needs. */
+    const struct llmem_kv_kernels *kk = llmem_kv_kernels();
+    const struct llmem_kv_attn_tile *t4 = &kk->attn_tile[c->format],
+                                    *t2 = &kk->attn_tile2[c->format],
+                                    *t1 = &kk->attn_tile1[c->format];
+    const bool tiled = (group < 4 || t4->scores != NULL) && (group % 4 < 2 || t2->scores != NULL) &&
+                       (group % 2 == 0 || t1->scores != NULL);
     /* The values of the last tile call still to do: they run after the next call's scores. */
     struct {
         const struct llmem_kv_attn_tile *fn;
@@ -161,9 +163,9 @@ static void segment(const struct attn_job *j, const float *q, int64_t lo, int64_
                     const uint8_t *kh = ktile + (size_t)kvh * c->key_bytes,
                                   *vh = vtile + (size_t)kvh * c->value_bytes;
                     const size_t h0 = (size_t)kvh * (size_t)group;
-                    for (int g = 0; g < group;
-                         g += 4) { /* the first call of the group prefetches */
-                        const struct llmem_kv_attn_tile *fn = g < g4 ? t4 : t2;
+                    for (int g = 0, size; g < group; g += size) { /* the first call prefetches */
+                        size = group - g >= 4 ? 4 : group - g >= 2 ? 2 : 1;
+                        const struct llmem_kv_attn_tile *fn = size == 4 ? t4 : size == 2 ? t2 : t1;
                         struct llmem_kv_prefetch none = {NULL, 0, 0, 0};
                         float *sg = st + (h0 + (size_t)g) * hs;
                         fn->scores(kh, kv->k_tok, T, q + (h0 + (size_t)g) * (size_t)hd, hd, sg, hs,

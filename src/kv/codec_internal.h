@@ -92,8 +92,10 @@ struct llmem_kv_kernels {
     /* (optional) a tile of decode attention for four query heads (struct llmem_kv_attn_tile);
      * NULL functions: attention scores with dot_group and accumulates with axpy_tile */
     struct llmem_kv_attn_tile attn_tile[LLMEM_KV_FORMAT_COUNT];
-    /* (optional) the same for two query heads (GQA groups of 2, 6, 10, …) */
+    /* (optional) the same for two query heads (GQA groups of 2, 6, 10, …) and for one (odd
+     * groups: MHA, 3, 5, 7, …) */
     struct llmem_kv_attn_tile attn_tile2[LLMEM_KV_FORMAT_COUNT];
+    struct llmem_kv_attn_tile attn_tile1[LLMEM_KV_FORMAT_COUNT];
 };
 
 /* The Lloyd–Max codebook of tq values (ascending), shared by every kernel. */

@@ -371,7 +371,7 @@ QUANT_AXPY_AVX2(q8, q8_group_avx2, LLMEM_KV_Q8_GROUP_BYTES)
 QUANT_AXPY_AVX2(q4, q4_group_avx2, LLMEM_KV_Q4_GROUP_BYTES)
 QUANT_AXPY_AVX2(tqv, tqv_group_avx2, LLMEM_KV_TQV_GROUP_BYTES)
 
-/* ---- AVX2: one tile of decode attention for a group of four (or two) query heads ------------ */
+/* ---- AVX2: one tile of decode attention for a group of four, two or one query heads ---------- */
 
 /* The AVX-512 tile kernels' arithmetic (see there) on 8 lanes. */
 
@@ -463,25 +463,25 @@ TARGET_AVX2 static inline __m256 sum8(const __m256 *a) {
                          _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
-/* attn_softmax512 on 8 lanes: lane G·t + g of sv[0..2G) (8 / G tokens a vector). */
+/* attn_softmax512 on 8 lanes: lane G·t + g of sv[0..8) (8 / G tokens a vector). */
 TARGET_AVX2 static inline void attn_softmax256(const __m256 *sv, float *sc, int T, float *st,
                                                size_t hs, int n, int G) {
-    const int per = 8 / G, nv = 2 * G; /* tokens per vector; vectors of a whole tile */
+    const int per = 8 / G; /* tokens per vector */
     const int vecs = (T + per - 1) / per;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 s[8], mx = _mm256_set1_ps(-INFINITY);
-    for (int j = 0; j < nv; j++) {
+    for (int j = 0; j < 8; j++) {
         int left = T - per * j; /* tokens of this vector */
         __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(G * left), lane));
         s[j] = j < vecs ? _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv[j], valid)
                         : _mm256_set1_ps(-INFINITY);
         mx = _mm256_max_ps(mx, s[j]);
     }
-    /* lanes 0..3: heads 0..3, or 0, 1, 0, 1 */
-    __m128 m_old =
-        _mm_setr_ps(st[n], st[hs + n], st[(size_t)(2 % G) * hs + n], st[(size_t)(3 % G) * hs + n]);
-    __m128 l_old = _mm_setr_ps(st[n + 1], st[hs + n + 1], st[(size_t)(2 % G) * hs + n + 1],
-                               st[(size_t)(3 % G) * hs + n + 1]);
+    /* lanes 0..3: heads 0..3, or 0, 1, 0, 1, or 0, 0, 0, 0 */
+    __m128 m_old = _mm_setr_ps(st[n], st[(size_t)(1 % G) * hs + n], st[(size_t)(2 % G) * hs + n],
+                               st[(size_t)(3 % G) * hs + n]);
+    __m128 l_old = _mm_setr_ps(st[n + 1], st[(size_t)(1 % G) * hs + n + 1],
+                               st[(size_t)(2 % G) * hs + n + 1], st[(size_t)(3 % G) * hs + n + 1]);
     __m256 top = _mm256_set_m128(m_old, m_old);
     const bool stays =
         _mm_movemask_ps(_mm_cmp_ps(m_old, _mm_set1_ps(-INFINITY), _CMP_GT_OQ)) == 0xf &&
@@ -489,8 +489,10 @@ TARGET_AVX2 static inline void attn_softmax256(const __m256 *sv, float *sc, int 
     __m128 m_new = m_old, corr = _mm_set1_ps(1.0f);
     if (!stays) {
         mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));
-        if (G == 2)
+        if (G <= 2)
             mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
+        if (G == 1)
+            mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, _MM_SHUFFLE(2, 3, 0, 1)));
         m_new = _mm_max_ps(m_old, _mm256_castps256_ps128(mx));
         top = _mm256_set_m128(m_new, m_new);
         corr = _mm256_castps256_ps128(
@@ -503,8 +505,10 @@ TARGET_AVX2 static inline void attn_softmax256(const __m256 *sv, float *sc, int 
         sum = _mm256_add_ps(sum, w);
     }
     sum = _mm256_add_ps(sum, _mm256_permute2f128_ps(sum, sum, 0x01));
-    if (G == 2)
+    if (G <= 2)
         sum = _mm256_add_ps(sum, _mm256_shuffle_ps(sum, sum, _MM_SHUFFLE(1, 0, 3, 2)));
+    if (G == 1)
+        sum = _mm256_add_ps(sum, _mm256_shuffle_ps(sum, sum, _MM_SHUFFLE(2, 3, 0, 1)));
     __m128 l_new = _mm_add_ps(_mm_mul_ps(l_old, corr), _mm256_castps256_ps128(sum));
     float mv[4], lv[4];
     _mm_storeu_ps(mv, m_new);
@@ -608,6 +612,18 @@ ATTN_SCORES256(attn_scores2_q4_avx2, chunks8_q4, 2, 2)
 ATTN_VALUES256(attn_values2_q4_avx2, chunks8_q4, 2, 2)
 ATTN_SCORES256(attn_scores2_tq_avx2, chunks8_tqk, 2, 2)
 ATTN_VALUES256(attn_values2_tq_avx2, chunks8_tqv, 2, 2)
+ATTN_SCORES256(attn_scores1_f32_avx2, chunks8_f32, 1, 1)
+ATTN_VALUES256(attn_values1_f32_avx2, chunks8_f32, 1, 1)
+ATTN_SCORES256(attn_scores1_f16_avx2, chunks8_f16, 1, 1)
+ATTN_VALUES256(attn_values1_f16_avx2, chunks8_f16, 1, 1)
+ATTN_SCORES256(attn_scores1_bf16_avx2, chunks8_bf16, 1, 1)
+ATTN_VALUES256(attn_values1_bf16_avx2, chunks8_bf16, 1, 1)
+ATTN_SCORES256(attn_scores1_q8_avx2, chunks8_q8, 2, 1)
+ATTN_VALUES256(attn_values1_q8_avx2, chunks8_q8, 2, 1)
+ATTN_SCORES256(attn_scores1_q4_avx2, chunks8_q4, 2, 1)
+ATTN_VALUES256(attn_values1_q4_avx2, chunks8_q4, 2, 1)
+ATTN_SCORES256(attn_scores1_tq_avx2, chunks8_tqk, 2, 1)
+ATTN_VALUES256(attn_values1_tq_avx2, chunks8_tqv, 2, 1)
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -639,6 +655,12 @@ static const struct llmem_kv_kernels kernels_avx2 = {
                    [LLMEM_KV_FORMAT_Q8] = {attn_scores2_q8_avx2, attn_values2_q8_avx2},
                    [LLMEM_KV_FORMAT_Q4] = {attn_scores2_q4_avx2, attn_values2_q4_avx2},
                    [LLMEM_KV_FORMAT_TQ] = {attn_scores2_tq_avx2, attn_values2_tq_avx2}},
+    .attn_tile1 = {[LLMEM_KV_FORMAT_F32] = {attn_scores1_f32_avx2, attn_values1_f32_avx2},
+                   [LLMEM_KV_FORMAT_F16] = {attn_scores1_f16_avx2, attn_values1_f16_avx2},
+                   [LLMEM_KV_FORMAT_BF16] = {attn_scores1_bf16_avx2, attn_values1_bf16_avx2},
+                   [LLMEM_KV_FORMAT_Q8] = {attn_scores1_q8_avx2, attn_values1_q8_avx2},
+                   [LLMEM_KV_FORMAT_Q4] = {attn_scores1_q4_avx2, attn_values1_q4_avx2},
+                   [LLMEM_KV_FORMAT_TQ] = {attn_scores1_tq_avx2, attn_values1_tq_avx2}},
 };
 
 /* ---- AVX-512 F + BW + VL --------------------------------------------------------------------- */
@@ -979,7 +1001,7 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
                          _mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* A tile of T ≤ 16 tokens of one KV head for G = 4 or 2 query heads, in two calls (see
+/* A tile of T ≤ 16 tokens of one KV head for G = 4, 2 or 1 query heads, in two calls (see
  * attn_tile in kv/codec_internal.h).
  * Scores: 16/G tokens at a time against the G queries, sixteen accumulators, each key chunk
  * converted once and each query chunk loaded once per 16/G tokens, then one transposing reduction
@@ -1078,13 +1100,13 @@ TARGET_AVX512 static inline __m512 sum16(__m512 u0, __m512 u1, __m512 u2, __m512
         }                                                                                          \
     }
 
-/* The softmax step of a tile for G = 4 or 2 heads: lane G·t + g of sv[0..4), counted across the
+/* The softmax step of a tile for G = 4, 2 or 1 heads: lane G·t + g of sv[0..4), counted across the
  * vectors, holds the score of token t (t < T) and head g (kept in registers, not stored and loaded
  * back with a mask: 2 % off a bf16 tile in cache); afterwards sc[0..G) hold the heads' rescale
  * factors e^(m − m') and sc[4 + G·t + g] the weights e^(s − m') (0 past T), and each head's m and
  * l (st + g·hs + n, + n + 1) are updated: l' = l·e^(m − m') + Σ weights. Lane l of a vector belongs
  * to head l mod G, so the reductions keep lanes of one head together: across the 128-bit quarters,
- * and for G = 2 within them. */
+ * and for G ≤ 2 within them. */
 TARGET_AVX512 static inline void attn_softmax512(const __m512 *sv, float *sc, int T, float *st,
                                                  size_t hs, int n, int G) {
     const int per = 16 / G; /* tokens per vector */
@@ -1099,11 +1121,11 @@ TARGET_AVX512 static inline void attn_softmax512(const __m512 *sv, float *sc, in
                         : _mm512_set1_ps(-INFINITY);
     }
     __m512 mx = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
-    /* lanes 0..3: heads 0..3, or 0, 1, 0, 1 */
-    __m128 m_old =
-        _mm_setr_ps(st[n], st[hs + n], st[(size_t)(2 % G) * hs + n], st[(size_t)(3 % G) * hs + n]);
-    __m128 l_old = _mm_setr_ps(st[n + 1], st[hs + n + 1], st[(size_t)(2 % G) * hs + n + 1],
-                               st[(size_t)(3 % G) * hs + n + 1]);
+    /* lanes 0..3: heads 0..3, or 0, 1, 0, 1, or 0, 0, 0, 0 */
+    __m128 m_old = _mm_setr_ps(st[n], st[(size_t)(1 % G) * hs + n], st[(size_t)(2 % G) * hs + n],
+                               st[(size_t)(3 % G) * hs + n]);
+    __m128 l_old = _mm_setr_ps(st[n + 1], st[(size_t)(1 % G) * hs + n + 1],
+                               st[(size_t)(2 % G) * hs + n + 1], st[(size_t)(3 % G) * hs + n + 1]);
     __m512 top = _mm512_broadcast_f32x4(m_old);
     /* Once a few tiles are in, no head's maximum moves in most tiles: m' = m, the weights are
      * e^(s − m) and nothing is rescaled (e^0 = 1 exactly, so this is what the general path below
@@ -1115,8 +1137,10 @@ TARGET_AVX512 static inline void attn_softmax512(const __m512 *sv, float *sc, in
     if (!stays) {
         mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
         mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(2, 3, 0, 1)));
-        if (G == 2)
+        if (G <= 2)
             mx = _mm512_max_ps(mx, _mm512_shuffle_ps(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
+        if (G == 1)
+            mx = _mm512_max_ps(mx, _mm512_shuffle_ps(mx, mx, _MM_SHUFFLE(2, 3, 0, 1)));
         m_new = _mm_max_ps(m_old, _mm512_castps512_ps128(mx));
         top = _mm512_broadcast_f32x4(m_new);
         /* e^(m − m'): 1 exactly where the maximum stays, 0 for the first tile (m = −∞) */
@@ -1130,8 +1154,10 @@ TARGET_AVX512 static inline void attn_softmax512(const __m512 *sv, float *sc, in
     }
     sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(1, 0, 3, 2)));
     sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(2, 3, 0, 1)));
-    if (G == 2)
+    if (G <= 2)
         sum = _mm512_add_ps(sum, _mm512_shuffle_ps(sum, sum, _MM_SHUFFLE(1, 0, 3, 2)));
+    if (G == 1)
+        sum = _mm512_add_ps(sum, _mm512_shuffle_ps(sum, sum, _MM_SHUFFLE(2, 3, 0, 1)));
     __m128 l_new = _mm_add_ps(_mm_mul_ps(l_old, corr), _mm512_castps512_ps128(sum));
     float mv[4], lv[4];
     _mm_storeu_ps(mv, m_new);
@@ -1173,6 +1199,18 @@ ATTN_SCORES512(attn_scores_tq_avx512, chunks_tqk, 2, 4)
 ATTN_VALUES512(attn_values_tq_avx512, chunks_tqv, 2, 4)
 ATTN_SCORES512(attn_scores2_tq_avx512, chunks_tqk, 2, 2)
 ATTN_VALUES512(attn_values2_tq_avx512, chunks_tqv, 2, 2)
+ATTN_SCORES512(attn_scores1_f32_avx512, chunks_f32, 1, 1)
+ATTN_VALUES512(attn_values1_f32_avx512, chunks_f32, 1, 1)
+ATTN_SCORES512(attn_scores1_f16_avx512, chunks_f16, 1, 1)
+ATTN_VALUES512(attn_values1_f16_avx512, chunks_f16, 1, 1)
+ATTN_SCORES512(attn_scores1_bf16_avx512, chunks_bf16, 1, 1)
+ATTN_VALUES512(attn_values1_bf16_avx512, chunks_bf16, 1, 1)
+ATTN_SCORES512(attn_scores1_q8_avx512, chunks_q8, 2, 1)
+ATTN_VALUES512(attn_values1_q8_avx512, chunks_q8, 2, 1)
+ATTN_SCORES512(attn_scores1_q4_avx512, chunks_q4, 2, 1)
+ATTN_VALUES512(attn_values1_q4_avx512, chunks_q4, 2, 1)
+ATTN_SCORES512(attn_scores1_tq_avx512, chunks_tqk, 2, 1)
+ATTN_VALUES512(attn_values1_tq_avx512, chunks_tqv, 2, 1)
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -1213,6 +1251,12 @@ static const struct llmem_kv_kernels kernels_avx512 = {
                    [LLMEM_KV_FORMAT_Q8] = {attn_scores2_q8_avx512, attn_values2_q8_avx512},
                    [LLMEM_KV_FORMAT_Q4] = {attn_scores2_q4_avx512, attn_values2_q4_avx512},
                    [LLMEM_KV_FORMAT_TQ] = {attn_scores2_tq_avx512, attn_values2_tq_avx512}},
+    .attn_tile1 = {[LLMEM_KV_FORMAT_F32] = {attn_scores1_f32_avx512, attn_values1_f32_avx512},
+                   [LLMEM_KV_FORMAT_F16] = {attn_scores1_f16_avx512, attn_values1_f16_avx512},
+                   [LLMEM_KV_FORMAT_BF16] = {attn_scores1_bf16_avx512, attn_values1_bf16_avx512},
+                   [LLMEM_KV_FORMAT_Q8] = {attn_scores1_q8_avx512, attn_values1_q8_avx512},
+                   [LLMEM_KV_FORMAT_Q4] = {attn_scores1_q4_avx512, attn_values1_q4_avx512},
+                   [LLMEM_KV_FORMAT_TQ] = {attn_scores1_tq_avx512, attn_values1_tq_avx512}},
 };
 #endif /* KV_X86 */
 
