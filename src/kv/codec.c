@@ -542,8 +542,12 @@ void llmem_kv_dot_key_group(const struct llmem_kv_codec *c, const uint8_t *key, 
     }
     float x[LLMEM_KV_MAX_HEAD_DIM];
     decode_row(c, 0, key, x);
-    llmem_kv_dot_key_group(&(struct llmem_kv_codec){.format = LLMEM_KV_FORMAT_F32, .head_dim = n},
-                           (const uint8_t *)x, q, heads, s);
+    if (k->dot_group[LLMEM_KV_FORMAT_F32] != NULL) {
+        k->dot_group[LLMEM_KV_FORMAT_F32]((const uint8_t *)x, q, heads, n, s);
+        return;
+    }
+    for (int g = 0; g < heads; g++)
+        s[g] = k->dot[LLMEM_KV_FORMAT_F32]((const uint8_t *)x, q + (size_t)g * (size_t)n, n);
 }
 
 void llmem_kv_axpy_value_group(const struct llmem_kv_codec *c, const uint8_t *value, const float *w,

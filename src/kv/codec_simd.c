@@ -1,6 +1,7 @@
 /*
  * kv/codec_simd.c — the row kernels of attention (dot with a key, accumulate a value) for every
- * KV layout, in portable C and for x86-64 AVX2 and AVX-512, chosen at run time.
+ * KV layout, in portable C and for x86-64 AVX2 and AVX-512, chosen at run time, and the tile
+ * kernels of decode attention (attn_tile in kv/codec_internal.h) for AVX2 and AVX-512.
  *
  * Attention over a long context reads every stored key and value once per query: these loops are
  * memory-bound, so the vector kernels convert each group to f32 in registers and never write the
