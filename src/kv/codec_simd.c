@@ -282,9 +282,6 @@ TARGET_AVX2 static void axpy_bf16_avx2(const uint8_t *row, float w, float *acc, 
                                                   _mm256_loadu_ps(acc + i)));
 }
 
-/* Quantized groups, decoded into four vectors of 8 (elements 0–7, 8–15, 16–23, 24–31); the
- * arithmetic is that of the portable decoders in codec.c (FMA may fuse m + c·s). */
-
 static inline uint16_t get_u16(const uint8_t *p) {
     return (uint16_t)(p[0] | (p[1] << 8));
 }
@@ -297,46 +294,69 @@ TARGET_AVX2 static inline __m256 u8x8_to_ps(__m128i b) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
 }
 
-TARGET_AVX2 static inline void q8_group_avx2(const uint8_t *p, __m256 v[4]) {
+/* The elements [i, i + 8·W) of a stored row as f32 (W in ATTN_SCORES256): one vector of 8 for
+ * f32, f16 and bf16; half a group of 32 (i a multiple of 16) for the quantized layouts, their
+ * arithmetic that of the group decoders above. */
+TARGET_AVX2 static inline void chunks8_f32(const uint8_t *row, int i, __m256 *v) {
+    v[0] = _mm256_loadu_ps((const void *)(row + 4 * (size_t)i));
+}
+TARGET_AVX2 static inline void chunks8_f16(const uint8_t *row, int i, __m256 *v) {
+    v[0] = load8_f16(row + 2 * (size_t)i);
+}
+TARGET_AVX2 static inline void chunks8_bf16(const uint8_t *row, int i, __m256 *v) {
+    v[0] = load8_bf16(row + 2 * (size_t)i);
+}
+TARGET_AVX2 static inline void chunks8_q8(const uint8_t *row, int i, __m256 *v) {
+    const uint8_t *p = row + (size_t)LLMEM_KV_Q8_GROUP_BYTES * (size_t)(i >> 5);
     __m256 s = bcast_f16(p + 32);
-    for (int j = 0; j < 4; j++) {
-        __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)(p + 8 * j));
+    for (int j = 0; j < 2; j++) {
+        __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)(p + (i & 16) + 8 * j));
         v[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s);
     }
 }
-
-TARGET_AVX2 static inline void q4_group_avx2(const uint8_t *p, __m256 v[4]) {
+TARGET_AVX2 static inline void chunks8_q4(const uint8_t *row, int i, __m256 *v) {
+    const uint8_t *p = row + (size_t)LLMEM_KV_Q4_GROUP_BYTES * (size_t)(i >> 5);
     __m256 s = bcast_f16(p + 16), m = bcast_f16(p + 18);
     __m128i b = _mm_loadu_si128((const __m128i *)(const void *)p);
-    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0f));                    /* elements 0–15 */
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f)); /* 16–31 */
-    v[0] = _mm256_fmadd_ps(u8x8_to_ps(lo), s, m);
-    v[1] = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(lo, 8)), s, m);
-    v[2] = _mm256_fmadd_ps(u8x8_to_ps(hi), s, m);
-    v[3] = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(hi, 8)), s, m);
+    if (i & 16) /* elements 16–31: the high nibbles */
+        b = _mm_srli_epi16(b, 4);
+    b = _mm_and_si128(b, _mm_set1_epi8(0x0f));
+    v[0] = _mm256_fmadd_ps(u8x8_to_ps(b), s, m);
+    v[1] = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(b, 8)), s, m);
 }
-
-TARGET_AVX2 static inline void tqk_group_avx2(const uint8_t *p, __m256 v[4]) {
+TARGET_AVX2 static inline void chunks8_tqk(const uint8_t *row, int i, __m256 *v) {
+    const uint8_t *p = row + (size_t)LLMEM_KV_TQK_GROUP_BYTES * (size_t)(i >> 5);
     __m256 s = bcast_f16(p + 32), m = bcast_f16(p + 34);
-    for (int j = 0; j < 4; j++) {
-        __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)(p + 8 * j));
+    for (int j = 0; j < 2; j++) {
+        __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)(p + (i & 16) + 8 * j));
         v[j] = _mm256_fmadd_ps(u8x8_to_ps(c), s, m);
     }
 }
-
-/* 3-bit codes: each 3 bytes hold 8 codes; VPERMPS looks the 8 centroids up. */
-TARGET_AVX2 static inline void tqv_group_avx2(const uint8_t *p, __m256 v[4]) {
+TARGET_AVX2 static inline void chunks8_tqv(const uint8_t *row, int i, __m256 *v) {
+    const uint8_t *p = row + (size_t)LLMEM_KV_TQV_GROUP_BYTES * (size_t)(i >> 5);
     __m256 s = bcast_f16(p + 12);
     __m256 book = _mm256_loadu_ps(llmem_kv_tq_centroids);
     __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
-    for (int k = 0; k < 4; k++) {
-        const uint8_t *b = p + 3 * k;
+    for (int j = 0; j < 2; j++) {
+        const uint8_t *b = p + 3 * (((i & 16) >> 3) + j);
         int bits = b[0] | (b[1] << 8) | (b[2] << 16);
         __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts),
                                        _mm256_set1_epi32(7));
-        v[k] = _mm256_mul_ps(_mm256_permutevar8x32_ps(book, idx), s);
+        v[j] = _mm256_mul_ps(_mm256_permutevar8x32_ps(book, idx), s);
     }
 }
+
+/* Quantized groups, decoded into four vectors of 8 (elements 0–7, 8–15, 16–23, 24–31): the two
+ * halves above, with the arithmetic of the portable decoders in codec.c (FMA may fuse m + c·s). */
+#define GROUP_AVX2(fmt)                                                                            \
+    TARGET_AVX2 static inline void fmt##_group_avx2(const uint8_t *p, __m256 v[4]) {               \
+        chunks8_##fmt(p, 0, v);                                                                    \
+        chunks8_##fmt(p, 16, v + 2);                                                               \
+    }
+GROUP_AVX2(q8)
+GROUP_AVX2(q4)
+GROUP_AVX2(tqk)
+GROUP_AVX2(tqv)
 
 #define QUANT_DOT_AVX2(fmt, GROUP, BYTES)                                                          \
     TARGET_AVX2 static float dot_##fmt##_avx2(const uint8_t *row, const float *q, int n) {         \
@@ -396,58 +416,6 @@ TARGET_AVX2 static inline __m256 exp256(__m256 x) {
     __m256i e =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
-/* The elements [i, i + 8·W) of a stored row as f32 (W in ATTN_SCORES256): one vector of 8 for
- * f32, f16 and bf16; half a group of 32 (i a multiple of 16) for the quantized layouts, their
- * arithmetic that of the group decoders above. */
-TARGET_AVX2 static inline void chunks8_f32(const uint8_t *row, int i, __m256 *v) {
-    v[0] = _mm256_loadu_ps((const void *)(row + 4 * (size_t)i));
-}
-TARGET_AVX2 static inline void chunks8_f16(const uint8_t *row, int i, __m256 *v) {
-    v[0] = load8_f16(row + 2 * (size_t)i);
-}
-TARGET_AVX2 static inline void chunks8_bf16(const uint8_t *row, int i, __m256 *v) {
-    v[0] = load8_bf16(row + 2 * (size_t)i);
-}
-TARGET_AVX2 static inline void chunks8_q8(const uint8_t *row, int i, __m256 *v) {
-    const uint8_t *p = row + (size_t)LLMEM_KV_Q8_GROUP_BYTES * (size_t)(i >> 5);
-    __m256 s = bcast_f16(p + 32);
-    for (int j = 0; j < 2; j++) {
-        __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)(p + (i & 16) + 8 * j));
-        v[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s);
-    }
-}
-TARGET_AVX2 static inline void chunks8_q4(const uint8_t *row, int i, __m256 *v) {
-    const uint8_t *p = row + (size_t)LLMEM_KV_Q4_GROUP_BYTES * (size_t)(i >> 5);
-    __m256 s = bcast_f16(p + 16), m = bcast_f16(p + 18);
-    __m128i b = _mm_loadu_si128((const __m128i *)(const void *)p);
-    if (i & 16) /* elements 16–31: the high nibbles */
-        b = _mm_srli_epi16(b, 4);
-    b = _mm_and_si128(b, _mm_set1_epi8(0x0f));
-    v[0] = _mm256_fmadd_ps(u8x8_to_ps(b), s, m);
-    v[1] = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(b, 8)), s, m);
-}
-TARGET_AVX2 static inline void chunks8_tqk(const uint8_t *row, int i, __m256 *v) {
-    const uint8_t *p = row + (size_t)LLMEM_KV_TQK_GROUP_BYTES * (size_t)(i >> 5);
-    __m256 s = bcast_f16(p + 32), m = bcast_f16(p + 34);
-    for (int j = 0; j < 2; j++) {
-        __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)(p + (i & 16) + 8 * j));
-        v[j] = _mm256_fmadd_ps(u8x8_to_ps(c), s, m);
-    }
-}
-TARGET_AVX2 static inline void chunks8_tqv(const uint8_t *row, int i, __m256 *v) {
-    const uint8_t *p = row + (size_t)LLMEM_KV_TQV_GROUP_BYTES * (size_t)(i >> 5);
-    __m256 s = bcast_f16(p + 12);
-    __m256 book = _mm256_loadu_ps(llmem_kv_tq_centroids);
-    __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
-    for (int j = 0; j < 2; j++) {
-        const uint8_t *b = p + 3 * (((i & 16) >> 3) + j);
-        int bits = b[0] | (b[1] << 8) | (b[2] << 16);
-        __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts),
-                                       _mm256_set1_epi32(7));
-        v[j] = _mm256_mul_ps(_mm256_permutevar8x32_ps(book, idx), s);
-    }
 }
 
 /* Four vectors summed into 4 lanes per 128-bit half (sum4_lanes on 8 lanes), and two such
