@@ -6,10 +6,11 @@
  * values, sequences appended in interleaved chunks so that their block tables are scattered),
  * copies every live block as llmem_kv_block_copy_out lays it out ([K | V]) to the device at its
  * block id, and compares the GPU's output with llmem_kv_attend at the last position: for f16,
- * bf16 and q8, GQA groups of 1, 4 and 8, head_dim 64, 128 (and 256), ragged lengths (0, 1, below,
- * at and past a block, past a split), with the split chosen by the GPU's size and forced small.
- * The output is poisoned (NaN) before each call, so an unwritten element fails. Prefill chunks too:
- * a sequence's last positions as queries over its one table, one a warp or packed several a warp.
+ * bf16 and q8, GQA groups of 1, 4, 7 and 8, head_dim 64, 128 (and 256), ragged lengths (0, 1,
+ * below, at and past a block, past a split), with the split chosen by the GPU's size and forced
+ * small. The output is poisoned (NaN) before each call, so an unwritten element fails. Prefill
+ * chunks too: a sequence's last positions as queries over its one table, one a warp or packed
+ * several a warp.
  *
  * Tolerance, per (sequence, head), ‖gpu − cpu‖ / ‖cpu‖:
  *   f16, bf16  1e-4: keys and values are used exactly; the query and the probabilities enter the
@@ -274,10 +275,10 @@ static void test_formats_groups_dims(void **state) {
     (void)state;
     const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_F16,
                                             LLMEM_KV_FORMAT_Q8};
-    const int groups[][2] = {{4, 4}, {16, 4}, {16, 2}}; /* GQA 1, 4, 8 */
+    const int groups[][2] = {{4, 4}, {16, 4}, {16, 2}, {28, 4}}; /* GQA 1, 4, 8, 7 */
     const int dims[] = {64, 128};
     for (int f = 0; f < 3; f++)
-        for (int g = 0; g < 3; g++)
+        for (int g = 0; g < 4; g++)
             for (int d = 0; d < 2; d++)
                 for (int split = 0; split <= 128; split = split == 0 ? 32 : 4 * split) {
                     struct attn_case tc = {formats[f], groups[g][0], groups[g][1], dims[d],
@@ -417,15 +418,15 @@ static double run_chunk(enum llmem_kv_format format, int H, int KV, int D, int l
     return worst;
 }
 
-/* A prefill chunk's queries, a warp each or packed 8 / group a warp (GQA 1, 2, 4; 8 packs one),
- * with the packs' shorter queries skipping blocks and splits the longer ones read. */
+/* A prefill chunk's queries, a warp each or packed 8 / group a warp (GQA 1, 2, 3, 4; 8 packs
+ * one), with the packs' shorter queries skipping blocks and splits the longer ones read. */
 static void test_chunk_packs(void **state) {
     (void)state;
     const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_F16,
                                             LLMEM_KV_FORMAT_Q8};
-    const int groups[][2] = {{4, 4}, {8, 4}, {16, 4}, {16, 2}}; /* GQA 1, 2, 4, 8 */
+    const int groups[][2] = {{4, 4}, {8, 4}, {12, 4}, {16, 4}, {16, 2}}; /* GQA 1, 2, 3, 4, 8 */
     for (int f = 0; f < 3; f++)
-        for (int g = 0; g < 4; g++)
+        for (int g = 0; g < 5; g++)
             for (int d = 64; d <= 128; d += 64)
                 for (int variant = 0; variant < 4; variant++) {
                     const int group = groups[g][0] / groups[g][1];
