@@ -51,6 +51,10 @@ const char *llmem_kv_layout_name(enum llmem_kv_layout layout);
 /* LLMEM_EINVAL (logged, listing the names) for an unknown name. */
 int llmem_kv_layout_parse(const char *name, enum llmem_kv_layout *layout);
 
+/* The instruction set of the CPU attention kernels this process uses, picked once from the CPU's
+ * features: "avx512", "avx2" or "scalar" (portable C). */
+const char *llmem_kv_kernels_name(void);
+
 struct llmem_kv_config {
     enum llmem_kv_layout layout;
     enum llmem_kv_format format;

@@ -10,6 +10,7 @@
 #include "cli/cli.h"
 #include "core/json.h"
 #include "llmem/backend.h"
+#include "llmem/kv.h"
 #include "llmem/status.h"
 #include "llmem/size.h"
 #include "llmem/sys.h"
@@ -19,13 +20,15 @@ static const char info_usage[] =
     "usage: llmem info [--json]\n"
     "\n"
     "Probes this machine: physical RAM, the cgroup memory limit, the ceiling (the smaller of the\n"
-    "two), available memory, RLIMIT_MEMLOCK, the CPU and its ISA features, and every CUDA\n"
-    "device with its total and free memory. A value that cannot be read is shown as unknown.\n"
+    "two), available memory, RLIMIT_MEMLOCK, the CPU, its ISA features and the instruction set\n"
+    "of the CPU attention kernels they select, and every CUDA device with its total and free\n"
+    "memory. A value that cannot be read is shown as unknown.\n"
     "\n"
     "options:\n"
     "  --json      print one JSON object on stdout: the host's fields at the top level (sizes\n"
     "              in bytes; null when unknown, \"unlimited\" when no limit is set), the same\n"
-    "              under \"host\", and \"devices\": one object per CUDA device\n"
+    "              under \"host\", \"attention_kernels\" (avx512, avx2 or scalar), and\n"
+    "              \"devices\": one object per CUDA device\n"
     "  -h, --help  show this help\n";
 
 #define LABEL "  %-13s "
@@ -46,6 +49,7 @@ static void print_host(const struct llmem_device_info *h) {
         printf(", %d CPU%s", h->n_cpus, h->n_cpus == 1 ? "" : "s");
     printf("\n");
     printf(LABEL "%s\n", "isa", h->arch[0] ? h->arch : "none detected");
+    printf(LABEL "%s kernels\n", "attention", llmem_kv_kernels_name());
     printf(LABEL "%s (physical RAM)\n", "memory", fmt_size(h->memory_size, "", a, sizeof(a)));
 
     /* The ceiling, and why. */
@@ -110,7 +114,8 @@ static int print_json(const struct llmem_device_info *host, const struct llmem_d
                       int n_devices) {
     cJSON *root = cJSON_CreateObject();
     if (root == NULL || llmem_sys_device_info_json(host, root) != LLMEM_OK ||
-        llmem_json_add_bool(root, "cuda_built", llmem_backend_cuda_available()) != LLMEM_OK)
+        llmem_json_add_bool(root, "cuda_built", llmem_backend_cuda_available()) != LLMEM_OK ||
+        llmem_json_add_string(root, "attention_kernels", llmem_kv_kernels_name()) != LLMEM_OK)
         goto out_delete;
     cJSON *host_obj = cJSON_AddObjectToObject(root, "host");
     if (host_obj == NULL || llmem_sys_device_info_json(host, host_obj) != LLMEM_OK)

@@ -1282,6 +1282,10 @@ enum llmem_kv_isa llmem_kv_codec_set_isa(enum llmem_kv_isa isa) {
     return k->isa;
 }
 
+const char *llmem_kv_kernels_name(void) {
+    return llmem_kv_kernels()->name;
+}
+
 void llmem_kv_codec_force_scalar(int on) {
     llmem_kv_codec_set_isa(on ? LLMEM_KV_ISA_SCALAR : llmem_kv_isa_best());
 }

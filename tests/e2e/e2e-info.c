@@ -63,6 +63,11 @@ static void test_json(void **state) {
         assert_true(cJSON_Compare(cJSON_GetObjectItemCaseSensitive(root, keys[i]),
                                   cJSON_GetObjectItemCaseSensitive(host, keys[i]), 1));
 
+    const char *kernels = NULL;
+    assert_int_equal(llmem_json_get_string(root, "attention_kernels", &kernels), LLMEM_OK);
+    assert_true(strcmp(kernels, "avx512") == 0 || strcmp(kernels, "avx2") == 0 ||
+                strcmp(kernels, "scalar") == 0);
+
     const cJSON *devices = cJSON_GetObjectItemCaseSensitive(root, "devices");
     assert_true(cJSON_IsArray(devices));
     const cJSON *dev;
