@@ -574,7 +574,7 @@ static int print_json(const struct results *res, const struct bench *b, int quic
           llmem_json_add_int(machine, "n_cpus", res->host.n_cpus) ||
           llmem_json_add_int(root, "threads", b->threads) ||
           llmem_json_add_int(root, "reps", b->reps) || llmem_json_add_bool(root, "quick", quick) ||
-          llmem_json_add_string(root, "kernels", llmem_kv_kernels()->name);
+          llmem_json_add_string(root, "kernels", llmem_kv_kernels_name());
     cJSON *shape = st ? NULL : cJSON_AddObjectToObject(root, "shape");
     st |= shape == NULL || llmem_json_add_int(shape, "n_heads", n_heads) ||
           llmem_json_add_int(shape, "n_kv_heads", n_kv_heads) ||
@@ -652,7 +652,7 @@ static void print_table(const struct results *res, const struct bench *b) {
     printf("llmem bench kv: %s, %d CPUs, %d thread%s, %s kernels; %d query heads, %d KV heads,"
            " head_dim %d, one layer; median of %lld runs\n",
            res->host.name, res->host.n_cpus, b->threads, b->threads == 1 ? "" : "s",
-           llmem_kv_kernels()->name, n_heads, n_kv_heads, HEAD_DIM, (long long)b->reps);
+           llmem_kv_kernels_name(), n_heads, n_kv_heads, HEAD_DIM, (long long)b->reps);
     printf("memory bandwidth (%lld MiB buffer, %d thread%s): read %.1f GB/s, copy %.1f GB/s"
            " (bytes read + written)\n",
            (long long)(res->bw_bytes >> 20), b->threads, b->threads == 1 ? "" : "s", res->read_gbps,
@@ -718,12 +718,12 @@ static const char bench_kv_usage[] =
     "                      [--ctx N] [--batch N] [--kv-layout L,..] [--kv-format F,..]\n"
     "                      [--bw-size SIZE] [--route R] [--heads Q/KV] [--isa I]\n"
     "\n"
-    "Decode attention over the KV caches (32 query heads, 8 KV heads, head_dim 128, one layer)\n"
-    "for every layout (paged, contiguous, blocks, ragged) and format (f16, bf16, f32, q8, q4,\n"
-    "tq), at contexts 1K-32K and batches 1/4/16 (ctx x batch <= 128K tokens): time, KV bytes\n"
-    "read per second, and the fraction of the memory read bandwidth measured in the same run;\n"
-    "and the fraction of the compute bound (the f32 FMA rate measured in the same run, G = 4\n"
-    "multiply-adds per stored element);\n"
+    "Decode attention over the KV caches (32 query heads, 8 KV heads unless --heads; head_dim\n"
+    "128, one layer) for every layout (paged, contiguous, blocks, ragged) and format (f16, bf16,\n"
+    "f32, q8, q4, tq), at contexts 1K-32K and batches 1/4/16 (ctx x batch <= 128K tokens):\n"
+    "time, KV bytes read per second, and the fraction of the memory read bandwidth measured in\n"
+    "the same run; and the fraction of the compute bound (the f32 FMA rate measured in the same\n"
+    "run, G multiply-adds per stored element for a GQA group of G, 4 by default);\n"
     "the paged/contiguous ratio (f16, longest context); each format's error against f32 at\n"
     "ctx 4096; and the time per token of appending 4096 tokens (f16) one at a time, in chunks\n"
     "of 512, and one at a time into reserved room, warm (allocator cache) and cold.\n"

@@ -392,6 +392,18 @@ QUANT_AXPY_AVX2(q8, q8_group_avx2, LLMEM_KV_Q8_GROUP_BYTES)
 QUANT_AXPY_AVX2(q4, q4_group_avx2, LLMEM_KV_Q4_GROUP_BYTES)
 QUANT_AXPY_AVX2(tqv, tqv_group_avx2, LLMEM_KV_TQV_GROUP_BYTES)
 
+/* The tile kernels of both instruction sets are named attn_scores<P>_<format>_<isa> and
+ * attn_values<P>_<format>_<isa>, P empty for four query heads, 2 for two and 1 for one; TILE_TABLE
+ * lists one instruction set's kernels for one of those group sizes (struct llmem_kv_kernels). */
+#define TILE_ENTRY(P, fmt, FMT, isa)                                                               \
+    [LLMEM_KV_FORMAT_##FMT] = {attn_scores##P##_##fmt##_##isa, attn_values##P##_##fmt##_##isa}
+#define TILE_TABLE(P, isa)                                                                         \
+    {                                                                                              \
+        TILE_ENTRY(P, f32, F32, isa), TILE_ENTRY(P, f16, F16, isa),                                \
+            TILE_ENTRY(P, bf16, BF16, isa), TILE_ENTRY(P, q8, Q8, isa),                            \
+            TILE_ENTRY(P, q4, Q4, isa), TILE_ENTRY(P, tq, TQ, isa)                                 \
+    }
+
 /* ---- AVX2: one tile of decode attention for a group of four, two or one query heads ---------- */
 
 /* The AVX-512 tile kernels' arithmetic (see there) on 8 lanes. */
@@ -557,42 +569,21 @@ TARGET_AVX2 static inline void attn_softmax256(const __m256 *sv, float *sc, int 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
-ATTN_SCORES256(attn_scores_f32_avx2, chunks8_f32, 1, 4)
-ATTN_VALUES256(attn_values_f32_avx2, chunks8_f32, 1, 4)
-ATTN_SCORES256(attn_scores_f16_avx2, chunks8_f16, 1, 4)
-ATTN_VALUES256(attn_values_f16_avx2, chunks8_f16, 1, 4)
-ATTN_SCORES256(attn_scores_bf16_avx2, chunks8_bf16, 1, 4)
-ATTN_VALUES256(attn_values_bf16_avx2, chunks8_bf16, 1, 4)
-ATTN_SCORES256(attn_scores_q8_avx2, chunks8_q8, 2, 4)
-ATTN_VALUES256(attn_values_q8_avx2, chunks8_q8, 2, 4)
-ATTN_SCORES256(attn_scores_q4_avx2, chunks8_q4, 2, 4)
-ATTN_VALUES256(attn_values_q4_avx2, chunks8_q4, 2, 4)
-ATTN_SCORES256(attn_scores_tq_avx2, chunks8_tqk, 2, 4)
-ATTN_VALUES256(attn_values_tq_avx2, chunks8_tqv, 2, 4)
-ATTN_SCORES256(attn_scores2_f32_avx2, chunks8_f32, 1, 2)
-ATTN_VALUES256(attn_values2_f32_avx2, chunks8_f32, 1, 2)
-ATTN_SCORES256(attn_scores2_f16_avx2, chunks8_f16, 1, 2)
-ATTN_VALUES256(attn_values2_f16_avx2, chunks8_f16, 1, 2)
-ATTN_SCORES256(attn_scores2_bf16_avx2, chunks8_bf16, 1, 2)
-ATTN_VALUES256(attn_values2_bf16_avx2, chunks8_bf16, 1, 2)
-ATTN_SCORES256(attn_scores2_q8_avx2, chunks8_q8, 2, 2)
-ATTN_VALUES256(attn_values2_q8_avx2, chunks8_q8, 2, 2)
-ATTN_SCORES256(attn_scores2_q4_avx2, chunks8_q4, 2, 2)
-ATTN_VALUES256(attn_values2_q4_avx2, chunks8_q4, 2, 2)
-ATTN_SCORES256(attn_scores2_tq_avx2, chunks8_tqk, 2, 2)
-ATTN_VALUES256(attn_values2_tq_avx2, chunks8_tqv, 2, 2)
-ATTN_SCORES256(attn_scores1_f32_avx2, chunks8_f32, 1, 1)
-ATTN_VALUES256(attn_values1_f32_avx2, chunks8_f32, 1, 1)
-ATTN_SCORES256(attn_scores1_f16_avx2, chunks8_f16, 1, 1)
-ATTN_VALUES256(attn_values1_f16_avx2, chunks8_f16, 1, 1)
-ATTN_SCORES256(attn_scores1_bf16_avx2, chunks8_bf16, 1, 1)
-ATTN_VALUES256(attn_values1_bf16_avx2, chunks8_bf16, 1, 1)
-ATTN_SCORES256(attn_scores1_q8_avx2, chunks8_q8, 2, 1)
-ATTN_VALUES256(attn_values1_q8_avx2, chunks8_q8, 2, 1)
-ATTN_SCORES256(attn_scores1_q4_avx2, chunks8_q4, 2, 1)
-ATTN_VALUES256(attn_values1_q4_avx2, chunks8_q4, 2, 1)
-ATTN_SCORES256(attn_scores1_tq_avx2, chunks8_tqk, 2, 1)
-ATTN_VALUES256(attn_values1_tq_avx2, chunks8_tqv, 2, 1)
+/* One format's tile kernels for four, two and one query heads (keys read with KC, values with
+ * VC, W chunks a call). */
+#define TILES256(fmt, KC, VC, W)                                                                   \
+    ATTN_SCORES256(attn_scores_##fmt##_avx2, KC, W, 4)                                             \
+    ATTN_VALUES256(attn_values_##fmt##_avx2, VC, W, 4)                                             \
+    ATTN_SCORES256(attn_scores2_##fmt##_avx2, KC, W, 2)                                            \
+    ATTN_VALUES256(attn_values2_##fmt##_avx2, VC, W, 2)                                            \
+    ATTN_SCORES256(attn_scores1_##fmt##_avx2, KC, W, 1)                                            \
+    ATTN_VALUES256(attn_values1_##fmt##_avx2, VC, W, 1)
+TILES256(f32, chunks8_f32, chunks8_f32, 1)
+TILES256(f16, chunks8_f16, chunks8_f16, 1)
+TILES256(bf16, chunks8_bf16, chunks8_bf16, 1)
+TILES256(q8, chunks8_q8, chunks8_q8, 2)
+TILES256(q4, chunks8_q4, chunks8_q4, 2)
+TILES256(tq, chunks8_tqk, chunks8_tqv, 2)
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -612,24 +603,9 @@ static const struct llmem_kv_kernels kernels_avx2 = {
              [LLMEM_KV_FORMAT_Q8] = axpy_q8_avx2,
              [LLMEM_KV_FORMAT_Q4] = axpy_q4_avx2,
              [LLMEM_KV_FORMAT_TQ] = axpy_tqv_avx2},
-    .attn_tile = {[LLMEM_KV_FORMAT_F32] = {attn_scores_f32_avx2, attn_values_f32_avx2},
-                  [LLMEM_KV_FORMAT_F16] = {attn_scores_f16_avx2, attn_values_f16_avx2},
-                  [LLMEM_KV_FORMAT_BF16] = {attn_scores_bf16_avx2, attn_values_bf16_avx2},
-                  [LLMEM_KV_FORMAT_Q8] = {attn_scores_q8_avx2, attn_values_q8_avx2},
-                  [LLMEM_KV_FORMAT_Q4] = {attn_scores_q4_avx2, attn_values_q4_avx2},
-                  [LLMEM_KV_FORMAT_TQ] = {attn_scores_tq_avx2, attn_values_tq_avx2}},
-    .attn_tile2 = {[LLMEM_KV_FORMAT_F32] = {attn_scores2_f32_avx2, attn_values2_f32_avx2},
-                   [LLMEM_KV_FORMAT_F16] = {attn_scores2_f16_avx2, attn_values2_f16_avx2},
-                   [LLMEM_KV_FORMAT_BF16] = {attn_scores2_bf16_avx2, attn_values2_bf16_avx2},
-                   [LLMEM_KV_FORMAT_Q8] = {attn_scores2_q8_avx2, attn_values2_q8_avx2},
-                   [LLMEM_KV_FORMAT_Q4] = {attn_scores2_q4_avx2, attn_values2_q4_avx2},
-                   [LLMEM_KV_FORMAT_TQ] = {attn_scores2_tq_avx2, attn_values2_tq_avx2}},
-    .attn_tile1 = {[LLMEM_KV_FORMAT_F32] = {attn_scores1_f32_avx2, attn_values1_f32_avx2},
-                   [LLMEM_KV_FORMAT_F16] = {attn_scores1_f16_avx2, attn_values1_f16_avx2},
-                   [LLMEM_KV_FORMAT_BF16] = {attn_scores1_bf16_avx2, attn_values1_bf16_avx2},
-                   [LLMEM_KV_FORMAT_Q8] = {attn_scores1_q8_avx2, attn_values1_q8_avx2},
-                   [LLMEM_KV_FORMAT_Q4] = {attn_scores1_q4_avx2, attn_values1_q4_avx2},
-                   [LLMEM_KV_FORMAT_TQ] = {attn_scores1_tq_avx2, attn_values1_tq_avx2}},
+    .attn_tile = TILE_TABLE(, avx2),
+    .attn_tile2 = TILE_TABLE(2, avx2),
+    .attn_tile1 = TILE_TABLE(1, avx2),
 };
 
 /* ---- AVX-512 F + BW + VL --------------------------------------------------------------------- */
@@ -1144,42 +1120,21 @@ TARGET_AVX512 static inline void attn_softmax512(const __m512 *sv, float *sc, in
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
-ATTN_SCORES512(attn_scores_f32_avx512, chunks_f32, 1, 4)
-ATTN_VALUES512(attn_values_f32_avx512, chunks_f32, 1, 4)
-ATTN_SCORES512(attn_scores_f16_avx512, chunks_f16, 1, 4)
-ATTN_VALUES512(attn_values_f16_avx512, chunks_f16, 1, 4)
-ATTN_SCORES512(attn_scores_bf16_avx512, chunks_bf16, 1, 4)
-ATTN_VALUES512(attn_values_bf16_avx512, chunks_bf16, 1, 4)
-ATTN_SCORES512(attn_scores_q8_avx512, chunks_q8, 2, 4)
-ATTN_VALUES512(attn_values_q8_avx512, chunks_q8, 2, 4)
-ATTN_SCORES512(attn_scores2_f32_avx512, chunks_f32, 1, 2)
-ATTN_VALUES512(attn_values2_f32_avx512, chunks_f32, 1, 2)
-ATTN_SCORES512(attn_scores2_f16_avx512, chunks_f16, 1, 2)
-ATTN_VALUES512(attn_values2_f16_avx512, chunks_f16, 1, 2)
-ATTN_SCORES512(attn_scores2_bf16_avx512, chunks_bf16, 1, 2)
-ATTN_VALUES512(attn_values2_bf16_avx512, chunks_bf16, 1, 2)
-ATTN_SCORES512(attn_scores2_q8_avx512, chunks_q8, 2, 2)
-ATTN_VALUES512(attn_values2_q8_avx512, chunks_q8, 2, 2)
-ATTN_SCORES512(attn_scores_q4_avx512, chunks_q4, 2, 4)
-ATTN_VALUES512(attn_values_q4_avx512, chunks_q4, 2, 4)
-ATTN_SCORES512(attn_scores2_q4_avx512, chunks_q4, 2, 2)
-ATTN_VALUES512(attn_values2_q4_avx512, chunks_q4, 2, 2)
-ATTN_SCORES512(attn_scores_tq_avx512, chunks_tqk, 2, 4)
-ATTN_VALUES512(attn_values_tq_avx512, chunks_tqv, 2, 4)
-ATTN_SCORES512(attn_scores2_tq_avx512, chunks_tqk, 2, 2)
-ATTN_VALUES512(attn_values2_tq_avx512, chunks_tqv, 2, 2)
-ATTN_SCORES512(attn_scores1_f32_avx512, chunks_f32, 1, 1)
-ATTN_VALUES512(attn_values1_f32_avx512, chunks_f32, 1, 1)
-ATTN_SCORES512(attn_scores1_f16_avx512, chunks_f16, 1, 1)
-ATTN_VALUES512(attn_values1_f16_avx512, chunks_f16, 1, 1)
-ATTN_SCORES512(attn_scores1_bf16_avx512, chunks_bf16, 1, 1)
-ATTN_VALUES512(attn_values1_bf16_avx512, chunks_bf16, 1, 1)
-ATTN_SCORES512(attn_scores1_q8_avx512, chunks_q8, 2, 1)
-ATTN_VALUES512(attn_values1_q8_avx512, chunks_q8, 2, 1)
-ATTN_SCORES512(attn_scores1_q4_avx512, chunks_q4, 2, 1)
-ATTN_VALUES512(attn_values1_q4_avx512, chunks_q4, 2, 1)
-ATTN_SCORES512(attn_scores1_tq_avx512, chunks_tqk, 2, 1)
-ATTN_VALUES512(attn_values1_tq_avx512, chunks_tqv, 2, 1)
+/* One format's tile kernels for four, two and one query heads (keys read with KC, values with
+ * VC, W chunks a call). */
+#define TILES512(fmt, KC, VC, W)                                                                   \
+    ATTN_SCORES512(attn_scores_##fmt##_avx512, KC, W, 4)                                           \
+    ATTN_VALUES512(attn_values_##fmt##_avx512, VC, W, 4)                                           \
+    ATTN_SCORES512(attn_scores2_##fmt##_avx512, KC, W, 2)                                          \
+    ATTN_VALUES512(attn_values2_##fmt##_avx512, VC, W, 2)                                          \
+    ATTN_SCORES512(attn_scores1_##fmt##_avx512, KC, W, 1)                                          \
+    ATTN_VALUES512(attn_values1_##fmt##_avx512, VC, W, 1)
+TILES512(f32, chunks_f32, chunks_f32, 1)
+TILES512(f16, chunks_f16, chunks_f16, 1)
+TILES512(bf16, chunks_bf16, chunks_bf16, 1)
+TILES512(q8, chunks_q8, chunks_q8, 2)
+TILES512(q4, chunks_q4, chunks_q4, 2)
+TILES512(tq, chunks_tqk, chunks_tqv, 2)
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -1208,24 +1163,9 @@ static const struct llmem_kv_kernels kernels_avx512 = {
     .axpy_tile = {[LLMEM_KV_FORMAT_F32] = axpyt_f32_avx512,
                   [LLMEM_KV_FORMAT_F16] = axpyt_f16_avx512,
                   [LLMEM_KV_FORMAT_BF16] = axpyt_bf16_avx512},
-    .attn_tile = {[LLMEM_KV_FORMAT_F32] = {attn_scores_f32_avx512, attn_values_f32_avx512},
-                  [LLMEM_KV_FORMAT_F16] = {attn_scores_f16_avx512, attn_values_f16_avx512},
-                  [LLMEM_KV_FORMAT_BF16] = {attn_scores_bf16_avx512, attn_values_bf16_avx512},
-                  [LLMEM_KV_FORMAT_Q8] = {attn_scores_q8_avx512, attn_values_q8_avx512},
-                  [LLMEM_KV_FORMAT_Q4] = {attn_scores_q4_avx512, attn_values_q4_avx512},
-                  [LLMEM_KV_FORMAT_TQ] = {attn_scores_tq_avx512, attn_values_tq_avx512}},
-    .attn_tile2 = {[LLMEM_KV_FORMAT_F32] = {attn_scores2_f32_avx512, attn_values2_f32_avx512},
-                   [LLMEM_KV_FORMAT_F16] = {attn_scores2_f16_avx512, attn_values2_f16_avx512},
-                   [LLMEM_KV_FORMAT_BF16] = {attn_scores2_bf16_avx512, attn_values2_bf16_avx512},
-                   [LLMEM_KV_FORMAT_Q8] = {attn_scores2_q8_avx512, attn_values2_q8_avx512},
-                   [LLMEM_KV_FORMAT_Q4] = {attn_scores2_q4_avx512, attn_values2_q4_avx512},
-                   [LLMEM_KV_FORMAT_TQ] = {attn_scores2_tq_avx512, attn_values2_tq_avx512}},
-    .attn_tile1 = {[LLMEM_KV_FORMAT_F32] = {attn_scores1_f32_avx512, attn_values1_f32_avx512},
-                   [LLMEM_KV_FORMAT_F16] = {attn_scores1_f16_avx512, attn_values1_f16_avx512},
-                   [LLMEM_KV_FORMAT_BF16] = {attn_scores1_bf16_avx512, attn_values1_bf16_avx512},
-                   [LLMEM_KV_FORMAT_Q8] = {attn_scores1_q8_avx512, attn_values1_q8_avx512},
-                   [LLMEM_KV_FORMAT_Q4] = {attn_scores1_q4_avx512, attn_values1_q4_avx512},
-                   [LLMEM_KV_FORMAT_TQ] = {attn_scores1_tq_avx512, attn_values1_tq_avx512}},
+    .attn_tile = TILE_TABLE(, avx512),
+    .attn_tile2 = TILE_TABLE(2, avx512),
+    .attn_tile1 = TILE_TABLE(1, avx512),
 };
 #endif /* KV_X86 */
 
