@@ -14,6 +14,7 @@
 #include "backend/ops.h"
 #include "llmem/bank.h"
 #include "llmem/model.h"
+#include "llmem/forward.h"
 #include "testutil.h"
 
 #define PYCODER LLMEM_SOURCE_DIR "/models/pycoder"

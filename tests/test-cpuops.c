@@ -24,7 +24,8 @@
 
 #include "backend/cpu/cpu_int.h"
 #include "backend/ops.h"
-#include "core/pool.h"
+#include "llmem/pool.h"
+#include "llmem/dtype.h"
 #include "testutil.h"
 
 /* ---- data -------------------------------------------------------------------------------------

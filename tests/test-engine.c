@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "core/log.h"
+#include "engine/hooks.h"
 #include "llmem/bank.h"
 #include "llmem/engine.h"
 #include "llmem/spill.h"
@@ -514,10 +515,9 @@ static struct llmem_engine *open_banked(struct fake_pressure *f, int stride, int
     c.model_dir = PYCODER;
     c.n_threads = 2;
     c.no_spill = no_spill;
-    c.guard_source = fake_source;
-    c.guard_source_arg = f;
+    struct llmem_engine_hooks h = {.guard_source = fake_source, .guard_source_arg = f};
     struct llmem_engine *e = NULL;
-    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    assert_int_equal(llmem_engine_open_hooked(&c, &h, NULL, NULL, &e), LLMEM_OK);
     int32_t prompt[640];
     for (int i = 0; i < 640; i++)
         prompt[i] = 50 + (i * stride) % 3000;
@@ -593,10 +593,9 @@ static struct llmem_engine *open_with_store(const char *model, const char *bank_
     c.n_threads = 2;
     c.bank_dir = bank_dir;
     c.spill_max_bytes = spill_max;
-    c.spill_free_probe = probe;
-    c.spill_free_probe_arg = probe_arg;
+    struct llmem_engine_hooks h = {.spill_free_probe = probe, .spill_free_probe_arg = probe_arg};
     struct llmem_engine *e = NULL;
-    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    assert_int_equal(llmem_engine_open_hooked(&c, &h, NULL, NULL, &e), LLMEM_OK);
     return e;
 }
 
@@ -833,9 +832,9 @@ static void test_bank_within_dynamic_ceiling(void **state) {
     c.no_spill = 1;
     /* this test process's resident memory is not the 26 MiB machine the plan pretends: the
      * guard reads no pressure */
-    c.guard_source = no_pressure;
+    struct llmem_engine_hooks h = {.guard_source = no_pressure};
     struct llmem_engine *e = NULL;
-    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    assert_int_equal(llmem_engine_open_hooked(&c, &h, NULL, NULL, &e), LLMEM_OK);
     struct ceiling_watch w = {.e = e};
     struct llmem_generate_params p;
     llmem_generate_params_default(&p);

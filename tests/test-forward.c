@@ -17,6 +17,7 @@
 #include "llmem/kv.h"
 #include "llmem/mem.h"
 #include "llmem/model.h"
+#include "llmem/forward.h"
 #include "testutil.h"
 
 #define MODELS LLMEM_TEST_DATA "/models"

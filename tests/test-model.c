@@ -17,6 +17,9 @@
 #include "llmem/model.h"
 #include "llmem/plan.h"
 #include "llmem/status.h"
+#include "llmem/config.h"
+#include "llmem/dtype.h"
+#include "llmem/safetensors.h"
 #include "testutil.h"
 
 #define PYCODER_DIR LLMEM_SOURCE_DIR "/models/pycoder"

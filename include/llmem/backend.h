@@ -5,10 +5,18 @@
  * Accelerator devices — CUDA GPUs in a build with the CUDA backend — are listed here, numbered
  * 0 … n−1 in the order of the CUDA runtime. No GPU, no driver or a build without CUDA simply
  * means zero devices: that is not an error.
+ *
+ * A backend instance (`struct llmem_backend`, opaque here) runs the operations of a forward pass
+ * (llmem/forward.h) on the host or on one GPU; its table of operations is internal.
  */
 #ifndef LLMEM_BACKEND_H
 #define LLMEM_BACKEND_H
 
+#include <stdint.h>
+
+#include "llmem/api.h"
+#include "llmem/mem.h"
+#include "llmem/pool.h"
 #include "llmem/sys.h"
 
 #ifdef __cplusplus
@@ -22,7 +30,7 @@ enum llmem_backend_kind {
 };
 
 /* "cpu" / "cuda" → *kind; LLMEM_EINVAL (logged) otherwise. */
-int llmem_backend_kind_parse(const char *name, enum llmem_backend_kind *kind);
+LLMEM_API int llmem_backend_kind_parse(const char *name, enum llmem_backend_kind *kind);
 
 /* How a backend multiplies: f32 computes in f32 throughout (the reference); fast lets the GEMMs
  * of prefill and large batches run on bf16 tensor cores with f32 accumulation (the activations
@@ -35,26 +43,58 @@ enum llmem_backend_precision {
 /* The most scratch the CUDA backend takes for passes of up to max_tokens rows whose widest matrix
  * has max_cols columns: the activations rounded to 16 bits (fast), or a slice of weights widened
  * to f32 (f32). */
-int64_t llmem_backend_cuda_scratch_bytes(enum llmem_backend_precision precision, int64_t max_tokens,
-                                         int64_t max_cols);
+LLMEM_API int64_t llmem_backend_cuda_scratch_bytes(enum llmem_backend_precision precision,
+                                                   int64_t max_tokens, int64_t max_cols);
 
 /* "fast" / "f32" → *precision; LLMEM_EINVAL (logged) otherwise. */
-int llmem_backend_precision_parse(const char *name, enum llmem_backend_precision *precision);
-const char *llmem_backend_precision_name(enum llmem_backend_precision precision);
+LLMEM_API int llmem_backend_precision_parse(const char *name,
+                                            enum llmem_backend_precision *precision);
+LLMEM_API const char *llmem_backend_precision_name(enum llmem_backend_precision precision);
 
 /* 1 when this library was built with the CUDA backend, else 0. */
-int llmem_backend_cuda_available(void);
+LLMEM_API int llmem_backend_cuda_available(void);
 
 /* The number of usable accelerator devices into *n (0 without CUDA, without a driver or without
  * a GPU; why is logged at INFO). Returns LLMEM_OK. */
-int llmem_backend_device_count(int *n);
+LLMEM_API int llmem_backend_device_count(int *n);
 
 /* Fills *info for device `index` (kind LLMEM_DEVICE_CUDA): name, arch "sm_<major><minor>",
  * memory_size = max_recommended_working_set_size = max_buffer_length = total device memory,
  * available = free device memory (cudaMemGetInfo; creates the device's context). Host-only
  * fields stay unknown. LLMEM_EINVAL (logged) for an index out of range, LLMEM_EIO (logged) when
  * the runtime fails. */
-int llmem_backend_device_info(int index, struct llmem_device_info *info);
+LLMEM_API int llmem_backend_device_info(int index, struct llmem_device_info *info);
+
+/* ---------------------------------------------------------------------------------------------
+ * Backend instances
+ * ------------------------------------------------------------------------------------------- */
+
+struct llmem_backend;
+
+/* The CPU backend with n_threads threads (≤ 0: the online CPUs). LLMEM_ENOMEM / LLMEM_EIO
+ * (logged). */
+LLMEM_API int llmem_backend_cpu_create(int n_threads, struct llmem_backend **out);
+/* The CPU backend on the caller's thread pool (shared with its other kernels, so that no two pools
+ * spin against each other; not destroyed with the backend), with its GEMM scratch
+ * (llmem_backend_cpu_scratch_bytes) from mem under the tag scratch. */
+LLMEM_API int llmem_backend_cpu_create_shared(struct llmem_pool *pool, struct llmem_mem *mem,
+                                              struct llmem_backend **out);
+/* The fixed scratch of the CPU backend's GEMM on n_threads threads: packed activations and one
+ * panel of converted weights per thread. */
+LLMEM_API int64_t llmem_backend_cpu_scratch_bytes(int n_threads);
+/* The CUDA backend on GPU `device` computing at `precision`, its scratch from mem (an allocator
+ * over llmem_backend_cuda_memory(device), tag scratch; NULL: the backend's own). LLMEM_EUNSUPPORTED
+ * (logged) in a build without CUDA, LLMEM_EINVAL (logged) for a device that does not exist,
+ * LLMEM_EIO / LLMEM_ENOMEM (logged) when the runtime or cuBLAS fails to start. */
+LLMEM_API int llmem_backend_cuda_create(int device, enum llmem_backend_precision precision,
+                                        struct llmem_mem *mem, struct llmem_backend **out);
+/* Device memory of GPU `device` for llmem_mem_create; NULL without CUDA or such a device. */
+LLMEM_API const struct llmem_mem_raw_ops *llmem_backend_cuda_memory(int device);
+/* Pinned host memory for llmem_mem_create (staging that copies to and from a GPU do not wait
+ * for); NULL without CUDA. */
+LLMEM_API const struct llmem_mem_raw_ops *llmem_backend_cuda_pinned_memory(void);
+/* NULL is a no-op. */
+LLMEM_API void llmem_backend_destroy(struct llmem_backend *backend);
 
 #ifdef __cplusplus
 }

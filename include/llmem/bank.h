@@ -13,6 +13,8 @@
 #ifndef LLMEM_BANK_H
 #define LLMEM_BANK_H
 
+#include "llmem/api.h"
+
 #include <stdint.h>
 
 #include "llmem/kv.h"
@@ -35,12 +37,13 @@ struct llmem_bank_identity {
  * cache file (created or updated with a temp file + rename; an unreadable or malformed cache is
  * ignored and rewritten); salt may be NULL. LLMEM_ENOENT / LLMEM_EFORMAT / LLMEM_EIO (logged) for
  * a model directory whose files cannot be read. */
-int llmem_bank_identity(const char *model_dir, enum llmem_kv_format format,
-                        enum llmem_kv_layout layout, const char *salt, const char *cache_path,
-                        struct llmem_bank_identity *out);
+LLMEM_API int llmem_bank_identity(const char *model_dir, enum llmem_kv_format format,
+                                  enum llmem_kv_layout layout, const char *salt,
+                                  const char *cache_path, struct llmem_bank_identity *out);
 
 /* h = SHA-256(prev ‖ tokens[0..n) as little-endian int32). */
-void llmem_bank_block_hash(const uint8_t prev[32], const int32_t *tokens, int n, uint8_t out[32]);
+LLMEM_API void llmem_bank_block_hash(const uint8_t prev[32], const int32_t *tokens, int n,
+                                     uint8_t out[32]);
 
 /* ---------------------------------------------------------------------------------------------
  * The RAM tier (SPEC §6.1, §6.2)
@@ -55,23 +58,25 @@ void llmem_bank_block_hash(const uint8_t prev[32], const int32_t *tokens, int n,
 struct llmem_bank;
 
 /* A bank over kv (paged) for chains rooted in `root`. LLMEM_ENOMEM (logged). */
-int llmem_bank_create(struct llmem_kv *kv, const uint8_t root[32], struct llmem_bank **out);
+LLMEM_API int llmem_bank_create(struct llmem_kv *kv, const uint8_t root[32],
+                                struct llmem_bank **out);
 /* Releases every block the bank holds. NULL is a no-op. */
-void llmem_bank_destroy(struct llmem_bank *bank);
+LLMEM_API void llmem_bank_destroy(struct llmem_bank *bank);
 
 /* The banked blocks that begin `tokens`: up to max_blocks ids into ids (in order), their count
  * returned; hits and misses are counted. The caller starts a sequence from them with
  * llmem_kv_seq_new_from_blocks. */
-int64_t llmem_bank_lookup(struct llmem_bank *bank, const int32_t *tokens, int64_t n_tokens,
-                          int64_t max_blocks, int64_t *ids);
+LLMEM_API int64_t llmem_bank_lookup(struct llmem_bank *bank, const int32_t *tokens,
+                                    int64_t n_tokens, int64_t max_blocks, int64_t *ids);
 /* Banks the full blocks of a sequence: block i holds tokens[i·bs, (i+1)·bs) (n_tokens ≥ the
  * sequence's length rounded down to whole blocks). Blocks already banked (by hash) are only
  * touched. LLMEM_ENOMEM (logged; the bank is unchanged past what it could add). */
-int llmem_bank_insert(struct llmem_bank *bank, int seq, const int32_t *tokens, int64_t n_tokens);
+LLMEM_API int llmem_bank_insert(struct llmem_bank *bank, int seq, const int32_t *tokens,
+                                int64_t n_tokens);
 /* Evicts least recently used blocks until the bank holds at most max_bytes; returns the bytes
  * released back to the pool (a block also used by a live sequence stays in the pool until that
  * sequence lets go). */
-int64_t llmem_bank_trim(struct llmem_bank *bank, int64_t max_bytes);
+LLMEM_API int64_t llmem_bank_trim(struct llmem_bank *bank, int64_t max_bytes);
 
 #define LLMEM_BANK_STATS_FIELDS(X)                                                                 \
     X(blocks) /* blocks held */                                                                    \
@@ -86,7 +91,7 @@ struct llmem_bank_stats {
     LLMEM_BANK_STATS_FIELDS(LLMEM_BANK_STATS_FIELD_)
 };
 #undef LLMEM_BANK_STATS_FIELD_
-void llmem_bank_stats(const struct llmem_bank *bank, struct llmem_bank_stats *stats);
+LLMEM_API void llmem_bank_stats(const struct llmem_bank *bank, struct llmem_bank_stats *stats);
 
 #ifdef __cplusplus
 }

@@ -17,107 +17,24 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "llmem/api.h"
+#include "llmem/backend.h"
 #include "llmem/bank.h"
+#include "llmem/forward.h"
+#include "llmem/guard.h"
 #include "llmem/kv.h"
 #include "llmem/mem.h"
 #include "llmem/model.h"
 #include "llmem/plan.h"
-#include "llmem/backend.h"
+#include "llmem/pool.h"
+#include "llmem/sampler.h"
 #include "llmem/spill.h"
 #include "llmem/status.h"
+#include "llmem/tokenizer.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* ---------------------------------------------------------------------------------------------
- * Sampling
- * ------------------------------------------------------------------------------------------- */
-
-struct llmem_sampling {
-    double temperature; /* 0: greedy */
-    int64_t top_k;      /* 0: off */
-    double top_p;       /* 1: off */
-    double min_p;       /* 0: off */
-    uint64_t seed;
-};
-/* Greedy. */
-void llmem_sampling_default(struct llmem_sampling *s);
-
-struct llmem_sampler;
-/* LLMEM_EINVAL (logged) for out-of-range parameters, LLMEM_ENOMEM. */
-int llmem_sampler_create(const struct llmem_sampling *params, int64_t vocab,
-                         struct llmem_sampler **out);
-void llmem_sampler_free(struct llmem_sampler *s);
-/* The next token for a row of vocab logits. */
-int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits);
-/* How many of a row's largest logits the sampling needs: 1 (greedy, or top_k 1), top_k (when
- * set), or 0: the whole row. */
-int64_t llmem_sampling_top_needed(const struct llmem_sampling *params);
-/* The next token from a row's k largest logits (ids and values by logit descending, equal logits
- * by the lower id), k ≥ llmem_sampling_top_needed > 0: the same token, and the same draw of the
- * generator, as llmem_sampler_sample over the whole row. */
-int32_t llmem_sampler_sample_top(struct llmem_sampler *s, const int32_t *ids, const float *vals,
-                                 int64_t k);
-
-/* ---------------------------------------------------------------------------------------------
- * The pressure guard (SPEC §6.4)
- *
- * warning  — allocator active + cache ≥ 0.97 × the allocation limit, resident memory ≥ the trip,
- *            PSI "some" memory pressure ≥ LLMEM_GUARD_PSI_SOME % (avg10), or a rising `high`
- *            count in the cgroup's memory.events: shrink the session bank to half and release the
- *            allocator's cache;
- * critical — resident memory ≥ 0.95 × the ceiling, PSI "full" ≥ LLMEM_GUARD_PSI_FULL %, or a
- *            rising `max` or `oom` count in memory.events: empty the bank, release the cache, and
- *            admit no new request until it clears.
- * A level acts on its rising edge; while it stays up it acts again every 120 s (re-arm), and an
- * edge within 30 s of the last action of its level is a flap and waits for the re-arm. A warning
- * may wait up to 60 s while a request is mid-step; a critical never waits.
- * ------------------------------------------------------------------------------------------- */
-
-#define LLMEM_GUARD_PSI_SOME 10.0
-#define LLMEM_GUARD_PSI_FULL 5.0
-#define LLMEM_GUARD_REARM_S  120.0
-#define LLMEM_GUARD_FLAP_S   30.0
-#define LLMEM_GUARD_DEFER_S  60.0
-
-enum llmem_guard_level { LLMEM_GUARD_CLEAR = 0, LLMEM_GUARD_WARNING, LLMEM_GUARD_CRITICAL };
-
-/* One look at the machine (sizes in bytes; LLMEM_SYS_UNKNOWN / −1 where unknown). */
-struct llmem_guard_reading {
-    int64_t allocator_bytes; /* active + cache */
-    int64_t allocation_limit;
-    int64_t resident_bytes;
-    int64_t trip_bytes, ceiling_bytes;
-    double psi_some, psi_full;                   /* avg10, % */
-    int64_t cgroup_high, cgroup_max, cgroup_oom; /* memory.events counters (−1: unknown) */
-    /* how much they grew since the previous reading (high; max + oom), from llmem_guard_events */
-    int64_t cgroup_high_rise, cgroup_max_rise;
-};
-
-/* The level a reading signals, and which signal (a static string) when not clear. */
-enum llmem_guard_level llmem_guard_classify(const struct llmem_guard_reading *r, const char **why);
-
-struct llmem_guard {
-    enum llmem_guard_level prev; /* the last reading's level */
-    double last_action[3];       /* per level: when it last acted (−inf: never) */
-    double deferred_since;       /* a warning waiting for the step to end (−1: none) */
-    int64_t warnings, criticals, deferred, suppressed; /* actions taken, waits, flaps ignored */
-    int64_t cgroup_high, cgroup_max, cgroup_oom;       /* the last counters seen (−1: none) */
-};
-void llmem_guard_init(struct llmem_guard *g);
-/* Sets r's cgroup rises from its counters and the previous reading's (0 for the first reading,
- * for an unknown counter, and when a counter went down: a new cgroup), and remembers them. */
-void llmem_guard_events(struct llmem_guard *g, struct llmem_guard_reading *r);
-/* What to do now (seconds on any monotonic clock) about a reading: LLMEM_GUARD_CLEAR for
- * nothing, else the action's level (counted). */
-enum llmem_guard_level llmem_guard_decide(struct llmem_guard *g,
-                                          const struct llmem_guard_reading *r, double now,
-                                          int mid_step);
-
-/* A source of readings for the engine's guard (tests fake pressure with one); the engine's own
- * reads the allocator, /proc/self/statm and /proc/pressure/memory. */
-typedef void (*llmem_guard_source_fn)(void *arg, struct llmem_guard_reading *r);
 
 /* ---------------------------------------------------------------------------------------------
  * The engine
@@ -141,53 +58,48 @@ struct llmem_engine_config {
                                      * off, with a warning; a given one is an error) */
     int64_t spill_max_bytes;        /* --spill-max: the store's size cap; 0: the default */
     int no_spill;                   /* --no-spill: the bank stays in RAM */
-    llmem_spill_free_fn spill_free_probe; /* (optional) the store's free-disk probe (tests) */
-    void *spill_free_probe_arg;
     int no_mmap; /* --no-mmap: the weights read into (huge-page) memory instead of mapped */
     enum llmem_backend_kind backend;        /* --backend: cpu, or cuda (the whole pass on a GPU) */
     int device;                             /* --device: the CUDA device */
     enum llmem_backend_precision precision; /* --precision (cuda): fast or f32 */
-    llmem_guard_source_fn guard_source;     /* (optional) replaces the machine's readings */
-    void *guard_source_arg;
 };
-void llmem_engine_config_default(struct llmem_engine_config *c);
+LLMEM_API void llmem_engine_config_default(struct llmem_engine_config *c);
 /* What llmem_engine_open plans with, for a model of geometry g under configuration c on a machine
  * of total_bytes (ceiling_bytes: its hard ceiling, SPEC §1), the CPU backend on `threads`
  * threads: the forward pass's workspace and the backend's scratch, and a max_batch_tokens of 0
  * resolved as the engine resolves it (512; on a device the largest chunk up to 8192 whose
  * workspace fits the transient reserve the plan commits for 512). llmem plan prints the same. */
-void llmem_engine_plan_params(const struct llmem_engine_config *c,
-                              const struct llmem_model_geometry *g, int64_t total_bytes,
-                              int64_t ceiling_bytes, int threads, struct llmem_plan_params *out);
+LLMEM_API void llmem_engine_plan_params(const struct llmem_engine_config *c,
+                                        const struct llmem_model_geometry *g, int64_t total_bytes,
+                                        int64_t ceiling_bytes, int threads,
+                                        struct llmem_plan_params *out);
 
 struct llmem_engine;
-struct llmem_tokenizer;
-struct llmem_bank;
-struct llmem_backend;
 
 /* Plans, then loads. A model that does not fit (or a --context above the machine's fit) is refused
  * before loading with LLMEM_ENOMEM and the plan's explanation logged; otherwise as
  * llmem_model_load, llmem_tokenizer_load, llmem_kv_create. progress (optional) follows the load. */
-int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_fn progress,
-                      void *progress_arg, struct llmem_engine **out);
-void llmem_engine_close(struct llmem_engine *e);
+LLMEM_API int llmem_engine_open(const struct llmem_engine_config *config,
+                                llmem_progress_fn progress, void *progress_arg,
+                                struct llmem_engine **out);
+LLMEM_API void llmem_engine_close(struct llmem_engine *e);
 
-const struct llmem_plan *llmem_engine_plan(const struct llmem_engine *e);
+LLMEM_API const struct llmem_plan *llmem_engine_plan(const struct llmem_engine *e);
 /* The configuration it was opened with (defaults applied: max_batch_tokens, max_sequences). */
-const struct llmem_engine_config *llmem_engine_get_config(const struct llmem_engine *e);
-struct llmem_mem *llmem_engine_mem(struct llmem_engine *e);
-struct llmem_kv *llmem_engine_kv(struct llmem_engine *e);
-struct llmem_model *llmem_engine_model(struct llmem_engine *e);
-struct llmem_forward *llmem_engine_forward(struct llmem_engine *e);
+LLMEM_API const struct llmem_engine_config *llmem_engine_get_config(const struct llmem_engine *e);
+LLMEM_API struct llmem_mem *llmem_engine_mem(struct llmem_engine *e);
+LLMEM_API struct llmem_kv *llmem_engine_kv(struct llmem_engine *e);
+LLMEM_API struct llmem_model *llmem_engine_model(struct llmem_engine *e);
+LLMEM_API struct llmem_forward *llmem_engine_forward(struct llmem_engine *e);
 /* The backend the forward pass runs on (backend/ops.h). */
-struct llmem_backend *llmem_engine_backend(struct llmem_engine *e);
+LLMEM_API struct llmem_backend *llmem_engine_backend(struct llmem_engine *e);
 /* The engine's pressure guard (its counters). */
-const struct llmem_guard *llmem_engine_guard(const struct llmem_engine *e);
+LLMEM_API const struct llmem_guard *llmem_engine_guard(const struct llmem_engine *e);
 /* The session bank's RAM tier (NULL without one: no_bank or a layout other than paged). */
-struct llmem_bank *llmem_engine_bank(struct llmem_engine *e);
+LLMEM_API struct llmem_bank *llmem_engine_bank(struct llmem_engine *e);
 /* The spill store (NULL without one: no bank, no_spill, or a default directory that could not be
  * opened). */
-struct llmem_spill *llmem_engine_spill(struct llmem_engine *e);
+LLMEM_API struct llmem_spill *llmem_engine_spill(struct llmem_engine *e);
 
 /* Everything the session bank did, in one struct: the RAM tier, the spill store, the guard's
  * actions, and the tokens requests took from each tier. */
@@ -199,13 +111,14 @@ struct llmem_engine_bank_stats {
     int64_t guard_warnings, guard_criticals, guard_deferred, guard_suppressed;
 };
 /* Not while serving (the scheduler thread owns the bank then): llmem_engine_metrics has them. */
-void llmem_engine_bank_stats(struct llmem_engine *e, struct llmem_engine_bank_stats *stats);
+LLMEM_API void llmem_engine_bank_stats(struct llmem_engine *e,
+                                       struct llmem_engine_bank_stats *stats);
 /* The threads the engine's kernels run on (for work that must not compete with them). */
-struct llmem_pool *llmem_engine_pool(struct llmem_engine *e);
-const struct llmem_tokenizer *llmem_engine_tokenizer(const struct llmem_engine *e);
+LLMEM_API struct llmem_pool *llmem_engine_pool(struct llmem_engine *e);
+LLMEM_API const struct llmem_tokenizer *llmem_engine_tokenizer(const struct llmem_engine *e);
 /* The limits applied, as one line ("memory limit 12.0G (util 0.50 × ceiling 24.0G), trip 13.2G,
  * cache limit 1.5G, KV f16 paged, context 32768"), for the log line of SPEC §3.1. */
-void llmem_engine_limits_line(const struct llmem_engine *e, char *buf, size_t size);
+LLMEM_API void llmem_engine_limits_line(const struct llmem_engine *e, char *buf, size_t size);
 
 /* ---------------------------------------------------------------------------------------------
  * Generation
@@ -227,7 +140,7 @@ struct llmem_generate_params {
     llmem_progress_fn prefill_progress; /* (optional) prompt tokens done of total */
     void *progress_arg;
 };
-void llmem_generate_params_default(struct llmem_generate_params *p);
+LLMEM_API void llmem_generate_params_default(struct llmem_generate_params *p);
 
 struct llmem_generate_result {
     int32_t *ids; /* generated ids (malloc'ed; free with llmem_generate_result_free) */
@@ -242,15 +155,16 @@ struct llmem_generate_result {
     double prefill_s, decode_s;
     int64_t decode_tokens; /* tokens produced by decode steps (the first comes from prefill) */
 };
-void llmem_generate_result_free(struct llmem_generate_result *r);
+LLMEM_API void llmem_generate_result_free(struct llmem_generate_result *r);
 
 /* Generates a continuation of the prompt on a fresh sequence (freed at the end). LLMEM_EINVAL
  * (logged) for an empty prompt, an id outside the vocabulary, or a prompt longer than the
  * context; LLMEM_ENOMEM when the KV cache cannot grow (the request ends; the engine stays
  * usable). */
-int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
-                          const struct llmem_generate_params *params, llmem_token_fn on_token,
-                          void *arg, struct llmem_generate_result *result);
+LLMEM_API int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
+                                    const struct llmem_generate_params *params,
+                                    llmem_token_fn on_token, void *arg,
+                                    struct llmem_generate_result *result);
 
 /* ---------------------------------------------------------------------------------------------
  * Serving: many requests at once (SPEC §7)
@@ -297,22 +211,23 @@ struct llmem_serve_config {
 };
 
 /* Starts the scheduler thread. LLMEM_EINVAL if it runs already; LLMEM_ENOMEM. */
-int llmem_engine_serve_start(struct llmem_engine *e, const struct llmem_serve_config *config);
+LLMEM_API int llmem_engine_serve_start(struct llmem_engine *e,
+                                       const struct llmem_serve_config *config);
 /* Stops the thread, then ends every request still queued or running as cancelled (on_done). */
-void llmem_engine_serve_stop(struct llmem_engine *e);
+LLMEM_API void llmem_engine_serve_stop(struct llmem_engine *e);
 
 /* Queues a request (prompt copied; params' strings copied) and returns its id. LLMEM_EBUSY when
  * the queue is full, LLMEM_EINVAL (with the reason logged) for an empty prompt, an id outside the
  * vocabulary, a prompt that leaves no room in the context, or an engine that is not serving (not
  * started, or stopping); LLMEM_ENOMEM. Every request it accepts gets its on_done. Thread-safe. */
-int llmem_engine_submit(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
-                        const struct llmem_generate_params *params,
-                        const struct llmem_request_events *events, uint64_t *id);
+LLMEM_API int llmem_engine_submit(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
+                                  const struct llmem_generate_params *params,
+                                  const struct llmem_request_events *events, uint64_t *id);
 /* Cancels a queued or running request; unknown or finished ids are ignored. Thread-safe. */
-void llmem_engine_cancel(struct llmem_engine *e, uint64_t id);
+LLMEM_API void llmem_engine_cancel(struct llmem_engine *e, uint64_t id);
 /* Releases the allocator's cache and empties the session bank (POST /admin/cache/clear);
  * returns the bytes released. Thread-safe. */
-int64_t llmem_engine_clear_cache(struct llmem_engine *e);
+LLMEM_API int64_t llmem_engine_clear_cache(struct llmem_engine *e);
 
 /* Histograms for Prometheus: counts[i] = observations ≤ bounds[i] (cumulative), then +Inf. */
 #define LLMEM_HIST_BUCKETS 12
@@ -341,7 +256,7 @@ struct llmem_engine_metrics {
     enum llmem_guard_level guard_level;                 /* the guard's last reading */
     int refusing; /* a critical memory pressure is in effect */
 };
-void llmem_engine_metrics(struct llmem_engine *e, struct llmem_engine_metrics *m);
+LLMEM_API void llmem_engine_metrics(struct llmem_engine *e, struct llmem_engine_metrics *m);
 
 #ifdef __cplusplus
 }

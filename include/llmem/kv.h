@@ -26,6 +26,8 @@
 #ifndef LLMEM_KV_H
 #define LLMEM_KV_H
 
+#include "llmem/api.h"
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -47,13 +49,13 @@ enum llmem_kv_layout {
     LLMEM_KV_LAYOUT_RAGGED,
     LLMEM_KV_LAYOUT_COUNT
 };
-const char *llmem_kv_layout_name(enum llmem_kv_layout layout);
+LLMEM_API const char *llmem_kv_layout_name(enum llmem_kv_layout layout);
 /* LLMEM_EINVAL (logged, listing the names) for an unknown name. */
-int llmem_kv_layout_parse(const char *name, enum llmem_kv_layout *layout);
+LLMEM_API int llmem_kv_layout_parse(const char *name, enum llmem_kv_layout *layout);
 
 /* The instruction set of the CPU attention kernels this process uses, picked once from the CPU's
  * features: "avx512", "avx2" or "scalar" (portable C). */
-const char *llmem_kv_kernels_name(void);
+LLMEM_API const char *llmem_kv_kernels_name(void);
 
 struct llmem_kv_config {
     enum llmem_kv_layout layout;
@@ -81,92 +83,95 @@ struct llmem_kv_config {
 };
 
 /* The defaults above (paged, f16, 64 sequences); the geometry fields are left 0. */
-void llmem_kv_config_default(struct llmem_kv_config *config);
+LLMEM_API void llmem_kv_config_default(struct llmem_kv_config *config);
 /* Applies LLMEM_KV_LAYOUT, LLMEM_KV_FORMAT, LLMEM_KV_BLOCK_SIZE, LLMEM_KV_NUM_BLOCKS and
  * LLMEM_KV_DYNAMIC (0/1) where set; LLMEM_EINVAL (logged, naming the variable) for a bad value. */
-int llmem_kv_config_from_env(struct llmem_kv_config *config);
+LLMEM_API int llmem_kv_config_from_env(struct llmem_kv_config *config);
 
 /* Stored bytes of one token, all layers, K and V: n_layers × n_kv_heads × (K + V row bytes). */
-int64_t llmem_kv_token_bytes(const struct llmem_kv_config *config);
+LLMEM_API int64_t llmem_kv_token_bytes(const struct llmem_kv_config *config);
 
 struct llmem_kv;
 
 /* mem: where the KV memory comes from (tag kv); NULL makes a private host allocator (its cache
  * holds up to 16 MiB of freed buffers). */
-int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
-                    struct llmem_kv **out);
-void llmem_kv_destroy(struct llmem_kv *kv);
+LLMEM_API int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
+                              struct llmem_kv **out);
+LLMEM_API void llmem_kv_destroy(struct llmem_kv *kv);
 
 /* Sequences. */
-int llmem_kv_seq_new(struct llmem_kv *kv, int *seq);
+LLMEM_API int llmem_kv_seq_new(struct llmem_kv *kv, int *seq);
 /* A new sequence with src's contents: paged layouts share src's blocks (copy on write), the
  * others copy. */
-int llmem_kv_seq_fork(struct llmem_kv *kv, int src, int *dst);
-void llmem_kv_seq_free(struct llmem_kv *kv, int seq);
-int64_t llmem_kv_seq_length(const struct llmem_kv *kv, int seq);
+LLMEM_API int llmem_kv_seq_fork(struct llmem_kv *kv, int src, int *dst);
+LLMEM_API void llmem_kv_seq_free(struct llmem_kv *kv, int seq);
+LLMEM_API int64_t llmem_kv_seq_length(const struct llmem_kv *kv, int seq);
 
 /* Room for n more tokens after the current length. LLMEM_ENOMEM or LLMEM_ERANGE (logged) when it
  * cannot grow (memory limit, max_blocks, growth off, frozen capacity): nothing changes then. */
-int llmem_kv_reserve(struct llmem_kv *kv, int seq, int64_t n);
+LLMEM_API int llmem_kv_reserve(struct llmem_kv *kv, int seq, int64_t n);
 /* Writes n tokens of one layer at positions [pos, pos + n): k and v are [n, n_kv_heads, head_dim].
  * pos may be below the length (a rewrite); pos + n must lie within the reserved room. A write
  * into a block shared with another sequence copies the block first (all layers), which can fail
  * with LLMEM_ENOMEM (logged) before anything is written. */
-int llmem_kv_write(struct llmem_kv *kv, int seq, int layer, int64_t pos, int64_t n, const float *k,
-                   const float *v);
+LLMEM_API int llmem_kv_write(struct llmem_kv *kv, int seq, int layer, int64_t pos, int64_t n,
+                             const float *k, const float *v);
 /* A step's writes: for each of n sequences, its last n_q[i] tokens of `layer` (positions
  * length − n_q[i] … length − 1; the length already covers them; n_q NULL: one each, a decode
  * step), their rows of k and v one sequence after the other. The same as llmem_kv_write for each,
  * but on a device in one launch. */
-int llmem_kv_write_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q, int layer,
-                        const float *k, const float *v);
+LLMEM_API int llmem_kv_write_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q,
+                                  int layer, const float *k, const float *v);
 /* Sets the sequence's length (≤ the reserved room) after every layer was written. */
-void llmem_kv_set_length(struct llmem_kv *kv, int seq, int64_t length);
+LLMEM_API void llmem_kv_set_length(struct llmem_kv *kv, int seq, int64_t length);
 /* reserve + write every layer + set_length, for k and v of [n_layers, n, n_kv_heads, head_dim]. */
-int llmem_kv_append(struct llmem_kv *kv, int seq, int64_t n, const float *k, const float *v);
+LLMEM_API int llmem_kv_append(struct llmem_kv *kv, int seq, int64_t n, const float *k,
+                              const float *v);
 /* Drops the last n tokens (releasing whole blocks that no longer hold any). */
-void llmem_kv_trim(struct llmem_kv *kv, int seq, int64_t n);
+LLMEM_API void llmem_kv_trim(struct llmem_kv *kv, int seq, int64_t n);
 /* Ragged: grows every row to `capacity` tokens now and never allocates again; a reserve past it
  * fails with LLMEM_ERANGE. Other layouts: LLMEM_EUNSUPPORTED. */
-int llmem_kv_freeze_capacity(struct llmem_kv *kv, int64_t capacity);
+LLMEM_API int llmem_kv_freeze_capacity(struct llmem_kv *kv, int64_t capacity);
 
 /* Paged: blocks held outside any sequence — what the session bank keeps of finished sequences.
  * A held block stays allocated (and is never written: a sequence that shares it copies it first)
  * until its last holder and its last sequence let go. */
-int llmem_kv_block_size(const struct llmem_kv *kv);
-int64_t llmem_kv_block_bytes(const struct llmem_kv *kv); /* one block, all layers, K and V */
-int64_t llmem_kv_blocks_free(const struct llmem_kv *kv); /* paged; 0 for other layouts */
+LLMEM_API int llmem_kv_block_size(const struct llmem_kv *kv);
+LLMEM_API int64_t
+llmem_kv_block_bytes(const struct llmem_kv *kv); /* one block, all layers, K and V */
+LLMEM_API int64_t llmem_kv_blocks_free(const struct llmem_kv *kv); /* paged; 0 for other layouts */
 /* Paged: gives the memory pages of the free blocks back to the operating system (they stay
  * allocated, and accounted, to the pool, and read as zeros until written again), so that the
  * resident memory falls after a sequence or the session bank let blocks go; the bytes released.
  * 0 for other layouts. */
-int64_t llmem_kv_release_free(struct llmem_kv *kv);
+LLMEM_API int64_t llmem_kv_release_free(struct llmem_kv *kv);
 /* The ids of the blocks holding a sequence's tokens: ceil(length / block_size) of them. */
-int64_t llmem_kv_seq_blocks(struct llmem_kv *kv, int seq, const int64_t **ids);
+LLMEM_API int64_t llmem_kv_seq_blocks(struct llmem_kv *kv, int seq, const int64_t **ids);
 /* One more holder of a block in use / one fewer (the last reference frees it). */
-void llmem_kv_block_hold(struct llmem_kv *kv, int64_t id);
-void llmem_kv_block_release(struct llmem_kv *kv, int64_t id);
+LLMEM_API void llmem_kv_block_hold(struct llmem_kv *kv, int64_t id);
+LLMEM_API void llmem_kv_block_release(struct llmem_kv *kv, int64_t id);
 /* A new sequence whose first n_blocks × block_size tokens are these blocks, shared (no copy);
  * LLMEM_ERANGE when no sequence is free, LLMEM_ENOMEM (logged). */
-int llmem_kv_seq_new_from_blocks(struct llmem_kv *kv, const int64_t *ids, int64_t n_blocks,
-                                 int *seq);
+LLMEM_API int llmem_kv_seq_new_from_blocks(struct llmem_kv *kv, const int64_t *ids,
+                                           int64_t n_blocks, int *seq);
 /* Paged: a block's stored bytes, every layer, as one run of llmem_kv_block_bytes bytes laid out
  * [n_layers][K: block_size × n_kv_heads × key bytes | V: block_size × n_kv_heads × value bytes]
  * (the session bank's spill files hold blocks in this form). */
-void llmem_kv_block_copy_out(const struct llmem_kv *kv, int64_t id, void *dst);
+LLMEM_API void llmem_kv_block_copy_out(const struct llmem_kv *kv, int64_t id, void *dst);
 /* Blocks ids[0 .. n) copied so, back to back, without waiting for a device cache's copies (a
  * copy on the host): dst is complete once llmem_kv_copies_wait has returned LLMEM_OK, which any
  * thread may call (the work of the thread that generates goes on meanwhile). A block given out
  * again, or a pool let go, is written only after these copies have read it. Runs of consecutive
  * ids take one copy a layer for K and one for V. */
-void llmem_kv_blocks_copy_out_async(struct llmem_kv *kv, const int64_t *ids, int64_t n, void *dst);
-int llmem_kv_copies_wait(const struct llmem_kv *kv);
+LLMEM_API void llmem_kv_blocks_copy_out_async(struct llmem_kv *kv, const int64_t *ids, int64_t n,
+                                              void *dst);
+LLMEM_API int llmem_kv_copies_wait(const struct llmem_kv *kv);
 /* Paged: a free block filled with bytes in that layout, held once by the caller (let go with
  * llmem_kv_block_release). The pool does not grow for it: LLMEM_ERANGE (not logged) when no
  * block is free, so callers check llmem_kv_blocks_free first. */
-int llmem_kv_block_new_from(struct llmem_kv *kv, const void *src, int64_t *id);
+LLMEM_API int llmem_kv_block_new_from(struct llmem_kv *kv, const void *src, int64_t *id);
 /* The configuration the cache was created with (defaults filled in). */
-const struct llmem_kv_config *llmem_kv_get_config(const struct llmem_kv *kv);
+LLMEM_API const struct llmem_kv_config *llmem_kv_get_config(const struct llmem_kv *kv);
 
 enum llmem_kv_route {
     LLMEM_KV_ROUTE_AUTO = 0,
@@ -186,15 +191,16 @@ struct llmem_kv_attn {
  * [n_q, n_heads, head_dim]; query i sees keys at positions ≤ q_pos + i (within the window).
  * q_pos + n_q must not exceed the sequence's length. LLMEM_ENOMEM (logged) when the workspace
  * cannot be allocated. */
-int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int64_t n_q,
-                    const float *q, float *out, const struct llmem_kv_attn *attn);
+LLMEM_API int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int64_t n_q,
+                              const float *q, float *out, const struct llmem_kv_attn *attn);
 
 /* A step's attention: for each of n sequences, the queries at its last n_q[i] positions (n_q
  * NULL: the last one, a decode step); q and out [Σ n_q, n_heads, head_dim], one sequence's rows
  * after the other's. The same as llmem_kv_attend for each, but on a device in one launch where
  * the kernel allows. */
-int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q, int layer,
-                         const float *q, float *out, const struct llmem_kv_attn *attn);
+LLMEM_API int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q,
+                                   int layer, const float *q, float *out,
+                                   const struct llmem_kv_attn *attn);
 
 #define LLMEM_KV_STATS_FIELDS(X)                                                                   \
     X(n_sequences)                                                                                 \
@@ -221,12 +227,12 @@ struct llmem_kv_stats {
 };
 #undef LLMEM_KV_STATS_FIELD_
 
-void llmem_kv_stats(struct llmem_kv *kv, struct llmem_kv_stats *stats);
+LLMEM_API void llmem_kv_stats(struct llmem_kv *kv, struct llmem_kv_stats *stats);
 
 /* Checks every invariant (reference counts equal the references in block tables, free and used
  * blocks partition the pool, lengths within capacity, byte counts); LLMEM_EFORMAT with the broken
  * invariant logged. For tests. */
-int llmem_kv_check(struct llmem_kv *kv);
+LLMEM_API int llmem_kv_check(struct llmem_kv *kv);
 
 #ifdef __cplusplus
 }

@@ -27,6 +27,8 @@
 #ifndef LLMEM_MEM_H
 #define LLMEM_MEM_H
 
+#include "llmem/api.h"
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -45,7 +47,7 @@ enum llmem_mem_tag {
     LLMEM_TAG_OTHER,
     LLMEM_TAG_COUNT
 };
-const char *llmem_mem_tag_name(enum llmem_mem_tag tag); /* "weights", "kv", ... */
+LLMEM_API const char *llmem_mem_tag_name(enum llmem_mem_tag tag); /* "weights", "kv", ... */
 
 /* The raw memory of one kind. alloc returns NULL on failure; lock/unlock are optional (NULL:
  * the kind cannot be wired). `large_min` is where page-aligned classes begin (0: 32 KiB). */
@@ -60,7 +62,7 @@ struct llmem_mem_raw_ops {
 };
 
 /* The host kind: posix_memalign below large_min, mmap/munmap above, mlock/munlock for wiring. */
-const struct llmem_mem_raw_ops *llmem_mem_host_ops(void);
+LLMEM_API const struct llmem_mem_raw_ops *llmem_mem_host_ops(void);
 
 #define LLMEM_MEM_UNLIMITED INT64_MAX
 
@@ -72,48 +74,52 @@ struct llmem_mem_config {
 };
 
 /* clamp(usable / 8, 256 MiB, 8 GiB); 256 MiB when usable ≤ 0 (unknown). */
-int64_t llmem_mem_default_cache_limit(int64_t usable_bytes);
+LLMEM_API int64_t llmem_mem_default_cache_limit(int64_t usable_bytes);
 
 struct llmem_mem; /* an allocator */
 
 /* Creates an allocator (the destructor is llmem_mem_destroy, because llmem_mem_free returns a
  * buffer). LLMEM_ENOMEM or LLMEM_EINVAL (logged). */
-int llmem_mem_create(const struct llmem_mem_config *config, struct llmem_mem **out);
+LLMEM_API int llmem_mem_create(const struct llmem_mem_config *config, struct llmem_mem **out);
 /* Releases every cached buffer and the allocator. Buffers still active are released too, with
  * one WARN line saying how many (a leak in the caller). NULL is a no-op. */
-void llmem_mem_destroy(struct llmem_mem *mem);
+LLMEM_API void llmem_mem_destroy(struct llmem_mem *mem);
 
 /* A buffer of at least `bytes` (> 0), or NULL with LLMEM_ENOMEM logged (the limit and the numbers,
  * or the OS refusal). */
-void *llmem_mem_alloc(struct llmem_mem *mem, size_t bytes, enum llmem_mem_tag tag);
+LLMEM_API void *llmem_mem_alloc(struct llmem_mem *mem, size_t bytes, enum llmem_mem_tag tag);
 /* Returns a buffer to the cache (or to the OS when the cache is full). NULL is a no-op; a pointer
  * this allocator did not hand out is API misuse (LLMEM_ASSERT). */
-void llmem_mem_free(struct llmem_mem *mem, void *ptr);
+LLMEM_API void llmem_mem_free(struct llmem_mem *mem, void *ptr);
 
 /* Records memory the allocator did not allocate (memory-mapped weights, used in place) under a
  * tag, so that active bytes, peaks and the memory limit see it; LLMEM_ENOMEM (logged) when it
  * would pass the memory limit. Untrack forgets it (the caller unmaps). */
-int llmem_mem_track(struct llmem_mem *mem, void *ptr, size_t bytes, enum llmem_mem_tag tag);
-void llmem_mem_untrack(struct llmem_mem *mem, void *ptr);
+LLMEM_API int llmem_mem_track(struct llmem_mem *mem, void *ptr, size_t bytes,
+                              enum llmem_mem_tag tag);
+LLMEM_API void llmem_mem_untrack(struct llmem_mem *mem, void *ptr);
 
 /* The class size a request of `bytes` is served from (see the top of this file). */
-size_t llmem_mem_size_class(const struct llmem_mem *mem, size_t bytes);
+LLMEM_API size_t llmem_mem_size_class(const struct llmem_mem *mem, size_t bytes);
 
 /* Limits. Each setter returns the previous value. */
-int64_t llmem_mem_set_cache_limit(struct llmem_mem *mem, int64_t bytes);  /* 0 disables it */
-int64_t llmem_mem_set_memory_limit(struct llmem_mem *mem, int64_t bytes); /* or UNLIMITED */
+LLMEM_API int64_t llmem_mem_set_cache_limit(struct llmem_mem *mem,
+                                            int64_t bytes); /* 0 disables it */
+LLMEM_API int64_t llmem_mem_set_memory_limit(struct llmem_mem *mem,
+                                             int64_t bytes); /* or UNLIMITED */
 /* Releases every cached buffer now; active buffers are untouched. */
-void llmem_mem_clear_cache(struct llmem_mem *mem);
+LLMEM_API void llmem_mem_clear_cache(struct llmem_mem *mem);
 /* Wires (mlock) up to `bytes` of weights and KV buffers, tracked ones included, and unwires past
  * a lowered limit. LLMEM_EINVAL (logged, with the command that raises it) above RLIMIT_MEMLOCK,
  * LLMEM_EUNSUPPORTED for a kind that cannot be wired. *previous gets the old limit (may be NULL).
  */
-int llmem_mem_set_wired_limit(struct llmem_mem *mem, int64_t bytes, int64_t *previous);
+LLMEM_API int llmem_mem_set_wired_limit(struct llmem_mem *mem, int64_t bytes, int64_t *previous);
 
-int64_t llmem_mem_active(struct llmem_mem *mem);     /* bytes in buffers handed out + tracked */
-int64_t llmem_mem_peak(struct llmem_mem *mem);       /* the high-water mark of active */
-void llmem_mem_reset_peak(struct llmem_mem *mem);    /* peak := active (also per tag) */
-int64_t llmem_mem_cache_size(struct llmem_mem *mem); /* bytes in cached buffers */
+LLMEM_API int64_t
+llmem_mem_active(struct llmem_mem *mem);                 /* bytes in buffers handed out + tracked */
+LLMEM_API int64_t llmem_mem_peak(struct llmem_mem *mem); /* the high-water mark of active */
+LLMEM_API void llmem_mem_reset_peak(struct llmem_mem *mem);    /* peak := active (also per tag) */
+LLMEM_API int64_t llmem_mem_cache_size(struct llmem_mem *mem); /* bytes in cached buffers */
 
 /* Statistics: one list, exported as a struct and as JSON. */
 #define LLMEM_MEM_STATS_FIELDS(X)                                                                  \
@@ -149,14 +155,14 @@ struct llmem_mem_stats {
 };
 #undef LLMEM_MEM_STATS_FIELD_
 
-void llmem_mem_stats(struct llmem_mem *mem, struct llmem_mem_stats *stats);
+LLMEM_API void llmem_mem_stats(struct llmem_mem *mem, struct llmem_mem_stats *stats);
 /* The stats as one JSON object (malloc'ed; free with free()); NULL on out of memory (logged). */
-char *llmem_mem_stats_json(struct llmem_mem *mem);
+LLMEM_API char *llmem_mem_stats_json(struct llmem_mem *mem);
 
 /* Checks every invariant (per-tag sums equal the totals, the cache lists and byte counts agree,
  * limits hold where they must); LLMEM_OK or LLMEM_EFORMAT with the broken invariant logged.
  * O(number of buffers): for tests and debug builds. */
-int llmem_mem_check(struct llmem_mem *mem);
+LLMEM_API int llmem_mem_check(struct llmem_mem *mem);
 
 /* ---------------------------------------------------------------------------------------------
  * Fault injection, for every test in the project: the n-th allocation attempt from now (counting
@@ -164,8 +170,8 @@ int llmem_mem_check(struct llmem_mem *mem);
  * refused it. n ≤ 0 disarms. llmem_mem_fault_pending() says whether the armed fault has not
  * fired yet (so a test can tell that its whole sequence ran past it).
  * ------------------------------------------------------------------------------------------- */
-void llmem_mem_fault_inject(int64_t n);
-int llmem_mem_fault_pending(void);
+LLMEM_API void llmem_mem_fault_inject(int64_t n);
+LLMEM_API int llmem_mem_fault_pending(void);
 
 #ifdef __cplusplus
 }

@@ -14,6 +14,8 @@
 #ifndef LLMEM_PLAN_H
 #define LLMEM_PLAN_H
 
+#include "llmem/api.h"
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -49,14 +51,15 @@ struct llmem_kv_format_info {
     int64_t key_group_bytes;   /* per 32 key elements */
     int64_t value_group_bytes; /* per 32 value elements */
 };
-const struct llmem_kv_format_info *llmem_kv_format_info(enum llmem_kv_format format);
-const char *llmem_kv_format_name(enum llmem_kv_format format);
+LLMEM_API const struct llmem_kv_format_info *llmem_kv_format_info(enum llmem_kv_format format);
+LLMEM_API const char *llmem_kv_format_name(enum llmem_kv_format format);
 /* "f16" → LLMEM_KV_FORMAT_F16 ...; LLMEM_EINVAL (logged, listing the names) when unknown. */
-int llmem_kv_format_parse(const char *name, enum llmem_kv_format *format);
+LLMEM_API int llmem_kv_format_parse(const char *name, enum llmem_kv_format *format);
 /* kv_bytes_per_token (at 2 bytes per element) scaled to the format:
  * kv × (key_group + value_group) / 128, exact when head_dim is a multiple of 32, else rounded up.
  * At 65,536: f32 131,072, f16/bf16 65,536, q8 34,816, q4 20,480, tq 25,600. */
-int64_t llmem_kv_bytes_per_token_effective(int64_t kv_bytes_per_token, enum llmem_kv_format format);
+LLMEM_API int64_t llmem_kv_bytes_per_token_effective(int64_t kv_bytes_per_token,
+                                                     enum llmem_kv_format format);
 
 /* ---------------------------------------------------------------------------------------------
  * Model geometry (filled by model/ from config.json + safetensors headers, or by the catalog)
@@ -83,11 +86,11 @@ struct llmem_model_geometry {
 };
 
 /* Σ over attention layers of 2 (K and V) × n_kv_heads × head_dim × 2 bytes. */
-int64_t llmem_geometry_kv_bytes_per_token(const struct llmem_model_geometry *g);
+LLMEM_API int64_t llmem_geometry_kv_bytes_per_token(const struct llmem_model_geometry *g);
 /* Parameters of a dense Llama-family decoder with this geometry: embeddings, per layer the q/k/v/o
  * projections (+ biases with attention_bias, + 2 × head_dim with qk_norm), the SwiGLU MLP and two
  * RMSNorms, the final norm, and lm_head unless tied. */
-int64_t llmem_geometry_param_count(const struct llmem_model_geometry *g);
+LLMEM_API int64_t llmem_geometry_param_count(const struct llmem_model_geometry *g);
 /* The engine's scratch need for its largest step, f32 activations (SPEC §2.2 computed_workspace),
  * T = max_batch_tokens, S = max_sequences, exactly the buffers the engine allocates:
  *   4 × [ T × (2·hidden + 3·n_heads·head_dim + 2·n_kv_heads·head_dim + 2·intermediate + 2)
@@ -97,14 +100,14 @@ int64_t llmem_geometry_param_count(const struct llmem_model_geometry *g);
  * engine batches so that queries × partitions stays within LLMEM_ATTN_PARTITION_ROWS; one logits
  * row per sequence). */
 #define LLMEM_ATTN_PARTITION_ROWS 512
-int64_t llmem_geometry_workspace_bytes(const struct llmem_model_geometry *g,
-                                       int64_t max_batch_tokens, int64_t max_sequences);
+LLMEM_API int64_t llmem_geometry_workspace_bytes(const struct llmem_model_geometry *g,
+                                                 int64_t max_batch_tokens, int64_t max_sequences);
 
 /* The built-in catalog of popular architectures (numbers as published in their configs). */
-size_t llmem_catalog_count(void);
-const struct llmem_model_geometry *llmem_catalog_get(size_t index);
+LLMEM_API size_t llmem_catalog_count(void);
+LLMEM_API const struct llmem_model_geometry *llmem_catalog_get(size_t index);
 /* Case-insensitive lookup by name; NULL when unknown (not logged). */
-const struct llmem_model_geometry *llmem_catalog_find(const char *name);
+LLMEM_API const struct llmem_model_geometry *llmem_catalog_find(const char *name);
 
 /* ---------------------------------------------------------------------------------------------
  * The plan
@@ -118,7 +121,7 @@ enum llmem_usable_source {
     LLMEM_USABLE_UTIL,        /* --util × ceiling */
     LLMEM_USABLE_MEMORY_LIMIT /* --memory-limit */
 };
-const char *llmem_usable_source_name(enum llmem_usable_source source);
+LLMEM_API const char *llmem_usable_source_name(enum llmem_usable_source source);
 
 struct llmem_plan_params {
     enum llmem_plan_target target;
@@ -209,24 +212,26 @@ struct llmem_plan {
 /* Computes the plan. Returns LLMEM_OK also for an unavailable plan (plan->available == 0 with
  * its reason); LLMEM_EINVAL (logged) for parameters that are out of their domain (negative
  * sizes or contexts, util outside (0, 1], an unknown format). */
-int llmem_plan_compute(const struct llmem_plan_params *params, struct llmem_plan *plan);
+LLMEM_API int llmem_plan_compute(const struct llmem_plan_params *params, struct llmem_plan *plan);
 
 /* The one-line summary of §2.3 into buf (always NUL-terminated); returns buf. */
-char *llmem_plan_describe(const struct llmem_plan *plan, char *buf, size_t buf_size);
+LLMEM_API char *llmem_plan_describe(const struct llmem_plan *plan, char *buf, size_t buf_size);
 
 /* The bank's byte budget at a live KV working set (§2.3):
  * max(bank_floor, min(bank_idle_max, usable − weights − max(transients, observed_reserve)
  *                                    − max(0, working_set))); bank_cap for an unavailable plan. */
-int64_t llmem_plan_bank_dynamic_ceiling(const struct llmem_plan *plan, int64_t working_set_bytes,
-                                        int64_t observed_reserve_bytes);
+LLMEM_API int64_t llmem_plan_bank_dynamic_ceiling(const struct llmem_plan *plan,
+                                                  int64_t working_set_bytes,
+                                                  int64_t observed_reserve_bytes);
 
 /* The transient reserve from observed allocator numbers (§2.3), play = usable − weights:
  * max(floor, min(min(16 GiB, max(floor, play / 2)), max(0, peak − active))). */
-int64_t llmem_plan_transient_reserve(int64_t peak, int64_t active, int64_t play, int64_t floor);
+LLMEM_API int64_t llmem_plan_transient_reserve(int64_t peak, int64_t active, int64_t play,
+                                               int64_t floor);
 
 /* The plan as one JSON object (every field above, notes as an array, describe as a string),
  * malloc'ed; free with free(). NULL on out of memory (logged). */
-char *llmem_plan_to_json(const struct llmem_plan *plan, int pretty);
+LLMEM_API char *llmem_plan_to_json(const struct llmem_plan *plan, int pretty);
 
 #ifdef __cplusplus
 }

@@ -18,6 +18,8 @@
 #ifndef LLMEM_SERVER_H
 #define LLMEM_SERVER_H
 
+#include "llmem/api.h"
+
 #include <stdint.h>
 
 #include "llmem/engine.h"
@@ -40,28 +42,28 @@ struct llmem_server_config {
     int64_t max_queue;      /* waiting requests beyond which a request gets 503 (0: 256) */
     int64_t max_body_bytes; /* 0: LLMEM_SERVER_MAX_BODY_BYTES */
 };
-void llmem_server_config_default(struct llmem_server_config *c);
+LLMEM_API void llmem_server_config_default(struct llmem_server_config *c);
 
 struct llmem_server;
 
 /* Checks a configuration without binding anything: the model name, the port's range, that the
  * host resolves, and that a host which is not loopback comes with an API key. LLMEM_EINVAL
  * (logged) otherwise. llmem_server_start checks the same. */
-int llmem_server_config_check(const struct llmem_server_config *config);
+LLMEM_API int llmem_server_config_check(const struct llmem_server_config *config);
 
 /* Starts serving the engine (llmem_engine_serve_start) and listening. LLMEM_EINVAL (logged) for
  * a non-loopback host without an API key, an unresolvable host or a missing model name; LLMEM_EIO
  * (logged) when the address cannot be bound; LLMEM_ENOMEM. */
-int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config *config,
-                       struct llmem_server **out);
+LLMEM_API int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config *config,
+                                 struct llmem_server **out);
 /* Stops accepting requests, ends the ones in flight (cancelled; streams get an error event),
  * stops the engine's serving thread and closes every connection. NULL is a no-op. The engine
  * stays open. */
-void llmem_server_stop(struct llmem_server *s);
+LLMEM_API void llmem_server_stop(struct llmem_server *s);
 
 /* The port bound, and the base URL ("http://127.0.0.1:8080"). */
-int llmem_server_port(const struct llmem_server *s);
-const char *llmem_server_url(const struct llmem_server *s);
+LLMEM_API int llmem_server_port(const struct llmem_server *s);
+LLMEM_API const char *llmem_server_url(const struct llmem_server *s);
 
 #ifdef __cplusplus
 }

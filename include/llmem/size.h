@@ -9,6 +9,8 @@
 #ifndef LLMEM_SIZE_H
 #define LLMEM_SIZE_H
 
+#include "llmem/api.h"
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -18,17 +20,17 @@ extern "C" {
 
 /* Parses text into *bytes. On failure returns LLMEM_EINVAL (junk) or LLMEM_ERANGE (overflow),
  * logs why, and leaves *bytes untouched. */
-int llmem_size_parse(const char *text, int64_t *bytes);
+LLMEM_API int llmem_size_parse(const char *text, int64_t *bytes);
 
 /* Formats bytes for people: "48G" when a whole number of GiB, else one decimal in the largest
  * unit that keeps it ≥ 1 ("36.5G", "512.0M", "900B"). Negative values get a leading '-'.
  * Returns buf. A buffer of LLMEM_SIZE_STR_MAX bytes always suffices. */
 #define LLMEM_SIZE_STR_MAX 32
-char *llmem_size_format(int64_t bytes, char *buf, size_t buf_size);
+LLMEM_API char *llmem_size_format(int64_t bytes, char *buf, size_t buf_size);
 
 /* Always one decimal, in GiB from 1 GiB up ("19.9G", "36.0G"), else in the largest unit that
  * keeps it ≥ 1 ("11.0M", "900B"): the form of the plan's describe line and tables. */
-char *llmem_size_format_short(int64_t bytes, char *buf, size_t buf_size);
+LLMEM_API char *llmem_size_format_short(int64_t bytes, char *buf, size_t buf_size);
 
 #ifdef __cplusplus
 }

@@ -49,6 +49,8 @@
 #ifndef LLMEM_SPILL_H
 #define LLMEM_SPILL_H
 
+#include "llmem/api.h"
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -89,15 +91,15 @@ struct llmem_spill_config {
     llmem_spill_free_fn free_probe; /* (optional) replaces statvfs */
     void *free_probe_arg;
 };
-void llmem_spill_config_default(struct llmem_spill_config *c);
+LLMEM_API void llmem_spill_config_default(struct llmem_spill_config *c);
 
 /* The default directory into buf: $XDG_CACHE_HOME/llmem/bank (an absolute XDG_CACHE_HOME), else
  * $HOME/.cache/llmem/bank. LLMEM_ENOENT (logged) when neither variable is usable, LLMEM_ERANGE
  * (logged) when buf is too small. */
-int llmem_spill_default_dir(char *buf, size_t size);
+LLMEM_API int llmem_spill_default_dir(char *buf, size_t size);
 /* The default cap for a machine with ram_bytes of RAM: 16 GiB up to 16 GiB of RAM, 24 GiB up to
  * 32, 32 GiB up to 64, 100 GiB above. */
-int64_t llmem_spill_default_max(int64_t ram_bytes);
+LLMEM_API int64_t llmem_spill_default_max(int64_t ram_bytes);
 
 struct llmem_spill;
 
@@ -105,32 +107,34 @@ struct llmem_spill;
  * another process opens as a store that neither reads nor writes (llmem_spill_owned() == 0).
  * LLMEM_EIO (logged, naming the path) when the directory or the manifest cannot be made or read,
  * LLMEM_ENOMEM. */
-int llmem_spill_open(const struct llmem_spill_config *c, struct llmem_spill **out);
+LLMEM_API int llmem_spill_open(const struct llmem_spill_config *c, struct llmem_spill **out);
 /* Flushes pending writes for up to LLMEM_SPILL_FLUSH_S seconds (what is left is dropped and
  * counted), stops the writer, releases the lock. NULL is a no-op. */
-void llmem_spill_close(struct llmem_spill *s);
-int llmem_spill_owned(const struct llmem_spill *s);
-const char *llmem_spill_dir(const struct llmem_spill *s);
+LLMEM_API void llmem_spill_close(struct llmem_spill *s);
+LLMEM_API int llmem_spill_owned(const struct llmem_spill *s);
+LLMEM_API const char *llmem_spill_dir(const struct llmem_spill *s);
 
 /* Queues the chunks of a finished prefix that are not on disk yet: blocks ids[0 .. n_blocks) of
  * kv (paged) hold tokens[0 .. n_blocks × block_size) under the chain rooted in root. Prefixes of
  * fewer than min_tokens tokens are skipped, as is everything when the store is not owned or the
  * queue is full. Returns the number of chunks queued (≥ 0); never fails the caller. */
-int64_t llmem_spill_submit(struct llmem_spill *s, struct llmem_kv *kv, const uint8_t root[32],
-                           const int32_t *tokens, const int64_t *ids, int64_t n_blocks);
+LLMEM_API int64_t llmem_spill_submit(struct llmem_spill *s, struct llmem_kv *kv,
+                                     const uint8_t root[32], const int32_t *tokens,
+                                     const int64_t *ids, int64_t n_blocks);
 
 /* Continues a lookup on disk: the prompt's first `from` blocks are already found (in RAM); loads
  * the chunks that follow, verified, into fresh blocks of kv, up to max_blocks blocks in all.
  * Their ids go to ids[0 ..) in order, each held once by the caller (llmem_kv_block_release);
  * returns how many. room (optional) is asked for free blocks before each chunk; without room the
  * lookup stops there. */
-int64_t llmem_spill_load(struct llmem_spill *s, struct llmem_kv *kv, const uint8_t root[32],
-                         const int32_t *tokens, int64_t n_tokens, int64_t from, int64_t max_blocks,
-                         int64_t *ids, llmem_spill_room_fn room, void *room_arg);
+LLMEM_API int64_t llmem_spill_load(struct llmem_spill *s, struct llmem_kv *kv,
+                                   const uint8_t root[32], const int32_t *tokens, int64_t n_tokens,
+                                   int64_t from, int64_t max_blocks, int64_t *ids,
+                                   llmem_spill_room_fn room, void *room_arg);
 
 /* Waits until every queued write is done or timeout_s passed; returns the number of chunks still
  * pending (0: all written or skipped). */
-int64_t llmem_spill_flush(struct llmem_spill *s, double timeout_s);
+LLMEM_API int64_t llmem_spill_flush(struct llmem_spill *s, double timeout_s);
 
 #define LLMEM_SPILL_STATS_FIELDS(X)                                                                \
     X(owned)     /* 1: this process owns the store */                                              \
@@ -175,12 +179,12 @@ struct llmem_spill_stats {
     LLMEM_SPILL_STATS_FIELDS(LLMEM_SPILL_STATS_FIELD_)
 };
 #undef LLMEM_SPILL_STATS_FIELD_
-void llmem_spill_stats(struct llmem_spill *s, struct llmem_spill_stats *stats);
+LLMEM_API void llmem_spill_stats(struct llmem_spill *s, struct llmem_spill_stats *stats);
 
 /* `llmem gc`: opens the store without a writer, reconciles it with every checksum verified, holds
  * it to the cap, and reports what it found in *stats. LLMEM_EIO (logged) when another process owns
  * it, or as llmem_spill_open. */
-int llmem_spill_gc(const struct llmem_spill_config *c, struct llmem_spill_stats *stats);
+LLMEM_API int llmem_spill_gc(const struct llmem_spill_config *c, struct llmem_spill_stats *stats);
 
 #ifdef __cplusplus
 }

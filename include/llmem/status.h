@@ -10,26 +10,28 @@
 #ifndef LLMEM_STATUS_H
 #define LLMEM_STATUS_H
 
+#include "llmem/api.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 enum llmem_status {
     LLMEM_OK = 0,
-    LLMEM_EINVAL = -1,      /* an argument or option value is invalid */
-    LLMEM_ENOMEM = -2,      /* out of memory, or a memory limit refused the allocation */
-    LLMEM_EIO = -3,         /* a read, write or system call failed */
-    LLMEM_ENOENT = -4,      /* a file, model or name does not exist */
-    LLMEM_EFORMAT = -5,     /* a file or document is malformed */
-    LLMEM_ERANGE = -6,      /* a number is out of range or would overflow */
+    LLMEM_EINVAL = -1,       /* an argument or option value is invalid */
+    LLMEM_ENOMEM = -2,       /* out of memory, or a memory limit refused the allocation */
+    LLMEM_EIO = -3,          /* a read, write or system call failed */
+    LLMEM_ENOENT = -4,       /* a file, model or name does not exist */
+    LLMEM_EFORMAT = -5,      /* a file or document is malformed */
+    LLMEM_ERANGE = -6,       /* a number is out of range or would overflow */
     LLMEM_EUNSUPPORTED = -7, /* valid input that this build does not support */
     LLMEM_EBUSY = -8         /* a queue or resource is full for now: try again later */
 };
 
 /* A short human description ("out of memory"); never NULL, also for unknown values. */
-const char *llmem_status_str(int status);
+LLMEM_API const char *llmem_status_str(int status);
 /* The enum spelling ("LLMEM_ENOMEM"); never NULL. */
-const char *llmem_status_name(int status);
+LLMEM_API const char *llmem_status_name(int status);
 
 enum llmem_log_level {
     LLMEM_LOG_ERROR = 0,
@@ -41,14 +43,14 @@ enum llmem_log_level {
 typedef void (*llmem_log_fn)(enum llmem_log_level level, const char *line, void *user);
 
 /* Installs the process-wide log callback; lines above max_level are dropped. NULL removes it. */
-void llmem_log_set_callback(llmem_log_fn fn, void *user, enum llmem_log_level max_level);
+LLMEM_API void llmem_log_set_callback(llmem_log_fn fn, void *user, enum llmem_log_level max_level);
 
 /* The last line this thread logged at LLMEM_LOG_ERROR ("" when none); valid until the next. */
-const char *llmem_last_error(void);
+LLMEM_API const char *llmem_last_error(void);
 
 /* Called on API misuse (LLMEM_ASSERT); the default prints file:line to stderr and aborts. */
 typedef void (*llmem_assert_fn)(const char *file, int line, const char *expr);
-void llmem_set_assert_callback(llmem_assert_fn fn);
+LLMEM_API void llmem_set_assert_callback(llmem_assert_fn fn);
 
 #ifdef __cplusplus
 }

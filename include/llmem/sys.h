@@ -27,6 +27,8 @@
 #ifndef LLMEM_SYS_H
 #define LLMEM_SYS_H
 
+#include "llmem/api.h"
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -52,7 +54,7 @@ enum llmem_ceiling_source {
     LLMEM_CEILING_DEVICE       /* total device memory (CUDA) */
 };
 /* "unknown", "ram", "cgroup", "device". */
-const char *llmem_ceiling_source_name(enum llmem_ceiling_source source);
+LLMEM_API const char *llmem_ceiling_source_name(enum llmem_ceiling_source source);
 
 #define LLMEM_SYS_NAME_MAX   128
 #define LLMEM_SYS_ARCH_MAX   256
@@ -83,24 +85,24 @@ struct llmem_device_info {
 };
 
 /* Sets every field to its unknown value (numbers UNKNOWN, strings "", versions 0). */
-void llmem_sys_device_info_init(struct llmem_device_info *info, enum llmem_device_kind kind,
-                                int index);
+LLMEM_API void llmem_sys_device_info_init(struct llmem_device_info *info,
+                                          enum llmem_device_kind kind, int index);
 
 /* Probes the host. Always fills *info (with unknowns where something cannot be read); returns
  * LLMEM_OK. Nothing is logged at ERROR level: a missing file is normal, a malformed one is a
  * WARN line naming it. */
-int llmem_sys_probe_host(struct llmem_device_info *info);
+LLMEM_API int llmem_sys_probe_host(struct llmem_device_info *info);
 
 /* The same, reading /proc and /sys below `root` instead of "/" (for tests with a fake tree:
  * root/proc/meminfo, root/proc/self/cgroup, root/proc/self/mountinfo, root/proc/cpuinfo,
  * root/sys/fs/cgroup/...). With a root other than "/", memory_size is MemTotal of
  * root/proc/meminfo instead of sysconf; n_cpus, wired_limit and the ISA features always describe
  * the real process. LLMEM_ERANGE (logged) when root is too long for a path. */
-int llmem_sys_probe_host_at(const char *root, struct llmem_device_info *info);
+LLMEM_API int llmem_sys_probe_host_at(const char *root, struct llmem_device_info *info);
 
 /* The soft RLIMIT_MEMLOCK of this process in bytes (read with getrlimit, also as root, where
  * the kernel would let mlock go past it): LLMEM_SYS_UNLIMITED or LLMEM_SYS_UNKNOWN otherwise. */
-int64_t llmem_sys_memlock_limit(void);
+LLMEM_API int64_t llmem_sys_memlock_limit(void);
 
 /* ---------------------------------------------------------------------------------------------
  * ISA features (x86-64: CPUID, with XGETBV for the AVX and AVX-512 register state the OS saves;
@@ -126,10 +128,10 @@ enum llmem_isa_feature {
 };
 
 /* The features usable in this process (a mask of enum llmem_isa_feature), detected once. */
-uint32_t llmem_sys_isa_features(void);
+LLMEM_API uint32_t llmem_sys_isa_features(void);
 /* Space-separated names in the order of the enum ("sse4_2 avx avx2 fma f16c avx512f ..."; ""
  * for none) into buf, always NUL-terminated; returns buf. */
-char *llmem_sys_isa_string(uint32_t features, char *buf, size_t buf_size);
+LLMEM_API char *llmem_sys_isa_string(uint32_t features, char *buf, size_t buf_size);
 
 /* ---------------------------------------------------------------------------------------------
  * Memory pressure (SPEC §6.4)
@@ -146,9 +148,9 @@ struct llmem_sys_pressure {
 };
 /* Reads /proc/self/statm, /proc/pressure/memory and the cgroup's memory.events (the cgroup's
  * directory is found once per root and remembered); what cannot be read is unknown. */
-void llmem_sys_pressure_read(struct llmem_sys_pressure *p);
+LLMEM_API void llmem_sys_pressure_read(struct llmem_sys_pressure *p);
 /* The same below `root` (a directory prefix without a trailing '/'), for tests. */
-void llmem_sys_pressure_read_at(const char *root, struct llmem_sys_pressure *p);
+LLMEM_API void llmem_sys_pressure_read_at(const char *root, struct llmem_sys_pressure *p);
 
 /* ---------------------------------------------------------------------------------------------
  * Disk space
@@ -156,7 +158,7 @@ void llmem_sys_pressure_read_at(const char *root, struct llmem_sys_pressure *p);
 
 /* Bytes an unprivileged process can still write on the file system holding path (statvfs:
  * f_bavail × f_frsize); LLMEM_SYS_UNKNOWN when it cannot be read. */
-int64_t llmem_sys_disk_free(const char *path);
+LLMEM_API int64_t llmem_sys_disk_free(const char *path);
 
 #ifdef __cplusplus
 }

@@ -20,6 +20,8 @@
 #ifndef LLMEM_TOKENIZER_H
 #define LLMEM_TOKENIZER_H
 
+#include "llmem/api.h"
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -35,32 +37,32 @@ struct llmem_tokenizer;
  * token names, chat_template) and MODEL_DIR/chat_template.jinja. LLMEM_ENOENT for a missing
  * tokenizer.json, LLMEM_EFORMAT for malformed JSON or fields (naming the field),
  * LLMEM_EUNSUPPORTED for a construct outside the list above (naming it), LLMEM_ENOMEM. */
-int llmem_tokenizer_load(const char *model_dir, struct llmem_tokenizer **out);
+LLMEM_API int llmem_tokenizer_load(const char *model_dir, struct llmem_tokenizer **out);
 /* NULL is a no-op. */
-void llmem_tokenizer_free(struct llmem_tokenizer *tok);
+LLMEM_API void llmem_tokenizer_free(struct llmem_tokenizer *tok);
 
-int32_t llmem_tokenizer_vocab_size(const struct llmem_tokenizer *tok); /* max id + 1 */
+LLMEM_API int32_t llmem_tokenizer_vocab_size(const struct llmem_tokenizer *tok); /* max id + 1 */
 /* The ids of tokenizer_config's bos_token / eos_token (strings or {"content": …} objects); −1
  * when absent or not in the vocabulary. */
-int32_t llmem_tokenizer_bos(const struct llmem_tokenizer *tok);
-int32_t llmem_tokenizer_eos(const struct llmem_tokenizer *tok);
+LLMEM_API int32_t llmem_tokenizer_bos(const struct llmem_tokenizer *tok);
+LLMEM_API int32_t llmem_tokenizer_eos(const struct llmem_tokenizer *tok);
 /* The id of a token's text ("<|im_end|>"), −1 when there is none. */
-int32_t llmem_tokenizer_token_id(const struct llmem_tokenizer *tok, const char *piece);
+LLMEM_API int32_t llmem_tokenizer_token_id(const struct llmem_tokenizer *tok, const char *piece);
 /* 1 when the id is a special added token. */
-int llmem_tokenizer_is_special(const struct llmem_tokenizer *tok, int32_t id);
+LLMEM_API int llmem_tokenizer_is_special(const struct llmem_tokenizer *tok, int32_t id);
 
 /* Encodes len bytes of UTF-8 text (no BOS is added). Added tokens found in the text are emitted
  * as their ids. *ids is malloc'ed (free()); *n its length. LLMEM_EINVAL (logged) for text that is
  * not valid UTF-8, LLMEM_ENOMEM. */
-int llmem_tokenizer_encode(const struct llmem_tokenizer *tok, const char *text, size_t len,
-                           int32_t **ids, int64_t *n);
+LLMEM_API int llmem_tokenizer_encode(const struct llmem_tokenizer *tok, const char *text,
+                                     size_t len, int32_t **ids, int64_t *n);
 
 /* Decodes ids to UTF-8 text, the inverse of encode (special tokens are written as their text
  * unless skip_special). *text is malloc'ed and NUL-terminated; *len excludes the NUL. Invalid
  * byte sequences (a token split inside a character) come out as U+FFFD, as transformers does.
  * LLMEM_EINVAL (logged) for an id out of range, LLMEM_ENOMEM. */
-int llmem_tokenizer_decode(const struct llmem_tokenizer *tok, const int32_t *ids, int64_t n,
-                           int skip_special, char **text, size_t *len);
+LLMEM_API int llmem_tokenizer_decode(const struct llmem_tokenizer *tok, const int32_t *ids,
+                                     int64_t n, int skip_special, char **text, size_t *len);
 
 /* Streaming decode: feed ids one at a time, get back the text that is now complete (a character
  * split over several byte tokens is held back until it is whole). The pieces, finish included,
@@ -70,13 +72,13 @@ int llmem_tokenizer_decode(const struct llmem_tokenizer *tok, const int32_t *ids
  * newline spelled <0x0A> appears one token late. Each push costs O(the ids since the last
  * complete character). */
 struct llmem_detok;
-int llmem_detok_create(const struct llmem_tokenizer *tok, int skip_special,
-                       struct llmem_detok **out);
-void llmem_detok_free(struct llmem_detok *d);
+LLMEM_API int llmem_detok_create(const struct llmem_tokenizer *tok, int skip_special,
+                                 struct llmem_detok **out);
+LLMEM_API void llmem_detok_free(struct llmem_detok *d);
 /* Appends the new text for `id` to *piece (malloc'ed, NUL-terminated, possibly empty). */
-int llmem_detok_push(struct llmem_detok *d, int32_t id, char **piece);
+LLMEM_API int llmem_detok_push(struct llmem_detok *d, int32_t id, char **piece);
 /* What is still held back, flushed (incomplete characters become U+FFFD). */
-int llmem_detok_finish(struct llmem_detok *d, char **piece);
+LLMEM_API int llmem_detok_finish(struct llmem_detok *d, char **piece);
 
 /* ---------------------------------------------------------------------------------------------
  * Chat templates
@@ -89,14 +91,15 @@ enum llmem_chat_template {
     LLMEM_CHAT_MISTRAL,  /* <s>[INST] user [/INST] assistant</s> */
 };
 
-const char *llmem_chat_template_name(enum llmem_chat_template t); /* "chatml", … "none" */
+LLMEM_API const char *llmem_chat_template_name(enum llmem_chat_template t); /* "chatml", … "none" */
 /* "chatml" | "llama3" | "mistral" → the enum; LLMEM_EINVAL (logged, listing them) otherwise. */
-int llmem_chat_template_parse(const char *name, enum llmem_chat_template *t);
+LLMEM_API int llmem_chat_template_parse(const char *name, enum llmem_chat_template *t);
 
 /* The family of the tokenizer's own template: LLMEM_CHAT_NONE when it has none; LLMEM_EUNSUPPORTED
  * (logged: "unrecognized chat template; pass --chat-template chatml|llama3|mistral") when it has
  * one that matches no family. */
-int llmem_tokenizer_chat_template(const struct llmem_tokenizer *tok, enum llmem_chat_template *t);
+LLMEM_API int llmem_tokenizer_chat_template(const struct llmem_tokenizer *tok,
+                                            enum llmem_chat_template *t);
 
 struct llmem_chat_message {
     const char *role; /* "system", "user", "assistant" */
@@ -122,14 +125,14 @@ struct llmem_chat_message {
  *    from their text (" [INST] u [/INST] a</s>"; "[INST] u[/INST] a</s>" with the system message
  *    on the last user turn).
  * BOS/EOS texts are the tokenizer's bos_token/eos_token when it has them. */
-int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_template t,
-                      const struct llmem_chat_message *messages, int n_messages,
-                      int add_generation_prompt, char **text);
+LLMEM_API int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_template t,
+                                const struct llmem_chat_message *messages, int n_messages,
+                                int add_generation_prompt, char **text);
 /* The ids that end an assistant turn in this family (ChatML: <|im_end|>, <|endoftext|>; Llama 3:
  * <|eot_id|>, <|eom_id|>; Mistral: the eos text or </s>), to stop on besides the tokenizer's eos:
  * up to `max` into ids, returning how many exist in the vocabulary. */
-int llmem_chat_stop_ids(const struct llmem_tokenizer *tok, enum llmem_chat_template t, int32_t *ids,
-                        int max);
+LLMEM_API int llmem_chat_stop_ids(const struct llmem_tokenizer *tok, enum llmem_chat_template t,
+                                  int32_t *ids, int max);
 
 #ifdef __cplusplus
 }

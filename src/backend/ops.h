@@ -20,8 +20,8 @@
 #include <stdint.h>
 
 #include "llmem/backend.h"
+#include "llmem/dtype.h"
 #include "llmem/mem.h"
-#include "llmem/model.h"
 #include "llmem/plan.h"
 
 /* A weight matrix [rows, cols], row-major: rows are output features, cols input features. */
@@ -201,31 +201,5 @@ struct llmem_backend {
     void *ctx;
 };
 
-/* The CPU backend with n_threads threads (≤ 0: the online CPUs). LLMEM_ENOMEM / LLMEM_EIO
- * (logged). */
-int llmem_backend_cpu_create(int n_threads, struct llmem_backend **out);
-/* The CPU backend on the caller's thread pool (shared with its other kernels, so that no two pools
- * spin against each other; not destroyed with the backend), with its GEMM scratch
- * (llmem_backend_cpu_scratch_bytes) from mem under the tag scratch. */
-struct llmem_pool;
-struct llmem_mem;
-int llmem_backend_cpu_create_shared(struct llmem_pool *pool, struct llmem_mem *mem,
-                                    struct llmem_backend **out);
-/* The fixed scratch of the CPU backend's GEMM on n_threads threads: packed activations and one
- * panel of converted weights per thread. */
-int64_t llmem_backend_cpu_scratch_bytes(int n_threads);
-/* The CUDA backend on GPU `device` computing at `precision`, its scratch from mem (an allocator
- * over llmem_backend_cuda_memory(device), tag scratch; NULL: the backend's own). LLMEM_EUNSUPPORTED
- * (logged) in a build without CUDA, LLMEM_EINVAL (logged) for a device that does not exist,
- * LLMEM_EIO / LLMEM_ENOMEM (logged) when the runtime or cuBLAS fails to start. */
-int llmem_backend_cuda_create(int device, enum llmem_backend_precision precision,
-                              struct llmem_mem *mem, struct llmem_backend **out);
-/* Device memory of GPU `device` for llmem_mem_create; NULL without CUDA or such a device. */
-const struct llmem_mem_raw_ops *llmem_backend_cuda_memory(int device);
-/* Pinned host memory for llmem_mem_create (staging that copies to and from a GPU do not wait
- * for); NULL without CUDA. */
-const struct llmem_mem_raw_ops *llmem_backend_cuda_pinned_memory(void);
-/* NULL is a no-op. */
-void llmem_backend_destroy(struct llmem_backend *backend);
 
 #endif

@@ -21,6 +21,7 @@
 #include "core/log.h"
 #include "llmem/bank.h"
 #include "llmem/model.h"
+#include "llmem/safetensors.h"
 
 #define IDENTITY_FUNC "llmem_bank_identity"
 #define CACHE_MAX     ((int64_t)4 << 20)

@@ -14,7 +14,7 @@
 #include "cli/cli.h"
 
 #include "backend/ops.h"
-#include "core/pool.h"
+#include "llmem/pool.h"
 #include "llmem/mem.h"
 
 typedef uint64_t u64x2 __attribute__((vector_size(16)));

@@ -50,7 +50,7 @@
 
 #include "cli/cli.h"
 #include "core/json.h"
-#include "core/pool.h"
+#include "llmem/pool.h"
 #include "kv/codec_internal.h"
 #include "llmem/kv.h"
 #include "llmem/mem.h"

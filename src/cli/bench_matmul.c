@@ -25,9 +25,10 @@
 #include "backend/cpu/cpu_int.h"
 #include "cli/cli.h"
 #include "core/json.h"
-#include "core/pool.h"
+#include "llmem/pool.h"
 #include "llmem/mem.h"
 #include "llmem/sys.h"
+#include "llmem/dtype.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define BENCH_X86 1

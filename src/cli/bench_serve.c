@@ -34,7 +34,7 @@
 #include "backend/ops.h"
 #include "cli/cli.h"
 #include "core/json.h"
-#include "core/pool.h"
+#include "llmem/pool.h"
 #include "llmem/engine.h"
 #include "llmem/server.h"
 #include "llmem/sys.h"

@@ -14,7 +14,7 @@
  * mutex only guards the sleeping paths (a worker re-checks the generation under it before
  * waiting, and the caller bumps it under it, so no wake-up is lost).
  */
-#include "core/pool.h"
+#include "llmem/pool.h"
 
 #include <pthread.h>
 #include <sched.h>

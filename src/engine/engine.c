@@ -21,7 +21,7 @@
 
 #include "backend/ops.h"
 #include "core/log.h"
-#include "core/pool.h"
+#include "llmem/pool.h"
 #include "llmem/bank.h"
 #include "llmem/engine.h"
 #include "llmem/size.h"
@@ -229,8 +229,8 @@ static int open_bank(struct llmem_engine *e) {
         if (pc.ops != NULL && llmem_mem_create(&pc, &e->staging_mem) == LLMEM_OK)
             sc.mem = e->staging_mem;
     }
-    sc.free_probe = e->cfg.spill_free_probe;
-    sc.free_probe_arg = e->cfg.spill_free_probe_arg;
+    sc.free_probe = e->hooks.spill_free_probe;
+    sc.free_probe_arg = e->hooks.spill_free_probe_arg;
     status = llmem_spill_open(&sc, &e->spill);
     if (status != LLMEM_OK && e->cfg.bank_dir == NULL) {
         LLMEM_WARN("the session bank runs without its spill tier");
@@ -239,14 +239,17 @@ static int open_bank(struct llmem_engine *e) {
     return status;
 }
 
-int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_fn progress,
-                      void *progress_arg, struct llmem_engine **out) {
+int llmem_engine_open_hooked(const struct llmem_engine_config *config,
+                             const struct llmem_engine_hooks *hooks, llmem_progress_fn progress,
+                             void *progress_arg, struct llmem_engine **out) {
     struct llmem_engine *e = calloc(1, sizeof(*e));
     if (e == NULL) {
-        LLMEM_ERROR("out of memory");
+        LLMEM_ERROR_AS("llmem_engine_open", "out of memory");
         return LLMEM_ENOMEM;
     }
     e->cfg = *config;
+    if (hooks != NULL)
+        e->hooks = *hooks;
     llmem_engine_sched_init(e);
     llmem_guard_init(&e->guard);
     e->pressure_at = -1;
@@ -300,7 +303,7 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
     const struct llmem_model_config *mcfg = llmem_model_get_config(e->model);
     e->vocab = mcfg->geom.vocab_size;
     if (llmem_tokenizer_vocab_size(e->tok) > e->vocab) {
-        LLMEM_ERROR("%s: the tokenizer has %d tokens but the model only %" PRId64,
+        LLMEM_ERROR_AS("llmem_engine_open", "%s: the tokenizer has %d tokens but the model only %" PRId64,
                     config->model_dir, llmem_tokenizer_vocab_size(e->tok), e->vocab);
         status = LLMEM_EFORMAT;
         goto fail;
@@ -317,7 +320,7 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
     e->decode_ahead = ahead == NULL || strcmp(ahead, "0") != 0;
     e->ahead = malloc((size_t)e->cfg.max_sequences * sizeof(*e->ahead));
     if (e->ahead == NULL) {
-        LLMEM_ERROR("out of memory");
+        LLMEM_ERROR_AS("llmem_engine_open", "out of memory");
         status = LLMEM_ENOMEM;
         goto fail;
     }
@@ -330,6 +333,11 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
 fail:
     llmem_engine_close(e);
     return status;
+}
+
+int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_fn progress,
+                      void *progress_arg, struct llmem_engine **out) {
+    return llmem_engine_open_hooked(config, NULL, progress, progress_arg, out);
 }
 
 void llmem_engine_close(struct llmem_engine *e) {
@@ -421,8 +429,8 @@ static void guard_reading(struct llmem_engine *e, struct llmem_guard_reading *r)
         .cgroup_max = e->pressure.cgroup_max,
         .cgroup_oom = e->pressure.cgroup_oom,
     };
-    if (e->cfg.guard_source != NULL)
-        e->cfg.guard_source(e->cfg.guard_source_arg, r);
+    if (e->hooks.guard_source != NULL)
+        e->hooks.guard_source(e->hooks.guard_source_arg, r);
     llmem_guard_events(&e->guard, r);
 }
 

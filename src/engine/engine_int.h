@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <stdint.h>
 
+#include "engine/hooks.h"
 #include "llmem/engine.h"
 #include "llmem/sys.h"
 
@@ -15,6 +16,7 @@ struct request;
 
 struct llmem_engine {
     struct llmem_engine_config cfg;
+    struct llmem_engine_hooks hooks; /* zeros: the machine's own readings and disk */
     struct llmem_plan plan;
     struct llmem_mem *mem;         /* the memory the plan governs: the host's, or the device's */
     struct llmem_mem *staging_mem; /* pinned host memory for the spill store's staging (CUDA) */

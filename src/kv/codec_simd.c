@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "kv/codec_internal.h"
+#include "llmem/kv.h"
 #include "llmem/sys.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

@@ -7,7 +7,7 @@
 #define LLMEM_KV_INT_H
 
 #include "backend/ops.h"
-#include "core/pool.h"
+#include "llmem/pool.h"
 #include "kv/codec.h"
 #include "llmem/kv.h"
 

@@ -30,6 +30,7 @@
 #include "core/json.h"
 #include "core/log.h"
 #include "llmem/model.h"
+#include "llmem/config.h"
 #include "model/model_int.h"
 
 #define CONFIG_FUNC       "llmem_model_geometry_load_config"

@@ -10,6 +10,7 @@
 
 #include "core/log.h"
 #include "model/model_int.h"
+#include "llmem/dtype.h"
 
 /* host bytes → a new buffer of the device; NULL on failure (logged by the allocator or here) */
 static void *upload(struct llmem_mem *mem, const struct llmem_backend *be, const void *host,

@@ -38,6 +38,8 @@
 
 #include "core/log.h"
 #include "llmem/kv.h"
+#include "llmem/config.h"
+#include "llmem/forward.h"
 #include "model/model_int.h"
 
 struct llmem_forward {

@@ -20,6 +20,9 @@
 
 #include "core/log.h"
 #include "model/model_int.h"
+#include "llmem/config.h"
+#include "llmem/dtype.h"
+#include "llmem/safetensors.h"
 
 #define LOAD_FUNC       "llmem_model_load"
 #define LOAD_ERROR(...) LLMEM_ERROR_AS(LOAD_FUNC, __VA_ARGS__)

@@ -18,6 +18,8 @@
 #include "core/json.h"
 #include "core/log.h"
 #include "model/model_int.h"
+#include "llmem/config.h"
+#include "llmem/safetensors.h"
 
 #define INDEX_MAX_BYTES ((int64_t)64 << 20)
 #define MODEL_PATH_MAX  4096

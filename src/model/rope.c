@@ -12,7 +12,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "llmem/model.h"
+#include "model/model_int.h"
+#include "llmem/config.h"
+#include "llmem/dtype.h"
 
 void llmem_rope_inv_freq(const struct llmem_model_config *cfg, enum llmem_dtype round_to,
                          float *inv_freq) {

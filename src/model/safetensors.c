@@ -28,6 +28,8 @@
 #include "core/json.h"
 #include "core/log.h"
 #include "model/model_int.h"
+#include "llmem/dtype.h"
+#include "llmem/safetensors.h"
 
 /* ---- dtypes --------------------------------------------------------------------------------- */
 

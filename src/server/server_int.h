@@ -14,6 +14,7 @@
 
 #include "llmem/engine.h"
 #include "llmem/tokenizer.h"
+#include "llmem/sampler.h"
 
 /* ---- text ------------------------------------------------------------------------------------ */
 

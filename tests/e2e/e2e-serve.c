@@ -21,6 +21,7 @@
 #include <cjson/cJSON.h>
 
 #include "core/json.h"
+#include "engine/hooks.h"
 #include "llmem/engine.h"
 #include "llmem/server.h"
 #include "testutil.h"
@@ -967,9 +968,9 @@ static void test_library_507_and_stop(void **state) {
     ec.model_dir = PYCODER;
     ec.max_sequences = 4;
     ec.n_threads = 2;
-    ec.guard_source = fake_guard;
+    struct llmem_engine_hooks hooks = {.guard_source = fake_guard};
     struct llmem_engine *e = NULL;
-    assert_int_equal(llmem_engine_open(&ec, NULL, NULL, &e), LLMEM_OK);
+    assert_int_equal(llmem_engine_open_hooked(&ec, &hooks, NULL, NULL, &e), LLMEM_OK);
     struct llmem_server_config sc;
     llmem_server_config_default(&sc);
     sc.port = 0;

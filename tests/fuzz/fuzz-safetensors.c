@@ -16,6 +16,8 @@
 #include <unistd.h>
 
 #include "llmem/model.h"
+#include "llmem/config.h"
+#include "llmem/safetensors.h"
 
 static char dir[256];
 

@@ -18,8 +18,9 @@
 
 #include "backend/cpu/cpu_int.h"
 #include "core/log.h"
-#include "core/pool.h"
+#include "llmem/pool.h"
 #include "llmem/mem.h"
+#include "llmem/dtype.h"
 
 /* Elements below which an element-wise operation runs on the calling thread alone. */
 #define CPU_PAR_MIN ((int64_t)1 << 15)

@@ -30,8 +30,9 @@
 
 #include "backend/cpu/cpu_int.h"
 #include "core/log.h"
-#include "core/pool.h"
+#include "llmem/pool.h"
 #include "llmem/sys.h"
+#include "llmem/dtype.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define CPU_X86 1

@@ -40,6 +40,8 @@
 
 #include "core/hash.h"
 #include "core/log.h"
+#include "llmem/forward.h"
+#include "llmem/dtype.h"
 
 /* x rows up to which matmul takes the memory-bound kernel (gemv_rows): at f32 precision, where a
  * GEMM first widens the weights, up to GEMV_MAX_ROWS; at fast precision up to GEMV_FAST_ROWS, the

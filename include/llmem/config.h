@@ -1,0 +1,64 @@
+/*
+ * llmem/config.h — a model's config.json read into numbers: its geometry (what `llmem plan` hands
+ * to the planner) and the full configuration the forward pass runs on (SPEC §2.5, §5).
+ *
+ * Every function returns an `enum llmem_status`; a failure is logged once (one line naming the
+ * file and the field) and leaves the outputs untouched.
+ */
+#ifndef LLMEM_CONFIG_H
+#define LLMEM_CONFIG_H
+
+#include <stdint.h>
+
+#include "llmem/api.h"
+#include "llmem/plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Fills *geom from MODEL_DIR/config.json alone (n_params and weights_bytes stay 0). Families:
+ * llama, mistral, qwen2, qwen3 (by model_type, else by architectures), also nested under
+ * `text_config`. head_dim falls back to hidden_size / num_attention_heads, num_key_value_heads to
+ * num_attention_heads; sliding_window counts when use_sliding_window is true, when layer_types has
+ * "sliding_attention", or (mistral) whenever it is set; rope_theta / rope_scaling /
+ * rope_parameters are checked for type. name is the directory's base name, source the path.
+ * LLMEM_ENOENT for a missing directory or config.json, LLMEM_EFORMAT for a missing, mistyped or
+ * out-of-range field, LLMEM_EUNSUPPORTED for another architecture. */
+LLMEM_API int llmem_model_geometry_load_config(const char *model_dir,
+                                               struct llmem_model_geometry *geom);
+
+/* llmem_model_geometry_load_config, then the safetensors headers (llmem_safetensors_load_dir):
+ * n_params = Σ elements, weights_bytes = Σ tensor bytes. A checkpoint that has
+ * model.embed_tokens.weight but no lm_head.weight is recorded as tied whatever the config says
+ * (logged as a warning). */
+LLMEM_API int llmem_model_geometry_load(const char *model_dir, struct llmem_model_geometry *geom);
+
+#define LLMEM_MAX_EOS 8
+
+struct llmem_model_config {
+    struct llmem_model_geometry geom;
+    double rms_norm_eps; /* 1e-6 when absent */
+    char hidden_act[16]; /* "silu" (the only one supported) */
+    double rope_theta;   /* 10000 when absent */
+    char rope_type[24];  /* "default", "linear", "llama3"; others are refused at load */
+    double rope_factor;  /* linear, llama3 */
+    double rope_low_freq_factor, rope_high_freq_factor; /* llama3 */
+    int64_t rope_original_max_context;                  /* llama3 */
+    uint8_t *layer_sliding; /* (n_layers) 1 where the layer attends within geom.sliding_window */
+    int32_t bos_id;         /* config.json's; −1 when absent */
+    int32_t eos_ids[LLMEM_MAX_EOS];
+    int n_eos;
+};
+
+/* Reads MODEL_DIR/config.json as llmem_model_geometry_load_config does, plus the RoPE numbers,
+ * rms_norm_eps, hidden_act, bos/eos ids and which layers slide. Free with
+ * llmem_model_config_free. */
+LLMEM_API int llmem_model_config_load(const char *model_dir, struct llmem_model_config *cfg);
+LLMEM_API void llmem_model_config_free(struct llmem_model_config *cfg);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
