@@ -211,7 +211,7 @@ __device__ __forceinline__ void encode_row(const kv_rows &r, bool value, float *
 /* grid (token, head, keys or values), one warp: lane i takes elements i, i + 32, … of the
  * head's row (MAX_LANE_D groups at a time); the token goes to its pool slot. */
 template <bool QT>
-__global__ void encode_kernel(kv_rows r, const float *k, const float *v, int heads, int head_dim,
+static __global__ void encode_kernel(kv_rows r, const float *k, const float *v, int heads, int head_dim,
                               const int64_t *slots, uint8_t *k_pool, uint8_t *v_pool) {
     pdl_begin();
     const int64_t t = blockIdx.x;
@@ -253,7 +253,7 @@ extern "C" void llmem_cuda_kv_encode(cudaStream_t stream, enum llmem_kv_format f
  * i + 32j; with head_dim a multiple of 64 a pair (d, d + head_dim / 2) is one lane's. */
 #define ROPE_WARPS 8
 template <bool QT>
-__global__ void __launch_bounds__(ROPE_WARPS * 32)
+static __global__ void __launch_bounds__(ROPE_WARPS * 32)
     rope_encode_kernel(kv_rows rw, float *q, int n_heads, float *k, const float *v, int heads,
                        int head_dim, const int64_t *pos, const float *inv_freq,
                        const int64_t *slots, uint8_t *k_pool, uint8_t *v_pool) {
@@ -351,7 +351,7 @@ struct attn_args {
     float *out;
 };
 
-__global__ void __launch_bounds__(WARPS * 32) attend_kernel(struct attn_args a) {
+static __global__ void __launch_bounds__(WARPS * 32) attend_kernel(struct attn_args a) {
     pdl_begin();
     const int64_t i = blockIdx.x; /* query */
     const int h = blockIdx.y, kvh = h / a.group;
@@ -420,7 +420,7 @@ __global__ void __launch_bounds__(WARPS * 32) attend_kernel(struct attn_args a) 
 /* Prefill chunks: one warp per (query, head), its lanes on 32 keys at a time (each lane a whole
  * key row against the query held in shared memory), the chunk's softmax by warp reductions, then
  * the 32 value rows accumulated with each lane on head_dim / 32 elements. */
-__global__ void __launch_bounds__(WARPS * 32) attend_rows_kernel(struct attn_args a, int64_t n_q) {
+static __global__ void __launch_bounds__(WARPS * 32) attend_rows_kernel(struct attn_args a, int64_t n_q) {
     pdl_begin();
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int64_t i = blockIdx.x * (int64_t)WARPS + warp; /* query */
