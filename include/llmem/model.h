@@ -162,11 +162,8 @@ void llmem_model_config_free(struct llmem_model_config *cfg);
 
 /* The rotary inverse frequencies, as transformers computes them in f32: inv_freq[i] =
  * 1 / theta^(2i / head_dim) for i < head_dim / 2, then scaled by `linear` (÷ factor) or `llama3`
- * (wavelength-dependent: long wavelengths ÷ factor, short unchanged, smooth in between); then
- * rounded to round_to when it is F16 or BF16 (what a transformers model cast with .to(dtype)
- * rotates by), else left in f32. */
-void llmem_rope_inv_freq(const struct llmem_model_config *cfg, enum llmem_dtype round_to,
-                         float *inv_freq);
+ * (wavelength-dependent: long wavelengths ÷ factor, short unchanged, smooth in between). */
+void llmem_rope_inv_freq(const struct llmem_model_config *cfg, float *inv_freq);
 
 /* ---------------------------------------------------------------------------------------------
  * A model loaded for inference
@@ -186,9 +183,7 @@ typedef void (*llmem_progress_fn)(void *arg, int64_t done, int64_t total);
  * reclaimable as page cache). progress may be NULL. LLMEM_ENOENT (missing directory, file or
  * tensor), LLMEM_EFORMAT (a malformed file, a shape that disagrees with the config),
  * LLMEM_EUNSUPPORTED (an architecture, dtype, rope type or activation llmem does not run),
- * LLMEM_ENOMEM (the memory limit), LLMEM_EIO — each logged once, naming the file and tensor.
- * LLMEM_ROPE_FREQ=checkpoint rounds the rotary frequencies to the embedding's dtype (see
- * llmem_rope_inv_freq); unset or f32 keeps them exact. */
+ * LLMEM_ENOMEM (the memory limit), LLMEM_EIO — each logged once, naming the file and tensor. */
 #define LLMEM_MODEL_LOAD_NO_MMAP 1
 int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
                      llmem_progress_fn progress, void *progress_arg, struct llmem_model **out);
