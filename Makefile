@@ -36,7 +36,7 @@ test-tsan: deps
 	@cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DLLMEM_TSAN=ON -DLLMEM_CUDA=OFF $(CMAKE_FLAGS) >/dev/null
 	@cmake --build $(TSAN_BUILD) -j $(JOBS) --target test-mem test-core test-kv test-spill test-sched
 	TSAN_OPTIONS=halt_on_error=1 ctest --test-dir $(TSAN_BUILD) --output-on-failure \
-		-R '^(test-mem|test-core|test-kv|test-spill|test-sched)$$'
+		-R '^(test-mem|test-core|test-kv|test-spill|test-sched)(:.*)?$$'
 
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h' '*.cu')

@@ -1,7 +1,7 @@
 /*
  * tests/test-backend.c — the backend registry and CUDA device discovery. The registry checks run
- * everywhere; the device checks need a CUDA build and a GPU, and the suite exits 77 (skipped)
- * without them.
+ * everywhere; the device checks (the group "cuda", ctest test-backend:cuda) need a CUDA build and
+ * a GPU, and skip without them.
  */
 #include <stdio.h>
 #include <string.h>
@@ -46,13 +46,12 @@ static void test_devices(void **state) {
     }
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     const struct CMUnitTest registry[] = {cmocka_unit_test(test_registry)};
-    int failed = cmocka_run_group_tests_name("registry", registry, NULL, NULL);
-    if (failed)
-        return failed;
-    if (tu_no_gpu())
-        return 77;
     const struct CMUnitTest devices[] = {cmocka_unit_test(test_devices)};
-    return cmocka_run_group_tests_name("cuda devices", devices, NULL, NULL);
+    const struct tu_group groups[] = {
+        TU_GROUP("registry", registry, NULL),
+        TU_GROUP("cuda", devices, tu_gpu_unavailable),
+    };
+    return tu_main(argc, argv, groups, sizeof(groups) / sizeof(groups[0]));
 }

@@ -1,8 +1,8 @@
 /*
  * tests/test-cuda.c — the CUDA backend against the CPU backend, the reference: device memory
  * through the caching allocator, and every operation of the backend table on the same random
- * inputs, compared within the bounds below. The build checks run everywhere; the rest needs a
- * CUDA build and a GPU, and the suite exits 77 (skipped) without them.
+ * inputs, compared within the bounds below. The build checks run everywhere; the rest (the group
+ * "gpu", ctest test-cuda:gpu) needs a CUDA build and a GPU, and skips without them.
  *
  * Bounds: the elementwise operations follow the CPU's arithmetic and agree to a few units in the
  * last place (1e-6 relative); matmul at f32 precision differs only by the order of the sums
@@ -1707,13 +1707,8 @@ static int teardown(void **state) {
     return 0;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     const struct CMUnitTest build[] = {cmocka_unit_test(test_build)};
-    int failed = cmocka_run_group_tests_name("build", build, NULL, NULL);
-    if (failed)
-        return failed;
-    if (tu_no_gpu())
-        return 77;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_device_memory),
         cmocka_unit_test(test_rmsnorm),
@@ -1742,5 +1737,9 @@ int main(void) {
         cmocka_unit_test(test_device_plan),
         cmocka_unit_test(test_default_chunk),
     };
-    return cmocka_run_group_tests_name("cuda", tests, setup, teardown);
+    const struct tu_group groups[] = {
+        TU_GROUP("build", build, NULL),
+        TU_GROUP_FIXTURES("gpu", tests, tu_gpu_unavailable, setup, teardown),
+    };
+    return tu_main(argc, argv, groups, sizeof(groups) / sizeof(groups[0]));
 }

@@ -318,14 +318,13 @@ static void test_direct_split_same_bits(void **state) {
     }
 }
 
-/* The tile kernels (AVX2 and AVX-512, groups of four, two and one query heads, every format)
- * against the float64 reference and against the portable per-token kernels on the same queries:
- * tails of tiles (37 tokens, queries at 33..36), sliding windows that start inside a tile, GQA 1
- * (the kernel of one), 2 (of two), 4, 6 (one call of four and one of two per KV head), 7 (four,
- * two and one) and 8 (two calls of four), head_dim 96 (not a multiple of 64), and direct against
- * partitioned over several partitions. */
-static void test_fused_tile_kernel(void **state) {
-    (void)state;
+/* The cases of the tile tests: every format, both layouts and GQA 1 (the kernel of one), 2 (of
+ * two), 4, 6 (one call of four and one of two per KV head), 7 (four, two and one) and 8 (two calls
+ * of four), head_dim 96 (not a multiple of 64) in half of them. `tiles`: the tile kernels of every
+ * vector ISA against the float64 reference and against the portable per-token kernels on the same
+ * queries — tails of tiles (37 tokens, queries at 33..36), sliding windows that start inside a
+ * tile; `partitions`: direct against partitioned over several partitions. */
+static void tile_cases(int tiles, int partitions) {
     static const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_F32,  LLMEM_KV_FORMAT_F16,
                                                    LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_Q8,
                                                    LLMEM_KV_FORMAT_Q4,   LLMEM_KV_FORMAT_TQ};
@@ -349,7 +348,7 @@ static void test_fused_tile_kernel(void **state) {
                 struct data d = data_new(1, kvh, hd, 1200);
                 append_random(kv, seq, &d, 37, 0, formats[f] == LLMEM_KV_FORMAT_F16);
                 const int64_t windows[] = {0, 20, 7};
-                for (int w = 0; w < 3; w++) {
+                for (int w = 0; tiles && w < 3; w++) {
                     size_t n = (size_t)4 * (size_t)n_heads * (size_t)hd;
                     float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
                     uint64_t saved = rng;
@@ -378,6 +377,11 @@ static void test_fused_tile_kernel(void **state) {
                     llmem_kv_codec_set_isa(best);
                     free(a), free(b);
                 }
+                if (!partitions) {
+                    free(d.k), free(d.v);
+                    llmem_kv_destroy(kv);
+                    continue;
+                }
                 /* several partitions: direct and partitioned, the same arithmetic */
                 append_random(kv, seq, &d, 1100, 0, formats[f] == LLMEM_KV_FORMAT_F16);
                 size_t n = (size_t)2 * (size_t)n_heads * (size_t)hd;
@@ -402,6 +406,19 @@ static void test_fused_tile_kernel(void **state) {
             }
         }
     }
+}
+
+/* The tile kernels of every vector ISA (a CPU with vector kernels: the group "simd"). */
+static void test_fused_tile_kernel(void **state) {
+    (void)state;
+    assert_true(llmem_kv_isa_best() != LLMEM_KV_ISA_SCALAR);
+    tile_cases(1, 0);
+}
+
+/* Direct and partitioned attention over several partitions, the same arithmetic, on every CPU. */
+static void test_partitions_agree(void **state) {
+    (void)state;
+    tile_cases(0, 1);
 }
 
 static void test_ragged_rows(void **state) {
@@ -881,13 +898,17 @@ static void test_paged_stress(void **state) {
     llmem_kv_destroy(kv);
 }
 
-int main(void) {
+static const char *no_vector_kernels(void) {
+    return llmem_kv_isa_best() == LLMEM_KV_ISA_SCALAR ? "no vector kernels on this CPU" : NULL;
+}
+
+int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_layouts_match_reference),
         cmocka_unit_test(test_half_formats_within_rounding),
         cmocka_unit_test(test_routes_agree),
         cmocka_unit_test(test_direct_split_same_bits),
-        cmocka_unit_test(test_fused_tile_kernel),
+        cmocka_unit_test(test_partitions_agree),
         cmocka_unit_test(test_ragged_rows),
         cmocka_unit_test(test_quantized_attention_error),
         cmocka_unit_test(test_paged_share_and_copy_on_write),
@@ -900,5 +921,10 @@ int main(void) {
         cmocka_unit_test(test_config_from_env),
         cmocka_unit_test(test_paged_stress),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    const struct CMUnitTest simd[] = {cmocka_unit_test(test_fused_tile_kernel)};
+    const struct tu_group groups[] = {
+        TU_GROUP("kv", tests, NULL),
+        TU_GROUP("simd", simd, no_vector_kernels),
+    };
+    return tu_main(argc, argv, groups, sizeof(groups) / sizeof(groups[0]));
 }

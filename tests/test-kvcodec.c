@@ -170,8 +170,13 @@ static void test_f16_exhaustive(void **state) {
     /* the tie above 65504 (f16 max) */
     assert_int_equal(llmem_f32_to_f16(nextafterf(65520.0f, 0.0f)), 0x7bff);
     assert_int_equal(llmem_f32_to_f16(65520.0f), 0x7c00);
+}
+
+/* f32 → f16 against the compiler's own conversion over random f32 bit patterns (a compiler with
+ * _Float16: the group "float16"). */
+static void test_f16_matches_compiler(void **state) {
+    (void)state;
 #if defined(__FLT16_MAX__)
-    /* and against the compiler's own conversion over random f32 bit patterns */
     struct rng r = {0x1234567};
     for (int i = 0; i < 1000000; i++) {
         float x = bits_f32((uint32_t)rng_next(&r));
@@ -184,6 +189,8 @@ static void test_f16_exhaustive(void **state) {
             fail_msg("f32_to_f16(%a) = 0x%04x, the compiler says 0x%04x", (double)x,
                      llmem_f32_to_f16(x), rb);
     }
+#else
+    tu_skip("the compiler has no _Float16");
 #endif
 }
 
@@ -584,14 +591,12 @@ static void test_dot_axpy_match_decode(void **state) {
     assert_int_equal(llmem_kv_kernels()->isa, best);
 }
 
-/* The vector kernels agree with the portable ones on the same stored rows, for every format. */
+/* The vector kernels agree with the portable ones on the same stored rows, for every format (a
+ * CPU with vector kernels: the group "simd"). */
 static void test_simd_matches_scalar(void **state) {
     (void)state;
     enum llmem_kv_isa best = llmem_kv_isa_best();
-    if (best == LLMEM_KV_ISA_SCALAR) {
-        print_message("    no vector kernels on this CPU\n");
-        return;
-    }
+    assert_true(best != LLMEM_KV_ISA_SCALAR);
     static const int dims[] = {32, 64, 96, 128, 256, 1024};
     for (int f = 0; f < LLMEM_KV_FORMAT_COUNT; f++) {
         for (size_t di = 0; di < sizeof(dims) / sizeof(dims[0]); di++) {
@@ -847,7 +852,19 @@ static void test_group_kernels_match(void **state) {
     llmem_kv_codec_force_scalar(0);
 }
 
-int main(void) {
+static const char *no_vector_kernels(void) {
+    return llmem_kv_isa_best() == LLMEM_KV_ISA_SCALAR ? "no vector kernels on this CPU" : NULL;
+}
+
+static const char *no_float16(void) {
+#if defined(__FLT16_MAX__)
+    return NULL;
+#else
+    return "the compiler has no _Float16";
+#endif
+}
+
+int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_f16_known_values),
         cmocka_unit_test(test_f16_exhaustive),
@@ -859,11 +876,17 @@ int main(void) {
         cmocka_unit_test(test_rotation_orthonormal),
         cmocka_unit_test(test_rotation_is_hadamard),
         cmocka_unit_test(test_dot_axpy_match_decode),
-        cmocka_unit_test(test_simd_matches_scalar),
         cmocka_unit_test(test_attention_in_rotated_domain),
         cmocka_unit_test(test_degenerate_groups),
         cmocka_unit_test(test_group_kernels_match),
         cmocka_unit_test(test_tile_kernel_matches),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    const struct CMUnitTest simd[] = {cmocka_unit_test(test_simd_matches_scalar)};
+    const struct CMUnitTest float16[] = {cmocka_unit_test(test_f16_matches_compiler)};
+    const struct tu_group groups[] = {
+        TU_GROUP("kvcodec", tests, NULL),
+        TU_GROUP("simd", simd, no_vector_kernels),
+        TU_GROUP("float16", float16, no_float16),
+    };
+    return tu_main(argc, argv, groups, sizeof(groups) / sizeof(groups[0]));
 }

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "core/json.h"
@@ -329,15 +330,22 @@ static void test_threads(void **state) {
 static void test_wired_limit(void **state) {
     (void)state;
     struct llmem_mem *m = new_mem(0, 0);
+    /* an unlimited RLIMIT_MEMLOCK (as root may have) is lowered for the test, so that a limit
+     * above it is refused on every machine */
+    struct rlimit saved;
+    assert_int_equal(getrlimit(RLIMIT_MEMLOCK, &saved), 0);
+    if (saved.rlim_cur == RLIM_INFINITY) {
+        struct rlimit lower = {8 * MiB, saved.rlim_max};
+        assert_int_equal(setrlimit(RLIMIT_MEMLOCK, &lower), 0);
+    }
     int64_t rlimit = llmem_sys_memlock_limit();
     int64_t prev = -1;
-    if (rlimit >= 0) {
-        assert_int_equal(llmem_mem_set_wired_limit(m, rlimit + 4096, &prev), LLMEM_EINVAL);
-        assert_non_null(strstr(llmem_last_error(), "above RLIMIT_MEMLOCK"));
-        assert_non_null(strstr(llmem_last_error(), "ulimit -l"));
-    }
+    assert_true(rlimit >= 0);
+    assert_int_equal(llmem_mem_set_wired_limit(m, rlimit + 4096, &prev), LLMEM_EINVAL);
+    assert_non_null(strstr(llmem_last_error(), "above RLIMIT_MEMLOCK"));
+    assert_non_null(strstr(llmem_last_error(), "ulimit -l"));
     assert_int_equal(llmem_mem_set_wired_limit(m, -1, NULL), LLMEM_EINVAL);
-    int64_t limit = rlimit >= 0 && rlimit < 4 * (int64_t)MiB ? rlimit : 4 * (int64_t)MiB;
+    int64_t limit = rlimit < 4 * (int64_t)MiB ? rlimit : 4 * (int64_t)MiB;
     assert_int_equal(llmem_mem_set_wired_limit(m, limit, &prev), LLMEM_OK);
     assert_int_equal(prev, 0);
     void *w = llmem_mem_alloc(m, (size_t)limit / 2, LLMEM_TAG_WEIGHTS);
@@ -359,6 +367,7 @@ static void test_wired_limit(void **state) {
     llmem_mem_free(m, s);
     llmem_mem_free(m, k);
     llmem_mem_destroy(m);
+    assert_int_equal(setrlimit(RLIMIT_MEMLOCK, &saved), 0);
 }
 
 static void test_tracked_memory(void **state) {

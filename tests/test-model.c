@@ -23,7 +23,7 @@
 #include "testutil.h"
 
 #define PYCODER_DIR LLMEM_SOURCE_DIR "/models/pycoder"
-#define DATA_DIR    LLMEM_TEST_DATA "/model"
+#define MODELS_DIR  LLMEM_TEST_DATA "/models"
 
 /* pycoder's header, computed once with python3 from the file (json.loads of the header). */
 #define PYCODER_HEADER_BYTES 6040
@@ -529,13 +529,14 @@ static void test_pycoder_geometry(void **state) {
 
 static void test_reference_configs(void **state) {
     (void)state;
-    struct llmem_model_geometry g = load_config_ok(DATA_DIR "/pycoder");
+    /* config.json alone: the weights beside it are not read */
+    struct llmem_model_geometry g = load_config_ok(PYCODER_DIR);
     assert_int_equal(g.n_layers, 6);
     assert_int_equal(g.n_params, 0);
     assert_int_equal(g.weights_bytes, 0);
 
     /* Llama 3 rope scaling under rope_parameters, untied, GQA 8/2, explicit head_dim. */
-    g = load_config_ok(DATA_DIR "/tiny-llama3");
+    g = load_config_ok(MODELS_DIR "/tiny-llama3");
     assert_string_equal(g.name, "tiny-llama3");
     assert_string_equal(g.arch, "llama");
     assert_int_equal(g.n_layers, 4);
@@ -551,7 +552,7 @@ static void test_reference_configs(void **state) {
     assert_int_equal(g.sliding_window, 0);
 
     /* Qwen2: no head_dim (192 / 6), biases, tied, sliding_window null and flag false. */
-    g = load_config_ok(DATA_DIR "/tiny-qwen2");
+    g = load_config_ok(MODELS_DIR "/tiny-qwen2");
     assert_string_equal(g.arch, "qwen2");
     assert_int_equal(g.n_layers, 3);
     assert_int_equal(g.hidden_size, 192);

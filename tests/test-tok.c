@@ -1,6 +1,8 @@
 /*
- * tests/test-tok.c — tok/: every reference tokenizer of tests/data/tok/<name>/ (ids and decoded
- * text of each case in cases.json, made by Hugging Face `tokenizers`, must match exactly), round
+ * tests/test-tok.c — tok/: every reference tokenizer — of the models (tests/data/models/<name>,
+ * pycoder's in models/pycoder: the cases of their reference.json) and the tokenizer-only fixtures
+ * of tests/data/tok/<name>/ (cases.json) — must give the ids and decoded text that Hugging Face
+ * `tokenizers` gave for each case, exactly; round
  * trips on random text, added tokens inside text, the streaming detokenizer against the full
  * decode, chat templates (recognition and the exact rendering of each family), the speed of
  * encoding a megabyte, and the load errors (status and the phrase of the one error line).
@@ -22,6 +24,7 @@
 #include "tok/tok_int.h"
 
 #define TOK_DATA LLMEM_TEST_DATA "/tok"
+#define MODELS   LLMEM_TEST_DATA "/models"
 
 static const char *const all_tokenizers[] = {
     "pycoder",
@@ -47,9 +50,22 @@ static const char *const invertible[] = {
 
 /* ---- helpers -------------------------------------------------------------------------------- */
 
+/* tok-<name> is a tokenizer-only fixture of TOK_DATA; any other name is a model's tokenizer. */
+static int is_model(const char *name) {
+    return strncmp(name, "tok-", 4) != 0;
+}
+
+static const char *tok_dir(const char *name, char *buf, size_t size) {
+    if (strcmp(name, "pycoder") == 0)
+        snprintf(buf, size, "%s/models/pycoder", LLMEM_SOURCE_DIR);
+    else
+        snprintf(buf, size, "%s/%s", is_model(name) ? MODELS : TOK_DATA, name);
+    return buf;
+}
+
 static struct llmem_tokenizer *load(const char *name) {
     char dir[1024];
-    snprintf(dir, sizeof(dir), "%s/%s", TOK_DATA, name);
+    tok_dir(name, dir, sizeof(dir));
     struct llmem_tokenizer *tok = NULL;
     int status = llmem_tokenizer_load(dir, &tok);
     if (status != LLMEM_OK) {
@@ -59,11 +75,43 @@ static struct llmem_tokenizer *load(const char *name) {
     return tok;
 }
 
+/* {"cases": [{text, ids, decoded}], "decode_cases": [{ids, text}]}: a fixture's cases.json, or
+ * made from a model's reference.json — its tokenizer_cases, and for the trained model (whose
+ * reference has none) each generation's prompt with its ids and continuation with its text. */
 static cJSON *load_cases(const char *name) {
     char path[1024];
-    snprintf(path, sizeof(path), "%s/%s/cases.json", TOK_DATA, name);
     cJSON *root = NULL;
-    assert_int_equal(llmem_json_parse_file(path, 1 << 24, &root), LLMEM_OK);
+    if (!is_model(name)) {
+        snprintf(path, sizeof(path), "%s/%s/cases.json", TOK_DATA, name);
+        assert_int_equal(llmem_json_parse_file(path, 1 << 24, &root), LLMEM_OK);
+        return root;
+    }
+    snprintf(path, sizeof(path), "%s/%s/reference.json", MODELS, name);
+    cJSON *ref = NULL;
+    assert_int_equal(llmem_json_parse_file(path, 1 << 24, &ref), LLMEM_OK);
+    root = cJSON_CreateObject();
+    cJSON *cases = cJSON_DetachItemFromObject(ref, "tokenizer_cases");
+    cJSON *decode_cases = cJSON_AddArrayToObject(root, "decode_cases");
+    if (cases == NULL) {
+        cases = cJSON_CreateArray();
+        const cJSON *g = NULL;
+        cJSON_ArrayForEach(g, cJSON_GetObjectItem(ref, "generations")) {
+            const cJSON *prompt = cJSON_GetObjectItem(g, "prompt");
+            cJSON *c = cJSON_CreateObject();
+            cJSON_AddStringToObject(c, "text", prompt->valuestring);
+            cJSON_AddItemToObject(c, "ids",
+                                  cJSON_Duplicate(cJSON_GetObjectItem(g, "prompt_ids"), 1));
+            cJSON_AddStringToObject(c, "decoded", prompt->valuestring);
+            cJSON_AddItemToArray(cases, c);
+            c = cJSON_CreateObject();
+            cJSON_AddItemToObject(c, "ids",
+                                  cJSON_Duplicate(cJSON_GetObjectItem(g, "greedy_ids"), 1));
+            cJSON_AddStringToObject(c, "text", cJSON_GetObjectItem(g, "greedy_text")->valuestring);
+            cJSON_AddItemToArray(decode_cases, c);
+        }
+    }
+    cJSON_AddItemToObject(root, "cases", cases);
+    cJSON_Delete(ref);
     return root;
 }
 
@@ -458,7 +506,7 @@ static char *model_with_config(const char *dir, const char *name, const char *co
     char path[1024], sub[1024];
     snprintf(sub, sizeof(sub), "%s/%s", dir, name);
     assert_int_equal(mkdir(sub, 0755), 0);
-    snprintf(path, sizeof(path), "%s/tiny-qwen2/tokenizer.json", TOK_DATA);
+    snprintf(path, sizeof(path), "%s/tiny-qwen2/tokenizer.json", MODELS);
     char *data = NULL;
     size_t len = 0;
     assert_int_equal(llmem_file_read(path, 1 << 24, &data, &len), LLMEM_OK);

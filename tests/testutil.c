@@ -345,12 +345,79 @@ cJSON *tu_http_json(const struct tu_http *h) {
     return root;
 }
 
-int tu_no_gpu(void) {
+const char *tu_gpu_unavailable(void) {
     int n = 0;
     llmem_backend_device_count(&n);
     if (llmem_backend_cuda_available() && n > 0)
-        return 0;
-    printf("skipped: %s\n",
-           llmem_backend_cuda_available() ? "no CUDA device" : "built without CUDA");
-    return 1;
+        return NULL;
+    return llmem_backend_cuda_available() ? "no CUDA device" : "built without CUDA";
+}
+
+int tu_no_gpu(void) {
+    const char *why = tu_gpu_unavailable();
+    if (why != NULL)
+        printf("skipped: %s\n", why);
+    return why != NULL;
+}
+
+/* ---- groups ---------------------------------------------------------------------------------- */
+
+static int n_skipped; /* tu_skip calls in the group running */
+
+void tu_skip_note(const char *why) {
+    print_message("[  SKIPPED ] %s\n", why);
+    n_skipped++;
+}
+
+/* Whether `name` is in LLMEM_TEST_GROUPS (a comma-separated list; unset: run by hand, any). */
+static int registered(const char *name) {
+    const char *list = getenv("LLMEM_TEST_GROUPS");
+    if (list == NULL)
+        return 1;
+    size_t n = strlen(name);
+    for (const char *p = list;;) {
+        const char *end = strchr(p, ',');
+        size_t len = end != NULL ? (size_t)(end - p) : strlen(p);
+        if (len == n && strncmp(p, name, n) == 0)
+            return 1;
+        if (end == NULL)
+            return 0;
+        p = end + 1;
+    }
+}
+
+int tu_main(int argc, char **argv, const struct tu_group *groups, size_t n_groups) {
+    const char *only = argc > 1 ? argv[1] : NULL;
+    size_t n_tests = 0, n_skips = 0;
+    int failed = 0, found = 0;
+    for (size_t i = 0; i < n_groups; i++) {
+        const struct tu_group *g = &groups[i];
+        if (!registered(g->name)) {
+            fprintf(stderr,
+                    "group '%s' is not registered with ctest (tests/CMakeLists.txt finds "
+                    "groups as TU_GROUP(\"name\", ...) in the source)\n",
+                    g->name);
+            return 1;
+        }
+        if (only != NULL && strcmp(only, g->name) != 0)
+            continue;
+        found = 1;
+        n_tests += g->n_tests;
+        const char *why = g->unavailable != NULL ? g->unavailable() : NULL;
+        if (why != NULL) {
+            printf("[==========] %s: %zu test(s) skipped: %s\n", g->name, g->n_tests, why);
+            n_skips += g->n_tests;
+            continue;
+        }
+        n_skipped = 0;
+        failed += _cmocka_run_group_tests(g->name, g->tests, g->n_tests, g->setup, g->teardown);
+        n_skips += (size_t)n_skipped;
+    }
+    if (!found) {
+        fprintf(stderr, "no group '%s'\n", only);
+        return 1;
+    }
+    if (failed > 0)
+        return 1;
+    return n_tests > 0 && n_skips == n_tests ? 77 : 0;
 }

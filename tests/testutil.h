@@ -1,7 +1,8 @@
 /*
  * tests/testutil.h — shared helpers for the cmocka suites: the library's error lines counted,
- * temporary directories and files, and running the built `llmem` binary with its stdout, stderr
- * and exit status captured.
+ * temporary directories and files, running the built `llmem` binary with its stdout, stderr and
+ * exit status captured, and groups of tests that skip visibly where the machine lacks what they
+ * need.
  */
 #ifndef LLMEM_TESTUTIL_H
 #define LLMEM_TESTUTIL_H
@@ -76,12 +77,68 @@ struct tu_http tu_http_argv(const char *method, const char *url, const char *bod
 void tu_http_free(struct tu_http *h);
 struct cJSON *tu_http_json(const struct tu_http *h);
 
-/* 1 (after printing why: no CUDA build, or no device) when the CUDA suites must skip, else 0. */
+/* Why the CUDA tests cannot run here ("built without CUDA", "no CUDA device"), or NULL. */
+const char *tu_gpu_unavailable(void);
+/* 1 (after printing why) when the CUDA suites must skip, else 0. */
 int tu_no_gpu(void);
 
 /* Parses run->out as exactly one JSON object (only whitespace around it); fails the test
  * otherwise, printing stdout and stderr. Free with cJSON_Delete. */
 struct cJSON;
 struct cJSON *tu_json_stdout(const struct tu_run *run);
+
+/* ---- tests that cannot run here -------------------------------------------------------------
+ *
+ * A test that cannot run on this machine (no vector kernels, no GPU, no right to mount a file
+ * system) says so; it never returns early as if it had passed. ctest sees one exit status per
+ * test and counts 77 as skipped (SKIP_RETURN_CODE in tests/CMakeLists.txt), while cmocka counts a
+ * skipped test as not failed, so a skip inside an executable whose other tests pass would not
+ * show. Hence: an executable puts the tests that depend on the machine in groups of their own and
+ * runs its groups through tu_main, and each group is a ctest test of its own, which ctest lists
+ * under "The following tests did not run" where it skips:
+ *
+ *     const struct tu_group groups[] = {
+ *         TU_GROUP("kvcodec", tests, NULL),               ctest "test-kvcodec"
+ *         TU_GROUP("simd", simd_tests, no_vector_kernels), ctest "test-kvcodec:simd"
+ *     };
+ *     return tu_main(argc, argv, groups, 2);
+ *
+ * tests/CMakeLists.txt reads the TU_GROUP names from the source: the first group is registered
+ * under the executable's name, every other as <executable>:<group>, each running
+ * `<executable> <group>`. A group whose `unavailable` callback returns a reason is not run: the
+ * reason is printed and the group exits 77. Where the condition is known only inside a test (after
+ * trying a mount, say), the test calls tu_skip(why), and a group whose every test skipped exits 77
+ * too. So a group either runs all it can or shows as skipped, with the reason in its output.
+ * Without an argument (by hand) the executable runs every group. CMake passes the names it
+ * registered in LLMEM_TEST_GROUPS, and tu_main fails when a group is missing there, so no group is
+ * left out of ctest unnoticed (a name is a string literal of [a-z0-9_-] in the TU_GROUP call).
+ * An executable that cannot run at all exits 77 before its tests (e2e-serve-node without node,
+ * test-cuda-attn without a GPU).
+ *
+ * Groups rather than the alternatives: a small executable per machine-dependent test would copy
+ * the helpers of its module, and an executable that exited 77 whenever one test skipped would hide
+ * the tests that passed. A group keeps its tests beside their helpers and has a ctest status of
+ * its own.
+ */
+struct tu_group {
+    const char *name;
+    const struct CMUnitTest *tests;
+    size_t n_tests;
+    const char *(*unavailable)(void);  /* (optional) why the group cannot run here, or NULL */
+    CMFixtureFunction setup, teardown; /* (optional) cmocka's group fixtures */
+};
+#define TU_GROUP(name, tests, unavailable) TU_GROUP_FIXTURES(name, tests, unavailable, NULL, NULL)
+#define TU_GROUP_FIXTURES(name, tests, unavailable, setup, teardown)                               \
+    { (name), (tests), sizeof(tests) / sizeof((tests)[0]), (unavailable), (setup), (teardown) }
+/* Runs the group named by argv[1], or every group without one: 1 when a test failed, 77 when
+ * every test was skipped, else 0. */
+int tu_main(int argc, char **argv, const struct tu_group *groups, size_t n_groups);
+/* Skips the running test, printing why; counted for tu_main (use it rather than skip()). */
+#define tu_skip(why)                                                                               \
+    do {                                                                                           \
+        tu_skip_note(why);                                                                         \
+        skip();                                                                                    \
+    } while (0)
+void tu_skip_note(const char *why);
 
 #endif

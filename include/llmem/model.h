@@ -30,9 +30,7 @@ typedef void (*llmem_progress_fn)(void *arg, int64_t done, int64_t total);
  * reclaimable as page cache). progress may be NULL. LLMEM_ENOENT (missing directory, file or
  * tensor), LLMEM_EFORMAT (a malformed file, a shape that disagrees with the config),
  * LLMEM_EUNSUPPORTED (an architecture, dtype, rope type or activation llmem does not run),
- * LLMEM_ENOMEM (the memory limit), LLMEM_EIO — each logged once, naming the file and tensor.
- * LLMEM_ROPE_FREQ=checkpoint rounds the rotary frequencies to the embedding's dtype (see
- * llmem_rope_inv_freq); unset or f32 keeps them exact. */
+ * LLMEM_ENOMEM (the memory limit), LLMEM_EIO — each logged once, naming the file and tensor. */
 #define LLMEM_MODEL_LOAD_NO_MMAP 1
 LLMEM_API int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
                                llmem_progress_fn progress, void *progress_arg,

@@ -316,16 +316,7 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
         status = LLMEM_ENOMEM;
         goto fail;
     }
-    const char *freq = getenv("LLMEM_ROPE_FREQ");
-    enum llmem_dtype round_to = LLMEM_DTYPE_F32;
-    if (freq != NULL && strcmp(freq, "checkpoint") == 0) {
-        round_to = m->embed.dtype;
-    } else if (freq != NULL && *freq != '\0' && strcmp(freq, "f32") != 0) {
-        LOAD_ERROR("LLMEM_ROPE_FREQ is '%.40s'; use f32 or checkpoint", freq);
-        status = LLMEM_EINVAL;
-        goto fail;
-    }
-    llmem_rope_inv_freq(&m->cfg, round_to, m->inv_freq);
+    llmem_rope_inv_freq(&m->cfg, m->inv_freq);
     for (int64_t i = 0; i < g->n_layers; i++)
         if ((status = bind_layer(m, i)) != LLMEM_OK)
             goto fail;

@@ -16,11 +16,8 @@
 
 /* The rotary inverse frequencies, as transformers computes them in f32: inv_freq[i] =
  * 1 / theta^(2i / head_dim) for i < head_dim / 2, then scaled by `linear` (÷ factor) or `llama3`
- * (wavelength-dependent: long wavelengths ÷ factor, short unchanged, smooth in between); then
- * rounded to round_to when it is F16 or BF16 (what a transformers model cast with .to(dtype)
- * rotates by), else left in f32. */
-void llmem_rope_inv_freq(const struct llmem_model_config *cfg, enum llmem_dtype round_to,
-                         float *inv_freq);
+ * (wavelength-dependent: long wavelengths ÷ factor, short unchanged, smooth in between). */
+void llmem_rope_inv_freq(const struct llmem_model_config *cfg, float *inv_freq);
 
 /* LLMEM_OK when dir is an existing directory; else LLMEM_ENOENT (missing) or LLMEM_EINVAL (not a
  * directory), logged as from `func` with the path. */

@@ -1,12 +1,7 @@
 /*
  * model/rope.c — rotary inverse frequencies, computed as transformers computes them (f32 math), so
  * that positions rotate by the same angles as the reference: default, linear and llama3 scaling.
- *
- * transformers keeps these frequencies in a floating-point buffer of the module, so a model cast
- * with `model.to(torch.bfloat16)` (or f16) rotates by frequencies rounded to that dtype, and angles
- * drift from the f32 ones in proportion to the position. `round_to` reproduces that when asked
- * (LLMEM_ROPE_FREQ=checkpoint at load); the default is the exact f32 frequencies that a model
- * loaded with from_pretrained uses.
+ * They stay in f32 whatever the checkpoint's dtype, as in a model loaded with from_pretrained.
  */
 #include <math.h>
 #include <stdint.h>
@@ -16,8 +11,7 @@
 #include "llmem/config.h"
 #include "llmem/dtype.h"
 
-void llmem_rope_inv_freq(const struct llmem_model_config *cfg, enum llmem_dtype round_to,
-                         float *inv_freq) {
+void llmem_rope_inv_freq(const struct llmem_model_config *cfg, float *inv_freq) {
     const int64_t dim = cfg->geom.head_dim;
     const float base = (float)cfg->rope_theta;
     const float factor = (float)cfg->rope_factor;
@@ -42,16 +36,6 @@ void llmem_rope_inv_freq(const struct llmem_model_config *cfg, enum llmem_dtype 
                 scaled = (1.0f - smooth) * scaled / factor + smooth * scaled;
             }
             inv_freq[i] = scaled;
-        }
-    }
-    for (int64_t i = 0; i < dim / 2; i++) {
-        if (round_to == LLMEM_DTYPE_F16) {
-            inv_freq[i] = (float)(_Float16)inv_freq[i];
-        } else if (round_to == LLMEM_DTYPE_BF16) {
-            uint32_t b;
-            memcpy(&b, &inv_freq[i], 4);
-            b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u; /* round to nearest even */
-            memcpy(&inv_freq[i], &b, 4);
         }
     }
 }

@@ -1,12 +1,12 @@
 /*
  * tests/fuzz/fuzz-tok.c — libFuzzer target for tok/: encode and decode on arbitrary bytes with the
- * reference tokenizers of tests/data/tok. The first input byte picks the tokenizer and the mode:
- * encode the rest as text (invalid UTF-8 must be refused cleanly; valid text that the tokenizer
- * inverts must come back from decode unchanged), or read it as ids to decode and stream (the
- * stream must add up to the full decode). Any crash, sanitizer report, leak or hang is a bug.
+ * reference tokenizers of tests/data (models/ and tok/). The first input byte picks the tokenizer
+ * and the mode: encode the rest as text (invalid UTF-8 must be refused cleanly; valid text that the
+ * tokenizer inverts must come back from decode unchanged), or read it as ids to decode and stream
+ * (the stream must add up to the full decode). Any crash, sanitizer report, leak or hang is a bug.
  *
  * Not part of the default build. Build and run from the repository root (the tokenizers are read
- * from tests/data/tok):
+ * from tests/data):
  *   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang-14 -DLLMEM_FUZZ=ON -DLLMEM_CUDA=OFF
  *   cmake --build build-fuzz --target fuzz-tok
  *   ./build-fuzz/tests/fuzz-tok -max_len=4096 -max_total_time=60
@@ -19,11 +19,11 @@
 #include "llmem/tokenizer.h"
 
 #ifndef LLMEM_FUZZ_DATA
-#define LLMEM_FUZZ_DATA "tests/data/tok"
+#define LLMEM_FUZZ_DATA "tests/data"
 #endif
 
-static const char *const names[] = {"tiny-qwen2", "tiny-mistral-swa", "tok-gpt2",
-                                    "tok-metaspace-split", "tok-nfc"};
+static const char *const names[] = {"models/tiny-qwen2", "models/tiny-mistral-swa", "tok/tok-gpt2",
+                                    "tok/tok-metaspace-split", "tok/tok-nfc"};
 #define N_NAMES 5
 static const int inverts[N_NAMES] = {1, 1, 1, 0, 0};
 static struct llmem_tokenizer *toks[N_NAMES];
