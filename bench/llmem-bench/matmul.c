@@ -1,7 +1,7 @@
 /*
- * cli/bench_matmul.c — `llmem bench matmul`: the CPU backend's matrix products against the
+ * bench/llmem-bench/matmul.c — `llmem-bench matmul`: the CPU backend's matrix products against the
  * machine's own limits, measured in the same run:
- *   bandwidth  the multithreaded streaming read (cli_bandwidth) over 512 MiB, probed right
+ *   bandwidth  the multithreaded streaming read (bench_bandwidth) over 512 MiB, probed right
  *              before and right after every timed decode run; each run's fraction is taken
  *              against the mean of its two probes, and the median over runs is reported;
  *   decode     y = x · Wᵀ for n = 1 (and 4) on Llama-3.2-1B shapes; each timed run cycles over
@@ -23,7 +23,8 @@
 #include <cblas.h>
 
 #include "backend/cpu/cpu_int.h"
-#include "cli/cli.h"
+#include "bench.h"
+#include "cli/common.h"
 #include "core/json.h"
 #include "core/pool.h"
 #include "llmem/mem.h"
@@ -110,9 +111,9 @@ static void peak_task(void *arg, int task, int thread) {
 static double peak_gflops(struct llmem_pool *pool, int kind, enum cpu_isa isa) {
     struct peak_job j = {.kind = kind, .isa = isa};
     int threads = llmem_pool_threads(pool);
-    double t0 = cli_now_s();
+    double t0 = bench_now_s();
     llmem_pool_run(pool, threads, peak_task, &j);
-    double t = cli_now_s() - t0;
+    double t = bench_now_s() - t0;
     double per_iter = kind == 1 ? 16.0 * 64 : isa == CPU_ISA_AVX512 ? 16.0 * 32 : 12.0 * 16;
     return (double)PEAK_ITERS * per_iter * threads / t * 1e-9;
 }
@@ -126,12 +127,12 @@ static double dispatch_us(struct llmem_pool *pool) {
     double v[5];
     int threads = llmem_pool_threads(pool);
     for (int r = 0; r < 5; r++) {
-        double t0 = cli_now_s();
+        double t0 = bench_now_s();
         for (int i = 0; i < 2000; i++)
             llmem_pool_run(pool, threads, noop_task, NULL);
-        v[r] = (cli_now_s() - t0) / 2000 * 1e6;
+        v[r] = (bench_now_s() - t0) / 2000 * 1e6;
     }
-    return cli_median(v, 5);
+    return bench_median(v, 5);
 }
 
 /* ---- data -------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ static void fill_floats(float *v, int64_t count) {
  */
 
 static const char matmul_usage[] =
-    "usage: llmem bench matmul [--threads N] [--quick] [--reps N] [--json]\n"
+    "usage: llmem-bench matmul [--threads N] [--quick] [--reps N] [--json]\n"
     "\n"
     "The CPU backend's matmul on Llama-3.2-1B shapes (2048x2048, 8192x2048, 2048x8192, and the\n"
     "4096x2048 head-like one for decode), bf16/f16/f32 weights: decode (n = 1, 4) in GB/s and as "
@@ -201,7 +202,7 @@ static void tick(void *arg) {
     cli_progress("bench matmul", ++progress_done, progress_total);
 }
 
-int cli_bench_matmul(int argc, char **argv) {
+int bench_matmul(int argc, char **argv) {
     static const struct option options[] = {
         {"threads", required_argument, NULL, 't'}, {"quick", no_argument, NULL, 'q'},
         {"reps", required_argument, NULL, 'r'},    {"json", no_argument, NULL, 'j'},
@@ -224,10 +225,9 @@ int cli_bench_matmul(int argc, char **argv) {
                 return CLI_USAGE;
             break;
         case 'h': fputs(matmul_usage, stdout); return CLI_OK;
-        case ':': return cli_usage_error("bench matmul", "%s needs a value", argv[optind - 1]);
+        case ':': return cli_usage_error("matmul", "%s needs a value", argv[optind - 1]);
         default:
-            return cli_usage_error("bench matmul", "unknown option '%s' (see --help)",
-                                   argv[optind - 1]);
+            return cli_usage_error("matmul", "unknown option '%s' (see --help)", argv[optind - 1]);
         }
     }
     if (reps == 0)
@@ -255,7 +255,7 @@ int cli_bench_matmul(int argc, char **argv) {
     if (llmem_backend_cpu_create((int)threads, &be) != LLMEM_OK ||
         llmem_pool_create((int)threads, &pool) != LLMEM_OK ||
         llmem_mem_create(&mcfg, &mem) != LLMEM_OK) {
-        fprintf(stderr, "llmem bench matmul: cannot set up the backend (%s)\n", llmem_last_error());
+        fprintf(stderr, "llmem-bench matmul: cannot set up the backend (%s)\n", llmem_last_error());
         goto out;
     }
     int n_threads = be->ops->threads(be->ctx);
@@ -272,7 +272,7 @@ int cli_bench_matmul(int argc, char **argv) {
     probe_copy = malloc(max_probes * sizeof(double));
     if (wbuf == NULL || x == NULL || y == NULL || tv == NULL || frac == NULL ||
         probe_read == NULL || probe_copy == NULL) {
-        fprintf(stderr, "llmem bench matmul: out of memory\n");
+        fprintf(stderr, "llmem-bench matmul: out of memory\n");
         goto out;
     }
     fill_floats(x, (int64_t)PREFILL_N * 8192);
@@ -298,7 +298,7 @@ int cli_bench_matmul(int argc, char **argv) {
      * sides of the ratio alike. */
     int n_probe = 0;
     double prev_read;
-    if (cli_bandwidth(mem, pool, bw_bytes, 1, &prev_read, &copy_gbps[0], NULL, NULL) != CLI_OK)
+    if (bench_bandwidth(mem, pool, bw_bytes, 1, &prev_read, &copy_gbps[0], NULL, NULL) != CLI_OK)
         goto out;
     probe_read[n_probe] = prev_read;
     probe_copy[n_probe++] = copy_gbps[0];
@@ -317,15 +317,15 @@ int cli_bench_matmul(int argc, char **argv) {
                      * lines, whose write-back would otherwise be charged to the decode. */
                     double t0 = 0;
                     for (int pass = 0; pass < 2; pass++) {
-                        t0 = cli_now_s();
+                        t0 = bench_now_s();
                         for (int k = 0; k < copies; k++) {
                             struct llmem_weight w = {wbuf + (size_t)k * wbytes, bench_dtypes[d],
                                                      rows, cols};
                             be->ops->matmul(be->ctx, &w, x, n, y, NULL);
                         }
                     }
-                    double t = cli_now_s() - t0, rd, cp;
-                    if (cli_bandwidth(mem, pool, bw_bytes, 1, &rd, &cp, NULL, NULL) != CLI_OK)
+                    double t = bench_now_s() - t0, rd, cp;
+                    if (bench_bandwidth(mem, pool, bw_bytes, 1, &rd, &cp, NULL, NULL) != CLI_OK)
                         goto out;
                     if (r >= 0) {
                         tv[r] = t / copies;
@@ -335,19 +335,19 @@ int cli_bench_matmul(int argc, char **argv) {
                     }
                     prev_read = rd;
                 }
-                double t = cli_median(tv, (int)reps);
+                double t = bench_median(tv, (int)reps);
                 dres[n_dres++] = (struct decode_result){rows,
                                                         cols,
                                                         n,
                                                         bench_dtypes[d],
                                                         (double)wbytes / t * 1e-9,
-                                                        cli_median(frac, (int)reps)};
+                                                        bench_median(frac, (int)reps)};
                 tick(NULL);
             }
         }
     }
-    double bw_read = cli_median(probe_read, n_probe);
-    double bw_copy = cli_median(probe_copy, n_probe);
+    double bw_read = bench_median(probe_read, n_probe);
+    double bw_copy = bench_median(probe_copy, n_probe);
 
     /* ---- prefill ---- */
     for (int d = 0; d < 3; d++) {
@@ -359,13 +359,13 @@ int cli_bench_matmul(int argc, char **argv) {
             for (int p = 0; p < n_paths; p++) {
                 llmem_backend_cpu_set_matmul_path(be, p == 0 ? CPU_MATMUL_GEMM : CPU_MATMUL_BLAS);
                 for (int64_t r = -1; r < reps; r++) {
-                    double t0 = cli_now_s();
+                    double t0 = bench_now_s();
                     be->ops->matmul(be->ctx, &w, x, PREFILL_N, y, NULL);
                     if (r >= 0)
-                        tv[r] = cli_now_s() - t0;
+                        tv[r] = bench_now_s() - t0;
                 }
                 double gf = 2.0 * PREFILL_N * (double)rows * (double)cols /
-                            cli_median(tv, (int)reps) * 1e-9;
+                            bench_median(tv, (int)reps) * 1e-9;
                 pres[n_pres++] = (struct prefill_result){rows,
                                                          cols,
                                                          bench_dtypes[d],
@@ -424,12 +424,12 @@ int cli_bench_matmul(int argc, char **argv) {
         }
         if (st) {
             cJSON_Delete(root);
-            fprintf(stderr, "llmem bench matmul: out of memory building the JSON output\n");
+            fprintf(stderr, "llmem-bench matmul: out of memory building the JSON output\n");
             goto out;
         }
         rc = cli_print_json(root);
     } else {
-        printf("llmem bench matmul: %s, %d CPUs, %d threads, %s kernels; medians of %lld runs\n\n",
+        printf("llmem-bench matmul: %s, %d CPUs, %d threads, %s kernels; medians of %lld runs\n\n",
                host.name, host.n_cpus, n_threads, cpu_isa_name(isa), (long long)reps);
         printf("read bandwidth %.1f GB/s, copy %.1f GB/s (medians of the probes around every"
                " decode run)\n",
