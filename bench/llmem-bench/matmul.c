@@ -8,7 +8,8 @@
  *              enough copies of W (like the layers of a model) that the weights come from memory,
  *              not from the last-level cache; GB/s = weight bytes / time;
  *   prefill    n = 512 on the same shapes; GFLOP/s = 2 · n · rows · cols / time, for the GEMM
- *              path and, for f32 weights, OpenBLAS sgemm;
+ *              path and, for f32 weights, OpenBLAS sgemm on the same data when llmem-bench is
+ *              built with it (-DLLMEM_BENCH_OPENBLAS=ON; the library itself never uses BLAS);
  *   peak       the FMA rate of the vector unit (independent FMA chains, no memory), the bound of
  *              prefill, and the VDPBF16PS rate where the CPU has AVX512_BF16;
  *   dispatch   the latency of one pool run of trivial tasks (what every threaded op pays).
@@ -20,7 +21,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef LLMEM_BENCH_OPENBLAS
 #include <cblas.h>
+#define BENCH_OPENBLAS 1
+#else
+#define BENCH_OPENBLAS 0
+#endif
 
 #include "backend/cpu/cpu_int.h"
 #include "bench.h"
@@ -135,6 +141,26 @@ static double dispatch_us(struct llmem_pool *pool) {
     return bench_median(v, 5);
 }
 
+/* ---- OpenBLAS, the comparison ----------------------------------------------------------------
+ */
+
+#if BENCH_OPENBLAS
+/* y[n, rows] = x[n, cols] · Wᵀ for f32 W by one sgemm, on as many OpenBLAS threads as the pool
+ * has, set at the first call: an OpenBLAS sized for threads it has not run yet still has them
+ * poll for work (sched_yield) beside the pool's during the decode runs on a small machine. */
+static void blas_matmul(const struct llmem_weight *w, const float *x, int64_t n, float *y,
+                        int n_threads) {
+    static int sized;
+    if (!sized) {
+        openblas_set_num_threads(n_threads);
+        sized = 1;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)w->rows,
+                (blasint)w->cols, 1.0f, x, (blasint)w->cols, (const float *)w->data,
+                (blasint)w->cols, 0.0f, y, (blasint)w->rows);
+}
+#endif
+
 /* ---- data -------------------------------------------------------------------------------------
  */
 
@@ -173,7 +199,8 @@ static const char matmul_usage[] =
     "4096x2048 head-like one for decode), bf16/f16/f32 weights: decode (n = 1, 4) in GB/s and as "
     "a\n"
     "fraction of the streaming read bandwidth probed before and after in the same run; prefill\n"
-    "(n = 512) in GFLOP/s, against the measured FMA peak; the pool's dispatch latency. Medians\n"
+    "(n = 512) in GFLOP/s, against the measured FMA peak (f32 also through OpenBLAS when built\n"
+    "with -DLLMEM_BENCH_OPENBLAS=ON); the pool's dispatch latency. Medians\n"
     "of N runs (default 5, quick 3). --threads N (default: the online CPUs); --quick streams\n"
     "less memory and skips n = 4; --json prints one object.\n";
 
@@ -276,7 +303,8 @@ int bench_matmul(int argc, char **argv) {
         goto out;
     }
     fill_floats(x, (int64_t)PREFILL_N * 8192);
-    progress_total = 3 * N_SHAPES * n_decode_n + 3 * N_PREFILL_SHAPES + 1 + N_PREFILL_SHAPES;
+    progress_total = 3 * N_SHAPES * n_decode_n + 3 * N_PREFILL_SHAPES + 1 +
+                     (BENCH_OPENBLAS ? N_PREFILL_SHAPES : 0);
 
     /* Peaks and dispatch first, on a quiet pool. */
     double peak = 0, peak256 = 0, peak_dp = 0, disp = 0;
@@ -355,12 +383,17 @@ int bench_matmul(int argc, char **argv) {
             int64_t rows = shapes[s][0], cols = shapes[s][1];
             fill_weights(wbuf, bench_dtypes[d], rows * cols, 0xdef + (uint64_t)s);
             struct llmem_weight w = {wbuf, bench_dtypes[d], rows, cols};
-            int n_paths = bench_dtypes[d] == LLMEM_DTYPE_F32 ? 2 : 1;
+            int n_paths = BENCH_OPENBLAS && bench_dtypes[d] == LLMEM_DTYPE_F32 ? 2 : 1;
+            llmem_backend_cpu_set_matmul_path(be, CPU_MATMUL_GEMM);
             for (int p = 0; p < n_paths; p++) {
-                llmem_backend_cpu_set_matmul_path(be, p == 0 ? CPU_MATMUL_GEMM : CPU_MATMUL_BLAS);
                 for (int64_t r = -1; r < reps; r++) {
                     double t0 = bench_now_s();
-                    be->ops->matmul(be->ctx, &w, x, PREFILL_N, y, NULL);
+#if BENCH_OPENBLAS
+                    if (p == 1)
+                        blas_matmul(&w, x, PREFILL_N, y, n_threads);
+                    else
+#endif
+                        be->ops->matmul(be->ctx, &w, x, PREFILL_N, y, NULL);
                     if (r >= 0)
                         tv[r] = bench_now_s() - t0;
                 }
@@ -378,6 +411,10 @@ int bench_matmul(int argc, char **argv) {
     }
     llmem_backend_cpu_set_matmul_path(be, CPU_MATMUL_AUTO);
     cli_progress_done();
+    static const char no_blas_note[] =
+        "f32 through OpenBLAS: not built (configure with -DLLMEM_BENCH_OPENBLAS=ON)";
+    if (!BENCH_OPENBLAS && json)
+        fprintf(stderr, "llmem-bench matmul: %s\n", no_blas_note);
 
     struct llmem_device_info host;
     llmem_sys_probe_host(&host);
@@ -394,7 +431,11 @@ int bench_matmul(int argc, char **argv) {
               llmem_json_add_double(root, "copy_gbps", bw_copy) ||
               llmem_json_add_double(root, "peak_fma_gflops", peak) ||
               llmem_json_add_double(root, "peak_fma256_gflops", peak256) ||
+#if BENCH_OPENBLAS
               llmem_json_add_string(root, "openblas_core", openblas_get_corename()) ||
+#else
+              cJSON_AddNullToObject(root, "openblas_core") == NULL ||
+#endif
               llmem_json_add_double(root, "peak_dpbf16_gflops", peak_dp) ||
               llmem_json_add_double(root, "pool_dispatch_us", disp);
         cJSON *dl = st ? NULL : cJSON_AddArrayToObject(root, "decode");
@@ -437,7 +478,11 @@ int bench_matmul(int argc, char **argv) {
         printf("peak f32 FMA %.1f GFLOP/s (256-bit: %.1f)", peak, peak256);
         if (has_bf16)
             printf(", VDPBF16PS %.1f GFLOP/s", peak_dp);
+#if BENCH_OPENBLAS
         printf("; pool dispatch %.2f us; OpenBLAS core %s\n\n", disp, openblas_get_corename());
+#else
+        printf("; pool dispatch %.2f us\n\n", disp);
+#endif
         printf("decode (GB/s of weights; median fraction of the read bandwidth probed around each "
                "run)\n");
         printf("%-6s %-11s %3s %9s %9s\n", "dtype", "shape", "n", "GB/s", "of read");
@@ -457,6 +502,8 @@ int bench_matmul(int argc, char **argv) {
             printf("%-6s %-11s %-9s %9.1f %7.0f%%\n", llmem_dtype_name(pres[i].dtype), shape,
                    pres[i].path, pres[i].gflops, 100 * pres[i].fraction_of_peak);
         }
+        if (!BENCH_OPENBLAS)
+            printf("\n%s\n", no_blas_note);
         rc = CLI_OK;
     }
 out:
