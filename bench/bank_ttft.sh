@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Time to first token of a 1,500-token prompt with the session bank (docs/BENCHMARKS.md, "The
 # session bank"), on pycoder unless MODEL says otherwise:
-#   1. in one process, side by side: `llmem bench bank` (cold, RAM hit, a chat's next turn, disk
+#   1. in one process, side by side: `llmem-bench bank` (cold, RAM hit, a chat's next turn, disk
 #      hit in a new engine);
 #   2. across processes, each number a new `llmem run` / `llmem chat`: cold (no spill store),
 #      disk hit (a store written by an earlier process), and the second turn of a `llmem chat`
@@ -23,7 +23,7 @@ median() { sort -n | awk '{v[NR] = $1} END {m = int((NR + 1) / 2); print (NR % 2
 json_num() { grep -o "\"$1\":[[:space:]]*[-0-9.e]*" | head -1 | awk -F: '{gsub(/[[:space:]]/, "", $2); print $2}'; }
 
 echo "== in one process"
-"$llmem" bench bank "$model" --prompt 1500 --reps "$reps" --threads "$threads"
+"$build/llmem-bench" bank "$model" --prompt 1500 --reps "$reps" --threads "$threads"
 echo
 
 ids=$(seq 0 1499 | awk '{printf "%s%d", (NR > 1 ? "," : ""), 20 + ($1 * 37) % 3900}')

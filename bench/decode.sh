@@ -22,7 +22,7 @@ if [ ! -f "$work/llama1b-f16/model.safetensors" ]; then
 fi
 for model in "$here/models/pycoder" "$work/llama1b" "$work/llama1b-f16"; do
     for mode in "" --no-mmap; do
-        "$build/llmem" bench decode "$model" --threads 1,2 --reps "${REPS:-3}" $mode
+        "$build/llmem-bench" decode "$model" --threads 1,2 --reps "${REPS:-3}" $mode
         echo
     done
 done

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """bench/decode_transformers.py — Hugging Face transformers on the same GPU and model as
-`llmem bench decode|serve --backend cuda`, for the comparison BENCHMARKS.md records.
+`llmem-bench decode|serve --backend cuda`, for the comparison BENCHMARKS.md records.
 
 The model directory is loaded with AutoModelForCausalLM in bf16 on the GPU (no tokenizer: random
 token ids, seeded). Measured, each the median of --reps runs, with the GPU synchronised around
@@ -8,7 +8,7 @@ each:
   prefill   tokens/s of one forward pass over a --prefill-token prompt (no cache kept);
   batch B   generated tokens/s of model.generate on B prompts of --prompt tokens, greedy,
             --gen new tokens each (EOS ignored): B · gen / the whole call's time, prefill
-            included, as `llmem bench serve` counts its tokens/s.
+            included, as `llmem-bench serve` counts its tokens/s.
 
     python3 bench/decode_transformers.py MODEL_DIR [--batches 1,32,128] [--prompt 128] [--gen 128]
                                          [--prefill 512] [--reps 3] [--json OUT]

@@ -9,7 +9,6 @@ packages=(
     libcmocka-dev
     libpcre2-dev
     libxxhash-dev
-    libopenblas-dev
     libssl-dev
     libsqlite3-dev
     libmicrohttpd-dev

@@ -144,10 +144,6 @@ static void matmul_case(struct llmem_backend *b, enum llmem_dtype dt, int64_t ro
     /* The paths give the same bits (one summation order). */
     assert_memory_equal(yd, yg, (size_t)(n * rows) * sizeof(float));
     assert_memory_equal(ya, yd, (size_t)(n * rows) * sizeof(float));
-    if (dt == LLMEM_DTYPE_F32) {
-        float *yb = check_matmul(b, CPU_MATMUL_BLAS, &w, wv, x, n, bias);
-        free(yb);
-    }
     llmem_backend_cpu_set_matmul_path(b, CPU_MATMUL_AUTO);
     free(yd);
     free(yg);

@@ -1,11 +1,11 @@
 /*
  * cli/engine_opts.c — the model, plan and KV options of every command that opens an engine
- * (`run`, `chat`, `logits`, `serve`): one table, one parser, one help text, and the opening with
- * the plan line and the limits applied on stderr.
+ * (`run`, `chat`, `logits`, `serve`, and `llmem-bench serve`): one table, one parser, one help
+ * text, and the opening with the plan line and the limits applied on stderr.
  */
 #include <stdio.h>
 
-#include "cli/cli.h"
+#include "cli/common.h"
 #include "llmem/engine.h"
 
 const char cli_engine_help[] =
@@ -60,7 +60,7 @@ int cli_engine_option(int opt, const char *arg, struct llmem_engine_config *c) {
         return rc;
     case CLI_OPT_BANK_DIR:
         if (arg[0] == '\0') {
-            fprintf(stderr, "llmem: --bank-dir needs a directory\n");
+            fprintf(stderr, "%s: --bank-dir needs a directory\n", cli_program);
             return CLI_USAGE;
         }
         c->bank_dir = arg;
@@ -93,15 +93,16 @@ int cli_engine_open(const char *cmd, const char *model, struct llmem_engine_conf
     int status = llmem_engine_open(c, load_progress, NULL, e);
     cli_progress_done();
     if (status != LLMEM_OK) {
-        fprintf(stderr, "llmem %s: cannot run %s (%s)\n", cmd, model, llmem_status_name(status));
+        fprintf(stderr, "%s %s: cannot run %s (%s)\n", cli_program, cmd, model,
+                llmem_status_name(status));
         return status == LLMEM_ENOMEM ? CLI_NOFIT : CLI_FAIL;
     }
     char line[512];
     llmem_plan_describe(llmem_engine_plan(*e), line, sizeof(line));
-    fprintf(stderr, "llmem: %s\n", line);
+    fprintf(stderr, "%s: %s\n", cli_program, line);
     if (print_limits) {
         llmem_engine_limits_line(*e, line, sizeof(line));
-        fprintf(stderr, "llmem: limits applied: %s\n", line);
+        fprintf(stderr, "%s: limits applied: %s\n", cli_program, line);
     }
     return CLI_OK;
 }

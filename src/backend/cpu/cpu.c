@@ -329,7 +329,6 @@ static int cpu_create(int n_threads, struct llmem_pool *pool, struct llmem_mem *
     c->isa = cpu_isa_best();
     c->path = CPU_MATMUL_AUTO;
     c->gemm_min_n = 24; /* measured crossover: below, converting W costs more than it saves */
-    c->blas_f32 = 0;
     size_t panel = (size_t)llmem_backend_cpu_scratch_bytes(c->n_threads) - CPU_GEMM_XT_BYTES;
     int ok;
     if (mem != NULL) {

@@ -46,8 +46,7 @@ enum cpu_isa { CPU_ISA_SCALAR = 0, CPU_ISA_AVX2, CPU_ISA_AVX512 };
 enum cpu_matmul_path {
     CPU_MATMUL_AUTO = 0,
     CPU_MATMUL_DECODE, /* stream W once, all n rows of x per weight row */
-    CPU_MATMUL_GEMM,   /* packed, cache-blocked GEMM */
-    CPU_MATMUL_BLAS    /* OpenBLAS sgemm (f32 weights only; others fall back to GEMM) */
+    CPU_MATMUL_GEMM    /* packed, cache-blocked GEMM */
 };
 
 struct cpu_ctx {
@@ -57,8 +56,6 @@ struct cpu_ctx {
     int n_threads;
     enum cpu_isa isa;
     enum cpu_matmul_path path;
-    int blas_f32;       /* AUTO uses OpenBLAS for f32 weights in prefill */
-    int blas_sized;     /* OpenBLAS's threads were set to n_threads (at its first use) */
     int64_t gemm_min_n; /* AUTO: n at or above this takes the GEMM path */
     float *xt;          /* (CPU_GEMM_XT_BYTES) a block of x, packed (AVX-512 GEMM) */
     float *wpanel;      /* (n_threads, CPU_GEMM_THREAD_FLOATS): W converted to f32, sums */

@@ -26,8 +26,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <cblas.h>
-
 #include "backend/cpu/cpu_int.h"
 #include "core/log.h"
 #include "llmem/pool.h"
@@ -823,25 +821,6 @@ static void matmul_gemm(struct cpu_ctx *c, const struct matmul_kernels *k,
     llmem_pool_run(c->pool, n_tasks, gemm_task, &job);
 }
 
-/* OpenBLAS for f32 weights: one sgemm, then the bias. OpenBLAS runs on its own threads, as many
- * as the backend has, set at the path's first use: not at create, since an OpenBLAS sized for
- * threads it never runs still has them poll for work (sched_yield) beside the pool's on a
- * small machine. The pool's workers sleep meanwhile or spin briefly. */
-static void matmul_blas(struct cpu_ctx *c, const struct llmem_weight *w, const float *x, int64_t n,
-                        float *y, const float *bias) {
-    if (!c->blas_sized) {
-        openblas_set_num_threads(c->n_threads);
-        c->blas_sized = 1;
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)w->rows,
-                (blasint)w->cols, 1.0f, x, (blasint)w->cols, (const float *)w->data,
-                (blasint)w->cols, 0.0f, y, (blasint)w->rows);
-    if (bias != NULL)
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t r = 0; r < w->rows; r++)
-                y[t * w->rows + r] += bias[r];
-}
-
 void cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w, const float *x,
                       int64_t n, float *const *y, const float *const *bias) {
     struct cpu_ctx *c = ctx;
@@ -873,16 +852,10 @@ void cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t
     }
     const struct matmul_kernels *k = &kernels[c->isa];
     enum cpu_matmul_path path = c->path;
-    if (path == CPU_MATMUL_AUTO) {
+    if (path == CPU_MATMUL_AUTO)
         path = n >= c->gemm_min_n ? CPU_MATMUL_GEMM : CPU_MATMUL_DECODE;
-        if (path == CPU_MATMUL_GEMM && c->blas_f32 && w->dtype == LLMEM_DTYPE_F32)
-            path = CPU_MATMUL_BLAS;
-    }
-    if (path == CPU_MATMUL_BLAS && w->dtype != LLMEM_DTYPE_F32)
-        path = CPU_MATMUL_GEMM;
     switch (path) {
     case CPU_MATMUL_DECODE: matmul_decode(c, k, w, x, n, y, bias); break;
-    case CPU_MATMUL_BLAS: matmul_blas(c, w, x, n, y, bias); break;
     default: matmul_gemm(c, k, w, x, n, y, bias);
     }
 }

@@ -1,6 +1,6 @@
 /*
- * cli/bench_serve.c — `llmem bench serve MODEL`: throughput and time to first token of the HTTP
- * server under concurrent clients, and what prefix reuse (the session bank) gains.
+ * bench/llmem-bench/serve.c — `llmem-bench serve MODEL`: throughput and time to first token of the
+ * HTTP server under concurrent clients, and what prefix reuse (the session bank) gains.
  *
  * The server runs in this process on a free loopback port (llmem/server.h); client threads talk
  * to it over real sockets. Each client sends streaming completions one after another (a closed
@@ -32,7 +32,8 @@
 #include <cjson/cJSON.h>
 
 #include "backend/ops.h"
-#include "cli/cli.h"
+#include "bench.h"
+#include "cli/common.h"
 #include "core/json.h"
 #include "llmem/pool.h"
 #include "llmem/engine.h"
@@ -55,7 +56,7 @@ static struct outcome request(int port, const char *body) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-    double t0 = cli_now_s(), first = 0, last = 0;
+    double t0 = bench_now_s(), first = 0, last = 0;
     if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
         if (fd >= 0)
             close(fd);
@@ -84,7 +85,7 @@ static struct outcome request(int port, const char *body) {
         ssize_t got = read(fd, buf + n, cap - n - 1);
         if (got <= 0)
             break;
-        double now = cli_now_s();
+        double now = bench_now_s();
         size_t from = n >= 7 ? n - 7 : 0; /* an event marker split across reads */
         n += (size_t)got;
         buf[n] = '\0';
@@ -177,14 +178,14 @@ static int run_clients(struct llmem_engine *e, int port, char **bodies, int n, i
     struct llmem_backend_counters g0, g1;
     llmem_engine_metrics(e, &m0);
     g0 = graphs(e);
-    double t0 = cli_now_s();
+    double t0 = bench_now_s();
     int started = 0;
     for (; started < clients; started++)
         if (pthread_create(&th[started], NULL, client, &r) != 0)
             break;
     for (int i = 0; i < started; i++)
         pthread_join(th[i], NULL);
-    double wall = cli_now_s() - t0;
+    double wall = bench_now_s() - t0;
     llmem_engine_metrics(e, &m1);
     g1 = graphs(e);
     *st = (struct stats){.clients = clients,
@@ -295,7 +296,7 @@ static const struct option options[] = {
 };
 
 static const char usage[] =
-    "usage: llmem bench serve MODEL [options]\n"
+    "usage: llmem-bench serve MODEL [options]\n"
     "\n"
     "Throughput and time to first token of the HTTP server (in this process, on a loopback port)\n"
     "under concurrent streaming clients, and the gain of prefix reuse. Per run also the\n"
@@ -318,11 +319,11 @@ static int parse_list(const char *s, int *v, int *n) {
         char *end = NULL;
         long x = strtol(p, &end, 10);
         if (end == p || x < 1 || x > 1024 || (*end != ',' && *end != '\0'))
-            return cli_usage_error("bench serve", "--clients: '%s' is not a list like 1,4,16", s);
+            return cli_usage_error("serve", "--clients: '%s' is not a list like 1,4,16", s);
         v[(*n)++] = (int)x;
         p = *end == ',' ? end + 1 : end;
     }
-    return *n > 0 ? CLI_OK : cli_usage_error("bench serve", "--clients: empty list");
+    return *n > 0 ? CLI_OK : cli_usage_error("serve", "--clients: empty list");
 }
 
 static cJSON *stats_json(const struct stats *s, const char *workload) {
@@ -368,7 +369,7 @@ static void print_row(const char *label, const struct stats *s) {
            s->failed ? "  (some failed)" : "");
 }
 
-int cli_bench_serve(int argc, char **argv) {
+int bench_serve(int argc, char **argv) {
     struct llmem_engine_config ec;
     llmem_engine_config_default(&ec);
     ec.max_sequences = 16;
@@ -392,24 +393,23 @@ int cli_bench_serve(int argc, char **argv) {
         case OPT_JSON: json = 1; break;
         case 'h':
         case OPT_HELP: printf("%s\n%s", usage, cli_engine_help); return CLI_OK;
-        case ':': rc = cli_usage_error("bench serve", "%s needs a value", argv[optind - 1]); break;
+        case ':': rc = cli_usage_error("serve", "%s needs a value", argv[optind - 1]); break;
         default:
             if ((rc = cli_engine_option(c, optarg, &ec)) < 0)
-                rc = cli_usage_error("bench serve", "unknown option '%s' (see --help)",
-                                     argv[optind - 1]);
+                rc = cli_usage_error("serve", "unknown option '%s' (see --help)", argv[optind - 1]);
         }
     }
     if (rc != CLI_OK)
         return rc;
     if (optind != argc - 1)
-        return cli_usage_error("bench serve", "needs one MODEL directory (see --help)");
+        return cli_usage_error("serve", "needs one MODEL directory (see --help)");
 
     struct llmem_engine *e = NULL;
     struct llmem_server *s = NULL;
     char **bodies = NULL;
     int n_bodies = 0;
     cJSON *root = json ? cJSON_CreateObject() : NULL, *runs = NULL, *prefix = NULL;
-    if ((rc = cli_engine_open("bench serve", argv[optind], &ec, !json, &e)) != CLI_OK)
+    if ((rc = cli_engine_open("serve", argv[optind], &ec, !json, &e)) != CLI_OK)
         goto out;
     struct llmem_server_config sc;
     llmem_server_config_default(&sc);
@@ -424,7 +424,7 @@ int cli_bench_serve(int argc, char **argv) {
     const int64_t context = llmem_engine_plan(e)->context_window_resolved;
     if (prompt + gen >= context || (shared > 0 && shared + prompt + gen >= context)) {
         fprintf(stderr,
-                "llmem bench serve: prompt + generated tokens must stay below the context "
+                "llmem-bench serve: prompt + generated tokens must stay below the context "
                 "window (%" PRId64 ")\n",
                 context);
         rc = CLI_USAGE;
@@ -446,7 +446,7 @@ int cli_bench_serve(int argc, char **argv) {
         llmem_json_add_int(root, "max_tokens", gen);
         runs = cJSON_AddArrayToObject(root, "runs");
     } else {
-        printf("llmem bench serve: %s on %s (%d CPUs), %d threads, %" PRId64
+        printf("llmem-bench serve: %s on %s (%d CPUs), %d threads, %" PRId64
                " sequences; streaming completions over loopback HTTP, greedy, EOS ignored\n",
                argv[optind], host.name, host.n_cpus, threads, ec.max_sequences);
         printf("prompt %" PRId64 " tokens, %" PRId64 " generated per request\n", prompt, gen);

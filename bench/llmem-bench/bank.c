@@ -1,6 +1,6 @@
 /*
- * cli/bench_bank.c — `llmem bench bank MODEL`: time to first token with the session bank, side by
- * side in one run, medians over --reps:
+ * bench/llmem-bench/bank.c — `llmem-bench bank MODEL`: time to first token with the session bank,
+ * side by side in one run, medians over --reps:
  *   cold      the bank emptied and no spill store: the whole prompt is prefilled;
  *   RAM hit   the same prompt again in the same engine: all but its last block's worth of tokens
  *             come from the RAM tier;
@@ -20,7 +20,8 @@
 
 #include <cjson/cJSON.h>
 
-#include "cli/cli.h"
+#include "bench.h"
+#include "cli/common.h"
 #include "core/json.h"
 #include "llmem/engine.h"
 
@@ -29,7 +30,7 @@
 #define N_TAIL   12
 
 static const char usage[] =
-    "usage: llmem bench bank MODEL [options]\n"
+    "usage: llmem-bench bank MODEL [options]\n"
     "\n"
     "Time to first token of one prompt: cold, from the session bank's RAM tier, as a chat's next\n"
     "turn, and from its spill store in a new engine.\n"
@@ -60,7 +61,7 @@ static int open_engine(const char *model, int threads, const char *dir, struct l
     c.bank_dir = dir;
     c.no_spill = dir == NULL;
     if (llmem_engine_open(&c, NULL, NULL, e) != LLMEM_OK) {
-        fprintf(stderr, "llmem bench bank: cannot open %s\n", model);
+        fprintf(stderr, "llmem-bench bank: cannot open %s\n", model);
         return CLI_FAIL;
     }
     return CLI_OK;
@@ -85,7 +86,7 @@ static int request(struct llmem_engine *e, const int32_t *prompt, int64_t n, int
     return ok ? CLI_OK : CLI_FAIL;
 }
 
-int cli_bench_bank(int argc, char **argv) {
+int bench_bank(int argc, char **argv) {
     enum { OPT_PROMPT = 256, OPT_REPS, OPT_THREADS, OPT_DIR, OPT_JSON, OPT_HELP };
     static const struct option opts[] = {
         {"prompt", required_argument, NULL, OPT_PROMPT},
@@ -110,16 +111,14 @@ int cli_bench_bank(int argc, char **argv) {
         case OPT_JSON: json = 1; break;
         case 'h':
         case OPT_HELP: fputs(usage, stdout); return CLI_OK;
-        case ':': rc = cli_usage_error("bench bank", "%s needs a value", argv[optind - 1]); break;
-        default:
-            rc =
-                cli_usage_error("bench bank", "unknown option '%s' (see --help)", argv[optind - 1]);
+        case ':': rc = cli_usage_error("bank", "%s needs a value", argv[optind - 1]); break;
+        default: rc = cli_usage_error("bank", "unknown option '%s' (see --help)", argv[optind - 1]);
         }
     }
     if (rc != CLI_OK)
         return rc;
     if (optind != argc - 1)
-        return cli_usage_error("bench bank", "needs one MODEL directory (see --help)");
+        return cli_usage_error("bank", "needs one MODEL directory (see --help)");
     const char *model = argv[optind];
 
     char tmp[4096] = "";
@@ -127,7 +126,7 @@ int cli_bench_bank(int argc, char **argv) {
         const char *t = getenv("TMPDIR");
         snprintf(tmp, sizeof(tmp), "%s/llmem-bench-bank-XXXXXX", t != NULL && *t ? t : "/tmp");
         if (mkdtemp(tmp) == NULL) {
-            fprintf(stderr, "llmem bench bank: cannot make a temporary directory\n");
+            fprintf(stderr, "llmem-bench bank: cannot make a temporary directory\n");
             return CLI_FAIL;
         }
         dir = tmp;
@@ -148,7 +147,7 @@ int cli_bench_bank(int argc, char **argv) {
         turn[i] = (int32_t)(5 + (int64_t)(x >> 33) % (vocab - 5));
     }
     if (n_prompt + N_GEN + 1 >= llmem_engine_plan(e)->context_window_resolved) {
-        fprintf(stderr, "llmem bench bank: --prompt %" PRId64 " leaves no room in the context\n",
+        fprintf(stderr, "llmem-bench bank: --prompt %" PRId64 " leaves no room in the context\n",
                 n_prompt);
         goto out;
     }
@@ -186,7 +185,7 @@ int cli_bench_bank(int argc, char **argv) {
     for (int k = 0; k < 4; k++) {
         double sorted[MAX_REPS];
         memcpy(sorted, cases[k].ms, sizeof(sorted));
-        med[k] = cli_median(sorted, (int)reps);
+        med[k] = bench_median(sorted, (int)reps);
     }
     if (json) {
         cJSON *root = cJSON_CreateObject();

@@ -1,14 +1,15 @@
 /*
- * cli/bench_matmul.c — `llmem bench matmul`: the CPU backend's matrix products against the
+ * bench/llmem-bench/matmul.c — `llmem-bench matmul`: the CPU backend's matrix products against the
  * machine's own limits, measured in the same run:
- *   bandwidth  the multithreaded streaming read (cli_bandwidth) over 512 MiB, probed right
+ *   bandwidth  the multithreaded streaming read (bench_bandwidth) over 512 MiB, probed right
  *              before and right after every timed decode run; each run's fraction is taken
  *              against the mean of its two probes, and the median over runs is reported;
  *   decode     y = x · Wᵀ for n = 1 (and 4) on Llama-3.2-1B shapes; each timed run cycles over
  *              enough copies of W (like the layers of a model) that the weights come from memory,
  *              not from the last-level cache; GB/s = weight bytes / time;
  *   prefill    n = 512 on the same shapes; GFLOP/s = 2 · n · rows · cols / time, for the GEMM
- *              path and, for f32 weights, OpenBLAS sgemm;
+ *              path and, for f32 weights, OpenBLAS sgemm on the same data when llmem-bench is
+ *              built with it (-DLLMEM_BENCH_OPENBLAS=ON; the library itself never uses BLAS);
  *   peak       the FMA rate of the vector unit (independent FMA chains, no memory), the bound of
  *              prefill, and the VDPBF16PS rate where the CPU has AVX512_BF16;
  *   dispatch   the latency of one pool run of trivial tasks (what every threaded op pays).
@@ -20,10 +21,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef LLMEM_BENCH_OPENBLAS
 #include <cblas.h>
+#define BENCH_OPENBLAS 1
+#else
+#define BENCH_OPENBLAS 0
+#endif
 
 #include "backend/cpu/cpu_int.h"
-#include "cli/cli.h"
+#include "bench.h"
+#include "cli/common.h"
 #include "core/json.h"
 #include "llmem/pool.h"
 #include "llmem/mem.h"
@@ -111,9 +118,9 @@ static void peak_task(void *arg, int task, int thread) {
 static double peak_gflops(struct llmem_pool *pool, int kind, enum cpu_isa isa) {
     struct peak_job j = {.kind = kind, .isa = isa};
     int threads = llmem_pool_threads(pool);
-    double t0 = cli_now_s();
+    double t0 = bench_now_s();
     llmem_pool_run(pool, threads, peak_task, &j);
-    double t = cli_now_s() - t0;
+    double t = bench_now_s() - t0;
     double per_iter = kind == 1 ? 16.0 * 64 : isa == CPU_ISA_AVX512 ? 16.0 * 32 : 12.0 * 16;
     return (double)PEAK_ITERS * per_iter * threads / t * 1e-9;
 }
@@ -127,13 +134,33 @@ static double dispatch_us(struct llmem_pool *pool) {
     double v[5];
     int threads = llmem_pool_threads(pool);
     for (int r = 0; r < 5; r++) {
-        double t0 = cli_now_s();
+        double t0 = bench_now_s();
         for (int i = 0; i < 2000; i++)
             llmem_pool_run(pool, threads, noop_task, NULL);
-        v[r] = (cli_now_s() - t0) / 2000 * 1e6;
+        v[r] = (bench_now_s() - t0) / 2000 * 1e6;
     }
-    return cli_median(v, 5);
+    return bench_median(v, 5);
 }
+
+/* ---- OpenBLAS, the comparison ----------------------------------------------------------------
+ */
+
+#if BENCH_OPENBLAS
+/* y[n, rows] = x[n, cols] · Wᵀ for f32 W by one sgemm, on as many OpenBLAS threads as the pool
+ * has, set at the first call: an OpenBLAS sized for threads it has not run yet still has them
+ * poll for work (sched_yield) beside the pool's during the decode runs on a small machine. */
+static void blas_matmul(const struct llmem_weight *w, const float *x, int64_t n, float *y,
+                        int n_threads) {
+    static int sized;
+    if (!sized) {
+        openblas_set_num_threads(n_threads);
+        sized = 1;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)w->rows,
+                (blasint)w->cols, 1.0f, x, (blasint)w->cols, (const float *)w->data,
+                (blasint)w->cols, 0.0f, y, (blasint)w->rows);
+}
+#endif
 
 /* ---- data -------------------------------------------------------------------------------------
  */
@@ -167,13 +194,14 @@ static void fill_floats(float *v, int64_t count) {
  */
 
 static const char matmul_usage[] =
-    "usage: llmem bench matmul [--threads N] [--quick] [--reps N] [--json]\n"
+    "usage: llmem-bench matmul [--threads N] [--quick] [--reps N] [--json]\n"
     "\n"
     "The CPU backend's matmul on Llama-3.2-1B shapes (2048x2048, 8192x2048, 2048x8192, and the\n"
     "4096x2048 head-like one for decode), bf16/f16/f32 weights: decode (n = 1, 4) in GB/s and as "
     "a\n"
     "fraction of the streaming read bandwidth probed before and after in the same run; prefill\n"
-    "(n = 512) in GFLOP/s, against the measured FMA peak; the pool's dispatch latency. Medians\n"
+    "(n = 512) in GFLOP/s, against the measured FMA peak (f32 also through OpenBLAS when built\n"
+    "with -DLLMEM_BENCH_OPENBLAS=ON); the pool's dispatch latency. Medians\n"
     "of N runs (default 5, quick 3). --threads N (default: the online CPUs); --quick streams\n"
     "less memory and skips n = 4; --json prints one object.\n";
 
@@ -202,7 +230,7 @@ static void tick(void *arg) {
     cli_progress("bench matmul", ++progress_done, progress_total);
 }
 
-int cli_bench_matmul(int argc, char **argv) {
+int bench_matmul(int argc, char **argv) {
     static const struct option options[] = {
         {"threads", required_argument, NULL, 't'}, {"quick", no_argument, NULL, 'q'},
         {"reps", required_argument, NULL, 'r'},    {"json", no_argument, NULL, 'j'},
@@ -225,10 +253,9 @@ int cli_bench_matmul(int argc, char **argv) {
                 return CLI_USAGE;
             break;
         case 'h': fputs(matmul_usage, stdout); return CLI_OK;
-        case ':': return cli_usage_error("bench matmul", "%s needs a value", argv[optind - 1]);
+        case ':': return cli_usage_error("matmul", "%s needs a value", argv[optind - 1]);
         default:
-            return cli_usage_error("bench matmul", "unknown option '%s' (see --help)",
-                                   argv[optind - 1]);
+            return cli_usage_error("matmul", "unknown option '%s' (see --help)", argv[optind - 1]);
         }
     }
     if (reps == 0)
@@ -256,7 +283,7 @@ int cli_bench_matmul(int argc, char **argv) {
     if (llmem_backend_cpu_create((int)threads, &be) != LLMEM_OK ||
         llmem_pool_create((int)threads, &pool) != LLMEM_OK ||
         llmem_mem_create(&mcfg, &mem) != LLMEM_OK) {
-        fprintf(stderr, "llmem bench matmul: cannot set up the backend (%s)\n", llmem_last_error());
+        fprintf(stderr, "llmem-bench matmul: cannot set up the backend (%s)\n", llmem_last_error());
         goto out;
     }
     int n_threads = be->ops->threads(be->ctx);
@@ -273,11 +300,12 @@ int cli_bench_matmul(int argc, char **argv) {
     probe_copy = malloc(max_probes * sizeof(double));
     if (wbuf == NULL || x == NULL || y == NULL || tv == NULL || frac == NULL ||
         probe_read == NULL || probe_copy == NULL) {
-        fprintf(stderr, "llmem bench matmul: out of memory\n");
+        fprintf(stderr, "llmem-bench matmul: out of memory\n");
         goto out;
     }
     fill_floats(x, (int64_t)PREFILL_N * 8192);
-    progress_total = 3 * N_SHAPES * n_decode_n + 3 * N_PREFILL_SHAPES + 1 + N_PREFILL_SHAPES;
+    progress_total = 3 * N_SHAPES * n_decode_n + 3 * N_PREFILL_SHAPES + 1 +
+                     (BENCH_OPENBLAS ? N_PREFILL_SHAPES : 0);
 
     /* Peaks and dispatch first, on a quiet pool. */
     double peak = 0, peak256 = 0, peak_dp = 0, disp = 0;
@@ -299,7 +327,7 @@ int cli_bench_matmul(int argc, char **argv) {
      * sides of the ratio alike. */
     int n_probe = 0;
     double prev_read;
-    if (cli_bandwidth(mem, pool, bw_bytes, 1, &prev_read, &copy_gbps[0], NULL, NULL) != CLI_OK)
+    if (bench_bandwidth(mem, pool, bw_bytes, 1, &prev_read, &copy_gbps[0], NULL, NULL) != CLI_OK)
         goto out;
     probe_read[n_probe] = prev_read;
     probe_copy[n_probe++] = copy_gbps[0];
@@ -318,15 +346,15 @@ int cli_bench_matmul(int argc, char **argv) {
                      * lines, whose write-back would otherwise be charged to the decode. */
                     double t0 = 0;
                     for (int pass = 0; pass < 2; pass++) {
-                        t0 = cli_now_s();
+                        t0 = bench_now_s();
                         for (int k = 0; k < copies; k++) {
                             struct llmem_weight w = {wbuf + (size_t)k * wbytes, bench_dtypes[d],
                                                      rows, cols};
                             be->ops->matmul(be->ctx, &w, x, n, y, NULL);
                         }
                     }
-                    double t = cli_now_s() - t0, rd, cp;
-                    if (cli_bandwidth(mem, pool, bw_bytes, 1, &rd, &cp, NULL, NULL) != CLI_OK)
+                    double t = bench_now_s() - t0, rd, cp;
+                    if (bench_bandwidth(mem, pool, bw_bytes, 1, &rd, &cp, NULL, NULL) != CLI_OK)
                         goto out;
                     if (r >= 0) {
                         tv[r] = t / copies;
@@ -336,19 +364,19 @@ int cli_bench_matmul(int argc, char **argv) {
                     }
                     prev_read = rd;
                 }
-                double t = cli_median(tv, (int)reps);
+                double t = bench_median(tv, (int)reps);
                 dres[n_dres++] = (struct decode_result){rows,
                                                         cols,
                                                         n,
                                                         bench_dtypes[d],
                                                         (double)wbytes / t * 1e-9,
-                                                        cli_median(frac, (int)reps)};
+                                                        bench_median(frac, (int)reps)};
                 tick(NULL);
             }
         }
     }
-    double bw_read = cli_median(probe_read, n_probe);
-    double bw_copy = cli_median(probe_copy, n_probe);
+    double bw_read = bench_median(probe_read, n_probe);
+    double bw_copy = bench_median(probe_copy, n_probe);
 
     /* ---- prefill ---- */
     for (int d = 0; d < 3; d++) {
@@ -356,17 +384,22 @@ int cli_bench_matmul(int argc, char **argv) {
             int64_t rows = shapes[s][0], cols = shapes[s][1];
             fill_weights(wbuf, bench_dtypes[d], rows * cols, 0xdef + (uint64_t)s);
             struct llmem_weight w = {wbuf, bench_dtypes[d], rows, cols};
-            int n_paths = bench_dtypes[d] == LLMEM_DTYPE_F32 ? 2 : 1;
+            int n_paths = BENCH_OPENBLAS && bench_dtypes[d] == LLMEM_DTYPE_F32 ? 2 : 1;
+            llmem_backend_cpu_set_matmul_path(be, CPU_MATMUL_GEMM);
             for (int p = 0; p < n_paths; p++) {
-                llmem_backend_cpu_set_matmul_path(be, p == 0 ? CPU_MATMUL_GEMM : CPU_MATMUL_BLAS);
                 for (int64_t r = -1; r < reps; r++) {
-                    double t0 = cli_now_s();
-                    be->ops->matmul(be->ctx, &w, x, PREFILL_N, y, NULL);
+                    double t0 = bench_now_s();
+#if BENCH_OPENBLAS
+                    if (p == 1)
+                        blas_matmul(&w, x, PREFILL_N, y, n_threads);
+                    else
+#endif
+                        be->ops->matmul(be->ctx, &w, x, PREFILL_N, y, NULL);
                     if (r >= 0)
-                        tv[r] = cli_now_s() - t0;
+                        tv[r] = bench_now_s() - t0;
                 }
                 double gf = 2.0 * PREFILL_N * (double)rows * (double)cols /
-                            cli_median(tv, (int)reps) * 1e-9;
+                            bench_median(tv, (int)reps) * 1e-9;
                 pres[n_pres++] = (struct prefill_result){rows,
                                                          cols,
                                                          bench_dtypes[d],
@@ -379,6 +412,10 @@ int cli_bench_matmul(int argc, char **argv) {
     }
     llmem_backend_cpu_set_matmul_path(be, CPU_MATMUL_AUTO);
     cli_progress_done();
+    static const char no_blas_note[] =
+        "f32 through OpenBLAS: not built (configure with -DLLMEM_BENCH_OPENBLAS=ON)";
+    if (!BENCH_OPENBLAS && json)
+        fprintf(stderr, "llmem-bench matmul: %s\n", no_blas_note);
 
     struct llmem_device_info host;
     llmem_sys_probe_host(&host);
@@ -395,7 +432,11 @@ int cli_bench_matmul(int argc, char **argv) {
               llmem_json_add_double(root, "copy_gbps", bw_copy) ||
               llmem_json_add_double(root, "peak_fma_gflops", peak) ||
               llmem_json_add_double(root, "peak_fma256_gflops", peak256) ||
+#if BENCH_OPENBLAS
               llmem_json_add_string(root, "openblas_core", openblas_get_corename()) ||
+#else
+              cJSON_AddNullToObject(root, "openblas_core") == NULL ||
+#endif
               llmem_json_add_double(root, "peak_dpbf16_gflops", peak_dp) ||
               llmem_json_add_double(root, "pool_dispatch_us", disp);
         cJSON *dl = st ? NULL : cJSON_AddArrayToObject(root, "decode");
@@ -425,12 +466,12 @@ int cli_bench_matmul(int argc, char **argv) {
         }
         if (st) {
             cJSON_Delete(root);
-            fprintf(stderr, "llmem bench matmul: out of memory building the JSON output\n");
+            fprintf(stderr, "llmem-bench matmul: out of memory building the JSON output\n");
             goto out;
         }
         rc = cli_print_json(root);
     } else {
-        printf("llmem bench matmul: %s, %d CPUs, %d threads, %s kernels; medians of %lld runs\n\n",
+        printf("llmem-bench matmul: %s, %d CPUs, %d threads, %s kernels; medians of %lld runs\n\n",
                host.name, host.n_cpus, n_threads, cpu_isa_name(isa), (long long)reps);
         printf("read bandwidth %.1f GB/s, copy %.1f GB/s (medians of the probes around every"
                " decode run)\n",
@@ -438,7 +479,11 @@ int cli_bench_matmul(int argc, char **argv) {
         printf("peak f32 FMA %.1f GFLOP/s (256-bit: %.1f)", peak, peak256);
         if (has_bf16)
             printf(", VDPBF16PS %.1f GFLOP/s", peak_dp);
+#if BENCH_OPENBLAS
         printf("; pool dispatch %.2f us; OpenBLAS core %s\n\n", disp, openblas_get_corename());
+#else
+        printf("; pool dispatch %.2f us\n\n", disp);
+#endif
         printf("decode (GB/s of weights; median fraction of the read bandwidth probed around each "
                "run)\n");
         printf("%-6s %-11s %3s %9s %9s\n", "dtype", "shape", "n", "GB/s", "of read");
@@ -458,6 +503,8 @@ int cli_bench_matmul(int argc, char **argv) {
             printf("%-6s %-11s %-9s %9.1f %7.0f%%\n", llmem_dtype_name(pres[i].dtype), shape,
                    pres[i].path, pres[i].gflops, 100 * pres[i].fraction_of_peak);
         }
+        if (!BENCH_OPENBLAS)
+            printf("\n%s\n", no_blas_note);
         rc = CLI_OK;
     }
 out:

@@ -1,7 +1,7 @@
 /*
- * cli/bench_attn.c — `llmem bench attn --backend cuda`: decode attention over the paged KV cache on
- * a GPU, through the cache and backend the engine uses (llmem_kv_attend_last), against the device's
- * copy bandwidth measured in the same run.
+ * bench/llmem-bench/attn.c — `llmem-bench attn --backend cuda`: decode attention over the paged KV
+ * cache on a GPU, through the cache and backend the engine uses (llmem_kv_attend_last), against the
+ * device's copy bandwidth measured in the same run.
  *
  * Shapes: 32 query heads, 8 KV heads, head_dim 128, blocks of 16 tokens (Llama-3-8B's attention);
  * BATCHxCONTEXT sequences, each filled to the full context. One call attends the last position of
@@ -9,7 +9,7 @@
  * CUDA graph, then replayed; the time per call is the device's, from CUDA events around each
  * replay (llmem_backend_counters), median over --reps calls in groups. Bandwidth = the K + V
  * bytes the call reads / its time, against the device-to-device copy (bytes read + written).
- * The CPU's caches are measured by `llmem bench kv`.
+ * The CPU's caches are measured by `llmem-bench kv`.
  */
 #include <getopt.h>
 #include <inttypes.h>
@@ -20,7 +20,8 @@
 #include <cjson/cJSON.h>
 
 #include "backend/ops.h"
-#include "cli/cli.h"
+#include "bench.h"
+#include "cli/common.h"
 #include "core/json.h"
 #include "llmem/kv.h"
 #include "llmem/mem.h"
@@ -40,10 +41,10 @@ struct attn_point {
 };
 
 static const char attn_help[] =
-    "usage: llmem bench attn --backend cuda [options]\n"
+    "usage: llmem-bench attn --backend cuda [options]\n"
     "Paged decode attention on a GPU (32 query heads, 8 KV heads, head_dim 128, blocks of 16),\n"
     "through the engine's cache and backend, against the device's copy bandwidth.\n"
-    "  --backend B      cuda (the CPU's caches: llmem bench kv)\n"
+    "  --backend B      cuda (the CPU's caches: llmem-bench kv)\n"
     "  --device N       the CUDA device (default 0)\n"
     "  --shapes LIST    BATCHxCONTEXT, e.g. 64x8192,1x4096 (default 64x8192,1x4096,16x2048)\n"
     "  --formats LIST   f16, bf16, q8, f32, q4, tq (default bf16,q8)\n"
@@ -62,13 +63,12 @@ static int parse_shapes(const char *list, int64_t shapes[][2], int *n) {
         long long b = strtoll(t, &end, 10), c = *end == 'x' ? strtoll(end + 1, &end2, 10) : 0;
         if (*n == MAX_SHAPES || b < 1 || b > 4096 || *end != 'x' || end2 == end + 1 ||
             *end2 != '\0' || c < 1 || c > (1 << 20))
-            return cli_usage_error("bench attn",
-                                   "--shapes: '%s' is not BATCHxCONTEXT (at most %d of them)", t,
-                                   MAX_SHAPES);
+            return cli_usage_error(
+                "attn", "--shapes: '%s' is not BATCHxCONTEXT (at most %d of them)", t, MAX_SHAPES);
         shapes[*n][0] = b, shapes[*n][1] = c;
         (*n)++;
     }
-    return *n > 0 ? CLI_OK : cli_usage_error("bench attn", "--shapes: empty list");
+    return *n > 0 ? CLI_OK : cli_usage_error("attn", "--shapes: empty list");
 }
 
 /* Fills a random float buffer of n values in (-1, 1) on the host. */
@@ -137,17 +137,17 @@ static int measure(const struct llmem_backend *be, struct llmem_mem *mem,
             be->ops->counters(be->ctx, &c1);
             int64_t replays = c1.graphs_replayed - c0.graphs_replayed;
             if (replays <= 0) {
-                fprintf(stderr, "llmem bench attn: the calls were not replayed as a graph\n");
+                fprintf(stderr, "llmem-bench attn: the calls were not replayed as a graph\n");
                 goto out;
             }
             times[i / per_group] = (c1.graphs_device_s - c0.graphs_device_s) / replays * 1e3;
         }
     }
-    *ms = cli_median(times, GROUPS);
+    *ms = bench_median(times, GROUPS);
     rc = CLI_OK;
 out:
     if (rc != CLI_OK)
-        fprintf(stderr, "llmem bench attn: %s %" PRId64 "x%" PRId64 " failed (%s)\n",
+        fprintf(stderr, "llmem-bench attn: %s %" PRId64 "x%" PRId64 " failed (%s)\n",
                 llmem_kv_format_name(format), batch, context, llmem_last_error());
     llmem_kv_destroy(kv);
     llmem_mem_free(mem, dk), llmem_mem_free(mem, dq), llmem_mem_free(mem, dout);
@@ -155,7 +155,7 @@ out:
     return rc;
 }
 
-int cli_bench_attn(int argc, char **argv) {
+int bench_attn(int argc, char **argv) {
     enum { OPT_BACKEND = 256, OPT_DEVICE, OPT_SHAPES, OPT_FORMATS, OPT_REPS, OPT_COPY, OPT_JSON };
     static const struct option opts[] = {{"backend", required_argument, NULL, OPT_BACKEND},
                                          {"device", required_argument, NULL, OPT_DEVICE},
@@ -176,12 +176,12 @@ int cli_bench_attn(int argc, char **argv) {
         switch (o) {
         case OPT_BACKEND:
             if (llmem_backend_kind_parse(optarg, &backend) != LLMEM_OK)
-                rc = cli_usage_error("bench attn", "--backend: '%s' (cpu or cuda)", optarg);
+                rc = cli_usage_error("attn", "--backend: '%s' (cpu or cuda)", optarg);
             break;
         case OPT_DEVICE: rc = cli_parse_int("--device", optarg, 0, 1024, &device); break;
         case OPT_SHAPES: rc = parse_shapes(optarg, shapes, &n_shapes); break;
         case OPT_FORMATS:
-            n_fmts = cli_parse_names("bench attn", "--formats", optarg, MAX_FMTS, fmts,
+            n_fmts = cli_parse_names("attn", "--formats", optarg, MAX_FMTS, fmts,
                                      cli_kv_format_name_parse);
             rc = n_fmts < 0 ? CLI_USAGE : CLI_OK;
             break;
@@ -189,14 +189,14 @@ int cli_bench_attn(int argc, char **argv) {
         case OPT_COPY: rc = cli_parse_size("--copy-size", optarg, &copy_bytes); break;
         case OPT_JSON: json = 1; break;
         case 'h': fputs(attn_help, stdout); return CLI_OK;
-        default: return cli_usage_error("bench attn", "see llmem bench attn --help");
+        default: return cli_usage_error("attn", "see llmem-bench attn --help");
         }
     }
     if (rc != CLI_OK)
         return rc;
     if (backend != LLMEM_BACKEND_CUDA)
-        return cli_usage_error("bench attn", "--backend cuda is required (the CPU's caches: "
-                                             "llmem bench kv)");
+        return cli_usage_error("attn", "--backend cuda is required (the CPU's caches: "
+                                       "llmem-bench kv)");
     struct llmem_mem_config mc = {.ops = llmem_backend_cuda_memory((int)device)};
     struct llmem_mem *mem = NULL;
     struct llmem_backend *be = NULL;
@@ -206,11 +206,11 @@ int cli_bench_attn(int argc, char **argv) {
     rc = CLI_FAIL;
     if (mc.ops == NULL || llmem_mem_create(&mc, &mem) != LLMEM_OK ||
         llmem_backend_cuda_create((int)device, LLMEM_PRECISION_FAST, mem, &be) != LLMEM_OK) {
-        fprintf(stderr, "llmem bench attn: no CUDA device %" PRId64 " (%s)\n", device,
+        fprintf(stderr, "llmem-bench attn: no CUDA device %" PRId64 " (%s)\n", device,
                 mc.ops == NULL ? "none in this build or on this machine" : llmem_last_error());
         goto out;
     }
-    if (cli_device_copy_bandwidth((int)device, copy_bytes, &copy_gbps) != CLI_OK)
+    if (bench_device_copy_bandwidth((int)device, copy_bytes, &copy_gbps) != CLI_OK)
         goto out;
     for (int f = 0; f < n_fmts; f++)
         for (int s = 0; s < n_shapes; s++) {
@@ -248,7 +248,7 @@ int cli_bench_attn(int argc, char **argv) {
         }
         rc = cli_print_json(root);
     } else {
-        printf("llmem bench attn: device %" PRId64 ", %d query heads, %d KV heads, head_dim %d, "
+        printf("llmem-bench attn: device %" PRId64 ", %d query heads, %d KV heads, head_dim %d, "
                "blocks of 16; copy bandwidth %.0f GB/s (read + written)\n",
                device, N_HEADS, N_KV_HEADS, HEAD_DIM, copy_gbps);
         printf("format  batch  context   ms/call   KV GB/s  of copy bw\n");

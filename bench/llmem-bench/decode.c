@@ -1,6 +1,6 @@
 /*
- * cli/bench_decode.c — `llmem bench decode MODEL`: end-to-end prefill and decode speed of a real
- * model through the engine, for each thread count asked, against the machine's read bandwidth
+ * bench/llmem-bench/decode.c — `llmem-bench decode MODEL`: end-to-end prefill and decode speed of a
+ * real model through the engine, for each thread count asked, against the machine's read bandwidth
  * probed right before and right after every run (this machine's bandwidth drifts by 1.5× within
  * minutes, so each run is compared with its own neighbourhood).
  *
@@ -32,7 +32,8 @@
 #include <cjson/cJSON.h>
 
 #include "backend/ops.h"
-#include "cli/cli.h"
+#include "bench.h"
+#include "cli/common.h"
 #include "core/json.h"
 #include "llmem/pool.h"
 #include "llmem/engine.h"
@@ -66,20 +67,20 @@ static void model_costs(const struct llmem_model_config *c, int64_t *weight_byte
 }
 
 /* The bandwidth around a run: the host's read bandwidth, or a device's copy bandwidth (in *bw). */
-static int probe(struct llmem_engine *e, struct llmem_pool *pool, struct cli_device_probe *dev,
+static int probe(struct llmem_engine *e, struct llmem_pool *pool, struct bench_device_probe *dev,
                  int64_t bytes, double *bw, double *copy, int64_t *prog) {
     if (dev != NULL) {
         progress_tick(prog);
-        if (cli_device_probe_run(dev, bw) != CLI_OK)
+        if (bench_device_probe_run(dev, bw) != CLI_OK)
             return CLI_FAIL;
         *copy = *bw;
         return CLI_OK;
     }
-    return cli_bandwidth(llmem_engine_mem(e), pool, bytes, 1, bw, copy, progress_tick, prog);
+    return bench_bandwidth(llmem_engine_mem(e), pool, bytes, 1, bw, copy, progress_tick, prog);
 }
 
 static const char usage[] =
-    "usage: llmem bench decode MODEL [options]\n"
+    "usage: llmem-bench decode MODEL [options]\n"
     "\n"
     "Prefill and decode speed of MODEL, against the memory read bandwidth probed before and after\n"
     "each run.\n"
@@ -100,7 +101,7 @@ static const char usage[] =
     "                   prefill_gflops, decode_tokens_per_s, decode_gbps, bandwidth_read_gbps,\n"
     "                   fraction_of_bandwidth, overhead_ms_per_token, device_ms_per_token}\n";
 
-int cli_bench_decode(int argc, char **argv) {
+int bench_decode(int argc, char **argv) {
     enum {
         OPT_PROMPT = 256,
         OPT_GEN,
@@ -169,8 +170,8 @@ int cli_bench_decode(int argc, char **argv) {
                 long v = strtol(p, &end, 10);
                 if (end == p || v < 1 || v > 1024 || n_threads == MAX_THREADS_LIST ||
                     (*end != ',' && *end != '\0'))
-                    rc = cli_usage_error("bench decode", "--threads: '%s' is not a list like 1,2",
-                                         optarg);
+                    rc =
+                        cli_usage_error("decode", "--threads: '%s' is not a list like 1,2", optarg);
                 else
                     threads[n_threads++] = (int)v;
                 p = *end == ',' ? end + 1 : end;
@@ -178,16 +179,15 @@ int cli_bench_decode(int argc, char **argv) {
             break;
         case 'h':
         case OPT_HELP: fputs(usage, stdout); return CLI_OK;
-        case ':': rc = cli_usage_error("bench decode", "%s needs a value", argv[optind - 1]); break;
+        case ':': rc = cli_usage_error("decode", "%s needs a value", argv[optind - 1]); break;
         default:
-            rc = cli_usage_error("bench decode", "unknown option '%s' (see --help)",
-                                 argv[optind - 1]);
+            rc = cli_usage_error("decode", "unknown option '%s' (see --help)", argv[optind - 1]);
         }
     }
     if (rc != CLI_OK)
         return rc;
     if (optind != argc - 1)
-        return cli_usage_error("bench decode", "needs one MODEL directory (see --help)");
+        return cli_usage_error("decode", "needs one MODEL directory (see --help)");
     if (n_threads == 0)
         threads[n_threads++] = 0;
     const char *model = argv[optind];
@@ -198,7 +198,7 @@ int cli_bench_decode(int argc, char **argv) {
     int64_t prog[2] = {0, (int64_t)n_threads * (reps * 3 + warmup)};
     struct llmem_engine *e = NULL;
     struct llmem_pool *pool = NULL;
-    struct cli_device_probe *dprobe = NULL; /* the device's probe (--backend cuda) */
+    struct bench_device_probe *dprobe = NULL; /* the device's probe (--backend cuda) */
     int32_t *prompt = malloc((size_t)n_prompt * sizeof(int32_t));
     int64_t weight_bytes = 0, elem_bytes = 2;
     double flops_per_token = 0;
@@ -222,7 +222,7 @@ int cli_bench_decode(int argc, char **argv) {
         pool = llmem_engine_pool(e); /* the probe runs on the engine's own threads */
         /* the device's probe: its buffers held from here to the end (see cli.h) */
         if (backend == LLMEM_BACKEND_CUDA && dprobe == NULL &&
-            cli_device_probe_open((int)device, bw_bytes, &dprobe) != CLI_OK)
+            bench_device_probe_open((int)device, bw_bytes, &dprobe) != CLI_OK)
             goto out;
         const struct llmem_model_config *mc = llmem_model_get_config(llmem_engine_model(e));
         model_costs(mc, &weight_bytes, &flops_per_token, &elem_bytes);
@@ -289,14 +289,14 @@ int cli_bench_decode(int argc, char **argv) {
         }
         struct decode_point *pt = &points[t];
         pt->threads = threads[t] > 0 ? threads[t] : llmem_pool_threads(pool);
-        pt->prefill_tps = cli_median(pre, (int)reps);
-        pt->prefill_gflops = cli_median(gfl, (int)reps);
-        pt->decode_tps = cli_median(dec, (int)reps);
+        pt->prefill_tps = bench_median(pre, (int)reps);
+        pt->prefill_gflops = bench_median(gfl, (int)reps);
+        pt->decode_tps = bench_median(dec, (int)reps);
         pt->decode_gbps = pt->decode_tps * bytes_per_token * 1e-9;
-        pt->bw_gbps = cli_median(bw, (int)reps);
-        pt->fraction = cli_median(frac, (int)reps);
-        pt->overhead_ms = cli_median(over, (int)reps);
-        pt->device_ms = cli_median(dev, (int)reps);
+        pt->bw_gbps = bench_median(bw, (int)reps);
+        pt->fraction = bench_median(frac, (int)reps);
+        pt->overhead_ms = bench_median(over, (int)reps);
+        pt->device_ms = bench_median(dev, (int)reps);
         llmem_engine_close(e);
         e = NULL;
     }
@@ -333,7 +333,7 @@ int cli_bench_decode(int argc, char **argv) {
         rc = cli_print_json(root);
     } else {
         char wb[32];
-        printf("llmem bench decode: %s%s, prompt %" PRId64 ", %" PRId64
+        printf("llmem-bench decode: %s%s, prompt %" PRId64 ", %" PRId64
                " generated, KV %s; decode reads %s of weights per token; median of %" PRId64
                " runs\n",
                model, no_mmap ? " (--no-mmap)" : "", n_prompt, n_gen, llmem_kv_format_name(format),
@@ -356,7 +356,7 @@ int cli_bench_decode(int argc, char **argv) {
 out:
     cli_progress_done();
     free(prompt);
-    cli_device_probe_close(dprobe);
+    bench_device_probe_close(dprobe);
     llmem_engine_close(e);
     return rc;
 }

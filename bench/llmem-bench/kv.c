@@ -1,6 +1,6 @@
 /*
- * cli/bench_kv.c — `llmem bench kv`: decode attention over the KV caches (SPEC §4) against the
- * machine's memory bandwidth, the accuracy of each storage format, and the cost of appending.
+ * bench/llmem-bench/kv.c — `llmem-bench kv`: decode attention over the KV caches (SPEC §4) against
+ * the machine's memory bandwidth, the accuracy of each storage format, and the cost of appending.
  *
  * Shapes are those of a Llama-3-8B-like layer: 32 query heads, 8 KV heads (GQA 4:1; --heads sets
  * others), head_dim 128, one layer per cache (attention reads one layer per call, so every figure
@@ -48,7 +48,8 @@
 #include <sys/resource.h>
 #include <time.h>
 
-#include "cli/cli.h"
+#include "bench.h"
+#include "cli/common.h"
 #include "core/json.h"
 #include "llmem/pool.h"
 #include "kv/codec_internal.h"
@@ -254,9 +255,9 @@ static int fma_rate(struct llmem_pool *pool, int passes, double *rate) {
 #endif
     int threads = llmem_pool_threads(pool);
     for (int p = 0; p < passes; p++) {
-        double t0 = cli_now_s();
+        double t0 = bench_now_s();
         llmem_pool_run(pool, threads, fma_task, &j);
-        double t = cli_now_s() - t0;
+        double t = bench_now_s() - t0;
         rate[p] = (double)threads * FMA_ITERS * FMA_CHAINS * j.lanes / t;
     }
     return j.lanes;
@@ -301,12 +302,12 @@ static const char *route_taken(const struct llmem_kv_stats *before,
 static double attend_batch(struct llmem_kv *kv, enum llmem_kv_route route, int64_t ctx,
                            int64_t batch, const float *q, float *out) {
     const struct llmem_kv_attn attn = {.n_heads = n_heads, .route = route};
-    double t0 = cli_now_s();
+    double t0 = bench_now_s();
     for (int s = 0; s < batch; s++)
         if (llmem_kv_attend(kv, s, 0, ctx - 1, 1, q + (size_t)s * Q_FLOATS,
                             out + (size_t)s * Q_FLOATS, &attn) != LLMEM_OK)
             return -1;
-    return cli_now_s() - t0;
+    return bench_now_s() - t0;
 }
 
 /* Measures points[first, last) — all of one format and context — holding the caches of as many
@@ -336,7 +337,7 @@ static int run_points(struct bench *b, struct point *points, int first, int last
             if (build_cache(b, layout, points[end].format, points[end].ctx, (int)max_batch,
                             &caches[layout]) != CLI_OK) {
                 fprintf(stderr,
-                        "llmem bench kv: cannot build a %s %s cache of %lld x %lld"
+                        "llmem-bench kv: cannot build a %s %s cache of %lld x %lld"
                         " tokens\n",
                         llmem_kv_layout_name(layout), llmem_kv_format_name(points[end].format),
                         (long long)max_batch, (long long)points[end].ctx);
@@ -353,7 +354,7 @@ static int run_points(struct bench *b, struct point *points, int first, int last
                 llmem_kv_stats(kv, &before);
                 double t = attend_batch(kv, b->route, points[p].ctx, points[p].batch, q, out);
                 if (t < 0) {
-                    fprintf(stderr, "llmem bench kv: attention failed\n");
+                    fprintf(stderr, "llmem-bench kv: attention failed\n");
                     rc = CLI_FAIL;
                     break;
                 }
@@ -368,7 +369,7 @@ static int run_points(struct bench *b, struct point *points, int first, int last
         }
         for (int p = i; p < end && rc == CLI_OK; p++) {
             points[p].seconds =
-                cli_median(times + (size_t)(p - first) * (size_t)b->reps, (int)b->reps);
+                bench_median(times + (size_t)(p - first) * (size_t)b->reps, (int)b->reps);
             points[p].kv_bytes = kv_read_bytes(points[p].format, points[p].ctx, points[p].batch);
         }
         for (int l = 0; l < LLMEM_KV_LAYOUT_COUNT; l++)
@@ -457,7 +458,7 @@ static double append_once(struct bench *b, enum llmem_kv_layout layout, int64_t 
         (!reserved || llmem_kv_reserve(kv, seq, tokens) == LLMEM_OK)) {
         struct llmem_kv_stats st0, st;
         llmem_kv_stats(kv, &st0);
-        double t0 = cli_now_s();
+        double t0 = bench_now_s();
         int64_t pos = 0;
         while (pos < tokens) {
             int64_t at = pos % DATA_TOKENS, n = tokens - pos;
@@ -469,7 +470,7 @@ static double append_once(struct bench *b, enum llmem_kv_layout layout, int64_t 
             pos += n;
         }
         if (pos == tokens)
-            t = cli_now_s() - t0;
+            t = bench_now_s() - t0;
         llmem_kv_stats(kv, &st);
         *grow_events = st.grow_events - st0.grow_events;
     }
@@ -498,7 +499,7 @@ static int run_append(struct bench *b, const enum llmem_kv_layout *layouts, int 
                 double t = append_once(b, res[i].layout, tokens, res[i].chunk,
                                        i % N_APPEND_MODES == 2, &res[i].grow_events);
                 if (t < 0) {
-                    fprintf(stderr, "llmem bench kv: appending to a %s cache failed\n",
+                    fprintf(stderr, "llmem-bench kv: appending to a %s cache failed\n",
                             llmem_kv_layout_name(res[i].layout));
                     rc = CLI_FAIL;
                 }
@@ -510,9 +511,9 @@ static int run_append(struct bench *b, const enum llmem_kv_layout *layouts, int 
     for (int i = 0; i < n && rc == CLI_OK; i++) {
         double per = 1e9 / (double)tokens;
         res[i].ns_per_token_cold =
-            cli_median(times + (size_t)(2 * i) * (size_t)b->reps, (int)b->reps);
+            bench_median(times + (size_t)(2 * i) * (size_t)b->reps, (int)b->reps);
         res[i].ns_per_token =
-            cli_median(times + (size_t)(2 * i + 1) * (size_t)b->reps, (int)b->reps);
+            bench_median(times + (size_t)(2 * i + 1) * (size_t)b->reps, (int)b->reps);
         res[i].ns_per_token_cold *= per;
         res[i].ns_per_token *= per;
     }
@@ -642,14 +643,14 @@ static int print_json(const struct results *res, const struct bench *b, int quic
           llmem_json_add_int(root, "rss_peak_bytes", res->rss_peak_bytes);
     if (st) {
         cJSON_Delete(root);
-        fprintf(stderr, "llmem bench kv: out of memory building the JSON output\n");
+        fprintf(stderr, "llmem-bench kv: out of memory building the JSON output\n");
         return CLI_FAIL;
     }
     return cli_print_json(root);
 }
 
 static void print_table(const struct results *res, const struct bench *b) {
-    printf("llmem bench kv: %s, %d CPUs, %d thread%s, %s kernels; %d query heads, %d KV heads,"
+    printf("llmem-bench kv: %s, %d CPUs, %d thread%s, %s kernels; %d query heads, %d KV heads,"
            " head_dim %d, one layer; median of %lld runs\n",
            res->host.name, res->host.n_cpus, b->threads, b->threads == 1 ? "" : "s",
            llmem_kv_kernels_name(), n_heads, n_kv_heads, HEAD_DIM, (long long)b->reps);
@@ -714,7 +715,7 @@ static void print_table(const struct results *res, const struct bench *b) {
 /* ---- the command ----------------------------------------------------------------------------- */
 
 static const char bench_kv_usage[] =
-    "usage: llmem bench kv [--quick] [--reps N] [--threads N] [--json]\n"
+    "usage: llmem-bench kv [--quick] [--reps N] [--threads N] [--json]\n"
     "                      [--ctx N] [--batch N] [--kv-layout L,..] [--kv-format F,..]\n"
     "                      [--bw-size SIZE] [--route R] [--heads Q/KV] [--isa I]\n"
     "\n"
@@ -803,11 +804,11 @@ static int pick(const char *flag, const char *value, const char *const *names, i
     char list[128] = "";
     for (int i = 0; i < n; i++)
         snprintf(list + strlen(list), sizeof(list) - strlen(list), "%s%s", i ? ", " : "", names[i]);
-    cli_usage_error("bench kv", "%s: '%s' is not one of %s", flag, value, list);
+    cli_usage_error("kv", "%s: '%s' is not one of %s", flag, value, list);
     return -1;
 }
 
-int cli_bench_kv(int argc, char **argv) {
+int bench_kv(int argc, char **argv) {
     static const struct option options[] = {
         {"quick", no_argument, NULL, 'q'},
         {"reps", required_argument, NULL, 'r'},
@@ -854,21 +855,20 @@ int cli_bench_kv(int argc, char **argv) {
                 return CLI_USAGE;
             break;
         case 'L':
-            if ((n_layouts = cli_parse_names("bench kv", "--kv-layout", optarg,
-                                             LLMEM_KV_LAYOUT_COUNT, layouts, parse_layout)) < 0)
+            if ((n_layouts = cli_parse_names("kv", "--kv-layout", optarg, LLMEM_KV_LAYOUT_COUNT,
+                                             layouts, parse_layout)) < 0)
                 return CLI_USAGE;
             break;
         case 'F':
-            if ((n_formats =
-                     cli_parse_names("bench kv", "--kv-format", optarg, LLMEM_KV_FORMAT_COUNT,
-                                     formats, cli_kv_format_name_parse)) < 0)
+            if ((n_formats = cli_parse_names("kv", "--kv-format", optarg, LLMEM_KV_FORMAT_COUNT,
+                                             formats, cli_kv_format_name_parse)) < 0)
                 return CLI_USAGE;
             break;
         case 'w':
             if (cli_parse_size("--bw-size", optarg, &bw_bytes) != CLI_OK)
                 return CLI_USAGE;
             if (bw_bytes < 4096 || bw_bytes > ((int64_t)16 << 30))
-                return cli_usage_error("bench kv", "--bw-size: must lie in [4K, 16G]");
+                return cli_usage_error("kv", "--bw-size: must lie in [4K, 16G]");
             break;
         case 'R': {
             static const char *const routes[] = {"auto", "direct", "partitioned", "fallback"};
@@ -885,15 +885,15 @@ int cli_bench_kv(int argc, char **argv) {
                 return CLI_USAGE;
             enum llmem_kv_isa want = i == 3 ? llmem_kv_isa_best() : (enum llmem_kv_isa)i;
             if (llmem_kv_codec_set_isa(want) != want)
-                return cli_usage_error("bench kv", "--isa: this CPU has no %s kernels (best: %s)",
-                                       optarg, isas[llmem_kv_isa_best()]);
+                return cli_usage_error("kv", "--isa: this CPU has no %s kernels (best: %s)", optarg,
+                                       isas[llmem_kv_isa_best()]);
             break;
         }
         case 'H': {
             int q = 0, kv = 0, used = 0;
             if (sscanf(optarg, "%d/%d%n", &q, &kv, &used) != 2 || optarg[used] != '\0' || kv < 1 ||
                 q < kv || q > 256 || q % kv != 0)
-                return cli_usage_error("bench kv",
+                return cli_usage_error("kv",
                                        "--heads: '%s' is not Q/KV with Q a multiple of KV, at most"
                                        " 256",
                                        optarg);
@@ -901,16 +901,14 @@ int cli_bench_kv(int argc, char **argv) {
             break;
         }
         case 'h': fputs(bench_kv_usage, stdout); return CLI_OK;
-        case ':': return cli_usage_error("bench kv", "%s needs a value", argv[optind - 1]);
-        default:
-            return cli_usage_error("bench kv", "unknown option '%s' (see --help)",
-                                   argv[optind - 1]);
+        case ':': return cli_usage_error("kv", "%s needs a value", argv[optind - 1]);
+        default: return cli_usage_error("kv", "unknown option '%s' (see --help)", argv[optind - 1]);
         }
     }
     if (optind < argc)
-        return cli_usage_error("bench kv", "unexpected argument '%s'", argv[optind]);
+        return cli_usage_error("kv", "unexpected argument '%s'", argv[optind]);
     if (ctx > 0 && batch > 0 && ctx * batch > EXPLICIT_MAX_TOKENS)
-        return cli_usage_error("bench kv", "--ctx x --batch: %lld tokens is over %lld",
+        return cli_usage_error("kv", "--ctx x --batch: %lld tokens is over %lld",
                                (long long)(ctx * batch), (long long)EXPLICIT_MAX_TOKENS);
     if (reps == 0)
         reps = quick ? 3 : 5;
@@ -951,7 +949,7 @@ int cli_bench_kv(int argc, char **argv) {
     res.n_points = make_points(NULL, layouts, n_layouts, formats, n_formats, ctxs, n_ctxs, batches,
                                n_batches, max_tokens, quick_extra);
     if (res.n_points == 0)
-        return cli_usage_error("bench kv", "no attention point fits (ctx x batch <= %lld)",
+        return cli_usage_error("kv", "no attention point fits (ctx x batch <= %lld)",
                                (long long)max_tokens);
     res.points = calloc((size_t)res.n_points, sizeof(*res.points));
     int64_t max_batch = 1;
@@ -966,7 +964,7 @@ int cli_bench_kv(int argc, char **argv) {
     double *read_gbps = NULL, *copy_gbps = NULL, *fma_rates = NULL;
     int rc = CLI_FAIL;
     if (res.points == NULL || k_data == NULL || v_data == NULL || q == NULL || out == NULL) {
-        fprintf(stderr, "llmem bench kv: out of memory\n");
+        fprintf(stderr, "llmem-bench kv: out of memory\n");
         goto out;
     }
     make_points(res.points, layouts, n_layouts, formats, n_formats, ctxs, n_ctxs, batches,
@@ -1012,7 +1010,7 @@ int cli_bench_kv(int argc, char **argv) {
         goto out;
     res.fma_lanes = fma_rate(pool, bw_passes, fma_rates);
     res.bw_bytes = bw_bytes;
-    if (cli_bandwidth(b.mem, pool, bw_bytes, bw_passes, read_gbps, copy_gbps, bench_tick, &b) !=
+    if (bench_bandwidth(b.mem, pool, bw_bytes, bw_passes, read_gbps, copy_gbps, bench_tick, &b) !=
         CLI_OK)
         goto out;
     llmem_mem_clear_cache(b.mem); /* every group of caches starts from fresh memory */
@@ -1052,13 +1050,13 @@ int cli_bench_kv(int argc, char **argv) {
         goto out;
 
     /* Bandwidth again, after everything, so that drift over the run shows in the median. */
-    if (cli_bandwidth(b.mem, pool, bw_bytes, bw_passes, read_gbps + bw_passes,
-                      copy_gbps + bw_passes, bench_tick, &b) != CLI_OK)
+    if (bench_bandwidth(b.mem, pool, bw_bytes, bw_passes, read_gbps + bw_passes,
+                        copy_gbps + bw_passes, bench_tick, &b) != CLI_OK)
         goto out;
     fma_rate(pool, bw_passes, fma_rates + bw_passes);
-    res.fma_per_s = cli_median(fma_rates, 2 * bw_passes);
-    res.read_gbps = cli_median(read_gbps, 2 * bw_passes);
-    res.copy_gbps = cli_median(copy_gbps, 2 * bw_passes);
+    res.fma_per_s = bench_median(fma_rates, 2 * bw_passes);
+    res.read_gbps = bench_median(read_gbps, 2 * bw_passes);
+    res.copy_gbps = bench_median(copy_gbps, 2 * bw_passes);
     res.peak_bytes = llmem_mem_peak(mem);
     struct rusage ru;
     res.rss_peak_bytes = getrusage(RUSAGE_SELF, &ru) == 0 ? (int64_t)ru.ru_maxrss * 1024 : 0;

@@ -1,5 +1,6 @@
 /*
- * cli/bench_bw.c — the machine's memory bandwidth, measured in the run that reports against it:
+ * bench/llmem-bench/bw.c — the machine's memory bandwidth, measured in the run that reports
+ * against it:
  *   read   every task sums its share of a buffer far larger than the last-level cache, read as
  *          READ_STREAMS streams side by side;
  *   copy   memcpy of the first half onto the second, counted as bytes read + bytes written.
@@ -11,7 +12,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "cli/cli.h"
+#include "bench.h"
+#include "cli/common.h"
 
 #include "backend/ops.h"
 #include "llmem/pool.h"
@@ -75,8 +77,8 @@ static void touch_task(void *arg, int task, int thread) {
     memset(j->buf + lo, (int)(task & 0x7f) + 1, n);
 }
 
-int cli_bandwidth(struct llmem_mem *mem, struct llmem_pool *pool, int64_t bytes, int passes,
-                  double *read_gbps, double *copy_gbps, void (*tick)(void *), void *tick_arg) {
+int bench_bandwidth(struct llmem_mem *mem, struct llmem_pool *pool, int64_t bytes, int passes,
+                    double *read_gbps, double *copy_gbps, void (*tick)(void *), void *tick_arg) {
     struct bw_job *j = calloc(1, sizeof(*j));
     if (j == NULL)
         return CLI_FAIL;
@@ -93,15 +95,15 @@ int cli_bandwidth(struct llmem_mem *mem, struct llmem_pool *pool, int64_t bytes,
         /* read: all of it */
         j->copy = 0;
         j->chunk = ((j->bytes + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
-        double t0 = cli_now_s();
+        double t0 = bench_now_s();
         llmem_pool_run(pool, tasks, bw_task, j);
-        double t_read = cli_now_s() - t0;
+        double t_read = bench_now_s() - t0;
         /* copy: half onto half, bytes read + bytes written */
         j->copy = 1;
         j->chunk = ((j->bytes / 2 + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
-        t0 = cli_now_s();
+        t0 = bench_now_s();
         llmem_pool_run(pool, tasks, bw_task, j);
-        double t_copy = cli_now_s() - t0;
+        double t_copy = bench_now_s() - t0;
         if (p >= 0) { /* the first pass warms up */
             read_gbps[p] = (double)j->bytes / t_read * 1e-9;
             copy_gbps[p] = (double)j->bytes / t_copy * 1e-9;
@@ -119,14 +121,14 @@ int cli_bandwidth(struct llmem_mem *mem, struct llmem_pool *pool, int64_t bytes,
     return CLI_OK;
 }
 
-struct cli_device_probe {
+struct bench_device_probe {
     struct llmem_mem *mem;
     struct llmem_backend *be;
     uint8_t *a, *b;
     int64_t bytes;
 };
 
-void cli_device_probe_close(struct cli_device_probe *p) {
+void bench_device_probe_close(struct bench_device_probe *p) {
     if (p == NULL)
         return;
     if (p->mem != NULL) {
@@ -138,9 +140,9 @@ void cli_device_probe_close(struct cli_device_probe *p) {
     free(p);
 }
 
-int cli_device_probe_open(int device, int64_t bytes, struct cli_device_probe **out) {
+int bench_device_probe_open(int device, int64_t bytes, struct bench_device_probe **out) {
     struct llmem_mem_config mc = {.ops = llmem_backend_cuda_memory(device)};
-    struct cli_device_probe *p = calloc(1, sizeof(*p));
+    struct bench_device_probe *p = calloc(1, sizeof(*p));
     *out = NULL;
     if (p == NULL)
         return CLI_FAIL;
@@ -149,14 +151,14 @@ int cli_device_probe_open(int device, int64_t bytes, struct cli_device_probe **o
         llmem_backend_cuda_create(device, LLMEM_PRECISION_FAST, NULL, &p->be) != LLMEM_OK ||
         (p->a = llmem_mem_alloc(p->mem, (size_t)bytes, LLMEM_TAG_SCRATCH)) == NULL ||
         (p->b = llmem_mem_alloc(p->mem, (size_t)bytes, LLMEM_TAG_SCRATCH)) == NULL) {
-        cli_device_probe_close(p);
+        bench_device_probe_close(p);
         return CLI_FAIL;
     }
     *out = p;
     return CLI_OK;
 }
 
-int cli_device_probe_run(struct cli_device_probe *p, double *copy_gbps) {
+int bench_device_probe_run(struct bench_device_probe *p, double *copy_gbps) {
     const int passes = 10;
     double best = 0;
     for (int i = 0; i <= passes; i++) { /* the first is a warm-up */
@@ -174,11 +176,11 @@ int cli_device_probe_run(struct cli_device_probe *p, double *copy_gbps) {
     return CLI_OK;
 }
 
-int cli_device_copy_bandwidth(int device, int64_t bytes, double *copy_gbps) {
-    struct cli_device_probe *p = NULL;
-    int rc = cli_device_probe_open(device, bytes, &p);
+int bench_device_copy_bandwidth(int device, int64_t bytes, double *copy_gbps) {
+    struct bench_device_probe *p = NULL;
+    int rc = bench_device_probe_open(device, bytes, &p);
     if (rc == CLI_OK)
-        rc = cli_device_probe_run(p, copy_gbps);
-    cli_device_probe_close(p);
+        rc = bench_device_probe_run(p, copy_gbps);
+    bench_device_probe_close(p);
     return rc;
 }

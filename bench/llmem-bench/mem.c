@@ -1,12 +1,6 @@
 /*
- * cli/bench.c — `llmem bench <what>`: benchmarks that report medians of repeated runs and ratios
- * measured side by side in one run (absolute numbers are only as good as a quiet machine).
- *
- * `llmem bench kv` lives in bench_kv.c, `llmem bench decode` in bench_decode.c, `llmem bench bank`
- * in bench_bank.c.
- *
- * `llmem bench mem`: allocation/free throughput of the caching allocator against glibc
- * malloc/free and against raw mmap/munmap, on the same operation sequence:
+ * bench/llmem-bench/mem.c — `llmem-bench mem`: allocation/free throughput of the caching allocator
+ * against glibc malloc/free and against raw mmap/munmap, on the same operation sequence:
  *   inference  the temporaries of a prefill step of a Llama-3.2-1B-shaped model (512 tokens):
  *              per layer q, k, v, attention output, scores, gate and up are allocated and freed,
  *              around the step's residual, norm output and logits — the same shapes thousands of
@@ -25,7 +19,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cli/cli.h"
+#include "bench.h"
+#include "cli/common.h"
 #include "core/json.h"
 #include "llmem/mem.h"
 #include "llmem/sys.h"
@@ -125,12 +120,6 @@ static int make_random(struct pattern *p, size_t n_ops, uint64_t seed) {
 enum which { USE_LLMEM = 0, USE_MALLOC, USE_MMAP, N_WHICH };
 static const char *const which_name[N_WHICH] = {"llmem", "malloc", "mmap"};
 
-double cli_now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static void touch(void *p, size_t bytes, size_t page) {
     for (size_t off = 0; off < bytes; off += page)
         ((volatile char *)p)[off] = 1;
@@ -139,7 +128,7 @@ static void touch(void *p, size_t bytes, size_t page) {
 /* Runs the pattern once; returns seconds, or a negative value when an allocation failed. */
 static double run_once(const struct pattern *p, enum which w, struct llmem_mem *mem, void **slots,
                        size_t *sizes, int do_touch, size_t page) {
-    double t0 = cli_now_s();
+    double t0 = bench_now_s();
     for (size_t i = 0; i < p->n_ops; i++) {
         const struct op *o = &p->ops[i];
         if (o->bytes > 0) {
@@ -167,24 +156,14 @@ static double run_once(const struct pattern *p, enum which w, struct llmem_mem *
             }
         }
     }
-    return cli_now_s() - t0;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-double cli_median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof(*v), cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+    return bench_now_s() - t0;
 }
 
 /* ---- the command ------------------------------------------------------------------------------
  */
 
 static const char bench_usage[] =
-    "usage: llmem bench mem [--quick] [--steps N] [--reps N] [--touch] [--json]\n"
+    "usage: llmem-bench mem [--quick] [--steps N] [--reps N] [--touch] [--json]\n"
     "\n"
     "Allocation/free throughput of the caching allocator against malloc/free and mmap/munmap,\n"
     "for an inference-like pattern and a random one; medians of N runs (default 5) and ratios\n"
@@ -194,7 +173,7 @@ static const char bench_usage[] =
     " page; --json prints one object with per-pattern name, llmem_ops_per_s, malloc_ops_per_s,\n"
     "mmap_ops_per_s.\n";
 
-static int bench_mem(int argc, char **argv) {
+int bench_mem(int argc, char **argv) {
     static const struct option options[] = {
         {"quick", no_argument, NULL, 'q'},
         {"reps", required_argument, NULL, 'r'},
@@ -222,10 +201,9 @@ static int bench_mem(int argc, char **argv) {
                 return CLI_USAGE;
             break;
         case 'h': fputs(bench_usage, stdout); return CLI_OK;
-        case ':': return cli_usage_error("bench mem", "%s needs a value", argv[optind - 1]);
+        case ':': return cli_usage_error("mem", "%s needs a value", argv[optind - 1]);
         default:
-            return cli_usage_error("bench mem", "unknown option '%s' (see --help)",
-                                   argv[optind - 1]);
+            return cli_usage_error("mem", "unknown option '%s' (see --help)", argv[optind - 1]);
         }
     }
     if (quick && reps == 5)
@@ -237,7 +215,7 @@ static int bench_mem(int argc, char **argv) {
     struct pattern patterns[2];
     if (make_inference(&patterns[0], (int)steps) != 0 ||
         make_random(&patterns[1], 150 * (size_t)steps, 0x5eed) != 0) {
-        fprintf(stderr, "llmem bench mem: out of memory building the patterns\n");
+        fprintf(stderr, "llmem-bench mem: out of memory building the patterns\n");
         return CLI_FAIL;
     }
     struct llmem_mem_config cfg = {.cache_limit_bytes = (int64_t)2 << 30};
@@ -262,7 +240,7 @@ static int bench_mem(int argc, char **argv) {
             for (int w = 0; w < N_WHICH && rc == CLI_OK; w++) {
                 double t = run_once(p, (enum which)w, mem, slots, sizes, do_touch, page);
                 if (t < 0) {
-                    fprintf(stderr, "llmem bench mem: %s: an allocation failed\n", which_name[w]);
+                    fprintf(stderr, "llmem-bench mem: %s: an allocation failed\n", which_name[w]);
                     rc = CLI_FAIL;
                 }
                 if (r >= 0)
@@ -271,7 +249,7 @@ static int bench_mem(int argc, char **argv) {
             }
         }
         for (int w = 0; w < N_WHICH && rc == CLI_OK; w++) {
-            ops_per_s[pi][w] = (double)p->n_ops / cli_median(times + w * reps, (int)reps);
+            ops_per_s[pi][w] = (double)p->n_ops / bench_median(times + w * reps, (int)reps);
         }
         free(slots);
         free(sizes);
@@ -312,13 +290,13 @@ static int bench_mem(int argc, char **argv) {
         }
         if (st) {
             cJSON_Delete(root);
-            fprintf(stderr, "llmem bench mem: out of memory building the JSON output\n");
+            fprintf(stderr, "llmem-bench mem: out of memory building the JSON output\n");
             rc = CLI_FAIL;
         } else {
             rc = cli_print_json(root);
         }
     } else {
-        printf("llmem bench mem: %s, %d CPUs; median of %lld runs%s; ops/s (one op = one"
+        printf("llmem-bench mem: %s, %d CPUs; median of %lld runs%s; ops/s (one op = one"
                " allocation or one free)\n\n",
                host.name, host.n_cpus, (long long)reps, do_touch ? ", pages touched" : "");
         printf("%-10s %10s %14s %14s %14s %13s %12s\n", "pattern", "ops", "llmem", "malloc", "mmap",
@@ -334,40 +312,4 @@ out:
     free(patterns[0].ops);
     free(patterns[1].ops);
     return rc;
-}
-
-int cli_bench(int argc, char **argv) {
-    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
-        fputs("usage: llmem bench mem|kv|attn|matmul|decode|bank|serve [options]\n\nbenchmarks:\n"
-              "  mem    the caching allocator against malloc and mmap\n"
-              "  kv     attention over the KV caches against the memory bandwidth, format "
-              "accuracy, append cost\n"
-              "  attn   paged decode attention on a GPU (--backend cuda) against its copy "
-              "bandwidth\n"
-              "  matmul the CPU matmul against the memory bandwidth and the FMA peak\n"
-              "  decode prefill and decode speed of a model against the memory bandwidth\n"
-              "  bank   time to first token cold, from the session bank's RAM tier, as a chat "
-              "turn, from its spill store\n"
-              "  serve  throughput and time to first token of the HTTP server under concurrent "
-              "clients, and the gain of prefix reuse\n",
-              argc < 2 ? stderr : stdout);
-        return argc < 2 ? CLI_USAGE : CLI_OK;
-    }
-    if (strcmp(argv[1], "mem") == 0)
-        return bench_mem(argc - 1, argv + 1);
-    if (strcmp(argv[1], "kv") == 0)
-        return cli_bench_kv(argc - 1, argv + 1);
-    if (strcmp(argv[1], "attn") == 0)
-        return cli_bench_attn(argc - 1, argv + 1);
-    if (strcmp(argv[1], "matmul") == 0)
-        return cli_bench_matmul(argc - 1, argv + 1);
-    if (strcmp(argv[1], "decode") == 0)
-        return cli_bench_decode(argc - 1, argv + 1);
-    if (strcmp(argv[1], "bank") == 0)
-        return cli_bench_bank(argc - 1, argv + 1);
-    if (strcmp(argv[1], "serve") == 0)
-        return cli_bench_serve(argc - 1, argv + 1);
-    return cli_usage_error(
-        "bench", "unknown benchmark '%s' (benchmarks: mem, kv, attn, matmul, decode, bank, serve)",
-        argv[1]);
 }
