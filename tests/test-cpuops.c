@@ -162,7 +162,7 @@ static void test_matmul_shapes(void **state) {
     static const int64_t ns[] = {1, 3, 17, 64, 100};
     for (int threads = 1; threads <= 3; threads++) {
         struct llmem_backend *b = make_backend(threads);
-        for (int isa = CPU_ISA_SCALAR; isa <= (int)cpu_isa_best(); isa++) {
+        for (int isa = CPU_ISA_SCALAR; isa <= (int)llmem_cpu_isa_best(); isa++) {
             assert_int_equal(llmem_backend_cpu_set_isa(b, (enum cpu_isa)isa), isa);
             for (int d = 0; d < 3; d++)
                 for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
@@ -180,7 +180,7 @@ static void test_matmul_shapes(void **state) {
 static void test_matmul_blocks(void **state) {
     (void)state;
     struct llmem_backend *b = make_backend(2);
-    for (int isa = CPU_ISA_SCALAR; isa <= (int)cpu_isa_best(); isa++) {
+    for (int isa = CPU_ISA_SCALAR; isa <= (int)llmem_cpu_isa_best(); isa++) {
         llmem_backend_cpu_set_isa(b, (enum cpu_isa)isa);
         matmul_case(b, LLMEM_DTYPE_BF16, 5, 8200, 300, 1);
         matmul_case(b, LLMEM_DTYPE_F16, 3, 4100, 17, 0);
@@ -215,7 +215,7 @@ static void test_matmul_batch_invariance(void **state) {
             int have_single = 0;
             for (int threads = 1; threads <= 3; threads++) {
                 struct llmem_backend *b = make_backend(threads);
-                for (int isa = CPU_ISA_SCALAR; isa <= (int)cpu_isa_best(); isa++) {
+                for (int isa = CPU_ISA_SCALAR; isa <= (int)llmem_cpu_isa_best(); isa++) {
                     llmem_backend_cpu_set_isa(b, (enum cpu_isa)isa);
                     for (int64_t i = 0; i < max_n; i++) {
                         float *y1 = check_matmul(b, CPU_MATMUL_AUTO, &w, wv + 0, x + i * cols, 1,
@@ -228,7 +228,7 @@ static void test_matmul_batch_invariance(void **state) {
                         free(y1);
                     }
                     have_single = 1;
-                    int full = isa == (int)cpu_isa_best();
+                    int full = isa == (int)llmem_cpu_isa_best();
                     int64_t count = full ? max_n : (int64_t)(sizeof(few_n) / sizeof(few_n[0]));
                     for (int64_t c = 0; c < count; c++) {
                         int64_t n = full ? c + 1 : few_n[c];

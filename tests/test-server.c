@@ -19,7 +19,7 @@ static const struct srv_model model = {.name = "pycoder", .vocab = 4096, .contex
 
 static int parse(enum srv_kind kind, const char *body, struct srv_request *r, struct srv_error *e) {
     memset(e, 0, sizeof(*e));
-    return srv_request_parse(kind, body, strlen(body), &model, r, e);
+    return llmem_srv_request_parse(kind, body, strlen(body), &model, r, e);
 }
 
 static void test_utf8(void **state) {
@@ -39,8 +39,8 @@ static void test_utf8(void **state) {
         {"a\x80z", 0}, /* a lone continuation byte */
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
-        assert_int_equal(srv_utf8_valid(cases[i].s, strlen(cases[i].s)), cases[i].ok);
-    assert_int_equal(srv_utf8_valid("a\0b", 3), 1); /* NUL is a character */
+        assert_int_equal(llmem_srv_utf8_valid(cases[i].s, strlen(cases[i].s)), cases[i].ok);
+    assert_int_equal(llmem_srv_utf8_valid("a\0b", 3), 1); /* NUL is a character */
 }
 
 static void test_parse_completion(void **state) {
@@ -71,7 +71,7 @@ static void test_parse_completion(void **state) {
     assert_string_equal(r.stop[0], "\n\n");
     assert_int_equal(r.logprobs, 3);
     assert_true(r.stream && r.include_usage && r.ignore_eos);
-    srv_request_free(&r);
+    llmem_srv_request_free(&r);
 
     /* defaults: OpenAI's 16 tokens, temperature 1, top_p 1, no logprobs, a server-picked seed */
     assert_int_equal(parse(SRV_COMPLETIONS, "{\"prompt\": \"x\"}", &r, &e), 0);
@@ -81,7 +81,7 @@ static void test_parse_completion(void **state) {
     assert_int_equal(r.logprobs, -1);
     assert_false(r.have_seed || r.stream || r.include_usage || r.ignore_eos);
     assert_int_equal(r.n_stop, 0);
-    srv_request_free(&r);
+    llmem_srv_request_free(&r);
 
     /* prompts as token ids, a one-prompt batch, a single stop string, top_k -1 (off) */
     assert_int_equal(parse(SRV_COMPLETIONS,
@@ -91,15 +91,15 @@ static void test_parse_completion(void **state) {
     assert_int_equal(r.prompt_ids[2], 4095);
     assert_int_equal(r.n_stop, 1);
     assert_int_equal(r.sampling.top_k, 0);
-    srv_request_free(&r);
+    llmem_srv_request_free(&r);
     assert_int_equal(parse(SRV_COMPLETIONS, "{\"prompt\": [[5, 6]]}", &r, &e), 0);
     assert_int_equal(r.n_prompt_ids, 2);
-    srv_request_free(&r);
+    llmem_srv_request_free(&r);
     assert_int_equal(
         parse(SRV_COMPLETIONS, "{\"prompt\": [\"only\"], \"max_tokens\": null}", &r, &e), 0);
     assert_string_equal(r.prompt_text, "only");
     assert_int_equal(r.max_tokens, 16);
-    srv_request_free(&r);
+    llmem_srv_request_free(&r);
 }
 
 static void test_parse_chat(void **state) {
@@ -121,7 +121,7 @@ static void test_parse_chat(void **state) {
     assert_string_equal(r.messages[2].content, "");
     assert_int_equal(r.max_tokens, 9); /* max_completion_tokens wins */
     assert_int_equal(r.logprobs, 4);
-    srv_request_free(&r);
+    llmem_srv_request_free(&r);
     /* chat defaults: up to the context; logprobs true alone: no alternatives */
     assert_int_equal(parse(SRV_CHAT,
                            "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
@@ -130,7 +130,7 @@ static void test_parse_chat(void **state) {
                      0);
     assert_int_equal(r.max_tokens, 0);
     assert_int_equal(r.logprobs, 0);
-    srv_request_free(&r);
+    llmem_srv_request_free(&r);
 }
 
 /* Each bad body: its HTTP status, the param named and the code. */
@@ -244,20 +244,20 @@ static void test_parse_errors(void **state) {
                      e.http, e.param ? e.param : "(null)", e.code ? e.code : "(null)", e.message);
         assert_true(strlen(e.message) > 8);
         assert_string_equal(e.type, "invalid_request_error");
-        srv_request_free(&r); /* a failed parse leaves nothing behind but what free frees */
+        llmem_srv_request_free(&r); /* a failed parse leaves nothing behind but what free frees */
     }
 }
 
 static void test_check_prompt(void **state) {
     (void)state;
     struct srv_error e;
-    assert_int_equal(srv_check_prompt(SRV_COMPLETIONS, 1, &model, &e), 0);
-    assert_int_equal(srv_check_prompt(SRV_COMPLETIONS, 2047, &model, &e), 0);
-    assert_int_equal(srv_check_prompt(SRV_CHAT, 2048, &model, &e), -1);
+    assert_int_equal(llmem_srv_check_prompt(SRV_COMPLETIONS, 1, &model, &e), 0);
+    assert_int_equal(llmem_srv_check_prompt(SRV_COMPLETIONS, 2047, &model, &e), 0);
+    assert_int_equal(llmem_srv_check_prompt(SRV_CHAT, 2048, &model, &e), -1);
     assert_string_equal(e.code, "context_length_exceeded");
     assert_string_equal(e.param, "messages");
     assert_non_null(strstr(e.message, "2048"));
-    assert_int_equal(srv_check_prompt(SRV_COMPLETIONS, 0, &model, &e), -1);
+    assert_int_equal(llmem_srv_check_prompt(SRV_COMPLETIONS, 0, &model, &e), -1);
     assert_string_equal(e.param, "prompt");
 }
 
@@ -301,7 +301,7 @@ static void test_render_completion(void **state) {
                                  .top_ids = {12, 12},
                                  .top_logprobs = {-0.5f, -0.5f}}};
     struct srv_render r = render(SRV_COMPLETIONS, 2);
-    cJSON *o = parsed(srv_render_response(&r, "ab", 2, toks, 2, "length", 3, 2));
+    cJSON *o = parsed(llmem_srv_render_response(&r, "ab", 2, toks, 2, "length", 3, 2));
     assert_string_equal(cJSON_GetObjectItem(o, "id")->valuestring, "cmpl-1");
     assert_string_equal(cJSON_GetObjectItem(o, "object")->valuestring, "text_completion");
     assert_int_equal(cJSON_GetObjectItem(o, "created")->valuedouble, 1700000000);
@@ -331,7 +331,7 @@ static void test_render_completion(void **state) {
 
     /* without logprobs: null; a text with quotes and a newline survives */
     r = render(SRV_COMPLETIONS, -1);
-    o = parsed(srv_render_response(&r, "say \"hi\"\n", 9, NULL, 0, "stop", 1, 1));
+    o = parsed(llmem_srv_render_response(&r, "say \"hi\"\n", 9, NULL, 0, "stop", 1, 1));
     c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
     assert_true(cJSON_IsNull(cJSON_GetObjectItem(c, "logprobs")));
     assert_string_equal(cJSON_GetObjectItem(c, "text")->valuestring, "say \"hi\"\n");
@@ -344,7 +344,7 @@ static void test_render_chat(void **state) {
         .id = 7, .logprob = -0.125f, .n_top = 1, .top_ids = {7}, .top_logprobs = {-0.125f}};
     struct srv_render r = render(SRV_CHAT, 1);
     r.id = "chatcmpl-1";
-    cJSON *o = parsed(srv_render_response(&r, "hello", 5, &tok, 1, "stop", 10, 1));
+    cJSON *o = parsed(llmem_srv_render_response(&r, "hello", 5, &tok, 1, "stop", 10, 1));
     assert_string_equal(cJSON_GetObjectItem(o, "object")->valuestring, "chat.completion");
     const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
     const cJSON *m = cJSON_GetObjectItem(c, "message");
@@ -362,7 +362,7 @@ static void test_render_chat(void **state) {
     /* chunks: the first carries the role, later ones only content, the last the reason */
     r.logprobs = -1;
     r.include_usage = 1;
-    o = parsed(srv_render_chunk(&r, "", 0, NULL, 0, NULL, 1));
+    o = parsed(llmem_srv_render_chunk(&r, "", 0, NULL, 0, NULL, 1));
     assert_string_equal(cJSON_GetObjectItem(o, "object")->valuestring, "chat.completion.chunk");
     assert_true(cJSON_IsNull(cJSON_GetObjectItem(o, "usage")));
     const cJSON *d =
@@ -370,17 +370,17 @@ static void test_render_chat(void **state) {
     assert_string_equal(cJSON_GetObjectItem(d, "role")->valuestring, "assistant");
     assert_string_equal(cJSON_GetObjectItem(d, "content")->valuestring, "");
     cJSON_Delete(o);
-    o = parsed(srv_render_chunk(&r, "lo", 2, NULL, 0, NULL, 0));
+    o = parsed(llmem_srv_render_chunk(&r, "lo", 2, NULL, 0, NULL, 0));
     d = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0), "delta");
     assert_null(cJSON_GetObjectItem(d, "role"));
     assert_string_equal(cJSON_GetObjectItem(d, "content")->valuestring, "lo");
     cJSON_Delete(o);
-    o = parsed(srv_render_chunk(&r, "", 0, NULL, 0, "length", 0));
+    o = parsed(llmem_srv_render_chunk(&r, "", 0, NULL, 0, "length", 0));
     c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
     assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(c, "delta")), 0);
     assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "length");
     cJSON_Delete(o);
-    o = parsed(srv_render_usage_chunk(&r, 4, 6));
+    o = parsed(llmem_srv_render_usage_chunk(&r, 4, 6));
     assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(o, "choices")), 0);
     assert_int_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(o, "usage"), "total_tokens")->valueint,
                      10);
@@ -390,10 +390,10 @@ static void test_render_chat(void **state) {
 static void test_render_error_and_models(void **state) {
     (void)state;
     struct srv_error e;
-    assert_int_equal(srv_fail(&e, 507, "insufficient_memory", NULL, "insufficient_memory",
-                              "needs %d blocks", 12),
+    assert_int_equal(llmem_srv_fail(&e, 507, "insufficient_memory", NULL, "insufficient_memory",
+                                    "needs %d blocks", 12),
                      -1);
-    cJSON *o = parsed(srv_error_json(&e));
+    cJSON *o = parsed(llmem_srv_error_json(&e));
     const cJSON *err = cJSON_GetObjectItem(o, "error");
     assert_string_equal(cJSON_GetObjectItem(err, "message")->valuestring, "needs 12 blocks");
     assert_string_equal(cJSON_GetObjectItem(err, "type")->valuestring, "insufficient_memory");
@@ -402,7 +402,7 @@ static void test_render_error_and_models(void **state) {
     assert_int_equal(cJSON_GetArraySize(err), 4);
     cJSON_Delete(o);
 
-    o = parsed(srv_render_models(&model, 5));
+    o = parsed(llmem_srv_render_models(&model, 5));
     assert_string_equal(cJSON_GetObjectItem(o, "object")->valuestring, "list");
     const cJSON *m = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "data"), 0);
     assert_string_equal(cJSON_GetObjectItem(m, "id")->valuestring, "pycoder");
@@ -444,7 +444,7 @@ static void test_metrics(void **state) {
     struct llmem_engine_metrics m;
     sample_metrics(&m);
     struct srv_counters c = {.rejected = 4, .invalid = 6, .disconnected = 1};
-    char *text = srv_render_metrics(&m, &c);
+    char *text = llmem_srv_render_metrics(&m, &c);
     assert_non_null(text);
     expect_line(text, "llmem_mem_active_bytes 100");
     expect_line(text, "llmem_mem_peak_bytes 200");
@@ -519,7 +519,7 @@ static void test_health(void **state) {
                            .kv_format = "q8",
                            .kv_layout = "paged",
                            .chat_template = "chatml"};
-    cJSON *o = parsed(srv_render_health(&h, &m, &c));
+    cJSON *o = parsed(llmem_srv_render_health(&h, &m, &c));
     assert_string_equal(cJSON_GetObjectItem(o, "status")->valuestring, "refusing");
     const cJSON *lim = cJSON_GetObjectItem(o, "limits");
     assert_true(cJSON_GetObjectItem(lim, "allocation_limit_bytes")->valuedouble ==
@@ -550,12 +550,12 @@ static void test_buf(void **state) {
     (void)state;
     struct srv_buf b = {0};
     for (int i = 0; i < 1000; i++)
-        srv_buf_printf(&b, "%d,", i);
+        llmem_srv_buf_printf(&b, "%d,", i);
     assert_false(b.failed);
     assert_int_equal(strncmp(b.data, "0,1,2,", 6), 0);
     assert_int_equal(b.data[b.len], '\0');
     assert_non_null(strstr(b.data, ",999,"));
-    srv_buf_free(&b);
+    llmem_srv_buf_free(&b);
     assert_null(b.data);
 }
 

@@ -869,8 +869,9 @@ static void test_load_errors(void **state) {
 
 /* ---- NFC ------------------------------------------------------------------------------------ */
 
-/* tok_nfc against Python's unicodedata.normalize("NFC", s) on random strings of combining marks,
- * Hangul jamo and syllables, singletons and composition exclusions (tests/data/tok/nfc.json). */
+/* llmem_tok_nfc against Python's unicodedata.normalize("NFC", s) on random strings of combining
+ * marks, Hangul jamo and syllables, singletons and composition exclusions
+ * (tests/data/tok/nfc.json). */
 static void test_nfc(void **state) {
     (void)state;
     cJSON *root = NULL;
@@ -881,14 +882,14 @@ static void test_nfc(void **state) {
         const char *in = cJSON_GetArrayItem(v, 0)->valuestring;
         const char *want = cJSON_GetArrayItem(v, 1)->valuestring;
         struct tok_buf out = {0};
-        assert_int_equal(tok_buf_reserve(&out, 0), LLMEM_OK);
-        assert_int_equal(tok_nfc(&out, in, strlen(in)), LLMEM_OK);
+        assert_int_equal(llmem_tok_buf_reserve(&out, 0), LLMEM_OK);
+        assert_int_equal(llmem_tok_nfc(&out, in, strlen(in)), LLMEM_OK);
         if (strcmp(out.p, want) != 0) {
             fprintf(stderr, "NFC of \"%s\": want \"%s\", got \"%s\"\n", in, want, out.p);
             n_bad++;
         }
         n++;
-        tok_buf_free(&out);
+        llmem_tok_buf_free(&out);
     }
     print_message("NFC: %d vectors (Unicode %s)\n", n,
                   cJSON_GetObjectItem(root, "unicode")->valuestring);

@@ -287,7 +287,7 @@ int bench_matmul(int argc, char **argv) {
         goto out;
     }
     int n_threads = be->ops->threads(be->ctx);
-    enum cpu_isa isa = cpu_isa_best();
+    enum cpu_isa isa = llmem_cpu_isa_best();
     int has_bf16 = (llmem_sys_isa_features() & LLMEM_ISA_AVX512_BF16) != 0;
     size_t wbuf_bytes = (size_t)stream_bytes + ((size_t)64 << 20);
     wbuf = malloc(wbuf_bytes);
@@ -425,7 +425,7 @@ int bench_matmul(int argc, char **argv) {
         cJSON *machine = st ? NULL : cJSON_AddObjectToObject(root, "machine");
         st |= machine == NULL || llmem_json_add_string(machine, "cpu", host.name) ||
               llmem_json_add_int(machine, "n_cpus", host.n_cpus) ||
-              llmem_json_add_string(machine, "isa", cpu_isa_name(isa)) ||
+              llmem_json_add_string(machine, "isa", llmem_cpu_isa_name(isa)) ||
               llmem_json_add_int(root, "threads", n_threads) ||
               llmem_json_add_int(root, "reps", reps) ||
               llmem_json_add_double(root, "read_gbps", bw_read) ||
@@ -472,7 +472,7 @@ int bench_matmul(int argc, char **argv) {
         rc = cli_print_json(root);
     } else {
         printf("llmem-bench matmul: %s, %d CPUs, %d threads, %s kernels; medians of %lld runs\n\n",
-               host.name, host.n_cpus, n_threads, cpu_isa_name(isa), (long long)reps);
+               host.name, host.n_cpus, n_threads, llmem_cpu_isa_name(isa), (long long)reps);
         printf("read bandwidth %.1f GB/s, copy %.1f GB/s (medians of the probes around every"
                " decode run)\n",
                bw_read, bw_copy);

@@ -17,24 +17,26 @@
 
 static void metric(struct srv_buf *b, const char *name, const char *type, const char *help,
                    int64_t value) {
-    srv_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %" PRId64 "\n", name, help, name, type, name,
-                   value);
+    llmem_srv_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %" PRId64 "\n", name, help, name, type,
+                         name, value);
 }
 
 static void header(struct srv_buf *b, const char *name, const char *type, const char *help) {
-    srv_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+    llmem_srv_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
 static void histogram(struct srv_buf *b, const char *name, const char *help,
                       const struct llmem_histogram *h) {
     header(b, name, "histogram", help);
     for (int i = 0; i < LLMEM_HIST_BUCKETS; i++)
-        srv_buf_printf(b, "%s_bucket{le=\"%g\"} %" PRId64 "\n", name, h->bounds[i], h->counts[i]);
-    srv_buf_printf(b, "%s_bucket{le=\"+Inf\"} %" PRId64 "\n%s_sum %.9g\n%s_count %" PRId64 "\n",
-                   name, h->count, name, h->sum, name, h->count);
+        llmem_srv_buf_printf(b, "%s_bucket{le=\"%g\"} %" PRId64 "\n", name, h->bounds[i],
+                             h->counts[i]);
+    llmem_srv_buf_printf(b,
+                         "%s_bucket{le=\"+Inf\"} %" PRId64 "\n%s_sum %.9g\n%s_count %" PRId64 "\n",
+                         name, h->count, name, h->sum, name, h->count);
 }
 
-char *srv_render_metrics(const struct llmem_engine_metrics *m, const struct srv_counters *c) {
+char *llmem_srv_render_metrics(const struct llmem_engine_metrics *m, const struct srv_counters *c) {
     struct srv_buf b = {0};
     metric(&b, "llmem_mem_active_bytes", "gauge",
            "Bytes the allocator has handed out and not taken back.", m->mem_active);
@@ -76,10 +78,10 @@ char *srv_render_metrics(const struct llmem_engine_metrics *m, const struct srv_
     header(&b, "llmem_guard_actions_total", "counter",
            "Actions of the pressure guard (warning: bank halved and cache released; critical: "
            "bank emptied, admissions stopped).");
-    srv_buf_printf(&b,
-                   "llmem_guard_actions_total{level=\"warning\"} %" PRId64
-                   "\nllmem_guard_actions_total{level=\"critical\"} %" PRId64 "\n",
-                   m->bank.guard_warnings, m->bank.guard_criticals);
+    llmem_srv_buf_printf(&b,
+                         "llmem_guard_actions_total{level=\"warning\"} %" PRId64
+                         "\nllmem_guard_actions_total{level=\"critical\"} %" PRId64 "\n",
+                         m->bank.guard_warnings, m->bank.guard_criticals);
     metric(&b, "llmem_guard_level", "gauge",
            "The pressure guard's last reading: 0 clear, 1 warning, 2 critical.",
            (int64_t)m->guard_level);
@@ -89,15 +91,15 @@ char *srv_render_metrics(const struct llmem_engine_metrics *m, const struct srv_
     header(&b, "llmem_requests_total", "counter",
            "Requests by outcome: ok, cancelled, refused (507: memory), failed (engine error), "
            "rejected (503: queue full), invalid (4xx before the engine).");
-    srv_buf_printf(&b,
-                   "llmem_requests_total{outcome=\"ok\"} %" PRId64
-                   "\nllmem_requests_total{outcome=\"cancelled\"} %" PRId64
-                   "\nllmem_requests_total{outcome=\"refused\"} %" PRId64
-                   "\nllmem_requests_total{outcome=\"failed\"} %" PRId64
-                   "\nllmem_requests_total{outcome=\"rejected\"} %" PRId64
-                   "\nllmem_requests_total{outcome=\"invalid\"} %" PRId64 "\n",
-                   m->requests_ok, m->requests_cancelled, m->requests_refused, m->requests_failed,
-                   c->rejected, c->invalid);
+    llmem_srv_buf_printf(&b,
+                         "llmem_requests_total{outcome=\"ok\"} %" PRId64
+                         "\nllmem_requests_total{outcome=\"cancelled\"} %" PRId64
+                         "\nllmem_requests_total{outcome=\"refused\"} %" PRId64
+                         "\nllmem_requests_total{outcome=\"failed\"} %" PRId64
+                         "\nllmem_requests_total{outcome=\"rejected\"} %" PRId64
+                         "\nllmem_requests_total{outcome=\"invalid\"} %" PRId64 "\n",
+                         m->requests_ok, m->requests_cancelled, m->requests_refused,
+                         m->requests_failed, c->rejected, c->invalid);
     metric(&b, "llmem_client_disconnects_total", "counter",
            "Clients that went away before their request ended (the request was cancelled).",
            c->disconnected);
@@ -119,16 +121,16 @@ char *srv_render_metrics(const struct llmem_engine_metrics *m, const struct srv_
            m->ahead_steps);
     header(&b, "llmem_scheduler_step_seconds_total", "counter",
            "Time in scheduler steps (admission, the forward pass, sampling, the bank).");
-    srv_buf_printf(&b, "llmem_scheduler_step_seconds_total %.9g\n", m->step_seconds);
+    llmem_srv_buf_printf(&b, "llmem_scheduler_step_seconds_total %.9g\n", m->step_seconds);
     header(&b, "llmem_forward_seconds_total", "counter",
            "Time of the scheduler steps in forward passes (on a device, until its results).");
-    srv_buf_printf(&b, "llmem_forward_seconds_total %.9g\n", m->forward_seconds);
+    llmem_srv_buf_printf(&b, "llmem_forward_seconds_total %.9g\n", m->forward_seconds);
     histogram(&b, "llmem_ttft_seconds", "Time from a request's arrival to its first token.",
               &m->ttft);
     histogram(&b, "llmem_inter_token_seconds", "Time between a request's consecutive tokens.",
               &m->inter_token);
     if (b.failed) {
-        srv_buf_free(&b);
+        llmem_srv_buf_free(&b);
         return NULL;
     }
     return b.data;
@@ -138,8 +140,8 @@ static const char *guard_name(enum llmem_guard_level l) {
     return l == LLMEM_GUARD_CRITICAL ? "critical" : l == LLMEM_GUARD_WARNING ? "warning" : "clear";
 }
 
-char *srv_render_health(const struct srv_health *h, const struct llmem_engine_metrics *m,
-                        const struct srv_counters *c) {
+char *llmem_srv_render_health(const struct srv_health *h, const struct llmem_engine_metrics *m,
+                              const struct srv_counters *c) {
     const struct llmem_plan *p = h->plan;
     cJSON *o = cJSON_CreateObject();
     cJSON *plan = llmem_plan_json(p);

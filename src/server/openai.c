@@ -39,7 +39,7 @@ static int buf_reserve(struct srv_buf *b, size_t more) {
     return 0;
 }
 
-void srv_buf_append(struct srv_buf *b, const char *s, size_t n) {
+void llmem_srv_buf_append(struct srv_buf *b, const char *s, size_t n) {
     if (buf_reserve(b, n) != 0)
         return;
     memcpy(b->data + b->len, s, n);
@@ -47,7 +47,7 @@ void srv_buf_append(struct srv_buf *b, const char *s, size_t n) {
     b->data[b->len] = '\0';
 }
 
-void srv_buf_printf(struct srv_buf *b, const char *fmt, ...) {
+void llmem_srv_buf_printf(struct srv_buf *b, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     int n = vsnprintf(NULL, 0, fmt, ap);
@@ -60,12 +60,12 @@ void srv_buf_printf(struct srv_buf *b, const char *fmt, ...) {
     b->len += (size_t)n;
 }
 
-void srv_buf_free(struct srv_buf *b) {
+void llmem_srv_buf_free(struct srv_buf *b) {
     free(b->data);
     memset(b, 0, sizeof(*b));
 }
 
-int srv_utf8_valid(const char *str, size_t n) {
+int llmem_srv_utf8_valid(const char *str, size_t n) {
     const unsigned char *s = (const unsigned char *)str;
     size_t i = 0;
     while (i < n) {
@@ -110,8 +110,8 @@ static int vfail(struct srv_error *e, int http, const char *type, const char *pa
     return -1;
 }
 
-int srv_fail(struct srv_error *e, int http, const char *type, const char *param, const char *code,
-             const char *fmt, ...) {
+int llmem_srv_fail(struct srv_error *e, int http, const char *type, const char *param,
+                   const char *code, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vfail(e, http, type, param, code, fmt, ap);
@@ -130,7 +130,7 @@ static int bad(struct srv_error *e, const char *param, const char *code, const c
     return -1;
 }
 
-char *srv_error_json(const struct srv_error *e) {
+char *llmem_srv_error_json(const struct srv_error *e) {
     cJSON *root = cJSON_CreateObject();
     cJSON *o = cJSON_AddObjectToObject(root, "error");
     char *text = NULL;
@@ -201,7 +201,7 @@ static int ids_from_array(const cJSON *arr, const struct srv_model *m, struct sr
         return bad(e, "prompt", "invalid_value", "'prompt' is empty");
     r->prompt_ids = malloc((size_t)n * sizeof(int32_t));
     if (r->prompt_ids == NULL)
-        return srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
     const cJSON *it = NULL;
     cJSON_ArrayForEach(it, arr) {
         int64_t v = 0;
@@ -284,24 +284,24 @@ static int message_content(const cJSON *msg, const char *role, int i, struct srv
         const char *type = NULL, *text = NULL;
         if (!cJSON_IsObject(part) || llmem_json_get_string(part, "type", &type) != LLMEM_OK ||
             strcmp(type, "text") != 0 || llmem_json_get_string(part, "text", &text) != LLMEM_OK) {
-            srv_buf_free(&b);
+            llmem_srv_buf_free(&b);
             return bad(e, "messages", "invalid_value",
                        "messages[%d].content[%d] is not a text part ({\"type\": \"text\", "
                        "\"text\": …}); this server reads text only",
                        i, k);
         }
         if (k++ > 0)
-            srv_buf_append(&b, "\n", 1);
-        srv_buf_append(&b, text, strlen(text));
+            llmem_srv_buf_append(&b, "\n", 1);
+        llmem_srv_buf_append(&b, text, strlen(text));
     }
     if (b.data == NULL)
-        srv_buf_append(&b, "", 0);
+        llmem_srv_buf_append(&b, "", 0);
     if (b.failed) {
-        srv_buf_free(&b);
-        return srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+        llmem_srv_buf_free(&b);
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
     }
     if (own(r, b.data) != 0)
-        return srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
     *out = b.data;
     return 0;
 }
@@ -321,7 +321,7 @@ static int parse_messages(const cJSON *root, struct srv_request *r, struct srv_e
                    SRV_MAX_MESSAGES);
     r->messages = calloc((size_t)n, sizeof(*r->messages));
     if (r->messages == NULL)
-        return srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
     const cJSON *msg = NULL;
     cJSON_ArrayForEach(msg, msgs) {
         int i = r->n_messages;
@@ -481,13 +481,13 @@ static int parse_logprobs(const cJSON *root, struct srv_request *r, struct srv_e
     return 0;
 }
 
-int srv_request_parse(enum srv_kind kind, const char *body, size_t len, const struct srv_model *m,
-                      struct srv_request *r, struct srv_error *e) {
+int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
+                            const struct srv_model *m, struct srv_request *r, struct srv_error *e) {
     memset(r, 0, sizeof(*r));
     r->kind = kind;
     llmem_sampling_default(&r->sampling);
     r->logprobs = -1;
-    if (!srv_utf8_valid(body, len))
+    if (!llmem_srv_utf8_valid(body, len))
         return bad(e, NULL, "invalid_encoding", "the request body is not valid UTF-8");
     char msg[256];
     if (llmem_json_parse_msg(body, len, "the request body", &r->root, msg, sizeof(msg)) != LLMEM_OK)
@@ -501,8 +501,9 @@ int srv_request_parse(enum srv_kind kind, const char *body, size_t len, const st
     if ((got = field_str(root, "model", &model, e)) < 0)
         return -1;
     if (got && strcmp(model, m->name) != 0)
-        return srv_fail(e, 404, "invalid_request_error", "model", "model_not_found",
-                        "The model '%s' does not exist; this server serves '%s'", model, m->name);
+        return llmem_srv_fail(e, 404, "invalid_request_error", "model", "model_not_found",
+                              "The model '%s' does not exist; this server serves '%s'", model,
+                              m->name);
     int64_t n = 1;
     if (field_int(root, "n", &n, e) < 0)
         return -1;
@@ -553,7 +554,7 @@ int srv_request_parse(enum srv_kind kind, const char *body, size_t len, const st
     return kind == SRV_COMPLETIONS ? parse_prompt(root, m, r, e) : parse_messages(root, r, e);
 }
 
-void srv_request_free(struct srv_request *r) {
+void llmem_srv_request_free(struct srv_request *r) {
     if (r == NULL)
         return;
     cJSON_Delete(r->root);
@@ -565,8 +566,8 @@ void srv_request_free(struct srv_request *r) {
     memset(r, 0, sizeof(*r));
 }
 
-int srv_check_prompt(enum srv_kind kind, int64_t n_prompt, const struct srv_model *m,
-                     struct srv_error *e) {
+int llmem_srv_check_prompt(enum srv_kind kind, int64_t n_prompt, const struct srv_model *m,
+                           struct srv_error *e) {
     const char *param = kind == SRV_CHAT ? "messages" : "prompt";
     if (n_prompt <= 0)
         return bad(e, param, "invalid_value", "the prompt is empty (no tokens)");
@@ -767,9 +768,10 @@ static char *finish(cJSON *o, int bad_) {
     return s;
 }
 
-char *srv_render_response(struct srv_render *r, const char *text, size_t len,
-                          const struct srv_token *toks, int64_t n_toks, const char *finish_reason,
-                          int64_t prompt_tokens, int64_t completion_tokens) {
+char *llmem_srv_render_response(struct srv_render *r, const char *text, size_t len,
+                                const struct srv_token *toks, int64_t n_toks,
+                                const char *finish_reason, int64_t prompt_tokens,
+                                int64_t completion_tokens) {
     cJSON *o = new_response(r, 0);
     cJSON *choices = o != NULL ? cJSON_AddArrayToObject(o, "choices") : NULL;
     cJSON *c = choices != NULL ? choice(r, text, len, toks, n_toks, finish_reason, 0, 0) : NULL;
@@ -778,9 +780,9 @@ char *srv_render_response(struct srv_render *r, const char *text, size_t len,
     return finish(o, c == NULL || add_usage(o, prompt_tokens, completion_tokens));
 }
 
-char *srv_render_chunk(struct srv_render *r, const char *text, size_t len,
-                       const struct srv_token *toks, int64_t n_toks, const char *finish_reason,
-                       int first) {
+char *llmem_srv_render_chunk(struct srv_render *r, const char *text, size_t len,
+                             const struct srv_token *toks, int64_t n_toks,
+                             const char *finish_reason, int first) {
     cJSON *o = new_response(r, 1);
     cJSON *choices = o != NULL ? cJSON_AddArrayToObject(o, "choices") : NULL;
     cJSON *c = choices != NULL ? choice(r, text, len, toks, n_toks, finish_reason, 1, first) : NULL;
@@ -790,8 +792,8 @@ char *srv_render_chunk(struct srv_render *r, const char *text, size_t len,
     return finish(o, c == NULL || (r->include_usage && llmem_json_add_null(o, "usage")));
 }
 
-char *srv_render_usage_chunk(const struct srv_render *r, int64_t prompt_tokens,
-                             int64_t completion_tokens) {
+char *llmem_srv_render_usage_chunk(const struct srv_render *r, int64_t prompt_tokens,
+                                   int64_t completion_tokens) {
     cJSON *o = new_response(r, 1);
     return finish(o, o == NULL || cJSON_AddArrayToObject(o, "choices") == NULL ||
                          add_usage(o, prompt_tokens, completion_tokens));
@@ -810,7 +812,7 @@ static cJSON *model_object(const struct srv_model *m, int64_t created) {
     return md;
 }
 
-char *srv_render_models(const struct srv_model *m, int64_t created) {
+char *llmem_srv_render_models(const struct srv_model *m, int64_t created) {
     cJSON *o = cJSON_CreateObject();
     int bad_ = o == NULL || llmem_json_add_string(o, "object", "list");
     cJSON *data = !bad_ ? cJSON_AddArrayToObject(o, "data") : NULL;
@@ -820,7 +822,7 @@ char *srv_render_models(const struct srv_model *m, int64_t created) {
     return finish(o, md == NULL);
 }
 
-char *srv_render_model(const struct srv_model *m, int64_t created) {
+char *llmem_srv_render_model(const struct srv_model *m, int64_t created) {
     cJSON *md = model_object(m, created);
     return finish(md, md == NULL);
 }

@@ -147,11 +147,11 @@ static void job_release(struct job *j) {
         next = e->next;
         free(e);
     }
-    srv_request_free(&j->req);
+    llmem_srv_request_free(&j->req);
     free(j->message);
     free(j->text);
     free(j->toks);
-    srv_buf_free(&j->out);
+    llmem_srv_buf_free(&j->out);
     pthread_cond_destroy(&j->cv);
     pthread_mutex_destroy(&j->mu);
     free(j);
@@ -323,14 +323,14 @@ static int job_wait(struct job *j, int all) {
 static void job_error(const struct job *j, struct srv_error *err) {
     const char *msg = j->message != NULL && *j->message ? j->message : llmem_status_str(j->status);
     if (j->status == LLMEM_OK) /* cancelled, and not by the client: the server is stopping */
-        srv_fail(err, 503, "server_error", NULL, "server_shutting_down",
-                 "the request was cancelled: the server is shutting down");
+        llmem_srv_fail(err, 503, "server_error", NULL, "server_shutting_down",
+                       "the request was cancelled: the server is shutting down");
     else if (j->status == LLMEM_ENOMEM)
-        srv_fail(err, 507, "insufficient_memory", NULL, "insufficient_memory", "%s", msg);
+        llmem_srv_fail(err, 507, "insufficient_memory", NULL, "insufficient_memory", "%s", msg);
     else if (j->status == LLMEM_EINVAL)
-        srv_fail(err, 400, "invalid_request_error", NULL, NULL, "%s", msg);
+        llmem_srv_fail(err, 400, "invalid_request_error", NULL, NULL, "%s", msg);
     else
-        srv_fail(err, 500, "server_error", NULL, NULL, "%s", msg);
+        llmem_srv_fail(err, 500, "server_error", NULL, NULL, "%s", msg);
 }
 
 /* ---- responses ------------------------------------------------------------------------------- */
@@ -369,7 +369,7 @@ static enum MHD_Result respond_error(struct llmem_server *s, struct MHD_Connecti
     if (err->http >= 400 && err->http < 500)
         count(s, &s->counters.invalid);
     LLMEM_DEBUG("%d %s", err->http, err->message);
-    return respond(c, (unsigned)err->http, "application/json", srv_error_json(err), h, v);
+    return respond(c, (unsigned)err->http, "application/json", llmem_srv_error_json(err), h, v);
 }
 
 /* ---- streaming --------------------------------------------------------------------------------
@@ -380,7 +380,7 @@ static void sse(struct job *j, char *json) {
         j->out.failed = 1;
         return;
     }
-    srv_buf_printf(&j->out, "data: %s\n\n", json);
+    llmem_srv_buf_printf(&j->out, "data: %s\n\n", json);
     free(json);
 }
 
@@ -388,40 +388,40 @@ static void sse(struct job *j, char *json) {
 static void stream_render(struct job *j, struct event *evs, int done) {
     struct srv_render *r = &j->render;
     if (!j->started && r->kind == SRV_CHAT) /* the role comes first, as OpenAI sends it */
-        sse(j, srv_render_chunk(r, "", 0, NULL, 0, NULL, 1));
+        sse(j, llmem_srv_render_chunk(r, "", 0, NULL, 0, NULL, 1));
     j->started = 1;
     struct srv_buf text = {0};
     struct srv_token toks[32];
     int n = 0;
     for (struct event *e = evs, *next; e != NULL; e = next) {
         next = e->next;
-        srv_buf_append(&text, e->text, e->len);
+        llmem_srv_buf_append(&text, e->text, e->len);
         if (e->tok.id >= 0 && r->logprobs >= 0)
             toks[n++] = e->tok;
         free(e);
         if (n == 32 || (next == NULL && (text.len > 0 || n > 0))) {
-            sse(j, srv_render_chunk(r, text.data != NULL ? text.data : "", text.len, toks, n, NULL,
-                                    0));
+            sse(j, llmem_srv_render_chunk(r, text.data != NULL ? text.data : "", text.len, toks, n,
+                                          NULL, 0));
             text.len = 0;
             n = 0;
         }
     }
-    srv_buf_free(&text);
+    llmem_srv_buf_free(&text);
     if (!done)
         return;
     if (j->status == LLMEM_OK && !j->abandoned && strcmp(j->finish_reason, "cancelled") != 0) {
-        sse(j, srv_render_chunk(r, "", 0, NULL, 0, j->finish_reason, 0));
+        sse(j, llmem_srv_render_chunk(r, "", 0, NULL, 0, j->finish_reason, 0));
         if (r->include_usage)
-            sse(j, srv_render_usage_chunk(r, j->prompt_tokens, j->completion_tokens));
+            sse(j, llmem_srv_render_usage_chunk(r, j->prompt_tokens, j->completion_tokens));
         LLMEM_DEBUG("request %s: 200 (stream), %" PRId64 " prompt + %" PRId64 " tokens (%s)",
                     j->id_str, j->prompt_tokens, j->completion_tokens, j->finish_reason);
     } else {
         struct srv_error err;
         job_error(j, &err);
         LLMEM_DEBUG("request %s: the stream ends with an error: %s", j->id_str, err.message);
-        sse(j, srv_error_json(&err));
+        sse(j, llmem_srv_error_json(&err));
     }
-    srv_buf_append(&j->out, "data: [DONE]\n\n", 14);
+    llmem_srv_buf_append(&j->out, "data: [DONE]\n\n", 14);
     j->finished = 1;
 }
 
@@ -479,7 +479,7 @@ static int tokenize(struct llmem_server *s, const struct srv_request *req, int32
     if (req->kind == SRV_COMPLETIONS && req->prompt_ids != NULL) {
         *ids = malloc((size_t)req->n_prompt_ids * sizeof(int32_t));
         if (*ids == NULL)
-            return srv_fail(err, 500, "server_error", NULL, NULL, "out of memory");
+            return llmem_srv_fail(err, 500, "server_error", NULL, NULL, "out of memory");
         memcpy(*ids, req->prompt_ids, (size_t)req->n_prompt_ids * sizeof(int32_t));
         *n = req->n_prompt_ids;
         return 0;
@@ -488,22 +488,23 @@ static int tokenize(struct llmem_server *s, const struct srv_request *req, int32
     const char *text = req->prompt_text;
     if (req->kind == SRV_CHAT) {
         if (s->tmpl == LLMEM_CHAT_NONE)
-            return srv_fail(err, 400, "invalid_request_error", "messages", "chat_template_missing",
-                            "the model '%s' has no chat template; start the server with "
-                            "--chat-template chatml|llama3|mistral",
-                            s->name);
+            return llmem_srv_fail(err, 400, "invalid_request_error", "messages",
+                                  "chat_template_missing",
+                                  "the model '%s' has no chat template; start the server with "
+                                  "--chat-template chatml|llama3|mistral",
+                                  s->name);
         if (llmem_chat_render(s->tok, s->tmpl, req->messages, req->n_messages, 1, &rendered) !=
             LLMEM_OK)
-            return srv_fail(err, 400, "invalid_request_error", "messages", NULL, "%s",
-                            llmem_last_error());
+            return llmem_srv_fail(err, 400, "invalid_request_error", "messages", NULL, "%s",
+                                  llmem_last_error());
         text = rendered;
     }
     int status = llmem_tokenizer_encode(s->tok, text, strlen(text), ids, n);
     free(rendered);
     if (status != LLMEM_OK)
-        return srv_fail(err, status == LLMEM_ENOMEM ? 500 : 400,
-                        status == LLMEM_ENOMEM ? "server_error" : "invalid_request_error", NULL,
-                        NULL, "%s", llmem_last_error());
+        return llmem_srv_fail(err, status == LLMEM_ENOMEM ? 500 : 400,
+                              status == LLMEM_ENOMEM ? "server_error" : "invalid_request_error",
+                              NULL, NULL, "%s", llmem_last_error());
     return 0;
 }
 
@@ -548,14 +549,15 @@ static int submit(struct llmem_server *s, struct job *j, const int32_t *ids, int
     if (status == LLMEM_OK)
         return 0;
     if (!accepting)
-        return srv_fail(err, 503, "server_error", NULL, "server_shutting_down",
-                        "the server is shutting down");
+        return llmem_srv_fail(err, 503, "server_error", NULL, "server_shutting_down",
+                              "the server is shutting down");
     if (status == LLMEM_EBUSY)
-        return srv_fail(err, 503, "server_error", NULL, "queue_full",
-                        "the server is busy: the request queue is full; retry later");
+        return llmem_srv_fail(err, 503, "server_error", NULL, "queue_full",
+                              "the server is busy: the request queue is full; retry later");
     if (status == LLMEM_EINVAL)
-        return srv_fail(err, 400, "invalid_request_error", NULL, NULL, "%s", llmem_last_error());
-    return srv_fail(err, 500, "server_error", NULL, NULL, "%s", llmem_last_error());
+        return llmem_srv_fail(err, 400, "invalid_request_error", NULL, NULL, "%s",
+                              llmem_last_error());
+    return llmem_srv_fail(err, 500, "server_error", NULL, NULL, "%s", llmem_last_error());
 }
 
 /* Non-streaming: the tokens' logprobs, then the whole answer. */
@@ -588,8 +590,9 @@ static enum MHD_Result finish_plain(struct llmem_server *s, struct MHD_Connectio
         job_error(j, &err);
         return respond_error(s, c, &err);
     }
-    char *body = srv_render_response(&j->render, j->text, j->text_len, j->toks, j->n_toks,
-                                     j->finish_reason, j->prompt_tokens, j->completion_tokens);
+    char *body =
+        llmem_srv_render_response(&j->render, j->text, j->text_len, j->toks, j->n_toks,
+                                  j->finish_reason, j->prompt_tokens, j->completion_tokens);
     LLMEM_DEBUG("request %s: 200, %" PRId64 " prompt + %" PRId64 " tokens (%s)", j->id_str,
                 j->prompt_tokens, j->completion_tokens, j->finish_reason);
     return respond_json(c, 200, body);
@@ -650,9 +653,9 @@ static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c
     int32_t *ids = NULL;
     int64_t n = 0;
     enum MHD_Result ok;
-    if (srv_request_parse(kind, body, len, &s->model, &j->req, &err) != 0 ||
+    if (llmem_srv_request_parse(kind, body, len, &s->model, &j->req, &err) != 0 ||
         tokenize(s, &j->req, &ids, &n, &err) != 0 ||
-        srv_check_prompt(kind, n, &s->model, &err) != 0 || submit(s, j, ids, n, &err) != 0) {
+        llmem_srv_check_prompt(kind, n, &s->model, &err) != 0 || submit(s, j, ids, n, &err) != 0) {
         ok = respond_error(s, c, &err);
         goto out;
     }
@@ -695,7 +698,7 @@ static enum MHD_Result health(struct llmem_server *s, struct MHD_Connection *c) 
                            .kv_format = llmem_kv_format_name(ec->kv_format),
                            .kv_layout = llmem_kv_layout_name(ec->kv_layout),
                            .chat_template = llmem_chat_template_name(s->tmpl)};
-    return respond_json(c, 200, srv_render_health(&h, &m, &counters));
+    return respond_json(c, 200, llmem_srv_render_health(&h, &m, &counters));
 }
 
 static enum MHD_Result metrics(struct llmem_server *s, struct MHD_Connection *c) {
@@ -706,7 +709,7 @@ static enum MHD_Result metrics(struct llmem_server *s, struct MHD_Connection *c)
     counters = s->counters;
     pthread_mutex_unlock(&s->mu);
     return respond(c, 200, "text/plain; version=0.0.4; charset=utf-8",
-                   srv_render_metrics(&m, &counters), NULL, NULL);
+                   llmem_srv_render_metrics(&m, &counters), NULL, NULL);
 }
 
 static enum MHD_Result cache_clear(struct llmem_server *s, struct MHD_Connection *c) {
@@ -791,9 +794,9 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         if (cl != NULL && strtoll(cl, NULL, 10) > s->max_body) {
             cn->answered = 1;
             char b[32];
-            srv_fail(&err, 413, "invalid_request_error", NULL, "request_too_large",
-                     "the request body has %s bytes; the limit is %s", cl,
-                     llmem_size_format(s->max_body, b, sizeof(b)));
+            llmem_srv_fail(&err, 413, "invalid_request_error", NULL, "request_too_large",
+                           "the request body has %s bytes; the limit is %s", cl,
+                           llmem_size_format(s->max_body, b, sizeof(b)));
             return respond_error(s, c, &err);
         }
         return MHD_YES;
@@ -803,7 +806,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
             if ((int64_t)(cn->body.len + *upload_size) > s->max_body)
                 cn->too_large = 1;
             else
-                srv_buf_append(&cn->body, upload, *upload_size);
+                llmem_srv_buf_append(&cn->body, upload, *upload_size);
         }
         *upload_size = 0;
         return MHD_YES;
@@ -815,25 +818,25 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     enum route r = cn->route;
     const char *want = cn->method;
     if (r != R_HEALTH && !authorized(s, c)) {
-        srv_fail(&err, 401, "invalid_request_error", NULL, "invalid_api_key",
-                 "Incorrect or missing API key: send 'Authorization: Bearer <key>'");
+        llmem_srv_fail(&err, 401, "invalid_request_error", NULL, "invalid_api_key",
+                       "Incorrect or missing API key: send 'Authorization: Bearer <key>'");
         return respond_error(s, c, &err);
     }
     if (r == R_NONE) {
-        srv_fail(&err, 404, "invalid_request_error", NULL, "not_found", "no route for %s %s",
-                 method, url);
+        llmem_srv_fail(&err, 404, "invalid_request_error", NULL, "not_found", "no route for %s %s",
+                       method, url);
         return respond_error(s, c, &err);
     }
     if (strcmp(method, want) != 0) {
-        srv_fail(&err, 405, "invalid_request_error", want, "method_not_allowed",
-                 "%s takes %s, not %s", url, want, method);
+        llmem_srv_fail(&err, 405, "invalid_request_error", want, "method_not_allowed",
+                       "%s takes %s, not %s", url, want, method);
         return respond_error(s, c, &err);
     }
     if (cn->too_large) {
         char b[32];
-        srv_fail(&err, 413, "invalid_request_error", NULL, "request_too_large",
-                 "the request body is over the limit of %s",
-                 llmem_size_format(s->max_body, b, sizeof(b)));
+        llmem_srv_fail(&err, 413, "invalid_request_error", NULL, "request_too_large",
+                       "the request body is over the limit of %s",
+                       llmem_size_format(s->max_body, b, sizeof(b)));
         return respond_error(s, c, &err);
     }
     if (cn->body.failed)
@@ -841,14 +844,16 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     switch (r) {
     case R_HEALTH: return health(s, c);
     case R_METRICS: return metrics(s, c);
-    case R_MODELS: return respond_json(c, 200, srv_render_models(&s->model, (int64_t)time(NULL)));
+    case R_MODELS:
+        return respond_json(c, 200, llmem_srv_render_models(&s->model, (int64_t)time(NULL)));
     case R_MODEL:
         if (strcmp(url + 11, s->name) != 0) {
-            srv_fail(&err, 404, "invalid_request_error", "model", "model_not_found",
-                     "The model '%s' does not exist; this server serves '%s'", url + 11, s->name);
+            llmem_srv_fail(&err, 404, "invalid_request_error", "model", "model_not_found",
+                           "The model '%s' does not exist; this server serves '%s'", url + 11,
+                           s->name);
             return respond_error(s, c, &err);
         }
-        return respond_json(c, 200, srv_render_model(&s->model, (int64_t)time(NULL)));
+        return respond_json(c, 200, llmem_srv_render_model(&s->model, (int64_t)time(NULL)));
     case R_COMPLETIONS:
     case R_CHAT:
         return generate(s, c, r == R_CHAT ? SRV_CHAT : SRV_COMPLETIONS,
@@ -863,7 +868,7 @@ static void completed(void *cls, struct MHD_Connection *c, void **con_cls,
     (void)cls, (void)c, (void)toe;
     struct conn *cn = *con_cls;
     if (cn != NULL) {
-        srv_buf_free(&cn->body);
+        llmem_srv_buf_free(&cn->body);
         free(cn);
         *con_cls = NULL;
     }

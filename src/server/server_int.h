@@ -25,12 +25,13 @@ struct srv_buf {
     size_t len, cap;
     int failed;
 };
-void srv_buf_append(struct srv_buf *b, const char *s, size_t n);
-void srv_buf_printf(struct srv_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void srv_buf_free(struct srv_buf *b);
+void llmem_srv_buf_append(struct srv_buf *b, const char *s, size_t n);
+void llmem_srv_buf_printf(struct srv_buf *b, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+void llmem_srv_buf_free(struct srv_buf *b);
 
 /* 1 when the n bytes are well-formed UTF-8 (no overlongs, no surrogates, at most U+10FFFF). */
-int srv_utf8_valid(const char *s, size_t n);
+int llmem_srv_utf8_valid(const char *s, size_t n);
 
 /* ---- errors ---------------------------------------------------------------------------------- */
 
@@ -41,11 +42,11 @@ struct srv_error {
     const char *code;  /* "invalid_type", "model_not_found", … or NULL */
     char message[1024];
 };
-/* Fills e (printf-style message); returns -1 so a validator can `return srv_fail(...)`. */
-int srv_fail(struct srv_error *e, int http, const char *type, const char *param, const char *code,
-             const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+/* Fills e (printf-style message); returns -1 so a validator can `return llmem_srv_fail(...)`. */
+int llmem_srv_fail(struct srv_error *e, int http, const char *type, const char *param,
+                   const char *code, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
 /* {"error": {"message", "type", "param", "code"}}, malloc'ed; NULL on out of memory. */
-char *srv_error_json(const struct srv_error *e);
+char *llmem_srv_error_json(const struct srv_error *e);
 
 /* ---- requests -------------------------------------------------------------------------------- */
 
@@ -86,15 +87,17 @@ struct srv_request {
 };
 
 /* Parses and validates a request body (any bytes; len of them). On success fills req (free with
- * srv_request_free) and returns 0; otherwise fills err (400 for malformed JSON, invalid UTF-8,
- * wrong types and out-of-range values; 404 for another model) and returns -1. Nothing is logged. */
-int srv_request_parse(enum srv_kind kind, const char *body, size_t len, const struct srv_model *m,
-                      struct srv_request *req, struct srv_error *err);
-void srv_request_free(struct srv_request *req);
+ * llmem_srv_request_free) and returns 0; otherwise fills err (400 for malformed JSON, invalid
+ * UTF-8, wrong types and out-of-range values; 404 for another model) and returns -1. Nothing is
+ * logged. */
+int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
+                            const struct srv_model *m, struct srv_request *req,
+                            struct srv_error *err);
+void llmem_srv_request_free(struct srv_request *req);
 
 /* The prompt's length against the context: 0, or -1 with a 400 (context_length_exceeded). */
-int srv_check_prompt(enum srv_kind kind, int64_t n_prompt, const struct srv_model *m,
-                     struct srv_error *err);
+int llmem_srv_check_prompt(enum srv_kind kind, int64_t n_prompt, const struct srv_model *m,
+                           struct srv_error *err);
 
 /* ---- responses ------------------------------------------------------------------------------- */
 
@@ -124,20 +127,21 @@ struct srv_render {
 };
 
 /* The whole non-streaming response, malloc'ed (NULL on out of memory). */
-char *srv_render_response(struct srv_render *r, const char *text, size_t len,
-                          const struct srv_token *toks, int64_t n_toks, const char *finish_reason,
-                          int64_t prompt_tokens, int64_t completion_tokens);
+char *llmem_srv_render_response(struct srv_render *r, const char *text, size_t len,
+                                const struct srv_token *toks, int64_t n_toks,
+                                const char *finish_reason, int64_t prompt_tokens,
+                                int64_t completion_tokens);
 /* One streaming chunk (the JSON after "data: "): a text delta with its tokens' logprobs, and a
  * finish_reason (NULL while it goes on). first: the chat chunk that carries the role. */
-char *srv_render_chunk(struct srv_render *r, const char *text, size_t len,
-                       const struct srv_token *toks, int64_t n_toks, const char *finish_reason,
-                       int first);
+char *llmem_srv_render_chunk(struct srv_render *r, const char *text, size_t len,
+                             const struct srv_token *toks, int64_t n_toks,
+                             const char *finish_reason, int first);
 /* The last chunk with include_usage: no choices, the usage. */
-char *srv_render_usage_chunk(const struct srv_render *r, int64_t prompt_tokens,
-                             int64_t completion_tokens);
+char *llmem_srv_render_usage_chunk(const struct srv_render *r, int64_t prompt_tokens,
+                                   int64_t completion_tokens);
 /* GET /v1/models, and GET /v1/models/{id}. */
-char *srv_render_models(const struct srv_model *m, int64_t created);
-char *srv_render_model(const struct srv_model *m, int64_t created);
+char *llmem_srv_render_models(const struct srv_model *m, int64_t created);
+char *llmem_srv_render_model(const struct srv_model *m, int64_t created);
 
 /* ---- /metrics and /health -------------------------------------------------------------------- */
 
@@ -149,7 +153,7 @@ struct srv_counters {
 };
 
 /* Prometheus text exposition (version 0.0.4), malloc'ed. */
-char *srv_render_metrics(const struct llmem_engine_metrics *m, const struct srv_counters *c);
+char *llmem_srv_render_metrics(const struct llmem_engine_metrics *m, const struct srv_counters *c);
 
 /* What /health reports besides the engine's metrics. */
 struct srv_health {
@@ -160,7 +164,7 @@ struct srv_health {
     const char *kv_format, *kv_layout;
     const char *chat_template; /* "none" when chat is unavailable */
 };
-char *srv_render_health(const struct srv_health *h, const struct llmem_engine_metrics *m,
-                        const struct srv_counters *c);
+char *llmem_srv_render_health(const struct srv_health *h, const struct llmem_engine_metrics *m,
+                              const struct srv_counters *c);
 
 #endif

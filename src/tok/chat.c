@@ -70,7 +70,7 @@ int llmem_tokenizer_chat_template(const struct llmem_tokenizer *tok, enum llmem_
 /* ---- rendering ------------------------------------------------------------------------------ */
 
 static int add(struct tok_buf *b, const char *s) {
-    return tok_buf_add(b, s, strlen(s));
+    return llmem_tok_buf_add(b, s, strlen(s));
 }
 
 static int is_ws(char c) {
@@ -84,7 +84,7 @@ static int add_trimmed(struct tok_buf *b, const char *s) {
         i++;
     while (n > i && is_ws(s[n - 1]))
         n--;
-    return tok_buf_add(b, s + i, n - i);
+    return llmem_tok_buf_add(b, s + i, n - i);
 }
 
 static int known_role(const char *role) {
@@ -217,7 +217,7 @@ int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_templat
         }
     }
     struct tok_buf b = {0};
-    int status = tok_buf_reserve(&b, 256);
+    int status = llmem_tok_buf_reserve(&b, 256);
     if (status == LLMEM_OK) {
         if (t == LLMEM_CHAT_CHATML)
             status = render_chatml(tok, messages, n_messages, add_generation_prompt, &b);
@@ -229,7 +229,7 @@ int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_templat
     if (status != LLMEM_OK) {
         if (status == LLMEM_ENOMEM)
             LLMEM_ERROR("out of memory");
-        tok_buf_free(&b);
+        llmem_tok_buf_free(&b);
         return status;
     }
     *text = b.p;
@@ -250,7 +250,7 @@ int llmem_chat_stop_ids(const struct llmem_tokenizer *tok, enum llmem_chat_templ
     for (int i = 0; i < 2; i++) {
         if (stops[i] == NULL)
             continue;
-        int32_t id = tok_piece_id(tok, stops[i], strlen(stops[i]));
+        int32_t id = llmem_tok_piece_id(tok, stops[i], strlen(stops[i]));
         if (id < 0)
             continue;
         if (n < max)

@@ -45,7 +45,7 @@ static int strs_end(struct strs *l) {
 }
 
 static int strs_push(struct strs *l, const char *p, size_t n) {
-    return tok_buf_add(&l->text, p, n) != LLMEM_OK ? LLMEM_ENOMEM : strs_end(l);
+    return llmem_tok_buf_add(&l->text, p, n) != LLMEM_OK ? LLMEM_ENOMEM : strs_end(l);
 }
 
 static const char *strs_at(const struct strs *l, size_t i, size_t *n) {
@@ -60,7 +60,7 @@ static void strs_clear(struct strs *l) {
 }
 
 static void strs_free(struct strs *l) {
-    tok_buf_free(&l->text);
+    llmem_tok_buf_free(&l->text);
     free(l->ends);
 }
 
@@ -74,7 +74,7 @@ static void strs_swap(struct strs *a, struct strs *b) {
 
 static int dec_byte_level(const struct strs *in, struct strs *out) {
     struct tok_buf bytes = {0};
-    int status = tok_buf_reserve(&bytes, in->text.n);
+    int status = llmem_tok_buf_reserve(&bytes, in->text.n);
     for (size_t i = 0; i < in->n && status == LLMEM_OK; i++) {
         size_t n;
         const char *t = strs_at(in, i, &n);
@@ -82,8 +82,8 @@ static int dec_byte_level(const struct strs *in, struct strs *out) {
         int mapped = 1;
         for (size_t k = 0; k < n;) {
             uint32_t cp;
-            size_t cl = tok_utf8_char((const unsigned char *)t + k, n - k, &cp);
-            int b = cl ? tok_cp_byte(cp) : -1;
+            size_t cl = llmem_tok_utf8_char((const unsigned char *)t + k, n - k, &cp);
+            int b = cl ? llmem_tok_cp_byte(cp) : -1;
             if (b < 0) {
                 mapped = 0;
                 break;
@@ -93,14 +93,14 @@ static int dec_byte_level(const struct strs *in, struct strs *out) {
         }
         if (!mapped) { /* a token outside the map keeps its own bytes */
             bytes.n = mark;
-            status = tok_buf_add(&bytes, t, n);
+            status = llmem_tok_buf_add(&bytes, t, n);
         }
     }
     if (status == LLMEM_OK)
-        status = tok_utf8_lossy(&out->text, bytes.p, bytes.n);
+        status = llmem_tok_utf8_lossy(&out->text, bytes.p, bytes.n);
     if (status == LLMEM_OK)
         status = strs_end(out);
-    tok_buf_free(&bytes);
+    llmem_tok_buf_free(&bytes);
     return status;
 }
 
@@ -114,11 +114,11 @@ static int dec_replace(const struct tok_str *a, const struct tok_str *b, int dro
         for (size_t k = 0; k < n;) {
             const char *hit = n - k >= a->n ? memmem(t + k, n - k, a->p, a->n) : NULL;
             size_t end = hit ? (size_t)(hit - t) : n;
-            if (tok_buf_add(&out->text, t + k, end - k) != LLMEM_OK)
+            if (llmem_tok_buf_add(&out->text, t + k, end - k) != LLMEM_OK)
                 return LLMEM_ENOMEM;
             if (hit == NULL)
                 break;
-            if (!(i == 0 && drop_first) && tok_buf_add(&out->text, b->p, b->n) != LLMEM_OK)
+            if (!(i == 0 && drop_first) && llmem_tok_buf_add(&out->text, b->p, b->n) != LLMEM_OK)
                 return LLMEM_ENOMEM;
             k = end + a->n;
         }
@@ -149,7 +149,7 @@ static int byte_token(const char *t, size_t n) {
 static int flush_bytes(struct tok_buf *bytes, size_t n_tokens, struct strs *out) {
     if (n_tokens == 0)
         return LLMEM_OK;
-    if (tok_utf8_check(bytes->p, bytes->n) == bytes->n) {
+    if (llmem_tok_utf8_check(bytes->p, bytes->n) == bytes->n) {
         if (strs_push(out, bytes->p, bytes->n) != LLMEM_OK)
             return LLMEM_ENOMEM;
     } else {
@@ -164,14 +164,14 @@ static int flush_bytes(struct tok_buf *bytes, size_t n_tokens, struct strs *out)
 static int dec_byte_fallback(const struct strs *in, struct strs *out) {
     struct tok_buf bytes = {0};
     size_t n_tokens = 0;
-    int status = tok_buf_reserve(&bytes, 16);
+    int status = llmem_tok_buf_reserve(&bytes, 16);
     for (size_t i = 0; i < in->n && status == LLMEM_OK; i++) {
         size_t n;
         const char *t = strs_at(in, i, &n);
         int b = byte_token(t, n);
         if (b >= 0) {
             unsigned char c = (unsigned char)b;
-            status = tok_buf_add(&bytes, &c, 1);
+            status = llmem_tok_buf_add(&bytes, &c, 1);
             n_tokens++;
             continue;
         }
@@ -182,7 +182,7 @@ static int dec_byte_fallback(const struct strs *in, struct strs *out) {
     }
     if (status == LLMEM_OK)
         status = flush_bytes(&bytes, n_tokens, out);
-    tok_buf_free(&bytes);
+    llmem_tok_buf_free(&bytes);
     return status;
 }
 
@@ -232,7 +232,7 @@ static int decode_into(const struct llmem_tokenizer *tok, const int32_t *ids, in
                        int skip_special, struct tok_buf *out) {
     struct strs a = {0}, b = {0};
     static const struct tok_str space = {" ", 1};
-    int status = tok_buf_reserve(&a.text, 0);
+    int status = llmem_tok_buf_reserve(&a.text, 0);
     for (int64_t i = 0; i < n && status == LLMEM_OK; i++) {
         if (skip_special && tok->kind[ids[i]] == TOK_KIND_SPECIAL)
             continue;
@@ -242,7 +242,7 @@ static int decode_into(const struct llmem_tokenizer *tok, const int32_t *ids, in
     for (int k = 0; k < tok->n_decs && status == LLMEM_OK; k++) {
         const struct tok_dec *d = &tok->decs[k];
         strs_clear(&b);
-        if ((status = tok_buf_reserve(&b.text, 0)) != LLMEM_OK)
+        if ((status = llmem_tok_buf_reserve(&b.text, 0)) != LLMEM_OK)
             break;
         switch (d->kind) {
         case TOK_DEC_BYTELEVEL: status = dec_byte_level(&a, &b); break;
@@ -255,20 +255,20 @@ static int decode_into(const struct llmem_tokenizer *tok, const int32_t *ids, in
         strs_swap(&a, &b);
     }
     if (status == LLMEM_OK && tok->has_decoder) { /* the steps keep text valid; this guards */
-        status = tok_utf8_lossy(out, a.text.p, a.text.n);
+        status = llmem_tok_utf8_lossy(out, a.text.p, a.text.n);
     } else if (status == LLMEM_OK) { /* no decoder: the strings joined with spaces */
         struct tok_buf joined = {0};
         for (size_t i = 0; i < a.n && status == LLMEM_OK; i++) {
             size_t len;
             const char *t = strs_at(&a, i, &len);
             if (i > 0)
-                status = tok_buf_add(&joined, " ", 1);
+                status = llmem_tok_buf_add(&joined, " ", 1);
             if (status == LLMEM_OK)
-                status = tok_buf_add(&joined, t, len);
+                status = llmem_tok_buf_add(&joined, t, len);
         }
         if (status == LLMEM_OK)
-            status = tok_utf8_lossy(out, joined.p, joined.n);
-        tok_buf_free(&joined);
+            status = llmem_tok_utf8_lossy(out, joined.p, joined.n);
+        llmem_tok_buf_free(&joined);
     }
     strs_free(&a);
     strs_free(&b);
@@ -286,7 +286,7 @@ int llmem_tokenizer_decode(const struct llmem_tokenizer *tok, const int32_t *ids
         return status;
     struct tok_buf out = {0};
     if ((status = decode_into(tok, ids, n, skip_special, &out)) != LLMEM_OK) {
-        tok_buf_free(&out);
+        llmem_tok_buf_free(&out);
         LLMEM_ERROR("out of memory decoding %lld ids", (long long)n);
         return status;
     }
@@ -350,7 +350,7 @@ static int detok_step(struct llmem_detok *d, int at_end, char **piece, const cha
     int status = decode_into(d->tok, d->ids + d->prefix, (int64_t)(d->n - d->prefix), 0, &text);
     struct tok_buf outp = {0};
     if (status == LLMEM_OK)
-        status = tok_buf_reserve(&outp, 0);
+        status = llmem_tok_buf_reserve(&outp, 0);
     int hold = !at_end && (ends_incomplete(&text) || in_byte_run(d));
     /* The written part must stay a prefix of the window's text (defensive: the decoders keep it).
      */
@@ -360,7 +360,7 @@ static int detok_step(struct llmem_detok *d, int at_end, char **piece, const cha
          (text.n > d->prefix_len && ((unsigned char)text.p[d->prefix_len] & 0xC0) == 0x80)))
         hold = !at_end;
     if (status == LLMEM_OK && text.n > d->prefix_len && !hold) {
-        status = tok_buf_add(&outp, text.p + d->prefix_len, text.n - d->prefix_len);
+        status = llmem_tok_buf_add(&outp, text.p + d->prefix_len, text.n - d->prefix_len);
         if (status == LLMEM_OK && !at_end) {
             /* The new window: what was just completed. */
             struct tok_buf pre = {0};
@@ -370,7 +370,7 @@ static int detok_step(struct llmem_detok *d, int at_end, char **piece, const cha
                 decode_into(d->tok, d->ids + d->prefix, (int64_t)(d->read - d->prefix), 0, &pre);
             d->prefix_len = pre.n;
             d->prefix_last = pre.n > 0 ? pre.p[pre.n - 1] : 0;
-            tok_buf_free(&pre);
+            llmem_tok_buf_free(&pre);
         }
     }
     if (status == LLMEM_OK && at_end && text.n > d->prefix_len) {
@@ -379,9 +379,9 @@ static int detok_step(struct llmem_detok *d, int at_end, char **piece, const cha
         d->prefix_len = text.n;
         d->prefix_last = text.p[text.n - 1];
     }
-    tok_buf_free(&text);
+    llmem_tok_buf_free(&text);
     if (status != LLMEM_OK) {
-        tok_buf_free(&outp);
+        llmem_tok_buf_free(&outp);
         LLMEM_ERROR_AS(func, "out of memory");
         return status;
     }

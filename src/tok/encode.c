@@ -67,7 +67,7 @@ static void pieces_reset(struct pieces *ps) {
 }
 
 static void pieces_free(struct pieces *ps) {
-    tok_buf_free(&ps->text);
+    llmem_tok_buf_free(&ps->text);
     free(ps->ends);
 }
 
@@ -152,7 +152,7 @@ static int push_pair(struct encoder *e, int32_t pos) {
     int32_t next = e->syms[pos].next, id = 0;
     if (next < 0)
         return LLMEM_OK;
-    int32_t rank = tok_merge_get(&e->tok->merges, e->syms[pos].id, e->syms[next].id, &id);
+    int32_t rank = llmem_tok_merge_get(&e->tok->merges, e->syms[pos].id, e->syms[next].id, &id);
     if (rank < 0)
         return LLMEM_OK;
     return heap_push(e, (struct cand){rank, pos, id, e->syms[pos].id, e->syms[next].id});
@@ -176,7 +176,7 @@ static int bpe(struct encoder *e, const char *s, size_t len) {
     if (len == 0)
         return LLMEM_OK;
     if (tok->ignore_merges) {
-        int32_t id = tok_strmap_get(&tok->vocab, s, len);
+        int32_t id = llmem_tok_strmap_get(&tok->vocab, s, len);
         if (id >= 0)
             return ids_push(&e->out, id);
     }
@@ -184,10 +184,10 @@ static int bpe(struct encoder *e, const char *s, size_t len) {
     int last_unk = 0;
     for (size_t i = 0; i < len;) {
         uint32_t cp;
-        size_t cl = tok_utf8_char((const unsigned char *)s + i, len - i, &cp);
+        size_t cl = llmem_tok_utf8_char((const unsigned char *)s + i, len - i, &cp);
         if (cl == 0)
             cl = 1; /* not reached: the text was checked */
-        int32_t id = tok_strmap_get(&tok->vocab, s + i, cl);
+        int32_t id = llmem_tok_strmap_get(&tok->vocab, s + i, cl);
         if (id >= 0) {
             if (add_sym(e, &n, id) != LLMEM_OK)
                 return LLMEM_ENOMEM;
@@ -250,11 +250,11 @@ static int replace_all(struct tok_buf *b, struct tok_buf *tmp, const struct tok_
     while (i < b->n) {
         const char *hit = b->n - i >= pat->n ? memmem(b->p + i, b->n - i, pat->p, pat->n) : NULL;
         size_t end = hit ? (size_t)(hit - b->p) : b->n;
-        if (tok_buf_add(tmp, b->p + i, end - i) != LLMEM_OK)
+        if (llmem_tok_buf_add(tmp, b->p + i, end - i) != LLMEM_OK)
             return LLMEM_ENOMEM;
         if (hit == NULL)
             break;
-        if (tok_buf_add(tmp, rep->p, rep->n) != LLMEM_OK)
+        if (llmem_tok_buf_add(tmp, rep->p, rep->n) != LLMEM_OK)
             return LLMEM_ENOMEM;
         i = end + pat->n;
     }
@@ -267,7 +267,7 @@ static int replace_all(struct tok_buf *b, struct tok_buf *tmp, const struct tok_
 static int normalize(struct encoder *e, const char *s, size_t len) {
     const struct llmem_tokenizer *tok = e->tok;
     e->norm.n = 0;
-    if (tok_buf_add(&e->norm, s, len) != LLMEM_OK)
+    if (llmem_tok_buf_add(&e->norm, s, len) != LLMEM_OK)
         return LLMEM_ENOMEM;
     for (int i = 0; i < tok->n_norms; i++) {
         const struct tok_norm *nm = &tok->norms[i];
@@ -275,15 +275,15 @@ static int normalize(struct encoder *e, const char *s, size_t len) {
             if (e->norm.n == 0)
                 continue;
             e->tmp.n = 0;
-            if (tok_buf_add(&e->tmp, nm->a.p, nm->a.n) != LLMEM_OK ||
-                tok_buf_add(&e->tmp, e->norm.p, e->norm.n) != LLMEM_OK)
+            if (llmem_tok_buf_add(&e->tmp, nm->a.p, nm->a.n) != LLMEM_OK ||
+                llmem_tok_buf_add(&e->tmp, e->norm.p, e->norm.n) != LLMEM_OK)
                 return LLMEM_ENOMEM;
             struct tok_buf t = e->norm;
             e->norm = e->tmp;
             e->tmp = t;
         } else if (nm->kind == TOK_NORM_NFC) {
             e->tmp.n = 0;
-            if (tok_nfc(&e->tmp, e->norm.p, e->norm.n) != LLMEM_OK)
+            if (llmem_tok_nfc(&e->tmp, e->norm.p, e->norm.n) != LLMEM_OK)
                 return LLMEM_ENOMEM;
             struct tok_buf t = e->norm;
             e->norm = e->tmp;
@@ -319,13 +319,13 @@ static int split_regex(struct encoder *e, const pcre2_code *re, const char *s, s
                 at++;
             continue;
         }
-        if (ms > last && (tok_buf_add(&out->text, s + last, ms - last) || pieces_end(out)))
+        if (ms > last && (llmem_tok_buf_add(&out->text, s + last, ms - last) || pieces_end(out)))
             return LLMEM_ENOMEM;
-        if (tok_buf_add(&out->text, s + ms, me - ms) || pieces_end(out))
+        if (llmem_tok_buf_add(&out->text, s + ms, me - ms) || pieces_end(out))
             return LLMEM_ENOMEM;
         last = at = me;
     }
-    if (len > last && (tok_buf_add(&out->text, s + last, len - last) || pieces_end(out)))
+    if (len > last && (llmem_tok_buf_add(&out->text, s + last, len - last) || pieces_end(out)))
         return LLMEM_ENOMEM;
     return LLMEM_OK;
 }
@@ -337,19 +337,20 @@ static int byte_level(struct encoder *e, const struct tok_pre *pre, const char *
     int status = LLMEM_OK;
     e->tmp.n = 0;
     if (pre->add_prefix_space && (len == 0 || s[0] != ' ')) {
-        if (tok_buf_add(&e->tmp, " ", 1) != LLMEM_OK)
+        if (llmem_tok_buf_add(&e->tmp, " ", 1) != LLMEM_OK)
             return LLMEM_ENOMEM;
     }
-    if (tok_buf_add(&e->tmp, s, len) != LLMEM_OK)
+    if (llmem_tok_buf_add(&e->tmp, s, len) != LLMEM_OK)
         return LLMEM_ENOMEM;
     if (pre->re != NULL) {
         status = split_regex(e, pre->re, e->tmp.p, e->tmp.n, &cut);
-    } else if (tok_buf_add(&cut.text, e->tmp.p, e->tmp.n) != LLMEM_OK || pieces_end(&cut)) {
+    } else if (llmem_tok_buf_add(&cut.text, e->tmp.p, e->tmp.n) != LLMEM_OK || pieces_end(&cut)) {
         status = LLMEM_ENOMEM;
     }
     for (size_t i = 0, start = 0; status == LLMEM_OK && i < cut.n; start = cut.ends[i++]) {
         for (size_t k = start; k < cut.ends[i] && status == LLMEM_OK; k++)
-            status = tok_utf8_put(&out->text, tok_byte_cp((unsigned char)cut.text.p[k]));
+            status =
+                llmem_tok_utf8_put(&out->text, llmem_tok_byte_cp((unsigned char)cut.text.p[k]));
         if (status == LLMEM_OK)
             status = pieces_end(out);
     }
@@ -364,12 +365,12 @@ static int metaspace(struct encoder *e, const struct tok_pre *pre, const char *s
     int prepend =
         pre->prepend == TOK_PREPEND_ALWAYS || (pre->prepend == TOK_PREPEND_FIRST && at_start);
     if (prepend && !(len > 0 && s[0] == ' ') && !(len >= r->n && memcmp(s, r->p, r->n) == 0)) {
-        if (tok_buf_add(&out->text, r->p, r->n) != LLMEM_OK)
+        if (llmem_tok_buf_add(&out->text, r->p, r->n) != LLMEM_OK)
             return LLMEM_ENOMEM;
     }
     for (size_t i = 0; i < len; i++) {
-        int st =
-            s[i] == ' ' ? tok_buf_add(&out->text, r->p, r->n) : tok_buf_add(&out->text, s + i, 1);
+        int st = s[i] == ' ' ? llmem_tok_buf_add(&out->text, r->p, r->n)
+                             : llmem_tok_buf_add(&out->text, s + i, 1);
         if (st != LLMEM_OK)
             return LLMEM_ENOMEM;
     }
@@ -398,7 +399,7 @@ static int encode_stretch(struct encoder *e, const char *s, size_t len, int at_s
     if (status != LLMEM_OK || e->norm.n == 0)
         return status;
     pieces_reset(&e->a);
-    if (tok_buf_add(&e->a.text, e->norm.p, e->norm.n) != LLMEM_OK || pieces_end(&e->a))
+    if (llmem_tok_buf_add(&e->a.text, e->norm.p, e->norm.n) != LLMEM_OK || pieces_end(&e->a))
         return LLMEM_ENOMEM;
     for (int k = 0; k < tok->n_pres; k++) {
         const struct tok_pre *pre = &tok->pres[k];
@@ -472,7 +473,7 @@ int llmem_tokenizer_encode(const struct llmem_tokenizer *tok, const char *text, 
     LLMEM_ASSERT(tok != NULL && (text != NULL || len == 0) && ids != NULL && n != NULL);
     *ids = NULL;
     *n = 0;
-    size_t bad = tok_utf8_check(text, len);
+    size_t bad = llmem_tok_utf8_check(text, len);
     if (bad < len) {
         LLMEM_ERROR("text is not valid UTF-8 (byte %zu of %zu is 0x%02X)", bad, len,
                     (unsigned char)text[bad]);
@@ -494,8 +495,8 @@ int llmem_tokenizer_encode(const struct llmem_tokenizer *tok, const char *text, 
     pcre2_match_data_free(e.md);
     pieces_free(&e.a);
     pieces_free(&e.b);
-    tok_buf_free(&e.norm);
-    tok_buf_free(&e.tmp);
+    llmem_tok_buf_free(&e.norm);
+    llmem_tok_buf_free(&e.tmp);
     free(e.syms);
     free(e.heap);
     if (status != LLMEM_OK) {

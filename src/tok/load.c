@@ -178,7 +178,7 @@ static int add_vocab(struct loader *l, const cJSON *vocab, int64_t max_added_id)
     tok->kind = calloc(n_alloc, 1);
     tok->added_of = malloc(n_alloc * sizeof(*tok->added_of));
     if (tok->pieces == NULL || tok->kind == NULL || tok->added_of == NULL ||
-        tok_strmap_init(&tok->vocab, n, tok->pieces) != LLMEM_OK) {
+        llmem_tok_strmap_init(&tok->vocab, n, tok->pieces) != LLMEM_OK) {
         LOAD_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
@@ -194,7 +194,7 @@ static int add_vocab(struct loader *l, const cJSON *vocab, int64_t max_added_id)
         if (status != LLMEM_OK)
             return status;
         tok->kind[id] = TOK_KIND_VOCAB;
-        tok_strmap_put(&tok->vocab, id);
+        llmem_tok_strmap_put(&tok->vocab, id);
     }
     return LLMEM_OK;
 }
@@ -233,7 +233,7 @@ static int add_merges(struct loader *l, const cJSON *merges) {
         return LLMEM_EFORMAT;
     }
     int n = cJSON_GetArraySize(merges);
-    if (tok_mergemap_init(&tok->merges, (size_t)n) != LLMEM_OK) {
+    if (llmem_tok_mergemap_init(&tok->merges, (size_t)n) != LLMEM_OK) {
         LOAD_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
@@ -248,14 +248,15 @@ static int add_merges(struct loader *l, const cJSON *merges) {
         if (status != LLMEM_OK)
             break;
         joined.n = 0;
-        if (tok_buf_add(&joined, a, na) != LLMEM_OK || tok_buf_add(&joined, b, nb) != LLMEM_OK) {
+        if (llmem_tok_buf_add(&joined, a, na) != LLMEM_OK ||
+            llmem_tok_buf_add(&joined, b, nb) != LLMEM_OK) {
             LOAD_ERROR("out of memory");
             status = LLMEM_ENOMEM;
             break;
         }
-        int32_t ia = tok_strmap_get(&tok->vocab, a, na);
-        int32_t ib = tok_strmap_get(&tok->vocab, b, nb);
-        int32_t ij = tok_strmap_get(&tok->vocab, joined.p, joined.n);
+        int32_t ia = llmem_tok_strmap_get(&tok->vocab, a, na);
+        int32_t ib = llmem_tok_strmap_get(&tok->vocab, b, nb);
+        int32_t ij = llmem_tok_strmap_get(&tok->vocab, joined.p, joined.n);
         if (ia < 0 || ib < 0 || ij < 0) {
             LOAD_ERROR("%s: 'model.merges[%lld]' (\"%.*s\" + \"%.*s\") names a token that is not "
                        "in the vocabulary",
@@ -263,11 +264,11 @@ static int add_merges(struct loader *l, const cJSON *merges) {
             status = LLMEM_EFORMAT;
             break;
         }
-        tok_mergemap_put(&tok->merges, ia, ib, (int32_t)rank, ij);
+        llmem_tok_mergemap_put(&tok->merges, ia, ib, (int32_t)rank, ij);
         rank++;
     }
     tok->n_merges = (int32_t)rank;
-    tok_buf_free(&joined);
+    llmem_tok_buf_free(&joined);
     return status;
 }
 
@@ -324,7 +325,7 @@ static int load_model(struct loader *l, const cJSON *root, int64_t max_added_id)
         return status;
     tok->unk_id = -1;
     if (unk != NULL) {
-        tok->unk_id = tok_strmap_get(&tok->vocab, unk, strlen(unk));
+        tok->unk_id = llmem_tok_strmap_get(&tok->vocab, unk, strlen(unk));
         if (tok->unk_id < 0) {
             LOAD_ERROR("%s: 'model.unk_token' \"%s\" is not in the vocabulary", l->path, unk);
             return LLMEM_EFORMAT;
@@ -333,14 +334,14 @@ static int load_model(struct loader *l, const cJSON *root, int64_t max_added_id)
     for (unsigned b = 0; b < 256; b++) {
         char name[8];
         snprintf(name, sizeof(name), "<0x%02X>", b);
-        tok->byte_ids[b] = tok_strmap_get(&tok->vocab, name, 6);
+        tok->byte_ids[b] = llmem_tok_strmap_get(&tok->vocab, name, 6);
         struct tok_buf ch = {0};
-        if (tok_utf8_put(&ch, tok_byte_cp(b)) != LLMEM_OK) {
+        if (llmem_tok_utf8_put(&ch, llmem_tok_byte_cp(b)) != LLMEM_OK) {
             LOAD_ERROR("out of memory");
             return LLMEM_ENOMEM;
         }
-        tok->bytelevel_ids[b] = tok_strmap_get(&tok->vocab, ch.p, ch.n);
-        tok_buf_free(&ch);
+        tok->bytelevel_ids[b] = llmem_tok_strmap_get(&tok->vocab, ch.p, ch.n);
+        llmem_tok_buf_free(&ch);
     }
     return LLMEM_OK;
 }
@@ -601,7 +602,7 @@ static int add_pre(struct loader *l, const cJSON *obj, const char *where, int de
             return status;
         uint32_t cp;
         if (repl[0] == '\0' ||
-            tok_utf8_char((const unsigned char *)repl, strlen(repl), &cp) != strlen(repl)) {
+            llmem_tok_utf8_char((const unsigned char *)repl, strlen(repl), &cp) != strlen(repl)) {
             LOAD_ERROR("%s: '%s.replacement' must be one character", l->path, where);
             return LLMEM_EFORMAT;
         }
@@ -680,7 +681,8 @@ static int add_dec(struct loader *l, const cJSON *obj, const char *where, int de
         if (status != LLMEM_OK && status != LLMEM_ENOENT)
             return status;
         uint32_t cp;
-        if (a[0] == '\0' || tok_utf8_char((const unsigned char *)a, strlen(a), &cp) != strlen(a)) {
+        if (a[0] == '\0' ||
+            llmem_tok_utf8_char((const unsigned char *)a, strlen(a), &cp) != strlen(a)) {
             LOAD_ERROR("%s: '%s.content' must be one character", l->path, where);
             return LLMEM_EFORMAT;
         }
@@ -804,8 +806,10 @@ static int load_config(struct llmem_tokenizer *tok, const char *model_dir) {
         free(tok->chat_template);
         tok->chat_template = text;
     }
-    tok->bos_id = tok->bos_text ? tok_piece_id(tok, tok->bos_text, strlen(tok->bos_text)) : -1;
-    tok->eos_id = tok->eos_text ? tok_piece_id(tok, tok->eos_text, strlen(tok->eos_text)) : -1;
+    tok->bos_id =
+        tok->bos_text ? llmem_tok_piece_id(tok, tok->bos_text, strlen(tok->bos_text)) : -1;
+    tok->eos_id =
+        tok->eos_text ? llmem_tok_piece_id(tok, tok->eos_text, strlen(tok->eos_text)) : -1;
     return LLMEM_OK;
 }
 
@@ -862,8 +866,8 @@ void llmem_tokenizer_free(struct llmem_tokenizer *tok) {
     free(tok->pieces);
     free(tok->kind);
     free(tok->added_of);
-    tok_strmap_free(&tok->vocab);
-    tok_mergemap_free(&tok->merges);
+    llmem_tok_strmap_free(&tok->vocab);
+    llmem_tok_mergemap_free(&tok->merges);
     for (int i = 0; i < tok->n_added; i++)
         free(tok->added[i].content.p);
     free(tok->added);
@@ -893,11 +897,11 @@ void llmem_tokenizer_free(struct llmem_tokenizer *tok) {
 
 /* ---- lookups -------------------------------------------------------------------------------- */
 
-int32_t tok_piece_id(const struct llmem_tokenizer *tok, const char *s, size_t n) {
+int32_t llmem_tok_piece_id(const struct llmem_tokenizer *tok, const char *s, size_t n) {
     for (int i = 0; i < tok->n_added; i++)
         if (tok->added[i].content.n == n && memcmp(tok->added[i].content.p, s, n) == 0)
             return tok->added[i].id;
-    return tok_strmap_get(&tok->vocab, s, n);
+    return llmem_tok_strmap_get(&tok->vocab, s, n);
 }
 
 int32_t llmem_tokenizer_vocab_size(const struct llmem_tokenizer *tok) {
@@ -914,7 +918,7 @@ int32_t llmem_tokenizer_eos(const struct llmem_tokenizer *tok) {
 
 int32_t llmem_tokenizer_token_id(const struct llmem_tokenizer *tok, const char *piece) {
     LLMEM_ASSERT(tok != NULL && piece != NULL);
-    return tok_piece_id(tok, piece, strlen(piece));
+    return llmem_tok_piece_id(tok, piece, strlen(piece));
 }
 
 int llmem_tokenizer_is_special(const struct llmem_tokenizer *tok, int32_t id) {

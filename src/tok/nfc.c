@@ -104,20 +104,20 @@ static int cps_push(struct cps *v, uint32_t cp) {
     return LLMEM_OK;
 }
 
-int tok_nfc(struct tok_buf *out, const char *s, size_t n) {
+int llmem_tok_nfc(struct tok_buf *out, const char *s, size_t n) {
     const unsigned char *u = (const unsigned char *)s;
     size_t i = 0;
     while (i < n && (u[i] < 0x80 || (u[i] >= 0xC2 && u[i] <= 0xCB))) /* below U+0300 */
         i += u[i] < 0x80 ? 1 : 2;
     if (i >= n)
-        return tok_buf_add(out, s, n);
+        return llmem_tok_buf_add(out, s, n);
 
     struct cps v = {0};
     int status = LLMEM_OK;
     /* Decompose. */
     for (i = 0; i < n && status == LLMEM_OK;) {
         uint32_t cp = 0;
-        size_t cl = tok_utf8_char(u + i, n - i, &cp);
+        size_t cl = llmem_tok_utf8_char(u + i, n - i, &cp);
         if (cl == 0) /* not reached: the text was checked */
             cp = 0xFFFD, cl = 1;
         i += cl;
@@ -175,7 +175,7 @@ int tok_nfc(struct tok_buf *out, const char *s, size_t n) {
         v.p[r++] = cp;
     }
     for (size_t k = 0; status == LLMEM_OK && k < r; k++)
-        status = tok_utf8_put(out, v.p[k]);
+        status = llmem_tok_utf8_put(out, v.p[k]);
     free(v.p);
     return status;
 }

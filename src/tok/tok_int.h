@@ -29,31 +29,31 @@ struct tok_buf {
     char *p;
     size_t n, cap;
 };
-int tok_buf_reserve(struct tok_buf *b, size_t extra);
-int tok_buf_add(struct tok_buf *b, const void *p, size_t n);
-void tok_buf_free(struct tok_buf *b);
+int llmem_tok_buf_reserve(struct tok_buf *b, size_t extra);
+int llmem_tok_buf_add(struct tok_buf *b, const void *p, size_t n);
+void llmem_tok_buf_free(struct tok_buf *b);
 
 /* ---- UTF-8 (util.c) ------------------------------------------------------------------------- */
 
 /* Length of the valid UTF-8 character at p (at most n bytes available), 0 when invalid
  * (overlong, surrogate, above U+10FFFF, truncated); *cp gets the code point. */
-size_t tok_utf8_char(const unsigned char *p, size_t n, uint32_t *cp);
+size_t llmem_tok_utf8_char(const unsigned char *p, size_t n, uint32_t *cp);
 /* Byte offset of the first invalid sequence, or n when all of it is valid. */
-size_t tok_utf8_check(const char *p, size_t n);
+size_t llmem_tok_utf8_check(const char *p, size_t n);
 /* Appends the UTF-8 form of cp. */
-int tok_utf8_put(struct tok_buf *b, uint32_t cp);
+int llmem_tok_utf8_put(struct tok_buf *b, uint32_t cp);
 /* Appends p with every invalid sequence replaced by U+FFFD, one per maximal subpart (what Rust's
  * String::from_utf8_lossy and Python's errors="replace" do). */
-int tok_utf8_lossy(struct tok_buf *b, const char *p, size_t n);
+int llmem_tok_utf8_lossy(struct tok_buf *b, const char *p, size_t n);
 
 /* Appends the NFC form of valid UTF-8 text (nfc.c). */
-int tok_nfc(struct tok_buf *out, const char *s, size_t n);
+int llmem_tok_nfc(struct tok_buf *out, const char *s, size_t n);
 
 /* The GPT-2 byte ↔ character map of ByteLevel: the printable bytes of Latin-1 stand for
  * themselves, the 68 others for U+0100… in byte order. */
-uint32_t tok_byte_cp(unsigned b);
+uint32_t llmem_tok_byte_cp(unsigned b);
 /* The byte of a code point of the map, −1 for any other code point. */
-int tok_cp_byte(uint32_t cp);
+int llmem_tok_cp_byte(uint32_t cp);
 
 /* ---- hash tables ---------------------------------------------------------------------------- */
 
@@ -63,11 +63,12 @@ struct tok_strmap {
     size_t mask;                /* cap − 1 */
     const struct tok_str *keys; /* (n_ids) the owner's strings, by id */
 };
-int tok_strmap_init(struct tok_strmap *m, size_t n, const struct tok_str *keys);
+int llmem_tok_strmap_init(struct tok_strmap *m, size_t n, const struct tok_str *keys);
 /* Inserts id (keys[id] must be set); an equal string already present is replaced. */
-void tok_strmap_put(struct tok_strmap *m, int32_t id);
-int32_t tok_strmap_get(const struct tok_strmap *m, const char *s, size_t n); /* −1 when absent */
-void tok_strmap_free(struct tok_strmap *m);
+void llmem_tok_strmap_put(struct tok_strmap *m, int32_t id);
+int32_t llmem_tok_strmap_get(const struct tok_strmap *m, const char *s,
+                             size_t n); /* −1 when absent */
+void llmem_tok_strmap_free(struct tok_strmap *m);
 
 /* A pair of ids → the merge's rank and the merged id. */
 struct tok_merge {
@@ -80,11 +81,11 @@ struct tok_mergemap {
     size_t mask;
 };
 
-int tok_mergemap_init(struct tok_mergemap *m, size_t n);
+int llmem_tok_mergemap_init(struct tok_mergemap *m, size_t n);
 /* Inserts or replaces the merge of (left, right). */
-void tok_mergemap_put(struct tok_mergemap *m, int32_t left, int32_t right, int32_t rank,
-                      int32_t id);
-void tok_mergemap_free(struct tok_mergemap *m);
+void llmem_tok_mergemap_put(struct tok_mergemap *m, int32_t left, int32_t right, int32_t rank,
+                            int32_t id);
+void llmem_tok_mergemap_free(struct tok_mergemap *m);
 
 /* ---- pipeline steps ------------------------------------------------------------------------- */
 
@@ -169,9 +170,9 @@ struct llmem_tokenizer {
 };
 
 /* Merge lookup: the rank (and *id) of the pair, −1 when the pair does not merge. */
-int32_t tok_merge_get(const struct tok_mergemap *m, int32_t left, int32_t right, int32_t *id);
+int32_t llmem_tok_merge_get(const struct tok_mergemap *m, int32_t left, int32_t right, int32_t *id);
 
 /* The id of an added token or vocabulary piece with this text, −1 when none. */
-int32_t tok_piece_id(const struct llmem_tokenizer *tok, const char *s, size_t n);
+int32_t llmem_tok_piece_id(const struct llmem_tokenizer *tok, const char *s, size_t n);
 
 #endif

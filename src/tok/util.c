@@ -11,7 +11,7 @@
 
 /* ---- buffer --------------------------------------------------------------------------------- */
 
-int tok_buf_reserve(struct tok_buf *b, size_t extra) {
+int llmem_tok_buf_reserve(struct tok_buf *b, size_t extra) {
     if (b->n + extra + 1 <= b->cap)
         return LLMEM_OK;
     size_t cap = b->cap ? b->cap : 64;
@@ -26,8 +26,8 @@ int tok_buf_reserve(struct tok_buf *b, size_t extra) {
     return LLMEM_OK;
 }
 
-int tok_buf_add(struct tok_buf *b, const void *p, size_t n) {
-    if (tok_buf_reserve(b, n) != LLMEM_OK)
+int llmem_tok_buf_add(struct tok_buf *b, const void *p, size_t n) {
+    if (llmem_tok_buf_reserve(b, n) != LLMEM_OK)
         return LLMEM_ENOMEM;
     if (n > 0)
         memcpy(b->p + b->n, p, n);
@@ -36,7 +36,7 @@ int tok_buf_add(struct tok_buf *b, const void *p, size_t n) {
     return LLMEM_OK;
 }
 
-void tok_buf_free(struct tok_buf *b) {
+void llmem_tok_buf_free(struct tok_buf *b) {
     free(b->p);
     b->p = NULL;
     b->n = b->cap = 0;
@@ -44,7 +44,7 @@ void tok_buf_free(struct tok_buf *b) {
 
 /* ---- UTF-8 ---------------------------------------------------------------------------------- */
 
-size_t tok_utf8_char(const unsigned char *p, size_t n, uint32_t *cp) {
+size_t llmem_tok_utf8_char(const unsigned char *p, size_t n, uint32_t *cp) {
     if (n == 0)
         return 0;
     unsigned c = p[0];
@@ -76,7 +76,7 @@ size_t tok_utf8_char(const unsigned char *p, size_t n, uint32_t *cp) {
     return len;
 }
 
-size_t tok_utf8_check(const char *p, size_t n) {
+size_t llmem_tok_utf8_check(const char *p, size_t n) {
     const unsigned char *u = (const unsigned char *)p;
     size_t i = 0;
     while (i < n) {
@@ -85,7 +85,7 @@ size_t tok_utf8_check(const char *p, size_t n) {
             continue;
         }
         uint32_t cp;
-        size_t len = tok_utf8_char(u + i, n - i, &cp);
+        size_t len = llmem_tok_utf8_char(u + i, n - i, &cp);
         if (len == 0)
             return i;
         i += len;
@@ -93,7 +93,7 @@ size_t tok_utf8_check(const char *p, size_t n) {
     return n;
 }
 
-int tok_utf8_put(struct tok_buf *b, uint32_t cp) {
+int llmem_tok_utf8_put(struct tok_buf *b, uint32_t cp) {
     unsigned char s[4];
     size_t n;
     if (cp < 0x80) {
@@ -111,7 +111,7 @@ int tok_utf8_put(struct tok_buf *b, uint32_t cp) {
         s[2] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
         s[3] = (unsigned char)(0x80 | (cp & 0x3F)), n = 4;
     }
-    return tok_buf_add(b, s, n);
+    return llmem_tok_buf_add(b, s, n);
 }
 
 /* The length of the longest prefix of p that starts a valid sequence but is cut short or broken
@@ -137,25 +137,25 @@ static size_t maximal_subpart(const unsigned char *p, size_t n) {
     return i;
 }
 
-int tok_utf8_lossy(struct tok_buf *b, const char *p, size_t n) {
+int llmem_tok_utf8_lossy(struct tok_buf *b, const char *p, size_t n) {
     const unsigned char *u = (const unsigned char *)p;
     size_t i = 0;
     while (i < n) {
-        size_t ok = i + tok_utf8_check(p + i, n - i);
-        if (tok_buf_add(b, p + i, ok - i) != LLMEM_OK)
+        size_t ok = i + llmem_tok_utf8_check(p + i, n - i);
+        if (llmem_tok_buf_add(b, p + i, ok - i) != LLMEM_OK)
             return LLMEM_ENOMEM;
         if (ok >= n)
             break;
-        if (tok_utf8_put(b, 0xFFFD) != LLMEM_OK)
+        if (llmem_tok_utf8_put(b, 0xFFFD) != LLMEM_OK)
             return LLMEM_ENOMEM;
         i = ok + maximal_subpart(u + ok, n - ok);
     }
-    return tok_buf_reserve(b, 0);
+    return llmem_tok_buf_reserve(b, 0);
 }
 
 /* ---- the GPT-2 byte map --------------------------------------------------------------------- */
 
-uint32_t tok_byte_cp(unsigned b) {
+uint32_t llmem_tok_byte_cp(unsigned b) {
     if (b <= 0x20)
         return 0x100 + b;
     if (b >= 0x7F && b <= 0xA0)
@@ -165,7 +165,7 @@ uint32_t tok_byte_cp(unsigned b) {
     return b;
 }
 
-int tok_cp_byte(uint32_t cp) {
+int llmem_tok_cp_byte(uint32_t cp) {
     if ((cp >= 0x21 && cp <= 0x7E) || (cp >= 0xA1 && cp <= 0xAC) || (cp >= 0xAE && cp <= 0xFF))
         return (int)cp;
     if (cp >= 0x100 && cp <= 0x120)
@@ -188,7 +188,7 @@ static size_t table_cap(size_t n) {
     return cap;
 }
 
-int tok_strmap_init(struct tok_strmap *m, size_t n, const struct tok_str *keys) {
+int llmem_tok_strmap_init(struct tok_strmap *m, size_t n, const struct tok_str *keys) {
     size_t cap = table_cap(n);
     m->slots = malloc(cap * sizeof(*m->slots));
     if (m->slots == NULL)
@@ -199,7 +199,7 @@ int tok_strmap_init(struct tok_strmap *m, size_t n, const struct tok_str *keys) 
     return LLMEM_OK;
 }
 
-void tok_strmap_put(struct tok_strmap *m, int32_t id) {
+void llmem_tok_strmap_put(struct tok_strmap *m, int32_t id) {
     const struct tok_str *k = &m->keys[id];
     size_t i = (size_t)llmem_hash64(k->p, k->n, HASH_SEED) & m->mask;
     for (;; i = (i + 1) & m->mask) {
@@ -211,7 +211,7 @@ void tok_strmap_put(struct tok_strmap *m, int32_t id) {
     }
 }
 
-int32_t tok_strmap_get(const struct tok_strmap *m, const char *s, size_t n) {
+int32_t llmem_tok_strmap_get(const struct tok_strmap *m, const char *s, size_t n) {
     if (m->slots == NULL)
         return -1;
     size_t i = (size_t)llmem_hash64(s, n, HASH_SEED) & m->mask;
@@ -224,14 +224,14 @@ int32_t tok_strmap_get(const struct tok_strmap *m, const char *s, size_t n) {
     }
 }
 
-void tok_strmap_free(struct tok_strmap *m) {
+void llmem_tok_strmap_free(struct tok_strmap *m) {
     free(m->slots);
     m->slots = NULL;
 }
 
 /* ---- id pairs → merges ---------------------------------------------------------------------- */
 
-int tok_mergemap_init(struct tok_mergemap *m, size_t n) {
+int llmem_tok_mergemap_init(struct tok_mergemap *m, size_t n) {
     size_t cap = table_cap(n);
     m->slots = malloc(cap * sizeof(*m->slots));
     if (m->slots == NULL)
@@ -249,8 +249,8 @@ static size_t merge_slot(const struct tok_mergemap *m, uint64_t key) {
     return i;
 }
 
-void tok_mergemap_put(struct tok_mergemap *m, int32_t left, int32_t right, int32_t rank,
-                      int32_t id) {
+void llmem_tok_mergemap_put(struct tok_mergemap *m, int32_t left, int32_t right, int32_t rank,
+                            int32_t id) {
     uint64_t key = (uint64_t)(uint32_t)left << 32 | (uint32_t)right;
     struct tok_merge *s = &m->slots[merge_slot(m, key)];
     s->key = key;
@@ -258,7 +258,8 @@ void tok_mergemap_put(struct tok_mergemap *m, int32_t left, int32_t right, int32
     s->id = id;
 }
 
-int32_t tok_merge_get(const struct tok_mergemap *m, int32_t left, int32_t right, int32_t *id) {
+int32_t llmem_tok_merge_get(const struct tok_mergemap *m, int32_t left, int32_t right,
+                            int32_t *id) {
     if (m->slots == NULL)
         return -1;
     uint64_t key = (uint64_t)(uint32_t)left << 32 | (uint32_t)right;
@@ -269,7 +270,7 @@ int32_t tok_merge_get(const struct tok_mergemap *m, int32_t left, int32_t right,
     return s->rank;
 }
 
-void tok_mergemap_free(struct tok_mergemap *m) {
+void llmem_tok_mergemap_free(struct tok_mergemap *m) {
     free(m->slots);
     m->slots = NULL;
 }

@@ -25,7 +25,7 @@
 /* Elements below which an element-wise operation runs on the calling thread alone. */
 #define CPU_PAR_MIN ((int64_t)1 << 15)
 
-float cpu_f16_to_f32(uint16_t h) {
+float llmem_cpu_f16_to_f32(uint16_t h) {
     uint32_t sign = ((uint32_t)h & 0x8000u) << 16;
     uint32_t exp = ((uint32_t)h >> 10) & 0x1f, mant = (uint32_t)h & 0x3ff;
     union {
@@ -226,7 +226,7 @@ static void embedding_rows(void *arg, int64_t begin, int64_t end) {
             break;
         case LLMEM_DTYPE_F16:
             for (int64_t i = 0; i < dim; i++)
-                o[i] = cpu_f16_to_f32(cpu_u16_at(row, i));
+                o[i] = llmem_cpu_f16_to_f32(cpu_u16_at(row, i));
             break;
         default: memcpy(o, row, (size_t)dim * sizeof(float));
         }
@@ -285,8 +285,8 @@ static const struct llmem_backend_ops cpu_ops = {
     .name = "cpu",
     .destroy = cpu_destroy,
     .threads = cpu_threads,
-    .matmul = cpu_matmul,
-    .matmul_multi = cpu_matmul_multi,
+    .matmul = llmem_cpu_matmul,
+    .matmul_multi = llmem_cpu_matmul_multi,
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,
     .swiglu = cpu_swiglu,
@@ -326,7 +326,7 @@ static int cpu_create(int n_threads, struct llmem_pool *pool, struct llmem_mem *
     }
     c->mem = mem;
     c->n_threads = llmem_pool_threads(c->pool);
-    c->isa = cpu_isa_best();
+    c->isa = llmem_cpu_isa_best();
     c->path = CPU_MATMUL_AUTO;
     c->gemm_min_n = 24; /* measured crossover: below, converting W costs more than it saves */
     size_t panel = (size_t)llmem_backend_cpu_scratch_bytes(c->n_threads) - CPU_GEMM_XT_BYTES;
@@ -371,7 +371,7 @@ void llmem_backend_destroy(struct llmem_backend *backend) {
 
 enum cpu_isa llmem_backend_cpu_set_isa(struct llmem_backend *backend, enum cpu_isa isa) {
     struct cpu_ctx *c = backend->ctx;
-    enum cpu_isa best = cpu_isa_best();
+    enum cpu_isa best = llmem_cpu_isa_best();
     c->isa = isa > best ? best : isa;
     return c->isa;
 }

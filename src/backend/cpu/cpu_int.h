@@ -62,14 +62,14 @@ struct cpu_ctx {
 };
 
 /* The matmul of the backend table (matmul.c). */
-void cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w, const float *x,
-                      int64_t n, float *const *y, const float *const *bias);
-void cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,
-                const float *bias);
+void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w,
+                            const float *x, int64_t n, float *const *y, const float *const *bias);
+void llmem_cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,
+                      const float *bias);
 
 /* The best ISA of this CPU for the kernels. */
-enum cpu_isa cpu_isa_best(void);
-const char *cpu_isa_name(enum cpu_isa isa);
+enum cpu_isa llmem_cpu_isa_best(void);
+const char *llmem_cpu_isa_name(enum cpu_isa isa);
 
 /* Test and benchmark hooks on a backend made by llmem_backend_cpu_create: the kernels' ISA
  * (capped to the best supported; returns the one in effect) and the matmul path. */
@@ -92,6 +92,6 @@ static inline float cpu_bf16_to_f32(uint16_t b) {
     } v = {(uint32_t)b << 16};
     return v.f;
 }
-float cpu_f16_to_f32(uint16_t h);
+float llmem_cpu_f16_to_f32(uint16_t h);
 
 #endif

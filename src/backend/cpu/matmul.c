@@ -44,7 +44,7 @@
 /* ---- the ISA ----------------------------------------------------------------------------------
  */
 
-enum cpu_isa cpu_isa_best(void) {
+enum cpu_isa llmem_cpu_isa_best(void) {
 #if CPU_X86
     uint32_t f = llmem_sys_isa_features();
     uint32_t avx512 = LLMEM_ISA_AVX512F | LLMEM_ISA_AVX512BW | LLMEM_ISA_AVX512VL | LLMEM_ISA_AVX2 |
@@ -58,7 +58,7 @@ enum cpu_isa cpu_isa_best(void) {
     return CPU_ISA_SCALAR;
 }
 
-const char *cpu_isa_name(enum cpu_isa isa) {
+const char *llmem_cpu_isa_name(enum cpu_isa isa) {
     switch (isa) {
     case CPU_ISA_AVX512: return "avx512";
     case CPU_ISA_AVX2: return "avx2";
@@ -77,7 +77,7 @@ const char *cpu_isa_name(enum cpu_isa isa) {
 static ALWAYS_INLINE float weight_at(const void *row, enum llmem_dtype dt, int64_t k) {
     switch (dt) {
     case LLMEM_DTYPE_BF16: return cpu_bf16_to_f32(cpu_u16_at(row, k));
-    case LLMEM_DTYPE_F16: return cpu_f16_to_f32(cpu_u16_at(row, k));
+    case LLMEM_DTYPE_F16: return llmem_cpu_f16_to_f32(cpu_u16_at(row, k));
     default: {
         float v;
         memcpy(&v, (const uint8_t *)row + 4 * k, sizeof(v));
@@ -821,8 +821,8 @@ static void matmul_gemm(struct cpu_ctx *c, const struct matmul_kernels *k,
     llmem_pool_run(c->pool, n_tasks, gemm_task, &job);
 }
 
-void cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w, const float *x,
-                      int64_t n, float *const *y, const float *const *bias) {
+void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w,
+                            const float *x, int64_t n, float *const *y, const float *const *bias) {
     struct cpu_ctx *c = ctx;
     LLMEM_ASSERT(count >= 1 && count <= 4);
     int decode = c->path == CPU_MATMUL_DECODE || (c->path == CPU_MATMUL_AUTO && n < c->gemm_min_n);
@@ -830,14 +830,14 @@ void cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w,
         decode = w[i]->rows > 0 && w[i]->cols > 0 && n > 0;
     if (!decode || count == 1) {
         for (int i = 0; i < count; i++)
-            cpu_matmul(ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
+            llmem_cpu_matmul(ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
         return;
     }
     matmul_decode_multi(c, &kernels[c->isa], count, w, x, n, y, bias);
 }
 
-void cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,
-                const float *bias) {
+void llmem_cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,
+                      const float *bias) {
     struct cpu_ctx *c = ctx;
     LLMEM_ASSERT(w != NULL && x != NULL && y != NULL && n >= 0);
     LLMEM_ASSERT(w->dtype == LLMEM_DTYPE_F32 || w->dtype == LLMEM_DTYPE_F16 ||
