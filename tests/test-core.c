@@ -1,16 +1,20 @@
 /*
  * tests/test-core.c — status codes, the log callback, the size parser and formatter, the JSON
- * helper and bounded file reads.
+ * helper, bounded file reads, the monotonic clock and splitmix64.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
+#include "core/clock.h"
 #include "core/file.h"
 #include "core/hash.h"
 #include "core/json.h"
 #include "core/log.h"
+#include "core/rng.h"
 #include "llmem/size.h"
 #include "llmem/status.h"
 #include "testutil.h"
@@ -298,6 +302,47 @@ static void test_hashes(void **state) {
     free(dir);
 }
 
+/* ---- clock and splitmix64 ----------------------------------------------------------------------
+ */
+
+static void test_clock(void **state) {
+    (void)state;
+    double s0 = llmem_clock_s();
+    uint64_t n0 = llmem_clock_ns();
+    double s1 = llmem_clock_s();
+    uint64_t n1 = llmem_clock_ns();
+    assert_true(s0 > 0 && s1 >= s0);
+    assert_true(n1 >= n0);
+    assert_true(fabs((double)n0 * 1e-9 - s0) < 1.0); /* one clock */
+    struct timespec now, d;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    d = llmem_clock_deadline(1.75);
+    double ahead = (double)(d.tv_sec - now.tv_sec) + (double)(d.tv_nsec - now.tv_nsec) * 1e-9;
+    assert_true(ahead >= 1.75 - 0.5 && ahead <= 1.75 + 0.5);
+    assert_true(d.tv_nsec >= 0 && d.tv_nsec < 1000000000L);
+    for (int i = 0; i < 100; i++) { /* normalized whatever the sum of the nanoseconds */
+        d = llmem_clock_deadline(0.999999999);
+        assert_true(d.tv_nsec >= 0 && d.tv_nsec < 1000000000L);
+    }
+    d = llmem_clock_deadline(0);
+    assert_true(d.tv_sec > now.tv_sec || (d.tv_sec == now.tv_sec && d.tv_nsec >= now.tv_nsec));
+}
+
+static void test_splitmix64(void **state) {
+    (void)state;
+    /* the reference sequence from state 0 (Vigna's splitmix64.c): seeds depend on it */
+    uint64_t x = 0;
+    assert_true(llmem_splitmix64_next(&x) == 0xe220a8397b1dcdafull);
+    assert_true(llmem_splitmix64_next(&x) == 0x6e789e6aa1b965f4ull);
+    assert_true(llmem_splitmix64_next(&x) == 0x06c45d188009454full);
+    assert_true(x == 3 * 0x9e3779b97f4a7c15ull);
+    /* the one-value mix is the first output from that state */
+    assert_true(llmem_splitmix64(0) == 0xe220a8397b1dcdafull);
+    x = 12345;
+    uint64_t first = llmem_splitmix64(12345);
+    assert_true(llmem_splitmix64_next(&x) == first);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_status_strings),
@@ -310,6 +355,8 @@ int main(void) {
         cmocka_unit_test(test_file_read_bounds),
         cmocka_unit_test(test_file_read_quiet_proc),
         cmocka_unit_test(test_hashes),
+        cmocka_unit_test(test_clock),
+        cmocka_unit_test(test_splitmix64),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -39,6 +39,7 @@
 
 #include <sqlite3.h>
 
+#include "core/clock.h"
 #include "core/file.h"
 #include "core/hash.h"
 #include "core/log.h"
@@ -117,12 +118,6 @@ static int64_t now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static double mono_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 static void chunk_name(const uint8_t key[32], char name[NAME_LEN + 1]) {
@@ -968,15 +963,9 @@ void llmem_spill_close(struct llmem_spill *s) {
         pthread_mutex_lock(&s->lock);
         s->closing = 1;
         pthread_cond_signal(&s->wake);
-        double deadline = mono_s() + LLMEM_SPILL_FLUSH_S;
-        while ((s->head != NULL || s->current != NULL) && mono_s() < deadline) {
-            struct timespec ts;
-            clock_gettime(CLOCK_MONOTONIC, &ts);
-            ts.tv_nsec += 50 * 1000000;
-            if (ts.tv_nsec >= 1000000000) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000;
-            }
+        double deadline = llmem_clock_s() + LLMEM_SPILL_FLUSH_S;
+        while ((s->head != NULL || s->current != NULL) && llmem_clock_s() < deadline) {
+            struct timespec ts = llmem_clock_deadline(0.050);
             pthread_cond_timedwait(&s->idle, &s->lock, &ts);
         }
         if (s->head != NULL) {
@@ -1357,16 +1346,10 @@ int64_t llmem_spill_submit(struct llmem_spill *s, struct llmem_kv *kv, const uin
 int64_t llmem_spill_flush(struct llmem_spill *s, double timeout_s) {
     if (s == NULL || !s->has_writer)
         return 0;
-    double deadline = mono_s() + timeout_s;
+    double deadline = llmem_clock_s() + timeout_s;
     pthread_mutex_lock(&s->lock);
-    while ((s->head != NULL || s->current != NULL) && mono_s() < deadline) {
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_nsec += 20 * 1000000;
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
+    while ((s->head != NULL || s->current != NULL) && llmem_clock_s() < deadline) {
+        struct timespec ts = llmem_clock_deadline(0.020);
         pthread_cond_timedwait(&s->idle, &s->lock, &ts);
     }
     int64_t left = s->current != NULL;
