@@ -43,6 +43,7 @@
 #include "core/file.h"
 #include "core/hash.h"
 #include "core/log.h"
+#include "core/options.h"
 #include "llmem/bank.h"
 #include "llmem/size.h"
 #include "llmem/spill.h"
@@ -768,21 +769,12 @@ void llmem_spill_config_default(struct llmem_spill_config *c) {
 }
 
 int llmem_spill_default_dir(char *buf, size_t size) {
-    const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
-    int n;
-    if (xdg != NULL && xdg[0] == '/')
-        n = snprintf(buf, size, "%s/llmem/bank", xdg);
-    else if (home != NULL && home[0] == '/')
-        n = snprintf(buf, size, "%s/.cache/llmem/bank", home);
-    else {
+    int status = llmem_cache_dir("bank", buf, size);
+    if (status == LLMEM_ENOENT)
         LLMEM_ERROR("neither XDG_CACHE_HOME nor HOME is an absolute path; pass a directory");
-        return LLMEM_ENOENT;
-    }
-    if (n < 0 || (size_t)n >= size) {
+    else if (status != LLMEM_OK)
         LLMEM_ERROR("the spill directory's path is too long");
-        return LLMEM_ERANGE;
-    }
-    return LLMEM_OK;
+    return status;
 }
 
 int64_t llmem_spill_default_max(int64_t ram) {

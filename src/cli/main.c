@@ -11,6 +11,7 @@
 #include "cli/cli.h"
 #include "core/json.h"
 #include "core/log.h"
+#include "core/options.h"
 #include "llmem/plan.h"
 #include "llmem/size.h"
 
@@ -167,7 +168,11 @@ int cli_print_json(cJSON *root) {
 }
 
 int main(int argc, char **argv) {
-    cli_log_init(getenv("LLMEM_VERBOSE") != NULL);
+    int verbose = 0;
+    cli_log_init(0);
+    if (llmem_option_bool(LLMEM_OPT_VERBOSE, &verbose) != LLMEM_OK)
+        return CLI_FAIL; /* the line saying why is on stderr */
+    cli_log_init(verbose);
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
         strcmp(argv[1], "help") == 0) {
         fputs(usage, argc < 2 ? stderr : stdout);
