@@ -23,9 +23,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
 
+#include "core/clock.h"
 #include "kv/codec_internal.h"
 
 #define HD     128
@@ -43,12 +43,6 @@ static uint8_t *buf;
 static int n_threads = 1, mode;
 static double secs[64];
 static const struct llmem_kv_attn_tile *tile;
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
 
 /* Sums one 8-byte word of every 64-byte line of [p, p + n): every line is fetched. */
 static uint64_t sum_lines(const uint8_t *p, size_t n) {
@@ -78,7 +72,7 @@ static void *worker(void *arg) {
     struct llmem_kv_prefetch held_pf = {NULL, 0, 0, 0};
     const int reps = mode == 5 ? 256 : 1;
     const size_t n = mode == 5 ? 4 : blocks;
-    double t = now();
+    double t = llmem_clock_s();
     for (int r = 0; r < reps; r++)
         for (size_t b = 0; b < n; b++) {
             const uint8_t *k = base + b * BLOCK, *v = k + BLOCK / 2;
@@ -121,7 +115,7 @@ static void *worker(void *arg) {
         }
     if (held_v != NULL)
         tile->values(held_v, ROW, TOK, sc[cur ^ 1], HD, held_st, HD + 2, held_pf);
-    secs[id] = now() - t;
+    secs[id] = llmem_clock_s() - t;
     __asm__ volatile("" ::"r"(sink));
     return NULL;
 }

@@ -1,16 +1,22 @@
 /*
  * tests/test-core.c — status codes, the log callback, the size parser and formatter, the JSON
- * helper and bounded file reads.
+ * helper, bounded file reads, the options table and the cache directory, the monotonic clock and
+ * splitmix64.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
+#include "core/clock.h"
 #include "core/file.h"
 #include "core/hash.h"
 #include "core/json.h"
 #include "core/log.h"
+#include "core/options.h"
+#include "core/rng.h"
 #include "llmem/size.h"
 #include "llmem/status.h"
 #include "testutil.h"
@@ -298,6 +304,277 @@ static void test_hashes(void **state) {
     free(dir);
 }
 
+/* ---- options -----------------------------------------------------------------------------------
+ */
+
+/* Set in main before anything reads the options: the environment is read once, at the first
+ * read (test_options_defaults_and_environment's first), and later changes to it are not seen. */
+#define ENV_FUSE "32"
+
+static void test_options_table(void **state) {
+    (void)state;
+    for (int i = 0; i < LLMEM_OPT_COUNT; i++) {
+        const struct llmem_option_info *o = llmem_option_info((enum llmem_option)i);
+        assert_non_null(o);
+        assert_non_null(o->name);
+        assert_true(strncmp(o->name, "LLMEM_", 6) == 0);
+        assert_true(o->doc != NULL && o->doc[0] != '\0');
+        for (int j = 0; j < i; j++)
+            assert_string_not_equal(o->name, llmem_option_info((enum llmem_option)j)->name);
+        if (o->type == LLMEM_OPTION_ENUM)
+            assert_true(o->choices != NULL && o->choices[0] != NULL);
+        if (o->type == LLMEM_OPTION_INT || o->type == LLMEM_OPTION_SIZE)
+            assert_true(o->min <= o->max);
+        int64_t v;
+        if (o->def != NULL) /* the defaults are spelled as the variables would be */
+            assert_int_equal(llmem_option_parse(o, o->def, &v), LLMEM_OK);
+        char accepted[160];
+        llmem_option_accepted(o, accepted, sizeof(accepted));
+        assert_true(accepted[0] != '\0');
+    }
+    assert_null(llmem_option_info(LLMEM_OPT_COUNT));
+    assert_string_equal(llmem_option_type_name(LLMEM_OPTION_SIZE), "size");
+}
+
+static void test_options_parse(void **state) {
+    (void)state;
+    int64_t v = -7;
+    /* bool */
+    const struct llmem_option_info *b = llmem_option_info(LLMEM_OPT_DECODE_AHEAD);
+    const char *yes[] = {"1", "true", "TRUE", "yes", "on", "On"};
+    const char *no[] = {"0", "false", "no", "off", "OFF"};
+    for (size_t i = 0; i < sizeof(yes) / sizeof(yes[0]); i++) {
+        assert_int_equal(llmem_option_parse(b, yes[i], &v), LLMEM_OK);
+        assert_int_equal(v, 1);
+    }
+    for (size_t i = 0; i < sizeof(no) / sizeof(no[0]); i++) {
+        assert_int_equal(llmem_option_parse(b, no[i], &v), LLMEM_OK);
+        assert_int_equal(v, 0);
+    }
+    const char *bad_bools[] = {"2", "abc", "", "01", "yes please", " 1"};
+    for (size_t i = 0; i < sizeof(bad_bools) / sizeof(bad_bools[0]); i++)
+        assert_int_equal(llmem_option_parse(b, bad_bools[i], &v), LLMEM_EINVAL);
+
+    /* int with a range: both ends in, one past each out; junk and overflow out */
+    const struct llmem_option_info *n = llmem_option_info(LLMEM_OPT_CUDA_ATTN_FUSE);
+    assert_int_equal(n->min, 0);
+    assert_int_equal(n->max, 256);
+    assert_int_equal(llmem_option_parse(n, "0", &v), LLMEM_OK);
+    assert_int_equal(v, 0);
+    assert_int_equal(llmem_option_parse(n, "256", &v), LLMEM_OK);
+    assert_int_equal(v, 256);
+    assert_int_equal(llmem_option_parse(n, "+17", &v), LLMEM_OK);
+    assert_int_equal(v, 17);
+    const char *bad_ints[] = {"-1", "257", "12x", "abc", "", "1.5", "99999999999999999999"};
+    for (size_t i = 0; i < sizeof(bad_ints) / sizeof(bad_ints[0]); i++)
+        assert_int_equal(llmem_option_parse(n, bad_ints[i], &v), LLMEM_EINVAL);
+    const struct llmem_option_info *big = llmem_option_info(LLMEM_OPT_KV_NUM_BLOCKS);
+    assert_int_equal(llmem_option_parse(big, "1099511627776", &v), LLMEM_OK);
+    assert_int_equal(v, (int64_t)1 << 40);
+
+    /* size: the size parser's forms, in the range, quietly */
+    const struct llmem_option_info size = {
+        "LLMEM_TEST_SIZE", LLMEM_OPTION_SIZE, "1M", 4096, (int64_t)1 << 40, NULL, "a size"};
+    assert_int_equal(llmem_option_parse(&size, "4G", &v), LLMEM_OK);
+    assert_int_equal(v, (int64_t)4 << 30);
+    assert_int_equal(llmem_option_parse(&size, "1.5M", &v), LLMEM_OK);
+    assert_int_equal(v, 3 << 19);
+    assert_int_equal(llmem_option_parse(&size, "4096", &v), LLMEM_OK);
+    assert_int_equal(v, 4096);
+    struct captured c = {0};
+    llmem_log_set_callback(capture, &c, LLMEM_LOG_DEBUG);
+    const char *bad_sizes[] = {"4095", "2T", "4Q", "-1G", "", "1.5"};
+    for (size_t i = 0; i < sizeof(bad_sizes) / sizeof(bad_sizes[0]); i++)
+        assert_int_equal(llmem_option_parse(&size, bad_sizes[i], &v), LLMEM_EINVAL);
+    assert_int_equal(c.n, 0); /* parsing logs nothing: the getters say which variable */
+    llmem_log_set_callback(NULL, NULL, LLMEM_LOG_ERROR);
+    char accepted[160];
+    llmem_option_accepted(&size, accepted, sizeof(accepted));
+    assert_non_null(strstr(accepted, "a size"));
+
+    /* enum: any case, the index of the choice */
+    const struct llmem_option_info *e = llmem_option_info(LLMEM_OPT_KV_LAYOUT);
+    assert_int_equal(llmem_option_parse(e, "Blocks", &v), LLMEM_OK);
+    assert_string_equal(e->choices[v], "blocks");
+    assert_int_equal(llmem_option_parse(e, "tree", &v), LLMEM_EINVAL);
+    assert_int_equal(llmem_option_parse(e, "", &v), LLMEM_EINVAL);
+    llmem_option_accepted(e, accepted, sizeof(accepted));
+    assert_string_equal(accepted, "one of paged, contiguous, blocks, ragged");
+    llmem_option_accepted(e, accepted, 12); /* cut short, still a string */
+    assert_string_equal(accepted, "one of page");
+}
+
+static void test_options_defaults_and_environment(void **state) {
+    (void)state;
+    /* read once: at the first read, the value main set; not what the environment says later */
+    int64_t v = -1;
+    assert_int_equal(llmem_option_int(LLMEM_OPT_CUDA_ATTN_FUSE, &v), LLMEM_OK);
+    assert_int_equal(v, atoi(ENV_FUSE));
+    setenv("LLMEM_CUDA_ATTN_FUSE", "64", 1);
+    v = -1;
+    assert_int_equal(llmem_option_int(LLMEM_OPT_CUDA_ATTN_FUSE, &v), LLMEM_OK);
+    assert_int_equal(v, atoi(ENV_FUSE));
+    assert_string_equal(llmem_option_text(LLMEM_OPT_CUDA_ATTN_FUSE), ENV_FUSE);
+    unsetenv("LLMEM_CUDA_ATTN_FUSE");
+
+    /* defaults: unset and empty take the table's; no default leaves the caller's value */
+    int on = -1;
+    llmem_option_set(LLMEM_OPT_DECODE_AHEAD, NULL);
+    assert_int_equal(llmem_option_bool(LLMEM_OPT_DECODE_AHEAD, &on), LLMEM_OK);
+    assert_int_equal(on, 1);
+    assert_null(llmem_option_text(LLMEM_OPT_DECODE_AHEAD));
+    llmem_option_set(LLMEM_OPT_DECODE_AHEAD, "");
+    on = -1;
+    assert_int_equal(llmem_option_bool(LLMEM_OPT_DECODE_AHEAD, &on), LLMEM_OK);
+    assert_int_equal(on, 1);
+    assert_null(llmem_option_text(LLMEM_OPT_DECODE_AHEAD));
+    llmem_option_set(LLMEM_OPT_CUDA_PROFILE, NULL);
+    assert_int_equal(llmem_option_bool(LLMEM_OPT_CUDA_PROFILE, &on), LLMEM_OK);
+    assert_int_equal(on, 0);
+    llmem_option_set(LLMEM_OPT_CUDA_ATTN_SERIAL_FROM, NULL);
+    assert_int_equal(llmem_option_int(LLMEM_OPT_CUDA_ATTN_SERIAL_FROM, &v), LLMEM_OK);
+    assert_int_equal(v, 4096);
+    llmem_option_set(LLMEM_OPT_KV_NUM_BLOCKS, NULL);
+    v = 77;
+    assert_int_equal(llmem_option_int(LLMEM_OPT_KV_NUM_BLOCKS, &v), LLMEM_OK);
+    assert_int_equal(v, 77);
+    int dynamic = 5;
+    llmem_option_set(LLMEM_OPT_KV_DYNAMIC, NULL);
+    assert_int_equal(llmem_option_bool(LLMEM_OPT_KV_DYNAMIC, &dynamic), LLMEM_OK);
+    assert_int_equal(dynamic, 5);
+    const char *name = "mine";
+    llmem_option_set(LLMEM_OPT_KV_FORMAT, NULL);
+    assert_int_equal(llmem_option_enum(LLMEM_OPT_KV_FORMAT, &name), LLMEM_OK);
+    assert_string_equal(name, "mine");
+
+    /* set values: typed, enum names canonical */
+    llmem_option_set(LLMEM_OPT_DECODE_AHEAD, "off");
+    assert_int_equal(llmem_option_bool(LLMEM_OPT_DECODE_AHEAD, &on), LLMEM_OK);
+    assert_int_equal(on, 0);
+    assert_string_equal(llmem_option_text(LLMEM_OPT_DECODE_AHEAD), "off");
+    llmem_option_set(LLMEM_OPT_KV_FORMAT, "Q8");
+    assert_int_equal(llmem_option_enum(LLMEM_OPT_KV_FORMAT, &name), LLMEM_OK);
+    assert_string_equal(name, "q8");
+    assert_int_equal(llmem_option_check(LLMEM_OPT_KV_FORMAT), LLMEM_OK);
+    llmem_option_set(LLMEM_OPT_DECODE_AHEAD, NULL);
+    llmem_option_set(LLMEM_OPT_KV_FORMAT, NULL);
+}
+
+static void test_options_malformed(void **state) {
+    (void)state;
+    tu_count_errors(LLMEM_LOG_ERROR);
+    /* one line naming the variable, its value and what is accepted; the value is left as it was */
+    int on = 7;
+    llmem_option_set(LLMEM_OPT_DECODE_AHEAD, "abc");
+    tu_expect_failure(llmem_option_bool(LLMEM_OPT_DECODE_AHEAD, &on), LLMEM_EINVAL,
+                      "LLMEM_DECODE_AHEAD='abc' is not accepted: expected 0 or 1");
+    assert_int_equal(on, 7);
+    assert_string_equal(llmem_option_text(LLMEM_OPT_DECODE_AHEAD), "abc");
+    /* every call that asks fails the same way, with its own line */
+    tu_expect_failure(llmem_option_check(LLMEM_OPT_DECODE_AHEAD), LLMEM_EINVAL,
+                      "LLMEM_DECODE_AHEAD='abc'");
+    llmem_option_set(LLMEM_OPT_DECODE_AHEAD, NULL);
+
+    int64_t v = 5;
+    llmem_option_set(LLMEM_OPT_CUDA_ATTN_FUSE, "300");
+    tu_expect_failure(
+        llmem_option_int(LLMEM_OPT_CUDA_ATTN_FUSE, &v), LLMEM_EINVAL,
+        "LLMEM_CUDA_ATTN_FUSE='300' is not accepted: expected an integer in [0, 256]");
+    assert_int_equal(v, 5);
+    llmem_option_set(LLMEM_OPT_CUDA_ATTN_FUSE, ENV_FUSE);
+
+    const char *name = NULL;
+    llmem_option_set(LLMEM_OPT_KV_LAYOUT, "tree");
+    tu_expect_failure(llmem_option_enum(LLMEM_OPT_KV_LAYOUT, &name), LLMEM_EINVAL,
+                      "LLMEM_KV_LAYOUT='tree' is not accepted: expected one of paged, contiguous");
+    assert_null(name);
+
+    /* a value longer than any accepted one is malformed, shown cut short */
+    char longer[200];
+    memset(longer, '1', sizeof(longer) - 1);
+    longer[sizeof(longer) - 1] = '\0';
+    llmem_option_set(LLMEM_OPT_KV_LAYOUT, longer);
+    tu_expect_failure(llmem_option_check(LLMEM_OPT_KV_LAYOUT), LLMEM_EINVAL, "1…' is not accepted");
+    llmem_option_set(LLMEM_OPT_KV_LAYOUT, NULL);
+    assert_int_equal(llmem_option_check(LLMEM_OPT_KV_LAYOUT), LLMEM_OK);
+    assert_int_equal(tu_error_lines, 0);
+    tu_count_errors_stop();
+}
+
+static void test_cache_dir(void **state) {
+    (void)state;
+    char *xdg = getenv("XDG_CACHE_HOME") ? strdup(getenv("XDG_CACHE_HOME")) : NULL;
+    char *home = getenv("HOME") ? strdup(getenv("HOME")) : NULL;
+    char buf[64];
+    setenv("XDG_CACHE_HOME", "/x/cache", 1);
+    setenv("HOME", "/home/u", 1);
+    assert_int_equal(llmem_cache_dir(NULL, buf, sizeof(buf)), LLMEM_OK);
+    assert_string_equal(buf, "/x/cache/llmem");
+    assert_int_equal(llmem_cache_dir("bank", buf, sizeof(buf)), LLMEM_OK);
+    assert_string_equal(buf, "/x/cache/llmem/bank");
+    setenv("XDG_CACHE_HOME", "relative", 1); /* not absolute: HOME's */
+    assert_int_equal(llmem_cache_dir("digests", buf, sizeof(buf)), LLMEM_OK);
+    assert_string_equal(buf, "/home/u/.cache/llmem/digests");
+    assert_int_equal(llmem_cache_dir("digests", buf, 10), LLMEM_ERANGE);
+    unsetenv("XDG_CACHE_HOME");
+    setenv("HOME", "", 1);
+    tu_count_errors(LLMEM_LOG_ERROR);
+    assert_int_equal(llmem_cache_dir(NULL, buf, sizeof(buf)), LLMEM_ENOENT);
+    assert_int_equal(tu_error_lines, 0); /* the caller says whether that is an error */
+    tu_count_errors_stop();
+    if (xdg != NULL)
+        setenv("XDG_CACHE_HOME", xdg, 1);
+    else
+        unsetenv("XDG_CACHE_HOME");
+    if (home != NULL)
+        setenv("HOME", home, 1);
+    else
+        unsetenv("HOME");
+    free(xdg);
+    free(home);
+}
+
+/* ---- clock and splitmix64 ----------------------------------------------------------------------
+ */
+
+static void test_clock(void **state) {
+    (void)state;
+    double s0 = llmem_clock_s();
+    uint64_t n0 = llmem_clock_ns();
+    double s1 = llmem_clock_s();
+    uint64_t n1 = llmem_clock_ns();
+    assert_true(s0 > 0 && s1 >= s0);
+    assert_true(n1 >= n0);
+    assert_true(fabs((double)n0 * 1e-9 - s0) < 1.0); /* one clock */
+    struct timespec now, d;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    d = llmem_clock_deadline(1.75);
+    double ahead = (double)(d.tv_sec - now.tv_sec) + (double)(d.tv_nsec - now.tv_nsec) * 1e-9;
+    assert_true(ahead >= 1.75 - 0.5 && ahead <= 1.75 + 0.5);
+    assert_true(d.tv_nsec >= 0 && d.tv_nsec < 1000000000L);
+    for (int i = 0; i < 100; i++) { /* normalized whatever the sum of the nanoseconds */
+        d = llmem_clock_deadline(0.999999999);
+        assert_true(d.tv_nsec >= 0 && d.tv_nsec < 1000000000L);
+    }
+    d = llmem_clock_deadline(0);
+    assert_true(d.tv_sec > now.tv_sec || (d.tv_sec == now.tv_sec && d.tv_nsec >= now.tv_nsec));
+}
+
+static void test_splitmix64(void **state) {
+    (void)state;
+    /* the reference sequence from state 0 (Vigna's splitmix64.c): seeds depend on it */
+    uint64_t x = 0;
+    assert_true(llmem_splitmix64_next(&x) == 0xe220a8397b1dcdafull);
+    assert_true(llmem_splitmix64_next(&x) == 0x6e789e6aa1b965f4ull);
+    assert_true(llmem_splitmix64_next(&x) == 0x06c45d188009454full);
+    assert_true(x == 3 * 0x9e3779b97f4a7c15ull);
+    /* the one-value mix is the first output from that state */
+    assert_true(llmem_splitmix64(0) == 0xe220a8397b1dcdafull);
+    x = 12345;
+    uint64_t first = llmem_splitmix64(12345);
+    assert_true(llmem_splitmix64_next(&x) == first);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_status_strings),
@@ -310,6 +587,14 @@ int main(void) {
         cmocka_unit_test(test_file_read_bounds),
         cmocka_unit_test(test_file_read_quiet_proc),
         cmocka_unit_test(test_hashes),
+        cmocka_unit_test(test_options_table),
+        cmocka_unit_test(test_options_parse),
+        cmocka_unit_test(test_options_defaults_and_environment),
+        cmocka_unit_test(test_options_malformed),
+        cmocka_unit_test(test_cache_dir),
+        cmocka_unit_test(test_clock),
+        cmocka_unit_test(test_splitmix64),
     };
+    setenv("LLMEM_CUDA_ATTN_FUSE", ENV_FUSE, 1); /* before the first read of any option */
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

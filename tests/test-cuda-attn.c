@@ -27,6 +27,7 @@
 
 #include "backend/cuda/attention.h"
 #include "backend/ops.h"
+#include "core/options.h"
 #include "kv/codec.h"
 #include "llmem/kv.h"
 #include "testutil.h"
@@ -471,7 +472,7 @@ int main(void) {
         return 77;
     /* every call with counters and at most 32 splits merges them inside the kernel (run_gpu
      * compares that with the merge kernel), whatever the default threshold */
-    setenv("LLMEM_CUDA_ATTN_FUSE", "256", 1);
+    llmem_option_set(LLMEM_OPT_CUDA_ATTN_FUSE, "256");
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_formats_groups_dims),
         cmocka_unit_test(test_bf16_query_and_dim256),

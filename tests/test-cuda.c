@@ -23,6 +23,7 @@
 #include "testutil.h"
 
 #include "backend/ops.h"
+#include "core/options.h"
 #include "llmem/backend.h"
 #include "llmem/engine.h"
 #include "llmem/kv.h"
@@ -1264,7 +1265,7 @@ static void test_decode_ahead(void **state) {
     int64_t ahead[2];
     int32_t stop = -1;
     for (int on = 0; on < 2; on++) {
-        setenv("LLMEM_DECODE_AHEAD", on ? "1" : "0", 1);
+        llmem_option_set(LLMEM_OPT_DECODE_AHEAD, on ? "1" : "0");
         struct llmem_engine *e = open_small_pycoder();
         struct llmem_kv *kv = llmem_engine_kv(e);
         assert_int_equal(llmem_engine_generate(e, prompt, 20, &gp, NULL, NULL, &r[on][0]),
@@ -1338,7 +1339,7 @@ static void test_decode_ahead(void **state) {
         free(logits);
         llmem_engine_close(e);
     }
-    unsetenv("LLMEM_DECODE_AHEAD");
+    llmem_option_set(LLMEM_OPT_DECODE_AHEAD, NULL);
     printf("  decode ahead: %lld steps queued ahead (0 without)\n", (long long)ahead[1]);
     assert_int_equal(ahead[0], 0);
     assert_true(ahead[1] >= 2 * 40);
@@ -1479,7 +1480,7 @@ static void test_graphs(void **state) {
     struct llmem_backend_counters count[2];
     int64_t vocab = 0;
     for (int run = 0; run < 2; run++) {
-        setenv("LLMEM_CUDA_GRAPHS", run == 0 ? "0" : "1", 1);
+        llmem_option_set(LLMEM_OPT_CUDA_GRAPHS, run == 0 ? "0" : "1");
         struct llmem_engine *e =
             open_engine(dir, LLMEM_BACKEND_CUDA, LLMEM_PRECISION_FAST, LLMEM_KV_FORMAT_F16);
         struct llmem_kv *kv = llmem_engine_kv(e);
@@ -1522,7 +1523,7 @@ static void test_graphs(void **state) {
         free(logits);
         llmem_engine_close(e);
     }
-    unsetenv("LLMEM_CUDA_GRAPHS");
+    llmem_option_set(LLMEM_OPT_CUDA_GRAPHS, NULL);
     printf("  graphs: %lld recorded, %lld replayed, %lld missed\n",
            (long long)count[1].graphs_recorded, (long long)count[1].graphs_replayed,
            (long long)count[1].graphs_missed);

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/options.h"
 #include "kv/codec.h"
 #include "kv/codec_internal.h"
 #include "llmem/kv.h"
@@ -833,26 +834,53 @@ static void test_config_from_env(void **state) {
     (void)state;
     struct llmem_kv_config c;
     llmem_kv_config_default(&c);
-    setenv("LLMEM_KV_LAYOUT", "blocks", 1);
-    setenv("LLMEM_KV_FORMAT", "q8", 1);
-    setenv("LLMEM_KV_BLOCK_SIZE", "32", 1);
-    setenv("LLMEM_KV_NUM_BLOCKS", "77", 1);
-    setenv("LLMEM_KV_DYNAMIC", "0", 1);
+    /* unset: the config's values stand */
+    assert_int_equal(llmem_kv_config_from_env(&c), LLMEM_OK);
+    assert_int_equal(c.layout, LLMEM_KV_LAYOUT_PAGED);
+    assert_int_equal(c.format, LLMEM_KV_FORMAT_F16);
+    assert_int_equal(c.block_size, 0);
+    assert_int_equal(c.num_blocks, 1024);
+    assert_int_equal(c.dynamic, 1);
+    llmem_option_set(LLMEM_OPT_KV_LAYOUT, "blocks");
+    llmem_option_set(LLMEM_OPT_KV_FORMAT, "Q8");
+    llmem_option_set(LLMEM_OPT_KV_BLOCK_SIZE, "32");
+    llmem_option_set(LLMEM_OPT_KV_NUM_BLOCKS, "77");
+    llmem_option_set(LLMEM_OPT_KV_DYNAMIC, "0");
     assert_int_equal(llmem_kv_config_from_env(&c), LLMEM_OK);
     assert_int_equal(c.layout, LLMEM_KV_LAYOUT_BLOCKS);
     assert_int_equal(c.format, LLMEM_KV_FORMAT_Q8);
     assert_int_equal(c.block_size, 32);
     assert_int_equal(c.num_blocks, 77);
     assert_int_equal(c.dynamic, 0);
-    setenv("LLMEM_KV_LAYOUT", "tree", 1);
+    llmem_option_set(LLMEM_OPT_KV_LAYOUT, "tree");
     assert_int_equal(llmem_kv_config_from_env(&c), LLMEM_EINVAL);
-    assert_non_null(strstr(llmem_last_error(), "unknown KV layout 'tree'"));
-    setenv("LLMEM_KV_LAYOUT", "paged", 1);
-    setenv("LLMEM_KV_DYNAMIC", "2", 1);
+    assert_non_null(strstr(llmem_last_error(), "LLMEM_KV_LAYOUT='tree' is not accepted"));
+    llmem_option_set(LLMEM_OPT_KV_LAYOUT, "paged");
+    llmem_option_set(LLMEM_OPT_KV_DYNAMIC, "2");
     assert_int_equal(llmem_kv_config_from_env(&c), LLMEM_EINVAL);
-    assert_non_null(strstr(llmem_last_error(), "LLMEM_KV_DYNAMIC"));
-    unsetenv("LLMEM_KV_LAYOUT"), unsetenv("LLMEM_KV_FORMAT"), unsetenv("LLMEM_KV_BLOCK_SIZE");
-    unsetenv("LLMEM_KV_NUM_BLOCKS"), unsetenv("LLMEM_KV_DYNAMIC");
+    assert_non_null(strstr(llmem_last_error(), "LLMEM_KV_DYNAMIC='2'"));
+    const enum llmem_option kv_options[] = {LLMEM_OPT_KV_LAYOUT, LLMEM_OPT_KV_FORMAT,
+                                            LLMEM_OPT_KV_BLOCK_SIZE, LLMEM_OPT_KV_NUM_BLOCKS,
+                                            LLMEM_OPT_KV_DYNAMIC};
+    for (size_t i = 0; i < sizeof(kv_options) / sizeof(kv_options[0]); i++)
+        llmem_option_set(kv_options[i], NULL);
+
+    /* the names the options accept are the layouts' and the formats', every one */
+    const char *const *layouts = llmem_option_info(LLMEM_OPT_KV_LAYOUT)->choices;
+    int n = 0;
+    for (; layouts[n] != NULL; n++) {
+        enum llmem_kv_layout l;
+        assert_int_equal(llmem_kv_layout_parse(layouts[n], &l), LLMEM_OK);
+        assert_string_equal(llmem_kv_layout_name(l), layouts[n]);
+    }
+    assert_int_equal(n, LLMEM_KV_LAYOUT_COUNT);
+    const char *const *formats = llmem_option_info(LLMEM_OPT_KV_FORMAT)->choices;
+    for (n = 0; formats[n] != NULL; n++) {
+        enum llmem_kv_format f;
+        assert_int_equal(llmem_kv_format_parse(formats[n], &f), LLMEM_OK);
+        assert_string_equal(llmem_kv_format_name(f), formats[n]);
+    }
+    assert_int_equal(n, LLMEM_KV_FORMAT_COUNT);
 }
 
 /* ---- stress

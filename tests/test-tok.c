@@ -12,10 +12,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 
 #include <cjson/cJSON.h>
 
+#include "core/clock.h"
 #include "core/file.h"
 #include "core/json.h"
 #include "llmem/status.h"
@@ -900,23 +900,17 @@ static void test_nfc(void **state) {
 
 /* ---- speed ---------------------------------------------------------------------------------- */
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static void time_encode(const char *name, const char *text, size_t len, const char *what) {
     struct llmem_tokenizer *tok = load(name);
     int32_t *ids = NULL;
     int64_t n = 0;
-    double t0 = now_s();
+    double t0 = llmem_clock_s();
     assert_int_equal(llmem_tokenizer_encode(tok, text, len, &ids, &n), LLMEM_OK);
-    double t1 = now_s();
+    double t1 = llmem_clock_s();
     char *out = NULL;
     size_t out_len = 0;
     assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &out, &out_len), LLMEM_OK);
-    double t2 = now_s();
+    double t2 = llmem_clock_s();
     print_message("%-20s %s: %zu bytes → %lld ids, encode %.3f s, decode %.3f s\n", name, what, len,
                   (long long)n, t1 - t0, t2 - t1);
     assert_int_equal(out_len, len);

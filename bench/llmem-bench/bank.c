@@ -23,6 +23,7 @@
 #include "bench.h"
 #include "cli/common.h"
 #include "core/json.h"
+#include "core/options.h"
 #include "llmem/engine.h"
 
 #define MAX_REPS 32
@@ -123,8 +124,7 @@ int bench_bank(int argc, char **argv) {
 
     char tmp[4096] = "";
     if (dir == NULL) {
-        const char *t = getenv("TMPDIR");
-        snprintf(tmp, sizeof(tmp), "%s/llmem-bench-bank-XXXXXX", t != NULL && *t ? t : "/tmp");
+        snprintf(tmp, sizeof(tmp), "%s/llmem-bench-bank-XXXXXX", llmem_tmp_dir());
         if (mkdtemp(tmp) == NULL) {
             fprintf(stderr, "llmem-bench bank: cannot make a temporary directory\n");
             return CLI_FAIL;

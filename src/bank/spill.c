@@ -39,9 +39,11 @@
 
 #include <sqlite3.h>
 
+#include "core/clock.h"
 #include "core/file.h"
 #include "core/hash.h"
 #include "core/log.h"
+#include "core/options.h"
 #include "llmem/bank.h"
 #include "llmem/size.h"
 #include "llmem/spill.h"
@@ -117,12 +119,6 @@ static int64_t now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static double mono_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 static void chunk_name(const uint8_t key[32], char name[NAME_LEN + 1]) {
@@ -773,21 +769,12 @@ void llmem_spill_config_default(struct llmem_spill_config *c) {
 }
 
 int llmem_spill_default_dir(char *buf, size_t size) {
-    const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
-    int n;
-    if (xdg != NULL && xdg[0] == '/')
-        n = snprintf(buf, size, "%s/llmem/bank", xdg);
-    else if (home != NULL && home[0] == '/')
-        n = snprintf(buf, size, "%s/.cache/llmem/bank", home);
-    else {
+    int status = llmem_cache_dir("bank", buf, size);
+    if (status == LLMEM_ENOENT)
         LLMEM_ERROR("neither XDG_CACHE_HOME nor HOME is an absolute path; pass a directory");
-        return LLMEM_ENOENT;
-    }
-    if (n < 0 || (size_t)n >= size) {
+    else if (status != LLMEM_OK)
         LLMEM_ERROR("the spill directory's path is too long");
-        return LLMEM_ERANGE;
-    }
-    return LLMEM_OK;
+    return status;
 }
 
 int64_t llmem_spill_default_max(int64_t ram) {
@@ -968,15 +955,9 @@ void llmem_spill_close(struct llmem_spill *s) {
         pthread_mutex_lock(&s->lock);
         s->closing = 1;
         pthread_cond_signal(&s->wake);
-        double deadline = mono_s() + LLMEM_SPILL_FLUSH_S;
-        while ((s->head != NULL || s->current != NULL) && mono_s() < deadline) {
-            struct timespec ts;
-            clock_gettime(CLOCK_MONOTONIC, &ts);
-            ts.tv_nsec += 50 * 1000000;
-            if (ts.tv_nsec >= 1000000000) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000;
-            }
+        double deadline = llmem_clock_s() + LLMEM_SPILL_FLUSH_S;
+        while ((s->head != NULL || s->current != NULL) && llmem_clock_s() < deadline) {
+            struct timespec ts = llmem_clock_deadline(0.050);
             pthread_cond_timedwait(&s->idle, &s->lock, &ts);
         }
         if (s->head != NULL) {
@@ -1357,16 +1338,10 @@ int64_t llmem_spill_submit(struct llmem_spill *s, struct llmem_kv *kv, const uin
 int64_t llmem_spill_flush(struct llmem_spill *s, double timeout_s) {
     if (s == NULL || !s->has_writer)
         return 0;
-    double deadline = mono_s() + timeout_s;
+    double deadline = llmem_clock_s() + timeout_s;
     pthread_mutex_lock(&s->lock);
-    while ((s->head != NULL || s->current != NULL) && mono_s() < deadline) {
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_nsec += 20 * 1000000;
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
+    while ((s->head != NULL || s->current != NULL) && llmem_clock_s() < deadline) {
+        struct timespec ts = llmem_clock_deadline(0.020);
         pthread_cond_timedwait(&s->idle, &s->lock, &ts);
     }
     int64_t left = s->current != NULL;

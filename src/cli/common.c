@@ -12,6 +12,7 @@
 #include "cli/common.h"
 #include "core/json.h"
 #include "core/log.h"
+#include "core/options.h"
 #include "llmem/plan.h"
 #include "llmem/size.h"
 
@@ -30,6 +31,15 @@ static void log_to_stderr(enum llmem_log_level level, const char *line, void *us
 
 void cli_log_init(int verbose) {
     llmem_log_set_callback(log_to_stderr, NULL, verbose ? LLMEM_LOG_DEBUG : LLMEM_LOG_WARN);
+}
+
+int cli_log_from_options(void) {
+    int verbose = 0;
+    cli_log_init(0);
+    if (llmem_option_bool(LLMEM_OPT_VERBOSE, &verbose) != LLMEM_OK)
+        return CLI_FAIL;
+    cli_log_init(verbose);
+    return CLI_OK;
 }
 
 int cli_usage_error(const char *cmd, const char *fmt, ...) {

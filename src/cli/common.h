@@ -95,5 +95,8 @@ void cli_progress_done(void);
 
 /* Makes library log lines at or above WARN (INFO with verbose) go to stderr. */
 void cli_log_init(int verbose);
+/* cli_log_init as LLMEM_VERBOSE says; CLI_FAIL (the line saying why on stderr) for a value it does
+ * not take. */
+int cli_log_from_options(void);
 
 #endif

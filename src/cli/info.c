@@ -1,7 +1,8 @@
 /*
- * cli/info.c — `llmem info [--json]`: the machine probe of SPEC §1 for the host and every CUDA
- * device. Human output is an aligned list that says where the ceiling comes from; --json is
- * one object with the host's fields at the top level (and again under "host") and "devices".
+ * cli/info.c — `llmem info [--json] [--options]`: the machine probe of SPEC §1 for the host and
+ * every CUDA device, and the LLMEM_* variables set. Human output is an aligned list that says
+ * where the ceiling comes from; --json is one object with the host's fields at the top level (and
+ * again under "host"), "devices" and "options". --options lists every variable with its doc.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,6 +10,7 @@
 
 #include "cli/cli.h"
 #include "core/json.h"
+#include "core/options.h"
 #include "llmem/backend.h"
 #include "llmem/kv.h"
 #include "llmem/status.h"
@@ -17,18 +19,22 @@
 #include "sys/probe.h"
 
 static const char info_usage[] =
-    "usage: llmem info [--json]\n"
+    "usage: llmem info [--json] [--options]\n"
     "\n"
     "Probes this machine: physical RAM, the cgroup memory limit, the ceiling (the smaller of the\n"
     "two), available memory, RLIMIT_MEMLOCK, the CPU, its ISA features and the instruction set\n"
     "of the CPU attention kernels they select, and every CUDA device with its total and free\n"
-    "memory. A value that cannot be read is shown as unknown.\n"
+    "memory. A value that cannot be read is shown as unknown. The LLMEM_* environment variables\n"
+    "that are set follow; one whose value is not accepted is shown as such, and info fails.\n"
     "\n"
     "options:\n"
     "  --json      print one JSON object on stdout: the host's fields at the top level (sizes\n"
     "              in bytes; null when unknown, \"unlimited\" when no limit is set), the same\n"
-    "              under \"host\", \"attention_kernels\" (avx512, avx2 or scalar), and\n"
-    "              \"devices\": one object per CUDA device\n"
+    "              under \"host\", \"attention_kernels\" (avx512, avx2 or scalar),\n"
+    "              \"devices\": one object per CUDA device, and \"options\": the LLMEM_*\n"
+    "              variables set, by name, with their values as text\n"
+    "  --options   list every LLMEM_* variable instead: its type, default, what it accepts\n"
+    "              and what it does (with --json: an array under \"options\")\n"
     "  -h, --help  show this help\n";
 
 #define LABEL "  %-13s "
@@ -110,6 +116,104 @@ static void print_device(const struct llmem_device_info *d) {
            fmt_size(d->available, "", a, sizeof(a)));
 }
 
+/* ---- options -------------------------------------------------------------------------------- */
+
+/* Whether the option is well formed; the library's line says why not on stderr. */
+static int option_ok(enum llmem_option id) {
+    return llmem_option_check(id) == LLMEM_OK;
+}
+
+/* The variables set, one a line; returns how many are not accepted. */
+static int print_options_set(void) {
+    int n_set = 0, n_bad = 0;
+    for (int i = 0; i < LLMEM_OPT_COUNT; i++) {
+        const enum llmem_option id = (enum llmem_option)i;
+        const char *text = llmem_option_text(id);
+        if (text == NULL)
+            continue;
+        if (n_set++ == 0)
+            printf("options:\n");
+        printf("  %s=%s", llmem_option_info(id)->name, text);
+        if (!option_ok(id)) {
+            char accepted[160];
+            llmem_option_accepted(llmem_option_info(id), accepted, sizeof(accepted));
+            printf(" (not accepted: expected %s)", accepted);
+            n_bad++;
+        }
+        printf("\n");
+    }
+    if (n_set == 0)
+        printf("options: no LLMEM_* variable set (`llmem info --options` lists them)\n");
+    return n_bad;
+}
+
+/* "options": the variables set, by name, their values as text; returns how many are not
+ * accepted, or -1 when out of memory. */
+static int add_options_set(cJSON *root) {
+    cJSON *obj = cJSON_AddObjectToObject(root, "options");
+    if (obj == NULL)
+        return -1;
+    int n_bad = 0;
+    for (int i = 0; i < LLMEM_OPT_COUNT; i++) {
+        const enum llmem_option id = (enum llmem_option)i;
+        const char *text = llmem_option_text(id);
+        if (text == NULL)
+            continue;
+        if (llmem_json_add_string(obj, llmem_option_info(id)->name, text) != LLMEM_OK)
+            return -1;
+        n_bad += !option_ok(id);
+    }
+    return n_bad;
+}
+
+/* `llmem info --options`: every variable with its type, default, what it accepts and its doc. */
+static int print_options_all(int json) {
+    cJSON *root = json ? cJSON_CreateObject() : NULL;
+    cJSON *list = root != NULL ? cJSON_AddArrayToObject(root, "options") : NULL;
+    if (json && list == NULL)
+        goto out_delete;
+    int n_bad = 0;
+    for (int i = 0; i < LLMEM_OPT_COUNT; i++) {
+        const enum llmem_option id = (enum llmem_option)i;
+        const struct llmem_option_info *o = llmem_option_info(id);
+        const char *text = llmem_option_text(id);
+        char accepted[160];
+        llmem_option_accepted(o, accepted, sizeof(accepted));
+        if (text != NULL)
+            n_bad += !option_ok(id);
+        if (!json) {
+            printf("%s (%s, %s%s%s%s)\n    %s\n    accepts %s\n", o->name,
+                   llmem_option_type_name(o->type),
+                   o->def != NULL ? "default " : "unset by default", o->def != NULL ? o->def : "",
+                   text != NULL ? "; set to " : "", text != NULL ? text : "", o->doc, accepted);
+            continue;
+        }
+        cJSON *item = cJSON_CreateObject();
+        if (item == NULL || !cJSON_AddItemToArray(list, item)) {
+            cJSON_Delete(item);
+            goto out_delete;
+        }
+        if (llmem_json_add_string(item, "name", o->name) != LLMEM_OK ||
+            llmem_json_add_string(item, "type", llmem_option_type_name(o->type)) != LLMEM_OK ||
+            (o->def != NULL ? llmem_json_add_string(item, "default", o->def)
+                            : llmem_json_add_null(item, "default")) != LLMEM_OK ||
+            llmem_json_add_string(item, "accepts", accepted) != LLMEM_OK ||
+            llmem_json_add_string(item, "doc", o->doc) != LLMEM_OK ||
+            (text != NULL ? llmem_json_add_string(item, "value", text)
+                          : llmem_json_add_null(item, "value")) != LLMEM_OK)
+            goto out_delete;
+    }
+    if (json && cli_print_json(root) != CLI_OK)
+        return CLI_FAIL;
+    return n_bad > 0 ? CLI_FAIL : CLI_OK;
+out_delete:
+    fprintf(stderr, "llmem info: out of memory building the JSON output\n");
+    cJSON_Delete(root);
+    return CLI_FAIL;
+}
+
+/* ---- the machine ---------------------------------------------------------------------------- */
+
 static int print_json(const struct llmem_device_info *host, const struct llmem_device_info *devices,
                       int n_devices) {
     cJSON *root = cJSON_CreateObject();
@@ -132,7 +236,11 @@ static int print_json(const struct llmem_device_info *host, const struct llmem_d
         if (llmem_sys_device_info_json(&devices[i], dev) != LLMEM_OK)
             goto out_delete;
     }
-    return cli_print_json(root);
+    const int n_bad = add_options_set(root);
+    if (n_bad < 0)
+        goto out_delete;
+    int status = cli_print_json(root);
+    return status == CLI_OK && n_bad > 0 ? CLI_FAIL : status;
 out_delete:
     fprintf(stderr, "llmem info: out of memory building the JSON output\n");
     cJSON_Delete(root);
@@ -140,10 +248,12 @@ out_delete:
 }
 
 int cli_info(int argc, char **argv) {
-    int json = 0;
+    int json = 0, options = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0) {
             json = 1;
+        } else if (strcmp(argv[i], "--options") == 0) {
+            options = 1;
         } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             fputs(info_usage, stdout);
             return CLI_OK;
@@ -153,6 +263,8 @@ int cli_info(int argc, char **argv) {
             return CLI_USAGE;
         }
     }
+    if (options)
+        return print_options_all(json);
 
     struct llmem_device_info host;
     if (llmem_sys_probe_host(&host) != LLMEM_OK)
@@ -187,6 +299,8 @@ int cli_info(int argc, char **argv) {
             printf("cuda: not built in\n");
         else if (n_devices == 0)
             printf("cuda: no devices (LLMEM_VERBOSE=1 says why)\n");
+        if (print_options_set() > 0)
+            status = CLI_FAIL;
     }
     free(devices);
     return status;

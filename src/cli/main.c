@@ -30,7 +30,8 @@ static const char usage[] =
     "of their own: `llmem-bench --help`.\n";
 
 int main(int argc, char **argv) {
-    cli_log_init(getenv("LLMEM_VERBOSE") != NULL);
+    if (cli_log_from_options() != CLI_OK)
+        return CLI_FAIL;
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
         strcmp(argv[1], "help") == 0) {
         fputs(usage, argc < 2 ? stderr : stdout);

@@ -22,7 +22,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -34,6 +33,7 @@
 #define cpu_relax() ((void)0)
 #endif
 
+#include "core/clock.h"
 #include "core/log.h"
 
 struct llmem_pool {
@@ -68,12 +68,6 @@ static void take_tasks(struct llmem_pool *p, int thread) {
 #define POOL_SPIN_NS  100000
 #define POOL_YIELD_NS 5000
 
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 /* Spins until *cond_fn(p, arg) holds or POOL_SPIN_NS pass; returns whether it holds. */
 static int spin_until(struct llmem_pool *p, int (*cond_fn)(struct llmem_pool *, unsigned long),
                       unsigned long arg) {
@@ -82,7 +76,7 @@ static int spin_until(struct llmem_pool *p, int (*cond_fn)(struct llmem_pool *, 
         if (cond_fn(p, arg))
             return 1;
         if ((i & 63) == 0) {
-            uint64_t t = now_ns();
+            uint64_t t = llmem_clock_ns();
             if (start == 0)
                 start = t;
             else if (t - start > POOL_SPIN_NS)

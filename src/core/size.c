@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "core/log.h"
+#include "core/size_int.h"
 
 static int unit_shift(char c) {
     switch (tolower((unsigned char)c)) {
@@ -23,23 +24,29 @@ static int unit_shift(char c) {
     }
 }
 
-int llmem_size_parse(const char *text, int64_t *bytes) {
+/* Reports why text is not a size, as llmem_size_parse's line unless quiet. */
+#define FAIL(...)                                                                                  \
+    do {                                                                                           \
+        if (!quiet)                                                                                \
+            LLMEM_ERROR_AS("llmem_size_parse", __VA_ARGS__);                                       \
+    } while (0)
+
+static int parse(const char *text, int64_t *bytes, int quiet) {
     if (text == NULL || *text == '\0') {
-        LLMEM_ERROR("empty size; expected a number of bytes or a size like 48G, 512M, 1.5T");
+        FAIL("empty size; expected a number of bytes or a size like 48G, 512M, 1.5T");
         return LLMEM_EINVAL;
     }
     const char *p = text;
     while (isspace((unsigned char)*p))
         p++;
     if (*p == '-') {
-        LLMEM_ERROR("'%s': a size cannot be negative", text);
+        FAIL("'%s': a size cannot be negative", text);
         return LLMEM_EINVAL;
     }
     if (*p == '+')
         p++;
     if (!isdigit((unsigned char)*p)) {
-        LLMEM_ERROR("'%s' is not a size; expected a number of bytes or a size like 48G, 512M, 1.5T",
-                    text);
+        FAIL("'%s' is not a size; expected a number of bytes or a size like 48G, 512M, 1.5T", text);
         return LLMEM_EINVAL;
     }
 
@@ -57,7 +64,7 @@ int llmem_size_parse(const char *text, int64_t *bytes) {
     if (*p == '.') {
         p++;
         if (!isdigit((unsigned char)*p)) {
-            LLMEM_ERROR("'%s' is not a size: expected digits after the decimal point", text);
+            FAIL("'%s' is not a size: expected digits after the decimal point", text);
             return LLMEM_EINVAL;
         }
         for (; isdigit((unsigned char)*p); p++) {
@@ -82,27 +89,37 @@ int llmem_size_parse(const char *text, int64_t *bytes) {
     while (isspace((unsigned char)*p))
         p++;
     if (*p != '\0') {
-        LLMEM_ERROR("'%s' is not a size: unexpected '%s' (units are K, M, G, T)", text, p);
+        FAIL("'%s' is not a size: unexpected '%s' (units are K, M, G, T)", text, p);
         return LLMEM_EINVAL;
     }
     if (has_frac && shift == 0) {
-        LLMEM_ERROR("'%s': a fraction needs a unit (K, M, G or T)", text);
+        FAIL("'%s': a fraction needs a unit (K, M, G or T)", text);
         return LLMEM_EINVAL;
     }
     uint64_t unit = (uint64_t)1 << shift;
     if (too_big || whole > (uint64_t)INT64_MAX / unit) {
-        LLMEM_ERROR("'%s' is too large (the largest size is %" PRId64 " bytes)", text, INT64_MAX);
+        FAIL("'%s' is too large (the largest size is %" PRId64 " bytes)", text, INT64_MAX);
         return LLMEM_ERANGE;
     }
     uint64_t value = whole * unit;
     /* frac / frac_scale × unit, rounded down, without overflow: unit ≤ 2^40, frac < 10^18. */
     uint64_t frac_bytes = (uint64_t)(((unsigned __int128)frac * unit) / frac_scale);
     if (value > (uint64_t)INT64_MAX - frac_bytes) {
-        LLMEM_ERROR("'%s' is too large (the largest size is %" PRId64 " bytes)", text, INT64_MAX);
+        FAIL("'%s' is too large (the largest size is %" PRId64 " bytes)", text, INT64_MAX);
         return LLMEM_ERANGE;
     }
     *bytes = (int64_t)(value + frac_bytes);
     return LLMEM_OK;
+}
+
+#undef FAIL
+
+int llmem_size_parse(const char *text, int64_t *bytes) {
+    return parse(text, bytes, 0);
+}
+
+int llmem_size_parse_quiet(const char *text, int64_t *bytes) {
+    return parse(text, bytes, 1);
 }
 
 char *llmem_size_format(int64_t bytes, char *buf, size_t buf_size) {

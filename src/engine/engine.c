@@ -21,6 +21,7 @@
 
 #include "backend/ops.h"
 #include "core/log.h"
+#include "core/options.h"
 #include "llmem/pool.h"
 #include "llmem/bank.h"
 #include "llmem/engine.h"
@@ -180,13 +181,8 @@ static int open_kv(struct llmem_engine *e) {
  * ~/.cache/llmem/digests (directories created); NULL when neither can be made (the weights are
  * then digested at every open). */
 static char *digest_cache_path(void) {
-    const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
     char dir[4096];
-    if (xdg != NULL && *xdg == '/')
-        snprintf(dir, sizeof(dir), "%s/llmem", xdg);
-    else if (home != NULL && *home == '/')
-        snprintf(dir, sizeof(dir), "%s/.cache/llmem", home);
-    else
+    if (llmem_cache_dir(NULL, dir, sizeof(dir)) != LLMEM_OK)
         return NULL;
     char *slash = strrchr(dir, '/');
     *slash = '\0';
@@ -314,10 +310,9 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
         status = LLMEM_ENOMEM;
         goto fail;
     }
-    const char *on_device = getenv("LLMEM_SAMPLE_ON_DEVICE");
-    e->top_on_device = on_device == NULL || strcmp(on_device, "0") != 0;
-    const char *ahead = getenv("LLMEM_DECODE_AHEAD");
-    e->decode_ahead = ahead == NULL || strcmp(ahead, "0") != 0;
+    if ((status = llmem_option_bool(LLMEM_OPT_SAMPLE_ON_DEVICE, &e->top_on_device)) != LLMEM_OK ||
+        (status = llmem_option_bool(LLMEM_OPT_DECODE_AHEAD, &e->decode_ahead)) != LLMEM_OK)
+        goto fail;
     e->ahead = malloc((size_t)e->cfg.max_sequences * sizeof(*e->ahead));
     if (e->ahead == NULL) {
         LLMEM_ERROR_AS("llmem_engine_open", "out of memory");

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "core/log.h"
+#include "core/rng.h"
 #include "engine/engine_int.h"
 #include "llmem/engine.h"
 
@@ -26,13 +27,6 @@ struct llmem_sampler {
 
 void llmem_sampling_default(struct llmem_sampling *s) {
     *s = (struct llmem_sampling){.temperature = 0, .top_k = 0, .top_p = 1.0, .min_p = 0, .seed = 0};
-}
-
-static uint64_t splitmix64(uint64_t *x) {
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 static uint64_t rotl(uint64_t x, int k) {
@@ -71,7 +65,7 @@ int llmem_sampler_create(const struct llmem_sampling *p, int64_t vocab,
     s->vocab = vocab;
     uint64_t x = p->seed;
     for (int i = 0; i < 4; i++)
-        s->s[i] = splitmix64(&x);
+        s->s[i] = llmem_splitmix64_next(&x);
     *out = s;
     return LLMEM_OK;
 }

@@ -25,9 +25,9 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend/ops.h"
+#include "core/clock.h"
 #include "core/log.h"
 #include "kv/codec_internal.h"
 #include "kv/kv_int.h"
@@ -374,12 +374,6 @@ static void fallback_task(void *arg, int task, int thread) {
         llmem_kv_rotate_inverse(c, out);
 }
 
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 /* The fields of a device attention call that do not depend on the sequence. */
 static struct llmem_backend_paged_attn device_attn(const struct llmem_kv *kv, int layer,
                                                    const struct llmem_kv_attn *attn, const float *q,
@@ -444,7 +438,7 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
     LLMEM_ASSERT(q_pos + n_q <= s->length);
     LLMEM_ASSERT(n_heads > 0 && n_heads % kv->cfg.n_kv_heads == 0 &&
                  n_heads / kv->cfg.n_kv_heads <= 64);
-    int64_t t0 = now_ns();
+    const uint64_t t0 = llmem_clock_ns();
     if (kv->cfg.device != NULL) { /* on the device that holds the pool */
         const struct llmem_backend *d = kv->cfg.device;
         struct llmem_backend_paged_attn a = device_attn(kv, layer, attn, q, out);
@@ -530,6 +524,6 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
         kv->st.route_direct++;
     }
     llmem_mem_free(kv->mem, ws);
-    kv->st.attend_ns += now_ns() - t0;
+    kv->st.attend_ns += (int64_t)(llmem_clock_ns() - t0);
     return LLMEM_OK;
 }

@@ -62,6 +62,7 @@
 #include <string.h>
 
 #include "core/log.h"
+#include "core/rng.h"
 #include "kv/codec_internal.h"
 #include "plan/kv_codebook.h"
 
@@ -173,13 +174,6 @@ static const struct {
     [LLMEM_KV_FORMAT_TQ] = {LLMEM_KV_TQK_GROUP_BYTES, LLMEM_KV_TQV_GROUP_BYTES},
 };
 
-static uint64_t splitmix64(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
 int llmem_kv_codec_init(struct llmem_kv_codec *c, enum llmem_kv_format format, int head_dim,
                         int rotate, uint64_t seed) {
     LLMEM_ASSERT(c != NULL);
@@ -213,7 +207,7 @@ int llmem_kv_codec_init(struct llmem_kv_codec *c, enum llmem_kv_format format, i
     c->rotate_values = rotate_values;
     c->key_bytes = (size_t)(head_dim / G) * (size_t)layouts[format].key_group_bytes;
     c->value_bytes = (size_t)(head_dim / G) * (size_t)layouts[format].value_group_bytes;
-    uint64_t s = splitmix64(seed);
+    uint64_t s = llmem_splitmix64(seed);
     if (s == 0) /* the one fixed point of xorshift */
         s = 0x9e3779b97f4a7c15ull;
     for (int i = 0; i < LLMEM_KV_MAX_HEAD_DIM; i++) {

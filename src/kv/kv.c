@@ -21,6 +21,7 @@
 
 #include "backend/ops.h"
 #include "core/log.h"
+#include "core/options.h"
 
 static const char *const layout_names[LLMEM_KV_LAYOUT_COUNT] = {"paged", "contiguous", "blocks",
                                                                 "ragged"};
@@ -53,42 +54,21 @@ void llmem_kv_config_default(struct llmem_kv_config *c) {
     c->seed = 0x6c6c6d656d6b76ULL;
 }
 
-static int env_int(const char *name, int64_t lo, int64_t hi, int64_t *out) {
-    const char *s = getenv(name);
-    if (s == NULL || *s == '\0')
-        return 0;
-    char *end = NULL;
-    long long v = strtoll(s, &end, 10);
-    if (*end != '\0' || v < lo || v > hi) {
-        LLMEM_ERROR("%s='%s' is not an integer in [%lld, %lld]", name, s, (long long)lo,
-                    (long long)hi);
-        return -1;
-    }
-    *out = v;
-    return 1;
-}
-
 int llmem_kv_config_from_env(struct llmem_kv_config *c) {
-    const char *s = getenv("LLMEM_KV_LAYOUT");
-    if (s != NULL && *s != '\0' && llmem_kv_layout_parse(s, &c->layout) != LLMEM_OK)
+    /* Each option has no default of its own: unset, the config's value stands. The names the
+     * options accept are the layouts' and formats' own, so their parsers cannot fail here. */
+    const char *layout = NULL, *format = NULL;
+    int64_t block_size = c->block_size;
+    if (llmem_option_enum(LLMEM_OPT_KV_LAYOUT, &layout) != LLMEM_OK ||
+        llmem_option_enum(LLMEM_OPT_KV_FORMAT, &format) != LLMEM_OK ||
+        llmem_option_int(LLMEM_OPT_KV_BLOCK_SIZE, &block_size) != LLMEM_OK ||
+        llmem_option_int(LLMEM_OPT_KV_NUM_BLOCKS, &c->num_blocks) != LLMEM_OK ||
+        llmem_option_bool(LLMEM_OPT_KV_DYNAMIC, &c->dynamic) != LLMEM_OK)
         return LLMEM_EINVAL;
-    s = getenv("LLMEM_KV_FORMAT");
-    if (s != NULL && *s != '\0' && llmem_kv_format_parse(s, &c->format) != LLMEM_OK)
+    if ((layout != NULL && llmem_kv_layout_parse(layout, &c->layout) != LLMEM_OK) ||
+        (format != NULL && llmem_kv_format_parse(format, &c->format) != LLMEM_OK))
         return LLMEM_EINVAL;
-    int64_t v;
-    int r = env_int("LLMEM_KV_BLOCK_SIZE", 1, 1 << 20, &v);
-    if (r < 0)
-        return LLMEM_EINVAL;
-    if (r > 0)
-        c->block_size = (int)v;
-    if ((r = env_int("LLMEM_KV_NUM_BLOCKS", 1, (int64_t)1 << 40, &v)) < 0)
-        return LLMEM_EINVAL;
-    if (r > 0)
-        c->num_blocks = v;
-    if ((r = env_int("LLMEM_KV_DYNAMIC", 0, 1, &v)) < 0)
-        return LLMEM_EINVAL;
-    if (r > 0)
-        c->dynamic = (int)v;
+    c->block_size = (int)block_size;
     return LLMEM_OK;
 }
 

@@ -42,7 +42,9 @@
 
 #include <microhttpd.h>
 
+#include "core/clock.h"
 #include "core/log.h"
+#include "core/rng.h"
 #include "llmem/server.h"
 #include "llmem/size.h"
 #include "server/server_int.h"
@@ -302,13 +304,7 @@ static void job_abandon(struct job *j) {
  * every POLL_MS. Returns 0, or -1 when the client has gone (mu still held). */
 static int job_wait(struct job *j, int all) {
     while (!j->done && (all || j->head == NULL)) {
-        struct timespec until;
-        clock_gettime(CLOCK_MONOTONIC, &until);
-        until.tv_nsec += POLL_MS * 1000000L;
-        if (until.tv_nsec >= 1000000000L) {
-            until.tv_sec++;
-            until.tv_nsec -= 1000000000L;
-        }
+        struct timespec until = llmem_clock_deadline(POLL_MS * 1e-3);
         if (pthread_cond_timedwait(&j->cv, &j->mu, &until) == ETIMEDOUT && peer_closed(j->fd)) {
             pthread_mutex_unlock(&j->mu);
             job_abandon(j);
@@ -508,13 +504,6 @@ static int tokenize(struct llmem_server *s, const struct srv_request *req, int32
     return 0;
 }
 
-static uint64_t splitmix(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
-
 /* Submits the job (under the server's mutex, while accepting). */
 static int submit(struct llmem_server *s, struct job *j, const int32_t *ids, int64_t n,
                   struct srv_error *err) {
@@ -533,7 +522,7 @@ static int submit(struct llmem_server *s, struct job *j, const int32_t *ids, int
     struct llmem_request_events ev = {.on_token = job_on_token, .on_done = job_on_done, .arg = j};
     pthread_mutex_lock(&s->mu);
     if (!j->req.have_seed)
-        p.sampling.seed = splitmix(s->salt + s->n_jobs);
+        p.sampling.seed = llmem_splitmix64(s->salt + s->n_jobs);
     s->n_jobs++;
     int status = LLMEM_EBUSY;
     if (s->accepting) {
@@ -660,7 +649,7 @@ static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c
         goto out;
     }
     snprintf(j->id_str, sizeof(j->id_str), "%s-%016" PRIx64, kind == SRV_CHAT ? "chatcmpl" : "cmpl",
-             splitmix(s->salt ^ j->id));
+             llmem_splitmix64(s->salt ^ j->id));
     j->render = (struct srv_render){.kind = kind,
                                     .id = j->id_str,
                                     .model = s->name,
@@ -1035,9 +1024,7 @@ void llmem_server_stop(struct llmem_server *s) {
     llmem_engine_serve_stop(s->engine); /* requests in flight end as cancelled */
     /* their connections answer (a stream ends with an error event); give them time to write it
      * before the daemon closes every socket */
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_sec += STOP_GRACE_S;
+    struct timespec until = llmem_clock_deadline(STOP_GRACE_S);
     pthread_mutex_lock(&s->mu);
     while (s->n_jobs_alive > 0 && pthread_cond_timedwait(&s->idle, &s->mu, &until) == 0)
         ;

@@ -1,14 +1,18 @@
 /*
  * tests/e2e/e2e-info.c — `llmem info`: --json is exactly one JSON object with the probe's keys
  * (at the top level and under "host") and a device list; the human form works; bad options are
- * usage errors.
+ * usage errors; the LLMEM_* variables set are listed, a malformed one fails, and --options lists
+ * every one of them, each also in the README's table.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "testutil.h"
 
+#include "core/file.h"
 #include "core/json.h"
+#include "core/options.h"
 #include "llmem/status.h"
 
 /* A size key: a non-negative integer, null (unknown) or "unlimited" (for limits). */
@@ -112,11 +116,122 @@ static void test_usage_errors(void **state) {
     tu_run_free(&run);
 }
 
+/* ---- options ------------------------------------------------------------------------------ */
+
+static void test_options_set(void **state) {
+    (void)state;
+    for (int i = 0; i < LLMEM_OPT_COUNT; i++) /* whatever the caller's environment holds */
+        unsetenv(llmem_option_info((enum llmem_option)i)->name);
+    struct tu_run run = tu_llmem("info", NULL);
+    assert_int_equal(run.exit_code, 0);
+    assert_non_null(strstr(run.out, "options: no LLMEM_* variable set"));
+    tu_run_free(&run);
+
+    setenv("LLMEM_DECODE_AHEAD", "0", 1);
+    setenv("LLMEM_KV_FORMAT", "q8", 1);
+    run = tu_llmem("info", NULL);
+    assert_int_equal(run.exit_code, 0);
+    assert_non_null(strstr(run.out, "options:\n"));
+    assert_non_null(strstr(run.out, "  LLMEM_KV_FORMAT=q8\n"));
+    assert_non_null(strstr(run.out, "  LLMEM_DECODE_AHEAD=0\n"));
+    tu_run_free(&run);
+    run = tu_llmem("info", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    cJSON *root = tu_json_stdout(&run);
+    const cJSON *options = cJSON_GetObjectItemCaseSensitive(root, "options");
+    assert_true(cJSON_IsObject(options));
+    assert_int_equal(cJSON_GetArraySize(options), 2);
+    const char *s = NULL;
+    assert_int_equal(llmem_json_get_string(options, "LLMEM_DECODE_AHEAD", &s), LLMEM_OK);
+    assert_string_equal(s, "0");
+    cJSON_Delete(root);
+    tu_run_free(&run);
+
+    /* a malformed value is shown, with what is accepted, and info fails with the library's line */
+    setenv("LLMEM_DECODE_AHEAD", "abc", 1);
+    run = tu_llmem("info", NULL);
+    assert_int_equal(run.exit_code, 1);
+    assert_non_null(strstr(run.out, "LLMEM_DECODE_AHEAD=abc (not accepted: expected 0 or 1"));
+    assert_non_null(strstr(run.err, "LLMEM_DECODE_AHEAD='abc' is not accepted: expected 0 or 1"));
+    tu_run_free(&run);
+    run = tu_llmem("info", "--json", NULL);
+    assert_int_equal(run.exit_code, 1);
+    root = tu_json_stdout(&run); /* still the whole object */
+    cJSON_Delete(root);
+    tu_run_free(&run);
+    unsetenv("LLMEM_DECODE_AHEAD");
+    unsetenv("LLMEM_KV_FORMAT");
+
+    /* the CLI's own: a malformed LLMEM_VERBOSE fails every command */
+    setenv("LLMEM_VERBOSE", "loud", 1);
+    run = tu_llmem("info", NULL);
+    assert_int_equal(run.exit_code, 1);
+    assert_string_equal(run.out, "");
+    assert_non_null(strstr(run.err, "LLMEM_VERBOSE='loud' is not accepted"));
+    tu_run_free(&run);
+    unsetenv("LLMEM_VERBOSE");
+}
+
+static void test_options_all(void **state) {
+    (void)state;
+    char *readme = NULL;
+    size_t readme_len = 0;
+    assert_int_equal(llmem_file_read(LLMEM_SOURCE_DIR "/README.md", 1 << 20, &readme, &readme_len),
+                     LLMEM_OK);
+    setenv("LLMEM_CUDA_ATTN_FUSE", "8", 1);
+    struct tu_run run = tu_llmem("info", "--options", NULL);
+    assert_int_equal(run.exit_code, 0);
+    struct tu_run js = tu_llmem("info", "--options", "--json", NULL);
+    assert_int_equal(js.exit_code, 0);
+    unsetenv("LLMEM_CUDA_ATTN_FUSE");
+    cJSON *root = tu_json_stdout(&js);
+    const cJSON *list = cJSON_GetObjectItemCaseSensitive(root, "options");
+    assert_true(cJSON_IsArray(list));
+    assert_int_equal(cJSON_GetArraySize(list), LLMEM_OPT_COUNT);
+    for (int i = 0; i < LLMEM_OPT_COUNT; i++) {
+        const struct llmem_option_info *o = llmem_option_info((enum llmem_option)i);
+        /* the text: name, type and doc */
+        char head[128];
+        snprintf(head, sizeof(head), "%s (%s, ", o->name, llmem_option_type_name(o->type));
+        assert_non_null(strstr(run.out, head));
+        assert_non_null(strstr(run.out, o->doc));
+        /* the README's table has a row for it */
+        char row[128];
+        snprintf(row, sizeof(row), "| `%s` |", o->name);
+        if (strstr(readme, row) == NULL)
+            fail_msg("README.md has no row for %s", o->name);
+        /* the JSON: the same fields, the value where set */
+        const cJSON *item = cJSON_GetArrayItem(list, i);
+        const char *s = NULL;
+        assert_int_equal(llmem_json_get_string(item, "name", &s), LLMEM_OK);
+        assert_string_equal(s, o->name);
+        assert_int_equal(llmem_json_get_string(item, "type", &s), LLMEM_OK);
+        assert_string_equal(s, llmem_option_type_name(o->type));
+        assert_int_equal(llmem_json_get_string(item, "doc", &s), LLMEM_OK);
+        assert_string_equal(s, o->doc);
+        const cJSON *def = cJSON_GetObjectItemCaseSensitive(item, "default");
+        if (o->def != NULL)
+            assert_string_equal(cJSON_GetStringValue(def), o->def);
+        else
+            assert_true(cJSON_IsNull(def));
+        const cJSON *value = cJSON_GetObjectItemCaseSensitive(item, "value");
+        if (i == LLMEM_OPT_CUDA_ATTN_FUSE)
+            assert_string_equal(cJSON_GetStringValue(value), "8");
+        else
+            assert_true(cJSON_IsNull(value));
+    }
+    assert_non_null(strstr(run.out, "LLMEM_CUDA_ATTN_FUSE (int, default 16; set to 8)"));
+    cJSON_Delete(root);
+    tu_run_free(&js);
+    tu_run_free(&run);
+    free(readme);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_json),
-        cmocka_unit_test(test_human),
-        cmocka_unit_test(test_usage_errors),
+        cmocka_unit_test(test_json),         cmocka_unit_test(test_human),
+        cmocka_unit_test(test_usage_errors), cmocka_unit_test(test_options_set),
+        cmocka_unit_test(test_options_all),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -316,6 +316,16 @@ static void test_bad_input(void **state) {
     assert_int_equal(r.exit_code, 1);
     assert_non_null(strstr(r.err, "outside the vocabulary"));
     tu_run_free(&r);
+
+    /* a malformed environment variable fails the run with one line that names it, rather than
+     * being read as its default */
+    setenv("LLMEM_DECODE_AHEAD", "abc", 1);
+    r = tu_llmem("run", PYCODER, "-p", "x", "-n", "2", NULL);
+    unsetenv("LLMEM_DECODE_AHEAD");
+    assert_int_equal(r.exit_code, 1);
+    assert_string_equal(r.out, "");
+    assert_non_null(strstr(r.err, "LLMEM_DECODE_AHEAD='abc' is not accepted: expected 0 or 1"));
+    tu_run_free(&r);
 }
 
 int main(void) {

@@ -53,6 +53,7 @@
 #include <stdlib.h>
 
 #include "core/log.h"
+#include "core/options.h"
 
 namespace {
 
@@ -1291,18 +1292,31 @@ __global__ void __launch_bounds__(MERGE_THREADS)
  * (2, 3, 4, 6, 8) and LLMEM_CUDA_ATTN_CTAS (1..4), or LLMEM_CUDA_ATTN_<FORMAT>_STAGES / _CTAS
  * (format BF16, F16, Q8) for one format, override them; q8's CTAs set to other than 2 also turn
  * off its taking three when the split fills one wave. */
-int env_int(const char *name, int lo, int hi, int fallback) {
-    const char *e = getenv(name);
-    int v = e ? atoi(e) : fallback;
-    return v >= lo && v <= hi ? v : fallback;
+const enum llmem_option attn_options[] = {
+    LLMEM_OPT_CUDA_ATTN_STAGES,     LLMEM_OPT_CUDA_ATTN_BF16_STAGES, LLMEM_OPT_CUDA_ATTN_F16_STAGES,
+    LLMEM_OPT_CUDA_ATTN_Q8_STAGES,  LLMEM_OPT_CUDA_ATTN_CTAS,        LLMEM_OPT_CUDA_ATTN_BF16_CTAS,
+    LLMEM_OPT_CUDA_ATTN_F16_CTAS,   LLMEM_OPT_CUDA_ATTN_Q8_CTAS,     LLMEM_OPT_CUDA_ATTN_FUSE,
+    LLMEM_OPT_CUDA_ATTN_MERGE_DIMS, LLMEM_OPT_CUDA_ATTN_SERIAL_FROM};
+
+/* LLMEM_OK when every option above is unset or well formed, else LLMEM_EINVAL (logged): check()
+ * asks first, so that option() below, read where a call cannot fail, never meets a bad one. */
+int check_options() {
+    for (enum llmem_option id : attn_options)
+        if (llmem_option_check(id) != LLMEM_OK)
+            return LLMEM_EINVAL;
+    return LLMEM_OK;
 }
 
-int env_format_int(const char *fmt, const char *what, int lo, int hi, int fallback) {
-    char name[64];
-    snprintf(name, sizeof(name), "LLMEM_CUDA_ATTN_%s", what);
-    int v = env_int(name, lo, hi, fallback);
-    snprintf(name, sizeof(name), "LLMEM_CUDA_ATTN_%s_%s", fmt, what);
-    return env_int(name, lo, hi, v);
+/* The option's value; `fallback` when it is unset and has no default. */
+int option(enum llmem_option id, int fallback) {
+    int64_t v = fallback;
+    (void)llmem_option_int(id, &v);
+    return (int)v;
+}
+
+/* The format's own option where set, else the one for every format, else `fallback`. */
+int format_option(enum llmem_option every, enum llmem_option own, int fallback) {
+    return option(own, option(every, fallback));
 }
 
 typedef void (*kernel_fn)(const Params);
@@ -1347,11 +1361,19 @@ template <int FMT, int D, int MINB, bool COOP> KernelInfo *pick_stages(int stage
 }
 
 template <int FMT, bool COOP> KernelInfo *pick_dim(int head_dim) {
-    static const char *name = FMT == FMT_Q8 ? "Q8" : FMT == FMT_BF16 ? "BF16" : "F16";
+    constexpr bool q8 = FMT == FMT_Q8, bf16 = FMT == FMT_BF16;
     /* 16-bit: 3 stages, one CTA (4 warps) per SM; q8: 3 stages, two CTAs per SM, or three when
      * the warps share their stages and the split fills one wave of them */
-    static const int stages = env_format_int(name, "STAGES", 2, 8, 3);
-    static const int ctas = env_format_int(name, "CTAS", 0, 4, FMT == FMT_Q8 ? 2 : 1);
+    static const int stages = format_option(LLMEM_OPT_CUDA_ATTN_STAGES,
+                                            q8     ? LLMEM_OPT_CUDA_ATTN_Q8_STAGES
+                                            : bf16 ? LLMEM_OPT_CUDA_ATTN_BF16_STAGES
+                                                   : LLMEM_OPT_CUDA_ATTN_F16_STAGES,
+                                            3);
+    static const int ctas = format_option(LLMEM_OPT_CUDA_ATTN_CTAS,
+                                          q8     ? LLMEM_OPT_CUDA_ATTN_Q8_CTAS
+                                          : bf16 ? LLMEM_OPT_CUDA_ATTN_BF16_CTAS
+                                                 : LLMEM_OPT_CUDA_ATTN_F16_CTAS,
+                                          q8 ? 2 : 1);
     static const bool wide = FMT == FMT_Q8 && COOP && ctas == 2;
     KernelInfo *k = NULL;
     switch (head_dim) {
@@ -1482,6 +1504,8 @@ int check(const struct llmem_cuda_attn *a, KernelInfo **kernel) {
         LLMEM_ERROR_AS("llmem_cuda_attn_decode", "unsupported %s", why);
         return LLMEM_EINVAL;
     }
+    if (check_options() != LLMEM_OK)
+        return LLMEM_EINVAL;
     *kernel = pick_kernel(a);
     return prepare(*kernel);
 }
@@ -1587,7 +1611,7 @@ long long units(const struct llmem_cuda_attn *a) {
  * of 4 slots, 39.1 → 37.7 µs; 1 × 256 in 8 splits, 32 rows, 8.1 µs against 4.2 with the merge
  * kernel over 16 splits (docs/BENCHMARKS.md). */
 bool fused(const struct llmem_cuda_attn *a, int n_splits) {
-    static const int most = env_int("LLMEM_CUDA_ATTN_FUSE", 0, 256, 16);
+    static const int most = option(LLMEM_OPT_CUDA_ATTN_FUSE, 16);
     const long long rows = (long long)(a->pack > 1 ? a->pack : 1) * (a->n_heads / a->n_kv_heads) *
                            n_splits * (a->head_dim > 128 ? 2 : 1);
     return n_splits > 1 && n_splits <= 32 && rows <= most && a->counters != NULL &&
@@ -1600,7 +1624,7 @@ bool fused(const struct llmem_cuda_attn *a, int n_splits) {
  * graph µs: bf16 1 × 4096, 32 rows, 8.0 at 32 dims against 9.1 at 128; q8 16 × 2048, 512 rows,
  * 28.1 against 24.9; docs/BENCHMARKS.md). LLMEM_CUDA_ATTN_MERGE_DIMS (32, 64, 128) overrides it. */
 int merge_dims(long long rows, int head_dim) {
-    static const int forced = env_int("LLMEM_CUDA_ATTN_MERGE_DIMS", 0, 128, 0);
+    static const int forced = option(LLMEM_OPT_CUDA_ATTN_MERGE_DIMS, 0);
     const long long most = 4LL * (sm_count() > 0 ? sm_count() : 132);
     int md = 32;
     if (forced == 32 || forced == 64 || forced == 128)
@@ -1618,7 +1642,7 @@ int merge_dims(long long rows, int head_dim) {
  * order, which measured faster for a grid of long CTAs in one wave (bf16 64 × 8192, one split:
  * 479.7 against 483.8 µs; docs/BENCHMARKS.md). */
 bool programmatic(int split_len) {
-    static const int from = env_int("LLMEM_CUDA_ATTN_SERIAL_FROM", 0, 1 << 30, 4096);
+    static const int from = option(LLMEM_OPT_CUDA_ATTN_SERIAL_FROM, 4096);
     return from == 0 || split_len < from;
 }
 

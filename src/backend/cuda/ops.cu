@@ -40,8 +40,9 @@
 
 #include "core/hash.h"
 #include "core/log.h"
-#include "llmem/forward.h"
+#include "core/options.h"
 #include "llmem/dtype.h"
+#include "llmem/forward.h"
 
 /* x rows up to which matmul takes the memory-bound kernel (gemv_rows): at f32 precision, where a
  * GEMM first widens the weights, up to GEMV_MAX_ROWS; at fast precision up to GEMV_FAST_ROWS, the
@@ -2282,8 +2283,13 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
     c->precision = precision;
     c->mem = mem;
     c->small_bytes = SMALL_MAX;
-    const char *graphs = getenv("LLMEM_CUDA_GRAPHS");
-    c->graphs_on = graphs == NULL || strcmp(graphs, "0") != 0;
+    int profile = 0;
+    if (llmem_option_bool(LLMEM_OPT_CUDA_GRAPHS, &c->graphs_on) != LLMEM_OK ||
+        llmem_option_bool(LLMEM_OPT_CUDA_PROFILE, &profile) != LLMEM_OK) {
+        free(c);
+        free(b);
+        return LLMEM_EINVAL;
+    }
     c->staging = (int32_t *)malloc(SMALL_MAX);
     if (c->staging == NULL) {
         free(c);
@@ -2338,9 +2344,7 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
     if (status == LLMEM_OK)
         c->feed =
             (int32_t *)((uint8_t *)c->small + c->small_bytes * SMALL_SLOTS + ATTN_COUNTERS_BYTES);
-    const char *profile = getenv("LLMEM_CUDA_PROFILE");
-    if (status == LLMEM_OK && profile != NULL && strcmp(profile, "0") != 0 &&
-        cuda_profile_start == nullptr) {
+    if (status == LLMEM_OK && profile && cuda_profile_start == nullptr) {
         if (check(c, cudaEventCreate(&c->profile_end), "event") != LLMEM_OK ||
             check(c, cudaEventCreate(&cuda_profile_start), "event") != LLMEM_OK) {
             status = LLMEM_EIO;
