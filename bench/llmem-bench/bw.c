@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "bench.h"
+#include "core/clock.h"
 #include "cli/common.h"
 
 #include "backend/ops.h"
@@ -95,15 +96,15 @@ int bench_bandwidth(struct llmem_mem *mem, struct llmem_pool *pool, int64_t byte
         /* read: all of it */
         j->copy = 0;
         j->chunk = ((j->bytes + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
-        double t0 = bench_now_s();
+        double t0 = llmem_clock_s();
         llmem_pool_run(pool, tasks, bw_task, j);
-        double t_read = bench_now_s() - t0;
+        double t_read = llmem_clock_s() - t0;
         /* copy: half onto half, bytes read + bytes written */
         j->copy = 1;
         j->chunk = ((j->bytes / 2 + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
-        t0 = bench_now_s();
+        t0 = llmem_clock_s();
         llmem_pool_run(pool, tasks, bw_task, j);
-        double t_copy = bench_now_s() - t0;
+        double t_copy = llmem_clock_s() - t0;
         if (p >= 0) { /* the first pass warms up */
             read_gbps[p] = (double)j->bytes / t_read * 1e-9;
             copy_gbps[p] = (double)j->bytes / t_copy * 1e-9;
@@ -162,12 +163,10 @@ int bench_device_probe_run(struct bench_device_probe *p, double *copy_gbps) {
     const int passes = 10;
     double best = 0;
     for (int i = 0; i <= passes; i++) { /* the first is a warm-up */
-        struct timespec t0, t1;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
+        double t0 = llmem_clock_s();
         if (p->be->ops->copy(p->be->ctx, p->b, p->a, (size_t)p->bytes) != LLMEM_OK)
             return CLI_FAIL;
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        double s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+        double s = llmem_clock_s() - t0;
         double gbps = 2.0 * (double)p->bytes / s * 1e-9;
         if (i > 0 && gbps > best)
             best = gbps;

@@ -49,6 +49,8 @@
 #include <time.h>
 
 #include "bench.h"
+#include "core/clock.h"
+#include "core/rng.h"
 #include "cli/common.h"
 #include "core/json.h"
 #include "llmem/pool.h"
@@ -91,18 +93,11 @@ static const int64_t quick_batches[] = {1, 4};
 #define QUICK_MAX_TOKENS ((int64_t)32 * 1024) /* --quick: ctx × batch */
 #define COUNT(a)         ((int)(sizeof(a) / sizeof((a)[0])))
 
-static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
 static void fill_gaussian(float *x, size_t n, uint64_t seed) {
     uint64_t s = seed;
     for (size_t i = 0; i < n; i += 2) {
-        double u1 = ((double)(rng_next(&s) >> 11) + 1.0) * 0x1p-53; /* (0, 1] */
-        double u2 = (double)(rng_next(&s) >> 11) * 0x1p-53;
+        double u1 = ((double)(llmem_splitmix64_next(&s) >> 11) + 1.0) * 0x1p-53; /* (0, 1] */
+        double u2 = (double)(llmem_splitmix64_next(&s) >> 11) * 0x1p-53;
         double r = sqrt(-2.0 * log(u1)), a = 2.0 * M_PI * u2;
         x[i] = (float)(r * cos(a));
         if (i + 1 < n)
@@ -255,9 +250,9 @@ static int fma_rate(struct llmem_pool *pool, int passes, double *rate) {
 #endif
     int threads = llmem_pool_threads(pool);
     for (int p = 0; p < passes; p++) {
-        double t0 = bench_now_s();
+        double t0 = llmem_clock_s();
         llmem_pool_run(pool, threads, fma_task, &j);
-        double t = bench_now_s() - t0;
+        double t = llmem_clock_s() - t0;
         rate[p] = (double)threads * FMA_ITERS * FMA_CHAINS * j.lanes / t;
     }
     return j.lanes;
@@ -302,12 +297,12 @@ static const char *route_taken(const struct llmem_kv_stats *before,
 static double attend_batch(struct llmem_kv *kv, enum llmem_kv_route route, int64_t ctx,
                            int64_t batch, const float *q, float *out) {
     const struct llmem_kv_attn attn = {.n_heads = n_heads, .route = route};
-    double t0 = bench_now_s();
+    double t0 = llmem_clock_s();
     for (int s = 0; s < batch; s++)
         if (llmem_kv_attend(kv, s, 0, ctx - 1, 1, q + (size_t)s * Q_FLOATS,
                             out + (size_t)s * Q_FLOATS, &attn) != LLMEM_OK)
             return -1;
-    return bench_now_s() - t0;
+    return llmem_clock_s() - t0;
 }
 
 /* Measures points[first, last) — all of one format and context — holding the caches of as many
@@ -458,7 +453,7 @@ static double append_once(struct bench *b, enum llmem_kv_layout layout, int64_t 
         (!reserved || llmem_kv_reserve(kv, seq, tokens) == LLMEM_OK)) {
         struct llmem_kv_stats st0, st;
         llmem_kv_stats(kv, &st0);
-        double t0 = bench_now_s();
+        double t0 = llmem_clock_s();
         int64_t pos = 0;
         while (pos < tokens) {
             int64_t at = pos % DATA_TOKENS, n = tokens - pos;
@@ -470,7 +465,7 @@ static double append_once(struct bench *b, enum llmem_kv_layout layout, int64_t 
             pos += n;
         }
         if (pos == tokens)
-            t = bench_now_s() - t0;
+            t = llmem_clock_s() - t0;
         llmem_kv_stats(kv, &st);
         *grow_events = st.grow_events - st0.grow_events;
     }

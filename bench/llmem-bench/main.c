@@ -29,12 +29,6 @@ static const char usage[] =
     "\n"
     "Run `llmem-bench <benchmark> --help` for the options of a benchmark.\n";
 
-double bench_now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;

@@ -30,6 +30,7 @@
 
 #include "backend/cpu/cpu_int.h"
 #include "bench.h"
+#include "core/clock.h"
 #include "cli/common.h"
 #include "core/json.h"
 #include "llmem/pool.h"
@@ -118,9 +119,9 @@ static void peak_task(void *arg, int task, int thread) {
 static double peak_gflops(struct llmem_pool *pool, int kind, enum cpu_isa isa) {
     struct peak_job j = {.kind = kind, .isa = isa};
     int threads = llmem_pool_threads(pool);
-    double t0 = bench_now_s();
+    double t0 = llmem_clock_s();
     llmem_pool_run(pool, threads, peak_task, &j);
-    double t = bench_now_s() - t0;
+    double t = llmem_clock_s() - t0;
     double per_iter = kind == 1 ? 16.0 * 64 : isa == CPU_ISA_AVX512 ? 16.0 * 32 : 12.0 * 16;
     return (double)PEAK_ITERS * per_iter * threads / t * 1e-9;
 }
@@ -134,10 +135,10 @@ static double dispatch_us(struct llmem_pool *pool) {
     double v[5];
     int threads = llmem_pool_threads(pool);
     for (int r = 0; r < 5; r++) {
-        double t0 = bench_now_s();
+        double t0 = llmem_clock_s();
         for (int i = 0; i < 2000; i++)
             llmem_pool_run(pool, threads, noop_task, NULL);
-        v[r] = (bench_now_s() - t0) / 2000 * 1e6;
+        v[r] = (llmem_clock_s() - t0) / 2000 * 1e6;
     }
     return bench_median(v, 5);
 }
@@ -346,14 +347,14 @@ int bench_matmul(int argc, char **argv) {
                      * lines, whose write-back would otherwise be charged to the decode. */
                     double t0 = 0;
                     for (int pass = 0; pass < 2; pass++) {
-                        t0 = bench_now_s();
+                        t0 = llmem_clock_s();
                         for (int k = 0; k < copies; k++) {
                             struct llmem_weight w = {wbuf + (size_t)k * wbytes, bench_dtypes[d],
                                                      rows, cols};
                             be->ops->matmul(be->ctx, &w, x, n, y, NULL);
                         }
                     }
-                    double t = bench_now_s() - t0, rd, cp;
+                    double t = llmem_clock_s() - t0, rd, cp;
                     if (bench_bandwidth(mem, pool, bw_bytes, 1, &rd, &cp, NULL, NULL) != CLI_OK)
                         goto out;
                     if (r >= 0) {
@@ -388,7 +389,7 @@ int bench_matmul(int argc, char **argv) {
             llmem_backend_cpu_set_matmul_path(be, CPU_MATMUL_GEMM);
             for (int p = 0; p < n_paths; p++) {
                 for (int64_t r = -1; r < reps; r++) {
-                    double t0 = bench_now_s();
+                    double t0 = llmem_clock_s();
 #if BENCH_OPENBLAS
                     if (p == 1)
                         blas_matmul(&w, x, PREFILL_N, y, n_threads);
@@ -396,7 +397,7 @@ int bench_matmul(int argc, char **argv) {
 #endif
                         be->ops->matmul(be->ctx, &w, x, PREFILL_N, y, NULL);
                     if (r >= 0)
-                        tv[r] = bench_now_s() - t0;
+                        tv[r] = llmem_clock_s() - t0;
                 }
                 double gf = 2.0 * PREFILL_N * (double)rows * (double)cols /
                             bench_median(tv, (int)reps) * 1e-9;

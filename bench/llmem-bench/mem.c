@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "bench.h"
+#include "core/clock.h"
 #include "cli/common.h"
 #include "core/json.h"
 #include "llmem/mem.h"
@@ -128,7 +129,7 @@ static void touch(void *p, size_t bytes, size_t page) {
 /* Runs the pattern once; returns seconds, or a negative value when an allocation failed. */
 static double run_once(const struct pattern *p, enum which w, struct llmem_mem *mem, void **slots,
                        size_t *sizes, int do_touch, size_t page) {
-    double t0 = bench_now_s();
+    double t0 = llmem_clock_s();
     for (size_t i = 0; i < p->n_ops; i++) {
         const struct op *o = &p->ops[i];
         if (o->bytes > 0) {
@@ -156,7 +157,7 @@ static double run_once(const struct pattern *p, enum which w, struct llmem_mem *
             }
         }
     }
-    return bench_now_s() - t0;
+    return llmem_clock_s() - t0;
 }
 
 /* ---- the command ------------------------------------------------------------------------------

@@ -33,6 +33,7 @@
 
 #include "backend/ops.h"
 #include "bench.h"
+#include "core/clock.h"
 #include "cli/common.h"
 #include "core/json.h"
 #include "llmem/pool.h"
@@ -56,7 +57,7 @@ static struct outcome request(int port, const char *body) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-    double t0 = bench_now_s(), first = 0, last = 0;
+    double t0 = llmem_clock_s(), first = 0, last = 0;
     if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
         if (fd >= 0)
             close(fd);
@@ -85,7 +86,7 @@ static struct outcome request(int port, const char *body) {
         ssize_t got = read(fd, buf + n, cap - n - 1);
         if (got <= 0)
             break;
-        double now = bench_now_s();
+        double now = llmem_clock_s();
         size_t from = n >= 7 ? n - 7 : 0; /* an event marker split across reads */
         n += (size_t)got;
         buf[n] = '\0';
@@ -178,14 +179,14 @@ static int run_clients(struct llmem_engine *e, int port, char **bodies, int n, i
     struct llmem_backend_counters g0, g1;
     llmem_engine_metrics(e, &m0);
     g0 = graphs(e);
-    double t0 = bench_now_s();
+    double t0 = llmem_clock_s();
     int started = 0;
     for (; started < clients; started++)
         if (pthread_create(&th[started], NULL, client, &r) != 0)
             break;
     for (int i = 0; i < started; i++)
         pthread_join(th[i], NULL);
-    double wall = bench_now_s() - t0;
+    double wall = llmem_clock_s() - t0;
     llmem_engine_metrics(e, &m1);
     g1 = graphs(e);
     *st = (struct stats){.clients = clients,
