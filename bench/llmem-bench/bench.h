@@ -28,6 +28,7 @@ int bench_bank(int argc, char **argv);
 /* `llmem-bench serve MODEL` (serve.c): the HTTP server under concurrent clients. */
 int bench_serve(int argc, char **argv);
 
+/* The median of n values (sorted in place) (main.c). */
 double bench_median(double *v, int n);
 
 /* Appends `passes` read and copy bandwidth measurements (GB/s) to read_gbps / copy_gbps, with a
