@@ -1,11 +1,10 @@
 /*
- * bench/llmem-bench/main.c — `llmem-bench <benchmark> [options]`: dispatch, help, and the clock
- * and the median every benchmark uses.
+ * bench/llmem-bench/main.c — `llmem-bench <benchmark> [options]`: dispatch, help, and the median
+ * every benchmark uses.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "bench.h"
 #include "cli/common.h"
