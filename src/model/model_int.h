@@ -11,7 +11,7 @@
 #include "llmem/model.h"
 
 /* LLMEM_OK when dir is an existing directory; else LLMEM_ENOENT (missing) or LLMEM_EINVAL (not a
- * directory), logged as from `func` with the path. */
+ * directory), logged as from `func` with the path. In config.c. */
 int llmem_model_dir_check(const char *dir, const char *func);
 
 /* An empty table (NULL on out of memory, logged). Free with llmem_safetensors_free. */
