@@ -6,7 +6,7 @@
  * The matrices are those of the 1B model that tools/make_random_llama.py writes (hidden 2048,
  * intermediate 8192, 16 layers, q/k/v 3072 rows, vocabulary 4096; bf16, 1.963 GB): per layer
  * q+k+v (3072 × 2048), o (2048 × 2048), gate+up (16384 × 2048) and down (2048 × 8192), then the
- * LM head (4096 × 2048), each through a copy of the backend's one-row GEMV (ops.cu gemv_row: a
+ * LM head (4096 × 2048), each through a copy of the backend's one-row GEMV (gemm.cu gemv_row: a
  * warp a row, two for rows of 4096 columns and more, eight 16-byte loads a lane in flight, the
  * first asked for before the wait). Reported, as medians of --reps replays of a CUDA graph:
  *   - the device's copy (bytes read + written) and read bandwidth;

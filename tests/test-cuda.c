@@ -33,7 +33,7 @@
 
 static struct llmem_backend *cpu, *gpu, *gpu_f32;
 
-/* Rows of x up to which the fast-precision backend multiplies in f32 (ops.cu GEMV_FAST_ROWS);
+/* Rows of x up to which the fast-precision backend multiplies in f32 (ops_int.h GEMV_FAST_ROWS);
  * more go to the tensor cores with x rounded to 16 bits. */
 #define GEMV_FAST_ROWS 2
 static struct llmem_mem *dmem; /* device memory */

@@ -363,8 +363,8 @@ static void tqk_decode(const uint8_t *in, float *x) {
 /* Rounds of scale refinement for tq values (see the top of the file). */
 #define TQ_SCALE_ROUNDS 4
 
-/* Lloyd–Max quantizer of N(0, 1) with 8 levels, and the decision thresholds between them. */
-const float llmem_kv_tq_centroids[8] = LLMEM_KV_TQ_CENTROIDS;
+/* The decision thresholds between the levels of the Lloyd–Max quantizer of N(0, 1) (the levels
+ * themselves: llmem_kv_tq_centroids, codebook.c). */
 static const float tq_bounds[7] = LLMEM_KV_TQ_BOUNDS;
 
 /* Nearest centroid of every x/s; returns the squared error of the decoded group. */

@@ -98,7 +98,7 @@ struct llmem_kv_kernels {
     struct llmem_kv_attn_tile attn_tile1[LLMEM_KV_FORMAT_COUNT];
 };
 
-/* The Lloyd–Max codebook of tq values (ascending), shared by every kernel. */
+/* The Lloyd–Max codebook of tq values (ascending), shared by every kernel (codebook.c). */
 extern const float llmem_kv_tq_centroids[8];
 
 /* IEEE half → f32, exact (subnormals, infinities; a NaN stays NaN with its payload). Branch-free

@@ -19,6 +19,7 @@
  * 64-bit products of them cannot overflow; a missing, mistyped or out-of-range field gives one
  * error line naming config.json's path and the field.
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -594,6 +595,27 @@ static int config_geometry(const struct config *c, struct llmem_model_geometry *
     }
     return config_sliding_window(c, arch, g->n_layers, &g->sliding_window,
                                  layers != NULL ? *layers : NULL);
+}
+
+/* The check that every reader of a model directory starts with (model_int.h): here, with the
+ * first file that is read from it, so that model_dir.c, which reads the geometry from here, is
+ * the only one of the pair that calls the other. */
+int llmem_model_dir_check(const char *dir, const char *func) {
+    struct stat st;
+    if (stat(dir, &st) != 0) {
+        int err = errno;
+        if (err == ENOENT || err == ENOTDIR) {
+            LLMEM_ERROR_AS(func, "model directory '%s' does not exist", dir);
+            return LLMEM_ENOENT;
+        }
+        LLMEM_ERROR_AS(func, "model directory '%s': %s", dir, strerror(err));
+        return LLMEM_EIO;
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        LLMEM_ERROR_AS(func, "'%s' is not a model directory (not a directory)", dir);
+        return LLMEM_EINVAL;
+    }
+    return LLMEM_OK;
 }
 
 /* Reads config.json; with cfg, also the runtime numbers and the per-layer sliding flags. */

@@ -9,7 +9,6 @@
  * names, and no tensor may be in two shards. Tensors a shard holds beyond the index are kept (as
  * transformers loads them too). Only headers are read, through safetensors.c.
  */
-#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -23,24 +22,6 @@
 
 #define INDEX_MAX_BYTES ((int64_t)64 << 20)
 #define MODEL_PATH_MAX  4096
-
-int llmem_model_dir_check(const char *dir, const char *func) {
-    struct stat st;
-    if (stat(dir, &st) != 0) {
-        int err = errno;
-        if (err == ENOENT || err == ENOTDIR) {
-            LLMEM_ERROR_AS(func, "model directory '%s' does not exist", dir);
-            return LLMEM_ENOENT;
-        }
-        LLMEM_ERROR_AS(func, "model directory '%s': %s", dir, strerror(err));
-        return LLMEM_EIO;
-    }
-    if (!S_ISDIR(st.st_mode)) {
-        LLMEM_ERROR_AS(func, "'%s' is not a model directory (not a directory)", dir);
-        return LLMEM_EINVAL;
-    }
-    return LLMEM_OK;
-}
 
 static int file_exists(const char *path) {
     struct stat st;

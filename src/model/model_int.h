@@ -20,7 +20,7 @@
 void llmem_rope_inv_freq(const struct llmem_model_config *cfg, float *inv_freq);
 
 /* LLMEM_OK when dir is an existing directory; else LLMEM_ENOENT (missing) or LLMEM_EINVAL (not a
- * directory), logged as from `func` with the path. */
+ * directory), logged as from `func` with the path. In config.c. */
 int llmem_model_dir_check(const char *dir, const char *func);
 
 /* An empty table (NULL on out of memory, logged). Free with llmem_safetensors_free. */

@@ -1,5 +1,5 @@
 /*
- * backend/cuda/kv.h — the paged KV cache's kernels (kv.cu), queued on a stream; used by ops.cu.
+ * backend/cuda/kv.h — the paged KV cache's kernels (kv.cu), queued on a stream; used by attend.cu.
  */
 #ifndef LLMEM_BACKEND_CUDA_KV_H
 #define LLMEM_BACKEND_CUDA_KV_H
@@ -11,7 +11,7 @@
 
 #ifdef __CUDACC__
 /* The angle of RoPE pair i of token t (pos[t] · inv_freq[i]): its cosine and sine, in double as
- * the CPU backend computes them. Shared by rope_kernel (ops.cu) and rope_encode_kernel. */
+ * the CPU backend computes them. Shared by rope_kernel (elementwise.cu) and rope_encode_kernel. */
 __device__ __forceinline__ void rope_angle(const int64_t *pos, const float *inv_freq, int64_t t,
                                            int i, float *cs, float *sn) {
     float angle = __fmul_rn((float)pos[t], inv_freq[i]);

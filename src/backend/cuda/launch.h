@@ -13,7 +13,7 @@
  * before it (norms, RoPE, attention) run, not after they end.
  *
  * The exception: before pdl_begin a kernel may read what no kernel writes, so that those loads
- * are under way while the kernel before it ends: weights (the GEMVs' first loads in ops.cu
+ * are under way while the kernel before it ends: weights (the GEMVs' first loads in gemm.cu
  * gemv_row, the norms' weights, the embedding's rows) and what the host uploaded before the pass
  * (token ids, positions and frequencies, pool slots, block tables and lengths: the embedding,
  * RoPE with the KV write, the decode attention and its merge). The decode attention also starts

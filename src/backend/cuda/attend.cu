@@ -1,0 +1,253 @@
+/*
+ * backend/cuda/attend.cu — the CUDA backend's KV operations: rows encoded into the paged pool (with
+ * a queued RoPE of q and k in the same launch) and attention over it, handed to the kernels of
+ * kv.cu and attention.cu (the split-K decode kernel where it applies: a step's decodes, a prefill
+ * chunk's queries).
+ */
+#include "backend/cuda/ops_int.h"
+
+namespace llmem_cuda {
+
+/* What a launch depends on of a rotation (0: none). */
+static uint64_t rotation_sig(const struct llmem_backend_kv_rotation *r) {
+    return r != NULL ? llmem_hash64(r, sizeof(*r), 1) : 0;
+}
+
+void cuda_kv_encode(void *ctx, enum llmem_kv_format format,
+                    const struct llmem_backend_kv_rotation *rotation, const float *k,
+                    const float *v, int64_t n, int heads, int head_dim, const int64_t *slots,
+                    uint8_t *k_pool, uint8_t *v_pool, size_t key_bytes, size_t value_bytes) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    const int64_t per = (int64_t)(SMALL_MAX / sizeof(int64_t));
+    for (int64_t t = 0; t < n && !c->failed; t += per) {
+        const int64_t m = n - t < per ? n - t : per;
+        const int64_t *d = (const int64_t *)small_upload(c, slots + t, (size_t)m * sizeof(int64_t));
+        if (d == NULL)
+            return;
+        if (staged(c, OP_KV_ENCODE,
+                   {arg((int64_t)format), rotation_sig(rotation), arg(k), arg(v), arg(m),
+                    arg((int64_t)heads), arg((int64_t)head_dim), arg(d), arg(k_pool), arg(v_pool),
+                    arg((int64_t)key_bytes), arg((int64_t)value_bytes)}))
+            continue;
+        const struct rope_later *r = &c->rope_later;
+        if (c->rope_pending && r->k == k && r->n == n && m == n && r->n_kv_heads == heads &&
+            r->head_dim == head_dim) { /* the rope_qk just before: one launch for both */
+            c->rope_pending = 0;
+            llmem_cuda_kv_encode_rope(c->stream, format, rotation, r->q, r->n_heads, r->k, v, n,
+                                      heads, head_dim, (const int64_t *)r->d,
+                                      (const float *)(r->d + (size_t)n * sizeof(int64_t)), d,
+                                      k_pool, v_pool, key_bytes, value_bytes);
+            launched(c, "rope + kv encode");
+            continue;
+        }
+        rope_flush(c);
+        const int64_t off = t * heads * (int64_t)head_dim;
+        llmem_cuda_kv_encode(c->stream, format, rotation, k + off, v + off, m, heads, head_dim, d,
+                             k_pool, v_pool, key_bytes, value_bytes);
+        launched(c, "kv encode");
+    }
+}
+
+/* The split-K decode kernel of attention.cu takes these queries (a sequence's last position, or a
+ * chunk's queries as sequences of their own lengths): no window, f16, bf16, q8 (on tensor cores),
+ * q4 or tq blocks of 16 tokens. */
+static int decode_kernel_fits(const struct llmem_backend_paged_attn *a) {
+    const int group = a->n_heads / a->n_kv_heads;
+    return a->window == 0 && a->format != LLMEM_KV_FORMAT_F32 && a->block_size == 16 &&
+           group <= 8 && (a->head_dim == 64 || a->head_dim == 128 || a->head_dim == 256);
+}
+
+/* What a launch of the decode kernel reads from c->staging (n_ints int32 in all): the block
+ * tables (table_stride apart; 0: one table for all) from index 0, the queries' lengths from
+ * lengths_at, the table of each query from ids_at and the first query of each pack from packs_at
+ * (NO_IDS: none); queries a warp takes together: pack. */
+#define NO_IDS ((size_t)-1)
+struct attn_call {
+    int n_queries, table_stride, max_len, pack, n_packs;
+    int fresh; /* the newest tokens of a sequence, just written by the KV write before */
+    size_t lengths_at, ids_at, packs_at, n_ints;
+};
+static_assert(sizeof(struct attn_call) == 6 * sizeof(int) + 4 * sizeof(size_t),
+              "attn_call is hashed as bytes: no padding");
+
+/* Queries of a prefill chunk a warp takes together: as many as fill the kernel's 8 rows. */
+static int attn_pack(const struct llmem_backend_paged_attn *a) {
+    const int group = a->n_heads / a->n_kv_heads;
+    return group <= 4 ? 8 / group : 1;
+}
+
+/* Runs the decode kernel over the queries of `call`; q and out [n_queries, n_heads, head_dim]. */
+static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_attn *a,
+                          const struct attn_call *call) {
+    const int32_t *d = (const int32_t *)small_upload(c, c->staging, call->n_ints * sizeof(int32_t));
+    if (d == NULL ||
+        staged(c, OP_ATTN_DECODE,
+               {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
+                arg((int64_t)a->head_dim), arg(a->q), arg(a->k_pool), arg(a->v_pool), arg(a->out),
+                arg(d), arg(a->scale), arg((int64_t)a->k_tok), arg((int64_t)a->v_tok),
+                rotation_sig(a->rotation), arg((int64_t)llmem_hash64(call, sizeof(*call), 0))}))
+        return;
+    struct llmem_cuda_attn ca = {};
+    ca.format = a->format;
+    ca.n_heads = a->n_heads;
+    ca.n_kv_heads = a->n_kv_heads;
+    ca.head_dim = a->head_dim;
+    ca.block_size = a->block_size;
+    ca.batch = call->n_queries;
+    ca.max_len = call->max_len;
+    ca.scale = a->scale;
+    ca.q = a->q;
+    ca.k_pool = a->k_pool;
+    ca.v_pool = a->v_pool;
+    ca.block_stride = (int64_t)a->block_size * (int64_t)a->k_tok;
+    ca.v_block_stride = (int64_t)a->block_size * (int64_t)a->v_tok;
+    ca.rotation = a->rotation;
+    ca.block_tables = d;
+    ca.table_stride = call->table_stride;
+    ca.lengths = d + call->lengths_at;
+    ca.fresh = call->fresh;
+    ca.table_ids = call->ids_at != NO_IDS ? d + call->ids_at : NULL;
+    ca.pack = call->pack;
+    ca.packs = call->packs_at != NO_IDS ? d + call->packs_at : NULL;
+    ca.n_packs = call->n_packs;
+    ca.out = a->out;
+    ca.stream = c->stream;
+    ca.workspace_bytes = llmem_cuda_attn_workspace_bytes(&ca);
+    /* a prefill chunk's splits merged inside the kernel when they are few; a decode step's by the
+     * second kernel, which measured faster inside the pass (docs/BENCHMARKS.md) */
+    if (call->pack > 1) {
+        ca.counters = (unsigned *)((uint8_t *)c->small + c->small_bytes * SMALL_SLOTS);
+        ca.n_counters = ATTN_COUNTERS_BYTES / sizeof(unsigned);
+    }
+    if (ca.workspace_bytes > 0 && (ca.workspace = scratch(c, ca.workspace_bytes)) == NULL)
+        return;
+    if (llmem_cuda_attn_decode(&ca) != LLMEM_OK)
+        fail(c, LLMEM_EIO, "attention", NULL); /* logged by attention.cu */
+    else
+        launched(c, "attention");
+}
+
+void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (a->n_q == 0 || c->failed)
+        return;
+    const size_t max_ints = SMALL_MAX / sizeof(int32_t);
+    if ((size_t)a->n_blocks + 1 > max_ints) {
+        LLMEM_ERROR("cuda backend: a sequence of %lld blocks (at most %zu)", (long long)a->n_blocks,
+                    max_ints - 1);
+        fail(c, LLMEM_EINVAL, "per-call data", NULL);
+        return;
+    }
+    for (int64_t b = 0; b < a->n_blocks; b++)
+        c->staging[b] = (int32_t)a->blocks[b];
+    if (decode_kernel_fits(a) && (size_t)(a->n_blocks + a->n_q) <= max_ints) {
+        /* each query a "sequence" of its own length over the one table (on tensor cores) */
+        for (int64_t i = 0; i < a->n_q; i++)
+            c->staging[a->n_blocks + i] = (int32_t)(a->q_pos + i + 1);
+        const struct attn_call call = {.n_queries = (int)a->n_q,
+                                       .table_stride = 0,
+                                       .max_len = (int)(a->q_pos + a->n_q),
+                                       .pack = a->n_q > 1 ? attn_pack(a) : 1,
+                                       .n_packs = 0,
+                                       .fresh = (int)a->n_q,
+                                       .lengths_at = (size_t)a->n_blocks,
+                                       .ids_at = NO_IDS,
+                                       .packs_at = NO_IDS,
+                                       .n_ints = (size_t)(a->n_blocks + a->n_q)};
+        decode_kernel(c, a, &call);
+        return;
+    }
+    const int32_t *d =
+        (const int32_t *)small_upload(c, c->staging, (size_t)a->n_blocks * sizeof(int32_t));
+    if (d == NULL ||
+        staged(c, OP_KV_ATTEND,
+               {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
+                arg((int64_t)a->head_dim), arg(a->k_pool), arg(a->v_pool), arg(a->q), arg(a->out),
+                arg(a->q_pos), arg(a->n_q), arg(a->window), arg(a->scale), arg(d),
+                arg((int64_t)a->k_tok), arg((int64_t)a->v_tok), arg((int64_t)a->key_bytes),
+                arg((int64_t)a->value_bytes), rotation_sig(a->rotation)}))
+        return;
+    if (llmem_cuda_kv_attend(c->stream, a, d) != LLMEM_OK) {
+        LLMEM_ERROR("cuda backend: attention over head_dim %d (a multiple of 32 up to 256)",
+                    a->head_dim);
+        fail(c, LLMEM_EINVAL, "attention", NULL);
+        return;
+    }
+    launched(c, "kv attend");
+}
+
+/* The last n_q[s] positions (n_q NULL: the last one) of each of n_seqs sequences: one launch of the
+ * decode kernel for all their queries where it applies and the tables fit one upload (each query
+ * a "sequence" of its own length over its sequence's table), else sequence by sequence. */
+void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn *a, int n_seqs,
+                         const int64_t *const *blocks, const int64_t *lengths, const int64_t *n_q) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (n_seqs == 0 || c->failed)
+        return;
+    int64_t most = 0, queries = 0, fresh = 1;
+    for (int s = 0; s < n_seqs; s++) {
+        most = lengths[s] > most ? lengths[s] : most;
+        queries += n_q != NULL ? n_q[s] : 1;
+        fresh = n_q != NULL && n_q[s] > fresh ? n_q[s] : fresh;
+    }
+    /* tables padded to a power of two of blocks: the same launch (and graph) for many steps */
+    int64_t stride = 8;
+    while (stride * a->block_size < most)
+        stride *= 2;
+    most = stride * a->block_size;
+    /* the tables, the queries' lengths, and with n_q the table of each query and the packs of
+     * a sequence's queries that a warp takes together (a decode's one query its own) */
+    const int pack = n_q != NULL ? attn_pack(a) : 1;
+    int64_t packs = 0;
+    for (int s = 0; n_q != NULL && s < n_seqs; s++)
+        packs += (n_q[s] + pack - 1) / pack;
+    struct attn_call call = {.n_queries = (int)queries,
+                             .table_stride = (int)stride,
+                             .max_len = (int)most,
+                             .pack = packs < queries ? pack : 1,
+                             .n_packs = packs < queries ? (int)packs : 0,
+                             .fresh = (int)fresh,
+                             .lengths_at = (size_t)n_seqs * (size_t)stride,
+                             .ids_at = NO_IDS,
+                             .packs_at = NO_IDS,
+                             .n_ints = 0};
+    call.n_ints = call.lengths_at + (size_t)queries;
+    if (n_q != NULL)
+        call.ids_at = call.n_ints, call.n_ints += (size_t)queries;
+    if (call.pack > 1)
+        call.packs_at = call.n_ints, call.n_ints += (size_t)packs;
+    if (decode_kernel_fits(a) && call.n_ints <= SMALL_MAX / sizeof(int32_t)) {
+        size_t at = 0, pk = 0;
+        for (int s = 0; s < n_seqs; s++) {
+            const int64_t nb = (lengths[s] + a->block_size - 1) / a->block_size;
+            int32_t *row = c->staging + (size_t)s * (size_t)stride;
+            for (int64_t b = 0; b < stride; b++)
+                row[b] = b < nb ? (int32_t)blocks[s][b] : 0;
+            const int64_t m = n_q != NULL ? n_q[s] : 1;
+            for (int64_t i = 0; i < m; i++, at++) {
+                c->staging[call.lengths_at + at] = (int32_t)(lengths[s] - m + i + 1);
+                if (call.ids_at != NO_IDS)
+                    c->staging[call.ids_at + at] = s;
+                if (call.packs_at != NO_IDS && i % call.pack == 0)
+                    c->staging[call.packs_at + pk++] = (int32_t)at;
+            }
+        }
+        decode_kernel(c, a, &call);
+        return;
+    }
+    const size_t row = (size_t)a->n_heads * (size_t)a->head_dim;
+    size_t at = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        struct llmem_backend_paged_attn one = *a;
+        one.blocks = blocks[s];
+        one.n_blocks = (lengths[s] + a->block_size - 1) / a->block_size;
+        one.n_q = n_q != NULL ? n_q[s] : 1;
+        one.q_pos = lengths[s] - one.n_q;
+        one.q = a->q + at * row;
+        one.out = a->out + at * row;
+        cuda_kv_attend(ctx, &one);
+        at += (size_t)one.n_q;
+    }
+}
+
+} // namespace llmem_cuda
