@@ -30,11 +30,15 @@
 #include "llmem/tokenizer.h"
 #include "engine/engine_int.h"
 
+/* The default prefill chunk: the tokens of one forward pass at most (SPEC §2.1); more on a device
+ * where the plan's transient reserve holds it (default_batch_tokens). */
+#define PREFILL_CHUNK 512
+
 void llmem_engine_config_default(struct llmem_engine_config *c) {
     memset(c, 0, sizeof(*c));
     c->kv_layout = LLMEM_KV_LAYOUT_PAGED;
     c->kv_format = LLMEM_KV_FORMAT_F16;
-    c->max_batch_tokens = 0; /* 512, more on a device (default_batch_tokens) */
+    c->max_batch_tokens = 0; /* PREFILL_CHUNK, more on a device (default_batch_tokens) */
     c->max_sequences = 1;
 }
 
@@ -76,27 +80,28 @@ static struct llmem_plan_params plan_params(const struct llmem_engine_config *c,
     };
 }
 
-/* The default prefill chunk (max_batch_tokens 0): 512 tokens (SPEC §2.1), and on a device the
- * largest of 8192, 4096, 2048 and 1024 whose workspace fits within the transient reserve that the
- * plan commits for 512 anyway (min(3 GiB, usable / 8) where the workspace is smaller): a GPU
- * prefills a batch of prompts several times faster in one large step than in many small ones, at
- * no cost to the plan. */
+/* The default prefill chunk (max_batch_tokens 0): PREFILL_CHUNK tokens (SPEC §2.1), and on a
+ * device the largest of 8192, 4096, 2048 and 1024 whose workspace fits within the transient
+ * reserve that the plan commits for PREFILL_CHUNK anyway (min(3 GiB, usable / 8) where the
+ * workspace is smaller): a GPU prefills a batch of prompts several times faster in one large step
+ * than in many small ones, at no cost to the plan. */
 static int64_t default_batch_tokens(const struct llmem_engine_config *c,
                                     const struct llmem_model_geometry *g, int64_t total_bytes,
                                     int64_t ceiling_bytes, int threads) {
     if (c->backend != LLMEM_BACKEND_CUDA)
-        return 512;
-    struct llmem_plan_params p = plan_params(c, g, total_bytes, ceiling_bytes, threads, 512);
+        return PREFILL_CHUNK;
+    struct llmem_plan_params p =
+        plan_params(c, g, total_bytes, ceiling_bytes, threads, PREFILL_CHUNK);
     struct llmem_plan base, plan;
     if (llmem_plan_compute(&p, &base) != LLMEM_OK)
-        return 512;
-    for (int64_t tokens = 8192; tokens > 512; tokens /= 2) {
+        return PREFILL_CHUNK;
+    for (int64_t tokens = 8192; tokens > PREFILL_CHUNK; tokens /= 2) {
         p = plan_params(c, g, total_bytes, ceiling_bytes, threads, tokens);
         if (llmem_plan_compute(&p, &plan) == LLMEM_OK && plan.model_fits && !plan.overcommitted &&
             plan.runtime_transients_bytes == base.runtime_transients_bytes)
             return tokens;
     }
-    return 512;
+    return PREFILL_CHUNK;
 }
 
 void llmem_engine_plan_params(const struct llmem_engine_config *c,
@@ -124,7 +129,7 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
     llmem_engine_plan_params(c, g, total, total, threads, &p);
     if (e->cfg.max_batch_tokens <= 0) {
         e->cfg.max_batch_tokens = p.max_batch_tokens;
-        if (p.max_batch_tokens > 512)
+        if (p.max_batch_tokens > PREFILL_CHUNK)
             LLMEM_INFO("prefill chunk: %" PRId64 " tokens (within the plan's transient reserve; "
                        "--max-batch-tokens sets it)",
                        p.max_batch_tokens);

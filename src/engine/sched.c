@@ -25,6 +25,9 @@
 #include "llmem/size.h"
 #include "llmem/tokenizer.h"
 
+/* Waiting requests beyond which submit says LLMEM_EBUSY, unless llmem_serve_config sets it. */
+#define QUEUE_DEFAULT 256
+
 /* The generated text, and how much of it has been handed to the caller. */
 struct stream {
     char *text;
@@ -76,7 +79,7 @@ void llmem_engine_sched_init(struct llmem_engine *e) {
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->wake, NULL);
     pthread_cond_init(&e->done, NULL);
-    e->max_queue = 256;
+    e->max_queue = QUEUE_DEFAULT;
     e->next_id = 1;
     memcpy(e->counters.ttft.bounds, TTFT_BOUNDS, sizeof(TTFT_BOUNDS));
     memcpy(e->counters.inter_token.bounds, ITL_BOUNDS, sizeof(ITL_BOUNDS));
@@ -999,7 +1002,7 @@ int llmem_engine_serve_start(struct llmem_engine *e, const struct llmem_serve_co
         LLMEM_ERROR("the engine is serving already");
         return LLMEM_EINVAL;
     }
-    e->max_queue = config != NULL && config->max_queue > 0 ? config->max_queue : 256;
+    e->max_queue = config != NULL && config->max_queue > 0 ? config->max_queue : QUEUE_DEFAULT;
     pthread_mutex_lock(&e->mu);
     e->stopping = 0;
     e->serving = 1; /* before the thread runs: submit reads it under mu */
