@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "core/log.h"
-#include "engine/engine_int.h"
+#include "engine/sampler.h"
 #include "llmem/engine.h"
 
 struct llmem_sampler {
