@@ -1,6 +1,6 @@
 /*
  * engine/engine.c — a model opened inside its memory plan, its pressure guard, and the session bank
- * around a request (the requests themselves are scheduled in sched.c).
+ * around a request (the requests themselves are scheduled by the scheduler it owns: sched.h).
  *
  * Open: geometry (headers only) → machine probe → plan → refuse if it does not fit → allocator with
  * the plan's limits → weights, tokenizer, backend, KV cache, forward pass. The paged KV pool is the
@@ -9,7 +9,8 @@
  *
  * A request starts from the longest banked prefix of its tokens (the RAM tier, then the spill
  * store); when it ends (or is preempted) its full blocks are banked, and its chunks not on disk yet
- * are queued for the spill store's writer thread.
+ * are queued for the spill store's writer thread. The scheduler is the engine's own object: it
+ * reaches the bank and the guard only through the operations table at the end of this file.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -20,6 +21,7 @@
 #include <time.h>
 
 #include "backend/ops.h"
+#include "core/clock.h"
 #include "core/log.h"
 #include "core/options.h"
 #include "llmem/pool.h"
@@ -31,18 +33,16 @@
 #include "llmem/tokenizer.h"
 #include "engine/engine_int.h"
 
+/* The default prefill chunk: the tokens of one forward pass at most (SPEC §2.1); more on a device
+ * where the plan's transient reserve holds it (default_batch_tokens). */
+#define PREFILL_CHUNK 512
+
 void llmem_engine_config_default(struct llmem_engine_config *c) {
     memset(c, 0, sizeof(*c));
     c->kv_layout = LLMEM_KV_LAYOUT_PAGED;
     c->kv_format = LLMEM_KV_FORMAT_F16;
-    c->max_batch_tokens = 0; /* 512, more on a device (default_batch_tokens) */
+    c->max_batch_tokens = 0; /* PREFILL_CHUNK, more on a device (default_batch_tokens) */
     c->max_sequences = 1;
-}
-
-double llmem_engine_now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 /* ---- open ----------------------------------------------------------------------------------- */
@@ -77,27 +77,28 @@ static struct llmem_plan_params plan_params(const struct llmem_engine_config *c,
     };
 }
 
-/* The default prefill chunk (max_batch_tokens 0): 512 tokens (SPEC §2.1), and on a device the
- * largest of 8192, 4096, 2048 and 1024 whose workspace fits within the transient reserve that the
- * plan commits for 512 anyway (min(3 GiB, usable / 8) where the workspace is smaller): a GPU
- * prefills a batch of prompts several times faster in one large step than in many small ones, at
- * no cost to the plan. */
+/* The default prefill chunk (max_batch_tokens 0): PREFILL_CHUNK tokens (SPEC §2.1), and on a
+ * device the largest of 8192, 4096, 2048 and 1024 whose workspace fits within the transient
+ * reserve that the plan commits for PREFILL_CHUNK anyway (min(3 GiB, usable / 8) where the
+ * workspace is smaller): a GPU prefills a batch of prompts several times faster in one large step
+ * than in many small ones, at no cost to the plan. */
 static int64_t default_batch_tokens(const struct llmem_engine_config *c,
                                     const struct llmem_model_geometry *g, int64_t total_bytes,
                                     int64_t ceiling_bytes, int threads) {
     if (c->backend != LLMEM_BACKEND_CUDA)
-        return 512;
-    struct llmem_plan_params p = plan_params(c, g, total_bytes, ceiling_bytes, threads, 512);
+        return PREFILL_CHUNK;
+    struct llmem_plan_params p =
+        plan_params(c, g, total_bytes, ceiling_bytes, threads, PREFILL_CHUNK);
     struct llmem_plan base, plan;
     if (llmem_plan_compute(&p, &base) != LLMEM_OK)
-        return 512;
-    for (int64_t tokens = 8192; tokens > 512; tokens /= 2) {
+        return PREFILL_CHUNK;
+    for (int64_t tokens = 8192; tokens > PREFILL_CHUNK; tokens /= 2) {
         p = plan_params(c, g, total_bytes, ceiling_bytes, threads, tokens);
         if (llmem_plan_compute(&p, &plan) == LLMEM_OK && plan.model_fits && !plan.overcommitted &&
             plan.runtime_transients_bytes == base.runtime_transients_bytes)
             return tokens;
     }
-    return 512;
+    return PREFILL_CHUNK;
 }
 
 void llmem_engine_plan_params(const struct llmem_engine_config *c,
@@ -125,7 +126,7 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
     llmem_engine_plan_params(c, g, total, total, threads, &p);
     if (e->cfg.max_batch_tokens <= 0) {
         e->cfg.max_batch_tokens = p.max_batch_tokens;
-        if (p.max_batch_tokens > 512)
+        if (p.max_batch_tokens > PREFILL_CHUNK)
             LLMEM_INFO("prefill chunk: %" PRId64 " tokens (within the plan's transient reserve; "
                        "--max-batch-tokens sets it)",
                        p.max_batch_tokens);
@@ -235,6 +236,8 @@ static int open_bank(struct llmem_engine *e) {
     return status;
 }
 
+static int open_sched(struct llmem_engine *e);
+
 int llmem_engine_open_hooked(const struct llmem_engine_config *config,
                              const struct llmem_engine_hooks *hooks, llmem_progress_fn progress,
                              void *progress_arg, struct llmem_engine **out) {
@@ -246,7 +249,6 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
     e->cfg = *config;
     if (hooks != NULL)
         e->hooks = *hooks;
-    llmem_engine_sched_init(e);
     llmem_guard_init(&e->guard);
     e->pressure_at = -1;
     if (e->cfg.max_sequences <= 0)
@@ -304,25 +306,10 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
         status = LLMEM_EFORMAT;
         goto fail;
     }
-    e->logits = llmem_mem_alloc(
-        e->host_mem, (size_t)(e->cfg.max_sequences * e->vocab) * sizeof(float), LLMEM_TAG_SCRATCH);
-    if (e->logits == NULL) {
-        status = LLMEM_ENOMEM;
-        goto fail;
-    }
     if ((status = llmem_option_bool(LLMEM_OPT_SAMPLE_ON_DEVICE, &e->top_on_device)) != LLMEM_OK ||
-        (status = llmem_option_bool(LLMEM_OPT_DECODE_AHEAD, &e->decode_ahead)) != LLMEM_OK)
+        (status = llmem_option_bool(LLMEM_OPT_DECODE_AHEAD, &e->decode_ahead)) != LLMEM_OK ||
+        (status = open_sched(e)) != LLMEM_OK)
         goto fail;
-    e->ahead = malloc((size_t)e->cfg.max_sequences * sizeof(*e->ahead));
-    if (e->ahead == NULL) {
-        LLMEM_ERROR_AS("llmem_engine_open", "out of memory");
-        status = LLMEM_ENOMEM;
-        goto fail;
-    }
-    for (int i = 0; i < mcfg->n_eos; i++)
-        e->eos[e->n_eos++] = mcfg->eos_ids[i];
-    if (llmem_tokenizer_eos(e->tok) >= 0)
-        e->eos[e->n_eos++] = llmem_tokenizer_eos(e->tok);
     *out = e;
     return LLMEM_OK;
 fail:
@@ -338,11 +325,9 @@ int llmem_engine_open(const struct llmem_engine_config *config, llmem_progress_f
 void llmem_engine_close(struct llmem_engine *e) {
     if (e == NULL)
         return;
-    llmem_engine_sched_fini(e);  /* stops serving: no step runs past here */
+    llmem_sched_free(e->sched);  /* stops serving: no step runs past here */
     llmem_spill_close(e->spill); /* flushes pending writes (their staging memory) */
     llmem_mem_destroy(e->staging_mem);
-    if (e->host_mem != NULL)
-        llmem_mem_free(e->host_mem, e->logits);
     llmem_forward_free(e->fwd);
     llmem_bank_destroy(e->bank);
     llmem_kv_destroy(e->kv);
@@ -406,7 +391,7 @@ void llmem_engine_limits_line(const struct llmem_engine *e, char *buf, size_t si
 static void guard_reading(struct llmem_engine *e, struct llmem_guard_reading *r) {
     struct llmem_mem_stats st;
     llmem_mem_stats(e->mem, &st);
-    double now = llmem_engine_now_s();
+    double now = llmem_clock_s();
     if (e->pressure_at < 0 || now - e->pressure_at >= 0.05) { /* /proc at most 20 times a second */
         llmem_sys_pressure_read(&e->pressure);
         e->pressure_at = now;
@@ -432,7 +417,7 @@ static void guard_reading(struct llmem_engine *e, struct llmem_guard_reading *r)
 /* Reads the signals and acts (SPEC §6.4): a warning halves the bank and releases the allocator's
  * cache; a critical empties the bank, releases the cache, keeps it empty and stops admissions
  * until it clears. */
-void llmem_engine_guard_check(struct llmem_engine *e, int mid_step) {
+static void guard_check(struct llmem_engine *e, int mid_step) {
     struct llmem_guard_reading r;
     guard_reading(e, &r);
     const char *why = NULL;
@@ -442,7 +427,7 @@ void llmem_engine_guard_check(struct llmem_engine *e, int mid_step) {
         llmem_mem_set_cache_limit(e->mem, e->cache_limit_saved);
         LLMEM_WARN("guard: the critical memory pressure has cleared; admitting requests again");
     }
-    enum llmem_guard_level act = llmem_guard_decide(&e->guard, &r, llmem_engine_now_s(), mid_step);
+    enum llmem_guard_level act = llmem_guard_decide(&e->guard, &r, llmem_clock_s(), mid_step);
     if (act == LLMEM_GUARD_CLEAR)
         return;
     struct llmem_bank_stats bs = {0};
@@ -499,8 +484,9 @@ static int64_t room_for_load(void *arg, int64_t blocks) {
 /* The RAM tier's blocks, then the spill store's from where RAM stops. Blocks loaded from disk are
  * banked too. While they load, the RAM blocks are held so that the room made for the loads never
  * takes them. */
-int llmem_engine_start_sequence(struct llmem_engine *e, const int32_t *tokens, int64_t n, int *seq,
-                                int64_t *reused_ram, int64_t *reused_disk) {
+static int start_sequence(void *ctx, const int32_t *tokens, int64_t n, int *seq,
+                          int64_t *reused_ram, int64_t *reused_disk) {
+    struct llmem_engine *e = ctx;
     *reused_ram = *reused_disk = 0;
     if (e->bank == NULL)
         return llmem_kv_seq_new(e->kv, seq);
@@ -543,12 +529,14 @@ static int64_t bank_cap(const struct llmem_engine *e, int64_t working_set) {
     return cap;
 }
 
-void llmem_engine_bank_budget(struct llmem_engine *e, int64_t blocks) {
+static void bank_budget(void *ctx, int64_t blocks) {
+    struct llmem_engine *e = ctx;
     if (e->bank != NULL)
         llmem_bank_trim(e->bank, bank_cap(e, blocks * llmem_kv_block_bytes(e->kv)));
 }
 
-int64_t llmem_engine_make_room(struct llmem_engine *e, int seq, int64_t end, int64_t extra) {
+static int64_t make_room(void *ctx, int seq, int64_t end, int64_t extra) {
+    struct llmem_engine *e = ctx;
     if (e->cfg.kv_layout != LLMEM_KV_LAYOUT_PAGED)
         return 0;
     const int64_t bs = llmem_kv_block_size(e->kv);
@@ -557,7 +545,10 @@ int64_t llmem_engine_make_room(struct llmem_engine *e, int seq, int64_t end, int
     return need;
 }
 
-void llmem_engine_bank_sequence(struct llmem_engine *e, int seq, const int32_t *tokens, int64_t n) {
+/* Banks the full blocks of seq, whose KV holds tokens[0, n), and queues the chunks of them not on
+ * disk yet for the spill store's writer (a copy of their bytes: it never reads the KV pool). */
+static void bank_sequence(void *ctx, int seq, const int32_t *tokens, int64_t n) {
+    struct llmem_engine *e = ctx;
     if (e->bank == NULL)
         return;
     llmem_bank_insert(e->bank, seq, tokens, n);
@@ -572,7 +563,8 @@ void llmem_engine_bank_sequence(struct llmem_engine *e, int seq, const int32_t *
     }
 }
 
-int64_t llmem_engine_release_caches(struct llmem_engine *e) {
+static int64_t release_caches(void *ctx) {
+    struct llmem_engine *e = ctx;
     struct llmem_bank_stats bs = {0};
     if (e->bank != NULL) {
         llmem_bank_stats(e->bank, &bs);
@@ -602,10 +594,113 @@ void llmem_engine_bank_stats(struct llmem_engine *e, struct llmem_engine_bank_st
         llmem_spill_stats(e->spill, &st->spill);
         st->spill_on = 1;
     }
-    st->reused_ram_tokens = e->reused_ram_tokens;
-    st->reused_disk_tokens = e->reused_disk_tokens;
+    llmem_sched_reused_tokens(e->sched, &st->reused_ram_tokens, &st->reused_disk_tokens);
     st->guard_warnings = e->guard.warnings;
     st->guard_criticals = e->guard.criticals;
     st->guard_deferred = e->guard.deferred;
     st->guard_suppressed = e->guard.suppressed;
+}
+
+/* ---- the scheduler --------------------------------------------------------------------------- */
+
+static int64_t banked_blocks(void *ctx) {
+    struct llmem_engine *e = ctx;
+    struct llmem_bank_stats bs = {0};
+    if (e->bank != NULL)
+        llmem_bank_stats(e->bank, &bs);
+    return bs.blocks;
+}
+
+static void shed_bank(void *ctx) {
+    struct llmem_engine *e = ctx;
+    struct llmem_bank_stats bs = {0};
+    if (e->bank != NULL) {
+        llmem_bank_stats(e->bank, &bs);
+        llmem_bank_trim(e->bank, bs.bytes / 2);
+    }
+}
+
+static int sched_guard_check(void *ctx, int mid_step) {
+    struct llmem_engine *e = ctx;
+    guard_check(e, mid_step);
+    return e->refusing;
+}
+
+static void sched_metrics(void *ctx, struct llmem_engine_metrics *m) {
+    struct llmem_engine *e = ctx;
+    llmem_engine_bank_stats(e, &m->bank);
+    struct llmem_mem_stats st;
+    llmem_mem_stats(e->mem, &st);
+    m->mem_active = st.active_bytes, m->mem_peak = st.peak_bytes, m->mem_cache = st.cache_bytes;
+    m->mem_limit = st.memory_limit_bytes;
+    m->guard_level = e->guard.prev;
+}
+
+static const struct llmem_sched_ops SCHED_OPS = {
+    .start_sequence = start_sequence,
+    .bank_sequence = bank_sequence,
+    .make_room = make_room,
+    .banked_blocks = banked_blocks,
+    .bank_budget = bank_budget,
+    .shed_bank = shed_bank,
+    .guard_check = sched_guard_check,
+    .release_caches = release_caches,
+    .metrics = sched_metrics,
+};
+
+/* The scheduler over the engine's KV cache and forward pass, its logits in host memory. */
+static int open_sched(struct llmem_engine *e) {
+    const struct llmem_model_config *mcfg = llmem_model_get_config(e->model);
+    struct llmem_sched_config sc = {
+        .ops = SCHED_OPS,
+        .ctx = e,
+        .kv = e->kv,
+        .fwd = e->fwd,
+        .tok = e->tok,
+        .mem = e->host_mem,
+        .max_sequences = e->cfg.max_sequences,
+        .max_batch_tokens = e->cfg.max_batch_tokens,
+        .context = e->plan.context_window_resolved,
+        .vocab = e->vocab,
+        .paged = e->cfg.kv_layout == LLMEM_KV_LAYOUT_PAGED,
+        .top_on_device = e->top_on_device,
+        .decode_ahead = e->decode_ahead,
+    };
+    for (int i = 0; i < mcfg->n_eos; i++)
+        sc.eos[sc.n_eos++] = mcfg->eos_ids[i];
+    if (llmem_tokenizer_eos(e->tok) >= 0)
+        sc.eos[sc.n_eos++] = llmem_tokenizer_eos(e->tok);
+    return llmem_sched_create(&sc, &e->sched);
+}
+
+int llmem_engine_generate(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
+                          const struct llmem_generate_params *p, llmem_token_fn on_token, void *arg,
+                          struct llmem_generate_result *result) {
+    return llmem_sched_generate(e->sched, prompt, n_prompt, p, on_token, arg, result);
+}
+
+int llmem_engine_serve_start(struct llmem_engine *e, const struct llmem_serve_config *config) {
+    return llmem_sched_serve_start(e->sched, config);
+}
+
+void llmem_engine_serve_stop(struct llmem_engine *e) {
+    llmem_sched_serve_stop(e->sched);
+}
+
+int llmem_engine_submit(struct llmem_engine *e, const int32_t *prompt, int64_t n_prompt,
+                        const struct llmem_generate_params *params,
+                        const struct llmem_request_events *events, uint64_t *id) {
+    return llmem_sched_submit(e->sched, prompt, n_prompt, params, events, id);
+}
+
+void llmem_engine_cancel(struct llmem_engine *e, uint64_t id) {
+    llmem_sched_cancel(e->sched, id);
+}
+
+int64_t llmem_engine_clear_cache(struct llmem_engine *e) {
+    return llmem_sched_clear_cache(e->sched);
+}
+
+void llmem_engine_metrics(struct llmem_engine *e, struct llmem_engine_metrics *m) {
+    llmem_sched_metrics(e->sched, m);
 }

@@ -10,11 +10,16 @@
 #include "llmem/engine.h"
 #include "llmem/sys.h"
 
+/* A critical: resident memory at this share of the ceiling. A warning: the allocator's bytes
+ * (active + cache) at this share of its limit. The reasons logged say the same in percent. */
+#define RESIDENT_CRITICAL_SHARE 0.95
+#define ALLOCATOR_WARNING_SHARE 0.97
+
 enum llmem_guard_level llmem_guard_classify(const struct llmem_guard_reading *r, const char **why) {
     const char *w = NULL;
     enum llmem_guard_level level = LLMEM_GUARD_CLEAR;
     if (r->resident_bytes >= 0 && r->ceiling_bytes > 0 &&
-        (double)r->resident_bytes >= 0.95 * (double)r->ceiling_bytes) {
+        (double)r->resident_bytes >= RESIDENT_CRITICAL_SHARE * (double)r->ceiling_bytes) {
         level = LLMEM_GUARD_CRITICAL;
         w = "resident memory at 95 % of the ceiling";
     } else if (r->psi_full >= LLMEM_GUARD_PSI_FULL) {
@@ -24,7 +29,8 @@ enum llmem_guard_level llmem_guard_classify(const struct llmem_guard_reading *r,
         level = LLMEM_GUARD_CRITICAL;
         w = "the cgroup reached memory.max or invoked the OOM killer (memory.events)";
     } else if (r->allocation_limit > 0 &&
-               (double)r->allocator_bytes >= 0.97 * (double)r->allocation_limit) {
+               (double)r->allocator_bytes >=
+                   ALLOCATOR_WARNING_SHARE * (double)r->allocation_limit) {
         level = LLMEM_GUARD_WARNING;
         w = "the allocator at 97 % of its limit";
     } else if (r->resident_bytes >= 0 && r->trip_bytes > 0 && r->resident_bytes >= r->trip_bytes) {

@@ -11,7 +11,7 @@
 
 #include "core/log.h"
 #include "core/rng.h"
-#include "engine/engine_int.h"
+#include "engine/sampler.h"
 #include "llmem/engine.h"
 
 struct llmem_sampler {
