@@ -60,7 +60,7 @@ static int adopt(struct llmem_spill *s, struct dir_entry *e) {
     uint8_t *buf = NULL;
     int64_t size = 0;
     char why[256];
-    if (spill_load_file(s, e->name, &h, &buf, &size, why, sizeof(why)) != CHUNK_OK ||
+    if (llmem_spill_load_file(s, e->name, &h, &buf, &size, why, sizeof(why)) != CHUNK_OK ||
         memcmp(h.key, e->key, 32) != 0) {
         buf_free(s, buf);
         return 0;
@@ -70,7 +70,7 @@ static int adopt(struct llmem_spill *s, struct dir_entry *e) {
     int64_t when = fstatat(s->dir_fd, e->name, &st, 0) == 0
                        ? (int64_t)st.st_mtim.tv_sec * 1000 + st.st_mtim.tv_nsec / 1000000
                        : now_ms();
-    return spill_db_insert(s, &h, size, when) == 0;
+    return llmem_spill_db_insert(s, &h, size, when) == 0;
 }
 
 /* Lists the directory: stale temp files removed, chunk files into *out (sorted by key), the
@@ -102,7 +102,7 @@ static int list_dir(struct llmem_spill *s, struct dir_entry **out, int64_t *n_ou
                 s->st.temps_removed++;
             else
                 s->other_bytes += st.st_size;
-        } else if (spill_parse_chunk_name(de->d_name, key)) {
+        } else if (llmem_spill_parse_chunk_name(de->d_name, key)) {
             if (n == cap) {
                 cap = cap ? cap * 2 : 256;
                 struct dir_entry *nv = realloc(v, (size_t)cap * sizeof(*v));
@@ -117,7 +117,7 @@ static int list_dir(struct llmem_spill *s, struct dir_entry **out, int64_t *n_ou
             v[n].size = (int64_t)st.st_size;
             v[n].seen = 0;
             n++;
-        } else if (!spill_is_manifest_name(de->d_name)) {
+        } else if (!llmem_spill_is_manifest_name(de->d_name)) {
             s->other_bytes += st.st_size;
         }
     }
@@ -148,7 +148,7 @@ static const char *check_row(struct llmem_spill *s, struct dir_entry *e, const u
     struct header h;
     int fd = -1;
     int64_t size = 0;
-    if (spill_open_chunk(s, e->name, &h, &fd, &size, why, why_size) != CHUNK_OK)
+    if (llmem_spill_open_chunk(s, e->name, &h, &fd, &size, why, why_size) != CHUNK_OK)
         return why;
     const char *bad = NULL;
     if (memcmp(h.key, e->key, 32) != 0 || memcmp(h.parent, parent, 32) != 0 ||
@@ -160,7 +160,7 @@ static const char *check_row(struct llmem_spill *s, struct dir_entry *e, const u
         if (buf == NULL) {
             snprintf(why, why_size, "no memory to verify it");
             bad = NULL; /* not the file's fault: keep it */
-        } else if (spill_read_verified(fd, buf, size, why, why_size) != CHUNK_OK) {
+        } else if (llmem_spill_read_verified(fd, buf, size, why, why_size) != CHUNK_OK) {
             bad = why;
         }
         buf_free(s, buf);
@@ -196,7 +196,7 @@ static int reconcile(struct llmem_spill *s, int rebuild) {
         if (key_ok) {
             memcpy(probe.key, sqlite3_column_blob(q, 0), 32);
             memcpy(parent, sqlite3_column_blob(q, 1), 32);
-            spill_chunk_name(probe.key, name);
+            llmem_spill_chunk_name(probe.key, name);
             e = bsearch(&probe, ents, (size_t)n_ents, sizeof(*ents), entry_cmp);
         }
         if (!key_ok || file == NULL || strcmp(file, name) != 0)
@@ -236,7 +236,7 @@ static int reconcile(struct llmem_spill *s, int rebuild) {
     sqlite3_exec(s->db, "DELETE FROM chunks WHERE length(hash) != 32 OR length(parent) != 32", NULL,
                  NULL, NULL);
     for (int64_t i = 0; i < n_bad; i++)
-        if (spill_db_delete(s, bad[i]) == 0)
+        if (llmem_spill_db_delete(s, bad[i]) == 0)
             s->st.rows_dropped++;
     for (int64_t i = 0; i < n_ents; i++) {
         if (ents[i].seen)
@@ -361,17 +361,17 @@ static int spill_open(const struct llmem_spill_config *c, int for_gc, struct llm
 
     char why[512] = "";
     int rebuild = 0;
-    int rc = spill_db_open(s, why, sizeof(why));
+    int rc = llmem_spill_db_open(s, why, sizeof(why));
     if (rc == SQLITE_NOTADB || rc == SQLITE_CORRUPT || rc == SQLITE_ERROR) {
         LLMEM_WARN("%s/%s: %s; rebuilding the manifest from the chunk files", s->dir, MANIFEST,
                    why);
-        spill_db_close(s);
+        llmem_spill_db_close(s);
         static const char *const names[] = {MANIFEST, MANIFEST "-wal", MANIFEST "-shm",
                                             MANIFEST "-journal"};
         for (int i = 0; i < 4; i++)
             unlinkat(s->dir_fd, names[i], 0);
         rebuild = 1;
-        rc = spill_db_open(s, why, sizeof(why));
+        rc = llmem_spill_db_open(s, why, sizeof(why));
     }
     if (rc != SQLITE_OK) {
         LLMEM_ERROR_AS("llmem_spill_open", "%s/%s: %s", s->dir, MANIFEST, why);
@@ -388,24 +388,24 @@ static int spill_open(const struct llmem_spill_config *c, int for_gc, struct llm
                           ? s->cfg.ram_bytes
                           : (int64_t)sysconf(_SC_PHYS_PAGES) * (int64_t)sysconf(_SC_PAGESIZE);
         cap = llmem_spill_default_max(ram);
-        int64_t disk = spill_free_disk(s);
-        if (disk >= 0 && (disk + spill_total_bytes(s)) / 4 < cap)
-            cap = (disk + spill_total_bytes(s)) / 4;
+        int64_t disk = llmem_spill_free_disk(s);
+        if (disk >= 0 && (disk + llmem_spill_total_bytes(s)) / 4 < cap)
+            cap = (disk + llmem_spill_total_bytes(s)) / 4;
     }
     s->st.cap_bytes = cap;
     pthread_mutex_lock(&s->lock);
-    spill_make_room(s, 0);
+    llmem_spill_make_room(s, 0);
     pthread_mutex_unlock(&s->lock);
     char b1[32], b2[32];
     LLMEM_INFO("%s: %lld chunks, %s of %s; %lld rows dropped, %lld orphan and %lld temp files "
                "removed",
                s->dir, (long long)s->st.files,
-               llmem_size_format_short(spill_total_bytes(s), b1, 32),
+               llmem_size_format_short(llmem_spill_total_bytes(s), b1, 32),
                llmem_size_format_short(cap, b2, 32), (long long)s->st.rows_dropped,
                (long long)s->st.orphans_removed, (long long)s->st.temps_removed);
 
     if (!s->cfg.no_writer) {
-        if (pthread_create(&s->writer, NULL, spill_writer_main, s) != 0) {
+        if (pthread_create(&s->writer, NULL, llmem_spill_writer_main, s) != 0) {
             LLMEM_ERROR_AS("llmem_spill_open", "cannot start the spill writer thread");
             status = LLMEM_ENOMEM;
             goto fail;
@@ -447,9 +447,9 @@ void llmem_spill_close(struct llmem_spill *s) {
     while (s->head != NULL) { /* no writer: nothing was ever queued, but be sure */
         struct job *j = s->head;
         s->head = j->next;
-        spill_free_job(s, j);
+        llmem_spill_free_job(s, j);
     }
-    spill_db_close(s);
+    llmem_spill_db_close(s);
     if (s->dir_fd >= 0)
         close(s->dir_fd); /* releases the lock */
     pthread_cond_destroy(&s->wake);
@@ -494,14 +494,14 @@ static enum reason verify_candidate(struct llmem_spill *s, const struct llmem_kv
                                     const int32_t *tokens, int64_t c0, const struct candidate *c,
                                     uint8_t **buf, char *why, size_t why_size) {
     char name[NAME_LEN + 1];
-    spill_chunk_name(c->row.key, name);
+    llmem_spill_chunk_name(c->row.key, name);
     struct header h, want;
     int64_t size = 0;
-    enum reason r = spill_load_file(s, name, &h, buf, &size, why, why_size);
+    enum reason r = llmem_spill_load_file(s, name, &h, buf, &size, why, why_size);
     if (r != CHUNK_OK)
         return r;
     memset(&want, 0, sizeof(want));
-    spill_fill_geometry(&want, kv);
+    llmem_spill_fill_geometry(&want, kv);
     const int bs = want.block_size;
     if (size != c->row.bytes) {
         snprintf(why, why_size, "%lld bytes, the manifest says %lld", (long long)size,
@@ -543,7 +543,7 @@ int64_t llmem_spill_load(struct llmem_spill *s, struct llmem_kv *kv, const uint8
         max_blocks = full;
     if (s == NULL || !s->owned || from >= max_blocks)
         return 0;
-    uint8_t(*h)[32] = spill_chain_hashes(root, tokens, full, bs);
+    uint8_t(*h)[32] = llmem_spill_chain_hashes(root, tokens, full, bs);
     if (h == NULL)
         return 0;
     pthread_mutex_lock(&s->lock);
@@ -561,7 +561,7 @@ int64_t llmem_spill_load(struct llmem_spill *s, struct llmem_kv *kv, const uint8
         struct sibling rows[MAX_CANDIDATES];
         struct candidate cand[MAX_CANDIDATES];
         pthread_mutex_lock(&s->lock);
-        int n_rows = spill_children(s, h[c0], rows), n_cand = 0, peeks = 0;
+        int n_rows = llmem_spill_children(s, h[c0], rows), n_cand = 0, peeks = 0;
         pthread_mutex_unlock(&s->lock);
         for (int i = 0; i < n_rows; i++) {
             int64_t len = rows[i].tokens / bs;
@@ -574,7 +574,7 @@ int64_t llmem_spill_load(struct llmem_spill *s, struct llmem_kv *kv, const uint8
             } else if (peeks < MAX_PEEKS && bs * per <= MAX_PEEK_TOKENS) {
                 /* a chunk that goes past the prompt, or leaves it within: the blocks that agree */
                 peeks++;
-                int64_t got = spill_read_tokens(s, rows[i].key, peek, len * bs);
+                int64_t got = llmem_spill_read_tokens(s, rows[i].key, peek, len * bs);
                 int64_t m = 0;
                 while (got == len * bs && m < len && c0 + m < full &&
                        memcmp(peek + m * bs, tokens + (c0 + m) * bs, (size_t)bs * 4) == 0)
@@ -610,10 +610,10 @@ int64_t llmem_spill_load(struct llmem_spill *s, struct llmem_kv *kv, const uint8
             }
             if (r == CHUNK_IO) {
                 char name[NAME_LEN + 1];
-                spill_chunk_name(cand[best].row.key, name);
+                llmem_spill_chunk_name(cand[best].row.key, name);
                 LLMEM_WARN("%s/%s: %s; not used", s->dir, name, why);
             } else {
-                spill_drop_bad(s, cand[best].row.key, cand[best].row.bytes, why);
+                llmem_spill_drop_bad(s, cand[best].row.key, cand[best].row.bytes, why);
             }
             pthread_mutex_unlock(&s->lock);
             cand[best].usable = 0;
@@ -643,7 +643,7 @@ int64_t llmem_spill_load(struct llmem_spill *s, struct llmem_kv *kv, const uint8
         buf_free(s, buf);
         n += got;
         pthread_mutex_lock(&s->lock);
-        spill_db_touch(s, c->row.key, when);
+        llmem_spill_db_touch(s, c->row.key, when);
         s->st.hit_chunks++;
         s->st.read_blocks += got;
         s->st.read_bytes += c->row.bytes;
@@ -661,7 +661,7 @@ int64_t llmem_spill_load(struct llmem_spill *s, struct llmem_kv *kv, const uint8
 void llmem_spill_stats(struct llmem_spill *s, struct llmem_spill_stats *st) {
     pthread_mutex_lock(&s->lock);
     *st = s->st;
-    st->bytes = s->owned ? spill_total_bytes(s) : 0;
+    st->bytes = s->owned ? llmem_spill_total_bytes(s) : 0;
     pthread_mutex_unlock(&s->lock);
 }
 

@@ -12,7 +12,7 @@
  * The checksum is XXH3-128 (llmem_digest) of the whole file with the checksum field zeroed.
  *
  * Guarantee: nothing is handed on without its header agreeing with itself and with the file's
- * size, and (spill_read_verified) without its checksum agreeing.
+ * size, and (llmem_spill_read_verified) without its checksum agreeing.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -28,7 +28,7 @@
 
 /* ---- names and reads ------------------------------------------------------------------------- */
 
-void spill_chunk_name(const uint8_t key[32], char name[NAME_LEN + 1]) {
+void llmem_spill_chunk_name(const uint8_t key[32], char name[NAME_LEN + 1]) {
     static const char digits[] = "0123456789abcdef";
     for (int i = 0; i < 32; i++) {
         name[2 * i] = digits[key[i] >> 4];
@@ -38,7 +38,7 @@ void spill_chunk_name(const uint8_t key[32], char name[NAME_LEN + 1]) {
 }
 
 /* "<64 hex>.kv" → key; 0 for any other name. */
-int spill_parse_chunk_name(const char *name, uint8_t key[32]) {
+int llmem_spill_parse_chunk_name(const char *name, uint8_t key[32]) {
     if (strlen(name) != NAME_LEN || strcmp(name + 64, ".kv") != 0)
         return 0;
     for (int i = 0; i < 64; i++) {
@@ -88,7 +88,7 @@ static int64_t get64(const uint8_t *b, int off) {
     return v;
 }
 
-void spill_header_encode(const struct header *h, uint8_t b[HEADER_BYTES]) {
+void llmem_spill_header_encode(const struct header *h, uint8_t b[HEADER_BYTES]) {
     memset(b, 0, HEADER_BYTES);
     memcpy(b, MAGIC, 8);
     put32(b, 8, h->version);
@@ -156,8 +156,8 @@ static enum reason header_decode(const uint8_t b[HEADER_BYTES], int64_t file_siz
 }
 
 /* Opens dir/name and reads its header: CHUNK_OK with *fd open, else *fd = −1. */
-enum reason spill_open_chunk(const struct llmem_spill *s, const char *name, struct header *h,
-                             int *fd, int64_t *size, char *why, size_t why_size) {
+enum reason llmem_spill_open_chunk(const struct llmem_spill *s, const char *name, struct header *h,
+                                   int *fd, int64_t *size, char *why, size_t why_size) {
     *fd = openat(s->dir_fd, name, O_RDONLY | O_CLOEXEC);
     if (*fd < 0) {
         snprintf(why, why_size, "cannot open: %s", strerror(errno));
@@ -187,7 +187,8 @@ enum reason spill_open_chunk(const struct llmem_spill *s, const char *name, stru
 }
 
 /* Reads the whole file into buf (size bytes) and checks its checksum. */
-enum reason spill_read_verified(int fd, uint8_t *buf, int64_t size, char *why, size_t why_size) {
+enum reason llmem_spill_read_verified(int fd, uint8_t *buf, int64_t size, char *why,
+                                      size_t why_size) {
     if (read_at(fd, buf, (size_t)size, 0) != 0) {
         snprintf(why, why_size, "read failed: %s", errno ? strerror(errno) : "short read");
         return CHUNK_IO;
@@ -205,11 +206,11 @@ enum reason spill_read_verified(int fd, uint8_t *buf, int64_t size, char *why, s
 }
 
 /* Opens, reads and verifies a whole chunk file into a buffer from the store's allocator. */
-enum reason spill_load_file(struct llmem_spill *s, const char *name, struct header *h,
-                            uint8_t **buf, int64_t *size, char *why, size_t why_size) {
+enum reason llmem_spill_load_file(struct llmem_spill *s, const char *name, struct header *h,
+                                  uint8_t **buf, int64_t *size, char *why, size_t why_size) {
     int fd = -1;
     *buf = NULL;
-    enum reason r = spill_open_chunk(s, name, h, &fd, size, why, why_size);
+    enum reason r = llmem_spill_open_chunk(s, name, h, &fd, size, why, why_size);
     if (r != CHUNK_OK)
         return r;
     *buf = buf_alloc(s, (size_t)*size);
@@ -217,7 +218,7 @@ enum reason spill_load_file(struct llmem_spill *s, const char *name, struct head
         snprintf(why, why_size, "no memory for %lld bytes", (long long)*size);
         r = CHUNK_NO_MEMORY;
     } else {
-        r = spill_read_verified(fd, *buf, *size, why, why_size);
+        r = llmem_spill_read_verified(fd, *buf, *size, why, why_size);
     }
     close(fd);
     if (r != CHUNK_OK) {
@@ -230,13 +231,14 @@ enum reason spill_load_file(struct llmem_spill *s, const char *name, struct head
 /* ---- token ids, chain keys, geometry --------------------------------------------------------- */
 
 /* The token ids of a sibling chunk file (n of them at most) into out; its count, or −1. */
-int64_t spill_read_tokens(struct llmem_spill *s, const uint8_t key[32], int32_t *out, int64_t max) {
+int64_t llmem_spill_read_tokens(struct llmem_spill *s, const uint8_t key[32], int32_t *out,
+                                int64_t max) {
     char name[NAME_LEN + 1], why[256];
-    spill_chunk_name(key, name);
+    llmem_spill_chunk_name(key, name);
     struct header h;
     int fd = -1;
     int64_t size = 0;
-    if (spill_open_chunk(s, name, &h, &fd, &size, why, sizeof(why)) != CHUNK_OK)
+    if (llmem_spill_open_chunk(s, name, &h, &fd, &size, why, sizeof(why)) != CHUNK_OK)
         return -1;
     int64_t n = h.n_tokens < max ? h.n_tokens : max;
     int ok = read_at(fd, out, (size_t)n * 4, HEADER_BYTES) == 0;
@@ -245,8 +247,8 @@ int64_t spill_read_tokens(struct llmem_spill *s, const uint8_t key[32], int32_t 
 }
 
 /* The chain hashes h[0..n] of tokens' first n blocks: h[0] = root, h[i] after block i. */
-uint8_t (*spill_chain_hashes(const uint8_t root[32], const int32_t *tokens, int64_t n,
-                             int bs))[32] {
+uint8_t (*llmem_spill_chain_hashes(const uint8_t root[32], const int32_t *tokens, int64_t n,
+                                   int bs))[32] {
     uint8_t(*h)[32] = malloc((size_t)(n + 1) * 32);
     if (h == NULL)
         return NULL;
@@ -256,7 +258,7 @@ uint8_t (*spill_chain_hashes(const uint8_t root[32], const int32_t *tokens, int6
     return h;
 }
 
-void spill_fill_geometry(struct header *h, const struct llmem_kv *kv) {
+void llmem_spill_fill_geometry(struct header *h, const struct llmem_kv *kv) {
     const struct llmem_kv_config *c = llmem_kv_get_config(kv);
     h->block_size = llmem_kv_block_size(kv);
     h->format = (int32_t)c->format;

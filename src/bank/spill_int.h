@@ -116,59 +116,64 @@ static inline void buf_free(struct llmem_spill *s, void *p) {
 /* ---- the chunk files (spill_file.c) ---------------------------------------------------------- */
 
 /* "<64 hex>.kv" of a key. */
-void spill_chunk_name(const uint8_t key[32], char name[NAME_LEN + 1]);
+void llmem_spill_chunk_name(const uint8_t key[32], char name[NAME_LEN + 1]);
 /* "<64 hex>.kv" → key; 0 for any other name. */
-int spill_parse_chunk_name(const char *name, uint8_t key[32]);
-void spill_header_encode(const struct header *h, uint8_t b[HEADER_BYTES]);
+int llmem_spill_parse_chunk_name(const char *name, uint8_t key[32]);
+void llmem_spill_header_encode(const struct header *h, uint8_t b[HEADER_BYTES]);
 /* Opens dir/name and reads its header: CHUNK_OK with *fd open, else *fd = −1 (why says why). */
-enum reason spill_open_chunk(const struct llmem_spill *s, const char *name, struct header *h,
-                             int *fd, int64_t *size, char *why, size_t why_size);
+enum reason llmem_spill_open_chunk(const struct llmem_spill *s, const char *name, struct header *h,
+                                   int *fd, int64_t *size, char *why, size_t why_size);
 /* Reads the whole file into buf (size bytes) and checks its checksum. */
-enum reason spill_read_verified(int fd, uint8_t *buf, int64_t size, char *why, size_t why_size);
+enum reason llmem_spill_read_verified(int fd, uint8_t *buf, int64_t size, char *why,
+                                      size_t why_size);
 /* Opens, reads and verifies a whole chunk file into a buffer from the store's allocator. */
-enum reason spill_load_file(struct llmem_spill *s, const char *name, struct header *h,
-                            uint8_t **buf, int64_t *size, char *why, size_t why_size);
+enum reason llmem_spill_load_file(struct llmem_spill *s, const char *name, struct header *h,
+                                  uint8_t **buf, int64_t *size, char *why, size_t why_size);
 /* The token ids of a chunk file (max of them at most) into out; its count, or −1. */
-int64_t spill_read_tokens(struct llmem_spill *s, const uint8_t key[32], int32_t *out, int64_t max);
+int64_t llmem_spill_read_tokens(struct llmem_spill *s, const uint8_t key[32], int32_t *out,
+                                int64_t max);
 /* The chain hashes h[0..n] of tokens' first n blocks of bs: h[0] = root, h[i] after block i
  * (malloc'd; NULL on out of memory). */
-uint8_t (*spill_chain_hashes(const uint8_t root[32], const int32_t *tokens, int64_t n, int bs))[32];
+uint8_t (*llmem_spill_chain_hashes(const uint8_t root[32], const int32_t *tokens, int64_t n,
+                                   int bs))[32];
 /* The KV format and geometry of kv's blocks into a header. */
-void spill_fill_geometry(struct header *h, const struct llmem_kv *kv);
+void llmem_spill_fill_geometry(struct header *h, const struct llmem_kv *kv);
 
 /* ---- the manifest (spill_manifest.c; every call under the store's lock) ---------------------- */
 
 /* Opens the manifest and prepares the statements: SQLITE_OK, or the failing SQLite code with a
  * message in why. */
-int spill_db_open(struct llmem_spill *s, char *why, size_t why_size);
-void spill_db_close(struct llmem_spill *s);
-int spill_db_exists(struct llmem_spill *s, const uint8_t key[32]);
+int llmem_spill_db_open(struct llmem_spill *s, char *why, size_t why_size);
+void llmem_spill_db_close(struct llmem_spill *s);
+int llmem_spill_db_exists(struct llmem_spill *s, const uint8_t key[32]);
 /* 0, or −1 when the row could not be deleted (inserted). */
-int spill_db_delete(struct llmem_spill *s, const uint8_t key[32]);
-int spill_db_insert(struct llmem_spill *s, const struct header *h, int64_t bytes, int64_t when);
+int llmem_spill_db_delete(struct llmem_spill *s, const uint8_t key[32]);
+int llmem_spill_db_insert(struct llmem_spill *s, const struct header *h, int64_t bytes,
+                          int64_t when);
 /* A hit: last access `when`, hits + 1. */
-void spill_db_touch(struct llmem_spill *s, const uint8_t key[32], int64_t when);
+void llmem_spill_db_touch(struct llmem_spill *s, const uint8_t key[32], int64_t when);
 /* The chunks with the same parent (up to MAX_CANDIDATES, most recently used first). */
-int spill_children(struct llmem_spill *s, const uint8_t parent[32], struct sibling *out);
+int llmem_spill_children(struct llmem_spill *s, const uint8_t parent[32], struct sibling *out);
 /* Drops a chunk: its row first, then its file. */
-void spill_drop_chunk(struct llmem_spill *s, const uint8_t key[32], int64_t bytes);
+void llmem_spill_drop_chunk(struct llmem_spill *s, const uint8_t key[32], int64_t bytes);
 /* Drops a chunk that failed a check, counting it and saying why. */
-void spill_drop_bad(struct llmem_spill *s, const uint8_t key[32], int64_t bytes, const char *why);
+void llmem_spill_drop_bad(struct llmem_spill *s, const uint8_t key[32], int64_t bytes,
+                          const char *why);
 /* Evicts least recently used chunks until `incoming` more bytes fit the cap: 0, or −1 when even
  * an empty store cannot take them. */
-int spill_make_room(struct llmem_spill *s, int64_t incoming);
+int llmem_spill_make_room(struct llmem_spill *s, int64_t incoming);
 /* Every file of the directory: what the cap bounds. */
-int64_t spill_total_bytes(const struct llmem_spill *s);
+int64_t llmem_spill_total_bytes(const struct llmem_spill *s);
 /* The manifest's own files (manifest.sqlite and its -wal, -shm, -journal). */
-int spill_is_manifest_name(const char *name);
+int llmem_spill_is_manifest_name(const char *name);
 
 /* ---- the writer (spill_writer.c) ------------------------------------------------------------- */
 
 /* The writer thread's body (arg: the store). */
-void *spill_writer_main(void *arg);
+void *llmem_spill_writer_main(void *arg);
 /* Frees a queued chunk once no copy may still write into its buffer. */
-void spill_free_job(struct llmem_spill *s, struct job *j);
+void llmem_spill_free_job(struct llmem_spill *s, struct job *j);
 /* Free bytes of the store's disk (the probe of its configuration, if any); −1 when unknown. */
-int64_t spill_free_disk(const struct llmem_spill *s);
+int64_t llmem_spill_free_disk(const struct llmem_spill *s);
 
 #endif

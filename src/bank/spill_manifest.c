@@ -37,13 +37,13 @@ static int64_t manifest_bytes(const struct llmem_spill *s) {
            file_size_at(s, MANIFEST "-shm") + file_size_at(s, MANIFEST "-journal");
 }
 
-int spill_is_manifest_name(const char *name) {
+int llmem_spill_is_manifest_name(const char *name) {
     return strcmp(name, MANIFEST) == 0 || strcmp(name, MANIFEST "-wal") == 0 ||
            strcmp(name, MANIFEST "-shm") == 0 || strcmp(name, MANIFEST "-journal") == 0;
 }
 
 /* Every file of the directory: what the cap bounds. Under the lock. */
-int64_t spill_total_bytes(const struct llmem_spill *s) {
+int64_t llmem_spill_total_bytes(const struct llmem_spill *s) {
     return s->chunk_bytes + s->temp_bytes + s->other_bytes + manifest_bytes(s);
 }
 
@@ -58,7 +58,7 @@ static const char schema[] =
     "CREATE INDEX IF NOT EXISTS chunks_parent ON chunks(parent);"
     "CREATE INDEX IF NOT EXISTS chunks_lru ON chunks(last_access, position DESC);";
 
-void spill_db_close(struct llmem_spill *s) {
+void llmem_spill_db_close(struct llmem_spill *s) {
     sqlite3_stmt **q[] = {&s->q_exists, &s->q_children, &s->q_insert,
                           &s->q_delete, &s->q_touch,    &s->q_lru};
     for (size_t i = 0; i < sizeof(q) / sizeof(q[0]); i++) {
@@ -71,7 +71,7 @@ void spill_db_close(struct llmem_spill *s) {
 
 /* Opens the manifest and prepares the statements: SQLITE_OK, or the failing SQLite code with a
  * message in why. */
-int spill_db_open(struct llmem_spill *s, char *why, size_t why_size) {
+int llmem_spill_db_open(struct llmem_spill *s, char *why, size_t why_size) {
     char path[PATH_MAX + 32];
     path_of(s, MANIFEST, path, sizeof(path));
     int rc = sqlite3_open_v2(
@@ -132,7 +132,7 @@ int spill_db_open(struct llmem_spill *s, char *why, size_t why_size) {
     return rc;
 }
 
-int spill_db_exists(struct llmem_spill *s, const uint8_t key[32]) {
+int llmem_spill_db_exists(struct llmem_spill *s, const uint8_t key[32]) {
     sqlite3_reset(s->q_exists);
     sqlite3_bind_blob(s->q_exists, 1, key, 32, SQLITE_STATIC);
     int found = sqlite3_step(s->q_exists) == SQLITE_ROW;
@@ -140,7 +140,7 @@ int spill_db_exists(struct llmem_spill *s, const uint8_t key[32]) {
     return found;
 }
 
-int spill_db_delete(struct llmem_spill *s, const uint8_t key[32]) {
+int llmem_spill_db_delete(struct llmem_spill *s, const uint8_t key[32]) {
     sqlite3_reset(s->q_delete);
     sqlite3_bind_blob(s->q_delete, 1, key, 32, SQLITE_STATIC);
     int rc = sqlite3_step(s->q_delete);
@@ -148,9 +148,10 @@ int spill_db_delete(struct llmem_spill *s, const uint8_t key[32]) {
     return rc == SQLITE_DONE ? 0 : -1;
 }
 
-int spill_db_insert(struct llmem_spill *s, const struct header *h, int64_t bytes, int64_t when) {
+int llmem_spill_db_insert(struct llmem_spill *s, const struct header *h, int64_t bytes,
+                          int64_t when) {
     char name[NAME_LEN + 1];
-    spill_chunk_name(h->key, name);
+    llmem_spill_chunk_name(h->key, name);
     sqlite3_stmt *q = s->q_insert;
     sqlite3_reset(q);
     sqlite3_bind_blob(q, 1, h->key, 32, SQLITE_STATIC);
@@ -165,7 +166,7 @@ int spill_db_insert(struct llmem_spill *s, const struct header *h, int64_t bytes
     return rc == SQLITE_DONE ? 0 : -1;
 }
 
-void spill_db_touch(struct llmem_spill *s, const uint8_t key[32], int64_t when) {
+void llmem_spill_db_touch(struct llmem_spill *s, const uint8_t key[32], int64_t when) {
     sqlite3_reset(s->q_touch);
     sqlite3_bind_blob(s->q_touch, 1, key, 32, SQLITE_STATIC);
     sqlite3_bind_int64(s->q_touch, 2, when);
@@ -175,10 +176,10 @@ void spill_db_touch(struct llmem_spill *s, const uint8_t key[32], int64_t when) 
 
 /* Drops a chunk: its row first, then its file (a crash in between leaves an orphan file, never
  * a row without its file). Under the lock. */
-void spill_drop_chunk(struct llmem_spill *s, const uint8_t key[32], int64_t bytes) {
+void llmem_spill_drop_chunk(struct llmem_spill *s, const uint8_t key[32], int64_t bytes) {
     char name[NAME_LEN + 1];
-    spill_chunk_name(key, name);
-    if (spill_db_delete(s, key) != 0)
+    llmem_spill_chunk_name(key, name);
+    if (llmem_spill_db_delete(s, key) != 0)
         return;
     if (unlinkat(s->dir_fd, name, 0) == 0 || errno == ENOENT) {
         s->chunk_bytes -= bytes;
@@ -187,18 +188,19 @@ void spill_drop_chunk(struct llmem_spill *s, const uint8_t key[32], int64_t byte
 }
 
 /* Drops a chunk that failed a check, counting it and saying why. Under the lock. */
-void spill_drop_bad(struct llmem_spill *s, const uint8_t key[32], int64_t bytes, const char *why) {
+void llmem_spill_drop_bad(struct llmem_spill *s, const uint8_t key[32], int64_t bytes,
+                          const char *why) {
     char name[NAME_LEN + 1];
-    spill_chunk_name(key, name);
+    llmem_spill_chunk_name(key, name);
     LLMEM_WARN("%s/%s: %s; the chunk is dropped", s->dir, name, why);
-    spill_drop_chunk(s, key, bytes);
+    llmem_spill_drop_chunk(s, key, bytes);
     s->st.rows_dropped++;
 }
 
 /* Evicts least recently used chunks until `incoming` more bytes fit the cap. Under the lock.
  * Returns 0, or −1 when even an empty store cannot take them. */
-int spill_make_room(struct llmem_spill *s, int64_t incoming) {
-    while (spill_total_bytes(s) + incoming > s->st.cap_bytes) {
+int llmem_spill_make_room(struct llmem_spill *s, int64_t incoming) {
+    while (llmem_spill_total_bytes(s) + incoming > s->st.cap_bytes) {
         uint8_t keys[16][32];
         int64_t sizes[16];
         int n = 0;
@@ -212,8 +214,8 @@ int spill_make_room(struct llmem_spill *s, int64_t incoming) {
         sqlite3_reset(s->q_lru);
         if (n == 0)
             return -1;
-        for (int i = 0; i < n && spill_total_bytes(s) + incoming > s->st.cap_bytes; i++) {
-            spill_drop_chunk(s, keys[i], sizes[i]);
+        for (int i = 0; i < n && llmem_spill_total_bytes(s) + incoming > s->st.cap_bytes; i++) {
+            llmem_spill_drop_chunk(s, keys[i], sizes[i]);
             s->st.evicted_files++;
             s->st.evicted_bytes += sizes[i];
         }
@@ -223,7 +225,7 @@ int spill_make_room(struct llmem_spill *s, int64_t incoming) {
 
 /* The chunks with the same parent (up to MAX_CANDIDATES, most recently used first). Under the
  * lock. */
-int spill_children(struct llmem_spill *s, const uint8_t parent[32], struct sibling *out) {
+int llmem_spill_children(struct llmem_spill *s, const uint8_t parent[32], struct sibling *out) {
     int n = 0;
     sqlite3_reset(s->q_children);
     sqlite3_bind_blob(s->q_children, 1, parent, 32, SQLITE_STATIC);

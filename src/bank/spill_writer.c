@@ -41,7 +41,7 @@ static int write_all(int fd, const uint8_t *p, int64_t n) {
     return 0;
 }
 
-int64_t spill_free_disk(const struct llmem_spill *s) {
+int64_t llmem_spill_free_disk(const struct llmem_spill *s) {
     return s->cfg.free_probe != NULL ? s->cfg.free_probe(s->cfg.free_probe_arg, s->dir)
                                      : llmem_sys_disk_free(s->dir);
 }
@@ -54,7 +54,7 @@ static int job_filled(struct job *j) {
     return kv != NULL ? llmem_kv_copies_wait(kv) : LLMEM_OK;
 }
 
-void spill_free_job(struct llmem_spill *s, struct job *j) {
+void llmem_spill_free_job(struct llmem_spill *s, struct job *j) {
     (void)job_filled(j); /* no copy may still write into the buffer */
     buf_free(s, j->buf);
     free(j);
@@ -66,7 +66,7 @@ void spill_free_job(struct llmem_spill *s, struct job *j) {
 static int sibling_pass(struct llmem_spill *s, const struct job *j, int drop_shorter) {
     struct sibling sib[MAX_CANDIDATES];
     pthread_mutex_lock(&s->lock);
-    int n = spill_children(s, j->parent, sib);
+    int n = llmem_spill_children(s, j->parent, sib);
     pthread_mutex_unlock(&s->lock);
     const int32_t *mine = (const int32_t *)(j->buf + HEADER_BYTES);
     int32_t theirs[MAX_PEEK_TOKENS];
@@ -78,13 +78,13 @@ static int sibling_pass(struct llmem_spill *s, const struct job *j, int drop_sho
         if (longer == drop_shorter || sib[i].tokens > max || j->n_tokens > max)
             continue;
         int64_t common = longer ? j->n_tokens : sib[i].tokens;
-        if (spill_read_tokens(s, sib[i].key, theirs, common) != common ||
+        if (llmem_spill_read_tokens(s, sib[i].key, theirs, common) != common ||
             memcmp(theirs, mine, (size_t)common * 4) != 0)
             continue;
         if (!drop_shorter)
             return 1;
         pthread_mutex_lock(&s->lock);
-        spill_drop_chunk(s, sib[i].key, sib[i].bytes);
+        llmem_spill_drop_chunk(s, sib[i].key, sib[i].bytes);
         s->st.evicted_files++;
         s->st.evicted_bytes += sib[i].bytes;
         pthread_mutex_unlock(&s->lock);
@@ -103,11 +103,11 @@ static void skip(struct llmem_spill *s, int64_t *counter, int *warned, const cha
 
 static void write_job(struct llmem_spill *s, struct job *j) {
     char name[NAME_LEN + 1], tmp[NAME_LEN + 8], msg[700], b1[32], b2[32];
-    spill_chunk_name(j->key, name);
+    llmem_spill_chunk_name(j->key, name);
     snprintf(tmp, sizeof(tmp), "%s.tmp", name);
 
     pthread_mutex_lock(&s->lock);
-    int present = spill_db_exists(s, j->key);
+    int present = llmem_spill_db_exists(s, j->key);
     if (present)
         s->st.skip_present++;
     pthread_mutex_unlock(&s->lock);
@@ -119,7 +119,7 @@ static void write_job(struct llmem_spill *s, struct job *j) {
         pthread_mutex_unlock(&s->lock);
         return;
     }
-    int64_t disk = spill_free_disk(s);
+    int64_t disk = llmem_spill_free_disk(s);
     pthread_mutex_lock(&s->lock);
     int64_t now = now_ms();
     if (now - s->window_start_ms >= 3600 * 1000) {
@@ -143,7 +143,7 @@ static void write_job(struct llmem_spill *s, struct job *j) {
         pthread_mutex_unlock(&s->lock);
         return;
     }
-    if (spill_make_room(s, j->bytes) != 0) {
+    if (llmem_spill_make_room(s, j->bytes) != 0) {
         s->st.skip_cap++;
         pthread_mutex_unlock(&s->lock);
         return;
@@ -183,7 +183,7 @@ static void write_job(struct llmem_spill *s, struct job *j) {
 
     pthread_mutex_lock(&s->lock);
     s->temp_bytes -= j->bytes;
-    if (ok && spill_db_insert(s, &h, j->bytes, j->when) != 0) {
+    if (ok && llmem_spill_db_insert(s, &h, j->bytes, j->when) != 0) {
         ok = 0;
         err = 0;
         step = "record";
@@ -207,7 +207,7 @@ static void write_job(struct llmem_spill *s, struct job *j) {
         sibling_pass(s, j, 1);
 }
 
-void *spill_writer_main(void *arg) {
+void *llmem_spill_writer_main(void *arg) {
     struct llmem_spill *s = arg;
     pthread_mutex_lock(&s->lock);
     for (;;) {
@@ -233,7 +233,7 @@ void *spill_writer_main(void *arg) {
         s->st.queued_bytes -= j->bytes;
         s->current = NULL;
         pthread_mutex_unlock(&s->lock);
-        spill_free_job(s, j);
+        llmem_spill_free_job(s, j);
         pthread_mutex_lock(&s->lock);
         if (s->head == NULL)
             pthread_cond_broadcast(&s->idle);
@@ -273,7 +273,7 @@ int64_t llmem_spill_submit(struct llmem_spill *s, struct llmem_kv *kv, const uin
         pthread_mutex_unlock(&s->lock);
         return 0;
     }
-    uint8_t(*h)[32] = spill_chain_hashes(root, tokens, n_blocks, bs);
+    uint8_t(*h)[32] = llmem_spill_chain_hashes(root, tokens, n_blocks, bs);
     if (h == NULL) {
         pthread_mutex_lock(&s->lock);
         s->st.skip_no_memory += n_chunks;
@@ -284,7 +284,7 @@ int64_t llmem_spill_submit(struct llmem_spill *s, struct llmem_kv *kv, const uin
     memset(&hd, 0, sizeof(hd));
     hd.version = VERSION;
     memcpy(hd.root, root, 32);
-    spill_fill_geometry(&hd, kv);
+    llmem_spill_fill_geometry(&hd, kv);
     int64_t queued = 0, when = now_ms();
     for (int64_t k = 0; k < n_chunks; k++) {
         int64_t b0 = k * per, b1 = b0 + per < n_blocks ? b0 + per : n_blocks;
@@ -297,7 +297,7 @@ int64_t llmem_spill_submit(struct llmem_spill *s, struct llmem_kv *kv, const uin
         hd.header_tokens_bytes = (uint32_t)(HEADER_BYTES + 4 * (int64_t)hd.n_tokens);
         int64_t bytes = (int64_t)hd.header_tokens_bytes + hd.payload_bytes;
         pthread_mutex_lock(&s->lock);
-        int present = spill_db_exists(s, hd.key) || pending(s, hd.key);
+        int present = llmem_spill_db_exists(s, hd.key) || pending(s, hd.key);
         int full = !present && s->st.queued_bytes + bytes > s->cfg.queue_bytes;
         if (present)
             s->st.skip_present++;
@@ -315,7 +315,7 @@ int64_t llmem_spill_submit(struct llmem_spill *s, struct llmem_kv *kv, const uin
             pthread_mutex_unlock(&s->lock);
             continue;
         }
-        spill_header_encode(&hd, buf);
+        llmem_spill_header_encode(&hd, buf);
         memcpy(buf + HEADER_BYTES, tokens + b0 * bs, (size_t)hd.n_tokens * 4);
         llmem_kv_blocks_copy_out_async(kv, ids + b0, b1 - b0, buf + hd.header_tokens_bytes);
         j->copies = kv; /* the writer waits for these */

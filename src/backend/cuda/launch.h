@@ -34,8 +34,8 @@ __device__ __forceinline__ void pdl_begin() {
 
 /* LLMEM_CUDA_PROFILE (ops.cu, one context of the process at a time): the event recorded on the
  * stream before the first launch of an operation; NULL when off. */
-extern cudaEvent_t cuda_profile_start;
-extern int cuda_profile_pending;
+extern cudaEvent_t llmem_cuda_profile_start;
+extern int llmem_cuda_profile_pending;
 
 /* Spins for `cycles` clocks of the SM. */
 static __global__ void profile_lead_kernel(long long cycles) {
@@ -48,11 +48,11 @@ static __global__ void profile_lead_kernel(long long cycles) {
  * first, so that the operation's launches are queued behind it when the start event is reached
  * and the time measured is the kernels' own, not the host's launching them. */
 static inline void profile_begin(cudaStream_t stream) {
-    if (cuda_profile_start == nullptr || cuda_profile_pending)
+    if (llmem_cuda_profile_start == nullptr || llmem_cuda_profile_pending)
         return;
     profile_lead_kernel<<<1, 1, 0, stream>>>(100000);
-    cudaEventRecord(cuda_profile_start, stream);
-    cuda_profile_pending = 1;
+    cudaEventRecord(llmem_cuda_profile_start, stream);
+    llmem_cuda_profile_pending = 1;
 }
 
 /* kernel<<<grid, block, smem, stream>>>(args...) as a programmatic dependent launch. */

@@ -13,21 +13,21 @@
  */
 #include "backend/cuda/ops_int.h"
 
-cudaEvent_t cuda_profile_start = nullptr;
-int cuda_profile_pending = 0;
+cudaEvent_t llmem_cuda_profile_start = nullptr;
+int llmem_cuda_profile_pending = 0;
 
 namespace llmem_cuda {
 
 void launched(struct cuda_ctx *c, const char *what) {
     check(c, cudaGetLastError(), what);
-    if (!c->profiling || !cuda_profile_pending)
+    if (!c->profiling || !llmem_cuda_profile_pending)
         return;
     /* the kernels since the start event: waited for, timed, added to the operation's total */
     float ms = 0;
-    cuda_profile_pending = 0;
+    llmem_cuda_profile_pending = 0;
     if (cudaEventRecord(c->profile_end, c->stream) != cudaSuccess ||
         cudaEventSynchronize(c->profile_end) != cudaSuccess ||
-        cudaEventElapsedTime(&ms, cuda_profile_start, c->profile_end) != cudaSuccess) {
+        cudaEventElapsedTime(&ms, llmem_cuda_profile_start, c->profile_end) != cudaSuccess) {
         (void)cudaGetLastError();
         return;
     }
@@ -205,8 +205,8 @@ static void cuda_destroy(void *ctx) {
         cudaEventDestroy(c->copy_done);
     if (c->profiling) {
         profile_log(c);
-        cudaEventDestroy(cuda_profile_start);
-        cuda_profile_start = nullptr, cuda_profile_pending = 0;
+        cudaEventDestroy(llmem_cuda_profile_start);
+        llmem_cuda_profile_start = nullptr, llmem_cuda_profile_pending = 0;
     }
     if (c->profile_end != NULL)
         cudaEventDestroy(c->profile_end);
@@ -363,9 +363,9 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
     if (status == LLMEM_OK)
         c->feed =
             (int32_t *)((uint8_t *)c->small + c->small_bytes * SMALL_SLOTS + ATTN_COUNTERS_BYTES);
-    if (status == LLMEM_OK && profile && cuda_profile_start == nullptr) {
+    if (status == LLMEM_OK && profile && llmem_cuda_profile_start == nullptr) {
         if (check(c, cudaEventCreate(&c->profile_end), "event") != LLMEM_OK ||
-            check(c, cudaEventCreate(&cuda_profile_start), "event") != LLMEM_OK) {
+            check(c, cudaEventCreate(&llmem_cuda_profile_start), "event") != LLMEM_OK) {
             status = LLMEM_EIO;
         } else {
             c->profiling = 1;

@@ -149,7 +149,7 @@ struct cuda_ctx {
     struct llmem_backend_counters counters;
     struct rope_later rope_later; /* with rope_pending */
     int rope_pending;
-    int profiling; /* LLMEM_CUDA_PROFILE: this context owns cuda_profile_start */
+    int profiling; /* LLMEM_CUDA_PROFILE: this context owns llmem_cuda_profile_start */
     cudaEvent_t profile_end;
     struct profile_op profile[PROFILE_OPS];
     int profile_n;
