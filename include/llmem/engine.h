@@ -91,7 +91,7 @@ LLMEM_API struct llmem_mem *llmem_engine_mem(struct llmem_engine *e);
 LLMEM_API struct llmem_kv *llmem_engine_kv(struct llmem_engine *e);
 LLMEM_API struct llmem_model *llmem_engine_model(struct llmem_engine *e);
 LLMEM_API struct llmem_forward *llmem_engine_forward(struct llmem_engine *e);
-/* The backend the forward pass runs on (backend/ops.h). */
+/* The backend the forward pass runs on. */
 LLMEM_API struct llmem_backend *llmem_engine_backend(struct llmem_engine *e);
 /* The engine's pressure guard (its counters). */
 LLMEM_API const struct llmem_guard *llmem_engine_guard(const struct llmem_engine *e);

@@ -74,7 +74,7 @@ struct llmem_kv_config {
     int n_threads;      /* attention threads; ≤ 0: online CPUs */
     struct llmem_pool *pool; /* (optional) the threads to run attention on, shared with the
                               * caller's other work (not destroyed); NULL: a pool of n_threads */
-    /* (optional) a device backend (backend/ops.h with kv_encode, kv_attend, kv_attend_last)
+    /* (optional) a device backend (llmem_backend_cuda_create: one that encodes and attends)
      * whose memory holds the pool: the mem given to llmem_kv_create allocates that memory. The
      * paged layout and the f32, f16, bf16 and q8 formats only; writes, attention and block copies
      * run on the device, and the write and attend calls (and their _last forms) take the

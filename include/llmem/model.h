@@ -37,7 +37,7 @@ LLMEM_API int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int
                                struct llmem_model **out);
 /* NULL is a no-op. */
 LLMEM_API void llmem_model_free(struct llmem_model *model);
-/* A copy of a loaded model in the memory of a device backend (backend/ops.h): every matrix and
+/* A copy of a loaded model in the memory of a device backend (llmem/backend.h): every matrix and
  * vector allocated from mem (tag weights) and copied through the backend, progress per layer.
  * The copy runs the forward pass on that backend; the original can be freed. LLMEM_ENOMEM or
  * the backend's failure (logged); nothing is left allocated on failure. */
