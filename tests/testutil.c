@@ -163,15 +163,30 @@ struct tu_run tu_llmem_argv(int n, const char *const *args) {
     return tu_llmem_input(NULL, n, args);
 }
 
-struct tu_run tu_llmem(const char *arg, ...) {
-    const char *args[64];
+/* Up to 64 arguments of a NULL-terminated list into args; returns how many. */
+static int collect_args(const char *arg, va_list ap, const char **args) {
     int n = 0;
-    va_list ap;
-    va_start(ap, arg);
     for (const char *a = arg; a != NULL && n < 64; a = va_arg(ap, const char *))
         args[n++] = a;
+    return n;
+}
+
+struct tu_run tu_llmem(const char *arg, ...) {
+    const char *args[64];
+    va_list ap;
+    va_start(ap, arg);
+    int n = collect_args(arg, ap, args);
     va_end(ap);
     return tu_llmem_argv(n, args);
+}
+
+struct tu_run tu_llmem_bench(const char *arg, ...) {
+    const char *args[64];
+    va_list ap;
+    va_start(ap, arg);
+    int n = collect_args(arg, ap, args);
+    va_end(ap);
+    return tu_exec(LLMEM_BENCH_BIN, NULL, n, args);
 }
 
 void tu_run_free(struct tu_run *run) {

@@ -43,6 +43,8 @@ struct tu_run {
 };
 /* Runs LLMEM_BIN with the arguments (NULL-terminated list) and captures everything. */
 struct tu_run tu_llmem(const char *arg, ...);
+/* The same for the built llmem-bench. */
+struct tu_run tu_llmem_bench(const char *arg, ...);
 /* Same with an argv array of n entries (not counting the program). */
 struct tu_run tu_llmem_argv(int n, const char *const *args);
 /* Same with `input` on stdin (NULL: empty). */

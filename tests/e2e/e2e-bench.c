@@ -9,21 +9,9 @@
 #include "core/json.h"
 #include "testutil.h"
 
-/* Runs LLMEM_BENCH_BIN with the arguments (NULL-terminated list) and captures everything. */
-static struct tu_run run_bench(const char *arg, ...) {
-    const char *args[64];
-    int n = 0;
-    va_list ap;
-    va_start(ap, arg);
-    for (const char *a = arg; a != NULL && n < 64; a = va_arg(ap, const char *))
-        args[n++] = a;
-    va_end(ap);
-    return tu_exec(LLMEM_BENCH_BIN, NULL, n, args);
-}
-
 static void test_bench_mem_json(void **state) {
     (void)state;
-    struct tu_run run = run_bench("mem", "--steps", "3", "--reps", "1", "--json", NULL);
+    struct tu_run run = tu_llmem_bench("mem", "--steps", "3", "--reps", "1", "--json", NULL);
     assert_int_equal(run.exit_code, 0);
     cJSON *root = tu_json_stdout(&run);
     const cJSON *patterns = cJSON_GetObjectItemCaseSensitive(root, "patterns");
@@ -54,7 +42,7 @@ static double get_double(const cJSON *obj, const char *key) {
 static void test_bench_kv_json(void **state) {
     (void)state;
     /* The smallest run: every layout and format, one tiny point, one repetition. */
-    struct tu_run run = run_bench("kv", "--ctx", "48", "--batch", "2", "--reps", "1", "--bw-size",
+    struct tu_run run = tu_llmem_bench("kv", "--ctx", "48", "--batch", "2", "--reps", "1", "--bw-size",
                                   "1M", "--json", NULL);
     assert_int_equal(run.exit_code, 0);
     cJSON *root = tu_json_stdout(&run);
@@ -130,7 +118,7 @@ static void test_bench_kv_json(void **state) {
     tu_run_free(&run);
 
     /* the portable kernels on request */
-    run = run_bench("kv", "--ctx", "48", "--batch", "1", "--reps", "1", "--bw-size", "1M",
+    run = tu_llmem_bench("kv", "--ctx", "48", "--batch", "1", "--reps", "1", "--bw-size", "1M",
                     "--kv-format", "q4", "--kv-layout", "paged", "--isa", "scalar", "--json", NULL);
     assert_int_equal(run.exit_code, 0);
     root = tu_json_stdout(&run);
@@ -143,18 +131,18 @@ static void test_bench_kv_json(void **state) {
 
 static void test_bench_usage(void **state) {
     (void)state;
-    struct tu_run run = run_bench("nothing", NULL);
+    struct tu_run run = tu_llmem_bench("nothing", NULL);
     assert_int_equal(run.exit_code, 2);
     assert_non_null(strstr(run.err, "unknown benchmark"));
     tu_run_free(&run);
     /* the list of benchmarks */
-    run = run_bench("--help", NULL);
+    run = tu_llmem_bench("--help", NULL);
     assert_int_equal(run.exit_code, 0);
     const char *names[] = {"mem", "kv", "attn", "matmul", "decode", "bank", "serve"};
     for (int i = 0; i < 7; i++)
         assert_non_null(strstr(run.out, names[i]));
     tu_run_free(&run);
-    run = run_bench(NULL);
+    run = tu_llmem_bench(NULL);
     assert_int_equal(run.exit_code, 2);
     assert_non_null(strstr(run.err, "usage: llmem-bench"));
     tu_run_free(&run);
@@ -164,30 +152,30 @@ static void test_bench_usage(void **state) {
     assert_non_null(strstr(run.err, "llmem-bench"));
     assert_string_equal(run.out, "");
     tu_run_free(&run);
-    run = run_bench("mem", "--reps", "0", NULL);
+    run = tu_llmem_bench("mem", "--reps", "0", NULL);
     assert_int_equal(run.exit_code, 2);
     tu_run_free(&run);
-    run = run_bench("kv", "--ctx", "0", NULL);
+    run = tu_llmem_bench("kv", "--ctx", "0", NULL);
     assert_int_equal(run.exit_code, 2);
     tu_run_free(&run);
-    run = run_bench("kv", "--kv-format", "f16,f12", NULL);
+    run = tu_llmem_bench("kv", "--kv-format", "f16,f12", NULL);
     assert_int_equal(run.exit_code, 2);
     assert_non_null(strstr(run.err, "f12"));
     tu_run_free(&run);
-    run = run_bench("kv", "--isa", "avx9", NULL);
+    run = tu_llmem_bench("kv", "--isa", "avx9", NULL);
     assert_int_equal(run.exit_code, 2);
     assert_non_null(strstr(run.err, "avx9"));
     tu_run_free(&run);
     /* attn: the GPU's; bad shapes and formats are named, the CPU is sent to llmem-bench kv */
-    run = run_bench("attn", "--backend", "cuda", "--shapes", "64x", NULL);
+    run = tu_llmem_bench("attn", "--backend", "cuda", "--shapes", "64x", NULL);
     assert_int_equal(run.exit_code, 2);
     assert_non_null(strstr(run.err, "64x"));
     tu_run_free(&run);
-    run = run_bench("attn", "--backend", "cuda", "--formats", "bf16,f12", NULL);
+    run = tu_llmem_bench("attn", "--backend", "cuda", "--formats", "bf16,f12", NULL);
     assert_int_equal(run.exit_code, 2);
     assert_non_null(strstr(run.err, "f12"));
     tu_run_free(&run);
-    run = run_bench("attn", NULL);
+    run = tu_llmem_bench("attn", NULL);
     assert_int_equal(run.exit_code, 2);
     assert_non_null(strstr(run.err, "llmem-bench kv"));
     tu_run_free(&run);
