@@ -16,6 +16,7 @@
  * error, or the scheduler stopping.
  */
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -280,13 +281,35 @@ static void token_time(struct llmem_sched *s, struct request *r) {
     r->t_last = now;
 }
 
+/* Whether the row the token was drawn from is finite where it matters: the drawn id's logit of a
+ * whole row (a NaN anywhere in a pass spreads to every logit, and a row of NaN draws id 0), every
+ * value of a top-k row. */
+static int row_finite(struct out_row row, int32_t id) {
+    if (row.logits != NULL)
+        return isfinite(row.logits[id]);
+    for (int64_t i = 0; i < row.k; i++)
+        if (!isfinite(row.vals[i]))
+            return 0;
+    return 1;
+}
+
 /* Samples r's next token from its row: appended to toks and pending (hand_over gives it to the
  * client), r->ending set when it is the last one ("length"). Returns "stop" for an
- * end-of-sequence id (nothing appended, the request ends now), else NULL. */
-const char *llmem_sched_sample(struct llmem_sched *s, struct request *r, struct out_row row) {
+ * end-of-sequence id (nothing appended, the request ends now), "error" with *status
+ * LLMEM_ERANGE (logged) when the model's logits are not finite, else NULL. */
+const char *llmem_sched_sample(struct llmem_sched *s, struct request *r, struct out_row row,
+                               int *status) {
     const float *logits = row.logits;
+    *status = LLMEM_OK;
     int32_t id = logits != NULL ? llmem_sampler_sample(r->sampler, logits)
                                 : llmem_sampler_sample_top(r->sampler, row.ids, row.vals, row.k);
+    if (!row_finite(row, id)) {
+        LLMEM_ERROR("the model's logits are not finite (NaN or infinity) at position %" PRId64
+                    ": its weights hold NaN or infinity, or its activations overflowed",
+                    r->n_toks);
+        *status = LLMEM_ERANGE;
+        return "error";
+    }
     if (is_stop_id(s, &r->p, id)) {
         token_time(s, r);
         return "stop";

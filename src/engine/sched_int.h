@@ -152,7 +152,8 @@ void llmem_sched_finish(struct llmem_sched *s, struct request *r, const char *re
 void llmem_sched_finish_running(struct llmem_sched *s, struct request *r, const char *reason,
                                 int status, const char *message);
 /* Samples r's next token from its row of a step's output (see sched.c). */
-const char *llmem_sched_sample(struct llmem_sched *s, struct request *r, struct out_row row);
+const char *llmem_sched_sample(struct llmem_sched *s, struct request *r, struct out_row row,
+                               int *status);
 /* Hands r's pending token to the client; the reason r ends, or NULL (see sched.c). */
 const char *llmem_sched_hand_over(struct llmem_sched *s, struct request *r, int *status);
 /* Hands over the pending tokens of the requests on `list` (s->running or s->waiting) and ends

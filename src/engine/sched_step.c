@@ -338,7 +338,9 @@ int64_t llmem_sched_step(struct llmem_sched *s) {
             if (r->ending != NULL && !r->in_flight) {
                 slots[i].r = NULL;
                 llmem_sched_finish_running(s, r, r->ending, r->ending_status,
-                                           r->ending_status == LLMEM_OK ? NULL : "out of memory");
+                                           r->ending_status == LLMEM_OK       ? NULL
+                                           : r->ending_status == LLMEM_ENOMEM ? "out of memory"
+                                                                              : llmem_last_error());
             }
         }
         if (status != LLMEM_OK) {
@@ -361,11 +363,13 @@ int64_t llmem_sched_step(struct llmem_sched *s) {
                     row = (struct out_row){.ids = rows->ids + (size_t)i * (size_t)k,
                                            .vals = rows->vals + (size_t)i * (size_t)k,
                                            .k = k};
-                const char *reason = llmem_sched_sample(s, r, row);
+                int st;
+                const char *reason = llmem_sched_sample(s, r, row, &st);
                 if (reason != NULL && r->in_flight) /* in the step queued ahead: after it */
-                    r->ending = reason, r->ending_status = LLMEM_OK;
+                    r->ending = reason, r->ending_status = st;
                 else if (reason != NULL)
-                    llmem_sched_finish_running(s, r, reason, LLMEM_OK, NULL);
+                    llmem_sched_finish_running(s, r, reason, st,
+                                               st == LLMEM_OK ? NULL : llmem_last_error());
             }
         }
     }

@@ -16,6 +16,8 @@
 
 #include "core/json.h"
 #include "core/npy.h"
+#include "llmem/dtype.h"
+#include "llmem/safetensors.h"
 #include "testutil.h"
 
 #define PYCODER LLMEM_SOURCE_DIR "/models/pycoder"
@@ -260,6 +262,46 @@ static void expect_failure(const char *dir, const char *needle) {
     free((char *)dir);
 }
 
+/* A model whose final norm holds NaN: every logit is NaN, and the run says so instead of printing
+ * token 0 again and again. */
+static void test_nan_weights(void **state) {
+    (void)state;
+    char *dir = copy_pycoder();
+    struct llmem_safetensors *st = NULL;
+    assert_int_equal(llmem_safetensors_load_dir(dir, &st), LLMEM_OK);
+    const struct llmem_st_tensor *t = llmem_safetensors_find(st, "model.norm.weight");
+    assert_non_null(t);
+    char path[512];
+    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+    FILE *f = fopen(path, "r+b");
+    assert_non_null(f);
+    assert_int_equal(fseek(f, st->files[t->file_index].data_offset + t->offset_begin, SEEK_SET), 0);
+    for (int64_t i = 0; i < t->n_elements; i++) {
+        const uint16_t bf16_nan = 0x7FC0, f16_nan = 0x7E00;
+        const uint32_t f32_nan = 0x7FC00000u;
+        if (t->dtype == LLMEM_DTYPE_F32)
+            assert_int_equal(fwrite(&f32_nan, 4, 1, f), 1);
+        else
+            assert_int_equal(fwrite(t->dtype == LLMEM_DTYPE_BF16 ? &bf16_nan : &f16_nan, 2, 1, f), 1);
+    }
+    fclose(f);
+    llmem_safetensors_free(st);
+    /* served: a 500 that says why, and the server goes on */
+    struct tu_server srv;
+    const char *args[] = {dir, "--threads", "1"};
+    tu_serve_start(&srv, 3, args);
+    char url[256];
+    snprintf(url, sizeof(url), "%s/v1/completions", srv.url);
+    for (int i = 0; i < 2; i++) {
+        struct tu_http h = tu_http("POST", url, "{\"prompt\": \"def\", \"max_tokens\": 2}");
+        assert_int_equal(h.status, 500);
+        assert_non_null(strstr(h.body, "not finite"));
+        tu_http_free(&h);
+    }
+    assert_int_equal(tu_serve_stop(&srv), 0);
+    expect_failure(dir, "not finite");
+}
+
 static void test_bad_input(void **state) {
     (void)state;
     struct tu_run r = tu_llmem("run", "/nonexistent/model", "-p", "x", NULL);
@@ -333,6 +375,7 @@ int main(void) {
         cmocka_unit_test(test_run_greedy_matches),  cmocka_unit_test(test_run_stats_json),
         cmocka_unit_test(test_tokenize_and_logits), cmocka_unit_test(test_chat),
         cmocka_unit_test(test_refused_by_plan),     cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_nan_weights),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
