@@ -12,6 +12,7 @@
 #include <cjson/cJSON.h>
 
 #include "llmem/plan.h"
+#include "llmem/server.h"
 #include "server/server_int.h"
 #include "testutil.h"
 
@@ -546,6 +547,27 @@ static void test_health(void **state) {
 }
 
 /* Buffers: growth across many appends, printf. */
+/* The server's configuration: a Bearer key is one word of printable characters. */
+static void test_config_api_key(void **state) {
+    (void)state;
+    struct llmem_server_config c;
+    llmem_server_config_default(&c);
+    c.model_name = "m";
+    c.port = 0;
+    const char *bad[] = {" ", "   ", "two words", "tab\tkey", "new\nline", "del\x7f"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        c.api_key = bad[i];
+        tu_count_errors(LLMEM_LOG_ERROR);
+        assert_int_equal(llmem_server_config_check(&c), LLMEM_EINVAL);
+        assert_non_null(strstr(llmem_last_error(), "API key"));
+        tu_count_errors_stop();
+    }
+    c.api_key = "s3cret-K3y_!";
+    assert_int_equal(llmem_server_config_check(&c), LLMEM_OK);
+    c.api_key = "";
+    assert_int_equal(llmem_server_config_check(&c), LLMEM_OK); /* none, on loopback */
+}
+
 static void test_buf(void **state) {
     (void)state;
     struct srv_buf b = {0};
@@ -566,7 +588,7 @@ int main(void) {
         cmocka_unit_test(test_check_prompt), cmocka_unit_test(test_render_completion),
         cmocka_unit_test(test_render_chat),  cmocka_unit_test(test_render_error_and_models),
         cmocka_unit_test(test_metrics),      cmocka_unit_test(test_health),
-        cmocka_unit_test(test_buf),
+        cmocka_unit_test(test_buf),          cmocka_unit_test(test_config_api_key),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

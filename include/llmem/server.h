@@ -35,8 +35,9 @@ extern "C" {
 struct llmem_server_config {
     const char *host;       /* the address to bind ("127.0.0.1"; a name is resolved) */
     int port;               /* 8080; 0: a free port (see llmem_server_port) */
-    const char *api_key;    /* (optional) Bearer key every route but /health requires; a bind
-                             * to an address that is not loopback needs one */
+    const char *api_key;    /* (optional) Bearer key every route but /health requires: one
+                             * word of printable characters; a bind to an address that is not
+                             * loopback needs one */
     const char *model_name; /* the model id of /v1/models and responses (required) */
     enum llmem_chat_template chat_template; /* LLMEM_CHAT_NONE: the tokenizer's own, if any */
     int64_t max_queue;      /* waiting requests beyond which a request gets 503 (0: 256) */

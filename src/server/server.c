@@ -889,6 +889,13 @@ static int resolve(const struct llmem_server_config *cfg, struct addrinfo **ai) 
         LLMEM_ERROR_AS("llmem_server_start", "the server needs a model name");
         return LLMEM_EINVAL;
     }
+    for (const char *k = cfg->api_key; k != NULL && *k; k++)
+        if ((unsigned char)*k <= ' ' || *k == 0x7f) {
+            LLMEM_ERROR_AS("llmem_server_start",
+                           "the API key holds a space or a control character: a Bearer key is one "
+                           "word of printable characters");
+            return LLMEM_EINVAL;
+        }
     const char *host = cfg->host != NULL ? cfg->host : "127.0.0.1";
     if (cfg->port < 0 || cfg->port > 65535) {
         LLMEM_ERROR_AS("llmem_server_start", "port %d is out of range [0, 65535]", cfg->port);
