@@ -398,6 +398,18 @@ static void test_default_cache_limit(void **state) {
     assert_int_equal(llmem_mem_default_cache_limit(1024 * (int64_t)MiB), 256 * (int64_t)MiB);
     assert_int_equal(llmem_mem_default_cache_limit(36LL << 30), (36LL << 30) / 8);
     assert_int_equal(llmem_mem_default_cache_limit(192LL << 30), 8LL << 30);
+    /* the default never exceeds the allocator's memory limit; a given one stays as given */
+    struct llmem_mem_config c = {.memory_limit_bytes = 32 * (int64_t)MiB,
+                                 .cache_limit_bytes = -1,
+                                 .usable_bytes = 32 * (int64_t)MiB};
+    struct llmem_mem *small = NULL;
+    assert_int_equal(llmem_mem_create(&c, &small), LLMEM_OK);
+    assert_int_equal(stats_of(small).cache_limit_bytes, 32 * (int64_t)MiB);
+    llmem_mem_destroy(small);
+    c.cache_limit_bytes = 64 * (int64_t)MiB;
+    assert_int_equal(llmem_mem_create(&c, &small), LLMEM_OK);
+    assert_int_equal(stats_of(small).cache_limit_bytes, 64 * (int64_t)MiB);
+    llmem_mem_destroy(small);
     struct llmem_mem_config cfg = {.cache_limit_bytes = -1, .usable_bytes = 36LL << 30};
     struct llmem_mem *m = NULL;
     assert_int_equal(llmem_mem_create(&cfg, &m), LLMEM_OK);

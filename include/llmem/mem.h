@@ -69,7 +69,8 @@ LLMEM_API const struct llmem_mem_raw_ops *llmem_mem_host_ops(void);
 struct llmem_mem_config {
     const struct llmem_mem_raw_ops *ops; /* NULL: the host kind */
     int64_t memory_limit_bytes;          /* 0: LLMEM_MEM_UNLIMITED */
-    int64_t cache_limit_bytes;           /* < 0: llmem_mem_default_cache_limit(usable_bytes) */
+    int64_t cache_limit_bytes;           /* < 0: llmem_mem_default_cache_limit(usable_bytes), at
+                                          * most memory_limit_bytes */
     int64_t usable_bytes;                /* the plan's engine budget, for the default cache limit */
 };
 

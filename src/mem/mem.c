@@ -473,6 +473,8 @@ int llmem_mem_create(const struct llmem_mem_config *config, struct llmem_mem **o
     int64_t cache = config ? config->cache_limit_bytes : -1;
     m->st.cache_limit_bytes =
         cache >= 0 ? cache : llmem_mem_default_cache_limit(config ? config->usable_bytes : 0);
+    if (cache < 0 && limit > 0 && m->st.cache_limit_bytes > limit)
+        m->st.cache_limit_bytes = limit; /* a cache larger than all it may hold means nothing */
     *out = m;
     return LLMEM_OK;
 out_nomem:
