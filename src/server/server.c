@@ -12,7 +12,8 @@
  * sleeps on that condition variable and turns queued tokens into SSE chunks.
  *
  * Clients that go away. While a connection thread waits (for a non-streaming result, for a
- * stream's first token, between a stream's tokens) it wakes every 100 ms and polls its socket;
+ * stream's first token, between a stream's tokens) it polls its socket every 100 ms, however
+ * often tokens wake it (a non-streaming wait is woken only by the end);
  * a peer that has closed (POLLRDHUP, POLLHUP, or a read of 0 bytes) cancels the job
  * (llmem_engine_cancel), and the scheduler frees its KV blocks at its next step. A failed write
  * ends the response and cancels it the same way (the response's free callback).
@@ -240,10 +241,11 @@ static int job_on_token(void *arg, const struct llmem_token_event *ev) {
     }
     int cancel = j->abandoned || e == NULL; /* a token we cannot keep ends the request */
     struct llmem_server *s = j->srv;
-    int queue = s->waker_on && !j->wake_queued;
+    int wake = j->req.stream; /* a non-streaming answer waits for on_done alone */
+    int queue = wake && s->waker_on && !j->wake_queued;
     if (queue)
         j->wake_queued = 1, j->refs++;
-    else if (!s->waker_on)
+    else if (wake && !s->waker_on)
         pthread_cond_signal(&j->cv);
     pthread_mutex_unlock(&j->mu);
     if (queue)
@@ -301,16 +303,21 @@ static void job_abandon(struct job *j) {
 }
 
 /* Waits (j->mu held) until there are events (or, with `all`, until done), looking at the socket
- * every POLL_MS. Returns 0, or -1 when the client has gone (mu still held). */
+ * every POLL_MS. The deadline is absolute and moves only after a look, so wake-ups that come
+ * sooner than POLL_MS (a token a step) do not put the look off. Returns 0, or -1 when the client
+ * has gone (mu still held). */
 static int job_wait(struct job *j, int all) {
+    struct timespec until = llmem_clock_deadline(POLL_MS * 1e-3);
     while (!j->done && (all || j->head == NULL)) {
-        struct timespec until = llmem_clock_deadline(POLL_MS * 1e-3);
-        if (pthread_cond_timedwait(&j->cv, &j->mu, &until) == ETIMEDOUT && peer_closed(j->fd)) {
+        if (pthread_cond_timedwait(&j->cv, &j->mu, &until) != ETIMEDOUT)
+            continue;
+        if (peer_closed(j->fd)) {
             pthread_mutex_unlock(&j->mu);
             job_abandon(j);
             pthread_mutex_lock(&j->mu);
             return -1;
         }
+        until = llmem_clock_deadline(POLL_MS * 1e-3);
     }
     return 0;
 }

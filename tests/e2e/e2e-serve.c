@@ -2,11 +2,11 @@
  * tests/e2e/e2e-serve.c — `llmem serve models/pycoder` on a free loopback port, driven with curl
  * (and a raw socket for a client that goes away): completions and chat, non-streaming and
  * streaming, greedy text equal to `llmem run`'s, logprobs, 16 concurrent clients equal to single
- * requests, a disconnect that frees its KV, bank hits for a shared system prompt, the cache
- * clear, /health and /metrics, bad requests (each a 4xx with an OpenAI error object, the server
- * serving on), the API key, a full queue (503), --util against `llmem plan`, and a burst of long
- * requests on a small memory budget (each completes or gets 507; the allocator's peak stays
- * under its limit).
+ * requests, a disconnect that frees its KV (streaming) or cancels its request (non-streaming),
+ * bank hits for a shared system prompt, the cache clear, /health and /metrics, bad requests (each
+ * a 4xx with an OpenAI error object, the server serving on), the API key, a full queue (503),
+ * --util against `llmem plan`, and a burst of long requests on a small memory budget (each
+ * completes or gets 507; the allocator's peak stays under its limit).
  */
 #include <arpa/inet.h>
 #include <math.h>
@@ -433,6 +433,45 @@ static void test_disconnect_frees_kv(void **state) {
     assert_true(metric(&srv, "llmem_requests_total{outcome=\"cancelled\"}") >= cancelled + 1);
     assert_true(metric(&srv, "llmem_client_disconnects_total") >= 1);
     assert_true(metric(&srv, "llmem_generation_tokens_total") > 0);
+    assert_int_equal(metric(&srv, "llmem_kv_blocks_used"), metric(&srv, "llmem_bank_blocks"));
+}
+
+/* A client that closes its socket while its non-streaming answer is being generated cancels the
+ * request as a streaming one does: it is counted cancelled and a disconnect, and generation stops
+ * long before max_tokens (the bound is the whole request; no time is asserted). */
+static void test_disconnect_plain_cancels(void **state) {
+    (void)state;
+    enum { MAX_TOKENS = 1900 };
+    double cancelled = metric(&srv, "llmem_requests_total{outcome=\"cancelled\"}");
+    double ok = metric(&srv, "llmem_requests_total{outcome=\"ok\"}");
+    double gone = metric(&srv, "llmem_client_disconnects_total");
+    double generated = metric(&srv, "llmem_generation_tokens_total");
+    int port = atoi(strrchr(srv.url, ':') + 1);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    char body[256], req[1024];
+    snprintf(body, sizeof(body),
+             "{\"prompt\": \"def main():\\n\", \"max_tokens\": %d, \"temperature\": 0, "
+             "\"ignore_eos\": true, \"stream\": false}",
+             MAX_TOKENS);
+    int len = snprintf(req, sizeof(req),
+                       "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                       "application/json\r\nContent-Length: %zu\r\n\r\n%s",
+                       strlen(body), body);
+    assert_int_equal(write(fd, req, (size_t)len), len);
+    /* close once the request is generating */
+    for (int i = 0; i < 600 && metric(&srv, "llmem_generation_tokens_total") == generated; i++)
+        usleep(5 * 1000);
+    close(fd);
+    wait_idle(&srv);
+    double n = metric(&srv, "llmem_generation_tokens_total") - generated;
+    print_message("  generated %.0f of %d tokens before the cancel\n", n, MAX_TOKENS);
+    assert_true(metric(&srv, "llmem_requests_total{outcome=\"cancelled\"}") == cancelled + 1);
+    assert_true(metric(&srv, "llmem_requests_total{outcome=\"ok\"}") == ok);
+    assert_true(metric(&srv, "llmem_client_disconnects_total") == gone + 1);
+    assert_true(n > 0 && n < MAX_TOKENS);
     assert_int_equal(metric(&srv, "llmem_kv_blocks_used"), metric(&srv, "llmem_bank_blocks"));
 }
 
@@ -1065,6 +1104,7 @@ int main(void) {
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_concurrent_equal_single),
         cmocka_unit_test(test_disconnect_frees_kv),
+        cmocka_unit_test(test_disconnect_plain_cancels),
         cmocka_unit_test(test_shared_prefix_bank_hits),
         cmocka_unit_test(test_models_health_metrics),
         cmocka_unit_test(test_bad_requests),
