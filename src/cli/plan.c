@@ -56,8 +56,8 @@ static const char plan_usage[] =
     "  --list                     the built-in catalog\n"
     "\n"
     "Sizes take K/M/G/T suffixes (binary): 48G, 512M, 1.5T. Exit status: 0 when the plan fits,\n"
-    "3 when the model does not fit or the requested context is overcommitted, 1 on errors,\n"
-    "2 on usage errors.\n";
+    "3 when the model does not fit, the requested context is overcommitted or the limits break\n"
+    "footprint < allocation limit < trip < ceiling, 1 on errors, 2 on usage errors.\n";
 
 enum {
     OPT_TOTAL = 256,
@@ -363,10 +363,8 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
                llmem_size_format_short(a->working_set, s2, sizeof(s2)));
 
     /* With --budget the limits are derived against the simulated machine. */
-    int64_t ceiling = p->budget_bytes > 0 && p->budget_bytes < p->ceiling_bytes ? p->budget_bytes
-                                                                                : p->ceiling_bytes;
-    int ok = p->footprint_bytes < p->allocation_limit_bytes &&
-             p->allocation_limit_bytes < p->trip_bytes && p->trip_bytes < ceiling;
+    int64_t ceiling = llmem_plan_limits_ceiling(p);
+    int ok = llmem_plan_limits_check(p, NULL, 0) == 0;
     printf("\n  limits   footprint %s < allocation limit %s < trip %s < ceiling %s",
            llmem_size_format_short(p->footprint_bytes, s1, sizeof(s1)),
            llmem_size_format_short(p->allocation_limit_bytes, s2, sizeof(s2)),
@@ -471,5 +469,13 @@ int cli_plan(int argc, char **argv) {
         fprintf(stderr, "llmem plan: memory plan unavailable (%s)\n", plan.unavailable_reason);
         return CLI_FAIL;
     }
-    return plan.model_fits ? CLI_OK : CLI_NOFIT;
+    if (!plan.model_fits)
+        return CLI_NOFIT;
+    /* limits the plan itself calls unsafe are refused as `llmem run` refuses them */
+    char why[256];
+    if (llmem_plan_limits_check(&plan, why, sizeof(why)) != 0) {
+        fprintf(stderr, "llmem plan: the limits are unsafe: %s\n", why);
+        return CLI_NOFIT;
+    }
+    return CLI_OK;
 }

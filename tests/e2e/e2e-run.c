@@ -197,6 +197,28 @@ static void test_refused_by_plan(void **state) {
     tu_run_free(&r);
 }
 
+/* Limits the plan calls unsafe (§3.1) are refused before loading, exit 3, naming the broken
+ * inequality: --memory-limit and --util 1 put the allocation limit at the ceiling, --util 0.96
+ * the trip above it. */
+static void test_refused_unsafe_limits(void **state) {
+    (void)state;
+    const char *cases[][2] = {{"--memory-limit", "1000T"}, {"--util", "1"}, {"--util", "0.96"}};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        struct tu_run r =
+            tu_llmem("run", PYCODER, "-p", "x", "-n", "1", cases[i][0], cases[i][1], NULL);
+        if (r.exit_code != 3 || strstr(r.err, "refused before loading") == NULL ||
+            strstr(r.err, "< ceiling") == NULL || strstr(r.err, "does not hold") == NULL)
+            fail_msg("%s %s: exit %d, stderr: %s", cases[i][0], cases[i][1], r.exit_code, r.err);
+        assert_string_equal(r.out, "");
+        tu_run_free(&r);
+    }
+    /* inside the band it runs */
+    struct tu_run r = tu_llmem("run", PYCODER, "-p", "x", "-n", "1", "--util", "0.5", NULL);
+    assert_int_equal(r.exit_code, 0);
+    assert_null(strstr(r.err, "does not hold"));
+    tu_run_free(&r);
+}
+
 /* ---- bad input --------------------------------------------------------------------------------
  */
 
@@ -332,7 +354,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_run_greedy_matches),  cmocka_unit_test(test_run_stats_json),
         cmocka_unit_test(test_tokenize_and_logits), cmocka_unit_test(test_chat),
-        cmocka_unit_test(test_refused_by_plan),     cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_refused_by_plan),     cmocka_unit_test(test_refused_unsafe_limits),
+        cmocka_unit_test(test_bad_input),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
