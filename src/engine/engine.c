@@ -157,6 +157,10 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
                        "util %.3f is outside its band (%.3f, %.3f): %s", e->plan.util,
                        e->plan.band_low, e->plan.band_high, why);
     }
+    if (c->context > e->plan.context_window_resolved)
+        llmem_log_line(LLMEM_LOG_WARN, "llmem_engine_open",
+                       "requested context %" PRId64 " is above the model's maximum; using %" PRId64,
+                       c->context, e->plan.context_window_resolved);
     LLMEM_INFO("plan: %s", line);
     return LLMEM_OK;
 }

@@ -219,6 +219,23 @@ static void test_refused_unsafe_limits(void **state) {
     tu_run_free(&r);
 }
 
+/* A context above the model's maximum is clamped, with one warning line naming both. */
+static void test_context_clamp_warns(void **state) {
+    (void)state;
+    struct tu_run r =
+        tu_llmem("run", PYCODER, "-p", "x", "-n", "1", "--context", "1099511627776", NULL);
+    assert_int_equal(r.exit_code, 0);
+    if (strstr(r.err, "requested context 1099511627776 is above the model's maximum; using 2048") ==
+        NULL)
+        fail_msg("no warning: %s", r.err);
+    assert_non_null(strstr(r.err, "context 2048\n"));
+    tu_run_free(&r);
+    r = tu_llmem("run", PYCODER, "-p", "x", "-n", "1", "--context", "1024", NULL);
+    assert_int_equal(r.exit_code, 0);
+    assert_null(strstr(r.err, "requested context"));
+    tu_run_free(&r);
+}
+
 /* ---- bad input --------------------------------------------------------------------------------
  */
 
@@ -355,7 +372,7 @@ int main(void) {
         cmocka_unit_test(test_run_greedy_matches),  cmocka_unit_test(test_run_stats_json),
         cmocka_unit_test(test_tokenize_and_logits), cmocka_unit_test(test_chat),
         cmocka_unit_test(test_refused_by_plan),     cmocka_unit_test(test_refused_unsafe_limits),
-        cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_context_clamp_warns), cmocka_unit_test(test_bad_input),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
