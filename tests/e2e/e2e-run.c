@@ -236,6 +236,29 @@ static void test_context_clamp_warns(void **state) {
     tu_run_free(&r);
 }
 
+/* More ids than the context window: the window is named, not the KV pool's internals. */
+static void test_logits_past_context(void **state) {
+    (void)state;
+    char ids[512] = "1";
+    for (int i = 1; i < 65; i++)
+        strcat(ids, ",1");
+    char *dir = tu_mkdtemp(), path[512];
+    snprintf(path, sizeof(path), "%s/logits.npy", dir);
+    struct tu_run r =
+        tu_llmem("logits", PYCODER, "--ids", ids, "--out", path, "--context", "64", NULL);
+    assert_int_equal(r.exit_code, 1);
+    if (strstr(r.err, "65 ids exceed the context window of 64 tokens") == NULL ||
+        strstr(r.err, "paged pool") != NULL)
+        fail_msg("unexpected: %s", r.err);
+    tu_run_free(&r);
+    ids[strlen(ids) - 2] = '\0'; /* 64 ids fit */
+    r = tu_llmem("logits", PYCODER, "--ids", ids, "--out", path, "--context", "64", NULL);
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+    tu_rmtree(dir);
+    free(dir);
+}
+
 /* ---- bad input --------------------------------------------------------------------------------
  */
 
@@ -372,7 +395,8 @@ int main(void) {
         cmocka_unit_test(test_run_greedy_matches),  cmocka_unit_test(test_run_stats_json),
         cmocka_unit_test(test_tokenize_and_logits), cmocka_unit_test(test_chat),
         cmocka_unit_test(test_refused_by_plan),     cmocka_unit_test(test_refused_unsafe_limits),
-        cmocka_unit_test(test_context_clamp_warns), cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_context_clamp_warns), cmocka_unit_test(test_logits_past_context),
+        cmocka_unit_test(test_bad_input),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
