@@ -259,6 +259,21 @@ static void test_logits_past_context(void **state) {
     free(dir);
 }
 
+/* A zero budget or memory limit is a usage error, not a silent "auto". */
+static void test_zero_sizes_refused(void **state) {
+    (void)state;
+    const char *flags[] = {"--budget", "--memory-limit"};
+    for (size_t i = 0; i < sizeof(flags) / sizeof(flags[0]); i++) {
+        struct tu_run r = tu_llmem("run", PYCODER, "-p", "x", "-n", "1", flags[i], "0", NULL);
+        char want[64];
+        snprintf(want, sizeof(want), "%s: the size must be positive", flags[i]);
+        if (r.exit_code != 2 || strstr(r.err, want) == NULL)
+            fail_msg("%s 0: exit %d, stderr: %s", flags[i], r.exit_code, r.err);
+        assert_string_equal(r.out, "");
+        tu_run_free(&r);
+    }
+}
+
 /* ---- bad input --------------------------------------------------------------------------------
  */
 
@@ -396,7 +411,7 @@ int main(void) {
         cmocka_unit_test(test_tokenize_and_logits), cmocka_unit_test(test_chat),
         cmocka_unit_test(test_refused_by_plan),     cmocka_unit_test(test_refused_unsafe_limits),
         cmocka_unit_test(test_context_clamp_warns), cmocka_unit_test(test_logits_past_context),
-        cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_zero_sizes_refused),  cmocka_unit_test(test_bad_input),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
