@@ -187,6 +187,34 @@ static void test_util_override(void **state) {
     assert_int_equal(p.usable_bytes, 16 * GiB);
 }
 
+/* The invariant footprint < allocation limit < trip < ceiling, checked inequality by inequality. */
+static void test_limits_check(void **state) {
+    (void)state;
+    struct llmem_plan_params params = ref_params(48 * GiB);
+    struct llmem_plan p = compute(&params);
+    char why[256] = "x";
+    assert_int_equal(llmem_plan_limits_check(&p, why, sizeof(why)), 0);
+    assert_string_equal(why, "");
+    /* the whole machine: the trip 1.05 × total sits above the ceiling */
+    params.memory_limit_bytes = 1000 * GiB;
+    p = compute(&params);
+    assert_int_equal(llmem_plan_limits_check(&p, why, sizeof(why)), LLMEM_PLAN_BREAKS_TRIP);
+    assert_string_equal(why, "trip 50.4G < ceiling 48.0G does not hold");
+    /* an allocation limit below the footprint */
+    params.memory_limit_bytes = 0;
+    params.util = 0.5;
+    p = compute(&params);
+    assert_int_equal(llmem_plan_limits_check(&p, why, sizeof(why)), LLMEM_PLAN_BREAKS_FOOTPRINT);
+    assert_non_null(strstr(why, "footprint 24.1G < allocation limit 24.0G does not hold"));
+    /* with a budget the ceiling is the budget's */
+    params = ref_params(48 * GiB);
+    params.memory_budget_bytes = 32 * GiB;
+    params.util = 0.99;
+    p = compute(&params);
+    assert_int_equal(llmem_plan_limits_ceiling(&p), 32 * GiB);
+    assert_true(llmem_plan_limits_check(&p, NULL, 0) & LLMEM_PLAN_BREAKS_TRIP);
+}
+
 static void test_invalid_params(void **state) {
     (void)state;
     struct llmem_plan_params params = ref_params(48 * GiB);
@@ -613,6 +641,7 @@ int main(void) {
         cmocka_unit_test(test_budget_override),
         cmocka_unit_test(test_memory_limit_override),
         cmocka_unit_test(test_util_override),
+        cmocka_unit_test(test_limits_check),
         cmocka_unit_test(test_invalid_params),
         cmocka_unit_test(test_unavailable),
         cmocka_unit_test(test_cgroup_ceiling_below_75_percent),

@@ -224,6 +224,20 @@ LLMEM_API int64_t llmem_plan_bank_dynamic_ceiling(const struct llmem_plan *plan,
                                                   int64_t working_set_bytes,
                                                   int64_t observed_reserve_bytes);
 
+/* The effective ceiling of the limits (§3.1): min(ceiling, budget) with a budget. */
+LLMEM_API int64_t llmem_plan_limits_ceiling(const struct llmem_plan *plan);
+
+/* Checks the invariant footprint < allocation limit < trip < ceiling (§3.1). Returns 0 when it
+ * holds; otherwise a bit set of the inequalities that break (LLMEM_PLAN_BREAKS_*) and, in buf,
+ * each broken one with its numbers, e.g. "trip 24.7G < ceiling 23.5G does not hold". An
+ * unavailable plan holds trivially. */
+enum {
+    LLMEM_PLAN_BREAKS_FOOTPRINT = 1, /* footprint < allocation limit */
+    LLMEM_PLAN_BREAKS_LIMIT = 2,     /* allocation limit < trip */
+    LLMEM_PLAN_BREAKS_TRIP = 4,      /* trip < ceiling */
+};
+LLMEM_API int llmem_plan_limits_check(const struct llmem_plan *plan, char *buf, size_t buf_size);
+
 /* The transient reserve from observed allocator numbers (§2.3), play = usable − weights:
  * max(floor, min(min(16 GiB, max(floor, play / 2)), max(0, peak − active))). */
 LLMEM_API int64_t llmem_plan_transient_reserve(int64_t peak, int64_t active, int64_t play,

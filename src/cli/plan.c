@@ -56,8 +56,8 @@ static const char plan_usage[] =
     "  --list                     the built-in catalog\n"
     "\n"
     "Sizes take K/M/G/T suffixes (binary): 48G, 512M, 1.5T. Exit status: 0 when the plan fits,\n"
-    "3 when the model does not fit or the requested context is overcommitted, 1 on errors,\n"
-    "2 on usage errors.\n";
+    "3 when the model does not fit, the requested context is overcommitted or the limits break\n"
+    "footprint < allocation limit < trip < ceiling, 1 on errors, 2 on usage errors.\n";
 
 enum {
     OPT_TOTAL = 256,
@@ -117,6 +117,17 @@ struct plan_args {
 #define MAX_CONTEXT_TOKENS ((int64_t)1 << 40)
 #define MAX_COUNT          ((int64_t)1 << 30)
 
+/* A size that must be given as more than 0: leaving the flag out is what picks the default. */
+static int parse_positive_size(const char *flag, const char *arg, int64_t *out) {
+    int rc = cli_parse_size(flag, arg, out);
+    if (rc == CLI_OK && *out <= 0)
+        return cli_usage_error("",
+                               "%s: the size must be positive (leave it out for the plan's "
+                               "default)",
+                               flag);
+    return rc;
+}
+
 static int parse_args(int argc, char **argv, struct plan_args *a) {
     memset(a, 0, sizeof(*a));
     a->params.kv_format = LLMEM_KV_FORMAT_F16;
@@ -139,10 +150,10 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
                                &a->params.requested_context);
             break;
         case OPT_BUDGET:
-            rc = cli_parse_size("--budget", optarg, &a->params.memory_budget_bytes);
+            rc = parse_positive_size("--budget", optarg, &a->params.memory_budget_bytes);
             break;
         case OPT_MEMORY_LIMIT:
-            rc = cli_parse_size("--memory-limit", optarg, &a->params.memory_limit_bytes);
+            rc = parse_positive_size("--memory-limit", optarg, &a->params.memory_limit_bytes);
             break;
         case OPT_UTIL: rc = cli_parse_double("--util", optarg, 0.0, 1.0, &a->params.util); break;
         case OPT_KV_FORMAT:
@@ -363,10 +374,8 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
                llmem_size_format_short(a->working_set, s2, sizeof(s2)));
 
     /* With --budget the limits are derived against the simulated machine. */
-    int64_t ceiling = p->budget_bytes > 0 && p->budget_bytes < p->ceiling_bytes ? p->budget_bytes
-                                                                                : p->ceiling_bytes;
-    int ok = p->footprint_bytes < p->allocation_limit_bytes &&
-             p->allocation_limit_bytes < p->trip_bytes && p->trip_bytes < ceiling;
+    int64_t ceiling = llmem_plan_limits_ceiling(p);
+    int ok = llmem_plan_limits_check(p, NULL, 0) == 0;
     printf("\n  limits   footprint %s < allocation limit %s < trip %s < ceiling %s",
            llmem_size_format_short(p->footprint_bytes, s1, sizeof(s1)),
            llmem_size_format_short(p->allocation_limit_bytes, s2, sizeof(s2)),
@@ -471,5 +480,13 @@ int cli_plan(int argc, char **argv) {
         fprintf(stderr, "llmem plan: memory plan unavailable (%s)\n", plan.unavailable_reason);
         return CLI_FAIL;
     }
-    return plan.model_fits ? CLI_OK : CLI_NOFIT;
+    if (!plan.model_fits)
+        return CLI_NOFIT;
+    /* limits the plan itself calls unsafe are refused as `llmem run` refuses them */
+    char why[256];
+    if (llmem_plan_limits_check(&plan, why, sizeof(why)) != 0) {
+        fprintf(stderr, "llmem plan: the limits are unsafe: %s\n", why);
+        return CLI_NOFIT;
+    }
+    return CLI_OK;
 }

@@ -587,6 +587,13 @@ static int logits_main(int argc, char **argv, struct run_args *a) {
     int seq = -1;
     if (rc != CLI_OK)
         goto out;
+    const int64_t window = llmem_engine_plan(e)->context_window_resolved;
+    if (n > window) {
+        fprintf(stderr, "%s %s: %" PRId64 " ids exceed the context window of %" PRId64 " tokens\n",
+                cli_program, a->cmd, n, window);
+        rc = CLI_FAIL;
+        goto out;
+    }
     int64_t vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size;
     int64_t chunk = llmem_forward_max_tokens(llmem_engine_forward(e));
     logits = malloc((size_t)(n * vocab) * sizeof(float));

@@ -141,6 +141,26 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
             LLMEM_ERROR_AS("llmem_engine_open", "%s", e->plan.notes[i]);
         return LLMEM_ENOMEM;
     }
+    /* §3.1: an allocation limit or a trip at or above the ceiling leaves the guard no room to
+     * shed cache before the hard limit; a util outside its band otherwise is only warned of */
+    char why[256];
+    if (llmem_plan_limits_check(&e->plan, why, sizeof(why)) != 0) {
+        const int64_t ceiling = llmem_plan_limits_ceiling(&e->plan);
+        if (e->plan.allocation_limit_bytes >= ceiling || e->plan.trip_bytes >= ceiling) {
+            LLMEM_ERROR_AS("llmem_engine_open",
+                           "%s: refused before loading: the limits are unsafe: %s; lower --util"
+                           " or --memory-limit",
+                           c->model_dir, why);
+            return LLMEM_ENOMEM;
+        }
+        llmem_log_line(LLMEM_LOG_WARN, "llmem_engine_open",
+                       "util %.3f is outside its band (%.3f, %.3f): %s", e->plan.util,
+                       e->plan.band_low, e->plan.band_high, why);
+    }
+    if (c->context > e->plan.context_window_resolved)
+        llmem_log_line(LLMEM_LOG_WARN, "llmem_engine_open",
+                       "requested context %" PRId64 " is above the model's maximum; using %" PRId64,
+                       c->context, e->plan.context_window_resolved);
     LLMEM_INFO("plan: %s", line);
     return LLMEM_OK;
 }

@@ -398,6 +398,46 @@ char *llmem_plan_describe(const struct llmem_plan *plan, char *buf, size_t buf_s
     return buf;
 }
 
+/* ---- §3.1: the invariant --------------------------------------------------------------------- */
+
+int64_t llmem_plan_limits_ceiling(const struct llmem_plan *plan) {
+    return plan->budget_bytes > 0 ? min64(plan->ceiling_bytes, plan->budget_bytes)
+                                  : plan->ceiling_bytes;
+}
+
+int llmem_plan_limits_check(const struct llmem_plan *plan, char *buf, size_t buf_size) {
+    if (buf_size > 0)
+        buf[0] = '\0';
+    if (!plan->available)
+        return 0;
+    const struct {
+        int bit;
+        const char *lo_name, *hi_name;
+        int64_t lo, hi;
+    } chain[] = {
+        {LLMEM_PLAN_BREAKS_FOOTPRINT, "footprint", "allocation limit", plan->footprint_bytes,
+         plan->allocation_limit_bytes},
+        {LLMEM_PLAN_BREAKS_LIMIT, "allocation limit", "trip", plan->allocation_limit_bytes,
+         plan->trip_bytes},
+        {LLMEM_PLAN_BREAKS_TRIP, "trip", "ceiling", plan->trip_bytes,
+         llmem_plan_limits_ceiling(plan)},
+    };
+    int broken = 0;
+    size_t used = 0;
+    for (size_t i = 0; i < sizeof(chain) / sizeof(chain[0]); i++) {
+        if (chain[i].lo < chain[i].hi)
+            continue;
+        broken |= chain[i].bit;
+        if (used < buf_size) {
+            int n = snprintf(buf + used, buf_size - used, "%s%s %s < %s %s does not hold",
+                             used > 0 ? "; " : "", chain[i].lo_name, GIB(chain[i].lo),
+                             chain[i].hi_name, GIB(chain[i].hi));
+            used += n > 0 ? (size_t)n : 0;
+        }
+    }
+    return broken;
+}
+
 /* ---- §2.3 runtime functions ------------------------------------------------------------------ */
 
 int64_t llmem_plan_bank_dynamic_ceiling(const struct llmem_plan *plan, int64_t working_set_bytes,

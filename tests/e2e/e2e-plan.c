@@ -171,6 +171,29 @@ static void test_util_band_trap(void **state) {
                    "40G", "--kv-bytes-per-token", "131072", "--max-context", "1048576", NULL);
     assert_non_null(strstr(run.out, "BROKEN"));
     assert_non_null(strstr(run.out, ": EMPTY"));
+    assert_int_equal(run.exit_code, 3);
+    assert_non_null(strstr(run.err, "trip 91.2G < ceiling 72.0G does not hold"));
+    tu_run_free(&run);
+}
+
+/* A limit the plan calls unsafe exits 3 and says which inequality breaks; a safe one exits 0. */
+static void test_unsafe_limits_exit(void **state) {
+    (void)state;
+    const char *cases[][2] = {{"--memory-limit", "1000T"}, {"--util", "1"}};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        struct tu_run run =
+            tu_llmem("plan", LLMEM_SOURCE_DIR "/models/pycoder", cases[i][0], cases[i][1], NULL);
+        assert_non_null(strstr(run.out, "BROKEN"));
+        if (run.exit_code != 3 || strstr(run.err, "the limits are unsafe: trip ") == NULL ||
+            strstr(run.err, "< ceiling") == NULL || count_lines(run.err) != 1)
+            fail_msg("%s %s: exit %d, stderr: %s", cases[i][0], cases[i][1], run.exit_code,
+                     run.err);
+        tu_run_free(&run);
+    }
+    struct tu_run run = tu_llmem("plan", "--total", "48G", REF, "--util", "0.8", NULL);
+    assert_int_equal(run.exit_code, 0);
+    assert_non_null(strstr(run.out, ": holds"));
+    assert_string_equal(run.err, "");
     tu_run_free(&run);
 }
 
@@ -315,6 +338,9 @@ static void test_usage_errors(void **state) {
         {{"plan", "--total", "-5G", "--weights", "1G"}, "negative"},
         {{"plan", "--budget", "12X", "llama-3.1-8b"}, "--budget"},
         {{"plan", "--util", "1.5", "llama-3.1-8b"}, "--util"},
+        {{"plan", "--budget", "0", "llama-3.1-8b"}, "--budget: the size must be positive"},
+        {{"plan", "--memory-limit", "0", "llama-3.1-8b"},
+         "--memory-limit: the size must be positive"},
         {{"plan", "--kv-format", "q5", "llama-3.1-8b"}, "q5"},
         {{"plan", "--bogus", "llama-3.1-8b"}, "unknown option"},
         {{"plan", "--context"}, "needs a value"},
@@ -422,6 +448,7 @@ int main(void) {
         cmocka_unit_test(test_usable_by_machine_size),
         cmocka_unit_test(test_every_kv_format),
         cmocka_unit_test(test_util_band_trap),
+        cmocka_unit_test(test_unsafe_limits_exit),
         cmocka_unit_test(test_working_set),
         cmocka_unit_test(test_model_dir_and_catalog),
         cmocka_unit_test(test_model_does_not_fit),

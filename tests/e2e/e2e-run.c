@@ -199,6 +199,83 @@ static void test_refused_by_plan(void **state) {
     tu_run_free(&r);
 }
 
+/* Limits the plan calls unsafe (§3.1) are refused before loading, exit 3, naming the broken
+ * inequality: --memory-limit and --util 1 put the allocation limit at the ceiling, --util 0.96
+ * the trip above it. */
+static void test_refused_unsafe_limits(void **state) {
+    (void)state;
+    const char *cases[][2] = {{"--memory-limit", "1000T"}, {"--util", "1"}, {"--util", "0.96"}};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        struct tu_run r =
+            tu_llmem("run", PYCODER, "-p", "x", "-n", "1", cases[i][0], cases[i][1], NULL);
+        if (r.exit_code != 3 || strstr(r.err, "refused before loading") == NULL ||
+            strstr(r.err, "< ceiling") == NULL || strstr(r.err, "does not hold") == NULL)
+            fail_msg("%s %s: exit %d, stderr: %s", cases[i][0], cases[i][1], r.exit_code, r.err);
+        assert_string_equal(r.out, "");
+        tu_run_free(&r);
+    }
+    /* inside the band it runs */
+    struct tu_run r = tu_llmem("run", PYCODER, "-p", "x", "-n", "1", "--util", "0.5", NULL);
+    assert_int_equal(r.exit_code, 0);
+    assert_null(strstr(r.err, "does not hold"));
+    tu_run_free(&r);
+}
+
+/* A context above the model's maximum is clamped, with one warning line naming both. */
+static void test_context_clamp_warns(void **state) {
+    (void)state;
+    struct tu_run r =
+        tu_llmem("run", PYCODER, "-p", "x", "-n", "1", "--context", "1099511627776", NULL);
+    assert_int_equal(r.exit_code, 0);
+    if (strstr(r.err, "requested context 1099511627776 is above the model's maximum; using 2048") ==
+        NULL)
+        fail_msg("no warning: %s", r.err);
+    assert_non_null(strstr(r.err, "context 2048\n"));
+    tu_run_free(&r);
+    r = tu_llmem("run", PYCODER, "-p", "x", "-n", "1", "--context", "1024", NULL);
+    assert_int_equal(r.exit_code, 0);
+    assert_null(strstr(r.err, "requested context"));
+    tu_run_free(&r);
+}
+
+/* More ids than the context window: the window is named, not the KV pool's internals. */
+static void test_logits_past_context(void **state) {
+    (void)state;
+    char ids[512] = "1";
+    for (int i = 1; i < 65; i++)
+        strcat(ids, ",1");
+    char *dir = tu_mkdtemp(), path[512];
+    snprintf(path, sizeof(path), "%s/logits.npy", dir);
+    struct tu_run r =
+        tu_llmem("logits", PYCODER, "--ids", ids, "--out", path, "--context", "64", NULL);
+    assert_int_equal(r.exit_code, 1);
+    if (strstr(r.err, "65 ids exceed the context window of 64 tokens") == NULL ||
+        strstr(r.err, "paged pool") != NULL)
+        fail_msg("unexpected: %s", r.err);
+    tu_run_free(&r);
+    ids[strlen(ids) - 2] = '\0'; /* 64 ids fit */
+    r = tu_llmem("logits", PYCODER, "--ids", ids, "--out", path, "--context", "64", NULL);
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+    tu_rmtree(dir);
+    free(dir);
+}
+
+/* A zero budget or memory limit is a usage error, not a silent "auto". */
+static void test_zero_sizes_refused(void **state) {
+    (void)state;
+    const char *flags[] = {"--budget", "--memory-limit"};
+    for (size_t i = 0; i < sizeof(flags) / sizeof(flags[0]); i++) {
+        struct tu_run r = tu_llmem("run", PYCODER, "-p", "x", "-n", "1", flags[i], "0", NULL);
+        char want[64];
+        snprintf(want, sizeof(want), "%s: the size must be positive", flags[i]);
+        if (r.exit_code != 2 || strstr(r.err, want) == NULL)
+            fail_msg("%s 0: exit %d, stderr: %s", flags[i], r.exit_code, r.err);
+        assert_string_equal(r.out, "");
+        tu_run_free(&r);
+    }
+}
+
 /* ---- bad input --------------------------------------------------------------------------------
  */
 
@@ -374,7 +451,9 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_run_greedy_matches),  cmocka_unit_test(test_run_stats_json),
         cmocka_unit_test(test_tokenize_and_logits), cmocka_unit_test(test_chat),
-        cmocka_unit_test(test_refused_by_plan),     cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_refused_by_plan),     cmocka_unit_test(test_refused_unsafe_limits),
+        cmocka_unit_test(test_context_clamp_warns), cmocka_unit_test(test_logits_past_context),
+        cmocka_unit_test(test_zero_sizes_refused),  cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_nan_weights),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
