@@ -103,6 +103,45 @@ static void test_parse_completion(void **state) {
     llmem_srv_request_free(&r);
 }
 
+/* A NUL ("\u0000") in a prompt or a message is kept with the text around it: (pointer, length)
+ * covers every byte, as cJSON's C string alone would not. */
+static void test_parse_nul(void **state) {
+    (void)state;
+    struct srv_request r;
+    struct srv_error e;
+    assert_int_equal(parse(SRV_COMPLETIONS,
+                           "{\"prompt\": \"def foo():\\u0000 return 1\", \"k\\u0000\": \"\\u0000\"}",
+                           &r, &e),
+                     0);
+    assert_int_equal(r.prompt_len, 20);
+    assert_memory_equal(r.prompt_text, "def foo():\0 return 1", 20);
+    llmem_srv_request_free(&r);
+    /* first, last, beside other escapes (é, 😀 as a surrogate pair), in a batch of one */
+    assert_int_equal(
+        parse(SRV_COMPLETIONS, "{\"prompt\": [\"\\u0000d\\u00e9f\\ud83d\\ude00\\n\\u0000\"]}", &r, &e),
+        0);
+    assert_int_equal(r.prompt_len, 11);
+    assert_memory_equal(r.prompt_text, "\0d\xc3\xa9" "f\xf0\x9f\x98\x80\n\0", 11);
+    llmem_srv_request_free(&r);
+    /* without a NUL the length is the string's */
+    assert_int_equal(parse(SRV_COMPLETIONS, "{\"prompt\": \"a\\\"b\"}", &r, &e), 0);
+    assert_int_equal(r.prompt_len, 3);
+    llmem_srv_request_free(&r);
+    /* chat: a content string, and text parts joined */
+    assert_int_equal(parse(SRV_CHAT,
+                           "{\"messages\": [{\"role\": \"user\", \"content\": \"\\u0000x\\u0000\"}, "
+                           "{\"role\": \"assistant\", \"content\": [{\"type\": \"text\", \"text\": "
+                           "\"a\\u0000\"}, {\"type\": \"text\", \"text\": \"\\u0000b\"}]}]}",
+                           &r, &e),
+                     0);
+    assert_int_equal(r.n_messages, 2);
+    assert_int_equal(r.messages[0].content_len, 3);
+    assert_memory_equal(r.messages[0].content, "\0x\0", 3);
+    assert_int_equal(r.messages[1].content_len, 5);
+    assert_memory_equal(r.messages[1].content, "a\0\n\0b", 5);
+    llmem_srv_request_free(&r);
+}
+
 static void test_parse_chat(void **state) {
     (void)state;
     struct srv_request r;
@@ -585,6 +624,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_utf8),         cmocka_unit_test(test_parse_completion),
         cmocka_unit_test(test_parse_chat),   cmocka_unit_test(test_parse_errors),
+        cmocka_unit_test(test_parse_nul),
         cmocka_unit_test(test_check_prompt), cmocka_unit_test(test_render_completion),
         cmocka_unit_test(test_render_chat),  cmocka_unit_test(test_render_error_and_models),
         cmocka_unit_test(test_metrics),      cmocka_unit_test(test_health),

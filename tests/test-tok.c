@@ -530,7 +530,7 @@ static struct llmem_tokenizer *load_dir(const char *dir) {
 static void expect_render(const struct llmem_tokenizer *tok, enum llmem_chat_template t,
                           const struct llmem_chat_message *m, int n, int gen, const char *want) {
     char *text = NULL;
-    assert_int_equal(llmem_chat_render(tok, t, m, n, gen, &text), LLMEM_OK);
+    assert_int_equal(llmem_chat_render(tok, t, m, n, gen, &text, NULL), LLMEM_OK);
     assert_string_equal(text, want);
     free(text);
 }
@@ -558,15 +558,15 @@ static void expect_render(const struct llmem_tokenizer *tok, enum llmem_chat_tem
 static void test_chat_templates(void **state) {
     const char *dir = *state;
     const struct llmem_chat_message conv[] = {
-        {"user", "Hi there"},
-        {"assistant", "Hello!"},
-        {"user", "  How are you?\n"},
+        {"user", "Hi there", 0},
+        {"assistant", "Hello!", 0},
+        {"user", "  How are you?\n", 0},
     };
     const struct llmem_chat_message with_system[] = {
-        {"system", "Be brief."},
-        {"user", "Hi"},
-        {"assistant", "Hello"},
-        {"user", "Bye"},
+        {"system", "Be brief.", 0},
+        {"user", "Hi", 0},
+        {"assistant", "Hello", 0},
+        {"user", "Bye", 0},
     };
     enum llmem_chat_template t = LLMEM_CHAT_NONE;
 
@@ -584,7 +584,7 @@ static void test_chat_templates(void **state) {
                   "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
     /* The rendered text encodes with its markers as the special ids. */
     char *rendered = NULL;
-    assert_int_equal(llmem_chat_render(tok, t, conv, 3, 1, &rendered), LLMEM_OK);
+    assert_int_equal(llmem_chat_render(tok, t, conv, 3, 1, &rendered, NULL), LLMEM_OK);
     int32_t *ids = NULL;
     int64_t n_ids = 0, n_start = 0;
     assert_int_equal(llmem_tokenizer_encode(tok, rendered, strlen(rendered), &ids, &n_ids),
@@ -598,6 +598,19 @@ static void test_chat_templates(void **state) {
     free(back);
     free(ids);
     free(rendered);
+    /* A content holding NULs is rendered whole (content_len counts them), not cut at the first. */
+    {
+        static const char body[] = "\0def f():\0 return 1";
+        const struct llmem_chat_message nul[] = {{"user", body, sizeof(body) - 1}};
+        static const char want[] = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. "
+                                   "You are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                                   "\0def f():\0 return 1<|im_end|>\n<|im_start|>assistant\n";
+        size_t len = 0;
+        assert_int_equal(llmem_chat_render(tok, t, nul, 1, 1, &rendered, &len), LLMEM_OK);
+        assert_int_equal(len, sizeof(want) - 1);
+        assert_memory_equal(rendered, want, sizeof(want) - 1);
+        free(rendered);
+    }
     int32_t stops[4];
     assert_int_equal(llmem_chat_stop_ids(tok, t, stops, 4), 1);
     assert_int_equal(stops[0], llmem_tokenizer_token_id(tok, "<|im_end|>"));
@@ -640,8 +653,8 @@ static void test_chat_templates(void **state) {
     expect_render(tok, t, with_system, 4, 1,
                   "<s>[INST] Be brief.\n\nHi [/INST]Hello</s>[INST] Bye [/INST]");
     expect_render(tok, t, conv, 2, 0, "<s>[INST] Hi there [/INST]Hello!</s>");
-    tu_expect_failure(llmem_chat_render(tok, t, conv + 1, 2, 1, &(char *){NULL}), LLMEM_EINVAL,
-                      "alternate");
+    tu_expect_failure(llmem_chat_render(tok, t, conv + 1, 2, 1, &(char *){NULL}, NULL),
+                      LLMEM_EINVAL, "alternate");
     llmem_tokenizer_free(tok);
     free(sub);
 
@@ -700,11 +713,12 @@ static void test_chat_templates(void **state) {
     tok = load_dir(sub);
     assert_int_equal(llmem_tokenizer_chat_template(tok, &t), LLMEM_OK);
     assert_int_equal(t, LLMEM_CHAT_NONE);
-    tu_expect_failure(llmem_chat_render(tok, LLMEM_CHAT_NONE, conv, 1, 1, &(char *){NULL}),
+    tu_expect_failure(llmem_chat_render(tok, LLMEM_CHAT_NONE, conv, 1, 1, &(char *){NULL}, NULL),
                       LLMEM_EINVAL, "--chat-template");
-    const struct llmem_chat_message bad_role[] = {{"tool", "x"}};
-    tu_expect_failure(llmem_chat_render(tok, LLMEM_CHAT_CHATML, bad_role, 1, 1, &(char *){NULL}),
-                      LLMEM_EINVAL, "role 'tool'");
+    const struct llmem_chat_message bad_role[] = {{"tool", "x", 0}};
+    tu_expect_failure(
+        llmem_chat_render(tok, LLMEM_CHAT_CHATML, bad_role, 1, 1, &(char *){NULL}, NULL),
+        LLMEM_EINVAL, "role 'tool'");
     /* An override renders ChatML without Qwen's default system message. */
     expect_render(tok, LLMEM_CHAT_CHATML, conv, 1, 0, "<|im_start|>user\nHi there<|im_end|>\n");
     llmem_tokenizer_free(tok);
@@ -872,6 +886,40 @@ static void test_load_errors(void **state) {
 /* llmem_tok_nfc against Python's unicodedata.normalize("NFC", s) on random strings of combining
  * marks, Hangul jamo and syllables, singletons and composition exclusions
  * (tests/data/tok/nfc.json). */
+/* A NUL is a byte like any other: with a byte-level BPE it is the byte token of 0x00 ("Ā"), and
+ * the text after it is encoded too. */
+static void test_nul_byte(void **state) {
+    (void)state;
+    struct llmem_tokenizer *tok = load("tiny-qwen2");
+    int32_t nul_id = llmem_tokenizer_token_id(tok, "\xc4\x80"); /* Ā: byte 0x00 */
+    assert_true(nul_id >= 0);
+    static const char text[] = "def foo():\0 return 1";
+    int32_t *ids = NULL, *head = NULL, *tail = NULL;
+    int64_t n = 0, n_head = 0, n_tail = 0;
+    assert_int_equal(llmem_tokenizer_encode(tok, text, sizeof(text) - 1, &ids, &n), LLMEM_OK);
+    assert_int_equal(llmem_tokenizer_encode(tok, "def foo():", 10, &head, &n_head), LLMEM_OK);
+    assert_int_equal(llmem_tokenizer_encode(tok, " return 1", 9, &tail, &n_tail), LLMEM_OK);
+    assert_int_equal(n, n_head + 1 + n_tail);
+    assert_memory_equal(ids, head, (size_t)n_head * sizeof(*ids));
+    assert_int_equal(ids[n_head], nul_id);
+    assert_memory_equal(ids + n_head + 1, tail, (size_t)n_tail * sizeof(*ids));
+    free(ids);
+    /* a NUL first */
+    assert_int_equal(llmem_tokenizer_encode(tok, "\0def", 4, &ids, &n), LLMEM_OK);
+    assert_true(n >= 2);
+    assert_int_equal(ids[0], nul_id);
+    char *back = NULL;
+    size_t back_len = 0;
+    assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &back, &back_len), LLMEM_OK);
+    assert_int_equal(back_len, 4);
+    assert_memory_equal(back, "\0def", 4);
+    free(back);
+    free(ids);
+    free(head);
+    free(tail);
+    llmem_tokenizer_free(tok);
+}
+
 static void test_nfc(void **state) {
     (void)state;
     cJSON *root = NULL;
@@ -970,6 +1018,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_added_tokens, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_chat_templates, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_load_errors, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_nul_byte, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_nfc, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_encode_megabyte, tu_setup_dir, tu_teardown_dir),
     };

@@ -104,13 +104,15 @@ LLMEM_API int llmem_tokenizer_chat_template(const struct llmem_tokenizer *tok,
 struct llmem_chat_message {
     const char *role; /* "system", "user", "assistant" */
     const char *content;
+    size_t content_len; /* the content's bytes, NULs included; 0: strlen(content) */
 };
 
 /* Renders messages with a family's template as text to be encoded (special tokens inline, a BOS
  * text where the family starts with one), ending with the assistant header when
- * add_generation_prompt. *text is malloc'ed. LLMEM_EINVAL (logged) for LLMEM_CHAT_NONE, an
- * unknown role or a role order the family refuses (Mistral: alternating user/assistant).
- * The forms, as the Hugging Face templates render conversations without tools:
+ * add_generation_prompt. *text is malloc'ed and NUL-terminated; *len (unless NULL) is its length
+ * without the terminator, which counts the NULs a content may hold. LLMEM_EINVAL (logged) for
+ * LLMEM_CHAT_NONE, an unknown role or a role order the family refuses (Mistral: alternating
+ * user/assistant). The forms, as the Hugging Face templates render conversations without tools:
  *  - ChatML: "<|im_start|>{role}\n{content}<|im_end|>\n" per message, "<|im_start|>assistant\n"
  *    to prompt. When the tokenizer's own template carries Qwen2.5's default system prompt ("You
  *    are Qwen, created by Alibaba Cloud. You are a helpful assistant.") and the first message is
@@ -127,7 +129,7 @@ struct llmem_chat_message {
  * BOS/EOS texts are the tokenizer's bos_token/eos_token when it has them. */
 LLMEM_API int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_template t,
                                 const struct llmem_chat_message *messages, int n_messages,
-                                int add_generation_prompt, char **text);
+                                int add_generation_prompt, char **text, size_t *len);
 /* The ids that end an assistant turn in this family (ChatML: <|im_end|>, <|endoftext|>; Llama 3:
  * <|eot_id|>, <|eom_id|>; Mistral: the eos text or </s>), to stop on besides the tokenizer's eos:
  * up to `max` into ids, returning how many exist in the vocabulary. */

@@ -16,6 +16,7 @@
 #include <cjson/cJSON.h>
 
 #include "cli/cli.h"
+#include "core/file.h"
 #include "core/json.h"
 #include "core/npy.h"
 #include "engine/stats_json.h"
@@ -35,6 +36,8 @@ enum {
     OPT_JSON,
     OPT_STATS,
     OPT_TEXT,
+    OPT_TEXT_FILE,
+    OPT_PROMPT_FILE,
     OPT_OUT,
     OPT_CHAT_TEMPLATE,
     OPT_SYSTEM,
@@ -53,10 +56,12 @@ static const struct option options[] = {
     {"ignore-eos", no_argument, NULL, OPT_IGNORE_EOS},
     {"max-tokens", required_argument, NULL, 'n'},
     {"prompt", required_argument, NULL, 'p'},
+    {"prompt-file", required_argument, NULL, OPT_PROMPT_FILE},
     {"ids", required_argument, NULL, OPT_IDS},
     {"json", no_argument, NULL, OPT_JSON},
     {"stats", no_argument, NULL, OPT_STATS},
     {"text", required_argument, NULL, OPT_TEXT},
+    {"text-file", required_argument, NULL, OPT_TEXT_FILE},
     {"out", required_argument, NULL, OPT_OUT},
     {"chat-template", required_argument, NULL, OPT_CHAT_TEMPLATE},
     {"system", required_argument, NULL, OPT_SYSTEM},
@@ -72,6 +77,7 @@ struct run_args {
     struct llmem_generate_params gen;
     const char *stop[MAX_STOP];
     const char *prompt, *ids, *text, *out, *chat_template, *system;
+    const char *prompt_file, *text_file; /* "-": stdin */
     int json, stats, help;
 };
 
@@ -123,6 +129,8 @@ static int parse(int argc, char **argv, struct run_args *a) {
         case OPT_JSON: a->json = 1; break;
         case OPT_STATS: a->stats = 1; break;
         case OPT_TEXT: a->text = optarg; break;
+        case OPT_TEXT_FILE: a->text_file = optarg; break;
+        case OPT_PROMPT_FILE: a->prompt_file = optarg; break;
         case OPT_OUT: a->out = optarg; break;
         case OPT_CHAT_TEMPLATE: a->chat_template = optarg; break;
         case OPT_SYSTEM: a->system = optarg; break;
@@ -268,13 +276,45 @@ static int stream_stdout(void *arg, int32_t id, const char *text, size_t len) {
     return 0;
 }
 
+#define MAX_INPUT_BYTES ((int64_t)1 << 30)
+
+/* The whole of a file, or of stdin for "-", every byte kept (NULs included). */
+static int read_input(const char *cmd, const char *path, char **data, size_t *len) {
+    if (strcmp(path, "-") != 0)
+        return llmem_file_read(path, MAX_INPUT_BYTES, data, len) == LLMEM_OK ? CLI_OK : CLI_FAIL;
+    size_t cap = 4096, n = 0;
+    char *buf = malloc(cap);
+    while (buf != NULL) {
+        if (cap - n < 2) {
+            char *grown = (int64_t)cap < MAX_INPUT_BYTES ? realloc(buf, cap * 2) : NULL;
+            if (grown == NULL)
+                break;
+            buf = grown, cap *= 2;
+        }
+        size_t got = fread(buf + n, 1, cap - n - 1, stdin);
+        n += got;
+        if (got == 0) {
+            if (ferror(stdin))
+                break;
+            buf[n] = '\0';
+            *data = buf, *len = n;
+            return CLI_OK;
+        }
+    }
+    free(buf);
+    fprintf(stderr, "llmem %s: cannot read stdin (at most %" PRId64 " bytes)\n", cmd,
+            MAX_INPUT_BYTES);
+    return CLI_FAIL;
+}
+
 /* ---- llmem run ------------------------------------------------------------------------------- */
 
 static const char run_usage[] =
-    "usage: llmem run MODEL (-p TEXT | --ids 1,2,3) [options]\n"
+    "usage: llmem run MODEL (-p TEXT | --prompt-file FILE | --ids 1,2,3) [options]\n"
     "\n"
     "Generates a continuation and streams it to stdout.\n"
     "  -p, --prompt TEXT    the prompt (encoded without a BOS token)\n"
+    "  --prompt-file FILE   the prompt as the whole of FILE, every byte (- for stdin)\n"
     "  --ids LIST           the prompt as token ids\n"
     "  --stats              tokens/s, memory and the session bank on stderr\n"
     "  --json               stdout is one object: ids, text, finish_reason\n"
@@ -288,18 +328,24 @@ static int run_main(int argc, char **argv, struct run_args *a) {
     }
     if (optind != argc - 1)
         return cli_usage_error(a->cmd, "needs one MODEL directory (see --help)");
-    if ((a->prompt == NULL) == (a->ids == NULL))
-        return cli_usage_error(a->cmd, "give either -p TEXT or --ids LIST");
+    if ((a->prompt != NULL) + (a->prompt_file != NULL) + (a->ids != NULL) != 1)
+        return cli_usage_error(a->cmd, "give one of -p TEXT, --prompt-file FILE or --ids LIST");
     int32_t *ids = NULL;
     int64_t n = 0;
     if (a->ids != NULL && parse_ids(a->cmd, a->ids, &ids, &n) != CLI_OK)
         return CLI_USAGE;
+    char *file_text = NULL;
+    size_t text_len = a->prompt != NULL ? strlen(a->prompt) : 0;
+    if (a->prompt_file != NULL &&
+        read_input(a->cmd, a->prompt_file, &file_text, &text_len) != CLI_OK)
+        return CLI_FAIL;
+    const char *text = a->prompt_file != NULL ? file_text : a->prompt;
     struct llmem_engine *e = NULL;
     int rc = open_engine(argv[optind], a, &e);
     if (rc != CLI_OK)
         goto out;
-    if (a->prompt != NULL && llmem_tokenizer_encode(llmem_engine_tokenizer(e), a->prompt,
-                                                    strlen(a->prompt), &ids, &n) != LLMEM_OK) {
+    if (text != NULL &&
+        llmem_tokenizer_encode(llmem_engine_tokenizer(e), text, text_len, &ids, &n) != LLMEM_OK) {
         rc = CLI_FAIL;
         goto out;
     }
@@ -354,6 +400,7 @@ static int run_main(int argc, char **argv, struct run_args *a) {
     llmem_generate_result_free(&r);
 out:
     free(ids);
+    free(file_text);
     llmem_engine_close(e);
     return rc;
 }
@@ -483,7 +530,7 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
     char *owned[256];
     int n_msgs = 0, n_owned = 0;
     if (a->system != NULL)
-        msgs[n_msgs++] = (struct llmem_chat_message){"system", a->system};
+        msgs[n_msgs++] = (struct llmem_chat_message){"system", a->system, 0};
     char line[8192];
     int interactive = isatty(0);
     for (;;) {
@@ -497,11 +544,11 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
         owned[n_owned] = strdup(line);
         if (owned[n_owned] == NULL)
             break;
-        msgs[n_msgs++] = (struct llmem_chat_message){"user", owned[n_owned++]};
+        msgs[n_msgs++] = (struct llmem_chat_message){"user", owned[n_owned++], 0};
         char *text = NULL;
         int32_t *ids = NULL;
         int64_t n = 0;
-        if (llmem_chat_render(tok, tmpl, msgs, n_msgs, 1, &text) != LLMEM_OK ||
+        if (llmem_chat_render(tok, tmpl, msgs, n_msgs, 1, &text, NULL) != LLMEM_OK ||
             conversation_ids(tok, &conv, text, &ids, &n) != LLMEM_OK) {
             free(text);
             rc = CLI_FAIL;
@@ -522,7 +569,7 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
             print_stats(e, &r);
         owned[n_owned] = r.text;
         r.text = NULL;
-        msgs[n_msgs++] = (struct llmem_chat_message){"assistant", owned[n_owned++]};
+        msgs[n_msgs++] = (struct llmem_chat_message){"assistant", owned[n_owned++], 0};
         llmem_generate_result_free(&r);
     }
     conversation_free(&conv);
@@ -537,19 +584,28 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
 
 static int tokenize_main(int argc, char **argv, struct run_args *a) {
     if (a->help) {
-        printf("usage: llmem tokenize MODEL --text TEXT [--json]\n\n"
-               "Prints the token ids of TEXT (no BOS added); --json prints {\"ids\": [...]}.\n");
+        printf("usage: llmem tokenize MODEL (--text TEXT | --text-file FILE) [--json]\n\n"
+               "Prints the token ids of TEXT, or of the whole of FILE, every byte (- for stdin;\n"
+               "no BOS added); --json prints {\"ids\": [...]}.\n");
         return CLI_OK;
     }
-    if (optind != argc - 1 || a->text == NULL)
-        return cli_usage_error(a->cmd, "usage: llmem tokenize MODEL --text TEXT [--json]");
-    struct llmem_tokenizer *tok = NULL;
-    if (llmem_tokenizer_load(argv[optind], &tok) != LLMEM_OK)
+    if (optind != argc - 1 || (a->text == NULL) == (a->text_file == NULL))
+        return cli_usage_error(
+            a->cmd, "usage: llmem tokenize MODEL (--text TEXT | --text-file FILE) [--json]");
+    char *file_text = NULL;
+    size_t text_len = a->text != NULL ? strlen(a->text) : 0;
+    if (a->text_file != NULL && read_input(a->cmd, a->text_file, &file_text, &text_len) != CLI_OK)
         return CLI_FAIL;
+    const char *text = a->text_file != NULL ? file_text : a->text;
+    struct llmem_tokenizer *tok = NULL;
+    if (llmem_tokenizer_load(argv[optind], &tok) != LLMEM_OK) {
+        free(file_text);
+        return CLI_FAIL;
+    }
     int32_t *ids = NULL;
     int64_t n = 0;
     int rc = CLI_FAIL;
-    if (llmem_tokenizer_encode(tok, a->text, strlen(a->text), &ids, &n) == LLMEM_OK) {
+    if (llmem_tokenizer_encode(tok, text, text_len, &ids, &n) == LLMEM_OK) {
         if (a->json) {
             cJSON *root = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(root, "ids");
             for (int64_t i = 0; arr != NULL && i < n; i++)
@@ -563,6 +619,7 @@ static int tokenize_main(int argc, char **argv, struct run_args *a) {
         }
     }
     free(ids);
+    free(file_text);
     llmem_tokenizer_free(tok);
     return rc;
 }

@@ -192,6 +192,105 @@ static int field_range(const cJSON *o, const char *key, double lo, int lo_open, 
     return got;
 }
 
+/* ---- strings that hold a NUL ----------------------------------------------------------------- */
+
+/* cJSON decodes "\u0000" into a NUL byte of a C string, so such a string reads short. The body's
+ * strings (keys included) are measured here in document order, the order in which cJSON builds
+ * its tree, and the ones longer than their C string are kept as spans. The body has parsed, so
+ * its escapes are well-formed. */
+
+static int hex4(const char *p) {
+    int v = 0;
+    for (int k = 0; k < 4; k++) {
+        char c = p[k];
+        v = v * 16 + (c >= '0' && c <= '9'   ? c - '0'
+                      : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                                             : c - 'A' + 10);
+    }
+    return v;
+}
+
+/* The decoded length of the string whose text starts at body[*at] (after the quote); *at ends
+ * after its closing quote. */
+static size_t string_len(const char *body, size_t len, size_t *at) {
+    size_t i = *at, n = 0;
+    while (i < len && body[i] != '"') {
+        if (body[i] != '\\') {
+            i++, n++;
+            continue;
+        }
+        if (i + 1 < len && body[i + 1] != 'u') {
+            i += 2, n++;
+            continue;
+        }
+        if (i + 6 > len)
+            break;
+        int cp = hex4(body + i + 2);
+        i += 6;
+        if (cp >= 0xD800 && cp <= 0xDBFF && i + 6 <= len && body[i] == '\\' && body[i + 1] == 'u') {
+            i += 6, n += 4; /* a surrogate pair: one 4-byte character */
+            continue;
+        }
+        n += cp < 0x80 ? 1 : cp < 0x800 ? 2 : 3;
+    }
+    *at = i + 1;
+    return n;
+}
+
+struct string_walk {
+    const char *body;
+    size_t len, at;
+};
+
+/* The next string's decoded length; -1 when the body has no more. (Outside strings only
+ * structure, numbers and literals come, none with a quote.) */
+static int64_t next_string(struct string_walk *w) {
+    while (w->at < w->len && w->body[w->at] != '"')
+        w->at++;
+    if (w->at >= w->len)
+        return -1;
+    w->at++;
+    return (int64_t)string_len(w->body, w->len, &w->at);
+}
+
+static int add_span(struct srv_request *r, const char *s, size_t n) {
+    struct srv_span *sp = realloc(r->spans, (size_t)(r->n_spans + 1) * sizeof(*sp));
+    if (sp == NULL)
+        return -1;
+    r->spans = sp;
+    r->spans[r->n_spans++] = (struct srv_span){s, n};
+    return 0;
+}
+
+/* Walks the tree in document order beside the body's strings. */
+static int measure(const cJSON *item, struct string_walk *w, struct srv_request *r,
+                   struct srv_error *e) {
+    if (item->string != NULL && next_string(w) < 0)
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL,
+                              "the request body's strings could not be measured");
+    if (cJSON_IsString(item)) {
+        int64_t n = next_string(w);
+        size_t c = strlen(item->valuestring);
+        if (n < 0 || (size_t)n < c)
+            return llmem_srv_fail(e, 500, "server_error", NULL, NULL,
+                                  "the request body's strings could not be measured");
+        if ((size_t)n > c && add_span(r, item->valuestring, (size_t)n) != 0)
+            return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    for (const cJSON *c = item->child; c != NULL; c = c->next)
+        if (measure(c, w, r, e) != 0)
+            return -1;
+    return 0;
+}
+
+/* A string of the request with its NULs. */
+static size_t str_len(const struct srv_request *r, const char *s) {
+    for (int i = 0; i < r->n_spans; i++)
+        if (r->spans[i].s == s)
+            return r->spans[i].n;
+    return strlen(s);
+}
+
 /* ---- the prompt and the messages ------------------------------------------------------------- */
 
 static int ids_from_array(const cJSON *arr, const struct srv_model *m, struct srv_request *r,
@@ -225,6 +324,7 @@ static int parse_prompt(const cJSON *root, const struct srv_model *m, struct srv
         return bad(e, "prompt", "missing_required_parameter", "'prompt' is required");
     if (cJSON_IsString(p)) {
         r->prompt_text = p->valuestring;
+        r->prompt_len = str_len(r, p->valuestring);
         return 0;
     }
     if (!cJSON_IsArray(p))
@@ -239,6 +339,7 @@ static int parse_prompt(const cJSON *root, const struct srv_model *m, struct srv
                        cJSON_GetArraySize(p));
         if (cJSON_IsString(first)) {
             r->prompt_text = first->valuestring;
+            r->prompt_len = str_len(r, first->valuestring);
             return 0;
         }
         return ids_from_array(first, m, r, e);
@@ -260,8 +361,9 @@ static int own(struct srv_request *r, char *s) {
 /* A message's content: a string, or an array of {"type": "text", "text": …} parts (joined with
  * newlines); null only for an assistant. */
 static int message_content(const cJSON *msg, const char *role, int i, struct srv_request *r,
-                           const char **out, struct srv_error *e) {
+                           const char **out, size_t *out_len, struct srv_error *e) {
     const cJSON *c = cJSON_GetObjectItemCaseSensitive(msg, "content");
+    *out_len = 0;
     if (c == NULL || cJSON_IsNull(c)) {
         if (strcmp(role, "assistant") == 0) {
             *out = "";
@@ -272,6 +374,7 @@ static int message_content(const cJSON *msg, const char *role, int i, struct srv
     }
     if (cJSON_IsString(c)) {
         *out = c->valuestring;
+        *out_len = str_len(r, c->valuestring);
         return 0;
     }
     if (!cJSON_IsArray(c))
@@ -292,7 +395,7 @@ static int message_content(const cJSON *msg, const char *role, int i, struct srv
         }
         if (k++ > 0)
             llmem_srv_buf_append(&b, "\n", 1);
-        llmem_srv_buf_append(&b, text, strlen(text));
+        llmem_srv_buf_append(&b, text, str_len(r, text));
     }
     if (b.data == NULL)
         llmem_srv_buf_append(&b, "", 0);
@@ -303,6 +406,7 @@ static int message_content(const cJSON *msg, const char *role, int i, struct srv
     if (own(r, b.data) != 0)
         return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
     *out = b.data;
+    *out_len = b.len;
     return 0;
 }
 
@@ -339,9 +443,10 @@ static int parse_messages(const cJSON *root, struct srv_request *r, struct srv_e
                        "assistant messages",
                        i, role);
         const char *content = NULL;
-        if (message_content(msg, role, i, r, &content, e) != 0)
+        size_t content_len = 0;
+        if (message_content(msg, role, i, r, &content, &content_len, e) != 0)
             return -1;
-        r->messages[r->n_messages++] = (struct llmem_chat_message){role, content};
+        r->messages[r->n_messages++] = (struct llmem_chat_message){role, content, content_len};
     }
     return 0;
 }
@@ -495,6 +600,9 @@ int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
     const cJSON *root = r->root;
     if (!cJSON_IsObject(root))
         return bad(e, NULL, "invalid_json", "the request body must be a JSON object");
+    struct string_walk walk = {body, len, 0};
+    if (measure(root, &walk, r, e) != 0)
+        return -1;
 
     const char *model = NULL;
     int got;
@@ -558,6 +666,7 @@ void llmem_srv_request_free(struct srv_request *r) {
     if (r == NULL)
         return;
     cJSON_Delete(r->root);
+    free(r->spans);
     free(r->prompt_ids);
     free(r->messages);
     for (int i = 0; i < r->n_owned; i++)

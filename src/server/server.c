@@ -489,6 +489,7 @@ static int tokenize(struct llmem_server *s, const struct srv_request *req, int32
     }
     char *rendered = NULL;
     const char *text = req->prompt_text;
+    size_t len = req->prompt_len;
     if (req->kind == SRV_CHAT) {
         if (s->tmpl == LLMEM_CHAT_NONE)
             return llmem_srv_fail(err, 400, "invalid_request_error", "messages",
@@ -496,13 +497,13 @@ static int tokenize(struct llmem_server *s, const struct srv_request *req, int32
                                   "the model '%s' has no chat template; start the server with "
                                   "--chat-template chatml|llama3|mistral",
                                   s->name);
-        if (llmem_chat_render(s->tok, s->tmpl, req->messages, req->n_messages, 1, &rendered) !=
-            LLMEM_OK)
+        if (llmem_chat_render(s->tok, s->tmpl, req->messages, req->n_messages, 1, &rendered,
+                              &len) != LLMEM_OK)
             return llmem_srv_fail(err, 400, "invalid_request_error", "messages", NULL, "%s",
                                   llmem_last_error());
         text = rendered;
     }
-    int status = llmem_tokenizer_encode(s->tok, text, strlen(text), ids, n);
+    int status = llmem_tokenizer_encode(s->tok, text, len, ids, n);
     free(rendered);
     if (status != LLMEM_OK)
         return llmem_srv_fail(err, status == LLMEM_ENOMEM ? 500 : 400,

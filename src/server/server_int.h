@@ -62,16 +62,26 @@ struct srv_model {
     int64_t context; /* the engine's context window: max_tokens above it is refused */
 };
 
+/* A string of the body whose bytes hold a NUL (U+0000), which cJSON's C strings cut short. */
+struct srv_span {
+    const char *s; /* a string of `root` */
+    size_t n;      /* its decoded length, NULs included */
+};
+
 /* A validated request. Strings point into `root` (or into `owned`), which it keeps alive. */
 struct srv_request {
     enum srv_kind kind;
     cJSON *root;
-    /* completions: the prompt as text or as token ids (malloc'ed) */
+    struct srv_span *spans; /* malloc'ed */
+    int n_spans;
+    /* completions: the prompt as text (prompt_len bytes, NULs included) or as token ids
+     * (malloc'ed) */
     const char *prompt_text;
+    size_t prompt_len;
     int32_t *prompt_ids;
     int64_t n_prompt_ids;
     /* chat */
-    struct llmem_chat_message *messages; /* malloc'ed */
+    struct llmem_chat_message *messages; /* malloc'ed; content_len set (NULs included) */
     int n_messages;
     char **owned; /* contents joined from parts */
     int n_owned;

@@ -77,9 +77,19 @@ static int is_ws(char c) {
     return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
 }
 
+/* A message's content, NULs included. */
+static size_t content_len(const struct llmem_chat_message *m) {
+    return m->content_len > 0 ? m->content_len : strlen(m->content);
+}
+
+static int add_content(struct tok_buf *b, const struct llmem_chat_message *m) {
+    return llmem_tok_buf_add(b, m->content, content_len(m));
+}
+
 /* Jinja's trim: the content without leading and trailing whitespace. */
-static int add_trimmed(struct tok_buf *b, const char *s) {
-    size_t n = strlen(s), i = 0;
+static int add_trimmed(struct tok_buf *b, const struct llmem_chat_message *m) {
+    const char *s = m->content;
+    size_t n = content_len(m), i = 0;
     while (i < n && is_ws(s[i]))
         i++;
     while (n > i && is_ws(s[n - 1]))
@@ -105,7 +115,7 @@ static int render_chatml(const struct llmem_tokenizer *tok, const struct llmem_c
         st |= add(b, "<|im_start|>");
         st |= add(b, m[i].role);
         st |= add(b, "\n");
-        st |= add(b, m[i].content);
+        st |= add_content(b, &m[i]);
         st |= add(b, "<|im_end|>\n");
     }
     if (gen)
@@ -120,7 +130,7 @@ static int render_llama3(const struct llmem_tokenizer *tok, const struct llmem_c
         st |= add(b, "<|start_header_id|>");
         st |= add(b, m[i].role);
         st |= add(b, "<|end_header_id|>\n\n");
-        st |= add_trimmed(b, m[i].content);
+        st |= add_trimmed(b, &m[i]);
         st |= add(b, "<|eot_id|>");
     }
     if (gen)
@@ -159,9 +169,9 @@ static struct mistral_style mistral_style_of(const char *t) {
 
 static int render_mistral(const struct llmem_tokenizer *tok, const struct llmem_chat_message *m,
                           int n, struct tok_buf *b) {
-    const char *system = NULL;
+    const struct llmem_chat_message *system = NULL;
     if (n > 0 && strcmp(m[0].role, "system") == 0) {
-        system = m[0].content;
+        system = &m[0];
         m++, n--;
     }
     int last_user = -1;
@@ -184,15 +194,15 @@ static int render_mistral(const struct llmem_tokenizer *tok, const struct llmem_
         if (i % 2 == 0) {
             st |= add(b, style.space_before_inst ? " [INST] " : "[INST] ");
             if (i == system_at && system != NULL) {
-                st |= add(b, system);
+                st |= add_content(b, system);
                 st |= add(b, "\n\n");
             }
-            st |= add(b, m[i].content);
+            st |= add_content(b, &m[i]);
             st |= add(b, style.space_before_close ? " [/INST]" : "[/INST]");
         } else {
             if (style.space_before_answer)
                 st |= add(b, " ");
-            st |= style.trim_answer ? add_trimmed(b, m[i].content) : add(b, m[i].content);
+            st |= style.trim_answer ? add_trimmed(b, &m[i]) : add_content(b, &m[i]);
             st |= add(b, tok->eos_text != NULL ? tok->eos_text : "</s>");
         }
     }
@@ -201,9 +211,11 @@ static int render_mistral(const struct llmem_tokenizer *tok, const struct llmem_
 
 int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_template t,
                       const struct llmem_chat_message *messages, int n_messages,
-                      int add_generation_prompt, char **text) {
+                      int add_generation_prompt, char **text, size_t *len) {
     LLMEM_ASSERT(tok != NULL && text != NULL && (messages != NULL || n_messages == 0));
     *text = NULL;
+    if (len != NULL)
+        *len = 0;
     if (t != LLMEM_CHAT_CHATML && t != LLMEM_CHAT_LLAMA3 && t != LLMEM_CHAT_MISTRAL) {
         LLMEM_ERROR("no chat template to render with; pass --chat-template chatml|llama3|mistral");
         return LLMEM_EINVAL;
@@ -233,6 +245,8 @@ int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_templat
         return status;
     }
     *text = b.p;
+    if (len != NULL)
+        *len = b.n;
     return LLMEM_OK;
 }
 

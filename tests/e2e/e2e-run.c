@@ -18,6 +18,7 @@
 #include "core/npy.h"
 #include "llmem/dtype.h"
 #include "llmem/safetensors.h"
+#include "llmem/tokenizer.h"
 #include "testutil.h"
 
 #define PYCODER LLMEM_SOURCE_DIR "/models/pycoder"
@@ -36,6 +37,50 @@ static void ids_csv(const cJSON *ids, char *buf, size_t size) {
         len += (size_t)snprintf(buf + len, size - len, "%s%d", len ? "," : "", id->valueint);
         assert_true(len < size);
     }
+}
+
+/* --text-file and --prompt-file read every byte of the file, NULs included: the ids are the
+ * tokenizer's of the whole text, and the run continues them as it continues those ids. */
+static void test_files_keep_nul(void **state) {
+    (void)state;
+    static const char text[] = "\0def foo():\0 return 1";
+    char *dir = tu_mkdtemp(), path[1024];
+    snprintf(path, sizeof(path), "%s/prompt.txt", dir);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(text, 1, sizeof(text) - 1, f), sizeof(text) - 1);
+    assert_int_equal(fclose(f), 0);
+    struct llmem_tokenizer *tok = NULL;
+    assert_int_equal(llmem_tokenizer_load(PYCODER, &tok), LLMEM_OK);
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    assert_int_equal(llmem_tokenizer_encode(tok, text, sizeof(text) - 1, &ids, &n), LLMEM_OK);
+    char want[1024] = "";
+    for (int64_t i = 0; i < n; i++)
+        snprintf(want + strlen(want), sizeof(want) - strlen(want), "%s%d", i ? "," : "", ids[i]);
+
+    struct tu_run r = tu_llmem("tokenize", PYCODER, "--text-file", path, "--json", NULL);
+    assert_int_equal(r.exit_code, 0);
+    cJSON *out = tu_json_stdout(&r);
+    char got[1024];
+    ids_csv(cJSON_GetObjectItem(out, "ids"), got, sizeof(got));
+    assert_string_equal(got, want);
+    cJSON_Delete(out);
+    tu_run_free(&r);
+
+    r = tu_llmem("run", PYCODER, "--prompt-file", path, "-n", "6", "--ignore-eos", "--json", NULL);
+    struct tu_run r2 =
+        tu_llmem("run", PYCODER, "--ids", want, "-n", "6", "--ignore-eos", "--json", NULL);
+    assert_int_equal(r.exit_code, 0);
+    assert_int_equal(r2.exit_code, 0);
+    assert_string_equal(r.out, r2.out);
+    tu_run_free(&r);
+    tu_run_free(&r2);
+    free(ids);
+    llmem_tokenizer_free(tok);
+    unlink(path);
+    rmdir(dir);
+    free(dir);
 }
 
 /* llmem run --json gives transformers' greedy ids and text for every pycoder prompt. */
@@ -455,6 +500,7 @@ int main(void) {
         cmocka_unit_test(test_context_clamp_warns), cmocka_unit_test(test_logits_past_context),
         cmocka_unit_test(test_zero_sizes_refused),  cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_nan_weights),
+        cmocka_unit_test(test_files_keep_nul),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

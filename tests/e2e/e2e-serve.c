@@ -24,6 +24,7 @@
 #include "engine/hooks.h"
 #include "llmem/engine.h"
 #include "llmem/server.h"
+#include "llmem/tokenizer.h"
 #include "testutil.h"
 #include <fcntl.h>
 #include <signal.h>
@@ -123,6 +124,87 @@ static char *complete(const struct tu_server *s, const char *prompt_json, int n)
     cJSON_Delete(root);
     tu_http_free(&h);
     return text;
+}
+
+/* A greedy request's usage.prompt_tokens and text (malloc'ed). */
+static int64_t prompt_tokens_of(const char *path, const char *body, char **text) {
+    struct tu_http h = post(&srv, path, body);
+    if (h.status != 200)
+        print_error("%s -> %d: %s\n", body, h.status, h.body);
+    assert_int_equal(h.status, 200);
+    cJSON *root = tu_http_json(&h);
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0);
+    const cJSON *t = cJSON_GetObjectItem(c, "text");
+    if (t == NULL)
+        t = cJSON_GetObjectItem(cJSON_GetObjectItem(c, "message"), "content");
+    *text = strdup(t->valuestring);
+    int64_t n = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "prompt_tokens")->valueint;
+    cJSON_Delete(root);
+    tu_http_free(&h);
+    return n;
+}
+
+/* A NUL (\u0000) in a prompt or a message is a character like any other: the prompt is the
+ * tokenizer's ids of all its bytes, neither cut at the NUL nor "empty" when it starts with one. */
+static void test_nul_in_prompt(void **state) {
+    (void)state;
+    struct llmem_tokenizer *tok = NULL;
+    assert_int_equal(llmem_tokenizer_load(PYCODER, &tok), LLMEM_OK);
+    static const struct {
+        const char *json; /* the prompt as a JSON string */
+        const char *bytes;
+        size_t len;
+    } cases[] = {
+        {"\"def foo():\\u0000 return 1\"", "def foo():\0 return 1", 20},
+        {"\"\\u0000def\"", "\0def", 4},
+    };
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+        int32_t *ids = NULL;
+        int64_t n = 0;
+        assert_int_equal(llmem_tokenizer_encode(tok, cases[k].bytes, cases[k].len, &ids, &n),
+                         LLMEM_OK);
+        char list[1024] = "[", body[2048];
+        for (int64_t i = 0; i < n; i++)
+            snprintf(list + strlen(list), sizeof(list) - strlen(list), "%s%d", i ? "," : "",
+                     ids[i]);
+        strcat(list, "]");
+        const char *fmt = "{\"model\": \"pycoder\", \"prompt\": %s, \"max_tokens\": 6, "
+                          "\"temperature\": 0, \"ignore_eos\": true}";
+        char *by_text = NULL, *by_ids = NULL;
+        snprintf(body, sizeof(body), fmt, cases[k].json);
+        assert_int_equal(prompt_tokens_of("/v1/completions", body, &by_text), n);
+        snprintf(body, sizeof(body), fmt, list);
+        assert_int_equal(prompt_tokens_of("/v1/completions", body, &by_ids), n);
+        assert_string_equal(by_text, by_ids);
+        free(by_text);
+        free(by_ids);
+        free(ids);
+    }
+    /* chat: a content string and a text part, each starting with a NUL and holding another */
+    static const char content[] = "\0def add(a, b):\0 return";
+    const struct llmem_chat_message msgs[] = {{"user", content, sizeof(content) - 1}};
+    char *rendered = NULL;
+    size_t len = 0;
+    assert_int_equal(llmem_chat_render(tok, LLMEM_CHAT_CHATML, msgs, 1, 1, &rendered, &len),
+                     LLMEM_OK);
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    assert_int_equal(llmem_tokenizer_encode(tok, rendered, len, &ids, &n), LLMEM_OK);
+    static const char *const chats[] = {
+        "{\"model\": \"pycoder\", \"messages\": [{\"role\": \"user\", \"content\": "
+        "\"\\u0000def add(a, b):\\u0000 return\"}], \"max_tokens\": 4, \"temperature\": 0}",
+        "{\"model\": \"pycoder\", \"messages\": [{\"role\": \"user\", \"content\": [{\"type\": "
+        "\"text\", \"text\": \"\\u0000def add(a, b):\\u0000 return\"}]}], \"max_tokens\": 4, "
+        "\"temperature\": 0}",
+    };
+    for (int k = 0; k < 2; k++) {
+        char *text = NULL;
+        assert_int_equal(prompt_tokens_of("/v1/chat/completions", chats[k], &text), n);
+        free(text);
+    }
+    free(ids);
+    free(rendered);
+    llmem_tokenizer_free(tok);
 }
 
 /* The JSON payloads of an SSE body, in order, checking that it ends with data: [DONE]. */
@@ -1102,6 +1184,7 @@ int main(void) {
         cmocka_unit_test(test_completions_stream),
         cmocka_unit_test(test_stop_and_logprobs),
         cmocka_unit_test(test_chat),
+        cmocka_unit_test(test_nul_in_prompt),
         cmocka_unit_test(test_concurrent_equal_single),
         cmocka_unit_test(test_disconnect_frees_kv),
         cmocka_unit_test(test_disconnect_plain_cancels),
