@@ -197,7 +197,9 @@ static int reconcile(struct llmem_spill *s, int rebuild) {
             memcpy(probe.key, sqlite3_column_blob(q, 0), 32);
             memcpy(parent, sqlite3_column_blob(q, 1), 32);
             llmem_spill_chunk_name(probe.key, name);
-            e = bsearch(&probe, ents, (size_t)n_ents, sizeof(*ents), entry_cmp);
+            /* with no chunk file left, ents is NULL: bsearch must not see it */
+            if (n_ents > 0)
+                e = bsearch(&probe, ents, (size_t)n_ents, sizeof(*ents), entry_cmp);
         }
         if (!key_ok || file == NULL || strcmp(file, name) != 0)
             problem = "a malformed manifest row";
