@@ -9,6 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "core/clock.h"
 #include "core/file.h"
@@ -205,7 +208,23 @@ static void test_file_read_bounds(void **state) {
     free(data);
     assert_int_equal(llmem_file_read(path, 4, &data, &len), LLMEM_ERANGE);
     assert_non_null(strstr(llmem_last_error(), "more than the 4 bytes allowed"));
-    assert_int_equal(llmem_file_read(dir, 100, &data, &len), LLMEM_EIO);
+    assert_int_equal(llmem_file_read(dir, 100, &data, &len), LLMEM_EFORMAT);
+    assert_non_null(strstr(llmem_last_error(), "a directory, not a regular file"));
+    /* a FIFO is refused at once, not waited on for a writer */
+    char fifo[4200];
+    assert_int_equal(llmem_path_join(fifo, sizeof(fifo), dir, "fifo.json"), LLMEM_OK);
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    alarm(20);
+    assert_int_equal(llmem_file_read(fifo, 100, &data, &len), LLMEM_EFORMAT);
+    assert_non_null(strstr(llmem_last_error(), "fifo.json: a FIFO, not a regular file"));
+    int fd = -1;
+    assert_int_equal(llmem_file_open_regular(fifo, "test", &fd), LLMEM_EFORMAT);
+    assert_int_equal(fd, -1);
+    alarm(0);
+    assert_int_equal(llmem_file_open_regular(path, "test", &fd), LLMEM_OK);
+    assert_true(fd >= 0);
+    assert_int_equal(fcntl(fd, F_GETFL) & O_NONBLOCK, 0);
+    close(fd);
     char missing[4200];
     assert_int_equal(llmem_path_join(missing, sizeof(missing), dir, "nope.json"), LLMEM_OK);
     assert_int_equal(llmem_file_read(missing, 100, &data, &len), LLMEM_ENOENT);
@@ -226,7 +245,7 @@ static void test_file_read_quiet_proc(void **state) {
     llmem_path_join(path, sizeof(path), dir, "missing"); /* reset the last error */
     assert_int_equal(llmem_file_read_quiet(path, 100, &data, &len), LLMEM_ENOENT);
     assert_null(strstr(llmem_last_error(), "missing")); /* quiet: nothing at ERROR */
-    assert_int_equal(llmem_file_read_quiet(dir, 100, &data, &len), LLMEM_EIO); /* a directory */
+    assert_int_equal(llmem_file_read_quiet(dir, 100, &data, &len), LLMEM_EFORMAT); /* a directory */
     /* A pseudo-file reports size 0 but has contents. */
     assert_int_equal(llmem_file_read_quiet("/proc/self/status", 1 << 20, &data, &len), LLMEM_OK);
     assert_true(len > 0 && strstr(data, "Name:") != NULL);

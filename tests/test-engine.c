@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "core/log.h"
 #include "engine/hooks.h"
@@ -599,6 +600,44 @@ static struct llmem_engine *open_with_store(const char *model, const char *bank_
     return e;
 }
 
+/* A given --bank-dir that cannot be used (a regular file where the directory goes, a directory
+ * where the manifest goes) is a cache that is not there: the engine opens without the spill tier
+ * and says why in one warning naming the path. */
+static void test_unusable_bank_dir(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    char *file = tu_write_file(dir, "not-a-dir", "x", -1);
+    char store[4200], manifest[4300];
+    snprintf(store, sizeof(store), "%s/store", dir);
+    snprintf(manifest, sizeof(manifest), "%s/manifest.sqlite", store);
+    assert_int_equal(mkdir(store, 0700), 0);
+    assert_int_equal(mkdir(manifest, 0700), 0);
+    const struct {
+        const char *bank_dir, *phrase;
+    } cases[] = {
+        {file, "cannot create or open the spill directory"},
+        {store, "manifest.sqlite: not a regular file (a directory)"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        n_errors = 0;
+        last_errors[0] = '\0';
+        llmem_log_set_callback(capture_all, NULL, LLMEM_LOG_WARN);
+        struct llmem_engine *e = open_with_store(PYCODER, cases[i].bank_dir, 0, NULL, NULL);
+        llmem_log_set_callback(NULL, NULL, LLMEM_LOG_ERROR);
+        assert_non_null(llmem_engine_bank(e));
+        assert_null(llmem_engine_spill(e));
+        assert_non_null(strstr(last_errors, cases[i].phrase));
+        assert_non_null(strstr(last_errors, cases[i].bank_dir));
+        assert_non_null(strstr(last_errors, "runs without its spill tier"));
+        /* one line: its newline is the last character */
+        assert_ptr_equal(strchr(last_errors, '\n'), last_errors + strlen(last_errors) - 1);
+        llmem_engine_close(e);
+    }
+    free(file);
+    tu_rmtree(dir);
+    free(dir);
+}
+
 static void long_prompt(int32_t *p, int n, int salt) {
     for (int i = 0; i < n; i++)
         p[i] = 20 + (i * 37 + salt * 101) % 3900;
@@ -1095,6 +1134,7 @@ int main(void) {
         cmocka_unit_test(test_guard_rules),
         cmocka_unit_test(test_guard_actions),
         cmocka_unit_test(test_guard_cgroup_events),
+        cmocka_unit_test(test_unusable_bank_dir),
         cmocka_unit_test(test_spill_restores_in_a_new_engine),
         cmocka_unit_test(test_spill_other_weights),
         cmocka_unit_test(test_spill_full_disk),

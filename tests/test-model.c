@@ -14,7 +14,9 @@
 
 #include <cjson/cJSON.h>
 
+#include "llmem/mem.h"
 #include "llmem/model.h"
+#include "llmem/tokenizer.h"
 #include "llmem/plan.h"
 #include "llmem/status.h"
 #include "llmem/config.h"
@@ -236,7 +238,7 @@ static void test_hostile_prefix(void **state) {
     tu_expect_failure(llmem_safetensors_load("/nonexistent/x.safetensors", &st), LLMEM_ENOENT,
                       "No such file");
     free(tu_write_file(dir, "empty.safetensors", "", 0));
-    tu_expect_failure(llmem_safetensors_load(dir, &st), LLMEM_EIO, "not a regular file");
+    tu_expect_failure(llmem_safetensors_load(dir, &st), LLMEM_EFORMAT, "not a regular file");
 
     char path[4096];
     snprintf(path, sizeof(path), "%s/empty.safetensors", dir);
@@ -592,6 +594,66 @@ static void test_config_missing(void **state) {
                       "no model.safetensors or model.safetensors.index.json in");
 }
 
+static void copy_pycoder_file(const char *dir, const char *name) {
+    char src[4096];
+    snprintf(src, sizeof(src), "%s/%s", PYCODER_DIR, name);
+    FILE *f = fopen(src, "rb");
+    assert_non_null(f);
+    static char buf[1 << 20];
+    size_t n = fread(buf, 1, sizeof(buf), f);
+    fclose(f);
+    free(tu_write_file(dir, name, buf, (long)n));
+}
+
+/* A FIFO in place of a model's file is refused at once, naming it, rather than waiting in open()
+ * for a writer that never comes. alarm() turns a regression into a failure, not a hang. */
+static void test_fifo_files(void **state) {
+    const char *dir = *state;
+    char path[4096];
+    copy_pycoder_file(dir, "config.json");
+    copy_pycoder_file(dir, "tokenizer.json");
+    copy_pycoder_file(dir, "tokenizer_config.json");
+    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+    assert_int_equal(mkfifo(path, 0600), 0);
+    alarm(20);
+    struct llmem_safetensors *st = NULL;
+    tu_expect_failure(llmem_safetensors_load(path, &st), LLMEM_EFORMAT,
+                      "model.safetensors: a FIFO, not a regular file");
+    tu_expect_failure(llmem_safetensors_load_dir(dir, &st), LLMEM_EFORMAT,
+                      "model.safetensors: a FIFO, not a regular file");
+    struct llmem_mem_config mc = {.cache_limit_bytes = -1};
+    struct llmem_mem *mem = NULL;
+    assert_int_equal(llmem_mem_create(&mc, &mem), LLMEM_OK);
+    struct llmem_model *m = NULL;
+    tu_expect_failure(llmem_model_load(dir, mem, 0, NULL, NULL, &m), LLMEM_EFORMAT,
+                      "model.safetensors: a FIFO, not a regular file");
+    llmem_mem_destroy(mem);
+    struct llmem_model_geometry g;
+    tu_expect_failure(llmem_model_geometry_load(dir, &g), LLMEM_EFORMAT,
+                      "model.safetensors: a FIFO, not a regular file");
+
+    snprintf(path, sizeof(path), "%s/config.json", dir);
+    assert_int_equal(unlink(path), 0);
+    assert_int_equal(mkfifo(path, 0600), 0);
+    tu_expect_failure(llmem_model_geometry_load(dir, &g), LLMEM_EFORMAT,
+                      "config.json: a FIFO, not a regular file");
+    tu_expect_failure(llmem_model_geometry_load_config(dir, &g), LLMEM_EFORMAT,
+                      "config.json: a FIFO, not a regular file");
+
+    struct llmem_tokenizer *tok = NULL;
+    snprintf(path, sizeof(path), "%s/tokenizer_config.json", dir);
+    assert_int_equal(unlink(path), 0);
+    assert_int_equal(mkfifo(path, 0600), 0);
+    tu_expect_failure(llmem_tokenizer_load(dir, &tok), LLMEM_EFORMAT,
+                      "tokenizer_config.json: a FIFO, not a regular file");
+    snprintf(path, sizeof(path), "%s/tokenizer.json", dir);
+    assert_int_equal(unlink(path), 0);
+    assert_int_equal(mkfifo(path, 0600), 0);
+    tu_expect_failure(llmem_tokenizer_load(dir, &tok), LLMEM_EFORMAT,
+                      "tokenizer.json: a FIFO, not a regular file");
+    alarm(0);
+}
+
 static void test_config_required_fields(void **state) {
     const char *dir = *state;
     static const char *const fields[] = {"hidden_size",         "num_hidden_layers",
@@ -890,6 +952,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_pycoder_geometry, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_reference_configs, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_config_missing, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_fifo_files, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_config_required_fields, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_config_bad_values, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_config_rope_spellings, tu_setup_dir, tu_teardown_dir),

@@ -576,6 +576,97 @@ static void test_reconcile(void **state) {
     free(dir);
 }
 
+/* Every chunk file deleted behind the manifest's back: each row is dropped on the next opening
+ * (and by gc), with nothing to look the rows up in. */
+static void test_all_files_gone(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    struct llmem_kv *kv = make_kv(LLMEM_KV_FORMAT_F16, 256);
+    int32_t t[1024];
+    make_tokens(t, 1024, 11, 0);
+    for (int pass = 0; pass < 2; pass++) {
+        struct llmem_spill *s = open_store(dir, 0);
+        submit(s, kv, ROOT_A, t, 48 * BS);
+        llmem_spill_flush(s, 10);
+        assert_int_equal(stats_of(s).files, 3);
+        llmem_spill_close(s);
+        char p[4200];
+        const int64_t ends[] = {16, 32, 48};
+        for (int i = 0; i < 3; i++) {
+            chunk_path(dir, ROOT_A, t, ends[i], p, sizeof(p));
+            assert_int_equal(unlink(p), 0);
+        }
+        int n_chunks, n_tmp;
+        dir_bytes(dir, &n_chunks, &n_tmp);
+        assert_int_equal(n_chunks, 0);
+        struct llmem_spill_stats st;
+        capture_start();
+        if (pass == 0) {
+            s = open_store(dir, 0);
+            st = stats_of(s);
+            assert_int_equal(load_check(s, kv, ROOT_A, t, 1000, 0, 62), 0);
+            llmem_spill_close(s);
+        } else {
+            struct llmem_spill_config c;
+            llmem_spill_config_default(&c);
+            c.dir = dir;
+            c.min_free_bytes = -1;
+            assert_int_equal(llmem_spill_gc(&c, &st), LLMEM_OK);
+        }
+        capture_stop();
+        assert_int_equal(st.rows_dropped, 3);
+        assert_int_equal(st.files, 0);
+        assert_non_null(strstr(warnings, "its file is missing"));
+    }
+    llmem_kv_destroy(kv);
+    tu_rmtree(dir);
+    free(dir);
+}
+
+/* A FIFO in place of the manifest or of a chunk file is refused, naming it, without waiting for a
+ * writer; alarm() turns a regression into a failure rather than a hang. */
+static void test_fifo_in_store(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    struct llmem_kv *kv = make_kv(LLMEM_KV_FORMAT_F16, 256);
+    int32_t t[1024];
+    make_tokens(t, 1024, 9, 0);
+    struct llmem_spill *s = open_store(dir, 0);
+    submit(s, kv, ROOT_A, t, 48 * BS);
+    llmem_spill_flush(s, 10);
+    assert_int_equal(stats_of(s).files, 3);
+    llmem_spill_close(s);
+    alarm(20);
+    /* a chunk file become a FIFO: the load misses and the row is dropped */
+    char p[4200];
+    chunk_path(dir, ROOT_A, t, 16, p, sizeof(p));
+    assert_int_equal(unlink(p), 0);
+    assert_int_equal(mkfifo(p, 0600), 0);
+    capture_start();
+    s = open_store(dir, 0);
+    assert_int_equal(load_check(s, kv, ROOT_A, t, 1000, 0, 62), 0);
+    llmem_spill_close(s);
+    capture_stop();
+    unlink(p);
+    /* the manifest become a FIFO: the store does not open, and says why */
+    snprintf(p, sizeof(p), "%s/manifest.sqlite", dir);
+    unlink(p);
+    assert_int_equal(mkfifo(p, 0600), 0);
+    struct llmem_spill_config c;
+    llmem_spill_config_default(&c);
+    c.dir = dir;
+    c.min_free_bytes = -1;
+    capture_start();
+    assert_int_equal(llmem_spill_open(&c, &s), LLMEM_EIO);
+    capture_stop();
+    assert_null(s);
+    assert_non_null(strstr(warnings, "manifest.sqlite: not a regular file (a FIFO)"));
+    alarm(0);
+    llmem_kv_destroy(kv);
+    tu_rmtree(dir);
+    free(dir);
+}
+
 /* ---- bounds ---------------------------------------------------------------------------------- */
 
 /* The directory never holds more than the cap (every file counted, checked after every write);
@@ -1159,6 +1250,8 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_corrupt_and_truncated),
         cmocka_unit_test(test_identity_and_format),
         cmocka_unit_test(test_reconcile),
+        cmocka_unit_test(test_all_files_gone),
+        cmocka_unit_test(test_fifo_in_store),
         cmocka_unit_test(test_size_cap_lru),
         cmocka_unit_test(test_disk_low_budget_queue),
         cmocka_unit_test(test_write_failures),

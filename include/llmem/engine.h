@@ -54,8 +54,8 @@ struct llmem_engine_config {
     int64_t bank_max_bytes;         /* --bank-max: the RAM tier's cap; 0: the plan's ceiling */
     int no_bank;                    /* 1: no session bank (and no spill tier) */
     const char *bank_dir;           /* --bank-dir: the spill store; NULL: the default directory
-                                     * (a default one that cannot be opened only turns spilling
-                                     * off, with a warning; a given one is an error) */
+                                     * (the store is a cache: one that cannot be opened, given
+                                     * or default, turns spilling off with one warning) */
     int64_t spill_max_bytes;        /* --spill-max: the store's size cap; 0: the default */
     int no_spill;                   /* --no-spill: the bank stays in RAM */
     int no_mmap; /* --no-mmap: the weights read into (huge-page) memory instead of mapped */
@@ -97,7 +97,7 @@ LLMEM_API struct llmem_backend *llmem_engine_backend(struct llmem_engine *e);
 LLMEM_API const struct llmem_guard *llmem_engine_guard(const struct llmem_engine *e);
 /* The session bank's RAM tier (NULL without one: no_bank or a layout other than paged). */
 LLMEM_API struct llmem_bank *llmem_engine_bank(struct llmem_engine *e);
-/* The spill store (NULL without one: no bank, no_spill, or a default directory that could not be
+/* The spill store (NULL without one: no bank, no_spill, or a directory that could not be
  * opened). */
 LLMEM_API struct llmem_spill *llmem_engine_spill(struct llmem_engine *e);
 

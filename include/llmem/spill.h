@@ -182,8 +182,9 @@ struct llmem_spill_stats {
 LLMEM_API void llmem_spill_stats(struct llmem_spill *s, struct llmem_spill_stats *stats);
 
 /* `llmem gc`: opens the store without a writer, reconciles it with every checksum verified, holds
- * it to the cap, and reports what it found in *stats. LLMEM_EIO (logged) when another process owns
- * it, or as llmem_spill_open. */
+ * it to the cap, and reports what it found in *stats. It creates nothing: LLMEM_ENOENT (logged)
+ * when the directory does not exist. LLMEM_EIO (logged) when another process owns it, or as
+ * llmem_spill_open. */
 LLMEM_API int llmem_spill_gc(const struct llmem_spill_config *c, struct llmem_spill_stats *stats);
 
 #ifdef __cplusplus

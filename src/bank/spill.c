@@ -25,6 +25,7 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,9 +37,26 @@
 #include <sqlite3.h>
 
 #include "bank/spill_int.h"
+#include "bank/spill_open.h"
 #include "core/log.h"
 #include "core/options.h"
 #include "llmem/size.h"
+
+/* A failure while opening: into s->open_why when the caller opens the store as a cache (and
+ * says itself, once, what it does without it), else logged at ERROR. */
+static void open_fail(struct llmem_spill *s, const char *func, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void open_fail(struct llmem_spill *s, const char *func, const char *fmt, ...) {
+    char line[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof(line), fmt, ap);
+    va_end(ap);
+    if (s->open_why != NULL && s->open_why[0] == '\0')
+        snprintf(s->open_why, s->open_why_size, "%s", line);
+    else if (s->open_why == NULL)
+        LLMEM_ERROR_AS(func, "%s", line);
+}
 
 /* ---- reconciliation --------------------------------------------------------------------------
  */
@@ -81,7 +99,7 @@ static int list_dir(struct llmem_spill *s, struct dir_entry **out, int64_t *n_ou
     if (d == NULL) {
         if (fd >= 0)
             close(fd);
-        LLMEM_ERROR_AS("llmem_spill_open", "%s: cannot list: %s", s->dir, strerror(errno));
+        open_fail(s, "llmem_spill_open", "%s: cannot list: %s", s->dir, strerror(errno));
         return LLMEM_EIO;
     }
     rewinddir(d);
@@ -124,7 +142,7 @@ static int list_dir(struct llmem_spill *s, struct dir_entry **out, int64_t *n_ou
     closedir(d);
     if (status != LLMEM_OK) {
         free(v);
-        LLMEM_ERROR_AS("llmem_spill_open", "out of memory listing %s", s->dir);
+        open_fail(s, "llmem_spill_open", "out of memory listing %s", s->dir);
         return status;
     }
     if (n > 1)
@@ -183,7 +201,7 @@ static int reconcile(struct llmem_spill *s, int rebuild) {
     if (sqlite3_prepare_v2(s->db, "SELECT hash, parent, file, position, tokens, bytes FROM chunks",
                            -1, &q, NULL) != SQLITE_OK) {
         status = LLMEM_EIO;
-        LLMEM_ERROR_AS("llmem_spill_open", "%s/%s: %s", s->dir, MANIFEST, sqlite3_errmsg(s->db));
+        open_fail(s, "llmem_spill_open", "%s/%s: %s", s->dir, MANIFEST, sqlite3_errmsg(s->db));
         goto out;
     }
     while (sqlite3_step(q) == SQLITE_ROW) {
@@ -197,7 +215,9 @@ static int reconcile(struct llmem_spill *s, int rebuild) {
             memcpy(probe.key, sqlite3_column_blob(q, 0), 32);
             memcpy(parent, sqlite3_column_blob(q, 1), 32);
             llmem_spill_chunk_name(probe.key, name);
-            e = bsearch(&probe, ents, (size_t)n_ents, sizeof(*ents), entry_cmp);
+            /* with no chunk file left, ents is NULL: bsearch must not see it */
+            if (n_ents > 0)
+                e = bsearch(&probe, ents, (size_t)n_ents, sizeof(*ents), entry_cmp);
         }
         if (!key_ok || file == NULL || strcmp(file, name) != 0)
             problem = "a malformed manifest row";
@@ -221,7 +241,7 @@ static int reconcile(struct llmem_spill *s, int rebuild) {
             void *nb = realloc(bad, (size_t)cap_bad * 32);
             if (nb == NULL) {
                 status = LLMEM_ENOMEM;
-                LLMEM_ERROR_AS("llmem_spill_open", "out of memory");
+                open_fail(s, "llmem_spill_open", "out of memory");
                 goto out;
             }
             bad = nb;
@@ -293,7 +313,12 @@ static int make_dirs(const char *dir) {
     return mkdir(p, 0700) != 0 && errno != EEXIST ? -1 : 0;
 }
 
-static int spill_open(const struct llmem_spill_config *c, int for_gc, struct llmem_spill **out) {
+/* for_gc: the store must exist already (gc creates nothing); reason (optional): a failure is put
+ * there rather than logged. */
+static int spill_open(const struct llmem_spill_config *c, int for_gc, struct llmem_spill **out,
+                      char *reason, size_t reason_size) {
+    if (reason != NULL && reason_size > 0)
+        reason[0] = '\0';
     *out = NULL;
     struct llmem_spill *s = calloc(1, sizeof(*s));
     if (s == NULL) {
@@ -302,10 +327,12 @@ static int spill_open(const struct llmem_spill_config *c, int for_gc, struct llm
     }
     s->cfg = *c;
     s->dir_fd = -1;
+    s->open_why = reason_size > 0 ? reason : NULL;
+    s->open_why_size = reason_size;
     int status = LLMEM_OK;
     if (c->dir != NULL && c->dir[0] != '\0') {
         if (snprintf(s->dir, sizeof(s->dir), "%s", c->dir) >= (int)sizeof(s->dir)) {
-            LLMEM_ERROR_AS("llmem_spill_open", "the spill directory's path is too long");
+            open_fail(s, "llmem_spill_open", "the spill directory's path is too long");
             free(s);
             return LLMEM_ERANGE;
         }
@@ -330,29 +357,39 @@ static int spill_open(const struct llmem_spill_config *c, int for_gc, struct llm
     pthread_cond_init(&s->idle, &ca);
     pthread_condattr_destroy(&ca);
 
-    if (make_dirs(s->dir) != 0 ||
-        (s->dir_fd = open(s->dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
-        LLMEM_ERROR_AS("llmem_spill_open", "%s: cannot create or open the spill directory: %s",
-                       s->dir, strerror(errno));
+    if (for_gc) { /* gc collects a store that is there; it makes none */
+        if ((s->dir_fd = open(s->dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
+            int err = errno;
+            open_fail(s, "llmem_spill_gc", "%s: not collected: no spill store there (%s)", s->dir,
+                      strerror(err));
+            status = err == ENOENT ? LLMEM_ENOENT : LLMEM_EIO;
+            goto fail;
+        }
+    } else if (make_dirs(s->dir) != 0 ||
+               (s->dir_fd = open(s->dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
+        open_fail(s, "llmem_spill_open", "%s: cannot create or open the spill directory: %s",
+                  s->dir, strerror(errno));
         status = LLMEM_EIO;
         goto fail;
     }
     if (flock(s->dir_fd, LOCK_EX | LOCK_NB) != 0) {
         if (errno != EWOULDBLOCK) {
-            LLMEM_ERROR_AS("llmem_spill_open", "%s: cannot lock: %s", s->dir, strerror(errno));
+            open_fail(s, "llmem_spill_open", "%s: cannot lock: %s", s->dir, strerror(errno));
             status = LLMEM_EIO;
             goto fail;
         }
         if (for_gc) {
-            LLMEM_ERROR_AS("llmem_spill_gc",
-                           "%s: the spill store is in use by another process; stop it first",
-                           s->dir);
+            open_fail(s, "llmem_spill_gc",
+                      "%s: not collected: the spill store is in use by another process; stop it "
+                      "first",
+                      s->dir);
             status = LLMEM_EIO;
             goto fail;
         }
         LLMEM_WARN("%s: the spill store is in use by another process; this one neither reads "
                    "nor writes it",
                    s->dir);
+        s->open_why = NULL;
         *out = s; /* owned = 0 */
         return LLMEM_OK;
     }
@@ -374,7 +411,7 @@ static int spill_open(const struct llmem_spill_config *c, int for_gc, struct llm
         rc = llmem_spill_db_open(s, why, sizeof(why));
     }
     if (rc != SQLITE_OK) {
-        LLMEM_ERROR_AS("llmem_spill_open", "%s/%s: %s", s->dir, MANIFEST, why);
+        open_fail(s, "llmem_spill_open", "%s/%s: %s", s->dir, MANIFEST, why);
         status = LLMEM_EIO;
         goto fail;
     }
@@ -406,12 +443,13 @@ static int spill_open(const struct llmem_spill_config *c, int for_gc, struct llm
 
     if (!s->cfg.no_writer) {
         if (pthread_create(&s->writer, NULL, llmem_spill_writer_main, s) != 0) {
-            LLMEM_ERROR_AS("llmem_spill_open", "cannot start the spill writer thread");
+            open_fail(s, "llmem_spill_open", "cannot start the spill writer thread");
             status = LLMEM_ENOMEM;
             goto fail;
         }
         s->has_writer = 1;
     }
+    s->open_why = NULL;
     *out = s;
     return LLMEM_OK;
 fail:
@@ -420,7 +458,12 @@ fail:
 }
 
 int llmem_spill_open(const struct llmem_spill_config *c, struct llmem_spill **out) {
-    return spill_open(c, 0, out);
+    return spill_open(c, 0, out, NULL, 0);
+}
+
+int llmem_spill_open_cache(const struct llmem_spill_config *c, struct llmem_spill **out, char *why,
+                           size_t why_size) {
+    return spill_open(c, 0, out, why, why_size);
 }
 
 void llmem_spill_close(struct llmem_spill *s) {
@@ -670,7 +713,7 @@ int llmem_spill_gc(const struct llmem_spill_config *c, struct llmem_spill_stats 
     g.verify = 1;
     g.no_writer = 1;
     struct llmem_spill *s = NULL;
-    int status = spill_open(&g, 1, &s);
+    int status = spill_open(&g, 1, &s, NULL, 0);
     if (status != LLMEM_OK)
         return status;
     llmem_spill_stats(s, stats);

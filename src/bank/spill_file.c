@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "bank/spill_int.h"
+#include "core/file.h"
 #include "core/hash.h"
 #include "llmem/bank.h"
 
@@ -158,9 +159,9 @@ static enum reason header_decode(const uint8_t b[HEADER_BYTES], int64_t file_siz
 /* Opens dir/name and reads its header: CHUNK_OK with *fd open, else *fd = −1. */
 enum reason llmem_spill_open_chunk(const struct llmem_spill *s, const char *name, struct header *h,
                                    int *fd, int64_t *size, char *why, size_t why_size) {
-    *fd = openat(s->dir_fd, name, O_RDONLY | O_CLOEXEC);
-    if (*fd < 0) {
-        snprintf(why, why_size, "cannot open: %s", strerror(errno));
+    char err[160];
+    if (llmem_file_open_regular_at(s->dir_fd, name, fd, err, sizeof(err)) != LLMEM_OK) {
+        snprintf(why, why_size, "cannot open: %s", err);
         return CHUNK_IO;
     }
     struct stat st;

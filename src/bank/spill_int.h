@@ -61,6 +61,8 @@ struct llmem_spill {
     char dir[PATH_MAX];
     int dir_fd;
     int owned;
+    char *open_why; /* while opening as a cache: where a failure's reason goes, not the log */
+    size_t open_why_size;
     sqlite3 *db;
     sqlite3_stmt *q_exists, *q_children, *q_insert, *q_delete, *q_touch, *q_lru;
     pthread_mutex_t lock;

@@ -9,6 +9,7 @@
  * store's lock.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
 #include <string.h>
@@ -74,6 +75,15 @@ void llmem_spill_db_close(struct llmem_spill *s) {
 int llmem_spill_db_open(struct llmem_spill *s, char *why, size_t why_size) {
     char path[PATH_MAX + 32];
     path_of(s, MANIFEST, path, sizeof(path));
+    /* SQLite would open a FIFO there and wait in its first read */
+    struct stat st;
+    if (fstatat(s->dir_fd, MANIFEST, &st, 0) == 0 && !S_ISREG(st.st_mode)) {
+        snprintf(why, why_size, "not a regular file (a %s)",
+                 S_ISDIR(st.st_mode)    ? "directory"
+                 : S_ISFIFO(st.st_mode) ? "FIFO"
+                                        : "special file");
+        return SQLITE_CANTOPEN;
+    }
     int rc = sqlite3_open_v2(
         path, &s->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, NULL);
     int version = -1;

@@ -67,10 +67,8 @@ int cli_gc(int argc, char **argv) {
         c.dir = dir;
     }
     struct llmem_spill_stats st;
-    if (llmem_spill_gc(&c, &st) != LLMEM_OK) {
-        fprintf(stderr, "llmem gc: %s was not collected\n", c.dir);
-        return CLI_FAIL;
-    }
+    if (llmem_spill_gc(&c, &st) != LLMEM_OK)
+        return CLI_FAIL; /* the library's one line says why, naming the store */
     if (json) {
         cJSON *root = cJSON_CreateObject();
         int bad = root == NULL || llmem_json_add_string(root, "dir", c.dir);

@@ -14,19 +14,72 @@
 
 #include "core/log.h"
 
+static const char *file_kind(mode_t mode) {
+    if (S_ISDIR(mode))
+        return "a directory";
+    if (S_ISFIFO(mode))
+        return "a FIFO";
+    if (S_ISSOCK(mode))
+        return "a socket";
+    if (S_ISCHR(mode))
+        return "a character device";
+    if (S_ISBLK(mode))
+        return "a block device";
+    return "a special file";
+}
+
+int llmem_file_open_regular_at(int dir_fd, const char *name, int *fd, char *why, size_t why_size) {
+    *fd = -1;
+    /* O_NONBLOCK: opening a FIFO with no writer (or a tty, a device) must not wait */
+    int f = openat(dir_fd, name, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+    if (f < 0) {
+        int err = errno;
+        snprintf(why, why_size, "%s", strerror(err));
+        return err == ENOENT || err == ENOTDIR ? LLMEM_ENOENT : LLMEM_EIO;
+    }
+    struct stat st;
+    if (fstat(f, &st) != 0) {
+        snprintf(why, why_size, "cannot stat: %s", strerror(errno));
+        close(f);
+        return LLMEM_EIO;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        snprintf(why, why_size, "%s, not a regular file", file_kind(st.st_mode));
+        close(f);
+        return LLMEM_EFORMAT;
+    }
+    int flags = fcntl(f, F_GETFL);
+    if (flags < 0 || fcntl(f, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+        snprintf(why, why_size, "fcntl: %s", strerror(errno));
+        close(f);
+        return LLMEM_EIO;
+    }
+    *fd = f;
+    return LLMEM_OK;
+}
+
+int llmem_file_open_regular(const char *path, const char *func, int *fd) {
+    char why[160];
+    int status = llmem_file_open_regular_at(AT_FDCWD, path, fd, why, sizeof(why));
+    if (status != LLMEM_OK)
+        LLMEM_ERROR_AS(func, "%s: %s", path, why);
+    return status;
+}
+
 /* Reads to end of file, so files whose size the kernel reports as 0 (/proc, /sys) read whole.
  * Failures log at `level`: ERROR for files the caller needs, DEBUG for probes. */
 static int file_read(const char *path, int64_t max_bytes, int level, char **data, size_t *len) {
 #define FILE_FAIL(...) llmem_log_line((enum llmem_log_level)level, "llmem_file_read", __VA_ARGS__)
     int status = LLMEM_OK;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        FILE_FAIL("%s: %s", path, strerror(errno));
-        return errno == ENOENT || errno == ENOTDIR ? LLMEM_ENOENT : LLMEM_EIO;
+    char why[160];
+    int fd;
+    if ((status = llmem_file_open_regular_at(AT_FDCWD, path, &fd, why, sizeof(why))) != LLMEM_OK) {
+        FILE_FAIL("%s: %s", path, why);
+        return status;
     }
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        FILE_FAIL("%s: not a regular file", path);
+    if (fstat(fd, &st) != 0) {
+        FILE_FAIL("%s: cannot stat: %s", path, strerror(errno));
         status = LLMEM_EIO;
         goto out_close;
     }

@@ -8,10 +8,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <openssl/evp.h>
 #include <xxhash.h>
 
+#include "core/file.h"
 #include "core/log.h"
 #include "llmem/status.h"
 
@@ -20,10 +22,15 @@ uint64_t llmem_hash64(const void *p, size_t n, uint64_t seed) {
 }
 
 int llmem_digest_file(const char *path, uint8_t out[16]) {
-    FILE *f = fopen(path, "rb");
+    int fd;
+    int opened = llmem_file_open_regular(path, __func__, &fd);
+    if (opened != LLMEM_OK)
+        return opened;
+    FILE *f = fdopen(fd, "rb");
     if (f == NULL) {
         LLMEM_ERROR("%s: %s", path, strerror(errno));
-        return errno == ENOENT ? LLMEM_ENOENT : LLMEM_EIO;
+        close(fd);
+        return LLMEM_ENOMEM;
     }
     enum { STEP = 4 << 20 };
     char *buf = malloc(STEP);

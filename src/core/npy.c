@@ -10,7 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "core/file.h"
 #include "core/log.h"
 #include "llmem/status.h"
 
@@ -52,10 +54,15 @@ int llmem_npy_write_f32(const char *path, const float *data, int64_t rows, int64
 }
 
 int llmem_npy_read_f32(const char *path, float **data, int64_t *rows, int64_t *cols) {
-    FILE *f = fopen(path, "rb");
+    int fd;
+    int opened = llmem_file_open_regular(path, __func__, &fd);
+    if (opened != LLMEM_OK)
+        return opened;
+    FILE *f = fdopen(fd, "rb");
     if (f == NULL) {
         LLMEM_ERROR("%s: %s", path, strerror(errno));
-        return errno == ENOENT ? LLMEM_ENOENT : LLMEM_EIO;
+        close(fd);
+        return LLMEM_ENOMEM;
     }
     int status = LLMEM_EFORMAT;
     unsigned char pre[10];

@@ -21,6 +21,7 @@
 #include <time.h>
 
 #include "backend/ops.h"
+#include "bank/spill_open.h"
 #include "core/clock.h"
 #include "core/log.h"
 #include "core/options.h"
@@ -248,9 +249,13 @@ static int open_bank(struct llmem_engine *e) {
     }
     sc.free_probe = e->hooks.spill_free_probe;
     sc.free_probe_arg = e->hooks.spill_free_probe_arg;
-    status = llmem_spill_open(&sc, &e->spill);
-    if (status != LLMEM_OK && e->cfg.bank_dir == NULL) {
-        LLMEM_WARN("the session bank runs without its spill tier");
+    /* the disk tier is a cache: a store that cannot be used, given or default, is left out */
+    char why[1024];
+    status = llmem_spill_open_cache(&sc, &e->spill, why, sizeof(why));
+    if (status != LLMEM_OK) {
+        LLMEM_WARN("%s; the session bank runs without its spill tier",
+                   why[0] != '\0' ? why : llmem_status_str(status));
+        e->spill = NULL;
         status = LLMEM_OK;
     }
     return status;

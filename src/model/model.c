@@ -18,6 +18,7 @@
 #include <unistd.h>
 #include <fcntl.h>
 
+#include "core/file.h"
 #include "core/log.h"
 #include "model/model_int.h"
 #include "llmem/config.h"
@@ -71,11 +72,10 @@ static int map_files(struct llmem_model *m, llmem_progress_fn progress, void *ar
         total += st->files[f].file_bytes;
     for (int f = 0; f < st->n_files; f++) {
         const struct llmem_st_file *file = &st->files[f];
-        int fd = open(file->path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0) {
-            LOAD_ERROR("%s: %s", file->path, strerror(errno));
-            return errno == ENOENT ? LLMEM_ENOENT : LLMEM_EIO;
-        }
+        int fd;
+        int opened = llmem_file_open_regular(file->path, LOAD_FUNC, &fd);
+        if (opened != LLMEM_OK)
+            return opened;
         off_t size = lseek(fd, 0, SEEK_END);
         if (size != (off_t)file->file_bytes) {
             close(fd);

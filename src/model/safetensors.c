@@ -296,21 +296,13 @@ static int check_names(struct llmem_st_tensor *tensors, int n, const char *path,
 /* Opens the file and reads its 8-byte prefix and header into a malloc'ed buffer. */
 static int read_header(const char *path, const char *func, struct llmem_st_file *file,
                        char **header) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        int err = errno;
-        LLMEM_ERROR_AS(func, "%s: %s", path, strerror(err));
-        return err == ENOENT ? LLMEM_ENOENT : LLMEM_EIO;
-    }
-    int status = LLMEM_OK;
+    int fd;
+    int status = llmem_file_open_regular(path, func, &fd);
+    if (status != LLMEM_OK)
+        return status;
     struct stat st;
     if (fstat(fd, &st) != 0) {
         LLMEM_ERROR_AS(func, "%s: %s", path, strerror(errno));
-        status = LLMEM_EIO;
-        goto out_close;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        LLMEM_ERROR_AS(func, "%s: not a regular file", path);
         status = LLMEM_EIO;
         goto out_close;
     }

@@ -767,9 +767,11 @@ static int config_template(const char *path, const cJSON *cfg, char **out) {
     return LLMEM_OK;
 }
 
+/* Anything by that name counts: a FIFO or a directory there is refused by the read, naming it,
+ * rather than passed over in silence. */
 static int file_exists(const char *path) {
     struct stat st;
-    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+    return stat(path, &st) == 0;
 }
 
 static int load_config(struct llmem_tokenizer *tok, const char *model_dir) {
