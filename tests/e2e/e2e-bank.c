@@ -373,7 +373,7 @@ static void test_bad_options(void **state) {
     /* gc on a directory that does not exist creates nothing */
     char missing[4200], parent[4200];
     snprintf(parent, sizeof(parent), "%s/nonexistent", dir);
-    snprintf(missing, sizeof(missing), "%s/x", parent);
+    snprintf(missing, sizeof(missing), "%s/nonexistent/x", dir);
     r = tu_llmem("gc", "--bank-dir", missing, NULL);
     assert_int_equal(r.exit_code, 1);
     assert_non_null(strstr(r.err, "not collected: no spill store there"));
