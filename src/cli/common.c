@@ -64,6 +64,15 @@ int cli_parse_size(const char *flag, const char *value, int64_t *out) {
     return CLI_OK;
 }
 
+int cli_parse_positive_size(const char *flag, const char *arg, int64_t *out) {
+    int rc = cli_parse_size(flag, arg, out);
+    if (rc == CLI_OK && *out <= 0)
+        return cli_usage_error("", "%s: the size must be positive (leave it out for the plan's "
+                                   "default)",
+                               flag);
+    return rc;
+}
+
 int cli_parse_int(const char *flag, const char *value, int64_t min, int64_t max, int64_t *out) {
     char *end = NULL;
     errno = 0;

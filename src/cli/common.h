@@ -20,6 +20,8 @@ extern const char *cli_program;
 
 /* Option values, each with an error naming the flag on stderr (returns CLI_USAGE on failure). */
 int cli_parse_size(const char *flag, const char *value, int64_t *out);
+/* cli_parse_size for a size that must be more than 0 (leaving the flag out picks the default). */
+int cli_parse_positive_size(const char *flag, const char *arg, int64_t *out);
 int cli_parse_int(const char *flag, const char *value, int64_t min, int64_t max, int64_t *out);
 int cli_parse_double(const char *flag, const char *value, double min_excl, double max_incl,
                      double *out);

@@ -35,17 +35,6 @@ const char cli_engine_help[] =
     "  --precision P        cuda: fast (default: bf16/f16 tensor cores for prefill, f32\n"
     "                       accumulation) or f32\n";
 
-/* A size that must be given as more than 0: leaving the flag out is what picks the default. */
-static int parse_positive_size(const char *flag, const char *arg, int64_t *out) {
-    int rc = cli_parse_size(flag, arg, out);
-    if (rc == CLI_OK && *out <= 0)
-        return cli_usage_error("",
-                               "%s: the size must be positive (leave it out for the plan's "
-                               "default)",
-                               flag);
-    return rc;
-}
-
 int cli_engine_option(int opt, const char *arg, struct llmem_engine_config *c) {
     int64_t v = 0;
     int rc = CLI_OK;
@@ -55,9 +44,9 @@ int cli_engine_option(int opt, const char *arg, struct llmem_engine_config *c) {
     case CLI_OPT_KV_FORMAT:
         return llmem_kv_format_parse(arg, &c->kv_format) == LLMEM_OK ? CLI_OK : CLI_USAGE;
     case CLI_OPT_CONTEXT: return cli_parse_int("--context", arg, 2, (int64_t)1 << 40, &c->context);
-    case CLI_OPT_BUDGET: return parse_positive_size("--budget", arg, &c->budget_bytes);
+    case CLI_OPT_BUDGET: return cli_parse_positive_size("--budget", arg, &c->budget_bytes);
     case CLI_OPT_MEMORY_LIMIT:
-        return parse_positive_size("--memory-limit", arg, &c->memory_limit_bytes);
+        return cli_parse_positive_size("--memory-limit", arg, &c->memory_limit_bytes);
     case CLI_OPT_UTIL: return cli_parse_double("--util", arg, 0.0, 1.0, &c->util);
     case CLI_OPT_THREADS:
         rc = cli_parse_int("--threads", arg, 1, 1024, &v);

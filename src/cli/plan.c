@@ -117,17 +117,6 @@ struct plan_args {
 #define MAX_CONTEXT_TOKENS ((int64_t)1 << 40)
 #define MAX_COUNT          ((int64_t)1 << 30)
 
-/* A size that must be given as more than 0: leaving the flag out is what picks the default. */
-static int parse_positive_size(const char *flag, const char *arg, int64_t *out) {
-    int rc = cli_parse_size(flag, arg, out);
-    if (rc == CLI_OK && *out <= 0)
-        return cli_usage_error("",
-                               "%s: the size must be positive (leave it out for the plan's "
-                               "default)",
-                               flag);
-    return rc;
-}
-
 static int parse_args(int argc, char **argv, struct plan_args *a) {
     memset(a, 0, sizeof(*a));
     a->params.kv_format = LLMEM_KV_FORMAT_F16;
@@ -150,10 +139,10 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
                                &a->params.requested_context);
             break;
         case OPT_BUDGET:
-            rc = parse_positive_size("--budget", optarg, &a->params.memory_budget_bytes);
+            rc = cli_parse_positive_size("--budget", optarg, &a->params.memory_budget_bytes);
             break;
         case OPT_MEMORY_LIMIT:
-            rc = parse_positive_size("--memory-limit", optarg, &a->params.memory_limit_bytes);
+            rc = cli_parse_positive_size("--memory-limit", optarg, &a->params.memory_limit_bytes);
             break;
         case OPT_UTIL: rc = cli_parse_double("--util", optarg, 0.0, 1.0, &a->params.util); break;
         case OPT_KV_FORMAT:
