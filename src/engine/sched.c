@@ -26,6 +26,7 @@
 #include "engine/sched_int.h"
 #include "llmem/kv.h"
 #include "llmem/tokenizer.h"
+#include "tok/tok_int.h"
 
 /* Waiting requests beyond which submit says LLMEM_EBUSY, unless llmem_serve_config sets it. */
 #define QUEUE_DEFAULT 256
@@ -151,6 +152,13 @@ static int request_new(struct llmem_sched *s, const int32_t *prompt, int64_t n_p
         LLMEM_ERROR("logprobs is %d; at most %d alternatives per token", p->logprobs,
                     LLMEM_MAX_TOP_LOGPROBS);
         return LLMEM_EINVAL;
+    }
+    for (int i = 0; i < p->n_stop; i++) { /* the text it is looked for in is valid UTF-8 */
+        size_t n = strlen(p->stop[i]);
+        if (llmem_tok_utf8_check(p->stop[i], n) != n) {
+            LLMEM_ERROR("stop string %d is not valid UTF-8: it could never match", i + 1);
+            return LLMEM_EINVAL;
+        }
     }
     struct request *r = calloc(1, sizeof(*r));
     if (r == NULL)

@@ -490,6 +490,11 @@ static void test_bad_input(void **state) {
     assert_string_equal(r.out, "");
     assert_non_null(strstr(r.err, "LLMEM_DECODE_AHEAD='abc' is not accepted: expected 0 or 1"));
     tu_run_free(&r);
+    /* a stop string that is not UTF-8 could never match the text: refused, not ignored */
+    r = tu_llmem("run", PYCODER, "-p", "def", "-n", "2", "--stop", "\xff\xfe", NULL);
+    assert_int_equal(r.exit_code, 1);
+    assert_non_null(strstr(r.err, "not valid UTF-8"));
+    tu_run_free(&r);
 }
 
 int main(void) {
