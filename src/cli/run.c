@@ -23,6 +23,7 @@
 #include "llmem/engine.h"
 #include "llmem/size.h"
 #include "llmem/tokenizer.h"
+#include "tok/tok_int.h"
 
 enum {
     OPT_TEMPERATURE = CLI_OPT_ENGINE_END,
@@ -541,6 +542,12 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
         line[strcspn(line, "\n")] = '\0';
         if (line[0] == '\0' || n_msgs + 2 > 256 || n_owned + 2 > 256)
             break;
+        size_t len = strlen(line);
+        if (llmem_tok_utf8_check(line, len) != len) { /* the session goes on without it */
+            fprintf(stderr, "llmem chat: that line is not valid UTF-8 (byte %zu); type it again\n",
+                    llmem_tok_utf8_check(line, len) + 1);
+            continue;
+        }
         owned[n_owned] = strdup(line);
         if (owned[n_owned] == NULL)
             break;

@@ -222,6 +222,12 @@ static void test_chat(void **state) {
         lines += *p == '\n';
     assert_true(lines >= 2);
     tu_run_free(&r);
+    /* a line that is not UTF-8 is said so and skipped; the session goes on to the next */
+    r = tu_llmem_input("caf\xe9\ndef add(a, b):\n", 7, args);
+    assert_int_equal(r.exit_code, 0);
+    assert_non_null(strstr(r.err, "that line is not valid UTF-8 (byte 4); type it again"));
+    assert_non_null(strstr(r.err, "prompt 31 tokens"));
+    tu_run_free(&r);
     /* pycoder's tokenizer has no template: without --chat-template that is a clear error */
     r = tu_llmem_input("hi\n", 2, args);
     assert_int_equal(r.exit_code, 1);
