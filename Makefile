@@ -3,10 +3,13 @@
 BUILD ?= build
 ASAN_BUILD ?= build-asan
 TSAN_BUILD ?= build-tsan
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 10
+FUZZ_CC ?= clang
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps build run test test-sanitize test-tsan format clean
+.PHONY: all deps build run test test-sanitize test-tsan fuzz format clean
 
 all: build
 
@@ -38,8 +41,30 @@ test-tsan: deps
 	TSAN_OPTIONS=halt_on_error=1 ctest --test-dir $(TSAN_BUILD) --output-on-failure \
 		-R '^(test-mem|test-core|test-kv|test-spill|test-sched)(:.*)?$$'
 
+# Each libFuzzer target of tests/fuzz for FUZZ_SECONDS, from a copy of its seed corpus (what it
+# finds stays in $(FUZZ_BUILD)/corpus, not in the tree); stops at the first crash, leak or
+# sanitizer report, whose reproducer libFuzzer writes to $(FUZZ_BUILD)/artifacts.
+fuzz:
+	@bash scripts/deps.sh clang libclang-rt-dev
+	@cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=$(FUZZ_CC) \
+		-DLLMEM_FUZZ=ON -DLLMEM_CUDA=OFF $(CMAKE_FLAGS) >/dev/null
+	@targets=$$(cd tests/fuzz && ls fuzz-*.c | sed 's/\.c$$//'); \
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target $$targets && \
+	mkdir -p $(FUZZ_BUILD)/artifacts && \
+	for t in $$targets; do \
+		rm -rf $(FUZZ_BUILD)/corpus/$$t && mkdir -p $(FUZZ_BUILD)/corpus/$$t && \
+		cp tests/fuzz/corpus/$$t/* $(FUZZ_BUILD)/corpus/$$t/ && \
+		echo "== $$t ($(FUZZ_SECONDS) s)" && \
+		./$(FUZZ_BUILD)/tests/$$t -max_total_time=$(FUZZ_SECONDS) -max_len=8192 -timeout=10 \
+			-print_final_stats=1 -artifact_prefix=$(FUZZ_BUILD)/artifacts/$$t- \
+			$(FUZZ_BUILD)/corpus/$$t >$(FUZZ_BUILD)/$$t.log 2>&1; rc=$$?; \
+		grep -E '^(#[0-9]+.*DONE|stat::number_of_executed_units|==[0-9]+==ERROR|SUMMARY)' \
+			$(FUZZ_BUILD)/$$t.log; \
+		test $$rc -eq 0 || { echo "$$t failed: see $(FUZZ_BUILD)/$$t.log"; exit 1; }; \
+	done
+
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h' '*.cu')
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD)

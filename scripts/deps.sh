@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the Debian packages llmem needs to build and test. Idempotent: when every package is
-# already present it only checks and returns (no apt-get update, no network).
+# Installs the Debian packages llmem needs to build and test, and any named as arguments (`make
+# fuzz`: clang and its sanitizer/libFuzzer runtimes). Idempotent: when every package is already
+# present it only checks and returns (no apt-get update, no network).
 set -euo pipefail
 
 packages=(
@@ -14,6 +15,7 @@ packages=(
     libmicrohttpd-dev
     curl
 )
+packages+=("$@")
 
 missing=()
 for p in "${packages[@]}"; do

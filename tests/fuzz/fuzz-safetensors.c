@@ -4,10 +4,13 @@
  * which file the rest of the input becomes. Any crash, sanitizer report, leak or hang is a bug;
  * a clean status with one error line is the expected outcome for garbage.
  *
- * Not part of the default build. Build and run (from the repository root):
- *   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang-14 -DLLMEM_FUZZ=ON -DLLMEM_CUDA=OFF
+ * Built as a libFuzzer program with -DLLMEM_FUZZ=ON (`make fuzz`, or by hand from the repository
+ * root:
+ *   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DLLMEM_FUZZ=ON -DLLMEM_CUDA=OFF
  *   cmake --build build-fuzz --target fuzz-safetensors
- *   ./build-fuzz/tests/fuzz-safetensors -max_len=8192 -max_total_time=60
+ *   cp -r tests/fuzz/corpus/fuzz-safetensors /tmp/corpus
+ *   ./build-fuzz/tests/fuzz-safetensors -max_len=8192 -max_total_time=60 /tmp/corpus
+ * ), and in every build as a replay of tests/fuzz/corpus/fuzz-safetensors (ctest fuzz-safetensors).
  */
 #include <stdint.h>
 #include <stdio.h>

@@ -5,11 +5,13 @@
  * tokenizer inverts must come back from decode unchanged), or read it as ids to decode and stream
  * (the stream must add up to the full decode). Any crash, sanitizer report, leak or hang is a bug.
  *
- * Not part of the default build. Build and run from the repository root (the tokenizers are read
- * from tests/data):
- *   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang-14 -DLLMEM_FUZZ=ON -DLLMEM_CUDA=OFF
+ * Built as a libFuzzer program with -DLLMEM_FUZZ=ON (`make fuzz`, or by hand from the repository
+ * root:
+ *   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DLLMEM_FUZZ=ON -DLLMEM_CUDA=OFF
  *   cmake --build build-fuzz --target fuzz-tok
- *   ./build-fuzz/tests/fuzz-tok -max_len=4096 -max_total_time=60
+ *   cp -r tests/fuzz/corpus/fuzz-tok /tmp/corpus
+ *   ./build-fuzz/tests/fuzz-tok -max_len=4096 -max_total_time=60 /tmp/corpus
+ * ), and in every build as a replay of tests/fuzz/corpus/fuzz-tok (ctest fuzz-tok).
  */
 #include <stdint.h>
 #include <stdio.h>

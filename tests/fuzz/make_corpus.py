@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""tests/fuzz/make_corpus.py — writes the seed corpora of tests/fuzz/corpus/fuzz-<name> from
+tests/data and the unit tests' own inputs (tests/test-server.c's request bodies, tests/test-model.c's
+config values): valid inputs and near-valid ones, a few hundred bytes to a few kB each. Run from
+the repository root; it replaces the corpus directories it writes. New inputs that libFuzzer finds
+worth keeping (a crash's reproducer above all) may be added by hand beside these."""
+import json
+import os
+import re
+import shutil
+import struct
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DATA = os.path.join(ROOT, "tests", "data")
+OUT = os.path.join(ROOT, "tests", "fuzz", "corpus")
+
+
+def corpus(name):
+    d = os.path.join(OUT, name)
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    n = [0]
+
+    def put(label, data):
+        if isinstance(data, str):
+            data = data.encode()
+        with open(os.path.join(d, "%02d-%s" % (n[0], label)), "wb") as f:
+            f.write(data)
+        n[0] += 1
+
+    return put
+
+
+def read(path):
+    with open(os.path.join(DATA, path), "rb") as f:
+        return f.read()
+
+
+MODELS = ["tiny-llama3", "tiny-mistral-swa", "tiny-qwen2", "tiny-qwen3"]
+
+
+def with_value(config, key, raw):
+    """config.json text (bytes) with key set to raw JSON text."""
+    obj = json.loads(config)
+    obj[key] = "@@VALUE@@"
+    return json.dumps(obj, indent=2).replace('"@@VALUE@@"', raw).encode()
+
+
+def config_seeds():
+    put = corpus("fuzz-config")
+    for m in MODELS:
+        put(m, read("models/%s/config.json" % m))
+    base = read("models/tiny-llama3/config.json")
+    cases = [
+        ("hidden_size", '"256"'), ("num_hidden_layers", "0"), ("num_hidden_layers", "1e30"),
+        ("num_key_value_heads", "3"), ("head_dim", "65537"), ("model_type", '"gemma2"'),
+        ("architectures", '"LlamaForCausalLM"'), ("text_config", "[]"),
+        ("rope_scaling", '{"rope_type": "llama3", "factor": 0}'), ("rope_scaling", '{"type": 3}'),
+        ("rope_scaling", '{"type": "linear", "factor": 2.0}'),
+        ("rope_scaling", '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}'),
+        ("rope_parameters", '{"full_attention": {"rope_theta": 0}}'),
+        ("rope_parameters", '{"full_attention": {"rope_theta": 10000}, "sliding_attention": {"rope_theta": 10000}}'),
+        ("sliding_window", "0"), ("sliding_window", "64"),
+        ("layer_types", '["full_attention", "sliding_attention", "full_attention", "sliding_attention"]'),
+        ("layer_types", '["full_attention", 1]'),
+    ]
+    for key, raw in cases:
+        put("%s" % key, with_value(base, key, raw))
+    obj = json.loads(base)
+    put("text_config", json.dumps({"model_type": "llava", "text_config": obj}))
+    put("truncated", base[: len(base) // 2])
+    put("not-object", "[1, 2, 3]")
+    put("empty", "")
+
+
+def request_seeds():
+    put = corpus("fuzz-request")
+    with open(os.path.join(ROOT, "tests", "test-server.c"), encoding="utf-8") as f:
+        src = f.read()
+    lit = r'"(?:[^"\\\n]|\\.)*"'
+    seen = set()
+    for m in re.finditer(r"(SRV_COMPLETIONS|SRV_CHAT),\s*((?:%s\s*)+)" % lit, src):
+        kind = b"\x01" if m.group(1) == "SRV_CHAT" else b"\x00"
+        body = b"".join(c_string(s) for s in re.findall(lit, m.group(2)))
+        if (kind, body) not in seen:
+            seen.add((kind, body))
+            put("chat" if kind == b"\x01" else "completions", kind + body)
+    put("chat-parts", b"\x01" + json.dumps({
+        "model": "pycoder", "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": None}, {"role": "user", "content": "again"}],
+        "max_completion_tokens": 8, "temperature": 0.7, "top_p": 0.9, "seed": 1, "stop": ["\n"],
+        "logprobs": True, "top_logprobs": 3, "stream": True,
+        "stream_options": {"include_usage": True}}).encode())
+    put("completions-all", b"\x00" + json.dumps({
+        "model": "pycoder", "prompt": [[1, 2, 3]], "max_tokens": 4, "temperature": 0, "top_k": 5,
+        "min_p": 0.05, "seed": 7, "stop": "x", "logprobs": 2, "ignore_eos": True, "n": 1,
+        "stream": False}).encode())
+
+
+def c_string(s):
+    """The bytes of a C string literal (the escapes the tests use)."""
+    out, i, s = bytearray(), 0, s[1:-1]
+    while i < len(s):
+        c = s[i]
+        if c != "\\":
+            out += c.encode()
+            i += 1
+            continue
+        e = s[i + 1]
+        if e == "x":
+            j = i + 2
+            while j < len(s) and s[j] in "0123456789abcdefABCDEF":
+                j += 1
+            out.append(int(s[i + 2:j], 16) & 0xFF)
+            i = j
+            continue
+        out += {"n": b"\n", "t": b"\t", "r": b"\r", "0": b"\0", "\\": b"\\", '"': b'"'}.get(e, e.encode())
+        i += 2
+    return bytes(out)
+
+
+def safetensors(tensors):
+    header, off, blob = {}, 0, b""
+    for name, dtype, shape, nbytes in tensors:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + nbytes]}
+        off += nbytes
+        blob += bytes(nbytes)
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + blob
+
+
+def safetensors_seeds():
+    put = corpus("fuzz-safetensors")
+    put("one", b"\x00" + safetensors([("x", "F32", [2], 8)]))
+    put("several", b"\x00" + safetensors([("a.weight", "BF16", [2, 3], 12), ("b", "F16", [4], 8),
+                                          ("c", "I32", [], 4)]))
+    st = safetensors([("x", "F32", [2], 8)])
+    put("truncated", b"\x00" + st[:-4])
+    put("overlap", b"\x00" + struct.pack("<Q", 74) +
+        b'{"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "__metadata__": {}}'[:74] + bytes(8))
+    big = read("models/tiny-llama3/model.safetensors")
+    n = struct.unpack("<Q", big[:8])[0]
+    put("llama3-header", b"\x00" + big[: 8 + n])  # the data cut off: refused for its size
+    for m in MODELS[:2]:
+        put("config-" + m, b"\x01" + read("models/%s/config.json" % m))
+    put("index", b"\x02" + json.dumps({"metadata": {"total_size": 16},
+                                        "weight_map": {"x": "a.safetensors", "y": "b.safetensors"}}).encode())
+    put("index-missing", b"\x02" + json.dumps({"weight_map": {"x": "c.safetensors"}}).encode())
+    put("index-escape", b"\x02" + json.dumps({"weight_map": {"x": "../a.safetensors"}}).encode())
+
+
+def tok_seeds():
+    put = corpus("fuzz-tok")
+    texts = ["Hello, world!", "def main():\n    return 0\n", "  spaces\tand\ttabs  ",
+             "caf\u00e9 na\u00efve \u00c5ngstr\u00f6m", "\u65e5\u672c\u8a9e\u306e\u6587",
+             "emoji \U0001F600\U0001F680", "<|endoftext|>x<s>", "\u2581leading", "e\u0301 A\u030a"]
+    for which in range(5):
+        for i, t in enumerate(texts[:5] if which else texts):
+            put("encode-%d-%d" % (which, i), bytes([which]) + t.encode())
+        put("decode-%d" % which, bytes([which + 5]) + struct.pack("<12H", *range(1, 240, 20)))
+    put("invalid-utf8", b"\x00\xc3\x28\xff\xfe")
+
+
+HEADER_BYTES, OFF_CHECKSUM = 192, 168
+
+
+def chunk(n_blocks, block_size, block_bytes, key=b"\x01" * 32, parent=bytes(32), position=0,
+          tokens=None, checksum=bytes(16)):
+    """A spill chunk file (bank/spill_file.c's layout); the target makes the checksum agree."""
+    n_tokens = n_blocks * block_size
+    tokens = tokens if tokens is not None else list(range(n_tokens))
+    b = bytearray(HEADER_BYTES)
+    b[0:8] = b"LLMEMKV\0"
+    struct.pack_into("<II", b, 8, 1, HEADER_BYTES + 4 * n_tokens)
+    b[16:48] = b"\x07" * 32
+    b[48:80] = key
+    b[80:112] = parent
+    struct.pack_into("<qiiiiiii", b, 112, position, n_tokens, n_blocks, block_size, 0, 2, 2, 8)
+    struct.pack_into("<qq", b, 152, block_bytes, n_blocks * block_bytes)
+    b[OFF_CHECKSUM:OFF_CHECKSUM + 16] = checksum
+    return bytes(b) + struct.pack("<%di" % len(tokens), *tokens) + bytes(n_blocks * block_bytes)
+
+
+def spill_seeds():
+    put = corpus("fuzz-spill")
+    put("one-block", chunk(1, 4, 32))
+    put("two-blocks", chunk(2, 16, 64, position=32, parent=b"\x02" * 32))
+    put("sixteen-blocks", chunk(16, 2, 8))
+    good = chunk(2, 4, 16)
+    put("truncated", good[:-1])
+    put("extended", good + b"\0")
+    put("header-only", good[:HEADER_BYTES])
+    put("short", good[:100])
+    put("bad-magic", b"LLMEMKX" + good[7:])
+    put("bad-version", good[:8] + b"\x02" + good[9:])
+    put("too-many-blocks", chunk(17, 1, 8))
+    put("bad-tokens-bytes", good[:12] + b"\xff\xff\xff\xff" + good[16:])
+    put("negative-position", chunk(1, 4, 32, position=-1))
+    put("zero-blocks", chunk(0, 4, 32))
+    put("checksum-set", chunk(1, 4, 32, checksum=b"\xab" * 16))
+
+
+if __name__ == "__main__":
+    config_seeds()
+    request_seeds()
+    safetensors_seeds()
+    tok_seeds()
+    spill_seeds()
