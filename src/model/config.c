@@ -326,8 +326,10 @@ static void config_rope_values(const struct config *c, struct llmem_model_config
         cfg->rope_low_freq_factor = v->valuedouble;
     if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(scaling, "high_freq_factor")))
         cfg->rope_high_freq_factor = v->valuedouble;
+    /* Out of [1, MAX_CONTEXT] (where it would not even convert) it is ignored, as a non-number. */
     if (cJSON_IsNumber(
-            v = cJSON_GetObjectItemCaseSensitive(scaling, "original_max_position_embeddings")))
+            v = cJSON_GetObjectItemCaseSensitive(scaling, "original_max_position_embeddings")) &&
+        v->valuedouble >= 1 && v->valuedouble <= (double)MAX_CONTEXT)
         cfg->rope_original_max_context = (int64_t)v->valuedouble;
 }
 

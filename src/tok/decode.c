@@ -344,10 +344,15 @@ static int in_byte_run(const struct llmem_detok *d) {
     return byte_token(t->p, t->n) >= 0;
 }
 
+/* The window's ids (NULL before the first id: no offset on a null pointer). */
+static const int32_t *window(const struct llmem_detok *d) {
+    return d->ids != NULL ? d->ids + d->prefix : NULL;
+}
+
 /* Writes the text past the window's written part; at_end: also what is incomplete. */
 static int detok_step(struct llmem_detok *d, int at_end, char **piece, const char *func) {
     struct tok_buf text = {0};
-    int status = decode_into(d->tok, d->ids + d->prefix, (int64_t)(d->n - d->prefix), 0, &text);
+    int status = decode_into(d->tok, window(d), (int64_t)(d->n - d->prefix), 0, &text);
     struct tok_buf outp = {0};
     if (status == LLMEM_OK)
         status = llmem_tok_buf_reserve(&outp, 0);
@@ -366,8 +371,7 @@ static int detok_step(struct llmem_detok *d, int at_end, char **piece, const cha
             struct tok_buf pre = {0};
             d->prefix = d->read;
             d->read = d->n;
-            status =
-                decode_into(d->tok, d->ids + d->prefix, (int64_t)(d->read - d->prefix), 0, &pre);
+            status = decode_into(d->tok, window(d), (int64_t)(d->read - d->prefix), 0, &pre);
             d->prefix_len = pre.n;
             d->prefix_last = pre.n > 0 ? pre.p[pre.n - 1] : 0;
             llmem_tok_buf_free(&pre);

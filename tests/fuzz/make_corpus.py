@@ -58,6 +58,7 @@ def config_seeds():
         ("rope_scaling", '{"rope_type": "llama3", "factor": 0}'), ("rope_scaling", '{"type": 3}'),
         ("rope_scaling", '{"type": "linear", "factor": 2.0}'),
         ("rope_scaling", '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}'),
+        ("rope_scaling", '{"rope_type": "llama3", "original_max_position_embeddings": 2.9e31}'),
         ("rope_parameters", '{"full_attention": {"rope_theta": 0}}'),
         ("rope_parameters", '{"full_attention": {"rope_theta": 10000}, "sliding_attention": {"rope_theta": 10000}}'),
         ("sliding_window", "0"), ("sliding_window", "64"),
@@ -161,6 +162,7 @@ def tok_seeds():
             put("encode-%d-%d" % (which, i), bytes([which]) + t.encode())
         put("decode-%d" % which, bytes([which + 5]) + struct.pack("<12H", *range(1, 240, 20)))
     put("invalid-utf8", b"\x00\xc3\x28\xff\xfe")
+    put("decode-nothing", b"\x05")  # a stream finished before its first id
 
 
 HEADER_BYTES, OFF_CHECKSUM = 192, 168
