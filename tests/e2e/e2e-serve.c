@@ -6,9 +6,11 @@
  * bank hits for a shared system prompt, the cache clear, /health and /metrics, bad requests (each
  * a 4xx with an OpenAI error object, the server serving on), the API key, a full queue (503),
  * --util against `llmem plan`, and a burst of long requests on a small memory budget (each
- * completes or gets 507; the allocator's peak stays under its limit).
+ * completes or gets 507; the allocator's peak stays under its limit), and each allocation a
+ * request reaches failing in turn (a 200 with the greedy text or a clean 5xx; it serves on).
  */
 #include <arpa/inet.h>
+#include <inttypes.h>
 #include <math.h>
 #include <netinet/in.h>
 #include <stdio.h>
@@ -23,6 +25,7 @@
 #include "core/json.h"
 #include "engine/hooks.h"
 #include "llmem/engine.h"
+#include "llmem/mem.h"
 #include "llmem/server.h"
 #include "llmem/tokenizer.h"
 #include "testutil.h"
@@ -1178,6 +1181,203 @@ static void test_library_507_and_stop(void **state) {
     llmem_engine_close(e);
 }
 
+/* ---- out of memory everywhere ---------------------------------------------------------------- */
+
+#define OOM_TOKENS 8
+
+static void quiet(enum llmem_log_level level, const char *line, void *user) {
+    (void)level, (void)line, (void)user;
+}
+
+/* The request of the sweep: greedy, a prompt of some length and logprobs, so that it meets the
+ * engine's scratch, KV and sampling allocations. */
+static void oom_body(char *buf, size_t size, int stream) {
+    snprintf(
+        buf, size,
+        "{\"prompt\": \"import os\\nimport sys\\n\\n\\ndef read_lines(path):\\n    with "
+        "open(path) as f:\\n        return [line.rstrip() for line in f]\\n\\n\\ndef "
+        "main():\\n    for path in sys.argv[1:]:\\n\", \"max_tokens\": %d, \"temperature\": 0, "
+        "\"ignore_eos\": true, \"logprobs\": 2, \"stream\": %s}",
+        OOM_TOKENS, stream ? "true" : "false");
+}
+
+struct oom_tally {
+    int ok, stream_error, http_5xx, http_507;
+};
+
+/* An OpenAI error object (as a body, or as the last event of a stream) with a type and a
+ * message. */
+static void assert_error_object(const cJSON *root) {
+    const cJSON *err = cJSON_GetObjectItem(root, "error");
+    assert_true(cJSON_IsObject(err));
+    assert_true(cJSON_IsString(cJSON_GetObjectItem(err, "type")));
+    assert_true(cJSON_IsString(cJSON_GetObjectItem(err, "message")));
+    assert_true(strlen(cJSON_GetObjectItem(err, "message")->valuestring) > 0);
+}
+
+/* One greedy request's answer with a fault armed: a 200 with the whole greedy text (or, streaming,
+ * an SSE body that ends in an error event and [DONE]), or a 5xx with an OpenAI error object. */
+static void oom_request(const struct tu_server *s, int stream, const char *want,
+                        struct oom_tally *t) {
+    char body[1024];
+    oom_body(body, sizeof(body), stream);
+    struct tu_http h = post(s, "/v1/completions", body);
+    if (h.status != 200) {
+        if (h.status < 500)
+            fail_msg("HTTP %d under a fault:\n%s", h.status, h.body);
+        cJSON *root = tu_http_json(&h);
+        assert_error_object(root);
+        cJSON_Delete(root);
+        if (h.status == 507)
+            t->http_507++;
+        else
+            t->http_5xx++;
+    } else if (!stream) {
+        cJSON *root = tu_http_json(&h);
+        const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0);
+        assert_string_equal(cJSON_GetObjectItem(c, "text")->valuestring, want);
+        assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "length");
+        assert_int_equal(
+            cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "completion_tokens")->valueint,
+            OOM_TOKENS);
+        cJSON_Delete(root);
+        t->ok++;
+    } else {
+        assert_non_null(strstr(h.headers, "text/event-stream"));
+        cJSON *ev[64];
+        int n = sse_events(h.body, ev, 64);
+        assert_true(n >= 1);
+        if (cJSON_GetObjectItem(ev[n - 1], "error") != NULL) {
+            assert_error_object(ev[n - 1]);
+            for (int i = 0; i < n - 1; i++) /* the chunks before it are chunks */
+                assert_non_null(cJSON_GetObjectItem(ev[i], "choices"));
+            t->stream_error++;
+        } else {
+            char text[1024] = "";
+            for (int i = 0; i < n - 1; i++) {
+                const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(ev[i], "choices"), 0);
+                strncat(text, cJSON_GetObjectItem(c, "text")->valuestring,
+                        sizeof(text) - strlen(text) - 1);
+            }
+            assert_string_equal(text, want);
+            const cJSON *last = cJSON_GetArrayItem(cJSON_GetObjectItem(ev[n - 1], "choices"), 0);
+            assert_string_equal(cJSON_GetObjectItem(last, "finish_reason")->valuestring, "length");
+            t->ok++;
+        }
+        for (int i = 0; i < n; i++)
+            cJSON_Delete(ev[i]);
+    }
+    tu_http_free(&h);
+}
+
+/* The greedy text of the request above, with no fault armed (malloc'ed). */
+static char *oom_text(const struct tu_server *s) {
+    char body[1024];
+    oom_body(body, sizeof(body), 0);
+    struct tu_http h = post(s, "/v1/completions", body);
+    assert_int_equal(h.status, 200);
+    cJSON *root = tu_http_json(&h);
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0);
+    char *text = strdup(cJSON_GetObjectItem(c, "text")->valuestring);
+    cJSON_Delete(root);
+    tu_http_free(&h);
+    return text;
+}
+
+/* A fresh engine (its guard reading no pressure) and a server over it, on a free port. */
+static void oom_open(struct llmem_engine **e, struct llmem_server **s, struct tu_server *view) {
+    struct llmem_engine_config ec;
+    llmem_engine_config_default(&ec);
+    ec.model_dir = PYCODER;
+    ec.max_sequences = 4;
+    ec.n_threads = 2;
+    struct llmem_engine_hooks hooks = {.guard_source = fake_guard};
+    assert_int_equal(llmem_engine_open_hooked(&ec, &hooks, NULL, NULL, e), LLMEM_OK);
+    struct llmem_server_config sc;
+    llmem_server_config_default(&sc);
+    sc.port = 0;
+    sc.model_name = "pycoder";
+    assert_int_equal(llmem_server_start(*e, &sc, s), LLMEM_OK);
+    memset(view, 0, sizeof(*view));
+    snprintf(view->url, sizeof(view->url), "%s", llmem_server_url(*s));
+}
+
+/* On a fresh engine and server (so that the request makes the allocations a warm engine has
+ * cached: its scratch buffers, its KV blocks, the allocator's bookkeeping), arms the n-th
+ * allocation from now to fail, sends one request and disarms; then the server serves the same
+ * greedy text as without a fault, and stopping and closing free everything. 1 when the fault
+ * did not fire during the request (every allocation it makes comes before the n-th). */
+static int oom_probe(int64_t n, int stream, const char *want, struct oom_tally *t) {
+    struct llmem_engine *e = NULL;
+    struct llmem_server *s = NULL;
+    struct tu_server view;
+    oom_open(&e, &s, &view);
+    llmem_mem_fault_inject(n);
+    oom_request(&view, stream, want, t);
+    int pending = llmem_mem_fault_pending();
+    llmem_mem_fault_inject(0);
+    char *again = oom_text(&view);
+    assert_string_equal(again, want);
+    free(again);
+    llmem_server_stop(s);
+    llmem_engine_close(e);
+    return pending;
+}
+
+/* The n-th allocation (in any allocator of the process) failing during a completion request on
+ * an in-process engine and server, for every n the request reaches, gives a 200 with the greedy
+ * text or a clean 5xx/507 with an OpenAI error object (never a hang, a crash or a broken
+ * response), and the server serves on unchanged (the sanitizer build checks that nothing leaks).
+ * A warm engine serves a request from buffers it has cached, so each probe runs on a fresh one.
+ * The allocator absorbs a refused raw allocation by releasing its cache and retrying, so a 200
+ * is the usual answer; a refusal it cannot absorb must still be a clean error. */
+static void test_out_of_memory_everywhere(void **state) {
+    (void)state;
+    struct llmem_engine *e = NULL;
+    struct llmem_server *s = NULL;
+    struct tu_server view;
+    oom_open(&e, &s, &view);
+    char *want = oom_text(&view);
+    llmem_server_stop(s);
+    llmem_engine_close(e);
+    llmem_log_set_callback(quiet, NULL, LLMEM_LOG_ERROR);
+
+    /* How many allocations one request reaches: the smallest n whose fault stays pending, found
+     * by doubling and then bisecting (each probe a checked request of its own). */
+    struct oom_tally t = {0};
+    int64_t lo = 0, hi = 1; /* n = lo fires (0: none tried), n = hi stays pending */
+    while (!oom_probe(hi, 0, want, &t)) {
+        lo = hi;
+        hi *= 2;
+        assert_true(hi < (1 << 20));
+    }
+    while (hi - lo > 1) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (oom_probe(mid, 0, want, &t))
+            hi = mid;
+        else
+            lo = mid;
+    }
+    assert_true(hi > 1); /* the request does reach the allocators */
+    /* The sweep: every n up to there, or (a request reaching more than a few hundred allocations)
+     * about 200 of them with a stride; every other one streaming as well. It ends at the first n
+     * whose fault the request no longer reaches. */
+    int64_t stride = hi / 200 + 1, swept = 0;
+    for (int64_t n = 1;; n += stride) {
+        int pending = oom_probe(n, 0, want, &t);
+        if (swept++ % 2 == 0)
+            pending &= oom_probe(n, 1, want, &t);
+        if (pending)
+            break;
+        assert_true(n < 4 * hi);
+    }
+    llmem_log_set_callback(NULL, NULL, LLMEM_LOG_WARN);
+    printf("  one request reaches %" PRId64 " allocations; %" PRId64 " values of n (stride %" PRId64
+           "): %d ok, %d streams ending in an error, %d 507, %d other 5xx\n",
+           hi - 1, swept, stride, t.ok, t.stream_error, t.http_507, t.http_5xx);
+    free(want);
+}
+
 int main(void) {
     const struct CMUnitTest shared[] = {
         cmocka_unit_test(test_completions_match_run),
@@ -1194,9 +1394,12 @@ int main(void) {
         cmocka_unit_test(test_cache_clear),
     };
     const struct CMUnitTest own[] = {
-        cmocka_unit_test(test_api_key_and_no_template), cmocka_unit_test(test_queue_full),
-        cmocka_unit_test(test_util_matches_plan),       cmocka_unit_test(test_memory_burst),
+        cmocka_unit_test(test_api_key_and_no_template),
+        cmocka_unit_test(test_queue_full),
+        cmocka_unit_test(test_util_matches_plan),
+        cmocka_unit_test(test_memory_burst),
         cmocka_unit_test(test_library_507_and_stop),
+        cmocka_unit_test(test_out_of_memory_everywhere),
     };
     int failed =
         cmocka_run_group_tests_name("e2e-serve (one server)", shared, group_setup, group_teardown);
