@@ -865,6 +865,7 @@ static void test_bank_within_dynamic_ceiling(void **state) {
     c.model_dir = PYCODER;
     c.n_threads = 2;
     c.budget_bytes = 26 << 20;
+    c.runtime_baseline_bytes = 0; /* the 26 MiB machine is pretended: not this process */
     c.context = 768;
     c.max_sequences = 2;
     c.max_batch_tokens = 64;
@@ -1021,7 +1022,8 @@ static void test_refused_before_loading(void **state) {
     struct llmem_engine_config c;
     llmem_engine_config_default(&c);
     c.model_dir = PYCODER;
-    c.budget_bytes = 8 << 20; /* 8 MiB: less than the weights */
+    c.budget_bytes = 8 << 20;     /* 8 MiB: less than the weights */
+    c.runtime_baseline_bytes = 0; /* the machine is pretended: not this process */
     struct llmem_engine *e = NULL;
     assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_ENOMEM);
     assert_null(e);

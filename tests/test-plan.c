@@ -12,6 +12,7 @@
 #include "testutil.h"
 
 #define GiB         LLMEM_GIB
+#define MiB         LLMEM_MIB
 #define REF_WEIGHTS 21313949792LL
 
 static struct llmem_plan_params ref_params(int64_t total) {
@@ -40,8 +41,8 @@ static int has_note(const struct llmem_plan *plan, const char *phrase) {
 static void assert_steady_state_fits(const struct llmem_plan *p) {
     if (!p->available || !p->model_fits || p->overcommitted)
         return;
-    assert_true(p->weights_bytes + p->runtime_transients_bytes + p->bank_steady_bytes +
-                    p->kv_reserve_bytes <=
+    assert_true(p->weights_bytes + p->runtime_baseline_bytes + p->runtime_transients_bytes +
+                    p->bank_steady_bytes + p->kv_reserve_bytes <=
                 p->usable_bytes);
     assert_true(p->context_window_resolved <= p->context_raw);
 }
@@ -549,6 +550,44 @@ static void test_bank_dynamic_ceiling(void **state) {
     assert_int_equal(llmem_plan_bank_dynamic_ceiling(&p, 0, 0), 48 * GiB);
 }
 
+/* The runtime baseline (what the process holds outside the allocator) is a commitment: it comes
+ * off what KV and the bank get, byte for byte, enters the footprint, and the allocator's limit is
+ * the process's allocation limit less it; 0 leaves SPEC §2.4's numbers as they are. */
+static void test_runtime_baseline(void **state) {
+    (void)state;
+    struct llmem_plan_params params = ref_params(48 * GiB);
+    struct llmem_plan base = compute(&params);
+    assert_int_equal(base.runtime_baseline_bytes, 0);
+    assert_int_equal(base.allocator_limit_bytes, base.allocation_limit_bytes);
+    const int64_t b = 512 * MiB;
+    params.runtime_baseline_bytes = b;
+    struct llmem_plan p = compute(&params);
+    assert_int_equal(p.runtime_baseline_bytes, b);
+    assert_int_equal(p.usable_bytes, base.usable_bytes);
+    assert_int_equal(p.kv_budget_bytes, base.kv_budget_bytes - b);
+    assert_int_equal(p.bank_idle_max_bytes, base.bank_idle_max_bytes - b);
+    assert_int_equal(p.footprint_bytes - p.kv_reserve_bytes,
+                     base.footprint_bytes - base.kv_reserve_bytes + b);
+    assert_int_equal(p.allocation_limit_bytes, base.allocation_limit_bytes);
+    assert_int_equal(p.allocator_limit_bytes, p.allocation_limit_bytes - b);
+    assert_int_equal(llmem_plan_bank_dynamic_ceiling(&p, 0, 0), p.bank_idle_max_bytes);
+    assert_int_equal(llmem_plan_bank_dynamic_ceiling(&p, 4 * GiB, 0),
+                     llmem_plan_bank_dynamic_ceiling(&base, 4 * GiB, 0) - b);
+    assert_steady_state_fits(&p);
+
+    /* a baseline the budget cannot hold: the model does not fit, and the note says how much of
+     * the need is the baseline */
+    params = ref_params(48 * GiB);
+    params.memory_budget_bytes = 24 * GiB;
+    params.runtime_baseline_bytes = 3 * GiB;
+    p = compute(&params);
+    assert_false(p.model_fits);
+    assert_true(has_note(&p, "of it the runtime baseline"));
+    assert_true(llmem_plan_limits_check(&p, NULL, 0) & LLMEM_PLAN_BREAKS_FOOTPRINT);
+    params.runtime_baseline_bytes = -1;
+    assert_int_equal(llmem_plan_compute(&params, &p), LLMEM_EINVAL);
+}
+
 static void test_transient_reserve(void **state) {
     (void)state;
     int64_t floor = 3 * GiB, play = 100 * GiB;
@@ -654,6 +693,7 @@ int main(void) {
         cmocka_unit_test(test_model_does_not_fit),
         cmocka_unit_test(test_kv_format_bytes),
         cmocka_unit_test(test_bank_dynamic_ceiling),
+        cmocka_unit_test(test_runtime_baseline),
         cmocka_unit_test(test_transient_reserve),
         cmocka_unit_test(test_catalog),
         cmocka_unit_test(test_workspace),

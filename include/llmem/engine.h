@@ -62,7 +62,15 @@ struct llmem_engine_config {
     enum llmem_backend_kind backend;        /* --backend: cpu, or cuda (the whole pass on a GPU) */
     int device;                             /* --device: the CUDA device */
     enum llmem_backend_precision precision; /* --precision (cuda): fast or f32 */
+    /* the plan's runtime baseline (SPEC §2.2: what the process holds outside the allocator):
+     * LLMEM_ENGINE_BASELINE_MEASURE (the default) measures it at open, ≥ 0 takes it as given
+     * (a test that pretends a smaller machine than its own process) */
+    int64_t runtime_baseline_bytes;
+    /* what the program around the engine holds outside the allocator at most, beyond what the
+     * engine measures at open (llmem serve: its HTTP buffers); added to the baseline */
+    int64_t runtime_reserve_bytes;
 };
+#define LLMEM_ENGINE_BASELINE_MEASURE (-1)
 LLMEM_API void llmem_engine_config_default(struct llmem_engine_config *c);
 /* What llmem_engine_open plans with, for a model of geometry g under configuration c on a machine
  * of total_bytes (ceiling_bytes: its hard ceiling, SPEC §1), the CPU backend on `threads`
@@ -73,6 +81,12 @@ LLMEM_API void llmem_engine_plan_params(const struct llmem_engine_config *c,
                                         const struct llmem_model_geometry *g, int64_t total_bytes,
                                         int64_t ceiling_bytes, int threads,
                                         struct llmem_plan_params *out);
+/* The runtime baseline of SPEC §2.2 (what the process holds outside the allocator) for an engine
+ * of configuration c on `threads` threads: c's runtime_baseline_bytes when given, else measured
+ * now (call it with the configuration and tokenizer loaded and no weights): the resident memory,
+ * the code that the first steps still page in and the worker threads' stacks; plus c's
+ * runtime_reserve_bytes. */
+LLMEM_API int64_t llmem_engine_runtime_baseline(const struct llmem_engine_config *c, int threads);
 
 struct llmem_engine;
 

@@ -140,6 +140,9 @@ struct llmem_plan_params {
     int64_t max_sequences;            /* 0: 1 */
     int64_t max_batch_tokens;         /* 0: 512 */
     int64_t computed_workspace_bytes; /* from llmem_geometry_workspace_bytes; 0 without geometry */
+    /* what the process holds outside the allocator (code, libraries, tokenizer, thread stacks,
+     * parse and HTTP buffers), measured at start (llmem_engine_runtime_baseline); 0: none */
+    int64_t runtime_baseline_bytes;
 };
 
 #define LLMEM_PLAN_MAX_NOTES 12
@@ -168,6 +171,7 @@ struct llmem_plan {
     int64_t per_token_bytes; /* kv_eff + aux + prefill_transient */
     int64_t computed_workspace_bytes;
     int64_t runtime_transients_bytes;
+    int64_t runtime_baseline_bytes; /* committed outside the allocator */
     int64_t bank_floor_bytes;
     int64_t bank_cap_bytes;
 
@@ -194,11 +198,12 @@ struct llmem_plan {
 
     /* limits and the util band (§3.1); with a budget, "ceiling" and "total" below mean
      * min(ceiling, budget) and min(total, budget): the budget simulates a smaller machine */
-    double util;           /* the applied fraction: usable / ceiling */
-    double util_requested; /* --util as given; 0 when none */
-    int64_t allocation_limit_bytes;
+    double util;                    /* the applied fraction: usable / ceiling */
+    double util_requested;          /* --util as given; 0 when none */
+    int64_t allocation_limit_bytes; /* the process's: util × ceiling */
+    int64_t allocator_limit_bytes;  /* the allocator's share: allocation limit − baseline */
     int64_t trip_bytes;
-    int64_t footprint_bytes; /* weights + transients + kv_reserve + bank_floor */
+    int64_t footprint_bytes; /* weights + baseline + transients + kv_reserve + bank_floor */
     double band_low;         /* footprint / ceiling */
     double band_high;        /* ceiling / total − 0.05 */
     int band_empty;
@@ -218,8 +223,9 @@ LLMEM_API int llmem_plan_compute(const struct llmem_plan_params *params, struct 
 LLMEM_API char *llmem_plan_describe(const struct llmem_plan *plan, char *buf, size_t buf_size);
 
 /* The bank's byte budget at a live KV working set (§2.3):
- * max(bank_floor, min(bank_idle_max, usable − weights − max(transients, observed_reserve)
- *                                    − max(0, working_set))); bank_cap for an unavailable plan. */
+ * max(bank_floor, min(bank_idle_max, usable − weights − baseline − max(transients,
+ *                                    observed_reserve) − max(0, working_set)));
+ * bank_cap for an unavailable plan. */
 LLMEM_API int64_t llmem_plan_bank_dynamic_ceiling(const struct llmem_plan *plan,
                                                   int64_t working_set_bytes,
                                                   int64_t observed_reserve_bytes);

@@ -45,6 +45,16 @@ struct llmem_server_config {
 };
 LLMEM_API void llmem_server_config_default(struct llmem_server_config *c);
 
+/* Request bodies the server holds at once, in bytes of the largest body: a body arriving beyond
+ * that gets a 503 with Retry-After, so that what the server holds stays within its reserve. */
+#define LLMEM_SERVER_BODIES_IN_FLIGHT 2
+/* What a server of this configuration holds outside the engine's allocator at most, for the
+ * engine's runtime baseline (llmem_engine_config.runtime_reserve_bytes): the bodies in flight
+ * three times over (as received, parsed, and as the prompt they render) and the stacks of the
+ * connection threads that work at once (one per running sequence and a few more). */
+LLMEM_API int64_t llmem_server_runtime_reserve(const struct llmem_server_config *c,
+                                               int64_t max_sequences);
+
 struct llmem_server;
 
 /* Checks a configuration without binding anything: the model name, the port's range, that the

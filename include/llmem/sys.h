@@ -152,6 +152,15 @@ LLMEM_API void llmem_sys_pressure_read(struct llmem_sys_pressure *p);
 /* The same below `root` (a directory prefix without a trailing '/'), for tests. */
 LLMEM_API void llmem_sys_pressure_read_at(const char *root, struct llmem_sys_pressure *p);
 
+/* This process's resident memory now and at its peak (VmRSS and VmHWM of /proc/self/status:
+ * anonymous and file-backed pages, mapped weights included); LLMEM_SYS_UNKNOWN when unreadable. */
+struct llmem_sys_resident {
+    int64_t current_bytes;
+    int64_t peak_bytes;
+};
+LLMEM_API void llmem_sys_resident_read(struct llmem_sys_resident *r);
+LLMEM_API void llmem_sys_resident_read_at(const char *root, struct llmem_sys_resident *r);
+
 /* ---------------------------------------------------------------------------------------------
  * Disk space
  * ------------------------------------------------------------------------------------------- */

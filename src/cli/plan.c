@@ -20,6 +20,7 @@
 #include "llmem/plan.h"
 #include "llmem/size.h"
 #include "llmem/sys.h"
+#include "llmem/tokenizer.h"
 #include "plan/plan_json.h"
 
 static const char plan_usage[] =
@@ -50,6 +51,9 @@ static const char plan_usage[] =
     "  --max-batch-tokens N       most tokens in one forward step (default: as llmem run,\n"
     "                             512; with --backend cuda up to 8192 within the plan)\n"
     "  --working-set SIZE         also report the bank's dynamic ceiling at this live KV\n"
+    "  --baseline SIZE            what the process holds outside the allocator (default: on\n"
+    "                             this host measured as llmem run would, with the model's\n"
+    "                             tokenizer loaded; 0 with --total or --backend cuda)\n"
     "output:\n"
     "  --json                     one JSON object on stdout\n"
     "  --svg FILE                 a picture of the envelope\n"
@@ -73,6 +77,7 @@ enum {
     OPT_MAX_SEQUENCES,
     OPT_MAX_BATCH_TOKENS,
     OPT_WORKING_SET,
+    OPT_BASELINE,
     OPT_BACKEND,
     OPT_DEVICE,
     OPT_JSON,
@@ -95,6 +100,7 @@ static const struct option plan_options[] = {
     {"max-sequences", required_argument, NULL, OPT_MAX_SEQUENCES},
     {"max-batch-tokens", required_argument, NULL, OPT_MAX_BATCH_TOKENS},
     {"working-set", required_argument, NULL, OPT_WORKING_SET},
+    {"baseline", required_argument, NULL, OPT_BASELINE},
     {"backend", required_argument, NULL, OPT_BACKEND},
     {"device", required_argument, NULL, OPT_DEVICE},
     {"json", no_argument, NULL, OPT_JSON},
@@ -108,7 +114,7 @@ struct plan_args {
     struct llmem_plan_params params;
     const char *model;
     int64_t total, ceiling, weights, kv_bytes, max_context, working_set;
-    int have_working_set;
+    int have_working_set, have_baseline;
     int64_t device;
     int json, list;
     const char *svg;
@@ -159,6 +165,10 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
         case OPT_WORKING_SET:
             rc = cli_parse_size("--working-set", optarg, &a->working_set);
             a->have_working_set = 1;
+            break;
+        case OPT_BASELINE:
+            rc = cli_parse_size("--baseline", optarg, &a->params.runtime_baseline_bytes);
+            a->have_baseline = 1;
             break;
         case OPT_BACKEND:
             if (strcmp(optarg, "cpu") == 0)
@@ -310,6 +320,19 @@ static int resolve_model(const char *name, struct llmem_model_geometry *g) {
     return CLI_OK;
 }
 
+/* What llmem run would hold outside its allocator (SPEC §2.2): this process's resident memory
+ * with the model's tokenizer loaded, as the engine measures it at open. */
+static int64_t measured_baseline(const struct plan_args *a, const struct llmem_engine_config *cfg,
+                                 int threads) {
+    struct llmem_tokenizer *tok = NULL;
+    struct stat st;
+    if (a->model != NULL && stat(a->model, &st) == 0 && S_ISDIR(st.st_mode))
+        llmem_tokenizer_load(a->model, &tok); /* a model without one is refused by run anyway */
+    int64_t bytes = llmem_engine_runtime_baseline(cfg, threads);
+    llmem_tokenizer_free(tok);
+    return bytes;
+}
+
 /* ---- output --------------------------------------------------------------------------------- */
 
 static void row(const char *name, int64_t bytes, const char *why) {
@@ -344,6 +367,10 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
     snprintf(line, sizeof(line), "committed: max(workspace %s, min(3G, usable/8))",
              llmem_size_format(p->computed_workspace_bytes, s1, sizeof(s1)));
     row("runtime transients", p->runtime_transients_bytes, line);
+    row("runtime baseline", p->runtime_baseline_bytes,
+        p->runtime_baseline_bytes > 0
+            ? "committed: outside the allocator (code, tokenizer, threads, buffers)"
+            : "committed: none given (--baseline SIZE)");
     row("session bank, steady", p->bank_steady_bytes, "cache: beside one full window");
     row("session bank, idle", p->bank_idle_max_bytes, "cache: when no long context is live");
     row("bank floor", p->bank_floor_bytes, "the bank never yields below this");
@@ -409,12 +436,15 @@ int cli_plan(int argc, char **argv) {
             m.ceiling = a.ceiling;
     }
 
+    struct llmem_engine_config cfg;
+    llmem_engine_config_default(&cfg);
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int threads = cpus > 0 ? (int)cpus : 1;
+    const int64_t baseline = a.params.runtime_baseline_bytes;
     if (g != NULL) {
         /* what llmem run allocates with these settings: the forward pass's buffers, the
          * backend's scratch (on a host for the online CPUs, llmem run's default thread count)
          * and its prefill chunk */
-        struct llmem_engine_config cfg;
-        llmem_engine_config_default(&cfg);
         cfg.kv_format = a.params.kv_format;
         cfg.context = a.params.requested_context;
         cfg.budget_bytes = a.params.memory_budget_bytes;
@@ -424,8 +454,7 @@ int cli_plan(int argc, char **argv) {
             cfg.max_sequences = a.params.max_sequences;
         cfg.max_batch_tokens = a.params.max_batch_tokens;
         cfg.backend = a.params.target == LLMEM_PLAN_CUDA ? LLMEM_BACKEND_CUDA : LLMEM_BACKEND_CPU;
-        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-        llmem_engine_plan_params(&cfg, g, m.total, m.ceiling, cpus > 0 ? (int)cpus : 1, &a.params);
+        llmem_engine_plan_params(&cfg, g, m.total, m.ceiling, threads, &a.params);
     } else {
         a.params.weights_bytes = a.weights;
         a.params.kv_bytes_per_token = a.kv_bytes;
@@ -433,6 +462,12 @@ int cli_plan(int argc, char **argv) {
         a.params.total_bytes = m.total;
         a.params.ceiling_bytes = m.ceiling;
     }
+    if (a.have_baseline)
+        a.params.runtime_baseline_bytes = baseline;
+    else
+        a.params.runtime_baseline_bytes = a.total > 0 || a.params.target == LLMEM_PLAN_CUDA
+                                              ? 0
+                                              : measured_baseline(&a, &cfg, threads);
 
     struct llmem_plan plan;
     if (llmem_plan_compute(&a.params, &plan) != LLMEM_OK)

@@ -95,6 +95,7 @@ int cli_plan_svg(const struct llmem_plan *p, const char *path) {
     }
     const struct segment segs[] = {
         {"weights", p->weights_bytes, "#4e79a7"},
+        {"runtime baseline", p->runtime_baseline_bytes, "#9c755f"},
         {"KV reserve", p->kv_reserve_bytes, "#f28e2b"},
         {"transients", p->runtime_transients_bytes, "#b07aa1"},
         {"session bank", p->bank_steady_bytes, "#59a14f"},

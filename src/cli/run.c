@@ -22,6 +22,7 @@
 #include "engine/stats_json.h"
 #include "llmem/engine.h"
 #include "llmem/size.h"
+#include "llmem/sys.h"
 #include "llmem/tokenizer.h"
 #include "tok/tok_int.h"
 
@@ -192,6 +193,8 @@ static cJSON *memory_json(struct llmem_engine *e) {
     const struct llmem_plan *p = llmem_engine_plan(e);
     struct llmem_mem_stats st;
     llmem_mem_stats(llmem_engine_mem(e), &st);
+    struct llmem_sys_resident rss;
+    llmem_sys_resident_read(&rss);
     cJSON *m = cJSON_CreateObject();
     struct {
         const char *name;
@@ -211,7 +214,10 @@ static cJSON *memory_json(struct llmem_engine *e) {
     bad = bad || llmem_json_add_int(m, "computed_workspace_bytes", p->computed_workspace_bytes) ||
           llmem_json_add_int(m, "active_bytes", st.active_bytes) ||
           llmem_json_add_int(m, "peak_bytes", st.peak_bytes) ||
-          llmem_json_add_int(m, "memory_limit_bytes", st.memory_limit_bytes);
+          llmem_json_add_int(m, "memory_limit_bytes", st.memory_limit_bytes) ||
+          llmem_json_add_int(m, "runtime_baseline_bytes", p->runtime_baseline_bytes) ||
+          llmem_json_add_int(m, "resident_peak_bytes", rss.peak_bytes) ||
+          llmem_json_add_int(m, "trip_bytes", p->trip_bytes);
     if (bad) {
         cJSON_Delete(m);
         return NULL;
@@ -234,18 +240,26 @@ static void print_stats(struct llmem_engine *e, const struct llmem_generate_resu
     llmem_mem_stats(llmem_engine_mem(e), &st);
     struct llmem_engine_bank_stats bs;
     bank_stats(e, &bs);
-    char a[32], pk[32], c[32], kv[32], bb[32], sw[32], sr[32], sb[32];
+    struct llmem_sys_resident rss;
+    llmem_sys_resident_read(&rss);
+    const struct llmem_plan *plan = llmem_engine_plan(e);
+    char a[32], pk[32], c[32], kv[32], bb[32], sw[32], sr[32], sb[32], rp[32], bl[32], tr[32];
     fprintf(stderr,
             "\nllmem stats: prompt %" PRId64 " tokens (%" PRId64 " from the session bank: %" PRId64
             " from RAM, %" PRId64 " from disk), prefill %.1f tok/s, ttft %.1f ms; "
             "generated %" PRId64 " tokens, decode %.1f tok/s (%s)\n"
-            "llmem memory: active %s, peak %s, cache %s, KV peak %s\n",
+            "llmem memory: active %s, peak %s, cache %s, KV peak %s; resident peak %s"
+            " (baseline %s, trip %s)\n",
             r->prompt_tokens, r->reused_tokens, r->reused_ram_tokens, r->reused_disk_tokens,
             prefill, r->ttft_ms, r->n_ids, decode, r->finish_reason,
             llmem_size_format_short(st.active_bytes, a, sizeof(a)),
             llmem_size_format_short(st.peak_bytes, pk, sizeof(pk)),
             llmem_size_format_short(st.cache_bytes, c, sizeof(c)),
-            llmem_size_format_short(st.tags[LLMEM_TAG_KV].peak_bytes, kv, sizeof(kv)));
+            llmem_size_format_short(st.tags[LLMEM_TAG_KV].peak_bytes, kv, sizeof(kv)),
+            rss.peak_bytes >= 0 ? llmem_size_format_short(rss.peak_bytes, rp, sizeof(rp))
+                                : "unknown",
+            llmem_size_format_short(plan->runtime_baseline_bytes, bl, sizeof(bl)),
+            llmem_size_format_short(plan->trip_bytes, tr, sizeof(tr)));
     fprintf(stderr, "llmem bank: RAM %s in %" PRId64 " blocks (%" PRId64 " evicted)",
             llmem_size_format_short(bs.ram.bytes, bb, sizeof(bb)), bs.ram.blocks,
             bs.ram.evicted_blocks);

@@ -135,6 +135,8 @@ int cli_serve(int argc, char **argv) {
     pthread_sigmask(SIG_BLOCK, &stop, NULL);
     signal(SIGPIPE, SIG_IGN);
 
+    /* what the server holds beside the engine is part of the plan's runtime baseline */
+    ec.runtime_reserve_bytes = llmem_server_runtime_reserve(&sc, ec.max_sequences);
     struct llmem_engine *e = NULL;
     struct llmem_server *s = NULL;
     if ((rc = cli_engine_open("serve", model, &ec, 0, &e)) != CLI_OK)

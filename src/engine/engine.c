@@ -37,6 +37,10 @@
 /* The default prefill chunk: the tokens of one forward pass at most (SPEC §2.1); more on a device
  * where the plan's transient reserve holds it (default_batch_tokens). */
 #define PREFILL_CHUNK 512
+/* The runtime baseline beyond the resident memory measured at open: code and library pages that
+ * the first steps touch later, and the stack each worker thread touches in the kernels. */
+#define BASELINE_GROWTH     ((int64_t)2 << 20)
+#define BASELINE_PER_THREAD ((int64_t)256 << 10)
 
 void llmem_engine_config_default(struct llmem_engine_config *c) {
     memset(c, 0, sizeof(*c));
@@ -44,6 +48,7 @@ void llmem_engine_config_default(struct llmem_engine_config *c) {
     c->kv_format = LLMEM_KV_FORMAT_F16;
     c->max_batch_tokens = 0; /* PREFILL_CHUNK, more on a device (default_batch_tokens) */
     c->max_sequences = 1;
+    c->runtime_baseline_bytes = LLMEM_ENGINE_BASELINE_MEASURE;
 }
 
 /* ---- open ----------------------------------------------------------------------------------- */
@@ -102,6 +107,16 @@ static int64_t default_batch_tokens(const struct llmem_engine_config *c,
     return PREFILL_CHUNK;
 }
 
+int64_t llmem_engine_runtime_baseline(const struct llmem_engine_config *c, int threads) {
+    if (c->runtime_baseline_bytes >= 0)
+        return c->runtime_baseline_bytes + c->runtime_reserve_bytes;
+    struct llmem_sys_resident r;
+    llmem_sys_resident_read(&r);
+    int64_t now = r.current_bytes > 0 ? r.current_bytes : 0;
+    return now + BASELINE_GROWTH + (int64_t)threads * BASELINE_PER_THREAD +
+           c->runtime_reserve_bytes;
+}
+
 void llmem_engine_plan_params(const struct llmem_engine_config *c,
                               const struct llmem_model_geometry *g, int64_t total_bytes,
                               int64_t ceiling_bytes, int threads, struct llmem_plan_params *out) {
@@ -125,6 +140,8 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
     const int64_t total = machine.max_recommended_working_set_size;
     struct llmem_plan_params p;
     llmem_engine_plan_params(c, g, total, total, threads, &p);
+    if (c->backend != LLMEM_BACKEND_CUDA) /* a device's plan: its memory, not the host's */
+        p.runtime_baseline_bytes = llmem_engine_runtime_baseline(c, threads);
     if (e->cfg.max_batch_tokens <= 0) {
         e->cfg.max_batch_tokens = p.max_batch_tokens;
         if (p.max_batch_tokens > PREFILL_CHUNK)
@@ -278,20 +295,22 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
     e->pressure_at = -1;
     if (e->cfg.max_sequences <= 0)
         e->cfg.max_sequences = 1;
+    /* the config, the tokenizer and the threads first: the runtime baseline the plan commits is
+     * what the process holds with them and without the model */
     struct llmem_model_geometry g;
     int status = llmem_model_geometry_load(config->model_dir, &g);
     if (status != LLMEM_OK || (status = llmem_pool_create(config->n_threads, &e->pool)) ||
+        (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
         (status = plan_model(e, &g, llmem_pool_threads(e->pool))) != LLMEM_OK)
         goto fail;
 
     struct llmem_mem_config mc = {.ops = config->backend == LLMEM_BACKEND_CUDA
                                              ? llmem_backend_cuda_memory(config->device)
                                              : NULL,
-                                  .memory_limit_bytes = e->plan.allocation_limit_bytes,
+                                  .memory_limit_bytes = e->plan.allocator_limit_bytes,
                                   .cache_limit_bytes = -1,
                                   .usable_bytes = e->plan.usable_bytes};
-    if ((status = llmem_mem_create(&mc, &e->mem)) != LLMEM_OK ||
-        (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK)
+    if ((status = llmem_mem_create(&mc, &e->mem)) != LLMEM_OK)
         goto fail;
     if (config->backend == LLMEM_BACKEND_CUDA) {
         /* the model read on the host, copied to the device, and the host copy dropped */
@@ -326,8 +345,9 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
     const struct llmem_model_config *mcfg = llmem_model_get_config(e->model);
     e->vocab = mcfg->geom.vocab_size;
     if (llmem_tokenizer_vocab_size(e->tok) > e->vocab) {
-        LLMEM_ERROR_AS("llmem_engine_open", "%s: the tokenizer has %d tokens but the model only %" PRId64,
-                    config->model_dir, llmem_tokenizer_vocab_size(e->tok), e->vocab);
+        LLMEM_ERROR_AS("llmem_engine_open",
+                       "%s: the tokenizer has %d tokens but the model only %" PRId64,
+                       config->model_dir, llmem_tokenizer_vocab_size(e->tok), e->vocab);
         status = LLMEM_EFORMAT;
         goto fail;
     }
@@ -396,14 +416,16 @@ const struct llmem_tokenizer *llmem_engine_tokenizer(const struct llmem_engine *
 
 void llmem_engine_limits_line(const struct llmem_engine *e, char *buf, size_t size) {
     const struct llmem_plan *p = &e->plan;
-    char limit[32], ceiling[32], trip[32], cache[32];
+    char limit[32], ceiling[32], alloc[32], baseline[32], trip[32], cache[32];
     struct llmem_mem_stats st;
     llmem_mem_stats(e->mem, &st);
     snprintf(buf, size,
-             "memory limit %s (util %.2f × %s), trip %s, cache limit %s, KV %s %s, "
-             "context %" PRId64,
-             llmem_size_format_short(st.memory_limit_bytes, limit, sizeof(limit)), p->util,
+             "memory limit %s (util %.2f × %s: the allocator %s, the runtime baseline %s), "
+             "trip %s, cache limit %s, KV %s %s, context %" PRId64,
+             llmem_size_format_short(p->allocation_limit_bytes, limit, sizeof(limit)), p->util,
              llmem_size_format_short(p->planning_bytes, ceiling, sizeof(ceiling)),
+             llmem_size_format_short(st.memory_limit_bytes, alloc, sizeof(alloc)),
+             llmem_size_format_short(p->runtime_baseline_bytes, baseline, sizeof(baseline)),
              llmem_size_format_short(p->trip_bytes, trip, sizeof(trip)),
              llmem_size_format_short(st.cache_limit_bytes, cache, sizeof(cache)),
              llmem_kv_format_name(e->cfg.kv_format), llmem_kv_layout_name(e->cfg.kv_layout),

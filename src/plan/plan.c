@@ -2,12 +2,14 @@
  * plan/plan.c — the memory plan (SPEC §2.2–§2.3, §3.1).
  *
  * Steps, in order: the envelope (usable bytes: the 75 % rule with an 8 GiB floor and a 192 GiB cap,
- * or --budget / --util / --memory-limit), the commitments (weights, runtime transients), the
+ * or --budget / --util / --memory-limit), the commitments (weights, the runtime baseline that
+ * lives outside the allocator, runtime transients), the
  * bank floor, the context that fits in what is left, the KV reserve of one full window, the bank's
  * idle and steady sizes, and the three limits (allocation limit, trip, ceiling) with the util band.
  *
  * Guarantee: for every available plan that fits and is not overcommitted,
- * weights + transients + kv_reserve + bank_steady ≤ usable (the steady state fits), because the
+ * weights + baseline + transients + kv_reserve + bank_steady ≤ usable (the steady state fits),
+ * because the
  * window never exceeds kv_budget / per_token and the bank takes only what the window leaves.
  * All sizes are signed 64-bit; products go through 128-bit intermediates and every difference that
  * the spec bounds with max(0, …) is clamped, never wrapped.
@@ -101,6 +103,7 @@ static int check_params(const struct llmem_plan_params *p) {
         {"max_sequences", p->max_sequences},
         {"max_batch_tokens", p->max_batch_tokens},
         {"computed_workspace_bytes", p->computed_workspace_bytes},
+        {"runtime_baseline_bytes", p->runtime_baseline_bytes},
     };
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
         if (sizes[i].value < 0) {
@@ -147,6 +150,14 @@ static void plan_envelope(const struct llmem_plan_params *p, struct llmem_plan *
 
 /* ---- steps 2–5: commitments, caches, context ---------------------------------------------- */
 
+/* What the engine's budget leaves after the commitments that do not depend on the context:
+ * usable − weights − runtime baseline − `transients` (signed). */
+static int64_t play_after(const struct llmem_plan *plan, int64_t transients) {
+    return sub_sat(
+        sub_sat(sub_sat(plan->usable_bytes, plan->weights_bytes), plan->runtime_baseline_bytes),
+        transients);
+}
+
 /* The next format down in bytes per token, to name as a lever; COUNT when none is smaller. */
 static enum llmem_kv_format smaller_format(enum llmem_kv_format f) {
     switch (f) {
@@ -168,8 +179,7 @@ static void plan_context(const struct llmem_plan_params *p, struct llmem_plan *p
         max64(p->computed_workspace_bytes, min64(TRANSIENTS_CAP, plan->usable_bytes / 8));
     plan->bank_floor_bytes = min64(BANK_FLOOR_CAP, plan->usable_bytes / 16);
 
-    int64_t left =
-        sub_sat(sub_sat(plan->usable_bytes, plan->weights_bytes), plan->runtime_transients_bytes);
+    int64_t left = play_after(plan, plan->runtime_transients_bytes);
     plan->kv_budget_bytes = max64(0, sub_sat(left, plan->bank_floor_bytes));
     int64_t raw = plan->kv_budget_bytes / plan->per_token_bytes;
     int64_t fit = raw >= CONTEXT_ALIGN ? raw / CONTEXT_ALIGN * CONTEXT_ALIGN : raw;
@@ -200,8 +210,7 @@ static void plan_context(const struct llmem_plan_params *p, struct llmem_plan *p
 /* ---- step 6: the bank ------------------------------------------------------------------------ */
 
 static void plan_bank(struct llmem_plan *plan) {
-    int64_t left =
-        sub_sat(sub_sat(plan->usable_bytes, plan->weights_bytes), plan->runtime_transients_bytes);
+    int64_t left = play_after(plan, plan->runtime_transients_bytes);
     int64_t steady = sub_sat(left, plan->kv_reserve_bytes);
     plan->bank_cap_bytes = BANK_CAP;
     plan->bank_idle_max_bytes = clamp64(left, plan->bank_floor_bytes, BANK_CAP);
@@ -218,9 +227,12 @@ static void plan_limits(const struct llmem_plan_params *p, struct llmem_plan *pl
     double total = (double)min64(plan->total_bytes, budget);
     plan->util_requested = p->util;
     plan->allocation_limit_bytes = plan->usable_bytes;
+    plan->allocator_limit_bytes =
+        max64(0, sub_sat(plan->usable_bytes, plan->runtime_baseline_bytes));
     plan->util = (double)plan->usable_bytes / ceiling;
     plan->trip_bytes = (int64_t)((plan->util + TRIP_OFFSET) * total);
-    int64_t footprint = add_sat(add_sat(plan->weights_bytes, plan->runtime_transients_bytes),
+    int64_t footprint = add_sat(add_sat(add_sat(plan->weights_bytes, plan->runtime_baseline_bytes),
+                                        plan->runtime_transients_bytes),
                                 add_sat(plan->kv_reserve_bytes, plan->bank_floor_bytes));
     plan->footprint_bytes = footprint;
     plan->band_low = (double)footprint / ceiling;
@@ -262,14 +274,19 @@ static void plan_notes(const struct llmem_plan_params *p, struct llmem_plan *pla
              GIB(plan->kv_budget_bytes));
     } else if (!plan->model_fits) {
         int64_t need =
-            add_sat(add_sat(plan->weights_bytes, plan->runtime_transients_bytes),
+            add_sat(add_sat(add_sat(plan->weights_bytes, plan->runtime_baseline_bytes),
+                            plan->runtime_transients_bytes),
                     add_sat(plan->bank_floor_bytes, mul_sat(resolved, plan->per_token_bytes)));
         int formula = plan->usable_source == LLMEM_USABLE_FORMULA ||
                       plan->usable_source == LLMEM_USABLE_BUDGET;
+        char baseline[96] = "";
+        if (plan->runtime_baseline_bytes > 0)
+            snprintf(baseline, sizeof(baseline), " (%s of it the runtime baseline)",
+                     GIB(plan->runtime_baseline_bytes));
         note(plan,
-             "MODEL DOES NOT FIT: weights + minimum runtime (%lld tokens of context) need %s but"
+             "MODEL DOES NOT FIT: weights + minimum runtime (%lld tokens of context) need %s%s but"
              " the engine budget is %s; use fewer bits per weight or a smaller model%s",
-             (long long)resolved, GIB(need), GIB(plan->usable_bytes),
+             (long long)resolved, GIB(need), baseline, GIB(plan->usable_bytes),
              formula && need <= plan->planning_bytes
                  ? ", or give the engine more of this machine (--util, --memory-limit)"
                  : "");
@@ -346,6 +363,7 @@ int llmem_plan_compute(const struct llmem_plan_params *params, struct llmem_plan
     plan->target = params->target;
     plan->total_bytes = params->total_bytes;
     plan->weights_bytes = params->weights_bytes;
+    plan->runtime_baseline_bytes = params->runtime_baseline_bytes;
     plan->kv_bytes_per_token = params->kv_bytes_per_token;
     plan->kv_format = params->kv_format;
     plan->aux_bytes_per_token = params->aux_bytes_per_token;
@@ -445,8 +463,7 @@ int64_t llmem_plan_bank_dynamic_ceiling(const struct llmem_plan *plan, int64_t w
     if (!plan->available)
         return BANK_CAP;
     int64_t reserve = max64(plan->runtime_transients_bytes, observed_reserve_bytes);
-    int64_t ceiling = sub_sat(sub_sat(sub_sat(plan->usable_bytes, plan->weights_bytes), reserve),
-                              max64(0, working_set_bytes));
+    int64_t ceiling = sub_sat(play_after(plan, reserve), max64(0, working_set_bytes));
     return max64(plan->bank_floor_bytes, min64(plan->bank_idle_max_bytes, ceiling));
 }
 

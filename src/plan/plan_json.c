@@ -44,6 +44,7 @@ cJSON *llmem_plan_json(const struct llmem_plan *plan) {
     I64(per_token_bytes);
     I64(computed_workspace_bytes);
     I64(runtime_transients_bytes);
+    I64(runtime_baseline_bytes);
     I64(bank_floor_bytes);
     I64(bank_cap_bytes);
     I64(kv_budget_bytes);
@@ -66,6 +67,7 @@ cJSON *llmem_plan_json(const struct llmem_plan *plan) {
     DBL(util);
     DBL(util_requested);
     I64(allocation_limit_bytes);
+    I64(allocator_limit_bytes);
     I64(trip_bytes);
     I64(footprint_bytes);
     DBL(band_low);

@@ -165,6 +165,7 @@ char *llmem_srv_render_health(const struct srv_health *h, const struct llmem_eng
           llmem_json_add_int(l, "trip_bytes", p->trip_bytes) ||
           llmem_json_add_int(l, "ceiling_bytes", ceiling) ||
           llmem_json_add_int(l, "footprint_bytes", p->footprint_bytes) ||
+          llmem_json_add_int(l, "runtime_baseline_bytes", p->runtime_baseline_bytes) ||
           llmem_json_add_double(l, "util", p->util) ||
           llmem_json_add_int(l, "memory_limit_bytes", h->mem->memory_limit_bytes) ||
           llmem_json_add_int(l, "cache_limit_bytes", h->mem->cache_limit_bytes) ||
@@ -175,7 +176,9 @@ char *llmem_srv_render_health(const struct srv_health *h, const struct llmem_eng
     bad = bad || mem == NULL || llmem_json_add_int(mem, "active_bytes", h->mem->active_bytes) ||
           llmem_json_add_int(mem, "peak_bytes", h->mem->peak_bytes) ||
           llmem_json_add_int(mem, "cache_bytes", h->mem->cache_bytes) ||
-          llmem_json_add_int(mem, "limit_bytes", h->mem->memory_limit_bytes);
+          llmem_json_add_int(mem, "limit_bytes", h->mem->memory_limit_bytes) ||
+          llmem_json_add_int(mem, "resident_bytes", h->resident_bytes) ||
+          llmem_json_add_int(mem, "resident_peak_bytes", h->resident_peak_bytes);
 
     cJSON *kv = bad ? NULL : cJSON_AddObjectToObject(o, "kv");
     bad = bad || kv == NULL || llmem_json_add_string(kv, "format", h->kv_format) ||

@@ -48,6 +48,7 @@
 #include "core/rng.h"
 #include "llmem/server.h"
 #include "llmem/size.h"
+#include "llmem/sys.h"
 #include "server/server_int.h"
 
 #define POLL_MS        100 /* how often a waiting connection looks at its socket */
@@ -65,6 +66,7 @@ struct llmem_server {
     int32_t chat_stops[MAX_CHAT_STOPS];
     int n_chat_stops;
     int64_t max_body;
+    int64_t bodies_max; /* LLMEM_SERVER_BODIES_IN_FLIGHT × max_body */
     int port;
     char url[160];
     uint64_t salt; /* random: response ids and default seeds differ between runs */
@@ -81,6 +83,7 @@ struct llmem_server {
     pthread_cond_t idle; /* n_jobs_alive dropped to 0 */
     int accepting;
     int64_t n_jobs_alive; /* jobs not yet freed (their responses are still being written) */
+    int64_t bodies;       /* bytes of request bodies held (received or being answered) */
     struct srv_counters counters;
     uint64_t n_jobs;
 };
@@ -91,6 +94,17 @@ void llmem_server_config_default(struct llmem_server_config *c) {
     c->port = 8080;
     c->max_queue = 256;
     c->max_body_bytes = LLMEM_SERVER_MAX_BODY_BYTES;
+}
+
+/* Stacks of the connection threads, what each touches at most (its handler and the libraries'
+ * frames), for the threads that work at once beyond the running sequences. */
+#define CONN_STACK_TOUCHED (128 << 10)
+#define CONN_THREADS_EXTRA 8
+
+int64_t llmem_server_runtime_reserve(const struct llmem_server_config *c, int64_t max_sequences) {
+    int64_t body = c->max_body_bytes > 0 ? c->max_body_bytes : LLMEM_SERVER_MAX_BODY_BYTES;
+    return 3 * LLMEM_SERVER_BODIES_IN_FLIGHT * body +
+           (max_sequences + CONN_THREADS_EXTRA) * CONN_STACK_TOUCHED;
 }
 
 static void count(struct llmem_server *s, int64_t *counter) {
@@ -365,7 +379,7 @@ static enum MHD_Result respond_error(struct llmem_server *s, struct MHD_Connecti
     const char *h = NULL, *v = NULL;
     if (err->http == 401)
         h = MHD_HTTP_HEADER_WWW_AUTHENTICATE, v = "Bearer";
-    else if (err->http == 503 && err->code != NULL && strcmp(err->code, "queue_full") == 0)
+    else if (err->http == 503)
         h = MHD_HTTP_HEADER_RETRY_AFTER, v = RETRY_AFTER_S;
     else if (err->http == 405)
         h = MHD_HTTP_HEADER_ALLOW, v = err->param;
@@ -688,7 +702,11 @@ static enum MHD_Result health(struct llmem_server *s, struct MHD_Connection *c) 
     counters = s->counters;
     pthread_mutex_unlock(&s->mu);
     const struct llmem_engine_config *ec = llmem_engine_get_config(s->engine);
+    struct llmem_sys_resident rss;
+    llmem_sys_resident_read(&rss);
     struct srv_health h = {.model = s->name,
+                           .resident_bytes = rss.current_bytes,
+                           .resident_peak_bytes = rss.peak_bytes,
                            .plan = plan,
                            .limits_line = line,
                            .mem = &st,
@@ -770,7 +788,9 @@ struct conn {
     enum route route;
     const char *method; /* the route's */
     struct srv_buf body;
+    int64_t held; /* bytes of the server's body budget this request holds */
     int too_large;
+    int busy;     /* the bodies in flight reached the server's budget */
     int answered; /* a response was queued before the body was read */
 };
 
@@ -799,11 +819,20 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         return MHD_YES;
     }
     if (*upload_size > 0) { /* a piece of the body */
-        if (!cn->answered && !cn->too_large) {
-            if ((int64_t)(cn->body.len + *upload_size) > s->max_body)
+        if (!cn->answered && !cn->too_large && !cn->busy) {
+            if ((int64_t)(cn->body.len + *upload_size) > s->max_body) {
                 cn->too_large = 1;
-            else
-                llmem_srv_buf_append(&cn->body, upload, *upload_size);
+            } else {
+                pthread_mutex_lock(&s->mu);
+                cn->busy = s->bodies + (int64_t)*upload_size > s->bodies_max;
+                if (!cn->busy) {
+                    s->bodies += (int64_t)*upload_size;
+                    cn->held += (int64_t)*upload_size;
+                }
+                pthread_mutex_unlock(&s->mu);
+                if (!cn->busy)
+                    llmem_srv_buf_append(&cn->body, upload, *upload_size);
+            }
         }
         *upload_size = 0;
         return MHD_YES;
@@ -836,6 +865,14 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
                        llmem_size_format(s->max_body, b, sizeof(b)));
         return respond_error(s, c, &err);
     }
+    if (cn->busy) {
+        char b[32];
+        count(s, &s->counters.rejected);
+        llmem_srv_fail(&err, 503, "server_error", NULL, "server_busy",
+                       "the server holds as many request bodies as it plans for (%s); retry",
+                       llmem_size_format(s->bodies_max, b, sizeof(b)));
+        return respond_error(s, c, &err);
+    }
     if (cn->body.failed)
         return MHD_NO;
     switch (r) {
@@ -862,9 +899,13 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
 
 static void completed(void *cls, struct MHD_Connection *c, void **con_cls,
                       enum MHD_RequestTerminationCode toe) {
-    (void)cls, (void)c, (void)toe;
+    (void)c, (void)toe;
     struct conn *cn = *con_cls;
     if (cn != NULL) {
+        struct llmem_server *s = cls;
+        pthread_mutex_lock(&s->mu);
+        s->bodies -= cn->held;
+        pthread_mutex_unlock(&s->mu);
         llmem_srv_buf_free(&cn->body);
         free(cn);
         *con_cls = NULL;
@@ -965,6 +1006,7 @@ int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config 
     s->name = strdup(cfg->model_name);
     s->api_key = cfg->api_key != NULL && *cfg->api_key ? strdup(cfg->api_key) : NULL;
     s->max_body = cfg->max_body_bytes > 0 ? cfg->max_body_bytes : LLMEM_SERVER_MAX_BODY_BYTES;
+    s->bodies_max = LLMEM_SERVER_BODIES_IN_FLIGHT * s->max_body;
     s->model =
         (struct srv_model){.name = s->name,
                            .vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size,

@@ -169,8 +169,9 @@ char *llmem_srv_render_metrics(const struct llmem_engine_metrics *m, const struc
 struct srv_health {
     const char *model;
     const struct llmem_plan *plan;
-    const char *limits_line;           /* llmem_engine_limits_line */
-    const struct llmem_mem_stats *mem; /* the allocator now */
+    const char *limits_line;                     /* llmem_engine_limits_line */
+    const struct llmem_mem_stats *mem;           /* the allocator now */
+    int64_t resident_bytes, resident_peak_bytes; /* the process now and at its peak */
     const char *kv_format, *kv_layout;
     const char *chat_template; /* "none" when chat is unavailable */
 };

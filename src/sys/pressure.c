@@ -4,7 +4,9 @@
  * information for memory (/proc/pressure/memory: the "some" and "full" 10-second averages, in
  * percent of wall time), and the counters of the cgroup v2 memory.events of this process's
  * cgroup (high, max, oom: how often usage crossed memory.high, hit memory.max, invoked the OOM
- * killer; the guard watches them rise). Read below a root directory so that tests can fake them.
+ * killer; the guard watches them rise); and the resident memory with its peak from
+ * /proc/self/status, which the plan's runtime baseline and --stats report. Read below a root
+ * directory so that tests can fake them.
  */
 #include <limits.h>
 #include <pthread.h>
@@ -93,4 +95,18 @@ void llmem_sys_pressure_read_at(const char *root, struct llmem_sys_pressure *p) 
 
 void llmem_sys_pressure_read(struct llmem_sys_pressure *p) {
     llmem_sys_pressure_read_at("", p);
+}
+
+void llmem_sys_resident_read_at(const char *root, struct llmem_sys_resident *r) {
+    r->current_bytes = r->peak_bytes = LLMEM_SYS_UNKNOWN;
+    char *text = NULL;
+    if (read_small(root, "/proc/self/status", &text) != LLMEM_OK)
+        return;
+    r->current_bytes = llmem_sys_kb_field(text, "VmRSS");
+    r->peak_bytes = llmem_sys_kb_field(text, "VmHWM");
+    free(text);
+}
+
+void llmem_sys_resident_read(struct llmem_sys_resident *r) {
+    llmem_sys_resident_read_at("", r);
 }

@@ -110,6 +110,11 @@ int64_t llmem_sys_stat_field(const char *text, const char *key) {
     return field_u64(text, key, 0, &v) ? v : LLMEM_SYS_UNKNOWN;
 }
 
+int64_t llmem_sys_kb_field(const char *text, const char *key) {
+    int64_t v;
+    return field_u64(text, key, 1, &v) ? v : LLMEM_SYS_UNKNOWN;
+}
+
 /* ---------------------------------------------------------------------------------------------
  * /proc/meminfo and /proc/cpuinfo
  * ------------------------------------------------------------------------------------------- */

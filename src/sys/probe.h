@@ -18,6 +18,9 @@ int llmem_sys_parse_u64(const char *text, int64_t *value);
 /* The value of a "key value" line of a cgroup memory.stat (or "Key: value" without a unit);
  * LLMEM_SYS_UNKNOWN when absent or malformed. */
 int64_t llmem_sys_stat_field(const char *text, const char *key);
+/* The value of a "Key: N kB" line (/proc/meminfo, /proc/self/status) in bytes;
+ * LLMEM_SYS_UNKNOWN when absent or malformed. */
+int64_t llmem_sys_kb_field(const char *text, const char *key);
 
 /* The CPUID brand string on x86-64 ("" elsewhere or when the CPU has none). */
 void llmem_sys_cpu_brand(char *buf, size_t buf_size);

@@ -223,7 +223,7 @@ static void test_model_dir_and_catalog(void **state) {
 
     /* On a small budget with an explicit context. */
     run = tu_llmem("plan", LLMEM_SOURCE_DIR "/models/pycoder", "--budget", "32M", "--context",
-                   "1024", "--json", NULL);
+                   "1024", "--baseline", "0", "--json", NULL);
     assert_int_equal(run.exit_code, 0);
     o = tu_json_stdout(&run);
     assert_int_equal(get_int(o, "context_window_resolved"), 1024);

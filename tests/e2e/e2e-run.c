@@ -250,6 +250,49 @@ static void test_refused_by_plan(void **state) {
     tu_run_free(&r);
 }
 
+/* The process's resident memory stays inside the plan: a 1,400-token prompt and 600 generated
+ * tokens on a 64M machine keep the peak RSS (VmHWM, mapped weights, the allocator and everything
+ * outside it) below the trip; on a 35M machine, where the runtime baseline leaves too little,
+ * the run is refused before loading and says why. */
+static void test_resident_within_plan(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    char text[16384];
+    size_t at = 0;
+    for (int i = 0; at + 64 < sizeof(text) && i < 100; i++)
+        at += (size_t)snprintf(text + at, sizeof(text) - at, "def f%d(x):\n    return x + %d\n", i,
+                               i);
+    char *prompt = tu_write_file(dir, "prompt.txt", text, (long)at);
+    const char *args[] = {"run",          PYCODER,      "--prompt-file", prompt, "-n",        "600",
+                          "--ignore-eos", "--no-spill", "--budget",      "64M",  "--threads", "2",
+                          "--stats",      "--json"};
+    struct tu_run r = tu_llmem_argv(14, args);
+    assert_int_equal(r.exit_code, 0);
+    cJSON *o = tu_json_stdout(&r);
+    const cJSON *stats = cJSON_GetObjectItem(o, "stats");
+    assert_true(cJSON_GetObjectItem(stats, "prompt_tokens")->valuedouble > 1000);
+    const cJSON *m = cJSON_GetObjectItem(stats, "memory");
+    double peak = cJSON_GetObjectItem(m, "resident_peak_bytes")->valuedouble;
+    double trip = cJSON_GetObjectItem(m, "trip_bytes")->valuedouble;
+    double baseline = cJSON_GetObjectItem(m, "runtime_baseline_bytes")->valuedouble;
+    printf("  resident peak %.1f MiB below the trip %.1f MiB (baseline %.1f MiB)\n", peak / 1048576,
+           trip / 1048576, baseline / 1048576);
+    assert_true(baseline > 1e6);
+    assert_true(peak > 0 && peak < trip);
+    cJSON_Delete(o);
+    tu_run_free(&r);
+
+    args[9] = "35M";
+    r = tu_llmem_argv(14, args);
+    assert_int_equal(r.exit_code, 3);
+    assert_non_null(strstr(r.err, "refused before loading"));
+    assert_non_null(strstr(r.err, "the runtime baseline"));
+    tu_run_free(&r);
+    free(prompt);
+    tu_rmtree(dir);
+    free(dir);
+}
+
 /* Limits the plan calls unsafe (§3.1) are refused before loading, exit 3, naming the broken
  * inequality: --memory-limit and --util 1 put the allocation limit at the ceiling, --util 0.96
  * the trip above it. */
@@ -410,7 +453,8 @@ static void test_nan_weights(void **state) {
         if (t->dtype == LLMEM_DTYPE_F32)
             assert_int_equal(fwrite(&f32_nan, 4, 1, f), 1);
         else
-            assert_int_equal(fwrite(t->dtype == LLMEM_DTYPE_BF16 ? &bf16_nan : &f16_nan, 2, 1, f), 1);
+            assert_int_equal(fwrite(t->dtype == LLMEM_DTYPE_BF16 ? &bf16_nan : &f16_nan, 2, 1, f),
+                             1);
     }
     fclose(f);
     llmem_safetensors_free(st);
@@ -505,11 +549,17 @@ static void test_bad_input(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_run_greedy_matches),  cmocka_unit_test(test_run_stats_json),
-        cmocka_unit_test(test_tokenize_and_logits), cmocka_unit_test(test_chat),
-        cmocka_unit_test(test_refused_by_plan),     cmocka_unit_test(test_refused_unsafe_limits),
-        cmocka_unit_test(test_context_clamp_warns), cmocka_unit_test(test_logits_past_context),
-        cmocka_unit_test(test_zero_sizes_refused),  cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_run_greedy_matches),
+        cmocka_unit_test(test_run_stats_json),
+        cmocka_unit_test(test_tokenize_and_logits),
+        cmocka_unit_test(test_chat),
+        cmocka_unit_test(test_refused_by_plan),
+        cmocka_unit_test(test_resident_within_plan),
+        cmocka_unit_test(test_refused_unsafe_limits),
+        cmocka_unit_test(test_context_clamp_warns),
+        cmocka_unit_test(test_logits_past_context),
+        cmocka_unit_test(test_zero_sizes_refused),
+        cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_nan_weights),
         cmocka_unit_test(test_files_keep_nul),
     };

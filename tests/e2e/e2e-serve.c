@@ -615,11 +615,17 @@ static void test_models_health_metrics(void **state) {
     assert_int_equal(cJSON_GetObjectItem(plan, "max_sequences")->valueint, 16);
     assert_true(cJSON_GetObjectItem(lim, "allocation_limit_bytes")->valuedouble ==
                 cJSON_GetObjectItem(plan, "allocation_limit_bytes")->valuedouble);
-    assert_true(cJSON_GetObjectItem(lim, "memory_limit_bytes")->valuedouble ==
+    /* the allocator's limit is the process's less the runtime baseline (measured, > 0) */
+    assert_true(cJSON_GetObjectItem(lim, "runtime_baseline_bytes")->valuedouble > 1e6);
+    assert_true(cJSON_GetObjectItem(lim, "memory_limit_bytes")->valuedouble +
+                    cJSON_GetObjectItem(lim, "runtime_baseline_bytes")->valuedouble ==
                 cJSON_GetObjectItem(lim, "allocation_limit_bytes")->valuedouble);
     assert_true(cJSON_GetObjectItem(lim, "trip_bytes")->valuedouble >
                 cJSON_GetObjectItem(lim, "allocation_limit_bytes")->valuedouble);
     const cJSON *mem = cJSON_GetObjectItem(root, "memory");
+    assert_true(cJSON_GetObjectItem(mem, "resident_peak_bytes")->valuedouble >=
+                cJSON_GetObjectItem(mem, "resident_bytes")->valuedouble);
+    assert_true(cJSON_GetObjectItem(mem, "resident_bytes")->valuedouble > 1e6);
     assert_true(cJSON_GetObjectItem(mem, "peak_bytes")->valuedouble <=
                 cJSON_GetObjectItem(mem, "limit_bytes")->valuedouble);
     assert_true(cJSON_GetObjectItem(mem, "active_bytes")->valuedouble > 11e6); /* weights */
@@ -952,10 +958,10 @@ static void test_util_matches_plan(void **state) {
     assert_non_null(strstr(line, "util 0.50"));
     free(err);
     /* llmem run and llmem chat apply and print the same */
-    const char *run_args[] = {"run", PYCODER, "--util", "0.5", "--threads", "2", "-p", "x", "-n",
-                              "1"};
-    const char *chat_args[] = {"chat", PYCODER, "--util", "0.5", "--threads", "2",
-                               "--chat-template", "chatml"};
+    const char *run_args[] = {"run", PYCODER, "--util", "0.5", "--threads",
+                              "2",   "-p",    "x",      "-n",  "1"};
+    const char *chat_args[] = {"chat",      PYCODER, "--util",          "0.5",
+                               "--threads", "2",     "--chat-template", "chatml"};
     struct tu_run runs[2] = {tu_llmem_argv(10, run_args), tu_llmem_input("", 8, chat_args)};
     for (int i = 0; i < 2; i++) {
         assert_int_equal(runs[i].exit_code, 0);
@@ -979,7 +985,8 @@ static void test_util_matches_plan(void **state) {
     assert_true(cJSON_GetObjectItem(lim, "trip_bytes")->valuedouble ==
                 cJSON_GetObjectItem(pj, "trip_bytes")->valuedouble);
     assert_true(cJSON_GetObjectItem(lim, "memory_limit_bytes")->valuedouble ==
-                cJSON_GetObjectItem(pj, "allocation_limit_bytes")->valuedouble);
+                cJSON_GetObjectItem(pj, "allocation_limit_bytes")->valuedouble -
+                    cJSON_GetObjectItem(lim, "runtime_baseline_bytes")->valuedouble);
     assert_true(cJSON_GetObjectItem(lim, "util")->valuedouble == 0.5);
     cJSON_Delete(health);
     tu_http_free(&h);
@@ -989,16 +996,15 @@ static void test_util_matches_plan(void **state) {
     tu_run_free(&human);
 }
 
-/* A small machine (--budget 64M) and an engine budget of 30M (--memory-limit): the KV pool holds
- * about three full 512-token windows. A burst of 64 requests of ~480 tokens each: every one
- * completes or is refused with 507, the server never fails, and the allocator's peak stays
- * within its limit. (The memory limit keeps the engine below the budget by more than this
- * process's own libraries and stacks, which the guard's resident reading counts against the
- * simulated machine.) */
+/* A small machine (--budget 64M) whose plan holds with the server's runtime baseline (its code,
+ * tokenizer, threads and, with --max-body 64K, the request bodies it admits at once): the KV pool
+ * holds a few full 512-token windows. A burst of 64 requests of ~480 tokens each: every one
+ * completes or is refused with 507, the server never fails, the allocator's peak stays within
+ * its limit, and the process's peak resident memory (VmHWM) stays below the trip. */
 static void test_memory_burst(void **state) {
     (void)state;
-    const char *args[] = {PYCODER, "--budget",  "64M", "--memory-limit", "30M", "--context",
-                          "512",   "--threads", "2"};
+    const char *args[] = {PYCODER,     "--budget", "64M",       "--max-body", "64K",
+                          "--context", "512",      "--threads", "2"};
     struct tu_server s;
     tu_serve_start(&s, 9, args);
     char url[256], *dir = tu_mkdtemp();
@@ -1056,7 +1062,7 @@ static void test_memory_burst(void **state) {
         tu_run_free(&cat);
     }
     wait_idle(&s);
-    printf("  64 long requests on a 30M engine budget: %d completed, %d refused (507), "
+    printf("  64 long requests on a 64M machine: %d completed, %d refused (507), "
            "%.0f preemptions, peak %.0f of limit %.0f bytes\n",
            ok, refused, metric(&s, "llmem_preemptions_total"), metric(&s, "llmem_mem_peak_bytes"),
            metric(&s, "llmem_mem_limit_bytes"));
@@ -1064,6 +1070,17 @@ static void test_memory_burst(void **state) {
     assert_int_equal(metric(&s, "llmem_requests_total{outcome=\"failed\"}"), 0);
     struct tu_http h = get(&s, "/health");
     assert_int_equal(h.status, 200);
+    cJSON *health = tu_http_json(&h);
+    double rss_peak =
+        cJSON_GetObjectItem(cJSON_GetObjectItem(health, "memory"), "resident_peak_bytes")
+            ->valuedouble;
+    const cJSON *lim = cJSON_GetObjectItem(health, "limits");
+    double trip = cJSON_GetObjectItem(lim, "trip_bytes")->valuedouble;
+    printf("  resident peak %.1f MiB below the trip %.1f MiB (baseline %.1f MiB)\n",
+           rss_peak / 1048576, trip / 1048576,
+           cJSON_GetObjectItem(lim, "runtime_baseline_bytes")->valuedouble / 1048576);
+    assert_true(rss_peak > 0 && rss_peak < trip);
+    cJSON_Delete(health);
     tu_http_free(&h);
     assert_int_equal(tu_serve_stop(&s), 0);
     tu_rmtree(dir);
@@ -1085,6 +1102,83 @@ static void fake_guard(void *arg, struct llmem_guard_reading *r) {
 /* llmem_server_start/stop on an engine whose guard reads fake pressure: a critical refuses new
  * requests with 507 insufficient_memory and the engine's reason, and when it clears the server
  * serves again; stopping with a stream in flight ends that stream with an error event. */
+/* A socket to the server at url with the headers of a completion request of `length` body bytes
+ * and the first `sent` bytes of `body` written. */
+static int body_socket(const char *url, const char *body, size_t length, size_t sent) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)atoi(strrchr(url, ':') + 1))};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    char head[256];
+    int n = snprintf(head, sizeof(head),
+                     "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+                     "Content-Type: application/json\r\nContent-Length: %zu\r\n\r\n",
+                     length);
+    assert_int_equal(write(fd, head, (size_t)n), n);
+    assert_int_equal(write(fd, body, sent), (ssize_t)sent);
+    return fd;
+}
+
+/* The rest of the body from `sent` on, then the response's status code (the socket closed). */
+static int body_finish(int fd, const char *body, size_t length, size_t sent, char *resp,
+                       size_t size) {
+    assert_int_equal(write(fd, body + sent, length - sent), (ssize_t)(length - sent));
+    size_t got = 0;
+    ssize_t r;
+    while (got + 1 < size && (r = read(fd, resp + got, size - 1 - got)) > 0)
+        got += (size_t)r;
+    resp[got] = '\0';
+    close(fd);
+    int code = 0;
+    sscanf(resp, "HTTP/1.1 %d", &code);
+    return code;
+}
+
+/* The request bodies the server holds at once stay within LLMEM_SERVER_BODIES_IN_FLIGHT times the
+ * largest body (what its runtime reserve plans for): with two bodies of 4,000 of 4,096 bytes
+ * half received, a third is answered 503 server_busy with Retry-After; the two complete, and once
+ * they have, a body is taken again. */
+static void test_bodies_in_flight(void **state) {
+    (void)state;
+    struct llmem_engine_config ec;
+    llmem_engine_config_default(&ec);
+    ec.model_dir = PYCODER;
+    ec.n_threads = 2;
+    struct llmem_engine *e = NULL;
+    assert_int_equal(llmem_engine_open(&ec, NULL, NULL, &e), LLMEM_OK);
+    struct llmem_server_config sc;
+    llmem_server_config_default(&sc);
+    sc.port = 0;
+    sc.model_name = "pycoder";
+    sc.max_body_bytes = 4096;
+    assert_true(llmem_server_runtime_reserve(&sc, 1) >=
+                3 * LLMEM_SERVER_BODIES_IN_FLIGHT * sc.max_body_bytes);
+    struct llmem_server *s = NULL;
+    assert_int_equal(llmem_server_start(e, &sc, &s), LLMEM_OK);
+    const char *url = llmem_server_url(s);
+    enum { LEN = 4000, HALF = 3000 };
+    static char body[LEN + 1];
+    const char json[] = "{\"prompt\": \"def f():\", \"max_tokens\": 2, \"temperature\": 0}";
+    memset(body, ' ', LEN); /* JSON allows the whitespace before the value */
+    memcpy(body + LEN - strlen(json), json, strlen(json));
+    int fds[3];
+    for (int i = 0; i < 3; i++) {
+        fds[i] = body_socket(url, body, LEN, HALF);
+        usleep(200 * 1000); /* each half read before the next one arrives */
+    }
+    char resp[8192];
+    assert_int_equal(body_finish(fds[2], body, LEN, HALF, resp, sizeof(resp)), 503);
+    assert_non_null(strstr(resp, "server_busy"));
+    assert_non_null(strstr(resp, "Retry-After"));
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(body_finish(fds[i], body, LEN, HALF, resp, sizeof(resp)), 200);
+    int fd = body_socket(url, body, LEN, HALF);
+    assert_int_equal(body_finish(fd, body, LEN, HALF, resp, sizeof(resp)), 200);
+    llmem_server_stop(s);
+    llmem_engine_close(e);
+}
+
 static void test_library_507_and_stop(void **state) {
     (void)state;
     struct llmem_engine_config ec;
@@ -1398,6 +1492,7 @@ int main(void) {
         cmocka_unit_test(test_queue_full),
         cmocka_unit_test(test_util_matches_plan),
         cmocka_unit_test(test_memory_burst),
+        cmocka_unit_test(test_bodies_in_flight),
         cmocka_unit_test(test_library_507_and_stop),
         cmocka_unit_test(test_out_of_memory_everywhere),
     };
