@@ -3,8 +3,14 @@
  */
 #include "testutil.h"
 
+#include <arpa/inet.h>
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <signal.h>
 #include <time.h>
 #include <ftw.h>
@@ -358,6 +364,194 @@ cJSON *tu_http_json(const struct tu_http *h) {
     if (root == NULL)
         fail_msg("not JSON (HTTP %d):\n%s", h->status, h->body);
     return root;
+}
+
+double tu_metric(const struct tu_server *s, const char *name) {
+    char url[256];
+    snprintf(url, sizeof(url), "%s/metrics", s->url);
+    struct tu_http h = tu_http("GET", url, NULL);
+    assert_int_equal(h.status, 200);
+    size_t n = strlen(name);
+    for (const char *p = h.body; p != NULL && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+        if (strncmp(p, name, n) == 0 && p[n] == ' ') {
+            double v = strtod(p + n + 1, NULL);
+            tu_http_free(&h);
+            return v;
+        }
+    }
+    fail_msg("no metric %s in:\n%s", name, h.body);
+    return 0;
+}
+
+void tu_wait_idle(const struct tu_server *s) {
+    for (int i = 0; i < 600; i++) {
+        if (tu_metric(s, "llmem_requests_running") == 0 &&
+            tu_metric(s, "llmem_requests_waiting") == 0)
+            return;
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    fail_msg("the server does not become idle");
+}
+
+/* ---- server-sent events and error objects ---------------------------------------------------- */
+
+int tu_sse_parse(const char *body, cJSON **events, int max) {
+    int n = 0, done = 0;
+    for (const char *p = body; *p;) {
+        const char *end = strstr(p, "\n\n");
+        if (end == NULL || strncmp(p, "data: ", 6) != 0 || done) /* nothing after [DONE] */
+            goto out_bad;
+        if (strncmp(p + 6, "[DONE]", 6) == 0) {
+            done = 1;
+        } else {
+            if (n >= max)
+                goto out_bad;
+            events[n] = cJSON_ParseWithLength(p + 6, (size_t)(end - p - 6));
+            if (events[n] == NULL)
+                goto out_bad;
+            n++;
+        }
+        p = end + 2;
+    }
+    if (done)
+        return n;
+out_bad:
+    for (int i = 0; i < n; i++)
+        cJSON_Delete(events[i]);
+    return -1;
+}
+
+int tu_sse_events(const char *body, cJSON **events, int max) {
+    int n = tu_sse_parse(body, events, max);
+    if (n < 0)
+        fail_msg("not SSE events ending in data: [DONE] (or more than %d):\n%s", max, body);
+    return n;
+}
+
+int tu_is_error_object(const cJSON *root) {
+    const cJSON *err = cJSON_GetObjectItem(root, "error");
+    const cJSON *message = cJSON_GetObjectItem(err, "message");
+    return cJSON_IsObject(err) && cJSON_IsString(cJSON_GetObjectItem(err, "type")) &&
+           cJSON_IsString(message) && message->valuestring[0] != '\0';
+}
+
+/* ---- HTTP on a raw socket -------------------------------------------------------------------- */
+
+int tu_http_connect(const char *url, int timeout_s) {
+    const char *colon = strrchr(url, ':');
+    if (colon == NULL) {
+        errno = EINVAL;
+        return -1;
+    }
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    struct timeval tv = {.tv_sec = timeout_s};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        int saved = errno;
+        close(fd);
+        errno = saved;
+        return -1;
+    }
+    return fd;
+}
+
+int tu_http_send(int fd, const void *data, long len) {
+    size_t left = len < 0 ? strlen(data) : (size_t)len;
+    const char *p = data;
+    while (left > 0) {
+        ssize_t n = send(fd, p, left, MSG_NOSIGNAL);
+        if (n <= 0)
+            return -1;
+        p += n;
+        left -= (size_t)n;
+    }
+    return 0;
+}
+
+/* Decodes a chunked body in place; its length, or -1 when it is malformed or cut short. */
+static long dechunk(char *body) {
+    char *in = body, *out = body;
+    for (;;) {
+        char *end = NULL;
+        long size = strtol(in, &end, 16);
+        if (end == in || size < 0 || (end = strstr(end, "\r\n")) == NULL)
+            return -1;
+        in = end + 2;
+        if (size == 0)
+            break;
+        if ((long)strnlen(in, (size_t)size) < size || strncmp(in + size, "\r\n", 2) != 0)
+            return -1;
+        memmove(out, in, (size_t)size);
+        out += size;
+        in += size + 2;
+    }
+    *out = '\0';
+    return out - body;
+}
+
+int tu_http_read(int fd, struct tu_http *h, char *why, size_t why_size) {
+    memset(h, 0, sizeof(*h));
+    size_t cap = 1 << 14, len = 0;
+    char *buf = malloc(cap);
+    for (;;) {
+        if (buf == NULL) {
+            snprintf(why, why_size, "out of memory");
+            return -1;
+        }
+        if (len + 1 >= cap) {
+            char *more = realloc(buf, cap *= 2);
+            if (more == NULL)
+                free(buf);
+            buf = more;
+            continue;
+        }
+        ssize_t n = recv(fd, buf + len, cap - len - 1, 0);
+        if (n == 0)
+            break;
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            snprintf(why, why_size, "%s after %zu bytes",
+                     errno == EAGAIN || errno == EWOULDBLOCK ? "timed out" : strerror(errno), len);
+            goto out_bad;
+        }
+        len += (size_t)n;
+    }
+    buf[len] = '\0';
+    char *end = strstr(buf, "\r\n\r\n");
+    if (strncmp(buf, "HTTP/1.", 7) != 0 || strlen(buf) != len || end == NULL) {
+        snprintf(why, why_size, "not an HTTP response (%zu bytes): %.200s", len, buf);
+        goto out_bad;
+    }
+    h->status = atoi(buf + 9);
+    *end = '\0';
+    h->headers = strdup(buf);
+    h->body = strdup(end + 4);
+    free(buf);
+    if (h->headers == NULL || h->body == NULL) {
+        snprintf(why, why_size, "out of memory");
+        tu_http_free(h);
+        return -1;
+    }
+    for (const char *p = h->headers; (p = strchr(p, '\n')) != NULL;) {
+        p++;
+        if (strncasecmp(p, "Transfer-Encoding: chunked", 26) == 0 && dechunk(h->body) < 0) {
+            snprintf(why, why_size, "HTTP %d: a malformed chunked body: %.200s", h->status,
+                     h->body);
+            tu_http_free(h);
+            return -1;
+        }
+    }
+    return 0;
+out_bad:
+    free(buf);
+    return -1;
 }
 
 const char *tu_gpu_unavailable(void) {

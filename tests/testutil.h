@@ -79,6 +79,32 @@ struct tu_http tu_http_argv(const char *method, const char *url, const char *bod
 void tu_http_free(struct tu_http *h);
 struct cJSON *tu_http_json(const struct tu_http *h);
 
+/* The value of one sample line of the server's /metrics ("name" or "name{labels}"). */
+double tu_metric(const struct tu_server *s, const char *name);
+/* Until nothing runs or waits (/metrics): the metrics are published after the scheduler step
+ * that answered the last client, which may come a moment after the answer. */
+void tu_wait_idle(const struct tu_server *s);
+
+/* The JSON payloads of an SSE body, in order, checking that it ends with data: [DONE]. */
+int tu_sse_events(const char *body, struct cJSON **events, int max);
+
+/* The helpers below make no cmocka assertion, so that client threads (which must not) can use
+ * them: they return -1, or 0 for "no". */
+/* tu_sse_events's parse: the number of events, or -1 when the body is not SSE events ending in
+ * data: [DONE] (or has more than max). The events parsed before a failure are freed. */
+int tu_sse_parse(const char *body, struct cJSON **events, int max);
+/* 1 when root is an OpenAI error object: {"error": {"message": non-empty, "type": a string}}. */
+int tu_is_error_object(const struct cJSON *root);
+/* A TCP connection to the host and port of url ("http://127.0.0.1:PORT"), reads and writes
+ * timing out after timeout_s seconds; -1 (errno set) on failure. */
+int tu_http_connect(const char *url, int timeout_s);
+/* Writes all of data (len < 0: strlen); 0, or -1 on a failed write. */
+int tu_http_send(int fd, const void *data, long len);
+/* Reads a whole response from fd until the server closes it (the request said Connection:
+ * close), into h: the status, the header block and the body (a chunked body decoded). 0, or -1
+ * with the reason in why (a timeout, a reset, a malformed response). */
+int tu_http_read(int fd, struct tu_http *h, char *why, size_t why_size);
+
 /* Why the CUDA tests cannot run here ("built without CUDA", "no CUDA device"), or NULL. */
 const char *tu_gpu_unavailable(void);
 /* 1 (after printing why) when the CUDA suites must skip, else 0. */

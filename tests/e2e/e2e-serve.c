@@ -9,14 +9,11 @@
  * completes or gets 507; the allocator's peak stays under its limit), and each allocation a
  * request reaches failing in turn (a 200 with the greedy text or a clean 5xx; it serves on).
  */
-#include <arpa/inet.h>
 #include <inttypes.h>
 #include <math.h>
-#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -52,33 +49,6 @@ static struct tu_http get(const struct tu_server *s, const char *path) {
     char url[256];
     url_of(s, path, url, sizeof(url));
     return tu_http("GET", url, NULL);
-}
-
-/* The value of one sample line of /metrics ("name" or "name{labels}"). */
-static double metric(const struct tu_server *s, const char *name) {
-    struct tu_http h = get(s, "/metrics");
-    assert_int_equal(h.status, 200);
-    size_t n = strlen(name);
-    for (const char *p = h.body; p != NULL && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
-        if (strncmp(p, name, n) == 0 && p[n] == ' ') {
-            double v = strtod(p + n + 1, NULL);
-            tu_http_free(&h);
-            return v;
-        }
-    }
-    fail_msg("no metric %s in:\n%s", name, h.body);
-    return 0;
-}
-
-/* Until nothing runs or waits: the metrics are published after the scheduler step that
- * answered the last client, which may come a moment after the answer. */
-static void wait_idle(const struct tu_server *s) {
-    for (int i = 0; i < 600; i++) {
-        if (metric(s, "llmem_requests_running") == 0 && metric(s, "llmem_requests_waiting") == 0)
-            return;
-        usleep(50 * 1000);
-    }
-    fail_msg("the server does not become idle");
 }
 
 static char *json_escape(const char *s) {
@@ -210,28 +180,6 @@ static void test_nul_in_prompt(void **state) {
     llmem_tokenizer_free(tok);
 }
 
-/* The JSON payloads of an SSE body, in order, checking that it ends with data: [DONE]. */
-static int sse_events(const char *body, cJSON **events, int max) {
-    int n = 0, done = 0;
-    for (const char *p = body; *p;) {
-        const char *end = strstr(p, "\n\n");
-        assert_non_null(end);
-        assert_true(strncmp(p, "data: ", 6) == 0);
-        assert_false(done); /* nothing after [DONE] */
-        if (strncmp(p + 6, "[DONE]", 6) == 0) {
-            done = 1;
-        } else {
-            assert_true(n < max);
-            events[n] = cJSON_ParseWithLength(p + 6, (size_t)(end - p - 6));
-            assert_non_null(events[n]);
-            n++;
-        }
-        p = end + 2;
-    }
-    assert_true(done);
-    return n;
-}
-
 static int group_setup(void **state) {
     (void)state;
     const char *args[] = {PYCODER, "--chat-template", "chatml", "--threads", "2"};
@@ -285,7 +233,7 @@ static void test_completions_stream(void **state) {
     assert_int_equal(h.status, 200);
     assert_non_null(strstr(h.headers, "text/event-stream"));
     cJSON *ev[128];
-    int n = sse_events(h.body, ev, 128);
+    int n = tu_sse_events(h.body, ev, 128);
     assert_true(n >= 3);
     char text[4096] = "";
     for (int i = 0; i < n - 2; i++) {
@@ -382,7 +330,7 @@ static void test_chat(void **state) {
     h = post(&srv, "/v1/chat/completions", body);
     assert_int_equal(h.status, 200);
     cJSON *ev[128];
-    int n = sse_events(h.body, ev, 128);
+    int n = tu_sse_events(h.body, ev, 128);
     const cJSON *d0 =
         cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(ev[0], "choices"), 0), "delta");
     assert_string_equal(cJSON_GetObjectItem(d0, "role")->valuestring, "assistant");
@@ -446,7 +394,7 @@ static void test_concurrent_equal_single(void **state) {
         args[k++] = outs[i];
         args[k++] = url;
     }
-    double before = metric(&srv, "llmem_scheduler_steps_total");
+    double before = tu_metric(&srv, "llmem_scheduler_steps_total");
     struct tu_run r = tu_exec("curl", NULL, k, args);
     assert_int_equal(r.exit_code, 0);
     tu_run_free(&r);
@@ -460,7 +408,7 @@ static void test_concurrent_equal_single(void **state) {
         char text[4096] = "";
         if (i % 2) {
             cJSON *ev[128];
-            int n = sse_events(buf, ev, 128);
+            int n = tu_sse_events(buf, ev, 128);
             for (int e = 0; e < n; e++) {
                 const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(ev[e], "choices"), 0);
                 strcat(text, cJSON_GetObjectItem(c, "text")->valuestring);
@@ -477,7 +425,7 @@ static void test_concurrent_equal_single(void **state) {
         free(alone[i]);
     }
     /* they ran batched: far fewer steps than 16 requests × 48 tokens one by one */
-    assert_true(metric(&srv, "llmem_scheduler_steps_total") - before < N * 48);
+    assert_true(tu_metric(&srv, "llmem_scheduler_steps_total") - before < N * 48);
     tu_rmtree(dir);
     free(dir);
 }
@@ -486,12 +434,9 @@ static void test_concurrent_equal_single(void **state) {
  * (the only blocks left in use are the bank's) and counts a cancelled request. */
 static void test_disconnect_frees_kv(void **state) {
     (void)state;
-    double cancelled = metric(&srv, "llmem_requests_total{outcome=\"cancelled\"}");
-    int port = atoi(strrchr(srv.url, ':') + 1);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    double cancelled = tu_metric(&srv, "llmem_requests_total{outcome=\"cancelled\"}");
+    int fd = tu_http_connect(srv.url, 120);
+    assert_true(fd >= 0);
     const char body[] = "{\"prompt\": \"def main():\\n\", \"max_tokens\": 1900, \"temperature\": "
                         "0, \"ignore_eos\": true, \"stream\": true}";
     char req[1024];
@@ -514,11 +459,11 @@ static void test_disconnect_frees_kv(void **state) {
     assert_non_null(strstr(buf, "200 OK"));
     close(fd);
     /* the scheduler notices at its next step; wait for it (no time is asserted) */
-    wait_idle(&srv);
-    assert_true(metric(&srv, "llmem_requests_total{outcome=\"cancelled\"}") >= cancelled + 1);
-    assert_true(metric(&srv, "llmem_client_disconnects_total") >= 1);
-    assert_true(metric(&srv, "llmem_generation_tokens_total") > 0);
-    assert_int_equal(metric(&srv, "llmem_kv_blocks_used"), metric(&srv, "llmem_bank_blocks"));
+    tu_wait_idle(&srv);
+    assert_true(tu_metric(&srv, "llmem_requests_total{outcome=\"cancelled\"}") >= cancelled + 1);
+    assert_true(tu_metric(&srv, "llmem_client_disconnects_total") >= 1);
+    assert_true(tu_metric(&srv, "llmem_generation_tokens_total") > 0);
+    assert_int_equal(tu_metric(&srv, "llmem_kv_blocks_used"), tu_metric(&srv, "llmem_bank_blocks"));
 }
 
 /* A client that closes its socket while its non-streaming answer is being generated cancels the
@@ -527,15 +472,12 @@ static void test_disconnect_frees_kv(void **state) {
 static void test_disconnect_plain_cancels(void **state) {
     (void)state;
     enum { MAX_TOKENS = 1900 };
-    double cancelled = metric(&srv, "llmem_requests_total{outcome=\"cancelled\"}");
-    double ok = metric(&srv, "llmem_requests_total{outcome=\"ok\"}");
-    double gone = metric(&srv, "llmem_client_disconnects_total");
-    double generated = metric(&srv, "llmem_generation_tokens_total");
-    int port = atoi(strrchr(srv.url, ':') + 1);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    double cancelled = tu_metric(&srv, "llmem_requests_total{outcome=\"cancelled\"}");
+    double ok = tu_metric(&srv, "llmem_requests_total{outcome=\"ok\"}");
+    double gone = tu_metric(&srv, "llmem_client_disconnects_total");
+    double generated = tu_metric(&srv, "llmem_generation_tokens_total");
+    int fd = tu_http_connect(srv.url, 120);
+    assert_true(fd >= 0);
     char body[256], req[1024];
     snprintf(body, sizeof(body),
              "{\"prompt\": \"def main():\\n\", \"max_tokens\": %d, \"temperature\": 0, "
@@ -547,17 +489,17 @@ static void test_disconnect_plain_cancels(void **state) {
                        strlen(body), body);
     assert_int_equal(write(fd, req, (size_t)len), len);
     /* close once the request is generating */
-    for (int i = 0; i < 600 && metric(&srv, "llmem_generation_tokens_total") == generated; i++)
+    for (int i = 0; i < 600 && tu_metric(&srv, "llmem_generation_tokens_total") == generated; i++)
         usleep(5 * 1000);
     close(fd);
-    wait_idle(&srv);
-    double n = metric(&srv, "llmem_generation_tokens_total") - generated;
+    tu_wait_idle(&srv);
+    double n = tu_metric(&srv, "llmem_generation_tokens_total") - generated;
     print_message("  generated %.0f of %d tokens before the cancel\n", n, MAX_TOKENS);
-    assert_true(metric(&srv, "llmem_requests_total{outcome=\"cancelled\"}") == cancelled + 1);
-    assert_true(metric(&srv, "llmem_requests_total{outcome=\"ok\"}") == ok);
-    assert_true(metric(&srv, "llmem_client_disconnects_total") == gone + 1);
+    assert_true(tu_metric(&srv, "llmem_requests_total{outcome=\"cancelled\"}") == cancelled + 1);
+    assert_true(tu_metric(&srv, "llmem_requests_total{outcome=\"ok\"}") == ok);
+    assert_true(tu_metric(&srv, "llmem_client_disconnects_total") == gone + 1);
     assert_true(n > 0 && n < MAX_TOKENS);
-    assert_int_equal(metric(&srv, "llmem_kv_blocks_used"), metric(&srv, "llmem_bank_blocks"));
+    assert_int_equal(tu_metric(&srv, "llmem_kv_blocks_used"), tu_metric(&srv, "llmem_bank_blocks"));
 }
 
 /* Requests that share a long system prompt take its blocks from the session bank. */
@@ -567,8 +509,8 @@ static void test_shared_prefix_bank_hits(void **state) {
     for (int i = 0; i < 40; i++)
         snprintf(system + strlen(system), sizeof(system) - strlen(system),
                  "Rule %d: keep function %d short and name it well. ", i, i);
-    double hits = metric(&srv, "llmem_bank_hits_total");
-    double reused = metric(&srv, "llmem_prompt_tokens_reused_total");
+    double hits = tu_metric(&srv, "llmem_bank_hits_total");
+    double reused = tu_metric(&srv, "llmem_prompt_tokens_reused_total");
     for (int i = 0; i < 4; i++) {
         char body[16384];
         snprintf(body, sizeof(body),
@@ -580,11 +522,11 @@ static void test_shared_prefix_bank_hits(void **state) {
         assert_int_equal(h.status, 200);
         tu_http_free(&h);
     }
-    double new_hits = metric(&srv, "llmem_bank_hits_total") - hits;
+    double new_hits = tu_metric(&srv, "llmem_bank_hits_total") - hits;
     printf("  shared system prompt: %.0f bank blocks hit, %.0f prompt tokens reused\n", new_hits,
-           metric(&srv, "llmem_prompt_tokens_reused_total") - reused);
+           tu_metric(&srv, "llmem_prompt_tokens_reused_total") - reused);
     assert_true(new_hits >= 3 * 16); /* three requests after the first reuse ≥ 16 blocks each */
-    assert_true(metric(&srv, "llmem_prompt_tokens_reused_total") - reused >= 3 * 256);
+    assert_true(tu_metric(&srv, "llmem_prompt_tokens_reused_total") - reused >= 3 * 256);
 }
 
 /* ---- the other routes ------------------------------------------------------------------------ */
@@ -678,8 +620,9 @@ static void test_models_health_metrics(void **state) {
         assert_non_null(strchr(p, '\n'));
     }
     tu_http_free(&h);
-    assert_true(metric(&srv, "llmem_mem_peak_bytes") <= metric(&srv, "llmem_mem_limit_bytes"));
-    assert_true(metric(&srv, "llmem_ttft_seconds_count") >= 1);
+    assert_true(tu_metric(&srv, "llmem_mem_peak_bytes") <=
+                tu_metric(&srv, "llmem_mem_limit_bytes"));
+    assert_true(tu_metric(&srv, "llmem_ttft_seconds_count") >= 1);
 }
 
 /* POST /admin/cache/clear empties the bank: no KV block stays in use. */
@@ -690,15 +633,15 @@ static void test_cache_clear(void **state) {
                             "\"temperature\": 0, \"ignore_eos\": true}");
     assert_int_equal(h.status, 200);
     tu_http_free(&h);
-    assert_true(metric(&srv, "llmem_bank_blocks") > 0);
+    assert_true(tu_metric(&srv, "llmem_bank_blocks") > 0);
     h = post(&srv, "/admin/cache/clear", NULL);
     assert_int_equal(h.status, 200);
     cJSON *root = tu_http_json(&h);
     assert_true(cJSON_GetObjectItem(root, "released_bytes")->valuedouble > 0);
     cJSON_Delete(root);
     tu_http_free(&h);
-    assert_int_equal(metric(&srv, "llmem_bank_blocks"), 0);
-    assert_int_equal(metric(&srv, "llmem_kv_blocks_used"), 0);
+    assert_int_equal(tu_metric(&srv, "llmem_bank_blocks"), 0);
+    assert_int_equal(tu_metric(&srv, "llmem_kv_blocks_used"), 0);
 }
 
 /* ---- bad requests ---------------------------------------------------------------------------- */
@@ -729,7 +672,7 @@ static void expect_error(const char *path, const char *body, long len, int statu
 
 static void test_bad_requests(void **state) {
     (void)state;
-    double invalid = metric(&srv, "llmem_requests_total{outcome=\"invalid\"}");
+    double invalid = tu_metric(&srv, "llmem_requests_total{outcome=\"invalid\"}");
     const char *C = "/v1/completions", *CH = "/v1/chat/completions";
     expect_error(C, "{\"prompt\": \"x\",", -1, 400, NULL, "invalid_json");
     expect_error(C, "not json", -1, 400, NULL, "invalid_json");
@@ -809,10 +752,10 @@ static void test_bad_requests(void **state) {
     assert_non_null(strstr(h.headers, "Allow: POST"));
     tu_http_free(&h);
     /* every one of them was counted, and the server serves on */
-    assert_true(metric(&srv, "llmem_requests_total{outcome=\"invalid\"}") - invalid >= 40);
+    assert_true(tu_metric(&srv, "llmem_requests_total{outcome=\"invalid\"}") - invalid >= 40);
     char *text = complete(&srv, "\"def ok():\"", 4);
     free(text);
-    assert_int_equal(metric(&srv, "llmem_requests_total{outcome=\"failed\"}"), 0);
+    assert_int_equal(tu_metric(&srv, "llmem_requests_total{outcome=\"failed\"}"), 0);
 }
 
 /* ---- other servers --------------------------------------------------------------------------- */
@@ -915,7 +858,7 @@ static void test_queue_full(void **state) {
     }
     assert_true(ok >= 2);
     assert_true(busy >= 1);
-    assert_true(metric(&s, "llmem_requests_total{outcome=\"rejected\"}") == busy);
+    assert_true(tu_metric(&s, "llmem_requests_total{outcome=\"rejected\"}") == busy);
     assert_int_equal(tu_serve_stop(&s), 0);
     tu_rmtree(dir);
     free(dir);
@@ -1061,13 +1004,13 @@ static void test_memory_burst(void **state) {
             assert_non_null(strstr(cat.out, "\"completion_tokens\":200"));
         tu_run_free(&cat);
     }
-    wait_idle(&s);
+    tu_wait_idle(&s);
     printf("  64 long requests on a 64M machine: %d completed, %d refused (507), "
            "%.0f preemptions, peak %.0f of limit %.0f bytes\n",
-           ok, refused, metric(&s, "llmem_preemptions_total"), metric(&s, "llmem_mem_peak_bytes"),
-           metric(&s, "llmem_mem_limit_bytes"));
-    assert_true(metric(&s, "llmem_mem_peak_bytes") <= metric(&s, "llmem_mem_limit_bytes"));
-    assert_int_equal(metric(&s, "llmem_requests_total{outcome=\"failed\"}"), 0);
+           ok, refused, tu_metric(&s, "llmem_preemptions_total"),
+           tu_metric(&s, "llmem_mem_peak_bytes"), tu_metric(&s, "llmem_mem_limit_bytes"));
+    assert_true(tu_metric(&s, "llmem_mem_peak_bytes") <= tu_metric(&s, "llmem_mem_limit_bytes"));
+    assert_int_equal(tu_metric(&s, "llmem_requests_total{outcome=\"failed\"}"), 0);
     struct tu_http h = get(&s, "/health");
     assert_int_equal(h.status, 200);
     cJSON *health = tu_http_json(&h);
@@ -1102,37 +1045,29 @@ static void fake_guard(void *arg, struct llmem_guard_reading *r) {
 /* llmem_server_start/stop on an engine whose guard reads fake pressure: a critical refuses new
  * requests with 507 insufficient_memory and the engine's reason, and when it clears the server
  * serves again; stopping with a stream in flight ends that stream with an error event. */
-/* A socket to the server at url with the headers of a completion request of `length` body bytes
- * and the first `sent` bytes of `body` written. */
+/* A connection to the server at url with the headers of a completion request of `length` body
+ * bytes and the first `sent` bytes of `body` written. */
 static int body_socket(const char *url, const char *body, size_t length, size_t sent) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET,
-                            .sin_port = htons((uint16_t)atoi(strrchr(url, ':') + 1))};
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    int fd = tu_http_connect(url, 60);
+    assert_true(fd >= 0);
     char head[256];
-    int n = snprintf(head, sizeof(head),
-                     "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
-                     "Content-Type: application/json\r\nContent-Length: %zu\r\n\r\n",
-                     length);
-    assert_int_equal(write(fd, head, (size_t)n), n);
-    assert_int_equal(write(fd, body, sent), (ssize_t)sent);
+    snprintf(head, sizeof(head),
+             "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+             "Content-Type: application/json\r\nContent-Length: %zu\r\n\r\n",
+             length);
+    assert_int_equal(tu_http_send(fd, head, -1), 0);
+    assert_int_equal(tu_http_send(fd, body, (long)sent), 0);
     return fd;
 }
 
-/* The rest of the body from `sent` on, then the response's status code (the socket closed). */
-static int body_finish(int fd, const char *body, size_t length, size_t sent, char *resp,
-                       size_t size) {
-    assert_int_equal(write(fd, body + sent, length - sent), (ssize_t)(length - sent));
-    size_t got = 0;
-    ssize_t r;
-    while (got + 1 < size && (r = read(fd, resp + got, size - 1 - got)) > 0)
-        got += (size_t)r;
-    resp[got] = '\0';
+/* The rest of the body from `sent` on, then the response (the socket closed). */
+static struct tu_http body_finish(int fd, const char *body, size_t length, size_t sent) {
+    assert_int_equal(tu_http_send(fd, body + sent, (long)(length - sent)), 0);
+    struct tu_http h;
+    char why[256];
+    assert_int_equal(tu_http_read(fd, &h, why, sizeof(why)), 0);
     close(fd);
-    int code = 0;
-    sscanf(resp, "HTTP/1.1 %d", &code);
-    return code;
+    return h;
 }
 
 /* The request bodies the server holds at once stay within LLMEM_SERVER_BODIES_IN_FLIGHT times the
@@ -1167,14 +1102,19 @@ static void test_bodies_in_flight(void **state) {
         fds[i] = body_socket(url, body, LEN, HALF);
         usleep(200 * 1000); /* each half read before the next one arrives */
     }
-    char resp[8192];
-    assert_int_equal(body_finish(fds[2], body, LEN, HALF, resp, sizeof(resp)), 503);
-    assert_non_null(strstr(resp, "server_busy"));
-    assert_non_null(strstr(resp, "Retry-After"));
-    for (int i = 0; i < 2; i++)
-        assert_int_equal(body_finish(fds[i], body, LEN, HALF, resp, sizeof(resp)), 200);
-    int fd = body_socket(url, body, LEN, HALF);
-    assert_int_equal(body_finish(fd, body, LEN, HALF, resp, sizeof(resp)), 200);
+    struct tu_http h = body_finish(fds[2], body, LEN, HALF);
+    assert_int_equal(h.status, 503);
+    assert_non_null(strstr(h.body, "server_busy"));
+    assert_non_null(strstr(h.headers, "Retry-After"));
+    tu_http_free(&h);
+    for (int i = 0; i < 2; i++) {
+        h = body_finish(fds[i], body, LEN, HALF);
+        assert_int_equal(h.status, 200);
+        tu_http_free(&h);
+    }
+    h = body_finish(body_socket(url, body, LEN, HALF), body, LEN, HALF);
+    assert_int_equal(h.status, 200);
+    tu_http_free(&h);
     llmem_server_stop(s);
     llmem_engine_close(e);
 }
@@ -1224,8 +1164,8 @@ static void test_library_507_and_stop(void **state) {
         "critical");
     cJSON_Delete(health);
     tu_http_free(&h);
-    assert_true(metric(&view, "llmem_requests_total{outcome=\"refused\"}") == 2);
-    assert_true(metric(&view, "llmem_guard_actions_total{level=\"critical\"}") >= 1);
+    assert_true(tu_metric(&view, "llmem_requests_total{outcome=\"refused\"}") == 2);
+    assert_true(tu_metric(&view, "llmem_guard_actions_total{level=\"critical\"}") >= 1);
     __atomic_store_n(&pressure, 0, __ATOMIC_SEQ_CST);
     for (int i = 0; i < 100; i++) { /* the guard looks at least once a second */
         h = post(&view, "/v1/completions", body);
@@ -1236,7 +1176,7 @@ static void test_library_507_and_stop(void **state) {
         assert_int_equal(status, 507);
         usleep(100 * 1000);
     }
-    assert_true(metric(&view, "llmem_requests_total{outcome=\"ok\"}") == 2);
+    assert_true(tu_metric(&view, "llmem_requests_total{outcome=\"ok\"}") == 2);
 
     /* a long stream, read by curl in the background; stop the server under it */
     char out[] = "/tmp/llmem-stream-XXXXXX", url[256];
@@ -1299,16 +1239,6 @@ struct oom_tally {
     int ok, stream_error, http_5xx, http_507;
 };
 
-/* An OpenAI error object (as a body, or as the last event of a stream) with a type and a
- * message. */
-static void assert_error_object(const cJSON *root) {
-    const cJSON *err = cJSON_GetObjectItem(root, "error");
-    assert_true(cJSON_IsObject(err));
-    assert_true(cJSON_IsString(cJSON_GetObjectItem(err, "type")));
-    assert_true(cJSON_IsString(cJSON_GetObjectItem(err, "message")));
-    assert_true(strlen(cJSON_GetObjectItem(err, "message")->valuestring) > 0);
-}
-
 /* One greedy request's answer with a fault armed: a 200 with the whole greedy text (or, streaming,
  * an SSE body that ends in an error event and [DONE]), or a 5xx with an OpenAI error object. */
 static void oom_request(const struct tu_server *s, int stream, const char *want,
@@ -1320,7 +1250,7 @@ static void oom_request(const struct tu_server *s, int stream, const char *want,
         if (h.status < 500)
             fail_msg("HTTP %d under a fault:\n%s", h.status, h.body);
         cJSON *root = tu_http_json(&h);
-        assert_error_object(root);
+        assert_true(tu_is_error_object(root));
         cJSON_Delete(root);
         if (h.status == 507)
             t->http_507++;
@@ -1339,10 +1269,10 @@ static void oom_request(const struct tu_server *s, int stream, const char *want,
     } else {
         assert_non_null(strstr(h.headers, "text/event-stream"));
         cJSON *ev[64];
-        int n = sse_events(h.body, ev, 64);
+        int n = tu_sse_events(h.body, ev, 64);
         assert_true(n >= 1);
         if (cJSON_GetObjectItem(ev[n - 1], "error") != NULL) {
-            assert_error_object(ev[n - 1]);
+            assert_true(tu_is_error_object(ev[n - 1]));
             for (int i = 0; i < n - 1; i++) /* the chunks before it are chunks */
                 assert_non_null(cJSON_GetObjectItem(ev[i], "choices"));
             t->stream_error++;
