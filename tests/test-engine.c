@@ -1072,10 +1072,67 @@ static void test_request_out_of_memory(void **state) {
     llmem_engine_close(e);
 }
 
-/* An allocation attempt fails at every point of opening the engine and of one request: the n-th
- * attempt, for n = 1, 2, … until the whole sequence runs past the fault. A failure the allocator
- * cannot absorb (by releasing its cache and retrying) is a clean LLMEM_ENOMEM (the sanitizer build
- * checks that nothing leaks); one it absorbs leaves every invariant intact. */
+/* One sweep of test_out_of_memory_everywhere: the n-th allocation attempt fails (count 1), or it
+ * and every one after it until disarmed (LLMEM_MEM_FAULT_PERSIST), for n = 1, 2, … until the
+ * whole sequence of opening the engine and one request runs past the fault. Each failure is a
+ * clean LLMEM_ENOMEM with every invariant intact, and after disarming the same engine gives the
+ * ids it gives without a fault. */
+static void oom_sweep(int64_t count, const int32_t *want, int *open_failures,
+                      int *request_failures) {
+    struct llmem_engine_config c;
+    llmem_engine_config_default(&c);
+    c.model_dir = PYCODER;
+    c.context = 64;
+    c.n_threads = 2;
+    int32_t prompt[40];
+    for (int i = 0; i < 40; i++)
+        prompt[i] = 100 + 7 * i;
+    struct llmem_generate_params p;
+    llmem_generate_params_default(&p);
+    p.max_tokens = 8;
+    p.ignore_eos = 1;
+    for (int64_t n = 1; n < 10000; n++) {
+        llmem_mem_fault_inject_count(n, count);
+        struct llmem_engine *e = NULL;
+        int status = llmem_engine_open(&c, NULL, NULL, &e);
+        if (status != LLMEM_OK) {
+            llmem_mem_fault_inject(0);
+            assert_int_equal(status, LLMEM_ENOMEM);
+            assert_null(e);
+            (*open_failures)++;
+            continue;
+        }
+        struct llmem_generate_result r;
+        status = llmem_engine_generate(e, prompt, 40, &p, NULL, NULL, &r);
+        int pending = llmem_mem_fault_pending();
+        llmem_mem_fault_inject(0);
+        if (status == LLMEM_OK) {
+            assert_int_equal(r.n_ids, 8);
+            assert_memory_equal(r.ids, want, 8 * sizeof(*want));
+            llmem_generate_result_free(&r);
+        } else {
+            assert_int_equal(status, LLMEM_ENOMEM);
+            (*request_failures)++;
+        }
+        assert_int_equal(llmem_kv_check(llmem_engine_kv(e)), LLMEM_OK);
+        assert_int_equal(llmem_mem_check(llmem_engine_mem(e)), LLMEM_OK);
+        if (status != LLMEM_OK) { /* the engine serves on */
+            assert_int_equal(llmem_engine_generate(e, prompt, 40, &p, NULL, NULL, &r), LLMEM_OK);
+            assert_memory_equal(r.ids, want, 8 * sizeof(*want));
+            llmem_generate_result_free(&r);
+        }
+        llmem_engine_close(e);
+        if (pending)
+            break; /* the fault never fired: every allocation was covered */
+    }
+    llmem_mem_fault_inject(0);
+}
+
+/* An allocation attempt fails at every point of opening the engine and of one request. A single
+ * refusal the allocator mostly absorbs (it releases its cache and retries): the single-shot sweep
+ * reaches the failures of its bookkeeping. The persistent sweep (every attempt from the n-th on
+ * fails) reaches the request's own failure paths, and must see them. The sanitizer build checks
+ * that nothing leaks. */
 static void test_out_of_memory_everywhere(void **state) {
     (void)state;
     struct llmem_engine_config c;
@@ -1090,40 +1147,28 @@ static void test_out_of_memory_everywhere(void **state) {
     llmem_generate_params_default(&p);
     p.max_tokens = 8;
     p.ignore_eos = 1;
+    struct llmem_engine *e = NULL;
+    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    struct llmem_generate_result r;
+    assert_int_equal(llmem_engine_generate(e, prompt, 40, &p, NULL, NULL, &r), LLMEM_OK);
+    assert_int_equal(r.n_ids, 8);
+    int32_t want[8];
+    memcpy(want, r.ids, sizeof(want));
+    llmem_generate_result_free(&r);
+    llmem_engine_close(e);
+
     llmem_log_set_callback(capture, NULL, LLMEM_LOG_ERROR);
-    int open_failures = 0, request_failures = 0;
-    for (int64_t n = 1; n < 10000; n++) {
-        llmem_mem_fault_inject(n);
-        struct llmem_engine *e = NULL;
-        int status = llmem_engine_open(&c, NULL, NULL, &e);
-        if (status != LLMEM_OK) {
-            assert_int_equal(status, LLMEM_ENOMEM);
-            assert_null(e);
-            open_failures++;
-            continue;
-        }
-        struct llmem_generate_result r;
-        status = llmem_engine_generate(e, prompt, 40, &p, NULL, NULL, &r);
-        int pending = llmem_mem_fault_pending();
-        llmem_mem_fault_inject(0);
-        if (status == LLMEM_OK) {
-            assert_int_equal(r.n_ids, 8);
-            llmem_generate_result_free(&r);
-        } else {
-            assert_int_equal(status, LLMEM_ENOMEM);
-            request_failures++;
-        }
-        assert_int_equal(llmem_kv_check(llmem_engine_kv(e)), LLMEM_OK);
-        assert_int_equal(llmem_mem_check(llmem_engine_mem(e)), LLMEM_OK);
-        llmem_engine_close(e);
-        if (pending)
-            break; /* the fault never fired: every allocation was covered */
-    }
-    llmem_mem_fault_inject(0);
+    int open_once = 0, request_once = 0, open_persist = 0, request_persist = 0;
+    oom_sweep(1, want, &open_once, &request_once);
+    oom_sweep(LLMEM_MEM_FAULT_PERSIST, want, &open_persist, &request_persist);
     llmem_log_set_callback(NULL, NULL, LLMEM_LOG_WARN);
-    printf("  %d failures while opening, %d during the request, all clean\n", open_failures,
-           request_failures);
-    assert_true(open_failures > 0);
+    printf("  single-shot: %d failures while opening, %d during the request, all clean\n",
+           open_once, request_once);
+    printf("  persistent: %d failures while opening, %d during the request, all clean\n",
+           open_persist, request_persist);
+    assert_true(open_once > 0);
+    assert_true(open_persist > 0);
+    assert_true(request_persist > 0);
 }
 
 int main(void) {

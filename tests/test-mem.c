@@ -492,6 +492,45 @@ static void test_fault_fails_cleanly(void **state) {
     llmem_mem_destroy(m);
 }
 
+/* A run of refusals that the allocator's retry cannot absorb: two in a row refuse the attempt and
+ * its retry; the persistent mode refuses every attempt until disarmed. Each is a clean NULL. */
+static void test_fault_runs(void **state) {
+    (void)state;
+    struct llmem_mem *m = new_mem(0, 0);
+    void *p = llmem_mem_alloc(m, 100, LLMEM_TAG_OTHER); /* the bookkeeping grows here */
+    assert_non_null(p);
+    llmem_mem_fault_inject_count(1, 2);
+    assert_null(llmem_mem_alloc(m, 5 * MiB, LLMEM_TAG_KV));
+    assert_int_equal(stats_of(m).os_failures, 1);
+    assert_false(llmem_mem_fault_pending());
+    void *q = llmem_mem_alloc(m, 5 * MiB, LLMEM_TAG_KV); /* the run is over */
+    assert_non_null(q);
+    llmem_mem_free(m, q);
+
+    llmem_mem_fault_inject_count(2, LLMEM_MEM_FAULT_PERSIST);
+    assert_true(llmem_mem_fault_pending());
+    void *a = llmem_mem_alloc(m, 64, LLMEM_TAG_OTHER); /* the first attempt passes */
+    assert_non_null(a);
+    assert_true(llmem_mem_fault_pending());
+    for (int i = 1; i <= 20; i++)
+        assert_null(llmem_mem_alloc(m, (size_t)i * 3 * MiB, LLMEM_TAG_SCRATCH));
+    assert_false(llmem_mem_fault_pending());
+    assert_int_equal(llmem_mem_create(&(struct llmem_mem_config){0}, &(struct llmem_mem *){0}),
+                     LLMEM_ENOMEM);
+    llmem_mem_fault_inject(0);
+    void *b = llmem_mem_alloc(m, 3 * MiB, LLMEM_TAG_SCRATCH);
+    assert_non_null(b);
+    /* count 0 arms nothing */
+    llmem_mem_fault_inject_count(1, 0);
+    assert_false(llmem_mem_fault_pending());
+    llmem_mem_free(m, b);
+    llmem_mem_free(m, a);
+    llmem_mem_free(m, p);
+    assert_int_equal(llmem_mem_active(m), 0);
+    assert_int_equal(llmem_mem_check(m), LLMEM_OK);
+    llmem_mem_destroy(m);
+}
+
 static void test_stress(void **state) {
     (void)state;
     struct llmem_mem *m = new_mem(256 * (int64_t)MiB, 32 * (int64_t)MiB);
@@ -578,6 +617,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test_setup(test_default_cache_limit, disarm),
         cmocka_unit_test_setup(test_fault_injection_every_n, disarm),
         cmocka_unit_test_setup(test_fault_fails_cleanly, disarm),
+        cmocka_unit_test_setup(test_fault_runs, disarm),
         cmocka_unit_test_setup(test_stress, disarm),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

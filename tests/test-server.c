@@ -272,6 +272,27 @@ static void test_parse_errors(void **state) {
          "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": "
          "{\"type\": \"json_object\"}}",
          400, "response_format", "unsupported_value"},
+        /* a NUL in a field that names something: never read as the prefix before it */
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"stop\": \"a\\u0000b\"}", 400, "stop",
+         "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"stop\": [\"ok\", \"\\u0000\"]}", 400, "stop",
+         "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"model\": \"pycoder\\u0000x\"}", 404, "model",
+         "model_not_found"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"suffix\": \"\\u0000s\"}", 400, "suffix",
+         "unsupported_value"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\\u0000x\", \"content\": \"x\"}]}", 400,
+         "messages", "invalid_value"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\\u0000\", \"content\": \"x\"}]}", 400,
+         "messages", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"text\\u0000\", "
+         "\"text\": \"x\"}]}]}",
+         400, "messages", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": "
+         "{\"type\": \"text\\u0000\"}}",
+         400, "response_format", "unsupported_value"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         struct srv_request r;

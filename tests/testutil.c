@@ -116,6 +116,11 @@ static char *slurp_fd(int fd) {
 }
 
 struct tu_run tu_exec(const char *bin, const char *input, int n, const char *const *args) {
+    return tu_exec_len(bin, input, input != NULL ? strlen(input) : 0, n, args);
+}
+
+struct tu_run tu_exec_len(const char *bin, const char *input, size_t input_len, int n,
+                          const char *const *args) {
     /* stdin, stdout and stderr are unlinked temp files, so large outputs never block on a pipe. */
     char out_path[] = "/tmp/llmem-out-XXXXXX", err_path[] = "/tmp/llmem-err-XXXXXX";
     char in_path[] = "/tmp/llmem-in-XXXXXX";
@@ -125,8 +130,7 @@ struct tu_run tu_exec(const char *bin, const char *input, int n, const char *con
     unlink(err_path);
     unlink(in_path);
     if (input != NULL) {
-        size_t len = strlen(input);
-        assert_int_equal(write(in_fd, input, len), (ssize_t)len);
+        assert_int_equal(write(in_fd, input, input_len), (ssize_t)input_len);
         lseek(in_fd, 0, SEEK_SET);
     }
 
@@ -163,6 +167,11 @@ struct tu_run tu_exec(const char *bin, const char *input, int n, const char *con
 
 struct tu_run tu_llmem_input(const char *input, int n, const char *const *args) {
     return tu_exec(LLMEM_BIN, input, n, args);
+}
+
+struct tu_run tu_llmem_input_len(const char *input, size_t input_len, int n,
+                                 const char *const *args) {
+    return tu_exec_len(LLMEM_BIN, input, input_len, n, args);
 }
 
 struct tu_run tu_llmem_argv(int n, const char *const *args) {

@@ -49,9 +49,14 @@ struct tu_run tu_llmem_bench(const char *arg, ...);
 struct tu_run tu_llmem_argv(int n, const char *const *args);
 /* Same with `input` on stdin (NULL: empty). */
 struct tu_run tu_llmem_input(const char *input, int n, const char *const *args);
+/* Same with input_len bytes of input (NULs included). */
+struct tu_run tu_llmem_input_len(const char *input, size_t input_len, int n,
+                                 const char *const *args);
 void tu_run_free(struct tu_run *run);
 /* Runs any program (found on PATH) the same way. */
 struct tu_run tu_exec(const char *bin, const char *input, int n, const char *const *args);
+struct tu_run tu_exec_len(const char *bin, const char *input, size_t input_len, int n,
+                          const char *const *args);
 
 /* `llmem serve ARGS --port 0`, stderr to a temp file; returns once it has printed its URL (the
  * test fails if it exits first). */

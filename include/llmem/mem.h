@@ -170,8 +170,15 @@ LLMEM_API int llmem_mem_check(struct llmem_mem *mem);
  * raw allocations and the allocator's own bookkeeping, in every allocator) fails as if the OS had
  * refused it. n ≤ 0 disarms. llmem_mem_fault_pending() says whether the armed fault has not
  * fired yet (so a test can tell that its whole sequence ran past it).
+ *
+ * A single refusal is usually absorbed (the allocator releases its cache and retries), so
+ * llmem_mem_fault_inject_count() arms a run of them: the n-th attempt and the count − 1 after it
+ * fail; count < 0 (LLMEM_MEM_FAULT_PERSIST): every attempt from the n-th on fails, until
+ * disarmed with n ≤ 0 (or count 0). llmem_mem_fault_inject(n) is the count 1.
  * ------------------------------------------------------------------------------------------- */
+#define LLMEM_MEM_FAULT_PERSIST (-1)
 LLMEM_API void llmem_mem_fault_inject(int64_t n);
+LLMEM_API void llmem_mem_fault_inject_count(int64_t n, int64_t count);
 LLMEM_API int llmem_mem_fault_pending(void);
 
 #ifdef __cplusplus

@@ -432,7 +432,8 @@ out:
 struct conversation {
     int32_t *ids;
     int64_t n;
-    char *text;
+    char *text;      /* NUL-terminated, and may hold NULs of the messages */
+    size_t text_len; /* its bytes */
 };
 
 static void conversation_free(struct conversation *c) {
@@ -444,13 +445,13 @@ static void conversation_free(struct conversation *c) {
 /* The ids of the rendered text: the conversation's ids + the rest encoded when the text
  * continues the conversation, else the whole text encoded. */
 static int conversation_ids(const struct llmem_tokenizer *tok, const struct conversation *c,
-                            const char *text, int32_t **ids, int64_t *n) {
-    size_t len = c->text != NULL ? strlen(c->text) : 0;
-    if (c->text == NULL || strncmp(text, c->text, len) != 0)
-        return llmem_tokenizer_encode(tok, text, strlen(text), ids, n);
+                            const char *text, size_t text_len, int32_t **ids, int64_t *n) {
+    size_t len = c->text_len;
+    if (c->text == NULL || len > text_len || memcmp(text, c->text, len) != 0)
+        return llmem_tokenizer_encode(tok, text, text_len, ids, n);
     int32_t *rest = NULL;
     int64_t n_rest = 0;
-    int status = llmem_tokenizer_encode(tok, text + len, strlen(text + len), &rest, &n_rest);
+    int status = llmem_tokenizer_encode(tok, text + len, text_len - len, &rest, &n_rest);
     if (status != LLMEM_OK)
         return status;
     *ids = malloc((size_t)(c->n + n_rest + 1) * sizeof(int32_t));
@@ -469,12 +470,13 @@ static int conversation_ids(const struct llmem_tokenizer *tok, const struct conv
  * decode to exactly the answer's text (not when a stop string cut it); else forgets the
  * conversation, and the next turn encodes its whole text. */
 static void conversation_keep(const struct llmem_tokenizer *tok, struct conversation *c, char *text,
-                              int32_t *ids, int64_t n, const struct llmem_generate_result *r) {
+                              size_t text_len, int32_t *ids, int64_t n,
+                              const struct llmem_generate_result *r) {
     conversation_free(c);
     char *decoded = NULL;
     size_t len = 0;
     int32_t *all = realloc(ids, (size_t)(n + r->n_ids + 1) * sizeof(int32_t));
-    char *joined = malloc(strlen(text) + r->text_len + 1);
+    char *joined = malloc(text_len + r->text_len + 1);
     int same = all != NULL && joined != NULL &&
                llmem_tokenizer_decode(tok, r->ids, r->n_ids, 1, &decoded, &len) == LLMEM_OK &&
                len == r->text_len && memcmp(decoded, r->text, len) == 0;
@@ -488,11 +490,14 @@ static void conversation_keep(const struct llmem_tokenizer *tok, struct conversa
         return;
     }
     memcpy(all + n, r->ids, (size_t)r->n_ids * sizeof(int32_t));
-    sprintf(joined, "%s%s", text, r->text);
+    memcpy(joined, text, text_len);
+    memcpy(joined + text_len, r->text, r->text_len);
+    joined[text_len + r->text_len] = '\0';
     free(text);
     c->ids = all;
     c->n = n + r->n_ids;
     c->text = joined;
+    c->text_len = text_len + r->text_len;
 }
 
 static const char chat_usage[] =
@@ -546,31 +551,38 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
     int n_msgs = 0, n_owned = 0;
     if (a->system != NULL)
         msgs[n_msgs++] = (struct llmem_chat_message){"system", a->system, 0};
-    char line[8192];
+    /* A line is read whole, whatever its length, with every byte (a NUL is a character of the
+     * message like any other, as in a request's content). */
+    char *line = NULL;
+    size_t line_cap = 0;
     int interactive = isatty(0);
     for (;;) {
         if (interactive)
             fprintf(stderr, "> ");
-        if (fgets(line, sizeof(line), stdin) == NULL)
+        ssize_t got = getline(&line, &line_cap, stdin);
+        if (got < 0)
             break;
-        line[strcspn(line, "\n")] = '\0';
-        if (line[0] == '\0' || n_msgs + 2 > 256 || n_owned + 2 > 256)
+        size_t len = (size_t)got;
+        if (len > 0 && line[len - 1] == '\n')
+            line[--len] = '\0';
+        if (len == 0 || n_msgs + 2 > 256 || n_owned + 2 > 256)
             break;
-        size_t len = strlen(line);
         if (llmem_tok_utf8_check(line, len) != len) { /* the session goes on without it */
             fprintf(stderr, "llmem chat: that line is not valid UTF-8 (byte %zu); type it again\n",
                     llmem_tok_utf8_check(line, len) + 1);
             continue;
         }
-        owned[n_owned] = strdup(line);
+        owned[n_owned] = malloc(len + 1);
         if (owned[n_owned] == NULL)
             break;
-        msgs[n_msgs++] = (struct llmem_chat_message){"user", owned[n_owned++], 0};
+        memcpy(owned[n_owned], line, len + 1);
+        msgs[n_msgs++] = (struct llmem_chat_message){"user", owned[n_owned++], len};
         char *text = NULL;
+        size_t text_len = 0;
         int32_t *ids = NULL;
         int64_t n = 0;
-        if (llmem_chat_render(tok, tmpl, msgs, n_msgs, 1, &text, NULL) != LLMEM_OK ||
-            conversation_ids(tok, &conv, text, &ids, &n) != LLMEM_OK) {
+        if (llmem_chat_render(tok, tmpl, msgs, n_msgs, 1, &text, &text_len) != LLMEM_OK ||
+            conversation_ids(tok, &conv, text, text_len, &ids, &n) != LLMEM_OK) {
             free(text);
             rc = CLI_FAIL;
             break;
@@ -583,16 +595,17 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
             rc = CLI_FAIL;
             break;
         }
-        conversation_keep(tok, &conv, text, ids, n, &r);
+        conversation_keep(tok, &conv, text, text_len, ids, n, &r);
         printf("\n");
         fflush(stdout);
         if (a->stats)
             print_stats(e, &r);
         owned[n_owned] = r.text;
         r.text = NULL;
-        msgs[n_msgs++] = (struct llmem_chat_message){"assistant", owned[n_owned++], 0};
+        msgs[n_msgs++] = (struct llmem_chat_message){"assistant", owned[n_owned++], r.text_len};
         llmem_generate_result_free(&r);
     }
+    free(line);
     conversation_free(&conv);
     for (int i = 0; i < n_owned; i++)
         free(owned[i]);

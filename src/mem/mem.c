@@ -40,24 +40,49 @@
 /* ---- fault injection --------------------------------------------------------------------------
  */
 
-static _Atomic int64_t fault_countdown; /* 0: disarmed; n: the n-th attempt from now fails */
+/* The armed fault: `countdown` attempts until the first refused one, then `left` more refused
+ * (< 0: every one until disarmed). `armed` is the lock-free fast path of fault_hit: when 0, no
+ * fault is armed or firing and an allocation pays one relaxed load. */
+static _Atomic int fault_armed;
+static pthread_mutex_t fault_lock = PTHREAD_MUTEX_INITIALIZER;
+static int64_t fault_countdown; /* 0: fired or disarmed; n: the n-th attempt from now fails */
+static int64_t fault_left;      /* refusals still to come after the first; < 0: until disarmed */
+
+void llmem_mem_fault_inject_count(int64_t n, int64_t count) {
+    pthread_mutex_lock(&fault_lock);
+    fault_countdown = n > 0 && count != 0 ? n : 0;
+    fault_left = fault_countdown > 0 ? (count < 0 ? -1 : count - 1) : 0;
+    atomic_store(&fault_armed, fault_countdown > 0);
+    pthread_mutex_unlock(&fault_lock);
+}
 
 void llmem_mem_fault_inject(int64_t n) {
-    atomic_store(&fault_countdown, n > 0 ? n : 0);
+    llmem_mem_fault_inject_count(n, 1);
 }
 
 int llmem_mem_fault_pending(void) {
-    return atomic_load(&fault_countdown) > 0;
+    pthread_mutex_lock(&fault_lock);
+    int pending = fault_countdown > 0;
+    pthread_mutex_unlock(&fault_lock);
+    return pending;
 }
 
 /* Counts one allocation attempt; 1 when this one is to fail. */
 static int fault_hit(void) {
-    int64_t c = atomic_load_explicit(&fault_countdown, memory_order_relaxed);
-    while (c > 0) {
-        if (atomic_compare_exchange_weak(&fault_countdown, &c, c - 1))
-            return c == 1;
+    if (!atomic_load_explicit(&fault_armed, memory_order_relaxed))
+        return 0;
+    pthread_mutex_lock(&fault_lock);
+    int hit = 0;
+    if (fault_countdown > 0) {
+        hit = --fault_countdown == 0;
+    } else if (fault_left != 0) {
+        hit = 1;
+        if (fault_left > 0)
+            fault_left--;
     }
-    return 0;
+    atomic_store(&fault_armed, fault_countdown > 0 || fault_left != 0);
+    pthread_mutex_unlock(&fault_lock);
+    return hit;
 }
 
 /* ---- the host kind ----------------------------------------------------------------------------

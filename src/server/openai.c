@@ -291,6 +291,12 @@ static size_t str_len(const struct srv_request *r, const char *s) {
     return strlen(s);
 }
 
+/* Whether a string of the request holds a NUL: a field that names something (a role, a model, a
+ * stop string, a type) is then never read as the prefix before it. */
+static int has_nul(const struct srv_request *r, const char *s) {
+    return str_len(r, s) != strlen(s);
+}
+
 /* ---- the prompt and the messages ------------------------------------------------------------- */
 
 static int ids_from_array(const cJSON *arr, const struct srv_model *m, struct srv_request *r,
@@ -386,7 +392,8 @@ static int message_content(const cJSON *msg, const char *role, int i, struct srv
     cJSON_ArrayForEach(part, c) {
         const char *type = NULL, *text = NULL;
         if (!cJSON_IsObject(part) || llmem_json_get_string(part, "type", &type) != LLMEM_OK ||
-            strcmp(type, "text") != 0 || llmem_json_get_string(part, "text", &text) != LLMEM_OK) {
+            strcmp(type, "text") != 0 || has_nul(r, type) ||
+            llmem_json_get_string(part, "text", &text) != LLMEM_OK) {
             llmem_srv_buf_free(&b);
             return bad(e, "messages", "invalid_value",
                        "messages[%d].content[%d] is not a text part ({\"type\": \"text\", "
@@ -434,6 +441,11 @@ static int parse_messages(const cJSON *root, struct srv_request *r, struct srv_e
             return bad(e, "messages", "invalid_type", "messages[%d] is not an object", i);
         if (llmem_json_get_string(msg, "role", &role) != LLMEM_OK)
             return bad(e, "messages", "invalid_value", "messages[%d] has no 'role' string", i);
+        if (has_nul(r, role))
+            return bad(e, "messages", "invalid_value",
+                       "messages[%d] has a role holding a NUL (\\u0000); this server takes "
+                       "system, user and assistant messages",
+                       i);
         if (strcmp(role, "developer") == 0)
             role = "system"; /* OpenAI's newer name for the system message */
         if (strcmp(role, "system") != 0 && strcmp(role, "user") != 0 &&
@@ -454,7 +466,7 @@ static int parse_messages(const cJSON *root, struct srv_request *r, struct srv_e
 /* ---- the request ----------------------------------------------------------------------------- */
 
 /* Fields this engine does not implement: allowed only at their neutral values. */
-static int unsupported(const cJSON *root, struct srv_error *e) {
+static int unsupported(const cJSON *root, const struct srv_request *r, struct srv_error *e) {
     int v = 0;
     int64_t i = 0;
     double d = 0;
@@ -470,7 +482,7 @@ static int unsupported(const cJSON *root, struct srv_error *e) {
         return bad(e, "best_of", "unsupported_value", "'best_of' must be 1 on this server");
     if ((got = field_str(root, "suffix", &s, e)) < 0)
         return -1;
-    if (got && *s)
+    if (got && (*s || has_nul(r, s)))
         return bad(e, "suffix", "unsupported_value", "'suffix' is not supported");
     static const char *const penalties[] = {"presence_penalty", "frequency_penalty"};
     for (int k = 0; k < 2; k++) {
@@ -490,11 +502,18 @@ static int unsupported(const cJSON *root, struct srv_error *e) {
     if (rf != NULL && !cJSON_IsNull(rf)) {
         const char *type = NULL;
         if (!cJSON_IsObject(rf) || llmem_json_get_string(rf, "type", &type) != LLMEM_OK ||
-            strcmp(type, "text") != 0)
+            strcmp(type, "text") != 0 || has_nul(r, type))
             return bad(e, "response_format", "unsupported_value",
                        "'response_format' must be {\"type\": \"text\"} on this server");
     }
     return 0;
+}
+
+/* Stop strings are matched as C strings in text that never holds a NUL (the detokenizer's pieces
+ * are C strings), so one with a NUL could never match as given: refused rather than cut short. */
+static int stop_nul(struct srv_error *e) {
+    return bad(e, "stop", "invalid_value",
+               "a 'stop' string holds a NUL (\\u0000); stop strings cannot contain one");
 }
 
 static int parse_stop(const cJSON *root, struct srv_request *r, struct srv_error *e) {
@@ -502,6 +521,8 @@ static int parse_stop(const cJSON *root, struct srv_request *r, struct srv_error
     if (stop == NULL || cJSON_IsNull(stop))
         return 0;
     if (cJSON_IsString(stop)) {
+        if (has_nul(r, stop->valuestring))
+            return stop_nul(e);
         if (*stop->valuestring)
             r->stop[r->n_stop++] = stop->valuestring;
         return 0;
@@ -517,6 +538,8 @@ static int parse_stop(const cJSON *root, struct srv_request *r, struct srv_error
         if (!cJSON_IsString(s))
             return bad(e, "stop", "invalid_type",
                        "Invalid type for 'stop': expected a string or an array of strings");
+        if (has_nul(r, s->valuestring))
+            return stop_nul(e);
         if (*s->valuestring)
             r->stop[r->n_stop++] = s->valuestring;
     }
@@ -608,16 +631,16 @@ int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
     int got;
     if ((got = field_str(root, "model", &model, e)) < 0)
         return -1;
-    if (got && strcmp(model, m->name) != 0)
+    if (got && (strcmp(model, m->name) != 0 || has_nul(r, model)))
         return llmem_srv_fail(e, 404, "invalid_request_error", "model", "model_not_found",
-                              "The model '%s' does not exist; this server serves '%s'", model,
-                              m->name);
+                              "The model '%s%s' does not exist; this server serves '%s'", model,
+                              has_nul(r, model) ? "\\u0000…" : "", m->name);
     int64_t n = 1;
     if (field_int(root, "n", &n, e) < 0)
         return -1;
     if (n != 1)
         return bad(e, "n", "unsupported_value", "'n' is %" PRId64 "; only 1 is supported", n);
-    if (unsupported(root, e) != 0)
+    if (unsupported(root, r, e) != 0)
         return -1;
     if (field_bool(root, "stream", &r->stream, e) < 0)
         return -1;

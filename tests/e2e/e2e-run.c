@@ -228,6 +228,17 @@ static void test_chat(void **state) {
     assert_non_null(strstr(r.err, "that line is not valid UTF-8 (byte 4); type it again"));
     assert_non_null(strstr(r.err, "prompt 31 tokens"));
     tu_run_free(&r);
+    /* a NUL in a line is a byte of the message like any other: the line is not cut there (the
+     * first turn, 31 tokens without it, gains the NUL's token; "def add(a," alone is fewer), and
+     * the next turn still continues the conversation from the session bank */
+    static const char nul_lines[] = "def add(a,\0 b):\nclass Foo:\n";
+    r = tu_llmem_input_len(nul_lines, sizeof(nul_lines) - 1, 7, args);
+    assert_int_equal(r.exit_code, 0);
+    first = strstr(r.err, "prompt 32 tokens (0 from the session bank");
+    if (first == NULL)
+        fail_msg("the line with a NUL was not taken whole:\n%s", r.err);
+    assert_non_null(strstr(first, "(32 from the session bank: 32 from RAM, 0 from disk)"));
+    tu_run_free(&r);
     /* pycoder's tokenizer has no template: without --chat-template that is a clear error */
     r = tu_llmem_input("hi\n", 2, args);
     assert_int_equal(r.exit_code, 1);

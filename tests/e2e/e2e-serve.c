@@ -1328,18 +1328,22 @@ static void oom_open(struct llmem_engine **e, struct llmem_server **s, struct tu
 
 /* On a fresh engine and server (so that the request makes the allocations a warm engine has
  * cached: its scratch buffers, its KV blocks, the allocator's bookkeeping), arms the n-th
- * allocation from now to fail, sends one request and disarms; then the server serves the same
- * greedy text as without a fault, and stopping and closing free everything. 1 when the fault
- * did not fire during the request (every allocation it makes comes before the n-th). */
-static int oom_probe(int64_t n, int stream, const char *want, struct oom_tally *t) {
+ * allocation from now to fail (count 1), or it and every one after it (LLMEM_MEM_FAULT_PERSIST),
+ * sends one request and disarms; then the server serves the same greedy text as without a fault,
+ * and stopping and closing free everything. 1 when the fault did not fire during the request
+ * (every allocation it makes comes before the n-th). */
+static int oom_probe(int64_t n, int64_t count, int stream, const char *want, struct oom_tally *t) {
     struct llmem_engine *e = NULL;
     struct llmem_server *s = NULL;
     struct tu_server view;
     oom_open(&e, &s, &view);
-    llmem_mem_fault_inject(n);
+    llmem_mem_fault_inject_count(n, count);
     oom_request(&view, stream, want, t);
     int pending = llmem_mem_fault_pending();
     llmem_mem_fault_inject(0);
+    /* the request, answered or failed, holds no KV block once it is over */
+    wait_idle(&view);
+    assert_int_equal(metric(&view, "llmem_kv_blocks_used"), metric(&view, "llmem_bank_blocks"));
     char *again = oom_text(&view);
     assert_string_equal(again, want);
     free(again);
@@ -1348,13 +1352,30 @@ static int oom_probe(int64_t n, int stream, const char *want, struct oom_tally *
     return pending;
 }
 
+/* The sweep of one mode: every n up to `reach` (the first n that one request no longer reaches),
+ * or about 100 of them with a stride; every other one streaming as well. It ends at the first n
+ * whose fault the request no longer reaches. Returns how many values of n it tried. */
+static int64_t oom_sweep(int64_t reach, int64_t count, const char *want, struct oom_tally *t) {
+    int64_t stride = reach / 100 + 1, swept = 0;
+    for (int64_t n = 1;; n += stride) {
+        int pending = oom_probe(n, count, 0, want, t);
+        if (swept++ % 2 == 0)
+            pending &= oom_probe(n, count, 1, want, t);
+        if (pending)
+            break;
+        assert_true(n < 4 * reach);
+    }
+    return swept;
+}
+
 /* The n-th allocation (in any allocator of the process) failing during a completion request on
  * an in-process engine and server, for every n the request reaches, gives a 200 with the greedy
  * text or a clean 5xx/507 with an OpenAI error object (never a hang, a crash or a broken
  * response), and the server serves on unchanged (the sanitizer build checks that nothing leaks).
  * A warm engine serves a request from buffers it has cached, so each probe runs on a fresh one.
- * The allocator absorbs a refused raw allocation by releasing its cache and retrying, so a 200
- * is the usual answer; a refusal it cannot absorb must still be a clean error. */
+ * The allocator absorbs a single refused raw allocation by releasing its cache and retrying, so
+ * the single-shot sweep mostly sees 200s; the persistent sweep (every allocation from the n-th
+ * on fails until disarmed) reaches the error paths, and must see clean errors as well as 200s. */
 static void test_out_of_memory_everywhere(void **state) {
     (void)state;
     struct llmem_engine *e = NULL;
@@ -1368,37 +1389,34 @@ static void test_out_of_memory_everywhere(void **state) {
 
     /* How many allocations one request reaches: the smallest n whose fault stays pending, found
      * by doubling and then bisecting (each probe a checked request of its own). */
-    struct oom_tally t = {0};
+    struct oom_tally once = {0}, persist = {0};
     int64_t lo = 0, hi = 1; /* n = lo fires (0: none tried), n = hi stays pending */
-    while (!oom_probe(hi, 0, want, &t)) {
+    while (!oom_probe(hi, 1, 0, want, &once)) {
         lo = hi;
         hi *= 2;
         assert_true(hi < (1 << 20));
     }
     while (hi - lo > 1) {
         int64_t mid = lo + (hi - lo) / 2;
-        if (oom_probe(mid, 0, want, &t))
+        if (oom_probe(mid, 1, 0, want, &once))
             hi = mid;
         else
             lo = mid;
     }
     assert_true(hi > 1); /* the request does reach the allocators */
-    /* The sweep: every n up to there, or (a request reaching more than a few hundred allocations)
-     * about 200 of them with a stride; every other one streaming as well. It ends at the first n
-     * whose fault the request no longer reaches. */
-    int64_t stride = hi / 200 + 1, swept = 0;
-    for (int64_t n = 1;; n += stride) {
-        int pending = oom_probe(n, 0, want, &t);
-        if (swept++ % 2 == 0)
-            pending &= oom_probe(n, 1, want, &t);
-        if (pending)
-            break;
-        assert_true(n < 4 * hi);
-    }
+    int64_t swept_once = oom_sweep(hi, 1, want, &once);
+    int64_t swept_persist = oom_sweep(hi, LLMEM_MEM_FAULT_PERSIST, want, &persist);
     llmem_log_set_callback(NULL, NULL, LLMEM_LOG_WARN);
-    printf("  one request reaches %" PRId64 " allocations; %" PRId64 " values of n (stride %" PRId64
-           "): %d ok, %d streams ending in an error, %d 507, %d other 5xx\n",
-           hi - 1, swept, stride, t.ok, t.stream_error, t.http_507, t.http_5xx);
+    printf("  one request reaches %" PRId64 " allocations\n", hi - 1);
+    printf("  single-shot, %" PRId64 " values of n: %d ok, %d streams ending in an error, %d 507, "
+           "%d other 5xx\n",
+           swept_once, once.ok, once.stream_error, once.http_507, once.http_5xx);
+    printf("  persistent, %" PRId64 " values of n: %d ok, %d streams ending in an error, %d 507, "
+           "%d other 5xx\n",
+           swept_persist, persist.ok, persist.stream_error, persist.http_507, persist.http_5xx);
+    /* every allocation from the first on refused cannot be absorbed: the error paths ran */
+    assert_true(persist.http_507 + persist.http_5xx > 0);
+    assert_true(persist.ok > 0);
     free(want);
 }
 
