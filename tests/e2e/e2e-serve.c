@@ -1342,8 +1342,8 @@ static int oom_probe(int64_t n, int64_t count, int stream, const char *want, str
     int pending = llmem_mem_fault_pending();
     llmem_mem_fault_inject(0);
     /* the request, answered or failed, holds no KV block once it is over */
-    wait_idle(&view);
-    assert_int_equal(metric(&view, "llmem_kv_blocks_used"), metric(&view, "llmem_bank_blocks"));
+    tu_wait_idle(&view);
+    assert_int_equal(tu_metric(&view, "llmem_kv_blocks_used"), tu_metric(&view, "llmem_bank_blocks"));
     char *again = oom_text(&view);
     assert_string_equal(again, want);
     free(again);
