@@ -21,7 +21,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "engine/hooks.h"
 #include "llmem/backend.h"
+#include "llmem/server.h"
 
 int tu_error_lines;
 
@@ -638,4 +640,27 @@ int tu_main(int argc, char **argv, const struct tu_group *groups, size_t n_group
     if (failed > 0)
         return 1;
     return n_tests > 0 && n_skips == n_tests ? 77 : 0;
+}
+
+void tu_library_serve(const char *model, void (*guard)(void *, struct llmem_guard_reading *),
+                      const struct llmem_server_config *sc, struct llmem_engine **e,
+                      struct llmem_server **s, struct tu_server *view) {
+    struct llmem_engine_config ec;
+    llmem_engine_config_default(&ec);
+    ec.model_dir = model;
+    ec.max_sequences = 4;
+    ec.n_threads = 2;
+    struct llmem_engine_hooks hooks = {.guard_source = guard};
+    assert_int_equal(llmem_engine_open_hooked(&ec, &hooks, NULL, NULL, e), LLMEM_OK);
+    struct llmem_server_config c;
+    if (sc != NULL)
+        c = *sc;
+    else
+        llmem_server_config_default(&c);
+    c.port = 0;
+    if (c.model_name == NULL)
+        c.model_name = "pycoder";
+    assert_int_equal(llmem_server_start(*e, &c, s), LLMEM_OK);
+    memset(view, 0, sizeof(*view));
+    snprintf(view->url, sizeof(view->url), "%s", llmem_server_url(*s));
 }

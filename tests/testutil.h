@@ -66,6 +66,16 @@ struct tu_server {
     char *err_path;
 };
 void tu_serve_start(struct tu_server *s, int n, const char *const *args);
+/* An engine on `model` in this process (4 sequences, 2 threads; its guard's readings through
+ * `guard` when not NULL) and a server over it on a free port, configured as sc (NULL: the
+ * defaults; the model name "pycoder" when sc has none); view gets the server's URL. */
+struct llmem_engine;
+struct llmem_server;
+struct llmem_server_config;
+struct llmem_guard_reading;
+void tu_library_serve(const char *model, void (*guard)(void *, struct llmem_guard_reading *),
+                      const struct llmem_server_config *sc, struct llmem_engine **e,
+                      struct llmem_server **s, struct tu_server *view);
 /* What it has written on stderr so far (malloc'ed). */
 char *tu_serve_stderr(const struct tu_server *s);
 /* SIGTERM, then waits: the exit status (its stderr is printed when not 0). */

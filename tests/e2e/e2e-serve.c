@@ -1076,22 +1076,16 @@ static struct tu_http body_finish(int fd, const char *body, size_t length, size_
  * they have, a body is taken again. */
 static void test_bodies_in_flight(void **state) {
     (void)state;
-    struct llmem_engine_config ec;
-    llmem_engine_config_default(&ec);
-    ec.model_dir = PYCODER;
-    ec.n_threads = 2;
-    struct llmem_engine *e = NULL;
-    assert_int_equal(llmem_engine_open(&ec, NULL, NULL, &e), LLMEM_OK);
     struct llmem_server_config sc;
     llmem_server_config_default(&sc);
-    sc.port = 0;
-    sc.model_name = "pycoder";
     sc.max_body_bytes = 4096;
     assert_true(llmem_server_runtime_reserve(&sc, 1) >=
                 3 * LLMEM_SERVER_BODIES_IN_FLIGHT * sc.max_body_bytes);
+    struct llmem_engine *e = NULL;
     struct llmem_server *s = NULL;
-    assert_int_equal(llmem_server_start(e, &sc, &s), LLMEM_OK);
-    const char *url = llmem_server_url(s);
+    struct tu_server view;
+    tu_library_serve(PYCODER, NULL, &sc, &e, &s, &view);
+    const char *url = view.url;
     enum { LEN = 4000, HALF = 3000 };
     static char body[LEN + 1];
     const char json[] = "{\"prompt\": \"def f():\", \"max_tokens\": 2, \"temperature\": 0}";
@@ -1121,23 +1115,11 @@ static void test_bodies_in_flight(void **state) {
 
 static void test_library_507_and_stop(void **state) {
     (void)state;
-    struct llmem_engine_config ec;
-    llmem_engine_config_default(&ec);
-    ec.model_dir = PYCODER;
-    ec.max_sequences = 4;
-    ec.n_threads = 2;
-    struct llmem_engine_hooks hooks = {.guard_source = fake_guard};
     struct llmem_engine *e = NULL;
-    assert_int_equal(llmem_engine_open_hooked(&ec, &hooks, NULL, NULL, &e), LLMEM_OK);
-    struct llmem_server_config sc;
-    llmem_server_config_default(&sc);
-    sc.port = 0;
-    sc.model_name = "pycoder";
     struct llmem_server *s = NULL;
-    assert_int_equal(llmem_server_start(e, &sc, &s), LLMEM_OK);
+    struct tu_server view;
+    tu_library_serve(PYCODER, fake_guard, NULL, &e, &s, &view);
     assert_true(llmem_server_port(s) > 0);
-    struct tu_server view = {0};
-    snprintf(view.url, sizeof(view.url), "%s", llmem_server_url(s));
     const char body[] = "{\"prompt\": \"def f():\", \"max_tokens\": 4, \"temperature\": 0}";
 
     struct tu_http h = post(&view, "/v1/completions", body);
@@ -1310,20 +1292,7 @@ static char *oom_text(const struct tu_server *s) {
 
 /* A fresh engine (its guard reading no pressure) and a server over it, on a free port. */
 static void oom_open(struct llmem_engine **e, struct llmem_server **s, struct tu_server *view) {
-    struct llmem_engine_config ec;
-    llmem_engine_config_default(&ec);
-    ec.model_dir = PYCODER;
-    ec.max_sequences = 4;
-    ec.n_threads = 2;
-    struct llmem_engine_hooks hooks = {.guard_source = fake_guard};
-    assert_int_equal(llmem_engine_open_hooked(&ec, &hooks, NULL, NULL, e), LLMEM_OK);
-    struct llmem_server_config sc;
-    llmem_server_config_default(&sc);
-    sc.port = 0;
-    sc.model_name = "pycoder";
-    assert_int_equal(llmem_server_start(*e, &sc, s), LLMEM_OK);
-    memset(view, 0, sizeof(*view));
-    snprintf(view->url, sizeof(view->url), "%s", llmem_server_url(*s));
+    tu_library_serve(PYCODER, fake_guard, NULL, e, s, view);
 }
 
 /* On a fresh engine and server (so that the request makes the allocations a warm engine has
@@ -1343,7 +1312,8 @@ static int oom_probe(int64_t n, int64_t count, int stream, const char *want, str
     llmem_mem_fault_inject(0);
     /* the request, answered or failed, holds no KV block once it is over */
     tu_wait_idle(&view);
-    assert_int_equal(tu_metric(&view, "llmem_kv_blocks_used"), tu_metric(&view, "llmem_bank_blocks"));
+    assert_int_equal(tu_metric(&view, "llmem_kv_blocks_used"),
+                     tu_metric(&view, "llmem_bank_blocks"));
     char *again = oom_text(&view);
     assert_string_equal(again, want);
     free(again);

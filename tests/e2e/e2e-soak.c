@@ -756,23 +756,13 @@ static void test_soak(void **state) {
            N_CLIENTS, N_ROUNDS, n_requests);
     make_prefixes();
 
-    struct llmem_engine_config ec;
-    llmem_engine_config_default(&ec);
-    ec.model_dir = PYCODER;
-    ec.max_sequences = 4;
-    ec.n_threads = 2;
-    struct llmem_engine_hooks hooks = {.guard_source = calm_guard};
-    struct llmem_engine *e = NULL;
-    assert_int_equal(llmem_engine_open_hooked(&ec, &hooks, NULL, NULL, &e), LLMEM_OK);
     struct llmem_server_config sc;
     llmem_server_config_default(&sc);
-    sc.port = 0;
-    sc.model_name = "pycoder";
     sc.chat_template = LLMEM_CHAT_CHATML;
+    struct llmem_engine *e = NULL;
     struct llmem_server *s = NULL;
-    assert_int_equal(llmem_server_start(e, &sc, &s), LLMEM_OK);
-    struct tu_server view = {0};
-    snprintf(view.url, sizeof(view.url), "%s", llmem_server_url(s));
+    struct tu_server view;
+    tu_library_serve(PYCODER, calm_guard, &sc, &e, &s, &view);
 
     char *start = fixed_greedy(&view);
     int64_t totals[N_KINDS] = {0}, ok = 0, refused = 0, closed = 0;
