@@ -1072,6 +1072,20 @@ static void test_request_out_of_memory(void **state) {
     llmem_engine_close(e);
 }
 
+/* The engine, the 40-token prompt and the 8 greedy tokens of the allocation-failure sweeps. */
+static void oom_setup(struct llmem_engine_config *c, int32_t prompt[40],
+                      struct llmem_generate_params *p) {
+    llmem_engine_config_default(c);
+    c->model_dir = PYCODER;
+    c->context = 64;
+    c->n_threads = 2;
+    for (int i = 0; i < 40; i++)
+        prompt[i] = 100 + 7 * i;
+    llmem_generate_params_default(p);
+    p->max_tokens = 8;
+    p->ignore_eos = 1;
+}
+
 /* One sweep of test_out_of_memory_everywhere: the n-th allocation attempt fails (count 1), or it
  * and every one after it until disarmed (LLMEM_MEM_FAULT_PERSIST), for n = 1, 2, … until the
  * whole sequence of opening the engine and one request runs past the fault. Each failure is a
@@ -1080,17 +1094,9 @@ static void test_request_out_of_memory(void **state) {
 static void oom_sweep(int64_t count, const int32_t *want, int *open_failures,
                       int *request_failures) {
     struct llmem_engine_config c;
-    llmem_engine_config_default(&c);
-    c.model_dir = PYCODER;
-    c.context = 64;
-    c.n_threads = 2;
     int32_t prompt[40];
-    for (int i = 0; i < 40; i++)
-        prompt[i] = 100 + 7 * i;
     struct llmem_generate_params p;
-    llmem_generate_params_default(&p);
-    p.max_tokens = 8;
-    p.ignore_eos = 1;
+    oom_setup(&c, prompt, &p);
     for (int64_t n = 1; n < 10000; n++) {
         llmem_mem_fault_inject_count(n, count);
         struct llmem_engine *e = NULL;
@@ -1136,17 +1142,9 @@ static void oom_sweep(int64_t count, const int32_t *want, int *open_failures,
 static void test_out_of_memory_everywhere(void **state) {
     (void)state;
     struct llmem_engine_config c;
-    llmem_engine_config_default(&c);
-    c.model_dir = PYCODER;
-    c.context = 64;
-    c.n_threads = 2;
     int32_t prompt[40];
-    for (int i = 0; i < 40; i++)
-        prompt[i] = 100 + 7 * i;
     struct llmem_generate_params p;
-    llmem_generate_params_default(&p);
-    p.max_tokens = 8;
-    p.ignore_eos = 1;
+    oom_setup(&c, prompt, &p);
     struct llmem_engine *e = NULL;
     assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
     struct llmem_generate_result r;
