@@ -16,6 +16,19 @@
 
 #include "llmem/status.h"
 
+/* 1 in a build with AddressSanitizer: its shadow memory and quarantine are resident memory the
+ * plan does not count, and it runs several times slower. */
+#if defined(__SANITIZE_ADDRESS__)
+#define TU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TU_ASAN 1
+#endif
+#endif
+#ifndef TU_ASAN
+#define TU_ASAN 0
+#endif
+
 /* The library's ERROR lines, counted in tu_error_lines from tu_count_errors (its log callback,
  * at `level`) until tu_count_errors_stop. */
 extern int tu_error_lines;

@@ -39,22 +39,12 @@
 
 #define PYCODER LLMEM_SOURCE_DIR "/models/pycoder"
 
-#if defined(__SANITIZE_ADDRESS__)
-#define SOAK_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define SOAK_SANITIZED 1
-#endif
-#endif
-#ifndef SOAK_SANITIZED
-#define SOAK_SANITIZED 0
-#endif
 
 enum {
     N_CLIENTS = 4,
     N_ROUNDS = 3, /* the warm-up round, then the soak */
     /* A hang fails the request: no answer is that slow on this model, even sanitized. */
-    TIMEOUT_S = SOAK_SANITIZED ? 120 : 60,
+    TIMEOUT_S = TU_ASAN ? 120 : 60,
     /* The fixed greedy request of the start and the end. */
     FIXED_TOKENS = 24,
 };
@@ -746,7 +736,7 @@ static void run_round(const char *url, uint64_t seed, int round, int n_requests,
 static void test_soak(void **state) {
     (void)state;
     uint64_t seed = 1;
-    int n_requests = SOAK_SANITIZED ? 6 : 80;
+    int n_requests = TU_ASAN ? 6 : 80;
     const char *env = getenv("LLMEM_SOAK_SEED");
     if (env != NULL)
         seed = strtoull(env, NULL, 0);
@@ -807,7 +797,7 @@ static void test_soak(void **state) {
      * over the ~640 requests of the rounds. Under AddressSanitizer freed memory sits in its
      * quarantine (up to 256 MiB), so resident memory says nothing there: LeakSanitizer checks for
      * leaks instead, when the process ends. */
-    if (!SOAK_SANITIZED)
+    if (!TU_ASAN)
         assert_true(rss_end <= rss_warm + 4 * 1024);
 
     llmem_server_stop(s);
