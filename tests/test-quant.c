@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/rng.h"
 #include "llmem/status.h"
 #include "quant/quant.h"
 #include "testutil.h"
@@ -176,9 +177,9 @@ static void test_dequantize_reference(void **state) {
 /* Blocks at an odd address (a GGUF row starts anywhere) decode to the same floats. */
 static void test_dequantize_unaligned(void **state) {
     (void)state;
-    float *y = malloc(sizeof(float) * N), *y1 = malloc(sizeof(float) * N);
+    float *y = malloc(sizeof(float) * N);
     uint8_t *buf = malloc((size_t)llmem_qtype_bytes(LLMEM_QTYPE_F32, N) + 1);
-    assert_true(y != NULL && y1 != NULL && buf != NULL);
+    assert_true(y != NULL && buf != NULL);
     for (int k = 0; k < N_READABLE; k++) {
         const int type = readable_types[k];
         const int64_t row_bytes = llmem_qtype_bytes(type, N);
@@ -188,12 +189,10 @@ static void test_dequantize_unaligned(void **state) {
         memcpy(buf + 1, q + 2 * row_bytes, (size_t)row_bytes); /* row 2 */
         assert_int_equal(llmem_quant_dequantize_row(type, buf + 1, y, N), LLMEM_OK);
         assert_int_equal(first_float_diff(y, want + 2 * N, N), -1);
-        (void)y1;
         free(q);
         free(want);
     }
     free(buf);
-    free(y1);
     free(y);
 }
 
@@ -242,6 +241,131 @@ static void test_quantize_reference(void **state) {
     free(want);
     free(out);
     free(x);
+}
+
+/* ---- bulk: many more rows, checked by hash ----------------------------------------------- */
+
+#define BULK_ROWS 4096
+#define BULK_CHUNK 256
+
+/* make_reference.c's bulk_uniform and bulk_row, the same float operations: 24 random bits as a
+ * float in [0, 1), and rows of five shapes at four scales. */
+static float bulk_uniform(uint64_t *st) {
+    return (float)(llmem_splitmix64_next(st) >> 40) * 0x1p-24f;
+}
+
+static void bulk_row(int r, float *x) {
+    static const float scales[4] = {1e-3f, 0.02f, 1.0f, 30.0f};
+    uint64_t st = 0xb01c0000u + (uint64_t)r;
+    const float scale = scales[r % 4];
+    const int shape = (r / 4) % 5;
+    for (int i = 0; i < N; i++) {
+        const float u1 = bulk_uniform(&st), u2 = bulk_uniform(&st);
+        const float u3 = bulk_uniform(&st), u4 = bulk_uniform(&st);
+        const float g = ((u1 + u2) + (u3 + u4)) - 2.0f;
+        switch (shape) {
+        case 0: x[i] = g * scale; break;
+        case 1: x[i] = (u1 - 0.5f) * scale; break;
+        case 2: x[i] = i == r % N ? 20.0f * scale : g * scale; break;
+        case 3: x[i] = (float)((int)(u1 * 16.0f) - 8) * scale; break;
+        default: x[i] = u1 < 0.33f ? 0.0f : g * scale; break;
+        }
+    }
+}
+
+/* make_reference.c's random_blocks: random bytes, the f16 scales at these offsets made finite. */
+static void random_blocks(int type, int r, uint8_t *q, int64_t row_bytes) {
+    int at[2] = {-1, -1};
+    switch (type) {
+    case LLMEM_QTYPE_Q4_0: case LLMEM_QTYPE_Q5_0: case LLMEM_QTYPE_Q8_0: at[0] = 0; break;
+    case LLMEM_QTYPE_Q4_1: case LLMEM_QTYPE_Q5_1: case LLMEM_QTYPE_Q4_K: case LLMEM_QTYPE_Q5_K:
+        at[0] = 0, at[1] = 2;
+        break;
+    case LLMEM_QTYPE_Q2_K: at[0] = 80, at[1] = 82; break;
+    case LLMEM_QTYPE_Q3_K: at[0] = 108; break;
+    case LLMEM_QTYPE_Q6_K: at[0] = 208; break;
+    default: break;
+    }
+    uint64_t st = 0x4a4d0000u + (uint64_t)r;
+    for (int64_t i = 0; i < row_bytes; i++)
+        q[i] = (uint8_t)(bulk_uniform(&st) * 256.0f);
+    const struct llmem_qtype_info *t = llmem_qtype_info(type);
+    for (int64_t b = 0; b < N / t->block_elems; b++) {
+        for (int f = 0; f < 2; f++) {
+            if (at[f] < 0)
+                continue;
+            uint8_t *h = q + b * t->block_bytes + at[f];
+            if ((h[1] & 0x7c) == 0x7c)
+                h[1] ^= 0x40;
+        }
+    }
+}
+
+static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
+    const uint8_t *b = p;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+static int type_by_name(const char *name) {
+    for (int t = 0; t < LLMEM_QTYPE_COUNT; t++)
+        if (llmem_qtype_info(t) != NULL && strcmp(llmem_qtype_name(t), name) == 0)
+            return t;
+    fail_msg("bulk.txt: unknown type %s", name);
+    return -1;
+}
+
+/* bulk.txt: for 4096 more rows per type, the hashes of ggml's bytes (quantize) and of ggml's
+ * floats from random blocks (dequantize), a hash every 256 rows; ours must give the same. */
+static void test_bulk_reference(void **state) {
+    (void)state;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/quant/bulk.txt", LLMEM_TEST_DATA);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    float x[N], y[N];
+    uint8_t q[4 * N];
+    char line[4096];
+    int n_lines = 0;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        if (line[0] == '#')
+            continue;
+        char op[16], name[16];
+        int at = 0;
+        assert_int_equal(sscanf(line, "%15s %15s%n", op, name, &at), 2);
+        const int type = type_by_name(name);
+        const int dequant = strcmp(op, "dequantize") == 0;
+        assert_true(dequant || strcmp(op, "quantize") == 0);
+        const int64_t row_bytes = llmem_qtype_bytes(type, N);
+        const char *p = line + at;
+        uint64_t h = 0xcbf29ce484222325ull;
+        for (int r = 0; r < BULK_ROWS; r++) {
+            memset(q, 0, (size_t)row_bytes);
+            if (dequant) {
+                random_blocks(type, r, q, row_bytes);
+                assert_int_equal(llmem_quant_dequantize_row(type, q, y, N), LLMEM_OK);
+                h = fnv1a(h, y, sizeof(y));
+            } else {
+                bulk_row(r, x);
+                assert_int_equal(llmem_quant_quantize_row(type, x, q, N), LLMEM_OK);
+                h = fnv1a(h, q, (size_t)row_bytes);
+            }
+            if ((r + 1) % BULK_CHUNK == 0) {
+                unsigned long long want;
+                int used = 0;
+                assert_int_equal(sscanf(p, " %llx%n", &want, &used), 1);
+                p += used;
+                if (h != (uint64_t)want)
+                    fail_msg("%s %s: rows %d..%d differ from ggml's", op, name,
+                             r + 1 - BULK_CHUNK, r);
+                h = 0xcbf29ce484222325ull;
+            }
+        }
+        n_lines++;
+    }
+    fclose(f);
+    assert_int_equal(n_lines, 2 * N_READABLE + 1); /* + quantize q8_K */
 }
 
 /* The half conversions of values the quantized types never see: NaNs, infinities, ±0, the ties
@@ -345,6 +469,7 @@ int main(void) {
         cmocka_unit_test(test_dequantize_reference),
         cmocka_unit_test(test_dequantize_unaligned),
         cmocka_unit_test(test_quantize_reference),
+        cmocka_unit_test(test_bulk_reference),
         cmocka_unit_test(test_convert_special),
         cmocka_unit_test(test_convert_exhaustive),
         cmocka_unit_test(test_errors),

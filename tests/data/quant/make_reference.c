@@ -17,6 +17,10 @@
  *   <type>.rand.f32     ggml's dequantization of it
  *   f16.special.q, bf16.special.q, f32 conversions of special.f32
  *   q8_K.q              the input rows as Q8_K (the activations of the K dot products)
+ *   bulk.txt            for many more rows, only hashes: BULK_ROWS rows made from splitmix64 with
+ *                       float arithmetic alone (bulk_row: no libm, so test-quant makes the same
+ *                       rows), quantized by each type, FNV-1a 64 of each BULK_CHUNK rows' bytes;
+ *                       and as many rows of random blocks, FNV-1a 64 of ggml's floats from them
  */
 #include <math.h>
 #include <stddef.h>
@@ -167,6 +171,66 @@ static const struct qtype types[] = {
     T("q6_K", q6_K, 256),
 };
 
+/* ---- bulk rows: the same recipe as tests/test-quant.c's ------------------------------------ */
+
+#define BULK_ROWS 4096
+#define BULK_CHUNK 256
+
+/* 24 random bits as a float in [0, 1), exact. */
+static float bulk_uniform(uint64_t *st) {
+    uint64_t z = (*st += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * 0x1p-24f;
+}
+
+/* Row r: a scale from 1e-3 to 30 and a shape: near-normal (four uniforms summed), uniform, with
+ * an outlier 20 times the scale, on a grid of 16 multiples of the scale, or with a third of its
+ * values zero. */
+static void bulk_row(int r, float *x /* N */) {
+    static const float scales[4] = {1e-3f, 0.02f, 1.0f, 30.0f};
+    uint64_t st = 0xb01c0000u + (uint64_t)r;
+    const float scale = scales[r % 4];
+    const int shape = (r / 4) % 5;
+    for (int i = 0; i < N; i++) {
+        const float u1 = bulk_uniform(&st), u2 = bulk_uniform(&st);
+        const float u3 = bulk_uniform(&st), u4 = bulk_uniform(&st);
+        const float g = ((u1 + u2) + (u3 + u4)) - 2.0f;
+        switch (shape) {
+        case 0: x[i] = g * scale; break;
+        case 1: x[i] = (u1 - 0.5f) * scale; break;
+        case 2: x[i] = i == r % N ? 20.0f * scale : g * scale; break;
+        case 3: x[i] = (float)((int)(u1 * 16.0f) - 8) * scale; break;
+        default: x[i] = u1 < 0.33f ? 0.0f : g * scale; break;
+        }
+    }
+}
+
+static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
+    const uint8_t *b = p;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+#define FNV_INIT 0xcbf29ce484222325ull
+
+/* One row of random blocks of type ty, its f16 scales made finite; seeded by the row. */
+static void random_blocks(const struct qtype *ty, int r, uint8_t *q, size_t row_bytes) {
+    uint64_t st = 0x4a4d0000u + (uint64_t)r;
+    for (size_t i = 0; i < row_bytes; i++)
+        q[i] = (uint8_t)(bulk_uniform(&st) * 256.0f);
+    for (int b = 0; b < N / ty->block_elems; b++) {
+        for (int f = 0; f < 2; f++) {
+            if (ty->f16_at[f] < 0)
+                continue;
+            uint8_t *h = q + b * ty->block_bytes + ty->f16_at[f];
+            if ((h[1] & 0x7c) == 0x7c)
+                h[1] ^= 0x40;
+        }
+    }
+}
+
 static void write_file(const char *dir, const char *name, const char *ext, const void *p,
                        size_t n) {
     char path[1024];
@@ -231,5 +295,49 @@ int main(int argc, char **argv) {
     for (int r = 0; r < ROWS; r++)
         quantize_row_q8_K_ref(x + r * N, (block_q8_K *)q + r, N);
     write_file(dir, "q8_K", ".q", q, ROWS * sizeof(block_q8_K));
+
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/bulk.txt", dir);
+    FILE *f = fopen(path, "w");
+    if (f == NULL) {
+        perror(path);
+        return 1;
+    }
+    fprintf(f, "# make_reference.c: FNV-1a 64 of each %d rows of bulk_row (quantize) and of ggml's"
+               " floats from random blocks (dequantize)\n", BULK_CHUNK);
+    for (size_t t = 0; t < sizeof(types) / sizeof(types[0]) + 1; t++) {
+        const int q8k = t == sizeof(types) / sizeof(types[0]);
+        const char *name = q8k ? "q8_K" : types[t].name;
+        size_t row_bytes = q8k ? sizeof(block_q8_K)
+                               : (size_t)(N / types[t].block_elems * types[t].block_bytes);
+        for (int pass = 0; pass < (q8k ? 1 : 2); pass++) {
+            fprintf(f, "%s %s", pass == 0 ? "quantize" : "dequantize", name);
+            uint64_t h = FNV_INIT;
+            for (int r = 0; r < BULK_ROWS; r++) {
+                memset(q, 0, row_bytes);
+                if (pass == 0) {
+                    bulk_row(r, x);
+                    if (q8k)
+                        quantize_row_q8_K_ref(x, (block_q8_K *)q, N);
+                    else
+                        types[t].quant(x, q, N);
+                    h = fnv1a(h, q, row_bytes);
+                } else {
+                    random_blocks(&types[t], r, q, row_bytes);
+                    types[t].dequant(q, y, N);
+                    h = fnv1a(h, y, sizeof(float) * N);
+                }
+                if ((r + 1) % BULK_CHUNK == 0) {
+                    fprintf(f, " %016llx", (unsigned long long)h);
+                    h = FNV_INIT;
+                }
+            }
+            fprintf(f, "\n");
+        }
+    }
+    if (fclose(f) != 0) {
+        perror(path);
+        return 1;
+    }
     return 0;
 }
