@@ -16,7 +16,7 @@
 #include "quant/quant.h"
 #include "testutil.h"
 
-#define N 256    /* values a reference row */
+#define N    256 /* values a reference row */
 #define ROWS 12  /* rows of input.f32 */
 
 static void test_table(void **state) {
@@ -245,7 +245,7 @@ static void test_quantize_reference(void **state) {
 
 /* ---- bulk: many more rows, checked by hash ----------------------------------------------- */
 
-#define BULK_ROWS 4096
+#define BULK_ROWS  4096
 #define BULK_CHUNK 256
 
 /* make_reference.c's bulk_uniform and bulk_row, the same float operations: 24 random bits as a
@@ -277,10 +277,13 @@ static void bulk_row(int r, float *x) {
 static void random_blocks(int type, int r, uint8_t *q, int64_t row_bytes) {
     int at[2] = {-1, -1};
     switch (type) {
-    case LLMEM_QTYPE_Q4_0: case LLMEM_QTYPE_Q5_0: case LLMEM_QTYPE_Q8_0: at[0] = 0; break;
-    case LLMEM_QTYPE_Q4_1: case LLMEM_QTYPE_Q5_1: case LLMEM_QTYPE_Q4_K: case LLMEM_QTYPE_Q5_K:
-        at[0] = 0, at[1] = 2;
-        break;
+    case LLMEM_QTYPE_Q4_0:
+    case LLMEM_QTYPE_Q5_0:
+    case LLMEM_QTYPE_Q8_0: at[0] = 0; break;
+    case LLMEM_QTYPE_Q4_1:
+    case LLMEM_QTYPE_Q5_1:
+    case LLMEM_QTYPE_Q4_K:
+    case LLMEM_QTYPE_Q5_K: at[0] = 0, at[1] = 2; break;
     case LLMEM_QTYPE_Q2_K: at[0] = 80, at[1] = 82; break;
     case LLMEM_QTYPE_Q3_K: at[0] = 108; break;
     case LLMEM_QTYPE_Q6_K: at[0] = 208; break;
@@ -357,8 +360,8 @@ static void test_bulk_reference(void **state) {
                 assert_int_equal(sscanf(p, " %llx%n", &want, &used), 1);
                 p += used;
                 if (h != (uint64_t)want)
-                    fail_msg("%s %s: rows %d..%d differ from ggml's", op, name,
-                             r + 1 - BULK_CHUNK, r);
+                    fail_msg("%s %s: rows %d..%d differ from ggml's", op, name, r + 1 - BULK_CHUNK,
+                             r);
                 h = 0xcbf29ce484222325ull;
             }
         }
@@ -441,15 +444,14 @@ static void test_errors(void **state) {
     assert_int_equal(llmem_quant_dequantize_row(LLMEM_QTYPE_F16, src, dst, -1), LLMEM_EINVAL);
     assert_int_equal(llmem_quant_quantize_row(LLMEM_QTYPE_Q6_K, dst, qdst, 128), LLMEM_EINVAL);
     assert_int_equal(llmem_quant_quantize_row(LLMEM_QTYPE_Q4_0, dst, qdst, -32), LLMEM_EINVAL);
-    const int unread[] = {LLMEM_QTYPE_Q8_1,  LLMEM_QTYPE_Q8_K, LLMEM_QTYPE_IQ2_XXS,
+    const int unread[] = {LLMEM_QTYPE_Q8_1,   LLMEM_QTYPE_Q8_K, LLMEM_QTYPE_IQ2_XXS,
                           LLMEM_QTYPE_IQ4_NL, LLMEM_QTYPE_I8,   LLMEM_QTYPE_F64,
-                          LLMEM_QTYPE_TQ1_0, LLMEM_QTYPE_MXFP4};
+                          LLMEM_QTYPE_TQ1_0,  LLMEM_QTYPE_MXFP4};
     for (size_t i = 0; i < sizeof(unread) / sizeof(unread[0]); i++) {
         const int64_t n = llmem_qtype_info(unread[i])->block_elems;
         assert_int_equal(llmem_quant_dequantize_row(unread[i], src, dst, n), LLMEM_EUNSUPPORTED);
         if (unread[i] != LLMEM_QTYPE_Q8_K)
-            assert_int_equal(llmem_quant_quantize_row(unread[i], dst, qdst, n),
-                             LLMEM_EUNSUPPORTED);
+            assert_int_equal(llmem_quant_quantize_row(unread[i], dst, qdst, n), LLMEM_EUNSUPPORTED);
     }
     for (size_t i = 0; i < sizeof(dst); i++)
         assert_int_equal(((uint8_t *)dst)[i], 0x11);

@@ -47,7 +47,8 @@ float llmem_quant_f16_to_f32(uint16_t h) {
     const uint32_t two_w = w + w;
     const float normalized = f32_from_bits((two_w >> 4) + (0xe0u << 23)) * 0x1.0p-112f;
     const float denormalized = f32_from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
-    return f32_from_bits(sign | (two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized)));
+    return f32_from_bits(sign |
+                         (two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized)));
 }
 
 float llmem_quant_bf16_to_f32(uint16_t b) {

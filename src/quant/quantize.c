@@ -27,7 +27,7 @@
 #error "GGUF blocks are little-endian; big-endian hosts are not supported"
 #endif
 
-#define QK LLMEM_QK_K
+#define QK            LLMEM_QK_K
 #define GROUP_MAX_EPS 1e-15f /* ggml's: a group below this is all zero */
 
 static inline int imin(int a, int b) {
@@ -428,8 +428,8 @@ static void block_q2_k(const float *x, uint8_t *b) {
     for (int j = 0; j < QK / 16; j++) {
         for (int l = 0; l < 16; l++)
             weights[l] = fabsf(x[16 * j + l]);
-        scales[j] = make_qkx2_quants(16, 3, x + 16 * j, weights, L + 16 * j, &mins[j], Laux,
-                                     -0.5f, 0.1f, 15, 1);
+        scales[j] = make_qkx2_quants(16, 3, x + 16 * j, weights, L + 16 * j, &mins[j], Laux, -0.5f,
+                                     0.1f, 15, 1);
         if (scales[j] > max_scale)
             max_scale = scales[j];
         if (mins[j] > max_min)

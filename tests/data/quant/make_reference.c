@@ -32,7 +32,7 @@
 #include "ggml-impl.h"
 #include "ggml-quants.h"
 
-#define N 256  /* values a row */
+#define N    256 /* values a row */
 #define ROWS 12
 
 /* ---- what ggml-quants.c needs from the rest of ggml ---------------------------------------- */
@@ -41,9 +41,19 @@ void ggml_abort(const char *file, int line, const char *fmt, ...) {
     fprintf(stderr, "ggml_abort %s:%d %s\n", file, line, fmt);
     abort();
 }
-size_t ggml_row_size(enum ggml_type type, int64_t ne) { (void)type; (void)ne; abort(); }
-const char *ggml_type_name(enum ggml_type type) { (void)type; return "?"; }
-size_t ggml_type_size(enum ggml_type type) { (void)type; abort(); }
+size_t ggml_row_size(enum ggml_type type, int64_t ne) {
+    (void)type;
+    (void)ne;
+    abort();
+}
+const char *ggml_type_name(enum ggml_type type) {
+    (void)type;
+    return "?";
+}
+size_t ggml_type_size(enum ggml_type type) {
+    (void)type;
+    abort();
+}
 
 /* ---- seeded inputs -------------------------------------------------------------------------- */
 
@@ -54,14 +64,20 @@ static uint64_t rng_next(void) {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
-static double rng_uniform(void) { return (double)(rng_next() >> 11) * 0x1p-53; }
+static double rng_uniform(void) {
+    return (double)(rng_next() >> 11) * 0x1p-53;
+}
 static float rng_normal(double sigma) {
     double u1 = rng_uniform(), u2 = rng_uniform();
     if (u1 < 1e-300)
         u1 = 1e-300;
     return (float)(sigma * sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
 }
-static float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static float from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 static void make_inputs(float *x /* (ROWS, N) */) {
     for (int r = 0; r < ROWS; r++) {
@@ -74,12 +90,11 @@ static void make_inputs(float *x /* (ROWS, N) */) {
             case 3: row[i] = 0.0f; break;
             case 4: row[i] = i == 77 ? 40.0f : rng_normal(0.02); break;
             case 5: /* f32 denormals, some zeros */
-                row[i] = i % 7 == 0 ? 0.0f
-                                    : from_bits((uint32_t)(rng_next() & 0x807fffffu));
+                row[i] = i % 7 == 0 ? 0.0f : from_bits((uint32_t)(rng_next() & 0x807fffffu));
                 break;
             case 6: row[i] = rng_normal(1e-6); break; /* scales below f16's normals */
-            case 7: row[i] = (float)((i * 7) % 32 - 16) * 0.5f; break; /* ties */
-            case 8: row[i] = 0.5f + (float)rng_uniform(); break;  /* min > 0 */
+            case 7: row[i] = (float)((i * 7) % 32 - 16) * 0.5f; break;          /* ties */
+            case 8: row[i] = 0.5f + (float)rng_uniform(); break;                /* min > 0 */
             case 9: row[i] = i < 128 ? 0.25f : (i < 192 ? -3.0f : 1.0f); break; /* constant */
             case 10: row[i] = rng_normal(2e4); break; /* past f16's range */
             case 11: row[i] = i % 9 == 0 ? rng_normal(1.0) : (i % 2 ? -0.0f : 0.0f); break;
@@ -90,13 +105,36 @@ static void make_inputs(float *x /* (ROWS, N) */) {
 
 static void make_special(float *s /* N */) {
     static const uint32_t fixed[] = {
-        0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff800001u, 0x7fffffffu, 0x7fa00000u,
-        0x7f800000u, 0xff800000u, 0x00000000u, 0x80000000u, 0x7f7fffffu, 0xff7fffffu,
-        0x477fe000u /* 65504 */, 0x477fefffu, 0x477ff000u /* 65520: tie to inf */,
-        0xc77ff000u, 0x38800000u /* 2^-14 */, 0x33800000u /* 2^-24 */,
-        0x33000000u /* 2^-25: tie to 0 */, 0x33000001u, 0x33c00000u /* 1.5 × 2^-24 */,
-        0x34200000u /* 2.5 × 2^-24 */, 0x00000001u, 0x807fffffu, 0x3f801000u /* 1 + 2^-11 */,
-        0x3f803000u, 0x3f808000u /* bf16 tie */, 0x3f818000u, 0x3f7fffffu, 0x387fc000u,
+        0x7fc00000u,
+        0xffc00000u,
+        0x7f800001u,
+        0xff800001u,
+        0x7fffffffu,
+        0x7fa00000u,
+        0x7f800000u,
+        0xff800000u,
+        0x00000000u,
+        0x80000000u,
+        0x7f7fffffu,
+        0xff7fffffu,
+        0x477fe000u /* 65504 */,
+        0x477fefffu,
+        0x477ff000u /* 65520: tie to inf */,
+        0xc77ff000u,
+        0x38800000u /* 2^-14 */,
+        0x33800000u /* 2^-24 */,
+        0x33000000u /* 2^-25: tie to 0 */,
+        0x33000001u,
+        0x33c00000u /* 1.5 × 2^-24 */,
+        0x34200000u /* 2.5 × 2^-24 */,
+        0x00000001u,
+        0x807fffffu,
+        0x3f801000u /* 1 + 2^-11 */,
+        0x3f803000u,
+        0x3f808000u /* bf16 tie */,
+        0x3f818000u,
+        0x3f7fffffu,
+        0x387fc000u,
     };
     size_t nf = sizeof(fixed) / sizeof(fixed[0]);
     for (size_t i = 0; i < nf; i++)
@@ -108,7 +146,7 @@ static void make_special(float *s /* N */) {
         switch (i % 4) {
         case 0: s[i] = (float)(((double)a + (double)b) * 0.5); break; /* an f16 tie, exact */
         case 1: s[i] = -(float)(((double)a + (double)b) * 0.5); break;
-        case 2: s[i] = from_bits((uint32_t)rng_next()); break;  /* any bits */
+        case 2: s[i] = from_bits((uint32_t)rng_next()); break; /* any bits */
         case 3: s[i] = from_bits(((uint32_t)rng_next() & 0xffff0000u) | 0x8000u); break;
         }
     }
@@ -127,8 +165,12 @@ struct qtype {
     int f16_at[2]; /* byte offsets of a block's f16 fields (-1: none) */
 };
 
-static void quant_f32(const float *x, void *y, int64_t k) { memcpy(y, x, (size_t)k * 4); }
-static void dequant_f32(const void *x, float *y, int64_t k) { memcpy(y, x, (size_t)k * 4); }
+static void quant_f32(const float *x, void *y, int64_t k) {
+    memcpy(y, x, (size_t)k * 4);
+}
+static void dequant_f32(const void *x, float *y, int64_t k) {
+    memcpy(y, x, (size_t)k * 4);
+}
 static void quant_f16(const float *x, void *y, int64_t k) {
     for (int64_t i = 0; i < k; i++)
         ((ggml_fp16_t *)y)[i] = GGML_FP32_TO_FP16(x[i]);
@@ -148,12 +190,18 @@ static void dequant_bf16(const void *x, float *y, int64_t k) {
 
 #define Q(fn) ((quant_fn)(void (*)(void))(fn))
 #define D(fn) ((dequant_fn)(void (*)(void))(fn))
-#define T(name, tn, qk)                                                                         \
-    {name, qk, (int)sizeof(block_##tn), Q(quantize_row_##tn##_ref), D(dequantize_row_##tn),     \
-     {(int)offsetof(block_##tn, d), -1}}
-#define T2(name, tn, qk, second)                                                                \
-    {name, qk, (int)sizeof(block_##tn), Q(quantize_row_##tn##_ref), D(dequantize_row_##tn),     \
-     {(int)offsetof(block_##tn, d), (int)offsetof(block_##tn, second)}}
+#define T(name, tn, qk)                                                                            \
+    {                                                                                              \
+        name, qk, (int)sizeof(block_##tn), Q(quantize_row_##tn##_ref), D(dequantize_row_##tn), {   \
+            (int)offsetof(block_##tn, d), -1                                                       \
+        }                                                                                          \
+    }
+#define T2(name, tn, qk, second)                                                                   \
+    {                                                                                              \
+        name, qk, (int)sizeof(block_##tn), Q(quantize_row_##tn##_ref), D(dequantize_row_##tn), {   \
+            (int)offsetof(block_##tn, d), (int)offsetof(block_##tn, second)                        \
+        }                                                                                          \
+    }
 
 static const struct qtype types[] = {
     {"f32", 1, 4, quant_f32, dequant_f32, {-1, -1}},
@@ -173,7 +221,7 @@ static const struct qtype types[] = {
 
 /* ---- bulk rows: the same recipe as tests/test-quant.c's ------------------------------------ */
 
-#define BULK_ROWS 4096
+#define BULK_ROWS  4096
 #define BULK_CHUNK 256
 
 /* 24 random bits as a float in [0, 1), exact. */
@@ -303,13 +351,15 @@ int main(int argc, char **argv) {
         perror(path);
         return 1;
     }
-    fprintf(f, "# make_reference.c: FNV-1a 64 of each %d rows of bulk_row (quantize) and of ggml's"
-               " floats from random blocks (dequantize)\n", BULK_CHUNK);
+    fprintf(f,
+            "# make_reference.c: FNV-1a 64 of each %d rows of bulk_row (quantize) and of ggml's"
+            " floats from random blocks (dequantize)\n",
+            BULK_CHUNK);
     for (size_t t = 0; t < sizeof(types) / sizeof(types[0]) + 1; t++) {
         const int q8k = t == sizeof(types) / sizeof(types[0]);
         const char *name = q8k ? "q8_K" : types[t].name;
-        size_t row_bytes = q8k ? sizeof(block_q8_K)
-                               : (size_t)(N / types[t].block_elems * types[t].block_bytes);
+        size_t row_bytes =
+            q8k ? sizeof(block_q8_K) : (size_t)(N / types[t].block_elems * types[t].block_bytes);
         for (int pass = 0; pass < (q8k ? 1 : 2); pass++) {
             fprintf(f, "%s %s", pass == 0 ? "quantize" : "dequantize", name);
             uint64_t h = FNV_INIT;
