@@ -1,11 +1,23 @@
 /*
  * tests/test-quant.c — the block formats of quantized weights: the table of ggml's types against
- * the sizes gguf-py's GGML_QUANT_SIZES gives, and the byte arithmetic of rows.
+ * the sizes gguf-py's GGML_QUANT_SIZES gives, the byte arithmetic of rows, and the scalar
+ * reference against ggml's own output (tests/data/quant, made by make_reference.sh from
+ * ggml-quants.c): every readable type's dequantization of ggml's blocks equal to ggml's floats
+ * bit for bit, and our quantization of the same inputs equal to ggml's bytes.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
+#include "core/rng.h"
+#include "llmem/status.h"
 #include "quant/quant.h"
 #include "testutil.h"
+
+#define N    256 /* values a reference row */
+#define ROWS 12  /* rows of input.f32 */
 
 static void test_table(void **state) {
     (void)state;
@@ -56,10 +68,413 @@ static void test_bytes(void **state) {
     assert_int_equal(llmem_qtype_bytes(LLMEM_QTYPE_F32, INT64_MAX / 2), -1); /* overflows */
 }
 
+/* ---- the references ----------------------------------------------------------------------- */
+
+/* tests/data/quant/<name>, which must be `len` bytes long. */
+static void *load(const char *name, size_t len) {
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/quant/%s", LLMEM_TEST_DATA, name);
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        fail_msg("cannot open %s", path);
+    void *p = malloc(len + 1);
+    assert_non_null(p);
+    size_t got = fread(p, 1, len + 1, f);
+    fclose(f);
+    if (got != len)
+        fail_msg("%s: %zu bytes, want %zu", path, got, len);
+    return p;
+}
+
+static uint32_t bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
+/* The first value where two float arrays differ as bits, or −1. */
+static int64_t first_float_diff(const float *a, const float *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (bits(a[i]) != bits(b[i]))
+            return i;
+    return -1;
+}
+
+static int64_t first_byte_diff(const uint8_t *a, const uint8_t *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (a[i] != b[i])
+            return i;
+    return -1;
+}
+
+static const int readable_types[] = {
+    LLMEM_QTYPE_F32,  LLMEM_QTYPE_F16,  LLMEM_QTYPE_BF16, LLMEM_QTYPE_Q4_0, LLMEM_QTYPE_Q4_1,
+    LLMEM_QTYPE_Q5_0, LLMEM_QTYPE_Q5_1, LLMEM_QTYPE_Q8_0, LLMEM_QTYPE_Q2_K, LLMEM_QTYPE_Q3_K,
+    LLMEM_QTYPE_Q4_K, LLMEM_QTYPE_Q5_K, LLMEM_QTYPE_Q6_K,
+};
+#define N_READABLE ((int)(sizeof(readable_types) / sizeof(readable_types[0])))
+
+/* ggml's blocks of the input rows (F32: the rows themselves) and ggml's floats from them. */
+static void load_type(int type, uint8_t **q, float **deq) {
+    const int64_t row_bytes = llmem_qtype_bytes(type, N);
+    char name[64];
+    if (type == LLMEM_QTYPE_F32) {
+        *q = load("input.f32", (size_t)(ROWS * row_bytes));
+        *deq = load("input.f32", sizeof(float) * ROWS * N);
+        return;
+    }
+    snprintf(name, sizeof(name), "%s.q", llmem_qtype_name(type));
+    *q = load(name, (size_t)(ROWS * row_bytes));
+    snprintf(name, sizeof(name), "%s.f32", llmem_qtype_name(type));
+    *deq = load(name, sizeof(float) * ROWS * N);
+}
+
+/* Our dequantization of ggml's blocks, row by row and in one call, equals ggml's floats bit for
+ * bit: the input rows' blocks and a row of random blocks (scales of every finite f16, quants of
+ * every bit pattern). */
+static void test_dequantize_reference(void **state) {
+    (void)state;
+    float *y = malloc(sizeof(float) * ROWS * N);
+    assert_non_null(y);
+    for (int k = 0; k < N_READABLE; k++) {
+        const int type = readable_types[k];
+        const char *name = llmem_qtype_name(type);
+        const int64_t row_bytes = llmem_qtype_bytes(type, N);
+        uint8_t *q;
+        float *want;
+        load_type(type, &q, &want);
+        for (int r = 0; r < ROWS; r++) {
+            memset(y + r * N, 0xa5, sizeof(float) * N);
+            assert_int_equal(llmem_quant_dequantize_row(type, q + r * row_bytes, y + r * N, N),
+                             LLMEM_OK);
+            int64_t i = first_float_diff(y + r * N, want + r * N, N);
+            if (i >= 0)
+                fail_msg("%s row %d value %lld: %08x, ggml %08x", name, r, (long long)i,
+                         bits(y[r * N + i]), bits(want[r * N + i]));
+        }
+        memset(y, 0, sizeof(float) * ROWS * N);
+        assert_int_equal(llmem_quant_dequantize_row(type, q, y, ROWS * N), LLMEM_OK);
+        assert_int_equal(first_float_diff(y, want, ROWS * N), -1);
+        free(q);
+        free(want);
+
+        char file[64];
+        snprintf(file, sizeof(file), "%s.rand.q", name);
+        q = load(file, (size_t)row_bytes);
+        snprintf(file, sizeof(file), "%s.rand.f32", name);
+        want = load(file, sizeof(float) * N);
+        assert_int_equal(llmem_quant_dequantize_row(type, q, y, N), LLMEM_OK);
+        int64_t i = first_float_diff(y, want, N);
+        if (i >= 0)
+            fail_msg("%s random blocks, value %lld: %08x, ggml %08x", name, (long long)i,
+                     bits(y[i]), bits(want[i]));
+        free(q);
+        free(want);
+    }
+    free(y);
+}
+
+/* Blocks at an odd address (a GGUF row starts anywhere) decode to the same floats. */
+static void test_dequantize_unaligned(void **state) {
+    (void)state;
+    float *y = malloc(sizeof(float) * N);
+    uint8_t *buf = malloc((size_t)llmem_qtype_bytes(LLMEM_QTYPE_F32, N) + 1);
+    assert_true(y != NULL && buf != NULL);
+    for (int k = 0; k < N_READABLE; k++) {
+        const int type = readable_types[k];
+        const int64_t row_bytes = llmem_qtype_bytes(type, N);
+        uint8_t *q;
+        float *want;
+        load_type(type, &q, &want);
+        memcpy(buf + 1, q + 2 * row_bytes, (size_t)row_bytes); /* row 2 */
+        assert_int_equal(llmem_quant_dequantize_row(type, buf + 1, y, N), LLMEM_OK);
+        assert_int_equal(first_float_diff(y, want + 2 * N, N), -1);
+        free(q);
+        free(want);
+    }
+    free(buf);
+    free(y);
+}
+
+/* Our quantization of the input rows equals ggml's bytes: quantize_row_*_ref for the block types,
+ * GGML_FP32_TO_FP16/BF16 for the half types; also a row quantized in two calls of whole blocks. */
+static void test_quantize_reference(void **state) {
+    (void)state;
+    float *x = load("input.f32", sizeof(float) * ROWS * N);
+    uint8_t *out = malloc(sizeof(float) * ROWS * N);
+    assert_non_null(out);
+    for (int k = 0; k < N_READABLE; k++) {
+        const int type = readable_types[k];
+        const char *name = llmem_qtype_name(type);
+        const int64_t row_bytes = llmem_qtype_bytes(type, N);
+        uint8_t *want;
+        float *deq;
+        load_type(type, &want, &deq);
+        for (int r = 0; r < ROWS; r++) {
+            memset(out, 0x5a, (size_t)row_bytes);
+            assert_int_equal(llmem_quant_quantize_row(type, x + r * N, out, N), LLMEM_OK);
+            int64_t i = first_byte_diff(out, want + r * row_bytes, row_bytes);
+            if (i >= 0)
+                fail_msg("%s row %d byte %lld: %02x, ggml %02x", name, r, (long long)i, out[i],
+                         want[r * row_bytes + i]);
+        }
+        /* the first half and the second, for types with more than one block a row */
+        const int64_t be = llmem_qtype_info(type)->block_elems;
+        if (be < N) {
+            const int64_t half = N / 2 / be * be;
+            const int64_t half_bytes = llmem_qtype_bytes(type, half);
+            assert_int_equal(llmem_quant_quantize_row(type, x, out, half), LLMEM_OK);
+            assert_int_equal(llmem_quant_quantize_row(type, x + half, out + half_bytes, N - half),
+                             LLMEM_OK);
+            assert_int_equal(first_byte_diff(out, want, row_bytes), -1);
+        }
+        free(want);
+        free(deq);
+    }
+    /* Q8_K, the activations of the K types' dot products (not a weight type llmem reads) */
+    const int64_t q8k = llmem_qtype_bytes(LLMEM_QTYPE_Q8_K, N);
+    uint8_t *want = load("q8_K.q", (size_t)(ROWS * q8k));
+    assert_int_equal(llmem_quant_quantize_row(LLMEM_QTYPE_Q8_K, x, out, ROWS * N), LLMEM_OK);
+    int64_t i = first_byte_diff(out, want, ROWS * q8k);
+    if (i >= 0)
+        fail_msg("q8_K byte %lld: %02x, ggml %02x", (long long)i, out[i], want[i]);
+    free(want);
+    free(out);
+    free(x);
+}
+
+/* ---- bulk: many more rows, checked by hash ----------------------------------------------- */
+
+#define BULK_ROWS  4096
+#define BULK_CHUNK 256
+
+/* make_reference.c's bulk_uniform and bulk_row, the same float operations: 24 random bits as a
+ * float in [0, 1), and rows of five shapes at four scales. */
+static float bulk_uniform(uint64_t *st) {
+    return (float)(llmem_splitmix64_next(st) >> 40) * 0x1p-24f;
+}
+
+static void bulk_row(int r, float *x) {
+    static const float scales[4] = {1e-3f, 0.02f, 1.0f, 30.0f};
+    uint64_t st = 0xb01c0000u + (uint64_t)r;
+    const float scale = scales[r % 4];
+    const int shape = (r / 4) % 5;
+    for (int i = 0; i < N; i++) {
+        const float u1 = bulk_uniform(&st), u2 = bulk_uniform(&st);
+        const float u3 = bulk_uniform(&st), u4 = bulk_uniform(&st);
+        const float g = ((u1 + u2) + (u3 + u4)) - 2.0f;
+        switch (shape) {
+        case 0: x[i] = g * scale; break;
+        case 1: x[i] = (u1 - 0.5f) * scale; break;
+        case 2: x[i] = i == r % N ? 20.0f * scale : g * scale; break;
+        case 3: x[i] = (float)((int)(u1 * 16.0f) - 8) * scale; break;
+        default: x[i] = u1 < 0.33f ? 0.0f : g * scale; break;
+        }
+    }
+}
+
+/* make_reference.c's random_blocks: random bytes, the f16 scales at these offsets made finite. */
+static void random_blocks(int type, int r, uint8_t *q, int64_t row_bytes) {
+    int at[2] = {-1, -1};
+    switch (type) {
+    case LLMEM_QTYPE_Q4_0:
+    case LLMEM_QTYPE_Q5_0:
+    case LLMEM_QTYPE_Q8_0: at[0] = 0; break;
+    case LLMEM_QTYPE_Q4_1:
+    case LLMEM_QTYPE_Q5_1:
+    case LLMEM_QTYPE_Q4_K:
+    case LLMEM_QTYPE_Q5_K: at[0] = 0, at[1] = 2; break;
+    case LLMEM_QTYPE_Q2_K: at[0] = 80, at[1] = 82; break;
+    case LLMEM_QTYPE_Q3_K: at[0] = 108; break;
+    case LLMEM_QTYPE_Q6_K: at[0] = 208; break;
+    default: break;
+    }
+    uint64_t st = 0x4a4d0000u + (uint64_t)r;
+    for (int64_t i = 0; i < row_bytes; i++)
+        q[i] = (uint8_t)(bulk_uniform(&st) * 256.0f);
+    const struct llmem_qtype_info *t = llmem_qtype_info(type);
+    for (int64_t b = 0; b < N / t->block_elems; b++) {
+        for (int f = 0; f < 2; f++) {
+            if (at[f] < 0)
+                continue;
+            uint8_t *h = q + b * t->block_bytes + at[f];
+            if ((h[1] & 0x7c) == 0x7c)
+                h[1] ^= 0x40;
+        }
+    }
+}
+
+static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
+    const uint8_t *b = p;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+static int type_by_name(const char *name) {
+    for (int t = 0; t < LLMEM_QTYPE_COUNT; t++)
+        if (llmem_qtype_info(t) != NULL && strcmp(llmem_qtype_name(t), name) == 0)
+            return t;
+    fail_msg("bulk.txt: unknown type %s", name);
+    return -1;
+}
+
+/* bulk.txt: for 4096 more rows per type, the hashes of ggml's bytes (quantize) and of ggml's
+ * floats from random blocks (dequantize), a hash every 256 rows; ours must give the same. */
+static void test_bulk_reference(void **state) {
+    (void)state;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/quant/bulk.txt", LLMEM_TEST_DATA);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    float x[N], y[N];
+    uint8_t q[4 * N];
+    char line[4096];
+    int n_lines = 0;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        if (line[0] == '#')
+            continue;
+        char op[16], name[16];
+        int at = 0;
+        assert_int_equal(sscanf(line, "%15s %15s%n", op, name, &at), 2);
+        const int type = type_by_name(name);
+        const int dequant = strcmp(op, "dequantize") == 0;
+        assert_true(dequant || strcmp(op, "quantize") == 0);
+        const int64_t row_bytes = llmem_qtype_bytes(type, N);
+        const char *p = line + at;
+        uint64_t h = 0xcbf29ce484222325ull;
+        for (int r = 0; r < BULK_ROWS; r++) {
+            memset(q, 0, (size_t)row_bytes);
+            if (dequant) {
+                random_blocks(type, r, q, row_bytes);
+                assert_int_equal(llmem_quant_dequantize_row(type, q, y, N), LLMEM_OK);
+                h = fnv1a(h, y, sizeof(y));
+            } else {
+                bulk_row(r, x);
+                assert_int_equal(llmem_quant_quantize_row(type, x, q, N), LLMEM_OK);
+                h = fnv1a(h, q, (size_t)row_bytes);
+            }
+            if ((r + 1) % BULK_CHUNK == 0) {
+                unsigned long long want;
+                int used = 0;
+                assert_int_equal(sscanf(p, " %llx%n", &want, &used), 1);
+                p += used;
+                if (h != (uint64_t)want)
+                    fail_msg("%s %s: rows %d..%d differ from ggml's", op, name, r + 1 - BULK_CHUNK,
+                             r);
+                h = 0xcbf29ce484222325ull;
+            }
+        }
+        n_lines++;
+    }
+    fclose(f);
+    assert_int_equal(n_lines, 2 * N_READABLE + 1); /* + quantize q8_K */
+}
+
+/* The half conversions of values the quantized types never see: NaNs, infinities, ±0, the ties
+ * of f16 and bf16 rounding, the edges of f16's range and its subnormals. */
+static void test_convert_special(void **state) {
+    (void)state;
+    float *s = load("special.f32", sizeof(float) * N);
+    uint8_t out[2 * N];
+    const int types[] = {LLMEM_QTYPE_F16, LLMEM_QTYPE_BF16};
+    for (int k = 0; k < 2; k++) {
+        char name[64];
+        snprintf(name, sizeof(name), "%s.special.q", llmem_qtype_name(types[k]));
+        uint8_t *want = load(name, 2 * N);
+        assert_int_equal(llmem_quant_quantize_row(types[k], s, out, N), LLMEM_OK);
+        int64_t i = first_byte_diff(out, want, 2 * N);
+        if (i >= 0)
+            fail_msg("%s value %lld (%08x): byte %02x, ggml %02x", name, (long long)(i / 2),
+                     bits(s[i / 2]), out[i], want[i]);
+        free(want);
+    }
+    free(s);
+}
+
+/* Every f16: its f32 is its exact value (a NaN stays a NaN of its sign, made quiet), and back to
+ * f16 it is itself (a NaN: 0x7e00 with its sign). Every bf16 likewise. */
+static void test_convert_exhaustive(void **state) {
+    (void)state;
+    for (uint32_t h = 0; h < 0x10000u; h++) {
+        const float f = llmem_quant_f16_to_f32((uint16_t)h);
+        const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;
+        const int neg = (h & 0x8000u) != 0;
+        if (e == 0x1f && m != 0) {
+            assert_true(isnan(f));
+            assert_int_equal(bits(f), (neg ? 0x80000000u : 0) | 0x7fc00000u | (m << 13));
+            assert_int_equal(llmem_quant_f32_to_f16(f), (neg ? 0x8000u : 0) | 0x7e00u);
+            continue;
+        }
+        const double mag = e == 0x1f ? INFINITY
+                           : e == 0  ? ldexp((double)m, -24)
+                                     : ldexp((double)(m | 0x400u), (int)e - 25);
+        assert_true((double)f == (neg ? -mag : mag));
+        assert_int_equal(signbit(f) != 0, neg);
+        assert_int_equal(llmem_quant_f32_to_f16(f), h);
+
+        const float b = llmem_quant_bf16_to_f32((uint16_t)h);
+        assert_int_equal(bits(b), h << 16);
+        if (!isnan(b))
+            assert_int_equal(llmem_quant_f32_to_bf16(b), h);
+        else
+            assert_int_equal(llmem_quant_f32_to_bf16(b), h | 0x40u);
+    }
+}
+
+/* Refusals: an unknown or retired id and a length that is not whole blocks are EINVAL, a type
+ * llmem does not read (or cannot write) EUNSUPPORTED; none of them logs (the caller names the
+ * tensor), and none touches dst. */
+static void test_errors(void **state) {
+    (void)state;
+    uint8_t src[512] = {0};
+    float dst[512];
+    uint8_t qdst[512];
+    memset(dst, 0x11, sizeof(dst));
+    memset(qdst, 0x22, sizeof(qdst));
+    tu_count_errors(LLMEM_LOG_DEBUG);
+    const int bad_ids[] = {-1, 4, 5, 31, LLMEM_QTYPE_COUNT, 1000};
+    for (size_t i = 0; i < sizeof(bad_ids) / sizeof(bad_ids[0]); i++) {
+        assert_int_equal(llmem_quant_dequantize_row(bad_ids[i], src, dst, 32), LLMEM_EINVAL);
+        assert_int_equal(llmem_quant_quantize_row(bad_ids[i], dst, qdst, 32), LLMEM_EINVAL);
+    }
+    assert_int_equal(llmem_quant_dequantize_row(LLMEM_QTYPE_Q4_K, src, dst, 100), LLMEM_EINVAL);
+    assert_int_equal(llmem_quant_dequantize_row(LLMEM_QTYPE_Q8_0, src, dst, 33), LLMEM_EINVAL);
+    assert_int_equal(llmem_quant_dequantize_row(LLMEM_QTYPE_Q8_0, src, dst, -32), LLMEM_EINVAL);
+    assert_int_equal(llmem_quant_dequantize_row(LLMEM_QTYPE_F16, src, dst, -1), LLMEM_EINVAL);
+    assert_int_equal(llmem_quant_quantize_row(LLMEM_QTYPE_Q6_K, dst, qdst, 128), LLMEM_EINVAL);
+    assert_int_equal(llmem_quant_quantize_row(LLMEM_QTYPE_Q4_0, dst, qdst, -32), LLMEM_EINVAL);
+    const int unread[] = {LLMEM_QTYPE_Q8_1,   LLMEM_QTYPE_Q8_K, LLMEM_QTYPE_IQ2_XXS,
+                          LLMEM_QTYPE_IQ4_NL, LLMEM_QTYPE_I8,   LLMEM_QTYPE_F64,
+                          LLMEM_QTYPE_TQ1_0,  LLMEM_QTYPE_MXFP4};
+    for (size_t i = 0; i < sizeof(unread) / sizeof(unread[0]); i++) {
+        const int64_t n = llmem_qtype_info(unread[i])->block_elems;
+        assert_int_equal(llmem_quant_dequantize_row(unread[i], src, dst, n), LLMEM_EUNSUPPORTED);
+        if (unread[i] != LLMEM_QTYPE_Q8_K)
+            assert_int_equal(llmem_quant_quantize_row(unread[i], dst, qdst, n), LLMEM_EUNSUPPORTED);
+    }
+    for (size_t i = 0; i < sizeof(dst); i++)
+        assert_int_equal(((uint8_t *)dst)[i], 0x11);
+    for (size_t i = 0; i < sizeof(qdst); i++)
+        assert_int_equal(qdst[i], 0x22);
+    /* no values: nothing to do, and fine */
+    assert_int_equal(llmem_quant_dequantize_row(LLMEM_QTYPE_Q4_K, NULL, NULL, 0), LLMEM_OK);
+    assert_int_equal(llmem_quant_quantize_row(LLMEM_QTYPE_F32, NULL, NULL, 0), LLMEM_OK);
+    assert_int_equal(tu_error_lines, 0);
+    tu_count_errors_stop();
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_table),
         cmocka_unit_test(test_bytes),
+        cmocka_unit_test(test_dequantize_reference),
+        cmocka_unit_test(test_dequantize_unaligned),
+        cmocka_unit_test(test_quantize_reference),
+        cmocka_unit_test(test_bulk_reference),
+        cmocka_unit_test(test_convert_special),
+        cmocka_unit_test(test_convert_exhaustive),
+        cmocka_unit_test(test_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -6,6 +6,15 @@
  * A tensor of type t holds its rows as runs of blocks: `block_elems` values in `block_bytes`
  * bytes each (F32/F16/BF16: one value a block). A row's length must be a multiple of
  * block_elems. Pure data and arithmetic: no allocation, no I/O.
+ *
+ * The scalar reference of every type llmem reads (dequant.c, quantize.c): rows to f32 and back,
+ * bit-exact with ggml's C reference (ggml/src/ggml-quants.c and the scalar conversions of
+ * ggml-impl.h), tested against ggml's own output in tests/data/quant. The f16 and bf16 conversions
+ * here are ggml's. kv/codec.c and backend/cpu/ have their own (they were there first, in layers
+ * above this one, so they could call these instead): they agree with these on every value but
+ * NaNs — checked over all 2^32 floats and all 2^16 halves — kv/codec.c's f32 → f16 keeping a
+ * NaN's payload where ggml writes 0x7e00, backend/cpu's f16 → f32 leaving a signalling NaN
+ * signalling where ggml's makes it quiet.
  */
 #ifndef LLMEM_QUANT_H
 #define LLMEM_QUANT_H
@@ -68,5 +77,41 @@ const char *llmem_qtype_name(int type);
 /* Bytes of n values of type t: n / block_elems × block_bytes. −1 when t is unknown, n is negative
  * or not a multiple of the block, or the product overflows. */
 int64_t llmem_qtype_bytes(int type, int64_t n);
+
+/* ---- conversions (ggml-impl.h's scalar ones, bit for bit) ----------------------------------- */
+
+/* f16 → f32, exact (ggml_compute_fp16_to_fp32: a signalling NaN comes back quiet). */
+float llmem_quant_f16_to_f32(uint16_t h);
+/* f32 → f16, to nearest even; overflow to infinity, any NaN to 0x7e00 with its sign
+ * (ggml_compute_fp32_to_fp16, the GGML_FP32_TO_FP16 of ggml's quantizers). */
+uint16_t llmem_quant_f32_to_f16(float x);
+/* bf16 → f32, exact. */
+float llmem_quant_bf16_to_f32(uint16_t b);
+/* f32 → bf16, to nearest even; a NaN keeps its top bits and is made quiet
+ * (ggml_compute_fp32_to_bf16). */
+uint16_t llmem_quant_f32_to_bf16(float x);
+
+/* ---- rows ---------------------------------------------------------------------------------- */
+
+/* n values of type `type` at src (n / block_elems blocks, any alignment) into dst[n] as f32.
+ * Every readable type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+ * bit-exact with ggml's dequantize_row_* (and GGML_FP16_TO_FP32 / GGML_BF16_TO_FP32; F32 is a
+ * copy). LLMEM_EUNSUPPORTED for a type llmem does not read (Q8_K, the IQ types, ...), LLMEM_EINVAL
+ * for an unknown id or n negative or not a multiple of the block. Not logged: the caller names
+ * the tensor (llmem_qtype_name names the type). */
+int llmem_quant_dequantize_row(int type, const void *src, float *dst, int64_t n);
+
+/* n f32 values at src into n / block_elems blocks of type `type` at dst (any alignment), as ggml's
+ * reference quantizers write them, byte for byte:
+ *   Q4_0 Q4_1 Q5_0 Q5_1 Q8_0   quantize_row_*_ref (what llama-quantize writes for them)
+ *   Q2_K Q3_K Q4_K Q5_K Q6_K   quantize_row_*_ref, the form without an importance matrix (what
+ *                              llama-quantize writes for them without --imatrix)
+ *   Q8_K                       quantize_row_q8_K_ref (activations for the K-type dot products)
+ *   F16 BF16 F32               GGML_FP32_TO_FP16, GGML_FP32_TO_BF16, a copy
+ * Block by block, so a row quantized in pieces of whole blocks gives the same bytes. Inputs that
+ * overflow a scale or make ggml convert an infinite or NaN float to an integer (all-denormal
+ * blocks, NaNs) give the bytes ggml gives on x86-64. Same errors as llmem_quant_dequantize_row
+ * (LLMEM_EUNSUPPORTED also for a type it cannot write); not logged. */
+int llmem_quant_quantize_row(int type, const float *src, void *dst, int64_t n);
 
 #endif
