@@ -232,8 +232,8 @@ static int spm(struct encoder *e, const char *s, size_t len) {
     }
     for (int32_t i = 0; i >= 0; i = e->syms[i].next) {
         const struct sym *y = &e->syms[i];
-        int32_t id = y->id >= 0 ? y->id : llmem_tok_strmap_get(&tok->vocab, s + y->start,
-                                                               (size_t)y->len);
+        int32_t id =
+            y->id >= 0 ? y->id : llmem_tok_strmap_get(&tok->vocab, s + y->start, (size_t)y->len);
         if (id >= 0) {
             if (ids_push(&e->out, id) != LLMEM_OK)
                 return LLMEM_ENOMEM;

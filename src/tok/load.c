@@ -547,7 +547,8 @@ static int add_pre(struct loader *l, const cJSON *obj, const char *where, int de
         if ((status = get_bool(l, obj, where, "add_prefix_space", &pre.add_prefix_space)) ||
             (status = get_bool(l, obj, where, "use_regex", &use_regex)))
             return status;
-        if (use_regex && (status = compile_regex(l, where, llmem_tok_gpt2_pattern, 0, &pre.re)) != 0)
+        if (use_regex &&
+            (status = compile_regex(l, where, llmem_tok_gpt2_pattern, 0, &pre.re)) != 0)
             return status;
         l->tok->byte_level = 1;
         return push_pre(l, &pre);

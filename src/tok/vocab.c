@@ -48,9 +48,9 @@ static const struct {
     const char *name;
     enum pre_family family;
 } PRE_NAMES[] = {
-    {"default", PRE_DEFAULT},  {"llama-bpe", PRE_LLAMA3}, {"llama3", PRE_LLAMA3},
-    {"llama-v3", PRE_LLAMA3},  {"falcon3", PRE_LLAMA3},   {"pixtral", PRE_LLAMA3},
-    {"qwen2", PRE_QWEN2},      {"deepseek-r1-qwen", PRE_QWEN2}, {"gpt-2", PRE_GPT2},
+    {"default", PRE_DEFAULT}, {"llama-bpe", PRE_LLAMA3},       {"llama3", PRE_LLAMA3},
+    {"llama-v3", PRE_LLAMA3}, {"falcon3", PRE_LLAMA3},         {"pixtral", PRE_LLAMA3},
+    {"qwen2", PRE_QWEN2},     {"deepseek-r1-qwen", PRE_QWEN2}, {"gpt-2", PRE_GPT2},
 };
 #define N_PRE_NAMES (sizeof(PRE_NAMES) / sizeof(PRE_NAMES[0]))
 

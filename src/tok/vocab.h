@@ -63,7 +63,7 @@ struct llmem_tok_vocab {
     const float *scores;                  /* (n_tokens) tokenizer.ggml.scores, or NULL */
     const int32_t *token_types;           /* (n_tokens) enum llmem_tok_type, or NULL: all NORMAL */
     int64_t n_merges;
-    const struct llmem_tok_bytes *merges; /* (n_merges) "a b", by rank; NULL when absent */
+    const struct llmem_tok_bytes *merges;   /* (n_merges) "a b", by rank; NULL when absent */
     int64_t bos_id, eos_id, unk_id, pad_id; /* −1 when absent */
     int add_bos, add_eos;                   /* 0 / 1, −1 when absent: the model's default */
     int add_space_prefix;                   /* tokenizer.ggml.add_space_prefix; −1: default (1) */
