@@ -11,7 +11,8 @@
  * ordered by (rank, position), and the lowest is merged until none is left, a popped pair being
  * skipped when either side has changed since it was pushed. A piece of n characters costs
  * O(n log n), so long pieces (a megabyte without spaces) stay fast. With ignore_merges, a piece
- * that is itself in the vocabulary is emitted whole.
+ * that is itself in the vocabulary is emitted whole. A vocabulary with scores in place of merges
+ * (a GGUF "llama" model) merges by score instead, as SentencePiece does (spm() below).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -77,6 +78,7 @@ struct sym {
     int32_t id;
     int32_t prev, next; /* −1 at the ends */
     int32_t alive;
+    int32_t start, len; /* by score: the symbol's bytes in the piece */
 };
 
 struct cand {
@@ -166,15 +168,96 @@ static int add_sym(struct encoder *e, size_t *n, int32_t id) {
             return LLMEM_ENOMEM;
         e->syms = p, e->n_syms_cap = cap;
     }
-    e->syms[*n] = (struct sym){id, (int32_t)*n - 1, (int32_t)*n + 1, 1};
+    e->syms[*n] = (struct sym){id, (int32_t)*n - 1, (int32_t)*n + 1, 1, 0, 0};
     (*n)++;
     return LLMEM_OK;
 }
+
+/* ---- merging by score (SentencePiece) -------------------------------------------------------- */
+
+/* The pair (pos, next) when their bytes together are a token: ranked by that token's score. */
+static int push_scored_pair(struct encoder *e, const char *s, int32_t pos) {
+    int32_t next = e->syms[pos].next;
+    if (next < 0)
+        return LLMEM_OK;
+    const struct sym *l = &e->syms[pos], *r = &e->syms[next];
+    int32_t id = llmem_tok_strmap_get(&e->tok->vocab, s + l->start, (size_t)(l->len + r->len));
+    if (id < 0)
+        return LLMEM_OK;
+    return heap_push(e, (struct cand){e->tok->score_rank[id], pos, id, l->len, r->len});
+}
+
+/* One piece by SentencePiece's BPE (llama.cpp's llm_tokenizer_spm): one symbol per character;
+ * the adjacent pair whose concatenation is the best-scoring token merges first (leftmost on a
+ * tie), until no pair is a token; a symbol left outside the vocabulary becomes its <0xNN> byte
+ * tokens (the unknown token for a byte without one). A popped pair is stale when either side has
+ * grown since it was pushed (symbols only grow). */
+static int spm(struct encoder *e, const char *s, size_t len) {
+    const struct llmem_tokenizer *tok = e->tok;
+    size_t n = 0;
+    for (size_t i = 0; i < len;) {
+        uint32_t cp;
+        size_t cl = llmem_tok_utf8_char((const unsigned char *)s + i, len - i, &cp);
+        if (cl == 0)
+            cl = 1; /* not reached: the text was checked */
+        if (add_sym(e, &n, -1) != LLMEM_OK)
+            return LLMEM_ENOMEM;
+        e->syms[n - 1].start = (int32_t)i;
+        e->syms[n - 1].len = (int32_t)cl;
+        i += cl;
+    }
+    e->syms[n - 1].next = -1;
+    e->n_heap = 0;
+    for (size_t i = 0; i + 1 < n; i++)
+        if (push_scored_pair(e, s, (int32_t)i) != LLMEM_OK)
+            return LLMEM_ENOMEM;
+    while (e->n_heap > 0) {
+        struct cand c = heap_pop(e);
+        struct sym *left = &e->syms[c.pos];
+        if (!left->alive || left->next < 0 || left->len != c.left)
+            continue;
+        struct sym *right = &e->syms[left->next];
+        if (right->len != c.right)
+            continue;
+        left->id = c.id;
+        left->len += right->len;
+        right->alive = 0;
+        left->next = right->next;
+        if (right->next >= 0)
+            e->syms[right->next].prev = c.pos;
+        if (left->prev >= 0 && push_scored_pair(e, s, left->prev) != LLMEM_OK)
+            return LLMEM_ENOMEM;
+        if (push_scored_pair(e, s, c.pos) != LLMEM_OK)
+            return LLMEM_ENOMEM;
+    }
+    for (int32_t i = 0; i >= 0; i = e->syms[i].next) {
+        const struct sym *y = &e->syms[i];
+        int32_t id =
+            y->id >= 0 ? y->id : llmem_tok_strmap_get(&tok->vocab, s + y->start, (size_t)y->len);
+        if (id >= 0) {
+            if (ids_push(&e->out, id) != LLMEM_OK)
+                return LLMEM_ENOMEM;
+            continue;
+        }
+        for (int32_t k = 0; k < y->len; k++) {
+            int32_t b = tok->byte_ids[(unsigned char)s[y->start + k]];
+            if (b < 0)
+                b = tok->unk_id;
+            if (b >= 0 && ids_push(&e->out, b) != LLMEM_OK)
+                return LLMEM_ENOMEM;
+        }
+    }
+    return LLMEM_OK;
+}
+
+/* ---- merging by rank (BPE) ------------------------------------------------------------------ */
 
 static int bpe(struct encoder *e, const char *s, size_t len) {
     const struct llmem_tokenizer *tok = e->tok;
     if (len == 0)
         return LLMEM_OK;
+    if (tok->score_rank != NULL)
+        return spm(e, s, len);
     if (tok->ignore_merges) {
         int32_t id = llmem_tok_strmap_get(&tok->vocab, s, len);
         if (id >= 0)

@@ -127,7 +127,7 @@ static int get_pattern(const struct loader *l, const cJSON *obj, const char *whe
 
 /* ---- regexes -------------------------------------------------------------------------------- */
 
-static const char GPT2_PATTERN[] =
+const char llmem_tok_gpt2_pattern[] =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
 static int compile_regex(const struct loader *l, const char *where, const char *pattern,
@@ -247,24 +247,18 @@ static int add_merges(struct loader *l, const cJSON *merges) {
         status = merge_parts(l, m, rank, &a, &na, &b, &nb);
         if (status != LLMEM_OK)
             break;
-        joined.n = 0;
-        if (llmem_tok_buf_add(&joined, a, na) != LLMEM_OK ||
-            llmem_tok_buf_add(&joined, b, nb) != LLMEM_OK) {
+        status = llmem_tok_merge_add(tok, a, na, b, nb, (int32_t)rank, &joined);
+        if (status == LLMEM_ENOMEM) {
             LOAD_ERROR("out of memory");
-            status = LLMEM_ENOMEM;
             break;
         }
-        int32_t ia = llmem_tok_strmap_get(&tok->vocab, a, na);
-        int32_t ib = llmem_tok_strmap_get(&tok->vocab, b, nb);
-        int32_t ij = llmem_tok_strmap_get(&tok->vocab, joined.p, joined.n);
-        if (ia < 0 || ib < 0 || ij < 0) {
+        if (status != LLMEM_OK) {
             LOAD_ERROR("%s: 'model.merges[%lld]' (\"%.*s\" + \"%.*s\") names a token that is not "
                        "in the vocabulary",
                        l->path, (long long)rank, (int)na, a, (int)nb, b);
             status = LLMEM_EFORMAT;
             break;
         }
-        llmem_tok_mergemap_put(&tok->merges, ia, ib, (int32_t)rank, ij);
         rank++;
     }
     tok->n_merges = (int32_t)rank;
@@ -331,18 +325,7 @@ static int load_model(struct loader *l, const cJSON *root, int64_t max_added_id)
             return LLMEM_EFORMAT;
         }
     }
-    for (unsigned b = 0; b < 256; b++) {
-        char name[8];
-        snprintf(name, sizeof(name), "<0x%02X>", b);
-        tok->byte_ids[b] = llmem_tok_strmap_get(&tok->vocab, name, 6);
-        struct tok_buf ch = {0};
-        if (llmem_tok_utf8_put(&ch, llmem_tok_byte_cp(b)) != LLMEM_OK) {
-            LOAD_ERROR("out of memory");
-            return LLMEM_ENOMEM;
-        }
-        tok->bytelevel_ids[b] = llmem_tok_strmap_get(&tok->vocab, ch.p, ch.n);
-        llmem_tok_buf_free(&ch);
-    }
+    llmem_tok_index_bytes(tok);
     return LLMEM_OK;
 }
 
@@ -380,12 +363,6 @@ static int added_max_id(const struct loader *l, const cJSON *added, int64_t *max
     return LLMEM_OK;
 }
 
-static int cmp_added_len(const void *pa, const void *pb, void *ctx) {
-    const struct tok_added *added = ctx;
-    size_t na = added[*(const int32_t *)pa].content.n, nb = added[*(const int32_t *)pb].content.n;
-    return na < nb ? 1 : na > nb ? -1 : 0;
-}
-
 static int load_added(struct loader *l, const cJSON *added) {
     struct llmem_tokenizer *tok = l->tok;
     if (added == NULL || cJSON_IsNull(added))
@@ -397,7 +374,6 @@ static int load_added(struct loader *l, const cJSON *added) {
         return LLMEM_ENOMEM;
     }
     const cJSON *a = NULL;
-    int counts[256] = {0};
     cJSON_ArrayForEach(a, added) {
         char where[64];
         snprintf(where, sizeof(where), "added_tokens[%d]", tok->n_added);
@@ -427,25 +403,11 @@ static int load_added(struct loader *l, const cJSON *added) {
         t->id = (int32_t)id;
         tok->kind[id] = t->special ? TOK_KIND_SPECIAL : TOK_KIND_ADDED;
         tok->added_of[id] = tok->n_added;
-        counts[(unsigned char)content[0]]++;
         tok->n_added++;
     }
-    /* Per first byte, the candidates longest first: the first that matches is the longest. */
-    for (int b = 0; b < 256; b++) {
-        if (counts[b] == 0)
-            continue;
-        int32_t *list = malloc(((size_t)counts[b] + 1) * sizeof(*list));
-        if (list == NULL) {
-            LOAD_ERROR("out of memory");
-            return LLMEM_ENOMEM;
-        }
-        int k = 0;
-        for (int i = 0; i < tok->n_added; i++)
-            if ((unsigned char)tok->added[i].content.p[0] == b)
-                list[k++] = i;
-        qsort_r(list, (size_t)k, sizeof(*list), cmp_added_len, tok->added);
-        list[k] = -1;
-        tok->added_by_byte[b] = list;
+    if (llmem_tok_index_added(tok) != LLMEM_OK) {
+        LOAD_ERROR("out of memory");
+        return LLMEM_ENOMEM;
     }
     return LLMEM_OK;
 }
@@ -585,7 +547,8 @@ static int add_pre(struct loader *l, const cJSON *obj, const char *where, int de
         if ((status = get_bool(l, obj, where, "add_prefix_space", &pre.add_prefix_space)) ||
             (status = get_bool(l, obj, where, "use_regex", &use_regex)))
             return status;
-        if (use_regex && (status = compile_regex(l, where, GPT2_PATTERN, 0, &pre.re)) != 0)
+        if (use_regex &&
+            (status = compile_regex(l, where, llmem_tok_gpt2_pattern, 0, &pre.re)) != 0)
             return status;
         l->tok->byte_level = 1;
         return push_pre(l, &pre);
@@ -894,7 +857,70 @@ void llmem_tokenizer_free(struct llmem_tokenizer *tok) {
     free(tok->bos_text);
     free(tok->eos_text);
     free(tok->chat_template);
+    free(tok->score_rank);
     free(tok);
+}
+
+/* ---- shared with tok/vocab.c ---------------------------------------------------------------- */
+
+static int cmp_added_len(const void *pa, const void *pb, void *ctx) {
+    const struct tok_added *added = ctx;
+    size_t na = added[*(const int32_t *)pa].content.n, nb = added[*(const int32_t *)pb].content.n;
+    return na < nb ? 1 : na > nb ? -1 : 0;
+}
+
+int llmem_tok_index_added(struct llmem_tokenizer *tok) {
+    int counts[256] = {0};
+    for (int i = 0; i < tok->n_added; i++)
+        counts[(unsigned char)tok->added[i].content.p[0]]++;
+    /* Per first byte, the candidates longest first: the first that matches is the longest. */
+    for (int b = 0; b < 256; b++) {
+        if (counts[b] == 0)
+            continue;
+        int32_t *list = malloc(((size_t)counts[b] + 1) * sizeof(*list));
+        if (list == NULL)
+            return LLMEM_ENOMEM;
+        int k = 0;
+        for (int i = 0; i < tok->n_added; i++)
+            if ((unsigned char)tok->added[i].content.p[0] == b)
+                list[k++] = i;
+        qsort_r(list, (size_t)k, sizeof(*list), cmp_added_len, tok->added);
+        list[k] = -1;
+        tok->added_by_byte[b] = list;
+    }
+    return LLMEM_OK;
+}
+
+void llmem_tok_index_bytes(struct llmem_tokenizer *tok) {
+    for (unsigned b = 0; b < 256; b++) {
+        char name[8];
+        snprintf(name, sizeof(name), "<0x%02X>", b);
+        tok->byte_ids[b] = llmem_tok_strmap_get(&tok->vocab, name, 6);
+        char ch[2];
+        uint32_t cp = llmem_tok_byte_cp(b); /* below U+0800: one or two bytes of UTF-8 */
+        size_t n = 1;
+        if (cp < 0x80) {
+            ch[0] = (char)cp;
+        } else {
+            ch[0] = (char)(0xC0 | (cp >> 6)), ch[1] = (char)(0x80 | (cp & 0x3F));
+            n = 2;
+        }
+        tok->bytelevel_ids[b] = llmem_tok_strmap_get(&tok->vocab, ch, n);
+    }
+}
+
+int llmem_tok_merge_add(struct llmem_tokenizer *tok, const char *a, size_t na, const char *b,
+                        size_t nb, int32_t rank, struct tok_buf *joined) {
+    joined->n = 0;
+    if (llmem_tok_buf_add(joined, a, na) != LLMEM_OK || llmem_tok_buf_add(joined, b, nb) != 0)
+        return LLMEM_ENOMEM;
+    int32_t ia = llmem_tok_strmap_get(&tok->vocab, a, na);
+    int32_t ib = llmem_tok_strmap_get(&tok->vocab, b, nb);
+    int32_t ij = llmem_tok_strmap_get(&tok->vocab, joined->p, joined->n);
+    if (ia < 0 || ib < 0 || ij < 0)
+        return LLMEM_ENOENT;
+    llmem_tok_mergemap_put(&tok->merges, ia, ib, rank, ij);
+    return LLMEM_OK;
 }
 
 /* ---- lookups -------------------------------------------------------------------------------- */

@@ -4,7 +4,8 @@
  * load.c reads tokenizer.json and tokenizer_config.json into this struct; encode.c runs the
  * pipeline (added tokens → normalizer → pre-tokenizer → BPE); decode.c runs the decoder and the
  * streaming detokenizer; chat.c renders chat templates; nfc.c is the NFC normalizer; util.c holds
- * the buffer, UTF-8, byte-map and hash-table helpers.
+ * the buffer, UTF-8, byte-map and hash-table helpers; vocab.c builds the same struct from a GGUF
+ * file's tokenizer.ggml.* vocabulary (tok/vocab.h).
  */
 #ifndef LLMEM_TOK_INT_H
 #define LLMEM_TOK_INT_H
@@ -143,6 +144,9 @@ struct llmem_tokenizer {
     int32_t n_merges;
 
     /* BPE options */
+    int32_t *score_rank; /* (n_vocab) SentencePiece-style merging by score (GGUF model "llama"):
+                            each id's place in descending score order, equal scores sharing one;
+                            NULL for merges by rank */
     int ignore_merges;
     int byte_fallback;
     int fuse_unk;
@@ -165,12 +169,25 @@ struct llmem_tokenizer {
     int dec_byte_fallback; /* a decoder step is ByteFallback */
 
     int32_t bos_id, eos_id;
+    int add_bos, add_eos;      /* GGUF's tokenizer.ggml.add_bos_token/add_eos_token; 0 from JSON */
     char *bos_text, *eos_text; /* from tokenizer_config.json, NULL when absent */
     char *chat_template;       /* the template text, NULL when none */
 };
 
 /* Merge lookup: the rank (and *id) of the pair, −1 when the pair does not merge. */
 int32_t llmem_tok_merge_get(const struct tok_mergemap *m, int32_t left, int32_t right, int32_t *id);
+
+/* The GPT-2 split pattern of ByteLevel(use_regex) (load.c). */
+extern const char llmem_tok_gpt2_pattern[];
+
+/* Fills added_by_byte from added[] (LLMEM_ENOMEM, not logged). */
+int llmem_tok_index_added(struct llmem_tokenizer *tok);
+/* Fills byte_ids (<0xNN>) and bytelevel_ids from the vocabulary. */
+void llmem_tok_index_bytes(struct llmem_tokenizer *tok);
+/* Adds the merge a + b at rank (joined is scratch): LLMEM_ENOENT when a, b or a + b is not in the
+ * vocabulary, LLMEM_ENOMEM; nothing is logged. */
+int llmem_tok_merge_add(struct llmem_tokenizer *tok, const char *a, size_t na, const char *b,
+                        size_t nb, int32_t rank, struct tok_buf *joined);
 
 /* The id of an added token or vocabulary piece with this text, −1 when none. */
 int32_t llmem_tok_piece_id(const struct llmem_tokenizer *tok, const char *s, size_t n);
