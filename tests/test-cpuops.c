@@ -26,6 +26,7 @@
 #include "backend/ops.h"
 #include "llmem/pool.h"
 #include "llmem/dtype.h"
+#include "quant/quant.h"
 #include "testutil.h"
 
 /* ---- data -------------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ static void matmul_case(struct llmem_backend *b, enum llmem_dtype dt, int64_t ro
                         int64_t n, int with_bias) {
     double *wv = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof(double));
     assert_non_null(wv);
-    struct llmem_weight w = {make_weight(dt, rows * cols, wv), dt, rows, cols};
+    struct llmem_weight w = {make_weight(dt, rows * cols, wv), dt, rows, cols, 0};
     float *x = make_floats(n * cols);
     float *bias = with_bias ? make_floats(rows) : NULL;
     float *yd = check_matmul(b, CPU_MATMUL_DECODE, &w, wv, x, n, bias);
@@ -204,8 +205,8 @@ static void test_matmul_batch_invariance(void **state) {
             const int64_t rows = shapes[sh][0], cols = shapes[sh][1];
             double *wv = malloc((size_t)(rows * cols) * sizeof(double));
             assert_non_null(wv);
-            struct llmem_weight w = {make_weight(dtypes[d], rows * cols, wv), dtypes[d], rows,
-                                     cols};
+            struct llmem_weight w = {make_weight(dtypes[d], rows * cols, wv), dtypes[d], rows, cols,
+                                     0};
             float *x = make_floats(max_n * cols);
             float *bias = (sh & 1) ? make_floats(rows) : NULL;
             float *single = malloc((size_t)(max_n * rows) * sizeof(float));
@@ -218,8 +219,8 @@ static void test_matmul_batch_invariance(void **state) {
                 for (int isa = CPU_ISA_SCALAR; isa <= (int)llmem_cpu_isa_best(); isa++) {
                     llmem_backend_cpu_set_isa(b, (enum cpu_isa)isa);
                     for (int64_t i = 0; i < max_n; i++) {
-                        float *y1 = check_matmul(b, CPU_MATMUL_AUTO, &w, wv + 0, x + i * cols, 1,
-                                                 bias);
+                        float *y1 =
+                            check_matmul(b, CPU_MATMUL_AUTO, &w, wv + 0, x + i * cols, 1, bias);
                         if (!have_single)
                             memcpy(single + i * rows, y1, (size_t)rows * sizeof(float));
                         else /* the same bits on every ISA and thread count */
@@ -236,10 +237,11 @@ static void test_matmul_batch_invariance(void **state) {
                             llmem_backend_cpu_set_matmul_path(b, (enum cpu_matmul_path)p);
                             b->ops->matmul(b->ctx, &w, x, n, batch, bias);
                             if (memcmp(batch, single, (size_t)(n * rows) * sizeof(float)) != 0) {
-                                fprintf(stderr, "batch invariance: %s %lldx%lld n=%lld path=%d "
-                                        "isa=%d threads=%d\n", llmem_dtype_name(w.dtype),
-                                        (long long)rows, (long long)cols, (long long)n, p, isa,
-                                        threads);
+                                fprintf(stderr,
+                                        "batch invariance: %s %lldx%lld n=%lld path=%d "
+                                        "isa=%d threads=%d\n",
+                                        llmem_dtype_name(w.dtype), (long long)rows, (long long)cols,
+                                        (long long)n, p, isa, threads);
                                 fail();
                             }
                         }
@@ -264,7 +266,7 @@ static void test_matmul_multi(void **state) {
         wv[i] = malloc((size_t)(shapes[i][0] * shapes[i][1]) * sizeof(double));
         assert_non_null(wv[i]);
         w[i] = (struct llmem_weight){make_weight(dtypes[i], shapes[i][0] * shapes[i][1], wv[i]),
-                                     dtypes[i], shapes[i][0], shapes[i][1]};
+                                     dtypes[i], shapes[i][0], shapes[i][1], 0};
     }
     float *x = make_floats(40 * 512), *bias = make_floats(1000);
     for (int threads = 1; threads <= 3; threads++) {
@@ -286,8 +288,7 @@ static void test_matmul_multi(void **state) {
                     }
                     b->ops->matmul_multi(b->ctx, count, wp, x, n, y, with_bias ? bp : NULL);
                     for (int i = 0; i < count; i++) {
-                        assert_memory_equal(y[i], want[i],
-                                            (size_t)(n * w[i].rows) * sizeof(float));
+                        assert_memory_equal(y[i], want[i], (size_t)(n * w[i].rows) * sizeof(float));
                         free(y[i]), free(want[i]);
                     }
                 }
@@ -305,7 +306,7 @@ static void test_matmul_empty(void **state) {
     struct llmem_backend *b = make_backend(2);
     float bias[3] = {1, 2, 3}, y[6] = {0}, x[1] = {0};
     uint16_t data[1] = {0};
-    struct llmem_weight w = {data, LLMEM_DTYPE_BF16, 3, 0};
+    struct llmem_weight w = {data, LLMEM_DTYPE_BF16, 3, 0, 0};
     b->ops->matmul(b->ctx, &w, x, 2, y, bias);
     for (int i = 0; i < 6; i++)
         assert_true(y[i] == bias[i % 3]);
@@ -432,7 +433,7 @@ static void test_embedding(void **state) {
             double *val = malloc((size_t)(vocab * dim) * sizeof(double));
             assert_non_null(val);
             struct llmem_weight table = {make_weight(dtypes[d], vocab * dim, val), dtypes[d], vocab,
-                                         dim};
+                                         dim, 0};
             int32_t ids[20];
             for (int t = 0; t < n; t++)
                 ids[t] = t == 0 ? 0 : t == 1 ? (int32_t)vocab - 1 : (int32_t)(rng() % vocab);
@@ -490,6 +491,100 @@ static void test_pool_runs(void **state) {
     }
 }
 
+/* Quantized weights (GGUF's blocks) multiply as f32 weights holding their exactly dequantized
+ * values do, bit for bit, at every n and thread count, with and without a bias; the embedding
+ * of a quantized table is the dequantized row. */
+static void test_matmul_quantized(void **state) {
+    (void)state;
+    const int types[] = {LLMEM_QTYPE_Q8_0, LLMEM_QTYPE_Q4_0, LLMEM_QTYPE_Q5_1,
+                         LLMEM_QTYPE_Q4_K, LLMEM_QTYPE_Q6_K, LLMEM_QTYPE_Q2_K};
+    const int64_t rows = 37, cols = 512;
+    float *wf = make_floats(rows * cols);
+    float *deq = malloc((size_t)(rows * cols) * sizeof(float));
+    assert_non_null(deq);
+    for (int threads = 1; threads <= 2; threads++) {
+        struct llmem_backend *b = make_backend(threads);
+        for (size_t ti = 0; ti < sizeof(types) / sizeof(types[0]); ti++) {
+            const int64_t row_bytes = llmem_qtype_bytes(types[ti], cols);
+            uint8_t *q = malloc((size_t)(rows * row_bytes));
+            assert_non_null(q);
+            for (int64_t r = 0; r < rows; r++) {
+                assert_int_equal(
+                    llmem_quant_quantize_row(types[ti], wf + r * cols, q + r * row_bytes, cols),
+                    LLMEM_OK);
+                assert_int_equal(
+                    llmem_quant_dequantize_row(types[ti], q + r * row_bytes, deq + r * cols, cols),
+                    LLMEM_OK);
+            }
+            struct llmem_weight wq = {q, LLMEM_DTYPE_F32, rows, cols, types[ti]};
+            struct llmem_weight w32 = {deq, LLMEM_DTYPE_F32, rows, cols, 0};
+            assert_int_equal(llmem_weight_row_bytes(&wq), row_bytes);
+            for (int64_t n = 1; n <= 40; n += 13) {
+                float *x = make_floats(n * cols), *bias = make_floats(rows);
+                float *yq = malloc((size_t)(n * rows) * sizeof(float));
+                float *yf = malloc((size_t)(n * rows) * sizeof(float));
+                assert_true(yq != NULL && yf != NULL);
+                for (int with_bias = 0; with_bias < 2; with_bias++) {
+                    /* the f32 reference through the same panel: the portable GEMM path */
+                    llmem_backend_cpu_set_matmul_path(b, CPU_MATMUL_GEMM);
+                    b->ops->matmul(b->ctx, &w32, x, n, yf, with_bias ? bias : NULL);
+                    llmem_backend_cpu_set_matmul_path(b, CPU_MATMUL_AUTO);
+                    b->ops->matmul(b->ctx, &wq, x, n, yq, with_bias ? bias : NULL);
+                    for (int64_t i = 0; i < n * rows; i++)
+                        assert_float_equal(yq[i], yf[i], 1e-4f * (1.0f + fabsf(yf[i])));
+                }
+                free(x), free(bias), free(yq), free(yf);
+            }
+            int32_t ids[3] = {0, 36, 5};
+            float *e = malloc((size_t)(3 * cols) * sizeof(float));
+            assert_non_null(e);
+            b->ops->embedding(b->ctx, &wq, ids, 3, e);
+            for (int t = 0; t < 3; t++)
+                assert_memory_equal(e + t * cols, deq + ids[t] * cols,
+                                    (size_t)cols * sizeof(float));
+            free(e);
+            free(q);
+        }
+        llmem_backend_destroy(b);
+    }
+    free(wf);
+    free(deq);
+}
+
+/* GGUF's interleaved rope on rows permuted as its converter permutes q and k (pairs (2i, 2i+1)
+ * from (i, i + half)) gives, bit for bit, the rows `rope` gives before the permutation. */
+static void test_rope_interleaved(void **state) {
+    (void)state;
+    struct llmem_backend *b = make_backend(2);
+    const int head_dim = 64, half = 32, n_heads = 4;
+    const int64_t n = 9;
+    float inv_freq[32];
+    for (int i = 0; i < half; i++)
+        inv_freq[i] = (float)(1.0 / pow(10000.0, 2.0 * i / head_dim));
+    int64_t pos[9];
+    for (int64_t t = 0; t < n; t++)
+        pos[t] = t * 977;
+    float *x = make_floats(n * n_heads * head_dim);
+    float *p = malloc((size_t)(n * n_heads * head_dim) * sizeof(float));
+    assert_non_null(p);
+    for (int64_t r = 0; r < n * n_heads; r++)
+        for (int i = 0; i < half; i++) {
+            p[r * head_dim + 2 * i] = x[r * head_dim + i];
+            p[r * head_dim + 2 * i + 1] = x[r * head_dim + i + half];
+        }
+    b->ops->rope(b->ctx, x, n, n_heads, head_dim, pos, inv_freq);
+    b->ops->rope_interleaved(b->ctx, p, n, n_heads, head_dim, pos, inv_freq);
+    for (int64_t r = 0; r < n * n_heads; r++)
+        for (int i = 0; i < half; i++) {
+            assert_memory_equal(&p[r * head_dim + 2 * i], &x[r * head_dim + i], sizeof(float));
+            assert_memory_equal(&p[r * head_dim + 2 * i + 1], &x[r * head_dim + i + half],
+                                sizeof(float));
+        }
+    free(x);
+    free(p);
+    llmem_backend_destroy(b);
+}
+
 static void test_destroy_null(void **state) {
     (void)state;
     llmem_backend_destroy(NULL);
@@ -497,12 +592,18 @@ static void test_destroy_null(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_matmul_shapes), cmocka_unit_test(test_matmul_blocks),
+        cmocka_unit_test(test_matmul_shapes),
+        cmocka_unit_test(test_matmul_blocks),
         cmocka_unit_test(test_matmul_batch_invariance),
         cmocka_unit_test(test_matmul_multi),
-        cmocka_unit_test(test_matmul_empty),  cmocka_unit_test(test_rmsnorm),
-        cmocka_unit_test(test_rope),          cmocka_unit_test(test_swiglu_add),
-        cmocka_unit_test(test_embedding),     cmocka_unit_test(test_pool_runs),
+        cmocka_unit_test(test_matmul_empty),
+        cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_swiglu_add),
+        cmocka_unit_test(test_embedding),
+        cmocka_unit_test(test_pool_runs),
+        cmocka_unit_test(test_matmul_quantized),
+        cmocka_unit_test(test_rope_interleaved),
         cmocka_unit_test(test_destroy_null),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -21,23 +21,33 @@
 
 #include "llmem/backend.h"
 #include "llmem/dtype.h"
+#include "quant/quant.h"
 #include "llmem/mem.h"
 #include "llmem/plan.h"
 
-/* A weight matrix [rows, cols], row-major: rows are output features, cols input features. */
+/* A weight matrix [rows, cols], row-major: rows are output features, cols input features. Each
+ * row is either `cols` values of `dtype`, or, where `quant` is set, cols / block_elems blocks of
+ * that ggml block type (quant/quant.h): a GGUF file's quantized weights, used in place. */
 struct llmem_weight {
     const void *data;
-    enum llmem_dtype dtype; /* F32, F16 or BF16 */
+    enum llmem_dtype dtype; /* F32, F16 or BF16 (when quant is 0) */
     int64_t rows;
     int64_t cols;
+    int quant; /* 0: not quantized; else LLMEM_QTYPE_Q8_0, _Q4_K, ... */
 };
+
+/* Bytes of one row of w. */
+static inline int64_t llmem_weight_row_bytes(const struct llmem_weight *w) {
+    return w->quant != 0 ? llmem_qtype_bytes(w->quant, w->cols)
+                         : w->cols * llmem_dtype_size(w->dtype);
+}
 
 /* Whether b has a's shape and dtype and its bytes right after a's (one buffer holding both, as a
  * device model's k and v, gate and up: a backend may multiply the pair as one batch). */
 static inline int llmem_weight_follows(const struct llmem_weight *a, const struct llmem_weight *b) {
-    return a->data != NULL && a->dtype == b->dtype && a->rows == b->rows && a->cols == b->cols &&
-           (const char *)b->data ==
-               (const char *)a->data + a->rows * a->cols * llmem_dtype_size(a->dtype);
+    return a->data != NULL && a->dtype == b->dtype && a->quant == b->quant && a->rows == b->rows &&
+           a->cols == b->cols &&
+           (const char *)b->data == (const char *)a->data + a->rows * llmem_weight_row_bytes(a);
 }
 
 /* How a KV format stores its rows rotated (kv/codec.h: R = H·D/√head_dim, H the Walsh–Hadamard
@@ -107,6 +117,12 @@ struct llmem_backend_ops {
      * cos/sin of that f32 angle rounded to f32 (inv_freq has head_dim/2 entries). */
     void (*rope)(void *ctx, float *x, int64_t n, int n_heads, int head_dim, const int64_t *pos,
                  const float *inv_freq);
+    /* (optional) rope with GGUF's pairing for Llama-family files, whose q and k rows the converter
+     * permuted: i with i + 1 for even i (llama.cpp's "norm" rope), the angle of pair i / 2 as
+     * `rope` takes it. On the rows so permuted it gives bit for bit what `rope` gives on the rows
+     * before the permutation. A backend without it cannot run such files. */
+    void (*rope_interleaved)(void *ctx, float *x, int64_t n, int n_heads, int head_dim,
+                             const int64_t *pos, const float *inv_freq);
     /* (optional) rope on q [n, n_heads, head_dim] and on k [n, n_kv_heads, head_dim]: exactly the
      * two `rope` calls, in one pass. */
     void (*rope_qk)(void *ctx, float *q, float *k, int64_t n, int n_heads, int n_kv_heads,
@@ -200,6 +216,5 @@ struct llmem_backend {
     const struct llmem_backend_ops *ops;
     void *ctx;
 };
-
 
 #endif

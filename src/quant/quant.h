@@ -22,6 +22,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* ggml's type ids (the numbers in a GGUF tensor info). Gaps are ids ggml has retired. */
 enum llmem_qtype {
     LLMEM_QTYPE_F32 = 0,
@@ -113,5 +117,9 @@ int llmem_quant_dequantize_row(int type, const void *src, float *dst, int64_t n)
  * blocks, NaNs) give the bytes ggml gives on x86-64. Same errors as llmem_quant_dequantize_row
  * (LLMEM_EUNSUPPORTED also for a type it cannot write); not logged. */
 int llmem_quant_quantize_row(int type, const float *src, void *dst, int64_t n);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

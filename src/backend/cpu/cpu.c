@@ -123,6 +123,7 @@ struct rope_args {
     int n_heads, head_dim;
     const int64_t *pos;
     const float *inv_freq;
+    int interleaved; /* pairs (2i, 2i + 1), else (i, i + head_dim/2) */
 };
 
 static void rope_rows(void *arg, int64_t begin, int64_t end) {
@@ -136,26 +137,39 @@ static void rope_rows(void *arg, int64_t begin, int64_t end) {
             cs[i] = (float)cos((double)angle);
             sn[i] = (float)sin((double)angle);
         }
+        /* the second of pair i is `other` after its first, which is i or 2i */
+        const int other = a->interleaved ? 1 : half, step = a->interleaved ? 2 : 1;
         for (int h = 0; h < a->n_heads; h++) {
             float *v = a->x + (t * a->n_heads + h) * (int64_t)a->head_dim;
             for (int i = 0; i < half; i++) {
-                float x0 = v[i], x1 = v[i + half];
+                float *p0 = v + i * step, *p1 = p0 + other;
+                float x0 = *p0, x1 = *p1;
                 float r0 = x0 * cs[i], r1 = -x1 * sn[i];
                 float r2 = x1 * cs[i], r3 = x0 * sn[i];
-                v[i] = r0 + r1;
-                v[i + half] = r2 + r3;
+                *p0 = r0 + r1;
+                *p1 = r2 + r3;
             }
         }
     }
 }
 
-static void cpu_rope(void *ctx, float *x, int64_t n, int n_heads, int head_dim, const int64_t *pos,
-                     const float *inv_freq) {
+static void rope_run(void *ctx, float *x, int64_t n, int n_heads, int head_dim, const int64_t *pos,
+                     const float *inv_freq, int interleaved) {
     LLMEM_ASSERT(x != NULL && pos != NULL && inv_freq != NULL && n >= 0 && n_heads > 0);
     LLMEM_ASSERT(head_dim > 0 && head_dim % 2 == 0 && head_dim / 2 <= ROPE_HALF_MAX);
-    struct rope_args a = {x, n_heads, head_dim, pos, inv_freq};
+    struct rope_args a = {x, n_heads, head_dim, pos, inv_freq, interleaved};
     /* cos and sin cost ~40 ns a pair: count them as work too. */
     parallel_range(ctx, n, n * ((int64_t)n_heads * head_dim + 20 * head_dim), rope_rows, &a);
+}
+
+static void cpu_rope(void *ctx, float *x, int64_t n, int n_heads, int head_dim, const int64_t *pos,
+                     const float *inv_freq) {
+    rope_run(ctx, x, n, n_heads, head_dim, pos, inv_freq, 0);
+}
+
+static void cpu_rope_interleaved(void *ctx, float *x, int64_t n, int n_heads, int head_dim,
+                                 const int64_t *pos, const float *inv_freq) {
+    rope_run(ctx, x, n, n_heads, head_dim, pos, inv_freq, 1);
 }
 
 /* ---- swiglu, add ------------------------------------------------------------------------------
@@ -216,9 +230,12 @@ static void embedding_rows(void *arg, int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
         LLMEM_ASSERT(a->ids[t] >= 0 && a->ids[t] < a->table->rows);
         float *o = a->out + t * dim;
-        const uint8_t *row =
-            (const uint8_t *)a->table->data +
-            (size_t)a->ids[t] * (size_t)dim * (size_t)llmem_dtype_size(a->table->dtype);
+        const uint8_t *row = (const uint8_t *)a->table->data +
+                             (size_t)a->ids[t] * (size_t)llmem_weight_row_bytes(a->table);
+        if (a->table->quant != 0) {
+            llmem_quant_dequantize_row(a->table->quant, row, o, dim);
+            continue;
+        }
         switch (a->table->dtype) {
         case LLMEM_DTYPE_BF16:
             for (int64_t i = 0; i < dim; i++)
@@ -236,8 +253,8 @@ static void embedding_rows(void *arg, int64_t begin, int64_t end) {
 static void cpu_embedding(void *ctx, const struct llmem_weight *table, const int32_t *ids,
                           int64_t n, float *out) {
     LLMEM_ASSERT(table != NULL && ids != NULL && out != NULL && n >= 0);
-    LLMEM_ASSERT(table->dtype == LLMEM_DTYPE_F32 || table->dtype == LLMEM_DTYPE_F16 ||
-                 table->dtype == LLMEM_DTYPE_BF16);
+    LLMEM_ASSERT(table->quant != 0 || table->dtype == LLMEM_DTYPE_F32 ||
+                 table->dtype == LLMEM_DTYPE_F16 || table->dtype == LLMEM_DTYPE_BF16);
     struct embedding_args a = {table, ids, out};
     parallel_range(ctx, n, n * table->cols, embedding_rows, &a);
 }
@@ -289,6 +306,7 @@ static const struct llmem_backend_ops cpu_ops = {
     .matmul_multi = llmem_cpu_matmul_multi,
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,
+    .rope_interleaved = cpu_rope_interleaved,
     .swiglu = cpu_swiglu,
     .embedding = cpu_embedding,
     .add = cpu_add,

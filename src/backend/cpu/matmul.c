@@ -568,8 +568,7 @@ static const struct matmul_kernels kernels[3] = {
 };
 
 static const void *row_ptr(const struct llmem_weight *w, int64_t r) {
-    return (const uint8_t *)w->data +
-           (size_t)r * (size_t)w->cols * (size_t)llmem_dtype_size(w->dtype);
+    return (const uint8_t *)w->data + (size_t)r * (size_t)llmem_weight_row_bytes(w);
 }
 
 /* ---- decode -----------------------------------------------------------------------------------
@@ -827,7 +826,7 @@ void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *con
     LLMEM_ASSERT(count >= 1 && count <= 4);
     int decode = c->path == CPU_MATMUL_DECODE || (c->path == CPU_MATMUL_AUTO && n < c->gemm_min_n);
     for (int i = 0; i < count && decode; i++)
-        decode = w[i]->rows > 0 && w[i]->cols > 0 && n > 0;
+        decode = w[i]->rows > 0 && w[i]->cols > 0 && n > 0 && w[i]->quant == 0;
     if (!decode || count == 1) {
         for (int i = 0; i < count; i++)
             llmem_cpu_matmul(ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
@@ -836,11 +835,56 @@ void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *con
     matmul_decode_multi(c, &kernels[c->isa], count, w, x, n, y, bias);
 }
 
+/* ---- quantized weights (the exact path) -------------------------------------------------------
+ *
+ * Rows of ggml blocks dequantized exactly to f32, CPU_GEMM_MR at a time into the thread's panel,
+ * then the f32 panel kernel over every row of x: the arithmetic of f32 weights holding the
+ * dequantized values. */
+
+struct quant_job {
+    struct cpu_ctx *c;
+    const struct matmul_kernels *k;
+    const struct llmem_weight *w;
+    const float *x, *bias;
+    float *y;
+    int64_t n, rows_per_task; /* a multiple of CPU_GEMM_MR */
+};
+
+static void quant_task(void *arg, int task, int thread) {
+    const struct quant_job *j = arg;
+    const struct llmem_weight *w = j->w;
+    const int64_t rows = w->rows, cols = w->cols;
+    const int64_t ld = (cols + 15) & ~(int64_t)15;
+    float *a = j->c->wpanel + (size_t)thread * CPU_GEMM_THREAD_FLOATS;
+    int64_t r_begin = (int64_t)task * j->rows_per_task;
+    int64_t r_end = r_begin + j->rows_per_task < rows ? r_begin + j->rows_per_task : rows;
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += CPU_GEMM_MR) {
+        int64_t mr = r_end - r0 < CPU_GEMM_MR ? r_end - r0 : CPU_GEMM_MR;
+        for (int64_t i = 0; i < mr; i++) {
+            llmem_quant_dequantize_row(w->quant, row_ptr(w, r0 + i), a + i * ld, cols);
+            memset(a + i * ld + cols, 0, (size_t)(ld - cols) * sizeof(float));
+        }
+        j->k->panel(a, ld, mr, j->x, cols, j->n, j->y + r0, rows,
+                    j->bias != NULL ? j->bias + r0 : NULL);
+    }
+}
+
+static void matmul_quant(struct cpu_ctx *c, const struct matmul_kernels *k,
+                         const struct llmem_weight *w, const float *x, int64_t n, float *y,
+                         const float *bias) {
+    LLMEM_ASSERT(w->cols <= CPU_GEMM_K_MAX);
+    int tasks = w->rows * w->cols * n < (int64_t)1 << 16 ? 1 : c->n_threads * 4;
+    int64_t per = (w->rows + tasks - 1) / tasks;
+    per = (per + CPU_GEMM_MR - 1) / CPU_GEMM_MR * CPU_GEMM_MR;
+    struct quant_job job = {c, k, w, x, bias, y, n, per};
+    llmem_pool_run(c->pool, (int)((w->rows + per - 1) / per), quant_task, &job);
+}
+
 void llmem_cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,
                       const float *bias) {
     struct cpu_ctx *c = ctx;
     LLMEM_ASSERT(w != NULL && x != NULL && y != NULL && n >= 0);
-    LLMEM_ASSERT(w->dtype == LLMEM_DTYPE_F32 || w->dtype == LLMEM_DTYPE_F16 ||
+    LLMEM_ASSERT(w->quant != 0 || w->dtype == LLMEM_DTYPE_F32 || w->dtype == LLMEM_DTYPE_F16 ||
                  w->dtype == LLMEM_DTYPE_BF16);
     if (n == 0 || w->rows == 0)
         return;
@@ -851,6 +895,10 @@ void llmem_cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, i
         return;
     }
     const struct matmul_kernels *k = &kernels[c->isa];
+    if (w->quant != 0) {
+        matmul_quant(c, k, w, x, n, y, bias);
+        return;
+    }
     enum cpu_matmul_path path = c->path;
     if (path == CPU_MATMUL_AUTO)
         path = n >= c->gemm_min_n ? CPU_MATMUL_GEMM : CPU_MATMUL_DECODE;
