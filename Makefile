@@ -25,8 +25,12 @@ run: build
 	./$(BUILD)/llmem run models/pycoder --stats -n 96 \
 		-p "$$(printf 'import os\nimport sys\n\n\ndef main():\n')"
 
+# The suite, then every fuzz target for FUZZ_SECONDS (`make fuzz`; clang comes through deps.sh like
+# the other packages). `make test FUZZ_SECONDS=0` leaves the fuzzing out (the corpora are still
+# replayed by ctest's fuzz-* tests).
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
+	@if [ "$(FUZZ_SECONDS)" != 0 ]; then $(MAKE) --no-print-directory fuzz; fi
 
 test-sanitize: deps
 	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DLLMEM_SANITIZE=ON -DLLMEM_CUDA=OFF $(CMAKE_FLAGS) >/dev/null
@@ -38,30 +42,18 @@ test-sanitize: deps
 test-tsan: deps
 	@cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DLLMEM_TSAN=ON -DLLMEM_CUDA=OFF $(CMAKE_FLAGS) >/dev/null
 	@cmake --build $(TSAN_BUILD) -j $(JOBS) --target test-mem test-core test-kv test-spill test-sched
-	TSAN_OPTIONS=halt_on_error=1 ctest --test-dir $(TSAN_BUILD) --output-on-failure \
+	TSAN_OPTIONS=halt_on_error=1 ctest --test-dir $(TSAN_BUILD) --output-on-failure -j $(JOBS) \
 		-R '^(test-mem|test-core|test-kv|test-spill|test-sched)(:.*)?$$'
 
-# Each libFuzzer target of tests/fuzz for FUZZ_SECONDS, from a copy of its seed corpus (what it
-# finds stays in $(FUZZ_BUILD)/corpus, not in the tree); stops at the first crash, leak or
-# sanitizer report, whose reproducer libFuzzer writes to $(FUZZ_BUILD)/artifacts.
+# Each libFuzzer target of tests/fuzz for FUZZ_SECONDS, JOBS at a time, from a copy of its seed
+# corpus (what it finds stays in $(FUZZ_BUILD)/corpus, not in the tree); fails on any crash, leak,
+# timeout or sanitizer report, whose reproducer libFuzzer writes to $(FUZZ_BUILD)/artifacts
+# (scripts/fuzz.sh).
 fuzz:
 	@bash scripts/deps.sh clang libclang-rt-dev
 	@cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=$(FUZZ_CC) \
 		-DLLMEM_FUZZ=ON -DLLMEM_CUDA=OFF $(CMAKE_FLAGS) >/dev/null
-	@targets=$$(cd tests/fuzz && ls fuzz-*.c | sed 's/\.c$$//'); \
-	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target $$targets && \
-	mkdir -p $(FUZZ_BUILD)/artifacts && \
-	for t in $$targets; do \
-		rm -rf $(FUZZ_BUILD)/corpus/$$t && mkdir -p $(FUZZ_BUILD)/corpus/$$t && \
-		cp tests/fuzz/corpus/$$t/* $(FUZZ_BUILD)/corpus/$$t/ && \
-		echo "== $$t ($(FUZZ_SECONDS) s)" && \
-		./$(FUZZ_BUILD)/tests/$$t -max_total_time=$(FUZZ_SECONDS) -max_len=8192 -timeout=10 \
-			-print_final_stats=1 -artifact_prefix=$(FUZZ_BUILD)/artifacts/$$t- \
-			$(FUZZ_BUILD)/corpus/$$t >$(FUZZ_BUILD)/$$t.log 2>&1; rc=$$?; \
-		grep -E '^(#[0-9]+.*DONE|stat::number_of_executed_units|==[0-9]+==ERROR|SUMMARY)' \
-			$(FUZZ_BUILD)/$$t.log; \
-		test $$rc -eq 0 || { echo "$$t failed: see $(FUZZ_BUILD)/$$t.log"; exit 1; }; \
-	done
+	@bash scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(JOBS)
 
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h' '*.cu')
