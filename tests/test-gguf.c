@@ -288,7 +288,8 @@ static void test_pycoder(void **state) {
     assert_string_equal(gg.name, "pycoder");
     assert_int_equal(gg.n_params, st.n_params);
     assert_true(gg.weights_bytes < st.weights_bytes / 2);
-    assert_int_equal(llmem_geometry_kv_bytes_per_token(&gg), llmem_geometry_kv_bytes_per_token(&st));
+    assert_int_equal(llmem_geometry_kv_bytes_per_token(&gg),
+                     llmem_geometry_kv_bytes_per_token(&st));
     struct llmem_gguf *g = NULL;
     assert_int_equal(llmem_gguf_open(GGUF_DATA "/pycoder-q4_k_m.gguf", &g), LLMEM_OK);
     int n_q4k = 0, n_q6k = 0;
@@ -381,14 +382,14 @@ static void test_getters(void **state) {
     tu_expect_failure(llmem_gguf_get_string(g, "test.array_string", &s), LLMEM_EFORMAT,
                       "key 'test.array_string' has type array of string, expected string");
     tu_expect_failure(llmem_gguf_get_array(g, "test.array_i32", LLMEM_GGUF_STRING, &a),
-                      LLMEM_EFORMAT, "'test.array_i32' has type array of i32, expected array of "
-                                     "string");
+                      LLMEM_EFORMAT,
+                      "'test.array_i32' has type array of i32, expected array of "
+                      "string");
     tu_expect_failure(llmem_gguf_get_array(g, "test.u8", -1, &a), LLMEM_EFORMAT,
                       "has type u8, expected array of any");
 
     /* arrays */
-    assert_int_equal(llmem_gguf_get_array(g, "test.array_string", LLMEM_GGUF_STRING, &a),
-                     LLMEM_OK);
+    assert_int_equal(llmem_gguf_get_array(g, "test.array_string", LLMEM_GGUF_STRING, &a), LLMEM_OK);
     assert_int_equal(a->n, 3);
     assert_int_equal(llmem_gguf_array_str(a, 1).len, 0);
     s = llmem_gguf_array_str(a, 2);
@@ -523,7 +524,8 @@ static void test_hostile_kv(void **state) {
     memcpy(m, b, size);
     size_t toks = find_str(m, size, "tokenizer.ggml.tokens") + strlen("tokenizer.ggml.tokens");
     put_u64(m, toks + 8, (uint64_t)1 << 60);
-    expect_refused(m, size, LLMEM_EFORMAT, "key 'tokenizer.ggml.tokens': 1152921504606846976 strings");
+    expect_refused(m, size, LLMEM_EFORMAT,
+                   "key 'tokenizer.ggml.tokens': 1152921504606846976 strings");
 
     /* qwen3's test keys: nested array, elements past the end, a bool of 2 */
     size_t ai = find_str(b3, size3, "test.array_i32") + strlen("test.array_i32");
@@ -564,7 +566,8 @@ static void test_hostile_tensors(void **state) {
     memcpy(m, b, size);
     put_u64(m, e.dims, (uint64_t)1 << 40);
     put_u64(m, e.dims + 8, (uint64_t)1 << 40);
-    expect_refused(m, size, LLMEM_EFORMAT, "tensor 'token_embd.weight': the element count overflows");
+    expect_refused(m, size, LLMEM_EFORMAT,
+                   "tensor 'token_embd.weight': the element count overflows");
     memcpy(m, b, size);
     put_u64(m, n.dims, (uint64_t)1 << 62); /* f32: the bytes overflow, the count does not */
     expect_refused(m, size, LLMEM_EFORMAT, "tensor 'blk.0.attn_norm.weight': the byte size");
@@ -580,8 +583,7 @@ static void test_hostile_tensors(void **state) {
     }
     memcpy(m, b, size);
     put_u64(m, n.offset, get_u64(b, n.offset) + 4);
-    expect_refused(m, size, LLMEM_EFORMAT,
-                   "tensor 'blk.0.attn_norm.weight': offset");
+    expect_refused(m, size, LLMEM_EFORMAT, "tensor 'blk.0.attn_norm.weight': offset");
     assert_non_null(strstr(llmem_last_error(), "is not a multiple of the alignment (64)"));
     memcpy(m, b, size);
     put_u64(m, n.offset, (uint64_t)1 << 40);
@@ -681,7 +683,8 @@ static void test_hostile_geometry(void **state) {
     free(p);
     /* short, empty, not a regular file */
     p = tu_write_file(dir, "short.gguf", b, 10);
-    tu_expect_failure(llmem_model_geometry_load(p, &geom), LLMEM_EFORMAT, "shorter than its header");
+    tu_expect_failure(llmem_model_geometry_load(p, &geom), LLMEM_EFORMAT,
+                      "shorter than its header");
     free(p);
     char fifo[4096];
     snprintf(fifo, sizeof(fifo), "%s/fifo.gguf", dir);

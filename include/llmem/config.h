@@ -51,10 +51,10 @@ struct llmem_model_config {
     double rope_factor;  /* linear, llama3 */
     double rope_low_freq_factor, rope_high_freq_factor; /* llama3 */
     int64_t rope_original_max_context;                  /* llama3 */
-    int rope_freqs;       /* GGUF: the file carries rope_freqs.weight, per-pair divisors of the
-                           * inverse frequencies (Llama 3's scaling, precomputed); 0 otherwise */
-    int rope_interleaved; /* GGUF llama: Q/K rows permuted for RoPE on interleaved pairs (ggml's
-                           * NORM rope); 0: halves rotated (Hugging Face, Qwen in GGUF) */
+    int rope_freqs;         /* GGUF: the file carries rope_freqs.weight, per-pair divisors of the
+                             * inverse frequencies (Llama 3's scaling, precomputed); 0 otherwise */
+    int rope_interleaved;   /* GGUF llama: Q/K rows permuted for RoPE on interleaved pairs (ggml's
+                             * NORM rope); 0: halves rotated (Hugging Face, Qwen in GGUF) */
     uint8_t *layer_sliding; /* (n_layers) 1 where the layer attends within geom.sliding_window */
     int32_t bos_id;         /* config.json's; −1 when absent */
     int32_t eos_ids[LLMEM_MAX_EOS];

@@ -1,8 +1,8 @@
 /*
  * cli/plan.c — `llmem plan`: the memory plan for a model directory, a GGUF file (its header
- * alone), a catalog name, or explicit numbers, on this machine or a simulated one. Asks model/ for the geometry and sys/ (or the
- * backend registry) for the machine, hands numbers to plan/, and prints the result as text,
- * JSON (--json) and an SVG picture (--svg).
+ * alone), a catalog name, or explicit numbers, on this machine or a simulated one. Asks model/ for
+ * the geometry and sys/ (or the backend registry) for the machine, hands numbers to plan/, and
+ * prints the result as text, JSON (--json) and an SVG picture (--svg).
  */
 #include <getopt.h>
 #include <stdio.h>

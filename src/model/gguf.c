@@ -54,9 +54,8 @@ const char *llmem_gguf_type_name(int type) {
 }
 
 static int is_int_type(int t) {
-    return t == LLMEM_GGUF_U8 || t == LLMEM_GGUF_I8 || t == LLMEM_GGUF_U16 ||
-           t == LLMEM_GGUF_I16 || t == LLMEM_GGUF_U32 || t == LLMEM_GGUF_I32 ||
-           t == LLMEM_GGUF_U64 || t == LLMEM_GGUF_I64;
+    return t == LLMEM_GGUF_U8 || t == LLMEM_GGUF_I8 || t == LLMEM_GGUF_U16 || t == LLMEM_GGUF_I16 ||
+           t == LLMEM_GGUF_U32 || t == LLMEM_GGUF_I32 || t == LLMEM_GGUF_U64 || t == LLMEM_GGUF_I64;
 }
 
 /* The integer at p of type t, widened: *neg set for a negative value (in *mag as −value). */
@@ -246,8 +245,7 @@ static int parse_kv(struct parser *p, int64_t index, struct llmem_gguf_kv *kv) {
         return elem == LLMEM_GGUF_BOOL ? check_bools(p, kv, kv->value, n) : LLMEM_OK;
     }
     if (n > left(p) / 8) { /* each string takes its 8-byte length at least */
-        PERR(p, "%s: key '%s': %" PRIu64 " strings run past the end of the file", path, kv->key,
-             n);
+        PERR(p, "%s: key '%s': %" PRIu64 " strings run past the end of the file", path, kv->key, n);
         return LLMEM_EFORMAT;
     }
     kv->str_offsets = malloc(n > 0 ? (size_t)n * sizeof(uint64_t) : 1);
@@ -260,8 +258,7 @@ static int parse_kv(struct parser *p, int64_t index, struct llmem_gguf_kv *kv) {
         kv->str_offsets[i] = p->pos - start;
         struct llmem_gguf_str s;
         if (!take_str(p, &s)) {
-            PERR(p, "%s: key '%s': string %" PRIu64 " of %" PRIu64
-                    " runs past the end of the file",
+            PERR(p, "%s: key '%s': string %" PRIu64 " of %" PRIu64 " runs past the end of the file",
                  path, kv->key, i, n);
             return LLMEM_EFORMAT;
         }
@@ -273,8 +270,8 @@ static int parse_tensor(struct parser *p, int64_t index, struct llmem_gguf_tenso
     const char *path = p->g->path;
     struct llmem_gguf_str name;
     if (!take_str(p, &name)) {
-        PERR(p, "%s: tensor #%" PRId64 ": its name runs past the end of the file (%zu bytes)",
-             path, index, p->g->size);
+        PERR(p, "%s: tensor #%" PRId64 ": its name runs past the end of the file (%zu bytes)", path,
+             index, p->g->size);
         return LLMEM_EFORMAT;
     }
     int status = copy_name(p, &name, "tensor", index, &t->name);
@@ -324,8 +321,9 @@ static int parse_tensor(struct parser *p, int64_t index, struct llmem_gguf_tenso
     }
     t->type = (int)type;
     if (t->dims[0] % info->block_elems != 0) {
-        PERR(p, "%s: tensor '%s': row length %" PRId64 " is not a multiple of the %s block (%" PRId64
-                ")",
+        PERR(p,
+             "%s: tensor '%s': row length %" PRId64 " is not a multiple of the %s block (%" PRId64
+             ")",
              path, t->name, t->dims[0], info->name, info->block_elems);
         return LLMEM_EFORMAT;
     }
@@ -341,7 +339,8 @@ static int parse_tensor(struct parser *p, int64_t index, struct llmem_gguf_tenso
 }
 
 static int cmp_kv(const void *a, const void *b) {
-    return strcmp((*(struct llmem_gguf_kv *const *)a)->key, (*(struct llmem_gguf_kv *const *)b)->key);
+    return strcmp((*(struct llmem_gguf_kv *const *)a)->key,
+                  (*(struct llmem_gguf_kv *const *)b)->key);
 }
 
 static int cmp_tensor(const void *a, const void *b) {
@@ -397,14 +396,16 @@ static int place_tensors(struct parser *p) {
     for (int64_t i = 0; i < g->n_tensors; i++) {
         struct llmem_gguf_tensor *t = &g->tensors[i];
         if (t->offset % a != 0) {
-            PERR(p, "%s: tensor '%s': offset %" PRIu64 " is not a multiple of the alignment (%" PRIu64
-                    ")",
+            PERR(p,
+                 "%s: tensor '%s': offset %" PRIu64 " is not a multiple of the alignment (%" PRIu64
+                 ")",
                  g->path, t->name, t->offset, a);
             return LLMEM_EFORMAT;
         }
         if (t->offset > data_bytes || (uint64_t)t->n_bytes > data_bytes - t->offset) {
-            PERR(p, "%s: tensor '%s': bytes [%" PRIu64 ", +%" PRId64 ") lie past the end of the "
-                    "data section (%" PRIu64 " bytes)",
+            PERR(p,
+                 "%s: tensor '%s': bytes [%" PRIu64 ", +%" PRId64 ") lie past the end of the "
+                 "data section (%" PRIu64 " bytes)",
                  g->path, t->name, t->offset, t->n_bytes, data_bytes);
             return LLMEM_EFORMAT;
         }
@@ -479,7 +480,8 @@ static int parse(struct parser *p) {
     g->kv = calloc(n_kv > 0 ? (size_t)n_kv : 1, sizeof(*g->kv));
     g->kv_sorted = malloc((n_kv > 0 ? (size_t)n_kv : 1) * sizeof(*g->kv_sorted));
     g->tensors = calloc(n_tensors > 0 ? (size_t)n_tensors : 1, sizeof(*g->tensors));
-    g->tensors_sorted = malloc((n_tensors > 0 ? (size_t)n_tensors : 1) * sizeof(*g->tensors_sorted));
+    g->tensors_sorted =
+        malloc((n_tensors > 0 ? (size_t)n_tensors : 1) * sizeof(*g->tensors_sorted));
     if (g->kv == NULL || g->kv_sorted == NULL || g->tensors == NULL || g->tensors_sorted == NULL) {
         PERR(p, "%s: out of memory", g->path);
         return LLMEM_ENOMEM;

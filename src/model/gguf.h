@@ -58,24 +58,24 @@ struct llmem_gguf_str {
 };
 
 struct llmem_gguf_kv {
-    char *key;             /* NUL-terminated copy */
+    char *key; /* NUL-terminated copy */
     enum llmem_gguf_type type;
     enum llmem_gguf_type elem_type; /* arrays: the elements' type (never ARRAY) */
-    uint64_t n;            /* arrays: the number of elements; 1 otherwise */
+    uint64_t n;                     /* arrays: the number of elements; 1 otherwise */
     const uint8_t *value;  /* the value's bytes (an array's first element, a string's length) */
     uint64_t *str_offsets; /* string arrays: (n) each element's offset from value; else NULL */
 };
 
 struct llmem_gguf_tensor {
-    char *name;                         /* NUL-terminated copy */
-    int type;                           /* ggml type id (quant/quant.h), known to the table */
-    int n_dims;                         /* 1..4 */
-    int64_t dims[LLMEM_GGUF_MAX_DIMS];  /* (n_dims) ggml's ne: dims[0] is the row length
-                                         * (innermost); the rest 1 */
-    int64_t n_elements;                 /* product of dims */
-    int64_t n_bytes;                    /* llmem_qtype_bytes(type, n_elements) */
-    uint64_t offset;                    /* from the start of the data section; aligned */
-    const void *data;                   /* inside the mapping */
+    char *name;                        /* NUL-terminated copy */
+    int type;                          /* ggml type id (quant/quant.h), known to the table */
+    int n_dims;                        /* 1..4 */
+    int64_t dims[LLMEM_GGUF_MAX_DIMS]; /* (n_dims) ggml's ne: dims[0] is the row length
+                                        * (innermost); the rest 1 */
+    int64_t n_elements;                /* product of dims */
+    int64_t n_bytes;                   /* llmem_qtype_bytes(type, n_elements) */
+    uint64_t offset;                   /* from the start of the data section; aligned */
+    const void *data;                  /* inside the mapping */
 };
 
 /* A parsed file. Guarantees after a successful open: keys are unique, every value lies inside
@@ -83,21 +83,21 @@ struct llmem_gguf_tensor {
  * is a whole number of blocks, every byte range is aligned, inside the file's data section and
  * overlaps no other tensor. */
 struct llmem_gguf {
-    char *path;                /* for messages ("<buffer>" when parsed from memory) */
-    const uint8_t *base;       /* the file's bytes */
+    char *path;          /* for messages ("<buffer>" when parsed from memory) */
+    const uint8_t *base; /* the file's bytes */
     size_t size;
-    int mapped;                /* base is our mapping (unmapped by llmem_gguf_free) */
-    uint32_t version;          /* 2 or 3 */
-    uint32_t alignment;        /* general.alignment, else 32 */
-    uint64_t data_offset;      /* where the data section starts (aligned) */
+    int mapped;           /* base is our mapping (unmapped by llmem_gguf_free) */
+    uint32_t version;     /* 2 or 3 */
+    uint32_t alignment;   /* general.alignment, else 32 */
+    uint64_t data_offset; /* where the data section starts (aligned) */
     int64_t n_kv;
-    struct llmem_gguf_kv *kv;  /* (n_kv) in file order */
+    struct llmem_gguf_kv *kv;         /* (n_kv) in file order */
     struct llmem_gguf_kv **kv_sorted; /* (n_kv) sorted by key */
     int64_t n_tensors;
-    struct llmem_gguf_tensor *tensors; /* (n_tensors) in file order */
+    struct llmem_gguf_tensor *tensors;         /* (n_tensors) in file order */
     struct llmem_gguf_tensor **tensors_sorted; /* (n_tensors) sorted by name */
-    int64_t n_elements;        /* Σ n_elements */
-    int64_t n_bytes;           /* Σ n_bytes */
+    int64_t n_elements;                        /* Σ n_elements */
+    int64_t n_bytes;                           /* Σ n_bytes */
 };
 
 /* Opens a regular file (never a FIFO or a device), maps it and parses it. */
@@ -155,7 +155,6 @@ int llmem_gguf_geometry(const struct llmem_gguf *g, struct llmem_model_geometry 
                         const char *func);
 /* The full configuration (geometry, RoPE, norm epsilon, token ids). Free with
  * llmem_model_config_free. */
-int llmem_gguf_config(const struct llmem_gguf *g, struct llmem_model_config *cfg,
-                      const char *func);
+int llmem_gguf_config(const struct llmem_gguf *g, struct llmem_model_config *cfg, const char *func);
 
 #endif

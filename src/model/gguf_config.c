@@ -75,8 +75,7 @@ static int meta_int(const struct meta *m, const char *suffix, int required, int6
     if (kv != NULL) {
         /* a signed type with a negative value is out of range as well */
         int32_t s = 0;
-        if (kv->type == LLMEM_GGUF_I8 || kv->type == LLMEM_GGUF_I16 ||
-            kv->type == LLMEM_GGUF_I32) {
+        if (kv->type == LLMEM_GGUF_I8 || kv->type == LLMEM_GGUF_I16 || kv->type == LLMEM_GGUF_I32) {
             status = llmem_gguf_get_i32(m->g, key, &s);
             v = status == LLMEM_OK && s < 0 ? UINT64_MAX : (uint64_t)(int64_t)s;
         } else {
@@ -90,8 +89,8 @@ static int meta_int(const struct meta *m, const char *suffix, int required, int6
     if (status != LLMEM_OK)
         return status; /* a wrong type was logged */
     if (v < (uint64_t)min || v > (uint64_t)max) {
-        LLMEM_ERROR_AS(m->func, "%s: key '%s': %" PRIu64 " is out of range [%" PRId64 ", %" PRId64
-                                "]",
+        LLMEM_ERROR_AS(m->func,
+                       "%s: key '%s': %" PRIu64 " is out of range [%" PRId64 ", %" PRId64 "]",
                        m->g->path, key, v, min, max);
         return LLMEM_EFORMAT;
     }
@@ -113,8 +112,8 @@ static int meta_float(const struct meta *m, const char *suffix, double lo, doubl
     if (status != LLMEM_OK)
         return status;
     if (!(v > lo && v < hi)) {
-        LLMEM_ERROR_AS(m->func, "%s: key '%s': %g is out of range (%g, %g)", m->g->path, key, v,
-                       lo, hi);
+        LLMEM_ERROR_AS(m->func, "%s: key '%s': %g is out of range (%g, %g)", m->g->path, key, v, lo,
+                       hi);
         return LLMEM_EFORMAT;
     }
     *out = v;
@@ -201,8 +200,8 @@ static int meta_geometry(struct meta *m, const char *path_for_name,
     if ((status = meta_int(m, "block_count", 1, 1, MAX_LAYERS, &g.n_layers)) ||
         (status = meta_int(m, "embedding_length", 1, 1, MAX_HIDDEN, &g.hidden_size)) ||
         (status = meta_int(m, "attention.head_count", 1, 1, MAX_HEADS, &g.n_heads)) ||
-        (status = meta_int(m, "feed_forward_length", 1, 1, MAX_INTERMEDIATE,
-                           &g.intermediate_size)) ||
+        (status =
+             meta_int(m, "feed_forward_length", 1, 1, MAX_INTERMEDIATE, &g.intermediate_size)) ||
         (status = meta_int(m, "context_length", 1, 1, MAX_CONTEXT, &g.max_context)))
         return status;
     status = meta_int(m, "attention.head_count_kv", 0, 1, g.n_heads, &g.n_kv_heads);
@@ -288,7 +287,8 @@ static int meta_token(const struct meta *m, const char *key, int64_t vocab, int3
     if (status != LLMEM_OK)
         return status;
     if ((int64_t)v >= vocab) {
-        LLMEM_ERROR_AS(m->func, "%s: key '%s': token %" PRIu32 " is not below the vocabulary (%" PRId64 ")",
+        LLMEM_ERROR_AS(m->func,
+                       "%s: key '%s': token %" PRIu32 " is not below the vocabulary (%" PRId64 ")",
                        m->g->path, key, v, vocab);
         return LLMEM_EFORMAT;
     }
@@ -336,7 +336,8 @@ static int meta_rope(const struct meta *m, struct llmem_model_config *c) {
     status = meta_int(m, "rope.dimension_count", 0, 1, MAX_HEAD_DIM, &rot);
     if (status == LLMEM_OK && rot != c->geom.head_dim) {
         LLMEM_ERROR_AS(m->func,
-                       "%s: key '%s.rope.dimension_count' (%" PRId64 ") differs from head_dim (%" PRId64
+                       "%s: key '%s.rope.dimension_count' (%" PRId64
+                       ") differs from head_dim (%" PRId64
                        "): partial rotary embeddings are not supported",
                        m->g->path, m->arch, rot, c->geom.head_dim);
         return LLMEM_EUNSUPPORTED;

@@ -447,8 +447,7 @@ static void test_broken_models(void **state) {
 static void test_gguf(void **state) {
     (void)state;
     cJSON *facts = NULL;
-    assert_int_equal(
-        llmem_json_parse_file(LLMEM_TEST_DATA "/gguf/facts.json", 1 << 20, &facts), 0);
+    assert_int_equal(llmem_json_parse_file(LLMEM_TEST_DATA "/gguf/facts.json", 1 << 20, &facts), 0);
     const cJSON *tensors = cJSON_GetObjectItemCaseSensitive(
         cJSON_GetObjectItemCaseSensitive(facts, "pycoder"), "tensors");
     int64_t bytes = 0;
@@ -476,8 +475,9 @@ static void test_gguf(void **state) {
     assert_non_null(strstr(run.out, "tiny-qwen3 (qwen3)"));
     tu_run_free(&run);
     char *dir = tu_mkdtemp();
-    free(tu_write_file(dir, "bad.gguf", "GGUF\x03\0\0\0\xff\xff\xff\xff\xff\xff\xff\x7f"
-                                        "\0\0\0\0\0\0\0\0",
+    free(tu_write_file(dir, "bad.gguf",
+                       "GGUF\x03\0\0\0\xff\xff\xff\xff\xff\xff\xff\x7f"
+                       "\0\0\0\0\0\0\0\0",
                        24));
     char path[4096];
     snprintf(path, sizeof(path), "%s/bad.gguf", dir);
