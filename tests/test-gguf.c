@@ -601,7 +601,12 @@ static void test_hostile_tensors(void **state) {
     /* a name with a NUL */
     memcpy(m, b, size);
     m[find_str(m, size, emb) + 3] = '\0';
-    expect_refused(m, size, LLMEM_EFORMAT, "tensor #0: name 'tok' holds a NUL byte");
+    expect_refused(m, size, LLMEM_EFORMAT,
+                   "tensor #0: name 'tok' holds the control character 0x00");
+    memcpy(m, b, size);
+    m[find_str(m, size, "general.architecture") + 7] = '\n';
+    expect_refused(m, size, LLMEM_EFORMAT,
+                   "key #0: name 'general' holds the control character 0x0a");
     free(m);
     free(b);
 }
@@ -691,8 +696,15 @@ static void test_hostile_geometry(void **state) {
     assert_int_equal(mkfifo(fifo, 0600), 0);
     struct llmem_gguf *g = NULL;
     tu_expect_failure(llmem_gguf_open(fifo, &g), LLMEM_EFORMAT, "fifo.gguf");
-    assert_int_equal(llmem_gguf_is_gguf(fifo), 0);
+    assert_int_equal(llmem_gguf_is_gguf(fifo), 1); /* by its name: opening it says why not */
+    tu_expect_failure(llmem_model_geometry_load(fifo, &geom), LLMEM_EFORMAT, "not a regular file");
+    snprintf(fifo, sizeof(fifo), "%s/fifo", dir);
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    assert_int_equal(llmem_gguf_is_gguf(fifo), 0); /* never opened: it could block */
+    assert_int_equal(llmem_gguf_is_gguf(dir), 0);
     tu_expect_failure(llmem_gguf_open("/nonexistent/x.gguf", &g), LLMEM_ENOENT, "x.gguf");
+    tu_expect_failure(llmem_model_geometry_load("/nonexistent/x.gguf", &geom), LLMEM_ENOENT,
+                      "/nonexistent/x.gguf");
     free(m);
     free(b);
 }

@@ -150,10 +150,13 @@ static int copy_name(struct parser *p, const struct llmem_gguf_str *s, const cha
              s->len, LLMEM_GGUF_MAX_NAME);
         return LLMEM_EFORMAT;
     }
-    if (memchr(s->ptr, '\0', (size_t)s->len) != NULL) {
-        PERR(p, "%s: %s #%" PRId64 ": name '%.*s' holds a NUL byte", path, what, index,
-             (int)strnlen(s->ptr, (size_t)s->len), s->ptr);
-        return LLMEM_EFORMAT;
+    for (uint64_t i = 0; i < s->len; i++) {
+        unsigned char ch = (unsigned char)s->ptr[i];
+        if (ch < 0x20 || ch == 0x7f) {
+            PERR(p, "%s: %s #%" PRId64 ": name '%.*s' holds the control character 0x%02x", path,
+                 what, index, (int)i, s->ptr, ch);
+            return LLMEM_EFORMAT;
+        }
     }
     *out = malloc((size_t)s->len + 1);
     if (*out == NULL) {
@@ -614,10 +617,13 @@ void llmem_gguf_free(struct llmem_gguf *g) {
 int llmem_gguf_is_gguf(const char *path) {
     size_t len = strlen(path);
     struct stat st;
-    if (stat(path, &st) != 0 || !S_ISREG(st.st_mode))
+    int exists = stat(path, &st) == 0;
+    if (exists && S_ISDIR(st.st_mode))
         return 0;
     if (len >= 5 && strcmp(path + len - 5, ".gguf") == 0)
         return 1;
+    if (!exists || !S_ISREG(st.st_mode))
+        return 0;
     int fd = -1;
     char why[128];
     if (llmem_file_open_regular_at(AT_FDCWD, path, &fd, why, sizeof(why)) != LLMEM_OK)

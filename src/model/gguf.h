@@ -27,9 +27,10 @@
 #define LLMEM_GGUF_MAGIC             0x46554747u /* "GGUF" read as a little-endian u32 */
 #define LLMEM_GGUF_MAX_DIMS          4
 #define LLMEM_GGUF_DEFAULT_ALIGNMENT 32
-/* Keys and tensor names longer than this are refused (the spec: keys < 65536 bytes; ggml: tensor
- * names < 64 bytes). */
-#define LLMEM_GGUF_MAX_NAME 65535
+/* Keys and tensor names longer than this are refused, and so are names holding a control
+ * character, so that a message naming one stays one readable line (the spec allows keys up to
+ * 65535 bytes, but its keys are short dotted ASCII; ggml's tensor names are below 64 bytes). */
+#define LLMEM_GGUF_MAX_NAME 1024
 
 /* The metadata value types, numbered as in the file. */
 enum llmem_gguf_type {
@@ -108,8 +109,9 @@ int llmem_gguf_parse(const void *data, size_t size, const char *name, struct llm
 /* NULL is a no-op. */
 void llmem_gguf_free(struct llmem_gguf *g);
 
-/* 1 when path names a GGUF file: a regular file whose name ends in ".gguf" or whose first four
- * bytes are "GGUF". Logs nothing. */
+/* 1 when path names a GGUF file: a path ending in ".gguf" that is not a directory (a missing one
+ * too, so that opening it says why), or a regular file whose first four bytes are "GGUF". Logs
+ * nothing. */
 int llmem_gguf_is_gguf(const char *path);
 
 /* ---- metadata ------------------------------------------------------------------------------ */
