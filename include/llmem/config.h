@@ -31,7 +31,13 @@ LLMEM_API int llmem_model_geometry_load_config(const char *model_dir,
 /* llmem_model_geometry_load_config, then the safetensors headers (llmem_safetensors_load_dir):
  * n_params = Σ elements, weights_bytes = Σ tensor bytes. A checkpoint that has
  * model.embed_tokens.weight but no lm_head.weight is recorded as tied whatever the config says
- * (logged as a warning). */
+ * (logged as a warning)..
+ *
+ * For these functions and llmem_model_config_load, the path may also name a GGUF file (a regular
+ * file ending in .gguf, or starting with the GGUF magic): its header alone is read — metadata and
+ * tensor infos, never the tensor data — and the geometry and configuration come from its
+ * metadata (architectures llama, qwen2, qwen3; the table of keys is in src/model/gguf_config.c),
+ * n_params and weights_bytes from its tensors, exactly as stored. */
 LLMEM_API int llmem_model_geometry_load(const char *model_dir, struct llmem_model_geometry *geom);
 
 #define LLMEM_MAX_EOS 8
@@ -45,6 +51,10 @@ struct llmem_model_config {
     double rope_factor;  /* linear, llama3 */
     double rope_low_freq_factor, rope_high_freq_factor; /* llama3 */
     int64_t rope_original_max_context;                  /* llama3 */
+    int rope_freqs;         /* GGUF: the file carries rope_freqs.weight, per-pair divisors of the
+                             * inverse frequencies (Llama 3's scaling, precomputed); 0 otherwise */
+    int rope_interleaved;   /* GGUF llama: Q/K rows permuted for RoPE on interleaved pairs (ggml's
+                             * NORM rope); 0: halves rotated (Hugging Face, Qwen in GGUF) */
     uint8_t *layer_sliding; /* (n_layers) 1 where the layer attends within geom.sliding_window */
     int32_t bos_id;         /* config.json's; −1 when absent */
     int32_t eos_ids[LLMEM_MAX_EOS];

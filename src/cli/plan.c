@@ -1,8 +1,8 @@
 /*
- * cli/plan.c — `llmem plan`: the memory plan for a model directory, a catalog name, or explicit
- * numbers, on this machine or a simulated one. Asks model/ for the geometry and sys/ (or the
- * backend registry) for the machine, hands numbers to plan/, and prints the result as text,
- * JSON (--json) and an SVG picture (--svg).
+ * cli/plan.c — `llmem plan`: the memory plan for a model directory, a GGUF file (its header
+ * alone), a catalog name, or explicit numbers, on this machine or a simulated one. Asks model/ for
+ * the geometry and sys/ (or the backend registry) for the machine, hands numbers to plan/, and
+ * prints the result as text, JSON (--json) and an SVG picture (--svg).
  */
 #include <getopt.h>
 #include <stdio.h>
@@ -24,7 +24,8 @@
 #include "plan/plan_json.h"
 
 static const char plan_usage[] =
-    "usage: llmem plan MODEL [options]      MODEL: a model directory or a catalog name\n"
+    "usage: llmem plan MODEL [options]      MODEL: a model directory, a .gguf file or a catalog"
+    " name\n"
     "       llmem plan --weights SIZE --kv-bytes-per-token N [--max-context N] [options]\n"
     "       llmem plan --list\n"
     "\n"

@@ -32,24 +32,13 @@
 #include "core/log.h"
 #include "llmem/model.h"
 #include "llmem/config.h"
+#include "model/gguf.h"
 #include "model/model_int.h"
 
 #define CONFIG_FUNC       "llmem_model_geometry_load_config"
 #define CONFIG_ERROR(...) LLMEM_ERROR_AS(CONFIG_FUNC, __VA_ARGS__)
 #define CONFIG_MAX_BYTES  ((int64_t)16 << 20)
 #define CONFIG_PATH_MAX   4096
-
-/* Bounds on the geometry: far above any published model, low enough that the planner's products
- * (layers × hidden × intermediate, heads × head_dim × hidden × layers, vocab × hidden) stay well
- * inside int64. */
-#define MAX_LAYERS       ((int64_t)1 << 16)
-#define MAX_HIDDEN       ((int64_t)1 << 20)
-#define MAX_HEADS        ((int64_t)1 << 16)
-#define MAX_HEAD_DIM     ((int64_t)1 << 16)
-#define MAX_ATTN_WIDTH   ((int64_t)1 << 20) /* n_heads × head_dim */
-#define MAX_INTERMEDIATE ((int64_t)1 << 22)
-#define MAX_VOCAB        ((int64_t)1 << 24)
-#define MAX_CONTEXT      ((int64_t)1 << 32)
 
 static const struct {
     const char *model_type;
@@ -470,7 +459,7 @@ static int utf8_continuation(char ch) {
 }
 
 /* Copies the n bytes at src into dst[size], cut short at a UTF-8 character boundary. */
-static void copy_head(char *dst, size_t size, const char *src, size_t n) {
+void llmem_model_copy_head(char *dst, size_t size, const char *src, size_t n) {
     if (n >= size) {
         n = size - 1;
         while (n > 0 && utf8_continuation(src[n]))
@@ -481,7 +470,7 @@ static void copy_head(char *dst, size_t size, const char *src, size_t n) {
 }
 
 /* Copies src into dst[size]; when too long, "..." and the end of src (from a character start). */
-static void copy_tail(char *dst, size_t size, const char *src) {
+void llmem_model_copy_tail(char *dst, size_t size, const char *src) {
     size_t len = strlen(src);
     if (len < size) {
         memcpy(dst, src, len + 1);
@@ -507,12 +496,12 @@ static void dir_name(const char *dir, char *dst, size_t size) {
         int vague = n == 0 || (n == 1 && dir[start] == '.') ||
                     (n == 2 && dir[start] == '.' && dir[start + 1] == '.');
         if (!vague || pass == 1) {
-            copy_head(dst, size, dir + start, n);
+            llmem_model_copy_head(dst, size, dir + start, n);
             break;
         }
         resolved = realpath(dir, NULL);
         if (resolved == NULL) {
-            copy_head(dst, size, dir + start, n);
+            llmem_model_copy_head(dst, size, dir + start, n);
             break;
         }
         dir = resolved;
@@ -667,7 +656,7 @@ static int config_load(const char *model_dir, struct llmem_model_geometry *geom,
         goto out_json;
     }
     dir_name(model_dir, g.name, sizeof(g.name));
-    copy_tail(g.source, sizeof(g.source), model_dir);
+    llmem_model_copy_tail(g.source, sizeof(g.source), model_dir);
     *geom = g;
     if (cfg != NULL)
         cfg->layer_sliding = layers;
@@ -677,10 +666,14 @@ out_json:
 }
 
 int llmem_model_geometry_load_config(const char *model_dir, struct llmem_model_geometry *geom) {
+    if (llmem_gguf_is_gguf(model_dir))
+        return llmem_model_gguf_geometry(model_dir, geom, NULL, __func__);
     return config_load(model_dir, geom, NULL);
 }
 
 int llmem_model_config_load(const char *model_dir, struct llmem_model_config *cfg) {
+    if (llmem_gguf_is_gguf(model_dir))
+        return llmem_model_gguf_geometry(model_dir, NULL, cfg, __func__);
     struct llmem_model_config c;
     memset(&c, 0, sizeof(c));
     int status = config_load(model_dir, &c.geom, &c);

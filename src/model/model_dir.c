@@ -16,6 +16,7 @@
 #include "core/file.h"
 #include "core/json.h"
 #include "core/log.h"
+#include "model/gguf.h"
 #include "model/model_int.h"
 #include "llmem/config.h"
 #include "llmem/safetensors.h"
@@ -191,7 +192,24 @@ int llmem_safetensors_load_dir(const char *model_dir, struct llmem_safetensors *
     return LLMEM_OK;
 }
 
+/* A GGUF file's geometry: the header and tensor infos alone (the data is mapped, never read). */
+int llmem_model_gguf_geometry(const char *path, struct llmem_model_geometry *geom,
+                              struct llmem_model_config *cfg, const char *func) {
+    struct llmem_gguf *g = NULL;
+    int status = llmem_gguf_open(path, &g);
+    if (status != LLMEM_OK)
+        return status;
+    if (cfg != NULL)
+        status = llmem_gguf_config(g, cfg, func);
+    else
+        status = llmem_gguf_geometry(g, geom, func);
+    llmem_gguf_free(g);
+    return status;
+}
+
 int llmem_model_geometry_load(const char *model_dir, struct llmem_model_geometry *geom) {
+    if (llmem_gguf_is_gguf(model_dir))
+        return llmem_model_gguf_geometry(model_dir, geom, NULL, __func__);
     struct llmem_model_geometry g;
     int status = llmem_model_geometry_load_config(model_dir, &g);
     if (status != LLMEM_OK)

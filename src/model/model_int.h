@@ -14,6 +14,28 @@
 #include "llmem/config.h"
 #include "llmem/dtype.h"
 
+/* Bounds on the geometry: far above any published model, low enough that the planner's products
+ * (layers × hidden × intermediate, heads × head_dim × hidden × layers, vocab × hidden) stay well
+ * inside int64. */
+#define MAX_LAYERS       ((int64_t)1 << 16)
+#define MAX_HIDDEN       ((int64_t)1 << 20)
+#define MAX_HEADS        ((int64_t)1 << 16)
+#define MAX_HEAD_DIM     ((int64_t)1 << 16)
+#define MAX_ATTN_WIDTH   ((int64_t)1 << 20) /* n_heads × head_dim */
+#define MAX_INTERMEDIATE ((int64_t)1 << 22)
+#define MAX_VOCAB        ((int64_t)1 << 24)
+#define MAX_CONTEXT      ((int64_t)1 << 32)
+
+/* Copies the n bytes at src into dst[size], cut short at a UTF-8 character boundary. */
+void llmem_model_copy_head(char *dst, size_t size, const char *src, size_t n);
+/* Copies src into dst[size]; when too long, "..." and the end of src (from a character start). */
+void llmem_model_copy_tail(char *dst, size_t size, const char *src);
+
+/* A GGUF file (model/gguf.h) read for its geometry, or with cfg for its full configuration (then
+ * geom is unused). In model_dir.c. */
+int llmem_model_gguf_geometry(const char *path, struct llmem_model_geometry *geom,
+                              struct llmem_model_config *cfg, const char *func);
+
 /* The rotary inverse frequencies, as transformers computes them in f32: inv_freq[i] =
  * 1 / theta^(2i / head_dim) for i < head_dim / 2, then scaled by `linear` (÷ factor) or `llama3`
  * (wavelength-dependent: long wavelengths ÷ factor, short unchanged, smooth in between). */

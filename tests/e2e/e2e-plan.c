@@ -442,6 +442,50 @@ static void test_broken_models(void **state) {
     free(dir);
 }
 
+/* `llmem plan FILE.gguf` reads the header alone: the weights are exactly the file's tensor bytes
+ * (as gguf-py counts them in tests/data/gguf/facts.json), the geometry that of the model. */
+static void test_gguf(void **state) {
+    (void)state;
+    cJSON *facts = NULL;
+    assert_int_equal(llmem_json_parse_file(LLMEM_TEST_DATA "/gguf/facts.json", 1 << 20, &facts), 0);
+    const cJSON *tensors = cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetObjectItemCaseSensitive(facts, "pycoder"), "tensors");
+    int64_t bytes = 0;
+    const cJSON *t = NULL;
+    cJSON_ArrayForEach(t, tensors) bytes += get_int(t, "n_bytes");
+    cJSON_Delete(facts);
+
+    struct tu_run run = tu_llmem("plan", LLMEM_TEST_DATA "/gguf/pycoder-q4_k_m.gguf", "--total",
+                                 "16G", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    cJSON *o = tu_json_stdout(&run);
+    assert_int_equal(get_int(o, "weights_bytes"), bytes);
+    assert_true(get_bool(o, "model_fits"));
+    assert_int_equal(get_int(o, "context_window_resolved"), 2048);
+    assert_int_equal(get_int(o, "kv_bytes_per_token"), 6 * 2 * 2 * 64 * 2);
+    cJSON *model = cJSON_GetObjectItemCaseSensitive(o, "model");
+    assert_int_equal(get_int(model, "n_layers"), 6);
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(model, "name")->valuestring, "pycoder");
+    cJSON_Delete(o);
+    tu_run_free(&run);
+
+    /* The human output names the file's model; a broken file is one clear line. */
+    run = tu_llmem("plan", LLMEM_TEST_DATA "/gguf/tiny-qwen3.gguf", "--total", "16G", NULL);
+    assert_int_equal(run.exit_code, 0);
+    assert_non_null(strstr(run.out, "tiny-qwen3 (qwen3)"));
+    tu_run_free(&run);
+    char *dir = tu_mkdtemp();
+    free(tu_write_file(dir, "bad.gguf",
+                       "GGUF\x03\0\0\0\xff\xff\xff\xff\xff\xff\xff\x7f"
+                       "\0\0\0\0\0\0\0\0",
+                       24));
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/bad.gguf", dir);
+    expect_clean_failure(path, "tensor infos cannot fit");
+    tu_rmtree(dir);
+    free(dir);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_reference_numbers_json),
@@ -456,6 +500,7 @@ int main(void) {
         cmocka_unit_test(test_svg),
         cmocka_unit_test(test_usage_errors),
         cmocka_unit_test(test_broken_models),
+        cmocka_unit_test(test_gguf),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

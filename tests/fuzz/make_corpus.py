@@ -204,9 +204,97 @@ def spill_seeds():
     put("checksum-set", chunk(1, 4, 32, checksum=b"\xab" * 16))
 
 
+def gguf_str(s):
+    b = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(b)) + b
+
+
+# GGUF value types: (id, struct format)
+GGUF_T = {"u8": (0, "B"), "i8": (1, "b"), "u16": (2, "H"), "i16": (3, "h"), "u32": (4, "I"),
+          "i32": (5, "i"), "f32": (6, "f"), "bool": (7, "?"), "u64": (10, "Q"), "i64": (11, "q"),
+          "f64": (12, "d")}
+
+
+def gguf_value(t, v):
+    if t == "string":
+        return struct.pack("<I", 8) + gguf_str(v)
+    if t.startswith("array:"):
+        et = t[6:]
+        if et == "string":
+            body = b"".join(gguf_str(x) for x in v)
+            return struct.pack("<IIQ", 9, 8, len(v)) + body
+        tid, fmt = GGUF_T[et]
+        return struct.pack("<IIQ", 9, tid, len(v)) + struct.pack("<%d%s" % (len(v), fmt), *v)
+    tid, fmt = GGUF_T[t]
+    return struct.pack("<I", tid) + struct.pack("<" + fmt, v)
+
+
+def gguf_file(kvs, tensors, alignment=32, version=3):
+    """A whole GGUF file: kvs [(key, type, value)], tensors [(name, ggml type, dims, bytes)]
+    laid out one after the other, each aligned; the data is zeros."""
+    out = b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(kvs))
+    for k, t, v in kvs:
+        out += gguf_str(k) + gguf_value(t, v)
+    offset, infos = 0, b""
+    for name, gtype, dims, nbytes in tensors:
+        infos += gguf_str(name) + struct.pack("<I", len(dims))
+        infos += struct.pack("<%dQ" % len(dims), *dims) + struct.pack("<IQ", gtype, offset)
+        offset += (nbytes + alignment - 1) // alignment * alignment
+    out += infos
+    out += bytes(-len(out) % alignment)
+    return out + bytes(offset)
+
+
+def gguf_model(arch, bias=False, qk_norm=False, tied=True, alignment=32, ctx_type="u32"):
+    hidden, vocab = 32, 8
+    kvs = [("general.architecture", "string", arch), ("general.name", "string", "seed-" + arch),
+           (arch + ".block_count", "u32", 1), (arch + ".embedding_length", "u32", hidden),
+           (arch + ".feed_forward_length", "u32", 64), (arch + ".attention.head_count", "u32", 2),
+           (arch + ".attention.head_count_kv", "u32", 1), (arch + ".context_length", ctx_type, 512),
+           (arch + ".rope.freq_base", "f32", 10000.0),
+           (arch + ".attention.layer_norm_rms_epsilon", "f32", 1e-6),
+           ("tokenizer.ggml.tokens", "array:string", ["t%d" % i for i in range(vocab)]),
+           ("tokenizer.ggml.bos_token_id", "u32", 1), ("tokenizer.ggml.eos_token_id", "u32", 2)]
+    if alignment != 32:
+        kvs.append(("general.alignment", "u32", alignment))
+    tensors = [("token_embd.weight", 1, [hidden, vocab], hidden * vocab * 2),  # f16
+               ("output_norm.weight", 0, [hidden], hidden * 4),
+               ("blk.0.attn_q.weight", 8, [hidden, hidden], hidden * hidden // 32 * 34)]  # q8_0
+    if bias:
+        tensors.append(("blk.0.attn_q.bias", 0, [hidden], hidden * 4))
+    if qk_norm:
+        tensors.append(("blk.0.attn_q_norm.weight", 0, [16], 64))
+    if not tied:
+        tensors.append(("output.weight", 12, [256, vocab], vocab * 144))  # q4_K
+    return gguf_file(kvs, tensors, alignment)
+
+
+def gguf_seeds():
+    """fuzz-gguf: small whole files of each architecture (every value type among their keys), the
+    fixtures' headers cut at 8 kB, and near-valid variants."""
+    put = corpus("fuzz-gguf")
+    llama = gguf_model("llama", tied=False)
+    put("llama", llama)
+    put("qwen2", gguf_model("qwen2", bias=True, alignment=64))
+    put("qwen3", gguf_model("qwen3", qk_norm=True, ctx_type="u64"))
+    put("every-type", gguf_file(
+        [("general.architecture", "string", "llama")] +
+        [("t." + t, t, v) for t, v in [("u8", 1), ("i8", -1), ("u16", 2), ("i16", -2),
+                                       ("u32", 3), ("i32", -3), ("f32", 0.5), ("bool", True),
+                                       ("u64", 4), ("i64", -4), ("f64", 0.25)]] +
+        [("t.array_i32", "array:i32", [1, 2]), ("t.array_string", "array:string", ["a", ""]),
+         ("t.array_bool", "array:bool", [True]), ("t.array_f64", "array:f64", [1.5])], []))
+    put("v2", llama[:4] + struct.pack("<I", 2) + llama[8:])
+    put("truncated", llama[:-1])
+    put("no-tensors", gguf_file([("general.architecture", "string", "qwen2")], []))
+    for f in ["pycoder-q4_k_m", "tiny-qwen2", "tiny-qwen3"]:
+        put(f + "-header", read("gguf/%s.gguf" % f)[:8192])
+
+
 if __name__ == "__main__":
     config_seeds()
     request_seeds()
     safetensors_seeds()
     tok_seeds()
     spill_seeds()
+    gguf_seeds()
