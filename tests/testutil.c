@@ -664,3 +664,16 @@ void tu_library_serve(const char *model, void (*guard)(void *, struct llmem_guar
     memset(view, 0, sizeof(*view));
     snprintf(view->url, sizeof(view->url), "%s", llmem_server_url(*s));
 }
+
+const char *tu_budget_for(const char *model, int extra_mib, char *buf, size_t size) {
+    struct tu_run r = tu_llmem("plan", model, "--json", NULL);
+    assert_int_equal(r.exit_code, 0);
+    cJSON *o = tu_json_stdout(&r);
+    double baseline = cJSON_GetObjectItem(o, "runtime_baseline_bytes")->valuedouble;
+    cJSON_Delete(o);
+    tu_run_free(&r);
+    /* usable = 0.9 × budget on a small machine, of which the bank floor takes a sixteenth */
+    double usable = (baseline / 1048576 + 36 + extra_mib) * 16 / 15;
+    snprintf(buf, size, "%dM", (int)(usable / 0.9) + 8);
+    return buf;
+}

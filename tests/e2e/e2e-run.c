@@ -262,13 +262,13 @@ static void test_refused_by_plan(void **state) {
 }
 
 /* The process's resident memory stays inside the plan: a 1,400-token prompt and 600 generated
- * tokens on a 64M machine keep the peak RSS (VmHWM, mapped weights, the allocator and everything
- * outside it) below the trip; on a 35M machine, where the runtime baseline leaves too little,
- * the run is refused before loading and says why. */
-/* (with ASan its runtime in the baseline needs a larger machine) */
-#define BUDGET (TU_ASAN ? "128M" : "64M")
+ * tokens on a small machine (about 64M: tu_budget_for) keep the peak RSS (VmHWM, mapped weights,
+ * the allocator and everything outside it) below the trip; on a 35M machine, where the runtime
+ * baseline leaves too little, the run is refused before loading and says why. */
 static void test_resident_within_plan(void **state) {
     (void)state;
+    char budget[32];
+    tu_budget_for(PYCODER, 0, budget, sizeof(budget));
     char *dir = tu_mkdtemp();
     char text[16384];
     size_t at = 0;
@@ -277,7 +277,7 @@ static void test_resident_within_plan(void **state) {
                                i);
     char *prompt = tu_write_file(dir, "prompt.txt", text, (long)at);
     const char *args[] = {"run",          PYCODER,      "--prompt-file", prompt, "-n",        "600",
-                          "--ignore-eos", "--no-spill", "--budget",      BUDGET, "--threads", "2",
+                          "--ignore-eos", "--no-spill", "--budget",      budget, "--threads", "2",
                           "--stats",      "--json"};
     struct tu_run r = tu_llmem_argv(14, args);
     assert_int_equal(r.exit_code, 0);

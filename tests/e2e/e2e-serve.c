@@ -939,17 +939,19 @@ static void test_util_matches_plan(void **state) {
     tu_run_free(&human);
 }
 
-/* A small machine (--budget 64M) whose plan holds with the server's runtime baseline (its code,
- * tokenizer, threads and, with --max-body 64K, the request bodies it admits at once): the KV pool
- * holds a few full 512-token windows. A burst of 64 requests of ~480 tokens each: every one
- * completes or is refused with 507, the server never fails, the allocator's peak stays within
- * its limit, and the process's peak resident memory (VmHWM) stays below the trip. */
+/* A small machine (about 64M; more where the baseline is larger: tu_budget_for) whose plan holds
+ * with the server's runtime baseline (its code, tokenizer, threads and, with --max-body 64K, the
+ * request bodies it admits at once): the KV pool holds a few full 512-token windows. A burst of 64
+ * requests of ~480 tokens each: every one completes or is refused with 507, the server never fails,
+ * the allocator's peak stays within its limit, and the process's peak resident memory (VmHWM) stays
+ * below the trip. */
 static void test_memory_burst(void **state) {
     (void)state;
-    /* (with ASan its runtime in the baseline needs a larger machine) */
-    const char *args[] = {PYCODER,      "--budget",  TU_ASAN ? "128M" : "64M",
-                          "--max-body", "64K",       "--context",
-                          "512",        "--threads", "2"};
+    char budget[32];
+    const char *args[] = {
+        PYCODER,      "--budget",  tu_budget_for(PYCODER, 4, budget, sizeof(budget)),
+        "--max-body", "64K",       "--context",
+        "512",        "--threads", "2"};
     struct tu_server s;
     tu_serve_start(&s, 9, args);
     char url[256], *dir = tu_mkdtemp();
