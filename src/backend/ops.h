@@ -117,12 +117,13 @@ struct llmem_backend_ops {
      * cos/sin of that f32 angle rounded to f32 (inv_freq has head_dim/2 entries). */
     void (*rope)(void *ctx, float *x, int64_t n, int n_heads, int head_dim, const int64_t *pos,
                  const float *inv_freq);
-    /* (optional) rope with GGUF's pairing for Llama-family files, whose q and k rows the converter
-     * permuted: i with i + 1 for even i (llama.cpp's "norm" rope), the angle of pair i / 2 as
-     * `rope` takes it. On the rows so permuted it gives bit for bit what `rope` gives on the rows
-     * before the permutation. A backend without it cannot run such files. */
-    void (*rope_interleaved)(void *ctx, float *x, int64_t n, int n_heads, int head_dim,
-                             const int64_t *pos, const float *inv_freq);
+    /* (optional) rope of rows whose pairs sit side by side — pair i at (2i, 2i + 1), as the GGUF
+     * converter permutes the q and k rows of Llama-family models for llama.cpp's interleaved
+     * rope — written back in rope's layout (pair i at i and i + head_dim/2): bit for bit what
+     * `rope` gives on the rows before the permutation, so that the KV cache and attention are
+     * the unpermuted model's. A backend without it cannot run such files. */
+    void (*rope_pairs)(void *ctx, float *x, int64_t n, int n_heads, int head_dim,
+                       const int64_t *pos, const float *inv_freq);
     /* (optional) rope on q [n, n_heads, head_dim] and on k [n, n_kv_heads, head_dim]: exactly the
      * two `rope` calls, in one pass. */
     void (*rope_qk)(void *ctx, float *q, float *k, int64_t n, int n_heads, int n_kv_heads,

@@ -22,6 +22,7 @@
 #include "llmem/bank.h"
 #include "llmem/model.h"
 #include "llmem/safetensors.h"
+#include "model/gguf.h"
 
 #define IDENTITY_FUNC "llmem_bank_identity"
 #define CACHE_MAX     ((int64_t)4 << 20)
@@ -126,8 +127,10 @@ static int file_digest(struct cache *c, const char *path, uint8_t out[16]) {
 int llmem_bank_identity(const char *model_dir, enum llmem_kv_format format,
                         enum llmem_kv_layout layout, const char *salt, const char *cache_path,
                         struct llmem_bank_identity *out) {
+    /* a GGUF file holds the weights, their block types and the tokenizer: one digest for all */
+    const int gguf = llmem_gguf_is_gguf(model_dir);
     struct llmem_safetensors *st = NULL;
-    int status = llmem_safetensors_load_dir(model_dir, &st);
+    int status = gguf ? LLMEM_OK : llmem_safetensors_load_dir(model_dir, &st);
     if (status != LLMEM_OK)
         return status;
     struct cache c = {0};
@@ -143,9 +146,9 @@ int llmem_bank_identity(const char *model_dir, enum llmem_kv_format format,
         status = LLMEM_ENOMEM;
         goto out;
     }
-    for (int f = 0; f < st->n_files; f++) {
+    for (int f = 0; f < (gguf ? 1 : st->n_files); f++) {
         uint8_t d[16];
-        if ((status = file_digest(&c, st->files[f].path, d)) != LLMEM_OK)
+        if ((status = file_digest(&c, gguf ? model_dir : st->files[f].path, d)) != LLMEM_OK)
             goto out;
         XXH3_128bits_update(xs, d, sizeof(d));
     }
@@ -153,8 +156,11 @@ int llmem_bank_identity(const char *model_dir, enum llmem_kv_format format,
     XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(xs));
     memcpy(id.weights, canon.digest, 16);
     char tok[4200];
-    if ((status = llmem_path_join(tok, sizeof(tok), model_dir, "tokenizer.json")) != LLMEM_OK ||
-        (status = file_digest(&c, tok, id.tokenizer)) != LLMEM_OK)
+    if (gguf)
+        memcpy(id.tokenizer, id.weights, 16);
+    else if ((status = llmem_path_join(tok, sizeof(tok), model_dir, "tokenizer.json")) !=
+                 LLMEM_OK ||
+             (status = file_digest(&c, tok, id.tokenizer)) != LLMEM_OK)
         goto out;
 
     uint32_t numbers[3] = {(uint32_t)format, (uint32_t)layout, LLMEM_BANK_NUMERICS_VERSION};

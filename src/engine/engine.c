@@ -33,6 +33,7 @@
 #include "llmem/sys.h"
 #include "llmem/tokenizer.h"
 #include "engine/engine_int.h"
+#include "model/gguf.h"
 
 /* The default prefill chunk: the tokens of one forward pass at most (SPEC §2.1); more on a device
  * where the plan's transient reserve holds it (default_batch_tokens). */
@@ -299,6 +300,14 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
      * what the process holds with them and without the model */
     struct llmem_model_geometry g;
     int status = llmem_model_geometry_load(config->model_dir, &g);
+    if (status == LLMEM_OK && config->backend == LLMEM_BACKEND_CUDA &&
+        llmem_gguf_is_gguf(config->model_dir)) {
+        LLMEM_ERROR_AS("llmem_engine_open",
+                       "%s: GGUF files run on the CPU for now (--backend cpu); the device kernels "
+                       "for their block types are not written yet",
+                       config->model_dir);
+        status = LLMEM_EUNSUPPORTED;
+    }
     if (status != LLMEM_OK || (status = llmem_pool_create(config->n_threads, &e->pool)) ||
         (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
         (status = plan_model(e, &g, llmem_pool_threads(e->pool))) != LLMEM_OK)

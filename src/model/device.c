@@ -65,6 +65,12 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
     LLMEM_ASSERT(src != NULL && be != NULL && mem != NULL && out != NULL);
     *out = NULL;
     const struct llmem_model_geometry *g = &src->cfg.geom;
+    if (src->gguf != NULL) {
+        LLMEM_ERROR("%s: GGUF files run on the CPU for now (--backend cpu); the device kernels for "
+                    "their block types are not written yet",
+                    g->source);
+        return LLMEM_EUNSUPPORTED;
+    }
     struct llmem_model *m = calloc(1, sizeof(*m));
     struct model_layer *layers = calloc((size_t)g->n_layers, sizeof(*layers));
     uint8_t *sliding = src->cfg.layer_sliding != NULL ? malloc((size_t)g->n_layers) : NULL;

@@ -74,6 +74,11 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
                          struct llmem_kv *kv, int64_t max_batch_tokens,
                          struct llmem_forward **out) {
     LLMEM_ASSERT(model != NULL && backend != NULL && kv != NULL && max_batch_tokens > 0);
+    if (model->cfg.rope_interleaved && backend->ops->rope_pairs == NULL) {
+        LLMEM_ERROR("%s: the %s backend does not run RoPE on interleaved pairs (GGUF llama files)",
+                    model->cfg.geom.source, backend->ops->name);
+        return LLMEM_EUNSUPPORTED;
+    }
     struct llmem_forward *f = calloc(1, sizeof(*f));
     if (f == NULL) {
         LLMEM_ERROR("out of memory");
@@ -196,7 +201,10 @@ static int attention_block(struct llmem_forward *f, const struct model_layer *L,
         ops->rmsnorm(ctx, f->q, L->q_norm, T * nh, hd, eps, f->q);
         ops->rmsnorm(ctx, f->k, L->k_norm, T * nkv, hd, eps, f->k);
     }
-    if (ops->rope_qk != NULL) {
+    if (f->model->cfg.rope_interleaved) { /* a GGUF llama file's permuted q and k rows */
+        ops->rope_pairs(ctx, f->q, T, nh, hd, f->pos, f->model->inv_freq);
+        ops->rope_pairs(ctx, f->k, T, nkv, hd, f->pos, f->model->inv_freq);
+    } else if (ops->rope_qk != NULL) {
         ops->rope_qk(ctx, f->q, f->k, T, nh, nkv, hd, f->pos, f->model->inv_freq);
     } else {
         ops->rope(ctx, f->q, T, nh, hd, f->pos, f->model->inv_freq);

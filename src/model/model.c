@@ -20,6 +20,7 @@
 
 #include "core/file.h"
 #include "core/log.h"
+#include "model/gguf.h"
 #include "model/model_int.h"
 #include "llmem/config.h"
 #include "llmem/dtype.h"
@@ -33,7 +34,7 @@
 /* Reads a whole file into anonymous memory backed by transparent huge pages where the kernel
  * offers them (a decode step streams every weight: 2 MiB pages spare the TLB walks of 4 KiB
  * file pages), dropping the file's page-cache copy behind the reads. MAP_FAILED on failure. */
-static void *read_into_memory(int fd, size_t size, const char *path, size_t *mapped) {
+void *llmem_model_read_into_memory(int fd, size_t size, const char *path, size_t *mapped) {
     const size_t huge = (size_t)2 << 20;
     *mapped = (size + huge - 1) & ~(huge - 1);
     void *p = mmap(NULL, *mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -86,7 +87,7 @@ static int map_files(struct llmem_model *m, llmem_progress_fn progress, void *ar
         }
         size_t mapped = (size_t)size;
         void *p = (flags & LLMEM_MODEL_LOAD_NO_MMAP)
-                      ? read_into_memory(fd, (size_t)size, file->path, &mapped)
+                      ? llmem_model_read_into_memory(fd, (size_t)size, file->path, &mapped)
                       : mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
         close(fd);
         if (p == MAP_FAILED) {
@@ -103,20 +104,25 @@ static int map_files(struct llmem_model *m, llmem_progress_fn progress, void *ar
             m->maps[f] = NULL;
             return status;
         }
-        /* Read the file in now, in steps the caller can show, rather than at the first token. */
-        const size_t step = (size_t)64 << 20, page = (size_t)sysconf(_SC_PAGESIZE);
-        for (size_t off = 0; off < (size_t)size; off += step) {
-            size_t n = (size_t)size - off < step ? (size_t)size - off : step;
-            madvise((char *)p + off, n, MADV_WILLNEED);
-            volatile const char *q = (const char *)p + off;
-            for (size_t i = 0; i < n; i += page)
-                (void)q[i];
-            done += (int64_t)n;
-            if (progress != NULL)
-                progress(arg, done, total);
-        }
+        llmem_model_fault_in(p, (size_t)size, done, total, progress, arg);
+        done += (int64_t)size;
     }
     return LLMEM_OK;
+}
+
+void llmem_model_fault_in(const void *p, size_t size, int64_t done, int64_t total,
+                          llmem_progress_fn progress, void *arg) {
+    const size_t step = (size_t)64 << 20, page = (size_t)sysconf(_SC_PAGESIZE);
+    for (size_t off = 0; off < size; off += step) {
+        size_t n = size - off < step ? size - off : step;
+        madvise((char *)p + off, n, MADV_WILLNEED);
+        volatile const char *q = (const char *)p + off;
+        for (size_t i = 0; i < n; i += page)
+            (void)q[i];
+        done += (int64_t)n;
+        if (progress != NULL)
+            progress(arg, done, total);
+    }
 }
 
 /* ---- binding -------------------------------------------------------------------------------- */
@@ -252,7 +258,7 @@ static int bind_layer(struct llmem_model *m, int64_t i) {
     return LLMEM_OK;
 }
 
-static int check_supported(const struct llmem_model *m) {
+int llmem_model_check_supported(const struct llmem_model *m) {
     const struct llmem_model_config *c = &m->cfg;
     if (strcmp(c->hidden_act, "silu") != 0) {
         LOAD_ERROR("%s: hidden_act '%s' is not supported (llmem runs silu)", c->geom.source,
@@ -281,11 +287,18 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
         return LLMEM_ENOMEM;
     }
     m->mem = mem;
-    int status = llmem_model_config_load(model_dir, &m->cfg);
-    if (status != LLMEM_OK)
+    int status;
+    if (llmem_gguf_is_gguf(model_dir)) {
+        if ((status = llmem_model_load_gguf(m, model_dir, flags, progress, progress_arg)) !=
+            LLMEM_OK)
+            goto fail;
+        *out = m;
+        return LLMEM_OK;
+    }
+    if ((status = llmem_model_config_load(model_dir, &m->cfg)) != LLMEM_OK)
         goto fail;
     struct llmem_model_geometry *g = &m->cfg.geom;
-    if ((status = check_supported(m)) != LLMEM_OK ||
+    if ((status = llmem_model_check_supported(m)) != LLMEM_OK ||
         (status = llmem_safetensors_load_dir(model_dir, &m->st)) != LLMEM_OK)
         goto fail;
     g->n_params = m->st->n_elements;
@@ -369,6 +382,11 @@ void llmem_model_free(struct llmem_model *m) {
     }
     free(m->maps);
     free(m->map_bytes);
+    if (m->gguf_tracked != NULL)
+        llmem_mem_untrack(m->mem, m->gguf_tracked);
+    llmem_gguf_free(m->gguf);
+    if (m->gguf_copy != NULL)
+        munmap(m->gguf_copy, m->gguf_copy_bytes);
     llmem_safetensors_free(m->st);
     llmem_model_config_free(&m->cfg);
     free(m);

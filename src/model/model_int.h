@@ -57,6 +57,21 @@ int llmem_st_table_add_file(struct llmem_safetensors *st, const char *path, cons
  * counts. */
 int llmem_st_table_finish(struct llmem_safetensors *st, const char *func);
 
+/* The n bytes of fd read into anonymous memory backed by transparent huge pages (rounded up to
+ * 2 MiB in *mapped), the page cache dropped behind the reads; MAP_FAILED (logged) on failure. */
+void *llmem_model_read_into_memory(int fd, size_t size, const char *path, size_t *mapped);
+/* Reads in the pages of a mapping now, in 64 MiB steps reported to progress (done and total
+ * bytes, done counted from `done`), rather than at the first token. */
+void llmem_model_fault_in(const void *p, size_t size, int64_t done, int64_t total,
+                          llmem_progress_fn progress, void *arg);
+/* LLMEM_EUNSUPPORTED (logged) for an activation, rope type or head_dim llmem does not run. */
+struct llmem_model;
+int llmem_model_check_supported(const struct llmem_model *m);
+/* Loads the GGUF file at path into m (model_gguf.c): config, mapping, tensors bound. On failure m
+ * holds what was made (llmem_model_free releases it). */
+int llmem_model_load_gguf(struct llmem_model *m, const char *path, int flags,
+                          llmem_progress_fn progress, void *progress_arg);
+
 /* One decoder layer's weights: matrices used in place from the mapped files, small vectors as f32
  * copies (tag weights). */
 struct model_layer {
@@ -82,10 +97,14 @@ struct llmem_model {
     float *inv_freq;             /* (hd / 2) */
     struct model_layer *layers;  /* (n_layers) */
     int64_t vector_bytes;        /* the f32 copies, for the accounting */
-    int on_device;               /* a copy in a device's memory (device.c): the matrices are
-                                  * buffers of mem too, inv_freq a malloc'd host array; wk and wv,
-                                  * w_gate and w_up one buffer each where the pair has one shape
-                                  * and dtype (llmem_weight_follows) */
+    struct llmem_gguf *gguf;     /* a GGUF file's tensors (model_gguf.c), or NULL */
+    void *gguf_copy;             /* the file read into memory (LLMEM_MODEL_LOAD_NO_MMAP), or NULL */
+    size_t gguf_copy_bytes;
+    void *gguf_tracked; /* what llmem_mem_track was given for the GGUF file, or NULL */
+    int on_device;      /* a copy in a device's memory (device.c): the matrices are
+                         * buffers of mem too, inv_freq a malloc'd host array; wk and wv,
+                         * w_gate and w_up one buffer each where the pair has one shape
+                         * and dtype (llmem_weight_follows) */
 };
 
 #endif

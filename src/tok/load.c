@@ -18,6 +18,7 @@
 #include "core/file.h"
 #include "core/json.h"
 #include "core/log.h"
+#include "model/gguf.h"
 #include "tok/tok_int.h"
 
 #define LOAD_FUNC       "llmem_tokenizer_load"
@@ -783,6 +784,8 @@ static int load_config(struct llmem_tokenizer *tok, const char *model_dir) {
 int llmem_tokenizer_load(const char *model_dir, struct llmem_tokenizer **out) {
     LLMEM_ASSERT(model_dir != NULL && out != NULL);
     *out = NULL;
+    if (llmem_gguf_is_gguf(model_dir))
+        return llmem_tok_load_gguf(model_dir, out);
     char path[PATH_MAX_LEN];
     int status = llmem_path_join(path, sizeof(path), model_dir, "tokenizer.json");
     if (status != LLMEM_OK)

@@ -192,4 +192,7 @@ int llmem_tok_merge_add(struct llmem_tokenizer *tok, const char *a, size_t na, c
 /* The id of an added token or vocabulary piece with this text, −1 when none. */
 int32_t llmem_tok_piece_id(const struct llmem_tokenizer *tok, const char *s, size_t n);
 
+/* The tokenizer of the GGUF file at path (gguf_load.c): its tokenizer.ggml.* keys. */
+int llmem_tok_load_gguf(const char *path, struct llmem_tokenizer **out);
+
 #endif

@@ -123,7 +123,7 @@ struct rope_args {
     int n_heads, head_dim;
     const int64_t *pos;
     const float *inv_freq;
-    int interleaved; /* pairs (2i, 2i + 1), else (i, i + head_dim/2) */
+    int pairs; /* pair i read from (2i, 2i + 1) (rope_pairs), else from (i, i + head_dim/2) */
 };
 
 static void rope_rows(void *arg, int64_t begin, int64_t end) {
@@ -137,27 +137,30 @@ static void rope_rows(void *arg, int64_t begin, int64_t end) {
             cs[i] = (float)cos((double)angle);
             sn[i] = (float)sin((double)angle);
         }
-        /* the second of pair i is `other` after its first, which is i or 2i */
-        const int other = a->interleaved ? 1 : half, step = a->interleaved ? 2 : 1;
         for (int h = 0; h < a->n_heads; h++) {
             float *v = a->x + (t * a->n_heads + h) * (int64_t)a->head_dim;
+            float in[2 * ROPE_HALF_MAX];
+            if (a->pairs) /* back to halves first: the same operands, the same bits */
+                for (int i = 0; i < half; i++)
+                    in[i] = v[2 * i], in[i + half] = v[2 * i + 1];
+            else
+                memcpy(in, v, (size_t)a->head_dim * sizeof(float));
             for (int i = 0; i < half; i++) {
-                float *p0 = v + i * step, *p1 = p0 + other;
-                float x0 = *p0, x1 = *p1;
+                float x0 = in[i], x1 = in[i + half];
                 float r0 = x0 * cs[i], r1 = -x1 * sn[i];
                 float r2 = x1 * cs[i], r3 = x0 * sn[i];
-                *p0 = r0 + r1;
-                *p1 = r2 + r3;
+                v[i] = r0 + r1;
+                v[i + half] = r2 + r3;
             }
         }
     }
 }
 
 static void rope_run(void *ctx, float *x, int64_t n, int n_heads, int head_dim, const int64_t *pos,
-                     const float *inv_freq, int interleaved) {
+                     const float *inv_freq, int pairs) {
     LLMEM_ASSERT(x != NULL && pos != NULL && inv_freq != NULL && n >= 0 && n_heads > 0);
     LLMEM_ASSERT(head_dim > 0 && head_dim % 2 == 0 && head_dim / 2 <= ROPE_HALF_MAX);
-    struct rope_args a = {x, n_heads, head_dim, pos, inv_freq, interleaved};
+    struct rope_args a = {x, n_heads, head_dim, pos, inv_freq, pairs};
     /* cos and sin cost ~40 ns a pair: count them as work too. */
     parallel_range(ctx, n, n * ((int64_t)n_heads * head_dim + 20 * head_dim), rope_rows, &a);
 }
@@ -167,8 +170,8 @@ static void cpu_rope(void *ctx, float *x, int64_t n, int n_heads, int head_dim, 
     rope_run(ctx, x, n, n_heads, head_dim, pos, inv_freq, 0);
 }
 
-static void cpu_rope_interleaved(void *ctx, float *x, int64_t n, int n_heads, int head_dim,
-                                 const int64_t *pos, const float *inv_freq) {
+static void cpu_rope_pairs(void *ctx, float *x, int64_t n, int n_heads, int head_dim,
+                           const int64_t *pos, const float *inv_freq) {
     rope_run(ctx, x, n, n_heads, head_dim, pos, inv_freq, 1);
 }
 
@@ -306,7 +309,7 @@ static const struct llmem_backend_ops cpu_ops = {
     .matmul_multi = llmem_cpu_matmul_multi,
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,
-    .rope_interleaved = cpu_rope_interleaved,
+    .rope_pairs = cpu_rope_pairs,
     .swiglu = cpu_swiglu,
     .embedding = cpu_embedding,
     .add = cpu_add,

@@ -838,8 +838,8 @@ void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *con
 /* ---- quantized weights (the exact path) -------------------------------------------------------
  *
  * Rows of ggml blocks dequantized exactly to f32, CPU_GEMM_MR at a time into the thread's panel,
- * then the f32 panel kernel over every row of x: the arithmetic of f32 weights holding the
- * dequantized values. */
+ * then the decode kernel over every row of x: the bits f32 weights holding the dequantized values
+ * give on any path (the decode and GEMM paths agree bit for bit). */
 
 struct quant_job {
     struct cpu_ctx *c;
@@ -864,8 +864,8 @@ static void quant_task(void *arg, int task, int thread) {
             llmem_quant_dequantize_row(w->quant, row_ptr(w, r0 + i), a + i * ld, cols);
             memset(a + i * ld + cols, 0, (size_t)(ld - cols) * sizeof(float));
         }
-        j->k->panel(a, ld, mr, j->x, cols, j->n, j->y + r0, rows,
-                    j->bias != NULL ? j->bias + r0 : NULL);
+        j->k->gemv(a, LLMEM_DTYPE_F32, ld, mr, j->x, cols, j->n, j->y + r0, rows,
+                   j->bias != NULL ? j->bias + r0 : NULL);
     }
 }
 

@@ -1,0 +1,199 @@
+/*
+ * tests/e2e/e2e-gguf.c — GGUF files through the binary: llmem runs a quantized file as the model
+ * holding its exactly dequantized weights, tokenizes as the tokenizer.json the file was made
+ * from, and refuses what it cannot run with one line.
+ *
+ * The reference model is made here from the file itself: every tensor dequantized by
+ * quant/dequant.c (bit-exact with ggml's dequantize_row_*, tests/test-quant.c), the q and k rows
+ * of the llama architecture put back from GGUF's interleaved-pair layout, written as an f32
+ * safetensors directory with the config and tokenizer of models/pycoder (the file's source).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/npy.h"
+#include "model/gguf.h"
+#include "quant/quant.h"
+#include "testutil.h"
+
+#define PYCODER      LLMEM_SOURCE_DIR "/models/pycoder"
+#define PYCODER_GGUF LLMEM_SOURCE_DIR "/tests/data/gguf/pycoder-q4_k_m.gguf"
+
+/* The Hugging Face name of a GGUF tensor of these architectures, or 0. */
+static int hf_name(const char *gguf, char *out, size_t size) {
+    static const char *const top[][2] = {{"token_embd.weight", "model.embed_tokens.weight"},
+                                         {"output_norm.weight", "model.norm.weight"},
+                                         {"output.weight", "lm_head.weight"}};
+    for (size_t i = 0; i < sizeof(top) / sizeof(top[0]); i++)
+        if (strcmp(gguf, top[i][0]) == 0)
+            return snprintf(out, size, "%s", top[i][1]) > 0;
+    static const char *const layer[][2] = {
+        {"attn_norm.weight", "input_layernorm.weight"},
+        {"attn_q.weight", "self_attn.q_proj.weight"},
+        {"attn_k.weight", "self_attn.k_proj.weight"},
+        {"attn_v.weight", "self_attn.v_proj.weight"},
+        {"attn_output.weight", "self_attn.o_proj.weight"},
+        {"ffn_norm.weight", "post_attention_layernorm.weight"},
+        {"ffn_gate.weight", "mlp.gate_proj.weight"},
+        {"ffn_up.weight", "mlp.up_proj.weight"},
+        {"ffn_down.weight", "mlp.down_proj.weight"},
+    };
+    int blk, at = 0;
+    if (sscanf(gguf, "blk.%d.%n", &blk, &at) != 1 || at == 0)
+        return 0;
+    for (size_t i = 0; i < sizeof(layer) / sizeof(layer[0]); i++)
+        if (strcmp(gguf + at, layer[i][0]) == 0)
+            return snprintf(out, size, "model.layers.%d.%s", blk, layer[i][1]) > 0;
+    return 0;
+}
+
+/* Writes dir/model.safetensors: every tensor of g as f32, exactly dequantized, q and k rows of
+ * `heads` / `kv_heads` heads put back from pairs side by side to halves. */
+static void write_dequantized(const struct llmem_gguf *g, const char *dir, int64_t head_dim,
+                              int64_t heads, int64_t kv_heads) {
+    char *header = malloc(1 << 20);
+    assert_non_null(header);
+    size_t hl = (size_t)snprintf(header, 1 << 20, "{");
+    int64_t offset = 0;
+    for (int64_t i = 0; i < g->n_tensors; i++) {
+        const struct llmem_gguf_tensor *t = &g->tensors[i];
+        char name[160];
+        assert_true(hf_name(t->name, name, sizeof(name)));
+        char shape[64];
+        if (t->n_dims == 1)
+            snprintf(shape, sizeof(shape), "[%lld]", (long long)t->dims[0]);
+        else
+            snprintf(shape, sizeof(shape), "[%lld, %lld]", (long long)t->dims[1],
+                     (long long)t->dims[0]);
+        hl += (size_t)snprintf(header + hl, (1 << 20) - hl,
+                               "%s\"%s\": {\"dtype\": \"F32\", \"shape\": %s, \"data_offsets\": "
+                               "[%lld, %lld]}",
+                               i ? ", " : "", name, shape, (long long)offset,
+                               (long long)(offset + 4 * t->n_elements));
+        offset += 4 * t->n_elements;
+    }
+    hl += (size_t)snprintf(header + hl, (1 << 20) - hl, "}");
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    uint64_t n = hl;
+    assert_int_equal(fwrite(&n, 8, 1, f), 1);
+    assert_int_equal(fwrite(header, 1, hl, f), hl);
+    for (int64_t i = 0; i < g->n_tensors; i++) {
+        const struct llmem_gguf_tensor *t = &g->tensors[i];
+        float *v = malloc((size_t)t->n_elements * sizeof(float));
+        float *out = malloc((size_t)t->n_elements * sizeof(float));
+        assert_true(v != NULL && out != NULL);
+        assert_int_equal(llmem_quant_dequantize_row(t->type, t->data, v, t->n_elements), LLMEM_OK);
+        memcpy(out, v, (size_t)t->n_elements * sizeof(float));
+        int q = strstr(t->name, "attn_q.weight") != NULL;
+        int k = strstr(t->name, "attn_k.weight") != NULL;
+        if (q || k) { /* GGUF row 2j + s of a head is Hugging Face's row s·half + j */
+            const int64_t cols = t->dims[0], half = head_dim / 2;
+            for (int64_t h = 0; h < (q ? heads : kv_heads); h++)
+                for (int64_t j = 0; j < half; j++)
+                    for (int64_t s = 0; s < 2; s++)
+                        memcpy(out + (h * head_dim + s * half + j) * cols,
+                               v + (h * head_dim + 2 * j + s) * cols, (size_t)cols * sizeof(float));
+        }
+        assert_int_equal(fwrite(out, sizeof(float), (size_t)t->n_elements, f),
+                         (size_t)t->n_elements);
+        free(v);
+        free(out);
+    }
+    assert_int_equal(fclose(f), 0);
+    free(header);
+}
+
+static void copy_into(const char *from, const char *dir) {
+    struct tu_run r = tu_exec("cp", NULL, 2, (const char *[]){from, dir});
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+}
+
+/* pycoder at Q4_K_M (Q4_K and Q6_K blocks, F32 norms): `llmem logits` of the GGUF file equals, bit
+ * for bit, that of the f32 model holding its dequantized weights — the blocks, the interleaved
+ * rope's layout and the rest of the pass are exact. */
+static void test_logits_equal_dequantized(void **state) {
+    (void)state;
+    struct llmem_gguf *g = NULL;
+    assert_int_equal(llmem_gguf_open(PYCODER_GGUF, &g), LLMEM_OK);
+    struct llmem_model_geometry geom;
+    assert_int_equal(llmem_gguf_geometry(g, &geom, "test"), LLMEM_OK);
+    char *dir = tu_mkdtemp();
+    write_dequantized(g, dir, geom.head_dim, geom.n_heads, geom.n_kv_heads);
+    llmem_gguf_free(g);
+    copy_into(PYCODER "/config.json", dir);
+    copy_into(PYCODER "/tokenizer.json", dir);
+
+    char ids[1024];
+    int at = 0;
+    for (int i = 0; i < 48; i++)
+        at += snprintf(ids + at, sizeof(ids) - (size_t)at, "%s%d", i ? "," : "",
+                       (i * 977 + 13) % 4096);
+    char out_q[1024], out_f[1024];
+    snprintf(out_q, sizeof(out_q), "%s/q.npy", dir);
+    snprintf(out_f, sizeof(out_f), "%s/f.npy", dir);
+    struct tu_run r = tu_llmem("logits", PYCODER_GGUF, "--ids", ids, "--out", out_q, "--threads",
+                               "2", "--no-spill", NULL);
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+    r = tu_llmem("logits", dir, "--ids", ids, "--out", out_f, "--threads", "2", "--no-spill", NULL);
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+    float *a = NULL, *b = NULL;
+    int64_t ra, ca, rb, cb;
+    assert_int_equal(llmem_npy_read_f32(out_q, &a, &ra, &ca), LLMEM_OK);
+    assert_int_equal(llmem_npy_read_f32(out_f, &b, &rb, &cb), LLMEM_OK);
+    assert_int_equal(ra, 48);
+    assert_int_equal(ca, geom.vocab_size);
+    assert_true(rb == ra && cb == ca);
+    assert_memory_equal(a, b, (size_t)(ra * ca) * sizeof(float));
+    free(a);
+    free(b);
+    tu_rmtree(dir);
+    free(dir);
+}
+
+/* The file's tokenizer (tokenizer.ggml.*) gives the ids of the tokenizer.json it was made from,
+ * and `llmem run` on the file generates text. */
+static void test_tokenize_and_run(void **state) {
+    (void)state;
+    const char *texts[] = {"def fibonacci(n):\n    return n", "  two  spaces\tand a tab\n\n",
+                           "unicode: héllo wörld ✓ 日本", "x = [1, 22, 333, 4444]"};
+    for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
+        struct tu_run a = tu_llmem("tokenize", PYCODER_GGUF, "--text", texts[i], NULL);
+        struct tu_run b = tu_llmem("tokenize", PYCODER, "--text", texts[i], NULL);
+        assert_int_equal(a.exit_code, 0);
+        assert_int_equal(b.exit_code, 0);
+        assert_string_equal(a.out, b.out);
+        tu_run_free(&a);
+        tu_run_free(&b);
+    }
+    struct tu_run r = tu_llmem("run", PYCODER_GGUF, "-p", "def add(a, b):", "-n", "16",
+                               "--ignore-eos", "--threads", "2", "--no-spill", "--json", NULL);
+    assert_int_equal(r.exit_code, 0);
+    assert_non_null(strstr(r.out, "\"finish_reason\":"));
+    tu_run_free(&r);
+}
+
+/* What llmem does not run is refused with one line: a file whose tensors are of a type it does
+ * not read, and the CUDA backend (its kernels for the block types are not written yet). */
+static void test_refusals(void **state) {
+    (void)state;
+    struct tu_run r = tu_llmem("run", PYCODER_GGUF, "-p", "x", "--backend", "cuda", NULL);
+    assert_int_not_equal(r.exit_code, 0);
+    assert_non_null(strstr(r.err, "GGUF files run on the CPU"));
+    tu_run_free(&r);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_logits_equal_dequantized),
+        cmocka_unit_test(test_tokenize_and_run),
+        cmocka_unit_test(test_refusals),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
