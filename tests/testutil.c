@@ -669,11 +669,17 @@ const char *tu_budget_for(const char *model, int extra_mib, char *buf, size_t si
     struct tu_run r = tu_llmem("plan", model, "--json", NULL);
     assert_int_equal(r.exit_code, 0);
     cJSON *o = tu_json_stdout(&r);
-    double baseline = cJSON_GetObjectItem(o, "runtime_baseline_bytes")->valuedouble;
+    int mib = (int)(cJSON_GetObjectItem(o, "runtime_baseline_bytes")->valuedouble / 1048576) + 40;
     cJSON_Delete(o);
     tu_run_free(&r);
-    /* usable = 0.9 × budget on a small machine, of which the bank floor takes a sixteenth */
-    double usable = (baseline / 1048576 + 36 + extra_mib) * 16 / 15;
-    snprintf(buf, size, "%dM", (int)(usable / 0.9) + 8);
+    /* the smallest machine, in steps of 8 MiB, on which the plan holds (llmem plan exits 0) */
+    for (int fits = 0; !fits; mib += 8) {
+        assert_true(mib < 1 << 16);
+        snprintf(buf, size, "%dM", mib);
+        r = tu_llmem("plan", model, "--budget", buf, NULL);
+        fits = r.exit_code == 0;
+        tu_run_free(&r);
+    }
+    snprintf(buf, size, "%dM", mib + 8 + extra_mib);
     return buf;
 }

@@ -89,10 +89,9 @@ struct llmem_guard_reading;
 void tu_library_serve(const char *model, void (*guard)(void *, struct llmem_guard_reading *),
                       const struct llmem_server_config *sc, struct llmem_engine **e,
                       struct llmem_server **s, struct tu_server *view);
-/* A --budget (into buf, e.g. "64M") on which `llmem run model` plans a 2048-token window with
- * room to spare: 36 MiB of weights, transients and KV beside the runtime baseline that `llmem
- * plan model` measures with this binary (larger in a CUDA build, whose device code is resident
- * too, and under ASan), plus extra_mib, as the 75 % rule's usable share of the budget. */
+/* A --budget (into buf, e.g. "64M") a little above the smallest machine, in steps of 8 MiB, on
+ * which `llmem plan model` holds with the runtime baseline this binary measures (larger in a
+ * CUDA build, whose CUDA libraries are resident too, and under ASan), plus extra_mib. */
 const char *tu_budget_for(const char *model, int extra_mib, char *buf, size_t size);
 /* What it has written on stderr so far (malloc'ed). */
 char *tu_serve_stderr(const struct tu_server *s);
