@@ -59,7 +59,8 @@ static const char usage[] =
     "  --max-sequences N    requests decoded together (default 16; the plan counts them)\n"
     "  --max-queue N        waiting requests beyond which a request gets 503 (default 256)\n"
     "  --max-body SIZE      the largest request body (default 4M; larger: 413)\n"
-    "  --model-name NAME    the model id clients use (default: the directory's name)\n"
+    "  --model-name NAME    the model id clients use (default: the directory's name, or the\n"
+    "                       GGUF file's without .gguf)\n"
     "  --chat-template T    chatml, llama3 or mistral (default: the model's own; a model\n"
     "                       without one serves chat only with this)\n";
 
@@ -119,8 +120,13 @@ int cli_serve(int argc, char **argv) {
         return CLI_FAIL;
     for (size_t n = strlen(dir); n > 1 && dir[n - 1] == '/'; n--)
         dir[n - 1] = '\0';
-    if (sc.model_name == NULL)
-        sc.model_name = basename(dir);
+    if (sc.model_name == NULL) { /* the directory's name, or the file's without ".gguf" */
+        char *name = basename(dir);
+        size_t n = strlen(name);
+        if (n > 5 && strcmp(name + n - 5, ".gguf") == 0)
+            name[n - 5] = '\0';
+        sc.model_name = name;
+    }
     /* a bad host or a missing key is said before the model loads */
     if (llmem_server_config_check(&sc) != LLMEM_OK) {
         free(dir);
