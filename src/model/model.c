@@ -397,7 +397,7 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
     if ((status = llmem_model_check_supported(m)) != LLMEM_OK ||
         (status = llmem_safetensors_load_dir(model_dir, &m->st)) != LLMEM_OK)
         goto fail;
-    g->n_params = m->st->n_elements;
+    g->n_params = llmem_model_count_params(m->st, &m->cfg);
     g->weights_bytes = m->st->n_bytes;
     if ((status = map_files(m, progress, progress_arg, flags)) != LLMEM_OK)
         goto fail;

@@ -249,7 +249,8 @@ static void test_logits_equal_dequantized(void **state) {
     }
 }
 
-/* `llmem run` generates from an MLX directory, and `llmem plan` plans the files' bytes. */
+/* `llmem run` generates from an MLX directory, and `llmem plan` plans the files' bytes and counts
+ * the original model's 556,672 parameters. */
 static void test_run_and_plan(void **state) {
     (void)state;
     const char *dir = DATA "/mlx/tiny-mistral-swa-4bit";
@@ -266,6 +267,8 @@ static void test_run_and_plan(void **state) {
     char want[64];
     snprintf(want, sizeof(want), "%lld", (long long)st->n_bytes);
     assert_non_null(strstr(r.out, want));
+    /* the parameters are the original model's (the codes' values; not the scales and biases) */
+    assert_non_null(strstr(r.out, "556672"));
     llmem_safetensors_free(st);
     tu_run_free(&r);
 }
