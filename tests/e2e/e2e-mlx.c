@@ -84,7 +84,8 @@ static const struct llmem_st_tensor *find_suffixed(const struct model_file *m, c
  * dequantized row by row (bits and group from the shapes of the codes, the scales and the
  * original), else converted. *n gets its element count. The dequantized values are checked
  * against the original's: within one quantization step (MLX's top code clamps when the rounding
- * of the group's edge moved its grid) and the rounding of the scales' dtype. */
+ * of the group's edge moved its grid), plus the stored scale's rounding times the largest code,
+ * plus the rounding of the scales' dtype. */
 static float *tensor_f32(const struct model_file *m, const struct model_file *orig,
                          const struct llmem_st_tensor *t, int64_t *n, int *quantized) {
     size_t len = strlen(t->name);
@@ -120,9 +121,13 @@ static float *tensor_f32(const struct model_file *m, const struct model_file *or
                              (const char *)data_of(m, b) + (size_t)(r * (cols / group)) * ssize,
                              v + r * cols, cols),
                          LLMEM_OK);
+    /* the stored scale's rounding to its dtype (the codes were chosen with the f32 scale), times
+     * the largest code */
+    const float rel = st == LLMEM_QTYPE_BF16 ? 0x1p-8f : st == LLMEM_QTYPE_F16 ? 0x1p-11f : 0.0f;
     for (int64_t i = 0; i < rows * cols; i++) {
         float step = fabsf(sc[(i / cols) * (cols / group) + (i % cols) / group]);
-        if (!(fabsf(v[i] - ref[i]) <= step * 1.01f + 1e-2f * fabsf(ref[i]) + 1e-6f))
+        float tol = step * (1.01f + (float)((1 << bits) - 1) * rel) + 1e-2f * fabsf(ref[i]);
+        if (!(fabsf(v[i] - ref[i]) <= tol + 1e-6f))
             fail_msg("%s[%lld]: %g dequantized, %g originally (step %g)", t->name, (long long)i,
                      (double)v[i], (double)ref[i], (double)step);
     }
