@@ -5,22 +5,29 @@ here): its quantize routine is ported below with numpy.
 
 Usage: /usr/bin/python3 tests/data/mlx/make_mlx.py   (writes tests/data/mlx/<name>/)
 
-The format (ml-explore/mlx, read at commit 0e18bb05ac13a17a986f51bf172681c188136a0f unless said):
-  * mlx/backend/cpu/quantized.cpp, `template <typename T, typename U> void quantize(...)` (the CPU
-    routine of fast::Quantize::eval_cpu, same file): per group of `group_size` values of a row,
-    in float: w_max, w_min; mask = |w_min| > |w_max|; scale = max((w_max - w_min) / n_bins, 1e-7)
-    with n_bins = 2^bits - 1, negated unless mask; edge = mask ? w_min : w_max;
+The format (ml-explore/mlx; the files as the search index stores them, functions named since it
+gives no line numbers):
+  * mlx/backend/cpu/quantized.cpp at commit 0e18bb05ac13a17a986f51bf172681c188136a0f,
+    `template <typename T, typename U> void quantize(...)` (the CPU routine of
+    fast::Quantize::eval_cpu, same file): per group of `group_size` values of a row, in float:
+    w_max, w_min; mask = |w_min| > |w_max|; scale = max((w_max - w_min) / n_bins, 1e-7) with
+    n_bins = 2^bits - 1, negated unless mask; edge = mask ? w_min : w_max;
     q0 = rint(edge / scale); when q0 != 0: scale = edge / q0 and bias = edge, else bias = 0; each
     value rint((w - bias) / scale) clamped to [0, n_bins] and packed into uint32 words,
     `out_el |= q << (k * bits)` (value k of a word in bits k·bits up, little end first);
     scales[i] = T(scale), biases[i] = T(bias) (T the weight's dtype: the codes are computed with
-    the float scale, the stored one is rounded to T). Ported by `quantize` below.
-  * mlx/fast.cpp (the affine_quantize / affine_dequantize of the releases where quantization was
-    in mlx::core::fast): affine_dequantize's fallback — what mx.dequantize computes on the CPU —
-    unpacks each word (value k = (w << (32 - (k+1)·bits)) >> (32 - bits)), then
-    `multiply(w_full, scales)` and `add(w_full, biases)`: two element-wise operations of the
-    scales' dtype T, each computed in float and rounded to T. Ported by `dequantize` below
-    (quant/dequant.c's llmem_quant_dequantize_mlx_row computes the same).
+    the float scale, the stored one is rounded to T). Ported by `quantize` below. (Older
+    releases computed the same steps in T, with the stored scale; the reader does not care.)
+    The same file's quantized matmuls compute `scale * q + bias` per value too: _qmm_t in T,
+    _qmm_t_simd (4 and 8 bits) in float without rounding to T.
+  * mlx/fast.cpp at commit 3b259a8a9420bbcdd7ad76208440a136274af229 (the releases where
+    quantization was in mlx::core::fast): pack_and_quantize, affine_quantize (the algorithm
+    above, computed there in the weight's dtype) and affine_dequantize, whose fallback — what
+    mx.dequantize computes on the CPU — unpacks each word (value k = (w << (32 - (k+1)·bits)) >>
+    (32 - bits)) and then does `multiply(w_full, scales)` and `add(w_full, biases)`: two
+    element-wise operations of the scales' dtype T, each computed in float and rounded to T.
+    Ported by `dequantize` below (quant/dequant.c's llmem_quant_dequantize_mlx_row computes the
+    same).
   * mlx-lm, mlx_lm/utils.py load_model: config.json's `quantization` {group_size, bits[, mode]}
     plus per-module entries (`"model.layers.0.mlp.down_proj": {"group_size": .., "bits": ..}` or
     false) read by the class_predicate of nn.quantize: `if p in config["quantization"]: return
