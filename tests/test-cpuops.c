@@ -136,7 +136,7 @@ static void matmul_case(struct llmem_backend *b, enum llmem_dtype dt, int64_t ro
                         int64_t n, int with_bias) {
     double *wv = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof(double));
     assert_non_null(wv);
-    struct llmem_weight w = {make_weight(dt, rows * cols, wv), dt, rows, cols, 0};
+    struct llmem_weight w = {make_weight(dt, rows * cols, wv), dt, rows, cols, 0, NULL, NULL};
     float *x = make_floats(n * cols);
     float *bias = with_bias ? make_floats(rows) : NULL;
     float *yd = check_matmul(b, CPU_MATMUL_DECODE, &w, wv, x, n, bias);
@@ -205,8 +205,8 @@ static void test_matmul_batch_invariance(void **state) {
             const int64_t rows = shapes[sh][0], cols = shapes[sh][1];
             double *wv = malloc((size_t)(rows * cols) * sizeof(double));
             assert_non_null(wv);
-            struct llmem_weight w = {make_weight(dtypes[d], rows * cols, wv), dtypes[d], rows, cols,
-                                     0};
+            struct llmem_weight w = {
+                make_weight(dtypes[d], rows * cols, wv), dtypes[d], rows, cols, 0, NULL, NULL};
             float *x = make_floats(max_n * cols);
             float *bias = (sh & 1) ? make_floats(rows) : NULL;
             float *single = malloc((size_t)(max_n * rows) * sizeof(float));
@@ -266,7 +266,12 @@ static void test_matmul_multi(void **state) {
         wv[i] = malloc((size_t)(shapes[i][0] * shapes[i][1]) * sizeof(double));
         assert_non_null(wv[i]);
         w[i] = (struct llmem_weight){make_weight(dtypes[i], shapes[i][0] * shapes[i][1], wv[i]),
-                                     dtypes[i], shapes[i][0], shapes[i][1], 0};
+                                     dtypes[i],
+                                     shapes[i][0],
+                                     shapes[i][1],
+                                     0,
+                                     NULL,
+                                     NULL};
     }
     float *x = make_floats(40 * 512), *bias = make_floats(1000);
     for (int threads = 1; threads <= 3; threads++) {
@@ -306,7 +311,7 @@ static void test_matmul_empty(void **state) {
     struct llmem_backend *b = make_backend(2);
     float bias[3] = {1, 2, 3}, y[6] = {0}, x[1] = {0};
     uint16_t data[1] = {0};
-    struct llmem_weight w = {data, LLMEM_DTYPE_BF16, 3, 0, 0};
+    struct llmem_weight w = {data, LLMEM_DTYPE_BF16, 3, 0, 0, NULL, NULL};
     b->ops->matmul(b->ctx, &w, x, 2, y, bias);
     for (int i = 0; i < 6; i++)
         assert_true(y[i] == bias[i % 3]);
@@ -432,8 +437,8 @@ static void test_embedding(void **state) {
             const int64_t vocab = 50, dim = threads == 1 ? 37 : 4096, n = 20;
             double *val = malloc((size_t)(vocab * dim) * sizeof(double));
             assert_non_null(val);
-            struct llmem_weight table = {make_weight(dtypes[d], vocab * dim, val), dtypes[d], vocab,
-                                         dim, 0};
+            struct llmem_weight table = {
+                make_weight(dtypes[d], vocab * dim, val), dtypes[d], vocab, dim, 0, NULL, NULL};
             int32_t ids[20];
             for (int t = 0; t < n; t++)
                 ids[t] = t == 0 ? 0 : t == 1 ? (int32_t)vocab - 1 : (int32_t)(rng() % vocab);
@@ -516,8 +521,8 @@ static void test_matmul_quantized(void **state) {
                     llmem_quant_dequantize_row(types[ti], q + r * row_bytes, deq + r * cols, cols),
                     LLMEM_OK);
             }
-            struct llmem_weight wq = {q, LLMEM_DTYPE_F32, rows, cols, types[ti]};
-            struct llmem_weight w32 = {deq, LLMEM_DTYPE_F32, rows, cols, 0};
+            struct llmem_weight wq = {q, LLMEM_DTYPE_F32, rows, cols, types[ti], NULL, NULL};
+            struct llmem_weight w32 = {deq, LLMEM_DTYPE_F32, rows, cols, 0, NULL, NULL};
             assert_int_equal(llmem_weight_row_bytes(&wq), row_bytes);
             for (int64_t n = 1; n <= 40; n += 13) {
                 float *x = make_floats(n * cols), *bias = make_floats(rows);

@@ -3,7 +3,9 @@
  * the sizes gguf-py's GGML_QUANT_SIZES gives, the byte arithmetic of rows, and the scalar
  * reference against ggml's own output (tests/data/quant, made by make_reference.sh from
  * ggml-quants.c): every readable type's dequantization of ggml's blocks equal to ggml's floats
- * bit for bit, and our quantization of the same inputs equal to ggml's bytes.
+ * bit for bit, and our quantization of the same inputs equal to ggml's bytes. MLX's affine
+ * formats (not ggml's): their ids, and groups worked out by hand — codes, scales, biases and
+ * the values mx.dequantize gives — at 4 and 8 bits with f32, f16 and bf16 scales.
  */
 #include <math.h>
 #include <stdint.h>
@@ -464,8 +466,164 @@ static void test_errors(void **state) {
     tu_count_errors_stop();
 }
 
+/* ---- MLX's affine formats ------------------------------------------------------------------ */
+
+static void test_mlx_table(void **state) {
+    (void)state;
+    const int scale_types[] = {LLMEM_QTYPE_F32, LLMEM_QTYPE_F16, LLMEM_QTYPE_BF16};
+    int seen[LLMEM_QTYPE_MLX_COUNT] = {0};
+    for (int bits = 4; bits <= 8; bits += 4)
+        for (int group = 32; group <= 128; group *= 2)
+            for (int s = 0; s < 3; s++) {
+                int t = llmem_qtype_mlx(bits, group, scale_types[s]);
+                assert_true(t >= LLMEM_QTYPE_MLX_FIRST &&
+                            t < LLMEM_QTYPE_MLX_FIRST + LLMEM_QTYPE_MLX_COUNT);
+                seen[t - LLMEM_QTYPE_MLX_FIRST]++;
+                int b, g, st;
+                assert_int_equal(llmem_qtype_mlx_params(t, &b, &g, &st), 1);
+                assert_int_equal(b, bits);
+                assert_int_equal(g, group);
+                assert_int_equal(st, scale_types[s]);
+                const struct llmem_qtype_info *info = llmem_qtype_info(t);
+                assert_non_null(info);
+                assert_true(info->readable);
+                assert_int_equal(info->block_elems, group);
+                assert_int_equal(info->block_bytes, group * bits / 8);
+                /* a row's codes: cols · bits / 32 words */
+                assert_int_equal(llmem_qtype_bytes(t, 384), 384 * bits / 8);
+                assert_int_equal(llmem_qtype_bytes(t, group + 16), -1);
+            }
+    for (int i = 0; i < LLMEM_QTYPE_MLX_COUNT; i++)
+        assert_int_equal(seen[i], 1);
+    assert_string_equal(llmem_qtype_name(llmem_qtype_mlx(4, 64, LLMEM_QTYPE_BF16)),
+                        "mlx_q4_g64_bf16");
+    assert_string_equal(llmem_qtype_name(llmem_qtype_mlx(8, 128, LLMEM_QTYPE_F32)),
+                        "mlx_q8_g128_f32");
+    /* what MLX has and llmem does not read, and what MLX does not have */
+    assert_int_equal(llmem_qtype_mlx(3, 64, LLMEM_QTYPE_BF16), -1);
+    assert_int_equal(llmem_qtype_mlx(2, 64, LLMEM_QTYPE_BF16), -1);
+    assert_int_equal(llmem_qtype_mlx(4, 48, LLMEM_QTYPE_BF16), -1);
+    assert_int_equal(llmem_qtype_mlx(4, 64, LLMEM_QTYPE_Q8_0), -1);
+    assert_int_equal(llmem_qtype_mlx_params(LLMEM_QTYPE_Q4_K, NULL, NULL, NULL), 0);
+    assert_int_equal(
+        llmem_qtype_mlx_params(LLMEM_QTYPE_MLX_FIRST + LLMEM_QTYPE_MLX_COUNT, NULL, NULL, NULL), 0);
+    assert_null(llmem_qtype_info(LLMEM_QTYPE_MLX_FIRST - 1));
+    assert_null(llmem_qtype_info(LLMEM_QTYPE_MLX_FIRST + LLMEM_QTYPE_MLX_COUNT));
+}
+
+/* Groups worked out by hand. A word holds 32 / bits codes, code k in bits [k·bits, (k+1)·bits);
+ * value = R(R(q · scale) + bias), R rounding to the scales' dtype (to nearest, ties to even). */
+static void test_mlx_known_answers(void **state) {
+    (void)state;
+    float out[32];
+
+    /* 4 bits, f32 scale 0.5 and bias −3: words 0x76543210 and 0xFEDCBA98 are the codes 0 … 15
+     * (−3, −2.5, …, 4.5); 0x0F0F0F0F is 15, 0, 15, 0, …; 0x00000001 is 1 then seven 0s. */
+    {
+        const uint32_t codes[4] = {0x76543210u, 0xFEDCBA98u, 0x0F0F0F0Fu, 0x00000001u};
+        const float scale = 0.5f, bias = -3.0f;
+        const float want[32] = {-3.0f, -2.5f, -2.0f, -1.5f, -1.0f, -0.5f, 0.0f,  0.5f,
+                                1.0f,  1.5f,  2.0f,  2.5f,  3.0f,  3.5f,  4.0f,  4.5f,
+                                4.5f,  -3.0f, 4.5f,  -3.0f, 4.5f,  -3.0f, 4.5f,  -3.0f,
+                                -2.5f, -3.0f, -3.0f, -3.0f, -3.0f, -3.0f, -3.0f, -3.0f};
+        assert_int_equal(llmem_quant_dequantize_mlx_row(llmem_qtype_mlx(4, 32, LLMEM_QTYPE_F32),
+                                                        codes, &scale, &bias, out, 32),
+                         LLMEM_OK);
+        assert_memory_equal(out, want, sizeof(want));
+    }
+    /* 4 bits, f32 scale 0.1f, bias −0.3f: code 3 is fl(3 · 0.1f) = 0.3f (0x3e99999a), plus −0.3f:
+     * exactly 0 — a fused multiply-add would give −2^−27; code 7: fl(0.7f) − 0.3f =
+     * 0x1.999998p−2 (fused: 0x1.99999ap−2); code 0: −0.3f; code 15: 0x1.333334p+0. */
+    {
+        const uint32_t codes[4] = {0x00000F73u, 0, 0, 0}; /* 3, 7, 15, then 0s */
+        const float scale = 0.1f, bias = -0.3f;
+        assert_int_equal(llmem_quant_dequantize_mlx_row(llmem_qtype_mlx(4, 32, LLMEM_QTYPE_F32),
+                                                        codes, &scale, &bias, out, 32),
+                         LLMEM_OK);
+        assert_true(out[0] == 0.0f && !signbit(out[0]));
+        assert_true(out[1] == 0x1.999998p-2f);
+        assert_true(out[2] == 0x1.333334p+0f);
+        for (int i = 3; i < 32; i++)
+            assert_true(out[i] == -0.3f);
+    }
+    /* 8 bits, bf16 scale 0x3F81 (1.0078125) and bias 0x3F80 (1.0). Word 0x80030100 holds the
+     * codes 0, 1, 3, 128; 0x000000FF holds 255, 0, 0, 0.
+     *   q 0:   0 → 0 + 1 = 1
+     *   q 1:   1.0078125 (a bf16) → + 1 = 2.0078125, halfway between the bf16s 2 and 2.015625:
+     *          the even one, 2
+     *   q 3:   3.0234375, halfway between 3.015625 and 3.03125 → 3.03125; + 1 = 4.03125 (a bf16)
+     *   q 128: 129 → 130
+     *   q 255: 256.9921875 → 256 (bf16s are 2 apart there); + 1 = 257, halfway → the even, 256
+     *          (f32 arithmetic would give 257.9921875) */
+    {
+        const uint32_t codes[8] = {0x80030100u, 0x000000FFu, 0, 0, 0, 0, 0, 0};
+        const uint16_t scale = 0x3F81, bias = 0x3F80;
+        float want[32];
+        for (int i = 0; i < 32; i++)
+            want[i] = 1.0f;
+        want[1] = 2.0f;
+        want[2] = 4.03125f;
+        want[3] = 130.0f;
+        want[4] = 256.0f;
+        assert_int_equal(llmem_quant_dequantize_mlx_row(llmem_qtype_mlx(8, 32, LLMEM_QTYPE_BF16),
+                                                        codes, &scale, &bias, out, 32),
+                         LLMEM_OK);
+        assert_memory_equal(out, want, sizeof(want));
+    }
+    /* 4 bits, f16 scale 0x3C01 (1 + 2^−10) and bias 0xC000 (−2), group 64 (the second group's
+     * scale 0x4000 = 2, bias 0x3800 = 0.5):
+     *   q 15: 15.0146484375 → the f16 15.015625 (f16s are 2^−7 apart there); − 2 = 13.015625
+     *         (f32 arithmetic: 13.0146484375)
+     *   q 1:  1.0009765625 (an f16) − 2 = −0.9990234375 (an f16)
+     *   q 0:  −2; second group: q 9 → 18.5, q 0 → 0.5 */
+    {
+        uint32_t codes[16] = {0x000001F0u};
+        codes[8] = 0x00000009u;
+        const uint16_t scales[2] = {0x3C01, 0x4000}, biases[2] = {0xC000, 0x3800};
+        float got[128], want[128];
+        for (int i = 0; i < 64; i++)
+            want[i] = -2.0f;
+        for (int i = 64; i < 128; i++)
+            want[i] = 0.5f;
+        want[1] = 13.015625f;
+        want[2] = -0.9990234375f;
+        want[64] = 18.5f;
+        assert_int_equal(llmem_quant_dequantize_mlx_row(llmem_qtype_mlx(4, 64, LLMEM_QTYPE_F16),
+                                                        codes, scales, biases, got, 128),
+                         LLMEM_OK);
+        assert_memory_equal(got, want, sizeof(want));
+    }
+    /* 8 bits, f32, group 128: codes i (0 … 127) in order, scale −0.25, bias 10 → 10 − i/4; the
+     * codes read at any alignment */
+    {
+        uint8_t buf[4 * 32 + 1];
+        for (int i = 0; i < 128; i++)
+            buf[1 + i] = (uint8_t)i; /* little-endian words: code k of word j is byte 4j + k */
+        const float scale = -0.25f, bias = 10.0f;
+        float got[128];
+        assert_int_equal(llmem_quant_dequantize_mlx_row(llmem_qtype_mlx(8, 128, LLMEM_QTYPE_F32),
+                                                        buf + 1, &scale, &bias, got, 128),
+                         LLMEM_OK);
+        for (int i = 0; i < 128; i++)
+            assert_true(got[i] == 10.0f - (float)i / 4.0f);
+    }
+    /* errors: not an MLX type, a length that is not whole groups; the row form refuses MLX's */
+    const uint32_t codes[8] = {0};
+    const float one = 1.0f;
+    assert_int_equal(llmem_quant_dequantize_mlx_row(LLMEM_QTYPE_Q4_0, codes, &one, &one, out, 32),
+                     LLMEM_EINVAL);
+    assert_int_equal(llmem_quant_dequantize_mlx_row(llmem_qtype_mlx(4, 32, LLMEM_QTYPE_F32), codes,
+                                                    &one, &one, out, 16),
+                     LLMEM_EINVAL);
+    assert_int_equal(
+        llmem_quant_dequantize_row(llmem_qtype_mlx(4, 32, LLMEM_QTYPE_F32), codes, out, 32),
+        LLMEM_EINVAL);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_mlx_table),
+        cmocka_unit_test(test_mlx_known_answers),
         cmocka_unit_test(test_table),
         cmocka_unit_test(test_bytes),
         cmocka_unit_test(test_dequantize_reference),

@@ -349,8 +349,13 @@ int bench_matmul(int argc, char **argv) {
                     for (int pass = 0; pass < 2; pass++) {
                         t0 = llmem_clock_s();
                         for (int k = 0; k < copies; k++) {
-                            struct llmem_weight w = {wbuf + (size_t)k * wbytes, bench_dtypes[d],
-                                                     rows, cols, 0};
+                            struct llmem_weight w = {wbuf + (size_t)k * wbytes,
+                                                     bench_dtypes[d],
+                                                     rows,
+                                                     cols,
+                                                     0,
+                                                     NULL,
+                                                     NULL};
                             be->ops->matmul(be->ctx, &w, x, n, y, NULL);
                         }
                     }
@@ -384,7 +389,7 @@ int bench_matmul(int argc, char **argv) {
         for (int s = 0; s < N_PREFILL_SHAPES; s++) {
             int64_t rows = shapes[s][0], cols = shapes[s][1];
             fill_weights(wbuf, bench_dtypes[d], rows * cols, 0xdef + (uint64_t)s);
-            struct llmem_weight w = {wbuf, bench_dtypes[d], rows, cols, 0};
+            struct llmem_weight w = {wbuf, bench_dtypes[d], rows, cols, 0, NULL, NULL};
             int n_paths = BENCH_OPENBLAS && bench_dtypes[d] == LLMEM_DTYPE_F32 ? 2 : 1;
             llmem_backend_cpu_set_matmul_path(be, CPU_MATMUL_GEMM);
             for (int p = 0; p < n_paths; p++) {

@@ -42,6 +42,14 @@ LLMEM_API int llmem_model_geometry_load(const char *model_dir, struct llmem_mode
 
 #define LLMEM_MAX_EOS 8
 
+/* One entry of an MLX config's `quantization` object beside group_size and bits: the module at
+ * that path (mlx-lm's nn.quantize class_predicate) quantized with its own parameters, or not. */
+struct llmem_model_quant_override {
+    char module[192]; /* "model.layers.0.mlp.down_proj" */
+    int bits;         /* 4 or 8; 0: the entry is false (the module is not quantized) */
+    int group_size;   /* 32, 64 or 128 */
+};
+
 struct llmem_model_config {
     struct llmem_model_geometry geom;
     double rms_norm_eps; /* 1e-6 when absent */
@@ -57,6 +65,12 @@ struct llmem_model_config {
                              * NORM rope); 0: halves rotated (Hugging Face, Qwen in GGUF) */
     uint8_t *layer_sliding; /* (n_layers) 1 where the layer attends within geom.sliding_window */
     int32_t bos_id;         /* config.json's; −1 when absent */
+    /* MLX quantization (config.json's `quantization`, mode affine): the default bits (0: the
+     * config has none) and group size; a module without an entry is quantized when its `.scales`
+     * tensor is in the files, as mlx-lm loads it */
+    int quant_bits, quant_group_size;
+    struct llmem_model_quant_override *quant_overrides; /* (n_quant_overrides) */
+    int n_quant_overrides;
     int32_t eos_ids[LLMEM_MAX_EOS];
     int n_eos;
 };

@@ -27,19 +27,34 @@
 
 /* A weight matrix [rows, cols], row-major: rows are output features, cols input features. Each
  * row is either `cols` values of `dtype`, or, where `quant` is set, cols / block_elems blocks of
- * that ggml block type (quant/quant.h): a GGUF file's quantized weights, used in place. */
+ * that block type (quant/quant.h): a GGUF file's quantized weights, or an MLX file's codes with
+ * their scales and biases beside them (three tensors of the file), all used in place. */
 struct llmem_weight {
     const void *data;
     enum llmem_dtype dtype; /* F32, F16 or BF16 (when quant is 0) */
     int64_t rows;
     int64_t cols;
-    int quant; /* 0: not quantized; else LLMEM_QTYPE_Q8_0, _Q4_K, ... */
+    int quant;          /* 0: not quantized; else LLMEM_QTYPE_Q8_0, _Q4_K, ..., or an MLX type */
+    const void *scales; /* MLX types: (rows, cols / group) of the type's scale dtype; else NULL */
+    const void *biases; /* MLX types: (rows, cols / group); else NULL */
 };
 
-/* Bytes of one row of w. */
+/* Bytes of one row of w (for an MLX type, of its codes). */
 static inline int64_t llmem_weight_row_bytes(const struct llmem_weight *w) {
     return w->quant != 0 ? llmem_qtype_bytes(w->quant, w->cols)
                          : w->cols * llmem_dtype_size(w->dtype);
+}
+
+/* Row r of a quantized w dequantized exactly into dst[cols] (quant/quant.h: ggml's blocks as
+ * ggml's dequantize_row_*, MLX's groups as mx.dequantize). */
+static inline int llmem_weight_dequantize_row(const struct llmem_weight *w, int64_t r, float *dst) {
+    const uint8_t *row = (const uint8_t *)w->data + r * llmem_weight_row_bytes(w);
+    int group, st;
+    if (!llmem_qtype_mlx_params(w->quant, NULL, &group, &st))
+        return llmem_quant_dequantize_row(w->quant, row, dst, w->cols);
+    const int64_t at = r * (w->cols / group) * (st == LLMEM_QTYPE_F32 ? 4 : 2);
+    return llmem_quant_dequantize_mlx_row(w->quant, row, (const uint8_t *)w->scales + at,
+                                          (const uint8_t *)w->biases + at, dst, w->cols);
 }
 
 /* Whether b has a's shape and dtype and its bytes right after a's (one buffer holding both, as a

@@ -308,6 +308,19 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
                        config->model_dir);
         status = LLMEM_EUNSUPPORTED;
     }
+    if (status == LLMEM_OK && config->backend == LLMEM_BACKEND_CUDA) {
+        struct llmem_model_config mc;
+        memset(&mc, 0, sizeof(mc));
+        if ((status = llmem_model_config_load(config->model_dir, &mc)) == LLMEM_OK &&
+            mc.quant_bits != 0) {
+            LLMEM_ERROR_AS("llmem_engine_open",
+                           "%s: MLX quantized weights run on the CPU for now (--backend cpu); the "
+                           "device kernels for their formats are not written yet",
+                           config->model_dir);
+            status = LLMEM_EUNSUPPORTED;
+        }
+        llmem_model_config_free(&mc);
+    }
     if (status != LLMEM_OK || (status = llmem_pool_create(config->n_threads, &e->pool)) ||
         (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
         (status = plan_model(e, &g, llmem_pool_threads(e->pool))) != LLMEM_OK)

@@ -373,6 +373,93 @@ static int config_runtime(const struct config *c, struct llmem_model_config *cfg
     return config_token_ids(c, cfg);
 }
 
+/* ---- MLX quantization ----------------------------------------------------------------------- */
+
+/* bits and group_size of a `quantization` object (the top level's or a module's): 4 or 8 bits,
+ * groups of 32, 64 or 128 (MLX's affine formats llmem reads), mode affine when given. */
+static int quant_params(const struct config *c, const cJSON *obj, const char *where, int *bits,
+                        int *group) {
+    const cJSON *b = cJSON_GetObjectItemCaseSensitive(obj, "bits");
+    const cJSON *g = cJSON_GetObjectItemCaseSensitive(obj, "group_size");
+    const cJSON *mode = cJSON_GetObjectItemCaseSensitive(obj, "mode");
+    if (mode != NULL && !cJSON_IsNull(mode) &&
+        (!cJSON_IsString(mode) || strcmp(mode->valuestring, "affine") != 0)) {
+        CONFIG_ERROR("%s: '%s.mode' is %s; llmem reads MLX's affine quantization", c->path, where,
+                     cJSON_IsString(mode) ? mode->valuestring : json_type_name(mode));
+        return LLMEM_EUNSUPPORTED;
+    }
+    int64_t vb = 0, vg = 0;
+    if (llmem_json_int(b, &vb) != LLMEM_OK || llmem_json_int(g, &vg) != LLMEM_OK) {
+        CONFIG_ERROR("%s: '%s' needs integer 'bits' and 'group_size'", c->path, where);
+        return LLMEM_EFORMAT;
+    }
+    if (vb != 4 && vb != 8) {
+        CONFIG_ERROR("%s: '%s.bits' is %" PRId64 "; llmem reads MLX's 4- and 8-bit weights",
+                     c->path, where, vb);
+        return LLMEM_EUNSUPPORTED;
+    }
+    if (vg != 32 && vg != 64 && vg != 128) {
+        CONFIG_ERROR("%s: '%s.group_size' is %" PRId64 "; MLX's groups are 32, 64 or 128", c->path,
+                     where, vg);
+        return LLMEM_EUNSUPPORTED;
+    }
+    *bits = (int)vb;
+    *group = (int)vg;
+    return LLMEM_OK;
+}
+
+/* config.json's `quantization` (mlx-lm's convert -q): checked always, kept in cfg when given. */
+static int config_quantization(const struct config *c, struct llmem_model_config *cfg) {
+    const cJSON *q = cJSON_GetObjectItemCaseSensitive(c->root, "quantization");
+    if (q == NULL || cJSON_IsNull(q))
+        return LLMEM_OK;
+    if (!cJSON_IsObject(q)) {
+        CONFIG_ERROR("%s: 'quantization' must be an object, not %s", c->path, json_type_name(q));
+        return LLMEM_EFORMAT;
+    }
+    int bits, group;
+    int status = quant_params(c, q, "quantization", &bits, &group);
+    if (status != LLMEM_OK)
+        return status;
+    int n = 0;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, q) n += cJSON_IsObject(e) || cJSON_IsBool(e);
+    struct llmem_model_quant_override *o = NULL;
+    if (n > 0 && (o = calloc((size_t)n, sizeof(*o))) == NULL) {
+        CONFIG_ERROR("%s: out of memory", c->path);
+        return LLMEM_ENOMEM;
+    }
+    int i = 0;
+    cJSON_ArrayForEach(e, q) {
+        if (!cJSON_IsObject(e) && !cJSON_IsBool(e))
+            continue; /* group_size, bits, mode and keys mlx-lm may add */
+        char where[256];
+        snprintf(where, sizeof(where), "quantization.%.200s", e->string);
+        if (strlen(e->string) >= sizeof(o[i].module)) {
+            CONFIG_ERROR("%s: '%s': the module path is too long", c->path, where);
+            status = LLMEM_EFORMAT;
+            break;
+        }
+        snprintf(o[i].module, sizeof(o[i].module), "%s", e->string);
+        if (cJSON_IsTrue(e)) {
+            o[i].bits = bits;
+            o[i].group_size = group;
+        } else if (cJSON_IsObject(e) &&
+                   (status = quant_params(c, e, where, &o[i].bits, &o[i].group_size)) != LLMEM_OK)
+            break;
+        i++;
+    }
+    if (status != LLMEM_OK || cfg == NULL) {
+        free(o);
+        return status;
+    }
+    cfg->quant_bits = bits;
+    cfg->quant_group_size = group;
+    cfg->quant_overrides = o;
+    cfg->n_quant_overrides = n;
+    return LLMEM_OK;
+}
+
 /* ---- sliding window ------------------------------------------------------------------------- */
 
 static int config_sliding_window(const struct config *c, const char *arch, int64_t n_layers,
@@ -651,8 +738,14 @@ static int config_load(const char *model_dir, struct llmem_model_geometry *geom,
     status = config_geometry(&c, &g, cfg != NULL ? &layers : NULL);
     if (status == LLMEM_OK && cfg != NULL)
         status = config_runtime(&c, cfg);
+    if (status == LLMEM_OK)
+        status = config_quantization(&c, cfg);
     if (status != LLMEM_OK) {
         free(layers);
+        if (cfg != NULL) {
+            free(cfg->quant_overrides);
+            cfg->quant_overrides = NULL;
+        }
         goto out_json;
     }
     dir_name(model_dir, g.name, sizeof(g.name));
@@ -687,4 +780,7 @@ void llmem_model_config_free(struct llmem_model_config *cfg) {
         return;
     free(cfg->layer_sliding);
     cfg->layer_sliding = NULL;
+    free(cfg->quant_overrides);
+    cfg->quant_overrides = NULL;
+    cfg->n_quant_overrides = 0;
 }

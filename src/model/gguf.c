@@ -318,7 +318,7 @@ static int parse_tensor(struct parser *p, int64_t index, struct llmem_gguf_tenso
         return LLMEM_EFORMAT;
     }
     const struct llmem_qtype_info *info = llmem_qtype_info((int)type);
-    if (type > INT32_MAX || info == NULL) {
+    if (type >= LLMEM_QTYPE_COUNT || info == NULL) { /* ggml ids only, not MLX's */
         PERR(p, "%s: tensor '%s': unknown ggml type %" PRIu32, path, t->name, type);
         return LLMEM_EFORMAT;
     }

@@ -22,6 +22,7 @@
 #include "core/log.h"
 #include "model/gguf.h"
 #include "model/model_int.h"
+#include "quant/quant.h"
 #include "llmem/config.h"
 #include "llmem/dtype.h"
 #include "llmem/safetensors.h"
@@ -167,11 +168,106 @@ static const void *tensor_data(const struct llmem_model *m, const struct llmem_s
            t->offset_begin;
 }
 
+/* How the module of `weight` (its name without ".weight") is quantized: *bits 0 when it is not.
+ * A per-module entry of config.json's `quantization` decides; else the module is quantized with
+ * the default bits and group when its `.scales` tensor exists (mlx-lm's load_model predicate). */
+static void quant_of(const struct llmem_model *m, const char *module, int *bits, int *group) {
+    const struct llmem_model_config *c = &m->cfg;
+    *bits = 0;
+    *group = 0;
+    if (c->quant_bits == 0)
+        return;
+    for (int i = 0; i < c->n_quant_overrides; i++)
+        if (strcmp(c->quant_overrides[i].module, module) == 0) {
+            *bits = c->quant_overrides[i].bits;
+            *group = c->quant_overrides[i].group_size;
+            return;
+        }
+    char name[240];
+    snprintf(name, sizeof(name), "%s.scales", module);
+    if (llmem_safetensors_find(m->st, name) != NULL) {
+        *bits = c->quant_bits;
+        *group = c->quant_group_size;
+    }
+}
+
+/* An MLX matrix [rows, cols]: module.weight (U32 codes [rows, cols·bits/32]), module.scales and
+ * module.biases ([rows, cols/group], one float dtype), used in place. */
+static int bind_mlx(struct llmem_model *m, const char *module, int bits, int group, int64_t rows,
+                    int64_t cols, struct llmem_weight *w) {
+    const char *src = m->cfg.geom.source;
+    if (cols % group != 0) {
+        LOAD_ERROR("%s: '%s' has %" PRId64 " columns, not a multiple of its quantization group "
+                   "(%d)",
+                   src, module, cols, group);
+        return LLMEM_EFORMAT;
+    }
+    char name[3][240];
+    const struct llmem_st_tensor *t[3];
+    const char *suffix[3] = {"weight", "scales", "biases"};
+    const int64_t width[3] = {cols * bits / 32, cols / group, cols / group};
+    for (int i = 0; i < 3; i++) {
+        snprintf(name[i], sizeof(name[i]), "%s.%s", module, suffix[i]);
+        if ((t[i] = find(m, name[i], 1)) == NULL)
+            return LLMEM_ENOENT;
+        if (t[i]->n_dims != 2 || t[i]->shape[0] != rows || t[i]->shape[1] != width[i]) {
+            char got[96];
+            int len = snprintf(got, sizeof(got), "[");
+            for (int d = 0; d < t[i]->n_dims && len < (int)sizeof(got) - 24; d++)
+                len += snprintf(got + len, sizeof(got) - (size_t)len, "%s%" PRId64, d ? ", " : "",
+                                t[i]->shape[d]);
+            snprintf(got + len, sizeof(got) - (size_t)len, "]");
+            LOAD_ERROR("%s: tensor '%s' has shape %s; the config says [%" PRId64 ", %" PRId64
+                       "] (%d-bit, groups of %d, of a [%" PRId64 ", %" PRId64 "] matrix)",
+                       src, name[i], got, rows, width[i], bits, group, rows, cols);
+            return LLMEM_EFORMAT;
+        }
+    }
+    if (t[0]->dtype != LLMEM_DTYPE_U32) {
+        LOAD_ERROR("%s: tensor '%s' is %s; MLX's quantized codes are U32", src, name[0],
+                   llmem_dtype_name(t[0]->dtype));
+        return LLMEM_EFORMAT;
+    }
+    int st = t[1]->dtype == LLMEM_DTYPE_F32    ? LLMEM_QTYPE_F32
+             : t[1]->dtype == LLMEM_DTYPE_F16  ? LLMEM_QTYPE_F16
+             : t[1]->dtype == LLMEM_DTYPE_BF16 ? LLMEM_QTYPE_BF16
+                                               : -1;
+    if (st < 0 || t[2]->dtype != t[1]->dtype) {
+        LOAD_ERROR("%s: tensors '%s' and '%s' are %s and %s; llmem reads F32, F16 or BF16 scales "
+                   "and biases of one dtype",
+                   src, name[1], name[2], llmem_dtype_name(t[1]->dtype),
+                   llmem_dtype_name(t[2]->dtype));
+        return LLMEM_EUNSUPPORTED;
+    }
+    *w = (struct llmem_weight){.data = tensor_data(m, t[0]),
+                               .dtype = t[1]->dtype,
+                               .rows = rows,
+                               .cols = cols,
+                               .quant = llmem_qtype_mlx(bits, group, st),
+                               .scales = tensor_data(m, t[1]),
+                               .biases = tensor_data(m, t[2])};
+    return LLMEM_OK;
+}
+
 static int bind_matrix(struct llmem_model *m, const char *name, int64_t rows, int64_t cols,
                        struct llmem_weight *w) {
+    size_t len = strlen(name);
+    if (len > 7 && len < 200 && strcmp(name + len - 7, ".weight") == 0) {
+        char module[200];
+        snprintf(module, sizeof(module), "%.*s", (int)(len - 7), name);
+        int bits, group;
+        quant_of(m, module, &bits, &group);
+        if (bits != 0)
+            return bind_mlx(m, module, bits, group, rows, cols, w);
+    }
     const struct llmem_st_tensor *t = find(m, name, 1);
     if (t == NULL)
         return LLMEM_ENOENT;
+    if (m->cfg.quant_bits != 0 && t->dtype == LLMEM_DTYPE_U32 && len > 7 && len < 200) {
+        LOAD_ERROR("%s: tensor '%.*s.scales' is missing ('%s' is U32: MLX's quantized codes)",
+                   m->cfg.geom.source, (int)(len - 7), name, name);
+        return LLMEM_EFORMAT;
+    }
     int status = check_shape(m, t, 2, rows, cols);
     if (status != LLMEM_OK)
         return status;
@@ -301,7 +397,7 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
     if ((status = llmem_model_check_supported(m)) != LLMEM_OK ||
         (status = llmem_safetensors_load_dir(model_dir, &m->st)) != LLMEM_OK)
         goto fail;
-    g->n_params = m->st->n_elements;
+    g->n_params = llmem_model_count_params(m->st, &m->cfg);
     g->weights_bytes = m->st->n_bytes;
     if ((status = map_files(m, progress, progress_arg, flags)) != LLMEM_OK)
         goto fail;

@@ -9,6 +9,7 @@
  * names, and no tensor may be in two shards. Tensors a shard holds beyond the index are kept (as
  * transformers loads them too). Only headers are read, through safetensors.c.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -192,6 +193,45 @@ int llmem_safetensors_load_dir(const char *model_dir, struct llmem_safetensors *
     return LLMEM_OK;
 }
 
+/* ---- parameters ----------------------------------------------------------------------------- */
+
+/* The bits of the MLX-quantized module `module` (its name without the suffix), 0 if it is not:
+ * its entry in the config's `quantization`, else the default when its weight is U32 codes with
+ * a `.scales` tensor beside it. */
+static int module_bits(const struct llmem_safetensors *st, const struct llmem_model_config *cfg,
+                       const char *module, size_t len) {
+    for (int i = 0; i < cfg->n_quant_overrides; i++)
+        if (strlen(cfg->quant_overrides[i].module) == len &&
+            memcmp(cfg->quant_overrides[i].module, module, len) == 0)
+            return cfg->quant_overrides[i].bits;
+    char name[256];
+    snprintf(name, sizeof(name), "%.*s.scales", (int)len, module);
+    return llmem_safetensors_find(st, name) != NULL ? cfg->quant_bits : 0;
+}
+
+int64_t llmem_model_count_params(const struct llmem_safetensors *st,
+                                 const struct llmem_model_config *cfg) {
+    if (cfg == NULL || cfg->quant_bits == 0)
+        return st->n_elements;
+    int64_t n = 0;
+    for (int i = 0; i < st->n_tensors; i++) {
+        const struct llmem_st_tensor *t = &st->tensors[i];
+        size_t len = strlen(t->name);
+        int bits = 0;
+        if (len > 7 && len < 240 &&
+            (strcmp(t->name + len - 7, ".weight") == 0 ||
+             strcmp(t->name + len - 7, ".scales") == 0 ||
+             strcmp(t->name + len - 7, ".biases") == 0))
+            bits = module_bits(st, cfg, t->name, len - 7);
+        if (bits == 0)
+            n += t->n_elements;
+        else if (strcmp(t->name + len - 7, ".weight") == 0 && t->dtype == LLMEM_DTYPE_U32)
+            n += t->n_elements * (32 / bits); /* the values the codes hold; scales and biases are
+                                               * not parameters of the model */
+    }
+    return n;
+}
+
 /* A GGUF file's geometry: the header and tensor infos alone (the data is mapped, never read). */
 int llmem_model_gguf_geometry(const char *path, struct llmem_model_geometry *geom,
                               struct llmem_model_config *cfg, const char *func) {
@@ -220,6 +260,15 @@ int llmem_model_geometry_load(const char *model_dir, struct llmem_model_geometry
         return status;
     g.n_params = st->n_elements;
     g.weights_bytes = st->n_bytes;
+    for (int i = 0; i < st->n_tensors; i++)
+        if (st->tensors[i].dtype == LLMEM_DTYPE_U32) { /* MLX codes: count what they hold */
+            struct llmem_model_config cfg;
+            memset(&cfg, 0, sizeof(cfg));
+            if (llmem_model_config_load(model_dir, &cfg) == LLMEM_OK)
+                g.n_params = llmem_model_count_params(st, &cfg);
+            llmem_model_config_free(&cfg);
+            break;
+        }
     if (!g.tied_embeddings && llmem_safetensors_find(st, "lm_head.weight") == NULL &&
         llmem_safetensors_find(st, "model.embed_tokens.weight") != NULL) {
         LLMEM_WARN("%s: no lm_head.weight although tie_word_embeddings is not true; the "

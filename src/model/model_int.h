@@ -36,6 +36,12 @@ void llmem_model_copy_tail(char *dst, size_t size, const char *src);
 int llmem_model_gguf_geometry(const char *path, struct llmem_model_geometry *geom,
                               struct llmem_model_config *cfg, const char *func);
 
+/* The model's parameters in a directory's tensors: Σ elements, except that an MLX-quantized
+ * matrix (cfg's `quantization`) counts the values of its codes and not its scales and biases. In
+ * model_dir.c. */
+int64_t llmem_model_count_params(const struct llmem_safetensors *st,
+                                 const struct llmem_model_config *cfg);
+
 /* The rotary inverse frequencies, as transformers computes them in f32: inv_freq[i] =
  * 1 / theta^(2i / head_dim) for i < head_dim / 2, then scaled by `linear` (÷ factor) or `llama3`
  * (wavelength-dependent: long wavelengths ÷ factor, short unchanged, smooth in between). */

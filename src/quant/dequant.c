@@ -296,10 +296,55 @@ int llmem_quant_dequantize_row(int type, const void *src, float *dst, int64_t n)
     default: break;
     }
     block_fn decode = block_decoder(type);
-    if (decode == NULL)
-        return LLMEM_EUNSUPPORTED;
+    if (decode == NULL) /* also the MLX types: their scales are not in the row */
+        return llmem_qtype_mlx_params(type, NULL, NULL, NULL) ? LLMEM_EINVAL : LLMEM_EUNSUPPORTED;
     const int64_t nb = n / t->block_elems;
     for (int64_t i = 0; i < nb; i++)
         decode(s + i * t->block_bytes, dst + i * t->block_elems);
+    return LLMEM_OK;
+}
+
+/* ---- MLX's affine formats ------------------------------------------------------------------- */
+
+/* x rounded to the scale dtype st, to nearest even (f32: x). */
+static inline float round_to(float x, int st) {
+    switch (st) {
+    case LLMEM_QTYPE_BF16: return llmem_quant_bf16_to_f32(llmem_quant_f32_to_bf16(x));
+    case LLMEM_QTYPE_F16: return llmem_quant_f16_to_f32(llmem_quant_f32_to_f16(x));
+    default: return x;
+    }
+}
+
+static inline float scale_at(const uint8_t *p, int st, int64_t i) {
+    switch (st) {
+    case LLMEM_QTYPE_BF16: return llmem_quant_bf16_to_f32(u16_at(p + 2 * i));
+    case LLMEM_QTYPE_F16: return llmem_quant_f16_to_f32(u16_at(p + 2 * i));
+    default: {
+        float f;
+        memcpy(&f, p + 4 * i, 4);
+        return f;
+    }
+    }
+}
+
+int llmem_quant_dequantize_mlx_row(int type, const void *codes, const void *scales,
+                                   const void *biases, float *dst, int64_t n) {
+    int bits, group, st;
+    if (!llmem_qtype_mlx_params(type, &bits, &group, &st) || n < 0 || n % group != 0)
+        return LLMEM_EINVAL;
+    const uint8_t *c = codes;
+    const uint32_t mask = (1u << bits) - 1;
+    const int per_word = 32 / bits;
+    for (int64_t g = 0; g < n / group; g++) {
+        const float s = scale_at(scales, st, g), b = scale_at(biases, st, g);
+        for (int64_t i = g * group; i < (g + 1) * group; i += per_word) {
+            uint32_t w;
+            memcpy(&w, c + (i / per_word) * 4, 4); /* little-endian, as the files are */
+            for (int k = 0; k < per_word; k++, w >>= bits) {
+                float q = (float)(w & mask);
+                dst[i + k] = round_to(round_to(q * s, st) + b, st);
+            }
+        }
+    }
     return LLMEM_OK;
 }

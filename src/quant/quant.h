@@ -63,6 +63,23 @@ enum llmem_qtype {
     LLMEM_QTYPE_COUNT = 40 /* one past the largest id this table knows */
 };
 
+/* MLX's affine formats (mlx-lm's `convert -q`): not ggml types, so their ids lie above every ggml
+ * id, from LLMEM_QTYPE_MLX_FIRST: one id for each bits (4, 8) × group size (32, 64, 128) × dtype
+ * of the scales and biases (LLMEM_QTYPE_F32, _F16, _BF16). A matrix [rows, cols] of such a type
+ * is three tensors: its codes, cols × bits / 32 little-endian uint32 words a row, value k of a
+ * word in bits [k·bits, (k+1)·bits); and the scales and biases, [rows, cols / group] each. The
+ * codes' row is what llmem_qtype_bytes counts (a "block" is one group's codes: group × bits / 8
+ * bytes); the scales and biases travel beside it (llmem_quant_dequantize_mlx_row). */
+#define LLMEM_QTYPE_MLX_FIRST 1024
+#define LLMEM_QTYPE_MLX_COUNT 18
+
+/* The MLX type of these parameters (scale_type: LLMEM_QTYPE_F32, _F16 or _BF16), or −1 when MLX
+ * has no such affine format llmem reads (bits other than 4 and 8, a group other than 32, 64 and
+ * 128). */
+int llmem_qtype_mlx(int bits, int group_size, int scale_type);
+/* 1 and the parameters when type is an MLX type (any pointer may be NULL); else 0. */
+int llmem_qtype_mlx_params(int type, int *bits, int *group_size, int *scale_type);
+
 /* The super-block of the K types: 256 values. */
 #define LLMEM_QK_K 256
 
@@ -73,8 +90,8 @@ struct llmem_qtype_info {
     int readable;        /* 1: llmem reads weights of this type */
 };
 
-/* The type's row of the table; NULL for an id that is not a ggml type (a retired or unknown
- * one). */
+/* The type's row of the table; NULL for an id that is neither a ggml type (a retired or unknown
+ * one) nor an MLX type (a GGUF reader checks the id is below LLMEM_QTYPE_COUNT). */
 const struct llmem_qtype_info *llmem_qtype_info(int type);
 /* ggml's name of the type, or "unknown". */
 const char *llmem_qtype_name(int type);
@@ -104,6 +121,17 @@ uint16_t llmem_quant_f32_to_bf16(float x);
  * for an unknown id or n negative or not a multiple of the block. Not logged: the caller names
  * the tensor (llmem_qtype_name names the type). */
 int llmem_quant_dequantize_row(int type, const void *src, float *dst, int64_t n);
+
+/* n values of an MLX type (n / group groups): codes at `codes` (n × bits / 32 uint32 words, any
+ * alignment), the groups' scales and biases at `scales` and `biases` (n / group values each, of
+ * the type's scale dtype), into dst[n] as MLX's mx.dequantize computes them on the CPU
+ * (mlx/fast.cpp affine_dequantize: `multiply(w, scales)` then `add(…, biases)`, two operations of
+ * the scales' dtype, each computed in f32 and rounded to that dtype): v = R(R(q · scale) + bias), R
+ * the rounding to nearest even of the scale dtype (none for f32), no fused multiply-add.
+ * LLMEM_EINVAL when type is not an MLX type or n is negative or not a multiple of the group. Not
+ * logged. */
+int llmem_quant_dequantize_mlx_row(int type, const void *codes, const void *scales,
+                                   const void *biases, float *dst, int64_t n);
 
 /* n f32 values at src into n / block_elems blocks of type `type` at dst (any alignment), as ggml's
  * reference quantizers write them, byte for byte:

@@ -41,7 +41,46 @@ static const struct llmem_qtype_info table[LLMEM_QTYPE_COUNT] = {
     [LLMEM_QTYPE_MXFP4] = {"mxfp4", 32, 1 + 16, 0},
 };
 
+/* MLX's affine types: index ((bits == 8) · 3 + group index) · 3 + scale index. */
+#define MLX(b, g, s)                                                                               \
+    { "mlx_q" #b "_g" #g "_" #s, (g), (g) * (b) / 8, 1 }
+static const struct llmem_qtype_info mlx_table[LLMEM_QTYPE_MLX_COUNT] = {
+    MLX(4, 32, f32),  MLX(4, 32, f16),  MLX(4, 32, bf16),  MLX(4, 64, f32),   MLX(4, 64, f16),
+    MLX(4, 64, bf16), MLX(4, 128, f32), MLX(4, 128, f16),  MLX(4, 128, bf16), MLX(8, 32, f32),
+    MLX(8, 32, f16),  MLX(8, 32, bf16), MLX(8, 64, f32),   MLX(8, 64, f16),   MLX(8, 64, bf16),
+    MLX(8, 128, f32), MLX(8, 128, f16), MLX(8, 128, bf16),
+};
+#undef MLX
+
+int llmem_qtype_mlx(int bits, int group_size, int scale_type) {
+    int b = bits == 4 ? 0 : bits == 8 ? 1 : -1;
+    int g = group_size == 32 ? 0 : group_size == 64 ? 1 : group_size == 128 ? 2 : -1;
+    int s = scale_type == LLMEM_QTYPE_F32    ? 0
+            : scale_type == LLMEM_QTYPE_F16  ? 1
+            : scale_type == LLMEM_QTYPE_BF16 ? 2
+                                             : -1;
+    if (b < 0 || g < 0 || s < 0)
+        return -1;
+    return LLMEM_QTYPE_MLX_FIRST + (b * 3 + g) * 3 + s;
+}
+
+int llmem_qtype_mlx_params(int type, int *bits, int *group_size, int *scale_type) {
+    if (type < LLMEM_QTYPE_MLX_FIRST || type >= LLMEM_QTYPE_MLX_FIRST + LLMEM_QTYPE_MLX_COUNT)
+        return 0;
+    int i = type - LLMEM_QTYPE_MLX_FIRST;
+    static const int scale[3] = {LLMEM_QTYPE_F32, LLMEM_QTYPE_F16, LLMEM_QTYPE_BF16};
+    if (bits != NULL)
+        *bits = i / 9 == 0 ? 4 : 8;
+    if (group_size != NULL)
+        *group_size = 32 << (i / 3 % 3);
+    if (scale_type != NULL)
+        *scale_type = scale[i % 3];
+    return 1;
+}
+
 const struct llmem_qtype_info *llmem_qtype_info(int type) {
+    if (llmem_qtype_mlx_params(type, NULL, NULL, NULL))
+        return &mlx_table[type - LLMEM_QTYPE_MLX_FIRST];
     if (type < 0 || type >= LLMEM_QTYPE_COUNT || table[type].name == NULL)
         return NULL;
     return &table[type];

@@ -236,7 +236,7 @@ static void embedding_rows(void *arg, int64_t begin, int64_t end) {
         const uint8_t *row = (const uint8_t *)a->table->data +
                              (size_t)a->ids[t] * (size_t)llmem_weight_row_bytes(a->table);
         if (a->table->quant != 0) {
-            llmem_quant_dequantize_row(a->table->quant, row, o, dim);
+            llmem_weight_dequantize_row(a->table, a->ids[t], o);
             continue;
         }
         switch (a->table->dtype) {

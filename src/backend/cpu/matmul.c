@@ -837,9 +837,9 @@ void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *con
 
 /* ---- quantized weights (the exact path) -------------------------------------------------------
  *
- * Rows of ggml blocks dequantized exactly to f32, CPU_GEMM_MR at a time into the thread's panel,
- * then the decode kernel over every row of x: the bits f32 weights holding the dequantized values
- * give on any path (the decode and GEMM paths agree bit for bit). */
+ * Rows of ggml blocks or MLX groups dequantized exactly to f32, CPU_GEMM_MR at a time into the
+ * thread's panel, then the decode kernel over every row of x: the bits f32 weights holding the
+ * dequantized values give on any path (the decode and GEMM paths agree bit for bit). */
 
 struct quant_job {
     struct cpu_ctx *c;
@@ -861,7 +861,7 @@ static void quant_task(void *arg, int task, int thread) {
     for (int64_t r0 = r_begin; r0 < r_end; r0 += CPU_GEMM_MR) {
         int64_t mr = r_end - r0 < CPU_GEMM_MR ? r_end - r0 : CPU_GEMM_MR;
         for (int64_t i = 0; i < mr; i++) {
-            llmem_quant_dequantize_row(w->quant, row_ptr(w, r0 + i), a + i * ld, cols);
+            llmem_weight_dequantize_row(w, r0 + i, a + i * ld);
             memset(a + i * ld + cols, 0, (size_t)(ld - cols) * sizeof(float));
         }
         j->k->gemv(a, LLMEM_DTYPE_F32, ld, mr, j->x, cols, j->n, j->y + r0, rows,
