@@ -73,8 +73,9 @@ int cli_quantize(int argc, char **argv) {
                                            "q6_k, f16, bf16)");
     int ftype = llmem_gguf_ftype_parse(type_name);
     if (ftype < 0)
-        return cli_usage_error("quantize", "--type '%s' is not one of q8_0, q4_0, q4_k_m, "
-                                           "q5_k_m, q6_k, f16, bf16",
+        return cli_usage_error("quantize",
+                               "--type '%s' is not one of q8_0, q4_0, q4_k_m, "
+                               "q5_k_m, q6_k, f16, bf16",
                                type_name);
     struct stat sb;
     if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode)) {

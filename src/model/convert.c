@@ -91,7 +91,9 @@ static int ftype_base(int ftype) {
     return -1;
 }
 
-static int64_t block_of(int type) { return llmem_qtype_info(type)->block_elems; }
+static int64_t block_of(int type) {
+    return llmem_qtype_info(type)->block_elems;
+}
 
 static int ends_with(const char *s, const char *suffix) {
     size_t n = strlen(s), m = strlen(suffix);
@@ -642,8 +644,8 @@ static int write_metadata(struct conv *c, struct llmem_gguf_writer *w, int ftype
         (st = llmem_gguf_writer_add_u32(w, K("feed_forward_length"),
                                         (uint32_t)g->intermediate_size)) ||
         (st = llmem_gguf_writer_add_u32(w, K("attention.head_count"), (uint32_t)g->n_heads)) ||
-        (st = llmem_gguf_writer_add_u32(w, K("attention.head_count_kv"),
-                                        (uint32_t)g->n_kv_heads)) ||
+        (st =
+             llmem_gguf_writer_add_u32(w, K("attention.head_count_kv"), (uint32_t)g->n_kv_heads)) ||
         (st = llmem_gguf_writer_add_f32(w, K("rope.freq_base"), (float)c->cfg.rope_theta)) ||
         (st = llmem_gguf_writer_add_f32(w, K("attention.layer_norm_rms_epsilon"),
                                         (float)c->cfg.rms_norm_eps)) ||
@@ -684,10 +686,9 @@ static int write_metadata(struct conv *c, struct llmem_gguf_writer *w, int ftype
         if (st)
             goto out;
     }
-    static const char *const id_keys[] = {"tokenizer.ggml.bos_token_id",
-                                          "tokenizer.ggml.eos_token_id",
-                                          "tokenizer.ggml.unknown_token_id",
-                                          "tokenizer.ggml.padding_token_id"};
+    static const char *const id_keys[] = {
+        "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id"};
     const int32_t ids[] = {v.bos, v.eos, v.unk, v.pad};
     for (int k = 0; k < 4; k++)
         if (ids[k] >= 0 && (st = llmem_gguf_writer_add_u32(w, id_keys[k], (uint32_t)ids[k])))
@@ -709,8 +710,8 @@ static void to_f32(enum llmem_dtype dt, const void *src, float *dst, int64_t n) 
     if (dt == LLMEM_DTYPE_F32)
         memcpy(dst, src, (size_t)n * sizeof(float));
     else
-        llmem_quant_dequantize_row(dt == LLMEM_DTYPE_BF16 ? LLMEM_QTYPE_BF16 : LLMEM_QTYPE_F16,
-                                   src, dst, n);
+        llmem_quant_dequantize_row(dt == LLMEM_DTYPE_BF16 ? LLMEM_QTYPE_BF16 : LLMEM_QTYPE_F16, src,
+                                   dst, n);
 }
 
 /* Rows of whole heads: row s·half + j of each head → row 2j + s. */
@@ -763,8 +764,8 @@ static int write_tensor(struct conv *c, struct llmem_gguf_writer *w, const struc
     for (int64_t r = 0; r < t->rows; r += step) {
         int64_t nr = t->rows - r < step ? t->rows - r : step;
         int64_t n = nr * t->cols;
-        int64_t off = c->st->files[t->src->file_index].data_offset + t->src->offset_begin +
-                      r * t->cols * es;
+        int64_t off =
+            c->st->files[t->src->file_index].data_offset + t->src->offset_begin + r * t->cols * es;
         int st = llmem_file_pread(fd, path, raw, (size_t)(n * es), off);
         if (st != LLMEM_OK)
             return st;
@@ -792,8 +793,8 @@ static int write_tensor(struct conv *c, struct llmem_gguf_writer *w, const struc
 
 /* ---- the conversion ------------------------------------------------------------------------- */
 
-int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *name,
-                       int n_threads, llmem_gguf_progress_fn progress, void *progress_arg) {
+int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *name, int n_threads,
+                       llmem_gguf_progress_fn progress, void *progress_arg) {
     struct conv c = {.dir = dir};
     struct llmem_gguf_writer *w = NULL;
     void *raw = NULL;
@@ -811,7 +812,8 @@ int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *
         c.arch = geom->arch;
     } else {
         ERR("%s: architecture '%s' is not one llmem quantize writes (llama, mistral, qwen2, "
-            "qwen3)", dir, geom->arch);
+            "qwen3)",
+            dir, geom->arch);
         st = LLMEM_EUNSUPPORTED;
         goto out;
     }
@@ -858,16 +860,18 @@ int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *
             goto out;
 
     /* types, and the largest chunk */
-    int64_t total = 0, max_elems = 0, max_row = 0;
+    int64_t total = 0, max_elems = 0, n_fallback = 0, n_stop = 0;
     const int tied = llmem_safetensors_find(c.st, "lm_head.weight") == NULL;
     for (int i = 0; i < c.n_t; i++) {
         struct conv_tensor *t = &c.t[i];
         t->type = llmem_gguf_tensor_type(ftype, t->gguf, t->n_dims, t->cols, geom->n_layers, tied,
                                          &t->fallback);
-        if (t->fallback)
-            LLMEM_WARN("%s: row length %" PRId64 " is not a multiple of the rule's block: %s%s",
-                       t->gguf, t->cols, llmem_qtype_name(t->type),
-                       t->fallback == 2 ? " (llama-quantize stops here)" : "");
+        if (t->fallback) {
+            LLMEM_INFO("%s: row length %" PRId64 " is not a multiple of the rule's block: %s",
+                       t->gguf, t->cols, llmem_qtype_name(t->type));
+            n_fallback++;
+            n_stop += t->fallback == 2;
+        }
         if (t->src != NULL)
             total += t->src->n_bytes;
         int64_t step = CHUNK_BYTES / (t->cols * 4);
@@ -879,9 +883,15 @@ int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *
             step = t->rows;
         if (step * t->cols > max_elems)
             max_elems = step * t->cols;
-        if (t->cols > max_row)
-            max_row = t->cols;
     }
+    if (n_fallback > 0)
+        LLMEM_WARN(
+            "%s: %" PRId64 " of %d tensors have rows that are not whole blocks of their "
+            "rule's type and fall back as llama-quantize does (LLMEM_VERBOSE=1 lists them)%s",
+            dir, n_fallback, c.n_t,
+            n_stop > 0 ? "; some are Q8_0/Q4_0 rows that are not a multiple of 32, where "
+                         "llama-quantize stops: they are written F16"
+                       : "");
     raw = malloc((size_t)max_elems * 4);
     f = malloc((size_t)max_elems * sizeof(float));
     g = malloc((size_t)max_elems * sizeof(float));

@@ -227,7 +227,7 @@ typedef void (*llmem_gguf_progress_fn)(void *arg, int64_t done, int64_t total);
  * of rows at a time, quantized on n_threads threads (≤ 0: the online CPUs; the bytes do not
  * depend on it). name: general.name (NULL: the directory's base name). progress (optional) gets
  * the source bytes done. Errors are logged (one line) and returned. */
-int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *name,
-                       int n_threads, llmem_gguf_progress_fn progress, void *progress_arg);
+int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *name, int n_threads,
+                       llmem_gguf_progress_fn progress, void *progress_arg);
 
 #endif

@@ -47,8 +47,12 @@ static int wbuf_add(struct wbuf *b, const void *p, size_t n) {
     return LLMEM_OK;
 }
 
-static int wbuf_u32(struct wbuf *b, uint32_t v) { return wbuf_add(b, &v, 4); }
-static int wbuf_u64(struct wbuf *b, uint64_t v) { return wbuf_add(b, &v, 8); }
+static int wbuf_u32(struct wbuf *b, uint32_t v) {
+    return wbuf_add(b, &v, 4);
+}
+static int wbuf_u64(struct wbuf *b, uint64_t v) {
+    return wbuf_add(b, &v, 8);
+}
 static int wbuf_str(struct wbuf *b, const char *s, size_t n) {
     int st = wbuf_u64(b, n);
     return st != LLMEM_OK ? st : wbuf_add(b, s, n);
@@ -233,8 +237,10 @@ int llmem_gguf_writer_add_tensor(struct llmem_gguf_writer *w, const char *name, 
     int64_t bytes = llmem_qtype_bytes(type, n);
     const struct llmem_qtype_info *info = llmem_qtype_info(type);
     if (bytes < 0 || info == NULL || dims[0] % info->block_elems != 0) {
-        LLMEM_ERROR_AS(func, "%s: tensor '%s': row length %" PRId64 " is not a whole number of %s "
-                       "blocks", w->path, name, dims[0], llmem_qtype_name(type));
+        LLMEM_ERROR_AS(func,
+                       "%s: tensor '%s': row length %" PRId64 " is not a whole number of %s "
+                       "blocks",
+                       w->path, name, dims[0], llmem_qtype_name(type));
         return LLMEM_EINVAL;
     }
     if (w->n_tensors == w->cap_tensors) {
