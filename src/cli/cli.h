@@ -13,6 +13,8 @@ int cli_plan(int argc, char **argv);
 int cli_run(int argc, char **argv);
 /* `llmem gc` (gc.c): the session bank's spill store reconciled offline. */
 int cli_gc(int argc, char **argv);
+/* `llmem quantize MODEL_DIR OUT.gguf --type T` (quantize.c). */
+int cli_quantize(int argc, char **argv);
 /* `llmem serve MODEL` (serve.c). */
 int cli_serve(int argc, char **argv);
 

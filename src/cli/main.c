@@ -23,6 +23,8 @@ static const char usage[] =
     "                    /health, /metrics)\n"
     "  tokenize MODEL    the token ids of --text TEXT\n"
     "  logits MODEL      teacher-forced logits of --ids, to a .npy file\n"
+    "  quantize DIR OUT  a Hugging Face model directory to a GGUF file (--type q8_0,\n"
+    "                    q4_0, q4_k_m, q5_k_m, q6_k, f16, bf16)\n"
     "  gc                reconcile the session bank's spill store on disk (--bank-dir,\n"
     "                    --json): drop bad rows, remove orphans, hold it to its cap\n"
     "\n"
@@ -53,6 +55,8 @@ int main(int argc, char **argv) {
     }
     if (strcmp(argv[1], "gc") == 0)
         return cli_gc(argc - 1, argv + 1);
+    if (strcmp(argv[1], "quantize") == 0)
+        return cli_quantize(argc - 1, argv + 1);
     if (strcmp(argv[1], "serve") == 0)
         return cli_serve(argc - 1, argv + 1);
     static const char *const run_commands[] = {"run", "chat", "tokenize", "logits"};

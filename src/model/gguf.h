@@ -159,4 +159,75 @@ int llmem_gguf_geometry(const struct llmem_gguf *g, struct llmem_model_geometry 
  * llmem_model_config_free. */
 int llmem_gguf_config(const struct llmem_gguf *g, struct llmem_model_config *cfg, const char *func);
 
+/* ---- writing (gguf_write.c) ---------------------------------------------------------------- */
+
+/* A GGUF file (version 3, alignment 32) written as a stream: add every key/value and every tensor
+ * info first, then the tensors' bytes in the order their infos were added, in pieces of any size
+ * (llmem_gguf_writer_write); close checks that every byte came and renames PATH.part, where the
+ * file is written, to PATH. Free without a successful close removes the partial file. Failures
+ * log one line (the function, the file) and return LLMEM_EIO, LLMEM_EINVAL or LLMEM_ENOMEM; a
+ * key/value or tensor info added after the first write is API misuse (asserted). */
+struct llmem_gguf_writer;
+int llmem_gguf_writer_open(const char *path, struct llmem_gguf_writer **out);
+/* NULL is a no-op. */
+void llmem_gguf_writer_free(struct llmem_gguf_writer *w);
+/* A scalar of any numeric or bool type (value: its bytes, little-endian as in memory). */
+int llmem_gguf_writer_add_scalar(struct llmem_gguf_writer *w, const char *key, int type,
+                                 const void *value);
+int llmem_gguf_writer_add_u32(struct llmem_gguf_writer *w, const char *key, uint32_t v);
+int llmem_gguf_writer_add_i32(struct llmem_gguf_writer *w, const char *key, int32_t v);
+int llmem_gguf_writer_add_f32(struct llmem_gguf_writer *w, const char *key, float v);
+int llmem_gguf_writer_add_bool(struct llmem_gguf_writer *w, const char *key, int v);
+/* A string of len bytes (any bytes; not NUL-terminated in the file). */
+int llmem_gguf_writer_add_str(struct llmem_gguf_writer *w, const char *key, const char *s,
+                              size_t len);
+/* An array of n numeric or bool elements of elem_type at data. */
+int llmem_gguf_writer_add_array(struct llmem_gguf_writer *w, const char *key, int elem_type,
+                                const void *data, uint64_t n);
+int llmem_gguf_writer_add_str_array(struct llmem_gguf_writer *w, const char *key,
+                                    const struct llmem_gguf_str *strs, uint64_t n);
+/* A tensor info: ggml type, dims innermost first (ggml's ne). LLMEM_EINVAL (logged) when the row
+ * length is not a whole number of the type's blocks. */
+int llmem_gguf_writer_add_tensor(struct llmem_gguf_writer *w, const char *name, int type,
+                                 int n_dims, const int64_t *dims);
+/* The next n bytes of tensor data (the header is written before the first). */
+int llmem_gguf_writer_write(struct llmem_gguf_writer *w, const void *data, size_t n);
+int llmem_gguf_writer_close(struct llmem_gguf_writer *w);
+
+/* ---- a model directory → GGUF (convert.c) --------------------------------------------------- */
+
+/* llama.cpp's file types (LLAMA_FTYPE_*, general.file_type) that llmem writes. */
+enum llmem_gguf_ftype {
+    LLMEM_GGUF_FTYPE_F16 = 1,
+    LLMEM_GGUF_FTYPE_Q4_0 = 2,
+    LLMEM_GGUF_FTYPE_Q8_0 = 7,
+    LLMEM_GGUF_FTYPE_Q4_K_M = 15,
+    LLMEM_GGUF_FTYPE_Q5_K_M = 17,
+    LLMEM_GGUF_FTYPE_Q6_K = 18,
+    LLMEM_GGUF_FTYPE_BF16 = 32,
+};
+/* "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k", "f16", "bf16" (any case) → the type; −1 otherwise. */
+int llmem_gguf_ftype_parse(const char *name);
+const char *llmem_gguf_ftype_name(int ftype);
+
+/* The ggml type llama-quantize gives tensor `name` (GGUF name) of a file of this type: ne0 is its
+ * row length, n_dims its dimensions, n_layers the model's, tied whether the file has no
+ * output.weight. *fallback is set to 1 when the row length forced a type other than the rule's
+ * (and to 2 where llama-quantize would stop with an error: Q8_0 / Q4_0 rows that are not a
+ * multiple of 32; llmem writes F16 then). */
+int llmem_gguf_tensor_type(int ftype, const char *name, int n_dims, int64_t ne0, int64_t n_layers,
+                           int tied, int *fallback);
+
+typedef void (*llmem_gguf_progress_fn)(void *arg, int64_t done, int64_t total);
+/* Converts the Hugging Face model directory dir (config.json, safetensors in bf16/f16/f32,
+ * tokenizer.json; architectures llama — Mistral too —, qwen2, qwen3) into the GGUF file out of
+ * type ftype, as llama.cpp's convert_hf_to_gguf.py followed by llama-quantize would: metadata
+ * keys, tokenizer.ggml.*, tensor names, llama's q/k rows permuted, Llama 3's rope_freqs.weight,
+ * the per-tensor types of llama_tensor_get_type. Tensors are read, converted and written a chunk
+ * of rows at a time, quantized on n_threads threads (≤ 0: the online CPUs; the bytes do not
+ * depend on it). name: general.name (NULL: the directory's base name). progress (optional) gets
+ * the source bytes done. Errors are logged (one line) and returned. */
+int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *name, int n_threads,
+                       llmem_gguf_progress_fn progress, void *progress_arg);
+
 #endif
