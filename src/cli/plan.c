@@ -21,6 +21,7 @@
 #include "llmem/size.h"
 #include "llmem/sys.h"
 #include "llmem/tokenizer.h"
+#include "model/gguf.h"
 #include "plan/plan_json.h"
 
 static const char plan_usage[] =
@@ -52,6 +53,9 @@ static const char plan_usage[] =
     "  --max-batch-tokens N       most tokens in one forward step (default: as llmem run,\n"
     "                             512; with --backend cuda up to 8192 within the plan)\n"
     "  --working-set SIZE         also report the bank's dynamic ceiling at this live KV\n"
+    "  --weight-type TYPE         plan MODEL (a catalog name or a directory) as the GGUF file\n"
+    "                             `llmem quantize --type TYPE` makes of it: q8_0, q6_k,\n"
+    "                             q5_k_m, q4_k_m, q4_0, f16, bf16\n"
     "  --baseline SIZE            what the process holds outside the allocator (default: on\n"
     "                             this host measured as llmem run would, with the model's\n"
     "                             tokenizer loaded; 0 with --total or --backend cuda)\n"
@@ -79,6 +83,7 @@ enum {
     OPT_MAX_BATCH_TOKENS,
     OPT_WORKING_SET,
     OPT_BASELINE,
+    OPT_WEIGHT_TYPE,
     OPT_BACKEND,
     OPT_DEVICE,
     OPT_JSON,
@@ -102,6 +107,7 @@ static const struct option plan_options[] = {
     {"max-batch-tokens", required_argument, NULL, OPT_MAX_BATCH_TOKENS},
     {"working-set", required_argument, NULL, OPT_WORKING_SET},
     {"baseline", required_argument, NULL, OPT_BASELINE},
+    {"weight-type", required_argument, NULL, OPT_WEIGHT_TYPE},
     {"backend", required_argument, NULL, OPT_BACKEND},
     {"device", required_argument, NULL, OPT_DEVICE},
     {"json", no_argument, NULL, OPT_JSON},
@@ -116,6 +122,7 @@ struct plan_args {
     const char *model;
     int64_t total, ceiling, weights, kv_bytes, max_context, working_set;
     int have_working_set, have_baseline;
+    int weight_type; /* an llmem_gguf_ftype; 0: the model's own */
     int64_t device;
     int json, list;
     const char *svg;
@@ -167,6 +174,13 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
             rc = cli_parse_size("--working-set", optarg, &a->working_set);
             a->have_working_set = 1;
             break;
+        case OPT_WEIGHT_TYPE:
+            if ((a->weight_type = llmem_gguf_ftype_parse(optarg)) < 0)
+                return cli_usage_error("plan",
+                                       "--weight-type: '%s' is not q8_0, q6_k, q5_k_m, "
+                                       "q4_k_m, q4_0, f16 or bf16",
+                                       optarg);
+            break;
         case OPT_BASELINE:
             rc = cli_parse_size("--baseline", optarg, &a->params.runtime_baseline_bytes);
             a->have_baseline = 1;
@@ -203,6 +217,9 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
     if (a->model != NULL && by_numbers)
         return cli_usage_error("plan", "--weights, --kv-bytes-per-token and --max-context"
                                        " describe a model; give them instead of MODEL");
+    if (a->weight_type > 0 && a->model == NULL)
+        return cli_usage_error("plan", "--weight-type plans a MODEL (a catalog name or a "
+                                       "directory) at that type; give one");
     if (a->model == NULL && !a->list && (a->weights <= 0 || a->kv_bytes <= 0))
         return cli_usage_error("plan", "give a MODEL (directory or catalog name) or"
                                        " --weights and --kv-bytes-per-token (see --help)");
@@ -426,6 +443,12 @@ int cli_plan(int argc, char **argv) {
     if (a.model != NULL && (rc = resolve_model(a.model, &geom)) != CLI_OK)
         return rc;
     g = a.model != NULL ? &geom : NULL;
+    const int gguf = g != NULL && llmem_gguf_is_gguf(a.model);
+    if (a.weight_type > 0 && gguf)
+        return cli_usage_error("plan", "--weight-type: %s is a GGUF file, whose types are its own",
+                               a.model);
+    if (a.weight_type > 0)
+        geom.weights_bytes = llmem_gguf_weights_bytes(&geom, a.weight_type);
 
     struct machine m = {.total = a.total, .ceiling = a.ceiling};
     if (a.total > 0) {
@@ -473,6 +496,20 @@ int cli_plan(int argc, char **argv) {
     struct llmem_plan plan;
     if (llmem_plan_compute(&a.params, &plan) != LLMEM_OK)
         return CLI_FAIL;
+    /* a model of floats that does not fit: the largest weight type that does, named */
+    int fits_at = 0;
+    int64_t fits_weights = 0;
+    static const int smaller[] = {LLMEM_GGUF_FTYPE_Q8_0, LLMEM_GGUF_FTYPE_Q6_K,
+                                  LLMEM_GGUF_FTYPE_Q5_K_M, LLMEM_GGUF_FTYPE_Q4_K_M};
+    for (size_t i = 0; g != NULL && !gguf && a.weight_type == 0 && plan.available &&
+                       !plan.model_fits && !fits_at && i < sizeof(smaller) / sizeof(smaller[0]);
+         i++) {
+        struct llmem_plan_params p = a.params;
+        struct llmem_plan q;
+        p.weights_bytes = llmem_gguf_weights_bytes(g, smaller[i]);
+        if (llmem_plan_compute(&p, &q) == LLMEM_OK && q.model_fits && !q.overcommitted)
+            fits_at = smaller[i], fits_weights = p.weights_bytes;
+    }
     int64_t dynamic_ceiling = llmem_plan_bank_dynamic_ceiling(&plan, a.working_set, 0);
 
     if (a.svg != NULL && cli_plan_svg(&plan, a.svg) != CLI_OK)
@@ -483,6 +520,12 @@ int cli_plan(int argc, char **argv) {
         if (o == NULL)
             return CLI_FAIL;
         int st = llmem_json_add_string(o, "machine", m.label);
+        if (a.weight_type > 0)
+            st |= llmem_json_add_string(o, "weight_type", llmem_gguf_ftype_name(a.weight_type));
+        if (fits_at > 0) {
+            st |= llmem_json_add_string(o, "fits_at_weight_type", llmem_gguf_ftype_name(fits_at));
+            st |= llmem_json_add_int(o, "fits_at_weights_bytes", fits_weights);
+        }
         if (a.have_working_set) {
             st |= llmem_json_add_int(o, "working_set_bytes", a.working_set);
             st |= llmem_json_add_int(o, "bank_dynamic_ceiling_bytes", dynamic_ceiling);
@@ -500,6 +543,18 @@ int cli_plan(int argc, char **argv) {
             return CLI_FAIL;
     } else {
         print_human(&plan, g, m.label, &a, dynamic_ceiling);
+        char w[LLMEM_SIZE_STR_MAX];
+        if (a.weight_type > 0)
+            printf("  - planned as the %s GGUF file `llmem quantize` makes: weights %s\n",
+                   llmem_gguf_ftype_name(a.weight_type),
+                   llmem_size_format_short(g->weights_bytes, w, sizeof(w)));
+        if (fits_at > 0)
+            printf(
+                "  - at %s the weights are %s and the model fits: `llmem quantize %s "
+                "OUT.gguf --type %s` (or plan it: --weight-type %s)\n",
+                llmem_gguf_ftype_name(fits_at), llmem_size_format_short(fits_weights, w, sizeof(w)),
+                strchr(a.model, '/') != NULL || access(a.model, F_OK) == 0 ? a.model : "MODEL_DIR",
+                llmem_gguf_ftype_name(fits_at), llmem_gguf_ftype_name(fits_at));
     }
     if (!plan.available) {
         fprintf(stderr, "llmem plan: memory plan unavailable (%s)\n", plan.unavailable_reason);

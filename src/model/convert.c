@@ -156,6 +156,53 @@ int llmem_gguf_tensor_type(int ftype, const char *name, int n_dims, int64_t ne0,
     return type;
 }
 
+int64_t llmem_gguf_weights_bytes(const struct llmem_model_geometry *g, int ftype) {
+    const int64_t h = g->hidden_size, q = g->n_heads * g->head_dim;
+    const int64_t kv = g->n_kv_heads * g->head_dim, ff = g->intermediate_size;
+    /* GGUF's ne: {row length, rows}; a second dimension of 0 marks a vector */
+    struct {
+        const char *name;
+        int64_t ne0, ne1;
+        int per_layer, present;
+    } t[] = {
+        {"token_embd.weight", h, g->vocab_size, 0, 1},
+        {"output.weight", h, g->vocab_size, 0, !g->tied_embeddings},
+        {"output_norm.weight", h, 0, 0, 1},
+        {"attn_norm.weight", h, 0, 1, 1},
+        {"attn_q.weight", h, q, 1, 1},
+        {"attn_k.weight", h, kv, 1, 1},
+        {"attn_v.weight", h, kv, 1, 1},
+        {"attn_output.weight", q, h, 1, 1},
+        {"attn_q.bias", q, 0, 1, g->attention_bias},
+        {"attn_k.bias", kv, 0, 1, g->attention_bias},
+        {"attn_v.bias", kv, 0, 1, g->attention_bias},
+        {"attn_q_norm.weight", g->head_dim, 0, 1, g->qk_norm},
+        {"attn_k_norm.weight", g->head_dim, 0, 1, g->qk_norm},
+        {"ffn_norm.weight", h, 0, 1, 1},
+        {"ffn_gate.weight", h, ff, 1, 1},
+        {"ffn_up.weight", h, ff, 1, 1},
+        {"ffn_down.weight", ff, h, 1, 1},
+    };
+    int64_t bytes = 0;
+    for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++) {
+        if (!t[i].present)
+            continue;
+        for (int64_t l = 0; l < (t[i].per_layer ? g->n_layers : 1); l++) {
+            char name[96];
+            if (t[i].per_layer)
+                snprintf(name, sizeof(name), "blk.%lld.%s", (long long)l, t[i].name);
+            else
+                snprintf(name, sizeof(name), "%s", t[i].name);
+            int fallback;
+            int n_dims = t[i].ne1 > 0 ? 2 : 1;
+            int type = llmem_gguf_tensor_type(ftype, name, n_dims, t[i].ne0, g->n_layers,
+                                              g->tied_embeddings, &fallback);
+            bytes += llmem_qtype_bytes(type, t[i].ne0 * (n_dims == 2 ? t[i].ne1 : 1));
+        }
+    }
+    return bytes;
+}
+
 /* ---- tensors -------------------------------------------------------------------------------- */
 
 struct conv_tensor {

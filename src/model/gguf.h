@@ -218,6 +218,11 @@ const char *llmem_gguf_ftype_name(int ftype);
 int llmem_gguf_tensor_type(int ftype, const char *name, int n_dims, int64_t ne0, int64_t n_layers,
                            int tied, int *fallback);
 
+/* The bytes of the tensors of a GGUF file of type ftype holding a model of geometry g (its
+ * embeddings, layers, norms and, unless tied, output), each of the type llmem_gguf_tensor_type
+ * gives it: what `llmem quantize` would write, for planning before it exists. */
+int64_t llmem_gguf_weights_bytes(const struct llmem_model_geometry *g, int ftype);
+
 typedef void (*llmem_gguf_progress_fn)(void *arg, int64_t done, int64_t total);
 /* Converts the Hugging Face model directory dir (config.json, safetensors in bf16/f16/f32,
  * tokenizer.json; architectures llama — Mistral too —, qwen2, qwen3) into the GGUF file out of

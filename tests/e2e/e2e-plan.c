@@ -444,6 +444,48 @@ static void test_broken_models(void **state) {
 
 /* `llmem plan FILE.gguf` reads the header alone: the weights are exactly the file's tensor bytes
  * (as gguf-py counts them in tests/data/gguf/facts.json), the geometry that of the model. */
+/* --weight-type plans a model as the GGUF file `llmem quantize` makes of it: pycoder at q4_k_m
+ * plans exactly the tensor bytes of the Q4_K_M file llama-quantize made (tests/data/gguf); on a
+ * 24G machine Llama-3.1-8B does not fit in bf16, the plan names q8_0 as the largest type that
+ * does, and at q4_k_m it fits with a window of tens of thousands of tokens. */
+static void test_weight_type(void **state) {
+    (void)state;
+    struct tu_run a = tu_llmem("plan", LLMEM_SOURCE_DIR "/models/pycoder", "--weight-type",
+                               "q4_k_m", "--json", NULL);
+    struct tu_run b =
+        tu_llmem("plan", LLMEM_SOURCE_DIR "/tests/data/gguf/pycoder-q4_k_m.gguf", "--json", NULL);
+    assert_int_equal(a.exit_code, 0);
+    assert_int_equal(b.exit_code, 0);
+    cJSON *oa = tu_json_stdout(&a), *ob = tu_json_stdout(&b);
+    assert_int_equal(get_int(oa, "weights_bytes"), get_int(ob, "weights_bytes"));
+    cJSON_Delete(oa);
+    cJSON_Delete(ob);
+    tu_run_free(&a);
+    tu_run_free(&b);
+
+    a = tu_llmem("plan", "llama-3.1-8b", "--total", "24G", "--json", NULL);
+    assert_int_equal(a.exit_code, 3);
+    oa = tu_json_stdout(&a);
+    assert_false(get_bool(oa, "model_fits"));
+    assert_string_equal(cJSON_GetObjectItem(oa, "fits_at_weight_type")->valuestring, "q8_0");
+    cJSON_Delete(oa);
+    tu_run_free(&a);
+    a = tu_llmem("plan", "llama-3.1-8b", "--total", "24G", "--weight-type", "q4_k_m", "--json",
+                 NULL);
+    assert_int_equal(a.exit_code, 0);
+    oa = tu_json_stdout(&a);
+    assert_true(get_bool(oa, "model_fits"));
+    assert_int_equal(get_int(oa, "weights_bytes"), 4912898048LL); /* llama.cpp: 4.58 GiB */
+    assert_true(get_int(oa, "context_window_resolved") >= 65536);
+    cJSON_Delete(oa);
+    tu_run_free(&a);
+    a = tu_llmem("plan", LLMEM_SOURCE_DIR "/tests/data/gguf/pycoder-q4_k_m.gguf", "--weight-type",
+                 "q8_0", NULL);
+    assert_int_equal(a.exit_code, 2);
+    assert_non_null(strstr(a.err, "is a GGUF file"));
+    tu_run_free(&a);
+}
+
 static void test_gguf(void **state) {
     (void)state;
     cJSON *facts = NULL;
@@ -501,6 +543,7 @@ int main(void) {
         cmocka_unit_test(test_usage_errors),
         cmocka_unit_test(test_broken_models),
         cmocka_unit_test(test_gguf),
+        cmocka_unit_test(test_weight_type),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
