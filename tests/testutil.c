@@ -683,3 +683,51 @@ const char *tu_budget_for(const char *model, int extra_mib, char *buf, size_t si
     snprintf(buf, size, "%dM", mib + 8 + extra_mib);
     return buf;
 }
+
+#define TU_ST_HEADER_MAX (1 << 20)
+
+void tu_st_add(struct tu_st_writer *w, const char *name, int64_t d0, int64_t d1) {
+    if (w->header == NULL) {
+        assert_non_null(w->header = malloc(TU_ST_HEADER_MAX));
+        w->len = (size_t)snprintf(w->header, TU_ST_HEADER_MAX, "{");
+    }
+    int64_t n = d0 * (d1 > 0 ? d1 : 1);
+    char shape[64];
+    if (d1 > 0)
+        snprintf(shape, sizeof(shape), "[%lld, %lld]", (long long)d0, (long long)d1);
+    else
+        snprintf(shape, sizeof(shape), "[%lld]", (long long)d0);
+    w->len += (size_t)snprintf(w->header + w->len, TU_ST_HEADER_MAX - w->len,
+                               "%s\"%s\": {\"dtype\": \"F32\", \"shape\": %s, "
+                               "\"data_offsets\": [%lld, %lld]}",
+                               w->offset > 0 ? ", " : "", name, shape, (long long)w->offset,
+                               (long long)(w->offset + 4 * n));
+    assert_true(w->len + 2 < TU_ST_HEADER_MAX);
+    w->offset += 4 * n;
+}
+
+void tu_st_open(struct tu_st_writer *w, const char *path) {
+    w->len += (size_t)snprintf(w->header + w->len, TU_ST_HEADER_MAX - w->len, "}");
+    assert_non_null(w->f = fopen(path, "wb"));
+    uint64_t n = w->len;
+    assert_int_equal(fwrite(&n, 8, 1, w->f), 1);
+    assert_int_equal(fwrite(w->header, 1, w->len, w->f), w->len);
+}
+
+void tu_st_write(struct tu_st_writer *w, const float *values, int64_t n) {
+    assert_int_equal(fwrite(values, sizeof(float), (size_t)n, w->f), (size_t)n);
+    w->written += 4 * n;
+}
+
+void tu_st_close(struct tu_st_writer *w) {
+    assert_int_equal(w->written, w->offset);
+    assert_int_equal(fclose(w->f), 0);
+    free(w->header);
+    memset(w, 0, sizeof(*w));
+}
+
+void tu_copy_into(const char *from, const char *dir) {
+    struct tu_run r = tu_exec("cp", NULL, 2, (const char *[]){from, dir});
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+}

@@ -11,6 +11,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include <cmocka.h>
 
@@ -93,6 +94,21 @@ void tu_library_serve(const char *model, void (*guard)(void *, struct llmem_guar
  * which `llmem plan model` holds with the runtime baseline this binary measures (larger in a
  * CUDA build, whose CUDA libraries are resident too, and under ASan), plus extra_mib. */
 const char *tu_budget_for(const char *model, int extra_mib, char *buf, size_t size);
+/* An f32 safetensors file, for reference models the tests make: every tensor's name and shape
+ * (d1 0: a vector of d0) added first, then the file opened at path with its header, then each
+ * tensor's values written in the same order, then closed (the sizes checked). */
+struct tu_st_writer {
+    char *header;
+    size_t len;
+    int64_t offset, written;
+    FILE *f;
+};
+void tu_st_add(struct tu_st_writer *w, const char *name, int64_t d0, int64_t d1);
+void tu_st_open(struct tu_st_writer *w, const char *path);
+void tu_st_write(struct tu_st_writer *w, const float *values, int64_t n);
+void tu_st_close(struct tu_st_writer *w);
+/* cp from into the directory dir. */
+void tu_copy_into(const char *from, const char *dir);
 /* What it has written on stderr so far (malloc'ed). */
 char *tu_serve_stderr(const struct tu_server *s);
 /* SIGTERM, then waits: the exit status (its stderr is printed when not 0). */

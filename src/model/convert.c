@@ -205,6 +205,43 @@ int64_t llmem_gguf_weights_bytes(const struct llmem_model_geometry *g, int ftype
 
 /* ---- tensors -------------------------------------------------------------------------------- */
 
+/* GGUF's names of these architectures' tensors and Hugging Face's: the model's, then a layer's
+ * (below "blk.N." and "model.layers.N."), in the order list_tensors needs them: the nine every
+ * layer has, the three q/k/v biases, the two q/k norms. */
+static const char *const top_names[][2] = {{"token_embd.weight", "model.embed_tokens.weight"},
+                                           {"output_norm.weight", "model.norm.weight"},
+                                           {"output.weight", "lm_head.weight"}};
+static const char *const layer_names[][2] = {
+    {"attn_norm.weight", "input_layernorm.weight"},
+    {"attn_q.weight", "self_attn.q_proj.weight"},
+    {"attn_k.weight", "self_attn.k_proj.weight"},
+    {"attn_v.weight", "self_attn.v_proj.weight"},
+    {"attn_output.weight", "self_attn.o_proj.weight"},
+    {"ffn_norm.weight", "post_attention_layernorm.weight"},
+    {"ffn_gate.weight", "mlp.gate_proj.weight"},
+    {"ffn_up.weight", "mlp.up_proj.weight"},
+    {"ffn_down.weight", "mlp.down_proj.weight"},
+    {"attn_q.bias", "self_attn.q_proj.bias"},
+    {"attn_k.bias", "self_attn.k_proj.bias"},
+    {"attn_v.bias", "self_attn.v_proj.bias"},
+    {"attn_q_norm.weight", "self_attn.q_norm.weight"},
+    {"attn_k_norm.weight", "self_attn.k_norm.weight"},
+};
+#define N_LAYER_NAMES (sizeof(layer_names) / sizeof(layer_names[0]))
+
+int llmem_gguf_hf_name(const char *gguf, char *out, size_t size) {
+    for (size_t i = 0; i < sizeof(top_names) / sizeof(top_names[0]); i++)
+        if (strcmp(gguf, top_names[i][0]) == 0)
+            return snprintf(out, size, "%s", top_names[i][1]) > 0;
+    int blk, at = 0;
+    if (sscanf(gguf, "blk.%d.%n", &blk, &at) != 1 || at == 0)
+        return 0;
+    for (size_t i = 0; i < N_LAYER_NAMES; i++)
+        if (strcmp(gguf + at, layer_names[i][0]) == 0)
+            return snprintf(out, size, "model.layers.%d.%s", blk, layer_names[i][1]) > 0;
+    return 0;
+}
+
 struct conv_tensor {
     char gguf[96];
     const struct llmem_st_tensor *src; /* NULL: rope_freqs (computed) */
@@ -285,30 +322,14 @@ static int list_tensors(struct conv *c) {
         return LLMEM_ENOMEM;
     }
     int st;
-    if ((st = add_tensor(c, "token_embd.weight", "model.embed_tokens.weight", 1, 0)) ||
-        (st = add_tensor(c, "output_norm.weight", "model.norm.weight", 1, 0)))
+    if ((st = add_tensor(c, top_names[0][0], top_names[0][1], 1, 0)) ||
+        (st = add_tensor(c, top_names[1][0], top_names[1][1], 1, 0)))
         return st;
     if (!g->tied_embeddings &&
-        (st = add_tensor(c, "output.weight", "lm_head.weight", 1, 0)) != LLMEM_OK)
+        (st = add_tensor(c, top_names[2][0], top_names[2][1], 1, 0)) != LLMEM_OK)
         return st;
-    static const char *const layer[][2] = {
-        {"attn_norm.weight", "input_layernorm.weight"},
-        {"attn_q.weight", "self_attn.q_proj.weight"},
-        {"attn_k.weight", "self_attn.k_proj.weight"},
-        {"attn_v.weight", "self_attn.v_proj.weight"},
-        {"attn_output.weight", "self_attn.o_proj.weight"},
-        {"ffn_norm.weight", "post_attention_layernorm.weight"},
-        {"ffn_gate.weight", "mlp.gate_proj.weight"},
-        {"ffn_up.weight", "mlp.up_proj.weight"},
-        {"ffn_down.weight", "mlp.down_proj.weight"},
-        {"attn_q.bias", "self_attn.q_proj.bias"},
-        {"attn_k.bias", "self_attn.k_proj.bias"},
-        {"attn_v.bias", "self_attn.v_proj.bias"},
-        {"attn_q_norm.weight", "self_attn.q_norm.weight"},
-        {"attn_k_norm.weight", "self_attn.k_norm.weight"},
-    };
     for (int64_t l = 0; l < g->n_layers; l++)
-        for (size_t i = 0; i < sizeof(layer) / sizeof(layer[0]); i++) {
+        for (size_t i = 0; i < N_LAYER_NAMES; i++) {
             int required = i < 9 || (i < 12 && g->attention_bias) || (i >= 12 && g->qk_norm);
             int64_t heads = 0;
             if (c->llama && i == 1)
@@ -316,8 +337,8 @@ static int list_tensors(struct conv *c) {
             if (c->llama && i == 2)
                 heads = g->n_kv_heads;
             char gn[96], hn[160];
-            snprintf(gn, sizeof(gn), "blk.%" PRId64 ".%s", l, layer[i][0]);
-            snprintf(hn, sizeof(hn), "model.layers.%" PRId64 ".%s", l, layer[i][1]);
+            snprintf(gn, sizeof(gn), "blk.%" PRId64 ".%s", l, layer_names[i][0]);
+            snprintf(hn, sizeof(hn), "model.layers.%" PRId64 ".%s", l, layer_names[i][1]);
             if (!required)
                 continue;
             if ((st = add_tensor(c, gn, hn, 1, heads)) != LLMEM_OK)

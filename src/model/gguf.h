@@ -218,6 +218,11 @@ const char *llmem_gguf_ftype_name(int ftype);
 int llmem_gguf_tensor_type(int ftype, const char *name, int n_dims, int64_t ne0, int64_t n_layers,
                            int tied, int *fallback);
 
+/* The Hugging Face name of a GGUF tensor of these architectures ("blk.3.attn_q.weight" →
+ * "model.layers.3.self_attn.q_proj.weight") into out; 0 for a name that has none
+ * (rope_freqs.weight, or not one of theirs). */
+int llmem_gguf_hf_name(const char *gguf, char *out, size_t size);
+
 /* The bytes of the tensors of a GGUF file of type ftype holding a model of geometry g (its
  * embeddings, layers, norms and, unless tied, output), each of the type llmem_gguf_tensor_type
  * gives it: what `llmem quantize` would write, for planning before it exists. */

@@ -21,75 +21,23 @@
 #define PYCODER      LLMEM_SOURCE_DIR "/models/pycoder"
 #define PYCODER_GGUF LLMEM_SOURCE_DIR "/tests/data/gguf/pycoder-q4_k_m.gguf"
 
-/* The Hugging Face name of a GGUF tensor of these architectures, or 0. */
-static int hf_name(const char *gguf, char *out, size_t size) {
-    static const char *const top[][2] = {{"token_embd.weight", "model.embed_tokens.weight"},
-                                         {"output_norm.weight", "model.norm.weight"},
-                                         {"output.weight", "lm_head.weight"}};
-    for (size_t i = 0; i < sizeof(top) / sizeof(top[0]); i++)
-        if (strcmp(gguf, top[i][0]) == 0)
-            return snprintf(out, size, "%s", top[i][1]) > 0;
-    static const char *const layer[][2] = {
-        {"attn_norm.weight", "input_layernorm.weight"},
-        {"attn_q.weight", "self_attn.q_proj.weight"},
-        {"attn_k.weight", "self_attn.k_proj.weight"},
-        {"attn_v.weight", "self_attn.v_proj.weight"},
-        {"attn_output.weight", "self_attn.o_proj.weight"},
-        {"attn_q.bias", "self_attn.q_proj.bias"},
-        {"attn_k.bias", "self_attn.k_proj.bias"},
-        {"attn_v.bias", "self_attn.v_proj.bias"},
-        {"attn_q_norm.weight", "self_attn.q_norm.weight"},
-        {"attn_k_norm.weight", "self_attn.k_norm.weight"},
-        {"ffn_norm.weight", "post_attention_layernorm.weight"},
-        {"ffn_gate.weight", "mlp.gate_proj.weight"},
-        {"ffn_up.weight", "mlp.up_proj.weight"},
-        {"ffn_down.weight", "mlp.down_proj.weight"},
-    };
-    int blk, at = 0;
-    if (sscanf(gguf, "blk.%d.%n", &blk, &at) != 1 || at == 0)
-        return 0;
-    for (size_t i = 0; i < sizeof(layer) / sizeof(layer[0]); i++)
-        if (strcmp(gguf + at, layer[i][0]) == 0)
-            return snprintf(out, size, "model.layers.%d.%s", blk, layer[i][1]) > 0;
-    return 0;
-}
-
 /* Writes dir/model.safetensors: every tensor of g as f32, exactly dequantized, q and k rows of
  * `heads` / `kv_heads` heads put back from pairs side by side to halves where `permuted` (llama).
  */
 static void write_dequantized(const struct llmem_gguf *g, const char *dir, int permuted,
                               int64_t head_dim, int64_t heads, int64_t kv_heads) {
-    char *header = malloc(1 << 20);
-    assert_non_null(header);
-    size_t hl = (size_t)snprintf(header, 1 << 20, "{");
-    int64_t offset = 0;
+    struct tu_st_writer w = {0};
+    char name[160], path[1024];
     for (int64_t i = 0; i < g->n_tensors; i++) {
         const struct llmem_gguf_tensor *t = &g->tensors[i];
-        char name[160];
         if (strcmp(t->name, "rope_freqs.weight") == 0)
             continue; /* the f32 model computes Llama 3's rope scaling from its config */
-        assert_true(hf_name(t->name, name, sizeof(name)));
-        char shape[64];
-        if (t->n_dims == 1)
-            snprintf(shape, sizeof(shape), "[%lld]", (long long)t->dims[0]);
-        else
-            snprintf(shape, sizeof(shape), "[%lld, %lld]", (long long)t->dims[1],
-                     (long long)t->dims[0]);
-        hl += (size_t)snprintf(header + hl, (1 << 20) - hl,
-                               "%s\"%s\": {\"dtype\": \"F32\", \"shape\": %s, \"data_offsets\": "
-                               "[%lld, %lld]}",
-                               i ? ", " : "", name, shape, (long long)offset,
-                               (long long)(offset + 4 * t->n_elements));
-        offset += 4 * t->n_elements;
+        assert_true(llmem_gguf_hf_name(t->name, name, sizeof(name)));
+        tu_st_add(&w, name, t->n_dims == 1 ? t->dims[0] : t->dims[1],
+                  t->n_dims == 1 ? 0 : t->dims[0]);
     }
-    hl += (size_t)snprintf(header + hl, (1 << 20) - hl, "}");
-    char path[1024];
     snprintf(path, sizeof(path), "%s/model.safetensors", dir);
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    uint64_t n = hl;
-    assert_int_equal(fwrite(&n, 8, 1, f), 1);
-    assert_int_equal(fwrite(header, 1, hl, f), hl);
+    tu_st_open(&w, path);
     for (int64_t i = 0; i < g->n_tensors; i++) {
         const struct llmem_gguf_tensor *t = &g->tensors[i];
         if (strcmp(t->name, "rope_freqs.weight") == 0)
@@ -109,19 +57,11 @@ static void write_dequantized(const struct llmem_gguf *g, const char *dir, int p
                         memcpy(out + (h * head_dim + s * half + j) * cols,
                                v + (h * head_dim + 2 * j + s) * cols, (size_t)cols * sizeof(float));
         }
-        assert_int_equal(fwrite(out, sizeof(float), (size_t)t->n_elements, f),
-                         (size_t)t->n_elements);
+        tu_st_write(&w, out, t->n_elements);
         free(v);
         free(out);
     }
-    assert_int_equal(fclose(f), 0);
-    free(header);
-}
-
-static void copy_into(const char *from, const char *dir) {
-    struct tu_run r = tu_exec("cp", NULL, 2, (const char *[]){from, dir});
-    assert_int_equal(r.exit_code, 0);
-    tu_run_free(&r);
+    tu_st_close(&w);
 }
 
 /* `llmem logits` of the GGUF file at path equals that of the f32 model holding its dequantized
@@ -139,9 +79,9 @@ static double check_dequantized(const char *path, const char *src, double tol) {
     llmem_gguf_free(g);
     char from[1024];
     snprintf(from, sizeof(from), "%s/config.json", src);
-    copy_into(from, dir);
+    tu_copy_into(from, dir);
     snprintf(from, sizeof(from), "%s/tokenizer.json", src);
-    copy_into(from, dir);
+    tu_copy_into(from, dir);
 
     enum { N = 48 };
     char ids[1024];

@@ -143,14 +143,11 @@ static int write_dequantized(const char *fixture, const char *source, const char
     struct model_file m, orig;
     model_open(fixture, &m);
     model_open(source, &orig);
-    char *header = malloc(1 << 20);
-    assert_non_null(header);
     float **values = calloc((size_t)m.st->n_tensors, sizeof(*values));
     int64_t *counts = calloc((size_t)m.st->n_tensors, sizeof(*counts));
     assert_true(values != NULL && counts != NULL);
-    size_t hl = (size_t)snprintf(header, 1 << 20, "{");
-    int64_t offset = 0;
-    int n_quantized = 0, written = 0;
+    struct tu_st_writer w = {0};
+    int n_quantized = 0;
     for (int i = 0; i < m.st->n_tensors; i++) {
         const struct llmem_st_tensor *t = &m.st->tensors[i];
         size_t len = strlen(t->name);
@@ -161,46 +158,23 @@ static int write_dequantized(const char *fixture, const char *source, const char
         values[i] = tensor_f32(&m, &orig, t, &counts[i], &q);
         n_quantized += q;
         const struct llmem_st_tensor *o = llmem_safetensors_find(orig.st, t->name);
-        char shape[64];
-        if (o->n_dims == 1)
-            snprintf(shape, sizeof(shape), "[%lld]", (long long)o->shape[0]);
-        else
-            snprintf(shape, sizeof(shape), "[%lld, %lld]", (long long)o->shape[0],
-                     (long long)o->shape[1]);
-        hl += (size_t)snprintf(header + hl, (1 << 20) - hl,
-                               "%s\"%s\": {\"dtype\": \"F32\", \"shape\": %s, \"data_offsets\": "
-                               "[%lld, %lld]}",
-                               written++ ? ", " : "", t->name, shape, (long long)offset,
-                               (long long)(offset + 4 * counts[i]));
-        offset += 4 * counts[i];
+        tu_st_add(&w, t->name, o->shape[0], o->n_dims == 1 ? 0 : o->shape[1]);
     }
-    hl += (size_t)snprintf(header + hl, (1 << 20) - hl, "}");
     char path[1024];
     snprintf(path, sizeof(path), "%s/model.safetensors", dir);
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    uint64_t n = hl;
-    assert_int_equal(fwrite(&n, 8, 1, f), 1);
-    assert_int_equal(fwrite(header, 1, hl, f), hl);
+    tu_st_open(&w, path);
     for (int i = 0; i < m.st->n_tensors; i++) {
         if (values[i] == NULL)
             continue;
-        assert_int_equal(fwrite(values[i], sizeof(float), (size_t)counts[i], f), (size_t)counts[i]);
+        tu_st_write(&w, values[i], counts[i]);
         free(values[i]);
     }
-    assert_int_equal(fclose(f), 0);
+    tu_st_close(&w);
     free(values);
     free(counts);
-    free(header);
     model_close(&m);
     model_close(&orig);
     return n_quantized;
-}
-
-static void copy_into(const char *from, const char *dir) {
-    struct tu_run r = tu_exec("cp", NULL, 2, (const char *[]){from, dir});
-    assert_int_equal(r.exit_code, 0);
-    tu_run_free(&r);
 }
 
 /* ---- the tests --------------------------------------------------------------------------------
@@ -219,9 +193,9 @@ static void test_logits_equal_dequantized(void **state) {
         int n_quantized = write_dequantized(fixture, source, dir);
         assert_true(n_quantized >= 10);
         snprintf(from, sizeof(from), "%s/config.json", source);
-        copy_into(from, dir);
+        tu_copy_into(from, dir);
         snprintf(from, sizeof(from), "%s/tokenizer.json", fixture);
-        copy_into(from, dir);
+        tu_copy_into(from, dir);
 
         char ids[1024];
         int at = 0;

@@ -287,41 +287,12 @@ static void test_tensor_types(void **state) {
 /* The HF name of a GGUF tensor and the heads its rows are permuted by (llama q/k), or 0. */
 static int hf_name(const char *gguf, int llama, int64_t heads, int64_t kv_heads, char *out,
                    size_t size, int64_t *permute) {
-    static const char *const top[][2] = {{"token_embd.weight", "model.embed_tokens.weight"},
-                                         {"output_norm.weight", "model.norm.weight"},
-                                         {"output.weight", "lm_head.weight"}};
-    *permute = 0;
-    for (size_t i = 0; i < sizeof(top) / sizeof(top[0]); i++)
-        if (strcmp(gguf, top[i][0]) == 0)
-            return snprintf(out, size, "%s", top[i][1]) > 0;
-    static const char *const layer[][2] = {
-        {"attn_norm.weight", "input_layernorm.weight"},
-        {"attn_q.weight", "self_attn.q_proj.weight"},
-        {"attn_k.weight", "self_attn.k_proj.weight"},
-        {"attn_v.weight", "self_attn.v_proj.weight"},
-        {"attn_output.weight", "self_attn.o_proj.weight"},
-        {"ffn_norm.weight", "post_attention_layernorm.weight"},
-        {"ffn_gate.weight", "mlp.gate_proj.weight"},
-        {"ffn_up.weight", "mlp.up_proj.weight"},
-        {"ffn_down.weight", "mlp.down_proj.weight"},
-        {"attn_q.bias", "self_attn.q_proj.bias"},
-        {"attn_k.bias", "self_attn.k_proj.bias"},
-        {"attn_v.bias", "self_attn.v_proj.bias"},
-        {"attn_q_norm.weight", "self_attn.q_norm.weight"},
-        {"attn_k_norm.weight", "self_attn.k_norm.weight"},
-    };
-    int blk, at = 0;
-    if (sscanf(gguf, "blk.%d.%n", &blk, &at) != 1 || at == 0)
-        return 0;
-    for (size_t i = 0; i < sizeof(layer) / sizeof(layer[0]); i++)
-        if (strcmp(gguf + at, layer[i][0]) == 0) {
-            if (llama && i == 1)
-                *permute = heads;
-            if (llama && i == 2)
-                *permute = kv_heads;
-            return snprintf(out, size, "model.layers.%d.%s", blk, layer[i][1]) > 0;
-        }
-    return 0;
+    size_t n = strlen(gguf);
+    *permute = !llama                                                  ? 0
+               : n > 13 && strcmp(gguf + n - 13, "attn_q.weight") == 0 ? heads
+               : n > 13 && strcmp(gguf + n - 13, "attn_k.weight") == 0 ? kv_heads
+                                                                       : 0;
+    return llmem_gguf_hf_name(gguf, out, size);
 }
 
 /* The source tensor as f32 rows, q/k rows put in GGUF's order. */
