@@ -164,12 +164,15 @@ static void test_logits_equal_dequantized(void **state) {
     free(dir);
 }
 
-/* Bounds of the fast path's drift (test_fast_drift), measured with margin. */
-#define DRIFT_MAX_DLOGIT    1.0
-#define DRIFT_MEAN_KL       1e-2
-#define DRIFT_MAX_KL        1e-1
+/* Bounds of the fast path's drift (test_fast_drift), about twice what is measured: max |Δlogit|
+ * 1.41, KL mean 7.6e-3 and max 6.9e-2, top-1 261 of 277, greedy: the first 9 tokens equal. The
+ * kernels give the same bits on every ISA and thread count, so these do not move with the
+ * machine. */
+#define DRIFT_MAX_DLOGIT    3.0
+#define DRIFT_MEAN_KL       1.5e-2
+#define DRIFT_MAX_KL        0.15
 #define DRIFT_TOP1          0.9
-#define DRIFT_GREEDY_PREFIX 8
+#define DRIFT_GREEDY_PREFIX 5
 
 /* The ids of a run's --json output, appended to ids[*n] (at most cap). */
 static void append_ids(const struct tu_run *r, int32_t *ids, int *n, int cap) {
@@ -296,9 +299,9 @@ static int reused_tokens(const struct tu_run *r) {
 static void test_bank_keeps_precisions_apart(void **state) {
     (void)state;
     char *dir = tu_mkdtemp();
-    char ids[4096];
+    char ids[8192];
     int at = 0;
-    for (int i = 0; i < 300; i++)
+    for (int i = 0; i < 700; i++)
         at += snprintf(ids + at, sizeof(ids) - (size_t)at, "%s%d", i ? "," : "",
                        20 + (i * 37) % 3900);
     const char *order[] = {"f32", "f32", "fast", "fast", "f32"};
@@ -311,7 +314,7 @@ static void test_bank_keeps_precisions_apart(void **state) {
         int reused = reused_tokens(&r);
         tu_run_free(&r);
         if (want_reuse[i])
-            assert_true(reused >= 256);
+            assert_int_equal(reused, 688); /* (700 − 1) / 16 × 16 */
         else
             assert_int_equal(reused, 0);
     }
