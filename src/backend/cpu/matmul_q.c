@@ -9,9 +9,10 @@
  *
  * The products, per type, with every integer sum exact (no saturation: the bounds are below):
  *   Q8_0, Q4_0   per block b and lane l < 8: p[b][l] = Σ of w·q over the block's values
- *                4l … 4l+3 (Q4_0's w = nibble − 8); lane l ← fma((float)p, dw_b · dx_b, lane l)
- *                in block order; then the tree h4[i] = l[i] + l[i+4], h2[i] = h4[i] + h4[i+2],
- *                s = h2[0] + h2[1].
+ *                4l … 4l+3 (Q4_0's w = nibble − 8); lane l of set b mod 4 ←
+ *                fma((float)p, dw_b · dx_b, that lane) in block order; then
+ *                l[i] = (set0[i] + set1[i]) + (set2[i] + set3[i]) and the tree
+ *                h4[i] = l[i] + l[i+4], h2[i] = h4[i] + h4[i+2], s = h2[0] + h2[1].
  *   Q4_K, Q5_K   per super-block: S1 = Σ_j sc_j · Σ w·q over sub-block j (w the 4/5-bit value),
  *                S2 = Σ_j m_j · (sum of q over sub-block j); s ← fma(d·dx, (float)S1, s), then
  *                s ← fma(−(dmin·dx), (float)S2, s), super-blocks in order.
@@ -78,8 +79,9 @@ static ALWAYS_INLINE void scale_min_k4(int j, const uint8_t *q, int *d, int *m) 
     }
 }
 
-/* All eight scales and mins of a Q4_K/Q5_K block at once, as scale_min_k4 gives them. */
-static ALWAYS_INLINE void scales_k4(const uint8_t *q, uint8_t *sc, uint8_t *m) {
+/* All eight scales and mins of a Q4_K/Q5_K block at once, as scale_min_k4 gives them: byte j of
+ * *sc and *m (kept in registers: no store and reload). */
+static ALWAYS_INLINE void scales_k4(const uint8_t *q, uint64_t *sc, uint64_t *m) {
     uint32_t a, b, c;
     memcpy(&a, q, 4);
     memcpy(&b, q + 4, 4);
@@ -87,10 +89,8 @@ static ALWAYS_INLINE void scales_k4(const uint8_t *q, uint8_t *sc, uint8_t *m) {
     const uint32_t s0 = a & 0x3f3f3f3fu, m0 = b & 0x3f3f3f3fu;
     const uint32_t s1 = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
     const uint32_t m1 = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
-    memcpy(sc, &s0, 4);
-    memcpy(sc + 4, &s1, 4);
-    memcpy(m, &m0, 4);
-    memcpy(m + 4, &m1, 4);
+    *sc = (uint64_t)s0 | (uint64_t)s1 << 32;
+    *m = (uint64_t)m0 | (uint64_t)m1 << 32;
 }
 
 static ALWAYS_INLINE float reduce8(const float *l) {
@@ -193,6 +193,13 @@ TARGET_AVX2 static void quantize_x_avx2(const float *x, int64_t cols, int64_t bl
     }
 }
 
+/* f16 → f32 by F16C: exact, as llmem_cpu_f16_to_f32 (NaNs aside). */
+TARGET_AVX2 static ALWAYS_INLINE float f16_at_c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
 TARGET_AVX2 static ALWAYS_INLINE int hsum_i32_avx2(__m256i v) {
     __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
@@ -216,7 +223,7 @@ static void dot_q8_0_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, i
     for (int j = 0; j < nx; j++) {
         const int8_t *xq = x->q + (t + j) * x->cols;
         const float *xd = x->d + (t + j) * (x->cols / 32);
-        float acc[8] = {0};
+        float acc[4][8] = {{0}};
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w + b * 34;
             const int8_t *wq = (const int8_t *)(blk + 2);
@@ -225,10 +232,13 @@ static void dot_q8_0_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, i
                 int p = 0;
                 for (int i = 4 * l; i < 4 * l + 4; i++)
                     p += wq[i] * xq[b * 32 + i];
-                acc[l] = fmaf((float)p, dd, acc[l]);
+                acc[b % 4][l] = fmaf((float)p, dd, acc[b % 4][l]);
             }
         }
-        out[j] = reduce8(acc);
+        float l8[8];
+        for (int l = 0; l < 8; l++)
+            l8[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+        out[j] = reduce8(l8);
     }
 }
 
@@ -237,7 +247,7 @@ static void dot_q4_0_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, i
     for (int j = 0; j < nx; j++) {
         const int8_t *xq = x->q + (t + j) * x->cols;
         const float *xd = x->d + (t + j) * (x->cols / 32);
-        float acc[8] = {0};
+        float acc[4][8] = {{0}};
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w + b * 18;
             const float dd = f16_at(blk) * xd[b];
@@ -250,10 +260,13 @@ static void dot_q4_0_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, i
                 int p = 0;
                 for (int i = 4 * l; i < 4 * l + 4; i++)
                     p += wv[i] * xq[b * 32 + i];
-                acc[l] = fmaf((float)p, dd, acc[l]);
+                acc[b % 4][l] = fmaf((float)p, dd, acc[b % 4][l]);
             }
         }
-        out[j] = reduce8(acc);
+        float l8[8];
+        for (int l = 0; l < 8; l++)
+            l8[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+        out[j] = reduce8(l8);
     }
 }
 
@@ -365,15 +378,16 @@ TARGET_VNNI static ALWAYS_INLINE __m256i dot4_vnni(__m256i u, __m256i s) {
         const int64_t bb = q4 ? 18 : 34;                                                           \
         const int8_t *xq[Q_NX];                                                                    \
         const float *xd[Q_NX];                                                                     \
-        __m256 acc[Q_NX];                                                                          \
+        __m256 acc[4][Q_NX];                                                                       \
         for (int j = 0; j < NX; j++) {                                                             \
             xq[j] = x->q + (t + j) * x->cols;                                                      \
             xd[j] = x->d + (t + j) * (x->cols / 32);                                               \
-            acc[j] = _mm256_setzero_ps();                                                          \
+            for (int a = 0; a < 4; a++)                                                            \
+                acc[a][j] = _mm256_setzero_ps();                                                   \
         }                                                                                          \
         for (int64_t b = 0; b < nb; b++) {                                                         \
             const uint8_t *blk = w + b * bb;                                                       \
-            const float dw = f16_at(blk);                                                          \
+            const float dw = f16_at_c(blk);                                                          \
             __m256i wv;                                                                            \
             if (q4) {                                                                              \
                 __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));                          \
@@ -388,11 +402,13 @@ TARGET_VNNI static ALWAYS_INLINE __m256i dot4_vnni(__m256i u, __m256i s) {
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + b * 32));                \
                 __m256i p = DOT4(aw, _mm256_sign_epi8(xv, wv));                                    \
                 const float dd = dw * xd[j][b];                                                    \
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc[j]);      \
+                acc[b & 3][j] =                                                                    \
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc[b & 3][j]);     \
             }                                                                                      \
         }                                                                                          \
         for (int j = 0; j < NX; j++)                                                               \
-            out[j] = reduce8_avx2(acc[j]);                                                         \
+            out[j] = reduce8_avx2(_mm256_add_ps(_mm256_add_ps(acc[0][j], acc[1][j]),               \
+                                                _mm256_add_ps(acc[2][j], acc[3][j])));             \
     }                                                                                              \
     TARGET static void NAME##_q8_0(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,   \
                                    int nx, float *out) {                                           \
@@ -436,9 +452,9 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
         const uint8_t *qs = blk + (five ? 48 : 16);
-        uint8_t sc[8], m[8];
-        scales_k4(blk + 4, sc, m);
-        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m));
+        uint64_t sc64, m64;
+        scales_k4(blk + 4, &sc64, &m64);
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64));
         __m256i s32[Q_NX];
         for (int j = 0; j < NX; j++)
             s32[j] = _mm256_setzero_si256();
@@ -453,8 +469,8 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
                     wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qhv, 1), one), 4));
                 qhv = _mm256_srli_epi16(qhv, 2);
             }
-            const __m256i scl = _mm256_set1_epi16((short)sc[2 * i]);
-            const __m256i sch = _mm256_set1_epi16((short)sc[2 * i + 1]);
+            const __m256i scl = _mm256_set1_epi16((short)((sc64 >> (16 * i)) & 0xff));
+            const __m256i sch = _mm256_set1_epi16((short)((sc64 >> (16 * i + 8)) & 0xff));
             for (int j = 0; j < NX; j++) {
                 const int8_t *xb = xq[j] + b * LLMEM_QK_K + 64 * i;
                 __m256i x0 = _mm256_loadu_si256((const __m256i *)xb);
@@ -465,7 +481,7 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
                                           _mm256_madd_epi16(_mm256_maddubs_epi16(wh, x1), sch));
             }
         }
-        const float d = f16_at(blk), dmin = f16_at(blk + 2);
+        const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
         for (int j = 0; j < NX; j++) {
             /* Σ_j m_j · (the sums of q over sub-block j's two halves) */
             const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
@@ -530,7 +546,7 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
                 }
             }
         }
-        const float d = f16_at(blk + 208);
+        const float d = f16_at_c(blk + 208);
         for (int j = 0; j < NX; j++) {
             const int16_t *bs = xs[j] + b * 16;
             int corr = 0;
@@ -607,11 +623,11 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
         const uint8_t *qs = blk + (five ? 48 : 16);
-        uint8_t sc[8], m[8];
-        scales_k4(blk + 4, sc, m);
-        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m));
+        uint64_t sc64, m64;
+        scales_k4(blk + 4, &sc64, &m64);
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64));
         const __m512i sc16 =
-            _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_loadl_epi64((const __m128i *)sc)));
+            _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_cvtsi64_si128((long long)sc64)));
         __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
                           : _mm512_setzero_si512();
         __m512i s32[Q_NX];
@@ -630,7 +646,7 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb
                                           _mm512_madd_epi16(_mm512_maddubs_epi16(wv, xv), sv));
             }
         }
-        const float d = f16_at(blk), dmin = f16_at(blk + 2);
+        const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
         for (int j = 0; j < NX; j++) {
             const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
             __m128i p = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs),
@@ -699,7 +715,7 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
                 s32[j] = _mm512_add_epi32(s32[j], _mm512_add_epi32(p0, p1));
             }
         }
-        const float d = f16_at(blk + 208);
+        const float d = f16_at_c(blk + 208);
         const __m256i sc16y = _mm512_castsi512_si256(sc16);
         for (int j = 0; j < NX; j++) {
             /* Σ_k sc_k · (sum of q over sub-block k) */
