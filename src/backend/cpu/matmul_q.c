@@ -207,6 +207,19 @@ TARGET_AVX2 static ALWAYS_INLINE int hsum_i32_avx2(__m256i v) {
     return _mm_cvtsi128_si32(h);
 }
 
+/* The canonical trees over 16 lanes (lo: 0–7, hi: 8–15) and over 4. */
+TARGET_AVX2 static ALWAYS_INLINE float reduce16_avx2(__m256 lo, __m256 hi) {
+    __m256 h8 = _mm256_add_ps(lo, hi);
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+TARGET_AVX2 static ALWAYS_INLINE float reduce4_sse(__m128 v) {
+    __m128 h2 = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
 /* The canonical tree over 8 lanes. */
 TARGET_AVX2 static ALWAYS_INLINE float reduce8_avx2(__m256 v) {
     __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -284,6 +297,29 @@ static void unpack_k45(const uint8_t *qs, const uint8_t *qh, uint8_t *v) {
         }
 }
 
+static ALWAYS_INLINE float reduce16(const float *l) {
+    float h8[8];
+    for (int i = 0; i < 8; i++)
+        h8[i] = l[i] + l[i + 8];
+    return reduce8(h8);
+}
+
+static ALWAYS_INLINE float reduce4(const float *l) {
+    float h2[2];
+    for (int i = 0; i < 2; i++)
+        h2[i] = l[i] + l[i + 2];
+    return h2[0] + h2[1];
+}
+
+/* Lane L < 16 of a K-type super-block: the integer sum over the runs of 4 values that the
+ * 64-value steps of the AVX-512 kernels put in lane L, each times its sub-block's scale. */
+static ALWAYS_INLINE int k_lane(const uint8_t *v, const int8_t *xq, int start, int scale) {
+    int p = 0;
+    for (int e = 0; e < 4; e++)
+        p += v[start + e] * xq[start + e];
+    return scale * p;
+}
+
 static ALWAYS_INLINE void dot_k45_scalar(const uint8_t *w, int64_t nb, const struct q_x *x,
                                          int64_t t, int nx, float *out, const int five) {
     const int64_t bb = five ? 176 : 144;
@@ -291,24 +327,31 @@ static ALWAYS_INLINE void dot_k45_scalar(const uint8_t *w, int64_t nb, const str
         const int8_t *xq = x->q + (t + j) * x->cols;
         const float *xd = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         const int16_t *xs = x->s + (t + j) * (x->cols / 16);
-        float acc = 0.0f;
+        float acc[16] = {0}, macc[4] = {0};
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w + b * bb;
+            const int8_t *xb = xq + b * LLMEM_QK_K;
+            const int16_t *bs = xs + b * 16;
             uint8_t v[LLMEM_QK_K];
             unpack_k45(blk + (five ? 48 : 16), five ? blk + 16 : NULL, v);
-            int s1 = 0, s2 = 0;
-            for (int sb = 0; sb < 8; sb++) {
-                int sc, m, p = 0;
-                scale_min_k4(sb, blk + 4, &sc, &m);
-                for (int i = 0; i < 32; i++)
-                    p += v[32 * sb + i] * xq[b * LLMEM_QK_K + 32 * sb + i];
-                s1 += sc * p;
-                s2 += m * (xs[b * 16 + 2 * sb] + xs[b * 16 + 2 * sb + 1]);
+            int sc[8], m[8];
+            for (int sb = 0; sb < 8; sb++)
+                scale_min_k4(sb, blk + 4, &sc[sb], &m[sb]);
+            const float dd = f16_at(blk) * xd[b], dm = -(f16_at(blk + 2) * xd[b]);
+            for (int l = 0; l < 16; l++) {
+                const int h = l >> 3, k = l & 7;
+                int s = 0;
+                for (int i = 0; i < 4; i++)
+                    s += k_lane(v, xb, 64 * i + 32 * h + 4 * k, sc[2 * i + h]);
+                acc[l] = fmaf((float)s, dd, acc[l]);
             }
-            acc = fmaf(f16_at(blk) * xd[b], (float)s1, acc);
-            acc = fmaf(-(f16_at(blk + 2) * xd[b]), (float)s2, acc);
+            for (int k = 0; k < 4; k++) {
+                const int mk = m[2 * k] * (bs[4 * k] + bs[4 * k + 1]) +
+                               m[2 * k + 1] * (bs[4 * k + 2] + bs[4 * k + 3]);
+                macc[k] = fmaf((float)mk, dm, macc[k]);
+            }
         }
-        out[j] = acc;
+        out[j] = reduce16(acc) + reduce4(macc);
     }
 }
 
@@ -328,10 +371,12 @@ static void dot_q6_k_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, i
         const int8_t *xq = x->q + (t + j) * x->cols;
         const float *xd = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         const int16_t *xs = x->s + (t + j) * (x->cols / 16);
-        float acc = 0.0f;
+        float acc[16] = {0}, cacc[8] = {0};
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w + b * 210;
             const int8_t *sc = (const int8_t *)(blk + 192);
+            const int8_t *xb = xq + b * LLMEM_QK_K;
+            const int16_t *bs = xs + b * 16;
             uint8_t v[LLMEM_QK_K];
             for (int h = 0; h < 2; h++) {
                 const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
@@ -342,16 +387,20 @@ static void dot_q6_k_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, i
                     v[128 * h + 96 + l] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
                 }
             }
-            int s = 0;
-            for (int sb = 0; sb < 16; sb++) {
-                int p = 0;
-                for (int i = 0; i < 16; i++)
-                    p += v[16 * sb + i] * xq[b * LLMEM_QK_K + 16 * sb + i];
-                s += sc[sb] * (p - 32 * xs[b * 16 + sb]);
+            const float dd = f16_at(blk + 208) * xd[b];
+            for (int l = 0; l < 16; l++) {
+                int s = 0;
+                for (int h = 0; h < 2; h++) {
+                    s += k_lane(v, xb, 128 * h + 4 * l, sc[8 * h + l / 4]);
+                    s += k_lane(v, xb, 128 * h + 64 + 4 * l, sc[8 * h + 4 + l / 4]);
+                }
+                acc[l] = fmaf((float)s, dd, acc[l]);
             }
-            acc = fmaf(f16_at(blk + 208) * xd[b], (float)s, acc);
+            for (int k = 0; k < 8; k++)
+                cacc[k] = fmaf((float)(sc[2 * k] * bs[2 * k] + sc[2 * k + 1] * bs[2 * k + 1]), dd,
+                               cacc[k]);
         }
-        out[j] = acc;
+        out[j] = reduce16(acc) - 32.0f * reduce8(cacc);
     }
 }
 
@@ -433,7 +482,8 @@ DEFINE_DOT32(dot32_avx2, TARGET_AVX2, dot4_avx2)
 DEFINE_DOT32(dot32_vnni, TARGET_VNNI, dot4_vnni)
 
 /* Q4_K and Q5_K: per pair of sub-blocks, 32 bytes of nibbles (low: sub-block 2i, high: 2i+1)
- * and, for Q5_K, bits 2i and 2i+1 of qh as the fifth bits. */
+ * and, for Q5_K, bits 2i and 2i+1 of qh as the fifth bits. Lanes 0–7 of the canonical 16 in lo
+ * (sub-blocks 2i), 8–15 in hi (2i+1), as the AVX-512 kernel's two halves. */
 TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t nb,
                                                       const struct q_x *x, int64_t t, float *out,
                                                       const int five, const int NX) {
@@ -441,12 +491,14 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
-    float acc[Q_NX];
+    __m256 lo[Q_NX], hi[Q_NX];
+    __m128 macc[Q_NX];
     for (int j = 0; j < NX; j++) {
         xq[j] = x->q + (t + j) * x->cols;
         xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         xs[j] = x->s + (t + j) * (x->cols / 16);
-        acc[j] = 0.0f;
+        lo[j] = hi[j] = _mm256_setzero_ps();
+        macc[j] = _mm_setzero_ps();
     }
     const __m256i m4 = _mm256_set1_epi8(0xf), one = _mm256_set1_epi8(1);
     for (int64_t b = 0; b < nb; b++) {
@@ -455,9 +507,9 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
         uint64_t sc64, m64;
         scales_k4(blk + 4, &sc64, &m64);
         const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64));
-        __m256i s32[Q_NX];
+        __m256i sl[Q_NX], sh[Q_NX];
         for (int j = 0; j < NX; j++)
-            s32[j] = _mm256_setzero_si256();
+            sl[j] = sh[j] = _mm256_setzero_si256();
         __m256i qhv = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
@@ -475,49 +527,48 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
                 const int8_t *xb = xq[j] + b * LLMEM_QK_K + 64 * i;
                 __m256i x0 = _mm256_loadu_si256((const __m256i *)xb);
                 __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
-                s32[j] = _mm256_add_epi32(s32[j],
-                                          _mm256_madd_epi16(_mm256_maddubs_epi16(wl, x0), scl));
-                s32[j] = _mm256_add_epi32(s32[j],
-                                          _mm256_madd_epi16(_mm256_maddubs_epi16(wh, x1), sch));
+                sl[j] = _mm256_add_epi32(sl[j], _mm256_madd_epi16(_mm256_maddubs_epi16(wl, x0), scl));
+                sh[j] = _mm256_add_epi32(sh[j], _mm256_madd_epi16(_mm256_maddubs_epi16(wh, x1), sch));
             }
         }
         const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
         for (int j = 0; j < NX; j++) {
-            /* Σ_j m_j · (the sums of q over sub-block j's two halves) */
+            const __m256 dd = _mm256_set1_ps(d * xd[j][b]);
+            lo[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl[j]), dd, lo[j]);
+            hi[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh[j]), dd, hi[j]);
             const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
-            __m128i p = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs),
-                                                            _mm_loadu_si128(bs + 1)));
-            p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4e));
-            p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0xb1));
-            const int s2 = _mm_cvtsi128_si32(p);
-            acc[j] = fmaf(d * xd[j][b], (float)hsum_i32_avx2(s32[j]), acc[j]);
-            acc[j] = fmaf(-(dmin * xd[j][b]), (float)s2, acc[j]);
+            __m128i mk = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs),
+                                                             _mm_loadu_si128(bs + 1)));
+            macc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(mk), _mm_set1_ps(-(dmin * xd[j][b])), macc[j]);
         }
     }
     for (int j = 0; j < NX; j++)
-        out[j] = acc[j];
+        out[j] = reduce16_avx2(lo[j], hi[j]) + reduce4_sse(macc[j]);
 }
 
+/* Q6_K: lanes 0–7 of the canonical 16 in lo (groups 0 and 2 of each 128 values), 8–15 in hi
+ * (groups 1 and 3), as the AVX-512 kernel's two halves. */
 TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t nb,
                                                        const struct q_x *x, int64_t t, float *out,
                                                        const int NX) {
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
-    float acc[Q_NX];
+    __m256 lo[Q_NX], hi[Q_NX], cacc[Q_NX];
     for (int j = 0; j < NX; j++) {
         xq[j] = x->q + (t + j) * x->cols;
         xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         xs[j] = x->s + (t + j) * (x->cols / 16);
-        acc[j] = 0.0f;
+        lo[j] = hi[j] = cacc[j] = _mm256_setzero_ps();
     }
     const __m256i m4 = _mm256_set1_epi8(0xf), m3 = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
-        __m256i s32[Q_NX];
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i sl[Q_NX], sh[Q_NX];
         for (int j = 0; j < NX; j++)
-            s32[j] = _mm256_setzero_si256();
+            sl[j] = sh[j] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
@@ -541,22 +592,26 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
                 for (int j = 0; j < NX; j++) {
                     __m256i xv = _mm256_loadu_si256(
                         (const __m256i *)(xq[j] + b * LLMEM_QK_K + 128 * h + 32 * gi));
-                    s32[j] = _mm256_add_epi32(s32[j],
-                                              _mm256_madd_epi16(_mm256_maddubs_epi16(g[gi], xv), sv));
+                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(g[gi], xv), sv);
+                    if (gi & 1)
+                        sh[j] = _mm256_add_epi32(sh[j], p);
+                    else
+                        sl[j] = _mm256_add_epi32(sl[j], p);
                 }
             }
         }
         const float d = f16_at_c(blk + 208);
         for (int j = 0; j < NX; j++) {
-            const int16_t *bs = xs[j] + b * 16;
-            int corr = 0;
-            for (int sb = 0; sb < 16; sb++)
-                corr += sc[sb] * bs[sb];
-            acc[j] = fmaf(d * xd[j][b], (float)(hsum_i32_avx2(s32[j]) - 32 * corr), acc[j]);
+            const __m256 dd = _mm256_set1_ps(d * xd[j][b]);
+            lo[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl[j]), dd, lo[j]);
+            hi[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh[j]), dd, hi[j]);
+            __m256i c = _mm256_madd_epi16(sc16,
+                                          _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
+            cacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), dd, cacc[j]);
         }
     }
     for (int j = 0; j < NX; j++)
-        out[j] = acc[j];
+        out[j] = reduce16_avx2(lo[j], hi[j]) - 32.0f * reduce8_avx2(cacc[j]);
 }
 
 #define DISPATCH_NX(CALL)                                                                          \
@@ -599,6 +654,12 @@ TARGET_512 static ALWAYS_INLINE __m512i halves_epi16(short lo, short hi) {
                               1);
 }
 
+/* The canonical tree over 16 lanes. */
+TARGET_512 static ALWAYS_INLINE float reduce16_512(__m512 v) {
+    return reduce16_avx2(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
 TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb,
                                                     const struct q_x *x, int64_t t, float *out,
                                                     const int five, const int NX) {
@@ -606,28 +667,23 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
-    float acc[Q_NX];
+    __m512 acc[Q_NX];
+    __m128 macc[Q_NX];
     for (int j = 0; j < NX; j++) {
         xq[j] = x->q + (t + j) * x->cols;
         xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         xs[j] = x->s + (t + j) * (x->cols / 16);
-        acc[j] = 0.0f;
+        acc[j] = _mm512_setzero_ps();
+        macc[j] = _mm_setzero_ps();
     }
     const __m512i m4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
     const __m512i sh = halves_epi16(0, 4);
-    __m512i idx[4], shq[4];
-    for (int i = 0; i < 4; i++) {
-        idx[i] = halves_epi16((short)(2 * i), (short)(2 * i + 1));
-        shq[i] = halves_epi16((short)(2 * i), (short)(2 * i + 1));
-    }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
         const uint8_t *qs = blk + (five ? 48 : 16);
         uint64_t sc64, m64;
         scales_k4(blk + 4, &sc64, &m64);
         const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64));
-        const __m512i sc16 =
-            _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_cvtsi64_si128((long long)sc64)));
         __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
                           : _mm512_setzero_si512();
         __m512i s32[Q_NX];
@@ -636,10 +692,13 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb
         for (int i = 0; i < 4; i++) {
             __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
             __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(q, sh), m4);
-            if (five)
+            if (five) {
+                const __m512i shq = halves_epi16((short)(2 * i), (short)(2 * i + 1));
                 wv = _mm512_or_si512(
-                    wv, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shq[i]), one), 4));
-            const __m512i sv = _mm512_permutexvar_epi16(idx[i], sc16);
+                    wv, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shq), one), 4));
+            }
+            const __m512i sv = halves_epi16((short)((sc64 >> (16 * i)) & 0xff),
+                                            (short)((sc64 >> (16 * i + 8)) & 0xff));
             for (int j = 0; j < NX; j++) {
                 __m512i xv = _mm512_loadu_si512(xq[j] + b * LLMEM_QK_K + 64 * i);
                 s32[j] = _mm512_add_epi32(s32[j],
@@ -648,18 +707,16 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb
         }
         const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
         for (int j = 0; j < NX; j++) {
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(d * xd[j][b]),
+                                     acc[j]);
             const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
-            __m128i p = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs),
-                                                            _mm_loadu_si128(bs + 1)));
-            p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4e));
-            p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0xb1));
-            const int s2 = _mm_cvtsi128_si32(p);
-            acc[j] = fmaf(d * xd[j][b], (float)_mm512_reduce_add_epi32(s32[j]), acc[j]);
-            acc[j] = fmaf(-(dmin * xd[j][b]), (float)s2, acc[j]);
+            __m128i mk = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs),
+                                                             _mm_loadu_si128(bs + 1)));
+            macc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(mk), _mm_set1_ps(-(dmin * xd[j][b])), macc[j]);
         }
     }
     for (int j = 0; j < NX; j++)
-        out[j] = acc[j];
+        out[j] = reduce16_512(acc[j]) + reduce4_sse(macc[j]);
 }
 
 TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t nb,
@@ -668,12 +725,14 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
-    float acc[Q_NX];
+    __m512 acc[Q_NX];
+    __m256 cacc[Q_NX];
     for (int j = 0; j < NX; j++) {
         xq[j] = x->q + (t + j) * x->cols;
         xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         xs[j] = x->s + (t + j) * (x->cols / 16);
-        acc[j] = 0.0f;
+        acc[j] = _mm512_setzero_ps();
+        cacc[j] = _mm256_setzero_ps();
     }
     const __m512i m4 = _mm512_set1_epi8(0xf), m3 = _mm512_set1_epi8(3);
     const __m512i sh01 = halves_epi16(0, 2), sh23 = halves_epi16(4, 6);
@@ -689,8 +748,8 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
-        const __m512i sc16 =
-            _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)sc)));
+        const __m256i sc16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        const __m512i sc16 = _mm512_castsi256_si512(sc16y);
         __m512i s32[Q_NX];
         for (int j = 0; j < NX; j++)
             s32[j] = _mm512_setzero_si512();
@@ -716,18 +775,16 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
             }
         }
         const float d = f16_at_c(blk + 208);
-        const __m256i sc16y = _mm512_castsi512_si256(sc16);
         for (int j = 0; j < NX; j++) {
-            /* Σ_k sc_k · (sum of q over sub-block k) */
+            const float dd = d * xd[j][b];
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(dd), acc[j]);
             __m256i c = _mm256_madd_epi16(sc16y,
                                           _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
-            const int corr = hsum_i32_avx2(c);
-            acc[j] = fmaf(d * xd[j][b], (float)(_mm512_reduce_add_epi32(s32[j]) - 32 * corr),
-                          acc[j]);
+            cacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(dd), cacc[j]);
         }
     }
     for (int j = 0; j < NX; j++)
-        out[j] = acc[j];
+        out[j] = reduce16_512(acc[j]) - 32.0f * reduce8_avx2(cacc[j]);
 }
 
 TARGET_512 static void dot_q4_k_512(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
