@@ -622,16 +622,21 @@ static void fast_case(int type, int64_t rows, int64_t cols, const int64_t *ns, i
         }
     for (int threads = 1; threads <= max_threads; threads++) {
         struct llmem_backend *b = make_backend(threads);
-        for (int isa = CPU_ISA_SCALAR; isa <= (int)llmem_cpu_isa_best(); isa++) {
-            llmem_backend_cpu_set_isa(b, (enum cpu_isa)isa);
+        /* every ISA; AVX-512 also without VNNI */
+        for (int isa = CPU_ISA_SCALAR; isa <= (int)llmem_cpu_isa_best() + 1; isa++) {
+            const int no_vnni = isa > (int)llmem_cpu_isa_best();
+            if (no_vnni && llmem_cpu_isa_best() != CPU_ISA_AVX512)
+                break;
+            llmem_backend_cpu_set_isa(b, no_vnni ? CPU_ISA_AVX512 : (enum cpu_isa)isa);
+            llmem_backend_cpu_set_vnni(b, !no_vnni);
             for (int i = 0; i < n_ns; i++) {
                 for (int64_t k = 0; k < ns[i] * rows; k++)
                     y[k] = NAN;
                 b->ops->matmul(b->ctx, &wq, x, ns[i], y, bias);
                 if (memcmp(y, one, (size_t)(ns[i] * rows) * sizeof(float)) != 0) {
-                    fprintf(stderr, "fast %s %lldx%lld: isa %s, %d threads, n=%lld differs\n",
-                            llmem_qtype_name(type), (long long)rows, (long long)cols,
-                            llmem_cpu_isa_name((enum cpu_isa)isa), threads, (long long)ns[i]);
+                    fprintf(stderr, "fast %s %lldx%lld: isa %d, %d threads, n=%lld differs\n",
+                            llmem_qtype_name(type), (long long)rows, (long long)cols, isa, threads,
+                            (long long)ns[i]);
                     fail();
                 }
             }

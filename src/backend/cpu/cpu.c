@@ -404,6 +404,10 @@ void llmem_backend_cpu_set_precision(struct llmem_backend *backend,
     ((struct cpu_ctx *)backend->ctx)->precision = precision;
 }
 
+void llmem_backend_cpu_set_vnni(struct llmem_backend *backend, int on) {
+    ((struct cpu_ctx *)backend->ctx)->no_vnni = !on;
+}
+
 const char *llmem_backend_cpu_matmul_kernels(void) {
     return llmem_cpu_q_kernels_name(llmem_cpu_isa_best());
 }

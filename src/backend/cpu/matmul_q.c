@@ -654,6 +654,16 @@ TARGET_512 static ALWAYS_INLINE __m512i halves_epi16(short lo, short hi) {
                               1);
 }
 
+/* acc + the pairwise products of a and b (vpdpwssd with VNNI, else vpmaddwd and vpaddd: the
+ * same exact integers). */
+TARGET_512 static ALWAYS_INLINE __m512i dot2_512(__m512i acc, __m512i a, __m512i b) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+}
+
+TARGET_VNNI static ALWAYS_INLINE __m512i dot2_vnni(__m512i acc, __m512i a, __m512i b) {
+    return _mm512_dpwssd_epi32(acc, a, b);
+}
+
 /* The canonical tree over 16 lanes. */
 TARGET_512 static ALWAYS_INLINE float reduce16_512(__m512 v) {
     return reduce16_avx2(_mm512_castps512_ps256(v),
@@ -661,8 +671,8 @@ TARGET_512 static ALWAYS_INLINE float reduce16_512(__m512 v) {
 }
 
 TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb,
-                                                    const struct q_x *x, int64_t t, float *out,
-                                                    const int five, const int NX) {
+                                                     const struct q_x *x, int64_t t, float *out,
+                                                     const int five, const int NX) {
     const int64_t bb = five ? 176 : 144;
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
@@ -701,8 +711,65 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb
                                             (short)((sc64 >> (16 * i + 8)) & 0xff));
             for (int j = 0; j < NX; j++) {
                 __m512i xv = _mm512_loadu_si512(xq[j] + b * LLMEM_QK_K + 64 * i);
-                s32[j] = _mm512_add_epi32(s32[j],
-                                          _mm512_madd_epi16(_mm512_maddubs_epi16(wv, xv), sv));
+                s32[j] = dot2_512(s32[j], _mm512_maddubs_epi16(wv, xv), sv);
+            }
+        }
+        const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
+        for (int j = 0; j < NX; j++) {
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(d * xd[j][b]),
+                                     acc[j]);
+            const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
+            __m128i mk = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs),
+                                                             _mm_loadu_si128(bs + 1)));
+            macc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(mk), _mm_set1_ps(-(dmin * xd[j][b])), macc[j]);
+        }
+    }
+    for (int j = 0; j < NX; j++)
+        out[j] = reduce16_512(acc[j]) + reduce4_sse(macc[j]);
+}
+
+TARGET_VNNI static ALWAYS_INLINE void dot_k45_vnni_nx(const uint8_t *w, int64_t nb,
+                                                     const struct q_x *x, int64_t t, float *out,
+                                                     const int five, const int NX) {
+    const int64_t bb = five ? 176 : 144;
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    const int16_t *xs[Q_NX];
+    __m512 acc[Q_NX];
+    __m128 macc[Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
+        xs[j] = x->s + (t + j) * (x->cols / 16);
+        acc[j] = _mm512_setzero_ps();
+        macc[j] = _mm_setzero_ps();
+    }
+    const __m512i m4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
+    const __m512i sh = halves_epi16(0, 4);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        uint64_t sc64, m64;
+        scales_k4(blk + 4, &sc64, &m64);
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64));
+        __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
+                          : _mm512_setzero_si512();
+        __m512i s32[Q_NX];
+        for (int j = 0; j < NX; j++)
+            s32[j] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) {
+            __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
+            __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(q, sh), m4);
+            if (five) {
+                const __m512i shq = halves_epi16((short)(2 * i), (short)(2 * i + 1));
+                wv = _mm512_or_si512(
+                    wv, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shq), one), 4));
+            }
+            const __m512i sv = halves_epi16((short)((sc64 >> (16 * i)) & 0xff),
+                                            (short)((sc64 >> (16 * i + 8)) & 0xff));
+            for (int j = 0; j < NX; j++) {
+                __m512i xv = _mm512_loadu_si512(xq[j] + b * LLMEM_QK_K + 64 * i);
+                s32[j] = dot2_vnni(s32[j], _mm512_maddubs_epi16(wv, xv), sv);
             }
         }
         const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
@@ -720,8 +787,8 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb
 }
 
 TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t nb,
-                                                     const struct q_x *x, int64_t t, float *out,
-                                                     const int NX) {
+                                                      const struct q_x *x, int64_t t, float *out,
+                                                      const int NX) {
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
@@ -767,11 +834,9 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
             const __m512i sv23 = _mm512_permutexvar_epi16(idx[h][1], sc16);
             for (int j = 0; j < NX; j++) {
                 const int8_t *xb = xq[j] + b * LLMEM_QK_K + 128 * h;
-                __m512i p0 = _mm512_madd_epi16(
-                    _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01);
-                __m512i p1 = _mm512_madd_epi16(
-                    _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)), sv23);
-                s32[j] = _mm512_add_epi32(s32[j], _mm512_add_epi32(p0, p1));
+                s32[j] = dot2_512(s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01);
+                s32[j] = dot2_512(s32[j], _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)),
+                                  sv23);
             }
         }
         const float d = f16_at_c(blk + 208);
@@ -787,26 +852,114 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
         out[j] = reduce16_512(acc[j]) - 32.0f * reduce8_avx2(cacc[j]);
 }
 
-TARGET_512 static void dot_q4_k_512(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
-                                    int nx, float *out) {
+TARGET_VNNI static ALWAYS_INLINE void dot_q6_k_vnni_nx(const uint8_t *w, int64_t nb,
+                                                      const struct q_x *x, int64_t t, float *out,
+                                                      const int NX) {
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    const int16_t *xs[Q_NX];
+    __m512 acc[Q_NX];
+    __m256 cacc[Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
+        xs[j] = x->s + (t + j) * (x->cols / 16);
+        acc[j] = _mm512_setzero_ps();
+        cacc[j] = _mm256_setzero_ps();
+    }
+    const __m512i m4 = _mm512_set1_epi8(0xf), m3 = _mm512_set1_epi8(3);
+    const __m512i sh01 = halves_epi16(0, 2), sh23 = halves_epi16(4, 6);
+    /* 128-bit lane k of the scales of values 0…63 of half h: sub-block 8h + k; of 64…127: +4 */
+    __m512i idx[2][2];
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 2; g++) {
+            short v[32];
+            for (int k = 0; k < 32; k++)
+                v[k] = (short)(8 * h + 4 * g + k / 8);
+            idx[h][g] = _mm512_loadu_si512(v);
+        }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const __m256i sc16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        const __m512i sc16 = _mm512_castsi256_si512(sc16y);
+        __m512i s32[Q_NX];
+        for (int j = 0; j < NX; j++)
+            s32[j] = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+            const __m512i qh =
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+            const __m512i g01 = _mm512_or_si512(
+                _mm512_and_si512(ql, m4),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh01), m3), 4));
+            const __m512i g23 = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh23), m3), 4));
+            const __m512i sv01 = _mm512_permutexvar_epi16(idx[h][0], sc16);
+            const __m512i sv23 = _mm512_permutexvar_epi16(idx[h][1], sc16);
+            for (int j = 0; j < NX; j++) {
+                const int8_t *xb = xq[j] + b * LLMEM_QK_K + 128 * h;
+                s32[j] = dot2_vnni(s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01);
+                s32[j] = dot2_vnni(s32[j], _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)),
+                                  sv23);
+            }
+        }
+        const float d = f16_at_c(blk + 208);
+        for (int j = 0; j < NX; j++) {
+            const float dd = d * xd[j][b];
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(dd), acc[j]);
+            __m256i c = _mm256_madd_epi16(sc16y,
+                                          _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
+            cacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(dd), cacc[j]);
+        }
+    }
+    for (int j = 0; j < NX; j++)
+        out[j] = reduce16_512(acc[j]) - 32.0f * reduce8_avx2(cacc[j]);
+}
+
+TARGET_512 static void dot_q4_k_512(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                   int64_t t, int nx, float *out) {
 #define CALL(N) dot_k45_512_nx(w, nb, x, t, out, 0, N)
     DISPATCH_NX(CALL)
 #undef CALL
 }
 
-TARGET_512 static void dot_q5_k_512(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
-                                    int nx, float *out) {
+TARGET_512 static void dot_q5_k_512(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                   int64_t t, int nx, float *out) {
 #define CALL(N) dot_k45_512_nx(w, nb, x, t, out, 1, N)
     DISPATCH_NX(CALL)
 #undef CALL
 }
 
-TARGET_512 static void dot_q6_k_512(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
-                                    int nx, float *out) {
+TARGET_512 static void dot_q6_k_512(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                   int64_t t, int nx, float *out) {
 #define CALL(N) dot_q6_k_512_nx(w, nb, x, t, out, N)
     DISPATCH_NX(CALL)
 #undef CALL
 }
+
+TARGET_VNNI static void dot_q4_k_vnni(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                   int64_t t, int nx, float *out) {
+#define CALL(N) dot_k45_vnni_nx(w, nb, x, t, out, 0, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_VNNI static void dot_q5_k_vnni(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                   int64_t t, int nx, float *out) {
+#define CALL(N) dot_k45_vnni_nx(w, nb, x, t, out, 1, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_VNNI static void dot_q6_k_vnni(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                   int64_t t, int nx, float *out) {
+#define CALL(N) dot_q6_k_vnni_nx(w, nb, x, t, out, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
 #endif
 
 /* ---- the kernel tables ------------------------------------------------------------------------
@@ -829,23 +982,23 @@ static const struct q_kernels q_512 = {quantize_x_avx2, dot32_avx2_q8_0, dot32_a
                                        dot_q4_k_512,    dot_q5_k_512,    dot_q6_k_512,
                                        "avx512"};
 static const struct q_kernels q_vnni = {quantize_x_avx2, dot32_vnni_q8_0, dot32_vnni_q4_0,
-                                        dot_q4_k_512,    dot_q5_k_512,    dot_q6_k_512,
+                                        dot_q4_k_vnni,   dot_q5_k_vnni,   dot_q6_k_vnni,
                                         "avx512_vnni"};
 #endif
 
-static const struct q_kernels *q_kernels_for(enum cpu_isa isa) {
+static const struct q_kernels *q_kernels_for(enum cpu_isa isa, int no_vnni) {
 #if QX86
     if (isa == CPU_ISA_AVX512)
-        return llmem_sys_isa_features() & LLMEM_ISA_AVX512_VNNI ? &q_vnni : &q_512;
+        return !no_vnni && (llmem_sys_isa_features() & LLMEM_ISA_AVX512_VNNI) ? &q_vnni : &q_512;
     if (isa >= CPU_ISA_AVX2)
         return &q_avx2;
 #endif
-    (void)isa;
+    (void)isa, (void)no_vnni;
     return &q_scalar;
 }
 
 const char *llmem_cpu_q_kernels_name(enum cpu_isa isa) {
-    return q_kernels_for(isa)->name;
+    return q_kernels_for(isa, 0)->name;
 }
 
 static q_dot_fn q_dot_for(const struct q_kernels *k, int type) {
@@ -917,7 +1070,7 @@ void llmem_cpu_matmul_q(struct cpu_ctx *c, const struct llmem_weight *w, const f
     const int64_t blk = q_block_elems(w->quant);
     const int ksum = blk == LLMEM_QK_K;
     struct q_job job = {0};
-    job.k = q_kernels_for(c->isa);
+    job.k = q_kernels_for(c->isa, c->no_vnni);
     job.dot = q_dot_for(job.k, w->quant);
     job.w = w, job.x = x, job.bias = bias, job.y = y;
     job.blk = blk, job.nb = cols / blk, job.row_bytes = llmem_weight_row_bytes(w);
