@@ -417,10 +417,6 @@ TARGET_AVX2 static ALWAYS_INLINE __m256i dot4_avx2(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-TARGET_VNNI static ALWAYS_INLINE __m256i dot4_vnni(__m256i u, __m256i s) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-}
-
 #define DEFINE_DOT32(NAME, TARGET, DOT4)                                                           \
     TARGET static ALWAYS_INLINE void NAME##_nx(const uint8_t *w, int64_t nb, const struct q_x *x,  \
                                                int64_t t, float *out, const int q4, const int NX) { \
@@ -479,7 +475,6 @@ TARGET_VNNI static ALWAYS_INLINE __m256i dot4_vnni(__m256i u, __m256i s) {
     }
 
 DEFINE_DOT32(dot32_avx2, TARGET_AVX2, dot4_avx2)
-DEFINE_DOT32(dot32_vnni, TARGET_VNNI, dot4_vnni)
 
 /* Q4_K and Q5_K: per pair of sub-blocks, 32 bytes of nibbles (low: sub-block 2i, high: 2i+1)
  * and, for Q5_K, bits 2i and 2i+1 of qh as the fifth bits. Lanes 0–7 of the canonical 16 in lo
@@ -662,6 +657,89 @@ TARGET_512 static ALWAYS_INLINE __m512i dot2_512(__m512i acc, __m512i a, __m512i
 
 TARGET_VNNI static ALWAYS_INLINE __m512i dot2_vnni(__m512i acc, __m512i a, __m512i b) {
     return _mm512_dpwssd_epi32(acc, a, b);
+}
+
+/* Q8_0 and Q4_0 with AVX-512 VNNI: two blocks a register. Blocks 4k and 4k+1 go to the halves of
+ * one accumulator (sets 0 and 1 of the canonical order), 4k+2 and 4k+3 to another (sets 2, 3);
+ * the last nb mod 4 blocks to the sets as 8-lane halves. */
+TARGET_VNNI static ALWAYS_INLINE __m256i w32_vnni(const uint8_t *blk, const int q4) {
+    if (q4) {
+        __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
+        __m128i lo = _mm_and_si128(qs, _mm_set1_epi8(0xf));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0xf));
+        return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+    }
+    return _mm256_loadu_si256((const __m256i *)(blk + 2));
+}
+
+TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t nb,
+                                                       const struct q_x *x, int64_t t, float *out,
+                                                       const int q4, const int NX) {
+    const int64_t bb = q4 ? 18 : 34;
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    __m512 acc[2][Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / 32);
+        acc[0][j] = acc[1][j] = _mm512_setzero_ps();
+    }
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4)
+        for (int pr = 0; pr < 2; pr++) {
+            const uint8_t *b0 = w + (b + 2 * pr) * bb, *b1 = b0 + bb;
+            const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(w32_vnni(b0, q4)),
+                                                  w32_vnni(b1, q4), 1);
+            const __m512i aw = _mm512_abs_epi8(wv);
+            const __mmask64 neg = _mm512_movepi8_mask(wv);
+            const float d0 = f16_at_c(b0), d1 = f16_at_c(b1);
+            for (int j = 0; j < NX; j++) {
+                __m512i xv = _mm512_loadu_si512(xq[j] + (b + 2 * pr) * 32);
+                xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, xv);
+                const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(
+                    _mm512_castps_pd(_mm512_set1_ps(d0 * xd[j][b + 2 * pr])),
+                    _mm256_castps_pd(_mm256_set1_ps(d1 * xd[j][b + 2 * pr + 1])), 1));
+                acc[pr][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), dd, acc[pr][j]);
+            }
+        }
+    __m256 set[4][Q_NX];
+    for (int j = 0; j < NX; j++) {
+        for (int pr = 0; pr < 2; pr++) {
+            set[2 * pr][j] = _mm512_castps512_ps256(acc[pr][j]);
+            set[2 * pr + 1][j] =
+                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[pr][j]), 1));
+        }
+    }
+    for (; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const __m256i wv = w32_vnni(blk, q4);
+        const __m256i aw = _mm256_sign_epi8(wv, wv);
+        const float dw = f16_at_c(blk);
+        for (int j = 0; j < NX; j++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + b * 32));
+            __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(xv, wv));
+            set[b & 3][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[j][b]),
+                                            set[b & 3][j]);
+        }
+    }
+    for (int j = 0; j < NX; j++)
+        out[j] = reduce8_avx2(
+            _mm256_add_ps(_mm256_add_ps(set[0][j], set[1][j]), _mm256_add_ps(set[2][j], set[3][j])));
+}
+
+TARGET_VNNI static void dot_q8_0_vnni512(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                         int64_t t, int nx, float *out) {
+#define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, 0, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_VNNI static void dot_q4_0_vnni512(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                         int64_t t, int nx, float *out) {
+#define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, 1, N)
+    DISPATCH_NX(CALL)
+#undef CALL
 }
 
 /* The canonical tree over 16 lanes. */
@@ -981,7 +1059,7 @@ static const struct q_kernels q_avx2 = {quantize_x_avx2, dot32_avx2_q8_0, dot32_
 static const struct q_kernels q_512 = {quantize_x_avx2, dot32_avx2_q8_0, dot32_avx2_q4_0,
                                        dot_q4_k_512,    dot_q5_k_512,    dot_q6_k_512,
                                        "avx512"};
-static const struct q_kernels q_vnni = {quantize_x_avx2, dot32_vnni_q8_0, dot32_vnni_q4_0,
+static const struct q_kernels q_vnni = {quantize_x_avx2, dot_q8_0_vnni512, dot_q4_0_vnni512,
                                         dot_q4_k_vnni,   dot_q5_k_vnni,   dot_q6_k_vnni,
                                         "avx512_vnni"};
 #endif
