@@ -95,7 +95,7 @@ static const char usage[] =
     "  --no-mmap        read the weights into (huge-page) memory, as llmem run --no-mmap\n"
     "  --backend B      cpu (default) or cuda: then against the device's copy bandwidth\n"
     "  --device N       the CUDA device (default 0)\n"
-    "  --precision P    cuda: fast (default) or f32\n"
+    "  --precision P    fast (default) or f32 (cuda: tensor cores; cpu: quantized weights)\n"
     "  --json           one JSON object: model, weights_bytes, points[] {threads, "
     "prefill_tokens_per_s,\n"
     "                   prefill_gflops, decode_tokens_per_s, decode_gbps, bandwidth_read_gbps,\n"

@@ -61,7 +61,7 @@ struct llmem_engine_config {
     int no_mmap; /* --no-mmap: the weights read into (huge-page) memory instead of mapped */
     enum llmem_backend_kind backend;        /* --backend: cpu, or cuda (the whole pass on a GPU) */
     int device;                             /* --device: the CUDA device */
-    enum llmem_backend_precision precision; /* --precision (cuda): fast or f32 */
+    enum llmem_backend_precision precision; /* --precision: fast or f32 */
     /* the plan's runtime baseline (SPEC §2.2: what the process holds outside the allocator):
      * LLMEM_ENGINE_BASELINE_MEASURE (the default) measures it at open, ≥ 0 takes it as given
      * (a test that pretends a smaller machine than its own process) */

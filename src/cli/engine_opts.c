@@ -32,8 +32,10 @@ const char cli_engine_help[] =
     "                       KV cache (paged; f16, bf16, f32 or q8) on a GPU, planned for its\n"
     "                       memory\n"
     "  --device N           the CUDA device (default 0)\n"
-    "  --precision P        cuda: fast (default: bf16/f16 tensor cores for prefill, f32\n"
-    "                       accumulation) or f32\n";
+    "  --precision P        fast (default) or f32. cuda: bf16/f16 tensor cores for prefill\n"
+    "                       (f32 accumulation) or f32 throughout; cpu: quantized (GGUF)\n"
+    "                       weights by 8-bit integer dot products (activations quantized per\n"
+    "                       block) or dequantized exactly and multiplied in f32\n";
 
 int cli_engine_option(int opt, const char *arg, struct llmem_engine_config *c) {
     int64_t v = 0;

@@ -56,6 +56,8 @@ static void print_host(const struct llmem_device_info *h) {
     printf("\n");
     printf(LABEL "%s\n", "isa", h->arch[0] ? h->arch : "none detected");
     printf(LABEL "%s kernels\n", "attention", llmem_kv_kernels_name());
+    printf(LABEL "%s kernels (quantized weights, fast precision)\n", "matmul",
+           llmem_backend_cpu_matmul_kernels());
     printf(LABEL "%s (physical RAM)\n", "memory", fmt_size(h->memory_size, "", a, sizeof(a)));
 
     /* The ceiling, and why. */
@@ -219,7 +221,9 @@ static int print_json(const struct llmem_device_info *host, const struct llmem_d
     cJSON *root = cJSON_CreateObject();
     if (root == NULL || llmem_sys_device_info_json(host, root) != LLMEM_OK ||
         llmem_json_add_bool(root, "cuda_built", llmem_backend_cuda_available()) != LLMEM_OK ||
-        llmem_json_add_string(root, "attention_kernels", llmem_kv_kernels_name()) != LLMEM_OK)
+        llmem_json_add_string(root, "attention_kernels", llmem_kv_kernels_name()) != LLMEM_OK ||
+        llmem_json_add_string(root, "matmul_kernels", llmem_backend_cpu_matmul_kernels()) !=
+            LLMEM_OK)
         goto out_delete;
     cJSON *host_obj = cJSON_AddObjectToObject(root, "host");
     if (host_obj == NULL || llmem_sys_device_info_json(host, host_obj) != LLMEM_OK)

@@ -241,8 +241,13 @@ static char *digest_cache_path(void) {
 static int open_bank(struct llmem_engine *e) {
     struct llmem_bank_identity id;
     char *cache = digest_cache_path();
+    /* KV computed from quantized weights at one precision is not served to a run at the other:
+     * the precision salts a GGUF model's identity (its digest already holds the block types) */
+    const char *salt = NULL;
+    if (llmem_gguf_is_gguf(e->cfg.model_dir))
+        salt = e->cfg.precision == LLMEM_PRECISION_F32 ? "precision=f32" : "precision=fast";
     int status =
-        llmem_bank_identity(e->cfg.model_dir, e->cfg.kv_format, e->cfg.kv_layout, NULL, cache, &id);
+        llmem_bank_identity(e->cfg.model_dir, e->cfg.kv_format, e->cfg.kv_layout, salt, cache, &id);
     free(cache);
     if (status == LLMEM_OK)
         status = llmem_bank_create(e->kv, id.root, &e->bank);
@@ -356,6 +361,7 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
                                        progress_arg, &e->model)) != LLMEM_OK ||
             (status = llmem_backend_cpu_create_shared(e->pool, e->mem, &e->be)) != LLMEM_OK)
             goto fail;
+        llmem_backend_cpu_set_precision(e->be, config->precision);
     }
     if ((status = open_kv(e)) != LLMEM_OK ||
         (status = llmem_forward_create(e->model, e->be, e->kv, e->cfg.max_batch_tokens, &e->fwd)) !=

@@ -349,6 +349,7 @@ static int cpu_create(int n_threads, struct llmem_pool *pool, struct llmem_mem *
     c->n_threads = llmem_pool_threads(c->pool);
     c->isa = llmem_cpu_isa_best();
     c->path = CPU_MATMUL_AUTO;
+    c->precision = LLMEM_PRECISION_FAST;
     c->gemm_min_n = 24; /* measured crossover: below, converting W costs more than it saves */
     size_t panel = (size_t)llmem_backend_cpu_scratch_bytes(c->n_threads) - CPU_GEMM_XT_BYTES;
     int ok;
@@ -395,6 +396,20 @@ enum cpu_isa llmem_backend_cpu_set_isa(struct llmem_backend *backend, enum cpu_i
     enum cpu_isa best = llmem_cpu_isa_best();
     c->isa = isa > best ? best : isa;
     return c->isa;
+}
+
+void llmem_backend_cpu_set_precision(struct llmem_backend *backend,
+                                     enum llmem_backend_precision precision) {
+    LLMEM_ASSERT(backend != NULL && strcmp(backend->ops->name, "cpu") == 0);
+    ((struct cpu_ctx *)backend->ctx)->precision = precision;
+}
+
+void llmem_backend_cpu_set_vnni(struct llmem_backend *backend, int on) {
+    ((struct cpu_ctx *)backend->ctx)->no_vnni = !on;
+}
+
+const char *llmem_backend_cpu_matmul_kernels(void) {
+    return llmem_cpu_q_kernels_name(llmem_cpu_isa_best());
 }
 
 void llmem_backend_cpu_set_matmul_path(struct llmem_backend *backend, enum cpu_matmul_path path) {

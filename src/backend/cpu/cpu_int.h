@@ -57,6 +57,8 @@ struct cpu_ctx {
     enum cpu_isa isa;
     enum cpu_matmul_path path;
     int64_t gemm_min_n; /* AUTO: n at or above this takes the GEMM path */
+    enum llmem_backend_precision precision; /* fast: quantized weights take matmul_q.c */
+    int no_vnni; /* matmul_q.c's AVX-512 kernels without VNNI (tests; else VNNI where present) */
     float *xt;          /* (CPU_GEMM_XT_BYTES) a block of x, packed (AVX-512 GEMM) */
     float *wpanel;      /* (n_threads, CPU_GEMM_THREAD_FLOATS): W converted to f32, sums */
 };
@@ -66,6 +68,17 @@ void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *con
                             const float *x, int64_t n, float *const *y, const float *const *bias);
 void llmem_cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,
                       const float *bias);
+
+/* The fast path for quantized weights (matmul_q.c): whether a weight of this type and row length
+ * has integer kernels, and the matmul through them (x quantized per block; see matmul_q.c). */
+int llmem_cpu_matmul_q_supported(int type, int64_t cols);
+void llmem_cpu_matmul_q(struct cpu_ctx *c, const struct llmem_weight *w, const float *x, int64_t n,
+                        float *y, const float *bias);
+/* The instruction set of the kernels matmul_q.c runs at this ISA: "avx512_vnni", "avx2" or
+ * "scalar". */
+const char *llmem_cpu_q_kernels_name(enum cpu_isa isa);
+/* Test hook: 0 makes the AVX-512 integer kernels of a backend skip VNNI (as on a CPU without). */
+void llmem_backend_cpu_set_vnni(struct llmem_backend *backend, int on);
 
 /* The best ISA of this CPU for the kernels. */
 enum cpu_isa llmem_cpu_isa_best(void);

@@ -896,7 +896,10 @@ void llmem_cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, i
     }
     const struct matmul_kernels *k = &kernels[c->isa];
     if (w->quant != 0) {
-        matmul_quant(c, k, w, x, n, y, bias);
+        if (c->precision == LLMEM_PRECISION_FAST && llmem_cpu_matmul_q_supported(w->quant, w->cols))
+            llmem_cpu_matmul_q(c, w, x, n, y, bias);
+        else
+            matmul_quant(c, k, w, x, n, y, bias);
         return;
     }
     enum cpu_matmul_path path = c->path;

@@ -1,0 +1,1188 @@
+/*
+ * backend/cpu/matmul_q.c — y = x · Wᵀ (+ bias) for quantized weights at fast precision: integer
+ * dot products on the blocks as they lie in the file, the activations quantized per block.
+ *
+ * The activations: each row of x in blocks of 32 values (for the 32-value weight types) or 256
+ * (the K types), d = max|x| / 127 and q = round(x · 127 / max|x|) to nearest even, q in
+ * [−127, 127] (so |x − q·d| ≤ d/2 = max|x|/254 per block); the K types also keep the sums of
+ * q over each 16 values. A row's quantization depends on that row alone.
+ *
+ * The products, per type, with every integer sum exact (no saturation: the bounds are below):
+ *   Q8_0, Q4_0   per block b and lane l < 8: p[b][l] = Σ of w·q over the block's values
+ *                4l … 4l+3 (Q4_0's w = nibble − 8); lane l of set b mod 4 ←
+ *                fma((float)p, dw_b · dx_b, that lane) in block order; then
+ *                l[i] = (set0[i] + set1[i]) + (set2[i] + set3[i]) and the tree
+ *                h4[i] = l[i] + l[i+4], h2[i] = h4[i] + h4[i+2], s = h2[0] + h2[1].
+ *   Q4_K, Q5_K   per super-block: S1 = Σ_j sc_j · Σ w·q over sub-block j (w the 4/5-bit value),
+ *                S2 = Σ_j m_j · (sum of q over sub-block j); s ← fma(d·dx, (float)S1, s), then
+ *                s ← fma(−(dmin·dx), (float)S2, s), super-blocks in order.
+ *   Q6_K         per super-block: S = Σ_j sc_j · (Σ w·q − 32 · sum of q) over the 16-value
+ *                sub-blocks (w the 6-bit value 0…63); s ← fma(d·dx, (float)S, s).
+ * then y = s + bias. The portable C, AVX2 (vpmaddubsw), AVX-512BW (the K types, 64 values an
+ * instruction) and AVX-512 VNNI (vpdpbusd, Q8_0/Q4_0) kernels compute these very operations, so they give the same bits, and a row of x gives the same bits alone or
+ * in any batch, on any thread count (the decode and prefill loops call the same kernels).
+ *
+ * Loops: the rows of x are quantized in chunks that fit the backend's packed-x scratch (all
+ * threads, a row each); the W rows are split into contiguous ranges, one task each. A task takes
+ * 16 W rows at a time and, for every 4 rows of x of the chunk, multiplies each W row with the 4
+ * (the weights unpacked once for 4 dot products, the 16 rows' blocks and the 4 rows of x in
+ * cache). Decode (n = 1) thus streams W once.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "backend/cpu/cpu_int.h"
+#include "core/log.h"
+#include "llmem/pool.h"
+#include "llmem/sys.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define QX86 1
+#include <immintrin.h>
+#else
+#define QX86 0
+#endif
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+#define Q_NX 4  /* rows of x per kernel call */
+#define Q_MR 16 /* W rows per tile */
+
+/* The quantized rows of x of a chunk. */
+struct q_x {
+    const int8_t *q;  /* (nt, cols) */
+    const float *d;   /* (nt, cols / blk) */
+    const int16_t *s; /* (nt, cols / 16): sums of q over 16 values (K types) */
+    int64_t cols, blk;
+};
+
+typedef void (*q_dot_fn)(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,
+                         float *out);
+
+/* ---- helpers ----------------------------------------------------------------------------------
+ */
+
+static ALWAYS_INLINE float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return llmem_cpu_f16_to_f32(h);
+}
+
+static ALWAYS_INLINE void scale_min_k4(int j, const uint8_t *q, int *d, int *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* All eight scales and mins of a Q4_K/Q5_K block at once, as scale_min_k4 gives them: byte j of
+ * *sc and *m (kept in registers: no store and reload). */
+static ALWAYS_INLINE void scales_k4(const uint8_t *q, uint64_t *sc, uint64_t *m) {
+    uint32_t a, b, c;
+    memcpy(&a, q, 4);
+    memcpy(&b, q + 4, 4);
+    memcpy(&c, q + 8, 4);
+    const uint32_t s0 = a & 0x3f3f3f3fu, m0 = b & 0x3f3f3f3fu;
+    const uint32_t s1 = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    const uint32_t m1 = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+    *sc = (uint64_t)s0 | (uint64_t)s1 << 32;
+    *m = (uint64_t)m0 | (uint64_t)m1 << 32;
+}
+
+static ALWAYS_INLINE float reduce8(const float *l) {
+    float h4[4], h2[2];
+    for (int i = 0; i < 4; i++)
+        h4[i] = l[i] + l[i + 4];
+    for (int i = 0; i < 2; i++)
+        h2[i] = h4[i] + h4[i + 2];
+    return h2[0] + h2[1];
+}
+
+/* Block bytes and values, by type. */
+static int64_t q_block_bytes(int type) {
+    switch (type) {
+    case LLMEM_QTYPE_Q8_0: return 34;
+    case LLMEM_QTYPE_Q4_0: return 18;
+    case LLMEM_QTYPE_Q4_K: return 144;
+    case LLMEM_QTYPE_Q5_K: return 176;
+    case LLMEM_QTYPE_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static int64_t q_block_elems(int type) {
+    return type == LLMEM_QTYPE_Q8_0 || type == LLMEM_QTYPE_Q4_0 ? 32 : LLMEM_QK_K;
+}
+
+/* ---- quantizing x -----------------------------------------------------------------------------
+ */
+
+static void quantize_x_scalar(const float *x, int64_t cols, int64_t blk, int8_t *q, float *d,
+                              int16_t *s) {
+    for (int64_t b = 0; b < cols / blk; b++) {
+        const float *xb = x + b * blk;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < blk; i++) {
+            float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        for (int64_t i = 0; i < blk; i++) {
+            float v = nearbyintf(xb[i] * id);
+            q[b * blk + i] = (int8_t)(v >= -127.0f && v <= 127.0f ? (int)v : 0);
+        }
+    }
+    if (s != NULL)
+        for (int64_t j = 0; j < cols / 16; j++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++)
+                sum += q[j * 16 + i];
+            s[j] = (int16_t)sum;
+        }
+}
+
+#if QX86
+#define TARGET_AVX2 __attribute__((target("avx,avx2,fma,f16c")))
+#define TARGET_VNNI                                                                                \
+    __attribute__((target("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+/* As quantize_x_scalar: max|x| is exact in any order, 127/max and x · id are single roundings,
+ * and vcvtps2dq rounds to nearest even as nearbyintf does (the default rounding mode). */
+TARGET_AVX2 static void quantize_x_avx2(const float *x, int64_t cols, int64_t blk, int8_t *q,
+                                        float *d, int16_t *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < cols / blk; b++) {
+        const float *xb = x + b * blk;
+        __m256 m = _mm256_setzero_ps();
+        for (int64_t i = 0; i < blk; i += 8)
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        const __m256 idv = _mm256_set1_ps(id);
+        for (int64_t i = 0; i < blk; i += 32) {
+            __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), idv));
+            __m256i bq = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), idv));
+            __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 16), idv));
+            __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 24), idv));
+            __m256i ab = _mm256_packs_epi32(a, bq), ce = _mm256_packs_epi32(c, e);
+            __m256i all = _mm256_packs_epi16(ab, ce);
+            /* the packs interleave 128-bit lanes: dwords 0 4 1 5 2 6 3 7 back in order */
+            all = _mm256_permutevar8x32_epi32(all, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(q + b * blk + i), all);
+        }
+    }
+    if (s != NULL) {
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (int64_t j = 0; j < cols / 16; j++) {
+            __m256i v = _mm256_madd_epi16(
+                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + j * 16))), ones);
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+            s[j] = (int16_t)_mm_cvtsi128_si32(h);
+        }
+    }
+}
+
+/* f16 → f32 by F16C: exact, as llmem_cpu_f16_to_f32 (NaNs aside). */
+TARGET_AVX2 static ALWAYS_INLINE float f16_at_c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+TARGET_AVX2 static ALWAYS_INLINE int hsum_i32_avx2(__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    return _mm_cvtsi128_si32(h);
+}
+
+/* The canonical trees over 16 lanes (lo: 0–7, hi: 8–15) and over 4. */
+TARGET_AVX2 static ALWAYS_INLINE float reduce16_avx2(__m256 lo, __m256 hi) {
+    __m256 h8 = _mm256_add_ps(lo, hi);
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+TARGET_AVX2 static ALWAYS_INLINE float reduce4_sse(__m128 v) {
+    __m128 h2 = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+/* The canonical tree over 8 lanes. */
+TARGET_AVX2 static ALWAYS_INLINE float reduce8_avx2(__m256 v) {
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+#endif
+
+/* ---- portable kernels -------------------------------------------------------------------------
+ */
+
+static void dot_q8_0_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,
+                            float *out) {
+    for (int j = 0; j < nx; j++) {
+        const int8_t *xq = x->q + (t + j) * x->cols;
+        const float *xd = x->d + (t + j) * (x->cols / 32);
+        float acc[4][8] = {{0}};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + b * 34;
+            const int8_t *wq = (const int8_t *)(blk + 2);
+            const float dd = f16_at(blk) * xd[b];
+            for (int l = 0; l < 8; l++) {
+                int p = 0;
+                for (int i = 4 * l; i < 4 * l + 4; i++)
+                    p += wq[i] * xq[b * 32 + i];
+                acc[b % 4][l] = fmaf((float)p, dd, acc[b % 4][l]);
+            }
+        }
+        float l8[8];
+        for (int l = 0; l < 8; l++)
+            l8[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+        out[j] = reduce8(l8);
+    }
+}
+
+static void dot_q4_0_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,
+                            float *out) {
+    for (int j = 0; j < nx; j++) {
+        const int8_t *xq = x->q + (t + j) * x->cols;
+        const float *xd = x->d + (t + j) * (x->cols / 32);
+        float acc[4][8] = {{0}};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + b * 18;
+            const float dd = f16_at(blk) * xd[b];
+            int wv[32];
+            for (int i = 0; i < 16; i++) {
+                wv[i] = (blk[2 + i] & 0xf) - 8;
+                wv[i + 16] = (blk[2 + i] >> 4) - 8;
+            }
+            for (int l = 0; l < 8; l++) {
+                int p = 0;
+                for (int i = 4 * l; i < 4 * l + 4; i++)
+                    p += wv[i] * xq[b * 32 + i];
+                acc[b % 4][l] = fmaf((float)p, dd, acc[b % 4][l]);
+            }
+        }
+        float l8[8];
+        for (int l = 0; l < 8; l++)
+            l8[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+        out[j] = reduce8(l8);
+    }
+}
+
+/* Q4_K (hbits NULL) and Q5_K: the values of super-block `blk` as 0…31. */
+static void unpack_k45(const uint8_t *qs, const uint8_t *qh, uint8_t *v) {
+    for (int i = 0; i < 4; i++)
+        for (int l = 0; l < 32; l++) {
+            v[64 * i + l] = (uint8_t)(qs[32 * i + l] & 0xf);
+            v[64 * i + 32 + l] = (uint8_t)(qs[32 * i + l] >> 4);
+            if (qh != NULL) {
+                v[64 * i + l] = (uint8_t)(v[64 * i + l] | (((qh[l] >> (2 * i)) & 1) << 4));
+                v[64 * i + 32 + l] =
+                    (uint8_t)(v[64 * i + 32 + l] | (((qh[l] >> (2 * i + 1)) & 1) << 4));
+            }
+        }
+}
+
+static ALWAYS_INLINE float reduce16(const float *l) {
+    float h8[8];
+    for (int i = 0; i < 8; i++)
+        h8[i] = l[i] + l[i + 8];
+    return reduce8(h8);
+}
+
+static ALWAYS_INLINE float reduce4(const float *l) {
+    float h2[2];
+    for (int i = 0; i < 2; i++)
+        h2[i] = l[i] + l[i + 2];
+    return h2[0] + h2[1];
+}
+
+/* Lane L < 16 of a K-type super-block: the integer sum over the runs of 4 values that the
+ * 64-value steps of the AVX-512 kernels put in lane L, each times its sub-block's scale. */
+static ALWAYS_INLINE int k_lane(const uint8_t *v, const int8_t *xq, int start, int scale) {
+    int p = 0;
+    for (int e = 0; e < 4; e++)
+        p += v[start + e] * xq[start + e];
+    return scale * p;
+}
+
+static ALWAYS_INLINE void dot_k45_scalar(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                         int64_t t, int nx, float *out, const int five) {
+    const int64_t bb = five ? 176 : 144;
+    for (int j = 0; j < nx; j++) {
+        const int8_t *xq = x->q + (t + j) * x->cols;
+        const float *xd = x->d + (t + j) * (x->cols / LLMEM_QK_K);
+        const int16_t *xs = x->s + (t + j) * (x->cols / 16);
+        float acc[16] = {0}, macc[4] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + b * bb;
+            const int8_t *xb = xq + b * LLMEM_QK_K;
+            const int16_t *bs = xs + b * 16;
+            uint8_t v[LLMEM_QK_K];
+            unpack_k45(blk + (five ? 48 : 16), five ? blk + 16 : NULL, v);
+            int sc[8], m[8];
+            for (int sb = 0; sb < 8; sb++)
+                scale_min_k4(sb, blk + 4, &sc[sb], &m[sb]);
+            const float dd = f16_at(blk) * xd[b], dm = -(f16_at(blk + 2) * xd[b]);
+            for (int l = 0; l < 16; l++) {
+                const int h = l >> 3, k = l & 7;
+                int s = 0;
+                for (int i = 0; i < 4; i++)
+                    s += k_lane(v, xb, 64 * i + 32 * h + 4 * k, sc[2 * i + h]);
+                acc[l] = fmaf((float)s, dd, acc[l]);
+            }
+            for (int k = 0; k < 4; k++) {
+                const int mk = m[2 * k] * (bs[4 * k] + bs[4 * k + 1]) +
+                               m[2 * k + 1] * (bs[4 * k + 2] + bs[4 * k + 3]);
+                macc[k] = fmaf((float)mk, dm, macc[k]);
+            }
+        }
+        out[j] = reduce16(acc) + reduce4(macc);
+    }
+}
+
+static void dot_q4_k_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,
+                            float *out) {
+    dot_k45_scalar(w, nb, x, t, nx, out, 0);
+}
+
+static void dot_q5_k_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,
+                            float *out) {
+    dot_k45_scalar(w, nb, x, t, nx, out, 1);
+}
+
+static void dot_q6_k_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,
+                            float *out) {
+    for (int j = 0; j < nx; j++) {
+        const int8_t *xq = x->q + (t + j) * x->cols;
+        const float *xd = x->d + (t + j) * (x->cols / LLMEM_QK_K);
+        const int16_t *xs = x->s + (t + j) * (x->cols / 16);
+        float acc[16] = {0}, cacc[8] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + b * 210;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const int8_t *xb = xq + b * LLMEM_QK_K;
+            const int16_t *bs = xs + b * 16;
+            uint8_t v[LLMEM_QK_K];
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+                for (int l = 0; l < 32; l++) {
+                    v[128 * h + l] = (uint8_t)((ql[l] & 0xf) | ((qh[l] & 3) << 4));
+                    v[128 * h + 32 + l] = (uint8_t)((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4));
+                    v[128 * h + 64 + l] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                    v[128 * h + 96 + l] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+                }
+            }
+            const float dd = f16_at(blk + 208) * xd[b];
+            for (int l = 0; l < 16; l++) {
+                int s = 0;
+                for (int h = 0; h < 2; h++) {
+                    s += k_lane(v, xb, 128 * h + 4 * l, sc[8 * h + l / 4]);
+                    s += k_lane(v, xb, 128 * h + 64 + 4 * l, sc[8 * h + 4 + l / 4]);
+                }
+                acc[l] = fmaf((float)s, dd, acc[l]);
+            }
+            for (int k = 0; k < 8; k++)
+                cacc[k] = fmaf((float)(sc[2 * k] * bs[2 * k] + sc[2 * k + 1] * bs[2 * k + 1]), dd,
+                               cacc[k]);
+        }
+        out[j] = reduce16(acc) - 32.0f * reduce8(cacc);
+    }
+}
+
+/* ---- AVX2 and AVX-512 VNNI kernels ------------------------------------------------------------
+ *
+ * NX rows of x per call, each W block unpacked once. The 32-value types take the sign trick
+ * (|w| unsigned times x with w's sign) for vpmaddubsw / vpdpbusd; the K types' values are
+ * unsigned already. */
+
+#if QX86
+/* Lane l of the result: Σ of u·s over bytes 4l … 4l+3 (u unsigned, s signed, |u·s| ≤ 127·127
+ * per byte pair, so vpmaddubsw does not saturate). */
+TARGET_AVX2 static ALWAYS_INLINE __m256i dot4_avx2(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+#define DEFINE_DOT32(NAME, TARGET, DOT4)                                                           \
+    TARGET static ALWAYS_INLINE void NAME##_nx(const uint8_t *w, int64_t nb, const struct q_x *x,  \
+                                               int64_t t, float *out, const int q4, const int NX) { \
+        const int64_t bb = q4 ? 18 : 34;                                                           \
+        const int8_t *xq[Q_NX];                                                                    \
+        const float *xd[Q_NX];                                                                     \
+        __m256 acc[4][Q_NX];                                                                       \
+        for (int j = 0; j < NX; j++) {                                                             \
+            xq[j] = x->q + (t + j) * x->cols;                                                      \
+            xd[j] = x->d + (t + j) * (x->cols / 32);                                               \
+            for (int a = 0; a < 4; a++)                                                            \
+                acc[a][j] = _mm256_setzero_ps();                                                   \
+        }                                                                                          \
+        for (int64_t b = 0; b < nb; b++) {                                                         \
+            const uint8_t *blk = w + b * bb;                                                       \
+            const float dw = f16_at_c(blk);                                                          \
+            __m256i wv;                                                                            \
+            if (q4) {                                                                              \
+                __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));                          \
+                __m128i lo = _mm_and_si128(qs, _mm_set1_epi8(0xf));                                \
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0xf));             \
+                wv = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));               \
+            } else {                                                                               \
+                wv = _mm256_loadu_si256((const __m256i *)(blk + 2));                               \
+            }                                                                                      \
+            const __m256i aw = _mm256_sign_epi8(wv, wv);                                           \
+            for (int j = 0; j < NX; j++) {                                                         \
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + b * 32));                \
+                __m256i p = DOT4(aw, _mm256_sign_epi8(xv, wv));                                    \
+                const float dd = dw * xd[j][b];                                                    \
+                acc[b & 3][j] =                                                                    \
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc[b & 3][j]);     \
+            }                                                                                      \
+        }                                                                                          \
+        for (int j = 0; j < NX; j++)                                                               \
+            out[j] = reduce8_avx2(_mm256_add_ps(_mm256_add_ps(acc[0][j], acc[1][j]),               \
+                                                _mm256_add_ps(acc[2][j], acc[3][j])));             \
+    }                                                                                              \
+    TARGET static void NAME##_q8_0(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,   \
+                                   int nx, float *out) {                                           \
+        switch (nx) {                                                                              \
+        case 1: NAME##_nx(w, nb, x, t, out, 0, 1); break;                                          \
+        case 2: NAME##_nx(w, nb, x, t, out, 0, 2); break;                                          \
+        case 3: NAME##_nx(w, nb, x, t, out, 0, 3); break;                                          \
+        default: NAME##_nx(w, nb, x, t, out, 0, 4);                                                \
+        }                                                                                          \
+    }                                                                                              \
+    TARGET static void NAME##_q4_0(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,   \
+                                   int nx, float *out) {                                           \
+        switch (nx) {                                                                              \
+        case 1: NAME##_nx(w, nb, x, t, out, 1, 1); break;                                          \
+        case 2: NAME##_nx(w, nb, x, t, out, 1, 2); break;                                          \
+        case 3: NAME##_nx(w, nb, x, t, out, 1, 3); break;                                          \
+        default: NAME##_nx(w, nb, x, t, out, 1, 4);                                                \
+        }                                                                                          \
+    }
+
+DEFINE_DOT32(dot32_avx2, TARGET_AVX2, dot4_avx2)
+
+/* Q4_K and Q5_K: per pair of sub-blocks, 32 bytes of nibbles (low: sub-block 2i, high: 2i+1)
+ * and, for Q5_K, bits 2i and 2i+1 of qh as the fifth bits. Lanes 0–7 of the canonical 16 in lo
+ * (sub-blocks 2i), 8–15 in hi (2i+1), as the AVX-512 kernel's two halves. */
+TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t nb,
+                                                      const struct q_x *x, int64_t t, float *out,
+                                                      const int five, const int NX) {
+    const int64_t bb = five ? 176 : 144;
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    const int16_t *xs[Q_NX];
+    __m256 lo[Q_NX], hi[Q_NX];
+    __m128 macc[Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
+        xs[j] = x->s + (t + j) * (x->cols / 16);
+        lo[j] = hi[j] = _mm256_setzero_ps();
+        macc[j] = _mm_setzero_ps();
+    }
+    const __m256i m4 = _mm256_set1_epi8(0xf), one = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        uint64_t sc64, m64;
+        scales_k4(blk + 4, &sc64, &m64);
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64));
+        __m256i sl[Q_NX], sh[Q_NX];
+        for (int j = 0; j < NX; j++)
+            sl[j] = sh[j] = _mm256_setzero_si256();
+        __m256i qhv = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+            __m256i wl = _mm256_and_si256(q, m4);
+            __m256i wh = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (five) {
+                wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(qhv, one), 4));
+                wh = _mm256_or_si256(
+                    wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qhv, 1), one), 4));
+                qhv = _mm256_srli_epi16(qhv, 2);
+            }
+            const __m256i scl = _mm256_set1_epi16((short)((sc64 >> (16 * i)) & 0xff));
+            const __m256i sch = _mm256_set1_epi16((short)((sc64 >> (16 * i + 8)) & 0xff));
+            for (int j = 0; j < NX; j++) {
+                const int8_t *xb = xq[j] + b * LLMEM_QK_K + 64 * i;
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)xb);
+                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
+                sl[j] = _mm256_add_epi32(sl[j], _mm256_madd_epi16(_mm256_maddubs_epi16(wl, x0), scl));
+                sh[j] = _mm256_add_epi32(sh[j], _mm256_madd_epi16(_mm256_maddubs_epi16(wh, x1), sch));
+            }
+        }
+        const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
+        for (int j = 0; j < NX; j++) {
+            const __m256 dd = _mm256_set1_ps(d * xd[j][b]);
+            lo[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl[j]), dd, lo[j]);
+            hi[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh[j]), dd, hi[j]);
+            const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
+            __m128i mk = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs),
+                                                             _mm_loadu_si128(bs + 1)));
+            macc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(mk), _mm_set1_ps(-(dmin * xd[j][b])), macc[j]);
+        }
+    }
+    for (int j = 0; j < NX; j++)
+        out[j] = reduce16_avx2(lo[j], hi[j]) + reduce4_sse(macc[j]);
+}
+
+/* Q6_K: lanes 0–7 of the canonical 16 in lo (groups 0 and 2 of each 128 values), 8–15 in hi
+ * (groups 1 and 3), as the AVX-512 kernel's two halves. */
+TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t nb,
+                                                       const struct q_x *x, int64_t t, float *out,
+                                                       const int NX) {
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    const int16_t *xs[Q_NX];
+    __m256 lo[Q_NX], hi[Q_NX], cacc[Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
+        xs[j] = x->s + (t + j) * (x->cols / 16);
+        lo[j] = hi[j] = cacc[j] = _mm256_setzero_ps();
+    }
+    const __m256i m4 = _mm256_set1_epi8(0xf), m3 = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i sl[Q_NX], sh[Q_NX];
+        for (int j = 0; j < NX; j++)
+            sl[j] = sh[j] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            __m256i g[4];
+            g[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+            g[1] = _mm256_or_si256(
+                _mm256_and_si256(ql1, m4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
+            g[2] = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+            g[3] = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+            for (int gi = 0; gi < 4; gi++) {
+                const int k = 8 * h + 2 * gi;
+                const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(sc[k + 1]),
+                                                    _mm_set1_epi16(sc[k]));
+                for (int j = 0; j < NX; j++) {
+                    __m256i xv = _mm256_loadu_si256(
+                        (const __m256i *)(xq[j] + b * LLMEM_QK_K + 128 * h + 32 * gi));
+                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(g[gi], xv), sv);
+                    if (gi & 1)
+                        sh[j] = _mm256_add_epi32(sh[j], p);
+                    else
+                        sl[j] = _mm256_add_epi32(sl[j], p);
+                }
+            }
+        }
+        const float d = f16_at_c(blk + 208);
+        for (int j = 0; j < NX; j++) {
+            const __m256 dd = _mm256_set1_ps(d * xd[j][b]);
+            lo[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl[j]), dd, lo[j]);
+            hi[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh[j]), dd, hi[j]);
+            __m256i c = _mm256_madd_epi16(sc16,
+                                          _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
+            cacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), dd, cacc[j]);
+        }
+    }
+    for (int j = 0; j < NX; j++)
+        out[j] = reduce16_avx2(lo[j], hi[j]) - 32.0f * reduce8_avx2(cacc[j]);
+}
+
+#define DISPATCH_NX(CALL)                                                                          \
+    switch (nx) {                                                                                  \
+    case 1: CALL(1); break;                                                                        \
+    case 2: CALL(2); break;                                                                        \
+    case 3: CALL(3); break;                                                                        \
+    default: CALL(4);                                                                              \
+    }
+
+TARGET_AVX2 static void dot_q4_k_avx2(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                      int64_t t, int nx, float *out) {
+#define CALL(N) dot_k45_avx2_nx(w, nb, x, t, out, 0, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_AVX2 static void dot_q5_k_avx2(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                      int64_t t, int nx, float *out) {
+#define CALL(N) dot_k45_avx2_nx(w, nb, x, t, out, 1, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_AVX2 static void dot_q6_k_avx2(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                      int64_t t, int nx, float *out) {
+#define CALL(N) dot_q6_k_avx2_nx(w, nb, x, t, out, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+/* AVX-512BW for the K types: a 64-value run of x per instruction. Q4_K/Q5_K: the 32 nibble
+ * bytes of a pair of sub-blocks in both halves of a register, shifted by 0 (low half: sub-block
+ * 2i) and 4 (high half: 2i+1). Q6_K: 64 bytes of ql hold values 0…63 (low nibbles) and 64…127
+ * (high nibbles) of a half, qh in both halves shifted per half. */
+#define TARGET_512 __attribute__((target("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
+
+TARGET_512 static ALWAYS_INLINE __m512i halves_epi16(short lo, short hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(lo)), _mm256_set1_epi16(hi),
+                              1);
+}
+
+/* acc + the pairwise products of a and b (vpdpwssd with VNNI, else vpmaddwd and vpaddd: the
+ * same exact integers). */
+TARGET_512 static ALWAYS_INLINE __m512i dot2_512(__m512i acc, __m512i a, __m512i b) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+}
+
+TARGET_VNNI static ALWAYS_INLINE __m512i dot2_vnni(__m512i acc, __m512i a, __m512i b) {
+    return _mm512_dpwssd_epi32(acc, a, b);
+}
+
+/* Q8_0 and Q4_0 with AVX-512 VNNI: two blocks a register. Blocks 4k and 4k+1 go to the halves of
+ * one accumulator (sets 0 and 1 of the canonical order), 4k+2 and 4k+3 to another (sets 2, 3);
+ * the last nb mod 4 blocks to the sets as 8-lane halves. */
+TARGET_VNNI static ALWAYS_INLINE __m256i w32_vnni(const uint8_t *blk, const int q4) {
+    if (q4) {
+        __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
+        __m128i lo = _mm_and_si128(qs, _mm_set1_epi8(0xf));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0xf));
+        return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+    }
+    return _mm256_loadu_si256((const __m256i *)(blk + 2));
+}
+
+TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t nb,
+                                                       const struct q_x *x, int64_t t, float *out,
+                                                       const int q4, const int NX) {
+    const int64_t bb = q4 ? 18 : 34;
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    __m512 acc[2][Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / 32);
+        acc[0][j] = acc[1][j] = _mm512_setzero_ps();
+    }
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4)
+        for (int pr = 0; pr < 2; pr++) {
+            const uint8_t *b0 = w + (b + 2 * pr) * bb, *b1 = b0 + bb;
+            const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(w32_vnni(b0, q4)),
+                                                  w32_vnni(b1, q4), 1);
+            const __m512i aw = _mm512_abs_epi8(wv);
+            const __mmask64 neg = _mm512_movepi8_mask(wv);
+            const float d0 = f16_at_c(b0), d1 = f16_at_c(b1);
+            for (int j = 0; j < NX; j++) {
+                __m512i xv = _mm512_loadu_si512(xq[j] + (b + 2 * pr) * 32);
+                xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, xv);
+                const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(
+                    _mm512_castps_pd(_mm512_set1_ps(d0 * xd[j][b + 2 * pr])),
+                    _mm256_castps_pd(_mm256_set1_ps(d1 * xd[j][b + 2 * pr + 1])), 1));
+                acc[pr][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), dd, acc[pr][j]);
+            }
+        }
+    __m256 set[4][Q_NX];
+    for (int j = 0; j < NX; j++) {
+        for (int pr = 0; pr < 2; pr++) {
+            set[2 * pr][j] = _mm512_castps512_ps256(acc[pr][j]);
+            set[2 * pr + 1][j] =
+                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[pr][j]), 1));
+        }
+    }
+    for (; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const __m256i wv = w32_vnni(blk, q4);
+        const __m256i aw = _mm256_sign_epi8(wv, wv);
+        const float dw = f16_at_c(blk);
+        for (int j = 0; j < NX; j++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + b * 32));
+            __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(xv, wv));
+            set[b & 3][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[j][b]),
+                                            set[b & 3][j]);
+        }
+    }
+    for (int j = 0; j < NX; j++)
+        out[j] = reduce8_avx2(
+            _mm256_add_ps(_mm256_add_ps(set[0][j], set[1][j]), _mm256_add_ps(set[2][j], set[3][j])));
+}
+
+TARGET_VNNI static void dot_q8_0_vnni512(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                         int64_t t, int nx, float *out) {
+#define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, 0, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_VNNI static void dot_q4_0_vnni512(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                         int64_t t, int nx, float *out) {
+#define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, 1, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+/* The canonical tree over 16 lanes. */
+TARGET_512 static ALWAYS_INLINE float reduce16_512(__m512 v) {
+    return reduce16_avx2(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb,
+                                                     const struct q_x *x, int64_t t, float *out,
+                                                     const int five, const int NX) {
+    const int64_t bb = five ? 176 : 144;
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    const int16_t *xs[Q_NX];
+    __m512 acc[Q_NX];
+    __m128 macc[Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
+        xs[j] = x->s + (t + j) * (x->cols / 16);
+        acc[j] = _mm512_setzero_ps();
+        macc[j] = _mm_setzero_ps();
+    }
+    const __m512i m4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
+    const __m512i sh = halves_epi16(0, 4);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        uint64_t sc64, m64;
+        scales_k4(blk + 4, &sc64, &m64);
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64));
+        __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
+                          : _mm512_setzero_si512();
+        __m512i s32[Q_NX];
+        for (int j = 0; j < NX; j++)
+            s32[j] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) {
+            __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
+            __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(q, sh), m4);
+            if (five) {
+                const __m512i shq = halves_epi16((short)(2 * i), (short)(2 * i + 1));
+                wv = _mm512_or_si512(
+                    wv, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shq), one), 4));
+            }
+            const __m512i sv = halves_epi16((short)((sc64 >> (16 * i)) & 0xff),
+                                            (short)((sc64 >> (16 * i + 8)) & 0xff));
+            for (int j = 0; j < NX; j++) {
+                __m512i xv = _mm512_loadu_si512(xq[j] + b * LLMEM_QK_K + 64 * i);
+                s32[j] = dot2_512(s32[j], _mm512_maddubs_epi16(wv, xv), sv);
+            }
+        }
+        const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
+        for (int j = 0; j < NX; j++) {
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(d * xd[j][b]),
+                                     acc[j]);
+            const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
+            __m128i mk = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs),
+                                                             _mm_loadu_si128(bs + 1)));
+            macc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(mk), _mm_set1_ps(-(dmin * xd[j][b])), macc[j]);
+        }
+    }
+    for (int j = 0; j < NX; j++)
+        out[j] = reduce16_512(acc[j]) + reduce4_sse(macc[j]);
+}
+
+TARGET_VNNI static ALWAYS_INLINE void dot_k45_vnni_nx(const uint8_t *w, int64_t nb,
+                                                     const struct q_x *x, int64_t t, float *out,
+                                                     const int five, const int NX) {
+    const int64_t bb = five ? 176 : 144;
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    const int16_t *xs[Q_NX];
+    __m512 acc[Q_NX];
+    __m128 macc[Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
+        xs[j] = x->s + (t + j) * (x->cols / 16);
+        acc[j] = _mm512_setzero_ps();
+        macc[j] = _mm_setzero_ps();
+    }
+    const __m512i m4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
+    const __m512i sh = halves_epi16(0, 4);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        uint64_t sc64, m64;
+        scales_k4(blk + 4, &sc64, &m64);
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64));
+        __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
+                          : _mm512_setzero_si512();
+        __m512i s32[Q_NX];
+        for (int j = 0; j < NX; j++)
+            s32[j] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) {
+            __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
+            __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(q, sh), m4);
+            if (five) {
+                const __m512i shq = halves_epi16((short)(2 * i), (short)(2 * i + 1));
+                wv = _mm512_or_si512(
+                    wv, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shq), one), 4));
+            }
+            const __m512i sv = halves_epi16((short)((sc64 >> (16 * i)) & 0xff),
+                                            (short)((sc64 >> (16 * i + 8)) & 0xff));
+            for (int j = 0; j < NX; j++) {
+                __m512i xv = _mm512_loadu_si512(xq[j] + b * LLMEM_QK_K + 64 * i);
+                s32[j] = dot2_vnni(s32[j], _mm512_maddubs_epi16(wv, xv), sv);
+            }
+        }
+        const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
+        for (int j = 0; j < NX; j++) {
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(d * xd[j][b]),
+                                     acc[j]);
+            const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
+            __m128i mk = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs),
+                                                             _mm_loadu_si128(bs + 1)));
+            macc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(mk), _mm_set1_ps(-(dmin * xd[j][b])), macc[j]);
+        }
+    }
+    for (int j = 0; j < NX; j++)
+        out[j] = reduce16_512(acc[j]) + reduce4_sse(macc[j]);
+}
+
+TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t nb,
+                                                      const struct q_x *x, int64_t t, float *out,
+                                                      const int NX) {
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    const int16_t *xs[Q_NX];
+    __m512 acc[Q_NX];
+    __m256 cacc[Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
+        xs[j] = x->s + (t + j) * (x->cols / 16);
+        acc[j] = _mm512_setzero_ps();
+        cacc[j] = _mm256_setzero_ps();
+    }
+    const __m512i m4 = _mm512_set1_epi8(0xf), m3 = _mm512_set1_epi8(3);
+    const __m512i sh01 = halves_epi16(0, 2), sh23 = halves_epi16(4, 6);
+    /* 128-bit lane k of the scales of values 0…63 of half h: sub-block 8h + k; of 64…127: +4 */
+    __m512i idx[2][2];
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 2; g++) {
+            short v[32];
+            for (int k = 0; k < 32; k++)
+                v[k] = (short)(8 * h + 4 * g + k / 8);
+            idx[h][g] = _mm512_loadu_si512(v);
+        }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const __m256i sc16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        const __m512i sc16 = _mm512_castsi256_si512(sc16y);
+        __m512i s32[Q_NX];
+        for (int j = 0; j < NX; j++)
+            s32[j] = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+            const __m512i qh =
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+            const __m512i g01 = _mm512_or_si512(
+                _mm512_and_si512(ql, m4),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh01), m3), 4));
+            const __m512i g23 = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh23), m3), 4));
+            const __m512i sv01 = _mm512_permutexvar_epi16(idx[h][0], sc16);
+            const __m512i sv23 = _mm512_permutexvar_epi16(idx[h][1], sc16);
+            for (int j = 0; j < NX; j++) {
+                const int8_t *xb = xq[j] + b * LLMEM_QK_K + 128 * h;
+                s32[j] = dot2_512(s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01);
+                s32[j] = dot2_512(s32[j], _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)),
+                                  sv23);
+            }
+        }
+        const float d = f16_at_c(blk + 208);
+        for (int j = 0; j < NX; j++) {
+            const float dd = d * xd[j][b];
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(dd), acc[j]);
+            __m256i c = _mm256_madd_epi16(sc16y,
+                                          _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
+            cacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(dd), cacc[j]);
+        }
+    }
+    for (int j = 0; j < NX; j++)
+        out[j] = reduce16_512(acc[j]) - 32.0f * reduce8_avx2(cacc[j]);
+}
+
+TARGET_VNNI static ALWAYS_INLINE void dot_q6_k_vnni_nx(const uint8_t *w, int64_t nb,
+                                                      const struct q_x *x, int64_t t, float *out,
+                                                      const int NX) {
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    const int16_t *xs[Q_NX];
+    __m512 acc[Q_NX];
+    __m256 cacc[Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
+        xs[j] = x->s + (t + j) * (x->cols / 16);
+        acc[j] = _mm512_setzero_ps();
+        cacc[j] = _mm256_setzero_ps();
+    }
+    const __m512i m4 = _mm512_set1_epi8(0xf), m3 = _mm512_set1_epi8(3);
+    const __m512i sh01 = halves_epi16(0, 2), sh23 = halves_epi16(4, 6);
+    /* 128-bit lane k of the scales of values 0…63 of half h: sub-block 8h + k; of 64…127: +4 */
+    __m512i idx[2][2];
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 2; g++) {
+            short v[32];
+            for (int k = 0; k < 32; k++)
+                v[k] = (short)(8 * h + 4 * g + k / 8);
+            idx[h][g] = _mm512_loadu_si512(v);
+        }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const __m256i sc16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        const __m512i sc16 = _mm512_castsi256_si512(sc16y);
+        __m512i s32[Q_NX];
+        for (int j = 0; j < NX; j++)
+            s32[j] = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+            const __m512i qh =
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+            const __m512i g01 = _mm512_or_si512(
+                _mm512_and_si512(ql, m4),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh01), m3), 4));
+            const __m512i g23 = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh23), m3), 4));
+            const __m512i sv01 = _mm512_permutexvar_epi16(idx[h][0], sc16);
+            const __m512i sv23 = _mm512_permutexvar_epi16(idx[h][1], sc16);
+            for (int j = 0; j < NX; j++) {
+                const int8_t *xb = xq[j] + b * LLMEM_QK_K + 128 * h;
+                s32[j] = dot2_vnni(s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01);
+                s32[j] = dot2_vnni(s32[j], _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)),
+                                  sv23);
+            }
+        }
+        const float d = f16_at_c(blk + 208);
+        for (int j = 0; j < NX; j++) {
+            const float dd = d * xd[j][b];
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(dd), acc[j]);
+            __m256i c = _mm256_madd_epi16(sc16y,
+                                          _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
+            cacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(dd), cacc[j]);
+        }
+    }
+    for (int j = 0; j < NX; j++)
+        out[j] = reduce16_512(acc[j]) - 32.0f * reduce8_avx2(cacc[j]);
+}
+
+TARGET_512 static void dot_q4_k_512(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                   int64_t t, int nx, float *out) {
+#define CALL(N) dot_k45_512_nx(w, nb, x, t, out, 0, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_512 static void dot_q5_k_512(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                   int64_t t, int nx, float *out) {
+#define CALL(N) dot_k45_512_nx(w, nb, x, t, out, 1, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_512 static void dot_q6_k_512(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                   int64_t t, int nx, float *out) {
+#define CALL(N) dot_q6_k_512_nx(w, nb, x, t, out, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_VNNI static void dot_q4_k_vnni(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                   int64_t t, int nx, float *out) {
+#define CALL(N) dot_k45_vnni_nx(w, nb, x, t, out, 0, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_VNNI static void dot_q5_k_vnni(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                   int64_t t, int nx, float *out) {
+#define CALL(N) dot_k45_vnni_nx(w, nb, x, t, out, 1, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_VNNI static void dot_q6_k_vnni(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                   int64_t t, int nx, float *out) {
+#define CALL(N) dot_q6_k_vnni_nx(w, nb, x, t, out, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+#endif
+
+/* ---- the kernel tables ------------------------------------------------------------------------
+ */
+
+struct q_kernels {
+    void (*quantize)(const float *x, int64_t cols, int64_t blk, int8_t *q, float *d, int16_t *s);
+    q_dot_fn q8_0, q4_0, q4_k, q5_k, q6_k;
+    const char *name;
+};
+
+static const struct q_kernels q_scalar = {quantize_x_scalar, dot_q8_0_scalar, dot_q4_0_scalar,
+                                          dot_q4_k_scalar,   dot_q5_k_scalar, dot_q6_k_scalar,
+                                          "scalar"};
+#if QX86
+static const struct q_kernels q_avx2 = {quantize_x_avx2, dot32_avx2_q8_0, dot32_avx2_q4_0,
+                                        dot_q4_k_avx2,   dot_q5_k_avx2,   dot_q6_k_avx2,
+                                        "avx2"};
+static const struct q_kernels q_512 = {quantize_x_avx2, dot32_avx2_q8_0, dot32_avx2_q4_0,
+                                       dot_q4_k_512,    dot_q5_k_512,    dot_q6_k_512,
+                                       "avx512"};
+static const struct q_kernels q_vnni = {quantize_x_avx2, dot_q8_0_vnni512, dot_q4_0_vnni512,
+                                        dot_q4_k_vnni,   dot_q5_k_vnni,   dot_q6_k_vnni,
+                                        "avx512_vnni"};
+#endif
+
+static const struct q_kernels *q_kernels_for(enum cpu_isa isa, int no_vnni) {
+#if QX86
+    if (isa == CPU_ISA_AVX512)
+        return !no_vnni && (llmem_sys_isa_features() & LLMEM_ISA_AVX512_VNNI) ? &q_vnni : &q_512;
+    if (isa >= CPU_ISA_AVX2)
+        return &q_avx2;
+#endif
+    (void)isa, (void)no_vnni;
+    return &q_scalar;
+}
+
+const char *llmem_cpu_q_kernels_name(enum cpu_isa isa) {
+    return q_kernels_for(isa, 0)->name;
+}
+
+static q_dot_fn q_dot_for(const struct q_kernels *k, int type) {
+    switch (type) {
+    case LLMEM_QTYPE_Q8_0: return k->q8_0;
+    case LLMEM_QTYPE_Q4_0: return k->q4_0;
+    case LLMEM_QTYPE_Q4_K: return k->q4_k;
+    case LLMEM_QTYPE_Q5_K: return k->q5_k;
+    case LLMEM_QTYPE_Q6_K: return k->q6_k;
+    default: return NULL;
+    }
+}
+
+int llmem_cpu_matmul_q_supported(int type, int64_t cols) {
+    return q_block_bytes(type) > 0 && cols > 0 && cols % q_block_elems(type) == 0 &&
+           cols <= CPU_GEMM_K_MAX;
+}
+
+/* ---- the matmul -------------------------------------------------------------------------------
+ */
+
+struct q_job {
+    const struct q_kernels *k;
+    q_dot_fn dot;
+    const struct llmem_weight *w;
+    const float *x, *bias;
+    float *y;
+    int8_t *xq;
+    float *xd;
+    int16_t *xs;
+    int64_t t0, nt;        /* the chunk of rows of x */
+    int64_t rows_per_task; /* W rows */
+    int64_t blk, nb, row_bytes;
+};
+
+static void q_quantize_task(void *arg, int task, int thread) {
+    (void)thread;
+    const struct q_job *j = arg;
+    const int64_t cols = j->w->cols;
+    j->k->quantize(j->x + (j->t0 + task) * cols, cols, j->blk, j->xq + task * cols,
+                   j->xd + task * (cols / j->blk), j->xs != NULL ? j->xs + task * (cols / 16) : NULL);
+}
+
+static void q_matmul_task(void *arg, int task, int thread) {
+    (void)thread;
+    const struct q_job *j = arg;
+    const int64_t rows = j->w->rows, cols = j->w->cols;
+    const struct q_x xv = {j->xq, j->xd, j->xs, cols, j->blk};
+    const uint8_t *wd = j->w->data;
+    int64_t r_begin = (int64_t)task * j->rows_per_task;
+    int64_t r_end = r_begin + j->rows_per_task < rows ? r_begin + j->rows_per_task : rows;
+    float out[Q_NX];
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += Q_MR) {
+        int64_t r1 = r0 + Q_MR < r_end ? r0 + Q_MR : r_end;
+        for (int64_t t = 0; t < j->nt; t += Q_NX) {
+            int nx = j->nt - t < Q_NX ? (int)(j->nt - t) : Q_NX;
+            for (int64_t r = r0; r < r1; r++) {
+                j->dot(wd + (size_t)r * (size_t)j->row_bytes, j->nb, &xv, t, nx, out);
+                for (int i = 0; i < nx; i++)
+                    j->y[(j->t0 + t + i) * rows + r] = j->bias != NULL ? out[i] + j->bias[r] : out[i];
+            }
+        }
+    }
+}
+
+void llmem_cpu_matmul_q(struct cpu_ctx *c, const struct llmem_weight *w, const float *x, int64_t n,
+                        float *y, const float *bias) {
+    const int64_t rows = w->rows, cols = w->cols;
+    const int64_t blk = q_block_elems(w->quant);
+    const int ksum = blk == LLMEM_QK_K;
+    struct q_job job = {0};
+    job.k = q_kernels_for(c->isa, c->no_vnni);
+    job.dot = q_dot_for(job.k, w->quant);
+    job.w = w, job.x = x, job.bias = bias, job.y = y;
+    job.blk = blk, job.nb = cols / blk, job.row_bytes = llmem_weight_row_bytes(w);
+    /* the chunk: rows of x whose quantized form fits the packed-x scratch */
+    const size_t q_bytes = ((size_t)cols + 63) & ~(size_t)63;
+    const size_t d_bytes = (((size_t)(cols / blk) * sizeof(float)) + 63) & ~(size_t)63;
+    const size_t s_bytes = ksum ? (((size_t)(cols / 16) * sizeof(int16_t)) + 63) & ~(size_t)63 : 0;
+    int64_t chunk = (int64_t)(CPU_GEMM_XT_BYTES / (q_bytes + d_bytes + s_bytes));
+    LLMEM_ASSERT(chunk >= Q_NX);
+    chunk = chunk / Q_NX * Q_NX;
+    if (chunk > n)
+        chunk = n;
+    /* the quantized rows side by side: q at cols apart, d and s likewise */
+    uint8_t *base = (uint8_t *)c->xt;
+    job.xq = (int8_t *)base;
+    job.xd = (float *)(base + (((size_t)chunk * (size_t)cols + 63) & ~(size_t)63));
+    job.xs = ksum ? (int16_t *)((uint8_t *)job.xd +
+                                ((((size_t)chunk * (size_t)(cols / blk) * sizeof(float)) + 63) &
+                                 ~(size_t)63))
+                  : NULL;
+    /* tasks: below ~64 K multiply-adds one; else a few contiguous W ranges per thread */
+    int tasks = rows * cols * n < (int64_t)1 << 16 ? 1 : c->n_threads * 4;
+    int64_t per = (rows + tasks - 1) / tasks;
+    per = (per + 3) & ~(int64_t)3;
+    job.rows_per_task = per;
+    const int n_tasks = (int)((rows + per - 1) / per);
+    for (int64_t t0 = 0; t0 < n; t0 += chunk) {
+        job.t0 = t0;
+        job.nt = n - t0 < chunk ? n - t0 : chunk;
+        if (job.nt == 1 || c->n_threads == 1)
+            for (int64_t t = 0; t < job.nt; t++)
+                q_quantize_task(&job, (int)t, 0);
+        else
+            llmem_pool_run(c->pool, (int)job.nt, q_quantize_task, &job);
+        llmem_pool_run(c->pool, n_tasks, q_matmul_task, &job);
+    }
+}
