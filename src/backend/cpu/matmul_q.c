@@ -48,6 +48,7 @@
 
 #define Q_NX 4  /* rows of x per kernel call */
 #define Q_MR 16 /* W rows per tile */
+#define Q_TR 4  /* W rows per tile kernel call (prefill) */
 
 /* The quantized rows of x of a chunk. */
 struct q_x {
@@ -59,6 +60,9 @@ struct q_x {
 
 typedef void (*q_dot_fn)(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,
                          float *out);
+/* Q_TR rows of W, row_bytes apart, times nx rows of x: out[r * Q_NX + j]. */
+typedef void (*q_tile_fn)(const uint8_t *w, int64_t row_bytes, int64_t nb, const struct q_x *x,
+                          int64_t t, int nx, float *out);
 
 /* ---- helpers ----------------------------------------------------------------------------------
  */
@@ -742,6 +746,101 @@ TARGET_VNNI static void dot_q4_0_vnni512(const uint8_t *w, int64_t nb, const str
 #undef CALL
 }
 
+/* Tiles for prefill: Q_TR W rows × NX rows of x a call, every pair taking the very operations of
+ * dot32_vnni512_nx (so the same bits), the W blocks and the x rows loaded once for all pairs.
+ * x is made unsigned (x + 128, an xor with 0x80) so that vpdpbusd takes W signed as it lies; each
+ * lane's accumulator starts at −128 · Σw over the lane's values, which leaves Σ w·x exactly. The
+ * row is walked twice, blocks 4k, 4k+1 (sets 0, 1) then 4k+2, 4k+3 (sets 2, 3), so that each pair
+ * holds one accumulator. */
+TARGET_VNNI static ALWAYS_INLINE __m512i w64_vnni(const uint8_t *b0, int64_t bb, const int q4) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(w32_vnni(b0, q4)), w32_vnni(b0 + bb, q4), 1);
+}
+
+/* [a ×8 | b ×8] */
+TARGET_VNNI static ALWAYS_INLINE __m512 halves_ps(float a, float b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)),
+                                               _mm256_castps_pd(_mm256_set1_ps(b)), 1));
+}
+
+TARGET_VNNI static ALWAYS_INLINE void tile32_vnni512_nx(const uint8_t *w, int64_t row_bytes,
+                                                        int64_t nb, const struct q_x *x, int64_t t,
+                                                        float *out, const int q4, const int NX) {
+    const int64_t bb = q4 ? 18 : 34;
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / 32);
+    }
+    const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    __m256 set[4][Q_TR][Q_NX];
+    for (int pr = 0; pr < 2; pr++) {
+        __m512 acc[Q_TR][Q_NX];
+        for (int r = 0; r < Q_TR; r++)
+            for (int j = 0; j < NX; j++)
+                acc[r][j] = _mm512_setzero_ps();
+        for (int64_t k = 0; k + 4 <= nb; k += 4) {
+            const int64_t b = k + 2 * pr;
+            __m512i xu[Q_NX];
+            __m512 xdv[Q_NX];
+            for (int j = 0; j < NX; j++) {
+                xu[j] = _mm512_xor_si512(_mm512_loadu_si512(xq[j] + b * 32), flip);
+                xdv[j] = halves_ps(xd[j][b], xd[j][b + 1]);
+            }
+            for (int r = 0; r < Q_TR; r++) {
+                const uint8_t *b0 = w + r * row_bytes + b * bb;
+                const __m512i wv = w64_vnni(b0, bb, q4);
+                const __m512i c = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, wv));
+                const __m512 wd = halves_ps(f16_at_c(b0), f16_at_c(b0 + bb));
+                for (int j = 0; j < NX; j++) {
+                    const __m512i p = _mm512_dpbusd_epi32(c, xu[j], wv);
+                    acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(wd, xdv[j]),
+                                                acc[r][j]);
+                }
+            }
+        }
+        for (int r = 0; r < Q_TR; r++)
+            for (int j = 0; j < NX; j++) {
+                set[2 * pr][r][j] = _mm512_castps512_ps256(acc[r][j]);
+                set[2 * pr + 1][r][j] =
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][j]), 1));
+            }
+    }
+    for (int64_t b = nb & ~(int64_t)3; b < nb; b++)
+        for (int r = 0; r < Q_TR; r++) {
+            const uint8_t *blk = w + r * row_bytes + b * bb;
+            const __m256i wv = w32_vnni(blk, q4);
+            const __m256i aw = _mm256_sign_epi8(wv, wv);
+            const float dw = f16_at_c(blk);
+            for (int j = 0; j < NX; j++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + b * 32));
+                __m256i p =
+                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(xv, wv));
+                set[b & 3][r][j] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[j][b]), set[b & 3][r][j]);
+            }
+        }
+    for (int r = 0; r < Q_TR; r++)
+        for (int j = 0; j < NX; j++)
+            out[r * Q_NX + j] =
+                reduce8_avx2(_mm256_add_ps(_mm256_add_ps(set[0][r][j], set[1][r][j]),
+                                           _mm256_add_ps(set[2][r][j], set[3][r][j])));
+}
+
+TARGET_VNNI static void tile_q8_0_vnni512(const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                          const struct q_x *x, int64_t t, int nx, float *out) {
+#define CALL(N) tile32_vnni512_nx(w, row_bytes, nb, x, t, out, 0, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_VNNI static void tile_q4_0_vnni512(const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                          const struct q_x *x, int64_t t, int nx, float *out) {
+#define CALL(N) tile32_vnni512_nx(w, row_bytes, nb, x, t, out, 1, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
 /* The canonical tree over 16 lanes. */
 TARGET_512 static ALWAYS_INLINE float reduce16_512(__m512 v) {
     return reduce16_avx2(_mm512_castps512_ps256(v),
@@ -996,6 +1095,111 @@ TARGET_VNNI static ALWAYS_INLINE void dot_q6_k_vnni_nx(const uint8_t *w, int64_t
         out[j] = reduce16_512(acc[j]) - 32.0f * reduce8_avx2(cacc[j]);
 }
 
+/* Q4_K and Q5_K tiles for prefill: each pair takes the operations of dot_k45_vnni_nx (the same
+ * bits). Per super-block, the mins terms of all NX rows of x go through one register: 128-bit
+ * lane j holds row j's four lanes. */
+TARGET_VNNI static ALWAYS_INLINE void tile_k45_vnni_nx(const uint8_t *w, int64_t row_bytes,
+                                                       int64_t nb, const struct q_x *x, int64_t t,
+                                                       float *out, const int five, const int NX) {
+    const int64_t bb = five ? 176 : 144;
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    const int16_t *xs[Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
+        xs[j] = x->s + (t + j) * (x->cols / 16);
+    }
+    __m512 acc[Q_TR][Q_NX], macc[Q_TR];
+    for (int r = 0; r < Q_TR; r++) {
+        macc[r] = _mm512_setzero_ps();
+        for (int j = 0; j < NX; j++)
+            acc[r][j] = _mm512_setzero_ps();
+    }
+    const __m512i m4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
+    const __m512i sh = halves_epi16(0, 4);
+    /* sv_i = [scale 2i ×16 | scale 2i + 1 ×16] as 16-bit, from the 8 scale bytes in each qword */
+    __m512i pick[4];
+    for (int i = 0; i < 4; i++) {
+        uint8_t c[64];
+        for (int k = 0; k < 64; k++)
+            c[k] = (k & 1) ? 0x80 : (uint8_t)(2 * i + (k >= 32));
+        pick[i] = _mm512_loadu_si512(c);
+    }
+    const __m512i lane4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int64_t b = 0; b < nb; b++) {
+        /* the x side: sums over each 32 values (lane j: row j) and [dx_j ×4] */
+        __m512i xs32 = _mm512_setzero_si512();
+        float dxs[4] = {0, 0, 0, 0};
+        for (int j = 0; j < NX; j++) {
+            const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
+            const __m128i h = _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1));
+            xs32 = _mm512_inserti32x4(xs32, h, j);
+            dxs[j] = xd[j][b];
+        }
+        const __m512 dx4 = _mm512_permutexvar_ps(lane4, _mm512_castps128_ps512(_mm_loadu_ps(dxs)));
+        for (int r = 0; r < Q_TR; r++) {
+            const uint8_t *blk = w + r * row_bytes + b * bb;
+            const uint8_t *qs = blk + (five ? 48 : 16);
+            uint64_t sc64, m64;
+            scales_k4(blk + 4, &sc64, &m64);
+            const __m512i scb = _mm512_set1_epi64((long long)sc64);
+            const __m512i mins = _mm512_broadcast_i32x4(
+                _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64)));
+            const __m512i qh =
+                five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
+                     : _mm512_setzero_si512();
+            /* two integer sums a pair (i even, odd) for the latency; added exactly at the end */
+            __m512i s32[2][Q_NX];
+            for (int j = 0; j < NX; j++)
+                s32[0][j] = s32[1][j] = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++) {
+                __m512i q =
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
+                __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(q, sh), m4);
+                if (five) {
+                    const __m512i shq = halves_epi16((short)(2 * i), (short)(2 * i + 1));
+                    wv = _mm512_or_si512(
+                        wv,
+                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shq), one), 4));
+                }
+                const __m512i sv = _mm512_shuffle_epi8(scb, pick[i]);
+                for (int j = 0; j < NX; j++) {
+                    __m512i xv = _mm512_loadu_si512(xq[j] + b * LLMEM_QK_K + 64 * i);
+                    s32[i & 1][j] =
+                        _mm512_dpwssd_epi32(s32[i & 1][j], _mm512_maddubs_epi16(wv, xv), sv);
+                }
+            }
+            const __m512 d = _mm512_set1_ps(f16_at_c(blk)), dmin = _mm512_set1_ps(-f16_at_c(blk + 2));
+            for (int j = 0; j < NX; j++)
+                acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s32[0][j], s32[1][j])),
+                                            _mm512_mul_ps(d, _mm512_set1_ps(xd[j][b])), acc[r][j]);
+            macc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(mins, xs32)),
+                                      _mm512_mul_ps(dmin, dx4), macc[r]);
+        }
+    }
+    for (int r = 0; r < Q_TR; r++) {
+        float m[16];
+        _mm512_storeu_ps(m, macc[r]);
+        for (int j = 0; j < NX; j++)
+            out[r * Q_NX + j] = reduce16_512(acc[r][j]) + reduce4_sse(_mm_loadu_ps(m + 4 * j));
+    }
+}
+
+TARGET_VNNI static void tile_q4_k_vnni(const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                       const struct q_x *x, int64_t t, int nx, float *out) {
+#define CALL(N) tile_k45_vnni_nx(w, row_bytes, nb, x, t, out, 0, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_VNNI static void tile_q5_k_vnni(const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                       const struct q_x *x, int64_t t, int nx, float *out) {
+#define CALL(N) tile_k45_vnni_nx(w, row_bytes, nb, x, t, out, 1, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
 TARGET_512 static void dot_q4_k_512(const uint8_t *w, int64_t nb, const struct q_x *x,
                                    int64_t t, int nx, float *out) {
 #define CALL(N) dot_k45_512_nx(w, nb, x, t, out, 0, N)
@@ -1047,6 +1251,7 @@ struct q_kernels {
     void (*quantize)(const float *x, int64_t cols, int64_t blk, int8_t *q, float *d, int16_t *s);
     q_dot_fn q8_0, q4_0, q4_k, q5_k, q6_k;
     const char *name;
+    q_tile_fn t8_0, t4_0, t4_k, t5_k, t6_k; /* prefill tiles; NULL: the dot kernel a row at a time */
 };
 
 static const struct q_kernels q_scalar = {quantize_x_scalar, dot_q8_0_scalar, dot_q4_0_scalar,
@@ -1059,9 +1264,9 @@ static const struct q_kernels q_avx2 = {quantize_x_avx2, dot32_avx2_q8_0, dot32_
 static const struct q_kernels q_512 = {quantize_x_avx2, dot32_avx2_q8_0, dot32_avx2_q4_0,
                                        dot_q4_k_512,    dot_q5_k_512,    dot_q6_k_512,
                                        "avx512"};
-static const struct q_kernels q_vnni = {quantize_x_avx2, dot_q8_0_vnni512, dot_q4_0_vnni512,
-                                        dot_q4_k_vnni,   dot_q5_k_vnni,   dot_q6_k_vnni,
-                                        "avx512_vnni"};
+static const struct q_kernels q_vnni = {
+    quantize_x_avx2,   dot_q8_0_vnni512, dot_q4_0_vnni512, dot_q4_k_vnni, dot_q5_k_vnni,
+    dot_q6_k_vnni,     "avx512_vnni",    tile_q8_0_vnni512, tile_q4_0_vnni512, tile_q4_k_vnni, tile_q5_k_vnni, NULL};
 #endif
 
 static const struct q_kernels *q_kernels_for(enum cpu_isa isa, int no_vnni) {
@@ -1077,6 +1282,17 @@ static const struct q_kernels *q_kernels_for(enum cpu_isa isa, int no_vnni) {
 
 const char *llmem_cpu_q_kernels_name(enum cpu_isa isa) {
     return q_kernels_for(isa, 0)->name;
+}
+
+static q_tile_fn q_tile_for(const struct q_kernels *k, int type) {
+    switch (type) {
+    case LLMEM_QTYPE_Q8_0: return k->t8_0;
+    case LLMEM_QTYPE_Q4_0: return k->t4_0;
+    case LLMEM_QTYPE_Q4_K: return k->t4_k;
+    case LLMEM_QTYPE_Q5_K: return k->t5_k;
+    case LLMEM_QTYPE_Q6_K: return k->t6_k;
+    default: return NULL;
+    }
 }
 
 static q_dot_fn q_dot_for(const struct q_kernels *k, int type) {
@@ -1101,6 +1317,7 @@ int llmem_cpu_matmul_q_supported(int type, int64_t cols) {
 struct q_job {
     const struct q_kernels *k;
     q_dot_fn dot;
+    q_tile_fn tile;
     const struct llmem_weight *w;
     const float *x, *bias;
     float *y;
@@ -1128,15 +1345,25 @@ static void q_matmul_task(void *arg, int task, int thread) {
     const uint8_t *wd = j->w->data;
     int64_t r_begin = (int64_t)task * j->rows_per_task;
     int64_t r_end = r_begin + j->rows_per_task < rows ? r_begin + j->rows_per_task : rows;
-    float out[Q_NX];
+    float out[Q_TR * Q_NX];
     for (int64_t r0 = r_begin; r0 < r_end; r0 += Q_MR) {
         int64_t r1 = r0 + Q_MR < r_end ? r0 + Q_MR : r_end;
         for (int64_t t = 0; t < j->nt; t += Q_NX) {
             int nx = j->nt - t < Q_NX ? (int)(j->nt - t) : Q_NX;
-            for (int64_t r = r0; r < r1; r++) {
-                j->dot(wd + (size_t)r * (size_t)j->row_bytes, j->nb, &xv, t, nx, out);
-                for (int i = 0; i < nx; i++)
-                    j->y[(j->t0 + t + i) * rows + r] = j->bias != NULL ? out[i] + j->bias[r] : out[i];
+            for (int64_t r = r0; r < r1;) {
+                const uint8_t *wr = wd + (size_t)r * (size_t)j->row_bytes;
+                int nr = 1;
+                if (j->tile != NULL && r + Q_TR <= r1) {
+                    j->tile(wr, j->row_bytes, j->nb, &xv, t, nx, out);
+                    nr = Q_TR;
+                } else {
+                    j->dot(wr, j->nb, &xv, t, nx, out);
+                }
+                for (int k = 0; k < nr; k++, r++)
+                    for (int i = 0; i < nx; i++) {
+                        const float v = out[k * Q_NX + i];
+                        j->y[(j->t0 + t + i) * rows + r] = j->bias != NULL ? v + j->bias[r] : v;
+                    }
             }
         }
     }
@@ -1150,6 +1377,7 @@ void llmem_cpu_matmul_q(struct cpu_ctx *c, const struct llmem_weight *w, const f
     struct q_job job = {0};
     job.k = q_kernels_for(c->isa, c->no_vnni);
     job.dot = q_dot_for(job.k, w->quant);
+    job.tile = n > 1 ? q_tile_for(job.k, w->quant) : NULL;
     job.w = w, job.x = x, job.bias = bias, job.y = y;
     job.blk = blk, job.nb = cols / blk, job.row_bytes = llmem_weight_row_bytes(w);
     /* the chunk: rows of x whose quantized form fits the packed-x scratch */
