@@ -1200,6 +1200,101 @@ TARGET_VNNI static void tile_q5_k_vnni(const uint8_t *w, int64_t row_bytes, int6
 #undef CALL
 }
 
+/* Q6_K tiles for prefill: each pair takes the operations of dot_q6_k_vnni_nx (the same bits);
+ * the −32 terms of rows 2k and 2k + 1 of x share a register (halves). */
+TARGET_VNNI static ALWAYS_INLINE void tile_q6_k_vnni_nx(const uint8_t *w, int64_t row_bytes,
+                                                        int64_t nb, const struct q_x *x, int64_t t,
+                                                        float *out, const int NX) {
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    const int16_t *xs[Q_NX];
+    for (int j = 0; j < Q_NX; j++) { /* rows past nx: row 0 again, computed and dropped */
+        const int64_t tj = t + (j < NX ? j : 0);
+        xq[j] = x->q + tj * x->cols;
+        xd[j] = x->d + tj * (x->cols / LLMEM_QK_K);
+        xs[j] = x->s + tj * (x->cols / 16);
+    }
+    const int NP = (NX + 1) / 2;
+    __m512 acc[Q_TR][Q_NX], cacc[Q_TR][Q_NX / 2];
+    for (int r = 0; r < Q_TR; r++) {
+        for (int j = 0; j < NX; j++)
+            acc[r][j] = _mm512_setzero_ps();
+        for (int p = 0; p < NP; p++)
+            cacc[r][p] = _mm512_setzero_ps();
+    }
+    const __m512i m4 = _mm512_set1_epi8(0xf), m3 = _mm512_set1_epi8(3);
+    const __m512i sh01 = halves_epi16(0, 2), sh23 = halves_epi16(4, 6);
+    __m512i idx[2][2];
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 2; g++) {
+            short v[32];
+            for (int k = 0; k < 32; k++)
+                v[k] = (short)(8 * h + 4 * g + k / 8);
+            idx[h][g] = _mm512_loadu_si512(v);
+        }
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i xs2[Q_NX / 2];
+        __m512 dx2[Q_NX / 2];
+        for (int p = 0; p < NP; p++) {
+            xs2[p] = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xs[2 * p] + b * 16))),
+                _mm256_loadu_si256((const __m256i *)(xs[2 * p + 1] + b * 16)), 1);
+            dx2[p] = halves_ps(xd[2 * p][b], xd[2 * p + 1][b]);
+        }
+        for (int r = 0; r < Q_TR; r++) {
+            const uint8_t *blk = w + r * row_bytes + b * 210;
+            const __m256i sc16y =
+                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            const __m512i sc16 = _mm512_castsi256_si512(sc16y);
+            __m512i s32[Q_NX];
+            for (int j = 0; j < NX; j++)
+                s32[j] = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {
+                const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+                const __m512i qh = _mm512_broadcast_i64x4(
+                    _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+                const __m512i g01 = _mm512_or_si512(
+                    _mm512_and_si512(ql, m4),
+                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh01), m3), 4));
+                const __m512i g23 = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh23), m3), 4));
+                const __m512i sv01 = _mm512_permutexvar_epi16(idx[h][0], sc16);
+                const __m512i sv23 = _mm512_permutexvar_epi16(idx[h][1], sc16);
+                for (int j = 0; j < NX; j++) {
+                    const int8_t *xb = xq[j] + b * LLMEM_QK_K + 128 * h;
+                    s32[j] = _mm512_dpwssd_epi32(
+                        s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01);
+                    s32[j] = _mm512_dpwssd_epi32(
+                        s32[j], _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)), sv23);
+                }
+            }
+            const __m512 d = _mm512_set1_ps(f16_at_c(blk + 208));
+            for (int j = 0; j < NX; j++)
+                acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]),
+                                            _mm512_mul_ps(d, _mm512_set1_ps(xd[j][b])), acc[r][j]);
+            const __m512i sc2 = _mm512_broadcast_i64x4(sc16y);
+            for (int p = 0; p < NP; p++)
+                cacc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(sc2, xs2[p])),
+                                             _mm512_mul_ps(d, dx2[p]), cacc[r][p]);
+        }
+    }
+    for (int r = 0; r < Q_TR; r++)
+        for (int j = 0; j < NX; j++) {
+            const __m512 c = cacc[r][j / 2];
+            const __m256 c8 = (j & 1) ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1))
+                                      : _mm512_castps512_ps256(c);
+            out[r * Q_NX + j] = reduce16_512(acc[r][j]) - 32.0f * reduce8_avx2(c8);
+        }
+}
+
+TARGET_VNNI static void tile_q6_k_vnni(const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                       const struct q_x *x, int64_t t, int nx, float *out) {
+#define CALL(N) tile_q6_k_vnni_nx(w, row_bytes, nb, x, t, out, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
 TARGET_512 static void dot_q4_k_512(const uint8_t *w, int64_t nb, const struct q_x *x,
                                    int64_t t, int nx, float *out) {
 #define CALL(N) dot_k45_512_nx(w, nb, x, t, out, 0, N)
@@ -1266,7 +1361,7 @@ static const struct q_kernels q_512 = {quantize_x_avx2, dot32_avx2_q8_0, dot32_a
                                        "avx512"};
 static const struct q_kernels q_vnni = {
     quantize_x_avx2,   dot_q8_0_vnni512, dot_q4_0_vnni512, dot_q4_k_vnni, dot_q5_k_vnni,
-    dot_q6_k_vnni,     "avx512_vnni",    tile_q8_0_vnni512, tile_q4_0_vnni512, tile_q4_k_vnni, tile_q5_k_vnni, NULL};
+    dot_q6_k_vnni,     "avx512_vnni",    tile_q8_0_vnni512, tile_q4_0_vnni512, tile_q4_k_vnni, tile_q5_k_vnni, tile_q6_k_vnni};
 #endif
 
 static const struct q_kernels *q_kernels_for(enum cpu_isa isa, int no_vnni) {
