@@ -653,14 +653,23 @@ TARGET_512 static ALWAYS_INLINE __m512i halves_epi16(short lo, short hi) {
                               1);
 }
 
-/* acc + the pairwise products of a and b (vpdpwssd with VNNI, else vpmaddwd and vpaddd: the
- * same exact integers). */
-TARGET_512 static ALWAYS_INLINE __m512i dot2_512(__m512i acc, __m512i a, __m512i b) {
+/* acc + the pairwise products of a and b: vpdpwssd where the CPU has VNNI (written as assembly,
+ * so that one kernel body serves both tables), else vpmaddwd and vpaddd: the same exact integers. */
+TARGET_512 static ALWAYS_INLINE __m512i dot2(__m512i acc, __m512i a, __m512i b, const int vnni) {
+    if (vnni) {
+        __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+        return acc;
+    }
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 }
 
-TARGET_VNNI static ALWAYS_INLINE __m512i dot2_vnni(__m512i acc, __m512i a, __m512i b) {
-    return _mm512_dpwssd_epi32(acc, a, b);
+/* [scale 2i ×16 | scale 2i + 1 ×16] as 16-bit, for i < 4, from the eight scale bytes repeated in
+ * every qword of sc: one shuffle. */
+TARGET_512 static ALWAYS_INLINE __m512i k4_scales_pick(int i) {
+    uint8_t c[64];
+    for (int k = 0; k < 64; k++)
+        c[k] = (k & 1) ? 0x80 : (uint8_t)(2 * i + (k >= 32));
+    return _mm512_loadu_si512(c);
 }
 
 /* Q8_0 and Q4_0 with AVX-512 VNNI: two blocks a register. Blocks 4k and 4k+1 go to the halves of
@@ -757,7 +766,7 @@ TARGET_VNNI static ALWAYS_INLINE __m512i w64_vnni(const uint8_t *b0, int64_t bb,
 }
 
 /* [a ×8 | b ×8] */
-TARGET_VNNI static ALWAYS_INLINE __m512 halves_ps(float a, float b) {
+TARGET_512 static ALWAYS_INLINE __m512 halves_ps(float a, float b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)),
                                                _mm256_castps_pd(_mm256_set1_ps(b)), 1));
 }
@@ -849,7 +858,7 @@ TARGET_512 static ALWAYS_INLINE float reduce16_512(__m512 v) {
 
 TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb,
                                                      const struct q_x *x, int64_t t, float *out,
-                                                     const int five, const int NX) {
+                                                     const int five, const int vnni, const int NX) {
     const int64_t bb = five ? 176 : 144;
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
@@ -865,11 +874,14 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb
     }
     const __m512i m4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
     const __m512i sh = halves_epi16(0, 4);
+    const __m512i pick[4] = {k4_scales_pick(0), k4_scales_pick(1), k4_scales_pick(2),
+                             k4_scales_pick(3)};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
         const uint8_t *qs = blk + (five ? 48 : 16);
         uint64_t sc64, m64;
         scales_k4(blk + 4, &sc64, &m64);
+        const __m512i scb = _mm512_set1_epi64((long long)sc64);
         const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64));
         __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
                           : _mm512_setzero_si512();
@@ -884,69 +896,10 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb
                 wv = _mm512_or_si512(
                     wv, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shq), one), 4));
             }
-            const __m512i sv = halves_epi16((short)((sc64 >> (16 * i)) & 0xff),
-                                            (short)((sc64 >> (16 * i + 8)) & 0xff));
+            const __m512i sv = _mm512_shuffle_epi8(scb, pick[i]);
             for (int j = 0; j < NX; j++) {
                 __m512i xv = _mm512_loadu_si512(xq[j] + b * LLMEM_QK_K + 64 * i);
-                s32[j] = dot2_512(s32[j], _mm512_maddubs_epi16(wv, xv), sv);
-            }
-        }
-        const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
-        for (int j = 0; j < NX; j++) {
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(d * xd[j][b]),
-                                     acc[j]);
-            const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
-            __m128i mk = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs),
-                                                             _mm_loadu_si128(bs + 1)));
-            macc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(mk), _mm_set1_ps(-(dmin * xd[j][b])), macc[j]);
-        }
-    }
-    for (int j = 0; j < NX; j++)
-        out[j] = reduce16_512(acc[j]) + reduce4_sse(macc[j]);
-}
-
-TARGET_VNNI static ALWAYS_INLINE void dot_k45_vnni_nx(const uint8_t *w, int64_t nb,
-                                                     const struct q_x *x, int64_t t, float *out,
-                                                     const int five, const int NX) {
-    const int64_t bb = five ? 176 : 144;
-    const int8_t *xq[Q_NX];
-    const float *xd[Q_NX];
-    const int16_t *xs[Q_NX];
-    __m512 acc[Q_NX];
-    __m128 macc[Q_NX];
-    for (int j = 0; j < NX; j++) {
-        xq[j] = x->q + (t + j) * x->cols;
-        xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
-        xs[j] = x->s + (t + j) * (x->cols / 16);
-        acc[j] = _mm512_setzero_ps();
-        macc[j] = _mm_setzero_ps();
-    }
-    const __m512i m4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
-    const __m512i sh = halves_epi16(0, 4);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bb;
-        const uint8_t *qs = blk + (five ? 48 : 16);
-        uint64_t sc64, m64;
-        scales_k4(blk + 4, &sc64, &m64);
-        const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64));
-        __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
-                          : _mm512_setzero_si512();
-        __m512i s32[Q_NX];
-        for (int j = 0; j < NX; j++)
-            s32[j] = _mm512_setzero_si512();
-        for (int i = 0; i < 4; i++) {
-            __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
-            __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(q, sh), m4);
-            if (five) {
-                const __m512i shq = halves_epi16((short)(2 * i), (short)(2 * i + 1));
-                wv = _mm512_or_si512(
-                    wv, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shq), one), 4));
-            }
-            const __m512i sv = halves_epi16((short)((sc64 >> (16 * i)) & 0xff),
-                                            (short)((sc64 >> (16 * i + 8)) & 0xff));
-            for (int j = 0; j < NX; j++) {
-                __m512i xv = _mm512_loadu_si512(xq[j] + b * LLMEM_QK_K + 64 * i);
-                s32[j] = dot2_vnni(s32[j], _mm512_maddubs_epi16(wv, xv), sv);
+                s32[j] = dot2(s32[j], _mm512_maddubs_epi16(wv, xv), sv, vnni);
             }
         }
         const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
@@ -965,7 +918,7 @@ TARGET_VNNI static ALWAYS_INLINE void dot_k45_vnni_nx(const uint8_t *w, int64_t 
 
 TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t nb,
                                                       const struct q_x *x, int64_t t, float *out,
-                                                      const int NX) {
+                                                      const int vnni, const int NX) {
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
@@ -1011,75 +964,9 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
             const __m512i sv23 = _mm512_permutexvar_epi16(idx[h][1], sc16);
             for (int j = 0; j < NX; j++) {
                 const int8_t *xb = xq[j] + b * LLMEM_QK_K + 128 * h;
-                s32[j] = dot2_512(s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01);
-                s32[j] = dot2_512(s32[j], _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)),
-                                  sv23);
-            }
-        }
-        const float d = f16_at_c(blk + 208);
-        for (int j = 0; j < NX; j++) {
-            const float dd = d * xd[j][b];
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(dd), acc[j]);
-            __m256i c = _mm256_madd_epi16(sc16y,
-                                          _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
-            cacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(dd), cacc[j]);
-        }
-    }
-    for (int j = 0; j < NX; j++)
-        out[j] = reduce16_512(acc[j]) - 32.0f * reduce8_avx2(cacc[j]);
-}
-
-TARGET_VNNI static ALWAYS_INLINE void dot_q6_k_vnni_nx(const uint8_t *w, int64_t nb,
-                                                      const struct q_x *x, int64_t t, float *out,
-                                                      const int NX) {
-    const int8_t *xq[Q_NX];
-    const float *xd[Q_NX];
-    const int16_t *xs[Q_NX];
-    __m512 acc[Q_NX];
-    __m256 cacc[Q_NX];
-    for (int j = 0; j < NX; j++) {
-        xq[j] = x->q + (t + j) * x->cols;
-        xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
-        xs[j] = x->s + (t + j) * (x->cols / 16);
-        acc[j] = _mm512_setzero_ps();
-        cacc[j] = _mm256_setzero_ps();
-    }
-    const __m512i m4 = _mm512_set1_epi8(0xf), m3 = _mm512_set1_epi8(3);
-    const __m512i sh01 = halves_epi16(0, 2), sh23 = halves_epi16(4, 6);
-    /* 128-bit lane k of the scales of values 0…63 of half h: sub-block 8h + k; of 64…127: +4 */
-    __m512i idx[2][2];
-    for (int h = 0; h < 2; h++)
-        for (int g = 0; g < 2; g++) {
-            short v[32];
-            for (int k = 0; k < 32; k++)
-                v[k] = (short)(8 * h + 4 * g + k / 8);
-            idx[h][g] = _mm512_loadu_si512(v);
-        }
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * 210;
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const __m256i sc16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-        const __m512i sc16 = _mm512_castsi256_si512(sc16y);
-        __m512i s32[Q_NX];
-        for (int j = 0; j < NX; j++)
-            s32[j] = _mm512_setzero_si512();
-        for (int h = 0; h < 2; h++) {
-            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-            const __m512i qh =
-                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-            const __m512i g01 = _mm512_or_si512(
-                _mm512_and_si512(ql, m4),
-                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh01), m3), 4));
-            const __m512i g23 = _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh23), m3), 4));
-            const __m512i sv01 = _mm512_permutexvar_epi16(idx[h][0], sc16);
-            const __m512i sv23 = _mm512_permutexvar_epi16(idx[h][1], sc16);
-            for (int j = 0; j < NX; j++) {
-                const int8_t *xb = xq[j] + b * LLMEM_QK_K + 128 * h;
-                s32[j] = dot2_vnni(s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01);
-                s32[j] = dot2_vnni(s32[j], _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)),
-                                  sv23);
+                s32[j] = dot2(s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01, vnni);
+                s32[j] = dot2(s32[j], _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)), sv23,
+                              vnni);
             }
         }
         const float d = f16_at_c(blk + 208);
@@ -1098,9 +985,10 @@ TARGET_VNNI static ALWAYS_INLINE void dot_q6_k_vnni_nx(const uint8_t *w, int64_t
 /* Q4_K and Q5_K tiles for prefill: each pair takes the operations of dot_k45_vnni_nx (the same
  * bits). Per super-block, the mins terms of all NX rows of x go through one register: 128-bit
  * lane j holds row j's four lanes. */
-TARGET_VNNI static ALWAYS_INLINE void tile_k45_vnni_nx(const uint8_t *w, int64_t row_bytes,
-                                                       int64_t nb, const struct q_x *x, int64_t t,
-                                                       float *out, const int five, const int NX) {
+TARGET_512 static ALWAYS_INLINE void tile_k45_512_nx(const uint8_t *w, int64_t row_bytes,
+                                                      int64_t nb, const struct q_x *x, int64_t t,
+                                                      float *out, const int five, const int vnni,
+                                                      const int NX) {
     const int64_t bb = five ? 176 : 144;
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
@@ -1118,14 +1006,8 @@ TARGET_VNNI static ALWAYS_INLINE void tile_k45_vnni_nx(const uint8_t *w, int64_t
     }
     const __m512i m4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
     const __m512i sh = halves_epi16(0, 4);
-    /* sv_i = [scale 2i ×16 | scale 2i + 1 ×16] as 16-bit, from the 8 scale bytes in each qword */
-    __m512i pick[4];
-    for (int i = 0; i < 4; i++) {
-        uint8_t c[64];
-        for (int k = 0; k < 64; k++)
-            c[k] = (k & 1) ? 0x80 : (uint8_t)(2 * i + (k >= 32));
-        pick[i] = _mm512_loadu_si512(c);
-    }
+    const __m512i pick[4] = {k4_scales_pick(0), k4_scales_pick(1), k4_scales_pick(2),
+                             k4_scales_pick(3)};
     const __m512i lane4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (int64_t b = 0; b < nb; b++) {
         /* the x side: sums over each 32 values (lane j: row j) and [dx_j ×4] */
@@ -1166,8 +1048,7 @@ TARGET_VNNI static ALWAYS_INLINE void tile_k45_vnni_nx(const uint8_t *w, int64_t
                 const __m512i sv = _mm512_shuffle_epi8(scb, pick[i]);
                 for (int j = 0; j < NX; j++) {
                     __m512i xv = _mm512_loadu_si512(xq[j] + b * LLMEM_QK_K + 64 * i);
-                    s32[i & 1][j] =
-                        _mm512_dpwssd_epi32(s32[i & 1][j], _mm512_maddubs_epi16(wv, xv), sv);
+                    s32[i & 1][j] = dot2(s32[i & 1][j], _mm512_maddubs_epi16(wv, xv), sv, vnni);
                 }
             }
             const __m512 d = _mm512_set1_ps(f16_at_c(blk)), dmin = _mm512_set1_ps(-f16_at_c(blk + 2));
@@ -1186,25 +1067,13 @@ TARGET_VNNI static ALWAYS_INLINE void tile_k45_vnni_nx(const uint8_t *w, int64_t
     }
 }
 
-TARGET_VNNI static void tile_q4_k_vnni(const uint8_t *w, int64_t row_bytes, int64_t nb,
-                                       const struct q_x *x, int64_t t, int nx, float *out) {
-#define CALL(N) tile_k45_vnni_nx(w, row_bytes, nb, x, t, out, 0, N)
-    DISPATCH_NX(CALL)
-#undef CALL
-}
 
-TARGET_VNNI static void tile_q5_k_vnni(const uint8_t *w, int64_t row_bytes, int64_t nb,
-                                       const struct q_x *x, int64_t t, int nx, float *out) {
-#define CALL(N) tile_k45_vnni_nx(w, row_bytes, nb, x, t, out, 1, N)
-    DISPATCH_NX(CALL)
-#undef CALL
-}
 
 /* Q6_K tiles for prefill: each pair takes the operations of dot_q6_k_vnni_nx (the same bits);
  * the −32 terms of rows 2k and 2k + 1 of x share a register (halves). */
-TARGET_VNNI static ALWAYS_INLINE void tile_q6_k_vnni_nx(const uint8_t *w, int64_t row_bytes,
-                                                        int64_t nb, const struct q_x *x, int64_t t,
-                                                        float *out, const int NX) {
+TARGET_512 static ALWAYS_INLINE void tile_q6_k_512_nx(const uint8_t *w, int64_t row_bytes,
+                                                       int64_t nb, const struct q_x *x, int64_t t,
+                                                       float *out, const int vnni, const int NX) {
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
@@ -1263,10 +1132,10 @@ TARGET_VNNI static ALWAYS_INLINE void tile_q6_k_vnni_nx(const uint8_t *w, int64_
                 const __m512i sv23 = _mm512_permutexvar_epi16(idx[h][1], sc16);
                 for (int j = 0; j < NX; j++) {
                     const int8_t *xb = xq[j] + b * LLMEM_QK_K + 128 * h;
-                    s32[j] = _mm512_dpwssd_epi32(
-                        s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01);
-                    s32[j] = _mm512_dpwssd_epi32(
-                        s32[j], _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)), sv23);
+                    s32[j] = dot2(s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01,
+                                  vnni);
+                    s32[j] = dot2(s32[j], _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)),
+                                  sv23, vnni);
                 }
             }
             const __m512 d = _mm512_set1_ps(f16_at_c(blk + 208));
@@ -1288,54 +1157,46 @@ TARGET_VNNI static ALWAYS_INLINE void tile_q6_k_vnni_nx(const uint8_t *w, int64_
         }
 }
 
-TARGET_VNNI static void tile_q6_k_vnni(const uint8_t *w, int64_t row_bytes, int64_t nb,
-                                       const struct q_x *x, int64_t t, int nx, float *out) {
-#define CALL(N) tile_q6_k_vnni_nx(w, row_bytes, nb, x, t, out, N)
-    DISPATCH_NX(CALL)
-#undef CALL
-}
 
-TARGET_512 static void dot_q4_k_512(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                   int64_t t, int nx, float *out) {
-#define CALL(N) dot_k45_512_nx(w, nb, x, t, out, 0, N)
-    DISPATCH_NX(CALL)
-#undef CALL
-}
-
-TARGET_512 static void dot_q5_k_512(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                   int64_t t, int nx, float *out) {
-#define CALL(N) dot_k45_512_nx(w, nb, x, t, out, 1, N)
-    DISPATCH_NX(CALL)
-#undef CALL
-}
-
-TARGET_512 static void dot_q6_k_512(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                   int64_t t, int nx, float *out) {
-#define CALL(N) dot_q6_k_512_nx(w, nb, x, t, out, N)
-    DISPATCH_NX(CALL)
-#undef CALL
-}
-
-TARGET_VNNI static void dot_q4_k_vnni(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                   int64_t t, int nx, float *out) {
-#define CALL(N) dot_k45_vnni_nx(w, nb, x, t, out, 0, N)
-    DISPATCH_NX(CALL)
-#undef CALL
-}
-
-TARGET_VNNI static void dot_q5_k_vnni(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                   int64_t t, int nx, float *out) {
-#define CALL(N) dot_k45_vnni_nx(w, nb, x, t, out, 1, N)
-    DISPATCH_NX(CALL)
-#undef CALL
-}
-
-TARGET_VNNI static void dot_q6_k_vnni(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                   int64_t t, int nx, float *out) {
-#define CALL(N) dot_q6_k_vnni_nx(w, nb, x, t, out, N)
-    DISPATCH_NX(CALL)
-#undef CALL
-}
+/* The entry points: each body for nx = 1…4, with VNNI and without. */
+#define K_ENTRY(NAME, TARGET, CALL_NX)                                                             \
+    TARGET static void NAME(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx, \
+                            float *out) {                                                          \
+        DISPATCH_NX(CALL_NX)                                                                       \
+    }
+#define K_TILE_ENTRY(NAME, TARGET, CALL_NX)                                                        \
+    TARGET static void NAME(const uint8_t *w, int64_t row_bytes, int64_t nb, const struct q_x *x,  \
+                            int64_t t, int nx, float *out) {                                       \
+        DISPATCH_NX(CALL_NX)                                                                       \
+    }
+#define D45(FIVE, VNNI, N) dot_k45_512_nx(w, nb, x, t, out, FIVE, VNNI, N)
+#define D6(VNNI, N) dot_q6_k_512_nx(w, nb, x, t, out, VNNI, N)
+#define T45(FIVE, VNNI, N) tile_k45_512_nx(w, row_bytes, nb, x, t, out, FIVE, VNNI, N)
+#define T6(VNNI, N) tile_q6_k_512_nx(w, row_bytes, nb, x, t, out, VNNI, N)
+#define Q4K_512(N) D45(0, 0, N)
+#define Q5K_512(N) D45(1, 0, N)
+#define Q6K_512(N) D6(0, N)
+#define Q4K_VNNI(N) D45(0, 1, N)
+#define Q5K_VNNI(N) D45(1, 1, N)
+#define Q6K_VNNI(N) D6(1, N)
+#define T4K_512(N) T45(0, 0, N)
+#define T5K_512(N) T45(1, 0, N)
+#define T6K_512(N) T6(0, N)
+#define T4K_VNNI(N) T45(0, 1, N)
+#define T5K_VNNI(N) T45(1, 1, N)
+#define T6K_VNNI(N) T6(1, N)
+K_ENTRY(dot_q4_k_512, TARGET_512, Q4K_512)
+K_ENTRY(dot_q5_k_512, TARGET_512, Q5K_512)
+K_ENTRY(dot_q6_k_512, TARGET_512, Q6K_512)
+K_ENTRY(dot_q4_k_vnni, TARGET_512, Q4K_VNNI)
+K_ENTRY(dot_q5_k_vnni, TARGET_512, Q5K_VNNI)
+K_ENTRY(dot_q6_k_vnni, TARGET_512, Q6K_VNNI)
+K_TILE_ENTRY(tile_q4_k_512, TARGET_512, T4K_512)
+K_TILE_ENTRY(tile_q5_k_512, TARGET_512, T5K_512)
+K_TILE_ENTRY(tile_q6_k_512, TARGET_512, T6K_512)
+K_TILE_ENTRY(tile_q4_k_vnni, TARGET_512, T4K_VNNI)
+K_TILE_ENTRY(tile_q5_k_vnni, TARGET_512, T5K_VNNI)
+K_TILE_ENTRY(tile_q6_k_vnni, TARGET_512, T6K_VNNI)
 
 #endif
 
@@ -1356,9 +1217,10 @@ static const struct q_kernels q_scalar = {quantize_x_scalar, dot_q8_0_scalar, do
 static const struct q_kernels q_avx2 = {quantize_x_avx2, dot32_avx2_q8_0, dot32_avx2_q4_0,
                                         dot_q4_k_avx2,   dot_q5_k_avx2,   dot_q6_k_avx2,
                                         "avx2"};
-static const struct q_kernels q_512 = {quantize_x_avx2, dot32_avx2_q8_0, dot32_avx2_q4_0,
-                                       dot_q4_k_512,    dot_q5_k_512,    dot_q6_k_512,
-                                       "avx512"};
+static const struct q_kernels q_512 = {
+    quantize_x_avx2, dot32_avx2_q8_0, dot32_avx2_q4_0, dot_q4_k_512, dot_q5_k_512,
+    dot_q6_k_512,    "avx512",        NULL,            NULL,         tile_q4_k_512,
+    tile_q5_k_512,   tile_q6_k_512};
 static const struct q_kernels q_vnni = {
     quantize_x_avx2,   dot_q8_0_vnni512, dot_q4_0_vnni512, dot_q4_k_vnni, dot_q5_k_vnni,
     dot_q6_k_vnni,     "avx512_vnni",    tile_q8_0_vnni512, tile_q4_0_vnni512, tile_q4_k_vnni, tile_q5_k_vnni, tile_q6_k_vnni};
