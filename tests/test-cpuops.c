@@ -667,6 +667,13 @@ static void test_matmul_fast(void **state) {
     const int64_t big[] = {1, 300};
     fast_case(LLMEM_QTYPE_Q4_K, 3, 16384, big, 2, 2);
     fast_case(LLMEM_QTYPE_Q8_0, 3, 16384, big, 2, 2);
+    /* blocks after the last group of four (the 32-value tiles take them one by one) */
+    fast_case(LLMEM_QTYPE_Q8_0, 9, 224, ns, 6, 2);
+    fast_case(LLMEM_QTYPE_Q4_0, 9, 224, ns, 6, 2);
+    /* W too large to stay in the caches: decode by the dot kernels, prefill by the tiles */
+    const int64_t two[] = {1, 5};
+    fast_case(LLMEM_QTYPE_Q8_0, 1040, 512, two, 2, 2);
+    fast_case(LLMEM_QTYPE_Q4_K, 1040, 512, two, 2, 2);
     printf("fast matmul: worst |err| / bound = %.3f (kernels: %s)\n", worst_fast_ratio,
            llmem_backend_cpu_matmul_kernels());
     /* f32 precision keeps the exact path: checked in test_matmul_quantized */

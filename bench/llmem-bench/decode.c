@@ -55,14 +55,15 @@ static void progress_tick(void *arg) {
 
 /* Bytes of the matmul weights one decode step reads, and its FLOPs per prompt token. */
 static void model_costs(const struct llmem_model_config *c, int64_t *weight_bytes,
-                        double *flops_per_token, int64_t *elem_bytes) {
+                        double *flops_per_token) {
     const struct llmem_model_geometry *g = &c->geom;
     int64_t q = g->n_heads * g->head_dim, kv = g->n_kv_heads * g->head_dim;
     int64_t per_layer =
         g->hidden_size * (2 * q + 2 * kv) + 3 * g->hidden_size * g->intermediate_size;
     int64_t params = per_layer * g->n_layers;
-    *elem_bytes = g->weights_bytes / (g->n_params > 0 ? g->n_params : 1);
-    *weight_bytes = (params + g->vocab_size * g->hidden_size) * *elem_bytes;
+    /* bytes a parameter as stored: 2 for bf16, a fraction for quantized files */
+    const double per_param = (double)g->weights_bytes / (double)(g->n_params > 0 ? g->n_params : 1);
+    *weight_bytes = (int64_t)((double)(params + g->vocab_size * g->hidden_size) * per_param);
     *flops_per_token = 2.0 * (double)params;
 }
 
@@ -200,7 +201,7 @@ int bench_decode(int argc, char **argv) {
     struct llmem_pool *pool = NULL;
     struct bench_device_probe *dprobe = NULL; /* the device's probe (--backend cuda) */
     int32_t *prompt = malloc((size_t)n_prompt * sizeof(int32_t));
-    int64_t weight_bytes = 0, elem_bytes = 2;
+    int64_t weight_bytes = 0;
     double flops_per_token = 0;
     rc = CLI_FAIL;
     if (prompt == NULL)
@@ -225,7 +226,7 @@ int bench_decode(int argc, char **argv) {
             bench_device_probe_open((int)device, bw_bytes, &dprobe) != CLI_OK)
             goto out;
         const struct llmem_model_config *mc = llmem_model_get_config(llmem_engine_model(e));
-        model_costs(mc, &weight_bytes, &flops_per_token, &elem_bytes);
+        model_costs(mc, &weight_bytes, &flops_per_token);
         const struct llmem_model_geometry *g = &mc->geom;
         uint64_t x = 99;
         for (int64_t i = 0; i < n_prompt; i++) {

@@ -19,14 +19,17 @@
  *   Q6_K         per super-block: S = Σ_j sc_j · (Σ w·q − 32 · sum of q) over the 16-value
  *                sub-blocks (w the 6-bit value 0…63); s ← fma(d·dx, (float)S, s).
  * then y = s + bias. The portable C, AVX2 (vpmaddubsw), AVX-512BW (the K types, 64 values an
- * instruction) and AVX-512 VNNI (vpdpbusd, Q8_0/Q4_0) kernels compute these very operations, so they give the same bits, and a row of x gives the same bits alone or
- * in any batch, on any thread count (the decode and prefill loops call the same kernels).
+ * instruction) and AVX-512 VNNI (vpdpbusd, Q8_0/Q4_0) kernels compute these very operations, so
+ * they give the same bits, and a row of x gives the same bits alone or in any batch, on any thread
+ * count (the decode and prefill loops call the same kernels).
  *
  * Loops: the rows of x are quantized in chunks that fit the backend's packed-x scratch (all
  * threads, a row each); the W rows are split into contiguous ranges, one task each. A task takes
- * 16 W rows at a time and, for every 4 rows of x of the chunk, multiplies each W row with the 4
- * (the weights unpacked once for 4 dot products, the 16 rows' blocks and the 4 rows of x in
- * cache). Decode (n = 1) thus streams W once.
+ * 16 W rows at a time and, for every 4 rows of x of the chunk, multiplies them with the 4: by
+ * tiles of 4 W rows (AVX-512: each W block unpacked once for the 4 rows of x, each row of x
+ * loaded once for the 4 W rows, every pair computed as its dot kernel computes it), else a W row
+ * at a time by the dot kernels. Decode (n = 1) streams W once through the dot kernels, unless W is
+ * small enough to stay in the caches between tokens, where the tiles' fewer calls pay.
  */
 #include <math.h>
 #include <stdint.h>
@@ -46,9 +49,10 @@
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
-#define Q_NX 4  /* rows of x per kernel call */
-#define Q_MR 16 /* W rows per tile */
-#define Q_TR 4  /* W rows per tile kernel call (prefill) */
+#define Q_NX                4           /* rows of x per kernel call */
+#define Q_MR                16          /* W rows per tile */
+#define Q_TR                4           /* W rows per tile kernel call (prefill) */
+#define Q_TILE_CACHED_BYTES (512 << 10) /* decode takes the tiles on a W this small */
 
 /* The quantized rows of x of a chunk. */
 struct q_x {
@@ -423,7 +427,8 @@ TARGET_AVX2 static ALWAYS_INLINE __m256i dot4_avx2(__m256i u, __m256i s) {
 
 #define DEFINE_DOT32(NAME, TARGET, DOT4)                                                           \
     TARGET static ALWAYS_INLINE void NAME##_nx(const uint8_t *w, int64_t nb, const struct q_x *x,  \
-                                               int64_t t, float *out, const int q4, const int NX) { \
+                                               int64_t t, float *out, const int q4,                \
+                                               const int NX) {                                     \
         const int64_t bb = q4 ? 18 : 34;                                                           \
         const int8_t *xq[Q_NX];                                                                    \
         const float *xd[Q_NX];                                                                     \
@@ -436,7 +441,7 @@ TARGET_AVX2 static ALWAYS_INLINE __m256i dot4_avx2(__m256i u, __m256i s) {
         }                                                                                          \
         for (int64_t b = 0; b < nb; b++) {                                                         \
             const uint8_t *blk = w + b * bb;                                                       \
-            const float dw = f16_at_c(blk);                                                          \
+            const float dw = f16_at_c(blk);                                                        \
             __m256i wv;                                                                            \
             if (q4) {                                                                              \
                 __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));                          \
@@ -509,7 +514,8 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
         __m256i sl[Q_NX], sh[Q_NX];
         for (int j = 0; j < NX; j++)
             sl[j] = sh[j] = _mm256_setzero_si256();
-        __m256i qhv = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        __m256i qhv =
+            five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
             __m256i wl = _mm256_and_si256(q, m4);
@@ -526,8 +532,10 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
                 const int8_t *xb = xq[j] + b * LLMEM_QK_K + 64 * i;
                 __m256i x0 = _mm256_loadu_si256((const __m256i *)xb);
                 __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
-                sl[j] = _mm256_add_epi32(sl[j], _mm256_madd_epi16(_mm256_maddubs_epi16(wl, x0), scl));
-                sh[j] = _mm256_add_epi32(sh[j], _mm256_madd_epi16(_mm256_maddubs_epi16(wh, x1), sch));
+                sl[j] =
+                    _mm256_add_epi32(sl[j], _mm256_madd_epi16(_mm256_maddubs_epi16(wl, x0), scl));
+                sh[j] =
+                    _mm256_add_epi32(sh[j], _mm256_madd_epi16(_mm256_maddubs_epi16(wh, x1), sch));
             }
         }
         const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
@@ -536,8 +544,8 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
             lo[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl[j]), dd, lo[j]);
             hi[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh[j]), dd, hi[j]);
             const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
-            __m128i mk = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs),
-                                                             _mm_loadu_si128(bs + 1)));
+            __m128i mk =
+                _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1)));
             macc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(mk), _mm_set1_ps(-(dmin * xd[j][b])), macc[j]);
         }
     }
@@ -586,8 +594,8 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
             for (int gi = 0; gi < 4; gi++) {
                 const int k = 8 * h + 2 * gi;
-                const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(sc[k + 1]),
-                                                    _mm_set1_epi16(sc[k]));
+                const __m256i sv =
+                    _mm256_set_m128i(_mm_set1_epi16(sc[k + 1]), _mm_set1_epi16(sc[k]));
                 for (int j = 0; j < NX; j++) {
                     __m256i xv = _mm256_loadu_si256(
                         (const __m256i *)(xq[j] + b * LLMEM_QK_K + 128 * h + 32 * gi));
@@ -604,8 +612,8 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
             const __m256 dd = _mm256_set1_ps(d * xd[j][b]);
             lo[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl[j]), dd, lo[j]);
             hi[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh[j]), dd, hi[j]);
-            __m256i c = _mm256_madd_epi16(sc16,
-                                          _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
+            __m256i c =
+                _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
             cacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), dd, cacc[j]);
         }
     }
@@ -621,22 +629,22 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
     default: CALL(4);                                                                              \
     }
 
-TARGET_AVX2 static void dot_q4_k_avx2(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                      int64_t t, int nx, float *out) {
+TARGET_AVX2 static void dot_q4_k_avx2(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
+                                      int nx, float *out){
 #define CALL(N) dot_k45_avx2_nx(w, nb, x, t, out, 0, N)
     DISPATCH_NX(CALL)
 #undef CALL
 }
 
-TARGET_AVX2 static void dot_q5_k_avx2(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                      int64_t t, int nx, float *out) {
+TARGET_AVX2 static void dot_q5_k_avx2(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
+                                      int nx, float *out){
 #define CALL(N) dot_k45_avx2_nx(w, nb, x, t, out, 1, N)
     DISPATCH_NX(CALL)
 #undef CALL
 }
 
-TARGET_AVX2 static void dot_q6_k_avx2(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                      int64_t t, int nx, float *out) {
+TARGET_AVX2 static void dot_q6_k_avx2(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
+                                      int nx, float *out){
 #define CALL(N) dot_q6_k_avx2_nx(w, nb, x, t, out, N)
     DISPATCH_NX(CALL)
 #undef CALL
@@ -654,7 +662,8 @@ TARGET_512 static ALWAYS_INLINE __m512i halves_epi16(short lo, short hi) {
 }
 
 /* acc + the pairwise products of a and b: vpdpwssd where the CPU has VNNI (written as assembly,
- * so that one kernel body serves both tables), else vpmaddwd and vpaddd: the same exact integers. */
+ * so that one kernel body serves both tables), else vpmaddwd and vpaddd: the same exact integers.
+ */
 TARGET_512 static ALWAYS_INLINE __m512i dot2(__m512i acc, __m512i a, __m512i b, const int vnni) {
     if (vnni) {
         __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
@@ -701,8 +710,8 @@ TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t
     for (; b + 4 <= nb; b += 4)
         for (int pr = 0; pr < 2; pr++) {
             const uint8_t *b0 = w + (b + 2 * pr) * bb, *b1 = b0 + bb;
-            const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(w32_vnni(b0, q4)),
-                                                  w32_vnni(b1, q4), 1);
+            const __m512i wv =
+                _mm512_inserti64x4(_mm512_castsi256_si512(w32_vnni(b0, q4)), w32_vnni(b1, q4), 1);
             const __m512i aw = _mm512_abs_epi8(wv);
             const __mmask64 neg = _mm512_movepi8_mask(wv);
             const float d0 = f16_at_c(b0), d1 = f16_at_c(b1);
@@ -737,19 +746,19 @@ TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t
         }
     }
     for (int j = 0; j < NX; j++)
-        out[j] = reduce8_avx2(
-            _mm256_add_ps(_mm256_add_ps(set[0][j], set[1][j]), _mm256_add_ps(set[2][j], set[3][j])));
+        out[j] = reduce8_avx2(_mm256_add_ps(_mm256_add_ps(set[0][j], set[1][j]),
+                                            _mm256_add_ps(set[2][j], set[3][j])));
 }
 
 TARGET_VNNI static void dot_q8_0_vnni512(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                         int64_t t, int nx, float *out) {
+                                         int64_t t, int nx, float *out){
 #define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, 0, N)
     DISPATCH_NX(CALL)
 #undef CALL
 }
 
 TARGET_VNNI static void dot_q4_0_vnni512(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                         int64_t t, int nx, float *out) {
+                                         int64_t t, int nx, float *out){
 #define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, 1, N)
     DISPATCH_NX(CALL)
 #undef CALL
@@ -825,8 +834,8 @@ TARGET_VNNI static ALWAYS_INLINE void tile32_vnni512_nx(const uint8_t *w, int64_
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + b * 32));
                 __m256i p =
                     _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(xv, wv));
-                set[b & 3][r][j] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[j][b]), set[b & 3][r][j]);
+                set[b & 3][r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                                   _mm256_set1_ps(dw * xd[j][b]), set[b & 3][r][j]);
             }
         }
     for (int r = 0; r < Q_TR; r++)
@@ -837,14 +846,14 @@ TARGET_VNNI static ALWAYS_INLINE void tile32_vnni512_nx(const uint8_t *w, int64_
 }
 
 TARGET_VNNI static void tile_q8_0_vnni512(const uint8_t *w, int64_t row_bytes, int64_t nb,
-                                          const struct q_x *x, int64_t t, int nx, float *out) {
+                                          const struct q_x *x, int64_t t, int nx, float *out){
 #define CALL(N) tile32_vnni512_nx(w, row_bytes, nb, x, t, out, 0, N)
     DISPATCH_NX(CALL)
 #undef CALL
 }
 
 TARGET_VNNI static void tile_q4_0_vnni512(const uint8_t *w, int64_t row_bytes, int64_t nb,
-                                          const struct q_x *x, int64_t t, int nx, float *out) {
+                                          const struct q_x *x, int64_t t, int nx, float *out){
 #define CALL(N) tile32_vnni512_nx(w, row_bytes, nb, x, t, out, 1, N)
     DISPATCH_NX(CALL)
 #undef CALL
@@ -857,8 +866,8 @@ TARGET_512 static ALWAYS_INLINE float reduce16_512(__m512 v) {
 }
 
 TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb,
-                                                     const struct q_x *x, int64_t t, float *out,
-                                                     const int five, const int vnni, const int NX) {
+                                                    const struct q_x *x, int64_t t, float *out,
+                                                    const int five, const int vnni, const int NX) {
     const int64_t bb = five ? 176 : 144;
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
@@ -904,11 +913,11 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb
         }
         const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
         for (int j = 0; j < NX; j++) {
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(d * xd[j][b]),
-                                     acc[j]);
+            acc[j] =
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(d * xd[j][b]), acc[j]);
             const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
-            __m128i mk = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs),
-                                                             _mm_loadu_si128(bs + 1)));
+            __m128i mk =
+                _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1)));
             macc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(mk), _mm_set1_ps(-(dmin * xd[j][b])), macc[j]);
         }
     }
@@ -917,8 +926,8 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb
 }
 
 TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t nb,
-                                                      const struct q_x *x, int64_t t, float *out,
-                                                      const int vnni, const int NX) {
+                                                     const struct q_x *x, int64_t t, float *out,
+                                                     const int vnni, const int NX) {
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
@@ -964,7 +973,8 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
             const __m512i sv23 = _mm512_permutexvar_epi16(idx[h][1], sc16);
             for (int j = 0; j < NX; j++) {
                 const int8_t *xb = xq[j] + b * LLMEM_QK_K + 128 * h;
-                s32[j] = dot2(s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01, vnni);
+                s32[j] =
+                    dot2(s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01, vnni);
                 s32[j] = dot2(s32[j], _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)), sv23,
                               vnni);
             }
@@ -973,8 +983,8 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
         for (int j = 0; j < NX; j++) {
             const float dd = d * xd[j][b];
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(dd), acc[j]);
-            __m256i c = _mm256_madd_epi16(sc16y,
-                                          _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
+            __m256i c =
+                _mm256_madd_epi16(sc16y, _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
             cacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(dd), cacc[j]);
         }
     }
@@ -986,9 +996,9 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
  * bits). Per super-block, the mins terms of all NX rows of x go through one register: 128-bit
  * lane j holds row j's four lanes. */
 TARGET_512 static ALWAYS_INLINE void tile_k45_512_nx(const uint8_t *w, int64_t row_bytes,
-                                                      int64_t nb, const struct q_x *x, int64_t t,
-                                                      float *out, const int five, const int vnni,
-                                                      const int NX) {
+                                                     int64_t nb, const struct q_x *x, int64_t t,
+                                                     float *out, const int five, const int vnni,
+                                                     const int NX) {
     const int64_t bb = five ? 176 : 144;
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
@@ -1026,8 +1036,8 @@ TARGET_512 static ALWAYS_INLINE void tile_k45_512_nx(const uint8_t *w, int64_t r
             uint64_t sc64, m64;
             scales_k4(blk + 4, &sc64, &m64);
             const __m512i scb = _mm512_set1_epi64((long long)sc64);
-            const __m512i mins = _mm512_broadcast_i32x4(
-                _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64)));
+            const __m512i mins =
+                _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64)));
             const __m512i qh =
                 five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
                      : _mm512_setzero_si512();
@@ -1051,10 +1061,12 @@ TARGET_512 static ALWAYS_INLINE void tile_k45_512_nx(const uint8_t *w, int64_t r
                     s32[i & 1][j] = dot2(s32[i & 1][j], _mm512_maddubs_epi16(wv, xv), sv, vnni);
                 }
             }
-            const __m512 d = _mm512_set1_ps(f16_at_c(blk)), dmin = _mm512_set1_ps(-f16_at_c(blk + 2));
+            const __m512 d = _mm512_set1_ps(f16_at_c(blk)),
+                         dmin = _mm512_set1_ps(-f16_at_c(blk + 2));
             for (int j = 0; j < NX; j++)
-                acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s32[0][j], s32[1][j])),
-                                            _mm512_mul_ps(d, _mm512_set1_ps(xd[j][b])), acc[r][j]);
+                acc[r][j] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s32[0][j], s32[1][j])),
+                                    _mm512_mul_ps(d, _mm512_set1_ps(xd[j][b])), acc[r][j]);
             macc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(mins, xs32)),
                                       _mm512_mul_ps(dmin, dx4), macc[r]);
         }
@@ -1067,13 +1079,11 @@ TARGET_512 static ALWAYS_INLINE void tile_k45_512_nx(const uint8_t *w, int64_t r
     }
 }
 
-
-
 /* Q6_K tiles for prefill: each pair takes the operations of dot_q6_k_vnni_nx (the same bits);
  * the −32 terms of rows 2k and 2k + 1 of x share a register (halves). */
 TARGET_512 static ALWAYS_INLINE void tile_q6_k_512_nx(const uint8_t *w, int64_t row_bytes,
-                                                       int64_t nb, const struct q_x *x, int64_t t,
-                                                       float *out, const int vnni, const int NX) {
+                                                      int64_t nb, const struct q_x *x, int64_t t,
+                                                      float *out, const int vnni, const int NX) {
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
@@ -1132,8 +1142,8 @@ TARGET_512 static ALWAYS_INLINE void tile_q6_k_512_nx(const uint8_t *w, int64_t 
                 const __m512i sv23 = _mm512_permutexvar_epi16(idx[h][1], sc16);
                 for (int j = 0; j < NX; j++) {
                     const int8_t *xb = xq[j] + b * LLMEM_QK_K + 128 * h;
-                    s32[j] = dot2(s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01,
-                                  vnni);
+                    s32[j] =
+                        dot2(s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01, vnni);
                     s32[j] = dot2(s32[j], _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)),
                                   sv23, vnni);
                 }
@@ -1151,16 +1161,16 @@ TARGET_512 static ALWAYS_INLINE void tile_q6_k_512_nx(const uint8_t *w, int64_t 
     for (int r = 0; r < Q_TR; r++)
         for (int j = 0; j < NX; j++) {
             const __m512 c = cacc[r][j / 2];
-            const __m256 c8 = (j & 1) ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1))
-                                      : _mm512_castps512_ps256(c);
+            const __m256 c8 = (j & 1)
+                                  ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1))
+                                  : _mm512_castps512_ps256(c);
             out[r * Q_NX + j] = reduce16_512(acc[r][j]) - 32.0f * reduce8_avx2(c8);
         }
 }
 
-
 /* The entry points: each body for nx = 1…4, with VNNI and without. */
 #define K_ENTRY(NAME, TARGET, CALL_NX)                                                             \
-    TARGET static void NAME(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx, \
+    TARGET static void NAME(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,  \
                             float *out) {                                                          \
         DISPATCH_NX(CALL_NX)                                                                       \
     }
@@ -1170,21 +1180,21 @@ TARGET_512 static ALWAYS_INLINE void tile_q6_k_512_nx(const uint8_t *w, int64_t 
         DISPATCH_NX(CALL_NX)                                                                       \
     }
 #define D45(FIVE, VNNI, N) dot_k45_512_nx(w, nb, x, t, out, FIVE, VNNI, N)
-#define D6(VNNI, N) dot_q6_k_512_nx(w, nb, x, t, out, VNNI, N)
+#define D6(VNNI, N)        dot_q6_k_512_nx(w, nb, x, t, out, VNNI, N)
 #define T45(FIVE, VNNI, N) tile_k45_512_nx(w, row_bytes, nb, x, t, out, FIVE, VNNI, N)
-#define T6(VNNI, N) tile_q6_k_512_nx(w, row_bytes, nb, x, t, out, VNNI, N)
-#define Q4K_512(N) D45(0, 0, N)
-#define Q5K_512(N) D45(1, 0, N)
-#define Q6K_512(N) D6(0, N)
-#define Q4K_VNNI(N) D45(0, 1, N)
-#define Q5K_VNNI(N) D45(1, 1, N)
-#define Q6K_VNNI(N) D6(1, N)
-#define T4K_512(N) T45(0, 0, N)
-#define T5K_512(N) T45(1, 0, N)
-#define T6K_512(N) T6(0, N)
-#define T4K_VNNI(N) T45(0, 1, N)
-#define T5K_VNNI(N) T45(1, 1, N)
-#define T6K_VNNI(N) T6(1, N)
+#define T6(VNNI, N)        tile_q6_k_512_nx(w, row_bytes, nb, x, t, out, VNNI, N)
+#define Q4K_512(N)         D45(0, 0, N)
+#define Q5K_512(N)         D45(1, 0, N)
+#define Q6K_512(N)         D6(0, N)
+#define Q4K_VNNI(N)        D45(0, 1, N)
+#define Q5K_VNNI(N)        D45(1, 1, N)
+#define Q6K_VNNI(N)        D6(1, N)
+#define T4K_512(N)         T45(0, 0, N)
+#define T5K_512(N)         T45(1, 0, N)
+#define T6K_512(N)         T6(0, N)
+#define T4K_VNNI(N)        T45(0, 1, N)
+#define T5K_VNNI(N)        T45(1, 1, N)
+#define T6K_VNNI(N)        T6(1, N)
 K_ENTRY(dot_q4_k_512, TARGET_512, Q4K_512)
 K_ENTRY(dot_q5_k_512, TARGET_512, Q5K_512)
 K_ENTRY(dot_q6_k_512, TARGET_512, Q6K_512)
@@ -1207,7 +1217,8 @@ struct q_kernels {
     void (*quantize)(const float *x, int64_t cols, int64_t blk, int8_t *q, float *d, int16_t *s);
     q_dot_fn q8_0, q4_0, q4_k, q5_k, q6_k;
     const char *name;
-    q_tile_fn t8_0, t4_0, t4_k, t5_k, t6_k; /* prefill tiles; NULL: the dot kernel a row at a time */
+    q_tile_fn t8_0, t4_0, t4_k, t5_k,
+        t6_k; /* prefill tiles; NULL: the dot kernel a row at a time */
 };
 
 static const struct q_kernels q_scalar = {quantize_x_scalar, dot_q8_0_scalar, dot_q4_0_scalar,
@@ -1217,13 +1228,22 @@ static const struct q_kernels q_scalar = {quantize_x_scalar, dot_q8_0_scalar, do
 static const struct q_kernels q_avx2 = {quantize_x_avx2, dot32_avx2_q8_0, dot32_avx2_q4_0,
                                         dot_q4_k_avx2,   dot_q5_k_avx2,   dot_q6_k_avx2,
                                         "avx2"};
-static const struct q_kernels q_512 = {
-    quantize_x_avx2, dot32_avx2_q8_0, dot32_avx2_q4_0, dot_q4_k_512, dot_q5_k_512,
-    dot_q6_k_512,    "avx512",        NULL,            NULL,         tile_q4_k_512,
-    tile_q5_k_512,   tile_q6_k_512};
-static const struct q_kernels q_vnni = {
-    quantize_x_avx2,   dot_q8_0_vnni512, dot_q4_0_vnni512, dot_q4_k_vnni, dot_q5_k_vnni,
-    dot_q6_k_vnni,     "avx512_vnni",    tile_q8_0_vnni512, tile_q4_0_vnni512, tile_q4_k_vnni, tile_q5_k_vnni, tile_q6_k_vnni};
+static const struct q_kernels q_512 = {quantize_x_avx2,
+                                       dot32_avx2_q8_0,
+                                       dot32_avx2_q4_0,
+                                       dot_q4_k_512,
+                                       dot_q5_k_512,
+                                       dot_q6_k_512,
+                                       "avx512",
+                                       NULL,
+                                       NULL,
+                                       tile_q4_k_512,
+                                       tile_q5_k_512,
+                                       tile_q6_k_512};
+static const struct q_kernels q_vnni = {quantize_x_avx2, dot_q8_0_vnni512,  dot_q4_0_vnni512,
+                                        dot_q4_k_vnni,   dot_q5_k_vnni,     dot_q6_k_vnni,
+                                        "avx512_vnni",   tile_q8_0_vnni512, tile_q4_0_vnni512,
+                                        tile_q4_k_vnni,  tile_q5_k_vnni,    tile_q6_k_vnni};
 #endif
 
 static const struct q_kernels *q_kernels_for(enum cpu_isa isa, int no_vnni) {
@@ -1291,7 +1311,8 @@ static void q_quantize_task(void *arg, int task, int thread) {
     const struct q_job *j = arg;
     const int64_t cols = j->w->cols;
     j->k->quantize(j->x + (j->t0 + task) * cols, cols, j->blk, j->xq + task * cols,
-                   j->xd + task * (cols / j->blk), j->xs != NULL ? j->xs + task * (cols / 16) : NULL);
+                   j->xd + task * (cols / j->blk),
+                   j->xs != NULL ? j->xs + task * (cols / 16) : NULL);
 }
 
 static void q_matmul_task(void *arg, int task, int thread) {
@@ -1334,9 +1355,12 @@ void llmem_cpu_matmul_q(struct cpu_ctx *c, const struct llmem_weight *w, const f
     struct q_job job = {0};
     job.k = q_kernels_for(c->isa, c->no_vnni);
     job.dot = q_dot_for(job.k, w->quant);
-    job.tile = n > 1 ? q_tile_for(job.k, w->quant) : NULL;
     job.w = w, job.x = x, job.bias = bias, job.y = y;
     job.blk = blk, job.nb = cols / blk, job.row_bytes = llmem_weight_row_bytes(w);
+    /* decode streams W through the dot kernels (the 32-value tiles walk a row twice); a W that
+     * stays in the caches between tokens takes the tiles, which cost fewer calls a row */
+    job.tile =
+        n > 1 || rows * job.row_bytes <= Q_TILE_CACHED_BYTES ? q_tile_for(job.k, w->quant) : NULL;
     /* the chunk: rows of x whose quantized form fits the packed-x scratch */
     const size_t q_bytes = ((size_t)cols + 63) & ~(size_t)63;
     const size_t d_bytes = (((size_t)(cols / blk) * sizeof(float)) + 63) & ~(size_t)63;
