@@ -1221,29 +1221,44 @@ struct q_kernels {
         t6_k; /* prefill tiles; NULL: the dot kernel a row at a time */
 };
 
-static const struct q_kernels q_scalar = {quantize_x_scalar, dot_q8_0_scalar, dot_q4_0_scalar,
-                                          dot_q4_k_scalar,   dot_q5_k_scalar, dot_q6_k_scalar,
-                                          "scalar"};
+/* Designated: the tiles are left NULL where a table has none. */
+static const struct q_kernels q_scalar = {.quantize = quantize_x_scalar,
+                                          .q8_0 = dot_q8_0_scalar,
+                                          .q4_0 = dot_q4_0_scalar,
+                                          .q4_k = dot_q4_k_scalar,
+                                          .q5_k = dot_q5_k_scalar,
+                                          .q6_k = dot_q6_k_scalar,
+                                          .name = "scalar"};
 #if QX86
-static const struct q_kernels q_avx2 = {quantize_x_avx2, dot32_avx2_q8_0, dot32_avx2_q4_0,
-                                        dot_q4_k_avx2,   dot_q5_k_avx2,   dot_q6_k_avx2,
-                                        "avx2"};
-static const struct q_kernels q_512 = {quantize_x_avx2,
-                                       dot32_avx2_q8_0,
-                                       dot32_avx2_q4_0,
-                                       dot_q4_k_512,
-                                       dot_q5_k_512,
-                                       dot_q6_k_512,
-                                       "avx512",
-                                       NULL,
-                                       NULL,
-                                       tile_q4_k_512,
-                                       tile_q5_k_512,
-                                       tile_q6_k_512};
-static const struct q_kernels q_vnni = {quantize_x_avx2, dot_q8_0_vnni512,  dot_q4_0_vnni512,
-                                        dot_q4_k_vnni,   dot_q5_k_vnni,     dot_q6_k_vnni,
-                                        "avx512_vnni",   tile_q8_0_vnni512, tile_q4_0_vnni512,
-                                        tile_q4_k_vnni,  tile_q5_k_vnni,    tile_q6_k_vnni};
+static const struct q_kernels q_avx2 = {.quantize = quantize_x_avx2,
+                                        .q8_0 = dot32_avx2_q8_0,
+                                        .q4_0 = dot32_avx2_q4_0,
+                                        .q4_k = dot_q4_k_avx2,
+                                        .q5_k = dot_q5_k_avx2,
+                                        .q6_k = dot_q6_k_avx2,
+                                        .name = "avx2"};
+static const struct q_kernels q_512 = {.quantize = quantize_x_avx2,
+                                       .q8_0 = dot32_avx2_q8_0,
+                                       .q4_0 = dot32_avx2_q4_0,
+                                       .q4_k = dot_q4_k_512,
+                                       .q5_k = dot_q5_k_512,
+                                       .q6_k = dot_q6_k_512,
+                                       .name = "avx512",
+                                       .t4_k = tile_q4_k_512,
+                                       .t5_k = tile_q5_k_512,
+                                       .t6_k = tile_q6_k_512};
+static const struct q_kernels q_vnni = {.quantize = quantize_x_avx2,
+                                        .q8_0 = dot_q8_0_vnni512,
+                                        .q4_0 = dot_q4_0_vnni512,
+                                        .q4_k = dot_q4_k_vnni,
+                                        .q5_k = dot_q5_k_vnni,
+                                        .q6_k = dot_q6_k_vnni,
+                                        .name = "avx512_vnni",
+                                        .t8_0 = tile_q8_0_vnni512,
+                                        .t4_0 = tile_q4_0_vnni512,
+                                        .t4_k = tile_q4_k_vnni,
+                                        .t5_k = tile_q5_k_vnni,
+                                        .t6_k = tile_q6_k_vnni};
 #endif
 
 static const struct q_kernels *q_kernels_for(enum cpu_isa isa, int no_vnni) {
