@@ -1026,7 +1026,12 @@ TARGET_512 static ALWAYS_INLINE void tile_k45_512_nx(const uint8_t *w, int64_t r
         for (int j = 0; j < NX; j++) {
             const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
             const __m128i h = _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1));
-            xs32 = _mm512_inserti32x4(xs32, h, j);
+            switch (j) { /* the lane an immediate, for every compiler and -O level */
+            case 0: xs32 = _mm512_inserti32x4(xs32, h, 0); break;
+            case 1: xs32 = _mm512_inserti32x4(xs32, h, 1); break;
+            case 2: xs32 = _mm512_inserti32x4(xs32, h, 2); break;
+            default: xs32 = _mm512_inserti32x4(xs32, h, 3);
+            }
             dxs[j] = xd[j][b];
         }
         const __m512 dx4 = _mm512_permutexvar_ps(lane4, _mm512_castps128_ps512(_mm_loadu_ps(dxs)));
