@@ -208,24 +208,17 @@ TARGET_AVX2 static ALWAYS_INLINE float f16_at_c(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-TARGET_AVX2 static ALWAYS_INLINE int hsum_i32_avx2(__m256i v) {
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+TARGET_AVX2 static ALWAYS_INLINE int hsum_i32_sse(__m128i h) {
     h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
     h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
     return _mm_cvtsi128_si32(h);
 }
 
-/* The canonical trees over 16 lanes (lo: 0–7, hi: 8–15) and over 4. */
-TARGET_AVX2 static ALWAYS_INLINE float reduce16_avx2(__m256 lo, __m256 hi) {
-    __m256 h8 = _mm256_add_ps(lo, hi);
-    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
-    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
-    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-}
-
-TARGET_AVX2 static ALWAYS_INLINE float reduce4_sse(__m128 v) {
-    __m128 h2 = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+TARGET_AVX2 static ALWAYS_INLINE int hsum_i32_avx2(__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    return _mm_cvtsi128_si32(h);
 }
 
 /* The canonical tree over 8 lanes. */
@@ -305,29 +298,6 @@ static void unpack_k45(const uint8_t *qs, const uint8_t *qh, uint8_t *v) {
         }
 }
 
-static ALWAYS_INLINE float reduce16(const float *l) {
-    float h8[8];
-    for (int i = 0; i < 8; i++)
-        h8[i] = l[i] + l[i + 8];
-    return reduce8(h8);
-}
-
-static ALWAYS_INLINE float reduce4(const float *l) {
-    float h2[2];
-    for (int i = 0; i < 2; i++)
-        h2[i] = l[i] + l[i + 2];
-    return h2[0] + h2[1];
-}
-
-/* Lane L < 16 of a K-type super-block: the integer sum over the runs of 4 values that the
- * 64-value steps of the AVX-512 kernels put in lane L, each times its sub-block's scale. */
-static ALWAYS_INLINE int k_lane(const uint8_t *v, const int8_t *xq, int start, int scale) {
-    int p = 0;
-    for (int e = 0; e < 4; e++)
-        p += v[start + e] * xq[start + e];
-    return scale * p;
-}
-
 static ALWAYS_INLINE void dot_k45_scalar(const uint8_t *w, int64_t nb, const struct q_x *x,
                                          int64_t t, int nx, float *out, const int five) {
     const int64_t bb = five ? 176 : 144;
@@ -335,31 +305,26 @@ static ALWAYS_INLINE void dot_k45_scalar(const uint8_t *w, int64_t nb, const str
         const int8_t *xq = x->q + (t + j) * x->cols;
         const float *xd = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         const int16_t *xs = x->s + (t + j) * (x->cols / 16);
-        float acc[16] = {0}, macc[4] = {0};
+        float acc = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w + b * bb;
             const int8_t *xb = xq + b * LLMEM_QK_K;
             const int16_t *bs = xs + b * 16;
             uint8_t v[LLMEM_QK_K];
             unpack_k45(blk + (five ? 48 : 16), five ? blk + 16 : NULL, v);
-            int sc[8], m[8];
-            for (int sb = 0; sb < 8; sb++)
-                scale_min_k4(sb, blk + 4, &sc[sb], &m[sb]);
-            const float dd = f16_at(blk) * xd[b], dm = -(f16_at(blk + 2) * xd[b]);
-            for (int l = 0; l < 16; l++) {
-                const int h = l >> 3, k = l & 7;
-                int s = 0;
-                for (int i = 0; i < 4; i++)
-                    s += k_lane(v, xb, 64 * i + 32 * h + 4 * k, sc[2 * i + h]);
-                acc[l] = fmaf((float)s, dd, acc[l]);
+            int s1 = 0, s2 = 0;
+            for (int sb = 0; sb < 8; sb++) {
+                int sc, m, p = 0;
+                scale_min_k4(sb, blk + 4, &sc, &m);
+                for (int i = 32 * sb; i < 32 * sb + 32; i++)
+                    p += v[i] * xb[i];
+                s1 += sc * p;
+                s2 += m * (bs[2 * sb] + bs[2 * sb + 1]);
             }
-            for (int k = 0; k < 4; k++) {
-                const int mk = m[2 * k] * (bs[4 * k] + bs[4 * k + 1]) +
-                               m[2 * k + 1] * (bs[4 * k + 2] + bs[4 * k + 3]);
-                macc[k] = fmaf((float)mk, dm, macc[k]);
-            }
+            acc = fmaf((float)s1, f16_at(blk) * xd[b], acc);
+            acc = fmaf((float)s2, -(f16_at(blk + 2) * xd[b]), acc);
         }
-        out[j] = reduce16(acc) + reduce4(macc);
+        out[j] = acc;
     }
 }
 
@@ -379,12 +344,11 @@ static void dot_q6_k_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, i
         const int8_t *xq = x->q + (t + j) * x->cols;
         const float *xd = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         const int16_t *xs = x->s + (t + j) * (x->cols / 16);
-        float acc[16] = {0}, cacc[8] = {0};
+        float acc = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w + b * 210;
             const int8_t *sc = (const int8_t *)(blk + 192);
             const int8_t *xb = xq + b * LLMEM_QK_K;
-            const int16_t *bs = xs + b * 16;
             uint8_t v[LLMEM_QK_K];
             for (int h = 0; h < 2; h++) {
                 const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
@@ -395,20 +359,16 @@ static void dot_q6_k_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, i
                     v[128 * h + 96 + l] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
                 }
             }
-            const float dd = f16_at(blk + 208) * xd[b];
-            for (int l = 0; l < 16; l++) {
-                int s = 0;
-                for (int h = 0; h < 2; h++) {
-                    s += k_lane(v, xb, 128 * h + 4 * l, sc[8 * h + l / 4]);
-                    s += k_lane(v, xb, 128 * h + 64 + 4 * l, sc[8 * h + 4 + l / 4]);
-                }
-                acc[l] = fmaf((float)s, dd, acc[l]);
+            int s = 0;
+            for (int sb = 0; sb < 16; sb++) {
+                int p = 0;
+                for (int i = 16 * sb; i < 16 * sb + 16; i++)
+                    p += v[i] * xb[i];
+                s += sc[sb] * (p - 32 * xs[b * 16 + sb]);
             }
-            for (int k = 0; k < 8; k++)
-                cacc[k] = fmaf((float)(sc[2 * k] * bs[2 * k] + sc[2 * k + 1] * bs[2 * k + 1]), dd,
-                               cacc[k]);
+            acc = fmaf((float)s, f16_at(blk + 208) * xd[b], acc);
         }
-        out[j] = reduce16(acc) - 32.0f * reduce8(cacc);
+        out[j] = acc;
     }
 }
 
@@ -486,8 +446,8 @@ TARGET_AVX2 static ALWAYS_INLINE __m256i dot4_avx2(__m256i u, __m256i s) {
 DEFINE_DOT32(dot32_avx2, TARGET_AVX2, dot4_avx2)
 
 /* Q4_K and Q5_K: per pair of sub-blocks, 32 bytes of nibbles (low: sub-block 2i, high: 2i+1)
- * and, for Q5_K, bits 2i and 2i+1 of qh as the fifth bits. Lanes 0–7 of the canonical 16 in lo
- * (sub-blocks 2i), 8–15 in hi (2i+1), as the AVX-512 kernel's two halves. */
+ * and, for Q5_K, bits 2i and 2i+1 of qh as the fifth bits; the integer sums of a super-block
+ * gather in lo (sub-blocks 2i) and hi (2i+1), added exactly at its end. */
 TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t nb,
                                                       const struct q_x *x, int64_t t, float *out,
                                                       const int five, const int NX) {
@@ -495,14 +455,12 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
-    __m256 lo[Q_NX], hi[Q_NX];
-    __m128 macc[Q_NX];
+    float acc[Q_NX];
     for (int j = 0; j < NX; j++) {
         xq[j] = x->q + (t + j) * x->cols;
         xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         xs[j] = x->s + (t + j) * (x->cols / 16);
-        lo[j] = hi[j] = _mm256_setzero_ps();
-        macc[j] = _mm_setzero_ps();
+        acc[j] = 0.0f;
     }
     const __m256i m4 = _mm256_set1_epi8(0xf), one = _mm256_set1_epi8(1);
     for (int64_t b = 0; b < nb; b++) {
@@ -540,33 +498,32 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
         }
         const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
         for (int j = 0; j < NX; j++) {
-            const __m256 dd = _mm256_set1_ps(d * xd[j][b]);
-            lo[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl[j]), dd, lo[j]);
-            hi[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh[j]), dd, hi[j]);
             const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
-            __m128i mk =
+            const __m128i mk =
                 _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1)));
-            macc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(mk), _mm_set1_ps(-(dmin * xd[j][b])), macc[j]);
+            acc[j] =
+                fmaf((float)hsum_i32_avx2(_mm256_add_epi32(sl[j], sh[j])), d * xd[j][b], acc[j]);
+            acc[j] = fmaf((float)hsum_i32_sse(mk), -(dmin * xd[j][b]), acc[j]);
         }
     }
     for (int j = 0; j < NX; j++)
-        out[j] = reduce16_avx2(lo[j], hi[j]) + reduce4_sse(macc[j]);
+        out[j] = acc[j];
 }
 
-/* Q6_K: lanes 0–7 of the canonical 16 in lo (groups 0 and 2 of each 128 values), 8–15 in hi
- * (groups 1 and 3), as the AVX-512 kernel's two halves. */
+/* Q6_K: the integer sums of a super-block in lo (groups 0 and 2 of each 128 values) and hi
+ * (groups 1 and 3), added exactly at its end. */
 TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t nb,
                                                        const struct q_x *x, int64_t t, float *out,
                                                        const int NX) {
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
-    __m256 lo[Q_NX], hi[Q_NX], cacc[Q_NX];
+    float acc[Q_NX];
     for (int j = 0; j < NX; j++) {
         xq[j] = x->q + (t + j) * x->cols;
         xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         xs[j] = x->s + (t + j) * (x->cols / 16);
-        lo[j] = hi[j] = cacc[j] = _mm256_setzero_ps();
+        acc[j] = 0.0f;
     }
     const __m256i m4 = _mm256_set1_epi8(0xf), m3 = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < nb; b++) {
@@ -609,16 +566,14 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
         }
         const float d = f16_at_c(blk + 208);
         for (int j = 0; j < NX; j++) {
-            const __m256 dd = _mm256_set1_ps(d * xd[j][b]);
-            lo[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl[j]), dd, lo[j]);
-            hi[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh[j]), dd, hi[j]);
-            __m256i c =
+            const __m256i c =
                 _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
-            cacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), dd, cacc[j]);
+            const int sum = hsum_i32_avx2(_mm256_add_epi32(sl[j], sh[j])) - 32 * hsum_i32_avx2(c);
+            acc[j] = fmaf((float)sum, d * xd[j][b], acc[j]);
         }
     }
     for (int j = 0; j < NX; j++)
-        out[j] = reduce16_avx2(lo[j], hi[j]) - 32.0f * reduce8_avx2(cacc[j]);
+        out[j] = acc[j];
 }
 
 #define DISPATCH_NX(CALL)                                                                          \
@@ -859,27 +814,19 @@ TARGET_VNNI static void tile_q4_0_vnni512(const uint8_t *w, int64_t row_bytes, i
 #undef CALL
 }
 
-/* The canonical tree over 16 lanes. */
-TARGET_512 static ALWAYS_INLINE float reduce16_512(__m512 v) {
-    return reduce16_avx2(_mm512_castps512_ps256(v),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-
-TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb,
-                                                    const struct q_x *x, int64_t t, float *out,
-                                                    const int five, const int vnni, const int NX) {
+TARGET_512 static ALWAYS_INLINE
+    void dot_k45_512_nx(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, float *out,
+                        const int five, const int vnni, const int NX) {
     const int64_t bb = five ? 176 : 144;
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
-    __m512 acc[Q_NX];
-    __m128 macc[Q_NX];
+    float acc[Q_NX];
     for (int j = 0; j < NX; j++) {
         xq[j] = x->q + (t + j) * x->cols;
         xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         xs[j] = x->s + (t + j) * (x->cols / 16);
-        acc[j] = _mm512_setzero_ps();
-        macc[j] = _mm_setzero_ps();
+        acc[j] = 0.0f;
     }
     const __m512i m4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
     const __m512i sh = halves_epi16(0, 4);
@@ -913,16 +860,15 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_nx(const uint8_t *w, int64_t nb
         }
         const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
         for (int j = 0; j < NX; j++) {
-            acc[j] =
-                _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(d * xd[j][b]), acc[j]);
             const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
-            __m128i mk =
+            const __m128i mk =
                 _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1)));
-            macc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(mk), _mm_set1_ps(-(dmin * xd[j][b])), macc[j]);
+            acc[j] = fmaf((float)_mm512_reduce_add_epi32(s32[j]), d * xd[j][b], acc[j]);
+            acc[j] = fmaf((float)hsum_i32_sse(mk), -(dmin * xd[j][b]), acc[j]);
         }
     }
     for (int j = 0; j < NX; j++)
-        out[j] = reduce16_512(acc[j]) + reduce4_sse(macc[j]);
+        out[j] = acc[j];
 }
 
 TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t nb,
@@ -931,14 +877,12 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
-    __m512 acc[Q_NX];
-    __m256 cacc[Q_NX];
+    float acc[Q_NX];
     for (int j = 0; j < NX; j++) {
         xq[j] = x->q + (t + j) * x->cols;
         xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         xs[j] = x->s + (t + j) * (x->cols / 16);
-        acc[j] = _mm512_setzero_ps();
-        cacc[j] = _mm256_setzero_ps();
+        acc[j] = 0.0f;
     }
     const __m512i m4 = _mm512_set1_epi8(0xf), m3 = _mm512_set1_epi8(3);
     const __m512i sh01 = halves_epi16(0, 2), sh23 = halves_epi16(4, 6);
@@ -981,196 +925,14 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
         }
         const float d = f16_at_c(blk + 208);
         for (int j = 0; j < NX; j++) {
-            const float dd = d * xd[j][b];
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]), _mm512_set1_ps(dd), acc[j]);
-            __m256i c =
+            const __m256i c =
                 _mm256_madd_epi16(sc16y, _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
-            cacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(dd), cacc[j]);
+            const int sum = _mm512_reduce_add_epi32(s32[j]) - 32 * hsum_i32_avx2(c);
+            acc[j] = fmaf((float)sum, d * xd[j][b], acc[j]);
         }
     }
     for (int j = 0; j < NX; j++)
-        out[j] = reduce16_512(acc[j]) - 32.0f * reduce8_avx2(cacc[j]);
-}
-
-/* Q4_K and Q5_K tiles for prefill: each pair takes the operations of dot_k45_vnni_nx (the same
- * bits). Per super-block, the mins terms of all NX rows of x go through one register: 128-bit
- * lane j holds row j's four lanes. */
-TARGET_512 static ALWAYS_INLINE void tile_k45_512_nx(const uint8_t *w, int64_t row_bytes,
-                                                     int64_t nb, const struct q_x *x, int64_t t,
-                                                     float *out, const int five, const int vnni,
-                                                     const int NX) {
-    const int64_t bb = five ? 176 : 144;
-    const int8_t *xq[Q_NX];
-    const float *xd[Q_NX];
-    const int16_t *xs[Q_NX];
-    for (int j = 0; j < NX; j++) {
-        xq[j] = x->q + (t + j) * x->cols;
-        xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
-        xs[j] = x->s + (t + j) * (x->cols / 16);
-    }
-    __m512 acc[Q_TR][Q_NX], macc[Q_TR];
-    for (int r = 0; r < Q_TR; r++) {
-        macc[r] = _mm512_setzero_ps();
-        for (int j = 0; j < NX; j++)
-            acc[r][j] = _mm512_setzero_ps();
-    }
-    const __m512i m4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
-    const __m512i sh = halves_epi16(0, 4);
-    const __m512i pick[4] = {k4_scales_pick(0), k4_scales_pick(1), k4_scales_pick(2),
-                             k4_scales_pick(3)};
-    const __m512i lane4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    for (int64_t b = 0; b < nb; b++) {
-        /* the x side: sums over each 32 values (lane j: row j) and [dx_j ×4] */
-        __m512i xs32 = _mm512_setzero_si512();
-        float dxs[4] = {0, 0, 0, 0};
-        for (int j = 0; j < NX; j++) {
-            const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
-            const __m128i h = _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1));
-            switch (j) { /* the lane an immediate, for every compiler and -O level */
-            case 0: xs32 = _mm512_inserti32x4(xs32, h, 0); break;
-            case 1: xs32 = _mm512_inserti32x4(xs32, h, 1); break;
-            case 2: xs32 = _mm512_inserti32x4(xs32, h, 2); break;
-            default: xs32 = _mm512_inserti32x4(xs32, h, 3);
-            }
-            dxs[j] = xd[j][b];
-        }
-        const __m512 dx4 = _mm512_permutexvar_ps(lane4, _mm512_castps128_ps512(_mm_loadu_ps(dxs)));
-        for (int r = 0; r < Q_TR; r++) {
-            const uint8_t *blk = w + r * row_bytes + b * bb;
-            const uint8_t *qs = blk + (five ? 48 : 16);
-            uint64_t sc64, m64;
-            scales_k4(blk + 4, &sc64, &m64);
-            const __m512i scb = _mm512_set1_epi64((long long)sc64);
-            const __m512i mins =
-                _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64)));
-            const __m512i qh =
-                five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
-                     : _mm512_setzero_si512();
-            /* two integer sums a pair (i even, odd) for the latency; added exactly at the end */
-            __m512i s32[2][Q_NX];
-            for (int j = 0; j < NX; j++)
-                s32[0][j] = s32[1][j] = _mm512_setzero_si512();
-            for (int i = 0; i < 4; i++) {
-                __m512i q =
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
-                __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(q, sh), m4);
-                if (five) {
-                    const __m512i shq = halves_epi16((short)(2 * i), (short)(2 * i + 1));
-                    wv = _mm512_or_si512(
-                        wv,
-                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shq), one), 4));
-                }
-                const __m512i sv = _mm512_shuffle_epi8(scb, pick[i]);
-                for (int j = 0; j < NX; j++) {
-                    __m512i xv = _mm512_loadu_si512(xq[j] + b * LLMEM_QK_K + 64 * i);
-                    s32[i & 1][j] = dot2(s32[i & 1][j], _mm512_maddubs_epi16(wv, xv), sv, vnni);
-                }
-            }
-            const __m512 d = _mm512_set1_ps(f16_at_c(blk)),
-                         dmin = _mm512_set1_ps(-f16_at_c(blk + 2));
-            for (int j = 0; j < NX; j++)
-                acc[r][j] =
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s32[0][j], s32[1][j])),
-                                    _mm512_mul_ps(d, _mm512_set1_ps(xd[j][b])), acc[r][j]);
-            macc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(mins, xs32)),
-                                      _mm512_mul_ps(dmin, dx4), macc[r]);
-        }
-    }
-    for (int r = 0; r < Q_TR; r++) {
-        float m[16];
-        _mm512_storeu_ps(m, macc[r]);
-        for (int j = 0; j < NX; j++)
-            out[r * Q_NX + j] = reduce16_512(acc[r][j]) + reduce4_sse(_mm_loadu_ps(m + 4 * j));
-    }
-}
-
-/* Q6_K tiles for prefill: each pair takes the operations of dot_q6_k_vnni_nx (the same bits);
- * the −32 terms of rows 2k and 2k + 1 of x share a register (halves). */
-TARGET_512 static ALWAYS_INLINE void tile_q6_k_512_nx(const uint8_t *w, int64_t row_bytes,
-                                                      int64_t nb, const struct q_x *x, int64_t t,
-                                                      float *out, const int vnni, const int NX) {
-    const int8_t *xq[Q_NX];
-    const float *xd[Q_NX];
-    const int16_t *xs[Q_NX];
-    for (int j = 0; j < Q_NX; j++) { /* rows past nx: row 0 again, computed and dropped */
-        const int64_t tj = t + (j < NX ? j : 0);
-        xq[j] = x->q + tj * x->cols;
-        xd[j] = x->d + tj * (x->cols / LLMEM_QK_K);
-        xs[j] = x->s + tj * (x->cols / 16);
-    }
-    const int NP = (NX + 1) / 2;
-    __m512 acc[Q_TR][Q_NX], cacc[Q_TR][Q_NX / 2];
-    for (int r = 0; r < Q_TR; r++) {
-        for (int j = 0; j < NX; j++)
-            acc[r][j] = _mm512_setzero_ps();
-        for (int p = 0; p < NP; p++)
-            cacc[r][p] = _mm512_setzero_ps();
-    }
-    const __m512i m4 = _mm512_set1_epi8(0xf), m3 = _mm512_set1_epi8(3);
-    const __m512i sh01 = halves_epi16(0, 2), sh23 = halves_epi16(4, 6);
-    __m512i idx[2][2];
-    for (int h = 0; h < 2; h++)
-        for (int g = 0; g < 2; g++) {
-            short v[32];
-            for (int k = 0; k < 32; k++)
-                v[k] = (short)(8 * h + 4 * g + k / 8);
-            idx[h][g] = _mm512_loadu_si512(v);
-        }
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i xs2[Q_NX / 2];
-        __m512 dx2[Q_NX / 2];
-        for (int p = 0; p < NP; p++) {
-            xs2[p] = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xs[2 * p] + b * 16))),
-                _mm256_loadu_si256((const __m256i *)(xs[2 * p + 1] + b * 16)), 1);
-            dx2[p] = halves_ps(xd[2 * p][b], xd[2 * p + 1][b]);
-        }
-        for (int r = 0; r < Q_TR; r++) {
-            const uint8_t *blk = w + r * row_bytes + b * 210;
-            const __m256i sc16y =
-                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            const __m512i sc16 = _mm512_castsi256_si512(sc16y);
-            __m512i s32[Q_NX];
-            for (int j = 0; j < NX; j++)
-                s32[j] = _mm512_setzero_si512();
-            for (int h = 0; h < 2; h++) {
-                const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-                const __m512i qh = _mm512_broadcast_i64x4(
-                    _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-                const __m512i g01 = _mm512_or_si512(
-                    _mm512_and_si512(ql, m4),
-                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh01), m3), 4));
-                const __m512i g23 = _mm512_or_si512(
-                    _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh23), m3), 4));
-                const __m512i sv01 = _mm512_permutexvar_epi16(idx[h][0], sc16);
-                const __m512i sv23 = _mm512_permutexvar_epi16(idx[h][1], sc16);
-                for (int j = 0; j < NX; j++) {
-                    const int8_t *xb = xq[j] + b * LLMEM_QK_K + 128 * h;
-                    s32[j] =
-                        dot2(s32[j], _mm512_maddubs_epi16(g01, _mm512_loadu_si512(xb)), sv01, vnni);
-                    s32[j] = dot2(s32[j], _mm512_maddubs_epi16(g23, _mm512_loadu_si512(xb + 64)),
-                                  sv23, vnni);
-                }
-            }
-            const __m512 d = _mm512_set1_ps(f16_at_c(blk + 208));
-            for (int j = 0; j < NX; j++)
-                acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[j]),
-                                            _mm512_mul_ps(d, _mm512_set1_ps(xd[j][b])), acc[r][j]);
-            const __m512i sc2 = _mm512_broadcast_i64x4(sc16y);
-            for (int p = 0; p < NP; p++)
-                cacc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(sc2, xs2[p])),
-                                             _mm512_mul_ps(d, dx2[p]), cacc[r][p]);
-        }
-    }
-    for (int r = 0; r < Q_TR; r++)
-        for (int j = 0; j < NX; j++) {
-            const __m512 c = cacc[r][j / 2];
-            const __m256 c8 = (j & 1)
-                                  ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1))
-                                  : _mm512_castps512_ps256(c);
-            out[r * Q_NX + j] = reduce16_512(acc[r][j]) - 32.0f * reduce8_avx2(c8);
-        }
+        out[j] = acc[j];
 }
 
 /* The entry points: each body for nx = 1…4, with VNNI and without. */
@@ -1179,39 +941,20 @@ TARGET_512 static ALWAYS_INLINE void tile_q6_k_512_nx(const uint8_t *w, int64_t 
                             float *out) {                                                          \
         DISPATCH_NX(CALL_NX)                                                                       \
     }
-#define K_TILE_ENTRY(NAME, TARGET, CALL_NX)                                                        \
-    TARGET static void NAME(const uint8_t *w, int64_t row_bytes, int64_t nb, const struct q_x *x,  \
-                            int64_t t, int nx, float *out) {                                       \
-        DISPATCH_NX(CALL_NX)                                                                       \
-    }
 #define D45(FIVE, VNNI, N) dot_k45_512_nx(w, nb, x, t, out, FIVE, VNNI, N)
 #define D6(VNNI, N)        dot_q6_k_512_nx(w, nb, x, t, out, VNNI, N)
-#define T45(FIVE, VNNI, N) tile_k45_512_nx(w, row_bytes, nb, x, t, out, FIVE, VNNI, N)
-#define T6(VNNI, N)        tile_q6_k_512_nx(w, row_bytes, nb, x, t, out, VNNI, N)
 #define Q4K_512(N)         D45(0, 0, N)
 #define Q5K_512(N)         D45(1, 0, N)
 #define Q6K_512(N)         D6(0, N)
 #define Q4K_VNNI(N)        D45(0, 1, N)
 #define Q5K_VNNI(N)        D45(1, 1, N)
 #define Q6K_VNNI(N)        D6(1, N)
-#define T4K_512(N)         T45(0, 0, N)
-#define T5K_512(N)         T45(1, 0, N)
-#define T6K_512(N)         T6(0, N)
-#define T4K_VNNI(N)        T45(0, 1, N)
-#define T5K_VNNI(N)        T45(1, 1, N)
-#define T6K_VNNI(N)        T6(1, N)
 K_ENTRY(dot_q4_k_512, TARGET_512, Q4K_512)
 K_ENTRY(dot_q5_k_512, TARGET_512, Q5K_512)
 K_ENTRY(dot_q6_k_512, TARGET_512, Q6K_512)
 K_ENTRY(dot_q4_k_vnni, TARGET_512, Q4K_VNNI)
 K_ENTRY(dot_q5_k_vnni, TARGET_512, Q5K_VNNI)
 K_ENTRY(dot_q6_k_vnni, TARGET_512, Q6K_VNNI)
-K_TILE_ENTRY(tile_q4_k_512, TARGET_512, T4K_512)
-K_TILE_ENTRY(tile_q5_k_512, TARGET_512, T5K_512)
-K_TILE_ENTRY(tile_q6_k_512, TARGET_512, T6K_512)
-K_TILE_ENTRY(tile_q4_k_vnni, TARGET_512, T4K_VNNI)
-K_TILE_ENTRY(tile_q5_k_vnni, TARGET_512, T5K_VNNI)
-K_TILE_ENTRY(tile_q6_k_vnni, TARGET_512, T6K_VNNI)
 
 #endif
 
@@ -1248,10 +991,7 @@ static const struct q_kernels q_512 = {.quantize = quantize_x_avx2,
                                        .q4_k = dot_q4_k_512,
                                        .q5_k = dot_q5_k_512,
                                        .q6_k = dot_q6_k_512,
-                                       .name = "avx512",
-                                       .t4_k = tile_q4_k_512,
-                                       .t5_k = tile_q5_k_512,
-                                       .t6_k = tile_q6_k_512};
+                                       .name = "avx512"};
 static const struct q_kernels q_vnni = {.quantize = quantize_x_avx2,
                                         .q8_0 = dot_q8_0_vnni512,
                                         .q4_0 = dot_q4_0_vnni512,
@@ -1260,10 +1000,7 @@ static const struct q_kernels q_vnni = {.quantize = quantize_x_avx2,
                                         .q6_k = dot_q6_k_vnni,
                                         .name = "avx512_vnni",
                                         .t8_0 = tile_q8_0_vnni512,
-                                        .t4_0 = tile_q4_0_vnni512,
-                                        .t4_k = tile_q4_k_vnni,
-                                        .t5_k = tile_q5_k_vnni,
-                                        .t6_k = tile_q6_k_vnni};
+                                        .t4_0 = tile_q4_0_vnni512};
 #endif
 
 static const struct q_kernels *q_kernels_for(enum cpu_isa isa, int no_vnni) {
