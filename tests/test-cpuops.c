@@ -658,7 +658,7 @@ static void test_matmul_fast(void **state) {
     (void)state;
     const int types[] = {LLMEM_QTYPE_Q8_0, LLMEM_QTYPE_Q4_0, LLMEM_QTYPE_Q4_K, LLMEM_QTYPE_Q5_K,
                          LLMEM_QTYPE_Q6_K};
-    const int64_t ns[] = {1, 2, 3, 4, 5, 7, 16, 23, 24, 25, 64, 101};
+    const int64_t ns[] = {1, 2, 3, 4, 5, 7, 16, 18, 23, 24, 25, 64, 101};
     for (size_t ti = 0; ti < sizeof(types) / sizeof(types[0]); ti++) {
         fast_case(types[ti], 37, 512, ns, (int)(sizeof(ns) / sizeof(ns[0])), 3);
         fast_case(types[ti], 5, 768, ns, 4, 2);
@@ -670,10 +670,12 @@ static void test_matmul_fast(void **state) {
     /* blocks after the last group of four (the 32-value tiles take them one by one) */
     fast_case(LLMEM_QTYPE_Q8_0, 9, 224, ns, 6, 2);
     fast_case(LLMEM_QTYPE_Q4_0, 9, 224, ns, 6, 2);
-    /* W too large to stay in the caches: decode by the dot kernels, prefill by the tiles */
-    const int64_t two[] = {1, 5};
-    fast_case(LLMEM_QTYPE_Q8_0, 1040, 512, two, 2, 2);
-    fast_case(LLMEM_QTYPE_Q4_K, 1040, 512, two, 2, 2);
+    /* W too large to stay in the caches: decode by the dot kernels, prefill by the tiles and
+     * (the K types, 16 rows of x or more) the panels */
+    const int64_t two[] = {1, 5, 17};
+    fast_case(LLMEM_QTYPE_Q8_0, 1040, 512, two, 3, 2);
+    fast_case(LLMEM_QTYPE_Q4_K, 1040, 512, two, 3, 2);
+    fast_case(LLMEM_QTYPE_Q6_K, 1040, 256, two, 3, 2);
     printf("fast matmul: worst |err| / bound = %.3f (kernels: %s)\n", worst_fast_ratio,
            llmem_backend_cpu_matmul_kernels());
     /* f32 precision keeps the exact path: checked in test_matmul_quantized */

@@ -25,10 +25,12 @@
  *
  * Loops: the rows of x are quantized in chunks that fit the backend's packed-x scratch (all
  * threads, a row each); the W rows are split into contiguous ranges, one task each. A task takes
- * 16 W rows at a time and, for every 4 rows of x of the chunk, multiplies them with the 4: by
- * tiles of 4 W rows (AVX-512: each W block unpacked once for the 4 rows of x, each row of x
- * loaded once for the 4 W rows, every pair computed as its dot kernel computes it), else a W row
- * at a time by the dot kernels. Decode (n = 1) streams W once through the dot kernels, unless W is
+ * 16 W rows at a time and multiplies them with the chunk: for the K types with 16 rows of x or
+ * more (AVX-512 VNNI), as a panel (the 16 rows unpacked and interleaved in the thread's scratch,
+ * then 16 rows at once by vpdpbusd, see below); else for every 4 rows of x, by tiles of 4 W rows
+ * (Q8_0/Q4_0 on AVX-512 VNNI: each W block unpacked once for the 4 rows of x, each row of x loaded
+ * once for the 4 W rows, every pair computed as its dot kernel computes it), else a W row at a
+ * time by the dot kernels. Decode (n = 1) streams W once through the dot kernels, unless W is
  * small enough to stay in the caches between tokens, where the tiles' fewer calls pay.
  */
 #include <math.h>
@@ -52,6 +54,7 @@
 #define Q_NX                4           /* rows of x per kernel call */
 #define Q_MR                16          /* W rows per tile */
 #define Q_TR                4           /* W rows per tile kernel call (prefill) */
+#define Q_PANEL_MIN_N       16          /* rows of x from which the K types take panels */
 #define Q_TILE_CACHED_BYTES (512 << 10) /* decode takes the tiles on a W this small */
 
 /* The quantized rows of x of a chunk. */
@@ -958,6 +961,226 @@ K_ENTRY(dot_q6_k_vnni, TARGET_512, Q6K_VNNI)
 
 #endif
 
+#if QX86
+/* ---- K-type panels for prefill (AVX-512 VNNI) ---------------------------------------------------
+ *
+ * Q_MR rows of W unpacked into the thread's scratch, rows interleaved: per super-block, the 256
+ * values (one byte each) as 64 groups of 64 bytes, group g holding values 4g … 4g+3 of each of
+ * the 16 rows (row r at bytes 4r … 4r+3); then the scales, one 32-bit lane a row. vpdpbusd with 4
+ * values of x broadcast then multiplies 16 rows at once, every lane of an accumulator one row:
+ * the sub-block's integer sum needs no reduction, and one vpmulld applies its scale. The integers
+ * are those of the dot kernels (S1, S2 exact), the float steps the same: the same bits. */
+#define PANEL_VALS 4096 /* bytes of a super-block's values */
+/* Q4_K/Q5_K: values, 8 scales, 4 pairs of mins (16-bit each), d, −dmin */
+#define PANEL_K45_BYTES (PANEL_VALS + 8 * 64 + 4 * 64 + 2 * 64)
+/* Q6_K: values, 16 scales, 8 pairs of scales (16-bit each), d */
+#define PANEL_K6_BYTES (PANEL_VALS + 16 * 64 + 8 * 64 + 64)
+_Static_assert((size_t)(CPU_GEMM_K_MAX / LLMEM_QK_K) * PANEL_K6_BYTES <=
+                   CPU_GEMM_THREAD_FLOATS * sizeof(float),
+               "a panel of the longest row fits the thread's scratch");
+
+/* The 16 rows' values of super-block b (rows row_bytes apart, v: 16 × 256 bytes in order) into
+ * the interleaved groups: dword g of every row. */
+TARGET_VNNI static ALWAYS_INLINE void panel_interleave(const uint8_t *v, uint8_t *dst) {
+    const __m512i rows =
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32(LLMEM_QK_K / 4));
+    for (int g = 0; g < LLMEM_QK_K / 4; g++)
+        _mm512_storeu_si512(dst + 64 * g,
+                            _mm512_i32gather_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(g)),
+                                                   (const void *)v, 4));
+}
+
+TARGET_VNNI static void panel_pack_k45(const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                       const int five, uint8_t *pk) {
+    const int64_t bb = five ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(0xf), one = _mm256_set1_epi8(1);
+    uint8_t v[Q_MR * LLMEM_QK_K];
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *dst = pk + b * PANEL_K45_BYTES;
+        int32_t *sc = (int32_t *)(dst + PANEL_VALS);
+        int32_t *mn = sc + 8 * 16;
+        float *dv = (float *)(mn + 4 * 16), *dm = dv + 16;
+        for (int r = 0; r < Q_MR; r++) {
+            const uint8_t *blk = w + r * row_bytes + b * bb;
+            const uint8_t *qs = blk + (five ? 48 : 16);
+            __m256i qh =
+                five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+                __m256i lo = _mm256_and_si256(q, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                if (five) {
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+                    hi = _mm256_or_si256(
+                        hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+                    qh = _mm256_srli_epi16(qh, 2);
+                }
+                _mm256_storeu_si256((__m256i *)(v + r * LLMEM_QK_K + 64 * i), lo);
+                _mm256_storeu_si256((__m256i *)(v + r * LLMEM_QK_K + 64 * i + 32), hi);
+            }
+            int s[8], m[8];
+            for (int j = 0; j < 8; j++) {
+                scale_min_k4(j, blk + 4, &s[j], &m[j]);
+                sc[j * 16 + r] = s[j];
+            }
+            for (int k = 0; k < 4; k++)
+                mn[k * 16 + r] = (int32_t)((uint32_t)m[2 * k] | (uint32_t)m[2 * k + 1] << 16);
+            dv[r] = f16_at_c(blk);
+            dm[r] = -f16_at_c(blk + 2);
+        }
+        panel_interleave(v, dst);
+    }
+}
+
+TARGET_VNNI static void panel_pack_k6(const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                      uint8_t *pk) {
+    const __m256i m4 = _mm256_set1_epi8(0xf), m3 = _mm256_set1_epi8(3);
+    uint8_t v[Q_MR * LLMEM_QK_K];
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *dst = pk + b * PANEL_K6_BYTES;
+        int32_t *sc = (int32_t *)(dst + PANEL_VALS);
+        int32_t *sp = sc + 16 * 16;
+        float *dv = (float *)(sp + 8 * 16);
+        for (int r = 0; r < Q_MR; r++) {
+            const uint8_t *blk = w + r * row_bytes + b * 210;
+            for (int h = 0; h < 2; h++) {
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                uint8_t *o = v + r * LLMEM_QK_K + 128 * h;
+                _mm256_storeu_si256(
+                    (__m256i *)o, _mm256_or_si256(_mm256_and_si256(ql0, m4),
+                                                  _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)));
+                _mm256_storeu_si256(
+                    (__m256i *)(o + 32),
+                    _mm256_or_si256(
+                        _mm256_and_si256(ql1, m4),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)));
+                _mm256_storeu_si256(
+                    (__m256i *)(o + 64),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)));
+                _mm256_storeu_si256(
+                    (__m256i *)(o + 96),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4)));
+            }
+            const int8_t *s = (const int8_t *)(blk + 192);
+            for (int j = 0; j < 16; j++)
+                sc[j * 16 + r] = s[j];
+            for (int k = 0; k < 8; k++)
+                sp[k * 16 + r] = (int32_t)((uint32_t)(uint16_t)s[2 * k] |
+                                           (uint32_t)(uint16_t)s[2 * k + 1] << 16);
+            dv[r] = f16_at_c(blk + 208);
+        }
+        panel_interleave(v, dst);
+    }
+}
+
+static ALWAYS_INLINE int32_t x4_at(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The 16 rows of a panel times NX rows of x from t: out[j * Q_MR + r]. k6: Q6_K (16-value
+ * sub-blocks, S = S1 − 32 · S2), else Q4_K/Q5_K (32-value sub-blocks and the mins). */
+TARGET_VNNI static ALWAYS_INLINE void panel_mul_nx(const uint8_t *pk, int64_t nb,
+                                                   const struct q_x *x, int64_t t, float *out,
+                                                   const int k6, const int NX) {
+    const int64_t pb = k6 ? PANEL_K6_BYTES : PANEL_K45_BYTES;
+    const int sbv = k6 ? 16 : 32; /* values a sub-block */
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    const int16_t *xs[Q_NX];
+    __m512 acc[Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
+        xs[j] = x->s + (t + j) * (x->cols / 16);
+        acc[j] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = pk + b * pb;
+        const __m512i *sc = (const __m512i *)(blk + PANEL_VALS);
+        __m512i s1[Q_NX], s2[Q_NX];
+        for (int j = 0; j < NX; j++)
+            s1[j] = s2[j] = _mm512_setzero_si512();
+        for (int sb = 0; sb < LLMEM_QK_K / sbv; sb++) {
+            __m512i p[2][Q_NX];
+            for (int j = 0; j < NX; j++)
+                p[0][j] = p[1][j] = _mm512_setzero_si512();
+            for (int g = 0; g < sbv / 4; g++) {
+                const int v0 = sb * sbv + 4 * g;
+                const __m512i wv = _mm512_loadu_si512(blk + 16 * v0);
+                for (int j = 0; j < NX; j++)
+                    p[g & 1][j] = _mm512_dpbusd_epi32(
+                        p[g & 1][j], wv, _mm512_set1_epi32(x4_at(xq[j] + b * LLMEM_QK_K + v0)));
+            }
+            const __m512i sv = _mm512_loadu_si512(sc + sb);
+            for (int j = 0; j < NX; j++)
+                s1[j] = _mm512_add_epi32(
+                    s1[j], _mm512_mullo_epi32(_mm512_add_epi32(p[0][j], p[1][j]), sv));
+        }
+        const __m512i *pairs = sc + LLMEM_QK_K / sbv;
+        if (k6) {
+            /* Σ scale · (sum of 16 values of x), sub-blocks in pairs */
+            for (int k = 0; k < 8; k++) {
+                const __m512i pv = _mm512_loadu_si512(pairs + k);
+                for (int j = 0; j < NX; j++) {
+                    int32_t xp;
+                    memcpy(&xp, xs[j] + b * 16 + 2 * k, 4);
+                    s2[j] = _mm512_dpwssd_epi32(s2[j], pv, _mm512_set1_epi32(xp));
+                }
+            }
+            const __m512 dv = _mm512_loadu_ps((const float *)(pairs + 8));
+            for (int j = 0; j < NX; j++) {
+                const __m512i s = _mm512_sub_epi32(s1[j], _mm512_slli_epi32(s2[j], 5));
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
+                                         _mm512_mul_ps(dv, _mm512_set1_ps(xd[j][b])), acc[j]);
+            }
+        } else {
+            /* Σ min · (sum of 32 values of x), sub-blocks in pairs */
+            for (int k = 0; k < 4; k++) {
+                const __m512i mv = _mm512_loadu_si512(pairs + k);
+                for (int j = 0; j < NX; j++) {
+                    const int16_t *bs = xs[j] + b * 16 + 4 * k;
+                    const uint32_t xp = (uint32_t)(uint16_t)(bs[0] + bs[1]) |
+                                        (uint32_t)(uint16_t)(bs[2] + bs[3]) << 16;
+                    s2[j] = _mm512_dpwssd_epi32(s2[j], mv, _mm512_set1_epi32((int)xp));
+                }
+            }
+            const __m512 dv = _mm512_loadu_ps((const float *)(pairs + 4));
+            const __m512 dm = _mm512_loadu_ps((const float *)(pairs + 5));
+            for (int j = 0; j < NX; j++) {
+                const __m512 dx = _mm512_set1_ps(xd[j][b]);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[j]), _mm512_mul_ps(dv, dx), acc[j]);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2[j]), _mm512_mul_ps(dm, dx), acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < NX; j++)
+        _mm512_storeu_ps(out + j * Q_MR, acc[j]);
+}
+
+TARGET_VNNI static void panel_mul_k45(const uint8_t *pk, int64_t nb, const struct q_x *x, int64_t t,
+                                      int nx, float *out){
+#define CALL(N) panel_mul_nx(pk, nb, x, t, out, 0, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_VNNI static void panel_mul_k6(const uint8_t *pk, int64_t nb, const struct q_x *x, int64_t t,
+                                     int nx, float *out) {
+#define CALL(N) panel_mul_nx(pk, nb, x, t, out, 1, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+#endif
+
 /* ---- the kernel tables ------------------------------------------------------------------------
  */
 
@@ -965,8 +1188,8 @@ struct q_kernels {
     void (*quantize)(const float *x, int64_t cols, int64_t blk, int8_t *q, float *d, int16_t *s);
     q_dot_fn q8_0, q4_0, q4_k, q5_k, q6_k;
     const char *name;
-    q_tile_fn t8_0, t4_0, t4_k, t5_k,
-        t6_k; /* prefill tiles; NULL: the dot kernel a row at a time */
+    q_tile_fn t8_0, t4_0; /* prefill tiles; NULL: the dot kernel a row at a time */
+    int panels;           /* the K types' prefill by panels (AVX-512 VNNI) */
 };
 
 /* Designated: the tiles are left NULL where a table has none. */
@@ -1000,7 +1223,8 @@ static const struct q_kernels q_vnni = {.quantize = quantize_x_avx2,
                                         .q6_k = dot_q6_k_vnni,
                                         .name = "avx512_vnni",
                                         .t8_0 = tile_q8_0_vnni512,
-                                        .t4_0 = tile_q4_0_vnni512};
+                                        .t4_0 = tile_q4_0_vnni512,
+                                        .panels = 1};
 #endif
 
 static const struct q_kernels *q_kernels_for(enum cpu_isa isa, int no_vnni) {
@@ -1022,9 +1246,6 @@ static q_tile_fn q_tile_for(const struct q_kernels *k, int type) {
     switch (type) {
     case LLMEM_QTYPE_Q8_0: return k->t8_0;
     case LLMEM_QTYPE_Q4_0: return k->t4_0;
-    case LLMEM_QTYPE_Q4_K: return k->t4_k;
-    case LLMEM_QTYPE_Q5_K: return k->t5_k;
-    case LLMEM_QTYPE_Q6_K: return k->t6_k;
     default: return NULL;
     }
 }
@@ -1052,6 +1273,8 @@ struct q_job {
     const struct q_kernels *k;
     q_dot_fn dot;
     q_tile_fn tile;
+    int panel;      /* Q_MR-row groups of a K type by panels, in the thread's scratch */
+    float *scratch; /* the backend's per-thread scratch */
     const struct llmem_weight *w;
     const float *x, *bias;
     float *y;
@@ -1072,8 +1295,31 @@ static void q_quantize_task(void *arg, int task, int thread) {
                    j->xs != NULL ? j->xs + task * (cols / 16) : NULL);
 }
 
+#if QX86
+/* Rows r0 … r0 + Q_MR − 1 of W times the chunk of x by a panel. */
+static void q_panel_rows(const struct q_job *j, const struct q_x *xv, int64_t r0, int thread) {
+    const int64_t rows = j->w->rows;
+    uint8_t *pk = (uint8_t *)(j->scratch + (size_t)thread * CPU_GEMM_THREAD_FLOATS);
+    const uint8_t *wr = (const uint8_t *)j->w->data + (size_t)r0 * (size_t)j->row_bytes;
+    const int k6 = j->w->quant == LLMEM_QTYPE_Q6_K;
+    if (k6)
+        panel_pack_k6(wr, j->row_bytes, j->nb, pk);
+    else
+        panel_pack_k45(wr, j->row_bytes, j->nb, j->w->quant == LLMEM_QTYPE_Q5_K, pk);
+    float out[Q_NX * Q_MR];
+    for (int64_t t = 0; t < j->nt; t += Q_NX) {
+        const int nx = j->nt - t < Q_NX ? (int)(j->nt - t) : Q_NX;
+        (k6 ? panel_mul_k6 : panel_mul_k45)(pk, j->nb, xv, t, nx, out);
+        for (int i = 0; i < nx; i++) {
+            float *yr = j->y + (j->t0 + t + i) * rows + r0;
+            for (int r = 0; r < Q_MR; r++)
+                yr[r] = j->bias != NULL ? out[i * Q_MR + r] + j->bias[r0 + r] : out[i * Q_MR + r];
+        }
+    }
+}
+#endif
+
 static void q_matmul_task(void *arg, int task, int thread) {
-    (void)thread;
     const struct q_job *j = arg;
     const int64_t rows = j->w->rows, cols = j->w->cols;
     const struct q_x xv = {j->xq, j->xd, j->xs, cols, j->blk};
@@ -1083,6 +1329,13 @@ static void q_matmul_task(void *arg, int task, int thread) {
     float out[Q_TR * Q_NX];
     for (int64_t r0 = r_begin; r0 < r_end; r0 += Q_MR) {
         int64_t r1 = r0 + Q_MR < r_end ? r0 + Q_MR : r_end;
+#if QX86
+        if (j->panel && r1 - r0 == Q_MR) {
+            q_panel_rows(j, &xv, r0, thread);
+            continue;
+        }
+#endif
+        (void)thread;
         for (int64_t t = 0; t < j->nt; t += Q_NX) {
             int nx = j->nt - t < Q_NX ? (int)(j->nt - t) : Q_NX;
             for (int64_t r = r0; r < r1;) {
@@ -1118,6 +1371,9 @@ void llmem_cpu_matmul_q(struct cpu_ctx *c, const struct llmem_weight *w, const f
      * stays in the caches between tokens takes the tiles, which cost fewer calls a row */
     job.tile =
         n > 1 || rows * job.row_bytes <= Q_TILE_CACHED_BYTES ? q_tile_for(job.k, w->quant) : NULL;
+    /* panels pay for their packing over several rows of x */
+    job.panel = job.k->panels && ksum && n >= Q_PANEL_MIN_N;
+    job.scratch = c->wpanel;
     /* the chunk: rows of x whose quantized form fits the packed-x scratch */
     const size_t q_bytes = ((size_t)cols + 63) & ~(size_t)63;
     const size_t d_bytes = (((size_t)(cols / blk) * sizeof(float)) + 63) & ~(size_t)63;
@@ -1138,7 +1394,7 @@ void llmem_cpu_matmul_q(struct cpu_ctx *c, const struct llmem_weight *w, const f
     /* tasks: below ~64 K multiply-adds one; else a few contiguous W ranges per thread */
     int tasks = rows * cols * n < (int64_t)1 << 16 ? 1 : c->n_threads * 4;
     int64_t per = (rows + tasks - 1) / tasks;
-    per = (per + 3) & ~(int64_t)3;
+    per = job.panel ? (per + Q_MR - 1) / Q_MR * Q_MR : (per + 3) & ~(int64_t)3;
     job.rows_per_task = per;
     const int n_tasks = (int)((rows + per - 1) / per);
     for (int64_t t0 = 0; t0 < n; t0 += chunk) {
