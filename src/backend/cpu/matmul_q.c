@@ -65,11 +65,39 @@ struct q_x {
     int64_t cols, blk;
 };
 
-typedef void (*q_dot_fn)(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,
-                         float *out);
+/* nr rows of W, row_bytes apart, times nx rows of x: out[r * Q_NX + j] (one call for many rows,
+ * so that its setup is paid once). */
+typedef void (*q_dot_fn)(const uint8_t *w, int64_t row_bytes, int nr, int64_t nb,
+                         const struct q_x *x, int64_t t, int nx, float *out);
 /* Q_TR rows of W, row_bytes apart, times nx rows of x: out[r * Q_NX + j]. */
 typedef void (*q_tile_fn)(const uint8_t *w, int64_t row_bytes, int64_t nb, const struct q_x *x,
                           int64_t t, int nx, float *out);
+
+/* The entry points: the body for nx = 1…4 (a constant there), and for the dot kernels once for
+ * each of the nr rows (w, out the row's). */
+#define DISPATCH_NX(CALL)                                                                          \
+    switch (nx) {                                                                                  \
+    case 1: CALL(1); break;                                                                        \
+    case 2: CALL(2); break;                                                                        \
+    case 3: CALL(3); break;                                                                        \
+    default: CALL(4);                                                                              \
+    }
+#define ROWS(STMT)                                                                                 \
+    for (int r_ = 0; r_ < nr; r_++) {                                                              \
+        const uint8_t *w = w0 + (size_t)r_ * (size_t)row_bytes;                                    \
+        float *out = out0 + r_ * Q_NX;                                                             \
+        STMT;                                                                                      \
+    }
+#define DISPATCH_ROWS_NX(CALL)                                                                     \
+    switch (nx) {                                                                                  \
+    case 1: ROWS(CALL(1)); break;                                                                  \
+    case 2: ROWS(CALL(2)); break;                                                                  \
+    case 3: ROWS(CALL(3)); break;                                                                  \
+    default: ROWS(CALL(4));                                                                        \
+    }
+#define DOT_ARGS                                                                                   \
+    const uint8_t *w0, int64_t row_bytes, int nr, int64_t nb, const struct q_x *x, int64_t t,      \
+        int nx, float *out0
 
 /* ---- helpers ----------------------------------------------------------------------------------
  */
@@ -235,8 +263,8 @@ TARGET_AVX2 static ALWAYS_INLINE float reduce8_avx2(__m256 v) {
 /* ---- portable kernels -------------------------------------------------------------------------
  */
 
-static void dot_q8_0_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,
-                            float *out) {
+static void dot_q8_0_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
+                                int nx, float *out) {
     for (int j = 0; j < nx; j++) {
         const int8_t *xq = x->q + (t + j) * x->cols;
         const float *xd = x->d + (t + j) * (x->cols / 32);
@@ -259,8 +287,8 @@ static void dot_q8_0_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, i
     }
 }
 
-static void dot_q4_0_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,
-                            float *out) {
+static void dot_q4_0_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
+                                int nx, float *out) {
     for (int j = 0; j < nx; j++) {
         const int8_t *xq = x->q + (t + j) * x->cols;
         const float *xd = x->d + (t + j) * (x->cols / 32);
@@ -331,18 +359,18 @@ static ALWAYS_INLINE void dot_k45_scalar(const uint8_t *w, int64_t nb, const str
     }
 }
 
-static void dot_q4_k_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,
-                            float *out) {
+static void dot_q4_k_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
+                                int nx, float *out) {
     dot_k45_scalar(w, nb, x, t, nx, out, 0);
 }
 
-static void dot_q5_k_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,
-                            float *out) {
+static void dot_q5_k_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
+                                int nx, float *out) {
     dot_k45_scalar(w, nb, x, t, nx, out, 1);
 }
 
-static void dot_q6_k_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,
-                            float *out) {
+static void dot_q6_k_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
+                                int nx, float *out) {
     for (int j = 0; j < nx; j++) {
         const int8_t *xq = x->q + (t + j) * x->cols;
         const float *xd = x->d + (t + j) * (x->cols / LLMEM_QK_K);
@@ -373,6 +401,26 @@ static void dot_q6_k_scalar(const uint8_t *w, int64_t nb, const struct q_x *x, i
         }
         out[j] = acc;
     }
+}
+
+static void dot_q8_0_scalar(DOT_ARGS) {
+    ROWS(dot_q8_0_scalar_row(w, nb, x, t, nx, out));
+}
+
+static void dot_q4_0_scalar(DOT_ARGS) {
+    ROWS(dot_q4_0_scalar_row(w, nb, x, t, nx, out));
+}
+
+static void dot_q4_k_scalar(DOT_ARGS) {
+    ROWS(dot_q4_k_scalar_row(w, nb, x, t, nx, out));
+}
+
+static void dot_q5_k_scalar(DOT_ARGS) {
+    ROWS(dot_q5_k_scalar_row(w, nb, x, t, nx, out));
+}
+
+static void dot_q6_k_scalar(DOT_ARGS) {
+    ROWS(dot_q6_k_scalar_row(w, nb, x, t, nx, out));
 }
 
 /* ---- AVX2 and AVX-512 VNNI kernels ------------------------------------------------------------
@@ -427,25 +475,13 @@ TARGET_AVX2 static ALWAYS_INLINE __m256i dot4_avx2(__m256i u, __m256i s) {
             out[j] = reduce8_avx2(_mm256_add_ps(_mm256_add_ps(acc[0][j], acc[1][j]),               \
                                                 _mm256_add_ps(acc[2][j], acc[3][j])));             \
     }                                                                                              \
-    TARGET static void NAME##_q8_0(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,   \
-                                   int nx, float *out) {                                           \
-        switch (nx) {                                                                              \
-        case 1: NAME##_nx(w, nb, x, t, out, 0, 1); break;                                          \
-        case 2: NAME##_nx(w, nb, x, t, out, 0, 2); break;                                          \
-        case 3: NAME##_nx(w, nb, x, t, out, 0, 3); break;                                          \
-        default: NAME##_nx(w, nb, x, t, out, 0, 4);                                                \
-        }                                                                                          \
-    }                                                                                              \
-    TARGET static void NAME##_q4_0(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,   \
-                                   int nx, float *out) {                                           \
-        switch (nx) {                                                                              \
-        case 1: NAME##_nx(w, nb, x, t, out, 1, 1); break;                                          \
-        case 2: NAME##_nx(w, nb, x, t, out, 1, 2); break;                                          \
-        case 3: NAME##_nx(w, nb, x, t, out, 1, 3); break;                                          \
-        default: NAME##_nx(w, nb, x, t, out, 1, 4);                                                \
-        }                                                                                          \
+    TARGET static void NAME##_q8_0(DOT_ARGS){                                                      \
+        DISPATCH_ROWS_NX(NAME##_Q80)} TARGET static void NAME##_q4_0(DOT_ARGS) {                   \
+        DISPATCH_ROWS_NX(NAME##_Q40)                                                               \
     }
 
+#define dot32_avx2_Q80(N) dot32_avx2_nx(w, nb, x, t, out, 0, N)
+#define dot32_avx2_Q40(N) dot32_avx2_nx(w, nb, x, t, out, 1, N)
 DEFINE_DOT32(dot32_avx2, TARGET_AVX2, dot4_avx2)
 
 /* Q4_K and Q5_K: per pair of sub-blocks, 32 bytes of nibbles (low: sub-block 2i, high: 2i+1)
@@ -579,32 +615,21 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
         out[j] = acc[j];
 }
 
-#define DISPATCH_NX(CALL)                                                                          \
-    switch (nx) {                                                                                  \
-    case 1: CALL(1); break;                                                                        \
-    case 2: CALL(2); break;                                                                        \
-    case 3: CALL(3); break;                                                                        \
-    default: CALL(4);                                                                              \
-    }
-
-TARGET_AVX2 static void dot_q4_k_avx2(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
-                                      int nx, float *out){
+TARGET_AVX2 static void dot_q4_k_avx2(DOT_ARGS){
 #define CALL(N) dot_k45_avx2_nx(w, nb, x, t, out, 0, N)
-    DISPATCH_NX(CALL)
+    DISPATCH_ROWS_NX(CALL)
 #undef CALL
 }
 
-TARGET_AVX2 static void dot_q5_k_avx2(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
-                                      int nx, float *out){
+TARGET_AVX2 static void dot_q5_k_avx2(DOT_ARGS){
 #define CALL(N) dot_k45_avx2_nx(w, nb, x, t, out, 1, N)
-    DISPATCH_NX(CALL)
+    DISPATCH_ROWS_NX(CALL)
 #undef CALL
 }
 
-TARGET_AVX2 static void dot_q6_k_avx2(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
-                                      int nx, float *out){
+TARGET_AVX2 static void dot_q6_k_avx2(DOT_ARGS){
 #define CALL(N) dot_q6_k_avx2_nx(w, nb, x, t, out, N)
-    DISPATCH_NX(CALL)
+    DISPATCH_ROWS_NX(CALL)
 #undef CALL
 }
 
@@ -708,17 +733,15 @@ TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t
                                             _mm256_add_ps(set[2][j], set[3][j])));
 }
 
-TARGET_VNNI static void dot_q8_0_vnni512(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                         int64_t t, int nx, float *out){
+TARGET_VNNI static void dot_q8_0_vnni512(DOT_ARGS){
 #define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, 0, N)
-    DISPATCH_NX(CALL)
+    DISPATCH_ROWS_NX(CALL)
 #undef CALL
 }
 
-TARGET_VNNI static void dot_q4_0_vnni512(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                         int64_t t, int nx, float *out){
+TARGET_VNNI static void dot_q4_0_vnni512(DOT_ARGS){
 #define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, 1, N)
-    DISPATCH_NX(CALL)
+    DISPATCH_ROWS_NX(CALL)
 #undef CALL
 }
 
@@ -938,11 +961,10 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
         out[j] = acc[j];
 }
 
-/* The entry points: each body for nx = 1…4, with VNNI and without. */
+/* The entry points, with VNNI and without. */
 #define K_ENTRY(NAME, TARGET, CALL_NX)                                                             \
-    TARGET static void NAME(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, int nx,  \
-                            float *out) {                                                          \
-        DISPATCH_NX(CALL_NX)                                                                       \
+    TARGET static void NAME(DOT_ARGS) {                                                            \
+        DISPATCH_ROWS_NX(CALL_NX)                                                                  \
     }
 #define D45(FIVE, VNNI, N) dot_k45_512_nx(w, nb, x, t, out, FIVE, VNNI, N)
 #define D6(VNNI, N)        dot_q6_k_512_nx(w, nb, x, t, out, VNNI, N)
@@ -1326,7 +1348,7 @@ static void q_matmul_task(void *arg, int task, int thread) {
     const uint8_t *wd = j->w->data;
     int64_t r_begin = (int64_t)task * j->rows_per_task;
     int64_t r_end = r_begin + j->rows_per_task < rows ? r_begin + j->rows_per_task : rows;
-    float out[Q_TR * Q_NX];
+    float out[Q_MR * Q_NX];
     for (int64_t r0 = r_begin; r0 < r_end; r0 += Q_MR) {
         int64_t r1 = r0 + Q_MR < r_end ? r0 + Q_MR : r_end;
 #if QX86
@@ -1337,22 +1359,19 @@ static void q_matmul_task(void *arg, int task, int thread) {
 #endif
         (void)thread;
         for (int64_t t = 0; t < j->nt; t += Q_NX) {
-            int nx = j->nt - t < Q_NX ? (int)(j->nt - t) : Q_NX;
-            for (int64_t r = r0; r < r1;) {
-                const uint8_t *wr = wd + (size_t)r * (size_t)j->row_bytes;
-                int nr = 1;
-                if (j->tile != NULL && r + Q_TR <= r1) {
-                    j->tile(wr, j->row_bytes, j->nb, &xv, t, nx, out);
-                    nr = Q_TR;
-                } else {
-                    j->dot(wr, j->nb, &xv, t, nx, out);
+            const int nx = j->nt - t < Q_NX ? (int)(j->nt - t) : Q_NX;
+            int64_t r = r0;
+            for (; j->tile != NULL && r + Q_TR <= r1; r += Q_TR)
+                j->tile(wd + (size_t)r * (size_t)j->row_bytes, j->row_bytes, j->nb, &xv, t, nx,
+                        out + (r - r0) * Q_NX);
+            if (r < r1)
+                j->dot(wd + (size_t)r * (size_t)j->row_bytes, j->row_bytes, (int)(r1 - r), j->nb,
+                       &xv, t, nx, out + (r - r0) * Q_NX);
+            for (r = r0; r < r1; r++)
+                for (int i = 0; i < nx; i++) {
+                    const float v = out[(r - r0) * Q_NX + i];
+                    j->y[(j->t0 + t + i) * rows + r] = j->bias != NULL ? v + j->bias[r] : v;
                 }
-                for (int k = 0; k < nr; k++, r++)
-                    for (int i = 0; i < nx; i++) {
-                        const float v = out[k * Q_NX + i];
-                        j->y[(j->t0 + t + i) * rows + r] = j->bias != NULL ? v + j->bias[r] : v;
-                    }
-            }
         }
     }
 }
