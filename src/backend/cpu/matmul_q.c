@@ -8,11 +8,9 @@
  * q over each 16 values. A row's quantization depends on that row alone.
  *
  * The products, per type, with every integer sum exact (no saturation: the bounds are below):
- *   Q8_0, Q4_0   per block b and lane l < 8: p[b][l] = Σ of w·q over the block's values
- *                4l … 4l+3 (Q4_0's w = nibble − 8); lane l of set b mod 4 ←
- *                fma((float)p, dw_b · dx_b, that lane) in block order; then
- *                l[i] = (set0[i] + set1[i]) + (set2[i] + set3[i]) and the tree
- *                h4[i] = l[i] + l[i+4], h2[i] = h4[i] + h4[i+2], s = h2[0] + h2[1].
+ *   Q8_0, Q4_0   per block b: p = Σ w·q over its 32 values (Q4_0's w = nibble − 8);
+ *                set_{b mod 4} ← fma((float)p, dw_b · dx_b, set_{b mod 4}) in block order;
+ *                s = (set0 + set1) + (set2 + set3).
  *   Q4_K, Q5_K   per super-block: S1 = Σ_j sc_j · Σ w·q over sub-block j (w the 4/5-bit value),
  *                S2 = Σ_j m_j · (sum of q over sub-block j); s ← fma(d·dx, (float)S1, s), then
  *                s ← fma(−(dmin·dx), (float)S2, s), super-blocks in order.
@@ -25,13 +23,11 @@
  *
  * Loops: the rows of x are quantized in chunks that fit the backend's packed-x scratch (all
  * threads, a row each); the W rows are split into contiguous ranges, one task each. A task takes
- * 16 W rows at a time and multiplies them with the chunk: for the K types with 16 rows of x or
- * more (AVX-512 VNNI), as a panel (the 16 rows unpacked and interleaved in the thread's scratch,
- * then 16 rows at once by vpdpbusd, see below); else for every 4 rows of x, by tiles of 4 W rows
- * (Q8_0/Q4_0 on AVX-512 VNNI: each W block unpacked once for the 4 rows of x, each row of x loaded
- * once for the 4 W rows, every pair computed as its dot kernel computes it), else a W row at a
- * time by the dot kernels. Decode (n = 1) streams W once through the dot kernels, unless W is
- * small enough to stay in the caches between tokens, where the tiles' fewer calls pay.
+ * 16 W rows at a time and multiplies them with the chunk: with 16 rows of x or more (AVX-512
+ * VNNI), as a panel (the 16 rows unpacked and interleaved in the thread's scratch, then 16 rows at
+ * once by vpdpbusd, see below); else for every 4 rows of x by the dot kernels, which take the 16
+ * W rows in one call, unpack each W block once for the 4 rows of x, and so stream W once in
+ * decode (n = 1).
  */
 #include <math.h>
 #include <stdint.h>
@@ -51,11 +47,9 @@
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
-#define Q_NX                4           /* rows of x per kernel call */
-#define Q_MR                16          /* W rows per tile */
-#define Q_TR                4           /* W rows per tile kernel call (prefill) */
-#define Q_PANEL_MIN_N       16          /* rows of x from which the K types take panels */
-#define Q_TILE_CACHED_BYTES (512 << 10) /* decode takes the tiles on a W this small */
+#define Q_NX          4  /* rows of x per kernel call */
+#define Q_MR          16 /* W rows per tile */
+#define Q_PANEL_MIN_N 16 /* rows of x from which the K types take panels */
 
 /* The quantized rows of x of a chunk. */
 struct q_x {
@@ -69,9 +63,6 @@ struct q_x {
  * so that its setup is paid once). */
 typedef void (*q_dot_fn)(const uint8_t *w, int64_t row_bytes, int nr, int64_t nb,
                          const struct q_x *x, int64_t t, int nx, float *out);
-/* Q_TR rows of W, row_bytes apart, times nx rows of x: out[r * Q_NX + j]. */
-typedef void (*q_tile_fn)(const uint8_t *w, int64_t row_bytes, int64_t nb, const struct q_x *x,
-                          int64_t t, int nx, float *out);
 
 /* The entry points: the body for nx = 1…4 (a constant there), and for the dot kernels once for
  * each of the nr rows (w, out the row's). */
@@ -263,56 +254,36 @@ TARGET_AVX2 static ALWAYS_INLINE float reduce8_avx2(__m256 v) {
 /* ---- portable kernels -------------------------------------------------------------------------
  */
 
-static void dot_q8_0_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
-                                int nx, float *out) {
+/* Q8_0 (q4 0) and Q4_0 (q4 1). */
+static ALWAYS_INLINE void dot32_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x,
+                                           int64_t t, int nx, float *out, const int q4) {
+    const int64_t bb = q4 ? 18 : 34;
     for (int j = 0; j < nx; j++) {
         const int8_t *xq = x->q + (t + j) * x->cols;
         const float *xd = x->d + (t + j) * (x->cols / 32);
-        float acc[4][8] = {{0}};
+        float set[4] = {0, 0, 0, 0};
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = w + b * 34;
-            const int8_t *wq = (const int8_t *)(blk + 2);
-            const float dd = f16_at(blk) * xd[b];
-            for (int l = 0; l < 8; l++) {
-                int p = 0;
-                for (int i = 4 * l; i < 4 * l + 4; i++)
-                    p += wq[i] * xq[b * 32 + i];
-                acc[b % 4][l] = fmaf((float)p, dd, acc[b % 4][l]);
+            const uint8_t *blk = w + b * bb;
+            int p = 0;
+            for (int i = 0; i < 32; i++) {
+                const int wv = !q4 ? (int8_t)blk[2 + i]
+                                   : (i < 16 ? blk[2 + i] & 0xf : blk[2 + i - 16] >> 4) - 8;
+                p += wv * xq[b * 32 + i];
             }
+            set[b % 4] = fmaf((float)p, f16_at(blk) * xd[b], set[b % 4]);
         }
-        float l8[8];
-        for (int l = 0; l < 8; l++)
-            l8[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
-        out[j] = reduce8(l8);
+        out[j] = (set[0] + set[1]) + (set[2] + set[3]);
     }
+}
+
+static void dot_q8_0_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
+                                int nx, float *out) {
+    dot32_scalar_row(w, nb, x, t, nx, out, 0);
 }
 
 static void dot_q4_0_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
                                 int nx, float *out) {
-    for (int j = 0; j < nx; j++) {
-        const int8_t *xq = x->q + (t + j) * x->cols;
-        const float *xd = x->d + (t + j) * (x->cols / 32);
-        float acc[4][8] = {{0}};
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = w + b * 18;
-            const float dd = f16_at(blk) * xd[b];
-            int wv[32];
-            for (int i = 0; i < 16; i++) {
-                wv[i] = (blk[2 + i] & 0xf) - 8;
-                wv[i + 16] = (blk[2 + i] >> 4) - 8;
-            }
-            for (int l = 0; l < 8; l++) {
-                int p = 0;
-                for (int i = 4 * l; i < 4 * l + 4; i++)
-                    p += wv[i] * xq[b * 32 + i];
-                acc[b % 4][l] = fmaf((float)p, dd, acc[b % 4][l]);
-            }
-        }
-        float l8[8];
-        for (int l = 0; l < 8; l++)
-            l8[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
-        out[j] = reduce8(l8);
-    }
+    dot32_scalar_row(w, nb, x, t, nx, out, 1);
 }
 
 /* Q4_K (hbits NULL) and Q5_K: the values of super-block `blk` as 0…31. */
@@ -443,12 +414,12 @@ TARGET_AVX2 static ALWAYS_INLINE __m256i dot4_avx2(__m256i u, __m256i s) {
         const int64_t bb = q4 ? 18 : 34;                                                           \
         const int8_t *xq[Q_NX];                                                                    \
         const float *xd[Q_NX];                                                                     \
-        __m256 acc[4][Q_NX];                                                                       \
+        float set[4][Q_NX];                                                                        \
         for (int j = 0; j < NX; j++) {                                                             \
             xq[j] = x->q + (t + j) * x->cols;                                                      \
             xd[j] = x->d + (t + j) * (x->cols / 32);                                               \
             for (int a = 0; a < 4; a++)                                                            \
-                acc[a][j] = _mm256_setzero_ps();                                                   \
+                set[a][j] = 0.0f;                                                                  \
         }                                                                                          \
         for (int64_t b = 0; b < nb; b++) {                                                         \
             const uint8_t *blk = w + b * bb;                                                       \
@@ -465,15 +436,12 @@ TARGET_AVX2 static ALWAYS_INLINE __m256i dot4_avx2(__m256i u, __m256i s) {
             const __m256i aw = _mm256_sign_epi8(wv, wv);                                           \
             for (int j = 0; j < NX; j++) {                                                         \
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + b * 32));                \
-                __m256i p = DOT4(aw, _mm256_sign_epi8(xv, wv));                                    \
-                const float dd = dw * xd[j][b];                                                    \
-                acc[b & 3][j] =                                                                    \
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc[b & 3][j]);     \
+                const int p = hsum_i32_avx2(DOT4(aw, _mm256_sign_epi8(xv, wv)));                   \
+                set[b & 3][j] = fmaf((float)p, dw * xd[j][b], set[b & 3][j]);                      \
             }                                                                                      \
         }                                                                                          \
         for (int j = 0; j < NX; j++)                                                               \
-            out[j] = reduce8_avx2(_mm256_add_ps(_mm256_add_ps(acc[0][j], acc[1][j]),               \
-                                                _mm256_add_ps(acc[2][j], acc[3][j])));             \
+            out[j] = (set[0][j] + set[1][j]) + (set[2][j] + set[3][j]);                            \
     }                                                                                              \
     TARGET static void NAME##_q8_0(DOT_ARGS){                                                      \
         DISPATCH_ROWS_NX(NAME##_Q80)} TARGET static void NAME##_q4_0(DOT_ARGS) {                   \
@@ -677,60 +645,69 @@ TARGET_VNNI static ALWAYS_INLINE __m256i w32_vnni(const uint8_t *blk, const int 
     return _mm256_loadu_si256((const __m256i *)(blk + 2));
 }
 
+/* The sums of the 8-lane halves of a and b: [a low, a high, b low, b high]. */
+TARGET_VNNI static ALWAYS_INLINE __m128i sums4_512(__m512i a, __m512i b) {
+    const __m256i ha =
+        _mm256_hadd_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+    const __m256i hb =
+        _mm256_hadd_epi32(_mm512_castsi512_si256(b), _mm512_extracti64x4_epi64(b, 1));
+    const __m256i h = _mm256_hadd_epi32(ha, hb);
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* Blocks 4k … 4k+3 at once: their sums in the lanes of one register, lane i set i. */
 TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t nb,
                                                        const struct q_x *x, int64_t t, float *out,
                                                        const int q4, const int NX) {
     const int64_t bb = q4 ? 18 : 34;
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
-    __m512 acc[2][Q_NX];
+    __m128 acc[Q_NX];
     for (int j = 0; j < NX; j++) {
         xq[j] = x->q + (t + j) * x->cols;
         xd[j] = x->d + (t + j) * (x->cols / 32);
-        acc[0][j] = acc[1][j] = _mm512_setzero_ps();
+        acc[j] = _mm_setzero_ps();
     }
     int64_t b = 0;
-    for (; b + 4 <= nb; b += 4)
-        for (int pr = 0; pr < 2; pr++) {
-            const uint8_t *b0 = w + (b + 2 * pr) * bb, *b1 = b0 + bb;
+    for (; b + 4 <= nb; b += 4) {
+        const uint8_t *b0 = w + b * bb;
+        __m512i aw[2];
+        __mmask64 neg[2];
+        for (int h = 0; h < 2; h++) {
             const __m512i wv =
-                _mm512_inserti64x4(_mm512_castsi256_si512(w32_vnni(b0, q4)), w32_vnni(b1, q4), 1);
-            const __m512i aw = _mm512_abs_epi8(wv);
-            const __mmask64 neg = _mm512_movepi8_mask(wv);
-            const float d0 = f16_at_c(b0), d1 = f16_at_c(b1);
-            for (int j = 0; j < NX; j++) {
-                __m512i xv = _mm512_loadu_si512(xq[j] + (b + 2 * pr) * 32);
-                xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, xv);
-                const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(
-                    _mm512_castps_pd(_mm512_set1_ps(d0 * xd[j][b + 2 * pr])),
-                    _mm256_castps_pd(_mm256_set1_ps(d1 * xd[j][b + 2 * pr + 1])), 1));
-                acc[pr][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), dd, acc[pr][j]);
-            }
+                _mm512_inserti64x4(_mm512_castsi256_si512(w32_vnni(b0 + 2 * h * bb, q4)),
+                                   w32_vnni(b0 + (2 * h + 1) * bb, q4), 1);
+            aw[h] = _mm512_abs_epi8(wv);
+            neg[h] = _mm512_movepi8_mask(wv);
         }
-    __m256 set[4][Q_NX];
-    for (int j = 0; j < NX; j++) {
-        for (int pr = 0; pr < 2; pr++) {
-            set[2 * pr][j] = _mm512_castps512_ps256(acc[pr][j]);
-            set[2 * pr + 1][j] =
-                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[pr][j]), 1));
-        }
-    }
-    for (; b < nb; b++) {
-        const uint8_t *blk = w + b * bb;
-        const __m256i wv = w32_vnni(blk, q4);
-        const __m256i aw = _mm256_sign_epi8(wv, wv);
-        const float dw = f16_at_c(blk);
+        const __m128 dw = _mm_cvtph_ps(
+            _mm_setr_epi16((short)(b0[0] | b0[1] << 8), (short)(b0[bb] | b0[bb + 1] << 8),
+                           (short)(b0[2 * bb] | b0[2 * bb + 1] << 8),
+                           (short)(b0[3 * bb] | b0[3 * bb + 1] << 8), 0, 0, 0, 0));
         for (int j = 0; j < NX; j++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + b * 32));
-            __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(xv, wv));
-            set[b & 3][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[j][b]),
-                                            set[b & 3][j]);
+            __m512i p[2];
+            for (int h = 0; h < 2; h++) {
+                __m512i xv = _mm512_loadu_si512(xq[j] + (b + 2 * h) * 32);
+                xv = _mm512_mask_sub_epi8(xv, neg[h], _mm512_setzero_si512(), xv);
+                p[h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw[h], xv);
+            }
+            acc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums4_512(p[0], p[1])),
+                                  _mm_mul_ps(dw, _mm_loadu_ps(xd[j] + b)), acc[j]);
         }
     }
-    for (int j = 0; j < NX; j++)
-        out[j] = reduce8_avx2(_mm256_add_ps(_mm256_add_ps(set[0][j], set[1][j]),
-                                            _mm256_add_ps(set[2][j], set[3][j])));
+    for (int j = 0; j < NX; j++) {
+        float set[4];
+        _mm_storeu_ps(set, acc[j]);
+        for (int64_t c = b; c < nb; c++) {
+            const uint8_t *blk = w + c * bb;
+            const __m256i wv = w32_vnni(blk, q4);
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + c * 32));
+            const int p = hsum_i32_avx2(_mm256_dpbusd_epi32(
+                _mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
+            set[c & 3] = fmaf((float)p, f16_at_c(blk) * xd[j][c], set[c & 3]);
+        }
+        out[j] = (set[0] + set[1]) + (set[2] + set[3]);
+    }
 }
 
 TARGET_VNNI static void dot_q8_0_vnni512(DOT_ARGS){
@@ -742,101 +719,6 @@ TARGET_VNNI static void dot_q8_0_vnni512(DOT_ARGS){
 TARGET_VNNI static void dot_q4_0_vnni512(DOT_ARGS){
 #define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, 1, N)
     DISPATCH_ROWS_NX(CALL)
-#undef CALL
-}
-
-/* Tiles for prefill: Q_TR W rows × NX rows of x a call, every pair taking the very operations of
- * dot32_vnni512_nx (so the same bits), the W blocks and the x rows loaded once for all pairs.
- * x is made unsigned (x + 128, an xor with 0x80) so that vpdpbusd takes W signed as it lies; each
- * lane's accumulator starts at −128 · Σw over the lane's values, which leaves Σ w·x exactly. The
- * row is walked twice, blocks 4k, 4k+1 (sets 0, 1) then 4k+2, 4k+3 (sets 2, 3), so that each pair
- * holds one accumulator. */
-TARGET_VNNI static ALWAYS_INLINE __m512i w64_vnni(const uint8_t *b0, int64_t bb, const int q4) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(w32_vnni(b0, q4)), w32_vnni(b0 + bb, q4), 1);
-}
-
-/* [a ×8 | b ×8] */
-TARGET_512 static ALWAYS_INLINE __m512 halves_ps(float a, float b) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)),
-                                               _mm256_castps_pd(_mm256_set1_ps(b)), 1));
-}
-
-TARGET_VNNI static ALWAYS_INLINE void tile32_vnni512_nx(const uint8_t *w, int64_t row_bytes,
-                                                        int64_t nb, const struct q_x *x, int64_t t,
-                                                        float *out, const int q4, const int NX) {
-    const int64_t bb = q4 ? 18 : 34;
-    const int8_t *xq[Q_NX];
-    const float *xd[Q_NX];
-    for (int j = 0; j < NX; j++) {
-        xq[j] = x->q + (t + j) * x->cols;
-        xd[j] = x->d + (t + j) * (x->cols / 32);
-    }
-    const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
-    __m256 set[4][Q_TR][Q_NX];
-    for (int pr = 0; pr < 2; pr++) {
-        __m512 acc[Q_TR][Q_NX];
-        for (int r = 0; r < Q_TR; r++)
-            for (int j = 0; j < NX; j++)
-                acc[r][j] = _mm512_setzero_ps();
-        for (int64_t k = 0; k + 4 <= nb; k += 4) {
-            const int64_t b = k + 2 * pr;
-            __m512i xu[Q_NX];
-            __m512 xdv[Q_NX];
-            for (int j = 0; j < NX; j++) {
-                xu[j] = _mm512_xor_si512(_mm512_loadu_si512(xq[j] + b * 32), flip);
-                xdv[j] = halves_ps(xd[j][b], xd[j][b + 1]);
-            }
-            for (int r = 0; r < Q_TR; r++) {
-                const uint8_t *b0 = w + r * row_bytes + b * bb;
-                const __m512i wv = w64_vnni(b0, bb, q4);
-                const __m512i c = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, wv));
-                const __m512 wd = halves_ps(f16_at_c(b0), f16_at_c(b0 + bb));
-                for (int j = 0; j < NX; j++) {
-                    const __m512i p = _mm512_dpbusd_epi32(c, xu[j], wv);
-                    acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(wd, xdv[j]),
-                                                acc[r][j]);
-                }
-            }
-        }
-        for (int r = 0; r < Q_TR; r++)
-            for (int j = 0; j < NX; j++) {
-                set[2 * pr][r][j] = _mm512_castps512_ps256(acc[r][j]);
-                set[2 * pr + 1][r][j] =
-                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][j]), 1));
-            }
-    }
-    for (int64_t b = nb & ~(int64_t)3; b < nb; b++)
-        for (int r = 0; r < Q_TR; r++) {
-            const uint8_t *blk = w + r * row_bytes + b * bb;
-            const __m256i wv = w32_vnni(blk, q4);
-            const __m256i aw = _mm256_sign_epi8(wv, wv);
-            const float dw = f16_at_c(blk);
-            for (int j = 0; j < NX; j++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + b * 32));
-                __m256i p =
-                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(xv, wv));
-                set[b & 3][r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
-                                                   _mm256_set1_ps(dw * xd[j][b]), set[b & 3][r][j]);
-            }
-        }
-    for (int r = 0; r < Q_TR; r++)
-        for (int j = 0; j < NX; j++)
-            out[r * Q_NX + j] =
-                reduce8_avx2(_mm256_add_ps(_mm256_add_ps(set[0][r][j], set[1][r][j]),
-                                           _mm256_add_ps(set[2][r][j], set[3][r][j])));
-}
-
-TARGET_VNNI static void tile_q8_0_vnni512(const uint8_t *w, int64_t row_bytes, int64_t nb,
-                                          const struct q_x *x, int64_t t, int nx, float *out){
-#define CALL(N) tile32_vnni512_nx(w, row_bytes, nb, x, t, out, 0, N)
-    DISPATCH_NX(CALL)
-#undef CALL
-}
-
-TARGET_VNNI static void tile_q4_0_vnni512(const uint8_t *w, int64_t row_bytes, int64_t nb,
-                                          const struct q_x *x, int64_t t, int nx, float *out){
-#define CALL(N) tile32_vnni512_nx(w, row_bytes, nb, x, t, out, 1, N)
-    DISPATCH_NX(CALL)
 #undef CALL
 }
 
@@ -984,14 +866,15 @@ K_ENTRY(dot_q6_k_vnni, TARGET_512, Q6K_VNNI)
 #endif
 
 #if QX86
-/* ---- K-type panels for prefill (AVX-512 VNNI) ---------------------------------------------------
+/* ---- panels for prefill (AVX-512 VNNI) ---------------------------------------------------------
  *
- * Q_MR rows of W unpacked into the thread's scratch, rows interleaved: per super-block, the 256
- * values (one byte each) as 64 groups of 64 bytes, group g holding values 4g … 4g+3 of each of
+ * Q_MR rows of W unpacked into the thread's scratch, rows interleaved: per block or super-block,
+ * the values (one byte each) as groups of 64 bytes, group g holding values 4g … 4g+3 of each of
  * the 16 rows (row r at bytes 4r … 4r+3); then the scales, one 32-bit lane a row. vpdpbusd with 4
- * values of x broadcast then multiplies 16 rows at once, every lane of an accumulator one row:
- * the sub-block's integer sum needs no reduction, and one vpmulld applies its scale. The integers
- * are those of the dot kernels (S1, S2 exact), the float steps the same: the same bits. */
+ * values of x broadcast then multiplies 16 rows at once, every lane of an accumulator one row: a
+ * block's or sub-block's integer sum needs no reduction (the K types' scale: one vpmulld). The
+ * integers are those of the dot kernels, the float steps the same: the same bits. Packing costs
+ * about one pass over the 16 rows, paid back over the rows of x of the chunk. */
 #define PANEL_VALS 4096 /* bytes of a super-block's values */
 /* Q4_K/Q5_K: values, 8 scales, 4 pairs of mins (16-bit each), d, −dmin */
 #define PANEL_K45_BYTES (PANEL_VALS + 8 * 64 + 4 * 64 + 2 * 64)
@@ -1188,6 +1071,86 @@ TARGET_VNNI static ALWAYS_INLINE void panel_mul_nx(const uint8_t *pk, int64_t nb
         _mm512_storeu_ps(out + j * Q_MR, acc[j]);
 }
 
+/* Q8_0 and Q4_0 panels: per block, the 32 values (signed) as 8 groups of 64 bytes, then
+ * −128 · Σw of each row and d. x is made unsigned (x + 128, an xor with 0x80) so that vpdpbusd
+ * takes W signed as it lies; the accumulator starts at −128 · Σw, which leaves Σ w·x exactly. */
+#define PANEL_32_BYTES (8 * 64 + 64 + 64)
+_Static_assert((size_t)(CPU_GEMM_K_MAX / 32) * PANEL_32_BYTES <=
+                   CPU_GEMM_THREAD_FLOATS * sizeof(float),
+               "a panel of the longest row fits the thread's scratch");
+
+TARGET_VNNI static void panel_pack_32(const uint8_t *w, int64_t row_bytes, int64_t nb, const int q4,
+                                      uint8_t *pk) {
+    const int64_t bb = q4 ? 18 : 34;
+    const __m512i rows =
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32(8));
+    uint8_t v[Q_MR * 32];
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *dst = pk + b * PANEL_32_BYTES;
+        int32_t *corr = (int32_t *)(dst + 8 * 64);
+        float *dv = (float *)(corr + 16);
+        for (int r = 0; r < Q_MR; r++) {
+            const uint8_t *blk = w + r * row_bytes + b * bb;
+            const __m256i wv = w32_vnni(blk, q4);
+            _mm256_storeu_si256((__m256i *)(v + 32 * r), wv);
+            corr[r] = -128 * hsum_i32_avx2(_mm256_dpbusd_epi32(_mm256_setzero_si256(),
+                                                               _mm256_set1_epi8(1), wv));
+            dv[r] = f16_at_c(blk);
+        }
+        for (int g = 0; g < 8; g++)
+            _mm512_storeu_si512(dst + 64 * g,
+                                _mm512_i32gather_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(g)),
+                                                       (const void *)v, 4));
+    }
+}
+
+TARGET_VNNI static ALWAYS_INLINE void panel32_mul_nx(const uint8_t *pk, int64_t nb,
+                                                     const struct q_x *x, int64_t t, float *out,
+                                                     const int NX) {
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    __m512 set[4][Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / 32);
+        set[0][j] = set[1][j] = set[2][j] = set[3][j] = _mm512_setzero_ps();
+    }
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t b0 = 0; b0 < nb; b0 += 4)
+        for (int k = 0; k < 4 && b0 + k < nb; k++) { /* block b into set k = b mod 4 */
+            const int64_t b = b0 + k;
+            const uint8_t *blk = pk + b * PANEL_32_BYTES;
+            __m512i p[2][Q_NX];
+            for (int j = 0; j < NX; j++) {
+                p[0][j] = _mm512_loadu_si512(blk + 8 * 64);
+                p[1][j] = _mm512_setzero_si512();
+            }
+            for (int g = 0; g < 8; g++) {
+                const __m512i wv = _mm512_loadu_si512(blk + 64 * g);
+                for (int j = 0; j < NX; j++) {
+                    const __m512i xu =
+                        _mm512_xor_si512(_mm512_set1_epi32(x4_at(xq[j] + b * 32 + 4 * g)), flip);
+                    p[g & 1][j] = _mm512_dpbusd_epi32(p[g & 1][j], xu, wv);
+                }
+            }
+            const __m512 dv = _mm512_loadu_ps((const float *)(blk + 8 * 64 + 64));
+            for (int j = 0; j < NX; j++)
+                set[k][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(p[0][j], p[1][j])),
+                                            _mm512_mul_ps(dv, _mm512_set1_ps(xd[j][b])), set[k][j]);
+        }
+    for (int j = 0; j < NX; j++)
+        _mm512_storeu_ps(out + j * Q_MR, _mm512_add_ps(_mm512_add_ps(set[0][j], set[1][j]),
+                                                       _mm512_add_ps(set[2][j], set[3][j])));
+}
+
+TARGET_VNNI static void panel_mul_32(const uint8_t *pk, int64_t nb, const struct q_x *x, int64_t t,
+                                     int nx, float *out){
+#define CALL(N) panel32_mul_nx(pk, nb, x, t, out, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
 TARGET_VNNI static void panel_mul_k45(const uint8_t *pk, int64_t nb, const struct q_x *x, int64_t t,
                                       int nx, float *out){
 #define CALL(N) panel_mul_nx(pk, nb, x, t, out, 0, N)
@@ -1210,11 +1173,10 @@ struct q_kernels {
     void (*quantize)(const float *x, int64_t cols, int64_t blk, int8_t *q, float *d, int16_t *s);
     q_dot_fn q8_0, q4_0, q4_k, q5_k, q6_k;
     const char *name;
-    q_tile_fn t8_0, t4_0; /* prefill tiles; NULL: the dot kernel a row at a time */
-    int panels;           /* the K types' prefill by panels (AVX-512 VNNI) */
+    int panels; /* the K types' prefill by panels (AVX-512 VNNI) */
 };
 
-/* Designated: the tiles are left NULL where a table has none. */
+/* Designated: the fields a table does not name are zero. */
 static const struct q_kernels q_scalar = {.quantize = quantize_x_scalar,
                                           .q8_0 = dot_q8_0_scalar,
                                           .q4_0 = dot_q4_0_scalar,
@@ -1244,8 +1206,6 @@ static const struct q_kernels q_vnni = {.quantize = quantize_x_avx2,
                                         .q5_k = dot_q5_k_vnni,
                                         .q6_k = dot_q6_k_vnni,
                                         .name = "avx512_vnni",
-                                        .t8_0 = tile_q8_0_vnni512,
-                                        .t4_0 = tile_q4_0_vnni512,
                                         .panels = 1};
 #endif
 
@@ -1262,14 +1222,6 @@ static const struct q_kernels *q_kernels_for(enum cpu_isa isa, int no_vnni) {
 
 const char *llmem_cpu_q_kernels_name(enum cpu_isa isa) {
     return q_kernels_for(isa, 0)->name;
-}
-
-static q_tile_fn q_tile_for(const struct q_kernels *k, int type) {
-    switch (type) {
-    case LLMEM_QTYPE_Q8_0: return k->t8_0;
-    case LLMEM_QTYPE_Q4_0: return k->t4_0;
-    default: return NULL;
-    }
 }
 
 static q_dot_fn q_dot_for(const struct q_kernels *k, int type) {
@@ -1294,7 +1246,6 @@ int llmem_cpu_matmul_q_supported(int type, int64_t cols) {
 struct q_job {
     const struct q_kernels *k;
     q_dot_fn dot;
-    q_tile_fn tile;
     int panel;      /* Q_MR-row groups of a K type by panels, in the thread's scratch */
     float *scratch; /* the backend's per-thread scratch */
     const struct llmem_weight *w;
@@ -1323,15 +1274,21 @@ static void q_panel_rows(const struct q_job *j, const struct q_x *xv, int64_t r0
     const int64_t rows = j->w->rows;
     uint8_t *pk = (uint8_t *)(j->scratch + (size_t)thread * CPU_GEMM_THREAD_FLOATS);
     const uint8_t *wr = (const uint8_t *)j->w->data + (size_t)r0 * (size_t)j->row_bytes;
-    const int k6 = j->w->quant == LLMEM_QTYPE_Q6_K;
-    if (k6)
+    const int type = j->w->quant;
+    if (type == LLMEM_QTYPE_Q6_K)
         panel_pack_k6(wr, j->row_bytes, j->nb, pk);
+    else if (type == LLMEM_QTYPE_Q4_K || type == LLMEM_QTYPE_Q5_K)
+        panel_pack_k45(wr, j->row_bytes, j->nb, type == LLMEM_QTYPE_Q5_K, pk);
     else
-        panel_pack_k45(wr, j->row_bytes, j->nb, j->w->quant == LLMEM_QTYPE_Q5_K, pk);
+        panel_pack_32(wr, j->row_bytes, j->nb, type == LLMEM_QTYPE_Q4_0, pk);
+    void (*mul)(const uint8_t *, int64_t, const struct q_x *, int64_t, int, float *) =
+        type == LLMEM_QTYPE_Q6_K                               ? panel_mul_k6
+        : type == LLMEM_QTYPE_Q4_K || type == LLMEM_QTYPE_Q5_K ? panel_mul_k45
+                                                               : panel_mul_32;
     float out[Q_NX * Q_MR];
     for (int64_t t = 0; t < j->nt; t += Q_NX) {
         const int nx = j->nt - t < Q_NX ? (int)(j->nt - t) : Q_NX;
-        (k6 ? panel_mul_k6 : panel_mul_k45)(pk, j->nb, xv, t, nx, out);
+        mul(pk, j->nb, xv, t, nx, out);
         for (int i = 0; i < nx; i++) {
             float *yr = j->y + (j->t0 + t + i) * rows + r0;
             for (int r = 0; r < Q_MR; r++)
@@ -1360,14 +1317,9 @@ static void q_matmul_task(void *arg, int task, int thread) {
         (void)thread;
         for (int64_t t = 0; t < j->nt; t += Q_NX) {
             const int nx = j->nt - t < Q_NX ? (int)(j->nt - t) : Q_NX;
-            int64_t r = r0;
-            for (; j->tile != NULL && r + Q_TR <= r1; r += Q_TR)
-                j->tile(wd + (size_t)r * (size_t)j->row_bytes, j->row_bytes, j->nb, &xv, t, nx,
-                        out + (r - r0) * Q_NX);
-            if (r < r1)
-                j->dot(wd + (size_t)r * (size_t)j->row_bytes, j->row_bytes, (int)(r1 - r), j->nb,
-                       &xv, t, nx, out + (r - r0) * Q_NX);
-            for (r = r0; r < r1; r++)
+            j->dot(wd + (size_t)r0 * (size_t)j->row_bytes, j->row_bytes, (int)(r1 - r0), j->nb, &xv,
+                   t, nx, out);
+            for (int64_t r = r0; r < r1; r++)
                 for (int i = 0; i < nx; i++) {
                     const float v = out[(r - r0) * Q_NX + i];
                     j->y[(j->t0 + t + i) * rows + r] = j->bias != NULL ? v + j->bias[r] : v;
@@ -1386,12 +1338,8 @@ void llmem_cpu_matmul_q(struct cpu_ctx *c, const struct llmem_weight *w, const f
     job.dot = q_dot_for(job.k, w->quant);
     job.w = w, job.x = x, job.bias = bias, job.y = y;
     job.blk = blk, job.nb = cols / blk, job.row_bytes = llmem_weight_row_bytes(w);
-    /* decode streams W through the dot kernels (the 32-value tiles walk a row twice); a W that
-     * stays in the caches between tokens takes the tiles, which cost fewer calls a row */
-    job.tile =
-        n > 1 || rows * job.row_bytes <= Q_TILE_CACHED_BYTES ? q_tile_for(job.k, w->quant) : NULL;
     /* panels pay for their packing over several rows of x */
-    job.panel = job.k->panels && ksum && n >= Q_PANEL_MIN_N;
+    job.panel = job.k->panels && n >= Q_PANEL_MIN_N;
     job.scratch = c->wpanel;
     /* the chunk: rows of x whose quantized form fits the packed-x scratch */
     const size_t q_bytes = ((size_t)cols + 63) & ~(size_t)63;
