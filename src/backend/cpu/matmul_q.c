@@ -647,12 +647,16 @@ TARGET_VNNI static ALWAYS_INLINE __m256i w32_vnni(const uint8_t *blk, const int 
 
 /* The sums of the 8-lane halves of a and b: [a low, a high, b low, b high]. */
 TARGET_VNNI static ALWAYS_INLINE __m128i sums4_512(__m512i a, __m512i b) {
-    const __m256i ha =
-        _mm256_hadd_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-    const __m256i hb =
-        _mm256_hadd_epi32(_mm512_castsi512_si256(b), _mm512_extracti64x4_epi64(b, 1));
-    const __m256i h = _mm256_hadd_epi32(ha, hb);
-    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    /* 4 lanes a half: lanes 0–3 and 8–11 of each plus lanes 4–7 and 12–15 */
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i hi =
+        _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    __m512i c =
+        _mm512_add_epi32(_mm512_permutex2var_epi32(a, lo, b), _mm512_permutex2var_epi32(a, hi, b));
+    c = _mm512_add_epi32(c, _mm512_shuffle_epi32(c, _MM_PERM_BADC));
+    c = _mm512_add_epi32(c, _mm512_shuffle_epi32(c, _MM_PERM_CDAB));
+    return _mm512_castsi512_si128(_mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), c));
 }
 
 /* Blocks 4k … 4k+3 at once: their sums in the lanes of one register, lane i set i. */
