@@ -407,57 +407,97 @@ TARGET_AVX2 static ALWAYS_INLINE __m256i dot4_avx2(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-#define DEFINE_DOT32(NAME, TARGET, DOT4)                                                           \
-    TARGET static ALWAYS_INLINE void NAME##_nx(const uint8_t *w, int64_t nb, const struct q_x *x,  \
-                                               int64_t t, float *out, const int q4,                \
-                                               const int NX) {                                     \
-        const int64_t bb = q4 ? 18 : 34;                                                           \
-        const int8_t *xq[Q_NX];                                                                    \
-        const float *xd[Q_NX];                                                                     \
-        float set[4][Q_NX];                                                                        \
-        for (int j = 0; j < NX; j++) {                                                             \
-            xq[j] = x->q + (t + j) * x->cols;                                                      \
-            xd[j] = x->d + (t + j) * (x->cols / 32);                                               \
-            for (int a = 0; a < 4; a++)                                                            \
-                set[a][j] = 0.0f;                                                                  \
-        }                                                                                          \
-        for (int64_t b = 0; b < nb; b++) {                                                         \
-            const uint8_t *blk = w + b * bb;                                                       \
-            const float dw = f16_at_c(blk);                                                        \
-            __m256i wv;                                                                            \
-            if (q4) {                                                                              \
-                __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));                          \
-                __m128i lo = _mm_and_si128(qs, _mm_set1_epi8(0xf));                                \
-                __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0xf));             \
-                wv = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));               \
-            } else {                                                                               \
-                wv = _mm256_loadu_si256((const __m256i *)(blk + 2));                               \
-            }                                                                                      \
-            const __m256i aw = _mm256_sign_epi8(wv, wv);                                           \
-            for (int j = 0; j < NX; j++) {                                                         \
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + b * 32));                \
-                const int p = hsum_i32_avx2(DOT4(aw, _mm256_sign_epi8(xv, wv)));                   \
-                set[b & 3][j] = fmaf((float)p, dw * xd[j][b], set[b & 3][j]);                      \
-            }                                                                                      \
-        }                                                                                          \
-        for (int j = 0; j < NX; j++)                                                               \
-            out[j] = (set[0][j] + set[1][j]) + (set[2][j] + set[3][j]);                            \
-    }                                                                                              \
-    TARGET static void NAME##_q8_0(DOT_ARGS){                                                      \
-        DISPATCH_ROWS_NX(NAME##_Q80)} TARGET static void NAME##_q4_0(DOT_ARGS) {                   \
-        DISPATCH_ROWS_NX(NAME##_Q40)                                                               \
+/* The 32 values of a Q8_0 or Q4_0 block (q4) as signed bytes. */
+TARGET_AVX2 static ALWAYS_INLINE __m256i w32(const uint8_t *blk, const int q4) {
+    if (q4) {
+        __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
+        __m128i lo = _mm_and_si128(qs, _mm_set1_epi8(0xf));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0xf));
+        return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
     }
+    return _mm256_loadu_si256((const __m256i *)(blk + 2));
+}
 
-#define dot32_avx2_Q80(N) dot32_avx2_nx(w, nb, x, t, out, 0, N)
-#define dot32_avx2_Q40(N) dot32_avx2_nx(w, nb, x, t, out, 1, N)
-DEFINE_DOT32(dot32_avx2, TARGET_AVX2, dot4_avx2)
+/* The d of four blocks from b0, bb bytes apart, as f32. */
+TARGET_AVX2 static ALWAYS_INLINE __m128 d4(const uint8_t *b0, int64_t bb) {
+    uint16_t h[4];
+    for (int k = 0; k < 4; k++)
+        memcpy(&h[k], b0 + k * bb, 2);
+    return _mm_cvtph_ps(
+        _mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], 0, 0, 0, 0));
+}
+
+/* The sums of the lanes of a, b, c and d: [Σa, Σb, Σc, Σd]. */
+TARGET_AVX2 static ALWAYS_INLINE __m128i sums4_avx2(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* Q8_0 and Q4_0 (q4): blocks 4k … 4k+3 at once, their sums in the lanes of one register (lane i:
+ * set i); the blocks after the last four one by one. */
+TARGET_AVX2 static ALWAYS_INLINE void dot32_avx2_nx(const uint8_t *w, int64_t nb,
+                                                    const struct q_x *x, int64_t t, float *out,
+                                                    const int q4, const int NX) {
+    const int64_t bb = q4 ? 18 : 34;
+    const int8_t *xq[Q_NX];
+    const float *xd[Q_NX];
+    __m128 acc[Q_NX];
+    for (int j = 0; j < NX; j++) {
+        xq[j] = x->q + (t + j) * x->cols;
+        xd[j] = x->d + (t + j) * (x->cols / 32);
+        acc[j] = _mm_setzero_ps();
+    }
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        __m256i wv[4], aw[4];
+        for (int k = 0; k < 4; k++) {
+            wv[k] = w32(w + (b + k) * bb, q4);
+            aw[k] = _mm256_sign_epi8(wv[k], wv[k]);
+        }
+        const __m128 dw = d4(w + b * bb, bb);
+        for (int j = 0; j < NX; j++) {
+            __m256i p[4];
+            for (int k = 0; k < 4; k++)
+                p[k] = dot4_avx2(
+                    aw[k], _mm256_sign_epi8(
+                               _mm256_loadu_si256((const __m256i *)(xq[j] + (b + k) * 32)), wv[k]));
+            acc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums4_avx2(p[0], p[1], p[2], p[3])),
+                                  _mm_mul_ps(dw, _mm_loadu_ps(xd[j] + b)), acc[j]);
+        }
+    }
+    for (int j = 0; j < NX; j++) {
+        float set[4];
+        _mm_storeu_ps(set, acc[j]);
+        for (int64_t c = b; c < nb; c++) {
+            const uint8_t *blk = w + c * bb;
+            const __m256i wv = w32(blk, q4);
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + c * 32));
+            const int p =
+                hsum_i32_avx2(dot4_avx2(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
+            set[c & 3] = fmaf((float)p, f16_at_c(blk) * xd[j][c], set[c & 3]);
+        }
+        out[j] = (set[0] + set[1]) + (set[2] + set[3]);
+    }
+}
+
+TARGET_AVX2 static void dot32_avx2_q8_0(DOT_ARGS){
+#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, 0, N)
+    DISPATCH_ROWS_NX(CALL)
+#undef CALL
+}
+
+TARGET_AVX2 static void dot32_avx2_q4_0(DOT_ARGS){
+#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, 1, N)
+    DISPATCH_ROWS_NX(CALL)
+#undef CALL
+}
 
 /* Q4_K and Q5_K: per pair of sub-blocks, 32 bytes of nibbles (low: sub-block 2i, high: 2i+1)
  * and, for Q5_K, bits 2i and 2i+1 of qh as the fifth bits; the integer sums of a super-block
  * gather in lo (sub-blocks 2i) and hi (2i+1), added exactly at its end. */
-TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t nb,
-                                                      const struct q_x *x, int64_t t, float *out,
-                                                      const int five, const int NX) {
+TARGET_AVX2 static ALWAYS_INLINE
+    void dot_k45_avx2_nx(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, float *out,
+                         const int five, const int NX) {
     const int64_t bb = five ? 176 : 144;
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
@@ -635,15 +675,6 @@ TARGET_512 static ALWAYS_INLINE __m512i k4_scales_pick(int i) {
 /* Q8_0 and Q4_0 with AVX-512 VNNI: two blocks a register. Blocks 4k and 4k+1 go to the halves of
  * one accumulator (sets 0 and 1 of the canonical order), 4k+2 and 4k+3 to another (sets 2, 3);
  * the last nb mod 4 blocks to the sets as 8-lane halves. */
-TARGET_VNNI static ALWAYS_INLINE __m256i w32_vnni(const uint8_t *blk, const int q4) {
-    if (q4) {
-        __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
-        __m128i lo = _mm_and_si128(qs, _mm_set1_epi8(0xf));
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0xf));
-        return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
-    }
-    return _mm256_loadu_si256((const __m256i *)(blk + 2));
-}
 
 /* The sums of the 8-lane halves of a and b: [a low, a high, b low, b high]. */
 TARGET_VNNI static ALWAYS_INLINE __m128i sums4_512(__m512i a, __m512i b) {
@@ -678,16 +709,12 @@ TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t
         __m512i aw[2];
         __mmask64 neg[2];
         for (int h = 0; h < 2; h++) {
-            const __m512i wv =
-                _mm512_inserti64x4(_mm512_castsi256_si512(w32_vnni(b0 + 2 * h * bb, q4)),
-                                   w32_vnni(b0 + (2 * h + 1) * bb, q4), 1);
+            const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(w32(b0 + 2 * h * bb, q4)),
+                                                  w32(b0 + (2 * h + 1) * bb, q4), 1);
             aw[h] = _mm512_abs_epi8(wv);
             neg[h] = _mm512_movepi8_mask(wv);
         }
-        const __m128 dw = _mm_cvtph_ps(
-            _mm_setr_epi16((short)(b0[0] | b0[1] << 8), (short)(b0[bb] | b0[bb + 1] << 8),
-                           (short)(b0[2 * bb] | b0[2 * bb + 1] << 8),
-                           (short)(b0[3 * bb] | b0[3 * bb + 1] << 8), 0, 0, 0, 0));
+        const __m128 dw = d4(b0, bb);
         for (int j = 0; j < NX; j++) {
             __m512i p[2];
             for (int h = 0; h < 2; h++) {
@@ -704,7 +731,7 @@ TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t
         _mm_storeu_ps(set, acc[j]);
         for (int64_t c = b; c < nb; c++) {
             const uint8_t *blk = w + c * bb;
-            const __m256i wv = w32_vnni(blk, q4);
+            const __m256i wv = w32(blk, q4);
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + c * 32));
             const int p = hsum_i32_avx2(_mm256_dpbusd_epi32(
                 _mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
@@ -1096,7 +1123,7 @@ TARGET_VNNI static void panel_pack_32(const uint8_t *w, int64_t row_bytes, int64
         float *dv = (float *)(corr + 16);
         for (int r = 0; r < Q_MR; r++) {
             const uint8_t *blk = w + r * row_bytes + b * bb;
-            const __m256i wv = w32_vnni(blk, q4);
+            const __m256i wv = w32(blk, q4);
             _mm256_storeu_si256((__m256i *)(v + 32 * r), wv);
             corr[r] = -128 * hsum_i32_avx2(_mm256_dpbusd_epi32(_mm256_setzero_si256(),
                                                                _mm256_set1_epi8(1), wv));
