@@ -48,8 +48,8 @@
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 #define Q_NX          4  /* rows of x per kernel call */
-#define Q_MR          16 /* W rows per tile */
-#define Q_PANEL_MIN_N 16 /* rows of x from which the K types take panels */
+#define Q_MR          16 /* W rows a task takes at a time (and a panel holds) */
+#define Q_PANEL_MIN_N 16 /* rows of x from which the panels pay */
 
 /* The quantized rows of x of a chunk. */
 struct q_x {
