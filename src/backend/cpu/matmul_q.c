@@ -433,6 +433,23 @@ TARGET_AVX2 static ALWAYS_INLINE __m128i sums4_avx2(__m256i a, __m256i b, __m256
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
+/* The end of a Q8_0/Q4_0 row of x: the four sets (lanes of acc) after the blocks from b on, one
+ * at a time, then (set0 + set1) + (set2 + set3). */
+TARGET_AVX2 static ALWAYS_INLINE float dot32_finish(const uint8_t *w, int64_t bb, int64_t b,
+                                                    int64_t nb, const int q4, const int8_t *xq,
+                                                    const float *xd, __m128 acc) {
+    float set[4];
+    _mm_storeu_ps(set, acc);
+    for (; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const __m256i wv = w32(blk, q4);
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
+        const int p = hsum_i32_avx2(dot4_avx2(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
+        set[b & 3] = fmaf((float)p, f16_at_c(blk) * xd[b], set[b & 3]);
+    }
+    return (set[0] + set[1]) + (set[2] + set[3]);
+}
+
 /* Q8_0 and Q4_0 (q4): blocks 4k … 4k+3 at once, their sums in the lanes of one register (lane i:
  * set i); the blocks after the last four one by one. */
 TARGET_AVX2 static ALWAYS_INLINE void dot32_avx2_nx(const uint8_t *w, int64_t nb,
@@ -466,17 +483,7 @@ TARGET_AVX2 static ALWAYS_INLINE void dot32_avx2_nx(const uint8_t *w, int64_t nb
         }
     }
     for (int j = 0; j < NX; j++) {
-        float set[4];
-        _mm_storeu_ps(set, acc[j]);
-        for (int64_t c = b; c < nb; c++) {
-            const uint8_t *blk = w + c * bb;
-            const __m256i wv = w32(blk, q4);
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + c * 32));
-            const int p =
-                hsum_i32_avx2(dot4_avx2(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
-            set[c & 3] = fmaf((float)p, f16_at_c(blk) * xd[j][c], set[c & 3]);
-        }
-        out[j] = (set[0] + set[1]) + (set[2] + set[3]);
+        out[j] = dot32_finish(w, bb, b, nb, q4, xq[j], xd[j], acc[j]);
     }
 }
 
@@ -492,12 +499,45 @@ TARGET_AVX2 static void dot32_avx2_q4_0(DOT_ARGS){
 #undef CALL
 }
 
+/* Values 64i … 64i+63 of a Q4_K/Q5_K super-block as bytes 0…31: lo (sub-block 2i, the low nibbles
+ * of qs[32i…]) and hi (2i+1, the high ones); for Q5_K the fifth bits from qh, which moves on by
+ * two bits for the next i. */
+TARGET_AVX2 static ALWAYS_INLINE void k45_pair_avx2(const uint8_t *qs, int i, const int five,
+                                                    __m256i *qh, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0xf), one = _mm256_set1_epi8(1);
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+    *lo = _mm256_and_si256(q, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if (five) {
+        *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(_mm256_and_si256(*qh, one), 4));
+        *hi = _mm256_or_si256(
+            *hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(*qh, 1), one), 4));
+        *qh = _mm256_srli_epi16(*qh, 2);
+    }
+}
+
+/* Values 128h … 128h+127 of a Q6_K super-block as bytes 0…63, in four runs of 32. */
+TARGET_AVX2 static ALWAYS_INLINE void q6_groups_avx2(const uint8_t *blk, int h, __m256i g[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0xf), m3 = _mm256_set1_epi8(3);
+    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+    const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    g[0] =
+        _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+    g[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
+    g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+    g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+}
+
 /* Q4_K and Q5_K: per pair of sub-blocks, 32 bytes of nibbles (low: sub-block 2i, high: 2i+1)
  * and, for Q5_K, bits 2i and 2i+1 of qh as the fifth bits; the integer sums of a super-block
  * gather in lo (sub-blocks 2i) and hi (2i+1), added exactly at its end. */
-TARGET_AVX2 static ALWAYS_INLINE
-    void dot_k45_avx2_nx(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, float *out,
-                         const int five, const int NX) {
+TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t nb,
+                                                      const struct q_x *x, int64_t t, float *out,
+                                                      const int five, const int NX) {
     const int64_t bb = five ? 176 : 144;
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
@@ -509,7 +549,6 @@ TARGET_AVX2 static ALWAYS_INLINE
         xs[j] = x->s + (t + j) * (x->cols / 16);
         acc[j] = 0.0f;
     }
-    const __m256i m4 = _mm256_set1_epi8(0xf), one = _mm256_set1_epi8(1);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
         const uint8_t *qs = blk + (five ? 48 : 16);
@@ -522,15 +561,8 @@ TARGET_AVX2 static ALWAYS_INLINE
         __m256i qhv =
             five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
-            __m256i wl = _mm256_and_si256(q, m4);
-            __m256i wh = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (five) {
-                wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(qhv, one), 4));
-                wh = _mm256_or_si256(
-                    wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qhv, 1), one), 4));
-                qhv = _mm256_srli_epi16(qhv, 2);
-            }
+            __m256i wl, wh;
+            k45_pair_avx2(qs, i, five, &qhv, &wl, &wh);
             const __m256i scl = _mm256_set1_epi16((short)((sc64 >> (16 * i)) & 0xff));
             const __m256i sch = _mm256_set1_epi16((short)((sc64 >> (16 * i + 8)) & 0xff));
             for (int j = 0; j < NX; j++) {
@@ -572,7 +604,6 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
         xs[j] = x->s + (t + j) * (x->cols / 16);
         acc[j] = 0.0f;
     }
-    const __m256i m4 = _mm256_set1_epi8(0xf), m3 = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
@@ -581,21 +612,8 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
         for (int j = 0; j < NX; j++)
             sl[j] = sh[j] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
             __m256i g[4];
-            g[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
-            g[1] = _mm256_or_si256(
-                _mm256_and_si256(ql1, m4),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
-            g[2] = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
-            g[3] = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+            q6_groups_avx2(blk, h, g);
             for (int gi = 0; gi < 4; gi++) {
                 const int k = 8 * h + 2 * gi;
                 const __m256i sv =
@@ -727,17 +745,7 @@ TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t
         }
     }
     for (int j = 0; j < NX; j++) {
-        float set[4];
-        _mm_storeu_ps(set, acc[j]);
-        for (int64_t c = b; c < nb; c++) {
-            const uint8_t *blk = w + c * bb;
-            const __m256i wv = w32(blk, q4);
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + c * 32));
-            const int p = hsum_i32_avx2(_mm256_dpbusd_epi32(
-                _mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
-            set[c & 3] = fmaf((float)p, f16_at_c(blk) * xd[j][c], set[c & 3]);
-        }
-        out[j] = (set[0] + set[1]) + (set[2] + set[3]);
+        out[j] = dot32_finish(w, bb, b, nb, q4, xq[j], xd[j], acc[j]);
     }
 }
 
@@ -930,7 +938,6 @@ TARGET_VNNI static ALWAYS_INLINE void panel_interleave(const uint8_t *v, uint8_t
 TARGET_VNNI static void panel_pack_k45(const uint8_t *w, int64_t row_bytes, int64_t nb,
                                        const int five, uint8_t *pk) {
     const int64_t bb = five ? 176 : 144;
-    const __m256i m4 = _mm256_set1_epi8(0xf), one = _mm256_set1_epi8(1);
     uint8_t v[Q_MR * LLMEM_QK_K];
     for (int64_t b = 0; b < nb; b++) {
         uint8_t *dst = pk + b * PANEL_K45_BYTES;
@@ -943,15 +950,8 @@ TARGET_VNNI static void panel_pack_k45(const uint8_t *w, int64_t row_bytes, int6
             __m256i qh =
                 five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
             for (int i = 0; i < 4; i++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
-                __m256i lo = _mm256_and_si256(q, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-                if (five) {
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
-                    hi = _mm256_or_si256(
-                        hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
-                    qh = _mm256_srli_epi16(qh, 2);
-                }
+                __m256i lo, hi;
+                k45_pair_avx2(qs, i, five, &qh, &lo, &hi);
                 _mm256_storeu_si256((__m256i *)(v + r * LLMEM_QK_K + 64 * i), lo);
                 _mm256_storeu_si256((__m256i *)(v + r * LLMEM_QK_K + 64 * i + 32), hi);
             }
@@ -971,7 +971,6 @@ TARGET_VNNI static void panel_pack_k45(const uint8_t *w, int64_t row_bytes, int6
 
 TARGET_VNNI static void panel_pack_k6(const uint8_t *w, int64_t row_bytes, int64_t nb,
                                       uint8_t *pk) {
-    const __m256i m4 = _mm256_set1_epi8(0xf), m3 = _mm256_set1_epi8(3);
     uint8_t v[Q_MR * LLMEM_QK_K];
     for (int64_t b = 0; b < nb; b++) {
         uint8_t *dst = pk + b * PANEL_K6_BYTES;
@@ -981,28 +980,10 @@ TARGET_VNNI static void panel_pack_k6(const uint8_t *w, int64_t row_bytes, int64
         for (int r = 0; r < Q_MR; r++) {
             const uint8_t *blk = w + r * row_bytes + b * 210;
             for (int h = 0; h < 2; h++) {
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                uint8_t *o = v + r * LLMEM_QK_K + 128 * h;
-                _mm256_storeu_si256(
-                    (__m256i *)o, _mm256_or_si256(_mm256_and_si256(ql0, m4),
-                                                  _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)));
-                _mm256_storeu_si256(
-                    (__m256i *)(o + 32),
-                    _mm256_or_si256(
-                        _mm256_and_si256(ql1, m4),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)));
-                _mm256_storeu_si256(
-                    (__m256i *)(o + 64),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)));
-                _mm256_storeu_si256(
-                    (__m256i *)(o + 96),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4)));
+                __m256i g[4];
+                q6_groups_avx2(blk, h, g);
+                for (int k = 0; k < 4; k++)
+                    _mm256_storeu_si256((__m256i *)(v + r * LLMEM_QK_K + 128 * h + 32 * k), g[k]);
             }
             const int8_t *s = (const int8_t *)(blk + 192);
             for (int j = 0; j < 16; j++)
