@@ -30,6 +30,7 @@
 #include "llmem/mem.h"
 #include "llmem/model.h"
 #include "llmem/status.h"
+#include "quant/quant.h"
 
 static struct llmem_backend *cpu, *gpu, *gpu_f32;
 
@@ -360,6 +361,137 @@ static void test_matmul(void **state) {
     printf("  matmul: f32 paths %.2e, fast GEMMs %.2e of the largest output\n", worst_f32,
            worst_fast);
     assert_true(worst_fast > 0); /* the fast GEMMs did round (the test would see a no-op) */
+}
+
+/* A host weight [rows, cols] of a quantized type with random values: GGUF blocks as the
+ * quantizer writes them, or MLX codes with random scales and biases (*scales, *biases, *side
+ * bytes each; else NULL). Returns the codes, *bytes of them. */
+static void *random_quantized(int type, int64_t rows, int64_t cols, size_t *bytes, void **scales,
+                              void **biases, size_t *side) {
+    const int64_t row_bytes = llmem_qtype_bytes(type, cols);
+    assert_true(row_bytes > 0);
+    *bytes = (size_t)(rows * row_bytes);
+    uint8_t *w = malloc(*bytes);
+    assert_non_null(w);
+    int bits, group, st;
+    *scales = *biases = NULL;
+    *side = 0;
+    if (!llmem_qtype_mlx_params(type, &bits, &group, &st)) {
+        float *v = random_floats(cols, 0.5f);
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t i = 0; i < cols; i++)
+                v[i] = frand() * 0.5f;
+            assert_int_equal(llmem_quant_quantize_row(type, v, w + r * row_bytes, cols), LLMEM_OK);
+        }
+        free(v);
+        return w;
+    }
+    for (size_t i = 0; i < *bytes; i++)
+        w[i] = (uint8_t)(frand() * 128 + 128);
+    const int64_t groups = rows * (cols / group);
+    const size_t size = st == LLMEM_QTYPE_F32 ? 4 : 2;
+    *side = (size_t)groups * size;
+    uint8_t *sb[2] = {malloc(*side), malloc(*side)};
+    for (int k = 0; k < 2; k++) {
+        assert_non_null(sb[k]);
+        for (int64_t g = 0; g < groups; g++) {
+            const float v = k == 0 ? frand() * 0.05f : frand() * 0.5f;
+            const uint16_t h = st == LLMEM_QTYPE_BF16 ? to_bf16(v) : to_f16(v);
+            if (st == LLMEM_QTYPE_F32)
+                memcpy(sb[k] + 4 * g, &v, 4);
+            else
+                memcpy(sb[k] + 2 * g, &h, 2);
+        }
+    }
+    *scales = sb[0], *biases = sb[1];
+    return w;
+}
+
+/* Quantized weights, every block type llmem reads and MLX's groups: the embedding's rows are the
+ * CPU's bit for bit; matmul at f32 precision and the matrix-vector kernel at either precision
+ * give the CPU's exact f32 products within the order of the sums (1e-5 of the largest output);
+ * the fast GEMMs (weights and x in f16) within 1e-2. Rows of an odd count of blocks put every
+ * other row of the 2-byte-aligned types off a word. */
+static void test_matmul_quantized(void **state) {
+    (void)state;
+    const int types[] = {LLMEM_QTYPE_Q4_0,
+                         LLMEM_QTYPE_Q4_1,
+                         LLMEM_QTYPE_Q5_0,
+                         LLMEM_QTYPE_Q5_1,
+                         LLMEM_QTYPE_Q8_0,
+                         LLMEM_QTYPE_Q2_K,
+                         LLMEM_QTYPE_Q3_K,
+                         LLMEM_QTYPE_Q4_K,
+                         LLMEM_QTYPE_Q5_K,
+                         LLMEM_QTYPE_Q6_K,
+                         llmem_qtype_mlx(4, 64, LLMEM_QTYPE_BF16),
+                         llmem_qtype_mlx(8, 32, LLMEM_QTYPE_F16),
+                         llmem_qtype_mlx(4, 128, LLMEM_QTYPE_F32)};
+    const int64_t ns[] = {1, 3, 8, 9, 40};
+    const int64_t shapes[][2] = {{77, 768}, {300, 1280}};
+    struct llmem_backend *ref = NULL; /* the CPU's exact path: blocks dequantized to f32 */
+    assert_int_equal(llmem_backend_cpu_create(2, &ref), LLMEM_OK);
+    llmem_backend_cpu_set_precision(ref, LLMEM_PRECISION_F32);
+    double worst_f32 = 0, worst_fast = 0;
+    for (size_t k = 0; k < sizeof(types) / sizeof(types[0]); k++)
+        for (int s = 0; s < 2; s++) {
+            const int64_t rows = shapes[s][0], cols = shapes[s][1];
+            size_t bytes, side;
+            void *scales, *biases;
+            void *w = random_quantized(types[k], rows, cols, &bytes, &scales, &biases, &side);
+            struct llmem_weight wh = {w, LLMEM_DTYPE_F32, rows, cols, types[k], scales, biases};
+            struct llmem_weight wd = wh;
+            wd.data = to_device(w, bytes);
+            if (side > 0)
+                wd.scales = to_device(scales, side), wd.biases = to_device(biases, side);
+            float *bias = random_floats(rows, 1.0f);
+            float *dbias = to_device(bias, (size_t)rows * 4);
+            /* the embedding: rows as the CPU dequantizes them */
+            int32_t ids[5] = {0, (int32_t)rows - 1, 17, 17, 40};
+            float *e = malloc((size_t)(5 * cols) * 4);
+            float *de = llmem_mem_alloc(dmem, (size_t)(5 * cols) * 4, LLMEM_TAG_SCRATCH);
+            ref->ops->embedding(ref->ctx, &wh, ids, 5, e);
+            gpu->ops->embedding(gpu->ctx, &wd, ids, 5, de);
+            float *ge = to_host(de, 5 * cols);
+            if (memcmp(e, ge, (size_t)(5 * cols) * 4) != 0)
+                fail_msg("embedding of %s differs from the CPU's", llmem_qtype_name(types[k]));
+            free(e), free(ge), llmem_mem_free(dmem, de);
+            for (int t = 0; t < 5; t++) {
+                const int64_t n = ns[t];
+                const int with_bias = (t + s) % 2;
+                float *x = random_floats(n * cols, 1.0f), *y = malloc((size_t)(n * rows) * 4);
+                float *dx = to_device(x, (size_t)(n * cols) * 4);
+                float *dy = llmem_mem_alloc(dmem, (size_t)(n * rows) * 4, LLMEM_TAG_SCRATCH);
+                ref->ops->matmul(ref->ctx, &wh, x, n, y, with_bias ? bias : NULL);
+                for (int p = 0; p < 2; p++) {
+                    struct llmem_backend *b = p == 0 ? gpu_f32 : gpu;
+                    b->ops->matmul(b->ctx, &wd, dx, n, dy, with_bias ? dbias : NULL);
+                    assert_int_equal(b->ops->sync(b->ctx), LLMEM_OK);
+                    float *g = to_host(dy, n * rows);
+                    const double err = rel_diff(y, g, n * rows);
+                    const int exact = p == 0 || n <= 8; /* ops_int.h QGEMV_MAX_ROWS */
+                    if (exact)
+                        worst_f32 = fmax(worst_f32, err);
+                    else
+                        worst_fast = fmax(worst_fast, err);
+                    if (err > (exact ? 1e-5 : 1e-2))
+                        fail_msg("%s matmul %s %lldx%lld n %lld: %.3e", p == 0 ? "f32" : "fast",
+                                 llmem_qtype_name(types[k]), (long long)rows, (long long)cols,
+                                 (long long)n, err);
+                    free(g);
+                }
+                llmem_mem_free(dmem, dx), llmem_mem_free(dmem, dy);
+                free(x), free(y);
+            }
+            llmem_mem_free(dmem, (void *)wd.data), llmem_mem_free(dmem, dbias);
+            if (side > 0)
+                llmem_mem_free(dmem, (void *)wd.scales), llmem_mem_free(dmem, (void *)wd.biases);
+            free(w), free(bias), free(scales), free(biases);
+        }
+    printf("  quantized matmul: f32 paths %.2e, fast GEMMs %.2e of the largest output\n", worst_f32,
+           worst_fast);
+    assert_true(worst_fast > 0);
+    llmem_backend_destroy(ref);
 }
 
 /* Three matrices of one x in one launch (q, k, v with biases), and a set that cannot go together
@@ -883,9 +1015,16 @@ static float *teacher_forced(struct llmem_engine *e, const int32_t *ids, int64_t
 static void test_models(void **state) {
     (void)state;
     const char *models[] = {
-        LLMEM_SOURCE_DIR "/models/pycoder",         LLMEM_TEST_DATA "/models/tiny-llama3",
-        LLMEM_TEST_DATA "/models/tiny-mistral-swa", LLMEM_TEST_DATA "/models/tiny-qwen2",
+        LLMEM_SOURCE_DIR "/models/pycoder",
+        LLMEM_TEST_DATA "/models/tiny-llama3",
+        LLMEM_TEST_DATA "/models/tiny-mistral-swa",
+        LLMEM_TEST_DATA "/models/tiny-qwen2",
         LLMEM_TEST_DATA "/models/tiny-qwen3",
+        /* quantized: GGUF's Q4_K_M (Q4_K and Q6_K; llama's permuted q and k), MLX's groups (4
+         * and 8 bits, one model mixing them; test_matmul_quantized takes every block type) */
+        LLMEM_TEST_DATA "/gguf/pycoder-q4_k_m.gguf",
+        LLMEM_TEST_DATA "/mlx/tiny-qwen2-4bit",
+        LLMEM_TEST_DATA "/mlx/tiny-mistral-swa-mixed",
     };
     for (size_t m = 0; m < sizeof(models) / sizeof(models[0]); m++) {
         struct llmem_engine *cpu_e =
@@ -1722,6 +1861,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_embedding),
         cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_matmul_quantized),
         cmocka_unit_test(test_matmul_multi),
         cmocka_unit_test(test_matmul_pair),
         cmocka_unit_test(test_matmul_swiglu),

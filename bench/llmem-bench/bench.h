@@ -21,6 +21,8 @@ int bench_kv(int argc, char **argv);
 int bench_attn(int argc, char **argv);
 /* `llmem-bench matmul` (matmul.c): the CPU matmul against the bandwidth and the FMA peak. */
 int bench_matmul(int argc, char **argv);
+/* `llmem-bench qmatmul` (qmatmul.c): a backend's matmul with quantized weights. */
+int bench_qmatmul(int argc, char **argv);
 /* `llmem-bench decode MODEL` (decode.c): prefill and decode speed against the bandwidth. */
 int bench_decode(int argc, char **argv);
 /* `llmem-bench bank MODEL` (bank.c): time to first token with the session bank. */

@@ -12,7 +12,7 @@
 static const char usage[] =
     "llmem-bench — llmem's benchmarks, against the machine's limits measured in the same run\n"
     "\n"
-    "usage: llmem-bench mem|kv|attn|matmul|decode|bank|serve [options]\n"
+    "usage: llmem-bench mem|kv|attn|matmul|qmatmul|decode|bank|serve [options]\n"
     "\n"
     "benchmarks:\n"
     "  mem           the caching allocator against malloc and mmap\n"
@@ -20,6 +20,7 @@ static const char usage[] =
     "                of each KV format, and the cost of appending\n"
     "  attn          paged decode attention on a GPU (--backend cuda) against its copy bandwidth\n"
     "  matmul        the CPU matmul against the memory bandwidth and the FMA peak\n"
+    "  qmatmul       a backend's matmul with quantized weights on an 8B layer's matrices\n"
     "  decode MODEL  prefill and decode speed of a model against the memory bandwidth\n"
     "  bank MODEL    time to first token cold, from the session bank's RAM tier, as a chat turn,\n"
     "                from its spill store\n"
@@ -43,9 +44,9 @@ int main(int argc, char **argv) {
         const char *name;
         int (*run)(int, char **);
     } benchmarks[] = {
-        {"mem", bench_mem},       {"kv", bench_kv},         {"attn", bench_attn},
-        {"matmul", bench_matmul}, {"decode", bench_decode}, {"bank", bench_bank},
-        {"serve", bench_serve},
+        {"mem", bench_mem},       {"kv", bench_kv},           {"attn", bench_attn},
+        {"matmul", bench_matmul}, {"qmatmul", bench_qmatmul}, {"decode", bench_decode},
+        {"bank", bench_bank},     {"serve", bench_serve},
     };
     cli_program = "llmem-bench";
     if (cli_log_from_options() != CLI_OK)
@@ -59,6 +60,8 @@ int main(int argc, char **argv) {
         if (strcmp(argv[1], benchmarks[i].name) == 0)
             return benchmarks[i].run(argc - 1, argv + 1);
     return cli_usage_error(
-        "", "unknown benchmark '%s' (benchmarks: mem, kv, attn, matmul, decode, bank, serve)",
+        "",
+        "unknown benchmark '%s' (benchmarks: mem, kv, attn, matmul, qmatmul, decode, bank, "
+        "serve)",
         argv[1]);
 }

@@ -44,9 +44,11 @@ enum llmem_backend_precision {
 
 /* The most scratch the CUDA backend takes for passes of up to max_tokens rows whose widest matrix
  * has max_cols columns: the activations rounded to 16 bits (fast), or a slice of weights widened
- * to f32 (f32). */
+ * to f32 (f32); with quantized weights at fast precision, a slice of them dequantized to f16 as
+ * well. */
 LLMEM_API int64_t llmem_backend_cuda_scratch_bytes(enum llmem_backend_precision precision,
-                                                   int64_t max_tokens, int64_t max_cols);
+                                                   int64_t max_tokens, int64_t max_cols,
+                                                   int quantized);
 
 /* "fast" / "f32" → *precision; LLMEM_EINVAL (logged) otherwise. */
 LLMEM_API int llmem_backend_precision_parse(const char *name,

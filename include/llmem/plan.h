@@ -83,6 +83,7 @@ struct llmem_model_geometry {
     int qk_norm;            /* per-head RMSNorm of q and k (Qwen3) */
     int64_t n_params;       /* parameters as stored */
     int64_t weights_bytes;  /* bytes of all tensors as stored */
+    int quantized;          /* matrices stored in quantized blocks (GGUF block types, MLX groups) */
 };
 
 /* Σ over attention layers of 2 (K and V) × n_kv_heads × head_dim × 2 bytes. */

@@ -42,11 +42,13 @@ int llmem_backend_kind_parse(const char *name, enum llmem_backend_kind *kind) {
 }
 
 int64_t llmem_backend_cuda_scratch_bytes(enum llmem_backend_precision precision, int64_t max_tokens,
-                                         int64_t max_cols) {
-    /* ops_int.h: GEMV_MAX_ROWS rows take no scratch; WIDEN_SLICE_BYTES of f32 weights at f32 */
+                                         int64_t max_cols, int quantized) {
+    /* ops_int.h: GEMV_MAX_ROWS rows take no scratch; WIDEN_SLICE_BYTES of f32 weights at f32, of
+     * f16 ones (wslice) beside the rounded activations at fast precision */
+    const int64_t slice = (int64_t)64 << 20;
     if (precision == LLMEM_PRECISION_F32)
-        return (int64_t)64 << 20;
-    return max_tokens * max_cols * 2;
+        return slice;
+    return max_tokens * max_cols * 2 + (quantized ? slice : 0);
 }
 
 const char *llmem_backend_precision_name(enum llmem_backend_precision precision) {

@@ -79,7 +79,8 @@ static struct llmem_plan_params plan_params(const struct llmem_engine_config *c,
         /* the forward pass's buffers and the backend's fixed GEMM scratch */
         .computed_workspace_bytes =
             llmem_geometry_workspace_bytes(g, max_batch_tokens, c->max_sequences) +
-            (cuda ? llmem_backend_cuda_scratch_bytes(c->precision, max_batch_tokens, widest)
+            (cuda ? llmem_backend_cuda_scratch_bytes(c->precision, max_batch_tokens, widest,
+                                                     g->quantized)
                   : llmem_backend_cpu_scratch_bytes(threads)),
     };
 }
@@ -305,27 +306,6 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
      * what the process holds with them and without the model */
     struct llmem_model_geometry g;
     int status = llmem_model_geometry_load(config->model_dir, &g);
-    if (status == LLMEM_OK && config->backend == LLMEM_BACKEND_CUDA &&
-        llmem_gguf_is_gguf(config->model_dir)) {
-        LLMEM_ERROR_AS("llmem_engine_open",
-                       "%s: GGUF files run on the CPU for now (--backend cpu); the device kernels "
-                       "for their block types are not written yet",
-                       config->model_dir);
-        status = LLMEM_EUNSUPPORTED;
-    }
-    if (status == LLMEM_OK && config->backend == LLMEM_BACKEND_CUDA) {
-        struct llmem_model_config mc;
-        memset(&mc, 0, sizeof(mc));
-        if ((status = llmem_model_config_load(config->model_dir, &mc)) == LLMEM_OK &&
-            mc.quant_bits != 0) {
-            LLMEM_ERROR_AS("llmem_engine_open",
-                           "%s: MLX quantized weights run on the CPU for now (--backend cpu); the "
-                           "device kernels for their formats are not written yet",
-                           config->model_dir);
-            status = LLMEM_EUNSUPPORTED;
-        }
-        llmem_model_config_free(&mc);
-    }
     if (status != LLMEM_OK || (status = llmem_pool_create(config->n_threads, &e->pool)) ||
         (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
         (status = plan_model(e, &g, llmem_pool_threads(e->pool))) != LLMEM_OK)

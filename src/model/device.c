@@ -23,22 +23,43 @@ static void *upload(struct llmem_mem *mem, const struct llmem_backend *be, const
     return d;
 }
 
+/* A matrix's bytes as stored: its rows (of values or blocks; an MLX type's codes), and an MLX
+ * type's scales and biases (*side bytes each, else 0). */
+static size_t weight_bytes(const struct llmem_weight *w, size_t *side) {
+    int group, st;
+    *side = 0;
+    if (llmem_qtype_mlx_params(w->quant, NULL, &group, &st))
+        *side = (size_t)(w->rows * (w->cols / group)) * (st == LLMEM_QTYPE_F32 ? 4 : 2);
+    return (size_t)(w->rows * llmem_weight_row_bytes(w));
+}
+
 static int upload_weight(struct llmem_model *m, const struct llmem_backend *be,
                          struct llmem_weight *w) {
-    size_t bytes = (size_t)(w->rows * w->cols * llmem_dtype_size(w->dtype));
+    size_t side;
+    const size_t bytes = weight_bytes(w, &side);
+    const void *scales = w->scales, *biases = w->biases;
+    w->scales = w->biases = NULL;
     w->data = upload(m->mem, be, w->data, bytes);
+    if (w->data != NULL && side > 0 &&
+        ((w->scales = upload(m->mem, be, scales, side)) == NULL ||
+         (w->biases = upload(m->mem, be, biases, side)) == NULL)) {
+        llmem_mem_free(m->mem, (void *)w->data), llmem_mem_free(m->mem, (void *)w->scales);
+        w->data = w->scales = NULL;
+    }
     return w->data != NULL ? LLMEM_OK : LLMEM_ENOMEM;
 }
 
 /* a and b into one buffer, b right after a (llmem_weight_follows), where they have one shape
- * and dtype; else each into its own */
+ * and type (not an MLX one: its scales travel apart); else each into its own */
 static int upload_pair(struct llmem_model *m, const struct llmem_backend *be,
                        struct llmem_weight *a, struct llmem_weight *b) {
-    if (a->dtype != b->dtype || a->rows != b->rows || a->cols != b->cols) {
+    if (a->dtype != b->dtype || a->quant != b->quant || a->rows != b->rows || a->cols != b->cols ||
+        a->scales != NULL) {
         int status = upload_weight(m, be, a);
         return status == LLMEM_OK ? upload_weight(m, be, b) : status;
     }
-    size_t bytes = (size_t)(a->rows * a->cols * llmem_dtype_size(a->dtype));
+    size_t side; /* 0: not an MLX type */
+    const size_t bytes = weight_bytes(a, &side);
     uint8_t *d = llmem_mem_alloc(m->mem, 2 * bytes, LLMEM_TAG_WEIGHTS);
     if (d == NULL)
         return LLMEM_ENOMEM;
@@ -49,6 +70,27 @@ static int upload_pair(struct llmem_model *m, const struct llmem_backend *be,
     }
     a->data = d, b->data = d + bytes;
     return LLMEM_OK;
+}
+
+/* The rows of a GGUF llama file's q or k matrix (or of their biases and norms, a value a row) in
+ * the model's order again: within each head's hd rows, row s·hd/2 + j from the file's row 2j + s
+ * (the converter's permutation for RoPE on interleaved pairs, undone so that the device runs its
+ * RoPE on rotate-half rows and the KV cache is the unpermuted model's, as on the host). A new host
+ * buffer; NULL for none, or out of memory (*failed set). */
+static void *unpermuted(const void *src, int64_t rows, size_t row_bytes, int64_t hd, int *failed) {
+    if (src == NULL)
+        return NULL;
+    uint8_t *d = malloc((size_t)rows * row_bytes);
+    if (d == NULL) {
+        *failed = 1;
+        return NULL;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t i = r % hd, s = i / (hd / 2), j = i % (hd / 2);
+        memcpy(d + r * row_bytes, (const uint8_t *)src + (r - i + 2 * j + s) * row_bytes,
+               row_bytes);
+    }
+    return d;
 }
 
 static int upload_vector(struct llmem_model *m, const struct llmem_backend *be, float **v,
@@ -65,12 +107,6 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
     LLMEM_ASSERT(src != NULL && be != NULL && mem != NULL && out != NULL);
     *out = NULL;
     const struct llmem_model_geometry *g = &src->cfg.geom;
-    if (src->gguf != NULL) {
-        LLMEM_ERROR("%s: GGUF files run on the CPU for now (--backend cpu); the device kernels for "
-                    "their block types are not written yet",
-                    g->source);
-        return LLMEM_EUNSUPPORTED;
-    }
     struct llmem_model *m = calloc(1, sizeof(*m));
     struct model_layer *layers = calloc((size_t)g->n_layers, sizeof(*layers));
     uint8_t *sliding = src->cfg.layer_sliding != NULL ? malloc((size_t)g->n_layers) : NULL;
@@ -82,6 +118,7 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         return LLMEM_ENOMEM;
     }
     m->cfg = src->cfg;
+    m->cfg.rope_interleaved = 0; /* q and k unpermuted on the way (unpermuted) */
     m->cfg.layer_sliding = sliding;
     if (sliding != NULL)
         memcpy(sliding, src->cfg.layer_sliding, (size_t)g->n_layers);
@@ -98,11 +135,14 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
     m->final_norm = NULL;
     for (int64_t l = 0; l < g->n_layers; l++) {
         struct model_layer *L = &layers[l];
-        L->wq.data = L->wk.data = L->wv.data = L->wo.data = NULL;
-        L->w_gate.data = L->w_up.data = L->w_down.data = NULL;
+        struct llmem_weight *w[7] = {&L->wq,     &L->wk,   &L->wv,    &L->wo,
+                                     &L->w_gate, &L->w_up, &L->w_down};
+        for (int i = 0; i < 7; i++)
+            w[i]->data = w[i]->scales = w[i]->biases = NULL;
         L->attn_norm = L->mlp_norm = L->bq = L->bk = L->bv = L->q_norm = L->k_norm = NULL;
     }
     m->embed.data = m->lm_head.data = NULL;
+    m->embed.scales = m->embed.biases = m->lm_head.scales = m->lm_head.biases = NULL;
 
     const int64_t hidden = g->hidden_size, hd = g->head_dim;
     const int64_t q_dim = g->n_heads * hd, kv_dim = g->n_kv_heads * hd;
@@ -127,6 +167,22 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         struct llmem_weight w[7] = {S->wq, S->wk, S->wv, S->wo, S->w_gate, S->w_up, S->w_down};
         struct llmem_weight *dst[7] = {&L->wq,     &L->wk,   &L->wv,    &L->wo,
                                        &L->w_gate, &L->w_up, &L->w_down};
+        float *v[7] = {S->attn_norm, S->mlp_norm, S->bq, S->bk, S->bv, S->q_norm, S->k_norm};
+        void *perm[6] = {NULL}; /* q, k, their biases and norms, unpermuted */
+        if (src->cfg.rope_interleaved) {
+            int failed = 0;
+            perm[0] = unpermuted(S->wq.data, S->wq.rows, (size_t)llmem_weight_row_bytes(&S->wq), hd,
+                                 &failed);
+            perm[1] = unpermuted(S->wk.data, S->wk.rows, (size_t)llmem_weight_row_bytes(&S->wk), hd,
+                                 &failed);
+            perm[2] = unpermuted(S->bq, q_dim, sizeof(float), hd, &failed);
+            perm[3] = unpermuted(S->bk, kv_dim, sizeof(float), hd, &failed);
+            perm[4] = unpermuted(S->q_norm, hd, sizeof(float), hd, &failed);
+            perm[5] = unpermuted(S->k_norm, hd, sizeof(float), hd, &failed);
+            w[0].data = perm[0], w[1].data = perm[1];
+            v[2] = perm[2], v[3] = perm[3], v[5] = perm[4], v[6] = perm[5];
+            status = failed ? LLMEM_ENOMEM : LLMEM_OK;
+        }
         for (int i = 0; status == LLMEM_OK && i < 7; i++) {
             const int pair = i == 1 || i == 4; /* k and v, gate and up */
             status = pair ? upload_pair(m, be, &w[i], &w[i + 1]) : upload_weight(m, be, &w[i]);
@@ -135,7 +191,6 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
             if (status == LLMEM_OK && pair)
                 *dst[i + 1] = w[i + 1], i++;
         }
-        float *v[7] = {S->attn_norm, S->mlp_norm, S->bq, S->bk, S->bv, S->q_norm, S->k_norm};
         float **vd[7] = {&L->attn_norm, &L->mlp_norm, &L->bq,    &L->bk,
                          &L->bv,        &L->q_norm,   &L->k_norm};
         const int64_t n[7] = {hidden, hidden, q_dim, kv_dim, kv_dim, hd, hd};
@@ -144,6 +199,8 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
             if (status == LLMEM_OK)
                 *vd[i] = v[i];
         }
+        for (int i = 0; i < 6; i++)
+            free(perm[i]);
         if (progress != NULL)
             progress(progress_arg, l + 1, g->n_layers);
     }

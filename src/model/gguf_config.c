@@ -256,6 +256,10 @@ static int meta_geometry(struct meta *m, const char *path_for_name,
     g.sliding_window = 0;
     g.n_params = m->g->n_elements;
     g.weights_bytes = m->g->n_bytes;
+    for (int64_t i = 0; i < m->g->n_tensors; i++) {
+        const int t = m->g->tensors[i].type;
+        g.quantized |= t != LLMEM_QTYPE_F32 && t != LLMEM_QTYPE_F16 && t != LLMEM_QTYPE_BF16;
+    }
 
     struct llmem_gguf_str name;
     status = llmem_gguf_get_string(m->g, "general.name", &name);

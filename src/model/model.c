@@ -399,6 +399,7 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
         goto fail;
     g->n_params = llmem_model_count_params(m->st, &m->cfg);
     g->weights_bytes = m->st->n_bytes;
+    g->quantized = m->cfg.quant_bits != 0;
     if ((status = map_files(m, progress, progress_arg, flags)) != LLMEM_OK)
         goto fail;
 
@@ -436,6 +437,16 @@ fail:
     return status;
 }
 
+/* A device copy's matrix: its bytes, and an MLX type's scales and biases (each in a buffer of
+ * its own: model/device.c). */
+static void free_device_weight(struct llmem_model *m, const struct llmem_weight *w) {
+    if (w == NULL)
+        return;
+    llmem_mem_free(m->mem, (void *)w->data);
+    llmem_mem_free(m->mem, (void *)w->scales);
+    llmem_mem_free(m->mem, (void *)w->biases);
+}
+
 void llmem_model_free(struct llmem_model *m) {
     if (m == NULL)
         return;
@@ -443,19 +454,16 @@ void llmem_model_free(struct llmem_model *m) {
         for (int64_t i = 0; m->layers != NULL && i < m->cfg.geom.n_layers; i++) {
             const struct model_layer *L = &m->layers[i];
             /* the second of a pair in one buffer goes with the first */
-            const void *w[] = {L->wq.data,
-                               L->wk.data,
-                               llmem_weight_follows(&L->wk, &L->wv) ? NULL : L->wv.data,
-                               L->wo.data,
-                               L->w_gate.data,
-                               llmem_weight_follows(&L->w_gate, &L->w_up) ? NULL : L->w_up.data,
-                               L->w_down.data};
+            const struct llmem_weight *w[] = {
+                &L->wq,    &L->wk,     llmem_weight_follows(&L->wk, &L->wv) ? NULL : &L->wv,
+                &L->wo,    &L->w_gate, llmem_weight_follows(&L->w_gate, &L->w_up) ? NULL : &L->w_up,
+                &L->w_down};
             for (size_t k = 0; k < sizeof(w) / sizeof(w[0]); k++)
-                llmem_mem_free(m->mem, (void *)w[k]);
+                free_device_weight(m, w[k]);
         }
         if (m->lm_head.data != m->embed.data)
-            llmem_mem_free(m->mem, (void *)m->lm_head.data);
-        llmem_mem_free(m->mem, (void *)m->embed.data);
+            free_device_weight(m, &m->lm_head);
+        free_device_weight(m, &m->embed);
         free(m->inv_freq);
         m->inv_freq = NULL;
     }

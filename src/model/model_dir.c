@@ -262,6 +262,7 @@ int llmem_model_geometry_load(const char *model_dir, struct llmem_model_geometry
     g.weights_bytes = st->n_bytes;
     for (int i = 0; i < st->n_tensors; i++)
         if (st->tensors[i].dtype == LLMEM_DTYPE_U32) { /* MLX codes: count what they hold */
+            g.quantized = 1;
             struct llmem_model_config cfg;
             memset(&cfg, 0, sizeof(cfg));
             if (llmem_model_config_load(model_dir, &cfg) == LLMEM_OK)

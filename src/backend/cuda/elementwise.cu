@@ -336,6 +336,10 @@ void cuda_embedding(void *ctx, const struct llmem_weight *table, const int32_t *
             return;
         if (staged(c, OP_EMBEDDING, {arg(table->data), arg(table->cols), arg(d), arg(m), arg(out)}))
             continue;
+        if (table->quant != 0) {
+            qembedding(c, table, d, 0, m, out + t * table->cols);
+            continue;
+        }
         pdl_launch(c->stream, embedding_kernel<false>, dim3((unsigned)m), dim3(256), 0, table->data,
                    table->dtype, table->cols, d, out + t * table->cols);
     }
@@ -349,6 +353,10 @@ void cuda_embedding_top(void *ctx, const struct llmem_weight *table, int64_t n, 
         return;
     if (staged(c, OP_EMBEDDING_TOP, {arg(table->data), arg(table->cols), arg(n), arg(out)}))
         return;
+    if (table->quant != 0) {
+        qembedding(c, table, (const int32_t *)c->feed, 1, n, out);
+        return;
+    }
     pdl_launch(c->stream, embedding_kernel<true>, dim3((unsigned)n), dim3(256), 0, table->data,
                table->dtype, table->cols, (const int32_t *)c->feed, out);
     launched(c, "embedding");

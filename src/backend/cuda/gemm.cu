@@ -8,6 +8,10 @@
  * product runs on the tensor cores with f32 accumulation; at f32 precision the weights are widened
  * to f32 in slices of rows and multiplied in plain f32 (no TF32).
  *
+ * Quantized weights (quant.cu) take quant.cu's matrix-vector kernel for up to QGEMV_MAX_ROWS rows
+ * of x; more rows dequantize slices of the weights (f16 at fast precision, beside x rounded to
+ * f16; f32 at f32 precision) for the same GEMMs.
+ *
  * The fast GEMMs' plans (cublasLt, per shape) and the 16-bit copy of an activation that the
  * operation before a GEMM writes (the shadow) live here too.
  */
@@ -265,8 +269,9 @@ static void gemv16(struct cuda_ctx *c, const struct gemv_set *set, int count, in
 /* The memory-bound kernel applies: a decode's few rows, 16-bit weights in aligned rows. */
 static int gemv16_fits(const struct cuda_ctx *c, const struct llmem_weight *w, const float *x,
                        int64_t n) {
-    return n <= gemv_rows(c) && (w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16) &&
-           w->cols % 8 == 0 && ((uintptr_t)w->data & 15) == 0 && ((uintptr_t)x & 15) == 0;
+    return n <= gemv_rows(c) && w->quant == 0 &&
+           (w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16) && w->cols % 8 == 0 &&
+           ((uintptr_t)w->data & 15) == 0 && ((uintptr_t)x & 15) == 0;
 }
 
 static void gemv16_set(struct cuda_ctx *c, const struct gemv_set *set, int count,
@@ -277,16 +282,18 @@ static void gemv16_set(struct cuda_ctx *c, const struct gemv_set *set, int count
         gemv16<LLMEM_DTYPE_F16>(c, set, count, cols, x, n);
 }
 
-/* Column-major C[m, n] (ldc) = Aᵀ · B, A [k, m] and B [k, n] packed, in plain f32: the pedantic
- * compute type keeps TF32 out even when the environment asks for it. */
-static void sgemm(struct cuda_ctx *c, int64_t m, int64_t n, int64_t k, const float *a,
-                  const float *b, float *y, int64_t ldc) {
+/* Column-major C[m, n] (ldc) = Aᵀ · B, A [k, m] and B [k, n] packed, of type t, C f32: in plain
+ * f32 (the pedantic compute type keeps TF32 out even when the environment asks for it), or with
+ * 16-bit A and B on the tensor cores with f32 accumulation. */
+static void gemm_ex(struct cuda_ctx *c, int64_t m, int64_t n, int64_t k, const void *a,
+                    const void *b, cudaDataType_t t, float *y, int64_t ldc) {
     const float one = 1.0f, zero = 0.0f;
     check_blas(c,
-               cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, (int)n, (int)k, &one, a,
-                            CUDA_R_32F, (int)k, b, CUDA_R_32F, (int)k, &zero, y, CUDA_R_32F,
-                            (int)ldc, CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
-               "cublasGemmEx (f32)");
+               cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, (int)n, (int)k, &one, a, t,
+                            (int)k, b, t, (int)k, &zero, y, CUDA_R_32F, (int)ldc,
+                            t == CUDA_R_32F ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT),
+               t == CUDA_R_32F ? "cublasGemmEx (f32)" : "cublasGemmEx (f16)");
 }
 
 /* The 16-bit copy of x (n rows of cols) for weights of type dt, if the operation before wrote it.
@@ -436,7 +443,33 @@ static const struct lt_plan *lt_plan_for(struct cuda_ctx *c, int64_t rows, int64
 static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, const void *xr,
                    int64_t n, float *y, const float *bias) {
     const int is16 = w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16;
-    if (n <= gemv_rows(c)) {
+    if (w->quant != 0 && n <= QGEMV_MAX_ROWS) {
+        qgemv(c, w, x, n, y, bias);
+        return;
+    }
+    if (w->quant != 0) {
+        /* slices of rows dequantized, each a GEMM into its columns of C: at fast precision f16
+         * weights and x on the tensor cores, at f32 precision in f32 */
+        const int fast = c->precision == LLMEM_PRECISION_FAST;
+        const size_t size = fast ? 2 : 4;
+        int64_t slice = (int64_t)(WIDEN_SLICE_BYTES / ((size_t)w->cols * size));
+        slice = slice < 1 ? 1 : slice > w->rows ? w->rows : slice;
+        const void *b = x;
+        if (fast && (b = shadow_of(c, x, n, w->cols, LLMEM_DTYPE_F16)) == NULL &&
+            (b = rounded(c, x, n, w->cols, LLMEM_DTYPE_F16)) == NULL)
+            return;
+        void *ws = fast ? wslice(c, (size_t)(slice * w->cols) * size)
+                        : scratch(c, (size_t)(slice * w->cols) * size);
+        if (ws == NULL)
+            return;
+        for (int64_t r0 = 0; r0 < w->rows && !c->failed; r0 += slice) {
+            const int64_t m = w->rows - r0 < slice ? w->rows - r0 : slice;
+            qdequant(c, w, r0, m, fast ? LLMEM_DTYPE_F16 : LLMEM_DTYPE_F32, ws);
+            profile_begin(c->stream);
+            gemm_ex(c, m, n, w->cols, ws, b, fast ? CUDA_R_16F : CUDA_R_32F, y + r0, w->rows);
+            launched(c, "gemm");
+        }
+    } else if (n <= gemv_rows(c)) {
         if (gemv16_fits(c, w, x, n)) {
             const struct gemv_set set = {
                 {w->data}, {y}, {bias}, {w->rows}, {0}}; /* first: gemv16 */
@@ -448,11 +481,10 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
             launched(c, "gemv");
         }
         return;
-    }
-    /* Row-major y[n, rows] = x[n, cols] · Wᵀ is, column-major, C[rows, n] = Aᵀ · B with A = W
-     * ([cols, rows], lda = cols) and B = x ([cols, n], ldb = cols). */
-    if (!is16) {
-        sgemm(c, w->rows, n, w->cols, (const float *)w->data, x, y, w->rows);
+    } else if (!is16) {
+        /* Row-major y[n, rows] = x[n, cols] · Wᵀ is, column-major, C[rows, n] = Aᵀ · B with
+         * A = W ([cols, rows], lda = cols) and B = x ([cols, n], ldb = cols). */
+        gemm_ex(c, w->rows, n, w->cols, w->data, x, CUDA_R_32F, y, w->rows);
     } else if (c->precision == LLMEM_PRECISION_FAST) {
         const float one = 1.0f, zero = 0.0f;
         const cudaDataType_t t = w->dtype == LLMEM_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
@@ -481,7 +513,7 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
             pdl_launch(c->stream, widen_kernel, dim3(grid_for(m * w->cols, 256)), dim3(256), 0,
                        (const uint16_t *)w->data + r0 * w->cols, w->dtype, m * w->cols, wf);
             launched(c, "widen");
-            sgemm(c, m, n, w->cols, wf, x, y + r0, w->rows);
+            gemm_ex(c, m, n, w->cols, wf, x, CUDA_R_32F, y + r0, w->rows);
         }
     }
     if (bias != NULL) {
@@ -497,8 +529,9 @@ void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_
     LLMEM_ASSERT(w != NULL && x != NULL && y != NULL && n >= 0);
     if (n == 0 || c->failed ||
         staged(c, OP_MATMUL,
-               {arg(w->data), arg((int64_t)w->dtype), arg(w->rows), arg(w->cols), arg(x), arg(n),
-                arg(y), arg(bias), arg(shadow_of(c, x, n, w->cols, w->dtype))}))
+               {arg(w->data), arg((int64_t)w->dtype), arg((int64_t)w->quant), arg(w->rows),
+                arg(w->cols), arg(x), arg(n), arg(y), arg(bias),
+                arg(shadow_of(c, x, n, w->cols, w->quant != 0 ? LLMEM_DTYPE_F16 : w->dtype))}))
         return;
     matmul(c, w, x, NULL, n, y, bias);
     shadow_written(c, y, n * w->rows);
@@ -517,7 +550,8 @@ void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w
         /* the fast GEMMs of one x: rounded once for all */
         int shared = n > gemv_rows(c) && c->precision == LLMEM_PRECISION_FAST && !c->failed;
         for (int i = 0; i < count; i++)
-            shared = shared && w[i]->dtype == w[0]->dtype && w[i]->cols == w[0]->cols &&
+            shared = shared && w[i]->quant == 0 && w[i]->dtype == w[0]->dtype &&
+                     w[i]->cols == w[0]->cols &&
                      (w[i]->dtype == LLMEM_DTYPE_BF16 || w[i]->dtype == LLMEM_DTYPE_F16);
         if (!shared) {
             for (int i = 0; i < count; i++)

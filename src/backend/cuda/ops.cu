@@ -83,21 +83,33 @@ void dev_free(struct cuda_ctx *c, void *p) {
         cudaFree(p);
 }
 
-/* Scratch of at least `bytes`, grown (after the stream drains) when short. */
-void *scratch(struct cuda_ctx *c, size_t bytes) {
-    if (bytes <= c->scratch_bytes)
-        return c->scratch;
-    if (c->mode != PASS_NOW) { /* no waiting while recording: the pass runs without a graph */
+/* *buf (of *have bytes) grown to at least `bytes`, after the stream drains; NULL (the backend
+ * failed) when the memory is refused, or while a pass is recorded (it then runs without a
+ * graph). */
+static void *grown(struct cuda_ctx *c, void **buf, size_t *have, size_t bytes, const char *what) {
+    if (bytes <= *have)
+        return *buf;
+    if (c->mode != PASS_NOW) {
         c->pass_bad = 1;
         return NULL;
     }
     cudaStreamSynchronize(c->stream);
-    dev_free(c, c->scratch);
-    c->scratch = dev_alloc(c, bytes);
-    c->scratch_bytes = c->scratch != NULL ? bytes : 0;
-    if (c->scratch == NULL)
-        fail(c, LLMEM_ENOMEM, "scratch", NULL); /* logged by the allocator */
-    return c->scratch;
+    dev_free(c, *buf);
+    *buf = dev_alloc(c, bytes);
+    *have = *buf != NULL ? bytes : 0;
+    if (*buf == NULL)
+        fail(c, LLMEM_ENOMEM, what, NULL); /* logged by the allocator */
+    return *buf;
+}
+
+/* Scratch of at least `bytes`. */
+void *scratch(struct cuda_ctx *c, size_t bytes) {
+    return grown(c, &c->scratch, &c->scratch_bytes, bytes, "scratch");
+}
+
+/* The buffer of dequantized weight slices, at least `bytes`. */
+void *wslice(struct cuda_ctx *c, size_t bytes) {
+    return grown(c, &c->wslice, &c->wslice_bytes, bytes, "weight slice");
 }
 
 static int cuda_threads(void *ctx) {
@@ -216,6 +228,7 @@ static void cuda_destroy(void *ctx) {
         if (c->replay[i] != NULL)
             cudaEventDestroy(c->replay[i]);
     dev_free(c, c->scratch);
+    dev_free(c, c->wslice);
     if (c->top_host != NULL)
         cudaFreeHost(c->top_host);
     for (int i = 0; i < SMALL_SLOTS; i++)

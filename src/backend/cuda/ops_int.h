@@ -38,8 +38,12 @@ namespace llmem_cuda {
 #define GEMV_FAST_ROWS 2
 /* 16-byte weight loads each lane has in flight in the matrix-vector kernel */
 #define GEMV_UNROLL 8
-/* weight bytes widened to f32 at a time at f32 precision */
+/* weight bytes widened to f32 at a time at f32 precision; quantized weights dequantized to f16
+ * (fast precision, into their own buffer: x rounded is in scratch) or f32 at a time */
 #define WIDEN_SLICE_BYTES ((size_t)64 << 20)
+/* x rows up to which quantized weights take the matrix-vector kernel (quant.cu qgemv) at either
+ * precision: it reads their blocks once, where a GEMM first writes and reads them dequantized */
+#define QGEMV_MAX_ROWS 8
 /* The fast GEMMs' plans (cublasLt: the algorithm its heuristic ranks first for a shape, given up
  * to LT_WORKSPACE_MAX of workspace), kept in a table of LT_PLANS by shape. */
 #define LT_PLANS         1024
@@ -120,6 +124,8 @@ struct cuda_ctx {
     struct llmem_mem *mem; /* scratch; NULL: cudaMalloc */
     void *scratch;         /* activations rounded to 16 bits, or a slice of widened weights */
     size_t scratch_bytes;
+    void *wslice; /* at fast precision, a slice of quantized weights dequantized to f16 */
+    size_t wslice_bytes;
     void *small; /* device copies of the small host arrays: SMALL_SLOTS slots, then the counters
                   * and the feed */
     void *small_host; /* their pinned staging, slot for slot */
@@ -200,6 +206,7 @@ void launched(struct cuda_ctx *c, const char *what);
 void *dev_alloc(struct cuda_ctx *c, size_t bytes);
 void dev_free(struct cuda_ctx *c, void *p);
 void *scratch(struct cuda_ctx *c, size_t bytes);
+void *wslice(struct cuda_ctx *c, size_t bytes);
 int cuda_sync(void *ctx);
 
 /* graph.cu */
@@ -238,6 +245,16 @@ void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w
                        int64_t n, float *const *y, const float *const *bias);
 void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate, const struct llmem_weight *up,
                         const float *x, int64_t n, float *g, float *u, float *out);
+
+/* quant.cu: quantized weights (w->quant != 0): y = x · Wᵀ (+ bias) for n rows of x by the
+ * matrix-vector kernel; rows r0 … r0 + n of w dequantized into out (dt: F16 or F32); the rows of a
+ * table for ids (fed: top_k's feed on the device) */
+void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n, float *y,
+           const float *bias);
+void qdequant(struct cuda_ctx *c, const struct llmem_weight *w, int64_t r0, int64_t n,
+              enum llmem_dtype dt, void *out);
+void qembedding(struct cuda_ctx *c, const struct llmem_weight *table, const int32_t *ids, int fed,
+                int64_t n, float *out);
 
 /* topk.cu */
 void top_deliver(struct cuda_ctx *c);

@@ -1,0 +1,459 @@
+/*
+ * backend/cuda/quant.cu — quantized weights on the device: GGUF's block types (Q4_0, Q4_1, Q5_0,
+ * Q5_1, Q8_0, Q2_K … Q6_K) and MLX's affine groups, read from the bytes as the file holds them.
+ *
+ * Every type is read 8 values at a time (a group: an eighth of a 32-value block, 8 values of a K
+ * super-block's 16- or 32-value sub-block, of an MLX group) in the form value = sc · (q − B) − off
+ * (q the unsigned code, B the type's bias, sc and off the group's scale and offset), which
+ * dequantizes exactly as quant/dequant.c does on the host (the same roundings, no fused
+ * multiply-adds). Consecutive threads take consecutive groups, so that a warp reads x and writes
+ * its output in whole lines. Three kernels:
+ *   - qgemv: a few rows of x (decode): a warp per weight row, sc · Σ q·x − (off + sc·B) · Σ x per
+ *     group in f32 (both precisions: the weights stream once; the products differ from the CPU's
+ *     exact ones by the order of the sums);
+ *   - qdequant: a slice of rows into f16 (fast precision: gemm.cu multiplies the slice on the
+ *     tensor cores) or f32 (f32 precision: a plain f32 GEMM), exactly;
+ *   - qembedding: a table's rows for the token ids, exactly.
+ */
+#include "backend/cuda/ops_int.h"
+
+#include "quant/quant.h"
+
+namespace llmem_cuda {
+
+/* The MLX types, as one template instance (their bits, group and scale dtype at run time). */
+#define QT_MLX LLMEM_QTYPE_MLX_FIRST
+
+/* A quantized matrix as the kernels read it. */
+struct qmat {
+    const uint8_t *codes;
+    const uint8_t *scales, *biases; /* MLX: [rows, cols / group] of the scale dtype */
+    int64_t rows, cols, row_bytes;
+    int bits, group, st; /* MLX */
+};
+
+static struct qmat qmat_of(const struct llmem_weight *w) {
+    struct qmat m = {};
+    m.codes = (const uint8_t *)w->data;
+    m.scales = (const uint8_t *)w->scales, m.biases = (const uint8_t *)w->biases;
+    m.rows = w->rows, m.cols = w->cols;
+    m.row_bytes = llmem_weight_row_bytes(w);
+    llmem_qtype_mlx_params(w->quant, &m.bits, &m.group, &m.st);
+    return m;
+}
+
+/* ---- reading a group -------------------------------------------------------------------------
+ */
+
+__device__ __forceinline__ float f16_at(const uint8_t *p) {
+    return __half2float(__ushort_as_half(__ldg((const unsigned short *)p)));
+}
+
+__device__ __forceinline__ uint32_t byte_at(const uint8_t *p) {
+    return __ldg(p);
+}
+
+/* 8 bytes from p as two little-endian words, p aligned to A bytes (8, 4 or 2; 0: at least 2,
+ * the same for the whole warp: blocks of 110 and 210 bytes leave every other block 2 bytes off a
+ * word). Reads [p, p + 8) only. */
+template <int A> __device__ __forceinline__ void bytes8(const uint8_t *p, uint32_t *w) {
+    if (A == 8 || (A == 0 && ((uintptr_t)p & 7) == 0)) {
+        const uint2 v = __ldg((const uint2 *)p);
+        w[0] = v.x, w[1] = v.y;
+    } else if (A == 4 || (A == 0 && ((uintptr_t)p & 3) == 0)) {
+        w[0] = __ldg((const uint32_t *)p), w[1] = __ldg((const uint32_t *)p + 1);
+    } else {
+        const unsigned short *h = (const unsigned short *)p;
+        w[0] = (uint32_t)__ldg(h) | (uint32_t)__ldg(h + 1) << 16;
+        w[1] = (uint32_t)__ldg(h + 2) | (uint32_t)__ldg(h + 3) << 16;
+    }
+}
+
+/* A small integer (0 ≤ v < 2^23) as f32, exactly: its bits under 2^23's exponent, less 2^23 (a
+ * logic operation and an add: the conversion instruction runs at an eighth of their rate). */
+__device__ __forceinline__ float small_f(uint32_t v) {
+    return __fsub_rn(__int_as_float(0x4B000000u | v), 8388608.0f);
+}
+
+/* The eight bytes of w[0], w[1] as f32 (exact). */
+__device__ __forceinline__ void bytes_f(const uint32_t *w, float *f) {
+#pragma unroll
+    for (int b = 0; b < 8; b++)
+        f[b] = __fsub_rn(__int_as_float(__byte_perm(w[b / 4], 0x4B000000u, 0x7540 + b % 4)),
+                         8388608.0f);
+}
+
+/* Bits 0–3 of b spread to bit 0 of bytes 0–3 (Q5's fifth bits, four values at a time). */
+__device__ __forceinline__ uint32_t spread4(uint32_t b) {
+    return ((b & 0xfu) * 0x00204081u) & 0x01010101u;
+}
+
+/* x rounded to the MLX scale dtype st, to nearest even (f32: x). */
+__device__ __forceinline__ float round_to(float x, int st) {
+    if (st == LLMEM_QTYPE_BF16)
+        return __bfloat162float(__float2bfloat16_rn(x));
+    if (st == LLMEM_QTYPE_F16)
+        return __half2float(__float2half_rn(x));
+    return x;
+}
+
+__device__ __forceinline__ float scale_at(const uint8_t *p, int st, int64_t i) {
+    if (st == LLMEM_QTYPE_BF16)
+        return bf16_to_f32(__ldg((const unsigned short *)p + i));
+    if (st == LLMEM_QTYPE_F16)
+        return __half2float(__ushort_as_half(__ldg((const unsigned short *)p + i)));
+    return __ldg((const float *)p + i);
+}
+
+/* What a type's blocks hold: values (BE) and bytes (BB) a block (the MLX types: a group of 8
+ * values, their bits in BB = 0: m.bits bytes), the bias of its codes (B), and whether its values
+ * have an offset (OFF). */
+template <int QT> struct qt {
+    static constexpr int BE = QT == LLMEM_QTYPE_Q4_0 || QT == LLMEM_QTYPE_Q4_1 ||
+                                      QT == LLMEM_QTYPE_Q5_0 || QT == LLMEM_QTYPE_Q5_1 ||
+                                      QT == LLMEM_QTYPE_Q8_0
+                                  ? 32
+                              : QT == QT_MLX ? 8
+                                             : 256;
+    static constexpr int BB = QT == LLMEM_QTYPE_Q4_0   ? 18
+                              : QT == LLMEM_QTYPE_Q4_1 ? 20
+                              : QT == LLMEM_QTYPE_Q5_0 ? 22
+                              : QT == LLMEM_QTYPE_Q5_1 ? 24
+                              : QT == LLMEM_QTYPE_Q8_0 ? 34
+                              : QT == LLMEM_QTYPE_Q2_K ? 84
+                              : QT == LLMEM_QTYPE_Q3_K ? 110
+                              : QT == LLMEM_QTYPE_Q4_K ? 144
+                              : QT == LLMEM_QTYPE_Q5_K ? 176
+                              : QT == LLMEM_QTYPE_Q6_K ? 210
+                                                       : 0;
+    static constexpr int G = BE / 8; /* groups a block */
+    static constexpr float B = QT == LLMEM_QTYPE_Q4_0   ? 8.0f
+                               : QT == LLMEM_QTYPE_Q5_0 ? 16.0f
+                               : QT == LLMEM_QTYPE_Q8_0 ? 128.0f
+                               : QT == LLMEM_QTYPE_Q3_K ? 4.0f
+                               : QT == LLMEM_QTYPE_Q6_K ? 32.0f
+                                                        : 0.0f;
+    static constexpr bool OFF = QT == LLMEM_QTYPE_Q4_1 || QT == LLMEM_QTYPE_Q5_1 ||
+                                QT == LLMEM_QTYPE_Q2_K || QT == LLMEM_QTYPE_Q4_K ||
+                                QT == LLMEM_QTYPE_Q5_K;
+};
+
+/* Group e (values 8e … 8e + 7) of block b of row r: q[0…7] its codes as f32 (unsigned: the type's
+ * value is q − qt<QT>::B), *sc and *off its scale and offset (0 without one). The MLX types: b is
+ * the group's index in the row, their values q · sc + bias (off = −bias), rounded as MLX does by
+ * deq8, not by this form. */
+template <int QT>
+__device__ __forceinline__ void qgroup(const struct qmat &m, int64_t r, const uint8_t *b,
+                                       int64_t bi, int e, float *q, float *sc, float *off) {
+    uint32_t w[2];
+    *off = 0.0f;
+    if constexpr (QT == LLMEM_QTYPE_Q4_0 || QT == LLMEM_QTYPE_Q4_1 || QT == LLMEM_QTYPE_Q5_0 ||
+                  QT == LLMEM_QTYPE_Q5_1) {
+        /* d (, m) (f16), (the fifth bits, u32,) 16 bytes of nibbles: value j the low nibble of
+         * byte j, value j + 16 its high nibble; group e: bytes 8 (e % 2) …, nibble e / 2 */
+        constexpr int head = QT == LLMEM_QTYPE_Q4_0 || QT == LLMEM_QTYPE_Q5_0 ? 2 : 4;
+        constexpr int five = QT == LLMEM_QTYPE_Q5_0 || QT == LLMEM_QTYPE_Q5_1;
+        *sc = f16_at(b);
+        if constexpr (head == 4)
+            *off = -f16_at(b + 2);
+        bytes8<head == 2 ? 2 : five ? 8 : 4>(b + head + 4 * five + 8 * (e & 1), w);
+        const int shift = 4 * (e >> 1);
+        w[0] = (w[0] >> shift) & 0x0f0f0f0fu, w[1] = (w[1] >> shift) & 0x0f0f0f0fu;
+        if constexpr (five) { /* bit v of the u32 is value v's fifth: byte e for the group */
+            const uint32_t bits = byte_at(b + head + e);
+            w[0] |= spread4(bits) << 4, w[1] |= spread4(bits >> 4) << 4;
+        }
+    } else if constexpr (QT == LLMEM_QTYPE_Q8_0) {
+        *sc = f16_at(b);
+        bytes8<2>(b + 2 + 8 * e, w);
+        w[0] ^= 0x80808080u, w[1] ^= 0x80808080u;
+    } else if constexpr (QT == LLMEM_QTYPE_Q2_K || QT == LLMEM_QTYPE_Q3_K ||
+                         QT == LLMEM_QTYPE_Q6_K) {
+        /* 128-value halves h; in each, four 32-value parts j (the 2-bit codes shifted by 2j, Q6_K's
+         * by its nibble and top bits); each part two 16-value sub-blocks with a scale each */
+        const int h = e / 16, j = (e % 16) / 4, l = 8 * (e % 4), s = 8 * h + 2 * j + l / 16;
+        if constexpr (QT == LLMEM_QTYPE_Q2_K) { /* scales[16], qs[64], d, dmin */
+            const uint32_t sb = byte_at(b + s);
+            *sc = __fmul_rn(f16_at(b + 80), small_f(sb & 0xf));
+            *off = __fmul_rn(f16_at(b + 82), small_f(sb >> 4));
+            bytes8<4>(b + 16 + 32 * h + l, w);
+            w[0] = (w[0] >> (2 * j)) & 0x03030303u, w[1] = (w[1] >> (2 * j)) & 0x03030303u;
+        } else if constexpr (QT == LLMEM_QTYPE_Q3_K) { /* hmask[32], qs[64], scales[12], d */
+            const uint32_t lo = s < 8 ? byte_at(b + 96 + s) & 0xf : byte_at(b + 96 + s - 8) >> 4;
+            const uint32_t hi = (byte_at(b + 104 + s % 4) >> (2 * (s / 4))) & 3;
+            *sc = __fmul_rn(f16_at(b + 108), __fsub_rn(small_f(lo | hi << 4), 32.0f));
+            uint32_t hm[2];
+            bytes8<0>(b + l, hm);
+            bytes8<0>(b + 32 + 32 * h + l, w);
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                w[i] = ((w[i] >> (2 * j)) & 0x03030303u) |
+                       (((hm[i] >> (4 * h + j)) & 0x01010101u) << 2);
+        } else { /* Q6_K: ql[128], qh[64], scales[16] (int8), d */
+            *sc = __fmul_rn(f16_at(b + 208),
+                            __fsub_rn(small_f(byte_at(b + 192 + s) ^ 0x80u), 128.0f));
+            uint32_t hq[2];
+            bytes8<0>(b + 64 * h + 32 * (j & 1) + l, w);
+            bytes8<0>(b + 128 + 32 * h + l, hq);
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                w[i] = ((w[i] >> (4 * (j >> 1))) & 0x0f0f0f0fu) |
+                       (((hq[i] >> (2 * j)) & 0x03030303u) << 4);
+        }
+    } else if constexpr (QT == LLMEM_QTYPE_Q4_K || QT == LLMEM_QTYPE_Q5_K) {
+        /* d, dmin (f16), scales[12] (eight 6-bit scales and mins), (qh[32],) qs[128]: sub-block
+         * k the low (k even) or high nibbles of the 32 bytes k / 2 */
+        constexpr int five = QT == LLMEM_QTYPE_Q5_K;
+        const int k = e / 4, l = 8 * (e % 4);
+        /* the 6-bit scale and min of sub-block k (quant/dequant.c scale_min_k4), without a
+         * branch (the lanes of a warp take all eight k): k < 4 in the low 6 bits of bytes k and
+         * k + 4; k ≥ 4 in the nibbles of byte k + 4 with the top two bits of bytes k − 4 and k */
+        const uint8_t *s = b + 4;
+        const bool lo = k < 4;
+        const uint32_t c0 = byte_at(s + (lo ? k : k + 4)), c1 = byte_at(s + (lo ? k + 4 : k - 4));
+        const uint32_t c2 = byte_at(s + k);
+        const uint32_t scale = lo ? c0 & 63 : (c0 & 0xf) | (c1 >> 6) << 4;
+        const uint32_t min = lo ? c1 & 63 : (c0 >> 4) | (c2 >> 6) << 4;
+        const uint32_t dd = __ldg((const uint32_t *)b); /* d, dmin */
+        *sc = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd & 0xffff))),
+                        small_f(scale));
+        *off = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd >> 16))), small_f(min));
+        bytes8<8>(b + (five ? 48 : 16) + 32 * (k / 2) + l, w);
+        const int shift = 4 * (k & 1);
+        w[0] = (w[0] >> shift) & 0x0f0f0f0fu, w[1] = (w[1] >> shift) & 0x0f0f0f0fu;
+        if constexpr (five) {
+            uint32_t qh[2];
+            bytes8<8>(b + 16 + l, qh);
+            w[0] |= ((qh[0] >> k) & 0x01010101u) << 4, w[1] |= ((qh[1] >> k) & 0x01010101u) << 4;
+        }
+    } else { /* QT_MLX: the group's codes, m.bits bytes at b */
+        const int64_t g = 8 * bi / m.group, at = r * (m.cols / m.group) + g;
+        *sc = scale_at(m.scales, m.st, at);
+        *off = -scale_at(m.biases, m.st, at);
+        if (m.bits == 8) {
+            bytes8<8>(b, w);
+        } else { /* eight nibbles, value k in bits 4k */
+            const uint32_t c = __ldg((const uint32_t *)b);
+            w[0] = c & 0x0f0f0f0fu, w[1] = (c >> 4) & 0x0f0f0f0fu;
+            /* bytes of w[0]: values 0, 2, 4, 6; of w[1]: 1, 3, 5, 7 → in order */
+            const uint32_t a = __byte_perm(w[0], w[1], 0x5140), d = __byte_perm(w[0], w[1], 0x7362);
+            w[0] = a, w[1] = d;
+        }
+    }
+    bytes_f(w, q);
+}
+
+/* v[0…7] = values 8e … 8e + 7 of block b (index bi) of row r, exactly as quant/dequant.c computes
+ * them: the same products and differences, rounded once each. */
+template <int QT>
+__device__ __forceinline__ void deq8(const struct qmat &m, int64_t r, const uint8_t *b, int64_t bi,
+                                     int e, float *v) {
+    float sc, off;
+    qgroup<QT>(m, r, b, bi, e, v, &sc, &off);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        if constexpr (QT == QT_MLX)
+            v[i] = round_to(__fadd_rn(round_to(__fmul_rn(v[i], sc), m.st), -off), m.st);
+        else if constexpr (qt<QT>::OFF)
+            v[i] = __fsub_rn(__fmul_rn(sc, v[i]), off);
+        else
+            v[i] = __fmul_rn(sc, __fsub_rn(v[i], qt<QT>::B));
+    }
+}
+
+/* Group e of block bi (at b) of row r for qgemv: as qgroup, the MLX types as their exact values
+ * (sc 1, no offset: MLX rounds each value twice, which the products keep). */
+template <int QT>
+__device__ __forceinline__ void qload(const struct qmat &m, int64_t r, const uint8_t *b, int64_t bi,
+                                      int e, float *q, float *sc, float *off) {
+    if constexpr (QT == QT_MLX) {
+        deq8<QT>(m, r, b, bi, e, q);
+        *sc = 1.0f, *off = 0.0f;
+    } else {
+        qgroup<QT>(m, r, b, bi, e, q, sc, off);
+    }
+}
+
+/* Bytes of block bi of a row (the MLX types: of group bi). */
+template <int QT> __device__ __forceinline__ int64_t block_at(const struct qmat &m, int64_t bi) {
+    return QT == QT_MLX ? bi * m.bits : bi * qt<QT>::BB;
+}
+
+/* CALL(QT) for the type of a weight */
+#define QT_DISPATCH(type, CALL)                                                                    \
+    switch (type) {                                                                                \
+    case LLMEM_QTYPE_Q4_0: CALL(LLMEM_QTYPE_Q4_0); break;                                          \
+    case LLMEM_QTYPE_Q4_1: CALL(LLMEM_QTYPE_Q4_1); break;                                          \
+    case LLMEM_QTYPE_Q5_0: CALL(LLMEM_QTYPE_Q5_0); break;                                          \
+    case LLMEM_QTYPE_Q5_1: CALL(LLMEM_QTYPE_Q5_1); break;                                          \
+    case LLMEM_QTYPE_Q8_0: CALL(LLMEM_QTYPE_Q8_0); break;                                          \
+    case LLMEM_QTYPE_Q2_K: CALL(LLMEM_QTYPE_Q2_K); break;                                          \
+    case LLMEM_QTYPE_Q3_K: CALL(LLMEM_QTYPE_Q3_K); break;                                          \
+    case LLMEM_QTYPE_Q4_K: CALL(LLMEM_QTYPE_Q4_K); break;                                          \
+    case LLMEM_QTYPE_Q5_K: CALL(LLMEM_QTYPE_Q5_K); break;                                          \
+    case LLMEM_QTYPE_Q6_K: CALL(LLMEM_QTYPE_Q6_K); break;                                          \
+    default: CALL(QT_MLX);                                                                         \
+    }
+
+/* ---- kernels ---------------------------------------------------------------------------------
+ */
+
+/* y[t, r] = Σ_k x[t, k] · w[r, k] (+ bias[r]) for the NX rows of x at x: a warp per weight row,
+ * eight rows a block; lane l takes group l % G of the blocks l / G, l / G + 32 / G, … (its place
+ * in a block fixed, the warp's 32 groups 256 consecutive values). Per group
+ * sc · Σ q·x − (off + sc·B) · Σ x. The first group is read before the wait (weights: launch.h). */
+template <int QT, int NX>
+static __global__ void __launch_bounds__(256)
+    qgemv_kernel(struct qmat m, const float *x, float *y, const float *bias) {
+    constexpr int G = qt<QT>::G;
+    const int lane = threadIdx.x & 31, e = lane % G;
+    const int64_t r = blockIdx.x * 8 + threadIdx.x / 32, nb = m.cols / qt<QT>::BE;
+    if (r >= m.rows) {
+        pdl_begin();
+        return;
+    }
+    float q[8], sc, off, acc[NX];
+    int64_t bi = lane / G;
+    const uint8_t *b = m.codes + r * m.row_bytes + block_at<QT>(m, bi);
+    const float *xb = x + bi * qt<QT>::BE + 8 * e;
+    const int64_t b_step = block_at<QT>(m, 32 / G), x_step = 32 / G * qt<QT>::BE;
+    if (bi < nb)
+        qload<QT>(m, r, b, bi, e, q, &sc, &off);
+    pdl_begin();
+#pragma unroll
+    for (int j = 0; j < NX; j++)
+        acc[j] = 0;
+    for (bool first = true; bi < nb; bi += 32 / G, b += b_step, xb += x_step, first = false) {
+        if (!first)
+            qload<QT>(m, r, b, bi, e, q, &sc, &off);
+        const float o = qt<QT>::B != 0.0f ? fmaf(sc, qt<QT>::B, off) : off;
+#pragma unroll
+        for (int j = 0; j < NX; j++) {
+            const float4 *xr = reinterpret_cast<const float4 *>(xb + j * m.cols);
+            const float4 a = __ldg(xr), c = __ldg(xr + 1);
+            float s = q[0] * a.x;
+            s = fmaf(q[1], a.y, s), s = fmaf(q[2], a.z, s), s = fmaf(q[3], a.w, s);
+            s = fmaf(q[4], c.x, s), s = fmaf(q[5], c.y, s), s = fmaf(q[6], c.z, s);
+            s = fmaf(q[7], c.w, s);
+            acc[j] = fmaf(sc, s, acc[j]);
+            if (qt<QT>::OFF || qt<QT>::B != 0.0f)
+                acc[j] =
+                    fmaf(-o, ((a.x + a.y) + (a.z + a.w)) + ((c.x + c.y) + (c.z + c.w)), acc[j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NX; j++) {
+        for (int o = 16; o > 0; o /= 2)
+            acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+        if (lane == 0)
+            y[j * m.rows + r] = bias != NULL ? acc[j] + bias[r] : acc[j];
+    }
+}
+
+/* Rows r0 … r0 + n of m into out [n, cols], f16 (rounded to nearest even) or f32: a thread a
+ * group. */
+template <int QT, typename OUT>
+static __global__ void qdequant_kernel(struct qmat m, int64_t r0, int64_t n, OUT *out) {
+    pdl_begin();
+    constexpr int G = qt<QT>::G;
+    const int64_t per_row = m.cols / 8;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n * per_row;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = r0 + i / per_row, g = i % per_row, bi = g / G;
+        float v[8];
+        deq8<QT>(m, r, m.codes + r * m.row_bytes + block_at<QT>(m, bi), bi, (int)(g % G), v);
+        if constexpr (sizeof(OUT) == 2) {
+            __half2 h[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                h[k] = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
+            reinterpret_cast<uint4 *>(out)[i] = *reinterpret_cast<const uint4 *>(h);
+        } else {
+            reinterpret_cast<float4 *>(out)[2 * i] = make_float4(v[0], v[1], v[2], v[3]);
+            reinterpret_cast<float4 *>(out)[2 * i + 1] = make_float4(v[4], v[5], v[6], v[7]);
+        }
+    }
+}
+
+/* out[t] = row ids[t] of m: a block a token, a thread a group. FED: the ids are top_k's feed,
+ * written by the kernel before (read after the wait); else uploaded before the pass. */
+template <int QT, bool FED>
+static __global__ void qembedding_kernel(struct qmat m, const int32_t *ids, float *out) {
+    constexpr int G = qt<QT>::G;
+    const int64_t t = blockIdx.x;
+    if constexpr (FED)
+        pdl_begin();
+    const int64_t r = ids[t];
+    if constexpr (!FED)
+        pdl_begin();
+    for (int64_t g = threadIdx.x; g < m.cols / 8; g += blockDim.x) {
+        const int64_t bi = g / G;
+        float v[8];
+        deq8<QT>(m, r, m.codes + r * m.row_bytes + block_at<QT>(m, bi), bi, (int)(g % G), v);
+        float4 *o = reinterpret_cast<float4 *>(out + t * m.cols) + 2 * g;
+        o[0] = make_float4(v[0], v[1], v[2], v[3]);
+        o[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+}
+
+/* ---- what gemm.cu and elementwise.cu call ---------------------------------------------------- */
+
+void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n, float *y,
+           const float *bias) {
+    const struct qmat m = qmat_of(w);
+    const dim3 grid((unsigned)((m.rows + 7) / 8));
+    for (int64_t t = 0; t < n;) {
+        const int nx = n - t >= 4 ? 4 : (int)(n - t);
+        const float *xt = x + t * m.cols;
+        float *yt = y + t * m.rows;
+#define QGEMV(QT)                                                                                  \
+    switch (nx) {                                                                                  \
+    case 1: pdl_launch(c->stream, qgemv_kernel<QT, 1>, grid, dim3(256), 0, m, xt, yt, bias);       \
+        break;                                                                                     \
+    case 2: pdl_launch(c->stream, qgemv_kernel<QT, 2>, grid, dim3(256), 0, m, xt, yt, bias);       \
+        break;                                                                                     \
+    case 3: pdl_launch(c->stream, qgemv_kernel<QT, 3>, grid, dim3(256), 0, m, xt, yt, bias);       \
+        break;                                                                                     \
+    default: pdl_launch(c->stream, qgemv_kernel<QT, 4>, grid, dim3(256), 0, m, xt, yt, bias);      \
+    }
+        QT_DISPATCH(w->quant, QGEMV)
+#undef QGEMV
+        t += nx;
+    }
+    launched(c, "qgemv");
+}
+
+void qdequant(struct cuda_ctx *c, const struct llmem_weight *w, int64_t r0, int64_t n,
+              enum llmem_dtype dt, void *out) {
+    const struct qmat m = qmat_of(w);
+    const dim3 grid(grid_for(n * (m.cols / 8), 256));
+#define QDEQUANT(QT)                                                                               \
+    if (dt == LLMEM_DTYPE_F16)                                                                     \
+        pdl_launch(c->stream, qdequant_kernel<QT, __half>, grid, dim3(256), 0, m, r0, n,           \
+                   (__half *)out);                                                                 \
+    else                                                                                           \
+        pdl_launch(c->stream, qdequant_kernel<QT, float>, grid, dim3(256), 0, m, r0, n,            \
+                   (float *)out);
+    QT_DISPATCH(w->quant, QDEQUANT)
+#undef QDEQUANT
+    launched(c, "dequant");
+}
+
+void qembedding(struct cuda_ctx *c, const struct llmem_weight *table, const int32_t *ids, int fed,
+                int64_t n, float *out) {
+    const struct qmat m = qmat_of(table);
+    const int64_t groups = m.cols / 8;
+    const dim3 block((unsigned)(groups < 256 ? (groups + 31) / 32 * 32 : 256));
+#define QEMBED(QT)                                                                                 \
+    if (fed)                                                                                       \
+        pdl_launch(c->stream, qembedding_kernel<QT, true>, dim3((unsigned)n), block, 0, m, ids,    \
+                   out);                                                                           \
+    else                                                                                           \
+        pdl_launch(c->stream, qembedding_kernel<QT, false>, dim3((unsigned)n), block, 0, m, ids,   \
+                   out);
+    QT_DISPATCH(table->quant, QEMBED)
+#undef QEMBED
+    launched(c, "embedding");
+}
+
+} // namespace llmem_cuda
