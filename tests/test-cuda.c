@@ -408,10 +408,11 @@ static void *random_quantized(int type, int64_t rows, int64_t cols, size_t *byte
 }
 
 /* Quantized weights, every block type llmem reads and MLX's groups: the embedding's rows are the
- * CPU's bit for bit; matmul at f32 precision and the matrix-vector kernel at either precision
- * give the CPU's exact f32 products within the order of the sums (1e-5 of the largest output);
- * the fast GEMMs (weights and x in f16) within 1e-2. Rows of an odd count of blocks put every
- * other row of the 2-byte-aligned types off a word. */
+ * CPU's bit for bit; matmul at f32 precision (and the matrix-vector kernel of the types without
+ * integer products at fast precision) give the CPU's exact f32 products within the order of the
+ * sums (1e-5 of the largest output); the fast GEMMs (weights and x in f16) and the integer
+ * products (x in 8 bits) within 1e-2. Rows of an odd count of blocks put every other row of the
+ * 2-byte-aligned types off a word. */
 static void test_matmul_quantized(void **state) {
     (void)state;
     const int types[] = {LLMEM_QTYPE_Q4_0,
@@ -469,7 +470,14 @@ static void test_matmul_quantized(void **state) {
                     assert_int_equal(b->ops->sync(b->ctx), LLMEM_OK);
                     float *g = to_host(dy, n * rows);
                     const double err = rel_diff(y, g, n * rows);
-                    const int exact = p == 0 || n <= 8; /* ops_int.h QGEMV_MAX_ROWS */
+                    /* at fast precision the CPU's integer types multiply integers with x
+                     * quantized to 8 bits up to 8 rows (ops_int.h QGEMV_MAX_ROWS), the others in
+                     * f32; more rows take the f16 GEMMs */
+                    const int integer =
+                        types[k] == LLMEM_QTYPE_Q8_0 || types[k] == LLMEM_QTYPE_Q4_0 ||
+                        types[k] == LLMEM_QTYPE_Q4_K || types[k] == LLMEM_QTYPE_Q5_K ||
+                        types[k] == LLMEM_QTYPE_Q6_K;
+                    const int exact = p == 0 || (n <= 8 && !integer);
                     if (exact)
                         worst_f32 = fmax(worst_f32, err);
                     else
@@ -488,7 +496,7 @@ static void test_matmul_quantized(void **state) {
                 llmem_mem_free(dmem, (void *)wd.scales), llmem_mem_free(dmem, (void *)wd.biases);
             free(w), free(bias), free(scales), free(biases);
         }
-    printf("  quantized matmul: f32 paths %.2e, fast GEMMs %.2e of the largest output\n", worst_f32,
+    printf("  quantized matmul: f32 paths %.2e, fast paths %.2e of the largest output\n", worst_f32,
            worst_fast);
     assert_true(worst_fast > 0);
     llmem_backend_destroy(ref);
@@ -1071,6 +1079,11 @@ static void test_models(void **state) {
                    kl_sum / (double)n, kl_max);
             if (p == 0) {
                 assert_true(worst <= 1e-3);
+            } else if (strstr(models[m], ".gguf") != NULL) {
+                /* a decode's K-type products take x in 8 bits, as the CPU's fast path: its drift
+                 * bounds (tests/e2e/e2e-gguf.c DRIFT_*; measured 1.05 and 4.7e-3) */
+                assert_true(worst <= 3.0);
+                assert_true(kl_sum / (double)n <= 1.5e-2);
             } else {
                 assert_true(worst <= 0.25);
                 assert_true(kl_sum / (double)n <= 1e-3); /* measured ≤ 1.3e-4 */

@@ -58,10 +58,11 @@ static inline int llmem_weight_dequantize_row(const struct llmem_weight *w, int6
 }
 
 /* Whether b has a's shape and dtype and its bytes right after a's (one buffer holding both, as a
- * device model's k and v, gate and up: a backend may multiply the pair as one batch). */
+ * device model's k and v, gate and up: a backend may multiply the pair as one batch). Never for
+ * an MLX type, whose scales and biases travel apart (model/device.c uploads each alone). */
 static inline int llmem_weight_follows(const struct llmem_weight *a, const struct llmem_weight *b) {
-    return a->data != NULL && a->dtype == b->dtype && a->quant == b->quant && a->rows == b->rows &&
-           a->cols == b->cols &&
+    return a->data != NULL && a->scales == NULL && a->dtype == b->dtype && a->quant == b->quant &&
+           a->rows == b->rows && a->cols == b->cols &&
            (const char *)b->data == (const char *)a->data + a->rows * llmem_weight_row_bytes(a);
 }
 

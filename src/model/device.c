@@ -111,17 +111,25 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
     struct model_layer *layers = calloc((size_t)g->n_layers, sizeof(*layers));
     uint8_t *sliding = src->cfg.layer_sliding != NULL ? malloc((size_t)g->n_layers) : NULL;
     float *inv_freq = malloc((size_t)g->head_dim / 2 * sizeof(float));
+    const size_t overrides_bytes =
+        (size_t)src->cfg.n_quant_overrides * sizeof(*src->cfg.quant_overrides);
+    struct llmem_model_quant_override *overrides =
+        overrides_bytes > 0 ? malloc(overrides_bytes) : NULL;
     if (m == NULL || layers == NULL || inv_freq == NULL ||
-        (src->cfg.layer_sliding != NULL && sliding == NULL)) {
-        free(m), free(layers), free(sliding), free(inv_freq);
+        (src->cfg.layer_sliding != NULL && sliding == NULL) ||
+        (overrides_bytes > 0 && overrides == NULL)) {
+        free(m), free(layers), free(sliding), free(inv_freq), free(overrides);
         LLMEM_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
     m->cfg = src->cfg;
-    m->cfg.rope_interleaved = 0; /* q and k unpermuted on the way (unpermuted) */
-    m->cfg.layer_sliding = sliding;
+    m->cfg.rope_interleaved = 0;    /* q and k unpermuted on the way (unpermuted) */
+    m->cfg.layer_sliding = sliding; /* the configuration's arrays: copies of its own */
     if (sliding != NULL)
         memcpy(sliding, src->cfg.layer_sliding, (size_t)g->n_layers);
+    m->cfg.quant_overrides = overrides;
+    if (overrides != NULL)
+        memcpy(overrides, src->cfg.quant_overrides, overrides_bytes);
     memcpy(inv_freq, src->inv_freq, (size_t)g->head_dim / 2 * sizeof(float));
     m->inv_freq = inv_freq;
     m->mem = mem;

@@ -396,12 +396,227 @@ static __global__ void qembedding_kernel(struct qmat m, const int32_t *ids, floa
     }
 }
 
+/* ---- fast precision: integer products ------------------------------------------------------
+ *
+ * For the types whose CPU fast path multiplies integers (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), a decode's
+ * rows of x are quantized first, 32 values at a time (d = max|x| / 127, q = round(x / d), q in
+ * [−127, 127]), with the f32 sums of every 16 values; a lane then takes a 32-value unit of the
+ * weights (a 32-value block, a K sub-block) as 32 unsigned codes and sums code · q with dp4a:
+ * value·x summed over a half h ≈ sc_h · d · Σ code·q − (off_h + sc_h·B) · Σ x.
+ */
+
+/* Rows of x quantized for qgemv_int_kernel: per row, cols int8 codes, then cols / 32 scales and
+ * cols / 16 sums (floats), rows 16-byte aligned. */
+__host__ __device__ constexpr int64_t xq_row_bytes(int64_t cols) {
+    return (cols + cols / 32 * 4 + cols / 16 * 4 + 15) / 16 * 16;
+}
+
+/* A warp per 32 values of a row of x (blockIdx.y). */
+static __global__ void quantize_x_kernel(const float *x, int64_t cols, uint8_t *out) {
+    pdl_begin();
+    const int lane = threadIdx.x & 31;
+    const int64_t u = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32, t = blockIdx.y;
+    if (u >= cols / 32)
+        return;
+    const float v = x[t * cols + 32 * u + lane];
+    float amax = fabsf(v), sum = v;
+    for (int o = 16; o > 0; o /= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    for (int o = 8; o > 0; o /= 2) /* sums of each 16 lanes */
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    uint8_t *row = out + t * xq_row_bytes(cols);
+    row[32 * u + lane] = (uint8_t)(int8_t)__float2int_rn(v * id);
+    if (lane == 0)
+        reinterpret_cast<float *>(row + cols)[u] = d;
+    if (lane % 16 == 0)
+        reinterpret_cast<float *>(row + cols + cols / 32 * 4)[2 * u + lane / 16] = sum;
+}
+
+/* d = Σ_k a_k · b_k + c over the four bytes, a unsigned, b signed. */
+__device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+/* Unit u (values 32u … 32u + 31) of row r: its 32 unsigned codes, byte i of w[i / 4] value i
+ * (the type's value is code − qt<QT>::B), and each half's scale and offset. */
+template <int QT>
+__device__ __forceinline__ void qunit_codes(const uint8_t *row, int64_t u, uint32_t *w, float *sc,
+                                            float *off) {
+    off[0] = off[1] = 0.0f;
+    if constexpr (QT == LLMEM_QTYPE_Q4_0 || QT == LLMEM_QTYPE_Q8_0) {
+        const uint8_t *b = row + u * qt<QT>::BB;
+        sc[0] = sc[1] = f16_at(b);
+        if constexpr (QT == LLMEM_QTYPE_Q8_0) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                bytes8<2>(b + 2 + 8 * i, w + 2 * i);
+                w[2 * i] ^= 0x80808080u, w[2 * i + 1] ^= 0x80808080u;
+            }
+        } else {
+            uint32_t q[4];
+            bytes8<2>(b + 2, q), bytes8<2>(b + 10, q + 2);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                w[i] = q[i] & 0x0f0f0f0fu, w[4 + i] = (q[i] >> 4) & 0x0f0f0f0fu;
+        }
+    } else if constexpr (QT == LLMEM_QTYPE_Q4_K || QT == LLMEM_QTYPE_Q5_K) {
+        constexpr int five = QT == LLMEM_QTYPE_Q5_K;
+        const uint8_t *b = row + (u / 8) * qt<QT>::BB;
+        const int k = (int)(u % 8);
+        const uint8_t *s = b + 4;
+        const bool lo = k < 4;
+        const uint32_t c0 = byte_at(s + (lo ? k : k + 4)), c1 = byte_at(s + (lo ? k + 4 : k - 4));
+        const uint32_t c2 = byte_at(s + k);
+        const uint32_t scale = lo ? c0 & 63 : (c0 & 0xf) | (c1 >> 6) << 4;
+        const uint32_t min = lo ? c1 & 63 : (c0 >> 4) | (c2 >> 6) << 4;
+        const uint32_t dd = __ldg((const uint32_t *)b);
+        sc[0] = sc[1] = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd & 0xffff))),
+                                  small_f(scale));
+        off[0] = off[1] =
+            __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd >> 16))), small_f(min));
+        const uint4 *qs = (const uint4 *)(b + (five ? 48 : 16) + 32 * (k / 2));
+        const uint4 q0 = __ldg(qs), q1 = __ldg(qs + 1);
+        const uint32_t q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        const int shift = 4 * (k & 1);
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            w[i] = (q[i] >> shift) & 0x0f0f0f0fu;
+        if constexpr (five) {
+            const uint4 h0 = __ldg((const uint4 *)(b + 16)),
+                        h1 = __ldg((const uint4 *)(b + 16) + 1);
+            const uint32_t h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                w[i] |= ((h[i] >> k) & 0x01010101u) << 4;
+        }
+    } else { /* Q6_K */
+        const uint8_t *b = row + (u / 8) * qt<QT>::BB;
+        const int k = (int)(u % 8), h = k / 4, j = k % 4;
+        const float d = f16_at(b + 208);
+        const unsigned short s2 = __ldg((const unsigned short *)(b + 192 + 8 * h + 2 * j));
+        sc[0] = __fmul_rn(d, __fsub_rn(small_f((s2 & 0xffu) ^ 0x80u), 128.0f));
+        sc[1] = __fmul_rn(d, __fsub_rn(small_f((uint32_t)(s2 >> 8) ^ 0x80u), 128.0f));
+        uint32_t ql[8], qh[8];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            bytes8<0>(b + 64 * h + 32 * (j & 1) + 8 * i, ql + 2 * i);
+            bytes8<0>(b + 128 + 32 * h + 8 * i, qh + 2 * i);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            w[i] = ((ql[i] >> (4 * (j >> 1))) & 0x0f0f0f0fu) |
+                   (((qh[i] >> (2 * j)) & 0x03030303u) << 4);
+    }
+}
+
+/* qgemv_kernel with x quantized (xq: quantize_x_kernel's rows): a warp per weight row, a lane a
+ * unit at a time; the first unit read before the wait. */
+template <int QT, int NX>
+static __global__ void __launch_bounds__(256)
+    qgemv_int_kernel(struct qmat m, const uint8_t *xq, float *y, const float *bias) {
+    const int lane = threadIdx.x & 31;
+    const int64_t r = blockIdx.x * 8 + threadIdx.x / 32, units = m.cols / 32;
+    if (r >= m.rows) {
+        pdl_begin();
+        return;
+    }
+    const uint8_t *row = m.codes + r * m.row_bytes;
+    const int64_t xrow = xq_row_bytes(m.cols);
+    uint32_t w[8];
+    float sc[2], off[2], acc[NX];
+    int64_t u = lane;
+    if (u < units)
+        qunit_codes<QT>(row, u, w, sc, off);
+    pdl_begin();
+#pragma unroll
+    for (int j = 0; j < NX; j++)
+        acc[j] = 0;
+    for (; u < units; u += 32) {
+        if (u != lane)
+            qunit_codes<QT>(row, u, w, sc, off);
+#pragma unroll
+        for (int j = 0; j < NX; j++) {
+            const uint8_t *xr = xq + j * xrow;
+            const uint4 a = __ldg((const uint4 *)(xr + 32 * u)),
+                        c = __ldg((const uint4 *)(xr + 32 * u) + 1);
+            const float dx = __ldg((const float *)(xr + m.cols) + u);
+            const float *sx = (const float *)(xr + m.cols + m.cols / 32 * 4) + 2 * u;
+            const float sx0 = __ldg(sx), sx1 = __ldg(sx + 1);
+            const int s0 =
+                dp4a_us(w[3], a.w, dp4a_us(w[2], a.z, dp4a_us(w[1], a.y, dp4a_us(w[0], a.x, 0))));
+            const int s1 =
+                dp4a_us(w[7], c.w, dp4a_us(w[6], c.z, dp4a_us(w[5], c.y, dp4a_us(w[4], c.x, 0))));
+            acc[j] = fmaf(sc[0] * dx, (float)s0, acc[j]);
+            acc[j] = fmaf(sc[1] * dx, (float)s1, acc[j]);
+            if (qt<QT>::OFF || qt<QT>::B != 0.0f) {
+                acc[j] = fmaf(-fmaf(sc[0], qt<QT>::B, off[0]), sx0, acc[j]);
+                acc[j] = fmaf(-fmaf(sc[1], qt<QT>::B, off[1]), sx1, acc[j]);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NX; j++) {
+        for (int o = 16; o > 0; o /= 2)
+            acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+        if (lane == 0)
+            y[j * m.rows + r] = bias != NULL ? acc[j] + bias[r] : acc[j];
+    }
+}
+
 /* ---- what gemm.cu and elementwise.cu call ---------------------------------------------------- */
+
+/* Whether qgemv multiplies integers for w at c's precision. */
+static bool qgemv_int(const struct cuda_ctx *c, const struct llmem_weight *w) {
+    return c->precision == LLMEM_PRECISION_FAST &&
+           (w->quant == LLMEM_QTYPE_Q8_0 || w->quant == LLMEM_QTYPE_Q4_0 ||
+            w->quant == LLMEM_QTYPE_Q4_K || w->quant == LLMEM_QTYPE_Q5_K ||
+            w->quant == LLMEM_QTYPE_Q6_K);
+}
 
 void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n, float *y,
            const float *bias) {
     const struct qmat m = qmat_of(w);
     const dim3 grid((unsigned)((m.rows + 7) / 8));
+    if (qgemv_int(c, w)) {
+        uint8_t *xq = (uint8_t *)wslice(c, (size_t)(n * xq_row_bytes(m.cols)));
+        if (xq == NULL)
+            return;
+        pdl_launch(c->stream, quantize_x_kernel,
+                   dim3((unsigned)((m.cols / 32 + 7) / 8), (unsigned)n), dim3(256), 0, x, m.cols,
+                   xq);
+        for (int64_t t = 0; t < n;) {
+            const int nx = n - t >= 4 ? 4 : (int)(n - t);
+            const uint8_t *xt = xq + t * xq_row_bytes(m.cols);
+            float *yt = y + t * m.rows;
+#define QGEMV_INT(QT)                                                                              \
+    switch (nx) {                                                                                  \
+    case 1:                                                                                        \
+        pdl_launch(c->stream, qgemv_int_kernel<QT, 1>, grid, dim3(256), 0, m, xt, yt, bias);       \
+        break;                                                                                     \
+    case 2:                                                                                        \
+        pdl_launch(c->stream, qgemv_int_kernel<QT, 2>, grid, dim3(256), 0, m, xt, yt, bias);       \
+        break;                                                                                     \
+    case 3:                                                                                        \
+        pdl_launch(c->stream, qgemv_int_kernel<QT, 3>, grid, dim3(256), 0, m, xt, yt, bias);       \
+        break;                                                                                     \
+    default: pdl_launch(c->stream, qgemv_int_kernel<QT, 4>, grid, dim3(256), 0, m, xt, yt, bias);  \
+    }
+            switch (w->quant) {
+            case LLMEM_QTYPE_Q8_0: QGEMV_INT(LLMEM_QTYPE_Q8_0); break;
+            case LLMEM_QTYPE_Q4_0: QGEMV_INT(LLMEM_QTYPE_Q4_0); break;
+            case LLMEM_QTYPE_Q4_K: QGEMV_INT(LLMEM_QTYPE_Q4_K); break;
+            case LLMEM_QTYPE_Q5_K: QGEMV_INT(LLMEM_QTYPE_Q5_K); break;
+            default: QGEMV_INT(LLMEM_QTYPE_Q6_K);
+            }
+#undef QGEMV_INT
+            t += nx;
+        }
+        launched(c, "qgemv");
+        return;
+    }
     for (int64_t t = 0; t < n;) {
         const int nx = n - t >= 4 ? 4 : (int)(n - t);
         const float *xt = x + t * m.cols;
