@@ -41,8 +41,8 @@ namespace llmem_cuda {
 /* weight bytes widened to f32 at a time at f32 precision; quantized weights dequantized to f16
  * (fast precision, into their own buffer: x rounded is in scratch) or f32 at a time */
 #define WIDEN_SLICE_BYTES ((size_t)64 << 20)
-/* x rows up to which quantized weights take the matrix-vector kernel (quant.cu qgemv) at either
- * precision: it reads their blocks once, where a GEMM first writes and reads them dequantized */
+/* x rows up to which quantized weights take the matrix-vector kernels (quant.cu qgemv) at either
+ * precision: they read the blocks once, where a GEMM first writes and reads them dequantized */
 #define QGEMV_MAX_ROWS 8
 /* The fast GEMMs' plans (cublasLt: the algorithm its heuristic ranks first for a shape, given up
  * to LT_WORKSPACE_MAX of workspace), kept in a table of LT_PLANS by shape. */

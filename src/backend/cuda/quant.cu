@@ -9,8 +9,10 @@
  * multiply-adds). Consecutive threads take consecutive groups, so that a warp reads x and writes
  * its output in whole lines. Three kernels:
  *   - qgemv: a few rows of x (decode): a warp per weight row, sc · Σ q·x − (off + sc·B) · Σ x per
- *     group in f32 (both precisions: the weights stream once; the products differ from the CPU's
- *     exact ones by the order of the sums);
+ *     group in f32 (the weights stream once; the products differ from the CPU's exact ones by the
+ *     order of the sums); at fast precision, for the types whose CPU fast path multiplies
+ *     integers (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), integer products with x quantized to 8 bits
+ *     instead, a lane a 32-value unit (below: "fast precision");
  *   - qdequant: a slice of rows into f16 (fast precision: gemm.cu multiplies the slice on the
  *     tensor cores) or f32 (f32 precision: a plain f32 GEMM), exactly;
  *   - qembedding: a table's rows for the token ids, exactly.
@@ -86,6 +88,22 @@ __device__ __forceinline__ void bytes_f(const uint32_t *w, float *f) {
 /* Bits 0–3 of b spread to bit 0 of bytes 0–3 (Q5's fifth bits, four values at a time). */
 __device__ __forceinline__ uint32_t spread4(uint32_t b) {
     return ((b & 0xfu) * 0x00204081u) & 0x01010101u;
+}
+
+/* d · scale and dmin · min of sub-block k of the Q4_K/Q5_K block at b: its 6-bit scale and min
+ * as quant/dequant.c scale_min_k4 reads them, without a branch (the lanes of a warp take all eight
+ * k): k < 4 in the low 6 bits of bytes k and k + 4 of the 12 after d and dmin; k ≥ 4 in the
+ * nibbles of byte k + 4 with the top two bits of bytes k − 4 and k. */
+__device__ __forceinline__ void k4_scale_min(const uint8_t *b, int k, float *sc, float *off) {
+    const uint8_t *s = b + 4;
+    const bool lo = k < 4;
+    const uint32_t c0 = byte_at(s + (lo ? k : k + 4)), c1 = byte_at(s + (lo ? k + 4 : k - 4));
+    const uint32_t c2 = byte_at(s + k);
+    const uint32_t scale = lo ? c0 & 63 : (c0 & 0xf) | (c1 >> 6) << 4;
+    const uint32_t min = lo ? c1 & 63 : (c0 >> 4) | (c2 >> 6) << 4;
+    const uint32_t dd = __ldg((const uint32_t *)b); /* d, dmin */
+    *sc = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd & 0xffff))), small_f(scale));
+    *off = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd >> 16))), small_f(min));
 }
 
 /* x rounded to the MLX scale dtype st, to nearest even (f32: x). */
@@ -205,19 +223,7 @@ __device__ __forceinline__ void qgroup(const struct qmat &m, int64_t r, const ui
          * k the low (k even) or high nibbles of the 32 bytes k / 2 */
         constexpr int five = QT == LLMEM_QTYPE_Q5_K;
         const int k = e / 4, l = 8 * (e % 4);
-        /* the 6-bit scale and min of sub-block k (quant/dequant.c scale_min_k4), without a
-         * branch (the lanes of a warp take all eight k): k < 4 in the low 6 bits of bytes k and
-         * k + 4; k ≥ 4 in the nibbles of byte k + 4 with the top two bits of bytes k − 4 and k */
-        const uint8_t *s = b + 4;
-        const bool lo = k < 4;
-        const uint32_t c0 = byte_at(s + (lo ? k : k + 4)), c1 = byte_at(s + (lo ? k + 4 : k - 4));
-        const uint32_t c2 = byte_at(s + k);
-        const uint32_t scale = lo ? c0 & 63 : (c0 & 0xf) | (c1 >> 6) << 4;
-        const uint32_t min = lo ? c1 & 63 : (c0 >> 4) | (c2 >> 6) << 4;
-        const uint32_t dd = __ldg((const uint32_t *)b); /* d, dmin */
-        *sc = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd & 0xffff))),
-                        small_f(scale));
-        *off = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd >> 16))), small_f(min));
+        k4_scale_min(b, k, sc, off);
         bytes8<8>(b + (five ? 48 : 16) + 32 * (k / 2) + l, w);
         const int shift = 4 * (k & 1);
         w[0] = (w[0] >> shift) & 0x0f0f0f0fu, w[1] = (w[1] >> shift) & 0x0f0f0f0fu;
@@ -466,17 +472,8 @@ __device__ __forceinline__ void qunit_codes(const uint8_t *row, int64_t u, uint3
         constexpr int five = QT == LLMEM_QTYPE_Q5_K;
         const uint8_t *b = row + (u / 8) * qt<QT>::BB;
         const int k = (int)(u % 8);
-        const uint8_t *s = b + 4;
-        const bool lo = k < 4;
-        const uint32_t c0 = byte_at(s + (lo ? k : k + 4)), c1 = byte_at(s + (lo ? k + 4 : k - 4));
-        const uint32_t c2 = byte_at(s + k);
-        const uint32_t scale = lo ? c0 & 63 : (c0 & 0xf) | (c1 >> 6) << 4;
-        const uint32_t min = lo ? c1 & 63 : (c0 >> 4) | (c2 >> 6) << 4;
-        const uint32_t dd = __ldg((const uint32_t *)b);
-        sc[0] = sc[1] = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd & 0xffff))),
-                                  small_f(scale));
-        off[0] = off[1] =
-            __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd >> 16))), small_f(min));
+        k4_scale_min(b, k, sc, off);
+        sc[1] = sc[0], off[1] = off[0];
         const uint4 *qs = (const uint4 *)(b + (five ? 48 : 16) + 32 * (k / 2));
         const uint4 q0 = __ldg(qs), q1 = __ldg(qs + 1);
         const uint32_t q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
