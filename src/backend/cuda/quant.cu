@@ -304,6 +304,19 @@ template <int QT> __device__ __forceinline__ int64_t block_at(const struct qmat 
 /* ---- kernels ---------------------------------------------------------------------------------
  */
 
+/* y[j, r] = the warp's sum of acc[j] (+ bias[r]), for j < NX. */
+template <int NX>
+__device__ __forceinline__ void warp_store(float *acc, int lane, float *y, int64_t rows, int64_t r,
+                                           const float *bias) {
+#pragma unroll
+    for (int j = 0; j < NX; j++) {
+        for (int o = 16; o > 0; o /= 2)
+            acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+        if (lane == 0)
+            y[j * rows + r] = bias != NULL ? acc[j] + bias[r] : acc[j];
+    }
+}
+
 /* y[t, r] = Σ_k x[t, k] · w[r, k] (+ bias[r]) for the NX rows of x at x: a warp per weight row,
  * eight rows a block; lane l takes group l % G of the blocks l / G, l / G + 32 / G, … (its place
  * in a block fixed, the warp's 32 groups 256 consecutive values). Per group
@@ -347,13 +360,7 @@ static __global__ void __launch_bounds__(256)
                     fmaf(-o, ((a.x + a.y) + (a.z + a.w)) + ((c.x + c.y) + (c.z + c.w)), acc[j]);
         }
     }
-#pragma unroll
-    for (int j = 0; j < NX; j++) {
-        for (int o = 16; o > 0; o /= 2)
-            acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
-        if (lane == 0)
-            y[j * m.rows + r] = bias != NULL ? acc[j] + bias[r] : acc[j];
-    }
+    warp_store<NX>(acc, lane, y, m.rows, r, bias);
 }
 
 /* Rows r0 … r0 + n of m into out [n, cols], f16 (rounded to nearest even) or f32: a thread a
@@ -554,13 +561,7 @@ static __global__ void __launch_bounds__(256)
             }
         }
     }
-#pragma unroll
-    for (int j = 0; j < NX; j++) {
-        for (int o = 16; o > 0; o /= 2)
-            acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
-        if (lane == 0)
-            y[j * m.rows + r] = bias != NULL ? acc[j] + bias[r] : acc[j];
-    }
+    warp_store<NX>(acc, lane, y, m.rows, r, bias);
 }
 
 /* ---- what gemm.cu and elementwise.cu call ---------------------------------------------------- */
