@@ -23,6 +23,14 @@ static void test_registry(void **state) {
     assert_int_equal(llmem_backend_device_info(n, &info), LLMEM_EINVAL);
     assert_int_equal(llmem_backend_device_info(-1, &info), LLMEM_EINVAL);
     assert_non_null(strstr(llmem_last_error(), "no device"));
+    /* the device's scratch as the plan counts it: x rounded to 16 bits, and beside it a 64 MiB
+     * slice of quantized weights dequantized to f16; at f32 precision one 64 MiB slice */
+    const int64_t slice = (int64_t)64 << 20;
+    assert_int_equal(llmem_backend_cuda_scratch_bytes(LLMEM_PRECISION_FAST, 512, 4096, 0),
+                     512 * 4096 * 2);
+    assert_int_equal(llmem_backend_cuda_scratch_bytes(LLMEM_PRECISION_FAST, 512, 4096, 1),
+                     512 * 4096 * 2 + slice);
+    assert_int_equal(llmem_backend_cuda_scratch_bytes(LLMEM_PRECISION_F32, 512, 4096, 1), slice);
 }
 
 static void test_devices(void **state) {

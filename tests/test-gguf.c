@@ -288,6 +288,8 @@ static void test_pycoder(void **state) {
     assert_string_equal(gg.name, "pycoder");
     assert_int_equal(gg.n_params, st.n_params);
     assert_true(gg.weights_bytes < st.weights_bytes / 2);
+    assert_int_equal(gg.quantized, 1); /* a device plans a dequantization slice for it */
+    assert_int_equal(st.quantized, 0);
     assert_int_equal(llmem_geometry_kv_bytes_per_token(&gg),
                      llmem_geometry_kv_bytes_per_token(&st));
     struct llmem_gguf *g = NULL;

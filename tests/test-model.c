@@ -517,6 +517,11 @@ static void test_pycoder_geometry(void **state) {
     assert_int_equal(g.qk_norm, 0);
     assert_int_equal(g.n_params, PYCODER_N_PARAMS);
     assert_int_equal(g.weights_bytes, PYCODER_WEIGHT_BYTES);
+    assert_int_equal(g.quantized, 0);
+    struct llmem_model_geometry q; /* MLX codes: quantized, for the device's plan */
+    assert_int_equal(llmem_model_geometry_load(LLMEM_TEST_DATA "/mlx/tiny-qwen2-4bit", &q),
+                     LLMEM_OK);
+    assert_int_equal(q.quantized, 1);
     assert_int_equal(g.n_params, llmem_geometry_param_count(&g));
     /* 6 layers × 2 × 2 kv heads × 64 × 2 bytes */
     assert_int_equal(llmem_geometry_kv_bytes_per_token(&g), 6 * 2 * 2 * 64 * 2);
