@@ -308,6 +308,28 @@ static void test_embedding(void **state) {
     }
 }
 
+/* x of n random rows through wh on the reference backend and wd on the GPU at f32 (err[0]) and
+ * fast precision (err[1]): each output's largest difference relative to the largest output. */
+static void gpu_vs_ref(struct llmem_backend *ref, const struct llmem_weight *wh,
+                       const struct llmem_weight *wd, const float *bias, const float *dbias,
+                       int64_t n, double err[2]) {
+    const int64_t rows = wh->rows, cols = wh->cols;
+    float *x = random_floats(n * cols, 1.0f), *y = malloc((size_t)(n * rows) * 4);
+    float *dx = to_device(x, (size_t)(n * cols) * 4);
+    float *dy = llmem_mem_alloc(dmem, (size_t)(n * rows) * 4, LLMEM_TAG_SCRATCH);
+    ref->ops->matmul(ref->ctx, wh, x, n, y, bias);
+    for (int p = 0; p < 2; p++) {
+        struct llmem_backend *b = p == 0 ? gpu_f32 : gpu;
+        b->ops->matmul(b->ctx, wd, dx, n, dy, dbias);
+        assert_int_equal(b->ops->sync(b->ctx), LLMEM_OK);
+        float *g = to_host(dy, n * rows);
+        err[p] = rel_diff(y, g, n * rows);
+        free(g);
+    }
+    llmem_mem_free(dmem, dx), llmem_mem_free(dmem, dy);
+    free(x), free(y);
+}
+
 /* matmul for every weight dtype, decode and GEMM row counts, aligned and odd shapes, with and
  * without bias, at both precisions. */
 static void test_matmul(void **state) {
@@ -330,16 +352,11 @@ static void test_matmul(void **state) {
             for (int t = 0; t < 5; t++) {
                 const int64_t n = ns[t];
                 const int with_bias = (t + s) % 2;
-                float *x = random_floats(n * cols, 1.0f), *y = malloc((size_t)(n * rows) * 4);
-                float *dx = to_device(x, (size_t)(n * cols) * 4);
-                float *dy = llmem_mem_alloc(dmem, (size_t)(n * rows) * 4, LLMEM_TAG_SCRATCH);
-                cpu->ops->matmul(cpu->ctx, &wh, x, n, y, with_bias ? bias : NULL);
+                double err[2];
+                gpu_vs_ref(cpu, &wh, &wd, with_bias ? bias : NULL, with_bias ? dbias : NULL, n,
+                           err);
                 for (int p = 0; p < 2; p++) {
-                    struct llmem_backend *b = p == 0 ? gpu_f32 : gpu;
-                    b->ops->matmul(b->ctx, &wd, dx, n, dy, with_bias ? dbias : NULL);
-                    assert_int_equal(b->ops->sync(b->ctx), LLMEM_OK);
-                    float *g = to_host(dy, n * rows);
-                    double e = rel_diff(y, g, n * rows);
+                    const double e = err[p];
                     if (p == 0 || n <= GEMV_FAST_ROWS || dts[k] == LLMEM_DTYPE_F32) {
                         worst_f32 = fmax(worst_f32, e);
                         if (e > 1e-5)
@@ -350,10 +367,7 @@ static void test_matmul(void **state) {
                         worst_fast = fmax(worst_fast, e);
                         assert_true(e <= 1e-2);
                     }
-                    free(g);
                 }
-                llmem_mem_free(dmem, dx), llmem_mem_free(dmem, dy);
-                free(x), free(y);
             }
             llmem_mem_free(dmem, dw), llmem_mem_free(dmem, dbias);
             free(w), free(bias);
@@ -460,16 +474,10 @@ static void test_matmul_quantized(void **state) {
             for (int t = 0; t < 5; t++) {
                 const int64_t n = ns[t];
                 const int with_bias = (t + s) % 2;
-                float *x = random_floats(n * cols, 1.0f), *y = malloc((size_t)(n * rows) * 4);
-                float *dx = to_device(x, (size_t)(n * cols) * 4);
-                float *dy = llmem_mem_alloc(dmem, (size_t)(n * rows) * 4, LLMEM_TAG_SCRATCH);
-                ref->ops->matmul(ref->ctx, &wh, x, n, y, with_bias ? bias : NULL);
+                double e2[2];
+                gpu_vs_ref(ref, &wh, &wd, with_bias ? bias : NULL, with_bias ? dbias : NULL, n, e2);
                 for (int p = 0; p < 2; p++) {
-                    struct llmem_backend *b = p == 0 ? gpu_f32 : gpu;
-                    b->ops->matmul(b->ctx, &wd, dx, n, dy, with_bias ? dbias : NULL);
-                    assert_int_equal(b->ops->sync(b->ctx), LLMEM_OK);
-                    float *g = to_host(dy, n * rows);
-                    const double err = rel_diff(y, g, n * rows);
+                    const double err = e2[p];
                     /* at fast precision the CPU's integer types multiply integers with x
                      * quantized to 8 bits up to 8 rows (ops_int.h QGEMV_MAX_ROWS), the others in
                      * f32; more rows take the f16 GEMMs */
@@ -486,10 +494,7 @@ static void test_matmul_quantized(void **state) {
                         fail_msg("%s matmul %s %lldx%lld n %lld: %.3e", p == 0 ? "f32" : "fast",
                                  llmem_qtype_name(types[k]), (long long)rows, (long long)cols,
                                  (long long)n, err);
-                    free(g);
                 }
-                llmem_mem_free(dmem, dx), llmem_mem_free(dmem, dy);
-                free(x), free(y);
             }
             llmem_mem_free(dmem, (void *)wd.data), llmem_mem_free(dmem, dbias);
             if (side > 0)

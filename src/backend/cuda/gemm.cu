@@ -439,6 +439,36 @@ static const struct lt_plan *lt_plan_for(struct cuda_ctx *c, int64_t rows, int64
     return p;
 }
 
+/* y = b · Wᵀ with W in slices of rows made dt (F32, at f32 precision: 16-bit weights widened or
+ * quantized ones dequantized, in scratch; F16, at fast precision: quantized weights dequantized,
+ * in the slice buffer, b being x rounded to f16), each slice a GEMM into its columns of C (rows
+ * r0 … r0 + m of y's rows, ldc = rows): in plain f32, or on the tensor cores. */
+static void sliced_gemm(struct cuda_ctx *c, const struct llmem_weight *w, const void *b, int64_t n,
+                        float *y, enum llmem_dtype dt) {
+    const size_t size = dt == LLMEM_DTYPE_F16 ? 2 : 4;
+    int64_t slice = (int64_t)(WIDEN_SLICE_BYTES / ((size_t)w->cols * size));
+    slice = slice < 1 ? 1 : slice > w->rows ? w->rows : slice;
+    void *ws = dt == LLMEM_DTYPE_F16 ? wslice(c, (size_t)(slice * w->cols) * size)
+                                     : scratch(c, (size_t)(slice * w->cols) * size);
+    if (ws == NULL)
+        return;
+    for (int64_t r0 = 0; r0 < w->rows && !c->failed; r0 += slice) {
+        const int64_t m = w->rows - r0 < slice ? w->rows - r0 : slice;
+        if (w->quant != 0) {
+            qdequant(c, w, r0, m, dt, ws);
+        } else {
+            pdl_launch(c->stream, widen_kernel, dim3(grid_for(m * w->cols, 256)), dim3(256), 0,
+                       (const uint16_t *)w->data + r0 * w->cols, w->dtype, m * w->cols,
+                       (float *)ws);
+            launched(c, "widen");
+        }
+        profile_begin(c->stream);
+        gemm_ex(c, m, n, w->cols, ws, b, dt == LLMEM_DTYPE_F16 ? CUDA_R_16F : CUDA_R_32F, y + r0,
+                w->rows);
+        launched(c, "gemm");
+    }
+}
+
 /* cuda_matmul, where xr (if not NULL) is x already rounded for the fast GEMM. */
 static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, const void *xr,
                    int64_t n, float *y, const float *bias) {
@@ -447,28 +477,14 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
         qgemv(c, w, x, n, y, bias);
         return;
     }
-    if (w->quant != 0) {
-        /* slices of rows dequantized, each a GEMM into its columns of C: at fast precision f16
-         * weights and x on the tensor cores, at f32 precision in f32 */
-        const int fast = c->precision == LLMEM_PRECISION_FAST;
-        const size_t size = fast ? 2 : 4;
-        int64_t slice = (int64_t)(WIDEN_SLICE_BYTES / ((size_t)w->cols * size));
-        slice = slice < 1 ? 1 : slice > w->rows ? w->rows : slice;
-        const void *b = x;
-        if (fast && (b = shadow_of(c, x, n, w->cols, LLMEM_DTYPE_F16)) == NULL &&
-            (b = rounded(c, x, n, w->cols, LLMEM_DTYPE_F16)) == NULL)
+    if (w->quant != 0 && c->precision == LLMEM_PRECISION_FAST) {
+        /* x in f16 (the shadow, or rounded) beside the slices */
+        const void *b = shadow_of(c, x, n, w->cols, LLMEM_DTYPE_F16);
+        if (b == NULL && (b = rounded(c, x, n, w->cols, LLMEM_DTYPE_F16)) == NULL)
             return;
-        void *ws = fast ? wslice(c, (size_t)(slice * w->cols) * size)
-                        : scratch(c, (size_t)(slice * w->cols) * size);
-        if (ws == NULL)
-            return;
-        for (int64_t r0 = 0; r0 < w->rows && !c->failed; r0 += slice) {
-            const int64_t m = w->rows - r0 < slice ? w->rows - r0 : slice;
-            qdequant(c, w, r0, m, fast ? LLMEM_DTYPE_F16 : LLMEM_DTYPE_F32, ws);
-            profile_begin(c->stream);
-            gemm_ex(c, m, n, w->cols, ws, b, fast ? CUDA_R_16F : CUDA_R_32F, y + r0, w->rows);
-            launched(c, "gemm");
-        }
+        sliced_gemm(c, w, b, n, y, LLMEM_DTYPE_F16);
+    } else if (w->quant != 0) {
+        sliced_gemm(c, w, x, n, y, LLMEM_DTYPE_F32);
     } else if (n <= gemv_rows(c)) {
         if (gemv16_fits(c, w, x, n)) {
             const struct gemv_set set = {
@@ -501,20 +517,7 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
                    "cublasLtMatmul");
         launched(c, "gemm");
     } else {
-        /* f32: slices of weight rows widened to f32, each a plain f32 GEMM into its columns of
-         * C (rows r0 … r0 + m of y's rows, ldc = rows). */
-        int64_t slice = (int64_t)(WIDEN_SLICE_BYTES / ((size_t)w->cols * 4));
-        slice = slice < 1 ? 1 : slice > w->rows ? w->rows : slice;
-        float *wf = (float *)scratch(c, (size_t)(slice * w->cols) * 4);
-        if (wf == NULL)
-            return;
-        for (int64_t r0 = 0; r0 < w->rows && !c->failed; r0 += slice) {
-            int64_t m = w->rows - r0 < slice ? w->rows - r0 : slice;
-            pdl_launch(c->stream, widen_kernel, dim3(grid_for(m * w->cols, 256)), dim3(256), 0,
-                       (const uint16_t *)w->data + r0 * w->cols, w->dtype, m * w->cols, wf);
-            launched(c, "widen");
-            gemm_ex(c, m, n, w->cols, wf, x, CUDA_R_32F, y + r0, w->rows);
-        }
+        sliced_gemm(c, w, x, n, y, LLMEM_DTYPE_F32); /* f32 precision, 16-bit W */
     }
     if (bias != NULL) {
         pdl_launch(c->stream, bias_kernel, dim3(grid_for(n * w->rows, 256)), dim3(256), 0, y, bias,
