@@ -32,10 +32,11 @@ const char cli_engine_help[] =
     "                       KV cache (paged; f16, bf16, f32 or q8) on a GPU, planned for its\n"
     "                       memory\n"
     "  --device N           the CUDA device (default 0)\n"
-    "  --precision P        fast (default) or f32. cuda: bf16/f16 tensor cores for prefill\n"
-    "                       (f32 accumulation) or f32 throughout; cpu: quantized (GGUF)\n"
-    "                       weights by 8-bit integer dot products (activations quantized per\n"
-    "                       block) or dequantized exactly and multiplied in f32\n";
+    "  --precision P        fast (default) or f32. fast: bf16/f16 tensor cores for a GPU's\n"
+    "                       prefill (f32 accumulation; quantized weights dequantized to f16),\n"
+    "                       and Q8_0, Q4_0, Q4_K, Q5_K and Q6_K weights by 8-bit integer dot\n"
+    "                       products (activations quantized per block; on a GPU in decode).\n"
+    "                       f32: f32 throughout, quantized weights dequantized exactly\n";
 
 int cli_engine_option(int opt, const char *arg, struct llmem_engine_config *c) {
     int64_t v = 0;
