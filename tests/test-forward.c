@@ -175,8 +175,9 @@ static const char *model_dir(const char *name, char *buf, size_t size) {
     return buf;
 }
 
-static const char *const all_models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3",
-                                         "tiny-mistral-swa", "pycoder"};
+static const char *const all_models[] = {"tiny-llama3",    "tiny-qwen2",   "tiny-qwen3",
+                                         "tiny-mistral-swa", "pycoder", "tiny-qwen3-moe",
+                                         "tiny-mixtral"};
 #define N_MODELS (sizeof(all_models) / sizeof(all_models[0]))
 
 static int selected(const char *name) {
@@ -366,12 +367,13 @@ static void test_kv_format_bounds(void **state) {
     (void)state;
     static const struct {
         enum llmem_kv_format format;
-        double bound_random, bound_pycoder;
+        double bound_random, bound_pycoder, bound_moe;
     } formats[] = {
-        {LLMEM_KV_FORMAT_F16, 1.5e-2, 4e-2}, {LLMEM_KV_FORMAT_BF16, 1e-1, 2.5e-1},
-        {LLMEM_KV_FORMAT_Q8, 4e-1, 1.0},     {LLMEM_KV_FORMAT_Q4, 4.5, 10.0},
-        {LLMEM_KV_FORMAT_TQ, 4.5, 8.0},
-    };
+        {LLMEM_KV_FORMAT_F16, 1.5e-2, 4e-2, 1.5e-2}, {LLMEM_KV_FORMAT_BF16, 1e-1, 2.5e-1, 2.5e-1},
+        {LLMEM_KV_FORMAT_Q8, 4e-1, 1.0, 4e-1},      {LLMEM_KV_FORMAT_Q4, 4.5, 10.0, 4.5},
+        {LLMEM_KV_FORMAT_TQ, 4.5, 8.0, 4.5},
+    }; /* a mixture of experts' logits move in steps where a token's expert changes: bf16's
+        * rounding of the keys moves one of tiny-qwen3-moe's by 0.11 */
     for (size_t m = 0; m < N_MODELS; m++) {
         if (!selected(all_models[m]))
             continue;
@@ -394,7 +396,10 @@ static void test_kv_format_bounds(void **state) {
                 free(logits);
             }
             double bound = strcmp(all_models[m], "pycoder") == 0 ? formats[f].bound_pycoder
-                                                                 : formats[f].bound_random;
+                           : strstr(all_models[m], "moe") != NULL ||
+                                   strstr(all_models[m], "mixtral") != NULL
+                               ? formats[f].bound_moe
+                               : formats[f].bound_random;
             printf("  %-18s KV %-4s: max |Δ logits| vs f32 KV %.2e (bound %.1e)\n", all_models[m],
                    llmem_kv_format_name(formats[f].format), worst, bound);
             assert_true(worst <= bound);

@@ -628,6 +628,8 @@ static void test_catalog(void **state) {
         {"qwen2.5-0.5b", 494032768LL},    {"qwen2.5-7b", 7615616512LL},
         {"qwen2.5-72b", 72706203648LL},   {"mistral-7b-v0.3", 7248023552LL},
         {"tinyllama-1.1b", 1100048384LL}, {"qwen3-8b", 8190735360LL},
+        {"qwen3-30b-a3b", 30532122624LL}, {"qwen3-235b-a22b", 235093634560LL},
+        {"mixtral-8x7b", 46702792704LL},
     };
     for (size_t i = 0; i < sizeof(published) / sizeof(published[0]); i++) {
         const struct llmem_model_geometry *g = llmem_catalog_find(published[i].name);
@@ -637,6 +639,41 @@ static void test_catalog(void **state) {
     const struct llmem_model_geometry *g = llmem_catalog_find("LLAMA-3.1-8B");
     assert_non_null(g);
     assert_int_equal(llmem_geometry_kv_bytes_per_token(g), 32 * 2 * 8 * 128 * 2);
+}
+
+/* Mixtures of experts: what a token reads, as the model cards give it (Qwen3-30B-A3B: 3.3B
+ * activated; Qwen3-235B-A22B: 22B; Mixtral-8x7B: 12.9B), and the bytes of it. */
+static void test_moe_geometry(void **state) {
+    (void)state;
+    const struct {
+        const char *name;
+        int64_t active;
+    } moe[] = {{"qwen3-30b-a3b", 3353032704LL},
+               {"qwen3-235b-a22b", 22190763520LL},
+               {"mixtral-8x7b", 12879925248LL}};
+    for (size_t i = 0; i < sizeof(moe) / sizeof(moe[0]); i++) {
+        const struct llmem_model_geometry *g = llmem_catalog_find(moe[i].name);
+        assert_non_null(g);
+        assert_int_equal(llmem_geometry_active_param_count(g), moe[i].active);
+        /* bf16 at 2 bytes a parameter: the active bytes are exactly twice the active parameters */
+        assert_int_equal(llmem_geometry_active_bytes(g), 2 * moe[i].active);
+        struct llmem_model_geometry priced = *g; /* without expert_bytes: priced by parameters */
+        priced.expert_bytes = 0;
+        assert_int_equal(llmem_geometry_active_bytes(&priced), 2 * moe[i].active);
+    }
+    const struct llmem_model_geometry *dense = llmem_catalog_find("llama-3.1-8b");
+    assert_int_equal(llmem_geometry_active_param_count(dense), dense->n_params);
+    assert_int_equal(llmem_geometry_active_bytes(dense), dense->weights_bytes);
+
+    /* the workspace: no dense gate/up (every layer has experts), the router's logits, and the
+     * experts' parts (plan/moe_work.h), each rounded to 64 bytes */
+    const struct llmem_model_geometry *g = llmem_catalog_find("qwen3-30b-a3b");
+    int64_t T = 512, per_token = 2 * 2048 + 3 * 4096 + 2 * 512 + 2;
+    int64_t parts = 512 * 32 * (128 + 2);
+    int64_t moe_bytes = 4 * T * 128 + 3 * 4 * T * 8 + 576 + /* 129 int32 rounded up to 64 bytes */
+                        2 * 4 * T * 2048 + 2 * 4 * T * 768;
+    assert_int_equal(llmem_geometry_workspace_bytes(g, T, 1),
+                     4 * (T * per_token + parts + 151936) + moe_bytes);
 }
 
 static void test_workspace(void **state) {
@@ -696,6 +733,7 @@ int main(void) {
         cmocka_unit_test(test_runtime_baseline),
         cmocka_unit_test(test_transient_reserve),
         cmocka_unit_test(test_catalog),
+        cmocka_unit_test(test_moe_geometry),
         cmocka_unit_test(test_workspace),
         cmocka_unit_test(test_plan_json),
     };

@@ -64,6 +64,9 @@ struct llmem_model_config {
     int rope_interleaved;   /* GGUF llama: Q/K rows permuted for RoPE on interleaved pairs (ggml's
                              * NORM rope); 0: halves rotated (Hugging Face, Qwen in GGUF) */
     uint8_t *layer_sliding; /* (n_layers) 1 where the layer attends within geom.sliding_window */
+    uint8_t *layer_moe;     /* (n_layers) 1 where the layer's MLP is geom.n_experts experts; NULL
+                             * for a dense model */
+    int moe_norm_topk;      /* the top k experts' probabilities renormalized to sum to 1 */
     int32_t bos_id;         /* config.json's; −1 when absent */
     /* MLX quantization (config.json's `quantization`, mode affine): the default bits (0: the
      * config has none) and group size; a module without an entry is quantized when its `.scales`

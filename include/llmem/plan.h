@@ -84,6 +84,15 @@ struct llmem_model_geometry {
     int64_t n_params;       /* parameters as stored */
     int64_t weights_bytes;  /* bytes of all tensors as stored */
     int quantized;          /* matrices stored in quantized blocks (GGUF block types, MLX groups) */
+    /* Mixture of experts (0 experts: every layer's MLP is dense). n_moe_layers of the layers hold
+     * n_experts SwiGLU MLPs of expert_intermediate columns and a router (n_experts × hidden); a
+     * token runs the n_experts_used its router picks. The other layers' MLP is dense
+     * (intermediate_size). */
+    int64_t n_experts;
+    int64_t n_experts_used;
+    int64_t expert_intermediate;
+    int64_t n_moe_layers;
+    int64_t expert_bytes; /* bytes of all experts' matrices as stored; 0: priced from the rest */
 };
 
 /* Σ over attention layers of 2 (K and V) × n_kv_heads × head_dim × 2 bytes. */
@@ -92,6 +101,13 @@ LLMEM_API int64_t llmem_geometry_kv_bytes_per_token(const struct llmem_model_geo
  * projections (+ biases with attention_bias, + 2 × head_dim with qk_norm), the SwiGLU MLP and two
  * RMSNorms, the final norm, and lm_head unless tied. */
 LLMEM_API int64_t llmem_geometry_param_count(const struct llmem_model_geometry *g);
+/* The parameters a token reads: llmem_geometry_param_count with only n_experts_used experts per
+ * MoE layer (the router counts whole); the embeddings count whole too. */
+LLMEM_API int64_t llmem_geometry_active_param_count(const struct llmem_model_geometry *g);
+/* The bytes of weights a decode step reads: weights_bytes less the experts a token does not run,
+ * expert_bytes × (n_experts − n_experts_used) / n_experts (expert_bytes 0: the experts' share of
+ * weights_bytes by parameters). weights_bytes for a dense model. */
+LLMEM_API int64_t llmem_geometry_active_bytes(const struct llmem_model_geometry *g);
 /* The engine's scratch need for its largest step, f32 activations (SPEC §2.2 computed_workspace),
  * T = max_batch_tokens, S = max_sequences, exactly the buffers the engine allocates:
  *   4 × [ T × (2·hidden + 3·n_heads·head_dim + 2·n_kv_heads·head_dim + 2·intermediate + 2)

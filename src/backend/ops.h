@@ -66,6 +66,16 @@ static inline int llmem_weight_follows(const struct llmem_weight *a, const struc
            (const char *)b->data == (const char *)a->data + a->rows * llmem_weight_row_bytes(a);
 }
 
+/* One layer's mixture of experts: n_experts SwiGLU MLPs, of which each token runs the k that its
+ * router's logits select. */
+struct llmem_backend_moe {
+    int64_t n_experts, k;
+    int norm_topk; /* the k probabilities renormalized to sum to 1 (Mixtral; Qwen3-MoE's
+                    * norm_topk_prob) */
+    const struct llmem_weight *gate, *up; /* (n_experts) each: (inter, hidden) */
+    const struct llmem_weight *down;      /* (n_experts): (hidden, inter) */
+};
+
 /* How a KV format stores its rows rotated (kv/codec.h: R = H·D/√head_dim, H the Walsh–Hadamard
  * matrix): which rows, D's signs as bits (bit i % 32 of neg[i / 32] set: −1) and the norm
  * 1/√head_dim as kv/codec.c computes it. q4 (with rotation) rotates keys and values, tq values. */
@@ -156,6 +166,14 @@ struct llmem_backend_ops {
                       float *out);
     /* y[i] += x[i] for i < n. */
     void (*add)(void *ctx, float *y, const float *x, int64_t n);
+    /* A mixture-of-experts MLP for T rows of x[T, hidden]: per row, p = softmax(logits[t]) over
+     * the n_experts (f32), its k largest (the lower index first among equals), renormalized when
+     * norm_topk, then y[t] = Σ p_j · down_e(silu(gate_e·x_t) ⊙ up_e·x_t) over those experts e in
+     * increasing order. Only the chosen experts' matrices are read, each for the rows that chose
+     * it. work: plan/moe_work.h's layout for T, hidden, the experts' width, n_experts and k, in
+     * the backend's memory. y may equal x. Optional (NULL: the backend runs no MoE layers). */
+    void (*moe)(void *ctx, const struct llmem_backend_moe *moe, const float *logits, const float *x,
+                int64_t T, float *y, void *work);
 
     /* (optional: backends whose memory is not the host's, which then hold the paged KV pool)
      * Encodes n tokens of keys and values, each `heads` rows of head_dim floats (k, v

@@ -48,6 +48,8 @@ static const struct {
     {"mistral", "MistralForCausalLM"},
     {"qwen2", "Qwen2ForCausalLM"},
     {"qwen3", "Qwen3ForCausalLM"},
+    {"qwen3_moe", "Qwen3MoeForCausalLM"},
+    {"mixtral", "MixtralForCausalLM"},
 };
 #define N_FAMILIES (sizeof(families) / sizeof(families[0]))
 
@@ -204,7 +206,8 @@ static int config_arch(const struct config *c, const char **arch) {
         CONFIG_ERROR("%s: missing 'model_type' (and no 'architectures')", c->path);
         return LLMEM_EFORMAT;
     }
-    CONFIG_ERROR("%s: %s '%.100s' is not supported (llmem reads llama, mistral, qwen2, qwen3)",
+    CONFIG_ERROR("%s: %s '%.100s' is not supported (llmem reads llama, mistral, "
+                 "qwen2, qwen3, qwen3_moe, mixtral)",
                  c->path, seen != NULL ? "model_type" : "architecture",
                  seen != NULL ? seen : first);
     return LLMEM_EUNSUPPORTED;
@@ -462,6 +465,11 @@ static int config_quantization(const struct config *c, struct llmem_model_config
 
 /* ---- sliding window ------------------------------------------------------------------------- */
 
+/* Mistral and Mixtral slide whenever sliding_window is set. */
+static int mistral_like(const char *arch) {
+    return strcmp(arch, "mistral") == 0 || strcmp(arch, "mixtral") == 0;
+}
+
 static int config_sliding_window(const struct config *c, const char *arch, int64_t n_layers,
                                  int64_t *out, uint8_t *layers) {
     int64_t slide_from = 0; /* without layer_types, layers from here on slide */
@@ -516,7 +524,7 @@ static int config_sliding_window(const struct config *c, const char *arch, int64
     } else if (use >= 0) {
         /* Without a window there is nothing to slide over (transformers then attends fully). */
         sliding = use && has_window;
-        if (sliding && strcmp(arch, "mistral") != 0) {
+        if (sliding && !mistral_like(arch)) {
             /* qwen2/qwen3: only the layers at or above max_window_layers slide. */
             int64_t max_window_layers = 28;
             status = config_int(c, "max_window_layers", 0, 0, MAX_LAYERS, &max_window_layers);
@@ -526,7 +534,7 @@ static int config_sliding_window(const struct config *c, const char *arch, int64
             slide_from = max_window_layers;
         }
     } else {
-        sliding = strcmp(arch, "mistral") == 0 && has_window;
+        sliding = mistral_like(arch) && has_window;
     }
     if (sliding && !has_window) {
         CONFIG_ERROR("%s: %s but '%ssliding_window' is not set", c->path, why, c->prefix);
@@ -596,10 +604,96 @@ static void dir_name(const char *dir, char *dst, size_t size) {
     free(resolved);
 }
 
+/* ---- mixture of experts --------------------------------------------------------------------- */
+
+#define MAX_EXPERTS ((int64_t)1 << 16)
+
+/* The experts of qwen3_moe (num_experts, or transformers 5's num_local_experts; top
+ * num_experts_per_tok; moe_intermediate_size wide; in the layers l with (l + 1) %
+ * decoder_sparse_step == 0 that mlp_only_layers does not name) and mixtral (num_local_experts,
+ * intermediate_size wide, every layer). With moe, the per-layer flags (*moe, n_layers bytes, 1:
+ * experts; NULL for a dense model) and whether the top k's weights are renormalized. */
+static int config_moe(const struct config *c, const char *arch, struct llmem_model_geometry *g,
+                      uint8_t **moe, int *norm_topk) {
+    const int qwen = strcmp(arch, "qwen3_moe") == 0, mixtral = strcmp(arch, "mixtral") == 0;
+    if (moe != NULL)
+        *moe = NULL;
+    if (!qwen && !mixtral)
+        return LLMEM_OK;
+    int norm = mixtral; /* Mixtral always renormalizes the top k; Qwen3-MoE when norm_topk_prob */
+    int status = qwen ? config_bool(c, c->text, "norm_topk_prob", &norm) : LLMEM_OK;
+    if (status != LLMEM_OK)
+        return status;
+    if (norm_topk != NULL)
+        *norm_topk = norm;
+    int64_t n = 0;
+    status = qwen ? config_int(c, "num_experts", 0, 0, MAX_EXPERTS, &n) : LLMEM_ENOENT;
+    if (status == LLMEM_ENOENT)
+        status = config_int(c, "num_local_experts", 1, 0, MAX_EXPERTS, &n);
+    if (status != LLMEM_OK)
+        return status;
+    if (n == 0) /* no experts: every layer dense */
+        return LLMEM_OK;
+    int64_t k = 0, width = g->intermediate_size, step = 1;
+    if ((status = config_int(c, "num_experts_per_tok", 1, 1, n, &k)) != LLMEM_OK ||
+        (qwen && (status = config_int(c, "moe_intermediate_size", 1, 1, MAX_INTERMEDIATE,
+                                      &width)) != LLMEM_OK))
+        return status;
+    if (qwen) {
+        status = config_int(c, "decoder_sparse_step", 0, 1, MAX_LAYERS, &step);
+        if (status != LLMEM_OK && status != LLMEM_ENOENT)
+            return status;
+    }
+    uint8_t *flags = calloc((size_t)g->n_layers, 1);
+    if (flags == NULL) {
+        CONFIG_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    for (int64_t l = 0; l < g->n_layers; l++)
+        flags[l] = (l + 1) % step == 0;
+    const cJSON *dense = qwen ? cJSON_GetObjectItemCaseSensitive(c->text, "mlp_only_layers") : NULL;
+    if (dense != NULL && !cJSON_IsNull(dense)) {
+        if (!cJSON_IsArray(dense)) {
+            CONFIG_ERROR("%s: '%smlp_only_layers' must be an array of layer indices, not %s",
+                         c->path, c->prefix, json_type_name(dense));
+            free(flags);
+            return LLMEM_EFORMAT;
+        }
+        const cJSON *e = NULL;
+        cJSON_ArrayForEach(e, dense) {
+            int64_t l = -1;
+            if (llmem_json_int(e, &l) != LLMEM_OK || l < 0 || l >= g->n_layers) {
+                CONFIG_ERROR("%s: '%smlp_only_layers' holds %s; its entries are layer indices "
+                             "from 0 to %" PRId64,
+                             c->path, c->prefix, cJSON_IsNumber(e) ? "a number out of range"
+                                                                   : json_type_name(e),
+                             g->n_layers - 1);
+                free(flags);
+                return LLMEM_EFORMAT;
+            }
+            flags[l] = 0;
+        }
+    }
+    g->n_experts = n;
+    g->n_experts_used = k;
+    g->expert_intermediate = width;
+    g->n_moe_layers = 0;
+    for (int64_t l = 0; l < g->n_layers; l++)
+        g->n_moe_layers += flags[l];
+    if (g->n_moe_layers == 0)
+        g->n_experts = g->n_experts_used = g->expert_intermediate = 0;
+    if (moe != NULL && g->n_moe_layers > 0)
+        *moe = flags;
+    else
+        free(flags);
+    return LLMEM_OK;
+}
+
 /* ---- the geometry --------------------------------------------------------------------------- */
 
+/* With cfg, also the per-layer flags (*layers: sliding; cfg->layer_moe) and the router's rule. */
 static int config_geometry(const struct config *c, struct llmem_model_geometry *g,
-                           uint8_t **layers) {
+                           uint8_t **layers, struct llmem_model_config *cfg) {
     const char *arch = NULL;
     int status = config_arch(c, &arch);
     if (status != LLMEM_OK)
@@ -660,7 +754,10 @@ static int config_geometry(const struct config *c, struct llmem_model_geometry *
         return status;
     if (strcmp(arch, "qwen2") == 0)
         g->attention_bias = 1; /* Qwen2 projections always carry q/k/v biases */
-    g->qk_norm = strcmp(arch, "qwen3") == 0;
+    g->qk_norm = strcmp(arch, "qwen3") == 0 || strcmp(arch, "qwen3_moe") == 0;
+    if ((status = config_moe(c, arch, g, cfg != NULL ? &cfg->layer_moe : NULL,
+                             cfg != NULL ? &cfg->moe_norm_topk : NULL)) != LLMEM_OK)
+        return status;
 
     if ((status = config_rope(c)) != LLMEM_OK)
         return status;
@@ -735,7 +832,7 @@ static int config_load(const char *model_dir, struct llmem_model_geometry *geom,
         c.prefix = "text_config.";
     }
     uint8_t *layers = NULL;
-    status = config_geometry(&c, &g, cfg != NULL ? &layers : NULL);
+    status = config_geometry(&c, &g, cfg != NULL ? &layers : NULL, cfg);
     if (status == LLMEM_OK && cfg != NULL)
         status = config_runtime(&c, cfg);
     if (status == LLMEM_OK)
@@ -743,6 +840,8 @@ static int config_load(const char *model_dir, struct llmem_model_geometry *geom,
     if (status != LLMEM_OK) {
         free(layers);
         if (cfg != NULL) {
+            free(cfg->layer_moe);
+            cfg->layer_moe = NULL;
             free(cfg->quant_overrides);
             cfg->quant_overrides = NULL;
         }
@@ -780,6 +879,8 @@ void llmem_model_config_free(struct llmem_model_config *cfg) {
         return;
     free(cfg->layer_sliding);
     cfg->layer_sliding = NULL;
+    free(cfg->layer_moe);
+    cfg->layer_moe = NULL;
     free(cfg->quant_overrides);
     cfg->quant_overrides = NULL;
     cfg->n_quant_overrides = 0;

@@ -107,6 +107,12 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
     LLMEM_ASSERT(src != NULL && be != NULL && mem != NULL && out != NULL);
     *out = NULL;
     const struct llmem_model_geometry *g = &src->cfg.geom;
+    if (g->n_experts > 0) {
+        LLMEM_ERROR("%s: mixture-of-experts layers run on the CPU backend; the %s backend does not "
+                    "run them yet",
+                    g->source, be->ops->name);
+        return LLMEM_EUNSUPPORTED;
+    }
     struct llmem_model *m = calloc(1, sizeof(*m));
     struct model_layer *layers = calloc((size_t)g->n_layers, sizeof(*layers));
     uint8_t *sliding = src->cfg.layer_sliding != NULL ? malloc((size_t)g->n_layers) : NULL;

@@ -8,6 +8,8 @@
  *   xn = rmsnorm(x); q, k, v = xn·Wqᵀ (+b), xn·Wkᵀ (+b), xn·Wvᵀ (+b); q/k per-head rmsnorm (Qwen3);
  *   rope(q, k); write k, v into the cache, attend (GQA, causal, sliding window);
  *   x += att·Woᵀ;  xn = rmsnorm(x);  x += (silu(xn·Wgᵀ) ⊙ xn·Wuᵀ)·Wdᵀ
+ * or, in a mixture-of-experts layer, x += the same over the experts its router picks for each
+ * token, weighted by their probabilities (the backend's moe)
  * then the rows that want logits: rmsnorm, ·lm_headᵀ. A step's sequences (decode tokens and
  * prefill chunks alike, each its sequence's last tokens) are written and attended with one cache
  * call each (llmem_kv_write_last, llmem_kv_attend_last): one launch each on a device.
@@ -41,6 +43,7 @@
 #include "llmem/config.h"
 #include "llmem/forward.h"
 #include "model/model_int.h"
+#include "plan/moe_work.h"
 
 struct llmem_forward {
     struct llmem_model *model;
@@ -53,7 +56,9 @@ struct llmem_forward {
     float *q;         /* (T, n_heads·hd) */
     float *att;       /* (T, n_heads·hd) attention output */
     float *k, *v;     /* (T, n_kv·hd) */
-    float *gate, *up; /* (T, inter) */
+    float *gate, *up; /* (T, inter) of a dense MLP */
+    float *router;    /* (T, n_experts) a MoE layer's router logits, or NULL */
+    void *moe_work;   /* a MoE layer's workspace (plan/moe_work.h), or NULL */
     int64_t *pos;     /* (T) position of each token */
     int *seq_ids;     /* (T) the sequences of a step */
     int64_t *n_q;     /* (T) and their tokens */
@@ -85,7 +90,22 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
         return LLMEM_ENOMEM;
     }
     const struct llmem_model_geometry *g = &model->cfg.geom;
+    const int moe = g->n_experts > 0 && g->n_moe_layers > 0;
+    if (moe && backend->ops->moe == NULL) {
+        LLMEM_ERROR("%s: the %s backend does not run mixture-of-experts layers",
+                    model->cfg.geom.source, backend->ops->name);
+        free(f);
+        return LLMEM_EUNSUPPORTED;
+    }
+    if (moe && max_batch_tokens * g->n_experts_used > INT32_MAX) {
+        LLMEM_ERROR("a batch of %" PRId64 " tokens: more than a mixture of experts indexes",
+                    max_batch_tokens);
+        free(f);
+        return LLMEM_EINVAL;
+    }
     const size_t T = (size_t)max_batch_tokens;
+    /* the dense MLP's width, where some layer has one (llmem_geometry_workspace_bytes) */
+    const size_t inter = moe && g->n_moe_layers >= g->n_layers ? 0 : (size_t)g->intermediate_size;
     const size_t q_dim = (size_t)(g->n_heads * g->head_dim);
     const size_t kv_dim = (size_t)(g->n_kv_heads * g->head_dim);
     *f = (struct llmem_forward){
@@ -99,16 +119,24 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
         {&f->q, T * q_dim},
         {&f->att, T * q_dim},
         {&f->k, 2 * T * kv_dim},                          /* and v */
-        {&f->gate, 2 * T * (size_t)g->intermediate_size}, /* and up */
+        {&f->gate, 2 * T * inter}, /* and up */
+        {&f->router, moe ? T * (size_t)g->n_experts : 0},
+        {(float **)&f->moe_work,
+         moe ? (size_t)llmem_moe_work_layout((int64_t)T, g->hidden_size, g->expert_intermediate,
+                                             g->n_experts, g->n_experts_used, NULL, NULL) /
+                   sizeof(float)
+             : 0},
     };
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) {
+        if (bufs[i].floats == 0)
+            continue;
         *bufs[i].p = llmem_mem_alloc(f->mem, bufs[i].floats * sizeof(float), LLMEM_TAG_SCRATCH);
         if (*bufs[i].p == NULL)
             goto fail;
     }
     /* the outputs of a pair of matrices a fixed distance apart, as the pair may be multiplied */
     f->v = f->k + T * kv_dim;
-    f->up = f->gate + T * (size_t)g->intermediate_size;
+    f->up = f->gate != NULL ? f->gate + T * inter : NULL;
     f->pos = malloc(T * sizeof(int64_t)); /* host memory, as the rope operation takes it */
     f->seq_ids = malloc(T * sizeof(int));
     f->n_q = malloc(T * sizeof(int64_t));
@@ -133,7 +161,8 @@ fail:
 void llmem_forward_free(struct llmem_forward *f) {
     if (f == NULL)
         return;
-    float *bufs[] = {f->x, f->xn, f->q, f->att, f->k, f->gate}; /* (v and up within k, gate) */
+    float *bufs[] = {f->x,    f->xn,     f->q,       f->att,
+                     f->k,    f->gate,   f->router,  (float *)f->moe_work}; /* (v and up within k, gate) */
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         llmem_mem_free(f->mem, bufs[i]);
     llmem_mem_free(f->mem, f->dev_logits);
@@ -229,6 +258,11 @@ static void mlp_block(struct llmem_forward *f, const struct model_layer *L, int6
     void *ctx = f->be->ctx;
     const struct llmem_model_geometry *g = &f->model->cfg.geom;
     residual_norm(f, L->mlp_norm, T, 1);
+    if (L->experts != NULL) { /* added to x by the next norm */
+        ops->matmul(ctx, &L->router, f->xn, T, f->router, NULL);
+        ops->moe(ctx, &L->moe, f->router, f->xn, T, f->xn, f->moe_work);
+        return;
+    }
     if (ops->matmul_swiglu != NULL) {
         ops->matmul_swiglu(ctx, &L->w_gate, &L->w_up, f->xn, T, f->gate, f->up, f->gate);
     } else {

@@ -316,6 +316,99 @@ static int bind_vector(struct llmem_model *m, const char *name, int64_t n, int r
     return LLMEM_OK;
 }
 
+/* Expert e's three matrices from transformers' stacked tensors: `gate_up` [E, 2·inter, hidden]
+ * (each expert's gate rows, then its up rows) and `down` [E, hidden, inter]. */
+static int bind_stacked_experts(struct llmem_model *m, const char *gate_up, const char *down,
+                                struct model_layer *L) {
+    const struct llmem_model_geometry *g = &m->cfg.geom;
+    const int64_t E = g->n_experts, inter = g->expert_intermediate, h = g->hidden_size;
+    const struct llmem_st_tensor *t[2] = {find(m, gate_up, 1), NULL};
+    if (t[0] == NULL || (t[1] = find(m, down, 1)) == NULL)
+        return LLMEM_ENOENT;
+    const int64_t want[2][3] = {{E, 2 * inter, h}, {E, h, inter}};
+    for (int i = 0; i < 2; i++) {
+        const struct llmem_st_tensor *x = t[i];
+        if (x->n_dims != 3 || x->shape[0] != want[i][0] || x->shape[1] != want[i][1] ||
+            x->shape[2] != want[i][2]) {
+            LOAD_ERROR("%s: tensor '%s' is not [%" PRId64 ", %" PRId64 ", %" PRId64
+                       "] (experts, rows, columns) as the config says",
+                       g->source, x->name, want[i][0], want[i][1], want[i][2]);
+            return LLMEM_EFORMAT;
+        }
+        if (x->dtype != LLMEM_DTYPE_F32 && x->dtype != LLMEM_DTYPE_F16 &&
+            x->dtype != LLMEM_DTYPE_BF16) {
+            LOAD_ERROR("%s: tensor '%s' is %s; llmem runs F32, F16 and BF16 weights", g->source,
+                       x->name, llmem_dtype_name(x->dtype));
+            return LLMEM_EUNSUPPORTED;
+        }
+    }
+    const int64_t s0 = llmem_dtype_size(t[0]->dtype), s1 = llmem_dtype_size(t[1]->dtype);
+    const char *gu = tensor_data(m, t[0]), *d = tensor_data(m, t[1]);
+    for (int64_t e = 0; e < E; e++) {
+        const char *at = gu + e * 2 * inter * h * s0;
+        L->experts[e] = (struct llmem_weight){
+            .data = at, .dtype = t[0]->dtype, .rows = inter, .cols = h};
+        L->experts[E + e] = (struct llmem_weight){
+            .data = at + inter * h * s0, .dtype = t[0]->dtype, .rows = inter, .cols = h};
+        L->experts[2 * E + e] = (struct llmem_weight){
+            .data = d + e * h * inter * s1, .dtype = t[1]->dtype, .rows = h, .cols = inter};
+    }
+    return LLMEM_OK;
+}
+
+/* A mixture-of-experts layer's router and experts: Qwen3-MoE's mlp.gate and
+ * mlp.experts.N.{gate,up,down}_proj, Mixtral's block_sparse_moe.gate and
+ * block_sparse_moe.experts.N.{w1,w3,w2} (one tensor per expert, as the Hub stores them), or either
+ * family's experts stacked as transformers holds them (mlp.experts.gate_up_proj, .down_proj). */
+static int bind_moe(struct llmem_model *m, int64_t i, struct model_layer *L) {
+    const struct llmem_model_geometry *g = &m->cfg.geom;
+    const int64_t E = g->n_experts, inter = g->expert_intermediate, h = g->hidden_size;
+    char block[96], name[200];
+    snprintf(block, sizeof(block), "model.layers.%" PRId64 ".mlp", i);
+    snprintf(name, sizeof(name), "%s.gate.weight", block);
+    if (strcmp(g->arch, "mixtral") == 0 && find(m, name, 0) == NULL)
+        snprintf(block, sizeof(block), "model.layers.%" PRId64 ".block_sparse_moe", i);
+    snprintf(name, sizeof(name), "%s.gate.weight", block);
+    int status = bind_matrix(m, name, E, h, &L->router);
+    if (status != LLMEM_OK)
+        return status;
+    L->experts = calloc((size_t)(3 * E), sizeof(*L->experts));
+    if (L->experts == NULL) {
+        LOAD_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    L->moe = (struct llmem_backend_moe){.n_experts = E,
+                                        .k = g->n_experts_used,
+                                        .norm_topk = m->cfg.moe_norm_topk,
+                                        .gate = L->experts,
+                                        .up = L->experts + E,
+                                        .down = L->experts + 2 * E};
+    /* one tensor per expert, else the stacked pair */
+    static const char *const names[2][3] = {{"gate_proj", "up_proj", "down_proj"},
+                                            {"w1", "w3", "w2"}};
+    const int family = strstr(block, "block_sparse_moe") != NULL;
+    snprintf(name, sizeof(name), "%s.experts.0.%s.weight", block, names[family][0]);
+    char scales[220];
+    snprintf(scales, sizeof(scales), "%s.experts.0.%s.scales", block, names[family][0]);
+    if (find(m, name, 0) == NULL && find(m, scales, 0) == NULL) {
+        char gate_up[200], down[200];
+        snprintf(gate_up, sizeof(gate_up), "%s.experts.gate_up_proj", block);
+        snprintf(down, sizeof(down), "%s.experts.down_proj", block);
+        if (find(m, gate_up, 0) != NULL)
+            return bind_stacked_experts(m, gate_up, down, L);
+    }
+    for (int64_t e = 0; e < E; e++)
+        for (int p = 0; p < 3; p++) {
+            snprintf(name, sizeof(name), "%s.experts.%" PRId64 ".%s.weight", block, e,
+                     names[family][p]);
+            status = p < 2 ? bind_matrix(m, name, inter, h, &L->experts[p * E + e])
+                           : bind_matrix(m, name, h, inter, &L->experts[p * E + e]);
+            if (status != LLMEM_OK)
+                return status;
+        }
+    return LLMEM_OK;
+}
+
 static int bind_layer(struct llmem_model *m, int64_t i) {
     const struct llmem_model_geometry *g = &m->cfg.geom;
     struct model_layer *L = &m->layers[i];
@@ -329,12 +422,6 @@ static int bind_layer(struct llmem_model *m, int64_t i) {
         (status =
              bind_matrix(m, NAME("self_attn.v_proj.weight"), kv_dim, g->hidden_size, &L->wv)) ||
         (status = bind_matrix(m, NAME("self_attn.o_proj.weight"), g->hidden_size, q_dim, &L->wo)) ||
-        (status = bind_matrix(m, NAME("mlp.gate_proj.weight"), g->intermediate_size, g->hidden_size,
-                              &L->w_gate)) ||
-        (status = bind_matrix(m, NAME("mlp.up_proj.weight"), g->intermediate_size, g->hidden_size,
-                              &L->w_up)) ||
-        (status = bind_matrix(m, NAME("mlp.down_proj.weight"), g->hidden_size, g->intermediate_size,
-                              &L->w_down)) ||
         (status =
              bind_vector(m, NAME("input_layernorm.weight"), g->hidden_size, 1, &L->attn_norm)) ||
         (status = bind_vector(m, NAME("post_attention_layernorm.weight"), g->hidden_size, 1,
@@ -348,6 +435,16 @@ static int bind_layer(struct llmem_model *m, int64_t i) {
     if (g->qk_norm &&
         ((status = bind_vector(m, NAME("self_attn.q_norm.weight"), g->head_dim, 1, &L->q_norm)) ||
          (status = bind_vector(m, NAME("self_attn.k_norm.weight"), g->head_dim, 1, &L->k_norm))))
+        return status;
+    if (m->cfg.layer_moe != NULL && m->cfg.layer_moe[i])
+        status = bind_moe(m, i, L);
+    else if ((status = bind_matrix(m, NAME("mlp.gate_proj.weight"), g->intermediate_size,
+                                   g->hidden_size, &L->w_gate)) == LLMEM_OK &&
+             (status = bind_matrix(m, NAME("mlp.up_proj.weight"), g->intermediate_size,
+                                   g->hidden_size, &L->w_up)) == LLMEM_OK)
+        status = bind_matrix(m, NAME("mlp.down_proj.weight"), g->hidden_size,
+                             g->intermediate_size, &L->w_down);
+    if (status != LLMEM_OK)
         return status;
 #undef NAME
     L->window = m->cfg.layer_sliding != NULL && m->cfg.layer_sliding[i] ? g->sliding_window : 0;
@@ -400,6 +497,7 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
     g->n_params = llmem_model_count_params(m->st, &m->cfg);
     g->weights_bytes = m->st->n_bytes;
     g->quantized = m->cfg.quant_bits != 0;
+    g->expert_bytes = g->n_experts > 0 ? llmem_model_expert_bytes(m->st) : 0;
     if ((status = map_files(m, progress, progress_arg, flags)) != LLMEM_OK)
         goto fail;
 
@@ -473,6 +571,7 @@ void llmem_model_free(struct llmem_model *m) {
             float *v[] = {L->attn_norm, L->mlp_norm, L->bq, L->bk, L->bv, L->q_norm, L->k_norm};
             for (size_t k = 0; k < sizeof(v) / sizeof(v[0]); k++)
                 llmem_mem_free(m->mem, v[k]);
+            free(L->experts);
         }
         free(m->layers);
     }

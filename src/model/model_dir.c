@@ -232,6 +232,14 @@ int64_t llmem_model_count_params(const struct llmem_safetensors *st,
     return n;
 }
 
+int64_t llmem_model_expert_bytes(const struct llmem_safetensors *st) {
+    int64_t bytes = 0;
+    for (int i = 0; i < st->n_tensors; i++)
+        if (strstr(st->tensors[i].name, ".experts.") != NULL)
+            bytes += st->tensors[i].n_bytes;
+    return bytes;
+}
+
 /* A GGUF file's geometry: the header and tensor infos alone (the data is mapped, never read). */
 int llmem_model_gguf_geometry(const char *path, struct llmem_model_geometry *geom,
                               struct llmem_model_config *cfg, const char *func) {
@@ -260,6 +268,7 @@ int llmem_model_geometry_load(const char *model_dir, struct llmem_model_geometry
         return status;
     g.n_params = st->n_elements;
     g.weights_bytes = st->n_bytes;
+    g.expert_bytes = g.n_experts > 0 ? llmem_model_expert_bytes(st) : 0;
     for (int i = 0; i < st->n_tensors; i++)
         if (st->tensors[i].dtype == LLMEM_DTYPE_U32) { /* MLX codes: count what they hold */
             g.quantized = 1;

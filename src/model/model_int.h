@@ -47,6 +47,11 @@ int64_t llmem_model_count_params(const struct llmem_safetensors *st,
  * (wavelength-dependent: long wavelengths ÷ factor, short unchanged, smooth in between). */
 void llmem_rope_inv_freq(const struct llmem_model_config *cfg, float *inv_freq);
 
+/* The bytes of a directory's expert tensors (names with ".experts.": one tensor per expert as the
+ * Hub stores them, or transformers' stacked experts.gate_up_proj and experts.down_proj). In
+ * model_dir.c. */
+int64_t llmem_model_expert_bytes(const struct llmem_safetensors *st);
+
 /* LLMEM_OK when dir is an existing directory; else LLMEM_ENOENT (missing) or LLMEM_EINVAL (not a
  * directory), logged as from `func` with the path. In config.c. */
 int llmem_model_dir_check(const char *dir, const char *func);
@@ -88,6 +93,12 @@ struct model_layer {
     float *mlp_norm;                          /* (hidden) post_attention_layernorm */
     float *bq, *bk, *bv;                      /* (n_heads·hd) (kv·hd) (kv·hd), or NULL */
     float *q_norm, *k_norm;                   /* (hd), or NULL */
+    /* a mixture-of-experts layer (cfg.layer_moe): the router (n_experts, hidden) and the experts
+     * (w_gate, w_up and w_down unused); `experts` holds the 3 × n_experts matrices the moe
+     * table points into (gates, then ups, then downs); NULL in a dense layer */
+    struct llmem_weight router;
+    struct llmem_backend_moe moe;
+    struct llmem_weight *experts;
     int64_t window;                           /* 0, or the sliding window of this layer */
 };
 

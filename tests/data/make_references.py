@@ -58,6 +58,9 @@ MODELS = {
     "tiny-qwen3": ("tests/data/models/tiny-qwen3", TEXTS, 40, 0, False),
     "tiny-mistral-swa": ("tests/data/models/tiny-mistral-swa", TEXTS, 40, 120, False),
     "pycoder": ("models/pycoder", CODE_TEXTS, 64, 0, True),
+    # weights by make_moe_models.py (numpy), whose port of transformers made the first references
+    "tiny-qwen3-moe": ("tests/data/models/tiny-qwen3-moe", TEXTS, 40, 0, False),
+    "tiny-mixtral": ("tests/data/models/tiny-mixtral", TEXTS, 40, 120, False),
 }
 
 

@@ -191,7 +191,7 @@ static void swiglu_range(void *arg, int64_t begin, int64_t end) {
     }
 }
 
-static void cpu_swiglu(void *ctx, const float *gate, const float *up, int64_t n, float *out) {
+void llmem_cpu_swiglu(void *ctx, const float *gate, const float *up, int64_t n, float *out) {
     LLMEM_ASSERT(gate != NULL && up != NULL && out != NULL && n >= 0);
     struct swiglu_args a = {gate, up, out};
     /* expf costs several ns: worth threads at an eighth of the usual size. */
@@ -310,9 +310,10 @@ static const struct llmem_backend_ops cpu_ops = {
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,
     .rope_pairs = cpu_rope_pairs,
-    .swiglu = cpu_swiglu,
+    .swiglu = llmem_cpu_swiglu,
     .embedding = cpu_embedding,
     .add = cpu_add,
+    .moe = llmem_cpu_moe,
     .memory = cpu_memory,
     .copy = cpu_copy,
     .sync = cpu_sync,

@@ -69,6 +69,11 @@ void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *con
 void llmem_cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,
                       const float *bias);
 
+/* SwiGLU of the backend table (cpu.c) and its mixture of experts (moe.c). */
+void llmem_cpu_swiglu(void *ctx, const float *gate, const float *up, int64_t n, float *out);
+void llmem_cpu_moe(void *ctx, const struct llmem_backend_moe *m, const float *logits,
+                   const float *x, int64_t T, float *y, void *work);
+
 /* The fast path for quantized weights (matmul_q.c): whether a weight of this type and row length
  * has integer kernels, and the matmul through them (x quantized per block; see matmul_q.c). */
 int llmem_cpu_matmul_q_supported(int type, int64_t cols);
