@@ -521,11 +521,70 @@ static void test_sharded_pycoder(void **state) {
     free(dir);
 }
 
+/* ---- mixtures of experts -------------------------------------------------------------------- */
+
+static int64_t weight_bytes_read(const struct rig *r) {
+    struct llmem_backend_counters c;
+    r->be->ops->counters(r->be->ctx, &c);
+    return c.weight_bytes;
+}
+
+/* A decode token reads the matrices of the k experts its router picks in each MoE layer and no
+ * other expert's: the bytes its matmuls read are exactly the geometry's active bytes, less the
+ * norms (f32 copies, not matrices) and, untied, the embedding table (one row is looked up). A
+ * prefill of several tokens reads each expert at most once a layer. */
+static void test_moe_reads_chosen_experts(void **state) {
+    (void)state;
+    const char *names[] = {"tiny-qwen3-moe", "tiny-mixtral"};
+    for (size_t m = 0; m < 2; m++) {
+        char dir[512];
+        struct rig r;
+        rig_open(&r, model_dir(names[m], dir, sizeof(dir)), LLMEM_KV_LAYOUT_PAGED,
+                 LLMEM_KV_FORMAT_F32, 64, 1);
+        const struct llmem_model_geometry *g = &llmem_model_get_config(r.model)->geom;
+        const int64_t norms = 2 * (g->n_layers * (2 * g->hidden_size +
+                                                  (g->qk_norm ? 2 * g->head_dim : 0)) +
+                                   g->hidden_size);
+        const int64_t embed = g->tied_embeddings ? 0 : 2 * g->vocab_size * g->hidden_size;
+        const int64_t want = llmem_geometry_active_bytes(g) - norms - embed;
+        const int64_t expert = 3 * 2 * g->hidden_size * g->expert_intermediate;
+        assert_true(g->n_experts > g->n_experts_used && g->expert_bytes > 0);
+        assert_int_equal(g->expert_bytes, g->n_moe_layers * g->n_experts * expert);
+
+        struct generation gens[1];
+        load_generations(names[m], gens, 1);
+        float *logits = malloc((size_t)r.vocab * sizeof(float));
+        int seq = -1;
+        assert_int_equal(llmem_kv_seq_new(r.kv, &seq), LLMEM_OK);
+        int64_t before = weight_bytes_read(&r);
+        prefill(&r, seq, gens[0].ids, gens[0].n_prompt, logits);
+        const int64_t prefill_bytes = weight_bytes_read(&r) - before;
+        assert_true(prefill_bytes <= want + g->n_moe_layers *
+                                                (g->n_experts - g->n_experts_used) * expert);
+        for (int64_t i = 0; i < 8; i++) {
+            const int32_t next = gens[0].ids[gens[0].n_prompt + i];
+            struct llmem_batch_seq b = {.seq = seq, .pos = gens[0].n_prompt + i, .n_tokens = 1};
+            before = weight_bytes_read(&r);
+            assert_int_equal(llmem_forward_run(r.fwd, &next, &b, 1, logits), LLMEM_OK);
+            assert_int_equal(weight_bytes_read(&r) - before, want);
+        }
+        printf("  %-16s decode reads %lld of %lld weight bytes a token (%lld of %lld experts); "
+               "a %lld-token prefill %lld\n",
+               names[m], (long long)want, (long long)(g->weights_bytes - norms - embed),
+               (long long)g->n_experts_used, (long long)g->n_experts, (long long)gens[0].n_prompt,
+               (long long)prefill_bytes);
+        llmem_kv_seq_free(r.kv, seq);
+        free(logits);
+        free_generations(gens, 1);
+        rig_close(&r);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parity_transformers), cmocka_unit_test(test_layouts_agree),
         cmocka_unit_test(test_batch_equals_single), cmocka_unit_test(test_kv_format_bounds),
-        cmocka_unit_test(test_sharded_pycoder),
+        cmocka_unit_test(test_sharded_pycoder), cmocka_unit_test(test_moe_reads_chosen_experts),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -114,6 +114,8 @@ struct llmem_backend_counters {
     int64_t top_k_rows;      /* rows of which only the largest k came back (top_k) */
     int64_t rounds; /* activations rounded to 16 bits for the fast GEMMs by a kernel of their own
                      * (not written so by the operation that produced them) */
+    int64_t weight_bytes; /* bytes of the weight matrices the matmuls read (the CPU's: each
+                           * matrix's rows × row bytes per call, the experts' included) */
 };
 
 struct llmem_backend_ops {

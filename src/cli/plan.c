@@ -245,6 +245,14 @@ static int geometry_json(cJSON *o, const struct llmem_model_geometry *g) {
     st |= llmem_json_add_int(o, "max_context", g->max_context);
     st |= llmem_json_add_int(o, "sliding_window", g->sliding_window);
     st |= llmem_json_add_int(o, "kv_bytes_per_token", llmem_geometry_kv_bytes_per_token(g));
+    if (g->n_experts > 0) {
+        st |= llmem_json_add_int(o, "n_experts", g->n_experts);
+        st |= llmem_json_add_int(o, "n_experts_used", g->n_experts_used);
+        st |= llmem_json_add_int(o, "expert_intermediate", g->expert_intermediate);
+        st |= llmem_json_add_int(o, "n_moe_layers", g->n_moe_layers);
+    }
+    st |= llmem_json_add_int(o, "active_params", llmem_geometry_active_param_count(g));
+    st |= llmem_json_add_int(o, "active_bytes", llmem_geometry_active_bytes(g));
     return st != 0 ? LLMEM_ENOMEM : LLMEM_OK;
 }
 
@@ -367,6 +375,12 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
         printf("  model    %s (%s): %lld layers, %lld query / %lld KV heads × %lld, %.2fB params\n",
                g->name, g->arch, (long long)g->n_layers, (long long)g->n_heads,
                (long long)g->n_kv_heads, (long long)g->head_dim, (double)g->n_params / 1e9);
+    if (g != NULL && g->n_experts > 0)
+        printf("  experts  %lld of %lld a token in %lld of the layers: %.2fB active params, %s of "
+               "weights read a token\n",
+               (long long)g->n_experts_used, (long long)g->n_experts, (long long)g->n_moe_layers,
+               (double)llmem_geometry_active_param_count(g) / 1e9,
+               llmem_size_format_short(llmem_geometry_active_bytes(g), s1, sizeof(s1)));
     printf("  machine  %s\n\n", machine);
 
     printf("  %-22s %16s  %9s\n", "", "bytes", "size");
@@ -447,8 +461,10 @@ int cli_plan(int argc, char **argv) {
     if (a.weight_type > 0 && gguf)
         return cli_usage_error("plan", "--weight-type: %s is a GGUF file, whose types are its own",
                                a.model);
-    if (a.weight_type > 0)
+    if (a.weight_type > 0) { /* the experts' share priced by parameters from here on */
         geom.weights_bytes = llmem_gguf_weights_bytes(&geom, a.weight_type);
+        geom.expert_bytes = 0;
+    }
 
     struct machine m = {.total = a.total, .ceiling = a.ceiling};
     if (a.total > 0) {

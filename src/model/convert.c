@@ -113,7 +113,8 @@ int llmem_gguf_tensor_type(int ftype, const char *name, int n_dims, int64_t ne0,
     LLMEM_ASSERT(base >= 0);
     /* tensor_allows_quantization: 1-D tensors, norms and non-weights keep their type (F32 as the
      * converter writes them). */
-    if (n_dims < 2 || !ends_with(name, "weight") || strstr(name, "_norm.weight") != NULL)
+    if (n_dims < 2 || !ends_with(name, "weight") || strstr(name, "_norm.weight") != NULL ||
+        strstr(name, "ffn_gate_inp.weight") != NULL) /* (and a MoE router) */
         return LLMEM_QTYPE_F32;
     if (base == LLMEM_QTYPE_F16 || base == LLMEM_QTYPE_BF16)
         return base; /* not a quantized type: no rules (convert_hf_to_gguf --outtype) */
@@ -159,45 +160,55 @@ int llmem_gguf_tensor_type(int ftype, const char *name, int n_dims, int64_t ne0,
 int64_t llmem_gguf_weights_bytes(const struct llmem_model_geometry *g, int ftype) {
     const int64_t h = g->hidden_size, q = g->n_heads * g->head_dim;
     const int64_t kv = g->n_kv_heads * g->head_dim, ff = g->intermediate_size;
-    /* GGUF's ne: {row length, rows}; a second dimension of 0 marks a vector */
+    const int64_t E = g->n_experts > 0 ? g->n_experts : 0, fe = g->expert_intermediate;
+    /* the layers with experts, taken as the last ones (their place only moves ffn_down's type) */
+    const int64_t first_moe = E > 0 ? g->n_layers - g->n_moe_layers : g->n_layers;
+    /* GGUF's ne: {row length, rows, experts}; a second dimension of 0 marks a vector. `mlp`: 0 in
+     * every layer, 1 in a dense layer, 2 in a layer with experts */
     struct {
         const char *name;
-        int64_t ne0, ne1;
-        int per_layer, present;
+        int64_t ne0, ne1, ne2;
+        int per_layer, present, mlp;
     } t[] = {
-        {"token_embd.weight", h, g->vocab_size, 0, 1},
-        {"output.weight", h, g->vocab_size, 0, !g->tied_embeddings},
-        {"output_norm.weight", h, 0, 0, 1},
-        {"attn_norm.weight", h, 0, 1, 1},
-        {"attn_q.weight", h, q, 1, 1},
-        {"attn_k.weight", h, kv, 1, 1},
-        {"attn_v.weight", h, kv, 1, 1},
-        {"attn_output.weight", q, h, 1, 1},
-        {"attn_q.bias", q, 0, 1, g->attention_bias},
-        {"attn_k.bias", kv, 0, 1, g->attention_bias},
-        {"attn_v.bias", kv, 0, 1, g->attention_bias},
-        {"attn_q_norm.weight", g->head_dim, 0, 1, g->qk_norm},
-        {"attn_k_norm.weight", g->head_dim, 0, 1, g->qk_norm},
-        {"ffn_norm.weight", h, 0, 1, 1},
-        {"ffn_gate.weight", h, ff, 1, 1},
-        {"ffn_up.weight", h, ff, 1, 1},
-        {"ffn_down.weight", ff, h, 1, 1},
+        {"token_embd.weight", h, g->vocab_size, 1, 0, 1, 0},
+        {"output.weight", h, g->vocab_size, 1, 0, !g->tied_embeddings, 0},
+        {"output_norm.weight", h, 0, 1, 0, 1, 0},
+        {"attn_norm.weight", h, 0, 1, 1, 1, 0},
+        {"attn_q.weight", h, q, 1, 1, 1, 0},
+        {"attn_k.weight", h, kv, 1, 1, 1, 0},
+        {"attn_v.weight", h, kv, 1, 1, 1, 0},
+        {"attn_output.weight", q, h, 1, 1, 1, 0},
+        {"attn_q.bias", q, 0, 1, 1, g->attention_bias, 0},
+        {"attn_k.bias", kv, 0, 1, 1, g->attention_bias, 0},
+        {"attn_v.bias", kv, 0, 1, 1, g->attention_bias, 0},
+        {"attn_q_norm.weight", g->head_dim, 0, 1, 1, g->qk_norm, 0},
+        {"attn_k_norm.weight", g->head_dim, 0, 1, 1, g->qk_norm, 0},
+        {"ffn_norm.weight", h, 0, 1, 1, 1, 0},
+        {"ffn_gate.weight", h, ff, 1, 1, 1, 1},
+        {"ffn_up.weight", h, ff, 1, 1, 1, 1},
+        {"ffn_down.weight", ff, h, 1, 1, 1, 1},
+        {"ffn_gate_inp.weight", h, E, 1, 1, E > 0, 2},
+        {"ffn_gate_exps.weight", h, fe, E, 1, E > 0, 2},
+        {"ffn_up_exps.weight", h, fe, E, 1, E > 0, 2},
+        {"ffn_down_exps.weight", fe, h, E, 1, E > 0, 2},
     };
     int64_t bytes = 0;
     for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++) {
         if (!t[i].present)
             continue;
         for (int64_t l = 0; l < (t[i].per_layer ? g->n_layers : 1); l++) {
+            if ((t[i].mlp == 1 && l >= first_moe) || (t[i].mlp == 2 && l < first_moe))
+                continue;
             char name[96];
             if (t[i].per_layer)
                 snprintf(name, sizeof(name), "blk.%lld.%s", (long long)l, t[i].name);
             else
                 snprintf(name, sizeof(name), "%s", t[i].name);
             int fallback;
-            int n_dims = t[i].ne1 > 0 ? 2 : 1;
+            int n_dims = t[i].ne1 > 0 ? (t[i].ne2 > 1 ? 3 : 2) : 1;
             int type = llmem_gguf_tensor_type(ftype, name, n_dims, t[i].ne0, g->n_layers,
                                               g->tied_embeddings, &fallback);
-            bytes += llmem_qtype_bytes(type, t[i].ne0 * (n_dims == 2 ? t[i].ne1 : 1));
+            bytes += llmem_qtype_bytes(type, t[i].ne0 * (n_dims >= 2 ? t[i].ne1 * t[i].ne2 : 1));
         }
     }
     return bytes;

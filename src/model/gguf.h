@@ -225,7 +225,9 @@ int llmem_gguf_hf_name(const char *gguf, char *out, size_t size);
 
 /* The bytes of the tensors of a GGUF file of type ftype holding a model of geometry g (its
  * embeddings, layers, norms and, unless tied, output), each of the type llmem_gguf_tensor_type
- * gives it: what `llmem quantize` would write, for planning before it exists. */
+ * gives it: what `llmem quantize` would write, for planning before it exists. A mixture of
+ * experts is priced as llama.cpp stores one (the router F32, each MoE layer's experts stacked in
+ * ffn_{gate,up,down}_exps with the dense MLP's rules), its MoE layers taken as the last ones. */
 int64_t llmem_gguf_weights_bytes(const struct llmem_model_geometry *g, int ftype);
 
 typedef void (*llmem_gguf_progress_fn)(void *arg, int64_t done, int64_t total);

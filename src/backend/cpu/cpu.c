@@ -301,6 +301,11 @@ static int cpu_sync(void *ctx) {
     return LLMEM_OK;
 }
 
+static void cpu_counters(void *ctx, struct llmem_backend_counters *out) {
+    const struct cpu_ctx *c = ctx;
+    *out = (struct llmem_backend_counters){.weight_bytes = c->weight_bytes};
+}
+
 static const struct llmem_backend_ops cpu_ops = {
     .name = "cpu",
     .destroy = cpu_destroy,
@@ -317,6 +322,7 @@ static const struct llmem_backend_ops cpu_ops = {
     .memory = cpu_memory,
     .copy = cpu_copy,
     .sync = cpu_sync,
+    .counters = cpu_counters,
 };
 
 int64_t llmem_backend_cpu_scratch_bytes(int n_threads) {

@@ -61,6 +61,7 @@ struct cpu_ctx {
     int no_vnni; /* matmul_q.c's AVX-512 kernels without VNNI (tests; else VNNI where present) */
     float *xt;          /* (CPU_GEMM_XT_BYTES) a block of x, packed (AVX-512 GEMM) */
     float *wpanel;      /* (n_threads, CPU_GEMM_THREAD_FLOATS): W converted to f32, sums */
+    int64_t weight_bytes; /* bytes of the weight matrices the matmuls were handed (counters) */
 };
 
 /* The matmul of the backend table (matmul.c). */

@@ -832,6 +832,8 @@ void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *con
             llmem_cpu_matmul(ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
         return;
     }
+    for (int i = 0; i < count; i++)
+        c->weight_bytes += w[i]->rows * llmem_weight_row_bytes(w[i]);
     matmul_decode_multi(c, &kernels[c->isa], count, w, x, n, y, bias);
 }
 
@@ -888,6 +890,7 @@ void llmem_cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, i
                  w->dtype == LLMEM_DTYPE_BF16);
     if (n == 0 || w->rows == 0)
         return;
+    c->weight_bytes += w->rows * llmem_weight_row_bytes(w);
     if (w->cols == 0) {
         for (int64_t t = 0; t < n; t++)
             for (int64_t r = 0; r < w->rows; r++)
