@@ -5,6 +5,7 @@
  * Every failing call must return the right status and log exactly one error line with a
  * recognizable phrase; the log callback below counts the lines.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +23,8 @@
 #include "llmem/config.h"
 #include "llmem/dtype.h"
 #include "llmem/safetensors.h"
+#include "core/file.h"
+#include "model/model_int.h"
 #include "testutil.h"
 
 #define PYCODER_DIR LLMEM_SOURCE_DIR "/models/pycoder"
@@ -831,6 +834,116 @@ static void test_config_families(void **state) {
                       "architecture 'GPT2LMHeadModel' is not supported");
 }
 
+/* Mixtures of experts: qwen3_moe's keys (num_experts or num_local_experts, mlp_only_layers,
+ * decoder_sparse_step, norm_topk_prob) and mixtral's, read into the geometry and per-layer flags;
+ * bad values refused by name. */
+static void test_config_moe(void **state) {
+    const char *dir = *state;
+    write_config(dir, base_config, "model_type", "\"qwen3_moe\"", "num_experts", "8",
+                 "num_experts_per_tok", "2", "moe_intermediate_size", "32", "mlp_only_layers",
+                 "[0]", "norm_topk_prob", "true", NULL);
+    struct llmem_model_geometry g = load_config_ok(dir);
+    assert_string_equal(g.arch, "qwen3_moe");
+    assert_int_equal(g.qk_norm, 1);
+    assert_int_equal(g.n_experts, 8);
+    assert_int_equal(g.n_experts_used, 2);
+    assert_int_equal(g.expert_intermediate, 32);
+    assert_int_equal(g.n_moe_layers, g.n_layers - 1);
+    struct llmem_model_config cfg;
+    assert_int_equal(llmem_model_config_load(dir, &cfg), LLMEM_OK);
+    assert_int_equal(cfg.layer_moe[0], 0);
+    assert_int_equal(cfg.layer_moe[1], 1);
+    assert_int_equal(cfg.moe_norm_topk, 1);
+    llmem_model_config_free(&cfg);
+    /* transformers 5's spelling; every second layer sparse */
+    write_config(dir, base_config, "model_type", "\"qwen3_moe\"", "num_local_experts", "4",
+                 "num_experts_per_tok", "1", "moe_intermediate_size", "32",
+                 "decoder_sparse_step", "2", NULL);
+    g = load_config_ok(dir);
+    assert_int_equal(g.n_experts, 4);
+    assert_int_equal(g.n_moe_layers, g.n_layers / 2);
+    write_config(dir, base_config, "model_type", "\"mixtral\"", "num_local_experts", "8",
+                 "num_experts_per_tok", "2", NULL);
+    g = load_config_ok(dir);
+    assert_int_equal(g.expert_intermediate, g.intermediate_size);
+    assert_int_equal(g.n_moe_layers, g.n_layers);
+    assert_int_equal(llmem_model_config_load(dir, &cfg), LLMEM_OK);
+    assert_int_equal(cfg.moe_norm_topk, 1);
+    llmem_model_config_free(&cfg);
+
+    struct llmem_model_geometry bad;
+    write_config(dir, base_config, "model_type", "\"mixtral\"", "num_local_experts", "8",
+                 "num_experts_per_tok", "9", NULL);
+    tu_expect_failure(llmem_model_geometry_load_config(dir, &bad), LLMEM_EFORMAT,
+                      "'num_experts_per_tok' is 9, outside [1, 8]");
+    write_config(dir, base_config, "model_type", "\"qwen3_moe\"", "num_experts", "8",
+                 "num_experts_per_tok", "2", NULL);
+    tu_expect_failure(llmem_model_geometry_load_config(dir, &bad), LLMEM_EFORMAT,
+                      "missing 'moe_intermediate_size'");
+    write_config(dir, base_config, "model_type", "\"qwen3_moe\"", "num_experts", "8",
+                 "num_experts_per_tok", "2", "moe_intermediate_size", "32", "mlp_only_layers",
+                 "[99]", NULL);
+    tu_expect_failure(llmem_model_geometry_load_config(dir, &bad), LLMEM_EFORMAT,
+                      "'mlp_only_layers' holds a number out of range");
+}
+
+/* LLMEM_MODEL_LOAD_DUMMY: from config.json alone, the tensors of a bf16 checkpoint — exactly
+ * llmem_model_geometry_load_dummy's parameters and bytes, the same values on every load, norm
+ * weights 1 — for a dense model and a mixture of experts. */
+static void test_dummy_load(void **state) {
+    const char *dir = *state;
+    const char *models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3-moe", "tiny-mixtral"};
+    for (size_t i = 0; i < sizeof(models) / sizeof(models[0]); i++) {
+        char src[512];
+        snprintf(src, sizeof(src), "%s/%s/config.json", MODELS_DIR, models[i]);
+        char *text = NULL;
+        size_t len = 0;
+        assert_int_equal(llmem_file_read(src, 1 << 20, &text, &len), LLMEM_OK);
+        free(tu_write_file(dir, "config.json", text, (long)len));
+        free(text);
+        struct llmem_model_geometry g, from_files;
+        assert_int_equal(llmem_model_geometry_load_dummy(dir, &g), LLMEM_OK);
+        snprintf(src, sizeof(src), "%s/%s", MODELS_DIR, models[i]);
+        assert_int_equal(llmem_model_geometry_load(src, &from_files), LLMEM_OK);
+        assert_int_equal(g.n_params, from_files.n_params); /* the checkpoints are bf16 */
+        assert_int_equal(g.weights_bytes, 2 * g.n_params);
+        assert_int_equal(g.expert_bytes, from_files.expert_bytes);
+
+        struct llmem_mem_config mc = {.cache_limit_bytes = -1};
+        struct llmem_mem *mem = NULL;
+        assert_int_equal(llmem_mem_create(&mc, &mem), LLMEM_OK);
+        struct llmem_model *a = NULL, *b = NULL;
+        assert_int_equal(llmem_model_load(dir, mem, LLMEM_MODEL_LOAD_DUMMY, NULL, NULL, &a),
+                         LLMEM_OK);
+        assert_int_equal(llmem_model_load(dir, mem, LLMEM_MODEL_LOAD_DUMMY, NULL, NULL, &b),
+                         LLMEM_OK);
+        const struct llmem_model_geometry *ga = &llmem_model_get_config(a)->geom;
+        assert_int_equal(ga->n_params, g.n_params);
+        assert_int_equal(ga->weights_bytes, g.weights_bytes);
+        assert_int_equal(ga->expert_bytes, g.expert_bytes);
+        /* the same values both times; matrices within ±2^-4, not all equal; norms 1 */
+        const int64_t n = a->embed.rows * a->embed.cols;
+        assert_memory_equal(a->embed.data, b->embed.data, (size_t)(2 * n));
+        assert_memory_equal(a->layers[0].wq.data, b->layers[0].wq.data,
+                            (size_t)(2 * a->layers[0].wq.rows * a->layers[0].wq.cols));
+        const uint16_t *e = a->embed.data;
+        int varied = 0;
+        for (int64_t j = 0; j < n; j++) {
+            const uint32_t bits = (uint32_t)e[j] << 16;
+            float f;
+            memcpy(&f, &bits, 4);
+            assert_true(fabsf(f) >= 0.015625f && fabsf(f) < 0.0625f);
+            varied |= e[j] != e[0];
+        }
+        assert_true(varied);
+        assert_true(a->final_norm[0] == 1.0f && a->layers[0].mlp_norm[1] == 1.0f);
+        llmem_model_free(a);
+        llmem_model_free(b);
+        assert_int_equal(llmem_mem_active(mem), 0);
+        llmem_mem_destroy(mem);
+    }
+}
+
 static void test_config_text_config(void **state) {
     const char *dir = *state;
     /* A multimodal wrapper: the text model's fields under text_config, tie at the top. */
@@ -962,6 +1075,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_config_bad_values, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_config_rope_spellings, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_config_families, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_config_moe, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_dummy_load, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_config_text_config, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_config_sliding_window, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_geometry_name_source_tied, tu_setup_dir,

@@ -39,6 +39,11 @@ LLMEM_API int llmem_model_geometry_load_config(const char *model_dir,
  * metadata (architectures llama, qwen2, qwen3; the table of keys is in src/model/gguf_config.c),
  * n_params and weights_bytes from its tensors, exactly as stored. */
 LLMEM_API int llmem_model_geometry_load(const char *model_dir, struct llmem_model_geometry *geom);
+/* The geometry of the model llmem_model_load makes with LLMEM_MODEL_LOAD_DUMMY (llmem/model.h):
+ * config.json's, with the parameters of a checkpoint of it (llmem_geometry_param_count) at two
+ * bytes each, unquantized. */
+LLMEM_API int llmem_model_geometry_load_dummy(const char *model_dir,
+                                              struct llmem_model_geometry *geom);
 
 #define LLMEM_MAX_EOS 8
 

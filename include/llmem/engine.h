@@ -59,6 +59,8 @@ struct llmem_engine_config {
     int64_t spill_max_bytes;        /* --spill-max: the store's size cap; 0: the default */
     int no_spill;                   /* --no-spill: the bank stays in RAM */
     int no_mmap; /* --no-mmap: the weights read into (huge-page) memory instead of mapped */
+    int load_dummy; /* --load-format dummy: seeded random bf16 weights made from config.json
+                     * alone (LLMEM_MODEL_LOAD_DUMMY); no session bank (no weights to key it) */
     enum llmem_backend_kind backend;        /* --backend: cpu, or cuda (the whole pass on a GPU) */
     int device;                             /* --device: the CUDA device */
     enum llmem_backend_precision precision; /* --precision: fast or f32 */

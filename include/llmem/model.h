@@ -32,6 +32,11 @@ typedef void (*llmem_progress_fn)(void *arg, int64_t done, int64_t total);
  * LLMEM_EUNSUPPORTED (an architecture, dtype, rope type or activation llmem does not run),
  * LLMEM_ENOMEM (the memory limit), LLMEM_EIO — each logged once, naming the file and tensor. */
 #define LLMEM_MODEL_LOAD_NO_MMAP 1
+/* With LLMEM_MODEL_LOAD_DUMMY the directory needs only config.json: the weights are made in
+ * memory as a bf16 checkpoint of that configuration would hold them, seeded random (the same on
+ * every load; norm weights 1, biases 0), for benchmarks of shapes without files. The geometry is
+ * llmem_model_geometry_load_dummy's. */
+#define LLMEM_MODEL_LOAD_DUMMY 2
 LLMEM_API int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
                                llmem_progress_fn progress, void *progress_arg,
                                struct llmem_model **out);

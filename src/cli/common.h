@@ -50,6 +50,7 @@ enum {
     CLI_OPT_SPILL_MAX,
     CLI_OPT_NO_SPILL,
     CLI_OPT_NO_MMAP,
+    CLI_OPT_LOAD_FORMAT,
     CLI_OPT_BACKEND,
     CLI_OPT_DEVICE,
     CLI_OPT_PRECISION,
@@ -70,6 +71,7 @@ enum {
         {"spill-max", required_argument, NULL, CLI_OPT_SPILL_MAX},                                 \
         {"no-spill", no_argument, NULL, CLI_OPT_NO_SPILL},                                         \
         {"no-mmap", no_argument, NULL, CLI_OPT_NO_MMAP},                                           \
+        {"load-format", required_argument, NULL, CLI_OPT_LOAD_FORMAT},                             \
         {"backend", required_argument, NULL, CLI_OPT_BACKEND},                                     \
         {"device", required_argument, NULL, CLI_OPT_DEVICE},                                       \
         {"precision", required_argument, NULL, CLI_OPT_PRECISION}

@@ -4,6 +4,7 @@
  * text, and the opening with the plan line and the limits applied on stderr.
  */
 #include <stdio.h>
+#include <string.h>
 
 #include "cli/common.h"
 #include "llmem/engine.h"
@@ -28,6 +29,9 @@ const char cli_engine_help[] =
     "  --no-spill           keep the session bank in RAM only\n"
     "  --no-mmap            read the weights into memory (huge pages) instead of mapping\n"
     "                       the files: faster decode, not reclaimable as page cache\n"
+    "  --load-format F      auto (default): the model's files; dummy: seeded random bf16\n"
+    "                       weights made in memory from MODEL's config.json alone (for\n"
+    "                       benchmarks of shapes without files; no session bank)\n"
     "  --backend B          cpu (default) or cuda: the whole forward pass, the weights and the\n"
     "                       KV cache (paged; f16, bf16, f32 or q8) on a GPU, planned for its\n"
     "                       memory\n"
@@ -58,6 +62,13 @@ int cli_engine_option(int opt, const char *arg, struct llmem_engine_config *c) {
     case CLI_OPT_MAX_BATCH_TOKENS:
         return cli_parse_int("--max-batch-tokens", arg, 1, 1 << 20, &c->max_batch_tokens);
     case CLI_OPT_NO_MMAP: c->no_mmap = 1; return CLI_OK;
+    case CLI_OPT_LOAD_FORMAT:
+        if (strcmp(arg, "auto") != 0 && strcmp(arg, "dummy") != 0) {
+            fprintf(stderr, "%s: --load-format: '%s' is not auto or dummy\n", cli_program, arg);
+            return CLI_USAGE;
+        }
+        c->load_dummy = strcmp(arg, "dummy") == 0;
+        return CLI_OK;
     case CLI_OPT_BANK_MAX:
         rc = cli_parse_size("--bank-max", arg, &c->bank_max_bytes);
         c->no_bank = rc == CLI_OK && c->bank_max_bytes == 0;

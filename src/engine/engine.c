@@ -239,6 +239,10 @@ static char *digest_cache_path(void) {
     return path;
 }
 
+static int load_flags(const struct llmem_engine_config *c) {
+    return (c->no_mmap ? LLMEM_MODEL_LOAD_NO_MMAP : 0) | (c->load_dummy ? LLMEM_MODEL_LOAD_DUMMY : 0);
+}
+
 static int open_bank(struct llmem_engine *e) {
     struct llmem_bank_identity id;
     char *cache = digest_cache_path();
@@ -305,7 +309,10 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
     /* the config, the tokenizer and the threads first: the runtime baseline the plan commits is
      * what the process holds with them and without the model */
     struct llmem_model_geometry g;
-    int status = llmem_model_geometry_load(config->model_dir, &g);
+    if (e->cfg.load_dummy)
+        e->cfg.no_bank = 1;
+    int status = config->load_dummy ? llmem_model_geometry_load_dummy(config->model_dir, &g)
+                                    : llmem_model_geometry_load(config->model_dir, &g);
     if (status != LLMEM_OK || (status = llmem_pool_create(config->n_threads, &e->pool)) ||
         (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
         (status = plan_model(e, &g, llmem_pool_threads(e->pool))) != LLMEM_OK)
@@ -327,7 +334,7 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
             (status = llmem_backend_cuda_create(config->device, config->precision, e->mem,
                                                 &e->be)) != LLMEM_OK ||
             (status = llmem_model_load(config->model_dir, e->host_mem,
-                                       config->no_mmap ? LLMEM_MODEL_LOAD_NO_MMAP : 0, progress,
+                                       load_flags(config), progress,
                                        progress_arg, &host_model)) != LLMEM_OK)
             goto fail;
         status = llmem_model_to_device(host_model, e->be, e->mem, NULL, NULL, &e->model);
@@ -337,7 +344,7 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
     } else {
         e->host_mem = e->mem;
         if ((status = llmem_model_load(config->model_dir, e->mem,
-                                       config->no_mmap ? LLMEM_MODEL_LOAD_NO_MMAP : 0, progress,
+                                       load_flags(config), progress,
                                        progress_arg, &e->model)) != LLMEM_OK ||
             (status = llmem_backend_cpu_create_shared(e->pool, e->mem, &e->be)) != LLMEM_OK)
             goto fail;

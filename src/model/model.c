@@ -111,6 +111,42 @@ static int map_files(struct llmem_model *m, llmem_progress_fn progress, void *ar
     return LLMEM_OK;
 }
 
+/* The weights of LLMEM_MODEL_LOAD_DUMMY: the table of a bf16 checkpoint, its bytes made in
+ * anonymous memory (on huge pages where the kernel offers them), tracked as a mapped file is. */
+static int make_dummy(struct llmem_model *m, llmem_progress_fn progress, void *arg) {
+    int status = llmem_model_dummy_table(&m->cfg, &m->st);
+    if (status != LLMEM_OK)
+        return status;
+    m->maps = calloc(1, sizeof(*m->maps));
+    m->map_bytes = calloc(1, sizeof(*m->map_bytes));
+    if (m->maps == NULL || m->map_bytes == NULL) {
+        LOAD_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    const size_t huge = (size_t)2 << 20;
+    const size_t size = ((size_t)m->st->n_bytes + huge - 1) & ~(huge - 1);
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        LOAD_ERROR("%s: cannot allocate %zu bytes for random weights: %s", m->cfg.geom.source,
+                   size, strerror(errno));
+        return LLMEM_ENOMEM;
+    }
+    madvise(p, size, MADV_HUGEPAGE);
+#ifdef MADV_POPULATE_WRITE /* the pages made in one call rather than a fault each (Linux 5.14) */
+    madvise(p, size, MADV_POPULATE_WRITE);
+#endif
+    status = llmem_mem_track(m->mem, p, size, LLMEM_TAG_WEIGHTS);
+    if (status != LLMEM_OK) {
+        munmap(p, size);
+        return status;
+    }
+    m->maps[0] = p;
+    m->map_bytes[0] = size;
+    llmem_model_dummy_fill(m->st, p, progress, arg);
+    mprotect(p, size, PROT_READ);
+    return LLMEM_OK;
+}
+
 void llmem_model_fault_in(const void *p, size_t size, int64_t done, int64_t total,
                           llmem_progress_fn progress, void *arg) {
     const size_t step = (size_t)64 << 20, page = (size_t)sysconf(_SC_PAGESIZE);
@@ -481,7 +517,7 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
     }
     m->mem = mem;
     int status;
-    if (llmem_gguf_is_gguf(model_dir)) {
+    if (llmem_gguf_is_gguf(model_dir) && !(flags & LLMEM_MODEL_LOAD_DUMMY)) {
         if ((status = llmem_model_load_gguf(m, model_dir, flags, progress, progress_arg)) !=
             LLMEM_OK)
             goto fail;
@@ -491,15 +527,20 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
     if ((status = llmem_model_config_load(model_dir, &m->cfg)) != LLMEM_OK)
         goto fail;
     struct llmem_model_geometry *g = &m->cfg.geom;
-    if ((status = llmem_model_check_supported(m)) != LLMEM_OK ||
-        (status = llmem_safetensors_load_dir(model_dir, &m->st)) != LLMEM_OK)
+    if ((status = llmem_model_check_supported(m)) != LLMEM_OK)
         goto fail;
+    if (flags & LLMEM_MODEL_LOAD_DUMMY) {
+        m->cfg.quant_bits = 0; /* bf16 weights whatever the config says */
+        if ((status = make_dummy(m, progress, progress_arg)) != LLMEM_OK)
+            goto fail;
+    } else if ((status = llmem_safetensors_load_dir(model_dir, &m->st)) != LLMEM_OK ||
+               (status = map_files(m, progress, progress_arg, flags)) != LLMEM_OK) {
+        goto fail;
+    }
     g->n_params = llmem_model_count_params(m->st, &m->cfg);
     g->weights_bytes = m->st->n_bytes;
     g->quantized = m->cfg.quant_bits != 0;
     g->expert_bytes = g->n_experts > 0 ? llmem_model_expert_bytes(m->st) : 0;
-    if ((status = map_files(m, progress, progress_arg, flags)) != LLMEM_OK)
-        goto fail;
 
     if ((status = bind_matrix(m, "model.embed_tokens.weight", g->vocab_size, g->hidden_size,
                               &m->embed)) != LLMEM_OK)

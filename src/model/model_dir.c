@@ -255,6 +255,21 @@ int llmem_model_gguf_geometry(const char *path, struct llmem_model_geometry *geo
     return status;
 }
 
+int llmem_model_geometry_load_dummy(const char *model_dir, struct llmem_model_geometry *geom) {
+    struct llmem_model_geometry g;
+    int status = llmem_model_geometry_load_config(model_dir, &g);
+    if (status != LLMEM_OK)
+        return status;
+    g.n_params = llmem_geometry_param_count(&g);
+    g.weights_bytes = 2 * g.n_params;
+    g.quantized = 0;
+    g.expert_bytes = g.n_experts > 0 ? 2 * g.n_moe_layers * g.n_experts * 3 * g.hidden_size *
+                                           g.expert_intermediate
+                                     : 0;
+    *geom = g;
+    return LLMEM_OK;
+}
+
 int llmem_model_geometry_load(const char *model_dir, struct llmem_model_geometry *geom) {
     if (llmem_gguf_is_gguf(model_dir))
         return llmem_model_gguf_geometry(model_dir, geom, NULL, __func__);

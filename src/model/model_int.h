@@ -83,6 +83,12 @@ int llmem_model_check_supported(const struct llmem_model *m);
 int llmem_model_load_gguf(struct llmem_model *m, const char *path, int flags,
                           llmem_progress_fn progress, void *progress_arg);
 
+/* The tensor table of a bf16 checkpoint of cfg's model, laid out as one file standing for the
+ * memory that llmem_model_dummy_fill fills (model/dummy.c: LLMEM_MODEL_LOAD_DUMMY). */
+int llmem_model_dummy_table(const struct llmem_model_config *cfg, struct llmem_safetensors **out);
+void llmem_model_dummy_fill(const struct llmem_safetensors *st, void *data,
+                            llmem_progress_fn progress, void *arg);
+
 /* One decoder layer's weights: matrices used in place from the mapped files, small vectors as f32
  * copies (tag weights). */
 struct model_layer {

@@ -14,6 +14,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "core/file.h"
 #include "core/json.h"
 #include "core/npy.h"
 #include "llmem/dtype.h"
@@ -121,6 +122,79 @@ static void test_run_greedy_matches(void **state) {
         tu_run_free(&r);
     }
     cJSON_Delete(ref);
+}
+
+/* The mixtures of experts through the binary: greedy ids equal to their references (f32 KV). */
+static void test_moe_greedy(void **state) {
+    (void)state;
+    const char *models[] = {"tiny-qwen3-moe", "tiny-mixtral"};
+    for (size_t m = 0; m < 2; m++) {
+        char dir[512], path[600];
+        snprintf(dir, sizeof(dir), "%s/models/%s", LLMEM_TEST_DATA, models[m]);
+        snprintf(path, sizeof(path), "%s/reference.json", dir);
+        cJSON *ref = NULL;
+        assert_int_equal(llmem_json_parse_file(path, 1 << 24, &ref), 0);
+        const cJSON *g = cJSON_GetArrayItem(cJSON_GetObjectItem(ref, "generations"), 0);
+        const cJSON *greedy = cJSON_GetObjectItem(g, "greedy_ids");
+        char csv[4096], n[16];
+        ids_csv(cJSON_GetObjectItem(g, "prompt_ids"), csv, sizeof(csv));
+        snprintf(n, sizeof(n), "%d", cJSON_GetArraySize(greedy));
+        struct tu_run r = tu_llmem("run", dir, "--ids", csv, "-n", n, "--ignore-eos", "--json",
+                                   "--kv-format", "f32", NULL);
+        assert_int_equal(r.exit_code, 0);
+        cJSON *out = tu_json_stdout(&r);
+        const cJSON *ids = cJSON_GetObjectItem(out, "ids");
+        assert_int_equal(cJSON_GetArraySize(ids), cJSON_GetArraySize(greedy));
+        for (int i = 0; i < cJSON_GetArraySize(ids); i++)
+            assert_int_equal(cJSON_GetArrayItem(ids, i)->valueint,
+                             cJSON_GetArrayItem(greedy, i)->valueint);
+        printf("  %s: %d greedy ids equal\n", models[m], cJSON_GetArraySize(ids));
+        cJSON_Delete(out);
+        tu_run_free(&r);
+        cJSON_Delete(ref);
+    }
+}
+
+/* --load-format dummy: a directory with only config.json and the tokenizer runs, the same ids
+ * each time; without it the missing weights are named; a bad value is a usage error. */
+static void test_load_format_dummy(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    const char *files[] = {"config.json", "tokenizer.json", "tokenizer_config.json"};
+    for (size_t i = 0; i < 3; i++) {
+        char src[512], *text = NULL;
+        size_t len = 0;
+        snprintf(src, sizeof(src), "%s/models/tiny-qwen3-moe/%s", LLMEM_TEST_DATA, files[i]);
+        assert_int_equal(llmem_file_read(src, 1 << 24, &text, &len), LLMEM_OK);
+        free(tu_write_file(dir, files[i], text, (long)len));
+        free(text);
+    }
+    char *first = NULL;
+    for (int i = 0; i < 2; i++) {
+        struct tu_run r = tu_llmem("run", dir, "--load-format", "dummy", "-p", "def f(x):", "-n",
+                                   "6", "--ignore-eos", "--json", NULL);
+        assert_int_equal(r.exit_code, 0);
+        cJSON *out = tu_json_stdout(&r);
+        char *ids = cJSON_PrintUnformatted(cJSON_GetObjectItem(out, "ids"));
+        assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(out, "ids")), 6);
+        if (first == NULL)
+            first = ids;
+        else
+            assert_string_equal(ids, first), free(ids);
+        cJSON_Delete(out);
+        tu_run_free(&r);
+    }
+    free(first);
+    struct tu_run r = tu_llmem("run", dir, "-p", "x", "-n", "1", NULL);
+    assert_int_not_equal(r.exit_code, 0);
+    assert_non_null(strstr(r.err, "safetensors"));
+    tu_run_free(&r);
+    r = tu_llmem("run", dir, "--load-format", "npz", "-p", "x", NULL);
+    assert_int_equal(r.exit_code, 2);
+    assert_non_null(strstr(r.err, "--load-format: 'npz' is not auto or dummy"));
+    tu_run_free(&r);
+    tu_rmtree(dir);
+    free(dir);
 }
 
 static void test_run_stats_json(void **state) {
@@ -564,6 +638,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_run_greedy_matches),
         cmocka_unit_test(test_run_stats_json),
+        cmocka_unit_test(test_moe_greedy),
+        cmocka_unit_test(test_load_format_dummy),
         cmocka_unit_test(test_tokenize_and_logits),
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_refused_by_plan),

@@ -1,0 +1,190 @@
+/*
+ * model/dummy.c — a model's weights made in memory from config.json alone
+ * (LLMEM_MODEL_LOAD_DUMMY, as vLLM's --load-format dummy): for benchmarks of shapes whose files
+ * nobody has, or that a disk cannot hold.
+ *
+ * The tensors are those of a bf16 checkpoint of the configuration, with the Hugging Face names
+ * model.c binds (a mixture's experts stacked as transformers holds them), laid out one after the
+ * other in one anonymous mapping that stands for the file: every matrix seeded random (splitmix64
+ * from the tensor's index: the same values on every load), every norm weight 1 and bias 0. The
+ * table's parameters and bytes are exactly llmem_geometry_param_count's and twice that.
+ */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "core/log.h"
+#include "core/rng.h"
+#include "model/model_int.h"
+
+#define DUMMY_FUNC "llmem_model_load"
+
+/* Appends a bf16 tensor of the given shape after the last one. */
+static int add(struct llmem_safetensors *st, const char *name, int n_dims, int64_t d0, int64_t d1,
+               int64_t d2) {
+    struct llmem_st_tensor *t = realloc(st->tensors, (size_t)(st->n_tensors + 1) * sizeof(*t));
+    if (t == NULL)
+        return LLMEM_ENOMEM;
+    st->tensors = t;
+    t = &st->tensors[st->n_tensors];
+    memset(t, 0, sizeof(*t));
+    t->name = strdup(name);
+    if (t->name == NULL)
+        return LLMEM_ENOMEM;
+    const int64_t dims[3] = {d0, d1, d2};
+    t->dtype = LLMEM_DTYPE_BF16;
+    t->n_dims = n_dims;
+    t->n_elements = 1;
+    for (int i = 0; i < n_dims; i++) {
+        t->shape[i] = dims[i];
+        t->n_elements *= dims[i];
+    }
+    t->n_bytes = 2 * t->n_elements;
+    t->offset_begin = st->n_tensors > 0 ? st->tensors[st->n_tensors - 1].offset_end : 0;
+    t->offset_end = t->offset_begin + t->n_bytes;
+    st->n_tensors++;
+    return LLMEM_OK;
+}
+
+/* The tensors of cfg's model, in the order of a layer's parts. */
+static int list_tensors(const struct llmem_model_config *cfg, struct llmem_safetensors *st) {
+    const struct llmem_model_geometry *g = &cfg->geom;
+    const int64_t h = g->hidden_size, hd = g->head_dim, q = g->n_heads * hd;
+    const int64_t kv = g->n_kv_heads * hd, ff = g->intermediate_size;
+    int s = add(st, "model.embed_tokens.weight", 2, g->vocab_size, h, 0);
+    if (s == LLMEM_OK && !g->tied_embeddings)
+        s = add(st, "lm_head.weight", 2, g->vocab_size, h, 0);
+    if (s == LLMEM_OK)
+        s = add(st, "model.norm.weight", 1, h, 0, 0);
+    for (int64_t l = 0; s == LLMEM_OK && l < g->n_layers; l++) {
+        char name[160];
+#define ADD(suffix, ...)                                                                           \
+    (snprintf(name, sizeof(name), "model.layers.%" PRId64 ".%s", l, suffix),                       \
+     add(st, name, __VA_ARGS__))
+        s = ADD("input_layernorm.weight", 1, h, 0, 0);
+        s = s ? s : ADD("post_attention_layernorm.weight", 1, h, 0, 0);
+        s = s ? s : ADD("self_attn.q_proj.weight", 2, q, h, 0);
+        s = s ? s : ADD("self_attn.k_proj.weight", 2, kv, h, 0);
+        s = s ? s : ADD("self_attn.v_proj.weight", 2, kv, h, 0);
+        s = s ? s : ADD("self_attn.o_proj.weight", 2, h, q, 0);
+        if (g->attention_bias) {
+            s = s ? s : ADD("self_attn.q_proj.bias", 1, q, 0, 0);
+            s = s ? s : ADD("self_attn.k_proj.bias", 1, kv, 0, 0);
+            s = s ? s : ADD("self_attn.v_proj.bias", 1, kv, 0, 0);
+        }
+        if (g->qk_norm) {
+            s = s ? s : ADD("self_attn.q_norm.weight", 1, hd, 0, 0);
+            s = s ? s : ADD("self_attn.k_norm.weight", 1, hd, 0, 0);
+        }
+        if (cfg->layer_moe != NULL && cfg->layer_moe[l]) {
+            const int64_t E = g->n_experts, fe = g->expert_intermediate;
+            s = s ? s : ADD("mlp.gate.weight", 2, E, h, 0);
+            s = s ? s : ADD("mlp.experts.gate_up_proj", 3, E, 2 * fe, h);
+            s = s ? s : ADD("mlp.experts.down_proj", 3, E, h, fe);
+        } else {
+            s = s ? s : ADD("mlp.gate_proj.weight", 2, ff, h, 0);
+            s = s ? s : ADD("mlp.up_proj.weight", 2, ff, h, 0);
+            s = s ? s : ADD("mlp.down_proj.weight", 2, h, ff, 0);
+        }
+#undef ADD
+    }
+    if (s != LLMEM_OK)
+        LLMEM_ERROR_AS(DUMMY_FUNC, "out of memory");
+    return s;
+}
+
+int llmem_model_dummy_table(const struct llmem_model_config *cfg, struct llmem_safetensors **out) {
+    struct llmem_safetensors *st = llmem_st_table_new(DUMMY_FUNC);
+    if (st == NULL)
+        return LLMEM_ENOMEM;
+    st->files = calloc(1, sizeof(*st->files));
+    if (st->files == NULL || (st->files[0].path = strdup(cfg->geom.source)) == NULL) {
+        llmem_safetensors_free(st);
+        LLMEM_ERROR_AS(DUMMY_FUNC, "out of memory");
+        return LLMEM_ENOMEM;
+    }
+    st->n_files = 1;
+    int status = list_tensors(cfg, st);
+    if (status == LLMEM_OK) {
+        st->files[0].file_bytes = st->tensors[st->n_tensors - 1].offset_end;
+        status = llmem_st_table_finish(st, DUMMY_FUNC);
+    }
+    if (status != LLMEM_OK) {
+        llmem_safetensors_free(st);
+        return status;
+    }
+    *out = st;
+    return LLMEM_OK;
+}
+
+/* A vector's value: norm weights 1, biases 0 (bf16 bits). */
+static uint16_t vector_value(const char *name) {
+    return strstr(name, "norm") != NULL ? 0x3F80 : 0;
+}
+
+/* One tensor's values. */
+static void fill_tensor(const struct llmem_st_tensor *t, int index, void *data) {
+    uint16_t *v = (uint16_t *)((char *)data + t->offset_begin);
+    if (t->n_dims == 1) {
+        const uint16_t x = vector_value(t->name);
+        for (int64_t j = 0; j < t->n_elements; j++)
+            v[j] = x;
+        return;
+    }
+    /* ±[2^-6, 2^-4): a sign, exponent 121 or 122, 7 random mantissa bits; four a draw */
+    uint64_t state = 0x9E3779B97F4A7C15ull * (uint64_t)(index + 1);
+    for (int64_t j = 0; j < t->n_elements; j += 4) {
+        uint64_t r = llmem_splitmix64_next(&state);
+        for (int64_t k = 0; k < 4 && j + k < t->n_elements; k++, r >>= 16)
+            v[j + k] = (uint16_t)((r & 0x8000) | (0x79 + ((r >> 7) & 1)) << 7 | (r & 0x7F));
+    }
+}
+
+struct fill_job {
+    const struct llmem_safetensors *st;
+    void *data;
+    int n_threads, thread;
+    _Atomic int64_t *done;
+    llmem_progress_fn progress; /* called by thread 0 only */
+    void *arg;
+};
+
+static void *fill_thread(void *p) {
+    const struct fill_job *j = p;
+    for (int i = j->thread; i < j->st->n_tensors; i += j->n_threads) {
+        fill_tensor(&j->st->tensors[i], i, j->data);
+        int64_t done = *j->done += j->st->tensors[i].n_bytes;
+        if (j->thread == 0 && j->progress != NULL)
+            j->progress(j->arg, done, j->st->n_bytes);
+    }
+    return NULL;
+}
+
+void llmem_model_dummy_fill(const struct llmem_safetensors *st, void *data,
+                            llmem_progress_fn progress, void *arg) {
+    /* the tensors dealt out to the cores (page faults and the draws both scale) */
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int n = cores < 1 ? 1 : cores > 16 ? 16 : (int)cores;
+    _Atomic int64_t done = 0;
+    struct fill_job jobs[16];
+    pthread_t threads[16];
+    int started = 1;
+    for (int t = 0; t < n; t++)
+        jobs[t] = (struct fill_job){st, data, n, t, &done, progress, arg};
+    for (int t = 1; t < n; t++) {
+        if (pthread_create(&threads[t], NULL, fill_thread, &jobs[t]) != 0)
+            break; /* the rest filled below */
+        started++;
+    }
+    for (int t = started; t < n; t++) /* threads that could not start: their share here */
+        fill_thread(&jobs[t]);
+    fill_thread(&jobs[0]);
+    for (int t = 1; t < started; t++)
+        pthread_join(threads[t], NULL);
+    if (progress != NULL)
+        progress(arg, st->n_bytes, st->n_bytes);
+}
