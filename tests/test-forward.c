@@ -580,11 +580,54 @@ static void test_moe_reads_chosen_experts(void **state) {
     }
 }
 
+/* The same mixtures as GGUF files (tests/data/gguf/make_moe_gguf.py): the router and stacked
+ * experts of llama.cpp's layout. tiny-mixtral's bf16 bits as `llama` (q/k permuted, no sliding
+ * window in GGUF: compared within its 32-token window) give the safetensors' logits;
+ * tiny-qwen3-moe at Q8_0 stays within Q8_0's bound (0.05 × the largest logit + 0.05). */
+static void test_moe_gguf(void **state) {
+    (void)state;
+    const struct {
+        const char *name, *file;
+        int64_t tokens;
+        double rel, abs;
+    } cases[] = {{"tiny-mixtral", "tiny-mixtral-bf16.gguf", 32, 0, 1e-4},
+                 {"tiny-qwen3-moe", "tiny-qwen3-moe-q8_0.gguf", 0, 0.05, 0.05}};
+    for (size_t c = 0; c < 2; c++) {
+        struct generation gens[1];
+        load_generations(cases[c].name, gens, 1);
+        const int64_t n = cases[c].tokens > 0 ? cases[c].tokens : gens[0].n;
+        char dir[512], file[512];
+        struct rig r;
+        rig_open(&r, model_dir(cases[c].name, dir, sizeof(dir)), LLMEM_KV_LAYOUT_PAGED,
+                 LLMEM_KV_FORMAT_F32, 64, 2);
+        float *want = teacher_forced(&r, gens[0].ids, n);
+        rig_close(&r);
+        snprintf(file, sizeof(file), "%s/gguf/%s", LLMEM_TEST_DATA, cases[c].file);
+        rig_open(&r, file, LLMEM_KV_LAYOUT_PAGED, LLMEM_KV_FORMAT_F32, 64, 2);
+        const struct llmem_model_geometry *g = &llmem_model_get_config(r.model)->geom;
+        assert_true(g->n_experts > 0 && g->expert_bytes > 0);
+        float *got = teacher_forced(&r, gens[0].ids, n);
+        double top = 0;
+        for (int64_t i = 0; i < n * r.vocab; i++)
+            top = fmax(top, fabs(want[i]));
+        const double d = max_abs_diff(got, want, (size_t)(n * r.vocab));
+        const double bound = cases[c].rel * top + cases[c].abs;
+        printf("  %-26s %3lld tokens: max |Δ| vs safetensors %.2e (bound %.2e)\n", cases[c].file,
+               (long long)n, d, bound);
+        assert_true(d <= bound);
+        free(got);
+        free(want);
+        rig_close(&r);
+        free_generations(gens, 1);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parity_transformers), cmocka_unit_test(test_layouts_agree),
         cmocka_unit_test(test_batch_equals_single), cmocka_unit_test(test_kv_format_bounds),
         cmocka_unit_test(test_sharded_pycoder), cmocka_unit_test(test_moe_reads_chosen_experts),
+        cmocka_unit_test(test_moe_gguf),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

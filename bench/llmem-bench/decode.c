@@ -58,9 +58,12 @@ static void model_costs(const struct llmem_model_config *c, int64_t *weight_byte
                         double *flops_per_token) {
     const struct llmem_model_geometry *g = &c->geom;
     int64_t q = g->n_heads * g->head_dim, kv = g->n_kv_heads * g->head_dim;
-    int64_t per_layer =
-        g->hidden_size * (2 * q + 2 * kv) + 3 * g->hidden_size * g->intermediate_size;
-    int64_t params = per_layer * g->n_layers;
+    /* the matrices a token multiplies: attention, and a dense MLP or its k experts and router */
+    const int64_t moe_layers = g->n_experts > 0 ? g->n_moe_layers : 0;
+    int64_t params = g->n_layers * g->hidden_size * (2 * q + 2 * kv) +
+                     (g->n_layers - moe_layers) * 3 * g->hidden_size * g->intermediate_size +
+                     moe_layers * g->hidden_size *
+                         (g->n_experts + 3 * g->n_experts_used * g->expert_intermediate);
     /* bytes a parameter as stored: 2 for bf16, a fraction for quantized files */
     const double per_param = (double)g->weights_bytes / (double)(g->n_params > 0 ? g->n_params : 1);
     *weight_bytes = (int64_t)((double)(params + g->vocab_size * g->hidden_size) * per_param);
@@ -94,6 +97,8 @@ static const char usage[] =
     "  --kv-format F    the KV format (default f16)\n"
     "  --bw-size SIZE   the bandwidth probe's buffer (default 512M)\n"
     "  --no-mmap        read the weights into (huge-page) memory, as llmem run --no-mmap\n"
+    "  --load-format F  auto (default), or dummy: seeded random bf16 weights from MODEL's\n"
+    "                   config.json alone, as llmem run --load-format dummy\n"
     "  --backend B      cpu (default) or cuda: then against the device's copy bandwidth\n"
     "  --device N       the CUDA device (default 0)\n"
     "  --precision P    fast (default) or f32 (cuda: tensor cores; cpu: quantized weights)\n"
@@ -113,6 +118,7 @@ int bench_decode(int argc, char **argv) {
         OPT_BW,
         OPT_JSON,
         OPT_NO_MMAP,
+        OPT_LOAD_FORMAT,
         OPT_BACKEND,
         OPT_DEVICE,
         OPT_PRECISION,
@@ -128,6 +134,7 @@ int bench_decode(int argc, char **argv) {
         {"bw-size", required_argument, NULL, OPT_BW},
         {"json", no_argument, NULL, OPT_JSON},
         {"no-mmap", no_argument, NULL, OPT_NO_MMAP},
+        {"load-format", required_argument, NULL, OPT_LOAD_FORMAT},
         {"backend", required_argument, NULL, OPT_BACKEND},
         {"device", required_argument, NULL, OPT_DEVICE},
         {"precision", required_argument, NULL, OPT_PRECISION},
@@ -135,7 +142,7 @@ int bench_decode(int argc, char **argv) {
         {NULL, 0, NULL, 0},
     };
     int64_t n_prompt = 512, n_gen = 128, reps = 3, bw_bytes = (int64_t)512 << 20;
-    int threads[MAX_THREADS_LIST], n_threads = 0, json = 0, no_mmap = 0;
+    int threads[MAX_THREADS_LIST], n_threads = 0, json = 0, no_mmap = 0, dummy = 0;
     enum llmem_kv_format format = LLMEM_KV_FORMAT_F16;
     enum llmem_backend_kind backend = LLMEM_BACKEND_CPU;
     enum llmem_backend_precision precision = LLMEM_PRECISION_FAST;
@@ -152,6 +159,11 @@ int bench_decode(int argc, char **argv) {
         case OPT_BW: rc = cli_parse_size("--bw-size", optarg, &bw_bytes); break;
         case OPT_JSON: json = 1; break;
         case OPT_NO_MMAP: no_mmap = 1; break;
+        case OPT_LOAD_FORMAT:
+            if (strcmp(optarg, "auto") != 0 && strcmp(optarg, "dummy") != 0)
+                rc = cli_usage_error("decode", "--load-format: '%s' is not auto or dummy", optarg);
+            dummy = strcmp(optarg, "dummy") == 0;
+            break;
         case OPT_BACKEND:
             if (llmem_backend_kind_parse(optarg, &backend) != LLMEM_OK)
                 rc = CLI_USAGE;
@@ -213,6 +225,7 @@ int bench_decode(int argc, char **argv) {
         cfg.n_threads = threads[t];
         cfg.kv_format = format;
         cfg.no_mmap = no_mmap;
+        cfg.load_dummy = dummy;
         cfg.backend = backend;
         cfg.device = (int)device;
         cfg.precision = precision;

@@ -56,6 +56,8 @@ static const char plan_usage[] =
     "  --weight-type TYPE         plan MODEL (a catalog name or a directory) as the GGUF file\n"
     "                             `llmem quantize --type TYPE` makes of it: q8_0, q6_k,\n"
     "                             q5_k_m, q4_k_m, q4_0, f16, bf16\n"
+    "  --load-format F            auto (default), or dummy: a directory's config.json alone,\n"
+    "                             as llmem run --load-format dummy makes it (bf16)\n"
     "  --baseline SIZE            what the process holds outside the allocator (default: on\n"
     "                             this host measured as llmem run would, with the model's\n"
     "                             tokenizer loaded; 0 with --total or --backend cuda)\n"
@@ -84,6 +86,7 @@ enum {
     OPT_WORKING_SET,
     OPT_BASELINE,
     OPT_WEIGHT_TYPE,
+    OPT_LOAD_FORMAT,
     OPT_BACKEND,
     OPT_DEVICE,
     OPT_JSON,
@@ -108,6 +111,7 @@ static const struct option plan_options[] = {
     {"working-set", required_argument, NULL, OPT_WORKING_SET},
     {"baseline", required_argument, NULL, OPT_BASELINE},
     {"weight-type", required_argument, NULL, OPT_WEIGHT_TYPE},
+    {"load-format", required_argument, NULL, OPT_LOAD_FORMAT},
     {"backend", required_argument, NULL, OPT_BACKEND},
     {"device", required_argument, NULL, OPT_DEVICE},
     {"json", no_argument, NULL, OPT_JSON},
@@ -123,6 +127,7 @@ struct plan_args {
     int64_t total, ceiling, weights, kv_bytes, max_context, working_set;
     int have_working_set, have_baseline;
     int weight_type; /* an llmem_gguf_ftype; 0: the model's own */
+    int dummy;       /* --load-format dummy: the directory's config.json alone */
     int64_t device;
     int json, list;
     const char *svg;
@@ -180,6 +185,11 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
                                        "--weight-type: '%s' is not q8_0, q6_k, q5_k_m, "
                                        "q4_k_m, q4_0, f16 or bf16",
                                        optarg);
+            break;
+        case OPT_LOAD_FORMAT:
+            if (strcmp(optarg, "auto") != 0 && strcmp(optarg, "dummy") != 0)
+                return cli_usage_error("plan", "--load-format: '%s' is not auto or dummy", optarg);
+            a->dummy = strcmp(optarg, "dummy") == 0;
             break;
         case OPT_BASELINE:
             rc = cli_parse_size("--baseline", optarg, &a->params.runtime_baseline_bytes);
@@ -330,10 +340,13 @@ static int probe_machine(const struct plan_args *a, struct machine *m) {
 
 /* ---- the model ------------------------------------------------------------------------------ */
 
-static int resolve_model(const char *name, struct llmem_model_geometry *g) {
+static int resolve_model(const char *name, int dummy, struct llmem_model_geometry *g) {
     struct stat st;
     if (stat(name, &st) == 0 || strchr(name, '/') != NULL || strcmp(name, ".") == 0)
-        return llmem_model_geometry_load(name, g) == LLMEM_OK ? CLI_OK : CLI_FAIL;
+        return (dummy ? llmem_model_geometry_load_dummy(name, g)
+                      : llmem_model_geometry_load(name, g)) == LLMEM_OK
+                   ? CLI_OK
+                   : CLI_FAIL;
     const struct llmem_model_geometry *entry = llmem_catalog_find(name);
     if (entry == NULL) {
         fprintf(stderr,
@@ -454,7 +467,7 @@ int cli_plan(int argc, char **argv) {
         return print_catalog(a.json);
 
     struct llmem_model_geometry geom, *g = NULL;
-    if (a.model != NULL && (rc = resolve_model(a.model, &geom)) != CLI_OK)
+    if (a.model != NULL && (rc = resolve_model(a.model, a.dummy, &geom)) != CLI_OK)
         return rc;
     g = a.model != NULL ? &geom : NULL;
     const int gguf = g != NULL && llmem_gguf_is_gguf(a.model);

@@ -2,8 +2,8 @@
  * model/gguf_config.c — a GGUF file's metadata and tensor table → struct llmem_model_geometry
  * and struct llmem_model_config, as config.c and model_dir.c make them from a model directory.
  *
- * What maps to what ({arch} = general.architecture: llama — also what Mistral files use —,
- * qwen2, qwen3; any other is refused by name):
+ * What maps to what ({arch} = general.architecture: llama — also what Mistral and Mixtral files
+ * use —, qwen2, qwen3, qwen3moe; any other is refused by name):
  *
  *   geometry / config field     GGUF                                       when absent
  *   ------------------------    -----------------------------------------  -----------------
@@ -24,6 +24,13 @@
  *   qk_norm                     a blk.0.attn_q_norm.weight tensor
  *   sliding_window              0 (not written for these architectures)
  *   n_params / weights_bytes    Σ tensor elements / Σ tensor bytes (exactly the file's)
+ *   n_experts                   {arch}.expert_count                        0 (dense)
+ *   n_experts_used              {arch}.expert_used_count                   required with experts
+ *   expert_intermediate         {arch}.expert_feed_forward_length          feed_forward_length
+ *   n_moe_layers, layer_moe     the layers with a blk.N.ffn_gate_inp.weight (the router)
+ *   expert_bytes                Σ bytes of the blk.N.ffn_{gate,up,down}_exps tensors
+ *   moe_norm_topk               {arch}.expert_weights_norm                 1 (llama.cpp's
+ *                                                                          Mixtral and Qwen3-MoE)
  *   rms_norm_eps                {arch}.attention.layer_norm_rms_epsilon     1e-6
  *   rope_theta                  {arch}.rope.freq_base                      10000
  *   rope_type                   {arch}.rope.scaling.type ("none" → default) "default"
@@ -50,7 +57,7 @@
 #include "model/gguf.h"
 #include "model/model_int.h"
 
-static const char *const archs[] = {"llama", "qwen2", "qwen3"};
+static const char *const archs[] = {"llama", "qwen2", "qwen3", "qwen3moe"};
 
 struct meta {
     const struct llmem_gguf *g;
@@ -141,7 +148,8 @@ static int meta_arch(struct meta *m) {
         if ((unsigned char)*c < 0x20)
             *c = '?';
     LLMEM_ERROR_AS(m->func,
-                   "%s: general.architecture '%s' is not supported (llama, qwen2, qwen3 are)",
+                   "%s: general.architecture '%s' is not supported (llama, qwen2, qwen3, qwen3moe "
+                   "are)",
                    m->g->path, shown);
     return LLMEM_EUNSUPPORTED;
 }
@@ -186,6 +194,40 @@ static int meta_vocab(const struct meta *m, struct llmem_model_geometry *g) {
                        path, tokens->n, g->vocab_size);
         return LLMEM_EFORMAT;
     }
+    return LLMEM_OK;
+}
+
+/* blk.N.ffn_gate_inp.weight: layer N's router, present where the layer has experts. */
+static int has_router(const struct meta *m, int64_t layer) {
+    char name[64];
+    snprintf(name, sizeof(name), "blk.%" PRId64 ".ffn_gate_inp.weight", layer);
+    return llmem_gguf_find_tensor(m->g, name) != NULL;
+}
+
+/* The experts: their count, how many a token runs, their width, the layers that hold them and
+ * their bytes. */
+static int meta_moe(const struct meta *m, struct llmem_model_geometry *g) {
+    int64_t n = 0;
+    int status = meta_int(m, "expert_count", 0, 0, (int64_t)1 << 16, &n);
+    if (status == LLMEM_ENOENT || (status == LLMEM_OK && n == 0))
+        return LLMEM_OK;
+    if (status != LLMEM_OK ||
+        (status = meta_int(m, "expert_used_count", 1, 1, n, &g->n_experts_used)) != LLMEM_OK)
+        return status;
+    status = meta_int(m, "expert_feed_forward_length", 0, 1, MAX_INTERMEDIATE,
+                      &g->expert_intermediate);
+    if (status == LLMEM_ENOENT)
+        g->expert_intermediate = g->intermediate_size;
+    else if (status != LLMEM_OK)
+        return status;
+    g->n_experts = n;
+    for (int64_t l = 0; l < g->n_layers; l++)
+        g->n_moe_layers += has_router(m, l);
+    for (int64_t i = 0; i < m->g->n_tensors; i++)
+        if (strstr(m->g->tensors[i].name, "_exps.") != NULL)
+            g->expert_bytes += m->g->tensors[i].n_bytes;
+    if (g->n_moe_layers == 0)
+        g->n_experts = g->n_experts_used = g->expert_intermediate = 0;
     return LLMEM_OK;
 }
 
@@ -254,6 +296,8 @@ static int meta_geometry(struct meta *m, const char *path_for_name,
     g.attention_bias = llmem_gguf_find_tensor(m->g, "blk.0.attn_q.bias") != NULL;
     g.qk_norm = llmem_gguf_find_tensor(m->g, "blk.0.attn_q_norm.weight") != NULL;
     g.sliding_window = 0;
+    if ((status = meta_moe(m, &g)) != LLMEM_OK)
+        return status;
     g.n_params = m->g->n_elements;
     g.weights_bytes = m->g->n_bytes;
     for (int64_t i = 0; i < m->g->n_tensors; i++) {
@@ -381,9 +425,22 @@ int llmem_gguf_config(const struct llmem_gguf *g, struct llmem_model_config *cfg
             c.eos_ids[c.n_eos++] = id;
     }
     c.layer_sliding = calloc((size_t)c.geom.n_layers, 1);
-    if (c.layer_sliding == NULL) {
+    if (c.geom.n_experts > 0)
+        c.layer_moe = calloc((size_t)c.geom.n_layers, 1);
+    if (c.layer_sliding == NULL || (c.geom.n_experts > 0 && c.layer_moe == NULL)) {
+        llmem_model_config_free(&c);
         LLMEM_ERROR_AS(func, "%s: out of memory", g->path);
         return LLMEM_ENOMEM;
+    }
+    for (int64_t l = 0; c.layer_moe != NULL && l < c.geom.n_layers; l++)
+        c.layer_moe[l] = (uint8_t)has_router(&m, l);
+    c.moe_norm_topk = 1;
+    char key[96];
+    status = llmem_gguf_get_bool(g, arch_key(&m, "expert_weights_norm", key, sizeof(key)),
+                                 &c.moe_norm_topk);
+    if (status != LLMEM_OK && status != LLMEM_ENOENT) {
+        llmem_model_config_free(&c);
+        return status;
     }
     *cfg = c;
     return LLMEM_OK;

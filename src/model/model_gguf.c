@@ -19,6 +19,9 @@
  *   …self_attn.{q,k}_norm                     blk.N.attn_{q,k}_norm
  *   …post_attention_layernorm                 blk.N.ffn_norm
  *   …mlp.{gate,up,down}_proj                  blk.N.ffn_{gate,up,down}
+ *   …mlp.gate (a mixture's router)            blk.N.ffn_gate_inp
+ *   …mlp.experts.E.{gate,up,down}_proj        blk.N.ffn_{gate,up,down}_exps, expert E the
+ *                                             E-th slice of the stacked tensor
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -105,6 +108,63 @@ static int bind_vector(struct llmem_model *m, const char *name, int64_t n, int r
     return LLMEM_OK;
 }
 
+/* Layer i's router (blk.i.ffn_gate_inp, [n_experts, hidden]) and experts, each a slice of the
+ * stacked blk.i.ffn_{gate,up}_exps (ne {hidden, width, n_experts}) and ffn_down_exps
+ * (ne {width, hidden, n_experts}). */
+static int bind_moe(struct llmem_model *m, int64_t i, struct model_layer *L) {
+    const struct llmem_model_geometry *g = &m->cfg.geom;
+    const int64_t E = g->n_experts, fe = g->expert_intermediate, h = g->hidden_size;
+    char name[96];
+    snprintf(name, sizeof(name), "blk.%" PRId64 ".ffn_gate_inp.weight", i);
+    int status = bind_matrix(m, name, E, h, &L->router);
+    if (status != LLMEM_OK)
+        return status;
+    L->experts = calloc((size_t)(3 * E), sizeof(*L->experts));
+    if (L->experts == NULL) {
+        LOAD_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    L->moe = (struct llmem_backend_moe){.n_experts = E,
+                                        .k = g->n_experts_used,
+                                        .norm_topk = m->cfg.moe_norm_topk,
+                                        .gate = L->experts,
+                                        .up = L->experts + E,
+                                        .down = L->experts + 2 * E};
+    static const char *const parts[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+    for (int p = 0; p < 3; p++) {
+        const int64_t rows = p < 2 ? fe : h, cols = p < 2 ? h : fe;
+        snprintf(name, sizeof(name), "blk.%" PRId64 ".%s.weight", i, parts[p]);
+        const struct llmem_gguf_tensor *t = find(m, name, 1);
+        if (t == NULL)
+            return LLMEM_ENOENT;
+        if (t->n_dims != 3 || t->dims[0] != cols || t->dims[1] != rows || t->dims[2] != E) {
+            LOAD_ERROR("%s: tensor '%s' is not ne {%" PRId64 ", %" PRId64 ", %" PRId64
+                       "} as the metadata says (row length, rows, experts)",
+                       m->gguf->path, name, cols, rows, E);
+            return LLMEM_EFORMAT;
+        }
+        const struct llmem_qtype_info *info = llmem_qtype_info(t->type);
+        if (info == NULL || !info->readable) {
+            LOAD_ERROR("%s: tensor '%s' is of type %s, which llmem does not run", m->gguf->path,
+                       name, llmem_qtype_name(t->type));
+            return LLMEM_EUNSUPPORTED;
+        }
+        struct llmem_weight w = {.dtype = LLMEM_DTYPE_F32, .rows = rows, .cols = cols};
+        switch (t->type) {
+        case LLMEM_QTYPE_F32: break;
+        case LLMEM_QTYPE_F16: w.dtype = LLMEM_DTYPE_F16; break;
+        case LLMEM_QTYPE_BF16: w.dtype = LLMEM_DTYPE_BF16; break;
+        default: w.quant = t->type;
+        }
+        const int64_t expert_bytes = rows * llmem_weight_row_bytes(&w);
+        for (int64_t e = 0; e < E; e++) {
+            L->experts[p * E + e] = w;
+            L->experts[p * E + e].data = (const char *)t->data + e * expert_bytes;
+        }
+    }
+    return LLMEM_OK;
+}
+
 static int bind_layer(struct llmem_model *m, int64_t i) {
     const struct llmem_model_geometry *g = &m->cfg.geom;
     struct model_layer *L = &m->layers[i];
@@ -116,12 +176,6 @@ static int bind_layer(struct llmem_model *m, int64_t i) {
         (status = bind_matrix(m, NAME("attn_k.weight"), kv_dim, g->hidden_size, &L->wk)) ||
         (status = bind_matrix(m, NAME("attn_v.weight"), kv_dim, g->hidden_size, &L->wv)) ||
         (status = bind_matrix(m, NAME("attn_output.weight"), g->hidden_size, q_dim, &L->wo)) ||
-        (status = bind_matrix(m, NAME("ffn_gate.weight"), g->intermediate_size, g->hidden_size,
-                              &L->w_gate)) ||
-        (status = bind_matrix(m, NAME("ffn_up.weight"), g->intermediate_size, g->hidden_size,
-                              &L->w_up)) ||
-        (status = bind_matrix(m, NAME("ffn_down.weight"), g->hidden_size, g->intermediate_size,
-                              &L->w_down)) ||
         (status = bind_vector(m, NAME("attn_norm.weight"), g->hidden_size, 1, &L->attn_norm)) ||
         (status = bind_vector(m, NAME("ffn_norm.weight"), g->hidden_size, 1, &L->mlp_norm)))
         return status;
@@ -133,6 +187,15 @@ static int bind_layer(struct llmem_model *m, int64_t i) {
         ((status = bind_vector(m, NAME("attn_q_norm.weight"), g->head_dim, 1, &L->q_norm)) ||
          (status = bind_vector(m, NAME("attn_k_norm.weight"), g->head_dim, 1, &L->k_norm))))
         return status;
+    if (m->cfg.layer_moe != NULL && m->cfg.layer_moe[i])
+        return bind_moe(m, i, L);
+    if ((status = bind_matrix(m, NAME("ffn_gate.weight"), g->intermediate_size, g->hidden_size,
+                              &L->w_gate)) ||
+        (status = bind_matrix(m, NAME("ffn_up.weight"), g->intermediate_size, g->hidden_size,
+                              &L->w_up)))
+        return status;
+    status = bind_matrix(m, NAME("ffn_down.weight"), g->hidden_size, g->intermediate_size,
+                         &L->w_down);
 #undef NAME
     return LLMEM_OK;
 }
