@@ -72,6 +72,13 @@ def config_seeds():
     put("truncated", base[: len(base) // 2])
     put("not-object", "[1, 2, 3]")
     put("empty", "")
+    # the mixtures of experts, and their keys out of range
+    moe = read("models/tiny-qwen3-moe/config.json")
+    put("tiny-qwen3-moe", moe)
+    put("tiny-mixtral", read("models/tiny-mixtral/config.json"))
+    for key, raw in [("num_experts_per_tok", "9"), ("mlp_only_layers", "[-1, 2]"),
+                     ("decoder_sparse_step", "0"), ("num_experts", "0")]:
+        put(key, with_value(moe, key, raw))
 
 
 def request_seeds():
@@ -287,7 +294,8 @@ def gguf_seeds():
     put("v2", llama[:4] + struct.pack("<I", 2) + llama[8:])
     put("truncated", llama[:-1])
     put("no-tensors", gguf_file([("general.architecture", "string", "qwen2")], []))
-    for f in ["pycoder-q4_k_m", "tiny-qwen2", "tiny-qwen3"]:
+    for f in ["pycoder-q4_k_m", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe-q8_0",
+              "tiny-mixtral-bf16"]:
         put(f + "-header", read("gguf/%s.gguf" % f)[:8192])
 
 
