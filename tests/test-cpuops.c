@@ -309,6 +309,74 @@ static void test_matmul_multi(void **state) {
     free(x), free(bias);
 }
 
+/* llmem_cpu_matmul_many (a mixture's experts): matrices each of their own rows of x — float
+ * dtypes and quantized types at fast precision, a few rows (one dispatch) or many (one by one),
+ * two matrices sharing an input — give llmem_cpu_matmul's bits on each, at any thread count. */
+static void test_matmul_many(void **state) {
+    (void)state;
+    enum { N = 6, COLS = 512 };
+    const int64_t rows[N] = {96, 64, 100, 256, 32, 48};
+    const int quant[N] = {0, 0, LLMEM_QTYPE_Q4_K, LLMEM_QTYPE_Q8_0, LLMEM_QTYPE_Q6_K, 0};
+    struct llmem_weight w[N];
+    double *wv[N];
+    for (int i = 0; i < N; i++) {
+        wv[i] = malloc((size_t)(rows[i] * COLS) * sizeof(double));
+        assert_non_null(wv[i]);
+        const enum llmem_dtype dt = dtypes[i % 3];
+        w[i] = (struct llmem_weight){make_weight(dt, rows[i] * COLS, wv[i]), dt, rows[i], COLS, 0,
+                                     NULL, NULL};
+        if (quant[i] != 0) { /* its rows as the type's blocks */
+            float *f = make_floats(rows[i] * COLS);
+            const int64_t rb = llmem_qtype_bytes(quant[i], COLS);
+            uint8_t *q = malloc((size_t)(rows[i] * rb));
+            assert_non_null(q);
+            for (int64_t r = 0; r < rows[i]; r++)
+                assert_int_equal(llmem_quant_quantize_row(quant[i], f + r * COLS, q + r * rb, COLS),
+                                 LLMEM_OK);
+            free((void *)w[i].data);
+            free(f);
+            w[i] = (struct llmem_weight){q, LLMEM_DTYPE_F32, rows[i], COLS, quant[i], NULL, NULL};
+        }
+    }
+    float *xs = make_floats(N * 40 * COLS);
+    static const int64_t counts[][N] = {{1, 1, 1, 1, 1, 1}, {3, 1, 7, 2, 23, 5}, {40, 2, 30, 1, 1, 24}};
+    for (int threads = 1; threads <= 3; threads++) {
+        struct llmem_backend *b = make_backend(threads);
+        for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
+            for (int floats = 0; floats < 2; floats++) { /* the float matrices, the quantized */
+                const struct llmem_weight *wp[N];
+                const float *xp[N];
+                int64_t np[N];
+                float *y[N], *want[N];
+                int m = 0;
+                for (int i = 0; i < N; i++) {
+                    if ((quant[i] == 0) != floats)
+                        continue;
+                    wp[m] = &w[i], np[m] = counts[c][i];
+                    /* the second matrix of each kind shares the first's input */
+                    xp[m] = xs + (m == 1 ? 0 : i) * 40 * COLS;
+                    if (m == 1)
+                        np[m] = np[0];
+                    y[m] = malloc((size_t)(np[m] * rows[i]) * sizeof(float));
+                    want[m] = malloc((size_t)(np[m] * rows[i]) * sizeof(float));
+                    assert_true(y[m] != NULL && want[m] != NULL);
+                    llmem_cpu_matmul(b->ctx, wp[m], xp[m], np[m], want[m], NULL);
+                    m++;
+                }
+                llmem_cpu_matmul_many(b->ctx, m, wp, xp, np, y);
+                for (int i = 0; i < m; i++) {
+                    assert_memory_equal(y[i], want[i], (size_t)(np[i] * wp[i]->rows) * sizeof(float));
+                    free(y[i]), free(want[i]);
+                }
+            }
+        }
+        llmem_backend_destroy(b);
+    }
+    for (int i = 0; i < N; i++)
+        free((void *)w[i].data), free(wv[i]);
+    free(xs);
+}
+
 static void test_matmul_empty(void **state) {
     (void)state;
     struct llmem_backend *b = make_backend(2);
@@ -722,6 +790,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_blocks),
         cmocka_unit_test(test_matmul_batch_invariance),
         cmocka_unit_test(test_matmul_multi),
+        cmocka_unit_test(test_matmul_many),
         cmocka_unit_test(test_matmul_empty),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),

@@ -666,12 +666,14 @@ static void test_moe_geometry(void **state) {
     assert_int_equal(llmem_geometry_active_bytes(dense), dense->weights_bytes);
 
     /* the workspace: no dense gate/up (every layer has experts), the router's logits, and the
-     * experts' parts (plan/moe_work.h), each rounded to 64 bytes */
+     * experts' parts (plan/moe_work.h: ids, probs, order, slot, offsets, x, gate, up) */
     const struct llmem_model_geometry *g = llmem_catalog_find("qwen3-30b-a3b");
     int64_t T = 512, per_token = 2 * 2048 + 3 * 4096 + 2 * 512 + 2;
     int64_t parts = 512 * 32 * (128 + 2);
-    int64_t moe_bytes = 4 * T * 128 + 3 * 4 * T * 8 + 576 + /* 129 int32 rounded up to 64 bytes */
-                        2 * 4 * T * 2048 + 2 * 4 * T * 768;
+    int64_t pairs = T * 8;                         /* (token, expert) pairs */
+    int64_t moe_bytes = 4 * T * 128 +                /* the router's logits */
+                        4 * 4 * pairs + 576 +        /* 129 int32 offsets rounded up to 64 bytes */
+                        4 * pairs * 2048 + 2 * 4 * pairs * 768;
     assert_int_equal(llmem_geometry_workspace_bytes(g, T, 1),
                      4 * (T * per_token + parts + 151936) + moe_bytes);
 }

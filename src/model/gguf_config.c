@@ -56,6 +56,7 @@
 #include "core/log.h"
 #include "model/gguf.h"
 #include "model/model_int.h"
+#include "plan/moe_work.h"
 
 static const char *const archs[] = {"llama", "qwen2", "qwen3", "qwen3moe"};
 
@@ -212,7 +213,8 @@ static int meta_moe(const struct meta *m, struct llmem_model_geometry *g) {
     if (status == LLMEM_ENOENT || (status == LLMEM_OK && n == 0))
         return LLMEM_OK;
     if (status != LLMEM_OK ||
-        (status = meta_int(m, "expert_used_count", 1, 1, n, &g->n_experts_used)) != LLMEM_OK)
+        (status = meta_int(m, "expert_used_count", 1, 1, n < LLMEM_MOE_MAX_K ? n : LLMEM_MOE_MAX_K,
+                           &g->n_experts_used)) != LLMEM_OK)
         return status;
     status = meta_int(m, "expert_feed_forward_length", 0, 1, MAX_INTERMEDIATE,
                       &g->expert_intermediate);

@@ -70,6 +70,18 @@ void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *con
 void llmem_cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,
                       const float *bias);
 
+/* count products y[i] = x[i] · w[i]ᵀ, each of its own n[i] rows of x (no bias), with exactly the
+ * results of llmem_cpu_matmul on each: matrices of few rows (below the GEMM crossover) in one
+ * dispatch, their row ranges run together (a mixture's experts in decode); the others one by
+ * one. count ≤ CPU_MATMUL_MANY_MAX. */
+#define CPU_MATMUL_MANY_MAX 128
+void llmem_cpu_matmul_many(void *ctx, int count, const struct llmem_weight *const *w,
+                           const float *const *x, const int64_t *n, float *const *y);
+/* The same for quantized weights with integer kernels (matmul_q.c): LLMEM_ENOMEM, having done
+ * nothing, when the inputs' quantized forms do not fit the packed-x scratch together. */
+int llmem_cpu_matmul_q_many(struct cpu_ctx *c, int count, const struct llmem_weight *const *w,
+                            const float *const *x, const int64_t *n, float *const *y);
+
 /* SwiGLU of the backend table (cpu.c) and its mixture of experts (moe.c). */
 void llmem_cpu_swiglu(void *ctx, const float *gate, const float *up, int64_t n, float *out);
 void llmem_cpu_moe(void *ctx, const struct llmem_backend_moe *m, const float *logits,

@@ -612,15 +612,15 @@ static void matmul_decode(struct cpu_ctx *c, const struct matmul_kernels *k,
     llmem_pool_run(c->pool, tasks, gemv_task, &job);
 }
 
-/* Several matrices of the same input in one dispatch: each split as matmul_decode would split it
- * alone, the tasks of all of them run together. */
+/* Several matrices in one dispatch, each of its own input of n[i] rows: each split as
+ * matmul_decode would split it alone, the tasks of all of them run together. */
 #define MULTI_TASKS 256
 struct gemv_multi_job {
     const struct matmul_kernels *k;
-    const float *x;
-    int64_t n;
     struct {
         const struct llmem_weight *w;
+        const float *x;
+        int64_t n;
         float *y;
         const float *bias;
         int64_t r0, r1;
@@ -632,23 +632,23 @@ static void gemv_multi_task(void *arg, int task, int thread) {
     const struct gemv_multi_job *j = arg;
     const struct llmem_weight *w = j->t[task].w;
     int64_t r0 = j->t[task].r0, r1 = j->t[task].r1;
-    j->k->gemv(row_ptr(w, r0), w->dtype, w->cols, r1 - r0, j->x, w->cols, j->n, j->t[task].y + r0,
-               w->rows, j->t[task].bias != NULL ? j->t[task].bias + r0 : NULL);
+    j->k->gemv(row_ptr(w, r0), w->dtype, w->cols, r1 - r0, j->t[task].x, w->cols, j->t[task].n,
+               j->t[task].y + r0, w->rows, j->t[task].bias != NULL ? j->t[task].bias + r0 : NULL);
 }
 
 static void matmul_decode_multi(struct cpu_ctx *c, const struct matmul_kernels *k, int count,
-                                const struct llmem_weight *const *w, const float *x, int64_t n,
-                                float *const *y, const float *const *bias) {
+                                const struct llmem_weight *const *w, const float *const *x,
+                                const int64_t *n, float *const *y, const float *const *bias) {
     int64_t work = 0;
     for (int i = 0; i < count; i++)
-        work += w[i]->rows * w[i]->cols * n;
+        work += w[i]->rows * w[i]->cols * n[i];
     struct gemv_multi_job *job = malloc(sizeof(*job));
     if (job == NULL) { /* one dispatch each, then */
         for (int i = 0; i < count; i++)
-            matmul_decode(c, k, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
+            matmul_decode(c, k, w[i], x[i], n[i], y[i], bias != NULL ? bias[i] : NULL);
         return;
     }
-    job->k = k, job->x = x, job->n = n;
+    job->k = k;
     int tasks = 0;
     for (int i = 0; i < count; i++) {
         /* Below ~64 K multiply-adds in all, one task; else as matmul_decode splits one matrix */
@@ -664,6 +664,7 @@ static void matmul_decode_multi(struct cpu_ctx *c, const struct matmul_kernels *
         per = (per + 3) & ~(int64_t)3;
         for (int64_t r0 = 0; r0 < w[i]->rows; r0 += per) {
             job->t[tasks].w = w[i], job->t[tasks].y = y[i];
+            job->t[tasks].x = x[i], job->t[tasks].n = n[i];
             job->t[tasks].bias = bias != NULL ? bias[i] : NULL;
             job->t[tasks].r0 = r0;
             job->t[tasks].r1 = r0 + per < w[i]->rows ? r0 + per : w[i]->rows;
@@ -834,7 +835,9 @@ void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *con
     }
     for (int i = 0; i < count; i++)
         c->weight_bytes += w[i]->rows * llmem_weight_row_bytes(w[i]);
-    matmul_decode_multi(c, &kernels[c->isa], count, w, x, n, y, bias);
+    const float *xs[4] = {x, x, x, x};
+    const int64_t ns[4] = {n, n, n, n};
+    matmul_decode_multi(c, &kernels[c->isa], count, w, xs, ns, y, bias);
 }
 
 /* ---- quantized weights (the exact path) -------------------------------------------------------
@@ -880,6 +883,32 @@ static void matmul_quant(struct cpu_ctx *c, const struct matmul_kernels *k,
     per = (per + CPU_GEMM_MR - 1) / CPU_GEMM_MR * CPU_GEMM_MR;
     struct quant_job job = {c, k, w, x, bias, y, n, per};
     llmem_pool_run(c->pool, (int)((w->rows + per - 1) / per), quant_task, &job);
+}
+
+void llmem_cpu_matmul_many(void *ctx, int count, const struct llmem_weight *const *w,
+                           const float *const *x, const int64_t *n, float *const *y) {
+    struct cpu_ctx *c = ctx;
+    LLMEM_ASSERT(count >= 1 && count <= CPU_MATMUL_MANY_MAX);
+    int floats = 1, quant = c->precision == LLMEM_PRECISION_FAST;
+    for (int i = 0; i < count; i++) {
+        floats &= w[i]->quant == 0 && n[i] > 0 && n[i] < c->gemm_min_n && w[i]->rows > 0 &&
+                  w[i]->cols > 0;
+        quant &= w[i]->quant != 0 && llmem_cpu_matmul_q_supported(w[i]->quant, w[i]->cols) &&
+                 n[i] > 0 && n[i] < c->gemm_min_n;
+    }
+    if (floats && c->path != CPU_MATMUL_GEMM) {
+        for (int i = 0; i < count; i++)
+            c->weight_bytes += w[i]->rows * llmem_weight_row_bytes(w[i]);
+        matmul_decode_multi(c, &kernels[c->isa], count, w, x, n, y, NULL);
+        return;
+    }
+    if (quant && llmem_cpu_matmul_q_many(c, count, w, x, n, y) == LLMEM_OK) {
+        for (int i = 0; i < count; i++)
+            c->weight_bytes += w[i]->rows * llmem_weight_row_bytes(w[i]);
+        return;
+    }
+    for (int i = 0; i < count; i++) /* (counted there) */
+        llmem_cpu_matmul(ctx, w[i], x[i], n[i], y[i], NULL);
 }
 
 void llmem_cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_t n, float *y,

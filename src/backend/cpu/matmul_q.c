@@ -1310,13 +1310,11 @@ static void q_panel_rows(const struct q_job *j, const struct q_x *xv, int64_t r0
 }
 #endif
 
-static void q_matmul_task(void *arg, int task, int thread) {
-    const struct q_job *j = arg;
+/* W rows r_begin … r_end − 1 times the chunk of x. */
+static void q_matmul_rows(const struct q_job *j, int64_t r_begin, int64_t r_end, int thread) {
     const int64_t rows = j->w->rows, cols = j->w->cols;
     const struct q_x xv = {j->xq, j->xd, j->xs, cols, j->blk};
     const uint8_t *wd = j->w->data;
-    int64_t r_begin = (int64_t)task * j->rows_per_task;
-    int64_t r_end = r_begin + j->rows_per_task < rows ? r_begin + j->rows_per_task : rows;
     float out[Q_MR * Q_NX];
     for (int64_t r0 = r_begin; r0 < r_end; r0 += Q_MR) {
         int64_t r1 = r0 + Q_MR < r_end ? r0 + Q_MR : r_end;
@@ -1338,6 +1336,124 @@ static void q_matmul_task(void *arg, int task, int thread) {
                 }
         }
     }
+}
+
+static void q_matmul_task(void *arg, int task, int thread) {
+    const struct q_job *j = arg;
+    int64_t r_begin = (int64_t)task * j->rows_per_task;
+    int64_t r_end =
+        r_begin + j->rows_per_task < j->w->rows ? r_begin + j->rows_per_task : j->w->rows;
+    q_matmul_rows(j, r_begin, r_end, thread);
+}
+
+/* Bytes of the quantized form of n rows of cols values in blocks of blk (q, d and, for the K
+ * types, s; each part 64-byte aligned). */
+static size_t q_x_bytes(int64_t n, int64_t cols, int64_t blk) {
+    const size_t q = ((size_t)(n * cols) + 63) & ~(size_t)63;
+    const size_t d = (((size_t)(n * (cols / blk)) * sizeof(float)) + 63) & ~(size_t)63;
+    const size_t s =
+        blk == LLMEM_QK_K ? (((size_t)(n * (cols / 16)) * sizeof(int16_t)) + 63) & ~(size_t)63 : 0;
+    return q + d + s;
+}
+
+/* llmem_cpu_matmul_many's quantized matrices: each distinct input quantized once into the
+ * packed-x scratch (one task a row), then the row ranges of every matrix in one dispatch. */
+struct q_many_job {
+    struct q_job jobs[CPU_MATMUL_MANY_MAX];
+    struct {
+        int job;
+        int64_t r0, r1;
+    } t[4 * CPU_MATMUL_MANY_MAX];
+    struct {
+        int job;
+        int64_t row;
+    } quantize[4 * CPU_MATMUL_MANY_MAX];
+};
+
+static void q_many_quantize_task(void *arg, int task, int thread) {
+    const struct q_many_job *m = arg;
+    q_quantize_task((void *)&m->jobs[m->quantize[task].job], (int)m->quantize[task].row, thread);
+}
+
+static void q_many_task(void *arg, int task, int thread) {
+    const struct q_many_job *m = arg;
+    q_matmul_rows(&m->jobs[m->t[task].job], m->t[task].r0, m->t[task].r1, thread);
+}
+
+int llmem_cpu_matmul_q_many(struct cpu_ctx *c, int count, const struct llmem_weight *const *w,
+                            const float *const *x, const int64_t *n, float *const *y) {
+    LLMEM_ASSERT(count >= 1 && count <= CPU_MATMUL_MANY_MAX);
+    struct q_many_job *m = malloc(sizeof(*m));
+    if (m == NULL)
+        return LLMEM_ENOMEM;
+    const struct q_kernels *k = q_kernels_for(c->isa, c->no_vnni);
+    size_t used = 0;
+    int n_quantize = 0, n_tasks = 0;
+    int64_t rows_all = 0;
+    for (int i = 0; i < count; i++)
+        rows_all += w[i]->rows;
+    /* a few ranges a thread over all the matrices, each range within one matrix */
+    const int64_t per_all = rows_all / (c->n_threads * 4) + 1;
+    for (int i = 0; i < count; i++) {
+        struct q_job *j = &m->jobs[i];
+        memset(j, 0, sizeof(*j));
+        j->k = k;
+        j->dot = q_dot_for(k, w[i]->quant);
+        j->w = w[i], j->x = x[i], j->y = y[i];
+        j->blk = q_block_elems(w[i]->quant);
+        j->nb = w[i]->cols / j->blk, j->row_bytes = llmem_weight_row_bytes(w[i]);
+        j->panel = k->panels && n[i] >= Q_PANEL_MIN_N;
+        j->scratch = c->wpanel;
+        j->t0 = 0, j->nt = n[i];
+        /* an input already quantized with this block size: shared */
+        int same = -1;
+        for (int p = 0; p < i && same < 0; p++)
+            if (x[p] == x[i] && n[p] == n[i] && m->jobs[p].blk == j->blk &&
+                w[p]->cols == w[i]->cols)
+                same = p;
+        if (same >= 0) {
+            j->xq = m->jobs[same].xq, j->xd = m->jobs[same].xd, j->xs = m->jobs[same].xs;
+        } else {
+            const size_t bytes = q_x_bytes(n[i], w[i]->cols, j->blk);
+            if (used + bytes > CPU_GEMM_XT_BYTES || n_quantize + n[i] > 4 * CPU_MATMUL_MANY_MAX) {
+                free(m);
+                return LLMEM_ENOMEM;
+            }
+            uint8_t *base = (uint8_t *)c->xt + used;
+            const int64_t cols = w[i]->cols;
+            j->xq = (int8_t *)base;
+            j->xd = (float *)(base + (((size_t)(n[i] * cols) + 63) & ~(size_t)63));
+            j->xs = j->blk == LLMEM_QK_K
+                        ? (int16_t *)((uint8_t *)j->xd +
+                                      ((((size_t)(n[i] * (cols / j->blk)) * sizeof(float)) + 63) &
+                                       ~(size_t)63))
+                        : NULL;
+            used += bytes;
+            for (int64_t r = 0; r < n[i]; r++) {
+                m->quantize[n_quantize].job = i;
+                m->quantize[n_quantize++].row = r;
+            }
+        }
+        int64_t per = per_all < w[i]->rows ? per_all : w[i]->rows;
+        per = j->panel ? (per + Q_MR - 1) / Q_MR * Q_MR : (per + 3) & ~(int64_t)3;
+        for (int64_t r0 = 0; r0 < w[i]->rows; r0 += per) {
+            if (n_tasks == 4 * CPU_MATMUL_MANY_MAX) {
+                free(m);
+                return LLMEM_ENOMEM;
+            }
+            m->t[n_tasks].job = i;
+            m->t[n_tasks].r0 = r0;
+            m->t[n_tasks++].r1 = r0 + per < w[i]->rows ? r0 + per : w[i]->rows;
+        }
+    }
+    if (n_quantize == 1 || c->n_threads == 1)
+        for (int t = 0; t < n_quantize; t++)
+            q_many_quantize_task(m, t, 0);
+    else
+        llmem_pool_run(c->pool, n_quantize, q_many_quantize_task, m);
+    llmem_pool_run(c->pool, n_tasks, q_many_task, m);
+    free(m);
+    return LLMEM_OK;
 }
 
 void llmem_cpu_matmul_q(struct cpu_ctx *c, const struct llmem_weight *w, const float *x, int64_t n,
