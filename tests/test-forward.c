@@ -259,12 +259,14 @@ static void test_parity_transformers(void **state) {
 
 /* ---- layouts, batches, formats --------------------------------------------------------------- */
 
-static const char *const layout_models[] = {"pycoder", "tiny-mistral-swa", "tiny-qwen3"};
+static const char *const layout_models[] = {"pycoder", "tiny-mistral-swa", "tiny-qwen3",
+                                            "tiny-qwen3-moe", "tiny-mixtral"};
+#define N_LAYOUT_MODELS (sizeof(layout_models) / sizeof(layout_models[0]))
 
 /* Every layout gives the paged layout's logits (f32 KV), prefilling in chunks of 7 and of 64. */
 static void test_layouts_agree(void **state) {
     (void)state;
-    for (size_t m = 0; m < 3; m++) {
+    for (size_t m = 0; m < N_LAYOUT_MODELS; m++) {
         struct generation gens[1];
         load_generations(layout_models[m], gens, 1);
         char dir[512];
@@ -298,7 +300,7 @@ static void test_layouts_agree(void **state) {
  * decoding of all of them in one pass per step. */
 static void test_batch_equals_single(void **state) {
     (void)state;
-    for (size_t m = 0; m < 3; m++) {
+    for (size_t m = 0; m < N_LAYOUT_MODELS; m++) {
         struct generation gens[3];
         int n = load_generations(layout_models[m], gens, 3);
         char dir[512];

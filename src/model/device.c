@@ -101,18 +101,25 @@ static int upload_vector(struct llmem_model *m, const struct llmem_backend *be, 
     return *v != NULL ? LLMEM_OK : LLMEM_ENOMEM;
 }
 
+int llmem_model_device_check(const struct llmem_model_geometry *g, const char *backend) {
+    if (g->n_experts > 0) {
+        LLMEM_ERROR("%s: mixture-of-experts layers run on the CPU backend; the %s backend does not "
+                    "run them yet",
+                    g->source, backend);
+        return LLMEM_EUNSUPPORTED;
+    }
+    return LLMEM_OK;
+}
+
 int llmem_model_to_device(const struct llmem_model *src, const struct llmem_backend *be,
                           struct llmem_mem *mem, llmem_progress_fn progress, void *progress_arg,
                           struct llmem_model **out) {
     LLMEM_ASSERT(src != NULL && be != NULL && mem != NULL && out != NULL);
     *out = NULL;
     const struct llmem_model_geometry *g = &src->cfg.geom;
-    if (g->n_experts > 0) {
-        LLMEM_ERROR("%s: mixture-of-experts layers run on the CPU backend; the %s backend does not "
-                    "run them yet",
-                    g->source, be->ops->name);
-        return LLMEM_EUNSUPPORTED;
-    }
+    int status = llmem_model_device_check(g, be->ops->name);
+    if (status != LLMEM_OK)
+        return status;
     struct llmem_model *m = calloc(1, sizeof(*m));
     struct model_layer *layers = calloc((size_t)g->n_layers, sizeof(*layers));
     uint8_t *sliding = src->cfg.layer_sliding != NULL ? malloc((size_t)g->n_layers) : NULL;
@@ -161,7 +168,7 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
     const int64_t hidden = g->hidden_size, hd = g->head_dim;
     const int64_t q_dim = g->n_heads * hd, kv_dim = g->n_kv_heads * hd;
     struct llmem_weight e = src->embed;
-    int status = upload_weight(m, be, &e);
+    status = upload_weight(m, be, &e);
     m->embed = e;
     if (status == LLMEM_OK) {
         if (src->lm_head.data == src->embed.data) {

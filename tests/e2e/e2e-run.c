@@ -149,6 +149,11 @@ static void test_moe_greedy(void **state) {
             assert_int_equal(cJSON_GetArrayItem(ids, i)->valueint,
                              cJSON_GetArrayItem(greedy, i)->valueint);
         printf("  %s: %d greedy ids equal\n", models[m], cJSON_GetArraySize(ids));
+        /* not on a GPU yet: refused by name before anything is loaded */
+        struct tu_run cuda = tu_llmem("run", dir, "--ids", csv, "--backend", "cuda", NULL);
+        assert_int_not_equal(cuda.exit_code, 0);
+        assert_non_null(strstr(cuda.err, "mixture-of-experts layers run on the CPU backend"));
+        tu_run_free(&cuda);
         cJSON_Delete(out);
         tu_run_free(&r);
         cJSON_Delete(ref);
