@@ -687,16 +687,24 @@ const char *tu_budget_for(const char *model, int extra_mib, char *buf, size_t si
 #define TU_ST_HEADER_MAX (1 << 20)
 
 void tu_st_add(struct tu_st_writer *w, const char *name, int64_t d0, int64_t d1) {
+    const int64_t dims[2] = {d0, d1};
+    tu_st_add_shape(w, name, d1 > 0 ? 2 : 1, dims);
+}
+
+void tu_st_add_shape(struct tu_st_writer *w, const char *name, int n_dims, const int64_t *dims) {
     if (w->header == NULL) {
         assert_non_null(w->header = malloc(TU_ST_HEADER_MAX));
         w->len = (size_t)snprintf(w->header, TU_ST_HEADER_MAX, "{");
     }
-    int64_t n = d0 * (d1 > 0 ? d1 : 1);
-    char shape[64];
-    if (d1 > 0)
-        snprintf(shape, sizeof(shape), "[%lld, %lld]", (long long)d0, (long long)d1);
-    else
-        snprintf(shape, sizeof(shape), "[%lld]", (long long)d0);
+    int64_t n = 1;
+    char shape[96];
+    int at = snprintf(shape, sizeof(shape), "[");
+    for (int d = 0; d < n_dims; d++) {
+        n *= dims[d];
+        at += snprintf(shape + at, sizeof(shape) - (size_t)at, "%s%lld", d ? ", " : "",
+                       (long long)dims[d]);
+    }
+    snprintf(shape + at, sizeof(shape) - (size_t)at, "]");
     w->len += (size_t)snprintf(w->header + w->len, TU_ST_HEADER_MAX - w->len,
                                "%s\"%s\": {\"dtype\": \"F32\", \"shape\": %s, "
                                "\"data_offsets\": [%lld, %lld]}",

@@ -104,6 +104,7 @@ struct tu_st_writer {
     FILE *f;
 };
 void tu_st_add(struct tu_st_writer *w, const char *name, int64_t d0, int64_t d1);
+void tu_st_add_shape(struct tu_st_writer *w, const char *name, int n_dims, const int64_t *dims);
 void tu_st_open(struct tu_st_writer *w, const char *path);
 void tu_st_write(struct tu_st_writer *w, const float *values, int64_t n);
 void tu_st_close(struct tu_st_writer *w);

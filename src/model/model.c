@@ -392,10 +392,80 @@ static int bind_stacked_experts(struct llmem_model *m, const char *gate_up, cons
     return LLMEM_OK;
 }
 
+/* Expert e's three matrices from mlx-lm's stacked SwitchGLU, `<block>.switch_mlp.P.weight` for
+ * P gate_proj, up_proj and down_proj: [E, rows, cols] floats, or MLX-quantized codes
+ * [E, rows, cols·bits/32] with scales and biases [E, rows, cols/group] beside them (its entry in
+ * config.json's `quantization`, or its .scales tensor, says which). */
+static int bind_switch_experts(struct llmem_model *m, const char *block, struct model_layer *L) {
+    const struct llmem_model_geometry *g = &m->cfg.geom;
+    const int64_t E = g->n_experts, fe = g->expert_intermediate, h = g->hidden_size;
+    static const char *const parts[3] = {"gate_proj", "up_proj", "down_proj"};
+    for (int p = 0; p < 3; p++) {
+        const int64_t rows = p < 2 ? fe : h, cols = p < 2 ? h : fe;
+        char module[160], name[3][200];
+        snprintf(module, sizeof(module), "%s.switch_mlp.%s", block, parts[p]);
+        int bits, group;
+        quant_of(m, module, &bits, &group);
+        static const char *const suffix[3] = {"weight", "scales", "biases"};
+        const struct llmem_st_tensor *t[3] = {NULL, NULL, NULL};
+        const int64_t width[3] = {bits ? cols * bits / 32 : cols, bits ? cols / group : 0,
+                                  bits ? cols / group : 0};
+        for (int i = 0; i < (bits ? 3 : 1); i++) {
+            snprintf(name[i], sizeof(name[i]), "%s.%s", module, suffix[i]);
+            if ((t[i] = find(m, name[i], 1)) == NULL)
+                return LLMEM_ENOENT;
+            if (t[i]->n_dims != 3 || t[i]->shape[0] != E || t[i]->shape[1] != rows ||
+                t[i]->shape[2] != width[i]) {
+                LOAD_ERROR("%s: tensor '%s' is not [%" PRId64 ", %" PRId64 ", %" PRId64
+                           "] (experts, rows, %s) as the config says",
+                           g->source, name[i], E, rows, width[i],
+                           i == 0 && bits ? "32-bit words of codes" : i ? "groups" : "columns");
+                return LLMEM_EFORMAT;
+            }
+        }
+        if (bits && cols % group != 0) {
+            LOAD_ERROR("%s: '%s' has %" PRId64 " columns, not a multiple of its quantization "
+                       "group (%d)",
+                       g->source, module, cols, group);
+            return LLMEM_EFORMAT;
+        }
+        const enum llmem_dtype dt = bits ? t[1]->dtype : t[0]->dtype;
+        if (dt != LLMEM_DTYPE_F32 && dt != LLMEM_DTYPE_F16 && dt != LLMEM_DTYPE_BF16) {
+            LOAD_ERROR("%s: tensor '%s' is %s; llmem runs F32, F16 and BF16 %s", g->source,
+                       name[bits ? 1 : 0], llmem_dtype_name(dt), bits ? "scales" : "weights");
+            return LLMEM_EUNSUPPORTED;
+        }
+        if (bits && (t[0]->dtype != LLMEM_DTYPE_U32 || t[2]->dtype != dt)) {
+            LOAD_ERROR("%s: '%s' needs U32 codes and scales and biases of one dtype", g->source,
+                       module);
+            return LLMEM_EFORMAT;
+        }
+        const int st = dt == LLMEM_DTYPE_F32 ? LLMEM_QTYPE_F32
+                       : dt == LLMEM_DTYPE_F16 ? LLMEM_QTYPE_F16
+                                               : LLMEM_QTYPE_BF16;
+        const int64_t code_bytes = rows * width[0] * (bits ? 4 : llmem_dtype_size(dt));
+        const int64_t group_bytes = rows * width[1] * llmem_dtype_size(dt);
+        for (int64_t e = 0; e < E; e++) {
+            struct llmem_weight *w = &L->experts[p * E + e];
+            *w = (struct llmem_weight){.data = (const char *)tensor_data(m, t[0]) + e * code_bytes,
+                                       .dtype = dt,
+                                       .rows = rows,
+                                       .cols = cols};
+            if (bits) {
+                w->quant = llmem_qtype_mlx(bits, group, st);
+                w->scales = (const char *)tensor_data(m, t[1]) + e * group_bytes;
+                w->biases = (const char *)tensor_data(m, t[2]) + e * group_bytes;
+            }
+        }
+    }
+    return LLMEM_OK;
+}
+
 /* A mixture-of-experts layer's router and experts: Qwen3-MoE's mlp.gate and
  * mlp.experts.N.{gate,up,down}_proj, Mixtral's block_sparse_moe.gate and
- * block_sparse_moe.experts.N.{w1,w3,w2} (one tensor per expert, as the Hub stores them), or either
- * family's experts stacked as transformers holds them (mlp.experts.gate_up_proj, .down_proj). */
+ * block_sparse_moe.experts.N.{w1,w3,w2} (one tensor per expert, as the Hub stores them), either
+ * family's experts stacked as transformers holds them (mlp.experts.gate_up_proj, .down_proj), or
+ * as mlx-lm stacks them (switch_mlp, float or MLX-quantized). */
 static int bind_moe(struct llmem_model *m, int64_t i, struct model_layer *L) {
     const struct llmem_model_geometry *g = &m->cfg.geom;
     const int64_t E = g->n_experts, inter = g->expert_intermediate, h = g->hidden_size;
@@ -426,6 +496,10 @@ static int bind_moe(struct llmem_model *m, int64_t i, struct model_layer *L) {
     snprintf(name, sizeof(name), "%s.experts.0.%s.weight", block, names[family][0]);
     char scales[220];
     snprintf(scales, sizeof(scales), "%s.experts.0.%s.scales", block, names[family][0]);
+    char switch_mlp[220];
+    snprintf(switch_mlp, sizeof(switch_mlp), "%s.switch_mlp.gate_proj.weight", block);
+    if (find(m, switch_mlp, 0) != NULL)
+        return bind_switch_experts(m, block, L);
     if (find(m, name, 0) == NULL && find(m, scales, 0) == NULL) {
         char gate_up[200], down[200];
         snprintf(gate_up, sizeof(gate_up), "%s.experts.gate_up_proj", block);

@@ -235,7 +235,8 @@ int64_t llmem_model_count_params(const struct llmem_safetensors *st,
 int64_t llmem_model_expert_bytes(const struct llmem_safetensors *st) {
     int64_t bytes = 0;
     for (int i = 0; i < st->n_tensors; i++)
-        if (strstr(st->tensors[i].name, ".experts.") != NULL)
+        if (strstr(st->tensors[i].name, ".experts.") != NULL ||
+            strstr(st->tensors[i].name, ".switch_mlp.") != NULL)
             bytes += st->tensors[i].n_bytes;
     return bytes;
 }

@@ -48,8 +48,8 @@ int64_t llmem_model_count_params(const struct llmem_safetensors *st,
 void llmem_rope_inv_freq(const struct llmem_model_config *cfg, float *inv_freq);
 
 /* The bytes of a directory's expert tensors (names with ".experts.": one tensor per expert as the
- * Hub stores them, or transformers' stacked experts.gate_up_proj and experts.down_proj). In
- * model_dir.c. */
+ * Hub stores them, or transformers' stacked experts.gate_up_proj and experts.down_proj; with
+ * ".switch_mlp.": mlx-lm's, with their scales and biases). In model_dir.c. */
 int64_t llmem_model_expert_bytes(const struct llmem_safetensors *st);
 
 /* LLMEM_OK when dir is an existing directory; else LLMEM_ENOENT (missing) or LLMEM_EINVAL (not a

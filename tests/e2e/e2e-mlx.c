@@ -30,6 +30,7 @@ static const struct {
     {"tiny-mistral-swa-8bit-f16", "tiny-mistral-swa"},
     {"tiny-mistral-swa-mixed", "tiny-mistral-swa"},
     {"tiny-qwen2-4bit", "tiny-qwen2"},
+    {"tiny-qwen3-moe-4bit", "tiny-qwen3-moe"},
 };
 
 /* ---- reading tensors --------------------------------------------------------------------------
@@ -86,32 +87,70 @@ static const struct llmem_st_tensor *find_suffixed(const struct model_file *m, c
  * against the original's: within one quantization step (MLX's top code clamps when the rounding
  * of the group's edge moved its grid), plus the stored scale's rounding times the largest code,
  * plus the rounding of the scales' dtype. */
+/* The original of the fixture's tensor `name` as f32, and its shape: the tensor of that name, or
+ * for mlx-lm's stacked experts (…mlp.switch_mlp.P.weight) the original's one tensor per expert
+ * (…mlp.experts.E.P.weight) stacked [experts, rows, cols]. */
+static float *original_of(const struct model_file *orig, const char *name, int *n_dims,
+                          int64_t shape[3]) {
+    const struct llmem_st_tensor *o = llmem_safetensors_find(orig->st, name);
+    if (o != NULL) {
+        *n_dims = o->n_dims;
+        for (int d = 0; d < o->n_dims; d++)
+            shape[d] = o->shape[d];
+        return floats_of(orig, o);
+    }
+    const char *at = strstr(name, ".switch_mlp.");
+    assert_non_null(at);
+    char expert[256];
+    float *v = NULL;
+    int64_t E = 0, each = 0;
+    for (;; E++) {
+        snprintf(expert, sizeof(expert), "%.*s.experts.%lld.%s", (int)(at - name), name,
+                 (long long)E, at + strlen(".switch_mlp."));
+        if ((o = llmem_safetensors_find(orig->st, expert)) == NULL)
+            break;
+        each = o->n_elements;
+        assert_non_null(v = realloc(v, (size_t)((E + 1) * each) * sizeof(float)));
+        float *one = floats_of(orig, o);
+        memcpy(v + E * each, one, (size_t)each * sizeof(float));
+        free(one);
+        shape[1] = o->shape[0], shape[2] = o->shape[1];
+    }
+    assert_true(E > 0);
+    *n_dims = 3;
+    shape[0] = E;
+    return v;
+}
+
 static float *tensor_f32(const struct model_file *m, const struct model_file *orig,
-                         const struct llmem_st_tensor *t, int64_t *n, int *quantized) {
+                         const struct llmem_st_tensor *t, int64_t *n, int *quantized,
+                         int *n_dims, int64_t shape[3]) {
     size_t len = strlen(t->name);
     const struct llmem_st_tensor *s = NULL, *b = NULL;
     if (len > 7 && strcmp(t->name + len - 7, ".weight") == 0) {
         s = find_suffixed(m, t->name, len - 7, ".scales");
         b = find_suffixed(m, t->name, len - 7, ".biases");
     }
-    const struct llmem_st_tensor *o = llmem_safetensors_find(orig->st, t->name);
-    assert_non_null(o);
+    float *ref = original_of(orig, t->name, n_dims, shape);
     *quantized = s != NULL;
     if (s == NULL) {
+        free(ref);
         *n = t->n_elements;
         return floats_of(m, t);
     }
     assert_non_null(b);
     assert_int_equal(t->dtype, LLMEM_DTYPE_U32);
-    const int64_t rows = o->shape[0], cols = o->shape[1];
-    const int bits = (int)(t->shape[1] * 32 / cols), group = (int)(cols / s->shape[1]);
+    /* a stacked tensor's experts as rows one after another */
+    const int64_t cols = shape[*n_dims - 1], rows = *n_dims == 3 ? shape[0] * shape[1] : shape[0];
+    const int64_t width = t->shape[t->n_dims - 1], groups = s->shape[s->n_dims - 1];
+    const int bits = (int)(width * 32 / cols), group = (int)(cols / groups);
     const int st = s->dtype == LLMEM_DTYPE_F32   ? LLMEM_QTYPE_F32
                    : s->dtype == LLMEM_DTYPE_F16 ? LLMEM_QTYPE_F16
                                                  : LLMEM_QTYPE_BF16;
     const int type = llmem_qtype_mlx(bits, group, st);
     assert_true(type > 0);
     float *v = malloc((size_t)(rows * cols) * sizeof(float));
-    float *sc = floats_of(m, s), *ref = floats_of(orig, o);
+    float *sc = floats_of(m, s);
     assert_non_null(v);
     const size_t ssize = st == LLMEM_QTYPE_F32 ? 4 : 2;
     for (int64_t r = 0; r < rows; r++)
@@ -154,11 +193,11 @@ static int write_dequantized(const char *fixture, const char *source, const char
         if (len > 7 && (strcmp(t->name + len - 7, ".scales") == 0 ||
                         strcmp(t->name + len - 7, ".biases") == 0))
             continue;
-        int q;
-        values[i] = tensor_f32(&m, &orig, t, &counts[i], &q);
+        int q, n_dims;
+        int64_t shape[3];
+        values[i] = tensor_f32(&m, &orig, t, &counts[i], &q, &n_dims, shape);
         n_quantized += q;
-        const struct llmem_st_tensor *o = llmem_safetensors_find(orig.st, t->name);
-        tu_st_add(&w, t->name, o->shape[0], o->n_dims == 1 ? 0 : o->shape[1]);
+        tu_st_add_shape(&w, t->name, n_dims, shape);
     }
     char path[1024];
     snprintf(path, sizeof(path), "%s/model.safetensors", dir);
@@ -226,6 +265,88 @@ static void test_logits_equal_dequantized(void **state) {
         tu_rmtree(dir);
         free(dir);
     }
+}
+
+/* mlx-lm's stacked experts unquantized: tiny-qwen3-moe written with each layer's experts in
+ * …mlp.switch_mlp.{gate,up,down}_proj [experts, rows, cols] (f32) gives the logits of its one
+ * tensor per expert (bf16), bit for bit. */
+static void test_switch_mlp_stacked(void **state) {
+    (void)state;
+    const char *source = DATA "/models/tiny-qwen3-moe";
+    struct model_file orig;
+    model_open(source, &orig);
+    char *dir = tu_mkdtemp();
+    struct tu_st_writer w = {0};
+    const struct llmem_st_tensor *order[512];
+    int n = 0;
+    for (int i = 0; i < orig.st->n_tensors; i++) {
+        const char *name = orig.st->tensors[i].name;
+        const char *at = strstr(name, ".experts.");
+        char stacked[256];
+        if (at != NULL) { /* expert 0 stands for the stack */
+            if (strncmp(at, ".experts.0.", strlen(".experts.0.")) != 0)
+                continue;
+            snprintf(stacked, sizeof(stacked), "%.*s.switch_mlp.%s", (int)(at - name), name,
+                     at + strlen(".experts.0."));
+            int n_dims;
+            int64_t shape[3];
+            free(original_of(&orig, stacked, &n_dims, shape));
+            tu_st_add_shape(&w, stacked, n_dims, shape);
+        } else {
+            tu_st_add_shape(&w, name, orig.st->tensors[i].n_dims, orig.st->tensors[i].shape);
+        }
+        assert_true(n < 512);
+        order[n++] = &orig.st->tensors[i];
+    }
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+    tu_st_open(&w, path);
+    for (int i = 0; i < n; i++) {
+        const char *name = order[i]->name, *at = strstr(name, ".experts.");
+        float *v;
+        int64_t count = order[i]->n_elements;
+        if (at != NULL) {
+            char stacked[256];
+            snprintf(stacked, sizeof(stacked), "%.*s.switch_mlp.%s", (int)(at - name), name,
+                     at + strlen(".experts.0."));
+            int n_dims;
+            int64_t shape[3];
+            v = original_of(&orig, stacked, &n_dims, shape);
+            count = shape[0] * shape[1] * shape[2];
+        } else {
+            v = floats_of(&orig, order[i]);
+        }
+        tu_st_write(&w, v, count);
+        free(v);
+    }
+    tu_st_close(&w);
+    model_close(&orig);
+    char from[600];
+    snprintf(from, sizeof(from), "%s/config.json", source);
+    tu_copy_into(from, dir);
+    snprintf(from, sizeof(from), "%s/tokenizer.json", source);
+    tu_copy_into(from, dir);
+    char out_a[1024], out_b[1024];
+    snprintf(out_a, sizeof(out_a), "%s/a.npy", dir);
+    snprintf(out_b, sizeof(out_b), "%s/b.npy", dir);
+    const char *ids = "5,77,300,12,899,4,4,61,250,3";
+    struct tu_run r = tu_llmem("logits", source, "--ids", ids, "--out", out_a, "--no-spill", NULL);
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+    r = tu_llmem("logits", dir, "--ids", ids, "--out", out_b, "--no-spill", NULL);
+    if (r.exit_code != 0)
+        fail_msg("%s", r.err);
+    tu_run_free(&r);
+    float *a = NULL, *b = NULL;
+    int64_t ra, ca, rb, cb;
+    assert_int_equal(llmem_npy_read_f32(out_a, &a, &ra, &ca), LLMEM_OK);
+    assert_int_equal(llmem_npy_read_f32(out_b, &b, &rb, &cb), LLMEM_OK);
+    assert_true(ra == 10 && rb == ra && cb == ca);
+    assert_memory_equal(a, b, (size_t)(ra * ca) * sizeof(float));
+    free(a);
+    free(b);
+    tu_rmtree(dir);
+    free(dir);
 }
 
 /* `llmem run` generates from an MLX directory, and `llmem plan` plans the files' bytes and counts
@@ -319,6 +440,7 @@ static void test_refusals(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_logits_equal_dequantized),
+        cmocka_unit_test(test_switch_mlp_stacked),
         cmocka_unit_test(test_run_and_plan),
         cmocka_unit_test(test_refusals),
     };

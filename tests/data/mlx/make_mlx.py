@@ -44,6 +44,9 @@ The fixtures (small: tests/data stays a few MB):
                              layers.1.self_attn.k_proj false (kept float32)
   tiny-qwen2-4bit            bits 4, group 64, bf16, tied embeddings (the quantized table is
                              lm_head too), q/k/v biases kept as vectors
+  tiny-qwen3-moe-4bit        bits 4, group 32, bf16, the experts stacked as mlx-lm's SwitchGLU
+                             (switch_mlp) and quantized along their last axis, the routers at 8
+                             bits (per-module entries), the dense layer 2 as a plain MLP
 """
 import json
 import os
@@ -230,6 +233,65 @@ def convert(src, name, dtype, group_size, bits, overrides=None):
     print(f"{name}: {sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))} bytes")
 
 
+def convert_moe(src, name, dtype, group_size, bits):
+    """A Qwen3-MoE as mlx-lm loads and saves it: each layer's experts stacked into SwitchGLU's
+    `mlp.switch_mlp.{gate,up,down}_proj.weight` [experts, rows, cols] (its sanitize), every Linear
+    quantized — the stacked experts along their last axis, as SwitchLinear.to_quantized does — and
+    the routers `mlp.gate` at 8 bits (mlx-lm's qwen3_moe quant_predicate), as per-module entries."""
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    weights = read_safetensors(os.path.join(src, "model.safetensors"))
+    E = config["num_experts"]
+    stacked = {}
+    for key in list(weights):
+        parts = key.split(".")
+        if "experts" in parts:  # model.layers.N.mlp.experts.E.P.weight
+            i = parts.index("experts")
+            dst = ".".join(parts[:i] + ["switch_mlp"] + parts[i + 2:])
+            stacked.setdefault(dst, [None] * E)[int(parts[i + 1])] = weights.pop(key)
+    for dst, mats in stacked.items():
+        weights[dst] = np.stack(mats)
+    overrides = {}
+    for l in range(config["num_hidden_layers"]):
+        if "model.layers.%d.mlp.gate.weight" % l in weights:
+            overrides["model.layers.%d.mlp.gate" % l] = {"group_size": group_size, "bits": 8}
+    out = os.path.join(HERE, name)
+    os.makedirs(out, exist_ok=True)
+    tensors = {}
+    for key, v in sorted(weights.items()):
+        v = round_to(v, dtype)
+        module = key[: -len(".weight")] if key.endswith(".weight") else None
+        quantizable = module is not None and v.ndim >= 2 and (
+            is_quantizable(module) or module in overrides)
+        params = overrides.get(module, {"group_size": group_size, "bits": bits})
+        if not quantizable or v.shape[-1] % params["group_size"] != 0:
+            tensors[key] = (dtype, v)
+            continue
+        flat = v.reshape(-1, v.shape[-1])
+        words, s, b = quantize(flat, params["group_size"], params["bits"], dtype)
+        deq = dequantize(words, s, b, params["group_size"], params["bits"], dtype)
+        rel = {"BF16": 2.0 ** -8, "F16": 2.0 ** -11, "F32": 0.0}[dtype]
+        step = np.repeat(np.abs(s), params["group_size"], axis=-1)
+        tol = step * (1.01 + ((1 << params["bits"]) - 1) * rel) + 1e-2 * np.abs(flat) + 1e-6
+        assert np.all(np.abs(deq - flat) <= tol), key
+        lead = v.shape[:-1]
+        tensors[module + ".weight"] = ("U32", words.reshape(*lead, -1))
+        tensors[module + ".scales"] = (dtype, s.reshape(*lead, -1))
+        tensors[module + ".biases"] = (dtype, b.reshape(*lead, -1))
+    write_safetensors(os.path.join(out, "model.safetensors"), tensors)
+    q = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    q.update(overrides)
+    config["dtype"] = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[dtype]
+    config["quantization"] = q
+    config["quantization_config"] = q
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(src, extra), os.path.join(out, extra))
+    print(f"{name}: {sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))} bytes")
+
+
 def main():
     swa = os.path.join(MODELS, "tiny-mistral-swa")
     convert(swa, "tiny-mistral-swa-4bit", "BF16", 64, 4)
@@ -241,6 +303,7 @@ def main():
         "model.layers.1.self_attn.k_proj": False,
     })
     convert(os.path.join(MODELS, "tiny-qwen2"), "tiny-qwen2-4bit", "BF16", 64, 4)
+    convert_moe(os.path.join(MODELS, "tiny-qwen3-moe"), "tiny-qwen3-moe-4bit", "BF16", 32, 4)
 
 
 if __name__ == "__main__":
