@@ -388,12 +388,19 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
         printf("  model    %s (%s): %lld layers, %lld query / %lld KV heads × %lld, %.2fB params\n",
                g->name, g->arch, (long long)g->n_layers, (long long)g->n_heads,
                (long long)g->n_kv_heads, (long long)g->head_dim, (double)g->n_params / 1e9);
-    if (g != NULL && g->n_experts > 0)
+    if (g != NULL && g->n_experts > 0) { /* and on a host, the pages of the mapping it touches */
+        const long page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096;
+        const int64_t active = llmem_geometry_active_bytes(g);
+        char pages[64] = "";
+        if (p->target == LLMEM_PLAN_HOST)
+            snprintf(pages, sizeof(pages), " (%lld pages of %ld KiB)",
+                     (long long)((active + page - 1) / page), page / 1024);
         printf("  experts  %lld of %lld a token in %lld of the layers: %.2fB active params, %s of "
-               "weights read a token\n",
+               "weights read a token%s\n",
                (long long)g->n_experts_used, (long long)g->n_experts, (long long)g->n_moe_layers,
                (double)llmem_geometry_active_param_count(g) / 1e9,
-               llmem_size_format_short(llmem_geometry_active_bytes(g), s1, sizeof(s1)));
+               llmem_size_format_short(active, s1, sizeof(s1)), pages);
+    }
     printf("  machine  %s\n\n", machine);
 
     printf("  %-22s %16s  %9s\n", "", "bytes", "size");

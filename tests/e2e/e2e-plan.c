@@ -486,6 +486,40 @@ static void test_weight_type(void **state) {
     tu_run_free(&a);
 }
 
+/* A mixture of experts: the experts line, the active parameters and bytes in --json, and a
+ * directory planned from config.json alone (--load-format dummy) as its bf16 checkpoint. */
+static void test_moe(void **state) {
+    (void)state;
+    struct tu_run a = tu_llmem("plan", "qwen3-30b-a3b", "--total", "128G", NULL);
+    assert_int_equal(a.exit_code, 0);
+    assert_non_null(strstr(a.out, "8 of 128 a token in 48 of the layers: 3.35B active params"));
+    tu_run_free(&a);
+    a = tu_llmem("plan", "qwen3-30b-a3b", "--total", "128G", "--json", NULL);
+    assert_int_equal(a.exit_code, 0);
+    cJSON *o = tu_json_stdout(&a);
+    const cJSON *model = cJSON_GetObjectItem(o, "model");
+    assert_non_null(model);
+    assert_int_equal(get_int(model, "n_experts"), 128);
+    assert_int_equal(get_int(model, "active_params"), 3353032704LL);
+    assert_int_equal(get_int(model, "active_bytes"), 2 * 3353032704LL);
+    cJSON_Delete(o);
+    tu_run_free(&a);
+
+    const char *dir = LLMEM_SOURCE_DIR "/tests/data/models/tiny-qwen3-moe";
+    a = tu_llmem("plan", dir, "--json", NULL);
+    struct tu_run b = tu_llmem("plan", dir, "--load-format", "dummy", "--json", NULL);
+    assert_int_equal(a.exit_code, 0);
+    assert_int_equal(b.exit_code, 0);
+    cJSON *oa = tu_json_stdout(&a), *ob = tu_json_stdout(&b);
+    assert_int_equal(get_int(oa, "weights_bytes"), get_int(ob, "weights_bytes"));
+    assert_int_equal(get_int(cJSON_GetObjectItem(oa, "model"), "active_bytes"),
+                     get_int(cJSON_GetObjectItem(ob, "model"), "active_bytes"));
+    cJSON_Delete(oa);
+    cJSON_Delete(ob);
+    tu_run_free(&a);
+    tu_run_free(&b);
+}
+
 static void test_gguf(void **state) {
     (void)state;
     cJSON *facts = NULL;
@@ -544,6 +578,7 @@ int main(void) {
         cmocka_unit_test(test_broken_models),
         cmocka_unit_test(test_gguf),
         cmocka_unit_test(test_weight_type),
+        cmocka_unit_test(test_moe),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
