@@ -352,6 +352,23 @@ static int bind_vector(struct llmem_model *m, const char *name, int64_t n, int r
     return LLMEM_OK;
 }
 
+int llmem_model_layer_experts(struct llmem_model *m, struct model_layer *L) {
+    const struct llmem_model_geometry *g = &m->cfg.geom;
+    const int64_t E = g->n_experts;
+    L->experts = calloc((size_t)(3 * E), sizeof(*L->experts));
+    if (L->experts == NULL) {
+        LOAD_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    L->moe = (struct llmem_backend_moe){.n_experts = E,
+                                        .k = g->n_experts_used,
+                                        .norm_topk = m->cfg.moe_norm_topk,
+                                        .gate = L->experts,
+                                        .up = L->experts + E,
+                                        .down = L->experts + 2 * E};
+    return LLMEM_OK;
+}
+
 /* Expert e's three matrices from transformers' stacked tensors: `gate_up` [E, 2·inter, hidden]
  * (each expert's gate rows, then its up rows) and `down` [E, hidden, inter]. */
 static int bind_stacked_experts(struct llmem_model *m, const char *gate_up, const char *down,
@@ -476,19 +493,8 @@ static int bind_moe(struct llmem_model *m, int64_t i, struct model_layer *L) {
         snprintf(block, sizeof(block), "model.layers.%" PRId64 ".block_sparse_moe", i);
     snprintf(name, sizeof(name), "%s.gate.weight", block);
     int status = bind_matrix(m, name, E, h, &L->router);
-    if (status != LLMEM_OK)
+    if (status != LLMEM_OK || (status = llmem_model_layer_experts(m, L)) != LLMEM_OK)
         return status;
-    L->experts = calloc((size_t)(3 * E), sizeof(*L->experts));
-    if (L->experts == NULL) {
-        LOAD_ERROR("out of memory");
-        return LLMEM_ENOMEM;
-    }
-    L->moe = (struct llmem_backend_moe){.n_experts = E,
-                                        .k = g->n_experts_used,
-                                        .norm_topk = m->cfg.moe_norm_topk,
-                                        .gate = L->experts,
-                                        .up = L->experts + E,
-                                        .down = L->experts + 2 * E};
     /* one tensor per expert, else the stacked pair */
     static const char *const names[2][3] = {{"gate_proj", "up_proj", "down_proj"},
                                             {"w1", "w3", "w2"}};

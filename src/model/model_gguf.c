@@ -117,19 +117,8 @@ static int bind_moe(struct llmem_model *m, int64_t i, struct model_layer *L) {
     char name[96];
     snprintf(name, sizeof(name), "blk.%" PRId64 ".ffn_gate_inp.weight", i);
     int status = bind_matrix(m, name, E, h, &L->router);
-    if (status != LLMEM_OK)
+    if (status != LLMEM_OK || (status = llmem_model_layer_experts(m, L)) != LLMEM_OK)
         return status;
-    L->experts = calloc((size_t)(3 * E), sizeof(*L->experts));
-    if (L->experts == NULL) {
-        LOAD_ERROR("out of memory");
-        return LLMEM_ENOMEM;
-    }
-    L->moe = (struct llmem_backend_moe){.n_experts = E,
-                                        .k = g->n_experts_used,
-                                        .norm_topk = m->cfg.moe_norm_topk,
-                                        .gate = L->experts,
-                                        .up = L->experts + E,
-                                        .down = L->experts + 2 * E};
     static const char *const parts[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
     for (int p = 0; p < 3; p++) {
         const int64_t rows = p < 2 ? fe : h, cols = p < 2 ? h : fe;

@@ -108,6 +108,11 @@ struct model_layer {
     int64_t window;                           /* 0, or the sliding window of this layer */
 };
 
+/* A MoE layer's table of 3 × n_experts matrices (zeroed, for the binder to fill) and its moe
+ * operation's view of them, with the model's k and router rule. In model.c. */
+struct llmem_model;
+int llmem_model_layer_experts(struct llmem_model *m, struct model_layer *L);
+
 struct llmem_model {
     struct llmem_model_config cfg;
     struct llmem_safetensors *st;

@@ -187,6 +187,19 @@ def is_quantizable(module):
     return last in LINEAR or module in ("lm_head", "model.embed_tokens")
 
 
+def quantize_checked(key, v, params, dtype):
+    """quantize, checked: each value within a step of the original (a step at most: the top code
+    clamps when the edge's rounding moved the grid, as MLX's does), plus the rounding of the
+    stored scale to dtype (the codes were chosen with the f32 scale) times the largest code."""
+    words, s, b = quantize(v, params["group_size"], params["bits"], dtype)
+    rel = {"BF16": 2.0 ** -8, "F16": 2.0 ** -11, "F32": 0.0}[dtype]
+    step = np.repeat(np.abs(s), params["group_size"], axis=-1)
+    deq = dequantize(words, s, b, params["group_size"], params["bits"], dtype)
+    tol = step * (1.01 + ((1 << params["bits"]) - 1) * rel) + 1e-2 * np.abs(v) + 1e-6
+    assert np.all(np.abs(deq - v) <= tol), key
+    return words, s, b
+
+
 def convert(src, name, dtype, group_size, bits, overrides=None):
     overrides = overrides or {}
     out = os.path.join(HERE, name)
@@ -204,15 +217,7 @@ def convert(src, name, dtype, group_size, bits, overrides=None):
         if not params:
             tensors[key] = (dtype, v)
             continue
-        words, s, b = quantize(v, params["group_size"], params["bits"], dtype)
-        # within a step of the original (a step at most: the top code clamps when the edge's
-        # rounding moved the grid, as MLX's does), plus the rounding of the stored scale to
-        # dtype (the codes were chosen with the f32 scale) times the largest code
-        rel = {"BF16": 2.0 ** -8, "F16": 2.0 ** -11, "F32": 0.0}[dtype]
-        step = np.repeat(np.abs(s), params["group_size"], axis=-1)
-        deq = dequantize(words, s, b, params["group_size"], params["bits"], dtype)
-        tol = step * (1.01 + ((1 << params["bits"]) - 1) * rel) + 1e-2 * np.abs(v) + 1e-6
-        assert np.all(np.abs(deq - v) <= tol), key
+        words, s, b = quantize_checked(key, v, params, dtype)
         tensors[module + ".weight"] = ("U32", words)
         tensors[module + ".scales"] = (dtype, s)
         tensors[module + ".biases"] = (dtype, b)
@@ -267,13 +272,7 @@ def convert_moe(src, name, dtype, group_size, bits):
         if not quantizable or v.shape[-1] % params["group_size"] != 0:
             tensors[key] = (dtype, v)
             continue
-        flat = v.reshape(-1, v.shape[-1])
-        words, s, b = quantize(flat, params["group_size"], params["bits"], dtype)
-        deq = dequantize(words, s, b, params["group_size"], params["bits"], dtype)
-        rel = {"BF16": 2.0 ** -8, "F16": 2.0 ** -11, "F32": 0.0}[dtype]
-        step = np.repeat(np.abs(s), params["group_size"], axis=-1)
-        tol = step * (1.01 + ((1 << params["bits"]) - 1) * rel) + 1e-2 * np.abs(flat) + 1e-6
-        assert np.all(np.abs(deq - flat) <= tol), key
+        words, s, b = quantize_checked(key, v.reshape(-1, v.shape[-1]), params, dtype)
         lead = v.shape[:-1]
         tensors[module + ".weight"] = ("U32", words.reshape(*lead, -1))
         tensors[module + ".scales"] = (dtype, s.reshape(*lead, -1))
