@@ -12,6 +12,7 @@
 
 #include "core/log.h"
 #include "engine/hooks.h"
+#include "engine/sampler.h"
 #include "llmem/bank.h"
 #include "llmem/engine.h"
 #include "llmem/spill.h"
@@ -137,6 +138,89 @@ static void top_of(const float *logits, int V, int k, int32_t *ids, float *vals)
 
 /* Sampling from a row's top k gives the same tokens, draw for draw, as from the whole row: for
  * greedy, top_k alone and with temperature, top-p and min-p, on rows with ties. */
+/* The penalties and biases on known logits, as llmem/sampler.h specifies them: repetition on the
+ * prompt's and the output's tokens (positive ÷, negative ×), then count × frequency + presence
+ * for the output's, then logit_bias; the distribution moves with them: −100 bans a token, +100
+ * all but forces one, a frequency penalty stops greedy repeating itself. */
+static void test_sampler_penalties(void **state) {
+    (void)state;
+    enum { V = 8 };
+    const float logits[V] = {1.0f, 2.0f, -1.5f, 0.5f, 3.0f, 0.25f, -0.5f, 2.5f};
+    const struct llmem_logit_bias bias[2] = {{3, 1.0f}, {6, -2.0f}};
+    struct llmem_sampling p;
+    llmem_sampling_default(&p);
+    assert_int_equal(llmem_sampling_top_needed(&p), 1);
+    p.presence_penalty = 0.25;
+    p.frequency_penalty = 0.5;
+    p.repetition_penalty = 2.0;
+    p.logit_bias = bias;
+    p.n_logit_bias = 2;
+    assert_int_equal(llmem_sampling_top_needed(&p), 0); /* the whole row, always */
+    struct llmem_sampler *s = NULL;
+    assert_int_equal(llmem_sampler_create(&p, V, &s), LLMEM_OK);
+    const int32_t prompt[3] = {1, 2, 1};
+    llmem_sampler_prompt(s, prompt, 3);
+    llmem_sampler_accept(s, 4);
+    llmem_sampler_accept(s, 4);
+    llmem_sampler_accept(s, 2);
+    const float *a = llmem_sampler_adjusted(s, logits);
+    const float want[V] = {
+        1.0f,                     /* untouched */
+        2.0f / 2,                 /* in the prompt: repetition only */
+        -1.5f * 2 - 0.5f - 0.25f, /* prompt and once in the output */
+        0.5f + 1.0f,              /* biased */
+        3.0f / 2 - 2 * 0.5f - 0.25f, /* twice in the output */
+        0.25f,
+        -0.5f - 2.0f, /* biased */
+        2.5f,
+    };
+    for (int i = 0; i < V; i++)
+        assert_float_equal(a[i], want[i], 1e-6);
+    /* greedy takes the adjusted row's best: 7 (2.5), not 4 (3.0 raw) */
+    assert_int_equal(llmem_sampler_sample(s, logits), 7);
+    llmem_sampler_free(s);
+
+    /* −100 bans the argmax, +100 forces a token, at temperature 1 over 2,000 draws */
+    float flat[V];
+    for (int i = 0; i < V; i++)
+        flat[i] = 0.1f * (float)i;
+    for (int force = 0; force < 2; force++) {
+        const struct llmem_logit_bias b = {force ? 2 : 7, force ? 100.0f : -100.0f};
+        llmem_sampling_default(&p);
+        p.temperature = 1.0;
+        p.seed = 11;
+        p.logit_bias = &b;
+        p.n_logit_bias = 1;
+        assert_int_equal(llmem_sampler_create(&p, V, &s), LLMEM_OK);
+        int hits = 0;
+        for (int i = 0; i < 2000; i++)
+            hits += llmem_sampler_sample(s, flat) == b.id;
+        assert_int_equal(hits, force ? 2000 : 0);
+        llmem_sampler_free(s);
+    }
+
+    /* a frequency penalty of 2 on a greedy row whose best two are 0.5 apart: it alternates */
+    const float two[V] = {0, 0, 0, 3.0f, 2.5f, 0, 0, 0};
+    llmem_sampling_default(&p);
+    p.frequency_penalty = 2.0;
+    assert_int_equal(llmem_sampler_create(&p, V, &s), LLMEM_OK);
+    int32_t got[4];
+    for (int i = 0; i < 4; i++)
+        llmem_sampler_accept(s, got[i] = llmem_sampler_sample(s, two));
+    assert_true(got[0] == 3 && got[1] == 4 && got[2] == 3 && got[3] == 4);
+    llmem_sampler_free(s);
+
+    /* out of range: refused by name */
+    const struct llmem_logit_bias bad = {V, 1.0f};
+    llmem_sampling_default(&p);
+    p.logit_bias = &bad;
+    p.n_logit_bias = 1;
+    assert_int_equal(llmem_sampler_create(&p, V, &s), LLMEM_EINVAL);
+    llmem_sampling_default(&p);
+    p.repetition_penalty = -1;
+    assert_int_equal(llmem_sampler_create(&p, V, &s), LLMEM_EINVAL);
+}
+
 static void test_sampler_top(void **state) {
     (void)state;
     enum { V = 300, K = 64 };
@@ -1178,6 +1262,7 @@ static void test_out_of_memory_everywhere(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sampler),
+        cmocka_unit_test(test_sampler_penalties),
         cmocka_unit_test(test_sampler_top),
         cmocka_unit_test(test_generate_stops),
         cmocka_unit_test(test_generate_reuses_prefix),

@@ -56,9 +56,16 @@ static void test_parse_completion(void **state) {
               "\"seed\": 42, \"stop\": [\"\\n\\n\", \"x\"], \"n\": 1, \"logprobs\": 3, "
               "\"stream\": true, \"stream_options\": {\"include_usage\": true}, "
               "\"ignore_eos\": true, \"echo\": false, \"best_of\": 1, "
-              "\"presence_penalty\": 0, \"user\": \"u\", \"unknown\": [1]}",
+              "\"presence_penalty\": 0.5, \"frequency_penalty\": -0.25, "
+              "\"repetition_penalty\": 1.1, \"logit_bias\": {\"7\": -100, \"12\": 3.5}, "
+              "\"user\": \"u\", \"unknown\": [1]}",
               &r, &e),
         0);
+    assert_true(r.sampling.presence_penalty == 0.5 && r.sampling.frequency_penalty == -0.25 &&
+                r.sampling.repetition_penalty == 1.1);
+    assert_int_equal(r.sampling.n_logit_bias, 2);
+    assert_true(r.sampling.logit_bias[0].id == 7 && r.sampling.logit_bias[0].bias == -100.0f);
+    assert_true(r.sampling.logit_bias[1].id == 12 && r.sampling.logit_bias[1].bias == 3.5f);
     assert_int_equal(r.kind, SRV_COMPLETIONS);
     assert_string_equal(r.prompt_text, "def f():");
     assert_null(r.prompt_ids);
@@ -233,10 +240,24 @@ static void test_parse_errors(void **state) {
          "unsupported_value"},
         {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"suffix\": \"s\"}", 400, "suffix",
          "unsupported_value"},
-        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"frequency_penalty\": 0.5}", 400,
-         "frequency_penalty", "unsupported_value"},
-        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"1\": 5}}", 400, "logit_bias",
-         "unsupported_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"frequency_penalty\": 2.5}", 400,
+         "frequency_penalty", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"presence_penalty\": \"high\"}", 400,
+         "presence_penalty", "invalid_type"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"repetition_penalty\": 0}", 400,
+         "repetition_penalty", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": [1]}", 400, "logit_bias",
+         "invalid_type"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"abc\": 5}}", 400,
+         "logit_bias", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"-1\": 5}}", 400,
+         "logit_bias", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"99999999\": 5}}", 400,
+         "logit_bias", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"1\": 101}}", 400,
+         "logit_bias", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"1\": \"5\"}}", 400,
+         "logit_bias", "invalid_value"},
         {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"ignore_eos\": \"y\"}", 400, "ignore_eos",
          "invalid_type"},
         {SRV_CHAT, "{}", 400, "messages", "missing_required_parameter"},

@@ -1,5 +1,6 @@
 /*
- * llmem/sampler.h — sampling parameters and the sampler: temperature, top-k, top-p, min-p, seeded.
+ * llmem/sampler.h — sampling parameters and the sampler: temperature, top-k, top-p, min-p, seeded;
+ * repetition, frequency and presence penalties and logit biases.
  */
 #ifndef LLMEM_SAMPLER_H
 #define LLMEM_SAMPLER_H
@@ -12,12 +13,29 @@
 extern "C" {
 #endif
 
+/* A bias added to one token's logit (OpenAI's logit_bias: −100 bans it, 100 all but forces it). */
+struct llmem_logit_bias {
+    int32_t id;
+    float bias;
+};
+#define LLMEM_MAX_LOGIT_BIAS 1024 /* entries of one request's logit_bias */
+
+/* The logits a request samples from are its row adjusted, in this order (as transformers' and
+ * vLLM's logits processors): repetition_penalty on every token of the prompt and of the output
+ * so far (a positive logit divided by it, a negative one multiplied), then the output's counts:
+ * logit − count × frequency_penalty − (count > 0) × presence_penalty (OpenAI's), then
+ * logit_bias; temperature, top-k, top-p and min-p then apply to the result. */
 struct llmem_sampling {
     double temperature; /* 0: greedy */
     int64_t top_k;      /* 0: off */
     double top_p;       /* 1: off */
     double min_p;       /* 0: off */
     uint64_t seed;
+    double presence_penalty;  /* 0: off */
+    double frequency_penalty; /* 0: off */
+    double repetition_penalty; /* 1 (or 0): off; else > 0 */
+    const struct llmem_logit_bias *logit_bias; /* (n_logit_bias), copied by the sampler */
+    int n_logit_bias;
 };
 /* Greedy. */
 LLMEM_API void llmem_sampling_default(struct llmem_sampling *s);
@@ -30,13 +48,18 @@ LLMEM_API void llmem_sampler_free(struct llmem_sampler *s);
 /* The next token for a row of vocab logits. */
 LLMEM_API int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits);
 /* How many of a row's largest logits the sampling needs: 1 (greedy, or top_k 1), top_k (when
- * set), or 0: the whole row. */
+ * set), or 0: the whole row (always with a penalty or a logit bias, which can move any token). */
 LLMEM_API int64_t llmem_sampling_top_needed(const struct llmem_sampling *params);
 /* The next token from a row's k largest logits (ids and values by logit descending, equal logits
  * by the lower id), k ≥ llmem_sampling_top_needed > 0: the same token, and the same draw of the
  * generator, as llmem_sampler_sample over the whole row. */
 LLMEM_API int32_t llmem_sampler_sample_top(struct llmem_sampler *s, const int32_t *ids,
                                            const float *vals, int64_t k);
+/* The tokens the penalties look at: the prompt's (repetition_penalty; once, before the first
+ * sample) and each token the request goes on with (llmem_sampler_accept: every penalty). A
+ * sampler without penalties ignores both. */
+LLMEM_API void llmem_sampler_prompt(struct llmem_sampler *s, const int32_t *ids, int64_t n);
+LLMEM_API void llmem_sampler_accept(struct llmem_sampler *s, int32_t id);
 
 #ifdef __cplusplus
 }

@@ -31,6 +31,9 @@ enum {
     OPT_TOP_K,
     OPT_TOP_P,
     OPT_MIN_P,
+    OPT_REPETITION_PENALTY,
+    OPT_PRESENCE_PENALTY,
+    OPT_FREQUENCY_PENALTY,
     OPT_SEED,
     OPT_STOP,
     OPT_IGNORE_EOS,
@@ -53,6 +56,9 @@ static const struct option options[] = {
     {"top-k", required_argument, NULL, OPT_TOP_K},
     {"top-p", required_argument, NULL, OPT_TOP_P},
     {"min-p", required_argument, NULL, OPT_MIN_P},
+    {"repetition-penalty", required_argument, NULL, OPT_REPETITION_PENALTY},
+    {"presence-penalty", required_argument, NULL, OPT_PRESENCE_PENALTY},
+    {"frequency-penalty", required_argument, NULL, OPT_FREQUENCY_PENALTY},
     {"seed", required_argument, NULL, OPT_SEED},
     {"stop", required_argument, NULL, OPT_STOP},
     {"ignore-eos", no_argument, NULL, OPT_IGNORE_EOS},
@@ -88,6 +94,10 @@ static const char sampling_help[] =
     "  -n, --max-tokens N   tokens to generate at most (default 128)\n"
     "  --temperature T      0 is greedy (default)\n"
     "  --top-k K, --top-p P, --min-p P, --seed S\n"
+    "  --repetition-penalty R  the logit of a token of the prompt or output divided by R\n"
+    "                       when positive, multiplied when negative (1: off)\n"
+    "  --presence-penalty P, --frequency-penalty F  in [-2, 2]: P once, F per time, taken\n"
+    "                       from the logit of a token the output holds\n"
     "  --stop TEXT          end at TEXT (repeatable; not printed)\n"
     "  --ignore-eos         keep going after the end-of-sequence token\n";
 
@@ -111,6 +121,18 @@ static int parse(int argc, char **argv, struct run_args *a) {
             break;
         case OPT_MIN_P:
             rc = cli_parse_double("--min-p", optarg, -1e-300, 1.0, &a->gen.sampling.min_p);
+            break;
+        case OPT_REPETITION_PENALTY:
+            rc = cli_parse_double("--repetition-penalty", optarg, 0.0, 100.0,
+                                  &a->gen.sampling.repetition_penalty);
+            break;
+        case OPT_PRESENCE_PENALTY:
+            rc = cli_parse_double("--presence-penalty", optarg, -2.0 - 1e-12, 2.0,
+                                  &a->gen.sampling.presence_penalty);
+            break;
+        case OPT_FREQUENCY_PENALTY:
+            rc = cli_parse_double("--frequency-penalty", optarg, -2.0 - 1e-12, 2.0,
+                                  &a->gen.sampling.frequency_penalty);
             break;
         case OPT_SEED:
             rc = cli_parse_int("--seed", optarg, 0, INT64_MAX, &v);

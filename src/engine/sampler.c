@@ -23,10 +23,25 @@ struct llmem_sampler {
         int32_t id;
         float prob;
     } * c; /* (vocab) */
+    /* the penalties and biases (adjusts set): the adjusted row, each token's count in the output
+     * and whether the prompt holds it, and the tokens with either (each once, in `seen`) */
+    int adjusts;
+    float *row;       /* (vocab) */
+    uint32_t *counts; /* (vocab) */
+    uint8_t *in_prompt; /* (vocab) */
+    int32_t *seen;    /* (vocab) */
+    int64_t n_seen;
+    struct llmem_logit_bias *bias; /* (p.n_logit_bias) */
 };
 
 void llmem_sampling_default(struct llmem_sampling *s) {
-    *s = (struct llmem_sampling){.temperature = 0, .top_k = 0, .top_p = 1.0, .min_p = 0, .seed = 0};
+    *s = (struct llmem_sampling){.temperature = 0, .top_k = 0, .top_p = 1.0, .min_p = 0, .seed = 0,
+                                 .repetition_penalty = 1.0};
+}
+
+static int adjusts(const struct llmem_sampling *p) {
+    return p->presence_penalty != 0 || p->frequency_penalty != 0 ||
+           (p->repetition_penalty != 0 && p->repetition_penalty != 1) || p->n_logit_bias > 0;
 }
 
 static uint64_t rotl(uint64_t x, int k) {
@@ -53,15 +68,49 @@ int llmem_sampler_create(const struct llmem_sampling *p, int64_t vocab,
                     p->temperature, (long long)p->top_k, p->top_p, p->min_p);
         return LLMEM_EINVAL;
     }
+    if (!isfinite(p->presence_penalty) || !isfinite(p->frequency_penalty) ||
+        !(p->repetition_penalty >= 0 && isfinite(p->repetition_penalty)) || p->n_logit_bias < 0 ||
+        p->n_logit_bias > LLMEM_MAX_LOGIT_BIAS || (p->n_logit_bias > 0 && p->logit_bias == NULL)) {
+        LLMEM_ERROR("bad penalties: presence %g and frequency %g (finite), repetition %g (> 0; 0 "
+                    "or 1: off), %d logit biases (at most %d)",
+                    p->presence_penalty, p->frequency_penalty, p->repetition_penalty,
+                    p->n_logit_bias, LLMEM_MAX_LOGIT_BIAS);
+        return LLMEM_EINVAL;
+    }
+    for (int i = 0; i < p->n_logit_bias; i++)
+        if (p->logit_bias[i].id < 0 || p->logit_bias[i].id >= vocab ||
+            !isfinite(p->logit_bias[i].bias)) {
+            LLMEM_ERROR("logit bias %d: token %d (0 to %lld) by %g (finite)", i,
+                        p->logit_bias[i].id, (long long)vocab - 1, (double)p->logit_bias[i].bias);
+            return LLMEM_EINVAL;
+        }
     struct llmem_sampler *s = calloc(1, sizeof(*s));
     if (s != NULL)
         s->c = malloc((size_t)vocab * sizeof(*s->c));
-    if (s == NULL || s->c == NULL) {
-        free(s);
+    int ok = s != NULL && s->c != NULL;
+    if (ok && adjusts(p)) {
+        s->adjusts = 1;
+        s->row = malloc((size_t)vocab * sizeof(*s->row));
+        s->counts = calloc((size_t)vocab, sizeof(*s->counts));
+        s->in_prompt = calloc((size_t)vocab, 1);
+        s->seen = malloc((size_t)vocab * sizeof(*s->seen));
+        s->bias = malloc((size_t)(p->n_logit_bias > 0 ? p->n_logit_bias : 1) * sizeof(*s->bias));
+        ok = s->row != NULL && s->counts != NULL && s->in_prompt != NULL && s->seen != NULL &&
+             s->bias != NULL;
+    }
+    if (!ok) {
+        llmem_sampler_free(s);
         LLMEM_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
     s->p = *p;
+    if (s->adjusts) {
+        memcpy(s->bias, p->logit_bias, (size_t)p->n_logit_bias * sizeof(*s->bias));
+        s->p.logit_bias = s->bias;
+    } else {
+        s->p.logit_bias = NULL;
+        s->p.n_logit_bias = 0;
+    }
     s->vocab = vocab;
     uint64_t x = p->seed;
     for (int i = 0; i < 4; i++)
@@ -74,7 +123,55 @@ void llmem_sampler_free(struct llmem_sampler *s) {
     if (s == NULL)
         return;
     free(s->c);
+    free(s->row);
+    free(s->counts);
+    free(s->in_prompt);
+    free(s->seen);
+    free(s->bias);
     free(s);
+}
+
+static void see(struct llmem_sampler *s, int32_t id) {
+    if (s->counts[id] == 0 && !s->in_prompt[id])
+        s->seen[s->n_seen++] = id;
+}
+
+void llmem_sampler_prompt(struct llmem_sampler *s, const int32_t *ids, int64_t n) {
+    for (int64_t i = 0; s->adjusts && i < n; i++)
+        if (ids[i] >= 0 && ids[i] < s->vocab) {
+            see(s, ids[i]);
+            s->in_prompt[ids[i]] = 1;
+        }
+}
+
+void llmem_sampler_accept(struct llmem_sampler *s, int32_t id) {
+    if (!s->adjusts || id < 0 || id >= s->vocab)
+        return;
+    see(s, id);
+    s->counts[id]++;
+}
+
+/* The row with the penalties and biases applied (into s->row; only the tokens they touch
+ * change), in the order of llmem/sampler.h. */
+static const float *adjusted(struct llmem_sampler *s, const float *logits) {
+    memcpy(s->row, logits, (size_t)s->vocab * sizeof(float));
+    const double rep = s->p.repetition_penalty;
+    for (int64_t i = 0; i < s->n_seen; i++) {
+        const int32_t id = s->seen[i];
+        double v = s->row[id];
+        if (rep != 0 && rep != 1)
+            v = v > 0 ? v / rep : v * rep;
+        const uint32_t n = s->counts[id];
+        v -= (double)n * s->p.frequency_penalty + (n > 0 ? s->p.presence_penalty : 0.0);
+        s->row[id] = (float)v;
+    }
+    for (int i = 0; i < s->p.n_logit_bias; i++)
+        s->row[s->p.logit_bias[i].id] += s->p.logit_bias[i].bias;
+    return s->row;
+}
+
+const float *llmem_sampler_adjusted(struct llmem_sampler *s, const float *logits) {
+    return s->adjusts ? adjusted(s, logits) : logits;
 }
 
 static int by_logit_desc(const void *a, const void *b) {
@@ -120,15 +217,19 @@ static int32_t draw(struct llmem_sampler *s, int64_t n) {
 }
 
 int64_t llmem_sampling_top_needed(const struct llmem_sampling *p) {
+    if (adjusts(p))
+        return 0;
     return p->temperature == 0 || p->top_k == 1 ? 1 : p->top_k;
 }
 
 int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits) {
+    if (s->adjusts)
+        logits = adjusted(s, logits);
     int64_t best = 0;
     for (int64_t i = 1; i < s->vocab; i++)
         if (logits[i] > logits[best])
             best = i;
-    if (llmem_sampling_top_needed(&s->p) == 1)
+    if (s->p.temperature == 0 || s->p.top_k == 1) /* greedy */
         return (int32_t)best;
 
     /* Candidates: all tokens, or the top k, sorted by logit. */

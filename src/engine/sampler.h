@@ -7,6 +7,11 @@
 
 #include <stdint.h>
 
+/* The row s samples from: logits with its penalties and biases applied (in the sampler's own
+ * buffer, valid until its next call), or logits itself when it has none. */
+struct llmem_sampler;
+const float *llmem_sampler_adjusted(struct llmem_sampler *s, const float *logits);
+
 /* log-softmax(logits / temperature) (temperature ≤ 0: 1): the log-probability of id, and the n
  * most likely tokens with theirs (most likely first). */
 void llmem_logprobs(const float *logits, int64_t vocab, double temperature, int32_t id, int n,

@@ -194,8 +194,11 @@ static int request_new(struct llmem_sched *s, const int32_t *prompt, int64_t n_p
         r->p.n_stop_ids = p->n_stop_ids;
     }
     int status = llmem_sampler_create(&p->sampling, s->cfg.vocab, &r->sampler);
-    if (status == LLMEM_OK)
+    if (status == LLMEM_OK) {
+        llmem_sampler_prompt(r->sampler, prompt, n_prompt); /* (for repetition_penalty) */
+        r->p.sampling.logit_bias = NULL; /* the caller's: the sampler holds a copy */
         status = llmem_detok_create(s->cfg.tok, 1, &r->detok);
+    }
     if (status != LLMEM_OK) {
         request_free(r);
         return status;
@@ -326,6 +329,7 @@ const char *llmem_sched_sample(struct llmem_sched *s, struct request *r, struct 
         llmem_logprobs(logits, s->cfg.vocab, r->p.sampling.temperature, id, r->p.logprobs, &r->lp,
                        r->lp_ids, r->lp_vals);
     r->toks[r->n_toks++] = id;
+    llmem_sampler_accept(r->sampler, id);
     s->counters.generated_tokens++;
     r->pending = 1;
     if (r->n_toks - r->n_prompt == r->max_tokens)

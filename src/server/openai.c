@@ -4,10 +4,11 @@
  * streaming chunks, usage, the model list, the error object).
  *
  * Validation is strict about what would otherwise be silently wrong: a field of the wrong type,
- * a value out of its range, a parameter this engine does not implement (n > 1, echo, penalties,
- * logit_bias, tools) is a 400 naming the field; fields it does not know are ignored, as OpenAI's
- * clients send some by default. Defaults follow OpenAI: max_tokens 16 for completions, up to the
- * context for chat; temperature 1 when absent (0 is greedy); top_p 1.
+ * a value out of its range, a parameter this engine does not implement (n > 1, echo, tools) is a
+ * 400 naming the field; fields it does not know are ignored, as OpenAI's clients send some by
+ * default. Defaults follow OpenAI: max_tokens 16 for completions, up to the context for chat;
+ * temperature 1 when absent (0 is greedy); top_p 1; presence and frequency penalties in [−2, 2],
+ * repetition_penalty (vLLM's) above 0, logit_bias by token id in [−100, 100].
  */
 #include <inttypes.h>
 #include <math.h>
@@ -469,7 +470,6 @@ static int parse_messages(const cJSON *root, struct srv_request *r, struct srv_e
 static int unsupported(const cJSON *root, const struct srv_request *r, struct srv_error *e) {
     int v = 0;
     int64_t i = 0;
-    double d = 0;
     const char *s = NULL;
     int got;
     if ((got = field_bool(root, "echo", &v, e)) < 0)
@@ -484,17 +484,6 @@ static int unsupported(const cJSON *root, const struct srv_request *r, struct sr
         return -1;
     if (got && (*s || has_nul(r, s)))
         return bad(e, "suffix", "unsupported_value", "'suffix' is not supported");
-    static const char *const penalties[] = {"presence_penalty", "frequency_penalty"};
-    for (int k = 0; k < 2; k++) {
-        if ((got = field_num(root, penalties[k], &d, e)) < 0)
-            return -1;
-        if (got && d != 0)
-            return bad(e, penalties[k], "unsupported_value", "'%s' is not supported (only 0)",
-                       penalties[k]);
-    }
-    const cJSON *lb = cJSON_GetObjectItemCaseSensitive(root, "logit_bias");
-    if (lb != NULL && !cJSON_IsNull(lb) && !(cJSON_IsObject(lb) && lb->child == NULL))
-        return bad(e, "logit_bias", "unsupported_value", "'logit_bias' is not supported");
     const cJSON *tools = cJSON_GetObjectItemCaseSensitive(root, "tools");
     if (tools != NULL && !cJSON_IsNull(tools) && !(cJSON_IsArray(tools) && tools->child == NULL))
         return bad(e, "tools", "unsupported_value", "'tools' are not supported");
@@ -546,7 +535,46 @@ static int parse_stop(const cJSON *root, struct srv_request *r, struct srv_error
     return 0;
 }
 
-static int parse_sampling(const cJSON *root, struct srv_request *r, struct srv_error *e) {
+/* logit_bias: {"token id": bias in [−100, 100], …}, at most LLMEM_MAX_LOGIT_BIAS entries. */
+static int parse_logit_bias(const cJSON *root, const struct srv_model *m, struct srv_request *r,
+                            struct srv_error *e) {
+    const cJSON *lb = cJSON_GetObjectItemCaseSensitive(root, "logit_bias");
+    if (lb == NULL || cJSON_IsNull(lb))
+        return 0;
+    if (!cJSON_IsObject(lb))
+        return bad(e, "logit_bias", "invalid_type",
+                   "Invalid type for 'logit_bias': expected an object of token ids to numbers");
+    const int n = cJSON_GetArraySize(lb);
+    if (n > LLMEM_MAX_LOGIT_BIAS)
+        return bad(e, "logit_bias", "invalid_value", "'logit_bias' holds %d entries; at most %d",
+                   n, LLMEM_MAX_LOGIT_BIAS);
+    if (n == 0)
+        return 0;
+    if ((r->logit_bias = malloc((size_t)n * sizeof(*r->logit_bias))) == NULL)
+        return llmem_srv_fail(e, 500, "server_error", NULL, "out_of_memory", "out of memory");
+    const cJSON *it = NULL;
+    cJSON_ArrayForEach(it, lb) {
+        char *end = NULL;
+        long long id = strtoll(it->string, &end, 10);
+        if (it->string[0] < '0' || it->string[0] > '9' || *end != '\0' || id >= m->vocab ||
+            has_nul(r, it->string))
+            return bad(e, "logit_bias", "invalid_value",
+                       "'logit_bias' key '%.40s' is not a token id (0 to %" PRId64 ")",
+                       it->string, m->vocab - 1);
+        if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble) || it->valuedouble < -100 ||
+            it->valuedouble > 100)
+            return bad(e, "logit_bias", "invalid_value",
+                       "'logit_bias' of token %lld must be a number in [-100, 100]", id);
+        r->logit_bias[r->n_logit_bias++] =
+            (struct llmem_logit_bias){.id = (int32_t)id, .bias = (float)it->valuedouble};
+    }
+    r->sampling.logit_bias = r->logit_bias;
+    r->sampling.n_logit_bias = r->n_logit_bias;
+    return 0;
+}
+
+static int parse_sampling(const cJSON *root, const struct srv_model *m, struct srv_request *r,
+                          struct srv_error *e) {
     struct llmem_sampling *s = &r->sampling;
     double d = 0;
     int64_t i = 0;
@@ -576,7 +604,20 @@ static int parse_sampling(const cJSON *root, struct srv_request *r, struct srv_e
     if (got)
         s->seed = (uint64_t)i;
     r->have_seed = got;
-    return 0;
+    /* OpenAI's penalties in [−2, 2]; repetition_penalty (vLLM's, transformers') above 0 */
+    if ((got = field_range(root, "presence_penalty", -2, 0, 2, &d, e)) < 0)
+        return -1;
+    if (got)
+        s->presence_penalty = d;
+    if ((got = field_range(root, "frequency_penalty", -2, 0, 2, &d, e)) < 0)
+        return -1;
+    if (got)
+        s->frequency_penalty = d;
+    if ((got = field_range(root, "repetition_penalty", 0, 1, 100, &d, e)) < 0)
+        return -1;
+    if (got)
+        s->repetition_penalty = d;
+    return parse_logit_bias(root, m, r, e);
 }
 
 static int parse_logprobs(const cJSON *root, struct srv_request *r, struct srv_error *e) {
@@ -677,7 +718,7 @@ int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
                    m->context);
     r->max_tokens = got ? mt : kind == SRV_COMPLETIONS ? 16 : 0;
 
-    if (parse_sampling(root, r, e) != 0 || parse_stop(root, r, e) != 0 ||
+    if (parse_sampling(root, m, r, e) != 0 || parse_stop(root, r, e) != 0 ||
         parse_logprobs(root, r, e) != 0)
         return -1;
     if (field_bool(root, "ignore_eos", &r->ignore_eos, e) < 0)
@@ -692,6 +733,7 @@ void llmem_srv_request_free(struct srv_request *r) {
     free(r->spans);
     free(r->prompt_ids);
     free(r->messages);
+    free(r->logit_bias);
     for (int i = 0; i < r->n_owned; i++)
         free(r->owned[i]);
     free(r->owned);

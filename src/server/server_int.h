@@ -87,7 +87,9 @@ struct srv_request {
     int n_owned;
     /* generation */
     int64_t max_tokens; /* 0: up to the context */
-    struct llmem_sampling sampling;
+    struct llmem_sampling sampling; /* its logit_bias: logit_bias below */
+    struct llmem_logit_bias *logit_bias; /* (n_logit_bias) malloc'ed */
+    int n_logit_bias;
     int have_seed; /* 0: the server picks a seed */
     const char *stop[SRV_MAX_STOP];
     int n_stop;

@@ -296,6 +296,48 @@ static void test_stop_and_logprobs(void **state) {
     tu_http_free(&h);
 }
 
+/* logit_bias and the penalties through the server: +100 on one token makes a sampled
+ * continuation that token over and over; a frequency penalty changes a greedy continuation that
+ * repeats itself, and the same request twice gives the same text. */
+static void test_logit_bias_and_penalties(void **state) {
+    (void)state;
+    struct tu_http h = post(&srv, "/v1/completions",
+                            "{\"prompt\": \"def f(x):\\n\", \"max_tokens\": 4, \"temperature\": "
+                            "0.9, \"seed\": 5, \"ignore_eos\": true, \"logit_bias\": {\"300\": "
+                            "100}}");
+    assert_int_equal(h.status, 200);
+    cJSON *root = tu_http_json(&h);
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0);
+    const char *text = cJSON_GetObjectItem(c, "text")->valuestring;
+    size_t len = strlen(text);
+    assert_true(len > 0 && len % 4 == 0);
+    for (size_t i = len / 4; i < len; i++)
+        assert_int_equal(text[i], text[i % (len / 4)]);
+    cJSON_Delete(root);
+    tu_http_free(&h);
+
+    const char *body = "{\"prompt\": \"# a\\n# a\\n# a\\n\", \"max_tokens\": 24, \"temperature\": "
+                       "0, \"ignore_eos\": true%s}";
+    char with[256], without[256];
+    snprintf(without, sizeof(without), body, "");
+    snprintf(with, sizeof(with), body, ", \"frequency_penalty\": 2, \"presence_penalty\": 1");
+    char *texts[3];
+    const char *bodies[3] = {without, with, with};
+    for (int i = 0; i < 3; i++) {
+        h = post(&srv, "/v1/completions", bodies[i]);
+        assert_int_equal(h.status, 200);
+        root = tu_http_json(&h);
+        c = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0);
+        texts[i] = strdup(cJSON_GetObjectItem(c, "text")->valuestring);
+        cJSON_Delete(root);
+        tu_http_free(&h);
+    }
+    assert_string_not_equal(texts[0], texts[1]);
+    assert_string_equal(texts[1], texts[2]);
+    for (int i = 0; i < 3; i++)
+        free(texts[i]);
+}
+
 /* ---- chat ------------------------------------------------------------------------------------ */
 
 static const char chat_body[] =
@@ -1399,6 +1441,7 @@ int main(void) {
         cmocka_unit_test(test_completions_match_run),
         cmocka_unit_test(test_completions_stream),
         cmocka_unit_test(test_stop_and_logprobs),
+        cmocka_unit_test(test_logit_bias_and_penalties),
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_nul_in_prompt),
         cmocka_unit_test(test_concurrent_equal_single),
