@@ -11,6 +11,7 @@
  */
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -157,7 +158,8 @@ static void *fill_thread(void *p) {
     const struct fill_job *j = p;
     for (int i = j->thread; i < j->st->n_tensors; i += j->n_threads) {
         fill_tensor(&j->st->tensors[i], i, j->data);
-        int64_t done = *j->done += j->st->tensors[i].n_bytes;
+        const int64_t bytes = j->st->tensors[i].n_bytes;
+        const int64_t done = atomic_fetch_add(j->done, bytes) + bytes;
         if (j->thread == 0 && j->progress != NULL)
             j->progress(j->arg, done, j->st->n_bytes);
     }
