@@ -339,7 +339,8 @@ static void test_matmul_many(void **state) {
         }
     }
     float *xs = make_floats(N * 40 * COLS);
-    static const int64_t counts[][N] = {{1, 1, 1, 1, 1, 1}, {3, 1, 7, 2, 23, 5}, {40, 2, 30, 1, 1, 24}};
+    static const int64_t counts[][N] = {
+        {1, 1, 1, 1, 1, 1}, {3, 1, 7, 2, 23, 5}, {40, 2, 30, 1, 1, 24}};
     for (int threads = 1; threads <= 3; threads++) {
         struct llmem_backend *b = make_backend(threads);
         for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
@@ -365,7 +366,8 @@ static void test_matmul_many(void **state) {
                 }
                 llmem_cpu_matmul_many(b->ctx, m, wp, xp, np, y);
                 for (int i = 0; i < m; i++) {
-                    assert_memory_equal(y[i], want[i], (size_t)(np[i] * wp[i]->rows) * sizeof(float));
+                    assert_memory_equal(y[i], want[i],
+                                        (size_t)(np[i] * wp[i]->rows) * sizeof(float));
                     free(y[i]), free(want[i]);
                 }
             }

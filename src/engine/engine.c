@@ -241,7 +241,8 @@ static char *digest_cache_path(void) {
 }
 
 static int load_flags(const struct llmem_engine_config *c) {
-    return (c->no_mmap ? LLMEM_MODEL_LOAD_NO_MMAP : 0) | (c->load_dummy ? LLMEM_MODEL_LOAD_DUMMY : 0);
+    return (c->no_mmap ? LLMEM_MODEL_LOAD_NO_MMAP : 0) |
+           (c->load_dummy ? LLMEM_MODEL_LOAD_DUMMY : 0);
 }
 
 static int open_bank(struct llmem_engine *e) {

@@ -636,8 +636,8 @@ static int config_moe(const struct config *c, const char *arch, struct llmem_mod
     if (n == 0) /* no experts: every layer dense */
         return LLMEM_OK;
     int64_t k = 0, width = g->intermediate_size, step = 1;
-    if ((status = config_int(c, "num_experts_per_tok", 1, 1, n < LLMEM_MOE_MAX_K ? n : LLMEM_MOE_MAX_K,
-                             &k)) != LLMEM_OK ||
+    const int64_t most = n < LLMEM_MOE_MAX_K ? n : LLMEM_MOE_MAX_K;
+    if ((status = config_int(c, "num_experts_per_tok", 1, 1, most, &k)) != LLMEM_OK ||
         (qwen && (status = config_int(c, "moe_intermediate_size", 1, 1, MAX_INTERMEDIATE,
                                       &width)) != LLMEM_OK))
         return status;

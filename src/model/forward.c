@@ -119,7 +119,7 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
         {&f->q, T * q_dim},
         {&f->att, T * q_dim},
         {&f->k, 2 * T * kv_dim},                          /* and v */
-        {&f->gate, 2 * T * inter}, /* and up */
+        {&f->gate, 2 * T * inter},                        /* and up */
         {&f->router, moe ? T * (size_t)g->n_experts : 0},
         {(float **)&f->moe_work,
          moe ? (size_t)llmem_moe_work_layout((int64_t)T, g->hidden_size, g->expert_intermediate,
@@ -161,8 +161,8 @@ fail:
 void llmem_forward_free(struct llmem_forward *f) {
     if (f == NULL)
         return;
-    float *bufs[] = {f->x,    f->xn,     f->q,       f->att,
-                     f->k,    f->gate,   f->router,  (float *)f->moe_work}; /* (v and up within k, gate) */
+    /* (v and up within k and gate) */
+    float *bufs[] = {f->x, f->xn, f->q, f->att, f->k, f->gate, f->router, (float *)f->moe_work};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         llmem_mem_free(f->mem, bufs[i]);
     llmem_mem_free(f->mem, f->dev_logits);
