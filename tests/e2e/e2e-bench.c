@@ -1,9 +1,11 @@
 /*
- * tests/e2e/e2e-bench.c — `llmem-bench mem` and `llmem-bench kv` through the built benchmark
+ * tests/e2e/e2e-bench.c — `llmem-bench mem`, `kv` and `decode` through the built benchmark
  * program: the JSON shape (one object; per pattern its three throughputs; per layout × format an
- * attention point, per format an accuracy, per layout × mode an append cost). Speed is not
- * asserted here: numbers go to docs/BENCHMARKS.md.
+ * attention point, per format an accuracy, per layout × mode an append cost; a mixture's bytes
+ * read per decode token). Speed is not asserted here: numbers go to docs/BENCHMARKS.md.
  */
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/json.h"
@@ -129,6 +131,38 @@ static void test_bench_kv_json(void **state) {
     tu_run_free(&run);
 }
 
+/* `decode` on a mixture of experts from its config.json alone (--load-format dummy): it counts
+ * the k experts a token runs in the bytes a decode step reads, not all of them. */
+static void test_bench_decode_moe_dummy(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    const char *files[] = {"config.json", "tokenizer.json", "tokenizer_config.json"};
+    for (int i = 0; i < 3; i++) {
+        char from[512];
+        snprintf(from, sizeof(from), "%s/models/tiny-qwen3-moe/%s", LLMEM_TEST_DATA, files[i]);
+        tu_copy_into(from, dir);
+    }
+    struct tu_run run =
+        tu_llmem_bench("decode", dir, "--load-format", "dummy", "--prompt", "8", "--gen", "4",
+                       "--reps", "1", "--threads", "1", "--bw-size", "1M", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    cJSON *root = tu_json_stdout(&run);
+    /* hidden 96, 4 layers: attention 2·(128 + 64)·96 a layer; three MoE layers run 4 of 8
+     * experts of width 64 (3·96·64 each) and the 8-row router, the dense one 3·96·192; lm_head
+     * (tied) 900·96; two bytes a parameter */
+    const int64_t want = 2 * (4 * 2 * (128 + 64) * 96 + 3 * (96 * (8 + 3 * 4 * 64)) +
+                              3 * 96 * 192 + 900 * 96);
+    int64_t got = 0;
+    assert_int_equal(llmem_json_get_int(root, "decode_weight_bytes_per_token", &got), 0);
+    assert_int_equal(got, want);
+    const cJSON *pt = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(root, "points"), 0);
+    assert_true(get_double(pt, "decode_tokens_per_s") > 0);
+    cJSON_Delete(root);
+    tu_run_free(&run);
+    tu_rmtree(dir);
+    free(dir);
+}
+
 static void test_bench_usage(void **state) {
     (void)state;
     struct tu_run run = tu_llmem_bench("nothing", NULL);
@@ -185,6 +219,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bench_mem_json),
         cmocka_unit_test(test_bench_kv_json),
+        cmocka_unit_test(test_bench_decode_moe_dummy),
         cmocka_unit_test(test_bench_usage),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
