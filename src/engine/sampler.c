@@ -105,7 +105,8 @@ int llmem_sampler_create(const struct llmem_sampling *p, int64_t vocab,
     }
     s->p = *p;
     if (s->adjusts) {
-        memcpy(s->bias, p->logit_bias, (size_t)p->n_logit_bias * sizeof(*s->bias));
+        if (p->n_logit_bias > 0)
+            memcpy(s->bias, p->logit_bias, (size_t)p->n_logit_bias * sizeof(*s->bias));
         s->p.logit_bias = s->bias;
     } else {
         s->p.logit_bias = NULL;
