@@ -132,9 +132,6 @@ static int make_dummy(struct llmem_model *m, llmem_progress_fn progress, void *a
         return LLMEM_ENOMEM;
     }
     madvise(p, size, MADV_HUGEPAGE);
-#ifdef MADV_POPULATE_WRITE /* the pages made in one call rather than a fault each (Linux 5.14) */
-    madvise(p, size, MADV_POPULATE_WRITE);
-#endif
     status = llmem_mem_track(m->mem, p, size, LLMEM_TAG_WEIGHTS);
     if (status != LLMEM_OK) {
         munmap(p, size);

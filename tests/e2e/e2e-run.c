@@ -40,6 +40,14 @@ static void ids_csv(const cJSON *ids, char *buf, size_t size) {
     }
 }
 
+/* Two JSON arrays of ids, equal. */
+static void assert_ids_equal(const cJSON *ids, const cJSON *want) {
+    assert_int_equal(cJSON_GetArraySize(ids), cJSON_GetArraySize(want));
+    for (int i = 0; i < cJSON_GetArraySize(ids); i++)
+        assert_int_equal(cJSON_GetArrayItem(ids, i)->valueint,
+                         cJSON_GetArrayItem(want, i)->valueint);
+}
+
 /* --text-file and --prompt-file read every byte of the file, NULs included: the ids are the
  * tokenizer's of the whole text, and the run continues them as it continues those ids. */
 static void test_files_keep_nul(void **state) {
@@ -98,11 +106,7 @@ static void test_run_greedy_matches(void **state) {
                                    "--threads", "2", NULL);
         assert_int_equal(r.exit_code, 0);
         cJSON *out = tu_json_stdout(&r);
-        const cJSON *ids = cJSON_GetObjectItem(out, "ids");
-        assert_int_equal(cJSON_GetArraySize(ids), cJSON_GetArraySize(greedy));
-        for (int i = 0; i < cJSON_GetArraySize(ids); i++)
-            assert_int_equal(cJSON_GetArrayItem(ids, i)->valueint,
-                             cJSON_GetArrayItem(greedy, i)->valueint);
+        assert_ids_equal(cJSON_GetObjectItem(out, "ids"), greedy);
         assert_string_equal(cJSON_GetObjectItem(out, "text")->valuestring,
                             cJSON_GetObjectItem(g, "greedy_text")->valuestring);
         /* the plan line and the limits applied are on stderr, never on stdout */
@@ -143,12 +147,8 @@ static void test_moe_greedy(void **state) {
                                    "--kv-format", "f32", NULL);
         assert_int_equal(r.exit_code, 0);
         cJSON *out = tu_json_stdout(&r);
-        const cJSON *ids = cJSON_GetObjectItem(out, "ids");
-        assert_int_equal(cJSON_GetArraySize(ids), cJSON_GetArraySize(greedy));
-        for (int i = 0; i < cJSON_GetArraySize(ids); i++)
-            assert_int_equal(cJSON_GetArrayItem(ids, i)->valueint,
-                             cJSON_GetArrayItem(greedy, i)->valueint);
-        printf("  %s: %d greedy ids equal\n", models[m], cJSON_GetArraySize(ids));
+        assert_ids_equal(cJSON_GetObjectItem(out, "ids"), greedy);
+        printf("  %s: %d greedy ids equal\n", models[m], cJSON_GetArraySize(greedy));
         /* not on a GPU yet: refused by name before anything is loaded */
         struct tu_run cuda = tu_llmem("run", dir, "--ids", csv, "--backend", "cuda", NULL);
         assert_int_not_equal(cuda.exit_code, 0);

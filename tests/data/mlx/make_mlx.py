@@ -200,6 +200,24 @@ def quantize_checked(key, v, params, dtype):
     return words, s, b
 
 
+def write_dir(src, out, name, tensors, config, dtype, group_size, bits, overrides):
+    """The directory as convert writes it: model.safetensors, config.json with `quantization`
+    (and `quantization_config`), and the source's tokenizer and generation config."""
+    write_safetensors(os.path.join(out, "model.safetensors"), tensors)
+    q = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    q.update(overrides)
+    config["dtype"] = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[dtype]
+    config["quantization"] = q
+    config["quantization_config"] = q
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if os.path.exists(os.path.join(src, extra)):
+            shutil.copy(os.path.join(src, extra), os.path.join(out, extra))
+    print(f"{name}: {sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))} bytes")
+
+
 def convert(src, name, dtype, group_size, bits, overrides=None):
     overrides = overrides or {}
     out = os.path.join(HERE, name)
@@ -221,21 +239,9 @@ def convert(src, name, dtype, group_size, bits, overrides=None):
         tensors[module + ".weight"] = ("U32", words)
         tensors[module + ".scales"] = (dtype, s)
         tensors[module + ".biases"] = (dtype, b)
-    write_safetensors(os.path.join(out, "model.safetensors"), tensors)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
-    q = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    q.update(overrides)
-    config["dtype"] = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[dtype]
-    config["quantization"] = q
-    config["quantization_config"] = q
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
-    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if os.path.exists(os.path.join(src, extra)):
-            shutil.copy(os.path.join(src, extra), os.path.join(out, extra))
-    print(f"{name}: {sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))} bytes")
+    write_dir(src, out, name, tensors, config, dtype, group_size, bits, overrides)
 
 
 def convert_moe(src, name, dtype, group_size, bits):
@@ -277,18 +283,7 @@ def convert_moe(src, name, dtype, group_size, bits):
         tensors[module + ".weight"] = ("U32", words.reshape(*lead, -1))
         tensors[module + ".scales"] = (dtype, s.reshape(*lead, -1))
         tensors[module + ".biases"] = (dtype, b.reshape(*lead, -1))
-    write_safetensors(os.path.join(out, "model.safetensors"), tensors)
-    q = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    q.update(overrides)
-    config["dtype"] = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[dtype]
-    config["quantization"] = q
-    config["quantization_config"] = q
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
-    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(os.path.join(src, extra), os.path.join(out, extra))
-    print(f"{name}: {sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))} bytes")
+    write_dir(src, out, name, tensors, config, dtype, group_size, bits, overrides)
 
 
 def main():
