@@ -6,7 +6,8 @@ one file, with no intermediate checkpoint on disk.
 
 The default shape is Qwen3-30B-A3B's layer scaled to a small machine: hidden 2048, 16 layers,
 32/4 heads × 128, 64 experts of width 768, top 8, pycoder's 4,096-token vocabulary (about 5.1B
-parameters, 0.9B active). The tokenizer keys are pycoder's (gpt2 BPE) so that both engines can
+parameters, 0.9B active). Q8_0 blocks are drawn directly (random codes and scales), so that a
+15B-parameter file takes seconds, not a quantizer's minutes. The tokenizer keys are pycoder's (gpt2 BPE) so that both engines can
 tokenize.
 
   /usr/bin/python3 bench/make_moe_gguf.py OUT.gguf [--type bf16|q8_0] [--gguf-py DIR]
@@ -127,12 +128,17 @@ def main():
             else:
                 t = np.ones(shape, dtype=np.float32)
         else:
-            x = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
             if qtype == Q.BF16:
+                x = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
                 bits = x.view(np.uint32)
                 t = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-            else:
-                t = gguf.quants.quantize(x, Q.Q8_0)
+            else:  # Q8_0 blocks drawn directly: a scale near 0.06 / 127 and 32 random codes
+                nb = int(np.prod(shape)) // 32
+                blocks = np.empty((nb, 34), dtype=np.uint8)
+                d = (rng.random(nb, dtype=np.float32) * 0.2 + 0.9) * np.float32(0.06 / 127)
+                blocks[:, :2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+                blocks[:, 2:] = rng.integers(-127, 128, size=(nb, 32), dtype=np.int8).view(np.uint8)
+                t = blocks.reshape(list(shape[:-1]) + [shape[-1] // 32 * 34])
         w.write_tensor_data(t)
         done += t.nbytes
         print("\r%s: %5.1f%%" % (a.out, 100.0 * done / total), end="", file=sys.stderr)

@@ -30,6 +30,7 @@
 #include "llmem/mem.h"
 #include "llmem/model.h"
 #include "llmem/status.h"
+#include "plan/moe_work.h"
 #include "quant/quant.h"
 
 static struct llmem_backend *cpu, *gpu, *gpu_f32;
@@ -504,6 +505,112 @@ static void test_matmul_quantized(void **state) {
     printf("  quantized matmul: f32 paths %.2e, fast paths %.2e of the largest output\n", worst_f32,
            worst_fast);
     assert_true(worst_fast > 0);
+    llmem_backend_destroy(ref);
+}
+
+/* A stack of n matrices [rows, cols] of a type (a float dtype when type is 0), one after the
+ * other in one buffer as model/device.c uploads a layer's experts: the host's and the device's
+ * views of each (freed by free_stack). */
+struct stack {
+    struct llmem_weight host[8], dev[8];
+    void *h[3], *d[3]; /* codes, scales, biases */
+};
+
+static void make_stack(int type, int64_t n, int64_t rows, int64_t cols, struct stack *s) {
+    size_t bytes, side = 0;
+    void *scales = NULL, *biases = NULL;
+    memset(s, 0, sizeof(*s));
+    s->h[0] = type != 0 ? random_quantized(type, n * rows, cols, &bytes, &scales, &biases, &side)
+                        : random_weight(LLMEM_DTYPE_BF16, n * rows, cols, &bytes);
+    s->h[1] = scales, s->h[2] = biases;
+    s->d[0] = to_device(s->h[0], bytes);
+    if (side > 0)
+        s->d[1] = to_device(scales, side), s->d[2] = to_device(biases, side);
+    for (int64_t e = 0; e < n; e++) {
+        const struct llmem_weight w = {s->h[0], LLMEM_DTYPE_BF16, rows, cols, type, NULL, NULL};
+        const size_t at = (size_t)(e * rows * llmem_weight_row_bytes(&w)), sat = side / (size_t)n;
+        for (int v = 0; v < 2; v++) {
+            struct llmem_weight *o = v == 0 ? &s->host[e] : &s->dev[e];
+            uint8_t *const *b = (uint8_t *const *)(v == 0 ? s->h : s->d);
+            *o = w;
+            o->data = b[0] + at;
+            o->scales = side > 0 ? b[1] + e * sat : NULL;
+            o->biases = side > 0 ? b[2] + e * sat : NULL;
+        }
+    }
+}
+
+static void free_stack(struct stack *s) {
+    for (int i = 0; i < 3; i++)
+        free(s->h[i]), llmem_mem_free(dmem, s->d[i]);
+}
+
+/* The mixture of experts: every weight type's stacks (bf16, three GGUF block types, MLX 4-bit),
+ * top 3 of 8 renormalized and top 2 not, for a decode's pairs (unsorted), a batch's (sorted) and
+ * a prefill's (the GEMMs), in place (y = x) or not: the CPU's routing, and its outputs within the
+ * matmuls' bounds (f32 precision 1e-5 of the largest output; fast 3e-2: two products in a row). */
+static void test_moe(void **state) {
+    (void)state;
+    const int types[] = {0, LLMEM_QTYPE_Q8_0, LLMEM_QTYPE_Q4_K, LLMEM_QTYPE_Q6_K,
+                         llmem_qtype_mlx(4, 64, LLMEM_QTYPE_BF16)};
+    const int64_t E = 8, hidden = 512, inter = 256, Ts[] = {1, 5, 20, 150};
+    struct llmem_backend *ref = NULL;
+    assert_int_equal(llmem_backend_cpu_create(2, &ref), LLMEM_OK);
+    llmem_backend_cpu_set_precision(ref, LLMEM_PRECISION_F32);
+    double worst[2] = {0, 0};
+    for (size_t ti = 0; ti < sizeof(types) / sizeof(types[0]); ti++) {
+        struct stack g, u, d;
+        make_stack(types[ti], E, inter, hidden, &g);
+        make_stack(types[ti], E, inter, hidden, &u);
+        make_stack(types[ti], E, hidden, inter, &d);
+        for (int ki = 0; ki < 2; ki++) {
+            struct llmem_backend_moe mh = {E, ki == 0 ? 3 : 2, ki == 0, g.host, u.host, d.host};
+            struct llmem_backend_moe md = {E, ki == 0 ? 3 : 2, ki == 0, g.dev, u.dev, d.dev};
+            for (size_t t = 0; t < sizeof(Ts) / sizeof(Ts[0]); t++) {
+                const int64_t T = Ts[t];
+                const size_t wb = (size_t)llmem_moe_work_layout(T, hidden, inter, E, mh.k, NULL,
+                                                                NULL);
+                float *logits = random_floats(T * E, 3.0f), *x = random_floats(T * hidden, 1.0f);
+                float *y = malloc((size_t)(T * hidden) * 4);
+                void *work = aligned_alloc(64, (wb + 63) / 64 * 64);
+                assert_non_null(y), assert_non_null(work);
+                ref->ops->moe(ref->ctx, &mh, logits, x, T, y, work);
+                float *dl = to_device(logits, (size_t)(T * E) * 4);
+                void *dw = llmem_mem_alloc(dmem, wb, LLMEM_TAG_SCRATCH);
+                assert_non_null(dw);
+                for (int p = 0; p < 2; p++) {
+                    struct llmem_backend *b = p == 0 ? gpu_f32 : gpu;
+                    float *dx = to_device(x, (size_t)(T * hidden) * 4);
+                    float *dy = (t + (size_t)p) % 2 == 0
+                                    ? dx
+                                    : llmem_mem_alloc(dmem, (size_t)(T * hidden) * 4,
+                                                      LLMEM_TAG_SCRATCH);
+                    b->ops->moe(b->ctx, &md, dl, dx, T, dy, dw);
+                    assert_int_equal(b->ops->sync(b->ctx), LLMEM_OK);
+                    float *gy = to_host(dy, T * hidden);
+                    int32_t *ids = malloc((size_t)(T * mh.k) * 4), *href = work;
+                    assert_non_null(ids);
+                    assert_int_equal(b->ops->copy(b->ctx, ids, dw, (size_t)(T * mh.k) * 4),
+                                     LLMEM_OK);
+                    assert_memory_equal(ids, href, (size_t)(T * mh.k) * 4);
+                    const double err = rel_diff(y, gy, T * hidden);
+                    worst[p] = fmax(worst[p], err);
+                    if (err > (p == 0 ? 1e-5 : 3e-2))
+                        fail_msg("moe %s %s k %lld T %lld: %.3e", p == 0 ? "f32" : "fast",
+                                 types[ti] != 0 ? llmem_qtype_name(types[ti]) : "bf16",
+                                 (long long)mh.k, (long long)T, err);
+                    free(gy), free(ids);
+                    if (dy != dx)
+                        llmem_mem_free(dmem, dy);
+                    llmem_mem_free(dmem, dx);
+                }
+                llmem_mem_free(dmem, dl), llmem_mem_free(dmem, dw);
+                free(logits), free(x), free(y), free(work);
+            }
+        }
+        free_stack(&g), free_stack(&u), free_stack(&d);
+    }
+    printf("  moe: f32 %.2e, fast %.2e of the largest output\n", worst[0], worst[1]);
     llmem_backend_destroy(ref);
 }
 
@@ -1038,6 +1145,10 @@ static void test_models(void **state) {
         LLMEM_TEST_DATA "/gguf/pycoder-q4_k_m.gguf",
         LLMEM_TEST_DATA "/mlx/tiny-qwen2-4bit",
         LLMEM_TEST_DATA "/mlx/tiny-mistral-swa-mixed",
+        /* mixtures of experts: safetensors and MLX 4-bit (test_moe takes the GGUF types) */
+        LLMEM_TEST_DATA "/models/tiny-qwen3-moe",
+        LLMEM_TEST_DATA "/models/tiny-mixtral",
+        LLMEM_TEST_DATA "/mlx/tiny-qwen3-moe-4bit",
     };
     for (size_t m = 0; m < sizeof(models) / sizeof(models[0]); m++) {
         struct llmem_engine *cpu_e =
@@ -1883,6 +1994,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_matmul_multi),
         cmocka_unit_test(test_matmul_pair),
         cmocka_unit_test(test_matmul_swiglu),
+        cmocka_unit_test(test_moe),
         cmocka_unit_test(test_shadow_copies),
         cmocka_unit_test(test_out_of_memory),
         cmocka_unit_test(test_kv_device),

@@ -47,10 +47,6 @@ LLMEM_API void llmem_model_free(struct llmem_model *model);
  * The copy runs the forward pass on that backend; the original can be freed. LLMEM_ENOMEM or
  * the backend's failure (logged); nothing is left allocated on failure. */
 struct llmem_backend;
-/* LLMEM_OK when a model of geometry g can be copied to a device backend named `backend` (one
- * line and LLMEM_EUNSUPPORTED for what it does not run: mixture-of-experts layers), checked
- * before anything is loaded. */
-LLMEM_API int llmem_model_device_check(const struct llmem_model_geometry *g, const char *backend);
 LLMEM_API int llmem_model_to_device(const struct llmem_model *model,
                                     const struct llmem_backend *backend, struct llmem_mem *mem,
                                     llmem_progress_fn progress, void *progress_arg,

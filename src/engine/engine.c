@@ -315,8 +315,6 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
         e->cfg.no_bank = 1;
     int status = config->load_dummy ? llmem_model_geometry_load_dummy(config->model_dir, &g)
                                     : llmem_model_geometry_load(config->model_dir, &g);
-    if (status == LLMEM_OK && config->backend == LLMEM_BACKEND_CUDA)
-        status = llmem_model_device_check(&g, "cuda");
     if (status != LLMEM_OK || (status = llmem_pool_create(config->n_threads, &e->pool)) ||
         (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
         (status = plan_model(e, &g, llmem_pool_threads(e->pool))) != LLMEM_OK)

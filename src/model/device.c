@@ -1,8 +1,8 @@
 /*
  * model/device.c — a loaded model copied into a device backend's memory: every matrix and small
  * vector allocated from the device's allocator (tag weights) and moved through the backend (k and
- * v, gate and up in one buffer a pair, so that a backend can multiply them as one batch), the
- * configuration copied, the rotary frequencies kept on the host (the backend takes them per call).
+ * v, gate and up in one buffer a pair, so that a backend can multiply them as one batch; a
+ * mixture's experts in three stacks a layer, upload_experts), the configuration copied, the rotary frequencies kept on the host (the backend takes them per call).
  * The copy owns its memory and shares nothing with the host model, which can be freed.
  */
 #include <stdlib.h>
@@ -101,14 +101,59 @@ static int upload_vector(struct llmem_model *m, const struct llmem_backend *be, 
     return *v != NULL ? LLMEM_OK : LLMEM_ENOMEM;
 }
 
-int llmem_model_device_check(const struct llmem_model_geometry *g, const char *backend) {
-    if (g->n_experts > 0) {
-        LLMEM_ERROR("%s: mixture-of-experts layers run on the CPU backend; the %s backend does not "
-                    "run them yet",
-                    g->source, backend);
-        return LLMEM_EUNSUPPORTED;
+/* One of a MoE layer's three stacks (its experts' gates, ups or downs: one shape and type) into a
+ * buffer of its own, the experts' rows one after the other (an MLX type's scales and biases
+ * likewise), so that a backend finds expert e at a fixed stride from expert 0. */
+static int upload_experts(struct llmem_model *m, const struct llmem_backend *be,
+                          const struct llmem_weight *src, int64_t E, struct llmem_weight *dst) {
+    size_t side;
+    const size_t bytes = weight_bytes(&src[0], &side);
+    for (int64_t e = 1; e < E; e++)
+        if (src[e].dtype != src[0].dtype || src[e].quant != src[0].quant ||
+            src[e].rows != src[0].rows || src[e].cols != src[0].cols) {
+            LLMEM_ERROR("the experts of a layer differ in shape or type");
+            return LLMEM_EUNSUPPORTED;
+        }
+    uint8_t *d[3] = {llmem_mem_alloc(m->mem, (size_t)E * bytes, LLMEM_TAG_WEIGHTS), NULL, NULL};
+    if (d[0] != NULL && side > 0) {
+        d[1] = llmem_mem_alloc(m->mem, (size_t)E * side, LLMEM_TAG_WEIGHTS);
+        d[2] = d[1] != NULL ? llmem_mem_alloc(m->mem, (size_t)E * side, LLMEM_TAG_WEIGHTS) : NULL;
     }
-    return LLMEM_OK;
+    int status = d[0] != NULL && (side == 0 || d[2] != NULL) ? LLMEM_OK : LLMEM_ENOMEM;
+    for (int64_t e = 0; status == LLMEM_OK && e < E; e++) {
+        if (be->ops->copy(be->ctx, d[0] + e * bytes, src[e].data, bytes) != LLMEM_OK ||
+            (side > 0 &&
+             (be->ops->copy(be->ctx, d[1] + e * side, src[e].scales, side) != LLMEM_OK ||
+              be->ops->copy(be->ctx, d[2] + e * side, src[e].biases, side) != LLMEM_OK)))
+            status = LLMEM_EIO;
+        dst[e] = src[e];
+        dst[e].data = d[0] + e * bytes;
+        dst[e].scales = side > 0 ? d[1] + e * side : NULL;
+        dst[e].biases = side > 0 ? d[2] + e * side : NULL;
+    }
+    if (status != LLMEM_OK) {
+        for (int i = 0; i < 3; i++)
+            llmem_mem_free(m->mem, d[i]);
+        for (int64_t e = 0; e < E; e++)
+            dst[e].data = dst[e].scales = dst[e].biases = NULL;
+    }
+    return status;
+}
+
+/* A MoE layer's router and its experts' three stacks, into L (whose table is made here). */
+static int upload_moe(struct llmem_model *m, const struct llmem_backend *be,
+                      const struct model_layer *S, struct model_layer *L) {
+    const int64_t E = S->moe.n_experts;
+    int status = llmem_model_layer_experts(m, L);
+    if (status != LLMEM_OK)
+        return status;
+    L->router = S->router;
+    if ((status = upload_weight(m, be, &L->router)) != LLMEM_OK)
+        return status;
+    if ((status = upload_experts(m, be, S->moe.gate, E, L->experts)) == LLMEM_OK &&
+        (status = upload_experts(m, be, S->moe.up, E, L->experts + E)) == LLMEM_OK)
+        status = upload_experts(m, be, S->moe.down, E, L->experts + 2 * E);
+    return status;
 }
 
 int llmem_model_to_device(const struct llmem_model *src, const struct llmem_backend *be,
@@ -117,12 +162,11 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
     LLMEM_ASSERT(src != NULL && be != NULL && mem != NULL && out != NULL);
     *out = NULL;
     const struct llmem_model_geometry *g = &src->cfg.geom;
-    int status = llmem_model_device_check(g, be->ops->name);
-    if (status != LLMEM_OK)
-        return status;
+    int status = LLMEM_OK;
     struct llmem_model *m = calloc(1, sizeof(*m));
     struct model_layer *layers = calloc((size_t)g->n_layers, sizeof(*layers));
     uint8_t *sliding = src->cfg.layer_sliding != NULL ? malloc((size_t)g->n_layers) : NULL;
+    uint8_t *moe = src->cfg.layer_moe != NULL ? malloc((size_t)g->n_layers) : NULL;
     float *inv_freq = malloc((size_t)g->head_dim / 2 * sizeof(float));
     const size_t overrides_bytes =
         (size_t)src->cfg.n_quant_overrides * sizeof(*src->cfg.quant_overrides);
@@ -130,8 +174,9 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         overrides_bytes > 0 ? malloc(overrides_bytes) : NULL;
     if (m == NULL || layers == NULL || inv_freq == NULL ||
         (src->cfg.layer_sliding != NULL && sliding == NULL) ||
+        (src->cfg.layer_moe != NULL && moe == NULL) ||
         (overrides_bytes > 0 && overrides == NULL)) {
-        free(m), free(layers), free(sliding), free(inv_freq), free(overrides);
+        free(m), free(layers), free(sliding), free(moe), free(inv_freq), free(overrides);
         LLMEM_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
@@ -140,6 +185,9 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
     m->cfg.layer_sliding = sliding; /* the configuration's arrays: copies of its own */
     if (sliding != NULL)
         memcpy(sliding, src->cfg.layer_sliding, (size_t)g->n_layers);
+    m->cfg.layer_moe = moe;
+    if (moe != NULL)
+        memcpy(moe, src->cfg.layer_moe, (size_t)g->n_layers);
     m->cfg.quant_overrides = overrides;
     if (overrides != NULL)
         memcpy(overrides, src->cfg.quant_overrides, overrides_bytes);
@@ -160,6 +208,8 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
                                      &L->w_gate, &L->w_up, &L->w_down};
         for (int i = 0; i < 7; i++)
             w[i]->data = w[i]->scales = w[i]->biases = NULL;
+        L->router.data = L->router.scales = L->router.biases = NULL;
+        L->experts = NULL; /* the host model's: this copy makes its own (upload_moe) */
         L->attn_norm = L->mlp_norm = L->bq = L->bk = L->bv = L->q_norm = L->k_norm = NULL;
     }
     m->embed.data = m->lm_head.data = NULL;
@@ -205,6 +255,10 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
             status = failed ? LLMEM_ENOMEM : LLMEM_OK;
         }
         for (int i = 0; status == LLMEM_OK && i < 7; i++) {
+            if (S->experts != NULL && i >= 4) { /* a MoE layer: no dense MLP */
+                status = upload_moe(m, be, S, L);
+                break;
+            }
             const int pair = i == 1 || i == 4; /* k and v, gate and up */
             status = pair ? upload_pair(m, be, &w[i], &w[i + 1]) : upload_weight(m, be, &w[i]);
             if (status == LLMEM_OK)

@@ -17,7 +17,7 @@
 # tokenizers; `nfc` needs nothing else. The model references are computed on the CPU: run it
 # where those packages are installed (a GPU is not needed), from anywhere:
 #
-#   python3 tests/data/make_references.py [--out DIR] [models|tok|nfc ...]
+#   python3 tests/data/make_references.py [--out DIR] [--model NAME ...] [models|tok|nfc ...]
 #
 # With no part named it runs all three. It writes in place, or under --out DIR with the same
 # layout (models/<name>/..., tok/<name>/cases.json, tok/nfc.json), and prints for each logits file
@@ -58,7 +58,7 @@ MODELS = {
     "tiny-qwen3": ("tests/data/models/tiny-qwen3", TEXTS, 40, 0, False),
     "tiny-mistral-swa": ("tests/data/models/tiny-mistral-swa", TEXTS, 40, 120, False),
     "pycoder": ("models/pycoder", CODE_TEXTS, 64, 0, True),
-    # weights by make_moe_models.py (numpy), whose port of transformers made the first references
+    # weights by make_moe_models.py (numpy)
     "tiny-qwen3-moe": ("tests/data/models/tiny-qwen3-moe", TEXTS, 40, 0, False),
     "tiny-mixtral": ("tests/data/models/tiny-mixtral", TEXTS, 40, 120, False),
 }
@@ -226,6 +226,8 @@ def make_nfc(out):
 def main():
     ap = argparse.ArgumentParser(description="Regenerates the references of tests/data/.")
     ap.add_argument("--out", default=DATA, help="where to write (default: in place)")
+    ap.add_argument("--model", action="append", choices=sorted(MODELS),
+                    help="only this model of the part 'models' (repeatable)")
     ap.add_argument("parts", nargs="*", help="models, tok or nfc (default: all three)")
     args = ap.parse_args()
     parts = args.parts or ["models", "tok", "nfc"]
@@ -233,7 +235,7 @@ def main():
         if p not in ("models", "tok", "nfc"):
             ap.error("unknown part '%s'" % p)
     if "models" in parts:
-        for name in MODELS:
+        for name in args.model or MODELS:
             make_model(name, args.out)
     if "tok" in parts:
         for name in sorted(os.listdir(os.path.join(DATA, "tok"))):

@@ -149,11 +149,6 @@ static void test_moe_greedy(void **state) {
         cJSON *out = tu_json_stdout(&r);
         assert_ids_equal(cJSON_GetObjectItem(out, "ids"), greedy);
         printf("  %s: %d greedy ids equal\n", models[m], cJSON_GetArraySize(greedy));
-        /* not on a GPU yet: refused by name before anything is loaded */
-        struct tu_run cuda = tu_llmem("run", dir, "--ids", csv, "--backend", "cuda", NULL);
-        assert_int_not_equal(cuda.exit_code, 0);
-        assert_non_null(strstr(cuda.err, "mixture-of-experts layers run on the CPU backend"));
-        tu_run_free(&cuda);
         cJSON_Delete(out);
         tu_run_free(&r);
         cJSON_Delete(ref);

@@ -307,6 +307,12 @@ void swiglu(struct cuda_ctx *c, const float *gate, const float *up, int64_t n, i
     shadow_set(c, out, n, dt, o16);
 }
 
+void swiglu_launch(struct cuda_ctx *c, const float *gate, const float *up, int64_t n, float *out) {
+    pdl_launch(c->stream, swiglu_kernel, dim3(grid_for(n, 256)), dim3(256), 0, gate, up, n, out,
+               (void *)NULL, LLMEM_DTYPE_F32);
+    launched(c, "swiglu");
+}
+
 void cuda_swiglu(void *ctx, const float *gate, const float *up, int64_t n, float *out) {
     swiglu((struct cuda_ctx *)ctx, gate, up, n, 0, out);
 }

@@ -229,6 +229,97 @@ static __global__ void gemv_any_kernel(const void *w, enum llmem_dtype dt, int64
         y[t * rows + r] = bias != NULL ? s + bias[r] : s;
 }
 
+/* A mixture's experts (ops_int.h gemv_experts): block (x, y, z) takes the rows of block x of
+ * expert ids[order[y]] of stack z (w0, w1: the experts rows · cols values apart), for row
+ * order[y] / k of x (k 0: row y), into row y of y0 or y1. 16-bit weights in aligned rows, W warps
+ * a row, as gemv16_kernel. */
+template <enum llmem_dtype DT, int W>
+static __global__ void __launch_bounds__(256)
+    gemv16_experts_kernel(const uint16_t *w0, const uint16_t *w1, int64_t rows, int64_t cols,
+                          const int32_t *ids, const int32_t *order, int k, const float *x,
+                          float *y0, float *y1) {
+    pdl_begin(); /* the experts are known once the routing ran */
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int64_t pr = blockIdx.y, p = order[pr], e = ids[p];
+    const uint16_t *w = (blockIdx.z == 1 ? w1 : w0) + e * rows * cols;
+    float *y = (blockIdx.z == 1 ? y1 : y0) + pr * rows;
+    const int64_t r = blockIdx.x * (int64_t)(8 / W) + warp / W;
+    float acc[1];
+    gemv_row<DT, 1, W>(r < rows ? w + r * cols : NULL, cols, x, k > 0 ? p / k : pr, warp % W,
+                       lane, acc);
+    if (W > 1) {
+        __shared__ float part[8];
+        if (lane == 0)
+            part[warp] = acc[0];
+        __syncthreads();
+        if (warp % W != 0)
+            return;
+        for (int i = 1; i < W; i++)
+            acc[0] += part[warp + i];
+    }
+    if (lane == 0 && r < rows)
+        y[r] = acc[0];
+}
+
+/* gemv16_experts_kernel for any float weights: a warp a row. */
+static __global__ void gemv_any_experts_kernel(const void *w0, const void *w1, enum llmem_dtype dt,
+                                               int64_t rows, int64_t cols, const int32_t *ids,
+                                               const int32_t *order, int k, const float *x,
+                                               float *y0, float *y1) {
+    pdl_begin();
+    const int64_t r = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (r >= rows)
+        return;
+    const int64_t pr = blockIdx.y, p = order[pr], e = ids[p];
+    const float *xr = x + (k > 0 ? p / k : pr) * cols;
+    const int64_t at = (e * rows + r) * cols;
+    float s = 0;
+    for (int64_t i = lane; i < cols; i += 32)
+        s += weight_at(blockIdx.z == 1 ? w1 : w0, dt, at + i) * xr[i];
+    for (int o = 16; o > 0; o /= 2)
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0)
+        (blockIdx.z == 1 ? y1 : y0)[pr * rows + r] = s;
+}
+
+void gemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
+                  const int32_t *ids, const int32_t *order, int k, const float *x, int64_t x_rows,
+                  int64_t pairs, float *y, float *y1) {
+    if (w->quant != 0) {
+        qgemv_experts(c, w, w1, ids, order, k, x, x_rows, pairs, y, y1);
+        return;
+    }
+    const int64_t rows = w->rows, cols = w->cols;
+    const unsigned z = w1 != NULL ? 2 : 1;
+    const void *d1 = w1 != NULL ? w1->data : w->data;
+    const int is16 = (w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16) &&
+                     cols % 8 == 0 && (((uintptr_t)w->data | (uintptr_t)d1 | (uintptr_t)x) & 15) == 0;
+    if (!is16) {
+        pdl_launch(c->stream, gemv_any_experts_kernel, dim3((unsigned)((rows + 7) / 8),
+                   (unsigned)pairs, z), dim3(256), 0, w->data, d1, w->dtype, rows, cols, ids,
+                   order, k, x, y, y1);
+        launched(c, "gemv experts");
+        return;
+    }
+    const int split = cols >= 4096 && cols % 16 == 0 ? 2 : 1; /* as gemv16 */
+    const dim3 grid((unsigned)((rows + 8 / split - 1) / (8 / split)), (unsigned)pairs, z);
+    const uint16_t *a = (const uint16_t *)w->data, *b = (const uint16_t *)d1;
+#define EXPERTS(DT, W)                                                                             \
+    pdl_launch(c->stream, gemv16_experts_kernel<DT, W>, grid, dim3(256), 0, a, b, rows, cols, ids, \
+               order, k, x, y, y1)
+    if (w->dtype == LLMEM_DTYPE_BF16 && split == 2)
+        EXPERTS(LLMEM_DTYPE_BF16, 2);
+    else if (w->dtype == LLMEM_DTYPE_BF16)
+        EXPERTS(LLMEM_DTYPE_BF16, 1);
+    else if (split == 2)
+        EXPERTS(LLMEM_DTYPE_F16, 2);
+    else
+        EXPERTS(LLMEM_DTYPE_F16, 1);
+#undef EXPERTS
+    launched(c, "gemv experts");
+}
+
 template <enum llmem_dtype DT>
 static void gemv16(struct cuda_ctx *c, const struct gemv_set *set, int count, int64_t cols,
                    const float *x, int64_t n) {

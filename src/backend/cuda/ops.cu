@@ -279,6 +279,7 @@ static struct llmem_backend_ops make_ops(void) {
     o.matmul_swiglu = cuda_matmul_swiglu;
     o.embedding = cuda_embedding;
     o.add = cuda_add;
+    o.moe = cuda_moe;
     o.kv_encode = cuda_kv_encode;
     o.kv_attend = cuda_kv_attend;
     o.kv_attend_last = cuda_kv_attend_last;

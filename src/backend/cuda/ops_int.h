@@ -66,6 +66,8 @@ namespace llmem_cuda {
  * the next pass's embedding_top, for up to FEED_ROWS rows */
 #define ATTN_COUNTERS_BYTES (4096 * sizeof(unsigned))
 #define FEED_ROWS           4096
+/* the most experts a mixture's layer may have on this backend (moe.cu: a lane's 32 in routing) */
+#define LLMEM_CUDA_MOE_MAX_EXPERTS 1024
 
 enum pass_mode { PASS_NOW, PASS_CAPTURE, PASS_STAGE };
 
@@ -223,6 +225,8 @@ void rope_launch(struct cuda_ctx *c, float *x, int n_heads, float *x2, int n_hea
                  int head_dim, const uint8_t *d);
 void swiglu(struct cuda_ctx *c, const float *gate, const float *up, int64_t n, int64_t cols,
             float *out);
+/* swiglu's kernel alone: no shadow, nothing staged (for an operation that staged itself) */
+void swiglu_launch(struct cuda_ctx *c, const float *gate, const float *up, int64_t n, float *out);
 void cuda_rmsnorm(void *ctx, const float *x, const float *weight, int64_t n, int64_t dim, float eps,
                   float *y);
 void cuda_add_rmsnorm(void *ctx, float *x, const float *res, const float *weight, int64_t n,
@@ -246,6 +250,18 @@ void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w
 void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate, const struct llmem_weight *up,
                         const float *x, int64_t n, float *g, float *u, float *out);
 
+/* A mixture's experts for a few rows (moe.cu): y[r] = x[order[r] / k] · Wᵀ (k 0: x[r]) with W
+ * expert ids[order[r]] of the stack whose expert 0 is w (the experts one after the other, as
+ * model/device.c uploads them; an MLX type's scales and biases too), for r < pairs, and the same
+ * of w1 into y1 in the same launch when w1 is not NULL (gate and up); x has x_rows rows. The
+ * matrix-vector kernels' products (gemm.cu for float weights, quant.cu's for quantized ones). */
+void gemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
+                  const int32_t *ids, const int32_t *order, int k, const float *x, int64_t x_rows,
+                  int64_t pairs, float *y, float *y1);
+void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
+                   const int32_t *ids, const int32_t *order, int k, const float *x, int64_t x_rows,
+                   int64_t pairs, float *y, float *y1);
+
 /* quant.cu: quantized weights (w->quant != 0): y = x · Wᵀ (+ bias) for n rows of x by the
  * matrix-vector kernel; rows r0 … r0 + n of w dequantized into out (dt: F16 or F32); the rows of a
  * table for ids (fed: top_k's feed on the device) */
@@ -255,6 +271,10 @@ void qdequant(struct cuda_ctx *c, const struct llmem_weight *w, int64_t r0, int6
               enum llmem_dtype dt, void *out);
 void qembedding(struct cuda_ctx *c, const struct llmem_weight *table, const int32_t *ids, int fed,
                 int64_t n, float *out);
+
+/* moe.cu */
+void cuda_moe(void *ctx, const struct llmem_backend_moe *m, const float *logits, const float *x,
+              int64_t T, float *y, void *work);
 
 /* topk.cu */
 void top_deliver(struct cuda_ctx *c);
@@ -341,6 +361,7 @@ enum {
     OP_MATMUL_MULTI,
     OP_GEMV_SWIGLU,
     OP_EMBEDDING_TOP,
+    OP_MOE,
 };
 
 /* Where an operation producing n rows of cols floats writes their 16-bit copy as well (*dt its

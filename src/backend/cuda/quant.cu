@@ -304,6 +304,35 @@ template <int QT> __device__ __forceinline__ int64_t block_at(const struct qmat 
 /* ---- kernels ---------------------------------------------------------------------------------
  */
 
+/* A mixture's experts for the matrix-vector kernels (order NULL: one matrix, as given): block
+ * (x, y, z) takes the rows of block x of expert ids[order[y]] of stack z (0: the kernel's m and y;
+ * 1: codes1, scales1, biases1 and y1), for the row order[y] / k of x (k 0: row y), into row y of
+ * the output. The stacks hold their experts `stride` bytes apart (an MLX type's scales and biases
+ * `side` bytes apart). */
+struct qexperts {
+    const int32_t *ids, *order;
+    int k;
+    int64_t stride, side;
+    const uint8_t *codes1, *scales1, *biases1;
+    float *y1;
+};
+
+/* The block's matrix, row of x (rows `row` elements apart) and row of output, from qexperts:
+ * read after the wait (the ids are the kernel before's). */
+template <typename X>
+__device__ __forceinline__ void expert_of(const struct qexperts &ex, struct qmat *m, const X **x,
+                                          int64_t row, float **y) {
+    pdl_begin();
+    const int64_t pr = blockIdx.y, p = ex.order[pr], e = ex.ids[p];
+    if (blockIdx.z == 1)
+        m->codes = ex.codes1, m->scales = ex.scales1, m->biases = ex.biases1, *y = ex.y1;
+    m->codes += e * ex.stride;
+    if (m->scales != NULL)
+        m->scales += e * ex.side, m->biases += e * ex.side;
+    *x += (ex.k > 0 ? p / ex.k : pr) * row;
+    *y += pr * m->rows;
+}
+
 /* y[j, r] = the warp's sum of acc[j] (+ bias[r]), for j < NX. */
 template <int NX>
 __device__ __forceinline__ void warp_store(float *acc, int lane, float *y, int64_t rows, int64_t r,
@@ -323,8 +352,11 @@ __device__ __forceinline__ void warp_store(float *acc, int lane, float *y, int64
  * sc · Σ q·x − (off + sc·B) · Σ x. The first group is read before the wait (weights: launch.h). */
 template <int QT, int NX>
 static __global__ void __launch_bounds__(256)
-    qgemv_kernel(struct qmat m, const float *x, float *y, const float *bias) {
+    qgemv_kernel(struct qmat m, const float *x, float *y, const float *bias,
+                 struct qexperts ex) {
     constexpr int G = qt<QT>::G;
+    if (ex.order != NULL)
+        expert_of<float>(ex, &m, &x, m.cols, &y);
     const int lane = threadIdx.x & 31, e = lane % G;
     const int64_t r = blockIdx.x * 8 + threadIdx.x / 32, nb = m.cols / qt<QT>::BE;
     if (r >= m.rows) {
@@ -520,7 +552,10 @@ __device__ __forceinline__ void qunit_codes(const uint8_t *row, int64_t u, uint3
  * unit at a time; the first unit read before the wait. */
 template <int QT, int NX>
 static __global__ void __launch_bounds__(256)
-    qgemv_int_kernel(struct qmat m, const uint8_t *xq, float *y, const float *bias) {
+    qgemv_int_kernel(struct qmat m, const uint8_t *xq, float *y, const float *bias,
+                     struct qexperts ex) {
+    if (ex.order != NULL)
+        expert_of<uint8_t>(ex, &m, &xq, xq_row_bytes(m.cols), &y);
     const int lane = threadIdx.x & 31;
     const int64_t r = blockIdx.x * 8 + threadIdx.x / 32, units = m.cols / 32;
     if (r >= m.rows) {
@@ -578,6 +613,7 @@ void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int
            const float *bias) {
     const struct qmat m = qmat_of(w);
     const dim3 grid((unsigned)((m.rows + 7) / 8));
+    const struct qexperts none = {};
     if (qgemv_int(c, w)) {
         uint8_t *xq = (uint8_t *)wslice(c, (size_t)(n * xq_row_bytes(m.cols)));
         if (xq == NULL)
@@ -592,15 +628,16 @@ void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int
 #define QGEMV_INT(QT)                                                                              \
     switch (nx) {                                                                                  \
     case 1:                                                                                        \
-        pdl_launch(c->stream, qgemv_int_kernel<QT, 1>, grid, dim3(256), 0, m, xt, yt, bias);       \
+        pdl_launch(c->stream, qgemv_int_kernel<QT, 1>, grid, dim3(256), 0, m, xt, yt, bias, none); \
         break;                                                                                     \
     case 2:                                                                                        \
-        pdl_launch(c->stream, qgemv_int_kernel<QT, 2>, grid, dim3(256), 0, m, xt, yt, bias);       \
+        pdl_launch(c->stream, qgemv_int_kernel<QT, 2>, grid, dim3(256), 0, m, xt, yt, bias, none); \
         break;                                                                                     \
     case 3:                                                                                        \
-        pdl_launch(c->stream, qgemv_int_kernel<QT, 3>, grid, dim3(256), 0, m, xt, yt, bias);       \
+        pdl_launch(c->stream, qgemv_int_kernel<QT, 3>, grid, dim3(256), 0, m, xt, yt, bias, none); \
         break;                                                                                     \
-    default: pdl_launch(c->stream, qgemv_int_kernel<QT, 4>, grid, dim3(256), 0, m, xt, yt, bias);  \
+    default:                                                                                       \
+        pdl_launch(c->stream, qgemv_int_kernel<QT, 4>, grid, dim3(256), 0, m, xt, yt, bias, none); \
     }
             switch (w->quant) {
             case LLMEM_QTYPE_Q8_0: QGEMV_INT(LLMEM_QTYPE_Q8_0); break;
@@ -621,19 +658,62 @@ void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int
         float *yt = y + t * m.rows;
 #define QGEMV(QT)                                                                                  \
     switch (nx) {                                                                                  \
-    case 1: pdl_launch(c->stream, qgemv_kernel<QT, 1>, grid, dim3(256), 0, m, xt, yt, bias);       \
+    case 1:                                                                                        \
+        pdl_launch(c->stream, qgemv_kernel<QT, 1>, grid, dim3(256), 0, m, xt, yt, bias, none);     \
         break;                                                                                     \
-    case 2: pdl_launch(c->stream, qgemv_kernel<QT, 2>, grid, dim3(256), 0, m, xt, yt, bias);       \
+    case 2:                                                                                        \
+        pdl_launch(c->stream, qgemv_kernel<QT, 2>, grid, dim3(256), 0, m, xt, yt, bias, none);     \
         break;                                                                                     \
-    case 3: pdl_launch(c->stream, qgemv_kernel<QT, 3>, grid, dim3(256), 0, m, xt, yt, bias);       \
+    case 3:                                                                                        \
+        pdl_launch(c->stream, qgemv_kernel<QT, 3>, grid, dim3(256), 0, m, xt, yt, bias, none);     \
         break;                                                                                     \
-    default: pdl_launch(c->stream, qgemv_kernel<QT, 4>, grid, dim3(256), 0, m, xt, yt, bias);      \
+    default:                                                                                       \
+        pdl_launch(c->stream, qgemv_kernel<QT, 4>, grid, dim3(256), 0, m, xt, yt, bias, none);     \
     }
         QT_DISPATCH(w->quant, QGEMV)
 #undef QGEMV
         t += nx;
     }
     launched(c, "qgemv");
+}
+
+void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
+                   const int32_t *ids, const int32_t *order, int k, const float *x, int64_t x_rows,
+                   int64_t pairs, float *y, float *y1) {
+    const struct qmat m = qmat_of(w);
+    struct qexperts ex = {ids, order, k, m.rows * m.row_bytes, 0, NULL, NULL, NULL, y1};
+    if (m.scales != NULL)
+        ex.side = m.rows * (m.cols / m.group) * (m.st == LLMEM_QTYPE_F32 ? 4 : 2);
+    if (w1 != NULL)
+        ex.codes1 = (const uint8_t *)w1->data, ex.scales1 = (const uint8_t *)w1->scales,
+        ex.biases1 = (const uint8_t *)w1->biases;
+    const dim3 grid((unsigned)((m.rows + 7) / 8), (unsigned)pairs, w1 != NULL ? 2 : 1);
+    if (qgemv_int(c, w)) {
+        uint8_t *xw = (uint8_t *)wslice(c, (size_t)(x_rows * xq_row_bytes(m.cols)));
+        const uint8_t *xq = xw;
+        if (xw == NULL)
+            return;
+        pdl_launch(c->stream, quantize_x_kernel,
+                   dim3((unsigned)((m.cols / 32 + 7) / 8), (unsigned)x_rows), dim3(256), 0, x,
+                   m.cols, xw);
+#define QGEMV_INT(QT)                                                                              \
+    pdl_launch(c->stream, qgemv_int_kernel<QT, 1>, grid, dim3(256), 0, m, xq, y,                   \
+               (const float *)NULL, ex)
+        switch (w->quant) {
+        case LLMEM_QTYPE_Q8_0: QGEMV_INT(LLMEM_QTYPE_Q8_0); break;
+        case LLMEM_QTYPE_Q4_0: QGEMV_INT(LLMEM_QTYPE_Q4_0); break;
+        case LLMEM_QTYPE_Q4_K: QGEMV_INT(LLMEM_QTYPE_Q4_K); break;
+        case LLMEM_QTYPE_Q5_K: QGEMV_INT(LLMEM_QTYPE_Q5_K); break;
+        default: QGEMV_INT(LLMEM_QTYPE_Q6_K);
+        }
+#undef QGEMV_INT
+    } else {
+#define QGEMV(QT)                                                                                  \
+    pdl_launch(c->stream, qgemv_kernel<QT, 1>, grid, dim3(256), 0, m, x, y, (const float *)NULL, ex)
+        QT_DISPATCH(w->quant, QGEMV)
+#undef QGEMV
+    }
+    launched(c, "qgemv experts");
 }
 
 void qdequant(struct cuda_ctx *c, const struct llmem_weight *w, int64_t r0, int64_t n,

@@ -1,0 +1,242 @@
+/*
+ * backend/cuda/moe.cu — a mixture-of-experts MLP on the device (ops.h `moe`), with the experts of
+ * each stack one after the other (model/device.c):
+ *   - route: a warp per token picks its k experts from the router's logits (softmax in f32, the
+ *     k largest, renormalized when asked) and their weights, on the device;
+ *   - sort: one block groups the (token, slot) pairs by expert, in token order within an expert;
+ *   - a few pairs (a decode step, and every pass recorded as a graph): the matrix-vector kernels
+ *     take each pair's expert from the device (gemv_experts; gate and up in one launch), so that a
+ *     step reads only the chosen experts' rows and never waits for the host;
+ *   - many pairs (prefill): the expert offsets come to the host once a layer and each expert with
+ *     rows runs as a GEMM over its gathered rows, as the dense layers do;
+ *   - combine: each token's outputs weighted and summed in increasing expert order (the CPU's).
+ */
+#include "backend/cuda/ops_int.h"
+
+#include "plan/moe_work.h"
+
+namespace llmem_cuda {
+
+/* Pairs up to which a pass outside a graph takes the matrix-vector kernels (more: the GEMMs,
+ * after the offsets reach the host); pairs up to which those kernels take them unsorted. */
+#define MOE_GEMV_PAIRS   256
+#define MOE_UNSORTED_MAX 32
+
+/* v, NaN as −∞: the order route ranks logits in (the CPU's top_k never picks a NaN over a
+ * number). */
+__device__ __forceinline__ float rank_of(float v) {
+    return isnan(v) ? -INFINITY : v;
+}
+
+/* A warp per token: ids and probs of its k experts (largest logit first, the lower index first
+ * among equals), p = softmax(logits)[e], renormalized over the k when norm; identity order and
+ * slots when `order` is not NULL (pairs left unsorted). */
+static __global__ void route_kernel(const float *logits, int64_t T, int64_t E, int k, int norm,
+                                    int32_t *ids, float *probs, int32_t *order, int32_t *slot) {
+    pdl_begin();
+    const int lane = threadIdx.x & 31;
+    const int64_t t = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    if (t >= T)
+        return;
+    const float *l = logits + t * E;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t e = lane; e < E; e += 32)
+        mx = fmaxf(mx, l[e]);
+    for (int o = 16; o > 0; o /= 2)
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    for (int64_t e = lane; e < E; e += 32)
+        sum += expf(l[e] - mx);
+    for (int o = 16; o > 0; o /= 2)
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    uint32_t taken = 0; /* bit i: expert lane + 32·i */
+    float total = 0.0f;
+    for (int j = 0; j < k; j++) {
+        float bv = -INFINITY;
+        int be = INT_MAX;
+        for (int i = 0; lane + 32 * i < E; i++) {
+            const float v = rank_of(l[lane + 32 * i]);
+            if (!(taken >> i & 1) && (be == INT_MAX || v > bv))
+                bv = v, be = lane + 32 * i;
+        }
+        for (int o = 16; o > 0; o /= 2) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (oe != INT_MAX && (be == INT_MAX || ov > bv || (ov == bv && oe < be)))
+                bv = ov, be = oe;
+        }
+        if (be % 32 == lane)
+            taken |= 1u << (be / 32);
+        const float p = expf(l[be] - mx) / sum;
+        total += p;
+        if (lane == 0)
+            ids[t * k + j] = be, probs[t * k + j] = p;
+    }
+    for (int j = lane; j < k; j += 32) {
+        if (norm)
+            probs[t * k + j] /= total;
+        if (order != NULL)
+            order[t * k + j] = slot[t * k + j] = (int32_t)(t * k + j);
+    }
+}
+
+/* One block: offsets[e] where expert e's pairs start, the pairs in that order (each expert's in
+ * pair order: a warp places 32 at a time, ranked among equal experts by lane) and each pair's
+ * place. */
+static __global__ void sort_kernel(const int32_t *ids, int64_t pairs, int64_t E, int32_t *offsets,
+                                   int32_t *order, int32_t *slot) {
+    pdl_begin();
+    __shared__ int32_t next[LLMEM_CUDA_MOE_MAX_EXPERTS + 1];
+    const int lane = threadIdx.x & 31;
+    for (int64_t e = threadIdx.x; e <= E; e += blockDim.x)
+        next[e] = 0;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < pairs; i += blockDim.x)
+        atomicAdd(&next[ids[i] + 1], 1);
+    __syncthreads();
+    if (threadIdx.x < 32) { /* the counts' running sums, 32 at a time */
+        int32_t carry = 0;
+        for (int64_t e0 = 0; e0 <= E; e0 += 32) {
+            int32_t v = e0 + lane <= E ? next[e0 + lane] : 0;
+            for (int o = 1; o < 32; o *= 2) {
+                const int32_t u = __shfl_up_sync(0xffffffffu, v, o);
+                v += lane >= o ? u : 0;
+            }
+            if (e0 + lane <= E)
+                next[e0 + lane] = v + carry;
+            carry += __shfl_sync(0xffffffffu, v, 31);
+        }
+    }
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e <= E; e += blockDim.x)
+        offsets[e] = next[e];
+    if (threadIdx.x >= 32)
+        return;
+    for (int64_t i0 = 0; i0 < pairs; i0 += 32) {
+        const int64_t i = i0 + lane;
+        const bool live = i < pairs;
+        const int32_t e = live ? ids[i] : -1;
+        const unsigned peers = __match_any_sync(0xffffffffu, e);
+        const int rank = __popc(peers & ((1u << lane) - 1));
+        if (live) {
+            const int32_t s = next[e] + rank;
+            order[s] = (int32_t)i, slot[i] = s;
+        }
+        __syncwarp();
+        if (live && rank == 0)
+            next[e] += __popc(peers);
+        __syncwarp();
+    }
+}
+
+/* out[r] = x[order[r] / k], hidden floats a row */
+static __global__ void gather_kernel(const float *x, const int32_t *order, int k, int64_t pairs,
+                                     int64_t hidden, float *out) {
+    pdl_begin();
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < pairs * hidden;
+         i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = x[(order[i / hidden] / k) * hidden + i % hidden];
+}
+
+/* A block per token: y = Σ p_j · out[slot_j] over its k pairs in increasing expert order. */
+static __global__ void combine_kernel(const int32_t *ids, const float *probs, const int32_t *slot,
+                                      const float *out, int k, int64_t hidden, float *y) {
+    pdl_begin();
+    __shared__ int32_t s[LLMEM_MOE_MAX_K];
+    __shared__ float p[LLMEM_MOE_MAX_K];
+    const int64_t t = blockIdx.x;
+    if (threadIdx.x == 0) { /* the token's pairs by expert (insertion sort, stable) */
+        int32_t j_of[LLMEM_MOE_MAX_K];
+        for (int j = 0; j < k; j++) {
+            int i = j;
+            while (i > 0 && ids[t * k + j_of[i - 1]] > ids[t * k + j]) {
+                j_of[i] = j_of[i - 1];
+                i--;
+            }
+            j_of[i] = j;
+        }
+        for (int j = 0; j < k; j++)
+            s[j] = slot[t * k + j_of[j]], p[j] = probs[t * k + j_of[j]];
+    }
+    __syncthreads();
+    for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++)
+            acc = fmaf(p[j], out[s[j] * hidden + c], acc);
+        y[t * hidden + c] = acc;
+    }
+}
+
+/* Whether the n matrices of a stack lie one after the other from the first. */
+static int stacked(const struct llmem_weight *w, int64_t n) {
+    const int64_t bytes = w[0].rows * llmem_weight_row_bytes(&w[0]);
+    for (int64_t e = 1; e < n; e++)
+        if ((const uint8_t *)w[e].data != (const uint8_t *)w[0].data + e * bytes)
+            return 0;
+    return 1;
+}
+
+void cuda_moe(void *ctx, const struct llmem_backend_moe *m, const float *logits, const float *x,
+              int64_t T, float *y, void *work) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    LLMEM_ASSERT(m != NULL && logits != NULL && x != NULL && y != NULL && work != NULL && T >= 0 &&
+                 m->k >= 1 && m->k <= LLMEM_MOE_MAX_K && m->k <= m->n_experts);
+    const int64_t E = m->n_experts, k = m->k, hidden = m->down[0].rows, inter = m->gate[0].rows;
+    const int64_t pairs = T * k;
+    if (T == 0 || c->failed)
+        return;
+    const int grouped = c->pass == NULL && c->mode == PASS_NOW && pairs > MOE_GEMV_PAIRS;
+    if (staged(c, OP_MOE,
+               {arg(m->gate[0].data), arg(m->up[0].data), arg(m->down[0].data), arg(E), arg(k),
+                arg((int64_t)m->norm_topk), arg(logits), arg(x), arg(T), arg(y), arg(work)}))
+        return;
+    if (E > LLMEM_CUDA_MOE_MAX_EXPERTS || (!grouped && pairs > 65535)) {
+        fail(c, LLMEM_EUNSUPPORTED, "moe", "more experts or pairs than the kernels take");
+        return;
+    }
+    if (!stacked(m->gate, E) || !stacked(m->up, E) || !stacked(m->down, E)) {
+        fail(c, LLMEM_EUNSUPPORTED, "moe", "a layer's experts are not one after the other");
+        return;
+    }
+    struct llmem_moe_work w;
+    llmem_moe_work_layout(T, hidden, inter, E, k, work, &w);
+    const int sort = grouped || pairs > MOE_UNSORTED_MAX;
+    pdl_launch(c->stream, route_kernel, dim3((unsigned)((T + 7) / 8)), dim3(256), 0, logits, T, E,
+               (int)k, m->norm_topk, w.ids, w.probs, sort ? NULL : w.order, w.slot);
+    if (sort)
+        pdl_launch(c->stream, sort_kernel, dim3(1), dim3(1024), 0, (const int32_t *)w.ids, pairs, E,
+                   w.offsets, w.order, w.slot);
+    if (!grouped) {
+        gemv_experts(c, &m->gate[0], &m->up[0], w.ids, w.order, (int)k, x, T, pairs, w.gate,
+                     w.up);
+        swiglu_launch(c, w.gate, w.up, pairs * inter, w.gate);
+        gemv_experts(c, &m->down[0], NULL, w.ids, w.order, 0, w.gate, pairs, pairs, w.x, NULL);
+    } else {
+        pdl_launch(c->stream, gather_kernel, dim3(grid_for(pairs * hidden, 256)), dim3(256), 0, x,
+                   (const int32_t *)w.order, (int)k, pairs, hidden, w.x);
+        int32_t *off = c->staging; /* (E + 1 ≤ SMALL_MAX / 4 ints) */
+        if (check(c, cudaMemcpyAsync(off, w.offsets, (size_t)(E + 1) * sizeof(int32_t),
+                                     cudaMemcpyDeviceToHost, c->stream),
+                  "moe offsets") != LLMEM_OK ||
+            check(c, cudaStreamSynchronize(c->stream), "moe offsets") != LLMEM_OK)
+            return;
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t at = off[e], n = off[e + 1] - at;
+            const struct llmem_weight *gu[2] = {&m->gate[e], &m->up[e]};
+            float *out[2] = {w.gate + at * inter, w.up + at * inter};
+            if (n > 0)
+                cuda_matmul_multi(c, 2, gu, w.x + at * hidden, n, out, NULL);
+        }
+        swiglu_launch(c, w.gate, w.up, pairs * inter, w.gate);
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t at = off[e], n = off[e + 1] - at;
+            if (n > 0)
+                cuda_matmul(c, &m->down[e], w.gate + at * inter, n, w.x + at * hidden, NULL);
+        }
+    }
+    pdl_launch(c->stream, combine_kernel, dim3((unsigned)T), dim3(256), 0, (const int32_t *)w.ids,
+               (const float *)w.probs, (const int32_t *)w.slot, (const float *)w.x, (int)k, hidden,
+               y);
+    launched(c, "moe");
+}
+
+} // namespace llmem_cuda
