@@ -1219,6 +1219,48 @@ static double max_abs_diff(const float *a, const float *b, int64_t n) {
     return worst;
 }
 
+/* A mixture with the experts of its first MoE layers left on the host (--experts-on-host): those
+ * run on the CPU, the rest on the device; the logits at f32 precision within 1e-3 of the CPU's,
+ * for 0, 2 and all 3 of tiny-qwen3-moe's MoE layers on the host. */
+static void test_experts_on_host(void **state) {
+    (void)state;
+    const char *dir = LLMEM_TEST_DATA "/models/tiny-qwen3-moe";
+    struct llmem_engine *cpu_e =
+        open_engine(dir, LLMEM_BACKEND_CPU, LLMEM_PRECISION_F32, LLMEM_KV_FORMAT_F32);
+    const int64_t vocab = llmem_model_get_config(llmem_engine_model(cpu_e))->geom.vocab_size;
+    int32_t ids[80];
+    for (int i = 0; i < 80; i++)
+        ids[i] = (int32_t)((i * 7919 + 13) % 2000);
+    float *ref = teacher_forced(cpu_e, ids, 80, vocab);
+    llmem_engine_close(cpu_e);
+    const int64_t on_host[] = {0, 2, 3};
+    for (int i = 0; i < 3; i++) {
+        struct llmem_engine_config c;
+        llmem_engine_config_default(&c);
+        c.model_dir = dir;
+        c.n_threads = 2;
+        c.no_bank = 1;
+        c.context = 512;
+        c.kv_format = LLMEM_KV_FORMAT_F32;
+        c.backend = LLMEM_BACKEND_CUDA;
+        c.precision = LLMEM_PRECISION_F32;
+        c.experts_on_host = on_host[i];
+        struct llmem_engine *e = NULL;
+        assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+        const struct llmem_expert_placement *placed = llmem_engine_expert_placement(e);
+        assert_int_equal(placed->moe_layers, 3);
+        assert_int_equal(placed->host_layers, on_host[i]);
+        float *got = teacher_forced(e, ids, 80, vocab);
+        const double d = max_abs_diff(ref, got, 80 * vocab);
+        printf("  experts of %lld MoE layers on the host: max |dlogit| %.2e\n",
+               (long long)on_host[i], d);
+        assert_true(d <= 1e-3);
+        free(got);
+        llmem_engine_close(e);
+    }
+    free(ref);
+}
+
 /* pycoder with q4 (rotated) and tq caches at f32 precision, teacher-forced over prefill chunks and
  * decode steps: the device's logits are as close to those of an f32 cache as the CPU's with the
  * same format, and agree with the CPU's top token wherever it is clear. The two code the same
@@ -2000,6 +2042,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_kv_device),
         cmocka_unit_test(test_kv_copy_out_async),
         cmocka_unit_test(test_models),
+        cmocka_unit_test(test_experts_on_host),
         cmocka_unit_test(test_quantized_caches),
         cmocka_unit_test(test_greedy),
         cmocka_unit_test(test_spill_on_device),

@@ -678,6 +678,78 @@ static void test_moe_geometry(void **state) {
                      4 * (T * per_token + parts + 151936) + moe_bytes);
 }
 
+/* A device plan for g: its weights, KV and workspace, a total of `total`, a budget. */
+static struct llmem_plan_params device_params(const struct llmem_model_geometry *g, int64_t total,
+                                              int64_t budget) {
+    return (struct llmem_plan_params){
+        .target = LLMEM_PLAN_CUDA,
+        .total_bytes = total,
+        .weights_bytes = g->weights_bytes,
+        .kv_bytes_per_token = llmem_geometry_kv_bytes_per_token(g),
+        .model_max_context = g->max_context,
+        .memory_budget_bytes = budget,
+        .computed_workspace_bytes = llmem_geometry_workspace_bytes(g, 512, 1),
+    };
+}
+
+/* Expert placement: every layer on a device that holds the model; under a budget the fewest host
+ * layers with which the plan fits (one fewer does not); as forced (clamped to the MoE layers);
+ * every layer, and no fit, when nothing fits; nothing placed on a host plan or a dense model. */
+static void test_place_experts(void **state) {
+    (void)state;
+    const struct llmem_model_geometry *g = llmem_catalog_find("qwen3-30b-a3b");
+    struct llmem_expert_placement e;
+    struct llmem_plan_params p = device_params(g, 140 * GiB, 0);
+    assert_int_equal(llmem_plan_place_experts(&p, g, -1, &e), LLMEM_OK);
+    assert_int_equal(e.moe_layers, 48);
+    assert_int_equal(e.host_layers, 0);
+    assert_int_equal(e.layer_bytes, g->expert_bytes / 48);
+    assert_int_equal(p.weights_bytes, g->weights_bytes);
+    assert_int_equal(e.device_read_bytes, llmem_geometry_active_bytes(g));
+    assert_int_equal(e.host_read_bytes, 0);
+
+    p = device_params(g, 140 * GiB, 40 * GiB); /* the weights are 61G */
+    assert_int_equal(llmem_plan_place_experts(&p, g, -1, &e), LLMEM_OK);
+    assert_true(e.host_layers > 0 && e.host_layers < 48 && !e.forced);
+    assert_int_equal(p.weights_bytes, g->weights_bytes - e.host_layers * e.layer_bytes);
+    assert_int_equal(e.device_weights_bytes, p.weights_bytes);
+    assert_int_equal(e.host_bytes, e.host_layers * e.layer_bytes);
+    assert_int_equal(e.host_read_bytes, e.host_layers * (e.layer_bytes / 128 * 8));
+    assert_int_equal(e.device_read_bytes + e.host_read_bytes, llmem_geometry_active_bytes(g));
+    struct llmem_plan plan = compute(&p);
+    assert_true(plan.model_fits && !plan.overcommitted);
+    p.weights_bytes += e.layer_bytes; /* one host layer fewer */
+    plan = compute(&p);
+    assert_false(plan.model_fits && !plan.overcommitted);
+    char line[400];
+    llmem_plan_describe_experts(&e, line, sizeof(line));
+    printf("  40G: %s\n", line);
+    assert_non_null(strstr(line, "the fewest with which the model fits"));
+
+    p = device_params(g, 140 * GiB, 40 * GiB);
+    assert_int_equal(llmem_plan_place_experts(&p, g, 5, &e), LLMEM_OK);
+    assert_true(e.forced && e.host_layers == 5);
+    assert_int_equal(p.weights_bytes, g->weights_bytes - 5 * e.layer_bytes);
+    p = device_params(g, 140 * GiB, 0);
+    assert_int_equal(llmem_plan_place_experts(&p, g, 1000, &e), LLMEM_OK);
+    assert_int_equal(e.host_layers, 48);
+    p = device_params(g, 140 * GiB, 2 * GiB); /* not even the dense part fits */
+    assert_int_equal(llmem_plan_place_experts(&p, g, -1, &e), LLMEM_OK);
+    assert_int_equal(e.host_layers, 48);
+    assert_false(compute(&p).model_fits);
+
+    p = device_params(g, 140 * GiB, 40 * GiB);
+    p.target = LLMEM_PLAN_HOST; /* the experts stay mapped on a host */
+    assert_int_equal(llmem_plan_place_experts(&p, g, -1, &e), LLMEM_OK);
+    assert_int_equal(e.moe_layers, 0);
+    assert_int_equal(p.weights_bytes, g->weights_bytes);
+    const struct llmem_model_geometry *dense = llmem_catalog_find("llama-3.1-8b");
+    p = device_params(dense, 140 * GiB, 10 * GiB);
+    assert_int_equal(llmem_plan_place_experts(&p, dense, 3, &e), LLMEM_OK);
+    assert_int_equal(e.moe_layers, 0);
+    assert_int_equal(p.weights_bytes, dense->weights_bytes);
+}
+
 static void test_workspace(void **state) {
     (void)state;
     const struct llmem_model_geometry *g = llmem_catalog_find("llama-3.1-8b");
@@ -736,6 +808,7 @@ int main(void) {
         cmocka_unit_test(test_transient_reserve),
         cmocka_unit_test(test_catalog),
         cmocka_unit_test(test_moe_geometry),
+        cmocka_unit_test(test_place_experts),
         cmocka_unit_test(test_workspace),
         cmocka_unit_test(test_plan_json),
     };

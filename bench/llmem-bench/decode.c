@@ -102,6 +102,9 @@ static const char usage[] =
     "  --backend B      cpu (default) or cuda: then against the device's copy bandwidth\n"
     "  --device N       the CUDA device (default 0)\n"
     "  --precision P    fast (default) or f32 (cuda: tensor cores; cpu: quantized weights)\n"
+    "  --budget SIZE    plan as if the machine (the device with cuda) had SIZE, as llmem run\n"
+    "  --experts-on-host N  cuda, a mixture of experts: the first N MoE layers' experts on the\n"
+    "                   host, as llmem run (default: the plan's placement)\n"
     "  --json           one JSON object: model, weights_bytes, points[] {threads, "
     "prefill_tokens_per_s,\n"
     "                   prefill_gflops, decode_tokens_per_s, decode_gbps, bandwidth_read_gbps,\n"
@@ -122,6 +125,8 @@ int bench_decode(int argc, char **argv) {
         OPT_BACKEND,
         OPT_DEVICE,
         OPT_PRECISION,
+        OPT_BUDGET,
+        OPT_EXPERTS_ON_HOST,
         OPT_HELP
     };
     static const struct option opts[] = {
@@ -138,6 +143,8 @@ int bench_decode(int argc, char **argv) {
         {"backend", required_argument, NULL, OPT_BACKEND},
         {"device", required_argument, NULL, OPT_DEVICE},
         {"precision", required_argument, NULL, OPT_PRECISION},
+        {"budget", required_argument, NULL, OPT_BUDGET},
+        {"experts-on-host", required_argument, NULL, OPT_EXPERTS_ON_HOST},
         {"help", no_argument, NULL, OPT_HELP},
         {NULL, 0, NULL, 0},
     };
@@ -147,6 +154,7 @@ int bench_decode(int argc, char **argv) {
     enum llmem_backend_kind backend = LLMEM_BACKEND_CPU;
     enum llmem_backend_precision precision = LLMEM_PRECISION_FAST;
     int64_t device = 0, warmup = -1; /* -1: by the backend */
+    int64_t budget = 0, experts_on_host = -1;
     optind = 1;
     opterr = 0;
     int c, rc = CLI_OK;
@@ -169,6 +177,10 @@ int bench_decode(int argc, char **argv) {
                 rc = CLI_USAGE;
             break;
         case OPT_DEVICE: rc = cli_parse_int("--device", optarg, 0, 1024, &device); break;
+        case OPT_BUDGET: rc = cli_parse_positive_size("--budget", optarg, &budget); break;
+        case OPT_EXPERTS_ON_HOST:
+            rc = cli_parse_int("--experts-on-host", optarg, 0, 1 << 20, &experts_on_host);
+            break;
         case OPT_PRECISION:
             if (llmem_backend_precision_parse(optarg, &precision) != LLMEM_OK)
                 rc = CLI_USAGE;
@@ -229,6 +241,8 @@ int bench_decode(int argc, char **argv) {
         cfg.backend = backend;
         cfg.device = (int)device;
         cfg.precision = precision;
+        cfg.budget_bytes = budget;
+        cfg.experts_on_host = experts_on_host;
         cfg.no_bank = 1; /* every run prefills its whole prompt */
         cfg.context = n_prompt + n_gen + 1;
         if (llmem_engine_open(&cfg, NULL, NULL, &e) != LLMEM_OK)

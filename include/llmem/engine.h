@@ -64,6 +64,10 @@ struct llmem_engine_config {
     enum llmem_backend_kind backend;        /* --backend: cpu, or cuda (the whole pass on a GPU) */
     int device;                             /* --device: the CUDA device */
     enum llmem_backend_precision precision; /* --precision: fast or f32 */
+    /* --experts-on-host: with --backend cuda, the MoE layers (the first ones) whose experts stay
+     * in host memory and run on the CPU; -1 (the default): the plan's choice, the fewest with
+     * which the model fits (llmem_plan_place_experts) */
+    int64_t experts_on_host;
     /* the plan's runtime baseline (SPEC §2.2: what the process holds outside the allocator):
      * LLMEM_ENGINE_BASELINE_MEASURE (the default) measures it at open, ≥ 0 takes it as given
      * (a test that pretends a smaller machine than its own process) */
@@ -79,10 +83,14 @@ LLMEM_API void llmem_engine_config_default(struct llmem_engine_config *c);
  * threads: the forward pass's workspace and the backend's scratch, and a max_batch_tokens of 0
  * resolved as the engine resolves it (512; on a device the largest chunk up to 8192 whose
  * workspace fits the transient reserve the plan commits for 512). llmem plan prints the same. */
+/* With a device and a mixture of experts, the experts placed first (llmem_plan_place_experts
+ * with c's experts_on_host: out's weights are the device's share), the placement into
+ * `placement` when it is not NULL. */
 LLMEM_API void llmem_engine_plan_params(const struct llmem_engine_config *c,
                                         const struct llmem_model_geometry *g, int64_t total_bytes,
                                         int64_t ceiling_bytes, int threads,
-                                        struct llmem_plan_params *out);
+                                        struct llmem_plan_params *out,
+                                        struct llmem_expert_placement *placement);
 /* The runtime baseline of SPEC §2.2 (what the process holds outside the allocator) for an engine
  * of configuration c on `threads` threads: c's runtime_baseline_bytes when given, else measured
  * now (call it with the configuration and tokenizer loaded and no weights): the resident memory,
@@ -101,6 +109,9 @@ LLMEM_API int llmem_engine_open(const struct llmem_engine_config *config,
 LLMEM_API void llmem_engine_close(struct llmem_engine *e);
 
 LLMEM_API const struct llmem_plan *llmem_engine_plan(const struct llmem_engine *e);
+/* Where the engine's mixture of experts lives (moe_layers 0: a dense model, or the CPU). */
+LLMEM_API const struct llmem_expert_placement *
+llmem_engine_expert_placement(const struct llmem_engine *e);
 /* The configuration it was opened with (defaults applied: max_batch_tokens, max_sequences). */
 LLMEM_API const struct llmem_engine_config *llmem_engine_get_config(const struct llmem_engine *e);
 LLMEM_API struct llmem_mem *llmem_engine_mem(struct llmem_engine *e);

@@ -37,6 +37,12 @@ struct llmem_batch_seq {
 LLMEM_API int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *backend,
                                    struct llmem_kv *kv, int64_t max_batch_tokens,
                                    struct llmem_forward **out);
+/* The host backend that runs the MoE layers whose experts a device model left on the host
+ * (llmem_model_to_device's experts_on_host), and its buffers for max_batch_tokens tokens (host
+ * memory); such a layer's input and output cross between the memories each step, and the steps
+ * are not recorded as graphs. Once, before the first pass; LLMEM_ENOMEM (logged). */
+LLMEM_API int llmem_forward_set_host(struct llmem_forward *forward,
+                                     const struct llmem_backend *host);
 LLMEM_API void llmem_forward_free(struct llmem_forward *forward);
 LLMEM_API int64_t llmem_forward_max_tokens(const struct llmem_forward *forward);
 

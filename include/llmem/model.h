@@ -43,12 +43,16 @@ LLMEM_API int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int
 /* NULL is a no-op. */
 LLMEM_API void llmem_model_free(struct llmem_model *model);
 /* A copy of a loaded model in the memory of a device backend (llmem/backend.h): every matrix and
- * vector allocated from mem (tag weights) and copied through the backend, progress per layer.
- * The copy runs the forward pass on that backend; the original can be freed. LLMEM_ENOMEM or
- * the backend's failure (logged); nothing is left allocated on failure. */
+ * vector allocated from mem (tag weights) and copied through the backend, progress per layer,
+ * except the experts of the first experts_on_host MoE layers, which the copy takes from the
+ * original where they are (the forward pass runs them on a host backend: llmem_forward_set_host);
+ * the original must then outlive the copy, else it can be freed. The copy runs the forward pass
+ * on that backend. LLMEM_ENOMEM or the backend's failure (logged); nothing is left allocated on
+ * failure. */
 struct llmem_backend;
 LLMEM_API int llmem_model_to_device(const struct llmem_model *model,
                                     const struct llmem_backend *backend, struct llmem_mem *mem,
+                                    int64_t experts_on_host,
                                     llmem_progress_fn progress, void *progress_arg,
                                     struct llmem_model **out);
 /* The configuration; geom.n_params and geom.weights_bytes are those of the files. */

@@ -104,6 +104,9 @@ LLMEM_API int64_t llmem_geometry_param_count(const struct llmem_model_geometry *
 /* The parameters a token reads: llmem_geometry_param_count with only n_experts_used experts per
  * MoE layer (the router counts whole); the embeddings count whole too. */
 LLMEM_API int64_t llmem_geometry_active_param_count(const struct llmem_model_geometry *g);
+/* The bytes of all experts' matrices (expert_bytes, or priced from weights_bytes by parameters);
+ * 0 for a dense model. */
+LLMEM_API int64_t llmem_geometry_expert_bytes(const struct llmem_model_geometry *g);
 /* The bytes of weights a decode step reads: weights_bytes less the experts a token does not run,
  * expert_bytes × (n_experts − n_experts_used) / n_experts (expert_bytes 0: the experts' share of
  * weights_bytes by parameters). weights_bytes for a dense model. */
@@ -230,6 +233,38 @@ struct llmem_plan {
     int n_notes;
     char notes[LLMEM_PLAN_MAX_NOTES][LLMEM_PLAN_NOTE_MAX];
 };
+
+/* Where a mixture's experts live when the model runs on a device (SPEC §2.2, "experts"): the
+ * dense part and the experts of all MoE layers but the first host_layers on the device; the
+ * experts of the first host_layers MoE layers stay in host memory, and a step computes those
+ * layers' experts on the CPU. Each layer on the host takes its experts' bytes off the device's
+ * weights and adds a round trip of the layer's activations to a step. */
+struct llmem_expert_placement {
+    int64_t moe_layers;           /* the model's MoE layers; 0: nothing to place */
+    int64_t host_layers;          /* of them, those whose experts stay on the host */
+    int forced;                   /* host_layers as asked (--experts-on-host), not chosen */
+    int64_t layer_bytes;          /* one MoE layer's experts, all of them */
+    int64_t device_weights_bytes; /* what the device holds: weights − host_layers × layer_bytes */
+    int64_t host_bytes;           /* host_layers × layer_bytes */
+    int64_t device_read_bytes;    /* a decode token's weight reads on the device */
+    int64_t host_read_bytes;      /* … and on the host: its experts in the host layers */
+};
+
+/* Places g's experts for params (weights_bytes all of g's): experts_on_host < 0 chooses the
+ * fewest host layers with which the plan fits (a decode token reads the host's memory more slowly
+ * than the device's, so fewer is faster; every layer when none fits, and the plan says so), else
+ * takes experts_on_host (at most the MoE layers). params->weights_bytes becomes the device's share.
+ * A host plan, or a dense model: nothing moves (moe_layers 0 for a dense model). LLMEM_EINVAL
+ * (logged) as llmem_plan_compute. */
+LLMEM_API int llmem_plan_place_experts(struct llmem_plan_params *params,
+                                       const struct llmem_model_geometry *g,
+                                       int64_t experts_on_host,
+                                       struct llmem_expert_placement *out);
+
+/* One line for a placement with MoE layers (into buf, always NUL-terminated; returns buf): where
+ * the experts are and what a decode token reads on each side. */
+LLMEM_API char *llmem_plan_describe_experts(const struct llmem_expert_placement *placement,
+                                            char *buf, size_t buf_size);
 
 /* Computes the plan. Returns LLMEM_OK also for an unavailable plan (plan->available == 0 with
  * its reason); LLMEM_EINVAL (logged) for parameters that are out of their domain (negative

@@ -54,6 +54,7 @@ enum {
     CLI_OPT_BACKEND,
     CLI_OPT_DEVICE,
     CLI_OPT_PRECISION,
+    CLI_OPT_EXPERTS_ON_HOST,
     CLI_OPT_ENGINE_END
 };
 // clang-format off
@@ -74,7 +75,8 @@ enum {
         {"load-format", required_argument, NULL, CLI_OPT_LOAD_FORMAT},                             \
         {"backend", required_argument, NULL, CLI_OPT_BACKEND},                                     \
         {"device", required_argument, NULL, CLI_OPT_DEVICE},                                       \
-        {"precision", required_argument, NULL, CLI_OPT_PRECISION}
+        {"precision", required_argument, NULL, CLI_OPT_PRECISION},                                 \
+        {"experts-on-host", required_argument, NULL, CLI_OPT_EXPERTS_ON_HOST}
 // clang-format on
 extern const char cli_engine_help[];
 struct llmem_engine_config;

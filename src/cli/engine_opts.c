@@ -36,6 +36,9 @@ const char cli_engine_help[] =
     "                       KV cache (paged; f16, bf16, f32 or q8) on a GPU, planned for its\n"
     "                       memory\n"
     "  --device N           the CUDA device (default 0)\n"
+    "  --experts-on-host N  with --backend cuda, a mixture of experts: the first N MoE layers'\n"
+    "                       experts stay in host memory and run on the CPU (default: the\n"
+    "                       fewest with which the plan fits the device)\n"
     "  --precision P        fast (default) or f32. fast: bf16/f16 tensor cores for a GPU's\n"
     "                       prefill (f32 accumulation; quantized weights dequantized to f16),\n"
     "                       and Q8_0, Q4_0, Q4_K, Q5_K and Q6_K weights by 8-bit integer dot\n"
@@ -91,6 +94,8 @@ int cli_engine_option(int opt, const char *arg, struct llmem_engine_config *c) {
         rc = cli_parse_int("--device", arg, 0, 1024, &v);
         c->device = (int)v;
         return rc;
+    case CLI_OPT_EXPERTS_ON_HOST:
+        return cli_parse_int("--experts-on-host", arg, 0, 1 << 20, &c->experts_on_host);
     case CLI_OPT_PRECISION:
         return llmem_backend_precision_parse(arg, &c->precision) == LLMEM_OK ? CLI_OK : CLI_USAGE;
     default: return -1;
@@ -115,6 +120,10 @@ int cli_engine_open(const char *cmd, const char *model, struct llmem_engine_conf
     char line[512];
     llmem_plan_describe(llmem_engine_plan(*e), line, sizeof(line));
     fprintf(stderr, "%s: %s\n", cli_program, line);
+    const struct llmem_expert_placement *placed = llmem_engine_expert_placement(*e);
+    if (placed->moe_layers > 0)
+        fprintf(stderr, "%s: experts: %s\n", cli_program,
+                llmem_plan_describe_experts(placed, line, sizeof(line)));
     if (print_limits) {
         llmem_engine_limits_line(*e, line, sizeof(line));
         fprintf(stderr, "%s: limits applied: %s\n", cli_program, line);

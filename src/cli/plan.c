@@ -39,6 +39,9 @@ static const char plan_usage[] =
     "  --ceiling SIZE             hard ceiling (default: the total)\n"
     "  --backend cpu|cuda         plan for host memory (default) or a CUDA device\n"
     "  --device N                 which CUDA device (default 0)\n"
+    "  --experts-on-host N        with --backend cuda, a mixture of experts: the first N MoE\n"
+    "                             layers' experts in host memory, run on the CPU (default: the\n"
+    "                             fewest with which the model fits the device)\n"
     "model by numbers (instead of MODEL):\n"
     "  --weights SIZE             bytes of all weights\n"
     "  --kv-bytes-per-token N     KV bytes per token at 2 bytes per element\n"
@@ -89,6 +92,7 @@ enum {
     OPT_LOAD_FORMAT,
     OPT_BACKEND,
     OPT_DEVICE,
+    OPT_EXPERTS_ON_HOST,
     OPT_JSON,
     OPT_SVG,
     OPT_LIST,
@@ -114,6 +118,7 @@ static const struct option plan_options[] = {
     {"load-format", required_argument, NULL, OPT_LOAD_FORMAT},
     {"backend", required_argument, NULL, OPT_BACKEND},
     {"device", required_argument, NULL, OPT_DEVICE},
+    {"experts-on-host", required_argument, NULL, OPT_EXPERTS_ON_HOST},
     {"json", no_argument, NULL, OPT_JSON},
     {"svg", required_argument, NULL, OPT_SVG},
     {"list", no_argument, NULL, OPT_LIST},
@@ -129,6 +134,7 @@ struct plan_args {
     int weight_type; /* an llmem_gguf_ftype; 0: the model's own */
     int dummy;       /* --load-format dummy: the directory's config.json alone */
     int64_t device;
+    int64_t experts_on_host; /* -1: the plan's choice */
     int json, list;
     const char *svg;
 };
@@ -139,6 +145,7 @@ struct plan_args {
 static int parse_args(int argc, char **argv, struct plan_args *a) {
     memset(a, 0, sizeof(*a));
     a->params.kv_format = LLMEM_KV_FORMAT_F16;
+    a->experts_on_host = -1;
     optind = 1;
     opterr = 0;
     int c, rc = CLI_OK;
@@ -204,6 +211,9 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
                 rc = cli_usage_error("plan", "--backend: '%s' is not cpu or cuda", optarg);
             break;
         case OPT_DEVICE: rc = cli_parse_int("--device", optarg, 0, 1024, &a->device); break;
+        case OPT_EXPERTS_ON_HOST:
+            rc = cli_parse_int("--experts-on-host", optarg, 0, 1 << 20, &a->experts_on_host);
+            break;
         case OPT_JSON: a->json = 1; break;
         case OPT_SVG: a->svg = optarg; break;
         case OPT_LIST: a->list = 1; break;
@@ -381,7 +391,8 @@ static void row(const char *name, int64_t bytes, const char *why) {
 }
 
 static void print_human(const struct llmem_plan *p, const struct llmem_model_geometry *g,
-                        const char *machine, const struct plan_args *a, int64_t dynamic_ceiling) {
+                        const char *machine, const struct plan_args *a, int64_t dynamic_ceiling,
+                        const struct llmem_expert_placement *placed) {
     char line[512], s1[LLMEM_SIZE_STR_MAX], s2[LLMEM_SIZE_STR_MAX], s3[LLMEM_SIZE_STR_MAX];
     printf("%s\n\n", llmem_plan_describe(p, line, sizeof(line)));
     if (g != NULL)
@@ -401,6 +412,8 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
                (double)llmem_geometry_active_param_count(g) / 1e9,
                llmem_size_format_short(active, s1, sizeof(s1)), pages);
     }
+    if (placed->moe_layers > 0)
+        printf("  placed   %s\n", llmem_plan_describe_experts(placed, line, sizeof(line)));
     printf("  machine  %s\n\n", machine);
 
     printf("  %-22s %16s  %9s\n", "", "bytes", "size");
@@ -497,6 +510,7 @@ int cli_plan(int argc, char **argv) {
     }
 
     struct llmem_engine_config cfg;
+    struct llmem_expert_placement placed = {0};
     llmem_engine_config_default(&cfg);
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     int threads = cpus > 0 ? (int)cpus : 1;
@@ -514,7 +528,8 @@ int cli_plan(int argc, char **argv) {
             cfg.max_sequences = a.params.max_sequences;
         cfg.max_batch_tokens = a.params.max_batch_tokens;
         cfg.backend = a.params.target == LLMEM_PLAN_CUDA ? LLMEM_BACKEND_CUDA : LLMEM_BACKEND_CPU;
-        llmem_engine_plan_params(&cfg, g, m.total, m.ceiling, threads, &a.params);
+        cfg.experts_on_host = a.experts_on_host;
+        llmem_engine_plan_params(&cfg, g, m.total, m.ceiling, threads, &a.params, &placed);
     } else {
         a.params.weights_bytes = a.weights;
         a.params.kv_bytes_per_token = a.kv_bytes;
@@ -570,6 +585,23 @@ int cli_plan(int argc, char **argv) {
             cJSON *mo = cJSON_AddObjectToObject(o, "model");
             st |= mo == NULL || geometry_json(mo, g) != LLMEM_OK;
         }
+        if (placed.moe_layers > 0) {
+            cJSON *eo = cJSON_AddObjectToObject(o, "experts");
+            const struct {
+                const char *key;
+                int64_t v;
+            } f[] = {{"moe_layers", placed.moe_layers},
+                     {"host_layers", placed.host_layers},
+                     {"forced", placed.forced},
+                     {"layer_bytes", placed.layer_bytes},
+                     {"device_weights_bytes", placed.device_weights_bytes},
+                     {"host_bytes", placed.host_bytes},
+                     {"device_read_bytes", placed.device_read_bytes},
+                     {"host_read_bytes", placed.host_read_bytes}};
+            st |= eo == NULL;
+            for (size_t i = 0; eo != NULL && i < sizeof(f) / sizeof(f[0]); i++)
+                st |= llmem_json_add_int(eo, f[i].key, f[i].v);
+        }
         if (st != 0) {
             cJSON_Delete(o);
             fprintf(stderr, "llmem plan: out of memory building the JSON output\n");
@@ -578,7 +610,7 @@ int cli_plan(int argc, char **argv) {
         if (cli_print_json(o) != CLI_OK)
             return CLI_FAIL;
     } else {
-        print_human(&plan, g, m.label, &a, dynamic_ceiling);
+        print_human(&plan, g, m.label, &a, dynamic_ceiling, &placed);
         char w[LLMEM_SIZE_STR_MAX];
         if (a.weight_type > 0)
             printf("  - planned as the %s GGUF file `llmem quantize` makes: weights %s\n",

@@ -51,19 +51,22 @@ void llmem_engine_config_default(struct llmem_engine_config *c) {
     c->max_batch_tokens = 0; /* PREFILL_CHUNK, more on a device (default_batch_tokens) */
     c->max_sequences = 1;
     c->runtime_baseline_bytes = LLMEM_ENGINE_BASELINE_MEASURE;
+    c->experts_on_host = -1;
 }
 
 /* ---- open ----------------------------------------------------------------------------------- */
 
-/* The plan's inputs for a forward pass of max_batch_tokens tokens. */
+/* The plan's inputs for a forward pass of max_batch_tokens tokens, a device's experts placed
+ * (into *placement when not NULL). */
 static struct llmem_plan_params plan_params(const struct llmem_engine_config *c,
                                             const struct llmem_model_geometry *g,
                                             int64_t total_bytes, int64_t ceiling_bytes, int threads,
-                                            int64_t max_batch_tokens) {
+                                            int64_t max_batch_tokens,
+                                            struct llmem_expert_placement *placement) {
     const int cuda = c->backend == LLMEM_BACKEND_CUDA;
     const int64_t widest =
         g->intermediate_size > g->hidden_size ? g->intermediate_size : g->hidden_size;
-    return (struct llmem_plan_params){
+    struct llmem_plan_params p = {
         .target = cuda ? LLMEM_PLAN_CUDA : LLMEM_PLAN_HOST,
         .total_bytes = total_bytes,
         .ceiling_bytes = ceiling_bytes,
@@ -84,6 +87,12 @@ static struct llmem_plan_params plan_params(const struct llmem_engine_config *c,
                                                      g->quantized)
                   : llmem_backend_cpu_scratch_bytes(threads)),
     };
+    struct llmem_expert_placement placed;
+    if (llmem_plan_place_experts(&p, g, c->experts_on_host, &placed) != LLMEM_OK)
+        placed = (struct llmem_expert_placement){.device_weights_bytes = p.weights_bytes};
+    if (placement != NULL)
+        *placement = placed;
+    return p;
 }
 
 /* The default prefill chunk (max_batch_tokens 0): PREFILL_CHUNK tokens (SPEC §2.1), and on a
@@ -97,12 +106,12 @@ static int64_t default_batch_tokens(const struct llmem_engine_config *c,
     if (c->backend != LLMEM_BACKEND_CUDA)
         return PREFILL_CHUNK;
     struct llmem_plan_params p =
-        plan_params(c, g, total_bytes, ceiling_bytes, threads, PREFILL_CHUNK);
+        plan_params(c, g, total_bytes, ceiling_bytes, threads, PREFILL_CHUNK, NULL);
     struct llmem_plan base, plan;
     if (llmem_plan_compute(&p, &base) != LLMEM_OK)
         return PREFILL_CHUNK;
     for (int64_t tokens = 8192; tokens > PREFILL_CHUNK; tokens /= 2) {
-        p = plan_params(c, g, total_bytes, ceiling_bytes, threads, tokens);
+        p = plan_params(c, g, total_bytes, ceiling_bytes, threads, tokens, NULL);
         if (llmem_plan_compute(&p, &plan) == LLMEM_OK && plan.model_fits && !plan.overcommitted &&
             plan.runtime_transients_bytes == base.runtime_transients_bytes)
             return tokens;
@@ -122,11 +131,12 @@ int64_t llmem_engine_runtime_baseline(const struct llmem_engine_config *c, int t
 
 void llmem_engine_plan_params(const struct llmem_engine_config *c,
                               const struct llmem_model_geometry *g, int64_t total_bytes,
-                              int64_t ceiling_bytes, int threads, struct llmem_plan_params *out) {
+                              int64_t ceiling_bytes, int threads, struct llmem_plan_params *out,
+                              struct llmem_expert_placement *placement) {
     const int64_t chunk = c->max_batch_tokens > 0
                               ? c->max_batch_tokens
                               : default_batch_tokens(c, g, total_bytes, ceiling_bytes, threads);
-    *out = plan_params(c, g, total_bytes, ceiling_bytes, threads, chunk);
+    *out = plan_params(c, g, total_bytes, ceiling_bytes, threads, chunk, placement);
 }
 
 static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry *g, int threads) {
@@ -142,7 +152,7 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
         return status;
     const int64_t total = machine.max_recommended_working_set_size;
     struct llmem_plan_params p;
-    llmem_engine_plan_params(c, g, total, total, threads, &p);
+    llmem_engine_plan_params(c, g, total, total, threads, &p, &e->placement);
     if (c->backend != LLMEM_BACKEND_CUDA) /* a device's plan: its memory, not the host's */
         p.runtime_baseline_bytes = llmem_engine_runtime_baseline(c, threads);
     if (e->cfg.max_batch_tokens <= 0) {
@@ -183,6 +193,10 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
                        "requested context %" PRId64 " is above the model's maximum; using %" PRId64,
                        c->context, e->plan.context_window_resolved);
     LLMEM_INFO("plan: %s", line);
+    if (e->placement.host_layers > 0)
+        LLMEM_INFO("experts: the first %" PRId64 " of %" PRId64 " MoE layers' experts on the host "
+                   "(%" PRId64 " bytes), run on the CPU",
+                   e->placement.host_layers, e->placement.moe_layers, e->placement.host_bytes);
     return LLMEM_OK;
 }
 
@@ -339,10 +353,17 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
                                        load_flags(config), progress,
                                        progress_arg, &host_model)) != LLMEM_OK)
             goto fail;
-        status = llmem_model_to_device(host_model, e->be, e->mem, NULL, NULL, &e->model);
+        const int64_t on_host = e->placement.host_layers;
+        status = llmem_model_to_device(host_model, e->be, e->mem, on_host, NULL, NULL, &e->model);
+        if (status == LLMEM_OK && on_host > 0) /* the host layers' experts stay in host_model */
+            e->host_model = host_model, host_model = NULL;
         llmem_model_free(host_model);
-        if (status != LLMEM_OK)
+        if (status != LLMEM_OK ||
+            (on_host > 0 && (status = llmem_backend_cpu_create_shared(e->pool, e->host_mem,
+                                                                      &e->host_be)) != LLMEM_OK))
             goto fail;
+        if (on_host > 0)
+            llmem_backend_cpu_set_precision(e->host_be, config->precision);
     } else {
         e->host_mem = e->mem;
         if ((status = llmem_model_load(config->model_dir, e->mem,
@@ -354,7 +375,8 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
     }
     if ((status = open_kv(e)) != LLMEM_OK ||
         (status = llmem_forward_create(e->model, e->be, e->kv, e->cfg.max_batch_tokens, &e->fwd)) !=
-            LLMEM_OK)
+            LLMEM_OK ||
+        (e->host_be != NULL && (status = llmem_forward_set_host(e->fwd, e->host_be)) != LLMEM_OK))
         goto fail;
     if (e->cfg.kv_layout == LLMEM_KV_LAYOUT_PAGED && !e->cfg.no_bank &&
         (status = open_bank(e)) != LLMEM_OK)
@@ -394,6 +416,8 @@ void llmem_engine_close(struct llmem_engine *e) {
     llmem_bank_destroy(e->bank);
     llmem_kv_destroy(e->kv);
     llmem_model_free(e->model);
+    llmem_model_free(e->host_model); /* after the device's copy, which refers to it */
+    llmem_backend_destroy(e->host_be);
     llmem_backend_destroy(e->be); /* after what lives in its memory */
     llmem_pool_destroy(e->pool);
     llmem_tokenizer_free(e->tok);
@@ -401,6 +425,10 @@ void llmem_engine_close(struct llmem_engine *e) {
         llmem_mem_destroy(e->host_mem);
     llmem_mem_destroy(e->mem);
     free(e);
+}
+
+const struct llmem_expert_placement *llmem_engine_expert_placement(const struct llmem_engine *e) {
+    return &e->placement;
 }
 
 const struct llmem_plan *llmem_engine_plan(const struct llmem_engine *e) {

@@ -23,6 +23,10 @@ struct llmem_engine {
                                     * (the logits the sampler reads; the spill store's staging
                                     * where none is pinned) */
     struct llmem_model *model;
+    struct llmem_expert_placement placement; /* a device's mixture of experts */
+    struct llmem_model *host_model; /* on a device with experts on the host: the host's copy,
+                                     * which they stay in; else NULL */
+    struct llmem_backend *host_be;  /* … and the CPU backend that runs them */
     struct llmem_tokenizer *tok;
     struct llmem_pool *pool; /* the threads every kernel runs on */
     struct llmem_backend *be;

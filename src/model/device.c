@@ -140,9 +140,10 @@ static int upload_experts(struct llmem_model *m, const struct llmem_backend *be,
     return status;
 }
 
-/* A MoE layer's router and its experts' three stacks, into L (whose table is made here). */
+/* A MoE layer's router and its experts' three stacks, into L (whose table is made here); or, on
+ * the host, the router alone, the table pointing at S's experts. */
 static int upload_moe(struct llmem_model *m, const struct llmem_backend *be,
-                      const struct model_layer *S, struct model_layer *L) {
+                      const struct model_layer *S, struct model_layer *L, int on_host) {
     const int64_t E = S->moe.n_experts;
     int status = llmem_model_layer_experts(m, L);
     if (status != LLMEM_OK)
@@ -150,6 +151,13 @@ static int upload_moe(struct llmem_model *m, const struct llmem_backend *be,
     L->router = S->router;
     if ((status = upload_weight(m, be, &L->router)) != LLMEM_OK)
         return status;
+    if (on_host) {
+        memcpy(L->experts, S->moe.gate, (size_t)E * sizeof(*L->experts));
+        memcpy(L->experts + E, S->moe.up, (size_t)E * sizeof(*L->experts));
+        memcpy(L->experts + 2 * E, S->moe.down, (size_t)E * sizeof(*L->experts));
+        L->experts_on_host = 1;
+        return LLMEM_OK;
+    }
     if ((status = upload_experts(m, be, S->moe.gate, E, L->experts)) == LLMEM_OK &&
         (status = upload_experts(m, be, S->moe.up, E, L->experts + E)) == LLMEM_OK)
         status = upload_experts(m, be, S->moe.down, E, L->experts + 2 * E);
@@ -157,7 +165,7 @@ static int upload_moe(struct llmem_model *m, const struct llmem_backend *be,
 }
 
 int llmem_model_to_device(const struct llmem_model *src, const struct llmem_backend *be,
-                          struct llmem_mem *mem, llmem_progress_fn progress, void *progress_arg,
+                          struct llmem_mem *mem, int64_t experts_on_host, llmem_progress_fn progress, void *progress_arg,
                           struct llmem_model **out) {
     LLMEM_ASSERT(src != NULL && be != NULL && mem != NULL && out != NULL);
     *out = NULL;
@@ -210,6 +218,7 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
             w[i]->data = w[i]->scales = w[i]->biases = NULL;
         L->router.data = L->router.scales = L->router.biases = NULL;
         L->experts = NULL; /* the host model's: this copy makes its own (upload_moe) */
+        L->experts_on_host = 0;
         L->attn_norm = L->mlp_norm = L->bq = L->bk = L->bv = L->q_norm = L->k_norm = NULL;
     }
     m->embed.data = m->lm_head.data = NULL;
@@ -232,6 +241,7 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
     float *final_norm = src->final_norm;
     if (status == LLMEM_OK && (status = upload_vector(m, be, &final_norm, hidden)) == LLMEM_OK)
         m->final_norm = final_norm;
+    int64_t moe_seen = 0; /* MoE layers so far */
     for (int64_t l = 0; status == LLMEM_OK && l < g->n_layers; l++) {
         const struct model_layer *S = &src->layers[l];
         struct model_layer *L = &layers[l];
@@ -256,7 +266,7 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         }
         for (int i = 0; status == LLMEM_OK && i < 7; i++) {
             if (S->experts != NULL && i >= 4) { /* a MoE layer: no dense MLP */
-                status = upload_moe(m, be, S, L);
+                status = upload_moe(m, be, S, L, moe_seen++ < experts_on_host);
                 break;
             }
             const int pair = i == 1 || i == 4; /* k and v, gate and up */

@@ -73,6 +73,11 @@ struct llmem_forward {
     int n_started;
     float *dev_logits; /* on a device: the logits there, kept for the next pass (graphs) */
     int64_t dev_logits_rows;
+    /* the MoE layers whose experts are on the host (model_layer experts_on_host): the backend
+     * that runs them, the router logits and the block's input and output there, its workspace */
+    const struct llmem_backend *host;
+    float *host_logits, *host_x;
+    void *host_work;
 };
 
 int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *backend,
@@ -166,6 +171,7 @@ void llmem_forward_free(struct llmem_forward *f) {
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         llmem_mem_free(f->mem, bufs[i]);
     llmem_mem_free(f->mem, f->dev_logits);
+    free(f->host_logits), free(f->host_x), free(f->host_work);
     free(f->pos);
     free(f->seq_ids);
     free(f->n_q);
@@ -175,6 +181,26 @@ void llmem_forward_free(struct llmem_forward *f) {
         free(f->started[i].lengths);
     }
     free(f);
+}
+
+int llmem_forward_set_host(struct llmem_forward *f, const struct llmem_backend *host) {
+    LLMEM_ASSERT(f != NULL && host != NULL && host->ops->moe != NULL && f->host == NULL);
+    const struct llmem_model_geometry *g = &f->model->cfg.geom;
+    const int64_t T = f->max_tokens;
+    const size_t work = (size_t)llmem_moe_work_layout(T, g->hidden_size, g->expert_intermediate,
+                                                      g->n_experts, g->n_experts_used, NULL, NULL);
+    f->host_logits = malloc((size_t)(T * g->n_experts) * sizeof(float));
+    f->host_x = malloc((size_t)(T * g->hidden_size) * sizeof(float));
+    if (posix_memalign(&f->host_work, 64, work) != 0)
+        f->host_work = NULL;
+    if (f->host_logits == NULL || f->host_x == NULL || f->host_work == NULL) {
+        free(f->host_logits), free(f->host_x), free(f->host_work);
+        f->host_logits = f->host_x = NULL, f->host_work = NULL;
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    f->host = host;
+    return LLMEM_OK;
 }
 
 int64_t llmem_forward_max_tokens(const struct llmem_forward *f) {
@@ -253,15 +279,25 @@ static int attention_block(struct llmem_forward *f, const struct model_layer *L,
     return LLMEM_OK;
 }
 
-static void mlp_block(struct llmem_forward *f, const struct model_layer *L, int64_t T) {
+static int mlp_block(struct llmem_forward *f, const struct model_layer *L, int64_t T) {
     const struct llmem_backend_ops *ops = f->be->ops;
     void *ctx = f->be->ctx;
     const struct llmem_model_geometry *g = &f->model->cfg.geom;
     residual_norm(f, L->mlp_norm, T, 1);
     if (L->experts != NULL) { /* added to x by the next norm */
         ops->matmul(ctx, &L->router, f->xn, T, f->router, NULL);
-        ops->moe(ctx, &L->moe, f->router, f->xn, T, f->xn, f->moe_work);
-        return;
+        if (!L->experts_on_host) {
+            ops->moe(ctx, &L->moe, f->router, f->xn, T, f->xn, f->moe_work);
+            return LLMEM_OK;
+        }
+        /* the experts in host memory: the logits and the input there and the output back */
+        const size_t x_bytes = (size_t)(T * g->hidden_size) * sizeof(float);
+        int status = ops->copy(ctx, f->host_logits, f->router,
+                               (size_t)(T * g->n_experts) * sizeof(float));
+        if (status == LLMEM_OK && (status = ops->copy(ctx, f->host_x, f->xn, x_bytes)) == LLMEM_OK)
+            f->host->ops->moe(f->host->ctx, &L->moe, f->host_logits, f->host_x, T, f->host_x,
+                              f->host_work);
+        return status == LLMEM_OK ? ops->copy(ctx, f->xn, f->host_x, x_bytes) : status;
     }
     if (ops->matmul_swiglu != NULL) {
         ops->matmul_swiglu(ctx, &L->w_gate, &L->w_up, f->xn, T, f->gate, f->up, f->gate);
@@ -272,6 +308,7 @@ static void mlp_block(struct llmem_forward *f, const struct model_layer *L, int6
         ops->swiglu(ctx, f->gate, f->up, T * g->intermediate_size, f->gate);
     }
     ops->matmul(ctx, &L->w_down, f->gate, T, f->xn, NULL); /* added to x by the next norm */
+    return LLMEM_OK;
 }
 
 /* ---- the batch ------------------------------------------------------------------------------ */
@@ -291,9 +328,8 @@ static int run_pass(struct llmem_forward *f, const int32_t *tokens,
     for (int64_t l = 0; l < g->n_layers; l++) {
         const struct model_layer *L = &f->model->layers[l];
         int status = attention_block(f, L, (int)l, n_seqs, T, decode);
-        if (status != LLMEM_OK)
+        if (status != LLMEM_OK || (status = mlp_block(f, L, T)) != LLMEM_OK)
             return status;
-        mlp_block(f, L, T);
     }
     if (n_logits == T) { /* every row wants its logits (a decode step): in place */
         residual_norm(f, f->model->final_norm, T, 1); /* the last MLP's output added first */
@@ -407,7 +443,8 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
     /* On a device, a pure decode step may be recorded and replayed as one launch (graph_begin):
      * when every sequence could take a fresh block without the pool growing mid-pass. */
     const int graph = f->model->on_device && ops->graph_begin != NULL && decode &&
-                      n_logits == n_seqs && llmem_kv_blocks_free(f->kv) >= n_seqs;
+                      n_logits == n_seqs && llmem_kv_blocks_free(f->kv) >= n_seqs &&
+                      f->host == NULL; /* a pass with host work is not one launch */
     int status = LLMEM_OK;
     float *dl = NULL;
     if (f->model->on_device) { /* the logits there, then to the caller's host memory */

@@ -676,11 +676,10 @@ void llmem_model_free(struct llmem_model *m) {
                 &L->w_down};
             for (size_t k = 0; k < sizeof(w) / sizeof(w[0]); k++)
                 free_device_weight(m, w[k]);
-            if (L->experts != NULL) { /* the router, and each stack with its expert 0 */
+            if (L->experts != NULL) /* the router, and each stack with its expert 0 */
                 free_device_weight(m, &L->router);
-                for (int s = 0; s < 3; s++)
-                    free_device_weight(m, &L->experts[s * L->moe.n_experts]);
-            }
+            for (int s = 0; L->experts != NULL && !L->experts_on_host && s < 3; s++)
+                free_device_weight(m, &L->experts[s * L->moe.n_experts]);
         }
         if (m->lm_head.data != m->embed.data)
             free_device_weight(m, &m->lm_head);

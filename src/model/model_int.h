@@ -105,6 +105,8 @@ struct model_layer {
     struct llmem_weight router;
     struct llmem_backend_moe moe;
     struct llmem_weight *experts;
+    int experts_on_host; /* a device's copy whose experts are the host model's (the router is the
+                          * device's): the forward pass runs them on its host backend */
     int64_t window;                           /* 0, or the sliding window of this layer */
 };
 

@@ -63,19 +63,22 @@ int64_t llmem_geometry_active_param_count(const struct llmem_model_geometry *g) 
     return params(g, g->n_experts > 0 ? g->n_experts_used : 0);
 }
 
-int64_t llmem_geometry_active_bytes(const struct llmem_model_geometry *g) {
+int64_t llmem_geometry_expert_bytes(const struct llmem_model_geometry *g) {
     if (g->n_experts <= 0 || g->n_moe_layers <= 0)
+        return 0;
+    if (g->expert_bytes > 0)
+        return g->expert_bytes;
+    /* the experts' share of the bytes, by parameters */
+    int64_t all = llmem_geometry_param_count(g);
+    int64_t expert_params = sat_mul(
+        g->n_moe_layers, sat_mul(g->n_experts, sat_mul(3 * g->hidden_size, g->expert_intermediate)));
+    return all > 0 ? (int64_t)((__int128)g->weights_bytes * expert_params / all) : 0;
+}
+
+int64_t llmem_geometry_active_bytes(const struct llmem_model_geometry *g) {
+    const int64_t experts = llmem_geometry_expert_bytes(g);
+    if (experts <= 0)
         return g->weights_bytes;
-    int64_t experts = g->expert_bytes;
-    if (experts <= 0) { /* the experts' share of the bytes, by parameters */
-        int64_t all = llmem_geometry_param_count(g);
-        int64_t expert_params = sat_mul(g->n_moe_layers,
-                                        sat_mul(g->n_experts, sat_mul(3 * g->hidden_size,
-                                                                      g->expert_intermediate)));
-        if (all <= 0)
-            return g->weights_bytes;
-        experts = (int64_t)((__int128)g->weights_bytes * expert_params / all);
-    }
     int64_t unused = (int64_t)((__int128)experts * (g->n_experts - g->n_experts_used) /
                                g->n_experts);
     return g->weights_bytes - unused;

@@ -518,6 +518,47 @@ static void test_moe(void **state) {
     cJSON_Delete(ob);
     tu_run_free(&a);
     tu_run_free(&b);
+
+    /* on a device: the experts the budget cannot hold stay on the host, as few layers as fit;
+     * --experts-on-host forces a count, and 0 does not fit; a host plan places nothing */
+    a = tu_llmem("plan", "qwen3-30b-a3b", "--backend", "cuda", "--total", "140G", "--budget",
+                 "40G", "--json", NULL);
+    assert_int_equal(a.exit_code, 0);
+    o = tu_json_stdout(&a);
+    const cJSON *e = cJSON_GetObjectItem(o, "experts");
+    assert_non_null(e);
+    const int64_t host = get_int(e, "host_layers");
+    assert_true(host > 0 && host < 48);
+    assert_int_equal(get_int(e, "moe_layers"), 48);
+    assert_int_equal(get_int(o, "weights_bytes"), get_int(e, "device_weights_bytes"));
+    assert_int_equal(get_int(e, "device_read_bytes") + get_int(e, "host_read_bytes"),
+                     2 * 3353032704LL);
+    cJSON_Delete(o);
+    tu_run_free(&a);
+    char n[32];
+    snprintf(n, sizeof(n), "%lld", (long long)host + 4);
+    a = tu_llmem("plan", "qwen3-30b-a3b", "--backend", "cuda", "--total", "140G", "--budget",
+                 "40G", "--experts-on-host", n, NULL);
+    assert_int_equal(a.exit_code, 0);
+    char want[96];
+    snprintf(want, sizeof(want), "the experts of the first %lld of 48 MoE layers on the host",
+             (long long)host + 4);
+    assert_non_null(strstr(a.out, want));
+    assert_non_null(strstr(a.out, "--experts-on-host"));
+    tu_run_free(&a);
+    a = tu_llmem("plan", "qwen3-30b-a3b", "--backend", "cuda", "--total", "140G", "--budget",
+                 "40G", "--experts-on-host", "0", NULL);
+    assert_int_not_equal(a.exit_code, 0);
+    assert_non_null(strstr(a.out, "every MoE layer's experts on the device"));
+    tu_run_free(&a);
+    a = tu_llmem("plan", "qwen3-30b-a3b", "--total", "40G", "--json", NULL);
+    o = tu_json_stdout(&a);
+    assert_null(cJSON_GetObjectItem(o, "experts"));
+    cJSON_Delete(o);
+    tu_run_free(&a);
+    a = tu_llmem("plan", "qwen3-30b-a3b", "--experts-on-host", "x", NULL);
+    assert_int_equal(a.exit_code, 2);
+    tu_run_free(&a);
 }
 
 static void test_gguf(void **state) {
