@@ -3,9 +3,10 @@
  * that llama.cpp loads, quantized as llama-quantize quantizes: what convert_hf_to_gguf.py and
  * then llama-quantize would write, in one pass over the weights.
  *
- * Metadata: general.architecture (llama — Mistral's model_type too —, qwen2, qwen3), general.name,
- * general.file_type, general.quantization_version = 2, the {arch}.* geometry keys, and the
- * tokenizer as gguf-py's SpecialVocab and convert_hf_to_gguf's get_vocab_base write it:
+ * Metadata: general.architecture (llama — Mistral's model_type too, and Mixtral's with experts —,
+ * qwen2, qwen3, qwen3moe), general.name, general.file_type, general.quantization_version = 2, the
+ * {arch}.* geometry keys (a mixture's expert_count, expert_used_count, expert_feed_forward_length
+ * and expert_weights_norm among them), and the tokenizer as gguf-py's SpecialVocab and convert_hf_to_gguf's get_vocab_base write it:
  *  - byte-level BPE → model "gpt2": tokens by id, padded to config.json's vocab_size with
  *    "[PADi]" (UNUSED); CONTROL for special added tokens, USER_DEFINED for other added ones; merges
  *    "a b" (a space inside a part written as U+0120's successor, as gguf-py does); pre
@@ -20,7 +21,8 @@
  *    tokenizer.chat_template from tokenizer_config.json or chat_template.jinja.
  *
  * Tensors, in llama-quantize's order (the ones outside layers by name, then layer by layer, by
- * name): HF names → GGUF names (model_gguf.c's table); llama's q/k rows permuted per head from
+ * name): HF names → GGUF names (model_gguf.c's table; a MoE layer's router as ffn_gate_inp and its
+ * experts stacked into ffn_{gate,up,down}_exps [E, rows, cols], add_experts); llama's q/k rows permuted per head from
  * halves to interleaved pairs (row s·half + j → 2j + s); Llama 3's rope scaling as the F32 tensor
  * rope_freqs.weight (convert_hf_to_gguf's factors: 1 above the high-frequency wavelength, factor
  * below the low one, 1 / ((1 − smooth) / factor + smooth) between, in float32 as torch computes
@@ -253,10 +255,19 @@ int llmem_gguf_hf_name(const char *gguf, char *out, size_t size) {
     return 0;
 }
 
+/* A run of `rows` rows of a source tensor from row `row` (a MoE stack is one run an expert). */
+struct conv_piece {
+    const struct llmem_st_tensor *src;
+    int64_t row, rows;
+};
+
 struct conv_tensor {
     char gguf[96];
-    const struct llmem_st_tensor *src; /* NULL: rope_freqs (computed) */
-    int64_t rows, cols;                /* cols = ne0; 1-D: rows 1 */
+    const struct llmem_st_tensor *src; /* the first piece's; NULL: rope_freqs (computed) */
+    struct conv_piece *pieces;         /* (n_pieces) the rows in file order */
+    int n_pieces;
+    int64_t rows, cols;                /* cols = ne0; 1-D: rows 1; a stack: each expert's rows */
+    int64_t experts;                   /* ne2 of a stack of experts; else 1 */
     int n_dims;
     int64_t permute_heads; /* > 0: llama q/k rows permuted, head_dim rows a head */
     int type;
@@ -291,6 +302,15 @@ struct conv {
     float rope_freqs[512];
 };
 
+/* A source of floats: one of the dtypes llmem quantize reads. */
+static int readable(const struct conv *c, const struct llmem_st_tensor *s) {
+    if (s->dtype == LLMEM_DTYPE_BF16 || s->dtype == LLMEM_DTYPE_F16 || s->dtype == LLMEM_DTYPE_F32)
+        return 1;
+    ERR("%s: tensor '%s' is of dtype %s; llmem quantize reads bf16, f16 and f32", c->dir, s->name,
+        llmem_dtype_name(s->dtype));
+    return 0;
+}
+
 static int add_tensor(struct conv *c, const char *gguf, const char *hf, int required,
                       int64_t permute_heads) {
     const struct llmem_st_tensor *s = llmem_safetensors_find(c->st, hf);
@@ -299,12 +319,8 @@ static int add_tensor(struct conv *c, const char *gguf, const char *hf, int requ
             ERR("%s: tensor '%s' is missing", c->dir, hf);
         return required ? LLMEM_EFORMAT : LLMEM_OK;
     }
-    if (s->dtype != LLMEM_DTYPE_BF16 && s->dtype != LLMEM_DTYPE_F16 &&
-        s->dtype != LLMEM_DTYPE_F32) {
-        ERR("%s: tensor '%s' is of dtype %s; llmem quantize reads bf16, f16 and f32", c->dir, hf,
-            llmem_dtype_name(s->dtype));
+    if (!readable(c, s))
         return LLMEM_EUNSUPPORTED;
-    }
     if (s->n_dims != 1 && s->n_dims != 2) {
         ERR("%s: tensor '%s' has %d dimensions", c->dir, hf, s->n_dims);
         return LLMEM_EFORMAT;
@@ -316,11 +332,84 @@ static int add_tensor(struct conv *c, const char *gguf, const char *hf, int requ
     t->n_dims = s->n_dims;
     t->rows = s->n_dims == 2 ? s->shape[0] : 1;
     t->cols = s->n_dims == 2 ? s->shape[1] : s->shape[0];
+    t->experts = 1;
     t->permute_heads = permute_heads;
     if (permute_heads > 0 && t->rows % (permute_heads * c->cfg.geom.head_dim) != 0) {
         ERR("%s: tensor '%s' has %" PRId64 " rows, not %" PRId64 " heads of %" PRId64, c->dir, hf,
             t->rows, permute_heads, c->cfg.geom.head_dim);
         return LLMEM_EFORMAT;
+    }
+    return LLMEM_OK;
+}
+
+/* Layer l's router and experts: blk.l.ffn_gate_inp.weight and the stacks
+ * blk.l.ffn_{gate,up,down}_exps.weight ([E, rows, cols]), from one tensor per expert as the Hub
+ * stores them (Qwen3-MoE's mlp.experts.N.*_proj, Mixtral's block_sparse_moe.experts.N.w1/w3/w2),
+ * or from transformers' stacked experts.gate_up_proj [E, 2·inter, hidden] and
+ * experts.down_proj [E, hidden, inter]. */
+static int add_experts(struct conv *c, int64_t l) {
+    const struct llmem_model_geometry *g = &c->cfg.geom;
+    const int64_t E = g->n_experts, fe = g->expert_intermediate, h = g->hidden_size;
+    char block[96], name[200], gguf[96];
+    snprintf(block, sizeof(block), "model.layers.%" PRId64 ".mlp", l);
+    snprintf(name, sizeof(name), "%s.gate.weight", block);
+    if (llmem_safetensors_find(c->st, name) == NULL)
+        snprintf(block, sizeof(block), "model.layers.%" PRId64 ".block_sparse_moe", l);
+    snprintf(name, sizeof(name), "%s.gate.weight", block);
+    snprintf(gguf, sizeof(gguf), "blk.%" PRId64 ".ffn_gate_inp.weight", l);
+    int st = add_tensor(c, gguf, name, 1, 0);
+    if (st != LLMEM_OK)
+        return st;
+    static const char *const parts[3] = {"gate", "up", "down"};
+    static const char *const names[2][3] = {{"gate_proj", "up_proj", "down_proj"},
+                                            {"w1", "w3", "w2"}};
+    const int family = strstr(block, "block_sparse_moe") != NULL;
+    char gate_up[200], down[200];
+    snprintf(gate_up, sizeof(gate_up), "%s.experts.gate_up_proj", block);
+    snprintf(down, sizeof(down), "%s.experts.down_proj", block);
+    const struct llmem_st_tensor *stacked[2] = {llmem_safetensors_find(c->st, gate_up),
+                                                llmem_safetensors_find(c->st, down)};
+    for (int p = 0; p < 3; p++) {
+        const int64_t rows = p < 2 ? fe : h, cols = p < 2 ? h : fe;
+        struct conv_tensor *t = &c->t[c->n_t++];
+        memset(t, 0, sizeof(*t));
+        snprintf(t->gguf, sizeof(t->gguf), "blk.%" PRId64 ".ffn_%s_exps.weight", l, parts[p]);
+        t->rows = rows, t->cols = cols, t->experts = E, t->n_dims = 3;
+        if ((t->pieces = calloc((size_t)E, sizeof(*t->pieces))) == NULL) {
+            ERR("out of memory");
+            return LLMEM_ENOMEM;
+        }
+        t->n_pieces = (int)E;
+        for (int64_t e = 0; e < E; e++) {
+            const struct llmem_st_tensor *s = stacked[p == 2];
+            int64_t row = 0;
+            if (stacked[0] != NULL && stacked[1] != NULL) { /* [E, rows, cols] as rows */
+                const int64_t per = p < 2 ? 2 * fe : h;
+                if (s->n_dims != 3 || s->shape[0] != E || s->shape[1] != per ||
+                    s->shape[2] != cols) {
+                    ERR("%s: tensor '%s' is not [%" PRId64 ", %" PRId64 ", %" PRId64 "]", c->dir,
+                        s->name, E, per, cols);
+                    return LLMEM_EFORMAT;
+                }
+                row = e * per + (p == 1 ? fe : 0);
+            } else {
+                snprintf(name, sizeof(name), "%s.experts.%" PRId64 ".%s.weight", block, e,
+                         names[family][p]);
+                if ((s = llmem_safetensors_find(c->st, name)) == NULL) {
+                    ERR("%s: tensor '%s' is missing", c->dir, name);
+                    return LLMEM_EFORMAT;
+                }
+                if (s->n_dims != 2 || s->shape[0] != rows || s->shape[1] != cols) {
+                    ERR("%s: tensor '%s' is not [%" PRId64 ", %" PRId64 "]", c->dir, name, rows,
+                        cols);
+                    return LLMEM_EFORMAT;
+                }
+            }
+            if (!readable(c, s))
+                return LLMEM_EUNSUPPORTED;
+            t->pieces[e] = (struct conv_piece){s, row, rows};
+        }
+        t->src = t->pieces[0].src;
     }
     return LLMEM_OK;
 }
@@ -350,9 +439,11 @@ static int list_tensors(struct conv *c) {
             char gn[96], hn[160];
             snprintf(gn, sizeof(gn), "blk.%" PRId64 ".%s", l, layer_names[i][0]);
             snprintf(hn, sizeof(hn), "model.layers.%" PRId64 ".%s", l, layer_names[i][1]);
-            if (!required)
+            const int moe = c->cfg.layer_moe != NULL && c->cfg.layer_moe[l];
+            if (!required || (moe && i >= 6 && i < 9)) /* a MoE layer: no dense MLP */
                 continue;
-            if ((st = add_tensor(c, gn, hn, 1, heads)) != LLMEM_OK)
+            if ((st = add_tensor(c, gn, hn, 1, heads)) != LLMEM_OK ||
+                (moe && i == 5 && (st = add_experts(c, l)) != LLMEM_OK))
                 return st;
         }
     if (strcmp(c->cfg.rope_type, "llama3") == 0) {
@@ -731,6 +822,13 @@ static int write_metadata(struct conv *c, struct llmem_gguf_writer *w, int ftype
         (st = llmem_gguf_writer_add_u32(w, K("attention.key_length"), (uint32_t)g->head_dim)) ||
         (st = llmem_gguf_writer_add_u32(w, K("attention.value_length"), (uint32_t)g->head_dim)))
         goto out;
+    if (g->n_experts > 0 &&
+        ((st = llmem_gguf_writer_add_u32(w, K("expert_count"), (uint32_t)g->n_experts)) ||
+         (st = llmem_gguf_writer_add_u32(w, K("expert_used_count"), (uint32_t)g->n_experts_used)) ||
+         (st = llmem_gguf_writer_add_u32(w, K("expert_feed_forward_length"),
+                                         (uint32_t)g->expert_intermediate)) ||
+         (st = llmem_gguf_writer_add_bool(w, K("expert_weights_norm"), c->cfg.moe_norm_topk))))
+        goto out;
     if ((st = llmem_gguf_writer_add_u32(w, K("vocab_size"), (uint32_t)v.n)) ||
         (c->llama &&
          (st = llmem_gguf_writer_add_u32(w, K("rope.dimension_count"), (uint32_t)g->head_dim))))
@@ -823,12 +921,30 @@ static void quant_task(void *arg, int task, int thread) {
             j->failed = 1;
 }
 
+static int write_rows(struct conv *c, struct llmem_gguf_writer *w, const struct conv_tensor *t,
+                      const struct conv_piece *pc, void *raw, float *f, float *g, uint8_t *q,
+                      int64_t *done, int64_t total, llmem_gguf_progress_fn progress, void *arg);
+
 static int write_tensor(struct conv *c, struct llmem_gguf_writer *w, const struct conv_tensor *t,
                         void *raw, float *f, float *g, uint8_t *q, int64_t *done, int64_t total,
                         llmem_gguf_progress_fn progress, void *arg) {
     if (t->src == NULL) /* rope_freqs */
         return llmem_gguf_writer_write(w, c->rope_freqs, (size_t)t->cols * sizeof(float));
-    const int64_t es = llmem_dtype_size(t->src->dtype);
+    const struct conv_piece whole = {t->src, 0, t->rows};
+    const int n = t->n_pieces > 0 ? t->n_pieces : 1;
+    int st = LLMEM_OK;
+    for (int i = 0; i < n && st == LLMEM_OK; i++)
+        st = write_rows(c, w, t, t->n_pieces > 0 ? &t->pieces[i] : &whole, raw, f, g, q, done,
+                        total, progress, arg);
+    return st;
+}
+
+/* One piece of t's rows, converted and quantized a chunk at a time. */
+static int write_rows(struct conv *c, struct llmem_gguf_writer *w, const struct conv_tensor *t,
+                      const struct conv_piece *pc, void *raw, float *f, float *g, uint8_t *q,
+                      int64_t *done, int64_t total, llmem_gguf_progress_fn progress, void *arg) {
+    const struct llmem_st_tensor *src = pc->src;
+    const int64_t es = llmem_dtype_size(src->dtype);
     const int64_t hd = c->cfg.geom.head_dim;
     int64_t step = CHUNK_BYTES / (t->cols * 4);
     if (t->permute_heads > 0)
@@ -837,24 +953,24 @@ static int write_tensor(struct conv *c, struct llmem_gguf_writer *w, const struc
         step = 1;
     if (t->permute_heads > 0 && step < hd)
         step = hd; /* the buffers hold at least one head (sized so by the caller) */
-    const int fd = c->fds[t->src->file_index];
-    const char *path = c->st->files[t->src->file_index].path;
+    const int fd = c->fds[src->file_index];
+    const char *path = c->st->files[src->file_index].path;
     const int64_t row_bytes = llmem_qtype_bytes(t->type, t->cols);
-    for (int64_t r = 0; r < t->rows; r += step) {
-        int64_t nr = t->rows - r < step ? t->rows - r : step;
+    for (int64_t r = 0; r < pc->rows; r += step) {
+        int64_t nr = pc->rows - r < step ? pc->rows - r : step;
         int64_t n = nr * t->cols;
-        int64_t off =
-            c->st->files[t->src->file_index].data_offset + t->src->offset_begin + r * t->cols * es;
+        int64_t off = c->st->files[src->file_index].data_offset + src->offset_begin +
+                      (pc->row + r) * t->cols * es;
         int st = llmem_file_pread(fd, path, raw, (size_t)(n * es), off);
         if (st != LLMEM_OK)
             return st;
         to_f32(t->src->dtype, raw, f, n);
-        const float *src = f;
+        const float *rows = f;
         if (t->permute_heads > 0) {
             permute_rows(f, g, nr, t->cols, hd);
-            src = g;
+            rows = g;
         }
-        struct quant_job job = {t->type, src, q, nr, t->cols, row_bytes, 0};
+        struct quant_job job = {t->type, rows, q, nr, t->cols, row_bytes, 0};
         llmem_pool_run(c->pool, (int)((nr + JOB_ROWS - 1) / JOB_ROWS), quant_task, &job);
         if (job.failed) {
             ERR("%s: tensor '%s': cannot write type %s", c->dir, t->gguf,
@@ -889,9 +1005,19 @@ int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *
         c.llama = 1;
     } else if (strcmp(geom->arch, "qwen2") == 0 || strcmp(geom->arch, "qwen3") == 0) {
         c.arch = geom->arch;
+    } else if (strcmp(geom->arch, "qwen3_moe") == 0) {
+        c.arch = "qwen3moe";
+        if (geom->n_moe_layers < geom->n_layers)
+            LLMEM_WARN("%s: %" PRId64 " of the %" PRId64 " layers have a dense MLP "
+                       "(mlp_only_layers, decoder_sparse_step): llmem reads such a file, "
+                       "llama.cpp's qwen3moe expects experts in every layer",
+                       dir, geom->n_layers - geom->n_moe_layers, geom->n_layers);
+    } else if (strcmp(geom->arch, "mixtral") == 0) { /* llama.cpp's llama with experts */
+        c.arch = "llama";
+        c.llama = 1;
     } else {
         ERR("%s: architecture '%s' is not one llmem quantize writes (llama, mistral, qwen2, "
-            "qwen3)",
+            "qwen3, qwen3_moe, mixtral)",
             dir, geom->arch);
         st = LLMEM_EUNSUPPORTED;
         goto out;
@@ -951,8 +1077,10 @@ int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *
             n_fallback++;
             n_stop += t->fallback == 2;
         }
-        if (t->src != NULL)
-            total += t->src->n_bytes;
+        for (int k = 0; t->src != NULL && k < (t->n_pieces > 0 ? t->n_pieces : 1); k++)
+            total += t->n_pieces > 0
+                         ? t->pieces[k].rows * t->cols * llmem_dtype_size(t->pieces[k].src->dtype)
+                         : t->src->n_bytes;
         int64_t step = CHUNK_BYTES / (t->cols * 4);
         if (t->permute_heads > 0 && step < geom->head_dim)
             step = geom->head_dim;
@@ -997,7 +1125,7 @@ int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *
         goto out;
     for (int i = 0; i < c.n_t; i++) {
         const struct conv_tensor *t = &c.t[i];
-        int64_t dims[2] = {t->cols, t->rows};
+        int64_t dims[3] = {t->cols, t->rows, t->experts};
         if ((st = llmem_gguf_writer_add_tensor(w, t->gguf, t->type, t->n_dims, dims)))
             goto out;
     }
@@ -1018,6 +1146,8 @@ out:
     free(f);
     free(g);
     free(q);
+    for (int i = 0; c.t != NULL && i < c.n_t; i++)
+        free(c.t[i].pieces);
     free(c.t);
     llmem_pool_destroy(c.pool);
     llmem_safetensors_free(c.st);

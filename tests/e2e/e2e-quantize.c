@@ -509,6 +509,118 @@ static void test_logits_close(void **state) {
     }
 }
 
+/* The largest |a − b| of `llmem logits` of a file and of its directory on the same ids, and how
+ * many rows agree on the top token (*agree, of *rows). */
+static double logits_gap(const char *file, const char *dir, const char *ids, int *agree,
+                         int *rows) {
+    char out_a[1024], out_b[1024];
+    snprintf(out_a, sizeof(out_a), "%s/a.npy", tmp_dir);
+    snprintf(out_b, sizeof(out_b), "%s/b.npy", tmp_dir);
+    const char *src[2] = {file, dir}, *dst[2] = {out_a, out_b};
+    for (int i = 0; i < 2; i++) {
+        struct tu_run r = tu_llmem("logits", src[i], "--ids", ids, "--out", dst[i], "--threads",
+                                   "2", "--no-spill", "--precision", "f32", NULL);
+        assert_int_equal(r.exit_code, 0);
+        tu_run_free(&r);
+    }
+    float *a = NULL, *b = NULL;
+    int64_t ra, ca, rb, cb;
+    assert_int_equal(llmem_npy_read_f32(out_a, &a, &ra, &ca), LLMEM_OK);
+    assert_int_equal(llmem_npy_read_f32(out_b, &b, &rb, &cb), LLMEM_OK);
+    assert_true(ra == rb && ca == cb);
+    double gap = 0;
+    *agree = 0, *rows = (int)ra;
+    for (int64_t i = 0; i < ra; i++) {
+        int64_t ia = 0, ib = 0;
+        for (int64_t j = 0; j < ca; j++) {
+            gap = fmax(gap, fabs((double)a[i * ca + j] - b[i * ca + j]));
+            ia = a[i * ca + j] > a[i * ca + ia] ? j : ia;
+            ib = b[i * ca + j] > b[i * ca + ib] ? j : ib;
+        }
+        *agree += ia == ib;
+    }
+    free(a), free(b);
+    return gap;
+}
+
+/* Mixtures of experts: tiny-mixtral at bf16 is, tensor for tensor, the file gguf-py writes in
+ * llama.cpp's layout (tests/data/gguf/make_moe_gguf.py: the router ffn_gate_inp, the experts
+ * stacked in ffn_{gate,up,down}_exps) and gives the directory's logits; tiny-qwen3-moe at Q8_0
+ * holds each expert's rows as the reference quantizer makes them, its router in F32, its
+ * unnormalized top k in expert_weights_norm, and its logits stay close to the directory's. */
+static void test_moe(void **state) {
+    (void)state;
+    const struct model mixtral = {"tiny-mixtral", MODELS "/tiny-mixtral"};
+    const struct model qwen = {"tiny-qwen3-moe", MODELS "/tiny-qwen3-moe"};
+    struct llmem_gguf *a = NULL, *b = NULL;
+    assert_int_equal(llmem_gguf_open(quantized(&mixtral, "bf16"), &a), LLMEM_OK);
+    assert_int_equal(llmem_gguf_open(LLMEM_TEST_DATA "/gguf/tiny-mixtral-bf16.gguf", &b),
+                     LLMEM_OK);
+    assert_int_equal(a->n_tensors, b->n_tensors);
+    for (int64_t i = 0; i < b->n_tensors; i++) {
+        const struct llmem_gguf_tensor *y = &b->tensors[i], *x = llmem_gguf_find_tensor(a, y->name);
+        assert_non_null(x);
+        assert_true(x->type == y->type && x->n_dims == y->n_dims && x->n_bytes == y->n_bytes);
+        assert_memory_equal(x->dims, y->dims, sizeof(x->dims));
+        if (memcmp(x->data, y->data, (size_t)x->n_bytes) != 0)
+            fail_msg("tiny-mixtral: tensor %s differs from gguf-py's", y->name);
+    }
+    llmem_gguf_free(a), llmem_gguf_free(b);
+    const char *ids = "1,15,200,300,42,7,99,100,512,64,8,330,250,17,23,5"; /* < its window */
+    int agree, rows;
+    double gap = logits_gap(quantized(&mixtral, "bf16"), mixtral.dir, ids, &agree, &rows);
+    printf("tiny-mixtral bf16: max |dlogit| %.2e\n", gap);
+    assert_true(gap <= 1e-4);
+
+    const char *q8 = quantized(&qwen, "q8_0");
+    assert_int_equal(llmem_gguf_open(q8, &a), LLMEM_OK);
+    struct llmem_safetensors *st = NULL;
+    assert_int_equal(llmem_safetensors_load_dir(qwen.dir, &st), LLMEM_OK);
+    int norm = 1;
+    assert_int_equal(llmem_gguf_get_bool(a, "qwen3moe.expert_weights_norm", &norm), LLMEM_OK);
+    assert_int_equal(norm, 0);
+    const struct llmem_gguf_tensor *router = llmem_gguf_find_tensor(a, "blk.0.ffn_gate_inp.weight");
+    assert_non_null(router);
+    assert_int_equal(router->type, LLMEM_QTYPE_F32);
+    assert_null(llmem_gguf_find_tensor(a, "blk.2.ffn_gate_inp.weight")); /* the dense layer */
+    assert_non_null(llmem_gguf_find_tensor(a, "blk.2.ffn_down.weight"));
+    static const char *const parts[3][2] = {
+        {"ffn_gate_exps", "gate_proj"}, {"ffn_up_exps", "up_proj"}, {"ffn_down_exps", "down_proj"}};
+    for (int p = 0; p < 3; p++) {
+        char name[96], hf[160];
+        snprintf(name, sizeof(name), "blk.3.%s.weight", parts[p][0]);
+        const struct llmem_gguf_tensor *t = llmem_gguf_find_tensor(a, name);
+        assert_non_null(t);
+        assert_int_equal(t->n_dims, 3);
+        const int64_t E = t->dims[2], per = t->n_bytes / E, cols = t->dims[0];
+        const int64_t row_bytes = llmem_qtype_bytes(t->type, cols);
+        for (int64_t e = 0; e < E; e++) {
+            snprintf(hf, sizeof(hf), "model.layers.3.mlp.experts.%lld.%s.weight", (long long)e,
+                     parts[p][1]);
+            const struct llmem_st_tensor *s = llmem_safetensors_find(st, hf);
+            assert_non_null(s);
+            assert_int_equal(s->shape[0], t->dims[1]);
+            float *r = source_rows(st, s, 0, 0);
+            uint8_t *want = malloc((size_t)per);
+            assert_non_null(want);
+            for (int64_t i = 0; i < t->dims[1]; i++)
+                assert_int_equal(
+                    llmem_quant_quantize_row(t->type, r + i * cols, want + i * row_bytes, cols),
+                    LLMEM_OK);
+            if (memcmp(want, (const uint8_t *)t->data + e * per, (size_t)per) != 0)
+                fail_msg("%s: expert %lld differs from the reference quantizer", name,
+                         (long long)e);
+            free(r), free(want);
+        }
+    }
+    llmem_safetensors_free(st);
+    llmem_gguf_free(a);
+    gap = logits_gap(q8, qwen.dir, ids, &agree, &rows);
+    printf("tiny-qwen3-moe q8_0: max |dlogit| %.4f, greedy agreement %d/%d\n", gap, agree, rows);
+    assert_true(gap < 0.2); /* measured 0.090 */
+    assert_true(agree >= rows * 85 / 100);
+}
+
 /* Bad input: one line and a nonzero exit; nothing is left at OUT. */
 static void test_bad_input(void **state) {
     (void)state;
@@ -845,6 +957,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_llama3_rope_freqs),
         cmocka_unit_test(test_tokenizer),
         cmocka_unit_test(test_logits_close),
+        cmocka_unit_test(test_moe),
         cmocka_unit_test(test_bad_input),
     };
     const struct CMUnitTest memory_tests[] = {
