@@ -1077,9 +1077,11 @@ static void test_kv_copy_out_async(void **state) {
 /* ---- whole models ----------------------------------------------------------------------------
  */
 
-static struct llmem_engine *open_engine(const char *dir, enum llmem_backend_kind backend,
-                                        enum llmem_backend_precision precision,
-                                        enum llmem_kv_format format) {
+/* open_engine with a mixture's experts_on_host (-1: the plan's placement). */
+static struct llmem_engine *open_engine_placed(const char *dir, enum llmem_backend_kind backend,
+                                               enum llmem_backend_precision precision,
+                                               enum llmem_kv_format format,
+                                               int64_t experts_on_host) {
     struct llmem_engine_config c;
     llmem_engine_config_default(&c);
     c.max_sequences = 4;
@@ -1090,9 +1092,16 @@ static struct llmem_engine *open_engine(const char *dir, enum llmem_backend_kind
     c.kv_format = format;
     c.backend = backend;
     c.precision = precision;
+    c.experts_on_host = experts_on_host;
     struct llmem_engine *e = NULL;
     assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
     return e;
+}
+
+static struct llmem_engine *open_engine(const char *dir, enum llmem_backend_kind backend,
+                                        enum llmem_backend_precision precision,
+                                        enum llmem_kv_format format) {
+    return open_engine_placed(dir, backend, precision, format, -1);
 }
 
 /* The defaults with pycoder on the device. */
@@ -1235,18 +1244,8 @@ static void test_experts_on_host(void **state) {
     llmem_engine_close(cpu_e);
     const int64_t on_host[] = {0, 2, 3};
     for (int i = 0; i < 3; i++) {
-        struct llmem_engine_config c;
-        llmem_engine_config_default(&c);
-        c.model_dir = dir;
-        c.n_threads = 2;
-        c.no_bank = 1;
-        c.context = 512;
-        c.kv_format = LLMEM_KV_FORMAT_F32;
-        c.backend = LLMEM_BACKEND_CUDA;
-        c.precision = LLMEM_PRECISION_F32;
-        c.experts_on_host = on_host[i];
-        struct llmem_engine *e = NULL;
-        assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+        struct llmem_engine *e = open_engine_placed(dir, LLMEM_BACKEND_CUDA, LLMEM_PRECISION_F32,
+                                                    LLMEM_KV_FORMAT_F32, on_host[i]);
         const struct llmem_expert_placement *placed = llmem_engine_expert_placement(e);
         assert_int_equal(placed->moe_layers, 3);
         assert_int_equal(placed->host_layers, on_host[i]);

@@ -301,6 +301,16 @@ template <int QT> __device__ __forceinline__ int64_t block_at(const struct qmat 
     default: CALL(QT_MLX);                                                                         \
     }
 
+/* CALL(QT) for the type of a weight that qgemv_int takes */
+#define QT_INT_DISPATCH(type, CALL)                                                                \
+    switch (type) {                                                                                \
+    case LLMEM_QTYPE_Q8_0: CALL(LLMEM_QTYPE_Q8_0); break;                                          \
+    case LLMEM_QTYPE_Q4_0: CALL(LLMEM_QTYPE_Q4_0); break;                                          \
+    case LLMEM_QTYPE_Q4_K: CALL(LLMEM_QTYPE_Q4_K); break;                                          \
+    case LLMEM_QTYPE_Q5_K: CALL(LLMEM_QTYPE_Q5_K); break;                                          \
+    default: CALL(LLMEM_QTYPE_Q6_K);                                                               \
+    }
+
 /* ---- kernels ---------------------------------------------------------------------------------
  */
 
@@ -639,13 +649,7 @@ void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int
     default:                                                                                       \
         pdl_launch(c->stream, qgemv_int_kernel<QT, 4>, grid, dim3(256), 0, m, xt, yt, bias, none); \
     }
-            switch (w->quant) {
-            case LLMEM_QTYPE_Q8_0: QGEMV_INT(LLMEM_QTYPE_Q8_0); break;
-            case LLMEM_QTYPE_Q4_0: QGEMV_INT(LLMEM_QTYPE_Q4_0); break;
-            case LLMEM_QTYPE_Q4_K: QGEMV_INT(LLMEM_QTYPE_Q4_K); break;
-            case LLMEM_QTYPE_Q5_K: QGEMV_INT(LLMEM_QTYPE_Q5_K); break;
-            default: QGEMV_INT(LLMEM_QTYPE_Q6_K);
-            }
+            QT_INT_DISPATCH(w->quant, QGEMV_INT)
 #undef QGEMV_INT
             t += nx;
         }
@@ -699,13 +703,7 @@ void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struc
 #define QGEMV_INT(QT)                                                                              \
     pdl_launch(c->stream, qgemv_int_kernel<QT, 1>, grid, dim3(256), 0, m, xq, y,                   \
                (const float *)NULL, ex)
-        switch (w->quant) {
-        case LLMEM_QTYPE_Q8_0: QGEMV_INT(LLMEM_QTYPE_Q8_0); break;
-        case LLMEM_QTYPE_Q4_0: QGEMV_INT(LLMEM_QTYPE_Q4_0); break;
-        case LLMEM_QTYPE_Q4_K: QGEMV_INT(LLMEM_QTYPE_Q4_K); break;
-        case LLMEM_QTYPE_Q5_K: QGEMV_INT(LLMEM_QTYPE_Q5_K); break;
-        default: QGEMV_INT(LLMEM_QTYPE_Q6_K);
-        }
+        QT_INT_DISPATCH(w->quant, QGEMV_INT)
 #undef QGEMV_INT
     } else {
 #define QGEMV(QT)                                                                                  \
