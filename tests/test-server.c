@@ -291,8 +291,12 @@ static void test_parse_errors(void **state) {
          400, "tools", "unsupported_value"},
         {SRV_CHAT,
          "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": "
-         "{\"type\": \"json_object\"}}",
-         400, "response_format", "unsupported_value"},
+         "{\"type\": \"json_schema\"}}",
+         400, "response_format", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": "
+         "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": {\"minimum\": 1}}}}",
+         400, "response_format", "invalid_value"},
         /* a NUL in a field that names something: never read as the prefix before it */
         {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"stop\": \"a\\u0000b\"}", 400, "stop",
          "invalid_value"},
@@ -313,7 +317,7 @@ static void test_parse_errors(void **state) {
         {SRV_CHAT,
          "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": "
          "{\"type\": \"text\\u0000\"}}",
-         400, "response_format", "unsupported_value"},
+         400, "response_format", "invalid_type"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         struct srv_request r;

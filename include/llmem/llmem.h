@@ -22,6 +22,7 @@
 #include "llmem/model.h"
 #include "llmem/forward.h"
 #include "llmem/tokenizer.h"
+#include "llmem/grammar.h"
 #include "llmem/sampler.h"
 #include "llmem/guard.h"
 #include "llmem/bank.h"

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "llmem/api.h"
+#include "llmem/grammar.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -36,6 +37,15 @@ struct llmem_sampling {
     double repetition_penalty; /* 1 (or 0): off; else > 0 */
     const struct llmem_logit_bias *logit_bias; /* (n_logit_bias), copied by the sampler */
     int n_logit_bias;
+    /* Constrained decoding (llmem/grammar.h), after the biases: every token the grammar does not
+     * allow next is masked out, and end_ids (copied) only where the output is complete; with
+     * max_tokens (> 0: the output's budget) the grammar closes in time. The grammar and its
+     * vocabulary outlive the sampler. NULL: none. */
+    const struct llmem_grammar *grammar;
+    const struct llmem_grammar_vocab *grammar_vocab;
+    const int32_t *end_ids;
+    int n_end_ids;
+    int64_t max_tokens;
 };
 /* Greedy. */
 LLMEM_API void llmem_sampling_default(struct llmem_sampling *s);
@@ -48,7 +58,8 @@ LLMEM_API void llmem_sampler_free(struct llmem_sampler *s);
 /* The next token for a row of vocab logits. */
 LLMEM_API int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits);
 /* How many of a row's largest logits the sampling needs: 1 (greedy, or top_k 1), top_k (when
- * set), or 0: the whole row (always with a penalty or a logit bias, which can move any token). */
+ * set), or 0: the whole row (always with a penalty, a logit bias or a grammar, which can move
+ * any token). */
 LLMEM_API int64_t llmem_sampling_top_needed(const struct llmem_sampling *params);
 /* The next token from a row's k largest logits (ids and values by logit descending, equal logits
  * by the lower id), k ≥ llmem_sampling_top_needed > 0: the same token, and the same draw of the
@@ -56,8 +67,8 @@ LLMEM_API int64_t llmem_sampling_top_needed(const struct llmem_sampling *params)
 LLMEM_API int32_t llmem_sampler_sample_top(struct llmem_sampler *s, const int32_t *ids,
                                            const float *vals, int64_t k);
 /* The tokens the penalties look at: the prompt's (repetition_penalty; once, before the first
- * sample) and each token the request goes on with (llmem_sampler_accept: every penalty). A
- * sampler without penalties ignores both. */
+ * sample) and each token the request goes on with (llmem_sampler_accept: every penalty, and the
+ * grammar's matcher moves past it). A sampler without penalties or grammar ignores both. */
 LLMEM_API void llmem_sampler_prompt(struct llmem_sampler *s, const int32_t *ids, int64_t n);
 LLMEM_API void llmem_sampler_accept(struct llmem_sampler *s, int32_t id);
 

@@ -64,6 +64,12 @@ LLMEM_API int llmem_tokenizer_encode(const struct llmem_tokenizer *tok, const ch
 LLMEM_API int llmem_tokenizer_decode(const struct llmem_tokenizer *tok, const int32_t *ids,
                                      int64_t n, int skip_special, char **text, size_t *len);
 
+/* The bytes token `id` adds to a decoded text, as they are (a byte token's one byte, a piece of a
+ * character as its bytes; special tokens their text), into buf (cap bytes; *len set).
+ * LLMEM_EINVAL for an id out of range, LLMEM_ERANGE when cap is too small, LLMEM_ENOMEM. */
+LLMEM_API int llmem_tokenizer_token_bytes(const struct llmem_tokenizer *tok, int32_t id,
+                                          char *buf, size_t cap, size_t *len);
+
 /* Streaming decode: feed ids one at a time, get back the text that is now complete (a character
  * split over several byte tokens is held back until it is whole). The pieces, finish included,
  * add up to llmem_tokenizer_decode of all ids fed (the pieces are NUL-terminated strings, so a

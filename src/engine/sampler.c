@@ -32,6 +32,12 @@ struct llmem_sampler {
     int32_t *seen;    /* (vocab) */
     int64_t n_seen;
     struct llmem_logit_bias *bias; /* (p.n_logit_bias) */
+    /* a grammar: its matcher, the tokens it allows (the tokenizer's vocabulary), the end ids,
+     * the tokens accepted so far */
+    struct llmem_grammar_state *gs;
+    uint8_t *allowed;
+    int32_t *end_ids;
+    int64_t n_out;
 };
 
 void llmem_sampling_default(struct llmem_sampling *s) {
@@ -41,7 +47,8 @@ void llmem_sampling_default(struct llmem_sampling *s) {
 
 static int adjusts(const struct llmem_sampling *p) {
     return p->presence_penalty != 0 || p->frequency_penalty != 0 ||
-           (p->repetition_penalty != 0 && p->repetition_penalty != 1) || p->n_logit_bias > 0;
+           (p->repetition_penalty != 0 && p->repetition_penalty != 1) || p->n_logit_bias > 0 ||
+           p->grammar != NULL;
 }
 
 static uint64_t rotl(uint64_t x, int k) {
@@ -84,6 +91,17 @@ int llmem_sampler_create(const struct llmem_sampling *p, int64_t vocab,
                         p->logit_bias[i].id, (long long)vocab - 1, (double)p->logit_bias[i].bias);
             return LLMEM_EINVAL;
         }
+    if (p->grammar != NULL && (p->grammar_vocab == NULL || p->n_end_ids < 0 ||
+                               (p->n_end_ids > 0 && p->end_ids == NULL))) {
+        LLMEM_ERROR("a grammar needs its vocabulary and the end ids");
+        return LLMEM_EINVAL;
+    }
+    for (int i = 0; p->grammar != NULL && i < p->n_end_ids; i++)
+        if (p->end_ids[i] < 0 || p->end_ids[i] >= vocab) {
+            LLMEM_ERROR("end id %d is outside the vocabulary (0 to %lld)", p->end_ids[i],
+                        (long long)vocab - 1);
+            return LLMEM_EINVAL;
+        }
     struct llmem_sampler *s = calloc(1, sizeof(*s));
     if (s != NULL)
         s->c = malloc((size_t)vocab * sizeof(*s->c));
@@ -97,6 +115,14 @@ int llmem_sampler_create(const struct llmem_sampling *p, int64_t vocab,
         s->bias = malloc((size_t)(p->n_logit_bias > 0 ? p->n_logit_bias : 1) * sizeof(*s->bias));
         ok = s->row != NULL && s->counts != NULL && s->in_prompt != NULL && s->seen != NULL &&
              s->bias != NULL;
+    }
+    if (ok && p->grammar != NULL) {
+        s->allowed = malloc((size_t)llmem_grammar_vocab_size(p->grammar_vocab));
+        s->end_ids = malloc((size_t)(p->n_end_ids > 0 ? p->n_end_ids : 1) * sizeof(int32_t));
+        ok = s->allowed != NULL && s->end_ids != NULL &&
+             llmem_grammar_state_create(p->grammar, p->grammar_vocab, &s->gs) == LLMEM_OK;
+        if (ok && p->n_end_ids > 0)
+            memcpy(s->end_ids, p->end_ids, (size_t)p->n_end_ids * sizeof(int32_t));
     }
     if (!ok) {
         llmem_sampler_free(s);
@@ -112,6 +138,7 @@ int llmem_sampler_create(const struct llmem_sampling *p, int64_t vocab,
         s->p.logit_bias = NULL;
         s->p.n_logit_bias = 0;
     }
+    s->p.end_ids = s->end_ids;
     s->vocab = vocab;
     uint64_t x = p->seed;
     for (int i = 0; i < 4; i++)
@@ -129,6 +156,9 @@ void llmem_sampler_free(struct llmem_sampler *s) {
     free(s->in_prompt);
     free(s->seen);
     free(s->bias);
+    llmem_grammar_state_free(s->gs);
+    free(s->allowed);
+    free(s->end_ids);
     free(s);
 }
 
@@ -150,6 +180,27 @@ void llmem_sampler_accept(struct llmem_sampler *s, int32_t id) {
         return;
     see(s, id);
     s->counts[id]++;
+    if (s->gs != NULL) {
+        s->n_out++;
+        (void)llmem_grammar_accept(s->gs, id); /* (an end id, or one the mask allowed) */
+    }
+}
+
+/* The grammar's mask on s->row: the tokens it does not allow at −∞, the end ids only where the
+ * output is complete (and alone where nothing else may come). */
+static void mask(struct llmem_sampler *s) {
+    const int64_t left = s->p.max_tokens > 0 ? s->p.max_tokens - s->n_out : 0;
+    int64_t n = llmem_grammar_allowed(s->gs, left > 0 ? left : 0, s->allowed);
+    const int64_t nv = llmem_grammar_vocab_size(s->p.grammar_vocab);
+    const int end = llmem_grammar_complete(s->gs);
+    for (int i = 0; end && i < s->p.n_end_ids; i++)
+        if (s->end_ids[i] >= 0 && s->end_ids[i] < nv && !s->allowed[s->end_ids[i]])
+            s->allowed[s->end_ids[i]] = 1, n++;
+    for (int64_t i = 0; i < s->vocab; i++)
+        if (i >= nv || !s->allowed[i])
+            s->row[i] = -INFINITY;
+    if (n == 0 && s->p.n_end_ids > 0) /* nothing fits (a parse too deep): the output ends */
+        s->row[s->end_ids[0]] = 0.0f;
 }
 
 /* The row with the penalties and biases applied (into s->row; only the tokens they touch
@@ -168,6 +219,8 @@ static const float *adjusted(struct llmem_sampler *s, const float *logits) {
     }
     for (int i = 0; i < s->p.n_logit_bias; i++)
         s->row[s->p.logit_bias[i].id] += s->p.logit_bias[i].bias;
+    if (s->gs != NULL)
+        mask(s);
     return s->row;
 }
 

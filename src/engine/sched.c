@@ -121,6 +121,7 @@ static void request_free(struct request *r) {
         free((char *)r->p.stop[i]);
     free((void *)r->p.stop);
     free((void *)r->p.stop_ids);
+    free((void *)r->p.sampling.end_ids);
     free(r->toks);
     free(r->s.text);
     llmem_detok_free(r->detok);
@@ -166,6 +167,7 @@ static int request_new(struct llmem_sched *s, const int32_t *prompt, int64_t n_p
     r->seq = -1;
     r->p = *p;
     r->p.stop = NULL, r->p.n_stop = 0, r->p.stop_ids = NULL, r->p.n_stop_ids = 0;
+    r->p.sampling.end_ids = NULL, r->p.sampling.n_end_ids = 0;
     if (ev != NULL)
         r->ev = *ev;
     r->max_tokens = context - n_prompt;
@@ -193,7 +195,25 @@ static int request_new(struct llmem_sched *s, const int32_t *prompt, int64_t n_p
         r->p.stop_ids = ids;
         r->p.n_stop_ids = p->n_stop_ids;
     }
-    int status = llmem_sampler_create(&p->sampling, s->cfg.vocab, &r->sampler);
+    int status = LLMEM_OK;
+    if (p->sampling.grammar != NULL) { /* the output ends at an end id the grammar allows */
+        pthread_mutex_lock(&s->mu);
+        if (s->gvocab == NULL)
+            status = llmem_grammar_vocab_create(s->cfg.tok, &s->gvocab);
+        pthread_mutex_unlock(&s->mu);
+        int32_t *end = malloc((size_t)(s->cfg.n_eos + p->n_stop_ids + 1) * sizeof(int32_t));
+        if (end == NULL && status == LLMEM_OK)
+            status = LLMEM_ENOMEM;
+        for (int i = 0; end != NULL && !p->ignore_eos && i < s->cfg.n_eos; i++)
+            end[r->p.sampling.n_end_ids++] = s->cfg.eos[i];
+        for (int i = 0; end != NULL && i < p->n_stop_ids; i++)
+            end[r->p.sampling.n_end_ids++] = p->stop_ids[i];
+        r->p.sampling.end_ids = end;
+        r->p.sampling.grammar_vocab = s->gvocab;
+        r->p.sampling.max_tokens = r->max_tokens;
+    }
+    if (status == LLMEM_OK)
+        status = llmem_sampler_create(&r->p.sampling, s->cfg.vocab, &r->sampler);
     if (status == LLMEM_OK) {
         llmem_sampler_prompt(r->sampler, prompt, n_prompt); /* (for repetition_penalty) */
         r->p.sampling.logit_bias = NULL; /* the caller's: the sampler holds a copy */
@@ -692,6 +712,7 @@ void llmem_sched_reused_tokens(const struct llmem_sched *s, int64_t *ram, int64_
 
 /* Frees what create allocated (nothing queued, no thread). */
 static void destroy(struct llmem_sched *s) {
+    llmem_grammar_vocab_free(s->gvocab);
     free(s->cancels);
     free(s->tokens);
     free(s->ahead);

@@ -487,14 +487,48 @@ static int unsupported(const cJSON *root, const struct srv_request *r, struct sr
     const cJSON *tools = cJSON_GetObjectItemCaseSensitive(root, "tools");
     if (tools != NULL && !cJSON_IsNull(tools) && !(cJSON_IsArray(tools) && tools->child == NULL))
         return bad(e, "tools", "unsupported_value", "'tools' are not supported");
+    return 0;
+}
+
+/* response_format: {"type": "text"}, {"type": "json_object"} (any JSON object) or
+ * {"type": "json_schema", "json_schema": {"name": …, "schema": {…}, "strict": …}}: the output
+ * constrained to the schema (llmem/grammar.h), compiled here. */
+static int parse_response_format(const cJSON *root, struct srv_request *r, struct srv_error *e) {
     const cJSON *rf = cJSON_GetObjectItemCaseSensitive(root, "response_format");
-    if (rf != NULL && !cJSON_IsNull(rf)) {
-        const char *type = NULL;
-        if (!cJSON_IsObject(rf) || llmem_json_get_string(rf, "type", &type) != LLMEM_OK ||
-            strcmp(type, "text") != 0 || has_nul(r, type))
-            return bad(e, "response_format", "unsupported_value",
-                       "'response_format' must be {\"type\": \"text\"} on this server");
+    if (rf == NULL || cJSON_IsNull(rf))
+        return 0;
+    const char *type = NULL;
+    if (!cJSON_IsObject(rf) || llmem_json_get_string(rf, "type", &type) != LLMEM_OK ||
+        has_nul(r, type))
+        return bad(e, "response_format", "invalid_type",
+                   "'response_format' must be an object with a 'type'");
+    if (strcmp(type, "text") == 0)
+        return 0;
+    char why[256], *text = NULL;
+    int status;
+    if (strcmp(type, "json_object") == 0) {
+        status = llmem_grammar_compile(NULL, 0, why, sizeof(why), &r->grammar);
+    } else if (strcmp(type, "json_schema") == 0) {
+        const cJSON *js = cJSON_GetObjectItemCaseSensitive(rf, "json_schema");
+        const cJSON *schema = cJSON_GetObjectItemCaseSensitive(js, "schema");
+        if (!cJSON_IsObject(js) || schema == NULL)
+            return bad(e, "response_format", "invalid_value",
+                       "'response_format.json_schema.schema' is missing");
+        if ((text = cJSON_PrintUnformatted(schema)) == NULL)
+            return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+        status = llmem_grammar_compile(text, strlen(text), why, sizeof(why), &r->grammar);
+        cJSON_free(text);
+    } else {
+        return bad(e, "response_format", "invalid_value",
+                   "'response_format.type' is '%.40s'; it must be text, json_object or "
+                   "json_schema",
+                   type);
     }
+    if (status == LLMEM_ENOMEM)
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    if (status != LLMEM_OK)
+        return bad(e, "response_format", "invalid_value", "the schema is not supported: %s", why);
+    r->sampling.grammar = r->grammar;
     return 0;
 }
 
@@ -617,6 +651,8 @@ static int parse_sampling(const cJSON *root, const struct srv_model *m, struct s
         return -1;
     if (got)
         s->repetition_penalty = d;
+    if (parse_response_format(root, r, e) != 0)
+        return -1;
     return parse_logit_bias(root, m, r, e);
 }
 
@@ -734,6 +770,7 @@ void llmem_srv_request_free(struct srv_request *r) {
     free(r->prompt_ids);
     free(r->messages);
     free(r->logit_bias);
+    llmem_grammar_free(r->grammar);
     for (int i = 0; i < r->n_owned; i++)
         free(r->owned[i]);
     free(r->owned);

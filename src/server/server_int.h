@@ -90,6 +90,7 @@ struct srv_request {
     struct llmem_sampling sampling; /* its logit_bias: logit_bias below */
     struct llmem_logit_bias *logit_bias; /* (n_logit_bias) malloc'ed */
     int n_logit_bias;
+    struct llmem_grammar *grammar; /* response_format's, or NULL */
     int have_seed; /* 0: the server picks a seed */
     const char *stop[SRV_MAX_STOP];
     int n_stop;

@@ -296,6 +296,76 @@ int llmem_tokenizer_decode(const struct llmem_tokenizer *tok, const int32_t *ids
     return LLMEM_OK;
 }
 
+int llmem_tokenizer_token_bytes(const struct llmem_tokenizer *tok, int32_t id, char *buf,
+                                size_t cap, size_t *len) {
+    LLMEM_ASSERT(tok != NULL && buf != NULL && len != NULL);
+    *len = 0;
+    if (id < 0 || id >= tok->n_vocab || token_text(tok, id)->p == NULL)
+        return LLMEM_EINVAL;
+    const struct tok_str *t = token_text(tok, id);
+    struct tok_buf a = {0}, b = {0};
+    int status = llmem_tok_buf_add(&a, t->p, t->n);
+    for (int k = 0; k < tok->n_decs && status == LLMEM_OK && tok->added_of[id] < 0; k++) {
+        const struct tok_dec *d = &tok->decs[k];
+        b.n = 0;
+        switch (d->kind) {
+        case TOK_DEC_BYTELEVEL: /* each character its byte (a token outside the map: as is) */
+            for (size_t i = 0; i < a.n && status == LLMEM_OK;) {
+                uint32_t cp;
+                size_t cl = llmem_tok_utf8_char((const unsigned char *)a.p + i, a.n - i, &cp);
+                int byte = cl ? llmem_tok_cp_byte(cp) : -1;
+                if (byte < 0) {
+                    b.n = 0;
+                    status = llmem_tok_buf_add(&b, a.p, a.n);
+                    break;
+                }
+                unsigned char c = (unsigned char)byte;
+                status = llmem_tok_buf_add(&b, &c, 1);
+                i += cl;
+            }
+            break;
+        case TOK_DEC_METASPACE:
+        case TOK_DEC_REPLACE: { /* a token is never first here: Metaspace keeps its space */
+            static const struct tok_str space = {" ", 1};
+            const struct tok_str *to = d->kind == TOK_DEC_METASPACE ? &space : &d->b;
+            for (size_t i = 0; i < a.n && status == LLMEM_OK;) {
+                const char *hit = a.n - i >= d->a.n ? memmem(a.p + i, a.n - i, d->a.p, d->a.n)
+                                                    : NULL;
+                size_t end = hit ? (size_t)(hit - a.p) : a.n;
+                status = llmem_tok_buf_add(&b, a.p + i, end - i);
+                if (hit == NULL || status != LLMEM_OK)
+                    break;
+                status = llmem_tok_buf_add(&b, to->p, to->n);
+                i = end + d->a.n;
+            }
+            break;
+        }
+        case TOK_DEC_BYTEFALLBACK: {
+            int byte = byte_token(a.p, a.n);
+            unsigned char c = (unsigned char)byte;
+            status = byte >= 0 ? llmem_tok_buf_add(&b, &c, 1) : llmem_tok_buf_add(&b, a.p, a.n);
+            break;
+        }
+        case TOK_DEC_FUSE:
+        case TOK_DEC_STRIP: /* the whole text's, not a token's */
+            status = llmem_tok_buf_add(&b, a.p, a.n);
+            break;
+        }
+        struct tok_buf swap = a;
+        a = b, b = swap;
+    }
+    if (status == LLMEM_OK && a.n > cap)
+        status = LLMEM_ERANGE;
+    if (status == LLMEM_OK) {
+        if (a.n > 0)
+            memcpy(buf, a.p, a.n);
+        *len = a.n;
+    }
+    llmem_tok_buf_free(&a);
+    llmem_tok_buf_free(&b);
+    return status;
+}
+
 /* ---- streaming ------------------------------------------------------------------------------ */
 
 struct llmem_detok {

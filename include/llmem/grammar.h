@@ -1,0 +1,85 @@
+/*
+ * llmem/grammar.h — constrained decoding: a JSON Schema (or "any JSON object") compiled into a
+ * grammar over bytes, and a matcher that says which tokens of a vocabulary may come next, so that
+ * a sampler only ever picks tokens that keep the output inside the grammar and ends it only where
+ * the grammar is complete.
+ *
+ * The schemas: `type` string, number, integer, boolean, null, object, array (or a list of them);
+ * `properties` (written in their order) with `required` (the others optional, in order) — no
+ * other keys (additionalProperties is taken as false); `items` with `minItems` / `maxItems`;
+ * `enum` and `const` of any JSON values; `anyOf` / `oneOf`; `$ref` to "#", "#/$defs/NAME" or
+ * "#/definitions/NAME" (recursion allowed); string `minLength` / `maxLength`; `{}` or `true`:
+ * any JSON value. Annotations (title, description, $schema, examples, default, strict, $id,
+ * $comment) are ignored. Anything else that constrains (`pattern`, `format`, `minimum`,
+ * `allOf`, `not`, `if`, `prefixItems`, `patternProperties`, `additionalProperties` other than
+ * false, …) is refused with a message naming it. Strings are valid UTF-8 with JSON's escapes;
+ * numbers JSON's; whitespace between tokens at most a newline or a few spaces and tabs.
+ */
+#ifndef LLMEM_GRAMMAR_H
+#define LLMEM_GRAMMAR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "llmem/api.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct llmem_grammar;    /* a compiled schema: immutable, shared by any number of matchers */
+struct llmem_tokenizer;
+
+/* The most rules a schema may compile to (a larger one is refused as too large). */
+#define LLMEM_GRAMMAR_MAX_RULES 4096
+
+/* Compiles the JSON Schema in schema[0, len) (NULL: any JSON object, OpenAI's json_object mode).
+ * LLMEM_EINVAL for a schema that is not JSON, not a schema, or uses what the engine does not
+ * compile, with one line saying which into why (why_size bytes, always NUL-terminated; not
+ * logged: the caller reports it, a server as a 400), LLMEM_ENOMEM. */
+LLMEM_API int llmem_grammar_compile(const char *schema, size_t len, char *why, size_t why_size,
+                                    struct llmem_grammar **out);
+LLMEM_API void llmem_grammar_free(struct llmem_grammar *g);
+/* The bytes the compiled grammar holds (its rules and character sets), for the plan's count. */
+LLMEM_API int64_t llmem_grammar_bytes(const struct llmem_grammar *g);
+
+/* A tokenizer's vocabulary as the matcher walks it: every token's bytes in a trie (special tokens
+ * left out: the tokens that end an output are the sampler's to allow). Built once per tokenizer.
+ * LLMEM_ENOMEM (logged). */
+struct llmem_grammar_vocab;
+LLMEM_API int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
+                                         struct llmem_grammar_vocab **out);
+/* The tokenizer's vocabulary size (the allowed array's length). */
+LLMEM_API int32_t llmem_grammar_vocab_size(const struct llmem_grammar_vocab *v);
+LLMEM_API void llmem_grammar_vocab_free(struct llmem_grammar_vocab *v);
+
+/* A matcher: where one output stands in a grammar. */
+struct llmem_grammar_state;
+LLMEM_API int llmem_grammar_state_create(const struct llmem_grammar *g,
+                                         const struct llmem_grammar_vocab *v,
+                                         struct llmem_grammar_state **out);
+LLMEM_API void llmem_grammar_state_free(struct llmem_grammar_state *s);
+/* allowed[id] = 1 for the tokens that may come next (llmem_grammar_vocab_size bytes), 0 for the
+ * others (an end of the output, where llmem_grammar_complete says it may come, is the caller's).
+ * With remaining ≥ 1 tokens left for the output (0: no budget), only tokens after which the
+ * shortest completion fits the tokens then left (a byte a token at worst) are allowed, so that
+ * the output is complete in time; where it already does not fit, only tokens on a shortest way
+ * to the end. Returns how many are allowed. */
+LLMEM_API int64_t llmem_grammar_allowed(struct llmem_grammar_state *s, int64_t remaining,
+                                        uint8_t *allowed);
+/* Moves past token id (LLMEM_EINVAL when the grammar does not allow it, or it is special: the
+ * state is unchanged). */
+LLMEM_API int llmem_grammar_accept(struct llmem_grammar_state *s, int32_t id);
+/* Moves past bytes (the same rule). */
+LLMEM_API int llmem_grammar_accept_bytes(struct llmem_grammar_state *s, const char *bytes,
+                                         size_t n);
+/* Whether the output so far is complete (an end may come now), and whether it must end (nothing
+ * else may come). */
+LLMEM_API int llmem_grammar_complete(const struct llmem_grammar_state *s);
+LLMEM_API int llmem_grammar_must_end(const struct llmem_grammar_state *s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,1078 @@
+/*
+ * engine/grammar.c — constrained decoding (llmem/grammar.h).
+ *
+ * A schema compiles into a grammar over bytes: rules of alternatives, each a sequence of byte sets
+ * and references to rules, ending in END (the alternatives of a rule separated by ALT). Repetition
+ * is right recursion, bounded counts are unrolled, so no rule is left recursive.
+ *
+ * A matcher holds a set of stacks (the parses still alive). A stack lists positions in the
+ * elements, the top last: the top is a byte set, those below it where each enclosing sequence
+ * goes on. A byte moves every stack whose top set holds it past that set, then expands the new
+ * top: END pops, a reference pushes each of its rule's alternatives (the continuation below
+ * them, left out when it is an END: the tail of a right recursion does not grow the stack). An
+ * empty stack is a complete output.
+ *
+ * The allowed tokens: a walk of the vocabulary's trie of token bytes, advancing the set of
+ * stacks a byte at a time and leaving a branch as soon as no stack survives. The shortest
+ * completion of a stack is the sum of each of its positions' shortest way to its sequence's end
+ * (a fixpoint over the rules, computed once): with too few tokens left, only tokens that shorten
+ * it by their whole length are allowed.
+ */
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+#include "core/log.h"
+#include "llmem/grammar.h"
+#include "llmem/status.h"
+#include "llmem/tokenizer.h"
+
+/* ---- the grammar ---------------------------------------------------------------------------- */
+
+enum { G_END, G_ALT, G_REF, G_SET };
+
+struct gel {
+    uint8_t type;
+    uint32_t v; /* G_REF: the rule; G_SET: the set */
+};
+
+#define WS_MAX        12   /* whitespace bytes between two tokens of the JSON */
+#define STACK_MAX     512  /* positions of one stack; a deeper parse is dropped */
+#define REPEAT_MAX    256  /* counts a schema may bound (items, string length) */
+#define TOKEN_MAX     256  /* bytes of the longest token the matcher walks */
+#define EXPAND_MAX    1024 /* references expanded in a row without a byte between */
+#define UNREACHABLE   (INT32_MAX / 4)
+
+struct llmem_grammar {
+    struct gel *el;
+    int32_t n_el, cap_el;
+    int32_t *rule_at; /* the rule's first element; -1 while not yet defined */
+    int32_t n_rules, cap_rules;
+    uint8_t (*sets)[32];
+    int32_t n_sets, cap_sets;
+    int32_t root;
+    int32_t *min_len; /* (n_el) the fewest bytes from an element to its sequence's end */
+};
+
+/* A sequence under construction (one rule's alternatives). */
+struct seq {
+    struct gel *el;
+    int32_t n, cap;
+};
+
+struct builder {
+    struct llmem_grammar *g;
+    char *why;
+    size_t why_size;
+    int failed; /* LLMEM_EINVAL or LLMEM_ENOMEM once something failed */
+    const cJSON *root;
+    struct {
+        const cJSON *node;
+        int32_t rule;
+    } memo[LLMEM_GRAMMAR_MAX_RULES];
+    int n_memo;
+    int32_t ws, value, string, chars, ch, number, integer, digits0, object_any, array_any;
+    int depth;
+};
+
+static int fail_enomem(struct builder *b) {
+    if (!b->failed)
+        snprintf(b->why, b->why_size, "out of memory");
+    b->failed = LLMEM_ENOMEM;
+    return -1;
+}
+
+static int refuse(struct builder *b, const char *fmt, const char *what) {
+    if (!b->failed)
+        snprintf(b->why, b->why_size, fmt, what);
+    b->failed = LLMEM_EINVAL;
+    return -1;
+}
+
+static int grow(void **p, int32_t *cap, int32_t need, size_t size) {
+    if (need <= *cap)
+        return 0;
+    int32_t c = *cap > 0 ? *cap : 16;
+    while (c < need)
+        c *= 2;
+    void *q = realloc(*p, (size_t)c * size);
+    if (q == NULL)
+        return -1;
+    *p = q, *cap = c;
+    return 0;
+}
+
+static void seq_push(struct builder *b, struct seq *s, uint8_t type, uint32_t v) {
+    if (grow((void **)&s->el, &s->cap, s->n + 1, sizeof(*s->el)) != 0) {
+        fail_enomem(b);
+        return;
+    }
+    s->el[s->n++] = (struct gel){type, v};
+}
+
+static int32_t new_rule(struct builder *b) {
+    struct llmem_grammar *g = b->g;
+    if (g->n_rules >= LLMEM_GRAMMAR_MAX_RULES)
+        return refuse(b, "the schema is too large (more than %s rules)", "4096");
+    if (grow((void **)&g->rule_at, &g->cap_rules, g->n_rules + 1, sizeof(*g->rule_at)) != 0)
+        return fail_enomem(b);
+    g->rule_at[g->n_rules] = -1;
+    return g->n_rules++;
+}
+
+/* The rule's alternatives from s (freed), ALT between them as s holds them, END last. */
+static int32_t define(struct builder *b, int32_t rule, struct seq *s) {
+    struct llmem_grammar *g = b->g;
+    if (rule >= 0 && !b->failed &&
+        grow((void **)&g->el, &g->cap_el, g->n_el + s->n + 1, sizeof(*g->el)) == 0) {
+        g->rule_at[rule] = g->n_el;
+        memcpy(g->el + g->n_el, s->el, (size_t)s->n * sizeof(*s->el));
+        g->n_el += s->n;
+        g->el[g->n_el++] = (struct gel){G_END, 0};
+    } else if (!b->failed) {
+        fail_enomem(b);
+    }
+    free(s->el);
+    *s = (struct seq){0};
+    return b->failed ? -1 : rule;
+}
+
+static int32_t set_of(struct builder *b, const uint8_t bits[32]) {
+    struct llmem_grammar *g = b->g;
+    for (int32_t i = 0; i < g->n_sets; i++)
+        if (memcmp(g->sets[i], bits, 32) == 0)
+            return i;
+    if (grow((void **)&g->sets, &g->cap_sets, g->n_sets + 1, sizeof(*g->sets)) != 0)
+        return fail_enomem(b);
+    memcpy(g->sets[g->n_sets], bits, 32);
+    return g->n_sets++;
+}
+
+/* The bytes lo … hi as a set (pairs of a range string: "az09"). */
+static void push_ranges(struct builder *b, struct seq *s, const char *ranges) {
+    uint8_t bits[32] = {0};
+    for (const unsigned char *r = (const unsigned char *)ranges; r[0] && r[1]; r += 2)
+        for (int c = r[0]; c <= r[1]; c++)
+            bits[c >> 3] |= (uint8_t)(1u << (c & 7));
+    int32_t set = set_of(b, bits);
+    if (set >= 0)
+        seq_push(b, s, G_SET, (uint32_t)set);
+}
+
+static void push_lit(struct builder *b, struct seq *s, const char *text, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        const char r[3] = {text[i], text[i], 0};
+        push_ranges(b, s, r);
+    }
+}
+
+#define LIT(s, text) push_lit(b, s, text, sizeof(text) - 1)
+
+static void push_ref(struct builder *b, struct seq *s, int32_t rule) {
+    if (rule >= 0)
+        seq_push(b, s, G_REF, (uint32_t)rule);
+}
+
+static void push_alt(struct builder *b, struct seq *s) {
+    seq_push(b, s, G_ALT, 0);
+}
+
+/* ---- JSON's own rules ----------------------------------------------------------------------- */
+
+static void json_rules(struct builder *b) {
+    struct seq s = {0};
+    /* ws: up to WS_MAX of space, tab, newline */
+    int32_t next = -1;
+    for (int i = 0; i < WS_MAX; i++) {
+        int32_t r = new_rule(b);
+        push_alt(b, &s); /* ε first */
+        push_ranges(b, &s, "  \t\t\n\n\r\r");
+        push_ref(b, &s, next);
+        next = define(b, r, &s);
+    }
+    b->ws = next;
+    /* a string's character: UTF-8 as RFC 3629 allows it, or an escape */
+    int32_t cont = -1, esc = new_rule(b), ch = new_rule(b), chars = new_rule(b);
+    push_ranges(b, &s, "\"\"\\\\//bbffnnrrtt");
+    push_alt(b, &s);
+    LIT(&s, "u");
+    for (int i = 0; i < 4; i++)
+        push_ranges(b, &s, "09afAF");
+    define(b, esc, &s);
+    (void)cont;
+    push_ranges(b, &s, " !#[]\x7f");
+    push_alt(b, &s);
+    push_ranges(b, &s, "\xc2\xdf"), push_ranges(b, &s, "\x80\xbf");
+    push_alt(b, &s);
+    LIT(&s, "\xe0"), push_ranges(b, &s, "\xa0\xbf"), push_ranges(b, &s, "\x80\xbf");
+    push_alt(b, &s);
+    push_ranges(b, &s, "\xe1\xec\xee\xef"), push_ranges(b, &s, "\x80\xbf"),
+        push_ranges(b, &s, "\x80\xbf");
+    push_alt(b, &s);
+    LIT(&s, "\xed"), push_ranges(b, &s, "\x80\x9f"), push_ranges(b, &s, "\x80\xbf");
+    push_alt(b, &s);
+    LIT(&s, "\xf0"), push_ranges(b, &s, "\x90\xbf"), push_ranges(b, &s, "\x80\xbf"),
+        push_ranges(b, &s, "\x80\xbf");
+    push_alt(b, &s);
+    push_ranges(b, &s, "\xf1\xf3");
+    for (int i = 0; i < 3; i++)
+        push_ranges(b, &s, "\x80\xbf");
+    push_alt(b, &s);
+    LIT(&s, "\xf4"), push_ranges(b, &s, "\x80\x8f"), push_ranges(b, &s, "\x80\xbf"),
+        push_ranges(b, &s, "\x80\xbf");
+    push_alt(b, &s);
+    LIT(&s, "\\"), push_ref(b, &s, esc);
+    b->ch = define(b, ch, &s);
+    push_alt(b, &s); /* chars: ε | ch chars */
+    push_ref(b, &s, b->ch), push_ref(b, &s, chars);
+    b->chars = define(b, chars, &s);
+    b->string = new_rule(b);
+    LIT(&s, "\""), push_ref(b, &s, b->chars), LIT(&s, "\"");
+    define(b, b->string, &s);
+    /* numbers */
+    b->digits0 = new_rule(b);
+    push_alt(b, &s);
+    push_ranges(b, &s, "09"), push_ref(b, &s, b->digits0);
+    define(b, b->digits0, &s);
+    int32_t intpart = new_rule(b);
+    LIT(&s, "0");
+    push_alt(b, &s);
+    push_ranges(b, &s, "19"), push_ref(b, &s, b->digits0);
+    define(b, intpart, &s);
+    int32_t sign = new_rule(b);
+    push_alt(b, &s);
+    LIT(&s, "-");
+    define(b, sign, &s);
+    b->integer = new_rule(b);
+    push_ref(b, &s, sign), push_ref(b, &s, intpart);
+    define(b, b->integer, &s);
+    int32_t frac = new_rule(b), exp = new_rule(b);
+    push_alt(b, &s);
+    LIT(&s, "."), push_ranges(b, &s, "09"), push_ref(b, &s, b->digits0);
+    define(b, frac, &s);
+    push_alt(b, &s);
+    push_ranges(b, &s, "eeEE"), push_ranges(b, &s, "++--"), push_ranges(b, &s, "09"),
+        push_ref(b, &s, b->digits0);
+    push_alt(b, &s);
+    push_ranges(b, &s, "eeEE"), push_ranges(b, &s, "09"), push_ref(b, &s, b->digits0);
+    define(b, exp, &s);
+    b->number = new_rule(b);
+    push_ref(b, &s, b->integer), push_ref(b, &s, frac), push_ref(b, &s, exp);
+    define(b, b->number, &s);
+    /* any value, object and array */
+    b->value = new_rule(b), b->object_any = new_rule(b), b->array_any = new_rule(b);
+    int32_t obj_more = new_rule(b), arr_more = new_rule(b);
+    push_ref(b, &s, b->object_any);
+    push_alt(b, &s), push_ref(b, &s, b->array_any);
+    push_alt(b, &s), push_ref(b, &s, b->string);
+    push_alt(b, &s), push_ref(b, &s, b->number);
+    push_alt(b, &s), LIT(&s, "true");
+    push_alt(b, &s), LIT(&s, "false");
+    push_alt(b, &s), LIT(&s, "null");
+    define(b, b->value, &s);
+    LIT(&s, "{"), push_ref(b, &s, b->ws), LIT(&s, "}");
+    push_alt(b, &s);
+    LIT(&s, "{"), push_ref(b, &s, b->ws), push_ref(b, &s, b->string), push_ref(b, &s, b->ws);
+    LIT(&s, ":"), push_ref(b, &s, b->ws), push_ref(b, &s, b->value), push_ref(b, &s, b->ws);
+    push_ref(b, &s, obj_more);
+    define(b, b->object_any, &s);
+    LIT(&s, "}");
+    push_alt(b, &s);
+    LIT(&s, ","), push_ref(b, &s, b->ws), push_ref(b, &s, b->string), push_ref(b, &s, b->ws);
+    LIT(&s, ":"), push_ref(b, &s, b->ws), push_ref(b, &s, b->value), push_ref(b, &s, b->ws);
+    push_ref(b, &s, obj_more);
+    define(b, obj_more, &s);
+    LIT(&s, "["), push_ref(b, &s, b->ws), LIT(&s, "]");
+    push_alt(b, &s);
+    LIT(&s, "["), push_ref(b, &s, b->ws), push_ref(b, &s, b->value), push_ref(b, &s, b->ws);
+    push_ref(b, &s, arr_more);
+    define(b, b->array_any, &s);
+    LIT(&s, "]");
+    push_alt(b, &s);
+    LIT(&s, ","), push_ref(b, &s, b->ws), push_ref(b, &s, b->value), push_ref(b, &s, b->ws);
+    push_ref(b, &s, arr_more);
+    define(b, arr_more, &s);
+}
+
+/* ---- schemas -------------------------------------------------------------------------------- */
+
+static int32_t schema_rule(struct builder *b, const cJSON *schema);
+
+/* A JSON value's text as a literal alternative. */
+static void push_json(struct builder *b, struct seq *s, const cJSON *v) {
+    char *text = cJSON_PrintUnformatted(v);
+    if (text == NULL) {
+        fail_enomem(b);
+        return;
+    }
+    push_lit(b, s, text, strlen(text));
+    cJSON_free(text);
+}
+
+static int is_annotation(const char *k) {
+    static const char *const ok[] = {"title",   "description", "$schema", "examples",
+                                     "default", "$id",         "$comment", "strict",
+                                     "$defs",   "definitions", "deprecated", "readOnly",
+                                     "writeOnly"};
+    for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
+        if (strcmp(k, ok[i]) == 0)
+            return 1;
+    return 0;
+}
+
+static int get_count(struct builder *b, const cJSON *schema, const char *key, int64_t dflt,
+                     int64_t *out) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(schema, key);
+    *out = dflt;
+    if (v == NULL)
+        return 0;
+    if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble != (double)(int64_t)v->valuedouble)
+        return refuse(b, "'%s' must be a whole number ≥ 0", key);
+    if (v->valuedouble > REPEAT_MAX)
+        return refuse(b, "'%s' is above 256, the most the grammar unrolls", key);
+    *out = (int64_t)v->valuedouble;
+    return 0;
+}
+
+/* `item` min … max times (max < 0: no bound), separated by sep (a rule, or -1) and followed by
+ * `close` (a literal): the rules after k items, k = 1 …; returns the rule after the first. */
+static int32_t repeat_rules(struct builder *b, int32_t item, int32_t sep_ws, const char *close,
+                            int64_t min, int64_t max) {
+    /* after[k] for k = 1 … last, where last = max (bounded) or min (then self-recursive) */
+    const int64_t last = max >= 0 ? max : (min > 1 ? min : 1);
+    int32_t first = -1, prev = -1;
+    struct seq s = {0};
+    int32_t *after = malloc((size_t)(last + 1) * sizeof(*after));
+    if (after == NULL)
+        return fail_enomem(b);
+    for (int64_t k = 1; k <= last; k++)
+        after[k] = new_rule(b);
+    for (int64_t k = 1; k <= last && !b->failed; k++) {
+        int any = 0;
+        if (k >= min) {
+            push_lit(b, &s, close, strlen(close));
+            any = 1;
+        }
+        if (max < 0 || k < max) {
+            if (any)
+                push_alt(b, &s);
+            LIT(&s, ",");
+            push_ref(b, &s, sep_ws), push_ref(b, &s, item);
+            push_ref(b, &s, after[k < last ? k + 1 : last]);
+        }
+        define(b, after[k], &s);
+    }
+    first = b->failed ? -1 : after[1];
+    (void)prev;
+    free(after);
+    return first;
+}
+
+static int32_t object_rule(struct builder *b, const cJSON *schema) {
+    const cJSON *props = cJSON_GetObjectItemCaseSensitive(schema, "properties");
+    const cJSON *req = cJSON_GetObjectItemCaseSensitive(schema, "required");
+    const cJSON *add = cJSON_GetObjectItemCaseSensitive(schema, "additionalProperties");
+    if (props != NULL && !cJSON_IsObject(props))
+        return refuse(b, "'%s' must be an object", "properties");
+    if (req != NULL && !cJSON_IsArray(req))
+        return refuse(b, "'%s' must be an array of names", "required");
+    const cJSON *r;
+    cJSON_ArrayForEach(r, req) {
+        if (!cJSON_IsString(r))
+            return refuse(b, "'%s' must be an array of names", "required");
+        if (cJSON_GetObjectItemCaseSensitive(props, r->valuestring) == NULL)
+            return refuse(b, "'required' names '%s', which is not among the properties",
+                          r->valuestring);
+    }
+    struct seq s = {0};
+    if (props == NULL || props->child == NULL) { /* a map, or any object */
+        if (add == NULL || cJSON_IsTrue(add))
+            return b->object_any;
+        if (cJSON_IsFalse(add)) {
+            int32_t rule = new_rule(b);
+            LIT(&s, "{"), push_ref(b, &s, b->ws), LIT(&s, "}");
+            return define(b, rule, &s);
+        }
+        int32_t value = schema_rule(b, add), rule = new_rule(b), member = new_rule(b);
+        push_ref(b, &s, b->string), push_ref(b, &s, b->ws), LIT(&s, ":");
+        push_ref(b, &s, b->ws), push_ref(b, &s, value), push_ref(b, &s, b->ws);
+        define(b, member, &s);
+        int32_t more = repeat_rules(b, member, b->ws, "}", 0, -1);
+        LIT(&s, "{"), push_ref(b, &s, b->ws), LIT(&s, "}");
+        push_alt(b, &s);
+        LIT(&s, "{"), push_ref(b, &s, b->ws), push_ref(b, &s, member), push_ref(b, &s, more);
+        return define(b, rule, &s);
+    }
+    if (add != NULL && !cJSON_IsFalse(add))
+        return refuse(b, "'%s' other than false beside 'properties' is not supported",
+                      "additionalProperties");
+    /* member i, then S(i, first) for i = n … 0: the members from i on, in order, the optional
+     * ones left out or not; `first`: no comma before the next */
+    const int n = cJSON_GetArraySize(props);
+    int32_t *members = malloc((size_t)n * sizeof(*members));
+    int32_t *tail = malloc((size_t)(2 * n + 2) * sizeof(*tail));
+    if (members == NULL || tail == NULL) {
+        free(members), free(tail);
+        return fail_enomem(b);
+    }
+    int i = 0;
+    const cJSON *p;
+    cJSON_ArrayForEach(p, props) {
+        int32_t value = schema_rule(b, p), m = new_rule(b);
+        cJSON *key = cJSON_CreateString(p->string);
+        if (key == NULL) {
+            fail_enomem(b);
+        } else {
+            push_json(b, &s, key);
+            cJSON_Delete(key);
+        }
+        push_ref(b, &s, b->ws), LIT(&s, ":"), push_ref(b, &s, b->ws);
+        push_ref(b, &s, value), push_ref(b, &s, b->ws);
+        members[i++] = define(b, m, &s);
+    }
+    for (int k = 0; k < 2; k++) { /* S(n, ·): nothing more */
+        tail[2 * n + k] = new_rule(b);
+        push_alt(b, &s);
+        define(b, tail[2 * n + k], &s);
+    }
+    i = n - 1;
+    for (p = cJSON_GetArrayItem(props, n - 1); i >= 0 && !b->failed; i--) {
+        const cJSON *prop = cJSON_GetArrayItem(props, i);
+        int required = 0;
+        cJSON_ArrayForEach(r, req) required |= strcmp(r->valuestring, prop->string) == 0;
+        for (int first = 0; first < 2; first++) {
+            int32_t rule = new_rule(b);
+            if (!first)
+                LIT(&s, ","), push_ref(b, &s, b->ws);
+            push_ref(b, &s, members[i]), push_ref(b, &s, tail[2 * (i + 1)]);
+            if (!required)
+                push_alt(b, &s), push_ref(b, &s, tail[2 * (i + 1) + first]);
+            tail[2 * i + first] = define(b, rule, &s);
+        }
+    }
+    int32_t rule = new_rule(b);
+    LIT(&s, "{"), push_ref(b, &s, b->ws), push_ref(b, &s, tail[1]), LIT(&s, "}");
+    free(members), free(tail);
+    return define(b, rule, &s);
+}
+
+static int32_t array_rule(struct builder *b, const cJSON *schema) {
+    const cJSON *items = cJSON_GetObjectItemCaseSensitive(schema, "items");
+    int64_t min, max;
+    if (get_count(b, schema, "minItems", 0, &min) || get_count(b, schema, "maxItems", -1, &max))
+        return -1;
+    if (max >= 0 && max < min)
+        return refuse(b, "'%s' is below minItems", "maxItems");
+    int32_t value = items != NULL ? schema_rule(b, items) : b->value;
+    struct seq s = {0};
+    int32_t item = new_rule(b), rule = new_rule(b);
+    push_ref(b, &s, value), push_ref(b, &s, b->ws);
+    define(b, item, &s);
+    if (max == 0) {
+        LIT(&s, "["), push_ref(b, &s, b->ws), LIT(&s, "]");
+        return define(b, rule, &s);
+    }
+    int32_t more = repeat_rules(b, item, b->ws, "]", min, max);
+    if (min == 0) {
+        LIT(&s, "["), push_ref(b, &s, b->ws), LIT(&s, "]");
+        push_alt(b, &s);
+    }
+    LIT(&s, "["), push_ref(b, &s, b->ws), push_ref(b, &s, item), push_ref(b, &s, more);
+    return define(b, rule, &s);
+}
+
+static int32_t string_rule(struct builder *b, const cJSON *schema) {
+    int64_t min, max;
+    if (get_count(b, schema, "minLength", 0, &min) || get_count(b, schema, "maxLength", -1, &max))
+        return -1;
+    if (min == 0 && max < 0)
+        return b->string;
+    if (max >= 0 && max < min)
+        return refuse(b, "'%s' is below minLength", "maxLength");
+    /* opt[k]: at most k more characters, then the quote */
+    struct seq s = {0};
+    int32_t next = -1;
+    if (max < 0) {
+        next = new_rule(b);
+        push_ref(b, &s, b->chars), LIT(&s, "\"");
+        define(b, next, &s);
+    } else {
+        for (int64_t k = 0; k <= max - min; k++) {
+            int32_t r = new_rule(b);
+            LIT(&s, "\"");
+            if (k > 0)
+                push_alt(b, &s), push_ref(b, &s, b->ch), push_ref(b, &s, next);
+            next = define(b, r, &s);
+        }
+    }
+    int32_t rule = new_rule(b);
+    LIT(&s, "\"");
+    for (int64_t k = 0; k < min; k++)
+        push_ref(b, &s, b->ch);
+    push_ref(b, &s, next);
+    return define(b, rule, &s);
+}
+
+static int32_t type_rule(struct builder *b, const cJSON *schema, const char *type) {
+    if (strcmp(type, "string") == 0)
+        return string_rule(b, schema);
+    if (strcmp(type, "number") == 0)
+        return b->number;
+    if (strcmp(type, "integer") == 0)
+        return b->integer;
+    if (strcmp(type, "object") == 0)
+        return object_rule(b, schema);
+    if (strcmp(type, "array") == 0)
+        return array_rule(b, schema);
+    struct seq s = {0};
+    int32_t rule = new_rule(b);
+    if (strcmp(type, "boolean") == 0)
+        LIT(&s, "true"), push_alt(b, &s), LIT(&s, "false");
+    else if (strcmp(type, "null") == 0)
+        LIT(&s, "null");
+    else {
+        free(s.el);
+        return refuse(b, "type '%s' is not a JSON Schema type", type);
+    }
+    return define(b, rule, &s);
+}
+
+/* The schema a $ref names (within the root document). */
+static const cJSON *resolve(struct builder *b, const char *ref) {
+    if (strcmp(ref, "#") == 0)
+        return b->root;
+    const char *name = NULL;
+    const cJSON *defs = NULL;
+    if (strncmp(ref, "#/$defs/", 8) == 0)
+        defs = cJSON_GetObjectItemCaseSensitive(b->root, "$defs"), name = ref + 8;
+    else if (strncmp(ref, "#/definitions/", 14) == 0)
+        defs = cJSON_GetObjectItemCaseSensitive(b->root, "definitions"), name = ref + 14;
+    const cJSON *target = name != NULL ? cJSON_GetObjectItemCaseSensitive(defs, name) : NULL;
+    if (target == NULL)
+        refuse(b, "'$ref' '%s' names no definition of this schema", ref);
+    return target;
+}
+
+static int32_t schema_rule(struct builder *b, const cJSON *schema) {
+    if (b->failed)
+        return -1;
+    if (cJSON_IsTrue(schema))
+        return b->value;
+    if (!cJSON_IsObject(schema))
+        return refuse(b, "a schema must be an object or true, not %s",
+                      cJSON_IsFalse(schema) ? "false" : "another JSON value");
+    for (int i = 0; i < b->n_memo; i++) /* compiled, or being compiled (recursion) */
+        if (b->memo[i].node == schema)
+            return b->memo[i].rule;
+    if (++b->depth > 64) {
+        b->depth--;
+        return refuse(b, "the schema nests deeper than %s levels", "64");
+    }
+    int32_t rule = new_rule(b);
+    if (rule < 0 || b->n_memo == LLMEM_GRAMMAR_MAX_RULES) {
+        b->depth--;
+        return rule < 0 ? -1 : refuse(b, "the schema is too large (more than %s rules)", "4096");
+    }
+    b->memo[b->n_memo].node = schema, b->memo[b->n_memo++].rule = rule;
+    static const char *const known[] = {
+        "type",      "properties", "required",  "additionalProperties", "items",   "minItems",
+        "maxItems",  "enum",       "const",     "anyOf",                "oneOf",   "$ref",
+        "minLength", "maxLength"};
+    const cJSON *k;
+    cJSON_ArrayForEach(k, schema) {
+        int ok = is_annotation(k->string);
+        for (size_t i = 0; !ok && i < sizeof(known) / sizeof(known[0]); i++)
+            ok = strcmp(k->string, known[i]) == 0;
+        if (!ok) {
+            b->depth--;
+            return refuse(b, "'%s' is not supported in a schema", k->string);
+        }
+    }
+    struct seq s = {0};
+    const cJSON *ref = cJSON_GetObjectItemCaseSensitive(schema, "$ref");
+    const cJSON *en = cJSON_GetObjectItemCaseSensitive(schema, "enum");
+    const cJSON *cn = cJSON_GetObjectItemCaseSensitive(schema, "const");
+    const cJSON *any = cJSON_GetObjectItemCaseSensitive(schema, "anyOf");
+    if (any == NULL)
+        any = cJSON_GetObjectItemCaseSensitive(schema, "oneOf");
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(schema, "type");
+    if (ref != NULL) {
+        const cJSON *target = cJSON_IsString(ref) ? resolve(b, ref->valuestring) : NULL;
+        if (!cJSON_IsString(ref))
+            refuse(b, "'%s' must be a string", "$ref");
+        push_ref(b, &s, target != NULL ? schema_rule(b, target) : -1);
+    } else if (cn != NULL) {
+        push_json(b, &s, cn);
+    } else if (en != NULL) {
+        if (!cJSON_IsArray(en) || en->child == NULL)
+            refuse(b, "'%s' must be a non-empty array", "enum");
+        const cJSON *v;
+        cJSON_ArrayForEach(v, en) {
+            if (v != en->child)
+                push_alt(b, &s);
+            push_json(b, &s, v);
+        }
+    } else if (any != NULL) {
+        if (!cJSON_IsArray(any) || any->child == NULL)
+            refuse(b, "'%s' must be a non-empty array of schemas", any->string);
+        const cJSON *v;
+        cJSON_ArrayForEach(v, any) {
+            if (v != any->child)
+                push_alt(b, &s);
+            push_ref(b, &s, schema_rule(b, v));
+        }
+    } else if (cJSON_IsString(type)) {
+        push_ref(b, &s, type_rule(b, schema, type->valuestring));
+    } else if (cJSON_IsArray(type) && type->child != NULL) {
+        const cJSON *v;
+        cJSON_ArrayForEach(v, type) {
+            if (!cJSON_IsString(v))
+                refuse(b, "'%s' must name types", "type");
+            if (v != type->child)
+                push_alt(b, &s);
+            push_ref(b, &s, cJSON_IsString(v) ? type_rule(b, schema, v->valuestring) : -1);
+        }
+    } else if (type != NULL) {
+        refuse(b, "'%s' must be a type's name or a list of them", "type");
+    } else if (cJSON_GetObjectItemCaseSensitive(schema, "properties") != NULL) {
+        push_ref(b, &s, object_rule(b, schema));
+    } else if (cJSON_GetObjectItemCaseSensitive(schema, "items") != NULL) {
+        push_ref(b, &s, array_rule(b, schema));
+    } else {
+        push_ref(b, &s, b->value);
+    }
+    b->depth--;
+    return define(b, rule, &s);
+}
+
+/* ---- the fewest bytes to an end ------------------------------------------------------------- */
+
+static int32_t add_sat(int32_t a, int32_t b) {
+    return a >= UNREACHABLE || b >= UNREACHABLE ? UNREACHABLE : a + b;
+}
+
+static int compute_min_len(struct llmem_grammar *g) {
+    int32_t *rule_min = malloc((size_t)g->n_rules * sizeof(*rule_min));
+    g->min_len = malloc((size_t)g->n_el * sizeof(*g->min_len));
+    if (rule_min == NULL || g->min_len == NULL) {
+        free(rule_min);
+        return LLMEM_ENOMEM;
+    }
+    for (int32_t r = 0; r < g->n_rules; r++)
+        rule_min[r] = UNREACHABLE;
+    for (int changed = 1; changed;) {
+        changed = 0;
+        for (int32_t i = g->n_el - 1; i >= 0; i--) {
+            const struct gel *e = &g->el[i];
+            g->min_len[i] = e->type == G_END || e->type == G_ALT ? 0
+                            : e->type == G_SET ? add_sat(1, g->min_len[i + 1])
+                                               : add_sat(rule_min[e->v], g->min_len[i + 1]);
+        }
+        for (int32_t r = 0; r < g->n_rules; r++) {
+            int32_t best = UNREACHABLE;
+            for (int32_t i = g->rule_at[r];; i++) {
+                if (i == g->rule_at[r] || g->el[i - 1].type == G_ALT)
+                    best = g->min_len[i] < best ? g->min_len[i] : best;
+                if (g->el[i].type == G_END)
+                    break;
+            }
+            if (best < rule_min[r])
+                rule_min[r] = best, changed = 1;
+        }
+    }
+    free(rule_min);
+    return LLMEM_OK;
+}
+
+void llmem_grammar_free(struct llmem_grammar *g) {
+    if (g == NULL)
+        return;
+    free(g->el), free(g->rule_at), free(g->sets), free(g->min_len);
+    free(g);
+}
+
+int64_t llmem_grammar_bytes(const struct llmem_grammar *g) {
+    return (int64_t)g->n_el * (int64_t)(sizeof(*g->el) + sizeof(*g->min_len)) +
+           (int64_t)g->n_rules * (int64_t)sizeof(*g->rule_at) + (int64_t)g->n_sets * 32;
+}
+
+int llmem_grammar_compile(const char *schema, size_t len, char *why, size_t why_size,
+                          struct llmem_grammar **out) {
+    LLMEM_ASSERT(why != NULL && why_size > 0 && out != NULL);
+    *out = NULL;
+    why[0] = '\0';
+    cJSON *doc = NULL;
+    if (schema != NULL && (doc = cJSON_ParseWithLength(schema, len)) == NULL) {
+        snprintf(why, why_size, "the schema is not JSON");
+        return LLMEM_EINVAL;
+    }
+    struct builder *b = calloc(1, sizeof(*b));
+    struct llmem_grammar *g = calloc(1, sizeof(*g));
+    if (b == NULL || g == NULL) {
+        free(b), free(g), cJSON_Delete(doc);
+        snprintf(why, why_size, "out of memory");
+        return LLMEM_ENOMEM;
+    }
+    b->g = g, b->why = why, b->why_size = why_size, b->root = doc;
+    json_rules(b);
+    int32_t top = doc != NULL ? schema_rule(b, doc) : b->object_any;
+    struct seq s = {0};
+    g->root = new_rule(b);
+    push_ref(b, &s, top);
+    define(b, g->root, &s);
+    for (int32_t r = 0; !b->failed && r < g->n_rules; r++)
+        if (g->rule_at[r] < 0)
+            fail_enomem(b); /* (every rule made is defined; a failure left one undefined) */
+    int status = b->failed;
+    if (status == LLMEM_OK && (status = compute_min_len(g)) != LLMEM_OK)
+        snprintf(why, why_size, "out of memory");
+    if (status == LLMEM_OK && g->min_len[g->rule_at[g->root]] >= UNREACHABLE) {
+        snprintf(why, why_size, "the schema admits no finite value");
+        status = LLMEM_EINVAL;
+    }
+    free(b);
+    cJSON_Delete(doc);
+    if (status != LLMEM_OK) {
+        llmem_grammar_free(g);
+        return status;
+    }
+    *out = g;
+    return LLMEM_OK;
+}
+
+/* ---- the vocabulary ------------------------------------------------------------------------- */
+
+struct tnode {
+    int32_t child, sibling; /* the first child, the next sibling; −1: none */
+    int32_t tok_first, tok_n; /* the tokens that end here: ids[tok_first, + tok_n) */
+    uint8_t byte;
+};
+
+struct llmem_grammar_vocab {
+    int32_t n_vocab;
+    struct tnode *nodes; /* node 0 the root */
+    int32_t n_nodes, cap_nodes;
+    int32_t *ids; /* tokens grouped by their node */
+    int32_t *len; /* (n_vocab) each token's bytes; −1: not walked (special, empty, too long) */
+    int64_t *off; /* (n_vocab) where they start in bytes */
+    char *bytes;
+    int64_t n_bytes, cap_bytes;
+};
+
+void llmem_grammar_vocab_free(struct llmem_grammar_vocab *v) {
+    if (v == NULL)
+        return;
+    free(v->nodes), free(v->ids), free(v->len), free(v->off), free(v->bytes);
+    free(v);
+}
+
+static int32_t child_of(struct llmem_grammar_vocab *v, int32_t node, uint8_t byte) {
+    for (int32_t c = v->nodes[node].child; c >= 0; c = v->nodes[c].sibling)
+        if (v->nodes[c].byte == byte)
+            return c;
+    if (grow((void **)&v->nodes, &v->cap_nodes, v->n_nodes + 1, sizeof(*v->nodes)) != 0)
+        return -1;
+    struct tnode *n = &v->nodes[v->n_nodes];
+    *n = (struct tnode){.child = -1, .sibling = v->nodes[node].child, .byte = byte};
+    v->nodes[node].child = v->n_nodes;
+    return v->n_nodes++;
+}
+
+int32_t llmem_grammar_vocab_size(const struct llmem_grammar_vocab *v) {
+    return v->n_vocab;
+}
+
+int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
+                               struct llmem_grammar_vocab **out) {
+    LLMEM_ASSERT(tok != NULL && out != NULL);
+    const int32_t n = llmem_tokenizer_vocab_size(tok);
+    struct llmem_grammar_vocab *v = calloc(1, sizeof(*v));
+    int32_t *node_of = v != NULL ? malloc((size_t)n * sizeof(*node_of)) : NULL;
+    int ok = v != NULL && node_of != NULL;
+    if (ok) {
+        v->n_vocab = n;
+        v->len = malloc((size_t)n * sizeof(*v->len));
+        v->ids = malloc((size_t)n * sizeof(*v->ids));
+        v->off = malloc((size_t)n * sizeof(*v->off));
+        ok = v->len != NULL && v->ids != NULL && v->off != NULL &&
+             grow((void **)&v->nodes, &v->cap_nodes, 1024, sizeof(*v->nodes)) == 0;
+    }
+    if (ok) {
+        v->nodes[0] = (struct tnode){.child = -1, .sibling = -1};
+        v->n_nodes = 1;
+    }
+    char bytes[TOKEN_MAX];
+    for (int32_t id = 0; ok && id < n; id++) {
+        size_t len = 0;
+        node_of[id] = -1;
+        v->len[id] = -1;
+        if (llmem_tokenizer_is_special(tok, id) ||
+            llmem_tokenizer_token_bytes(tok, id, bytes, sizeof(bytes), &len) != LLMEM_OK ||
+            len == 0)
+            continue;
+        int32_t node = 0;
+        for (size_t i = 0; i < len && node >= 0; i++)
+            node = child_of(v, node, (uint8_t)bytes[i]);
+        if (ok && node >= 0 && v->n_bytes + (int64_t)len > v->cap_bytes) {
+            int64_t cap = v->cap_bytes > 0 ? 2 * v->cap_bytes : 1 << 16;
+            char *p = realloc(v->bytes, (size_t)(cap + TOKEN_MAX));
+            ok = p != NULL;
+            if (ok)
+                v->bytes = p, v->cap_bytes = cap;
+        }
+        ok = ok && node >= 0;
+        if (ok) {
+            memcpy(v->bytes + v->n_bytes, bytes, len);
+            v->off[id] = v->n_bytes;
+            v->n_bytes += (int64_t)len;
+        }
+        node_of[id] = node;
+        v->len[id] = (int32_t)len;
+    }
+    /* each node's tokens together (a counting sort by node) */
+    for (int32_t id = 0; ok && id < n; id++)
+        if (node_of[id] >= 0)
+            v->nodes[node_of[id]].tok_n++;
+    int32_t at = 0;
+    for (int32_t i = 0; ok && i < v->n_nodes; i++)
+        v->nodes[i].tok_first = at, at += v->nodes[i].tok_n, v->nodes[i].tok_n = 0;
+    for (int32_t id = 0; ok && id < n; id++)
+        if (node_of[id] >= 0) {
+            struct tnode *t = &v->nodes[node_of[id]];
+            v->ids[t->tok_first + t->tok_n++] = id;
+        }
+    free(node_of);
+    if (!ok) {
+        llmem_grammar_vocab_free(v);
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    *out = v;
+    return LLMEM_OK;
+}
+
+/* ---- the matcher ---------------------------------------------------------------------------- */
+
+/* A set of stacks: stack i is pos[at[i], at[i + 1]), its top last. */
+struct stacks {
+    int32_t *pos, *at;
+    int32_t n, n_pos, cap_pos, cap_at;
+};
+
+struct llmem_grammar_state {
+    const struct llmem_grammar *g;
+    const struct llmem_grammar_vocab *v;
+    struct stacks cur;
+    struct stacks *level; /* (TOKEN_MAX + 1) the walk's sets, one a depth */
+    int32_t *scratch;     /* (STACK_MAX) a stack being built */
+    int failed;           /* out of memory while moving */
+    int depth;            /* expand's nesting: references without bytes between are dropped
+                           * past EXPAND_MAX (a schema that refers to itself at once) */
+};
+
+static void stacks_clear(struct stacks *s) {
+    s->n = 0, s->n_pos = 0;
+}
+
+static void stacks_free(struct stacks *s) {
+    free(s->pos), free(s->at);
+}
+
+/* Adds a stack unless the set holds it. */
+static int stacks_add(struct llmem_grammar_state *st, struct stacks *s, const int32_t *p,
+                      int32_t n) {
+    if (s->n == 0 && grow((void **)&s->at, &s->cap_at, 1, sizeof(*s->at)) != 0)
+        return st->failed = LLMEM_ENOMEM;
+    if (s->n == 0)
+        s->at[0] = 0;
+    for (int32_t i = 0; i < s->n; i++)
+        if (s->at[i + 1] - s->at[i] == n && memcmp(s->pos + s->at[i], p, (size_t)n * 4) == 0)
+            return LLMEM_OK;
+    if (grow((void **)&s->pos, &s->cap_pos, s->n_pos + n, sizeof(*s->pos)) != 0 ||
+        grow((void **)&s->at, &s->cap_at, s->n + 2, sizeof(*s->at)) != 0)
+        return st->failed = LLMEM_ENOMEM;
+    if (n > 0)
+        memcpy(s->pos + s->n_pos, p, (size_t)n * 4);
+    s->n_pos += n;
+    s->at[++s->n] = s->n_pos;
+    return LLMEM_OK;
+}
+
+/* The stack p[0, n) (in st->scratch) with its top expanded to byte sets, into out. */
+static void expand(struct llmem_grammar_state *st, struct stacks *out, int32_t *p, int32_t n) {
+    const struct llmem_grammar *g = st->g;
+    while (n > 0 && (g->el[p[n - 1]].type == G_END || g->el[p[n - 1]].type == G_ALT))
+        n--; /* a finished sequence: on with the one below */
+    if (n == 0 || g->el[p[n - 1]].type == G_SET) {
+        stacks_add(st, out, p, n);
+        return;
+    }
+    if (n >= STACK_MAX || st->depth >= EXPAND_MAX)
+        return; /* too deep: this parse is dropped */
+    st->depth++;
+    const int32_t top = p[n - 1], rule = (int32_t)g->el[top].v;
+    const int tail = g->el[top + 1].type == G_END || g->el[top + 1].type == G_ALT;
+    const int32_t base = tail ? n - 1 : n; /* the continuation stays unless nothing follows */
+    for (int32_t i = g->rule_at[rule];; i++) {
+        if (i == g->rule_at[rule] || g->el[i - 1].type == G_ALT) {
+            p[n - 1] = top + 1;
+            p[base] = i;
+            expand(st, out, p, base + 1);
+            p[n - 1] = top; /* (restored for the next alternative) */
+        }
+        if (g->el[i].type == G_END)
+            break;
+    }
+    st->depth--;
+}
+
+/* out = in moved past byte c. */
+static void advance(struct llmem_grammar_state *st, const struct stacks *in, uint8_t c,
+                    struct stacks *out) {
+    const struct llmem_grammar *g = st->g;
+    stacks_clear(out);
+    for (int32_t i = 0; i < in->n; i++) {
+        const int32_t n = in->at[i + 1] - in->at[i];
+        if (n == 0)
+            continue;
+        const int32_t *p = in->pos + in->at[i];
+        const uint8_t *set = g->sets[g->el[p[n - 1]].v];
+        if (!(set[c >> 3] >> (c & 7) & 1))
+            continue;
+        memcpy(st->scratch, p, (size_t)n * 4);
+        st->scratch[n - 1]++;
+        expand(st, out, st->scratch, n);
+    }
+}
+
+/* The fewest bytes to an end over the set's stacks. */
+static int32_t distance(const struct llmem_grammar *g, const struct stacks *s) {
+    int32_t best = UNREACHABLE;
+    for (int32_t i = 0; i < s->n; i++) {
+        int32_t d = 0;
+        for (int32_t k = s->at[i]; k < s->at[i + 1]; k++)
+            d = add_sat(d, g->min_len[s->pos[k]]);
+        best = d < best ? d : best;
+    }
+    return best;
+}
+
+static int has_empty(const struct stacks *s) {
+    for (int32_t i = 0; i < s->n; i++)
+        if (s->at[i + 1] == s->at[i])
+            return 1;
+    return 0;
+}
+
+int llmem_grammar_state_create(const struct llmem_grammar *g, const struct llmem_grammar_vocab *v,
+                               struct llmem_grammar_state **out) {
+    LLMEM_ASSERT(g != NULL && v != NULL && out != NULL);
+    struct llmem_grammar_state *st = calloc(1, sizeof(*st));
+    if (st != NULL) {
+        st->g = g, st->v = v;
+        st->level = calloc(TOKEN_MAX + 1, sizeof(*st->level));
+        st->scratch = malloc(STACK_MAX * sizeof(*st->scratch));
+    }
+    if (st == NULL || st->level == NULL || st->scratch == NULL) {
+        llmem_grammar_state_free(st);
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    st->scratch[0] = g->rule_at[g->root];
+    expand(st, &st->cur, st->scratch, 1);
+    if (st->failed) {
+        llmem_grammar_state_free(st);
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    *out = st;
+    return LLMEM_OK;
+}
+
+void llmem_grammar_state_free(struct llmem_grammar_state *st) {
+    if (st == NULL)
+        return;
+    stacks_free(&st->cur);
+    for (int i = 0; st->level != NULL && i <= TOKEN_MAX; i++)
+        stacks_free(&st->level[i]);
+    free(st->level), free(st->scratch);
+    free(st);
+}
+
+int llmem_grammar_complete(const struct llmem_grammar_state *st) {
+    return has_empty(&st->cur);
+}
+
+int llmem_grammar_must_end(const struct llmem_grammar_state *st) {
+    for (int32_t i = 0; i < st->cur.n; i++)
+        if (st->cur.at[i + 1] != st->cur.at[i])
+            return 0;
+    return 1;
+}
+
+/* The walk below trie node `node`, whose set is st->level[depth]. With a budget (limit ≥ 0), a
+ * token is allowed only where the bytes still needed after it are at most limit (fixed: limit
+ * tokens are left after it, each at least a byte) or, when shrinking (the end is already out of
+ * reach at a byte a token), at most limit less its own length (it lies on a shortest way). */
+static int64_t walk(struct llmem_grammar_state *st, int32_t node, int depth, int32_t limit,
+                    int shrinking, uint8_t *allowed) {
+    const struct llmem_grammar_vocab *v = st->v;
+    int64_t n = 0;
+    for (int32_t c = v->nodes[node].child; c >= 0; c = v->nodes[c].sibling) {
+        struct stacks *next = &st->level[depth + 1];
+        advance(st, &st->level[depth], v->nodes[c].byte, next);
+        if (next->n == 0 || st->failed)
+            continue;
+        const struct tnode *t = &v->nodes[c];
+        const int ok = t->tok_n == 0 || limit < 0 ||
+                       distance(st->g, next) <= (shrinking ? limit - (depth + 1) : limit);
+        for (int32_t k = 0; ok && k < t->tok_n; k++, n++)
+            allowed[v->ids[t->tok_first + k]] = 1;
+        if (depth + 1 < TOKEN_MAX)
+            n += walk(st, c, depth + 1, limit, shrinking, allowed);
+    }
+    return n;
+}
+
+int64_t llmem_grammar_allowed(struct llmem_grammar_state *st, int64_t remaining,
+                              uint8_t *allowed) {
+    const struct llmem_grammar_vocab *v = st->v;
+    memset(allowed, 0, (size_t)v->n_vocab);
+    const int32_t d = distance(st->g, &st->cur);
+    const int shrinking = remaining > 0 && d > remaining;
+    const int32_t limit = remaining <= 0   ? -1
+                          : shrinking      ? d
+                          : remaining - 1 < UNREACHABLE ? (int32_t)(remaining - 1)
+                                                        : UNREACHABLE;
+    stacks_clear(&st->level[0]);
+    for (int32_t i = 0; i < st->cur.n; i++)
+        stacks_add(st, &st->level[0], st->cur.pos + st->cur.at[i],
+                   st->cur.at[i + 1] - st->cur.at[i]);
+    return walk(st, 0, 0, limit, shrinking, allowed);
+}
+
+int llmem_grammar_accept_bytes(struct llmem_grammar_state *st, const char *bytes, size_t n) {
+    struct stacks *a = &st->level[0], *b = &st->level[1];
+    stacks_clear(a);
+    for (int32_t i = 0; i < st->cur.n; i++)
+        stacks_add(st, a, st->cur.pos + st->cur.at[i], st->cur.at[i + 1] - st->cur.at[i]);
+    for (size_t i = 0; i < n; i++) {
+        advance(st, a, (uint8_t)bytes[i], b);
+        if (b->n == 0 || st->failed)
+            return st->failed ? LLMEM_ENOMEM : LLMEM_EINVAL;
+        struct stacks t = *a;
+        *a = *b, *b = t;
+    }
+    struct stacks t = st->cur;
+    st->cur = *a, *a = t;
+    return LLMEM_OK;
+}
+
+int llmem_grammar_accept(struct llmem_grammar_state *st, int32_t id) {
+    const struct llmem_grammar_vocab *v = st->v;
+    if (id < 0 || id >= v->n_vocab || v->len[id] <= 0)
+        return LLMEM_EINVAL;
+    return llmem_grammar_accept_bytes(st, v->bytes + v->off[id], (size_t)v->len[id]);
+}

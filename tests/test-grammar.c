@@ -1,0 +1,236 @@
+/*
+ * tests/test-grammar.c — constrained decoding (engine/grammar.c): schemas compiled or refused
+ * with the keyword named, strings the grammar takes and those it does not, the tokens it allows
+ * next over a real vocabulary, and outputs sampled from random logits under a grammar (they
+ * always parse as JSON and hold what the schema asks), also when the budget only allows closing.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "testutil.h"
+
+#include "llmem/grammar.h"
+#include "llmem/sampler.h"
+#include "llmem/status.h"
+#include "llmem/tokenizer.h"
+
+static struct llmem_tokenizer *tok;
+static struct llmem_grammar_vocab *vocab;
+
+static struct llmem_grammar *compile(const char *schema) {
+    char why[256];
+    struct llmem_grammar *g = NULL;
+    int st = llmem_grammar_compile(schema, schema != NULL ? strlen(schema) : 0, why, sizeof(why),
+                                   &g);
+    if (st != LLMEM_OK)
+        fail_msg("%s: %s", schema != NULL ? schema : "json_object", why);
+    return g;
+}
+
+/* 1 when the grammar takes text whole (complete at its end), 0 when it refuses or is not done. */
+static int takes(const struct llmem_grammar *g, const char *text) {
+    struct llmem_grammar_state *s = NULL;
+    assert_int_equal(llmem_grammar_state_create(g, vocab, &s), LLMEM_OK);
+    int ok = llmem_grammar_accept_bytes(s, text, strlen(text)) == LLMEM_OK &&
+             llmem_grammar_complete(s);
+    llmem_grammar_state_free(s);
+    return ok;
+}
+
+static const char person[] =
+    "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"maxLength\":5},"
+    "\"age\":{\"type\":\"integer\"},\"tags\":{\"type\":\"array\",\"items\":{\"enum\":[\"a\","
+    "\"b\"]},\"maxItems\":2},\"ok\":{\"type\":\"boolean\"}},\"required\":[\"name\",\"ok\"]}";
+
+static void test_strings(void **state) {
+    (void)state;
+    struct llmem_grammar *any = compile(NULL); /* json_object */
+    assert_true(takes(any, "{}"));
+    assert_true(takes(any, "{\"a\": [1, -2.5e+3, \"x\\u00e9\\n\", true, null], \"b\": {}}"));
+    assert_true(takes(any, "{\n  \"k\": \"caf\xc3\xa9\"\n}"));
+    assert_false(takes(any, "[1]"));           /* an object */
+    assert_false(takes(any, "{\"a\" 1}"));
+    assert_false(takes(any, "{\"a\": 01}"));   /* no leading zero */
+    assert_false(takes(any, "{\"a\": \"\xc3\"}")); /* a cut character */
+    assert_false(takes(any, "{\"a\": \"\x01\"}")); /* a control character */
+    assert_false(takes(any, "{\"a\":1"));      /* not complete */
+    llmem_grammar_free(any);
+
+    struct llmem_grammar *g = compile(person);
+    assert_true(takes(g, "{\"name\": \"bob\", \"ok\": true}"));
+    assert_true(takes(g, "{\"name\":\"bob\",\"age\":-3,\"tags\":[\"a\",\"b\"],\"ok\":false}"));
+    assert_true(takes(g, "{\"name\": \"\", \"tags\": [], \"ok\": true}"));
+    assert_false(takes(g, "{\"ok\": true}"));                              /* name required */
+    assert_false(takes(g, "{\"name\": \"abcdef\", \"ok\": true}"));        /* maxLength */
+    assert_false(takes(g, "{\"name\": \"a\", \"age\": 1.5, \"ok\": true}")); /* an integer */
+    assert_false(takes(g, "{\"name\": \"a\", \"tags\": [\"c\"], \"ok\": true}"));
+    assert_false(takes(g, "{\"name\": \"a\", \"tags\": [\"a\",\"a\",\"a\"], \"ok\": true}"));
+    assert_false(takes(g, "{\"name\": \"a\", \"ok\": true, \"x\": 1}")); /* no other keys */
+    assert_false(takes(g, "{\"ok\": true, \"name\": \"a\"}")); /* in the schema's order */
+    llmem_grammar_free(g);
+
+    /* $ref and recursion, anyOf, const, type lists, bounded strings, maps */
+    g = compile("{\"$defs\":{\"n\":{\"anyOf\":[{\"type\":\"null\"},{\"type\":\"object\","
+                "\"properties\":{\"v\":{\"const\":7},\"next\":{\"$ref\":\"#/$defs/n\"}},"
+                "\"required\":[\"v\",\"next\"]}]}},\"$ref\":\"#/$defs/n\"}");
+    assert_true(takes(g, "null"));
+    assert_true(takes(g, "{\"v\":7,\"next\":{\"v\":7,\"next\":null}}"));
+    assert_false(takes(g, "{\"v\":8,\"next\":null}"));
+    llmem_grammar_free(g);
+    g = compile("{\"type\":[\"string\",\"null\"],\"minLength\":2,\"maxLength\":3}");
+    assert_true(takes(g, "\"ab\"") && takes(g, "\"abc\"") && takes(g, "null"));
+    assert_false(takes(g, "\"a\"") || takes(g, "\"abcd\""));
+    llmem_grammar_free(g);
+    g = compile("{\"type\":\"object\",\"additionalProperties\":{\"type\":\"boolean\"}}");
+    assert_true(takes(g, "{}") && takes(g, "{\"x\": true, \"y\": false}"));
+    assert_false(takes(g, "{\"x\": 1}"));
+    llmem_grammar_free(g);
+    g = compile("{\"type\":\"array\",\"items\":{\"type\":\"number\"},\"minItems\":2}");
+    assert_true(takes(g, "[1, 2]") && takes(g, "[1,2,3,4,5]"));
+    assert_false(takes(g, "[1]") || takes(g, "[]"));
+    llmem_grammar_free(g);
+}
+
+/* What is refused, and that the reason names it. */
+static void test_refused(void **state) {
+    (void)state;
+    const struct {
+        const char *schema, *names;
+    } bad[] = {
+        {"{\"type\":\"string\",\"pattern\":\"a+\"}", "pattern"},
+        {"{\"type\":\"string\",\"format\":\"date\"}", "format"},
+        {"{\"type\":\"integer\",\"minimum\":3}", "minimum"},
+        {"{\"allOf\":[{}]}", "allOf"},
+        {"{\"type\":\"thing\"}", "thing"},
+        {"{\"$ref\":\"#/$defs/missing\"}", "missing"},
+        {"{\"$ref\":\"#\"}", "no finite value"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{}},\"required\":[\"b\"]}", "'b'"},
+        {"{\"type\":\"array\",\"maxItems\":100000}", "maxItems"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{}},\"additionalProperties\":true}",
+         "additionalProperties"},
+        {"false", "false"},
+        {"[1,2", "not JSON"},
+        {"{\"enum\":[]}", "enum"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char why[256];
+        struct llmem_grammar *g = NULL;
+        assert_int_equal(llmem_grammar_compile(bad[i].schema, strlen(bad[i].schema), why,
+                                               sizeof(why), &g),
+                         LLMEM_EINVAL);
+        assert_null(g);
+        if (strstr(why, bad[i].names) == NULL)
+            fail_msg("%s: '%s' does not name %s", bad[i].schema, why, bad[i].names);
+    }
+}
+
+/* Outputs sampled from random logits under a grammar: valid JSON holding what the schema asks,
+ * for each of 50 seeds, with a roomy budget and with one that only allows closing. */
+static void test_sampled_outputs(void **state) {
+    (void)state;
+    struct llmem_grammar *g = compile(person);
+    const int32_t vocab_n = llmem_tokenizer_vocab_size(tok);
+    const int32_t eos = llmem_tokenizer_eos(tok);
+    float *logits = malloc((size_t)vocab_n * sizeof(float));
+    assert_non_null(logits);
+    uint64_t x = 1;
+    int short_done = 0;
+    for (int seed = 0; seed < 50; seed++) {
+        for (int budget = 0; budget < 2; budget++) {
+            struct llmem_sampling p;
+            llmem_sampling_default(&p);
+            p.temperature = 1.0, p.seed = (uint64_t)seed;
+            p.grammar = g, p.grammar_vocab = vocab, p.end_ids = &eos, p.n_end_ids = 1;
+            p.max_tokens = budget == 0 ? 400 : 40;
+            struct llmem_sampler *s = NULL;
+            assert_int_equal(llmem_sampler_create(&p, vocab_n, &s), LLMEM_OK);
+            int32_t ids[400];
+            int n = 0;
+            while (n < p.max_tokens) {
+                for (int32_t i = 0; i < vocab_n; i++) { /* random logits, EOS likely */
+                    x = x * 6364136223846793005ull + 1442695040888963407ull;
+                    logits[i] = (float)((x >> 40) % 1000) / 100.0f;
+                }
+                logits[eos] = 12.0f;
+                int32_t id = llmem_sampler_sample(s, logits);
+                llmem_sampler_accept(s, id);
+                if (id == eos)
+                    break;
+                ids[n++] = id;
+            }
+            char *text = NULL;
+            assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &text, NULL), LLMEM_OK);
+            cJSON *o = cJSON_Parse(text);
+            if (o == NULL || !cJSON_IsString(cJSON_GetObjectItem(o, "name")) ||
+                !cJSON_IsBool(cJSON_GetObjectItem(o, "ok")))
+                fail_msg("seed %d, budget %lld: '%s' is not a person", seed,
+                         (long long)p.max_tokens, text);
+            short_done += budget == 1;
+            cJSON_Delete(o);
+            free(text);
+            llmem_sampler_free(s);
+        }
+    }
+    printf("  100 outputs parse and hold name and ok (50 within 40 tokens)\n");
+    assert_int_equal(short_done, 50);
+    free(logits);
+    llmem_grammar_free(g);
+}
+
+/* The tokens allowed at the start of a json_object output all begin with '{' or whitespace, and
+ * a complete output allows nothing more (an end is the sampler's). */
+static void test_allowed(void **state) {
+    (void)state;
+    struct llmem_grammar *g = compile(NULL);
+    struct llmem_grammar_state *s = NULL;
+    assert_int_equal(llmem_grammar_state_create(g, vocab, &s), LLMEM_OK);
+    const int32_t n = llmem_grammar_vocab_size(vocab);
+    uint8_t *allowed = malloc((size_t)n);
+    assert_non_null(allowed);
+    int64_t k = llmem_grammar_allowed(s, 0, allowed);
+    assert_true(k > 0);
+    for (int32_t id = 0; id < n; id++) {
+        char b[256];
+        size_t len = 0;
+        if (!allowed[id])
+            continue;
+        assert_int_equal(llmem_tokenizer_token_bytes(tok, id, b, sizeof(b), &len), LLMEM_OK);
+        assert_true(len > 0 && strchr("{ \t\n\r", b[0]) != NULL);
+    }
+    assert_int_equal(llmem_grammar_accept_bytes(s, "{}", 2), LLMEM_OK);
+    assert_true(llmem_grammar_complete(s) && llmem_grammar_must_end(s));
+    assert_int_equal(llmem_grammar_allowed(s, 0, allowed), 0);
+    assert_int_equal(llmem_grammar_accept_bytes(s, "x", 1), LLMEM_EINVAL);
+    free(allowed);
+    llmem_grammar_state_free(s);
+    llmem_grammar_free(g);
+}
+
+static int setup(void **state) {
+    (void)state;
+    if (llmem_tokenizer_load(LLMEM_SOURCE_DIR "/models/pycoder", &tok) != LLMEM_OK ||
+        llmem_grammar_vocab_create(tok, &vocab) != LLMEM_OK)
+        return -1;
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    llmem_grammar_vocab_free(vocab);
+    llmem_tokenizer_free(tok);
+    return 0;
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_strings),
+        cmocka_unit_test(test_refused),
+        cmocka_unit_test(test_allowed),
+        cmocka_unit_test(test_sampled_outputs),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
