@@ -221,7 +221,10 @@ static void test_parse_errors(void **state) {
          "{\"prompt\": \"x\", \"stop\": [\"1\",\"2\",\"3\",\"4\",\"5\",\"6\",\"7\",\"8\",\"9\","
          "\"10\",\"11\",\"12\",\"13\",\"14\",\"15\",\"16\",\"17\"]}",
          400, "stop", "invalid_value"},
-        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"n\": 3}", 400, "n", "unsupported_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"n\": 0}", 400, "n", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"n\": 17}", 400, "n", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"n\": 2, \"stream\": true}", 400, "n",
+         "unsupported_value"},
         {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"n\": \"1\"}", 400, "n", "invalid_type"},
         {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logprobs\": 21}", 400, "logprobs",
          "invalid_value"},
@@ -387,7 +390,8 @@ static void test_render_completion(void **state) {
                                  .top_ids = {12, 12},
                                  .top_logprobs = {-0.5f, -0.5f}}};
     struct srv_render r = render(SRV_COMPLETIONS, 2);
-    cJSON *o = parsed(llmem_srv_render_response(&r, "ab", 2, toks, 2, "length", 3, 2));
+    const struct srv_choice ab = {"ab", 2, toks, 2, "length"};
+    cJSON *o = parsed(llmem_srv_render_response(&r, &ab, 1, 3, 2));
     assert_string_equal(cJSON_GetObjectItem(o, "id")->valuestring, "cmpl-1");
     assert_string_equal(cJSON_GetObjectItem(o, "object")->valuestring, "text_completion");
     assert_int_equal(cJSON_GetObjectItem(o, "created")->valuedouble, 1700000000);
@@ -417,7 +421,8 @@ static void test_render_completion(void **state) {
 
     /* without logprobs: null; a text with quotes and a newline survives */
     r = render(SRV_COMPLETIONS, -1);
-    o = parsed(llmem_srv_render_response(&r, "say \"hi\"\n", 9, NULL, 0, "stop", 1, 1));
+    const struct srv_choice hi = {"say \"hi\"\n", 9, NULL, 0, "stop"};
+    o = parsed(llmem_srv_render_response(&r, &hi, 1, 1, 1));
     c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
     assert_true(cJSON_IsNull(cJSON_GetObjectItem(c, "logprobs")));
     assert_string_equal(cJSON_GetObjectItem(c, "text")->valuestring, "say \"hi\"\n");
@@ -430,7 +435,8 @@ static void test_render_chat(void **state) {
         .id = 7, .logprob = -0.125f, .n_top = 1, .top_ids = {7}, .top_logprobs = {-0.125f}};
     struct srv_render r = render(SRV_CHAT, 1);
     r.id = "chatcmpl-1";
-    cJSON *o = parsed(llmem_srv_render_response(&r, "hello", 5, &tok, 1, "stop", 10, 1));
+    const struct srv_choice hello = {"hello", 5, &tok, 1, "stop"};
+    cJSON *o = parsed(llmem_srv_render_response(&r, &hello, 1, 10, 1));
     assert_string_equal(cJSON_GetObjectItem(o, "object")->valuestring, "chat.completion");
     const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
     const cJSON *m = cJSON_GetObjectItem(c, "message");

@@ -166,6 +166,10 @@ struct llmem_generate_params {
     int logprobs; /* per token, the log-probability and this many alternatives (0–20); −1: none */
     llmem_progress_fn prefill_progress; /* (optional) prompt tokens done of total */
     void *progress_arg;
+    /* (serving) the id of a request submitted before with the same prompt (n > 1): this one is
+     * admitted once that one's prompt is in its KV cache, whose blocks it then shares through
+     * the session bank instead of computing them again; 0: none */
+    uint64_t follow;
 };
 LLMEM_API void llmem_generate_params_default(struct llmem_generate_params *p);
 

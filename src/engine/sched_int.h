@@ -47,6 +47,7 @@ struct request {
     const char *ending; /* why it ends once its pending token is handed over, or NULL */
     int ending_status;  /* and how (LLMEM_OK, or the error of an "error") */
     int in_flight;      /* passes started that it is part of (two with one queued ahead) */
+    int prompt_banked;  /* its prompt's blocks are banked for the requests that follow it */
 };
 
 /* One entry of a step's batch: a request and how many of its tokens the pass computes. */

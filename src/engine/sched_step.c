@@ -73,6 +73,17 @@ static void admit(struct llmem_sched *s) {
                                "request is admitted until it clears");
             continue;
         }
+        if (r->p.follow != 0) { /* n > 1: after its leader's prompt is in the cache */
+            struct request *lead = s->running;
+            while (lead != NULL && lead->id != r->p.follow)
+                lead = lead->next;
+            if (lead != NULL && lead->pos < lead->n_prompt)
+                break; /* the leader's prefill runs first */
+            if (lead != NULL && !lead->prompt_banked) {
+                ops->bank_sequence(s->cfg.ctx, lead->seq, lead->toks, lead->n_prompt);
+                lead->prompt_banked = 1;
+            }
+        }
         int64_t footprint = blocks_of(s, r->n_prompt + r->max_tokens);
         int64_t pool = paged ? llmem_kv_blocks_free(kv) : 0;
         for (struct request *q = s->running; paged && q != NULL; q = q->next)

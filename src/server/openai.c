@@ -715,12 +715,16 @@ int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
     int64_t n = 1;
     if (field_int(root, "n", &n, e) < 0)
         return -1;
-    if (n != 1)
-        return bad(e, "n", "unsupported_value", "'n' is %" PRId64 "; only 1 is supported", n);
+    if (n < 1 || n > SRV_MAX_N)
+        return bad(e, "n", "invalid_value", "'n' is %" PRId64 "; it must be 1 to %d", n,
+                   SRV_MAX_N);
+    r->n = (int)n;
     if (unsupported(root, r, e) != 0)
         return -1;
     if (field_bool(root, "stream", &r->stream, e) < 0)
         return -1;
+    if (r->stream && r->n > 1)
+        return bad(e, "n", "unsupported_value", "'n' above 1 with 'stream' is not supported");
     const cJSON *so = cJSON_GetObjectItemCaseSensitive(root, "stream_options");
     if (so != NULL && !cJSON_IsNull(so)) {
         if (!cJSON_IsObject(so))
@@ -932,9 +936,9 @@ static cJSON *completion_logprobs(struct srv_render *r, const struct srv_token *
 /* One choice: index, text | message | delta, logprobs, finish_reason. */
 static cJSON *choice(struct srv_render *r, const char *text, size_t len,
                      const struct srv_token *toks, int64_t n_toks, const char *finish_reason,
-                     int chunk, int first) {
+                     int chunk, int first, int index) {
     cJSON *c = cJSON_CreateObject();
-    int bad_ = c == NULL || llmem_json_add_int(c, "index", 0);
+    int bad_ = c == NULL || llmem_json_add_int(c, "index", index);
     char *t = malloc(len + 1);
     bad_ = bad_ || t == NULL;
     if (!bad_) {
@@ -979,16 +983,20 @@ static char *finish(cJSON *o, int bad_) {
     return s;
 }
 
-char *llmem_srv_render_response(struct srv_render *r, const char *text, size_t len,
-                                const struct srv_token *toks, int64_t n_toks,
-                                const char *finish_reason, int64_t prompt_tokens,
-                                int64_t completion_tokens) {
+char *llmem_srv_render_response(struct srv_render *r, const struct srv_choice *choices, int n,
+                                int64_t prompt_tokens, int64_t completion_tokens) {
     cJSON *o = new_response(r, 0);
-    cJSON *choices = o != NULL ? cJSON_AddArrayToObject(o, "choices") : NULL;
-    cJSON *c = choices != NULL ? choice(r, text, len, toks, n_toks, finish_reason, 0, 0) : NULL;
-    if (c != NULL)
-        cJSON_AddItemToArray(choices, c);
-    return finish(o, c == NULL || add_usage(o, prompt_tokens, completion_tokens));
+    cJSON *arr = o != NULL ? cJSON_AddArrayToObject(o, "choices") : NULL;
+    int bad_ = arr == NULL;
+    for (int i = 0; i < n && !bad_; i++) {
+        const struct srv_choice *x = &choices[i];
+        r->text_offset = 0; /* each choice's text from its start */
+        cJSON *c = choice(r, x->text, x->len, x->toks, x->n_toks, x->finish_reason, 0, 0, i);
+        bad_ = c == NULL;
+        if (c != NULL)
+            cJSON_AddItemToArray(arr, c);
+    }
+    return finish(o, bad_ || add_usage(o, prompt_tokens, completion_tokens));
 }
 
 char *llmem_srv_render_chunk(struct srv_render *r, const char *text, size_t len,
@@ -996,7 +1004,8 @@ char *llmem_srv_render_chunk(struct srv_render *r, const char *text, size_t len,
                              const char *finish_reason, int first) {
     cJSON *o = new_response(r, 1);
     cJSON *choices = o != NULL ? cJSON_AddArrayToObject(o, "choices") : NULL;
-    cJSON *c = choices != NULL ? choice(r, text, len, toks, n_toks, finish_reason, 1, first) : NULL;
+    cJSON *c =
+        choices != NULL ? choice(r, text, len, toks, n_toks, finish_reason, 1, first, 0) : NULL;
     if (c != NULL)
         cJSON_AddItemToArray(choices, c);
     /* with include_usage every chunk has a usage field, null until the last (as OpenAI) */

@@ -130,7 +130,9 @@ struct job {
     int refs; /* under mu */
     int fd;   /* the client's socket */
     uint64_t id;
-    struct srv_request req;
+    struct srv_request req; /* a choice after the first: its parent's, borrowed */
+    struct job *parent;     /* (n > 1) the first choice's job, which owns req; else NULL */
+    int choice;             /* its index among the request's choices */
     struct srv_render render;
     char id_str[48];
 
@@ -153,6 +155,8 @@ struct job {
     int started, finished;
 };
 
+static void job_release(struct job *j);
+
 static void job_release(struct job *j) {
     pthread_mutex_lock(&j->mu);
     int last = --j->refs == 0;
@@ -164,7 +168,10 @@ static void job_release(struct job *j) {
         next = e->next;
         free(e);
     }
-    llmem_srv_request_free(&j->req);
+    if (j->parent == NULL)
+        llmem_srv_request_free(&j->req);
+    else
+        job_release(j->parent);
     free(j->message);
     free(j->text);
     free(j->toks);
@@ -537,6 +544,8 @@ static int submit(struct llmem_server *s, struct job *j, const int32_t *ids, int
     p.n_stop = j->req.n_stop;
     p.ignore_eos = j->req.ignore_eos;
     p.logprobs = j->req.logprobs;
+    p.sampling.seed += (uint64_t)j->choice; /* each choice its own draws */
+    p.follow = j->parent != NULL ? j->parent->id : 0;
     if (j->req.kind == SRV_CHAT) {
         p.stop_ids = s->chat_stops;
         p.n_stop_ids = s->n_chat_stops;
@@ -571,11 +580,9 @@ static int submit(struct llmem_server *s, struct job *j, const int32_t *ids, int
     return llmem_srv_fail(err, 500, "server_error", NULL, NULL, "%s", llmem_last_error());
 }
 
-/* Non-streaming: the tokens' logprobs, then the whole answer. */
-static enum MHD_Result finish_plain(struct llmem_server *s, struct MHD_Connection *c,
-                                    struct job *j) {
+/* A finished job's events: its tokens' logprobs kept (unless the client is gone). */
+static void job_collect(struct job *j, int gone) {
     pthread_mutex_lock(&j->mu);
-    int gone = job_wait(j, 1) != 0;
     struct event *evs = j->head;
     j->head = NULL;
     j->tail = &j->head;
@@ -594,18 +601,42 @@ static enum MHD_Result finish_plain(struct llmem_server *s, struct MHD_Connectio
         }
         free(e);
     }
-    if (gone)
-        return MHD_NO; /* nobody to answer */
-    if (j->status != LLMEM_OK || strcmp(j->finish_reason, "cancelled") == 0) {
-        struct srv_error err;
-        job_error(j, &err);
-        return respond_error(s, c, &err);
+}
+
+/* Non-streaming: every choice's job to its end, then the whole answer (the first error of them
+ * instead, if any). */
+static enum MHD_Result finish_plain(struct llmem_server *s, struct MHD_Connection *c,
+                                    struct job *const *jobs, int n) {
+    int gone = 0;
+    for (int i = 0; i < n; i++) {
+        pthread_mutex_lock(&jobs[i]->mu);
+        gone = gone || job_wait(jobs[i], 1) != 0;
+        pthread_mutex_unlock(&jobs[i]->mu);
+        job_collect(jobs[i], gone);
     }
-    char *body =
-        llmem_srv_render_response(&j->render, j->text, j->text_len, j->toks, j->n_toks,
-                                  j->finish_reason, j->prompt_tokens, j->completion_tokens);
-    LLMEM_DEBUG("request %s: 200, %" PRId64 " prompt + %" PRId64 " tokens (%s)", j->id_str,
-                j->prompt_tokens, j->completion_tokens, j->finish_reason);
+    if (gone) {
+        for (int i = 0; i < n; i++)
+            job_abandon(jobs[i]);
+        return MHD_NO; /* nobody to answer */
+    }
+    struct srv_choice choices[SRV_MAX_N];
+    int64_t completion = 0;
+    for (int i = 0; i < n; i++) {
+        const struct job *j = jobs[i];
+        if (j->status != LLMEM_OK || strcmp(j->finish_reason, "cancelled") == 0) {
+            struct srv_error err;
+            job_error(j, &err);
+            return respond_error(s, c, &err);
+        }
+        choices[i] = (struct srv_choice){j->text, j->text_len, j->toks, j->n_toks,
+                                         j->finish_reason};
+        completion += j->completion_tokens;
+    }
+    const struct job *j = jobs[0];
+    char *body = llmem_srv_render_response(&jobs[0]->render, choices, n, j->prompt_tokens,
+                                           completion);
+    LLMEM_DEBUG("request %s: 200, %" PRId64 " prompt + %" PRId64 " tokens in %d choices (%s)",
+                j->id_str, j->prompt_tokens, completion, n, j->finish_reason);
     return respond_json(c, 200, body);
 }
 
@@ -639,12 +670,11 @@ static enum MHD_Result start_stream(struct llmem_server *s, struct MHD_Connectio
     return ok;
 }
 
-static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c,
-                                enum srv_kind kind, const char *body, size_t len) {
+/* A job of connection c, holding the connection's reference; NULL on out of memory. */
+static struct job *job_new(struct llmem_server *s, struct MHD_Connection *c) {
     struct job *j = calloc(1, sizeof(*j));
-    struct srv_error err;
     if (j == NULL)
-        return MHD_NO;
+        return NULL;
     pthread_mutex_init(&j->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -660,7 +690,16 @@ static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     j->fd = ci != NULL ? ci->connect_fd : -1;
+    return j;
+}
 
+static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c,
+                                enum srv_kind kind, const char *body, size_t len) {
+    struct job *j = job_new(s, c), *jobs[SRV_MAX_N] = {j};
+    struct srv_error err;
+    int n_jobs = 1;
+    if (j == NULL)
+        return MHD_NO;
     int32_t *ids = NULL;
     int64_t n = 0;
     enum MHD_Result ok;
@@ -680,10 +719,34 @@ static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c
                                     .include_usage = j->req.include_usage,
                                     .piece = token_piece,
                                     .piece_arg = (void *)s->tok};
-    ok = j->req.stream ? start_stream(s, c, j) : finish_plain(s, c, j);
+    /* n > 1: a request a choice, each after the first's prompt is in the cache (follow) */
+    for (; n_jobs < j->req.n; n_jobs++) {
+        struct job *k = job_new(s, c);
+        if (k == NULL) {
+            llmem_srv_fail(&err, 500, "server_error", NULL, NULL, "out of memory");
+            break;
+        }
+        pthread_mutex_lock(&j->mu);
+        j->refs++; /* k's, for the request it borrows */
+        pthread_mutex_unlock(&j->mu);
+        k->req = j->req, k->parent = j, k->choice = n_jobs, k->render = j->render;
+        jobs[n_jobs] = k;
+        if (submit(s, k, ids, n, &err) != 0) {
+            job_release(k); /* (never submitted) */
+            break;
+        }
+    }
+    if (n_jobs < j->req.n) { /* a choice could not start: the others end unanswered */
+        for (int i = 0; i < n_jobs; i++)
+            llmem_engine_cancel(s->engine, jobs[i]->id);
+        ok = respond_error(s, c, &err);
+    } else {
+        ok = j->req.stream ? start_stream(s, c, j) : finish_plain(s, c, jobs, n_jobs);
+    }
 out:
     free(ids);
-    job_release(j);
+    for (int i = n_jobs - 1; i >= 0; i--)
+        job_release(jobs[i]);
     return ok;
 }
 

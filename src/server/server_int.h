@@ -53,6 +53,7 @@ char *llmem_srv_error_json(const struct srv_error *e);
 enum srv_kind { SRV_COMPLETIONS, SRV_CHAT };
 
 #define SRV_MAX_STOP     16
+#define SRV_MAX_N        16 /* choices of one request */
 #define SRV_MAX_MESSAGES 1024
 
 /* What a request may ask of this model. */
@@ -92,6 +93,7 @@ struct srv_request {
     int n_logit_bias;
     struct llmem_grammar *grammar; /* response_format's, or NULL */
     int have_seed; /* 0: the server picks a seed */
+    int n;         /* choices (1 to SRV_MAX_N), each its own request after the first's prompt */
     const char *stop[SRV_MAX_STOP];
     int n_stop;
     int logprobs; /* −1: none; else the alternatives per token (0–20) */
@@ -139,11 +141,18 @@ struct srv_render {
     int64_t text_offset; /* completions logprobs: where the next token's text starts */
 };
 
-/* The whole non-streaming response, malloc'ed (NULL on out of memory). */
-char *llmem_srv_render_response(struct srv_render *r, const char *text, size_t len,
-                                const struct srv_token *toks, int64_t n_toks,
-                                const char *finish_reason, int64_t prompt_tokens,
-                                int64_t completion_tokens);
+/* One choice of a response: its text, the tokens' logprobs, why it ended. */
+struct srv_choice {
+    const char *text;
+    size_t len;
+    const struct srv_token *toks;
+    int64_t n_toks;
+    const char *finish_reason;
+};
+
+/* The whole non-streaming response with its n choices, malloc'ed (NULL on out of memory). */
+char *llmem_srv_render_response(struct srv_render *r, const struct srv_choice *choices, int n,
+                                int64_t prompt_tokens, int64_t completion_tokens);
 /* One streaming chunk (the JSON after "data: "): a text delta with its tokens' logprobs, and a
  * finish_reason (NULL while it goes on). first: the chat chunk that carries the role. */
 char *llmem_srv_render_chunk(struct srv_render *r, const char *text, size_t len,

@@ -634,6 +634,61 @@ static void test_shared_prefix_bank_hits(void **state) {
     assert_true(tu_metric(&srv, "llmem_prompt_tokens_reused_total") - reused >= 3 * 256);
 }
 
+/* n: 4 choices of a long prompt, sampled with a seed: four answers (indexed, each with its
+ * finish reason, usage counting the prompt once and every choice's tokens), the same again for
+ * the same seed, and the prompt prefilled once — the other three take all but its last partial
+ * block from the session bank. */
+static void test_n_choices(void **state) {
+    (void)state;
+    char prompt[4096] = "# utilities\n";
+    for (int i = 0; i < 30; i++)
+        snprintf(prompt + strlen(prompt), sizeof(prompt) - strlen(prompt),
+                 "def helper_%d(x):\n    return x + %d\n", i, i);
+    char body[8192];
+    snprintf(body, sizeof(body),
+             "{\"prompt\": \"%s\", \"n\": 4, \"max_tokens\": 8, \"temperature\": 1, "
+             "\"seed\": 11, \"ignore_eos\": true}",
+             prompt);
+    char *texts[2][4];
+    for (int round = 0; round < 2; round++) {
+        double reused = tu_metric(&srv, "llmem_prompt_tokens_reused_total");
+        double prompted = tu_metric(&srv, "llmem_prompt_tokens_total");
+        struct tu_http h = post(&srv, "/v1/completions", body);
+        assert_int_equal(h.status, 200);
+        cJSON *root = tu_http_json(&h);
+        const cJSON *choices = cJSON_GetObjectItem(root, "choices");
+        assert_int_equal(cJSON_GetArraySize(choices), 4);
+        const cJSON *usage = cJSON_GetObjectItem(root, "usage");
+        const int64_t p = (int64_t)cJSON_GetObjectItem(usage, "prompt_tokens")->valuedouble;
+        assert_int_equal((int64_t)cJSON_GetObjectItem(usage, "completion_tokens")->valuedouble,
+                         32);
+        for (int i = 0; i < 4; i++) {
+            const cJSON *c = cJSON_GetArrayItem(choices, i);
+            assert_int_equal(cJSON_GetObjectItem(c, "index")->valueint, i);
+            assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "length");
+            texts[round][i] = strdup(cJSON_GetObjectItem(c, "text")->valuestring);
+        }
+        tu_wait_idle(&srv);
+        const double got = tu_metric(&srv, "llmem_prompt_tokens_reused_total") - reused;
+        printf("  n 4, round %d: %lld prompt tokens, %.0f of the 4 × %lld reused\n", round,
+               (long long)p, got, (long long)p);
+        assert_true(tu_metric(&srv, "llmem_prompt_tokens_total") - prompted == 4.0 * (double)p);
+        if (round == 0) /* the three followers take all but the last partial block */
+            assert_true(got >= 3.0 * (double)(p - 16));
+        cJSON_Delete(root);
+        tu_http_free(&h);
+    }
+    int distinct = 0;
+    for (int i = 0; i < 4; i++) {
+        assert_string_equal(texts[0][i], texts[1][i]); /* the same seed, the same choices */
+        distinct += i > 0 && strcmp(texts[0][i], texts[0][0]) != 0;
+    }
+    assert_true(distinct > 0); /* each choice its own draws */
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < 4; i++)
+            free(texts[r][i]);
+}
+
 /* ---- the other routes ------------------------------------------------------------------------ */
 
 static void test_models_health_metrics(void **state) {
@@ -802,7 +857,7 @@ static void test_bad_requests(void **state) {
     expect_error(C, "{\"prompt\": \"x\", \"stream\": \"yes\"}", -1, 400, "stream", "invalid_type");
     expect_error(C, "{\"prompt\": \"x\", \"stop\": 3}", -1, 400, "stop", "invalid_type");
     expect_error(C, "{\"prompt\": \"x\", \"stop\": [\"a\", 1]}", -1, 400, "stop", NULL);
-    expect_error(C, "{\"prompt\": \"x\", \"n\": 2}", -1, 400, "n", NULL);
+    expect_error(C, "{\"prompt\": \"x\", \"n\": 17}", -1, 400, "n", NULL);
     expect_error(C, "{\"prompt\": \"x\", \"logprobs\": 99}", -1, 400, "logprobs", NULL);
     expect_error(C, "{\"prompt\": \"x\", \"echo\": true}", -1, 400, "echo", NULL);
     expect_error(C, "{\"prompt\": \"x\", \"stream_options\": {\"include_usage\": true}}", -1, 400,
@@ -1506,6 +1561,7 @@ int main(void) {
         cmocka_unit_test(test_stop_and_logprobs),
         cmocka_unit_test(test_logit_bias_and_penalties),
         cmocka_unit_test(test_response_format),
+        cmocka_unit_test(test_n_choices),
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_nul_in_prompt),
         cmocka_unit_test(test_concurrent_equal_single),

@@ -6,6 +6,7 @@
 //
 // Exit status 0 when every check passes; each failure is printed.
 import assert from "node:assert/strict";
+import Ajv from "ajv";
 import OpenAI from "openai";
 
 const [baseURL, expected] = process.argv.slice(2);
@@ -150,6 +151,51 @@ const tests = {
     assert.ok((await metric("llmem_generation_tokens_total")) > 0);
   },
 
+  // response_format: every output validates against its schema (ajv), random weights or not
+  async structuredOutputs() {
+    const schemas = [
+      { type: "object", properties: { name: { type: "string", maxLength: 10 }, age: { type: "integer" } }, required: ["name", "age"], additionalProperties: false },
+      { type: "object", properties: { tags: { type: "array", items: { enum: ["a", "b", "c"] }, minItems: 1, maxItems: 3 } }, required: ["tags"], additionalProperties: false },
+      { type: "object", properties: { ok: { type: "boolean" }, note: { type: ["string", "null"] } }, required: ["ok", "note"], additionalProperties: false },
+      { type: "object", properties: { v: { anyOf: [{ type: "number" }, { const: "none" }] } }, required: ["v"], additionalProperties: false },
+      { $defs: { node: { type: "object", properties: { next: { anyOf: [{ $ref: "#/$defs/node" }, { type: "null" }] } }, required: ["next"], additionalProperties: false } }, $ref: "#/$defs/node" },
+    ];
+    const ajv = new Ajv();
+    for (const [i, schema] of schemas.entries()) {
+      const validate = ajv.compile(schema);
+      for (const seed of [1, 2, 3]) {
+        for (const max_tokens of [20, 120]) {
+          const r = await client.chat.completions.create({
+            model: "pycoder",
+            messages: [{ role: "user", content: "Give me JSON." }],
+            temperature: 1,
+            seed,
+            max_tokens,
+            response_format: { type: "json_schema", json_schema: { name: `s${i}`, strict: true, schema } },
+          });
+          const text = r.choices[0].message.content;
+          const value = JSON.parse(text);
+          assert.ok(validate(value), `schema ${i}, seed ${seed}, max_tokens ${max_tokens}: ${text}: ${ajv.errorsText(validate.errors)}`);
+        }
+      }
+    }
+    const r = await client.completions.create({ model: "pycoder", prompt: "x", max_tokens: 40, temperature: 1, seed: 5, response_format: { type: "json_object" } });
+    assert.equal(typeof JSON.parse(r.choices[0].text), "object");
+  },
+
+  // n: the choices, each its own draws, the prompt prefilled once
+  async nChoices() {
+    await waitIdle();
+    const reused = await metric("llmem_prompt_tokens_reused_total");
+    const prompt = PROMPT.repeat(40);
+    const r = await client.completions.create({ model: "pycoder", prompt, n: 3, max_tokens: 6, temperature: 1, seed: 9, ignore_eos: true });
+    assert.equal(r.choices.length, 3);
+    assert.deepEqual(r.choices.map((c) => c.index), [0, 1, 2]);
+    assert.equal(r.usage.completion_tokens, 18);
+    await waitIdle();
+    assert.ok((await metric("llmem_prompt_tokens_reused_total")) - reused >= 2 * (r.usage.prompt_tokens - 16));
+  },
+
   async badRequests() {
     await assert.rejects(
       client.completions.create({ model: "pycoder", prompt: "x", max_tokens: -1 }),
@@ -164,8 +210,16 @@ const tests = {
       (e) => e instanceof OpenAI.NotFoundError && e.code === "model_not_found",
     );
     await assert.rejects(
-      client.completions.create({ model: "pycoder", prompt: "x", n: 2 }),
+      client.completions.create({ model: "pycoder", prompt: "x", n: 17 }),
       (e) => e.status === 400 && e.param === "n",
+    );
+    await assert.rejects(
+      client.chat.completions.create({
+        model: "pycoder",
+        messages: [{ role: "user", content: "hi" }],
+        response_format: { type: "json_schema", json_schema: { name: "x", schema: { type: "string", format: "date" } } },
+      }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === "response_format" && /format/.test(e.message),
     );
     // still serving
     assert.equal(await complete(PROMPT), expected);
