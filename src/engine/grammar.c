@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include <cjson/cJSON.h>
+#include "core/hash.h"
 #include "core/log.h"
 #include "llmem/grammar.h"
 #include "llmem/status.h"
@@ -43,6 +44,7 @@ struct gel {
 #define REPEAT_MAX    256  /* counts a schema may bound (items, string length) */
 #define TOKEN_MAX     256  /* bytes of the longest token the matcher walks */
 #define EXPAND_MAX    1024 /* references expanded in a row without a byte between */
+#define MASK_CACHE    8    /* masks a matcher keeps, by the stacks they were made for */
 #define UNREACHABLE   (INT32_MAX / 4)
 
 struct llmem_grammar {
@@ -861,10 +863,24 @@ struct stacks {
     int32_t n, n_pos, cap_pos, cap_at;
 };
 
+/* A mask made for a set of stacks (an output inside a string or a number comes back to the same
+ * set after every token: its mask is made once), with the largest shortest completion after any
+ * token it allows (whether a budget's limit binds). */
+struct mask_entry {
+    uint64_t key;   /* the set's hash; 0: empty */
+    struct stacks set;
+    uint8_t *mask;  /* (n_vocab) */
+    int64_t n;      /* tokens allowed */
+    int32_t after;  /* max over them of the shortest completion after it */
+    uint64_t used;
+};
+
 struct llmem_grammar_state {
     const struct llmem_grammar *g;
     const struct llmem_grammar_vocab *v;
     struct stacks cur;
+    struct mask_entry cache[MASK_CACHE];
+    uint64_t clock;
     struct stacks *level; /* (TOKEN_MAX + 1) the walk's sets, one a depth */
     int32_t *scratch;     /* (STACK_MAX) a stack being built */
     int failed;           /* out of memory while moving */
@@ -995,6 +1011,8 @@ void llmem_grammar_state_free(struct llmem_grammar_state *st) {
     if (st == NULL)
         return;
     stacks_free(&st->cur);
+    for (int i = 0; i < MASK_CACHE; i++)
+        stacks_free(&st->cache[i].set), free(st->cache[i].mask);
     for (int i = 0; st->level != NULL && i <= TOKEN_MAX; i++)
         stacks_free(&st->level[i]);
     free(st->level), free(st->scratch);
@@ -1017,7 +1035,7 @@ int llmem_grammar_must_end(const struct llmem_grammar_state *st) {
  * tokens are left after it, each at least a byte) or, when shrinking (the end is already out of
  * reach at a byte a token), at most limit less its own length (it lies on a shortest way). */
 static int64_t walk(struct llmem_grammar_state *st, int32_t node, int depth, int32_t limit,
-                    int shrinking, uint8_t *allowed) {
+                    int shrinking, uint8_t *allowed, int32_t *after) {
     const struct llmem_grammar_vocab *v = st->v;
     int64_t n = 0;
     for (int32_t c = v->nodes[node].child; c >= 0; c = v->nodes[c].sibling) {
@@ -1026,20 +1044,66 @@ static int64_t walk(struct llmem_grammar_state *st, int32_t node, int depth, int
         if (next->n == 0 || st->failed)
             continue;
         const struct tnode *t = &v->nodes[c];
-        const int ok = t->tok_n == 0 || limit < 0 ||
-                       distance(st->g, next) <= (shrinking ? limit - (depth + 1) : limit);
+        const int32_t d = t->tok_n > 0 ? distance(st->g, next) : 0;
+        const int ok = limit < 0 || d <= (shrinking ? limit - (depth + 1) : limit);
         for (int32_t k = 0; ok && k < t->tok_n; k++, n++)
             allowed[v->ids[t->tok_first + k]] = 1;
+        if (ok && t->tok_n > 0 && d > *after)
+            *after = d;
         if (depth + 1 < TOKEN_MAX)
-            n += walk(st, c, depth + 1, limit, shrinking, allowed);
+            n += walk(st, c, depth + 1, limit, shrinking, allowed, after);
     }
+    return n;
+}
+
+static uint64_t set_key(const struct stacks *s) {
+    uint64_t h = llmem_hash64(s->pos, (size_t)s->n_pos * sizeof(*s->pos), (uint64_t)s->n + 1);
+    h = s->n > 0 ? llmem_hash64(s->at, (size_t)(s->n + 1) * sizeof(*s->at), h) : h;
+    return h != 0 ? h : 1;
+}
+
+static int same_set(const struct stacks *a, const struct stacks *b) {
+    return a->n == b->n && a->n_pos == b->n_pos &&
+           memcmp(a->pos, b->pos, (size_t)a->n_pos * sizeof(*a->pos)) == 0 &&
+           (a->n == 0 || memcmp(a->at, b->at, (size_t)(a->n + 1) * sizeof(*a->at)) == 0);
+}
+
+/* The walk without a limit from the current set, into allowed: from the cache, or made and kept
+ * there (the least recently used entry making room). *after as the entry's. */
+static int64_t walk_cached(struct llmem_grammar_state *st, uint8_t *allowed, int32_t *after) {
+    const int32_t nv = st->v->n_vocab;
+    const uint64_t key = set_key(&st->cur);
+    struct mask_entry *e = &st->cache[0];
+    for (int i = 0; i < MASK_CACHE; i++) {
+        struct mask_entry *x = &st->cache[i];
+        if (x->key == key && same_set(&x->set, &st->cur)) {
+            x->used = ++st->clock;
+            memcpy(allowed, x->mask, (size_t)nv);
+            *after = x->after;
+            return x->n;
+        }
+        e = x->used < e->used ? x : e;
+    }
+    memset(allowed, 0, (size_t)nv);
+    *after = 0;
+    const int64_t n = walk(st, 0, 0, -1, 0, allowed, after);
+    if (e->mask == NULL && (e->mask = malloc((size_t)nv)) == NULL)
+        return n; /* (not kept) */
+    stacks_clear(&e->set);
+    for (int32_t i = 0; i < st->cur.n; i++)
+        stacks_add(st, &e->set, st->cur.pos + st->cur.at[i], st->cur.at[i + 1] - st->cur.at[i]);
+    if (st->failed) {
+        e->key = 0;
+        return n;
+    }
+    memcpy(e->mask, allowed, (size_t)nv);
+    e->key = key, e->n = n, e->after = *after, e->used = ++st->clock;
     return n;
 }
 
 int64_t llmem_grammar_allowed(struct llmem_grammar_state *st, int64_t remaining,
                               uint8_t *allowed) {
     const struct llmem_grammar_vocab *v = st->v;
-    memset(allowed, 0, (size_t)v->n_vocab);
     const int32_t d = distance(st->g, &st->cur);
     const int shrinking = remaining > 0 && d > remaining;
     const int32_t limit = remaining <= 0   ? -1
@@ -1050,7 +1114,13 @@ int64_t llmem_grammar_allowed(struct llmem_grammar_state *st, int64_t remaining,
     for (int32_t i = 0; i < st->cur.n; i++)
         stacks_add(st, &st->level[0], st->cur.pos + st->cur.at[i],
                    st->cur.at[i + 1] - st->cur.at[i]);
-    return walk(st, 0, 0, limit, shrinking, allowed);
+    int32_t after = 0;
+    const int64_t n = walk_cached(st, allowed, &after);
+    if (limit < 0 || (!shrinking && after <= limit))
+        return n; /* the budget binds no token */
+    memset(allowed, 0, (size_t)v->n_vocab);
+    after = 0;
+    return walk(st, 0, 0, limit, shrinking, allowed, &after);
 }
 
 int llmem_grammar_accept_bytes(struct llmem_grammar_state *st, const char *bytes, size_t n) {
