@@ -39,6 +39,21 @@ struct llmem_tokenizer;
  * logged: the caller reports it, a server as a 400), LLMEM_ENOMEM. */
 LLMEM_API int llmem_grammar_compile(const char *schema, size_t len, char *why, size_t why_size,
                                     struct llmem_grammar **out);
+/* A tool (a function the model may call) for llmem_grammar_compile_tools: its name and the JSON
+ * Schema of its arguments (parameters[0, len); NULL: any JSON object). */
+struct llmem_grammar_tool {
+    const char *name;
+    const char *parameters;
+    size_t len;
+};
+#define LLMEM_GRAMMAR_MAX_TOOLS 64
+/* A grammar for one call of one of n tools, as Hermes-style chat templates (Qwen2.5 and 3) write
+ * it: "<tool_call>\n" {"name": NAME, "arguments": ARGUMENTS} "\n</tool_call>", the arguments to
+ * that tool's schema. The same results as llmem_grammar_compile (the reason names what a tool's
+ * schema uses that the engine does not compile). */
+LLMEM_API int llmem_grammar_compile_tools(const struct llmem_grammar_tool *tools, int n,
+                                          char *why, size_t why_size,
+                                          struct llmem_grammar **out);
 LLMEM_API void llmem_grammar_free(struct llmem_grammar *g);
 /* The bytes the compiled grammar holds (its rules and character sets), for the plan's count. */
 LLMEM_API int64_t llmem_grammar_bytes(const struct llmem_grammar *g);

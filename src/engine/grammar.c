@@ -19,6 +19,7 @@
  * it by their whole length are allowed.
  */
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -330,7 +331,7 @@ static int get_count(struct builder *b, const cJSON *schema, const char *key, in
     *out = dflt;
     if (v == NULL)
         return 0;
-    if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble != (double)(int64_t)v->valuedouble)
+    if (!cJSON_IsNumber(v) || !(v->valuedouble >= 0) || v->valuedouble != floor(v->valuedouble))
         return refuse(b, "'%s' must be a whole number ≥ 0", key);
     if (v->valuedouble > REPEAT_MAX)
         return refuse(b, "'%s' is above 256, the most the grammar unrolls", key);
@@ -700,29 +701,53 @@ int64_t llmem_grammar_bytes(const struct llmem_grammar *g) {
            (int64_t)g->n_rules * (int64_t)sizeof(*g->rule_at) + (int64_t)g->n_sets * 32;
 }
 
-int llmem_grammar_compile(const char *schema, size_t len, char *why, size_t why_size,
-                          struct llmem_grammar **out) {
-    LLMEM_ASSERT(why != NULL && why_size > 0 && out != NULL);
+/* A compilation: the documents (schemas, NULL: json_object), each of the tools' the parameters of
+ * one tool (names set: then the root is a tool call, tools.h's format), else the one schema. */
+static int compile(const char *const *docs, const size_t *lens, const char *const *names, int n,
+                   char *why, size_t why_size, struct llmem_grammar **out) {
+    LLMEM_ASSERT(why != NULL && why_size > 0 && out != NULL && n >= 1);
     *out = NULL;
     why[0] = '\0';
-    cJSON *doc = NULL;
-    if (schema != NULL && (doc = cJSON_ParseWithLength(schema, len)) == NULL) {
-        snprintf(why, why_size, "the schema is not JSON");
-        return LLMEM_EINVAL;
-    }
+    cJSON **doc = calloc((size_t)n, sizeof(*doc));
     struct builder *b = calloc(1, sizeof(*b));
     struct llmem_grammar *g = calloc(1, sizeof(*g));
-    if (b == NULL || g == NULL) {
-        free(b), free(g), cJSON_Delete(doc);
+    if (doc == NULL || b == NULL || g == NULL) {
+        free(doc), free(b), free(g);
         snprintf(why, why_size, "out of memory");
         return LLMEM_ENOMEM;
     }
-    b->g = g, b->why = why, b->why_size = why_size, b->root = doc;
+    b->g = g, b->why = why, b->why_size = why_size;
     json_rules(b);
-    int32_t top = doc != NULL ? schema_rule(b, doc) : b->object_any;
     struct seq s = {0};
     g->root = new_rule(b);
-    push_ref(b, &s, top);
+    if (names != NULL)
+        LIT(&s, "<tool_call>\n");
+    for (int i = 0; i < n && !b->failed; i++) {
+        if (docs[i] != NULL && (doc[i] = cJSON_ParseWithLength(docs[i], lens[i])) == NULL) {
+            refuse(b, "%s is not JSON", names != NULL ? "a tool's parameters" : "the schema");
+            break;
+        }
+        b->root = doc[i], b->n_memo = 0; /* each document's $refs are its own */
+        int32_t top = doc[i] != NULL ? schema_rule(b, doc[i]) : b->object_any;
+        if (names == NULL) {
+            push_ref(b, &s, top);
+            continue;
+        }
+        /* {"name": NAME, "arguments": ARGS}, whitespace between as JSON allows */
+        cJSON *name = cJSON_CreateString(names[i]);
+        if (name == NULL) {
+            fail_enomem(b);
+            break;
+        }
+        if (i > 0)
+            push_alt(b, &s), LIT(&s, "<tool_call>\n");
+        LIT(&s, "{"), push_ref(b, &s, b->ws), LIT(&s, "\"name\""), push_ref(b, &s, b->ws);
+        LIT(&s, ":"), push_ref(b, &s, b->ws), push_json(b, &s, name);
+        push_ref(b, &s, b->ws), LIT(&s, ","), push_ref(b, &s, b->ws), LIT(&s, "\"arguments\"");
+        push_ref(b, &s, b->ws), LIT(&s, ":"), push_ref(b, &s, b->ws), push_ref(b, &s, top);
+        push_ref(b, &s, b->ws), LIT(&s, "}\n</tool_call>");
+        cJSON_Delete(name);
+    }
     define(b, g->root, &s);
     for (int32_t r = 0; !b->failed && r < g->n_rules; r++)
         if (g->rule_at[r] < 0)
@@ -735,13 +760,30 @@ int llmem_grammar_compile(const char *schema, size_t len, char *why, size_t why_
         status = LLMEM_EINVAL;
     }
     free(b);
-    cJSON_Delete(doc);
+    for (int i = 0; i < n; i++)
+        cJSON_Delete(doc[i]);
+    free(doc);
     if (status != LLMEM_OK) {
         llmem_grammar_free(g);
         return status;
     }
     *out = g;
     return LLMEM_OK;
+}
+
+int llmem_grammar_compile(const char *schema, size_t len, char *why, size_t why_size,
+                          struct llmem_grammar **out) {
+    return compile(&schema, &len, NULL, 1, why, why_size, out);
+}
+
+int llmem_grammar_compile_tools(const struct llmem_grammar_tool *tools, int n, char *why,
+                                size_t why_size, struct llmem_grammar **out) {
+    LLMEM_ASSERT(tools != NULL && n >= 1 && n <= LLMEM_GRAMMAR_MAX_TOOLS);
+    const char *docs[LLMEM_GRAMMAR_MAX_TOOLS], *names[LLMEM_GRAMMAR_MAX_TOOLS];
+    size_t lens[LLMEM_GRAMMAR_MAX_TOOLS];
+    for (int i = 0; i < n; i++)
+        docs[i] = tools[i].parameters, lens[i] = tools[i].len, names[i] = tools[i].name;
+    return compile(docs, lens, names, n, why, why_size, out);
 }
 
 /* ---- the vocabulary ------------------------------------------------------------------------- */
