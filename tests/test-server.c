@@ -16,7 +16,8 @@
 #include "server/server_int.h"
 #include "testutil.h"
 
-static const struct srv_model model = {.name = "pycoder", .vocab = 4096, .context = 2048};
+static const struct srv_model model = {
+    .name = "pycoder", .vocab = 4096, .context = 2048, .tools = 1};
 
 static int parse(enum srv_kind kind, const char *body, struct srv_request *r, struct srv_error *e) {
     memset(e, 0, sizeof(*e));
@@ -268,8 +269,33 @@ static void test_parse_errors(void **state) {
         {SRV_CHAT, "{\"messages\": []}", 400, "messages", "invalid_value"},
         {SRV_CHAT, "{\"messages\": [7]}", 400, "messages", "invalid_type"},
         {SRV_CHAT, "{\"messages\": [{\"content\": \"x\"}]}", 400, "messages", "invalid_value"},
-        {SRV_CHAT, "{\"messages\": [{\"role\": \"tool\", \"content\": \"x\"}]}", 400, "messages",
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}", 400, "messages",
          "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"assistant\", \"tool_calls\": [{\"function\": {}}]}]}",
+         400, "messages", "invalid_value"},
+        /* tools */
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"tools\": [{\"type\": \"function\", \"function\": "
+                          "{\"name\": \"f\"}}]}",
+         400, "tools", "unsupported_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": "
+         "\"function\", \"function\": {\"name\": \"f\"}}], \"tool_choice\": {\"type\": "
+         "\"function\", \"function\": {\"name\": \"g\"}}}",
+         400, "tool_choice", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": "
+         "\"required\"}",
+         400, "tool_choice", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": "
+         "\"function\", \"function\": {\"name\": \"f\", \"parameters\": {\"type\": \"string\", "
+         "\"pattern\": \"a\"}}}], \"tool_choice\": \"required\"}",
+         400, "tools", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": "
+         "\"function\", \"function\": {\"name\": \"f\"}}], \"tool_choice\": \"maybe\"}",
+         400, "tool_choice", "invalid_value"},
         {SRV_CHAT, "{\"messages\": [{\"role\": \"user\"}]}", 400, "messages",
          "missing_required_parameter"},
         {SRV_CHAT,
@@ -291,7 +317,7 @@ static void test_parse_errors(void **state) {
         {SRV_CHAT,
          "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": "
          "\"function\"}]}",
-         400, "tools", "unsupported_value"},
+         400, "tools", "invalid_value"},
         {SRV_CHAT,
          "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": "
          "{\"type\": \"json_schema\"}}",

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "core/json.h"
+#include "core/rng.h"
 #include "server/server_int.h"
 
 /* ---- text ------------------------------------------------------------------------------------ */
@@ -418,6 +419,70 @@ static int message_content(const cJSON *msg, const char *role, int i, struct srv
     return 0;
 }
 
+/* Hermes-style tool turns, as Qwen2.5's template writes them: a tool's result is a user turn
+ * "<tool_response>\n…\n</tool_response>"; an assistant's tool_calls follow its content as
+ * "<tool_call>\n{"name": …, "arguments": …}\n</tool_call>" blocks. */
+static int tool_turn(const cJSON *msg, const char **role, int i, struct srv_request *r,
+                     const char **content, size_t *len, struct srv_error *e) {
+    const cJSON *calls = cJSON_GetObjectItemCaseSensitive(msg, "tool_calls");
+    const int tool = strcmp(*role, "tool") == 0;
+    if (!tool && (calls == NULL || cJSON_IsNull(calls)))
+        return 0;
+    if (!tool && (strcmp(*role, "assistant") != 0 || !cJSON_IsArray(calls)))
+        return bad(e, "messages", "invalid_value",
+                   "messages[%d].tool_calls must be an array on an assistant message", i);
+    struct srv_buf b = {0};
+    if (tool) {
+        llmem_srv_buf_append(&b, "<tool_response>\n", 16);
+        llmem_srv_buf_append(&b, *content, *len);
+        llmem_srv_buf_append(&b, "\n</tool_response>", 17);
+        *role = "user";
+    } else {
+        llmem_srv_buf_append(&b, *content, *len);
+        const cJSON *c;
+        cJSON_ArrayForEach(c, calls) {
+            const cJSON *f = cJSON_GetObjectItemCaseSensitive(c, "function");
+            const char *name = NULL, *args = NULL;
+            if (!cJSON_IsObject(f) || llmem_json_get_string(f, "name", &name) != LLMEM_OK ||
+                llmem_json_get_string(f, "arguments", &args) != LLMEM_OK) {
+                llmem_srv_buf_free(&b);
+                return bad(e, "messages", "invalid_value",
+                           "messages[%d].tool_calls holds a call without a function's name and "
+                           "arguments",
+                           i);
+            }
+            cJSON *call = cJSON_CreateObject(), *a = cJSON_Parse(args);
+            char *text = NULL;
+            if (call != NULL && llmem_json_add_string(call, "name", name) == 0) {
+                if (a != NULL)
+                    cJSON_AddItemToObject(call, "arguments", a), a = NULL;
+                else
+                    llmem_json_add_string(call, "arguments", args);
+                text = cJSON_PrintUnformatted(call);
+            }
+            cJSON_Delete(call), cJSON_Delete(a);
+            if (text == NULL) {
+                llmem_srv_buf_free(&b);
+                return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+            }
+            llmem_srv_buf_append(&b, b.len > 0 ? "\n<tool_call>\n" : "<tool_call>\n",
+                                 b.len > 0 ? 13 : 12);
+            llmem_srv_buf_append(&b, text, strlen(text));
+            llmem_srv_buf_append(&b, "\n</tool_call>", 13);
+            cJSON_free(text);
+        }
+    }
+    if (b.failed || b.data == NULL) {
+        llmem_srv_buf_free(&b);
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    if (own(r, b.data) != 0) /* (which frees it) */
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    *content = b.data;
+    *len = b.len;
+    return 0;
+}
+
 static int parse_messages(const cJSON *root, struct srv_request *r, struct srv_error *e) {
     const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(root, "messages");
     if (msgs == NULL || cJSON_IsNull(msgs))
@@ -450,18 +515,185 @@ static int parse_messages(const cJSON *root, struct srv_request *r, struct srv_e
         if (strcmp(role, "developer") == 0)
             role = "system"; /* OpenAI's newer name for the system message */
         if (strcmp(role, "system") != 0 && strcmp(role, "user") != 0 &&
-            strcmp(role, "assistant") != 0)
+            strcmp(role, "assistant") != 0 && strcmp(role, "tool") != 0)
             return bad(e, "messages", "invalid_value",
-                       "messages[%d] has role '%s'; this server takes system, user and "
-                       "assistant messages",
+                       "messages[%d] has role '%s'; this server takes system, user, assistant "
+                       "and tool messages",
                        i, role);
         const char *content = NULL;
         size_t content_len = 0;
-        if (message_content(msg, role, i, r, &content, &content_len, e) != 0)
+        if (message_content(msg, role, i, r, &content, &content_len, e) != 0 ||
+            tool_turn(msg, &role, i, r, &content, &content_len, e) != 0)
             return -1;
         r->messages[r->n_messages++] = (struct llmem_chat_message){role, content, content_len};
     }
     return 0;
+}
+
+/* ---- tools ----------------------------------------------------------------------------------- */
+
+static const char tools_head[] =
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+    "provided with function signatures within <tools></tools> XML tags:\n<tools>";
+static const char tools_tail[] =
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>";
+
+/* The tools' signatures into the system message (the first, or one made first), as Qwen2.5's
+ * template writes them. */
+static int render_tools(const cJSON *tools, struct srv_request *r, struct srv_error *e) {
+    struct srv_buf b = {0};
+    const int sys = r->n_messages > 0 && strcmp(r->messages[0].role, "system") == 0;
+    if (sys) {
+        const size_t len = r->messages[0].content_len; /* (parse_messages sets every length) */
+        if (len > 0 && len < ((size_t)1 << 40))
+            llmem_srv_buf_append(&b, r->messages[0].content, len);
+        llmem_srv_buf_append(&b, "\n\n", 2);
+    }
+    llmem_srv_buf_append(&b, tools_head, sizeof(tools_head) - 1);
+    const cJSON *t;
+    cJSON_ArrayForEach(t, tools) {
+        char *text = cJSON_PrintUnformatted(t);
+        llmem_srv_buf_append(&b, "\n", 1);
+        if (text != NULL)
+            llmem_srv_buf_append(&b, text, strlen(text));
+        b.failed |= text == NULL;
+        cJSON_free(text);
+    }
+    llmem_srv_buf_append(&b, tools_tail, sizeof(tools_tail) - 1);
+    struct llmem_chat_message *msgs =
+        sys ? r->messages : realloc(r->messages, (size_t)(r->n_messages + 1) * sizeof(*msgs));
+    if (b.failed || msgs == NULL) {
+        llmem_srv_buf_free(&b);
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    r->messages = msgs;
+    if (own(r, b.data) != 0)
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    if (!sys) {
+        memmove(msgs + 1, msgs, (size_t)r->n_messages * sizeof(*msgs));
+        r->n_messages++;
+    }
+    msgs[0] = (struct llmem_chat_message){"system", b.data, b.len};
+    return 0;
+}
+
+/* tools, tool_choice and parallel_tool_calls (chat): the functions checked (a name each, their
+ * parameters a schema the grammar compiles), rendered into the system message unless the choice
+ * is none; a required or named call is generated under the tools' grammar. */
+static int parse_tools(const cJSON *root, const struct srv_model *m, struct srv_request *r,
+                       struct srv_error *e) {
+    const cJSON *tools = cJSON_GetObjectItemCaseSensitive(root, "tools");
+    const cJSON *choice = cJSON_GetObjectItemCaseSensitive(root, "tool_choice");
+    int parallel = 1;
+    if (field_bool(root, "parallel_tool_calls", &parallel, e) < 0)
+        return -1;
+    const int n = cJSON_IsArray(tools) ? cJSON_GetArraySize(tools) : 0;
+    if (tools != NULL && !cJSON_IsNull(tools) && !cJSON_IsArray(tools))
+        return bad(e, "tools", "invalid_type", "Invalid type for 'tools': expected an array");
+    const char *mode = "auto", *named = NULL;
+    if (choice != NULL && !cJSON_IsNull(choice)) {
+        const cJSON *f = cJSON_GetObjectItemCaseSensitive(choice, "function");
+        if (cJSON_IsString(choice) && !has_nul(r, choice->valuestring) &&
+            (strcmp(choice->valuestring, "none") == 0 || strcmp(choice->valuestring, "auto") == 0 ||
+             strcmp(choice->valuestring, "required") == 0))
+            mode = choice->valuestring;
+        else if (cJSON_IsObject(choice) && llmem_json_get_string(f, "name", &named) == LLMEM_OK)
+            mode = "named";
+        else
+            return bad(e, "tool_choice", "invalid_value",
+                       "'tool_choice' must be none, auto, required or {\"type\": \"function\", "
+                       "\"function\": {\"name\": …}}");
+    }
+    if (n == 0) {
+        if (strcmp(mode, "required") == 0 || named != NULL)
+            return bad(e, "tool_choice", "invalid_value", "'tool_choice' needs 'tools'");
+        return 0;
+    }
+    if (r->kind != SRV_CHAT)
+        return bad(e, "tools", "unsupported_value", "'tools' need /v1/chat/completions");
+    if (!m->tools)
+        return bad(e, "tools", "unsupported_value",
+                   "'tools' need a chat template with a tool-call convention (chatml); this "
+                   "model's has none llmem knows");
+    if (n > LLMEM_GRAMMAR_MAX_TOOLS)
+        return bad(e, "tools", "invalid_value", "'tools' holds %d functions; at most %d", n,
+                   LLMEM_GRAMMAR_MAX_TOOLS);
+    struct llmem_grammar_tool gt[LLMEM_GRAMMAR_MAX_TOOLS];
+    char *texts[LLMEM_GRAMMAR_MAX_TOOLS] = {NULL};
+    int k = 0, found = named == NULL, status = 0;
+    const cJSON *t;
+    cJSON_ArrayForEach(t, tools) {
+        const cJSON *f = cJSON_GetObjectItemCaseSensitive(t, "function");
+        const cJSON *params = cJSON_GetObjectItemCaseSensitive(f, "parameters");
+        const char *type = NULL, *name = NULL;
+        if (!cJSON_IsObject(t) || llmem_json_get_string(t, "type", &type) != LLMEM_OK ||
+            strcmp(type, "function") != 0 || !cJSON_IsObject(f) ||
+            llmem_json_get_string(f, "name", &name) != LLMEM_OK || *name == '\0' ||
+            has_nul(r, name) || strlen(name) > 64 || (params != NULL && !cJSON_IsObject(params))) {
+            status = bad(e, "tools", "invalid_value",
+                         "tools[%d] is not {\"type\": \"function\", \"function\": {\"name\": …, "
+                         "\"parameters\": {…}}} with a name of 1 to 64 characters",
+                         k);
+            break;
+        }
+        const int take = named == NULL || strcmp(named, name) == 0;
+        found |= take;
+        gt[k] = (struct llmem_grammar_tool){name, NULL, 0};
+        if (!take) {
+            k++;
+            continue;
+        }
+        texts[k] = params != NULL ? cJSON_PrintUnformatted(params) : NULL;
+        if (params != NULL && texts[k] == NULL) {
+            status = llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+            break;
+        }
+        gt[k] = (struct llmem_grammar_tool){name, texts[k], texts[k] ? strlen(texts[k]) : 0};
+        k++;
+    }
+    /* the tools taken (all, or the named one), packed */
+    int taken = 0;
+    for (int i = 0; status == 0 && i < k; i++)
+        if (named == NULL || strcmp(gt[i].name, named) == 0)
+            gt[taken++] = gt[i];
+    if (status == 0 && !found)
+        status = bad(e, "tool_choice", "invalid_value",
+                     "'tool_choice' names function '%.64s', which is not among the tools", named);
+    char why[256];
+    int st = LLMEM_OK;
+    if (status == 0 && (strcmp(mode, "required") == 0 || named != NULL)) {
+        if (r->grammar != NULL)
+            status = bad(e, "response_format", "invalid_value",
+                         "'response_format' and a required tool call cannot both constrain the "
+                         "output");
+        else if ((st = llmem_grammar_compile_tools(gt, taken, why, sizeof(why), &r->grammar)) ==
+                 LLMEM_ENOMEM)
+            status = llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+        else if (st != LLMEM_OK)
+            status = bad(e, "tools", "invalid_value", "a tool's parameters are not supported: %s",
+                         why);
+        r->sampling.grammar = r->grammar;
+    } else if (status == 0 && strcmp(mode, "auto") == 0) { /* checked, generated freely */
+        for (int i = 0; status == 0 && i < taken; i++) {
+            struct llmem_grammar *g = NULL;
+            if ((st = llmem_grammar_compile_tools(&gt[i], 1, why, sizeof(why), &g)) != LLMEM_OK)
+                status = st == LLMEM_ENOMEM
+                             ? llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory")
+                             : bad(e, "tools", "invalid_value",
+                                   "a tool's parameters are not supported: %s", why);
+            llmem_grammar_free(g);
+        }
+    }
+    for (int i = 0; i < LLMEM_GRAMMAR_MAX_TOOLS; i++)
+        cJSON_free(texts[i]);
+    if (status != 0 || strcmp(mode, "none") == 0)
+        return status;
+    r->n_tools = n;
+    r->tool_mode = strcmp(mode, "auto") == 0 ? SRV_TOOLS_AUTO : SRV_TOOLS_REQUIRED;
+    (void)parallel; /* one call or more may come in auto; a forced call is one */
+    return render_tools(tools, r, e);
 }
 
 /* ---- the request ----------------------------------------------------------------------------- */
@@ -484,9 +716,6 @@ static int unsupported(const cJSON *root, const struct srv_request *r, struct sr
         return -1;
     if (got && (*s || has_nul(r, s)))
         return bad(e, "suffix", "unsupported_value", "'suffix' is not supported");
-    const cJSON *tools = cJSON_GetObjectItemCaseSensitive(root, "tools");
-    if (tools != NULL && !cJSON_IsNull(tools) && !(cJSON_IsArray(tools) && tools->child == NULL))
-        return bad(e, "tools", "unsupported_value", "'tools' are not supported");
     return 0;
 }
 
@@ -763,7 +992,9 @@ int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
         return -1;
     if (field_bool(root, "ignore_eos", &r->ignore_eos, e) < 0)
         return -1;
-    return kind == SRV_COMPLETIONS ? parse_prompt(root, m, r, e) : parse_messages(root, r, e);
+    if (kind == SRV_COMPLETIONS)
+        return parse_prompt(root, m, r, e) != 0 || parse_tools(root, m, r, e) != 0 ? -1 : 0;
+    return parse_messages(root, r, e) != 0 || parse_tools(root, m, r, e) != 0 ? -1 : 0;
 }
 
 void llmem_srv_request_free(struct srv_request *r) {
@@ -934,9 +1165,65 @@ static cJSON *completion_logprobs(struct srv_render *r, const struct srv_token *
 }
 
 /* One choice: index, text | message | delta, logprobs, finish_reason. */
+/* The Hermes-style tool calls in an answer's text ("<tool_call>\n{"name": …, "arguments": …}
+ * \n</tool_call>" blocks, the text before the first its content: *content_len), as OpenAI's
+ * tool_calls (chunk: each with its index), ids drawn from r->call_seed; NULL when it holds none
+ * that parses (the text is then all content) or out of memory. */
+static cJSON *tool_calls(struct srv_render *r, const char *text, size_t len, size_t *content_len,
+                         int chunk) {
+    static const char open_tag[] = "<tool_call>", close_tag[] = "</tool_call>";
+    const char *at = memmem(text, len, open_tag, sizeof(open_tag) - 1);
+    if (at == NULL)
+        return NULL;
+    cJSON *calls = cJSON_CreateArray();
+    size_t head = (size_t)(at - text);
+    for (int k = 0; calls != NULL && at != NULL; k++) {
+        const char *body = at + sizeof(open_tag) - 1, *end = text + len;
+        const char *close = memmem(body, (size_t)(end - body), close_tag, sizeof(close_tag) - 1);
+        cJSON *call = cJSON_ParseWithLength(body, (size_t)((close ? close : end) - body));
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(call, "name");
+        const cJSON *args = cJSON_GetObjectItemCaseSensitive(call, "arguments");
+        char *a = cJSON_IsString(args) ? strdup(args->valuestring)
+                  : args != NULL        ? cJSON_PrintUnformatted(args)
+                                        : strdup("{}");
+        cJSON *o = cJSON_CreateObject(), *f = o != NULL ? cJSON_AddObjectToObject(o, "function")
+                                                         : NULL;
+        char id[40];
+        snprintf(id, sizeof(id), "call_%016" PRIx64,
+                 llmem_splitmix64(r->call_seed + (uint64_t)k));
+        const int ok = cJSON_IsString(name) && a != NULL && f != NULL &&
+                       (!chunk || llmem_json_add_int(o, "index", k) == 0) &&
+                       llmem_json_add_string(o, "id", id) == 0 &&
+                       llmem_json_add_string(o, "type", "function") == 0 &&
+                       llmem_json_add_string(f, "name", name->valuestring) == 0 &&
+                       llmem_json_add_string(f, "arguments", a) == 0;
+        free(a);
+        cJSON_Delete(call);
+        if (!ok) { /* not a call: the whole text is content */
+            cJSON_Delete(o), cJSON_Delete(calls);
+            return NULL;
+        }
+        cJSON_AddItemToArray(calls, o);
+        at = close != NULL ? memmem(close, (size_t)(end - close), open_tag, sizeof(open_tag) - 1)
+                           : NULL;
+    }
+    while (head > 0 && (text[head - 1] == '\n' || text[head - 1] == ' '))
+        head--;
+    *content_len = head;
+    return calls;
+}
+
 static cJSON *choice(struct srv_render *r, const char *text, size_t len,
                      const struct srv_token *toks, int64_t n_toks, const char *finish_reason,
                      int chunk, int first, int index) {
+    size_t content_len = len;
+    cJSON *calls = r->tools && r->kind == SRV_CHAT && len > 0
+                       ? tool_calls(r, text, len, &content_len, chunk)
+                       : NULL;
+    r->called |= calls != NULL;
+    if (finish_reason != NULL && r->called &&
+        (strcmp(finish_reason, "stop") == 0 || strcmp(finish_reason, "length") == 0))
+        finish_reason = "tool_calls"; /* (the calls parsed: whole) */
     cJSON *c = cJSON_CreateObject();
     int bad_ = c == NULL || llmem_json_add_int(c, "index", index);
     char *t = malloc(len + 1);
@@ -951,10 +1238,17 @@ static cJSON *choice(struct srv_render *r, const char *text, size_t len,
             bad_ = m == NULL;
             if (!bad_ && (!chunk || first))
                 bad_ = llmem_json_add_string(m, "role", "assistant");
-            if (!bad_ && (!chunk || len > 0 || first || n_toks > 0))
+            t[content_len] = '\0';
+            if (!bad_ && calls != NULL)
+                bad_ = content_len > 0 ? llmem_json_add_string(m, "content", t)
+                                       : llmem_json_add_null(m, "content");
+            else if (!bad_ && (!chunk || len > 0 || first || n_toks > 0))
                 bad_ = llmem_json_add_string(m, "content", t);
+            if (!bad_ && calls != NULL)
+                cJSON_AddItemToObject(m, "tool_calls", calls), calls = NULL;
         }
     }
+    cJSON_Delete(calls);
     free(t);
     if (!bad_) {
         if (r->logprobs >= 0 && (n_toks > 0 || !chunk)) {
@@ -990,7 +1284,8 @@ char *llmem_srv_render_response(struct srv_render *r, const struct srv_choice *c
     int bad_ = arr == NULL;
     for (int i = 0; i < n && !bad_; i++) {
         const struct srv_choice *x = &choices[i];
-        r->text_offset = 0; /* each choice's text from its start */
+        r->text_offset = 0, r->called = 0; /* each choice on its own */
+        r->call_seed += i > 0 ? 0x9e3779b97f4a7c15ull : 0;
         cJSON *c = choice(r, x->text, x->len, x->toks, x->n_toks, x->finish_reason, 0, 0, i);
         bad_ = c == NULL;
         if (c != NULL)

@@ -278,7 +278,8 @@ static void job_on_done(void *arg, int status, const struct llmem_generate_resul
                         const char *message) {
     struct job *j = arg;
     char *text = NULL;
-    if (status == LLMEM_OK && !j->req.stream && (text = malloc(res->text_len + 1)) != NULL)
+    const int whole = !j->req.stream || j->req.tool_mode != SRV_TOOLS_NONE; /* the text kept */
+    if (status == LLMEM_OK && whole && (text = malloc(res->text_len + 1)) != NULL)
         memcpy(text, res->text, res->text_len + 1);
     char *msg = message != NULL ? strdup(message) : NULL;
     pthread_mutex_lock(&j->mu);
@@ -291,7 +292,7 @@ static void job_on_done(void *arg, int status, const struct llmem_generate_resul
         j->completion_tokens = res->n_ids;
         j->text = text;
         j->text_len = res->text_len;
-        if (!j->req.stream && text == NULL)
+        if (whole && text == NULL)
             j->status = LLMEM_ENOMEM;
     }
     pthread_cond_signal(&j->cv);
@@ -417,10 +418,14 @@ static void stream_render(struct job *j, struct event *evs, int done) {
     struct srv_buf text = {0};
     struct srv_token toks[32];
     int n = 0;
+    /* with tools the answer may be a call: its text comes whole at the end, as content and
+     * tool_calls */
+    const int held = j->req.tool_mode != SRV_TOOLS_NONE;
     for (struct event *e = evs, *next; e != NULL; e = next) {
         next = e->next;
-        llmem_srv_buf_append(&text, e->text, e->len);
-        if (e->tok.id >= 0 && r->logprobs >= 0)
+        if (!held)
+            llmem_srv_buf_append(&text, e->text, e->len);
+        if (!held && e->tok.id >= 0 && r->logprobs >= 0)
             toks[n++] = e->tok;
         free(e);
         if (n == 32 || (next == NULL && (text.len > 0 || n > 0))) {
@@ -434,6 +439,8 @@ static void stream_render(struct job *j, struct event *evs, int done) {
     if (!done)
         return;
     if (j->status == LLMEM_OK && !j->abandoned && strcmp(j->finish_reason, "cancelled") != 0) {
+        if (held && j->text_len > 0)
+            sse(j, llmem_srv_render_chunk(r, j->text, j->text_len, NULL, 0, NULL, 0));
         sse(j, llmem_srv_render_chunk(r, "", 0, NULL, 0, j->finish_reason, 0));
         if (r->include_usage)
             sse(j, llmem_srv_render_usage_chunk(r, j->prompt_tokens, j->completion_tokens));
@@ -718,7 +725,9 @@ static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c
                                     .logprobs = j->req.logprobs,
                                     .include_usage = j->req.include_usage,
                                     .piece = token_piece,
-                                    .piece_arg = (void *)s->tok};
+                                    .piece_arg = (void *)s->tok,
+                                    .tools = j->req.tool_mode != SRV_TOOLS_NONE,
+                                    .call_seed = llmem_splitmix64(s->salt + j->id)};
     /* n > 1: a request a choice, each after the first's prompt is in the cache (follow) */
     for (; n_jobs < j->req.n; n_jobs++) {
         struct job *k = job_new(s, c);
@@ -1087,6 +1096,7 @@ int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config 
         s->tmpl = LLMEM_CHAT_NONE; /* logged: unrecognized; chat then says so per request */
     if (s->tmpl != LLMEM_CHAT_NONE)
         s->n_chat_stops = llmem_chat_stop_ids(s->tok, s->tmpl, s->chat_stops, MAX_CHAT_STOPS);
+    s->model.tools = s->tmpl == LLMEM_CHAT_CHATML;
 
     struct llmem_serve_config sc = {.max_queue = cfg->max_queue};
     if ((status = llmem_engine_serve_start(e, &sc)) != LLMEM_OK)

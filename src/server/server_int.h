@@ -61,6 +61,7 @@ struct srv_model {
     const char *name; /* the only model id served */
     int64_t vocab;
     int64_t context; /* the engine's context window: max_tokens above it is refused */
+    int tools;       /* its chat template has a tool-call convention (chatml: Hermes-style) */
 };
 
 /* A string of the body whose bytes hold a NUL (U+0000), which cJSON's C strings cut short. */
@@ -91,7 +92,11 @@ struct srv_request {
     struct llmem_sampling sampling; /* its logit_bias: logit_bias below */
     struct llmem_logit_bias *logit_bias; /* (n_logit_bias) malloc'ed */
     int n_logit_bias;
-    struct llmem_grammar *grammar; /* response_format's, or NULL */
+    struct llmem_grammar *grammar; /* response_format's or a forced tool call's, or NULL */
+    /* tools (chat): how many, and whether the model may (auto) or must (required, or one named
+     * function) call one; the tools are rendered into the system message */
+    int n_tools;
+    enum { SRV_TOOLS_NONE, SRV_TOOLS_AUTO, SRV_TOOLS_REQUIRED } tool_mode;
     int have_seed; /* 0: the server picks a seed */
     int n;         /* choices (1 to SRV_MAX_N), each its own request after the first's prompt */
     const char *stop[SRV_MAX_STOP];
@@ -139,6 +144,9 @@ struct srv_render {
     srv_piece_fn piece;
     void *piece_arg;
     int64_t text_offset; /* completions logprobs: where the next token's text starts */
+    int tools;           /* the text may hold tool calls: answered as tool_calls */
+    uint64_t call_seed;  /* the tool calls' ids are drawn from it */
+    int called;          /* a choice or chunk rendered held tool calls */
 };
 
 /* One choice of a response: its text, the tokens' logprobs, why it ended. */

@@ -401,6 +401,89 @@ static void test_response_format(void **state) {
     tu_http_free(&h);
 }
 
+/* tools: a required call (and one named) comes back as tool_calls whose arguments hold what the
+ * function's schema asks, the same streamed (reassembled from the deltas) as answered whole; a
+ * conversation that carries an assistant's call and the tool's result goes on. */
+static void test_tools(void **state) {
+    (void)state;
+    static const char tools[] =
+        "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", "
+        "\"description\": \"The weather of a city\", \"parameters\": {\"type\": \"object\", "
+        "\"properties\": {\"city\": {\"type\": \"string\", \"maxLength\": 16}, \"unit\": "
+        "{\"enum\": [\"c\", \"f\"]}}, \"required\": [\"city\", \"unit\"], "
+        "\"additionalProperties\": false}}}, {\"type\": \"function\", \"function\": {\"name\": "
+        "\"now\"}}]";
+    for (int seed = 0; seed < 6; seed++) {
+        char body[2048], args[2][512];
+        const char *choice = seed % 2 ? "{\"type\": \"function\", \"function\": {\"name\": "
+                                        "\"get_weather\"}}"
+                                      : "\"required\"";
+        for (int stream = 0; stream < 2; stream++) {
+            snprintf(body, sizeof(body),
+                     "{\"messages\": [{\"role\": \"user\", \"content\": \"Weather in Paris?\"}], "
+                     "%s, \"tool_choice\": %s, \"temperature\": 1, \"seed\": %d, \"max_tokens\": "
+                     "%d, \"stream\": %s}",
+                     tools, choice, seed, seed < 3 ? 120 : 60, stream ? "true" : "false");
+            struct tu_http h = post(&srv, "/v1/chat/completions", body);
+            assert_int_equal(h.status, 200);
+            const cJSON *calls = NULL, *finish = NULL;
+            cJSON *root = NULL, *fin = NULL;
+            if (!stream) {
+                root = tu_http_json(&h);
+                const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0);
+                calls = cJSON_GetObjectItem(cJSON_GetObjectItem(c, "message"), "tool_calls");
+                finish = cJSON_GetObjectItem(c, "finish_reason");
+            } else { /* the chunk with tool_calls, and the finish reason after it */
+                for (char *line = strstr(h.body, "data: {"); line != NULL;
+                     line = strstr(line + 1, "data: {")) {
+                    cJSON *chunk = cJSON_Parse(line + 6);
+                    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(chunk, "choices"), 0);
+                    const cJSON *tc = cJSON_GetObjectItem(cJSON_GetObjectItem(c, "delta"),
+                                                          "tool_calls");
+                    const cJSON *fr = cJSON_GetObjectItem(c, "finish_reason");
+                    if (tc != NULL && root == NULL) {
+                        root = chunk, calls = tc;
+                    } else if (cJSON_IsString(fr) && fin == NULL) {
+                        fin = chunk, finish = fr;
+                    } else {
+                        cJSON_Delete(chunk);
+                    }
+                }
+            }
+            if (!cJSON_IsArray(calls) || cJSON_GetArraySize(calls) != 1)
+                fail_msg("seed %d, stream %d: no call in %s", seed, stream, h.body);
+            const cJSON *f = cJSON_GetObjectItem(cJSON_GetArrayItem(calls, 0), "function");
+            assert_string_equal(cJSON_GetObjectItem(f, "name")->valuestring, "get_weather");
+            cJSON *a = cJSON_Parse(cJSON_GetObjectItem(f, "arguments")->valuestring);
+            const cJSON *unit = cJSON_GetObjectItem(a, "unit");
+            if (!cJSON_IsString(cJSON_GetObjectItem(a, "city")) || !cJSON_IsString(unit) ||
+                strlen(unit->valuestring) != 1)
+                fail_msg("seed %d: arguments '%s'", seed,
+                         cJSON_GetObjectItem(f, "arguments")->valuestring);
+            snprintf(args[stream], sizeof(args[stream]), "%s",
+                     cJSON_GetObjectItem(f, "arguments")->valuestring);
+            assert_string_equal(finish->valuestring, "tool_calls");
+            cJSON_Delete(a);
+            cJSON_Delete(root);
+            cJSON_Delete(fin);
+            tu_http_free(&h);
+        }
+        assert_string_equal(args[0], args[1]); /* the same call, whole or streamed */
+    }
+    char body[2048];
+    snprintf(body, sizeof(body),
+             "{\"messages\": [{\"role\": \"user\", \"content\": \"Weather?\"}, {\"role\": "
+             "\"assistant\", \"content\": null, \"tool_calls\": [{\"id\": \"call_1\", \"type\": "
+             "\"function\", \"function\": {\"name\": \"get_weather\", \"arguments\": "
+             "\"{\\\"city\\\": \\\"Paris\\\", \\\"unit\\\": \\\"c\\\"}\"}}]}, {\"role\": "
+             "\"tool\", \"tool_call_id\": \"call_1\", \"content\": \"21\"}], %s, \"max_tokens\": 8, "
+             "\"temperature\": 0}",
+             tools);
+    struct tu_http h = post(&srv, "/v1/chat/completions", body);
+    assert_int_equal(h.status, 200);
+    tu_http_free(&h);
+}
+
 /* ---- chat ------------------------------------------------------------------------------------ */
 
 static const char chat_body[] =
@@ -1562,6 +1645,7 @@ int main(void) {
         cmocka_unit_test(test_logit_bias_and_penalties),
         cmocka_unit_test(test_response_format),
         cmocka_unit_test(test_n_choices),
+        cmocka_unit_test(test_tools),
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_nul_in_prompt),
         cmocka_unit_test(test_concurrent_equal_single),

@@ -196,6 +196,58 @@ const tests = {
     assert.ok((await metric("llmem_prompt_tokens_reused_total")) - reused >= 2 * (r.usage.prompt_tokens - 16));
   },
 
+  // tools: a forced call's arguments validate against the function's schema; the stream's
+  // tool_call deltas reassemble to the same call
+  async toolCalls() {
+    const parameters = { type: "object", properties: { city: { type: "string", maxLength: 16 }, days: { type: "integer" } }, required: ["city", "days"], additionalProperties: false };
+    const tools = [{ type: "function", function: { name: "forecast", description: "A city's forecast", parameters } }];
+    const validate = new Ajv().compile(parameters);
+    for (const seed of [1, 2, 3]) {
+      const params = {
+        model: "pycoder",
+        messages: [{ role: "user", content: "Forecast for Oslo?" }],
+        tools,
+        tool_choice: seed === 3 ? { type: "function", function: { name: "forecast" } } : "required",
+        temperature: 1,
+        seed,
+        max_tokens: 100,
+      };
+      const r = await client.chat.completions.create(params);
+      const call = r.choices[0].message.tool_calls[0];
+      assert.equal(r.choices[0].finish_reason, "tool_calls");
+      assert.equal(call.type, "function");
+      assert.equal(call.function.name, "forecast");
+      const args = JSON.parse(call.function.arguments);
+      assert.ok(validate(args), `${call.function.arguments}: ${JSON.stringify(validate.errors)}`);
+      const stream = await client.chat.completions.create({ ...params, stream: true });
+      const calls = [];
+      let finish = null;
+      for await (const chunk of stream) {
+        for (const d of chunk.choices[0]?.delta?.tool_calls ?? []) {
+          calls[d.index] ??= { name: "", arguments: "" };
+          calls[d.index].name += d.function?.name ?? "";
+          calls[d.index].arguments += d.function?.arguments ?? "";
+        }
+        finish = chunk.choices[0]?.finish_reason ?? finish;
+      }
+      assert.equal(finish, "tool_calls");
+      assert.deepEqual(calls, [{ name: "forecast", arguments: call.function.arguments }]);
+    }
+    // the call and its result go back in the next request
+    const r = await client.chat.completions.create({
+      model: "pycoder",
+      messages: [
+        { role: "user", content: "Forecast for Oslo?" },
+        { role: "assistant", content: null, tool_calls: [{ id: "call_1", type: "function", function: { name: "forecast", arguments: '{"city": "Oslo", "days": 2}' } }] },
+        { role: "tool", tool_call_id: "call_1", content: "rain" },
+      ],
+      tools,
+      max_tokens: 8,
+      temperature: 0,
+    });
+    assert.equal(typeof r.choices[0].message.content, "string");
+  },
+
   async badRequests() {
     await assert.rejects(
       client.completions.create({ model: "pycoder", prompt: "x", max_tokens: -1 }),
