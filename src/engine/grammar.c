@@ -197,14 +197,13 @@ static void json_rules(struct builder *b) {
     }
     b->ws = next;
     /* a string's character: UTF-8 as RFC 3629 allows it, or an escape */
-    int32_t cont = -1, esc = new_rule(b), ch = new_rule(b), chars = new_rule(b);
+    int32_t esc = new_rule(b), ch = new_rule(b), chars = new_rule(b);
     push_ranges(b, &s, "\"\"\\\\//bbffnnrrtt");
     push_alt(b, &s);
     LIT(&s, "u");
     for (int i = 0; i < 4; i++)
         push_ranges(b, &s, "09afAF");
     define(b, esc, &s);
-    (void)cont;
     push_ranges(b, &s, " !#[]\x7f");
     push_alt(b, &s);
     push_ranges(b, &s, "\xc2\xdf"), push_ranges(b, &s, "\x80\xbf");
@@ -345,7 +344,7 @@ static int32_t repeat_rules(struct builder *b, int32_t item, int32_t sep_ws, con
                             int64_t min, int64_t max) {
     /* after[k] for k = 1 … last, where last = max (bounded) or min (then self-recursive) */
     const int64_t last = max >= 0 ? max : (min > 1 ? min : 1);
-    int32_t first = -1, prev = -1;
+    int32_t first;
     struct seq s = {0};
     int32_t *after = malloc((size_t)(last + 1) * sizeof(*after));
     if (after == NULL)
@@ -368,7 +367,6 @@ static int32_t repeat_rules(struct builder *b, int32_t item, int32_t sep_ws, con
         define(b, after[k], &s);
     }
     first = b->failed ? -1 : after[1];
-    (void)prev;
     free(after);
     return first;
 }
