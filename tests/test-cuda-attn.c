@@ -10,13 +10,15 @@
  * below, at and past a block, past a split), with the split chosen by the GPU's size and forced
  * small. The output is poisoned (NaN) before each call, so an unwritten element fails. Prefill
  * chunks too: a sequence's last positions as queries over its one table, one a warp or packed
- * several a warp.
+ * several a warp. And the prefill kernel (prefill.h): two sequences' chunks in one call, its
+ * tiles built as the backend builds them.
  *
  * Tolerance, per (sequence, head), ‖gpu − cpu‖ / ‖cpu‖:
  *   f16, bf16  1e-4: keys and values are used exactly; the query and the probabilities enter the
  *              tensor cores as a 16-bit value plus its 16-bit remainder (~2⁻¹⁷), sums are f32;
  *   q8         1e-3: as above, but each decoded element code·scale is rounded to f16 (2⁻¹²).
- * The measured maxima are printed (typically 1e-6 and 1e-4).
+ * The measured maxima are printed (typically 1e-6 and 1e-4). The prefill kernel rounds the query
+ * and the probabilities to the cache's 16-bit type (fast precision): bf16 1e-2, f16 2e-3.
  */
 #include <math.h>
 #include <stdio.h>
@@ -26,6 +28,7 @@
 #include <cuda_runtime_api.h>
 
 #include "backend/cuda/attention.h"
+#include "backend/cuda/prefill.h"
 #include "backend/ops.h"
 #include "core/options.h"
 #include "kv/codec.h"
@@ -438,6 +441,146 @@ static void test_chunk_packs(void **state) {
                 }
 }
 
+/* The prefill kernel over two sequences' chunks in one call: sequence 0's last n0 of len0 tokens,
+ * then sequence 1's last n1 of len1 (their blocks interleaved in the pool), tiles of
+ * llmem_cuda_prefill_tile_queries() queries, each sequence's last first. Compared with
+ * llmem_kv_attend over the same positions. */
+static double run_prefill(enum llmem_kv_format format, int H, int KV, int D, const int len[2],
+                          const int n[2]) {
+    struct llmem_kv_config cfg;
+    llmem_kv_config_default(&cfg);
+    cfg.layout = LLMEM_KV_LAYOUT_PAGED;
+    cfg.block_size = 16;
+    cfg.format = format;
+    cfg.n_layers = 1;
+    cfg.n_kv_heads = KV;
+    cfg.head_dim = D;
+    cfg.max_sequences = 2;
+    cfg.num_blocks = 64;
+    cfg.dynamic = 1;
+    cfg.n_threads = 2;
+    struct llmem_kv *kv = NULL;
+    assert_int_equal(llmem_kv_create(&cfg, NULL, &kv), LLMEM_OK);
+    int seq[2];
+    const int most = len[0] > len[1] ? len[0] : len[1], chunk = 40;
+    float *k = malloc((size_t)chunk * KV * D * sizeof(float));
+    float *v = malloc((size_t)chunk * KV * D * sizeof(float));
+    for (int s = 0; s < 2; s++)
+        assert_int_equal(llmem_kv_seq_new(kv, &seq[s]), LLMEM_OK);
+    for (int done = 0; done < most; done += chunk)
+        for (int s = 0; s < 2; s++) {
+            const int m = len[s] - done < chunk ? len[s] - done : chunk;
+            if (m <= 0)
+                continue;
+            for (int i = 0; i < m * KV * D; i++)
+                k[i] = frand() * ((i % 97) == 0 ? 6.0f : 1.0f), v[i] = frand();
+            assert_int_equal(llmem_kv_append(kv, seq[s], m, k, v), LLMEM_OK);
+        }
+    const size_t block_bytes = (size_t)llmem_kv_block_bytes(kv);
+    struct llmem_kv_stats st;
+    llmem_kv_stats(kv, &st);
+    uint8_t *pool = calloc((size_t)st.n_blocks, block_bytes);
+    const int stride = (most + 15) / 16, tq = llmem_cuda_prefill_tile_queries(H / KV);
+    const int n_tiles = (n[0] + tq - 1) / tq + (n[1] + tq - 1) / tq;
+    int32_t *ints = calloc((size_t)(2 * stride + 4 * n_tiles), sizeof(int32_t));
+    struct llmem_cuda_prefill_tile *tiles = (struct llmem_cuda_prefill_tile *)(ints + 2 * stride);
+    int t = 0;
+    for (int s = 0; s < 2; s++) {
+        const int64_t *ids;
+        const int nb = (int)llmem_kv_seq_blocks(kv, seq[s], &ids);
+        for (int i = 0; i < nb; i++) {
+            llmem_kv_block_copy_out(kv, ids[i], pool + (size_t)ids[i] * block_bytes);
+            ints[s * stride + i] = (int32_t)ids[i];
+        }
+        const int q0 = s == 0 ? 0 : n[0];
+        for (int i = ((n[s] - 1) / tq) * tq; i >= 0; i -= tq)
+            tiles[t++] = (struct llmem_cuda_prefill_tile){
+                q0 + i, n[s] - i < tq ? n[s] - i : tq, len[s] - n[s] + i, s};
+    }
+    const size_t n_out = (size_t)(n[0] + n[1]) * H * D;
+    float *q = malloc(n_out * sizeof(float)), *ref = malloc(n_out * sizeof(float));
+    for (size_t i = 0; i < n_out; i++)
+        q[i] = 2.0f * frand();
+    struct llmem_kv_attn attn = {.n_heads = H};
+    for (int s = 0; s < 2; s++) {
+        const size_t at = s == 0 ? 0 : (size_t)n[0] * H * D;
+        assert_int_equal(llmem_kv_attend(kv, seq[s], 0, len[s] - n[s], n[s], q + at, ref + at,
+                                         &attn),
+                         LLMEM_OK);
+    }
+    void *d_pool, *d_q, *d_ints, *d_out;
+    const size_t ints_bytes = (size_t)(2 * stride + 4 * n_tiles) * sizeof(int32_t);
+    CU(cudaMalloc(&d_pool, (size_t)st.n_blocks * block_bytes));
+    CU(cudaMalloc(&d_q, n_out * sizeof(float)));
+    CU(cudaMalloc(&d_ints, ints_bytes));
+    CU(cudaMalloc(&d_out, n_out * sizeof(float)));
+    CU(cudaMemcpy(d_pool, pool, (size_t)st.n_blocks * block_bytes, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(d_q, q, n_out * sizeof(float), cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(d_ints, ints, ints_bytes, cudaMemcpyHostToDevice));
+    CU(cudaMemset(d_out, 0xff, n_out * sizeof(float))); /* NaN: every output must be written */
+    const struct llmem_cuda_prefill p = {
+        .format = format,
+        .n_heads = H,
+        .n_kv_heads = KV,
+        .head_dim = D,
+        .block_size = 16,
+        .q = d_q,
+        .out = d_out,
+        .k_pool = d_pool,
+        .v_pool = (uint8_t *)d_pool + block_bytes / 2,
+        .k_block_stride = (int64_t)block_bytes,
+        .v_block_stride = (int64_t)block_bytes,
+        .block_tables = d_ints,
+        .table_stride = stride,
+        .tiles = (const struct llmem_cuda_prefill_tile *)((const int32_t *)d_ints + 2 * stride),
+        .n_tiles = n_tiles,
+    };
+    assert_int_equal(llmem_cuda_prefill(&p), LLMEM_OK);
+    CU(cudaDeviceSynchronize());
+    float *out = malloc(n_out * sizeof(float));
+    CU(cudaMemcpy(out, d_out, n_out * sizeof(float), cudaMemcpyDeviceToHost));
+    const double worst = worst_rel_error(out, ref, (n[0] + n[1]) * H, D);
+    printf("  prefill %-4s heads %2d/%d d %3d: %3d of %4d and %3d of %4d, tiles of %3d: rel err "
+           "%.2e\n",
+           llmem_kv_format_name(format), H, KV, D, n[0], len[0], n[1], len[1], tq, worst);
+    cudaFree(d_pool), cudaFree(d_q), cudaFree(d_ints), cudaFree(d_out);
+    free(out), free(ref), free(q), free(ints), free(pool), free(k), free(v);
+    llmem_kv_destroy(kv);
+    return worst;
+}
+
+/* The prefill kernel: bf16 and f16, GQA 1, 4, 7, 8 and the 8B shape's 32/8, head_dim 64 and 128,
+ * CTAs of 4 and 8 warps; a chunk late in a sequence (partly masked tiles, a partial last tile)
+ * beside a whole short prompt; then the shapes it refuses. */
+static void test_prefill(void **state) {
+    (void)state;
+    const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_F16};
+    const int groups[][2] = {{4, 4}, {16, 4}, {28, 4}, {16, 2}, {32, 8}};
+    const int len[2] = {700, 77}, n[2] = {300, 77};
+    for (int w = 4; w <= 8; w += 4) {
+        llmem_option_set(LLMEM_OPT_CUDA_PREFILL_WARPS, w == 4 ? "4" : "8");
+        for (int f = 0; f < 2; f++)
+            for (int g = 0; g < 5; g++)
+                for (int d = 64; d <= 128; d += 64)
+                    assert_true(run_prefill(formats[f], groups[g][0], groups[g][1], d, len, n) <=
+                                (formats[f] == LLMEM_KV_FORMAT_BF16 ? 1e-2 : 2e-3));
+    }
+    llmem_option_set(LLMEM_OPT_CUDA_PREFILL_WARPS, NULL);
+    struct llmem_cuda_prefill p = {.format = LLMEM_KV_FORMAT_Q8,
+                                   .n_heads = 8,
+                                   .n_kv_heads = 8,
+                                   .head_dim = 128,
+                                   .block_size = 16};
+    assert_false(llmem_cuda_prefill_fits(p.format, 8, 8, 128, 16));
+    assert_int_equal(llmem_cuda_prefill(&p), LLMEM_EINVAL);
+    p.format = LLMEM_KV_FORMAT_BF16;
+    p.head_dim = 256;
+    assert_int_equal(llmem_cuda_prefill(&p), LLMEM_EINVAL);
+    p.head_dim = 128;
+    p.out = (float *)(uintptr_t)0x1004;
+    assert_int_equal(llmem_cuda_prefill(&p), LLMEM_EINVAL);
+}
+
 static void test_rejects(void **state) {
     (void)state;
     struct llmem_cuda_attn a = {.format = LLMEM_KV_FORMAT_F32,
@@ -478,6 +621,7 @@ int main(void) {
         cmocka_unit_test(test_bf16_query_and_dim256),
         cmocka_unit_test(test_shapes),
         cmocka_unit_test(test_chunk_packs),
+        cmocka_unit_test(test_prefill),
         cmocka_unit_test(test_rejects),
     };
     return cmocka_run_group_tests_name("cuda attention", tests, NULL, NULL);

@@ -98,6 +98,12 @@ static const struct llmem_option_info table[LLMEM_OPT_COUNT] = {
                                          "splits of this many tokens or more launch the CUDA "
                                          "attention in stream order, not as a programmatic "
                                          "dependent (0: never)"},
+    [LLMEM_OPT_CUDA_PREFILL_FROM] = {"LLMEM_CUDA_PREFILL_FROM", INT("32", 0, (int64_t)1 << 30),
+                                     "at fast precision, a sequence's chunk of this many queries "
+                                     "or more takes the CUDA prefill attention (0: never)"},
+    [LLMEM_OPT_CUDA_PREFILL_WARPS] = {"LLMEM_CUDA_PREFILL_WARPS", INT("4", 4, 8),
+                                      "warps a CTA of the CUDA prefill attention, 4 or 8 (16 "
+                                      "(query, head) rows each)"},
 };
 
 #undef BOOL

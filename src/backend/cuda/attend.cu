@@ -6,6 +6,8 @@
  */
 #include "backend/cuda/ops_int.h"
 
+#include <algorithm>
+
 namespace llmem_cuda {
 
 /* What a launch depends on of a rotation (0: none). */
@@ -176,19 +178,135 @@ void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) {
     launched(c, "kv attend");
 }
 
-/* The last n_q[s] positions (n_q NULL: the last one) of each of n_seqs sequences: one launch of the
- * decode kernel for all their queries where it applies and the tables fit one upload (each query
- * a "sequence" of its own length over its sequence's table), else sequence by sequence. */
+/* Queries of a sequence's chunk from which the prefill kernel of prefill.cu takes it: at fast
+ * precision, for the shapes it takes, LLMEM_CUDA_PREFILL_FROM (default 32); 0: never. */
+static int64_t prefill_from(struct cuda_ctx *c, const struct llmem_backend_paged_attn *a) {
+    static int64_t from = -1;
+    if (from < 0) {
+        int64_t v = 32;
+        if (llmem_option_int(LLMEM_OPT_CUDA_PREFILL_FROM, &v) != LLMEM_OK) { /* logged */
+            fail(c, LLMEM_EINVAL, "LLMEM_CUDA_PREFILL_FROM", NULL);
+            return 0;
+        }
+        from = v;
+    }
+    if (c->precision != LLMEM_PRECISION_FAST || a->window != 0 ||
+        !llmem_cuda_prefill_fits(a->format, a->n_heads, a->n_kv_heads, a->head_dim,
+                                 a->block_size))
+        return 0;
+    return from;
+}
+
+/* Where the prefill kernel's call for the sequences of `from` queries or more (n_long of them)
+ * lays its upload: their tables, stride apart, then their tiles. 0 when they do not fit one. */
+struct prefill_call {
+    int64_t n_long, stride, n_tiles, tile_queries;
+};
+static int prefill_plan(const struct llmem_backend_paged_attn *a, int n_seqs,
+                        const int64_t *lengths, const int64_t *n_q, int64_t from,
+                        struct prefill_call *pc) {
+    *pc = (struct prefill_call){.n_long = 0, .stride = 1, .n_tiles = 0, .tile_queries = 0};
+    pc->tile_queries = llmem_cuda_prefill_tile_queries(a->n_heads / a->n_kv_heads);
+    for (int s = 0; s < n_seqs; s++)
+        if (n_q[s] >= from) {
+            const int64_t nb = (lengths[s] + a->block_size - 1) / a->block_size;
+            pc->stride = nb > pc->stride ? nb : pc->stride;
+            pc->n_long++;
+            pc->n_tiles += (n_q[s] + pc->tile_queries - 1) / pc->tile_queries;
+        }
+    const size_t n_ints = (size_t)(pc->n_long * pc->stride + 4 * pc->n_tiles);
+    return pc->n_long > 0 && n_ints <= SMALL_MAX / sizeof(int32_t) && pc->n_tiles <= 65535;
+}
+
+/* The prefill kernel over the chunks of the sequences with `from` queries or more, as planned:
+ * their tiles heaviest (latest position) first. */
+static void prefill_launch(struct cuda_ctx *c, const struct llmem_backend_paged_attn *a, int n_seqs,
+                           const int64_t *const *blocks, const int64_t *lengths,
+                           const int64_t *n_q, int64_t from, const struct prefill_call *pc) {
+    const int64_t tq = pc->tile_queries, stride = pc->stride;
+    struct llmem_cuda_prefill_tile *tiles =
+        (struct llmem_cuda_prefill_tile *)(c->staging + pc->n_long * stride);
+    int64_t row = 0, at = 0, k = 0;
+    for (int s = 0; s < n_seqs; at += n_q[s], s++) {
+        if (n_q[s] < from)
+            continue;
+        int32_t *t = c->staging + row * stride;
+        const int64_t nb = (lengths[s] + a->block_size - 1) / a->block_size;
+        for (int64_t b = 0; b < stride; b++)
+            t[b] = b < nb ? (int32_t)blocks[s][b] : 0;
+        const int64_t pos0 = lengths[s] - n_q[s];
+        for (int64_t i = ((n_q[s] - 1) / tq) * tq; i >= 0; i -= tq) /* the last tile first */
+            tiles[k++] = {(int32_t)(at + i), (int32_t)(n_q[s] - i < tq ? n_q[s] - i : tq),
+                          (int32_t)(pos0 + i), (int32_t)row};
+        row++;
+    }
+    if (pc->n_long > 1)
+        std::sort(tiles, tiles + pc->n_tiles,
+                  [](const llmem_cuda_prefill_tile &x, const llmem_cuda_prefill_tile &y) {
+                      return x.pos + x.n_q > y.pos + y.n_q;
+                  });
+    const size_t n_ints = (size_t)(pc->n_long * stride + 4 * pc->n_tiles);
+    const int32_t *d = (const int32_t *)small_upload(c, c->staging, n_ints * sizeof(int32_t));
+    if (d == NULL ||
+        staged(c, OP_PREFILL,
+               {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
+                arg((int64_t)a->head_dim), arg(a->q), arg(a->k_pool), arg(a->v_pool), arg(a->out),
+                arg(d), arg(a->scale), arg((int64_t)a->k_tok), arg((int64_t)n_ints),
+                arg((int64_t)llmem_hash64(c->staging, n_ints * sizeof(int32_t), 0))}))
+        return;
+    struct llmem_cuda_prefill p = {};
+    p.format = a->format;
+    p.n_heads = a->n_heads;
+    p.n_kv_heads = a->n_kv_heads;
+    p.head_dim = a->head_dim;
+    p.block_size = a->block_size;
+    p.scale = a->scale;
+    p.q = a->q;
+    p.out = a->out;
+    p.k_pool = a->k_pool;
+    p.v_pool = a->v_pool;
+    p.k_block_stride = (int64_t)a->block_size * (int64_t)a->k_tok;
+    p.v_block_stride = (int64_t)a->block_size * (int64_t)a->v_tok;
+    p.block_tables = d;
+    p.table_stride = (int)stride;
+    p.tiles = (const struct llmem_cuda_prefill_tile *)(d + pc->n_long * stride);
+    p.n_tiles = (int)pc->n_tiles;
+    p.stream = c->stream;
+    if (llmem_cuda_prefill(&p) != LLMEM_OK)
+        fail(c, LLMEM_EIO, "prefill attention", NULL); /* logged by prefill.cu */
+    else
+        launched(c, "prefill attention");
+}
+
+/* The last n_q[s] positions (n_q NULL: the last one) of each of n_seqs sequences. At fast
+ * precision the chunks of LLMEM_CUDA_PREFILL_FROM queries or more go to the prefill kernel, after
+ * the rest. The rest: one launch of the decode kernel for all their queries where it applies and
+ * the tables fit one upload (each query a "sequence" of its own length over its sequence's table;
+ * the prefill kernel's queries there of length 0, their outputs written over), else sequence by
+ * sequence. */
 void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn *a, int n_seqs,
                          const int64_t *const *blocks, const int64_t *lengths, const int64_t *n_q) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     if (n_seqs == 0 || c->failed)
         return;
+    struct prefill_call pc = {};
+    int64_t from = n_q != NULL ? prefill_from(c, a) : 0;
+    if (from > 0 && !prefill_plan(a, n_seqs, lengths, n_q, from, &pc))
+        from = 0;
+    /* the decode kernel's queries: every one but the prefill kernel's */
+    auto decoded = [&](int s) { return from == 0 || n_q[s] < from; };
     int64_t most = 0, queries = 0, fresh = 1;
     for (int s = 0; s < n_seqs; s++) {
-        most = lengths[s] > most ? lengths[s] : most;
-        queries += n_q != NULL ? n_q[s] : 1;
-        fresh = n_q != NULL && n_q[s] > fresh ? n_q[s] : fresh;
+        const int64_t m = n_q != NULL ? n_q[s] : 1;
+        queries += m;
+        if (decoded(s)) {
+            most = lengths[s] > most ? lengths[s] : most;
+            fresh = m > fresh ? m : fresh;
+        }
+    }
+    if (from > 0 && pc.n_long == n_seqs) {
+        prefill_launch(c, a, n_seqs, blocks, lengths, n_q, from, &pc);
+        return;
     }
     /* tables padded to a power of two of blocks: the same launch (and graph) for many steps */
     int64_t stride = 8;
@@ -200,7 +318,7 @@ void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn *a, in
     const int pack = n_q != NULL ? attn_pack(a) : 1;
     int64_t packs = 0;
     for (int s = 0; n_q != NULL && s < n_seqs; s++)
-        packs += (n_q[s] + pack - 1) / pack;
+        packs += decoded(s) ? (n_q[s] + pack - 1) / pack : 0;
     struct attn_call call = {.n_queries = (int)queries,
                              .table_stride = (int)stride,
                              .max_len = (int)most,
@@ -219,35 +337,40 @@ void cuda_kv_attend_last(void *ctx, const struct llmem_backend_paged_attn *a, in
     if (decode_kernel_fits(a) && call.n_ints <= SMALL_MAX / sizeof(int32_t)) {
         size_t at = 0, pk = 0;
         for (int s = 0; s < n_seqs; s++) {
-            const int64_t nb = (lengths[s] + a->block_size - 1) / a->block_size;
+            const int64_t nb =
+                decoded(s) ? (lengths[s] + a->block_size - 1) / a->block_size : 0;
             int32_t *row = c->staging + (size_t)s * (size_t)stride;
             for (int64_t b = 0; b < stride; b++)
                 row[b] = b < nb ? (int32_t)blocks[s][b] : 0;
             const int64_t m = n_q != NULL ? n_q[s] : 1;
             for (int64_t i = 0; i < m; i++, at++) {
-                c->staging[call.lengths_at + at] = (int32_t)(lengths[s] - m + i + 1);
+                c->staging[call.lengths_at + at] =
+                    decoded(s) ? (int32_t)(lengths[s] - m + i + 1) : 0;
                 if (call.ids_at != NO_IDS)
                     c->staging[call.ids_at + at] = s;
-                if (call.packs_at != NO_IDS && i % call.pack == 0)
+                if (call.packs_at != NO_IDS && decoded(s) && i % call.pack == 0)
                     c->staging[call.packs_at + pk++] = (int32_t)at;
             }
         }
         decode_kernel(c, a, &call);
-        return;
+    } else {
+        const size_t row = (size_t)a->n_heads * (size_t)a->head_dim;
+        size_t at = 0;
+        for (int s = 0; s < n_seqs; s++) {
+            struct llmem_backend_paged_attn one = *a;
+            one.blocks = blocks[s];
+            one.n_blocks = (lengths[s] + a->block_size - 1) / a->block_size;
+            one.n_q = n_q != NULL ? n_q[s] : 1;
+            one.q_pos = lengths[s] - one.n_q;
+            one.q = a->q + at * row;
+            one.out = a->out + at * row;
+            if (decoded(s))
+                cuda_kv_attend(ctx, &one);
+            at += (size_t)one.n_q;
+        }
     }
-    const size_t row = (size_t)a->n_heads * (size_t)a->head_dim;
-    size_t at = 0;
-    for (int s = 0; s < n_seqs; s++) {
-        struct llmem_backend_paged_attn one = *a;
-        one.blocks = blocks[s];
-        one.n_blocks = (lengths[s] + a->block_size - 1) / a->block_size;
-        one.n_q = n_q != NULL ? n_q[s] : 1;
-        one.q_pos = lengths[s] - one.n_q;
-        one.q = a->q + at * row;
-        one.out = a->out + at * row;
-        cuda_kv_attend(ctx, &one);
-        at += (size_t)one.n_q;
-    }
+    if (from > 0)
+        prefill_launch(c, a, n_seqs, blocks, lengths, n_q, from, &pc);
 }
 
 } // namespace llmem_cuda

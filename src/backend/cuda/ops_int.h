@@ -12,6 +12,7 @@
 #include "backend/cuda/attention.h"
 #include "backend/cuda/kv.h"
 #include "backend/cuda/launch.h"
+#include "backend/cuda/prefill.h"
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -358,6 +359,7 @@ enum {
     OP_KV_ENCODE,
     OP_ATTN_DECODE,
     OP_KV_ATTEND,
+    OP_PREFILL,
     OP_MATMUL_MULTI,
     OP_GEMV_SWIGLU,
     OP_EMBEDDING_TOP,
