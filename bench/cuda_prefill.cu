@@ -9,6 +9,7 @@
  * blocks of 16 scattered over the pool (a random permutation), one sequence of --tokens tokens
  * attended by chunks of --chunk queries (each chunk over the tokens before it and itself). Times
  * are CUDA events around the whole prefill (every chunk), median of --reps after one warm-up.
+ * LLMEM_CUDA_PREFILL_MBLOCKS forces the rows a warp takes, as in the engine.
  *
  *   llmem-bench-cuda-prefill [--tokens 32768] [--chunk 4096] [--heads 32/8] [--dim 128]
  *                            [--format bf16|f16] [--reps 3] [--no-decode-kernel]
@@ -117,7 +118,8 @@ int main(int argc, char **argv) {
         r ^= r << 13, r ^= r >> 7, r ^= r << 17;
         std::swap(table[i], table[(int)(r % (uint64_t)(i + 1))]);
     }
-    const int tq = llmem_cuda_prefill_tile_queries(group);
+    const int mb = llmem_cuda_prefill_mblocks(group, kv, std::min(chunk, tokens));
+    const int tq = llmem_cuda_prefill_tile_queries(group, mb);
     std::vector<int32_t> ints(table);
     std::vector<size_t> len_at, tiles_at;
     std::vector<int> n_tiles;
@@ -148,8 +150,9 @@ int main(int argc, char **argv) {
     size_t ws_bytes = 0;
 
     const char *names[2] = {"prefill kernel", "decode kernel (packed)"};
-    printf("causal prefill attention, %d tokens in chunks of %d, %d/%d heads, dim %d, %s cache\n",
-           tokens, chunk, heads, kv, dim, bf ? "bf16" : "f16");
+    printf("causal prefill attention, %d tokens in chunks of %d, %d/%d heads, dim %d, %s cache, "
+           "warps of %d rows\n",
+           tokens, chunk, heads, kv, dim, bf ? "bf16" : "f16", 16 * mb);
     for (int kind = 0; kind < 1 + decode; kind++) {
         std::vector<float> ms;
         for (int rep = 0; rep <= reps; rep++) {
@@ -170,6 +173,7 @@ int main(int argc, char **argv) {
                     p.table_stride = nb;
                     p.tiles = (const llmem_cuda_prefill_tile *)(d_ints + tiles_at[ci]);
                     p.n_tiles = n_tiles[ci];
+                    p.mblocks = mb;
                     if (llmem_cuda_prefill(&p) != 0)
                         return 1;
                 } else {

@@ -446,7 +446,7 @@ static void test_chunk_packs(void **state) {
  * llmem_cuda_prefill_tile_queries() queries, each sequence's last first. Compared with
  * llmem_kv_attend over the same positions. */
 static double run_prefill(enum llmem_kv_format format, int H, int KV, int D, const int len[2],
-                          const int n[2]) {
+                          const int n[2], int mblocks) {
     struct llmem_kv_config cfg;
     llmem_kv_config_default(&cfg);
     cfg.layout = LLMEM_KV_LAYOUT_PAGED;
@@ -480,7 +480,7 @@ static double run_prefill(enum llmem_kv_format format, int H, int KV, int D, con
     struct llmem_kv_stats st;
     llmem_kv_stats(kv, &st);
     uint8_t *pool = calloc((size_t)st.n_blocks, block_bytes);
-    const int stride = (most + 15) / 16, tq = llmem_cuda_prefill_tile_queries(H / KV);
+    const int stride = (most + 15) / 16, tq = llmem_cuda_prefill_tile_queries(H / KV, mblocks);
     const int n_tiles = (n[0] + tq - 1) / tq + (n[1] + tq - 1) / tq;
     int32_t *ints = calloc((size_t)(2 * stride + 4 * n_tiles), sizeof(int32_t));
     struct llmem_cuda_prefill_tile *tiles = (struct llmem_cuda_prefill_tile *)(ints + 2 * stride);
@@ -534,6 +534,7 @@ static double run_prefill(enum llmem_kv_format format, int H, int KV, int D, con
         .table_stride = stride,
         .tiles = (const struct llmem_cuda_prefill_tile *)((const int32_t *)d_ints + 2 * stride),
         .n_tiles = n_tiles,
+        .mblocks = mblocks,
     };
     assert_int_equal(llmem_cuda_prefill(&p), LLMEM_OK);
     CU(cudaDeviceSynchronize());
@@ -550,33 +551,41 @@ static double run_prefill(enum llmem_kv_format format, int H, int KV, int D, con
 }
 
 /* The prefill kernel: bf16 and f16, GQA 1, 4, 7, 8 and the 8B shape's 32/8, head_dim 64 and 128,
- * CTAs of 4 and 8 warps; a chunk late in a sequence (partly masked tiles, a partial last tile)
- * beside a whole short prompt; then the shapes it refuses. */
+ * warps of 16 and of 32 rows; a chunk late in a sequence (partly masked tiles, a partial last
+ * tile) beside a whole short prompt; the choice of rows; then the shapes it refuses. */
 static void test_prefill(void **state) {
     (void)state;
     const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_F16};
     const int groups[][2] = {{4, 4}, {16, 4}, {28, 4}, {16, 2}, {32, 8}};
     const int len[2] = {700, 77}, n[2] = {300, 77};
-    for (int w = 4; w <= 8; w += 4) {
-        llmem_option_set(LLMEM_OPT_CUDA_PREFILL_WARPS, w == 4 ? "4" : "8");
+    for (int mb = 1; mb <= 2; mb++)
         for (int f = 0; f < 2; f++)
             for (int g = 0; g < 5; g++)
                 for (int d = 64; d <= 128; d += 64)
-                    assert_true(run_prefill(formats[f], groups[g][0], groups[g][1], d, len, n) <=
+                    assert_true(run_prefill(formats[f], groups[g][0], groups[g][1], d, len, n,
+                                            mb) <=
                                 (formats[f] == LLMEM_KV_FORMAT_BF16 ? 1e-2 : 2e-3));
-    }
-    llmem_option_set(LLMEM_OPT_CUDA_PREFILL_WARPS, NULL);
+    /* a short prompt takes warps of 16 rows, a long chunk of 32; the option forces either */
+    assert_int_equal(llmem_cuda_prefill_mblocks(4, 8, 512), 1);
+    assert_int_equal(llmem_cuda_prefill_mblocks(4, 8, 16384), 2);
+    llmem_option_set(LLMEM_OPT_CUDA_PREFILL_MBLOCKS, "1");
+    assert_int_equal(llmem_cuda_prefill_mblocks(4, 8, 16384), 1);
+    llmem_option_set(LLMEM_OPT_CUDA_PREFILL_MBLOCKS, NULL);
     struct llmem_cuda_prefill p = {.format = LLMEM_KV_FORMAT_Q8,
                                    .n_heads = 8,
                                    .n_kv_heads = 8,
                                    .head_dim = 128,
-                                   .block_size = 16};
+                                   .block_size = 16,
+                                   .mblocks = 1};
     assert_false(llmem_cuda_prefill_fits(p.format, 8, 8, 128, 16));
     assert_int_equal(llmem_cuda_prefill(&p), LLMEM_EINVAL);
     p.format = LLMEM_KV_FORMAT_BF16;
     p.head_dim = 256;
     assert_int_equal(llmem_cuda_prefill(&p), LLMEM_EINVAL);
     p.head_dim = 128;
+    p.mblocks = 3;
+    assert_int_equal(llmem_cuda_prefill(&p), LLMEM_EINVAL);
+    p.mblocks = 1;
     p.out = (float *)(uintptr_t)0x1004;
     assert_int_equal(llmem_cuda_prefill(&p), LLMEM_EINVAL);
 }

@@ -101,9 +101,9 @@ static const struct llmem_option_info table[LLMEM_OPT_COUNT] = {
     [LLMEM_OPT_CUDA_PREFILL_FROM] = {"LLMEM_CUDA_PREFILL_FROM", INT("32", 0, (int64_t)1 << 30),
                                      "at fast precision, a sequence's chunk of this many queries "
                                      "or more takes the CUDA prefill attention (0: never)"},
-    [LLMEM_OPT_CUDA_PREFILL_WARPS] = {"LLMEM_CUDA_PREFILL_WARPS", INT("4", 4, 8),
-                                      "warps a CTA of the CUDA prefill attention, 4 or 8 (16 "
-                                      "(query, head) rows each)"},
+    [LLMEM_OPT_CUDA_PREFILL_MBLOCKS] = {"LLMEM_CUDA_PREFILL_MBLOCKS", INT("0", 0, 2),
+                                        "blocks of 16 (query, head) rows a warp of the CUDA "
+                                        "prefill attention takes, 1 or 2 (0: chosen per call)"},
 };
 
 #undef BOOL

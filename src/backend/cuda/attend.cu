@@ -201,12 +201,21 @@ static int64_t prefill_from(struct cuda_ctx *c, const struct llmem_backend_paged
  * lays its upload: their tables, stride apart, then their tiles. 0 when they do not fit one. */
 struct prefill_call {
     int64_t n_long, stride, n_tiles, tile_queries;
+    int mblocks;
 };
 static int prefill_plan(const struct llmem_backend_paged_attn *a, int n_seqs,
                         const int64_t *lengths, const int64_t *n_q, int64_t from,
                         struct prefill_call *pc) {
-    *pc = (struct prefill_call){.n_long = 0, .stride = 1, .n_tiles = 0, .tile_queries = 0};
-    pc->tile_queries = llmem_cuda_prefill_tile_queries(a->n_heads / a->n_kv_heads);
+    const int group = a->n_heads / a->n_kv_heads;
+    int64_t queries = 0;
+    for (int s = 0; s < n_seqs; s++)
+        queries += n_q[s] >= from ? n_q[s] : 0;
+    const int mb = llmem_cuda_prefill_mblocks(group, a->n_kv_heads, queries);
+    *pc = (struct prefill_call){.n_long = 0,
+                                .stride = 1,
+                                .n_tiles = 0,
+                                .tile_queries = llmem_cuda_prefill_tile_queries(group, mb),
+                                .mblocks = mb};
     for (int s = 0; s < n_seqs; s++)
         if (n_q[s] >= from) {
             const int64_t nb = (lengths[s] + a->block_size - 1) / a->block_size;
@@ -252,6 +261,7 @@ static void prefill_launch(struct cuda_ctx *c, const struct llmem_backend_paged_
                {arg((int64_t)a->format), arg((int64_t)a->n_heads), arg((int64_t)a->n_kv_heads),
                 arg((int64_t)a->head_dim), arg(a->q), arg(a->k_pool), arg(a->v_pool), arg(a->out),
                 arg(d), arg(a->scale), arg((int64_t)a->k_tok), arg((int64_t)n_ints),
+                arg((int64_t)pc->mblocks),
                 arg((int64_t)llmem_hash64(c->staging, n_ints * sizeof(int32_t), 0))}))
         return;
     struct llmem_cuda_prefill p = {};
@@ -271,6 +281,7 @@ static void prefill_launch(struct cuda_ctx *c, const struct llmem_backend_paged_
     p.table_stride = (int)stride;
     p.tiles = (const struct llmem_cuda_prefill_tile *)(d + pc->n_long * stride);
     p.n_tiles = (int)pc->n_tiles;
+    p.mblocks = pc->mblocks;
     p.stream = c->stream;
     if (llmem_cuda_prefill(&p) != LLMEM_OK)
         fail(c, LLMEM_EIO, "prefill attention", NULL); /* logged by prefill.cu */

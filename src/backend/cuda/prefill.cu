@@ -2,20 +2,21 @@
  * backend/cuda/prefill.cu — causal attention of prefill chunks on tensor cores (prefill.h),
  * FlashAttention-2's scheme over the paged cache.
  *
- * A CTA takes a tile of a sequence's queries and one KV head; its W warps take 16 (query, head)
- * rows each (row r: query r / group, head r mod group of the KV head's group), so every K and V
- * row the CTA reads serves the whole group. The queries' fragments stay in registers (scaled by
- * scale · log2 e and rounded to the cache's 16-bit type); the tile's keys and values stream
- * through shared memory 64 tokens at a time, the next tile's copies (16-byte cp.async from the
- * pool's blocks, through the block table) in flight while the current one is computed. Per tile:
- * S = Q·Kᵀ on mma.m16n8k16 (f32 accumulate), the causal mask where a row's position falls inside
- * the tile, the online softmax in base 2 (each row's maximum and sum kept in registers, the
- * output rescaled when the maximum grows), then O += P·V with the probabilities taken straight
- * from the score fragments as the A operand. Keys are read by ldmatrix, values by ldmatrix.trans;
- * in shared memory each 16-byte chunk of a row sits at chunk ^ (token mod 8), so the eight rows of
- * either read hit distinct banks. A warp skips the tiles wholly after its rows' positions, and
- * masks only the tiles that straddle them; the tiles come heaviest first (the host orders them),
- * so that the longest CTAs start first.
+ * A CTA takes a tile of a sequence's queries and one KV head; its 4 warps take 16 or 32 (query,
+ * head) rows each (MB m-blocks of 16; row r: query r / group, head r mod group of the KV head's
+ * group), so every K and V row the CTA reads serves the whole group, and every fragment a warp
+ * reads from shared memory serves its MB m-blocks. The queries, scaled by scale · log2 e and
+ * rounded to the cache's 16-bit type, wait in shared memory; the tile's keys and values stream
+ * through it 64 tokens at a time, the next tile's copies (16-byte cp.async from the pool's blocks,
+ * through the block table) in flight while the current one is computed. Per tile: S = Q·Kᵀ on
+ * mma.m16n8k16 (f32 accumulate), the causal mask where a row's position falls inside the tile,
+ * the online softmax in base 2 (each row's maximum and sum kept in registers, the output rescaled
+ * when the maximum grows), then O += P·V with the probabilities taken straight from the score
+ * fragments as the A operand. Queries and keys are read by ldmatrix, values by ldmatrix.trans; in
+ * shared memory each 16-byte chunk of a row sits at chunk ^ (row mod 8), so the eight rows of any
+ * such read hit distinct banks. A warp skips the tiles wholly after its rows' positions, and masks
+ * only the tiles that straddle them; the tiles come heaviest first (the host orders them), so that
+ * the longest CTAs start first.
  */
 #if defined(__GNUC__)
 #pragma GCC diagnostic push
@@ -113,14 +114,16 @@ template <bool BF> __device__ __forceinline__ uint32_t pack2(float x, float y) {
     }
 }
 
-template <int D, int W, bool BF>
-__global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1) prefill_kernel(const Params p) {
-    constexpr int NCH = D / 8;       /* 16-byte chunks of a row */
-    constexpr int ROWB = 2 * D;      /* bytes of a row */
-    constexpr int TILE = BN * ROWB;  /* of a tile's keys (or values) */
-    constexpr int NT = BN / 8;       /* n-tiles of the scores */
-    constexpr int KS = D / 16;       /* k-steps of the scores, n-tiles of the output */
-    extern __shared__ __align__(128) uint8_t smem[]; /* 2 stages of [keys | values] */
+/* W warps of MB m-blocks (16 rows) each: a CTA holds 16·MB·W (query, head) rows. */
+template <int D, int W, int MB, bool BF>
+__global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(const Params p) {
+    constexpr int NCH = D / 8;          /* 16-byte chunks of a row */
+    constexpr int ROWB = 2 * D;         /* bytes of a row */
+    constexpr int TILE = BN * ROWB;     /* of a tile's keys (or values) */
+    constexpr int BM = 16 * MB * W;     /* rows of the CTA */
+    constexpr int NT = BN / 8;          /* n-tiles of the scores */
+    constexpr int KS = D / 16;          /* k-steps of the scores, n-tile pairs of the output */
+    extern __shared__ __align__(128) uint8_t smem[]; /* the queries, then 2 stages of [K | V] */
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
 
@@ -130,28 +133,8 @@ __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1) prefill_kernel(const P
     const int32_t *table = p.tables + (size_t)tile.table * p.table_stride;
     const int end = tile.pos + tile.n_q; /* tokens the tile's last query sees */
     const int n_kt = (end + BN - 1) / BN;
+    const uint32_t qbase = smem_addr(smem), sbase = qbase + BM * ROWB;
 
-    /* this thread's rows g and g + 8 of the warp's 16: position (−1: none) and where q and out
-     * hold them; the warp's lowest and highest position */
-    int pos[2];
-    size_t at[2];
-    int lo = INT_MAX, hi = -1;
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int r = 16 * warp + g + 8 * i, qi = r / p.group, h = r % p.group;
-        const bool valid = qi < tile.n_q;
-        pos[i] = valid ? tile.pos + qi : -1;
-        at[i] = valid ? ((size_t)(tile.q0 + qi) * p.n_heads + (size_t)kvh * p.group + h) * D : 0;
-        if (valid)
-            lo = min(lo, pos[i]), hi = max(hi, pos[i]);
-    }
-#pragma unroll
-    for (int o = 4; o < 32; o *= 2) {
-        lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-        hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-    }
-
-    const uint32_t sbase = smem_addr(smem);
     auto load = [&](int kt) {
         const int t0 = kt * BN;
         const uint32_t kdst = sbase + (kt & 1) * 2 * TILE, vdst = kdst + TILE;
@@ -168,24 +151,53 @@ __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1) prefill_kernel(const P
     };
     load(0);
 
-    /* the queries' A fragments: k-step ks holds (row g, dims 16ks + 2c, +1), (row g + 8, the
-     * same), (row g, dims 16ks + 8 + 2c, +1), (row g + 8, the same) */
-    uint32_t qa[KS][4];
-#pragma unroll
-    for (int ks = 0; ks < KS; ks++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int i = j & 1, d = 16 * ks + 8 * (j >> 1) + 2 * c;
-            const float2 v = pos[i] >= 0 ? *reinterpret_cast<const float2 *>(p.q + at[i] + d)
-                                         : make_float2(0.0f, 0.0f);
-            qa[ks][j] = pack2<BF>(v.x * p.qscale, v.y * p.qscale);
+    /* the queries, scaled by scale · log2 e and rounded, into shared memory (row r: query
+     * r / group, head r mod group; chunks swizzled by the row); rows past the tile zero */
+    for (int i = threadIdx.x; i < BM * NCH; i += W * 32) {
+        const int r = i / NCH, ch = i % NCH, qi = r / p.group;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (qi < tile.n_q) {
+            const float *src = p.q + ((size_t)(tile.q0 + qi) * p.n_heads +
+                                      (size_t)kvh * p.group + r % p.group) * D + 8 * ch;
+            const float4 a = *reinterpret_cast<const float4 *>(src);
+            const float4 b = *reinterpret_cast<const float4 *>(src + 4);
+            v = make_uint4(pack2<BF>(a.x * p.qscale, a.y * p.qscale),
+                           pack2<BF>(a.z * p.qscale, a.w * p.qscale),
+                           pack2<BF>(b.x * p.qscale, b.y * p.qscale),
+                           pack2<BF>(b.z * p.qscale, b.w * p.qscale));
         }
+        *reinterpret_cast<uint4 *>(smem + r * ROWB + ((ch ^ (r & 7)) * 16)) = v;
+    }
 
-    float o[KS * 2][4];
+    /* this thread's rows g and g + 8 of each of the warp's m-blocks: position (−1: none); the
+     * warp's lowest and highest position */
+    int pos[MB][2];
+    int lo = INT_MAX, hi = -1;
 #pragma unroll
-    for (int n = 0; n < 2 * KS; n++)
-        o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    for (int mb = 0; mb < MB; mb++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int qi = (16 * (MB * warp + mb) + g + 8 * i) / p.group;
+            pos[mb][i] = qi < tile.n_q ? tile.pos + qi : -1;
+            if (pos[mb][i] >= 0)
+                lo = min(lo, pos[mb][i]), hi = max(hi, pos[mb][i]);
+        }
+#pragma unroll
+    for (int o = 4; o < 32; o *= 2) {
+        lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+        hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    }
+
+    float o[MB][2 * KS][4];
+#pragma unroll
+    for (int mb = 0; mb < MB; mb++)
+#pragma unroll
+        for (int n = 0; n < 2 * KS; n++)
+            o[mb][n][0] = o[mb][n][1] = o[mb][n][2] = o[mb][n][3] = 0.0f;
+    float m[MB][2], l[MB][2];
+#pragma unroll
+    for (int mb = 0; mb < MB; mb++)
+        m[mb][0] = m[mb][1] = -INFINITY, l[mb][0] = l[mb][1] = 0.0f;
 
     for (int kt = 0; kt < n_kt; kt++) {
         if (kt + 1 < n_kt) {
@@ -194,72 +206,99 @@ __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1) prefill_kernel(const P
         } else {
             cp_wait<0>();
         }
-        __syncthreads();
+        __syncthreads(); /* the tile's copies (and, the first time, the queries) for every warp */
         const int t0 = kt * BN;
         if (hi >= t0) { /* some row of the warp sees a token of the tile */
             const uint32_t kbase = sbase + (kt & 1) * 2 * TILE, vbase = kbase + TILE;
-            float s[NT][4];
+            float s[MB][NT][4];
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-                /* tokens 8nt + (lane mod 8); chunks 4kp .. 4kp + 3 by lane / 8: the B fragments
-                 * of k-steps 2kp and 2kp + 1 */
-                const int tt = 8 * nt + (lane & 7);
+            for (int mb = 0; mb < MB; mb++)
 #pragma unroll
-                for (int kp = 0; kp < KS / 2; kp++) {
-                    const int ch = 4 * kp + (lane >> 3);
-                    uint32_t r[4];
-                    ldsm4(kbase + tt * ROWB + ((ch ^ (tt & 7)) * 16), r);
-                    mma<BF>(s[nt], qa[2 * kp], r[0], r[1]);
-                    mma<BF>(s[nt], qa[2 * kp + 1], r[2], r[3]);
+                for (int nt = 0; nt < NT; nt++)
+                    s[mb][nt][0] = s[mb][nt][1] = s[mb][nt][2] = s[mb][nt][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                /* the A fragments of k-step ks: rows lane mod 16 of the m-block, chunk
+                 * 2ks + lane / 16 */
+                uint32_t qa[MB][4];
+#pragma unroll
+                for (int mb = 0; mb < MB; mb++) {
+                    const int r = 16 * (MB * warp + mb) + (lane & 15), ch = 2 * ks + (lane >> 4);
+                    ldsm4(qbase + r * ROWB + ((ch ^ (r & 7)) * 16), qa[mb]);
+                }
+                /* the B fragments of n-tiles 2np and 2np + 1: tokens 8(2np + lane / 16) +
+                 * lane mod 8, chunk 2ks + (lane / 8 mod 2) */
+#pragma unroll
+                for (int np = 0; np < NT / 2; np++) {
+                    const int tt = 8 * (2 * np + (lane >> 4)) + (lane & 7);
+                    const int ch = 2 * ks + ((lane >> 3) & 1);
+                    uint32_t b[4];
+                    ldsm4(kbase + tt * ROWB + ((ch ^ (tt & 7)) * 16), b);
+#pragma unroll
+                    for (int mb = 0; mb < MB; mb++) {
+                        mma<BF>(s[mb][2 * np], qa[mb], b[0], b[1]);
+                        mma<BF>(s[mb][2 * np + 1], qa[mb], b[2], b[3]);
+                    }
                 }
             }
             if (lo < t0 + BN - 1) /* some row's position inside the tile: mask what follows it */
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++)
+                for (int mb = 0; mb < MB; mb++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        if (t0 + 8 * nt + 2 * c + (e & 1) > pos[e >> 1])
-                            s[nt][e] = -INFINITY;
+                    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                float mx = -INFINITY;
+                        for (int e = 0; e < 4; e++)
+                            if (t0 + 8 * nt + 2 * c + (e & 1) > pos[mb][e >> 1])
+                                s[mb][nt][e] = -INFINITY;
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-                    mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float mn = fmaxf(m[i], mx), base = mn == -INFINITY ? 0.0f : mn;
-                const float corr = ex2(m[i] - base);
-                m[i] = mn;
-                float sum = 0.0f;
+            for (int mb = 0; mb < MB; mb++)
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    s[nt][2 * i] = ex2(s[nt][2 * i] - base);
-                    s[nt][2 * i + 1] = ex2(s[nt][2 * i + 1] - base);
-                    sum += s[nt][2 * i] + s[nt][2 * i + 1];
+                for (int i = 0; i < 2; i++) {
+                    float mx = -INFINITY;
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++)
+                        mx = fmaxf(mx, fmaxf(s[mb][nt][2 * i], s[mb][nt][2 * i + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    const float mn = fmaxf(m[mb][i], mx), base = mn == -INFINITY ? 0.0f : mn;
+                    const float corr = ex2(m[mb][i] - base);
+                    m[mb][i] = mn;
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        s[mb][nt][2 * i] = ex2(s[mb][nt][2 * i] - base);
+                        s[mb][nt][2 * i + 1] = ex2(s[mb][nt][2 * i + 1] - base);
+                        sum += s[mb][nt][2 * i] + s[mb][nt][2 * i + 1];
+                    }
+                    l[mb][i] = l[mb][i] * corr + sum;
+#pragma unroll
+                    for (int n = 0; n < 2 * KS; n++)
+                        o[mb][n][2 * i] *= corr, o[mb][n][2 * i + 1] *= corr;
                 }
-                l[i] = l[i] * corr + sum;
-#pragma unroll
-                for (int n = 0; n < 2 * KS; n++)
-                    o[n][2 * i] *= corr, o[n][2 * i + 1] *= corr;
-            }
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
-                const uint32_t pa[4] = {pack2<BF>(s[2 * kk][0], s[2 * kk][1]),
-                                        pack2<BF>(s[2 * kk][2], s[2 * kk][3]),
-                                        pack2<BF>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                        pack2<BF>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                /* the probabilities of tokens 16kk .. 16kk + 15 as A fragments */
+                uint32_t pa[MB][4];
+#pragma unroll
+                for (int mb = 0; mb < MB; mb++) {
+                    pa[mb][0] = pack2<BF>(s[mb][2 * kk][0], s[mb][2 * kk][1]);
+                    pa[mb][1] = pack2<BF>(s[mb][2 * kk][2], s[mb][2 * kk][3]);
+                    pa[mb][2] = pack2<BF>(s[mb][2 * kk + 1][0], s[mb][2 * kk + 1][1]);
+                    pa[mb][3] = pack2<BF>(s[mb][2 * kk + 1][2], s[mb][2 * kk + 1][3]);
+                }
                 /* tokens 16kk + (lane mod 8) + 8·(lane / 8 mod 2), chunk 2nd + lane / 16: the
                  * B fragments of output n-tiles 2nd and 2nd + 1 */
                 const int tt = 16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1);
 #pragma unroll
                 for (int nd = 0; nd < KS; nd++) {
                     const int ch = 2 * nd + (lane >> 4);
-                    uint32_t r[4];
-                    ldsm4_t(vbase + tt * ROWB + ((ch ^ (tt & 7)) * 16), r);
-                    mma<BF>(o[2 * nd], pa, r[0], r[1]);
-                    mma<BF>(o[2 * nd + 1], pa, r[2], r[3]);
+                    uint32_t b[4];
+                    ldsm4_t(vbase + tt * ROWB + ((ch ^ (tt & 7)) * 16), b);
+#pragma unroll
+                    for (int mb = 0; mb < MB; mb++) {
+                        mma<BF>(o[mb][2 * nd], pa[mb], b[0], b[1]);
+                        mma<BF>(o[mb][2 * nd + 1], pa[mb], b[2], b[3]);
+                    }
                 }
             }
         }
@@ -267,36 +306,48 @@ __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1) prefill_kernel(const P
     }
 
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-        if (pos[i] < 0)
-            continue;
-        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+    for (int mb = 0; mb < MB; mb++)
 #pragma unroll
-        for (int n = 0; n < 2 * KS; n++)
-            *reinterpret_cast<float2 *>(p.out + at[i] + 8 * n + 2 * c) =
-                make_float2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
-    }
+        for (int i = 0; i < 2; i++) {
+            float sum = l[mb][i];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            if (pos[mb][i] < 0)
+                continue;
+            const int r = 16 * (MB * warp + mb) + g + 8 * i;
+            float *out = p.out + ((size_t)(tile.q0 + r / p.group) * p.n_heads +
+                                  (size_t)kvh * p.group + r % p.group) * D;
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+            for (int n = 0; n < 2 * KS; n++)
+                *reinterpret_cast<float2 *>(out + 8 * n + 2 * c) =
+                    make_float2(o[mb][n][2 * i] * inv, o[mb][n][2 * i + 1] * inv);
+        }
 }
 
-int option(enum llmem_option id, int fallback) {
-    int64_t v = fallback;
-    (void)llmem_option_int(id, &v);
-    return (int)v;
-}
-
-/* Warps a CTA: LLMEM_CUDA_PREFILL_WARPS (4 or 8; checked by every launch). */
-int warps() {
-    return option(LLMEM_OPT_CUDA_PREFILL_WARPS, 4) >= 8 ? 8 : 4;
-}
+constexpr int WARPS = 4; /* a CTA's */
 
 typedef void (*kernel_fn)(const Params);
 
-template <int W> kernel_fn pick_warps(int head_dim, bool bf) {
+template <int MB> kernel_fn pick(int head_dim, bool bf) {
     if (head_dim == 64)
-        return bf ? prefill_kernel<64, W, true> : prefill_kernel<64, W, false>;
-    return bf ? prefill_kernel<128, W, true> : prefill_kernel<128, W, false>;
+        return bf ? prefill_kernel<64, WARPS, MB, true> : prefill_kernel<64, WARPS, MB, false>;
+    return bf ? prefill_kernel<128, WARPS, MB, true> : prefill_kernel<128, WARPS, MB, false>;
+}
+
+/* Multiprocessors of the current device (asked once per device). */
+int sm_count() {
+    static int cached[64];
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess)
+        return 0;
+    if (dev >= 0 && dev < 64 && cached[dev] > 0)
+        return cached[dev];
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        return 0;
+    if (dev >= 0 && dev < 64)
+        cached[dev] = n;
+    return n;
 }
 
 } // namespace
@@ -308,8 +359,17 @@ extern "C" int llmem_cuda_prefill_fits(enum llmem_kv_format format, int n_heads,
            n_heads % n_kv_heads == 0 && n_heads / n_kv_heads <= 64;
 }
 
-extern "C" int llmem_cuda_prefill_tile_queries(int group) {
-    return group > 0 ? 16 * warps() / group : 0;
+extern "C" int llmem_cuda_prefill_mblocks(int group, int n_kv_heads, int64_t queries) {
+    int64_t forced = 0;
+    if (llmem_option_int(LLMEM_OPT_CUDA_PREFILL_MBLOCKS, &forced) == LLMEM_OK && forced > 0)
+        return (int)forced;
+    const int tq = llmem_cuda_prefill_tile_queries(group, 2);
+    const int64_t ctas = tq > 0 ? (queries + tq - 1) / tq * n_kv_heads : 0;
+    return ctas >= 4 * (int64_t)sm_count() ? 2 : 1;
+}
+
+extern "C" int llmem_cuda_prefill_tile_queries(int group, int mblocks) {
+    return group > 0 ? 16 * WARPS * mblocks / group : 0;
 }
 
 extern "C" int llmem_cuda_prefill(const struct llmem_cuda_prefill *a) {
@@ -320,20 +380,20 @@ extern "C" int llmem_cuda_prefill(const struct llmem_cuda_prefill *a) {
         why = "n_tiles (at most 65535) or table_stride";
     else if (((uintptr_t)a->k_pool | (uintptr_t)a->v_pool) % 16 != 0 ||
              a->k_block_stride % 16 != 0 || a->v_block_stride % 16 != 0 ||
-             ((uintptr_t)a->q | (uintptr_t)a->out) % 8 != 0)
-        why = "alignment (pools and block strides on 16 bytes, q and out on 8)";
-    else if (llmem_option_check(LLMEM_OPT_CUDA_PREFILL_WARPS) != LLMEM_OK)
-        why = "LLMEM_CUDA_PREFILL_WARPS";
+             (uintptr_t)a->q % 16 != 0 || (uintptr_t)a->out % 8 != 0)
+        why = "alignment (pools, block strides and q on 16 bytes, out on 8)";
+    else if (a->mblocks != 1 && a->mblocks != 2)
+        why = "mblocks (1 or 2)";
     if (why != NULL) {
         LLMEM_ERROR_AS("llmem_cuda_prefill", "unsupported %s", why);
         return LLMEM_EINVAL;
     }
     if (a->n_tiles == 0)
         return LLMEM_OK;
-    const int w = warps();
     const bool bf = a->format == LLMEM_KV_FORMAT_BF16;
-    kernel_fn fn = w == 8 ? pick_warps<8>(a->head_dim, bf) : pick_warps<4>(a->head_dim, bf);
-    const int smem = 2 * 2 * BN * 2 * a->head_dim;
+    kernel_fn fn = a->mblocks == 2 ? pick<2>(a->head_dim, bf) : pick<1>(a->head_dim, bf);
+    /* the queries' rows, then two stages of a tile's keys and values */
+    const int smem = (16 * WARPS * a->mblocks + 2 * 2 * BN) * 2 * a->head_dim;
     cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     Params p;
     p.q = a->q;
@@ -352,7 +412,7 @@ extern "C" int llmem_cuda_prefill(const struct llmem_cuda_prefill *a) {
     p.qscale = scale * LOG2E;
     if (err == cudaSuccess)
         err = pdl_launch((cudaStream_t)a->stream, fn, dim3((unsigned)a->n_kv_heads, a->n_tiles),
-                         dim3(w * 32), smem, p);
+                         dim3(WARPS * 32), smem, p);
     if (err != cudaSuccess) {
         LLMEM_ERROR_AS("llmem_cuda_prefill", "launch: %s", cudaGetErrorString(err));
         return LLMEM_EIO;

@@ -5,8 +5,8 @@
  * A prefill chunk's queries attend to their sequence's earlier tokens and to each other, causally:
  * query i of a chunk that starts at position p sees tokens 0 … p + i. The work comes in tiles: a
  * tile is up to llmem_cuda_prefill_tile_queries() consecutive queries of one sequence, and a CTA
- * takes a tile and one KV head, its rows the (query, head) pairs of that head's GQA group, so that
- * every K and V row it reads from the pool serves all of them. The queries are rounded to the
+ * takes a tile and one KV head, its rows (64 or 128) the (query, head) pairs of that head's GQA
+ * group, so that every K and V row it reads from the pool serves all of them. The queries are rounded to the
  * cache's 16-bit type, the probabilities too (fast precision: FlashAttention's arithmetic, f32
  * accumulation); the exact path for f32 precision is the decode kernel of attention.h.
  *
@@ -47,14 +47,20 @@ struct llmem_cuda_prefill {
     /* the tiles, heaviest (latest positions) first: the GPU starts the longest work first */
     const struct llmem_cuda_prefill_tile *tiles;
     int n_tiles;
+    int mblocks; /* llmem_cuda_prefill_mblocks(): the tiles hold tile_queries(group, mblocks) */
     void *stream; /* cudaStream_t; NULL: the default stream */
 };
 
 /* Whether the kernel takes this shape and format. */
 int llmem_cuda_prefill_fits(enum llmem_kv_format format, int n_heads, int n_kv_heads, int head_dim,
                             int block_size);
-/* The most queries a tile holds for this GQA group (n_heads / n_kv_heads). */
-int llmem_cuda_prefill_tile_queries(int group);
+/* The blocks of 16 rows a warp takes (a CTA has 4 warps) for a call of `queries` queries: 2 when
+ * the CTAs of 2 still fill the GPU about twice over (a larger tile reads each K and V row for twice
+ * the rows; H200, 32K tokens: 294 against 238 TFLOP/s), else 1 (a short prompt: 190 against 124).
+ * LLMEM_CUDA_PREFILL_MBLOCKS (1 or 2) forces it. */
+int llmem_cuda_prefill_mblocks(int group, int n_kv_heads, int64_t queries);
+/* The most queries a tile holds for this GQA group (n_heads / n_kv_heads) and m-blocks. */
+int llmem_cuda_prefill_tile_queries(int group, int mblocks);
 /* Launches the attention on the stream (asynchronous). LLMEM_EINVAL (logged) for parameters out
  * of the supported set; LLMEM_EIO (logged) when the launch fails. */
 int llmem_cuda_prefill(const struct llmem_cuda_prefill *p);
