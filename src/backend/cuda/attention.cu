@@ -43,6 +43,7 @@
 #include "backend/cuda/attention.h"
 #include "backend/cuda/kv.h"
 #include "backend/cuda/launch.h"
+#include "backend/cuda/tc.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -114,27 +115,6 @@ struct Params {
 
 /* ---- small device helpers ------------------------------------------------------------------ */
 
-__device__ __forceinline__ uint32_t smem_addr(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-/* 16 bytes (n = 16; n = 0 zero-fills) copied to shared memory, through L1 (L1) or around it. */
-template <bool L1>
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, int n) {
-    if constexpr (L1)
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                     "r"(n));
-    else
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                     "r"(n));
-}
-__device__ __forceinline__ void cp_commit() {
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N> __device__ __forceinline__ void cp_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 __device__ __forceinline__ uint32_t lds32(const uint8_t *p) {
     return *reinterpret_cast<const uint32_t *>(p);
 }
@@ -145,34 +125,12 @@ __device__ __forceinline__ int swz(int ch, int t) {
     return ch ^ (((t & 1) << 2) | ((t >> 1) & 3));
 }
 
-template <bool BF>
-__device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    if constexpr (BF)
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    else
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 /* D = A·B on int8 tensor cores (m16n8k32, s32 accumulated from zero). */
 __device__ __forceinline__ void imma(int d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%10,%10,%10,%10};\n"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
-}
-
-/* 2^x by the multi-function unit, subnormal results flushed to 0 (a probability below 2⁻¹²⁶
- * weighs nothing next to the maximum's 1); 2^−∞ = 0. */
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
 }
 
 /* Two floats rounded to the 16-bit type (hi) and their remainders rounded again (lo). */
@@ -1455,21 +1413,6 @@ int prepare(KernelInfo *k) {
     }
     k->warps_per_sm = blocks * WARPS;
     return LLMEM_OK;
-}
-
-/* Multiprocessors of the current device (asked once per device). */
-int sm_count(void) {
-    static int cached[64];
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess)
-        return 0;
-    if (dev >= 0 && dev < 64 && cached[dev] > 0)
-        return cached[dev];
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-        return 0;
-    if (dev >= 0 && dev < 64)
-        cached[dev] = n;
-    return n;
 }
 
 int check(const struct llmem_cuda_attn *a, KernelInfo **kernel) {

@@ -27,6 +27,7 @@
 #pragma GCC diagnostic pop
 #endif
 #include "backend/cuda/launch.h"
+#include "backend/cuda/tc.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -56,21 +57,8 @@ struct Params {
     float qscale;
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-/* 16 bytes (n = 16; n = 0 zero-fills) to shared memory, around L1. */
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, int n) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_commit() {
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N> __device__ __forceinline__ void cp_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
+/* Four 8×8 matrices of 16-bit values from shared memory (lanes 8i … 8i + 7 give matrix i's rows),
+ * as stored or transposed (ldsm4_t). */
 __device__ __forceinline__ void ldsm4(uint32_t addr, uint32_t r[4]) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -80,27 +68,6 @@ __device__ __forceinline__ void ldsm4_t(uint32_t addr, uint32_t r[4]) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
-}
-
-template <bool BF>
-__device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    if constexpr (BF)
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    else
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-/* 2^x, subnormal results flushed to 0; 2^−∞ = 0. */
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
 }
 
 /* Two floats rounded to the 16-bit type, x in the low half. */
@@ -144,8 +111,8 @@ __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(co
             const long long blk = in ? table[t / BLOCK] : 0;
             const size_t off = (size_t)(t % BLOCK) * p.tok_bytes + (size_t)kvh * ROWB + ch * 16;
             const uint32_t d = tt * ROWB + ((ch ^ (tt & 7)) * 16);
-            cp_async16(kdst + d, p.k_pool + blk * p.k_bstride + off, in ? 16 : 0);
-            cp_async16(vdst + d, p.v_pool + blk * p.v_bstride + off, in ? 16 : 0);
+            cp_async16<false>(kdst + d, p.k_pool + blk * p.k_bstride + off, in ? 16 : 0);
+            cp_async16<false>(vdst + d, p.v_pool + blk * p.v_bstride + off, in ? 16 : 0);
         }
         cp_commit();
     };
@@ -333,21 +300,6 @@ template <int MB> kernel_fn pick(int head_dim, bool bf) {
     if (head_dim == 64)
         return bf ? prefill_kernel<64, WARPS, MB, true> : prefill_kernel<64, WARPS, MB, false>;
     return bf ? prefill_kernel<128, WARPS, MB, true> : prefill_kernel<128, WARPS, MB, false>;
-}
-
-/* Multiprocessors of the current device (asked once per device). */
-int sm_count() {
-    static int cached[64];
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess)
-        return 0;
-    if (dev >= 0 && dev < 64 && cached[dev] > 0)
-        return cached[dev];
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-        return 0;
-    if (dev >= 0 && dev < 64)
-        cached[dev] = n;
-    return n;
 }
 
 } // namespace

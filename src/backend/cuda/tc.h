@@ -1,0 +1,71 @@
+/*
+ * backend/cuda/tc.h — the device helpers the attention kernels share (attention.cu, prefill.cu):
+ * shared-memory addresses and 16-byte cp.async copies, the m16n8k16 tensor-core product with f32
+ * accumulation, the multi-function unit's 2^x, and the device's multiprocessors.
+ */
+#ifndef LLMEM_BACKEND_CUDA_TC_H
+#define LLMEM_BACKEND_CUDA_TC_H
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* 16 bytes (n = 16; n = 0 zero-fills) copied to shared memory, through L1 (L1) or around it. */
+template <bool L1>
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, int n) {
+    if constexpr (L1)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(n));
+    else
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(n));
+}
+__device__ __forceinline__ void cp_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N> __device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* c += a·b on tensor cores: m16n8k16, bf16 (BF) or f16 operands, f32 accumulate. */
+template <bool BF>
+__device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    if constexpr (BF)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* 2^x by the multi-function unit, subnormal results flushed to 0 (a probability below 2⁻¹²⁶
+ * weighs nothing next to the maximum's 1); 2^−∞ = 0. */
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* Multiprocessors of the current device (asked once per device); 0 when it cannot say. */
+inline int sm_count() {
+    static int cached[64];
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess)
+        return 0;
+    if (dev >= 0 && dev < 64 && cached[dev] > 0)
+        return cached[dev];
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        return 0;
+    if (dev >= 0 && dev < 64)
+        cached[dev] = n;
+    return n;
+}
+
+#endif
