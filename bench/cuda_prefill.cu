@@ -5,14 +5,14 @@
  * in TFLOP/s of the causal product (4 · head_dim · query heads · Σ over queries of the tokens each
  * sees: the count FlashAttention's benchmarks use, which PyTorch's SDPA is compared by).
  *
- * Shape: 32 query heads, 8 KV heads (--heads), head_dim 128 (--dim), bf16 cache (--format f16),
+ * Shape: 32 query heads, 8 KV heads (--heads), head_dim 128 (--dim), bf16 cache (--format f16|q8),
  * blocks of 16 scattered over the pool (a random permutation), one sequence of --tokens tokens
  * attended by chunks of --chunk queries (each chunk over the tokens before it and itself). Times
  * are CUDA events around the whole prefill (every chunk), median of --reps after one warm-up.
  * LLMEM_CUDA_PREFILL_MBLOCKS forces the rows a warp takes, as in the engine.
  *
  *   llmem-bench-cuda-prefill [--tokens 32768] [--chunk 4096] [--heads 32/8] [--dim 128]
- *                            [--format bf16|f16] [--reps 3] [--no-decode-kernel]
+ *                            [--format bf16|f16|q8] [--reps 3] [--no-decode-kernel]
  */
 #include <algorithm>
 #include <cuda_fp16.h>
@@ -36,12 +36,16 @@ __device__ uint32_t hash32(uint64_t x) {
     return (uint32_t)x;
 }
 
-/* 16-bit elements uniform in (-1, 1) (bf16 or f16 bits), floats likewise times `scale` */
-__global__ void fill16(uint16_t *p, size_t n, int bf, uint64_t seed) {
+/* 16-bit elements uniform in (-1, 1) (fmt 1: bf16 bits, 0: f16), or q8 groups (fmt 2: random
+ * codes, f16 scales in [2⁻⁸, 2⁻⁶)); floats uniform in (-scale, scale) */
+__global__ void fill16(uint16_t *p, size_t n, int fmt, uint64_t seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const float x = (float)(hash32(seed + i) >> 8) * (2.0f / 16777216.0f) - 1.0f;
-        if (bf) {
+        if (fmt == 2) {
+            const uint32_t h = hash32(seed + i);
+            p[i] = (2 * i) % 34 == 32 ? (uint16_t)(0x1c00 + (h & 0x7ff)) : (uint16_t)h;
+        } else if (fmt == 1) {
             const uint32_t bits = __float_as_uint(x);
             p[i] = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
         } else {
@@ -77,13 +81,15 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
             reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--format") && i + 1 < argc)
-            format = !strcmp(argv[++i], "f16") ? LLMEM_KV_FORMAT_F16 : LLMEM_KV_FORMAT_BF16;
+            format = !strcmp(argv[++i], "f16")  ? LLMEM_KV_FORMAT_F16
+                     : !strcmp(argv[i], "q8") ? LLMEM_KV_FORMAT_Q8
+                                              : LLMEM_KV_FORMAT_BF16;
         else if (!strcmp(argv[i], "--no-decode-kernel"))
             decode = 0;
         else {
             fprintf(stderr,
                     "usage: %s [--tokens N] [--chunk N] [--heads Q/KV] [--dim 64|128] "
-                    "[--format bf16|f16] [--reps N] [--no-decode-kernel]\n",
+                    "[--format bf16|f16|q8] [--reps N] [--no-decode-kernel]\n",
                     argv[0]);
             return 2;
         }
@@ -94,7 +100,9 @@ int main(int argc, char **argv) {
         return 2;
     }
     const int nb = (tokens + 15) / 16, group = heads / kv;
-    const size_t row = (size_t)kv * dim * 2, block_bytes = 16 * row; /* of K, and of V */
+    const int fmt = format == LLMEM_KV_FORMAT_Q8 ? 2 : format == LLMEM_KV_FORMAT_BF16;
+    /* a token's rows (of K, and of V) and a block of them */
+    const size_t row = (size_t)kv * (fmt == 2 ? 34 * dim / 32 : 2 * dim), block_bytes = 16 * row;
     uint8_t *k_pool, *v_pool;
     float *q, *out;
     int32_t *d_ints;
@@ -102,9 +110,8 @@ int main(int argc, char **argv) {
     CHECK(cudaMalloc(&v_pool, (size_t)nb * block_bytes));
     CHECK(cudaMalloc(&q, (size_t)tokens * heads * dim * sizeof(float)));
     CHECK(cudaMalloc(&out, (size_t)tokens * heads * dim * sizeof(float)));
-    const int bf = format == LLMEM_KV_FORMAT_BF16;
-    fill16<<<1024, 256>>>((uint16_t *)k_pool, (size_t)nb * block_bytes / 2, bf, 1);
-    fill16<<<1024, 256>>>((uint16_t *)v_pool, (size_t)nb * block_bytes / 2, bf, 2);
+    fill16<<<1024, 256>>>((uint16_t *)k_pool, (size_t)nb * block_bytes / 2, fmt, 1);
+    fill16<<<1024, 256>>>((uint16_t *)v_pool, (size_t)nb * block_bytes / 2, fmt, 2);
     fill_f32<<<1024, 256>>>(q, (size_t)tokens * heads * dim, 2.0f, 3);
     CHECK(cudaGetLastError());
 
@@ -152,7 +159,7 @@ int main(int argc, char **argv) {
     const char *names[2] = {"prefill kernel", "decode kernel (packed)"};
     printf("causal prefill attention, %d tokens in chunks of %d, %d/%d heads, dim %d, %s cache, "
            "warps of %d rows\n",
-           tokens, chunk, heads, kv, dim, bf ? "bf16" : "f16", 16 * mb);
+           tokens, chunk, heads, kv, dim, fmt == 2 ? "q8" : fmt ? "bf16" : "f16", 16 * mb);
     for (int kind = 0; kind < 1 + decode; kind++) {
         std::vector<float> ms;
         for (int rep = 0; rep <= reps; rep++) {

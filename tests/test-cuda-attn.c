@@ -18,7 +18,8 @@
  *              tensor cores as a 16-bit value plus its 16-bit remainder (~2⁻¹⁷), sums are f32;
  *   q8         1e-3: as above, but each decoded element code·scale is rounded to f16 (2⁻¹²).
  * The measured maxima are printed (typically 1e-6 and 1e-4). The prefill kernel rounds the query
- * and the probabilities to the cache's 16-bit type (fast precision): bf16 1e-2, f16 2e-3.
+ * and the probabilities to the cache's 16-bit type (fast precision; q8's to f16, its decoded
+ * elements too): bf16 1e-2, f16 2e-3, q8 3e-3.
  */
 #include <math.h>
 #include <stdio.h>
@@ -550,34 +551,36 @@ static double run_prefill(enum llmem_kv_format format, int H, int KV, int D, con
     return worst;
 }
 
-/* The prefill kernel: bf16 and f16, GQA 1, 4, 7, 8 and the 8B shape's 32/8, head_dim 64 and 128,
+/* The prefill kernel: bf16, f16 and q8, GQA 1, 4, 7, 8 and the 8B shape's 32/8, head_dim 64 and 128,
  * warps of 16 and of 32 rows; a chunk late in a sequence (partly masked tiles, a partial last
  * tile) beside a whole short prompt; the choice of rows; then the shapes it refuses. */
 static void test_prefill(void **state) {
     (void)state;
-    const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_F16};
+    const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_F16,
+                                            LLMEM_KV_FORMAT_Q8};
+    const double bound[] = {1e-2, 2e-3, 3e-3};
     const int groups[][2] = {{4, 4}, {16, 4}, {28, 4}, {16, 2}, {32, 8}};
     const int len[2] = {700, 77}, n[2] = {300, 77};
     for (int mb = 1; mb <= 2; mb++)
-        for (int f = 0; f < 2; f++)
+        for (int f = 0; f < 3; f++)
             for (int g = 0; g < 5; g++)
                 for (int d = 64; d <= 128; d += 64)
                     assert_true(run_prefill(formats[f], groups[g][0], groups[g][1], d, len, n,
-                                            mb) <=
-                                (formats[f] == LLMEM_KV_FORMAT_BF16 ? 1e-2 : 2e-3));
+                                            mb) <= bound[f]);
     /* a short prompt takes warps of 16 rows, a long chunk of 32; the option forces either */
     assert_int_equal(llmem_cuda_prefill_mblocks(4, 8, 512), 1);
     assert_int_equal(llmem_cuda_prefill_mblocks(4, 8, 16384), 2);
     llmem_option_set(LLMEM_OPT_CUDA_PREFILL_MBLOCKS, "1");
     assert_int_equal(llmem_cuda_prefill_mblocks(4, 8, 16384), 1);
     llmem_option_set(LLMEM_OPT_CUDA_PREFILL_MBLOCKS, NULL);
-    struct llmem_cuda_prefill p = {.format = LLMEM_KV_FORMAT_Q8,
+    struct llmem_cuda_prefill p = {.format = LLMEM_KV_FORMAT_Q4,
                                    .n_heads = 8,
                                    .n_kv_heads = 8,
                                    .head_dim = 128,
                                    .block_size = 16,
                                    .mblocks = 1};
     assert_false(llmem_cuda_prefill_fits(p.format, 8, 8, 128, 16));
+    assert_true(llmem_cuda_prefill_fits(LLMEM_KV_FORMAT_Q8, 8, 8, 128, 16));
     assert_int_equal(llmem_cuda_prefill(&p), LLMEM_EINVAL);
     p.format = LLMEM_KV_FORMAT_BF16;
     p.head_dim = 256;

@@ -81,8 +81,25 @@ template <bool BF> __device__ __forceinline__ uint32_t pack2(float x, float y) {
     }
 }
 
-/* W warps of MB m-blocks (16 rows) each: a CTA holds 16·MB·W (query, head) rows. */
-template <int D, int W, int MB, bool BF>
+/* Eight q8 codes (two words, as stored: two's complement) times their f16 scale, as four f16
+ * pairs: each code becomes 1024 + (code + 128) in f16 exactly, less 1152, times the scale. */
+__device__ __forceinline__ uint4 dequant8(uint32_t w0, uint32_t w1, __half2 s2) {
+    const __half2 off = __float2half2_rn(1152.0f);
+    uint32_t r[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const uint32_t x = (k < 2 ? w0 : w1) ^ 0x80808080u;
+        uint32_t h = __byte_perm(x, 0x64646464u, (k & 1) ? 0x4342 : 0x4140);
+        __half2 v = __hmul2(__hsub2(*reinterpret_cast<__half2 *>(&h), off), s2);
+        r[k] = *reinterpret_cast<uint32_t *>(&v);
+    }
+    return make_uint4(r[0], r[1], r[2], r[3]);
+}
+
+/* W warps of MB m-blocks (16 rows) each: a CTA holds 16·MB·W (query, head) rows. FMT: the cache's
+ * rows, 16-bit (BF: bf16, else f16) or q8 (Q8: 34 bytes a group of 32, codes then the f16 scale;
+ * decoded to f16 as the tile is loaded, so that the products run on f16). */
+template <int D, int W, int MB, bool BF, bool Q8>
 __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(const Params p) {
     constexpr int NCH = D / 8;          /* 16-byte chunks of a row */
     constexpr int ROWB = 2 * D;         /* bytes of a row */
@@ -102,19 +119,63 @@ __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(co
     const int n_kt = (end + BN - 1) / BN;
     const uint32_t qbase = smem_addr(smem), sbase = qbase + BM * ROWB;
 
-    auto load = [&](int kt) {
+    /* q8: the tile's rows read word by word, decoded and stored at once (a thread a group of
+     * 32 of a token's key or value row); a group starts 2 bytes past a word when it is odd */
+    auto load_q8 = [&](int kt) {
+        constexpr int G = D / 32, RB = 34 * G;
         const int t0 = kt * BN;
-        const uint32_t kdst = sbase + (kt & 1) * 2 * TILE, vdst = kdst + TILE;
-        for (int i = threadIdx.x; i < BN * NCH; i += W * 32) {
-            const int tt = i / NCH, ch = i % NCH, t = t0 + tt;
-            const bool in = t < end;
-            const long long blk = in ? table[t / BLOCK] : 0;
-            const size_t off = (size_t)(t % BLOCK) * p.tok_bytes + (size_t)kvh * ROWB + ch * 16;
-            const uint32_t d = tt * ROWB + ((ch ^ (tt & 7)) * 16);
-            cp_async16<false>(kdst + d, p.k_pool + blk * p.k_bstride + off, in ? 16 : 0);
-            cp_async16<false>(vdst + d, p.v_pool + blk * p.v_bstride + off, in ? 16 : 0);
+        uint8_t *stage = smem + BM * ROWB + (kt & 1) * 2 * TILE;
+        for (int u = threadIdx.x; u < 2 * BN * G; u += W * 32) {
+            const int v = u / (BN * G), tt = (u / G) % BN, grp = u % G, t = t0 + tt;
+            uint4 out[4] = {};
+            if (t < end) {
+                const long long blk = table[t / BLOCK];
+                const uint8_t *row = (v ? p.v_pool + blk * p.v_bstride
+                                        : p.k_pool + blk * p.k_bstride) +
+                                     (size_t)(t % BLOCK) * p.tok_bytes + (size_t)kvh * RB +
+                                     34 * grp;
+                const uint32_t *w = reinterpret_cast<const uint32_t *>((uintptr_t)row & ~3ull);
+                const bool odd = ((uintptr_t)row & 3) != 0;
+                uint32_t x[9];
+#pragma unroll
+                for (int i = 0; i < 9; i++)
+                    x[i] = __ldg(w + i);
+                uint32_t codes[8];
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    codes[i] = odd ? __funnelshift_r(x[i], x[i + 1], 16) : x[i];
+                const uint16_t sbits = (uint16_t)(odd ? x[8] >> 16 : x[8] & 0xffffu);
+                const __half2 s2 = __half2half2(__ushort_as_half(sbits));
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    out[k] = dequant8(codes[2 * k], codes[2 * k + 1], s2);
+            }
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int ch = 4 * grp + k;
+                *reinterpret_cast<uint4 *>(stage + v * TILE + tt * ROWB +
+                                           ((ch ^ (tt & 7)) * 16)) = out[k];
+            }
         }
-        cp_commit();
+    };
+    auto load = [&](int kt) {
+        if constexpr (Q8) {
+            load_q8(kt);
+        } else {
+            const int t0 = kt * BN;
+            const uint32_t kdst = sbase + (kt & 1) * 2 * TILE, vdst = kdst + TILE;
+            for (int i = threadIdx.x; i < BN * NCH; i += W * 32) {
+                const int tt = i / NCH, ch = i % NCH, t = t0 + tt;
+                const bool in = t < end;
+                const long long blk = in ? table[t / BLOCK] : 0;
+                const size_t off =
+                    (size_t)(t % BLOCK) * p.tok_bytes + (size_t)kvh * ROWB + ch * 16;
+                const uint32_t d = tt * ROWB + ((ch ^ (tt & 7)) * 16);
+                cp_async16<false>(kdst + d, p.k_pool + blk * p.k_bstride + off, in ? 16 : 0);
+                cp_async16<false>(vdst + d, p.v_pool + blk * p.v_bstride + off, in ? 16 : 0);
+            }
+            cp_commit();
+        }
     };
     load(0);
 
@@ -167,10 +228,10 @@ __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(co
         m[mb][0] = m[mb][1] = -INFINITY, l[mb][0] = l[mb][1] = 0.0f;
 
     for (int kt = 0; kt < n_kt; kt++) {
-        if (kt + 1 < n_kt) {
+        if (!Q8 && kt + 1 < n_kt) { /* 16-bit: the next tile's copies in flight meanwhile */
             load(kt + 1);
             cp_wait<1>();
-        } else {
+        } else if (!Q8) {
             cp_wait<0>();
         }
         __syncthreads(); /* the tile's copies (and, the first time, the queries) for every warp */
@@ -269,7 +330,11 @@ __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(co
                 }
             }
         }
-        __syncthreads(); /* every warp done with the stage the next copies overwrite */
+        if (Q8 && kt + 1 < n_kt) /* q8: the next tile decoded into the other stage (the other
+                                  * CTAs of the SM compute meanwhile) */
+            load(kt + 1);
+        else if (!Q8)
+            __syncthreads(); /* every warp done with the stage the next copies overwrite */
     }
 
 #pragma unroll
@@ -296,17 +361,22 @@ constexpr int WARPS = 4; /* a CTA's */
 
 typedef void (*kernel_fn)(const Params);
 
-template <int MB> kernel_fn pick(int head_dim, bool bf) {
-    if (head_dim == 64)
-        return bf ? prefill_kernel<64, WARPS, MB, true> : prefill_kernel<64, WARPS, MB, false>;
-    return bf ? prefill_kernel<128, WARPS, MB, true> : prefill_kernel<128, WARPS, MB, false>;
+template <int D, int MB> kernel_fn pick_format(enum llmem_kv_format f) {
+    return f == LLMEM_KV_FORMAT_BF16  ? prefill_kernel<D, WARPS, MB, true, false>
+           : f == LLMEM_KV_FORMAT_Q8 ? prefill_kernel<D, WARPS, MB, false, true>
+                                     : prefill_kernel<D, WARPS, MB, false, false>;
+}
+
+template <int MB> kernel_fn pick(int head_dim, enum llmem_kv_format f) {
+    return head_dim == 64 ? pick_format<64, MB>(f) : pick_format<128, MB>(f);
 }
 
 } // namespace
 
 extern "C" int llmem_cuda_prefill_fits(enum llmem_kv_format format, int n_heads, int n_kv_heads,
                                        int head_dim, int block_size) {
-    return (format == LLMEM_KV_FORMAT_F16 || format == LLMEM_KV_FORMAT_BF16) &&
+    return (format == LLMEM_KV_FORMAT_F16 || format == LLMEM_KV_FORMAT_BF16 ||
+            format == LLMEM_KV_FORMAT_Q8) &&
            (head_dim == 64 || head_dim == 128) && block_size == BLOCK && n_kv_heads > 0 &&
            n_heads % n_kv_heads == 0 && n_heads / n_kv_heads <= 64;
 }
@@ -327,7 +397,7 @@ extern "C" int llmem_cuda_prefill_tile_queries(int group, int mblocks) {
 extern "C" int llmem_cuda_prefill(const struct llmem_cuda_prefill *a) {
     const char *why = NULL;
     if (!llmem_cuda_prefill_fits(a->format, a->n_heads, a->n_kv_heads, a->head_dim, a->block_size))
-        why = "shape (f16 or bf16, head_dim 64 or 128, block_size 16, groups up to 64)";
+        why = "shape (f16, bf16 or q8, head_dim 64 or 128, block_size 16, groups up to 64)";
     else if (a->n_tiles < 0 || a->n_tiles > 65535 || a->table_stride < 0)
         why = "n_tiles (at most 65535) or table_stride";
     else if (((uintptr_t)a->k_pool | (uintptr_t)a->v_pool) % 16 != 0 ||
@@ -342,8 +412,8 @@ extern "C" int llmem_cuda_prefill(const struct llmem_cuda_prefill *a) {
     }
     if (a->n_tiles == 0)
         return LLMEM_OK;
-    const bool bf = a->format == LLMEM_KV_FORMAT_BF16;
-    kernel_fn fn = a->mblocks == 2 ? pick<2>(a->head_dim, bf) : pick<1>(a->head_dim, bf);
+    kernel_fn fn =
+        a->mblocks == 2 ? pick<2>(a->head_dim, a->format) : pick<1>(a->head_dim, a->format);
     /* the queries' rows, then two stages of a tile's keys and values */
     const int smem = (16 * WARPS * a->mblocks + 2 * 2 * BN) * 2 * a->head_dim;
     cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -354,7 +424,9 @@ extern "C" int llmem_cuda_prefill(const struct llmem_cuda_prefill *a) {
     p.v_pool = (const uint8_t *)a->v_pool;
     p.k_bstride = a->k_block_stride;
     p.v_bstride = a->v_block_stride;
-    p.tok_bytes = a->n_kv_heads * 2 * a->head_dim;
+    /* a head's row: 16-bit values, or q8's groups of 34 bytes */
+    p.tok_bytes = a->n_kv_heads * (a->format == LLMEM_KV_FORMAT_Q8 ? 34 * a->head_dim / 32
+                                                                   : 2 * a->head_dim);
     p.tables = a->block_tables;
     p.table_stride = a->table_stride;
     p.tiles = a->tiles;

@@ -8,11 +8,13 @@
  * takes a tile and one KV head, its rows (64 or 128) the (query, head) pairs of that head's GQA
  * group, so that every K and V row it reads from the pool serves all of them. The queries are rounded to the
  * cache's 16-bit type, the probabilities too (fast precision: FlashAttention's arithmetic, f32
- * accumulation); the exact path for f32 precision is the decode kernel of attention.h.
+ * accumulation); the exact path for f32 precision is the decode kernel of attention.h. A q8
+ * cache's rows are decoded to f16 as each tile is loaded (code × scale rounded to f16).
  *
  * The pool is attention.h's: block `id`'s keys at k_pool + id × k_block_stride, token-major
- * [block_size][n_kv_heads][head_dim] 16-bit values, its values likewise in v_pool. Formats f16 and
- * bf16, head_dim 64 or 128, block_size 16, any GQA group. Every pointer below is device memory.
+ * [block_size][n_kv_heads][key row bytes], its values likewise in v_pool. Formats f16, bf16 and q8
+ * (kv/codec.c's bytes), head_dim 64 or 128, block_size 16, any GQA group. Every pointer below is
+ * device memory.
  */
 #ifndef LLMEM_BACKEND_CUDA_PREFILL_H
 #define LLMEM_BACKEND_CUDA_PREFILL_H
@@ -33,7 +35,7 @@ struct llmem_cuda_prefill_tile {
 };
 
 struct llmem_cuda_prefill {
-    enum llmem_kv_format format; /* F16 or BF16 */
+    enum llmem_kv_format format; /* F16, BF16 or Q8 */
     int n_heads, n_kv_heads;     /* n_heads a multiple of n_kv_heads */
     int head_dim;                /* 64 or 128 */
     int block_size;              /* 16 */
