@@ -92,6 +92,10 @@ static void test_strings(void **state) {
     g = compile("{\"type\":\"array\",\"items\":{\"type\":\"number\"},\"minItems\":2}");
     assert_true(takes(g, "[1, 2]") && takes(g, "[1,2,3,4,5]"));
     assert_false(takes(g, "[1]") || takes(g, "[]"));
+    /* every number a finite double: 16 digits of integer part and of fraction, 2 of exponent */
+    assert_true(takes(g, "[1e99, -0.5E-12, 9999999999999999.9999999999999999e+99]"));
+    assert_false(takes(g, "[1, 1e100]") || takes(g, "[1, 12345678901234567]") ||
+                 takes(g, "[1, 0.12345678901234567]") || takes(g, "[1, 01]"));
     llmem_grammar_free(g);
 }
 
@@ -130,6 +134,8 @@ static void test_refused(void **state) {
 
 /* Outputs sampled from random logits under a grammar: valid JSON holding what the schema asks,
  * for each of 50 seeds, with a roomy budget and with one that only allows closing. */
+#define TIGHT_FEWEST 16 /* the fewest of pycoder's tokens that spell test_tight_budget's shortest output */
+
 static void test_sampled_outputs(void **state) {
     (void)state;
     struct llmem_grammar *g = compile(person);
@@ -177,6 +183,58 @@ static void test_sampled_outputs(void **state) {
     }
     printf("  100 outputs parse and hold name and ok (50 within 40 tokens)\n");
     assert_int_equal(short_done, 50);
+    free(logits);
+    llmem_grammar_free(g);
+}
+
+/* A budget below the shortest completion's bytes (23: {"point":{"x":0,"y":0}}) but not below the
+ * fewest tokens that spell it (16): random draws still end in a whole, valid object, since the mask
+ * keeps to prefixes of that completion which the tokens left can still spell. */
+static void test_tight_budget(void **state) {
+    (void)state;
+    struct llmem_grammar *g =
+        compile("{\"type\":\"object\",\"properties\":{\"point\":{\"type\":\"object\","
+                "\"properties\":{\"x\":{\"type\":\"number\"},\"y\":{\"type\":\"number\"}},"
+                "\"required\":[\"x\",\"y\"]}},\"required\":[\"point\"]}");
+    const int32_t vocab_n = llmem_tokenizer_vocab_size(tok);
+    const int32_t eos = llmem_tokenizer_eos(tok);
+    float *logits = malloc((size_t)vocab_n * sizeof(float));
+    assert_non_null(logits);
+    uint64_t x = 7;
+    for (int budget = TIGHT_FEWEST; budget <= 22; budget++)
+        for (int seed = 0; seed < 20; seed++) {
+            struct llmem_sampling p;
+            llmem_sampling_default(&p);
+            p.temperature = 1.0, p.seed = (uint64_t)seed;
+            p.grammar = g, p.grammar_vocab = vocab, p.end_ids = &eos, p.n_end_ids = 1;
+            p.max_tokens = budget;
+            struct llmem_sampler *s = NULL;
+            assert_int_equal(llmem_sampler_create(&p, vocab_n, &s), LLMEM_OK);
+            int32_t ids[32];
+            int n = 0;
+            while (n < budget) {
+                for (int32_t i = 0; i < vocab_n; i++) { /* random logits, no end favoured */
+                    x = x * 6364136223846793005ull + 1442695040888963407ull;
+                    logits[i] = (float)((x >> 40) % 1000) / 100.0f;
+                }
+                const int32_t id = llmem_sampler_sample(s, logits);
+                llmem_sampler_accept(s, id);
+                if (id == eos)
+                    break;
+                ids[n++] = id;
+            }
+            char *text = NULL;
+            assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &text, NULL), LLMEM_OK);
+            cJSON *o = cJSON_Parse(text), *pt = cJSON_GetObjectItem(o, "point");
+            if (!cJSON_IsNumber(cJSON_GetObjectItem(pt, "x")) ||
+                !cJSON_IsNumber(cJSON_GetObjectItem(pt, "y")))
+                fail_msg("budget %d, seed %d: '%s' is not a point", budget, seed, text);
+            cJSON_Delete(o);
+            free(text);
+            llmem_sampler_free(s);
+        }
+    printf("  budgets %d to 22 tokens for a 23-byte shortest output: 20 draws each, all valid\n",
+           TIGHT_FEWEST);
     free(logits);
     llmem_grammar_free(g);
 }
@@ -231,6 +289,7 @@ int main(void) {
         cmocka_unit_test(test_refused),
         cmocka_unit_test(test_allowed),
         cmocka_unit_test(test_sampled_outputs),
+        cmocka_unit_test(test_tight_budget),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -78,8 +78,10 @@ LLMEM_API void llmem_grammar_state_free(struct llmem_grammar_state *s);
  * others (an end of the output, where llmem_grammar_complete says it may come, is the caller's).
  * With remaining ≥ 1 tokens left for the output (0: no budget), only tokens after which the
  * shortest completion fits the tokens then left (a byte a token at worst) are allowed, so that
- * the output is complete in time; where it already does not fit, only tokens on a shortest way
- * to the end. Returns how many are allowed. */
+ * the output is complete in time; where its bytes already outnumber the tokens left, only the
+ * tokens that spell a prefix of it after which the fewest tokens that spell the rest still fit
+ * (where none does, those on a fewest-token way: the output will be cut). Returns how many are
+ * allowed. */
 LLMEM_API int64_t llmem_grammar_allowed(struct llmem_grammar_state *s, int64_t remaining,
                                         uint8_t *allowed);
 /* Moves past token id (LLMEM_EINVAL when the grammar does not allow it, or it is special: the

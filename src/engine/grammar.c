@@ -45,6 +45,8 @@ struct gel {
 #define REPEAT_MAX    256  /* counts a schema may bound (items, string length) */
 #define TOKEN_MAX     256  /* bytes of the longest token the matcher walks */
 #define EXPAND_MAX    1024 /* references expanded in a row without a byte between */
+#define NUM_DIGITS    16   /* digits of a number's integer part and of its fraction, at most */
+#define CANON_MAX     4096 /* bytes of a shortest completion a tight budget spells token by token */
 #define MASK_CACHE    8    /* masks a matcher keeps, by the stacks they were made for */
 #define UNREACHABLE   (INT32_MAX / 4)
 
@@ -76,7 +78,7 @@ struct builder {
         int32_t rule;
     } memo[LLMEM_GRAMMAR_MAX_RULES];
     int n_memo;
-    int32_t ws, value, string, chars, ch, number, integer, digits0, object_any, array_any;
+    int32_t ws, value, string, chars, ch, number, integer, object_any, array_any;
     int depth;
 };
 
@@ -233,15 +235,21 @@ static void json_rules(struct builder *b) {
     b->string = new_rule(b);
     LIT(&s, "\""), push_ref(b, &s, b->chars), LIT(&s, "\"");
     define(b, b->string, &s);
-    /* numbers */
-    b->digits0 = new_rule(b);
-    push_alt(b, &s);
-    push_ranges(b, &s, "09"), push_ref(b, &s, b->digits0);
-    define(b, b->digits0, &s);
+    /* numbers: every one a finite double, as JSON parsers read them (an integer part and a
+     * fraction of up to NUM_DIGITS digits each, an exponent of up to 2: |x| < 10^(16 + 99)) */
+    int32_t upto[NUM_DIGITS]; /* upto[k]: at most k digits */
+    upto[0] = new_rule(b);
+    define(b, upto[0], &s); /* (ε) */
+    for (int k = 1; k < NUM_DIGITS; k++) {
+        upto[k] = new_rule(b);
+        push_alt(b, &s);
+        push_ranges(b, &s, "09"), push_ref(b, &s, upto[k - 1]);
+        define(b, upto[k], &s);
+    }
     int32_t intpart = new_rule(b);
     LIT(&s, "0");
     push_alt(b, &s);
-    push_ranges(b, &s, "19"), push_ref(b, &s, b->digits0);
+    push_ranges(b, &s, "19"), push_ref(b, &s, upto[NUM_DIGITS - 1]);
     define(b, intpart, &s);
     int32_t sign = new_rule(b);
     push_alt(b, &s);
@@ -252,13 +260,13 @@ static void json_rules(struct builder *b) {
     define(b, b->integer, &s);
     int32_t frac = new_rule(b), exp = new_rule(b);
     push_alt(b, &s);
-    LIT(&s, "."), push_ranges(b, &s, "09"), push_ref(b, &s, b->digits0);
+    LIT(&s, "."), push_ranges(b, &s, "09"), push_ref(b, &s, upto[NUM_DIGITS - 1]);
     define(b, frac, &s);
     push_alt(b, &s);
     push_ranges(b, &s, "eeEE"), push_ranges(b, &s, "++--"), push_ranges(b, &s, "09"),
-        push_ref(b, &s, b->digits0);
+        push_ref(b, &s, upto[1]);
     push_alt(b, &s);
-    push_ranges(b, &s, "eeEE"), push_ranges(b, &s, "09"), push_ref(b, &s, b->digits0);
+    push_ranges(b, &s, "eeEE"), push_ranges(b, &s, "09"), push_ref(b, &s, upto[1]);
     define(b, exp, &s);
     b->number = new_rule(b);
     push_ref(b, &s, b->integer), push_ref(b, &s, frac), push_ref(b, &s, exp);
@@ -923,6 +931,9 @@ struct llmem_grammar_state {
     uint64_t clock;
     struct stacks *level; /* (TOKEN_MAX + 1) the walk's sets, one a depth */
     int32_t *scratch;     /* (STACK_MAX) a stack being built */
+    struct stacks tmp[2]; /* canonical()'s sets */
+    uint8_t *canon;       /* (CANON_MAX) the shortest completion's bytes, when the budget is tight */
+    int32_t *fewest;      /* (CANON_MAX + 1) the fewest tokens that spell canon[k, n) */
     int failed;           /* out of memory while moving */
     int depth;            /* expand's nesting: references without bytes between are dropped
                            * past EXPAND_MAX (a schema that refers to itself at once) */
@@ -1055,7 +1066,8 @@ void llmem_grammar_state_free(struct llmem_grammar_state *st) {
         stacks_free(&st->cache[i].set), free(st->cache[i].mask);
     for (int i = 0; st->level != NULL && i <= TOKEN_MAX; i++)
         stacks_free(&st->level[i]);
-    free(st->level), free(st->scratch);
+    stacks_free(&st->tmp[0]), stacks_free(&st->tmp[1]);
+    free(st->level), free(st->scratch), free(st->canon), free(st->fewest);
     free(st);
 }
 
@@ -1141,11 +1153,98 @@ static int64_t walk_cached(struct llmem_grammar_state *st, uint8_t *allowed, int
     return n;
 }
 
+/* The child of trie node `node` for byte c; −1: none. */
+static int32_t child(const struct llmem_grammar_vocab *v, int32_t node, uint8_t c) {
+    for (int32_t k = v->nodes[node].child; k >= 0; k = v->nodes[k].sibling)
+        if (v->nodes[k].byte == c)
+            return k;
+    return -1;
+}
+
+/* The shortest completion from the current set (d bytes), into st->canon: at each byte the
+ * smallest that takes the distance down by one. From the set its first bytes lead to, the same
+ * rule spells the rest of it, so a budget that follows it stays on it. Its length, or −1 when it
+ * is longer than CANON_MAX (or memory ran out). */
+static int32_t canonical(struct llmem_grammar_state *st, int32_t d) {
+    const struct llmem_grammar *g = st->g;
+    if (d > CANON_MAX)
+        return -1;
+    if (st->canon == NULL && (st->canon = malloc(CANON_MAX)) == NULL)
+        return -1;
+    struct stacks *a = &st->tmp[0], *b = &st->tmp[1];
+    stacks_clear(a);
+    for (int32_t i = 0; i < st->cur.n; i++)
+        stacks_add(st, a, st->cur.pos + st->cur.at[i], st->cur.at[i + 1] - st->cur.at[i]);
+    for (int32_t k = 0; k < d; k++) {
+        uint8_t any[32] = {0}; /* the bytes the stacks' tops take */
+        for (int32_t i = 0; i < a->n; i++)
+            if (a->at[i + 1] > a->at[i])
+                for (int j = 0; j < 32; j++)
+                    any[j] |= g->sets[g->el[a->pos[a->at[i + 1] - 1]].v][j];
+        int c = 0;
+        for (; c < 256; c++) {
+            if (!(any[c >> 3] >> (c & 7) & 1))
+                continue;
+            advance(st, a, (uint8_t)c, b);
+            if (st->failed)
+                return -1;
+            if (b->n > 0 && distance(g, b) == d - k - 1)
+                break;
+        }
+        if (c == 256)
+            return -1; /* (the distance is exact: not reached) */
+        st->canon[k] = (uint8_t)c;
+        struct stacks t = *a;
+        *a = *b, *b = t;
+    }
+    return d;
+}
+
+/* A budget too tight for a byte a token (the shortest completion's d bytes exceed the tokens
+ * left): the tokens that spell a prefix of the shortest completion and leave a rest that the
+ * fewest tokens still spell within the budget (where none can, those on a fewest-token way:
+ * the output is then cut). −1 when the completion is too long for this (the caller walks). */
+static int64_t tight(struct llmem_grammar_state *st, int32_t d, int64_t remaining,
+                     uint8_t *allowed) {
+    const struct llmem_grammar_vocab *v = st->v;
+    const int32_t n = canonical(st, d);
+    if (n < 0 || (st->fewest == NULL &&
+                  (st->fewest = malloc((CANON_MAX + 1) * sizeof(*st->fewest))) == NULL))
+        return -1;
+    int32_t *best = st->fewest;
+    best[n] = 0;
+    for (int32_t k = n - 1; k >= 0; k--) {
+        best[k] = UNREACHABLE;
+        for (int32_t j = k, node = 0; j < n && j - k < TOKEN_MAX; j++) {
+            if ((node = child(v, node, st->canon[j])) < 0)
+                break;
+            if (v->nodes[node].tok_n > 0 && best[j + 1] + 1 < best[k])
+                best[k] = best[j + 1] + 1;
+        }
+    }
+    const int64_t fits = best[0] > remaining ? best[0] : remaining;
+    memset(allowed, 0, (size_t)v->n_vocab);
+    int64_t count = 0;
+    for (int32_t j = 0, node = 0; j < n && j < TOKEN_MAX; j++) {
+        if ((node = child(v, node, st->canon[j])) < 0)
+            break;
+        const struct tnode *t = &v->nodes[node];
+        for (int32_t k = 0; best[j + 1] + 1 <= fits && k < t->tok_n; k++, count++)
+            allowed[v->ids[t->tok_first + k]] = 1;
+    }
+    return count;
+}
+
 int64_t llmem_grammar_allowed(struct llmem_grammar_state *st, int64_t remaining,
                               uint8_t *allowed) {
     const struct llmem_grammar_vocab *v = st->v;
     const int32_t d = distance(st->g, &st->cur);
     const int shrinking = remaining > 0 && d > remaining;
+    if (shrinking) {
+        const int64_t n = tight(st, d, remaining, allowed);
+        if (n >= 0)
+            return n;
+    }
     const int32_t limit = remaining <= 0   ? -1
                           : shrinking      ? d
                           : remaining - 1 < UNREACHABLE ? (int32_t)(remaining - 1)

@@ -2,7 +2,9 @@
  * tests/e2e/e2e-serve-node.c — the official OpenAI Node client (tests/e2e/node, `openai` pinned
  * in package-lock.json) against `llmem serve models/pycoder --chat-template chatml`: models,
  * completions and chat, streaming and not, 16 concurrent clients equal to single requests, an
- * aborted stream that frees its KV, and bad requests raised as the client's typed errors.
+ * aborted stream that frees its KV, structured outputs and tool calls validated by ajv, and bad
+ * requests raised as the client's typed errors; the structured outputs also against a second
+ * server of the same model with seeded random weights (`--load-format dummy`).
  *
  * Skipped (ctest code 77) when node or npm is missing, or when the client cannot be installed
  * (`npm ci` runs only when node_modules is absent).
@@ -37,13 +39,18 @@ static void test_openai_node_client(void **state) {
     assert_non_null(expected);
 
     const char *args[] = {PYCODER, "--chat-template", "chatml", "--threads", "2"};
-    struct tu_server s;
+    const char *random_args[] = {PYCODER,   "--load-format", "dummy", "--chat-template",
+                                 "chatml", "--threads",     "1"};
+    struct tu_server s, random;
     tu_serve_start(&s, 5, args);
-    struct tu_run r =
-        tu_exec("node", NULL, 3, (const char *[]){NODE_DIR "/serve.test.mjs", s.url, expected});
+    tu_serve_start(&random, 7, random_args);
+    struct tu_run r = tu_exec(
+        "node", NULL, 4,
+        (const char *[]){NODE_DIR "/serve.test.mjs", s.url, expected, random.url});
     printf("%s%s", r.out, r.err);
     int node_rc = r.exit_code;
     tu_run_free(&r);
+    assert_int_equal(tu_serve_stop(&random), 0);
     assert_int_equal(tu_serve_stop(&s), 0);
     cJSON_Delete(out);
     tu_run_free(&run);

@@ -1,18 +1,20 @@
 // The official OpenAI Node client against a running `llmem serve models/pycoder --chat-template
 // chatml` (started by tests/e2e/e2e-serve-node.c, which passes the base URL and the text that
-// `llmem run` generates greedily for PROMPT).
+// `llmem run` generates greedily for PROMPT), and the structured outputs also against the same
+// model with seeded random weights (`--load-format dummy`, RANDOM_URL).
 //
-//   node serve.test.mjs BASE_URL EXPECTED_TEXT
+//   node serve.test.mjs BASE_URL EXPECTED_TEXT [RANDOM_URL]
 //
 // Exit status 0 when every check passes; each failure is printed.
 import assert from "node:assert/strict";
 import Ajv from "ajv";
 import OpenAI from "openai";
 
-const [baseURL, expected] = process.argv.slice(2);
+const [baseURL, expected, randomURL] = process.argv.slice(2);
 const PROMPT = "def fibonacci(n):\n";
 const N = 32;
 const client = new OpenAI({ baseURL: `${baseURL}/v1`, apiKey: "unused", maxRetries: 0 });
+const randomClient = randomURL ? new OpenAI({ baseURL: `${randomURL}/v1`, apiKey: "unused", maxRetries: 0 }) : null;
 const greedy = { temperature: 0, ignore_eos: true };
 
 async function metric(name) {
@@ -151,7 +153,9 @@ const tests = {
     assert.ok((await metric("llmem_generation_tokens_total")) > 0);
   },
 
-  // response_format: every output validates against its schema (ajv), random weights or not
+  // response_format: every output validates against its schema (ajv), 10 schemas × 50 seeds
+  // at 20 to 120 tokens, on pycoder and on random weights (the grammar, not the model, makes it
+  // valid); each schema's 50 requests at once
   async structuredOutputs() {
     const schemas = [
       { type: "object", properties: { name: { type: "string", maxLength: 10 }, age: { type: "integer" } }, required: ["name", "age"], additionalProperties: false },
@@ -159,23 +163,34 @@ const tests = {
       { type: "object", properties: { ok: { type: "boolean" }, note: { type: ["string", "null"] } }, required: ["ok", "note"], additionalProperties: false },
       { type: "object", properties: { v: { anyOf: [{ type: "number" }, { const: "none" }] } }, required: ["v"], additionalProperties: false },
       { $defs: { node: { type: "object", properties: { next: { anyOf: [{ $ref: "#/$defs/node" }, { type: "null" }] } }, required: ["next"], additionalProperties: false } }, $ref: "#/$defs/node" },
+      { type: "object", properties: { id: { const: 7 }, kind: { enum: ["x", "y"] } }, required: ["id", "kind"], additionalProperties: false },
+      { type: "array", items: { type: "integer" }, minItems: 2, maxItems: 4 },
+      { type: "object", properties: { point: { type: "object", properties: { x: { type: "number" }, y: { type: "number" } }, required: ["x", "y"], additionalProperties: false } }, required: ["point"], additionalProperties: false },
+      { type: "object", properties: { items: { type: "array", items: { type: "object", properties: { k: { type: "string", maxLength: 4 } }, required: ["k"], additionalProperties: false }, maxItems: 2 } }, required: ["items"], additionalProperties: false },
+      { type: "object", properties: { a: { type: "string", minLength: 1, maxLength: 3 }, b: { type: "boolean" } }, required: ["a"], additionalProperties: false },
     ];
     const ajv = new Ajv();
-    for (const [i, schema] of schemas.entries()) {
-      const validate = ajv.compile(schema);
-      for (const seed of [1, 2, 3]) {
-        for (const max_tokens of [20, 120]) {
-          const r = await client.chat.completions.create({
+    for (const [who, c] of [["pycoder", client], ["random weights", randomClient]]) {
+      if (!c) continue;
+      for (const [i, schema] of schemas.entries()) {
+        const validate = ajv.compile(schema);
+        const seeds = Array.from({ length: 50 }, (_, k) => k + 1);
+        const texts = await Promise.all(seeds.map(async (seed) => {
+          const r = await c.chat.completions.create({
             model: "pycoder",
             messages: [{ role: "user", content: "Give me JSON." }],
             temperature: 1,
             seed,
-            max_tokens,
+            max_tokens: [20, 30, 60, 120][seed % 4],
             response_format: { type: "json_schema", json_schema: { name: `s${i}`, strict: true, schema } },
           });
-          const text = r.choices[0].message.content;
-          const value = JSON.parse(text);
-          assert.ok(validate(value), `schema ${i}, seed ${seed}, max_tokens ${max_tokens}: ${text}: ${ajv.errorsText(validate.errors)}`);
+          return [r.choices[0].message.content, r.choices[0].finish_reason];
+        }));
+        for (const [k, [text, finish]] of texts.entries()) {
+          const what = `${who}, schema ${i}, seed ${seeds[k]} (${finish}): ${JSON.stringify(text)}`;
+          let value;
+          assert.doesNotThrow(() => { value = JSON.parse(text); }, what);
+          assert.ok(validate(value), `${what}: ${ajv.errorsText(validate.errors)}`);
         }
       }
     }
