@@ -133,7 +133,8 @@ static int32_t define(struct builder *b, int32_t rule, struct seq *s) {
     if (rule >= 0 && !b->failed &&
         grow((void **)&g->el, &g->cap_el, g->n_el + s->n + 1, sizeof(*g->el)) == 0) {
         g->rule_at[rule] = g->n_el;
-        memcpy(g->el + g->n_el, s->el, (size_t)s->n * sizeof(*s->el));
+        if (s->n > 0) /* (an empty rule, ε, has no elements) */
+            memcpy(g->el + g->n_el, s->el, (size_t)s->n * sizeof(*s->el));
         g->n_el += s->n;
         g->el[g->n_el++] = (struct gel){G_END, 0};
     } else if (!b->failed) {
