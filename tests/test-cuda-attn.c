@@ -567,12 +567,9 @@ static void test_prefill(void **state) {
                 for (int d = 64; d <= 128; d += 64)
                     assert_true(run_prefill(formats[f], groups[g][0], groups[g][1], d, len, n,
                                             mb) <= bound[f]);
-    /* a short prompt takes warps of 16 rows, a long chunk of 32; the option forces either */
+    /* a short prompt takes warps of 16 rows, a long chunk of 32 */
     assert_int_equal(llmem_cuda_prefill_mblocks(4, 8, 512), 1);
     assert_int_equal(llmem_cuda_prefill_mblocks(4, 8, 16384), 2);
-    llmem_option_set(LLMEM_OPT_CUDA_PREFILL_MBLOCKS, "1");
-    assert_int_equal(llmem_cuda_prefill_mblocks(4, 8, 16384), 1);
-    llmem_option_set(LLMEM_OPT_CUDA_PREFILL_MBLOCKS, NULL);
     struct llmem_cuda_prefill p = {.format = LLMEM_KV_FORMAT_Q4,
                                    .n_heads = 8,
                                    .n_kv_heads = 8,

@@ -382,9 +382,13 @@ extern "C" int llmem_cuda_prefill_fits(enum llmem_kv_format format, int n_heads,
 }
 
 extern "C" int llmem_cuda_prefill_mblocks(int group, int n_kv_heads, int64_t queries) {
-    int64_t forced = 0;
-    if (llmem_option_int(LLMEM_OPT_CUDA_PREFILL_MBLOCKS, &forced) == LLMEM_OK && forced > 0)
-        return (int)forced;
+    static int forced = -1; /* read once: a malformed value is logged once, then chosen per call */
+    if (forced < 0) {
+        int64_t v = 0;
+        forced = llmem_option_int(LLMEM_OPT_CUDA_PREFILL_MBLOCKS, &v) == LLMEM_OK ? (int)v : 0;
+    }
+    if (forced > 0)
+        return forced;
     const int tq = llmem_cuda_prefill_tile_queries(group, 2);
     const int64_t ctas = tq > 0 ? (queries + tq - 1) / tq * n_kv_heads : 0;
     return ctas >= 4 * (int64_t)sm_count() ? 2 : 1;
