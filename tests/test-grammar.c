@@ -134,6 +134,32 @@ static void test_refused(void **state) {
 
 /* Outputs sampled from random logits under a grammar: valid JSON holding what the schema asks,
  * for each of 50 seeds, with a roomy budget and with one that only allows closing. */
+/* Up to max tokens drawn by s from random logits (x the generator's state; the end id's logit
+ * eos_logit unless NaN), until the end id: their text (malloc'ed). */
+static char *draw(struct llmem_sampler *s, float *logits, int max, float eos_logit, uint64_t *x) {
+    const int32_t vocab_n = llmem_tokenizer_vocab_size(tok), eos = llmem_tokenizer_eos(tok);
+    int32_t *ids = malloc((size_t)(max > 0 ? max : 1) * sizeof(int32_t));
+    assert_non_null(ids);
+    int n = 0;
+    while (n < max) {
+        for (int32_t i = 0; i < vocab_n; i++) {
+            *x = *x * 6364136223846793005ull + 1442695040888963407ull;
+            logits[i] = (float)((*x >> 40) % 1000) / 100.0f;
+        }
+        if (!isnan(eos_logit))
+            logits[eos] = eos_logit;
+        const int32_t id = llmem_sampler_sample(s, logits);
+        llmem_sampler_accept(s, id);
+        if (id == eos)
+            break;
+        ids[n++] = id;
+    }
+    char *text = NULL;
+    assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &text, NULL), LLMEM_OK);
+    free(ids);
+    return text;
+}
+
 #define TIGHT_FEWEST 16 /* the fewest of pycoder's tokens that spell test_tight_budget's shortest output */
 
 static void test_sampled_outputs(void **state) {
@@ -154,22 +180,7 @@ static void test_sampled_outputs(void **state) {
             p.max_tokens = budget == 0 ? 400 : 40;
             struct llmem_sampler *s = NULL;
             assert_int_equal(llmem_sampler_create(&p, vocab_n, &s), LLMEM_OK);
-            int32_t ids[400];
-            int n = 0;
-            while (n < p.max_tokens) {
-                for (int32_t i = 0; i < vocab_n; i++) { /* random logits, EOS likely */
-                    x = x * 6364136223846793005ull + 1442695040888963407ull;
-                    logits[i] = (float)((x >> 40) % 1000) / 100.0f;
-                }
-                logits[eos] = 12.0f;
-                int32_t id = llmem_sampler_sample(s, logits);
-                llmem_sampler_accept(s, id);
-                if (id == eos)
-                    break;
-                ids[n++] = id;
-            }
-            char *text = NULL;
-            assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &text, NULL), LLMEM_OK);
+            char *text = draw(s, logits, (int)p.max_tokens, 12.0f, &x); /* EOS likely */
             cJSON *o = cJSON_Parse(text);
             if (o == NULL || !cJSON_IsString(cJSON_GetObjectItem(o, "name")) ||
                 !cJSON_IsBool(cJSON_GetObjectItem(o, "ok")))
@@ -210,21 +221,7 @@ static void test_tight_budget(void **state) {
             p.max_tokens = budget;
             struct llmem_sampler *s = NULL;
             assert_int_equal(llmem_sampler_create(&p, vocab_n, &s), LLMEM_OK);
-            int32_t ids[32];
-            int n = 0;
-            while (n < budget) {
-                for (int32_t i = 0; i < vocab_n; i++) { /* random logits, no end favoured */
-                    x = x * 6364136223846793005ull + 1442695040888963407ull;
-                    logits[i] = (float)((x >> 40) % 1000) / 100.0f;
-                }
-                const int32_t id = llmem_sampler_sample(s, logits);
-                llmem_sampler_accept(s, id);
-                if (id == eos)
-                    break;
-                ids[n++] = id;
-            }
-            char *text = NULL;
-            assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &text, NULL), LLMEM_OK);
+            char *text = draw(s, logits, budget, NAN, &x); /* no end favoured */
             cJSON *o = cJSON_Parse(text), *pt = cJSON_GetObjectItem(o, "point");
             if (!cJSON_IsNumber(cJSON_GetObjectItem(pt, "x")) ||
                 !cJSON_IsNumber(cJSON_GetObjectItem(pt, "y")))
