@@ -132,6 +132,50 @@ static void test_refused(void **state) {
     }
 }
 
+/* The plan's bounds on a request's grammar: a schema whose tables would outgrow them is refused
+ * as too large, and a matcher whose parses outgrow their stack bytes fails (status ENOMEM)
+ * instead of growing on. */
+static void test_planned_bytes(void **state) {
+    (void)state;
+    /* an enum of 40,000 strings of 8 characters: 12 bytes an element outgrow a megabyte */
+    const int n = 40000;
+    char *big = malloc((size_t)n * 11 + 64), why[256];
+    assert_non_null(big);
+    int at = sprintf(big, "{\"enum\":[");
+    for (int i = 0; i < n; i++)
+        at += sprintf(big + at, "%s\"v%07d\"", i > 0 ? "," : "", i);
+    strcpy(big + at, "]}");
+    struct llmem_grammar *g = NULL;
+    assert_int_equal(llmem_grammar_compile(big, strlen(big), why, sizeof(why), &g), LLMEM_EINVAL);
+    assert_null(g);
+    assert_non_null(strstr(why, "too large"));
+    free(big);
+    g = compile(person);
+    assert_true(llmem_grammar_bytes(g) <= LLMEM_GRAMMAR_MAX_BYTES);
+    llmem_grammar_free(g);
+
+    /* nested arrays each read ten ways (of any length, or the first to ninth of at most nine
+     * items): 10^depth parses alive at once */
+    g = compile("{\"$defs\":{\"n\":{\"anyOf\":[{\"type\":\"array\",\"items\":{\"$ref\":"
+                "\"#/$defs/n\"}},{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/n\"},"
+                "\"maxItems\":9}]}},\"$ref\":\"#/$defs/n\"}");
+    struct llmem_grammar_state *s = NULL;
+    assert_int_equal(llmem_grammar_state_create(g, vocab, &s), LLMEM_OK);
+    int depth = 0, st = LLMEM_OK;
+    while (depth < 64 && (st = llmem_grammar_accept_bytes(s, "[", 1)) == LLMEM_OK)
+        depth++;
+    printf("  nested arrays: the stacks outgrow their bytes at depth %d\n", depth);
+    assert_int_equal(st, LLMEM_ENOMEM);
+    assert_int_equal(llmem_grammar_state_status(s), LLMEM_ENOMEM);
+    assert_true(depth >= 8);
+    uint8_t *allowed = malloc((size_t)llmem_grammar_vocab_size(vocab));
+    assert_non_null(allowed);
+    assert_int_equal(llmem_grammar_allowed(s, 0, allowed), 0);
+    free(allowed);
+    llmem_grammar_state_free(s);
+    llmem_grammar_free(g);
+}
+
 /* Outputs sampled from random logits under a grammar: valid JSON holding what the schema asks,
  * for each of 50 seeds, with a roomy budget and with one that only allows closing. */
 /* Up to max tokens drawn by s from random logits (x the generator's state; the end id's logit
@@ -284,6 +328,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_strings),
         cmocka_unit_test(test_refused),
+        cmocka_unit_test(test_planned_bytes),
         cmocka_unit_test(test_allowed),
         cmocka_unit_test(test_sampled_outputs),
         cmocka_unit_test(test_tight_budget),

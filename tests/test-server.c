@@ -361,6 +361,24 @@ static void test_parse_errors(void **state) {
         assert_string_equal(e.type, "invalid_request_error");
         llmem_srv_request_free(&r); /* a failed parse leaves nothing behind but what free frees */
     }
+    /* a schema whose grammar outgrows what the plan holds for a request's (an enum of 40,000
+     * strings): refused by name before anything is queued */
+    char *big = malloc(40000 * 11 + 256);
+    assert_non_null(big);
+    int at = sprintf(big, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+                          "\"response_format\": {\"type\": \"json_schema\", \"json_schema\": "
+                          "{\"schema\": {\"enum\": [");
+    for (int i = 0; i < 40000; i++)
+        at += sprintf(big + at, "%s\"v%07d\"", i > 0 ? "," : "", i);
+    strcpy(big + at, "]}}}}");
+    struct srv_request r;
+    struct srv_error e;
+    assert_int_equal(parse(SRV_CHAT, big, &r, &e), -1);
+    assert_int_equal(e.http, 400);
+    assert_string_equal(e.param, "response_format");
+    assert_non_null(strstr(e.message, "too large"));
+    llmem_srv_request_free(&r);
+    free(big);
 }
 
 static void test_check_prompt(void **state) {

@@ -92,11 +92,13 @@ LLMEM_API void llmem_engine_plan_params(const struct llmem_engine_config *c,
                                         struct llmem_plan_params *out,
                                         struct llmem_expert_placement *placement);
 /* The runtime baseline of SPEC §2.2 (what the process holds outside the allocator) for an engine
- * of configuration c on `threads` threads: c's runtime_baseline_bytes when given, else measured
- * now (call it with the configuration and tokenizer loaded and no weights): the resident memory,
- * the code that the first steps still page in and the worker threads' stacks; plus c's
- * runtime_reserve_bytes. */
-LLMEM_API int64_t llmem_engine_runtime_baseline(const struct llmem_engine_config *c, int threads);
+ * of configuration c, a model of `vocab` tokens, on `threads` threads: c's runtime_baseline_bytes
+ * when given, else measured now (call it with the configuration, the tokenizer and its grammar
+ * vocabulary loaded, and no weights): the resident memory, the code that the first steps still
+ * page in, the worker threads' stacks and a constrained output's grammar for each of c's
+ * max_sequences (llmem_grammar_request_bytes); plus c's runtime_reserve_bytes. */
+LLMEM_API int64_t llmem_engine_runtime_baseline(const struct llmem_engine_config *c, int64_t vocab,
+                                                int threads);
 
 struct llmem_engine;
 

@@ -30,8 +30,18 @@ extern "C" {
 struct llmem_grammar;    /* a compiled schema: immutable, shared by any number of matchers */
 struct llmem_tokenizer;
 
-/* The most rules a schema may compile to (a larger one is refused as too large). */
+/* The most rules a schema may compile to, and the most bytes its tables may take (a larger one
+ * is refused as too large): what the plan holds for a request's grammar (below). */
 #define LLMEM_GRAMMAR_MAX_RULES 4096
+#define LLMEM_GRAMMAR_MAX_BYTES ((int64_t)1 << 20)
+/* The most bytes a matcher's sets of parse stacks may hold; a matcher that needs more fails as
+ * out of memory (llmem_grammar_state_status). */
+#define LLMEM_GRAMMAR_STACK_BYTES ((int64_t)2 << 20)
+/* The most a request's grammar holds for a vocabulary of n_vocab tokens: its tables, its matcher
+ * (stacks, cached masks) and the allowed array a caller passes it. The plan counts this for every
+ * running sequence in the runtime baseline (llmem_engine_runtime_baseline): the memory lies
+ * outside the allocator. */
+LLMEM_API int64_t llmem_grammar_request_bytes(int64_t n_vocab);
 
 /* Compiles the JSON Schema in schema[0, len) (NULL: any JSON object, OpenAI's json_object mode).
  * LLMEM_EINVAL for a schema that is not JSON, not a schema, or uses what the engine does not
@@ -74,6 +84,9 @@ LLMEM_API int llmem_grammar_state_create(const struct llmem_grammar *g,
                                          const struct llmem_grammar_vocab *v,
                                          struct llmem_grammar_state **out);
 LLMEM_API void llmem_grammar_state_free(struct llmem_grammar_state *s);
+/* LLMEM_OK, or LLMEM_ENOMEM once the matcher ran out of memory or of its planned stack bytes
+ * (it then allows nothing more: the caller ends the output as an error). */
+LLMEM_API int llmem_grammar_state_status(const struct llmem_grammar_state *s);
 /* allowed[id] = 1 for the tokens that may come next (llmem_grammar_vocab_size bytes), 0 for the
  * others (an end of the output, where llmem_grammar_complete says it may come, is the caller's).
  * With remaining ≥ 1 tokens left for the output (0: no budget), only tokens after which the

@@ -71,6 +71,10 @@ LLMEM_API int32_t llmem_sampler_sample_top(struct llmem_sampler *s, const int32_
  * grammar's matcher moves past it). A sampler without penalties or grammar ignores both. */
 LLMEM_API void llmem_sampler_prompt(struct llmem_sampler *s, const int32_t *ids, int64_t n);
 LLMEM_API void llmem_sampler_accept(struct llmem_sampler *s, int32_t id);
+/* LLMEM_OK, or LLMEM_ENOMEM when the grammar's matcher ran out of memory or of its planned bytes
+ * (llmem_grammar_state_status): the tokens drawn since may break the grammar, and the output
+ * ends as an error. */
+LLMEM_API int llmem_sampler_status(const struct llmem_sampler *s);
 
 #ifdef __cplusplus
 }

@@ -370,14 +370,18 @@ static int resolve_model(const char *name, int dummy, struct llmem_model_geometr
 }
 
 /* What llmem run would hold outside its allocator (SPEC §2.2): this process's resident memory
- * with the model's tokenizer loaded, as the engine measures it at open. */
+ * with the model's tokenizer and its grammar vocabulary loaded, as the engine measures it at
+ * open. */
 static int64_t measured_baseline(const struct plan_args *a, const struct llmem_engine_config *cfg,
-                                 int threads) {
+                                 int64_t vocab, int threads) {
     struct llmem_tokenizer *tok = NULL;
+    struct llmem_grammar_vocab *gv = NULL;
     struct stat st;
-    if (a->model != NULL && stat(a->model, &st) == 0 && S_ISDIR(st.st_mode))
-        llmem_tokenizer_load(a->model, &tok); /* a model without one is refused by run anyway */
-    int64_t bytes = llmem_engine_runtime_baseline(cfg, threads);
+    if (a->model != NULL && stat(a->model, &st) == 0 && S_ISDIR(st.st_mode) &&
+        llmem_tokenizer_load(a->model, &tok) == LLMEM_OK) /* (run refuses a model without one) */
+        llmem_grammar_vocab_create(tok, &gv);
+    int64_t bytes = llmem_engine_runtime_baseline(cfg, vocab, threads);
+    llmem_grammar_vocab_free(gv);
     llmem_tokenizer_free(tok);
     return bytes;
 }
@@ -540,9 +544,10 @@ int cli_plan(int argc, char **argv) {
     if (a.have_baseline)
         a.params.runtime_baseline_bytes = baseline;
     else
-        a.params.runtime_baseline_bytes = a.total > 0 || a.params.target == LLMEM_PLAN_CUDA
-                                              ? 0
-                                              : measured_baseline(&a, &cfg, threads);
+        a.params.runtime_baseline_bytes =
+            a.total > 0 || a.params.target == LLMEM_PLAN_CUDA
+                ? 0
+                : measured_baseline(&a, &cfg, g != NULL ? g->vocab_size : 0, threads);
 
     struct llmem_plan plan;
     if (llmem_plan_compute(&a.params, &plan) != LLMEM_OK)

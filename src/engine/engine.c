@@ -119,13 +119,17 @@ static int64_t default_batch_tokens(const struct llmem_engine_config *c,
     return PREFILL_CHUNK;
 }
 
-int64_t llmem_engine_runtime_baseline(const struct llmem_engine_config *c, int threads) {
+int64_t llmem_engine_runtime_baseline(const struct llmem_engine_config *c, int64_t vocab,
+                                      int threads) {
     if (c->runtime_baseline_bytes >= 0)
         return c->runtime_baseline_bytes + c->runtime_reserve_bytes;
     struct llmem_sys_resident r;
     llmem_sys_resident_read(&r);
     int64_t now = r.current_bytes > 0 ? r.current_bytes : 0;
-    return now + BASELINE_GROWTH + (int64_t)threads * BASELINE_PER_THREAD +
+    const int64_t grammars = vocab > 0 ? (c->max_sequences > 0 ? c->max_sequences : 1) *
+                                             llmem_grammar_request_bytes(vocab)
+                                       : 0;
+    return now + BASELINE_GROWTH + (int64_t)threads * BASELINE_PER_THREAD + grammars +
            c->runtime_reserve_bytes;
 }
 
@@ -154,7 +158,7 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
     struct llmem_plan_params p;
     llmem_engine_plan_params(c, g, total, total, threads, &p, &e->placement);
     if (c->backend != LLMEM_BACKEND_CUDA) /* a device's plan: its memory, not the host's */
-        p.runtime_baseline_bytes = llmem_engine_runtime_baseline(c, threads);
+        p.runtime_baseline_bytes = llmem_engine_runtime_baseline(c, g->vocab_size, threads);
     if (e->cfg.max_batch_tokens <= 0) {
         e->cfg.max_batch_tokens = p.max_batch_tokens;
         if (p.max_batch_tokens > PREFILL_CHUNK)
@@ -331,6 +335,7 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
                                     : llmem_model_geometry_load(config->model_dir, &g);
     if (status != LLMEM_OK || (status = llmem_pool_create(config->n_threads, &e->pool)) ||
         (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
+        (status = llmem_grammar_vocab_create(e->tok, &e->gvocab)) != LLMEM_OK ||
         (status = plan_model(e, &g, llmem_pool_threads(e->pool))) != LLMEM_OK)
         goto fail;
 
@@ -420,6 +425,7 @@ void llmem_engine_close(struct llmem_engine *e) {
     llmem_backend_destroy(e->host_be);
     llmem_backend_destroy(e->be); /* after what lives in its memory */
     llmem_pool_destroy(e->pool);
+    llmem_grammar_vocab_free(e->gvocab);
     llmem_tokenizer_free(e->tok);
     if (e->host_mem != e->mem)
         llmem_mem_destroy(e->host_mem);
@@ -749,6 +755,7 @@ static int open_sched(struct llmem_engine *e) {
         .kv = e->kv,
         .fwd = e->fwd,
         .tok = e->tok,
+        .gvocab = e->gvocab,
         .mem = e->host_mem,
         .max_sequences = e->cfg.max_sequences,
         .max_batch_tokens = e->cfg.max_batch_tokens,

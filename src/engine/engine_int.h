@@ -28,6 +28,8 @@ struct llmem_engine {
                                      * which they stay in; else NULL */
     struct llmem_backend *host_be;  /* … and the CPU backend that runs them */
     struct llmem_tokenizer *tok;
+    struct llmem_grammar_vocab *gvocab; /* the tokenizer's for constrained decoding: made with it,
+                                         * so that the runtime baseline holds it */
     struct llmem_pool *pool; /* the threads every kernel runs on */
     struct llmem_backend *be;
     struct llmem_kv *kv;

@@ -28,6 +28,7 @@
 #include "core/hash.h"
 #include "core/log.h"
 #include "llmem/grammar.h"
+#include "llmem/size.h"
 #include "llmem/status.h"
 #include "llmem/tokenizer.h"
 
@@ -109,7 +110,28 @@ static int grow(void **p, int32_t *cap, int32_t need, size_t size) {
     return 0;
 }
 
+/* The bytes of g's tables with n more elements. */
+static int64_t table_bytes(const struct llmem_grammar *g, int64_t n) {
+    return (g->n_el + n) * (int64_t)(sizeof(*g->el) + sizeof(*g->min_len)) +
+           (int64_t)g->n_rules * (int64_t)sizeof(*g->rule_at) + (int64_t)g->n_sets * 32;
+}
+
+/* Whether n more elements keep the grammar within LLMEM_GRAMMAR_MAX_BYTES (else refused). */
+static int fits(struct builder *b, int64_t n) {
+    if (table_bytes(b->g, n) <= LLMEM_GRAMMAR_MAX_BYTES)
+        return 1;
+    char max[16];
+    llmem_size_format_short(LLMEM_GRAMMAR_MAX_BYTES, max, sizeof(max));
+    refuse(b,
+           "the schema is too large (its grammar would take more than the %s a request's "
+           "grammar is planned)",
+           max);
+    return 0;
+}
+
 static void seq_push(struct builder *b, struct seq *s, uint8_t type, uint32_t v) {
+    if (!fits(b, s->n + 1))
+        return;
     if (grow((void **)&s->el, &s->cap, s->n + 1, sizeof(*s->el)) != 0) {
         fail_enomem(b);
         return;
@@ -130,7 +152,7 @@ static int32_t new_rule(struct builder *b) {
 /* The rule's alternatives from s (freed), ALT between them as s holds them, END last. */
 static int32_t define(struct builder *b, int32_t rule, struct seq *s) {
     struct llmem_grammar *g = b->g;
-    if (rule >= 0 && !b->failed &&
+    if (rule >= 0 && !b->failed && fits(b, s->n + 1) &&
         grow((void **)&g->el, &g->cap_el, g->n_el + s->n + 1, sizeof(*g->el)) == 0) {
         g->rule_at[rule] = g->n_el;
         if (s->n > 0) /* (an empty rule, ε, has no elements) */
@@ -704,8 +726,18 @@ void llmem_grammar_free(struct llmem_grammar *g) {
 }
 
 int64_t llmem_grammar_bytes(const struct llmem_grammar *g) {
-    return (int64_t)g->n_el * (int64_t)(sizeof(*g->el) + sizeof(*g->min_len)) +
-           (int64_t)g->n_rules * (int64_t)sizeof(*g->rule_at) + (int64_t)g->n_sets * 32;
+    return table_bytes(g, 0);
+}
+
+/* The tables cut to what they hold (llmem_grammar_bytes is then what they take). */
+static void shrink(struct llmem_grammar *g) {
+    void *p;
+    if ((p = realloc(g->el, (size_t)g->n_el * sizeof(*g->el))) != NULL)
+        g->el = p, g->cap_el = g->n_el;
+    if ((p = realloc(g->rule_at, (size_t)g->n_rules * sizeof(*g->rule_at))) != NULL)
+        g->rule_at = p, g->cap_rules = g->n_rules;
+    if (g->n_sets > 0 && (p = realloc(g->sets, (size_t)g->n_sets * 32)) != NULL)
+        g->sets = p, g->cap_sets = g->n_sets;
 }
 
 /* A compilation: the documents (schemas, NULL: json_object), each of the tools' the parameters of
@@ -774,6 +806,7 @@ static int compile(const char *const *docs, const size_t *lens, const char *cons
         llmem_grammar_free(g);
         return status;
     }
+    shrink(g);
     *out = g;
     return LLMEM_OK;
 }
@@ -895,6 +928,11 @@ int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
             v->ids[t->tok_first + t->tok_n++] = id;
         }
     free(node_of);
+    void *p; /* the trie and the bytes cut to what they hold */
+    if (ok && (p = realloc(v->nodes, (size_t)v->n_nodes * sizeof(*v->nodes))) != NULL)
+        v->nodes = p, v->cap_nodes = v->n_nodes;
+    if (ok && v->n_bytes > 0 && (p = realloc(v->bytes, (size_t)v->n_bytes)) != NULL)
+        v->bytes = p, v->cap_bytes = v->n_bytes;
     if (!ok) {
         llmem_grammar_vocab_free(v);
         LLMEM_ERROR("out of memory");
@@ -933,11 +971,12 @@ struct llmem_grammar_state {
     struct stacks *level; /* (TOKEN_MAX + 1) the walk's sets, one a depth */
     int32_t *scratch;     /* (STACK_MAX) a stack being built */
     struct stacks tmp[2]; /* canonical()'s sets */
-    uint8_t *canon;       /* (CANON_MAX) the shortest completion's bytes, when the budget is tight */
-    int32_t *fewest;      /* (CANON_MAX + 1) the fewest tokens that spell canon[k, n) */
-    int failed;           /* out of memory while moving */
-    int depth;            /* expand's nesting: references without bytes between are dropped
-                           * past EXPAND_MAX (a schema that refers to itself at once) */
+    uint8_t *canon;  /* (CANON_MAX) the shortest completion's bytes, when the budget is tight */
+    int32_t *fewest; /* (CANON_MAX + 1) the fewest tokens that spell canon[k, n) */
+    int64_t held;    /* bytes the stack sets hold, at most LLMEM_GRAMMAR_STACK_BYTES */
+    int failed;      /* out of memory (or of the stacks' planned bytes) while moving */
+    int depth;       /* expand's nesting: references without bytes between are dropped
+                      * past EXPAND_MAX (a schema that refers to itself at once) */
 };
 
 static void stacks_clear(struct stacks *s) {
@@ -948,18 +987,33 @@ static void stacks_free(struct stacks *s) {
     free(s->pos), free(s->at);
 }
 
+/* grow for a stack set's array, within the matcher's planned bytes for them. */
+static int stacks_grow(struct llmem_grammar_state *st, int32_t **p, int32_t *cap, int32_t need) {
+    if (need <= *cap)
+        return 0;
+    int32_t c = *cap > 0 ? *cap : 16;
+    while (c < need)
+        c *= 2;
+    const int64_t more = (int64_t)(c - *cap) * (int64_t)sizeof(**p);
+    int32_t *q = st->held + more <= LLMEM_GRAMMAR_STACK_BYTES ? realloc(*p, (size_t)c * 4) : NULL;
+    if (q == NULL)
+        return -1;
+    *p = q, *cap = c, st->held += more;
+    return 0;
+}
+
 /* Adds a stack unless the set holds it. */
 static int stacks_add(struct llmem_grammar_state *st, struct stacks *s, const int32_t *p,
                       int32_t n) {
-    if (s->n == 0 && grow((void **)&s->at, &s->cap_at, 1, sizeof(*s->at)) != 0)
+    if (s->n == 0 && stacks_grow(st, &s->at, &s->cap_at, 1) != 0)
         return st->failed = LLMEM_ENOMEM;
     if (s->n == 0)
         s->at[0] = 0;
     for (int32_t i = 0; i < s->n; i++)
         if (s->at[i + 1] - s->at[i] == n && memcmp(s->pos + s->at[i], p, (size_t)n * 4) == 0)
             return LLMEM_OK;
-    if (grow((void **)&s->pos, &s->cap_pos, s->n_pos + n, sizeof(*s->pos)) != 0 ||
-        grow((void **)&s->at, &s->cap_at, s->n + 2, sizeof(*s->at)) != 0)
+    if (stacks_grow(st, &s->pos, &s->cap_pos, s->n_pos + n) != 0 ||
+        stacks_grow(st, &s->at, &s->cap_at, s->n + 2) != 0)
         return st->failed = LLMEM_ENOMEM;
     if (n > 0)
         memcpy(s->pos + s->n_pos, p, (size_t)n * 4);
@@ -1070,6 +1124,17 @@ void llmem_grammar_state_free(struct llmem_grammar_state *st) {
     stacks_free(&st->tmp[0]), stacks_free(&st->tmp[1]);
     free(st->level), free(st->scratch), free(st->canon), free(st->fewest);
     free(st);
+}
+
+int64_t llmem_grammar_request_bytes(int64_t n_vocab) {
+    const int64_t state = (int64_t)sizeof(struct llmem_grammar_state) +
+                          (TOKEN_MAX + 1) * (int64_t)sizeof(struct stacks) + STACK_MAX * 4 +
+                          CANON_MAX + (CANON_MAX + 1) * 4;
+    return LLMEM_GRAMMAR_MAX_BYTES + LLMEM_GRAMMAR_STACK_BYTES + state + (MASK_CACHE + 1) * n_vocab;
+}
+
+int llmem_grammar_state_status(const struct llmem_grammar_state *st) {
+    return st->failed;
 }
 
 int llmem_grammar_complete(const struct llmem_grammar_state *st) {
@@ -1236,9 +1301,12 @@ static int64_t tight(struct llmem_grammar_state *st, int32_t d, int64_t remainin
     return count;
 }
 
-int64_t llmem_grammar_allowed(struct llmem_grammar_state *st, int64_t remaining,
-                              uint8_t *allowed) {
+int64_t llmem_grammar_allowed(struct llmem_grammar_state *st, int64_t remaining, uint8_t *allowed) {
     const struct llmem_grammar_vocab *v = st->v;
+    if (st->failed) { /* (nothing more: the caller ends the output as an error) */
+        memset(allowed, 0, (size_t)v->n_vocab);
+        return 0;
+    }
     const int32_t d = distance(st->g, &st->cur);
     const int shrinking = remaining > 0 && d > remaining;
     if (shrinking) {

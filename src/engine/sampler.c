@@ -186,6 +186,10 @@ void llmem_sampler_accept(struct llmem_sampler *s, int32_t id) {
     }
 }
 
+int llmem_sampler_status(const struct llmem_sampler *s) {
+    return s->gs != NULL ? llmem_grammar_state_status(s->gs) : LLMEM_OK;
+}
+
 /* The grammar's mask on s->row: the tokens it does not allow at −∞, the end ids only where the
  * output is complete (and alone where nothing else may come). */
 static void mask(struct llmem_sampler *s) {

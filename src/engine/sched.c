@@ -197,10 +197,6 @@ static int request_new(struct llmem_sched *s, const int32_t *prompt, int64_t n_p
     }
     int status = LLMEM_OK;
     if (p->sampling.grammar != NULL) { /* the output ends at an end id the grammar allows */
-        pthread_mutex_lock(&s->mu);
-        if (s->gvocab == NULL)
-            status = llmem_grammar_vocab_create(s->cfg.tok, &s->gvocab);
-        pthread_mutex_unlock(&s->mu);
         int32_t *end = malloc((size_t)(s->cfg.n_eos + p->n_stop_ids + 1) * sizeof(int32_t));
         if (end == NULL && status == LLMEM_OK)
             status = LLMEM_ENOMEM;
@@ -209,7 +205,7 @@ static int request_new(struct llmem_sched *s, const int32_t *prompt, int64_t n_p
         for (int i = 0; end != NULL && i < p->n_stop_ids; i++)
             end[r->p.sampling.n_end_ids++] = p->stop_ids[i];
         r->p.sampling.end_ids = end;
-        r->p.sampling.grammar_vocab = s->gvocab;
+        r->p.sampling.grammar_vocab = s->cfg.gvocab;
         r->p.sampling.max_tokens = r->max_tokens;
     }
     if (status == LLMEM_OK)
@@ -339,6 +335,12 @@ const char *llmem_sched_sample(struct llmem_sched *s, struct request *r, struct 
                     ": its weights hold NaN or infinity, or its activations overflowed",
                     r->n_toks);
         *status = LLMEM_ERANGE;
+        return "error";
+    }
+    if ((*status = llmem_sampler_status(r->sampler)) != LLMEM_OK) {
+        LLMEM_ERROR("the output's grammar ran out of memory or of its planned %" PRId64
+                    " bytes of parse stacks (a schema of many alternatives alike)",
+                    LLMEM_GRAMMAR_STACK_BYTES);
         return "error";
     }
     if (is_stop_id(s, &r->p, id)) {
@@ -712,7 +714,6 @@ void llmem_sched_reused_tokens(const struct llmem_sched *s, int64_t *ram, int64_
 
 /* Frees what create allocated (nothing queued, no thread). */
 static void destroy(struct llmem_sched *s) {
-    llmem_grammar_vocab_free(s->gvocab);
     free(s->cancels);
     free(s->tokens);
     free(s->ahead);

@@ -50,6 +50,7 @@ struct llmem_sched_config {
     struct llmem_kv *kv;               /* borrowed: sequences are created through ops */
     struct llmem_forward *fwd;         /* borrowed */
     const struct llmem_tokenizer *tok; /* borrowed: the streamed text */
+    const struct llmem_grammar_vocab *gvocab; /* borrowed: the matchers' vocabulary */
     struct llmem_mem *mem;             /* host memory for the logits and the top-k results */
     int64_t max_sequences;             /* running requests at most */
     int64_t max_batch_tokens;          /* tokens of one forward pass at most */

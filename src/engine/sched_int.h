@@ -89,7 +89,6 @@ struct llmem_sched {
     int64_t cleared_bytes;    /* what the last clear released */
     uint64_t next_id;
     struct llmem_engine_metrics snapshot; /* what llmem_sched_metrics returns */
-    struct llmem_grammar_vocab *gvocab;   /* the tokenizer's, made for the first grammar */
 
     /* The stepping thread's. */
     struct request *waiting; /* admission order; preempted requests go back to the head */
