@@ -97,6 +97,30 @@ static void test_strings(void **state) {
     assert_false(takes(g, "[1, 1e100]") || takes(g, "[1, 12345678901234567]") ||
                  takes(g, "[1, 0.12345678901234567]") || takes(g, "[1, 01]"));
     llmem_grammar_free(g);
+
+    /* a call of one of two tools, as each family writes it */
+    const char city[] = "{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\"}},"
+                        "\"required\":[\"city\"]}";
+    const struct llmem_grammar_tool tools[2] = {{"get", city, sizeof(city) - 1},
+                                                {"now", NULL, 0}};
+    char why[256];
+    assert_int_equal(llmem_grammar_compile_tools(tools, 2, LLMEM_TOOL_FORMAT_HERMES, why,
+                                                 sizeof(why), &g),
+                     LLMEM_OK);
+    assert_true(takes(g, "<tool_call>\n{\"name\": \"get\", \"arguments\": {\"city\": \"Oslo\"}}"
+                         "\n</tool_call>"));
+    assert_true(takes(g, "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>"));
+    assert_false(takes(g, "<tool_call>\n{\"name\": \"get\", \"arguments\": {}}\n</tool_call>"));
+    assert_false(takes(g, "{\"name\": \"get\", \"parameters\": {\"city\": \"Oslo\"}}"));
+    llmem_grammar_free(g);
+    assert_int_equal(llmem_grammar_compile_tools(tools, 2, LLMEM_TOOL_FORMAT_LLAMA3, why,
+                                                 sizeof(why), &g),
+                     LLMEM_OK);
+    assert_true(takes(g, "{\"name\": \"get\", \"parameters\": {\"city\": \"Oslo\"}}"));
+    assert_true(takes(g, "{\"name\": \"now\", \"parameters\": {\"x\": [1]}}"));
+    assert_false(takes(g, "{\"name\": \"get\", \"arguments\": {\"city\": \"Oslo\"}}"));
+    assert_false(takes(g, "{\"name\": \"other\", \"parameters\": {}}"));
+    llmem_grammar_free(g);
 }
 
 /* What is refused, and that the reason names it. */

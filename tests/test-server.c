@@ -473,6 +473,110 @@ static void test_render_completion(void **state) {
     cJSON_Delete(o);
 }
 
+/* The message's content as a C string (the test's contents hold no NUL). */
+static int content_is(const struct srv_request *r, int i, const char *role, const char *text) {
+    const struct llmem_chat_message *m = &r->messages[i];
+    return strcmp(m->role, role) == 0 && m->content_len == strlen(text) &&
+           memcmp(m->content, text, m->content_len) == 0;
+}
+
+/* Tools written as each family's template writes them: Hermes-style (chatml) in the system
+ * message with <tool_call> blocks, Llama 3.1's in the first user message with ipython results;
+ * a forced call's grammar; the answer read back as tool_calls. */
+static void test_tool_conventions(void **state) {
+    (void)state;
+    static const char body[] =
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"weather?\"}, {\"role\": "
+        "\"assistant\", \"content\": null, \"tool_calls\": [{\"id\": \"c1\", \"type\": "
+        "\"function\", \"function\": {\"name\": \"get\", \"arguments\": \"{\\\"city\\\":"
+        "\\\"Oslo\\\"}\"}}]}, {\"role\": \"tool\", \"tool_call_id\": \"c1\", \"content\": "
+        "\"-3 C\"}], \"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get\", "
+        "\"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": "
+        "\"string\"}}, \"required\": [\"city\"]}}}], \"tool_choice\": \"required\"}";
+    struct srv_request r;
+    struct srv_error e;
+    assert_int_equal(parse(SRV_CHAT, body, &r, &e), 0); /* chatml: Hermes-style */
+    assert_int_equal(r.n_messages, 4);
+    assert_string_equal(r.messages[0].role, "system");
+    assert_non_null(strstr(r.messages[0].content,
+                           "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get\", "));
+    assert_true(content_is(&r, 2, "assistant",
+                           "<tool_call>\n{\"name\": \"get\", \"arguments\": {\"city\": "
+                           "\"Oslo\"}}\n</tool_call>"));
+    assert_true(content_is(&r, 3, "user", "<tool_response>\n-3 C\n</tool_response>"));
+    assert_non_null(r.grammar);
+    llmem_srv_request_free(&r);
+
+    struct srv_model llama = model;
+    llama.tool_format = LLMEM_TOOL_FORMAT_LLAMA3;
+    memset(&e, 0, sizeof(e));
+    assert_int_equal(llmem_srv_request_parse(SRV_CHAT, body, strlen(body), &llama, &r, &e), 0);
+    assert_int_equal(r.n_messages, 4);
+    assert_true(content_is(&r, 0, "system",
+                           "Environment: ipython\nCutting Knowledge Date: December 2023\nToday "
+                           "Date: 26 Jul 2024\n\n"));
+    assert_string_equal(r.messages[1].role, "user");
+    assert_true(strncmp(r.messages[1].content, "Given the following functions", 29) == 0);
+    assert_non_null(strstr(r.messages[1].content,
+                           ".Do not use variables.\n\n{\n    \"type\": \"function\",\n    "
+                           "\"function\": {\n        \"name\": \"get\",\n"));
+    assert_non_null(strstr(r.messages[1].content, "\"required\": [\n                \"city\"\n"
+                                                  "            ]\n        }\n    }\n}\n\nweather?"));
+    assert_true(content_is(&r, 2, "assistant",
+                           "{\"name\": \"get\", \"parameters\": {\"city\": \"Oslo\"}}"));
+    assert_true(content_is(&r, 3, "ipython", "-3 C"));
+    assert_non_null(r.grammar);
+    llmem_srv_request_free(&r);
+    /* Llama 3 puts the tools in a first user message: a conversation without one is refused */
+    static const char no_user[] =
+        "{\"messages\": [{\"role\": \"assistant\", \"content\": \"hi\"}], \"tools\": "
+        "[{\"type\": \"function\", \"function\": {\"name\": \"f\"}}]}";
+    memset(&e, 0, sizeof(e));
+    assert_int_equal(
+        llmem_srv_request_parse(SRV_CHAT, no_user, strlen(no_user), &llama, &r, &e), -1);
+    assert_int_equal(e.http, 400);
+    assert_string_equal(e.param, "messages");
+    llmem_srv_request_free(&r);
+
+    /* the answers read back: Llama 3's whole answer, Hermes-style blocks after content */
+    struct srv_render rr = render(SRV_CHAT, -1);
+    rr.tools = 1;
+    rr.tool_format = LLMEM_TOOL_FORMAT_LLAMA3;
+    const char *call = "{\"name\": \"get\", \"parameters\": {\"city\": \"Oslo\"}}";
+    const struct srv_choice ans = {call, strlen(call), NULL, 0, "stop"};
+    cJSON *o = parsed(llmem_srv_render_response(&rr, &ans, 1, 10, 9));
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
+    const cJSON *m = cJSON_GetObjectItem(c, "message");
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(m, "content")));
+    const cJSON *f =
+        cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(m, "tool_calls"), 0), "function");
+    assert_string_equal(cJSON_GetObjectItem(f, "name")->valuestring, "get");
+    assert_string_equal(cJSON_GetObjectItem(f, "arguments")->valuestring, "{\"city\":\"Oslo\"}");
+    assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "tool_calls");
+    cJSON_Delete(o);
+    const char *plain = "It is cold.";
+    const struct srv_choice text = {plain, strlen(plain), NULL, 0, "stop"};
+    rr = render(SRV_CHAT, -1);
+    rr.tools = 1;
+    rr.tool_format = LLMEM_TOOL_FORMAT_LLAMA3;
+    o = parsed(llmem_srv_render_response(&rr, &text, 1, 10, 3));
+    c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
+    assert_string_equal(
+        cJSON_GetObjectItem(cJSON_GetObjectItem(c, "message"), "content")->valuestring, plain);
+    assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "stop");
+    cJSON_Delete(o);
+    const char *hermes = "Let me look.\n<tool_call>\n{\"name\": \"get\", \"arguments\": "
+                         "{\"city\": \"Oslo\"}}\n</tool_call>";
+    const struct srv_choice h = {hermes, strlen(hermes), NULL, 0, "stop"};
+    rr = render(SRV_CHAT, -1);
+    rr.tools = 1;
+    o = parsed(llmem_srv_render_response(&rr, &h, 1, 10, 20));
+    m = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0), "message");
+    assert_string_equal(cJSON_GetObjectItem(m, "content")->valuestring, "Let me look.");
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(m, "tool_calls")), 1);
+    cJSON_Delete(o);
+}
+
 static void test_render_chat(void **state) {
     (void)state;
     struct srv_token tok = {
@@ -723,6 +827,7 @@ int main(void) {
         cmocka_unit_test(test_parse_nul),
         cmocka_unit_test(test_check_prompt), cmocka_unit_test(test_render_completion),
         cmocka_unit_test(test_render_chat),  cmocka_unit_test(test_render_error_and_models),
+        cmocka_unit_test(test_tool_conventions),
         cmocka_unit_test(test_metrics),      cmocka_unit_test(test_health),
         cmocka_unit_test(test_buf),          cmocka_unit_test(test_config_api_key),
     };

@@ -665,8 +665,11 @@ void tu_library_serve(const char *model, void (*guard)(void *, struct llmem_guar
     snprintf(view->url, sizeof(view->url), "%s", llmem_server_url(*s));
 }
 
-const char *tu_budget_for(const char *model, int extra_mib, char *buf, size_t size) {
-    struct tu_run r = tu_llmem("plan", model, "--json", NULL);
+const char *tu_budget_for(const char *model, int max_sequences, int extra_mib, char *buf,
+                          size_t size) {
+    char seqs[16];
+    snprintf(seqs, sizeof(seqs), "%d", max_sequences);
+    struct tu_run r = tu_llmem("plan", model, "--json", "--max-sequences", seqs, NULL);
     assert_int_equal(r.exit_code, 0);
     cJSON *o = tu_json_stdout(&r);
     int mib = (int)(cJSON_GetObjectItem(o, "runtime_baseline_bytes")->valuedouble / 1048576) + 40;
@@ -676,7 +679,7 @@ const char *tu_budget_for(const char *model, int extra_mib, char *buf, size_t si
     for (int fits = 0; !fits; mib += 8) {
         assert_true(mib < 1 << 16);
         snprintf(buf, size, "%dM", mib);
-        r = tu_llmem("plan", model, "--budget", buf, NULL);
+        r = tu_llmem("plan", model, "--budget", buf, "--max-sequences", seqs, NULL);
         fits = r.exit_code == 0;
         tu_run_free(&r);
     }

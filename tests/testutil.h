@@ -91,9 +91,11 @@ void tu_library_serve(const char *model, void (*guard)(void *, struct llmem_guar
                       const struct llmem_server_config *sc, struct llmem_engine **e,
                       struct llmem_server **s, struct tu_server *view);
 /* A --budget (into buf, e.g. "64M") a little above the smallest machine, in steps of 8 MiB, on
- * which `llmem plan model` holds with the runtime baseline this binary measures (larger in a
- * CUDA build, whose CUDA libraries are resident too, and under ASan), plus extra_mib. */
-const char *tu_budget_for(const char *model, int extra_mib, char *buf, size_t size);
+ * which `llmem plan model --max-sequences N` holds with the runtime baseline this binary measures
+ * (larger in a CUDA build, whose CUDA libraries are resident too, and under ASan), plus
+ * extra_mib. */
+const char *tu_budget_for(const char *model, int max_sequences, int extra_mib, char *buf,
+                          size_t size);
 /* An f32 safetensors file, for reference models the tests make: every tensor's name and shape
  * (d1 0: a vector of d0) added first, then the file opened at path with its header, then each
  * tensor's values written in the same order, then closed (the sizes checked). */

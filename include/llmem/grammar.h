@@ -33,10 +33,10 @@ struct llmem_tokenizer;
 /* The most rules a schema may compile to, and the most bytes its tables may take (a larger one
  * is refused as too large): what the plan holds for a request's grammar (below). */
 #define LLMEM_GRAMMAR_MAX_RULES 4096
-#define LLMEM_GRAMMAR_MAX_BYTES ((int64_t)1 << 20)
+#define LLMEM_GRAMMAR_MAX_BYTES ((int64_t)256 << 10)
 /* The most bytes a matcher's sets of parse stacks may hold; a matcher that needs more fails as
  * out of memory (llmem_grammar_state_status). */
-#define LLMEM_GRAMMAR_STACK_BYTES ((int64_t)2 << 20)
+#define LLMEM_GRAMMAR_STACK_BYTES ((int64_t)512 << 10)
 /* The most a request's grammar holds for a vocabulary of n_vocab tokens: its tables, its matcher
  * (stacks, cached masks) and the allowed array a caller passes it. The plan counts this for every
  * running sequence in the runtime baseline (llmem_engine_runtime_baseline): the memory lies
@@ -57,13 +57,20 @@ struct llmem_grammar_tool {
     size_t len;
 };
 #define LLMEM_GRAMMAR_MAX_TOOLS 64
-/* A grammar for one call of one of n tools, as Hermes-style chat templates (Qwen2.5 and 3) write
- * it: "<tool_call>\n" {"name": NAME, "arguments": ARGUMENTS} "\n</tool_call>", the arguments to
- * that tool's schema. The same results as llmem_grammar_compile (the reason names what a tool's
- * schema uses that the engine does not compile). */
+/* How a model family writes a call (its chat template's convention). */
+enum llmem_tool_format {
+    /* Hermes-style (Qwen2.5 and 3): "<tool_call>\n" {"name": NAME, "arguments": ARGS}
+     * "\n</tool_call>" */
+    LLMEM_TOOL_FORMAT_HERMES,
+    /* Llama 3.1 to 3.3: {"name": NAME, "parameters": ARGS} as the whole answer */
+    LLMEM_TOOL_FORMAT_LLAMA3,
+};
+/* A grammar for one call of one of n tools as `format` writes it, the arguments to that tool's
+ * schema. The same results as llmem_grammar_compile (the reason names what a tool's schema uses
+ * that the engine does not compile). */
 LLMEM_API int llmem_grammar_compile_tools(const struct llmem_grammar_tool *tools, int n,
-                                          char *why, size_t why_size,
-                                          struct llmem_grammar **out);
+                                          enum llmem_tool_format format, char *why,
+                                          size_t why_size, struct llmem_grammar **out);
 LLMEM_API void llmem_grammar_free(struct llmem_grammar *g);
 /* The bytes the compiled grammar holds (its rules and character sets), for the plan's count. */
 LLMEM_API int64_t llmem_grammar_bytes(const struct llmem_grammar *g);

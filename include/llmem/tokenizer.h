@@ -108,7 +108,7 @@ LLMEM_API int llmem_tokenizer_chat_template(const struct llmem_tokenizer *tok,
                                             enum llmem_chat_template *t);
 
 struct llmem_chat_message {
-    const char *role; /* "system", "user", "assistant" */
+    const char *role; /* "system", "user", "assistant"; Llama 3's "ipython" (a tool's result) */
     const char *content;
     size_t content_len; /* the content's bytes, NULs included; 0: strlen(content) */
 };
@@ -125,7 +125,8 @@ struct llmem_chat_message {
  *    not a system message, that system message comes first, as Qwen2.5 renders it.
  *  - Llama 3: "<|begin_of_text|>" then "<|start_header_id|>{role}<|end_header_id|>\n\n{content,
  *    whitespace-trimmed}<|eot_id|>" per message, "<|start_header_id|>assistant<|end_header_id|>
- *    \n\n" to prompt (Llama 3.0's form: 3.1's "Cutting Knowledge Date" header is not added).
+ *    \n\n" to prompt (Llama 3.0's form: 3.1's "Cutting Knowledge Date" header is not added);
+ *    an ipython message (a tool's result) as it came, untrimmed, as 3.1's template writes it.
  *  - Mistral (Instruct v0.2, and without a template): "<s>" then "[INST] {user} [/INST]
  *    {assistant}</s>" (no space after [/INST]) per exchange; a leading system message is put
  *    before the first user message with a blank line between; add_generation_prompt adds nothing

@@ -741,9 +741,11 @@ static void shrink(struct llmem_grammar *g) {
 }
 
 /* A compilation: the documents (schemas, NULL: json_object), each of the tools' the parameters of
- * one tool (names set: then the root is a tool call, tools.h's format), else the one schema. */
+ * one tool (names set: then the root is a call of one of them as `format` writes it), else the
+ * one schema. */
 static int compile(const char *const *docs, const size_t *lens, const char *const *names, int n,
-                   char *why, size_t why_size, struct llmem_grammar **out) {
+                   enum llmem_tool_format format, char *why, size_t why_size,
+                   struct llmem_grammar **out) {
     LLMEM_ASSERT(why != NULL && why_size > 0 && out != NULL && n >= 1);
     *out = NULL;
     why[0] = '\0';
@@ -759,8 +761,10 @@ static int compile(const char *const *docs, const size_t *lens, const char *cons
     json_rules(b);
     struct seq s = {0};
     g->root = new_rule(b);
-    if (names != NULL)
-        LIT(&s, "<tool_call>\n");
+    /* tools: the calls, alternatives, in a rule of their own that the root refers to (a matcher
+     * starts on the root's first alternative) */
+    const int32_t body = names != NULL ? new_rule(b) : g->root;
+    const int hermes = format == LLMEM_TOOL_FORMAT_HERMES;
     for (int i = 0; i < n && !b->failed; i++) {
         if (docs[i] != NULL && (doc[i] = cJSON_ParseWithLength(docs[i], lens[i])) == NULL) {
             refuse(b, "%s is not JSON", names != NULL ? "a tool's parameters" : "the schema");
@@ -772,22 +776,35 @@ static int compile(const char *const *docs, const size_t *lens, const char *cons
             push_ref(b, &s, top);
             continue;
         }
-        /* {"name": NAME, "arguments": ARGS}, whitespace between as JSON allows */
+        /* {"name": NAME, "arguments": ARGS} ("parameters" for Llama 3), whitespace between as
+         * JSON allows */
         cJSON *name = cJSON_CreateString(names[i]);
         if (name == NULL) {
             fail_enomem(b);
             break;
         }
         if (i > 0)
-            push_alt(b, &s), LIT(&s, "<tool_call>\n");
+            push_alt(b, &s);
+        if (hermes)
+            LIT(&s, "<tool_call>\n");
         LIT(&s, "{"), push_ref(b, &s, b->ws), LIT(&s, "\"name\""), push_ref(b, &s, b->ws);
         LIT(&s, ":"), push_ref(b, &s, b->ws), push_json(b, &s, name);
-        push_ref(b, &s, b->ws), LIT(&s, ","), push_ref(b, &s, b->ws), LIT(&s, "\"arguments\"");
+        push_ref(b, &s, b->ws), LIT(&s, ","), push_ref(b, &s, b->ws);
+        if (hermes)
+            LIT(&s, "\"arguments\"");
+        else
+            LIT(&s, "\"parameters\"");
         push_ref(b, &s, b->ws), LIT(&s, ":"), push_ref(b, &s, b->ws), push_ref(b, &s, top);
-        push_ref(b, &s, b->ws), LIT(&s, "}\n</tool_call>");
+        push_ref(b, &s, b->ws), LIT(&s, "}");
+        if (hermes)
+            LIT(&s, "\n</tool_call>");
         cJSON_Delete(name);
     }
-    define(b, g->root, &s);
+    define(b, body, &s);
+    if (names != NULL) {
+        push_ref(b, &s, body);
+        define(b, g->root, &s);
+    }
     for (int32_t r = 0; !b->failed && r < g->n_rules; r++)
         if (g->rule_at[r] < 0)
             fail_enomem(b); /* (every rule made is defined; a failure left one undefined) */
@@ -813,17 +830,18 @@ static int compile(const char *const *docs, const size_t *lens, const char *cons
 
 int llmem_grammar_compile(const char *schema, size_t len, char *why, size_t why_size,
                           struct llmem_grammar **out) {
-    return compile(&schema, &len, NULL, 1, why, why_size, out);
+    return compile(&schema, &len, NULL, 1, LLMEM_TOOL_FORMAT_HERMES, why, why_size, out);
 }
 
-int llmem_grammar_compile_tools(const struct llmem_grammar_tool *tools, int n, char *why,
-                                size_t why_size, struct llmem_grammar **out) {
+int llmem_grammar_compile_tools(const struct llmem_grammar_tool *tools, int n,
+                                enum llmem_tool_format format, char *why, size_t why_size,
+                                struct llmem_grammar **out) {
     LLMEM_ASSERT(tools != NULL && n >= 1 && n <= LLMEM_GRAMMAR_MAX_TOOLS);
     const char *docs[LLMEM_GRAMMAR_MAX_TOOLS], *names[LLMEM_GRAMMAR_MAX_TOOLS];
     size_t lens[LLMEM_GRAMMAR_MAX_TOOLS];
     for (int i = 0; i < n; i++)
         docs[i] = tools[i].parameters, lens[i] = tools[i].len, names[i] = tools[i].name;
-    return compile(docs, lens, names, n, why, why_size, out);
+    return compile(docs, lens, names, n, format, why, why_size, out);
 }
 
 /* ---- the vocabulary ------------------------------------------------------------------------- */

@@ -419,18 +419,63 @@ static int message_content(const cJSON *msg, const char *role, int i, struct srv
     return 0;
 }
 
-/* Hermes-style tool turns, as Qwen2.5's template writes them: a tool's result is a user turn
- * "<tool_response>\n…\n</tool_response>"; an assistant's tool_calls follow its content as
- * "<tool_call>\n{"name": …, "arguments": …}\n</tool_call>" blocks. */
-static int tool_turn(const cJSON *msg, const char **role, int i, struct srv_request *r,
-                     const char **content, size_t *len, struct srv_error *e) {
+/* v as Python's json.dumps writes it (transformers' tojson: ", " and ": " between items, or
+ * with indent > 0 each item on a line of its own, indented), onto b. */
+static void py_json(struct srv_buf *b, const cJSON *v, int indent, int depth) {
+    const int obj = cJSON_IsObject(v);
+    if (!obj && !cJSON_IsArray(v)) {
+        char *s = cJSON_PrintUnformatted(v);
+        b->failed |= s == NULL;
+        if (s != NULL)
+            llmem_srv_buf_append(b, s, strlen(s));
+        cJSON_free(s);
+        return;
+    }
+    llmem_srv_buf_append(b, obj ? "{" : "[", 1);
+    const cJSON *c;
+    cJSON_ArrayForEach(c, v) {
+        if (c != v->child)
+            llmem_srv_buf_append(b, indent > 0 ? "," : ", ", indent > 0 ? 1 : 2);
+        if (indent > 0)
+            llmem_srv_buf_printf(b, "\n%*s", indent * (depth + 1), "");
+        if (obj) {
+            cJSON *key = cJSON_CreateString(c->string);
+            py_json(b, key, 0, 0);
+            cJSON_Delete(key);
+            b->failed |= key == NULL;
+            llmem_srv_buf_append(b, ": ", 2);
+        }
+        py_json(b, c, indent, depth + 1);
+    }
+    if (indent > 0 && v->child != NULL)
+        llmem_srv_buf_printf(b, "\n%*s", indent * depth, "");
+    llmem_srv_buf_append(b, obj ? "}" : "]", 1);
+}
+
+/* The tool turns of a conversation as the model's family writes them. Hermes-style (Qwen2.5's
+ * template): a tool's result is a user turn "<tool_response>\n…\n</tool_response>"; an
+ * assistant's tool_calls follow its content as "<tool_call>\n{"name": …, "arguments": …}
+ * \n</tool_call>" blocks. Llama 3.1: a tool's result is an ipython turn; an assistant's call (one
+ * a message) is its whole content, {"name": …, "parameters": …}. */
+static int tool_turn(const cJSON *msg, const char **role, int i, enum llmem_tool_format format,
+                     struct srv_request *r, const char **content, size_t *len,
+                     struct srv_error *e) {
     const cJSON *calls = cJSON_GetObjectItemCaseSensitive(msg, "tool_calls");
     const int tool = strcmp(*role, "tool") == 0;
+    const int hermes = format == LLMEM_TOOL_FORMAT_HERMES;
     if (!tool && (calls == NULL || cJSON_IsNull(calls)))
         return 0;
     if (!tool && (strcmp(*role, "assistant") != 0 || !cJSON_IsArray(calls)))
         return bad(e, "messages", "invalid_value",
                    "messages[%d].tool_calls must be an array on an assistant message", i);
+    if (tool && !hermes) {
+        *role = "ipython";
+        return 0;
+    }
+    if (!hermes && cJSON_GetArraySize(calls) != 1)
+        return bad(e, "messages", "invalid_value",
+                   "messages[%d].tool_calls holds %d calls; Llama 3 writes one a message", i,
+                   cJSON_GetArraySize(calls));
     struct srv_buf b = {0};
     if (tool) {
         llmem_srv_buf_append(&b, "<tool_response>\n", 16);
@@ -438,7 +483,8 @@ static int tool_turn(const cJSON *msg, const char **role, int i, struct srv_requ
         llmem_srv_buf_append(&b, "\n</tool_response>", 17);
         *role = "user";
     } else {
-        llmem_srv_buf_append(&b, *content, *len);
+        if (hermes)
+            llmem_srv_buf_append(&b, *content, *len);
         const cJSON *c;
         cJSON_ArrayForEach(c, calls) {
             const cJSON *f = cJSON_GetObjectItemCaseSensitive(c, "function");
@@ -452,24 +498,25 @@ static int tool_turn(const cJSON *msg, const char **role, int i, struct srv_requ
                            i);
             }
             cJSON *call = cJSON_CreateObject(), *a = cJSON_Parse(args);
-            char *text = NULL;
-            if (call != NULL && llmem_json_add_string(call, "name", name) == 0) {
-                if (a != NULL)
-                    cJSON_AddItemToObject(call, "arguments", a), a = NULL;
-                else
-                    llmem_json_add_string(call, "arguments", args);
-                text = cJSON_PrintUnformatted(call);
-            }
+            const char *key = hermes ? "arguments" : "parameters";
+            int ok = call != NULL && llmem_json_add_string(call, "name", name) == 0;
+            if (ok && a != NULL)
+                cJSON_AddItemToObject(call, key, a), a = NULL;
+            else if (ok)
+                ok = llmem_json_add_string(call, key, args) == 0;
+            if (hermes && b.len > 0)
+                llmem_srv_buf_append(&b, "\n", 1);
+            if (hermes)
+                llmem_srv_buf_append(&b, "<tool_call>\n", 12);
+            if (ok)
+                py_json(&b, call, 0, 0);
+            if (hermes)
+                llmem_srv_buf_append(&b, "\n</tool_call>", 13);
             cJSON_Delete(call), cJSON_Delete(a);
-            if (text == NULL) {
+            if (!ok) {
                 llmem_srv_buf_free(&b);
                 return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
             }
-            llmem_srv_buf_append(&b, b.len > 0 ? "\n<tool_call>\n" : "<tool_call>\n",
-                                 b.len > 0 ? 13 : 12);
-            llmem_srv_buf_append(&b, text, strlen(text));
-            llmem_srv_buf_append(&b, "\n</tool_call>", 13);
-            cJSON_free(text);
         }
     }
     if (b.failed || b.data == NULL) {
@@ -483,7 +530,8 @@ static int tool_turn(const cJSON *msg, const char **role, int i, struct srv_requ
     return 0;
 }
 
-static int parse_messages(const cJSON *root, struct srv_request *r, struct srv_error *e) {
+static int parse_messages(const cJSON *root, const struct srv_model *m, struct srv_request *r,
+                          struct srv_error *e) {
     const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(root, "messages");
     if (msgs == NULL || cJSON_IsNull(msgs))
         return bad(e, "messages", "missing_required_parameter", "'messages' is required");
@@ -523,7 +571,7 @@ static int parse_messages(const cJSON *root, struct srv_request *r, struct srv_e
         const char *content = NULL;
         size_t content_len = 0;
         if (message_content(msg, role, i, r, &content, &content_len, e) != 0 ||
-            tool_turn(msg, &role, i, r, &content, &content_len, e) != 0)
+            tool_turn(msg, &role, i, m->tool_format, r, &content, &content_len, e) != 0)
             return -1;
         r->messages[r->n_messages++] = (struct llmem_chat_message){role, content, content_len};
     }
@@ -540,6 +588,65 @@ static const char tools_tail[] =
     "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
     "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>";
 
+/* Llama 3.1's: the system header names the environment and the dates, and the tools go into the
+ * first user message with the instruction to answer a call as JSON. */
+static const char llama3_system_head[] =
+    "Environment: ipython\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n";
+static const char llama3_tools_head[] =
+    "Given the following functions, please respond with a JSON for a function call with its "
+    "proper arguments that best answers the given prompt.\n\nRespond in the format {\"name\": "
+    "function name, \"parameters\": dictionary of argument name and its value}.Do not use "
+    "variables.\n\n";
+
+/* A message's content replaced by b's (owned by r), or 500 when b failed. */
+static int set_content(struct srv_request *r, struct llmem_chat_message *m, struct srv_buf *b,
+                       struct srv_error *e) {
+    if (b->failed || b->data == NULL) {
+        llmem_srv_buf_free(b);
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    if (own(r, b->data) != 0) /* (which frees it) */
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    m->content = b->data, m->content_len = b->len;
+    return 0;
+}
+
+/* The tools as Llama 3.1's template writes them: the system message (made when there is none)
+ * opens with the environment and the dates; the first user message after it with the
+ * instruction and each tool as indented JSON. */
+static int render_tools_llama3(const cJSON *tools, struct srv_request *r, struct srv_error *e) {
+    const int sys = r->n_messages > 0 && strcmp(r->messages[0].role, "system") == 0;
+    if (r->n_messages <= sys || strcmp(r->messages[sys].role, "user") != 0)
+        return bad(e, "messages", "invalid_value",
+                   "Llama 3 puts the tools in the first user message: messages[%d] must be a "
+                   "user message",
+                   sys);
+    struct llmem_chat_message *msgs =
+        sys ? r->messages : realloc(r->messages, (size_t)(r->n_messages + 1) * sizeof(*msgs));
+    if (msgs == NULL)
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    r->messages = msgs;
+    if (!sys) {
+        memmove(msgs + 1, msgs, (size_t)r->n_messages * sizeof(*msgs));
+        r->n_messages++;
+        msgs[0] = (struct llmem_chat_message){"system", "", 0};
+    }
+    struct srv_buf b = {0};
+    llmem_srv_buf_append(&b, llama3_system_head, sizeof(llama3_system_head) - 1);
+    llmem_srv_buf_append(&b, msgs[0].content, msgs[0].content_len);
+    if (set_content(r, &msgs[0], &b, e) != 0)
+        return -1;
+    b = (struct srv_buf){0};
+    llmem_srv_buf_append(&b, llama3_tools_head, sizeof(llama3_tools_head) - 1);
+    const cJSON *t;
+    cJSON_ArrayForEach(t, tools) {
+        py_json(&b, t, 4, 0);
+        llmem_srv_buf_append(&b, "\n\n", 2);
+    }
+    llmem_srv_buf_append(&b, msgs[1].content, msgs[1].content_len);
+    return set_content(r, &msgs[1], &b, e);
+}
+
 /* The tools' signatures into the system message (the first, or one made first), as Qwen2.5's
  * template writes them. */
 static int render_tools(const cJSON *tools, struct srv_request *r, struct srv_error *e) {
@@ -554,12 +661,8 @@ static int render_tools(const cJSON *tools, struct srv_request *r, struct srv_er
     llmem_srv_buf_append(&b, tools_head, sizeof(tools_head) - 1);
     const cJSON *t;
     cJSON_ArrayForEach(t, tools) {
-        char *text = cJSON_PrintUnformatted(t);
         llmem_srv_buf_append(&b, "\n", 1);
-        if (text != NULL)
-            llmem_srv_buf_append(&b, text, strlen(text));
-        b.failed |= text == NULL;
-        cJSON_free(text);
+        py_json(&b, t, 0, 0);
     }
     llmem_srv_buf_append(&b, tools_tail, sizeof(tools_tail) - 1);
     struct llmem_chat_message *msgs =
@@ -615,8 +718,8 @@ static int parse_tools(const cJSON *root, const struct srv_model *m, struct srv_
         return bad(e, "tools", "unsupported_value", "'tools' need /v1/chat/completions");
     if (!m->tools)
         return bad(e, "tools", "unsupported_value",
-                   "'tools' need a chat template with a tool-call convention (chatml); this "
-                   "model's has none llmem knows");
+                   "'tools' need a chat template with a tool-call convention (chatml or "
+                   "llama3); this model's has none llmem knows");
     if (n > LLMEM_GRAMMAR_MAX_TOOLS)
         return bad(e, "tools", "invalid_value", "'tools' holds %d functions; at most %d", n,
                    LLMEM_GRAMMAR_MAX_TOOLS);
@@ -668,8 +771,8 @@ static int parse_tools(const cJSON *root, const struct srv_model *m, struct srv_
             status = bad(e, "response_format", "invalid_value",
                          "'response_format' and a required tool call cannot both constrain the "
                          "output");
-        else if ((st = llmem_grammar_compile_tools(gt, taken, why, sizeof(why), &r->grammar)) ==
-                 LLMEM_ENOMEM)
+        else if ((st = llmem_grammar_compile_tools(gt, taken, m->tool_format, why, sizeof(why),
+                                                   &r->grammar)) == LLMEM_ENOMEM)
             status = llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
         else if (st != LLMEM_OK)
             status = bad(e, "tools", "invalid_value", "a tool's parameters are not supported: %s",
@@ -678,7 +781,8 @@ static int parse_tools(const cJSON *root, const struct srv_model *m, struct srv_
     } else if (status == 0 && strcmp(mode, "auto") == 0) { /* checked, generated freely */
         for (int i = 0; status == 0 && i < taken; i++) {
             struct llmem_grammar *g = NULL;
-            if ((st = llmem_grammar_compile_tools(&gt[i], 1, why, sizeof(why), &g)) != LLMEM_OK)
+            if ((st = llmem_grammar_compile_tools(&gt[i], 1, m->tool_format, why, sizeof(why),
+                                                  &g)) != LLMEM_OK)
                 status = st == LLMEM_ENOMEM
                              ? llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory")
                              : bad(e, "tools", "invalid_value",
@@ -693,7 +797,8 @@ static int parse_tools(const cJSON *root, const struct srv_model *m, struct srv_
     r->n_tools = n;
     r->tool_mode = strcmp(mode, "auto") == 0 ? SRV_TOOLS_AUTO : SRV_TOOLS_REQUIRED;
     (void)parallel; /* one call or more may come in auto; a forced call is one */
-    return render_tools(tools, r, e);
+    return m->tool_format == LLMEM_TOOL_FORMAT_LLAMA3 ? render_tools_llama3(tools, r, e)
+                                                      : render_tools(tools, r, e);
 }
 
 /* ---- the request ----------------------------------------------------------------------------- */
@@ -994,7 +1099,7 @@ int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
         return -1;
     if (kind == SRV_COMPLETIONS)
         return parse_prompt(root, m, r, e) != 0 || parse_tools(root, m, r, e) != 0 ? -1 : 0;
-    return parse_messages(root, r, e) != 0 || parse_tools(root, m, r, e) != 0 ? -1 : 0;
+    return parse_messages(root, m, r, e) != 0 || parse_tools(root, m, r, e) != 0 ? -1 : 0;
 }
 
 void llmem_srv_request_free(struct srv_request *r) {
@@ -1165,24 +1270,33 @@ static cJSON *completion_logprobs(struct srv_render *r, const struct srv_token *
 }
 
 /* One choice: index, text | message | delta, logprobs, finish_reason. */
-/* The Hermes-style tool calls in an answer's text ("<tool_call>\n{"name": …, "arguments": …}
- * \n</tool_call>" blocks, the text before the first its content: *content_len), as OpenAI's
- * tool_calls (chunk: each with its index), ids drawn from r->call_seed; NULL when it holds none
- * that parses (the text is then all content) or out of memory. */
+/* The tool calls in an answer's text, as OpenAI's tool_calls (chunk: each with its index), ids
+ * drawn from r->call_seed; NULL when it holds none that parses (the text is then all content) or
+ * out of memory. Hermes-style: "<tool_call>\n{"name": …, "arguments": …}\n</tool_call>" blocks,
+ * the text before the first the content (*content_len). Llama 3.1: the whole answer one
+ * {"name": …, "parameters": …} object (after an optional <|python_tag|>), no content. */
 static cJSON *tool_calls(struct srv_render *r, const char *text, size_t len, size_t *content_len,
                          int chunk) {
     static const char open_tag[] = "<tool_call>", close_tag[] = "</tool_call>";
-    const char *at = memmem(text, len, open_tag, sizeof(open_tag) - 1);
+    static const char python_tag[] = "<|python_tag|>";
+    const int hermes = r->tool_format == LLMEM_TOOL_FORMAT_HERMES;
+    const char *at = hermes ? memmem(text, len, open_tag, sizeof(open_tag) - 1) : text;
     if (at == NULL)
         return NULL;
+    if (!hermes && len >= sizeof(python_tag) - 1 &&
+        memcmp(text, python_tag, sizeof(python_tag) - 1) == 0)
+        at += sizeof(python_tag) - 1;
     cJSON *calls = cJSON_CreateArray();
-    size_t head = (size_t)(at - text);
+    size_t head = hermes ? (size_t)(at - text) : 0;
     for (int k = 0; calls != NULL && at != NULL; k++) {
-        const char *body = at + sizeof(open_tag) - 1, *end = text + len;
-        const char *close = memmem(body, (size_t)(end - body), close_tag, sizeof(close_tag) - 1);
+        const char *body = hermes ? at + sizeof(open_tag) - 1 : at, *end = text + len;
+        const char *close =
+            hermes ? memmem(body, (size_t)(end - body), close_tag, sizeof(close_tag) - 1) : NULL;
         cJSON *call = cJSON_ParseWithLength(body, (size_t)((close ? close : end) - body));
         const cJSON *name = cJSON_GetObjectItemCaseSensitive(call, "name");
         const cJSON *args = cJSON_GetObjectItemCaseSensitive(call, "arguments");
+        if (args == NULL) /* (Llama 3's key; either is read from either family) */
+            args = cJSON_GetObjectItemCaseSensitive(call, "parameters");
         char *a = cJSON_IsString(args) ? strdup(args->valuestring)
                   : args != NULL        ? cJSON_PrintUnformatted(args)
                                         : strdup("{}");

@@ -727,6 +727,7 @@ static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c
                                     .piece = token_piece,
                                     .piece_arg = (void *)s->tok,
                                     .tools = j->req.tool_mode != SRV_TOOLS_NONE,
+                                    .tool_format = s->model.tool_format,
                                     .call_seed = llmem_splitmix64(s->salt + j->id)};
     /* n > 1: a request a choice, each after the first's prompt is in the cache (follow) */
     for (; n_jobs < j->req.n; n_jobs++) {
@@ -1096,7 +1097,9 @@ int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config 
         s->tmpl = LLMEM_CHAT_NONE; /* logged: unrecognized; chat then says so per request */
     if (s->tmpl != LLMEM_CHAT_NONE)
         s->n_chat_stops = llmem_chat_stop_ids(s->tok, s->tmpl, s->chat_stops, MAX_CHAT_STOPS);
-    s->model.tools = s->tmpl == LLMEM_CHAT_CHATML;
+    s->model.tools = s->tmpl == LLMEM_CHAT_CHATML || s->tmpl == LLMEM_CHAT_LLAMA3;
+    s->model.tool_format =
+        s->tmpl == LLMEM_CHAT_LLAMA3 ? LLMEM_TOOL_FORMAT_LLAMA3 : LLMEM_TOOL_FORMAT_HERMES;
 
     struct llmem_serve_config sc = {.max_queue = cfg->max_queue};
     if ((status = llmem_engine_serve_start(e, &sc)) != LLMEM_OK)

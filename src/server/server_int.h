@@ -61,7 +61,8 @@ struct srv_model {
     const char *name; /* the only model id served */
     int64_t vocab;
     int64_t context; /* the engine's context window: max_tokens above it is refused */
-    int tools;       /* its chat template has a tool-call convention (chatml: Hermes-style) */
+    int tools;       /* its chat template has a tool-call convention: */
+    enum llmem_tool_format tool_format; /* chatml Hermes-style, llama3 Llama 3.1's */
 };
 
 /* A string of the body whose bytes hold a NUL (U+0000), which cJSON's C strings cut short. */
@@ -145,6 +146,7 @@ struct srv_render {
     void *piece_arg;
     int64_t text_offset; /* completions logprobs: where the next token's text starts */
     int tools;           /* the text may hold tool calls: answered as tool_calls */
+    enum llmem_tool_format tool_format; /* as the model writes them */
     uint64_t call_seed;  /* the tool calls' ids are drawn from it */
     int called;          /* a choice or chunk rendered held tool calls */
 };

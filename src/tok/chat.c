@@ -97,9 +97,12 @@ static int add_trimmed(struct tok_buf *b, const struct llmem_chat_message *m) {
     return llmem_tok_buf_add(b, s + i, n - i);
 }
 
-static int known_role(const char *role) {
+/* system, user and assistant; Llama 3's ipython too (a tool's result, as 3.1's template writes
+ * it). */
+static int known_role(const char *role, enum llmem_chat_template t) {
     return strcmp(role, "system") == 0 || strcmp(role, "user") == 0 ||
-           strcmp(role, "assistant") == 0;
+           strcmp(role, "assistant") == 0 ||
+           (t == LLMEM_CHAT_LLAMA3 && strcmp(role, "ipython") == 0);
 }
 
 static int render_chatml(const struct llmem_tokenizer *tok, const struct llmem_chat_message *m,
@@ -130,7 +133,8 @@ static int render_llama3(const struct llmem_tokenizer *tok, const struct llmem_c
         st |= add(b, "<|start_header_id|>");
         st |= add(b, m[i].role);
         st |= add(b, "<|end_header_id|>\n\n");
-        st |= add_trimmed(b, &m[i]);
+        /* (a tool's result as it came) */
+        st |= strcmp(m[i].role, "ipython") == 0 ? add_content(b, &m[i]) : add_trimmed(b, &m[i]);
         st |= add(b, "<|eot_id|>");
     }
     if (gen)
@@ -222,8 +226,10 @@ int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_templat
     }
     for (int i = 0; i < n_messages; i++) {
         if (messages[i].role == NULL || messages[i].content == NULL ||
-            !known_role(messages[i].role)) {
-            LLMEM_ERROR("message %d: role '%s' is not system, user or assistant", i,
+            !known_role(messages[i].role, t)) {
+            LLMEM_ERROR("message %d: role '%s' is not system, user or assistant (or llama3's "
+                        "ipython)",
+                        i,
                         messages[i].role ? messages[i].role : "(null)");
             return LLMEM_EINVAL;
         }

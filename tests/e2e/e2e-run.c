@@ -342,7 +342,7 @@ static void test_refused_by_plan(void **state) {
 static void test_resident_within_plan(void **state) {
     (void)state;
     char budget[32];
-    tu_budget_for(PYCODER, 0, budget, sizeof(budget));
+    tu_budget_for(PYCODER, 1, 0, budget, sizeof(budget));
     char *dir = tu_mkdtemp();
     char text[16384];
     size_t at = 0;

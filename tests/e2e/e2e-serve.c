@@ -453,12 +453,16 @@ static void test_tools(void **state) {
             if (!cJSON_IsArray(calls) || cJSON_GetArraySize(calls) != 1)
                 fail_msg("seed %d, stream %d: no call in %s", seed, stream, h.body);
             const cJSON *f = cJSON_GetObjectItem(cJSON_GetArrayItem(calls, 0), "function");
-            assert_string_equal(cJSON_GetObjectItem(f, "name")->valuestring, "get_weather");
+            const char *name = cJSON_GetObjectItem(f, "name")->valuestring;
             cJSON *a = cJSON_Parse(cJSON_GetObjectItem(f, "arguments")->valuestring);
             const cJSON *unit = cJSON_GetObjectItem(a, "unit");
-            if (!cJSON_IsString(cJSON_GetObjectItem(a, "city")) || !cJSON_IsString(unit) ||
-                strlen(unit->valuestring) != 1)
-                fail_msg("seed %d: arguments '%s'", seed,
+            /* required: either function (now's arguments: any object); named: get_weather */
+            if (strcmp(name, "now") == 0 && seed % 2 == 0) {
+                assert_true(cJSON_IsObject(a));
+            } else if (strcmp(name, "get_weather") != 0 ||
+                       !cJSON_IsString(cJSON_GetObjectItem(a, "city")) || !cJSON_IsString(unit) ||
+                       strlen(unit->valuestring) != 1)
+                fail_msg("seed %d: %s, arguments '%s'", seed, name,
                          cJSON_GetObjectItem(f, "arguments")->valuestring);
             snprintf(args[stream], sizeof(args[stream]), "%s",
                      cJSON_GetObjectItem(f, "arguments")->valuestring);
@@ -1192,7 +1196,7 @@ static void test_memory_burst(void **state) {
     (void)state;
     char budget[32];
     const char *args[] = {
-        PYCODER,      "--budget",  tu_budget_for(PYCODER, 4, budget, sizeof(budget)),
+        PYCODER,      "--budget",  tu_budget_for(PYCODER, 16, 4, budget, sizeof(budget)),
         "--max-body", "64K",       "--context",
         "512",        "--threads", "2"};
     struct tu_server s;
