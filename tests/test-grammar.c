@@ -262,8 +262,28 @@ static void test_sampled_outputs(void **state) {
     }
     printf("  100 outputs parse and hold name and ok (50 within 40 tokens)\n");
     assert_int_equal(short_done, 50);
-    free(logits);
     llmem_grammar_free(g);
+
+    /* the end id where the output is complete at once, or (end_last: ignore_eos) only where
+     * nothing else may come: an integer's first token, or all 16 digits it may have */
+    g = compile("{\"type\":\"integer\"}");
+    for (int last = 0; last < 2; last++) {
+        struct llmem_sampling p;
+        llmem_sampling_default(&p);
+        p.temperature = 1.0, p.seed = 3;
+        p.grammar = g, p.grammar_vocab = vocab, p.end_ids = &eos, p.n_end_ids = 1;
+        p.end_last = last;
+        struct llmem_sampler *s = NULL;
+        assert_int_equal(llmem_sampler_create(&p, vocab_n, &s), LLMEM_OK);
+        char *text = draw(s, logits, 64, 1000.0f, &x); /* EOS whenever allowed */
+        const size_t sign = text[0] == '-', digits = strspn(text + sign, "0123456789");
+        if (sign + digits != strlen(text) || digits == 0 || (digits == 16) != last)
+            fail_msg("end_last %d: '%s'", last, text);
+        free(text);
+        llmem_sampler_free(s);
+    }
+    llmem_grammar_free(g);
+    free(logits);
 }
 
 /* A budget below the shortest completion's bytes (23: {"point":{"x":0,"y":0}}) but not below the

@@ -34,6 +34,7 @@
 #include "backend/ops.h"
 #include "bench.h"
 #include "core/clock.h"
+#include "core/file.h"
 #include "cli/common.h"
 #include "core/json.h"
 #include "llmem/pool.h"
@@ -242,10 +243,16 @@ static uint64_t next_rand(uint64_t *s) {
     return x ^ (x >> 31);
 }
 
+/* What every request of the command asks beside its prompt: a temperature (its seed the
+ * prompt's), and a response_format fragment (", \"response_format\": …", or ""). */
+static double temperature;
+static const char *format_field = "", *format_arg = "none";
+
 /* A request body: a prompt of `shared` ids from seed_shared then `own` ids from seed_own. */
 static char *body_of(int64_t vocab, int64_t shared, uint64_t seed_shared, int64_t own,
                      uint64_t seed_own, int64_t max_tokens) {
-    size_t cap = (size_t)(shared + own) * 8 + 256;
+    const uint64_t seed = seed_own;
+    size_t cap = (size_t)(shared + own) * 8 + 256 + strlen(format_field);
     char *b = malloc(cap);
     if (b == NULL)
         return NULL;
@@ -256,9 +263,10 @@ static char *body_of(int64_t vocab, int64_t shared, uint64_t seed_shared, int64_
                                5 + next_rand(s) % (uint64_t)(vocab - 5));
     }
     snprintf(b + at, cap - at,
-             "], \"max_tokens\": %" PRId64 ", \"temperature\": 0, \"ignore_eos\": true, "
-             "\"stream\": true, \"stream_options\": {\"include_usage\": true}}",
-             max_tokens);
+             "], \"max_tokens\": %" PRId64 ", \"temperature\": %g, \"seed\": %" PRIu64
+             ", \"ignore_eos\": true, \"stream\": true, \"stream_options\": "
+             "{\"include_usage\": true}%s}",
+             max_tokens, temperature, seed % 1000000007u, format_field);
     return b;
 }
 
@@ -278,6 +286,8 @@ enum {
     OPT_SHARED,
     OPT_PREFIX_CLIENTS,
     OPT_MAX_SEQUENCES,
+    OPT_TEMPERATURE,
+    OPT_RESPONSE_FORMAT,
     OPT_JSON,
     OPT_HELP
 };
@@ -291,6 +301,8 @@ static const struct option options[] = {
     {"shared-prefix", required_argument, NULL, OPT_SHARED},
     {"prefix-clients", required_argument, NULL, OPT_PREFIX_CLIENTS},
     {"max-sequences", required_argument, NULL, OPT_MAX_SEQUENCES},
+    {"temperature", required_argument, NULL, OPT_TEMPERATURE},
+    {"response-format", required_argument, NULL, OPT_RESPONSE_FORMAT},
     {"json", no_argument, NULL, OPT_JSON},
     {"help", no_argument, NULL, OPT_HELP},
     {NULL, 0, NULL, 0},
@@ -312,7 +324,40 @@ static const char usage[] =
     "                       the same lengths with nothing shared (default 1024; 0: skip)\n"
     "  --prefix-clients N   clients of the prefix workload (default 4)\n"
     "  --max-sequences N    requests decoded together (default 16)\n"
+    "  --temperature T      sampling temperature (default 0: greedy), a seed per request\n"
+    "  --response-format F  constrained decoding: json_object, or FILE holding a JSON Schema\n"
+    "                       (json_schema); every request's output under it\n"
     "  --json               one JSON object on stdout\n";
+
+/* --response-format: format_field for json_object, or for the schema the file holds. */
+static int response_format(const char *arg) {
+    static char field[1 << 16];
+    if (strcmp(arg, "json_object") == 0) {
+        snprintf(field, sizeof(field), ", \"response_format\": {\"type\": \"json_object\"}");
+        format_field = field;
+        return CLI_OK;
+    }
+    char *text = NULL;
+    size_t len = 0;
+    cJSON *schema = NULL;
+    if (llmem_file_read(arg, 1 << 20, &text, &len) != LLMEM_OK ||
+        (schema = cJSON_ParseWithLength(text, len)) == NULL) {
+        free(text);
+        return cli_usage_error("serve", "--response-format: '%s' is not json_object or a file "
+                                        "holding a JSON Schema", arg);
+    }
+    char *s = cJSON_PrintUnformatted(schema);
+    int n = s != NULL ? snprintf(field, sizeof(field),
+                                 ", \"response_format\": {\"type\": \"json_schema\", "
+                                 "\"json_schema\": {\"name\": \"bench\", \"schema\": %s}}",
+                                 s)
+                      : -1;
+    cJSON_free(s), cJSON_Delete(schema), free(text);
+    if (n < 0 || (size_t)n >= sizeof(field))
+        return cli_usage_error("serve", "--response-format: the schema in '%s' is too long", arg);
+    format_field = field;
+    return CLI_OK;
+}
 
 static int parse_list(const char *s, int *v, int *n) {
     *n = 0;
@@ -391,6 +436,14 @@ int bench_serve(int argc, char **argv) {
         case OPT_MAX_SEQUENCES:
             rc = cli_parse_int("--max-sequences", optarg, 1, 4096, &ec.max_sequences);
             break;
+        case OPT_TEMPERATURE:
+            if (sscanf(optarg, "%lf", &temperature) != 1 || !(temperature >= 0 && temperature <= 2))
+                rc = cli_usage_error("serve", "--temperature: '%s' is not in [0, 2]", optarg);
+            break;
+        case OPT_RESPONSE_FORMAT:
+            rc = response_format(optarg);
+            format_arg = optarg;
+            break;
         case OPT_JSON: json = 1; break;
         case 'h':
         case OPT_HELP: printf("%s\n%s", usage, cli_engine_help); return CLI_OK;
@@ -445,11 +498,15 @@ int bench_serve(int argc, char **argv) {
         llmem_json_add_int(root, "max_sequences", ec.max_sequences);
         llmem_json_add_int(root, "prompt_tokens", prompt);
         llmem_json_add_int(root, "max_tokens", gen);
+        llmem_json_add_double(root, "temperature", temperature);
+        llmem_json_add_string(root, "response_format", format_arg);
         runs = cJSON_AddArrayToObject(root, "runs");
     } else {
         printf("llmem-bench serve: %s on %s (%d CPUs), %d threads, %" PRId64
-               " sequences; streaming completions over loopback HTTP, greedy, EOS ignored\n",
-               argv[optind], host.name, host.n_cpus, threads, ec.max_sequences);
+               " sequences; streaming completions over loopback HTTP, %s, EOS ignored%s\n",
+               argv[optind], host.name, host.n_cpus, threads, ec.max_sequences,
+               temperature > 0 ? "sampled" : "greedy",
+               *format_field ? ", under the response format" : "");
         printf("prompt %" PRId64 " tokens, %" PRId64 " generated per request\n", prompt, gen);
         printf("\n%-9s %7s %8s %9s %8s %9s %7s %10s %10s %7s %7s %7s %7s %7s %7s %7s %7s %7s\n",
                "workload", "clients", "requests", "prefilled", "reused", "tokens/s", "req/s",

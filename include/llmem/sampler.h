@@ -39,13 +39,15 @@ struct llmem_sampling {
     int n_logit_bias;
     /* Constrained decoding (llmem/grammar.h), after the biases: every token the grammar does not
      * allow next is masked out, and end_ids (copied) only where the output is complete; with
-     * max_tokens (> 0: the output's budget) the grammar closes in time. The grammar and its
-     * vocabulary outlive the sampler. NULL: none. */
+     * max_tokens (> 0: the output's budget) the grammar closes in time; with end_last, an end id
+     * only where the grammar allows nothing else (ignore_eos: the output runs on while it may).
+     * The grammar and its vocabulary outlive the sampler. NULL: none. */
     const struct llmem_grammar *grammar;
     const struct llmem_grammar_vocab *grammar_vocab;
     const int32_t *end_ids;
     int n_end_ids;
     int64_t max_tokens;
+    int end_last;
 };
 /* Greedy. */
 LLMEM_API void llmem_sampling_default(struct llmem_sampling *s);

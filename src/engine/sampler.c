@@ -196,7 +196,7 @@ static void mask(struct llmem_sampler *s) {
     const int64_t left = s->p.max_tokens > 0 ? s->p.max_tokens - s->n_out : 0;
     int64_t n = llmem_grammar_allowed(s->gs, left > 0 ? left : 0, s->allowed);
     const int64_t nv = llmem_grammar_vocab_size(s->p.grammar_vocab);
-    const int end = llmem_grammar_complete(s->gs);
+    const int end = llmem_grammar_complete(s->gs) && (!s->p.end_last || n == 0);
     for (int i = 0; end && i < s->p.n_end_ids; i++)
         if (s->end_ids[i] >= 0 && s->end_ids[i] < nv && !s->allowed[s->end_ids[i]])
             s->allowed[s->end_ids[i]] = 1, n++;

@@ -101,9 +101,11 @@ static int64_t find_stop(const struct stream *s, const struct llmem_generate_par
     return -1;
 }
 
+/* An end-of-sequence id ends the output unless ignore_eos; under a grammar always (it comes only
+ * where the output is complete: with ignore_eos, only where nothing else may). */
 static int is_stop_id(const struct llmem_sched *s, const struct llmem_generate_params *p,
                       int32_t id) {
-    for (int i = 0; !p->ignore_eos && i < s->cfg.n_eos; i++)
+    for (int i = 0; (!p->ignore_eos || p->sampling.grammar != NULL) && i < s->cfg.n_eos; i++)
         if (s->cfg.eos[i] == id)
             return 1;
     for (int i = 0; i < p->n_stop_ids; i++)
@@ -200,8 +202,9 @@ static int request_new(struct llmem_sched *s, const int32_t *prompt, int64_t n_p
         int32_t *end = malloc((size_t)(s->cfg.n_eos + p->n_stop_ids + 1) * sizeof(int32_t));
         if (end == NULL && status == LLMEM_OK)
             status = LLMEM_ENOMEM;
-        for (int i = 0; end != NULL && !p->ignore_eos && i < s->cfg.n_eos; i++)
+        for (int i = 0; end != NULL && i < s->cfg.n_eos; i++)
             end[r->p.sampling.n_end_ids++] = s->cfg.eos[i];
+        r->p.sampling.end_last = p->ignore_eos;
         for (int i = 0; end != NULL && i < p->n_stop_ids; i++)
             end[r->p.sampling.n_end_ids++] = p->stop_ids[i];
         r->p.sampling.end_ids = end;
