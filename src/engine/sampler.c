@@ -280,6 +280,26 @@ int64_t llmem_sampling_top_needed(const struct llmem_sampling *p) {
     return p->temperature == 0 || p->top_k == 1 ? 1 : p->top_k;
 }
 
+/* The draw where no order matters (no top-k, no top-p: every token keeps its mass): softmax at
+ * the temperature over the row in id order, min-p relative to the largest (best) — the
+ * distribution draw() gives the sorted row, without sorting it. */
+static int32_t draw_unsorted(struct llmem_sampler *s, const float *logits, int64_t best) {
+    const double inv_t = 1.0 / s->p.temperature, top = logits[best];
+    double sum = 0;
+    for (int64_t i = 0; i < s->vocab; i++) {
+        float e = logits[i] == -INFINITY ? 0.0f : (float)exp(((double)logits[i] - top) * inv_t);
+        s->c[i].prob = e < (float)s->p.min_p ? 0.0f : e;
+        sum += s->c[i].prob;
+    }
+    double u = (double)(next_u64(s->s) >> 11) * 0x1p-53 * sum, acc = 0;
+    for (int64_t i = 0; i < s->vocab; i++) {
+        acc += s->c[i].prob;
+        if (u < acc)
+            return (int32_t)i;
+    }
+    return (int32_t)best;
+}
+
 int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits) {
     if (s->adjusts)
         logits = adjusted(s, logits);
@@ -289,11 +309,17 @@ int32_t llmem_sampler_sample(struct llmem_sampler *s, const float *logits) {
             best = i;
     if (s->p.temperature == 0 || s->p.top_k == 1) /* greedy */
         return (int32_t)best;
+    if (s->p.top_k == 0 && s->p.top_p >= 1)
+        return draw_unsorted(s, logits, best);
 
-    /* Candidates: all tokens, or the top k, sorted by logit. */
-    int64_t n = s->vocab;
-    for (int64_t i = 0; i < n; i++)
-        s->c[i] = (struct cand){.logit = logits[i], .id = (int32_t)i};
+    /* Candidates: all tokens but those masked out (−∞: no mass; a grammar masks most), or the
+     * top k, sorted by logit. */
+    int64_t n = 0;
+    for (int64_t i = 0; i < s->vocab; i++)
+        if (logits[i] != -INFINITY)
+            s->c[n++] = (struct cand){.logit = logits[i], .id = (int32_t)i};
+    if (n == 0) /* (every token masked: the greedy pick) */
+        return (int32_t)best;
     qsort(s->c, (size_t)n, sizeof(*s->c), by_logit_desc);
     if (s->p.top_k > 0 && s->p.top_k < n)
         n = s->p.top_k;
