@@ -577,6 +577,55 @@ static void test_tool_conventions(void **state) {
     cJSON_Delete(o);
 }
 
+/* A tools answer streamed a byte at a time: content goes out as it comes (never a tail that may
+ * begin <tool_call>), each Hermes-style call once its block closes; a Llama 3 call whole at the
+ * end, other Llama 3 answers as content. */
+static void test_tool_pieces(void **state) {
+    (void)state;
+    static const char hermes[] = "Let me <b>look</b>.\n<tool_call>\n{\"name\": \"a\", "
+                                 "\"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": "
+                                 "\"b\", \"arguments\": {\"x\": 1}}\n</tool_call>";
+    static const struct {
+        enum llmem_tool_format format;
+        const char *text, *content;
+        int calls, calls_at_end;
+    } cases[] = {
+        {LLMEM_TOOL_FORMAT_HERMES, hermes, "Let me <b>look</b>.", 2, 1}, /* (b closes last) */
+        {LLMEM_TOOL_FORMAT_HERMES, "no calls <tool_c", "no calls <tool_c", 0, 0},
+        {LLMEM_TOOL_FORMAT_LLAMA3, " {\"name\": \"a\", \"parameters\": {}}", "", 1, 1},
+        {LLMEM_TOOL_FORMAT_LLAMA3, "Hello {x}", "Hello {x}", 0, 0},
+    };
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        const char *t = cases[c].text;
+        const size_t len = strlen(t);
+        char content[256] = "";
+        size_t from = 0, start, end;
+        int calls = 0, calls_at_end = 0;
+        for (size_t known = 1; known <= len; known++) {
+            const int done = known == len;
+            enum srv_piece p;
+            while ((p = llmem_srv_tool_piece(cases[c].format, t, known, from, done, &start,
+                                             &end)) != SRV_PIECE_NONE) {
+                assert_true(start >= from && end > start && end <= known);
+                from = start;
+                if (p == SRV_PIECE_CONTENT) {
+                    strncat(content, t + from, end - from);
+                } else {
+                    calls++, calls_at_end += done;
+                    if (cases[c].format == LLMEM_TOOL_FORMAT_HERMES) /* one whole block */
+                        assert_true(strncmp(t + from, "<tool_call>", 11) == 0 &&
+                                    strncmp(t + end - 12, "</tool_call>", 12) == 0);
+                }
+                from = end;
+            }
+        }
+        if (strcmp(content, cases[c].content) != 0 || calls != cases[c].calls ||
+            calls_at_end != cases[c].calls_at_end)
+            fail_msg("case %zu: content '%s', %d calls (%d at the end)", c, content, calls,
+                     calls_at_end);
+    }
+}
+
 static void test_render_chat(void **state) {
     (void)state;
     struct srv_token tok = {
@@ -822,14 +871,21 @@ static void test_buf(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_utf8),         cmocka_unit_test(test_parse_completion),
-        cmocka_unit_test(test_parse_chat),   cmocka_unit_test(test_parse_errors),
+        cmocka_unit_test(test_utf8),
+        cmocka_unit_test(test_parse_completion),
+        cmocka_unit_test(test_parse_chat),
+        cmocka_unit_test(test_parse_errors),
         cmocka_unit_test(test_parse_nul),
-        cmocka_unit_test(test_check_prompt), cmocka_unit_test(test_render_completion),
-        cmocka_unit_test(test_render_chat),  cmocka_unit_test(test_render_error_and_models),
+        cmocka_unit_test(test_check_prompt),
+        cmocka_unit_test(test_render_completion),
+        cmocka_unit_test(test_render_chat),
+        cmocka_unit_test(test_render_error_and_models),
         cmocka_unit_test(test_tool_conventions),
-        cmocka_unit_test(test_metrics),      cmocka_unit_test(test_health),
-        cmocka_unit_test(test_buf),          cmocka_unit_test(test_config_api_key),
+        cmocka_unit_test(test_tool_pieces),
+        cmocka_unit_test(test_metrics),
+        cmocka_unit_test(test_health),
+        cmocka_unit_test(test_buf),
+        cmocka_unit_test(test_config_api_key),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

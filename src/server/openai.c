@@ -1304,9 +1304,9 @@ static cJSON *tool_calls(struct srv_render *r, const char *text, size_t len, siz
                                                          : NULL;
         char id[40];
         snprintf(id, sizeof(id), "call_%016" PRIx64,
-                 llmem_splitmix64(r->call_seed + (uint64_t)k));
+                 llmem_splitmix64(r->call_seed + (uint64_t)(r->n_calls + k)));
         const int ok = cJSON_IsString(name) && a != NULL && f != NULL &&
-                       (!chunk || llmem_json_add_int(o, "index", k) == 0) &&
+                       (!chunk || llmem_json_add_int(o, "index", r->n_calls + k) == 0) &&
                        llmem_json_add_string(o, "id", id) == 0 &&
                        llmem_json_add_string(o, "type", "function") == 0 &&
                        llmem_json_add_string(f, "name", name->valuestring) == 0 &&
@@ -1327,6 +1327,50 @@ static cJSON *tool_calls(struct srv_render *r, const char *text, size_t len, siz
     return calls;
 }
 
+enum srv_piece llmem_srv_tool_piece(enum llmem_tool_format format, const char *text, size_t len,
+                                    size_t from, int done, size_t *start, size_t *end) {
+    static const char open_tag[] = "<tool_call>", close_tag[] = "</tool_call>";
+    const char *rest = text + from;
+    const size_t n = len - from;
+    *start = *end = from;
+    if (n == 0)
+        return SRV_PIECE_NONE;
+    if (format == LLMEM_TOOL_FORMAT_LLAMA3) {
+        /* a call is the whole answer: one that opens with '{' (or the python tag) waits */
+        size_t i = 0;
+        while (from == 0 && i < n && (rest[i] == ' ' || rest[i] == '\n'))
+            i++;
+        const int maybe = from == 0 && (i == n || rest[i] == '{' || rest[i] == '<');
+        if (maybe && !done)
+            return SRV_PIECE_NONE;
+        *end = len;
+        return maybe ? SRV_PIECE_CALLS : SRV_PIECE_CONTENT;
+    }
+    const char *at = memmem(rest, n, open_tag, sizeof(open_tag) - 1);
+    if (at == rest) { /* a block: out whole once it closes (or the answer ends) */
+        const char *close = memmem(rest, n, close_tag, sizeof(close_tag) - 1);
+        if (close == NULL && !done)
+            return SRV_PIECE_NONE;
+        *end = close != NULL ? (size_t)(close - text) + sizeof(close_tag) - 1 : len;
+        return SRV_PIECE_CALLS;
+    }
+    /* content up to the block; while the answer goes on, not a tail that may begin one */
+    size_t stop = at != NULL ? (size_t)(at - rest) : n;
+    for (size_t k = sizeof(open_tag) - 2; at == NULL && !done && k > 0; k--)
+        if (k <= n && memcmp(rest + n - k, open_tag, k) == 0) {
+            stop = n - k;
+            break;
+        }
+    /* the whitespace before a block is not content, and at the open end it may be */
+    size_t c = stop;
+    while ((at != NULL || !done) && c > 0 && (rest[c - 1] == '\n' || rest[c - 1] == ' '))
+        c--;
+    if (c == 0 && at != NULL) /* only whitespace before the block: skipped */
+        return llmem_srv_tool_piece(format, text, len, from + stop, done, start, end);
+    *end = from + c;
+    return c > 0 ? SRV_PIECE_CONTENT : SRV_PIECE_NONE;
+}
+
 static cJSON *choice(struct srv_render *r, const char *text, size_t len,
                      const struct srv_token *toks, int64_t n_toks, const char *finish_reason,
                      int chunk, int first, int index) {
@@ -1335,6 +1379,7 @@ static cJSON *choice(struct srv_render *r, const char *text, size_t len,
                        ? tool_calls(r, text, len, &content_len, chunk)
                        : NULL;
     r->called |= calls != NULL;
+    r->n_calls += calls != NULL ? cJSON_GetArraySize(calls) : 0;
     if (finish_reason != NULL && r->called &&
         (strcmp(finish_reason, "stop") == 0 || strcmp(finish_reason, "length") == 0))
         finish_reason = "tool_calls"; /* (the calls parsed: whole) */

@@ -153,6 +153,8 @@ struct job {
     struct srv_buf out; /* SSE bytes not yet handed to MHD */
     size_t out_pos;
     int started, finished;
+    struct srv_buf answer; /* a streamed tools answer's text so far */
+    size_t answer_sent;    /* the bytes of it sent (or skipped) */
 };
 
 static void job_release(struct job *j);
@@ -176,6 +178,7 @@ static void job_release(struct job *j) {
     free(j->text);
     free(j->toks);
     llmem_srv_buf_free(&j->out);
+    llmem_srv_buf_free(&j->answer);
     pthread_cond_destroy(&j->cv);
     pthread_mutex_destroy(&j->mu);
     free(j);
@@ -409,6 +412,23 @@ static void sse(struct job *j, char *json) {
     free(json);
 }
 
+/* The pieces of a streamed tools answer that may go out (llmem_srv_tool_piece): content as it
+ * comes, each call once whole (content after a call is not content: as answered whole). */
+static void stream_tool_pieces(struct job *j, const char *text, size_t len, int done) {
+    struct srv_render *r = &j->render;
+    size_t start, end;
+    enum srv_piece p;
+    while ((p = llmem_srv_tool_piece(r->tool_format, text, len, j->answer_sent, done, &start,
+                                     &end)) != SRV_PIECE_NONE) {
+        j->answer_sent = end;
+        if (p == SRV_PIECE_CONTENT && r->n_calls > 0)
+            continue;
+        r->tools = p == SRV_PIECE_CALLS;
+        sse(j, llmem_srv_render_chunk(r, text + start, end - start, NULL, 0, NULL, 0));
+        r->tools = 1;
+    }
+}
+
 /* Turns the events taken from the queue into chunks (one per batch of events), and the end. */
 static void stream_render(struct job *j, struct event *evs, int done) {
     struct srv_render *r = &j->render;
@@ -418,13 +438,11 @@ static void stream_render(struct job *j, struct event *evs, int done) {
     struct srv_buf text = {0};
     struct srv_token toks[32];
     int n = 0;
-    /* with tools the answer may be a call: its text comes whole at the end, as content and
-     * tool_calls */
+    /* with tools the answer may hold calls: its text goes out in pieces, each call whole */
     const int held = j->req.tool_mode != SRV_TOOLS_NONE;
     for (struct event *e = evs, *next; e != NULL; e = next) {
         next = e->next;
-        if (!held)
-            llmem_srv_buf_append(&text, e->text, e->len);
+        llmem_srv_buf_append(held ? &j->answer : &text, e->text, e->len);
         if (!held && e->tok.id >= 0 && r->logprobs >= 0)
             toks[n++] = e->tok;
         free(e);
@@ -436,11 +454,13 @@ static void stream_render(struct job *j, struct event *evs, int done) {
         }
     }
     llmem_srv_buf_free(&text);
+    if (held && !done && j->answer.data != NULL)
+        stream_tool_pieces(j, j->answer.data, j->answer.len, 0);
     if (!done)
         return;
     if (j->status == LLMEM_OK && !j->abandoned && strcmp(j->finish_reason, "cancelled") != 0) {
-        if (held && j->text_len > 0)
-            sse(j, llmem_srv_render_chunk(r, j->text, j->text_len, NULL, 0, NULL, 0));
+        if (held && j->text_len >= j->answer_sent) /* (the whole text: what a stop string cut) */
+            stream_tool_pieces(j, j->text, j->text_len, 1);
         sse(j, llmem_srv_render_chunk(r, "", 0, NULL, 0, j->finish_reason, 0));
         if (r->include_usage)
             sse(j, llmem_srv_render_usage_chunk(r, j->prompt_tokens, j->completion_tokens));

@@ -149,7 +149,21 @@ struct srv_render {
     enum llmem_tool_format tool_format; /* as the model writes them */
     uint64_t call_seed;  /* the tool calls' ids are drawn from it */
     int called;          /* a choice or chunk rendered held tool calls */
+    int n_calls;         /* calls rendered so far: a stream's next call's index */
 };
+
+/* A streamed answer that may hold tool calls, split as its text comes: the text from `from` to
+ * the end of what is known (len bytes; done: the answer is complete) gives the next piece to
+ * send, text[*start, *end) (*end: the next call's `from`; what lies between from and *start is
+ * whitespace before a call). Returns its kind:
+ *  - SRV_PIECE_NONE: nothing may go out yet (a call, or what may begin one, is still open);
+ *  - SRV_PIECE_CONTENT: content (never a tail that may begin a call's marker);
+ *  - SRV_PIECE_CALLS: one call, or the rest of a finished answer that may be one (render it with
+ *    r->tools). Hermes-style: each <tool_call> block as it closes; Llama 3.1: an answer that
+ *    opens with '{' whole at the end, any other as content as it comes. */
+enum srv_piece { SRV_PIECE_NONE, SRV_PIECE_CONTENT, SRV_PIECE_CALLS };
+enum srv_piece llmem_srv_tool_piece(enum llmem_tool_format format, const char *text, size_t len,
+                                    size_t from, int done, size_t *start, size_t *end);
 
 /* One choice of a response: its text, the tokens' logprobs, why it ended. */
 struct srv_choice {
