@@ -73,6 +73,10 @@ LLMEM_API int32_t llmem_sampler_sample_top(struct llmem_sampler *s, const int32_
  * grammar's matcher moves past it). A sampler without penalties or grammar ignores both. */
 LLMEM_API void llmem_sampler_prompt(struct llmem_sampler *s, const int32_t *ids, int64_t n);
 LLMEM_API void llmem_sampler_accept(struct llmem_sampler *s, int32_t id);
+/* Computes the grammar's mask for the next draw now (a no-op without a grammar, or when it is
+ * ready): a caller may do it while the row's pass runs, or for many samplers at once on several
+ * threads (one thread a sampler); the draw then uses it. */
+LLMEM_API void llmem_sampler_prepare(struct llmem_sampler *s);
 /* LLMEM_OK, or LLMEM_ENOMEM when the grammar's matcher ran out of memory or of its planned bytes
  * (llmem_grammar_state_status): the tokens drawn since may break the grammar, and the output
  * ends as an error. */

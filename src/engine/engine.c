@@ -756,6 +756,7 @@ static int open_sched(struct llmem_engine *e) {
         .fwd = e->fwd,
         .tok = e->tok,
         .gvocab = e->gvocab,
+        .pool = e->pool,
         .mem = e->host_mem,
         .max_sequences = e->cfg.max_sequences,
         .max_batch_tokens = e->cfg.max_batch_tokens,

@@ -38,6 +38,7 @@ struct llmem_sampler {
     uint8_t *allowed;
     int32_t *end_ids;
     int64_t n_out;
+    int64_t n_allowed; /* ≥ 0: allowed holds the next draw's mask (llmem_sampler_prepare) */
 };
 
 void llmem_sampling_default(struct llmem_sampling *s) {
@@ -116,6 +117,8 @@ int llmem_sampler_create(const struct llmem_sampling *p, int64_t vocab,
         ok = s->row != NULL && s->counts != NULL && s->in_prompt != NULL && s->seen != NULL &&
              s->bias != NULL;
     }
+    if (ok)
+        s->n_allowed = -1;
     if (ok && p->grammar != NULL) {
         s->allowed = malloc((size_t)llmem_grammar_vocab_size(p->grammar_vocab));
         s->end_ids = malloc((size_t)(p->n_end_ids > 0 ? p->n_end_ids : 1) * sizeof(int32_t));
@@ -182,6 +185,7 @@ void llmem_sampler_accept(struct llmem_sampler *s, int32_t id) {
     s->counts[id]++;
     if (s->gs != NULL) {
         s->n_out++;
+        s->n_allowed = -1;
         (void)llmem_grammar_accept(s->gs, id); /* (an end id, or one the mask allowed) */
     }
 }
@@ -192,9 +196,17 @@ int llmem_sampler_status(const struct llmem_sampler *s) {
 
 /* The grammar's mask on s->row: the tokens it does not allow at −∞, the end ids only where the
  * output is complete (and alone where nothing else may come). */
-static void mask(struct llmem_sampler *s) {
+void llmem_sampler_prepare(struct llmem_sampler *s) {
+    if (s->gs == NULL || s->n_allowed >= 0)
+        return;
     const int64_t left = s->p.max_tokens > 0 ? s->p.max_tokens - s->n_out : 0;
-    int64_t n = llmem_grammar_allowed(s->gs, left > 0 ? left : 0, s->allowed);
+    s->n_allowed = llmem_grammar_allowed(s->gs, left > 0 ? left : 0, s->allowed);
+}
+
+static void mask(struct llmem_sampler *s) {
+    llmem_sampler_prepare(s);
+    int64_t n = s->n_allowed;
+    s->n_allowed = -1; /* (the end ids below change it) */
     const int64_t nv = llmem_grammar_vocab_size(s->p.grammar_vocab);
     const int end = llmem_grammar_complete(s->gs) && (!s->p.end_last || n == 0);
     for (int i = 0; end && i < s->p.n_end_ids; i++)

@@ -722,6 +722,7 @@ static void destroy(struct llmem_sched *s) {
     free(s->ahead);
     free(s->seqs);
     free(s->slots);
+    free(s->masking);
     for (int i = 0; i < 2; i++) {
         llmem_mem_free(s->cfg.mem, s->top[i].vals);
         llmem_mem_free(s->cfg.mem, s->top[i].ids);
@@ -771,10 +772,12 @@ int llmem_sched_create(const struct llmem_sched_config *config, struct llmem_sch
         }
     }
     s->slots = malloc(rows * sizeof(*s->slots));
+    s->masking = malloc(rows * sizeof(*s->masking));
     s->seqs = malloc(rows * sizeof(*s->seqs));
     s->ahead = malloc(rows * sizeof(*s->ahead));
     s->tokens = malloc((size_t)s->cfg.max_batch_tokens * sizeof(*s->tokens));
-    if (s->slots == NULL || s->seqs == NULL || s->ahead == NULL || s->tokens == NULL) {
+    if (s->slots == NULL || s->masking == NULL || s->seqs == NULL || s->ahead == NULL ||
+        s->tokens == NULL) {
         LLMEM_ERROR("out of memory");
         goto fail;
     }

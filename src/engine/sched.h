@@ -52,6 +52,7 @@ struct llmem_sched_config {
     const struct llmem_tokenizer *tok; /* borrowed: the streamed text */
     const struct llmem_grammar_vocab *gvocab; /* borrowed: the matchers' vocabulary */
     struct llmem_mem *mem;             /* host memory for the logits and the top-k results */
+    struct llmem_pool *pool;           /* borrowed: the grammars' masks, one a thread */
     int64_t max_sequences;             /* running requests at most */
     int64_t max_batch_tokens;          /* tokens of one forward pass at most */
     int64_t context;                   /* the context window: prompt + generated tokens */

@@ -106,6 +106,7 @@ struct llmem_sched {
                                    * top[1] (max_sequences) for a greedy step queued ahead of one
                                    * whose results are in the other */
     struct slot *slots;           /* (max_sequences) the step's batch */
+    struct llmem_sampler **masking; /* (max_sequences) the step's samplers under a grammar */
     struct llmem_batch_seq *seqs; /* (max_sequences) and its sequences */
     int32_t *tokens;              /* (max_batch_tokens) and their tokens, in order */
     /* A greedy decode step queued behind the step in flight, fed its tokens on the device

@@ -26,6 +26,27 @@
 #include "llmem/kv.h"
 #include "llmem/size.h"
 
+/* The grammars' masks for the tokens this step's rows give, on the pool's threads while a
+ * device's pass runs (a host's pass has run by now): ready before the rows are. */
+static void prepare_one(void *arg, int task, int thread) {
+    (void)thread;
+    llmem_sampler_prepare(((struct llmem_sampler **)arg)[task]);
+}
+
+static void prepare_masks(struct llmem_sched *s, const struct slot *slots, int n) {
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        const struct request *r = slots[i].r;
+        if (r->p.sampling.grammar != NULL && r->ending == NULL && r->pos + slots[i].n >= r->n_toks)
+            s->masking[k++] = r->sampler;
+    }
+    if (k > 1 && s->cfg.pool != NULL)
+        llmem_pool_run(s->cfg.pool, k, prepare_one, s->masking);
+    else
+        for (int i = 0; i < k; i++)
+            prepare_one(s->masking, i, 0);
+}
+
 /* ---- the running set ------------------------------------------------------------------------- */
 
 /* Takes r out of the running set, its KV banked: it waits again at the head of the queue and
@@ -322,6 +343,8 @@ int64_t llmem_sched_step(struct llmem_sched *s) {
         double forward_s = llmem_clock_s() - t_forward;
         llmem_sched_hand_over_all(s, &s->running); /* (none pending if they went first) */
         llmem_sched_hand_over_all(s, &s->waiting);
+        if (status == LLMEM_OK)
+            prepare_masks(s, slots, n);
         t_forward = llmem_clock_s();
         if (status == LLMEM_OK)
             status = llmem_forward_wait(fwd);
