@@ -989,6 +989,13 @@ struct llmem_grammar_state {
     struct stacks *level; /* (TOKEN_MAX + 1) the walk's sets, one a depth */
     int32_t *scratch;     /* (STACK_MAX) a stack being built */
     struct stacks tmp[2]; /* canonical()'s sets */
+    /* a walk's set that bytes lead back to (inside a string: every plain character), copied
+     * here once found: which bytes do (known: tried), and its distance */
+    struct stacks loop;
+    const struct stacks *loop_src; /* the level it was copied from, while that level holds it */
+    int loop_on, loop_root;        /* (loop_root: the walk's first set is the loop's) */
+    uint8_t loop_known[32], loop_back[32];
+    int32_t loop_distance;
     uint8_t *canon;  /* (CANON_MAX) the shortest completion's bytes, when the budget is tight */
     int32_t *fewest; /* (CANON_MAX + 1) the fewest tokens that spell canon[k, n) */
     int64_t held;    /* bytes the stack sets hold, at most LLMEM_GRAMMAR_STACK_BYTES */
@@ -1040,6 +1047,22 @@ static int stacks_add(struct llmem_grammar_state *st, struct stacks *s, const in
     return LLMEM_OK;
 }
 
+/* dst = src (dst cleared first). */
+static void stacks_copy(struct llmem_grammar_state *st, struct stacks *dst,
+                        const struct stacks *src) {
+    stacks_clear(dst);
+    for (int32_t i = 0; i < src->n; i++)
+        stacks_add(st, dst, src->pos + src->at[i], src->at[i + 1] - src->at[i]);
+}
+
+static int has_byte(const uint8_t bits[32], uint8_t c) {
+    return bits[c >> 3] >> (c & 7) & 1;
+}
+
+static void add_byte(uint8_t bits[32], uint8_t c) {
+    bits[c >> 3] |= (uint8_t)(1u << (c & 7));
+}
+
 /* The stack p[0, n) (in st->scratch) with its top expanded to byte sets, into out. */
 static void expand(struct llmem_grammar_state *st, struct stacks *out, int32_t *p, int32_t n) {
     const struct llmem_grammar *g = st->g;
@@ -1079,7 +1102,7 @@ static void advance(struct llmem_grammar_state *st, const struct stacks *in, uin
             continue;
         const int32_t *p = in->pos + in->at[i];
         const uint8_t *set = g->sets[g->el[p[n - 1]].v];
-        if (!(set[c >> 3] >> (c & 7) & 1))
+        if (!has_byte(set, c))
             continue;
         memcpy(st->scratch, p, (size_t)n * 4);
         st->scratch[n - 1]++;
@@ -1139,7 +1162,7 @@ void llmem_grammar_state_free(struct llmem_grammar_state *st) {
         stacks_free(&st->cache[i].set), free(st->cache[i].mask);
     for (int i = 0; st->level != NULL && i <= TOKEN_MAX; i++)
         stacks_free(&st->level[i]);
-    stacks_free(&st->tmp[0]), stacks_free(&st->tmp[1]);
+    stacks_free(&st->tmp[0]), stacks_free(&st->tmp[1]), stacks_free(&st->loop);
     free(st->level), free(st->scratch), free(st->canon), free(st->fewest);
     free(st);
 }
@@ -1166,28 +1189,72 @@ int llmem_grammar_must_end(const struct llmem_grammar_state *st) {
     return 1;
 }
 
-/* The walk below trie node `node`, whose set is st->level[depth]. With a budget (limit ≥ 0), a
- * token is allowed only where the bytes still needed after it are at most limit (fixed: limit
- * tokens are left after it, each at least a byte) or, when shrinking (the end is already out of
- * reach at a byte a token), at most limit less its own length (it lies on a shortest way). */
-static int64_t walk(struct llmem_grammar_state *st, int32_t node, int depth, int32_t limit,
-                    int shrinking, uint8_t *allowed, int32_t *after) {
+static int same_set(const struct stacks *a, const struct stacks *b) {
+    return a->n == b->n && a->n_pos == b->n_pos &&
+           memcmp(a->pos, b->pos, (size_t)a->n_pos * sizeof(*a->pos)) == 0 &&
+           (a->n == 0 || memcmp(a->at, b->at, (size_t)(a->n + 1) * sizeof(*a->at)) == 0);
+}
+
+/* The set `set` moved past byte c: into st->level[depth + 1], or st->loop itself where c leads
+ * back to it (found once a walk: after that no bytes are moved for it). */
+static const struct stacks *step(struct llmem_grammar_state *st, const struct stacks *set,
+                                 int depth, uint8_t c) {
+    const int on_loop = st->loop_on && (set == &st->loop || set == st->loop_src ||
+                                        (st->loop_root && set == &st->level[0]));
+    if (on_loop && has_byte(st->loop_known, c) && has_byte(st->loop_back, c))
+        return set;
+    struct stacks *next = &st->level[depth + 1];
+    if (next == st->loop_src)
+        st->loop_src = NULL; /* (overwritten now) */
+    advance(st, set, c, next);
+    if (st->failed || next->n == 0)
+        return next;
+    if (!st->loop_on && same_set(next, set)) { /* a loop: kept, its bytes learnt as they come */
+        stacks_copy(st, &st->loop, set);
+        if (st->failed)
+            return next;
+        st->loop_on = 1;
+        st->loop_src = set;
+        st->loop_root = same_set(&st->loop, &st->level[0]);
+        memset(st->loop_known, 0, sizeof(st->loop_known));
+        memset(st->loop_back, 0, sizeof(st->loop_back));
+        st->loop_distance = distance(st->g, &st->loop);
+        add_byte(st->loop_known, c), add_byte(st->loop_back, c);
+        return &st->loop;
+    }
+    if (on_loop) {
+        add_byte(st->loop_known, c);
+        if (same_set(next, set)) {
+            add_byte(st->loop_back, c);
+            return set;
+        }
+    }
+    /* (a set equal to the loop's, reached another way, walks on as the loop) */
+    return st->loop_on && same_set(next, &st->loop) ? &st->loop : next;
+}
+
+/* The walk below trie node `node`, whose set is `set`. With a budget (limit ≥ 0), a token is
+ * allowed only where the bytes still needed after it are at most limit (fixed: limit tokens are
+ * left after it, each at least a byte) or, when shrinking (the end is already out of reach at a
+ * byte a token), at most limit less its own length (it lies on a shortest way). */
+static int64_t walk(struct llmem_grammar_state *st, const struct stacks *set, int32_t node,
+                    int depth, int32_t limit, int shrinking, uint8_t *allowed, int32_t *after) {
     const struct llmem_grammar_vocab *v = st->v;
     int64_t n = 0;
     for (int32_t c = v->nodes[node].child; c >= 0; c = v->nodes[c].sibling) {
-        struct stacks *next = &st->level[depth + 1];
-        advance(st, &st->level[depth], v->nodes[c].byte, next);
+        const struct stacks *next = step(st, set, depth, v->nodes[c].byte);
         if (next->n == 0 || st->failed)
             continue;
         const struct tnode *t = &v->nodes[c];
-        const int32_t d = t->tok_n > 0 ? distance(st->g, next) : 0;
+        const int32_t d =
+            t->tok_n > 0 ? (next == &st->loop ? st->loop_distance : distance(st->g, next)) : 0;
         const int ok = limit < 0 || d <= (shrinking ? limit - (depth + 1) : limit);
         for (int32_t k = 0; ok && k < t->tok_n; k++, n++)
             allowed[v->ids[t->tok_first + k]] = 1;
         if (ok && t->tok_n > 0 && d > *after)
             *after = d;
         if (depth + 1 < TOKEN_MAX)
-            n += walk(st, c, depth + 1, limit, shrinking, allowed, after);
+            n += walk(st, next, c, depth + 1, limit, shrinking, allowed, after);
     }
     return n;
 }
@@ -1196,12 +1263,6 @@ static uint64_t set_key(const struct stacks *s) {
     uint64_t h = llmem_hash64(s->pos, (size_t)s->n_pos * sizeof(*s->pos), (uint64_t)s->n + 1);
     h = s->n > 0 ? llmem_hash64(s->at, (size_t)(s->n + 1) * sizeof(*s->at), h) : h;
     return h != 0 ? h : 1;
-}
-
-static int same_set(const struct stacks *a, const struct stacks *b) {
-    return a->n == b->n && a->n_pos == b->n_pos &&
-           memcmp(a->pos, b->pos, (size_t)a->n_pos * sizeof(*a->pos)) == 0 &&
-           (a->n == 0 || memcmp(a->at, b->at, (size_t)(a->n + 1) * sizeof(*a->at)) == 0);
 }
 
 /* The walk without a limit from the current set, into allowed: from the cache, or made and kept
@@ -1222,12 +1283,11 @@ static int64_t walk_cached(struct llmem_grammar_state *st, uint8_t *allowed, int
     }
     memset(allowed, 0, (size_t)nv);
     *after = 0;
-    const int64_t n = walk(st, 0, 0, -1, 0, allowed, after);
+    st->loop_on = 0;
+    const int64_t n = walk(st, &st->level[0], 0, 0, -1, 0, allowed, after);
     if (e->mask == NULL && (e->mask = malloc((size_t)nv)) == NULL)
         return n; /* (not kept) */
-    stacks_clear(&e->set);
-    for (int32_t i = 0; i < st->cur.n; i++)
-        stacks_add(st, &e->set, st->cur.pos + st->cur.at[i], st->cur.at[i + 1] - st->cur.at[i]);
+    stacks_copy(st, &e->set, &st->cur);
     if (st->failed) {
         e->key = 0;
         return n;
@@ -1256,9 +1316,7 @@ static int32_t canonical(struct llmem_grammar_state *st, int32_t d) {
     if (st->canon == NULL && (st->canon = malloc(CANON_MAX)) == NULL)
         return -1;
     struct stacks *a = &st->tmp[0], *b = &st->tmp[1];
-    stacks_clear(a);
-    for (int32_t i = 0; i < st->cur.n; i++)
-        stacks_add(st, a, st->cur.pos + st->cur.at[i], st->cur.at[i + 1] - st->cur.at[i]);
+    stacks_copy(st, a, &st->cur);
     for (int32_t k = 0; k < d; k++) {
         uint8_t any[32] = {0}; /* the bytes the stacks' tops take */
         for (int32_t i = 0; i < a->n; i++)
@@ -1267,7 +1325,7 @@ static int32_t canonical(struct llmem_grammar_state *st, int32_t d) {
                     any[j] |= g->sets[g->el[a->pos[a->at[i + 1] - 1]].v][j];
         int c = 0;
         for (; c < 256; c++) {
-            if (!(any[c >> 3] >> (c & 7) & 1))
+            if (!has_byte(any, (uint8_t)c))
                 continue;
             advance(st, a, (uint8_t)c, b);
             if (st->failed)
@@ -1336,24 +1394,20 @@ int64_t llmem_grammar_allowed(struct llmem_grammar_state *st, int64_t remaining,
                           : shrinking      ? d
                           : remaining - 1 < UNREACHABLE ? (int32_t)(remaining - 1)
                                                         : UNREACHABLE;
-    stacks_clear(&st->level[0]);
-    for (int32_t i = 0; i < st->cur.n; i++)
-        stacks_add(st, &st->level[0], st->cur.pos + st->cur.at[i],
-                   st->cur.at[i + 1] - st->cur.at[i]);
+    stacks_copy(st, &st->level[0], &st->cur);
     int32_t after = 0;
     const int64_t n = walk_cached(st, allowed, &after);
     if (limit < 0 || (!shrinking && after <= limit))
         return n; /* the budget binds no token */
     memset(allowed, 0, (size_t)v->n_vocab);
     after = 0;
-    return walk(st, 0, 0, limit, shrinking, allowed, &after);
+    st->loop_on = 0;
+    return walk(st, &st->level[0], 0, 0, limit, shrinking, allowed, &after);
 }
 
 int llmem_grammar_accept_bytes(struct llmem_grammar_state *st, const char *bytes, size_t n) {
     struct stacks *a = &st->level[0], *b = &st->level[1];
-    stacks_clear(a);
-    for (int32_t i = 0; i < st->cur.n; i++)
-        stacks_add(st, a, st->cur.pos + st->cur.at[i], st->cur.at[i + 1] - st->cur.at[i]);
+    stacks_copy(st, a, &st->cur);
     for (size_t i = 0; i < n; i++) {
         advance(st, a, (uint8_t)bytes[i], b);
         if (b->n == 0 || st->failed)
