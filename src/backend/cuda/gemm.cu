@@ -88,12 +88,13 @@ __device__ __forceinline__ void gemv_step(uint4 raw, const float *x, int64_t x_r
     unpack8<DT>(raw, wv);
 #pragma unroll
     for (int j = 0; j < NX; j++) {
-        /* x by L2 loads, never the read-only path (__ldg): ld.global.nc promises data that does
-         * not change while the kernel runs, and x is the output of the kernel before, which a
-         * programmatic dependent launch lets run on while this one starts (the read-only loads
-         * read stale x: one-row decode steps of a 2,048-wide model went wrong) */
+        /* x by plain loads after pdl_begin's wait, never the read-only path (__ldg):
+         * ld.global.nc promises data that does not change while the kernel runs, and x is the
+         * output of the kernel before, which a programmatic dependent launch lets run on while
+         * this one starts (the read-only loads read stale x: one-row decode steps of a
+         * 2,048-wide model went wrong) */
         const float4 *xr = reinterpret_cast<const float4 *>(x + (x_row0 + j) * cols + k * 8);
-        float4 a = __ldcg(xr), b = __ldcg(xr + 1);
+        float4 a = xr[0], b = xr[1];
         acc[j] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x +
                   wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
     }

@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(co
                 uint32_t x[9];
 #pragma unroll
                 for (int i = 0; i < 9; i++)
-                    x[i] = __ldcg(w + i); /* (the cache: as gemv_step reads x) */
+                    x[i] = w[i]; /* (the cache: as gemv_step reads x) */
                 uint32_t codes[8];
 #pragma unroll
                 for (int i = 0; i < 8; i++)

@@ -391,7 +391,7 @@ static __global__ void __launch_bounds__(256)
 #pragma unroll
         for (int j = 0; j < NX; j++) {
             const float4 *xr = reinterpret_cast<const float4 *>(xb + j * m.cols);
-            const float4 a = __ldcg(xr), c = __ldcg(xr + 1); /* (x: as gemv_step reads it) */
+            const float4 a = xr[0], c = xr[1]; /* (x: as gemv_step reads it) */
             float s = q[0] * a.x;
             s = fmaf(q[1], a.y, s), s = fmaf(q[2], a.z, s), s = fmaf(q[3], a.w, s);
             s = fmaf(q[4], c.x, s), s = fmaf(q[5], c.y, s), s = fmaf(q[6], c.z, s);
@@ -589,12 +589,12 @@ static __global__ void __launch_bounds__(256)
 #pragma unroll
         for (int j = 0; j < NX; j++) {
             const uint8_t *xr = xq + j * xrow;
-            /* (x quantized by the kernel before: L2 loads, as gemv_step reads x) */
-            const uint4 a = __ldcg((const uint4 *)(xr + 32 * u)),
-                        c = __ldcg((const uint4 *)(xr + 32 * u) + 1);
-            const float dx = __ldcg((const float *)(xr + m.cols) + u);
+            /* (x quantized by the kernel before: plain loads, as gemv_step reads x) */
+            const uint4 a = ((const uint4 *)(xr + 32 * u))[0],
+                        c = ((const uint4 *)(xr + 32 * u))[1];
+            const float dx = ((const float *)(xr + m.cols))[u];
             const float *sx = (const float *)(xr + m.cols + m.cols / 32 * 4) + 2 * u;
-            const float sx0 = __ldcg(sx), sx1 = __ldcg(sx + 1);
+            const float sx0 = sx[0], sx1 = sx[1];
             const int s0 =
                 dp4a_us(w[3], a.w, dp4a_us(w[2], a.z, dp4a_us(w[1], a.y, dp4a_us(w[0], a.x, 0))));
             const int s1 =
