@@ -438,7 +438,7 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
     row("runtime transients", p->runtime_transients_bytes, line);
     row("runtime baseline", p->runtime_baseline_bytes,
         p->runtime_baseline_bytes > 0
-            ? "committed: outside the allocator (code, tokenizer, threads, buffers)"
+            ? "committed: outside the allocator (code, tokenizer, threads, buffers, grammars)"
             : "committed: none given (--baseline SIZE)");
     row("session bank, steady", p->bank_steady_bytes, "cache: beside one full window");
     row("session bank, idle", p->bank_idle_max_bytes, "cache: when no long context is live");
