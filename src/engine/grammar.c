@@ -870,10 +870,13 @@ void llmem_grammar_vocab_free(struct llmem_grammar_vocab *v) {
     free(v);
 }
 
+/* node's child for byte, made when its newest child is another: tokens inserted in the order of
+ * their bytes share with the one before the path of their common prefix, so that newest child
+ * is the only one to look at. */
 static int32_t child_of(struct llmem_grammar_vocab *v, int32_t node, uint8_t byte) {
-    for (int32_t c = v->nodes[node].child; c >= 0; c = v->nodes[c].sibling)
-        if (v->nodes[c].byte == byte)
-            return c;
+    const int32_t c = v->nodes[node].child;
+    if (c >= 0 && v->nodes[c].byte == byte)
+        return c;
     if (grow((void **)&v->nodes, &v->cap_nodes, v->n_nodes + 1, sizeof(*v->nodes)) != 0)
         return -1;
     struct tnode *n = &v->nodes[v->n_nodes];
@@ -884,6 +887,18 @@ static int32_t child_of(struct llmem_grammar_vocab *v, int32_t node, uint8_t byt
 
 int32_t llmem_grammar_vocab_size(const struct llmem_grammar_vocab *v) {
     return v->n_vocab;
+}
+
+/* A token's bytes, for sorting the vocabulary by them. */
+struct tok_ref {
+    const char *p;
+    int32_t len, id;
+};
+
+static int by_bytes(const void *a, const void *b) {
+    const struct tok_ref *x = a, *y = b;
+    const int c = memcmp(x->p, y->p, (size_t)(x->len < y->len ? x->len : y->len));
+    return c != 0 ? c : (x->len > y->len) - (x->len < y->len);
 }
 
 int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
@@ -905,6 +920,7 @@ int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
         v->nodes[0] = (struct tnode){.child = -1, .sibling = -1};
         v->n_nodes = 1;
     }
+    /* every token's bytes, then the tokens in the order of their bytes into the trie */
     char bytes[TOKEN_MAX];
     for (int32_t id = 0; ok && id < n; id++) {
         size_t len = 0;
@@ -914,25 +930,36 @@ int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
             llmem_tokenizer_token_bytes(tok, id, bytes, sizeof(bytes), &len) != LLMEM_OK ||
             len == 0)
             continue;
-        int32_t node = 0;
-        for (size_t i = 0; i < len && node >= 0; i++)
-            node = child_of(v, node, (uint8_t)bytes[i]);
-        if (ok && node >= 0 && v->n_bytes + (int64_t)len > v->cap_bytes) {
+        if (v->n_bytes + (int64_t)len > v->cap_bytes) {
             int64_t cap = v->cap_bytes > 0 ? 2 * v->cap_bytes : 1 << 16;
             char *p = realloc(v->bytes, (size_t)(cap + TOKEN_MAX));
             ok = p != NULL;
             if (ok)
                 v->bytes = p, v->cap_bytes = cap;
         }
-        ok = ok && node >= 0;
         if (ok) {
             memcpy(v->bytes + v->n_bytes, bytes, len);
             v->off[id] = v->n_bytes;
             v->n_bytes += (int64_t)len;
+            v->len[id] = (int32_t)len;
         }
-        node_of[id] = node;
-        v->len[id] = (int32_t)len;
     }
+    struct tok_ref *order = ok ? malloc((size_t)n * sizeof(*order)) : NULL;
+    int32_t m = 0;
+    ok = ok && order != NULL;
+    for (int32_t id = 0; ok && id < n; id++)
+        if (v->len[id] > 0)
+            order[m++] = (struct tok_ref){v->bytes + v->off[id], v->len[id], id};
+    if (ok)
+        qsort(order, (size_t)m, sizeof(*order), by_bytes);
+    for (int32_t k = 0; ok && k < m; k++) {
+        int32_t node = 0;
+        for (int32_t i = 0; i < order[k].len && node >= 0; i++)
+            node = child_of(v, node, (uint8_t)order[k].p[i]);
+        ok = node >= 0;
+        node_of[order[k].id] = node;
+    }
+    free(order);
     /* each node's tokens together (a counting sort by node) */
     for (int32_t id = 0; ok && id < n; id++)
         if (node_of[id] >= 0)
