@@ -1623,6 +1623,49 @@ static void test_streaming(void **state) {
  * sequence set back; and, with the bank on, that run's prompt and tokens again, from the bank.
  * Through the forward pass: three sequences' next two tokens, the second step queued before the
  * first's results reached the host, equal two steps run one after the other. */
+/* llmem_forward_start queues a pass of whole rows and llmem_forward_wait copies them: the same
+ * rows as llmem_forward_run's (a prefill chunk, then decode steps replayed as a graph); start
+ * returns while the device computes (a grammar's masks are made then). */
+static void test_start_whole_rows(void **state) {
+    (void)state;
+    struct llmem_engine *e = open_small_pycoder();
+    struct llmem_kv *kv = llmem_engine_kv(e);
+    struct llmem_forward *f = llmem_engine_forward(e);
+    const int64_t vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size;
+    int32_t toks[40];
+    for (int i = 0; i < 40; i++)
+        toks[i] = (int32_t)((i * 37 + 5) % vocab);
+    float *rows[2][3];
+    int busy = 0;
+    for (int way = 0; way < 2; way++) {
+        int seq = -1;
+        assert_int_equal(llmem_kv_seq_new(kv, &seq), LLMEM_OK);
+        const int64_t at[4] = {0, 32, 36, 37};
+        for (int step = 0; step < 3; step++) {
+            rows[way][step] = malloc((size_t)vocab * sizeof(float));
+            struct llmem_batch_seq b = {
+                .seq = seq, .pos = at[step], .n_tokens = at[step + 1] - at[step]};
+            if (way == 0) {
+                assert_int_equal(llmem_forward_run(f, toks + at[step], &b, 1, rows[0][step]),
+                                 LLMEM_OK);
+                continue;
+            }
+            assert_int_equal(llmem_forward_start(f, toks + at[step], &b, 1, rows[1][step]),
+                             LLMEM_OK);
+            busy += llmem_forward_busy(f);
+            assert_int_equal(llmem_forward_wait(f), LLMEM_OK);
+            assert_false(llmem_forward_busy(f));
+        }
+        llmem_kv_seq_free(kv, seq);
+    }
+    for (int step = 0; step < 3; step++) {
+        assert_memory_equal(rows[0][step], rows[1][step], (size_t)vocab * sizeof(float));
+        free(rows[0][step]), free(rows[1][step]);
+    }
+    printf("  of 3 passes started, %d still running when start returned\n", busy);
+    llmem_engine_close(e);
+}
+
 static void test_decode_ahead(void **state) {
     (void)state;
     int32_t prompt[20];
@@ -2105,6 +2148,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_top_k),
         cmocka_unit_test(test_sampling_on_device),
         cmocka_unit_test(test_streaming),
+        cmocka_unit_test(test_start_whole_rows),
         cmocka_unit_test(test_decode_ahead),
         cmocka_unit_test(test_decode_ahead_serving),
         cmocka_unit_test(test_device_plan),

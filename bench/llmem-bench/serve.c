@@ -143,6 +143,7 @@ struct stats {
     double forward_prefill_ms; /* the forward pass of a step that prefills (a prompt's chunk) */
     double device_ms;          /* a device's time per decode step replayed as a graph; 0: none */
     int64_t replayed, recorded, missed; /* decode steps replayed, recorded, not matched */
+    int64_t masked, masks_late; /* device steps with grammars' masks; of which they came last */
 };
 
 /* The backend's graph counters so far (zeros without graphs). */
@@ -197,7 +198,9 @@ static int run_clients(struct llmem_engine *e, int port, char **bodies, int n, i
                          .prefill_steps = m1.prefill_steps - m0.prefill_steps,
                          .replayed = g1.graphs_replayed - g0.graphs_replayed,
                          .recorded = g1.graphs_recorded - g0.graphs_recorded,
-                         .missed = g1.graphs_missed - g0.graphs_missed};
+                         .missed = g1.graphs_missed - g0.graphs_missed,
+                         .masked = m1.masked_steps - m0.masked_steps,
+                         .masks_late = m1.masks_late - m0.masks_late};
     if (st->replayed > 0)
         st->device_ms = (g1.graphs_device_s - g0.graphs_device_s) / (double)st->replayed * 1e3;
     if (st->steps > 0) {
@@ -396,7 +399,9 @@ static cJSON *stats_json(const struct stats *s, const char *workload) {
         llmem_json_add_double(o, "device_ms_per_decode_step", s->device_ms) ||
         llmem_json_add_int(o, "graphs_replayed", s->replayed) ||
         llmem_json_add_int(o, "graphs_recorded", s->recorded) ||
-        llmem_json_add_int(o, "graphs_missed", s->missed)) {
+        llmem_json_add_int(o, "graphs_missed", s->missed) ||
+        llmem_json_add_int(o, "masked_steps", s->masked) ||
+        llmem_json_add_int(o, "masks_late", s->masks_late)) {
         cJSON_Delete(o);
         return NULL;
     }
@@ -413,6 +418,10 @@ static void print_row(const char *label, const struct stats *s) {
            s->requests_per_s, s->ttft_p50_ms, s->ttft_p99_ms, s->itl_ms, s->steps, s->prefill_steps,
            s->step_ms, s->sched_ms, s->forward_ms, s->forward_prefill_ms, dev, s->replayed,
            s->failed ? "  (some failed)" : "");
+    if (s->masked > 0)
+        printf("%-9s masks made while the device computed: %" PRId64 " steps, %" PRId64
+               " of them ready only after it had finished\n",
+               "", s->masked, s->masks_late);
 }
 
 int bench_serve(int argc, char **argv) {

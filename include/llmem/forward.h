@@ -80,6 +80,15 @@ LLMEM_API int llmem_forward_start_top(struct llmem_forward *forward, const int32
                                       int32_t *ids, float *vals);
 LLMEM_API int llmem_forward_wait(struct llmem_forward *forward);
 
+/* llmem_forward_run in the same two halves, for a caller that needs whole rows: on a device the
+ * pass is queued and llmem_forward_wait copies its rows into logits (which must stay valid until
+ * then); on the host the pass runs in the call and the wait has nothing to do. */
+LLMEM_API int llmem_forward_start(struct llmem_forward *forward, const int32_t *tokens,
+                                  const struct llmem_batch_seq *seqs, int n_seqs, float *logits);
+/* Whether the oldest pass started is still running on the device (0 when none is, or where the
+ * backend cannot tell): what a caller did in between finished before the pass did. */
+LLMEM_API int llmem_forward_busy(const struct llmem_forward *forward);
+
 /* Whether llmem_forward_start_next can run: llmem_forward_has_top, and the backend can read a
  * pass's tokens on the device. */
 LLMEM_API int llmem_forward_has_next(const struct llmem_forward *forward);

@@ -213,6 +213,8 @@ struct llmem_backend_ops {
     /* Waits for every operation queued. The first failure of any of them (LLMEM_EIO, or
      * LLMEM_ENOMEM for scratch) is logged once and returned by every later copy and sync. */
     int (*sync)(void *ctx);
+    /* (optional) Whether operations queued are still running: 1, or 0 (all done, or failed). */
+    int (*busy)(void *ctx);
 
     /* (optional: backends whose memory is not the host's) The k ≤ LLMEM_TOP_K_MAX largest entries
      * of each of n rows of x ([n, cols], the backend's memory, k ≤ cols), sorted by value

@@ -33,7 +33,7 @@ static void prepare_one(void *arg, int task, int thread) {
     llmem_sampler_prepare(((struct llmem_sampler **)arg)[task]);
 }
 
-static void prepare_masks(struct llmem_sched *s, const struct slot *slots, int n) {
+static int prepare_masks(struct llmem_sched *s, const struct slot *slots, int n) {
     int k = 0;
     for (int i = 0; i < n; i++) {
         const struct request *r = slots[i].r;
@@ -45,6 +45,7 @@ static void prepare_masks(struct llmem_sched *s, const struct slot *slots, int n
     else
         for (int i = 0; i < k; i++)
             prepare_one(s->masking, i, 0);
+    return k;
 }
 
 /* ---- the running set ------------------------------------------------------------------------- */
@@ -323,7 +324,7 @@ int64_t llmem_sched_step(struct llmem_sched *s) {
             status = n <= 0  ? LLMEM_ENOMEM
                      : k > 0 ? llmem_forward_start_top(fwd, s->tokens, s->seqs, n, k, s->top[0].ids,
                                                        s->top[0].vals)
-                             : llmem_forward_run(fwd, s->tokens, s->seqs, n, s->logits);
+                             : llmem_forward_start(fwd, s->tokens, s->seqs, n, s->logits);
             for (int i = 0; i < n; i++) /* (queued or not: a request of the batch ends after it) */
                 slots[i].r->in_flight = 1;
         }
@@ -343,8 +344,10 @@ int64_t llmem_sched_step(struct llmem_sched *s) {
         double forward_s = llmem_clock_s() - t_forward;
         llmem_sched_hand_over_all(s, &s->running); /* (none pending if they went first) */
         llmem_sched_hand_over_all(s, &s->waiting);
-        if (status == LLMEM_OK)
-            prepare_masks(s, slots, n);
+        if (status == LLMEM_OK && prepare_masks(s, slots, n) > 0 && s->top_ok) {
+            s->counters.masked_steps++; /* on a device: were the masks ready first? */
+            s->counters.masks_late += !llmem_forward_busy(fwd);
+        }
         t_forward = llmem_clock_s();
         if (status == LLMEM_OK)
             status = llmem_forward_wait(fwd);

@@ -69,6 +69,8 @@ struct llmem_forward {
         int n_seqs, k;
         int *seq_ids;
         int64_t *lengths;
+        float *logits; /* k = 0: where wait copies the rows (dev_logits), logit_bytes of them */
+        size_t logit_bytes;
     } started[2];
     int n_started;
     float *dev_logits; /* on a device: the logits there, kept for the next pass (graphs) */
@@ -375,10 +377,11 @@ static void restore_lengths(struct llmem_forward *f, int n_seqs, const int *seq_
         llmem_kv_set_length(f->kv, seq_ids[s], lengths[s]);
 }
 
-/* llmem_forward_run, and llmem_forward_start_top with k > 0 (which returns once the pass is
- * queued, llmem_forward_wait then waiting for it); tokens NULL: llmem_forward_start_next's. */
+/* llmem_forward_run (start 0) and llmem_forward_start (1), or llmem_forward_start_top with
+ * k > 0; a pass started on a device returns once it is queued, llmem_forward_wait then waiting
+ * for it; tokens NULL: llmem_forward_start_next's. */
 static int forward(struct llmem_forward *f, const int32_t *tokens,
-                   const struct llmem_batch_seq *seqs, int n_seqs, float *logits, int k,
+                   const struct llmem_batch_seq *seqs, int n_seqs, float *logits, int start, int k,
                    int32_t *ids, float *vals) {
     const struct llmem_model_geometry *g = &f->model->cfg.geom;
     LLMEM_ASSERT(f->n_started == 0 || tokens == NULL); /* llmem_forward_wait first */
@@ -475,18 +478,21 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
             break;
         }
     }
-    if (status == LLMEM_OK && k > 0) { /* queued: llmem_forward_wait waits */
-        status = ops->top_k(ctx, dl, n_logits, g->vocab_size, k, ids, vals);
+    const size_t logit_bytes = (size_t)(n_logits * g->vocab_size) * sizeof(float);
+    if (status == LLMEM_OK && (k > 0 || (start && dl != NULL))) { /* llmem_forward_wait waits */
+        if (k > 0)
+            status = ops->top_k(ctx, dl, n_logits, g->vocab_size, k, ids, vals);
         if (status == LLMEM_OK) { /* its arrays become the pass's record */
             struct started *p = &f->started[f->n_started++];
             int *si = p->seq_ids;
             int64_t *len = p->lengths;
             p->seq_ids = f->seq_ids, p->lengths = f->lengths, p->n_seqs = n_seqs, p->k = k;
+            p->logits = logits, p->logit_bytes = logit_bytes;
             f->seq_ids = si, f->lengths = len;
             return LLMEM_OK;
         }
     } else if (status == LLMEM_OK && dl != NULL) { /* and every failure of the pass */
-        status = ops->copy(ctx, logits, dl, (size_t)(n_logits * g->vocab_size) * sizeof(float));
+        status = ops->copy(ctx, logits, dl, logit_bytes);
     }
 failed:
     if (status != LLMEM_OK)
@@ -498,7 +504,10 @@ int llmem_forward_wait(struct llmem_forward *f) {
     if (f->n_started == 0)
         return LLMEM_OK;
     const struct llmem_backend_ops *ops = f->be->ops;
-    int status = f->n_started > 1 ? ops->top_k_wait(f->be->ctx) : ops->sync(f->be->ctx);
+    const struct started *p = &f->started[0];
+    int status = p->k == 0 ? ops->copy(f->be->ctx, p->logits, f->dev_logits, p->logit_bytes)
+                 : f->n_started > 1 ? ops->top_k_wait(f->be->ctx)
+                                    : ops->sync(f->be->ctx);
     if (status != LLMEM_OK) { /* every pass started fails with it: the newest restored first */
         for (int i = f->n_started - 1; i >= 0; i--)
             restore_lengths(f, f->started[i].n_seqs, f->started[i].seq_ids, f->started[i].lengths);
@@ -514,7 +523,17 @@ int llmem_forward_wait(struct llmem_forward *f) {
 
 int llmem_forward_run(struct llmem_forward *f, const int32_t *tokens,
                       const struct llmem_batch_seq *seqs, int n_seqs, float *logits) {
-    return forward(f, tokens, seqs, n_seqs, logits, 0, NULL, NULL);
+    return forward(f, tokens, seqs, n_seqs, logits, 0, 0, NULL, NULL);
+}
+
+int llmem_forward_start(struct llmem_forward *f, const int32_t *tokens,
+                        const struct llmem_batch_seq *seqs, int n_seqs, float *logits) {
+    return forward(f, tokens, seqs, n_seqs, logits, 1, 0, NULL, NULL);
+}
+
+int llmem_forward_busy(const struct llmem_forward *f) {
+    const struct llmem_backend_ops *ops = f->be->ops;
+    return f->n_started > 0 && ops->busy != NULL && ops->busy(f->be->ctx);
 }
 
 int llmem_forward_start_top(struct llmem_forward *f, const int32_t *tokens,
@@ -526,7 +545,7 @@ int llmem_forward_start_top(struct llmem_forward *f, const int32_t *tokens,
                     LLMEM_TOP_K_MAX);
         return LLMEM_EINVAL;
     }
-    return forward(f, tokens, seqs, n_seqs, NULL, k, ids, vals);
+    return forward(f, tokens, seqs, n_seqs, NULL, 1, k, ids, vals);
 }
 
 int llmem_forward_start_next(struct llmem_forward *f, int32_t *ids, float *vals) {
@@ -547,7 +566,7 @@ int llmem_forward_start_next(struct llmem_forward *f, int32_t *ids, float *vals)
         seqs[s] = (struct llmem_batch_seq){
             .seq = seq, .pos = p->lengths[s] + 1, .n_tokens = 1, .all_logits = 0};
     }
-    return forward(f, NULL, seqs, p->n_seqs, NULL, 1, ids, vals);
+    return forward(f, NULL, seqs, p->n_seqs, NULL, 1, 1, ids, vals);
 }
 
 int llmem_forward_run_top(struct llmem_forward *f, const int32_t *tokens,

@@ -119,6 +119,12 @@ char *llmem_srv_render_metrics(const struct llmem_engine_metrics *m, const struc
     metric(&b, "llmem_scheduler_ahead_steps_total", "counter",
            "Greedy decode steps queued on the device before the step ahead of them had finished.",
            m->ahead_steps);
+    metric(&b, "llmem_scheduler_masked_steps_total", "counter",
+           "Steps on a device whose grammars' token masks were made while it computed.",
+           m->masked_steps);
+    metric(&b, "llmem_scheduler_masks_late_total", "counter",
+           "Of those, the steps whose masks were ready only after the device had finished.",
+           m->masks_late);
     header(&b, "llmem_scheduler_step_seconds_total", "counter",
            "Time in scheduler steps (admission, the forward pass, sampling, the bank).");
     llmem_srv_buf_printf(&b, "llmem_scheduler_step_seconds_total %.9g\n", m->step_seconds);

@@ -133,6 +133,11 @@ int cuda_sync(void *ctx) {
     return c->failed;
 }
 
+static int cuda_busy(void *ctx) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    return c->mode == PASS_NOW && cudaStreamQuery(c->stream) == cudaErrorNotReady;
+}
+
 /* Inside a pass being recorded or staged: a copy between device buffers (a shared KV block made
  * the sequence's own) is queued now, ahead of the graph, and is no part of the recording: while
  * recording, it makes the graph one to run once. */
@@ -292,6 +297,7 @@ static struct llmem_backend_ops make_ops(void) {
     o.top_k_wait = cuda_top_k_wait;
     o.embedding_top = cuda_embedding_top;
     o.sync = cuda_sync;
+    o.busy = cuda_busy;
     o.graph_begin = cuda_graph_begin;
     o.graph_end = cuda_graph_end;
     o.graph_ready = cuda_graph_ready;
