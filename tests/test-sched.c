@@ -30,6 +30,7 @@ struct outcome {
     char reason[16];
     char message[512];
     int logprobs_ok; /* every event's log-probabilities were consistent */
+    int drawn;       /* the tokens are drawn at a temperature, not the most likely ones */
     int logprob_events;
 };
 
@@ -42,7 +43,8 @@ static int on_token(void *arg, const struct llmem_token_event *ev) {
     if (ev->n_top > 0) {
         o->logprob_events++;
         /* greedy: the token is the most likely one; alternatives sorted; a distribution */
-        int ok = ev->top_ids[0] == ev->id && fabsf(ev->top_logprobs[0] - ev->logprob) < 1e-6f &&
+        int ok = (o->drawn ||
+                  (ev->top_ids[0] == ev->id && fabsf(ev->top_logprobs[0] - ev->logprob) < 1e-6f)) &&
                  ev->logprob <= 0;
         double mass = 0;
         for (int i = 0; i < ev->n_top; i++) {
@@ -93,14 +95,22 @@ static struct llmem_engine *open_pycoder(int max_sequences) {
     return e;
 }
 
-/* The greedy tokens of a single run of prompt i (n tokens). */
+/* Request i's parameters: GEN tokens, greedy for even i, drawn at a temperature with a seed of
+ * its own for odd i (the draws of a step's rows run on the pool's threads together). */
+static void params_of(int i, struct llmem_generate_params *p) {
+    llmem_generate_params_default(p);
+    p->max_tokens = GEN;
+    p->ignore_eos = 1;
+    if (i % 2 == 1)
+        p->sampling.temperature = 0.8, p->sampling.seed = 1000 + (uint64_t)i;
+}
+
+/* The tokens of a single run of prompt i (n tokens). */
 static void single_run(struct llmem_engine *e, int i, int n, int32_t *ids, int *n_ids) {
     int32_t prompt[512];
     prompt_of(i, prompt, n);
     struct llmem_generate_params p;
-    llmem_generate_params_default(&p);
-    p.max_tokens = GEN;
-    p.ignore_eos = 1;
+    params_of(i, &p);
     struct llmem_generate_result r;
     assert_int_equal(llmem_engine_generate(e, prompt, n, &p, NULL, NULL, &r), LLMEM_OK);
     memcpy(ids, r.ids, (size_t)r.n_ids * sizeof(int32_t));
@@ -124,13 +134,15 @@ static int64_t serve_and_compare(struct llmem_engine *e, const int *len, int log
     struct outcome out[N_REQ];
     assert_int_equal(llmem_engine_serve_start(e, NULL), LLMEM_OK);
     for (int i = 0; i < N_REQ; i++) {
-        out[i] = (struct outcome){.mu = &mu, .cv = &cv, .n_done = &n_done, .logprobs_ok = 1};
         int32_t prompt[512];
         prompt_of(i, prompt, len[i]);
         struct llmem_generate_params p;
-        llmem_generate_params_default(&p);
-        p.max_tokens = GEN;
-        p.ignore_eos = 1;
+        params_of(i, &p);
+        out[i] = (struct outcome){.mu = &mu,
+                                  .cv = &cv,
+                                  .n_done = &n_done,
+                                  .logprobs_ok = 1,
+                                  .drawn = p.sampling.temperature > 0};
         p.logprobs = logprobs;
         struct llmem_request_events ev = {.on_token = on_token, .on_done = on_done, .arg = &out[i]};
         uint64_t id;

@@ -331,8 +331,9 @@ const char *llmem_sched_sample(struct llmem_sched *s, struct request *r, struct 
                                int *status) {
     const float *logits = row.logits;
     *status = LLMEM_OK;
-    int32_t id = logits != NULL ? llmem_sampler_sample(r->sampler, logits)
-                                : llmem_sampler_sample_top(r->sampler, row.ids, row.vals, row.k);
+    int32_t id = row.drawn >= 0   ? row.drawn
+                 : logits != NULL ? llmem_sampler_sample(r->sampler, logits)
+                                  : llmem_sampler_sample_top(r->sampler, row.ids, row.vals, row.k);
     if (!row_finite(row, id)) {
         LLMEM_ERROR("the model's logits are not finite (NaN or infinity) at position %" PRId64
                     ": its weights hold NaN or infinity, or its activations overflowed",
@@ -723,6 +724,7 @@ static void destroy(struct llmem_sched *s) {
     free(s->seqs);
     free(s->slots);
     free(s->masking);
+    free(s->drawing);
     for (int i = 0; i < 2; i++) {
         llmem_mem_free(s->cfg.mem, s->top[i].vals);
         llmem_mem_free(s->cfg.mem, s->top[i].ids);
@@ -773,11 +775,12 @@ int llmem_sched_create(const struct llmem_sched_config *config, struct llmem_sch
     }
     s->slots = malloc(rows * sizeof(*s->slots));
     s->masking = malloc(rows * sizeof(*s->masking));
+    s->drawing = malloc(rows * sizeof(*s->drawing));
     s->seqs = malloc(rows * sizeof(*s->seqs));
     s->ahead = malloc(rows * sizeof(*s->ahead));
     s->tokens = malloc((size_t)s->cfg.max_batch_tokens * sizeof(*s->tokens));
-    if (s->slots == NULL || s->masking == NULL || s->seqs == NULL || s->ahead == NULL ||
-        s->tokens == NULL) {
+    if (s->slots == NULL || s->masking == NULL || s->drawing == NULL || s->seqs == NULL ||
+        s->ahead == NULL || s->tokens == NULL) {
         LLMEM_ERROR("out of memory");
         goto fail;
     }

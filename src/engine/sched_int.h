@@ -62,6 +62,14 @@ struct out_row {
     const int32_t *ids;
     const float *vals;
     int64_t k;
+    int32_t drawn; /* the id drawn from the whole row already (on the pool); −1: none */
+};
+
+/* A whole row to draw from on the pool's threads, and the id drawn. */
+struct draw {
+    struct llmem_sampler *sampler;
+    const float *logits;
+    int32_t id;
 };
 
 /* Where a pass's top-k selection lands: ids and values, row after row. */
@@ -107,6 +115,7 @@ struct llmem_sched {
                                    * whose results are in the other */
     struct slot *slots;           /* (max_sequences) the step's batch */
     struct llmem_sampler **masking; /* (max_sequences) the step's samplers under a grammar */
+    struct draw *drawing;           /* (max_sequences) the step's whole rows, by slot */
     struct llmem_batch_seq *seqs; /* (max_sequences) and its sequences */
     int32_t *tokens;              /* (max_batch_tokens) and their tokens, in order */
     /* A greedy decode step queued behind the step in flight, fed its tokens on the device

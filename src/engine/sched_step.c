@@ -48,6 +48,27 @@ static int prepare_masks(struct llmem_sched *s, const struct slot *slots, int n)
     return k;
 }
 
+/* Whole rows are drawn from on the pool's threads, several at a time (a row of a 131,072-token
+ * vocabulary at a temperature takes about a millisecond): into s->drawing, by slot. */
+static void draw_one(void *arg, int task, int thread) {
+    (void)thread;
+    struct draw *d = &((struct draw *)arg)[task];
+    d->id = d->sampler != NULL ? llmem_sampler_sample(d->sampler, d->logits) : -1;
+}
+
+static void draw_rows(struct llmem_sched *s, const struct slot *slots, int n) {
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        const struct request *r = slots[i].r;
+        const int draws = r != NULL && r->pos >= r->n_toks && r->ending == NULL;
+        s->drawing[i] = (struct draw){draws ? r->sampler : NULL,
+                                      s->logits + (size_t)i * (size_t)s->cfg.vocab, -1};
+        m += draws;
+    }
+    if (m > 1)
+        llmem_pool_run(s->cfg.pool, n, draw_one, s->drawing);
+}
+
 /* ---- the running set ------------------------------------------------------------------------- */
 
 /* Takes r out of the running set, its KV banked: it waits again at the head of the queue and
@@ -391,15 +412,20 @@ int64_t llmem_sched_step(struct llmem_sched *s) {
                                                : llmem_last_error());
         } else {
             const struct top_rows *rows = &s->top[top];
+            const int drawn = k == 0 && n > 1 && s->cfg.pool != NULL;
+            if (drawn)
+                draw_rows(s, slots, n);
             for (int i = 0; i < n; i++) {
                 struct request *r = slots[i].r;
                 if (r == NULL || r->pos < r->n_toks || r->ending != NULL)
                     continue;
-                struct out_row row = {.logits = s->logits + (size_t)i * (size_t)s->cfg.vocab};
+                struct out_row row = {.logits = s->logits + (size_t)i * (size_t)s->cfg.vocab,
+                                      .drawn = drawn ? s->drawing[i].id : -1};
                 if (k > 0)
                     row = (struct out_row){.ids = rows->ids + (size_t)i * (size_t)k,
                                            .vals = rows->vals + (size_t)i * (size_t)k,
-                                           .k = k};
+                                           .k = k,
+                                           .drawn = -1};
                 int st;
                 const char *reason = llmem_sched_sample(s, r, row, &st);
                 if (reason != NULL && r->in_flight) /* in the step queued ahead: after it */
