@@ -121,6 +121,46 @@ static void test_strings(void **state) {
     assert_false(takes(g, "{\"name\": \"get\", \"arguments\": {\"city\": \"Oslo\"}}"));
     assert_false(takes(g, "{\"name\": \"other\", \"parameters\": {}}"));
     llmem_grammar_free(g);
+    assert_int_equal(
+        llmem_grammar_compile_tools(tools, 2, LLMEM_TOOL_FORMAT_MISTRAL, why, sizeof(why), &g),
+        LLMEM_OK);
+    assert_true(
+        takes(g, "[TOOL_CALLS] [{\"name\": \"get\", \"arguments\": {\"city\": \"Oslo\"}}]"));
+    assert_true(takes(g, "[TOOL_CALLS][{\"name\": \"now\", \"arguments\": {}}]"));
+    assert_false(takes(g, "[{\"name\": \"now\", \"arguments\": {}}]"));
+    assert_false(takes(g, "[TOOL_CALLS] {\"name\": \"now\", \"arguments\": {}}"));
+    llmem_grammar_free(g);
+}
+
+/* Mistral's [TOOL_CALLS] is a special token, yet its tools' grammar can start with it (the
+ * vocabulary's trie holds it) and never with another special one (the EOS). */
+static void test_mistral_control_token(void **state) {
+    (void)state;
+    struct llmem_tokenizer *mt = NULL;
+    struct llmem_grammar_vocab *mv = NULL;
+    assert_int_equal(llmem_tokenizer_load(LLMEM_TEST_DATA "/tok/tok-mistral-tools", &mt), LLMEM_OK);
+    assert_int_equal(llmem_grammar_vocab_create(mt, &mv), LLMEM_OK);
+    const int32_t calls = llmem_tokenizer_token_id(mt, "[TOOL_CALLS]");
+    assert_true(calls >= 0 && llmem_tokenizer_is_special(mt, calls));
+    const struct llmem_grammar_tool tool = {"now", NULL, 0};
+    char why[256];
+    struct llmem_grammar *g = NULL;
+    assert_int_equal(
+        llmem_grammar_compile_tools(&tool, 1, LLMEM_TOOL_FORMAT_MISTRAL, why, sizeof(why), &g),
+        LLMEM_OK);
+    struct llmem_grammar_state *s = NULL;
+    assert_int_equal(llmem_grammar_state_create(g, mv, &s), LLMEM_OK);
+    const int32_t n = llmem_grammar_vocab_size(mv);
+    uint8_t *allowed = malloc((size_t)n);
+    assert_non_null(allowed);
+    assert_true(llmem_grammar_allowed(s, 0, allowed) > 0);
+    assert_true(allowed[calls]);
+    assert_false(allowed[llmem_tokenizer_eos(mt)]);
+    free(allowed);
+    llmem_grammar_state_free(s);
+    llmem_grammar_free(g);
+    llmem_grammar_vocab_free(mv);
+    llmem_tokenizer_free(mt);
 }
 
 /* What is refused, and that the reason names it. */
@@ -370,11 +410,9 @@ static int teardown(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_strings),
-        cmocka_unit_test(test_refused),
-        cmocka_unit_test(test_planned_bytes),
-        cmocka_unit_test(test_allowed),
-        cmocka_unit_test(test_sampled_outputs),
+        cmocka_unit_test(test_strings),      cmocka_unit_test(test_mistral_control_token),
+        cmocka_unit_test(test_refused),      cmocka_unit_test(test_planned_bytes),
+        cmocka_unit_test(test_allowed),      cmocka_unit_test(test_sampled_outputs),
         cmocka_unit_test(test_tight_budget),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

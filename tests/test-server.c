@@ -577,6 +577,114 @@ static void test_tool_conventions(void **state) {
     cJSON_Delete(o);
 }
 
+/* Mistral v0.3's convention: requests as an OpenAI client sends them (arguments as JSON text,
+ * any ids), parsed and rendered with tok-mistral-tools' template, byte for byte as transformers
+ * renders the same conversations (render.json, made by make_mistral_tools.py); a forced call's
+ * grammar; the answer read back. */
+static void test_tool_convention_mistral(void **state) {
+    (void)state;
+    struct llmem_tokenizer *tok = NULL;
+    assert_int_equal(llmem_tokenizer_load(LLMEM_TEST_DATA "/tok/tok-mistral-tools", &tok),
+                     LLMEM_OK);
+    enum llmem_chat_template t = LLMEM_CHAT_NONE;
+    assert_int_equal(llmem_tokenizer_chat_template(tok, &t), LLMEM_OK);
+    assert_int_equal(t, LLMEM_CHAT_MISTRAL);
+    char *json = tu_read_file(LLMEM_TEST_DATA "/tok/tok-mistral-tools/render.json");
+    cJSON *cases = cJSON_Parse(json);
+    assert_non_null(cases);
+    struct srv_model mistral = model;
+    mistral.tool_format = LLMEM_TOOL_FORMAT_MISTRAL;
+    const cJSON *c;
+    cJSON_ArrayForEach(c, cases) {
+        /* the calls' arguments as the JSON text OpenAI's clients send */
+        cJSON *req = cJSON_CreateObject();
+        cJSON *msgs = cJSON_Duplicate(cJSON_GetObjectItem(c, "messages"), 1), *m;
+        cJSON_ArrayForEach(m, msgs) {
+            const cJSON *call;
+            cJSON_ArrayForEach(call, cJSON_GetObjectItem(m, "tool_calls")) {
+                cJSON *f = cJSON_GetObjectItem(call, "function");
+                char *args = cJSON_PrintUnformatted(cJSON_GetObjectItem(f, "arguments"));
+                cJSON_ReplaceItemInObject(f, "arguments", cJSON_CreateString(args));
+                free(args);
+            }
+        }
+        cJSON_AddItemToObject(req, "messages", msgs);
+        cJSON_AddItemToObject(req, "tools", cJSON_Duplicate(cJSON_GetObjectItem(c, "tools"), 1));
+        char *body = cJSON_PrintUnformatted(req);
+        struct srv_request r;
+        struct srv_error e = {0};
+        assert_int_equal(llmem_srv_request_parse(SRV_CHAT, body, strlen(body), &mistral, &r, &e),
+                         0);
+        char *text = NULL;
+        assert_int_equal(llmem_chat_render(tok, t, r.messages, r.n_messages, 1, &text, NULL),
+                         LLMEM_OK);
+        assert_string_equal(text, cJSON_GetObjectItem(c, "rendered")->valuestring);
+        free(text), free(body);
+        cJSON_Delete(req);
+        llmem_srv_request_free(&r);
+    }
+    cJSON_Delete(cases);
+    free(json);
+
+    /* an OpenAI-style id is cut to its last 9 characters; a tool message needs its call's id */
+    static const char ids[] =
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": "
+        "\"assistant\", \"tool_calls\": [{\"id\": \"call_0123456789\", \"type\": "
+        "\"function\", \"function\": {\"name\": \"f\", \"arguments\": \"{}\"}}]}, "
+        "{\"role\": \"tool\", \"tool_call_id\": \"call_0123456789\", \"content\": \"1\"}]}";
+    struct srv_request r;
+    struct srv_error e = {0};
+    assert_int_equal(llmem_srv_request_parse(SRV_CHAT, ids, strlen(ids), &mistral, &r, &e), 0);
+    assert_true(content_is(&r, 1, "tool_calls",
+                           "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {}, \"id\": "
+                           "\"123456789\"}]"));
+    assert_true(content_is(&r, 2, "tool_results",
+                           "[TOOL_RESULTS] {\"content\": 1, \"call_id\": "
+                           "\"123456789\"}[/TOOL_RESULTS]"));
+    llmem_srv_request_free(&r);
+    static const char no_id[] =
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"tool\", "
+        "\"content\": \"1\"}]}";
+    memset(&e, 0, sizeof(e));
+    assert_int_equal(llmem_srv_request_parse(SRV_CHAT, no_id, strlen(no_id), &mistral, &r, &e), -1);
+    assert_int_equal(e.http, 400);
+    assert_string_equal(e.param, "messages");
+    llmem_srv_request_free(&r);
+
+    /* a forced call: its grammar takes [TOOL_CALLS] and the array; the answer read back */
+    static const char forced[] =
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": "
+        "\"function\", \"function\": {\"name\": \"f\", \"parameters\": {\"type\": "
+        "\"object\", \"properties\": {\"n\": {\"type\": \"integer\"}}, \"required\": "
+        "[\"n\"]}}}], \"tool_choice\": \"required\"}";
+    memset(&e, 0, sizeof(e));
+    assert_int_equal(llmem_srv_request_parse(SRV_CHAT, forced, strlen(forced), &mistral, &r, &e),
+                     0);
+    assert_non_null(r.grammar);
+    assert_string_equal(r.messages[0].role, "available_tools");
+    llmem_srv_request_free(&r);
+    struct srv_render rr = render(SRV_CHAT, -1);
+    rr.tools = 1;
+    rr.tool_format = LLMEM_TOOL_FORMAT_MISTRAL;
+    const char *call = "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"n\": 3}}, "
+                       "{\"name\": \"g\", \"arguments\": {}}]";
+    const struct srv_choice ans = {call, strlen(call), NULL, 0, "stop"};
+    cJSON *o = parsed(llmem_srv_render_response(&rr, &ans, 1, 10, 9));
+    const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
+    const cJSON *msg = cJSON_GetObjectItem(ch, "message");
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(msg, "content")));
+    const cJSON *calls = cJSON_GetObjectItem(msg, "tool_calls");
+    assert_int_equal(cJSON_GetArraySize(calls), 2);
+    const cJSON *c0 = cJSON_GetArrayItem(calls, 0);
+    assert_int_equal(strlen(cJSON_GetObjectItem(c0, "id")->valuestring), 9);
+    const cJSON *f = cJSON_GetObjectItem(c0, "function");
+    assert_string_equal(cJSON_GetObjectItem(f, "name")->valuestring, "f");
+    assert_string_equal(cJSON_GetObjectItem(f, "arguments")->valuestring, "{\"n\":3}");
+    assert_string_equal(cJSON_GetObjectItem(ch, "finish_reason")->valuestring, "tool_calls");
+    cJSON_Delete(o);
+    llmem_tokenizer_free(tok);
+}
+
 /* A tools answer streamed a byte at a time: content goes out as it comes (never a tail that may
  * begin <tool_call>), each Hermes-style call once its block closes; a Llama 3 call whole at the
  * end, other Llama 3 answers as content. */
@@ -594,6 +702,9 @@ static void test_tool_pieces(void **state) {
         {LLMEM_TOOL_FORMAT_HERMES, "no calls <tool_c", "no calls <tool_c", 0, 0},
         {LLMEM_TOOL_FORMAT_LLAMA3, " {\"name\": \"a\", \"parameters\": {}}", "", 1, 1},
         {LLMEM_TOOL_FORMAT_LLAMA3, "Hello {x}", "Hello {x}", 0, 0},
+        {LLMEM_TOOL_FORMAT_MISTRAL, "[TOOL_CALLS] [{\"name\": \"a\", \"arguments\": {}}]", "", 1,
+         1},
+        {LLMEM_TOOL_FORMAT_MISTRAL, "[TOOLS are [x]", "[TOOLS are [x]", 0, 0},
     };
     for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
         const char *t = cases[c].text;
@@ -881,6 +992,7 @@ int main(void) {
         cmocka_unit_test(test_render_chat),
         cmocka_unit_test(test_render_error_and_models),
         cmocka_unit_test(test_tool_conventions),
+        cmocka_unit_test(test_tool_convention_mistral),
         cmocka_unit_test(test_tool_pieces),
         cmocka_unit_test(test_metrics),
         cmocka_unit_test(test_health),

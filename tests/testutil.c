@@ -117,6 +117,14 @@ static char *slurp_fd(int fd) {
     return buf;
 }
 
+char *tu_read_file(const char *path) {
+    int fd = open(path, O_RDONLY);
+    assert_true(fd >= 0);
+    char *text = slurp_fd(fd);
+    close(fd);
+    return text;
+}
+
 struct tu_run tu_exec(const char *bin, const char *input, int n, const char *const *args) {
     return tu_exec_len(bin, input, input != NULL ? strlen(input) : 0, n, args);
 }

@@ -49,6 +49,8 @@ char *tu_mkdtemp(void);
 void tu_rmtree(const char *path);
 /* Writes len bytes to dir/name (len < 0: strlen(data)); returns the malloc'ed full path. */
 char *tu_write_file(const char *dir, const char *name, const void *data, long len);
+/* The file's bytes, NUL-terminated (malloc'ed). */
+char *tu_read_file(const char *path);
 
 struct tu_run {
     int exit_code; /* the exit status, or 128 + signal */

@@ -165,6 +165,7 @@ struct llmem_generate_params {
     const int32_t *stop_ids; /* more ids that end generation (a chat template's end of turn) */
     int n_stop_ids;
     int ignore_eos;
+    int keep_special; /* special tokens written into the text (Mistral's [TOOL_CALLS]) */
     int logprobs; /* per token, the log-probability and this many alternatives (0–20); −1: none */
     llmem_progress_fn prefill_progress; /* (optional) prompt tokens done of total */
     void *progress_arg;

@@ -64,6 +64,9 @@ enum llmem_tool_format {
     LLMEM_TOOL_FORMAT_HERMES,
     /* Llama 3.1 to 3.3: {"name": NAME, "parameters": ARGS} as the whole answer */
     LLMEM_TOOL_FORMAT_LLAMA3,
+    /* Mistral (Instruct v0.3's template): "[TOOL_CALLS]" (a control token) then a JSON array of
+     * {"name": NAME, "arguments": ARGS} as the whole answer */
+    LLMEM_TOOL_FORMAT_MISTRAL,
 };
 /* A grammar for one call of one of n tools as `format` writes it, the arguments to that tool's
  * schema. The same results as llmem_grammar_compile (the reason names what a tool's schema uses
@@ -76,7 +79,8 @@ LLMEM_API void llmem_grammar_free(struct llmem_grammar *g);
 LLMEM_API int64_t llmem_grammar_bytes(const struct llmem_grammar *g);
 
 /* A tokenizer's vocabulary as the matcher walks it: every token's bytes in a trie (special tokens
- * left out: the tokens that end an output are the sampler's to allow). Built once per tokenizer.
+ * left out: the tokens that end an output are the sampler's to allow; but for Mistral's
+ * [TOOL_CALLS], which the tools' grammar writes). Built once per tokenizer.
  * LLMEM_ENOMEM (logged). */
 struct llmem_grammar_vocab;
 LLMEM_API int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,

@@ -108,7 +108,10 @@ LLMEM_API int llmem_tokenizer_chat_template(const struct llmem_tokenizer *tok,
                                             enum llmem_chat_template *t);
 
 struct llmem_chat_message {
-    const char *role; /* "system", "user", "assistant"; Llama 3's "ipython" (a tool's result) */
+    /* "system", "user", "assistant"; Llama 3's "ipython" (a tool's result); Mistral's
+     * "available_tools", "tool_calls" and "tool_results" (the template's tool turns, written as
+     * they come, a tool_calls turn then the EOS) */
+    const char *role;
     const char *content;
     size_t content_len; /* the content's bytes, NULs included; 0: strlen(content) */
 };
@@ -132,7 +135,7 @@ struct llmem_chat_message {
  *    before the first user message with a blank line between; add_generation_prompt adds nothing
  *    (the text already ends with [/INST]). The spacing of v0.1's and v0.3's templates is read
  *    from their text (" [INST] u [/INST] a</s>"; "[INST] u[/INST] a</s>" with the system message
- *    on the last user turn).
+ *    on the last user turn when it is the last message, else none, as v0.3's writes it).
  * BOS/EOS texts are the tokenizer's bos_token/eos_token when it has them. */
 LLMEM_API int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_template t,
                                 const struct llmem_chat_message *messages, int n_messages,

@@ -50,6 +50,7 @@ struct gel {
 #define CANON_MAX     4096 /* bytes of a shortest completion a tight budget spells token by token */
 #define MASK_CACHE    8    /* masks a matcher keeps, by the stacks they were made for */
 #define UNREACHABLE   (INT32_MAX / 4)
+#define MISTRAL_CALLS "[TOOL_CALLS]" /* the control token a Mistral tool call opens with */
 
 struct llmem_grammar {
     struct gel *el;
@@ -764,7 +765,8 @@ static int compile(const char *const *docs, const size_t *lens, const char *cons
     /* tools: the calls, alternatives, in a rule of their own that the root refers to (a matcher
      * starts on the root's first alternative) */
     const int32_t body = names != NULL ? new_rule(b) : g->root;
-    const int hermes = format == LLMEM_TOOL_FORMAT_HERMES;
+    const int hermes = format == LLMEM_TOOL_FORMAT_HERMES,
+              mistral = format == LLMEM_TOOL_FORMAT_MISTRAL;
     for (int i = 0; i < n && !b->failed; i++) {
         if (docs[i] != NULL && (doc[i] = cJSON_ParseWithLength(docs[i], lens[i])) == NULL) {
             refuse(b, "%s is not JSON", names != NULL ? "a tool's parameters" : "the schema");
@@ -776,8 +778,8 @@ static int compile(const char *const *docs, const size_t *lens, const char *cons
             push_ref(b, &s, top);
             continue;
         }
-        /* {"name": NAME, "arguments": ARGS} ("parameters" for Llama 3), whitespace between as
-         * JSON allows */
+        /* {"name": NAME, "arguments": ARGS} ("parameters" for Llama 3; Mistral's in an array
+         * after its token), whitespace between as JSON allows */
         cJSON *name = cJSON_CreateString(names[i]);
         if (name == NULL) {
             fail_enomem(b);
@@ -787,10 +789,12 @@ static int compile(const char *const *docs, const size_t *lens, const char *cons
             push_alt(b, &s);
         if (hermes)
             LIT(&s, "<tool_call>\n");
+        if (mistral)
+            LIT(&s, MISTRAL_CALLS), push_ref(b, &s, b->ws), LIT(&s, "["), push_ref(b, &s, b->ws);
         LIT(&s, "{"), push_ref(b, &s, b->ws), LIT(&s, "\"name\""), push_ref(b, &s, b->ws);
         LIT(&s, ":"), push_ref(b, &s, b->ws), push_json(b, &s, name);
         push_ref(b, &s, b->ws), LIT(&s, ","), push_ref(b, &s, b->ws);
-        if (hermes)
+        if (hermes || mistral)
             LIT(&s, "\"arguments\"");
         else
             LIT(&s, "\"parameters\"");
@@ -798,6 +802,8 @@ static int compile(const char *const *docs, const size_t *lens, const char *cons
         push_ref(b, &s, b->ws), LIT(&s, "}");
         if (hermes)
             LIT(&s, "\n</tool_call>");
+        if (mistral)
+            push_ref(b, &s, b->ws), LIT(&s, "]");
         cJSON_Delete(name);
     }
     define(b, body, &s);
@@ -922,11 +928,12 @@ int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
     }
     /* every token's bytes, then the tokens in the order of their bytes into the trie */
     char bytes[TOKEN_MAX];
+    const int32_t calls = llmem_tokenizer_token_id(tok, MISTRAL_CALLS);
     for (int32_t id = 0; ok && id < n; id++) {
         size_t len = 0;
         node_of[id] = -1;
         v->len[id] = -1;
-        if (llmem_tokenizer_is_special(tok, id) ||
+        if ((llmem_tokenizer_is_special(tok, id) && id != calls) ||
             llmem_tokenizer_token_bytes(tok, id, bytes, sizeof(bytes), &len) != LLMEM_OK ||
             len == 0)
             continue;

@@ -216,7 +216,7 @@ static int request_new(struct llmem_sched *s, const int32_t *prompt, int64_t n_p
     if (status == LLMEM_OK) {
         llmem_sampler_prompt(r->sampler, prompt, n_prompt); /* (for repetition_penalty) */
         r->p.sampling.logit_bias = NULL; /* the caller's: the sampler holds a copy */
-        status = llmem_detok_create(s->cfg.tok, 1, &r->detok);
+        status = llmem_detok_create(s->cfg.tok, !r->p.keep_special, &r->detok);
     }
     if (status != LLMEM_OK) {
         request_free(r);

@@ -452,32 +452,56 @@ static void py_json(struct srv_buf *b, const cJSON *v, int indent, int depth) {
     llmem_srv_buf_append(b, obj ? "}" : "]", 1);
 }
 
+/* Appends a string literal. */
+#define APPEND_LIT(b, text) llmem_srv_buf_append(b, text, sizeof(text) - 1)
+
+/* A call id as Mistral's template takes it: 9 characters (the last 9 of a longer one). */
+static void mistral_id(struct srv_buf *b, const char *id) {
+    const size_t n = strlen(id);
+    llmem_srv_buf_append(b, n > 9 ? id + n - 9 : id, n > 9 ? 9 : n);
+}
+
 /* The tool turns of a conversation as the model's family writes them. Hermes-style (Qwen2.5's
  * template): a tool's result is a user turn "<tool_response>\n…\n</tool_response>"; an
  * assistant's tool_calls follow its content as "<tool_call>\n{"name": …, "arguments": …}
  * \n</tool_call>" blocks. Llama 3.1: a tool's result is an ipython turn; an assistant's call (one
- * a message) is its whole content, {"name": …, "parameters": …}. */
+ * a message) is its whole content, {"name": …, "parameters": …}. Mistral (v0.3's template): the
+ * calls are a tool_calls turn "[TOOL_CALLS] [{"name": …, "arguments": …, "id": …}, …]" (the
+ * content left out), a result a tool_results turn "[TOOL_RESULTS] {"content": …, "call_id": …}
+ * [/TOOL_RESULTS]", the ids 9 characters. */
 static int tool_turn(const cJSON *msg, const char **role, int i, enum llmem_tool_format format,
                      struct srv_request *r, const char **content, size_t *len,
                      struct srv_error *e) {
     const cJSON *calls = cJSON_GetObjectItemCaseSensitive(msg, "tool_calls");
     const int tool = strcmp(*role, "tool") == 0;
-    const int hermes = format == LLMEM_TOOL_FORMAT_HERMES;
+    const int hermes = format == LLMEM_TOOL_FORMAT_HERMES,
+              mistral = format == LLMEM_TOOL_FORMAT_MISTRAL;
     if (!tool && (calls == NULL || cJSON_IsNull(calls)))
         return 0;
     if (!tool && (strcmp(*role, "assistant") != 0 || !cJSON_IsArray(calls)))
         return bad(e, "messages", "invalid_value",
                    "messages[%d].tool_calls must be an array on an assistant message", i);
-    if (tool && !hermes) {
+    if (tool && format == LLMEM_TOOL_FORMAT_LLAMA3) {
         *role = "ipython";
         return 0;
     }
-    if (!hermes && cJSON_GetArraySize(calls) != 1)
+    if (format == LLMEM_TOOL_FORMAT_LLAMA3 && cJSON_GetArraySize(calls) != 1)
         return bad(e, "messages", "invalid_value",
                    "messages[%d].tool_calls holds %d calls; Llama 3 writes one a message", i,
                    cJSON_GetArraySize(calls));
+    const char *call_id = NULL;
+    if (tool && mistral && llmem_json_get_string(msg, "tool_call_id", &call_id) != LLMEM_OK)
+        return bad(e, "messages", "invalid_value",
+                   "messages[%d] is a tool message without a 'tool_call_id' string", i);
     struct srv_buf b = {0};
-    if (tool) {
+    if (tool && mistral) {
+        APPEND_LIT(&b, "[TOOL_RESULTS] {\"content\": ");
+        llmem_srv_buf_append(&b, *content, *len);
+        APPEND_LIT(&b, ", \"call_id\": \"");
+        mistral_id(&b, call_id);
+        APPEND_LIT(&b, "\"}[/TOOL_RESULTS]");
+        *role = "tool_results";
+    } else if (tool) {
         llmem_srv_buf_append(&b, "<tool_response>\n", 16);
         llmem_srv_buf_append(&b, *content, *len);
         llmem_srv_buf_append(&b, "\n</tool_response>", 17);
@@ -485,6 +509,10 @@ static int tool_turn(const cJSON *msg, const char **role, int i, enum llmem_tool
     } else {
         if (hermes)
             llmem_srv_buf_append(&b, *content, *len);
+        if (mistral) {
+            APPEND_LIT(&b, "[TOOL_CALLS] [");
+            *role = "tool_calls";
+        }
         const cJSON *c;
         cJSON_ArrayForEach(c, calls) {
             const cJSON *f = cJSON_GetObjectItemCaseSensitive(c, "function");
@@ -497,8 +525,14 @@ static int tool_turn(const cJSON *msg, const char **role, int i, enum llmem_tool
                            "arguments",
                            i);
             }
+            const char *id = "";
+            if (mistral && llmem_json_get_string(c, "id", &id) != LLMEM_OK) {
+                llmem_srv_buf_free(&b);
+                return bad(e, "messages", "invalid_value",
+                           "messages[%d].tool_calls holds a call without an 'id' string", i);
+            }
             cJSON *call = cJSON_CreateObject(), *a = cJSON_Parse(args);
-            const char *key = hermes ? "arguments" : "parameters";
+            const char *key = hermes || mistral ? "arguments" : "parameters";
             int ok = call != NULL && llmem_json_add_string(call, "name", name) == 0;
             if (ok && a != NULL)
                 cJSON_AddItemToObject(call, key, a), a = NULL;
@@ -508,8 +542,17 @@ static int tool_turn(const cJSON *msg, const char **role, int i, enum llmem_tool
                 llmem_srv_buf_append(&b, "\n", 1);
             if (hermes)
                 llmem_srv_buf_append(&b, "<tool_call>\n", 12);
+            if (mistral && c != calls->child)
+                llmem_srv_buf_append(&b, ", ", 2);
+            const size_t at = b.len;
             if (ok)
                 py_json(&b, call, 0, 0);
+            if (mistral && ok && !b.failed && b.len > at) { /* the object with its id last */
+                b.len--;
+                APPEND_LIT(&b, ", \"id\": \"");
+                mistral_id(&b, id);
+                APPEND_LIT(&b, "\"}");
+            }
             if (hermes)
                 llmem_srv_buf_append(&b, "\n</tool_call>", 13);
             cJSON_Delete(call), cJSON_Delete(a);
@@ -518,6 +561,8 @@ static int tool_turn(const cJSON *msg, const char **role, int i, enum llmem_tool
                 return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
             }
         }
+        if (mistral)
+            APPEND_LIT(&b, "]");
     }
     if (b.failed || b.data == NULL) {
         llmem_srv_buf_free(&b);
@@ -647,6 +692,71 @@ static int render_tools_llama3(const cJSON *tools, struct srv_request *r, struct
     return set_content(r, &msgs[1], &b, e);
 }
 
+/* The tools as Mistral v0.3's template writes them: "[AVAILABLE_TOOLS] [" then each tool as
+ * {"type": "function", "function": {…}} with the function's members in their order (a string
+ * member as "key": "value", unescaped, as the template writes it; "return" left out), then
+ * "][/AVAILABLE_TOOLS]" — an available_tools turn before the last user message (and before any
+ * earlier one equal to it, as the template compares them). */
+static int render_tools_mistral(const cJSON *tools, struct srv_request *r, struct srv_error *e) {
+    int last = -1, n_at = 0;
+    for (int i = 0; i < r->n_messages; i++)
+        if (strcmp(r->messages[i].role, "user") == 0)
+            last = i;
+    if (last < 0)
+        return 0; /* (no user message: the template writes no tools) */
+    const struct llmem_chat_message *lu = &r->messages[last];
+    char *at = calloc((size_t)r->n_messages, 1); /* the user messages equal to the last */
+    if (at == NULL)
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    for (int i = 0; i <= last; i++) {
+        const struct llmem_chat_message *m = &r->messages[i];
+        at[i] = strcmp(m->role, "user") == 0 && m->content_len == lu->content_len &&
+                memcmp(m->content, lu->content, lu->content_len) == 0;
+        n_at += at[i];
+    }
+    struct srv_buf b = {0};
+    APPEND_LIT(&b, "[AVAILABLE_TOOLS] [");
+    const cJSON *t;
+    cJSON_ArrayForEach(t, tools) {
+        if (t != tools->child)
+            llmem_srv_buf_append(&b, ", ", 2);
+        APPEND_LIT(&b, "{\"type\": \"function\", \"function\": {");
+        const cJSON *f = cJSON_GetObjectItemCaseSensitive(t, "function"), *v;
+        int k = 0;
+        cJSON_ArrayForEach(v, f) {
+            if (strcmp(v->string, "return") == 0)
+                continue;
+            llmem_srv_buf_printf(&b, "%s\"%s\": ", k++ > 0 ? ", " : "", v->string);
+            if (cJSON_IsString(v))
+                llmem_srv_buf_printf(&b, "\"%s\"", v->valuestring);
+            else
+                py_json(&b, v, 0, 0);
+        }
+        APPEND_LIT(&b, "}}");
+    }
+    APPEND_LIT(&b, "][/AVAILABLE_TOOLS]");
+    struct llmem_chat_message *out = malloc((size_t)(r->n_messages + n_at) * sizeof(*out));
+    if (b.failed || b.data == NULL || out == NULL) {
+        llmem_srv_buf_free(&b), free(out), free(at);
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    if (own(r, b.data) != 0) { /* (which frees it) */
+        free(out), free(at);
+        return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    int k = 0;
+    for (int i = 0; i < r->n_messages; i++) {
+        if (at[i])
+            out[k++] = (struct llmem_chat_message){"available_tools", b.data, b.len};
+        out[k++] = r->messages[i];
+    }
+    free(at);
+    free(r->messages);
+    r->messages = out;
+    r->n_messages = k;
+    return 0;
+}
+
 /* The tools' signatures into the system message (the first, or one made first), as Qwen2.5's
  * template writes them. */
 static int render_tools(const cJSON *tools, struct srv_request *r, struct srv_error *e) {
@@ -718,8 +828,8 @@ static int parse_tools(const cJSON *root, const struct srv_model *m, struct srv_
         return bad(e, "tools", "unsupported_value", "'tools' need /v1/chat/completions");
     if (!m->tools)
         return bad(e, "tools", "unsupported_value",
-                   "'tools' need a chat template with a tool-call convention (chatml or "
-                   "llama3); this model's has none llmem knows");
+                   "'tools' need a chat template with a tool-call convention (chatml, "
+                   "llama3 or mistral with [TOOL_CALLS]); this model's has none llmem knows");
     if (n > LLMEM_GRAMMAR_MAX_TOOLS)
         return bad(e, "tools", "invalid_value", "'tools' holds %d functions; at most %d", n,
                    LLMEM_GRAMMAR_MAX_TOOLS);
@@ -797,8 +907,9 @@ static int parse_tools(const cJSON *root, const struct srv_model *m, struct srv_
     r->n_tools = n;
     r->tool_mode = strcmp(mode, "auto") == 0 ? SRV_TOOLS_AUTO : SRV_TOOLS_REQUIRED;
     (void)parallel; /* one call or more may come in auto; a forced call is one */
-    return m->tool_format == LLMEM_TOOL_FORMAT_LLAMA3 ? render_tools_llama3(tools, r, e)
-                                                      : render_tools(tools, r, e);
+    return m->tool_format == LLMEM_TOOL_FORMAT_LLAMA3    ? render_tools_llama3(tools, r, e)
+           : m->tool_format == LLMEM_TOOL_FORMAT_MISTRAL ? render_tools_mistral(tools, r, e)
+                                                         : render_tools(tools, r, e);
 }
 
 /* ---- the request ----------------------------------------------------------------------------- */
@@ -1270,57 +1381,98 @@ static cJSON *completion_logprobs(struct srv_render *r, const struct srv_token *
 }
 
 /* One choice: index, text | message | delta, logprobs, finish_reason. */
-/* The tool calls in an answer's text, as OpenAI's tool_calls (chunk: each with its index), ids
- * drawn from r->call_seed; NULL when it holds none that parses (the text is then all content) or
- * out of memory. Hermes-style: "<tool_call>\n{"name": …, "arguments": …}\n</tool_call>" blocks,
- * the text before the first the content (*content_len). Llama 3.1: the whole answer one
- * {"name": …, "parameters": …} object (after an optional <|python_tag|>), no content. */
+/* One call of an answer as OpenAI's tool_calls entry (chunk: with its index k), its id drawn from
+ * r->call_seed ("call_" and 16 hex digits; Mistral's 9 letters and digits, as its template takes
+ * them); NULL when `call` is not {"name": …, "arguments" or "parameters": …} or out of memory. */
+static cJSON *call_of(const struct srv_render *r, const cJSON *call, int k, int chunk) {
+    static const char alnum[] = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+    const cJSON *name = cJSON_GetObjectItemCaseSensitive(call, "name");
+    const cJSON *args = cJSON_GetObjectItemCaseSensitive(call, "arguments");
+    if (args == NULL) /* (Llama 3's key; either is read from any family) */
+        args = cJSON_GetObjectItemCaseSensitive(call, "parameters");
+    char *a = cJSON_IsString(args) ? strdup(args->valuestring)
+              : args != NULL       ? cJSON_PrintUnformatted(args)
+                                   : strdup("{}");
+    cJSON *o = cJSON_CreateObject(), *f = o != NULL ? cJSON_AddObjectToObject(o, "function") : NULL;
+    char id[40];
+    uint64_t h = llmem_splitmix64(r->call_seed + (uint64_t)(r->n_calls + k));
+    if (r->tool_format == LLMEM_TOOL_FORMAT_MISTRAL) {
+        for (int i = 0; i < 9; i++, h /= 62)
+            id[i] = alnum[h % 62];
+        id[9] = '\0';
+    } else {
+        snprintf(id, sizeof(id), "call_%016" PRIx64, h);
+    }
+    const int ok = cJSON_IsString(name) && a != NULL && f != NULL &&
+                   (!chunk || llmem_json_add_int(o, "index", r->n_calls + k) == 0) &&
+                   llmem_json_add_string(o, "id", id) == 0 &&
+                   llmem_json_add_string(o, "type", "function") == 0 &&
+                   llmem_json_add_string(f, "name", name->valuestring) == 0 &&
+                   llmem_json_add_string(f, "arguments", a) == 0;
+    free(a);
+    if (!ok)
+        cJSON_Delete(o);
+    return ok ? o : NULL;
+}
+
+/* The tool calls in an answer's text, as OpenAI's tool_calls (chunk: each with its index); NULL
+ * when it holds none that parses (the text is then all content) or out of memory. Hermes-style:
+ * "<tool_call>\n{"name": …, "arguments": …}\n</tool_call>" blocks, the text before the first the
+ * content (*content_len). Llama 3.1: the whole answer one {"name": …, "parameters": …} object
+ * (after an optional <|python_tag|>), no content. Mistral: "[TOOL_CALLS]" then an array of
+ * {"name": …, "arguments": …}, the text before it the content. */
 static cJSON *tool_calls(struct srv_render *r, const char *text, size_t len, size_t *content_len,
                          int chunk) {
     static const char open_tag[] = "<tool_call>", close_tag[] = "</tool_call>";
-    static const char python_tag[] = "<|python_tag|>";
+    static const char python_tag[] = "<|python_tag|>", mistral_tag[] = "[TOOL_CALLS]";
     const int hermes = r->tool_format == LLMEM_TOOL_FORMAT_HERMES;
-    const char *at = hermes ? memmem(text, len, open_tag, sizeof(open_tag) - 1) : text;
+    const int mistral = r->tool_format == LLMEM_TOOL_FORMAT_MISTRAL;
+    const char *at = hermes    ? memmem(text, len, open_tag, sizeof(open_tag) - 1)
+                     : mistral ? memmem(text, len, mistral_tag, sizeof(mistral_tag) - 1)
+                               : text;
     if (at == NULL)
         return NULL;
-    if (!hermes && len >= sizeof(python_tag) - 1 &&
+    if (r->tool_format == LLMEM_TOOL_FORMAT_LLAMA3 && len >= sizeof(python_tag) - 1 &&
         memcmp(text, python_tag, sizeof(python_tag) - 1) == 0)
         at += sizeof(python_tag) - 1;
     cJSON *calls = cJSON_CreateArray();
-    size_t head = hermes ? (size_t)(at - text) : 0;
+    size_t head = hermes || mistral ? (size_t)(at - text) : 0;
+    if (mistral && calls != NULL) { /* one array of calls */
+        const char *body = at + sizeof(mistral_tag) - 1;
+        cJSON *list = cJSON_ParseWithLength(body, (size_t)(text + len - body));
+        const cJSON *array = cJSON_IsArray(list) ? list : NULL, *c;
+        int k = 0;
+        cJSON_ArrayForEach(c, array) {
+            cJSON *o = call_of(r, c, k++, chunk);
+            if (o == NULL) {
+                cJSON_Delete(calls);
+                calls = NULL;
+                break;
+            }
+            cJSON_AddItemToArray(calls, o);
+        }
+        if (calls != NULL && k == 0)
+            cJSON_Delete(calls), calls = NULL;
+        cJSON_Delete(list);
+        at = NULL;
+    }
     for (int k = 0; calls != NULL && at != NULL; k++) {
         const char *body = hermes ? at + sizeof(open_tag) - 1 : at, *end = text + len;
         const char *close =
             hermes ? memmem(body, (size_t)(end - body), close_tag, sizeof(close_tag) - 1) : NULL;
         cJSON *call = cJSON_ParseWithLength(body, (size_t)((close ? close : end) - body));
-        const cJSON *name = cJSON_GetObjectItemCaseSensitive(call, "name");
-        const cJSON *args = cJSON_GetObjectItemCaseSensitive(call, "arguments");
-        if (args == NULL) /* (Llama 3's key; either is read from either family) */
-            args = cJSON_GetObjectItemCaseSensitive(call, "parameters");
-        char *a = cJSON_IsString(args) ? strdup(args->valuestring)
-                  : args != NULL        ? cJSON_PrintUnformatted(args)
-                                        : strdup("{}");
-        cJSON *o = cJSON_CreateObject(), *f = o != NULL ? cJSON_AddObjectToObject(o, "function")
-                                                         : NULL;
-        char id[40];
-        snprintf(id, sizeof(id), "call_%016" PRIx64,
-                 llmem_splitmix64(r->call_seed + (uint64_t)(r->n_calls + k)));
-        const int ok = cJSON_IsString(name) && a != NULL && f != NULL &&
-                       (!chunk || llmem_json_add_int(o, "index", r->n_calls + k) == 0) &&
-                       llmem_json_add_string(o, "id", id) == 0 &&
-                       llmem_json_add_string(o, "type", "function") == 0 &&
-                       llmem_json_add_string(f, "name", name->valuestring) == 0 &&
-                       llmem_json_add_string(f, "arguments", a) == 0;
-        free(a);
+        cJSON *o = call_of(r, call, k, chunk);
         cJSON_Delete(call);
-        if (!ok) { /* not a call: the whole text is content */
-            cJSON_Delete(o), cJSON_Delete(calls);
+        if (o == NULL) { /* not a call: the whole text is content */
+            cJSON_Delete(calls);
             return NULL;
         }
         cJSON_AddItemToArray(calls, o);
         at = close != NULL ? memmem(close, (size_t)(end - close), open_tag, sizeof(open_tag) - 1)
                            : NULL;
     }
+    if (calls == NULL)
+        return NULL;
     while (head > 0 && (text[head - 1] == '\n' || text[head - 1] == ' '))
         head--;
     *content_len = head;
@@ -1335,12 +1487,17 @@ enum srv_piece llmem_srv_tool_piece(enum llmem_tool_format format, const char *t
     *start = *end = from;
     if (n == 0)
         return SRV_PIECE_NONE;
-    if (format == LLMEM_TOOL_FORMAT_LLAMA3) {
-        /* a call is the whole answer: one that opens with '{' (or the python tag) waits */
+    if (format != LLMEM_TOOL_FORMAT_HERMES) {
+        /* a call is the whole answer: one that opens with '{' (or the python tag), Mistral's
+         * with [TOOL_CALLS], waits */
+        static const char mistral_tag[] = "[TOOL_CALLS]";
         size_t i = 0;
         while (from == 0 && i < n && (rest[i] == ' ' || rest[i] == '\n'))
             i++;
-        const int maybe = from == 0 && (i == n || rest[i] == '{' || rest[i] == '<');
+        const size_t m = n - i < sizeof(mistral_tag) - 1 ? n - i : sizeof(mistral_tag) - 1;
+        const int maybe = from == 0 && (i == n || (format == LLMEM_TOOL_FORMAT_MISTRAL
+                                                       ? memcmp(rest + i, mistral_tag, m) == 0
+                                                       : rest[i] == '{' || rest[i] == '<'));
         if (maybe && !done)
             return SRV_PIECE_NONE;
         *end = len;

@@ -570,6 +570,9 @@ static int submit(struct llmem_server *s, struct job *j, const int32_t *ids, int
     p.stop = j->req.stop;
     p.n_stop = j->req.n_stop;
     p.ignore_eos = j->req.ignore_eos;
+    /* (Mistral's calls open with a control token, which the answer's reading looks for) */
+    p.keep_special =
+        j->req.tool_mode != SRV_TOOLS_NONE && s->model.tool_format == LLMEM_TOOL_FORMAT_MISTRAL;
     p.logprobs = j->req.logprobs;
     p.sampling.seed += (uint64_t)j->choice; /* each choice its own draws */
     p.follow = j->parent != NULL ? j->parent->id : 0;
@@ -1117,9 +1120,13 @@ int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config 
         s->tmpl = LLMEM_CHAT_NONE; /* logged: unrecognized; chat then says so per request */
     if (s->tmpl != LLMEM_CHAT_NONE)
         s->n_chat_stops = llmem_chat_stop_ids(s->tok, s->tmpl, s->chat_stops, MAX_CHAT_STOPS);
-    s->model.tools = s->tmpl == LLMEM_CHAT_CHATML || s->tmpl == LLMEM_CHAT_LLAMA3;
-    s->model.tool_format =
-        s->tmpl == LLMEM_CHAT_LLAMA3 ? LLMEM_TOOL_FORMAT_LLAMA3 : LLMEM_TOOL_FORMAT_HERMES;
+    /* Mistral's convention where its tokenizer has the control token a call opens with */
+    const int mistral_tools =
+        s->tmpl == LLMEM_CHAT_MISTRAL && llmem_tokenizer_token_id(s->tok, "[TOOL_CALLS]") >= 0;
+    s->model.tools = s->tmpl == LLMEM_CHAT_CHATML || s->tmpl == LLMEM_CHAT_LLAMA3 || mistral_tools;
+    s->model.tool_format = s->tmpl == LLMEM_CHAT_LLAMA3 ? LLMEM_TOOL_FORMAT_LLAMA3
+                           : mistral_tools              ? LLMEM_TOOL_FORMAT_MISTRAL
+                                                        : LLMEM_TOOL_FORMAT_HERMES;
 
     struct llmem_serve_config sc = {.max_queue = cfg->max_queue};
     if ((status = llmem_engine_serve_start(e, &sc)) != LLMEM_OK)

@@ -62,7 +62,8 @@ struct srv_model {
     int64_t vocab;
     int64_t context; /* the engine's context window: max_tokens above it is refused */
     int tools;       /* its chat template has a tool-call convention: */
-    enum llmem_tool_format tool_format; /* chatml Hermes-style, llama3 Llama 3.1's */
+    enum llmem_tool_format
+        tool_format; /* chatml Hermes-style, llama3 Llama 3.1's, mistral v0.3's */
 };
 
 /* A string of the body whose bytes hold a NUL (U+0000), which cJSON's C strings cut short. */

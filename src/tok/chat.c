@@ -97,12 +97,20 @@ static int add_trimmed(struct tok_buf *b, const struct llmem_chat_message *m) {
     return llmem_tok_buf_add(b, s + i, n - i);
 }
 
+/* Mistral's tool turns, written as they come and outside the user/assistant alternation: the
+ * tools before a user message, an assistant's calls (then the EOS), a tool's results. */
+static int mistral_tool_role(const char *role) {
+    return strcmp(role, "available_tools") == 0 || strcmp(role, "tool_calls") == 0 ||
+           strcmp(role, "tool_results") == 0;
+}
+
 /* system, user and assistant; Llama 3's ipython too (a tool's result, as 3.1's template writes
- * it). */
+ * it), and Mistral's tool turns. */
 static int known_role(const char *role, enum llmem_chat_template t) {
     return strcmp(role, "system") == 0 || strcmp(role, "user") == 0 ||
            strcmp(role, "assistant") == 0 ||
-           (t == LLMEM_CHAT_LLAMA3 && strcmp(role, "ipython") == 0);
+           (t == LLMEM_CHAT_LLAMA3 && strcmp(role, "ipython") == 0) ||
+           (t == LLMEM_CHAT_MISTRAL && mistral_tool_role(role));
 }
 
 static int render_chatml(const struct llmem_tokenizer *tok, const struct llmem_chat_message *m,
@@ -151,6 +159,7 @@ struct mistral_style {
     int space_before_answer; /* " " + assistant content */
     int trim_answer;         /* assistant content | trim */
     int system_on_last;      /* the system message goes with the last user message, not the first */
+    int system_if_last;      /* … and only when that message is the conversation's last (v0.3) */
 };
 
 static int has_any(const char *s, const char *a, const char *b) {
@@ -158,7 +167,7 @@ static int has_any(const char *s, const char *a, const char *b) {
 }
 
 static struct mistral_style mistral_style_of(const char *t) {
-    struct mistral_style st = {0, 1, 0, 0, 0}; /* v0.2, also without a template */
+    struct mistral_style st = {0, 1, 0, 0, 0, 0}; /* v0.2, also without a template */
     if (t == NULL || strstr(t, "[INST]") == NULL)
         return st;
     st.space_before_inst = has_any(t, "' [INST] '", "\" [INST] \"");
@@ -168,6 +177,7 @@ static struct mistral_style mistral_style_of(const char *t) {
                      has_any(t, "content']|trim + eos", "content\"] | trim + eos");
     st.system_on_last = has_any(t, "loop.last and system_message", "user_messages[-1]") ||
                         strstr(t, "last_user_message") != NULL;
+    st.system_if_last = strstr(t, "loop.last and system_message") != NULL;
     return st;
 }
 
@@ -178,9 +188,11 @@ static int render_mistral(const struct llmem_tokenizer *tok, const struct llmem_
         system = &m[0];
         m++, n--;
     }
-    int last_user = -1;
-    for (int i = 0; i < n; i++) {
-        const char *want = i % 2 == 0 ? "user" : "assistant";
+    int last_user = -1, first_user = -1;
+    for (int i = 0, k = 0; i < n; i++) { /* k: the turns that alternate */
+        if (mistral_tool_role(m[i].role))
+            continue;
+        const char *want = k++ % 2 == 0 ? "user" : "assistant";
         if (strcmp(m[i].role, want) != 0) {
             LLMEM_ERROR_AS("llmem_chat_render",
                            "mistral: after the optional system message, roles must alternate "
@@ -188,14 +200,20 @@ static int render_mistral(const struct llmem_tokenizer *tok, const struct llmem_
                            i + (system != NULL), m[i].role);
             return LLMEM_EINVAL;
         }
-        if (i % 2 == 0)
-            last_user = i;
+        if (strcmp(want, "user") == 0)
+            last_user = i, first_user = first_user < 0 ? i : first_user;
     }
     struct mistral_style style = mistral_style_of(tok->chat_template);
-    int system_at = style.system_on_last ? last_user : 0;
+    int system_at = style.system_on_last ? last_user : first_user;
+    if (style.system_if_last && last_user != n - 1)
+        system_at = -1; /* (v0.3's template drops it then) */
     int st = add(b, tok->bos_text != NULL ? tok->bos_text : "<s>");
     for (int i = 0; i < n; i++) {
-        if (i % 2 == 0) {
+        if (mistral_tool_role(m[i].role)) {
+            st |= add_content(b, &m[i]);
+            if (strcmp(m[i].role, "tool_calls") == 0)
+                st |= add(b, tok->eos_text != NULL ? tok->eos_text : "</s>");
+        } else if (strcmp(m[i].role, "user") == 0) {
             st |= add(b, style.space_before_inst ? " [INST] " : "[INST] ");
             if (i == system_at && system != NULL) {
                 st |= add_content(b, system);
@@ -228,9 +246,8 @@ int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_templat
         if (messages[i].role == NULL || messages[i].content == NULL ||
             !known_role(messages[i].role, t)) {
             LLMEM_ERROR("message %d: role '%s' is not system, user or assistant (or llama3's "
-                        "ipython)",
-                        i,
-                        messages[i].role ? messages[i].role : "(null)");
+                        "ipython, mistral's available_tools, tool_calls and tool_results)",
+                        i, messages[i].role ? messages[i].role : "(null)");
             return LLMEM_EINVAL;
         }
     }
