@@ -41,17 +41,28 @@ static void test_openai_node_client(void **state) {
     const char *args[] = {PYCODER, "--chat-template", "chatml", "--threads", "2"};
     const char *random_args[] = {PYCODER,   "--load-format", "dummy", "--chat-template",
                                  "chatml", "--threads",     "1"};
-    struct tu_server s, random;
+    /* tiny-mistral-swa with Mistral v3's control tokens and v0.3's template with tools */
+    char *mistral_dir = tu_mkdtemp();
+    tu_copy_into(LLMEM_TEST_DATA "/models/tiny-mistral-swa/config.json", mistral_dir);
+    tu_copy_into(LLMEM_TEST_DATA "/models/tiny-mistral-swa/model.safetensors", mistral_dir);
+    tu_copy_into(LLMEM_TEST_DATA "/tok/tok-mistral-tools/tokenizer.json", mistral_dir);
+    tu_copy_into(LLMEM_TEST_DATA "/tok/tok-mistral-tools/tokenizer_config.json", mistral_dir);
+    const char *mistral_args[] = {mistral_dir, "--threads", "1"};
+    struct tu_server s, random, mistral;
     tu_serve_start(&s, 5, args);
     tu_serve_start(&random, 7, random_args);
+    tu_serve_start(&mistral, 3, mistral_args);
     struct tu_run r = tu_exec(
-        "node", NULL, 4,
-        (const char *[]){NODE_DIR "/serve.test.mjs", s.url, expected, random.url});
+        "node", NULL, 5,
+        (const char *[]){NODE_DIR "/serve.test.mjs", s.url, expected, random.url, mistral.url});
     printf("%s%s", r.out, r.err);
     int node_rc = r.exit_code;
     tu_run_free(&r);
+    assert_int_equal(tu_serve_stop(&mistral), 0);
     assert_int_equal(tu_serve_stop(&random), 0);
     assert_int_equal(tu_serve_stop(&s), 0);
+    tu_rmtree(mistral_dir);
+    free(mistral_dir);
     cJSON_Delete(out);
     tu_run_free(&run);
     assert_int_equal(node_rc, 0);

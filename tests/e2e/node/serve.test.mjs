@@ -1,20 +1,73 @@
 // The official OpenAI Node client against a running `llmem serve models/pycoder --chat-template
 // chatml` (started by tests/e2e/e2e-serve-node.c, which passes the base URL and the text that
 // `llmem run` generates greedily for PROMPT), and the structured outputs also against the same
-// model with seeded random weights (`--load-format dummy`, RANDOM_URL).
+// model with seeded random weights (`--load-format dummy`, RANDOM_URL), and tool calls in
+// Mistral's convention against tiny-mistral-swa with tok-mistral-tools' tokenizer (MISTRAL_URL).
 //
-//   node serve.test.mjs BASE_URL EXPECTED_TEXT [RANDOM_URL]
+//   node serve.test.mjs BASE_URL EXPECTED_TEXT [RANDOM_URL [MISTRAL_URL]]
 //
 // Exit status 0 when every check passes; each failure is printed.
 import assert from "node:assert/strict";
 import Ajv from "ajv";
 import OpenAI from "openai";
 
-const [baseURL, expected, randomURL] = process.argv.slice(2);
+const [baseURL, expected, randomURL, mistralURL] = process.argv.slice(2);
 const PROMPT = "def fibonacci(n):\n";
 const N = 32;
 const client = new OpenAI({ baseURL: `${baseURL}/v1`, apiKey: "unused", maxRetries: 0 });
 const randomClient = randomURL ? new OpenAI({ baseURL: `${randomURL}/v1`, apiKey: "unused", maxRetries: 0 }) : null;
+const mistralClient = mistralURL ? new OpenAI({ baseURL: `${mistralURL}/v1`, apiKey: "unused", maxRetries: 0 }) : null;
+
+// tools: a forced call's arguments validate against the function's schema; the stream's
+// tool_call deltas reassemble to the same call; the call and its result go back in the next request
+async function toolCallsOn(c, model) {
+  const parameters = { type: "object", properties: { city: { type: "string", maxLength: 16 }, days: { type: "integer" } }, required: ["city", "days"], additionalProperties: false };
+  const tools = [{ type: "function", function: { name: "forecast", description: "A city's forecast", parameters } }];
+  const validate = new Ajv().compile(parameters);
+  for (const seed of [1, 2, 3]) {
+    const params = {
+      model,
+      messages: [{ role: "user", content: "Forecast for Oslo?" }],
+      tools,
+      tool_choice: seed === 3 ? { type: "function", function: { name: "forecast" } } : "required",
+      temperature: 1,
+      seed,
+      max_tokens: 100,
+    };
+    const r = await c.chat.completions.create(params);
+    const call = r.choices[0].message.tool_calls[0];
+    assert.equal(r.choices[0].finish_reason, "tool_calls");
+    assert.equal(call.type, "function");
+    assert.equal(call.function.name, "forecast");
+    const args = JSON.parse(call.function.arguments);
+    assert.ok(validate(args), `${call.function.arguments}: ${JSON.stringify(validate.errors)}`);
+    const stream = await c.chat.completions.create({ ...params, stream: true });
+    const calls = [];
+    let finish = null;
+    for await (const chunk of stream) {
+      for (const d of chunk.choices[0]?.delta?.tool_calls ?? []) {
+        calls[d.index] ??= { name: "", arguments: "" };
+        calls[d.index].name += d.function?.name ?? "";
+        calls[d.index].arguments += d.function?.arguments ?? "";
+      }
+      finish = chunk.choices[0]?.finish_reason ?? finish;
+    }
+    assert.equal(finish, "tool_calls");
+    assert.deepEqual(calls, [{ name: "forecast", arguments: call.function.arguments }]);
+  }
+  const r = await c.chat.completions.create({
+    model,
+    messages: [
+      { role: "user", content: "Forecast for Oslo?" },
+      { role: "assistant", content: null, tool_calls: [{ id: "call_1", type: "function", function: { name: "forecast", arguments: '{"city": "Oslo", "days": 2}' } }] },
+      { role: "tool", tool_call_id: "call_1", content: "rain" },
+    ],
+    tools,
+    max_tokens: 8,
+    temperature: 0,
+  });
+  assert.equal(typeof r.choices[0].message.content, "string");
+}
 const greedy = { temperature: 0, ignore_eos: true };
 
 async function metric(name) {
@@ -211,56 +264,15 @@ const tests = {
     assert.ok((await metric("llmem_prompt_tokens_reused_total")) - reused >= 2 * (r.usage.prompt_tokens - 16));
   },
 
-  // tools: a forced call's arguments validate against the function's schema; the stream's
-  // tool_call deltas reassemble to the same call
   async toolCalls() {
-    const parameters = { type: "object", properties: { city: { type: "string", maxLength: 16 }, days: { type: "integer" } }, required: ["city", "days"], additionalProperties: false };
-    const tools = [{ type: "function", function: { name: "forecast", description: "A city's forecast", parameters } }];
-    const validate = new Ajv().compile(parameters);
-    for (const seed of [1, 2, 3]) {
-      const params = {
-        model: "pycoder",
-        messages: [{ role: "user", content: "Forecast for Oslo?" }],
-        tools,
-        tool_choice: seed === 3 ? { type: "function", function: { name: "forecast" } } : "required",
-        temperature: 1,
-        seed,
-        max_tokens: 100,
-      };
-      const r = await client.chat.completions.create(params);
-      const call = r.choices[0].message.tool_calls[0];
-      assert.equal(r.choices[0].finish_reason, "tool_calls");
-      assert.equal(call.type, "function");
-      assert.equal(call.function.name, "forecast");
-      const args = JSON.parse(call.function.arguments);
-      assert.ok(validate(args), `${call.function.arguments}: ${JSON.stringify(validate.errors)}`);
-      const stream = await client.chat.completions.create({ ...params, stream: true });
-      const calls = [];
-      let finish = null;
-      for await (const chunk of stream) {
-        for (const d of chunk.choices[0]?.delta?.tool_calls ?? []) {
-          calls[d.index] ??= { name: "", arguments: "" };
-          calls[d.index].name += d.function?.name ?? "";
-          calls[d.index].arguments += d.function?.arguments ?? "";
-        }
-        finish = chunk.choices[0]?.finish_reason ?? finish;
-      }
-      assert.equal(finish, "tool_calls");
-      assert.deepEqual(calls, [{ name: "forecast", arguments: call.function.arguments }]);
-    }
-    // the call and its result go back in the next request
-    const r = await client.chat.completions.create({
-      model: "pycoder",
-      messages: [
-        { role: "user", content: "Forecast for Oslo?" },
-        { role: "assistant", content: null, tool_calls: [{ id: "call_1", type: "function", function: { name: "forecast", arguments: '{"city": "Oslo", "days": 2}' } }] },
-        { role: "tool", tool_call_id: "call_1", content: "rain" },
-      ],
-      tools,
-      max_tokens: 8,
-      temperature: 0,
-    });
-    assert.equal(typeof r.choices[0].message.content, "string");
+    await toolCallsOn(client, "pycoder");
+  },
+
+  // the same through Mistral's convention ([TOOL_CALLS], a control token), on tiny-mistral-swa
+  async mistralToolCalls() {
+    if (!mistralClient) return;
+    const model = (await mistralClient.models.list()).data[0].id;
+    await toolCallsOn(mistralClient, model);
   },
 
   async badRequests() {
