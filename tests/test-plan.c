@@ -678,6 +678,50 @@ static void test_moe_geometry(void **state) {
                      4 * (T * per_token + parts + 151936) + moe_bytes);
 }
 
+/* Tensor parallelism: one device's part of Llama 3.1 70B over 2, 4 and 8 (its 8 KV heads one a
+ * device at 8), and of Qwen3-30B-A3B over 8 (4 KV heads: each held by two devices); the parts'
+ * parameters add up to the whole but for what every device holds (norms, routers, repeated KV
+ * heads); degrees and shapes that do not split are refused with the reason. */
+static void test_tensor_rank(void **state) {
+    (void)state;
+    const struct llmem_model_geometry *g = llmem_catalog_find("llama-3.1-70b");
+    struct llmem_model_geometry r;
+    char why[200];
+    assert_int_equal(llmem_geometry_tensor_rank(g, 1, &r, why, sizeof(why)), LLMEM_OK);
+    assert_memory_equal(&r, g, sizeof(r));
+    const int64_t whole = llmem_geometry_param_count(g);
+    const int64_t norms = g->n_layers * 2 * g->hidden_size + g->hidden_size;
+    for (int n = 2; n <= 8; n *= 2) {
+        assert_int_equal(llmem_geometry_tensor_rank(g, n, &r, why, sizeof(why)), LLMEM_OK);
+        assert_int_equal(r.n_heads, 64 / n);
+        assert_int_equal(r.n_kv_heads, 8 / n);
+        assert_int_equal(r.intermediate_size, 28672 / n);
+        assert_int_equal(r.vocab_size, 128256 / n);
+        assert_int_equal(n * (r.n_params - norms), whole - norms);
+        assert_int_equal(r.weights_bytes,
+                         (int64_t)((__int128)g->weights_bytes * r.n_params / whole));
+        assert_int_equal(llmem_geometry_kv_bytes_per_token(&r),
+                         llmem_geometry_kv_bytes_per_token(g) / n);
+    }
+    const struct llmem_model_geometry *m = llmem_catalog_find("qwen3-30b-a3b");
+    assert_int_equal(llmem_geometry_tensor_rank(m, 8, &r, why, sizeof(why)), LLMEM_OK);
+    assert_int_equal(r.n_kv_heads, 1); /* 4 KV heads over 8 devices: each twice */
+    assert_int_equal(r.expert_intermediate, 768 / 8);
+    assert_int_equal(r.expert_bytes, llmem_geometry_expert_bytes(m) / 8);
+    assert_true(r.weights_bytes > m->weights_bytes / 8 && r.weights_bytes < m->weights_bytes / 7);
+
+    assert_int_equal(llmem_geometry_tensor_rank(g, 3, &r, why, sizeof(why)), LLMEM_EINVAL);
+    assert_non_null(strstr(why, "1, 2, 4 or 8"));
+    struct llmem_model_geometry odd = *g;
+    odd.n_kv_heads = 6, odd.n_heads = 48;
+    assert_int_equal(llmem_geometry_tensor_rank(&odd, 4, &r, why, sizeof(why)), LLMEM_EINVAL);
+    assert_non_null(strstr(why, "6 KV heads"));
+    odd = *g;
+    odd.intermediate_size = 1002;
+    assert_int_equal(llmem_geometry_tensor_rank(&odd, 8, &r, why, sizeof(why)), LLMEM_EINVAL);
+    assert_non_null(strstr(why, "1002 MLP columns"));
+}
+
 /* A device plan for g: its weights, KV and workspace, a total of `total`, a budget. */
 static struct llmem_plan_params device_params(const struct llmem_model_geometry *g, int64_t total,
                                               int64_t budget) {
@@ -808,6 +852,7 @@ int main(void) {
         cmocka_unit_test(test_transient_reserve),
         cmocka_unit_test(test_catalog),
         cmocka_unit_test(test_moe_geometry),
+        cmocka_unit_test(test_tensor_rank),
         cmocka_unit_test(test_place_experts),
         cmocka_unit_test(test_workspace),
         cmocka_unit_test(test_plan_json),

@@ -123,6 +123,16 @@ LLMEM_API int64_t llmem_geometry_active_bytes(const struct llmem_model_geometry 
 LLMEM_API int64_t llmem_geometry_workspace_bytes(const struct llmem_model_geometry *g,
                                                  int64_t max_batch_tokens, int64_t max_sequences);
 
+/* The geometry one device holds when tensor parallelism spreads the model over n of them (1, 2,
+ * 4 or 8): the query heads, the MLP's and the experts' columns and the vocabulary (embeddings and
+ * LM head) split n ways, the KV heads too (one on each device, n / n_kv_heads devices holding the
+ * same one, when n exceeds them), norms and routers whole; weights_bytes and n_params the
+ * device's share by parameters. LLMEM_EINVAL with the reason in why (not logged) when the model
+ * does not split over n. */
+LLMEM_API int llmem_geometry_tensor_rank(const struct llmem_model_geometry *g, int n,
+                                         struct llmem_model_geometry *rank, char *why,
+                                         size_t why_size);
+
 /* The built-in catalog of popular architectures (numbers as published in their configs). */
 LLMEM_API size_t llmem_catalog_count(void);
 LLMEM_API const struct llmem_model_geometry *llmem_catalog_get(size_t index);

@@ -39,6 +39,8 @@ static const char plan_usage[] =
     "  --ceiling SIZE             hard ceiling (default: the total)\n"
     "  --backend cpu|cuda         plan for host memory (default) or a CUDA device\n"
     "  --device N                 which CUDA device (default 0)\n"
+    "  --tensor-parallel N        with --backend cuda, the model split over N devices (1, 2,\n"
+    "                             4, 8: heads, MLP columns, vocabulary): one device's plan\n"
     "  --experts-on-host N        with --backend cuda, a mixture of experts: the first N MoE\n"
     "                             layers' experts in host memory, run on the CPU (default: the\n"
     "                             fewest with which the model fits the device)\n"
@@ -93,6 +95,7 @@ enum {
     OPT_BACKEND,
     OPT_DEVICE,
     OPT_EXPERTS_ON_HOST,
+    OPT_TENSOR_PARALLEL,
     OPT_JSON,
     OPT_SVG,
     OPT_LIST,
@@ -119,6 +122,7 @@ static const struct option plan_options[] = {
     {"backend", required_argument, NULL, OPT_BACKEND},
     {"device", required_argument, NULL, OPT_DEVICE},
     {"experts-on-host", required_argument, NULL, OPT_EXPERTS_ON_HOST},
+    {"tensor-parallel", required_argument, NULL, OPT_TENSOR_PARALLEL},
     {"json", no_argument, NULL, OPT_JSON},
     {"svg", required_argument, NULL, OPT_SVG},
     {"list", no_argument, NULL, OPT_LIST},
@@ -135,6 +139,7 @@ struct plan_args {
     int dummy;       /* --load-format dummy: the directory's config.json alone */
     int64_t device;
     int64_t experts_on_host; /* -1: the plan's choice */
+    int64_t tp;              /* devices the model is split over (--tensor-parallel) */
     int json, list;
     const char *svg;
 };
@@ -146,6 +151,7 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
     memset(a, 0, sizeof(*a));
     a->params.kv_format = LLMEM_KV_FORMAT_F16;
     a->experts_on_host = -1;
+    a->tp = 1;
     optind = 1;
     opterr = 0;
     int c, rc = CLI_OK;
@@ -214,6 +220,9 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
         case OPT_EXPERTS_ON_HOST:
             rc = cli_parse_int("--experts-on-host", optarg, 0, 1 << 20, &a->experts_on_host);
             break;
+        case OPT_TENSOR_PARALLEL:
+            rc = cli_parse_int("--tensor-parallel", optarg, 1, 8, &a->tp);
+            break;
         case OPT_JSON: a->json = 1; break;
         case OPT_SVG: a->svg = optarg; break;
         case OPT_LIST: a->list = 1; break;
@@ -240,6 +249,9 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
     if (a->weight_type > 0 && a->model == NULL)
         return cli_usage_error("plan", "--weight-type plans a MODEL (a catalog name or a "
                                        "directory) at that type; give one");
+    if (a->tp > 1 && (a->params.target != LLMEM_PLAN_CUDA || a->model == NULL))
+        return cli_usage_error("plan", "--tensor-parallel splits a MODEL over CUDA devices; give "
+                                       "one and --backend cuda");
     if (a->model == NULL && !a->list && (a->weights <= 0 || a->kv_bytes <= 0))
         return cli_usage_error("plan", "give a MODEL (directory or catalog name) or"
                                        " --weights and --kv-bytes-per-token (see --help)");
@@ -312,7 +324,7 @@ static int print_catalog(int json) {
 /* ---- the machine ---------------------------------------------------------------------------- */
 
 struct machine {
-    char label[160];
+    char label[224];
     int64_t total, ceiling;
 };
 
@@ -329,14 +341,15 @@ static int probe_machine(const struct plan_args *a, struct machine *m) {
                     llmem_backend_cuda_available() ? "found" : "(built without CUDA)");
             return CLI_FAIL;
         }
-        if (a->device >= n) {
-            fprintf(stderr, "llmem plan: --device %lld: only %d CUDA device(s)\n",
-                    (long long)a->device, n);
+        if (a->device + a->tp > n) {
+            fprintf(stderr, "llmem plan: --device %lld%s: only %d CUDA device(s)\n",
+                    (long long)a->device, a->tp > 1 ? " and the devices after it" : "", n);
             return CLI_FAIL;
         }
         if (llmem_backend_device_info((int)a->device, &info) != LLMEM_OK)
             return CLI_FAIL;
-        snprintf(m->label, sizeof(m->label), "cuda:%lld %s", (long long)a->device, info.name);
+        snprintf(m->label, sizeof(m->label), "cuda:%lld %s%s", (long long)a->device, info.name,
+                 a->tp > 1 ? " (each of the devices alike)" : "");
     } else {
         if (llmem_sys_probe_host(&info) != LLMEM_OK)
             return CLI_FAIL;
@@ -395,7 +408,8 @@ static void row(const char *name, int64_t bytes, const char *why) {
 }
 
 static void print_human(const struct llmem_plan *p, const struct llmem_model_geometry *g,
-                        const char *machine, const struct plan_args *a, int64_t dynamic_ceiling,
+                        const struct llmem_model_geometry *part, const char *machine,
+                        const struct plan_args *a, int64_t dynamic_ceiling,
                         const struct llmem_expert_placement *placed) {
     char line[512], s1[LLMEM_SIZE_STR_MAX], s2[LLMEM_SIZE_STR_MAX], s3[LLMEM_SIZE_STR_MAX];
     printf("%s\n\n", llmem_plan_describe(p, line, sizeof(line)));
@@ -403,6 +417,15 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
         printf("  model    %s (%s): %lld layers, %lld query / %lld KV heads × %lld, %.2fB params\n",
                g->name, g->arch, (long long)g->n_layers, (long long)g->n_heads,
                (long long)g->n_kv_heads, (long long)g->head_dim, (double)g->n_params / 1e9);
+    if (part != NULL)
+        printf(
+            "  parallel %lld devices, each %lld of the %lld query heads, %lld of the %lld KV heads"
+            "%s, 1/%lld of the MLP and of the vocabulary: %s of weights; the plan is one "
+            "device's\n",
+            (long long)a->tp, (long long)part->n_heads, (long long)g->n_heads,
+            (long long)part->n_kv_heads, (long long)g->n_kv_heads,
+            part->n_kv_heads * a->tp > g->n_kv_heads ? " (repeated)" : "", (long long)a->tp,
+            llmem_size_format_short(part->weights_bytes, s1, sizeof(s1)));
     if (g != NULL && g->n_experts > 0) { /* and on a host, the pages of the mapping it touches */
         const long page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096;
         const int64_t active = llmem_geometry_active_bytes(g);
@@ -503,6 +526,16 @@ int cli_plan(int argc, char **argv) {
         geom.expert_bytes = 0;
     }
 
+    struct llmem_model_geometry whole;
+    if (g != NULL)
+        whole = geom;
+    if (a.tp > 1) { /* from here on one device's part */
+        char why[200];
+        if (llmem_geometry_tensor_rank(&whole, (int)a.tp, &geom, why, sizeof(why)) != LLMEM_OK)
+            return cli_usage_error("plan", "--tensor-parallel %lld: %s: %s", (long long)a.tp,
+                                   whole.name, why);
+    }
+
     struct machine m = {.total = a.total, .ceiling = a.ceiling};
     if (a.total > 0) {
         snprintf(m.label, sizeof(m.label), "simulated (--total)");
@@ -588,7 +621,12 @@ int cli_plan(int argc, char **argv) {
         }
         if (g != NULL) {
             cJSON *mo = cJSON_AddObjectToObject(o, "model");
-            st |= mo == NULL || geometry_json(mo, g) != LLMEM_OK;
+            st |= mo == NULL || geometry_json(mo, &whole) != LLMEM_OK;
+        }
+        if (a.tp > 1) { /* what each device holds, which the plan is of */
+            cJSON *d = cJSON_AddObjectToObject(o, "device_part");
+            st |= llmem_json_add_int(o, "tensor_parallel", a.tp);
+            st |= d == NULL || geometry_json(d, g) != LLMEM_OK;
         }
         if (placed.moe_layers > 0) {
             cJSON *eo = cJSON_AddObjectToObject(o, "experts");
@@ -615,7 +653,8 @@ int cli_plan(int argc, char **argv) {
         if (cli_print_json(o) != CLI_OK)
             return CLI_FAIL;
     } else {
-        print_human(&plan, g, m.label, &a, dynamic_ceiling, &placed);
+        print_human(&plan, g != NULL ? &whole : NULL, a.tp > 1 ? g : NULL, m.label, &a,
+                    dynamic_ceiling, &placed);
         char w[LLMEM_SIZE_STR_MAX];
         if (a.weight_type > 0)
             printf("  - planned as the %s GGUF file `llmem quantize` makes: weights %s\n",

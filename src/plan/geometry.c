@@ -3,6 +3,8 @@
  * count and the engine's computed workspace. Pure arithmetic; saturates instead of overflowing
  * for absurd geometries (a hostile config can never make the planner wrap).
  */
+#include <stdio.h>
+
 #include "llmem/plan.h"
 #include "plan/moe_work.h"
 
@@ -115,4 +117,51 @@ int64_t llmem_geometry_workspace_bytes(const struct llmem_model_geometry *g,
                                                      g->n_experts_used, NULL, NULL));
     }
     return bytes;
+}
+
+/* Scales bytes by the rank's share of the parameters. */
+static int64_t share(int64_t bytes, int64_t part, int64_t all) {
+    return all > 0 ? (int64_t)((__int128)bytes * part / all) : 0;
+}
+
+int llmem_geometry_tensor_rank(const struct llmem_model_geometry *g, int n,
+                               struct llmem_model_geometry *rank, char *why, size_t why_size) {
+    *rank = *g;
+    why[0] = '\0';
+    if (n != 1 && n != 2 && n != 4 && n != 8) {
+        snprintf(why, why_size, "a degree of %d; llmem splits a model over 1, 2, 4 or 8 devices",
+                 n);
+        return LLMEM_EINVAL;
+    }
+    const struct {
+        const char *what;
+        int64_t v;
+    } split[] = {{"query heads", g->n_heads},
+                 {"MLP columns (intermediate_size)", g->intermediate_size},
+                 {"experts' columns (moe_intermediate_size)", g->expert_intermediate}};
+    for (size_t i = 0; i < sizeof(split) / sizeof(split[0]); i++)
+        if (split[i].v % n != 0) {
+            snprintf(why, why_size, "its %lld %s do not split over %d devices",
+                     (long long)split[i].v, split[i].what, n);
+            return LLMEM_EINVAL;
+        }
+    if (g->n_kv_heads % n != 0 && (g->n_kv_heads <= 0 || n % g->n_kv_heads != 0)) {
+        snprintf(why, why_size, "its %lld KV heads neither split over %d devices nor divide them",
+                 (long long)g->n_kv_heads, n);
+        return LLMEM_EINVAL;
+    }
+    rank->n_heads = g->n_heads / n;
+    /* more devices than KV heads: each device holds one, n / n_kv_heads devices the same one */
+    rank->n_kv_heads = g->n_kv_heads >= n ? g->n_kv_heads / n : 1;
+    rank->intermediate_size = g->intermediate_size / n;
+    rank->expert_intermediate = g->expert_intermediate / n;
+    rank->vocab_size = (g->vocab_size + n - 1) / n; /* embeddings and LM head by vocabulary */
+    const int64_t all = llmem_geometry_param_count(g);
+    rank->n_params = llmem_geometry_param_count(rank);
+    rank->weights_bytes = share(g->weights_bytes, rank->n_params, all);
+    if (g->expert_bytes > 0) { /* the experts split like the rest */
+        const int64_t experts = llmem_geometry_expert_bytes(g);
+        rank->expert_bytes = experts / n;
+    }
+    return LLMEM_OK;
 }

@@ -561,6 +561,55 @@ static void test_moe(void **state) {
     tu_run_free(&a);
 }
 
+/* --tensor-parallel N plans one device's part: Llama 3.1 70B at bf16 does not fit one 140G
+ * device with a 32K context, and fits each of two; a degree or a shape that does not split, or a
+ * host plan, is a usage error. */
+static void test_tensor_parallel(void **state) {
+    (void)state;
+    struct tu_run a = tu_llmem("plan", "llama-3.1-70b", "--backend", "cuda", "--total", "140G",
+                               "--context", "32768", "--json", NULL);
+    assert_int_equal(a.exit_code, 3);
+    cJSON *o = tu_json_stdout(&a);
+    const int64_t whole = get_int(o, "weights_bytes");
+    cJSON_Delete(o);
+    tu_run_free(&a);
+    a = tu_llmem("plan", "llama-3.1-70b", "--backend", "cuda", "--total", "140G", "--context",
+                 "32768", "--tensor-parallel", "2", "--json", NULL);
+    assert_int_equal(a.exit_code, 0);
+    o = tu_json_stdout(&a);
+    assert_int_equal(get_int(o, "tensor_parallel"), 2);
+    const cJSON *part = cJSON_GetObjectItem(o, "device_part");
+    assert_int_equal(get_int(part, "n_heads"), 32);
+    assert_int_equal(get_int(part, "n_kv_heads"), 4);
+    assert_int_equal(get_int(o, "weights_bytes"), get_int(part, "weights_bytes"));
+    assert_true(get_int(o, "weights_bytes") > whole / 2 &&
+                get_int(o, "weights_bytes") < whole / 2 + (1 << 22)); /* (norms on both) */
+    assert_int_equal(get_int(cJSON_GetObjectItem(o, "model"), "n_heads"), 64);
+    assert_int_equal(get_int(o, "kv_bytes_per_token"), 327680 / 2);
+    cJSON_Delete(o);
+    tu_run_free(&a);
+    a = tu_llmem("plan", "llama-3.1-70b", "--backend", "cuda", "--total", "140G",
+                 "--tensor-parallel", "2", NULL);
+    assert_int_equal(a.exit_code, 0);
+    assert_non_null(strstr(a.out, "parallel 2 devices, each 32 of the 64 query heads"));
+    tu_run_free(&a);
+    const char *bad[][6] = {{"--backend", "cuda", "--total", "140G", "--tensor-parallel", "3"},
+                            {"--backend", "cuda", "--total", "140G", "--tensor-parallel", "16"},
+                            {"--total", "140G", "--tensor-parallel", "2", "--json", "--json"}};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        a = tu_llmem("plan", "llama-3.1-70b", bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4],
+                     bad[i][5], NULL);
+        assert_int_equal(a.exit_code, 2);
+        assert_non_null(strstr(a.err, "--tensor-parallel"));
+        tu_run_free(&a);
+    }
+    a = tu_llmem("plan", "qwen2.5-7b", "--backend", "cuda", "--total", "40G", "--tensor-parallel",
+                 "8", NULL); /* 28 query heads */
+    assert_int_equal(a.exit_code, 2);
+    assert_non_null(strstr(a.err, "28 query heads do not split over 8 devices"));
+    tu_run_free(&a);
+}
+
 static void test_gguf(void **state) {
     (void)state;
     cJSON *facts = NULL;
@@ -617,6 +666,7 @@ int main(void) {
         cmocka_unit_test(test_svg),
         cmocka_unit_test(test_usage_errors),
         cmocka_unit_test(test_broken_models),
+        cmocka_unit_test(test_tensor_parallel),
         cmocka_unit_test(test_gguf),
         cmocka_unit_test(test_weight_type),
         cmocka_unit_test(test_moe),
