@@ -120,20 +120,32 @@ __device__ __forceinline__ void gemv_row(const uint16_t *w_row, int64_t cols, co
         const int64_t per = cols / 8 / W, end = (part + 1) * per;
         int64_t k = part * per + lane;
         /* GEMV_UNROLL loads of each lane in flight before any is used: a warp per row is too
-         * few to cover the memory's latency one load at a time */
-        for (; k + 32 * (GEMV_UNROLL - 1) < end; k += 32 * GEMV_UNROLL) {
+         * few to cover the memory's latency one load at a time. The first batch before the wait,
+         * outside the loop: the wait's memory barrier inside it kept the compiler from issuing
+         * a batch's x loads together with its weight loads (a one-token step of the 8B shape:
+         * 4.23 → 4.11 ms on the device) */
+        if (k + 32 * (GEMV_UNROLL - 1) < end) {
             uint4 raw[GEMV_UNROLL];
 #pragma unroll
             for (int u = 0; u < GEMV_UNROLL; u++)
                 raw[u] = __ldcs(wr + k + 32 * u); /* streamed once: do not keep it in L2 */
-            if (!waited)
-                pdl_begin(), waited = true;
+            pdl_begin(), waited = true;
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; u++)
+                gemv_step<DT, NX>(raw[u], x, x_row0, cols, k + 32 * u, acc);
+            k += 32 * GEMV_UNROLL;
+        }
+        if (!waited)
+            pdl_begin(), waited = true;
+        for (; k + 32 * (GEMV_UNROLL - 1) < end; k += 32 * GEMV_UNROLL) {
+            uint4 raw[GEMV_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; u++)
+                raw[u] = __ldcs(wr + k + 32 * u);
 #pragma unroll
             for (int u = 0; u < GEMV_UNROLL; u++)
                 gemv_step<DT, NX>(raw[u], x, x_row0, cols, k + 32 * u, acc);
         }
-        if (!waited)
-            pdl_begin(), waited = true;
         for (; k < end; k += 32)
             gemv_step<DT, NX>(__ldcs(wr + k), x, x_row0, cols, k, acc);
     }
