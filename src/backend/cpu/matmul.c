@@ -165,16 +165,24 @@ TARGET_AVX2 static ALWAYS_INLINE float reduce16_avx2(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
+/* Decode prefetches the task's rows DECODE_PF_BYTES ahead of the reads: rows of a few KiB are too
+ * short for the hardware prefetchers, which stop at page boundaries. Four streams 2 KiB ahead
+ * keep 128 lines in flight a core; 8 KiB ahead (512 lines, most of L1) streamed 15 % slower on
+ * the Zen 5 machines of docs/BENCHMARKS.md, and no prefetch 10 %. */
+#define DECODE_PF_BYTES 2048
+
 /* R weight rows × NX rows of x (R · NX ≤ 6: 12 accumulators of 16 registers). A decode's one
  * row of x takes six weight rows at a time: six streams in flight instead of two (bf16, 2
  * threads on a Zen 3: 10.5 → 12.4 tokens/s on the 1B shape); each row's sums keep their order. */
-TARGET_AVX2 static ALWAYS_INLINE void gemv_tile_avx2(const void *w, enum llmem_dtype dt, int64_t ld,
-                                                     int64_t i0, const float *x, int64_t cols,
-                                                     int64_t t0, float *y, int64_t ldy,
-                                                     const float *bias, const int R, const int NX) {
+TARGET_AVX2 static ALWAYS_INLINE void gemv_tile_avx2_s(const void *w, enum llmem_dtype dt,
+                                                       int64_t ld, int64_t i0, int64_t step,
+                                                       const float *x, int64_t cols, int64_t t0,
+                                                       float *y, int64_t ldy, const float *bias,
+                                                       const int R, const int NX, const size_t PF) {
+    const size_t esize = dt == LLMEM_DTYPE_F32 ? 4 : 2;
     const void *wr[6];
     for (int i = 0; i < R; i++)
-        wr[i] = row_at(w, dt, ld, i0 + i);
+        wr[i] = row_at(w, dt, ld, i0 + i * step);
     const float *xr[3];
     for (int j = 0; j < NX; j++)
         xr[j] = x + (t0 + j) * cols;
@@ -185,6 +193,8 @@ TARGET_AVX2 static ALWAYS_INLINE void gemv_tile_avx2(const void *w, enum llmem_d
     int64_t k = 0;
     for (; k + 16 <= cols; k += 16) {
         for (int i = 0; i < R; i++) {
+            if (PF != 0 && ((k * esize) & 63) == 0)
+                _mm_prefetch((const char *)wr[i] + (size_t)k * esize + PF, _MM_HINT_T0);
             __m256 w0 = load8_avx2(wr[i], dt, k), w1 = load8_avx2(wr[i], dt, k + 8);
             for (int j = 0; j < NX; j++) {
                 lo[i][j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr[j] + k), lo[i][j]);
@@ -209,17 +219,25 @@ TARGET_AVX2 static ALWAYS_INLINE void gemv_tile_avx2(const void *w, enum llmem_d
     }
     for (int i = 0; i < R; i++)
         for (int j = 0; j < NX; j++)
-            y[(t0 + j) * ldy + i0 + i] = finish(reduce16_avx2(lo[i][j], hi[i][j]), bias, i0 + i);
+            y[(t0 + j) * ldy + i0 + i * step] =
+                finish(reduce16_avx2(lo[i][j], hi[i][j]), bias, i0 + i * step);
 }
+
+/* R consecutive weight rows × NX rows of x. */
+#define gemv_tile_avx2(w, dt, ld, i0, x, cols, t0, y, ldy, bias, R, NX)                            \
+    gemv_tile_avx2_s(w, dt, ld, i0, 1, x, cols, t0, y, ldy, bias, R, NX, 0)
 
 TARGET_AVX2 static ALWAYS_INLINE void gemv_avx2_dt(const void *w, enum llmem_dtype dt, int64_t ld,
                                                    int64_t nrows, const float *x, int64_t cols,
                                                    int64_t n, float *y, int64_t ldy,
                                                    const float *bias) {
     int64_t i = 0;
-    if (n == 1)
-        for (; i + 6 <= nrows; i += 6)
-            gemv_tile_avx2(w, dt, ld, i, x, cols, 0, y, ldy, bias, 6, 1);
+    if (n == 1) { /* six long streams: the range in six parts, a row of each at a time */
+        const int64_t part = nrows / 6;
+        for (; i < part; i++)
+            gemv_tile_avx2_s(w, dt, ld, i, part, x, cols, 0, y, ldy, bias, 6, 1, DECODE_PF_BYTES);
+        i = part * 6;
+    }
     for (; i + 2 <= nrows; i += 2)
         for (int64_t t = 0; t < n; t += 3) {
             switch (n - t < 3 ? n - t : 3) {
@@ -340,11 +358,6 @@ gemv_tile_avx512_s(const void *w, enum llmem_dtype dt, int64_t ld, int64_t i0, i
 #define gemv_tile_avx512(w, dt, ld, i0, x, cols, t0, y, ldy, bias, R, NX, PF)                      \
     gemv_tile_avx512_s(w, dt, ld, i0, 1, x, cols, t0, y, ldy, bias, R, NX, PF)
 
-/* Decode prefetches the task's rows DECODE_PF_BYTES ahead of the reads: rows of a few KiB are too
- * short for the hardware prefetchers, which stop at page boundaries. Four streams 2 KiB ahead
- * keep 128 lines in flight a core; 8 KiB ahead (512 lines, most of L1) streamed 15 % slower on
- * the Zen 5 machines of docs/BENCHMARKS.md, and no prefetch 10 %. */
-#define DECODE_PF_BYTES 2048
 #define DECODE_R1       4 /* weight rows at a time for one row of x: independent FMA chains */
 
 TARGET_AVX512 static ALWAYS_INLINE void gemv_avx512_dt(const void *w, enum llmem_dtype dt,
