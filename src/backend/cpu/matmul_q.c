@@ -50,6 +50,7 @@
 #define Q_NX          4  /* rows of x per kernel call */
 #define Q_MR          16 /* W rows a task takes at a time (and a panel holds) */
 #define Q_PANEL_MIN_N 16 /* rows of x from which the panels pay */
+#define Q_PF_BYTES    2048 /* the AVX2 K kernels read W this far ahead (rows of a few KiB) */
 
 /* The quantized rows of x of a chunk. */
 struct q_x {
@@ -552,6 +553,8 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
         const uint8_t *qs = blk + (five ? 48 : 16);
+        for (int64_t p = 0; p < bb; p += 64) /* (the rows that follow too: a task's are one run) */
+            _mm_prefetch((const char *)blk + Q_PF_BYTES + p, _MM_HINT_T0);
         uint64_t sc64, m64;
         scales_k4(blk + 4, &sc64, &m64);
         const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64));
@@ -606,6 +609,8 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
     }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 210;
+        for (int64_t p = 0; p < 210; p += 64)
+            _mm_prefetch((const char *)blk + Q_PF_BYTES + p, _MM_HINT_T0);
         const int8_t *sc = (const int8_t *)(blk + 192);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         __m256i sl[Q_NX], sh[Q_NX];
@@ -782,6 +787,8 @@ TARGET_512 static ALWAYS_INLINE
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
         const uint8_t *qs = blk + (five ? 48 : 16);
+        for (int64_t p = 0; p < bb; p += 64) /* (the rows that follow too: a task's are one run) */
+            _mm_prefetch((const char *)blk + Q_PF_BYTES + p, _MM_HINT_T0);
         uint64_t sc64, m64;
         scales_k4(blk + 4, &sc64, &m64);
         const __m512i scb = _mm512_set1_epi64((long long)sc64);
@@ -844,6 +851,8 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
         }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 210;
+        for (int64_t p = 0; p < 210; p += 64)
+            _mm_prefetch((const char *)blk + Q_PF_BYTES + p, _MM_HINT_T0);
         const int8_t *sc = (const int8_t *)(blk + 192);
         const __m256i sc16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         const __m512i sc16 = _mm512_castsi256_si512(sc16y);
