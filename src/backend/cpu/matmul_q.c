@@ -467,6 +467,8 @@ TARGET_AVX2 static ALWAYS_INLINE void dot32_avx2_nx(const uint8_t *w, int64_t nb
     }
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
+        for (int64_t p = 0; p < 4 * bb; p += 64) /* (as the K kernels) */
+            _mm_prefetch((const char *)w + b * bb + Q_PF_BYTES + p, _MM_HINT_T0);
         __m256i wv[4], aw[4];
         for (int k = 0; k < 4; k++) {
             wv[k] = w32(w + (b + k) * bb, q4);
