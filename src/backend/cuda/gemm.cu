@@ -9,7 +9,8 @@
  * to f32 in slices of rows and multiplied in plain f32 (no TF32).
  *
  * Quantized weights (quant.cu) take quant.cu's matrix-vector kernel for up to QGEMV_MAX_ROWS rows
- * of x; more rows dequantize slices of the weights (f16 at fast precision, beside x rounded to
+ * of x (at fast precision, q, k and v, or gate and up with swiglu, in one launch of its integer
+ * kernel); more rows dequantize slices of the weights (f16 at fast precision, beside x rounded to
  * f16; f32 at f32 precision) for the same GEMMs.
  *
  * The fast GEMMs' plans (cublasLt, per shape) and the 16-bit copy of an activation that the
@@ -648,11 +649,31 @@ void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_
     shadow_written(c, y, n * w->rows);
 }
 
+/* Quantized matrices of one x that quant.cu's qgemv_set takes in one launch. */
+static int qset_fits(const struct cuda_ctx *c, int count, const struct llmem_weight *const *w,
+                     int64_t n) {
+    int fits = count <= 3 && n > 0 && n <= QGEMV_MAX_ROWS && !c->failed;
+    for (int i = 0; i < count; i++)
+        fits = fits && qgemv_int(c, w[i]) && w[i]->cols == w[0]->cols;
+    return fits;
+}
+
 /* Several matrices of the same x: one launch when all take the memory-bound kernel together. */
 void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w, const float *x,
                        int64_t n, float *const *y, const float *const *bias) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(count >= 1 && count <= 4);
+    if (qset_fits(c, count, w, n)) {
+        for (int i = 0; i < count; i++)
+            staged(c, OP_MATMUL_W,
+                   {arg(w[i]->data), arg(w[i]->rows), arg(y[i]), arg(bias ? bias[i] : NULL)});
+        if (staged(c, OP_GEMV_SET, {arg((int64_t)count), arg(x), arg(n)}))
+            return;
+        qgemv_set(c, count, w, x, n, y, bias, 0);
+        for (int i = 0; i < count; i++)
+            shadow_written(c, y[i], n * w[i]->rows);
+        return;
+    }
     int together = 1;
     for (int i = 0; i < count; i++)
         together = together && gemv16_fits(c, w[i], x, n) && w[i]->dtype == w[0]->dtype &&
@@ -728,6 +749,16 @@ void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate, const struct
                         const float *x, int64_t n, float *g, float *u, float *out) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(gate != NULL && up != NULL && x != NULL && out != NULL && n >= 0);
+    const struct llmem_weight *gu[2] = {gate, up};
+    if (qset_fits(c, 2, gu, n) && gate->rows == up->rows) {
+        if (staged(c, OP_GEMV_SWIGLU,
+                   {arg(gate->data), arg(up->data), arg((int64_t)gate->quant), arg(gate->rows),
+                    arg(gate->cols), arg(x), arg(n), arg(out)}))
+            return;
+        qgemv_set(c, 2, gu, x, n, &out, NULL, 1);
+        shadow_written(c, out, n * gate->rows);
+        return;
+    }
     if (!gemv16_fits(c, gate, x, n) || !gemv16_fits(c, up, x, n) || gate->dtype != up->dtype ||
         gate->rows != up->rows || gate->cols != up->cols) {
         const struct llmem_weight *w[2] = {gate, up};

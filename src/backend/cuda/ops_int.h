@@ -268,6 +268,12 @@ void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struc
  * table for ids (fed: top_k's feed on the device) */
 void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n, float *y,
            const float *bias);
+/* Whether qgemv multiplies integers for w at c's precision (x quantized to 8 bits); such weights
+ * of one x and column count (count ≤ 3) take one launch: y[i] = x · w[i]ᵀ (+ bias[i]), or with
+ * swiglu (count 2: gate and up of one shape) y[0] = silu(x · gateᵀ) · (x · upᵀ). */
+int qgemv_int(const struct cuda_ctx *c, const struct llmem_weight *w);
+void qgemv_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *w, const float *x,
+               int64_t n, float *const *y, const float *const *bias, int swiglu);
 void qdequant(struct cuda_ctx *c, const struct llmem_weight *w, int64_t r0, int64_t n,
               enum llmem_dtype dt, void *out);
 void qembedding(struct cuda_ctx *c, const struct llmem_weight *table, const int32_t *ids, int fed,

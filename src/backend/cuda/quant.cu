@@ -12,7 +12,8 @@
  *     group in f32 (the weights stream once; the products differ from the CPU's exact ones by the
  *     order of the sums); at fast precision, for the types whose CPU fast path multiplies
  *     integers (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), integer products with x quantized to 8 bits
- *     instead, a lane a 32-value unit (below: "fast precision");
+ *     instead, a lane a 32-value unit, up to three matrices of one x (of any of those types) in
+ *     one launch, gate and up with swiglu (below: "fast precision");
  *   - qdequant: a slice of rows into f16 (fast precision: gemm.cu multiplies the slice on the
  *     tensor cores) or f32 (f32 precision: a plain f32 GEMM), exactly;
  *   - qembedding: a table's rows for the token ids, exactly.
@@ -343,17 +344,23 @@ __device__ __forceinline__ void expert_of(const struct qexperts &ex, struct qmat
     *y += pr * m->rows;
 }
 
+/* acc[j] summed over the warp, in every lane, for j < NX. */
+template <int NX> __device__ __forceinline__ void warp_sum(float *acc) {
+#pragma unroll
+    for (int j = 0; j < NX; j++)
+        for (int o = 16; o > 0; o /= 2)
+            acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+}
+
 /* y[j, r] = the warp's sum of acc[j] (+ bias[r]), for j < NX. */
 template <int NX>
 __device__ __forceinline__ void warp_store(float *acc, int lane, float *y, int64_t rows, int64_t r,
                                            const float *bias) {
+    warp_sum<NX>(acc);
 #pragma unroll
-    for (int j = 0; j < NX; j++) {
-        for (int o = 16; o > 0; o /= 2)
-            acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+    for (int j = 0; j < NX; j++)
         if (lane == 0)
             y[j * rows + r] = bias != NULL ? acc[j] + bias[r] : acc[j];
-    }
 }
 
 /* y[t, r] = Σ_k x[t, k] · w[r, k] (+ bias[r]) for the NX rows of x at x: a warp per weight row,
@@ -495,6 +502,28 @@ __device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
     return d;
 }
 
+/* The 32 bytes at p (2-byte aligned) as 8 little-endian words: five 8-byte loads from p rounded
+ * down to 8 bytes, and funnel shifts (Q6_K's 210-byte blocks leave every other block 2 bytes off a
+ * word, where 16-bit loads took twice the instructions of the whole unit). Reads
+ * [p & ~7, (p & ~7) + 40): within the block for every unit of a Q6_K block (its codes end 18 bytes
+ * before the block), and after the start of the row before (a row's blocks follow the previous
+ * row's; row 0 starts aligned). */
+__device__ __forceinline__ void bytes32_a2(const uint8_t *p, uint32_t *w) {
+    const uint32_t o = (uint32_t)((uintptr_t)p & 7);
+    const uint2 *a = (const uint2 *)(p - o);
+    uint32_t t[10];
+#pragma unroll
+    for (int i = 0; i < 5; i++) {
+        const uint2 v = __ldg(a + i);
+        t[2 * i] = v.x, t[2 * i + 1] = v.y;
+    }
+    const bool hi = (o & 4) != 0;
+    const uint32_t sh = (o & 2) * 8;
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        w[i] = __funnelshift_r(hi ? t[i + 1] : t[i], hi ? t[i + 2] : t[i + 1], sh);
+}
+
 /* Unit u (values 32u … 32u + 31) of row r: its 32 unsigned codes, byte i of w[i / 4] value i
  * (the type's value is code − qt<QT>::B), and each half's scale and offset. */
 template <int QT>
@@ -546,11 +575,8 @@ __device__ __forceinline__ void qunit_codes(const uint8_t *row, int64_t u, uint3
         sc[0] = __fmul_rn(d, __fsub_rn(small_f((s2 & 0xffu) ^ 0x80u), 128.0f));
         sc[1] = __fmul_rn(d, __fsub_rn(small_f((uint32_t)(s2 >> 8) ^ 0x80u), 128.0f));
         uint32_t ql[8], qh[8];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            bytes8<0>(b + 64 * h + 32 * (j & 1) + 8 * i, ql + 2 * i);
-            bytes8<0>(b + 128 + 32 * h + 8 * i, qh + 2 * i);
-        }
+        bytes32_a2(b + 64 * h + 32 * (j & 1), ql);
+        bytes32_a2(b + 128 + 32 * h, qh);
 #pragma unroll
         for (int i = 0; i < 8; i++)
             w[i] = ((ql[i] >> (4 * (j >> 1))) & 0x0f0f0f0fu) |
@@ -558,8 +584,91 @@ __device__ __forceinline__ void qunit_codes(const uint8_t *row, int64_t u, uint3
     }
 }
 
-/* qgemv_kernel with x quantized (xq: quantize_x_kernel's rows): a warp per weight row, a lane a
- * unit at a time; the first unit read before the wait. */
+/* acc[j] += unit u of a row (w, sc, off: qunit_codes's) · unit u of row j of the quantized x,
+ * for j < NX. */
+template <int QT, int NX>
+__device__ __forceinline__ void qunit_dot(const uint32_t *w, const float *sc, const float *off,
+                                          const uint8_t *xq, int64_t cols, int64_t u, float *acc) {
+    const int64_t xrow = xq_row_bytes(cols);
+#pragma unroll
+    for (int j = 0; j < NX; j++) {
+        const uint8_t *xr = xq + j * xrow;
+        /* (x quantized by the kernel before: plain loads, as gemv_step reads x) */
+        const uint4 a = ((const uint4 *)(xr + 32 * u))[0], c = ((const uint4 *)(xr + 32 * u))[1];
+        const float dx = ((const float *)(xr + cols))[u];
+        const float *sx = (const float *)(xr + cols + cols / 32 * 4) + 2 * u;
+        const float sx0 = sx[0], sx1 = sx[1];
+        const int s0 =
+            dp4a_us(w[3], a.w, dp4a_us(w[2], a.z, dp4a_us(w[1], a.y, dp4a_us(w[0], a.x, 0))));
+        const int s1 =
+            dp4a_us(w[7], c.w, dp4a_us(w[6], c.z, dp4a_us(w[5], c.y, dp4a_us(w[4], c.x, 0))));
+        acc[j] = fmaf(sc[0] * dx, (float)s0, acc[j]);
+        acc[j] = fmaf(sc[1] * dx, (float)s1, acc[j]);
+        if (qt<QT>::OFF || qt<QT>::B != 0.0f) {
+            acc[j] = fmaf(-fmaf(sc[0], qt<QT>::B, off[0]), sx0, acc[j]);
+            acc[j] = fmaf(-fmaf(sc[1], qt<QT>::B, off[1]), sx1, acc[j]);
+        }
+    }
+}
+
+/* Units of each lane in flight before any is used: one warp a row is too few to cover the
+ * memory's latency a unit at a time. */
+#define QGEMV_UNROLL 4
+
+/* acc[j] = this lane's part of row r of m · row j of the quantized x (xq), for j < NX: a lane a
+ * unit at a time, QGEMV_UNROLL units (the lane's, 32 apart) read before any is multiplied. The
+ * kernel's pdl_begin comes in here, after the first units were asked for (the weights do not
+ * wait for the kernel before; x does: launch.h); the first batch outside the loop, as gemv_row's. */
+template <int QT, int NX>
+__device__ __forceinline__ void qrow_int(const struct qmat &m, int64_t r, const uint8_t *xq,
+                                         int lane, float *acc) {
+    constexpr int U = QGEMV_UNROLL;
+    const uint8_t *row = m.codes + r * m.row_bytes;
+    const int64_t units = m.cols / 32;
+    uint32_t w[U][8];
+    float sc[U][2], off[U][2];
+    int64_t u = lane;
+#pragma unroll
+    for (int j = 0; j < NX; j++)
+        acc[j] = 0;
+    bool waited = false;
+    if (u + 32 * (U - 1) < units) {
+#pragma unroll
+        for (int i = 0; i < U; i++)
+            qunit_codes<QT>(row, u + 32 * i, w[i], sc[i], off[i]);
+        pdl_begin(), waited = true;
+#pragma unroll
+        for (int i = 0; i < U; i++)
+            qunit_dot<QT, NX>(w[i], sc[i], off[i], xq, m.cols, u + 32 * i, acc);
+        u += 32 * U;
+    }
+    if (!waited)
+        pdl_begin();
+    for (; u + 32 * (U - 1) < units; u += 32 * U) {
+#pragma unroll
+        for (int i = 0; i < U; i++)
+            qunit_codes<QT>(row, u + 32 * i, w[i], sc[i], off[i]);
+#pragma unroll
+        for (int i = 0; i < U; i++)
+            qunit_dot<QT, NX>(w[i], sc[i], off[i], xq, m.cols, u + 32 * i, acc);
+    }
+    for (; u < units; u += 32) {
+        qunit_codes<QT>(row, u, w[0], sc[0], off[0]);
+        qunit_dot<QT, NX>(w[0], sc[0], off[0], xq, m.cols, u, acc);
+    }
+}
+
+/* qrow_int for a type known at run time (the same for the whole block). */
+template <int NX>
+__device__ __forceinline__ void qrow_int_any(int type, const struct qmat &m, int64_t r,
+                                             const uint8_t *xq, int lane, float *acc) {
+#define QROW(QT) qrow_int<QT, NX>(m, r, xq, lane, acc)
+    QT_INT_DISPATCH(type, QROW)
+#undef QROW
+}
+
+/* qgemv_kernel with x quantized (xq: quantize_x_kernel's rows), for a mixture's experts: a warp
+ * per weight row. */
 template <int QT, int NX>
 static __global__ void __launch_bounds__(256)
     qgemv_int_kernel(struct qmat m, const uint8_t *xq, float *y, const float *bias,
@@ -567,96 +676,122 @@ static __global__ void __launch_bounds__(256)
     if (ex.order != NULL)
         expert_of<uint8_t>(ex, &m, &xq, xq_row_bytes(m.cols), &y);
     const int lane = threadIdx.x & 31;
-    const int64_t r = blockIdx.x * 8 + threadIdx.x / 32, units = m.cols / 32;
+    const int64_t r = blockIdx.x * 8 + threadIdx.x / 32;
     if (r >= m.rows) {
         pdl_begin();
         return;
     }
-    const uint8_t *row = m.codes + r * m.row_bytes;
-    const int64_t xrow = xq_row_bytes(m.cols);
-    uint32_t w[8];
-    float sc[2], off[2], acc[NX];
-    int64_t u = lane;
-    if (u < units)
-        qunit_codes<QT>(row, u, w, sc, off);
-    pdl_begin();
-#pragma unroll
-    for (int j = 0; j < NX; j++)
-        acc[j] = 0;
-    for (; u < units; u += 32) {
-        if (u != lane)
-            qunit_codes<QT>(row, u, w, sc, off);
-#pragma unroll
-        for (int j = 0; j < NX; j++) {
-            const uint8_t *xr = xq + j * xrow;
-            /* (x quantized by the kernel before: plain loads, as gemv_step reads x) */
-            const uint4 a = ((const uint4 *)(xr + 32 * u))[0],
-                        c = ((const uint4 *)(xr + 32 * u))[1];
-            const float dx = ((const float *)(xr + m.cols))[u];
-            const float *sx = (const float *)(xr + m.cols + m.cols / 32 * 4) + 2 * u;
-            const float sx0 = sx[0], sx1 = sx[1];
-            const int s0 =
-                dp4a_us(w[3], a.w, dp4a_us(w[2], a.z, dp4a_us(w[1], a.y, dp4a_us(w[0], a.x, 0))));
-            const int s1 =
-                dp4a_us(w[7], c.w, dp4a_us(w[6], c.z, dp4a_us(w[5], c.y, dp4a_us(w[4], c.x, 0))));
-            acc[j] = fmaf(sc[0] * dx, (float)s0, acc[j]);
-            acc[j] = fmaf(sc[1] * dx, (float)s1, acc[j]);
-            if (qt<QT>::OFF || qt<QT>::B != 0.0f) {
-                acc[j] = fmaf(-fmaf(sc[0], qt<QT>::B, off[0]), sx0, acc[j]);
-                acc[j] = fmaf(-fmaf(sc[1], qt<QT>::B, off[1]), sx1, acc[j]);
-            }
-        }
-    }
+    float acc[NX];
+    qrow_int<QT, NX>(m, r, xq, lane, acc);
     warp_store<NX>(acc, lane, y, m.rows, r, bias);
+}
+
+/* Up to three matrices of one x in one launch (q, k and v; gate and up): matrix i, of type
+ * type[i], takes the blocks [first[i], first[i + 1]), eight rows a block; or, with swiglu, gate
+ * (m[0]) and up (m[1]) of one shape, a block four rows of each, into y[0] = silu(gate) · up. */
+struct qset {
+    struct qmat m[3];
+    int type[3];
+    float *y[3];
+    const float *bias[3];
+    unsigned first[4];
+};
+
+template <int NX>
+static __global__ void __launch_bounds__(256)
+    qgemv_set_kernel(struct qset s, const uint8_t *xq, int swiglu) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    int i = 0;
+    int64_t r;
+    if (swiglu) {
+        i = warp / 4, r = blockIdx.x * 4 + warp % 4;
+    } else {
+        while (i < 2 && blockIdx.x >= s.first[i + 1])
+            i++;
+        r = (blockIdx.x - s.first[i]) * 8 + warp;
+    }
+    const int64_t rows = s.m[i].rows;
+    float acc[NX];
+    if (r < rows) {
+        qrow_int_any<NX>(s.type[i], s.m[i], r, xq, lane, acc);
+        warp_sum<NX>(acc);
+    } else {
+#pragma unroll
+        for (int j = 0; j < NX; j++)
+            acc[j] = 0;
+        pdl_begin();
+    }
+    if (!swiglu) {
+        if (r < rows && lane == 0)
+#pragma unroll
+            for (int j = 0; j < NX; j++)
+                s.y[i][j * rows + r] = s.bias[i] != NULL ? acc[j] + s.bias[i][r] : acc[j];
+        return;
+    }
+    __shared__ float part[8][NX];
+    if (lane == 0)
+#pragma unroll
+        for (int j = 0; j < NX; j++)
+            part[warp][j] = acc[j];
+    __syncthreads();
+    if (warp < 4 && lane == 0 && r < rows)
+#pragma unroll
+        for (int j = 0; j < NX; j++)
+            s.y[0][j * rows + r] = silu_mul(part[warp][j], part[warp + 4][j]);
 }
 
 /* ---- what gemm.cu and elementwise.cu call ---------------------------------------------------- */
 
-/* Whether qgemv multiplies integers for w at c's precision. */
-static bool qgemv_int(const struct cuda_ctx *c, const struct llmem_weight *w) {
+int qgemv_int(const struct cuda_ctx *c, const struct llmem_weight *w) {
     return c->precision == LLMEM_PRECISION_FAST &&
            (w->quant == LLMEM_QTYPE_Q8_0 || w->quant == LLMEM_QTYPE_Q4_0 ||
             w->quant == LLMEM_QTYPE_Q4_K || w->quant == LLMEM_QTYPE_Q5_K ||
             w->quant == LLMEM_QTYPE_Q6_K);
 }
 
+void qgemv_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *w, const float *x,
+               int64_t n, float *const *y, const float *const *bias, int swiglu) {
+    LLMEM_ASSERT(count >= 1 && count <= 3 && (!swiglu || count == 2));
+    const int64_t cols = w[0]->cols, xrow = xq_row_bytes(cols);
+    uint8_t *xq = (uint8_t *)wslice(c, (size_t)(n * xrow));
+    if (xq == NULL)
+        return;
+    pdl_launch(c->stream, quantize_x_kernel, dim3((unsigned)((cols / 32 + 7) / 8), (unsigned)n),
+               dim3(256), 0, x, cols, xq);
+    struct qset s = {};
+    for (int i = 0; i < count; i++) {
+        LLMEM_ASSERT(qgemv_int(c, w[i]) && w[i]->cols == cols);
+        s.m[i] = qmat_of(w[i]), s.type[i] = w[i]->quant;
+        s.first[i + 1] = s.first[i] + (unsigned)((w[i]->rows + 7) / 8);
+    }
+    for (int i = count; i < 3; i++)
+        s.first[i + 1] = s.first[i];
+    const dim3 grid(swiglu ? (unsigned)((w[0]->rows + 3) / 4) : s.first[3]);
+    for (int64_t t = 0; t < n;) { /* up to 4 rows of x a launch */
+        const int nx = n - t >= 4 ? 4 : (int)(n - t);
+        for (int i = 0; i < (swiglu ? 1 : count); i++) /* (swiglu: one output) */
+            s.y[i] = y[i] + t * w[i]->rows, s.bias[i] = bias != NULL ? bias[i] : NULL;
+        const uint8_t *xt = xq + t * xrow;
+        switch (nx) {
+        case 1: pdl_launch(c->stream, qgemv_set_kernel<1>, grid, dim3(256), 0, s, xt, swiglu); break;
+        case 2: pdl_launch(c->stream, qgemv_set_kernel<2>, grid, dim3(256), 0, s, xt, swiglu); break;
+        case 3: pdl_launch(c->stream, qgemv_set_kernel<3>, grid, dim3(256), 0, s, xt, swiglu); break;
+        default: pdl_launch(c->stream, qgemv_set_kernel<4>, grid, dim3(256), 0, s, xt, swiglu);
+        }
+        t += nx;
+    }
+    launched(c, swiglu ? "qgemv swiglu" : "qgemv");
+}
+
 void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n, float *y,
            const float *bias) {
+    if (qgemv_int(c, w)) {
+        qgemv_set(c, 1, &w, x, n, &y, &bias, 0);
+        return;
+    }
     const struct qmat m = qmat_of(w);
     const dim3 grid((unsigned)((m.rows + 7) / 8));
     const struct qexperts none = {};
-    if (qgemv_int(c, w)) {
-        uint8_t *xq = (uint8_t *)wslice(c, (size_t)(n * xq_row_bytes(m.cols)));
-        if (xq == NULL)
-            return;
-        pdl_launch(c->stream, quantize_x_kernel,
-                   dim3((unsigned)((m.cols / 32 + 7) / 8), (unsigned)n), dim3(256), 0, x, m.cols,
-                   xq);
-        for (int64_t t = 0; t < n;) {
-            const int nx = n - t >= 4 ? 4 : (int)(n - t);
-            const uint8_t *xt = xq + t * xq_row_bytes(m.cols);
-            float *yt = y + t * m.rows;
-#define QGEMV_INT(QT)                                                                              \
-    switch (nx) {                                                                                  \
-    case 1:                                                                                        \
-        pdl_launch(c->stream, qgemv_int_kernel<QT, 1>, grid, dim3(256), 0, m, xt, yt, bias, none); \
-        break;                                                                                     \
-    case 2:                                                                                        \
-        pdl_launch(c->stream, qgemv_int_kernel<QT, 2>, grid, dim3(256), 0, m, xt, yt, bias, none); \
-        break;                                                                                     \
-    case 3:                                                                                        \
-        pdl_launch(c->stream, qgemv_int_kernel<QT, 3>, grid, dim3(256), 0, m, xt, yt, bias, none); \
-        break;                                                                                     \
-    default:                                                                                       \
-        pdl_launch(c->stream, qgemv_int_kernel<QT, 4>, grid, dim3(256), 0, m, xt, yt, bias, none); \
-    }
-            QT_INT_DISPATCH(w->quant, QGEMV_INT)
-#undef QGEMV_INT
-            t += nx;
-        }
-        launched(c, "qgemv");
-        return;
-    }
     for (int64_t t = 0; t < n;) {
         const int nx = n - t >= 4 ? 4 : (int)(n - t);
         const float *xt = x + t * m.cols;
