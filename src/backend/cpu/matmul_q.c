@@ -538,6 +538,17 @@ TARGET_AVX2 static ALWAYS_INLINE void q6_groups_avx2(const uint8_t *blk, int h, 
 /* Q4_K and Q5_K: per pair of sub-blocks, 32 bytes of nibbles (low: sub-block 2i, high: 2i+1)
  * and, for Q5_K, bits 2i and 2i+1 of qh as the fifth bits; the integer sums of a super-block
  * gather in lo (sub-blocks 2i) and hi (2i+1), added exactly at its end. */
+/* The sums of the lanes of a, b, c and d: [Σa, Σb, Σc, Σd] (integers: exact in any order). */
+TARGET_AVX2 static ALWAYS_INLINE __m128i hsum4_i32(__m128i a, __m128i b, __m128i c, __m128i d) {
+    return _mm_hadd_epi32(_mm_hadd_epi32(a, b), _mm_hadd_epi32(c, d));
+}
+
+/* [scale 2i ×16 | scale 2i+1 ×16]-style picks for k45: byte 2i + h of each qword (the eight
+ * scales repeated in every qword) into the low byte of every 16-bit lane, the high byte 0. */
+TARGET_AVX2 static ALWAYS_INLINE __m256i k4_scale_pick(int k) {
+    return _mm256_set1_epi16((short)(0x8000 | k));
+}
+
 TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t nb,
                                                       const struct q_x *x, int64_t t, float *out,
                                                       const int five, const int NX) {
@@ -545,13 +556,15 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
-    float acc[Q_NX];
     for (int j = 0; j < NX; j++) {
         xq[j] = x->q + (t + j) * x->cols;
         xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         xs[j] = x->s + (t + j) * (x->cols / 16);
-        acc[j] = 0.0f;
     }
+    /* the rows of x in the lanes of one vector: a super-block's S1 and S2 of each row summed
+     * together (hsum4_i32), and the rows' fma chains side by side (lane j: row j's, the
+     * operations of the scalar kernel in its order) */
+    __m128 acc = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
         const uint8_t *qs = blk + (five ? 48 : 16);
@@ -560,38 +573,52 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_nx(const uint8_t *w, int64_t 
         uint64_t sc64, m64;
         scales_k4(blk + 4, &sc64, &m64);
         const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64));
-        __m256i sl[Q_NX], sh[Q_NX];
+        const __m256i scv = _mm256_set1_epi64x((long long)sc64);
+        __m256i sl[Q_NX];
         for (int j = 0; j < NX; j++)
-            sl[j] = sh[j] = _mm256_setzero_si256();
+            sl[j] = _mm256_setzero_si256();
         __m256i qhv =
             five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
             __m256i wl, wh;
             k45_pair_avx2(qs, i, five, &qhv, &wl, &wh);
-            const __m256i scl = _mm256_set1_epi16((short)((sc64 >> (16 * i)) & 0xff));
-            const __m256i sch = _mm256_set1_epi16((short)((sc64 >> (16 * i + 8)) & 0xff));
+            const __m256i scl = _mm256_shuffle_epi8(scv, k4_scale_pick(2 * i));
+            const __m256i sch = _mm256_shuffle_epi8(scv, k4_scale_pick(2 * i + 1));
             for (int j = 0; j < NX; j++) {
                 const int8_t *xb = xq[j] + b * LLMEM_QK_K + 64 * i;
                 __m256i x0 = _mm256_loadu_si256((const __m256i *)xb);
                 __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
-                sl[j] =
-                    _mm256_add_epi32(sl[j], _mm256_madd_epi16(_mm256_maddubs_epi16(wl, x0), scl));
-                sh[j] =
-                    _mm256_add_epi32(sh[j], _mm256_madd_epi16(_mm256_maddubs_epi16(wh, x1), sch));
+                sl[j] = _mm256_add_epi32(
+                    sl[j], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(wl, x0), scl),
+                                            _mm256_madd_epi16(_mm256_maddubs_epi16(wh, x1), sch)));
             }
         }
-        const float d = f16_at_c(blk), dmin = f16_at_c(blk + 2);
-        for (int j = 0; j < NX; j++) {
-            const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
-            const __m128i mk =
-                _mm_madd_epi16(mins, _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1)));
-            acc[j] =
-                fmaf((float)hsum_i32_avx2(_mm256_add_epi32(sl[j], sh[j])), d * xd[j][b], acc[j]);
-            acc[j] = fmaf((float)hsum_i32_sse(mk), -(dmin * xd[j][b]), acc[j]);
+        __m128i s1[Q_NX], s2[Q_NX];
+        float xdb[Q_NX];
+        for (int j = 0; j < Q_NX; j++) {
+            if (j < NX) {
+                const __m128i *bs = (const __m128i *)(xs[j] + b * 16);
+                s1[j] = _mm_add_epi32(_mm256_castsi256_si128(sl[j]),
+                                      _mm256_extracti128_si256(sl[j], 1));
+                s2[j] = _mm_madd_epi16(
+                    mins, _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1)));
+                xdb[j] = xd[j][b];
+            } else {
+                s1[j] = s2[j] = _mm_setzero_si128();
+                xdb[j] = 0.0f;
+            }
         }
+        const __m128 dx = _mm_loadu_ps(xdb);
+        const __m128 d = _mm_set1_ps(f16_at_c(blk)), dmin = _mm_set1_ps(f16_at_c(blk + 2));
+        const __m128 p1 = _mm_cvtepi32_ps(hsum4_i32(s1[0], s1[1], s1[2], s1[3]));
+        const __m128 p2 = _mm_cvtepi32_ps(hsum4_i32(s2[0], s2[1], s2[2], s2[3]));
+        acc = _mm_fmadd_ps(_mm_mul_ps(d, dx), p1, acc);
+        acc = _mm_fmadd_ps(_mm_xor_ps(_mm_mul_ps(dmin, dx), _mm_set1_ps(-0.0f)), p2, acc);
     }
+    float a[4];
+    _mm_storeu_ps(a, acc);
     for (int j = 0; j < NX; j++)
-        out[j] = acc[j];
+        out[j] = a[j];
 }
 
 /* Q6_K: the integer sums of a super-block in lo (groups 0 and 2 of each 128 values) and hi
@@ -602,13 +629,12 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     const int16_t *xs[Q_NX];
-    float acc[Q_NX];
     for (int j = 0; j < NX; j++) {
         xq[j] = x->q + (t + j) * x->cols;
         xd[j] = x->d + (t + j) * (x->cols / LLMEM_QK_K);
         xs[j] = x->s + (t + j) * (x->cols / 16);
-        acc[j] = 0.0f;
     }
+    __m128 acc = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 210;
         for (int64_t p = 0; p < 210; p += 64)
@@ -636,16 +662,31 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
                 }
             }
         }
-        const float d = f16_at_c(blk + 208);
-        for (int j = 0; j < NX; j++) {
-            const __m256i c =
-                _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
-            const int sum = hsum_i32_avx2(_mm256_add_epi32(sl[j], sh[j])) - 32 * hsum_i32_avx2(c);
-            acc[j] = fmaf((float)sum, d * xd[j][b], acc[j]);
+        /* (the rows' sums together, as dot_k45_avx2_nx's) */
+        __m128i s1[Q_NX], s2[Q_NX];
+        float xdb[Q_NX];
+        for (int j = 0; j < Q_NX; j++) {
+            if (j < NX) {
+                const __m256i c =
+                    _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(xs[j] + b * 16)));
+                const __m256i v = _mm256_add_epi32(sl[j], sh[j]);
+                s1[j] = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+                s2[j] = _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+                xdb[j] = xd[j][b];
+            } else {
+                s1[j] = s2[j] = _mm_setzero_si128();
+                xdb[j] = 0.0f;
+            }
         }
+        const __m128i sum = _mm_sub_epi32(hsum4_i32(s1[0], s1[1], s1[2], s1[3]),
+                                          _mm_slli_epi32(hsum4_i32(s2[0], s2[1], s2[2], s2[3]), 5));
+        acc = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(f16_at_c(blk + 208)), _mm_loadu_ps(xdb)),
+                           _mm_cvtepi32_ps(sum), acc);
     }
+    float a[4];
+    _mm_storeu_ps(a, acc);
     for (int j = 0; j < NX; j++)
-        out[j] = acc[j];
+        out[j] = a[j];
 }
 
 TARGET_AVX2 static void dot_q4_k_avx2(DOT_ARGS){
