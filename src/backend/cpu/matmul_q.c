@@ -543,8 +543,8 @@ TARGET_AVX2 static ALWAYS_INLINE __m128i hsum4_i32(__m128i a, __m128i b, __m128i
     return _mm_hadd_epi32(_mm_hadd_epi32(a, b), _mm_hadd_epi32(c, d));
 }
 
-/* [scale 2i ×16 | scale 2i+1 ×16]-style picks for k45: byte 2i + h of each qword (the eight
- * scales repeated in every qword) into the low byte of every 16-bit lane, the high byte 0. */
+/* The shuffle that puts byte k of each qword (the eight scales, repeated in every qword) in the
+ * low byte of every 16-bit lane, its high byte 0: scale k in every lane. */
 TARGET_AVX2 static ALWAYS_INLINE __m256i k4_scale_pick(int k) {
     return _mm256_set1_epi16((short)(0x8000 | k));
 }
