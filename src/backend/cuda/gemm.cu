@@ -10,8 +10,9 @@
  *
  * Quantized weights (quant.cu) take quant.cu's matrix-vector kernel for up to QGEMV_MAX_ROWS rows
  * of x (at fast precision, q, k and v, or gate and up with swiglu, in one launch of its integer
- * kernel); more rows dequantize slices of the weights (f16 at fast precision, beside x rounded to
- * f16; f32 at f32 precision) for the same GEMMs.
+ * kernel); at fast precision the types it multiplies in integers take its tensor-core integer
+ * products (qmma) up to QMMA_MAX_ROWS; more rows dequantize slices of the weights (f16 at fast
+ * precision, beside x rounded to f16; f32 at f32 precision) for the same GEMMs.
  *
  * The fast GEMMs' plans (cublasLt, per shape) and the 16-bit copy of an activation that the
  * operation before a GEMM writes (the shadow) live here too.
@@ -584,6 +585,10 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
     const int is16 = w->dtype == LLMEM_DTYPE_BF16 || w->dtype == LLMEM_DTYPE_F16;
     if (w->quant != 0 && n <= QGEMV_MAX_ROWS) {
         qgemv(c, w, x, n, y, bias);
+        return;
+    }
+    if (n <= QMMA_MAX_ROWS && qgemv_int(c, w)) {
+        qmma(c, w, x, n, y, bias);
         return;
     }
     if (w->quant != 0 && c->precision == LLMEM_PRECISION_FAST) {

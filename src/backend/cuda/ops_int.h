@@ -45,6 +45,9 @@ namespace llmem_cuda {
 /* x rows up to which quantized weights take the matrix-vector kernels (quant.cu qgemv) at either
  * precision: they read the blocks once, where a GEMM first writes and reads them dequantized */
 #define QGEMV_MAX_ROWS 8
+/* x rows up to which, at fast precision, the integer types (qgemv_int) take the tensor cores'
+ * integer products (quant.cu qmma) instead of the dequantized weights' GEMMs */
+#define QMMA_MAX_ROWS 64
 /* The fast GEMMs' plans (cublasLt: the algorithm its heuristic ranks first for a shape, given up
  * to LT_WORKSPACE_MAX of workspace), kept in a table of LT_PLANS by shape. */
 #define LT_PLANS         1024
@@ -274,6 +277,10 @@ void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int
 int qgemv_int(const struct cuda_ctx *c, const struct llmem_weight *w);
 void qgemv_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *w, const float *x,
                int64_t n, float *const *y, const float *const *bias, int swiglu);
+/* y = x · Wᵀ (+ bias) for n rows of x, for the weights qgemv_int takes, on the tensor cores (x
+ * quantized to 8 bits as qgemv's) */
+void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n, float *y,
+          const float *bias);
 void qdequant(struct cuda_ctx *c, const struct llmem_weight *w, int64_t r0, int64_t n,
               enum llmem_dtype dt, void *out);
 void qembedding(struct cuda_ctx *c, const struct llmem_weight *table, const int32_t *ids, int fed,

@@ -7,18 +7,21 @@
  * (q the unsigned code, B the type's bias, sc and off the group's scale and offset), which
  * dequantizes exactly as quant/dequant.c does on the host (the same roundings, no fused
  * multiply-adds). Consecutive threads take consecutive groups, so that a warp reads x and writes
- * its output in whole lines. Three kernels:
+ * its output in whole lines. Four kernels:
  *   - qgemv: a few rows of x (decode): a warp per weight row, sc · Σ q·x − (off + sc·B) · Σ x per
  *     group in f32 (the weights stream once; the products differ from the CPU's exact ones by the
  *     order of the sums); at fast precision, for the types whose CPU fast path multiplies
  *     integers (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), integer products with x quantized to 8 bits
  *     instead, a lane a 32-value unit, up to three matrices of one x (of any of those types) in
  *     one launch, gate and up with swiglu (below: "fast precision");
+ *   - qmma: a batch's rows of x (9 to 64) at fast precision, for the same integer types: x
+ *     quantized to 8 bits, the codes multiplied on the tensor cores (below: "more rows of x");
  *   - qdequant: a slice of rows into f16 (fast precision: gemm.cu multiplies the slice on the
  *     tensor cores) or f32 (f32 precision: a plain f32 GEMM), exactly;
  *   - qembedding: a table's rows for the token ids, exactly.
  */
 #include "backend/cuda/ops_int.h"
+#include "backend/cuda/tc.h"
 
 #include "quant/quant.h"
 
@@ -48,27 +51,36 @@ static struct qmat qmat_of(const struct llmem_weight *w) {
 /* ---- reading a group -------------------------------------------------------------------------
  */
 
-__device__ __forceinline__ float f16_at(const uint8_t *p) {
-    return __half2float(__ushort_as_half(__ldg((const unsigned short *)p)));
+/* *p: through the read-only cache (global memory), or plainly (SH: a copy in shared memory). */
+template <bool SH, class T> __device__ __forceinline__ T ld(const T *p) {
+    if constexpr (SH)
+        return *p;
+    else
+        return __ldg(p);
 }
 
-__device__ __forceinline__ uint32_t byte_at(const uint8_t *p) {
-    return __ldg(p);
+template <bool SH = false> __device__ __forceinline__ float f16_at(const uint8_t *p) {
+    return __half2float(__ushort_as_half(ld<SH>((const unsigned short *)p)));
+}
+
+template <bool SH = false> __device__ __forceinline__ uint32_t byte_at(const uint8_t *p) {
+    return ld<SH>(p);
 }
 
 /* 8 bytes from p as two little-endian words, p aligned to A bytes (8, 4 or 2; 0: at least 2,
  * the same for the whole warp: blocks of 110 and 210 bytes leave every other block 2 bytes off a
  * word). Reads [p, p + 8) only. */
-template <int A> __device__ __forceinline__ void bytes8(const uint8_t *p, uint32_t *w) {
+template <int A, bool SH = false>
+__device__ __forceinline__ void bytes8(const uint8_t *p, uint32_t *w) {
     if (A == 8 || (A == 0 && ((uintptr_t)p & 7) == 0)) {
-        const uint2 v = __ldg((const uint2 *)p);
+        const uint2 v = ld<SH>((const uint2 *)p);
         w[0] = v.x, w[1] = v.y;
     } else if (A == 4 || (A == 0 && ((uintptr_t)p & 3) == 0)) {
-        w[0] = __ldg((const uint32_t *)p), w[1] = __ldg((const uint32_t *)p + 1);
+        w[0] = ld<SH>((const uint32_t *)p), w[1] = ld<SH>((const uint32_t *)p + 1);
     } else {
         const unsigned short *h = (const unsigned short *)p;
-        w[0] = (uint32_t)__ldg(h) | (uint32_t)__ldg(h + 1) << 16;
-        w[1] = (uint32_t)__ldg(h + 2) | (uint32_t)__ldg(h + 3) << 16;
+        w[0] = (uint32_t)ld<SH>(h) | (uint32_t)ld<SH>(h + 1) << 16;
+        w[1] = (uint32_t)ld<SH>(h + 2) | (uint32_t)ld<SH>(h + 3) << 16;
     }
 }
 
@@ -95,14 +107,16 @@ __device__ __forceinline__ uint32_t spread4(uint32_t b) {
  * as quant/dequant.c scale_min_k4 reads them, without a branch (the lanes of a warp take all eight
  * k): k < 4 in the low 6 bits of bytes k and k + 4 of the 12 after d and dmin; k ≥ 4 in the
  * nibbles of byte k + 4 with the top two bits of bytes k − 4 and k. */
+template <bool SH = false>
 __device__ __forceinline__ void k4_scale_min(const uint8_t *b, int k, float *sc, float *off) {
     const uint8_t *s = b + 4;
     const bool lo = k < 4;
-    const uint32_t c0 = byte_at(s + (lo ? k : k + 4)), c1 = byte_at(s + (lo ? k + 4 : k - 4));
-    const uint32_t c2 = byte_at(s + k);
+    const uint32_t c0 = byte_at<SH>(s + (lo ? k : k + 4)),
+                   c1 = byte_at<SH>(s + (lo ? k + 4 : k - 4));
+    const uint32_t c2 = byte_at<SH>(s + k);
     const uint32_t scale = lo ? c0 & 63 : (c0 & 0xf) | (c1 >> 6) << 4;
     const uint32_t min = lo ? c1 & 63 : (c0 >> 4) | (c2 >> 6) << 4;
-    const uint32_t dd = __ldg((const uint32_t *)b); /* d, dmin */
+    const uint32_t dd = ld<SH>((const uint32_t *)b); /* d, dmin */
     *sc = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd & 0xffff))), small_f(scale));
     *off = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd >> 16))), small_f(min));
 }
@@ -508,13 +522,13 @@ __device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
  * [p & ~7, (p & ~7) + 40): within the block for every unit of a Q6_K block (its codes end 18 bytes
  * before the block), and after the start of the row before (a row's blocks follow the previous
  * row's; row 0 starts aligned). */
-__device__ __forceinline__ void bytes32_a2(const uint8_t *p, uint32_t *w) {
+template <bool SH = false> __device__ __forceinline__ void bytes32_a2(const uint8_t *p, uint32_t *w) {
     const uint32_t o = (uint32_t)((uintptr_t)p & 7);
     const uint2 *a = (const uint2 *)(p - o);
     uint32_t t[10];
 #pragma unroll
     for (int i = 0; i < 5; i++) {
-        const uint2 v = __ldg(a + i);
+        const uint2 v = ld<SH>(a + i);
         t[2 * i] = v.x, t[2 * i + 1] = v.y;
     }
     const bool hi = (o & 4) != 0;
@@ -525,23 +539,24 @@ __device__ __forceinline__ void bytes32_a2(const uint8_t *p, uint32_t *w) {
 }
 
 /* Unit u (values 32u … 32u + 31) of row r: its 32 unsigned codes, byte i of w[i / 4] value i
- * (the type's value is code − qt<QT>::B), and each half's scale and offset. */
-template <int QT>
+ * (the type's value is code − qt<QT>::B), and each half's scale and offset; from global memory, or
+ * (SH) from a copy of the row's blocks in shared memory at the same offset from 16 bytes. */
+template <int QT, bool SH = false>
 __device__ __forceinline__ void qunit_codes(const uint8_t *row, int64_t u, uint32_t *w, float *sc,
                                             float *off) {
     off[0] = off[1] = 0.0f;
     if constexpr (QT == LLMEM_QTYPE_Q4_0 || QT == LLMEM_QTYPE_Q8_0) {
         const uint8_t *b = row + u * qt<QT>::BB;
-        sc[0] = sc[1] = f16_at(b);
+        sc[0] = sc[1] = f16_at<SH>(b);
         if constexpr (QT == LLMEM_QTYPE_Q8_0) {
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                bytes8<2>(b + 2 + 8 * i, w + 2 * i);
+                bytes8<2, SH>(b + 2 + 8 * i, w + 2 * i);
                 w[2 * i] ^= 0x80808080u, w[2 * i + 1] ^= 0x80808080u;
             }
         } else {
             uint32_t q[4];
-            bytes8<2>(b + 2, q), bytes8<2>(b + 10, q + 2);
+            bytes8<2, SH>(b + 2, q), bytes8<2, SH>(b + 10, q + 2);
 #pragma unroll
             for (int i = 0; i < 4; i++)
                 w[i] = q[i] & 0x0f0f0f0fu, w[4 + i] = (q[i] >> 4) & 0x0f0f0f0fu;
@@ -550,18 +565,18 @@ __device__ __forceinline__ void qunit_codes(const uint8_t *row, int64_t u, uint3
         constexpr int five = QT == LLMEM_QTYPE_Q5_K;
         const uint8_t *b = row + (u / 8) * qt<QT>::BB;
         const int k = (int)(u % 8);
-        k4_scale_min(b, k, sc, off);
+        k4_scale_min<SH>(b, k, sc, off);
         sc[1] = sc[0], off[1] = off[0];
         const uint4 *qs = (const uint4 *)(b + (five ? 48 : 16) + 32 * (k / 2));
-        const uint4 q0 = __ldg(qs), q1 = __ldg(qs + 1);
+        const uint4 q0 = ld<SH>(qs), q1 = ld<SH>(qs + 1);
         const uint32_t q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
         const int shift = 4 * (k & 1);
 #pragma unroll
         for (int i = 0; i < 8; i++)
             w[i] = (q[i] >> shift) & 0x0f0f0f0fu;
         if constexpr (five) {
-            const uint4 h0 = __ldg((const uint4 *)(b + 16)),
-                        h1 = __ldg((const uint4 *)(b + 16) + 1);
+            const uint4 h0 = ld<SH>((const uint4 *)(b + 16)),
+                        h1 = ld<SH>((const uint4 *)(b + 16) + 1);
             const uint32_t h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
 #pragma unroll
             for (int i = 0; i < 8; i++)
@@ -570,13 +585,13 @@ __device__ __forceinline__ void qunit_codes(const uint8_t *row, int64_t u, uint3
     } else { /* Q6_K */
         const uint8_t *b = row + (u / 8) * qt<QT>::BB;
         const int k = (int)(u % 8), h = k / 4, j = k % 4;
-        const float d = f16_at(b + 208);
-        const unsigned short s2 = __ldg((const unsigned short *)(b + 192 + 8 * h + 2 * j));
+        const float d = f16_at<SH>(b + 208);
+        const unsigned short s2 = ld<SH>((const unsigned short *)(b + 192 + 8 * h + 2 * j));
         sc[0] = __fmul_rn(d, __fsub_rn(small_f((s2 & 0xffu) ^ 0x80u), 128.0f));
         sc[1] = __fmul_rn(d, __fsub_rn(small_f((uint32_t)(s2 >> 8) ^ 0x80u), 128.0f));
         uint32_t ql[8], qh[8];
-        bytes32_a2(b + 64 * h + 32 * (j & 1), ql);
-        bytes32_a2(b + 128 + 32 * h, qh);
+        bytes32_a2<SH>(b + 64 * h + 32 * (j & 1), ql);
+        bytes32_a2<SH>(b + 128 + 32 * h, qh);
 #pragma unroll
         for (int i = 0; i < 8; i++)
             w[i] = ((ql[i] >> (4 * (j >> 1))) & 0x0f0f0f0fu) |
@@ -740,6 +755,359 @@ static __global__ void __launch_bounds__(256)
             s.y[0][j * rows + r] = silu_mul(part[warp][j], part[warp + 4][j]);
 }
 
+/* ---- fast precision, more rows of x: integer products on the tensor cores ---------------------
+ *
+ * From QGEMV_MAX_ROWS + 1 to QMMA_MAX_ROWS rows of x (a batch's decode), the same types multiply
+ * their codes by x quantized to 8 bits on the tensor cores: an m16n8k32 product of a unit's
+ * unsigned codes (16 weight rows) by its signed x (8 rows of x) into s32 sums (Q6_K's halves, of
+ * their own scales, an m16n8k16 each). Q8_0 and Q4_0 scale each unit's sums into f32 as qunit_dot
+ * scales dp4a's; the K types sum them in integers over a super-block (qmma_int). A block takes
+ * QMMA_ROWS weight rows, 16 a warp, and up to 8·NT rows of x, over a slice of the units, QMMA_STEP
+ * units a step. Each step's blocks of the 64 rows and its x are copied into shared memory
+ * (cp.async, the next step's while this one is multiplied); each lane then decodes four (row, unit)
+ * pairs of its warp there (qunit_codes) into the warp's tile of codes and scales, and the warp
+ * multiplies. x is quantized for this kernel in the operands' own order (struct xfrag), so that
+ * its copy is contiguous and a lane reads its operand in one load. The slices (split-K, so that a
+ * matrix of few rows still fills the device) are added in order by qmma_sum_kernel; their count
+ * depends on the matrix's shape alone, so that a row of x's products do not depend on the rows
+ * beside it.
+ */
+#define QMMA_ROWS 64
+#define QMMA_STEP 8
+
+/* A unit of 8 rows of x (j, the rows 8j … 8j + 7), as the m16n8k32 product's B operand: q[l] the
+ * two words of lane l (row l / 4, values 4·(l % 4) … + 3 and 16 + 4·(l % 4) … + 3), d the rows'
+ * scales, s[k] the sums of the halves of rows 2k and 2k + 1: of x (f32), or for the K types (x in
+ * blocks of 256) of the codes (s32). Stored [j][unit]. */
+struct xfrag {
+    uint2 q[32];
+    float d[8];
+    float4 s[4];
+};
+
+/* v summed over each 16 lanes (lanes 0–15, 16–31), in every lane. */
+template <class T> __device__ __forceinline__ T half_warp_sum(T v) {
+    for (int o = 8; o > 0; o /= 2)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* A warp per block of BU units (32·BU values, one scale) of a row of x (blockIdx.y, up to a whole
+ * tile of 8: the rows from n on are zeros), into xfrag, with the sums of x (BU = 1: the 32-value
+ * types) or of the codes (BU = QMMA_STEP: the K types, as the CPU's fast path quantizes x for
+ * them). */
+template <int BU>
+static __global__ void quantize_x_frag_kernel(const float *x, int64_t cols, int64_t n,
+                                              struct xfrag *out) {
+    pdl_begin();
+    const int lane = threadIdx.x & 31;
+    const int64_t b = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32, t = blockIdx.y;
+    const int64_t units = cols / 32;
+    if (b >= units / BU)
+        return;
+    float v[BU], amax = 0.0f;
+#pragma unroll
+    for (int u = 0; u < BU; u++) {
+        v[u] = t < n ? x[t * cols + 32 * (BU * b + u) + lane] : 0.0f;
+        amax = fmaxf(amax, fabsf(v[u]));
+    }
+    for (int o = 16; o > 0; o /= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const int r = (int)(t % 8);
+#pragma unroll
+    for (int u = 0; u < BU; u++) {
+        struct xfrag *f = out + (t / 8) * units + BU * b + u;
+        const int q = __float2int_rn(v[u] * id);
+        ((uint8_t *)&f->q[4 * r + (lane % 16) / 4])[4 * (lane / 16) + lane % 4] = (uint8_t)q;
+        if (lane == 0)
+            f->d[r] = d;
+        const int at = 2 * (r % 2) + lane / 16; /* (a half's sum, of rows 2k and 2k + 1) */
+        if constexpr (BU == 1) {
+            const float sum = half_warp_sum(v[u]);
+            if (lane % 16 == 0)
+                ((float *)&f->s[r / 2])[at] = sum;
+        } else {
+            const int sum = half_warp_sum(q);
+            if (lane % 16 == 0)
+                ((int *)&f->s[r / 2])[at] = sum;
+        }
+    }
+}
+
+/* Whether qmma_kernel sums the K types' products in integers per super-block, as the CPU's fast
+ * path does (backend/cpu/matmul_q.c): Σ_j sc_j · Σ code·q (sc_j the sub-block's integer scale)
+ * and Σ_j m_j · Σ q, scaled once per super-block by d·dx and dmin·dx, x in blocks of 256. */
+template <int QT> struct qmma_int {
+    static constexpr bool K =
+        QT == LLMEM_QTYPE_Q4_K || QT == LLMEM_QTYPE_Q5_K || QT == LLMEM_QTYPE_Q6_K;
+};
+
+/* The integer scales of sub-block k of the K-type super-block at b (in shared memory): its two
+ * halves' scales and its min (Q6_K: 16-value sub-blocks, signed scales, no min). */
+template <int QT> __device__ __forceinline__ int4 qunit_iscales(const uint8_t *b, int k) {
+    if constexpr (QT == LLMEM_QTYPE_Q6_K) {
+        const unsigned short s2 = *(const unsigned short *)(b + 192 + 8 * (k / 4) + 2 * (k % 4));
+        return make_int4((int)(int8_t)(s2 & 0xff), (int)(int8_t)(s2 >> 8), 0, 0);
+    } else {
+        const uint8_t *s = b + 4;
+        const bool lo = k < 4;
+        const int c0 = s[lo ? k : k + 4], c1 = s[lo ? k + 4 : k - 4], c2 = s[k];
+        const int scale = lo ? c0 & 63 : (c0 & 0xf) | (c1 >> 6) << 4;
+        const int min = lo ? c1 & 63 : (c0 >> 4) | (c2 >> 6) << 4;
+        return make_int4(scale, scale, min, 0);
+    }
+}
+
+/* Bytes of a row's blocks of a step, and of their copy in shared memory (from the 16 bytes they
+ * start in, whole 16 bytes). */
+template <int QT> struct qmma_bytes {
+    static constexpr int STEP = qt<QT>::BB * (32 * QMMA_STEP / qt<QT>::BE);
+    static constexpr int COPY = (STEP + 15 + 15) / 16 * 16;
+};
+
+/* Word i of row r of a unit's codes in the warp's tile: halves swapped in rows 4–7 and 12–15, so
+ * that the eight rows a fragment's load reads fall in distinct banks. */
+__device__ __forceinline__ int qmma_word(int r, int i) {
+    return i ^ (r & 4);
+}
+
+/* The dynamic shared memory of qmma_kernel<QT, NT>: per warp its decoded codes [unit][row][8] and
+ * scales (sc and sc·B + off of a unit's two halves, or qunit_iscales's), the K types' d and dmin
+ * per row; then two stages of the rows' blocks and of x
+ * (after 16 bytes that Q6_K's reads may reach before the first row). */
+template <int QT, int NT> struct qmma_smem {
+    static constexpr int CODES = QMMA_ROWS / 16 * QMMA_STEP * 16 * 32;
+    static constexpr int SCALES = QMMA_ROWS / 16 * QMMA_STEP * 16 * 16;
+    static constexpr int DD = QMMA_ROWS * 8; /* the K types: d and dmin of a row's super-block */
+    static constexpr int W = QMMA_ROWS * qmma_bytes<QT>::COPY;
+    static constexpr int X = NT * QMMA_STEP * (int)sizeof(struct xfrag);
+    static constexpr int BYTES = CODES + SCALES + DD + 16 + 2 * (W + X);
+};
+
+/* The copies of step s into stage b: the rows' blocks (from the 16 bytes they start in; those
+ * past the last row not at all) and x's units of the step, 16 bytes a thread at a time. */
+template <int QT, int NT>
+__device__ __forceinline__ void qmma_copy(const struct qmat &m, int64_t r0, int64_t s,
+                                          int64_t units, const struct xfrag *xf, int nt,
+                                          uint8_t *w, uint8_t *xs, bool weights, bool x) {
+    constexpr int CH = qmma_bytes<QT>::COPY / 16;
+    const int64_t step_units =
+        units - s * QMMA_STEP < QMMA_STEP ? units - s * QMMA_STEP : QMMA_STEP;
+    if (weights) {
+        const int64_t bytes = step_units * 32 / qt<QT>::BE * qt<QT>::BB;
+        for (int k = threadIdx.x; k < QMMA_ROWS * CH; k += blockDim.x) {
+            const int r = k / CH, c = k % CH;
+            if (r0 + r >= m.rows)
+                break;
+            const uint8_t *start = m.codes + (r0 + r) * m.row_bytes + s * qmma_bytes<QT>::STEP;
+            const uint8_t *from = (const uint8_t *)((uintptr_t)start & ~(uintptr_t)15) + 16 * c;
+            const int64_t left = start + bytes - from;
+            if (left > 0)
+                cp_async16<false>(smem_addr(w + r * qmma_bytes<QT>::COPY + 16 * c), from,
+                                  left < 16 ? (int)left : 16);
+        }
+    }
+    if (x) {
+        constexpr int XC = (int)sizeof(struct xfrag) / 16;
+        const int pieces = (int)step_units * XC;
+        for (int k = threadIdx.x; k < ((nt + 7) / 8) * pieces; k += blockDim.x) {
+            const int j = k / pieces, p = k % pieces;
+            cp_async16<true>(smem_addr(xs + (j * QMMA_STEP * XC + p) * 16),
+                             (const uint8_t *)(xf + j * units + s * QMMA_STEP) + 16 * p, 16);
+        }
+    }
+}
+
+/* y (or the slice blockIdx.y of partial sums at y, [gridDim.y][n][rows]) = n ≤ 8·NT rows of x
+ * (xf: quantize_x_frag_kernel's) · rows [64·blockIdx.x, +64) of m over the units of steps
+ * [per·blockIdx.y, per·(blockIdx.y + 1)) (+ bias: one slice only). */
+template <int QT, int NT>
+static __global__ void __launch_bounds__(128)
+    qmma_kernel(struct qmat m, const struct xfrag *xf, int n, int per, float *y, const float *bias) {
+    extern __shared__ __align__(16) uint8_t qmma_shared[];
+    using S = qmma_smem<QT, NT>;
+    uint32_t(*codes)[QMMA_STEP][16][8] = (uint32_t(*)[QMMA_STEP][16][8])qmma_shared;
+    float4(*scales)[QMMA_STEP][16] = (float4(*)[QMMA_STEP][16])(qmma_shared + S::CODES);
+    float2(*dd)[16] = (float2(*)[16])(qmma_shared + S::CODES + S::SCALES);
+    uint8_t *stage = qmma_shared + S::CODES + S::SCALES + S::DD + 16;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int64_t r0 = blockIdx.x * (int64_t)QMMA_ROWS;
+    const int64_t units = m.cols / 32, steps = (units + QMMA_STEP - 1) / QMMA_STEP;
+    const int64_t s0 = (int64_t)blockIdx.y * per, s1 = s0 + per < steps ? s0 + per : steps;
+    /* this lane decodes row dr of its warp's 16, units du + 2i of a step */
+    const int dr = lane & 15, du = lane >> 4;
+    const bool has_row = r0 + warp * 16 + dr < m.rows;
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    if (s0 < s1) /* the weights before the wait (launch.h), x after */
+        qmma_copy<QT, NT>(m, r0, s0, units, xf, n, stage, stage + S::W, true, false);
+    pdl_begin();
+    if (s0 < s1)
+        qmma_copy<QT, NT>(m, r0, s0, units, xf, n, stage, stage + S::W, false, true);
+    cp_commit();
+    for (int64_t s = s0; s < s1; s++) {
+        uint8_t *w = stage + (s - s0) % 2 * (S::W + S::X), *xs = w + S::W;
+        if (s + 1 < s1) {
+            uint8_t *w1 = stage + (s + 1 - s0) % 2 * (S::W + S::X);
+            qmma_copy<QT, NT>(m, r0, s + 1, units, xf, n, w1, w1 + S::W, true, true);
+        }
+        cp_commit();
+        cp_wait<1>();
+        __syncthreads(); /* step s's copies are in */
+        {
+            const uint8_t *start =
+                m.codes + (r0 + warp * 16 + dr) * m.row_bytes + s * qmma_bytes<QT>::STEP;
+            const uint8_t *row = w + (warp * 16 + dr) * qmma_bytes<QT>::COPY +
+                                 ((uintptr_t)start & 15);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int u = du + 2 * i;
+                uint32_t c[8];
+                float sc[2], off[2];
+                if (has_row && s * QMMA_STEP + u < units) {
+                    qunit_codes<QT, true>(row, u, c, sc, off);
+                    if constexpr (qmma_int<QT>::K) {
+                        const int4 is = qunit_iscales<QT>(row, u);
+                        sc[0] = __int_as_float(is.x), sc[1] = __int_as_float(is.y);
+                        off[0] = __int_as_float(is.z);
+                        if (i == 0 && du == 0)
+                            dd[warp][dr] =
+                                QT == LLMEM_QTYPE_Q6_K
+                                    ? make_float2(f16_at<true>(row + 208), 0.0f)
+                                    : make_float2(f16_at<true>(row), f16_at<true>(row + 2));
+                    }
+                } else {
+#pragma unroll
+                    for (int k = 0; k < 8; k++)
+                        c[k] = 0;
+                    sc[0] = sc[1] = off[0] = off[1] = 0.0f;
+                    if (qmma_int<QT>::K && i == 0 && du == 0)
+                        dd[warp][dr] = make_float2(0.0f, 0.0f);
+                }
+                uint4 *a = (uint4 *)codes[warp][u][dr];
+                a[qmma_word(dr, 0) / 4] = make_uint4(c[0], c[1], c[2], c[3]);
+                a[qmma_word(dr, 4) / 4] = make_uint4(c[4], c[5], c[6], c[7]);
+                scales[warp][u][dr] =
+                    qmma_int<QT>::K
+                        ? make_float4(sc[0], sc[1], off[0], 0.0f) /* (integers) */
+                        : make_float4(sc[0], sc[1], fmaf(sc[0], qt<QT>::B, off[0]),
+                                      fmaf(sc[1], qt<QT>::B, off[1]));
+            }
+        }
+        __syncwarp();
+        const struct xfrag *xt = (const struct xfrag *)xs;
+        int s1i[NT][4], s2i[NT][4]; /* the K types' integer sums of the step */
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                s1i[j][e] = s2i[j][e] = 0;
+#pragma unroll
+        for (int u = 0; u < QMMA_STEP; u++) {
+            if (s * QMMA_STEP + u >= units)
+                break;
+            const uint32_t(*a)[8] = codes[warp][u];
+            const uint32_t af[4] = {a[g][qmma_word(g, q)], a[g + 8][qmma_word(g, q)],
+                                    a[g][qmma_word(g, 4 + q)], a[g + 8][qmma_word(g, 4 + q)]};
+            const float4 sa = scales[warp][u][g], sb = scales[warp][u][g + 8];
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                if (8 * j >= n)
+                    break;
+                const struct xfrag *f = xt + j * QMMA_STEP + u;
+                const uint2 b = f->q[lane];
+                const float2 dx = *(const float2 *)&f->d[2 * q];
+                const float4 x4 = f->s[q];
+                int lo[4] = {0, 0, 0, 0};
+                if constexpr (qmma_int<QT>::K) {
+                    const int4 ia = *(const int4 *)&sa, ib = *(const int4 *)&sb;
+                    const int4 qs = *(const int4 *)&x4;
+                    if constexpr (QT == LLMEM_QTYPE_Q6_K) {
+                        int hi[4] = {0, 0, 0, 0};
+                        mma_u8s8_k16(lo, af[0], af[1], b.x);
+                        mma_u8s8_k16(hi, af[2], af[3], b.y);
+                        s1i[j][0] += ia.x * (lo[0] - 32 * qs.x) + ia.y * (hi[0] - 32 * qs.y);
+                        s1i[j][1] += ia.x * (lo[1] - 32 * qs.z) + ia.y * (hi[1] - 32 * qs.w);
+                        s1i[j][2] += ib.x * (lo[2] - 32 * qs.x) + ib.y * (hi[2] - 32 * qs.y);
+                        s1i[j][3] += ib.x * (lo[3] - 32 * qs.z) + ib.y * (hi[3] - 32 * qs.w);
+                    } else {
+                        mma_u8s8(lo, af, b.x, b.y);
+                        const int q0 = qs.x + qs.y, q1 = qs.z + qs.w;
+                        s1i[j][0] += ia.x * lo[0], s1i[j][1] += ia.x * lo[1];
+                        s1i[j][2] += ib.x * lo[2], s1i[j][3] += ib.x * lo[3];
+                        s2i[j][0] += ia.z * q0, s2i[j][1] += ia.z * q1;
+                        s2i[j][2] += ib.z * q0, s2i[j][3] += ib.z * q1;
+                    }
+                } else if constexpr (QT == LLMEM_QTYPE_Q6_K) {
+                    int hi[4] = {0, 0, 0, 0};
+                    mma_u8s8_k16(lo, af[0], af[1], b.x);
+                    mma_u8s8_k16(hi, af[2], af[3], b.y);
+                    acc[j][0] += sa.x * dx.x * (float)lo[0] + sa.y * dx.x * (float)hi[0] -
+                                 (sa.z * x4.x + sa.w * x4.y);
+                    acc[j][1] += sa.x * dx.y * (float)lo[1] + sa.y * dx.y * (float)hi[1] -
+                                 (sa.z * x4.z + sa.w * x4.w);
+                    acc[j][2] += sb.x * dx.x * (float)lo[2] + sb.y * dx.x * (float)hi[2] -
+                                 (sb.z * x4.x + sb.w * x4.y);
+                    acc[j][3] += sb.x * dx.y * (float)lo[3] + sb.y * dx.y * (float)hi[3] -
+                                 (sb.z * x4.z + sb.w * x4.w);
+                } else {
+                    mma_u8s8(lo, af, b.x, b.y);
+                    acc[j][0] += sa.x * dx.x * (float)lo[0] - sa.z * (x4.x + x4.y);
+                    acc[j][1] += sa.x * dx.y * (float)lo[1] - sa.z * (x4.z + x4.w);
+                    acc[j][2] += sb.x * dx.x * (float)lo[2] - sb.z * (x4.x + x4.y);
+                    acc[j][3] += sb.x * dx.y * (float)lo[3] - sb.z * (x4.z + x4.w);
+                }
+            }
+        }
+        if constexpr (qmma_int<QT>::K) { /* the step's super-block: d·dx·S1 − dmin·dx·S2 */
+            const float2 da = dd[warp][g], db = dd[warp][g + 8];
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                if (8 * j >= n)
+                    break;
+                const float2 dx = *(const float2 *)&xt[j * QMMA_STEP].d[2 * q];
+                acc[j][0] = fmaf(da.x * dx.x, (float)s1i[j][0], acc[j][0]);
+                acc[j][1] = fmaf(da.x * dx.y, (float)s1i[j][1], acc[j][1]);
+                acc[j][2] = fmaf(db.x * dx.x, (float)s1i[j][2], acc[j][2]);
+                acc[j][3] = fmaf(db.x * dx.y, (float)s1i[j][3], acc[j][3]);
+                if constexpr (QT != LLMEM_QTYPE_Q6_K) {
+                    acc[j][0] = fmaf(-(da.y * dx.x), (float)s2i[j][0], acc[j][0]);
+                    acc[j][1] = fmaf(-(da.y * dx.y), (float)s2i[j][1], acc[j][1]);
+                    acc[j][2] = fmaf(-(db.y * dx.x), (float)s2i[j][2], acc[j][2]);
+                    acc[j][3] = fmaf(-(db.y * dx.y), (float)s2i[j][3], acc[j][3]);
+                }
+            }
+        }
+        __syncthreads(); /* the stage is free for step s + 2 */
+    }
+    float *out = y + (int64_t)blockIdx.y * n * m.rows;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int64_t r = r0 + warp * 16 + g + 8 * (e / 2);
+            const int c = 8 * j + 2 * q + e % 2;
+            if (r < m.rows && c < n)
+                out[c * m.rows + r] = bias != NULL ? acc[j][e] + bias[r] : acc[j][e];
+        }
+}
+
+/* y[i] = Σ_s part[s][i] (+ bias[i % rows]), the slices in order, for i < count. */
+static __global__ void qmma_sum_kernel(const float *part, int slices, int64_t count, int64_t rows,
+                                       const float *bias, float *y) {
+    pdl_begin();
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float v = part[i];
+        for (int s = 1; s < slices; s++)
+            v += part[s * count + i];
+        y[i] = bias != NULL ? v + bias[i % rows] : v;
+    }
+}
+
 /* ---- what gemm.cu and elementwise.cu call ---------------------------------------------------- */
 
 int qgemv_int(const struct cuda_ctx *c, const struct llmem_weight *w) {
@@ -781,6 +1149,77 @@ void qgemv_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *
         t += nx;
     }
     launched(c, swiglu ? "qgemv swiglu" : "qgemv");
+}
+
+/* qmma_kernel<QT, NT> launched with its shared memory (allowed once per instance and device). */
+template <int QT, int NT>
+static void qmma_launch(struct cuda_ctx *c, dim3 grid, const struct qmat &m,
+                        const struct xfrag *xf, int n, int per, float *y, const float *bias) {
+    static bool allowed[64];
+    const int bytes = qmma_smem<QT, NT>::BYTES;
+    int dev = 0;
+    if (check(c, cudaGetDevice(&dev), "device") != LLMEM_OK || dev < 0 || dev >= 64)
+        return;
+    if (!allowed[dev])
+        allowed[dev] = check(c,
+                             cudaFuncSetAttribute(qmma_kernel<QT, NT>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  bytes),
+                             "qmma shared memory") == LLMEM_OK;
+    if (allowed[dev])
+        pdl_launch(c->stream, qmma_kernel<QT, NT>, grid, dim3(128), (size_t)bytes, m, xf, n, per, y,
+                   bias);
+}
+
+void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n, float *y,
+          const float *bias) {
+    LLMEM_ASSERT(qgemv_int(c, w) && n > 0);
+    const struct qmat m = qmat_of(w);
+    const int64_t units = m.cols / 32, steps = (units + QMMA_STEP - 1) / QMMA_STEP;
+    const int64_t blocks = (m.rows + QMMA_ROWS - 1) / QMMA_ROWS;
+    /* slices: up to two blocks a multiprocessor (as many as fit with 64 rows of x: one wave),
+     * each a whole number of steps */
+    const int sms = sm_count() > 0 ? sm_count() : 132;
+    int64_t slices = 2 * sms / blocks;
+    slices = slices < 1 ? 1 : slices > steps ? steps : slices;
+    const int64_t per = (steps + slices - 1) / slices;
+    slices = (steps + per - 1) / per;
+    const int64_t chunk = n < 64 ? n : 64;
+    const int64_t xbytes = (n + 7) / 8 * units * (int64_t)sizeof(struct xfrag);
+    uint8_t *ws = (uint8_t *)wslice(
+        c, (size_t)(xbytes + (slices > 1 ? slices * chunk * m.rows * 4 : 0)));
+    if (ws == NULL)
+        return;
+    struct xfrag *xf = (struct xfrag *)ws;
+    float *part = (float *)(ws + xbytes);
+    const dim3 qgrid((unsigned)((units + 7) / 8), (unsigned)((n + 7) / 8 * 8));
+    if (w->quant == LLMEM_QTYPE_Q8_0 || w->quant == LLMEM_QTYPE_Q4_0)
+        pdl_launch(c->stream, quantize_x_frag_kernel<1>, qgrid, dim3(256), 0, x, m.cols, n, xf);
+    else /* (the K types: whole super-blocks; a warp a block, 8 warps a block of threads) */
+        pdl_launch(c->stream, quantize_x_frag_kernel<QMMA_STEP>,
+                   dim3((qgrid.x + QMMA_STEP - 1) / QMMA_STEP, qgrid.y), dim3(256), 0, x, m.cols,
+                   n, xf);
+    const dim3 grid((unsigned)blocks, (unsigned)slices);
+    for (int64_t t = 0; t < n; t += 64) {
+        const int nt = n - t < 64 ? (int)(n - t) : 64;
+        const struct xfrag *xt = xf + t / 8 * units;
+        float *out = slices > 1 ? part : y + t * m.rows;
+        const float *b = slices > 1 ? NULL : bias;
+#define QMMA(QT)                                                                                   \
+    if (nt <= 16)                                                                                  \
+        qmma_launch<QT, 2>(c, grid, m, xt, nt, (int)per, out, b);                                  \
+    else if (nt <= 32)                                                                             \
+        qmma_launch<QT, 4>(c, grid, m, xt, nt, (int)per, out, b);                                  \
+    else                                                                                           \
+        qmma_launch<QT, 8>(c, grid, m, xt, nt, (int)per, out, b);
+        QT_INT_DISPATCH(w->quant, QMMA)
+#undef QMMA
+        if (slices > 1)
+            pdl_launch(c->stream, qmma_sum_kernel, dim3(grid_for(nt * m.rows, 256)), dim3(256), 0,
+                       (const float *)part, (int)slices, nt * m.rows, m.rows, bias,
+                       y + t * m.rows);
+    }
+    launched(c, "qmma");
 }
 
 void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n, float *y,

@@ -1,7 +1,8 @@
 /*
  * backend/cuda/tc.h — the device helpers the attention kernels share (attention.cu, prefill.cu):
  * shared-memory addresses and 16-byte cp.async copies, the m16n8k16 tensor-core product with f32
- * accumulation, the multi-function unit's 2^x, and the device's multiprocessors.
+ * accumulation (and quant.cu's 8-bit integer products), the multi-function unit's 2^x, and the
+ * device's multiprocessors.
  */
 #ifndef LLMEM_BACKEND_CUDA_TC_H
 #define LLMEM_BACKEND_CUDA_TC_H
@@ -43,6 +44,21 @@ __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0
                      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* c += a·b on tensor cores, integers: unsigned 8-bit a (16 × 32, or 16 × 16 from a[0], a[1]) by
+ * signed 8-bit b (32 × 8, or 16 × 8 from b0) into s32. */
+__device__ __forceinline__ void mma_u8s8(int c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_u8s8_k16(int c[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, "
+                 "{%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
 }
 
 /* 2^x by the multi-function unit, subnormal results flushed to 0 (a probability below 2⁻¹²⁶
