@@ -1,8 +1,9 @@
 /*
  * tests/test-grammar.c — constrained decoding (engine/grammar.c): schemas compiled or refused
  * with the keyword named, strings the grammar takes and those it does not, the tokens it allows
- * next over a real vocabulary, and outputs sampled from random logits under a grammar (they
- * always parse as JSON and hold what the schema asks), also when the budget only allows closing.
+ * next over a real vocabulary (one mask's walk split over threads: the same mask), and outputs
+ * sampled from random logits under a grammar (they always parse as JSON and hold what the schema
+ * asks), also when the budget only allows closing.
  */
 #include <math.h>
 #include <stdio.h>
@@ -14,6 +15,7 @@
 #include "testutil.h"
 
 #include "llmem/grammar.h"
+#include "llmem/pool.h"
 #include "llmem/sampler.h"
 #include "llmem/status.h"
 #include "llmem/tokenizer.h"
@@ -235,8 +237,28 @@ static void test_planned_bytes(void **state) {
     uint8_t *allowed = malloc((size_t)llmem_grammar_vocab_size(vocab));
     assert_non_null(allowed);
     assert_int_equal(llmem_grammar_allowed(s, 0, allowed), 0);
-    free(allowed);
     llmem_grammar_state_free(s);
+    /* a depth short of that: a mask's walk outgrows the bytes alike alone and split over
+     * threads (a lent walker has the matcher's bound): the same status either way */
+    struct llmem_pool *pool = NULL;
+    struct llmem_grammar_walkers *ws = NULL;
+    assert_int_equal(llmem_pool_create(2, &pool), LLMEM_OK);
+    assert_int_equal(llmem_grammar_walkers_create(2, &ws), LLMEM_OK);
+    int status[2];
+    for (int split = 0; split < 2; split++) {
+        assert_int_equal(llmem_grammar_state_create(g, vocab, &s), LLMEM_OK);
+        for (int d = 0; d + 1 < depth; d++)
+            assert_int_equal(llmem_grammar_accept_bytes(s, "[", 1), LLMEM_OK);
+        (void)llmem_grammar_allowed_on(s, 0, allowed, split ? ws : NULL, split ? pool : NULL);
+        status[split] = llmem_grammar_state_status(s);
+        llmem_grammar_state_free(s);
+    }
+    printf("  a mask's walk at depth %d: status %d alone, %d split\n", depth - 1, status[0],
+           status[1]);
+    assert_int_equal(status[0], status[1]);
+    llmem_grammar_walkers_free(ws);
+    llmem_pool_destroy(pool);
+    free(allowed);
     llmem_grammar_free(g);
 }
 
@@ -393,6 +415,51 @@ static void test_allowed(void **state) {
     llmem_grammar_free(g);
 }
 
+/* One mask's walk split over a pool's threads gives the serial walk's mask, count and
+ * (through the budget) the same later masks: two matchers of a grammar, one walking alone, one
+ * with walkers, moved past the same random allowed tokens, budgets now and then. */
+static void test_split_walk(void **state) {
+    (void)state;
+    struct llmem_pool *pool = NULL;
+    struct llmem_grammar_walkers *ws = NULL;
+    assert_int_equal(llmem_pool_create(3, &pool), LLMEM_OK);
+    assert_int_equal(llmem_grammar_walkers_create(3, &ws), LLMEM_OK);
+    const char *schemas[] = {person, NULL, "{\"type\":\"array\",\"items\":{\"type\":\"number\"}}"};
+    const int32_t n = llmem_grammar_vocab_size(vocab);
+    uint8_t *a = malloc((size_t)n), *b = malloc((size_t)n);
+    assert_non_null(a), assert_non_null(b);
+    uint64_t x = 7;
+    int steps = 0;
+    for (int k = 0; k < 3; k++) {
+        struct llmem_grammar *g = compile(schemas[k]);
+        struct llmem_grammar_state *one = NULL, *many = NULL;
+        assert_int_equal(llmem_grammar_state_create(g, vocab, &one), LLMEM_OK);
+        assert_int_equal(llmem_grammar_state_create(g, vocab, &many), LLMEM_OK);
+        for (int t = 0; t < 60; t++, steps++) {
+            const int64_t budget = t % 7 == 6 ? 40 - t / 2 : 0;
+            const int64_t na = llmem_grammar_allowed(one, budget, a);
+            const int64_t nb = llmem_grammar_allowed_on(many, budget, b, ws, pool);
+            assert_int_equal(na, nb);
+            assert_memory_equal(a, b, (size_t)n);
+            if (na == 0)
+                break;
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            int64_t pick = (int64_t)((x >> 33) % (uint64_t)na);
+            int32_t id = 0;
+            while (!a[id] || pick-- > 0)
+                id++;
+            assert_int_equal(llmem_grammar_accept(one, id), LLMEM_OK);
+            assert_int_equal(llmem_grammar_accept(many, id), LLMEM_OK);
+        }
+        llmem_grammar_state_free(one), llmem_grammar_state_free(many);
+        llmem_grammar_free(g);
+    }
+    printf("  %d masks split over 3 threads, each the serial walk's\n", steps);
+    free(a), free(b);
+    llmem_grammar_walkers_free(ws);
+    llmem_pool_destroy(pool);
+}
+
 static int setup(void **state) {
     (void)state;
     if (llmem_tokenizer_load(LLMEM_SOURCE_DIR "/models/pycoder", &tok) != LLMEM_OK ||
@@ -413,7 +480,7 @@ int main(void) {
         cmocka_unit_test(test_strings),      cmocka_unit_test(test_mistral_control_token),
         cmocka_unit_test(test_refused),      cmocka_unit_test(test_planned_bytes),
         cmocka_unit_test(test_allowed),      cmocka_unit_test(test_sampled_outputs),
-        cmocka_unit_test(test_tight_budget),
+        cmocka_unit_test(test_tight_budget), cmocka_unit_test(test_split_walk),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -108,6 +108,21 @@ LLMEM_API int llmem_grammar_state_status(const struct llmem_grammar_state *s);
  * allowed. */
 LLMEM_API int64_t llmem_grammar_allowed(struct llmem_grammar_state *s, int64_t remaining,
                                         uint8_t *allowed);
+/* Walkers that split a mask's walk over a pool's threads, one a thread (n ≥ the pool's threads),
+ * shared by any matchers that do not make masks at the same time; each holds up to
+ * LLMEM_GRAMMAR_STACK_BYTES of parse stacks: llmem_grammar_walkers_bytes(n) in all, which a
+ * caller plans beside its requests' (LLMEM_ENOMEM, logged). */
+struct llmem_grammar_walkers;
+struct llmem_pool;
+LLMEM_API int llmem_grammar_walkers_create(int n, struct llmem_grammar_walkers **out);
+LLMEM_API void llmem_grammar_walkers_free(struct llmem_grammar_walkers *w);
+LLMEM_API int64_t llmem_grammar_walkers_bytes(int n);
+/* llmem_grammar_allowed with the walk over the vocabulary (a mask not cached) on the pool's
+ * threads: the same mask, sooner (a pool of one thread, or no walkers: the same as
+ * llmem_grammar_allowed). */
+LLMEM_API int64_t llmem_grammar_allowed_on(struct llmem_grammar_state *s, int64_t remaining,
+                                           uint8_t *allowed, struct llmem_grammar_walkers *w,
+                                           struct llmem_pool *pool);
 /* Moves past token id (LLMEM_EINVAL when the grammar does not allow it, or it is special: the
  * state is unchanged). */
 LLMEM_API int llmem_grammar_accept(struct llmem_grammar_state *s, int32_t id);

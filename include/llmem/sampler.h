@@ -77,6 +77,13 @@ LLMEM_API void llmem_sampler_accept(struct llmem_sampler *s, int32_t id);
  * ready): a caller may do it while the row's pass runs, or for many samplers at once on several
  * threads (one thread a sampler); the draw then uses it. */
 LLMEM_API void llmem_sampler_prepare(struct llmem_sampler *s);
+/* The same with the mask's walk on a pool's threads (llmem_grammar_allowed_on): for one sampler
+ * whose mask is wanted sooner than one thread makes it. */
+struct llmem_grammar_walkers;
+struct llmem_pool;
+LLMEM_API void llmem_sampler_prepare_on(struct llmem_sampler *s,
+                                        struct llmem_grammar_walkers *walkers,
+                                        struct llmem_pool *pool);
 /* LLMEM_OK, or LLMEM_ENOMEM when the grammar's matcher ran out of memory or of its planned bytes
  * (llmem_grammar_state_status): the tokens drawn since may break the grammar, and the output
  * ends as an error. */

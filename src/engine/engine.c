@@ -126,9 +126,12 @@ int64_t llmem_engine_runtime_baseline(const struct llmem_engine_config *c, int64
     struct llmem_sys_resident r;
     llmem_sys_resident_read(&r);
     int64_t now = r.current_bytes > 0 ? r.current_bytes : 0;
-    const int64_t grammars = vocab > 0 ? (c->max_sequences > 0 ? c->max_sequences : 1) *
-                                             llmem_grammar_request_bytes(vocab)
-                                       : 0;
+    /* (and the walkers that split one mask's walk over the threads: sched.c) */
+    const int64_t grammars =
+        vocab > 0
+            ? (c->max_sequences > 0 ? c->max_sequences : 1) * llmem_grammar_request_bytes(vocab) +
+                  (threads > 1 ? llmem_grammar_walkers_bytes(threads) : 0)
+            : 0;
     return now + BASELINE_GROWTH + (int64_t)threads * BASELINE_PER_THREAD + grammars +
            c->runtime_reserve_bytes;
 }

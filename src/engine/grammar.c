@@ -16,7 +16,10 @@
  * stacks a byte at a time and leaving a branch as soon as no stack survives. The shortest
  * completion of a stack is the sum of each of its positions' shortest way to its sequence's end
  * (a fixpoint over the rules, computed once): with too few tokens left, only tokens that shorten
- * it by their whole length are allowed.
+ * it by their whole length are allowed. A walk may be split over a pool's threads: the trie's
+ * subtrees (the largest split by their first bytes) are tasks, each thread walking them from the
+ * current set with a walker of its own (its sets and its loop), writing the tokens it allows
+ * into the shared mask (each token is in one subtree) — the serial walk's mask.
  */
 #include <limits.h>
 #include <math.h>
@@ -28,6 +31,7 @@
 #include "core/hash.h"
 #include "core/log.h"
 #include "llmem/grammar.h"
+#include "llmem/pool.h"
 #include "llmem/size.h"
 #include "llmem/status.h"
 #include "llmem/tokenizer.h"
@@ -49,6 +53,11 @@ struct gel {
 #define NUM_DIGITS    16   /* digits of a number's integer part and of its fraction, at most */
 #define CANON_MAX     4096 /* bytes of a shortest completion a tight budget spells token by token */
 #define MASK_CACHE    8    /* masks a matcher keeps, by the stacks they were made for */
+/* A walk split over threads: a trie node whose subtree holds more than 1/WTASK_SPLIT of the
+ * vocabulary (a space and a letter, in a byte-level BPE) is split into its own tokens and its
+ * children's subtrees, down to WTASK_DEPTH bytes */
+#define WTASK_SPLIT   64
+#define WTASK_DEPTH   3
 #define UNREACHABLE   (INT32_MAX / 4)
 #define MISTRAL_CALLS "[TOOL_CALLS]" /* the control token a Mistral tool call opens with */
 
@@ -858,10 +867,21 @@ struct tnode {
     uint8_t byte;
 };
 
+/* A part of a mask's walk for one thread (llmem_grammar_allowed_on): trie node `node`, reached
+ * from the root by path[0, len) (its own byte last), its tokens and, unless self, the walk below
+ * it. */
+struct wtask {
+    int32_t node;
+    uint8_t path[WTASK_DEPTH];
+    uint8_t len, self;
+};
+
 struct llmem_grammar_vocab {
     int32_t n_vocab;
     struct tnode *nodes; /* node 0 the root */
     int32_t n_nodes, cap_nodes;
+    struct wtask *tasks; /* the walk's parts, the largest first */
+    int32_t n_tasks;
     int32_t *ids; /* tokens grouped by their node */
     int32_t *len; /* (n_vocab) each token's bytes; −1: not walked (special, empty, too long) */
     int64_t *off; /* (n_vocab) where they start in bytes */
@@ -872,7 +892,7 @@ struct llmem_grammar_vocab {
 void llmem_grammar_vocab_free(struct llmem_grammar_vocab *v) {
     if (v == NULL)
         return;
-    free(v->nodes), free(v->ids), free(v->len), free(v->off), free(v->bytes);
+    free(v->nodes), free(v->ids), free(v->len), free(v->off), free(v->bytes), free(v->tasks);
     free(v);
 }
 
@@ -905,6 +925,65 @@ static int by_bytes(const void *a, const void *b) {
     const struct tok_ref *x = a, *y = b;
     const int c = memcmp(x->p, y->p, (size_t)(x->len < y->len ? x->len : y->len));
     return c != 0 ? c : (x->len > y->len) - (x->len < y->len);
+}
+
+struct wtask_size {
+    struct wtask t;
+    int64_t size;
+};
+
+static int by_size(const void *a, const void *b) {
+    const struct wtask_size *x = a, *y = b;
+    return (x->size < y->size) - (x->size > y->size);
+}
+
+/* Adds node c (at depth len, reached by path) as tasks: itself with its subtree, or (large, not too
+ * deep) itself alone and each child's subtree. */
+static int add_tasks(const struct llmem_grammar_vocab *v, const int64_t *sub, int32_t c,
+                     uint8_t *path, int len, struct wtask_size **list, int32_t *n, int32_t *cap) {
+    path[len - 1] = v->nodes[c].byte;
+    const int split =
+        sub[c] > v->n_vocab / WTASK_SPLIT && len < WTASK_DEPTH && v->nodes[c].child >= 0;
+    if (grow((void **)list, cap, *n + 1, sizeof(**list)) != 0)
+        return -1;
+    struct wtask_size *e = &(*list)[(*n)++];
+    memset(e, 0, sizeof(*e));
+    e->t.node = c, e->t.len = (uint8_t)len, e->t.self = (uint8_t)split;
+    memcpy(e->t.path, path, (size_t)len);
+    e->size = split ? v->nodes[c].tok_n : sub[c];
+    for (int32_t k = split ? v->nodes[c].child : -1; k >= 0; k = v->nodes[k].sibling)
+        if (add_tasks(v, sub, k, path, len + 1, list, n, cap) != 0)
+            return -1;
+    return 0;
+}
+
+/* The walk's parts (struct wtask), the largest first, so that a pool's threads finish together. */
+static int make_tasks(struct llmem_grammar_vocab *v) {
+    int64_t *sub = malloc((size_t)v->n_nodes * sizeof(*sub)); /* tokens in each subtree */
+    if (sub == NULL)
+        return -1;
+    for (int32_t i = v->n_nodes - 1; i >= 0; i--) { /* (a child comes after its parent) */
+        sub[i] = v->nodes[i].tok_n;
+        for (int32_t k = v->nodes[i].child; k >= 0; k = v->nodes[k].sibling)
+            sub[i] += sub[k];
+    }
+    struct wtask_size *list = NULL;
+    int32_t n = 0, cap = 0;
+    uint8_t path[WTASK_DEPTH];
+    int status = 0;
+    for (int32_t c = v->nodes[0].child; status == 0 && c >= 0; c = v->nodes[c].sibling)
+        status = add_tasks(v, sub, c, path, 1, &list, &n, &cap);
+    free(sub);
+    if (status == 0 && n > 0 && (v->tasks = malloc((size_t)n * sizeof(*v->tasks))) == NULL)
+        status = -1;
+    if (status == 0) {
+        qsort(list, (size_t)n, sizeof(*list), by_size);
+        for (int32_t i = 0; i < n; i++)
+            v->tasks[i] = list[i].t;
+        v->n_tasks = n;
+    }
+    free(list);
+    return status;
 }
 
 int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
@@ -980,6 +1059,7 @@ int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
             v->ids[t->tok_first + t->tok_n++] = id;
         }
     free(node_of);
+    ok = ok && make_tasks(v) == 0;
     void *p; /* the trie and the bytes cut to what they hold */
     if (ok && (p = realloc(v->nodes, (size_t)v->n_nodes * sizeof(*v->nodes))) != NULL)
         v->nodes = p, v->cap_nodes = v->n_nodes;
@@ -1014,15 +1094,11 @@ struct mask_entry {
     uint64_t used;
 };
 
-struct llmem_grammar_state {
-    const struct llmem_grammar *g;
-    const struct llmem_grammar_vocab *v;
-    struct stacks cur;
-    struct mask_entry cache[MASK_CACHE];
-    uint64_t clock;
+/* What moves sets of stacks: a matcher's own (its current set, cached masks' sets and walks),
+ * or a walker lent for a part of a mask's walk on another thread (llmem_grammar_walkers). */
+struct walker {
     struct stacks *level; /* (TOKEN_MAX + 1) the walk's sets, one a depth */
     int32_t *scratch;     /* (STACK_MAX) a stack being built */
-    struct stacks tmp[2]; /* canonical()'s sets */
     /* a walk's set that bytes lead back to (inside a string: every plain character), copied
      * here once found: which bytes do (known: tried), and its distance */
     struct stacks loop;
@@ -1030,12 +1106,22 @@ struct llmem_grammar_state {
     int loop_on, loop_root;        /* (loop_root: the walk's first set is the loop's) */
     uint8_t loop_known[32], loop_back[32];
     int32_t loop_distance;
+    int64_t held; /* bytes the stack sets hold, at most LLMEM_GRAMMAR_STACK_BYTES */
+    int failed;   /* out of memory (or of the stacks' planned bytes) while moving */
+    int depth;    /* expand's nesting: references without bytes between are dropped
+                   * past EXPAND_MAX (a schema that refers to itself at once) */
+};
+
+struct llmem_grammar_state {
+    const struct llmem_grammar *g;
+    const struct llmem_grammar_vocab *v;
+    struct stacks cur;
+    struct mask_entry cache[MASK_CACHE];
+    uint64_t clock;
+    struct walker w;
+    struct stacks tmp[2]; /* canonical()'s sets */
     uint8_t *canon;  /* (CANON_MAX) the shortest completion's bytes, when the budget is tight */
     int32_t *fewest; /* (CANON_MAX + 1) the fewest tokens that spell canon[k, n) */
-    int64_t held;    /* bytes the stack sets hold, at most LLMEM_GRAMMAR_STACK_BYTES */
-    int failed;      /* out of memory (or of the stacks' planned bytes) while moving */
-    int depth;       /* expand's nesting: references without bytes between are dropped
-                      * past EXPAND_MAX (a schema that refers to itself at once) */
 };
 
 static void stacks_clear(struct stacks *s) {
@@ -1047,33 +1133,32 @@ static void stacks_free(struct stacks *s) {
 }
 
 /* grow for a stack set's array, within the matcher's planned bytes for them. */
-static int stacks_grow(struct llmem_grammar_state *st, int32_t **p, int32_t *cap, int32_t need) {
+static int stacks_grow(struct walker *w, int32_t **p, int32_t *cap, int32_t need) {
     if (need <= *cap)
         return 0;
     int32_t c = *cap > 0 ? *cap : 16;
     while (c < need)
         c *= 2;
     const int64_t more = (int64_t)(c - *cap) * (int64_t)sizeof(**p);
-    int32_t *q = st->held + more <= LLMEM_GRAMMAR_STACK_BYTES ? realloc(*p, (size_t)c * 4) : NULL;
+    int32_t *q = w->held + more <= LLMEM_GRAMMAR_STACK_BYTES ? realloc(*p, (size_t)c * 4) : NULL;
     if (q == NULL)
         return -1;
-    *p = q, *cap = c, st->held += more;
+    *p = q, *cap = c, w->held += more;
     return 0;
 }
 
 /* Adds a stack unless the set holds it. */
-static int stacks_add(struct llmem_grammar_state *st, struct stacks *s, const int32_t *p,
-                      int32_t n) {
-    if (s->n == 0 && stacks_grow(st, &s->at, &s->cap_at, 1) != 0)
-        return st->failed = LLMEM_ENOMEM;
+static int stacks_add(struct walker *w, struct stacks *s, const int32_t *p, int32_t n) {
+    if (s->n == 0 && stacks_grow(w, &s->at, &s->cap_at, 1) != 0)
+        return w->failed = LLMEM_ENOMEM;
     if (s->n == 0)
         s->at[0] = 0;
     for (int32_t i = 0; i < s->n; i++)
         if (s->at[i + 1] - s->at[i] == n && memcmp(s->pos + s->at[i], p, (size_t)n * 4) == 0)
             return LLMEM_OK;
-    if (stacks_grow(st, &s->pos, &s->cap_pos, s->n_pos + n) != 0 ||
-        stacks_grow(st, &s->at, &s->cap_at, s->n + 2) != 0)
-        return st->failed = LLMEM_ENOMEM;
+    if (stacks_grow(w, &s->pos, &s->cap_pos, s->n_pos + n) != 0 ||
+        stacks_grow(w, &s->at, &s->cap_at, s->n + 2) != 0)
+        return w->failed = LLMEM_ENOMEM;
     if (n > 0)
         memcpy(s->pos + s->n_pos, p, (size_t)n * 4);
     s->n_pos += n;
@@ -1082,11 +1167,10 @@ static int stacks_add(struct llmem_grammar_state *st, struct stacks *s, const in
 }
 
 /* dst = src (dst cleared first). */
-static void stacks_copy(struct llmem_grammar_state *st, struct stacks *dst,
-                        const struct stacks *src) {
+static void stacks_copy(struct walker *w, struct stacks *dst, const struct stacks *src) {
     stacks_clear(dst);
     for (int32_t i = 0; i < src->n; i++)
-        stacks_add(st, dst, src->pos + src->at[i], src->at[i + 1] - src->at[i]);
+        stacks_add(w, dst, src->pos + src->at[i], src->at[i + 1] - src->at[i]);
 }
 
 static int has_byte(const uint8_t bits[32], uint8_t c) {
@@ -1097,18 +1181,18 @@ static void add_byte(uint8_t bits[32], uint8_t c) {
     bits[c >> 3] |= (uint8_t)(1u << (c & 7));
 }
 
-/* The stack p[0, n) (in st->scratch) with its top expanded to byte sets, into out. */
-static void expand(struct llmem_grammar_state *st, struct stacks *out, int32_t *p, int32_t n) {
-    const struct llmem_grammar *g = st->g;
+/* The stack p[0, n) (in w->scratch) with its top expanded to byte sets, into out. */
+static void expand(const struct llmem_grammar *g, struct walker *w, struct stacks *out, int32_t *p,
+                   int32_t n) {
     while (n > 0 && (g->el[p[n - 1]].type == G_END || g->el[p[n - 1]].type == G_ALT))
         n--; /* a finished sequence: on with the one below */
     if (n == 0 || g->el[p[n - 1]].type == G_SET) {
-        stacks_add(st, out, p, n);
+        stacks_add(w, out, p, n);
         return;
     }
-    if (n >= STACK_MAX || st->depth >= EXPAND_MAX)
+    if (n >= STACK_MAX || w->depth >= EXPAND_MAX)
         return; /* too deep: this parse is dropped */
-    st->depth++;
+    w->depth++;
     const int32_t top = p[n - 1], rule = (int32_t)g->el[top].v;
     const int tail = g->el[top + 1].type == G_END || g->el[top + 1].type == G_ALT;
     const int32_t base = tail ? n - 1 : n; /* the continuation stays unless nothing follows */
@@ -1116,19 +1200,18 @@ static void expand(struct llmem_grammar_state *st, struct stacks *out, int32_t *
         if (i == g->rule_at[rule] || g->el[i - 1].type == G_ALT) {
             p[n - 1] = top + 1;
             p[base] = i;
-            expand(st, out, p, base + 1);
+            expand(g, w, out, p, base + 1);
             p[n - 1] = top; /* (restored for the next alternative) */
         }
         if (g->el[i].type == G_END)
             break;
     }
-    st->depth--;
+    w->depth--;
 }
 
 /* out = in moved past byte c. */
-static void advance(struct llmem_grammar_state *st, const struct stacks *in, uint8_t c,
-                    struct stacks *out) {
-    const struct llmem_grammar *g = st->g;
+static void advance(const struct llmem_grammar *g, struct walker *w, const struct stacks *in,
+                    uint8_t c, struct stacks *out) {
     stacks_clear(out);
     for (int32_t i = 0; i < in->n; i++) {
         const int32_t n = in->at[i + 1] - in->at[i];
@@ -1138,9 +1221,9 @@ static void advance(struct llmem_grammar_state *st, const struct stacks *in, uin
         const uint8_t *set = g->sets[g->el[p[n - 1]].v];
         if (!has_byte(set, c))
             continue;
-        memcpy(st->scratch, p, (size_t)n * 4);
-        st->scratch[n - 1]++;
-        expand(st, out, st->scratch, n);
+        memcpy(w->scratch, p, (size_t)n * 4);
+        w->scratch[n - 1]++;
+        expand(g, w, out, w->scratch, n);
     }
 }
 
@@ -1163,23 +1246,34 @@ static int has_empty(const struct stacks *s) {
     return 0;
 }
 
+static int walker_init(struct walker *w) {
+    memset(w, 0, sizeof(*w));
+    w->level = calloc(TOKEN_MAX + 1, sizeof(*w->level));
+    w->scratch = malloc(STACK_MAX * sizeof(*w->scratch));
+    return w->level != NULL && w->scratch != NULL ? 0 : -1;
+}
+
+static void walker_free(struct walker *w) {
+    for (int i = 0; w->level != NULL && i <= TOKEN_MAX; i++)
+        stacks_free(&w->level[i]);
+    stacks_free(&w->loop);
+    free(w->level), free(w->scratch);
+}
+
 int llmem_grammar_state_create(const struct llmem_grammar *g, const struct llmem_grammar_vocab *v,
                                struct llmem_grammar_state **out) {
     LLMEM_ASSERT(g != NULL && v != NULL && out != NULL);
     struct llmem_grammar_state *st = calloc(1, sizeof(*st));
-    if (st != NULL) {
+    if (st != NULL)
         st->g = g, st->v = v;
-        st->level = calloc(TOKEN_MAX + 1, sizeof(*st->level));
-        st->scratch = malloc(STACK_MAX * sizeof(*st->scratch));
-    }
-    if (st == NULL || st->level == NULL || st->scratch == NULL) {
+    if (st == NULL || walker_init(&st->w) != 0) {
         llmem_grammar_state_free(st);
         LLMEM_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
-    st->scratch[0] = g->rule_at[g->root];
-    expand(st, &st->cur, st->scratch, 1);
-    if (st->failed) {
+    st->w.scratch[0] = g->rule_at[g->root];
+    expand(g, &st->w, &st->cur, st->w.scratch, 1);
+    if (st->w.failed) {
         llmem_grammar_state_free(st);
         LLMEM_ERROR("out of memory");
         return LLMEM_ENOMEM;
@@ -1194,11 +1288,55 @@ void llmem_grammar_state_free(struct llmem_grammar_state *st) {
     stacks_free(&st->cur);
     for (int i = 0; i < MASK_CACHE; i++)
         stacks_free(&st->cache[i].set), free(st->cache[i].mask);
-    for (int i = 0; st->level != NULL && i <= TOKEN_MAX; i++)
-        stacks_free(&st->level[i]);
-    stacks_free(&st->tmp[0]), stacks_free(&st->tmp[1]), stacks_free(&st->loop);
-    free(st->level), free(st->scratch), free(st->canon), free(st->fewest);
+    walker_free(&st->w);
+    stacks_free(&st->tmp[0]), stacks_free(&st->tmp[1]);
+    free(st->canon), free(st->fewest);
     free(st);
+}
+
+/* A walker lent to a pool's thread, and its part of a walk's results. */
+struct lent {
+    struct walker w;
+    uint64_t walk; /* the walk its first set is for */
+    int64_t n;
+    int32_t after;
+};
+
+struct llmem_grammar_walkers {
+    int n;
+    uint64_t walks;
+    struct lent *lent;
+};
+
+int llmem_grammar_walkers_create(int n, struct llmem_grammar_walkers **out) {
+    LLMEM_ASSERT(n >= 1 && out != NULL);
+    struct llmem_grammar_walkers *ws = calloc(1, sizeof(*ws));
+    int ok = ws != NULL && (ws->lent = calloc((size_t)n, sizeof(*ws->lent))) != NULL;
+    for (int i = 0; ok && i < n; i++) {
+        ok = walker_init(&ws->lent[i].w) == 0;
+        ws->n = i + 1; /* (freed below even half made) */
+    }
+    if (!ok) {
+        llmem_grammar_walkers_free(ws);
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    *out = ws;
+    return LLMEM_OK;
+}
+
+void llmem_grammar_walkers_free(struct llmem_grammar_walkers *ws) {
+    if (ws == NULL)
+        return;
+    for (int i = 0; ws->lent != NULL && i < ws->n; i++)
+        walker_free(&ws->lent[i].w);
+    free(ws->lent), free(ws);
+}
+
+int64_t llmem_grammar_walkers_bytes(int n) {
+    return (int64_t)n *
+           ((int64_t)sizeof(struct lent) + (TOKEN_MAX + 1) * (int64_t)sizeof(struct stacks) +
+            STACK_MAX * 4 + LLMEM_GRAMMAR_STACK_BYTES);
 }
 
 int64_t llmem_grammar_request_bytes(int64_t n_vocab) {
@@ -1209,7 +1347,7 @@ int64_t llmem_grammar_request_bytes(int64_t n_vocab) {
 }
 
 int llmem_grammar_state_status(const struct llmem_grammar_state *st) {
-    return st->failed;
+    return st->w.failed;
 }
 
 int llmem_grammar_complete(const struct llmem_grammar_state *st) {
@@ -1229,67 +1367,81 @@ static int same_set(const struct stacks *a, const struct stacks *b) {
            (a->n == 0 || memcmp(a->at, b->at, (size_t)(a->n + 1) * sizeof(*a->at)) == 0);
 }
 
-/* The set `set` moved past byte c: into st->level[depth + 1], or st->loop itself where c leads
+/* The set `set` moved past byte c: into w->level[depth + 1], or w->loop itself where c leads
  * back to it (found once a walk: after that no bytes are moved for it). */
-static const struct stacks *step(struct llmem_grammar_state *st, const struct stacks *set,
-                                 int depth, uint8_t c) {
-    const int on_loop = st->loop_on && (set == &st->loop || set == st->loop_src ||
-                                        (st->loop_root && set == &st->level[0]));
-    if (on_loop && has_byte(st->loop_known, c) && has_byte(st->loop_back, c))
+static const struct stacks *step(const struct llmem_grammar *g, struct walker *w,
+                                 const struct stacks *set, int depth, uint8_t c) {
+    const int on_loop = w->loop_on && (set == &w->loop || set == w->loop_src ||
+                                       (w->loop_root && set == &w->level[0]));
+    if (on_loop && has_byte(w->loop_known, c) && has_byte(w->loop_back, c))
         return set;
-    struct stacks *next = &st->level[depth + 1];
-    if (next == st->loop_src)
-        st->loop_src = NULL; /* (overwritten now) */
-    advance(st, set, c, next);
-    if (st->failed || next->n == 0)
+    struct stacks *next = &w->level[depth + 1];
+    if (next == w->loop_src)
+        w->loop_src = NULL; /* (overwritten now) */
+    advance(g, w, set, c, next);
+    if (w->failed || next->n == 0)
         return next;
-    if (!st->loop_on && same_set(next, set)) { /* a loop: kept, its bytes learnt as they come */
-        stacks_copy(st, &st->loop, set);
-        if (st->failed)
+    if (!w->loop_on && same_set(next, set)) { /* a loop: kept, its bytes learnt as they come */
+        stacks_copy(w, &w->loop, set);
+        if (w->failed)
             return next;
-        st->loop_on = 1;
-        st->loop_src = set;
-        st->loop_root = same_set(&st->loop, &st->level[0]);
-        memset(st->loop_known, 0, sizeof(st->loop_known));
-        memset(st->loop_back, 0, sizeof(st->loop_back));
-        st->loop_distance = distance(st->g, &st->loop);
-        add_byte(st->loop_known, c), add_byte(st->loop_back, c);
-        return &st->loop;
+        w->loop_on = 1;
+        w->loop_src = set;
+        w->loop_root = same_set(&w->loop, &w->level[0]);
+        memset(w->loop_known, 0, sizeof(w->loop_known));
+        memset(w->loop_back, 0, sizeof(w->loop_back));
+        w->loop_distance = distance(g, &w->loop);
+        add_byte(w->loop_known, c), add_byte(w->loop_back, c);
+        return &w->loop;
     }
     if (on_loop) {
-        add_byte(st->loop_known, c);
+        add_byte(w->loop_known, c);
         if (same_set(next, set)) {
-            add_byte(st->loop_back, c);
+            add_byte(w->loop_back, c);
             return set;
         }
     }
     /* (a set equal to the loop's, reached another way, walks on as the loop) */
-    return st->loop_on && same_set(next, &st->loop) ? &st->loop : next;
+    return w->loop_on && same_set(next, &w->loop) ? &w->loop : next;
 }
 
 /* The walk below trie node `node`, whose set is `set`. With a budget (limit ≥ 0), a token is
  * allowed only where the bytes still needed after it are at most limit (fixed: limit tokens are
  * left after it, each at least a byte) or, when shrinking (the end is already out of reach at a
  * byte a token), at most limit less its own length (it lies on a shortest way). */
-static int64_t walk(struct llmem_grammar_state *st, const struct stacks *set, int32_t node,
-                    int depth, int32_t limit, int shrinking, uint8_t *allowed, int32_t *after) {
+static int64_t walk(const struct llmem_grammar_state *st, struct walker *w,
+                    const struct stacks *set, int32_t node, int depth, int32_t limit, int shrinking,
+                    uint8_t *allowed, int32_t *after);
+
+/* walk's part for child c of a node whose set is `set` (c at depth + 1): c's tokens and, with
+ * below, the walk under it. */
+static int64_t walk_child(const struct llmem_grammar_state *st, struct walker *w,
+                          const struct stacks *set, int32_t c, int depth, int32_t limit,
+                          int shrinking, int below, uint8_t *allowed, int32_t *after) {
     const struct llmem_grammar_vocab *v = st->v;
+    const struct stacks *next = step(st->g, w, set, depth, v->nodes[c].byte);
+    if (next->n == 0 || w->failed)
+        return 0;
+    const struct tnode *t = &v->nodes[c];
+    const int32_t d =
+        t->tok_n > 0 ? (next == &w->loop ? w->loop_distance : distance(st->g, next)) : 0;
+    const int ok = limit < 0 || d <= (shrinking ? limit - (depth + 1) : limit);
     int64_t n = 0;
-    for (int32_t c = v->nodes[node].child; c >= 0; c = v->nodes[c].sibling) {
-        const struct stacks *next = step(st, set, depth, v->nodes[c].byte);
-        if (next->n == 0 || st->failed)
-            continue;
-        const struct tnode *t = &v->nodes[c];
-        const int32_t d =
-            t->tok_n > 0 ? (next == &st->loop ? st->loop_distance : distance(st->g, next)) : 0;
-        const int ok = limit < 0 || d <= (shrinking ? limit - (depth + 1) : limit);
-        for (int32_t k = 0; ok && k < t->tok_n; k++, n++)
-            allowed[v->ids[t->tok_first + k]] = 1;
-        if (ok && t->tok_n > 0 && d > *after)
-            *after = d;
-        if (depth + 1 < TOKEN_MAX)
-            n += walk(st, next, c, depth + 1, limit, shrinking, allowed, after);
-    }
+    for (int32_t k = 0; ok && k < t->tok_n; k++, n++)
+        allowed[v->ids[t->tok_first + k]] = 1;
+    if (ok && t->tok_n > 0 && d > *after)
+        *after = d;
+    if (below && depth + 1 < TOKEN_MAX)
+        n += walk(st, w, next, c, depth + 1, limit, shrinking, allowed, after);
+    return n;
+}
+
+static int64_t walk(const struct llmem_grammar_state *st, struct walker *w,
+                    const struct stacks *set, int32_t node, int depth, int32_t limit, int shrinking,
+                    uint8_t *allowed, int32_t *after) {
+    int64_t n = 0;
+    for (int32_t c = st->v->nodes[node].child; c >= 0; c = st->v->nodes[c].sibling)
+        n += walk_child(st, w, set, c, depth, limit, shrinking, 1, allowed, after);
     return n;
 }
 
@@ -1299,9 +1451,63 @@ static uint64_t set_key(const struct stacks *s) {
     return h != 0 ? h : 1;
 }
 
+/* A walk split over a pool's threads (walk_part: a task of the vocabulary's, on the thread's lent
+ * walker). */
+struct split_walk {
+    const struct llmem_grammar_state *st;
+    struct llmem_grammar_walkers *ws;
+    uint8_t *allowed;
+};
+
+static void walk_part(void *arg, int task, int thread) {
+    const struct split_walk *p = arg;
+    const struct llmem_grammar_state *st = p->st;
+    struct lent *l = &p->ws->lent[thread];
+    struct walker *w = &l->w;
+    if (l->walk != p->ws->walks) { /* the thread's first task of this walk */
+        l->walk = p->ws->walks, l->n = 0, l->after = 0;
+        w->failed = 0, w->loop_on = 0, w->loop_src = NULL;
+        stacks_copy(w, &w->level[0], &st->cur);
+    }
+    const struct wtask *t = &st->v->tasks[task];
+    const struct stacks *set = &w->level[0];
+    for (int d = 0; d + 1 < t->len && set->n > 0 && !w->failed; d++) /* (its ancestors) */
+        set = step(st->g, w, set, d, t->path[d]);
+    if (set->n > 0 && !w->failed)
+        l->n += walk_child(st, w, set, t->node, t->len - 1, -1, 0, !t->self, p->allowed, &l->after);
+}
+
+/* The walk without a limit from st->w.level[0] (the current set), into allowed (cleared), on the
+ * pool's threads where walkers are lent for them. */
+static int64_t walk_all(struct llmem_grammar_state *st, uint8_t *allowed, int32_t *after,
+                        struct llmem_grammar_walkers *ws, struct llmem_pool *pool) {
+    memset(allowed, 0, (size_t)st->v->n_vocab);
+    *after = 0;
+    if (ws == NULL || pool == NULL || llmem_pool_threads(pool) < 2 ||
+        llmem_pool_threads(pool) > ws->n || st->v->n_tasks == 0) {
+        st->w.loop_on = 0;
+        return walk(st, &st->w, &st->w.level[0], 0, 0, -1, 0, allowed, after);
+    }
+    ws->walks++;
+    struct split_walk p = {st, ws, allowed};
+    llmem_pool_run(pool, st->v->n_tasks, walk_part, &p);
+    int64_t n = 0;
+    for (int i = 0; i < ws->n; i++) {
+        const struct lent *l = &ws->lent[i];
+        if (l->walk != ws->walks)
+            continue;
+        n += l->n;
+        *after = l->after > *after ? l->after : *after;
+        if (l->w.failed)
+            st->w.failed = LLMEM_ENOMEM;
+    }
+    return n;
+}
+
 /* The walk without a limit from the current set, into allowed: from the cache, or made and kept
  * there (the least recently used entry making room). *after as the entry's. */
-static int64_t walk_cached(struct llmem_grammar_state *st, uint8_t *allowed, int32_t *after) {
+static int64_t walk_cached(struct llmem_grammar_state *st, uint8_t *allowed, int32_t *after,
+                           struct llmem_grammar_walkers *ws, struct llmem_pool *pool) {
     const int32_t nv = st->v->n_vocab;
     const uint64_t key = set_key(&st->cur);
     struct mask_entry *e = &st->cache[0];
@@ -1315,14 +1521,11 @@ static int64_t walk_cached(struct llmem_grammar_state *st, uint8_t *allowed, int
         }
         e = x->used < e->used ? x : e;
     }
-    memset(allowed, 0, (size_t)nv);
-    *after = 0;
-    st->loop_on = 0;
-    const int64_t n = walk(st, &st->level[0], 0, 0, -1, 0, allowed, after);
+    const int64_t n = walk_all(st, allowed, after, ws, pool);
     if (e->mask == NULL && (e->mask = malloc((size_t)nv)) == NULL)
         return n; /* (not kept) */
-    stacks_copy(st, &e->set, &st->cur);
-    if (st->failed) {
+    stacks_copy(&st->w, &e->set, &st->cur);
+    if (st->w.failed) {
         e->key = 0;
         return n;
     }
@@ -1350,7 +1553,7 @@ static int32_t canonical(struct llmem_grammar_state *st, int32_t d) {
     if (st->canon == NULL && (st->canon = malloc(CANON_MAX)) == NULL)
         return -1;
     struct stacks *a = &st->tmp[0], *b = &st->tmp[1];
-    stacks_copy(st, a, &st->cur);
+    stacks_copy(&st->w, a, &st->cur);
     for (int32_t k = 0; k < d; k++) {
         uint8_t any[32] = {0}; /* the bytes the stacks' tops take */
         for (int32_t i = 0; i < a->n; i++)
@@ -1361,8 +1564,8 @@ static int32_t canonical(struct llmem_grammar_state *st, int32_t d) {
         for (; c < 256; c++) {
             if (!has_byte(any, (uint8_t)c))
                 continue;
-            advance(st, a, (uint8_t)c, b);
-            if (st->failed)
+            advance(st->g, &st->w, a, (uint8_t)c, b);
+            if (st->w.failed)
                 return -1;
             if (b->n > 0 && distance(g, b) == d - k - 1)
                 break;
@@ -1412,8 +1615,14 @@ static int64_t tight(struct llmem_grammar_state *st, int32_t d, int64_t remainin
 }
 
 int64_t llmem_grammar_allowed(struct llmem_grammar_state *st, int64_t remaining, uint8_t *allowed) {
+    return llmem_grammar_allowed_on(st, remaining, allowed, NULL, NULL);
+}
+
+int64_t llmem_grammar_allowed_on(struct llmem_grammar_state *st, int64_t remaining,
+                                 uint8_t *allowed, struct llmem_grammar_walkers *ws,
+                                 struct llmem_pool *pool) {
     const struct llmem_grammar_vocab *v = st->v;
-    if (st->failed) { /* (nothing more: the caller ends the output as an error) */
+    if (st->w.failed) { /* (nothing more: the caller ends the output as an error) */
         memset(allowed, 0, (size_t)v->n_vocab);
         return 0;
     }
@@ -1428,24 +1637,24 @@ int64_t llmem_grammar_allowed(struct llmem_grammar_state *st, int64_t remaining,
                           : shrinking      ? d
                           : remaining - 1 < UNREACHABLE ? (int32_t)(remaining - 1)
                                                         : UNREACHABLE;
-    stacks_copy(st, &st->level[0], &st->cur);
+    stacks_copy(&st->w, &st->w.level[0], &st->cur);
     int32_t after = 0;
-    const int64_t n = walk_cached(st, allowed, &after);
+    const int64_t n = walk_cached(st, allowed, &after, ws, pool);
     if (limit < 0 || (!shrinking && after <= limit))
         return n; /* the budget binds no token */
     memset(allowed, 0, (size_t)v->n_vocab);
     after = 0;
-    st->loop_on = 0;
-    return walk(st, &st->level[0], 0, 0, limit, shrinking, allowed, &after);
+    st->w.loop_on = 0;
+    return walk(st, &st->w, &st->w.level[0], 0, 0, limit, shrinking, allowed, &after);
 }
 
 int llmem_grammar_accept_bytes(struct llmem_grammar_state *st, const char *bytes, size_t n) {
-    struct stacks *a = &st->level[0], *b = &st->level[1];
-    stacks_copy(st, a, &st->cur);
+    struct stacks *a = &st->w.level[0], *b = &st->w.level[1];
+    stacks_copy(&st->w, a, &st->cur);
     for (size_t i = 0; i < n; i++) {
-        advance(st, a, (uint8_t)bytes[i], b);
-        if (b->n == 0 || st->failed)
-            return st->failed ? LLMEM_ENOMEM : LLMEM_EINVAL;
+        advance(st->g, &st->w, a, (uint8_t)bytes[i], b);
+        if (b->n == 0 || st->w.failed)
+            return st->w.failed ? LLMEM_ENOMEM : LLMEM_EINVAL;
         struct stacks t = *a;
         *a = *b, *b = t;
     }

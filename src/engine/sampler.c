@@ -197,10 +197,15 @@ int llmem_sampler_status(const struct llmem_sampler *s) {
 /* The grammar's mask on s->row: the tokens it does not allow at −∞, the end ids only where the
  * output is complete (and alone where nothing else may come). */
 void llmem_sampler_prepare(struct llmem_sampler *s) {
+    llmem_sampler_prepare_on(s, NULL, NULL);
+}
+
+void llmem_sampler_prepare_on(struct llmem_sampler *s, struct llmem_grammar_walkers *walkers,
+                              struct llmem_pool *pool) {
     if (s->gs == NULL || s->n_allowed >= 0)
         return;
     const int64_t left = s->p.max_tokens > 0 ? s->p.max_tokens - s->n_out : 0;
-    s->n_allowed = llmem_grammar_allowed(s->gs, left > 0 ? left : 0, s->allowed);
+    s->n_allowed = llmem_grammar_allowed_on(s->gs, left > 0 ? left : 0, s->allowed, walkers, pool);
 }
 
 static void mask(struct llmem_sampler *s) {

@@ -724,6 +724,7 @@ static void destroy(struct llmem_sched *s) {
     free(s->seqs);
     free(s->slots);
     free(s->masking);
+    llmem_grammar_walkers_free(s->walkers);
     free(s->drawing);
     for (int i = 0; i < 2; i++) {
         llmem_mem_free(s->cfg.mem, s->top[i].vals);
@@ -784,6 +785,9 @@ int llmem_sched_create(const struct llmem_sched_config *config, struct llmem_sch
         LLMEM_ERROR("out of memory");
         goto fail;
     }
+    const int threads = s->cfg.pool != NULL ? llmem_pool_threads(s->cfg.pool) : 1;
+    if (threads > 1 && llmem_grammar_walkers_create(threads, &s->walkers) != LLMEM_OK)
+        goto fail; /* (logged) */
     *out = s;
     return LLMEM_OK;
 fail:

@@ -12,6 +12,8 @@
 
 #include "core/clock.h"
 #include "engine/sched.h"
+#include "llmem/grammar.h"
+#include "llmem/pool.h"
 #include "llmem/engine.h"
 #include "llmem/model.h"
 
@@ -115,6 +117,7 @@ struct llmem_sched {
                                    * whose results are in the other */
     struct slot *slots;           /* (max_sequences) the step's batch */
     struct llmem_sampler **masking; /* (max_sequences) the step's samplers under a grammar */
+    struct llmem_grammar_walkers *walkers; /* a mask's walk split over the pool (NULL: 1 thread) */
     struct draw *drawing;           /* (max_sequences) the step's whole rows, by slot */
     struct llmem_batch_seq *seqs; /* (max_sequences) and its sequences */
     int32_t *tokens;              /* (max_batch_tokens) and their tokens, in order */

@@ -27,7 +27,8 @@
 #include "llmem/size.h"
 
 /* The grammars' masks for the tokens this step's rows give, on the pool's threads while a
- * device's pass runs (a host's pass has run by now): ready before the rows are. */
+ * device's pass runs (a host's pass has run by now): ready before the rows are. Several: a
+ * thread a mask; one: its walk over the vocabulary split over the threads. */
 static void prepare_one(void *arg, int task, int thread) {
     (void)thread;
     llmem_sampler_prepare(((struct llmem_sampler **)arg)[task]);
@@ -40,7 +41,9 @@ static int prepare_masks(struct llmem_sched *s, const struct slot *slots, int n)
         if (r->p.sampling.grammar != NULL && r->ending == NULL && r->pos + slots[i].n >= r->n_toks)
             s->masking[k++] = r->sampler;
     }
-    if (k > 1 && s->cfg.pool != NULL)
+    if (k == 1) /* one mask: its walk on the pool's threads (walkers planned: engine.c) */
+        llmem_sampler_prepare_on(s->masking[0], s->walkers, s->cfg.pool);
+    else if (s->cfg.pool != NULL)
         llmem_pool_run(s->cfg.pool, k, prepare_one, s->masking);
     else
         for (int i = 0; i < k; i++)
