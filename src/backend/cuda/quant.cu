@@ -1173,7 +1173,8 @@ static void qmma_launch(struct cuda_ctx *c, dim3 grid, const struct qmat &m,
 
 void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n, float *y,
           const float *bias) {
-    LLMEM_ASSERT(qgemv_int(c, w) && n > 0);
+    static_assert(QMMA_MAX_ROWS <= 64, "qmma_kernel takes up to 8 tiles of 8 rows of x");
+    LLMEM_ASSERT(qgemv_int(c, w) && n > 0 && n <= QMMA_MAX_ROWS);
     const struct qmat m = qmat_of(w);
     const int64_t units = m.cols / 32, steps = (units + QMMA_STEP - 1) / QMMA_STEP;
     const int64_t blocks = (m.rows + QMMA_ROWS - 1) / QMMA_ROWS;
@@ -1184,10 +1185,9 @@ void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int6
     slices = slices < 1 ? 1 : slices > steps ? steps : slices;
     const int64_t per = (steps + slices - 1) / slices;
     slices = (steps + per - 1) / per;
-    const int64_t chunk = n < 64 ? n : 64;
     const int64_t xbytes = (n + 7) / 8 * units * (int64_t)sizeof(struct xfrag);
     uint8_t *ws = (uint8_t *)wslice(
-        c, (size_t)(xbytes + (slices > 1 ? slices * chunk * m.rows * 4 : 0)));
+        c, (size_t)(xbytes + (slices > 1 ? slices * n * m.rows * 4 : 0)));
     if (ws == NULL)
         return;
     struct xfrag *xf = (struct xfrag *)ws;
@@ -1200,25 +1200,21 @@ void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int6
                    dim3((qgrid.x + QMMA_STEP - 1) / QMMA_STEP, qgrid.y), dim3(256), 0, x, m.cols,
                    n, xf);
     const dim3 grid((unsigned)blocks, (unsigned)slices);
-    for (int64_t t = 0; t < n; t += 64) {
-        const int nt = n - t < 64 ? (int)(n - t) : 64;
-        const struct xfrag *xt = xf + t / 8 * units;
-        float *out = slices > 1 ? part : y + t * m.rows;
-        const float *b = slices > 1 ? NULL : bias;
+    const int nt = (int)n;
+    float *out = slices > 1 ? part : y;
+    const float *b = slices > 1 ? NULL : bias;
 #define QMMA(QT)                                                                                   \
     if (nt <= 16)                                                                                  \
-        qmma_launch<QT, 2>(c, grid, m, xt, nt, (int)per, out, b);                                  \
+        qmma_launch<QT, 2>(c, grid, m, xf, nt, (int)per, out, b);                                  \
     else if (nt <= 32)                                                                             \
-        qmma_launch<QT, 4>(c, grid, m, xt, nt, (int)per, out, b);                                  \
+        qmma_launch<QT, 4>(c, grid, m, xf, nt, (int)per, out, b);                                  \
     else                                                                                           \
-        qmma_launch<QT, 8>(c, grid, m, xt, nt, (int)per, out, b);
-        QT_INT_DISPATCH(w->quant, QMMA)
+        qmma_launch<QT, 8>(c, grid, m, xf, nt, (int)per, out, b);
+    QT_INT_DISPATCH(w->quant, QMMA)
 #undef QMMA
-        if (slices > 1)
-            pdl_launch(c->stream, qmma_sum_kernel, dim3(grid_for(nt * m.rows, 256)), dim3(256), 0,
-                       (const float *)part, (int)slices, nt * m.rows, m.rows, bias,
-                       y + t * m.rows);
-    }
+    if (slices > 1)
+        pdl_launch(c->stream, qmma_sum_kernel, dim3(grid_for(n * m.rows, 256)), dim3(256), 0,
+                   (const float *)part, (int)slices, n * m.rows, m.rows, bias, y);
     launched(c, "qmma");
 }
 
