@@ -15,6 +15,9 @@
  *   quantized weights at fast precision (test_matmul_fast): |y − ref| within the rounding of the
  *               activations to 8 bits per block (the bound is derived there; worst seen 0.14 of
  *               it), and the same bits on every ISA, thread count and n.
+ *   bf16 weights at fast precision on a CPU with AVX512-BF16: the matmul bound against the
+ *               float64 product of the weights and x rounded to bf16 (to nearest even), so within
+ *               2⁻⁹ · Σ|x·w| of the exact product; batch invariant within the precision.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,6 +32,7 @@
 #include "backend/ops.h"
 #include "llmem/pool.h"
 #include "llmem/dtype.h"
+#include "llmem/sys.h"
 #include "quant/quant.h"
 #include "testutil.h"
 
@@ -99,6 +103,22 @@ static struct llmem_backend *make_backend(int threads) {
 /* ---- matmul -----------------------------------------------------------------------------------
  */
 
+/* x rounded to bf16 to nearest even, as VCVTNE2PS2BF16 rounds it (the test data hold no NaN or
+ * subnormals). */
+static double bf16_round(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    float r;
+    memcpy(&r, &u, 4);
+    return r;
+}
+
+/* Whether a matmul of w on b rounds the activations to bf16 (fast precision, AVX512-BF16). */
+static int rounds_x(struct llmem_backend *b, const struct llmem_weight *w) {
+    return w->quant == 0 && w->dtype == LLMEM_DTYPE_BF16 && llmem_cpu_bf16_fast(b->ctx);
+}
+
 static double worst_ratio; /* the largest |err| / bound seen, printed at the end */
 
 /* Runs one matmul on the given path and checks it; returns y (malloc'ed). */
@@ -112,11 +132,13 @@ static float *check_matmul(struct llmem_backend *b, enum cpu_matmul_path path,
         y[i] = NAN;
     llmem_backend_cpu_set_matmul_path(b, path);
     b->ops->matmul(b->ctx, w, x, n, y, bias);
+    const int round = rounds_x(b, w);
     for (int64_t t = 0; t < n; t++)
         for (int64_t r = 0; r < rows; r++) {
             double ref = bias != NULL ? bias[r] : 0.0, mag = 0.0;
             for (int64_t k = 0; k < cols; k++) {
-                double p = (double)x[t * cols + k] * wv[r * cols + k];
+                double xv = round ? bf16_round(x[t * cols + k]) : (double)x[t * cols + k];
+                double p = xv * wv[r * cols + k];
                 ref += p;
                 mag += fabs(p);
             }
@@ -139,7 +161,7 @@ static void matmul_case(struct llmem_backend *b, enum llmem_dtype dt, int64_t ro
                         int64_t n, int with_bias) {
     double *wv = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof(double));
     assert_non_null(wv);
-    struct llmem_weight w = {make_weight(dt, rows * cols, wv), dt, rows, cols, 0, NULL, NULL};
+    struct llmem_weight w = {make_weight(dt, rows * cols, wv), dt, rows, cols, 0, NULL, NULL, 0};
     float *x = make_floats(n * cols);
     float *bias = with_bias ? make_floats(rows) : NULL;
     float *yd = check_matmul(b, CPU_MATMUL_DECODE, &w, wv, x, n, bias);
@@ -196,8 +218,10 @@ static void test_matmul_blocks(void **state) {
 }
 
 /* Batch invariance: every row of matmul(x[0..n)) equals matmul(x[i..i+1)) bit for bit, for
- * n = 1…100 (both paths, AUTO), 1–3 threads, and every ISA gives the same bits. The single rows
- * are checked against the float64 reference. The scalar and AVX2 kernels run a subset of n. */
+ * n = 1…100 (both paths, AUTO), 1–3 threads, both precisions, and every ISA gives the same bits
+ * (fast precision's bf16 kernels their own, the same on every thread count; without them fast
+ * gives f32's bits). The single rows are checked against the float64 reference. The scalar and
+ * AVX2 kernels run a subset of n. */
 static void test_matmul_batch_invariance(void **state) {
     (void)state;
     static const int64_t shapes[][2] = {{37, 4100}, {67, 129}, {29, 16}, {5, 8200}};
@@ -209,51 +233,60 @@ static void test_matmul_batch_invariance(void **state) {
             double *wv = malloc((size_t)(rows * cols) * sizeof(double));
             assert_non_null(wv);
             struct llmem_weight w = {
-                make_weight(dtypes[d], rows * cols, wv), dtypes[d], rows, cols, 0, NULL, NULL};
+                make_weight(dtypes[d], rows * cols, wv), dtypes[d], rows, cols, 0, NULL, NULL, 0};
             float *x = make_floats(max_n * cols);
             float *bias = (sh & 1) ? make_floats(rows) : NULL;
-            float *single = malloc((size_t)(max_n * rows) * sizeof(float));
+            /* the bits of single rows, exact and with x rounded to bf16 */
+            float *singles[2] = {malloc((size_t)(max_n * rows) * sizeof(float)),
+                                 malloc((size_t)(max_n * rows) * sizeof(float))};
             float *batch = malloc((size_t)(max_n * rows) * sizeof(float));
-            assert_non_null(single);
-            assert_non_null(batch);
-            int have_single = 0;
+            assert_true(singles[0] != NULL && singles[1] != NULL && batch != NULL);
+            int have[2] = {0, 0};
             for (int threads = 1; threads <= 3; threads++) {
                 struct llmem_backend *b = make_backend(threads);
-                for (int isa = CPU_ISA_SCALAR; isa <= (int)llmem_cpu_isa_best(); isa++) {
-                    llmem_backend_cpu_set_isa(b, (enum cpu_isa)isa);
-                    for (int64_t i = 0; i < max_n; i++) {
-                        float *y1 =
-                            check_matmul(b, CPU_MATMUL_AUTO, &w, wv + 0, x + i * cols, 1, bias);
-                        if (!have_single)
-                            memcpy(single + i * rows, y1, (size_t)rows * sizeof(float));
-                        else /* the same bits on every ISA and thread count */
-                            assert_memory_equal(single + i * rows, y1,
-                                                (size_t)rows * sizeof(float));
-                        free(y1);
-                    }
-                    have_single = 1;
-                    int full = isa == (int)llmem_cpu_isa_best();
-                    int64_t count = full ? max_n : (int64_t)(sizeof(few_n) / sizeof(few_n[0]));
-                    for (int64_t c = 0; c < count; c++) {
-                        int64_t n = full ? c + 1 : few_n[c];
-                        for (int p = CPU_MATMUL_AUTO; p <= CPU_MATMUL_GEMM; p++) {
-                            llmem_backend_cpu_set_matmul_path(b, (enum cpu_matmul_path)p);
-                            b->ops->matmul(b->ctx, &w, x, n, batch, bias);
-                            if (memcmp(batch, single, (size_t)(n * rows) * sizeof(float)) != 0) {
-                                fprintf(stderr,
-                                        "batch invariance: %s %lldx%lld n=%lld path=%d "
-                                        "isa=%d threads=%d\n",
-                                        llmem_dtype_name(w.dtype), (long long)rows, (long long)cols,
-                                        (long long)n, p, isa, threads);
-                                fail();
+                for (int prec = 0; prec < 2; prec++)
+                    for (int isa = CPU_ISA_SCALAR; isa <= (int)llmem_cpu_isa_best(); isa++) {
+                        llmem_backend_cpu_set_precision(b, prec ? LLMEM_PRECISION_FAST
+                                                                : LLMEM_PRECISION_F32);
+                        llmem_backend_cpu_set_isa(b, (enum cpu_isa)isa);
+                        const int kind = rounds_x(b, &w);
+                        float *single = singles[kind];
+                        int have_single = have[kind];
+                        for (int64_t i = 0; i < max_n; i++) {
+                            float *y1 =
+                                check_matmul(b, CPU_MATMUL_AUTO, &w, wv + 0, x + i * cols, 1, bias);
+                            if (!have_single)
+                                memcpy(single + i * rows, y1, (size_t)rows * sizeof(float));
+                            else /* the same bits on every ISA and thread count */
+                                assert_memory_equal(single + i * rows, y1,
+                                                    (size_t)rows * sizeof(float));
+                            free(y1);
+                        }
+                        have[kind] = 1;
+                        int full = isa == (int)llmem_cpu_isa_best() && (prec == 0 || kind);
+                        int64_t count = full ? max_n : (int64_t)(sizeof(few_n) / sizeof(few_n[0]));
+                        for (int64_t c = 0; c < count; c++) {
+                            int64_t n = full ? c + 1 : few_n[c];
+                            for (int p = CPU_MATMUL_AUTO; p <= CPU_MATMUL_GEMM; p++) {
+                                llmem_backend_cpu_set_matmul_path(b, (enum cpu_matmul_path)p);
+                                b->ops->matmul(b->ctx, &w, x, n, batch, bias);
+                                if (memcmp(batch, single, (size_t)(n * rows) * sizeof(float)) !=
+                                    0) {
+                                    fprintf(stderr,
+                                            "batch invariance: %s %lldx%lld n=%lld path=%d "
+                                            "isa=%d threads=%d precision=%d\n",
+                                            llmem_dtype_name(w.dtype), (long long)rows,
+                                            (long long)cols, (long long)n, p, isa, threads, prec);
+                                    fail();
+                                }
                             }
                         }
+                        llmem_backend_cpu_set_matmul_path(b, CPU_MATMUL_AUTO);
                     }
-                    llmem_backend_cpu_set_matmul_path(b, CPU_MATMUL_AUTO);
-                }
                 llmem_backend_destroy(b);
             }
-            free(single), free(batch), free(bias), free(x), free((void *)w.data), free(wv);
+            free(singles[0]), free(singles[1]), free(batch), free(bias), free(x);
+            free((void *)w.data), free(wv);
         }
 }
 
@@ -274,7 +307,8 @@ static void test_matmul_multi(void **state) {
                                      shapes[i][1],
                                      0,
                                      NULL,
-                                     NULL};
+                                     NULL,
+                                     0};
     }
     float *x = make_floats(40 * 512), *bias = make_floats(1000);
     for (int threads = 1; threads <= 3; threads++) {
@@ -323,8 +357,8 @@ static void test_matmul_many(void **state) {
         wv[i] = malloc((size_t)(rows[i] * COLS) * sizeof(double));
         assert_non_null(wv[i]);
         const enum llmem_dtype dt = dtypes[i % 3];
-        w[i] = (struct llmem_weight){make_weight(dt, rows[i] * COLS, wv[i]), dt, rows[i], COLS, 0,
-                                     NULL, NULL};
+        w[i] = (struct llmem_weight){
+            make_weight(dt, rows[i] * COLS, wv[i]), dt, rows[i], COLS, 0, NULL, NULL, 0};
         if (quant[i] != 0) { /* its rows as the type's blocks */
             float *f = make_floats(rows[i] * COLS);
             const int64_t rb = llmem_qtype_bytes(quant[i], COLS);
@@ -335,7 +369,8 @@ static void test_matmul_many(void **state) {
                                  LLMEM_OK);
             free((void *)w[i].data);
             free(f);
-            w[i] = (struct llmem_weight){q, LLMEM_DTYPE_F32, rows[i], COLS, quant[i], NULL, NULL};
+            w[i] =
+                (struct llmem_weight){q, LLMEM_DTYPE_F32, rows[i], COLS, quant[i], NULL, NULL, 0};
         }
     }
     float *xs = make_floats(N * 40 * COLS);
@@ -384,7 +419,7 @@ static void test_matmul_empty(void **state) {
     struct llmem_backend *b = make_backend(2);
     float bias[3] = {1, 2, 3}, y[6] = {0}, x[1] = {0};
     uint16_t data[1] = {0};
-    struct llmem_weight w = {data, LLMEM_DTYPE_BF16, 3, 0, 0, NULL, NULL};
+    struct llmem_weight w = {data, LLMEM_DTYPE_BF16, 3, 0, 0, NULL, NULL, 0};
     b->ops->matmul(b->ctx, &w, x, 2, y, bias);
     for (int i = 0; i < 6; i++)
         assert_true(y[i] == bias[i % 3]);
@@ -511,7 +546,7 @@ static void test_embedding(void **state) {
             double *val = malloc((size_t)(vocab * dim) * sizeof(double));
             assert_non_null(val);
             struct llmem_weight table = {
-                make_weight(dtypes[d], vocab * dim, val), dtypes[d], vocab, dim, 0, NULL, NULL};
+                make_weight(dtypes[d], vocab * dim, val), dtypes[d], vocab, dim, 0, NULL, NULL, 0};
             int32_t ids[20];
             for (int t = 0; t < n; t++)
                 ids[t] = t == 0 ? 0 : t == 1 ? (int32_t)vocab - 1 : (int32_t)(rng() % vocab);
@@ -595,8 +630,8 @@ static void test_matmul_quantized(void **state) {
                     llmem_quant_dequantize_row(types[ti], q + r * row_bytes, deq + r * cols, cols),
                     LLMEM_OK);
             }
-            struct llmem_weight wq = {q, LLMEM_DTYPE_F32, rows, cols, types[ti], NULL, NULL};
-            struct llmem_weight w32 = {deq, LLMEM_DTYPE_F32, rows, cols, 0, NULL, NULL};
+            struct llmem_weight wq = {q, LLMEM_DTYPE_F32, rows, cols, types[ti], NULL, NULL, 0};
+            struct llmem_weight w32 = {deq, LLMEM_DTYPE_F32, rows, cols, 0, NULL, NULL, 0};
             assert_int_equal(llmem_weight_row_bytes(&wq), row_bytes);
             for (int64_t n = 1; n <= 40; n += 13) {
                 float *x = make_floats(n * cols), *bias = make_floats(rows);
@@ -658,7 +693,7 @@ static void fast_case(int type, int64_t rows, int64_t cols, const int64_t *ns, i
         assert_int_equal(llmem_quant_dequantize_row(type, q + r * row_bytes, deq + r * cols, cols),
                          LLMEM_OK);
     }
-    struct llmem_weight wq = {q, LLMEM_DTYPE_F32, rows, cols, type, NULL, NULL};
+    struct llmem_weight wq = {q, LLMEM_DTYPE_F32, rows, cols, type, NULL, NULL, 0};
     float *x = make_floats(n_max * cols), *bias = make_floats(rows);
     for (int64_t i = 0; i < n_max * cols; i += 7) /* some rows' blocks with large and zero values */
         x[i] *= (i / cols) % 3 == 0 ? 16.0f : 1.0f;
@@ -751,6 +786,53 @@ static void test_matmul_fast(void **state) {
     /* f32 precision keeps the exact path: checked in test_matmul_quantized */
 }
 
+/* bf16 weights at fast precision run the AVX512-BF16 kernels where the CPU has them (else the
+ * test is skipped): their results differ from f32's by the rounding of x to bf16 alone (within
+ * 2⁻⁹ · Σ|x·w| plus the accumulation bound), and a backend capped below AVX-512 gives f32's. */
+static void test_matmul_bf16_fast(void **state) {
+    (void)state;
+    if (llmem_cpu_isa_best() != CPU_ISA_AVX512 ||
+        !(llmem_sys_isa_features() & LLMEM_ISA_AVX512_BF16))
+        skip();
+    enum { ROWS = 96, COLS = 2048, N = 40 };
+    double *wv = malloc((size_t)ROWS * COLS * sizeof(double));
+    assert_non_null(wv);
+    struct llmem_weight w = {make_weight(LLMEM_DTYPE_BF16, ROWS * COLS, wv),
+                             LLMEM_DTYPE_BF16,
+                             ROWS,
+                             COLS,
+                             0,
+                             NULL,
+                             NULL,
+                             0};
+    float *x = make_floats(N * COLS), *yf = malloc(sizeof(float) * N * ROWS),
+          *ye = malloc(sizeof(float) * N * ROWS);
+    assert_true(yf != NULL && ye != NULL);
+    struct llmem_backend *b = make_backend(2);
+    assert_true(llmem_cpu_bf16_fast(b->ctx)); /* the default precision is fast */
+    b->ops->matmul(b->ctx, &w, x, N, yf, NULL);
+    llmem_backend_cpu_set_precision(b, LLMEM_PRECISION_F32);
+    b->ops->matmul(b->ctx, &w, x, N, ye, NULL);
+    int differ = 0;
+    for (int t = 0; t < N; t++)
+        for (int r = 0; r < ROWS; r++) {
+            double mag = 0.0;
+            for (int k = 0; k < COLS; k++)
+                mag += fabs((double)x[t * COLS + k] * wv[r * COLS + k]);
+            double d = fabs((double)yf[t * ROWS + r] - ye[t * ROWS + r]);
+            assert_true(d <= 0x1p-9 * mag + 2e-6 * mag);
+            differ |= d > 0.0;
+        }
+    assert_true(differ); /* x was rounded: this is not the f32 path */
+    llmem_backend_cpu_set_precision(b, LLMEM_PRECISION_FAST);
+    assert_int_equal(llmem_backend_cpu_set_isa(b, CPU_ISA_AVX2), CPU_ISA_AVX2);
+    assert_false(llmem_cpu_bf16_fast(b->ctx));
+    b->ops->matmul(b->ctx, &w, x, N, yf, NULL);
+    assert_memory_equal(yf, ye, sizeof(float) * N * ROWS);
+    llmem_backend_destroy(b);
+    free(x), free(yf), free(ye), free((void *)w.data), free(wv);
+}
+
 /* rope_pairs on rows permuted as the GGUF converter permutes q and k (pair i moved from
  * (i, i + half) to (2i, 2i + 1)) gives, bit for bit and in the same layout, what `rope` gives on
  * the rows before the permutation. */
@@ -801,6 +883,7 @@ int main(void) {
         cmocka_unit_test(test_pool_runs),
         cmocka_unit_test(test_matmul_quantized),
         cmocka_unit_test(test_matmul_fast),
+        cmocka_unit_test(test_matmul_bf16_fast),
         cmocka_unit_test(test_rope_pairs),
         cmocka_unit_test(test_destroy_null),
     };

@@ -302,8 +302,8 @@ static void test_embedding(void **state) {
         void *table = random_weight(dts[k], vocab, dim, &bytes);
         void *dt = to_device(table, bytes);
         int32_t ids[6] = {0, 999, 17, 17, 500, 3};
-        struct llmem_weight wh = {table, dts[k], vocab, dim, 0, NULL, NULL},
-                            wd = {dt, dts[k], vocab, dim, 0, NULL, NULL};
+        struct llmem_weight wh = {table, dts[k], vocab, dim, 0, NULL, NULL, 0},
+                            wd = {dt, dts[k], vocab, dim, 0, NULL, NULL, 0};
         float *y = malloc((size_t)(n * dim) * 4);
         float *dy = llmem_mem_alloc(dmem, (size_t)(n * dim) * 4, LLMEM_TAG_SCRATCH);
         cpu->ops->embedding(cpu->ctx, &wh, ids, n, y);
@@ -354,8 +354,8 @@ static void test_matmul(void **state) {
             void *dw = to_device(w, bytes);
             float *bias = random_floats(rows, 1.0f);
             float *dbias = to_device(bias, (size_t)rows * 4);
-            struct llmem_weight wh = {w, dts[k], rows, cols, 0, NULL, NULL},
-                                wd = {dw, dts[k], rows, cols, 0, NULL, NULL};
+            struct llmem_weight wh = {w, dts[k], rows, cols, 0, NULL, NULL, 0},
+                                wd = {dw, dts[k], rows, cols, 0, NULL, NULL, 0};
             for (int t = 0; t < 5; t++) {
                 const int64_t n = ns[t];
                 const int with_bias = (t + s) % 2;
@@ -462,7 +462,7 @@ static void test_matmul_quantized(void **state) {
             size_t bytes, side;
             void *scales, *biases;
             void *w = random_quantized(types[k], rows, cols, &bytes, &scales, &biases, &side);
-            struct llmem_weight wh = {w, LLMEM_DTYPE_F32, rows, cols, types[k], scales, biases};
+            struct llmem_weight wh = {w, LLMEM_DTYPE_F32, rows, cols, types[k], scales, biases, 0};
             struct llmem_weight wd = wh;
             wd.data = to_device(w, bytes);
             if (side > 0)
@@ -541,7 +541,7 @@ static void make_stack(int type, int64_t n, int64_t rows, int64_t cols, struct s
     if (side > 0)
         s->d[1] = to_device(scales, side), s->d[2] = to_device(biases, side);
     for (int64_t e = 0; e < n; e++) {
-        const struct llmem_weight w = {s->h[0], LLMEM_DTYPE_BF16, rows, cols, type, NULL, NULL};
+        const struct llmem_weight w = {s->h[0], LLMEM_DTYPE_BF16, rows, cols, type, NULL, NULL, 0};
         const size_t at = (size_t)(e * rows * llmem_weight_row_bytes(&w)), sat = side / (size_t)n;
         for (int v = 0; v < 2; v++) {
             struct llmem_weight *o = v == 0 ? &s->host[e] : &s->dev[e];
@@ -654,8 +654,8 @@ static void test_matmul_multi(void **state) {
                 db[i] = to_device(b[i], (size_t)rows[i] * 4);
                 y[i] = malloc((size_t)(n * rows[i]) * 4);
                 dy[i] = llmem_mem_alloc(dmem, (size_t)(n * rows[i]) * 4, LLMEM_TAG_SCRATCH);
-                wh[i] = (struct llmem_weight){w[i], dt, rows[i], cols, 0, NULL, NULL};
-                wd[i] = (struct llmem_weight){dw[i], dt, rows[i], cols, 0, NULL, NULL};
+                wh[i] = (struct llmem_weight){w[i], dt, rows[i], cols, 0, NULL, NULL, 0};
+                wd[i] = (struct llmem_weight){dw[i], dt, rows[i], cols, 0, NULL, NULL, 0};
                 ph[i] = &wh[i], pd[i] = &wd[i];
             }
             cpu->ops->matmul_multi(cpu->ctx, 3, ph, x, n, y, (const float *const *)b);
@@ -697,7 +697,7 @@ static void test_quantized_sets(void **state) {
         void *scales, *biases;
         w[i] = random_quantized(types[i], rows[i], cols, &bytes, &scales, &biases, &side);
         wd[i] = (struct llmem_weight){
-            to_device(w[i], bytes), LLMEM_DTYPE_F32, rows[i], cols, types[i], NULL, NULL};
+            to_device(w[i], bytes), LLMEM_DTYPE_F32, rows[i], cols, types[i], NULL, NULL, 0};
         wh[i] = wd[i], wh[i].data = w[i];
         pd[i] = &wd[i];
     }
@@ -763,11 +763,11 @@ static void test_matmul_pair(void **state) {
     void *w = random_weight(LLMEM_DTYPE_BF16, 2 * rows, cols, &bytes); /* both, one buffer */
     uint8_t *dw = to_device(w, bytes);
     const struct llmem_weight pair[2] = {
-        {dw, LLMEM_DTYPE_BF16, rows, cols, 0, NULL, NULL},
-        {dw + bytes / 2, LLMEM_DTYPE_BF16, rows, cols, 0, NULL, NULL}};
+        {dw, LLMEM_DTYPE_BF16, rows, cols, 0, NULL, NULL, 0},
+        {dw + bytes / 2, LLMEM_DTYPE_BF16, rows, cols, 0, NULL, NULL, 0}};
     const struct llmem_weight host[2] = {
-        {w, LLMEM_DTYPE_BF16, rows, cols, 0, NULL, NULL},
-        {(uint8_t *)w + bytes / 2, LLMEM_DTYPE_BF16, rows, cols, 0, NULL, NULL}};
+        {w, LLMEM_DTYPE_BF16, rows, cols, 0, NULL, NULL, 0},
+        {(uint8_t *)w + bytes / 2, LLMEM_DTYPE_BF16, rows, cols, 0, NULL, NULL, 0}};
     assert_true(llmem_weight_follows(&pair[0], &pair[1]));
     const struct llmem_weight *pp[2] = {&pair[0], &pair[1]};
     float *dy = llmem_mem_alloc(dmem, (size_t)(2 * stride) * 4, LLMEM_TAG_SCRATCH);
@@ -806,8 +806,8 @@ static void test_matmul_swiglu(void **state) {
             size_t bytes;
             void *w = random_weight(dts[di], 2 * rows, cols, &bytes);
             uint8_t *dw = to_device(w, bytes);
-            const struct llmem_weight gate = {dw, dts[di], rows, cols, 0, NULL, NULL},
-                                      up = {dw + bytes / 2, dts[di], rows, cols, 0, NULL, NULL};
+            const struct llmem_weight gate = {dw, dts[di], rows, cols, 0, NULL, NULL, 0},
+                                      up = {dw + bytes / 2, dts[di], rows, cols, 0, NULL, NULL, 0};
             const struct llmem_weight *pair[2] = {&gate, &up};
             for (int k = 0; k < 4; k++) {
                 const int64_t n = ns[k];
@@ -841,13 +841,13 @@ static void test_shadow_copies(void **state) {
     size_t bytes;
     void *w = random_weight(LLMEM_DTYPE_BF16, rows, cols, &bytes);
     void *dw = to_device(w, bytes);
-    const struct llmem_weight wd = {dw, LLMEM_DTYPE_BF16, rows, cols, 0, NULL, NULL};
+    const struct llmem_weight wd = {dw, LLMEM_DTYPE_BF16, rows, cols, 0, NULL, NULL, 0};
     size_t pair_bytes; /* gate and up: rows of cols, for the GEMM of cols above */
     void *wp = random_weight(LLMEM_DTYPE_BF16, 2 * cols, cols, &pair_bytes);
     uint8_t *dwp = to_device(wp, pair_bytes);
     const struct llmem_weight
-        gate = {dwp, LLMEM_DTYPE_BF16, cols, cols, 0, NULL, NULL},
-        up = {dwp + pair_bytes / 2, LLMEM_DTYPE_BF16, cols, cols, 0, NULL, NULL};
+        gate = {dwp, LLMEM_DTYPE_BF16, cols, cols, 0, NULL, NULL, 0},
+        up = {dwp + pair_bytes / 2, LLMEM_DTYPE_BF16, cols, cols, 0, NULL, NULL, 0};
     for (int k = 0; k < 2; k++) {
         const int64_t n = ns[k];
         float *x = random_floats(n * cols, 1.0f), *r = random_floats(n * cols, 1.0f);
@@ -911,7 +911,7 @@ static void test_out_of_memory(void **state) {
     void *dw = to_device(w, bytes);
     float *dx = llmem_mem_alloc(dmem, (size_t)(n * cols) * 4, LLMEM_TAG_SCRATCH);
     float *dy = llmem_mem_alloc(dmem, (size_t)(n * rows) * 4, LLMEM_TAG_SCRATCH);
-    struct llmem_weight wd = {dw, LLMEM_DTYPE_BF16, rows, cols, 0, NULL, NULL};
+    struct llmem_weight wd = {dw, LLMEM_DTYPE_BF16, rows, cols, 0, NULL, NULL, 0};
     b->ops->matmul(b->ctx, &wd, dx, n, dy, NULL);
     assert_int_equal(b->ops->sync(b->ctx), LLMEM_ENOMEM);
     assert_int_equal(b->ops->sync(b->ctx), LLMEM_ENOMEM);

@@ -355,7 +355,8 @@ int bench_matmul(int argc, char **argv) {
                                                      cols,
                                                      0,
                                                      NULL,
-                                                     NULL};
+                                                     NULL,
+                                                     0};
                             be->ops->matmul(be->ctx, &w, x, n, y, NULL);
                         }
                     }
@@ -389,10 +390,14 @@ int bench_matmul(int argc, char **argv) {
         for (int s = 0; s < N_PREFILL_SHAPES; s++) {
             int64_t rows = shapes[s][0], cols = shapes[s][1];
             fill_weights(wbuf, bench_dtypes[d], rows * cols, 0xdef + (uint64_t)s);
-            struct llmem_weight w = {wbuf, bench_dtypes[d], rows, cols, 0, NULL, NULL};
-            int n_paths = BENCH_OPENBLAS && bench_dtypes[d] == LLMEM_DTYPE_F32 ? 2 : 1;
+            struct llmem_weight w = {wbuf, bench_dtypes[d], rows, cols, 0, NULL, NULL, 0};
+            /* f32 weights also through OpenBLAS; bf16 also at fast precision (AVX512-BF16) */
+            int fast = bench_dtypes[d] == LLMEM_DTYPE_BF16 && llmem_cpu_bf16_fast(be->ctx);
+            int n_paths = (BENCH_OPENBLAS && bench_dtypes[d] == LLMEM_DTYPE_F32) || fast ? 2 : 1;
             llmem_backend_cpu_set_matmul_path(be, CPU_MATMUL_GEMM);
             for (int p = 0; p < n_paths; p++) {
+                llmem_backend_cpu_set_precision(be, fast && p == 0 ? LLMEM_PRECISION_F32
+                                                                   : LLMEM_PRECISION_FAST);
                 for (int64_t r = -1; r < reps; r++) {
                     double t0 = llmem_clock_s();
 #if BENCH_OPENBLAS
@@ -406,12 +411,15 @@ int bench_matmul(int argc, char **argv) {
                 }
                 double gf = 2.0 * PREFILL_N * (double)rows * (double)cols /
                             bench_median(tv, (int)reps) * 1e-9;
+                double of = fast && p == 1 ? peak_dp : peak;
                 pres[n_pres++] = (struct prefill_result){rows,
                                                          cols,
                                                          bench_dtypes[d],
-                                                         p == 0 ? "gemm" : "openblas",
+                                                         p == 0 ? "gemm"
+                                                         : fast ? "dpbf16"
+                                                                : "openblas",
                                                          gf,
-                                                         peak > 0 ? gf / peak : 0};
+                                                         of > 0 ? gf / of : 0};
                 tick(NULL);
             }
         }
@@ -500,7 +508,9 @@ int bench_matmul(int argc, char **argv) {
             printf("%-6s %-11s %3lld %9.1f %8.0f%%\n", llmem_dtype_name(dres[i].dtype), shape,
                    (long long)dres[i].n, dres[i].gbps, 100 * dres[i].fraction);
         }
-        printf("\nprefill, n = %d (GFLOP/s; fraction of FMA peak)\n", PREFILL_N);
+        printf("\nprefill, n = %d (GFLOP/s; fraction of the FMA peak, of VDPBF16PS's for "
+               "dpbf16: bf16 weights at fast precision)\n",
+               PREFILL_N);
         printf("%-6s %-11s %-9s %9s %8s\n", "dtype", "shape", "path", "GFLOP/s", "of peak");
         for (int i = 0; i < n_pres; i++) {
             char shape[32];

@@ -35,8 +35,10 @@ LLMEM_API int llmem_backend_kind_parse(const char *name, enum llmem_backend_kind
 /* How a backend multiplies: f32 computes in f32 throughout (the reference); fast lets the GEMMs
  * of prefill and large batches run on bf16 tensor cores with f32 accumulation (the activations
  * rounded to the weights' 16-bit type). On the CPU, fast multiplies quantized weights (GGUF
- * blocks) by integer dot products with the activations quantized to 8 bits per block, and f32
- * dequantizes them exactly and multiplies in f32; 16-bit and f32 weights are f32 either way. */
+ * blocks) by integer dot products with the activations quantized to 8 bits per block, and bf16
+ * weights by VDPBF16PS with the activations rounded to bf16 where the CPU has AVX512-BF16 (the
+ * down projections and the LM head excepted: llmem_weight.f32_x); f32 dequantizes and widens
+ * weights exactly and multiplies in f32; f16 and f32 weights are f32 either way. */
 enum llmem_backend_precision {
     LLMEM_PRECISION_FAST = 0,
     LLMEM_PRECISION_F32,
@@ -83,12 +85,16 @@ LLMEM_API int llmem_backend_cpu_create(int n_threads, struct llmem_backend **out
  * (llmem_backend_cpu_scratch_bytes) from mem under the tag scratch. */
 LLMEM_API int llmem_backend_cpu_create_shared(struct llmem_pool *pool, struct llmem_mem *mem,
                                               struct llmem_backend **out);
-/* The precision of a CPU backend's matmuls of quantized weights (fast at creation). */
+/* The precision of a CPU backend's matmuls of quantized and bf16 weights (fast at creation). */
 LLMEM_API void llmem_backend_cpu_set_precision(struct llmem_backend *backend,
                                                enum llmem_backend_precision precision);
 /* The instruction set of the CPU's integer kernels for quantized weights at fast precision:
  * "avx512_vnni", "avx2" or "scalar" (portable C). */
 LLMEM_API const char *llmem_backend_cpu_matmul_kernels(void);
+/* The kernels of the CPU's bf16 weights at fast precision: "avx512_bf16" (VDPBF16PS on the
+ * activations rounded to bf16), else those of f32 precision: "avx512", "avx2" or "scalar" (f32
+ * FMAs on the weights widened exactly). */
+LLMEM_API const char *llmem_backend_cpu_bf16_kernels(void);
 /* The fixed scratch of the CPU backend's GEMM on n_threads threads: packed activations and one
  * panel of converted weights per thread. */
 LLMEM_API int64_t llmem_backend_cpu_scratch_bytes(int n_threads);

@@ -37,6 +37,9 @@ struct llmem_weight {
     int quant;          /* 0: not quantized; else LLMEM_QTYPE_Q8_0, _Q4_K, ..., or an MLX type */
     const void *scales; /* MLX types: (rows, cols / group) of the type's scale dtype; else NULL */
     const void *biases; /* MLX types: (rows, cols / group); else NULL */
+    int f32_x;          /* its activations stay f32 at fast precision too, where a backend would
+                         * round them to 16 bits (the CPU's bf16 kernels): the down projections and
+                         * the LM head, whose inputs' rounding moves the logits the most */
 };
 
 /* Bytes of one row of w (for an MLX type, of its codes). */

@@ -58,6 +58,10 @@ static void print_host(const struct llmem_device_info *h) {
     printf(LABEL "%s kernels\n", "attention", llmem_kv_kernels_name());
     printf(LABEL "%s kernels (quantized weights, fast precision)\n", "matmul",
            llmem_backend_cpu_matmul_kernels());
+    const char *bf16 = llmem_backend_cpu_bf16_kernels();
+    printf(LABEL "%s kernels (bf16 weights, fast precision: %s)\n", "", bf16,
+           strcmp(bf16, "avx512_bf16") == 0 ? "activations rounded to bf16"
+                                            : "f32 FMAs, no AVX512-BF16");
     printf(LABEL "%s (physical RAM)\n", "memory", fmt_size(h->memory_size, "", a, sizeof(a)));
 
     /* The ceiling, and why. */

@@ -34,7 +34,6 @@
 #include "llmem/sys.h"
 #include "llmem/tokenizer.h"
 #include "engine/engine_int.h"
-#include "model/gguf.h"
 
 /* The default prefill chunk: the tokens of one forward pass at most (SPEC §2.1); more on a device
  * where the plan's transient reserve holds it (default_batch_tokens). */
@@ -269,11 +268,10 @@ static int load_flags(const struct llmem_engine_config *c) {
 static int open_bank(struct llmem_engine *e) {
     struct llmem_bank_identity id;
     char *cache = digest_cache_path();
-    /* KV computed from quantized weights at one precision is not served to a run at the other:
-     * the precision salts a GGUF model's identity (its digest already holds the block types) */
-    const char *salt = NULL;
-    if (llmem_gguf_is_gguf(e->cfg.model_dir))
-        salt = e->cfg.precision == LLMEM_PRECISION_F32 ? "precision=f32" : "precision=fast";
+    /* KV computed at one precision is not served to a run at the other (fast rounds activations
+     * of 16-bit weights to bf16 and quantizes them for quantized ones): the precision salts the
+     * model's identity */
+    const char *salt = e->cfg.precision == LLMEM_PRECISION_F32 ? "precision=f32" : "precision=fast";
     int status =
         llmem_bank_identity(e->cfg.model_dir, e->cfg.kv_format, e->cfg.kv_layout, salt, cache, &id);
     free(cache);

@@ -646,6 +646,13 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
     for (int64_t i = 0; i < g->n_layers; i++)
         if ((status = bind_layer(m, i)) != LLMEM_OK)
             goto fail;
+    m->lm_head.f32_x = 1;
+    for (int64_t i = 0; i < g->n_layers; i++) {
+        struct model_layer *L = &m->layers[i];
+        L->w_down.f32_x = 1;
+        for (int64_t e = 0; L->experts != NULL && e < g->n_experts; e++)
+            L->experts[2 * g->n_experts + e].f32_x = 1;
+    }
     *out = m;
     return LLMEM_OK;
 fail:

@@ -297,31 +297,35 @@ static int reused_tokens(const struct tu_run *r) {
 }
 
 /* The precision is part of the bank's model identity: KV banked at f32 is reused at f32 by a
- * second process and never served to a run at fast (and the other way round). */
+ * second process and never served to a run at fast (and the other way round), for quantized
+ * weights (the GGUF file) and bf16 ones (the safetensors directory). */
 static void test_bank_keeps_precisions_apart(void **state) {
     (void)state;
-    char *dir = tu_mkdtemp();
-    char ids[8192];
-    int at = 0;
-    for (int i = 0; i < 700; i++)
-        at += snprintf(ids + at, sizeof(ids) - (size_t)at, "%s%d", i ? "," : "",
-                       20 + (i * 37) % 3900);
-    const char *order[] = {"f32", "f32", "fast", "fast", "f32"};
-    const int want_reuse[] = {0, 1, 0, 1, 1};
-    for (int i = 0; i < 5; i++) {
-        struct tu_run r =
-            tu_llmem("run", PYCODER_GGUF, "--ids", ids, "-n", "4", "--ignore-eos", "--json",
-                     "--stats", "--threads", "2", "--bank-dir", dir, "--precision", order[i], NULL);
-        assert_int_equal(r.exit_code, 0);
-        int reused = reused_tokens(&r);
-        tu_run_free(&r);
-        if (want_reuse[i])
-            assert_int_equal(reused, 688); /* (700 − 1) / 16 × 16 */
-        else
-            assert_int_equal(reused, 0);
+    const char *models[] = {PYCODER_GGUF, PYCODER};
+    for (int m = 0; m < 2; m++) {
+        char *dir = tu_mkdtemp();
+        char ids[8192];
+        int at = 0;
+        for (int i = 0; i < 700; i++)
+            at += snprintf(ids + at, sizeof(ids) - (size_t)at, "%s%d", i ? "," : "",
+                           20 + (i * 37) % 3900);
+        const char *order[] = {"f32", "f32", "fast", "fast", "f32"};
+        const int want_reuse[] = {0, 1, 0, 1, 1};
+        for (int i = 0; i < 5; i++) {
+            struct tu_run r = tu_llmem("run", models[m], "--ids", ids, "-n", "4", "--ignore-eos",
+                                       "--json", "--stats", "--threads", "2", "--bank-dir", dir,
+                                       "--precision", order[i], NULL);
+            assert_int_equal(r.exit_code, 0);
+            int reused = reused_tokens(&r);
+            tu_run_free(&r);
+            if (want_reuse[i])
+                assert_int_equal(reused, 688); /* (700 − 1) / 16 × 16 */
+            else
+                assert_int_equal(reused, 0);
+        }
+        tu_rmtree(dir);
+        free(dir);
     }
-    tu_rmtree(dir);
-    free(dir);
 }
 
 /* The file's tokenizer (tokenizer.ggml.*) gives the ids of the tokenizer.json it was made from,

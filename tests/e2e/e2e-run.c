@@ -144,7 +144,7 @@ static void test_moe_greedy(void **state) {
         ids_csv(cJSON_GetObjectItem(g, "prompt_ids"), csv, sizeof(csv));
         snprintf(n, sizeof(n), "%d", cJSON_GetArraySize(greedy));
         struct tu_run r = tu_llmem("run", dir, "--ids", csv, "-n", n, "--ignore-eos", "--json",
-                                   "--kv-format", "f32", NULL);
+                                   "--kv-format", "f32", "--precision", "f32", NULL);
         assert_int_equal(r.exit_code, 0);
         cJSON *out = tu_json_stdout(&r);
         assert_ids_equal(cJSON_GetObjectItem(out, "ids"), greedy);
@@ -256,7 +256,7 @@ static void test_tokenize_and_logits(void **state) {
     char *dir = tu_mkdtemp(), path[512];
     snprintf(path, sizeof(path), "%s/logits.npy", dir);
     r = tu_llmem("logits", PYCODER, "--ids", ids, "--out", path, "--kv-format", "f32",
-                 "--max-batch-tokens", "16", NULL);
+                 "--precision", "f32", "--max-batch-tokens", "16", NULL);
     assert_int_equal(r.exit_code, 0);
     float *a = NULL, *b = NULL;
     int64_t ar, ac, br, bc;

@@ -547,6 +547,161 @@ TARGET_AVX512 static void pack_w_avx512(const void *w, enum llmem_dtype dt, int6
     default: pack_w_avx512_dt(w, LLMEM_DTYPE_F32, ld, mr, cols, s0, ns, wp);
     }
 }
+
+/* ---- AVX512-BF16: bf16 weights at fast precision ----------------------------------------------
+ *
+ * The activations are rounded to bf16 (VCVTNE2PS2BF16: to nearest even, denormals as zero) and
+ * multiplied by the weights as they lie in the file with VDPBF16PS, which adds to each f32 lane
+ * the two products of a pair of bf16 values: twice the FMA rate, no conversion of W.
+ *
+ * The fast canonical order: 16 f32 lanes, zero at first; for k0 = 0, 32, … below cols rounded up
+ * to 32, lane l ← VDPBF16PS(lane l, (w[k0 + 2l], w[k0 + 2l + 1]), (x[k0 + 2l], x[k0 + 2l + 1]))
+ * with both zero where the index is ≥ cols; then the canonical tree over the lanes and the bias.
+ * The decode kernels (a row of 32 weights a vector) and the GEMM (lane by lane, as the f32 GEMM,
+ * pairs in place of single values) both compute exactly this, so a row of x gives the same bits
+ * alone or in any batch at this precision. */
+
+#define TARGET_BF16                                                                                \
+    __attribute__((target("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* 32 activations from k as bf16 pairs; lanes at or past `left` read as zero. */
+TARGET_BF16 static ALWAYS_INLINE __m512bh x32_bf16(const float *x, int64_t left) {
+    __m512 lo, hi;
+    if (left >= 32) {
+        lo = _mm512_loadu_ps(x);
+        hi = _mm512_loadu_ps(x + 16);
+    } else {
+        __mmask16 m0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        __mmask16 m1 = left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : (__mmask16)0;
+        lo = _mm512_maskz_loadu_ps(m0, x);
+        hi = _mm512_maskz_loadu_ps(m1, x + 16);
+    }
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* 32 bf16 weights from k (as 16 pairs); past `left` zero. */
+TARGET_BF16 static ALWAYS_INLINE __m512i w32_bf16(const void *row, int64_t k, int64_t left) {
+    const uint16_t *p = (const uint16_t *)row + k;
+    if (left >= 32)
+        return _mm512_loadu_si512(p);
+    return _mm512_maskz_loadu_epi16((__mmask32)((1u << left) - 1), p);
+}
+
+TARGET_BF16 static ALWAYS_INLINE __m512 dp_bf16(__m512 acc, __m512i w, __m512bh x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, x);
+}
+
+/* R weight rows (step apart from i0) × NX rows of x, as gemv_tile_avx512_s. */
+TARGET_BF16 static ALWAYS_INLINE void gemv_tile_bf16_s(const void *w, int64_t ld, int64_t i0,
+                                                       int64_t step, const float *x, int64_t cols,
+                                                       int64_t t0, float *y, int64_t ldy,
+                                                       const float *bias, const int R, const int NX,
+                                                       const size_t PF) {
+    const void *wr[8];
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) wr[i] =
+        row_at(w, LLMEM_DTYPE_BF16, ld, i0 + i * step);
+    const float *xr[8];
+    _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++) xr[j] = x + (t0 + j) * cols;
+    __m512 acc[8][8];
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < cols; k += 32) {
+        const int64_t left = cols - k;
+        __m512bh xv[8];
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++) xv[j] = x32_bf16(xr[j] + k, left);
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+            if (PF != 0)
+                _mm_prefetch((const char *)wr[i] + (size_t)k * 2 + PF, _MM_HINT_T0);
+            __m512i wv = w32_bf16(wr[i], k, left);
+            _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++) acc[i][j] =
+                dp_bf16(acc[i][j], wv, xv[j]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < NX; j++) y[(t0 + j) * ldy + i0 + i * step] =
+            finish(reduce16_avx512(acc[i][j]), bias, i0 + i * step);
+}
+
+#define gemv_tile_bf16(w, ld, i0, x, cols, t0, y, ldy, bias, R, NX, PF)                            \
+    gemv_tile_bf16_s(w, ld, i0, 1, x, cols, t0, y, ldy, bias, R, NX, PF)
+
+/* The decode kernel of bf16 weights at fast precision (dt is bf16): the loops of gemv_avx512. */
+TARGET_BF16 static void gemv_bf16(const void *w, enum llmem_dtype dt, int64_t ld, int64_t nrows,
+                                  const float *x, int64_t cols, int64_t n, float *y, int64_t ldy,
+                                  const float *bias) {
+    LLMEM_ASSERT(dt == LLMEM_DTYPE_BF16);
+    int64_t i = 0;
+    if (n == 1) {
+        int64_t part = nrows / DECODE_R1;
+        for (; i < part; i++)
+            gemv_tile_bf16_s(w, ld, i, part, x, cols, 0, y, ldy, bias, DECODE_R1, 1,
+                             DECODE_PF_BYTES);
+        for (i = part * DECODE_R1; i < nrows; i++)
+            gemv_tile_bf16(w, ld, i, x, cols, 0, y, ldy, bias, 1, 1, DECODE_PF_BYTES);
+        return;
+    }
+    for (; i + 4 <= nrows; i += 4)
+        for (int64_t t = 0; t < n; t += 2) {
+            if (n - t == 1)
+                gemv_tile_bf16(w, ld, i, x, cols, t, y, ldy, bias, 4, 1,
+                               t == 0 ? DECODE_PF_BYTES : 0);
+            else
+                gemv_tile_bf16(w, ld, i, x, cols, t, y, ldy, bias, 4, 2,
+                               t == 0 ? DECODE_PF_BYTES : 0);
+        }
+    for (; i < nrows; i++)
+        for (int64_t t = 0; t < n; t += 2) {
+            if (n - t == 1)
+                gemv_tile_bf16(w, ld, i, x, cols, t, y, ldy, bias, 1, 1, 0);
+            else
+                gemv_tile_bf16(w, ld, i, x, cols, t, y, ldy, bias, 1, 2, 0);
+        }
+}
+
+/* One lane of a tile, as lane_avx512: wp [step][32] pairs, xp [step][12] pairs. */
+TARGET_BF16 static void lane_bf16(const uint32_t *wp, const uint32_t *xp, int64_t ns, float *st,
+                                  int init) {
+    __m512 acc0[CPU_GEMM512_NR], acc1[CPU_GEMM512_NR];
+    _Pragma("GCC unroll 12") for (int j = 0; j < CPU_GEMM512_NR; j++) {
+        acc0[j] = init ? _mm512_load_ps(st + j * 16) : _mm512_setzero_ps();
+        acc1[j] = init ? _mm512_load_ps(st + (CPU_GEMM512_NR + j) * 16) : _mm512_setzero_ps();
+    }
+    for (int64_t s = 0; s < ns; s++) {
+        __m512i w0 = _mm512_load_si512(wp + s * 32), w1 = _mm512_load_si512(wp + s * 32 + 16);
+        const uint32_t *xs = xp + s * CPU_GEMM512_NR;
+        _Pragma("GCC unroll 12") for (int j = 0; j < CPU_GEMM512_NR; j++) {
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xs[j]);
+            acc0[j] = dp_bf16(acc0[j], w0, xb);
+            acc1[j] = dp_bf16(acc1[j], w1, xb);
+        }
+    }
+    _Pragma("GCC unroll 12") for (int j = 0; j < CPU_GEMM512_NR; j++) {
+        _mm512_store_ps(st + j * 16, acc0[j]);
+        _mm512_store_ps(st + (CPU_GEMM512_NR + j) * 16, acc1[j]);
+    }
+}
+
+/* Pairs [32 · s0, 32 · (s0 + ns)) of mr ≤ 32 bf16 weight rows (ld apart) into wp as
+ * [l][ns][32] pairs: zero past cols and past mr. */
+TARGET_BF16 static void pack_w_bf16(const void *w, int64_t ld, int mr, int64_t cols, int64_t s0,
+                                    int64_t ns, uint32_t *wp) {
+    for (int g = 0; g < 2; g++) {
+        const void *wr[16];
+        for (int i = 0; i < 16; i++)
+            wr[i] = row_at(w, LLMEM_DTYPE_BF16, ld, g * 16 + i < mr ? g * 16 + i : 0);
+        for (int64_t s = 0; s < ns; s++) {
+            int64_t k = (s0 + s) * 32;
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = g * 16 + i < mr ? _mm512_castsi512_ps(w32_bf16(wr[i], k, cols - k))
+                                       : _mm512_setzero_ps();
+            transpose16_avx512(r);
+            for (int l = 0; l < 16; l++)
+                _mm512_store_ps((float *)wp + ((size_t)l * (size_t)ns + (size_t)s) * 32 + g * 16,
+                                r[l]);
+        }
+    }
+}
 #endif /* CPU_X86 */
 
 static void panel_generic_scalar(const float *a, int64_t ld, int64_t mr, const float *x,
@@ -584,6 +739,26 @@ static const struct matmul_kernels kernels[3] = {
     [CPU_ISA_AVX512] = {gemv_scalar, convert_scalar, panel_generic_scalar},
 #endif
 };
+
+/* bf16 weights at fast precision on a CPU with AVX512-BF16: the decode kernel here, the GEMM
+ * packed in pairs (matmul_gemm); no panel path. */
+#if CPU_X86
+static const struct matmul_kernels kernels_bf16 = {gemv_bf16, NULL, NULL};
+#else
+static const struct matmul_kernels kernels_bf16 = {gemv_scalar, NULL, NULL}; /* (never chosen) */
+#endif
+
+int llmem_cpu_bf16_fast(const struct cpu_ctx *c) {
+    return c->precision == LLMEM_PRECISION_FAST && c->isa == CPU_ISA_AVX512 &&
+           (llmem_sys_isa_features() & LLMEM_ISA_AVX512_BF16) != 0;
+}
+
+/* The kernels of a matrix of floats (not quantized). */
+static const struct matmul_kernels *kernels_of(const struct cpu_ctx *c,
+                                               const struct llmem_weight *w) {
+    return w->dtype == LLMEM_DTYPE_BF16 && !w->f32_x && llmem_cpu_bf16_fast(c) ? &kernels_bf16
+                                                                               : &kernels[c->isa];
+}
 
 static const void *row_ptr(const struct llmem_weight *w, int64_t r) {
     return (const uint8_t *)w->data + (size_t)r * (size_t)llmem_weight_row_bytes(w);
@@ -709,6 +884,7 @@ struct gemm_job {
     int64_t n, nb;         /* tokens, and tokens per block */
     int64_t t0, nt;        /* the packed block (AVX-512): its first token and its tokens */
     int64_t rows_per_task; /* a multiple of CPU_GEMM_MR */
+    int bf16;              /* bf16 weights at fast precision: pairs of 32 columns a step */
 };
 
 static void gemm_task(void *arg, int task, int thread) {
@@ -760,13 +936,40 @@ TARGET_AVX512 static void pack_x_task(void *arg, int task, int thread) {
     }
 }
 
+/* The same for bf16 weights at fast precision: pairs of x rounded to bf16, [l][k/32][NR]. */
+TARGET_BF16 static void pack_x_bf16_task(void *arg, int task, int thread) {
+    (void)thread;
+    const struct gemm_job *j = arg;
+    const int64_t cols = j->w->cols, nk = (cols + 31) / 32;
+    uint32_t *dst = (uint32_t *)j->c->xt + (size_t)task * (size_t)nk * 16 * CPU_GEMM512_NR;
+    const float *src[CPU_GEMM512_NR];
+    for (int jj = 0; jj < CPU_GEMM512_NR; jj++) {
+        int64_t t = (int64_t)task * CPU_GEMM512_NR + jj;
+        src[jj] = t < j->nt ? j->x + (j->t0 + t) * cols : NULL;
+    }
+    const __mmask16 m12 = (__mmask16)((1u << CPU_GEMM512_NR) - 1);
+    for (int64_t s = 0; s < nk; s++) {
+        __m512 r[16];
+        for (int jj = 0; jj < 16; jj++)
+            r[jj] = jj < CPU_GEMM512_NR && src[jj] != NULL
+                        ? _mm512_castsi512_ps((__m512i)x32_bf16(src[jj] + s * 32, cols - s * 32))
+                        : _mm512_setzero_ps();
+        transpose16_avx512(r);
+        for (int l = 0; l < 16; l++)
+            _mm512_mask_storeu_ps(
+                (float *)dst + ((size_t)l * (size_t)nk + (size_t)s) * CPU_GEMM512_NR, m12, r[l]);
+    }
+}
+
 /* A task: its range of W rows, 32 at a time; per chunk of columns, the chunk of the panel is
- * converted once and multiplied with every strip of the block, lane by lane. */
+ * converted (bf16 at fast precision: transposed in pairs) once and multiplied with every strip of
+ * the block, lane by lane. */
 static void gemm_packed_task(void *arg, int task, int thread) {
     const struct gemm_job *j = arg;
     const struct llmem_weight *w = j->w;
-    const int64_t rows = w->rows, cols = w->cols, nk = (cols + 15) / 16;
-    const int64_t kc = CPU_GEMM512_KC / 16; /* steps per chunk */
+    const int64_t rows = w->rows, cols = w->cols;
+    const int64_t nk = j->bf16 ? (cols + 31) / 32 : (cols + 15) / 16; /* steps of a row */
+    const int64_t kc = CPU_GEMM512_KC / 16; /* steps per chunk (the same bytes of W either way) */
     float *wp = j->c->wpanel + (size_t)thread * CPU_GEMM_THREAD_FLOATS;
     float *sums = wp + (size_t)CPU_GEMM512_MR * CPU_GEMM512_KC;
     const size_t tile = (size_t)16 * CPU_GEMM512_MR * CPU_GEMM512_NR; /* floats of a tile's sums */
@@ -779,14 +982,23 @@ static void gemm_packed_task(void *arg, int task, int thread) {
         int mr = r_end - r0 < CPU_GEMM512_MR ? (int)(r_end - r0) : CPU_GEMM512_MR;
         for (int64_t s0 = 0; s0 < nk; s0 += kc) {
             int64_t ns = nk - s0 < kc ? nk - s0 : kc;
-            pack_w_avx512(row_ptr(w, r0), w->dtype, cols, mr, cols, s0, ns, wp);
+            if (j->bf16)
+                pack_w_bf16(row_ptr(w, r0), cols, mr, cols, s0, ns, (uint32_t *)wp);
+            else
+                pack_w_avx512(row_ptr(w, r0), w->dtype, cols, mr, cols, s0, ns, wp);
             for (int64_t q = 0; q < strips; q++) {
                 float *st = sums + (multi ? (size_t)q * tile : 0);
                 const float *xs = j->c->xt + (size_t)q * strip;
-                for (int l = 0; l < 16; l++)
-                    lane_avx512(wp + (size_t)l * (size_t)ns * 32,
-                                xs + ((size_t)l * (size_t)nk + (size_t)s0) * CPU_GEMM512_NR, ns,
-                                st + (size_t)l * 2 * CPU_GEMM512_NR * 16, s0 > 0);
+                for (int l = 0; l < 16; l++) {
+                    size_t wo = (size_t)l * (size_t)ns * 32;
+                    size_t xo = ((size_t)l * (size_t)nk + (size_t)s0) * CPU_GEMM512_NR;
+                    float *sl = st + (size_t)l * 2 * CPU_GEMM512_NR * 16;
+                    if (j->bf16)
+                        lane_bf16((const uint32_t *)wp + wo, (const uint32_t *)xs + xo, ns, sl,
+                                  s0 > 0);
+                    else
+                        lane_avx512(wp + wo, xs + xo, ns, sl, s0 > 0);
+                }
                 if (!multi || s0 + ns == nk) {
                     int64_t t = q * CPU_GEMM512_NR;
                     int nt = j->nt - t < CPU_GEMM512_NR ? (int)(j->nt - t) : CPU_GEMM512_NR;
@@ -808,18 +1020,20 @@ static void matmul_gemm(struct cpu_ctx *c, const struct matmul_kernels *k,
         return;
     }
     /* Tasks: a few contiguous ranges of W rows per thread, each a multiple of the tile height. */
+    const int bf16 = k == &kernels_bf16;
     const int64_t mr = c->isa == CPU_ISA_AVX512 ? CPU_GEMM512_MR : CPU_GEMM_MR;
     int tasks = c->n_threads * 4;
     int64_t per = (rows + tasks - 1) / tasks;
     per = (per + mr - 1) / mr * mr;
     int n_tasks = (int)((rows + per - 1) / per);
-    const int64_t k16 = (cols + 15) & ~(int64_t)15;
-    /* Token blocks whose rows of x fit in the shared buffer, whole strips. */
+    /* Token blocks whose rows of x fit in the shared buffer, whole strips (4 bytes a column, 2 as
+     * bf16 pairs); KC columns of a chunk (twice as many pairs). */
+    const int64_t k16 = bf16 ? (cols + 31) / 32 * 16 : (cols + 15) & ~(int64_t)15;
     int64_t nb = (int64_t)(CPU_GEMM_XBLOCK_BYTES / sizeof(float)) / k16;
     nb = nb / CPU_GEMM512_NR * CPU_GEMM512_NR;
     if (nb < CPU_GEMM512_NR)
         nb = CPU_GEMM512_NR;
-    struct gemm_job job = {c, k, w, x, bias, y, n, nb, 0, 0, per};
+    struct gemm_job job = {c, k, w, x, bias, y, n, nb, 0, 0, per, bf16};
 #if CPU_X86
     if (c->isa == CPU_ISA_AVX512) {
         /* Partial sums wait between column chunks for at most CPU_GEMM512_STRIPS strips. */
@@ -830,12 +1044,13 @@ static void matmul_gemm(struct cpu_ctx *c, const struct matmul_kernels *k,
             job.t0 = t0;
             job.nt = n - t0 < nb ? n - t0 : nb;
             llmem_pool_run(c->pool, (int)((job.nt + CPU_GEMM512_NR - 1) / CPU_GEMM512_NR),
-                           pack_x_task, &job);
+                           bf16 ? pack_x_bf16_task : pack_x_task, &job);
             llmem_pool_run(c->pool, n_tasks, gemm_packed_task, &job);
         }
         return;
     }
 #endif
+    LLMEM_ASSERT(!bf16);
     llmem_pool_run(c->pool, n_tasks, gemm_task, &job);
 }
 
@@ -845,7 +1060,8 @@ void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *con
     LLMEM_ASSERT(count >= 1 && count <= 4);
     int decode = c->path == CPU_MATMUL_DECODE || (c->path == CPU_MATMUL_AUTO && n < c->gemm_min_n);
     for (int i = 0; i < count && decode; i++)
-        decode = w[i]->rows > 0 && w[i]->cols > 0 && n > 0 && w[i]->quant == 0;
+        decode = w[i]->rows > 0 && w[i]->cols > 0 && n > 0 && w[i]->quant == 0 &&
+                 kernels_of(c, w[i]) == kernels_of(c, w[0]);
     if (!decode || count == 1) {
         for (int i = 0; i < count; i++)
             llmem_cpu_matmul(ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
@@ -855,7 +1071,7 @@ void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *con
         c->weight_bytes += w[i]->rows * llmem_weight_row_bytes(w[i]);
     const float *xs[4] = {x, x, x, x};
     const int64_t ns[4] = {n, n, n, n};
-    matmul_decode_multi(c, &kernels[c->isa], count, w, xs, ns, y, bias);
+    matmul_decode_multi(c, kernels_of(c, w[0]), count, w, xs, ns, y, bias);
 }
 
 /* ---- quantized weights (the exact path) -------------------------------------------------------
@@ -910,14 +1126,14 @@ void llmem_cpu_matmul_many(void *ctx, int count, const struct llmem_weight *cons
     int floats = 1, quant = c->precision == LLMEM_PRECISION_FAST;
     for (int i = 0; i < count; i++) {
         floats &= w[i]->quant == 0 && n[i] > 0 && n[i] < c->gemm_min_n && w[i]->rows > 0 &&
-                  w[i]->cols > 0;
+                  w[i]->cols > 0 && kernels_of(c, w[i]) == kernels_of(c, w[0]);
         quant &= w[i]->quant != 0 && llmem_cpu_matmul_q_supported(w[i]->quant, w[i]->cols) &&
                  n[i] > 0 && n[i] < c->gemm_min_n;
     }
     if (floats && c->path != CPU_MATMUL_GEMM) {
         for (int i = 0; i < count; i++)
             c->weight_bytes += w[i]->rows * llmem_weight_row_bytes(w[i]);
-        matmul_decode_multi(c, &kernels[c->isa], count, w, x, n, y, NULL);
+        matmul_decode_multi(c, kernels_of(c, w[0]), count, w, x, n, y, NULL);
         return;
     }
     if (quant && llmem_cpu_matmul_q_many(c, count, w, x, n, y) == LLMEM_OK) {
@@ -952,6 +1168,7 @@ void llmem_cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, i
             matmul_quant(c, k, w, x, n, y, bias);
         return;
     }
+    k = kernels_of(c, w);
     enum cpu_matmul_path path = c->path;
     if (path == CPU_MATMUL_AUTO)
         path = n >= c->gemm_min_n ? CPU_MATMUL_GEMM : CPU_MATMUL_DECODE;
