@@ -248,7 +248,7 @@ void llmem_sched_finish(struct llmem_sched *s, struct request *r, const char *re
         }
         r->s.emitted = r->s.len;
         if (status != LLMEM_OK)
-            message = "out of memory";
+            message = llmem_sched_status_message(status);
     }
     if (status == LLMEM_OK && r->s.text == NULL)
         status = stream_append(&r->s, "");
@@ -406,6 +406,12 @@ const char *llmem_sched_hand_over(struct llmem_sched *s, struct request *r, int 
     return r->ending;
 }
 
+const char *llmem_sched_status_message(int status) {
+    return status == LLMEM_OK       ? NULL
+           : status == LLMEM_ENOMEM ? "out of memory"
+                                    : llmem_last_error();
+}
+
 void llmem_sched_hand_over_all(struct llmem_sched *s, struct request **list) {
     for (struct request *r = *list, *next; r != NULL; r = next) {
         next = r->next;
@@ -420,10 +426,10 @@ void llmem_sched_hand_over_all(struct llmem_sched *s, struct request **list) {
             continue;
         }
         if (list == &s->running) {
-            llmem_sched_finish_running(s, r, reason, st, st == LLMEM_OK ? NULL : "out of memory");
+            llmem_sched_finish_running(s, r, reason, st, llmem_sched_status_message(st));
         } else {
             request_list_remove(list, r);
-            llmem_sched_finish(s, r, reason, st, st == LLMEM_OK ? NULL : "out of memory");
+            llmem_sched_finish(s, r, reason, st, llmem_sched_status_message(st));
         }
     }
 }

@@ -170,6 +170,9 @@ const char *llmem_sched_sample(struct llmem_sched *s, struct request *r, struct 
                                int *status);
 /* Hands r's pending token to the client; the reason r ends, or NULL (see sched.c). */
 const char *llmem_sched_hand_over(struct llmem_sched *s, struct request *r, int *status);
+/* What a request that ends with `status` tells its client: NULL when it is LLMEM_OK, "out of
+ * memory", else the error logged last (a token the tokenizer does not have, say). */
+const char *llmem_sched_status_message(int status);
 /* Hands over the pending tokens of the requests on `list` (s->running or s->waiting) and ends
  * those that end; one in the pass in flight ends after it (r->ending). */
 void llmem_sched_hand_over_all(struct llmem_sched *s, struct request **list);

@@ -316,7 +316,7 @@ int64_t llmem_sched_step(struct llmem_sched *s) {
         if (r->ending != NULL && !r->in_flight) { /* its last token, then the end */
             int st = LLMEM_OK;
             const char *reason = r->pending ? llmem_sched_hand_over(s, r, &st) : r->ending;
-            llmem_sched_finish_running(s, r, reason, st, st == LLMEM_OK ? NULL : "out of memory");
+            llmem_sched_finish_running(s, r, reason, st, llmem_sched_status_message(st));
         }
     }
     s->refusing = s->cfg.ops.guard_check(s->cfg.ctx, s->n_running > 0);
@@ -399,9 +399,7 @@ int64_t llmem_sched_step(struct llmem_sched *s) {
             if (r->ending != NULL && !r->in_flight) {
                 slots[i].r = NULL;
                 llmem_sched_finish_running(s, r, r->ending, r->ending_status,
-                                           r->ending_status == LLMEM_OK       ? NULL
-                                           : r->ending_status == LLMEM_ENOMEM ? "out of memory"
-                                                                              : llmem_last_error());
+                                           llmem_sched_status_message(r->ending_status));
             }
         }
         if (status != LLMEM_OK) {

@@ -195,6 +195,28 @@ static void test_load_format_dummy(void **state) {
     tu_run_free(&r);
     tu_rmtree(dir);
     free(dir);
+
+    /* a model of more ids than its tokenizer has (pycoder's 4,096 beside 65,536 random rows) that
+     * generates one of the others: the run ends on one line naming the id, not as out of memory */
+    dir = tu_mkdtemp();
+    static const char config[] =
+        "{\"model_type\": \"llama\", \"hidden_size\": 128, \"intermediate_size\": 128, "
+        "\"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"num_key_value_heads\": 2, "
+        "\"head_dim\": 32, \"vocab_size\": 65536, \"max_position_embeddings\": 512, "
+        "\"rms_norm_eps\": 1e-5, \"tie_word_embeddings\": true}";
+    free(tu_write_file(dir, "config.json", config, (long)strlen(config)));
+    char *text = NULL;
+    size_t len = 0;
+    assert_int_equal(llmem_file_read(PYCODER "/tokenizer.json", 1 << 24, &text, &len), LLMEM_OK);
+    free(tu_write_file(dir, "tokenizer.json", text, (long)len));
+    free(text);
+    r = tu_llmem("run", dir, "--load-format", "dummy", "-p", "def f", "-n", "8", NULL);
+    assert_int_equal(r.exit_code, 1);
+    assert_non_null(strstr(r.err, "is not in the vocabulary of 4096 tokens"));
+    assert_null(strstr(r.err, "out of memory"));
+    tu_run_free(&r);
+    tu_rmtree(dir);
+    free(dir);
 }
 
 static void test_run_stats_json(void **state) {
