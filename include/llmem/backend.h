@@ -37,7 +37,7 @@ LLMEM_API int llmem_backend_kind_parse(const char *name, enum llmem_backend_kind
  * rounded to the weights' 16-bit type). On the CPU, fast multiplies quantized weights (GGUF
  * blocks) by integer dot products with the activations quantized to 8 bits per block, and bf16
  * weights by VDPBF16PS with the activations rounded to bf16 where the CPU has AVX512-BF16 (the
- * down projections and the LM head excepted: llmem_weight.f32_x); f32 dequantizes and widens
+ * down projections, routers and LM head excepted: llmem_weight.f32_x); f32 dequantizes and widens
  * weights exactly and multiplies in f32; f16 and f32 weights are f32 either way. */
 enum llmem_backend_precision {
     LLMEM_PRECISION_FAST = 0,

@@ -44,8 +44,8 @@ const char cli_engine_help[] =
     "                       and Q8_0, Q4_0, Q4_K, Q5_K and Q6_K weights by 8-bit integer dot\n"
     "                       products (activations quantized per block; on a GPU in decode),\n"
     "                       and on a CPU with AVX512-BF16 bf16 weights by bf16 dot products\n"
-    "                       (activations rounded to bf16, but for the down projections and\n"
-    "                       the LM head). f32: f32 throughout, weights widened exactly\n";
+    "                       (activations rounded to bf16, but for the down projections,\n"
+    "                       routers and LM head). f32: f32 throughout, weights widened exactly\n";
 
 int cli_engine_option(int opt, const char *arg, struct llmem_engine_config *c) {
     int64_t v = 0;

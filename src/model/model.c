@@ -585,6 +585,21 @@ int llmem_model_check_supported(const struct llmem_model *m) {
     return LLMEM_OK;
 }
 
+/* The matrices whose activations stay f32 at fast precision (llmem_weight.f32_x): the down
+ * projections (dense and every expert's), the LM head, and the routers (whose rounding would move
+ * a token to other experts; a GGUF file keeps them f32 anyway). */
+static void keep_f32_inputs(struct llmem_model *m) {
+    const struct llmem_model_geometry *g = &m->cfg.geom;
+    m->lm_head.f32_x = 1;
+    for (int64_t i = 0; i < g->n_layers; i++) {
+        struct model_layer *L = &m->layers[i];
+        L->w_down.f32_x = 1;
+        L->router.f32_x = 1;
+        for (int64_t e = 0; L->experts != NULL && e < g->n_experts; e++)
+            L->experts[2 * g->n_experts + e].f32_x = 1;
+    }
+}
+
 int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
                      llmem_progress_fn progress, void *progress_arg, struct llmem_model **out) {
     struct llmem_model *m = calloc(1, sizeof(*m));
@@ -598,6 +613,7 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
         if ((status = llmem_model_load_gguf(m, model_dir, flags, progress, progress_arg)) !=
             LLMEM_OK)
             goto fail;
+        keep_f32_inputs(m);
         *out = m;
         return LLMEM_OK;
     }
@@ -646,13 +662,7 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
     for (int64_t i = 0; i < g->n_layers; i++)
         if ((status = bind_layer(m, i)) != LLMEM_OK)
             goto fail;
-    m->lm_head.f32_x = 1;
-    for (int64_t i = 0; i < g->n_layers; i++) {
-        struct model_layer *L = &m->layers[i];
-        L->w_down.f32_x = 1;
-        for (int64_t e = 0; L->experts != NULL && e < g->n_experts; e++)
-            L->experts[2 * g->n_experts + e].f32_x = 1;
-    }
+    keep_f32_inputs(m);
     *out = m;
     return LLMEM_OK;
 fail:
