@@ -20,6 +20,10 @@
  * and multiplied with every strip of the block; the 16 lane sums of a tile are added by the
  * canonical tree at the end, 16 outputs per vector. Portable and AVX2: 4 converted W rows ×
  * rows of x, one accumulator per output. Rows longer than CPU_GEMM_K_MAX take the decode kernels.
+ *
+ * At fast precision on a CPU with AVX512-BF16, bf16 weights (but those marked f32_x) multiply the
+ * activations rounded to bf16 with VDPBF16PS, in a canonical order of their own (see "AVX512-BF16"
+ * below), through the same loops.
  */
 #include <math.h>
 #include <stdatomic.h>
