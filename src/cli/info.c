@@ -22,15 +22,19 @@ static const char info_usage[] =
     "usage: llmem info [--json] [--options]\n"
     "\n"
     "Probes this machine: physical RAM, the cgroup memory limit, the ceiling (the smaller of the\n"
-    "two), available memory, RLIMIT_MEMLOCK, the CPU, its ISA features and the instruction set\n"
-    "of the CPU attention kernels they select, and every CUDA device with its total and free\n"
-    "memory. A value that cannot be read is shown as unknown. The LLMEM_* environment variables\n"
-    "that are set follow; one whose value is not accepted is shown as such, and info fails.\n"
+    "two), available memory, RLIMIT_MEMLOCK, the CPU, its ISA features and the instruction sets\n"
+    "of the CPU attention and matmul kernels they select, and every CUDA device with its total\n"
+    "and free memory. A value that cannot be read is shown as unknown. The LLMEM_* environment\n"
+    "variables that are set follow; one whose value is not accepted is shown as such, and info\n"
+    "fails.\n"
     "\n"
     "options:\n"
     "  --json      print one JSON object on stdout: the host's fields at the top level (sizes\n"
     "              in bytes; null when unknown, \"unlimited\" when no limit is set), the same\n"
     "              under \"host\", \"attention_kernels\" (avx512, avx2 or scalar),\n"
+    "              \"matmul_kernels\" (quantized weights at fast precision: avx512_vnni,\n"
+    "              avx2 or scalar), \"bf16_matmul_kernels\" (bf16 weights at fast precision:\n"
+    "              avx512_bf16, else the f32 kernels: avx512, avx2 or scalar),\n"
     "              \"devices\": one object per CUDA device, and \"options\": the LLMEM_*\n"
     "              variables set, by name, with their values as text\n"
     "  --options   list every LLMEM_* variable instead: its type, default, what it accepts\n"
@@ -227,6 +231,8 @@ static int print_json(const struct llmem_device_info *host, const struct llmem_d
         llmem_json_add_bool(root, "cuda_built", llmem_backend_cuda_available()) != LLMEM_OK ||
         llmem_json_add_string(root, "attention_kernels", llmem_kv_kernels_name()) != LLMEM_OK ||
         llmem_json_add_string(root, "matmul_kernels", llmem_backend_cpu_matmul_kernels()) !=
+            LLMEM_OK ||
+        llmem_json_add_string(root, "bf16_matmul_kernels", llmem_backend_cpu_bf16_kernels()) !=
             LLMEM_OK)
         goto out_delete;
     cJSON *host_obj = cJSON_AddObjectToObject(root, "host");

@@ -14,6 +14,7 @@
 #include "core/json.h"
 #include "core/options.h"
 #include "llmem/status.h"
+#include "llmem/sys.h"
 
 /* A size key: a non-negative integer, null (unknown) or "unlimited" (for limits). */
 static int64_t size_value(const cJSON *obj, const char *key, int may_be_unlimited) {
@@ -71,6 +72,12 @@ static void test_json(void **state) {
     assert_int_equal(llmem_json_get_string(root, "attention_kernels", &kernels), LLMEM_OK);
     assert_true(strcmp(kernels, "avx512") == 0 || strcmp(kernels, "avx2") == 0 ||
                 strcmp(kernels, "scalar") == 0);
+    /* bf16 weights at fast precision: AVX512-BF16 where the CPU has it, else the f32 kernels */
+    const char *bf16 = NULL;
+    assert_int_equal(llmem_json_get_string(root, "bf16_matmul_kernels", &bf16), LLMEM_OK);
+    const uint32_t want =
+        LLMEM_ISA_AVX512F | LLMEM_ISA_AVX512BW | LLMEM_ISA_AVX512VL | LLMEM_ISA_AVX512_BF16;
+    assert_int_equal(strcmp(bf16, "avx512_bf16") == 0, (llmem_sys_isa_features() & want) == want);
 
     const cJSON *devices = cJSON_GetObjectItemCaseSensitive(root, "devices");
     assert_true(cJSON_IsArray(devices));
@@ -94,6 +101,7 @@ static void test_human(void **state) {
     assert_non_null(strstr(run.out, "host: "));
     assert_non_null(strstr(run.out, "ceiling"));
     assert_non_null(strstr(run.out, "RLIMIT_MEMLOCK"));
+    assert_non_null(strstr(run.out, "kernels (bf16 weights, fast precision: "));
     assert_non_null(strstr(run.out, "cuda"));
     tu_run_free(&run);
 
