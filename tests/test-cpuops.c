@@ -32,7 +32,6 @@
 #include "backend/ops.h"
 #include "llmem/pool.h"
 #include "llmem/dtype.h"
-#include "llmem/sys.h"
 #include "quant/quant.h"
 #include "testutil.h"
 
@@ -791,8 +790,7 @@ static void test_matmul_fast(void **state) {
  * 2⁻⁹ · Σ|x·w| plus the accumulation bound), and a backend capped below AVX-512 gives f32's. */
 static void test_matmul_bf16_fast(void **state) {
     (void)state;
-    if (llmem_cpu_isa_best() != CPU_ISA_AVX512 ||
-        !(llmem_sys_isa_features() & LLMEM_ISA_AVX512_BF16))
+    if (!llmem_cpu_bf16_isa(llmem_cpu_isa_best()))
         skip();
     enum { ROWS = 96, COLS = 2048, N = 40 };
     double *wv = malloc((size_t)ROWS * COLS * sizeof(double));

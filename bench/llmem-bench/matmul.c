@@ -8,8 +8,9 @@
  *              enough copies of W (like the layers of a model) that the weights come from memory,
  *              not from the last-level cache; GB/s = weight bytes / time;
  *   prefill    n = 512 on the same shapes; GFLOP/s = 2 · n · rows · cols / time, for the GEMM
- *              path and, for f32 weights, OpenBLAS sgemm on the same data when llmem-bench is
- *              built with it (-DLLMEM_BENCH_OPENBLAS=ON; the library itself never uses BLAS);
+ *              path (at f32 precision) and, for f32 weights, OpenBLAS sgemm on the same data when
+ *              llmem-bench is built with it (-DLLMEM_BENCH_OPENBLAS=ON; the library itself never
+ *              uses BLAS), for bf16 weights also at fast precision (dpbf16, AVX512-BF16);
  *   peak       the FMA rate of the vector unit (independent FMA chains, no memory), the bound of
  *              prefill, and the VDPBF16PS rate where the CPU has AVX512_BF16;
  *   dispatch   the latency of one pool run of trivial tasks (what every threaded op pays).
@@ -202,7 +203,8 @@ static const char matmul_usage[] =
     "a\n"
     "fraction of the streaming read bandwidth probed before and after in the same run; prefill\n"
     "(n = 512) in GFLOP/s, against the measured FMA peak (f32 also through OpenBLAS when built\n"
-    "with -DLLMEM_BENCH_OPENBLAS=ON); the pool's dispatch latency. Medians\n"
+    "with -DLLMEM_BENCH_OPENBLAS=ON; bf16 also at fast precision, path dpbf16, against the\n"
+    "VDPBF16PS peak, where the CPU has AVX512-BF16); the pool's dispatch latency. Medians\n"
     "of N runs (default 5, quick 3). --threads N (default: the online CPUs); --quick streams\n"
     "less memory and skips n = 4; --json prints one object.\n";
 

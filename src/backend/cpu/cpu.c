@@ -420,8 +420,8 @@ const char *llmem_backend_cpu_matmul_kernels(void) {
 }
 
 const char *llmem_backend_cpu_bf16_kernels(void) {
-    struct cpu_ctx c = {.isa = llmem_cpu_isa_best(), .precision = LLMEM_PRECISION_FAST};
-    return llmem_cpu_bf16_fast(&c) ? "avx512_bf16" : llmem_cpu_isa_name(c.isa);
+    const enum cpu_isa isa = llmem_cpu_isa_best();
+    return llmem_cpu_bf16_isa(isa) ? "avx512_bf16" : llmem_cpu_isa_name(isa);
 }
 
 void llmem_backend_cpu_set_matmul_path(struct llmem_backend *backend, enum cpu_matmul_path path) {

@@ -98,8 +98,9 @@ const char *llmem_cpu_q_kernels_name(enum cpu_isa isa);
 /* Test hook: 0 makes the AVX-512 integer kernels of a backend skip VNNI (as on a CPU without). */
 void llmem_backend_cpu_set_vnni(struct llmem_backend *backend, int on);
 
-/* Whether bf16 weights take the AVX512-BF16 kernels (activations rounded to bf16, VDPBF16PS):
- * fast precision on a CPU that has them (matmul.c). */
+/* Whether kernels of this ISA have the AVX512-BF16 ones (activations rounded to bf16,
+ * VDPBF16PS) on this CPU, and whether a backend's bf16 weights take them (fast precision). */
+int llmem_cpu_bf16_isa(enum cpu_isa isa);
 int llmem_cpu_bf16_fast(const struct cpu_ctx *c);
 
 /* The best ISA of this CPU for the kernels. */

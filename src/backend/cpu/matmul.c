@@ -752,9 +752,12 @@ static const struct matmul_kernels kernels_bf16 = {gemv_bf16, NULL, NULL};
 static const struct matmul_kernels kernels_bf16 = {gemv_scalar, NULL, NULL}; /* (never chosen) */
 #endif
 
+int llmem_cpu_bf16_isa(enum cpu_isa isa) {
+    return isa == CPU_ISA_AVX512 && (llmem_sys_isa_features() & LLMEM_ISA_AVX512_BF16) != 0;
+}
+
 int llmem_cpu_bf16_fast(const struct cpu_ctx *c) {
-    return c->precision == LLMEM_PRECISION_FAST && c->isa == CPU_ISA_AVX512 &&
-           (llmem_sys_isa_features() & LLMEM_ISA_AVX512_BF16) != 0;
+    return c->precision == LLMEM_PRECISION_FAST && llmem_cpu_bf16_isa(c->isa);
 }
 
 /* The kernels of a matrix of floats (not quantized). */
