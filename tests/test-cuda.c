@@ -2197,6 +2197,8 @@ static int setup(void **state) {
         llmem_backend_cuda_create(0, LLMEM_PRECISION_FAST, dmem, &gpu) != LLMEM_OK ||
         llmem_backend_cuda_create(0, LLMEM_PRECISION_F32, dmem, &gpu_f32) != LLMEM_OK)
         return -1;
+    /* the reference: f32 products (at fast precision an AVX512-BF16 CPU rounds x to bf16) */
+    llmem_backend_cpu_set_precision(cpu, LLMEM_PRECISION_F32);
     return 0;
 }
 

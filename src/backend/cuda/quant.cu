@@ -12,10 +12,11 @@
  *     group in f32 (the weights stream once; the products differ from the CPU's exact ones by the
  *     order of the sums); at fast precision, for the types whose CPU fast path multiplies
  *     integers (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), integer products with x quantized to 8 bits
- *     instead, a lane a 32-value unit, up to three matrices of one x (of any of those types) in
- *     one launch, gate and up with swiglu (below: "fast precision");
+ *     instead, a lane a 32-value unit (Q4_K: a pair of them), up to three matrices of one x (of
+ *     any of those types) in one launch, gate and up with swiglu (below: "fast precision");
  *   - qmma: a batch's rows of x (9 to 64) at fast precision, for the same integer types: x
- *     quantized to 8 bits, the codes multiplied on the tensor cores (below: "more rows of x");
+ *     quantized to 8 bits, the codes multiplied on the tensor cores (below: "more rows of x";
+ *     Q4_K's operands read straight from memory: "Q4_K on the tensor cores");
  *   - qdequant: a slice of rows into f16 (fast precision: gemm.cu multiplies the slice on the
  *     tensor cores) or f32 (f32 precision: a plain f32 GEMM), exactly;
  *   - qembedding: a table's rows for the token ids, exactly.
@@ -29,6 +30,8 @@ namespace llmem_cuda {
 
 /* The MLX types, as one template instance (their bits, group and scale dtype at run time). */
 #define QT_MLX LLMEM_QTYPE_MLX_FIRST
+/* Any of the integer types, chosen at run time (qgemv_set_kernel). */
+#define QT_ANY (-1)
 
 /* A quantized matrix as the kernels read it. */
 struct qmat {
@@ -626,6 +629,95 @@ __device__ __forceinline__ void qunit_dot(const uint32_t *w, const float *sc, co
     }
 }
 
+/* Q4_K a lane a pair of sub-blocks: 2c and 2c + 1 of a super-block are the low and high nibbles
+ * of the same 32 bytes (c < 4), so that a lane reads them once (a lane a sub-block read every byte
+ * twice, and held 8 words of codes for 16 bytes). The pair's 6-bit scales and mins from the
+ * super-block's first 16 bytes (d, dmin, scales[12]) as quant/dequant.c's scale_min_k4 reads them,
+ * four at a time: sub-block k < 4 from bytes k and k + 4 of scales, k ≥ 4 from the nibbles of
+ * byte k + 4 and the top bits of bytes k − 4 and k. */
+struct q4k_pair {
+    uint4 hd, q0, q1; /* the super-block's head; the pair's 32 bytes of codes */
+};
+
+__device__ __forceinline__ void q4k_pair_load(const uint8_t *row, int64_t p, struct q4k_pair *v) {
+    const uint8_t *b = row + (p / 4) * qt<LLMEM_QTYPE_Q4_K>::BB;
+    const uint4 *qs = (const uint4 *)(b + 16 + 32 * (p % 4));
+    v->hd = __ldg((const uint4 *)b), v->q0 = __ldg(qs), v->q1 = __ldg(qs + 1);
+}
+
+/* acc[j] += pair p (v) · values 64p … 64p + 63 of row j of the quantized x, for j < NX: per
+ * sub-block sc·dx·Σ code·q − off·Σ x, as qunit_dot. */
+template <int NX>
+__device__ __forceinline__ void q4k_pair_dot(const struct q4k_pair &v, int64_t p, const uint8_t *xq,
+                                             int64_t cols, float *acc) {
+    const int c = (int)(p % 4), sh = 16 * (c & 1);
+    const uint32_t s = c < 2 ? v.hd.y & 0x3f3f3f3fu
+                             : (v.hd.w & 0x0f0f0f0fu) | ((v.hd.y >> 2) & 0x30303030u);
+    const uint32_t mn = c < 2 ? v.hd.z & 0x3f3f3f3fu
+                              : ((v.hd.w >> 4) & 0x0f0f0f0fu) | ((v.hd.z >> 2) & 0x30303030u);
+    const float d = __half2float(__ushort_as_half((unsigned short)(v.hd.x & 0xffff)));
+    const float dm = __half2float(__ushort_as_half((unsigned short)(v.hd.x >> 16)));
+    const float sc0 = __fmul_rn(d, small_f((s >> sh) & 0xff)),
+                sc1 = __fmul_rn(d, small_f((s >> (sh + 8)) & 0xff));
+    const float off0 = __fmul_rn(dm, small_f((mn >> sh) & 0xff)),
+                off1 = __fmul_rn(dm, small_f((mn >> (sh + 8)) & 0xff));
+    const uint32_t q[8] = {v.q0.x, v.q0.y, v.q0.z, v.q0.w, v.q1.x, v.q1.y, v.q1.z, v.q1.w};
+    const int64_t xrow = xq_row_bytes(cols);
+#pragma unroll
+    for (int j = 0; j < NX; j++) {
+        const uint8_t *xr = xq + j * xrow;
+        /* (x quantized by the kernel before: plain loads, as gemv_step reads x) */
+        const uint4 *xc = (const uint4 *)(xr + 64 * p);
+        const uint4 a0 = xc[0], a1 = xc[1], b0 = xc[2], b1 = xc[3];
+        const float2 dx = ((const float2 *)(xr + cols))[p];
+        const float4 sx = ((const float4 *)(xr + cols + cols / 32 * 4))[p];
+        const uint32_t xa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+        const uint32_t xb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+        int lo = 0, hi = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            lo = dp4a_us(q[i] & 0x0f0f0f0fu, xa[i], lo);
+            hi = dp4a_us((q[i] >> 4) & 0x0f0f0f0fu, xb[i], hi);
+        }
+        acc[j] = fmaf(sc0 * dx.x, (float)lo, acc[j]);
+        acc[j] = fmaf(sc1 * dx.y, (float)hi, acc[j]);
+        acc[j] = fmaf(-off0, sx.x + sx.y, acc[j]);
+        acc[j] = fmaf(-off1, sx.z + sx.w, acc[j]);
+    }
+}
+
+/* qrow_int for Q4_K: QGEMV_PAIRS pairs of each lane in flight before any is used. */
+#define QGEMV_PAIRS 2
+template <int NX>
+__device__ __forceinline__ void qrow_q4k(const struct qmat &m, int64_t r, const uint8_t *xq,
+                                         int lane, float *acc) {
+    constexpr int U = QGEMV_PAIRS;
+    const uint8_t *row = m.codes + r * m.row_bytes;
+    const int64_t pairs = m.cols / 64;
+    struct q4k_pair v[U];
+    int64_t p = lane;
+#pragma unroll
+    for (int j = 0; j < NX; j++)
+        acc[j] = 0;
+    bool waited = false;
+    for (; p + 32 * (U - 1) < pairs; p += 32 * U) {
+#pragma unroll
+        for (int i = 0; i < U; i++)
+            q4k_pair_load(row, p + 32 * i, &v[i]);
+        if (!waited)
+            pdl_begin(), waited = true;
+#pragma unroll
+        for (int i = 0; i < U; i++)
+            q4k_pair_dot<NX>(v[i], p + 32 * i, xq, m.cols, acc);
+    }
+    if (!waited)
+        pdl_begin();
+    for (; p < pairs; p += 32) {
+        q4k_pair_load(row, p, &v[0]);
+        q4k_pair_dot<NX>(v[0], p, xq, m.cols, acc);
+    }
+}
+
 /* Units of each lane in flight before any is used: one warp a row is too few to cover the
  * memory's latency a unit at a time. */
 #define QGEMV_UNROLL 4
@@ -637,6 +729,10 @@ __device__ __forceinline__ void qunit_dot(const uint32_t *w, const float *sc, co
 template <int QT, int NX>
 __device__ __forceinline__ void qrow_int(const struct qmat &m, int64_t r, const uint8_t *xq,
                                          int lane, float *acc) {
+    if constexpr (QT == LLMEM_QTYPE_Q4_K) {
+        qrow_q4k<NX>(m, r, xq, lane, acc);
+        return;
+    }
     constexpr int U = QGEMV_UNROLL;
     const uint8_t *row = m.codes + r * m.row_bytes;
     const int64_t units = m.cols / 32;
@@ -712,8 +808,8 @@ struct qset {
     unsigned first[4];
 };
 
-template <int NX>
-static __global__ void __launch_bounds__(256)
+template <int NX, int QT>
+static __global__ void __launch_bounds__(256, QT != LLMEM_QTYPE_Q4_K ? 0 : NX == 1 ? 4 : NX == 2 ? 2 : 0)
     qgemv_set_kernel(struct qset s, const uint8_t *xq, int swiglu) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     int i = 0;
@@ -728,7 +824,10 @@ static __global__ void __launch_bounds__(256)
     const int64_t rows = s.m[i].rows;
     float acc[NX];
     if (r < rows) {
-        qrow_int_any<NX>(s.type[i], s.m[i], r, xq, lane, acc);
+        if constexpr (QT == QT_ANY)
+            qrow_int_any<NX>(s.type[i], s.m[i], r, xq, lane, acc);
+        else
+            qrow_int<QT, NX>(s.m[i], r, xq, lane, acc);
         warp_sum<NX>(acc);
     } else {
 #pragma unroll
@@ -762,11 +861,11 @@ static __global__ void __launch_bounds__(256)
  * unsigned codes (16 weight rows) by its signed x (8 rows of x) into s32 sums (Q6_K's halves, of
  * their own scales, an m16n8k16 each). Q8_0 and Q4_0 scale each unit's sums into f32 as qunit_dot
  * scales dp4a's; the K types sum them in integers over a super-block (qmma_int). A block takes
- * QMMA_ROWS weight rows, 16 a warp, and up to 8·NT rows of x, over a slice of the units, QMMA_STEP
- * units a step. Each step's blocks of the 64 rows and its x are copied into shared memory
- * (cp.async, the next step's while this one is multiplied); each lane then decodes four (row, unit)
- * pairs of its warp there (qunit_codes) into the warp's tile of codes and scales, and the warp
- * multiplies. x is quantized for this kernel in the operands' own order (struct xfrag), so that
+ * QMMA_ROWS weight rows and up to 8·NT rows of x, over a slice of the units, QMMA_STEP units a
+ * step. Each step's blocks of the 64 rows and its x are copied into shared memory (cp.async, the
+ * next step's while this one is multiplied); the block's threads then decode the step's (row,
+ * unit) pairs there (qunit_codes) into tiles of codes and scales, and each warp multiplies 16 rows
+ * by one tile of x. (Q4_K takes a kernel of its own, below.) x is quantized for this kernel in the operands' own order (struct xfrag), so that
  * its copy is contiguous and a lane reads its operand in one load. The slices (split-K, so that a
  * matrix of few rows still fills the device) are added in order by qmma_sum_kernel; their count
  * depends on the matrix's shape alone, so that a row of x's products do not depend on the rows
@@ -921,9 +1020,12 @@ __device__ __forceinline__ void qmma_copy(const struct qmat &m, int64_t r0, int6
 
 /* y (or the slice blockIdx.y of partial sums at y, [gridDim.y][n][rows]) = n ≤ 8·NT rows of x
  * (xf: quantize_x_frag_kernel's) · rows [64·blockIdx.x, +64) of m over the units of steps
- * [per·blockIdx.y, per·(blockIdx.y + 1)) (+ bias: one slice only). */
+ * [per·blockIdx.y, per·(blockIdx.y + 1)) (+ bias: one slice only). 4·NT warps: warp w multiplies
+ * the 16 rows 16·(w % 4) … by the tile of x w / 4; the whole block decodes a step's (row, unit)
+ * pairs first. (Four warps, each over every tile, left too few warps an SM to cover the
+ * latencies of a step's chain of decode, loads and products.) */
 template <int QT, int NT>
-static __global__ void __launch_bounds__(128)
+static __global__ void __launch_bounds__(128 * NT)
     qmma_kernel(struct qmat m, const struct xfrag *xf, int n, int per, float *y, const float *bias) {
     extern __shared__ __align__(16) uint8_t qmma_shared[];
     using S = qmma_smem<QT, NT>;
@@ -932,16 +1034,12 @@ static __global__ void __launch_bounds__(128)
     float2(*dd)[16] = (float2(*)[16])(qmma_shared + S::CODES + S::SCALES);
     uint8_t *stage = qmma_shared + S::CODES + S::SCALES + S::DD + 16;
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int wg = warp % 4, j = warp / 4; /* this warp's 16 rows and tile of x */
+    const bool has_tile = 8 * j < n;
     const int64_t r0 = blockIdx.x * (int64_t)QMMA_ROWS;
     const int64_t units = m.cols / 32, steps = (units + QMMA_STEP - 1) / QMMA_STEP;
     const int64_t s0 = (int64_t)blockIdx.y * per, s1 = s0 + per < steps ? s0 + per : steps;
-    /* this lane decodes row dr of its warp's 16, units du + 2i of a step */
-    const int dr = lane & 15, du = lane >> 4;
-    const bool has_row = r0 + warp * 16 + dr < m.rows;
-    float acc[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (s0 < s1) /* the weights before the wait (launch.h), x after */
         qmma_copy<QT, NT>(m, r0, s0, units, xf, n, stage, stage + S::W, true, false);
     pdl_begin();
@@ -957,142 +1055,395 @@ static __global__ void __launch_bounds__(128)
         cp_commit();
         cp_wait<1>();
         __syncthreads(); /* step s's copies are in */
-        {
-            const uint8_t *start =
-                m.codes + (r0 + warp * 16 + dr) * m.row_bytes + s * qmma_bytes<QT>::STEP;
-            const uint8_t *row = w + (warp * 16 + dr) * qmma_bytes<QT>::COPY +
-                                 ((uintptr_t)start & 15);
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int u = du + 2 * i;
-                uint32_t c[8];
-                float sc[2], off[2];
-                if (has_row && s * QMMA_STEP + u < units) {
-                    qunit_codes<QT, true>(row, u, c, sc, off);
-                    if constexpr (qmma_int<QT>::K) {
-                        const int4 is = qunit_iscales<QT>(row, u);
-                        sc[0] = __int_as_float(is.x), sc[1] = __int_as_float(is.y);
-                        off[0] = __int_as_float(is.z);
-                        if (i == 0 && du == 0)
-                            dd[warp][dr] =
-                                QT == LLMEM_QTYPE_Q6_K
-                                    ? make_float2(f16_at<true>(row + 208), 0.0f)
-                                    : make_float2(f16_at<true>(row), f16_at<true>(row + 2));
-                    }
-                } else {
-#pragma unroll
-                    for (int k = 0; k < 8; k++)
-                        c[k] = 0;
-                    sc[0] = sc[1] = off[0] = off[1] = 0.0f;
-                    if (qmma_int<QT>::K && i == 0 && du == 0)
-                        dd[warp][dr] = make_float2(0.0f, 0.0f);
+        /* pair p: row p % 64 (of warp group dr / 16), unit p / 64 of the step */
+        for (int p = threadIdx.x; p < QMMA_ROWS * QMMA_STEP; p += 128 * NT) {
+            const int rr = p % QMMA_ROWS, u = p / QMMA_ROWS, pg = rr / 16, dr = rr % 16;
+            const uint8_t *start = m.codes + (r0 + rr) * m.row_bytes + s * qmma_bytes<QT>::STEP;
+            const uint8_t *row = w + rr * qmma_bytes<QT>::COPY + ((uintptr_t)start & 15);
+            uint32_t c[8];
+            float sc[2], off[2];
+            if (r0 + rr < m.rows && s * QMMA_STEP + u < units) {
+                qunit_codes<QT, true>(row, u, c, sc, off);
+                if constexpr (qmma_int<QT>::K) {
+                    const int4 is = qunit_iscales<QT>(row, u);
+                    sc[0] = __int_as_float(is.x), sc[1] = __int_as_float(is.y);
+                    off[0] = __int_as_float(is.z);
+                    if (u == 0)
+                        dd[pg][dr] = QT == LLMEM_QTYPE_Q6_K
+                                         ? make_float2(f16_at<true>(row + 208), 0.0f)
+                                         : make_float2(f16_at<true>(row), f16_at<true>(row + 2));
                 }
-                uint4 *a = (uint4 *)codes[warp][u][dr];
-                a[qmma_word(dr, 0) / 4] = make_uint4(c[0], c[1], c[2], c[3]);
-                a[qmma_word(dr, 4) / 4] = make_uint4(c[4], c[5], c[6], c[7]);
-                scales[warp][u][dr] =
-                    qmma_int<QT>::K
-                        ? make_float4(sc[0], sc[1], off[0], 0.0f) /* (integers) */
-                        : make_float4(sc[0], sc[1], fmaf(sc[0], qt<QT>::B, off[0]),
-                                      fmaf(sc[1], qt<QT>::B, off[1]));
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    c[k] = 0;
+                sc[0] = sc[1] = off[0] = off[1] = 0.0f;
+                if (qmma_int<QT>::K && u == 0)
+                    dd[pg][dr] = make_float2(0.0f, 0.0f);
+            }
+            uint4 *a = (uint4 *)codes[pg][u][dr];
+            a[qmma_word(dr, 0) / 4] = make_uint4(c[0], c[1], c[2], c[3]);
+            a[qmma_word(dr, 4) / 4] = make_uint4(c[4], c[5], c[6], c[7]);
+            scales[pg][u][dr] = qmma_int<QT>::K
+                                    ? make_float4(sc[0], sc[1], off[0], 0.0f) /* (integers) */
+                                    : make_float4(sc[0], sc[1], fmaf(sc[0], qt<QT>::B, off[0]),
+                                                  fmaf(sc[1], qt<QT>::B, off[1]));
+        }
+        __syncthreads(); /* the step's codes are decoded */
+        const struct xfrag *xt = (const struct xfrag *)xs + j * QMMA_STEP;
+        int s1i[4] = {0, 0, 0, 0}, s2i[4] = {0, 0, 0, 0}; /* the K types' integer sums */
+#pragma unroll
+        for (int u = 0; u < QMMA_STEP; u++) {
+            if (!has_tile || s * QMMA_STEP + u >= units)
+                break;
+            const uint32_t(*a)[8] = codes[wg][u];
+            const uint32_t af[4] = {a[g][qmma_word(g, q)], a[g + 8][qmma_word(g, q)],
+                                    a[g][qmma_word(g, 4 + q)], a[g + 8][qmma_word(g, 4 + q)]};
+            const float4 sa = scales[wg][u][g], sb = scales[wg][u][g + 8];
+            const struct xfrag *f = xt + u;
+            const uint2 b = f->q[lane];
+            const float2 dx = *(const float2 *)&f->d[2 * q];
+            const float4 x4 = f->s[q];
+            int lo[4] = {0, 0, 0, 0};
+            if constexpr (qmma_int<QT>::K) {
+                const int4 ia = *(const int4 *)&sa, ib = *(const int4 *)&sb;
+                const int4 qs = *(const int4 *)&x4;
+                if constexpr (QT == LLMEM_QTYPE_Q6_K) {
+                    int hi[4] = {0, 0, 0, 0};
+                    mma_u8s8_k16(lo, af[0], af[1], b.x);
+                    mma_u8s8_k16(hi, af[2], af[3], b.y);
+                    s1i[0] += ia.x * (lo[0] - 32 * qs.x) + ia.y * (hi[0] - 32 * qs.y);
+                    s1i[1] += ia.x * (lo[1] - 32 * qs.z) + ia.y * (hi[1] - 32 * qs.w);
+                    s1i[2] += ib.x * (lo[2] - 32 * qs.x) + ib.y * (hi[2] - 32 * qs.y);
+                    s1i[3] += ib.x * (lo[3] - 32 * qs.z) + ib.y * (hi[3] - 32 * qs.w);
+                } else {
+                    mma_u8s8(lo, af, b.x, b.y);
+                    const int q0 = qs.x + qs.y, q1 = qs.z + qs.w;
+                    s1i[0] += ia.x * lo[0], s1i[1] += ia.x * lo[1];
+                    s1i[2] += ib.x * lo[2], s1i[3] += ib.x * lo[3];
+                    s2i[0] += ia.z * q0, s2i[1] += ia.z * q1;
+                    s2i[2] += ib.z * q0, s2i[3] += ib.z * q1;
+                }
+            } else if constexpr (QT == LLMEM_QTYPE_Q6_K) {
+                int hi[4] = {0, 0, 0, 0};
+                mma_u8s8_k16(lo, af[0], af[1], b.x);
+                mma_u8s8_k16(hi, af[2], af[3], b.y);
+                acc[0] += sa.x * dx.x * (float)lo[0] + sa.y * dx.x * (float)hi[0] -
+                          (sa.z * x4.x + sa.w * x4.y);
+                acc[1] += sa.x * dx.y * (float)lo[1] + sa.y * dx.y * (float)hi[1] -
+                          (sa.z * x4.z + sa.w * x4.w);
+                acc[2] += sb.x * dx.x * (float)lo[2] + sb.y * dx.x * (float)hi[2] -
+                          (sb.z * x4.x + sb.w * x4.y);
+                acc[3] += sb.x * dx.y * (float)lo[3] + sb.y * dx.y * (float)hi[3] -
+                          (sb.z * x4.z + sb.w * x4.w);
+            } else {
+                mma_u8s8(lo, af, b.x, b.y);
+                acc[0] += sa.x * dx.x * (float)lo[0] - sa.z * (x4.x + x4.y);
+                acc[1] += sa.x * dx.y * (float)lo[1] - sa.z * (x4.z + x4.w);
+                acc[2] += sb.x * dx.x * (float)lo[2] - sb.z * (x4.x + x4.y);
+                acc[3] += sb.x * dx.y * (float)lo[3] - sb.z * (x4.z + x4.w);
             }
         }
-        __syncwarp();
-        const struct xfrag *xt = (const struct xfrag *)xs;
-        int s1i[NT][4], s2i[NT][4]; /* the K types' integer sums of the step */
+        if (qmma_int<QT>::K && has_tile) { /* the step's super-block: d·dx·S1 − dmin·dx·S2 */
+            const float2 da = dd[wg][g], db = dd[wg][g + 8];
+            const float2 dx = *(const float2 *)&xt[0].d[2 * q];
+            acc[0] = fmaf(da.x * dx.x, (float)s1i[0], acc[0]);
+            acc[1] = fmaf(da.x * dx.y, (float)s1i[1], acc[1]);
+            acc[2] = fmaf(db.x * dx.x, (float)s1i[2], acc[2]);
+            acc[3] = fmaf(db.x * dx.y, (float)s1i[3], acc[3]);
+            if constexpr (QT != LLMEM_QTYPE_Q6_K) {
+                acc[0] = fmaf(-(da.y * dx.x), (float)s2i[0], acc[0]);
+                acc[1] = fmaf(-(da.y * dx.y), (float)s2i[1], acc[1]);
+                acc[2] = fmaf(-(db.y * dx.x), (float)s2i[2], acc[2]);
+                acc[3] = fmaf(-(db.y * dx.y), (float)s2i[3], acc[3]);
+            }
+        }
+        __syncthreads(); /* the stage and the codes are free for the next step */
+    }
+    if (!has_tile)
+        return;
+    float *out = y + (int64_t)blockIdx.y * n * m.rows;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const int64_t r = r0 + wg * 16 + g + 8 * (e / 2);
+        const int c = 8 * j + 2 * q + e % 2;
+        if (r < m.rows && c < n)
+            out[c * m.rows + r] = bias != NULL ? acc[e] + bias[r] : acc[e];
+    }
+}
+
+/* ---- Q4_K on the tensor cores, the weights straight from memory --------------------------------
+ *
+ * Q4_K takes a kernel of its own (qmma_q4k_kernel): a lane reads its operands' bytes of the
+ * weights from memory (no copy through shared memory, no decode into a tile), as the m16n8k32
+ * product's A operand takes them: a K-slot order in which lane (g, q) holds values 8q … 8q + 7 of
+ * a unit (in place of 4q … 4q + 3 and 16 + 4q … 16 + 4q + 3: the products sum over k in any
+ * order, and x is laid out in the same order, struct xk4), so that 8 bytes of a sub-block pair's
+ * 32 (the low nibbles of 2c, the high of 2c + 1) are both units' operand words for one row. Per
+ * super-block the sums of integers as qmma_kernel's (Σ_u sc_u · Σ code·q and Σ_u m_u · Σ q, the
+ * latter by dp2a over x's 16-bit unit sums), scaled once by d·dx and dmin·dx. A block is 8 warps:
+ * two groups of 16 rows by four parts of the super-blocks (every fourth), the parts added in order
+ * at the end; split-K slices as qmma_kernel's.
+ */
+
+/* Eight rows of x (a tile), one super-block of 256 values, for qmma_q4k_kernel: q[u][l] the 8
+ * codes lane l takes for unit u (row l / 4 of the tile, values 32u + 8·(l % 4) …), d the rows'
+ * scales, sum[r][u] the sums of row r's codes over unit u. Stored [tile][super-block]. */
+struct xk4 {
+    uint2 q[8][32];
+    float d[8];
+    short sum[8][8];
+};
+
+/* A warp per super-block (blockIdx.x · 8 + warp) of a row of x (blockIdx.y; from n on zeros):
+ * quantized as quantize_x_frag_kernel<QMMA_STEP> quantizes it (d = max|x| / 127 over the 256),
+ * lane l taking values 8l … 8l + 7. */
+static __global__ void quantize_x_k4_kernel(const float *x, int64_t cols, int64_t n,
+                                            struct xk4 *out) {
+    pdl_begin();
+    const int lane = threadIdx.x & 31;
+    const int64_t b = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32, t = blockIdx.y;
+    const int64_t blocks = cols / 256;
+    if (b >= blocks)
+        return;
+    float v[8], amax = 0.0f;
+    if (t < n) {
+        const float4 *p = (const float4 *)(x + t * cols + 256 * b + 8 * lane);
+        const float4 a = p[0], c = p[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = c.x, v[5] = c.y, v[6] = c.z,
+        v[7] = c.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            v[i] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        amax = fmaxf(amax, fabsf(v[i]));
+    for (int o = 16; o > 0; o /= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    uint32_t w[2] = {0, 0};
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int q = __float2int_rn(v[i] * id);
+        w[i / 4] |= (uint32_t)(q & 0xff) << (8 * (i % 4));
+        sum += q;
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1); /* the unit's four lanes */
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int r = (int)(t % 8), u = lane / 4;
+    struct xk4 *f = out + (t / 8) * blocks + b;
+    f->q[u][4 * r + lane % 4] = make_uint2(w[0], w[1]);
+    if (lane == 0)
+        f->d[r] = d;
+    if (lane % 4 == 0)
+        f->sum[r][u] = (short)sum;
+}
+
+/* d = c + a.h0·b.b0 + a.h1·b.b1 (LO) or · b.b2, b.b3: a two signed 16-bit, b unsigned bytes. */
+template <bool LO> __device__ __forceinline__ int dp2a_su(uint32_t a, uint32_t b, int c) {
+    int d;
+    if constexpr (LO)
+        asm("dp2a.lo.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    else
+        asm("dp2a.hi.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+/* One row's super-block for a lane of qmma_q4k_kernel: its head (d, dmin, scales) and the lane's
+ * 8 bytes of each of the four 32-byte code chunks. */
+struct q4k_lane {
+    uint4 hd;
+    uint2 c[4];
+};
+
+__device__ __forceinline__ void q4k_lane_load(const uint8_t *b, int q, struct q4k_lane *v) {
+    v->hd = __ldg((const uint4 *)b);
+#pragma unroll
+    for (int c = 0; c < 4; c++)
+        v->c[c] = __ldg((const uint2 *)(b + 16 + 32 * c + 8 * q));
+}
+
+/* The eight 6-bit scales (s[0]: sub-blocks 0–3, s[1]: 4–7, a byte each) and mins (m) of a head,
+ * as quant/dequant.c's scale_min_k4 reads them. */
+__device__ __forceinline__ void q4k_scales(uint4 hd, uint32_t *s, uint32_t *m) {
+    s[0] = hd.y & 0x3f3f3f3fu, m[0] = hd.z & 0x3f3f3f3fu;
+    s[1] = (hd.w & 0x0f0f0f0fu) | ((hd.y >> 2) & 0x30303030u);
+    m[1] = ((hd.w >> 4) & 0x0f0f0f0fu) | ((hd.z >> 2) & 0x30303030u);
+}
+
+/* Shared memory of qmma_q4k_kernel<NT>: two stages of x, each the four super-blocks of an
+ * iteration (one a part) by NT tiles. */
+template <int NT> struct q4k_smem {
+    static constexpr int STAGE = 4 * NT * (int)sizeof(struct xk4);
+    static constexpr int BYTES = 2 * STAGE;
+};
+
+/* The copy of x's super-blocks s … s + 3 (those below s1), tiles below `tiles`, into a stage
+ * [part][tile]. */
+template <int NT>
+__device__ __forceinline__ void q4k_copy_x(const struct xk4 *xk, int64_t blocks, int64_t s,
+                                           int64_t s1, int tiles, uint8_t *stage) {
+    constexpr int P = (int)sizeof(struct xk4) / 16;
+    for (int k = threadIdx.x; k < 4 * tiles * P; k += blockDim.x) {
+        const int kp = k / (tiles * P), j = (k / P) % tiles, p = k % P;
+        if (s + kp < s1)
+            cp_async16<true>(smem_addr(stage + ((kp * NT + j) * P + p) * 16),
+                             (const uint8_t *)(xk + j * blocks + s + kp) + 16 * p, 16);
+    }
+}
+
+/* y (or the slice blockIdx.y of partial sums, as qmma_kernel's) = n ≤ 8·NT rows of x (xk:
+ * quantize_x_k4_kernel's) · rows [32·blockIdx.x, +32) of the Q4_K matrix m over the super-blocks
+ * [per·blockIdx.y, +per) (+ bias). Iteration i takes super-blocks s0 + 4i + part; its x is copied
+ * into shared memory (cp.async) during iteration i − 1, its weights asked for then too. */
+template <int NT>
+static __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1)
+    qmma_q4k_kernel(struct qmat m, const struct xk4 *xk, int n, int per, float *y,
+                    const float *bias) {
+    extern __shared__ __align__(16) uint8_t q4k_shared[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int rg = warp & 1, kp = warp >> 1; /* 16 rows, a fourth of the super-blocks */
+    const int64_t blocks = m.cols / 256;
+    const int64_t s0 = (int64_t)blockIdx.y * per, s1 = s0 + per < blocks ? s0 + per : blocks;
+    const int64_t ra = blockIdx.x * 32 + 16 * rg + g, rb = ra + 8;
+    /* (rows past the matrix read its last row, and are not stored) */
+    const uint8_t *wa = m.codes + (ra < m.rows ? ra : m.rows - 1) * m.row_bytes;
+    const uint8_t *wb = m.codes + (rb < m.rows ? rb : m.rows - 1) * m.row_bytes;
+    const int tiles = (n + 7) / 8;
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    /* the first weights before the wait (launch.h), x after */
+    struct q4k_lane va, vb, na, nb;
+    if (s0 + kp < s1)
+        q4k_lane_load(wa + (s0 + kp) * 144, q, &na), q4k_lane_load(wb + (s0 + kp) * 144, q, &nb);
+    pdl_begin();
+    q4k_copy_x<NT>(xk, blocks, s0, s1, tiles, q4k_shared);
+    cp_commit();
+    for (int64_t s = s0, i = 0; s < s1; s += 4, i++) {
+        const int64_t sb = s + kp;
+        va = na, vb = nb;
+        if (sb + 4 < s1)
+            q4k_lane_load(wa + (sb + 4) * 144, q, &na), q4k_lane_load(wb + (sb + 4) * 144, q, &nb);
+        if (s + 4 < s1)
+            q4k_copy_x<NT>(xk, blocks, s + 4, s1, tiles,
+                           q4k_shared + (i + 1) % 2 * q4k_smem<NT>::STAGE);
+        cp_commit();
+        cp_wait<1>();
+        __syncthreads(); /* iteration i's x is in */
+        const struct xk4 *xs =
+            (const struct xk4 *)(q4k_shared + i % 2 * q4k_smem<NT>::STAGE) + kp * NT;
+        if (sb < s1) {
+            uint32_t sa[2], ma[2], sbs[2], mb[2];
+            q4k_scales(va.hd, sa, ma), q4k_scales(vb.hd, sbs, mb);
+            int s1i[NT][4];
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+                s1i[j][0] = s1i[j][1] = s1i[j][2] = s1i[j][3] = 0;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) { /* unit 2c + h: the low or high nibbles */
+                    const int u = 2 * c + h, sh = 4 * h;
+                    const uint32_t af[4] = {(va.c[c].x >> sh) & 0x0f0f0f0fu,
+                                            (vb.c[c].x >> sh) & 0x0f0f0f0fu,
+                                            (va.c[c].y >> sh) & 0x0f0f0f0fu,
+                                            (vb.c[c].y >> sh) & 0x0f0f0f0fu};
+                    const int sca = (int)((sa[u / 4] >> (8 * (u % 4))) & 0xff),
+                              scb = (int)((sbs[u / 4] >> (8 * (u % 4))) & 0xff);
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        if (j >= tiles)
+                            break;
+                        const uint2 b = xs[j].q[u][lane];
+                        int lo[4] = {0, 0, 0, 0};
+                        mma_u8s8(lo, af, b.x, b.y);
+                        s1i[j][0] += sca * lo[0], s1i[j][1] += sca * lo[1];
+                        s1i[j][2] += scb * lo[2], s1i[j][3] += scb * lo[3];
+                    }
+                }
+            }
+            const float da = __half2float(__ushort_as_half((unsigned short)(va.hd.x & 0xffff)));
+            const float dma = __half2float(__ushort_as_half((unsigned short)(va.hd.x >> 16)));
+            const float db = __half2float(__ushort_as_half((unsigned short)(vb.hd.x & 0xffff)));
+            const float dmb = __half2float(__ushort_as_half((unsigned short)(vb.hd.x >> 16)));
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                if (j >= tiles)
+                    break;
+                const struct xk4 *f = xs + j;
+                const float2 dx = *(const float2 *)&f->d[2 * q];
+                const uint4 x0 = *(const uint4 *)f->sum[2 * q],
+                            x1 = *(const uint4 *)f->sum[2 * q + 1];
+                /* Σ_u m_u · Σ q over the units, rows a and b by x's rows 2q and 2q + 1 */
+                int s2[4];
+                s2[0] = dp2a_su<false>(x0.w, ma[1], dp2a_su<true>(x0.z, ma[1],
+                        dp2a_su<false>(x0.y, ma[0], dp2a_su<true>(x0.x, ma[0], 0))));
+                s2[1] = dp2a_su<false>(x1.w, ma[1], dp2a_su<true>(x1.z, ma[1],
+                        dp2a_su<false>(x1.y, ma[0], dp2a_su<true>(x1.x, ma[0], 0))));
+                s2[2] = dp2a_su<false>(x0.w, mb[1], dp2a_su<true>(x0.z, mb[1],
+                        dp2a_su<false>(x0.y, mb[0], dp2a_su<true>(x0.x, mb[0], 0))));
+                s2[3] = dp2a_su<false>(x1.w, mb[1], dp2a_su<true>(x1.z, mb[1],
+                        dp2a_su<false>(x1.y, mb[0], dp2a_su<true>(x1.x, mb[0], 0))));
+                acc[j][0] = fmaf(da * dx.x, (float)s1i[j][0], acc[j][0]);
+                acc[j][1] = fmaf(da * dx.y, (float)s1i[j][1], acc[j][1]);
+                acc[j][2] = fmaf(db * dx.x, (float)s1i[j][2], acc[j][2]);
+                acc[j][3] = fmaf(db * dx.y, (float)s1i[j][3], acc[j][3]);
+                acc[j][0] = fmaf(-(dma * dx.x), (float)s2[0], acc[j][0]);
+                acc[j][1] = fmaf(-(dma * dx.y), (float)s2[1], acc[j][1]);
+                acc[j][2] = fmaf(-(dmb * dx.x), (float)s2[2], acc[j][2]);
+                acc[j][3] = fmaf(-(dmb * dx.y), (float)s2[3], acc[j][3]);
+            }
+        }
+        __syncthreads(); /* the stage is free for iteration i + 2 */
+    }
+    /* the four parts added in order by part 0's warps (in the stages' memory, free now) */
+    float(*part)[2][NT][4][32] = (float(*)[2][NT][4][32])q4k_shared;
+    if (kp > 0)
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
-                s1i[j][e] = s2i[j][e] = 0;
-#pragma unroll
-        for (int u = 0; u < QMMA_STEP; u++) {
-            if (s * QMMA_STEP + u >= units)
-                break;
-            const uint32_t(*a)[8] = codes[warp][u];
-            const uint32_t af[4] = {a[g][qmma_word(g, q)], a[g + 8][qmma_word(g, q)],
-                                    a[g][qmma_word(g, 4 + q)], a[g + 8][qmma_word(g, 4 + q)]};
-            const float4 sa = scales[warp][u][g], sb = scales[warp][u][g + 8];
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                if (8 * j >= n)
-                    break;
-                const struct xfrag *f = xt + j * QMMA_STEP + u;
-                const uint2 b = f->q[lane];
-                const float2 dx = *(const float2 *)&f->d[2 * q];
-                const float4 x4 = f->s[q];
-                int lo[4] = {0, 0, 0, 0};
-                if constexpr (qmma_int<QT>::K) {
-                    const int4 ia = *(const int4 *)&sa, ib = *(const int4 *)&sb;
-                    const int4 qs = *(const int4 *)&x4;
-                    if constexpr (QT == LLMEM_QTYPE_Q6_K) {
-                        int hi[4] = {0, 0, 0, 0};
-                        mma_u8s8_k16(lo, af[0], af[1], b.x);
-                        mma_u8s8_k16(hi, af[2], af[3], b.y);
-                        s1i[j][0] += ia.x * (lo[0] - 32 * qs.x) + ia.y * (hi[0] - 32 * qs.y);
-                        s1i[j][1] += ia.x * (lo[1] - 32 * qs.z) + ia.y * (hi[1] - 32 * qs.w);
-                        s1i[j][2] += ib.x * (lo[2] - 32 * qs.x) + ib.y * (hi[2] - 32 * qs.y);
-                        s1i[j][3] += ib.x * (lo[3] - 32 * qs.z) + ib.y * (hi[3] - 32 * qs.w);
-                    } else {
-                        mma_u8s8(lo, af, b.x, b.y);
-                        const int q0 = qs.x + qs.y, q1 = qs.z + qs.w;
-                        s1i[j][0] += ia.x * lo[0], s1i[j][1] += ia.x * lo[1];
-                        s1i[j][2] += ib.x * lo[2], s1i[j][3] += ib.x * lo[3];
-                        s2i[j][0] += ia.z * q0, s2i[j][1] += ia.z * q1;
-                        s2i[j][2] += ib.z * q0, s2i[j][3] += ib.z * q1;
-                    }
-                } else if constexpr (QT == LLMEM_QTYPE_Q6_K) {
-                    int hi[4] = {0, 0, 0, 0};
-                    mma_u8s8_k16(lo, af[0], af[1], b.x);
-                    mma_u8s8_k16(hi, af[2], af[3], b.y);
-                    acc[j][0] += sa.x * dx.x * (float)lo[0] + sa.y * dx.x * (float)hi[0] -
-                                 (sa.z * x4.x + sa.w * x4.y);
-                    acc[j][1] += sa.x * dx.y * (float)lo[1] + sa.y * dx.y * (float)hi[1] -
-                                 (sa.z * x4.z + sa.w * x4.w);
-                    acc[j][2] += sb.x * dx.x * (float)lo[2] + sb.y * dx.x * (float)hi[2] -
-                                 (sb.z * x4.x + sb.w * x4.y);
-                    acc[j][3] += sb.x * dx.y * (float)lo[3] + sb.y * dx.y * (float)hi[3] -
-                                 (sb.z * x4.z + sb.w * x4.w);
-                } else {
-                    mma_u8s8(lo, af, b.x, b.y);
-                    acc[j][0] += sa.x * dx.x * (float)lo[0] - sa.z * (x4.x + x4.y);
-                    acc[j][1] += sa.x * dx.y * (float)lo[1] - sa.z * (x4.z + x4.w);
-                    acc[j][2] += sb.x * dx.x * (float)lo[2] - sb.z * (x4.x + x4.y);
-                    acc[j][3] += sb.x * dx.y * (float)lo[3] - sb.z * (x4.z + x4.w);
-                }
-            }
-        }
-        if constexpr (qmma_int<QT>::K) { /* the step's super-block: d·dx·S1 − dmin·dx·S2 */
-            const float2 da = dd[warp][g], db = dd[warp][g + 8];
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                if (8 * j >= n)
-                    break;
-                const float2 dx = *(const float2 *)&xt[j * QMMA_STEP].d[2 * q];
-                acc[j][0] = fmaf(da.x * dx.x, (float)s1i[j][0], acc[j][0]);
-                acc[j][1] = fmaf(da.x * dx.y, (float)s1i[j][1], acc[j][1]);
-                acc[j][2] = fmaf(db.x * dx.x, (float)s1i[j][2], acc[j][2]);
-                acc[j][3] = fmaf(db.x * dx.y, (float)s1i[j][3], acc[j][3]);
-                if constexpr (QT != LLMEM_QTYPE_Q6_K) {
-                    acc[j][0] = fmaf(-(da.y * dx.x), (float)s2i[j][0], acc[j][0]);
-                    acc[j][1] = fmaf(-(da.y * dx.y), (float)s2i[j][1], acc[j][1]);
-                    acc[j][2] = fmaf(-(db.y * dx.x), (float)s2i[j][2], acc[j][2]);
-                    acc[j][3] = fmaf(-(db.y * dx.y), (float)s2i[j][3], acc[j][3]);
-                }
-            }
-        }
-        __syncthreads(); /* the stage is free for step s + 2 */
-    }
+                part[kp - 1][rg][j][e][lane] = acc[j][e];
+    __syncthreads();
+    if (kp > 0)
+        return;
     float *out = y + (int64_t)blockIdx.y * n * m.rows;
 #pragma unroll
     for (int j = 0; j < NT; j++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            const int64_t r = r0 + warp * 16 + g + 8 * (e / 2);
+            const float v = ((acc[j][e] + part[0][rg][j][e][lane]) + part[1][rg][j][e][lane]) +
+                            part[2][rg][j][e][lane];
+            const int64_t r = e < 2 ? ra : rb;
             const int c = 8 * j + 2 * q + e % 2;
             if (r < m.rows && c < n)
-                out[c * m.rows + r] = bias != NULL ? acc[j][e] + bias[r] : acc[j][e];
+                out[c * m.rows + r] = bias != NULL ? v + bias[r] : v;
         }
+}
+
+/* qmma_q4k_kernel<NT> launched with its shared memory (allowed once per instance and device). */
+template <int NT>
+static void qmma_q4k_launch(struct cuda_ctx *c, dim3 grid, const struct qmat &m,
+                            const struct xk4 *xk, int n, int per, float *y, const float *bias) {
+    static bool allowed[64];
+    const int bytes = q4k_smem<NT>::BYTES;
+    int dev = 0;
+    if (check(c, cudaGetDevice(&dev), "device") != LLMEM_OK || dev < 0 || dev >= 64)
+        return;
+    if (!allowed[dev])
+        allowed[dev] = check(c,
+                             cudaFuncSetAttribute(qmma_q4k_kernel<NT>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  bytes),
+                             "qmma shared memory") == LLMEM_OK;
+    if (allowed[dev])
+        pdl_launch(c->stream, qmma_q4k_kernel<NT>, grid, dim3(256), (size_t)bytes, m, xk, n, per,
+                   y, bias);
 }
 
 /* y[i] = Σ_s part[s][i] (+ bias[i % rows]), the slices in order, for i < count. */
@@ -1117,6 +1468,18 @@ int qgemv_int(const struct cuda_ctx *c, const struct llmem_weight *w) {
             w->quant == LLMEM_QTYPE_Q6_K);
 }
 
+/* qgemv_set_kernel for nx rows of x, of one type QT or any (QT_ANY). */
+template <int QT>
+static void qgemv_set_launch(struct cuda_ctx *c, dim3 grid, int nx, const struct qset &s,
+                             const uint8_t *xq, int swiglu) {
+    switch (nx) {
+    case 1: pdl_launch(c->stream, qgemv_set_kernel<1, QT>, grid, dim3(256), 0, s, xq, swiglu); break;
+    case 2: pdl_launch(c->stream, qgemv_set_kernel<2, QT>, grid, dim3(256), 0, s, xq, swiglu); break;
+    case 3: pdl_launch(c->stream, qgemv_set_kernel<3, QT>, grid, dim3(256), 0, s, xq, swiglu); break;
+    default: pdl_launch(c->stream, qgemv_set_kernel<4, QT>, grid, dim3(256), 0, s, xq, swiglu);
+    }
+}
+
 void qgemv_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *w, const float *x,
                int64_t n, float *const *y, const float *const *bias, int swiglu) {
     LLMEM_ASSERT(count >= 1 && count <= 3 && (!swiglu || count == 2));
@@ -1135,17 +1498,18 @@ void qgemv_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *
     for (int i = count; i < 3; i++)
         s.first[i + 1] = s.first[i];
     const dim3 grid(swiglu ? (unsigned)((w[0]->rows + 3) / 4) : s.first[3]);
+    int same = w[0]->quant; /* the matrices' one type, or QT_ANY */
+    for (int i = 1; i < count; i++)
+        same = w[i]->quant == same ? same : QT_ANY;
     for (int64_t t = 0; t < n;) { /* up to 4 rows of x a launch */
         const int nx = n - t >= 4 ? 4 : (int)(n - t);
         for (int i = 0; i < (swiglu ? 1 : count); i++) /* (swiglu: one output) */
             s.y[i] = y[i] + t * w[i]->rows, s.bias[i] = bias != NULL ? bias[i] : NULL;
         const uint8_t *xt = xq + t * xrow;
-        switch (nx) {
-        case 1: pdl_launch(c->stream, qgemv_set_kernel<1>, grid, dim3(256), 0, s, xt, swiglu); break;
-        case 2: pdl_launch(c->stream, qgemv_set_kernel<2>, grid, dim3(256), 0, s, xt, swiglu); break;
-        case 3: pdl_launch(c->stream, qgemv_set_kernel<3>, grid, dim3(256), 0, s, xt, swiglu); break;
-        default: pdl_launch(c->stream, qgemv_set_kernel<4>, grid, dim3(256), 0, s, xt, swiglu);
-        }
+        if (same == LLMEM_QTYPE_Q4_K)
+            qgemv_set_launch<LLMEM_QTYPE_Q4_K>(c, grid, nx, s, xt, swiglu);
+        else
+            qgemv_set_launch<QT_ANY>(c, grid, nx, s, xt, swiglu);
         t += nx;
     }
     launched(c, swiglu ? "qgemv swiglu" : "qgemv");
@@ -1167,8 +1531,43 @@ static void qmma_launch(struct cuda_ctx *c, dim3 grid, const struct qmat &m,
                                                   bytes),
                              "qmma shared memory") == LLMEM_OK;
     if (allowed[dev])
-        pdl_launch(c->stream, qmma_kernel<QT, NT>, grid, dim3(128), (size_t)bytes, m, xf, n, per, y,
-                   bias);
+        pdl_launch(c->stream, qmma_kernel<QT, NT>, grid, dim3(128 * NT), (size_t)bytes, m, xf, n, per,
+                   y, bias);
+}
+
+/* qmma for a Q4_K matrix (qmma_q4k_kernel). */
+static void qmma_q4k(struct cuda_ctx *c, const struct qmat &m, const float *x, int64_t n, float *y,
+                     const float *bias) {
+    const int64_t blocks = m.cols / 256, groups = (m.rows + 31) / 32, tiles = (n + 7) / 8;
+    /* slices: about two blocks of threads a multiprocessor, each at least a super-block a warp */
+    const int sms = sm_count() > 0 ? sm_count() : 132;
+    int64_t slices = 2 * sms / groups;
+    slices = slices < 1 ? 1 : slices > (blocks + 3) / 4 ? (blocks + 3) / 4 : slices;
+    const int64_t per = (blocks + slices - 1) / slices;
+    slices = (blocks + per - 1) / per;
+    const int64_t xbytes = tiles * blocks * (int64_t)sizeof(struct xk4);
+    uint8_t *ws = (uint8_t *)wslice(c, (size_t)(xbytes + (slices > 1 ? slices * n * m.rows * 4 : 0)));
+    if (ws == NULL)
+        return;
+    struct xk4 *xk = (struct xk4 *)ws;
+    float *part = (float *)(ws + xbytes);
+    pdl_launch(c->stream, quantize_x_k4_kernel,
+               dim3((unsigned)((blocks + 7) / 8), (unsigned)(tiles * 8)), dim3(256), 0, x, m.cols, n,
+               xk);
+    const dim3 grid((unsigned)groups, (unsigned)slices);
+    float *out = slices > 1 ? part : y;
+    const float *b = slices > 1 ? NULL : bias;
+    const int nt = (int)n;
+    if (tiles <= 2)
+        qmma_q4k_launch<2>(c, grid, m, xk, nt, (int)per, out, b);
+    else if (tiles <= 4)
+        qmma_q4k_launch<4>(c, grid, m, xk, nt, (int)per, out, b);
+    else
+        qmma_q4k_launch<8>(c, grid, m, xk, nt, (int)per, out, b);
+    if (slices > 1)
+        pdl_launch(c->stream, qmma_sum_kernel, dim3(grid_for(n * m.rows, 256)), dim3(256), 0,
+                   (const float *)part, (int)slices, n * m.rows, m.rows, bias, y);
+    launched(c, "qmma");
 }
 
 void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n, float *y,
@@ -1176,6 +1575,10 @@ void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int6
     static_assert(QMMA_MAX_ROWS <= 64, "qmma_kernel takes up to 8 tiles of 8 rows of x");
     LLMEM_ASSERT(qgemv_int(c, w) && n > 0 && n <= QMMA_MAX_ROWS);
     const struct qmat m = qmat_of(w);
+    if (w->quant == LLMEM_QTYPE_Q4_K) {
+        qmma_q4k(c, m, x, n, y, bias);
+        return;
+    }
     const int64_t units = m.cols / 32, steps = (units + QMMA_STEP - 1) / QMMA_STEP;
     const int64_t blocks = (m.rows + QMMA_ROWS - 1) / QMMA_ROWS;
     /* slices: up to two blocks a multiprocessor (as many as fit with 64 rows of x: one wave),
