@@ -645,23 +645,27 @@ __device__ __forceinline__ void q4k_pair_load(const uint8_t *row, int64_t p, str
     v->hd = __ldg((const uint4 *)b), v->q0 = __ldg(qs), v->q1 = __ldg(qs + 1);
 }
 
-/* acc[j] += pair p (v) · values 64p … 64p + 63 of row j of the quantized x, for j < NX: per
- * sub-block sc·dx·Σ code·q − off·Σ x, as qunit_dot. */
-template <int NX>
-__device__ __forceinline__ void q4k_pair_dot(const struct q4k_pair &v, int64_t p, const uint8_t *xq,
-                                             int64_t cols, float *acc) {
+/* acc[k][j] += pair p of weight row k (v[k]) · values 64p … 64p + 63 of row j of the quantized x,
+ * for k < R, j < NX: per sub-block sc·dx·Σ code·q − off·Σ x, as qunit_dot. */
+template <int NX, int R>
+__device__ __forceinline__ void q4k_pair_dot(const struct q4k_pair *v, int64_t p,
+                                             const uint8_t *xq, int64_t cols, float (*acc)[NX]) {
     const int c = (int)(p % 4), sh = 16 * (c & 1);
-    const uint32_t s = c < 2 ? v.hd.y & 0x3f3f3f3fu
-                             : (v.hd.w & 0x0f0f0f0fu) | ((v.hd.y >> 2) & 0x30303030u);
-    const uint32_t mn = c < 2 ? v.hd.z & 0x3f3f3f3fu
-                              : ((v.hd.w >> 4) & 0x0f0f0f0fu) | ((v.hd.z >> 2) & 0x30303030u);
-    const float d = __half2float(__ushort_as_half((unsigned short)(v.hd.x & 0xffff)));
-    const float dm = __half2float(__ushort_as_half((unsigned short)(v.hd.x >> 16)));
-    const float sc0 = __fmul_rn(d, small_f((s >> sh) & 0xff)),
-                sc1 = __fmul_rn(d, small_f((s >> (sh + 8)) & 0xff));
-    const float off0 = __fmul_rn(dm, small_f((mn >> sh) & 0xff)),
-                off1 = __fmul_rn(dm, small_f((mn >> (sh + 8)) & 0xff));
-    const uint32_t q[8] = {v.q0.x, v.q0.y, v.q0.z, v.q0.w, v.q1.x, v.q1.y, v.q1.z, v.q1.w};
+    float sc[R][2], off[R][2];
+#pragma unroll
+    for (int k = 0; k < R; k++) {
+        const uint4 hd = v[k].hd;
+        const uint32_t s = c < 2 ? hd.y & 0x3f3f3f3fu
+                                 : (hd.w & 0x0f0f0f0fu) | ((hd.y >> 2) & 0x30303030u);
+        const uint32_t mn = c < 2 ? hd.z & 0x3f3f3f3fu
+                                  : ((hd.w >> 4) & 0x0f0f0f0fu) | ((hd.z >> 2) & 0x30303030u);
+        const float d = __half2float(__ushort_as_half((unsigned short)(hd.x & 0xffff)));
+        const float dm = __half2float(__ushort_as_half((unsigned short)(hd.x >> 16)));
+        sc[k][0] = __fmul_rn(d, small_f((s >> sh) & 0xff));
+        sc[k][1] = __fmul_rn(d, small_f((s >> (sh + 8)) & 0xff));
+        off[k][0] = __fmul_rn(dm, small_f((mn >> sh) & 0xff));
+        off[k][1] = __fmul_rn(dm, small_f((mn >> (sh + 8)) & 0xff));
+    }
     const int64_t xrow = xq_row_bytes(cols);
 #pragma unroll
     for (int j = 0; j < NX; j++) {
@@ -673,48 +677,65 @@ __device__ __forceinline__ void q4k_pair_dot(const struct q4k_pair &v, int64_t p
         const float4 sx = ((const float4 *)(xr + cols + cols / 32 * 4))[p];
         const uint32_t xa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
         const uint32_t xb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-        int lo = 0, hi = 0;
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            lo = dp4a_us(q[i] & 0x0f0f0f0fu, xa[i], lo);
-            hi = dp4a_us((q[i] >> 4) & 0x0f0f0f0fu, xb[i], hi);
+        for (int k = 0; k < R; k++) {
+            const uint32_t q[8] = {v[k].q0.x, v[k].q0.y, v[k].q0.z, v[k].q0.w,
+                                   v[k].q1.x, v[k].q1.y, v[k].q1.z, v[k].q1.w};
+            int lo = 0, hi = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                lo = dp4a_us(q[i] & 0x0f0f0f0fu, xa[i], lo);
+                hi = dp4a_us((q[i] >> 4) & 0x0f0f0f0fu, xb[i], hi);
+            }
+            float a = acc[k][j];
+            a = fmaf(sc[k][0] * dx.x, (float)lo, a);
+            a = fmaf(sc[k][1] * dx.y, (float)hi, a);
+            a = fmaf(-off[k][0], sx.x + sx.y, a);
+            acc[k][j] = fmaf(-off[k][1], sx.z + sx.w, a);
         }
-        acc[j] = fmaf(sc0 * dx.x, (float)lo, acc[j]);
-        acc[j] = fmaf(sc1 * dx.y, (float)hi, acc[j]);
-        acc[j] = fmaf(-off0, sx.x + sx.y, acc[j]);
-        acc[j] = fmaf(-off1, sx.z + sx.w, acc[j]);
     }
 }
 
-/* qrow_int for Q4_K: QGEMV_PAIRS pairs of each lane in flight before any is used. */
+/* acc[k] = this lane's part of rows r + k of m (k < R; rows past the matrix read its last row)
+ * · the NX rows of the quantized x, for Q4_K: QGEMV_PAIRS pairs of each row in flight before any
+ * is used. */
 #define QGEMV_PAIRS 2
-template <int NX>
+template <int NX, int R>
 __device__ __forceinline__ void qrow_q4k(const struct qmat &m, int64_t r, const uint8_t *xq,
-                                         int lane, float *acc) {
+                                         int lane, float (*acc)[NX]) {
     constexpr int U = QGEMV_PAIRS;
-    const uint8_t *row = m.codes + r * m.row_bytes;
+    const uint8_t *row[R];
+#pragma unroll
+    for (int k = 0; k < R; k++)
+        row[k] = m.codes + (r + k < m.rows ? r + k : m.rows - 1) * m.row_bytes;
     const int64_t pairs = m.cols / 64;
-    struct q4k_pair v[U];
+    struct q4k_pair v[U][R];
     int64_t p = lane;
 #pragma unroll
-    for (int j = 0; j < NX; j++)
-        acc[j] = 0;
+    for (int k = 0; k < R; k++)
+#pragma unroll
+        for (int j = 0; j < NX; j++)
+            acc[k][j] = 0;
     bool waited = false;
     for (; p + 32 * (U - 1) < pairs; p += 32 * U) {
 #pragma unroll
         for (int i = 0; i < U; i++)
-            q4k_pair_load(row, p + 32 * i, &v[i]);
+#pragma unroll
+            for (int k = 0; k < R; k++)
+                q4k_pair_load(row[k], p + 32 * i, &v[i][k]);
         if (!waited)
             pdl_begin(), waited = true;
 #pragma unroll
         for (int i = 0; i < U; i++)
-            q4k_pair_dot<NX>(v[i], p + 32 * i, xq, m.cols, acc);
+            q4k_pair_dot<NX, R>(v[i], p + 32 * i, xq, m.cols, acc);
     }
     if (!waited)
         pdl_begin();
     for (; p < pairs; p += 32) {
-        q4k_pair_load(row, p, &v[0]);
-        q4k_pair_dot<NX>(v[0], p, xq, m.cols, acc);
+#pragma unroll
+        for (int k = 0; k < R; k++)
+            q4k_pair_load(row[k], p, &v[0][k]);
+        q4k_pair_dot<NX, R>(v[0], p, xq, m.cols, acc);
     }
 }
 
@@ -730,7 +751,7 @@ template <int QT, int NX>
 __device__ __forceinline__ void qrow_int(const struct qmat &m, int64_t r, const uint8_t *xq,
                                          int lane, float *acc) {
     if constexpr (QT == LLMEM_QTYPE_Q4_K) {
-        qrow_q4k<NX>(m, r, xq, lane, acc);
+        qrow_q4k<NX, 1>(m, r, xq, lane, (float(*)[NX])acc);
         return;
     }
     constexpr int U = QGEMV_UNROLL;
@@ -808,50 +829,72 @@ struct qset {
     unsigned first[4];
 };
 
+/* Rows a warp of qgemv_set_kernel<NX, QT> takes: Q4_K one row of x, two (whose loads it issues
+ * together, and whose x it reads once). */
+template <int NX, int QT> struct qgemv_rows {
+    static constexpr int R = QT == LLMEM_QTYPE_Q4_K && NX == 1 ? 2 : 1;
+};
+
 template <int NX, int QT>
-static __global__ void __launch_bounds__(256, QT != LLMEM_QTYPE_Q4_K ? 0 : NX == 1 ? 4 : NX == 2 ? 2 : 0)
+static __global__ void __launch_bounds__(256, QT != LLMEM_QTYPE_Q4_K ? 0 : NX == 1 ? 3 : NX == 2 ? 2 : 0)
     qgemv_set_kernel(struct qset s, const uint8_t *xq, int swiglu) {
+    constexpr int R = qgemv_rows<NX, QT>::R;
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     int i = 0;
     int64_t r;
     if (swiglu) {
-        i = warp / 4, r = blockIdx.x * 4 + warp % 4;
+        i = warp / 4, r = (blockIdx.x * 4 + warp % 4) * R;
     } else {
         while (i < 2 && blockIdx.x >= s.first[i + 1])
             i++;
-        r = (blockIdx.x - s.first[i]) * 8 + warp;
+        r = ((blockIdx.x - s.first[i]) * 8 + warp) * R;
     }
     const int64_t rows = s.m[i].rows;
-    float acc[NX];
+    float acc[R][NX];
     if (r < rows) {
         if constexpr (QT == QT_ANY)
-            qrow_int_any<NX>(s.type[i], s.m[i], r, xq, lane, acc);
+            qrow_int_any<NX>(s.type[i], s.m[i], r, xq, lane, acc[0]);
+        else if constexpr (QT == LLMEM_QTYPE_Q4_K)
+            qrow_q4k<NX, R>(s.m[i], r, xq, lane, acc);
         else
-            qrow_int<QT, NX>(s.m[i], r, xq, lane, acc);
-        warp_sum<NX>(acc);
+            qrow_int<QT, NX>(s.m[i], r, xq, lane, acc[0]);
+#pragma unroll
+        for (int k = 0; k < R; k++)
+            warp_sum<NX>(acc[k]);
     } else {
 #pragma unroll
-        for (int j = 0; j < NX; j++)
-            acc[j] = 0;
+        for (int k = 0; k < R; k++)
+#pragma unroll
+            for (int j = 0; j < NX; j++)
+                acc[k][j] = 0;
         pdl_begin();
     }
     if (!swiglu) {
-        if (r < rows && lane == 0)
+        if (lane == 0)
 #pragma unroll
-            for (int j = 0; j < NX; j++)
-                s.y[i][j * rows + r] = s.bias[i] != NULL ? acc[j] + s.bias[i][r] : acc[j];
+            for (int k = 0; k < R; k++)
+                if (r + k < rows)
+#pragma unroll
+                    for (int j = 0; j < NX; j++)
+                        s.y[i][j * rows + r + k] =
+                            s.bias[i] != NULL ? acc[k][j] + s.bias[i][r + k] : acc[k][j];
         return;
     }
-    __shared__ float part[8][NX];
+    __shared__ float part[8][R][NX];
     if (lane == 0)
 #pragma unroll
-        for (int j = 0; j < NX; j++)
-            part[warp][j] = acc[j];
-    __syncthreads();
-    if (warp < 4 && lane == 0 && r < rows)
+        for (int k = 0; k < R; k++)
 #pragma unroll
-        for (int j = 0; j < NX; j++)
-            s.y[0][j * rows + r] = silu_mul(part[warp][j], part[warp + 4][j]);
+            for (int j = 0; j < NX; j++)
+                part[warp][k][j] = acc[k][j];
+    __syncthreads();
+    if (warp < 4 && lane == 0)
+#pragma unroll
+        for (int k = 0; k < R; k++)
+            if (r + k < rows)
+#pragma unroll
+                for (int j = 0; j < NX; j++)
+                    s.y[0][j * rows + r + k] = silu_mul(part[warp][k][j], part[warp + 4][k][j]);
 }
 
 /* ---- fast precision, more rows of x: integer products on the tensor cores ---------------------
@@ -1287,9 +1330,9 @@ template <int NT>
 __device__ __forceinline__ void q4k_copy_x(const struct xk4 *xk, int64_t blocks, int64_t s,
                                            int64_t s1, int tiles, uint8_t *stage) {
     constexpr int P = (int)sizeof(struct xk4) / 16;
-    for (int k = threadIdx.x; k < 4 * tiles * P; k += blockDim.x) {
-        const int kp = k / (tiles * P), j = (k / P) % tiles, p = k % P;
-        if (s + kp < s1)
+    for (int k = threadIdx.x; k < 4 * NT * P; k += blockDim.x) { /* (constant divisors) */
+        const int kj = k / P, p = k - kj * P, kp = kj / NT, j = kj % NT;
+        if (j < tiles && s + kp < s1)
             cp_async16<true>(smem_addr(stage + ((kp * NT + j) * P + p) * 16),
                              (const uint8_t *)(xk + j * blocks + s + kp) + 16 * p, 16);
     }
@@ -1468,15 +1511,29 @@ int qgemv_int(const struct cuda_ctx *c, const struct llmem_weight *w) {
             w->quant == LLMEM_QTYPE_Q6_K);
 }
 
-/* qgemv_set_kernel for nx rows of x, of one type QT or any (QT_ANY). */
+/* qgemv_set_kernel<NX, QT> over the count matrices of s (blocks of 8·R rows, or with swiglu
+ * 4·R rows of gate and of up). */
+template <int NX, int QT>
+static void qgemv_set_go(struct cuda_ctx *c, int count, struct qset s, const uint8_t *xq,
+                         int swiglu) {
+    constexpr int R = qgemv_rows<NX, QT>::R;
+    s.first[0] = 0;
+    for (int i = 0; i < 3; i++)
+        s.first[i + 1] =
+            s.first[i] + (i < count ? (unsigned)((s.m[i].rows + 8 * R - 1) / (8 * R)) : 0);
+    const dim3 grid(swiglu ? (unsigned)((s.m[0].rows + 4 * R - 1) / (4 * R)) : s.first[3]);
+    pdl_launch(c->stream, qgemv_set_kernel<NX, QT>, grid, dim3(256), 0, s, xq, swiglu);
+}
+
+/* qgemv_set_go for nx rows of x, of one type QT or any (QT_ANY). */
 template <int QT>
-static void qgemv_set_launch(struct cuda_ctx *c, dim3 grid, int nx, const struct qset &s,
+static void qgemv_set_launch(struct cuda_ctx *c, int count, int nx, const struct qset &s,
                              const uint8_t *xq, int swiglu) {
     switch (nx) {
-    case 1: pdl_launch(c->stream, qgemv_set_kernel<1, QT>, grid, dim3(256), 0, s, xq, swiglu); break;
-    case 2: pdl_launch(c->stream, qgemv_set_kernel<2, QT>, grid, dim3(256), 0, s, xq, swiglu); break;
-    case 3: pdl_launch(c->stream, qgemv_set_kernel<3, QT>, grid, dim3(256), 0, s, xq, swiglu); break;
-    default: pdl_launch(c->stream, qgemv_set_kernel<4, QT>, grid, dim3(256), 0, s, xq, swiglu);
+    case 1: qgemv_set_go<1, QT>(c, count, s, xq, swiglu); break;
+    case 2: qgemv_set_go<2, QT>(c, count, s, xq, swiglu); break;
+    case 3: qgemv_set_go<3, QT>(c, count, s, xq, swiglu); break;
+    default: qgemv_set_go<4, QT>(c, count, s, xq, swiglu);
     }
 }
 
@@ -1493,11 +1550,7 @@ void qgemv_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *
     for (int i = 0; i < count; i++) {
         LLMEM_ASSERT(qgemv_int(c, w[i]) && w[i]->cols == cols);
         s.m[i] = qmat_of(w[i]), s.type[i] = w[i]->quant;
-        s.first[i + 1] = s.first[i] + (unsigned)((w[i]->rows + 7) / 8);
     }
-    for (int i = count; i < 3; i++)
-        s.first[i + 1] = s.first[i];
-    const dim3 grid(swiglu ? (unsigned)((w[0]->rows + 3) / 4) : s.first[3]);
     int same = w[0]->quant; /* the matrices' one type, or QT_ANY */
     for (int i = 1; i < count; i++)
         same = w[i]->quant == same ? same : QT_ANY;
@@ -1507,9 +1560,9 @@ void qgemv_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *
             s.y[i] = y[i] + t * w[i]->rows, s.bias[i] = bias != NULL ? bias[i] : NULL;
         const uint8_t *xt = xq + t * xrow;
         if (same == LLMEM_QTYPE_Q4_K)
-            qgemv_set_launch<LLMEM_QTYPE_Q4_K>(c, grid, nx, s, xt, swiglu);
+            qgemv_set_launch<LLMEM_QTYPE_Q4_K>(c, count, nx, s, xt, swiglu);
         else
-            qgemv_set_launch<QT_ANY>(c, grid, nx, s, xt, swiglu);
+            qgemv_set_launch<QT_ANY>(c, count, nx, s, xt, swiglu);
         t += nx;
     }
     launched(c, swiglu ? "qgemv swiglu" : "qgemv");
