@@ -835,9 +835,14 @@ template <int NX, int QT> struct qgemv_rows {
     static constexpr int R = QT == LLMEM_QTYPE_Q4_K && NX == 1 ? 2 : 1;
 };
 
+/* (Q4_K at one row of x: 80 registers, three blocks an SM; measured on the H200 against two
+ * blocks at 123: 12.1 against 13.7 µs for 14336 × 4096, 13.8 against 11.7 for 4096 × 14336) */
+#define QGEMV_BLOCKS(NX, QT) ((QT) != LLMEM_QTYPE_Q4_K ? 0 : (NX) == 1 ? 3 : (NX) == 2 ? 2 : 0)
+
 template <int NX, int QT>
-static __global__ void __launch_bounds__(256, QT != LLMEM_QTYPE_Q4_K ? 0 : NX == 1 ? 3 : NX == 2 ? 2 : 0)
+static __global__ void __launch_bounds__(256, QGEMV_BLOCKS(NX, QT))
     qgemv_set_kernel(struct qset s, const uint8_t *xq, int swiglu) {
+    static_assert(QT == QT_ANY || QT == LLMEM_QTYPE_Q4_K, "qgemv_set_kernel's instances");
     constexpr int R = qgemv_rows<NX, QT>::R;
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     int i = 0;
@@ -854,10 +859,8 @@ static __global__ void __launch_bounds__(256, QT != LLMEM_QTYPE_Q4_K ? 0 : NX ==
     if (r < rows) {
         if constexpr (QT == QT_ANY)
             qrow_int_any<NX>(s.type[i], s.m[i], r, xq, lane, acc[0]);
-        else if constexpr (QT == LLMEM_QTYPE_Q4_K)
-            qrow_q4k<NX, R>(s.m[i], r, xq, lane, acc);
         else
-            qrow_int<QT, NX>(s.m[i], r, xq, lane, acc[0]);
+            qrow_q4k<NX, R>(s.m[i], r, xq, lane, acc);
 #pragma unroll
         for (int k = 0; k < R; k++)
             warp_sum<NX>(acc[k]);
