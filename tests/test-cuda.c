@@ -449,7 +449,8 @@ static void test_matmul_quantized(void **state) {
                          llmem_qtype_mlx(4, 64, LLMEM_QTYPE_BF16),
                          llmem_qtype_mlx(8, 32, LLMEM_QTYPE_F16),
                          llmem_qtype_mlx(4, 128, LLMEM_QTYPE_F32)};
-    const int64_t ns[] = {1, 3, 8, 9, 40};
+    /* (9, 24 and 40 rows: the tensor-core kernels' instances of 2, 4 and 8 tiles of x) */
+    const int64_t ns[] = {1, 3, 8, 9, 24, 40};
     /* (4,352 columns: rows long enough for the integer kernel's batches of units and a tail) */
     const int64_t shapes[][2] = {{77, 768}, {300, 1280}, {160, 4352}};
     struct llmem_backend *ref = NULL; /* the CPU's exact path: blocks dequantized to f32 */
@@ -479,7 +480,7 @@ static void test_matmul_quantized(void **state) {
             if (memcmp(e, ge, (size_t)(5 * cols) * 4) != 0)
                 fail_msg("embedding of %s differs from the CPU's", llmem_qtype_name(types[k]));
             free(e), free(ge), llmem_mem_free(dmem, de);
-            for (int t = 0; t < 5; t++) {
+            for (int t = 0; t < 6; t++) {
                 const int64_t n = ns[t];
                 const int with_bias = (t + s) % 2;
                 double e2[2];
