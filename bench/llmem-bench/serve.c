@@ -8,7 +8,9 @@
  * has exactly the length asked) and every request generates exactly --max-tokens tokens (EOS
  * ignored); one unmeasured request goes first. Per request: TTFT = first SSE event − request sent;
  * inter-token latency = (last event − first event) / (tokens − 1). Per run: tokens/s = generated
- * tokens / wall time; TTFT p50 and p99 over its requests (p99 is the largest below 100 requests);
+ * tokens / wall time (the prompts' prefill included); decode/s = the clients streaming at once ÷
+ * the mean inter-token latency (the generation alone, as llama-batched-bench's S_TG counts it);
+ * TTFT p50 and p99 over its requests (p99 is the largest below 100 requests);
  * the scheduler's steps ("pf": those that prefill a prompt's chunk): wall time per step, the
  * scheduler's own time in a step ("sched") and of that the forward pass's ("forward"; "fwd pf" in
  * a step that prefills), and on a device with graphs the device's time per decode step replayed
@@ -137,6 +139,7 @@ struct stats {
     int clients, requests, failed;
     int64_t tokens, prefilled, reused, steps, prefill_steps;
     double wall_s, tokens_per_s, requests_per_s, ttft_p50_ms, ttft_p99_ms, itl_ms;
+    double decode_per_s;       /* the concurrent streams ÷ the inter-token latency */
     double step_ms;            /* wall time per scheduler step */
     double sched_ms;           /* the scheduler's time in a step */
     double forward_ms;         /* of which in the forward pass */
@@ -227,6 +230,8 @@ static int run_clients(struct llmem_engine *e, int port, char **bodies, int n, i
     st->ttft_p50_ms = percentile(ttft, ok, 0.50) * 1e3;
     st->ttft_p99_ms = percentile(ttft, ok, 0.99) * 1e3;
     st->itl_ms = ok > 0 ? itl / ok * 1e3 : 0;
+    if (st->itl_ms > 0)
+        st->decode_per_s = (double)(clients < ok ? clients : ok) / (st->itl_ms / 1e3);
     st->reused = m1.reused_tokens - m0.reused_tokens;
     st->prefilled = m1.prompt_tokens - m0.prompt_tokens - st->reused;
     pthread_mutex_destroy(&r.mu);
@@ -315,7 +320,9 @@ static const char usage[] =
     "usage: llmem-bench serve MODEL [options]\n"
     "\n"
     "Throughput and time to first token of the HTTP server (in this process, on a loopback port)\n"
-    "under concurrent streaming clients, and the gain of prefix reuse. Per run also the\n"
+    "under concurrent streaming clients, and the gain of prefix reuse: tokens/s over the whole\n"
+    "run, prefill included, and decode/s, the clients streaming at once over the time between\n"
+    "their tokens (the generation alone). Per run also the\n"
     "scheduler's steps (pf: those that prefill a prompt's chunk), wall ms per step, the\n"
     "scheduler's and the forward pass's ms in a step (fwd pf: in a step that prefills), and\n"
     "on a device the device's ms per decode step replayed as a graph, and how many were.\n"
@@ -386,6 +393,7 @@ static cJSON *stats_json(const struct stats *s, const char *workload) {
         llmem_json_add_int(o, "reused_tokens", s->reused) ||
         llmem_json_add_double(o, "wall_s", s->wall_s) ||
         llmem_json_add_double(o, "tokens_per_s", s->tokens_per_s) ||
+        llmem_json_add_double(o, "decode_tokens_per_s", s->decode_per_s) ||
         llmem_json_add_double(o, "requests_per_s", s->requests_per_s) ||
         llmem_json_add_double(o, "ttft_p50_ms", s->ttft_p50_ms) ||
         llmem_json_add_double(o, "ttft_p99_ms", s->ttft_p99_ms) ||
@@ -412,12 +420,12 @@ static void print_row(const char *label, const struct stats *s) {
     char dev[16] = "-";
     if (s->device_ms > 0)
         snprintf(dev, sizeof(dev), "%.3f", s->device_ms);
-    printf("%-9s %7d %8d %9" PRId64 " %8" PRId64 " %9.1f %7.2f %10.1f %10.1f %7.2f %7" PRId64
+    printf("%-9s %7d %8d %9" PRId64 " %8" PRId64 " %9.1f %9.1f %7.2f %10.1f %10.1f %7.2f %7" PRId64
            " %7" PRId64 " %7.3f %7.3f %7.3f %7.3f %7s %7" PRId64 "%s\n",
            label, s->clients, s->requests, s->prefilled, s->reused, s->tokens_per_s,
-           s->requests_per_s, s->ttft_p50_ms, s->ttft_p99_ms, s->itl_ms, s->steps, s->prefill_steps,
-           s->step_ms, s->sched_ms, s->forward_ms, s->forward_prefill_ms, dev, s->replayed,
-           s->failed ? "  (some failed)" : "");
+           s->decode_per_s, s->requests_per_s, s->ttft_p50_ms, s->ttft_p99_ms, s->itl_ms, s->steps,
+           s->prefill_steps, s->step_ms, s->sched_ms, s->forward_ms, s->forward_prefill_ms, dev,
+           s->replayed, s->failed ? "  (some failed)" : "");
     if (s->masked > 0)
         printf("%-9s masks made while the device computed: %" PRId64 " steps, %" PRId64
                " of them ready only after it had finished\n",
@@ -517,10 +525,11 @@ int bench_serve(int argc, char **argv) {
                temperature > 0 ? "sampled" : "greedy",
                *format_field ? ", under the response format" : "");
         printf("prompt %" PRId64 " tokens, %" PRId64 " generated per request\n", prompt, gen);
-        printf("\n%-9s %7s %8s %9s %8s %9s %7s %10s %10s %7s %7s %7s %7s %7s %7s %7s %7s %7s\n",
-               "workload", "clients", "requests", "prefilled", "reused", "tokens/s", "req/s",
-               "TTFT p50", "TTFT p99", "ITL ms", "steps", "pf", "step ms", "sched", "forward",
-               "fwd pf", "dev ms", "replays");
+        printf("\n%-9s %7s %8s %9s %8s %9s %9s %7s %10s %10s %7s %7s %7s %7s %7s %7s %7s %7s "
+               "%7s\n",
+               "workload", "clients", "requests", "prefilled", "reused", "tokens/s", "decode/s",
+               "req/s", "TTFT p50", "TTFT p99", "ITL ms", "steps", "pf", "step ms", "sched",
+               "forward", "fwd pf", "dev ms", "replays");
     }
 
     /* one unmeasured request: the first one pays for page faults and cold caches */

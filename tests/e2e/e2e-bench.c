@@ -1,8 +1,9 @@
 /*
- * tests/e2e/e2e-bench.c — `llmem-bench mem`, `kv` and `decode` through the built benchmark
- * program: the JSON shape (one object; per pattern its three throughputs; per layout × format an
- * attention point, per format an accuracy, per layout × mode an append cost; a mixture's bytes
- * read per decode token). Speed is not asserted here: numbers go to docs/BENCHMARKS.md.
+ * tests/e2e/e2e-bench.c — `llmem-bench mem`, `kv`, `decode` and `serve` through the built
+ * benchmark program: the JSON shape (one object; per pattern its three throughputs; per layout ×
+ * format an attention point, per format an accuracy, per layout × mode an append cost; a
+ * mixture's bytes read per decode token; a serving run's tokens and rates). Speed is not asserted
+ * here: numbers go to docs/BENCHMARKS.md.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -163,6 +164,31 @@ static void test_bench_decode_moe_dummy(void **state) {
     free(dir);
 }
 
+/* `serve` on pycoder: every request's tokens counted, and both rates (the whole run's, prefill
+ * included, and the generation's alone: the clients over the time between tokens). */
+static void test_bench_serve_json(void **state) {
+    (void)state;
+    struct tu_run run =
+        tu_llmem_bench("serve", LLMEM_SOURCE_DIR "/models/pycoder", "--clients", "2", "--requests",
+                       "4", "--prompt-tokens", "8", "--max-tokens", "6", "--shared-prefix", "0",
+                       "--threads", "1", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    cJSON *root = tu_json_stdout(&run);
+    const cJSON *r = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(root, "runs"), 0);
+    assert_non_null(r);
+    int64_t tokens = 0, failed = -1;
+    assert_int_equal(llmem_json_get_int(r, "generated_tokens", &tokens), 0);
+    assert_int_equal(llmem_json_get_int(r, "failed", &failed), 0);
+    assert_int_equal(tokens, 4 * 6);
+    assert_int_equal(failed, 0);
+    const double all = get_double(r, "tokens_per_s"), decode = get_double(r, "decode_tokens_per_s");
+    const double itl = get_double(r, "inter_token_ms");
+    assert_true(all > 0 && decode > 0 && itl > 0);
+    assert_true(decode > 1999.0 / itl && decode < 2001.0 / itl); /* 2 clients ÷ ITL */
+    cJSON_Delete(root);
+    tu_run_free(&run);
+}
+
 static void test_bench_usage(void **state) {
     (void)state;
     struct tu_run run = tu_llmem_bench("nothing", NULL);
@@ -220,6 +246,7 @@ int main(void) {
         cmocka_unit_test(test_bench_mem_json),
         cmocka_unit_test(test_bench_kv_json),
         cmocka_unit_test(test_bench_decode_moe_dummy),
+        cmocka_unit_test(test_bench_serve_json),
         cmocka_unit_test(test_bench_usage),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
