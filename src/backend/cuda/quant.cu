@@ -87,6 +87,14 @@ __device__ __forceinline__ void bytes8(const uint8_t *p, uint32_t *w) {
     }
 }
 
+/* The f16 in the low (f16_lo) or high (f16_hi) half of w, as f32. */
+__device__ __forceinline__ float f16_lo(uint32_t w) {
+    return __half2float(__ushort_as_half((unsigned short)(w & 0xffff)));
+}
+__device__ __forceinline__ float f16_hi(uint32_t w) {
+    return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+}
+
 /* A small integer (0 ≤ v < 2^23) as f32, exactly: its bits under 2^23's exponent, less 2^23 (a
  * logic operation and an add: the conversion instruction runs at an eighth of their rate). */
 __device__ __forceinline__ float small_f(uint32_t v) {
@@ -120,8 +128,8 @@ __device__ __forceinline__ void k4_scale_min(const uint8_t *b, int k, float *sc,
     const uint32_t scale = lo ? c0 & 63 : (c0 & 0xf) | (c1 >> 6) << 4;
     const uint32_t min = lo ? c1 & 63 : (c0 >> 4) | (c2 >> 6) << 4;
     const uint32_t dd = ld<SH>((const uint32_t *)b); /* d, dmin */
-    *sc = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd & 0xffff))), small_f(scale));
-    *off = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(dd >> 16))), small_f(min));
+    *sc = __fmul_rn(f16_lo(dd), small_f(scale));
+    *off = __fmul_rn(f16_hi(dd), small_f(min));
 }
 
 /* x rounded to the MLX scale dtype st, to nearest even (f32: x). */
@@ -629,12 +637,22 @@ __device__ __forceinline__ void qunit_dot(const uint32_t *w, const float *sc, co
     }
 }
 
+/* The eight 6-bit scales (s[0]: sub-blocks 0–3, s[1]: 4–7, a byte each) and mins (m) of a Q4_K
+ * head (d, dmin, scales[12]), or one half of them (q4k_half: hi for 4–7), as quant/dequant.c's
+ * scale_min_k4 reads them, four at a time:
+ * sub-block k < 4 from bytes k and k + 4 of scales, k ≥ 4 from the nibbles of byte k + 4 and the
+ * top bits of bytes k − 4 and k. */
+__device__ __forceinline__ void q4k_half(uint4 hd, bool hi, uint32_t *s, uint32_t *m) {
+    *s = hi ? (hd.w & 0x0f0f0f0fu) | ((hd.y >> 2) & 0x30303030u) : hd.y & 0x3f3f3f3fu;
+    *m = hi ? ((hd.w >> 4) & 0x0f0f0f0fu) | ((hd.z >> 2) & 0x30303030u) : hd.z & 0x3f3f3f3fu;
+}
+__device__ __forceinline__ void q4k_scales(uint4 hd, uint32_t *s, uint32_t *m) {
+    q4k_half(hd, false, &s[0], &m[0]), q4k_half(hd, true, &s[1], &m[1]);
+}
+
 /* Q4_K a lane a pair of sub-blocks: 2c and 2c + 1 of a super-block are the low and high nibbles
  * of the same 32 bytes (c < 4), so that a lane reads them once (a lane a sub-block read every byte
- * twice, and held 8 words of codes for 16 bytes). The pair's 6-bit scales and mins from the
- * super-block's first 16 bytes (d, dmin, scales[12]) as quant/dequant.c's scale_min_k4 reads them,
- * four at a time: sub-block k < 4 from bytes k and k + 4 of scales, k ≥ 4 from the nibbles of
- * byte k + 4 and the top bits of bytes k − 4 and k. */
+ * twice, and held 8 words of codes for 16 bytes). */
 struct q4k_pair {
     uint4 hd, q0, q1; /* the super-block's head; the pair's 32 bytes of codes */
 };
@@ -655,12 +673,9 @@ __device__ __forceinline__ void q4k_pair_dot(const struct q4k_pair *v, int64_t p
 #pragma unroll
     for (int k = 0; k < R; k++) {
         const uint4 hd = v[k].hd;
-        const uint32_t s = c < 2 ? hd.y & 0x3f3f3f3fu
-                                 : (hd.w & 0x0f0f0f0fu) | ((hd.y >> 2) & 0x30303030u);
-        const uint32_t mn = c < 2 ? hd.z & 0x3f3f3f3fu
-                                  : ((hd.w >> 4) & 0x0f0f0f0fu) | ((hd.z >> 2) & 0x30303030u);
-        const float d = __half2float(__ushort_as_half((unsigned short)(hd.x & 0xffff)));
-        const float dm = __half2float(__ushort_as_half((unsigned short)(hd.x >> 16)));
+        uint32_t s, mn;
+        q4k_half(hd, c >= 2, &s, &mn);
+        const float d = f16_lo(hd.x), dm = f16_hi(hd.x);
         sc[k][0] = __fmul_rn(d, small_f((s >> sh) & 0xff));
         sc[k][1] = __fmul_rn(d, small_f((s >> (sh + 8)) & 0xff));
         off[k][0] = __fmul_rn(dm, small_f((mn >> sh) & 0xff));
@@ -911,8 +926,9 @@ static __global__ void __launch_bounds__(256, QGEMV_BLOCKS(NX, QT))
  * step. Each step's blocks of the 64 rows and its x are copied into shared memory (cp.async, the
  * next step's while this one is multiplied); the block's threads then decode the step's (row,
  * unit) pairs there (qunit_codes) into tiles of codes and scales, and each warp multiplies 16 rows
- * by one tile of x. (Q4_K takes a kernel of its own, below.) x is quantized for this kernel in the operands' own order (struct xfrag), so that
- * its copy is contiguous and a lane reads its operand in one load. The slices (split-K, so that a
+ * by one tile of x. (Q4_K takes a kernel of its own, below.) x is quantized for this kernel in
+ * the operands' own order (struct xfrag), so that its copy is contiguous and a lane reads its
+ * operand in one load. The slices (split-K, so that a
  * matrix of few rows still fills the device) are added in order by qmma_sum_kernel; their count
  * depends on the matrix's shape alone, so that a row of x's products do not depend on the rows
  * beside it.
@@ -1312,14 +1328,6 @@ __device__ __forceinline__ void q4k_lane_load(const uint8_t *b, int q, struct q4
         v->c[c] = __ldg((const uint2 *)(b + 16 + 32 * c + 8 * q));
 }
 
-/* The eight 6-bit scales (s[0]: sub-blocks 0–3, s[1]: 4–7, a byte each) and mins (m) of a head,
- * as quant/dequant.c's scale_min_k4 reads them. */
-__device__ __forceinline__ void q4k_scales(uint4 hd, uint32_t *s, uint32_t *m) {
-    s[0] = hd.y & 0x3f3f3f3fu, m[0] = hd.z & 0x3f3f3f3fu;
-    s[1] = (hd.w & 0x0f0f0f0fu) | ((hd.y >> 2) & 0x30303030u);
-    m[1] = ((hd.w >> 4) & 0x0f0f0f0fu) | ((hd.z >> 2) & 0x30303030u);
-}
-
 /* Shared memory of qmma_q4k_kernel<NT>: two stages of x, each the four super-blocks of an
  * iteration (one a part) by NT tiles. */
 template <int NT> struct q4k_smem {
@@ -1413,10 +1421,8 @@ static __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1)
                     }
                 }
             }
-            const float da = __half2float(__ushort_as_half((unsigned short)(va.hd.x & 0xffff)));
-            const float dma = __half2float(__ushort_as_half((unsigned short)(va.hd.x >> 16)));
-            const float db = __half2float(__ushort_as_half((unsigned short)(vb.hd.x & 0xffff)));
-            const float dmb = __half2float(__ushort_as_half((unsigned short)(vb.hd.x >> 16)));
+            const float da = f16_lo(va.hd.x), dma = f16_hi(va.hd.x);
+            const float db = f16_lo(vb.hd.x), dmb = f16_hi(vb.hd.x);
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 if (j >= tiles)
@@ -1470,26 +1476,6 @@ static __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1)
             if (r < m.rows && c < n)
                 out[c * m.rows + r] = bias != NULL ? v + bias[r] : v;
         }
-}
-
-/* qmma_q4k_kernel<NT> launched with its shared memory (allowed once per instance and device). */
-template <int NT>
-static void qmma_q4k_launch(struct cuda_ctx *c, dim3 grid, const struct qmat &m,
-                            const struct xk4 *xk, int n, int per, float *y, const float *bias) {
-    static bool allowed[64];
-    const int bytes = q4k_smem<NT>::BYTES;
-    int dev = 0;
-    if (check(c, cudaGetDevice(&dev), "device") != LLMEM_OK || dev < 0 || dev >= 64)
-        return;
-    if (!allowed[dev])
-        allowed[dev] = check(c,
-                             cudaFuncSetAttribute(qmma_q4k_kernel<NT>,
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  bytes),
-                             "qmma shared memory") == LLMEM_OK;
-    if (allowed[dev])
-        pdl_launch(c->stream, qmma_q4k_kernel<NT>, grid, dim3(256), (size_t)bytes, m, xk, n, per,
-                   y, bias);
 }
 
 /* y[i] = Σ_s part[s][i] (+ bias[i % rows]), the slices in order, for i < count. */
@@ -1571,38 +1557,72 @@ void qgemv_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *
     launched(c, swiglu ? "qgemv swiglu" : "qgemv");
 }
 
-/* qmma_kernel<QT, NT> launched with its shared memory (allowed once per instance and device). */
-template <int QT, int NT>
-static void qmma_launch(struct cuda_ctx *c, dim3 grid, const struct qmat &m,
-                        const struct xfrag *xf, int n, int per, float *y, const float *bias) {
-    static bool allowed[64];
-    const int bytes = qmma_smem<QT, NT>::BYTES;
+/* kernel<<<grid, block, bytes>>>(args...) with `bytes` of dynamic shared memory, which the kernel
+ * is allowed once per device (allowed: that kernel's own flags). */
+template <typename... Params, typename... Args>
+static void smem_launch(struct cuda_ctx *c, bool (&allowed)[64], void (*kernel)(Params...),
+                        dim3 grid, dim3 block, int bytes, Args &&...args) {
     int dev = 0;
     if (check(c, cudaGetDevice(&dev), "device") != LLMEM_OK || dev < 0 || dev >= 64)
         return;
     if (!allowed[dev])
         allowed[dev] = check(c,
-                             cudaFuncSetAttribute(qmma_kernel<QT, NT>,
+                             cudaFuncSetAttribute(kernel,
                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                   bytes),
                              "qmma shared memory") == LLMEM_OK;
     if (allowed[dev])
-        pdl_launch(c->stream, qmma_kernel<QT, NT>, grid, dim3(128 * NT), (size_t)bytes, m, xf, n, per,
-                   y, bias);
+        pdl_launch(c->stream, kernel, grid, block, (size_t)bytes, std::forward<Args>(args)...);
+}
+
+template <int QT, int NT>
+static void qmma_launch(struct cuda_ctx *c, dim3 grid, const struct qmat &m,
+                        const struct xfrag *xf, int n, int per, float *y, const float *bias) {
+    static bool allowed[64];
+    smem_launch(c, allowed, qmma_kernel<QT, NT>, grid, dim3(128 * NT), qmma_smem<QT, NT>::BYTES, m,
+                xf, n, per, y, bias);
+}
+
+template <int NT>
+static void qmma_q4k_launch(struct cuda_ctx *c, dim3 grid, const struct qmat &m,
+                            const struct xk4 *xk, int n, int per, float *y, const float *bias) {
+    static bool allowed[64];
+    smem_launch(c, allowed, qmma_q4k_kernel<NT>, grid, dim3(256), q4k_smem<NT>::BYTES, m, xk, n,
+                per, y, bias);
+}
+
+/* The split over K of a matrix of `groups` blocks of rows and `steps` steps: about two blocks of
+ * threads a multiprocessor, at most `most` slices, each `per` whole steps. The count depends on
+ * the matrix's shape alone, so that a row of x's products do not depend on the rows beside it. */
+struct split_k {
+    int64_t slices, per;
+};
+
+static struct split_k split_k_of(int64_t groups, int64_t steps, int64_t most) {
+    const int sms = sm_count() > 0 ? sm_count() : 132;
+    int64_t slices = 2 * sms / groups;
+    slices = slices < 1 ? 1 : slices > most ? most : slices;
+    const int64_t per = (steps + slices - 1) / slices;
+    return {(steps + per - 1) / per, per};
+}
+
+/* The slices' partial sums (part, when there are several) added in order into y, with bias. */
+static void qmma_sum(struct cuda_ctx *c, const float *part, const struct split_k &k, int64_t n,
+                     int64_t rows, const float *bias, float *y) {
+    if (k.slices > 1)
+        pdl_launch(c->stream, qmma_sum_kernel, dim3(grid_for(n * rows, 256)), dim3(256), 0, part,
+                   (int)k.slices, n * rows, rows, bias, y);
 }
 
 /* qmma for a Q4_K matrix (qmma_q4k_kernel). */
 static void qmma_q4k(struct cuda_ctx *c, const struct qmat &m, const float *x, int64_t n, float *y,
                      const float *bias) {
     const int64_t blocks = m.cols / 256, groups = (m.rows + 31) / 32, tiles = (n + 7) / 8;
-    /* slices: about two blocks of threads a multiprocessor, each at least a super-block a warp */
-    const int sms = sm_count() > 0 ? sm_count() : 132;
-    int64_t slices = 2 * sms / groups;
-    slices = slices < 1 ? 1 : slices > (blocks + 3) / 4 ? (blocks + 3) / 4 : slices;
-    const int64_t per = (blocks + slices - 1) / slices;
-    slices = (blocks + per - 1) / per;
+    /* (each slice at least a super-block for each of a block's four parts) */
+    const struct split_k k = split_k_of(groups, blocks, (blocks + 3) / 4);
     const int64_t xbytes = tiles * blocks * (int64_t)sizeof(struct xk4);
-    uint8_t *ws = (uint8_t *)wslice(c, (size_t)(xbytes + (slices > 1 ? slices * n * m.rows * 4 : 0)));
+    uint8_t *ws =
+        (uint8_t *)wslice(c, (size_t)(xbytes + (k.slices > 1 ? k.slices * n * m.rows * 4 : 0)));
     if (ws == NULL)
         return;
     struct xk4 *xk = (struct xk4 *)ws;
@@ -1610,19 +1630,17 @@ static void qmma_q4k(struct cuda_ctx *c, const struct qmat &m, const float *x, i
     pdl_launch(c->stream, quantize_x_k4_kernel,
                dim3((unsigned)((blocks + 7) / 8), (unsigned)(tiles * 8)), dim3(256), 0, x, m.cols, n,
                xk);
-    const dim3 grid((unsigned)groups, (unsigned)slices);
-    float *out = slices > 1 ? part : y;
-    const float *b = slices > 1 ? NULL : bias;
-    const int nt = (int)n;
+    const dim3 grid((unsigned)groups, (unsigned)k.slices);
+    float *out = k.slices > 1 ? part : y;
+    const float *b = k.slices > 1 ? NULL : bias;
+    const int nt = (int)n, per = (int)k.per;
     if (tiles <= 2)
-        qmma_q4k_launch<2>(c, grid, m, xk, nt, (int)per, out, b);
+        qmma_q4k_launch<2>(c, grid, m, xk, nt, per, out, b);
     else if (tiles <= 4)
-        qmma_q4k_launch<4>(c, grid, m, xk, nt, (int)per, out, b);
+        qmma_q4k_launch<4>(c, grid, m, xk, nt, per, out, b);
     else
-        qmma_q4k_launch<8>(c, grid, m, xk, nt, (int)per, out, b);
-    if (slices > 1)
-        pdl_launch(c->stream, qmma_sum_kernel, dim3(grid_for(n * m.rows, 256)), dim3(256), 0,
-                   (const float *)part, (int)slices, n * m.rows, m.rows, bias, y);
+        qmma_q4k_launch<8>(c, grid, m, xk, nt, per, out, b);
+    qmma_sum(c, part, k, n, m.rows, bias, y);
     launched(c, "qmma");
 }
 
@@ -1637,16 +1655,10 @@ void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int6
     }
     const int64_t units = m.cols / 32, steps = (units + QMMA_STEP - 1) / QMMA_STEP;
     const int64_t blocks = (m.rows + QMMA_ROWS - 1) / QMMA_ROWS;
-    /* slices: up to two blocks a multiprocessor (as many as fit with 64 rows of x: one wave),
-     * each a whole number of steps */
-    const int sms = sm_count() > 0 ? sm_count() : 132;
-    int64_t slices = 2 * sms / blocks;
-    slices = slices < 1 ? 1 : slices > steps ? steps : slices;
-    const int64_t per = (steps + slices - 1) / slices;
-    slices = (steps + per - 1) / per;
+    const struct split_k k = split_k_of(blocks, steps, steps);
     const int64_t xbytes = (n + 7) / 8 * units * (int64_t)sizeof(struct xfrag);
     uint8_t *ws = (uint8_t *)wslice(
-        c, (size_t)(xbytes + (slices > 1 ? slices * n * m.rows * 4 : 0)));
+        c, (size_t)(xbytes + (k.slices > 1 ? k.slices * n * m.rows * 4 : 0)));
     if (ws == NULL)
         return;
     struct xfrag *xf = (struct xfrag *)ws;
@@ -1658,22 +1670,25 @@ void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int6
         pdl_launch(c->stream, quantize_x_frag_kernel<QMMA_STEP>,
                    dim3((qgrid.x + QMMA_STEP - 1) / QMMA_STEP, qgrid.y), dim3(256), 0, x, m.cols,
                    n, xf);
-    const dim3 grid((unsigned)blocks, (unsigned)slices);
-    const int nt = (int)n;
-    float *out = slices > 1 ? part : y;
-    const float *b = slices > 1 ? NULL : bias;
+    const dim3 grid((unsigned)blocks, (unsigned)k.slices);
+    const int nt = (int)n, per = (int)k.per;
+    float *out = k.slices > 1 ? part : y;
+    const float *b = k.slices > 1 ? NULL : bias;
 #define QMMA(QT)                                                                                   \
     if (nt <= 16)                                                                                  \
-        qmma_launch<QT, 2>(c, grid, m, xf, nt, (int)per, out, b);                                  \
+        qmma_launch<QT, 2>(c, grid, m, xf, nt, per, out, b);                                       \
     else if (nt <= 32)                                                                             \
-        qmma_launch<QT, 4>(c, grid, m, xf, nt, (int)per, out, b);                                  \
+        qmma_launch<QT, 4>(c, grid, m, xf, nt, per, out, b);                                       \
     else                                                                                           \
-        qmma_launch<QT, 8>(c, grid, m, xf, nt, (int)per, out, b);
-    QT_INT_DISPATCH(w->quant, QMMA)
+        qmma_launch<QT, 8>(c, grid, m, xf, nt, per, out, b);
+    switch (w->quant) { /* (Q4_K: qmma_q4k) */
+    case LLMEM_QTYPE_Q8_0: QMMA(LLMEM_QTYPE_Q8_0) break;
+    case LLMEM_QTYPE_Q4_0: QMMA(LLMEM_QTYPE_Q4_0) break;
+    case LLMEM_QTYPE_Q5_K: QMMA(LLMEM_QTYPE_Q5_K) break;
+    default: QMMA(LLMEM_QTYPE_Q6_K)
+    }
 #undef QMMA
-    if (slices > 1)
-        pdl_launch(c->stream, qmma_sum_kernel, dim3(grid_for(n * m.rows, 256)), dim3(256), 0,
-                   (const float *)part, (int)slices, n * m.rows, m.rows, bias, y);
+    qmma_sum(c, part, k, n, m.rows, bias, y);
     launched(c, "qmma");
 }
 
