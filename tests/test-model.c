@@ -937,6 +937,15 @@ static void test_dummy_load(void **state) {
         }
         assert_true(varied);
         assert_true(a->final_norm[0] == 1.0f && a->layers[0].mlp_norm[1] == 1.0f);
+        /* any range of a tensor made alone (llmem quantize's chunks) is that range of the whole */
+        const struct llmem_st_tensor *t =
+            llmem_safetensors_find(a->st, "model.embed_tokens.weight");
+        assert_non_null(t);
+        uint16_t piece[37];
+        for (int64_t first = 0; first + 37 <= n; first += 1001) {
+            llmem_model_dummy_values(t, (int)(t - a->st->tensors), first, 37, piece);
+            assert_memory_equal(piece, e + first, sizeof(piece));
+        }
         llmem_model_free(a);
         llmem_model_free(b);
         assert_int_equal(llmem_mem_active(mem), 0);

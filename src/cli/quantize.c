@@ -14,6 +14,7 @@
 
 static const char quantize_usage[] =
     "usage: llmem quantize MODEL_DIR OUT.gguf --type TYPE [--name NAME] [--threads N]\n"
+    "                      [--load-format F]\n"
     "\n"
     "Writes the Hugging Face model in MODEL_DIR (config.json, bf16/f16/f32 safetensors,\n"
     "tokenizer.json; llama incl. Llama 3 rope scaling, mistral, qwen2, qwen3, and the\n"
@@ -25,16 +26,20 @@ static const char quantize_usage[] =
     "                 f16 or bf16 (1-D tensors stay f32 in every type)\n"
     "  --name NAME    general.name (default: the directory's name)\n"
     "  --threads N    quantizing threads (default: the online CPUs; the file is the same)\n"
+    "  --load-format F  auto (default): the directory's safetensors; dummy: config.json and\n"
+    "                 the tokenizer alone, the weights the seeded random bf16 that llmem run\n"
+    "                 --load-format dummy makes (a quantized file of a shape nobody has)\n"
     "\n"
     "Exit status: 0 when the file is written, 1 on errors (nothing is left at OUT.gguf), 2 on\n"
     "usage errors.\n";
 
-enum { OPT_TYPE = 256, OPT_NAME, OPT_THREADS, OPT_HELP };
+enum { OPT_TYPE = 256, OPT_NAME, OPT_THREADS, OPT_LOAD_FORMAT, OPT_HELP };
 
 static const struct option quantize_options[] = {
     {"type", required_argument, NULL, OPT_TYPE},
     {"name", required_argument, NULL, OPT_NAME},
     {"threads", required_argument, NULL, OPT_THREADS},
+    {"load-format", required_argument, NULL, OPT_LOAD_FORMAT},
     {"help", no_argument, NULL, OPT_HELP},
     {NULL, 0, NULL, 0},
 };
@@ -46,6 +51,7 @@ static void progress(void *arg, int64_t done, int64_t total) {
 int cli_quantize(int argc, char **argv) {
     const char *type_name = NULL, *name = NULL;
     int64_t threads = 0;
+    int dummy = 0;
     optind = 1;
     opterr = 0;
     int c;
@@ -57,6 +63,12 @@ int cli_quantize(int argc, char **argv) {
         case OPT_THREADS:
             if (cli_parse_int("--threads", optarg, 1, 1024, &threads) != CLI_OK)
                 return CLI_USAGE;
+            break;
+        case OPT_LOAD_FORMAT:
+            if (strcmp(optarg, "auto") != 0 && strcmp(optarg, "dummy") != 0)
+                return cli_usage_error("quantize", "--load-format: '%s' is not auto or dummy",
+                                       optarg);
+            dummy = strcmp(optarg, "dummy") == 0;
             break;
         case 'h':
         case OPT_HELP: fputs(quantize_usage, stdout); return CLI_OK;
@@ -85,7 +97,7 @@ int cli_quantize(int argc, char **argv) {
     }
     char label[64];
     snprintf(label, sizeof(label), "quantize %s", llmem_gguf_ftype_name(ftype));
-    int st = llmem_gguf_convert(dir, out, ftype, name, (int)threads, progress, label);
+    int st = llmem_gguf_convert(dir, out, ftype, name, (int)threads, dummy, progress, label);
     cli_progress_done();
     if (st != LLMEM_OK) /* the library's line has said why; nothing is left at OUT */
         return CLI_FAIL;

@@ -49,6 +49,7 @@
 #include "llmem/safetensors.h"
 #include "llmem/status.h"
 #include "model/gguf.h"
+#include "model/model_int.h"
 #include "quant/quant.h"
 
 #define FUNC        "llmem_gguf_convert"
@@ -297,7 +298,8 @@ struct conv {
     struct llmem_safetensors *st;
     struct conv_tensor *t;
     int n_t;
-    int *fds; /* (st->n_files) */
+    int dummy; /* the tensors of llmem_model_dummy_table, made as they are read */
+    int *fds;  /* (st->n_files; dummy: none) */
     struct llmem_pool *pool;
     float rope_freqs[512];
 };
@@ -953,15 +955,19 @@ static int write_rows(struct conv *c, struct llmem_gguf_writer *w, const struct 
         step = 1;
     if (t->permute_heads > 0 && step < hd)
         step = hd; /* the buffers hold at least one head (sized so by the caller) */
-    const int fd = c->fds[src->file_index];
-    const char *path = c->st->files[src->file_index].path;
     const int64_t row_bytes = llmem_qtype_bytes(t->type, t->cols);
     for (int64_t r = 0; r < pc->rows; r += step) {
         int64_t nr = pc->rows - r < step ? pc->rows - r : step;
         int64_t n = nr * t->cols;
         int64_t off = c->st->files[src->file_index].data_offset + src->offset_begin +
                       (pc->row + r) * t->cols * es;
-        int st = llmem_file_pread(fd, path, raw, (size_t)(n * es), off);
+        int st = LLMEM_OK;
+        if (c->dummy)
+            llmem_model_dummy_values(src, (int)(src - c->st->tensors), (pc->row + r) * t->cols, n,
+                                     raw);
+        else
+            st = llmem_file_pread(c->fds[src->file_index], c->st->files[src->file_index].path, raw,
+                                  (size_t)(n * es), off);
         if (st != LLMEM_OK)
             return st;
         to_f32(t->src->dtype, raw, f, n);
@@ -989,8 +995,8 @@ static int write_rows(struct conv *c, struct llmem_gguf_writer *w, const struct 
 /* ---- the conversion ------------------------------------------------------------------------- */
 
 int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *name, int n_threads,
-                       llmem_gguf_progress_fn progress, void *progress_arg) {
-    struct conv c = {.dir = dir};
+                       int dummy, llmem_gguf_progress_fn progress, void *progress_arg) {
+    struct conv c = {.dir = dir, .dummy = dummy};
     struct llmem_gguf_writer *w = NULL;
     void *raw = NULL;
     float *f = NULL, *g = NULL;
@@ -1042,7 +1048,8 @@ int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *
         LLMEM_WARN("%s: the sliding window (%" PRId64 " tokens) is not written: GGUF's llama "
                    "architecture has no key for it, and llama.cpp attends to the whole context",
                    dir, geom->sliding_window);
-    if ((st = llmem_safetensors_load_dir(dir, &c.st)) != LLMEM_OK)
+    if ((st = dummy ? llmem_model_dummy_table(&c.cfg, &c.st)
+                    : llmem_safetensors_load_dir(dir, &c.st)) != LLMEM_OK)
         goto out;
     if (llmem_safetensors_find(c.st, "lm_head.weight") == NULL)
         c.cfg.geom.tied_embeddings = 1;
@@ -1060,7 +1067,7 @@ int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *
     }
     for (int i = 0; i < c.st->n_files; i++)
         c.fds[i] = -1;
-    for (int i = 0; i < c.st->n_files; i++)
+    for (int i = 0; !dummy && i < c.st->n_files; i++)
         if ((st = llmem_file_open_regular(c.st->files[i].path, FUNC, &c.fds[i])) != LLMEM_OK)
             goto out;
 

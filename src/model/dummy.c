@@ -127,21 +127,24 @@ static uint16_t vector_value(const char *name) {
     return strstr(name, "norm") != NULL ? 0x3F80 : 0;
 }
 
-/* One tensor's values. */
-static void fill_tensor(const struct llmem_st_tensor *t, int index, void *data) {
-    uint16_t *v = (uint16_t *)((char *)data + t->offset_begin);
+void llmem_model_dummy_values(const struct llmem_st_tensor *t, int index, int64_t first,
+                              int64_t count, uint16_t *out) {
     if (t->n_dims == 1) {
         const uint16_t x = vector_value(t->name);
-        for (int64_t j = 0; j < t->n_elements; j++)
-            v[j] = x;
+        for (int64_t j = 0; j < count; j++)
+            out[j] = x;
         return;
     }
-    /* ±[2^-6, 2^-4): a sign, exponent 121 or 122, 7 random mantissa bits; four a draw */
-    uint64_t state = 0x9E3779B97F4A7C15ull * (uint64_t)(index + 1);
-    for (int64_t j = 0; j < t->n_elements; j += 4) {
-        uint64_t r = llmem_splitmix64_next(&state);
-        for (int64_t k = 0; k < 4 && j + k < t->n_elements; k++, r >>= 16)
-            v[j + k] = (uint16_t)((r & 0x8000) | (0x79 + ((r >> 7) & 1)) << 7 | (r & 0x7F));
+    /* ±[2^-6, 2^-4): a sign, exponent 121 or 122, 7 random mantissa bits; four a draw, draw d
+     * the generator's output from the tensor's seed advanced d times */
+    const uint64_t gamma = 0x9E3779B97F4A7C15ull;
+    uint64_t state = gamma * (uint64_t)(index + 1) + gamma * (uint64_t)(first / 4);
+    int64_t k = first % 4, j = 0;
+    while (j < count) {
+        uint64_t r = llmem_splitmix64_next(&state) >> (16 * k);
+        for (; k < 4 && j < count; k++, j++, r >>= 16)
+            out[j] = (uint16_t)((r & 0x8000) | (0x79 + ((r >> 7) & 1)) << 7 | (r & 0x7F));
+        k = 0;
     }
 }
 
@@ -157,7 +160,9 @@ struct fill_job {
 static void *fill_thread(void *p) {
     const struct fill_job *j = p;
     for (int i = j->thread; i < j->st->n_tensors; i += j->n_threads) {
-        fill_tensor(&j->st->tensors[i], i, j->data);
+        const struct llmem_st_tensor *t = &j->st->tensors[i];
+        llmem_model_dummy_values(t, i, 0, t->n_elements,
+                                 (uint16_t *)((char *)j->data + t->offset_begin));
         const int64_t bytes = j->st->tensors[i].n_bytes;
         const int64_t done = atomic_fetch_add(j->done, bytes) + bytes;
         if (j->thread == 0 && j->progress != NULL)

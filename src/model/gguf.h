@@ -237,9 +237,11 @@ typedef void (*llmem_gguf_progress_fn)(void *arg, int64_t done, int64_t total);
  * keys, tokenizer.ggml.*, tensor names, llama's q/k rows permuted, Llama 3's rope_freqs.weight,
  * the per-tensor types of llama_tensor_get_type. Tensors are read, converted and written a chunk
  * of rows at a time, quantized on n_threads threads (≤ 0: the online CPUs; the bytes do not
- * depend on it). name: general.name (NULL: the directory's base name). progress (optional) gets
- * the source bytes done. Errors are logged (one line) and returned. */
+ * depend on it). name: general.name (NULL: the directory's base name). dummy: the weights are
+ * not read but made from config.json alone, those of LLMEM_MODEL_LOAD_DUMMY (the same seeded
+ * values). progress (optional) gets the source bytes done. Errors are logged (one line) and
+ * returned. */
 int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *name, int n_threads,
-                       llmem_gguf_progress_fn progress, void *progress_arg);
+                       int dummy, llmem_gguf_progress_fn progress, void *progress_arg);
 
 #endif

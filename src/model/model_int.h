@@ -88,6 +88,10 @@ int llmem_model_load_gguf(struct llmem_model *m, const char *path, int flags,
 int llmem_model_dummy_table(const struct llmem_model_config *cfg, struct llmem_safetensors **out);
 void llmem_model_dummy_fill(const struct llmem_safetensors *st, void *data,
                             llmem_progress_fn progress, void *arg);
+/* Elements [first, first + count) of the dummy tensor t, the table's index-th, into out (bf16):
+ * what llmem_model_dummy_fill writes there, made for any range (llmem quantize's chunks). */
+void llmem_model_dummy_values(const struct llmem_st_tensor *t, int index, int64_t first,
+                              int64_t count, uint16_t *out);
 
 /* One decoder layer's weights: matrices used in place from the mapped files, small vectors as f32
  * copies (tag weights). */

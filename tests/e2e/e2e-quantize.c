@@ -622,6 +622,60 @@ static void test_moe(void **state) {
 }
 
 /* Bad input: one line and a nonzero exit; nothing is left at OUT. */
+/* --load-format dummy: a directory of config.json and the tokenizer alone quantizes into the
+ * weights llmem run --load-format dummy makes: at bf16 the file's logits are the dummy model's,
+ * bit for bit (the q/k rows permuted and back), and a quantized file of it runs. */
+static void test_dummy(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp(), file[1024];
+    const char *keep[] = {"config.json", "tokenizer.json", "tokenizer_config.json"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(file, sizeof(file), "%s/tiny-llama3/%s", MODELS, keep[i]);
+        char *text = tu_read_file(file);
+        assert_non_null(text);
+        free(tu_write_file(dir, keep[i], text, -1));
+        free(text);
+    }
+    snprintf(file, sizeof(file), "%s/dummy-bf16.gguf", tmp_dir);
+    struct tu_run r = tu_llmem("quantize", dir, file, "--type", "bf16", "--load-format", "dummy",
+                               "--threads", "2", NULL);
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+    char out_a[1024], out_b[1024];
+    snprintf(out_a, sizeof(out_a), "%s/a.npy", tmp_dir);
+    snprintf(out_b, sizeof(out_b), "%s/b.npy", tmp_dir);
+    const char *ids = "324,285,11,91,12,29,349,224,91";
+    r = tu_llmem("logits", file, "--ids", ids, "--out", out_a, "--threads", "2", "--no-spill",
+                 "--precision", "f32", NULL);
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+    r = tu_llmem("logits", dir, "--load-format", "dummy", "--ids", ids, "--out", out_b, "--threads",
+                 "2", "--no-spill", "--precision", "f32", NULL);
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+    float *a = NULL, *b = NULL;
+    int64_t ra, ca, rb, cb;
+    assert_int_equal(llmem_npy_read_f32(out_a, &a, &ra, &ca), LLMEM_OK);
+    assert_int_equal(llmem_npy_read_f32(out_b, &b, &rb, &cb), LLMEM_OK);
+    assert_true(ra == 9 && rb == 9 && ca == cb);
+    assert_memory_equal(a, b, (size_t)(ra * ca) * sizeof(float));
+    free(a), free(b);
+    snprintf(file, sizeof(file), "%s/dummy-q4_k_m.gguf", tmp_dir);
+    r = tu_llmem("quantize", dir, file, "--type", "q4_k_m", "--load-format", "dummy", NULL);
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+    r = tu_llmem("run", file, "-p", "def add(a, b):", "-n", "4", "--ignore-eos", "--threads", "2",
+                 "--no-spill", NULL);
+    assert_int_equal(r.exit_code, 0);
+    tu_run_free(&r);
+    r = tu_llmem("quantize", dir, file, "--type", "q8_0", "--load-format", "random", NULL);
+    assert_int_equal(r.exit_code, 2);
+    assert_non_null(strstr(r.err, "--load-format"));
+    tu_run_free(&r);
+    tu_rmtree(dir);
+    free(dir);
+}
+
 static void test_bad_input(void **state) {
     (void)state;
     char out[1024];
@@ -958,6 +1012,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_tokenizer),
         cmocka_unit_test(test_logits_close),
         cmocka_unit_test(test_moe),
+        cmocka_unit_test(test_dummy),
         cmocka_unit_test(test_bad_input),
     };
     const struct CMUnitTest memory_tests[] = {
