@@ -16,7 +16,8 @@
  *     any of those types) in one launch, gate and up with swiglu (below: "fast precision");
  *   - qmma: a batch's rows of x (9 to 64) at fast precision, for the same integer types: x
  *     quantized to 8 bits, the codes multiplied on the tensor cores (below: "more rows of x";
- *     Q4_K's operands read straight from memory: "Q4_K on the tensor cores");
+ *     Q4_K's and Q6_K's operands read straight from memory: "Q4_K and Q6_K on the tensor
+ *     cores");
  *   - qdequant: a slice of rows into f16 (fast precision: gemm.cu multiplies the slice on the
  *     tensor cores) or f32 (f32 precision: a plain f32 GEMM), exactly;
  *   - qembedding: a table's rows for the token ids, exactly.
@@ -919,14 +920,14 @@ static __global__ void __launch_bounds__(256, QGEMV_BLOCKS(NX, QT))
  *
  * From QGEMV_MAX_ROWS + 1 to QMMA_MAX_ROWS rows of x (a batch's decode), the same types multiply
  * their codes by x quantized to 8 bits on the tensor cores: an m16n8k32 product of a unit's
- * unsigned codes (16 weight rows) by its signed x (8 rows of x) into s32 sums (Q6_K's halves, of
- * their own scales, an m16n8k16 each). Q8_0 and Q4_0 scale each unit's sums into f32 as qunit_dot
- * scales dp4a's; the K types sum them in integers over a super-block (qmma_int). A block takes
+ * unsigned codes (16 weight rows) by its signed x (8 rows of x) into s32 sums. Q8_0 and Q4_0
+ * scale each unit's sums into f32 as qunit_dot scales dp4a's; Q5_K sums them in integers over a
+ * super-block (qmma_int). A block takes
  * QMMA_ROWS weight rows and up to 8·NT rows of x, over a slice of the units, QMMA_STEP units a
  * step. Each step's blocks of the 64 rows and its x are copied into shared memory (cp.async, the
  * next step's while this one is multiplied); the block's threads then decode the step's (row,
  * unit) pairs there (qunit_codes) into tiles of codes and scales, and each warp multiplies 16 rows
- * by one tile of x. (Q4_K takes a kernel of its own, below.) x is quantized for this kernel in
+ * by one tile of x. (Q4_K and Q6_K take a kernel of their own, below.) x is quantized for this kernel in
  * the operands' own order (struct xfrag), so that its copy is contiguous and a lane reads its
  * operand in one load. The slices (split-K, so that a
  * matrix of few rows still fills the device) are added in order by qmma_sum_kernel; their count
@@ -1000,24 +1001,18 @@ static __global__ void quantize_x_frag_kernel(const float *x, int64_t cols, int6
  * path does (backend/cpu/matmul_q.c): Σ_j sc_j · Σ code·q (sc_j the sub-block's integer scale)
  * and Σ_j m_j · Σ q, scaled once per super-block by d·dx and dmin·dx, x in blocks of 256. */
 template <int QT> struct qmma_int {
-    static constexpr bool K =
-        QT == LLMEM_QTYPE_Q4_K || QT == LLMEM_QTYPE_Q5_K || QT == LLMEM_QTYPE_Q6_K;
+    static constexpr bool K = QT == LLMEM_QTYPE_Q5_K; /* (Q4_K and Q6_K: qmma_k_kernel) */
 };
 
 /* The integer scales of sub-block k of the K-type super-block at b (in shared memory): its two
- * halves' scales and its min (Q6_K: 16-value sub-blocks, signed scales, no min). */
+ * halves' scales and its min. */
 template <int QT> __device__ __forceinline__ int4 qunit_iscales(const uint8_t *b, int k) {
-    if constexpr (QT == LLMEM_QTYPE_Q6_K) {
-        const unsigned short s2 = *(const unsigned short *)(b + 192 + 8 * (k / 4) + 2 * (k % 4));
-        return make_int4((int)(int8_t)(s2 & 0xff), (int)(int8_t)(s2 >> 8), 0, 0);
-    } else {
-        const uint8_t *s = b + 4;
-        const bool lo = k < 4;
-        const int c0 = s[lo ? k : k + 4], c1 = s[lo ? k + 4 : k - 4], c2 = s[k];
-        const int scale = lo ? c0 & 63 : (c0 & 0xf) | (c1 >> 6) << 4;
-        const int min = lo ? c1 & 63 : (c0 >> 4) | (c2 >> 6) << 4;
-        return make_int4(scale, scale, min, 0);
-    }
+    const uint8_t *s = b + 4;
+    const bool lo = k < 4;
+    const int c0 = s[lo ? k : k + 4], c1 = s[lo ? k + 4 : k - 4], c2 = s[k];
+    const int scale = lo ? c0 & 63 : (c0 & 0xf) | (c1 >> 6) << 4;
+    const int min = lo ? c1 & 63 : (c0 >> 4) | (c2 >> 6) << 4;
+    return make_int4(scale, scale, min, 0);
 }
 
 /* Bytes of a row's blocks of a step, and of their copy in shared memory (from the 16 bytes they
@@ -1131,9 +1126,7 @@ static __global__ void __launch_bounds__(128 * NT)
                     sc[0] = __int_as_float(is.x), sc[1] = __int_as_float(is.y);
                     off[0] = __int_as_float(is.z);
                     if (u == 0)
-                        dd[pg][dr] = QT == LLMEM_QTYPE_Q6_K
-                                         ? make_float2(f16_at<true>(row + 208), 0.0f)
-                                         : make_float2(f16_at<true>(row), f16_at<true>(row + 2));
+                        dd[pg][dr] = make_float2(f16_at<true>(row), f16_at<true>(row + 2));
                 }
             } else {
 #pragma unroll
@@ -1170,34 +1163,12 @@ static __global__ void __launch_bounds__(128 * NT)
             if constexpr (qmma_int<QT>::K) {
                 const int4 ia = *(const int4 *)&sa, ib = *(const int4 *)&sb;
                 const int4 qs = *(const int4 *)&x4;
-                if constexpr (QT == LLMEM_QTYPE_Q6_K) {
-                    int hi[4] = {0, 0, 0, 0};
-                    mma_u8s8_k16(lo, af[0], af[1], b.x);
-                    mma_u8s8_k16(hi, af[2], af[3], b.y);
-                    s1i[0] += ia.x * (lo[0] - 32 * qs.x) + ia.y * (hi[0] - 32 * qs.y);
-                    s1i[1] += ia.x * (lo[1] - 32 * qs.z) + ia.y * (hi[1] - 32 * qs.w);
-                    s1i[2] += ib.x * (lo[2] - 32 * qs.x) + ib.y * (hi[2] - 32 * qs.y);
-                    s1i[3] += ib.x * (lo[3] - 32 * qs.z) + ib.y * (hi[3] - 32 * qs.w);
-                } else {
-                    mma_u8s8(lo, af, b.x, b.y);
-                    const int q0 = qs.x + qs.y, q1 = qs.z + qs.w;
-                    s1i[0] += ia.x * lo[0], s1i[1] += ia.x * lo[1];
-                    s1i[2] += ib.x * lo[2], s1i[3] += ib.x * lo[3];
-                    s2i[0] += ia.z * q0, s2i[1] += ia.z * q1;
-                    s2i[2] += ib.z * q0, s2i[3] += ib.z * q1;
-                }
-            } else if constexpr (QT == LLMEM_QTYPE_Q6_K) {
-                int hi[4] = {0, 0, 0, 0};
-                mma_u8s8_k16(lo, af[0], af[1], b.x);
-                mma_u8s8_k16(hi, af[2], af[3], b.y);
-                acc[0] += sa.x * dx.x * (float)lo[0] + sa.y * dx.x * (float)hi[0] -
-                          (sa.z * x4.x + sa.w * x4.y);
-                acc[1] += sa.x * dx.y * (float)lo[1] + sa.y * dx.y * (float)hi[1] -
-                          (sa.z * x4.z + sa.w * x4.w);
-                acc[2] += sb.x * dx.x * (float)lo[2] + sb.y * dx.x * (float)hi[2] -
-                          (sb.z * x4.x + sb.w * x4.y);
-                acc[3] += sb.x * dx.y * (float)lo[3] + sb.y * dx.y * (float)hi[3] -
-                          (sb.z * x4.z + sb.w * x4.w);
+                mma_u8s8(lo, af, b.x, b.y);
+                const int q0 = qs.x + qs.y, q1 = qs.z + qs.w;
+                s1i[0] += ia.x * lo[0], s1i[1] += ia.x * lo[1];
+                s1i[2] += ib.x * lo[2], s1i[3] += ib.x * lo[3];
+                s2i[0] += ia.z * q0, s2i[1] += ia.z * q1;
+                s2i[2] += ib.z * q0, s2i[3] += ib.z * q1;
             } else {
                 mma_u8s8(lo, af, b.x, b.y);
                 acc[0] += sa.x * dx.x * (float)lo[0] - sa.z * (x4.x + x4.y);
@@ -1213,12 +1184,10 @@ static __global__ void __launch_bounds__(128 * NT)
             acc[1] = fmaf(da.x * dx.y, (float)s1i[1], acc[1]);
             acc[2] = fmaf(db.x * dx.x, (float)s1i[2], acc[2]);
             acc[3] = fmaf(db.x * dx.y, (float)s1i[3], acc[3]);
-            if constexpr (QT != LLMEM_QTYPE_Q6_K) {
-                acc[0] = fmaf(-(da.y * dx.x), (float)s2i[0], acc[0]);
-                acc[1] = fmaf(-(da.y * dx.y), (float)s2i[1], acc[1]);
-                acc[2] = fmaf(-(db.y * dx.x), (float)s2i[2], acc[2]);
-                acc[3] = fmaf(-(db.y * dx.y), (float)s2i[3], acc[3]);
-            }
+            acc[0] = fmaf(-(da.y * dx.x), (float)s2i[0], acc[0]);
+            acc[1] = fmaf(-(da.y * dx.y), (float)s2i[1], acc[1]);
+            acc[2] = fmaf(-(db.y * dx.x), (float)s2i[2], acc[2]);
+            acc[3] = fmaf(-(db.y * dx.y), (float)s2i[3], acc[3]);
         }
         __syncthreads(); /* the stage and the codes are free for the next step */
     }
@@ -1234,21 +1203,20 @@ static __global__ void __launch_bounds__(128 * NT)
     }
 }
 
-/* ---- Q4_K on the tensor cores, the weights straight from memory --------------------------------
+/* ---- Q4_K and Q6_K on the tensor cores, the weights straight from memory -----------------------
  *
- * Q4_K takes a kernel of its own (qmma_q4k_kernel): a lane reads its operands' bytes of the
- * weights from memory (no copy through shared memory, no decode into a tile), as the m16n8k32
+ * Q4_K and Q6_K take a kernel of their own (qmma_k_kernel): a lane reads its operands' bytes of
+ * the weights from memory (no copy through shared memory, no decode into a tile), as the m16n8k32
  * product's A operand takes them: a K-slot order in which lane (g, q) holds values 8q … 8q + 7 of
  * a unit (in place of 4q … 4q + 3 and 16 + 4q … 16 + 4q + 3: the products sum over k in any
- * order, and x is laid out in the same order, struct xk4), so that 8 bytes of a sub-block pair's
- * 32 (the low nibbles of 2c, the high of 2c + 1) are both units' operand words for one row. Per
- * super-block the sums of integers as qmma_kernel's (Σ_u sc_u · Σ code·q and Σ_u m_u · Σ q, the
- * latter by dp2a over x's 16-bit unit sums), scaled once by d·dx and dmin·dx. A block is 8 warps:
+ * order, and x is laid out in the same order, struct xk4), so that a lane's operand words of a
+ * row are 8 consecutive bytes of the codes (struct kq says how each type's are). Per super-block
+ * the sums of integers as qmma_kernel's, scaled once by d·dx (and dmin·dx). A block is 8 warps:
  * two groups of 16 rows by four parts of the super-blocks (every fourth), the parts added in order
  * at the end; split-K slices as qmma_kernel's.
  */
 
-/* Eight rows of x (a tile), one super-block of 256 values, for qmma_q4k_kernel: q[u][l] the 8
+/* Eight rows of x (a tile), one super-block of 256 values, for qmma_k_kernel: q[u][l] the 8
  * codes lane l takes for unit u (row l / 4 of the tile, values 32u + 8·(l % 4) …), d the rows'
  * scales, sum[r][u] the sums of row r's codes over unit u. Stored [tile][super-block]. */
 struct xk4 {
@@ -1314,8 +1282,8 @@ template <bool LO> __device__ __forceinline__ int dp2a_su(uint32_t a, uint32_t b
     return d;
 }
 
-/* One row's super-block for a lane of qmma_q4k_kernel: its head (d, dmin, scales) and the lane's
- * 8 bytes of each of the four 32-byte code chunks. */
+/* One row's super-block for a lane of qmma_k_kernel<Q4_K>: its head (d, dmin, scales) and the
+ * lane's 8 bytes of each of the four 32-byte code chunks. */
 struct q4k_lane {
     uint4 hd;
     uint2 c[4];
@@ -1328,9 +1296,196 @@ __device__ __forceinline__ void q4k_lane_load(const uint8_t *b, int q, struct q4
         v->c[c] = __ldg((const uint2 *)(b + 16 + 32 * c + 8 * q));
 }
 
-/* Shared memory of qmma_q4k_kernel<NT>: two stages of x, each the four super-blocks of an
+/* The 8 bytes at p, p 2-byte aligned (Q6_K's 210-byte blocks): the aligned words around them
+ * and funnel shifts. Reads [p & ~7, (p & ~7) + 16) when p is not 8-byte aligned. */
+__device__ __forceinline__ uint2 ld8_a2(const uint8_t *p) {
+    const uint32_t o = (uint32_t)((uintptr_t)p & 7);
+    const uint2 *a = (const uint2 *)(p - o);
+    const uint2 w0 = __ldg(a), w1 = o != 0 ? __ldg(a + 1) : make_uint2(0, 0);
+    const bool hi = (o & 4) != 0;
+    const uint32_t sh = (o & 2) * 8;
+    const uint32_t t0 = hi ? w0.y : w0.x, t1 = hi ? w1.x : w0.y, t2 = hi ? w1.y : w1.x;
+    return make_uint2(__funnelshift_r(t0, t1, sh), __funnelshift_r(t1, t2, sh));
+}
+
+/* The 2-byte-aligned 16-bit word at p. */
+__device__ __forceinline__ uint32_t ld2(const uint8_t *p) {
+    return __ldg((const unsigned short *)p);
+}
+
+/* A lane's share of one super-block of its warp's rows g (a) and g + 8 (b) for qmma_k_kernel
+ * (load), and its products with a stage's tiles of x into acc (dot: per super-block the sums of
+ * integers as qmma_kernel's, scaled once by d·dx). */
+template <int QT> struct kq;
+
+/* Q4_K: the 32 values of sub-block 2c and 2c + 1 are the low and high nibbles of the same 32
+ * bytes, so that the lane's 8 of them are both units' operand words; Σ_u sc_u · Σ code·q and
+ * Σ_u m_u · Σ q (the latter by dp2a over x's 16-bit unit sums). */
+template <> struct kq<LLMEM_QTYPE_Q4_K> {
+    struct q4k_lane a, b;
+
+    __device__ __forceinline__ void load(const uint8_t *ra, const uint8_t *rb, int q) {
+        q4k_lane_load(ra, q, &a), q4k_lane_load(rb, q, &b);
+    }
+
+    template <int NT>
+    __device__ __forceinline__ void dot(const struct xk4 *xs, int tiles, int lane,
+                                        float (*acc)[4]) const {
+        const int q = lane & 3;
+        uint32_t sa[2], ma[2], sbs[2], mb[2];
+        q4k_scales(a.hd, sa, ma), q4k_scales(b.hd, sbs, mb);
+        int s1i[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+            s1i[j][0] = s1i[j][1] = s1i[j][2] = s1i[j][3] = 0;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) { /* unit 2c + h: the low or high nibbles */
+                const int u = 2 * c + h, sh = 4 * h;
+                const uint32_t af[4] = {(a.c[c].x >> sh) & 0x0f0f0f0fu,
+                                        (b.c[c].x >> sh) & 0x0f0f0f0fu,
+                                        (a.c[c].y >> sh) & 0x0f0f0f0fu,
+                                        (b.c[c].y >> sh) & 0x0f0f0f0fu};
+                const int sca = (int)((sa[u / 4] >> (8 * (u % 4))) & 0xff),
+                          scb = (int)((sbs[u / 4] >> (8 * (u % 4))) & 0xff);
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    if (j >= tiles)
+                        break;
+                    const uint2 x = xs[j].q[u][lane];
+                    int lo[4] = {0, 0, 0, 0};
+                    mma_u8s8(lo, af, x.x, x.y);
+                    s1i[j][0] += sca * lo[0], s1i[j][1] += sca * lo[1];
+                    s1i[j][2] += scb * lo[2], s1i[j][3] += scb * lo[3];
+                }
+            }
+        }
+        const float da = f16_lo(a.hd.x);
+        const float dma = f16_hi(a.hd.x);
+        const float db = f16_lo(b.hd.x);
+        const float dmb = f16_hi(b.hd.x);
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            if (j >= tiles)
+                break;
+            const struct xk4 *f = xs + j;
+            const float2 dx = *(const float2 *)&f->d[2 * q];
+            const uint4 x0 = *(const uint4 *)f->sum[2 * q], x1 = *(const uint4 *)f->sum[2 * q + 1];
+            /* Σ_u m_u · Σ q over the units, rows a and b by x's rows 2q and 2q + 1 */
+            int s2[4];
+            s2[0] = dp2a_su<false>(x0.w, ma[1], dp2a_su<true>(x0.z, ma[1],
+                    dp2a_su<false>(x0.y, ma[0], dp2a_su<true>(x0.x, ma[0], 0))));
+            s2[1] = dp2a_su<false>(x1.w, ma[1], dp2a_su<true>(x1.z, ma[1],
+                    dp2a_su<false>(x1.y, ma[0], dp2a_su<true>(x1.x, ma[0], 0))));
+            s2[2] = dp2a_su<false>(x0.w, mb[1], dp2a_su<true>(x0.z, mb[1],
+                    dp2a_su<false>(x0.y, mb[0], dp2a_su<true>(x0.x, mb[0], 0))));
+            s2[3] = dp2a_su<false>(x1.w, mb[1], dp2a_su<true>(x1.z, mb[1],
+                    dp2a_su<false>(x1.y, mb[0], dp2a_su<true>(x1.x, mb[0], 0))));
+            acc[j][0] = fmaf(da * dx.x, (float)s1i[j][0], acc[j][0]);
+            acc[j][1] = fmaf(da * dx.y, (float)s1i[j][1], acc[j][1]);
+            acc[j][2] = fmaf(db * dx.x, (float)s1i[j][2], acc[j][2]);
+            acc[j][3] = fmaf(db * dx.y, (float)s1i[j][3], acc[j][3]);
+            acc[j][0] = fmaf(-(dma * dx.x), (float)s2[0], acc[j][0]);
+            acc[j][1] = fmaf(-(dma * dx.y), (float)s2[1], acc[j][1]);
+            acc[j][2] = fmaf(-(dmb * dx.x), (float)s2[2], acc[j][2]);
+            acc[j][3] = fmaf(-(dmb * dx.y), (float)s2[3], acc[j][3]);
+        }
+    }
+};
+
+/* Q6_K: unit u = (half h = u / 4, part j = u % 4); the lane's 8 values of it are 8 bytes of ql
+ * (64h + 32·(j & 1) + 8q, nibble j / 2: one load for parts j and j + 2) and of qh (128 + 32h +
+ * 8q, bits 2j: one load for the half), taken less 32 as signed bytes; its two 16-value
+ * sub-blocks (lanes q < 2 and q ≥ 2) have their own scales, so a unit is two products, each with
+ * the other half's lanes zero: Σ_t sc_t · Σ (code − 32)·q. */
+template <> struct kq<LLMEM_QTYPE_Q6_K> {
+    uint2 ql[2][2][2], qh[2][2]; /* [row][h][j & 1], [row][h] */
+    uint32_t sc[2][4];           /* the 16 signed 8-bit scales of each row */
+    uint32_t d;                  /* the rows' d (f16), a in the low half */
+
+    __device__ __forceinline__ void load(const uint8_t *ra, const uint8_t *rb, int q) {
+        const uint8_t *r[2] = {ra, rb};
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                ql[k][h][0] = ld8_a2(r[k] + 64 * h + 8 * q);
+                ql[k][h][1] = ld8_a2(r[k] + 64 * h + 32 + 8 * q);
+                qh[k][h] = ld8_a2(r[k] + 128 + 32 * h + 8 * q);
+            }
+            const uint2 s = ld8_a2(r[k] + 192); /* (its words end before the block does) */
+            sc[k][0] = s.x, sc[k][1] = s.y;
+            sc[k][2] = ld2(r[k] + 200) | ld2(r[k] + 202) << 16;
+            sc[k][3] = ld2(r[k] + 204) | ld2(r[k] + 206) << 16;
+        }
+        d = ld2(ra + 208) | ld2(rb + 208) << 16;
+    }
+
+    /* The signed codes (code − 32) of part j from a row's ql and qh words. */
+    static __device__ __forceinline__ uint32_t codes(uint32_t l, uint32_t h, int j) {
+        const uint32_t c =
+            ((l >> (4 * (j >> 1))) & 0x0f0f0f0fu) | (((h >> (2 * j)) & 0x03030303u) << 4);
+        const uint32_t r = c ^ 0x20202020u, m = r & 0x20202020u; /* c − 32, sign-extended */
+        return r | m << 1 | m << 2;
+    }
+
+    /* Signed scale t of row k. */
+    __device__ __forceinline__ int scale(int k, int t) const {
+        return (int)(int8_t)((sc[k][t / 4] >> (8 * (t % 4))) & 0xff);
+    }
+
+    template <int NT>
+    __device__ __forceinline__ void dot(const struct xk4 *xs, int tiles, int lane,
+                                        float (*acc)[4]) const {
+        const int q = lane & 3;
+        const bool first = q < 2; /* the lane's values in the unit's first 16 */
+        int s1i[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+            s1i[j][0] = s1i[j][1] = s1i[j][2] = s1i[j][3] = 0;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int h = u / 4, pj = u % 4;
+            const uint32_t ax = codes(ql[0][h][pj & 1].x, qh[0][h].x, pj),
+                           ay = codes(ql[0][h][pj & 1].y, qh[0][h].y, pj),
+                           bx = codes(ql[1][h][pj & 1].x, qh[1][h].x, pj),
+                           by = codes(ql[1][h][pj & 1].y, qh[1][h].y, pj);
+            const uint32_t f0[4] = {first ? ax : 0, first ? bx : 0, first ? ay : 0, first ? by : 0};
+            const uint32_t f1[4] = {first ? 0 : ax, first ? 0 : bx, first ? 0 : ay, first ? 0 : by};
+            const int t = 2 * u; /* = 8h + 2·pj: the first sub-block's scale */
+            const int sa0 = scale(0, t), sa1 = scale(0, t + 1), sb0 = scale(1, t),
+                      sb1 = scale(1, t + 1);
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                if (j >= tiles)
+                    break;
+                const uint2 x = xs[j].q[u][lane];
+                int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+                mma_s8s8(lo, f0, x.x, x.y);
+                mma_s8s8(hi, f1, x.x, x.y);
+                s1i[j][0] += sa0 * lo[0] + sa1 * hi[0], s1i[j][1] += sa0 * lo[1] + sa1 * hi[1];
+                s1i[j][2] += sb0 * lo[2] + sb1 * hi[2], s1i[j][3] += sb0 * lo[3] + sb1 * hi[3];
+            }
+        }
+        const float da = f16_lo(d);
+        const float db = f16_hi(d);
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            if (j >= tiles)
+                break;
+            const float2 dx = *(const float2 *)&xs[j].d[2 * q];
+            acc[j][0] = fmaf(da * dx.x, (float)s1i[j][0], acc[j][0]);
+            acc[j][1] = fmaf(da * dx.y, (float)s1i[j][1], acc[j][1]);
+            acc[j][2] = fmaf(db * dx.x, (float)s1i[j][2], acc[j][2]);
+            acc[j][3] = fmaf(db * dx.y, (float)s1i[j][3], acc[j][3]);
+        }
+    }
+};
+
+/* Shared memory of qmma_k_kernel<QT, NT>: two stages of x, each the four super-blocks of an
  * iteration (one a part) by NT tiles. */
-template <int NT> struct q4k_smem {
+template <int NT> struct k_smem {
     static constexpr int STAGE = 4 * NT * (int)sizeof(struct xk4);
     static constexpr int BYTES = 2 * STAGE;
 };
@@ -1338,8 +1493,8 @@ template <int NT> struct q4k_smem {
 /* The copy of x's super-blocks s … s + 3 (those below s1), tiles below `tiles`, into a stage
  * [part][tile]. */
 template <int NT>
-__device__ __forceinline__ void q4k_copy_x(const struct xk4 *xk, int64_t blocks, int64_t s,
-                                           int64_t s1, int tiles, uint8_t *stage) {
+__device__ __forceinline__ void k_copy_x(const struct xk4 *xk, int64_t blocks, int64_t s,
+                                         int64_t s1, int tiles, uint8_t *stage) {
     constexpr int P = (int)sizeof(struct xk4) / 16;
     for (int k = threadIdx.x; k < 4 * NT * P; k += blockDim.x) { /* (constant divisors) */
         const int kj = k / P, p = k - kj * P, kp = kj / NT, j = kj % NT;
@@ -1350,14 +1505,16 @@ __device__ __forceinline__ void q4k_copy_x(const struct xk4 *xk, int64_t blocks,
 }
 
 /* y (or the slice blockIdx.y of partial sums, as qmma_kernel's) = n ≤ 8·NT rows of x (xk:
- * quantize_x_k4_kernel's) · rows [32·blockIdx.x, +32) of the Q4_K matrix m over the super-blocks
- * [per·blockIdx.y, +per) (+ bias). Iteration i takes super-blocks s0 + 4i + part; its x is copied
- * into shared memory (cp.async) during iteration i − 1, its weights asked for then too. */
-template <int NT>
+ * quantize_x_k4_kernel's) · rows [32·blockIdx.x, +32) of the matrix m of type QT (Q4_K, Q6_K)
+ * over the super-blocks [per·blockIdx.y, +per) (+ bias). Iteration i takes super-blocks
+ * s0 + 4i + part; its x is copied into shared memory (cp.async) during iteration i − 1, its
+ * weights asked for then too. */
+template <int QT, int NT>
 static __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1)
-    qmma_q4k_kernel(struct qmat m, const struct xk4 *xk, int n, int per, float *y,
-                    const float *bias) {
-    extern __shared__ __align__(16) uint8_t q4k_shared[];
+    qmma_k_kernel(struct qmat m, const struct xk4 *xk, int n, int per, float *y,
+                  const float *bias) {
+    extern __shared__ __align__(16) uint8_t k_shared[];
+    constexpr int64_t BB = qt<QT>::BB;
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int rg = warp & 1, kp = warp >> 1; /* 16 rows, a fourth of the super-blocks */
     const int64_t blocks = m.cols / 256;
@@ -1372,89 +1529,30 @@ static __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1)
     for (int j = 0; j < NT; j++)
         acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     /* the first weights before the wait (launch.h), x after */
-    struct q4k_lane va, vb, na, nb;
+    struct kq<QT> v, nv;
     if (s0 + kp < s1)
-        q4k_lane_load(wa + (s0 + kp) * 144, q, &na), q4k_lane_load(wb + (s0 + kp) * 144, q, &nb);
+        nv.load(wa + (s0 + kp) * BB, wb + (s0 + kp) * BB, q);
     pdl_begin();
-    q4k_copy_x<NT>(xk, blocks, s0, s1, tiles, q4k_shared);
+    k_copy_x<NT>(xk, blocks, s0, s1, tiles, k_shared);
     cp_commit();
     for (int64_t s = s0, i = 0; s < s1; s += 4, i++) {
         const int64_t sb = s + kp;
-        va = na, vb = nb;
+        v = nv;
         if (sb + 4 < s1)
-            q4k_lane_load(wa + (sb + 4) * 144, q, &na), q4k_lane_load(wb + (sb + 4) * 144, q, &nb);
+            nv.load(wa + (sb + 4) * BB, wb + (sb + 4) * BB, q);
         if (s + 4 < s1)
-            q4k_copy_x<NT>(xk, blocks, s + 4, s1, tiles,
-                           q4k_shared + (i + 1) % 2 * q4k_smem<NT>::STAGE);
+            k_copy_x<NT>(xk, blocks, s + 4, s1, tiles, k_shared + (i + 1) % 2 * k_smem<NT>::STAGE);
         cp_commit();
         cp_wait<1>();
         __syncthreads(); /* iteration i's x is in */
-        const struct xk4 *xs =
-            (const struct xk4 *)(q4k_shared + i % 2 * q4k_smem<NT>::STAGE) + kp * NT;
-        if (sb < s1) {
-            uint32_t sa[2], ma[2], sbs[2], mb[2];
-            q4k_scales(va.hd, sa, ma), q4k_scales(vb.hd, sbs, mb);
-            int s1i[NT][4];
-#pragma unroll
-            for (int j = 0; j < NT; j++)
-                s1i[j][0] = s1i[j][1] = s1i[j][2] = s1i[j][3] = 0;
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-#pragma unroll
-                for (int h = 0; h < 2; h++) { /* unit 2c + h: the low or high nibbles */
-                    const int u = 2 * c + h, sh = 4 * h;
-                    const uint32_t af[4] = {(va.c[c].x >> sh) & 0x0f0f0f0fu,
-                                            (vb.c[c].x >> sh) & 0x0f0f0f0fu,
-                                            (va.c[c].y >> sh) & 0x0f0f0f0fu,
-                                            (vb.c[c].y >> sh) & 0x0f0f0f0fu};
-                    const int sca = (int)((sa[u / 4] >> (8 * (u % 4))) & 0xff),
-                              scb = (int)((sbs[u / 4] >> (8 * (u % 4))) & 0xff);
-#pragma unroll
-                    for (int j = 0; j < NT; j++) {
-                        if (j >= tiles)
-                            break;
-                        const uint2 b = xs[j].q[u][lane];
-                        int lo[4] = {0, 0, 0, 0};
-                        mma_u8s8(lo, af, b.x, b.y);
-                        s1i[j][0] += sca * lo[0], s1i[j][1] += sca * lo[1];
-                        s1i[j][2] += scb * lo[2], s1i[j][3] += scb * lo[3];
-                    }
-                }
-            }
-            const float da = f16_lo(va.hd.x), dma = f16_hi(va.hd.x);
-            const float db = f16_lo(vb.hd.x), dmb = f16_hi(vb.hd.x);
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                if (j >= tiles)
-                    break;
-                const struct xk4 *f = xs + j;
-                const float2 dx = *(const float2 *)&f->d[2 * q];
-                const uint4 x0 = *(const uint4 *)f->sum[2 * q],
-                            x1 = *(const uint4 *)f->sum[2 * q + 1];
-                /* Σ_u m_u · Σ q over the units, rows a and b by x's rows 2q and 2q + 1 */
-                int s2[4];
-                s2[0] = dp2a_su<false>(x0.w, ma[1], dp2a_su<true>(x0.z, ma[1],
-                        dp2a_su<false>(x0.y, ma[0], dp2a_su<true>(x0.x, ma[0], 0))));
-                s2[1] = dp2a_su<false>(x1.w, ma[1], dp2a_su<true>(x1.z, ma[1],
-                        dp2a_su<false>(x1.y, ma[0], dp2a_su<true>(x1.x, ma[0], 0))));
-                s2[2] = dp2a_su<false>(x0.w, mb[1], dp2a_su<true>(x0.z, mb[1],
-                        dp2a_su<false>(x0.y, mb[0], dp2a_su<true>(x0.x, mb[0], 0))));
-                s2[3] = dp2a_su<false>(x1.w, mb[1], dp2a_su<true>(x1.z, mb[1],
-                        dp2a_su<false>(x1.y, mb[0], dp2a_su<true>(x1.x, mb[0], 0))));
-                acc[j][0] = fmaf(da * dx.x, (float)s1i[j][0], acc[j][0]);
-                acc[j][1] = fmaf(da * dx.y, (float)s1i[j][1], acc[j][1]);
-                acc[j][2] = fmaf(db * dx.x, (float)s1i[j][2], acc[j][2]);
-                acc[j][3] = fmaf(db * dx.y, (float)s1i[j][3], acc[j][3]);
-                acc[j][0] = fmaf(-(dma * dx.x), (float)s2[0], acc[j][0]);
-                acc[j][1] = fmaf(-(dma * dx.y), (float)s2[1], acc[j][1]);
-                acc[j][2] = fmaf(-(dmb * dx.x), (float)s2[2], acc[j][2]);
-                acc[j][3] = fmaf(-(dmb * dx.y), (float)s2[3], acc[j][3]);
-            }
-        }
+        if (sb < s1)
+            v.template dot<NT>((const struct xk4 *)(k_shared + i % 2 * k_smem<NT>::STAGE) +
+                                   kp * NT,
+                               tiles, lane, acc);
         __syncthreads(); /* the stage is free for iteration i + 2 */
     }
     /* the four parts added in order by part 0's warps (in the stages' memory, free now) */
-    float(*part)[2][NT][4][32] = (float(*)[2][NT][4][32])q4k_shared;
+    float(*part)[2][NT][4][32] = (float(*)[2][NT][4][32])k_shared;
     if (kp > 0)
 #pragma unroll
         for (int j = 0; j < NT; j++)
@@ -1583,11 +1681,11 @@ static void qmma_launch(struct cuda_ctx *c, dim3 grid, const struct qmat &m,
                 xf, n, per, y, bias);
 }
 
-template <int NT>
-static void qmma_q4k_launch(struct cuda_ctx *c, dim3 grid, const struct qmat &m,
-                            const struct xk4 *xk, int n, int per, float *y, const float *bias) {
+template <int QT, int NT>
+static void qmma_k_launch(struct cuda_ctx *c, dim3 grid, const struct qmat &m,
+                          const struct xk4 *xk, int n, int per, float *y, const float *bias) {
     static bool allowed[64];
-    smem_launch(c, allowed, qmma_q4k_kernel<NT>, grid, dim3(256), q4k_smem<NT>::BYTES, m, xk, n,
+    smem_launch(c, allowed, qmma_k_kernel<QT, NT>, grid, dim3(256), k_smem<NT>::BYTES, m, xk, n,
                 per, y, bias);
 }
 
@@ -1614,9 +1712,10 @@ static void qmma_sum(struct cuda_ctx *c, const float *part, const struct split_k
                    (int)k.slices, n * rows, rows, bias, y);
 }
 
-/* qmma for a Q4_K matrix (qmma_q4k_kernel). */
-static void qmma_q4k(struct cuda_ctx *c, const struct qmat &m, const float *x, int64_t n, float *y,
-                     const float *bias) {
+/* qmma for a Q4_K or Q6_K matrix (qmma_k_kernel). */
+template <int QT>
+static void qmma_k(struct cuda_ctx *c, const struct qmat &m, const float *x, int64_t n, float *y,
+                   const float *bias) {
     const int64_t blocks = m.cols / 256, groups = (m.rows + 31) / 32, tiles = (n + 7) / 8;
     /* (each slice at least a super-block for each of a block's four parts) */
     const struct split_k k = split_k_of(groups, blocks, (blocks + 3) / 4);
@@ -1635,11 +1734,11 @@ static void qmma_q4k(struct cuda_ctx *c, const struct qmat &m, const float *x, i
     const float *b = k.slices > 1 ? NULL : bias;
     const int nt = (int)n, per = (int)k.per;
     if (tiles <= 2)
-        qmma_q4k_launch<2>(c, grid, m, xk, nt, per, out, b);
+        qmma_k_launch<QT, 2>(c, grid, m, xk, nt, per, out, b);
     else if (tiles <= 4)
-        qmma_q4k_launch<4>(c, grid, m, xk, nt, per, out, b);
+        qmma_k_launch<QT, 4>(c, grid, m, xk, nt, per, out, b);
     else
-        qmma_q4k_launch<8>(c, grid, m, xk, nt, per, out, b);
+        qmma_k_launch<QT, 8>(c, grid, m, xk, nt, per, out, b);
     qmma_sum(c, part, k, n, m.rows, bias, y);
     launched(c, "qmma");
 }
@@ -1649,8 +1748,11 @@ void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int6
     static_assert(QMMA_MAX_ROWS <= 64, "qmma_kernel takes up to 8 tiles of 8 rows of x");
     LLMEM_ASSERT(qgemv_int(c, w) && n > 0 && n <= QMMA_MAX_ROWS);
     const struct qmat m = qmat_of(w);
-    if (w->quant == LLMEM_QTYPE_Q4_K) {
-        qmma_q4k(c, m, x, n, y, bias);
+    if (w->quant == LLMEM_QTYPE_Q4_K || w->quant == LLMEM_QTYPE_Q6_K) {
+        if (w->quant == LLMEM_QTYPE_Q4_K)
+            qmma_k<LLMEM_QTYPE_Q4_K>(c, m, x, n, y, bias);
+        else
+            qmma_k<LLMEM_QTYPE_Q6_K>(c, m, x, n, y, bias);
         return;
     }
     const int64_t units = m.cols / 32, steps = (units + QMMA_STEP - 1) / QMMA_STEP;
@@ -1681,11 +1783,10 @@ void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int6
         qmma_launch<QT, 4>(c, grid, m, xf, nt, per, out, b);                                       \
     else                                                                                           \
         qmma_launch<QT, 8>(c, grid, m, xf, nt, per, out, b);
-    switch (w->quant) { /* (Q4_K: qmma_q4k) */
+    switch (w->quant) { /* (Q4_K, Q6_K: qmma_k) */
     case LLMEM_QTYPE_Q8_0: QMMA(LLMEM_QTYPE_Q8_0) break;
     case LLMEM_QTYPE_Q4_0: QMMA(LLMEM_QTYPE_Q4_0) break;
-    case LLMEM_QTYPE_Q5_K: QMMA(LLMEM_QTYPE_Q5_K) break;
-    default: QMMA(LLMEM_QTYPE_Q6_K)
+    default: QMMA(LLMEM_QTYPE_Q5_K)
     }
 #undef QMMA
     qmma_sum(c, part, k, n, m.rows, bias, y);
