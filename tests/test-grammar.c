@@ -14,6 +14,7 @@
 
 #include "testutil.h"
 
+#include "engine/grammar_int.h"
 #include "llmem/grammar.h"
 #include "llmem/pool.h"
 #include "llmem/sampler.h"
@@ -415,6 +416,94 @@ static void test_allowed(void **state) {
     llmem_grammar_free(g);
 }
 
+/* Strings of any length (their bodies are where a walk skips the trie's subtrees of plain
+ * characters). */
+static const char strings[] =
+    "{\"type\":\"object\",\"properties\":{\"s\":{\"type\":\"string\"},\"t\":{\"type\":"
+    "\"array\",\"items\":{\"type\":\"string\"}}},\"required\":[\"s\",\"t\"]}";
+
+/* A mask is exactly the tokens the grammar takes next: along random outputs, every token tried
+ * on a matcher moved past the output so far; with or without a budget, the masks of a walk that
+ * skips the subtrees of plain characters inside strings are those of a walk over every node. */
+static void test_masks_exact(void **state) {
+    (void)state;
+    const char *schemas[] = {strings, NULL};
+    const int32_t n = llmem_grammar_vocab_size(vocab);
+    uint8_t *a = malloc((size_t)n), *b = malloc((size_t)n);
+    char *text = malloc(1 << 16);
+    assert_non_null(a), assert_non_null(b), assert_non_null(text);
+    struct llmem_grammar_vocab *whole = NULL; /* (walked node by node) */
+    assert_int_equal(llmem_grammar_vocab_create(tok, &whole), LLMEM_OK);
+    grammar_vocab_no_plain(whole);
+    uint64_t x = 11;
+    int checked = 0, compared = 0;
+    for (int k = 0; k < 2; k++) {
+        struct llmem_grammar *g = compile(schemas[k]);
+        for (int out = 0; out < 3; out++) {
+            struct llmem_grammar_state *s = NULL, *w = NULL;
+            assert_int_equal(llmem_grammar_state_create(g, vocab, &s), LLMEM_OK);
+            assert_int_equal(llmem_grammar_state_create(g, whole, &w), LLMEM_OK);
+            size_t len = 0;
+            for (int t = 0; t < 24; t++) {
+                /* budgets: none, loose, binding and below the shortest completion */
+                const int64_t budgets[] = {0, 30 - t, 12 - t / 2, 3};
+                for (int i = 0; i < 4; i++, compared++) {
+                    const int64_t na = llmem_grammar_allowed(s, budgets[i], a);
+                    assert_int_equal(llmem_grammar_allowed(w, budgets[i], b), na);
+                    assert_memory_equal(a, b, (size_t)n);
+                }
+                const int64_t na = llmem_grammar_allowed(s, 0, a);
+                if (na == 0)
+                    break;
+                if (t % 3 == 1) { /* every token, from the output so far */
+                    int64_t takes_n = 0;
+                    for (int32_t id = 0; id < n; id++) {
+                        char tb[256];
+                        size_t tl = 0;
+                        int ok = 0;
+                        if (!llmem_tokenizer_is_special(tok, id) &&
+                            llmem_tokenizer_token_bytes(tok, id, tb, sizeof(tb), &tl) == LLMEM_OK &&
+                            tl > 0) {
+                            struct llmem_grammar_state *r = NULL;
+                            assert_int_equal(llmem_grammar_state_create(g, vocab, &r), LLMEM_OK);
+                            ok = llmem_grammar_accept_bytes(r, text, len) == LLMEM_OK &&
+                                 llmem_grammar_accept_bytes(r, tb, tl) == LLMEM_OK;
+                            llmem_grammar_state_free(r);
+                        }
+                        if (ok != a[id])
+                            fail_msg("after '%.*s': token %d ('%.*s') %s", (int)len, text, id,
+                                     (int)tl, tb, ok ? "taken but not allowed" : "allowed");
+                        takes_n += ok;
+                    }
+                    assert_int_equal(takes_n, na);
+                    checked++;
+                }
+                const int64_t nb = llmem_grammar_allowed(s, 30 - t, b); /* within the budget */
+                assert_true(nb <= na);
+                for (int32_t id = 0; id < n; id++)
+                    assert_true(!b[id] || a[id]);
+                x = x * 6364136223846793005ull + 1442695040888963407ull;
+                int64_t pick = (int64_t)((x >> 33) % (uint64_t)(nb > 0 ? nb : na));
+                const uint8_t *m = nb > 0 ? b : a;
+                int32_t id = 0;
+                while (!m[id] || pick-- > 0)
+                    id++;
+                size_t tl = 0;
+                assert_int_equal(llmem_tokenizer_token_bytes(tok, id, text + len, 256, &tl),
+                                 LLMEM_OK);
+                len += tl;
+                assert_int_equal(llmem_grammar_accept(s, id), LLMEM_OK);
+                assert_int_equal(llmem_grammar_accept(w, id), LLMEM_OK);
+            }
+            llmem_grammar_state_free(s), llmem_grammar_state_free(w);
+        }
+        llmem_grammar_free(g);
+    }
+    printf("  %d masks checked token by token, %d the whole trie's\n", checked, compared);
+    llmem_grammar_vocab_free(whole);
+    free(a), free(b), free(text);
+}
+
 /* One mask's walk split over a pool's threads gives the serial walk's mask, count and
  * (through the budget) the same later masks: two matchers of a grammar, one walking alone, one
  * with walkers, moved past the same random allowed tokens, budgets now and then. */
@@ -424,13 +513,14 @@ static void test_split_walk(void **state) {
     struct llmem_grammar_walkers *ws = NULL;
     assert_int_equal(llmem_pool_create(3, &pool), LLMEM_OK);
     assert_int_equal(llmem_grammar_walkers_create(3, &ws), LLMEM_OK);
-    const char *schemas[] = {person, NULL, "{\"type\":\"array\",\"items\":{\"type\":\"number\"}}"};
+    const char *schemas[] = {person, NULL, "{\"type\":\"array\",\"items\":{\"type\":\"number\"}}",
+                             strings};
     const int32_t n = llmem_grammar_vocab_size(vocab);
     uint8_t *a = malloc((size_t)n), *b = malloc((size_t)n);
     assert_non_null(a), assert_non_null(b);
     uint64_t x = 7;
     int steps = 0;
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 4; k++) {
         struct llmem_grammar *g = compile(schemas[k]);
         struct llmem_grammar_state *one = NULL, *many = NULL;
         assert_int_equal(llmem_grammar_state_create(g, vocab, &one), LLMEM_OK);
@@ -480,7 +570,8 @@ int main(void) {
         cmocka_unit_test(test_strings),      cmocka_unit_test(test_mistral_control_token),
         cmocka_unit_test(test_refused),      cmocka_unit_test(test_planned_bytes),
         cmocka_unit_test(test_allowed),      cmocka_unit_test(test_sampled_outputs),
-        cmocka_unit_test(test_tight_budget), cmocka_unit_test(test_split_walk),
+        cmocka_unit_test(test_tight_budget), cmocka_unit_test(test_masks_exact),
+        cmocka_unit_test(test_split_walk),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -29,6 +29,8 @@ int bench_decode(int argc, char **argv);
 int bench_bank(int argc, char **argv);
 /* `llmem-bench serve MODEL` (serve.c): the HTTP server under concurrent clients. */
 int bench_serve(int argc, char **argv);
+/* `llmem-bench grammar MODEL` (grammar.c): constrained decoding's masks on a vocabulary. */
+int bench_grammar(int argc, char **argv);
 
 /* The median of n values (sorted in place) (main.c). */
 double bench_median(double *v, int n);

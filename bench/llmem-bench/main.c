@@ -12,7 +12,7 @@
 static const char usage[] =
     "llmem-bench — llmem's benchmarks, against the machine's limits measured in the same run\n"
     "\n"
-    "usage: llmem-bench mem|kv|attn|matmul|qmatmul|decode|bank|serve [options]\n"
+    "usage: llmem-bench mem|kv|attn|matmul|qmatmul|decode|bank|serve|grammar [options]\n"
     "\n"
     "benchmarks:\n"
     "  mem           the caching allocator against malloc and mmap\n"
@@ -26,6 +26,7 @@ static const char usage[] =
     "                from its spill store\n"
     "  serve MODEL   throughput and time to first token of the HTTP server under concurrent\n"
     "                clients, and the gain of prefix reuse\n"
+    "  grammar MODEL the time constrained decoding's masks take on a model's vocabulary\n"
     "\n"
     "Run `llmem-bench <benchmark> --help` for the options of a benchmark.\n";
 
@@ -46,7 +47,7 @@ int main(int argc, char **argv) {
     } benchmarks[] = {
         {"mem", bench_mem},       {"kv", bench_kv},           {"attn", bench_attn},
         {"matmul", bench_matmul}, {"qmatmul", bench_qmatmul}, {"decode", bench_decode},
-        {"bank", bench_bank},     {"serve", bench_serve},
+        {"bank", bench_bank},     {"serve", bench_serve},     {"grammar", bench_grammar},
     };
     cli_program = "llmem-bench";
     if (cli_log_from_options() != CLI_OK)

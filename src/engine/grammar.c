@@ -30,6 +30,7 @@
 #include <cjson/cJSON.h>
 #include "core/hash.h"
 #include "core/log.h"
+#include "engine/grammar_int.h"
 #include "llmem/grammar.h"
 #include "llmem/pool.h"
 #include "llmem/size.h"
@@ -862,9 +863,11 @@ int llmem_grammar_compile_tools(const struct llmem_grammar_tool *tools, int n,
 /* ---- the vocabulary ------------------------------------------------------------------------- */
 
 struct tnode {
-    int32_t child, sibling; /* the first child, the next sibling; −1: none */
+    int32_t child, sibling;   /* the first child, the next sibling; −1: none */
     int32_t tok_first, tok_n; /* the tokens that end here: ids[tok_first, + tok_n) */
+    int32_t sub_end;          /* and those of its whole subtree: ids[tok_first, sub_end) */
     uint8_t byte;
+    uint8_t plain; /* its byte and every byte below it plain (a string's own characters) */
 };
 
 /* A part of a mask's walk for one thread (llmem_grammar_allowed_on): trie node `node`, reached
@@ -913,6 +916,13 @@ static int32_t child_of(struct llmem_grammar_vocab *v, int32_t node, uint8_t byt
 
 int32_t llmem_grammar_vocab_size(const struct llmem_grammar_vocab *v) {
     return v->n_vocab;
+}
+
+/* A byte that stands for itself inside a JSON string (printable ASCII but for '"' and '\\', and
+ * DEL): where a walk's set leads back to itself for every one of them (a string's body), the
+ * tokens of a subtree of such bytes alone are all allowed, without a walk (struct tnode.plain). */
+static int plain_byte(uint8_t c) {
+    return c >= 0x20 && c <= 0x7f && c != '"' && c != '\\';
 }
 
 /* A token's bytes, for sorting the vocabulary by them. */
@@ -1059,6 +1069,18 @@ int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
             v->ids[t->tok_first + t->tok_n++] = id;
         }
     free(node_of);
+    /* the subtrees' token ranges and plain bytes (nodes are numbered in the order of a walk: a
+     * subtree's nodes, and so its tokens, are consecutive; a child after its parent) */
+    for (int32_t i = ok ? v->n_nodes - 1 : -1; i >= 0; i--) {
+        struct tnode *t = &v->nodes[i];
+        t->sub_end = t->tok_first + t->tok_n;
+        t->plain = (uint8_t)plain_byte(t->byte);
+        for (int32_t k = t->child; k >= 0; k = v->nodes[k].sibling) {
+            const struct tnode *u = &v->nodes[k];
+            t->sub_end = u->sub_end > t->sub_end ? u->sub_end : t->sub_end;
+            t->plain &= u->plain;
+        }
+    }
     ok = ok && make_tasks(v) == 0;
     void *p; /* the trie and the bytes cut to what they hold */
     if (ok && (p = realloc(v->nodes, (size_t)v->n_nodes * sizeof(*v->nodes))) != NULL)
@@ -1072,6 +1094,11 @@ int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
     }
     *out = v;
     return LLMEM_OK;
+}
+
+void grammar_vocab_no_plain(struct llmem_grammar_vocab *v) {
+    for (int32_t i = 0; i < v->n_nodes; i++)
+        v->nodes[i].plain = 0;
 }
 
 /* ---- the matcher ---------------------------------------------------------------------------- */
@@ -1106,10 +1133,12 @@ struct walker {
     int loop_on, loop_root;        /* (loop_root: the walk's first set is the loop's) */
     uint8_t loop_known[32], loop_back[32];
     int32_t loop_distance;
-    int64_t held; /* bytes the stack sets hold, at most LLMEM_GRAMMAR_STACK_BYTES */
-    int failed;   /* out of memory (or of the stacks' planned bytes) while moving */
-    int depth;    /* expand's nesting: references without bytes between are dropped
-                   * past EXPAND_MAX (a schema that refers to itself at once) */
+    int loop_plain;      /* every plain byte leads back to the loop (tnode.plain) */
+    struct stacks probe; /* (the loop's plain bytes tried) */
+    int64_t held;        /* bytes the stack sets hold, at most LLMEM_GRAMMAR_STACK_BYTES */
+    int failed;          /* out of memory (or of the stacks' planned bytes) while moving */
+    int depth;           /* expand's nesting: references without bytes between are dropped
+                          * past EXPAND_MAX (a schema that refers to itself at once) */
 };
 
 struct llmem_grammar_state {
@@ -1256,7 +1285,7 @@ static int walker_init(struct walker *w) {
 static void walker_free(struct walker *w) {
     for (int i = 0; w->level != NULL && i <= TOKEN_MAX; i++)
         stacks_free(&w->level[i]);
-    stacks_free(&w->loop);
+    stacks_free(&w->loop), stacks_free(&w->probe);
     free(w->level), free(w->scratch);
 }
 
@@ -1367,12 +1396,55 @@ static int same_set(const struct stacks *a, const struct stacks *b) {
            (a->n == 0 || memcmp(a->at, b->at, (size_t)(a->n + 1) * sizeof(*a->at)) == 0);
 }
 
+/* Makes `set`, which byte c led back to itself, the walk's loop: copied, its plain bytes tried
+ * (where all lead back, a walk under the loop skips the trie's subtrees of them, tnode.plain);
+ * the others are learnt as they come. */
+static void start_loop(const struct llmem_grammar *g, struct walker *w, const struct stacks *set,
+                       uint8_t c) {
+    stacks_copy(w, &w->loop, set);
+    if (w->failed)
+        return;
+    w->loop_on = 1;
+    w->loop_src = set;
+    w->loop_root = same_set(&w->loop, &w->level[0]);
+    memset(w->loop_known, 0, sizeof(w->loop_known));
+    memset(w->loop_back, 0, sizeof(w->loop_back));
+    w->loop_distance = distance(g, &w->loop);
+    add_byte(w->loop_known, c), add_byte(w->loop_back, c);
+    w->loop_plain = 1;
+    for (int b = 0x20; b < 0x80 && w->loop_plain && !w->failed; b++) {
+        if (!plain_byte((uint8_t)b) || has_byte(w->loop_known, (uint8_t)b))
+            continue;
+        advance(g, w, &w->loop, (uint8_t)b, &w->probe);
+        add_byte(w->loop_known, (uint8_t)b);
+        if (same_set(&w->probe, &w->loop))
+            add_byte(w->loop_back, (uint8_t)b);
+        else
+            w->loop_plain = 0;
+    }
+}
+
+/* A walk's start from w->level[0]: the first set is the loop at once where a plain byte leads
+ * back to it (inside a string), so that the sets coming back to it under any byte (the end of
+ * an escape or of a multi-byte character) walk on as the loop. */
+static void walk_start(const struct llmem_grammar *g, struct walker *w) {
+    w->loop_on = 0, w->loop_src = NULL;
+    advance(g, w, &w->level[0], 'a', &w->probe);
+    if (!w->failed && w->probe.n > 0 && same_set(&w->probe, &w->level[0]))
+        start_loop(g, w, &w->level[0], 'a');
+}
+
+/* Whether `set` is the walk's loop (its copy, the level it was copied from, or the first set). */
+static int is_loop(const struct walker *w, const struct stacks *set) {
+    return w->loop_on &&
+           (set == &w->loop || set == w->loop_src || (w->loop_root && set == &w->level[0]));
+}
+
 /* The set `set` moved past byte c: into w->level[depth + 1], or w->loop itself where c leads
  * back to it (found once a walk: after that no bytes are moved for it). */
 static const struct stacks *step(const struct llmem_grammar *g, struct walker *w,
                                  const struct stacks *set, int depth, uint8_t c) {
-    const int on_loop = w->loop_on && (set == &w->loop || set == w->loop_src ||
-                                       (w->loop_root && set == &w->level[0]));
+    const int on_loop = is_loop(w, set);
     if (on_loop && has_byte(w->loop_known, c) && has_byte(w->loop_back, c))
         return set;
     struct stacks *next = &w->level[depth + 1];
@@ -1382,17 +1454,8 @@ static const struct stacks *step(const struct llmem_grammar *g, struct walker *w
     if (w->failed || next->n == 0)
         return next;
     if (!w->loop_on && same_set(next, set)) { /* a loop: kept, its bytes learnt as they come */
-        stacks_copy(w, &w->loop, set);
-        if (w->failed)
-            return next;
-        w->loop_on = 1;
-        w->loop_src = set;
-        w->loop_root = same_set(&w->loop, &w->level[0]);
-        memset(w->loop_known, 0, sizeof(w->loop_known));
-        memset(w->loop_back, 0, sizeof(w->loop_back));
-        w->loop_distance = distance(g, &w->loop);
-        add_byte(w->loop_known, c), add_byte(w->loop_back, c);
-        return &w->loop;
+        start_loop(g, w, set, c);
+        return w->loop_on ? &w->loop : next;
     }
     if (on_loop) {
         add_byte(w->loop_known, c);
@@ -1423,6 +1486,17 @@ static int64_t walk_child(const struct llmem_grammar_state *st, struct walker *w
     if (next->n == 0 || w->failed)
         return 0;
     const struct tnode *t = &v->nodes[c];
+    if (below && !shrinking && t->plain && w->loop_plain && is_loop(w, next)) {
+        /* every token below is plain bytes from the loop back to it: all at its distance, all
+         * allowed or none */
+        if (limit >= 0 && w->loop_distance > limit)
+            return 0;
+        for (int32_t k = t->tok_first; k < t->sub_end; k++)
+            allowed[v->ids[k]] = 1;
+        if (t->sub_end > t->tok_first && w->loop_distance > *after)
+            *after = w->loop_distance;
+        return t->sub_end - t->tok_first;
+    }
     const int32_t d =
         t->tok_n > 0 ? (next == &w->loop ? w->loop_distance : distance(st->g, next)) : 0;
     const int ok = limit < 0 || d <= (shrinking ? limit - (depth + 1) : limit);
@@ -1466,8 +1540,9 @@ static void walk_part(void *arg, int task, int thread) {
     struct walker *w = &l->w;
     if (l->walk != p->ws->walks) { /* the thread's first task of this walk */
         l->walk = p->ws->walks, l->n = 0, l->after = 0;
-        w->failed = 0, w->loop_on = 0, w->loop_src = NULL;
+        w->failed = 0;
         stacks_copy(w, &w->level[0], &st->cur);
+        walk_start(st->g, w);
     }
     const struct wtask *t = &st->v->tasks[task];
     const struct stacks *set = &w->level[0];
@@ -1485,7 +1560,7 @@ static int64_t walk_all(struct llmem_grammar_state *st, uint8_t *allowed, int32_
     *after = 0;
     if (ws == NULL || pool == NULL || llmem_pool_threads(pool) < 2 ||
         llmem_pool_threads(pool) > ws->n || st->v->n_tasks == 0) {
-        st->w.loop_on = 0;
+        walk_start(st->g, &st->w);
         return walk(st, &st->w, &st->w.level[0], 0, 0, -1, 0, allowed, after);
     }
     ws->walks++;
@@ -1644,7 +1719,7 @@ int64_t llmem_grammar_allowed_on(struct llmem_grammar_state *st, int64_t remaini
         return n; /* the budget binds no token */
     memset(allowed, 0, (size_t)v->n_vocab);
     after = 0;
-    st->w.loop_on = 0;
+    walk_start(st->g, &st->w);
     return walk(st, &st->w, &st->w.level[0], 0, 0, limit, shrinking, allowed, &after);
 }
 

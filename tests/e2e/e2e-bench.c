@@ -1,9 +1,9 @@
 /*
- * tests/e2e/e2e-bench.c — `llmem-bench mem`, `kv`, `decode` and `serve` through the built
- * benchmark program: the JSON shape (one object; per pattern its three throughputs; per layout ×
- * format an attention point, per format an accuracy, per layout × mode an append cost; a
- * mixture's bytes read per decode token; a serving run's tokens and rates). Speed is not asserted
- * here: numbers go to docs/BENCHMARKS.md.
+ * tests/e2e/e2e-bench.c — `llmem-bench mem`, `kv`, `decode`, `serve` and `grammar` through the
+ * built benchmark program: the JSON shape (one object; per pattern its three throughputs; per
+ * layout × format an attention point, per format an accuracy, per layout × mode an append cost; a
+ * mixture's bytes read per decode token; a serving run's tokens and rates; the masks' times). Speed
+ * is not asserted here: numbers go to docs/BENCHMARKS.md.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -189,6 +189,34 @@ static void test_bench_serve_json(void **state) {
     tu_run_free(&run);
 }
 
+/* `grammar` on pycoder's vocabulary: every output's masks timed (5 outputs of at most 16
+ * tokens: at least one mask each, at most 16), the percentiles in order; a bad schema is named. */
+static void test_bench_grammar_json(void **state) {
+    (void)state;
+    struct tu_run run = tu_llmem_bench("grammar", LLMEM_SOURCE_DIR "/models/pycoder", "--outputs",
+                                       "5", "--tokens", "16", "--threads", "2", "--json", NULL);
+    assert_int_equal(run.exit_code, 0);
+    cJSON *root = tu_json_stdout(&run);
+    int64_t vocab = 0, masks = 0;
+    assert_int_equal(llmem_json_get_int(root, "vocab", &vocab), 0);
+    assert_int_equal(llmem_json_get_int(root, "masks", &masks), 0);
+    assert_int_equal(vocab, 4096);
+    assert_true(masks >= 5 && masks <= 5 * 16);
+    const double p50 = get_double(root, "p50_ms"), p99 = get_double(root, "p99_ms");
+    assert_true(p50 > 0 && p50 <= p99 && p99 <= get_double(root, "max_ms"));
+    cJSON_Delete(root);
+    tu_run_free(&run);
+    char *dir = tu_mkdtemp();
+    char *bad = tu_write_file(dir, "schema.json", "{\"type\": \"frobnicate\"}", -1);
+    run = tu_llmem_bench("grammar", LLMEM_SOURCE_DIR "/models/pycoder", "--schema", bad, NULL);
+    assert_int_equal(run.exit_code, 1);
+    assert_non_null(strstr(run.err, "the schema"));
+    tu_run_free(&run);
+    free(bad);
+    tu_rmtree(dir);
+    free(dir);
+}
+
 static void test_bench_usage(void **state) {
     (void)state;
     struct tu_run run = tu_llmem_bench("nothing", NULL);
@@ -243,11 +271,9 @@ static void test_bench_usage(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_bench_mem_json),
-        cmocka_unit_test(test_bench_kv_json),
-        cmocka_unit_test(test_bench_decode_moe_dummy),
-        cmocka_unit_test(test_bench_serve_json),
-        cmocka_unit_test(test_bench_usage),
+        cmocka_unit_test(test_bench_mem_json),         cmocka_unit_test(test_bench_kv_json),
+        cmocka_unit_test(test_bench_decode_moe_dummy), cmocka_unit_test(test_bench_serve_json),
+        cmocka_unit_test(test_bench_grammar_json),     cmocka_unit_test(test_bench_usage),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
