@@ -183,8 +183,12 @@ static void test_bench_serve_json(void **state) {
     assert_int_equal(failed, 0);
     const double all = get_double(r, "tokens_per_s"), decode = get_double(r, "decode_tokens_per_s");
     const double itl = get_double(r, "inter_token_ms");
-    assert_true(all > 0 && decode > 0 && itl > 0);
-    assert_true(decode > 1999.0 / itl && decode < 2001.0 / itl); /* 2 clients ÷ ITL */
+    assert_true(all > 0 && itl >= 0);
+    /* 2 clients ÷ ITL (none when a loaded machine delivered each request's tokens at once) */
+    if (itl > 0)
+        assert_true(decode > 1999.0 / itl && decode < 2001.0 / itl);
+    else
+        assert_true(decode == 0);
     cJSON_Delete(root);
     tu_run_free(&run);
 }
@@ -203,7 +207,7 @@ static void test_bench_grammar_json(void **state) {
     assert_int_equal(vocab, 4096);
     assert_true(masks >= 5 && masks <= 5 * 16);
     const double p50 = get_double(root, "p50_ms"), p99 = get_double(root, "p99_ms");
-    assert_true(p50 > 0 && p50 <= p99 && p99 <= get_double(root, "max_ms"));
+    assert_true(p50 >= 0 && p50 <= p99 && p99 <= get_double(root, "max_ms"));
     cJSON_Delete(root);
     tu_run_free(&run);
     char *dir = tu_mkdtemp();
