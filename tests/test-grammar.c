@@ -434,7 +434,7 @@ static void test_masks_exact(void **state) {
     assert_non_null(a), assert_non_null(b), assert_non_null(text);
     struct llmem_grammar_vocab *whole = NULL; /* (walked node by node) */
     assert_int_equal(llmem_grammar_vocab_create(tok, &whole), LLMEM_OK);
-    grammar_vocab_no_plain(whole);
+    llmem_grammar_vocab_no_plain(whole);
     uint64_t x = 11;
     int checked = 0, compared = 0;
     for (int k = 0; k < 2; k++) {

@@ -1096,7 +1096,7 @@ int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
     return LLMEM_OK;
 }
 
-void grammar_vocab_no_plain(struct llmem_grammar_vocab *v) {
+void llmem_grammar_vocab_no_plain(struct llmem_grammar_vocab *v) {
     for (int32_t i = 0; i < v->n_nodes; i++)
         v->nodes[i].plain = 0;
 }

@@ -8,6 +8,6 @@ struct llmem_grammar_vocab;
 
 /* Marks v's trie as holding no subtree of plain bytes alone (struct tnode.plain), so that every
  * walk over it visits each node: the masks it gives must be the same. */
-void grammar_vocab_no_plain(struct llmem_grammar_vocab *v);
+void llmem_grammar_vocab_no_plain(struct llmem_grammar_vocab *v);
 
 #endif
