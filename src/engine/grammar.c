@@ -13,7 +13,9 @@
  * empty stack is a complete output.
  *
  * The allowed tokens: a walk of the vocabulary's trie of token bytes, advancing the set of
- * stacks a byte at a time and leaving a branch as soon as no stack survives. The shortest
+ * stacks a byte at a time and leaving a branch as soon as no stack survives. Inside a string,
+ * where every plain character leads the set back to itself, a subtree of plain characters alone
+ * is allowed whole without being walked (its tokens are one range of ids). The shortest
  * completion of a stack is the sum of each of its positions' shortest way to its sequence's end
  * (a fixpoint over the rules, computed once): with too few tokens left, only tokens that shorten
  * it by their whole length are allowed. A walk may be split over a pool's threads: the trie's
