@@ -416,6 +416,12 @@ static void test_allowed(void **state) {
     llmem_grammar_free(g);
 }
 
+/* Strings of a bounded length (a parse set a character: the walk follows them as a chain). */
+static const char bounded[] =
+    "{\"type\":\"object\",\"properties\":{\"s\":{\"type\":\"string\",\"maxLength\":7},"
+    "\"t\":{\"type\":\"array\",\"items\":{\"type\":\"string\",\"minLength\":2,"
+    "\"maxLength\":3}}},\"required\":[\"s\",\"t\"]}";
+
 /* Strings of any length (their bodies are where a walk skips the trie's subtrees of plain
  * characters). */
 static const char strings[] =
@@ -427,7 +433,7 @@ static const char strings[] =
  * skips the subtrees of plain characters inside strings are those of a walk over every node. */
 static void test_masks_exact(void **state) {
     (void)state;
-    const char *schemas[] = {strings, NULL};
+    const char *schemas[] = {strings, NULL, bounded};
     const int32_t n = llmem_grammar_vocab_size(vocab);
     uint8_t *a = malloc((size_t)n), *b = malloc((size_t)n);
     char *text = malloc(1 << 16);
@@ -437,7 +443,7 @@ static void test_masks_exact(void **state) {
     llmem_grammar_vocab_no_plain(whole);
     uint64_t x = 11;
     int checked = 0, compared = 0;
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 3; k++) {
         struct llmem_grammar *g = compile(schemas[k]);
         for (int out = 0; out < 3; out++) {
             struct llmem_grammar_state *s = NULL, *w = NULL;

@@ -15,7 +15,9 @@
  * The allowed tokens: a walk of the vocabulary's trie of token bytes, advancing the set of
  * stacks a byte at a time and leaving a branch as soon as no stack survives. Inside a string,
  * where every plain character leads the set back to itself, a subtree of plain characters alone
- * is allowed whole without being walked (its tokens are one range of ids). The shortest
+ * is allowed whole without being walked (its tokens are one range of ids); inside a string of a
+ * bounded length, where every plain character leads each set to the next of a chain, such a
+ * subtree is allowed whole where its tokens all end within the chain, else walked along it. The shortest
  * completion of a stack is the sum of each of its positions' shortest way to its sequence's end
  * (a fixpoint over the rules, computed once): with too few tokens left, only tokens that shorten
  * it by their whole length are allowed. A walk may be split over a pool's threads: the trie's
@@ -868,6 +870,7 @@ struct tnode {
     int32_t child, sibling;   /* the first child, the next sibling; −1: none */
     int32_t tok_first, tok_n; /* the tokens that end here: ids[tok_first, + tok_n) */
     int32_t sub_end;          /* and those of its whole subtree: ids[tok_first, sub_end) */
+    uint16_t deepest;         /* the longest token's length in its subtree (from the root) */
     uint8_t byte;
     uint8_t plain; /* its byte and every byte below it plain (a string's own characters) */
 };
@@ -923,8 +926,11 @@ int32_t llmem_grammar_vocab_size(const struct llmem_grammar_vocab *v) {
 /* A byte that stands for itself inside a JSON string (printable ASCII but for '"' and '\\', and
  * DEL): where a walk's set leads back to itself for every one of them (a string's body), the
  * tokens of a subtree of such bytes alone are all allowed, without a walk (struct tnode.plain). */
+static const uint8_t PLAIN[32] = {0,    0,    0,    0,    0xfb, 0xff, 0xff, 0xff,
+                                  0xff, 0xff, 0xff, 0xef, 0xff, 0xff, 0xff, 0xff};
+
 static int plain_byte(uint8_t c) {
-    return c >= 0x20 && c <= 0x7f && c != '"' && c != '\\';
+    return PLAIN[c >> 3] >> (c & 7) & 1;
 }
 
 /* A token's bytes, for sorting the vocabulary by them. */
@@ -1077,9 +1083,11 @@ int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
         struct tnode *t = &v->nodes[i];
         t->sub_end = t->tok_first + t->tok_n;
         t->plain = (uint8_t)plain_byte(t->byte);
+        t->deepest = t->tok_n > 0 ? (uint16_t)v->len[v->ids[t->tok_first]] : 0;
         for (int32_t k = t->child; k >= 0; k = v->nodes[k].sibling) {
             const struct tnode *u = &v->nodes[k];
             t->sub_end = u->sub_end > t->sub_end ? u->sub_end : t->sub_end;
+            t->deepest = u->deepest > t->deepest ? u->deepest : t->deepest;
             t->plain &= u->plain;
         }
     }
@@ -1137,6 +1145,12 @@ struct walker {
     int32_t loop_distance;
     int loop_plain;      /* every plain byte leads back to the loop (tnode.plain) */
     struct stacks probe; /* (the loop's plain bytes tried) */
+    /* a chain of sets each of which every plain byte takes to the next (a string of a bounded
+     * length: one set a character), chain[0, chain_n), with their distances; cyclic: the last
+     * leads back to itself (then it stands for every later one) */
+    struct stacks *chain; /* (TOKEN_MAX + 1) */
+    int32_t *chain_dist;  /* (TOKEN_MAX + 1) */
+    int chain_n, chain_cyclic;
     int64_t held;        /* bytes the stack sets hold, at most LLMEM_GRAMMAR_STACK_BYTES */
     int failed;          /* out of memory (or of the stacks' planned bytes) while moving */
     int depth;           /* expand's nesting: references without bytes between are dropped
@@ -1280,15 +1294,20 @@ static int has_empty(const struct stacks *s) {
 static int walker_init(struct walker *w) {
     memset(w, 0, sizeof(*w));
     w->level = calloc(TOKEN_MAX + 1, sizeof(*w->level));
+    w->chain = calloc(TOKEN_MAX + 1, sizeof(*w->chain));
+    w->chain_dist = malloc((TOKEN_MAX + 1) * sizeof(*w->chain_dist));
     w->scratch = malloc(STACK_MAX * sizeof(*w->scratch));
-    return w->level != NULL && w->scratch != NULL ? 0 : -1;
+    return w->level != NULL && w->chain != NULL && w->chain_dist != NULL && w->scratch != NULL ? 0
+                                                                                               : -1;
 }
 
 static void walker_free(struct walker *w) {
     for (int i = 0; w->level != NULL && i <= TOKEN_MAX; i++)
         stacks_free(&w->level[i]);
+    for (int i = 0; w->chain != NULL && i <= TOKEN_MAX; i++)
+        stacks_free(&w->chain[i]);
     stacks_free(&w->loop), stacks_free(&w->probe);
-    free(w->level), free(w->scratch);
+    free(w->level), free(w->chain), free(w->chain_dist), free(w->scratch);
 }
 
 int llmem_grammar_state_create(const struct llmem_grammar *g, const struct llmem_grammar_vocab *v,
@@ -1366,14 +1385,14 @@ void llmem_grammar_walkers_free(struct llmem_grammar_walkers *ws) {
 
 int64_t llmem_grammar_walkers_bytes(int n) {
     return (int64_t)n *
-           ((int64_t)sizeof(struct lent) + (TOKEN_MAX + 1) * (int64_t)sizeof(struct stacks) +
-            STACK_MAX * 4 + LLMEM_GRAMMAR_STACK_BYTES);
+           ((int64_t)sizeof(struct lent) + 2 * (TOKEN_MAX + 1) * (int64_t)sizeof(struct stacks) +
+            (TOKEN_MAX + 1) * 4 + STACK_MAX * 4 + LLMEM_GRAMMAR_STACK_BYTES);
 }
 
 int64_t llmem_grammar_request_bytes(int64_t n_vocab) {
     const int64_t state = (int64_t)sizeof(struct llmem_grammar_state) +
-                          (TOKEN_MAX + 1) * (int64_t)sizeof(struct stacks) + STACK_MAX * 4 +
-                          CANON_MAX + (CANON_MAX + 1) * 4;
+                          2 * (TOKEN_MAX + 1) * (int64_t)sizeof(struct stacks) +
+                          (TOKEN_MAX + 1) * 4 + STACK_MAX * 4 + CANON_MAX + (CANON_MAX + 1) * 4;
     return LLMEM_GRAMMAR_MAX_BYTES + LLMEM_GRAMMAR_STACK_BYTES + state + (MASK_CACHE + 1) * n_vocab;
 }
 
@@ -1430,7 +1449,7 @@ static void start_loop(const struct llmem_grammar *g, struct walker *w, const st
  * back to it (inside a string), so that the sets coming back to it under any byte (the end of
  * an escape or of a multi-byte character) walk on as the loop. */
 static void walk_start(const struct llmem_grammar *g, struct walker *w) {
-    w->loop_on = 0, w->loop_src = NULL;
+    w->loop_on = 0, w->loop_src = NULL, w->chain_n = 0;
     advance(g, w, &w->level[0], 'a', &w->probe);
     if (!w->failed && w->probe.n > 0 && same_set(&w->probe, &w->level[0]))
         start_loop(g, w, &w->level[0], 'a');
@@ -1470,6 +1489,70 @@ static const struct stacks *step(const struct llmem_grammar *g, struct walker *w
     return w->loop_on && same_set(next, &w->loop) ? &w->loop : next;
 }
 
+/* Whether every plain byte moves `set` alike, somewhere: each of its stacks' tops holds all of
+ * them or none (a complete stack none), and one holds them all. */
+static int takes_plain(const struct llmem_grammar *g, const struct stacks *set) {
+    int some = 0;
+    for (int32_t i = 0; i < set->n; i++) {
+        if (set->at[i + 1] == set->at[i])
+            continue;
+        const uint8_t *bits = g->sets[g->el[set->pos[set->at[i + 1] - 1]].v];
+        int all = 1, none = 1;
+        for (int j = 0; j < 32; j++)
+            all &= (bits[j] & PLAIN[j]) == PLAIN[j], none &= (bits[j] & PLAIN[j]) == 0;
+        if (!all && !none)
+            return 0;
+        some |= all;
+    }
+    return some;
+}
+
+/* Where `set` stands in the walk's chain (made from it when it is in none, it taking every plain
+ * byte); −1: it takes not every plain byte. */
+static int chain_at(const struct llmem_grammar *g, struct walker *w, const struct stacks *set) {
+    for (int j = 0; j < w->chain_n; j++)
+        if (same_set(&w->chain[j], set))
+            return j;
+    if (!takes_plain(g, set))
+        return -1;
+    stacks_copy(w, &w->chain[0], set);
+    w->chain_dist[0] = distance(g, set);
+    w->chain_n = 1, w->chain_cyclic = 0;
+    while (!w->failed && w->chain_n <= TOKEN_MAX && takes_plain(g, &w->chain[w->chain_n - 1])) {
+        struct stacks *next = &w->chain[w->chain_n];
+        advance(g, w, &w->chain[w->chain_n - 1], 'a', next);
+        if (next->n == 0)
+            break;
+        if (same_set(next, &w->chain[w->chain_n - 1])) {
+            w->chain_cyclic = 1;
+            break;
+        }
+        w->chain_dist[w->chain_n++] = distance(g, next);
+    }
+    if (w->failed)
+        w->chain_n = 0;
+    return w->failed ? -1 : 0;
+}
+
+/* The tokens of trie node c's subtree (plain bytes alone), c's own ending on the chain's set j:
+ * allowed where within the limit; the depths past the chain's end hold none. */
+static int64_t chain_walk(const struct llmem_grammar_vocab *v, const struct walker *w, int32_t c,
+                          int j, int32_t limit, uint8_t *allowed, int32_t *after) {
+    const struct tnode *t = &v->nodes[c];
+    const int32_t d = w->chain_dist[j];
+    int64_t n = 0;
+    if (t->tok_n > 0 && (limit < 0 || d <= limit)) {
+        for (int32_t k = 0; k < t->tok_n; k++)
+            allowed[v->ids[t->tok_first + k]] = 1;
+        n = t->tok_n;
+        *after = d > *after ? d : *after;
+    }
+    const int next = j + 1 < w->chain_n ? j + 1 : w->chain_cyclic ? j : -1;
+    for (int32_t k = next >= 0 ? t->child : -1; k >= 0; k = v->nodes[k].sibling)
+        n += chain_walk(v, w, k, next, limit, allowed, after);
+    return n;
+}
+
 /* The walk below trie node `node`, whose set is `set`. With a budget (limit ≥ 0), a token is
  * allowed only where the bytes still needed after it are at most limit (fixed: limit tokens are
  * left after it, each at least a byte) or, when shrinking (the end is already out of reach at a
@@ -1488,6 +1571,28 @@ static int64_t walk_child(const struct llmem_grammar_state *st, struct walker *w
     if (next->n == 0 || w->failed)
         return 0;
     const struct tnode *t = &v->nodes[c];
+    if (below && !shrinking && t->plain && !is_loop(w, next)) {
+        /* a chain's set (a string of a bounded length): the tokens below at relative depth r
+         * end on its set j + r; all allowed at once where every one of those is there and
+         * within the limit, else node by node along the chain (no set moved) */
+        const int j = chain_at(st->g, w, next), r_max = t->deepest - (depth + 1);
+        int all = j >= 0 && (w->chain_cyclic || j + r_max < w->chain_n);
+        int32_t most = 0;
+        for (int r = 0; all && r <= r_max; r++) {
+            const int32_t dr = w->chain_dist[j + r < w->chain_n ? j + r : w->chain_n - 1];
+            all = limit < 0 || dr <= limit;
+            most = dr > most ? dr : most;
+        }
+        if (all) {
+            for (int32_t k = t->tok_first; k < t->sub_end; k++)
+                allowed[v->ids[k]] = 1;
+            if (t->sub_end > t->tok_first && most > *after)
+                *after = most;
+            return t->sub_end - t->tok_first;
+        }
+        if (j >= 0)
+            return chain_walk(v, w, c, j, limit, allowed, after);
+    }
     if (below && !shrinking && t->plain && w->loop_plain && is_loop(w, next)) {
         /* every token below is plain bytes from the loop back to it: all at its distance, all
          * allowed or none */
