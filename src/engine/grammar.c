@@ -1147,10 +1147,11 @@ struct walker {
     struct stacks probe; /* (the loop's plain bytes tried) */
     /* a chain of sets each of which every plain byte takes to the next (a string of a bounded
      * length: one set a character), chain[0, chain_n), with their distances; cyclic: the last
-     * leads back to itself (then it stands for every later one) */
+     * leads back to itself (then it stands for every later one); closed: no plain byte moves the
+     * last (chain_at) */
     struct stacks *chain; /* (TOKEN_MAX + 1) */
     int32_t *chain_dist;  /* (TOKEN_MAX + 1) */
-    int chain_n, chain_cyclic;
+    int chain_n, chain_cyclic, chain_closed;
     int64_t held;        /* bytes the stack sets hold, at most LLMEM_GRAMMAR_STACK_BYTES */
     int failed;          /* out of memory (or of the stacks' planned bytes) while moving */
     int depth;           /* expand's nesting: references without bytes between are dropped
@@ -1489,42 +1490,53 @@ static const struct stacks *step(const struct llmem_grammar *g, struct walker *w
     return w->loop_on && same_set(next, &w->loop) ? &w->loop : next;
 }
 
-/* Whether every plain byte moves `set` alike, somewhere: each of its stacks' tops holds all of
- * them or none (a complete stack none), and one holds them all. */
-static int takes_plain(const struct llmem_grammar *g, const struct stacks *set) {
-    int some = 0;
+/* How the plain bytes move `set`: PLAIN_ALL every one alike, somewhere (each of its stacks' tops
+ * holds all of them or none, and one holds them all), PLAIN_NONE nowhere (no top holds one),
+ * PLAIN_SOME otherwise. */
+enum { PLAIN_NONE, PLAIN_SOME, PLAIN_ALL };
+static int plain_moves(const struct llmem_grammar *g, const struct stacks *set) {
+    int some = 0, all_of = 0;
     for (int32_t i = 0; i < set->n; i++) {
         if (set->at[i + 1] == set->at[i])
-            continue;
+            continue; /* (complete: no byte passes it) */
         const uint8_t *bits = g->sets[g->el[set->pos[set->at[i + 1] - 1]].v];
         int all = 1, none = 1;
         for (int j = 0; j < 32; j++)
             all &= (bits[j] & PLAIN[j]) == PLAIN[j], none &= (bits[j] & PLAIN[j]) == 0;
+        some |= !none, all_of |= all;
         if (!all && !none)
-            return 0;
-        some |= all;
+            return PLAIN_SOME;
     }
-    return some;
+    return !some ? PLAIN_NONE : all_of ? PLAIN_ALL : PLAIN_SOME;
 }
 
-/* Where `set` stands in the walk's chain (made from it when it is in none, it taking every plain
- * byte); −1: it takes not every plain byte. */
-static int chain_at(const struct llmem_grammar *g, struct walker *w, const struct stacks *set) {
+/* Where `set` stands in the walk's chain (made from it when it is in none and every plain byte
+ * moves it alike); −1: it is in none and cannot start one. The chain ends at the vocabulary's
+ * longest token, where a set is moved otherwise, or where its sets would take half the walker's
+ * stack bytes; closed: no plain byte is taken past its end. */
+static int chain_at(const struct llmem_grammar_state *st, struct walker *w,
+                    const struct stacks *set) {
+    const struct llmem_grammar *g = st->g;
     for (int j = 0; j < w->chain_n; j++)
         if (same_set(&w->chain[j], set))
             return j;
-    if (!takes_plain(g, set))
+    if (plain_moves(g, set) != PLAIN_ALL || w->held > LLMEM_GRAMMAR_STACK_BYTES / 2)
         return -1;
     stacks_copy(w, &w->chain[0], set);
     w->chain_dist[0] = distance(g, set);
-    w->chain_n = 1, w->chain_cyclic = 0;
-    while (!w->failed && w->chain_n <= TOKEN_MAX && takes_plain(g, &w->chain[w->chain_n - 1])) {
-        struct stacks *next = &w->chain[w->chain_n];
-        advance(g, w, &w->chain[w->chain_n - 1], 'a', next);
-        if (next->n == 0)
+    w->chain_n = 1, w->chain_cyclic = 0, w->chain_closed = 0;
+    while (!w->failed && w->chain_n <= st->v->nodes[0].deepest &&
+           w->held <= LLMEM_GRAMMAR_STACK_BYTES / 2) {
+        const struct stacks *last = &w->chain[w->chain_n - 1];
+        const int moves = plain_moves(g, last);
+        if (moves != PLAIN_ALL) {
+            w->chain_closed = moves == PLAIN_NONE;
             break;
-        if (same_set(next, &w->chain[w->chain_n - 1])) {
-            w->chain_cyclic = 1;
+        }
+        struct stacks *next = &w->chain[w->chain_n];
+        advance(g, w, last, 'a', next);
+        if (next->n == 0 || same_set(next, last)) {
+            w->chain_closed = next->n == 0, w->chain_cyclic = next->n > 0;
             break;
         }
         w->chain_dist[w->chain_n++] = distance(g, next);
@@ -1575,7 +1587,7 @@ static int64_t walk_child(const struct llmem_grammar_state *st, struct walker *w
         /* a chain's set (a string of a bounded length): the tokens below at relative depth r
          * end on its set j + r; all allowed at once where every one of those is there and
          * within the limit, else node by node along the chain (no set moved) */
-        const int j = chain_at(st->g, w, next), r_max = t->deepest - (depth + 1);
+        const int j = chain_at(st, w, next), r_max = t->deepest - (depth + 1);
         int all = j >= 0 && (w->chain_cyclic || j + r_max < w->chain_n);
         int32_t most = 0;
         for (int r = 0; all && r <= r_max; r++) {
@@ -1590,7 +1602,7 @@ static int64_t walk_child(const struct llmem_grammar_state *st, struct walker *w
                 *after = most;
             return t->sub_end - t->tok_first;
         }
-        if (j >= 0)
+        if (j >= 0 && (w->chain_closed || w->chain_cyclic))
             return chain_walk(v, w, c, j, limit, allowed, after);
     }
     if (below && !shrinking && t->plain && w->loop_plain && is_loop(w, next)) {
