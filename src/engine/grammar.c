@@ -924,8 +924,8 @@ int32_t llmem_grammar_vocab_size(const struct llmem_grammar_vocab *v) {
 }
 
 /* A byte that stands for itself inside a JSON string (printable ASCII but for '"' and '\\', and
- * DEL): where a walk's set leads back to itself for every one of them (a string's body), the
- * tokens of a subtree of such bytes alone are all allowed, without a walk (struct tnode.plain). */
+ * DEL): where every one of them moves a walk's sets alike (a string's body, a chain), the
+ * tokens of a subtree of such bytes alone are allowed without a walk (struct tnode.plain). */
 static const uint8_t PLAIN[32] = {0,    0,    0,    0,    0xfb, 0xff, 0xff, 0xff,
                                   0xff, 0xff, 0xff, 0xef, 0xff, 0xff, 0xff, 0xff};
 
@@ -1143,8 +1143,6 @@ struct walker {
     int loop_on, loop_root;        /* (loop_root: the walk's first set is the loop's) */
     uint8_t loop_known[32], loop_back[32];
     int32_t loop_distance;
-    int loop_plain;      /* every plain byte leads back to the loop (tnode.plain) */
-    struct stacks probe; /* (the loop's plain bytes tried) */
     /* a chain of sets each of which every plain byte takes to the next (a string of a bounded
      * length: one set a character), chain[0, chain_n), with their distances; cyclic: the last
      * leads back to itself (then it stands for every later one); closed: no plain byte moves the
@@ -1307,7 +1305,7 @@ static void walker_free(struct walker *w) {
         stacks_free(&w->level[i]);
     for (int i = 0; w->chain != NULL && i <= TOKEN_MAX; i++)
         stacks_free(&w->chain[i]);
-    stacks_free(&w->loop), stacks_free(&w->probe);
+    stacks_free(&w->loop);
     free(w->level), free(w->chain), free(w->chain_dist), free(w->scratch);
 }
 
@@ -1418,9 +1416,28 @@ static int same_set(const struct stacks *a, const struct stacks *b) {
            (a->n == 0 || memcmp(a->at, b->at, (size_t)(a->n + 1) * sizeof(*a->at)) == 0);
 }
 
-/* Makes `set`, which byte c led back to itself, the walk's loop: copied, its plain bytes tried
- * (where all lead back, a walk under the loop skips the trie's subtrees of them, tnode.plain);
- * the others are learnt as they come. */
+/* How the plain bytes move `set`: PLAIN_ALL every one alike, somewhere (each of its stacks' tops
+ * holds all of them or none, and one holds them all), PLAIN_NONE nowhere (no top holds one),
+ * PLAIN_SOME otherwise. */
+enum { PLAIN_NONE, PLAIN_SOME, PLAIN_ALL };
+static int plain_moves(const struct llmem_grammar *g, const struct stacks *set) {
+    int some = 0, all_of = 0;
+    for (int32_t i = 0; i < set->n; i++) {
+        if (set->at[i + 1] == set->at[i])
+            continue; /* (complete: no byte passes it) */
+        const uint8_t *bits = g->sets[g->el[set->pos[set->at[i + 1] - 1]].v];
+        int all = 1, none = 1;
+        for (int j = 0; j < 32; j++)
+            all &= (bits[j] & PLAIN[j]) == PLAIN[j], none &= (bits[j] & PLAIN[j]) == 0;
+        some |= !none, all_of |= all;
+        if (!all && !none)
+            return PLAIN_SOME;
+    }
+    return !some ? PLAIN_NONE : all_of ? PLAIN_ALL : PLAIN_SOME;
+}
+
+/* Makes `set`, which byte c led back to itself, the walk's loop: copied; where c is plain and
+ * every plain byte moves it alike, they all lead back; its other bytes are learnt as they come. */
 static void start_loop(const struct llmem_grammar *g, struct walker *w, const struct stacks *set,
                        uint8_t c) {
     stacks_copy(w, &w->loop, set);
@@ -1433,26 +1450,17 @@ static void start_loop(const struct llmem_grammar *g, struct walker *w, const st
     memset(w->loop_back, 0, sizeof(w->loop_back));
     w->loop_distance = distance(g, &w->loop);
     add_byte(w->loop_known, c), add_byte(w->loop_back, c);
-    w->loop_plain = 1;
-    for (int b = 0x20; b < 0x80 && w->loop_plain && !w->failed; b++) {
-        if (!plain_byte((uint8_t)b) || has_byte(w->loop_known, (uint8_t)b))
-            continue;
-        advance(g, w, &w->loop, (uint8_t)b, &w->probe);
-        add_byte(w->loop_known, (uint8_t)b);
-        if (same_set(&w->probe, &w->loop))
-            add_byte(w->loop_back, (uint8_t)b);
-        else
-            w->loop_plain = 0;
-    }
+    if (plain_byte(c) && plain_moves(g, &w->loop) == PLAIN_ALL)
+        for (int j = 0; j < 32; j++)
+            w->loop_known[j] |= PLAIN[j], w->loop_back[j] |= PLAIN[j];
 }
 
-/* A walk's start from w->level[0]: the first set is the loop at once where a plain byte leads
- * back to it (inside a string), so that the sets coming back to it under any byte (the end of
- * an escape or of a multi-byte character) walk on as the loop. */
+/* A walk's start from w->level[0], no chain yet: the first set is the loop at once where a
+ * plain byte leads back to it (inside a string), so that its plain bytes are not moved. */
 static void walk_start(const struct llmem_grammar *g, struct walker *w) {
     w->loop_on = 0, w->loop_src = NULL, w->chain_n = 0;
-    advance(g, w, &w->level[0], 'a', &w->probe);
-    if (!w->failed && w->probe.n > 0 && same_set(&w->probe, &w->level[0]))
+    advance(g, w, &w->level[0], 'a', &w->level[1]);
+    if (!w->failed && w->level[1].n > 0 && same_set(&w->level[1], &w->level[0]))
         start_loop(g, w, &w->level[0], 'a');
 }
 
@@ -1488,26 +1496,6 @@ static const struct stacks *step(const struct llmem_grammar *g, struct walker *w
     }
     /* (a set equal to the loop's, reached another way, walks on as the loop) */
     return w->loop_on && same_set(next, &w->loop) ? &w->loop : next;
-}
-
-/* How the plain bytes move `set`: PLAIN_ALL every one alike, somewhere (each of its stacks' tops
- * holds all of them or none, and one holds them all), PLAIN_NONE nowhere (no top holds one),
- * PLAIN_SOME otherwise. */
-enum { PLAIN_NONE, PLAIN_SOME, PLAIN_ALL };
-static int plain_moves(const struct llmem_grammar *g, const struct stacks *set) {
-    int some = 0, all_of = 0;
-    for (int32_t i = 0; i < set->n; i++) {
-        if (set->at[i + 1] == set->at[i])
-            continue; /* (complete: no byte passes it) */
-        const uint8_t *bits = g->sets[g->el[set->pos[set->at[i + 1] - 1]].v];
-        int all = 1, none = 1;
-        for (int j = 0; j < 32; j++)
-            all &= (bits[j] & PLAIN[j]) == PLAIN[j], none &= (bits[j] & PLAIN[j]) == 0;
-        some |= !none, all_of |= all;
-        if (!all && !none)
-            return PLAIN_SOME;
-    }
-    return !some ? PLAIN_NONE : all_of ? PLAIN_ALL : PLAIN_SOME;
 }
 
 /* Where `set` stands in the walk's chain (made from it when it is in none and every plain byte
@@ -1560,6 +1548,8 @@ static int64_t chain_walk(const struct llmem_grammar_vocab *v, const struct walk
         *after = d > *after ? d : *after;
     }
     const int next = j + 1 < w->chain_n ? j + 1 : w->chain_cyclic ? j : -1;
+    if (next == j && limit >= 0 && d > limit)
+        return n; /* (the chain stays on its last set, beyond the limit: nothing below) */
     for (int32_t k = next >= 0 ? t->child : -1; k >= 0; k = v->nodes[k].sibling)
         n += chain_walk(v, w, k, next, limit, allowed, after);
     return n;
@@ -1583,10 +1573,11 @@ static int64_t walk_child(const struct llmem_grammar_state *st, struct walker *w
     if (next->n == 0 || w->failed)
         return 0;
     const struct tnode *t = &v->nodes[c];
-    if (below && !shrinking && t->plain && !is_loop(w, next)) {
-        /* a chain's set (a string of a bounded length): the tokens below at relative depth r
-         * end on its set j + r; all allowed at once where every one of those is there and
-         * within the limit, else node by node along the chain (no set moved) */
+    if (below && !shrinking && t->plain) {
+        /* a chain's set (a string's body, which leads back to itself, or a string of a bounded
+         * length): the tokens below at relative depth r end on its set j + r; all allowed at
+         * once where every one of those is there and within the limit, else node by node
+         * along the chain (no set moved) */
         const int j = chain_at(st, w, next), r_max = t->deepest - (depth + 1);
         int all = j >= 0 && (w->chain_cyclic || j + r_max < w->chain_n);
         int32_t most = 0;
@@ -1604,17 +1595,6 @@ static int64_t walk_child(const struct llmem_grammar_state *st, struct walker *w
         }
         if (j >= 0 && (w->chain_closed || w->chain_cyclic))
             return chain_walk(v, w, c, j, limit, allowed, after);
-    }
-    if (below && !shrinking && t->plain && w->loop_plain && is_loop(w, next)) {
-        /* every token below is plain bytes from the loop back to it: all at its distance, all
-         * allowed or none */
-        if (limit >= 0 && w->loop_distance > limit)
-            return 0;
-        for (int32_t k = t->tok_first; k < t->sub_end; k++)
-            allowed[v->ids[k]] = 1;
-        if (t->sub_end > t->tok_first && w->loop_distance > *after)
-            *after = w->loop_distance;
-        return t->sub_end - t->tok_first;
     }
     const int32_t d =
         t->tok_n > 0 ? (next == &w->loop ? w->loop_distance : distance(st->g, next)) : 0;
