@@ -19,6 +19,7 @@
 #include "llmem/model.h"
 #include "llmem/forward.h"
 #include "llmem/sys.h"
+#include "model/model_int.h"
 #include "testutil.h"
 
 #define MODELS LLMEM_TEST_DATA "/models"
@@ -732,6 +733,141 @@ static void test_fast_same_for_every_format(void **state) {
     free_generations(gens, 1);
 }
 
+/* ---- tensor parallelism --------------------------------------------------------------------- */
+
+/* A model split over n ranks of one CPU backend (their operations one rank after another, the
+ * host's sum between them): each rank's share copied by llmem_model_to_device, a cache of
+ * n × n_layers layers of a share's KV heads. */
+struct split {
+    struct rig r; /* mem, be, kv, fwd, vocab (r.model: rank 0's share) */
+    struct llmem_model *host, *shares[8];
+    const struct llmem_backend *ranks[8];
+    struct llmem_backend_group group;
+};
+
+static void split_open(struct split *s, const char *dir, int n, int64_t chunk) {
+    memset(s, 0, sizeof(*s));
+    struct llmem_mem_config mc = {.cache_limit_bytes = -1};
+    assert_int_equal(llmem_mem_create(&mc, &s->r.mem), LLMEM_OK);
+    assert_int_equal(llmem_model_load(dir, s->r.mem, 0, NULL, NULL, &s->host), LLMEM_OK);
+    assert_int_equal(llmem_backend_cpu_create(2, &s->r.be), LLMEM_OK);
+    llmem_backend_cpu_set_precision(s->r.be, rig_precision);
+    for (int k = 0; k < n; k++) {
+        assert_int_equal(
+            llmem_model_to_device(s->host, s->r.be, s->r.mem, 0, k, n, NULL, NULL, &s->shares[k]),
+            LLMEM_OK);
+        s->ranks[k] = s->r.be;
+    }
+    s->r.model = s->shares[0];
+    s->group = (struct llmem_backend_group){
+        .n = n, .ranks = s->ranks, .allreduce = llmem_backend_host_allreduce, .ctx = &s->group};
+    const struct llmem_model_geometry *g = &llmem_model_get_config(s->shares[0])->geom;
+    s->r.vocab = g->vocab_size;
+    struct llmem_kv_config kc;
+    llmem_kv_config_default(&kc);
+    kc.format = LLMEM_KV_FORMAT_F32;
+    kc.n_layers = n * (int)g->n_layers;
+    kc.n_kv_heads = (int)g->n_kv_heads;
+    kc.head_dim = (int)g->head_dim;
+    kc.max_sequences = 8;
+    kc.num_blocks = 64;
+    kc.n_threads = 2;
+    assert_int_equal(llmem_kv_create(&kc, s->r.mem, &s->r.kv), LLMEM_OK);
+    assert_int_equal(llmem_forward_create_split(s->shares, &s->group, s->r.kv, chunk, &s->r.fwd),
+                     LLMEM_OK);
+}
+
+static void split_close(struct split *s) {
+    llmem_forward_free(s->r.fwd);
+    llmem_kv_destroy(s->r.kv);
+    for (int k = 0; k < s->group.n; k++)
+        llmem_model_free(s->shares[k]);
+    llmem_model_free(s->host);
+    llmem_backend_destroy(s->r.be);
+    assert_int_equal(llmem_mem_active(s->r.mem), 0);
+    llmem_mem_destroy(s->r.mem);
+}
+
+/* Every reference model split over 2, 4 and 8 ranks where its heads and widths allow (KV heads
+ * repeated past their count: tiny-mistral-swa's one, tiny-mixtral's), f32: teacher-forced logits
+ * in chunks of 7, and a prefill's last row (the rows gathered before the LM head), equal the
+ * whole model's within the order of the split sums (≤ 1e-4), and the top token is the same where
+ * the whole model's margin is clear. */
+static void test_tensor_parallel(void **state) {
+    (void)state;
+    const char *const *names = all_models;
+    double worst = 0;
+    for (size_t m = 0; m < N_MODELS; m++) {
+        struct generation gens[1];
+        load_generations(names[m], gens, 1);
+        char dir[512];
+        model_dir(names[m], dir, sizeof(dir));
+        struct rig r;
+        rig_open(&r, dir, LLMEM_KV_LAYOUT_PAGED, LLMEM_KV_FORMAT_F32, 7, 2);
+        float *want = teacher_forced(&r, gens[0].ids, gens[0].n);
+        float *want_last = malloc((size_t)r.vocab * sizeof(float));
+        int seq = -1;
+        assert_int_equal(llmem_kv_seq_new(r.kv, &seq), LLMEM_OK);
+        prefill(&r, seq, gens[0].ids, gens[0].n, want_last);
+        const struct llmem_model_geometry g = llmem_model_get_config(r.model)->geom;
+        rig_close(&r);
+        for (int n = 2; n <= 8; n *= 2) {
+            struct llmem_model_geometry rg;
+            char why[256];
+            if (llmem_geometry_tensor_rank(&g, n, &rg, why, sizeof(why)) != LLMEM_OK)
+                continue;
+            struct split s;
+            split_open(&s, dir, n, 7);
+            float *got = teacher_forced(&s.r, gens[0].ids, gens[0].n);
+            float *last = malloc((size_t)s.r.vocab * sizeof(float));
+            assert_int_equal(llmem_kv_seq_new(s.r.kv, &seq), LLMEM_OK);
+            prefill(&s.r, seq, gens[0].ids, gens[0].n, last);
+            const double d = max_abs_diff(got, want, (size_t)(gens[0].n * g.vocab_size));
+            const double dl = max_abs_diff(last, want_last, (size_t)g.vocab_size);
+            int same = 1;
+            for (int64_t t = 0; t < gens[0].n; t++) { /* where the whole model's margin is clear */
+                double margin;
+                const int64_t top = argmax(want + t * g.vocab_size, g.vocab_size, &margin);
+                same &= margin < 1e-3 || argmax(got + t * g.vocab_size, g.vocab_size, NULL) == top;
+            }
+            printf("  %-16s over %d ranks (%lld KV heads each): %3lld tokens, max |Δ| %.2e, "
+                   "last row %.2e, greedy %s\n",
+                   names[m], n, (long long)rg.n_kv_heads, (long long)gens[0].n, d, dl,
+                   same ? "the same" : "DIFFERS");
+            assert_true(d <= 1e-4 && dl <= 1e-4 && same);
+            worst = fmax(worst, fmax(d, dl));
+            free(got), free(last);
+            split_close(&s);
+        }
+        free(want), free(want_last);
+        free_generations(gens, 1);
+    }
+    printf("  split over ranks vs whole: max |Δ logits| %.2e (asserted ≤ 1e-4)\n", worst);
+}
+
+/* A model that does not split over n is refused with the reason, before anything is copied. */
+static void test_tensor_parallel_refused(void **state) {
+    (void)state;
+    char dir[512];
+    struct llmem_mem *mem = NULL;
+    struct llmem_mem_config mc = {.cache_limit_bytes = -1};
+    assert_int_equal(llmem_mem_create(&mc, &mem), LLMEM_OK);
+    struct llmem_model *host = NULL, *share = NULL;
+    assert_int_equal(
+        llmem_model_load(model_dir("tiny-qwen2", dir, sizeof(dir)), mem, 0, NULL, NULL, &host),
+        LLMEM_OK);
+    struct llmem_backend *be = NULL;
+    assert_int_equal(llmem_backend_cpu_create(1, &be), LLMEM_OK);
+    /* 6 query heads do not split over 4 */
+    assert_int_equal(llmem_model_to_device(host, be, mem, 0, 0, 4, NULL, NULL, &share),
+                     LLMEM_EINVAL);
+    assert_null(share);
+    llmem_model_free(host);
+    llmem_backend_destroy(be);
+    assert_int_equal(llmem_mem_active(mem), 0);
+    llmem_mem_destroy(mem);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parity_transformers),
@@ -743,6 +879,8 @@ int main(void) {
         cmocka_unit_test(test_sharded_pycoder),
         cmocka_unit_test(test_moe_reads_chosen_experts),
         cmocka_unit_test(test_moe_gguf),
+        cmocka_unit_test(test_tensor_parallel),
+        cmocka_unit_test(test_tensor_parallel_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

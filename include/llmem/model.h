@@ -48,11 +48,17 @@ LLMEM_API void llmem_model_free(struct llmem_model *model);
  * original where they are (the forward pass runs them on a host backend: llmem_forward_set_host);
  * the original must then outlive the copy, else it can be freed. The copy runs the forward pass
  * on that backend. LLMEM_ENOMEM or the backend's failure (logged); nothing is left allocated on
- * failure. */
+ * failure.
+ * With ranks > 1 (2, 4 or 8; experts_on_host 0) the copy is rank's share of the model split over
+ * `ranks` backends (tensor parallelism, llmem_geometry_tensor_rank): its query heads (rows of q,
+ * columns of o), its KV heads (rows of k and v), its columns of the MLP and of each expert (rows
+ * of gate and up, columns of down), its rows of the vocabulary (embeddings and LM head); norms and
+ * routers whole. LLMEM_EINVAL (logged) where the model does not split so, LLMEM_EUNSUPPORTED
+ * (logged) where a share's columns would cut a quantized block. */
 struct llmem_backend;
 LLMEM_API int llmem_model_to_device(const struct llmem_model *model,
                                     const struct llmem_backend *backend, struct llmem_mem *mem,
-                                    int64_t experts_on_host,
+                                    int64_t experts_on_host, int rank, int ranks,
                                     llmem_progress_fn progress, void *progress_arg,
                                     struct llmem_model **out);
 /* The configuration; geom.n_params and geom.weights_bytes are those of the files. */

@@ -166,7 +166,8 @@ struct llmem_backend_ops {
      * left unwritten. The bits of the two operations. */
     void (*matmul_swiglu)(void *ctx, const struct llmem_weight *gate, const struct llmem_weight *up,
                           const float *x, int64_t n, float *g, float *u, float *out);
-    /* out[t, :] = table[ids[t], :] as f32, for t < n (table is [vocab, dim]; ids in range). */
+    /* out[t, :] = table[ids[t], :] as f32, for t < n (table is [vocab, dim]; ids < vocab), and
+     * zeros for a negative id (a token of another rank's share of the vocabulary). */
     void (*embedding)(void *ctx, const struct llmem_weight *table, const int32_t *ids, int64_t n,
                       float *out);
     /* y[i] += x[i] for i < n. */
@@ -258,5 +259,22 @@ struct llmem_backend {
     const struct llmem_backend_ops *ops;
     void *ctx;
 };
+
+/* Backends that run one model split over them (tensor parallelism: rank r's share of each layer
+ * on ranks[r]), and the sum that joins their partial results. */
+struct llmem_backend_group {
+    int n;
+    const struct llmem_backend *const *ranks; /* (n) */
+    /* buf[r] (count floats in rank r's memory) ← Σ over the ranks of buf, in place, the same sum
+     * on every rank, after the operations queued on each before it (and queued as they are).
+     * Returns the first failure so far, as sync does. NULL for a group of one. */
+    int (*allreduce)(void *ctx, float *const *buf, int64_t count);
+    void *ctx;
+};
+
+/* The allreduce of a group whose ranks' memory is the host's (CPU backends, which may be one
+ * backend named n times: its operations run one rank after another), ctx the group itself: the
+ * sum in rank order into buf[0], then copied to the others. In backend/cpu/cpu.c. */
+int llmem_backend_host_allreduce(void *ctx, float *const *buf, int64_t count);
 
 #endif

@@ -360,7 +360,8 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
                                        progress_arg, &host_model)) != LLMEM_OK)
             goto fail;
         const int64_t on_host = e->placement.host_layers;
-        status = llmem_model_to_device(host_model, e->be, e->mem, on_host, NULL, NULL, &e->model);
+        status =
+            llmem_model_to_device(host_model, e->be, e->mem, on_host, 0, 1, NULL, NULL, &e->model);
         if (status == LLMEM_OK && on_host > 0) /* the host layers' experts stay in host_model */
             e->host_model = host_model, host_model = NULL;
         llmem_model_free(host_model);

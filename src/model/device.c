@@ -5,12 +5,14 @@
  * mixture's experts in three stacks a layer, upload_experts), the configuration copied, the rotary frequencies kept on the host (the backend takes them per call).
  * The copy owns its memory and shares nothing with the host model, which can be freed.
  */
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/log.h"
 #include "model/model_int.h"
 #include "llmem/dtype.h"
+#include "llmem/plan.h"
 
 /* host bytes → a new buffer of the device; NULL on failure (logged by the allocator or here) */
 static void *upload(struct llmem_mem *mem, const struct llmem_backend *be, const void *host,
@@ -140,10 +142,99 @@ static int upload_experts(struct llmem_model *m, const struct llmem_backend *be,
     return status;
 }
 
-/* A MoE layer's router and its experts' three stacks, into L (whose table is made here); or, on
- * the host, the router alone, the table pointing at S's experts. */
+/* ---- a rank's share (tensor parallelism) ---------------------------------------------------- */
+
+/* What rank r of n holds of the model: ranges of rows of each kind of matrix (a matrix split by
+ * its columns takes the same range of columns). */
+struct share {
+    int n;
+    int64_t q0, q_rows;   /* its query heads' rows of wq (and bq), columns of wo */
+    int64_t kv0, kv_rows; /* its KV heads' rows of wk and wv */
+    int64_t i0, i_rows;   /* the dense MLP's columns: rows of gate and up, columns of down */
+    int64_t e0, e_rows;   /* each expert's likewise */
+    int64_t v0, v_rows;   /* the vocabulary: rows of the embeddings and the LM head */
+};
+
+static struct share share_of(const struct llmem_model_geometry *g,
+                             const struct llmem_model_geometry *rg, int r, int n) {
+    const int64_t hd = g->head_dim;
+    /* more ranks than KV heads: n / n_kv_heads ranks hold each one (llmem_geometry_tensor_rank) */
+    const int64_t kv_head = g->n_kv_heads >= n ? r * rg->n_kv_heads : r / (n / g->n_kv_heads);
+    const int64_t v0 = r * rg->vocab_size;
+    return (struct share){
+        .n = n,
+        .q0 = r * rg->n_heads * hd,
+        .q_rows = rg->n_heads * hd,
+        .kv0 = kv_head * hd,
+        .kv_rows = rg->n_kv_heads * hd,
+        .i0 = r * rg->intermediate_size,
+        .i_rows = rg->intermediate_size,
+        .e0 = r * rg->expert_intermediate,
+        .e_rows = rg->expert_intermediate,
+        .v0 = v0,
+        .v_rows = g->vocab_size - v0 < rg->vocab_size ? g->vocab_size - v0 : rg->vocab_size,
+    };
+}
+
+/* Rows [first, first + count) of w (a view of its bytes), or with `cols` its columns
+ * [first, first + count) copied row by row into a new host buffer (*copy, codes then an MLX type's
+ * scales and biases; NULL when nothing was copied). LLMEM_EUNSUPPORTED (logged) where the columns
+ * would cut a block or group, LLMEM_ENOMEM. */
+static int weight_part(const struct llmem_weight *w, int cols, int64_t first, int64_t count,
+                       struct llmem_weight *out, void **copy) {
+    *out = *w;
+    *copy = NULL;
+    int group = 1, st = 0;
+    const int mlx = llmem_qtype_mlx_params(w->quant, NULL, &group, &st);
+    const int64_t sb = mlx ? (st == LLMEM_QTYPE_F32 ? 4 : 2) : 0; /* bytes of a scale */
+    const int64_t row = llmem_weight_row_bytes(w), side = w->cols / group * sb;
+    if (!cols) {
+        out->data = (const uint8_t *)w->data + first * row;
+        out->rows = count;
+        if (mlx) {
+            out->scales = (const uint8_t *)w->scales + first * side;
+            out->biases = (const uint8_t *)w->biases + first * side;
+        }
+        return LLMEM_OK;
+    }
+    const int64_t at = w->quant != 0 ? llmem_qtype_bytes(w->quant, first)
+                                     : first * (int64_t)llmem_dtype_size(w->dtype);
+    out->cols = count;
+    const int64_t bytes = llmem_weight_row_bytes(out);
+    if (at < 0 || bytes <= 0 || first % group != 0 || count % group != 0) {
+        LLMEM_ERROR("a %" PRId64 "x%" PRId64 " matrix of %s: its columns %" PRId64 "-%" PRId64
+                    " cut its blocks",
+                    w->rows, w->cols, w->quant != 0 ? llmem_qtype_name(w->quant) : "values", first,
+                    first + count - 1);
+        return LLMEM_EUNSUPPORTED;
+    }
+    const int64_t s0 = first / group * sb, s_bytes = count / group * sb;
+    uint8_t *d = malloc((size_t)(w->rows * (bytes + 2 * s_bytes)));
+    if (d == NULL) {
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    uint8_t *ds = d + w->rows * bytes, *db = ds + w->rows * s_bytes;
+    for (int64_t r = 0; r < w->rows; r++) {
+        memcpy(d + r * bytes, (const uint8_t *)w->data + r * row + at, (size_t)bytes);
+        if (mlx) {
+            memcpy(ds + r * s_bytes, (const uint8_t *)w->scales + r * side + s0, (size_t)s_bytes);
+            memcpy(db + r * s_bytes, (const uint8_t *)w->biases + r * side + s0, (size_t)s_bytes);
+        }
+    }
+    out->data = d;
+    out->scales = mlx ? ds : NULL;
+    out->biases = mlx ? db : NULL;
+    *copy = d;
+    return LLMEM_OK;
+}
+
+/* A MoE layer's router and its experts' three stacks, into L (whose table is made here), of each
+ * expert the share's columns; or, on the host, the router alone, the table pointing at S's
+ * experts. */
 static int upload_moe(struct llmem_model *m, const struct llmem_backend *be,
-                      const struct model_layer *S, struct model_layer *L, int on_host) {
+                      const struct model_layer *S, struct model_layer *L, int on_host,
+                      const struct share *sh) {
     const int64_t E = S->moe.n_experts;
     int status = llmem_model_layer_experts(m, L);
     if (status != LLMEM_OK)
@@ -158,18 +249,38 @@ static int upload_moe(struct llmem_model *m, const struct llmem_backend *be,
         L->experts_on_host = 1;
         return LLMEM_OK;
     }
-    if ((status = upload_experts(m, be, S->moe.gate, E, L->experts)) == LLMEM_OK &&
-        (status = upload_experts(m, be, S->moe.up, E, L->experts + E)) == LLMEM_OK)
-        status = upload_experts(m, be, S->moe.down, E, L->experts + 2 * E);
+    const struct llmem_weight *stacks[3] = {S->moe.gate, S->moe.up, S->moe.down};
+    struct llmem_weight *parts = calloc((size_t)E, sizeof(*parts));
+    void **copies = calloc((size_t)E, sizeof(*copies));
+    if (parts == NULL || copies == NULL)
+        status = LLMEM_ENOMEM;
+    for (int s = 0; status == LLMEM_OK && s < 3; s++) {
+        for (int64_t e = 0; status == LLMEM_OK && e < E; e++)
+            status = weight_part(&stacks[s][e], s == 2, sh->e0, sh->e_rows, &parts[e], &copies[e]);
+        if (status == LLMEM_OK)
+            status = upload_experts(m, be, parts, E, L->experts + s * E);
+        for (int64_t e = 0; copies != NULL && e < E; e++)
+            free(copies[e]), copies[e] = NULL;
+    }
+    free(parts), free(copies);
     return status;
 }
 
 int llmem_model_to_device(const struct llmem_model *src, const struct llmem_backend *be,
-                          struct llmem_mem *mem, int64_t experts_on_host, llmem_progress_fn progress, void *progress_arg,
+                          struct llmem_mem *mem, int64_t experts_on_host, int rank, int ranks,
+                          llmem_progress_fn progress, void *progress_arg,
                           struct llmem_model **out) {
     LLMEM_ASSERT(src != NULL && be != NULL && mem != NULL && out != NULL);
+    LLMEM_ASSERT(rank >= 0 && rank < ranks && (ranks == 1 || experts_on_host == 0));
     *out = NULL;
     const struct llmem_model_geometry *g = &src->cfg.geom;
+    struct llmem_model_geometry rg;
+    char why[256];
+    if (llmem_geometry_tensor_rank(g, ranks, &rg, why, sizeof(why)) != LLMEM_OK) {
+        LLMEM_ERROR("%s: cannot split the model over %d devices: %s", g->source, ranks, why);
+        return LLMEM_EINVAL;
+    }
+    const struct share sh = share_of(g, &rg, rank, ranks);
     int status = LLMEM_OK;
     struct llmem_model *m = calloc(1, sizeof(*m));
     struct model_layer *layers = calloc((size_t)g->n_layers, sizeof(*layers));
@@ -189,6 +300,9 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         return LLMEM_ENOMEM;
     }
     m->cfg = src->cfg;
+    m->cfg.geom = rg; /* the share's heads and widths; the vocabulary stays the model's */
+    m->cfg.geom.vocab_size = g->vocab_size;
+    m->rank = rank, m->ranks = ranks, m->vocab_first = sh.v0;
     m->cfg.rope_interleaved = 0;    /* q and k unpermuted on the way (unpermuted) */
     m->cfg.layer_sliding = sliding; /* the configuration's arrays: copies of its own */
     if (sliding != NULL)
@@ -225,16 +339,20 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
     m->embed.scales = m->embed.biases = m->lm_head.scales = m->lm_head.biases = NULL;
 
     const int64_t hidden = g->hidden_size, hd = g->head_dim;
-    const int64_t q_dim = g->n_heads * hd, kv_dim = g->n_kv_heads * hd;
-    struct llmem_weight e = src->embed;
-    status = upload_weight(m, be, &e);
+    struct llmem_weight e;
+    void *copy;
+    status = weight_part(&src->embed, 0, sh.v0, sh.v_rows, &e, &copy);
+    if (status == LLMEM_OK)
+        status = upload_weight(m, be, &e);
     m->embed = e;
     if (status == LLMEM_OK) {
         if (src->lm_head.data == src->embed.data) {
             m->lm_head = m->embed; /* tied */
         } else {
-            struct llmem_weight h = src->lm_head;
-            status = upload_weight(m, be, &h);
+            struct llmem_weight h;
+            status = weight_part(&src->lm_head, 0, sh.v0, sh.v_rows, &h, &copy);
+            if (status == LLMEM_OK)
+                status = upload_weight(m, be, &h);
             m->lm_head = h;
         }
     }
@@ -245,19 +363,32 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
     for (int64_t l = 0; status == LLMEM_OK && l < g->n_layers; l++) {
         const struct model_layer *S = &src->layers[l];
         struct model_layer *L = &layers[l];
-        struct llmem_weight w[7] = {S->wq, S->wk, S->wv, S->wo, S->w_gate, S->w_up, S->w_down};
+        struct llmem_weight w[7];
         struct llmem_weight *dst[7] = {&L->wq,     &L->wk,   &L->wv,    &L->wo,
                                        &L->w_gate, &L->w_up, &L->w_down};
+        /* the share of each matrix: rows of q, k, v, gate and up; columns of o and down */
+        const struct llmem_weight *sw[7] = {&S->wq,     &S->wk,   &S->wv,    &S->wo,
+                                            &S->w_gate, &S->w_up, &S->w_down};
+        const int64_t first[7] = {sh.q0, sh.kv0, sh.kv0, sh.q0, sh.i0, sh.i0, sh.i0};
+        const int64_t count[7] = {sh.q_rows, sh.kv_rows, sh.kv_rows, sh.q_rows,
+                                  sh.i_rows, sh.i_rows,  sh.i_rows};
+        void *copies[7] = {NULL};
+        const int dense = S->experts == NULL ? 7 : 4;
+        for (int i = 0; status == LLMEM_OK && i < dense; i++)
+            status = weight_part(sw[i], i == 3 || i == 6, first[i], count[i], &w[i], &copies[i]);
         float *v[7] = {S->attn_norm, S->mlp_norm, S->bq, S->bk, S->bv, S->q_norm, S->k_norm};
+        v[2] = S->bq != NULL ? S->bq + sh.q0 : NULL;
+        v[3] = S->bk != NULL ? S->bk + sh.kv0 : NULL;
+        v[4] = S->bv != NULL ? S->bv + sh.kv0 : NULL;
         void *perm[6] = {NULL}; /* q, k, their biases and norms, unpermuted */
-        if (src->cfg.rope_interleaved) {
+        if (status == LLMEM_OK && src->cfg.rope_interleaved) { /* whole heads: within each */
             int failed = 0;
-            perm[0] = unpermuted(S->wq.data, S->wq.rows, (size_t)llmem_weight_row_bytes(&S->wq), hd,
+            perm[0] = unpermuted(w[0].data, w[0].rows, (size_t)llmem_weight_row_bytes(&w[0]), hd,
                                  &failed);
-            perm[1] = unpermuted(S->wk.data, S->wk.rows, (size_t)llmem_weight_row_bytes(&S->wk), hd,
+            perm[1] = unpermuted(w[1].data, w[1].rows, (size_t)llmem_weight_row_bytes(&w[1]), hd,
                                  &failed);
-            perm[2] = unpermuted(S->bq, q_dim, sizeof(float), hd, &failed);
-            perm[3] = unpermuted(S->bk, kv_dim, sizeof(float), hd, &failed);
+            perm[2] = unpermuted(v[2], sh.q_rows, sizeof(float), hd, &failed);
+            perm[3] = unpermuted(v[3], sh.kv_rows, sizeof(float), hd, &failed);
             perm[4] = unpermuted(S->q_norm, hd, sizeof(float), hd, &failed);
             perm[5] = unpermuted(S->k_norm, hd, sizeof(float), hd, &failed);
             w[0].data = perm[0], w[1].data = perm[1];
@@ -266,7 +397,7 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         }
         for (int i = 0; status == LLMEM_OK && i < 7; i++) {
             if (S->experts != NULL && i >= 4) { /* a MoE layer: no dense MLP */
-                status = upload_moe(m, be, S, L, moe_seen++ < experts_on_host);
+                status = upload_moe(m, be, S, L, moe_seen++ < experts_on_host, &sh);
                 break;
             }
             const int pair = i == 1 || i == 4; /* k and v, gate and up */
@@ -278,7 +409,7 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         }
         float **vd[7] = {&L->attn_norm, &L->mlp_norm, &L->bq,    &L->bk,
                          &L->bv,        &L->q_norm,   &L->k_norm};
-        const int64_t n[7] = {hidden, hidden, q_dim, kv_dim, kv_dim, hd, hd};
+        const int64_t n[7] = {hidden, hidden, sh.q_rows, sh.kv_rows, sh.kv_rows, hd, hd};
         for (int i = 0; status == LLMEM_OK && i < 7; i++) {
             status = upload_vector(m, be, &v[i], n[i]);
             if (status == LLMEM_OK)
@@ -286,6 +417,8 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         }
         for (int i = 0; i < 6; i++)
             free(perm[i]);
+        for (int i = 0; i < 7; i++)
+            free(copies[i]);
         if (progress != NULL)
             progress(progress_arg, l + 1, g->n_layers);
     }

@@ -35,6 +35,7 @@
  * older pass (the backend's top_k_wait).
  */
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -45,20 +46,36 @@
 #include "model/model_int.h"
 #include "plan/moe_work.h"
 
-struct llmem_forward {
+/* What one rank of a split model (the whole model in a group of one) holds for a pass: its share
+ * of the weights, its backend and its activations. */
+struct rank {
     struct llmem_model *model;
     const struct llmem_backend *be;
-    struct llmem_kv *kv;
     struct llmem_mem *mem;
-    int64_t max_tokens;
-    float *x;         /* (T, hidden) the residual stream */
-    float *xn;        /* (T, hidden) normed input of a block; its output before the residual add */
+    float *x;         /* (T, hidden) the residual stream, the same on every rank */
+    float *xn;        /* (T, hidden) normed input of a block; its output before the residual add
+                       * (the rank's part of it, until the ranks' parts are summed) */
     float *q;         /* (T, n_heads·hd) */
     float *att;       /* (T, n_heads·hd) attention output */
     float *k, *v;     /* (T, n_kv·hd) */
     float *gate, *up; /* (T, inter) of a dense MLP */
     float *router;    /* (T, n_experts) a MoE layer's router logits, or NULL */
     void *moe_work;   /* a MoE layer's workspace (plan/moe_work.h), or NULL */
+    float *dev_logits; /* on a device, or of a split: its logits rows there, kept for the next pass
+                        * (graphs) */
+    int64_t dev_logits_rows;
+    int32_t *ids; /* (T, host) of a split: the tokens' rows of its share of the vocabulary, −1 for
+                   * the others' */
+};
+
+struct llmem_forward {
+    struct llmem_model *model;      /* rank 0's (its configuration: the vocabulary, the layers) */
+    const struct llmem_backend *be; /* rank 0's */
+    struct llmem_kv *kv;
+    int64_t max_tokens;
+    struct llmem_backend_group group;
+    const struct llmem_backend *one; /* a group of one: its backend */
+    struct rank *ranks;              /* (group.n) */
     int64_t *pos;     /* (T) position of each token */
     int *seq_ids;     /* (T) the sequences of a step */
     int64_t *n_q;     /* (T) and their tokens */
@@ -69,12 +86,10 @@ struct llmem_forward {
         int n_seqs, k;
         int *seq_ids;
         int64_t *lengths;
-        float *logits; /* k = 0: where wait copies the rows (dev_logits), logit_bytes of them */
-        size_t logit_bytes;
+        float *logits; /* k = 0: where wait copies the rows (the ranks' dev_logits) */
+        int64_t logit_rows;
     } started[2];
     int n_started;
-    float *dev_logits; /* on a device: the logits there, kept for the next pass (graphs) */
-    int64_t dev_logits_rows;
     /* the MoE layers whose experts are on the host (model_layer experts_on_host): the backend
      * that runs them, the router logits and the block's input and output there, its workspace */
     const struct llmem_backend *host;
@@ -82,53 +97,27 @@ struct llmem_forward {
     void *host_work;
 };
 
-int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *backend,
-                         struct llmem_kv *kv, int64_t max_batch_tokens,
-                         struct llmem_forward **out) {
-    LLMEM_ASSERT(model != NULL && backend != NULL && kv != NULL && max_batch_tokens > 0);
-    if (model->cfg.rope_interleaved && backend->ops->rope_pairs == NULL) {
-        LLMEM_ERROR("%s: the %s backend does not run RoPE on interleaved pairs (GGUF llama files)",
-                    model->cfg.geom.source, backend->ops->name);
-        return LLMEM_EUNSUPPORTED;
-    }
-    struct llmem_forward *f = calloc(1, sizeof(*f));
-    if (f == NULL) {
-        LLMEM_ERROR("out of memory");
-        return LLMEM_ENOMEM;
-    }
-    const struct llmem_model_geometry *g = &model->cfg.geom;
+/* A rank's activations for batches of T tokens (tag scratch). */
+static int rank_alloc(struct rank *R, int64_t max_tokens, int split) {
+    const struct llmem_model_geometry *g = &R->model->cfg.geom;
     const int moe = g->n_experts > 0 && g->n_moe_layers > 0;
-    if (moe && backend->ops->moe == NULL) {
-        LLMEM_ERROR("%s: the %s backend does not run mixture-of-experts layers",
-                    model->cfg.geom.source, backend->ops->name);
-        free(f);
-        return LLMEM_EUNSUPPORTED;
-    }
-    if (moe && max_batch_tokens * g->n_experts_used > INT32_MAX) {
-        LLMEM_ERROR("a batch of %" PRId64 " tokens: more than a mixture of experts indexes",
-                    max_batch_tokens);
-        free(f);
-        return LLMEM_EINVAL;
-    }
-    const size_t T = (size_t)max_batch_tokens;
+    const size_t T = (size_t)max_tokens;
     /* the dense MLP's width, where some layer has one (llmem_geometry_workspace_bytes) */
     const size_t inter = moe && g->n_moe_layers >= g->n_layers ? 0 : (size_t)g->intermediate_size;
     const size_t q_dim = (size_t)(g->n_heads * g->head_dim);
     const size_t kv_dim = (size_t)(g->n_kv_heads * g->head_dim);
-    *f = (struct llmem_forward){
-        .model = model, .be = backend, .kv = kv, .mem = model->mem, .max_tokens = max_batch_tokens};
     struct {
         float **p;
         size_t floats;
     } bufs[] = {
-        {&f->x, T * (size_t)g->hidden_size},
-        {&f->xn, T * (size_t)g->hidden_size},
-        {&f->q, T * q_dim},
-        {&f->att, T * q_dim},
-        {&f->k, 2 * T * kv_dim},                          /* and v */
-        {&f->gate, 2 * T * inter},                        /* and up */
-        {&f->router, moe ? T * (size_t)g->n_experts : 0},
-        {(float **)&f->moe_work,
+        {&R->x, T * (size_t)g->hidden_size},
+        {&R->xn, T * (size_t)g->hidden_size},
+        {&R->q, T * q_dim},
+        {&R->att, T * q_dim},
+        {&R->k, 2 * T * kv_dim},   /* and v */
+        {&R->gate, 2 * T * inter}, /* and up */
+        {&R->router, moe ? T * (size_t)g->n_experts : 0},
+        {(float **)&R->moe_work,
          moe ? (size_t)llmem_moe_work_layout((int64_t)T, g->hidden_size, g->expert_intermediate,
                                              g->n_experts, g->n_experts_used, NULL, NULL) /
                    sizeof(float)
@@ -137,13 +126,79 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) {
         if (bufs[i].floats == 0)
             continue;
-        *bufs[i].p = llmem_mem_alloc(f->mem, bufs[i].floats * sizeof(float), LLMEM_TAG_SCRATCH);
+        *bufs[i].p = llmem_mem_alloc(R->mem, bufs[i].floats * sizeof(float), LLMEM_TAG_SCRATCH);
         if (*bufs[i].p == NULL)
-            goto fail;
+            return LLMEM_ENOMEM;
     }
     /* the outputs of a pair of matrices a fixed distance apart, as the pair may be multiplied */
-    f->v = f->k + T * kv_dim;
-    f->up = f->gate != NULL ? f->gate + T * inter : NULL;
+    R->v = R->k + T * kv_dim;
+    R->up = R->gate != NULL ? R->gate + T * inter : NULL;
+    if (split && (R->ids = malloc(T * sizeof(int32_t))) == NULL) {
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    return LLMEM_OK;
+}
+
+static void rank_free(struct rank *R) {
+    /* (v and up within k and gate) */
+    float *bufs[] = {
+        R->x, R->xn, R->q, R->att, R->k, R->gate, R->router, (float *)R->moe_work, R->dev_logits};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+        llmem_mem_free(R->mem, bufs[i]);
+    free(R->ids);
+}
+
+int llmem_forward_create_split(struct llmem_model *const *models,
+                               const struct llmem_backend_group *group, struct llmem_kv *kv,
+                               int64_t max_batch_tokens, struct llmem_forward **out) {
+    LLMEM_ASSERT(models != NULL && group != NULL && group->n >= 1 && kv != NULL &&
+                 max_batch_tokens > 0 && (group->n == 1 || group->allreduce != NULL));
+    const int n = group->n;
+    for (int r = 0; r < n; r++) {
+        const struct llmem_model *m = models[r];
+        const struct llmem_backend_ops *ops = group->ranks[r]->ops;
+        LLMEM_ASSERT(n == 1 || (m->ranks == n && m->rank == r));
+        if (m->cfg.rope_interleaved && ops->rope_pairs == NULL) {
+            LLMEM_ERROR("%s: the %s backend does not run RoPE on interleaved pairs (GGUF llama "
+                        "files)",
+                        m->cfg.geom.source, ops->name);
+            return LLMEM_EUNSUPPORTED;
+        }
+        const struct llmem_model_geometry *g = &m->cfg.geom;
+        const int moe = g->n_experts > 0 && g->n_moe_layers > 0;
+        if (moe && ops->moe == NULL) {
+            LLMEM_ERROR("%s: the %s backend does not run mixture-of-experts layers", g->source,
+                        ops->name);
+            return LLMEM_EUNSUPPORTED;
+        }
+        if (moe && max_batch_tokens * g->n_experts_used > INT32_MAX) {
+            LLMEM_ERROR("a batch of %" PRId64 " tokens: more than a mixture of experts indexes",
+                        max_batch_tokens);
+            return LLMEM_EINVAL;
+        }
+    }
+    struct llmem_forward *f = calloc(1, sizeof(*f));
+    struct rank *ranks = calloc((size_t)n, sizeof(*ranks));
+    if (f == NULL || ranks == NULL) {
+        free(f), free(ranks);
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    *f = (struct llmem_forward){.model = models[0],
+                                .be = group->ranks[0],
+                                .kv = kv,
+                                .max_tokens = max_batch_tokens,
+                                .group = *group,
+                                .ranks = ranks};
+    int status = LLMEM_OK;
+    for (int r = 0; r < n && status == LLMEM_OK; r++) {
+        ranks[r] = (struct rank){.model = models[r], .be = group->ranks[r], .mem = models[r]->mem};
+        status = rank_alloc(&ranks[r], max_batch_tokens, n > 1);
+    }
+    if (status != LLMEM_OK)
+        goto fail;
+    const size_t T = (size_t)max_batch_tokens;
     f->pos = malloc(T * sizeof(int64_t)); /* host memory, as the rope operation takes it */
     f->seq_ids = malloc(T * sizeof(int));
     f->n_q = malloc(T * sizeof(int64_t));
@@ -156,23 +211,36 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
     }
     if (!ok) {
         LLMEM_ERROR("out of memory");
+        status = LLMEM_ENOMEM;
         goto fail;
     }
     *out = f;
     return LLMEM_OK;
 fail:
     llmem_forward_free(f);
-    return LLMEM_ENOMEM;
+    return status;
+}
+
+int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *backend,
+                         struct llmem_kv *kv, int64_t max_batch_tokens,
+                         struct llmem_forward **out) {
+    LLMEM_ASSERT(model != NULL && backend != NULL);
+    const struct llmem_backend *const one[1] = {backend};
+    const struct llmem_backend_group group = {.n = 1, .ranks = one};
+    int status = llmem_forward_create_split(&model, &group, kv, max_batch_tokens, out);
+    if (status == LLMEM_OK) { /* the group's table of one, kept with the pass */
+        (*out)->one = backend;
+        (*out)->group.ranks = &(*out)->one;
+    }
+    return status;
 }
 
 void llmem_forward_free(struct llmem_forward *f) {
     if (f == NULL)
         return;
-    /* (v and up within k and gate) */
-    float *bufs[] = {f->x, f->xn, f->q, f->att, f->k, f->gate, f->router, (float *)f->moe_work};
-    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
-        llmem_mem_free(f->mem, bufs[i]);
-    llmem_mem_free(f->mem, f->dev_logits);
+    for (int r = 0; f->ranks != NULL && r < f->group.n; r++)
+        rank_free(&f->ranks[r]);
+    free(f->ranks);
     free(f->host_logits), free(f->host_x), free(f->host_work);
     free(f->pos);
     free(f->seq_ids);
@@ -186,7 +254,8 @@ void llmem_forward_free(struct llmem_forward *f) {
 }
 
 int llmem_forward_set_host(struct llmem_forward *f, const struct llmem_backend *host) {
-    LLMEM_ASSERT(f != NULL && host != NULL && host->ops->moe != NULL && f->host == NULL);
+    LLMEM_ASSERT(f != NULL && host != NULL && host->ops->moe != NULL && f->host == NULL &&
+                 f->group.n == 1);
     const struct llmem_model_geometry *g = &f->model->cfg.geom;
     const int64_t T = f->max_tokens;
     const size_t work = (size_t)llmem_moe_work_layout(T, g->hidden_size, g->expert_intermediate,
@@ -213,156 +282,235 @@ int64_t llmem_forward_max_tokens(const struct llmem_forward *f) {
 
 /* xn = rmsnorm(x) with the norm weights w, after x += xn (the block before's output, when
  * `residual`): one operation where the backend fuses the two. */
-static void residual_norm(struct llmem_forward *f, const float *w, int64_t T, int residual) {
-    const struct llmem_backend_ops *ops = f->be->ops;
-    const int64_t dim = f->model->cfg.geom.hidden_size;
-    const float eps = (float)f->model->cfg.rms_norm_eps;
+static void residual_norm(struct rank *R, const float *w, int64_t T, int residual) {
+    const struct llmem_backend_ops *ops = R->be->ops;
+    const int64_t dim = R->model->cfg.geom.hidden_size;
+    const float eps = (float)R->model->cfg.rms_norm_eps;
     if (residual && ops->add_rmsnorm != NULL) {
-        ops->add_rmsnorm(f->be->ctx, f->x, f->xn, w, T, dim, eps, f->xn);
+        ops->add_rmsnorm(R->be->ctx, R->x, R->xn, w, T, dim, eps, R->xn);
         return;
     }
     if (residual)
-        ops->add(f->be->ctx, f->x, f->xn, T * dim);
-    ops->rmsnorm(f->be->ctx, f->x, w, T, dim, eps, f->xn);
+        ops->add(R->be->ctx, R->x, R->xn, T * dim);
+    ops->rmsnorm(R->be->ctx, R->x, w, T, dim, eps, R->xn);
 }
 
 /* Several matmuls of one input: one dispatch where the backend offers it. */
-static void matmul_multi(struct llmem_forward *f, int count, const struct llmem_weight *const *w,
+static void matmul_multi(struct rank *R, int count, const struct llmem_weight *const *w,
                          const float *x, int64_t n, float *const *y, const float *const *bias) {
-    const struct llmem_backend_ops *ops = f->be->ops;
+    const struct llmem_backend_ops *ops = R->be->ops;
     if (ops->matmul_multi != NULL) {
-        ops->matmul_multi(f->be->ctx, count, w, x, n, y, bias);
+        ops->matmul_multi(R->be->ctx, count, w, x, n, y, bias);
         return;
     }
     for (int i = 0; i < count; i++)
-        ops->matmul(f->be->ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
+        ops->matmul(R->be->ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
 }
 
-static int attention_block(struct llmem_forward *f, const struct model_layer *L, int layer,
-                           int n_seqs, int64_t T, int decode) {
-    const struct llmem_backend_ops *ops = f->be->ops;
-    void *ctx = f->be->ctx;
-    const struct llmem_model_config *c = &f->model->cfg;
+/* The ranks' parts of a buffer (the one at `field` of each rank, count floats) summed on every
+ * rank; nothing in a group of one. */
+static int join(struct llmem_forward *f, size_t field, int64_t count) {
+    if (f->group.n == 1)
+        return LLMEM_OK;
+    float *buf[f->group.n];
+    for (int r = 0; r < f->group.n; r++)
+        buf[r] = *(float **)((char *)&f->ranks[r] + field);
+    return f->group.allreduce(f->group.ctx, buf, count);
+}
+
+/* A rank's attention block for layer `layer` (its KV heads at the cache's layer
+ * rank · n_layers + layer), its part of the output projection into xn. */
+static int attention_block(struct llmem_forward *f, struct rank *R, int rank, int layer, int n_seqs,
+                           int64_t T, int decode) {
+    const struct llmem_backend_ops *ops = R->be->ops;
+    void *ctx = R->be->ctx;
+    const struct llmem_model_config *c = &R->model->cfg;
     const struct llmem_model_geometry *g = &c->geom;
+    const struct model_layer *L = &R->model->layers[layer];
     const int hd = (int)g->head_dim, nh = (int)g->n_heads, nkv = (int)g->n_kv_heads;
     const float eps = (float)c->rms_norm_eps;
 
-    residual_norm(f, L->attn_norm, T, layer > 0); /* the layer before's MLP output added first */
+    residual_norm(R, L->attn_norm, T, layer > 0); /* the layer before's MLP output added first */
     {
         const struct llmem_weight *w[3] = {&L->wq, &L->wk, &L->wv};
-        float *y[3] = {f->q, f->k, f->v};
+        float *y[3] = {R->q, R->k, R->v};
         const float *b[3] = {L->bq, L->bk, L->bv};
-        matmul_multi(f, 3, w, f->xn, T, y, b);
+        matmul_multi(R, 3, w, R->xn, T, y, b);
     }
     if (L->q_norm != NULL) {
-        ops->rmsnorm(ctx, f->q, L->q_norm, T * nh, hd, eps, f->q);
-        ops->rmsnorm(ctx, f->k, L->k_norm, T * nkv, hd, eps, f->k);
+        ops->rmsnorm(ctx, R->q, L->q_norm, T * nh, hd, eps, R->q);
+        ops->rmsnorm(ctx, R->k, L->k_norm, T * nkv, hd, eps, R->k);
     }
-    if (f->model->cfg.rope_interleaved) { /* a GGUF llama file's permuted q and k rows */
-        ops->rope_pairs(ctx, f->q, T, nh, hd, f->pos, f->model->inv_freq);
-        ops->rope_pairs(ctx, f->k, T, nkv, hd, f->pos, f->model->inv_freq);
+    if (c->rope_interleaved) { /* a GGUF llama file's permuted q and k rows */
+        ops->rope_pairs(ctx, R->q, T, nh, hd, f->pos, R->model->inv_freq);
+        ops->rope_pairs(ctx, R->k, T, nkv, hd, f->pos, R->model->inv_freq);
     } else if (ops->rope_qk != NULL) {
-        ops->rope_qk(ctx, f->q, f->k, T, nh, nkv, hd, f->pos, f->model->inv_freq);
+        ops->rope_qk(ctx, R->q, R->k, T, nh, nkv, hd, f->pos, R->model->inv_freq);
     } else {
-        ops->rope(ctx, f->q, T, nh, hd, f->pos, f->model->inv_freq);
-        ops->rope(ctx, f->k, T, nkv, hd, f->pos, f->model->inv_freq);
+        ops->rope(ctx, R->q, T, nh, hd, f->pos, R->model->inv_freq);
+        ops->rope(ctx, R->k, T, nkv, hd, f->pos, R->model->inv_freq);
     }
 
     /* every sequence's tokens are the last of it (the lengths cover them): each cache call once
      * for the whole step (n_q NULL for a pure decode step, as its recording has it) */
     const struct llmem_kv_attn attn = {.n_heads = nh, .window = L->window};
     const int64_t *n_q = decode ? NULL : f->n_q;
-    int status = llmem_kv_write_last(f->kv, n_seqs, f->seq_ids, n_q, layer, f->k, f->v);
+    const int kv_layer = rank * (int)g->n_layers + layer;
+    int status = llmem_kv_write_last(f->kv, n_seqs, f->seq_ids, n_q, kv_layer, R->k, R->v);
     if (status == LLMEM_OK)
-        status = llmem_kv_attend_last(f->kv, n_seqs, f->seq_ids, n_q, layer, f->q, f->att, &attn);
+        status =
+            llmem_kv_attend_last(f->kv, n_seqs, f->seq_ids, n_q, kv_layer, R->q, R->att, &attn);
     if (status != LLMEM_OK)
         return status;
-    ops->matmul(ctx, &L->wo, f->att, T, f->xn, NULL); /* added to x by the next norm */
+    ops->matmul(ctx, &L->wo, R->att, T, R->xn, NULL); /* added to x by the next norm */
     return LLMEM_OK;
 }
 
-static int mlp_block(struct llmem_forward *f, const struct model_layer *L, int64_t T) {
-    const struct llmem_backend_ops *ops = f->be->ops;
-    void *ctx = f->be->ctx;
-    const struct llmem_model_geometry *g = &f->model->cfg.geom;
-    residual_norm(f, L->mlp_norm, T, 1);
+static int mlp_block(struct llmem_forward *f, struct rank *R, int layer, int64_t T) {
+    const struct llmem_backend_ops *ops = R->be->ops;
+    void *ctx = R->be->ctx;
+    const struct llmem_model_geometry *g = &R->model->cfg.geom;
+    const struct model_layer *L = &R->model->layers[layer];
+    residual_norm(R, L->mlp_norm, T, 1);
     if (L->experts != NULL) { /* added to x by the next norm */
-        ops->matmul(ctx, &L->router, f->xn, T, f->router, NULL);
+        ops->matmul(ctx, &L->router, R->xn, T, R->router, NULL);
         if (!L->experts_on_host) {
-            ops->moe(ctx, &L->moe, f->router, f->xn, T, f->xn, f->moe_work);
+            ops->moe(ctx, &L->moe, R->router, R->xn, T, R->xn, R->moe_work);
             return LLMEM_OK;
         }
         /* the experts in host memory: the logits and the input there and the output back */
         const size_t x_bytes = (size_t)(T * g->hidden_size) * sizeof(float);
-        int status = ops->copy(ctx, f->host_logits, f->router,
-                               (size_t)(T * g->n_experts) * sizeof(float));
-        if (status == LLMEM_OK && (status = ops->copy(ctx, f->host_x, f->xn, x_bytes)) == LLMEM_OK)
+        int status =
+            ops->copy(ctx, f->host_logits, R->router, (size_t)(T * g->n_experts) * sizeof(float));
+        if (status == LLMEM_OK && (status = ops->copy(ctx, f->host_x, R->xn, x_bytes)) == LLMEM_OK)
             f->host->ops->moe(f->host->ctx, &L->moe, f->host_logits, f->host_x, T, f->host_x,
                               f->host_work);
-        return status == LLMEM_OK ? ops->copy(ctx, f->xn, f->host_x, x_bytes) : status;
+        return status == LLMEM_OK ? ops->copy(ctx, R->xn, f->host_x, x_bytes) : status;
     }
     if (ops->matmul_swiglu != NULL) {
-        ops->matmul_swiglu(ctx, &L->w_gate, &L->w_up, f->xn, T, f->gate, f->up, f->gate);
+        ops->matmul_swiglu(ctx, &L->w_gate, &L->w_up, R->xn, T, R->gate, R->up, R->gate);
     } else {
         const struct llmem_weight *w[2] = {&L->w_gate, &L->w_up};
-        float *y[2] = {f->gate, f->up};
-        matmul_multi(f, 2, w, f->xn, T, y, NULL);
-        ops->swiglu(ctx, f->gate, f->up, T * g->intermediate_size, f->gate);
+        float *y[2] = {R->gate, R->up};
+        matmul_multi(R, 2, w, R->xn, T, y, NULL);
+        ops->swiglu(ctx, R->gate, R->up, T * g->intermediate_size, R->gate);
     }
-    ops->matmul(ctx, &L->w_down, f->gate, T, f->xn, NULL); /* added to x by the next norm */
+    ops->matmul(ctx, &L->w_down, R->gate, T, R->xn, NULL); /* added to x by the next norm */
     return LLMEM_OK;
 }
 
 /* ---- the batch ------------------------------------------------------------------------------ */
 
+/* A rank's embeddings of the batch's tokens into x: of a split, its share's rows and zeros for
+ * the rest (the ranks' parts then summed). */
+static void embed(struct llmem_forward *f, struct rank *R, const int32_t *tokens, int64_t T) {
+    const struct llmem_backend_ops *ops = R->be->ops;
+    if (tokens == NULL) { /* a greedy step's tokens, from the pass before it on the device */
+        ops->embedding_top(R->be->ctx, &R->model->embed, T, R->x);
+        return;
+    }
+    if (f->group.n == 1) {
+        ops->embedding(R->be->ctx, &R->model->embed, tokens, T, R->x);
+        return;
+    }
+    const int64_t first = R->model->vocab_first, rows = R->model->embed.rows;
+    for (int64_t t = 0; t < T; t++)
+        R->ids[t] =
+            tokens[t] >= first && tokens[t] < first + rows ? (int32_t)(tokens[t] - first) : -1;
+    ops->embedding(R->be->ctx, &R->model->embed, R->ids, T, R->x);
+}
+
 /* The layers and the logits rows of a batch whose cache lengths already cover it: into `logits`
- * (the backend's memory). `decode`: every sequence has one token. */
+ * (the backend's memory) in a group of one, else each rank's share of the vocabulary into its
+ * dev_logits. `decode`: every sequence has one token. */
 static int run_pass(struct llmem_forward *f, const int32_t *tokens,
                     const struct llmem_batch_seq *seqs, int n_seqs, int64_t T, int64_t n_logits,
                     int decode, float *logits) {
     const struct llmem_model_geometry *g = &f->model->cfg.geom;
-    const struct llmem_backend_ops *ops = f->be->ops;
-    void *ctx = f->be->ctx;
-    if (tokens != NULL)
-        ops->embedding(ctx, &f->model->embed, tokens, T, f->x);
-    else /* a greedy step's tokens, from the pass before it on the device */
-        ops->embedding_top(ctx, &f->model->embed, T, f->x);
-    for (int64_t l = 0; l < g->n_layers; l++) {
-        const struct model_layer *L = &f->model->layers[l];
-        int status = attention_block(f, L, (int)l, n_seqs, T, decode);
-        if (status != LLMEM_OK || (status = mlp_block(f, L, T)) != LLMEM_OK)
-            return status;
+    const int n = f->group.n;
+    const int64_t hidden = g->hidden_size;
+    for (int r = 0; r < n; r++)
+        embed(f, &f->ranks[r], tokens, T);
+    int status = join(f, offsetof(struct rank, x), T * hidden);
+    for (int l = 0; status == LLMEM_OK && l < (int)g->n_layers; l++) {
+        for (int r = 0; status == LLMEM_OK && r < n; r++)
+            status = attention_block(f, &f->ranks[r], r, l, n_seqs, T, decode);
+        if (status == LLMEM_OK)
+            status = join(f, offsetof(struct rank, xn), T * hidden);
+        for (int r = 0; status == LLMEM_OK && r < n; r++)
+            status = mlp_block(f, &f->ranks[r], l, T);
+        if (status == LLMEM_OK)
+            status = join(f, offsetof(struct rank, xn), T * hidden);
     }
-    if (n_logits == T) { /* every row wants its logits (a decode step): in place */
-        residual_norm(f, f->model->final_norm, T, 1); /* the last MLP's output added first */
-    } else {
-        ops->add(ctx, f->x, f->xn, T * g->hidden_size); /* the last MLP's output */
-        /* The rows that want logits, gathered in order (row r moves to index i ≤ r). */
-        int64_t i = 0, row = 0;
-        for (int s = 0; s < n_seqs; s++) {
-            const struct llmem_batch_seq *b = &seqs[s];
-            int64_t first = b->all_logits ? row : row + b->n_tokens - 1;
-            for (int64_t r = first; r < row + b->n_tokens; r++, i++)
-                if (i != r)
-                    ops->copy(ctx, f->x + i * g->hidden_size, f->x + r * g->hidden_size,
-                              (size_t)g->hidden_size * sizeof(float));
-            row += b->n_tokens;
+    for (int r = 0; status == LLMEM_OK && r < n; r++) {
+        struct rank *R = &f->ranks[r];
+        const struct llmem_backend_ops *ops = R->be->ops;
+        void *ctx = R->be->ctx;
+        if (n_logits == T) { /* every row wants its logits (a decode step): in place */
+            residual_norm(R, R->model->final_norm, T, 1); /* the last MLP's output added first */
+        } else {
+            ops->add(ctx, R->x, R->xn, T * hidden); /* the last MLP's output */
+            /* The rows that want logits, gathered in order (row r moves to index i ≤ r). */
+            int64_t i = 0, row = 0;
+            for (int s = 0; s < n_seqs; s++) {
+                const struct llmem_batch_seq *b = &seqs[s];
+                int64_t first = b->all_logits ? row : row + b->n_tokens - 1;
+                for (int64_t t = first; t < row + b->n_tokens; t++, i++)
+                    if (i != t)
+                        ops->copy(ctx, R->x + i * hidden, R->x + t * hidden,
+                                  (size_t)hidden * sizeof(float));
+                row += b->n_tokens;
+            }
+            ops->rmsnorm(ctx, R->x, R->model->final_norm, n_logits, hidden,
+                         (float)R->model->cfg.rms_norm_eps, R->xn);
         }
-        ops->rmsnorm(ctx, f->x, f->model->final_norm, n_logits, g->hidden_size,
-                     (float)f->model->cfg.rms_norm_eps, f->xn);
+        ops->matmul(ctx, &R->model->lm_head, R->xn, n_logits, n == 1 ? logits : R->dev_logits,
+                    NULL);
     }
-    ops->matmul(ctx, &f->model->lm_head, f->xn, n_logits, logits, NULL);
-    return LLMEM_OK;
+    return status;
+}
+
+/* The logits rows of the last pass (rows of them) into the caller's host memory: from the
+ * device, or from each rank its share's columns. */
+static int fetch_logits(struct llmem_forward *f, float *logits, int64_t rows) {
+    const int64_t vocab = f->model->cfg.geom.vocab_size;
+    if (f->group.n == 1) {
+        const struct rank *R = &f->ranks[0];
+        return R->be->ops->copy(R->be->ctx, logits, R->dev_logits,
+                                (size_t)(rows * vocab) * sizeof(float));
+    }
+    int status = LLMEM_OK;
+    for (int r = 0; r < f->group.n; r++) {
+        const struct rank *R = &f->ranks[r];
+        const struct llmem_backend_ops *ops = R->be->ops;
+        const int64_t width = R->model->lm_head.rows;
+        float *dst = logits + R->model->vocab_first;
+        if (ops->copy_out != NULL) { /* one pitched copy, waited for below */
+            ops->copy_out(R->be->ctx, dst, (size_t)vocab * sizeof(float), R->dev_logits,
+                          (size_t)width * sizeof(float), (size_t)width * sizeof(float),
+                          (size_t)rows);
+            continue;
+        }
+        for (int64_t i = 0; status == LLMEM_OK && i < rows; i++)
+            status = ops->copy(R->be->ctx, dst + i * vocab, R->dev_logits + i * width,
+                               (size_t)width * sizeof(float));
+    }
+    for (int r = 0; r < f->group.n; r++) {
+        const struct rank *R = &f->ranks[r];
+        int st = R->be->ops->copy_out != NULL ? R->be->ops->copy_out_wait(R->be->ctx) : LLMEM_OK;
+        status = status != LLMEM_OK ? status : st;
+    }
+    return status;
 }
 
 int llmem_forward_replays(const struct llmem_forward *f, int n_seqs) {
     const struct llmem_backend_ops *ops = f->be->ops;
-    return f->model->on_device && ops->graph_ready != NULL &&
+    return f->group.n == 1 && f->model->on_device && ops->graph_ready != NULL &&
            llmem_kv_blocks_free(f->kv) >= n_seqs && ops->graph_ready(f->be->ctx, (uint64_t)n_seqs);
 }
 
 int llmem_forward_has_top(const struct llmem_forward *f) {
-    return f->model->on_device && f->be->ops->top_k != NULL;
+    return f->group.n == 1 && f->model->on_device && f->be->ops->top_k != NULL;
 }
 
 int llmem_forward_has_next(const struct llmem_forward *f) {
@@ -445,24 +593,28 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
     void *ctx = f->be->ctx;
     /* On a device, a pure decode step may be recorded and replayed as one launch (graph_begin):
      * when every sequence could take a fresh block without the pool growing mid-pass. */
-    const int graph = f->model->on_device && ops->graph_begin != NULL && decode &&
-                      n_logits == n_seqs && llmem_kv_blocks_free(f->kv) >= n_seqs &&
+    const int graph = f->group.n == 1 && f->model->on_device && ops->graph_begin != NULL &&
+                      decode && n_logits == n_seqs && llmem_kv_blocks_free(f->kv) >= n_seqs &&
                       f->host == NULL; /* a pass with host work is not one launch */
     int status = LLMEM_OK;
     float *dl = NULL;
-    if (f->model->on_device) { /* the logits there, then to the caller's host memory */
-        if (n_logits > f->dev_logits_rows) {
-            llmem_mem_free(f->mem, f->dev_logits);
-            f->dev_logits_rows = 0;
-            f->dev_logits = llmem_mem_alloc(
-                f->mem, (size_t)(n_logits * g->vocab_size) * sizeof(float), LLMEM_TAG_SCRATCH);
-            if (f->dev_logits == NULL) {
+    /* on a device, or from the ranks of a split: the logits there, then to the caller's host
+     * memory */
+    for (int r = 0; r < f->group.n && (f->model->on_device || f->group.n > 1); r++) {
+        struct rank *R = &f->ranks[r];
+        if (n_logits > R->dev_logits_rows) {
+            llmem_mem_free(R->mem, R->dev_logits);
+            R->dev_logits_rows = 0;
+            R->dev_logits =
+                llmem_mem_alloc(R->mem, (size_t)(n_logits * R->model->lm_head.rows) * sizeof(float),
+                                LLMEM_TAG_SCRATCH);
+            if (R->dev_logits == NULL) {
                 status = LLMEM_ENOMEM;
                 goto failed;
             }
-            f->dev_logits_rows = n_logits;
+            R->dev_logits_rows = n_logits;
         }
-        dl = f->dev_logits;
+        dl = f->ranks[0].dev_logits;
     }
     /* a replay that did not match runs again (recorded), and a recording that failed runs again
      * without a graph; a step fed from the device is recorded apart from one whose tokens come
@@ -478,7 +630,6 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
             break;
         }
     }
-    const size_t logit_bytes = (size_t)(n_logits * g->vocab_size) * sizeof(float);
     if (status == LLMEM_OK && (k > 0 || (start && dl != NULL))) { /* llmem_forward_wait waits */
         if (k > 0)
             status = ops->top_k(ctx, dl, n_logits, g->vocab_size, k, ids, vals);
@@ -487,12 +638,12 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
             int *si = p->seq_ids;
             int64_t *len = p->lengths;
             p->seq_ids = f->seq_ids, p->lengths = f->lengths, p->n_seqs = n_seqs, p->k = k;
-            p->logits = logits, p->logit_bytes = logit_bytes;
+            p->logits = logits, p->logit_rows = n_logits;
             f->seq_ids = si, f->lengths = len;
             return LLMEM_OK;
         }
     } else if (status == LLMEM_OK && dl != NULL) { /* and every failure of the pass */
-        status = ops->copy(ctx, logits, dl, logit_bytes);
+        status = fetch_logits(f, logits, n_logits);
     }
 failed:
     if (status != LLMEM_OK)
@@ -505,7 +656,7 @@ int llmem_forward_wait(struct llmem_forward *f) {
         return LLMEM_OK;
     const struct llmem_backend_ops *ops = f->be->ops;
     const struct started *p = &f->started[0];
-    int status = p->k == 0 ? ops->copy(f->be->ctx, p->logits, f->dev_logits, p->logit_bytes)
+    int status = p->k == 0          ? fetch_logits(f, p->logits, p->logit_rows)
                  : f->n_started > 1 ? ops->top_k_wait(f->be->ctx)
                                     : ops->sync(f->be->ctx);
     if (status != LLMEM_OK) { /* every pass started fails with it: the newest restored first */
@@ -532,8 +683,12 @@ int llmem_forward_start(struct llmem_forward *f, const int32_t *tokens,
 }
 
 int llmem_forward_busy(const struct llmem_forward *f) {
-    const struct llmem_backend_ops *ops = f->be->ops;
-    return f->n_started > 0 && ops->busy != NULL && ops->busy(f->be->ctx);
+    int busy = 0;
+    for (int r = 0; f->n_started > 0 && r < f->group.n; r++) {
+        const struct llmem_backend *be = f->ranks[r].be;
+        busy |= be->ops->busy != NULL && be->ops->busy(be->ctx);
+    }
+    return busy;
 }
 
 int llmem_forward_start_top(struct llmem_forward *f, const int32_t *tokens,

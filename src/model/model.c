@@ -608,6 +608,7 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
         return LLMEM_ENOMEM;
     }
     m->mem = mem;
+    m->ranks = 1;
     int status;
     if (llmem_gguf_is_gguf(model_dir) && !(flags & LLMEM_MODEL_LOAD_DUMMY)) {
         if ((status = llmem_model_load_gguf(m, model_dir, flags, progress, progress_arg)) !=

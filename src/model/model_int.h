@@ -135,10 +135,27 @@ struct llmem_model {
     void *gguf_copy;             /* the file read into memory (LLMEM_MODEL_LOAD_NO_MMAP), or NULL */
     size_t gguf_copy_bytes;
     void *gguf_tracked; /* what llmem_mem_track was given for the GGUF file, or NULL */
+    int rank, ranks;    /* a copy holding rank's share of a model split over `ranks` devices
+                         * (device.c; 0 and 1 else): its geometry's heads and widths the share's,
+                         * its vocabulary the model's */
+    int64_t vocab_first; /* the first row of the vocabulary its embed and lm_head hold */
     int on_device;      /* a copy in a device's memory (device.c): the matrices are
                          * buffers of mem too, inv_freq a malloc'd host array; wk and wv,
                          * w_gate and w_up one buffer each where the pair has one shape
                          * and dtype (llmem_weight_follows) */
 };
+
+/* llmem_forward_create for a model split over a group of backends (tensor parallelism, in
+ * forward.c): models[r], rank r's share (llmem_model_to_device with rank r of group->n), runs on
+ * group->ranks[r]; kv's layers are the ranks' in turn (rank r's layer l at r · n_layers + l, each
+ * the share's KV heads). One thread queues every rank's operations, layer by layer; the ranks'
+ * partial sums are joined by the group's allreduce after the embeddings and after each attention
+ * and MLP block, and the logits rows gathered from the ranks' shares of the vocabulary. A split's
+ * passes are not recorded as graphs and select no top k on the device. The group must outlive the
+ * pass. A group of one is llmem_forward_create. */
+struct llmem_backend_group;
+int llmem_forward_create_split(struct llmem_model *const *models,
+                               const struct llmem_backend_group *group, struct llmem_kv *kv,
+                               int64_t max_batch_tokens, struct llmem_forward **out);
 
 #endif

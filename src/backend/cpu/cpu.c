@@ -231,8 +231,12 @@ static void embedding_rows(void *arg, int64_t begin, int64_t end) {
     const struct embedding_args *a = arg;
     const int64_t dim = a->table->cols;
     for (int64_t t = begin; t < end; t++) {
-        LLMEM_ASSERT(a->ids[t] >= 0 && a->ids[t] < a->table->rows);
+        LLMEM_ASSERT(a->ids[t] < a->table->rows);
         float *o = a->out + t * dim;
+        if (a->ids[t] < 0) { /* another rank's token */
+            memset(o, 0, (size_t)dim * sizeof(float));
+            continue;
+        }
         const uint8_t *row = (const uint8_t *)a->table->data +
                              (size_t)a->ids[t] * (size_t)llmem_weight_row_bytes(a->table);
         if (a->table->quant != 0) {
@@ -260,6 +264,19 @@ static void cpu_embedding(void *ctx, const struct llmem_weight *table, const int
                  table->dtype == LLMEM_DTYPE_F16 || table->dtype == LLMEM_DTYPE_BF16);
     struct embedding_args a = {table, ids, out};
     parallel_range(ctx, n, n * table->cols, embedding_rows, &a);
+}
+
+/* ---- the sum of a split's ranks in host memory -------------------------------------------- */
+
+int llmem_backend_host_allreduce(void *ctx, float *const *buf, int64_t count) {
+    const struct llmem_backend_group *g = ctx;
+    LLMEM_ASSERT(g != NULL && buf != NULL && count >= 0);
+    for (int r = 1; r < g->n; r++)
+        for (int64_t i = 0; i < count; i++)
+            buf[0][i] += buf[r][i];
+    for (int r = 1; r < g->n; r++)
+        memcpy(buf[r], buf[0], (size_t)count * sizeof(float));
+    return LLMEM_OK;
 }
 
 /* ---- the table --------------------------------------------------------------------------------

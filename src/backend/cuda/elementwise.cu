@@ -165,12 +165,13 @@ static __global__ void embedding_kernel(const void *table, enum llmem_dtype dt, 
     const int64_t t = blockIdx.x;
     if constexpr (FED)
         pdl_begin();
-    const int64_t base = (int64_t)ids[t] * dim;
+    const int32_t id = ids[t]; /* negative: another rank's token, a row of zeros */
+    const int64_t base = (int64_t)id * dim;
     float v[EMBED_HELD];
 #pragma unroll
     for (int k = 0; k < EMBED_HELD; k++) {
         const int64_t i = threadIdx.x + (int64_t)k * blockDim.x;
-        v[k] = i < dim ? weight_at(table, dt, base + i) : 0.0f;
+        v[k] = i < dim && id >= 0 ? weight_at(table, dt, base + i) : 0.0f;
     }
     if constexpr (!FED)
         pdl_begin();
@@ -181,7 +182,7 @@ static __global__ void embedding_kernel(const void *table, enum llmem_dtype dt, 
             out[t * dim + i] = v[k];
     }
     for (int64_t i = threadIdx.x + (int64_t)EMBED_HELD * blockDim.x; i < dim; i += blockDim.x)
-        out[t * dim + i] = weight_at(table, dt, base + i);
+        out[t * dim + i] = id >= 0 ? weight_at(table, dt, base + i) : 0.0f;
 }
 
 /* ---- the operations -------------------------------------------------------------------------- */
@@ -336,7 +337,7 @@ void cuda_embedding(void *ctx, const struct llmem_weight *table, const int32_t *
     for (int64_t t = 0; t < n; t += per) {
         int64_t m = n - t < per ? n - t : per;
         for (int64_t i = 0; i < m; i++)
-            LLMEM_ASSERT(ids[t + i] >= 0 && ids[t + i] < table->rows);
+            LLMEM_ASSERT(ids[t + i] < table->rows);
         const int32_t *d = (const int32_t *)small_upload(c, ids + t, (size_t)m * sizeof(int32_t));
         if (d == NULL)
             return;

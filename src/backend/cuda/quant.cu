@@ -474,6 +474,11 @@ static __global__ void qembedding_kernel(struct qmat m, const int32_t *ids, floa
     const int64_t r = ids[t];
     if constexpr (!FED)
         pdl_begin();
+    if (r < 0) { /* another rank's token: a row of zeros */
+        for (int64_t i = threadIdx.x; i < m.cols; i += blockDim.x)
+            out[t * m.cols + i] = 0.0f;
+        return;
+    }
     for (int64_t g = threadIdx.x; g < m.cols / 8; g += blockDim.x) {
         const int64_t bi = g / G;
         float v[8];
