@@ -19,7 +19,7 @@
 #include "llmem/model.h"
 #include "llmem/forward.h"
 #include "llmem/sys.h"
-#include "model/model_int.h"
+#include "model/forward_split.h"
 #include "testutil.h"
 
 #define MODELS LLMEM_TEST_DATA "/models"

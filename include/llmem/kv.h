@@ -80,6 +80,13 @@ struct llmem_kv_config {
      * run on the device, and the write and attend calls (and their _last forms) take the
      * backend's memory for k, v, q, out. */
     const struct llmem_backend *device;
+    /* (optional, with device) a split model's cache over the devices of its n_ranks ranks (2, 4
+     * or 8; its layers rank by rank: layer l on rank l / (n_layers / n_ranks)): each layer's pool
+     * on rank_devices[r], in the memory of rank_mems[r] (device and the mem given to
+     * llmem_kv_create are rank 0's). A block's bytes are then every rank's layers in turn. */
+    int n_ranks;
+    const struct llmem_backend *const *rank_devices;
+    struct llmem_mem *const *rank_mems;
 };
 
 /* The defaults above (paged, f16, 64 sequences); the geometry fields are left 0. */

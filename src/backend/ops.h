@@ -253,6 +253,10 @@ struct llmem_backend_ops {
     int (*graph_ready)(void *ctx, uint64_t key);
     /* (optional) */
     void (*counters)(void *ctx, struct llmem_backend_counters *out);
+    /* (optional: backends of a device) Makes the backend's device the calling thread's current
+     * one: before its operations where one thread drives the backends of several devices (the
+     * ranks of a split model, their KV cache). */
+    void (*bind)(void *ctx);
 };
 
 struct llmem_backend {
@@ -276,5 +280,14 @@ struct llmem_backend_group {
  * backend named n times: its operations run one rank after another), ctx the group itself: the
  * sum in rank order into buf[0], then copied to the others. In backend/cpu/cpu.c. */
 int llmem_backend_host_allreduce(void *ctx, float *const *buf, int64_t count);
+
+/* The group of n CUDA backends (llmem_backend_cuda_create, each on a device of its own), their
+ * communicator made (backend/cuda/comm.h): its allreduce is NCCL's on the ranks' streams, one
+ * thread queueing all of them. LLMEM_EUNSUPPORTED (logged) in a build without CUDA or, for
+ * n > 1, without NCCL; LLMEM_EIO (logged) when NCCL fails. Freed with
+ * llmem_backend_cuda_group_free (a group of none is a no-op). In backend/registry.c. */
+int llmem_backend_cuda_group_create(int n, const struct llmem_backend *const *ranks,
+                                    struct llmem_backend_group *group);
+void llmem_backend_cuda_group_free(struct llmem_backend_group *group);
 
 #endif

@@ -123,3 +123,24 @@ const struct llmem_mem_raw_ops *llmem_backend_cuda_pinned_memory(void) {
     return NULL;
 #endif
 }
+
+int llmem_backend_cuda_group_create(int n, const struct llmem_backend *const *ranks,
+                                    struct llmem_backend_group *group) {
+    LLMEM_ASSERT(n >= 1 && ranks != NULL && group != NULL);
+    *group = (struct llmem_backend_group){.n = 0};
+#ifdef LLMEM_CUDA
+    return llmem_cuda_group_create(n, ranks, group);
+#else
+    LLMEM_ERROR("a split over CUDA devices: this build has no CUDA backend");
+    return LLMEM_EUNSUPPORTED;
+#endif
+}
+
+void llmem_backend_cuda_group_free(struct llmem_backend_group *group) {
+#ifdef LLMEM_CUDA
+    if (group != NULL && group->ctx != NULL)
+        llmem_cuda_group_free(group);
+#else
+    (void)group;
+#endif
+}

@@ -55,6 +55,7 @@ enum {
     CLI_OPT_DEVICE,
     CLI_OPT_PRECISION,
     CLI_OPT_EXPERTS_ON_HOST,
+    CLI_OPT_TENSOR_PARALLEL,
     CLI_OPT_ENGINE_END
 };
 // clang-format off
@@ -76,7 +77,8 @@ enum {
         {"backend", required_argument, NULL, CLI_OPT_BACKEND},                                     \
         {"device", required_argument, NULL, CLI_OPT_DEVICE},                                       \
         {"precision", required_argument, NULL, CLI_OPT_PRECISION},                                 \
-        {"experts-on-host", required_argument, NULL, CLI_OPT_EXPERTS_ON_HOST}
+        {"experts-on-host", required_argument, NULL, CLI_OPT_EXPERTS_ON_HOST},                     \
+        {"tensor-parallel", required_argument, NULL, CLI_OPT_TENSOR_PARALLEL}
 // clang-format on
 extern const char cli_engine_help[];
 struct llmem_engine_config;

@@ -39,6 +39,11 @@ const char cli_engine_help[] =
     "  --experts-on-host N  with --backend cuda, a mixture of experts: the first N MoE layers'\n"
     "                       experts stay in host memory and run on the CPU (default: the\n"
     "                       fewest with which the plan fits the device)\n"
+    "  --tensor-parallel N  the model split over N ranks (2, 4, 8: query and KV heads, MLP and\n"
+    "                       experts' columns, vocabulary): with --backend cuda over the devices\n"
+    "                       from --device on, NCCL between them, each planned for its share;\n"
+    "                       on the CPU the ranks one after another (the split's results, to\n"
+    "                       check it)\n"
     "  --precision P        fast (default) or f32. fast: bf16/f16 tensor cores for a GPU's\n"
     "                       prefill (f32 accumulation; quantized weights dequantized to f16),\n"
     "                       and Q8_0, Q4_0, Q4_K, Q5_K and Q6_K weights by 8-bit integer dot\n"
@@ -98,6 +103,15 @@ int cli_engine_option(int opt, const char *arg, struct llmem_engine_config *c) {
         return rc;
     case CLI_OPT_EXPERTS_ON_HOST:
         return cli_parse_int("--experts-on-host", arg, 0, 1 << 20, &c->experts_on_host);
+    case CLI_OPT_TENSOR_PARALLEL:
+        rc = cli_parse_int("--tensor-parallel", arg, 1, 8, &v);
+        if (rc == CLI_OK && v != 1 && v != 2 && v != 4 && v != 8) {
+            fprintf(stderr, "%s: --tensor-parallel: %lld ranks; llmem splits over 1, 2, 4 or 8\n",
+                    cli_program, (long long)v);
+            return CLI_USAGE;
+        }
+        c->tensor_parallel = (int)v;
+        return rc;
     case CLI_OPT_PRECISION:
         return llmem_backend_precision_parse(arg, &c->precision) == LLMEM_OK ? CLI_OK : CLI_USAGE;
     default: return -1;

@@ -566,7 +566,8 @@ int cli_plan(int argc, char **argv) {
         cfg.max_batch_tokens = a.params.max_batch_tokens;
         cfg.backend = a.params.target == LLMEM_PLAN_CUDA ? LLMEM_BACKEND_CUDA : LLMEM_BACKEND_CPU;
         cfg.experts_on_host = a.experts_on_host;
-        llmem_engine_plan_params(&cfg, g, m.total, m.ceiling, threads, &a.params, &placed);
+        cfg.tensor_parallel = (int)a.tp; /* the plan of one device's share (geom from here on) */
+        llmem_engine_plan_params(&cfg, &whole, m.total, m.ceiling, threads, &a.params, &placed);
     } else {
         a.params.weights_bytes = a.weights;
         a.params.kv_bytes_per_token = a.kv_bytes;

@@ -34,6 +34,7 @@
 #include "llmem/sys.h"
 #include "llmem/tokenizer.h"
 #include "engine/engine_int.h"
+#include "model/forward_split.h"
 
 /* The default prefill chunk: the tokens of one forward pass at most (SPEC §2.1); more on a device
  * where the plan's transient reserve holds it (default_batch_tokens). */
@@ -63,14 +64,21 @@ static struct llmem_plan_params plan_params(const struct llmem_engine_config *c,
                                             int64_t max_batch_tokens,
                                             struct llmem_expert_placement *placement) {
     const int cuda = c->backend == LLMEM_BACKEND_CUDA;
+    /* a split model: one device's share (llmem_geometry_tensor_rank), on the host every rank's */
+    const int ranks = c->tensor_parallel > 1 ? c->tensor_parallel : 1;
+    struct llmem_model_geometry share;
+    char why[200];
+    if (ranks > 1 && llmem_geometry_tensor_rank(g, ranks, &share, why, sizeof(why)) == LLMEM_OK)
+        g = &share;
+    const int64_t copies = cuda ? 1 : ranks;
     const int64_t widest =
         g->intermediate_size > g->hidden_size ? g->intermediate_size : g->hidden_size;
     struct llmem_plan_params p = {
         .target = cuda ? LLMEM_PLAN_CUDA : LLMEM_PLAN_HOST,
         .total_bytes = total_bytes,
         .ceiling_bytes = ceiling_bytes,
-        .weights_bytes = g->weights_bytes,
-        .kv_bytes_per_token = llmem_geometry_kv_bytes_per_token(g),
+        .weights_bytes = copies * g->weights_bytes,
+        .kv_bytes_per_token = copies * llmem_geometry_kv_bytes_per_token(g),
         .kv_format = c->kv_format,
         .model_max_context = g->max_context,
         .requested_context = c->context,
@@ -81,13 +89,13 @@ static struct llmem_plan_params plan_params(const struct llmem_engine_config *c,
         .max_batch_tokens = max_batch_tokens,
         /* the forward pass's buffers and the backend's fixed GEMM scratch */
         .computed_workspace_bytes =
-            llmem_geometry_workspace_bytes(g, max_batch_tokens, c->max_sequences) +
+            copies * llmem_geometry_workspace_bytes(g, max_batch_tokens, c->max_sequences) +
             (cuda ? llmem_backend_cuda_scratch_bytes(c->precision, max_batch_tokens, widest,
                                                      g->quantized)
                   : llmem_backend_cpu_scratch_bytes(threads)),
     };
     struct llmem_expert_placement placed;
-    if (llmem_plan_place_experts(&p, g, c->experts_on_host, &placed) != LLMEM_OK)
+    if (llmem_plan_place_experts(&p, g, ranks > 1 ? 0 : c->experts_on_host, &placed) != LLMEM_OK)
         placed = (struct llmem_expert_placement){.device_weights_bytes = p.weights_bytes};
     if (placement != NULL)
         *placement = placed;
@@ -212,13 +220,15 @@ static int open_kv(struct llmem_engine *e) {
     llmem_kv_config_default(&kc);
     kc.layout = e->cfg.kv_layout;
     kc.format = e->cfg.kv_format;
-    kc.n_layers = (int)g->n_layers;
-    kc.n_kv_heads = (int)g->n_kv_heads;
+    kc.n_layers = e->n_ranks * (int)g->n_layers; /* a split's ranks one after another */
+    kc.n_kv_heads = (int)g->n_kv_heads;          /* (a share's) */
     kc.head_dim = (int)g->head_dim;
     kc.max_sequences = (int)e->cfg.max_sequences;
     kc.n_threads = e->cfg.n_threads;
     kc.pool = e->pool;
     kc.device = e->cfg.backend == LLMEM_BACKEND_CUDA ? e->be : NULL;
+    if (kc.device != NULL && e->n_ranks > 1) /* each rank's heads on its device */
+        kc.n_ranks = e->n_ranks, kc.rank_devices = e->ranks, kc.rank_mems = e->rank_mem;
     if (kc.layout == LLMEM_KV_LAYOUT_PAGED) {
         /* The pool the plan commits, allocated now: one window per sequence, within the pool
          * tokens the plan leaves for KV. Large buffers are mapped lazily, so pages become
@@ -271,7 +281,11 @@ static int open_bank(struct llmem_engine *e) {
     /* KV computed at one precision is not served to a run at the other (fast rounds activations
      * of 16-bit weights to bf16 and quantizes them for quantized ones): the precision salts the
      * model's identity */
-    const char *salt = e->cfg.precision == LLMEM_PRECISION_F32 ? "precision=f32" : "precision=fast";
+    char salt[64]; /* and a split model's blocks hold its ranks' heads, layer by layer */
+    const int at = snprintf(salt, sizeof(salt), "precision=%s",
+                            e->cfg.precision == LLMEM_PRECISION_F32 ? "f32" : "fast");
+    if (e->n_ranks > 1)
+        snprintf(salt + at, sizeof(salt) - (size_t)at, ";ranks=%d", e->n_ranks);
     int status =
         llmem_bank_identity(e->cfg.model_dir, e->cfg.kv_format, e->cfg.kv_layout, salt, cache, &id);
     free(cache);
@@ -310,6 +324,94 @@ static int open_bank(struct llmem_engine *e) {
     return status;
 }
 
+/* Whether the model splits as configured: over 2, 4 or 8 ranks its shapes allow, with every
+ * expert on the devices, and on devices that exist. */
+static int check_split(const struct llmem_engine_config *c, const struct llmem_model_geometry *g) {
+    struct llmem_model_geometry share;
+    char why[200];
+    const int n = c->tensor_parallel;
+    if (llmem_geometry_tensor_rank(g, n, &share, why, sizeof(why)) != LLMEM_OK) {
+        LLMEM_ERROR_AS("llmem_engine_open", "--tensor-parallel %d: %s: %s", n, c->model_dir, why);
+        return LLMEM_EINVAL;
+    }
+    if (c->experts_on_host > 0) {
+        LLMEM_ERROR_AS("llmem_engine_open",
+                       "--tensor-parallel %d: a split model keeps its experts on the devices "
+                       "(--experts-on-host %" PRId64 ")",
+                       n, c->experts_on_host);
+        return LLMEM_EINVAL;
+    }
+    int devices = 0;
+    llmem_backend_device_count(&devices);
+    if (c->backend == LLMEM_BACKEND_CUDA && c->device + n > devices) {
+        LLMEM_ERROR_AS("llmem_engine_open",
+                       "--tensor-parallel %d from device %d: this machine has %d device%s", n,
+                       c->device, devices, devices == 1 ? "" : "s");
+        return LLMEM_EINVAL;
+    }
+    return LLMEM_OK;
+}
+
+/* A model split over cfg.tensor_parallel ranks: read once into host memory of its own, each
+ * rank's share copied into its rank's memory (on the CPU the plan's memory, every share; on
+ * devices each its own, planned alike), the read copy dropped, and the group that sums over the
+ * ranks. */
+static int open_split(struct llmem_engine *e, llmem_progress_fn progress, void *progress_arg) {
+    const struct llmem_engine_config *c = &e->cfg;
+    const int n = e->n_ranks, cuda = c->backend == LLMEM_BACKEND_CUDA;
+    struct llmem_mem *read_mem = NULL;
+    struct llmem_model *host_model = NULL;
+    struct llmem_mem_config hc = {.cache_limit_bytes = -1};
+    int status = llmem_mem_create(&hc, &read_mem);
+    if (status == LLMEM_OK && !cuda)
+        status = llmem_backend_cpu_create_shared(e->pool, e->mem, &e->be);
+    for (int r = 0; status == LLMEM_OK && r < n; r++) {
+        if (!cuda) {
+            e->rank_mem[r] = e->mem, e->ranks[r] = e->be;
+            llmem_backend_cpu_set_precision(e->be, c->precision);
+            continue;
+        }
+        struct llmem_mem_config dc = {.ops = llmem_backend_cuda_memory(c->device + r),
+                                      .memory_limit_bytes = e->plan.allocator_limit_bytes,
+                                      .cache_limit_bytes = -1,
+                                      .usable_bytes = e->plan.usable_bytes};
+        if (r == 0)
+            e->rank_mem[0] = e->mem;
+        else if (dc.ops == NULL) {
+            LLMEM_ERROR_AS("llmem_engine_open", "--tensor-parallel %d: no CUDA device %d", n,
+                           c->device + r);
+            status = LLMEM_EINVAL;
+            break;
+        } else if ((status = llmem_mem_create(&dc, &e->rank_mem[r])) != LLMEM_OK)
+            break;
+        status =
+            llmem_backend_cuda_create(c->device + r, c->precision, e->rank_mem[r], &e->rank_be[r]);
+        e->ranks[r] = e->rank_be[r];
+    }
+    if (cuda && status == LLMEM_OK) {
+        e->be = e->rank_be[0];
+        status = llmem_backend_cuda_group_create(n, e->ranks, &e->group);
+    } else if (status == LLMEM_OK) {
+        e->group = (struct llmem_backend_group){
+            .n = n, .ranks = e->ranks, .allreduce = llmem_backend_host_allreduce, .ctx = &e->group};
+    }
+    if (status == LLMEM_OK)
+        status = llmem_model_load(c->model_dir, read_mem, load_flags(c), progress, progress_arg,
+                                  &host_model);
+    for (int r = 0; status == LLMEM_OK && r < n; r++)
+        status = llmem_model_to_device(host_model, e->ranks[r], e->rank_mem[r], 0, r, n, NULL, NULL,
+                                       &e->shares[r]);
+    llmem_model_free(host_model);
+    llmem_mem_destroy(read_mem);
+    e->host_mem = e->mem;
+    if (cuda && status == LLMEM_OK) { /* the sampler's logits in host memory of their own */
+        e->host_mem = NULL;
+        status = llmem_mem_create(&hc, &e->host_mem);
+    }
+    e->model = e->shares[0];
+    return status;
+}
+
 static int open_sched(struct llmem_engine *e);
 
 int llmem_engine_open_hooked(const struct llmem_engine_config *config,
@@ -334,6 +436,9 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
         e->cfg.no_bank = 1;
     int status = config->load_dummy ? llmem_model_geometry_load_dummy(config->model_dir, &g)
                                     : llmem_model_geometry_load(config->model_dir, &g);
+    e->n_ranks = config->tensor_parallel > 1 ? config->tensor_parallel : 1;
+    if (status == LLMEM_OK && e->n_ranks > 1 && (status = check_split(config, &g)) != LLMEM_OK)
+        goto fail;
     if (status != LLMEM_OK || (status = llmem_pool_create(config->n_threads, &e->pool)) ||
         (status = llmem_tokenizer_load(config->model_dir, &e->tok)) != LLMEM_OK ||
         (status = llmem_grammar_vocab_create(e->tok, &e->gvocab)) != LLMEM_OK ||
@@ -348,7 +453,10 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
                                   .usable_bytes = e->plan.usable_bytes};
     if ((status = llmem_mem_create(&mc, &e->mem)) != LLMEM_OK)
         goto fail;
-    if (config->backend == LLMEM_BACKEND_CUDA) {
+    if (e->n_ranks > 1) {
+        if ((status = open_split(e, progress, progress_arg)) != LLMEM_OK)
+            goto fail;
+    } else if (config->backend == LLMEM_BACKEND_CUDA) {
         /* the model read on the host, copied to the device, and the host copy dropped */
         struct llmem_mem_config hc = {.cache_limit_bytes = -1};
         struct llmem_model *host_model = NULL;
@@ -380,9 +488,13 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
             goto fail;
         llmem_backend_cpu_set_precision(e->be, config->precision);
     }
-    if ((status = open_kv(e)) != LLMEM_OK ||
-        (status = llmem_forward_create(e->model, e->be, e->kv, e->cfg.max_batch_tokens, &e->fwd)) !=
-            LLMEM_OK ||
+    if ((status = open_kv(e)) != LLMEM_OK)
+        goto fail;
+    status = e->n_ranks > 1
+                 ? llmem_forward_create_split(e->shares, &e->group, e->kv, e->cfg.max_batch_tokens,
+                                              &e->fwd)
+                 : llmem_forward_create(e->model, e->be, e->kv, e->cfg.max_batch_tokens, &e->fwd);
+    if (status != LLMEM_OK ||
         (e->host_be != NULL && (status = llmem_forward_set_host(e->fwd, e->host_be)) != LLMEM_OK))
         goto fail;
     if (e->cfg.kv_layout == LLMEM_KV_LAYOUT_PAGED && !e->cfg.no_bank &&
@@ -423,8 +535,17 @@ void llmem_engine_close(struct llmem_engine *e) {
     llmem_bank_destroy(e->bank);
     llmem_kv_destroy(e->kv);
     llmem_model_free(e->model);
+    for (int r = 1; r < e->n_ranks; r++) /* (shares[0] is model) */
+        llmem_model_free(e->shares[r]);
     llmem_model_free(e->host_model); /* after the device's copy, which refers to it */
     llmem_backend_destroy(e->host_be);
+    if (e->group.n > 1 && e->group.allreduce != llmem_backend_host_allreduce)
+        llmem_backend_cuda_group_free(&e->group);
+    for (int r = 1; r < e->n_ranks; r++) { /* (rank_be[0] is be; on the CPU every rank's mem) */
+        llmem_backend_destroy(e->rank_be[r]);
+        if (e->rank_mem[r] != e->mem)
+            llmem_mem_destroy(e->rank_mem[r]);
+    }
     llmem_backend_destroy(e->be); /* after what lives in its memory */
     llmem_pool_destroy(e->pool);
     llmem_grammar_vocab_free(e->gvocab);

@@ -8,6 +8,7 @@
 
 #include <stdint.h>
 
+#include "backend/ops.h"
 #include "engine/hooks.h"
 #include "engine/sched.h"
 #include "llmem/engine.h"
@@ -43,6 +44,16 @@ struct llmem_engine {
     int refusing;              /* a critical is in effect: no new request is admitted */
     int64_t cache_limit_saved; /* the allocator's cache limit, set to 0 while refusing */
     struct llmem_forward *fwd;
+    /* a split model (cfg.tensor_parallel > 1): each rank's share (model is shares[0]), backend
+     * (on the CPU be, named n times; on devices their own) and device memory (mem is
+     * rank_mem[0]), and the group that sums over them */
+    int n_ranks;
+    struct llmem_model *shares[8];
+    const struct llmem_backend *ranks[8];
+    struct llmem_backend *rank_be[8];
+    struct llmem_mem *rank_mem[8];
+    struct llmem_backend_group group;
+    void *group_comm;  /* the devices' communicator (backend/cuda), or NULL */
     int top_on_device; /* sample from the device's top k where it can (LLMEM_SAMPLE_ON_DEVICE) */
     int decode_ahead;  /* queue greedy decode steps ahead on a device (LLMEM_DECODE_AHEAD) */
     int64_t vocab;

@@ -401,7 +401,7 @@ static struct llmem_backend_paged_attn device_attn(const struct llmem_kv *kv, in
 int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q, int layer,
                          const float *q, float *out, const struct llmem_kv_attn *attn) {
     const size_t row = (size_t)attn->n_heads * (size_t)kv->cfg.head_dim;
-    const struct llmem_backend *d = kv->cfg.device;
+    const struct llmem_backend *d = llmem_kv_layer_device(kv, layer);
     if (d == NULL || attn->window > 0) {
         size_t at = 0;
         for (int i = 0; i < n; i++) {
@@ -440,7 +440,7 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
                  n_heads / kv->cfg.n_kv_heads <= 64);
     const uint64_t t0 = llmem_clock_ns();
     if (kv->cfg.device != NULL) { /* on the device that holds the pool */
-        const struct llmem_backend *d = kv->cfg.device;
+        const struct llmem_backend *d = llmem_kv_layer_device(kv, layer);
         struct llmem_backend_paged_attn a = device_attn(kv, layer, attn, q, out);
         a.blocks = s->table;
         a.n_blocks = (q_pos + n_q + kv->cfg.block_size - 1) / kv->cfg.block_size;

@@ -88,23 +88,32 @@ static int block_size(const struct llmem_kv *kv) {
     return kv->cfg.block_size;
 }
 
-static uint8_t *kv_alloc(struct llmem_kv *kv, size_t bytes) {
-    uint8_t *p = llmem_mem_alloc(kv->mem, bytes, LLMEM_TAG_KV);
+/* The memory of layer l's storage: a split cache's rank's, else the cache's. */
+static struct llmem_mem *layer_mem(const struct llmem_kv *kv, int l) {
+    return kv->cfg.n_ranks > 1 ? kv->cfg.rank_mems[l / (kv->cfg.n_layers / kv->cfg.n_ranks)]
+                               : kv->mem;
+}
+
+/* Storage of layer l (the blocks layout's blocks, all layers: l 0). */
+static uint8_t *kv_alloc(struct llmem_kv *kv, int l, size_t bytes) {
+    struct llmem_mem *mem = layer_mem(kv, l);
+    uint8_t *p = llmem_mem_alloc(mem, bytes, LLMEM_TAG_KV);
     if (p != NULL)
-        kv->st.bytes += (int64_t)llmem_mem_size_class(kv->mem, bytes);
+        kv->st.bytes += (int64_t)llmem_mem_size_class(mem, bytes);
     return p;
 }
 
-static void kv_release(struct llmem_kv *kv, void *p, size_t bytes) {
+static void kv_release(struct llmem_kv *kv, int l, void *p, size_t bytes) {
     if (p == NULL)
         return;
-    llmem_mem_free(kv->mem, p);
-    kv->st.bytes -= (int64_t)llmem_mem_size_class(kv->mem, bytes);
+    struct llmem_mem *mem = layer_mem(kv, l);
+    llmem_mem_free(mem, p);
+    kv->st.bytes -= (int64_t)llmem_mem_size_class(mem, bytes);
 }
 
-/* memcpy for the pool's memory: host or, with a device backend, through it. */
-static void kv_copy(const struct llmem_kv *kv, void *dst, const void *src, size_t bytes) {
-    const struct llmem_backend *d = kv->cfg.device;
+/* memcpy for layer l's memory: host or, with a device backend, through it. */
+static void kv_copy(const struct llmem_kv *kv, int l, void *dst, const void *src, size_t bytes) {
+    const struct llmem_backend *d = llmem_kv_layer_device(kv, l);
     if (d != NULL)
         d->ops->copy(d->ctx, dst, src, bytes); /* a failure is the backend's, reported at sync */
     else
@@ -156,7 +165,12 @@ int64_t llmem_kv_span(const struct llmem_kv *kv, int seq, int layer, int64_t pos
  * since (refcount 0) may be given out again, so the next pool_take fences (take_fence). */
 static void copies_fence(struct llmem_kv *kv) {
     if (kv->copies_pending) {
-        kv->cfg.device->ops->copy_out_fence(kv->cfg.device->ctx);
+        const int ranks = kv->cfg.n_ranks > 1 ? kv->cfg.n_ranks : 1;
+        for (int r = 0; r < ranks; r++) {
+            const struct llmem_backend *d =
+                llmem_kv_layer_device(kv, r * (kv->cfg.n_layers / ranks));
+            d->ops->copy_out_fence(d->ctx);
+        }
         kv->copies_pending = 0;
     }
     kv->take_fence = 0;
@@ -184,15 +198,15 @@ static int pool_grow(struct llmem_kv *kv, int64_t required) {
     int64_t *fr = realloc(NULL, (size_t)next * sizeof(*fr));
     int status = (nk && nv && rc && hd && fr) ? LLMEM_OK : LLMEM_ENOMEM;
     for (int l = 0; status == LLMEM_OK && l < n_layers; l++) {
-        nk[l] = kv_alloc(kv, (size_t)next * (size_t)bs * kv->k_tok);
-        nv[l] = kv_alloc(kv, (size_t)next * (size_t)bs * kv->v_tok);
+        nk[l] = kv_alloc(kv, l, (size_t)next * (size_t)bs * kv->k_tok);
+        nv[l] = kv_alloc(kv, l, (size_t)next * (size_t)bs * kv->v_tok);
         if (nk[l] == NULL || nv[l] == NULL)
             status = LLMEM_ENOMEM;
     }
     if (status != LLMEM_OK) {
         for (int l = 0; nk && nv && l < n_layers; l++) {
-            kv_release(kv, nk[l], (size_t)next * (size_t)bs * kv->k_tok);
-            kv_release(kv, nv[l], (size_t)next * (size_t)bs * kv->v_tok);
+            kv_release(kv, l, nk[l], (size_t)next * (size_t)bs * kv->k_tok);
+            kv_release(kv, l, nv[l], (size_t)next * (size_t)bs * kv->v_tok);
         }
         free(nk), free(nv), free(rc), free(hd), free(fr);
         LLMEM_ERROR_AS("llmem_kv_reserve", "cannot grow the paged pool from %lld to %lld blocks",
@@ -202,12 +216,12 @@ static int pool_grow(struct llmem_kv *kv, int64_t required) {
     copies_fence(kv);
     for (int l = 0; l < n_layers; l++) {
         if (cur > 0) {
-            kv_copy(kv, nk[l], kv->k_pool[l], (size_t)cur * (size_t)bs * kv->k_tok);
-            kv_copy(kv, nv[l], kv->v_pool[l], (size_t)cur * (size_t)bs * kv->v_tok);
+            kv_copy(kv, l, nk[l], kv->k_pool[l], (size_t)cur * (size_t)bs * kv->k_tok);
+            kv_copy(kv, l, nv[l], kv->v_pool[l], (size_t)cur * (size_t)bs * kv->v_tok);
         }
         if (kv->k_pool != NULL) {
-            kv_release(kv, kv->k_pool[l], (size_t)cur * (size_t)bs * kv->k_tok);
-            kv_release(kv, kv->v_pool[l], (size_t)cur * (size_t)bs * kv->v_tok);
+            kv_release(kv, l, kv->k_pool[l], (size_t)cur * (size_t)bs * kv->k_tok);
+            kv_release(kv, l, kv->v_pool[l], (size_t)cur * (size_t)bs * kv->v_tok);
         }
     }
     if (cur > 0) {
@@ -298,10 +312,11 @@ static int reserve_blocks(struct llmem_kv *kv, struct kv_seq *s, int64_t need) {
     }
     int64_t first = s->n_table;
     while (s->n_table < want) {
-        uint8_t *b = kv_alloc(kv, blocks_block_bytes(kv));
+        uint8_t *b = kv_alloc(kv, 0, blocks_block_bytes(kv));
         if (b == NULL) {
             while (s->n_table > first)
-                kv_release(kv, (void *)(uintptr_t)s->table[--s->n_table], blocks_block_bytes(kv));
+                kv_release(kv, 0, (void *)(uintptr_t)s->table[--s->n_table],
+                           blocks_block_bytes(kv));
             LLMEM_ERROR_AS("llmem_kv_reserve", "cannot allocate a block of %zu bytes",
                            blocks_block_bytes(kv));
             return LLMEM_ENOMEM;
@@ -321,14 +336,14 @@ static int reserve_contiguous(struct llmem_kv *kv, struct kv_seq *s, int64_t nee
             **nv = calloc((size_t)n_layers, sizeof(*nv));
     int ok = nk != NULL && nv != NULL;
     for (int l = 0; ok && l < n_layers; l++) {
-        nk[l] = kv_alloc(kv, (size_t)cap * kv->k_tok);
-        nv[l] = kv_alloc(kv, (size_t)cap * kv->v_tok);
+        nk[l] = kv_alloc(kv, l, (size_t)cap * kv->k_tok);
+        nv[l] = kv_alloc(kv, l, (size_t)cap * kv->v_tok);
         ok = nk[l] != NULL && nv[l] != NULL;
     }
     if (!ok) {
         for (int l = 0; nk && nv && l < n_layers; l++) {
-            kv_release(kv, nk[l], (size_t)cap * kv->k_tok);
-            kv_release(kv, nv[l], (size_t)cap * kv->v_tok);
+            kv_release(kv, l, nk[l], (size_t)cap * kv->k_tok);
+            kv_release(kv, l, nv[l], (size_t)cap * kv->v_tok);
         }
         free(nk), free(nv);
         LLMEM_ERROR_AS("llmem_kv_reserve", "cannot grow a sequence to %lld tokens", (long long)cap);
@@ -338,8 +353,8 @@ static int reserve_contiguous(struct llmem_kv *kv, struct kv_seq *s, int64_t nee
         if (s->k_buf != NULL) {
             memcpy(nk[l], s->k_buf[l], (size_t)s->length * kv->k_tok);
             memcpy(nv[l], s->v_buf[l], (size_t)s->length * kv->v_tok);
-            kv_release(kv, s->k_buf[l], (size_t)s->capacity * kv->k_tok);
-            kv_release(kv, s->v_buf[l], (size_t)s->capacity * kv->v_tok);
+            kv_release(kv, l, s->k_buf[l], (size_t)s->capacity * kv->k_tok);
+            kv_release(kv, l, s->v_buf[l], (size_t)s->capacity * kv->v_tok);
         }
     }
     if (s->k_buf != NULL)
@@ -357,15 +372,15 @@ static int ragged_resize(struct llmem_kv *kv, int64_t cap) {
             **nv = calloc((size_t)n_layers, sizeof(*nv));
     int ok = nk != NULL && nv != NULL;
     for (int l = 0; ok && l < n_layers; l++) {
-        nk[l] = kv_alloc(kv, (size_t)rows * (size_t)cap * kv->k_tok);
-        nv[l] = kv_alloc(kv, (size_t)rows * (size_t)cap * kv->v_tok);
+        nk[l] = kv_alloc(kv, l, (size_t)rows * (size_t)cap * kv->k_tok);
+        nv[l] = kv_alloc(kv, l, (size_t)rows * (size_t)cap * kv->v_tok);
         ok = nk[l] != NULL && nv[l] != NULL;
     }
     int64_t old = kv->ragged_cap;
     if (!ok) {
         for (int l = 0; nk && nv && l < n_layers; l++) {
-            kv_release(kv, nk[l], (size_t)rows * (size_t)cap * kv->k_tok);
-            kv_release(kv, nv[l], (size_t)rows * (size_t)cap * kv->v_tok);
+            kv_release(kv, l, nk[l], (size_t)rows * (size_t)cap * kv->k_tok);
+            kv_release(kv, l, nv[l], (size_t)rows * (size_t)cap * kv->v_tok);
         }
         free(nk), free(nv);
         LLMEM_ERROR_AS("llmem_kv_reserve", "cannot grow the ragged batch to %d × %lld tokens", rows,
@@ -380,8 +395,8 @@ static int ragged_resize(struct llmem_kv *kv, int64_t cap) {
             memcpy(nv[l] + (size_t)r * (size_t)cap * kv->v_tok,
                    kv->r_v[l] + (size_t)r * (size_t)old * kv->v_tok, (size_t)len * kv->v_tok);
         }
-        kv_release(kv, kv->r_k[l], (size_t)rows * (size_t)old * kv->k_tok);
-        kv_release(kv, kv->r_v[l], (size_t)rows * (size_t)old * kv->v_tok);
+        kv_release(kv, l, kv->r_k[l], (size_t)rows * (size_t)old * kv->k_tok);
+        kv_release(kv, l, kv->r_v[l], (size_t)rows * (size_t)old * kv->v_tok);
     }
     if (kv->r_k != NULL)
         kv->st.grow_events++;
@@ -431,6 +446,13 @@ int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
         LLMEM_ERROR("a KV cache on the %s backend is paged, over the backend's memory (asked: %s)",
                     c.device->ops->name, llmem_kv_layout_name(c.layout));
         return LLMEM_EUNSUPPORTED;
+    }
+    if (c.n_ranks > 1 && (c.device == NULL || c.rank_devices == NULL || c.rank_mems == NULL ||
+                          c.n_layers % c.n_ranks != 0 || c.rank_devices[0] != c.device)) {
+        LLMEM_ERROR("a KV cache split over %d ranks: their devices and memories, rank 0's the "
+                    "cache's, and a multiple of them of layers (%d)",
+                    c.n_ranks, c.n_layers);
+        return LLMEM_EINVAL;
     }
     if (c.max_blocks > 0 && c.num_blocks > c.max_blocks)
         c.num_blocks = c.max_blocks;
@@ -512,13 +534,13 @@ void llmem_kv_destroy(struct llmem_kv *kv) {
     for (int l = 0; l < kv->cfg.n_layers; l++) {
         size_t bs = (size_t)block_size(kv), n = (size_t)kv->n_blocks;
         if (kv->k_pool != NULL) {
-            kv_release(kv, kv->k_pool[l], n * bs * kv->k_tok);
-            kv_release(kv, kv->v_pool[l], n * bs * kv->v_tok);
+            kv_release(kv, l, kv->k_pool[l], n * bs * kv->k_tok);
+            kv_release(kv, l, kv->v_pool[l], n * bs * kv->v_tok);
         }
         size_t rows = (size_t)kv->cfg.max_sequences, cap = (size_t)kv->ragged_cap;
         if (kv->r_k != NULL) {
-            kv_release(kv, kv->r_k[l], rows * cap * kv->k_tok);
-            kv_release(kv, kv->r_v[l], rows * cap * kv->v_tok);
+            kv_release(kv, l, kv->r_k[l], rows * cap * kv->k_tok);
+            kv_release(kv, l, kv->r_v[l], rows * cap * kv->v_tok);
         }
     }
     free(kv->k_pool), free(kv->v_pool), free(kv->refcount), free(kv->held), free(kv->free_ids);
@@ -567,7 +589,7 @@ static void release_tail(struct llmem_kv *kv, struct kv_seq *s, int64_t keep) {
         s->capacity = s->n_table * bs;
     } else if (kv->cfg.layout == LLMEM_KV_LAYOUT_BLOCKS) {
         while (s->n_table > blocks)
-            kv_release(kv, (void *)(uintptr_t)s->table[--s->n_table], blocks_block_bytes(kv));
+            kv_release(kv, 0, (void *)(uintptr_t)s->table[--s->n_table], blocks_block_bytes(kv));
         s->capacity = s->n_table * bs;
     }
 }
@@ -577,8 +599,8 @@ void llmem_kv_seq_free(struct llmem_kv *kv, int seq) {
     release_tail(kv, s, 0);
     if (kv->cfg.layout == LLMEM_KV_LAYOUT_CONTIGUOUS && s->k_buf != NULL) {
         for (int l = 0; l < kv->cfg.n_layers; l++) {
-            kv_release(kv, s->k_buf[l], (size_t)s->capacity * kv->k_tok);
-            kv_release(kv, s->v_buf[l], (size_t)s->capacity * kv->v_tok);
+            kv_release(kv, l, s->k_buf[l], (size_t)s->capacity * kv->k_tok);
+            kv_release(kv, l, s->v_buf[l], (size_t)s->capacity * kv->v_tok);
         }
     }
     free(s->k_buf), free(s->v_buf), free(s->table);
@@ -617,9 +639,9 @@ static int unshare_blocks(struct llmem_kv *kv, struct kv_seq *s, int64_t first, 
             continue;
         int64_t id = pool_take(kv);
         for (int l = 0; l < kv->cfg.n_layers; l++) {
-            kv_copy(kv, kv->k_pool[l] + (size_t)id * bs * kv->k_tok,
+            kv_copy(kv, l, kv->k_pool[l] + (size_t)id * bs * kv->k_tok,
                     kv->k_pool[l] + (size_t)old * bs * kv->k_tok, bs * kv->k_tok);
-            kv_copy(kv, kv->v_pool[l] + (size_t)id * bs * kv->v_tok,
+            kv_copy(kv, l, kv->v_pool[l] + (size_t)id * bs * kv->v_tok,
                     kv->v_pool[l] + (size_t)old * bs * kv->v_tok, bs * kv->v_tok);
         }
         pool_unref(kv, old);
@@ -652,7 +674,7 @@ static int64_t slot_of(const struct llmem_kv *kv, const struct kv_seq *s, int64_
  * on the device; counted as one write. */
 static void encode_slots(struct llmem_kv *kv, int layer, const float *k, const float *v, int64_t n,
                          const int64_t *slots) {
-    const struct llmem_backend *d = kv->cfg.device;
+    const struct llmem_backend *d = llmem_kv_layer_device(kv, layer);
     d->ops->kv_encode(d->ctx, kv->cfg.format, llmem_kv_device_rotation(kv), k, v, n,
                       kv->cfg.n_kv_heads, kv->cfg.head_dim, slots, kv->k_pool[layer],
                       kv->v_pool[layer], kv->codec.key_bytes, kv->codec.value_bytes);
@@ -1004,8 +1026,8 @@ void llmem_kv_block_copy_out(const struct llmem_kv *kv, int64_t id, void *dst) {
     size_t bs = (size_t)block_size(kv), k = bs * kv->k_tok, v = bs * kv->v_tok;
     uint8_t *out = dst;
     for (int l = 0; l < kv->cfg.n_layers; l++) {
-        kv_copy(kv, out, kv->k_pool[l] + (size_t)id * k, k);
-        kv_copy(kv, out + k, kv->v_pool[l] + (size_t)id * v, v);
+        kv_copy(kv, l, out, kv->k_pool[l] + (size_t)id * k, k);
+        kv_copy(kv, l, out + k, kv->v_pool[l] + (size_t)id * v, v);
         out += k + v;
     }
 }
@@ -1028,6 +1050,7 @@ void llmem_kv_blocks_copy_out_async(struct llmem_kv *kv, const int64_t *ids, int
             LLMEM_ASSERT(kv->refcount[ids[j]] > 0);
         uint8_t *o = out + (size_t)i * block;
         for (int l = 0; l < kv->cfg.n_layers; l++, o += k + v) {
+            d = llmem_kv_layer_device(kv, l);
             d->ops->copy_out(d->ctx, o, block, kv->k_pool[l] + (size_t)ids[i] * k, k, k,
                              (size_t)(j - i));
             d->ops->copy_out(d->ctx, o + k, block, kv->v_pool[l] + (size_t)ids[i] * v, v, v,
@@ -1038,8 +1061,15 @@ void llmem_kv_blocks_copy_out_async(struct llmem_kv *kv, const int64_t *ids, int
 }
 
 int llmem_kv_copies_wait(const struct llmem_kv *kv) {
-    const struct llmem_backend *d = kv->cfg.device;
-    return d != NULL && d->ops->copy_out_wait != NULL ? d->ops->copy_out_wait(d->ctx) : LLMEM_OK;
+    const int ranks = kv->cfg.n_ranks > 1 ? kv->cfg.n_ranks : 1;
+    int status = LLMEM_OK;
+    for (int r = 0; r < ranks; r++) {
+        const struct llmem_backend *d = llmem_kv_layer_device(kv, r * (kv->cfg.n_layers / ranks));
+        const int st =
+            d != NULL && d->ops->copy_out_wait != NULL ? d->ops->copy_out_wait(d->ctx) : LLMEM_OK;
+        status = status != LLMEM_OK ? status : st;
+    }
+    return status;
 }
 
 int llmem_kv_block_new_from(struct llmem_kv *kv, const void *src, int64_t *id) {
@@ -1051,8 +1081,8 @@ int llmem_kv_block_new_from(struct llmem_kv *kv, const void *src, int64_t *id) {
     size_t bs = (size_t)block_size(kv), k = bs * kv->k_tok, v = bs * kv->v_tok;
     const uint8_t *in = src;
     for (int l = 0; l < kv->cfg.n_layers; l++) {
-        kv_copy(kv, kv->k_pool[l] + (size_t)b * k, in, k);
-        kv_copy(kv, kv->v_pool[l] + (size_t)b * v, in + k, v);
+        kv_copy(kv, l, kv->k_pool[l] + (size_t)b * k, in, k);
+        kv_copy(kv, l, kv->v_pool[l] + (size_t)b * v, in + k, v);
         in += k + v;
     }
     *id = b;

@@ -61,6 +61,17 @@ struct llmem_kv {
 int64_t llmem_kv_span(const struct llmem_kv *kv, int seq, int layer, int64_t pos, uint8_t **k,
                       uint8_t **v);
 
+/* The device of layer l's pools (a split cache's rank's, made the calling thread's current one;
+ * else the cache's device, or NULL for host memory). */
+static inline const struct llmem_backend *llmem_kv_layer_device(const struct llmem_kv *kv, int l) {
+    if (kv->cfg.n_ranks <= 1)
+        return kv->cfg.device;
+    const struct llmem_backend *d = kv->cfg.rank_devices[l / (kv->cfg.n_layers / kv->cfg.n_ranks)];
+    if (d->ops->bind != NULL)
+        d->ops->bind(d->ctx);
+    return d;
+}
+
 /* The rotation a device takes with this cache's rows: NULL when nothing is rotated. */
 static inline const struct llmem_backend_kv_rotation *
 llmem_kv_device_rotation(const struct llmem_kv *kv) {

@@ -43,6 +43,7 @@
 #include "llmem/kv.h"
 #include "llmem/config.h"
 #include "llmem/forward.h"
+#include "model/forward_split.h"
 #include "model/model_int.h"
 #include "plan/moe_work.h"
 
@@ -307,6 +308,14 @@ static void matmul_multi(struct rank *R, int count, const struct llmem_weight *c
         ops->matmul(R->be->ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
 }
 
+/* Rank r, its device made the calling thread's current one where it drives several. */
+static struct rank *enter(struct llmem_forward *f, int r) {
+    struct rank *R = &f->ranks[r];
+    if (f->group.n > 1 && R->be->ops->bind != NULL)
+        R->be->ops->bind(R->be->ctx);
+    return R;
+}
+
 /* The ranks' parts of a buffer (the one at `field` of each rank, count floats) summed on every
  * rank; nothing in a group of one. */
 static int join(struct llmem_forward *f, size_t field, int64_t count) {
@@ -430,20 +439,20 @@ static int run_pass(struct llmem_forward *f, const int32_t *tokens,
     const int n = f->group.n;
     const int64_t hidden = g->hidden_size;
     for (int r = 0; r < n; r++)
-        embed(f, &f->ranks[r], tokens, T);
+        embed(f, enter(f, r), tokens, T);
     int status = join(f, offsetof(struct rank, x), T * hidden);
     for (int l = 0; status == LLMEM_OK && l < (int)g->n_layers; l++) {
         for (int r = 0; status == LLMEM_OK && r < n; r++)
-            status = attention_block(f, &f->ranks[r], r, l, n_seqs, T, decode);
+            status = attention_block(f, enter(f, r), r, l, n_seqs, T, decode);
         if (status == LLMEM_OK)
             status = join(f, offsetof(struct rank, xn), T * hidden);
         for (int r = 0; status == LLMEM_OK && r < n; r++)
-            status = mlp_block(f, &f->ranks[r], l, T);
+            status = mlp_block(f, enter(f, r), l, T);
         if (status == LLMEM_OK)
             status = join(f, offsetof(struct rank, xn), T * hidden);
     }
     for (int r = 0; status == LLMEM_OK && r < n; r++) {
-        struct rank *R = &f->ranks[r];
+        struct rank *R = enter(f, r);
         const struct llmem_backend_ops *ops = R->be->ops;
         void *ctx = R->be->ctx;
         if (n_logits == T) { /* every row wants its logits (a decode step): in place */
@@ -481,7 +490,7 @@ static int fetch_logits(struct llmem_forward *f, float *logits, int64_t rows) {
     }
     int status = LLMEM_OK;
     for (int r = 0; r < f->group.n; r++) {
-        const struct rank *R = &f->ranks[r];
+        const struct rank *R = enter(f, r);
         const struct llmem_backend_ops *ops = R->be->ops;
         const int64_t width = R->model->lm_head.rows;
         float *dst = logits + R->model->vocab_first;
@@ -496,7 +505,7 @@ static int fetch_logits(struct llmem_forward *f, float *logits, int64_t rows) {
                                (size_t)width * sizeof(float));
     }
     for (int r = 0; r < f->group.n; r++) {
-        const struct rank *R = &f->ranks[r];
+        const struct rank *R = enter(f, r);
         int st = R->be->ops->copy_out != NULL ? R->be->ops->copy_out_wait(R->be->ctx) : LLMEM_OK;
         status = status != LLMEM_OK ? status : st;
     }

@@ -145,17 +145,4 @@ struct llmem_model {
                          * and dtype (llmem_weight_follows) */
 };
 
-/* llmem_forward_create for a model split over a group of backends (tensor parallelism, in
- * forward.c): models[r], rank r's share (llmem_model_to_device with rank r of group->n), runs on
- * group->ranks[r]; kv's layers are the ranks' in turn (rank r's layer l at r · n_layers + l, each
- * the share's KV heads). One thread queues every rank's operations, layer by layer; the ranks'
- * partial sums are joined by the group's allreduce after the embeddings and after each attention
- * and MLP block, and the logits rows gathered from the ranks' shares of the vocabulary. A split's
- * passes are not recorded as graphs and select no top k on the device. The group must outlive the
- * pass. A group of one is llmem_forward_create. */
-struct llmem_backend_group;
-int llmem_forward_create_split(struct llmem_model *const *models,
-                               const struct llmem_backend_group *group, struct llmem_kv *kv,
-                               int64_t max_batch_tokens, struct llmem_forward **out);
-
 #endif

@@ -199,6 +199,48 @@ static void test_moe_greedy(void **state) {
     }
 }
 
+/* --tensor-parallel N through the binary (the CPU's ranks: the split's results): pycoder over 2
+ * and 4 ranks and tiny-qwen3-moe over 2 give the references' greedy ids at f32, and the plan
+ * holds every rank's share; a split the heads do not allow and one across a mixture's host
+ * experts are refused by name. */
+static void test_tensor_parallel(void **state) {
+    (void)state;
+    const char *moe = LLMEM_TEST_DATA "/models/tiny-qwen3-moe";
+    const struct {
+        const char *dir, *refs, *ranks;
+    } cases[] = {{PYCODER, REFS, "2"}, {PYCODER, REFS, "4"}, {moe, moe, "2"}};
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        char path[600];
+        snprintf(path, sizeof(path), "%s/reference.json", cases[c].refs);
+        cJSON *ref = NULL;
+        assert_int_equal(llmem_json_parse_file(path, 1 << 24, &ref), 0);
+        const cJSON *g = cJSON_GetArrayItem(cJSON_GetObjectItem(ref, "generations"), 0);
+        const cJSON *greedy = cJSON_GetObjectItem(g, "greedy_ids");
+        char csv[4096], n[16];
+        ids_csv(cJSON_GetObjectItem(g, "prompt_ids"), csv, sizeof(csv));
+        snprintf(n, sizeof(n), "%d", cJSON_GetArraySize(greedy));
+        struct tu_run r = tu_llmem("run", cases[c].dir, "--ids", csv, "-n", n, "--ignore-eos",
+                                   "--json", "--kv-format", "f32", "--precision", "f32",
+                                   "--tensor-parallel", cases[c].ranks, "--threads", "2", NULL);
+        assert_int_equal(r.exit_code, 0);
+        cJSON *out = tu_json_stdout(&r);
+        assert_ids_equal(cJSON_GetObjectItem(out, "ids"), greedy);
+        printf("  %s over %s ranks: %d greedy ids equal\n", strrchr(cases[c].dir, '/') + 1,
+               cases[c].ranks, cJSON_GetArraySize(greedy));
+        cJSON_Delete(out);
+        tu_run_free(&r);
+        cJSON_Delete(ref);
+    }
+    struct tu_run r = tu_llmem("run", PYCODER, "-p", "x", "--tensor-parallel", "8", NULL);
+    assert_int_equal(r.exit_code, 1);
+    assert_non_null(strstr(r.err, "its 4 query heads do not split over 8"));
+    tu_run_free(&r);
+    r = tu_llmem("run", PYCODER, "-p", "x", "--tensor-parallel", "3", NULL);
+    assert_int_equal(r.exit_code, 2);
+    assert_non_null(strstr(r.err, "--tensor-parallel: 3 ranks"));
+    tu_run_free(&r);
+}
+
 /* --load-format dummy: a directory with only config.json and the tokenizer runs, the same ids
  * each time; without it the missing weights are named; a bad value is a usage error. */
 static void test_load_format_dummy(void **state) {
@@ -705,6 +747,7 @@ int main(void) {
         cmocka_unit_test(test_run_greedy_matches),
         cmocka_unit_test(test_run_stats_json),
         cmocka_unit_test(test_moe_greedy),
+        cmocka_unit_test(test_tensor_parallel),
         cmocka_unit_test(test_load_format_dummy),
         cmocka_unit_test(test_tokenize_and_logits),
         cmocka_unit_test(test_chat),

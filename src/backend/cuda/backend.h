@@ -22,6 +22,11 @@ const struct llmem_mem_raw_ops *llmem_cuda_pinned_ops(void);
 int llmem_cuda_backend_create(int device, enum llmem_backend_precision precision,
                               struct llmem_mem *mem, struct llmem_backend **out);
 
+/* See llmem_backend_cuda_group_create (backend/ops.h); in group.cu. */
+int llmem_cuda_group_create(int n, const struct llmem_backend *const *ranks,
+                            struct llmem_backend_group *group);
+void llmem_cuda_group_free(struct llmem_backend_group *group);
+
 #ifdef __cplusplus
 }
 #endif

@@ -269,6 +269,11 @@ static void cuda_counters(void *ctx, struct llmem_backend_counters *out) {
     *out = c->counters;
 }
 
+static void cuda_bind(void *ctx) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    check(c, cudaSetDevice(c->device), "cudaSetDevice");
+}
+
 static struct llmem_backend_ops make_ops(void) {
     struct llmem_backend_ops o = {};
     o.name = "cuda";
@@ -302,6 +307,7 @@ static struct llmem_backend_ops make_ops(void) {
     o.graph_end = cuda_graph_end;
     o.graph_ready = cuda_graph_ready;
     o.counters = cuda_counters;
+    o.bind = cuda_bind;
     return o;
 }
 
