@@ -1168,11 +1168,12 @@ static void test_kv_copy_out_async(void **state) {
 /* ---- whole models ----------------------------------------------------------------------------
  */
 
-/* open_engine with a mixture's experts_on_host (-1: the plan's placement). */
-static struct llmem_engine *open_engine_placed(const char *dir, enum llmem_backend_kind backend,
-                                               enum llmem_backend_precision precision,
-                                               enum llmem_kv_format format,
-                                               int64_t experts_on_host) {
+/* open_engine with a mixture's experts_on_host (-1: the plan's placement), split over `ranks`
+ * (on this device: main sets LLMEM_SPLIT_ONE_DEVICE). */
+static struct llmem_engine *open_engine_split(const char *dir, enum llmem_backend_kind backend,
+                                              enum llmem_backend_precision precision,
+                                              enum llmem_kv_format format, int64_t experts_on_host,
+                                              int ranks) {
     struct llmem_engine_config c;
     llmem_engine_config_default(&c);
     c.max_sequences = 4;
@@ -1184,9 +1185,18 @@ static struct llmem_engine *open_engine_placed(const char *dir, enum llmem_backe
     c.backend = backend;
     c.precision = precision;
     c.experts_on_host = experts_on_host;
+    c.tensor_parallel = ranks;
     struct llmem_engine *e = NULL;
     assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
     return e;
+}
+
+/* open_engine with a mixture's experts_on_host (-1: the plan's placement). */
+static struct llmem_engine *open_engine_placed(const char *dir, enum llmem_backend_kind backend,
+                                               enum llmem_backend_precision precision,
+                                               enum llmem_kv_format format,
+                                               int64_t experts_on_host) {
+    return open_engine_split(dir, backend, precision, format, experts_on_host, 1);
 }
 
 static struct llmem_engine *open_engine(const char *dir, enum llmem_backend_kind backend,
@@ -1537,6 +1547,51 @@ static void test_greedy(void **state) {
                (long long)first, (long long)r[0].n_ids);
     for (int b = 0; b < 3; b++)
         llmem_generate_result_free(&r[b]);
+}
+
+/* A model split over 2 and 4 ranks on this one device (LLMEM_SPLIT_ONE_DEVICE: each rank a
+ * backend and an allocator of its own, the KV pool's layers on their ranks, the sums made by rank
+ * 0's stream; the path of a split over devices but NCCL, which test-cuda-comm checks): pycoder's
+ * and tiny-qwen3-moe's greedy tokens at f32 (every logits row gathered from the ranks' shares of
+ * the vocabulary) equal the CPU's whole model's; at fast precision the tokens that agree are
+ * printed. */
+static void test_split_one_device(void **state) {
+    (void)state;
+    const char *dirs[2] = {LLMEM_SOURCE_DIR "/models/pycoder",
+                           LLMEM_TEST_DATA "/models/tiny-qwen3-moe"};
+    int32_t prompt[24];
+    struct llmem_generate_params gp;
+    long_run(prompt, 24, 100, 31, 32, &gp);
+    for (int m = 0; m < 2; m++) {
+        struct llmem_generate_result want, got;
+        struct llmem_engine *e =
+            open_engine(dirs[m], LLMEM_BACKEND_CPU, LLMEM_PRECISION_F32, LLMEM_KV_FORMAT_F32);
+        assert_int_equal(llmem_engine_generate(e, prompt, 24, &gp, NULL, NULL, &want), LLMEM_OK);
+        llmem_engine_close(e);
+        for (int ranks = 2; ranks <= 4; ranks *= 2) {
+            for (int fast = 0; fast < 2; fast++) {
+                e = open_engine_split(dirs[m], LLMEM_BACKEND_CUDA,
+                                      fast ? LLMEM_PRECISION_FAST : LLMEM_PRECISION_F32,
+                                      fast ? LLMEM_KV_FORMAT_F16 : LLMEM_KV_FORMAT_F32, -1, ranks);
+                assert_int_equal(llmem_engine_generate(e, prompt, 24, &gp, NULL, NULL, &got),
+                                 LLMEM_OK);
+                llmem_engine_close(e);
+                int64_t first = 0;
+                while (first < want.n_ids && first < got.n_ids && want.ids[first] == got.ids[first])
+                    first++;
+                printf("  %s over %d ranks on one device, %s: %lld of %lld greedy tokens as the "
+                       "CPU's\n",
+                       strrchr(dirs[m], '/') + 1, ranks, fast ? "fast" : "f32", (long long)first,
+                       (long long)want.n_ids);
+                if (!fast) {
+                    assert_int_equal(got.n_ids, want.n_ids);
+                    assert_int_equal(first, want.n_ids);
+                }
+                llmem_generate_result_free(&got);
+            }
+        }
+        llmem_generate_result_free(&want);
+    }
 }
 
 struct entry {
@@ -2213,6 +2268,8 @@ static int teardown(void **state) {
 }
 
 int main(int argc, char **argv) {
+    /* test_split_one_device's ranks on this device (read once, at the first option asked for) */
+    setenv("LLMEM_SPLIT_ONE_DEVICE", "1", 1);
     const struct CMUnitTest build[] = {cmocka_unit_test(test_build)};
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_device_memory),
@@ -2236,6 +2293,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_experts_on_host),
         cmocka_unit_test(test_quantized_caches),
         cmocka_unit_test(test_greedy),
+        cmocka_unit_test(test_split_one_device),
         cmocka_unit_test(test_spill_on_device),
         cmocka_unit_test(test_graphs),
         cmocka_unit_test(test_mixed_step),

@@ -58,6 +58,10 @@ static const struct llmem_option_info table[LLMEM_OPT_COUNT] = {
                                 "tokens fed on the device"},
     [LLMEM_OPT_CUDA_GRAPHS] = {"LLMEM_CUDA_GRAPHS", BOOL("1"),
                                "record the CUDA backend's decode steps as graphs and replay them"},
+    [LLMEM_OPT_SPLIT_ONE_DEVICE] = {"LLMEM_SPLIT_ONE_DEVICE", BOOL("0"),
+                                    "--tensor-parallel with --backend cuda: every rank on "
+                                    "--device, their sums made there without NCCL (a split's "
+                                    "path on one GPU, to check it)"},
     [LLMEM_OPT_CUDA_PROFILE] = {"LLMEM_CUDA_PROFILE", BOOL("0"),
                                 "time every CUDA operation on its own (no graphs) and log the "
                                 "totals at info level"},

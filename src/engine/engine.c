@@ -341,9 +341,12 @@ static int check_split(const struct llmem_engine_config *c, const struct llmem_m
                        n, c->experts_on_host);
         return LLMEM_EINVAL;
     }
-    int devices = 0;
+    int devices = 0, one = 0;
     llmem_backend_device_count(&devices);
-    if (c->backend == LLMEM_BACKEND_CUDA && c->device + n > devices) {
+    int status = llmem_option_bool(LLMEM_OPT_SPLIT_ONE_DEVICE, &one);
+    if (status != LLMEM_OK)
+        return status;
+    if (c->backend == LLMEM_BACKEND_CUDA && c->device + (one ? 1 : n) > devices) {
         LLMEM_ERROR_AS("llmem_engine_open",
                        "--tensor-parallel %d from device %d: this machine has %d device%s", n,
                        c->device, devices, devices == 1 ? "" : "s");
@@ -359,6 +362,8 @@ static int check_split(const struct llmem_engine_config *c, const struct llmem_m
 static int open_split(struct llmem_engine *e, llmem_progress_fn progress, void *progress_arg) {
     const struct llmem_engine_config *c = &e->cfg;
     const int n = e->n_ranks, cuda = c->backend == LLMEM_BACKEND_CUDA;
+    int one = 0; /* every rank on c->device (checked: check_split) */
+    llmem_option_bool(LLMEM_OPT_SPLIT_ONE_DEVICE, &one);
     struct llmem_mem *read_mem = NULL;
     struct llmem_model *host_model = NULL;
     struct llmem_mem_config hc = {.cache_limit_bytes = -1};
@@ -371,7 +376,8 @@ static int open_split(struct llmem_engine *e, llmem_progress_fn progress, void *
             llmem_backend_cpu_set_precision(e->be, c->precision);
             continue;
         }
-        struct llmem_mem_config dc = {.ops = llmem_backend_cuda_memory(c->device + r),
+        const int device = one ? c->device : c->device + r;
+        struct llmem_mem_config dc = {.ops = llmem_backend_cuda_memory(device),
                                       .memory_limit_bytes = e->plan.allocator_limit_bytes,
                                       .cache_limit_bytes = -1,
                                       .usable_bytes = e->plan.usable_bytes};
@@ -379,7 +385,7 @@ static int open_split(struct llmem_engine *e, llmem_progress_fn progress, void *
             e->rank_mem[0] = e->mem;
         else if (dc.ops == NULL) {
             LLMEM_ERROR_AS("llmem_engine_open", "--tensor-parallel %d: no CUDA device %d", n,
-                           c->device + r);
+                           device);
             status = LLMEM_EINVAL;
             break;
         } else if ((status = llmem_mem_create(&dc, &e->rank_mem[r])) != LLMEM_OK)
