@@ -106,6 +106,8 @@ static const char usage[] =
     "  --budget SIZE    plan as if the machine (the device with cuda) had SIZE, as llmem run\n"
     "  --experts-on-host N  cuda, a mixture of experts: the first N MoE layers' experts on the\n"
     "                   host, as llmem run (default: the plan's placement)\n"
+    "  --tensor-parallel N  the model split over N ranks, as llmem run (cuda: N devices from\n"
+    "                   --device)\n"
     "  --json           one JSON object: model, weights_bytes, points[] {threads, "
     "prefill_tokens_per_s,\n"
     "                   prefill_gflops, decode_tokens_per_s, decode_gbps, bandwidth_read_gbps,\n"
@@ -128,6 +130,7 @@ int bench_decode(int argc, char **argv) {
         OPT_PRECISION,
         OPT_BUDGET,
         OPT_EXPERTS_ON_HOST,
+        OPT_TENSOR_PARALLEL,
         OPT_HELP
     };
     static const struct option opts[] = {
@@ -146,6 +149,7 @@ int bench_decode(int argc, char **argv) {
         {"precision", required_argument, NULL, OPT_PRECISION},
         {"budget", required_argument, NULL, OPT_BUDGET},
         {"experts-on-host", required_argument, NULL, OPT_EXPERTS_ON_HOST},
+        {"tensor-parallel", required_argument, NULL, OPT_TENSOR_PARALLEL},
         {"help", no_argument, NULL, OPT_HELP},
         {NULL, 0, NULL, 0},
     };
@@ -156,6 +160,8 @@ int bench_decode(int argc, char **argv) {
     enum llmem_backend_precision precision = LLMEM_PRECISION_FAST;
     int64_t device = 0, warmup = -1; /* -1: by the backend */
     int64_t budget = 0, experts_on_host = -1;
+    struct llmem_engine_config split; /* --tensor-parallel, parsed as llmem run parses it */
+    llmem_engine_config_default(&split);
     optind = 1;
     opterr = 0;
     int c, rc = CLI_OK;
@@ -181,6 +187,9 @@ int bench_decode(int argc, char **argv) {
         case OPT_BUDGET: rc = cli_parse_positive_size("--budget", optarg, &budget); break;
         case OPT_EXPERTS_ON_HOST:
             rc = cli_parse_int("--experts-on-host", optarg, 0, 1 << 20, &experts_on_host);
+            break;
+        case OPT_TENSOR_PARALLEL:
+            rc = cli_engine_option(CLI_OPT_TENSOR_PARALLEL, optarg, &split);
             break;
         case OPT_PRECISION:
             if (llmem_backend_precision_parse(optarg, &precision) != LLMEM_OK)
@@ -244,6 +253,7 @@ int bench_decode(int argc, char **argv) {
         cfg.precision = precision;
         cfg.budget_bytes = budget;
         cfg.experts_on_host = experts_on_host;
+        cfg.tensor_parallel = split.tensor_parallel;
         cfg.no_bank = 1; /* every run prefills its whole prompt */
         cfg.context = n_prompt + n_gen + 1;
         if (llmem_engine_open(&cfg, NULL, NULL, &e) != LLMEM_OK)
@@ -268,6 +278,11 @@ int bench_decode(int argc, char **argv) {
                                                                    .head_dim = (int)g->head_dim});
         double attn_flops = 4.0 * (double)(g->n_heads * g->head_dim * g->n_layers) *
                             (double)n_prompt * (double)(n_prompt + 1) / 2.0;
+        /* a split's costs are a rank's share: one device's; on the host every rank's */
+        const double shares =
+            backend == LLMEM_BACKEND_CPU && split.tensor_parallel > 1 ? split.tensor_parallel : 1;
+        weight_bytes = (int64_t)(shares * (double)weight_bytes);
+        flops_per_token *= shares, kv_token *= shares, attn_flops *= shares;
         double bytes_per_token = (double)weight_bytes + kv_token * ((double)n_prompt + n_gen / 2.0);
         double pre[MAX_REPS], gfl[MAX_REPS], dec[MAX_REPS], bw[MAX_REPS], frac[MAX_REPS],
             over[MAX_REPS], dev[MAX_REPS];
