@@ -1554,7 +1554,7 @@ static void test_greedy(void **state) {
  * 0's stream; the path of a split over devices but NCCL, which test-cuda-comm checks): pycoder's
  * and tiny-qwen3-moe's greedy tokens at f32 (every logits row gathered from the ranks' shares of
  * the vocabulary) equal the CPU's whole model's; at fast precision the tokens that agree are
- * printed. */
+ * printed; every rank's allocator peaks within the plan's footprint. */
 static void test_split_one_device(void **state) {
     (void)state;
     const char *dirs[2] = {LLMEM_SOURCE_DIR "/models/pycoder",
@@ -1575,6 +1575,13 @@ static void test_split_one_device(void **state) {
                                       fast ? LLMEM_KV_FORMAT_F16 : LLMEM_KV_FORMAT_F32, -1, ranks);
                 assert_int_equal(llmem_engine_generate(e, prompt, 24, &gp, NULL, NULL, &got),
                                  LLMEM_OK);
+                struct llmem_engine_metrics mm; /* each rank's allocator within its plan */
+                llmem_engine_metrics(e, &mm);
+                assert_int_equal(mm.n_devices, ranks);
+                for (int d = 0; d < ranks; d++)
+                    assert_true(mm.devices[d].peak > 0 &&
+                                mm.devices[d].peak <= llmem_engine_plan(e)->footprint_bytes &&
+                                mm.devices[d].peak <= mm.devices[d].limit);
                 llmem_engine_close(e);
                 int64_t first = 0;
                 while (first < want.n_ids && first < got.n_ids && want.ids[first] == got.ids[first])

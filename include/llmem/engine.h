@@ -294,6 +294,13 @@ struct llmem_engine_metrics {
     int64_t kv_blocks_used, kv_blocks_free, kv_block_bytes;
     struct llmem_engine_bank_stats bank;                /* RAM tier, spill store, guard actions */
     int64_t mem_active, mem_peak, mem_cache, mem_limit; /* the allocator (llmem_mem_stats) */
+    /* a model split over devices (--tensor-parallel with cuda): each rank's device allocator,
+     * rank 0's the one above; n_devices 0 otherwise */
+    int n_devices;
+    struct llmem_engine_device_mem {
+        int device;
+        int64_t active, peak, limit;
+    } devices[8];
     enum llmem_guard_level guard_level;                 /* the guard's last reading */
     int refusing; /* a critical memory pressure is in effect */
 };

@@ -377,6 +377,7 @@ static int open_split(struct llmem_engine *e, llmem_progress_fn progress, void *
             continue;
         }
         const int device = one ? c->device : c->device + r;
+        e->rank_device[r] = device;
         struct llmem_mem_config dc = {.ops = llmem_backend_cuda_memory(device),
                                       .memory_limit_bytes = e->plan.allocator_limit_bytes,
                                       .cache_limit_bytes = -1,
@@ -861,6 +862,14 @@ static void sched_metrics(void *ctx, struct llmem_engine_metrics *m) {
     m->mem_active = st.active_bytes, m->mem_peak = st.peak_bytes, m->mem_cache = st.cache_bytes;
     m->mem_limit = st.memory_limit_bytes;
     m->guard_level = e->guard.prev;
+    m->n_devices = 0;
+    for (int r = 0; e->cfg.backend == LLMEM_BACKEND_CUDA && e->n_ranks > 1 && r < e->n_ranks; r++) {
+        llmem_mem_stats(e->rank_mem[r], &st);
+        m->devices[m->n_devices].device = e->rank_device[r];
+        m->devices[m->n_devices].active = st.active_bytes;
+        m->devices[m->n_devices].peak = st.peak_bytes;
+        m->devices[m->n_devices++].limit = st.memory_limit_bytes;
+    }
 }
 
 static const struct llmem_sched_ops SCHED_OPS = {

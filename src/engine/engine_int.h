@@ -52,6 +52,7 @@ struct llmem_engine {
     const struct llmem_backend *ranks[8];
     struct llmem_backend *rank_be[8];
     struct llmem_mem *rank_mem[8];
+    int rank_device[8]; /* with cuda: the device of each rank */
     struct llmem_backend_group group;
     void *group_comm;  /* the devices' communicator (backend/cuda), or NULL */
     int top_on_device; /* sample from the device's top k where it can (LLMEM_SAMPLE_ON_DEVICE) */

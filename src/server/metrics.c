@@ -7,6 +7,7 @@
  * histograms have cumulative _bucket{le=…} lines, _sum and _count.
  */
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,6 +47,24 @@ char *llmem_srv_render_metrics(const struct llmem_engine_metrics *m, const struc
            m->mem_cache);
     metric(&b, "llmem_mem_limit_bytes", "gauge",
            "The allocator's memory limit (active + cache never exceed it).", m->mem_limit);
+    if (m->n_devices > 0) { /* a model split over devices: each one's allocator */
+        const struct {
+            const char *name, *help;
+            size_t at;
+        } per[] = {{"llmem_device_mem_active_bytes", "Bytes a device's allocator has handed out.",
+                    offsetof(struct llmem_engine_device_mem, active)},
+                   {"llmem_device_mem_peak_bytes", "A device's allocator's highest active bytes.",
+                    offsetof(struct llmem_engine_device_mem, peak)},
+                   {"llmem_device_mem_limit_bytes", "A device's allocator's memory limit.",
+                    offsetof(struct llmem_engine_device_mem, limit)}};
+        for (size_t i = 0; i < sizeof(per) / sizeof(per[0]); i++) {
+            header(&b, per[i].name, "gauge", per[i].help);
+            for (int d = 0; d < m->n_devices; d++)
+                llmem_srv_buf_printf(&b, "%s{device=\"%d\"} %" PRId64 "\n", per[i].name,
+                                     m->devices[d].device,
+                                     *(const int64_t *)((const char *)&m->devices[d] + per[i].at));
+        }
+    }
     metric(&b, "llmem_kv_blocks_used", "gauge",
            "KV blocks holding tokens (of live requests or of the session bank).",
            m->kv_blocks_used);
@@ -185,6 +204,16 @@ char *llmem_srv_render_health(const struct srv_health *h, const struct llmem_eng
           llmem_json_add_int(mem, "limit_bytes", h->mem->memory_limit_bytes) ||
           llmem_json_add_int(mem, "resident_bytes", h->resident_bytes) ||
           llmem_json_add_int(mem, "resident_peak_bytes", h->resident_peak_bytes);
+    cJSON *devs = bad || m->n_devices == 0 ? NULL : cJSON_AddArrayToObject(mem, "devices");
+    bad = bad || (m->n_devices > 0 && devs == NULL);
+    for (int d = 0; !bad && d < m->n_devices; d++) { /* a split model's, each one's allocator */
+        cJSON *dev = cJSON_CreateObject();
+        bad = dev == NULL || !cJSON_AddItemToArray(devs, dev) ||
+              llmem_json_add_int(dev, "device", m->devices[d].device) ||
+              llmem_json_add_int(dev, "active_bytes", m->devices[d].active) ||
+              llmem_json_add_int(dev, "peak_bytes", m->devices[d].peak) ||
+              llmem_json_add_int(dev, "limit_bytes", m->devices[d].limit);
+    }
 
     cJSON *kv = bad ? NULL : cJSON_AddObjectToObject(o, "kv");
     bad = bad || kv == NULL || llmem_json_add_string(kv, "format", h->kv_format) ||
