@@ -845,6 +845,85 @@ static void test_tensor_parallel(void **state) {
     printf("  split over ranks vs whole: max |Δ logits| %.2e (asserted ≤ 1e-4)\n", worst);
 }
 
+/* The top k of each row on the host, as a device's top_k delivers it (by value descending, equal
+ * values by the lower column): the CPU backend's table with it, for a split's merge of its ranks'
+ * shares. */
+static int host_top_k(void *ctx, const float *x, int64_t n, int64_t cols, int k, int32_t *ids,
+                      float *vals) {
+    (void)ctx;
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = x + i * cols;
+        for (int j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t c = 0; c < cols; c++) {
+                int taken = 0;
+                for (int t = 0; t < j; t++)
+                    taken |= ids[i * k + t] == c;
+                if (!taken && (best < 0 || row[c] > row[best]))
+                    best = c;
+            }
+            ids[i * k + j] = (int32_t)best, vals[i * k + j] = row[best];
+        }
+    }
+    return LLMEM_OK;
+}
+
+/* A split whose ranks select their shares' top k (as on devices): llmem_forward_run_top merges
+ * them into the whole vocabulary's, the whole model's top 8 of each row (ids where their values
+ * are clearly apart, values within 1e-4), over 2 and 4 ranks. */
+static void test_tensor_parallel_top(void **state) {
+    (void)state;
+    char dir[512];
+    model_dir("tiny-llama3", dir, sizeof(dir));
+    struct generation gens[1];
+    load_generations("tiny-llama3", gens, 1);
+    const int64_t T = gens[0].n, k = 8;
+    struct rig r;
+    rig_open(&r, dir, LLMEM_KV_LAYOUT_PAGED, LLMEM_KV_FORMAT_F32, T, 2);
+    float *want = teacher_forced(&r, gens[0].ids, T);
+    const int64_t V = r.vocab;
+    rig_close(&r);
+    for (int n = 2; n <= 4; n *= 2) {
+        struct split s;
+        split_open(&s, dir, n, T);
+        struct llmem_backend_ops ops = *s.r.be->ops;
+        ops.top_k = host_top_k;
+        const struct llmem_backend top_be = {&ops, s.r.be->ctx};
+        for (int i = 0; i < n; i++)
+            s.ranks[i] = &top_be;
+        llmem_forward_free(s.r.fwd); /* again over the ranks that select */
+        assert_int_equal(llmem_forward_create_split(s.shares, &s.group, s.r.kv, T, &s.r.fwd),
+                         LLMEM_OK);
+        assert_true(llmem_forward_has_top(s.r.fwd));
+        int32_t *ids = malloc((size_t)(T * k) * sizeof(int32_t));
+        float *vals = malloc((size_t)(T * k) * sizeof(float));
+        int seq = -1;
+        assert_int_equal(llmem_kv_seq_new(s.r.kv, &seq), LLMEM_OK);
+        struct llmem_batch_seq b = {.seq = seq, .pos = 0, .n_tokens = T, .all_logits = 1};
+        assert_int_equal(llmem_forward_run_top(s.r.fwd, gens[0].ids, &b, 1, (int)k, ids, vals),
+                         LLMEM_OK);
+        int32_t *ref = malloc((size_t)(T * k) * sizeof(int32_t));
+        float *ref_vals = malloc((size_t)(T * k) * sizeof(float));
+        host_top_k(NULL, want, T, V, (int)k, ref, ref_vals);
+        int64_t same = 0;
+        for (int64_t i = 0; i < T * k; i++) {
+            assert_true(fabs((double)vals[i] - (double)ref_vals[i]) <= 1e-4);
+            const int64_t j = i % k; /* its neighbours' values clearly apart */
+            const int clear = (j == 0 || ref_vals[i - 1] - ref_vals[i] > 1e-3) &&
+                              (j == k - 1 || ref_vals[i] - ref_vals[i + 1] > 1e-3);
+            assert_true(!clear || ids[i] == ref[i]);
+            same += ids[i] == ref[i];
+        }
+        printf("  tiny-llama3 over %d ranks: the top %lld of %lld rows merged from the shares' "
+               "(%lld of %lld ids as the whole model's)\n",
+               n, (long long)k, (long long)T, (long long)same, (long long)(T * k));
+        free(ids), free(vals), free(ref), free(ref_vals);
+        split_close(&s);
+    }
+    free(want);
+    free_generations(gens, 1);
+}
+
 /* A model that does not split over n is refused with the reason, before anything is copied. */
 static void test_tensor_parallel_refused(void **state) {
     (void)state;
@@ -880,6 +959,7 @@ int main(void) {
         cmocka_unit_test(test_moe_reads_chosen_experts),
         cmocka_unit_test(test_moe_gguf),
         cmocka_unit_test(test_tensor_parallel),
+        cmocka_unit_test(test_tensor_parallel_top),
         cmocka_unit_test(test_tensor_parallel_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

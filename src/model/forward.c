@@ -67,6 +67,8 @@ struct rank {
     int64_t dev_logits_rows;
     int32_t *ids; /* (T, host) of a split: the tokens' rows of its share of the vocabulary, −1 for
                    * the others' */
+    int32_t *top_ids; /* (T, LLMEM_TOP_K_MAX, host) of a split on devices: its share's top k of */
+    float *top_vals;  /* each row, merged into the pass's by llmem_forward_wait */
 };
 
 struct llmem_forward {
@@ -89,6 +91,8 @@ struct llmem_forward {
         int64_t *lengths;
         float *logits; /* k = 0: where wait copies the rows (the ranks' dev_logits) */
         int64_t logit_rows;
+        int32_t *ids; /* k > 0 in a split: where wait merges the ranks' top k */
+        float *vals;
     } started[2];
     int n_started;
     /* the MoE layers whose experts are on the host (model_layer experts_on_host): the backend
@@ -134,7 +138,10 @@ static int rank_alloc(struct rank *R, int64_t max_tokens, int split) {
     /* the outputs of a pair of matrices a fixed distance apart, as the pair may be multiplied */
     R->v = R->k + T * kv_dim;
     R->up = R->gate != NULL ? R->gate + T * inter : NULL;
-    if (split && (R->ids = malloc(T * sizeof(int32_t))) == NULL) {
+    const int top = split && R->model->on_device && R->be->ops->top_k != NULL;
+    if (split && ((R->ids = malloc(T * sizeof(int32_t))) == NULL ||
+                  (top && ((R->top_ids = malloc(T * LLMEM_TOP_K_MAX * sizeof(int32_t))) == NULL ||
+                           (R->top_vals = malloc(T * LLMEM_TOP_K_MAX * sizeof(float))) == NULL)))) {
         LLMEM_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
@@ -147,7 +154,7 @@ static void rank_free(struct rank *R) {
         R->x, R->xn, R->q, R->att, R->k, R->gate, R->router, (float *)R->moe_work, R->dev_logits};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         llmem_mem_free(R->mem, bufs[i]);
-    free(R->ids);
+    free(R->ids), free(R->top_ids), free(R->top_vals);
 }
 
 int llmem_forward_create_split(struct llmem_model *const *models,
@@ -519,12 +526,39 @@ int llmem_forward_replays(const struct llmem_forward *f, int n_seqs) {
 }
 
 int llmem_forward_has_top(const struct llmem_forward *f) {
-    return f->group.n == 1 && f->model->on_device && f->be->ops->top_k != NULL;
+    int top = f->model->on_device;
+    for (int r = 0; r < f->group.n; r++) /* (of a split: every rank its share's) */
+        top &= f->ranks[r].be->ops->top_k != NULL &&
+               (f->group.n == 1 || f->ranks[r].model->lm_head.rows >= LLMEM_TOP_K_MAX);
+    return top;
 }
 
 int llmem_forward_has_next(const struct llmem_forward *f) {
-    return llmem_forward_has_top(f) && f->be->ops->top_k_wait != NULL &&
+    return f->group.n == 1 && llmem_forward_has_top(f) && f->be->ops->top_k_wait != NULL &&
            f->be->ops->embedding_top != NULL;
+}
+
+/* The top k of each of `rows` rows from the ranks' top k of their shares (each by value
+ * descending, equal values by the lower id): the same order over the whole vocabulary, where a
+ * lower rank's ids are the lower. */
+static void merge_top(const struct llmem_forward *f, int64_t rows, int k, int32_t *ids,
+                      float *vals) {
+    const int n = f->group.n;
+    for (int64_t i = 0; i < rows; i++) {
+        int at[n];
+        memset(at, 0, sizeof(at));
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int r = 0; r < n; r++)
+                if (at[r] < k && (best < 0 || f->ranks[r].top_vals[i * k + at[r]] >
+                                                  f->ranks[best].top_vals[i * k + at[best]]))
+                    best = r;
+            const struct rank *R = &f->ranks[best];
+            ids[i * k + j] = (int32_t)(R->top_ids[i * k + at[best]] + R->model->vocab_first);
+            vals[i * k + j] = R->top_vals[i * k + at[best]];
+            at[best]++;
+        }
+    }
 }
 
 /* Sequences back at the lengths they had before a pass. */
@@ -640,14 +674,19 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
         }
     }
     if (status == LLMEM_OK && (k > 0 || (start && dl != NULL))) { /* llmem_forward_wait waits */
-        if (k > 0)
+        if (k > 0 && f->group.n == 1)
             status = ops->top_k(ctx, dl, n_logits, g->vocab_size, k, ids, vals);
+        for (int r = 0; k > 0 && f->group.n > 1 && status == LLMEM_OK && r < f->group.n; r++) {
+            struct rank *R = enter(f, r); /* its share's top k, merged by llmem_forward_wait */
+            status = R->be->ops->top_k(R->be->ctx, R->dev_logits, n_logits, R->model->lm_head.rows,
+                                       k, R->top_ids, R->top_vals);
+        }
         if (status == LLMEM_OK) { /* its arrays become the pass's record */
             struct started *p = &f->started[f->n_started++];
             int *si = p->seq_ids;
             int64_t *len = p->lengths;
             p->seq_ids = f->seq_ids, p->lengths = f->lengths, p->n_seqs = n_seqs, p->k = k;
-            p->logits = logits, p->logit_rows = n_logits;
+            p->logits = logits, p->logit_rows = n_logits, p->ids = ids, p->vals = vals;
             f->seq_ids = si, f->lengths = len;
             return LLMEM_OK;
         }
@@ -665,9 +704,17 @@ int llmem_forward_wait(struct llmem_forward *f) {
         return LLMEM_OK;
     const struct llmem_backend_ops *ops = f->be->ops;
     const struct started *p = &f->started[0];
+    (void)enter(f, 0);
     int status = p->k == 0          ? fetch_logits(f, p->logits, p->logit_rows)
                  : f->n_started > 1 ? ops->top_k_wait(f->be->ctx)
                                     : ops->sync(f->be->ctx);
+    for (int r = 1; p->k > 0 && r < f->group.n; r++) { /* a split's other ranks, then the merge */
+        const struct rank *R = enter(f, r);
+        const int st = R->be->ops->sync(R->be->ctx);
+        status = status != LLMEM_OK ? status : st;
+    }
+    if (status == LLMEM_OK && p->k > 0 && f->group.n > 1)
+        merge_top(f, p->logit_rows, p->k, p->ids, p->vals);
     if (status != LLMEM_OK) { /* every pass started fails with it: the newest restored first */
         for (int i = f->n_started - 1; i >= 0; i--)
             restore_lengths(f, f->started[i].n_seqs, f->started[i].seq_ids, f->started[i].lengths);

@@ -15,9 +15,10 @@
  * the share's KV heads). One thread queues every rank's operations, layer by layer (each rank's
  * device made current: the backends' bind); the ranks' partial sums are joined by the group's
  * allreduce after the embeddings and after each attention and MLP block, and the logits rows
- * gathered from the ranks' shares of the vocabulary. A split's passes are not recorded as graphs
- * and select no top k on the device. The group is copied; its table of backends and its ctx must
- * outlive the pass. A group of one is llmem_forward_create. */
+ * gathered from the ranks' shares of the vocabulary, or their top k (llmem_forward_run_top: each
+ * rank's share's, merged by llmem_forward_wait). A split's passes are not recorded as graphs nor
+ * fed from the device (llmem_forward_start_next). The group is copied; its table of backends and
+ * its ctx must outlive the pass. A group of one is llmem_forward_create. */
 int llmem_forward_create_split(struct llmem_model *const *models,
                                const struct llmem_backend_group *group, struct llmem_kv *kv,
                                int64_t max_batch_tokens, struct llmem_forward **out);
