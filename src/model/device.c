@@ -202,10 +202,12 @@ static int weight_part(const struct llmem_weight *w, int cols, int64_t first, in
     out->cols = count;
     const int64_t bytes = llmem_weight_row_bytes(out);
     if (at < 0 || bytes <= 0 || first % group != 0 || count % group != 0) {
-        LLMEM_ERROR("a %" PRId64 "x%" PRId64 " matrix of %s: its columns %" PRId64 "-%" PRId64
-                    " cut its blocks",
-                    w->rows, w->cols, w->quant != 0 ? llmem_qtype_name(w->quant) : "values", first,
-                    first + count - 1);
+        const int64_t block = mlx ? group : llmem_qtype_info(w->quant)->block_elems;
+        LLMEM_ERROR_AS("llmem_model_to_device",
+                       "a %" PRId64 "x%" PRId64
+                       " matrix of %s does not split into shares of %" PRId64
+                       " columns: they cut its blocks of %" PRId64,
+                       w->rows, w->cols, llmem_qtype_name(w->quant), count, block);
         return LLMEM_EUNSUPPORTED;
     }
     const int64_t s0 = first / group * sb, s_bytes = count / group * sb;

@@ -200,9 +200,9 @@ static void test_moe_greedy(void **state) {
 }
 
 /* --tensor-parallel N through the binary (the CPU's ranks: the split's results): pycoder over 2
- * and 4 ranks and tiny-qwen3-moe over 2 give the references' greedy ids at f32, and the plan
- * holds every rank's share; a split the heads do not allow and one across a mixture's host
- * experts are refused by name. */
+ * and 4 ranks and tiny-qwen3-moe over 2 give the references' greedy ids at f32; a degree llmem
+ * does not split over, a split the heads do not allow and one that would cut a quantized matrix's
+ * blocks are refused by name. */
 static void test_tensor_parallel(void **state) {
     (void)state;
     const char *moe = LLMEM_TEST_DATA "/models/tiny-qwen3-moe";
@@ -238,6 +238,12 @@ static void test_tensor_parallel(void **state) {
     r = tu_llmem("run", PYCODER, "-p", "x", "--tensor-parallel", "3", NULL);
     assert_int_equal(r.exit_code, 2);
     assert_non_null(strstr(r.err, "--tensor-parallel: 3 ranks"));
+    tu_run_free(&r);
+    /* pycoder's Q4_K matrices of 256 columns: shares of 128 would cut their blocks */
+    r = tu_llmem("run", LLMEM_TEST_DATA "/gguf/pycoder-q4_k_m.gguf", "-p", "x", "--tensor-parallel",
+                 "2", NULL);
+    assert_int_equal(r.exit_code, 1);
+    assert_non_null(strstr(r.err, "does not split into shares of 128 columns"));
     tu_run_free(&r);
 }
 
