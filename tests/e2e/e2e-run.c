@@ -172,31 +172,41 @@ static void test_run_greedy_matches(void **state) {
     cJSON_Delete(ref);
 }
 
+/* The first generation of refs/reference.json through the binary on dir at f32 with an f32 cache
+ * and `extra` more arguments (NULL-terminated, at most 4): its greedy ids, the reference's. */
+static void reference_greedy(const char *dir, const char *refs, const char *const *extra,
+                             const char *label) {
+    char path[600];
+    snprintf(path, sizeof(path), "%s/reference.json", refs);
+    cJSON *ref = NULL;
+    assert_int_equal(llmem_json_parse_file(path, 1 << 24, &ref), 0);
+    const cJSON *g = cJSON_GetArrayItem(cJSON_GetObjectItem(ref, "generations"), 0);
+    const cJSON *greedy = cJSON_GetObjectItem(g, "greedy_ids");
+    char csv[4096], n[16];
+    ids_csv(cJSON_GetObjectItem(g, "prompt_ids"), csv, sizeof(csv));
+    snprintf(n, sizeof(n), "%d", cJSON_GetArraySize(greedy));
+    const char *args[20] = {"run",          dir,      "--ids",       csv,   "-n",          n,
+                            "--ignore-eos", "--json", "--kv-format", "f32", "--precision", "f32"};
+    int argc = 12;
+    for (int i = 0; extra != NULL && extra[i] != NULL; i++)
+        args[argc++] = extra[i];
+    struct tu_run r = tu_llmem_argv(argc, args);
+    assert_int_equal(r.exit_code, 0);
+    cJSON *out = tu_json_stdout(&r);
+    assert_ids_equal(cJSON_GetObjectItem(out, "ids"), greedy);
+    printf("  %s: %d greedy ids equal\n", label, cJSON_GetArraySize(greedy));
+    cJSON_Delete(out);
+    tu_run_free(&r);
+    cJSON_Delete(ref);
+}
+
 /* The mixtures of experts through the binary: greedy ids equal to their references (f32 KV). */
 static void test_moe_greedy(void **state) {
     (void)state;
-    const char *models[] = {"tiny-qwen3-moe", "tiny-mixtral"};
-    for (size_t m = 0; m < 2; m++) {
-        char dir[512], path[600];
-        snprintf(dir, sizeof(dir), "%s/models/%s", LLMEM_TEST_DATA, models[m]);
-        snprintf(path, sizeof(path), "%s/reference.json", dir);
-        cJSON *ref = NULL;
-        assert_int_equal(llmem_json_parse_file(path, 1 << 24, &ref), 0);
-        const cJSON *g = cJSON_GetArrayItem(cJSON_GetObjectItem(ref, "generations"), 0);
-        const cJSON *greedy = cJSON_GetObjectItem(g, "greedy_ids");
-        char csv[4096], n[16];
-        ids_csv(cJSON_GetObjectItem(g, "prompt_ids"), csv, sizeof(csv));
-        snprintf(n, sizeof(n), "%d", cJSON_GetArraySize(greedy));
-        struct tu_run r = tu_llmem("run", dir, "--ids", csv, "-n", n, "--ignore-eos", "--json",
-                                   "--kv-format", "f32", "--precision", "f32", NULL);
-        assert_int_equal(r.exit_code, 0);
-        cJSON *out = tu_json_stdout(&r);
-        assert_ids_equal(cJSON_GetObjectItem(out, "ids"), greedy);
-        printf("  %s: %d greedy ids equal\n", models[m], cJSON_GetArraySize(greedy));
-        cJSON_Delete(out);
-        tu_run_free(&r);
-        cJSON_Delete(ref);
-    }
+    reference_greedy(LLMEM_TEST_DATA "/models/tiny-qwen3-moe",
+                     LLMEM_TEST_DATA "/models/tiny-qwen3-moe", NULL, "tiny-qwen3-moe");
+    reference_greedy(LLMEM_TEST_DATA "/models/tiny-mixtral", LLMEM_TEST_DATA "/models/tiny-mixtral",
+                     NULL, "tiny-mixtral");
 }
 
 /* --tensor-parallel N through the binary (the CPU's ranks: the split's results): pycoder over 2
@@ -205,32 +215,12 @@ static void test_moe_greedy(void **state) {
  * blocks are refused by name. */
 static void test_tensor_parallel(void **state) {
     (void)state;
-    const char *moe = LLMEM_TEST_DATA "/models/tiny-qwen3-moe";
-    const struct {
-        const char *dir, *refs, *ranks;
-    } cases[] = {{PYCODER, REFS, "2"}, {PYCODER, REFS, "4"}, {moe, moe, "2"}};
-    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
-        char path[600];
-        snprintf(path, sizeof(path), "%s/reference.json", cases[c].refs);
-        cJSON *ref = NULL;
-        assert_int_equal(llmem_json_parse_file(path, 1 << 24, &ref), 0);
-        const cJSON *g = cJSON_GetArrayItem(cJSON_GetObjectItem(ref, "generations"), 0);
-        const cJSON *greedy = cJSON_GetObjectItem(g, "greedy_ids");
-        char csv[4096], n[16];
-        ids_csv(cJSON_GetObjectItem(g, "prompt_ids"), csv, sizeof(csv));
-        snprintf(n, sizeof(n), "%d", cJSON_GetArraySize(greedy));
-        struct tu_run r = tu_llmem("run", cases[c].dir, "--ids", csv, "-n", n, "--ignore-eos",
-                                   "--json", "--kv-format", "f32", "--precision", "f32",
-                                   "--tensor-parallel", cases[c].ranks, "--threads", "2", NULL);
-        assert_int_equal(r.exit_code, 0);
-        cJSON *out = tu_json_stdout(&r);
-        assert_ids_equal(cJSON_GetObjectItem(out, "ids"), greedy);
-        printf("  %s over %s ranks: %d greedy ids equal\n", strrchr(cases[c].dir, '/') + 1,
-               cases[c].ranks, cJSON_GetArraySize(greedy));
-        cJSON_Delete(out);
-        tu_run_free(&r);
-        cJSON_Delete(ref);
-    }
+    const char *two[] = {"--tensor-parallel", "2", "--threads", "2", NULL};
+    const char *four[] = {"--tensor-parallel", "4", "--threads", "2", NULL};
+    reference_greedy(PYCODER, REFS, two, "pycoder over 2 ranks");
+    reference_greedy(PYCODER, REFS, four, "pycoder over 4 ranks");
+    reference_greedy(LLMEM_TEST_DATA "/models/tiny-qwen3-moe",
+                     LLMEM_TEST_DATA "/models/tiny-qwen3-moe", two, "tiny-qwen3-moe over 2 ranks");
     struct tu_run r = tu_llmem("run", PYCODER, "-p", "x", "--tensor-parallel", "8", NULL);
     assert_int_equal(r.exit_code, 1);
     assert_non_null(strstr(r.err, "its 4 query heads do not split over 8"));
