@@ -368,12 +368,12 @@ static int open_split(struct llmem_engine *e, llmem_progress_fn progress, void *
     struct llmem_model *host_model = NULL;
     struct llmem_mem_config hc = {.cache_limit_bytes = -1};
     int status = llmem_mem_create(&hc, &read_mem);
-    if (status == LLMEM_OK && !cuda)
-        status = llmem_backend_cpu_create_shared(e->pool, e->mem, &e->be);
+    if (status == LLMEM_OK && !cuda &&
+        (status = llmem_backend_cpu_create_shared(e->pool, e->mem, &e->be)) == LLMEM_OK)
+        llmem_backend_cpu_set_precision(e->be, c->precision);
     for (int r = 0; status == LLMEM_OK && r < n; r++) {
         if (!cuda) {
             e->rank_mem[r] = e->mem, e->ranks[r] = e->be;
-            llmem_backend_cpu_set_precision(e->be, c->precision);
             continue;
         }
         const int device = one ? c->device : c->device + r;
@@ -391,12 +391,12 @@ static int open_split(struct llmem_engine *e, llmem_progress_fn progress, void *
             break;
         } else if ((status = llmem_mem_create(&dc, &e->rank_mem[r])) != LLMEM_OK)
             break;
-        status =
-            llmem_backend_cuda_create(c->device + r, c->precision, e->rank_mem[r], &e->rank_be[r]);
+        status = llmem_backend_cuda_create(device, c->precision, e->rank_mem[r], &e->rank_be[r]);
         e->ranks[r] = e->rank_be[r];
+        if (r == 0) /* (closed as be) */
+            e->be = e->rank_be[0];
     }
     if (cuda && status == LLMEM_OK) {
-        e->be = e->rank_be[0];
         status = llmem_backend_cuda_group_create(n, e->ranks, &e->group);
     } else if (status == LLMEM_OK) {
         e->group = (struct llmem_backend_group){
