@@ -792,7 +792,7 @@ static void split_close(struct split *s) {
  * repeated past their count: tiny-mistral-swa's one, tiny-mixtral's), f32: teacher-forced logits
  * in chunks of 7, and a prefill's last row (the rows gathered before the LM head), equal the
  * whole model's within the order of the split sums (≤ 1e-4), and the top token is the same where
- * the whole model's margin is clear. */
+ * the whole model's margin is clear; so do MLX-quantized models and a GGUF llama file over 2. */
 static void test_tensor_parallel(void **state) {
     (void)state;
     const char *const *names = all_models;
@@ -840,6 +840,34 @@ static void test_tensor_parallel(void **state) {
             split_close(&s);
         }
         free(want), free(want_last);
+        free_generations(gens, 1);
+    }
+    /* the shares of quantized matrices (MLX's codes with their scales and biases) and of a GGUF
+     * llama file's permuted q and k rows (tiny-mixtral's bf16 bits, in its 32-token window) */
+    const struct {
+        const char *path, *refs;
+        int64_t tokens;
+    } files[] = {{LLMEM_TEST_DATA "/mlx/tiny-mistral-swa-4bit", "tiny-mistral-swa", 0},
+                 {LLMEM_TEST_DATA "/mlx/tiny-qwen3-moe-4bit", "tiny-qwen3-moe", 0},
+                 {LLMEM_TEST_DATA "/gguf/tiny-mixtral-bf16.gguf", "tiny-mixtral", 32}};
+    for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
+        struct generation gens[1];
+        load_generations(files[i].refs, gens, 1);
+        const int64_t n = files[i].tokens > 0 ? files[i].tokens : gens[0].n;
+        struct rig r;
+        rig_open(&r, files[i].path, LLMEM_KV_LAYOUT_PAGED, LLMEM_KV_FORMAT_F32, 7, 2);
+        float *want = teacher_forced(&r, gens[0].ids, n);
+        rig_close(&r);
+        struct split s;
+        split_open(&s, files[i].path, 2, 7);
+        float *got = teacher_forced(&s.r, gens[0].ids, n);
+        const double d = max_abs_diff(got, want, (size_t)(n * s.r.vocab));
+        printf("  %-26s over 2 ranks: %3lld tokens, max |Δ| %.2e\n",
+               strrchr(files[i].path, '/') + 1, (long long)n, d);
+        assert_true(d <= 1e-4);
+        worst = fmax(worst, d);
+        free(got), free(want);
+        split_close(&s);
         free_generations(gens, 1);
     }
     printf("  split over ranks vs whole: max |Δ logits| %.2e (asserted ≤ 1e-4)\n", worst);
