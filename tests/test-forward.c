@@ -952,7 +952,8 @@ static void test_tensor_parallel_top(void **state) {
     free_generations(gens, 1);
 }
 
-/* A model that does not split over n is refused with the reason, before anything is copied. */
+/* A model that does not split over n is refused with the reason, before anything is copied; a
+ * share that runs out of memory leaves nothing allocated. */
 static void test_tensor_parallel_refused(void **state) {
     (void)state;
     char dir[512];
@@ -969,6 +970,17 @@ static void test_tensor_parallel_refused(void **state) {
     assert_int_equal(llmem_model_to_device(host, be, mem, 0, 0, 4, NULL, NULL, &share),
                      LLMEM_EINVAL);
     assert_null(share);
+    /* out of memory half-way through a share: nothing of it is left */
+    for (int64_t limit = 4096; limit <= ((int64_t)1 << 20); limit *= 4) {
+        struct llmem_mem *small = NULL;
+        struct llmem_mem_config sc = {.cache_limit_bytes = 0, .memory_limit_bytes = limit};
+        assert_int_equal(llmem_mem_create(&sc, &small), LLMEM_OK);
+        assert_int_equal(llmem_model_to_device(host, be, small, 0, 1, 2, NULL, NULL, &share),
+                         LLMEM_ENOMEM);
+        assert_null(share);
+        assert_int_equal(llmem_mem_active(small), 0);
+        llmem_mem_destroy(small);
+    }
     llmem_model_free(host);
     llmem_backend_destroy(be);
     assert_int_equal(llmem_mem_active(mem), 0);
