@@ -147,7 +147,6 @@ static int upload_experts(struct llmem_model *m, const struct llmem_backend *be,
 /* What rank r of n holds of the model: ranges of rows of each kind of matrix (a matrix split by
  * its columns takes the same range of columns). */
 struct share {
-    int n;
     int64_t q0, q_rows;   /* its query heads' rows of wq (and bq), columns of wo */
     int64_t kv0, kv_rows; /* its KV heads' rows of wk and wv */
     int64_t i0, i_rows;   /* the dense MLP's columns: rows of gate and up, columns of down */
@@ -162,7 +161,6 @@ static struct share share_of(const struct llmem_model_geometry *g,
     const int64_t kv_head = g->n_kv_heads >= n ? r * rg->n_kv_heads : r / (n / g->n_kv_heads);
     const int64_t v0 = r * rg->vocab_size;
     return (struct share){
-        .n = n,
         .q0 = r * rg->n_heads * hd,
         .q_rows = rg->n_heads * hd,
         .kv0 = kv_head * hd,
@@ -188,6 +186,8 @@ static int weight_part(const struct llmem_weight *w, int cols, int64_t first, in
     const int mlx = llmem_qtype_mlx_params(w->quant, NULL, &group, &st);
     const int64_t sb = mlx ? (st == LLMEM_QTYPE_F32 ? 4 : 2) : 0; /* bytes of a scale */
     const int64_t row = llmem_weight_row_bytes(w), side = w->cols / group * sb;
+    if (cols && first == 0 && count == w->cols) /* every column: the matrix itself */
+        return LLMEM_OK;
     if (!cols) {
         out->data = (const uint8_t *)w->data + first * row;
         out->rows = count;
