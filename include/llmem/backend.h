@@ -59,6 +59,9 @@ LLMEM_API const char *llmem_backend_precision_name(enum llmem_backend_precision 
 
 /* 1 when this library was built with the CUDA backend, else 0. */
 LLMEM_API int llmem_backend_cuda_available(void);
+/* 1 when it was built with NCCL too: a model splits over several CUDA devices
+ * (--tensor-parallel), else 0. */
+LLMEM_API int llmem_backend_nccl_available(void);
 
 /* The number of usable accelerator devices into *n (0 without CUDA, without a driver or without
  * a GPU; why is logged at INFO). Returns LLMEM_OK. */

@@ -12,6 +12,7 @@
 
 #ifdef LLMEM_CUDA
 #include "backend/cuda/backend.h"
+#include "backend/cuda/comm.h"
 #include "backend/cuda/device.h"
 #endif
 
@@ -58,6 +59,14 @@ const char *llmem_backend_precision_name(enum llmem_backend_precision precision)
 int llmem_backend_cuda_available(void) {
 #ifdef LLMEM_CUDA
     return 1;
+#else
+    return 0;
+#endif
+}
+
+int llmem_backend_nccl_available(void) {
+#ifdef LLMEM_CUDA
+    return llmem_cuda_comm_nccl();
 #else
     return 0;
 #endif

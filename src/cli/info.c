@@ -23,8 +23,9 @@ static const char info_usage[] =
     "\n"
     "Probes this machine: physical RAM, the cgroup memory limit, the ceiling (the smaller of the\n"
     "two), available memory, RLIMIT_MEMLOCK, the CPU, its ISA features and the instruction sets\n"
-    "of the CPU attention and matmul kernels they select, and every CUDA device with its total\n"
-    "and free memory. A value that cannot be read is shown as unknown. The LLMEM_* environment\n"
+    "of the CPU attention and matmul kernels they select, every CUDA device with its total\n"
+    "and free memory, and whether NCCL is built in (a model split over devices). A value that "
+    "cannot be read is shown as unknown. The LLMEM_* environment\n"
     "variables that are set follow; one whose value is not accepted is shown as such, and info\n"
     "fails.\n"
     "\n"
@@ -35,6 +36,7 @@ static const char info_usage[] =
     "              \"matmul_kernels\" (quantized weights at fast precision: avx512_vnni,\n"
     "              avx2 or scalar), \"bf16_matmul_kernels\" (bf16 weights at fast precision:\n"
     "              avx512_bf16, else the f32 kernels: avx512, avx2 or scalar),\n"
+    "              \"cuda_built\" and \"nccl_built\" (a model splits over devices),\n"
     "              \"devices\": one object per CUDA device, and \"options\": the LLMEM_*\n"
     "              variables set, by name, with their values as text\n"
     "  --options   list every LLMEM_* variable instead: its type, default, what it accepts\n"
@@ -229,6 +231,7 @@ static int print_json(const struct llmem_device_info *host, const struct llmem_d
     cJSON *root = cJSON_CreateObject();
     if (root == NULL || llmem_sys_device_info_json(host, root) != LLMEM_OK ||
         llmem_json_add_bool(root, "cuda_built", llmem_backend_cuda_available()) != LLMEM_OK ||
+        llmem_json_add_bool(root, "nccl_built", llmem_backend_nccl_available()) != LLMEM_OK ||
         llmem_json_add_string(root, "attention_kernels", llmem_kv_kernels_name()) != LLMEM_OK ||
         llmem_json_add_string(root, "matmul_kernels", llmem_backend_cpu_matmul_kernels()) !=
             LLMEM_OK ||
@@ -313,6 +316,10 @@ int cli_info(int argc, char **argv) {
             printf("cuda: not built in\n");
         else if (n_devices == 0)
             printf("cuda: no devices (LLMEM_VERBOSE=1 says why)\n");
+        if (llmem_backend_cuda_available())
+            printf("nccl: %s\n", llmem_backend_nccl_available()
+                                     ? "built in (--tensor-parallel over devices)"
+                                     : "not built in (a model runs on one device)");
         if (print_options_set() > 0)
             status = CLI_FAIL;
     }

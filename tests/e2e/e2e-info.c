@@ -13,6 +13,7 @@
 #include "core/file.h"
 #include "core/json.h"
 #include "core/options.h"
+#include "llmem/backend.h"
 #include "llmem/status.h"
 #include "llmem/sys.h"
 
@@ -78,6 +79,13 @@ static void test_json(void **state) {
     const uint32_t want =
         LLMEM_ISA_AVX512F | LLMEM_ISA_AVX512BW | LLMEM_ISA_AVX512VL | LLMEM_ISA_AVX512_BF16;
     assert_int_equal(strcmp(bf16, "avx512_bf16") == 0, (llmem_sys_isa_features() & want) == want);
+
+    /* NCCL only in a CUDA build: what --tensor-parallel over devices needs */
+    const cJSON *cuda = cJSON_GetObjectItemCaseSensitive(root, "cuda_built");
+    const cJSON *nccl = cJSON_GetObjectItemCaseSensitive(root, "nccl_built");
+    assert_true(cJSON_IsBool(cuda) && cJSON_IsBool(nccl));
+    assert_int_equal(cJSON_IsTrue(nccl), llmem_backend_nccl_available());
+    assert_true(cJSON_IsTrue(cuda) || !cJSON_IsTrue(nccl));
 
     const cJSON *devices = cJSON_GetObjectItemCaseSensitive(root, "devices");
     assert_true(cJSON_IsArray(devices));
