@@ -952,6 +952,87 @@ static void test_tensor_parallel_top(void **state) {
     free_generations(gens, 1);
 }
 
+/* Seeded random weights whose matrices are made only as they are copied (deferred: the host never
+ * holds them) give the copies of the weights made at load, bit for bit — whole and each rank's
+ * share over 2, a mixture's router and stacked experts too; the deferred model itself does not
+ * run. */
+static void test_dummy_deferred(void **state) {
+    (void)state;
+    const char *names[] = {"tiny-llama3", "tiny-qwen3-moe"};
+    for (size_t m = 0; m < 2; m++) {
+        char dir[512];
+        model_dir(names[m], dir, sizeof(dir));
+        struct generation gens[1];
+        load_generations(names[m], gens, 1);
+        struct llmem_mem_config mc = {.cache_limit_bytes = -1};
+        struct llmem_mem *mem = NULL;
+        assert_int_equal(llmem_mem_create(&mc, &mem), LLMEM_OK);
+        struct llmem_backend *be = NULL;
+        assert_int_equal(llmem_backend_cpu_create(2, &be), LLMEM_OK);
+        llmem_backend_cpu_set_precision(be, LLMEM_PRECISION_F32);
+        float *logits[2][2] = {{NULL}};
+        int64_t V = 0;
+        for (int deferred = 0; deferred < 2; deferred++) {
+            struct llmem_model *host = NULL;
+            const int flags =
+                LLMEM_MODEL_LOAD_DUMMY | (deferred ? LLMEM_MODEL_LOAD_DUMMY_DEFERRED : 0);
+            assert_int_equal(llmem_model_load(dir, mem, flags, NULL, NULL, &host), LLMEM_OK);
+            if (deferred) {
+                struct llmem_forward *f = NULL;
+                struct llmem_kv *kv = NULL;
+                struct llmem_kv_config kc;
+                llmem_kv_config_default(&kc);
+                const struct llmem_model_geometry *g = &llmem_model_get_config(host)->geom;
+                kc.n_layers = (int)g->n_layers, kc.n_kv_heads = (int)g->n_kv_heads;
+                kc.head_dim = (int)g->head_dim, kc.num_blocks = 8;
+                assert_int_equal(llmem_kv_create(&kc, mem, &kv), LLMEM_OK);
+                assert_int_equal(llmem_forward_create(host, be, kv, 8, &f), LLMEM_EINVAL);
+                llmem_kv_destroy(kv);
+            }
+            for (int n = 1; n <= 2; n++) {
+                struct split s = {.r = {.mem = mem, .be = be}};
+                for (int k = 0; k < n; k++) {
+                    assert_int_equal(
+                        llmem_model_to_device(host, be, mem, 0, k, n, NULL, NULL, &s.shares[k]),
+                        LLMEM_OK);
+                    s.ranks[k] = be;
+                }
+                s.group = (struct llmem_backend_group){.n = n,
+                                                       .ranks = s.ranks,
+                                                       .allreduce = llmem_backend_host_allreduce,
+                                                       .ctx = &s.group};
+                const struct llmem_model_geometry *g = &llmem_model_get_config(s.shares[0])->geom;
+                s.r.vocab = V = g->vocab_size;
+                struct llmem_kv_config kc;
+                llmem_kv_config_default(&kc);
+                kc.format = LLMEM_KV_FORMAT_F32;
+                kc.n_layers = n * (int)g->n_layers, kc.n_kv_heads = (int)g->n_kv_heads;
+                kc.head_dim = (int)g->head_dim, kc.num_blocks = 64, kc.n_threads = 2;
+                assert_int_equal(llmem_kv_create(&kc, mem, &s.r.kv), LLMEM_OK);
+                assert_int_equal(
+                    llmem_forward_create_split(s.shares, &s.group, s.r.kv, 16, &s.r.fwd), LLMEM_OK);
+                logits[deferred][n - 1] = teacher_forced(&s.r, gens[0].ids, 24);
+                llmem_forward_free(s.r.fwd);
+                llmem_kv_destroy(s.r.kv);
+                for (int k = 0; k < n; k++)
+                    llmem_model_free(s.shares[k]);
+            }
+            llmem_model_free(host);
+        }
+        for (int n = 0; n < 2; n++)
+            assert_memory_equal(logits[0][n], logits[1][n], (size_t)(24 * V) * sizeof(float));
+        printf("  %s, seeded random: the deferred model's copies, whole and over 2 ranks, give "
+               "the logits of the one made at load, bit for bit\n",
+               names[m]);
+        for (int i = 0; i < 4; i++)
+            free(logits[i / 2][i % 2]);
+        llmem_backend_destroy(be);
+        assert_int_equal(llmem_mem_active(mem), 0);
+        llmem_mem_destroy(mem);
+        free_generations(gens, 1);
+    }
+}
+
 /* A model that does not split over n is refused with the reason, before anything is copied; a
  * share that runs out of memory leaves nothing allocated. */
 static void test_tensor_parallel_refused(void **state) {
@@ -1001,6 +1082,7 @@ int main(void) {
         cmocka_unit_test(test_tensor_parallel),
         cmocka_unit_test(test_tensor_parallel_top),
         cmocka_unit_test(test_tensor_parallel_refused),
+        cmocka_unit_test(test_dummy_deferred),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

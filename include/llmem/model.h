@@ -37,6 +37,11 @@ typedef void (*llmem_progress_fn)(void *arg, int64_t done, int64_t total);
  * every load; norm weights 1, biases 0), for benchmarks of shapes without files. The geometry is
  * llmem_model_geometry_load_dummy's. */
 #define LLMEM_MODEL_LOAD_DUMMY 2
+/* With LLMEM_MODEL_LOAD_DUMMY too: the matrices' values are not made in host memory at all;
+ * llmem_model_to_device makes each one's (or each share's) as it copies it, a matrix at a time,
+ * so that the host never holds the model (norms and biases are made at load). Such a model runs
+ * only as that copy: llmem_forward_create refuses it. */
+#define LLMEM_MODEL_LOAD_DUMMY_DEFERRED 4
 LLMEM_API int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
                                llmem_progress_fn progress, void *progress_arg,
                                struct llmem_model **out);

@@ -270,9 +270,12 @@ static char *digest_cache_path(void) {
     return path;
 }
 
-static int load_flags(const struct llmem_engine_config *c) {
+/* copied: the model read only to be copied to devices (or ranks), where a dummy model's values
+ * are made a matrix at a time instead (the host never holds them all) */
+static int load_flags(const struct llmem_engine_config *c, int copied) {
     return (c->no_mmap ? LLMEM_MODEL_LOAD_NO_MMAP : 0) |
-           (c->load_dummy ? LLMEM_MODEL_LOAD_DUMMY : 0);
+           (c->load_dummy ? LLMEM_MODEL_LOAD_DUMMY : 0) |
+           (c->load_dummy && copied ? LLMEM_MODEL_LOAD_DUMMY_DEFERRED : 0);
 }
 
 static int open_bank(struct llmem_engine *e) {
@@ -403,7 +406,7 @@ static int open_split(struct llmem_engine *e, llmem_progress_fn progress, void *
             .n = n, .ranks = e->ranks, .allreduce = llmem_backend_host_allreduce, .ctx = &e->group};
     }
     if (status == LLMEM_OK)
-        status = llmem_model_load(c->model_dir, read_mem, load_flags(c), progress, progress_arg,
+        status = llmem_model_load(c->model_dir, read_mem, load_flags(c, 1), progress, progress_arg,
                                   &host_model);
     for (int r = 0; status == LLMEM_OK && r < n; r++)
         status = llmem_model_to_device(host_model, e->ranks[r], e->rank_mem[r], 0, r, n, NULL, NULL,
@@ -471,7 +474,7 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
             (status = llmem_backend_cuda_create(config->device, config->precision, e->mem,
                                                 &e->be)) != LLMEM_OK ||
             (status = llmem_model_load(config->model_dir, e->host_mem,
-                                       load_flags(config), progress,
+                                       load_flags(config, e->placement.host_layers == 0), progress,
                                        progress_arg, &host_model)) != LLMEM_OK)
             goto fail;
         const int64_t on_host = e->placement.host_layers;
@@ -488,8 +491,7 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
             llmem_backend_cpu_set_precision(e->host_be, config->precision);
     } else {
         e->host_mem = e->mem;
-        if ((status = llmem_model_load(config->model_dir, e->mem,
-                                       load_flags(config), progress,
+        if ((status = llmem_model_load(config->model_dir, e->mem, load_flags(config, 0), progress,
                                        progress_arg, &e->model)) != LLMEM_OK ||
             (status = llmem_backend_cpu_create_shared(e->pool, e->mem, &e->be)) != LLMEM_OK)
             goto fail;

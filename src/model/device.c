@@ -174,14 +174,27 @@ static struct share share_of(const struct llmem_model_geometry *g,
     };
 }
 
-/* Rows [first, first + count) of w (a view of its bytes), or with `cols` its columns
+/* Rows [first, first + count) of src's matrix w (a view of its bytes), or with `cols` its columns
  * [first, first + count) copied row by row into a new host buffer (*copy, codes then an MLX type's
- * scales and biases; NULL when nothing was copied). LLMEM_EUNSUPPORTED (logged) where the columns
- * would cut a block or group, LLMEM_ENOMEM. */
-static int weight_part(const struct llmem_weight *w, int cols, int64_t first, int64_t count,
-                       struct llmem_weight *out, void **copy) {
+ * scales and biases; NULL when nothing was copied); of a deferred dummy model, the part's values
+ * made into such a buffer. LLMEM_EUNSUPPORTED (logged) where the columns would cut a block or
+ * group, LLMEM_ENOMEM. */
+static int weight_part(const struct llmem_model *src, const struct llmem_weight *w, int cols,
+                       int64_t first, int64_t count, struct llmem_weight *out, void **copy) {
     *out = *w;
     *copy = NULL;
+    if (src->dummy_deferred) {
+        const int64_t rows = cols ? w->rows : count, width = cols ? count : w->cols;
+        uint16_t *d = malloc((size_t)(rows * width) * sizeof(uint16_t));
+        if (d == NULL) {
+            LLMEM_ERROR("out of memory");
+            return LLMEM_ENOMEM;
+        }
+        llmem_model_dummy_matrix(src, w, cols ? 0 : first, rows, cols ? first : 0, width, d);
+        out->data = d, out->rows = rows, out->cols = width;
+        *copy = d;
+        return LLMEM_OK;
+    }
     int group = 1, st = 0;
     const int mlx = llmem_qtype_mlx_params(w->quant, NULL, &group, &st);
     const int64_t sb = mlx ? (st == LLMEM_QTYPE_F32 ? 4 : 2) : 0; /* bytes of a scale */
@@ -234,15 +247,19 @@ static int weight_part(const struct llmem_weight *w, int cols, int64_t first, in
 /* A MoE layer's router and its experts' three stacks, into L (whose table is made here), of each
  * expert the share's columns; or, on the host, the router alone, the table pointing at S's
  * experts. */
-static int upload_moe(struct llmem_model *m, const struct llmem_backend *be,
-                      const struct model_layer *S, struct model_layer *L, int on_host,
-                      const struct share *sh) {
+static int upload_moe(const struct llmem_model *src, struct llmem_model *m,
+                      const struct llmem_backend *be, const struct model_layer *S,
+                      struct model_layer *L, int on_host, const struct share *sh) {
     const int64_t E = S->moe.n_experts;
     int status = llmem_model_layer_experts(m, L);
     if (status != LLMEM_OK)
         return status;
-    L->router = S->router;
-    if ((status = upload_weight(m, be, &L->router)) != LLMEM_OK)
+    void *copy;
+    if ((status = weight_part(src, &S->router, 0, 0, S->router.rows, &L->router, &copy)) ==
+        LLMEM_OK)
+        status = upload_weight(m, be, &L->router);
+    free(copy);
+    if (status != LLMEM_OK)
         return status;
     if (on_host) {
         memcpy(L->experts, S->moe.gate, (size_t)E * sizeof(*L->experts));
@@ -258,7 +275,8 @@ static int upload_moe(struct llmem_model *m, const struct llmem_backend *be,
         status = LLMEM_ENOMEM;
     for (int s = 0; status == LLMEM_OK && s < 3; s++) {
         for (int64_t e = 0; status == LLMEM_OK && e < E; e++)
-            status = weight_part(&stacks[s][e], s == 2, sh->e0, sh->e_rows, &parts[e], &copies[e]);
+            status =
+                weight_part(src, &stacks[s][e], s == 2, sh->e0, sh->e_rows, &parts[e], &copies[e]);
         if (status == LLMEM_OK)
             status = upload_experts(m, be, parts, E, L->experts + s * E);
         for (int64_t e = 0; copies != NULL && e < E; e++)
@@ -274,6 +292,7 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
                           struct llmem_model **out) {
     LLMEM_ASSERT(src != NULL && be != NULL && mem != NULL && out != NULL);
     LLMEM_ASSERT(rank >= 0 && rank < ranks && (ranks == 1 || experts_on_host == 0));
+    LLMEM_ASSERT(!src->dummy_deferred || experts_on_host == 0); /* (no values on the host) */
     *out = NULL;
     const struct llmem_model_geometry *g = &src->cfg.geom;
     struct llmem_model_geometry rg;
@@ -343,18 +362,20 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
     const int64_t hidden = g->hidden_size, hd = g->head_dim;
     struct llmem_weight e;
     void *copy;
-    status = weight_part(&src->embed, 0, sh.v0, sh.v_rows, &e, &copy);
+    status = weight_part(src, &src->embed, 0, sh.v0, sh.v_rows, &e, &copy);
     if (status == LLMEM_OK)
         status = upload_weight(m, be, &e);
+    free(copy);
     m->embed = e;
     if (status == LLMEM_OK) {
         if (src->lm_head.data == src->embed.data) {
             m->lm_head = m->embed; /* tied */
         } else {
             struct llmem_weight h;
-            status = weight_part(&src->lm_head, 0, sh.v0, sh.v_rows, &h, &copy);
+            status = weight_part(src, &src->lm_head, 0, sh.v0, sh.v_rows, &h, &copy);
             if (status == LLMEM_OK)
                 status = upload_weight(m, be, &h);
+            free(copy);
             m->lm_head = h;
         }
     }
@@ -377,7 +398,8 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         void *copies[7] = {NULL};
         const int dense = S->experts == NULL ? 7 : 4;
         for (int i = 0; status == LLMEM_OK && i < dense; i++)
-            status = weight_part(sw[i], i == 3 || i == 6, first[i], count[i], &w[i], &copies[i]);
+            status =
+                weight_part(src, sw[i], i == 3 || i == 6, first[i], count[i], &w[i], &copies[i]);
         float *v[7] = {S->attn_norm, S->mlp_norm, S->bq, S->bk, S->bv, S->q_norm, S->k_norm};
         v[2] = S->bq != NULL ? S->bq + sh.q0 : NULL;
         v[3] = S->bk != NULL ? S->bk + sh.kv0 : NULL;
@@ -399,7 +421,7 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         }
         for (int i = 0; status == LLMEM_OK && i < 7; i++) {
             if (S->experts != NULL && i >= 4) { /* a MoE layer: no dense MLP */
-                status = upload_moe(m, be, S, L, moe_seen++ < experts_on_host, &sh);
+                status = upload_moe(src, m, be, S, L, moe_seen++ < experts_on_host, &sh);
                 break;
             }
             const int pair = i == 1 || i == 4; /* k and v, gate and up */

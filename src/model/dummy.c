@@ -148,9 +148,29 @@ void llmem_model_dummy_values(const struct llmem_st_tensor *t, int index, int64_
     }
 }
 
+void llmem_model_dummy_matrix(const struct llmem_model *m, const struct llmem_weight *w,
+                              int64_t row, int64_t rows, int64_t col, int64_t cols, uint16_t *out) {
+    const struct llmem_safetensors *st = m->st;
+    const int64_t at = (int64_t)((const char *)w->data - (const char *)m->maps[0]);
+    int lo = 0; /* the tensor w lies in (the table is sorted by name, not by offset) */
+    while (lo < st->n_tensors &&
+           !(at >= st->tensors[lo].offset_begin && at < st->tensors[lo].offset_end))
+        lo++;
+    LLMEM_ASSERT(lo < st->n_tensors && w->dtype == LLMEM_DTYPE_BF16);
+    const struct llmem_st_tensor *t = &st->tensors[lo];
+    const int64_t first = (at - t->offset_begin) / 2 + row * w->cols + col;
+    if (cols == w->cols) { /* whole rows: one run */
+        llmem_model_dummy_values(t, lo, first, rows * cols, out);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        llmem_model_dummy_values(t, lo, first + r * w->cols, cols, out + r * cols);
+}
+
 struct fill_job {
     const struct llmem_safetensors *st;
     void *data;
+    int vectors_only;
     int n_threads, thread;
     _Atomic int64_t *done;
     llmem_progress_fn progress; /* called by thread 0 only */
@@ -161,6 +181,8 @@ static void *fill_thread(void *p) {
     const struct fill_job *j = p;
     for (int i = j->thread; i < j->st->n_tensors; i += j->n_threads) {
         const struct llmem_st_tensor *t = &j->st->tensors[i];
+        if (j->vectors_only && t->n_dims > 1)
+            continue;
         llmem_model_dummy_values(t, i, 0, t->n_elements,
                                  (uint16_t *)((char *)j->data + t->offset_begin));
         const int64_t bytes = j->st->tensors[i].n_bytes;
@@ -171,7 +193,7 @@ static void *fill_thread(void *p) {
     return NULL;
 }
 
-void llmem_model_dummy_fill(const struct llmem_safetensors *st, void *data,
+void llmem_model_dummy_fill(const struct llmem_safetensors *st, void *data, int vectors_only,
                             llmem_progress_fn progress, void *arg) {
     /* the tensors dealt out to the cores (page faults and the draws both scale) */
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -181,7 +203,7 @@ void llmem_model_dummy_fill(const struct llmem_safetensors *st, void *data,
     pthread_t threads[16];
     int started = 1;
     for (int t = 0; t < n; t++)
-        jobs[t] = (struct fill_job){st, data, n, t, &done, progress, arg};
+        jobs[t] = (struct fill_job){st, data, vectors_only, n, t, &done, progress, arg};
     for (int t = 1; t < n; t++) {
         if (pthread_create(&threads[t], NULL, fill_thread, &jobs[t]) != 0)
             break; /* the rest filled below */

@@ -167,6 +167,12 @@ int llmem_forward_create_split(struct llmem_model *const *models,
         const struct llmem_model *m = models[r];
         const struct llmem_backend_ops *ops = group->ranks[r]->ops;
         LLMEM_ASSERT(n == 1 || (m->ranks == n && m->rank == r));
+        if (m->dummy_deferred) {
+            LLMEM_ERROR("%s: a model loaded with its values deferred runs only as a device's "
+                        "copy (llmem_model_to_device)",
+                        m->cfg.geom.source);
+            return LLMEM_EINVAL;
+        }
         if (m->cfg.rope_interleaved && ops->rope_pairs == NULL) {
             LLMEM_ERROR("%s: the %s backend does not run RoPE on interleaved pairs (GGUF llama "
                         "files)",

@@ -113,7 +113,7 @@ static int map_files(struct llmem_model *m, llmem_progress_fn progress, void *ar
 
 /* The weights of LLMEM_MODEL_LOAD_DUMMY: the table of a bf16 checkpoint, its bytes made in
  * anonymous memory (on huge pages where the kernel offers them), tracked as a mapped file is. */
-static int make_dummy(struct llmem_model *m, llmem_progress_fn progress, void *arg) {
+static int make_dummy(struct llmem_model *m, int deferred, llmem_progress_fn progress, void *arg) {
     int status = llmem_model_dummy_table(&m->cfg, &m->st);
     if (status != LLMEM_OK)
         return status;
@@ -125,13 +125,16 @@ static int make_dummy(struct llmem_model *m, llmem_progress_fn progress, void *a
     }
     const size_t huge = (size_t)2 << 20;
     const size_t size = ((size_t)m->st->n_bytes + huge - 1) & ~(huge - 1);
-    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    /* deferred: only the vectors' pages are ever written; the rest stays unbacked */
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | (deferred ? MAP_NORESERVE : 0), -1, 0);
     if (p == MAP_FAILED) {
         LOAD_ERROR("%s: cannot allocate %zu bytes for random weights: %s", m->cfg.geom.source,
                    size, strerror(errno));
         return LLMEM_ENOMEM;
     }
-    madvise(p, size, MADV_HUGEPAGE);
+    if (!deferred)
+        madvise(p, size, MADV_HUGEPAGE);
     status = llmem_mem_track(m->mem, p, size, LLMEM_TAG_WEIGHTS);
     if (status != LLMEM_OK) {
         munmap(p, size);
@@ -139,7 +142,8 @@ static int make_dummy(struct llmem_model *m, llmem_progress_fn progress, void *a
     }
     m->maps[0] = p;
     m->map_bytes[0] = size;
-    llmem_model_dummy_fill(m->st, p, progress, arg);
+    llmem_model_dummy_fill(m->st, p, deferred, progress, arg);
+    m->dummy_deferred = deferred;
     mprotect(p, size, PROT_READ);
     return LLMEM_OK;
 }
@@ -625,7 +629,8 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
         goto fail;
     if (flags & LLMEM_MODEL_LOAD_DUMMY) {
         m->cfg.quant_bits = 0; /* bf16 weights whatever the config says */
-        if ((status = make_dummy(m, progress, progress_arg)) != LLMEM_OK)
+        if ((status = make_dummy(m, (flags & LLMEM_MODEL_LOAD_DUMMY_DEFERRED) != 0, progress,
+                                 progress_arg)) != LLMEM_OK)
             goto fail;
     } else if ((status = llmem_safetensors_load_dir(model_dir, &m->st)) != LLMEM_OK ||
                (status = map_files(m, progress, progress_arg, flags)) != LLMEM_OK) {

@@ -84,14 +84,20 @@ int llmem_model_load_gguf(struct llmem_model *m, const char *path, int flags,
                           llmem_progress_fn progress, void *progress_arg);
 
 /* The tensor table of a bf16 checkpoint of cfg's model, laid out as one file standing for the
- * memory that llmem_model_dummy_fill fills (model/dummy.c: LLMEM_MODEL_LOAD_DUMMY). */
+ * memory that llmem_model_dummy_fill fills (model/dummy.c: LLMEM_MODEL_LOAD_DUMMY; with
+ * vectors_only the 1-D tensors alone, LLMEM_MODEL_LOAD_DUMMY_DEFERRED). */
 int llmem_model_dummy_table(const struct llmem_model_config *cfg, struct llmem_safetensors **out);
-void llmem_model_dummy_fill(const struct llmem_safetensors *st, void *data,
+void llmem_model_dummy_fill(const struct llmem_safetensors *st, void *data, int vectors_only,
                             llmem_progress_fn progress, void *arg);
 /* Elements [first, first + count) of the dummy tensor t, the table's index-th, into out (bf16):
  * what llmem_model_dummy_fill writes there, made for any range (llmem quantize's chunks). */
 void llmem_model_dummy_values(const struct llmem_st_tensor *t, int index, int64_t first,
                               int64_t count, uint16_t *out);
+/* Of a deferred dummy model's matrix w (a view of its table's bytes: a tensor, or an expert's
+ * part of a stacked one), rows [row, row + rows) and columns [col, col + cols) made into out
+ * (bf16, rows × cols): the values LLMEM_MODEL_LOAD_DUMMY would have filled there. */
+void llmem_model_dummy_matrix(const struct llmem_model *m, const struct llmem_weight *w,
+                              int64_t row, int64_t rows, int64_t col, int64_t cols, uint16_t *out);
 
 /* One decoder layer's weights: matrices used in place from the mapped files, small vectors as f32
  * copies (tag weights). */
@@ -139,6 +145,8 @@ struct llmem_model {
                          * (device.c; 0 and 1 else): its geometry's heads and widths the share's,
                          * its vocabulary the model's */
     int64_t vocab_first; /* the first row of the vocabulary its embed and lm_head hold */
+    int dummy_deferred;  /* LLMEM_MODEL_LOAD_DUMMY_DEFERRED: the matrices' bytes in maps[0]
+                          * were never made; llmem_model_dummy_matrix makes them */
     int on_device;      /* a copy in a device's memory (device.c): the matrices are
                          * buffers of mem too, inv_freq a malloc'd host array; wk and wv,
                          * w_gate and w_up one buffer each where the pair has one shape
