@@ -174,25 +174,63 @@ static struct share share_of(const struct llmem_model_geometry *g,
     };
 }
 
+/* Host memory for the parts a copy makes before it moves them (columns copied, deferred values
+ * made): one buffer reused from matrix to matrix, so that its pages are faulted in once, grown at
+ * a reset to what the parts between two resets took (blocks beyond it taken meanwhile, freed
+ * then). */
+struct stage {
+    uint8_t *buf;
+    size_t size, used, need;
+    void *extra; /* the blocks beyond buf: a list, each block's first pointer the next */
+};
+
+static void *stage_take(struct stage *st, size_t bytes) {
+    bytes = (bytes + 63) & ~(size_t)63;
+    st->need += bytes;
+    if (st->used + bytes <= st->size) {
+        st->used += bytes;
+        return st->buf + st->used - bytes;
+    }
+    void **block = malloc(bytes + 64);
+    if (block == NULL)
+        return NULL;
+    *block = st->extra;
+    st->extra = block;
+    return (uint8_t *)block + 64;
+}
+
+/* Every part taken is done with: the extra blocks freed, buf grown to hold them all next time. */
+static void stage_reset(struct stage *st) {
+    while (st->extra != NULL) {
+        void *next = *(void **)st->extra;
+        free(st->extra);
+        st->extra = next;
+    }
+    if (st->need > st->size) {
+        free(st->buf);
+        st->buf = malloc(st->need);
+        st->size = st->buf != NULL ? st->need : 0;
+    }
+    st->used = st->need = 0;
+}
+
 /* Rows [first, first + count) of src's matrix w (a view of its bytes), or with `cols` its columns
- * [first, first + count) copied row by row into a new host buffer (*copy, codes then an MLX type's
- * scales and biases; NULL when nothing was copied); of a deferred dummy model, the part's values
- * made into such a buffer. LLMEM_EUNSUPPORTED (logged) where the columns would cut a block or
- * group, LLMEM_ENOMEM. */
+ * [first, first + count) copied row by row into the stage (codes, then an MLX type's scales and
+ * biases); of a deferred dummy model, the part's values made there. LLMEM_EUNSUPPORTED (logged)
+ * where the columns would cut a block or group, LLMEM_ENOMEM. */
 static int weight_part(const struct llmem_model *src, const struct llmem_weight *w, int cols,
-                       int64_t first, int64_t count, struct llmem_weight *out, void **copy) {
+                       int64_t first, int64_t count, struct stage *stage,
+                       struct llmem_weight *out) {
     *out = *w;
-    *copy = NULL;
     if (src->dummy_deferred) {
         const int64_t rows = cols ? w->rows : count, width = cols ? count : w->cols;
-        uint16_t *d = malloc((size_t)(rows * width) * sizeof(uint16_t));
+        uint16_t *d = stage_take(stage, (size_t)(rows * width) * sizeof(uint16_t));
         if (d == NULL) {
             LLMEM_ERROR("out of memory");
             return LLMEM_ENOMEM;
         }
         llmem_model_dummy_matrix(src, w, cols ? 0 : first, rows, cols ? first : 0, width, d);
         out->data = d, out->rows = rows, out->cols = width;
-        *copy = d;
         return LLMEM_OK;
     }
     int group = 1, st = 0;
@@ -224,7 +262,7 @@ static int weight_part(const struct llmem_model *src, const struct llmem_weight 
         return LLMEM_EUNSUPPORTED;
     }
     const int64_t s0 = first / group * sb, s_bytes = count / group * sb;
-    uint8_t *d = malloc((size_t)(w->rows * (bytes + 2 * s_bytes)));
+    uint8_t *d = stage_take(stage, (size_t)(w->rows * (bytes + 2 * s_bytes)));
     if (d == NULL) {
         LLMEM_ERROR("out of memory");
         return LLMEM_ENOMEM;
@@ -240,7 +278,6 @@ static int weight_part(const struct llmem_model *src, const struct llmem_weight 
     out->data = d;
     out->scales = mlx ? ds : NULL;
     out->biases = mlx ? db : NULL;
-    *copy = d;
     return LLMEM_OK;
 }
 
@@ -249,16 +286,16 @@ static int weight_part(const struct llmem_model *src, const struct llmem_weight 
  * experts. */
 static int upload_moe(const struct llmem_model *src, struct llmem_model *m,
                       const struct llmem_backend *be, const struct model_layer *S,
-                      struct model_layer *L, int on_host, const struct share *sh) {
+                      struct model_layer *L, int on_host, const struct share *sh,
+                      struct stage *stage) {
     const int64_t E = S->moe.n_experts;
     int status = llmem_model_layer_experts(m, L);
     if (status != LLMEM_OK)
         return status;
-    void *copy;
-    if ((status = weight_part(src, &S->router, 0, 0, S->router.rows, &L->router, &copy)) ==
+    if ((status = weight_part(src, &S->router, 0, 0, S->router.rows, stage, &L->router)) ==
         LLMEM_OK)
         status = upload_weight(m, be, &L->router);
-    free(copy);
+    stage_reset(stage);
     if (status != LLMEM_OK)
         return status;
     if (on_host) {
@@ -270,19 +307,16 @@ static int upload_moe(const struct llmem_model *src, struct llmem_model *m,
     }
     const struct llmem_weight *stacks[3] = {S->moe.gate, S->moe.up, S->moe.down};
     struct llmem_weight *parts = calloc((size_t)E, sizeof(*parts));
-    void **copies = calloc((size_t)E, sizeof(*copies));
-    if (parts == NULL || copies == NULL)
+    if (parts == NULL)
         status = LLMEM_ENOMEM;
     for (int s = 0; status == LLMEM_OK && s < 3; s++) {
         for (int64_t e = 0; status == LLMEM_OK && e < E; e++)
-            status =
-                weight_part(src, &stacks[s][e], s == 2, sh->e0, sh->e_rows, &parts[e], &copies[e]);
+            status = weight_part(src, &stacks[s][e], s == 2, sh->e0, sh->e_rows, stage, &parts[e]);
         if (status == LLMEM_OK)
             status = upload_experts(m, be, parts, E, L->experts + s * E);
-        for (int64_t e = 0; copies != NULL && e < E; e++)
-            free(copies[e]), copies[e] = NULL;
+        stage_reset(stage);
     }
-    free(parts), free(copies);
+    free(parts);
     return status;
 }
 
@@ -360,22 +394,22 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
     m->embed.scales = m->embed.biases = m->lm_head.scales = m->lm_head.biases = NULL;
 
     const int64_t hidden = g->hidden_size, hd = g->head_dim;
+    struct stage stage = {0};
     struct llmem_weight e;
-    void *copy;
-    status = weight_part(src, &src->embed, 0, sh.v0, sh.v_rows, &e, &copy);
+    status = weight_part(src, &src->embed, 0, sh.v0, sh.v_rows, &stage, &e);
     if (status == LLMEM_OK)
         status = upload_weight(m, be, &e);
-    free(copy);
+    stage_reset(&stage);
     m->embed = e;
     if (status == LLMEM_OK) {
         if (src->lm_head.data == src->embed.data) {
             m->lm_head = m->embed; /* tied */
         } else {
             struct llmem_weight h;
-            status = weight_part(src, &src->lm_head, 0, sh.v0, sh.v_rows, &h, &copy);
+            status = weight_part(src, &src->lm_head, 0, sh.v0, sh.v_rows, &stage, &h);
             if (status == LLMEM_OK)
                 status = upload_weight(m, be, &h);
-            free(copy);
+            stage_reset(&stage);
             m->lm_head = h;
         }
     }
@@ -395,11 +429,9 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         const int64_t first[7] = {sh.q0, sh.kv0, sh.kv0, sh.q0, sh.i0, sh.i0, sh.i0};
         const int64_t count[7] = {sh.q_rows, sh.kv_rows, sh.kv_rows, sh.q_rows,
                                   sh.i_rows, sh.i_rows,  sh.i_rows};
-        void *copies[7] = {NULL};
         const int dense = S->experts == NULL ? 7 : 4;
         for (int i = 0; status == LLMEM_OK && i < dense; i++)
-            status =
-                weight_part(src, sw[i], i == 3 || i == 6, first[i], count[i], &w[i], &copies[i]);
+            status = weight_part(src, sw[i], i == 3 || i == 6, first[i], count[i], &stage, &w[i]);
         float *v[7] = {S->attn_norm, S->mlp_norm, S->bq, S->bk, S->bv, S->q_norm, S->k_norm};
         v[2] = S->bq != NULL ? S->bq + sh.q0 : NULL;
         v[3] = S->bk != NULL ? S->bk + sh.kv0 : NULL;
@@ -421,7 +453,8 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         }
         for (int i = 0; status == LLMEM_OK && i < 7; i++) {
             if (S->experts != NULL && i >= 4) { /* a MoE layer: no dense MLP */
-                status = upload_moe(src, m, be, S, L, moe_seen++ < experts_on_host, &sh);
+                stage_reset(&stage); /* (q, k, v and o moved: the stage is the experts') */
+                status = upload_moe(src, m, be, S, L, moe_seen++ < experts_on_host, &sh, &stage);
                 break;
             }
             const int pair = i == 1 || i == 4; /* k and v, gate and up */
@@ -441,11 +474,12 @@ int llmem_model_to_device(const struct llmem_model *src, const struct llmem_back
         }
         for (int i = 0; i < 6; i++)
             free(perm[i]);
-        for (int i = 0; i < 7; i++)
-            free(copies[i]);
+        stage_reset(&stage);
         if (progress != NULL)
             progress(progress_arg, l + 1, g->n_layers);
     }
+    stage_reset(&stage);
+    free(stage.buf);
     if (status != LLMEM_OK) {
         LLMEM_ERROR("cannot copy the model to the %s backend's memory", be->ops->name);
         llmem_model_free(m);

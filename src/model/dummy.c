@@ -148,23 +148,59 @@ void llmem_model_dummy_values(const struct llmem_st_tensor *t, int index, int64_
     }
 }
 
+struct matrix_job {
+    const struct llmem_st_tensor *t;
+    int index;
+    int64_t first, stride, width; /* row r's values: first + r · stride, width of them */
+    int64_t row0, row1;           /* the rows this job makes */
+    uint16_t *out;
+};
+
+static void *matrix_rows(void *p) {
+    const struct matrix_job *j = p;
+    for (int64_t r = j->row0; r < j->row1; r++)
+        llmem_model_dummy_values(j->t, j->index, j->first + r * j->stride, j->width,
+                                 j->out + r * j->width);
+    return NULL;
+}
+
 void llmem_model_dummy_matrix(const struct llmem_model *m, const struct llmem_weight *w,
                               int64_t row, int64_t rows, int64_t col, int64_t cols, uint16_t *out) {
     const struct llmem_safetensors *st = m->st;
     const int64_t at = (int64_t)((const char *)w->data - (const char *)m->maps[0]);
-    int lo = 0; /* the tensor w lies in (the table is sorted by name, not by offset) */
-    while (lo < st->n_tensors &&
-           !(at >= st->tensors[lo].offset_begin && at < st->tensors[lo].offset_end))
-        lo++;
-    LLMEM_ASSERT(lo < st->n_tensors && w->dtype == LLMEM_DTYPE_BF16);
-    const struct llmem_st_tensor *t = &st->tensors[lo];
-    const int64_t first = (at - t->offset_begin) / 2 + row * w->cols + col;
-    if (cols == w->cols) { /* whole rows: one run */
-        llmem_model_dummy_values(t, lo, first, rows * cols, out);
-        return;
+    int i = 0; /* the tensor w lies in (the table is sorted by name, not by offset) */
+    while (i < st->n_tensors &&
+           !(at >= st->tensors[i].offset_begin && at < st->tensors[i].offset_end))
+        i++;
+    LLMEM_ASSERT(i < st->n_tensors && w->dtype == LLMEM_DTYPE_BF16);
+    /* the rows dealt out to the cores, as llmem_model_dummy_fill deals out tensors (a matrix of
+     * a 70B model takes a core seconds) */
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int n = cores < 1 ? 1 : cores > 16 ? 16 : (int)cores;
+    if (rows * cols < ((int64_t)1 << 20))
+        n = 1;
+    struct matrix_job jobs[16];
+    pthread_t threads[16];
+    int started = 1;
+    for (int k = 0; k < n; k++)
+        jobs[k] = (struct matrix_job){&st->tensors[i],
+                                      i,
+                                      (at - st->tensors[i].offset_begin) / 2 + row * w->cols + col,
+                                      w->cols,
+                                      cols,
+                                      rows * k / n,
+                                      rows * (k + 1) / n,
+                                      out};
+    for (int k = 1; k < n; k++) {
+        if (pthread_create(&threads[k], NULL, matrix_rows, &jobs[k]) != 0)
+            break; /* the rest made below */
+        started++;
     }
-    for (int64_t r = 0; r < rows; r++)
-        llmem_model_dummy_values(t, lo, first + r * w->cols, cols, out + r * cols);
+    for (int k = started; k < n; k++)
+        matrix_rows(&jobs[k]);
+    matrix_rows(&jobs[0]);
+    for (int k = 1; k < started; k++)
+        pthread_join(threads[k], NULL);
 }
 
 struct fill_job {
