@@ -90,8 +90,7 @@ static int block_size(const struct llmem_kv *kv) {
 
 /* The memory of layer l's storage: a split cache's rank's, else the cache's. */
 static struct llmem_mem *layer_mem(const struct llmem_kv *kv, int l) {
-    return kv->cfg.n_ranks > 1 ? kv->cfg.rank_mems[l / (kv->cfg.n_layers / kv->cfg.n_ranks)]
-                               : kv->mem;
+    return kv->cfg.n_ranks > 1 ? kv->cfg.rank_mems[llmem_kv_layer_rank(kv, l)] : kv->mem;
 }
 
 /* Storage of layer l (the blocks layout's blocks, all layers: l 0). */

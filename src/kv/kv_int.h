@@ -63,10 +63,13 @@ int64_t llmem_kv_span(const struct llmem_kv *kv, int seq, int layer, int64_t pos
 
 /* The device of layer l's pools (a split cache's rank's, made the calling thread's current one;
  * else the cache's device, or NULL for host memory). */
+static inline int llmem_kv_layer_rank(const struct llmem_kv *kv, int l) {
+    return l / (kv->cfg.n_layers / kv->cfg.n_ranks); /* (a split cache's: n_ranks > 1) */
+}
 static inline const struct llmem_backend *llmem_kv_layer_device(const struct llmem_kv *kv, int l) {
     if (kv->cfg.n_ranks <= 1)
         return kv->cfg.device;
-    const struct llmem_backend *d = kv->cfg.rank_devices[l / (kv->cfg.n_layers / kv->cfg.n_ranks)];
+    const struct llmem_backend *d = kv->cfg.rank_devices[llmem_kv_layer_rank(kv, l)];
     if (d->ops->bind != NULL)
         d->ops->bind(d->ctx);
     return d;
