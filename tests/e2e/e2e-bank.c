@@ -49,13 +49,14 @@ static int64_t spill_stat(const cJSON *out, const char *key) {
     return (int64_t)v->valuedouble;
 }
 
-static struct tu_run run_ids(const char *ids, const char *dir, const char *extra) {
+/* extra: up to 2 more arguments (NULL-terminated), or NULL */
+static struct tu_run run_ids(const char *ids, const char *dir, const char *const *extra) {
     const char *args[16] = {"run", PYCODER,        "--ids",  ids,       "-n",
                             "16",  "--ignore-eos", "--json", "--stats", "--threads",
                             "2",   "--bank-dir",   dir};
     int n = 13;
-    if (extra != NULL)
-        args[n++] = extra;
+    for (int i = 0; extra != NULL && extra[i] != NULL && i < 2; i++)
+        args[n++] = extra[i];
     return tu_llmem_argv(n, args);
 }
 
@@ -102,7 +103,8 @@ static void test_second_process_restores(void **state) {
     printf("  ttft: cold %.1f ms, from disk in a new process %.1f ms\n",
            stat_of(first, "ttft_ms")->valuedouble, stat_of(second, "ttft_ms")->valuedouble);
 
-    struct tu_run c = run_ids(ids, dir, "--no-spill");
+    const char *no_spill[] = {"--no-spill", NULL};
+    struct tu_run c = run_ids(ids, dir, no_spill);
     assert_int_equal(c.exit_code, 0);
     cJSON *third = tu_json_stdout(&c);
     assert_int_equal(stat_of(third, "reused_disk_tokens")->valueint, 0);
@@ -120,6 +122,36 @@ static void test_second_process_restores(void **state) {
     free(x), free(y), free(z);
     cJSON_Delete(first), cJSON_Delete(second), cJSON_Delete(third);
     tu_run_free(&a), tu_run_free(&b), tu_run_free(&c), tu_run_free(&d);
+    free(ids);
+    tu_rmtree(dir);
+    free(dir);
+}
+
+/* A model split over 2 ranks banks and spills as a whole one does (a block holds both ranks'
+ * heads): a second process restores the prompt from disk with the same output; a run of the whole
+ * model on the same store finds nothing of the split's (its identity is salted with the ranks). */
+static void test_split_restores(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    char *ids = long_ids(3);
+    const char *split[] = {"--tensor-parallel", "2", NULL};
+    struct tu_run a = run_ids(ids, dir, split), b = run_ids(ids, dir, split);
+    struct tu_run c = run_ids(ids, dir, NULL);
+    assert_int_equal(a.exit_code, 0);
+    assert_int_equal(b.exit_code, 0);
+    assert_int_equal(c.exit_code, 0);
+    cJSON *first = tu_json_stdout(&a), *second = tu_json_stdout(&b), *whole = tu_json_stdout(&c);
+    assert_int_equal(stat_of(first, "reused_disk_tokens")->valueint, 0);
+    assert_int_equal(spill_stat(first, "written_chunks"), 3);
+    assert_int_equal(stat_of(second, "reused_disk_tokens")->valueint, REUSED);
+    assert_int_equal(stat_of(whole, "reused_disk_tokens")->valueint, 0);
+    char *x = cJSON_PrintUnformatted(cJSON_GetObjectItem(first, "ids"));
+    char *y = cJSON_PrintUnformatted(cJSON_GetObjectItem(second, "ids"));
+    assert_string_equal(x, y);
+    printf("  over 2 ranks: %d tokens from disk in a second process, the same ids\n", REUSED);
+    free(x), free(y);
+    cJSON_Delete(first), cJSON_Delete(second), cJSON_Delete(whole);
+    tu_run_free(&a), tu_run_free(&b), tu_run_free(&c);
     free(ids);
     tu_rmtree(dir);
     free(dir);
@@ -396,6 +428,7 @@ static void test_bad_options(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_second_process_restores),
+        cmocka_unit_test(test_split_restores),
         cmocka_unit_test(test_chat_from_disk),
         cmocka_unit_test(test_two_processes),
         cmocka_unit_test(test_gc),
