@@ -270,6 +270,20 @@ static char *digest_cache_path(void) {
     return path;
 }
 
+/* The load of a model and its copies to devices (or ranks) on one progress bar: part `part` of
+ * `parts` equal parts (the read, then each copy). */
+struct phase {
+    llmem_progress_fn fn;
+    void *arg;
+    int64_t part, parts;
+};
+
+static void phase_progress(void *p, int64_t done, int64_t total) {
+    const struct phase *ph = p;
+    if (ph->fn != NULL && total > 0)
+        ph->fn(ph->arg, ph->part * 1000 + done * 1000 / total, ph->parts * 1000);
+}
+
 /* copied: the model read only to be copied to devices (or ranks), where a dummy model's values
  * are made a matrix at a time instead (the host never holds them all) */
 static int load_flags(const struct llmem_engine_config *c, int copied) {
@@ -405,12 +419,15 @@ static int open_split(struct llmem_engine *e, llmem_progress_fn progress, void *
         e->group = (struct llmem_backend_group){
             .n = n, .ranks = e->ranks, .allreduce = llmem_backend_host_allreduce, .ctx = &e->group};
     }
+    struct phase ph = {progress, progress_arg, 0, 1 + n}; /* the read, then each rank's copy */
     if (status == LLMEM_OK)
-        status = llmem_model_load(c->model_dir, read_mem, load_flags(c, 1), progress, progress_arg,
+        status = llmem_model_load(c->model_dir, read_mem, load_flags(c, 1), phase_progress, &ph,
                                   &host_model);
-    for (int r = 0; status == LLMEM_OK && r < n; r++)
-        status = llmem_model_to_device(host_model, e->ranks[r], e->rank_mem[r], 0, r, n, NULL, NULL,
-                                       &e->shares[r]);
+    for (int r = 0; status == LLMEM_OK && r < n; r++) {
+        ph.part = 1 + r;
+        status = llmem_model_to_device(host_model, e->ranks[r], e->rank_mem[r], 0, r, n,
+                                       phase_progress, &ph, &e->shares[r]);
+    }
     llmem_model_free(host_model);
     llmem_mem_destroy(read_mem);
     e->host_mem = e->mem;
@@ -468,18 +485,20 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
             goto fail;
     } else if (config->backend == LLMEM_BACKEND_CUDA) {
         /* the model read on the host, copied to the device, and the host copy dropped */
+        struct phase ph = {progress, progress_arg, 0, 2};
         struct llmem_mem_config hc = {.cache_limit_bytes = -1};
         struct llmem_model *host_model = NULL;
         if ((status = llmem_mem_create(&hc, &e->host_mem)) != LLMEM_OK ||
             (status = llmem_backend_cuda_create(config->device, config->precision, e->mem,
                                                 &e->be)) != LLMEM_OK ||
             (status = llmem_model_load(config->model_dir, e->host_mem,
-                                       load_flags(config, e->placement.host_layers == 0), progress,
-                                       progress_arg, &host_model)) != LLMEM_OK)
+                                       load_flags(config, e->placement.host_layers == 0),
+                                       phase_progress, &ph, &host_model)) != LLMEM_OK)
             goto fail;
         const int64_t on_host = e->placement.host_layers;
-        status =
-            llmem_model_to_device(host_model, e->be, e->mem, on_host, 0, 1, NULL, NULL, &e->model);
+        ph.part = 1;
+        status = llmem_model_to_device(host_model, e->be, e->mem, on_host, 0, 1, phase_progress,
+                                       &ph, &e->model);
         if (status == LLMEM_OK && on_host > 0) /* the host layers' experts stay in host_model */
             e->host_model = host_model, host_model = NULL;
         llmem_model_free(host_model);
