@@ -33,6 +33,10 @@
  * A greedy decode step can be queued behind such a pass before its tokens reach the host
  * (llmem_forward_start_next: its embedding reads them on the device); each wait is then for the
  * older pass (the backend's top_k_wait).
+ *
+ * A model split over several backends (forward_split.h: tensor parallelism) runs the same code a
+ * rank at a time (struct rank: each its share, backend and activations), the ranks' partial
+ * outputs of o, down, the experts and the embeddings summed by their group between the blocks.
  */
 #include <inttypes.h>
 #include <stddef.h>
