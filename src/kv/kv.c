@@ -88,6 +88,15 @@ static int block_size(const struct llmem_kv *kv) {
     return kv->cfg.block_size;
 }
 
+/* The ranks a cache is split over (1: not split), and rank r's device (its first layer's). */
+static int ranks_of(const struct llmem_kv *kv) {
+    return kv->cfg.n_ranks > 1 ? kv->cfg.n_ranks : 1;
+}
+
+static const struct llmem_backend *rank_device(const struct llmem_kv *kv, int r) {
+    return llmem_kv_layer_device(kv, r * (kv->cfg.n_layers / ranks_of(kv)));
+}
+
 /* The memory of layer l's storage: a split cache's rank's, else the cache's. */
 static struct llmem_mem *layer_mem(const struct llmem_kv *kv, int l) {
     return kv->cfg.n_ranks > 1 ? kv->cfg.rank_mems[llmem_kv_layer_rank(kv, l)] : kv->mem;
@@ -164,10 +173,8 @@ int64_t llmem_kv_span(const struct llmem_kv *kv, int seq, int layer, int64_t pos
  * since (refcount 0) may be given out again, so the next pool_take fences (take_fence). */
 static void copies_fence(struct llmem_kv *kv) {
     if (kv->copies_pending) {
-        const int ranks = kv->cfg.n_ranks > 1 ? kv->cfg.n_ranks : 1;
-        for (int r = 0; r < ranks; r++) {
-            const struct llmem_backend *d =
-                llmem_kv_layer_device(kv, r * (kv->cfg.n_layers / ranks));
+        for (int r = 0; r < ranks_of(kv); r++) {
+            const struct llmem_backend *d = rank_device(kv, r);
             d->ops->copy_out_fence(d->ctx);
         }
         kv->copies_pending = 0;
@@ -1060,10 +1067,9 @@ void llmem_kv_blocks_copy_out_async(struct llmem_kv *kv, const int64_t *ids, int
 }
 
 int llmem_kv_copies_wait(const struct llmem_kv *kv) {
-    const int ranks = kv->cfg.n_ranks > 1 ? kv->cfg.n_ranks : 1;
     int status = LLMEM_OK;
-    for (int r = 0; r < ranks; r++) {
-        const struct llmem_backend *d = llmem_kv_layer_device(kv, r * (kv->cfg.n_layers / ranks));
+    for (int r = 0; r < ranks_of(kv); r++) {
+        const struct llmem_backend *d = rank_device(kv, r);
         const int st =
             d != NULL && d->ops->copy_out_wait != NULL ? d->ops->copy_out_wait(d->ctx) : LLMEM_OK;
         status = status != LLMEM_OK ? status : st;
