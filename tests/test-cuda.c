@@ -1029,6 +1029,8 @@ static void test_kv_device(void **state) {
                     }
                     struct llmem_kv_attn at = {.n_heads = n_heads};
                     double w = 0;
+                    assert_int_equal(llmem_kv_step(host, 3, hseq, mixed ? nq : NULL), LLMEM_OK);
+                    assert_int_equal(llmem_kv_step(dev, 3, dseq, mixed ? nq : NULL), LLMEM_OK);
                     for (int layer = 0; layer < layers; layer++) {
                         /* the step's new keys: rows 100.. of the data, other rows per layer */
                         const int64_t r0 = 100 + layer * 3 + mixed * 40;

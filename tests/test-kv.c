@@ -543,10 +543,10 @@ static void test_paged_share_and_copy_on_write(void **state) {
     llmem_kv_destroy(kv);
 }
 
-/* A step for several sequences at once (llmem_kv_write_last, llmem_kv_attend_last), a decode
- * token each or chunks of several tokens, gives the bits of writing and attending each sequence
- * alone, including a fork that shares its partial block (the write copies it) and a sliding
- * window. */
+/* A step for several sequences at once (llmem_kv_step, then llmem_kv_write_last and
+ * llmem_kv_attend_last of each layer), a decode token each or chunks of several tokens, gives the
+ * bits of writing and attending each sequence alone, including a fork that shares its partial
+ * block (the step copies it) and a sliding window. */
 static void test_last_token_batch(void **state) {
     (void)state;
     const int layers = 2, kvh = 2, hd = 64, heads = 8;
@@ -577,6 +577,7 @@ static void test_last_token_batch(void **state) {
             }
         }
         const struct llmem_kv_attn at = {.n_heads = heads, .window = w ? 9 : 0};
+        assert_int_equal(llmem_kv_step(kv[1], 3, seqs[1], mixed ? nq : NULL), LLMEM_OK);
         for (int layer = 0; layer < layers; layer++) {
             const float *k = d.k + (size_t)(50 + layer) * (size_t)row,
                         *v = d.v + (size_t)(50 + layer) * (size_t)row;

@@ -119,6 +119,8 @@ static int measure(const struct llmem_backend *be, struct llmem_mem *mem,
         }
     }
     const struct llmem_kv_attn attn = {.n_heads = N_HEADS};
+    if (llmem_kv_step(kv, (int)batch, seqs, NULL) != LLMEM_OK)
+        goto out;
     struct llmem_backend_counters c0, c1;
     double times[GROUPS];
     const int64_t per_group = reps / GROUPS > 0 ? reps / GROUPS : 1;

@@ -80,10 +80,11 @@ struct llmem_kv_config {
      * run on the device, and the write and attend calls (and their _last forms) take the
      * backend's memory for k, v, q, out. */
     const struct llmem_backend *device;
-    /* (optional, with device) a split model's cache over the devices of its n_ranks ranks (2, 4
-     * or 8; its layers rank by rank: layer l on rank l / (n_layers / n_ranks)): each layer's pool
-     * on rank_devices[r], in the memory of rank_mems[r] (device and the mem given to
-     * llmem_kv_create are rank 0's). A block's bytes are then every rank's layers in turn. */
+    /* (optional) a split model's cache over its n_ranks ranks (2, 4 or 8; its layers rank by
+     * rank: layer l on rank l / (n_layers / n_ranks)): each layer's pool, and its attention's
+     * workspace, in the memory of rank_mems[r], and with a device on rank_devices[r] (device and
+     * the mem given to llmem_kv_create are rank 0's; rank_devices NULL in host memory). A block's
+     * bytes are then every rank's layers in turn. */
     int n_ranks;
     const struct llmem_backend *const *rank_devices;
     struct llmem_mem *const *rank_mems;
@@ -123,10 +124,18 @@ LLMEM_API int llmem_kv_reserve(struct llmem_kv *kv, int seq, int64_t n);
  * with LLMEM_ENOMEM (logged) before anything is written. */
 LLMEM_API int llmem_kv_write(struct llmem_kv *kv, int seq, int layer, int64_t pos, int64_t n,
                              const float *k, const float *v);
-/* A step's writes: for each of n sequences, its last n_q[i] tokens of `layer` (positions
- * length − n_q[i] … length − 1; the length already covers them; n_q NULL: one each, a decode
- * step), their rows of k and v one sequence after the other. The same as llmem_kv_write for each,
- * but on a device in one launch. */
+/* Prepares a step of n sequences, each writing and attending its last n_q[i] positions (length −
+ * n_q[i] … length − 1: the lengths already cover them; n_q NULL: one each, a decode step): every
+ * block those positions fall in made the sequence's own (copy on write: the only part that can
+ * fail, with LLMEM_ENOMEM logged), and on a device the pool slots they take. Then, until a
+ * sequence changes, the step's llmem_kv_write_last and llmem_kv_attend_last of every layer only
+ * read the cache's bookkeeping: several threads may make them at once, each for layers of its own
+ * (a split cache's ranks'), where attention runs on the layers' devices or on a pool of one
+ * thread. */
+LLMEM_API int llmem_kv_step(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q);
+/* The step's writes (llmem_kv_step first, with the same sequences): of `layer`, their rows of k
+ * and v one sequence after the other. The same as llmem_kv_write for each, but on a device in one
+ * launch. */
 LLMEM_API int llmem_kv_write_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q,
                                   int layer, const float *k, const float *v);
 /* Sets the sequence's length (≤ the reserved room) after every layer was written. */
@@ -201,8 +210,8 @@ struct llmem_kv_attn {
 LLMEM_API int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int64_t n_q,
                               const float *q, float *out, const struct llmem_kv_attn *attn);
 
-/* A step's attention: for each of n sequences, the queries at its last n_q[i] positions (n_q
- * NULL: the last one, a decode step); q and out [Σ n_q, n_heads, head_dim], one sequence's rows
+/* The step's attention (llmem_kv_step first, with the same sequences): the queries at each
+ * sequence's last n_q[i] positions; q and out [Σ n_q, n_heads, head_dim], one sequence's rows
  * after the other's. The same as llmem_kv_attend for each, but on a device in one launch where
  * the kernel allows. */
 LLMEM_API int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q,

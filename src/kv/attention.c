@@ -400,6 +400,7 @@ static struct llmem_backend_paged_attn device_attn(const struct llmem_kv *kv, in
 
 int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q, int layer,
                          const float *q, float *out, const struct llmem_kv_attn *attn) {
+    LLMEM_ASSERT(llmem_kv_step_is(kv, n, seqs));
     const size_t row = (size_t)attn->n_heads * (size_t)kv->cfg.head_dim;
     const struct llmem_backend *d = llmem_kv_layer_device(kv, layer);
     if (d == NULL || attn->window > 0) {
@@ -415,17 +416,9 @@ int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, const int6
         }
         return LLMEM_OK;
     }
-    LLMEM_ASSERT(n <= kv->cfg.max_sequences);
-    for (int i = 0; i < n; i++) {
-        const struct kv_seq *s = &kv->seqs[seqs[i]];
-        LLMEM_ASSERT(seqs[i] >= 0 && seqs[i] < kv->cfg.max_sequences && s->used &&
-                     s->length >= (n_q != NULL ? n_q[i] : 1) && (n_q == NULL || n_q[i] >= 1));
-        kv->last_blocks[i] = s->table;
-        kv->last_lengths[i] = s->length;
-    }
     const struct llmem_backend_paged_attn a = device_attn(kv, layer, attn, q, out);
-    d->ops->kv_attend_last(d->ctx, &a, n, kv->last_blocks, kv->last_lengths, n_q);
-    kv->st.route_device += n;
+    d->ops->kv_attend_last(d->ctx, &a, n, kv->step_blocks, kv->step_lengths, n_q);
+    KV_COUNT(kv, route_device, n);
     return LLMEM_OK;
 }
 
@@ -447,7 +440,7 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
         a.q_pos = q_pos;
         a.n_q = n_q;
         d->ops->kv_attend(d->ctx, &a);
-        kv->st.route_device++;
+        KV_COUNT(kv, route_device, 1);
         return LLMEM_OK;
     }
     struct attn_job j = {.kv = kv,
@@ -487,7 +480,8 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
         j.n_parts = hi1 / PARTITION - j.first_part + 1;
         work += (size_t)n_q * (size_t)n_heads * (size_t)j.n_parts * (size_t)(hd + 2);
     }
-    float *ws = llmem_mem_alloc(kv->mem, work * sizeof(float), LLMEM_TAG_SCRATCH);
+    struct llmem_mem *mem = llmem_kv_layer_mem(kv, layer);
+    float *ws = llmem_mem_alloc(mem, work * sizeof(float), LLMEM_TAG_SCRATCH);
     if (ws == NULL)
         return LLMEM_ENOMEM;
     float *qs = ws;
@@ -506,11 +500,11 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
         j.parts = j.scratch + (size_t)threads * HEADS_STRIDE(n_heads, hd);
         llmem_pool_run(kv->pool, (int)(n_q * j.n_parts), partition_task, &j);
         llmem_pool_run(kv->pool, tasks, merge_task, &j);
-        kv->st.route_partitioned++;
+        KV_COUNT(kv, route_partitioned, 1);
         break;
     case LLMEM_KV_ROUTE_FALLBACK:
         llmem_pool_run(kv->pool, tasks, fallback_task, &j);
-        kv->st.route_fallback++;
+        KV_COUNT(kv, route_fallback, 1);
         break;
     default:
         /* Fewer queries than threads (decode): the KV heads split too, when the work pays for a
@@ -521,9 +515,9 @@ int llmem_kv_attend(struct llmem_kv *kv, int seq, int layer, int64_t q_pos, int6
             j.kv_split = want < n_kv ? want : n_kv;
         }
         llmem_pool_run(kv->pool, (int)n_q * j.kv_split, direct_task, &j);
-        kv->st.route_direct++;
+        KV_COUNT(kv, route_direct, 1);
     }
-    llmem_mem_free(kv->mem, ws);
-    kv->st.attend_ns += (int64_t)(llmem_clock_ns() - t0);
+    llmem_mem_free(mem, ws);
+    KV_COUNT(kv, attend_ns, (int64_t)(llmem_clock_ns() - t0));
     return LLMEM_OK;
 }

@@ -97,14 +97,9 @@ static const struct llmem_backend *rank_device(const struct llmem_kv *kv, int r)
     return llmem_kv_layer_device(kv, r * (kv->cfg.n_layers / ranks_of(kv)));
 }
 
-/* The memory of layer l's storage: a split cache's rank's, else the cache's. */
-static struct llmem_mem *layer_mem(const struct llmem_kv *kv, int l) {
-    return kv->cfg.n_ranks > 1 ? kv->cfg.rank_mems[llmem_kv_layer_rank(kv, l)] : kv->mem;
-}
-
 /* Storage of layer l (the blocks layout's blocks, all layers: l 0). */
 static uint8_t *kv_alloc(struct llmem_kv *kv, int l, size_t bytes) {
-    struct llmem_mem *mem = layer_mem(kv, l);
+    struct llmem_mem *mem = llmem_kv_layer_mem(kv, l);
     uint8_t *p = llmem_mem_alloc(mem, bytes, LLMEM_TAG_KV);
     if (p != NULL)
         kv->st.bytes += (int64_t)llmem_mem_size_class(mem, bytes);
@@ -114,7 +109,7 @@ static uint8_t *kv_alloc(struct llmem_kv *kv, int l, size_t bytes) {
 static void kv_release(struct llmem_kv *kv, int l, void *p, size_t bytes) {
     if (p == NULL)
         return;
-    struct llmem_mem *mem = layer_mem(kv, l);
+    struct llmem_mem *mem = llmem_kv_layer_mem(kv, l);
     llmem_mem_free(mem, p);
     kv->st.bytes -= (int64_t)llmem_mem_size_class(mem, bytes);
 }
@@ -453,10 +448,12 @@ int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
                     c.device->ops->name, llmem_kv_layout_name(c.layout));
         return LLMEM_EUNSUPPORTED;
     }
-    if (c.n_ranks > 1 && (c.device == NULL || c.rank_devices == NULL || c.rank_mems == NULL ||
-                          c.n_layers % c.n_ranks != 0 || c.rank_devices[0] != c.device)) {
-        LLMEM_ERROR("a KV cache split over %d ranks: their devices and memories, rank 0's the "
-                    "cache's, and a multiple of them of layers (%d)",
+    if (c.n_ranks > 1 &&
+        (mem == NULL || c.rank_mems == NULL || c.rank_mems[0] != mem ||
+         c.n_layers % c.n_ranks != 0 || (c.device != NULL) != (c.rank_devices != NULL) ||
+         (c.device != NULL && c.rank_devices[0] != c.device))) {
+        LLMEM_ERROR("a KV cache split over %d ranks: their memories (and devices, on devices), "
+                    "rank 0's the cache's, and a multiple of them of layers (%d)",
                     c.n_ranks, c.n_layers);
         return LLMEM_EINVAL;
     }
@@ -498,13 +495,14 @@ int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
             goto out_free;
         kv->own_mem = 1;
     }
-    kv->seqs = calloc((size_t)c.max_sequences, sizeof(*kv->seqs));
-    if (c.device != NULL) {
-        kv->last_blocks = malloc((size_t)c.max_sequences * sizeof(*kv->last_blocks));
-        kv->last_lengths = malloc((size_t)c.max_sequences * sizeof(*kv->last_lengths));
-    }
-    if (kv->seqs == NULL ||
-        (c.device != NULL && (kv->last_blocks == NULL || kv->last_lengths == NULL))) {
+    const size_t seqs = (size_t)c.max_sequences;
+    kv->seqs = calloc(seqs, sizeof(*kv->seqs));
+    kv->step_seqs = malloc(seqs * sizeof(*kv->step_seqs));
+    kv->step_lengths = malloc(seqs * sizeof(*kv->step_lengths));
+    if (c.device != NULL)
+        kv->step_blocks = malloc(seqs * sizeof(*kv->step_blocks));
+    if (kv->seqs == NULL || kv->step_seqs == NULL || kv->step_lengths == NULL ||
+        (c.device != NULL && kv->step_blocks == NULL)) {
         LLMEM_ERROR("out of memory");
         status = LLMEM_ENOMEM;
         goto out_free;
@@ -552,8 +550,7 @@ void llmem_kv_destroy(struct llmem_kv *kv) {
     free(kv->k_pool), free(kv->v_pool), free(kv->refcount), free(kv->held), free(kv->free_ids);
     free(kv->r_k), free(kv->r_v);
     free(kv->seqs);
-    free(kv->slots);
-    free(kv->last_blocks), free(kv->last_lengths);
+    free(kv->step_seqs), free(kv->step_lengths), free(kv->step_blocks), free(kv->slots);
     if (kv->pool != kv->cfg.pool)
         llmem_pool_destroy(kv->pool);
     if (kv->own_mem)
@@ -684,44 +681,69 @@ static void encode_slots(struct llmem_kv *kv, int layer, const float *k, const f
     d->ops->kv_encode(d->ctx, kv->cfg.format, llmem_kv_device_rotation(kv), k, v, n,
                       kv->cfg.n_kv_heads, kv->cfg.head_dim, slots, kv->k_pool[layer],
                       kv->v_pool[layer], kv->codec.key_bytes, kv->codec.value_bytes);
-    kv->st.updates++;
-    kv->st.bytes_written += n * (int64_t)(kv->k_tok + kv->v_tok);
+    KV_COUNT(kv, updates, 1);
+    KV_COUNT(kv, bytes_written, n * (int64_t)(kv->k_tok + kv->v_tok));
+}
+
+int llmem_kv_step(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q) {
+    LLMEM_ASSERT(n >= 0 && n <= kv->cfg.max_sequences);
+    kv->step_n = 0;
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        struct kv_seq *s = get_seq(kv, seqs[i]);
+        const int64_t m = n_q != NULL ? n_q[i] : 1, pos = s->length - m;
+        LLMEM_ASSERT(m >= 1 && pos >= 0);
+        if (kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED) {
+            const int64_t bs = block_size(kv);
+            int status = unshare_blocks(kv, s, pos / bs, (pos + m - 1) / bs);
+            if (status != LLMEM_OK)
+                return status;
+        }
+        total += m;
+    }
+    int64_t *slots = kv->cfg.device != NULL ? slots_room(kv, total) : NULL;
+    if (kv->cfg.device != NULL && slots == NULL)
+        return LLMEM_ENOMEM;
+    for (int i = 0, at = 0; i < n; i++) {
+        const struct kv_seq *s = get_seq(kv, seqs[i]);
+        kv->step_seqs[i] = seqs[i];
+        kv->step_lengths[i] = s->length;
+        if (slots == NULL)
+            continue;
+        kv->step_blocks[i] = s->table;
+        for (int64_t pos = s->length - (n_q != NULL ? n_q[i] : 1); pos < s->length; pos++)
+            slots[at++] = slot_of(kv, s, pos);
+    }
+    kv->step_n = n;
+    kv->step_tokens = total;
+    return LLMEM_OK;
+}
+
+int llmem_kv_step_is(const struct llmem_kv *kv, int n, const int *seqs) {
+    int same = n == kv->step_n;
+    for (int i = 0; same && i < n; i++)
+        same =
+            seqs[i] == kv->step_seqs[i] && kv->step_lengths[i] == llmem_kv_seq_length(kv, seqs[i]);
+    return same;
 }
 
 int llmem_kv_write_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q, int layer,
                         const float *k, const float *v) {
-    const size_t row = (size_t)kv->cfg.n_kv_heads * (size_t)kv->cfg.head_dim;
-    if (kv->cfg.device == NULL) {
-        size_t at = 0;
-        for (int i = 0; i < n; i++) {
-            const int64_t m = n_q != NULL ? n_q[i] : 1;
-            const int64_t pos = llmem_kv_seq_length(kv, seqs[i]) - m;
-            int status = llmem_kv_write(kv, seqs[i], layer, pos, m, k + at * row, v + at * row);
-            if (status != LLMEM_OK)
-                return status;
-            at += (size_t)m;
-        }
+    LLMEM_ASSERT(layer >= 0 && layer < kv->cfg.n_layers && llmem_kv_step_is(kv, n, seqs));
+    if (kv->cfg.device != NULL) {
+        encode_slots(kv, layer, k, v, kv->step_tokens, kv->slots);
         return LLMEM_OK;
     }
-    int64_t total = 0;
-    for (int i = 0; i < n; i++)
-        total += n_q != NULL ? n_q[i] : 1;
-    int64_t *slots = slots_room(kv, total);
-    if (slots == NULL)
-        return LLMEM_ENOMEM;
-    const int64_t bs = block_size(kv);
-    int64_t at = 0;
-    for (int i = 0; i < n; i++) {
-        struct kv_seq *s = get_seq(kv, seqs[i]);
-        const int64_t m = n_q != NULL ? n_q[i] : 1, pos = s->length - m;
-        LLMEM_ASSERT(m >= 1 && pos >= 0 && layer >= 0 && layer < kv->cfg.n_layers);
-        int status = unshare_blocks(kv, s, pos / bs, (pos + m - 1) / bs);
+    const size_t row = (size_t)kv->cfg.n_kv_heads * (size_t)kv->cfg.head_dim;
+    size_t at = 0;
+    for (int i = 0; i < n; i++) { /* (the blocks written are the sequence's own since the step) */
+        const int64_t m = n_q != NULL ? n_q[i] : 1;
+        int status = llmem_kv_write(kv, seqs[i], layer, kv->step_lengths[i] - m, m, k + at * row,
+                                    v + at * row);
         if (status != LLMEM_OK)
             return status;
-        for (int64_t t = 0; t < m; t++)
-            slots[at++] = slot_of(kv, s, pos + t);
+        at += (size_t)m;
     }
-    encode_slots(kv, layer, k, v, total, slots);
     return LLMEM_OK;
 }
 
@@ -764,8 +786,8 @@ int llmem_kv_write(struct llmem_kv *kv, int seq, int layer, int64_t pos, int64_t
             }
         }
     }
-    kv->st.updates++;
-    kv->st.bytes_written += n * (int64_t)(kv->k_tok + kv->v_tok);
+    KV_COUNT(kv, updates, 1);
+    KV_COUNT(kv, bytes_written, n * (int64_t)(kv->k_tok + kv->v_tok));
     return LLMEM_OK;
 }
 

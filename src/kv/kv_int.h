@@ -1,6 +1,8 @@
 /*
  * kv/kv_int.h — the inside of a KV cache, shared by kv.c (layouts, sequences, growth) and
- * attention.c (the routes). A cache is driven by one thread at a time; attention parallelizes
+ * attention.c (the routes). A cache is driven by one thread at a time, except a step's writes and
+ * attention after llmem_kv_step (a split model's ranks, each from its thread): those only read
+ * the bookkeeping and add to the counters atomically (KV_COUNT). Attention parallelizes
  * internally over its own pool.
  */
 #ifndef LLMEM_KV_INT_H
@@ -48,31 +50,49 @@ struct llmem_kv {
         rotation;       /* device pools: the codec's, as a backend takes it */
     int copies_pending; /* device pools: block copies to the host not yet fenced (copies_fence) */
     int take_fence;     /* and a block freed since: the next pool_take fences them */
-    int64_t *slots;     /* device pools: the slot numbers of a write (slots_cap) */
+    /* the step prepared by llmem_kv_step, which its _last calls only read: its sequences and
+     * their lengths, (max_sequences) each, and its tokens; on a device the pool slots its tokens
+     * take (slots_cap) and the block tables attention reads (max_sequences) */
+    int step_n;
+    int *step_seqs;
+    int64_t *step_lengths;
+    int64_t step_tokens;
+    int64_t *slots;
     int64_t slots_cap;
-    const int64_t **last_blocks; /* device pools: llmem_kv_attend_last's block tables and */
-    int64_t *last_lengths;       /* lengths, (max_sequences) each */
+    const int64_t **step_blocks;
 
     struct llmem_kv_stats st;
 };
+
+/* Adds v to one of the cache's counters: a step's calls may come from several threads. */
+#define KV_COUNT(kv, field, v) ((void)__atomic_fetch_add(&(kv)->st.field, (v), __ATOMIC_RELAXED))
+
+/* Whether the step llmem_kv_step prepared last is that of these sequences, at their lengths. */
+int llmem_kv_step_is(const struct llmem_kv *kv, int n, const int *seqs);
 
 /* The storage of token `pos` of a sequence's layer: K and V bytes of all heads, and how many
  * tokens follow contiguously from there (to the end of its block or buffer). pos < capacity. */
 int64_t llmem_kv_span(const struct llmem_kv *kv, int seq, int layer, int64_t pos, uint8_t **k,
                       uint8_t **v);
 
-/* The device of layer l's pools (a split cache's rank's, made the calling thread's current one;
- * else the cache's device, or NULL for host memory). */
+/* The rank of layer l of a split cache (n_ranks > 1), and its device (the rank's, made the
+ * calling thread's current one; else the cache's device, or NULL for host memory). */
 static inline int llmem_kv_layer_rank(const struct llmem_kv *kv, int l) {
     return l / (kv->cfg.n_layers / kv->cfg.n_ranks); /* (a split cache's: n_ranks > 1) */
 }
 static inline const struct llmem_backend *llmem_kv_layer_device(const struct llmem_kv *kv, int l) {
-    if (kv->cfg.n_ranks <= 1)
+    if (kv->cfg.n_ranks <= 1 || kv->cfg.device == NULL)
         return kv->cfg.device;
     const struct llmem_backend *d = kv->cfg.rank_devices[llmem_kv_layer_rank(kv, l)];
     if (d->ops->bind != NULL)
         d->ops->bind(d->ctx);
     return d;
+}
+
+/* The memory of layer l's storage and of its attention's workspace: a split cache's rank's, else
+ * the cache's. */
+static inline struct llmem_mem *llmem_kv_layer_mem(const struct llmem_kv *kv, int l) {
+    return kv->cfg.n_ranks > 1 ? kv->cfg.rank_mems[llmem_kv_layer_rank(kv, l)] : kv->mem;
 }
 
 /* The rotation a device takes with this cache's rows: NULL when nothing is rotated. */

@@ -644,12 +644,16 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
     }
     const struct llmem_backend_ops *ops = f->be->ops;
     void *ctx = f->be->ctx;
+    /* the blocks the step writes made its sequences' own: the layers' cache calls then only read
+     * (a split's ranks make them from their threads) */
+    int status = llmem_kv_step(f->kv, n_seqs, f->seq_ids, decode ? NULL : f->n_q);
+    if (status != LLMEM_OK)
+        goto failed;
     /* On a device, a pure decode step may be recorded and replayed as one launch (graph_begin):
      * when every sequence could take a fresh block without the pool growing mid-pass. */
     const int graph = f->group.n == 1 && f->model->on_device && ops->graph_begin != NULL &&
                       decode && n_logits == n_seqs && llmem_kv_blocks_free(f->kv) >= n_seqs &&
                       f->host == NULL; /* a pass with host work is not one launch */
-    int status = LLMEM_OK;
     float *dl = NULL;
     /* on a device, or from the ranks of a split: the logits there, then to the caller's host
      * memory */
