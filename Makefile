@@ -41,9 +41,9 @@ test-sanitize: deps
 # The threaded tests under ThreadSanitizer.
 test-tsan: deps
 	@cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DLLMEM_TSAN=ON -DLLMEM_CUDA=OFF $(CMAKE_FLAGS) >/dev/null
-	@cmake --build $(TSAN_BUILD) -j $(JOBS) --target test-mem test-core test-kv test-spill test-sched test-grammar
+	@cmake --build $(TSAN_BUILD) -j $(JOBS) --target test-mem test-core test-kv test-spill test-sched test-grammar test-forward
 	TSAN_OPTIONS=halt_on_error=1 ctest --test-dir $(TSAN_BUILD) --output-on-failure -j $(JOBS) \
-		-R '^(test-mem|test-core|test-kv|test-spill|test-sched|test-grammar)(:.*)?$$'
+		-R '^((test-mem|test-core|test-kv|test-spill|test-sched|test-grammar)(:.*)?|test-forward:threads)$$'
 
 # Each libFuzzer target of tests/fuzz for FUZZ_SECONDS, JOBS at a time, from a copy of its seed
 # corpus (what it finds stays in $(FUZZ_BUILD)/corpus, not in the tree); fails on any crash, leak,

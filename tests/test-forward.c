@@ -735,32 +735,45 @@ static void test_fast_same_for_every_format(void **state) {
 
 /* ---- tensor parallelism --------------------------------------------------------------------- */
 
-/* A model split over n ranks of one CPU backend (their operations one rank after another, the
- * host's sum between them): each rank's share copied by llmem_model_to_device, a cache of
- * n × n_layers layers of a share's KV heads. */
+/* A model split over n ranks: of one CPU backend (their operations one rank after another, the
+ * host's sum between them), or with `threads` each rank a CPU backend and memory of its own, run
+ * by a thread of its own (the host group's sum meeting them); each rank's share copied by
+ * llmem_model_to_device, a cache of n × n_layers layers of a share's KV heads (with threads,
+ * each rank's in its memory, attention inline on the rank's thread). */
 struct split {
     struct rig r; /* mem, be, kv, fwd, vocab (r.model: rank 0's share) */
     struct llmem_model *host, *shares[8];
     const struct llmem_backend *ranks[8];
+    struct llmem_backend *own_be[8]; /* with threads: ranks 1 … n − 1 (rank 0's is r.be) */
+    struct llmem_mem *mems[8];       /* with threads: each rank's (rank 0's is r.mem) */
     struct llmem_backend_group group;
 };
 
-static void split_open(struct split *s, const char *dir, int n, int64_t chunk) {
+static void split_open(struct split *s, const char *dir, int n, int64_t chunk, int threads) {
     memset(s, 0, sizeof(*s));
     struct llmem_mem_config mc = {.cache_limit_bytes = -1};
     assert_int_equal(llmem_mem_create(&mc, &s->r.mem), LLMEM_OK);
     assert_int_equal(llmem_model_load(dir, s->r.mem, 0, NULL, NULL, &s->host), LLMEM_OK);
-    assert_int_equal(llmem_backend_cpu_create(2, &s->r.be), LLMEM_OK);
+    assert_int_equal(llmem_backend_cpu_create(threads ? 1 : 2, &s->r.be), LLMEM_OK);
     llmem_backend_cpu_set_precision(s->r.be, rig_precision);
     for (int k = 0; k < n; k++) {
-        assert_int_equal(
-            llmem_model_to_device(s->host, s->r.be, s->r.mem, 0, k, n, NULL, NULL, &s->shares[k]),
-            LLMEM_OK);
-        s->ranks[k] = s->r.be;
+        s->ranks[k] = s->r.be, s->mems[k] = s->r.mem;
+        if (threads && k > 0) {
+            assert_int_equal(llmem_mem_create(&mc, &s->mems[k]), LLMEM_OK);
+            assert_int_equal(llmem_backend_cpu_create(1, &s->own_be[k]), LLMEM_OK);
+            llmem_backend_cpu_set_precision(s->own_be[k], rig_precision);
+            s->ranks[k] = s->own_be[k];
+        }
+        assert_int_equal(llmem_model_to_device(s->host, s->ranks[k], s->mems[k], 0, k, n, NULL,
+                                               NULL, &s->shares[k]),
+                         LLMEM_OK);
     }
     s->r.model = s->shares[0];
-    s->group = (struct llmem_backend_group){
-        .n = n, .ranks = s->ranks, .allreduce = llmem_backend_host_allreduce, .ctx = &s->group};
+    if (threads)
+        assert_int_equal(llmem_backend_host_group_create(n, s->ranks, &s->group), LLMEM_OK);
+    else
+        s->group = (struct llmem_backend_group){
+            .n = n, .ranks = s->ranks, .allreduce = llmem_backend_host_allreduce, .ctx = &s->group};
     const struct llmem_model_geometry *g = &llmem_model_get_config(s->shares[0])->geom;
     s->r.vocab = g->vocab_size;
     struct llmem_kv_config kc;
@@ -771,7 +784,9 @@ static void split_open(struct split *s, const char *dir, int n, int64_t chunk) {
     kc.head_dim = (int)g->head_dim;
     kc.max_sequences = 8;
     kc.num_blocks = 64;
-    kc.n_threads = 2;
+    kc.n_threads = threads ? 1 : 2;
+    if (threads)
+        kc.n_ranks = n, kc.rank_mems = s->mems;
     assert_int_equal(llmem_kv_create(&kc, s->r.mem, &s->r.kv), LLMEM_OK);
     assert_int_equal(llmem_forward_create_split(s->shares, &s->group, s->r.kv, chunk, &s->r.fwd),
                      LLMEM_OK);
@@ -783,6 +798,15 @@ static void split_close(struct split *s) {
     for (int k = 0; k < s->group.n; k++)
         llmem_model_free(s->shares[k]);
     llmem_model_free(s->host);
+    if (s->group.allreduce_rank != NULL)
+        llmem_backend_host_group_free(&s->group);
+    for (int k = 1; k < s->group.n; k++) {
+        llmem_backend_destroy(s->own_be[k]);
+        if (s->mems[k] != s->r.mem) {
+            assert_int_equal(llmem_mem_active(s->mems[k]), 0);
+            llmem_mem_destroy(s->mems[k]);
+        }
+    }
     llmem_backend_destroy(s->r.be);
     assert_int_equal(llmem_mem_active(s->r.mem), 0);
     llmem_mem_destroy(s->r.mem);
@@ -817,7 +841,7 @@ static void test_tensor_parallel(void **state) {
             if (llmem_geometry_tensor_rank(&g, n, &rg, why, sizeof(why)) != LLMEM_OK)
                 continue;
             struct split s;
-            split_open(&s, dir, n, 7);
+            split_open(&s, dir, n, 7, 0);
             float *got = teacher_forced(&s.r, gens[0].ids, gens[0].n);
             float *last = malloc((size_t)s.r.vocab * sizeof(float));
             assert_int_equal(llmem_kv_seq_new(s.r.kv, &seq), LLMEM_OK);
@@ -859,7 +883,7 @@ static void test_tensor_parallel(void **state) {
         float *want = teacher_forced(&r, gens[0].ids, n);
         rig_close(&r);
         struct split s;
-        split_open(&s, files[i].path, 2, 7);
+        split_open(&s, files[i].path, 2, 7, 0);
         float *got = teacher_forced(&s.r, gens[0].ids, n);
         const double d = max_abs_diff(got, want, (size_t)(n * s.r.vocab));
         printf("  %-26s over 2 ranks: %3lld tokens, max |Δ| %.2e\n",
@@ -871,6 +895,76 @@ static void test_tensor_parallel(void **state) {
         free_generations(gens, 1);
     }
     printf("  split over ranks vs whole: max |Δ logits| %.2e (asserted ≤ 1e-4)\n", worst);
+}
+
+/* Steps that write blocks shared between sequences and mix decodes with a prefill: ids' prompt
+ * prefilled on a sequence, which is forked; then both decode a token (the fork's copy of the
+ * shared block made by the step) beside a third sequence's prefill of the prompt's first 5
+ * tokens, and the two decode 4 more steps together. The logits of every step's rows, in order, to
+ * out (5 steps × 3 rows, the last 4 of 2). */
+static void shared_steps(struct rig *r, const struct generation *G, float *out) {
+    int a, b, c;
+    assert_int_equal(llmem_kv_seq_new(r->kv, &a), LLMEM_OK);
+    prefill(r, a, G->ids, G->n_prompt, out);
+    assert_int_equal(llmem_kv_seq_fork(r->kv, a, &b), LLMEM_OK);
+    assert_int_equal(llmem_kv_seq_new(r->kv, &c), LLMEM_OK);
+    int32_t tokens[8] = {G->ids[G->n_prompt], G->ids[1]};
+    memcpy(tokens + 2, G->ids, 5 * sizeof(int32_t));
+    struct llmem_batch_seq steps[3] = {
+        {a, G->n_prompt, 1, 0}, {b, G->n_prompt, 1, 0}, {c, 0, 5, 0}};
+    for (int t = 0; t < 5; t++) {
+        assert_int_equal(llmem_forward_run(r->fwd, tokens, steps, t == 0 ? 3 : 2, out), LLMEM_OK);
+        tokens[0] = (int32_t)argmax(out, r->vocab, NULL);
+        tokens[1] = (int32_t)argmax(out + r->vocab, r->vocab, NULL);
+        steps[0].pos++, steps[1].pos++;
+        out += (t == 0 ? 3 : 2) * r->vocab;
+    }
+    llmem_kv_seq_free(r->kv, a), llmem_kv_seq_free(r->kv, b), llmem_kv_seq_free(r->kv, c);
+}
+
+/* A split whose ranks run on threads of their own (the host group: a CPU backend, memory and
+ * cache layers each), over 2 and 4 ranks where the heads allow, f32: teacher-forced logits, and
+ * steps that copy a shared block and mix decodes with a prefill, within the order of the split
+ * sums of the whole model's (≤ 1e-4); the ranks' memories all freed. What the threads share is
+ * checked under ThreadSanitizer (test-forward:threads in the TSan suite). */
+static void test_tensor_parallel_threads(void **state) {
+    (void)state;
+    const char *const names[] = {"tiny-llama3", "tiny-mistral-swa", "tiny-qwen3-moe"};
+    const int64_t rows = 3 + 4 * 2;
+    for (size_t m = 0; m < sizeof(names) / sizeof(names[0]); m++) {
+        struct generation gens[1];
+        load_generations(names[m], gens, 1);
+        char dir[512];
+        model_dir(names[m], dir, sizeof(dir));
+        struct rig r;
+        rig_open(&r, dir, LLMEM_KV_LAYOUT_PAGED, LLMEM_KV_FORMAT_F32, 7, 2);
+        float *want = teacher_forced(&r, gens[0].ids, gens[0].n);
+        float *want_steps = malloc((size_t)(rows * r.vocab) * sizeof(float));
+        shared_steps(&r, &gens[0], want_steps);
+        const struct llmem_model_geometry g = llmem_model_get_config(r.model)->geom;
+        rig_close(&r);
+        for (int n = 2; n <= 4; n *= 2) {
+            struct llmem_model_geometry rg;
+            char why[256];
+            if (llmem_geometry_tensor_rank(&g, n, &rg, why, sizeof(why)) != LLMEM_OK)
+                continue;
+            struct split s;
+            split_open(&s, dir, n, 7, 1);
+            float *got = teacher_forced(&s.r, gens[0].ids, gens[0].n);
+            float *got_steps = malloc((size_t)(rows * s.r.vocab) * sizeof(float));
+            shared_steps(&s.r, &gens[0], got_steps);
+            const double d = max_abs_diff(got, want, (size_t)(gens[0].n * g.vocab_size));
+            const double ds = max_abs_diff(got_steps, want_steps, (size_t)(rows * g.vocab_size));
+            printf("  %-16s over %d ranks on threads: %3lld tokens, max |Δ| %.2e, shared steps "
+                   "%.2e\n",
+                   names[m], n, (long long)gens[0].n, d, ds);
+            assert_true(d <= 1e-4 && ds <= 1e-4);
+            free(got), free(got_steps);
+            split_close(&s);
+        }
+        free(want), free(want_steps);
+        free_generations(gens, 1);
+    }
 }
 
 /* The top k of each row on the host, as a device's top_k delivers it (by value descending, equal
@@ -913,7 +1007,7 @@ static void test_tensor_parallel_top(void **state) {
     rig_close(&r);
     for (int n = 2; n <= 4; n *= 2) {
         struct split s;
-        split_open(&s, dir, n, T);
+        split_open(&s, dir, n, T, 0);
         struct llmem_backend_ops ops = *s.r.be->ops;
         ops.top_k = host_top_k;
         const struct llmem_backend top_be = {&ops, s.r.be->ctx};
@@ -1068,7 +1162,7 @@ static void test_tensor_parallel_refused(void **state) {
     llmem_mem_destroy(mem);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parity_transformers),
         cmocka_unit_test(test_fast_precision_bounds),
@@ -1084,5 +1178,12 @@ int main(void) {
         cmocka_unit_test(test_tensor_parallel_refused),
         cmocka_unit_test(test_dummy_deferred),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    const struct CMUnitTest threads[] = {
+        cmocka_unit_test(test_tensor_parallel_threads),
+    };
+    const struct tu_group groups[] = {
+        TU_GROUP("forward", tests, NULL),
+        TU_GROUP("threads", threads, NULL),
+    };
+    return tu_main(argc, argv, groups, sizeof(groups) / sizeof(groups[0]));
 }

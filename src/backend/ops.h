@@ -265,14 +265,22 @@ struct llmem_backend {
 };
 
 /* Backends that run one model split over them (tensor parallelism: rank r's share of each layer
- * on ranks[r]), and the sum that joins their partial results. */
+ * on ranks[r]), and the sum that joins their partial results: either by one thread that drives
+ * every rank (allreduce) or by each rank's own thread (allreduce_rank); the other is NULL, and
+ * both are for a group of one. */
+#define LLMEM_SPLIT_MAX 8 /* the most ranks a model is split over */
 struct llmem_backend_group {
     int n;
     const struct llmem_backend *const *ranks; /* (n) */
     /* buf[r] (count floats in rank r's memory) ← Σ over the ranks of buf, in place, the same sum
      * on every rank, after the operations queued on each before it (and queued as they are).
-     * Returns the first failure so far, as sync does. NULL for a group of one. */
+     * Returns the first failure so far, as sync does. */
     int (*allreduce)(void *ctx, float *const *buf, int64_t count);
+    /* The same sum, rank by rank: each rank's thread calls it with its buf (the same count), every
+     * rank once for each sum and in the same order, and it returns once that rank's part is done
+     * (queued, on a device). A rank that failed still makes every call, so that the others do not
+     * wait for it; its failure is returned to it. */
+    int (*allreduce_rank)(void *ctx, int rank, float *buf, int64_t count);
     void *ctx;
 };
 
@@ -281,9 +289,17 @@ struct llmem_backend_group {
  * sum in rank order into buf[0], then copied to the others. In backend/cpu/cpu.c. */
 int llmem_backend_host_allreduce(void *ctx, float *const *buf, int64_t count);
 
+/* A group of n CPU backends of their own (each on its own threads: a rank's thread runs its
+ * operations) whose allreduce_rank meets the ranks' threads on the host: each rank sums its
+ * slice of the buffers in rank order (the bits of llmem_backend_host_allreduce) and writes it to
+ * every rank's. Freed with llmem_backend_host_group_free. In backend/cpu/cpu.c. */
+int llmem_backend_host_group_create(int n, const struct llmem_backend *const *ranks,
+                                    struct llmem_backend_group *group);
+void llmem_backend_host_group_free(struct llmem_backend_group *group);
+
 /* The group of n CUDA backends (llmem_backend_cuda_create, each on a device of its own), their
- * communicator made (backend/cuda/comm.h): its allreduce is NCCL's on the ranks' streams, one
- * thread queueing all of them. LLMEM_EUNSUPPORTED (logged) in a build without CUDA or, for
+ * communicator made (backend/cuda/comm.h): its allreduce_rank is NCCL's on the rank's stream,
+ * each rank's thread queueing its own. LLMEM_EUNSUPPORTED (logged) in a build without CUDA or, for
  * n > 1, without NCCL; LLMEM_EIO (logged) when NCCL fails. Freed with
  * llmem_backend_cuda_group_free (a group of none is a no-op). In backend/registry.c. */
 int llmem_backend_cuda_group_create(int n, const struct llmem_backend *const *ranks,

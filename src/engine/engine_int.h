@@ -48,11 +48,11 @@ struct llmem_engine {
      * (on the CPU be, named n times; on devices their own) and device memory (mem is
      * rank_mem[0]), and the group that sums over them */
     int n_ranks;
-    struct llmem_model *shares[8];
-    const struct llmem_backend *ranks[8];
-    struct llmem_backend *rank_be[8];
-    struct llmem_mem *rank_mem[8];
-    int rank_device[8]; /* with cuda: the device of each rank */
+    struct llmem_model *shares[LLMEM_SPLIT_MAX];
+    const struct llmem_backend *ranks[LLMEM_SPLIT_MAX];
+    struct llmem_backend *rank_be[LLMEM_SPLIT_MAX];
+    struct llmem_mem *rank_mem[LLMEM_SPLIT_MAX];
+    int rank_device[LLMEM_SPLIT_MAX]; /* with cuda: the device of each rank */
     struct llmem_backend_group group;
     void *group_comm;  /* the devices' communicator (backend/cuda), or NULL */
     int top_on_device; /* sample from the device's top k where it can (LLMEM_SAMPLE_ON_DEVICE) */

@@ -39,6 +39,7 @@
  * outputs of o, down, the experts and the embeddings summed by their group between the blocks.
  */
 #include <inttypes.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,6 +76,16 @@ struct rank {
     float *top_vals;  /* each row, merged into the pass's by llmem_forward_wait */
 };
 
+/* The batch of the pass being run, as its ranks read it. */
+struct pass {
+    const int32_t *tokens; /* NULL: read on the device (llmem_forward_start_next) */
+    const struct llmem_batch_seq *seqs;
+    int n_seqs;
+    int64_t T, n_logits;
+    int decode;    /* every sequence has one token */
+    float *logits; /* a group of one's logits rows (the backend's memory) */
+};
+
 struct llmem_forward {
     struct llmem_model *model;      /* rank 0's (its configuration: the vocabulary, the layers) */
     const struct llmem_backend *be; /* rank 0's */
@@ -83,6 +94,8 @@ struct llmem_forward {
     struct llmem_backend_group group;
     const struct llmem_backend *one; /* a group of one: its backend */
     struct rank *ranks;              /* (group.n) */
+    struct crew *crew; /* a group with allreduce_rank: the threads of ranks 1 … n − 1 */
+    struct pass pass;
     int64_t *pos;     /* (T) position of each token */
     int *seq_ids;     /* (T) the sequences of a step */
     int64_t *n_q;     /* (T) and their tokens */
@@ -105,6 +118,10 @@ struct llmem_forward {
     float *host_logits, *host_x;
     void *host_work;
 };
+
+struct crew;
+static int crew_create(struct llmem_forward *f, struct crew **out);
+static void crew_free(struct crew *c);
 
 /* A rank's activations for batches of T tokens (tag scratch). */
 static int rank_alloc(struct rank *R, int64_t max_tokens, int split) {
@@ -165,7 +182,8 @@ int llmem_forward_create_split(struct llmem_model *const *models,
                                const struct llmem_backend_group *group, struct llmem_kv *kv,
                                int64_t max_batch_tokens, struct llmem_forward **out) {
     LLMEM_ASSERT(models != NULL && group != NULL && group->n >= 1 && kv != NULL &&
-                 max_batch_tokens > 0 && (group->n == 1 || group->allreduce != NULL));
+                 max_batch_tokens > 0 && group->n <= LLMEM_SPLIT_MAX &&
+                 (group->n == 1 || (group->allreduce != NULL) != (group->allreduce_rank != NULL)));
     const int n = group->n;
     for (int r = 0; r < n; r++) {
         const struct llmem_model *m = models[r];
@@ -232,6 +250,8 @@ int llmem_forward_create_split(struct llmem_model *const *models,
         status = LLMEM_ENOMEM;
         goto fail;
     }
+    if (n > 1 && group->allreduce_rank != NULL && (status = crew_create(f, &f->crew)) != LLMEM_OK)
+        goto fail;
     *out = f;
     return LLMEM_OK;
 fail:
@@ -256,6 +276,7 @@ int llmem_forward_create(struct llmem_model *model, const struct llmem_backend *
 void llmem_forward_free(struct llmem_forward *f) {
     if (f == NULL)
         return;
+    crew_free(f->crew);
     for (int r = 0; f->ranks != NULL && r < f->group.n; r++)
         rank_free(&f->ranks[r]);
     free(f->ranks);
@@ -331,17 +352,6 @@ static struct rank *enter(struct llmem_forward *f, int r) {
     if (f->group.n > 1 && R->be->ops->bind != NULL)
         R->be->ops->bind(R->be->ctx);
     return R;
-}
-
-/* The ranks' parts of a buffer (the one at `field` of each rank, count floats) summed on every
- * rank; nothing in a group of one. */
-static int join(struct llmem_forward *f, size_t field, int64_t count) {
-    if (f->group.n == 1)
-        return LLMEM_OK;
-    float *buf[f->group.n];
-    for (int r = 0; r < f->group.n; r++)
-        buf[r] = *(float **)((char *)&f->ranks[r] + field);
-    return f->group.allreduce(f->group.ctx, buf, count);
 }
 
 /* A rank's attention block for layer `layer` (its KV heads at the cache's layer
@@ -446,53 +456,194 @@ static void embed(struct llmem_forward *f, struct rank *R, const int32_t *tokens
     ops->embedding(R->be->ctx, &R->model->embed, R->ids, T, R->x);
 }
 
-/* The layers and the logits rows of a batch whose cache lengths already cover it: into `logits`
- * (the backend's memory) in a group of one, else each rank's share of the vocabulary into its
- * dev_logits. `decode`: every sequence has one token. */
-static int run_pass(struct llmem_forward *f, const int32_t *tokens,
-                    const struct llmem_batch_seq *seqs, int n_seqs, int64_t T, int64_t n_logits,
-                    int decode, float *logits) {
-    const struct llmem_model_geometry *g = &f->model->cfg.geom;
-    const int n = f->group.n;
-    const int64_t hidden = g->hidden_size;
-    for (int r = 0; r < n; r++)
-        embed(f, enter(f, r), tokens, T);
-    int status = join(f, offsetof(struct rank, x), T * hidden);
-    for (int l = 0; status == LLMEM_OK && l < (int)g->n_layers; l++) {
-        for (int r = 0; status == LLMEM_OK && r < n; r++)
-            status = attention_block(f, enter(f, r), r, l, n_seqs, T, decode);
-        if (status == LLMEM_OK)
-            status = join(f, offsetof(struct rank, xn), T * hidden);
-        for (int r = 0; status == LLMEM_OK && r < n; r++)
-            status = mlp_block(f, enter(f, r), l, T);
-        if (status == LLMEM_OK)
-            status = join(f, offsetof(struct rank, xn), T * hidden);
-    }
-    for (int r = 0; status == LLMEM_OK && r < n; r++) {
-        struct rank *R = enter(f, r);
-        const struct llmem_backend_ops *ops = R->be->ops;
-        void *ctx = R->be->ctx;
-        if (n_logits == T) { /* every row wants its logits (a decode step): in place */
-            residual_norm(R, R->model->final_norm, T, 1); /* the last MLP's output added first */
-        } else {
-            ops->add(ctx, R->x, R->xn, T * hidden); /* the last MLP's output */
-            /* The rows that want logits, gathered in order (row r moves to index i ≤ r). */
-            int64_t i = 0, row = 0;
-            for (int s = 0; s < n_seqs; s++) {
-                const struct llmem_batch_seq *b = &seqs[s];
-                int64_t first = b->all_logits ? row : row + b->n_tokens - 1;
-                for (int64_t t = first; t < row + b->n_tokens; t++, i++)
-                    if (i != t)
-                        ops->copy(ctx, R->x + i * hidden, R->x + t * hidden,
-                                  (size_t)hidden * sizeof(float));
-                row += b->n_tokens;
-            }
-            ops->rmsnorm(ctx, R->x, R->model->final_norm, n_logits, hidden,
-                         (float)R->model->cfg.rms_norm_eps, R->xn);
+/* A rank's logits rows of the pass (after its last MLP): into `logits` (the backend's memory) in a
+ * group of one, else its share of the vocabulary into its dev_logits. */
+static void logits_rows(struct llmem_forward *f, struct rank *R, const struct pass *p) {
+    const struct llmem_backend_ops *ops = R->be->ops;
+    void *ctx = R->be->ctx;
+    const int64_t hidden = R->model->cfg.geom.hidden_size, T = p->T;
+    if (p->n_logits == T) { /* every row wants its logits (a decode step): in place */
+        residual_norm(R, R->model->final_norm, T, 1); /* the last MLP's output added first */
+    } else {
+        ops->add(ctx, R->x, R->xn, T * hidden); /* the last MLP's output */
+        /* The rows that want logits, gathered in order (row r moves to index i ≤ r). */
+        int64_t i = 0, row = 0;
+        for (int s = 0; s < p->n_seqs; s++) {
+            const struct llmem_batch_seq *b = &p->seqs[s];
+            int64_t first = b->all_logits ? row : row + b->n_tokens - 1;
+            for (int64_t t = first; t < row + b->n_tokens; t++, i++)
+                if (i != t)
+                    ops->copy(ctx, R->x + i * hidden, R->x + t * hidden,
+                              (size_t)hidden * sizeof(float));
+            row += b->n_tokens;
         }
-        ops->matmul(ctx, &R->model->lm_head, R->xn, n_logits, n == 1 ? logits : R->dev_logits,
-                    NULL);
+        ops->rmsnorm(ctx, R->x, R->model->final_norm, p->n_logits, hidden,
+                     (float)R->model->cfg.rms_norm_eps, R->xn);
     }
+    ops->matmul(ctx, &R->model->lm_head, R->xn, p->n_logits,
+                f->group.n == 1 ? p->logits : R->dev_logits, NULL);
+}
+
+/* A pass is a sequence of segments, each rank's part of one joined by the group's sum: 0 the
+ * embeddings, 2l + 1 layer l's attention, 2l + 2 its MLP, and the last (2 · n_layers + 1) the
+ * logits rows, after which nothing is summed. */
+static int segments(const struct llmem_forward *f) {
+    return 2 * (int)f->model->cfg.geom.n_layers + 2;
+}
+
+static int segment(struct llmem_forward *f, int r, int seg) {
+    const struct pass *p = &f->pass;
+    struct rank *R = enter(f, r);
+    if (seg == 0) {
+        embed(f, R, p->tokens, p->T);
+        return LLMEM_OK;
+    }
+    if (seg == segments(f) - 1) {
+        logits_rows(f, R, p);
+        return LLMEM_OK;
+    }
+    const int layer = (seg - 1) / 2;
+    return seg % 2 == 1 ? attention_block(f, R, r, layer, p->n_seqs, p->T, p->decode)
+                        : mlp_block(f, R, layer, p->T);
+}
+
+/* The buffer of a rank that the group sums after segment seg: the embeddings' x, else a block's
+ * output xn. */
+static float *joined(struct rank *R, int seg) {
+    return seg == 0 ? R->x : R->xn;
+}
+
+/* Rank r's whole pass, on its own thread (a group with allreduce_rank): each of its segments, the
+ * group's sum after each. A failed rank goes on to make every sum, so that the others finish. */
+static int rank_pass(struct llmem_forward *f, int r) {
+    const int64_t count = f->pass.T * f->model->cfg.geom.hidden_size;
+    int status = LLMEM_OK;
+    for (int seg = 0; seg < segments(f); seg++) {
+        if (status == LLMEM_OK)
+            status = segment(f, r, seg);
+        if (seg < segments(f) - 1) {
+            const int st =
+                f->group.allreduce_rank(f->group.ctx, r, joined(&f->ranks[r], seg), count);
+            status = status != LLMEM_OK ? status : st;
+        }
+    }
+    return status;
+}
+
+/* The threads of ranks 1 … n − 1 of a group with allreduce_rank (rank 0's pass runs on the
+ * caller's), waiting for a pass between passes. */
+struct crew {
+    struct llmem_forward *f;
+    int n; /* threads started */
+    pthread_t threads[LLMEM_SPLIT_MAX];
+    pthread_mutex_t lock;
+    pthread_cond_t go, done;
+    uint64_t passes; /* passes handed out; the threads run each once */
+    int running;     /* threads still running the current pass */
+    int stop;
+    int status[LLMEM_SPLIT_MAX];
+};
+
+struct crew_arg {
+    struct crew *crew;
+    int rank;
+};
+
+static void *crew_thread(void *arg) {
+    struct crew_arg a = *(struct crew_arg *)arg;
+    struct crew *c = a.crew;
+    free(arg);
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&c->lock);
+        while (!c->stop && c->passes == seen)
+            pthread_cond_wait(&c->go, &c->lock);
+        const int stop = c->stop;
+        seen = c->passes;
+        pthread_mutex_unlock(&c->lock);
+        if (stop)
+            return NULL;
+        const int status = rank_pass(c->f, a.rank);
+        pthread_mutex_lock(&c->lock);
+        c->status[a.rank] = status;
+        if (--c->running == 0)
+            pthread_cond_signal(&c->done);
+        pthread_mutex_unlock(&c->lock);
+    }
+}
+
+static void crew_free(struct crew *c) {
+    if (c == NULL)
+        return;
+    pthread_mutex_lock(&c->lock);
+    c->stop = 1;
+    pthread_cond_broadcast(&c->go);
+    pthread_mutex_unlock(&c->lock);
+    for (int i = 0; i < c->n; i++)
+        pthread_join(c->threads[i], NULL);
+    pthread_mutex_destroy(&c->lock);
+    pthread_cond_destroy(&c->go);
+    pthread_cond_destroy(&c->done);
+    free(c);
+}
+
+static int crew_create(struct llmem_forward *f, struct crew **out) {
+    struct crew *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    c->f = f;
+    pthread_mutex_init(&c->lock, NULL);
+    pthread_cond_init(&c->go, NULL);
+    pthread_cond_init(&c->done, NULL);
+    for (int r = 1; r < f->group.n; r++) {
+        struct crew_arg *a = malloc(sizeof(*a));
+        if (a != NULL)
+            *a = (struct crew_arg){c, r};
+        if (a == NULL || pthread_create(&c->threads[c->n], NULL, crew_thread, a) != 0) {
+            free(a);
+            crew_free(c);
+            LLMEM_ERROR("cannot start the thread of rank %d", r);
+            return LLMEM_EIO;
+        }
+        c->n++;
+    }
+    *out = c;
+    return LLMEM_OK;
+}
+
+/* The layers and the logits rows of the pass (f->pass) whose cache lengths already cover it: the
+ * ranks one after another, a segment at a time, or each on its thread. */
+static int run_pass(struct llmem_forward *f) {
+    int status = LLMEM_OK;
+    if (f->crew == NULL) {
+        for (int seg = 0; status == LLMEM_OK && seg < segments(f); seg++) {
+            for (int r = 0; status == LLMEM_OK && r < f->group.n; r++)
+                status = segment(f, r, seg);
+            if (status == LLMEM_OK && seg < segments(f) - 1 && f->group.n > 1) {
+                float *buf[LLMEM_SPLIT_MAX];
+                for (int r = 0; r < f->group.n; r++)
+                    buf[r] = joined(&f->ranks[r], seg);
+                status = f->group.allreduce(f->group.ctx, buf,
+                                            f->pass.T * f->model->cfg.geom.hidden_size);
+            }
+        }
+        return status;
+    }
+    struct crew *c = f->crew;
+    pthread_mutex_lock(&c->lock);
+    c->passes++;
+    c->running = c->n;
+    pthread_cond_broadcast(&c->go);
+    pthread_mutex_unlock(&c->lock);
+    status = rank_pass(f, 0);
+    pthread_mutex_lock(&c->lock);
+    while (c->running > 0)
+        pthread_cond_wait(&c->done, &c->lock);
+    for (int r = 1; r < f->group.n; r++)
+        status = status != LLMEM_OK ? status : c->status[r];
+    pthread_mutex_unlock(&c->lock);
     return status;
 }
 
@@ -680,7 +831,14 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
     for (int attempt = 0; attempt < 3; attempt++) {
         if (graph && (status = ops->graph_begin(ctx, key)) != LLMEM_OK)
             break;
-        status = run_pass(f, tokens, seqs, n_seqs, T, n_logits, decode, dl != NULL ? dl : logits);
+        f->pass = (struct pass){.tokens = tokens,
+                                .seqs = seqs,
+                                .n_seqs = n_seqs,
+                                .T = T,
+                                .n_logits = n_logits,
+                                .decode = decode,
+                                .logits = dl != NULL ? dl : logits};
+        status = run_pass(f);
         int ended = graph ? ops->graph_end(ctx) : LLMEM_OK;
         if (ended != LLMEM_EBUSY || status != LLMEM_OK) {
             status = status != LLMEM_OK ? status : ended;

@@ -13,6 +13,7 @@
  * angle computed in double (as PyTorch's correctly rounded results do); silu is x / (1 + e^−x).
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -277,6 +278,54 @@ int llmem_backend_host_allreduce(void *ctx, float *const *buf, int64_t count) {
     for (int r = 1; r < g->n; r++)
         memcpy(buf[r], buf[0], (size_t)count * sizeof(float));
     return LLMEM_OK;
+}
+
+/* The ranks' threads of a host group meet at a barrier before and after each sum. */
+struct host_group {
+    struct llmem_backend_group group;
+    pthread_barrier_t met;
+    float *buf[LLMEM_SPLIT_MAX];
+};
+
+static int host_allreduce_rank(void *ctx, int rank, float *buf, int64_t count) {
+    struct host_group *h = ctx;
+    const int n = h->group.n;
+    h->buf[rank] = buf;
+    pthread_barrier_wait(&h->met); /* every rank's part written */
+    const int64_t lo = count * rank / n, hi = count * (rank + 1) / n;
+    for (int64_t i = lo; i < hi; i++) {
+        float sum = h->buf[0][i];
+        for (int r = 1; r < n; r++)
+            sum += h->buf[r][i];
+        for (int r = 0; r < n; r++)
+            h->buf[r][i] = sum;
+    }
+    pthread_barrier_wait(&h->met); /* every slice summed */
+    return LLMEM_OK;
+}
+
+int llmem_backend_host_group_create(int n, const struct llmem_backend *const *ranks,
+                                    struct llmem_backend_group *group) {
+    LLMEM_ASSERT(n >= 1 && n <= LLMEM_SPLIT_MAX && ranks != NULL && group != NULL);
+    struct host_group *h = calloc(1, sizeof(*h));
+    if (h == NULL || pthread_barrier_init(&h->met, NULL, (unsigned)n) != 0) {
+        free(h);
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
+    h->group = (struct llmem_backend_group){
+        .n = n, .ranks = ranks, .allreduce_rank = host_allreduce_rank, .ctx = h};
+    *group = h->group;
+    return LLMEM_OK;
+}
+
+void llmem_backend_host_group_free(struct llmem_backend_group *group) {
+    struct host_group *h = group != NULL ? group->ctx : NULL;
+    if (h == NULL)
+        return;
+    pthread_barrier_destroy(&h->met);
+    free(h);
+    group->ctx = NULL;
 }
 
 /* ---- the table --------------------------------------------------------------------------------

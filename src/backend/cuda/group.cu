@@ -13,14 +13,12 @@
 
 namespace llmem_cuda {
 
-#define GROUP_MAX 8
-
 struct group {
     struct llmem_cuda_comm *comm; /* NULL: every rank on one device (LLMEM_SPLIT_ONE_DEVICE) */
     int n;
-    struct cuda_ctx *ctx[GROUP_MAX];
-    cudaStream_t streams[GROUP_MAX];
-    cudaEvent_t ready[GROUP_MAX]; /* one device: each rank's part written; the sum made */
+    struct cuda_ctx *ctx[LLMEM_SPLIT_MAX];
+    cudaStream_t streams[LLMEM_SPLIT_MAX];
+    cudaEvent_t ready[LLMEM_SPLIT_MAX]; /* one device: each rank's part written; the sum made */
 };
 
 static __global__ void sum_kernel(float *y, const float *x, int64_t n) {
@@ -88,8 +86,8 @@ using namespace llmem_cuda;
 
 extern "C" int llmem_cuda_group_create(int n, const struct llmem_backend *const *ranks,
                                        struct llmem_backend_group *out) {
-    if (n < 1 || n > GROUP_MAX) {
-        LLMEM_ERROR("a split over %d devices; llmem splits over 1 to %d", n, GROUP_MAX);
+    if (n < 1 || n > LLMEM_SPLIT_MAX) {
+        LLMEM_ERROR("a split over %d devices; llmem splits over 1 to %d", n, LLMEM_SPLIT_MAX);
         return LLMEM_EINVAL;
     }
     struct group *g = (struct group *)calloc(1, sizeof(*g));
@@ -97,7 +95,7 @@ extern "C" int llmem_cuda_group_create(int n, const struct llmem_backend *const 
         LLMEM_ERROR("out of memory");
         return LLMEM_ENOMEM;
     }
-    int devices[GROUP_MAX], one = 1;
+    int devices[LLMEM_SPLIT_MAX], one = 1;
     g->n = n;
     for (int r = 0; r < n; r++) {
         g->ctx[r] = (struct cuda_ctx *)ranks[r]->ctx;
