@@ -181,14 +181,13 @@ void cuda_kv_attend(void *ctx, const struct llmem_backend_paged_attn *a) {
 /* Queries of a sequence's chunk from which the prefill kernel of prefill.cu takes it: at fast
  * precision, for the shapes it takes, LLMEM_CUDA_PREFILL_FROM (default 32); 0: never. */
 static int64_t prefill_from(struct cuda_ctx *c, const struct llmem_backend_paged_attn *a) {
-    static int64_t from = -1;
-    if (from < 0) {
+    static const int64_t from = [] { /* read once, by the first of the threads (−1: malformed) */
         int64_t v = 32;
-        if (llmem_option_int(LLMEM_OPT_CUDA_PREFILL_FROM, &v) != LLMEM_OK) { /* logged */
-            fail(c, LLMEM_EINVAL, "LLMEM_CUDA_PREFILL_FROM", NULL);
-            return 0;
-        }
-        from = v;
+        return llmem_option_int(LLMEM_OPT_CUDA_PREFILL_FROM, &v) == LLMEM_OK ? v : -1;
+    }();
+    if (from < 0) { /* (logged) */
+        fail(c, LLMEM_EINVAL, "LLMEM_CUDA_PREFILL_FROM", NULL);
+        return 0;
     }
     if (c->precision != LLMEM_PRECISION_FAST || a->window != 0 ||
         !llmem_cuda_prefill_fits(a->format, a->n_heads, a->n_kv_heads, a->head_dim,

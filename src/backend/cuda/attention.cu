@@ -40,6 +40,7 @@
  * A warp asks for the query and the first blocks' table entries before its first copies, so
  * that their loads do not queue behind those copies, and reads each table entry a block ahead.
  */
+#include <mutex>
 #include "backend/cuda/attention.h"
 #include "backend/cuda/kv.h"
 #include "backend/cuda/launch.h"
@@ -1279,6 +1280,8 @@ int format_option(enum llmem_option every, enum llmem_option own, int fallback) 
 
 typedef void (*kernel_fn)(const Params);
 
+/* A kernel and what its launches need; shared by every device and the threads that drive them
+ * (a split model's ranks): made once, prepared on each device under prepare_lock. */
 struct KernelInfo {
     kernel_fn fn;
     int smem;         /* the stages' bytes */
@@ -1287,20 +1290,28 @@ struct KernelInfo {
     int warps_per_sm; /* resident warps per multiprocessor, 0 until asked */
     KernelInfo *wide; /* the same kernel at more CTAs per SM, taken when its split fills one wave */
     KernelInfo *(*at_cap)(int max_ctas); /* the same kernel under another cap */
+    uint64_t devices; /* bit d: prepared on device d (its shared-memory limit raised there) */
 };
 
+static KernelInfo kernel_row(kernel_fn fn, int smem, int max_ctas,
+                             KernelInfo *(*at_cap)(int max_ctas)) {
+    return KernelInfo{fn, smem, 0, max_ctas, 0, nullptr, at_cap, 0};
+}
+
 template <int FMT, int D, int STAGES, int MINB, bool COOP> KernelInfo *kernel_info(int max_ctas) {
-    static KernelInfo info[5]; /* by max_ctas */
-    KernelInfo *k = &info[max_ctas];
-    if (k->fn == nullptr)
-        *k = {decode_kernel<FMT, D, STAGES, MINB, COOP>,
-              STAGES * Geo<FMT, D, COOP>::CTA_BYTES_PER_STAGE,
-              0,
-              max_ctas,
-              0,
-              nullptr,
-              kernel_info<FMT, D, STAGES, MINB, COOP>};
-    return k;
+    constexpr int S = STAGES * Geo<FMT, D, COOP>::CTA_BYTES_PER_STAGE;
+    static KernelInfo info[5] = { /* by max_ctas */
+        kernel_row(decode_kernel<FMT, D, STAGES, MINB, COOP>, S, 0,
+                   kernel_info<FMT, D, STAGES, MINB, COOP>),
+        kernel_row(decode_kernel<FMT, D, STAGES, MINB, COOP>, S, 1,
+                   kernel_info<FMT, D, STAGES, MINB, COOP>),
+        kernel_row(decode_kernel<FMT, D, STAGES, MINB, COOP>, S, 2,
+                   kernel_info<FMT, D, STAGES, MINB, COOP>),
+        kernel_row(decode_kernel<FMT, D, STAGES, MINB, COOP>, S, 3,
+                   kernel_info<FMT, D, STAGES, MINB, COOP>),
+        kernel_row(decode_kernel<FMT, D, STAGES, MINB, COOP>, S, 4,
+                   kernel_info<FMT, D, STAGES, MINB, COOP>)};
+    return &info[max_ctas];
 }
 
 constexpr int SMEM_CTA_MAX = 220 * 1024;
@@ -1340,17 +1351,19 @@ template <int FMT, bool COOP> KernelInfo *pick_dim(int head_dim) {
     case 256: k = pick_stages<FMT, 256, 1, COOP>(stages, ctas); break;
     default: return NULL;
     }
-    if (wide && head_dim <= 128)
-        k->wide = k->at_cap(3);
+    if (wide && head_dim <= 128 && __atomic_load_n(&k->wide, __ATOMIC_ACQUIRE) == nullptr)
+        __atomic_store_n(&k->wide, k->at_cap(3), __ATOMIC_RELEASE);
     return k;
 }
 
 template <int FMT, int D, int SL> KernelInfo *rows_info(int max_ctas) {
-    static KernelInfo info[5]; /* by max_ctas */
-    KernelInfo *k = &info[max_ctas];
-    if (k->fn == nullptr)
-        *k = {rows_kernel<FMT, D, SL>, 0, 0, max_ctas, 0, nullptr, rows_info<FMT, D, SL>};
-    return k;
+    static KernelInfo info[5] = { /* by max_ctas */
+        kernel_row(rows_kernel<FMT, D, SL>, 0, 0, rows_info<FMT, D, SL>),
+        kernel_row(rows_kernel<FMT, D, SL>, 0, 1, rows_info<FMT, D, SL>),
+        kernel_row(rows_kernel<FMT, D, SL>, 0, 2, rows_info<FMT, D, SL>),
+        kernel_row(rows_kernel<FMT, D, SL>, 0, 3, rows_info<FMT, D, SL>),
+        kernel_row(rows_kernel<FMT, D, SL>, 0, 4, rows_info<FMT, D, SL>)};
+    return &info[max_ctas];
 }
 
 /* slots: a warp's (query, head) rows, pack × group (fewer registers for 4) */
@@ -1381,19 +1394,31 @@ KernelInfo *pick_kernel(const struct llmem_cuda_attn *a) {
     }
 }
 
-/* Raises the kernel's shared-memory limit and reads its occupancy, once. */
+static std::mutex prepare_lock;
+
+/* Raises the kernel's shared-memory limit on the calling thread's device, once a device, and
+ * reads its occupancy on the first (the devices of a split are alike): its fields are written
+ * once, before any thread reads them. */
 int prepare(KernelInfo *k) {
-    if (k->warps_per_sm > 0)
-        return LLMEM_OK;
-    k->smem_alloc = k->smem;
     int dev = 0, per_sm = 0;
     cudaError_t err = cudaGetDevice(&dev);
-    if (err == cudaSuccess)
+    if (err == cudaSuccess && (dev < 0 || dev >= 64))
+        err = cudaErrorInvalidDevice;
+    if (err == cudaSuccess && (__atomic_load_n(&k->devices, __ATOMIC_ACQUIRE) >> dev & 1))
+        return LLMEM_OK;
+    std::lock_guard<std::mutex> hold(prepare_lock);
+    if (err == cudaSuccess && (k->devices >> dev & 1))
+        return LLMEM_OK;
+    const bool first = k->devices == 0;
+    if (first && err == cudaSuccess) {
         err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
-    if (err == cudaSuccess && k->max_ctas > 0) {
-        /* more than per_sm / (max_ctas + 1) a CTA (1 KB of it reserved) leaves room for fewer */
-        int floor_bytes = per_sm / (k->max_ctas + 1) - 1024 + 256;
-        k->smem_alloc = floor_bytes > k->smem ? floor_bytes : k->smem;
+        k->smem_alloc = k->smem;
+        if (err == cudaSuccess && k->max_ctas > 0) {
+            /* more than per_sm / (max_ctas + 1) a CTA (1 KB of it reserved) leaves room for
+             * fewer */
+            int floor_bytes = per_sm / (k->max_ctas + 1) - 1024 + 256;
+            k->smem_alloc = floor_bytes > k->smem ? floor_bytes : k->smem;
+        }
     }
     /* the kernel's limit covers every cap it is launched under (a KernelInfo per cap) */
     cudaFuncAttributes attr;
@@ -1402,8 +1427,8 @@ int prepare(KernelInfo *k) {
     if (err == cudaSuccess && attr.maxDynamicSharedSizeBytes < k->smem_alloc)
         err =
             cudaFuncSetAttribute(k->fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k->smem_alloc);
-    int blocks = 0;
-    if (err == cudaSuccess)
+    int blocks = first ? 0 : k->warps_per_sm / WARPS;
+    if (first && err == cudaSuccess)
         err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k->fn, WARPS * 32,
                                                             k->smem_alloc);
     if (err != cudaSuccess || blocks == 0) {
@@ -1411,7 +1436,9 @@ int prepare(KernelInfo *k) {
                        cudaGetErrorString(err), blocks);
         return LLMEM_EIO;
     }
-    k->warps_per_sm = blocks * WARPS;
+    if (first)
+        k->warps_per_sm = blocks * WARPS;
+    __atomic_store_n(&k->devices, k->devices | (uint64_t)1 << dev, __ATOMIC_RELEASE);
     return LLMEM_OK;
 }
 
@@ -1508,7 +1535,7 @@ int plan(const struct llmem_cuda_attn *a, KernelInfo **kernel, int *split_len, i
     choose_split(a, slots > 0 ? slots : 1024, split_len, n_splits);
     /* more CTAs per SM pay when their split still runs in one wave (more warps to hide each
      * other's latency); a second wave costs more than they give (docs/BENCHMARKS.md) */
-    KernelInfo *wide = (*kernel)->wide;
+    KernelInfo *wide = __atomic_load_n(&(*kernel)->wide, __ATOMIC_ACQUIRE);
     if (wide != NULL && a->split_len == 0 && prepare(wide) == LLMEM_OK) {
         const long long wide_slots = (long long)sm_count() * wide->warps_per_sm;
         int len, n;

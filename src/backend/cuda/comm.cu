@@ -107,28 +107,55 @@ extern "C" int llmem_cuda_comm_size(const struct llmem_cuda_comm *c) {
     return c->n;
 }
 
+/* LLMEM_EINVAL (logged) for a dtype NCCL is not given here. */
+static int sum_dtype(enum llmem_dtype dtype) {
+    if (dtype == LLMEM_DTYPE_F32 || dtype == LLMEM_DTYPE_F16 || dtype == LLMEM_DTYPE_BF16)
+        return LLMEM_OK;
+    LLMEM_ERROR("an all-reduce of %s values (f32, f16 or bf16)", llmem_dtype_name(dtype));
+    return LLMEM_EINVAL;
+}
+
+#ifdef LLMEM_NCCL
+static ncclDataType_t nccl_type(enum llmem_dtype dtype) {
+    return dtype == LLMEM_DTYPE_F32 ? ncclFloat32 : dtype == LLMEM_DTYPE_F16 ? ncclFloat16 : ncclBfloat16;
+}
+#endif
+
 extern "C" int llmem_cuda_comm_allreduce(struct llmem_cuda_comm *c, void *const *buf, int64_t count,
                                          enum llmem_dtype dtype,
                                          struct CUstream_st *const *streams) {
     LLMEM_ASSERT(c != NULL && buf != NULL && streams != NULL && count >= 0);
-    if (dtype != LLMEM_DTYPE_F32 && dtype != LLMEM_DTYPE_F16 && dtype != LLMEM_DTYPE_BF16) {
-        LLMEM_ERROR("an all-reduce of %s values (f32, f16 or bf16)", llmem_dtype_name(dtype));
+    if (sum_dtype(dtype) != LLMEM_OK)
         return LLMEM_EINVAL;
-    }
     if (count == 0)
         return LLMEM_OK;
 #ifdef LLMEM_NCCL
-    const ncclDataType_t t = dtype == LLMEM_DTYPE_F32   ? ncclFloat32
-                             : dtype == LLMEM_DTYPE_F16 ? ncclFloat16
-                                                        : ncclBfloat16;
     int st = nccl_check(ncclGroupStart(), "ncclGroupStart");
     for (int r = 0; st == LLMEM_OK && r < c->n; r++)
-        st = nccl_check(
-            ncclAllReduce(buf[r], buf[r], (size_t)count, t, ncclSum, c->comms[r], streams[r]),
-            "ncclAllReduce");
+        st = nccl_check(ncclAllReduce(buf[r], buf[r], (size_t)count, nccl_type(dtype), ncclSum,
+                                      c->comms[r], streams[r]),
+                        "ncclAllReduce");
     const int end = nccl_check(ncclGroupEnd(), "ncclGroupEnd");
     return st != LLMEM_OK ? st : end;
 #else
     return LLMEM_OK; /* (one rank, as a group without NCCL is: the sum is its own values) */
+#endif
+}
+
+extern "C" int llmem_cuda_comm_allreduce_rank(struct llmem_cuda_comm *c, int rank, void *buf,
+                                              int64_t count, enum llmem_dtype dtype,
+                                              struct CUstream_st *stream) {
+    LLMEM_ASSERT(c != NULL && rank >= 0 && rank < c->n && count >= 0);
+    if (sum_dtype(dtype) != LLMEM_OK)
+        return LLMEM_EINVAL;
+    if (count == 0)
+        return LLMEM_OK;
+#ifdef LLMEM_NCCL
+    return nccl_check(ncclAllReduce(buf, buf, (size_t)count, nccl_type(dtype), ncclSum,
+                                    c->comms[rank], stream),
+                      "ncclAllReduce");
+#else
+    (void)buf, (void)stream;
+    return LLMEM_OK;
 #endif
 }

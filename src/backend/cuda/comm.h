@@ -36,6 +36,11 @@ int llmem_cuda_comm_size(const struct llmem_cuda_comm *c);
 int llmem_cuda_comm_allreduce(struct llmem_cuda_comm *c, void *const *buf, int64_t count,
                               enum llmem_dtype dtype, struct CUstream_st *const *streams);
 
+/* Rank `rank`'s part of the same sum, from a thread of its own (the thread of each rank calls
+ * it, in the same order): buf on its device, queued on its stream; returns once queued. */
+int llmem_cuda_comm_allreduce_rank(struct llmem_cuda_comm *c, int rank, void *buf, int64_t count,
+                                   enum llmem_dtype dtype, struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif

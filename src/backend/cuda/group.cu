@@ -1,10 +1,11 @@
 /*
  * backend/cuda/group.cu — the ranks of a split model on CUDA devices (backend/ops.h
  * llmem_backend_group): their backends, one device each, and NCCL's all-reduce over the
- * communicator they share (comm.h), queued on each rank's compute stream after its operations,
- * every rank's from the one thread that drives them; or, every rank on one device
- * (LLMEM_SPLIT_ONE_DEVICE: a split checked on one GPU), the sum made there by rank 0's stream.
+ * communicator they share (comm.h), queued on each rank's compute stream after its operations by
+ * the rank's own thread; or, every rank on one device (LLMEM_SPLIT_ONE_DEVICE: a split checked on
+ * one GPU), the sum made there by rank 0's stream once the ranks' threads have met.
  */
+#include <pthread.h>
 #include <stdlib.h>
 
 #include "backend/cuda/backend.h"
@@ -18,7 +19,12 @@ struct group {
     int n;
     struct cuda_ctx *ctx[LLMEM_SPLIT_MAX];
     cudaStream_t streams[LLMEM_SPLIT_MAX];
-    cudaEvent_t ready[LLMEM_SPLIT_MAX]; /* one device: each rank's part written; the sum made */
+    /* one device: the ranks' threads meet before and after rank 0's stream sums their parts;
+     * each rank's part written, the sum made */
+    int met_made;
+    pthread_barrier_t met;
+    float *buf[LLMEM_SPLIT_MAX];
+    cudaEvent_t ready[LLMEM_SPLIT_MAX];
 };
 
 static __global__ void sum_kernel(float *y, const float *x, int64_t n) {
@@ -27,49 +33,52 @@ static __global__ void sum_kernel(float *y, const float *x, int64_t n) {
         y[i] = __fadd_rn(y[i], x[i]);
 }
 
-/* Every rank on one device: rank 0's stream waits for the others' parts, adds them to its own in
- * rank order and copies the sum back to them; their streams wait for that. */
-static int one_device_sum(struct group *g, float *const *buf, int64_t count) {
-    struct cuda_ctx *c0 = g->ctx[0];
-    const size_t bytes = (size_t)count * sizeof(float);
-    const unsigned blocks = (unsigned)((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096);
-    for (int r = 1; r < g->n; r++) {
-        if (check(c0, cudaEventRecord(g->ready[r], g->streams[r]), "cudaEventRecord") != LLMEM_OK ||
-            check(c0, cudaStreamWaitEvent(g->streams[0], g->ready[r], 0), "cudaStreamWaitEvent") !=
-                LLMEM_OK)
-            return c0->failed;
-        sum_kernel<<<blocks > 0 ? blocks : 1, 256, 0, g->streams[0]>>>(buf[0], buf[r], count);
+/* Every rank on one device: each rank's stream marks its part written; once every rank's thread
+ * has, rank 0's stream waits for the others' parts, adds them to its own in rank order and copies
+ * the sum back to them, and their streams wait for that. */
+static int one_device_sum(struct group *g, int r, float *buf, int64_t count) {
+    struct cuda_ctx *c = g->ctx[r];
+    g->buf[r] = buf;
+    int status = r > 0 ? check(c, cudaEventRecord(g->ready[r], g->streams[r]), "cudaEventRecord")
+                       : LLMEM_OK;
+    pthread_barrier_wait(&g->met); /* every part queued, its event recorded */
+    if (r == 0) {
+        const size_t bytes = (size_t)count * sizeof(float);
+        const unsigned blocks = (unsigned)((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096);
+        for (int q = 1; status == LLMEM_OK && q < g->n; q++) {
+            status = check(c, cudaStreamWaitEvent(g->streams[0], g->ready[q], 0),
+                           "cudaStreamWaitEvent");
+            sum_kernel<<<blocks > 0 ? blocks : 1, 256, 0, g->streams[0]>>>(buf, g->buf[q], count);
+        }
+        for (int q = 1; status == LLMEM_OK && q < g->n; q++)
+            status = check(c, cudaMemcpyAsync(g->buf[q], buf, bytes, cudaMemcpyDeviceToDevice,
+                                              g->streams[0]),
+                           "cudaMemcpyAsync");
+        if (status == LLMEM_OK)
+            status = check(c, cudaEventRecord(g->ready[0], g->streams[0]), "cudaEventRecord");
+        if (status == LLMEM_OK)
+            status = check(c, cudaGetLastError(), "the sum of a split");
     }
-    for (int r = 1; r < g->n; r++)
-        if (check(c0, cudaMemcpyAsync(buf[r], buf[0], bytes, cudaMemcpyDeviceToDevice,
-                                      g->streams[0]),
-                  "cudaMemcpyAsync") != LLMEM_OK)
-            return c0->failed;
-    if (check(c0, cudaEventRecord(g->ready[0], g->streams[0]), "cudaEventRecord") != LLMEM_OK)
-        return c0->failed;
-    for (int r = 1; r < g->n; r++)
-        if (check(c0, cudaStreamWaitEvent(g->streams[r], g->ready[0], 0), "cudaStreamWaitEvent") !=
-            LLMEM_OK)
-            return c0->failed;
-    return check(c0, cudaGetLastError(), "the sum of a split");
+    pthread_barrier_wait(&g->met); /* the sum queued */
+    if (r > 0 && status == LLMEM_OK)
+        status = check(c, cudaStreamWaitEvent(g->streams[r], g->ready[0], 0),
+                       "cudaStreamWaitEvent");
+    return status;
 }
 
-/* The sum over the ranks, in place. The ranks' 16-bit copies of their last output (shadow_x) are
- * dropped, as by any other operation; a rank that failed before fails the group's sum. */
-static int group_allreduce(void *arg, float *const *buf, int64_t count) {
+/* Rank r's part of the sum over the ranks, in place, from its thread. Its 16-bit copy of its last
+ * output (shadow_x) is dropped, as by any other operation. A rank that failed before still takes
+ * part (so that the others' sums complete) and returns its failure. */
+static int group_allreduce_rank(void *arg, int r, float *buf, int64_t count) {
     struct group *g = (struct group *)arg;
-    for (int r = 0; r < g->n; r++) {
-        if (g->ctx[r]->failed)
-            return g->ctx[r]->failed;
-        g->ctx[r]->shadow_x = NULL;
-    }
-    int status = g->comm == NULL ? one_device_sum(g, buf, count)
-                                 : llmem_cuda_comm_allreduce(g->comm, (void *const *)buf, count,
-                                                             LLMEM_DTYPE_F32, g->streams);
-    for (int r = 0; status != LLMEM_OK && r < g->n; r++)
-        if (!g->ctx[r]->failed)
-            g->ctx[r]->failed = status;
-    return status;
+    struct cuda_ctx *c = g->ctx[r];
+    c->shadow_x = NULL;
+    const int status = g->comm == NULL ? one_device_sum(g, r, buf, count)
+                                       : llmem_cuda_comm_allreduce_rank(
+                                             g->comm, r, buf, count, LLMEM_DTYPE_F32, g->streams[r]);
+    if (status != LLMEM_OK && !c->failed)
+        c->failed = status;
+    return c->failed;
 }
 
 static void free_group(struct group *g) {
@@ -77,6 +86,8 @@ static void free_group(struct group *g) {
     for (int r = 0; r < g->n; r++)
         if (g->ready[r] != NULL)
             cudaEventDestroy(g->ready[r]);
+    if (g->met_made)
+        pthread_barrier_destroy(&g->met);
     free(g);
 }
 
@@ -106,6 +117,11 @@ extern "C" int llmem_cuda_group_create(int n, const struct llmem_backend *const 
     int status = LLMEM_OK;
     if (one && n > 1) { /* no communicator: the sum made on the device (one_device_sum) */
         cudaSetDevice(devices[0]);
+        g->met_made = pthread_barrier_init(&g->met, NULL, (unsigned)n) == 0;
+        if (!g->met_made) {
+            LLMEM_ERROR("out of memory");
+            status = LLMEM_ENOMEM;
+        }
         for (int r = 0; status == LLMEM_OK && r < n; r++)
             if (cudaEventCreateWithFlags(&g->ready[r], cudaEventDisableTiming) != cudaSuccess) {
                 LLMEM_ERROR("cudaEventCreate failed");
@@ -119,7 +135,7 @@ extern "C" int llmem_cuda_group_create(int n, const struct llmem_backend *const 
         return status;
     }
     *out = (struct llmem_backend_group){
-        .n = n, .ranks = ranks, .allreduce = group_allreduce, .ctx = g};
+        .n = n, .ranks = ranks, .allreduce = NULL, .allreduce_rank = group_allreduce_rank, .ctx = g};
     return LLMEM_OK;
 }
 

@@ -382,11 +382,12 @@ extern "C" int llmem_cuda_prefill_fits(enum llmem_kv_format format, int n_heads,
 }
 
 extern "C" int llmem_cuda_prefill_mblocks(int group, int n_kv_heads, int64_t queries) {
-    static int forced = -1; /* read once: a malformed value is logged once, then chosen per call */
-    if (forced < 0) {
+    /* read once (by the first of the threads): a malformed value is logged once, then chosen per
+     * call */
+    static const int forced = [] {
         int64_t v = 0;
-        forced = llmem_option_int(LLMEM_OPT_CUDA_PREFILL_MBLOCKS, &v) == LLMEM_OK ? (int)v : 0;
-    }
+        return llmem_option_int(LLMEM_OPT_CUDA_PREFILL_MBLOCKS, &v) == LLMEM_OK ? (int)v : 0;
+    }();
     if (forced > 0)
         return forced;
     const int tq = llmem_cuda_prefill_tile_queries(group, 2);

@@ -1668,13 +1668,12 @@ static void smem_launch(struct cuda_ctx *c, bool (&allowed)[64], void (*kernel)(
     int dev = 0;
     if (check(c, cudaGetDevice(&dev), "device") != LLMEM_OK || dev < 0 || dev >= 64)
         return;
-    if (!allowed[dev])
-        allowed[dev] = check(c,
-                             cudaFuncSetAttribute(kernel,
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  bytes),
-                             "qmma shared memory") == LLMEM_OK;
-    if (allowed[dev])
+    /* (the threads of a split's ranks may ask at once: each sets the same limit) */
+    if (!__atomic_load_n(&allowed[dev], __ATOMIC_ACQUIRE) &&
+        check(c, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+              "qmma shared memory") == LLMEM_OK)
+        __atomic_store_n(&allowed[dev], true, __ATOMIC_RELEASE);
+    if (__atomic_load_n(&allowed[dev], __ATOMIC_ACQUIRE))
         pdl_launch(c->stream, kernel, grid, block, (size_t)bytes, std::forward<Args>(args)...);
 }
 
