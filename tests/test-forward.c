@@ -967,6 +967,144 @@ static void test_tensor_parallel_threads(void **state) {
     }
 }
 
+/* A rank's CPU backend with a device's graph protocol (backend/ops.h graph_begin …), for the
+ * ranks' agreement on it: its passes run at once whatever the way (a pass run again gives the
+ * same results), graph_want answers `want`, and graph_end of a recorded or replayed pass says it
+ * did not match every `miss`-th time, or fails once at pass `fail`. Each graph_begin's `most`
+ * and each graph_launch's go are kept, to compare across the ranks. */
+struct graphed {
+    struct llmem_backend be;
+    const struct llmem_backend *cpu;
+    int want, miss, fail;
+    int passes, ends;
+    int most[64], go[64], n_go;
+};
+static struct graphed graphed[4];
+static struct llmem_backend_ops graphed_ops;
+
+static struct graphed *graphed_of(void *ctx) {
+    for (int i = 0; i < 4; i++)
+        if (graphed[i].cpu != NULL && graphed[i].cpu->ctx == ctx)
+            return &graphed[i];
+    fail();
+    return NULL;
+}
+
+static int graphed_want(void *ctx, uint64_t key) {
+    (void)key;
+    return graphed_of(ctx)->want;
+}
+
+static int graphed_begin(void *ctx, uint64_t key, int most) {
+    (void)key;
+    struct graphed *g = graphed_of(ctx);
+    if (g->passes < 64)
+        g->most[g->passes] = most;
+    g->passes++;
+    return LLMEM_OK;
+}
+
+static int graphed_end(void *ctx) {
+    struct graphed *g = graphed_of(ctx);
+    const int way = g->passes <= 64 ? g->most[g->passes - 1] : LLMEM_GRAPH_RUN;
+    if (g->passes == g->fail)
+        return LLMEM_EIO;
+    if (way != LLMEM_GRAPH_RUN && g->miss > 0 && ++g->ends % g->miss == 0)
+        return LLMEM_EBUSY;
+    return LLMEM_OK;
+}
+
+static int graphed_launch(void *ctx, int go) {
+    struct graphed *g = graphed_of(ctx);
+    if (g->n_go < 64)
+        g->go[g->n_go] = go;
+    g->n_go++;
+    return LLMEM_OK;
+}
+
+/* A split over 2 and 4 ranks on threads whose backends have graphs, each rank wanting its own way
+ * (rank 0 replays, rank 1 records, the others run as usual where there are more) and the last
+ * missing every third recorded or replayed pass: every pass is begun by every rank with the same
+ * way (the least wanted; as usual again after a miss), launched by all or dropped by all, and the
+ * logits are the whole model's; a rank whose pass fails fails the pass (LLMEM_EIO), the others
+ * finishing theirs, and the next pass runs. */
+static void test_tensor_parallel_graph_agreement(void **state) {
+    (void)state;
+    char dir[512];
+    model_dir("tiny-llama3", dir, sizeof(dir));
+    struct generation gens[1];
+    load_generations("tiny-llama3", gens, 1);
+    const int64_t rows = 3 + 4 * 2;
+    struct rig r;
+    rig_open(&r, dir, LLMEM_KV_LAYOUT_PAGED, LLMEM_KV_FORMAT_F32, 7, 2);
+    float *want = malloc((size_t)(rows * r.vocab) * sizeof(float));
+    shared_steps(&r, &gens[0], want);
+    rig_close(&r);
+    for (int n = 2; n <= 4; n *= 2) {
+        struct split s;
+        split_open(&s, dir, n, 7, 1);
+        llmem_forward_free(s.r.fwd); /* made again over the ranks' graphed backends */
+        graphed_ops = *s.ranks[0]->ops;
+        graphed_ops.graph_want = graphed_want, graphed_ops.graph_begin = graphed_begin;
+        graphed_ops.graph_end = graphed_end, graphed_ops.graph_launch = graphed_launch;
+        memset(graphed, 0, sizeof(graphed));
+        for (int k = 0; k < n; k++) {
+            graphed[k] = (struct graphed){.be = {&graphed_ops, s.ranks[k]->ctx},
+                                          .cpu = s.ranks[k],
+                                          .want = k == 0   ? LLMEM_GRAPH_REPLAY
+                                                  : k == 1 ? LLMEM_GRAPH_RECORD
+                                                           : LLMEM_GRAPH_RUN,
+                                          .miss = k == n - 1 ? 3 : 0};
+            s.ranks[k] = &graphed[k].be;
+        }
+        s.group.graphs = 1;
+        assert_int_equal(llmem_forward_create_split(s.shares, &s.group, s.r.kv, 7, &s.r.fwd),
+                         LLMEM_OK);
+        float *got = malloc((size_t)(rows * s.r.vocab) * sizeof(float));
+        for (int round = 0; round < 2; round++) { /* rank 0 alone wants a replay, then all */
+            for (int k = 0; k < n; k++)
+                graphed[k].want = round == 0 && k > 0 ? graphed[k].want : LLMEM_GRAPH_REPLAY;
+            shared_steps(&s.r, &gens[0], got);
+            const double d = max_abs_diff(got, want, (size_t)(rows * s.r.vocab));
+            assert_true(d <= 1e-4);
+        }
+        const int passes = graphed[0].passes;
+        int retried = 0;
+        assert_true(passes >= 8 && passes <= 64);
+        for (int k = 1; k < n; k++) {
+            assert_int_equal(graphed[k].passes, passes);
+            assert_int_equal(graphed[k].n_go, passes);
+            assert_memory_equal(graphed[k].most, graphed[0].most, (size_t)passes * sizeof(int));
+            assert_memory_equal(graphed[k].go, graphed[0].go, (size_t)passes * sizeof(int));
+        }
+        for (int i = 0; i < passes; i++) {
+            retried += !graphed[0].go[i];
+            if (!graphed[0].go[i]) /* dropped: the same pass again, as usual */
+                assert_true(i + 1 < passes && graphed[0].most[i + 1] == LLMEM_GRAPH_RUN);
+        }
+        assert_true(retried > 0);
+        /* a failure on rank 1 at its next pass */
+        graphed[1].fail = graphed[1].passes + 1;
+        int seq;
+        assert_int_equal(llmem_kv_seq_new(s.r.kv, &seq), LLMEM_OK);
+        float *row = malloc((size_t)s.r.vocab * sizeof(float));
+        prefill(&s.r, seq, gens[0].ids, 4, row);
+        struct llmem_batch_seq b = {seq, 4, 1, 0};
+        assert_int_equal(llmem_forward_run(s.r.fwd, &gens[0].ids[4], &b, 1, row), LLMEM_EIO);
+        assert_int_equal(llmem_kv_seq_length(s.r.kv, seq), 4);
+        assert_int_equal(llmem_forward_run(s.r.fwd, &gens[0].ids[4], &b, 1, row), LLMEM_OK);
+        llmem_kv_seq_free(s.r.kv, seq);
+        printf("  over %d ranks: %d graph passes agreed, %d run again after a miss\n", n, passes,
+               retried);
+        free(row), free(got);
+        for (int k = 0; k < n; k++) /* (split_close frees the CPU backends) */
+            s.ranks[k] = graphed[k].cpu;
+        split_close(&s);
+    }
+    free(want);
+    free_generations(gens, 1);
+}
+
 /* The top k of each row on the host, as a device's top_k delivers it (by value descending, equal
  * values by the lower column): the CPU backend's table with it, for a split's merge of its ranks'
  * shares. */
@@ -1180,6 +1318,7 @@ int main(int argc, char **argv) {
     };
     const struct CMUnitTest threads[] = {
         cmocka_unit_test(test_tensor_parallel_threads),
+        cmocka_unit_test(test_tensor_parallel_graph_agreement),
     };
     const struct tu_group groups[] = {
         TU_GROUP("forward", tests, NULL),

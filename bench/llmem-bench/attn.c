@@ -127,10 +127,12 @@ static int measure(const struct llmem_backend *be, struct llmem_mem *mem,
     for (int64_t i = -2; i < GROUPS * per_group; i++) { /* two calls: run once, then recorded */
         if (i >= 0 && i % per_group == 0)
             be->ops->counters(be->ctx, &c0);
-        if (be->ops->graph_begin(be->ctx, (uint64_t)batch) != LLMEM_OK)
+        if (be->ops->graph_begin(be->ctx, (uint64_t)batch, LLMEM_GRAPH_REPLAY) != LLMEM_OK)
             goto out;
         int status = llmem_kv_attend_last(kv, (int)batch, seqs, NULL, 0, dq, dout, &attn);
         int ended = be->ops->graph_end(be->ctx);
+        if (ended == LLMEM_OK)
+            ended = be->ops->graph_launch(be->ctx, status == LLMEM_OK);
         if (ended == LLMEM_EBUSY) /* not replayed (nothing ran): not a call of the group */
             continue;
         if (status != LLMEM_OK || ended != LLMEM_OK || be->ops->sync(be->ctx) != LLMEM_OK)

@@ -121,6 +121,9 @@ struct llmem_backend_counters {
                            * matrix's rows × row bytes per call, the experts' included) */
 };
 
+/* How a backend runs a pass between graph_begin and graph_end, in increasing order. */
+enum { LLMEM_GRAPH_RUN, LLMEM_GRAPH_RECORD, LLMEM_GRAPH_REPLAY };
+
 struct llmem_backend_ops {
     const char *name; /* "cpu" */
     void (*destroy)(void *ctx);
@@ -239,18 +242,25 @@ struct llmem_backend_ops {
     void (*embedding_top)(void *ctx, const struct llmem_weight *table, int64_t n, float *out);
 
     /* (optional) A pass the caller repeats with the same shapes, between graph_begin and
-     * graph_end (a decode step): the backend may record it and replay the recording, with the
-     * pass's own small per-call arrays, as one launch. Its operations may be queued only at
-     * graph_end, and so may copies between the backend's buffers (those are queued ahead of the
-     * pass). graph_end returns LLMEM_OK when the pass is queued, LLMEM_EBUSY when nothing of it
-     * ran (it did not match its recording): the caller then runs the same pass again, right away;
-     * or the backend's failure. `key` tells passes of different shapes apart (the backend also
-     * compares every operation and argument). */
-    int (*graph_begin)(void *ctx, uint64_t key);
+     * graph_end (a decode step): the backend may run it as usual (LLMEM_GRAPH_RUN), record it
+     * (LLMEM_GRAPH_RECORD) or replay its recording with the pass's own small per-call arrays, as
+     * one launch (LLMEM_GRAPH_REPLAY): the way graph_want names, or run it as usual where that is
+     * more than `most` (the ranks of a split agree on the least any of them wants). Recorded or
+     * replayed, nothing of the pass runs before graph_launch, its operations are queued only
+     * there, and so may copies between the backend's buffers (those are queued ahead of the
+     * pass). graph_end returns LLMEM_OK when the pass ran, or is held for graph_launch;
+     * LLMEM_EBUSY when nothing of it ran or is held (it did not match its recording, or could not
+     * be recorded): the caller then runs the same pass again, right away; or the backend's
+     * failure. graph_launch launches what graph_end held (go) or drops it (nothing of the pass
+     * ran; its recording is kept), and returns the first failure so far. `key` tells passes of
+     * different shapes apart (the backend also compares every operation and argument). */
+    int (*graph_begin)(void *ctx, uint64_t key, int most);
     int (*graph_end)(void *ctx);
-    /* (optional, with graph_begin) Whether a pass of this key would be replayed: its recording is
-     * ready (graph_begin and graph_end then only stage and launch it; no recording, no run). */
-    int (*graph_ready)(void *ctx, uint64_t key);
+    int (*graph_launch)(void *ctx, int go);
+    /* (with graph_begin) How graph_begin would run a pass of this key (no more than
+     * LLMEM_GRAPH_REPLAY asked): LLMEM_GRAPH_REPLAY when its recording is ready (graph_begin and
+     * graph_end then only stage it; no recording, no run). */
+    int (*graph_want)(void *ctx, uint64_t key);
     /* (optional) */
     void (*counters)(void *ctx, struct llmem_backend_counters *out);
     /* (optional: backends of a device) Makes the backend's device the calling thread's current
@@ -281,6 +291,8 @@ struct llmem_backend_group {
      * (queued, on a device). A rank that failed still makes every call, so that the others do not
      * wait for it; its failure is returned to it. */
     int (*allreduce_rank)(void *ctx, int rank, float *buf, int64_t count);
+    int graphs; /* allreduce_rank may be recorded in its ranks' graphs (graph_begin), which then
+                 * launch together or not at all */
     void *ctx;
 };
 

@@ -34,9 +34,12 @@
  * (llmem_forward_start_next: its embedding reads them on the device); each wait is then for the
  * older pass (the backend's top_k_wait).
  *
- * A model split over several backends (forward_split.h: tensor parallelism) runs the same code a
- * rank at a time (struct rank: each its share, backend and activations), the ranks' partial
- * outputs of o, down, the experts and the embeddings summed by their group between the blocks.
+ * A model split over several backends (forward_split.h: tensor parallelism) runs the same code
+ * for each rank (struct rank: each its share, backend and activations), a pass cut into segments
+ * (the embeddings, each attention and MLP block, the logits) whose partial outputs — of o, down,
+ * the experts, the embeddings — the group sums between them: on devices each rank's thread runs
+ * its segments and its part of each sum (struct crew), and records its decode steps as graphs
+ * when every rank agrees (rank_graphed); on the host the ranks take turns, segment by segment.
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -84,6 +87,8 @@ struct pass {
     int64_t T, n_logits;
     int decode;    /* every sequence has one token */
     float *logits; /* a group of one's logits rows (the backend's memory) */
+    int graph;     /* recorded and replayed (graph_begin), with this key */
+    uint64_t key;
 };
 
 struct llmem_forward {
@@ -521,7 +526,7 @@ static int rank_pass(struct llmem_forward *f, int r) {
     for (int seg = 0; seg < segments(f); seg++) {
         if (status == LLMEM_OK)
             status = segment(f, r, seg);
-        if (seg < segments(f) - 1) {
+        if (seg < segments(f) - 1 && f->group.n > 1) {
             const int st =
                 f->group.allreduce_rank(f->group.ctx, r, joined(&f->ranks[r], seg), count);
             status = status != LLMEM_OK ? status : st;
@@ -542,12 +547,57 @@ struct crew {
     int running;     /* threads still running the current pass */
     int stop;
     int status[LLMEM_SPLIT_MAX];
+    pthread_barrier_t met; /* the ranks' threads (the caller's as rank 0's) meet to agree */
+    int votes[LLMEM_SPLIT_MAX];
 };
 
 struct crew_arg {
     struct crew *crew;
     int rank;
 };
+
+/* The largest of the ranks' values v (each rank's thread gives its own): what they agree on, with
+ * a group of one's its own. */
+static int agree(struct llmem_forward *f, int r, int v) {
+    struct crew *c = f->crew;
+    if (c == NULL)
+        return v;
+    c->votes[r] = v;
+    pthread_barrier_wait(&c->met); /* every vote in */
+    int most = v;
+    for (int q = 0; q < f->group.n; q++)
+        most = c->votes[q] > most ? c->votes[q] : most;
+    pthread_barrier_wait(&c->met); /* every vote read before the next */
+    return most;
+}
+
+/* Rank r's pass (a group of one's whole pass), or, where the pass is a graph's (pass.graph),
+ * recorded and replayed: every rank of a split run the same way (the least any wants), the ranks'
+ * recordings launched together or not at all, and the pass run again as usual when one did not
+ * match its recording or could not be recorded. */
+static int rank_graphed(struct llmem_forward *f, int r) {
+    if (!f->pass.graph)
+        return rank_pass(f, r);
+    const struct llmem_backend *be = f->ranks[r].be;
+    int most = LLMEM_GRAPH_REPLAY;
+    for (;;) {
+        (void)enter(f, r);
+        const int want = be->ops->graph_want(be->ctx, f->pass.key);
+        const int way = -agree(f, r, -(want < most ? want : most));
+        int status = be->ops->graph_begin(be->ctx, f->pass.key, way);
+        const int ran = rank_pass(f, r); /* (every rank makes every sum) */
+        const int ended = be->ops->graph_end(be->ctx);
+        status = status != LLMEM_OK ? status : ran != LLMEM_OK ? ran : ended;
+        /* 0: every rank's pass ran or is held; 1: one did not match; 2: one failed */
+        const int worst = agree(f, r, status == LLMEM_OK ? 0 : status == LLMEM_EBUSY ? 1 : 2);
+        const int launched = be->ops->graph_launch(be->ctx, worst == 0);
+        if (worst == 0)
+            return launched;
+        if (worst == 2 || way == LLMEM_GRAPH_RUN) /* (the failed rank's status is the pass's) */
+            return status == LLMEM_EBUSY ? LLMEM_OK : status;
+        most = LLMEM_GRAPH_RUN; /* again, as usual */
+    }
+}
 
 static void *crew_thread(void *arg) {
     struct crew_arg a = *(struct crew_arg *)arg;
@@ -563,7 +613,7 @@ static void *crew_thread(void *arg) {
         pthread_mutex_unlock(&c->lock);
         if (stop)
             return NULL;
-        const int status = rank_pass(c->f, a.rank);
+        const int status = rank_graphed(c->f, a.rank);
         pthread_mutex_lock(&c->lock);
         c->status[a.rank] = status;
         if (--c->running == 0)
@@ -584,6 +634,7 @@ static void crew_free(struct crew *c) {
     pthread_mutex_destroy(&c->lock);
     pthread_cond_destroy(&c->go);
     pthread_cond_destroy(&c->done);
+    pthread_barrier_destroy(&c->met);
     free(c);
 }
 
@@ -594,6 +645,11 @@ static int crew_create(struct llmem_forward *f, struct crew **out) {
         return LLMEM_ENOMEM;
     }
     c->f = f;
+    if (pthread_barrier_init(&c->met, NULL, (unsigned)f->group.n) != 0) {
+        free(c);
+        LLMEM_ERROR("out of memory");
+        return LLMEM_ENOMEM;
+    }
     pthread_mutex_init(&c->lock, NULL);
     pthread_cond_init(&c->go, NULL);
     pthread_cond_init(&c->done, NULL);
@@ -617,11 +673,13 @@ static int crew_create(struct llmem_forward *f, struct crew **out) {
  * ranks one after another, a segment at a time, or each on its thread. */
 static int run_pass(struct llmem_forward *f) {
     int status = LLMEM_OK;
+    if (f->group.n == 1)
+        return rank_graphed(f, 0);
     if (f->crew == NULL) {
         for (int seg = 0; status == LLMEM_OK && seg < segments(f); seg++) {
             for (int r = 0; status == LLMEM_OK && r < f->group.n; r++)
                 status = segment(f, r, seg);
-            if (status == LLMEM_OK && seg < segments(f) - 1 && f->group.n > 1) {
+            if (status == LLMEM_OK && seg < segments(f) - 1) {
                 float *buf[LLMEM_SPLIT_MAX];
                 for (int r = 0; r < f->group.n; r++)
                     buf[r] = joined(&f->ranks[r], seg);
@@ -637,7 +695,7 @@ static int run_pass(struct llmem_forward *f) {
     c->running = c->n;
     pthread_cond_broadcast(&c->go);
     pthread_mutex_unlock(&c->lock);
-    status = rank_pass(f, 0);
+    status = rank_graphed(f, 0);
     pthread_mutex_lock(&c->lock);
     while (c->running > 0)
         pthread_cond_wait(&c->done, &c->lock);
@@ -680,10 +738,20 @@ static int fetch_logits(struct llmem_forward *f, float *logits, int64_t rows) {
     return status;
 }
 
+/* Whether the pass's decode steps may be graphs: on a device, a group of one or a split whose
+ * ranks' threads record their sums too. */
+static int graphs(const struct llmem_forward *f) {
+    return f->model->on_device && f->be->ops->graph_begin != NULL &&
+           (f->group.n == 1 || (f->crew != NULL && f->group.graphs));
+}
+
 int llmem_forward_replays(const struct llmem_forward *f, int n_seqs) {
-    const struct llmem_backend_ops *ops = f->be->ops;
-    return f->group.n == 1 && f->model->on_device && ops->graph_ready != NULL &&
-           llmem_kv_blocks_free(f->kv) >= n_seqs && ops->graph_ready(f->be->ctx, (uint64_t)n_seqs);
+    int ready = graphs(f) && llmem_kv_blocks_free(f->kv) >= n_seqs;
+    for (int r = 0; ready && r < f->group.n; r++) {
+        const struct llmem_backend *be = f->ranks[r].be;
+        ready = be->ops->graph_want(be->ctx, (uint64_t)n_seqs) == LLMEM_GRAPH_REPLAY;
+    }
+    return ready;
 }
 
 int llmem_forward_has_top(const struct llmem_forward *f) {
@@ -802,8 +870,8 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
         goto failed;
     /* On a device, a pure decode step may be recorded and replayed as one launch (graph_begin):
      * when every sequence could take a fresh block without the pool growing mid-pass. */
-    const int graph = f->group.n == 1 && f->model->on_device && ops->graph_begin != NULL &&
-                      decode && n_logits == n_seqs && llmem_kv_blocks_free(f->kv) >= n_seqs &&
+    const int graph = graphs(f) && decode && n_logits == n_seqs &&
+                      llmem_kv_blocks_free(f->kv) >= n_seqs &&
                       f->host == NULL; /* a pass with host work is not one launch */
     float *dl = NULL;
     /* on a device, or from the ranks of a split: the logits there, then to the caller's host
@@ -824,27 +892,17 @@ static int forward(struct llmem_forward *f, const int32_t *tokens,
         }
         dl = f->ranks[0].dev_logits;
     }
-    /* a replay that did not match runs again (recorded), and a recording that failed runs again
-     * without a graph; a step fed from the device is recorded apart from one whose tokens come
-     * from the host */
-    const uint64_t key = (uint64_t)n_seqs | (tokens == NULL ? (uint64_t)1 << 32 : 0);
-    for (int attempt = 0; attempt < 3; attempt++) {
-        if (graph && (status = ops->graph_begin(ctx, key)) != LLMEM_OK)
-            break;
-        f->pass = (struct pass){.tokens = tokens,
-                                .seqs = seqs,
-                                .n_seqs = n_seqs,
-                                .T = T,
-                                .n_logits = n_logits,
-                                .decode = decode,
-                                .logits = dl != NULL ? dl : logits};
-        status = run_pass(f);
-        int ended = graph ? ops->graph_end(ctx) : LLMEM_OK;
-        if (ended != LLMEM_EBUSY || status != LLMEM_OK) {
-            status = status != LLMEM_OK ? status : ended;
-            break;
-        }
-    }
+    /* a step fed from the device is recorded apart from one whose tokens come from the host */
+    f->pass = (struct pass){.tokens = tokens,
+                            .seqs = seqs,
+                            .n_seqs = n_seqs,
+                            .T = T,
+                            .n_logits = n_logits,
+                            .decode = decode,
+                            .logits = dl != NULL ? dl : logits,
+                            .graph = graph,
+                            .key = (uint64_t)n_seqs | (tokens == NULL ? (uint64_t)1 << 32 : 0)};
+    status = run_pass(f);
     if (status == LLMEM_OK && (k > 0 || (start && dl != NULL))) { /* llmem_forward_wait waits */
         if (k > 0 && f->group.n == 1)
             status = ops->top_k(ctx, dl, n_logits, g->vocab_size, k, ids, vals);

@@ -2,13 +2,14 @@
  * backend/cuda/graph.cu — the per-call data's upload ring (the small host arrays each operation
  * hands its kernels, through pinned slots) and the passes recorded and replayed as CUDA graphs.
  *
- * Graphs (graph_begin / graph_end): a pass the caller repeats with the same shapes (a decode step)
- * is run once as usual, recorded into a CUDA graph the second time, and from then on replayed
- * with one launch: its operations then only stage their small per-call arrays (at the offsets the
- * recording used) and extend a hash of every operation and argument, and the graph is launched
- * when that hash equals the recording's; else nothing has run, and the caller runs the pass again
- * (as usual, which also sizes any scratch the new shapes need; the next such pass is recorded
- * afresh). LLMEM_CUDA_GRAPHS=0 turns them off.
+ * Graphs (graph_begin / graph_end / graph_launch): a pass the caller repeats with the same shapes
+ * (a decode step) is run once as usual, recorded into a CUDA graph the second time, and from then
+ * on replayed with one launch: its operations then only stage their small per-call arrays (at the
+ * offsets the recording used) and extend a hash of every operation and argument, and the graph is
+ * held for launch when that hash equals the recording's; else nothing has run, and the caller
+ * runs the pass again (as usual, which also sizes any scratch the new shapes need; the next such
+ * pass is recorded afresh). graph_launch launches what graph_end held, or drops it (the ranks of
+ * a split launch together or not at all). LLMEM_CUDA_GRAPHS=0 turns them off.
  */
 #include "backend/cuda/ops_int.h"
 
@@ -126,29 +127,45 @@ void replay_time(struct cuda_ctx *c, int n) {
     }
 }
 
-int cuda_graph_ready(void *ctx, uint64_t key) {
-    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    for (int i = 0; c->graphs_on && !c->failed && i < GRAPHS; i++)
-        if (c->graphs[i].used != 0 && c->graphs[i].key == key)
-            return c->graphs[i].state == GRAPH_READY;
-    return 0;
+/* How graph_begin would run a pass of key g (NULL: a new key): LLMEM_GRAPH_RUN, _RECORD or
+ * _REPLAY. */
+static int mode_of(const struct cuda_ctx *c, const struct graph *g) {
+    if (!c->graphs_on || c->failed || g == NULL || g->state == GRAPH_OFF)
+        return LLMEM_GRAPH_RUN;
+    if (g->state == GRAPH_READY)
+        return LLMEM_GRAPH_REPLAY;
+    return g->exec == NULL && g->sig != 0 ? LLMEM_GRAPH_RECORD : LLMEM_GRAPH_RUN;
 }
 
-int cuda_graph_begin(void *ctx, uint64_t key) {
+static struct graph *graph_of(struct cuda_ctx *c, uint64_t key) {
+    for (int i = 0; i < GRAPHS; i++)
+        if (c->graphs[i].used != 0 && c->graphs[i].key == key)
+            return &c->graphs[i];
+    return NULL;
+}
+
+int cuda_graph_want(void *ctx, uint64_t key) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    return mode_of(c, graph_of(c, key));
+}
+
+int cuda_graph_begin(void *ctx, uint64_t key, int most) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     rope_flush(c);
-    LLMEM_ASSERT(c->pass == NULL);
+    LLMEM_ASSERT(c->pass == NULL && c->held == NULL);
     c->shadow_x = NULL;
     if (!c->graphs_on || c->failed)
         return c->failed;
-    struct graph *g = NULL, *lru = &c->graphs[0];
-    for (int i = 0; i < GRAPHS && g == NULL; i++) {
-        if (c->graphs[i].used != 0 && c->graphs[i].key == key)
-            g = &c->graphs[i];
-        else if (c->graphs[i].used < lru->used)
-            lru = &c->graphs[i];
+    struct graph *g = graph_of(c, key);
+    if (g != NULL && mode_of(c, g) > most) { /* run as usual, its recording (or sig) kept */
+        g->used = ++c->passes;
+        return LLMEM_OK;
     }
     if (g == NULL) { /* a new pass: run as usual this time */
+        struct graph *lru = &c->graphs[0];
+        for (int i = 1; i < GRAPHS; i++)
+            if (c->graphs[i].used < lru->used)
+                lru = &c->graphs[i];
         graph_drop(lru);
         memset(lru, 0, sizeof(*lru));
         lru->key = key;
@@ -228,6 +245,25 @@ int cuda_graph_end(void *ctx) {
         g->sig = 0;
         g->state = ++g->misses >= GRAPH_MISSES ? GRAPH_OFF : GRAPH_SEEN;
         return LLMEM_EBUSY;
+    }
+    c->held = g;
+    c->held_mode = mode;
+    return c->failed;
+}
+
+int cuda_graph_launch(void *ctx, int go) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    struct graph *g = c->held;
+    if (g == NULL)
+        return c->failed;
+    const enum pass_mode mode = c->held_mode;
+    c->held = NULL;
+    if (!go) { /* nothing of the pass ran; a recording that copied memory is not kept */
+        if (c->pass_once) {
+            graph_drop(g);
+            g->state = GRAPH_SEEN;
+        }
+        return c->failed;
     }
     c->idle = 0;
     if (c->arena_used > 0 &&

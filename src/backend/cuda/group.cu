@@ -66,13 +66,16 @@ static int one_device_sum(struct group *g, int r, float *buf, int64_t count) {
     return status;
 }
 
-/* Rank r's part of the sum over the ranks, in place, from its thread. Its 16-bit copy of its last
- * output (shadow_x) is dropped, as by any other operation. A rank that failed before still takes
- * part (so that the others' sums complete) and returns its failure. */
-static int group_allreduce_rank(void *arg, int r, float *buf, int64_t count) {
-    struct group *g = (struct group *)arg;
+/* Rank r's part of the sum over the ranks, in place, from its thread: NCCL's call recorded in the
+ * rank's graph with its other operations (staged, when the graph is replayed). Its 16-bit copy of
+ * its last output (shadow_x) is dropped, as by any other operation. A rank that failed before
+ * still takes part (so that the others' sums complete) and returns its failure. */
+static int group_allreduce_rank(void *ctx, int r, float *buf, int64_t count) {
+    struct group *g = (struct group *)ctx;
     struct cuda_ctx *c = g->ctx[r];
     c->shadow_x = NULL;
+    if (g->comm != NULL && staged(c, OP_ALLREDUCE, {arg(buf), (uint64_t)count}))
+        return c->failed; /* (part of a recording staged for launch) */
     const int status = g->comm == NULL ? one_device_sum(g, r, buf, count)
                                        : llmem_cuda_comm_allreduce_rank(
                                              g->comm, r, buf, count, LLMEM_DTYPE_F32, g->streams[r]);
@@ -135,7 +138,12 @@ extern "C" int llmem_cuda_group_create(int n, const struct llmem_backend *const 
         return status;
     }
     *out = (struct llmem_backend_group){
-        .n = n, .ranks = ranks, .allreduce = NULL, .allreduce_rank = group_allreduce_rank, .ctx = g};
+        .n = n,
+        .ranks = ranks,
+        .allreduce = NULL,
+        .allreduce_rank = group_allreduce_rank,
+        .graphs = g->comm != NULL, /* (one device: the sum crosses the ranks' streams) */
+        .ctx = g};
     return LLMEM_OK;
 }
 

@@ -305,7 +305,8 @@ static struct llmem_backend_ops make_ops(void) {
     o.busy = cuda_busy;
     o.graph_begin = cuda_graph_begin;
     o.graph_end = cuda_graph_end;
-    o.graph_ready = cuda_graph_ready;
+    o.graph_launch = cuda_graph_launch;
+    o.graph_want = cuda_graph_want;
     o.counters = cuda_counters;
     o.bind = cuda_bind;
     return o;

@@ -147,6 +147,8 @@ struct cuda_ctx {
     struct graph graphs[GRAPHS];
     struct graph *pass; /* between graph_begin and graph_end */
     enum pass_mode mode;
+    struct graph *held; /* between graph_end and graph_launch: recorded or staged, to launch */
+    enum pass_mode held_mode;
     uint64_t sig;      /* of the pass's operations so far */
     size_t arena_used; /* per-call data the pass staged, from the start of the ring's memory */
     size_t arena_off[SMALL_REUSE], arena_size[SMALL_REUSE];
@@ -220,9 +222,10 @@ int staged(struct cuda_ctx *c, int op, std::initializer_list<uint64_t> args);
 const void *small_upload(struct cuda_ctx *c, const void *host, size_t bytes);
 void graph_drop(struct graph *g);
 void replay_time(struct cuda_ctx *c, int n);
-int cuda_graph_ready(void *ctx, uint64_t key);
-int cuda_graph_begin(void *ctx, uint64_t key);
+int cuda_graph_want(void *ctx, uint64_t key);
+int cuda_graph_begin(void *ctx, uint64_t key, int most);
 int cuda_graph_end(void *ctx);
+int cuda_graph_launch(void *ctx, int go);
 
 /* elementwise.cu */
 void rope_launch(struct cuda_ctx *c, float *x, int n_heads, float *x2, int n_heads2, int64_t n,
@@ -377,6 +380,7 @@ enum {
     OP_GEMV_SWIGLU,
     OP_EMBEDDING_TOP,
     OP_MOE,
+    OP_ALLREDUCE,
 };
 
 /* Where an operation producing n rows of cols floats writes their 16-bit copy as well (*dt its
