@@ -13,6 +13,7 @@
 
 #include "backend/ops.h"
 #include "core/json.h"
+#include "core/log.h"
 #include "core/npy.h"
 #include "llmem/kv.h"
 #include "llmem/mem.h"
@@ -1007,8 +1008,10 @@ static int graphed_begin(void *ctx, uint64_t key, int most) {
 static int graphed_end(void *ctx) {
     struct graphed *g = graphed_of(ctx);
     const int way = g->passes <= 64 ? g->most[g->passes - 1] : LLMEM_GRAPH_RUN;
-    if (g->passes == g->fail)
+    if (g->passes == g->fail) {
+        LLMEM_ERROR("rank %d: its device failed", (int)(g - graphed));
         return LLMEM_EIO;
+    }
     if (way != LLMEM_GRAPH_RUN && g->miss > 0 && ++g->ends % g->miss == 0)
         return LLMEM_EBUSY;
     return LLMEM_OK;
@@ -1026,8 +1029,8 @@ static int graphed_launch(void *ctx, int go) {
  * (rank 0 replays, rank 1 records, the others run as usual where there are more) and the last
  * missing every third recorded or replayed pass: every pass is begun by every rank with the same
  * way (the least wanted; as usual again after a miss), launched by all or dropped by all, and the
- * logits are the whole model's; a rank whose pass fails fails the pass (LLMEM_EIO), the others
- * finishing theirs, and the next pass runs. */
+ * logits are the whole model's; a rank whose pass fails fails the pass (LLMEM_EIO, its thread's
+ * message the caller's last error), the others finishing theirs, and the next pass runs. */
 static void test_tensor_parallel_graph_agreement(void **state) {
     (void)state;
     char dir[512];
@@ -1091,6 +1094,8 @@ static void test_tensor_parallel_graph_agreement(void **state) {
         prefill(&s.r, seq, gens[0].ids, 4, row);
         struct llmem_batch_seq b = {seq, 4, 1, 0};
         assert_int_equal(llmem_forward_run(s.r.fwd, &gens[0].ids[4], &b, 1, row), LLMEM_EIO);
+        assert_non_null(
+            strstr(llmem_last_error(), "rank 1: its device failed")); /* (its thread's) */
         assert_int_equal(llmem_kv_seq_length(s.r.kv, seq), 4);
         assert_int_equal(llmem_forward_run(s.r.fwd, &gens[0].ids[4], &b, 1, row), LLMEM_OK);
         llmem_kv_seq_free(s.r.kv, seq);

@@ -63,6 +63,10 @@ const char *llmem_last_error(void) {
     return last_error;
 }
 
+void llmem_log_set_last_error(const char *line) {
+    snprintf(last_error, sizeof(last_error), "%s", line);
+}
+
 void llmem_log_line(enum llmem_log_level level, const char *func, const char *fmt, ...) {
     struct log_sink sink = sinks[atomic_load(&sink_index)];
     if (level != LLMEM_LOG_ERROR && (sink.fn == NULL || level > sink.max_level))

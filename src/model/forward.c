@@ -44,11 +44,13 @@
 #include <inttypes.h>
 #include <pthread.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/log.h"
 #include "llmem/kv.h"
+#include "llmem/status.h"
 #include "llmem/config.h"
 #include "llmem/forward.h"
 #include "model/forward_split.h"
@@ -547,6 +549,7 @@ struct crew {
     int running;     /* threads still running the current pass */
     int stop;
     int status[LLMEM_SPLIT_MAX];
+    char error[LLMEM_SPLIT_MAX][256]; /* a failed rank's last error (its thread's own) */
     pthread_barrier_t met; /* the ranks' threads (the caller's as rank 0's) meet to agree */
     int votes[LLMEM_SPLIT_MAX];
 };
@@ -616,6 +619,8 @@ static void *crew_thread(void *arg) {
         const int status = rank_graphed(c->f, a.rank);
         pthread_mutex_lock(&c->lock);
         c->status[a.rank] = status;
+        if (status != LLMEM_OK)
+            snprintf(c->error[a.rank], sizeof(c->error[a.rank]), "%s", llmem_last_error());
         if (--c->running == 0)
             pthread_cond_signal(&c->done);
         pthread_mutex_unlock(&c->lock);
@@ -699,8 +704,9 @@ static int run_pass(struct llmem_forward *f) {
     pthread_mutex_lock(&c->lock);
     while (c->running > 0)
         pthread_cond_wait(&c->done, &c->lock);
-    for (int r = 1; r < f->group.n; r++)
-        status = status != LLMEM_OK ? status : c->status[r];
+    for (int r = 1; r < f->group.n && status == LLMEM_OK; r++)
+        if ((status = c->status[r]) != LLMEM_OK) /* its message, the caller's to report */
+            llmem_log_set_last_error(c->error[r]);
     pthread_mutex_unlock(&c->lock);
     return status;
 }
