@@ -740,7 +740,7 @@ static void test_fast_same_for_every_format(void **state) {
  * host's sum between them), or with `threads` each rank a CPU backend and memory of its own, run
  * by a thread of its own (the host group's sum meeting them); each rank's share copied by
  * llmem_model_to_device, a cache of n × n_layers layers of a share's KV heads (with threads,
- * each rank's in its memory, attention inline on the rank's thread). */
+ * each rank's in its memory). */
 struct split {
     struct rig r; /* mem, be, kv, fwd, vocab (r.model: rank 0's share) */
     struct llmem_model *host, *shares[8];
@@ -785,7 +785,7 @@ static void split_open(struct split *s, const char *dir, int n, int64_t chunk, i
     kc.head_dim = (int)g->head_dim;
     kc.max_sequences = 8;
     kc.num_blocks = 64;
-    kc.n_threads = threads ? 1 : 2;
+    kc.n_threads = 2; /* (with threads, the ranks' attention takes turns on it) */
     if (threads)
         kc.n_ranks = n, kc.rank_mems = s->mems;
     assert_int_equal(llmem_kv_create(&kc, s->r.mem, &s->r.kv), LLMEM_OK);

@@ -6,6 +6,7 @@
  * stress test with the invariant checker after every operation.
  */
 #include <math.h>
+#include <setjmp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,7 @@
 #include "kv/codec.h"
 #include "kv/codec_internal.h"
 #include "llmem/kv.h"
+#include "llmem/status.h"
 #include "llmem/sys.h"
 #include "testutil.h"
 
@@ -608,6 +610,59 @@ static void test_last_token_batch(void **state) {
     free(d.k), free(d.v);
 }
 
+static jmp_buf step_jump;
+static void step_asserted(const char *file, int line, const char *expr) {
+    (void)file, (void)line, (void)expr;
+    longjmp(step_jump, 1);
+}
+
+/* A step's writes and attention only as prepared: once a sequence is forked, a block held, room
+ * reserved, or with other tokens than the step's, its calls stop at the cache's assertion
+ * instead of writing into a block shared again or through stale slots. */
+static void test_step_stale(void **state) {
+    (void)state;
+    const int kvh = 2, hd = 64;
+    struct data d = data_new(1, kvh, hd, 16);
+    for (int64_t i = 0; i < 16 * kvh * hd; i++)
+        d.k[i] = gauss(), d.v[i] = gauss();
+    float q[4 * 64], out[4 * 64];
+    memset(q, 0, sizeof(q));
+    const struct llmem_kv_attn at = {.n_heads = kvh};
+    for (int change = 0; change < 4; change++) {
+        struct llmem_kv *kv = make_kv(LLMEM_KV_LAYOUT_PAGED, LLMEM_KV_FORMAT_F32, 1, kvh, hd, NULL);
+        int seq, other;
+        assert_int_equal(llmem_kv_seq_new(kv, &seq), LLMEM_OK);
+        assert_int_equal(llmem_kv_append(kv, seq, 8, d.k, d.v), LLMEM_OK);
+        assert_int_equal(llmem_kv_reserve(kv, seq, 1), LLMEM_OK);
+        llmem_kv_set_length(kv, seq, 9);
+        assert_int_equal(llmem_kv_step(kv, 1, &seq, NULL), LLMEM_OK);
+        assert_int_equal(llmem_kv_write_last(kv, 1, &seq, NULL, 0, d.k, d.v), LLMEM_OK);
+        const int64_t two = 2;
+        switch (change) {
+        case 0: assert_int_equal(llmem_kv_seq_fork(kv, seq, &other), LLMEM_OK); break;
+        case 1: llmem_kv_block_hold(kv, 0); break;
+        case 2: assert_int_equal(llmem_kv_reserve(kv, seq, 1), LLMEM_OK); break;
+        default: break;
+        }
+        llmem_set_assert_callback(step_asserted);
+        volatile int stopped = 0;
+        if (setjmp(step_jump) == 0)
+            (void)llmem_kv_write_last(kv, 1, &seq, change == 3 ? &two : NULL, 0, d.k, d.v);
+        else
+            stopped = 1;
+        if (!stopped && setjmp(step_jump) == 0)
+            (void)llmem_kv_attend_last(kv, 1, &seq, change == 3 ? &two : NULL, 0, q, out, &at);
+        else
+            stopped = 1;
+        llmem_set_assert_callback(NULL);
+        assert_true(stopped);
+        if (change == 1)
+            llmem_kv_block_release(kv, 0);
+        llmem_kv_destroy(kv);
+    }
+    free(d.k), free(d.v);
+}
+
 /* Blocks held outside any sequence (the session bank's): they outlive their sequence, a new
  * sequence starts from them without a copy, a rewrite copies them first, and releasing the last
  * holder frees them; the invariant checker counts holds. */
@@ -942,6 +997,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_quantized_attention_error),
         cmocka_unit_test(test_paged_share_and_copy_on_write),
         cmocka_unit_test(test_last_token_batch),
+        cmocka_unit_test(test_step_stale),
         cmocka_unit_test(test_paged_held_blocks),
         cmocka_unit_test(test_paged_release_free),
         cmocka_unit_test(test_paged_growth_and_limits),

@@ -130,8 +130,7 @@ LLMEM_API int llmem_kv_write(struct llmem_kv *kv, int seq, int layer, int64_t po
  * fail, with LLMEM_ENOMEM logged), and on a device the pool slots they take. Then, until a
  * sequence changes, the step's llmem_kv_write_last and llmem_kv_attend_last of every layer only
  * read the cache's bookkeeping: several threads may make them at once, each for layers of its own
- * (a split cache's ranks'), where attention runs on the layers' devices or on a pool of one
- * thread. */
+ * (a split cache's ranks'; on the host their attention takes turns on the cache's pool). */
 LLMEM_API int llmem_kv_step(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q);
 /* The step's writes (llmem_kv_step first, with the same sequences): of `layer`, their rows of k
  * and v one sequence after the other. The same as llmem_kv_write for each, but on a device in one

@@ -20,7 +20,8 @@ LLMEM_API void llmem_pool_destroy(struct llmem_pool *pool);
 LLMEM_API int llmem_pool_threads(const struct llmem_pool *pool);
 
 /* Calls fn(arg, task, thread) for every task in [0, n_tasks); `thread` in [0, threads) indexes
- * per-thread scratch. One run at a time per pool (callers serialize). */
+ * per-thread scratch. Runs called from several threads take turns (fn must not run the same
+ * pool). */
 LLMEM_API void llmem_pool_run(struct llmem_pool *pool, int n_tasks,
                               void (*fn)(void *arg, int task, int thread), void *arg);
 

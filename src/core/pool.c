@@ -39,6 +39,7 @@
 struct llmem_pool {
     int n_threads; /* including the caller */
     pthread_t *threads;
+    pthread_mutex_t running; /* held by the run in progress: runs from several threads take turns */
     pthread_mutex_t lock;
     pthread_cond_t wake, done;
     _Atomic unsigned long generation;
@@ -138,6 +139,7 @@ int llmem_pool_create(int n_threads, struct llmem_pool **out) {
         return LLMEM_ENOMEM;
     }
     p->n_threads = n_threads;
+    pthread_mutex_init(&p->running, NULL);
     pthread_mutex_init(&p->lock, NULL);
     pthread_cond_init(&p->wake, NULL);
     pthread_cond_init(&p->done, NULL);
@@ -166,6 +168,7 @@ void llmem_pool_destroy(struct llmem_pool *p) {
     pthread_mutex_unlock(&p->lock);
     for (int i = 1; i < p->n_threads; i++)
         pthread_join(p->threads[i], NULL);
+    pthread_mutex_destroy(&p->running);
     pthread_mutex_destroy(&p->lock);
     pthread_cond_destroy(&p->wake);
     pthread_cond_destroy(&p->done);
@@ -180,9 +183,15 @@ int llmem_pool_threads(const struct llmem_pool *p) {
 void llmem_pool_run(struct llmem_pool *p, int n_tasks, void (*fn)(void *, int, int), void *arg) {
     if (n_tasks <= 0)
         return;
-    if (p->n_threads == 1 || n_tasks == 1) {
+    if (p->n_threads == 1) {
         for (int t = 0; t < n_tasks; t++)
             fn(arg, t, 0);
+        return;
+    }
+    pthread_mutex_lock(&p->running); /* (a task of its own is thread 0's too) */
+    if (n_tasks == 1) {
+        fn(arg, 0, 0);
+        pthread_mutex_unlock(&p->running);
         return;
     }
     p->fn = fn;
@@ -201,4 +210,5 @@ void llmem_pool_run(struct llmem_pool *p, int n_tasks, void (*fn)(void *, int, i
             pthread_cond_wait(&p->done, &p->lock);
         pthread_mutex_unlock(&p->lock);
     }
+    pthread_mutex_unlock(&p->running);
 }

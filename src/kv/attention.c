@@ -400,7 +400,7 @@ static struct llmem_backend_paged_attn device_attn(const struct llmem_kv *kv, in
 
 int llmem_kv_attend_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q, int layer,
                          const float *q, float *out, const struct llmem_kv_attn *attn) {
-    LLMEM_ASSERT(llmem_kv_step_is(kv, n, seqs));
+    LLMEM_ASSERT(llmem_kv_step_is(kv, n, seqs, n_q));
     const size_t row = (size_t)attn->n_heads * (size_t)kv->cfg.head_dim;
     const struct llmem_backend *d = llmem_kv_layer_device(kv, layer);
     if (d == NULL || attn->window > 0) {

@@ -499,10 +499,11 @@ int llmem_kv_create(const struct llmem_kv_config *config, struct llmem_mem *mem,
     kv->seqs = calloc(seqs, sizeof(*kv->seqs));
     kv->step_seqs = malloc(seqs * sizeof(*kv->step_seqs));
     kv->step_lengths = malloc(seqs * sizeof(*kv->step_lengths));
+    kv->step_n_q = malloc(seqs * sizeof(*kv->step_n_q));
     if (c.device != NULL)
         kv->step_blocks = malloc(seqs * sizeof(*kv->step_blocks));
     if (kv->seqs == NULL || kv->step_seqs == NULL || kv->step_lengths == NULL ||
-        (c.device != NULL && kv->step_blocks == NULL)) {
+        kv->step_n_q == NULL || (c.device != NULL && kv->step_blocks == NULL)) {
         LLMEM_ERROR("out of memory");
         status = LLMEM_ENOMEM;
         goto out_free;
@@ -550,7 +551,8 @@ void llmem_kv_destroy(struct llmem_kv *kv) {
     free(kv->k_pool), free(kv->v_pool), free(kv->refcount), free(kv->held), free(kv->free_ids);
     free(kv->r_k), free(kv->r_v);
     free(kv->seqs);
-    free(kv->step_seqs), free(kv->step_lengths), free(kv->step_blocks), free(kv->slots);
+    free(kv->step_seqs), free(kv->step_lengths), free(kv->step_n_q), free(kv->step_blocks);
+    free(kv->step_slots), free(kv->slots);
     if (kv->pool != kv->cfg.pool)
         llmem_pool_destroy(kv->pool);
     if (kv->own_mem)
@@ -598,6 +600,7 @@ static void release_tail(struct llmem_kv *kv, struct kv_seq *s, int64_t keep) {
 }
 
 void llmem_kv_seq_free(struct llmem_kv *kv, int seq) {
+    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
     struct kv_seq *s = get_seq(kv, seq);
     release_tail(kv, s, 0);
     if (kv->cfg.layout == LLMEM_KV_LAYOUT_CONTIGUOUS && s->k_buf != NULL) {
@@ -612,6 +615,7 @@ void llmem_kv_seq_free(struct llmem_kv *kv, int seq) {
 }
 
 int llmem_kv_reserve(struct llmem_kv *kv, int seq, int64_t n) {
+    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
     struct kv_seq *s = get_seq(kv, seq);
     LLMEM_ASSERT(n >= 0);
     int64_t need = s->length + n;
@@ -701,13 +705,20 @@ int llmem_kv_step(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_
         }
         total += m;
     }
-    int64_t *slots = kv->cfg.device != NULL ? slots_room(kv, total) : NULL;
-    if (kv->cfg.device != NULL && slots == NULL)
-        return LLMEM_ENOMEM;
+    if (kv->cfg.device != NULL && total > kv->step_slots_cap) {
+        int64_t *p = realloc(kv->step_slots, (size_t)total * sizeof(int64_t));
+        if (p == NULL) {
+            LLMEM_ERROR("out of memory");
+            return LLMEM_ENOMEM;
+        }
+        kv->step_slots = p, kv->step_slots_cap = total;
+    }
+    int64_t *slots = kv->cfg.device != NULL ? kv->step_slots : NULL;
     for (int i = 0, at = 0; i < n; i++) {
         const struct kv_seq *s = get_seq(kv, seqs[i]);
         kv->step_seqs[i] = seqs[i];
         kv->step_lengths[i] = s->length;
+        kv->step_n_q[i] = n_q != NULL ? n_q[i] : 1;
         if (slots == NULL)
             continue;
         kv->step_blocks[i] = s->table;
@@ -719,19 +730,20 @@ int llmem_kv_step(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_
     return LLMEM_OK;
 }
 
-int llmem_kv_step_is(const struct llmem_kv *kv, int n, const int *seqs) {
+int llmem_kv_step_is(const struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q) {
     int same = n == kv->step_n;
     for (int i = 0; same && i < n; i++)
-        same =
-            seqs[i] == kv->step_seqs[i] && kv->step_lengths[i] == llmem_kv_seq_length(kv, seqs[i]);
+        same = seqs[i] == kv->step_seqs[i] &&
+               kv->step_lengths[i] == llmem_kv_seq_length(kv, seqs[i]) &&
+               kv->step_n_q[i] == (n_q != NULL ? n_q[i] : 1);
     return same;
 }
 
 int llmem_kv_write_last(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q, int layer,
                         const float *k, const float *v) {
-    LLMEM_ASSERT(layer >= 0 && layer < kv->cfg.n_layers && llmem_kv_step_is(kv, n, seqs));
+    LLMEM_ASSERT(layer >= 0 && layer < kv->cfg.n_layers && llmem_kv_step_is(kv, n, seqs, n_q));
     if (kv->cfg.device != NULL) {
-        encode_slots(kv, layer, k, v, kv->step_tokens, kv->slots);
+        encode_slots(kv, layer, k, v, kv->step_tokens, kv->step_slots);
         return LLMEM_OK;
     }
     const size_t row = (size_t)kv->cfg.n_kv_heads * (size_t)kv->cfg.head_dim;
@@ -814,12 +826,14 @@ int llmem_kv_append(struct llmem_kv *kv, int seq, int64_t n, const float *k, con
 }
 
 void llmem_kv_trim(struct llmem_kv *kv, int seq, int64_t n) {
+    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
     struct kv_seq *s = get_seq(kv, seq);
     s->length = n >= s->length ? 0 : s->length - n;
     release_tail(kv, s, s->length);
 }
 
 int llmem_kv_seq_fork(struct llmem_kv *kv, int src, int *dst) {
+    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
     struct kv_seq *from = get_seq(kv, src);
     int status = llmem_kv_seq_new(kv, dst);
     if (status != LLMEM_OK)
@@ -864,6 +878,7 @@ int llmem_kv_seq_fork(struct llmem_kv *kv, int src, int *dst) {
 }
 
 int llmem_kv_freeze_capacity(struct llmem_kv *kv, int64_t capacity) {
+    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
     if (kv->cfg.layout != LLMEM_KV_LAYOUT_RAGGED) {
         LLMEM_ERROR("freeze_capacity applies to the ragged layout, not %s",
                     llmem_kv_layout_name(kv->cfg.layout));
@@ -1012,6 +1027,7 @@ int64_t llmem_kv_seq_blocks(struct llmem_kv *kv, int seq, const int64_t **ids) {
 }
 
 void llmem_kv_block_hold(struct llmem_kv *kv, int64_t id) {
+    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
     LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED && id >= 0 && id < kv->n_blocks &&
                  kv->refcount[id] > 0);
     kv->refcount[id]++;
@@ -1019,6 +1035,7 @@ void llmem_kv_block_hold(struct llmem_kv *kv, int64_t id) {
 }
 
 void llmem_kv_block_release(struct llmem_kv *kv, int64_t id) {
+    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
     LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED && id >= 0 && id < kv->n_blocks &&
                  kv->held[id] > 0);
     kv->held[id]--;
@@ -1027,6 +1044,7 @@ void llmem_kv_block_release(struct llmem_kv *kv, int64_t id) {
 
 int llmem_kv_seq_new_from_blocks(struct llmem_kv *kv, const int64_t *ids, int64_t n_blocks,
                                  int *seq) {
+    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
     LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED && n_blocks >= 0);
     for (int64_t b = 0; b < n_blocks; b++)
         LLMEM_ASSERT(ids[b] >= 0 && ids[b] < kv->n_blocks && kv->refcount[ids[b]] > 0);

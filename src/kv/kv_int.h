@@ -50,16 +50,19 @@ struct llmem_kv {
         rotation;       /* device pools: the codec's, as a backend takes it */
     int copies_pending; /* device pools: block copies to the host not yet fenced (copies_fence) */
     int take_fence;     /* and a block freed since: the next pool_take fences them */
-    /* the step prepared by llmem_kv_step, which its _last calls only read: its sequences and
-     * their lengths, (max_sequences) each, and its tokens; on a device the pool slots its tokens
-     * take (slots_cap) and the block tables attention reads (max_sequences) */
+    /* the step prepared by llmem_kv_step, which its _last calls only read (step_n 0 once a call
+     * changes what it prepared): its sequences, their lengths and tokens, (max_sequences) each,
+     * and its tokens in all; on a device the pool slots they take (step_slots_cap) and the block
+     * tables attention reads (max_sequences) */
     int step_n;
     int *step_seqs;
-    int64_t *step_lengths;
+    int64_t *step_lengths, *step_n_q;
     int64_t step_tokens;
-    int64_t *slots;
-    int64_t slots_cap;
+    int64_t *step_slots;
+    int64_t step_slots_cap;
     const int64_t **step_blocks;
+    int64_t *slots; /* device pools: the slot numbers of a write (slots_cap) */
+    int64_t slots_cap;
 
     struct llmem_kv_stats st;
 };
@@ -67,8 +70,9 @@ struct llmem_kv {
 /* Adds v to one of the cache's counters: a step's calls may come from several threads. */
 #define KV_COUNT(kv, field, v) ((void)__atomic_fetch_add(&(kv)->st.field, (v), __ATOMIC_RELAXED))
 
-/* Whether the step llmem_kv_step prepared last is that of these sequences, at their lengths. */
-int llmem_kv_step_is(const struct llmem_kv *kv, int n, const int *seqs);
+/* Whether the step llmem_kv_step prepared last is that of these sequences, at their lengths and
+ * with these tokens, and nothing changed it since. */
+int llmem_kv_step_is(const struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q);
 
 /* The storage of token `pos` of a sequence's layer: K and V bytes of all heads, and how many
  * tokens follow contiguously from there (to the end of its block or buffer). pos < capacity. */

@@ -156,10 +156,18 @@ int cuda_graph_begin(void *ctx, uint64_t key, int most) {
     c->shadow_x = NULL;
     if (!c->graphs_on || c->failed)
         return c->failed;
+    /* exactly the way asked where it is less than the graph's (a split's ranks all run a pass
+     * the same way): as usual, its recording kept; or recorded afresh in place of a recording
+     * the other ranks lack */
     struct graph *g = graph_of(c, key);
-    if (g != NULL && mode_of(c, g) > most) { /* run as usual, its recording (or sig) kept */
+    const int want = mode_of(c, g);
+    if (g != NULL && want > most && most == LLMEM_GRAPH_RUN) {
         g->used = ++c->passes;
         return LLMEM_OK;
+    }
+    if (g != NULL && want > most) { /* (most LLMEM_GRAPH_RECORD: g is ready) */
+        graph_drop(g);
+        g->state = GRAPH_SEEN; /* its sig kept: recorded below */
     }
     if (g == NULL) { /* a new pass: run as usual this time */
         struct graph *lru = &c->graphs[0];
@@ -258,8 +266,9 @@ int cuda_graph_launch(void *ctx, int go) {
         return c->failed;
     const enum pass_mode mode = c->held_mode;
     c->held = NULL;
-    if (!go) { /* nothing of the pass ran; a recording that copied memory is not kept */
-        if (c->pass_once) {
+    if (!go) { /* nothing of the pass ran; a new recording is not kept (a split's ranks keep
+                * only the recordings they made together and launched) */
+        if (mode == PASS_CAPTURE || c->pass_once) {
             graph_drop(g);
             g->state = GRAPH_SEEN;
         }
@@ -289,6 +298,13 @@ int cuda_graph_launch(void *ctx, int go) {
         g->state = GRAPH_SEEN;
     }
     return c->failed;
+}
+
+void graph_drop_all(struct cuda_ctx *c) {
+    for (int i = 0; i < GRAPHS; i++) {
+        graph_drop(&c->graphs[i]);
+        memset(&c->graphs[i], 0, sizeof(c->graphs[i]));
+    }
 }
 
 } // namespace llmem_cuda

@@ -148,6 +148,12 @@ extern "C" int llmem_cuda_group_create(int n, const struct llmem_backend *const 
 }
 
 extern "C" void llmem_cuda_group_free(struct llmem_backend_group *group) {
-    free_group((struct group *)group->ctx);
+    struct group *g = (struct group *)group->ctx;
+    for (int r = 0; g->comm != NULL && r < g->n; r++) { /* NCCL's destroy waits for the graphs
+                                                        * that hold its calls */
+        cudaSetDevice(g->ctx[r]->device);
+        graph_drop_all(g->ctx[r]);
+    }
+    free_group(g);
     group->ctx = NULL;
 }

@@ -221,6 +221,8 @@ int cuda_sync(void *ctx);
 int staged(struct cuda_ctx *c, int op, std::initializer_list<uint64_t> args);
 const void *small_upload(struct cuda_ctx *c, const void *host, size_t bytes);
 void graph_drop(struct graph *g);
+/* Every recording of c destroyed (before the communicator whose calls they hold). */
+void graph_drop_all(struct cuda_ctx *c);
 void replay_time(struct cuda_ctx *c, int n);
 int cuda_graph_want(void *ctx, uint64_t key);
 int cuda_graph_begin(void *ctx, uint64_t key, int most);

@@ -76,18 +76,19 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
-/* Multiprocessors of the current device (asked once per device); 0 when it cannot say. */
+/* Multiprocessors of the current device (asked once per device, by any of the threads that
+ * drive devices); 0 when it cannot say. */
 inline int sm_count() {
     static int cached[64];
     int dev = 0, n = 0;
     if (cudaGetDevice(&dev) != cudaSuccess)
         return 0;
-    if (dev >= 0 && dev < 64 && cached[dev] > 0)
-        return cached[dev];
+    if (dev >= 0 && dev < 64 && (n = __atomic_load_n(&cached[dev], __ATOMIC_RELAXED)) > 0)
+        return n;
     if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
         return 0;
     if (dev >= 0 && dev < 64)
-        cached[dev] = n;
+        __atomic_store_n(&cached[dev], n, __ATOMIC_RELAXED);
     return n;
 }
 
