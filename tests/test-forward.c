@@ -999,6 +999,7 @@ static int graphed_want(void *ctx, uint64_t key) {
 static int graphed_begin(void *ctx, uint64_t key, int most) {
     (void)key;
     struct graphed *g = graphed_of(ctx);
+    assert_true(most <= g->want); /* (the least any rank wants) */
     if (g->passes < 64)
         g->most[g->passes] = most;
     g->passes++;
