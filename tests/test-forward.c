@@ -968,6 +968,60 @@ static void test_tensor_parallel_threads(void **state) {
     }
 }
 
+/* Out of memory on any rank's thread, at each allocation of a split's decode step and prefill in
+ * turn (attention's workspace, the logits rows): the pass fails with LLMEM_ENOMEM, the other
+ * ranks finishing theirs (no thread waits for ever), the sequence at its length before, and the
+ * same pass again gives the logits of a run that never failed. */
+static void test_tensor_parallel_threads_oom(void **state) {
+    (void)state;
+    char dir[512];
+    model_dir("tiny-llama3", dir, sizeof(dir));
+    struct generation gens[1];
+    load_generations("tiny-llama3", gens, 1);
+    struct split s;
+    split_open(&s, dir, 2, 7, 1);
+    for (int k = 0; k < 2; k++) /* (every workspace a fresh allocation, which a fault refuses) */
+        llmem_mem_set_cache_limit(s.mems[k], 0);
+    const int64_t V = s.r.vocab;
+    float *want = malloc((size_t)(2 * V) * sizeof(float)), *got = malloc((size_t)V * sizeof(float));
+    int seq;
+    assert_int_equal(llmem_kv_seq_new(s.r.kv, &seq), LLMEM_OK);
+    prefill(&s.r, seq, gens[0].ids, 6, want); /* (a chunk of 6, then a decode token) */
+    struct llmem_batch_seq b = {seq, 6, 1, 0};
+    assert_int_equal(llmem_forward_run(s.r.fwd, &gens[0].ids[6], &b, 1, want + V), LLMEM_OK);
+    llmem_kv_seq_free(s.r.kv, seq);
+    int failed = 0;
+    for (int64_t at = 1; at < 200; at++) {
+        assert_int_equal(llmem_kv_seq_new(s.r.kv, &seq), LLMEM_OK);
+        const struct llmem_batch_seq steps[2] = {{seq, 0, 6, 0}, {seq, 6, 1, 0}};
+        int fired = 0;
+        for (int i = 0; i < 2; i++) {
+            llmem_mem_fault_inject_count(at, 2); /* (the allocator tries once more) */
+            int st = llmem_forward_run(s.r.fwd, gens[0].ids + steps[i].pos, &steps[i], 1, got);
+            const int pending = llmem_mem_fault_pending();
+            llmem_mem_fault_inject(0);
+            if (!pending) { /* it fired in this pass */
+                fired = 1, failed += st == LLMEM_ENOMEM;
+                assert_true(st == LLMEM_OK || st == LLMEM_ENOMEM);
+                if (st == LLMEM_ENOMEM) {
+                    assert_int_equal(llmem_kv_seq_length(s.r.kv, seq), steps[i].pos);
+                    st = llmem_forward_run(s.r.fwd, gens[0].ids + steps[i].pos, &steps[i], 1, got);
+                }
+            }
+            assert_int_equal(st, LLMEM_OK);
+            assert_true(max_abs_diff(got, want + i * V, (size_t)V) == 0);
+        }
+        llmem_kv_seq_free(s.r.kv, seq);
+        if (!fired)
+            break;
+    }
+    printf("  over 2 ranks on threads: %d passes failed out of memory, each cleanly\n", failed);
+    assert_true(failed > 0);
+    free(want), free(got);
+    split_close(&s);
+    free_generations(gens, 1);
+}
+
 /* A rank's CPU backend with a device's graph protocol (backend/ops.h graph_begin …), for the
  * ranks' agreement on it: its passes run at once whatever the way (a pass run again gives the
  * same results), graph_want answers `want`, and graph_end of a recorded or replayed pass says it
@@ -1324,6 +1378,7 @@ int main(int argc, char **argv) {
     };
     const struct CMUnitTest threads[] = {
         cmocka_unit_test(test_tensor_parallel_threads),
+        cmocka_unit_test(test_tensor_parallel_threads_oom),
         cmocka_unit_test(test_tensor_parallel_graph_agreement),
     };
     const struct tu_group groups[] = {
