@@ -736,45 +736,39 @@ static void test_fast_same_for_every_format(void **state) {
 
 /* ---- tensor parallelism --------------------------------------------------------------------- */
 
-/* A model split over n ranks: of one CPU backend (their operations one rank after another, the
- * host's sum between them), or with `threads` each rank a CPU backend and memory of its own, run
- * by a thread of its own (the host group's sum meeting them); each rank's share copied by
- * llmem_model_to_device, a cache of n × n_layers layers of a share's KV heads (with threads,
- * each rank's in its memory). */
+/* A model split over n ranks, as the engine splits it on the CPU: each rank a CPU backend on one
+ * pool of two threads (on which the ranks' threads take turns, the cache's attention too) and a
+ * memory of its own, its share copied by llmem_model_to_device; the host group's sum between
+ * them; a cache of n × n_layers layers of a share's KV heads, each rank's in its memory. */
 struct split {
-    struct rig r; /* mem, be, kv, fwd, vocab (r.model: rank 0's share) */
+    struct rig r; /* mem, be, kv, fwd, vocab (rank 0's: r.model its share) */
+    struct llmem_pool *pool;
     struct llmem_model *host, *shares[8];
     const struct llmem_backend *ranks[8];
-    struct llmem_backend *own_be[8]; /* with threads: ranks 1 … n − 1 (rank 0's is r.be) */
-    struct llmem_mem *mems[8];       /* with threads: each rank's (rank 0's is r.mem) */
+    struct llmem_backend *own_be[8]; /* (own_be[0] is r.be) */
+    struct llmem_mem *mems[8];       /* (mems[0] is r.mem, which holds the host model too) */
     struct llmem_backend_group group;
 };
 
-static void split_open(struct split *s, const char *dir, int n, int64_t chunk, int threads) {
+static void split_open(struct split *s, const char *dir, int n, int64_t chunk) {
     memset(s, 0, sizeof(*s));
     struct llmem_mem_config mc = {.cache_limit_bytes = -1};
-    assert_int_equal(llmem_mem_create(&mc, &s->r.mem), LLMEM_OK);
-    assert_int_equal(llmem_model_load(dir, s->r.mem, 0, NULL, NULL, &s->host), LLMEM_OK);
-    assert_int_equal(llmem_backend_cpu_create(threads ? 1 : 2, &s->r.be), LLMEM_OK);
-    llmem_backend_cpu_set_precision(s->r.be, rig_precision);
+    assert_int_equal(llmem_pool_create(2, &s->pool), LLMEM_OK);
     for (int k = 0; k < n; k++) {
-        s->ranks[k] = s->r.be, s->mems[k] = s->r.mem;
-        if (threads && k > 0) {
-            assert_int_equal(llmem_mem_create(&mc, &s->mems[k]), LLMEM_OK);
-            assert_int_equal(llmem_backend_cpu_create(1, &s->own_be[k]), LLMEM_OK);
-            llmem_backend_cpu_set_precision(s->own_be[k], rig_precision);
-            s->ranks[k] = s->own_be[k];
-        }
+        assert_int_equal(llmem_mem_create(&mc, &s->mems[k]), LLMEM_OK);
+        assert_int_equal(llmem_backend_cpu_create_shared(s->pool, s->mems[k], &s->own_be[k]),
+                         LLMEM_OK);
+        llmem_backend_cpu_set_precision(s->own_be[k], rig_precision);
+        s->ranks[k] = s->own_be[k];
+    }
+    s->r.mem = s->mems[0], s->r.be = s->own_be[0];
+    assert_int_equal(llmem_model_load(dir, s->r.mem, 0, NULL, NULL, &s->host), LLMEM_OK);
+    for (int k = 0; k < n; k++)
         assert_int_equal(llmem_model_to_device(s->host, s->ranks[k], s->mems[k], 0, k, n, NULL,
                                                NULL, &s->shares[k]),
                          LLMEM_OK);
-    }
     s->r.model = s->shares[0];
-    if (threads)
-        assert_int_equal(llmem_backend_host_group_create(n, s->ranks, &s->group), LLMEM_OK);
-    else
-        s->group = (struct llmem_backend_group){
-            .n = n, .ranks = s->ranks, .allreduce = llmem_backend_host_allreduce, .ctx = &s->group};
+    assert_int_equal(llmem_backend_host_group_create(n, s->ranks, &s->group), LLMEM_OK);
     const struct llmem_model_geometry *g = &llmem_model_get_config(s->shares[0])->geom;
     s->r.vocab = g->vocab_size;
     struct llmem_kv_config kc;
@@ -785,9 +779,8 @@ static void split_open(struct split *s, const char *dir, int n, int64_t chunk, i
     kc.head_dim = (int)g->head_dim;
     kc.max_sequences = 8;
     kc.num_blocks = 64;
-    kc.n_threads = 2; /* (with threads, the ranks' attention takes turns on it) */
-    if (threads)
-        kc.n_ranks = n, kc.rank_mems = s->mems;
+    kc.pool = s->pool;
+    kc.n_ranks = n, kc.rank_mems = s->mems;
     assert_int_equal(llmem_kv_create(&kc, s->r.mem, &s->r.kv), LLMEM_OK);
     assert_int_equal(llmem_forward_create_split(s->shares, &s->group, s->r.kv, chunk, &s->r.fwd),
                      LLMEM_OK);
@@ -799,18 +792,14 @@ static void split_close(struct split *s) {
     for (int k = 0; k < s->group.n; k++)
         llmem_model_free(s->shares[k]);
     llmem_model_free(s->host);
-    if (s->group.allreduce_rank != NULL)
-        llmem_backend_host_group_free(&s->group);
-    for (int k = 1; k < s->group.n; k++) {
+    const int n = s->group.n;
+    llmem_backend_host_group_free(&s->group);
+    for (int k = 0; k < n; k++) {
         llmem_backend_destroy(s->own_be[k]);
-        if (s->mems[k] != s->r.mem) {
-            assert_int_equal(llmem_mem_active(s->mems[k]), 0);
-            llmem_mem_destroy(s->mems[k]);
-        }
+        assert_int_equal(llmem_mem_active(s->mems[k]), 0);
+        llmem_mem_destroy(s->mems[k]);
     }
-    llmem_backend_destroy(s->r.be);
-    assert_int_equal(llmem_mem_active(s->r.mem), 0);
-    llmem_mem_destroy(s->r.mem);
+    llmem_pool_destroy(s->pool);
 }
 
 /* Every reference model split over 2, 4 and 8 ranks where its heads and widths allow (KV heads
@@ -842,7 +831,7 @@ static void test_tensor_parallel(void **state) {
             if (llmem_geometry_tensor_rank(&g, n, &rg, why, sizeof(why)) != LLMEM_OK)
                 continue;
             struct split s;
-            split_open(&s, dir, n, 7, 0);
+            split_open(&s, dir, n, 7);
             float *got = teacher_forced(&s.r, gens[0].ids, gens[0].n);
             float *last = malloc((size_t)s.r.vocab * sizeof(float));
             assert_int_equal(llmem_kv_seq_new(s.r.kv, &seq), LLMEM_OK);
@@ -884,7 +873,7 @@ static void test_tensor_parallel(void **state) {
         float *want = teacher_forced(&r, gens[0].ids, n);
         rig_close(&r);
         struct split s;
-        split_open(&s, files[i].path, 2, 7, 0);
+        split_open(&s, files[i].path, 2, 7);
         float *got = teacher_forced(&s.r, gens[0].ids, n);
         const double d = max_abs_diff(got, want, (size_t)(n * s.r.vocab));
         printf("  %-26s over 2 ranks: %3lld tokens, max |Δ| %.2e\n",
@@ -950,7 +939,7 @@ static void test_tensor_parallel_threads(void **state) {
             if (llmem_geometry_tensor_rank(&g, n, &rg, why, sizeof(why)) != LLMEM_OK)
                 continue;
             struct split s;
-            split_open(&s, dir, n, 7, 1);
+            split_open(&s, dir, n, 7);
             float *got = teacher_forced(&s.r, gens[0].ids, gens[0].n);
             float *got_steps = malloc((size_t)(rows * s.r.vocab) * sizeof(float));
             shared_steps(&s.r, &gens[0], got_steps);
@@ -979,7 +968,7 @@ static void test_tensor_parallel_threads_oom(void **state) {
     struct generation gens[1];
     load_generations("tiny-llama3", gens, 1);
     struct split s;
-    split_open(&s, dir, 2, 7, 1);
+    split_open(&s, dir, 2, 7);
     for (int k = 0; k < 2; k++) /* (every workspace a fresh allocation, which a fault refuses) */
         llmem_mem_set_cache_limit(s.mems[k], 0);
     const int64_t V = s.r.vocab;
@@ -1100,7 +1089,7 @@ static void test_tensor_parallel_graph_agreement(void **state) {
     rig_close(&r);
     for (int n = 2; n <= 4; n *= 2) {
         struct split s;
-        split_open(&s, dir, n, 7, 1);
+        split_open(&s, dir, n, 7);
         llmem_forward_free(s.r.fwd); /* made again over the ranks' graphed backends */
         graphed_ops = *s.ranks[0]->ops;
         graphed_ops.graph_want = graphed_want, graphed_ops.graph_begin = graphed_begin;
@@ -1157,8 +1146,6 @@ static void test_tensor_parallel_graph_agreement(void **state) {
         printf("  over %d ranks: %d graph passes agreed, %d run again after a miss\n", n, passes,
                retried);
         free(row), free(got);
-        for (int k = 0; k < n; k++) /* (split_close frees the CPU backends) */
-            s.ranks[k] = graphed[k].cpu;
         split_close(&s);
     }
     free(want);
@@ -1205,12 +1192,12 @@ static void test_tensor_parallel_top(void **state) {
     rig_close(&r);
     for (int n = 2; n <= 4; n *= 2) {
         struct split s;
-        split_open(&s, dir, n, T, 0);
+        split_open(&s, dir, n, T);
         struct llmem_backend_ops ops = *s.r.be->ops;
         ops.top_k = host_top_k;
-        const struct llmem_backend top_be = {&ops, s.r.be->ctx};
+        struct llmem_backend top_be[8];
         for (int i = 0; i < n; i++)
-            s.ranks[i] = &top_be;
+            top_be[i] = (struct llmem_backend){&ops, s.ranks[i]->ctx}, s.ranks[i] = &top_be[i];
         llmem_forward_free(s.r.fwd); /* again over the ranks that select */
         assert_int_equal(llmem_forward_create_split(s.shares, &s.group, s.r.kv, T, &s.r.fwd),
                          LLMEM_OK);
@@ -1259,9 +1246,11 @@ static void test_dummy_deferred(void **state) {
         struct llmem_mem_config mc = {.cache_limit_bytes = -1};
         struct llmem_mem *mem = NULL;
         assert_int_equal(llmem_mem_create(&mc, &mem), LLMEM_OK);
-        struct llmem_backend *be = NULL;
+        struct llmem_backend *be = NULL, *be2 = NULL; /* (rank 1's of a split) */
         assert_int_equal(llmem_backend_cpu_create(2, &be), LLMEM_OK);
+        assert_int_equal(llmem_backend_cpu_create(1, &be2), LLMEM_OK);
         llmem_backend_cpu_set_precision(be, LLMEM_PRECISION_F32);
+        llmem_backend_cpu_set_precision(be2, LLMEM_PRECISION_F32);
         float *logits[2][2] = {{NULL}};
         int64_t V = 0;
         for (int deferred = 0; deferred < 2; deferred++) {
@@ -1284,15 +1273,12 @@ static void test_dummy_deferred(void **state) {
             for (int n = 1; n <= 2; n++) {
                 struct split s = {.r = {.mem = mem, .be = be}};
                 for (int k = 0; k < n; k++) {
-                    assert_int_equal(
-                        llmem_model_to_device(host, be, mem, 0, k, n, NULL, NULL, &s.shares[k]),
-                        LLMEM_OK);
-                    s.ranks[k] = be;
+                    s.ranks[k] = k == 0 ? be : be2;
+                    assert_int_equal(llmem_model_to_device(host, s.ranks[k], mem, 0, k, n, NULL,
+                                                           NULL, &s.shares[k]),
+                                     LLMEM_OK);
                 }
-                s.group = (struct llmem_backend_group){.n = n,
-                                                       .ranks = s.ranks,
-                                                       .allreduce = llmem_backend_host_allreduce,
-                                                       .ctx = &s.group};
+                assert_int_equal(llmem_backend_host_group_create(n, s.ranks, &s.group), LLMEM_OK);
                 const struct llmem_model_geometry *g = &llmem_model_get_config(s.shares[0])->geom;
                 s.r.vocab = V = g->vocab_size;
                 struct llmem_kv_config kc;
@@ -1305,6 +1291,7 @@ static void test_dummy_deferred(void **state) {
                     llmem_forward_create_split(s.shares, &s.group, s.r.kv, 16, &s.r.fwd), LLMEM_OK);
                 logits[deferred][n - 1] = teacher_forced(&s.r, gens[0].ids, 24);
                 llmem_forward_free(s.r.fwd);
+                llmem_backend_host_group_free(&s.group);
                 llmem_kv_destroy(s.r.kv);
                 for (int k = 0; k < n; k++)
                     llmem_model_free(s.shares[k]);
@@ -1318,7 +1305,7 @@ static void test_dummy_deferred(void **state) {
                names[m]);
         for (int i = 0; i < 4; i++)
             free(logits[i / 2][i % 2]);
-        llmem_backend_destroy(be);
+        llmem_backend_destroy(be), llmem_backend_destroy(be2);
         assert_int_equal(llmem_mem_active(mem), 0);
         llmem_mem_destroy(mem);
         free_generations(gens, 1);

@@ -275,36 +275,28 @@ struct llmem_backend {
 };
 
 /* Backends that run one model split over them (tensor parallelism: rank r's share of each layer
- * on ranks[r]), and the sum that joins their partial results: either by one thread that drives
- * every rank (allreduce) or by each rank's own thread (allreduce_rank); the other is NULL, and
- * both are for a group of one. */
+ * on ranks[r], each rank's operations queued by a thread of its own), and the sum that joins their
+ * partial results. */
 #define LLMEM_SPLIT_MAX 8 /* the most ranks a model is split over */
 struct llmem_backend_group {
     int n;
     const struct llmem_backend *const *ranks; /* (n) */
-    /* buf[r] (count floats in rank r's memory) ← Σ over the ranks of buf, in place, the same sum
-     * on every rank, after the operations queued on each before it (and queued as they are).
-     * Returns the first failure so far, as sync does. */
-    int (*allreduce)(void *ctx, float *const *buf, int64_t count);
-    /* The same sum, rank by rank: each rank's thread calls it with its buf (the same count), every
-     * rank once for each sum and in the same order, and it returns once that rank's part is done
-     * (queued, on a device). A rank that failed still makes every call, so that the others do not
-     * wait for it; its failure is returned to it. */
+    /* buf (count floats in rank r's memory) ← Σ over the ranks of their bufs, in place, the same
+     * sum on every rank, after the operations queued on each before it (and queued as they are):
+     * each rank's thread calls it with its buf (the same count), every rank once for each sum and
+     * in the same order, and it returns once that rank's part is done (queued, on a device). A
+     * rank that failed still makes every call, so that the others do not wait for it; its failure
+     * is returned to it. NULL for a group of one. */
     int (*allreduce_rank)(void *ctx, int rank, float *buf, int64_t count);
     int graphs; /* allreduce_rank may be recorded in its ranks' graphs (graph_begin), which then
                  * launch together or not at all */
     void *ctx;
 };
 
-/* The allreduce of a group whose ranks' memory is the host's (CPU backends, which may be one
- * backend named n times: its operations run one rank after another), ctx the group itself: the
- * sum in rank order into buf[0], then copied to the others. In backend/cpu/cpu.c. */
-int llmem_backend_host_allreduce(void *ctx, float *const *buf, int64_t count);
-
-/* A group of n CPU backends of their own (each on its own threads: a rank's thread runs its
- * operations) whose allreduce_rank meets the ranks' threads on the host: each rank sums its
- * slice of the buffers in rank order (the bits of llmem_backend_host_allreduce) and writes it to
- * every rank's. Freed with llmem_backend_host_group_free. In backend/cpu/cpu.c. */
+/* A group of n CPU backends of their own (a rank's thread runs its operations; backends on one
+ * pool take turns on it) whose allreduce_rank meets the ranks' threads on the host: each rank
+ * sums its slice of the buffers in rank order and writes it to every rank's. Freed with
+ * llmem_backend_host_group_free. In backend/cpu/cpu.c. */
 int llmem_backend_host_group_create(int n, const struct llmem_backend *const *ranks,
                                     struct llmem_backend_group *group);
 void llmem_backend_host_group_free(struct llmem_backend_group *group);

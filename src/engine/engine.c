@@ -92,7 +92,7 @@ static struct llmem_plan_params plan_params(const struct llmem_engine_config *c,
             copies * llmem_geometry_workspace_bytes(g, max_batch_tokens, c->max_sequences) +
             (cuda ? llmem_backend_cuda_scratch_bytes(c->precision, max_batch_tokens, widest,
                                                      g->quantized)
-                  : llmem_backend_cpu_scratch_bytes(threads)),
+                  : copies * llmem_backend_cpu_scratch_bytes(threads)),
     };
     struct llmem_expert_placement placed;
     if (llmem_plan_place_experts(&p, g, ranks > 1 ? 0 : c->experts_on_host, &placed) != LLMEM_OK)
@@ -373,9 +373,9 @@ static int check_split(const struct llmem_engine_config *c, const struct llmem_m
 }
 
 /* A model split over cfg.tensor_parallel ranks: read once into host memory of its own, each
- * rank's share copied into its rank's memory (on the CPU the plan's memory, every share; on
- * devices each its own, planned alike), the read copy dropped, and the group that sums over the
- * ranks. */
+ * rank's share copied into its rank's memory (on the CPU the plan's memory, every share, and a
+ * CPU backend a rank on the engine's pool; on devices each its own, planned alike), the read copy
+ * dropped, and the group that sums over the ranks. */
 static int open_split(struct llmem_engine *e, llmem_progress_fn progress, void *progress_arg) {
     const struct llmem_engine_config *c = &e->cfg;
     const int n = e->n_ranks, cuda = c->backend == LLMEM_BACKEND_CUDA;
@@ -385,12 +385,16 @@ static int open_split(struct llmem_engine *e, llmem_progress_fn progress, void *
     struct llmem_model *host_model = NULL;
     struct llmem_mem_config hc = {.cache_limit_bytes = -1};
     int status = llmem_mem_create(&hc, &read_mem);
-    if (status == LLMEM_OK && !cuda &&
-        (status = llmem_backend_cpu_create_shared(e->pool, e->mem, &e->be)) == LLMEM_OK)
-        llmem_backend_cpu_set_precision(e->be, c->precision);
     for (int r = 0; status == LLMEM_OK && r < n; r++) {
-        if (!cuda) {
-            e->rank_mem[r] = e->mem, e->ranks[r] = e->be;
+        if (!cuda) { /* a CPU backend a rank (its thread's), all on the engine's pool */
+            e->rank_mem[r] = e->mem;
+            status = llmem_backend_cpu_create_shared(e->pool, e->mem, &e->rank_be[r]);
+            if (status != LLMEM_OK)
+                break;
+            llmem_backend_cpu_set_precision(e->rank_be[r], c->precision);
+            e->ranks[r] = e->rank_be[r];
+            if (r == 0) /* (closed as be) */
+                e->be = e->rank_be[0];
             continue;
         }
         const int device = one ? c->device : c->device + r;
@@ -413,12 +417,9 @@ static int open_split(struct llmem_engine *e, llmem_progress_fn progress, void *
         if (r == 0) /* (closed as be) */
             e->be = e->rank_be[0];
     }
-    if (cuda && status == LLMEM_OK) {
-        status = llmem_backend_cuda_group_create(n, e->ranks, &e->group);
-    } else if (status == LLMEM_OK) {
-        e->group = (struct llmem_backend_group){
-            .n = n, .ranks = e->ranks, .allreduce = llmem_backend_host_allreduce, .ctx = &e->group};
-    }
+    if (status == LLMEM_OK)
+        status = cuda ? llmem_backend_cuda_group_create(n, e->ranks, &e->group)
+                      : llmem_backend_host_group_create(n, e->ranks, &e->group);
     struct phase ph = {progress, progress_arg, 0, 1 + n}; /* the read, then each rank's copy */
     if (status == LLMEM_OK)
         status = llmem_model_load(c->model_dir, read_mem, load_flags(c, 1), phase_progress, &ph,
@@ -567,8 +568,10 @@ void llmem_engine_close(struct llmem_engine *e) {
         llmem_model_free(e->shares[r]);
     llmem_model_free(e->host_model); /* after the device's copy, which refers to it */
     llmem_backend_destroy(e->host_be);
-    if (e->group.n > 1 && e->group.allreduce != llmem_backend_host_allreduce)
+    if (e->group.n > 1 && e->cfg.backend == LLMEM_BACKEND_CUDA)
         llmem_backend_cuda_group_free(&e->group);
+    else if (e->group.n > 1)
+        llmem_backend_host_group_free(&e->group);
     for (int r = 1; r < e->n_ranks; r++) { /* (rank_be[0] is be; on the CPU every rank's mem) */
         llmem_backend_destroy(e->rank_be[r]);
         if (e->rank_mem[r] != e->mem)

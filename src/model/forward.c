@@ -39,7 +39,8 @@
  * (the embeddings, each attention and MLP block, the logits) whose partial outputs — of o, down,
  * the experts, the embeddings — the group sums between them: on devices each rank's thread runs
  * its segments and its part of each sum (struct crew), and records its decode steps as graphs
- * when every rank agrees (rank_graphed); on the host the ranks take turns, segment by segment.
+ * when every rank agrees (rank_graphed); on the host alike (the CPU backends taking turns on a
+ * pool they share).
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -101,7 +102,7 @@ struct llmem_forward {
     struct llmem_backend_group group;
     const struct llmem_backend *one; /* a group of one: its backend */
     struct rank *ranks;              /* (group.n) */
-    struct crew *crew; /* a group with allreduce_rank: the threads of ranks 1 … n − 1 */
+    struct crew *crew;               /* a split: the threads of ranks 1 … n − 1 */
     struct pass pass;
     int64_t *pos;     /* (T) position of each token */
     int *seq_ids;     /* (T) the sequences of a step */
@@ -190,7 +191,7 @@ int llmem_forward_create_split(struct llmem_model *const *models,
                                int64_t max_batch_tokens, struct llmem_forward **out) {
     LLMEM_ASSERT(models != NULL && group != NULL && group->n >= 1 && kv != NULL &&
                  max_batch_tokens > 0 && group->n <= LLMEM_SPLIT_MAX &&
-                 (group->n == 1 || (group->allreduce != NULL) != (group->allreduce_rank != NULL)));
+                 (group->n == 1 || group->allreduce_rank != NULL));
     const int n = group->n;
     for (int r = 0; r < n; r++) {
         const struct llmem_model *m = models[r];
@@ -257,7 +258,7 @@ int llmem_forward_create_split(struct llmem_model *const *models,
         status = LLMEM_ENOMEM;
         goto fail;
     }
-    if (n > 1 && group->allreduce_rank != NULL && (status = crew_create(f, &f->crew)) != LLMEM_OK)
+    if (n > 1 && (status = crew_create(f, &f->crew)) != LLMEM_OK)
         goto fail;
     *out = f;
     return LLMEM_OK;
@@ -520,8 +521,8 @@ static float *joined(struct rank *R, int seg) {
     return seg == 0 ? R->x : R->xn;
 }
 
-/* Rank r's whole pass, on its own thread (a group with allreduce_rank): each of its segments, the
- * group's sum after each. A failed rank goes on to make every sum, so that the others finish. */
+/* Rank r's whole pass, on its own thread: each of its segments, the group's sum after each. A
+ * failed rank goes on to make every sum, so that the others finish. */
 static int rank_pass(struct llmem_forward *f, int r) {
     const int64_t count = f->pass.T * f->model->cfg.geom.hidden_size;
     int status = LLMEM_OK;
@@ -537,8 +538,8 @@ static int rank_pass(struct llmem_forward *f, int r) {
     return status;
 }
 
-/* The threads of ranks 1 … n − 1 of a group with allreduce_rank (rank 0's pass runs on the
- * caller's), waiting for a pass between passes. */
+/* The threads of ranks 1 … n − 1 of a split (rank 0's pass runs on the caller's), waiting for a
+ * pass between passes. */
 struct crew {
     struct llmem_forward *f;
     int n; /* threads started */
@@ -674,33 +675,19 @@ static int crew_create(struct llmem_forward *f, struct crew **out) {
     return LLMEM_OK;
 }
 
-/* The layers and the logits rows of the pass (f->pass) whose cache lengths already cover it: the
- * ranks one after another, a segment at a time, or each on its thread. */
+/* The layers and the logits rows of the pass (f->pass) whose cache lengths already cover it: a
+ * group of one's on the caller's thread, a split's ranks each on its own (rank 0's the caller's).
+ */
 static int run_pass(struct llmem_forward *f) {
-    int status = LLMEM_OK;
     if (f->group.n == 1)
         return rank_graphed(f, 0);
-    if (f->crew == NULL) {
-        for (int seg = 0; status == LLMEM_OK && seg < segments(f); seg++) {
-            for (int r = 0; status == LLMEM_OK && r < f->group.n; r++)
-                status = segment(f, r, seg);
-            if (status == LLMEM_OK && seg < segments(f) - 1) {
-                float *buf[LLMEM_SPLIT_MAX];
-                for (int r = 0; r < f->group.n; r++)
-                    buf[r] = joined(&f->ranks[r], seg);
-                status = f->group.allreduce(f->group.ctx, buf,
-                                            f->pass.T * f->model->cfg.geom.hidden_size);
-            }
-        }
-        return status;
-    }
     struct crew *c = f->crew;
     pthread_mutex_lock(&c->lock);
     c->passes++;
     c->running = c->n;
     pthread_cond_broadcast(&c->go);
     pthread_mutex_unlock(&c->lock);
-    status = rank_graphed(f, 0);
+    int status = rank_graphed(f, 0);
     pthread_mutex_lock(&c->lock);
     while (c->running > 0)
         pthread_cond_wait(&c->done, &c->lock);
@@ -748,7 +735,7 @@ static int fetch_logits(struct llmem_forward *f, float *logits, int64_t rows) {
  * ranks' threads record their sums too. */
 static int graphs(const struct llmem_forward *f) {
     return f->model->on_device && f->be->ops->graph_begin != NULL &&
-           (f->group.n == 1 || (f->crew != NULL && f->group.graphs));
+           (f->group.n == 1 || f->group.graphs);
 }
 
 int llmem_forward_replays(const struct llmem_forward *f, int n_seqs) {

@@ -15,14 +15,12 @@
  * the share's KV heads). The ranks' partial sums are joined by the group's sum after the
  * embeddings and after each attention and MLP block, and the logits rows gathered from the ranks'
  * shares of the vocabulary, or their top k (llmem_forward_run_top: each rank's share's, merged by
- * llmem_forward_wait). A group whose sum is made rank by rank (allreduce_rank: devices) runs each
- * rank's pass on a thread of its own (rank 0's on the caller's), the cache's step prepared first
- * (llmem_kv_step); where its sums can be recorded (group->graphs), its decode steps are graphs,
- * the ranks agreeing on how each pass runs and launching together or not at all. A group whose
- * sum takes every rank at once (allreduce: the host's) runs the ranks one after another on the
- * caller's thread. A split's steps are not fed from the device (llmem_forward_start_next). The
- * group is copied; its table of backends and its ctx must outlive the pass. A group of one is
- * llmem_forward_create. */
+ * llmem_forward_wait). Each rank's pass runs on a thread of its own (rank 0's on the caller's),
+ * the cache's step prepared first (llmem_kv_step); where the group's sums can be recorded
+ * (group->graphs), its decode steps are graphs, the ranks agreeing on how each pass runs and
+ * launching together or not at all. A split's steps are not fed from the device
+ * (llmem_forward_start_next). The group is copied; its table of backends and its ctx must
+ * outlive the pass. A group of one is llmem_forward_create. */
 int llmem_forward_create_split(struct llmem_model *const *models,
                                const struct llmem_backend_group *group, struct llmem_kv *kv,
                                int64_t max_batch_tokens, struct llmem_forward **out);

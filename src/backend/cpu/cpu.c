@@ -269,17 +269,6 @@ static void cpu_embedding(void *ctx, const struct llmem_weight *table, const int
 
 /* ---- the sum of a split's ranks in host memory -------------------------------------------- */
 
-int llmem_backend_host_allreduce(void *ctx, float *const *buf, int64_t count) {
-    const struct llmem_backend_group *g = ctx;
-    LLMEM_ASSERT(g != NULL && buf != NULL && count >= 0);
-    for (int r = 1; r < g->n; r++)
-        for (int64_t i = 0; i < count; i++)
-            buf[0][i] += buf[r][i];
-    for (int r = 1; r < g->n; r++)
-        memcpy(buf[r], buf[0], (size_t)count * sizeof(float));
-    return LLMEM_OK;
-}
-
 /* The ranks' threads of a host group meet at a barrier before and after each sum. */
 struct host_group {
     struct llmem_backend_group group;

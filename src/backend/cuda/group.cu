@@ -140,7 +140,6 @@ extern "C" int llmem_cuda_group_create(int n, const struct llmem_backend *const 
     *out = (struct llmem_backend_group){
         .n = n,
         .ranks = ranks,
-        .allreduce = NULL,
         .allreduce_rank = group_allreduce_rank,
         .graphs = g->comm != NULL, /* (one device: the sum crosses the ranks' streams) */
         .ctx = g};
