@@ -46,6 +46,10 @@ struct decode_point {
     int threads;
     double prefill_tps, prefill_gflops, decode_tps, decode_gbps, bw_gbps, fraction, overhead_ms;
     double device_ms; /* the device's time per decode step replayed as a graph (0: none) */
+    /* the allocator's peak on each device, and the plan's footprint of one (devices 0: one
+     * allocator, mem_peak) */
+    int devices;
+    int64_t peak[8], footprint;
 };
 
 static void progress_tick(void *arg) {
@@ -341,6 +345,13 @@ int bench_decode(int argc, char **argv) {
         pt->fraction = bench_median(frac, (int)reps);
         pt->overhead_ms = bench_median(over, (int)reps);
         pt->device_ms = bench_median(dev, (int)reps);
+        struct llmem_engine_metrics m;
+        llmem_engine_metrics(e, &m);
+        pt->devices = m.n_devices;
+        pt->peak[0] = m.mem_peak;
+        for (int d = 0; d < m.n_devices && d < 8; d++)
+            pt->peak[d] = m.devices[d].peak;
+        pt->footprint = llmem_engine_plan(e)->footprint_bytes;
         llmem_engine_close(e);
         e = NULL;
     }
@@ -368,7 +379,12 @@ int bench_decode(int argc, char **argv) {
                   llmem_json_add_double(o, "fraction_of_bandwidth", pt->fraction) ||
                   llmem_json_add_double(o, "overhead_ms_per_token", pt->overhead_ms) ||
                   (pt->device_ms > 0 &&
-                   llmem_json_add_double(o, "device_ms_per_token", pt->device_ms));
+                   llmem_json_add_double(o, "device_ms_per_token", pt->device_ms)) ||
+                  llmem_json_add_int(o, "planned_footprint_bytes", pt->footprint);
+            cJSON *peaks = bad ? NULL : cJSON_AddArrayToObject(o, "allocator_peak_bytes");
+            bad = bad || peaks == NULL;
+            for (int d = 0; !bad && d < (pt->devices > 0 ? pt->devices : 1); d++)
+                bad = !cJSON_AddItemToArray(peaks, cJSON_CreateNumber((double)pt->peak[d]));
         }
         if (bad) {
             cJSON_Delete(root);
@@ -395,6 +411,13 @@ int bench_decode(int argc, char **argv) {
                 printf("  %14.3f", pt->device_ms);
             printf("\n");
         }
+        /* the last point's allocators against the plan (each device's, of a split) */
+        const struct decode_point *pt = &points[n_threads - 1];
+        char fb[32], pb[32];
+        printf("allocator peak%s:", pt->devices > 0 ? " per device" : "");
+        for (int d = 0; d < (pt->devices > 0 ? pt->devices : 1); d++)
+            printf(" %s", llmem_size_format_short(pt->peak[d], pb, sizeof(pb)));
+        printf(" (planned footprint %s)\n", llmem_size_format_short(pt->footprint, fb, sizeof(fb)));
         rc = CLI_OK;
     }
 out:
