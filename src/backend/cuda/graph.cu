@@ -254,9 +254,11 @@ int cuda_graph_end(void *ctx) {
         g->state = ++g->misses >= GRAPH_MISSES ? GRAPH_OFF : GRAPH_SEEN;
         return LLMEM_EBUSY;
     }
+    if (c->failed) /* (a replay staged after a failure: nothing to launch) */
+        return c->failed;
     c->held = g;
     c->held_mode = mode;
-    return c->failed;
+    return LLMEM_OK;
 }
 
 int cuda_graph_launch(void *ctx, int go) {
