@@ -49,7 +49,7 @@ struct decode_point {
     /* the allocator's peak on each device, and the plan's footprint of one (devices 0: one
      * allocator, mem_peak) */
     int devices;
-    int64_t peak[8], footprint;
+    int64_t peak[LLMEM_SPLIT_MAX], footprint;
 };
 
 static void progress_tick(void *arg) {
@@ -349,7 +349,7 @@ int bench_decode(int argc, char **argv) {
         llmem_engine_metrics(e, &m);
         pt->devices = m.n_devices;
         pt->peak[0] = m.mem_peak;
-        for (int d = 0; d < m.n_devices && d < 8; d++)
+        for (int d = 0; d < m.n_devices && d < LLMEM_SPLIT_MAX; d++)
             pt->peak[d] = m.devices[d].peak;
         pt->footprint = llmem_engine_plan(e)->footprint_bytes;
         llmem_engine_close(e);

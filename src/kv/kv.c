@@ -84,6 +84,11 @@ int64_t llmem_kv_token_bytes(const struct llmem_kv_config *c) {
 /* ---- storage helpers ----------------------------------------------------------------------------
  */
 
+/* What llmem_kv_step prepared is gone: a call that changes a sequence or a block's sharing. */
+static void step_forget(struct llmem_kv *kv) {
+    kv->step_n = 0;
+}
+
 static int block_size(const struct llmem_kv *kv) {
     return kv->cfg.block_size;
 }
@@ -600,7 +605,7 @@ static void release_tail(struct llmem_kv *kv, struct kv_seq *s, int64_t keep) {
 }
 
 void llmem_kv_seq_free(struct llmem_kv *kv, int seq) {
-    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
+    step_forget(kv);
     struct kv_seq *s = get_seq(kv, seq);
     release_tail(kv, s, 0);
     if (kv->cfg.layout == LLMEM_KV_LAYOUT_CONTIGUOUS && s->k_buf != NULL) {
@@ -615,7 +620,7 @@ void llmem_kv_seq_free(struct llmem_kv *kv, int seq) {
 }
 
 int llmem_kv_reserve(struct llmem_kv *kv, int seq, int64_t n) {
-    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
+    step_forget(kv);
     struct kv_seq *s = get_seq(kv, seq);
     LLMEM_ASSERT(n >= 0);
     int64_t need = s->length + n;
@@ -658,17 +663,17 @@ static int unshare_blocks(struct llmem_kv *kv, struct kv_seq *s, int64_t first, 
     return LLMEM_OK;
 }
 
-/* Host memory for n slot numbers (LLMEM_ENOMEM logged when it cannot grow). */
-static int64_t *slots_room(struct llmem_kv *kv, int64_t n) {
-    if (n > kv->slots_cap) {
-        int64_t *p = realloc(kv->slots, (size_t)n * sizeof(int64_t));
+/* Host memory for n slot numbers in *slots (LLMEM_ENOMEM logged when it cannot grow). */
+static int64_t *slots_room(int64_t **slots, int64_t *cap, int64_t n) {
+    if (n > *cap) {
+        int64_t *p = realloc(*slots, (size_t)n * sizeof(int64_t));
         if (p == NULL) {
-            LLMEM_ERROR_AS("llmem_kv_write", "out of memory");
+            LLMEM_ERROR("out of memory");
             return NULL;
         }
-        kv->slots = p, kv->slots_cap = n;
+        *slots = p, *cap = n;
     }
-    return kv->slots;
+    return *slots;
 }
 
 /* Paged: the pool slot (block · block_size + offset) of a sequence's position. */
@@ -691,7 +696,7 @@ static void encode_slots(struct llmem_kv *kv, int layer, const float *k, const f
 
 int llmem_kv_step(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_q) {
     LLMEM_ASSERT(n >= 0 && n <= kv->cfg.max_sequences);
-    kv->step_n = 0;
+    step_forget(kv);
     int64_t total = 0;
     for (int i = 0; i < n; i++) {
         struct kv_seq *s = get_seq(kv, seqs[i]);
@@ -705,15 +710,10 @@ int llmem_kv_step(struct llmem_kv *kv, int n, const int *seqs, const int64_t *n_
         }
         total += m;
     }
-    if (kv->cfg.device != NULL && total > kv->step_slots_cap) {
-        int64_t *p = realloc(kv->step_slots, (size_t)total * sizeof(int64_t));
-        if (p == NULL) {
-            LLMEM_ERROR("out of memory");
-            return LLMEM_ENOMEM;
-        }
-        kv->step_slots = p, kv->step_slots_cap = total;
-    }
-    int64_t *slots = kv->cfg.device != NULL ? kv->step_slots : NULL;
+    int64_t *slots =
+        kv->cfg.device != NULL ? slots_room(&kv->step_slots, &kv->step_slots_cap, total) : NULL;
+    if (kv->cfg.device != NULL && slots == NULL)
+        return LLMEM_ENOMEM;
     for (int i = 0, at = 0; i < n; i++) {
         const struct kv_seq *s = get_seq(kv, seqs[i]);
         kv->step_seqs[i] = seqs[i];
@@ -774,7 +774,7 @@ int llmem_kv_write(struct llmem_kv *kv, int seq, int layer, int64_t pos, int64_t
     }
     const int heads = kv->cfg.n_kv_heads, hd = kv->cfg.head_dim;
     if (kv->cfg.device != NULL) { /* every token to its pool slot, encoded on the device */
-        int64_t *slots = slots_room(kv, n);
+        int64_t *slots = slots_room(&kv->slots, &kv->slots_cap, n);
         if (slots == NULL)
             return LLMEM_ENOMEM;
         for (int64_t t = 0; t < n; t++)
@@ -826,14 +826,14 @@ int llmem_kv_append(struct llmem_kv *kv, int seq, int64_t n, const float *k, con
 }
 
 void llmem_kv_trim(struct llmem_kv *kv, int seq, int64_t n) {
-    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
+    step_forget(kv);
     struct kv_seq *s = get_seq(kv, seq);
     s->length = n >= s->length ? 0 : s->length - n;
     release_tail(kv, s, s->length);
 }
 
 int llmem_kv_seq_fork(struct llmem_kv *kv, int src, int *dst) {
-    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
+    step_forget(kv);
     struct kv_seq *from = get_seq(kv, src);
     int status = llmem_kv_seq_new(kv, dst);
     if (status != LLMEM_OK)
@@ -878,7 +878,7 @@ int llmem_kv_seq_fork(struct llmem_kv *kv, int src, int *dst) {
 }
 
 int llmem_kv_freeze_capacity(struct llmem_kv *kv, int64_t capacity) {
-    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
+    step_forget(kv);
     if (kv->cfg.layout != LLMEM_KV_LAYOUT_RAGGED) {
         LLMEM_ERROR("freeze_capacity applies to the ragged layout, not %s",
                     llmem_kv_layout_name(kv->cfg.layout));
@@ -1027,7 +1027,7 @@ int64_t llmem_kv_seq_blocks(struct llmem_kv *kv, int seq, const int64_t **ids) {
 }
 
 void llmem_kv_block_hold(struct llmem_kv *kv, int64_t id) {
-    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
+    step_forget(kv);
     LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED && id >= 0 && id < kv->n_blocks &&
                  kv->refcount[id] > 0);
     kv->refcount[id]++;
@@ -1035,7 +1035,7 @@ void llmem_kv_block_hold(struct llmem_kv *kv, int64_t id) {
 }
 
 void llmem_kv_block_release(struct llmem_kv *kv, int64_t id) {
-    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
+    step_forget(kv);
     LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED && id >= 0 && id < kv->n_blocks &&
                  kv->held[id] > 0);
     kv->held[id]--;
@@ -1044,7 +1044,7 @@ void llmem_kv_block_release(struct llmem_kv *kv, int64_t id) {
 
 int llmem_kv_seq_new_from_blocks(struct llmem_kv *kv, const int64_t *ids, int64_t n_blocks,
                                  int *seq) {
-    kv->step_n = 0; /* (the step llmem_kv_step prepared is gone) */
+    step_forget(kv);
     LLMEM_ASSERT(kv->cfg.layout == LLMEM_KV_LAYOUT_PAGED && n_blocks >= 0);
     for (int64_t b = 0; b < n_blocks; b++)
         LLMEM_ASSERT(ids[b] >= 0 && ids[b] < kv->n_blocks && kv->refcount[ids[b]] > 0);
