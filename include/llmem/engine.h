@@ -70,8 +70,8 @@ struct llmem_engine_config {
     int64_t experts_on_host;
     /* --tensor-parallel: the model split over this many ranks (2, 4 or 8; 0 or 1: whole): with
      * --backend cuda on the devices device … device + N − 1, each holding its share and planned
-     * as one of them, NCCL's all-reduce between them; on the CPU every share in host memory, the
-     * ranks one after another on the one thread pool (the split's results, for checking it) */
+     * as one of them, NCCL's all-reduce between them; on the CPU every share in host memory, each
+     * rank's thread taking turns on the one thread pool (the split's results, for checking it) */
     int tensor_parallel;
     /* the plan's runtime baseline (SPEC §2.2: what the process holds outside the allocator):
      * LLMEM_ENGINE_BASELINE_MEASURE (the default) measures it at open, ≥ 0 takes it as given
