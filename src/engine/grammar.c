@@ -1193,7 +1193,9 @@ static int stacks_grow(struct walker *w, int32_t **p, int32_t *cap, int32_t need
 
 /* Adds a stack unless the set holds it. */
 static int stacks_add(struct walker *w, struct stacks *s, const int32_t *p, int32_t n) {
-    if (s->n == 0 && stacks_grow(w, &s->at, &s->cap_at, 1) != 0)
+    /* pos is never NULL once a set holds a stack, even an empty one (pos + 0 must be valid) */
+    if (s->n == 0 && (stacks_grow(w, &s->at, &s->cap_at, 1) != 0 ||
+                      stacks_grow(w, &s->pos, &s->cap_pos, 1) != 0))
         return w->failed = LLMEM_ENOMEM;
     if (s->n == 0)
         s->at[0] = 0;
