@@ -118,8 +118,8 @@ static void decode_kernel(struct cuda_ctx *c, const struct llmem_backend_paged_a
     /* a prefill chunk's splits merged inside the kernel when they are few; a decode step's by the
      * second kernel, which measured faster inside the pass (docs/BENCHMARKS.md) */
     if (call->pack > 1) {
-        ca.counters = (unsigned *)((uint8_t *)c->small + c->small_bytes * SMALL_SLOTS);
-        ca.n_counters = ATTN_COUNTERS_BYTES / sizeof(unsigned);
+        ca.counters = split_counters(c);
+        ca.n_counters = SPLIT_COUNTERS;
     }
     if (ca.workspace_bytes > 0 && (ca.workspace = scratch(c, ca.workspace_bytes)) == NULL)
         return;

@@ -354,12 +354,13 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
         check(c, cudaEventCreateWithFlags(&c->copy_done, cudaEventDisableTiming), "event") !=
             LLMEM_OK ||
         check(c,
-              cudaMalloc(&c->small, c->small_bytes * SMALL_SLOTS + ATTN_COUNTERS_BYTES +
+              cudaMalloc(&c->small, c->small_bytes * SMALL_SLOTS +
+                                        SPLIT_COUNTERS * sizeof(unsigned) +
                                         FEED_ROWS * sizeof(int32_t)),
               "cudaMalloc") != LLMEM_OK ||
         check(
             c,
-            cudaMemset((uint8_t *)c->small + c->small_bytes * SMALL_SLOTS, 0, ATTN_COUNTERS_BYTES),
+            cudaMemset(split_counters(c), 0, SPLIT_COUNTERS * sizeof(unsigned)),
             "cudaMemset") != LLMEM_OK ||
         check(c, cudaHostAlloc(&c->small_host, c->small_bytes * SMALL_SLOTS, cudaHostAllocDefault),
               "cudaHostAlloc") != LLMEM_OK ||
@@ -388,8 +389,7 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
             LLMEM_OK)
         status = LLMEM_EIO;
     if (status == LLMEM_OK)
-        c->feed =
-            (int32_t *)((uint8_t *)c->small + c->small_bytes * SMALL_SLOTS + ATTN_COUNTERS_BYTES);
+        c->feed = (int32_t *)(split_counters(c) + SPLIT_COUNTERS);
     if (status == LLMEM_OK && profile && llmem_cuda_profile_start == nullptr) {
         if (check(c, cudaEventCreate(&c->profile_end), "event") != LLMEM_OK ||
             check(c, cudaEventCreate(&llmem_cuda_profile_start), "event") != LLMEM_OK) {

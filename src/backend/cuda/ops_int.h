@@ -65,10 +65,12 @@ namespace llmem_cuda {
 #define REPLAY_TIMES 64 /* replays timed by event pairs, read when counters are asked for */
 #define GRAPH_MISSES 4  /* passes of a key that did not match its graph before it is given up */
 
-/* after the small slots: the attention's counters (llmem_cuda_attn.counters; the stream's calls
- * run one after another), for 4,096 sequences × KV heads; then the ids a greedy top_k leaves for
- * the next pass's embedding_top, for up to FEED_ROWS rows */
-#define ATTN_COUNTERS_BYTES (4096 * sizeof(unsigned))
+/* after the small slots: the counters of the kernels whose splits the last block to finish
+ * merges (the attention's llmem_cuda_attn.counters, for 4,096 sequences × KV heads; qmma's, a
+ * block of rows each), zero between calls (the stream's calls run one after another; each sets
+ * back what it counted); then the ids a greedy top_k leaves for the next pass's embedding_top,
+ * for up to FEED_ROWS rows */
+#define SPLIT_COUNTERS      4096
 #define FEED_ROWS           4096
 /* the most experts a mixture's layer may have on this backend (moe.cu: a lane's 32 in routing) */
 #define LLMEM_CUDA_MOE_MAX_EXPERTS 1024
@@ -216,6 +218,11 @@ void dev_free(struct cuda_ctx *c, void *p);
 void *scratch(struct cuda_ctx *c, size_t bytes);
 void *wslice(struct cuda_ctx *c, size_t bytes);
 int cuda_sync(void *ctx);
+
+/* The SPLIT_COUNTERS counters (in small, after the slots). */
+static inline unsigned *split_counters(const struct cuda_ctx *c) {
+    return (unsigned *)((uint8_t *)c->small + c->small_bytes * SMALL_SLOTS);
+}
 
 /* graph.cu */
 int staged(struct cuda_ctx *c, int op, std::initializer_list<uint64_t> args);

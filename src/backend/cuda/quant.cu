@@ -934,10 +934,9 @@ static __global__ void __launch_bounds__(256, QGEMV_BLOCKS(NX, QT))
  * unit) pairs there (qunit_codes) into tiles of codes and scales, and each warp multiplies 16 rows
  * by one tile of x. (Q4_K and Q6_K take a kernel of their own, below.) x is quantized for this kernel in
  * the operands' own order (struct xfrag), so that its copy is contiguous and a lane reads its
- * operand in one load. The slices (split-K, so that a
- * matrix of few rows still fills the device) are added in order by qmma_sum_kernel; their count
- * depends on the matrix's shape alone, so that a row of x's products do not depend on the rows
- * beside it.
+ * operand in one load. The slices (split-K, so that a matrix of few rows still fills the device)
+ * are added in order by the last block of a row group to finish (k_out); their count depends on
+ * the matrix's shape alone, so that a row of x's products do not depend on the rows beside it.
  */
 #define QMMA_ROWS 64
 #define QMMA_STEP 8
@@ -1080,15 +1079,67 @@ __device__ __forceinline__ void qmma_copy(const struct qmat &m, int64_t r0, int6
     }
 }
 
-/* y (or the slice blockIdx.y of partial sums at y, [gridDim.y][n][rows]) = n ≤ 8·NT rows of x
- * (xf: quantize_x_frag_kernel's) · rows [64·blockIdx.x, +64) of m over the units of steps
- * [per·blockIdx.y, per·(blockIdx.y + 1)) (+ bias: one slice only). 4·NT warps: warp w multiplies
+/* Where a batch kernel's block puts its sums y[c][r] (c < n, r < rows): into y (+ bias) when
+ * it is the only slice of K (gridDim.y = 1); otherwise into its slice of slices ([gridDim.y][n]
+ * [rows]), and the last of blockIdx.x's blocks to finish (last_slice, by its counter, zero
+ * before and after) adds the slices in order into y (merge), with bias: the same sums whichever
+ * block is last. */
+struct k_out {
+    int64_t rows;
+    int n;
+    float *slices, *y;
+    const float *bias;
+
+    __device__ __forceinline__ void put(int64_t r, int c, float v) const {
+        if (r >= rows || c >= n)
+            return;
+        if (gridDim.y > 1)
+            slices[((int64_t)blockIdx.y * n + c) * rows + r] = v;
+        else
+            y[c * rows + r] = bias != NULL ? v + bias[r] : v;
+    }
+
+    /* Called by every thread of the block after its puts. */
+    __device__ __forceinline__ bool last_slice(unsigned *counts) const {
+        __shared__ unsigned before;
+        if (gridDim.y == 1)
+            return false;
+        __syncthreads(); /* the block's sums before thread 0's release */
+        if (threadIdx.x == 0) {
+            unsigned b;
+            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                         : "=r"(b)
+                         : "l"(counts + blockIdx.x)
+                         : "memory");
+            if (b == gridDim.y - 1)
+                counts[blockIdx.x] = 0;
+            before = b;
+        }
+        __syncthreads(); /* the others' reads after thread 0's acquire */
+        return before == gridDim.y - 1;
+    }
+
+    __device__ __forceinline__ void merge(int64_t r, int c) const {
+        if (r >= rows || c >= n)
+            return;
+        const int64_t i = c * rows + r, count = n * rows;
+        float v = __ldcg(slices + i);
+        for (unsigned s = 1; s < gridDim.y; s++)
+            v += __ldcg(slices + s * count + i);
+        y[i] = bias != NULL ? v + bias[r] : v;
+    }
+};
+
+/* y = n ≤ 8·NT rows of x (xf: quantize_x_frag_kernel's) · rows [64·blockIdx.x, +64) of m over
+ * the units of steps [per·blockIdx.y, per·(blockIdx.y + 1)) (+ bias), the slices of K as
+ * k_out puts them. 4·NT warps: warp w multiplies
  * the 16 rows 16·(w % 4) … by the tile of x w / 4; the whole block decodes a step's (row, unit)
  * pairs first. (Four warps, each over every tile, left too few warps an SM to cover the
  * latencies of a step's chain of decode, loads and products.) */
 template <int QT, int NT>
 static __global__ void __launch_bounds__(128 * NT)
-    qmma_kernel(struct qmat m, const struct xfrag *xf, int n, int per, float *y, const float *bias) {
+    qmma_kernel(struct qmat m, const struct xfrag *xf, int n, int per, float *slices,
+                unsigned *counts, float *y, const float *bias) {
     extern __shared__ __align__(16) uint8_t qmma_shared[];
     using S = qmma_smem<QT, NT>;
     uint32_t(*codes)[QMMA_STEP][16][8] = (uint32_t(*)[QMMA_STEP][16][8])qmma_shared;
@@ -1196,16 +1247,16 @@ static __global__ void __launch_bounds__(128 * NT)
         }
         __syncthreads(); /* the stage and the codes are free for the next step */
     }
-    if (!has_tile)
-        return;
-    float *out = y + (int64_t)blockIdx.y * n * m.rows;
+    const struct k_out o = {m.rows, n, slices, y, bias};
+    if (has_tile)
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-        const int64_t r = r0 + wg * 16 + g + 8 * (e / 2);
-        const int c = 8 * j + 2 * q + e % 2;
-        if (r < m.rows && c < n)
-            out[c * m.rows + r] = bias != NULL ? acc[e] + bias[r] : acc[e];
-    }
+        for (int e = 0; e < 4; e++)
+            o.put(r0 + wg * 16 + g + 8 * (e / 2), 8 * j + 2 * q + e % 2, acc[e]);
+    if (!o.last_slice(counts) || !has_tile)
+        return;
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+        o.merge(r0 + wg * 16 + g + 8 * (e / 2), 8 * j + 2 * q + e % 2);
 }
 
 /* ---- Q4_K and Q6_K on the tensor cores, the weights straight from memory -----------------------
@@ -1319,8 +1370,8 @@ __device__ __forceinline__ uint32_t ld2(const uint8_t *p) {
 }
 
 /* A lane's share of one super-block of its warp's rows g (a) and g + 8 (b) for qmma_k_kernel
- * (load), and its products with a stage's tiles of x into acc (dot: per super-block the sums of
- * integers as qmma_kernel's, scaled once by d·dx). */
+ * (load), and its products with a stage's tiles of x into acc (dot, tile j's super-block at
+ * xs[4j]: per super-block the sums of integers as qmma_kernel's, scaled once by d·dx). */
 template <int QT> struct kq;
 
 /* Q4_K: the 32 values of sub-block 2c and 2c + 1 are the low and high nibbles of the same 32
@@ -1358,7 +1409,7 @@ template <> struct kq<LLMEM_QTYPE_Q4_K> {
                 for (int j = 0; j < NT; j++) {
                     if (j >= tiles)
                         break;
-                    const uint2 x = xs[j].q[u][lane];
+                    const uint2 x = xs[4 * j].q[u][lane];
                     int lo[4] = {0, 0, 0, 0};
                     mma_u8s8(lo, af, x.x, x.y);
                     s1i[j][0] += sca * lo[0], s1i[j][1] += sca * lo[1];
@@ -1374,7 +1425,7 @@ template <> struct kq<LLMEM_QTYPE_Q4_K> {
         for (int j = 0; j < NT; j++) {
             if (j >= tiles)
                 break;
-            const struct xk4 *f = xs + j;
+            const struct xk4 *f = xs + 4 * j;
             const float2 dx = *(const float2 *)&f->d[2 * q];
             const uint4 x0 = *(const uint4 *)f->sum[2 * q], x1 = *(const uint4 *)f->sum[2 * q + 1];
             /* Σ_u m_u · Σ q over the units, rows a and b by x's rows 2q and 2q + 1 */
@@ -1465,7 +1516,7 @@ template <> struct kq<LLMEM_QTYPE_Q6_K> {
             for (int j = 0; j < NT; j++) {
                 if (j >= tiles)
                     break;
-                const uint2 x = xs[j].q[u][lane];
+                const uint2 x = xs[4 * j].q[u][lane];
                 int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
                 mma_s8s8(lo, f0, x.x, x.y);
                 mma_s8s8(hi, f1, x.x, x.y);
@@ -1479,7 +1530,7 @@ template <> struct kq<LLMEM_QTYPE_Q6_K> {
         for (int j = 0; j < NT; j++) {
             if (j >= tiles)
                 break;
-            const float2 dx = *(const float2 *)&xs[j].d[2 * q];
+            const float2 dx = *(const float2 *)&xs[4 * j].d[2 * q];
             acc[j][0] = fmaf(da * dx.x, (float)s1i[j][0], acc[j][0]);
             acc[j][1] = fmaf(da * dx.y, (float)s1i[j][1], acc[j][1]);
             acc[j][2] = fmaf(db * dx.x, (float)s1i[j][2], acc[j][2]);
@@ -1489,35 +1540,38 @@ template <> struct kq<LLMEM_QTYPE_Q6_K> {
 };
 
 /* Shared memory of qmma_k_kernel<QT, NT>: two stages of x, each the four super-blocks of an
- * iteration (one a part) by NT tiles. */
+ * iteration (one a part) by NT tiles, [tile][part]. */
 template <int NT> struct k_smem {
     static constexpr int STAGE = 4 * NT * (int)sizeof(struct xk4);
     static constexpr int BYTES = 2 * STAGE;
 };
 
-/* The copy of x's super-blocks s … s + 3 (those below s1), tiles below `tiles`, into a stage
- * [part][tile]. */
+/* The copy of x's super-blocks s … s + 3 (those below s1), tiles below `tiles`, into a stage:
+ * a tile's four are consecutive in xk and in the stage. */
 template <int NT>
 __device__ __forceinline__ void k_copy_x(const struct xk4 *xk, int64_t blocks, int64_t s,
                                          int64_t s1, int tiles, uint8_t *stage) {
-    constexpr int P = (int)sizeof(struct xk4) / 16;
-    for (int k = threadIdx.x; k < 4 * NT * P; k += blockDim.x) { /* (constant divisors) */
-        const int kj = k / P, p = k - kj * P, kp = kj / NT, j = kj % NT;
-        if (j < tiles && s + kp < s1)
-            cp_async16<true>(smem_addr(stage + ((kp * NT + j) * P + p) * 16),
-                             (const uint8_t *)(xk + j * blocks + s + kp) + 16 * p, 16);
+    const int chunks = (int)((s1 - s < 4 ? s1 - s : 4) * (int64_t)sizeof(struct xk4) / 16);
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        if (j >= tiles)
+            break;
+        const uint8_t *from = (const uint8_t *)(xk + j * blocks + s);
+        uint8_t *to = stage + j * 4 * (int)sizeof(struct xk4);
+        for (int k = threadIdx.x; k < chunks; k += 256)
+            cp_async16<true>(smem_addr(to + 16 * k), from + 16 * k, 16);
     }
 }
 
-/* y (or the slice blockIdx.y of partial sums, as qmma_kernel's) = n ≤ 8·NT rows of x (xk:
- * quantize_x_k4_kernel's) · rows [32·blockIdx.x, +32) of the matrix m of type QT (Q4_K, Q6_K)
- * over the super-blocks [per·blockIdx.y, +per) (+ bias). Iteration i takes super-blocks
+/* y = n ≤ 8·NT rows of x (xk: quantize_x_k4_kernel's) · rows [32·blockIdx.x, +32) of the
+ * matrix m of type QT (Q4_K, Q6_K) over the super-blocks [per·blockIdx.y, +per) (+ bias), the
+ * slices of K as k_out puts them. Iteration i takes super-blocks
  * s0 + 4i + part; its x is copied into shared memory (cp.async) during iteration i − 1, its
  * weights asked for then too. */
 template <int QT, int NT>
 static __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1)
-    qmma_k_kernel(struct qmat m, const struct xk4 *xk, int n, int per, float *y,
-                  const float *bias) {
+    qmma_k_kernel(struct qmat m, const struct xk4 *xk, int n, int per, float *slices,
+                  unsigned *counts, float *y, const float *bias) {
     extern __shared__ __align__(16) uint8_t k_shared[];
     constexpr int64_t BB = qt<QT>::BB;
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -1551,8 +1605,7 @@ static __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1)
         cp_wait<1>();
         __syncthreads(); /* iteration i's x is in */
         if (sb < s1)
-            v.template dot<NT>((const struct xk4 *)(k_shared + i % 2 * k_smem<NT>::STAGE) +
-                                   kp * NT,
+            v.template dot<NT>((const struct xk4 *)(k_shared + i % 2 * k_smem<NT>::STAGE) + kp,
                                tiles, lane, acc);
         __syncthreads(); /* the stage is free for iteration i + 2 */
     }
@@ -1565,33 +1618,23 @@ static __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1)
             for (int e = 0; e < 4; e++)
                 part[kp - 1][rg][j][e][lane] = acc[j][e];
     __syncthreads();
-    if (kp > 0)
+    const struct k_out o = {m.rows, n, slices, y, bias};
+    if (kp == 0)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                o.put(e < 2 ? ra : rb, 8 * j + 2 * q + e % 2,
+                      ((acc[j][e] + part[0][rg][j][e][lane]) + part[1][rg][j][e][lane]) +
+                          part[2][rg][j][e][lane]);
+    if (!o.last_slice(counts))
         return;
-    float *out = y + (int64_t)blockIdx.y * n * m.rows;
+    if (kp == 0)
 #pragma unroll
-    for (int j = 0; j < NT; j++)
+        for (int j = 0; j < NT; j++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const float v = ((acc[j][e] + part[0][rg][j][e][lane]) + part[1][rg][j][e][lane]) +
-                            part[2][rg][j][e][lane];
-            const int64_t r = e < 2 ? ra : rb;
-            const int c = 8 * j + 2 * q + e % 2;
-            if (r < m.rows && c < n)
-                out[c * m.rows + r] = bias != NULL ? v + bias[r] : v;
-        }
-}
-
-/* y[i] = Σ_s part[s][i] (+ bias[i % rows]), the slices in order, for i < count. */
-static __global__ void qmma_sum_kernel(const float *part, int slices, int64_t count, int64_t rows,
-                                       const float *bias, float *y) {
-    pdl_begin();
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        float v = part[i];
-        for (int s = 1; s < slices; s++)
-            v += part[s * count + i];
-        y[i] = bias != NULL ? v + bias[i % rows] : v;
-    }
+            for (int e = 0; e < 4; e++)
+                o.merge(e < 2 ? ra : rb, 8 * j + 2 * q + e % 2);
 }
 
 /* ---- what gemm.cu and elementwise.cu call ---------------------------------------------------- */
@@ -1679,23 +1722,27 @@ static void smem_launch(struct cuda_ctx *c, bool (&allowed)[64], void (*kernel)(
 
 template <int QT, int NT>
 static void qmma_launch(struct cuda_ctx *c, dim3 grid, const struct qmat &m,
-                        const struct xfrag *xf, int n, int per, float *y, const float *bias) {
+                        const struct xfrag *xf, int n, int per, float *part, float *y,
+                        const float *bias) {
     static bool allowed[64];
     smem_launch(c, allowed, qmma_kernel<QT, NT>, grid, dim3(128 * NT), qmma_smem<QT, NT>::BYTES, m,
-                xf, n, per, y, bias);
+                xf, n, per, part, split_counters(c), y, bias);
 }
 
 template <int QT, int NT>
 static void qmma_k_launch(struct cuda_ctx *c, dim3 grid, const struct qmat &m,
-                          const struct xk4 *xk, int n, int per, float *y, const float *bias) {
+                          const struct xk4 *xk, int n, int per, float *part, float *y,
+                          const float *bias) {
     static bool allowed[64];
     smem_launch(c, allowed, qmma_k_kernel<QT, NT>, grid, dim3(256), k_smem<NT>::BYTES, m, xk, n,
-                per, y, bias);
+                per, part, split_counters(c), y, bias);
 }
 
 /* The split over K of a matrix of `groups` blocks of rows and `steps` steps: about two blocks of
  * threads a multiprocessor, at most `most` slices, each `per` whole steps. The count depends on
- * the matrix's shape alone, so that a row of x's products do not depend on the rows beside it. */
+ * the matrix's shape alone, so that a row of x's products do not depend on the rows beside it.
+ * A split matrix has fewer blocks of rows than the device has multiprocessors: a counter each
+ * (k_out). */
 struct split_k {
     int64_t slices, per;
 };
@@ -1705,15 +1752,8 @@ static struct split_k split_k_of(int64_t groups, int64_t steps, int64_t most) {
     int64_t slices = 2 * sms / groups;
     slices = slices < 1 ? 1 : slices > most ? most : slices;
     const int64_t per = (steps + slices - 1) / slices;
+    LLMEM_ASSERT(slices == 1 || groups <= SPLIT_COUNTERS);
     return {(steps + per - 1) / per, per};
-}
-
-/* The slices' partial sums (part, when there are several) added in order into y, with bias. */
-static void qmma_sum(struct cuda_ctx *c, const float *part, const struct split_k &k, int64_t n,
-                     int64_t rows, const float *bias, float *y) {
-    if (k.slices > 1)
-        pdl_launch(c->stream, qmma_sum_kernel, dim3(grid_for(n * rows, 256)), dim3(256), 0, part,
-                   (int)k.slices, n * rows, rows, bias, y);
 }
 
 /* qmma for a Q4_K or Q6_K matrix (qmma_k_kernel). */
@@ -1734,16 +1774,13 @@ static void qmma_k(struct cuda_ctx *c, const struct qmat &m, const float *x, int
                dim3((unsigned)((blocks + 7) / 8), (unsigned)(tiles * 8)), dim3(256), 0, x, m.cols, n,
                xk);
     const dim3 grid((unsigned)groups, (unsigned)k.slices);
-    float *out = k.slices > 1 ? part : y;
-    const float *b = k.slices > 1 ? NULL : bias;
     const int nt = (int)n, per = (int)k.per;
     if (tiles <= 2)
-        qmma_k_launch<QT, 2>(c, grid, m, xk, nt, per, out, b);
+        qmma_k_launch<QT, 2>(c, grid, m, xk, nt, per, part, y, bias);
     else if (tiles <= 4)
-        qmma_k_launch<QT, 4>(c, grid, m, xk, nt, per, out, b);
+        qmma_k_launch<QT, 4>(c, grid, m, xk, nt, per, part, y, bias);
     else
-        qmma_k_launch<QT, 8>(c, grid, m, xk, nt, per, out, b);
-    qmma_sum(c, part, k, n, m.rows, bias, y);
+        qmma_k_launch<QT, 8>(c, grid, m, xk, nt, per, part, y, bias);
     launched(c, "qmma");
 }
 
@@ -1778,22 +1815,19 @@ void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int6
                    n, xf);
     const dim3 grid((unsigned)blocks, (unsigned)k.slices);
     const int nt = (int)n, per = (int)k.per;
-    float *out = k.slices > 1 ? part : y;
-    const float *b = k.slices > 1 ? NULL : bias;
 #define QMMA(QT)                                                                                   \
     if (nt <= 16)                                                                                  \
-        qmma_launch<QT, 2>(c, grid, m, xf, nt, per, out, b);                                       \
+        qmma_launch<QT, 2>(c, grid, m, xf, nt, per, part, y, bias);                                \
     else if (nt <= 32)                                                                             \
-        qmma_launch<QT, 4>(c, grid, m, xf, nt, per, out, b);                                       \
+        qmma_launch<QT, 4>(c, grid, m, xf, nt, per, part, y, bias);                                \
     else                                                                                           \
-        qmma_launch<QT, 8>(c, grid, m, xf, nt, per, out, b);
+        qmma_launch<QT, 8>(c, grid, m, xf, nt, per, part, y, bias);
     switch (w->quant) { /* (Q4_K, Q6_K: qmma_k) */
     case LLMEM_QTYPE_Q8_0: QMMA(LLMEM_QTYPE_Q8_0) break;
     case LLMEM_QTYPE_Q4_0: QMMA(LLMEM_QTYPE_Q4_0) break;
     default: QMMA(LLMEM_QTYPE_Q5_K)
     }
 #undef QMMA
-    qmma_sum(c, part, k, n, m.rows, bias, y);
     launched(c, "qmma");
 }
 
