@@ -11,7 +11,8 @@
  * Quantized weights (quant.cu) take quant.cu's matrix-vector kernel for up to QGEMV_MAX_ROWS rows
  * of x (at fast precision, q, k and v, or gate and up with swiglu, in one launch of its integer
  * kernel); at fast precision the types it multiplies in integers take its tensor-core integer
- * products (qmma) up to QMMA_MAX_ROWS; more rows dequantize slices of the weights (f16 at fast
+ * products (qmma_set, the matrices of one x after one quantization of it) up to QMMA_MAX_ROWS;
+ * more rows dequantize slices of the weights (f16 at fast
  * precision, beside x rounded to f16; f32 at f32 precision) for the same GEMMs.
  *
  * The fast GEMMs' plans (cublasLt, per shape) and the 16-bit copy of an activation that the
@@ -588,7 +589,7 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
         return;
     }
     if (n <= QMMA_MAX_ROWS && qgemv_int(c, w)) {
-        qmma(c, w, x, n, y, bias);
+        qmma_set(c, 1, &w, x, n, &y, &bias);
         return;
     }
     if (w->quant != 0 && c->precision == LLMEM_PRECISION_FAST) {
@@ -654,10 +655,11 @@ void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_
     shadow_written(c, y, n * w->rows);
 }
 
-/* Quantized matrices of one x that quant.cu's qgemv_set takes in one launch. */
+/* Quantized matrices of one x that quant.cu's qgemv_set (n ≤ QGEMV_MAX_ROWS) or qmma_set
+ * (most = QMMA_MAX_ROWS) take with x quantized once. */
 static int qset_fits(const struct cuda_ctx *c, int count, const struct llmem_weight *const *w,
-                     int64_t n) {
-    int fits = count <= 3 && n > 0 && n <= QGEMV_MAX_ROWS && !c->failed;
+                     int64_t n, int64_t most) {
+    int fits = count <= 3 && n > 0 && n <= most && !c->failed;
     for (int i = 0; i < count; i++)
         fits = fits && qgemv_int(c, w[i]) && w[i]->cols == w[0]->cols;
     return fits;
@@ -668,13 +670,16 @@ void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w
                        int64_t n, float *const *y, const float *const *bias) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(count >= 1 && count <= 4);
-    if (qset_fits(c, count, w, n)) {
+    if (qset_fits(c, count, w, n, QMMA_MAX_ROWS)) {
         for (int i = 0; i < count; i++)
             staged(c, OP_MATMUL_W,
                    {arg(w[i]->data), arg(w[i]->rows), arg(y[i]), arg(bias ? bias[i] : NULL)});
         if (staged(c, OP_GEMV_SET, {arg((int64_t)count), arg(x), arg(n)}))
             return;
-        qgemv_set(c, count, w, x, n, y, bias, 0);
+        if (n <= QGEMV_MAX_ROWS)
+            qgemv_set(c, count, w, x, n, y, bias, 0);
+        else
+            qmma_set(c, count, w, x, n, y, bias);
         for (int i = 0; i < count; i++)
             shadow_written(c, y[i], n * w[i]->rows);
         return;
@@ -755,7 +760,7 @@ void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate, const struct
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     LLMEM_ASSERT(gate != NULL && up != NULL && x != NULL && out != NULL && n >= 0);
     const struct llmem_weight *gu[2] = {gate, up};
-    if (qset_fits(c, 2, gu, n) && gate->rows == up->rows) {
+    if (qset_fits(c, 2, gu, n, QGEMV_MAX_ROWS) && gate->rows == up->rows) {
         if (staged(c, OP_GEMV_SWIGLU,
                    {arg(gate->data), arg(up->data), arg((int64_t)gate->quant), arg(gate->rows),
                     arg(gate->cols), arg(x), arg(n), arg(out)}))

@@ -289,10 +289,11 @@ void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int
 int qgemv_int(const struct cuda_ctx *c, const struct llmem_weight *w);
 void qgemv_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *w, const float *x,
                int64_t n, float *const *y, const float *const *bias, int swiglu);
-/* y = x · Wᵀ (+ bias) for n rows of x, for the weights qgemv_int takes, on the tensor cores (x
- * quantized to 8 bits as qgemv's) */
-void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n, float *y,
-          const float *bias);
+/* y[i] = x · w[i]ᵀ (+ bias[i]) for count ≤ 4 matrices of the weights qgemv_int takes, of one
+ * width, and n ≤ QMMA_MAX_ROWS rows of x, on the tensor cores (x quantized to 8 bits as qgemv's,
+ * once for all) */
+void qmma_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *w, const float *x,
+              int64_t n, float *const *y, const float *const *bias);
 void qdequant(struct cuda_ctx *c, const struct llmem_weight *w, int64_t r0, int64_t n,
               enum llmem_dtype dt, void *out);
 void qembedding(struct cuda_ctx *c, const struct llmem_weight *table, const int32_t *ids, int fed,

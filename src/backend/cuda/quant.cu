@@ -1756,78 +1756,106 @@ static struct split_k split_k_of(int64_t groups, int64_t steps, int64_t most) {
     return {(steps + per - 1) / per, per};
 }
 
-/* qmma for a Q4_K or Q6_K matrix (qmma_k_kernel). */
-template <int QT>
-static void qmma_k(struct cuda_ctx *c, const struct qmat &m, const float *x, int64_t n, float *y,
-                   const float *bias) {
-    const int64_t blocks = m.cols / 256, groups = (m.rows + 31) / 32, tiles = (n + 7) / 8;
-    /* (each slice at least a super-block for each of a block's four parts) */
-    const struct split_k k = split_k_of(groups, blocks, (blocks + 3) / 4);
-    const int64_t xbytes = tiles * blocks * (int64_t)sizeof(struct xk4);
-    uint8_t *ws =
-        (uint8_t *)wslice(c, (size_t)(xbytes + (k.slices > 1 ? k.slices * n * m.rows * 4 : 0)));
-    if (ws == NULL)
-        return;
-    struct xk4 *xk = (struct xk4 *)ws;
-    float *part = (float *)(ws + xbytes);
-    pdl_launch(c->stream, quantize_x_k4_kernel,
-               dim3((unsigned)((blocks + 7) / 8), (unsigned)(tiles * 8)), dim3(256), 0, x, m.cols, n,
-               xk);
-    const dim3 grid((unsigned)groups, (unsigned)k.slices);
-    const int nt = (int)n, per = (int)k.per;
-    if (tiles <= 2)
-        qmma_k_launch<QT, 2>(c, grid, m, xk, nt, per, part, y, bias);
-    else if (tiles <= 4)
-        qmma_k_launch<QT, 4>(c, grid, m, xk, nt, per, part, y, bias);
-    else
-        qmma_k_launch<QT, 8>(c, grid, m, xk, nt, per, part, y, bias);
-    launched(c, "qmma");
+/* x as a matrix of type qt takes it on the tensor cores: Q4_K and Q6_K (qmma_k_kernel) the
+ * super-blocks of struct xk4, the others (qmma_kernel) the units of struct xfrag with a scale
+ * a unit (the 32-value types) or a super-block (Q5_K). */
+enum { X_K4, X_FRAG1, X_FRAG8, X_LAYOUTS };
+static constexpr int x_layout(int qt) {
+    return qt == LLMEM_QTYPE_Q4_K || qt == LLMEM_QTYPE_Q6_K                       ? X_K4
+           : qt == LLMEM_QTYPE_Q8_0 || qt == LLMEM_QTYPE_Q4_0 ? X_FRAG1
+                                                                                   : X_FRAG8;
+}
+static constexpr bool takes_xk4(int qt) {
+    return x_layout(qt) == X_K4;
 }
 
-void qmma(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int64_t n, float *y,
-          const float *bias) {
-    static_assert(QMMA_MAX_ROWS <= 64, "qmma_kernel takes up to 8 tiles of 8 rows of x");
-    LLMEM_ASSERT(qgemv_int(c, w) && n > 0 && n <= QMMA_MAX_ROWS);
-    const struct qmat m = qmat_of(w);
-    if (w->quant == LLMEM_QTYPE_Q4_K || w->quant == LLMEM_QTYPE_Q6_K) {
-        if (w->quant == LLMEM_QTYPE_Q4_K)
-            qmma_k<LLMEM_QTYPE_Q4_K>(c, m, x, n, y, bias);
-        else
-            qmma_k<LLMEM_QTYPE_Q6_K>(c, m, x, n, y, bias);
-        return;
+/* The split over K of matrix m's kernel. */
+static struct split_k qmma_split(const struct qmat &m, int qt) {
+    if (takes_xk4(qt)) { /* (each slice at least a super-block for each of a block's four parts) */
+        const int64_t blocks = m.cols / 256;
+        return split_k_of((m.rows + 31) / 32, blocks, (blocks + 3) / 4);
     }
-    const int64_t units = m.cols / 32, steps = (units + QMMA_STEP - 1) / QMMA_STEP;
-    const int64_t blocks = (m.rows + QMMA_ROWS - 1) / QMMA_ROWS;
-    const struct split_k k = split_k_of(blocks, steps, steps);
-    const int64_t xbytes = (n + 7) / 8 * units * (int64_t)sizeof(struct xfrag);
-    uint8_t *ws = (uint8_t *)wslice(
-        c, (size_t)(xbytes + (k.slices > 1 ? k.slices * n * m.rows * 4 : 0)));
+    const int64_t steps = (m.cols / 32 + QMMA_STEP - 1) / QMMA_STEP;
+    return split_k_of((m.rows + QMMA_ROWS - 1) / QMMA_ROWS, steps, steps);
+}
+
+/* The kernel for matrix m of type QT on x (xk or xf as the type takes it), over the tiles of
+ * its n rows. */
+template <int QT>
+static void qmma_go(struct cuda_ctx *c, const struct qmat &m, const struct xk4 *xk,
+                    const struct xfrag *xf, int n, const struct split_k &k, float *part, float *y,
+                    const float *bias) {
+    const int tiles = (n + 7) / 8, per = (int)k.per;
+    if constexpr (takes_xk4(QT)) {
+        const dim3 grid((unsigned)((m.rows + 31) / 32), (unsigned)k.slices);
+        if (tiles <= 2)
+            qmma_k_launch<QT, 2>(c, grid, m, xk, n, per, part, y, bias);
+        else if (tiles <= 4)
+            qmma_k_launch<QT, 4>(c, grid, m, xk, n, per, part, y, bias);
+        else
+            qmma_k_launch<QT, 8>(c, grid, m, xk, n, per, part, y, bias);
+    } else {
+        const dim3 grid((unsigned)((m.rows + QMMA_ROWS - 1) / QMMA_ROWS), (unsigned)k.slices);
+        if (tiles <= 2)
+            qmma_launch<QT, 2>(c, grid, m, xf, n, per, part, y, bias);
+        else if (tiles <= 4)
+            qmma_launch<QT, 4>(c, grid, m, xf, n, per, part, y, bias);
+        else
+            qmma_launch<QT, 8>(c, grid, m, xf, n, per, part, y, bias);
+    }
+}
+
+void qmma_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *w, const float *x,
+              int64_t n, float *const *y, const float *const *bias) {
+    static_assert(QMMA_MAX_ROWS <= 64, "the batch kernels take up to 8 tiles of 8 rows of x");
+    LLMEM_ASSERT(count >= 1 && count <= 4 && n > 0 && n <= QMMA_MAX_ROWS);
+    const int64_t cols = w[0]->cols, units = cols / 32, tiles = (n + 7) / 8;
+    struct qmat m[4];
+    struct split_k k[4];
+    int64_t xbytes[X_LAYOUTS] = {0, 0, 0}, at[X_LAYOUTS + 1] = {0};
+    int64_t part_bytes = 0; /* (the kernels run one after another: one place for their slices) */
+    for (int i = 0; i < count; i++) {
+        LLMEM_ASSERT(qgemv_int(c, w[i]) && w[i]->cols == cols);
+        m[i] = qmat_of(w[i]), k[i] = qmma_split(m[i], w[i]->quant);
+        const int l = x_layout(w[i]->quant);
+        xbytes[l] = tiles * (l == X_K4 ? (cols / 256) * (int64_t)sizeof(struct xk4)
+                                       : units * (int64_t)sizeof(struct xfrag));
+        if (k[i].slices > 1 && k[i].slices * n * m[i].rows * 4 > part_bytes)
+            part_bytes = k[i].slices * n * m[i].rows * 4;
+    }
+    for (int l = 0; l < X_LAYOUTS; l++)
+        at[l + 1] = at[l] + xbytes[l];
+    uint8_t *ws = (uint8_t *)wslice(c, (size_t)(at[X_LAYOUTS] + part_bytes));
     if (ws == NULL)
         return;
-    struct xfrag *xf = (struct xfrag *)ws;
-    float *part = (float *)(ws + xbytes);
-    const dim3 qgrid((unsigned)((units + 7) / 8), (unsigned)((n + 7) / 8 * 8));
-    if (w->quant == LLMEM_QTYPE_Q8_0 || w->quant == LLMEM_QTYPE_Q4_0)
-        pdl_launch(c->stream, quantize_x_frag_kernel<1>, qgrid, dim3(256), 0, x, m.cols, n, xf);
-    else /* (the K types: whole super-blocks; a warp a block, 8 warps a block of threads) */
+    struct xk4 *xk = (struct xk4 *)(ws + at[X_K4]);
+    float *part = (float *)(ws + at[X_LAYOUTS]);
+    /* x quantized once for each layout the matrices take */
+    const dim3 fgrid((unsigned)((units + 7) / 8), (unsigned)(tiles * 8));
+    if (xbytes[X_K4] > 0)
+        pdl_launch(c->stream, quantize_x_k4_kernel,
+                   dim3((unsigned)((cols / 256 + 7) / 8), (unsigned)(tiles * 8)), dim3(256), 0, x,
+                   cols, n, xk);
+    if (xbytes[X_FRAG1] > 0)
+        pdl_launch(c->stream, quantize_x_frag_kernel<1>, fgrid, dim3(256), 0, x, cols, n,
+                   (struct xfrag *)(ws + at[X_FRAG1]));
+    if (xbytes[X_FRAG8] > 0) /* (whole super-blocks: a warp a block, 8 a block of threads) */
         pdl_launch(c->stream, quantize_x_frag_kernel<QMMA_STEP>,
-                   dim3((qgrid.x + QMMA_STEP - 1) / QMMA_STEP, qgrid.y), dim3(256), 0, x, m.cols,
-                   n, xf);
-    const dim3 grid((unsigned)blocks, (unsigned)k.slices);
-    const int nt = (int)n, per = (int)k.per;
-#define QMMA(QT)                                                                                   \
-    if (nt <= 16)                                                                                  \
-        qmma_launch<QT, 2>(c, grid, m, xf, nt, per, part, y, bias);                                \
-    else if (nt <= 32)                                                                             \
-        qmma_launch<QT, 4>(c, grid, m, xf, nt, per, part, y, bias);                                \
-    else                                                                                           \
-        qmma_launch<QT, 8>(c, grid, m, xf, nt, per, part, y, bias);
-    switch (w->quant) { /* (Q4_K, Q6_K: qmma_k) */
-    case LLMEM_QTYPE_Q8_0: QMMA(LLMEM_QTYPE_Q8_0) break;
-    case LLMEM_QTYPE_Q4_0: QMMA(LLMEM_QTYPE_Q4_0) break;
-    default: QMMA(LLMEM_QTYPE_Q5_K)
+                   dim3((fgrid.x + QMMA_STEP - 1) / QMMA_STEP, fgrid.y), dim3(256), 0, x, cols, n,
+                   (struct xfrag *)(ws + at[X_FRAG8]));
+    for (int i = 0; i < count; i++) {
+        const struct xfrag *xf = (const struct xfrag *)(ws + at[x_layout(w[i]->quant)]);
+        const float *b = bias != NULL ? bias[i] : NULL;
+#define QMMA_GO(QT) qmma_go<QT>(c, m[i], xk, xf, (int)n, k[i], part, y[i], b)
+        switch (w[i]->quant) {
+        case LLMEM_QTYPE_Q8_0: QMMA_GO(LLMEM_QTYPE_Q8_0); break;
+        case LLMEM_QTYPE_Q4_0: QMMA_GO(LLMEM_QTYPE_Q4_0); break;
+        case LLMEM_QTYPE_Q5_K: QMMA_GO(LLMEM_QTYPE_Q5_K); break;
+        case LLMEM_QTYPE_Q4_K: QMMA_GO(LLMEM_QTYPE_Q4_K); break;
+        default: QMMA_GO(LLMEM_QTYPE_Q6_K);
+        }
+#undef QMMA_GO
     }
-#undef QMMA
     launched(c, "qmma");
 }
 
