@@ -205,11 +205,11 @@ void cuda_moe(void *ctx, const struct llmem_backend_moe *m, const float *logits,
     if (sort)
         pdl_launch(c->stream, sort_kernel, dim3(1), dim3(1024), 0, (const int32_t *)w.ids, pairs, E,
                    w.offsets, w.order, w.slot);
-    if (!grouped) {
-        gemv_experts(c, &m->gate[0], &m->up[0], w.ids, w.order, (int)k, x, T, pairs, w.gate,
-                     w.up);
+    if (!grouped) { /* (unsorted: the pairs as routed) */
+        const int32_t *order = sort ? w.order : NULL;
+        gemv_experts(c, &m->gate[0], &m->up[0], w.ids, order, (int)k, x, T, pairs, w.gate, w.up);
         swiglu_launch(c, w.gate, w.up, pairs * inter, w.gate);
-        gemv_experts(c, &m->down[0], NULL, w.ids, w.order, 0, w.gate, pairs, pairs, w.x, NULL);
+        gemv_experts(c, &m->down[0], NULL, w.ids, order, 0, w.gate, pairs, pairs, w.x, NULL);
     } else {
         pdl_launch(c->stream, gather_kernel, dim3(grid_for(pairs * hidden, 256)), dim3(256), 0, x,
                    (const int32_t *)w.order, (int)k, pairs, hidden, w.x);

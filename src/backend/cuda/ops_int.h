@@ -269,7 +269,8 @@ void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate, const struct
 /* A mixture's experts for a few rows (moe.cu): y[r] = x[order[r] / k] · Wᵀ (k 0: x[r]) with W
  * expert ids[order[r]] of the stack whose expert 0 is w (the experts one after the other, as
  * model/device.c uploads them; an MLX type's scales and biases too), for r < pairs, and the same
- * of w1 into y1 in the same launch when w1 is not NULL (gate and up); x has x_rows rows. The
+ * of w1 into y1 in the same launch when w1 is not NULL (gate and up); x has x_rows rows; order
+ * NULL: the pairs as routed (order[r] = r, one load fewer before a block's weights). The
  * matrix-vector kernels' products (gemm.cu for float weights, quant.cu's for quantized ones). */
 void gemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
                   const int32_t *ids, const int32_t *order, int k, const float *x, int64_t x_rows,

@@ -341,8 +341,8 @@ template <int QT> __device__ __forceinline__ int64_t block_at(const struct qmat 
 /* ---- kernels ---------------------------------------------------------------------------------
  */
 
-/* A mixture's experts for the matrix-vector kernels (order NULL: one matrix, as given): block
- * (x, y, z) takes the rows of block x of expert ids[order[y]] of stack z (0: the kernel's m and y;
+/* A mixture's experts for the matrix-vector kernels (ids NULL: one matrix, as given): block
+ * (x, y, z) takes the rows of block x of expert ids[order[y]] (order NULL: ids[y]) of stack z (0: the kernel's m and y;
  * 1: codes1, scales1, biases1 and y1), for the row order[y] / k of x (k 0: row y), into row y of
  * the output. The stacks hold their experts `stride` bytes apart (an MLX type's scales and biases
  * `side` bytes apart). */
@@ -360,7 +360,7 @@ template <typename X>
 __device__ __forceinline__ void expert_of(const struct qexperts &ex, struct qmat *m, const X **x,
                                           int64_t row, float **y) {
     pdl_begin();
-    const int64_t pr = blockIdx.y, p = ex.order[pr], e = ex.ids[p];
+    const int64_t pr = blockIdx.y, p = ex.order != NULL ? ex.order[pr] : pr, e = ex.ids[p];
     if (blockIdx.z == 1)
         m->codes = ex.codes1, m->scales = ex.scales1, m->biases = ex.biases1, *y = ex.y1;
     m->codes += e * ex.stride;
@@ -398,7 +398,7 @@ static __global__ void __launch_bounds__(256)
     qgemv_kernel(struct qmat m, const float *x, float *y, const float *bias,
                  struct qexperts ex) {
     constexpr int G = qt<QT>::G;
-    if (ex.order != NULL)
+    if (ex.ids != NULL)
         expert_of<float>(ex, &m, &x, m.cols, &y);
     const int lane = threadIdx.x & 31, e = lane % G;
     const int64_t r = blockIdx.x * 8 + threadIdx.x / 32, nb = m.cols / qt<QT>::BE;
@@ -765,9 +765,11 @@ __device__ __forceinline__ void qrow_q4k(const struct qmat &m, int64_t r, const 
 #define QGEMV_UNROLL 4
 
 /* acc[j] = this lane's part of row r of m · row j of the quantized x (xq), for j < NX: a lane a
- * unit at a time, QGEMV_UNROLL units (the lane's, 32 apart) read before any is multiplied. The
- * kernel's pdl_begin comes in here, after the first units were asked for (the weights do not
- * wait for the kernel before; x does: launch.h); the first batch outside the loop, as gemv_row's. */
+ * unit at a time, QGEMV_UNROLL units (the lane's, 32 apart) read before any is multiplied, the
+ * last batch of a row too (predicated: a row of 2,048 values is two units a lane, and a row
+ * read a unit at a time waited for the memory once a unit). The kernel's pdl_begin comes in
+ * here, after the first units were asked for (the weights do not wait for the kernel before; x
+ * does: launch.h). */
 template <int QT, int NX>
 __device__ __forceinline__ void qrow_int(const struct qmat &m, int64_t r, const uint8_t *xq,
                                          int lane, float *acc) {
@@ -780,35 +782,24 @@ __device__ __forceinline__ void qrow_int(const struct qmat &m, int64_t r, const 
     const int64_t units = m.cols / 32;
     uint32_t w[U][8];
     float sc[U][2], off[U][2];
-    int64_t u = lane;
 #pragma unroll
     for (int j = 0; j < NX; j++)
         acc[j] = 0;
     bool waited = false;
-    if (u + 32 * (U - 1) < units) {
+    for (int64_t u = lane; u < units; u += 32 * U) {
 #pragma unroll
         for (int i = 0; i < U; i++)
-            qunit_codes<QT>(row, u + 32 * i, w[i], sc[i], off[i]);
-        pdl_begin(), waited = true;
+            if (u + 32 * i < units)
+                qunit_codes<QT>(row, u + 32 * i, w[i], sc[i], off[i]);
+        if (!waited)
+            pdl_begin(), waited = true;
 #pragma unroll
         for (int i = 0; i < U; i++)
-            qunit_dot<QT, NX>(w[i], sc[i], off[i], xq, m.cols, u + 32 * i, acc);
-        u += 32 * U;
+            if (u + 32 * i < units)
+                qunit_dot<QT, NX>(w[i], sc[i], off[i], xq, m.cols, u + 32 * i, acc);
     }
     if (!waited)
         pdl_begin();
-    for (; u + 32 * (U - 1) < units; u += 32 * U) {
-#pragma unroll
-        for (int i = 0; i < U; i++)
-            qunit_codes<QT>(row, u + 32 * i, w[i], sc[i], off[i]);
-#pragma unroll
-        for (int i = 0; i < U; i++)
-            qunit_dot<QT, NX>(w[i], sc[i], off[i], xq, m.cols, u + 32 * i, acc);
-    }
-    for (; u < units; u += 32) {
-        qunit_codes<QT>(row, u, w[0], sc[0], off[0]);
-        qunit_dot<QT, NX>(w[0], sc[0], off[0], xq, m.cols, u, acc);
-    }
 }
 
 /* qrow_int for a type known at run time (the same for the whole block). */
@@ -826,7 +817,7 @@ template <int QT, int NX>
 static __global__ void __launch_bounds__(256)
     qgemv_int_kernel(struct qmat m, const uint8_t *xq, float *y, const float *bias,
                      struct qexperts ex) {
-    if (ex.order != NULL)
+    if (ex.ids != NULL)
         expert_of<uint8_t>(ex, &m, &xq, xq_row_bytes(m.cols), &y);
     const int lane = threadIdx.x & 31;
     const int64_t r = blockIdx.x * 8 + threadIdx.x / 32;
