@@ -299,9 +299,9 @@ static __global__ void gemv_any_kernel(const void *w, enum llmem_dtype dt, int64
 }
 
 /* A mixture's experts (ops_int.h gemv_experts): block (x, y, z) takes the rows of block x of
- * expert ids[order[y]] (order NULL: ids[y]) of stack z (w0, w1: the experts rows · cols values apart), for row
- * order[y] / k of x (k 0: row y), into row y of y0 or y1. 16-bit weights in aligned rows, W warps
- * a row, as gemv16_kernel. */
+ * expert ids[order[y]] (order NULL: ids[y]) of stack z (w0, w1: the experts rows · cols values
+ * apart), for row order[y] / k of x (k 0: row y), into row y of y0 or y1. 16-bit weights in
+ * aligned rows, W warps a row, as gemv16_kernel. */
 template <enum llmem_dtype DT, int W>
 static __global__ void __launch_bounds__(256)
     gemv16_experts_kernel(const uint16_t *w0, const uint16_t *w1, int64_t rows, int64_t cols,

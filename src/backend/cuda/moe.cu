@@ -72,6 +72,7 @@ static __global__ void route_kernel(const float *logits, int64_t T, int64_t E, i
         if (lane == 0)
             ids[t * k + j] = be, probs[t * k + j] = p;
     }
+    __syncwarp(); /* lane 0's probs, to the lanes that renormalize them */
     for (int j = lane; j < k; j += 32) {
         if (norm)
             probs[t * k + j] /= total;
