@@ -6,8 +6,7 @@
  *   - sort: one block groups the (token, slot) pairs by expert, in token order within an expert;
  *   - a few pairs (a decode step, and every pass recorded as a graph): the matrix-vector kernels
  *     take each pair's expert from the device (gemv_experts; gate and up in one launch), so that a
- *     step reads only the chosen experts' rows and never waits for the host; with the pairs left
- *     unsorted and integer-kernel types, swiglu, down and combine are one launch (qmoe_down);
+ *     step reads only the chosen experts' rows and never waits for the host;
  *   - many pairs (prefill): the expert offsets come to the host once a layer and each expert with
  *     rows runs as a GEMM over its gathered rows, as the dense layers do;
  *   - combine: each token's outputs weighted and summed in increasing expert order (the CPU's).
@@ -214,11 +213,6 @@ void cuda_moe(void *ctx, const struct llmem_backend_moe *m, const float *logits,
         const int32_t *order = sort ? w.order : NULL;
         gemv_experts(c, &m->gate[0], &m->up[0], w.ids, order, (int)k, x, xs, T, pairs, w.gate,
                      w.up);
-        if (!sort && qgemv_int(c, &m->down[0])) { /* swiglu, down and combine in one launch */
-            qmoe_down(c, &m->down[0], w.ids, w.probs, w.slot, (int)k, w.gate, w.up, T, y);
-            launched(c, "moe");
-            return;
-        }
         swiglu_launch(c, w.gate, w.up, pairs * inter, w.gate);
         gemv_experts(c, &m->down[0], NULL, w.ids, order, 0, w.gate, NULL, pairs, pairs, w.x,
                      NULL);

@@ -294,13 +294,6 @@ void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int
 int qgemv_int(const struct cuda_ctx *c, const struct llmem_weight *w);
 void qgemv_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *w, const float *x,
                int64_t n, float *const *y, const float *const *bias, int swiglu);
-/* A mixture's swiglu, down projection and combine in one launch for T tokens (moe.cu, a few
- * pairs): y[t] = Σ_j probs[t·k + j] · silu(gate[s]) ⊙ up[s] · W_eᵀ over j in increasing expert
- * e = ids[t·k + j], s = slot[t·k + j], W_e expert e of the stack whose expert 0 is down; for the
- * types qgemv_int takes. */
-void qmoe_down(struct cuda_ctx *c, const struct llmem_weight *down, const int32_t *ids,
-               const float *probs, const int32_t *slot, int k, const float *gate, const float *up,
-               int64_t T, float *y);
 /* y[i] = x · w[i]ᵀ (+ bias[i]) for count ≤ 4 matrices of the weights qgemv_int takes, of one
  * width, and n ≤ QMMA_MAX_ROWS rows of x, on the tensor cores (x quantized to 8 bits as qgemv's,
  * once for all) */

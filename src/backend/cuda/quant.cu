@@ -25,7 +25,6 @@
 #include "backend/cuda/ops_int.h"
 #include "backend/cuda/tc.h"
 
-#include "plan/moe_work.h"
 #include "quant/quant.h"
 
 namespace llmem_cuda {
@@ -774,11 +773,9 @@ __device__ __forceinline__ void qrow_q4k(const struct qmat &m, int64_t r, const 
 #define QGEMV_UNROLL 4
 
 /* acc[j] = this lane's part of row r of m · row j of the quantized x (xq), for j < NX: a lane a
- * unit at a time, QGEMV_UNROLL units (the lane's, 32 apart) read before any is multiplied, the
- * last batch of a row too (predicated: a row of 2,048 values is two units a lane, and a row
- * read a unit at a time waited for the memory once a unit). The kernel's pdl_begin comes in
- * here, after the first units were asked for (the weights do not wait for the kernel before; x
- * does: launch.h). */
+ * unit at a time, QGEMV_UNROLL units (the lane's, 32 apart) read before any is multiplied. The
+ * kernel's pdl_begin comes in here, after the first units were asked for (the weights do not
+ * wait for the kernel before; x does: launch.h); the first batch outside the loop, as gemv_row's. */
 template <int QT, int NX>
 __device__ __forceinline__ void qrow_int(const struct qmat &m, int64_t r, const uint8_t *xq,
                                          int lane, float *acc) {
@@ -791,24 +788,35 @@ __device__ __forceinline__ void qrow_int(const struct qmat &m, int64_t r, const 
     const int64_t units = m.cols / 32;
     uint32_t w[U][8];
     float sc[U][2], off[U][2];
+    int64_t u = lane;
 #pragma unroll
     for (int j = 0; j < NX; j++)
         acc[j] = 0;
     bool waited = false;
-    for (int64_t u = lane; u < units; u += 32 * U) {
+    if (u + 32 * (U - 1) < units) {
 #pragma unroll
         for (int i = 0; i < U; i++)
-            if (u + 32 * i < units)
-                qunit_codes<QT>(row, u + 32 * i, w[i], sc[i], off[i]);
-        if (!waited)
-            pdl_begin(), waited = true;
+            qunit_codes<QT>(row, u + 32 * i, w[i], sc[i], off[i]);
+        pdl_begin(), waited = true;
 #pragma unroll
         for (int i = 0; i < U; i++)
-            if (u + 32 * i < units)
-                qunit_dot<QT, NX>(w[i], sc[i], off[i], xq, m.cols, u + 32 * i, acc);
+            qunit_dot<QT, NX>(w[i], sc[i], off[i], xq, m.cols, u + 32 * i, acc);
+        u += 32 * U;
     }
     if (!waited)
         pdl_begin();
+    for (; u + 32 * (U - 1) < units; u += 32 * U) {
+#pragma unroll
+        for (int i = 0; i < U; i++)
+            qunit_codes<QT>(row, u + 32 * i, w[i], sc[i], off[i]);
+#pragma unroll
+        for (int i = 0; i < U; i++)
+            qunit_dot<QT, NX>(w[i], sc[i], off[i], xq, m.cols, u + 32 * i, acc);
+    }
+    for (; u < units; u += 32) {
+        qunit_codes<QT>(row, u, w[0], sc[0], off[0]);
+        qunit_dot<QT, NX>(w[0], sc[0], off[0], xq, m.cols, u, acc);
+    }
 }
 
 /* qrow_int for a type known at run time (the same for the whole block). */
@@ -1918,104 +1926,6 @@ void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struc
 #undef QGEMV
     }
     launched(c, "qgemv experts");
-}
-
-/* Pairs whose units a warp of moe_down_kernel reads before it uses any. */
-#define MOE_DOWN_AT_ONCE 4
-
-/* A mixture's down projection with the swiglu before it and the combine after it, for a few
- * tokens (ops_int.h qmoe_down): block (x, t) takes output rows 8x … 8x + 7 of token t, a warp a
- * row, y[t, r] = Σ_j p_j · row r of down_{e_j} · silu(gate[s_j]) ⊙ up[s_j] over the token's k pairs
- * in increasing expert order (s_j: the pair's row of gate and up); h = silu(gate) ⊙ up made as it
- * is read, in f32 (x quantized for the integer products would take a launch of its own). A lane
- * a 32-value unit of MOE_DOWN_AT_ONCE pairs' rows at a time: a down row of 768 values is 24 units,
- * one a lane. */
-template <int QT>
-static __global__ void __launch_bounds__(256)
-    moe_down_kernel(struct qmat m, int64_t stride, const int32_t *ids, const float *probs,
-                    const int32_t *slot, int k, const float *gate, const float *up, float *y) {
-    constexpr int A = MOE_DOWN_AT_ONCE;
-    __shared__ int32_t se[LLMEM_MOE_MAX_K], ss[LLMEM_MOE_MAX_K];
-    __shared__ float sp[LLMEM_MOE_MAX_K];
-    pdl_begin(); /* the pairs and gate and up are the kernels' before */
-    const int64_t t = blockIdx.y;
-    if (threadIdx.x == 0) { /* the token's pairs by expert (insertion sort, stable) */
-        for (int j = 0; j < k; j++) {
-            const int32_t e = ids[t * k + j];
-            int i = j;
-            while (i > 0 && se[i - 1] > e) {
-                se[i] = se[i - 1], ss[i] = ss[i - 1], sp[i] = sp[i - 1];
-                i--;
-            }
-            se[i] = e, ss[i] = slot[t * k + j], sp[i] = probs[t * k + j];
-        }
-    }
-    __syncthreads();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int64_t r = blockIdx.x * 8 + warp, cols = m.cols, units = cols / 32;
-    if (r >= m.rows)
-        return;
-    float out = 0.0f;
-    for (int j0 = 0; j0 < k; j0 += A) {
-        float acc[A];
-#pragma unroll
-        for (int a = 0; a < A; a++)
-            acc[a] = 0.0f;
-        for (int64_t u = lane; u < units; u += 32) {
-            uint32_t w[A][8];
-            float sc[A][2], off[A][2];
-#pragma unroll
-            for (int a = 0; a < A; a++)
-                if (j0 + a < k)
-                    qunit_codes<QT>(m.codes + se[j0 + a] * stride + r * m.row_bytes, u, w[a],
-                                    sc[a], off[a]);
-#pragma unroll
-            for (int a = 0; a < A; a++) {
-                if (j0 + a >= k)
-                    continue;
-                const float4 *g = (const float4 *)(gate + ss[j0 + a] * cols + 32 * u);
-                const float4 *v = (const float4 *)(up + ss[j0 + a] * cols + 32 * u);
-                float dot[2] = {0.0f, 0.0f}, sum[2] = {0.0f, 0.0f};
-#pragma unroll
-                for (int i = 0; i < 8; i++) { /* values 4i … 4i + 3: the bytes of w[a][i] */
-                    const float4 gi = g[i], vi = v[i];
-                    const float h[4] = {silu_mul(gi.x, vi.x), silu_mul(gi.y, vi.y),
-                                        silu_mul(gi.z, vi.z), silu_mul(gi.w, vi.w)};
-#pragma unroll
-                    for (int b = 0; b < 4; b++) {
-                        dot[i / 4] = fmaf((float)(w[a][i] >> (8 * b) & 0xffu), h[b], dot[i / 4]);
-                        sum[i / 4] += h[b];
-                    }
-                }
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++)
-                    acc[a] = fmaf(sc[a][hf], dot[hf],
-                                  fmaf(-fmaf(sc[a][hf], qt<QT>::B, off[a][hf]), sum[hf], acc[a]));
-            }
-        }
-#pragma unroll
-        for (int a = 0; a < A; a++) {
-            for (int o = 16; o > 0; o /= 2)
-                acc[a] += __shfl_xor_sync(0xffffffffu, acc[a], o);
-            if (j0 + a < k)
-                out = fmaf(sp[j0 + a], acc[a], out);
-        }
-    }
-    if (lane == 0)
-        y[t * m.rows + r] = out;
-}
-
-void qmoe_down(struct cuda_ctx *c, const struct llmem_weight *down, const int32_t *ids,
-               const float *probs, const int32_t *slot, int k, const float *gate, const float *up,
-               int64_t T, float *y) {
-    const struct qmat m = qmat_of(down);
-    const dim3 grid((unsigned)((m.rows + 7) / 8), (unsigned)T);
-#define MOE_DOWN(QT)                                                                               \
-    pdl_launch(c->stream, moe_down_kernel<QT>, grid, dim3(256), 0, m, m.rows * m.row_bytes, ids,   \
-               probs, slot, k, gate, up, y)
-    QT_INT_DISPATCH(down->quant, MOE_DOWN)
-#undef MOE_DOWN
-    launched(c, "moe down");
 }
 
 void qdequant(struct cuda_ctx *c, const struct llmem_weight *w, int64_t r0, int64_t n,
