@@ -25,8 +25,8 @@ __device__ __forceinline__ void store16(void *y16, enum llmem_dtype dt, int64_t 
 /* Element i of a row of dim: its 16-bit copy at row·dim + i (store16), or with dt I8 the row's
  * copy for the integer kernels, made as quant.cu's quantize_x_kernel makes it: the warp's 32
  * lanes hold values 32u … 32u + 31 of the row (every lane of the warp calls this). */
-__device__ __forceinline__ void store_copy(void *y16, enum llmem_dtype dt, int64_t row, int64_t dim,
-                                           int64_t i, float v) {
+__device__ __forceinline__ void store_copy(void *y16, enum llmem_dtype dt, int64_t row,
+                                           int64_t dim, int64_t i, float v) {
     if (dt != LLMEM_DTYPE_I8) {
         store16(y16, dt, row * dim + i, v);
         return;
@@ -53,12 +53,10 @@ __device__ __forceinline__ void store_copy(void *y16, enum llmem_dtype dt, int64
  * PER > 0: a thread's PER elements (i, i + blockDim, …; dim ≤ PER · blockDim) held in registers,
  * every load of a pass asked for before any is used, the weights before the wait: a decode's norm
  * is a chain of memory round trips, and a loop that stores x before it loads the next element
- * makes one round trip per element. PER 0: any dim, element by element. Up to 1,024 threads (64
- * registers a thread). */
+ * makes one round trip per element. PER 0: any dim, element by element. */
 template <int PER>
-static __global__ void __launch_bounds__(1024)
-    rmsnorm_kernel(float *x, const float *res, const float *weight, int64_t dim, float eps,
-                   float *y, void *y16, enum llmem_dtype dt) {
+static __global__ void rmsnorm_kernel(float *x, const float *res, const float *weight, int64_t dim,
+                                      float eps, float *y, void *y16, enum llmem_dtype dt) {
     float *xr = x + blockIdx.x * dim;
     float *yr = y + blockIdx.x * dim;
     double s = 0;
