@@ -22,34 +22,8 @@ __device__ __forceinline__ void store16(void *y16, enum llmem_dtype dt, int64_t 
         ((__half *)y16)[i] = __float2half_rn(v);
 }
 
-/* Element i of a row of dim: its 16-bit copy at row·dim + i (store16), or with dt I8 the row's
- * copy for the integer kernels, made as quant.cu's quantize_x_kernel makes it: the warp's 32
- * lanes hold values 32u … 32u + 31 of the row (every lane of the warp calls this). */
-__device__ __forceinline__ void store_copy(void *y16, enum llmem_dtype dt, int64_t row,
-                                           int64_t dim, int64_t i, float v) {
-    if (dt != LLMEM_DTYPE_I8) {
-        store16(y16, dt, row * dim + i, v);
-        return;
-    }
-    const int lane = threadIdx.x & 31;
-    const int64_t u = i / 32;
-    float amax = fabsf(v), sum = v;
-    for (int o = 16; o > 0; o /= 2)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    for (int o = 8; o > 0; o /= 2) /* sums of each 16 lanes */
-        sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    uint8_t *r = (uint8_t *)y16 + row * xq_row_bytes(dim);
-    r[i] = (uint8_t)(int8_t)__float2int_rn(v * id);
-    if (lane == 0)
-        reinterpret_cast<float *>(r + dim)[u] = d;
-    if (lane % 16 == 0)
-        reinterpret_cast<float *>(r + dim + dim / 32 * 4)[2 * u + lane / 16] = sum;
-}
-
 /* One block per row: the sum of squares in double, as the CPU does. With res, first x += res
- * (the residual add before the norm: exactly add_kernel's). With y16, y's copy too (store_copy:
- * 16-bit, or dt I8 quantized for the integer kernels, dim then a multiple of 32).
+ * (the residual add before the norm: exactly add_kernel's). With y16, y's 16-bit copy too.
  * PER > 0: a thread's PER elements (i, i + blockDim, …; dim ≤ PER · blockDim) held in registers,
  * every load of a pass asked for before any is used, the weights before the wait: a decode's norm
  * is a chain of memory round trips, and a loop that stores x before it loads the next element
@@ -122,14 +96,14 @@ static __global__ void rmsnorm_kernel(float *x, const float *res, const float *w
             const float e = __fmul_rn(__fmul_rn(v[k], inv), w[k]);
             yr[i] = e;
             if (y16 != NULL)
-                store_copy(y16, dt, blockIdx.x, dim, i, e);
+                store16(y16, dt, blockIdx.x * dim + i, e);
         }
     } else {
         for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
             const float e = __fmul_rn(__fmul_rn(xr[i], inv), weight[i]);
             yr[i] = e;
             if (y16 != NULL)
-                store_copy(y16, dt, blockIdx.x, dim, i, e);
+                store16(y16, dt, blockIdx.x * dim + i, e);
         }
     }
 }
@@ -219,8 +193,7 @@ static void rmsnorm(struct cuda_ctx *c, float *x, const float *res, const float 
     if (n == 0 || c->failed)
         return;
     enum llmem_dtype dt = LLMEM_DTYPE_F32;
-    uint8_t *y16 = (uint8_t *)shadow_begin(c, n, dim, 1, &dt);
-    const int64_t copy_row = dt == LLMEM_DTYPE_I8 ? xq_row_bytes(dim) : dim * 2;
+    uint8_t *y16 = (uint8_t *)shadow_begin(c, n, dim, &dt);
     if (staged(c, OP_RMSNORM,
                {arg(x), arg(res), arg(weight), arg(n), arg(dim), arg(eps), arg(y), arg(y16),
                 arg((int64_t)dt)})) {
@@ -238,7 +211,7 @@ static void rmsnorm(struct cuda_ctx *c, float *x, const float *res, const float 
                                  : rmsnorm_kernel<0>;
         pdl_launch(c->stream, kernel, dim3(rows), dim3(threads), 0, x + t * dim,
                    res != NULL ? res + t * dim : NULL, weight, dim, eps, y + t * dim,
-                   y16 != NULL ? y16 + t * copy_row : NULL, dt);
+                   y16 != NULL ? y16 + t * dim * 2 : NULL, dt);
     }
     launched(c, "rmsnorm");
     shadow_set(c, y, n * dim, dt, y16);
@@ -324,7 +297,7 @@ void swiglu(struct cuda_ctx *c, const float *gate, const float *up, int64_t n, i
     if (n == 0 || c->failed)
         return;
     enum llmem_dtype dt = LLMEM_DTYPE_F32;
-    void *o16 = cols > 0 && n % cols == 0 ? shadow_begin(c, n / cols, cols, 0, &dt) : NULL;
+    void *o16 = cols > 0 && n % cols == 0 ? shadow_begin(c, n / cols, cols, &dt) : NULL;
     if (staged(c, OP_SWIGLU, {arg(gate), arg(up), arg(n), arg(out), arg(o16), arg((int64_t)dt)})) {
         shadow_set(c, out, n, dt, o16);
         return;

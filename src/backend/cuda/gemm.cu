@@ -353,10 +353,10 @@ static __global__ void gemv_any_experts_kernel(const void *w0, const void *w1, e
 }
 
 void gemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
-                  const int32_t *ids, const int32_t *order, int k, const float *x, const void *xs,
-                  int64_t x_rows, int64_t pairs, float *y, float *y1) {
+                  const int32_t *ids, const int32_t *order, int k, const float *x, int64_t x_rows,
+                  int64_t pairs, float *y, float *y1) {
     if (w->quant != 0) {
-        qgemv_experts(c, w, w1, ids, order, k, x, xs, x_rows, pairs, y, y1);
+        qgemv_experts(c, w, w1, ids, order, k, x, x_rows, pairs, y, y1);
         return;
     }
     const int64_t rows = w->rows, cols = w->cols;
@@ -456,6 +456,16 @@ static void gemm_ex(struct cuda_ctx *c, int64_t m, int64_t n, int64_t k, const v
                t == CUDA_R_32F ? "cublasGemmEx (f32)" : "cublasGemmEx (f16)");
 }
 
+/* The 16-bit copy of x (n rows of cols) for weights of type dt, if the operation before wrote it.
+ */
+static const void *shadow_of(struct cuda_ctx *c, const float *x, int64_t n, int64_t cols,
+                             enum llmem_dtype dt) {
+    return c->shadow_x == x && c->shadow_n == n * cols && c->shadow_dt == dt &&
+                   c->shadow_at == c->scratch
+               ? c->shadow_at
+               : NULL;
+}
+
 /* Drops the shadow when [y, y + n) overlaps its f32 original (a GEMM's output). */
 static void shadow_written(struct cuda_ctx *c, const float *y, int64_t n) {
     if (c->shadow_x != NULL && y < c->shadow_x + c->shadow_n && c->shadow_x < y + n)
@@ -465,7 +475,14 @@ static void shadow_written(struct cuda_ctx *c, const float *y, int64_t n) {
 /* x rounded to the weights' 16-bit type in scratch, for the tensor cores (fast precision). */
 static const void *rounded(struct cuda_ctx *c, const float *x, int64_t n, int64_t cols,
                            enum llmem_dtype dt) {
-    round_seen(c, cols, dt);
+    const int slots = (int)(sizeof(c->rounds) / sizeof(c->rounds[0]));
+    int known = 0;
+    for (int i = 0; i < c->n_rounds && i < slots; i++)
+        known |= c->rounds[i].cols == cols && c->rounds[i].dt == dt;
+    if (!known) { /* the oldest width makes room */
+        c->rounds[c->n_rounds % slots].dt = dt, c->rounds[c->n_rounds % slots].cols = cols;
+        c->n_rounds++;
+    }
     void *xr = scratch(c, (size_t)(n * cols) * 2);
     if (xr == NULL)
         return NULL;
@@ -686,8 +703,7 @@ void cuda_matmul(void *ctx, const struct llmem_weight *w, const float *x, int64_
         staged(c, OP_MATMUL,
                {arg(w->data), arg((int64_t)w->dtype), arg((int64_t)w->quant), arg(w->rows),
                 arg(w->cols), arg(x), arg(n), arg(y), arg(bias),
-                arg(shadow_of(c, x, n, w->cols, w->quant != 0 ? LLMEM_DTYPE_F16 : w->dtype)),
-                arg(shadow_of(c, x, n, w->cols, LLMEM_DTYPE_I8))}))
+                arg(shadow_of(c, x, n, w->cols, w->quant != 0 ? LLMEM_DTYPE_F16 : w->dtype))}))
         return;
     matmul(c, w, x, NULL, n, y, bias);
     shadow_written(c, y, n * w->rows);
@@ -712,9 +728,7 @@ void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w
         for (int i = 0; i < count; i++)
             staged(c, OP_MATMUL_W,
                    {arg(w[i]->data), arg(w[i]->rows), arg(y[i]), arg(bias ? bias[i] : NULL)});
-        if (staged(c, OP_GEMV_SET,
-                   {arg((int64_t)count), arg(x), arg(n),
-                    arg(shadow_of(c, x, n, w[0]->cols, LLMEM_DTYPE_I8))}))
+        if (staged(c, OP_GEMV_SET, {arg((int64_t)count), arg(x), arg(n)}))
             return;
         if (n <= QGEMV_MAX_ROWS)
             qgemv_set(c, count, w, x, n, y, bias, 0);
@@ -803,8 +817,7 @@ void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate, const struct
     if (qset_fits(c, 2, gu, n, QGEMV_MAX_ROWS) && gate->rows == up->rows) {
         if (staged(c, OP_GEMV_SWIGLU,
                    {arg(gate->data), arg(up->data), arg((int64_t)gate->quant), arg(gate->rows),
-                    arg(gate->cols), arg(x), arg(n), arg(out),
-                    arg(shadow_of(c, x, n, gate->cols, LLMEM_DTYPE_I8))}))
+                    arg(gate->cols), arg(x), arg(n), arg(out)}))
             return;
         qgemv_set(c, 2, gu, x, n, &out, NULL, 1);
         shadow_written(c, out, n * gate->rows);

@@ -186,12 +186,9 @@ void cuda_moe(void *ctx, const struct llmem_backend_moe *m, const float *logits,
     if (T == 0 || c->failed)
         return;
     const int grouped = c->pass == NULL && c->mode == PASS_NOW && pairs > MOE_GEMV_PAIRS;
-    /* x's copy for the integer kernels (the norm's), taken before staging drops it */
-    const void *xs = shadow_of(c, x, T, hidden, LLMEM_DTYPE_I8);
     if (staged(c, OP_MOE,
                {arg(m->gate[0].data), arg(m->up[0].data), arg(m->down[0].data), arg(E), arg(k),
-                arg((int64_t)m->norm_topk), arg(logits), arg(x), arg(T), arg(y), arg(work),
-                arg(xs)}))
+                arg((int64_t)m->norm_topk), arg(logits), arg(x), arg(T), arg(y), arg(work)}))
         return;
     if (E > LLMEM_CUDA_MOE_MAX_EXPERTS || (!grouped && pairs > 65535)) {
         fail(c, LLMEM_EUNSUPPORTED, "moe", "more experts or pairs than the kernels take");
@@ -211,11 +208,9 @@ void cuda_moe(void *ctx, const struct llmem_backend_moe *m, const float *logits,
                    w.offsets, w.order, w.slot);
     if (!grouped) { /* (unsorted: the pairs as routed) */
         const int32_t *order = sort ? w.order : NULL;
-        gemv_experts(c, &m->gate[0], &m->up[0], w.ids, order, (int)k, x, xs, T, pairs, w.gate,
-                     w.up);
+        gemv_experts(c, &m->gate[0], &m->up[0], w.ids, order, (int)k, x, T, pairs, w.gate, w.up);
         swiglu_launch(c, w.gate, w.up, pairs * inter, w.gate);
-        gemv_experts(c, &m->down[0], NULL, w.ids, order, 0, w.gate, NULL, pairs, pairs, w.x,
-                     NULL);
+        gemv_experts(c, &m->down[0], NULL, w.ids, order, 0, w.gate, pairs, pairs, w.x, NULL);
     } else {
         pdl_launch(c->stream, gather_kernel, dim3(grid_for(pairs * hidden, 256)), dim3(256), 0, x,
                    (const int32_t *)w.order, (int)k, pairs, hidden, w.x);

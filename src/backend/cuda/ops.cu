@@ -107,11 +107,8 @@ void *scratch(struct cuda_ctx *c, size_t bytes) {
     return grown(c, &c->scratch, &c->scratch_bytes, bytes, "scratch");
 }
 
-/* The buffer of dequantized weight slices (or of x quantized), at least `bytes`; whoever asks
- * writes it, so x's quantized copy there is gone. */
+/* The buffer of dequantized weight slices, at least `bytes`. */
 void *wslice(struct cuda_ctx *c, size_t bytes) {
-    if (c->shadow_dt == LLMEM_DTYPE_I8)
-        c->shadow_x = NULL;
     return grown(c, &c->wslice, &c->wslice_bytes, bytes, "weight slice");
 }
 

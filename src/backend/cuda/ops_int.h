@@ -196,10 +196,8 @@ struct cuda_ctx {
     void *lt_ws;              /* the workspace of the plans that want one */
     size_t lt_ws_bytes;
     /* The 16-bit copy of an f32 activation written to scratch, beside it, by the operation that
-     * produced it (rmsnorm, swiglu), for the fast GEMMs that read it next, or (shadow_dt I8) its
-     * rows quantized for the integer matrix-vector kernels in wslice (rmsnorm): the copy of
-     * shadow_x (shadow_n floats, NULL: none) as shadow_dt, at shadow_at. Any other operation
-     * drops it, and so does any other use of wslice. */
+     * produced it (rmsnorm, swiglu), for the fast GEMMs that read it next: the copy of shadow_x
+     * (shadow_n floats, NULL: none) as shadow_dt, at shadow_at. Any other operation drops it. */
     const float *shadow_x;
     int64_t shadow_n;
     enum llmem_dtype shadow_dt;
@@ -207,8 +205,7 @@ struct cuda_ctx {
     struct {
         enum llmem_dtype dt;
         int64_t cols;
-    } rounds[8];  /* the types and widths the fast GEMMs rounded x to last, and (I8) the integer
-                   * kernels quantized it at (the producers' cue) */
+    } rounds[8];  /* the types and widths the fast GEMMs rounded x to last (the producers' cue) */
     int n_rounds; /* widths recorded so far; the slot of the next is n_rounds mod 8 */
 };
 
@@ -273,15 +270,14 @@ void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate, const struct
  * expert ids[order[r]] of the stack whose expert 0 is w (the experts one after the other, as
  * model/device.c uploads them; an MLX type's scales and biases too), for r < pairs, and the same
  * of w1 into y1 in the same launch when w1 is not NULL (gate and up); x has x_rows rows; order
- * NULL: the pairs as routed (order[r] = r, one load fewer before a block's weights); xs: x's copy
- * for the integer kernels that the operation before wrote (shadow_of, I8), or NULL. The
+ * NULL: the pairs as routed (order[r] = r, one load fewer before a block's weights). The
  * matrix-vector kernels' products (gemm.cu for float weights, quant.cu's for quantized ones). */
 void gemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
-                  const int32_t *ids, const int32_t *order, int k, const float *x, const void *xs,
-                  int64_t x_rows, int64_t pairs, float *y, float *y1);
+                  const int32_t *ids, const int32_t *order, int k, const float *x, int64_t x_rows,
+                  int64_t pairs, float *y, float *y1);
 void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
-                   const int32_t *ids, const int32_t *order, int k, const float *x, const void *xs,
-                   int64_t x_rows, int64_t pairs, float *y, float *y1);
+                   const int32_t *ids, const int32_t *order, int k, const float *x, int64_t x_rows,
+                   int64_t pairs, float *y, float *y1);
 
 /* quant.cu: quantized weights (w->quant != 0): y = x · Wᵀ (+ bias) for n rows of x by the
  * matrix-vector kernel; rows r0 … r0 + n of w dequantized into out (dt: F16 or F32); the rows of a
@@ -398,39 +394,17 @@ enum {
     OP_ALLREDUCE,
 };
 
-/* Rows of x quantized for the integer matrix-vector kernels (quant.cu's quantize_x_kernel): per
- * row, cols int8 codes, then cols / 32 scales and cols / 16 sums (floats), rows 16-byte aligned. */
-__host__ __device__ constexpr int64_t xq_row_bytes(int64_t cols) {
-    return (cols + cols / 32 * 4 + cols / 16 * 4 + 15) / 16 * 16;
-}
-
-/* Where an operation producing n rows of cols floats writes a copy of them for the kernels after
- * it as well (*dt its type), or NULL, at fast precision: with q8, for the integer matrix-vector
- * kernels' few rows (up to QGEMV_MAX_ROWS), the rows as quantize_x_kernel writes them (dt I8,
- * xq_row_bytes a row) when those kernels quantized rows of this width before, into wslice; else
- * for a GEMM's rows (more than gemv_rows) the 16-bit copy when the fast GEMMs rounded rows of this
- * width before, into scratch. Either buffer holds them already while a pass is recorded or
- * staged. */
-static inline void *shadow_begin(struct cuda_ctx *c, int64_t n, int64_t cols, int q8,
+/* Where an operation producing n rows of cols floats writes their 16-bit copy as well (*dt its
+ * type), or NULL: at fast precision, for a GEMM's rows (more than gemv_rows), when the fast
+ * GEMMs rounded rows of this width before, into scratch that holds them already while a pass is
+ * recorded or staged. */
+static inline void *shadow_begin(struct cuda_ctx *c, int64_t n, int64_t cols,
                                  enum llmem_dtype *dt) {
     c->shadow_x = NULL;
-    if (c->precision != LLMEM_PRECISION_FAST)
+    if (c->precision != LLMEM_PRECISION_FAST || n <= gemv_rows(c))
         return NULL;
-    const int slots = (int)(sizeof(c->rounds) / sizeof(c->rounds[0]));
-    for (int i = 0; q8 && n <= QGEMV_MAX_ROWS && cols % 32 == 0 && i < c->n_rounds && i < slots;
-         i++) {
-        if (c->rounds[i].cols != cols || c->rounds[i].dt != LLMEM_DTYPE_I8)
-            continue;
-        const size_t bytes = (size_t)(n * xq_row_bytes(cols));
-        if (bytes > c->wslice_bytes && c->mode != PASS_NOW)
-            return NULL;
-        *dt = LLMEM_DTYPE_I8;
-        return wslice(c, bytes);
-    }
-    if (n <= gemv_rows(c))
-        return NULL;
-    for (int i = 0; i < c->n_rounds && i < slots; i++) {
-        if (c->rounds[i].cols != cols || c->rounds[i].dt == LLMEM_DTYPE_I8)
+    for (int i = 0; i < c->n_rounds && i < (int)(sizeof(c->rounds) / sizeof(c->rounds[0])); i++) {
+        if (c->rounds[i].cols != cols)
             continue;
         const size_t bytes = (size_t)(n * cols) * 2;
         if (bytes > c->scratch_bytes && c->mode != PASS_NOW)
@@ -439,29 +413,6 @@ static inline void *shadow_begin(struct cuda_ctx *c, int64_t n, int64_t cols, in
         return scratch(c, bytes);
     }
     return NULL;
-}
-
-/* The copy of x (n rows of cols) as dt (I8: the integer kernels' rows) if the operation before
- * wrote it, else NULL. */
-static inline const void *shadow_of(const struct cuda_ctx *c, const float *x, int64_t n,
-                                    int64_t cols, enum llmem_dtype dt) {
-    const void *buf = dt == LLMEM_DTYPE_I8 ? c->wslice : c->scratch;
-    return c->shadow_x == x && c->shadow_n == n * cols && c->shadow_dt == dt && c->shadow_at == buf
-               ? c->shadow_at
-               : NULL;
-}
-
-/* Records that x was rounded to dt (I8: quantized for the integer kernels) at this width, the cue
- * for shadow_begin. */
-static inline void round_seen(struct cuda_ctx *c, int64_t cols, enum llmem_dtype dt) {
-    const int slots = (int)(sizeof(c->rounds) / sizeof(c->rounds[0]));
-    int known = 0;
-    for (int i = 0; i < c->n_rounds && i < slots; i++)
-        known |= c->rounds[i].cols == cols && c->rounds[i].dt == dt;
-    if (!known) { /* the oldest width makes room */
-        c->rounds[c->n_rounds % slots].dt = dt, c->rounds[c->n_rounds % slots].cols = cols;
-        c->n_rounds++;
-    }
 }
 
 static inline void shadow_set(struct cuda_ctx *c, const float *x, int64_t elems,

@@ -498,6 +498,12 @@ static __global__ void qembedding_kernel(struct qmat m, const int32_t *ids, floa
  * value·x summed over a half h ≈ sc_h · d · Σ code·q − (off_h + sc_h·B) · Σ x.
  */
 
+/* Rows of x quantized for qgemv_int_kernel: per row, cols int8 codes, then cols / 32 scales and
+ * cols / 16 sums (floats), rows 16-byte aligned. */
+__host__ __device__ constexpr int64_t xq_row_bytes(int64_t cols) {
+    return (cols + cols / 32 * 4 + cols / 16 * 4 + 15) / 16 * 16;
+}
+
 /* A warp per 32 values of a row of x (blockIdx.y). */
 static __global__ void quantize_x_kernel(const float *x, int64_t cols, uint8_t *out) {
     pdl_begin();
@@ -518,20 +524,6 @@ static __global__ void quantize_x_kernel(const float *x, int64_t cols, uint8_t *
         reinterpret_cast<float *>(row + cols)[u] = d;
     if (lane % 16 == 0)
         reinterpret_cast<float *>(row + cols + cols / 32 * 4)[2 * u + lane / 16] = sum;
-}
-
-/* n rows of x quantized for the integer kernels: the copy the operation before wrote (rmsnorm's,
- * shadow_begin), else quantized into wslice now (and the width noted for the next producer). */
-static const uint8_t *quantized_x(struct cuda_ctx *c, const float *x, int64_t n, int64_t cols) {
-    const uint8_t *xq = (const uint8_t *)shadow_of(c, x, n, cols, LLMEM_DTYPE_I8);
-    if (xq != NULL)
-        return xq;
-    round_seen(c, cols, LLMEM_DTYPE_I8);
-    uint8_t *xw = (uint8_t *)wslice(c, (size_t)(n * xq_row_bytes(cols)));
-    if (xw != NULL)
-        pdl_launch(c->stream, quantize_x_kernel,
-                   dim3((unsigned)((cols / 32 + 7) / 8), (unsigned)n), dim3(256), 0, x, cols, xw);
-    return xw;
 }
 
 /* d = Σ_k a_k · b_k + c over the four bytes, a unsigned, b signed. */
@@ -1684,9 +1676,11 @@ void qgemv_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *
                int64_t n, float *const *y, const float *const *bias, int swiglu) {
     LLMEM_ASSERT(count >= 1 && count <= 3 && (!swiglu || count == 2));
     const int64_t cols = w[0]->cols, xrow = xq_row_bytes(cols);
-    const uint8_t *xq = quantized_x(c, x, n, cols);
+    uint8_t *xq = (uint8_t *)wslice(c, (size_t)(n * xrow));
     if (xq == NULL)
         return;
+    pdl_launch(c->stream, quantize_x_kernel, dim3((unsigned)((cols / 32 + 7) / 8), (unsigned)n),
+               dim3(256), 0, x, cols, xq);
     struct qset s = {};
     for (int i = 0; i < count; i++) {
         LLMEM_ASSERT(qgemv_int(c, w[i]) && w[i]->cols == cols);
@@ -1900,8 +1894,8 @@ void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int
 }
 
 void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
-                   const int32_t *ids, const int32_t *order, int k, const float *x, const void *xs,
-                   int64_t x_rows, int64_t pairs, float *y, float *y1) {
+                   const int32_t *ids, const int32_t *order, int k, const float *x, int64_t x_rows,
+                   int64_t pairs, float *y, float *y1) {
     const struct qmat m = qmat_of(w);
     struct qexperts ex = {ids, order, k, m.rows * m.row_bytes, 0, NULL, NULL, NULL, y1};
     if (m.scales != NULL)
@@ -1911,9 +1905,13 @@ void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struc
         ex.biases1 = (const uint8_t *)w1->biases;
     const dim3 grid((unsigned)((m.rows + 7) / 8), (unsigned)pairs, w1 != NULL ? 2 : 1);
     if (qgemv_int(c, w)) {
-        const uint8_t *xq = xs != NULL ? (const uint8_t *)xs : quantized_x(c, x, x_rows, m.cols);
-        if (xq == NULL)
+        uint8_t *xw = (uint8_t *)wslice(c, (size_t)(x_rows * xq_row_bytes(m.cols)));
+        const uint8_t *xq = xw;
+        if (xw == NULL)
             return;
+        pdl_launch(c->stream, quantize_x_kernel,
+                   dim3((unsigned)((m.cols / 32 + 7) / 8), (unsigned)x_rows), dim3(256), 0, x,
+                   m.cols, xw);
 #define QGEMV_INT(QT)                                                                              \
     pdl_launch(c->stream, qgemv_int_kernel<QT, 1>, grid, dim3(256), 0, m, xq, y,                   \
                (const float *)NULL, ex)
