@@ -29,10 +29,10 @@ __device__ __forceinline__ float rank_of(float v) {
 }
 
 /* A warp per token: ids and probs of its k experts (largest logit first, the lower index first
- * among equals), p = softmax(logits)[e], renormalized over the k when norm; identity order and
- * slots when `order` is not NULL (pairs left unsorted). */
+ * among equals), p = softmax(logits)[e], renormalized over the k when norm; and identity slots
+ * when `slot` is not NULL (pairs left unsorted: the kernels after take them as routed). */
 static __global__ void route_kernel(const float *logits, int64_t T, int64_t E, int k, int norm,
-                                    int32_t *ids, float *probs, int32_t *order, int32_t *slot) {
+                                    int32_t *ids, float *probs, int32_t *slot) {
     pdl_begin();
     const int lane = threadIdx.x & 31;
     const int64_t t = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
@@ -75,8 +75,8 @@ static __global__ void route_kernel(const float *logits, int64_t T, int64_t E, i
     for (int j = lane; j < k; j += 32) {
         if (norm)
             probs[t * k + j] /= total;
-        if (order != NULL)
-            order[t * k + j] = slot[t * k + j] = (int32_t)(t * k + j);
+        if (slot != NULL)
+            slot[t * k + j] = (int32_t)(t * k + j);
     }
 }
 
@@ -202,7 +202,7 @@ void cuda_moe(void *ctx, const struct llmem_backend_moe *m, const float *logits,
     llmem_moe_work_layout(T, hidden, inter, E, k, work, &w);
     const int sort = grouped || pairs > MOE_UNSORTED_MAX;
     pdl_launch(c->stream, route_kernel, dim3((unsigned)((T + 7) / 8)), dim3(256), 0, logits, T, E,
-               (int)k, m->norm_topk, w.ids, w.probs, sort ? NULL : w.order, w.slot);
+               (int)k, m->norm_topk, w.ids, w.probs, sort ? NULL : w.slot);
     if (sort)
         pdl_launch(c->stream, sort_kernel, dim3(1), dim3(1024), 0, (const int32_t *)w.ids, pairs, E,
                    w.offsets, w.order, w.slot);
