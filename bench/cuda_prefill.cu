@@ -1,7 +1,8 @@
 /*
  * bench/cuda_prefill.cu — llmem-bench-cuda-prefill: the causal attention of a whole prompt's
  * prefill on the GPU, in the chunks the engine would give it, by the prefill kernel (prefill.h,
- * fast precision) and by the decode kernel's packed queries (attention.h, the f32-precision path),
+ * fast precision; on Hopper its warpgroup kernel and the warp-level one beside it) and by the
+ * decode kernel's packed queries (attention.h, the f32-precision path),
  * in TFLOP/s of the causal product (4 · head_dim · query heads · Σ over queries of the tokens each
  * sees: the count FlashAttention's benchmarks use, which PyTorch's SDPA is compared by).
  *
@@ -156,17 +157,23 @@ int main(int argc, char **argv) {
     void *ws = NULL;
     size_t ws_bytes = 0;
 
-    const char *names[2] = {"prefill kernel", "decode kernel (packed)"};
+    /* the prefill kernel as the engine runs it; where that is the warpgroup kernel, the
+     * warp-level one beside it; the decode kernel */
+    const bool wg = llmem_cuda_prefill_wgmma(format, dim) != 0;
+    const char *names[3] = {wg ? "prefill kernel (wgmma)" : "prefill kernel (mma.sync)",
+                            "prefill kernel (mma.sync)", "decode kernel (packed)"};
     printf("causal prefill attention, %d tokens in chunks of %d, %d/%d heads, dim %d, %s cache, "
            "warps of %d rows\n",
            tokens, chunk, heads, kv, dim, fmt == 2 ? "q8" : fmt ? "bf16" : "f16", 16 * mb);
-    for (int kind = 0; kind < 1 + decode; kind++) {
+    for (int kind = 0; kind < 3; kind++) {
+        if ((kind == 1 && !wg) || (kind == 2 && !decode))
+            continue;
         std::vector<float> ms;
         for (int rep = 0; rep <= reps; rep++) {
             CHECK(cudaEventRecord(e0));
             for (size_t ci = 0; ci < len_at.size(); ci++) {
                 const int c0 = (int)ci * chunk, n = std::min(chunk, tokens - c0);
-                if (kind == 0) {
+                if (kind < 2) {
                     struct llmem_cuda_prefill p = {};
                     p.format = format;
                     p.n_heads = heads;
@@ -181,6 +188,7 @@ int main(int argc, char **argv) {
                     p.tiles = (const llmem_cuda_prefill_tile *)(d_ints + tiles_at[ci]);
                     p.n_tiles = n_tiles[ci];
                     p.mblocks = mb;
+                    p.warp_mma = kind == 1;
                     if (llmem_cuda_prefill(&p) != 0)
                         return 1;
                 } else {

@@ -447,7 +447,7 @@ static void test_chunk_packs(void **state) {
  * llmem_cuda_prefill_tile_queries() queries, each sequence's last first. Compared with
  * llmem_kv_attend over the same positions. */
 static double run_prefill(enum llmem_kv_format format, int H, int KV, int D, const int len[2],
-                          const int n[2], int mblocks) {
+                          const int n[2], int mblocks, int warp_mma) {
     struct llmem_kv_config cfg;
     llmem_kv_config_default(&cfg);
     cfg.layout = LLMEM_KV_LAYOUT_PAGED;
@@ -536,24 +536,27 @@ static double run_prefill(enum llmem_kv_format format, int H, int KV, int D, con
         .tiles = (const struct llmem_cuda_prefill_tile *)((const int32_t *)d_ints + 2 * stride),
         .n_tiles = n_tiles,
         .mblocks = mblocks,
+        .warp_mma = warp_mma,
     };
     assert_int_equal(llmem_cuda_prefill(&p), LLMEM_OK);
     CU(cudaDeviceSynchronize());
     float *out = malloc(n_out * sizeof(float));
     CU(cudaMemcpy(out, d_out, n_out * sizeof(float), cudaMemcpyDeviceToHost));
     const double worst = worst_rel_error(out, ref, (n[0] + n[1]) * H, D);
-    printf("  prefill %-4s heads %2d/%d d %3d: %3d of %4d and %3d of %4d, tiles of %3d: rel err "
-           "%.2e\n",
-           llmem_kv_format_name(format), H, KV, D, n[0], len[0], n[1], len[1], tq, worst);
+    printf("  prefill %-4s heads %2d/%d d %3d: %3d of %4d and %3d of %4d, tiles of %3d, %s: rel "
+           "err %.2e\n",
+           llmem_kv_format_name(format), H, KV, D, n[0], len[0], n[1], len[1], tq,
+           !warp_mma && llmem_cuda_prefill_wgmma(format, D) ? "wgmma" : "mma.sync", worst);
     cudaFree(d_pool), cudaFree(d_q), cudaFree(d_ints), cudaFree(d_out);
     free(out), free(ref), free(q), free(ints), free(pool), free(k), free(v);
     llmem_kv_destroy(kv);
     return worst;
 }
 
-/* The prefill kernel: bf16, f16 and q8, GQA 1, 4, 7, 8 and the 8B shape's 32/8, head_dim 64 and 128,
- * warps of 16 and of 32 rows; a chunk late in a sequence (partly masked tiles, a partial last
- * tile) beside a whole short prompt; the choice of rows; then the shapes it refuses. */
+/* The prefill kernel: bf16, f16 and q8, GQA 1, 4, 7, 8 and the 8B shape's 32/8, head_dim 64 and
+ * 128, warps of 16 and of 32 rows, on the warp-level products and (head_dim 128, 16-bit, on Hopper)
+ * on the warpgroup ones; a chunk late in a sequence (partly masked tiles, a partial last tile)
+ * beside a whole short prompt; the choice of rows and kernel; then the shapes it refuses. */
 static void test_prefill(void **state) {
     (void)state;
     const enum llmem_kv_format formats[] = {LLMEM_KV_FORMAT_BF16, LLMEM_KV_FORMAT_F16,
@@ -561,12 +564,24 @@ static void test_prefill(void **state) {
     const double bound[] = {1e-2, 2e-3, 3e-3};
     const int groups[][2] = {{4, 4}, {16, 4}, {28, 4}, {16, 2}, {32, 8}};
     const int len[2] = {700, 77}, n[2] = {300, 77};
-    for (int mb = 1; mb <= 2; mb++)
-        for (int f = 0; f < 3; f++)
-            for (int g = 0; g < 5; g++)
-                for (int d = 64; d <= 128; d += 64)
-                    assert_true(run_prefill(formats[f], groups[g][0], groups[g][1], d, len, n,
-                                            mb) <= bound[f]);
+    for (int warp_mma = 0; warp_mma <= 1; warp_mma++)
+        for (int mb = 1; mb <= 2; mb++)
+            for (int f = 0; f < 3; f++)
+                for (int g = 0; g < 5; g++)
+                    for (int d = 64; d <= 128; d += 64) {
+                        if (warp_mma && !llmem_cuda_prefill_wgmma(formats[f], d))
+                            continue; /* (the first pass ran the warp-level kernel) */
+                        assert_true(run_prefill(formats[f], groups[g][0], groups[g][1], d, len, n,
+                                                mb, warp_mma) <= bound[f]);
+                    }
+    /* Hopper (compute capability 9.0) takes the warpgroup kernel for head_dim 128 and 16 bits */
+    int dev = 0, major = 0, minor = 0;
+    CU(cudaGetDevice(&dev));
+    CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    CU(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    assert_int_equal(llmem_cuda_prefill_wgmma(LLMEM_KV_FORMAT_BF16, 128), major == 9 && minor == 0);
+    assert_false(llmem_cuda_prefill_wgmma(LLMEM_KV_FORMAT_BF16, 64));
+    assert_false(llmem_cuda_prefill_wgmma(LLMEM_KV_FORMAT_Q8, 128));
     /* a short prompt takes warps of 16 rows, a long chunk of 32 */
     assert_int_equal(llmem_cuda_prefill_mblocks(4, 8, 512), 1);
     assert_int_equal(llmem_cuda_prefill_mblocks(4, 8, 16384), 2);

@@ -16,7 +16,8 @@
  * shared memory each 16-byte chunk of a row sits at chunk ^ (row mod 8), so the eight rows of any
  * such read hit distinct banks. A warp skips the tiles wholly after its rows' positions, and masks
  * only the tiles that straddle them; the tiles come heaviest first (the host orders them), so that
- * the longest CTAs start first.
+ * the longest CTAs start first. On Hopper the 16-bit caches at head_dim 128 take the same scheme
+ * on warpgroup products (prefill_wg_kernel, below).
  */
 #if defined(__GNUC__)
 #pragma GCC diagnostic push
@@ -357,6 +358,286 @@ __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(co
         }
 }
 
+/* ---- Hopper: the same attention on warpgroup products (wgmma) ----------------------------------
+ *
+ * head_dim 128 and a 16-bit cache on a device of compute capability 9.0 (the sm_90a code). A CTA
+ * of WG warpgroups takes 64·WG (query, head) rows, each warpgroup 64 of them (a warp 16, as in
+ * prefill_kernel), and streams the tile's keys and values through shared memory BN tokens at a
+ * time with the same copies, laid out as the warpgroup products read them: each operand in slabs
+ * of 64 values (128 bytes a row), the 16-byte chunks of a row at chunk ^ (row mod 8) (the
+ * hardware's 128-byte swizzle, slabs on 1024-byte boundaries). S = Q·Kᵀ takes both operands from
+ * shared memory (K-major), O += P·V the probabilities from the score registers (the accumulator's
+ * layout is mma.sync's m16n8 one per warp, so the softmax and the packing are prefill_kernel's)
+ * and V as stored (N-major, transposed by the product). */
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) /* (the helpers of the sm_90a image's kernels) */
+/* A shared-memory operand: its start, the byte offsets between its 64-value slabs (lead, read
+ * only by N-major operands) and between its groups of 8 rows (stride), 128-byte swizzle. */
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
+    return (uint64_t)((addr & 0x3FFFFu) >> 4) | (uint64_t)((lead & 0x3FFFFu) >> 4) << 16 |
+           (uint64_t)((stride & 0x3FFFFu) >> 4) << 32 | 1ull << 62;
+}
+
+/* The order between the threads' register accesses and the asynchronous products, and their
+ * completion. */
+__device__ __forceinline__ void wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+/* The threads' shared-memory writes (cp.async, stores) made visible to the products. */
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+/* Registers the compiler must treat as written here: the products' accumulators and A operands
+ * are read and written asynchronously, between the issue and the wait. */
+template <int N> __device__ __forceinline__ void wg_keep(float *r) {
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N> __device__ __forceinline__ void wg_keep(uint32_t *r) {
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        asm volatile("" : "+r"(r[i])::"memory");
+}
+
+#define WG_D8(i)                                                                                   \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),    \
+        "+f"(d[i + 6]), "+f"(d[i + 7])
+#define WG_D32 WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24)
+#define WG_D64 WG_D32, WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56)
+#define WG_R32                                                                                     \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "  \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WG_R64                                                                                     \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "  \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "   \
+    "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "   \
+    "%56, %57, %58, %59, %60, %61, %62, %63}"
+/* (A, B, P: the operand numbers of a, b and accumulate, after the N / 2 of d) */
+#define WG_SS(N, T, R, DL, A, B, P)                                                                \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                  \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " " R ", %" #A          \
+                 ", %" #B ", p, 1, 1, 0, 0;\n}\n"                                                  \
+                 : DL                                                                              \
+                 : "l"(a), "l"(b), "r"(accumulate))
+
+/* d (64 × N, f32) = (accumulate ? d : 0) + a·b: a (64 × 16) and b (16 × N) in shared memory,
+ * K-major. */
+template <int N, bool BF>
+__device__ __forceinline__ void wgmma_ss(float *d, uint64_t a, uint64_t b, int accumulate) {
+    static_assert(N == 64 || N == 128, "wgmma_ss's shapes");
+    if constexpr (N == 64 && BF)
+        WG_SS(64, "bf16", WG_R32, WG_D32, 32, 33, 34);
+    else if constexpr (N == 64)
+        WG_SS(64, "f16", WG_R32, WG_D32, 32, 33, 34);
+    else if constexpr (BF)
+        WG_SS(128, "bf16", WG_R64, WG_D64, 64, 65, 66);
+    else
+        WG_SS(128, "f16", WG_R64, WG_D64, 64, 65, 66);
+}
+
+/* d (64 × 128, f32) += a·b: a (64 × 16) in registers (mma.sync's A fragment per warp), b (16 ×
+ * 128) in shared memory, N-major. */
+template <bool BF>
+__device__ __forceinline__ void wgmma_rs(float *d, const uint32_t a[4], uint64_t b) {
+    if constexpr (BF)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WG_R64
+                     ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                     : WG_D64
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " WG_R64
+                     ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                     : WG_D64
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+#endif
+
+/* 1 in the image built for sm_90a (the one whose kernels below hold the products), else 0. */
+__device__ int wg_built =
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    1;
+#else
+    0;
+#endif
+
+template <int WG, int BN, bool BF>
+__global__ void __launch_bounds__(WG * 128, 1) prefill_wg_kernel(const Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int D = 128, NCH = D / 8, BM = 64 * WG;
+    constexpr int QSLAB = BM * 128; /* bytes of a slab of the queries */
+    constexpr int SLAB = BN * 128;  /* of a slab of a tile's keys (or values) */
+    constexpr int TILE = 2 * SLAB;  /* of a tile's keys (or values) */
+    constexpr int NT = BN / 8;      /* n-blocks of 8 of the scores */
+    extern __shared__ uint8_t smem_raw[]; /* the queries, then 2 stages of [K | V], from 1024 */
+    const uint32_t raw = smem_addr(smem_raw), qbase = (raw + 1023u) & ~1023u;
+    uint8_t *const smem = smem_raw + (qbase - raw);
+    const uint32_t sbase = qbase + 2 * QSLAB;
+    const int wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, c = lane % 4;
+
+    pdl_begin();
+    const llmem_cuda_prefill_tile tile = p.tiles[blockIdx.y];
+    const int kvh = blockIdx.x;
+    const int32_t *table = p.tables + (size_t)tile.table * p.table_stride;
+    const int end = tile.pos + tile.n_q; /* tokens the tile's last query sees */
+    const int n_kt = (end + BN - 1) / BN;
+
+    auto load = [&](int kt) {
+        const int t0 = kt * BN;
+        const uint32_t kdst = sbase + (kt & 1) * 2 * TILE, vdst = kdst + TILE;
+        for (int i = threadIdx.x; i < BN * NCH; i += WG * 128) {
+            const int tt = i / NCH, ch = i % NCH, t = t0 + tt;
+            const bool in = t < end;
+            const long long blk = in ? table[t / BLOCK] : 0;
+            const size_t off = (size_t)(t % BLOCK) * p.tok_bytes + (size_t)kvh * 2 * D + ch * 16;
+            const uint32_t d = (ch / 8) * SLAB + tt * 128 + ((ch % 8) ^ (tt & 7)) * 16;
+            cp_async16<false>(kdst + d, p.k_pool + blk * p.k_bstride + off, in ? 16 : 0);
+            cp_async16<false>(vdst + d, p.v_pool + blk * p.v_bstride + off, in ? 16 : 0);
+        }
+        cp_commit();
+    };
+    load(0);
+
+    /* the queries as prefill_kernel rounds them, in the slabs */
+    for (int i = threadIdx.x; i < BM * NCH; i += WG * 128) {
+        const int r = i / NCH, ch = i % NCH, qi = r / p.group;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (qi < tile.n_q) {
+            const float *src = p.q + ((size_t)(tile.q0 + qi) * p.n_heads +
+                                      (size_t)kvh * p.group + r % p.group) * D + 8 * ch;
+            const float4 a = *reinterpret_cast<const float4 *>(src);
+            const float4 b = *reinterpret_cast<const float4 *>(src + 4);
+            v = make_uint4(pack2<BF>(a.x * p.qscale, a.y * p.qscale),
+                           pack2<BF>(a.z * p.qscale, a.w * p.qscale),
+                           pack2<BF>(b.x * p.qscale, b.y * p.qscale),
+                           pack2<BF>(b.z * p.qscale, b.w * p.qscale));
+        }
+        *reinterpret_cast<uint4 *>(smem + (ch / 8) * QSLAB + r * 128 + ((ch % 8) ^ (r & 7)) * 16) =
+            v;
+    }
+
+    /* this thread's rows g and g + 8 of its warp's 16: position (−1: none); the warpgroup's
+     * first and last query (the same in its every thread: its products are collective) */
+    const int row0 = 64 * wg + 16 * warp + g;
+    int pos[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int qi = (row0 + 8 * i) / p.group;
+        pos[i] = qi < tile.n_q ? tile.pos + qi : -1;
+    }
+    const int q_first = 64 * wg / p.group, q_last = min(tile.n_q - 1, (64 * wg + 63) / p.group);
+    const bool live = q_first < tile.n_q;
+    const int lo = tile.pos + q_first, hi = tile.pos + q_last;
+
+    float o[D / 2]; /* n-block nd (dims 8nd …): o[4nd … 4nd + 3], as mma.sync's */
+#pragma unroll
+    for (int i = 0; i < D / 2; i++)
+        o[i] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+    for (int kt = 0; kt < n_kt; kt++) {
+        if (kt + 1 < n_kt) {
+            load(kt + 1);
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        fence_proxy_async();
+        __syncthreads(); /* the tile (and, the first time, the queries) for every warpgroup */
+        const int t0 = kt * BN;
+        if (live && hi >= t0) { /* some row of the warpgroup sees a token of the tile */
+            const uint32_t kbase = sbase + (kt & 1) * 2 * TILE, vbase = kbase + TILE;
+            float s[BN / 2];
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ks++)
+                wgmma_ss<BN, BF>(
+                    s, wg_desc(qbase + (ks / 4) * QSLAB + wg * 64 * 128 + (ks % 4) * 32, 16, 1024),
+                    wg_desc(kbase + (ks / 4) * SLAB + (ks % 4) * 32, 16, 1024), ks > 0);
+            wg_commit();
+            wg_wait();
+            wg_keep<BN / 2>(s);
+            if (lo < t0 + BN - 1) /* some row's position inside the tile */
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        if (t0 + 8 * nt + 2 * c + (e & 1) > pos[e >> 1])
+                            s[4 * nt + e] = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+                    mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * i], s[4 * nt + 2 * i + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float mn = fmaxf(m[i], mx), base = mn == -INFINITY ? 0.0f : mn;
+                const float corr = ex2(m[i] - base);
+                m[i] = mn;
+                float sum = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    s[4 * nt + 2 * i] = ex2(s[4 * nt + 2 * i] - base);
+                    s[4 * nt + 2 * i + 1] = ex2(s[4 * nt + 2 * i + 1] - base);
+                    sum += s[4 * nt + 2 * i] + s[4 * nt + 2 * i + 1];
+                }
+                l[i] = l[i] * corr + sum;
+#pragma unroll
+                for (int nd = 0; nd < D / 8; nd++)
+                    o[4 * nd + 2 * i] *= corr, o[4 * nd + 2 * i + 1] *= corr;
+            }
+            /* the probabilities of tokens 16kk … 16kk + 15 as A fragments */
+            uint32_t pa[BN / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    pa[kk][j] = pack2<BF>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+            wg_keep<D / 2>(o);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++)
+                wgmma_rs<BF>(o, pa[kk], wg_desc(vbase + kk * 16 * 128, SLAB, 1024));
+            wg_commit();
+            wg_wait();
+            wg_keep<D / 2>(o);
+            wg_keep<BN / 4>(&pa[0][0]);
+        }
+        __syncthreads(); /* every warpgroup done with the stage the next copies overwrite */
+    }
+
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        float sum = l[i];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (pos[i] < 0)
+            continue;
+        const int r = row0 + 8 * i;
+        float *out = p.out + ((size_t)(tile.q0 + r / p.group) * p.n_heads +
+                              (size_t)kvh * p.group + r % p.group) * D;
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; nd++)
+            *reinterpret_cast<float2 *>(out + 8 * nd + 2 * c) =
+                make_float2(o[4 * nd + 2 * i] * inv, o[4 * nd + 2 * i + 1] * inv);
+    }
+#else
+    (void)p;
+    __trap(); /* (never launched: wg_built is 0 in this image) */
+#endif
+}
+
 constexpr int WARPS = 4; /* a CTA's */
 
 typedef void (*kernel_fn)(const Params);
@@ -399,6 +680,37 @@ extern "C" int llmem_cuda_prefill_tile_queries(int group, int mblocks) {
     return group > 0 ? 16 * WARPS * mblocks / group : 0;
 }
 
+/* Whether the current device runs the sm_90a image's warpgroup kernels (asked once per device, by
+ * any of the threads that drive devices). */
+static bool wgmma_device() {
+    static int cached[64]; /* 0: not asked, 1: no, 2: yes */
+    int dev = 0, v;
+    if (cudaGetDevice(&dev) != cudaSuccess)
+        return false;
+    if (dev >= 0 && dev < 64 && (v = __atomic_load_n(&cached[dev], __ATOMIC_RELAXED)) > 0)
+        return v == 2;
+    int major = 0, minor = 0, built = 0;
+    const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
+                         cudaSuccess &&
+                     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) ==
+                         cudaSuccess &&
+                     major == 9 && minor == 0 &&
+                     cudaMemcpyFromSymbol(&built, wg_built, sizeof(built)) == cudaSuccess &&
+                     built == 1;
+    if (dev >= 0 && dev < 64)
+        __atomic_store_n(&cached[dev], yes ? 2 : 1, __ATOMIC_RELAXED);
+    return yes;
+}
+
+extern "C" int llmem_cuda_prefill_wgmma(enum llmem_kv_format format, int head_dim) {
+    static const int on = [] { /* read once, as the m-blocks */
+        int v = 1;
+        return llmem_option_bool(LLMEM_OPT_CUDA_PREFILL_WGMMA, &v) == LLMEM_OK ? v : 1;
+    }();
+    return on && head_dim == 128 &&
+           (format == LLMEM_KV_FORMAT_F16 || format == LLMEM_KV_FORMAT_BF16) && wgmma_device();
+}
+
 extern "C" int llmem_cuda_prefill(const struct llmem_cuda_prefill *a) {
     const char *why = NULL;
     if (!llmem_cuda_prefill_fits(a->format, a->n_heads, a->n_kv_heads, a->head_dim, a->block_size))
@@ -417,10 +729,24 @@ extern "C" int llmem_cuda_prefill(const struct llmem_cuda_prefill *a) {
     }
     if (a->n_tiles == 0)
         return LLMEM_OK;
-    kernel_fn fn =
-        a->mblocks == 2 ? pick<2>(a->head_dim, a->format) : pick<1>(a->head_dim, a->format);
-    /* the queries' rows, then two stages of a tile's keys and values */
-    const int smem = (16 * WARPS * a->mblocks + 2 * 2 * BN) * 2 * a->head_dim;
+    kernel_fn fn;
+    int smem, threads = WARPS * 32;
+    if (!a->warp_mma && llmem_cuda_prefill_wgmma(a->format, a->head_dim)) {
+        /* a warpgroup per 64 rows: two with tiles of 128 tokens, one with tiles of 64; the
+         * queries' rows, then two stages of a tile's keys and values, from 1024 bytes on */
+        const bool bf = a->format == LLMEM_KV_FORMAT_BF16;
+        if (a->mblocks == 2)
+            fn = bf ? prefill_wg_kernel<2, 128, true> : prefill_wg_kernel<2, 128, false>;
+        else
+            fn = bf ? prefill_wg_kernel<1, 64, true> : prefill_wg_kernel<1, 64, false>;
+        const int bn = a->mblocks == 2 ? 128 : 64;
+        smem = 1024 + (64 * a->mblocks + 2 * 2 * bn) * 2 * a->head_dim;
+        threads = 128 * a->mblocks;
+    } else {
+        fn = a->mblocks == 2 ? pick<2>(a->head_dim, a->format) : pick<1>(a->head_dim, a->format);
+        /* the queries' rows, then two stages of a tile's keys and values */
+        smem = (16 * WARPS * a->mblocks + 2 * 2 * BN) * 2 * a->head_dim;
+    }
     cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     Params p;
     p.q = a->q;
@@ -441,7 +767,7 @@ extern "C" int llmem_cuda_prefill(const struct llmem_cuda_prefill *a) {
     p.qscale = scale * LOG2E;
     if (err == cudaSuccess)
         err = pdl_launch((cudaStream_t)a->stream, fn, dim3((unsigned)a->n_kv_heads, a->n_tiles),
-                         dim3(WARPS * 32), smem, p);
+                         dim3(threads), smem, p);
     if (err != cudaSuccess) {
         LLMEM_ERROR_AS("llmem_cuda_prefill", "launch: %s", cudaGetErrorString(err));
         return LLMEM_EIO;

@@ -9,7 +9,9 @@
  * group, so that every K and V row it reads from the pool serves all of them. The queries are rounded to the
  * cache's 16-bit type, the probabilities too (fast precision: FlashAttention's arithmetic, f32
  * accumulation); the exact path for f32 precision is the decode kernel of attention.h. A q8
- * cache's rows are decoded to f16 as each tile is loaded (code × scale rounded to f16).
+ * cache's rows are decoded to f16 as each tile is loaded (code × scale rounded to f16). Two
+ * kernels compute it: the warp-level products (mma.sync) on every device, and on Hopper, for
+ * head_dim 128 and a 16-bit cache, the warpgroup products (wgmma) from the same tiles.
  *
  * The pool is attention.h's: block `id`'s keys at k_pool + id × k_block_stride, token-major
  * [block_size][n_kv_heads][key row bytes], its values likewise in v_pool. Formats f16, bf16 and q8
@@ -50,6 +52,7 @@ struct llmem_cuda_prefill {
     const struct llmem_cuda_prefill_tile *tiles;
     int n_tiles;
     int mblocks; /* llmem_cuda_prefill_mblocks(): the tiles hold tile_queries(group, mblocks) */
+    int warp_mma; /* 1: the warp-level kernel even where the warpgroup kernel runs (a comparison) */
     void *stream; /* cudaStream_t; NULL: the default stream */
 };
 
@@ -63,6 +66,10 @@ int llmem_cuda_prefill_fits(enum llmem_kv_format format, int n_heads, int n_kv_h
 int llmem_cuda_prefill_mblocks(int group, int n_kv_heads, int64_t queries);
 /* The most queries a tile holds for this GQA group (n_heads / n_kv_heads) and m-blocks. */
 int llmem_cuda_prefill_tile_queries(int group, int mblocks);
+/* Whether a call of this format and head_dim on the current device takes the warpgroup kernel
+ * (Hopper's wgmma; unless warp_mma): head_dim 128, f16 or bf16, a device of compute capability
+ * 9.0 running the build's sm_90a code, and LLMEM_CUDA_PREFILL_WGMMA on (the default). */
+int llmem_cuda_prefill_wgmma(enum llmem_kv_format format, int head_dim);
 /* Launches the attention on the stream (asynchronous). LLMEM_EINVAL (logged) for parameters out
  * of the supported set; LLMEM_EIO (logged) when the launch fails. */
 int llmem_cuda_prefill(const struct llmem_cuda_prefill *p);
