@@ -97,6 +97,103 @@ __device__ __forceinline__ uint4 dequant8(uint32_t w0, uint32_t w1, __half2 s2) 
     return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
+/* Row r of a tile's (query, head) rows (query r / group, head r mod group of KV head kvh):
+ * where it starts in q and out. */
+template <int D>
+__device__ __forceinline__ size_t row_at(const Params &p, const llmem_cuda_prefill_tile &tile,
+                                         int kvh, int r) {
+    return ((size_t)(tile.q0 + r / p.group) * p.n_heads + (size_t)kvh * p.group + r % p.group) * D;
+}
+
+/* 16-byte chunk ch of row r's query, scaled by scale · log2 e and rounded to the 16-bit type;
+ * zeros past the tile's queries. */
+template <int D, bool BF>
+__device__ __forceinline__ uint4 query_chunk(const Params &p, const llmem_cuda_prefill_tile &tile,
+                                             int kvh, int r, int ch) {
+    if (r / p.group >= tile.n_q)
+        return make_uint4(0, 0, 0, 0);
+    const float *src = p.q + row_at<D>(p, tile, kvh, r) + 8 * ch;
+    const float4 a = *reinterpret_cast<const float4 *>(src);
+    const float4 b = *reinterpret_cast<const float4 *>(src + 4);
+    return make_uint4(
+        pack2<BF>(a.x * p.qscale, a.y * p.qscale), pack2<BF>(a.z * p.qscale, a.w * p.qscale),
+        pack2<BF>(b.x * p.qscale, b.y * p.qscale), pack2<BF>(b.z * p.qscale, b.w * p.qscale));
+}
+
+/* Copies of the keys and values of tokens t0 … t0 + TOKENS − 1 of KV head kvh (16-bit rows;
+ * zeros from `end` on) into shared memory at kdst and vdst, chunk ch of token tt at at(tt, ch):
+ * THREADS threads a 16-byte chunk at a time, as one cp.async group. */
+template <int D, int TOKENS, int THREADS, class At>
+__device__ __forceinline__ void copy_tile(const Params &p, const int32_t *table, int kvh, int t0,
+                                          int end, uint32_t kdst, uint32_t vdst, At at) {
+    constexpr int NCH = D / 8;
+    for (int i = threadIdx.x; i < TOKENS * NCH; i += THREADS) {
+        const int tt = i / NCH, ch = i % NCH, t = t0 + tt;
+        const bool in = t < end;
+        const long long blk = in ? table[t / BLOCK] : 0;
+        const size_t off = (size_t)(t % BLOCK) * p.tok_bytes + (size_t)kvh * 2 * D + ch * 16;
+        const uint32_t d = at(tt, ch);
+        cp_async16<false>(kdst + d, p.k_pool + blk * p.k_bstride + off, in ? 16 : 0);
+        cp_async16<false>(vdst + d, p.v_pool + blk * p.v_bstride + off, in ? 16 : 0);
+    }
+    cp_commit();
+}
+
+/* Scores of a warp's 16 rows by NT n-blocks of 8 tokens in the m16n8 accumulator layout (this
+ * thread: rows g and g + 8 of each n-block, tokens t0 + 8nt + 2c and + 1): −∞ after each row's
+ * position pos[i] (−1: a row past the tile). */
+template <int NT>
+__device__ __forceinline__ void causal_mask(float (*s)[4], int t0, int c, const int pos[2]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (t0 + 8 * nt + 2 * c + (e & 1) > pos[e >> 1])
+                s[nt][e] = -INFINITY;
+}
+
+/* The online softmax of row i (0: g, 1: g + 8) over a tile's scores, in base 2: the scores
+ * become probabilities against the row's new maximum, m and l (its maximum and this thread's
+ * share of the sum) move on, and the factor the output's row is rescaled by is returned. */
+template <int NT>
+__device__ __forceinline__ float softmax_row(float (*s)[4], int i, float &m, float &l) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+        mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mn = fmaxf(m, mx), base = mn == -INFINITY ? 0.0f : mn;
+    const float corr = ex2(m - base);
+    m = mn;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        s[nt][2 * i] = ex2(s[nt][2 * i] - base);
+        s[nt][2 * i + 1] = ex2(s[nt][2 * i + 1] - base);
+        sum += s[nt][2 * i] + s[nt][2 * i + 1];
+    }
+    l = l * corr + sum;
+    return corr;
+}
+
+/* Row i of this thread's output (o: D / 8 n-blocks in the m16n8 layout) divided by the row's sum
+ * (l: the thread's share, summed over its quad here) into out; nothing for a row past the tile
+ * (pos −1). */
+template <int D>
+__device__ __forceinline__ void store_row(const float (*o)[4], int i, float l, int pos, int c,
+                                          float *out) {
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (pos < 0)
+        return;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+        *reinterpret_cast<float2 *>(out + 8 * n + 2 * c) =
+            make_float2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+}
+
 /* W warps of MB m-blocks (16 rows) each: a CTA holds 16·MB·W (query, head) rows. FMT: the cache's
  * rows, 16-bit (BF: bf16, else f16) or q8 (Q8: 34 bytes a group of 32, codes then the f16 scale;
  * decoded to f16 as the tile is loaded, so that the products run on f16). */
@@ -163,19 +260,9 @@ __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(co
         if constexpr (Q8) {
             load_q8(kt);
         } else {
-            const int t0 = kt * BN;
-            const uint32_t kdst = sbase + (kt & 1) * 2 * TILE, vdst = kdst + TILE;
-            for (int i = threadIdx.x; i < BN * NCH; i += W * 32) {
-                const int tt = i / NCH, ch = i % NCH, t = t0 + tt;
-                const bool in = t < end;
-                const long long blk = in ? table[t / BLOCK] : 0;
-                const size_t off =
-                    (size_t)(t % BLOCK) * p.tok_bytes + (size_t)kvh * ROWB + ch * 16;
-                const uint32_t d = tt * ROWB + ((ch ^ (tt & 7)) * 16);
-                cp_async16<false>(kdst + d, p.k_pool + blk * p.k_bstride + off, in ? 16 : 0);
-                cp_async16<false>(vdst + d, p.v_pool + blk * p.v_bstride + off, in ? 16 : 0);
-            }
-            cp_commit();
+            const uint32_t kdst = sbase + (kt & 1) * 2 * TILE;
+            copy_tile<D, BN, W * 32>(p, table, kvh, kt * BN, end, kdst, kdst + TILE,
+                                     [](int tt, int ch) { return tt * ROWB + ((ch ^ (tt & 7)) * 16); });
         }
     };
     load(0);
@@ -183,19 +270,9 @@ __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(co
     /* the queries, scaled by scale · log2 e and rounded, into shared memory (row r: query
      * r / group, head r mod group; chunks swizzled by the row); rows past the tile zero */
     for (int i = threadIdx.x; i < BM * NCH; i += W * 32) {
-        const int r = i / NCH, ch = i % NCH, qi = r / p.group;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (qi < tile.n_q) {
-            const float *src = p.q + ((size_t)(tile.q0 + qi) * p.n_heads +
-                                      (size_t)kvh * p.group + r % p.group) * D + 8 * ch;
-            const float4 a = *reinterpret_cast<const float4 *>(src);
-            const float4 b = *reinterpret_cast<const float4 *>(src + 4);
-            v = make_uint4(pack2<BF>(a.x * p.qscale, a.y * p.qscale),
-                           pack2<BF>(a.z * p.qscale, a.w * p.qscale),
-                           pack2<BF>(b.x * p.qscale, b.y * p.qscale),
-                           pack2<BF>(b.z * p.qscale, b.w * p.qscale));
-        }
-        *reinterpret_cast<uint4 *>(smem + r * ROWB + ((ch ^ (r & 7)) * 16)) = v;
+        const int r = i / NCH, ch = i % NCH;
+        *reinterpret_cast<uint4 *>(smem + r * ROWB + ((ch ^ (r & 7)) * 16)) =
+            query_chunk<D, BF>(p, tile, kvh, r, ch);
     }
 
     /* this thread's rows g and g + 8 of each of the warp's m-blocks: position (−1: none); the
@@ -273,33 +350,12 @@ __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(co
             if (lo < t0 + BN - 1) /* some row's position inside the tile: mask what follows it */
 #pragma unroll
                 for (int mb = 0; mb < MB; mb++)
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++)
-                            if (t0 + 8 * nt + 2 * c + (e & 1) > pos[mb][e >> 1])
-                                s[mb][nt][e] = -INFINITY;
+                    causal_mask<NT>(s[mb], t0, c, pos[mb]);
 #pragma unroll
             for (int mb = 0; mb < MB; mb++)
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
-                    float mx = -INFINITY;
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
-                        mx = fmaxf(mx, fmaxf(s[mb][nt][2 * i], s[mb][nt][2 * i + 1]));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                    const float mn = fmaxf(m[mb][i], mx), base = mn == -INFINITY ? 0.0f : mn;
-                    const float corr = ex2(m[mb][i] - base);
-                    m[mb][i] = mn;
-                    float sum = 0.0f;
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++) {
-                        s[mb][nt][2 * i] = ex2(s[mb][nt][2 * i] - base);
-                        s[mb][nt][2 * i + 1] = ex2(s[mb][nt][2 * i + 1] - base);
-                        sum += s[mb][nt][2 * i] + s[mb][nt][2 * i + 1];
-                    }
-                    l[mb][i] = l[mb][i] * corr + sum;
+                    const float corr = softmax_row<NT>(s[mb], i, m[mb][i], l[mb][i]);
 #pragma unroll
                     for (int n = 0; n < 2 * KS; n++)
                         o[mb][n][2 * i] *= corr, o[mb][n][2 * i + 1] *= corr;
@@ -342,19 +398,8 @@ __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(co
     for (int mb = 0; mb < MB; mb++)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            float sum = l[mb][i];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            if (pos[mb][i] < 0)
-                continue;
             const int r = 16 * (MB * warp + mb) + g + 8 * i;
-            float *out = p.out + ((size_t)(tile.q0 + r / p.group) * p.n_heads +
-                                  (size_t)kvh * p.group + r % p.group) * D;
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-#pragma unroll
-            for (int n = 0; n < 2 * KS; n++)
-                *reinterpret_cast<float2 *>(out + 8 * n + 2 * c) =
-                    make_float2(o[mb][n][2 * i] * inv, o[mb][n][2 * i + 1] * inv);
+            store_row<D>(o[mb], i, l[mb][i], pos[mb][i], c, p.out + row_at<D>(p, tile, kvh, r));
         }
 }
 
@@ -492,37 +537,18 @@ __global__ void __launch_bounds__(WG * 128, 1) prefill_wg_kernel(const Params p)
     const int n_kt = (end + BN - 1) / BN;
 
     auto load = [&](int kt) {
-        const int t0 = kt * BN;
-        const uint32_t kdst = sbase + (kt & 1) * 2 * TILE, vdst = kdst + TILE;
-        for (int i = threadIdx.x; i < BN * NCH; i += WG * 128) {
-            const int tt = i / NCH, ch = i % NCH, t = t0 + tt;
-            const bool in = t < end;
-            const long long blk = in ? table[t / BLOCK] : 0;
-            const size_t off = (size_t)(t % BLOCK) * p.tok_bytes + (size_t)kvh * 2 * D + ch * 16;
-            const uint32_t d = (ch / 8) * SLAB + tt * 128 + ((ch % 8) ^ (tt & 7)) * 16;
-            cp_async16<false>(kdst + d, p.k_pool + blk * p.k_bstride + off, in ? 16 : 0);
-            cp_async16<false>(vdst + d, p.v_pool + blk * p.v_bstride + off, in ? 16 : 0);
-        }
-        cp_commit();
+        const uint32_t kdst = sbase + (kt & 1) * 2 * TILE;
+        copy_tile<D, BN, WG * 128>(p, table, kvh, kt * BN, end, kdst, kdst + TILE, [](int tt, int ch) {
+            return (ch / 8) * SLAB + tt * 128 + ((ch % 8) ^ (tt & 7)) * 16;
+        });
     };
     load(0);
 
     /* the queries as prefill_kernel rounds them, in the slabs */
     for (int i = threadIdx.x; i < BM * NCH; i += WG * 128) {
-        const int r = i / NCH, ch = i % NCH, qi = r / p.group;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (qi < tile.n_q) {
-            const float *src = p.q + ((size_t)(tile.q0 + qi) * p.n_heads +
-                                      (size_t)kvh * p.group + r % p.group) * D + 8 * ch;
-            const float4 a = *reinterpret_cast<const float4 *>(src);
-            const float4 b = *reinterpret_cast<const float4 *>(src + 4);
-            v = make_uint4(pack2<BF>(a.x * p.qscale, a.y * p.qscale),
-                           pack2<BF>(a.z * p.qscale, a.w * p.qscale),
-                           pack2<BF>(b.x * p.qscale, b.y * p.qscale),
-                           pack2<BF>(b.z * p.qscale, b.w * p.qscale));
-        }
+        const int r = i / NCH, ch = i % NCH;
         *reinterpret_cast<uint4 *>(smem + (ch / 8) * QSLAB + r * 128 + ((ch % 8) ^ (r & 7)) * 16) =
-            v;
+            query_chunk<D, BF>(p, tile, kvh, r, ch);
     }
 
     /* this thread's rows g and g + 8 of its warp's 16: position (−1: none); the warpgroup's
@@ -566,32 +592,12 @@ __global__ void __launch_bounds__(WG * 128, 1) prefill_wg_kernel(const Params p)
             wg_commit();
             wg_wait();
             wg_keep<BN / 2>(s);
+            float(*const s4)[4] = reinterpret_cast<float(*)[4]>(s);
             if (lo < t0 + BN - 1) /* some row's position inside the tile */
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        if (t0 + 8 * nt + 2 * c + (e & 1) > pos[e >> 1])
-                            s[4 * nt + e] = -INFINITY;
+                causal_mask<NT>(s4, t0, c, pos);
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                float mx = -INFINITY;
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-                    mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * i], s[4 * nt + 2 * i + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float mn = fmaxf(m[i], mx), base = mn == -INFINITY ? 0.0f : mn;
-                const float corr = ex2(m[i] - base);
-                m[i] = mn;
-                float sum = 0.0f;
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    s[4 * nt + 2 * i] = ex2(s[4 * nt + 2 * i] - base);
-                    s[4 * nt + 2 * i + 1] = ex2(s[4 * nt + 2 * i + 1] - base);
-                    sum += s[4 * nt + 2 * i] + s[4 * nt + 2 * i + 1];
-                }
-                l[i] = l[i] * corr + sum;
+                const float corr = softmax_row<NT>(s4, i, m[i], l[i]);
 #pragma unroll
                 for (int nd = 0; nd < D / 8; nd++)
                     o[4 * nd + 2 * i] *= corr, o[4 * nd + 2 * i + 1] *= corr;
@@ -617,21 +623,9 @@ __global__ void __launch_bounds__(WG * 128, 1) prefill_wg_kernel(const Params p)
     }
 
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        float sum = l[i];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        if (pos[i] < 0)
-            continue;
-        const int r = row0 + 8 * i;
-        float *out = p.out + ((size_t)(tile.q0 + r / p.group) * p.n_heads +
-                              (size_t)kvh * p.group + r % p.group) * D;
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-#pragma unroll
-        for (int nd = 0; nd < D / 8; nd++)
-            *reinterpret_cast<float2 *>(out + 8 * nd + 2 * c) =
-                make_float2(o[4 * nd + 2 * i] * inv, o[4 * nd + 2 * i + 1] * inv);
-    }
+    for (int i = 0; i < 2; i++)
+        store_row<D>(reinterpret_cast<const float(*)[4]>(o), i, l[i], pos[i], c,
+                     p.out + row_at<D>(p, tile, kvh, row0 + 8 * i));
 #else
     (void)p;
     __trap(); /* (never launched: wg_built is 0 in this image) */
