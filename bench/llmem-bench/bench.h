@@ -1,7 +1,7 @@
 /*
  * bench/llmem-bench/bench.h — `llmem-bench`, the benchmark program: one file per benchmark over
  * the helpers of the command-line programs (cli/common.h), and what the benchmarks share: the
- * clock, the median, and the bandwidth probes (bw.c).
+ * clock, the median, and the device's bandwidth probe (bw.c; the host's is cli/bandwidth.h).
  *
  * Every benchmark reports medians of repeated runs and ratios measured side by side in one run
  * (absolute numbers are only as good as a quiet machine). With --json, stdout is exactly one JSON
@@ -34,14 +34,6 @@ int bench_grammar(int argc, char **argv);
 
 /* The median of n values (sorted in place) (main.c). */
 double bench_median(double *v, int n);
-
-/* Appends `passes` read and copy bandwidth measurements (GB/s) to read_gbps / copy_gbps, with a
- * multithreaded pass over a `bytes` buffer from mem (tag scratch); tick (optional) is called after
- * every pass. CLI_FAIL when the buffer cannot be allocated. */
-struct llmem_mem;
-struct llmem_pool;
-int bench_bandwidth(struct llmem_mem *mem, struct llmem_pool *pool, int64_t bytes, int passes,
-                    double *read_gbps, double *copy_gbps, void (*tick)(void *), void *tick_arg);
 
 /* The device-to-device copy bandwidth of CUDA device `device` (bytes read + written per second,
  * the best of 10 copies of `bytes` after a warm-up): the roofline's bandwidth (SPEC §8). */

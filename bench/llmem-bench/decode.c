@@ -33,6 +33,7 @@
 
 #include "backend/ops.h"
 #include "bench.h"
+#include "cli/bandwidth.h"
 #include "cli/common.h"
 #include "core/json.h"
 #include "llmem/pool.h"
@@ -84,7 +85,7 @@ static int probe(struct llmem_engine *e, struct llmem_pool *pool, struct bench_d
         *copy = *bw;
         return CLI_OK;
     }
-    return bench_bandwidth(llmem_engine_mem(e), pool, bytes, 1, bw, copy, progress_tick, prog);
+    return cli_bandwidth(llmem_engine_mem(e), pool, bytes, 1, bw, copy, progress_tick, prog);
 }
 
 static const char usage[] =

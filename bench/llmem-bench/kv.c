@@ -49,6 +49,7 @@
 #include <time.h>
 
 #include "bench.h"
+#include "cli/bandwidth.h"
 #include "core/clock.h"
 #include "core/rng.h"
 #include "cli/common.h"
@@ -1005,7 +1006,7 @@ int bench_kv(int argc, char **argv) {
         goto out;
     res.fma_lanes = fma_rate(pool, bw_passes, fma_rates);
     res.bw_bytes = bw_bytes;
-    if (bench_bandwidth(b.mem, pool, bw_bytes, bw_passes, read_gbps, copy_gbps, bench_tick, &b) !=
+    if (cli_bandwidth(b.mem, pool, bw_bytes, bw_passes, read_gbps, copy_gbps, bench_tick, &b) !=
         CLI_OK)
         goto out;
     llmem_mem_clear_cache(b.mem); /* every group of caches starts from fresh memory */
@@ -1045,8 +1046,8 @@ int bench_kv(int argc, char **argv) {
         goto out;
 
     /* Bandwidth again, after everything, so that drift over the run shows in the median. */
-    if (bench_bandwidth(b.mem, pool, bw_bytes, bw_passes, read_gbps + bw_passes,
-                        copy_gbps + bw_passes, bench_tick, &b) != CLI_OK)
+    if (cli_bandwidth(b.mem, pool, bw_bytes, bw_passes, read_gbps + bw_passes,
+                      copy_gbps + bw_passes, bench_tick, &b) != CLI_OK)
         goto out;
     fma_rate(pool, bw_passes, fma_rates + bw_passes);
     res.fma_per_s = bench_median(fma_rates, 2 * bw_passes);

@@ -1,7 +1,7 @@
 /*
  * bench/llmem-bench/matmul.c — `llmem-bench matmul`: the CPU backend's matrix products against the
  * machine's own limits, measured in the same run:
- *   bandwidth  the multithreaded streaming read (bench_bandwidth) over 512 MiB, probed right
+ *   bandwidth  the multithreaded streaming read (cli_bandwidth) over 512 MiB, probed right
  *              before and right after every timed decode run; each run's fraction is taken
  *              against the mean of its two probes, and the median over runs is reported;
  *   decode     y = x · Wᵀ for n = 1 (and 4) on Llama-3.2-1B shapes; each timed run cycles over
@@ -31,6 +31,7 @@
 
 #include "backend/cpu/cpu_int.h"
 #include "bench.h"
+#include "cli/bandwidth.h"
 #include "core/clock.h"
 #include "cli/common.h"
 #include "core/json.h"
@@ -330,7 +331,7 @@ int bench_matmul(int argc, char **argv) {
      * sides of the ratio alike. */
     int n_probe = 0;
     double prev_read;
-    if (bench_bandwidth(mem, pool, bw_bytes, 1, &prev_read, &copy_gbps[0], NULL, NULL) != CLI_OK)
+    if (cli_bandwidth(mem, pool, bw_bytes, 1, &prev_read, &copy_gbps[0], NULL, NULL) != CLI_OK)
         goto out;
     probe_read[n_probe] = prev_read;
     probe_copy[n_probe++] = copy_gbps[0];
@@ -363,7 +364,7 @@ int bench_matmul(int argc, char **argv) {
                         }
                     }
                     double t = llmem_clock_s() - t0, rd, cp;
-                    if (bench_bandwidth(mem, pool, bw_bytes, 1, &rd, &cp, NULL, NULL) != CLI_OK)
+                    if (cli_bandwidth(mem, pool, bw_bytes, 1, &rd, &cp, NULL, NULL) != CLI_OK)
                         goto out;
                     if (r >= 0) {
                         tv[r] = t / copies;

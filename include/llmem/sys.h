@@ -19,6 +19,7 @@
  *                      first (mapped weights, for one) does not count against the headroom
  *   wired_limit        the soft RLIMIT_MEMLOCK (getrlimit); RLIM_INFINITY reads as unlimited
  *   n_cpus             sysconf(_SC_NPROCESSORS_ONLN)
+ *   memory_bandwidth   unknown (CUDA devices: their memory's peak)
  *   name, arch         "model name" of /proc/cpuinfo (else the CPUID brand string), and the ISA
  *                      features this CPU *and* the OS support (CPUID + XGETBV on x86-64)
  * A cgroup limit that is present but unreadable makes the ceiling unknown, as does an unknown
@@ -71,6 +72,9 @@ struct llmem_device_info {
     enum llmem_ceiling_source ceiling_source;
     int64_t max_buffer_length; /* the largest single buffer: RAM / device memory */
     int64_t available;         /* host: see above; CUDA: cudaMemGetInfo free */
+    int64_t memory_bandwidth; /* CUDA: bytes/s its memory peaks at, 2 × the memory clock × the bus
+                                 width; the host: unknown (no register says it: llmem plan
+                                 measures it) */
 
     /* host only (CUDA devices: UNKNOWN, 0, "") */
     int64_t mem_available;   /* MemAvailable alone */

@@ -126,6 +126,9 @@ static void print_device(const struct llmem_device_info *d) {
     printf(LABEL "%s\n", "max buffer", fmt_size(d->max_buffer_length, "", a, sizeof(a)));
     printf(LABEL "%s (cudaMemGetInfo free)\n", "available",
            fmt_size(d->available, "", a, sizeof(a)));
+    if (d->memory_bandwidth > 0)
+        printf(LABEL "%.0f GB/s (peak: memory clock × bus width)\n", "bandwidth",
+               (double)d->memory_bandwidth / 1e9);
 }
 
 /* ---- options -------------------------------------------------------------------------------- */

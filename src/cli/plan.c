@@ -11,6 +11,7 @@
 #include <unistd.h>
 #include <sys/stat.h>
 
+#include "cli/bandwidth.h"
 #include "cli/cli.h"
 #include "core/json.h"
 #include "core/log.h"
@@ -44,6 +45,9 @@ static const char plan_usage[] =
     "  --experts-on-host N        with --backend cuda, a mixture of experts: the first N MoE\n"
     "                             layers' experts in host memory, run on the CPU (default: the\n"
     "                             fewest with which the model fits the device)\n"
+    "  --bandwidth GBPS           the host memory's read bandwidth in GB/s, for the decode\n"
+    "                             estimate (default: measured when planning this machine)\n"
+    "  --device-bandwidth GBPS    the device memory's (default: the device's peak)\n"
     "model by numbers (instead of MODEL):\n"
     "  --weights SIZE             bytes of all weights\n"
     "  --kv-bytes-per-token N     KV bytes per token at 2 bytes per element\n"
@@ -96,6 +100,8 @@ enum {
     OPT_DEVICE,
     OPT_EXPERTS_ON_HOST,
     OPT_TENSOR_PARALLEL,
+    OPT_BANDWIDTH,
+    OPT_DEVICE_BANDWIDTH,
     OPT_JSON,
     OPT_SVG,
     OPT_LIST,
@@ -123,6 +129,8 @@ static const struct option plan_options[] = {
     {"device", required_argument, NULL, OPT_DEVICE},
     {"experts-on-host", required_argument, NULL, OPT_EXPERTS_ON_HOST},
     {"tensor-parallel", required_argument, NULL, OPT_TENSOR_PARALLEL},
+    {"bandwidth", required_argument, NULL, OPT_BANDWIDTH},
+    {"device-bandwidth", required_argument, NULL, OPT_DEVICE_BANDWIDTH},
     {"json", no_argument, NULL, OPT_JSON},
     {"svg", required_argument, NULL, OPT_SVG},
     {"list", no_argument, NULL, OPT_LIST},
@@ -140,6 +148,7 @@ struct plan_args {
     int64_t device;
     int64_t experts_on_host; /* -1: the plan's choice */
     int64_t tp;              /* devices the model is split over (--tensor-parallel) */
+    double bandwidth, device_bandwidth; /* GB/s; 0: not given */
     int json, list;
     const char *svg;
 };
@@ -222,6 +231,12 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
             break;
         case OPT_TENSOR_PARALLEL:
             rc = cli_parse_int("--tensor-parallel", optarg, 1, 8, &a->tp);
+            break;
+        case OPT_BANDWIDTH:
+            rc = cli_parse_double("--bandwidth", optarg, 0.0, 1e6, &a->bandwidth);
+            break;
+        case OPT_DEVICE_BANDWIDTH:
+            rc = cli_parse_double("--device-bandwidth", optarg, 0.0, 1e6, &a->device_bandwidth);
             break;
         case OPT_JSON: a->json = 1; break;
         case OPT_SVG: a->svg = optarg; break;
@@ -326,6 +341,7 @@ static int print_catalog(int json) {
 struct machine {
     char label[224];
     int64_t total, ceiling;
+    int64_t memory_bandwidth; /* a probed device's peak (bytes/s), else unknown */
 };
 
 static int probe_machine(const struct plan_args *a, struct machine *m) {
@@ -358,6 +374,7 @@ static int probe_machine(const struct plan_args *a, struct machine *m) {
     /* On a host the engine's memory is min(RAM, cgroup limit): the ceiling of SPEC §1. */
     m->total = info.max_recommended_working_set_size;
     m->ceiling = info.max_recommended_working_set_size;
+    m->memory_bandwidth = info.memory_bandwidth;
     return CLI_OK;
 }
 
@@ -399,6 +416,106 @@ static int64_t measured_baseline(const struct plan_args *a, const struct llmem_e
     return bytes;
 }
 
+/* ---- the decode estimate ----------------------------------------------------------------------
+ *
+ * A decode step's roofline: a token reads the weights it multiplies by (of a mixture, the
+ * experts its router picks) and its sequence's KV once each, at the memory's bandwidth; the
+ * experts on the host at the host's. Tokens/s a sequence at a short context and at the end of
+ * the plan's full window. The bandwidths: given, or the device's peak, or this host's measured
+ * read (a pass over 256 MiB on every CPU); unknown on a machine planned by numbers. */
+
+#define PROBE_BYTES ((int64_t)256 << 20)
+
+struct decode_estimate {
+    double device_gbps, host_gbps;          /* 0: unknown or not needed */
+    const char *device_from, *host_from;    /* where each comes from */
+    int64_t device_bytes, host_bytes;       /* a token's weight reads, on each side */
+    int64_t kv_bytes;                       /* a token's KV read at the end of the full window */
+    double tokens_per_s, tokens_per_s_full; /* 0: unknown */
+};
+
+static void estimate_decode(const struct plan_args *a, const struct machine *m,
+                            const struct llmem_plan *plan, const struct llmem_model_geometry *g,
+                            const struct llmem_expert_placement *placed, int threads,
+                            struct decode_estimate *d) {
+    const int cuda = a->params.target == LLMEM_PLAN_CUDA, here = a->total == 0;
+    *d = (struct decode_estimate){0};
+    d->device_bytes = g != NULL ? placed->device_read_bytes : plan->weights_bytes;
+    d->host_bytes = cuda ? placed->host_read_bytes : 0;
+    if (!cuda) /* the host's memory is the one the weights are read from */
+        d->host_bytes = d->device_bytes, d->device_bytes = 0;
+    d->kv_bytes = plan->context_window_resolved *
+                  (plan->kv_bytes_per_token_effective + plan->aux_bytes_per_token);
+    if (d->device_bytes > 0) {
+        if (a->device_bandwidth > 0)
+            d->device_gbps = a->device_bandwidth, d->device_from = "--device-bandwidth";
+        else if (here && m->memory_bandwidth > 0)
+            d->device_gbps = (double)m->memory_bandwidth / 1e9,
+            d->device_from = "the device's peak";
+    }
+    if (d->host_bytes > 0) {
+        if (a->bandwidth > 0)
+            d->host_gbps = a->bandwidth, d->host_from = "--bandwidth";
+        else if (here && cli_read_bandwidth(threads, PROBE_BYTES, &d->host_gbps) == CLI_OK)
+            d->host_from = "this host's, measured";
+        else
+            d->host_gbps = 0;
+    }
+    if ((d->device_bytes > 0 && d->device_gbps <= 0) || (d->host_bytes > 0 && d->host_gbps <= 0))
+        return;
+    const double weights_s =
+        (d->device_bytes > 0 ? (double)d->device_bytes / (d->device_gbps * 1e9) : 0) +
+        (d->host_bytes > 0 ? (double)d->host_bytes / (d->host_gbps * 1e9) : 0);
+    const double kv_gbps = cuda ? d->device_gbps : d->host_gbps; /* where the KV lives */
+    if (weights_s <= 0)
+        return;
+    d->tokens_per_s = 1.0 / weights_s;
+    d->tokens_per_s_full = 1.0 / (weights_s + (double)d->kv_bytes / (kv_gbps * 1e9));
+}
+
+static void print_decode(const struct decode_estimate *d, const struct llmem_plan *plan) {
+    char s1[LLMEM_SIZE_STR_MAX], s2[LLMEM_SIZE_STR_MAX], s3[LLMEM_SIZE_STR_MAX];
+    if (d->tokens_per_s <= 0) {
+        printf("  decode   an estimate needs %s (a machine planned by numbers)\n",
+               d->device_bytes > 0 && d->device_gbps <= 0 ? "--device-bandwidth GBPS"
+                                                          : "--bandwidth GBPS");
+        return;
+    }
+    printf("  decode   up to %.1f tokens/s a sequence (its reads at the bandwidth), %.1f at the "
+           "end of "
+           "the %lld-token window: "
+           "a token reads ",
+           d->tokens_per_s, d->tokens_per_s_full, (long long)plan->context_window_resolved);
+    if (d->device_bytes > 0)
+        printf("%s at %.0f GB/s (%s)%s", llmem_size_format_short(d->device_bytes, s1, sizeof(s1)),
+               d->device_gbps, d->device_from, d->host_bytes > 0 ? " and " : "");
+    if (d->host_bytes > 0)
+        printf("%s at %.0f GB/s (%s)", llmem_size_format_short(d->host_bytes, s2, sizeof(s2)),
+               d->host_gbps, d->host_from);
+    printf(", its KV up to %s\n", llmem_size_format_short(d->kv_bytes, s3, sizeof(s3)));
+}
+
+/* The estimate as "decode": {…} (a rate or bandwidth not known: null). */
+static int decode_json(cJSON *o, const struct decode_estimate *d) {
+    cJSON *e = cJSON_AddObjectToObject(o, "decode");
+    if (e == NULL)
+        return LLMEM_ENOMEM;
+    const struct {
+        const char *key;
+        double v;
+    } f[] = {{"device_bandwidth_gbps", d->device_gbps},
+             {"host_bandwidth_gbps", d->host_gbps},
+             {"tokens_per_s", d->tokens_per_s},
+             {"tokens_per_s_full_window", d->tokens_per_s_full}};
+    int st = llmem_json_add_int(e, "device_read_bytes", d->device_bytes) |
+             llmem_json_add_int(e, "host_read_bytes", d->host_bytes) |
+             llmem_json_add_int(e, "kv_read_bytes_full_window", d->kv_bytes);
+    for (size_t i = 0; i < sizeof(f) / sizeof(f[0]); i++)
+        st |= f[i].v > 0 ? llmem_json_add_double(e, f[i].key, f[i].v)
+                         : llmem_json_add_null(e, f[i].key);
+    return st != 0 ? LLMEM_ENOMEM : LLMEM_OK;
+}
+
 /* ---- output --------------------------------------------------------------------------------- */
 
 static void row(const char *name, int64_t bytes, const char *why) {
@@ -410,7 +527,8 @@ static void row(const char *name, int64_t bytes, const char *why) {
 static void print_human(const struct llmem_plan *p, const struct llmem_model_geometry *g,
                         const struct llmem_model_geometry *part, const char *machine,
                         const struct plan_args *a, int64_t dynamic_ceiling,
-                        const struct llmem_expert_placement *placed) {
+                        const struct llmem_expert_placement *placed,
+                        const struct decode_estimate *decode) {
     char line[512], s1[LLMEM_SIZE_STR_MAX], s2[LLMEM_SIZE_STR_MAX], s3[LLMEM_SIZE_STR_MAX];
     printf("%s\n\n", llmem_plan_describe(p, line, sizeof(line)));
     if (g != NULL)
@@ -441,6 +559,8 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
     }
     if (placed->moe_layers > 0)
         printf("  placed   %s\n", llmem_plan_describe_experts(placed, line, sizeof(line)));
+    if (p->model_fits)
+        print_decode(decode, p);
     printf("  machine  %s\n\n", machine);
 
     printf("  %-22s %16s  %9s\n", "", "bytes", "size");
@@ -601,6 +721,9 @@ int cli_plan(int argc, char **argv) {
             fits_at = smaller[i], fits_weights = p.weights_bytes;
     }
     int64_t dynamic_ceiling = llmem_plan_bank_dynamic_ceiling(&plan, a.working_set, 0);
+    struct decode_estimate decode = {0};
+    if (plan.available && plan.model_fits)
+        estimate_decode(&a, &m, &plan, g, &placed, threads, &decode);
 
     if (a.svg != NULL && cli_plan_svg(&plan, a.svg) != CLI_OK)
         return CLI_FAIL;
@@ -646,6 +769,8 @@ int cli_plan(int argc, char **argv) {
             for (size_t i = 0; eo != NULL && i < sizeof(f) / sizeof(f[0]); i++)
                 st |= llmem_json_add_int(eo, f[i].key, f[i].v);
         }
+        if (plan.available && plan.model_fits)
+            st |= decode_json(o, &decode);
         if (st != 0) {
             cJSON_Delete(o);
             fprintf(stderr, "llmem plan: out of memory building the JSON output\n");
@@ -655,7 +780,7 @@ int cli_plan(int argc, char **argv) {
             return CLI_FAIL;
     } else {
         print_human(&plan, g != NULL ? &whole : NULL, a.tp > 1 ? g : NULL, m.label, &a,
-                    dynamic_ceiling, &placed);
+                    dynamic_ceiling, &placed, &decode);
         char w[LLMEM_SIZE_STR_MAX];
         if (a.weight_type > 0)
             printf("  - planned as the %s GGUF file `llmem quantize` makes: weights %s\n",

@@ -40,6 +40,8 @@ int llmem_sys_device_info_json(const struct llmem_device_info *info, cJSON *obj)
         s = add_size(obj, "max_buffer_length", info->max_buffer_length);
     if (s == LLMEM_OK)
         s = add_size(obj, "available", info->available);
+    if (s == LLMEM_OK)
+        s = add_size(obj, "memory_bandwidth", info->memory_bandwidth);
     if (!host)
         return s;
     if (s == LLMEM_OK)

@@ -202,6 +202,7 @@ void llmem_sys_device_info_init(struct llmem_device_info *info, enum llmem_devic
     info->ceiling_source = LLMEM_CEILING_UNKNOWN;
     info->max_buffer_length = LLMEM_SYS_UNKNOWN;
     info->available = LLMEM_SYS_UNKNOWN;
+    info->memory_bandwidth = LLMEM_SYS_UNKNOWN;
     info->mem_available = LLMEM_SYS_UNKNOWN;
     info->cgroup_limit = LLMEM_SYS_UNKNOWN;
     info->cgroup_headroom = LLMEM_SYS_UNKNOWN;

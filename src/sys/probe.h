@@ -43,10 +43,10 @@ int llmem_sys_cgroup_v2_dir(const char *root, char *dir, size_t dir_size);
 
 /* Adds the device's fields to obj. Keys: backend ("cpu" | "cuda"), index (CUDA only), name,
  * arch, memory_size, max_recommended_working_set_size, ceiling_source, max_buffer_length,
- * available; for the host also mem_available, cgroup_limit, cgroup_headroom, cgroup_version,
- * cgroup_path, wired_limit, n_cpus. Sizes are integers in bytes; an unknown value (or an empty
- * string) is null; a limit that is not set (LLMEM_SYS_UNLIMITED) is the string "unlimited".
- * Returns LLMEM_OK or LLMEM_ENOMEM (logged). */
+ * available, memory_bandwidth (bytes/s); for the host also mem_available, cgroup_limit,
+ * cgroup_headroom, cgroup_version, cgroup_path, wired_limit, n_cpus. Sizes are integers in bytes;
+ * an unknown value (or an empty string) is null; a limit that is not set (LLMEM_SYS_UNLIMITED) is
+ * the string "unlimited". Returns LLMEM_OK or LLMEM_ENOMEM (logged). */
 int llmem_sys_device_info_json(const struct llmem_device_info *info, cJSON *obj);
 
 #endif

@@ -561,6 +561,75 @@ static void test_moe(void **state) {
     tu_run_free(&a);
 }
 
+static double get_double(const cJSON *o, const char *key) {
+    const cJSON *v = cJSON_GetObjectItem(o, key);
+    assert_true(cJSON_IsNumber(v));
+    return v->valuedouble;
+}
+
+/* The decode estimate: a token's reads at the bandwidths, where each lives. A device's weights at
+ * --device-bandwidth, experts left on the host at --bandwidth, the KV of the full window on top;
+ * a machine planned by numbers without them names what it needs; this host is measured. */
+static void test_decode_estimate(void **state) {
+    (void)state;
+    struct tu_run a = tu_llmem("plan", "qwen3-30b-a3b", "--backend", "cuda", "--total", "140G",
+                               "--device-bandwidth", "4800", "--json", NULL);
+    assert_int_equal(a.exit_code, 0);
+    cJSON *o = tu_json_stdout(&a);
+    const cJSON *d = cJSON_GetObjectItem(o, "decode");
+    assert_non_null(d);
+    const double dev = (double)get_int(d, "device_read_bytes"),
+                 kv = (double)get_int(d, "kv_read_bytes_full_window");
+    assert_int_equal(get_int(d, "device_read_bytes"), 2 * 3353032704LL); /* every expert placed */
+    assert_int_equal(get_int(d, "host_read_bytes"), 0);
+    assert_int_equal((int64_t)kv, get_int(o, "context_window_resolved") * 98304);
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(d, "host_bandwidth_gbps")));
+    assert_float_equal(get_double(d, "tokens_per_s"), 4800e9 / dev, 1e-9 * 4800e9 / dev);
+    assert_float_equal(get_double(d, "tokens_per_s_full_window"), 4800e9 / (dev + kv),
+                       1e-9 * 4800e9 / dev);
+    cJSON_Delete(o);
+    tu_run_free(&a);
+
+    a = tu_llmem("plan", "qwen3-30b-a3b", "--backend", "cuda", "--total", "24G",
+                 "--device-bandwidth", "4800", "--bandwidth", "50", "--json", NULL);
+    assert_int_equal(a.exit_code, 0);
+    o = tu_json_stdout(&a);
+    d = cJSON_GetObjectItem(o, "decode");
+    const cJSON *e = cJSON_GetObjectItem(o, "experts");
+    assert_true(get_int(e, "host_layers") > 0);
+    assert_int_equal(get_int(d, "host_read_bytes"), get_int(e, "host_read_bytes"));
+    assert_int_equal(get_int(d, "device_read_bytes"), get_int(e, "device_read_bytes"));
+    const double want = 1.0 / ((double)get_int(d, "device_read_bytes") / 4800e9 +
+                               (double)get_int(d, "host_read_bytes") / 50e9);
+    assert_float_equal(get_double(d, "tokens_per_s"), want, 1e-9 * want);
+    cJSON_Delete(o);
+    tu_run_free(&a);
+
+    a = tu_llmem("plan", "qwen3-30b-a3b", "--backend", "cuda", "--total", "24G",
+                 "--device-bandwidth", "4800", NULL);
+    assert_int_equal(a.exit_code, 0);
+    assert_non_null(strstr(a.out, "an estimate needs --bandwidth GBPS"));
+    tu_run_free(&a);
+    a = tu_llmem("plan", "--weights", "4G", "--kv-bytes-per-token", "131072", "--total", "16G",
+                 "--bandwidth", "40", NULL);
+    assert_int_equal(a.exit_code, 0);
+    assert_non_null(strstr(a.out, "a token reads 4.0G at 40 GB/s (--bandwidth)"));
+    tu_run_free(&a);
+    a = tu_llmem("plan", "qwen3-30b-a3b", "--bandwidth", "0", NULL);
+    assert_int_equal(a.exit_code, 2);
+    assert_non_null(strstr(a.err, "--bandwidth"));
+    tu_run_free(&a);
+
+    a = tu_llmem("plan", LLMEM_SOURCE_DIR "/tests/data/models/tiny-qwen3-moe", "--json", NULL);
+    assert_int_equal(a.exit_code, 0);
+    o = tu_json_stdout(&a);
+    d = cJSON_GetObjectItem(o, "decode");
+    assert_true(get_double(d, "host_bandwidth_gbps") > 0); /* measured: no speed asserted */
+    assert_true(get_double(d, "tokens_per_s") >= get_double(d, "tokens_per_s_full_window"));
+    cJSON_Delete(o);
+    tu_run_free(&a);
+}
+
 /* --tensor-parallel N plans one device's part: Llama 3.1 70B at bf16 does not fit one 140G
  * device with a 32K context, and fits each of two; a degree or a shape that does not split, or a
  * host plan, is a usage error. */
@@ -670,6 +739,7 @@ int main(void) {
         cmocka_unit_test(test_gguf),
         cmocka_unit_test(test_weight_type),
         cmocka_unit_test(test_moe),
+        cmocka_unit_test(test_decode_estimate),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -66,5 +66,11 @@ extern "C" int llmem_cuda_device_info(int index, struct llmem_device_info *info)
     info->max_recommended_working_set_size = total;
     info->ceiling_source = LLMEM_CEILING_DEVICE;
     info->max_buffer_length = total;
+    int clock_khz = 0;
+    if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, index) == cudaSuccess &&
+        clock_khz > 0 && prop.memoryBusWidth > 0) /* double data rate: two transfers a clock */
+        info->memory_bandwidth = 2 * (int64_t)clock_khz * 1000 * (prop.memoryBusWidth / 8);
+    else
+        (void)cudaGetLastError();
     return LLMEM_OK;
 }
