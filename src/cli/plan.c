@@ -467,24 +467,23 @@ static void estimate_decode(const struct plan_args *a, const struct machine *m,
         (d->device_bytes > 0 ? (double)d->device_bytes / (d->device_gbps * 1e9) : 0) +
         (d->host_bytes > 0 ? (double)d->host_bytes / (d->host_gbps * 1e9) : 0);
     const double kv_gbps = cuda ? d->device_gbps : d->host_gbps; /* where the KV lives */
-    if (weights_s <= 0)
+    if (weights_s <= 0 || kv_gbps <= 0)
         return;
     d->tokens_per_s = 1.0 / weights_s;
     d->tokens_per_s_full = 1.0 / (weights_s + (double)d->kv_bytes / (kv_gbps * 1e9));
 }
 
-static void print_decode(const struct decode_estimate *d, const struct llmem_plan *plan) {
+static void print_decode(const struct decode_estimate *d, const struct llmem_plan *plan, int here) {
     char s1[LLMEM_SIZE_STR_MAX], s2[LLMEM_SIZE_STR_MAX], s3[LLMEM_SIZE_STR_MAX];
     if (d->tokens_per_s <= 0) {
-        printf("  decode   an estimate needs %s (a machine planned by numbers)\n",
-               d->device_bytes > 0 && d->device_gbps <= 0 ? "--device-bandwidth GBPS"
-                                                          : "--bandwidth GBPS");
+        const char *need = d->device_bytes > 0 && d->device_gbps <= 0 ? "--device-bandwidth GBPS"
+                                                                      : "--bandwidth GBPS";
+        printf("  decode   an estimate needs %s (%s)\n", need,
+               here ? "not known for this machine" : "a machine planned by numbers");
         return;
     }
     printf("  decode   up to %.1f tokens/s a sequence (its reads at the bandwidth), %.1f at the "
-           "end of "
-           "the %lld-token window: "
-           "a token reads ",
+           "end of the %lld-token window: a token reads ",
            d->tokens_per_s, d->tokens_per_s_full, (long long)plan->context_window_resolved);
     if (d->device_bytes > 0)
         printf("%s at %.0f GB/s (%s)%s", llmem_size_format_short(d->device_bytes, s1, sizeof(s1)),
@@ -560,7 +559,7 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
     if (placed->moe_layers > 0)
         printf("  placed   %s\n", llmem_plan_describe_experts(placed, line, sizeof(line)));
     if (p->model_fits)
-        print_decode(decode, p);
+        print_decode(decode, p, a->total == 0);
     printf("  machine  %s\n\n", machine);
 
     printf("  %-22s %16s  %9s\n", "", "bytes", "size");
