@@ -14,8 +14,9 @@
  * ids[prefix:read] unless it ends with U+FFFD (a character still incomplete). Decoding a window
  * rather than everything keeps each push O(window), and decoding from `prefix` keeps the
  * first-token rules of Metaspace and Strip identical in both decodes, so the pieces add up to the
- * full decode. A run of ByteFallback byte tokens is held until it ends, since a later byte can turn
- * the whole run into U+FFFD.
+ * full decode; a Strip of the fused text strips only a window that begins the text (its start
+ * can reach past the window's first token). A run of ByteFallback byte tokens is held until it
+ * ends, since a later byte can turn the whole run into U+FFFD.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -190,13 +191,15 @@ static int dec_fuse(const struct strs *in, struct strs *out) {
     return strs_push(out, in->text.p, in->text.n);
 }
 
-static int dec_strip(const struct tok_dec *d, const struct strs *in, struct strs *out) {
+/* (lead 0: the first string keeps its start: a window's fused text that does not begin the text) */
+static int dec_strip(const struct tok_dec *d, int lead, const struct strs *in, struct strs *out) {
     const struct tok_str *c = &d->a;
     for (size_t i = 0; i < in->n; i++) {
         size_t n;
         const char *t = strs_at(in, i, &n);
         size_t s = 0, e = n;
-        for (int k = 0; k < d->start && e - s >= c->n && memcmp(t + s, c->p, c->n) == 0; k++)
+        const int start = i > 0 || lead ? d->start : 0;
+        for (int k = 0; k < start && e - s >= c->n && memcmp(t + s, c->p, c->n) == 0; k++)
             s += c->n;
         for (int k = 0; k < d->stop && e - s >= c->n && memcmp(t + e - c->n, c->p, c->n) == 0; k++)
             e -= c->n;
@@ -227,10 +230,14 @@ static int check_ids(const struct llmem_tokenizer *tok, const int32_t *ids, int6
     return LLMEM_OK;
 }
 
-/* Decodes checked ids into out (appended, NUL-terminated). Only LLMEM_ENOMEM can fail. */
+/* Decodes checked ids into out (appended, NUL-terminated). text_start: the ids begin the text
+ * (else they are a streaming window after it starts, where a Strip after Fuse leaves the start of
+ * the window's text alone: the whole text's start was stripped in the first window). Only
+ * LLMEM_ENOMEM can fail. */
 static int decode_into(const struct llmem_tokenizer *tok, const int32_t *ids, int64_t n,
-                       int skip_special, struct tok_buf *out) {
+                       int skip_special, int text_start, struct tok_buf *out) {
     struct strs a = {0}, b = {0};
+    int fused = 0;
     static const struct tok_str space = {" ", 1};
     int status = llmem_tok_buf_reserve(&a.text, 0);
     for (int64_t i = 0; i < n && status == LLMEM_OK; i++) {
@@ -249,8 +256,8 @@ static int decode_into(const struct llmem_tokenizer *tok, const int32_t *ids, in
         case TOK_DEC_METASPACE: status = dec_replace(&d->a, &space, d->prepend, &a, &b); break;
         case TOK_DEC_REPLACE: status = dec_replace(&d->a, &d->b, 0, &a, &b); break;
         case TOK_DEC_BYTEFALLBACK: status = dec_byte_fallback(&a, &b); break;
-        case TOK_DEC_FUSE: status = dec_fuse(&a, &b); break;
-        case TOK_DEC_STRIP: status = dec_strip(d, &a, &b); break;
+        case TOK_DEC_FUSE: status = dec_fuse(&a, &b), fused = 1; break;
+        case TOK_DEC_STRIP: status = dec_strip(d, text_start || !fused, &a, &b); break;
         }
         strs_swap(&a, &b);
     }
@@ -285,7 +292,7 @@ int llmem_tokenizer_decode(const struct llmem_tokenizer *tok, const int32_t *ids
     if (status != LLMEM_OK)
         return status;
     struct tok_buf out = {0};
-    if ((status = decode_into(tok, ids, n, skip_special, &out)) != LLMEM_OK) {
+    if ((status = decode_into(tok, ids, n, skip_special, 1, &out)) != LLMEM_OK) {
         llmem_tok_buf_free(&out);
         LLMEM_ERROR("out of memory decoding %lld ids", (long long)n);
         return status;
@@ -422,7 +429,8 @@ static const int32_t *window(const struct llmem_detok *d) {
 /* Writes the text past the window's written part; at_end: also what is incomplete. */
 static int detok_step(struct llmem_detok *d, int at_end, char **piece, const char *func) {
     struct tok_buf text = {0};
-    int status = decode_into(d->tok, window(d), (int64_t)(d->n - d->prefix), 0, &text);
+    int status =
+        decode_into(d->tok, window(d), (int64_t)(d->n - d->prefix), 0, d->prefix == 0, &text);
     struct tok_buf outp = {0};
     if (status == LLMEM_OK)
         status = llmem_tok_buf_reserve(&outp, 0);
@@ -441,7 +449,8 @@ static int detok_step(struct llmem_detok *d, int at_end, char **piece, const cha
             struct tok_buf pre = {0};
             d->prefix = d->read;
             d->read = d->n;
-            status = decode_into(d->tok, window(d), (int64_t)(d->read - d->prefix), 0, &pre);
+            status = decode_into(d->tok, window(d), (int64_t)(d->read - d->prefix), 0,
+                                 d->prefix == 0, &pre);
             d->prefix_len = pre.n;
             d->prefix_last = pre.n > 0 ? pre.p[pre.n - 1] : 0;
             llmem_tok_buf_free(&pre);

@@ -299,6 +299,163 @@ def gguf_seeds():
         put(f + "-header", read("gguf/%s.gguf" % f)[:8192])
 
 
+def byte_level_chars():
+    """GPT-2's ByteLevel alphabet: byte → the character that spells it in a vocabulary."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return out
+
+
+def tokenizer_json(model, added=(), normalizer=None, pre=None, decoder=None):
+    return json.dumps({"version": "1.0", "truncation": None, "padding": None,
+                       "added_tokens": list(added), "normalizer": normalizer,
+                       "pre_tokenizer": pre, "post_processor": None, "decoder": decoder,
+                       "model": model}, ensure_ascii=False).encode()
+
+
+def added_token(i, content, special=True):
+    return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": not special, "special": special}
+
+
+def tokenizer_seeds():
+    """fuzz-tokenizer: small tokenizer.json files of the kinds the loader reads (byte-level BPE
+    with a regex split, SentencePiece-style BPE with byte fallback, normalizers), with and without
+    a tokenizer_config.json, GGUF files carrying a tokenizer, and near-valid variants."""
+    put = corpus("fuzz-tokenizer")
+    bl = byte_level_chars()
+    vocab = {bl[b]: b for b in range(256)}
+    merges = ["\u0120 t", "h e", "\u0120t he", "l l", "e ll", "o ,", "\u0120 w", "o r"]
+    for m in merges:
+        vocab.setdefault(m.replace(" ", ""), len(vocab))
+    specials = [added_token(len(vocab) + i, t) for i, t in
+                enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])]
+    split = {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+"
+                                          "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s+"},
+             "behavior": "Isolated", "invert": False}
+    gpt2 = tokenizer_json({"type": "BPE", "dropout": None, "unk_token": None, "vocab": vocab,
+                           "merges": merges, "byte_fallback": False},
+                          specials, None,
+                          {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                           "use_regex": True},
+                          {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                           "use_regex": True})
+    put("gpt2", b"\x00" + gpt2)
+    chatml = json.dumps({"bos_token": None, "eos_token": "<|im_end|>",
+                         "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                                          "{{ m.content }}<|im_end|>\n{% endfor %}"}).encode()
+    put("gpt2-chatml", b"\x01" + gpt2 + b"\x00" + chatml)
+    llama3 = tokenizer_json({"type": "BPE", "vocab": vocab, "merges": [m.split(" ") for m in merges],
+                             "ignore_merges": True},
+                            [added_token(len(vocab), "<|begin_of_text|>"),
+                             added_token(len(vocab) + 1, "<|start_header_id|>"),
+                             added_token(len(vocab) + 2, "<|end_header_id|>"),
+                             added_token(len(vocab) + 3, "<|eot_id|>")], None,
+                            {"type": "Sequence", "pretokenizers": [
+                                split, {"type": "ByteLevel", "add_prefix_space": False,
+                                        "use_regex": False}]},
+                            {"type": "ByteLevel"})
+    put("llama3", b"\x01" + llama3 + b"\x00" + json.dumps(
+        {"bos_token": {"content": "<|begin_of_text|>"}, "eos_token": "<|eot_id|>",
+         "chat_template": "<|start_header_id|>{{ role }}<|end_header_id|>"}).encode())
+    sp_vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        sp_vocab["<0x%02X>" % b] = len(sp_vocab)
+    for piece in ["\u2581", "a", "b", "c", "\u2581a", "ab", "\u2581ab"]:
+        sp_vocab[piece] = len(sp_vocab)
+    sp = tokenizer_json({"type": "BPE", "unk_token": "<unk>", "byte_fallback": True, "fuse_unk": True,
+                         "vocab": sp_vocab,
+                         "merges": ["\u2581 a", "a b", "\u2581a b"]},
+                        [added_token(0, "<unk>"), added_token(1, "<s>"), added_token(2, "</s>")],
+                        {"type": "Sequence", "normalizers": [
+                            {"type": "Prepend", "prepend": "\u2581"},
+                            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+                        None,
+                        {"type": "Sequence", "decoders": [
+                            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                            {"type": "ByteFallback"}, {"type": "Fuse"},
+                            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]})
+    put("sentencepiece", b"\x01" + sp + b"\x00" + json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>",
+         "chat_template": "{{ bos_token }}[INST] {{ m }} [/INST]"}).encode())
+    put("metaspace", b"\x00" + tokenizer_json(
+        {"type": "BPE", "vocab": sp_vocab, "merges": []}, [], {"type": "NFC"},
+        {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": True},
+        {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": True}))
+    # near-valid: each a small change the loader must refuse or survive
+    base = json.loads(gpt2)
+    def variant(label, change, config=None):
+        t = json.loads(gpt2)
+        change(t)
+        body = json.dumps(t, ensure_ascii=False).encode()
+        put(label, b"\x01" + body + b"\x00" + config if config is not None else b"\x00" + body)
+    variant("huge-id", lambda t: t["model"]["vocab"].update({"zz": 2147483647}))
+    variant("negative-id", lambda t: t["model"]["vocab"].update({"zz": -1}))
+    variant("duplicate-id", lambda t: t["model"]["vocab"].update({"zz": 3}))
+    variant("added-far", lambda t: t["added_tokens"].append(added_token(1 << 30, "<far>")))
+    variant("unknown-merge", lambda t: t["model"]["merges"].append("q q"))
+    variant("merge-three", lambda t: t["model"]["merges"].append("a b c"))
+    variant("unk-missing", lambda t: t["model"].update({"unk_token": "<nope>"}))
+    variant("wordpiece", lambda t: t["model"].update({"type": "WordPiece"}))
+    variant("dropout", lambda t: t["model"].update({"dropout": 0.1}))
+    variant("bad-regex", lambda t: t.update({"pre_tokenizer": {"type": "Split", "pattern": {
+        "Regex": "(?<=a"}, "behavior": "Isolated"}}))
+    variant("deep", lambda t: t.update({"normalizer": json.loads(
+        '{"type": "Sequence", "normalizers": [' * 40 + '{"type": "NFC"}' + ']}' * 40)}))
+    variant("vocab-list", lambda t: t["model"].update({"vocab": [["a", 0]]}))
+    variant("config-list", lambda t: None, b"[1, 2]")
+    variant("config-templates", lambda t: None, json.dumps({"chat_template": [
+        {"name": "default", "template": "<|im_start|>"}, {"name": "rag", "template": "x"}]}).encode())
+    variant("config-template-list", lambda t: None, json.dumps({"chat_template": [
+        {"name": "default", "template": "<|im_start|>"}, {"name": "tool_use", "template": 3}]}).encode())
+    variant("config-token-object", lambda t: None,
+            json.dumps({"bos_token": {"content": 7}, "eos_token": {"content": "<|endoftext|>"}}).encode())
+    put("truncated", b"\x00" + gpt2[:len(gpt2) // 2])
+    # GGUF files with a tokenizer: gpt2 (merges) and llama (scores), and near-valid ones
+    tokens = [bl[b] for b in range(256)] + [m.replace(" ", "") for m in merges] + ["<|endoftext|>"]
+    gpt2_kvs = [("general.architecture", "string", "qwen2"),
+                ("tokenizer.ggml.model", "string", "gpt2"), ("tokenizer.ggml.pre", "string", "qwen2"),
+                ("tokenizer.ggml.tokens", "array:string", tokens),
+                ("tokenizer.ggml.token_type", "array:i32", [1] * (len(tokens) - 1) + [3]),
+                ("tokenizer.ggml.merges", "array:string", merges),
+                ("tokenizer.ggml.bos_token_id", "u32", len(tokens) - 1),
+                ("tokenizer.ggml.eos_token_id", "u32", len(tokens) - 1),
+                ("tokenizer.chat_template", "string", "<|im_start|>{{ m }}<|im_end|>")]
+    put("gguf-gpt2", b"\x02" + gguf_file(gpt2_kvs, []))
+    sp_tokens = list(sp_vocab)
+    llama_kvs = [("general.architecture", "string", "llama"),
+                 ("tokenizer.ggml.model", "string", "llama"),
+                 ("tokenizer.ggml.tokens", "array:string", sp_tokens),
+                 ("tokenizer.ggml.scores", "array:f32", [-float(i) for i in range(len(sp_tokens))]),
+                 ("tokenizer.ggml.token_type", "array:i32", [2, 3, 3] + [6] * 256 + [1] * 7),
+                 ("tokenizer.ggml.bos_token_id", "u32", 1), ("tokenizer.ggml.eos_token_id", "u32", 2),
+                 ("tokenizer.ggml.unknown_token_id", "u32", 0),
+                 ("tokenizer.ggml.add_bos_token", "bool", True)]
+    put("gguf-llama", b"\x02" + gguf_file(llama_kvs, []))
+    def gguf_variant(label, kvs, i, kv):
+        kvs = list(kvs)
+        if kv is None:
+            del kvs[i]
+        else:
+            kvs[i] = kv
+        put(label, b"\x02" + gguf_file(kvs, []))
+    gguf_variant("gguf-no-model", gpt2_kvs, 1, None)
+    gguf_variant("gguf-model-bert", gpt2_kvs, 1, ("tokenizer.ggml.model", "string", "bert"))
+    gguf_variant("gguf-bos-far", gpt2_kvs, 6, ("tokenizer.ggml.bos_token_id", "u32", 1 << 30))
+    gguf_variant("gguf-types-short", gpt2_kvs, 4, ("tokenizer.ggml.token_type", "array:i32", [1]))
+    gguf_variant("gguf-merge-unknown", gpt2_kvs, 5, ("tokenizer.ggml.merges", "array:string",
+                                                     ["q q", "onlyone"]))
+    gguf_variant("gguf-scores-short", llama_kvs, 3, ("tokenizer.ggml.scores", "array:f32", [0.0]))
+    gguf_variant("gguf-tokens-ints", llama_kvs, 2, ("tokenizer.ggml.tokens", "array:i32", [1, 2]))
+    gguf_variant("gguf-no-tokens", llama_kvs, 2, None)
+
+
 if __name__ == "__main__":
     config_seeds()
     request_seeds()
@@ -306,3 +463,4 @@ if __name__ == "__main__":
     tok_seeds()
     spill_seeds()
     gguf_seeds()
+    tokenizer_seeds()
