@@ -68,6 +68,12 @@ LLMEM_API int llmem_model_to_device(const struct llmem_model *model,
                                     struct llmem_model **out);
 /* The configuration; geom.n_params and geom.weights_bytes are those of the files. */
 LLMEM_API const struct llmem_model_config *llmem_model_get_config(const struct llmem_model *model);
+/* Ends the logits at n ids (n ≥ the vocabulary: no change): the LM head's first n rows, and
+ * geom.vocab_size n. For a checkpoint whose vocabulary is padded past its tokenizer's tokens
+ * (Qwen2.5's 151,936 rows for 151,665 tokens), so that an id no token spells is never scored nor
+ * drawn; the embeddings keep every row. Before llmem_forward_create. LLMEM_EINVAL (logged) for n
+ * < 1 or a share of a split model (its rows are a part of the vocabulary). */
+LLMEM_API int llmem_model_limit_vocab(struct llmem_model *model, int64_t n);
 
 #ifdef __cplusplus
 }

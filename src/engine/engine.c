@@ -517,6 +517,10 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
             goto fail;
         llmem_backend_cpu_set_precision(e->be, config->precision);
     }
+    /* a checkpoint's rows past its tokenizer's ids (padding: no token spells them) never scored */
+    if (e->n_ranks == 1 && (status = llmem_model_limit_vocab(
+                                e->model, llmem_tokenizer_vocab_size(e->tok))) != LLMEM_OK)
+        goto fail;
     if ((status = open_kv(e)) != LLMEM_OK)
         goto fail;
     status = e->n_ranks > 1

@@ -743,3 +743,18 @@ void llmem_model_free(struct llmem_model *m) {
 const struct llmem_model_config *llmem_model_get_config(const struct llmem_model *m) {
     return &m->cfg;
 }
+
+int llmem_model_limit_vocab(struct llmem_model *m, int64_t n) {
+    LLMEM_ASSERT(m != NULL);
+    if (n < 1 || m->vocab_first != 0 || m->lm_head.rows != m->cfg.geom.vocab_size) {
+        LLMEM_ERROR("the logits of %s end at the vocabulary's rows: %lld ids asked for",
+                    m->vocab_first != 0 || m->lm_head.rows != m->cfg.geom.vocab_size
+                        ? "a share of a split model"
+                        : "a model",
+                    (long long)n);
+        return LLMEM_EINVAL;
+    }
+    if (n < m->cfg.geom.vocab_size)
+        m->lm_head.rows = n, m->cfg.geom.vocab_size = n;
+    return LLMEM_OK;
+}

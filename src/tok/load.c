@@ -131,6 +131,18 @@ static int get_pattern(const struct loader *l, const cJSON *obj, const char *whe
 const char llmem_tok_gpt2_pattern[] =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
+/* A field that must be one character (Metaspace's replacement, Strip's content): LLMEM_EFORMAT
+ * (logged, naming where.key) otherwise, an empty or NUL-led string included. */
+static int one_char(const struct loader *l, const char *where, const char *key, const char *s) {
+    uint32_t cp;
+    if (s[0] == '\0' ||
+        llmem_tok_utf8_char((const unsigned char *)s, strlen(s), &cp) != strlen(s)) {
+        LOAD_ERROR("%s: '%s.%s' must be one character", l->path, where, key);
+        return LLMEM_EFORMAT;
+    }
+    return LLMEM_OK;
+}
+
 static int compile_regex(const struct loader *l, const char *where, const char *pattern,
                          int literal, pcre2_code **out) {
     int err = 0;
@@ -562,14 +574,9 @@ static int add_pre(struct loader *l, const cJSON *obj, const char *where, int de
         if ((status = get_str(l, obj, where, "replacement", 1, &repl)) ||
             (status = get_str(l, obj, where, "prepend_scheme", 0, &scheme)) ||
             (status = get_bool(l, obj, where, "add_prefix_space", &add_prefix_space)) ||
-            (status = get_bool(l, obj, where, "split", &pre.split)))
+            (status = get_bool(l, obj, where, "split", &pre.split)) ||
+            (status = one_char(l, where, "replacement", repl)))
             return status;
-        uint32_t cp;
-        if (repl[0] == '\0' ||
-            llmem_tok_utf8_char((const unsigned char *)repl, strlen(repl), &cp) != strlen(repl)) {
-            LOAD_ERROR("%s: '%s.replacement' must be one character", l->path, where);
-            return LLMEM_EFORMAT;
-        }
         if (scheme == NULL)
             pre.prepend = add_prefix_space == 0 ? TOK_PREPEND_NEVER : TOK_PREPEND_ALWAYS;
         else if (strcmp(scheme, "always") == 0)
@@ -621,7 +628,8 @@ static int add_dec(struct loader *l, const cJSON *obj, const char *where, int de
         dec.kind = TOK_DEC_METASPACE;
         if ((status = get_str(l, obj, where, "replacement", 1, &a)) ||
             (status = get_str(l, obj, where, "prepend_scheme", 0, &scheme)) ||
-            (status = get_bool(l, obj, where, "add_prefix_space", &add_prefix_space)))
+            (status = get_bool(l, obj, where, "add_prefix_space", &add_prefix_space)) ||
+            (status = one_char(l, where, "replacement", a)))
             return status;
         dec.prepend = scheme != NULL ? strcmp(scheme, "never") != 0 : add_prefix_space;
     } else if (strcmp(type, "Replace") == 0) {
@@ -642,14 +650,9 @@ static int add_dec(struct loader *l, const cJSON *obj, const char *where, int de
         status = get_int(l, obj, where, "start", 0, 1 << 20, &start);
         if (status == LLMEM_OK || status == LLMEM_ENOENT)
             status = get_int(l, obj, where, "stop", 0, 1 << 20, &stop);
-        if (status != LLMEM_OK && status != LLMEM_ENOENT)
+        if ((status != LLMEM_OK && status != LLMEM_ENOENT) ||
+            (status = one_char(l, where, "content", a)) != LLMEM_OK)
             return status;
-        uint32_t cp;
-        if (a[0] == '\0' ||
-            llmem_tok_utf8_char((const unsigned char *)a, strlen(a), &cp) != strlen(a)) {
-            LOAD_ERROR("%s: '%s.content' must be one character", l->path, where);
-            return LLMEM_EFORMAT;
-        }
         dec.start = (int)start, dec.stop = (int)stop;
     } else {
         LOAD_ERROR("%s: decoder '%s' (%s) is not supported (ByteLevel, Metaspace, Replace, "

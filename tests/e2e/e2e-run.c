@@ -278,8 +278,9 @@ static void test_load_format_dummy(void **state) {
     tu_rmtree(dir);
     free(dir);
 
-    /* a model of more ids than its tokenizer has (pycoder's 4,096 beside 65,536 random rows) that
-     * generates one of the others: the run ends on one line naming the id, not as out of memory */
+    /* a model of more ids than its tokenizer has (pycoder's 4,096 beside 65,536 random rows, where
+     * nearly every row's largest logit is past the tokens): the logits end at the tokenizer's
+     * ids, so every token drawn has text, greedy and sampled */
     dir = tu_mkdtemp();
     static const char config[] =
         "{\"model_type\": \"llama\", \"hidden_size\": 128, \"intermediate_size\": 128, "
@@ -292,10 +293,19 @@ static void test_load_format_dummy(void **state) {
     assert_int_equal(llmem_file_read(PYCODER "/tokenizer.json", 1 << 24, &text, &len), LLMEM_OK);
     free(tu_write_file(dir, "tokenizer.json", text, (long)len));
     free(text);
-    r = tu_llmem("run", dir, "--load-format", "dummy", "-p", "def f", "-n", "8", NULL);
-    assert_int_equal(r.exit_code, 1);
-    assert_non_null(strstr(r.err, "is not in the vocabulary of 4096 tokens"));
-    assert_null(strstr(r.err, "out of memory"));
+    for (int sampled = 0; sampled <= 1; sampled++) {
+        r = tu_llmem("run", dir, "--load-format", "dummy", "-p", "def f", "-n", "32",
+                     "--ignore-eos", "--json", "--temperature", sampled ? "2" : "0", NULL);
+        assert_int_equal(r.exit_code, 0);
+        cJSON *out = tu_json_stdout(&r);
+        const cJSON *ids = cJSON_GetObjectItem(out, "ids"), *id;
+        assert_int_equal(cJSON_GetArraySize(ids), 32);
+        cJSON_ArrayForEach(id, ids) assert_true(id->valueint >= 0 && id->valueint < 4096);
+        cJSON_Delete(out);
+        tu_run_free(&r);
+    }
+    r = tu_llmem("run", dir, "--load-format", "dummy", "--ids", "1,4096", "-n", "1", NULL);
+    assert_int_not_equal(r.exit_code, 0); /* an id past the tokens: outside the vocabulary */
     tu_run_free(&r);
     tu_rmtree(dir);
     free(dir);
