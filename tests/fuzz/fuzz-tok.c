@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check_stream.h"
 #include "llmem/tokenizer.h"
 
 #ifndef LLMEM_FUZZ_DATA
@@ -44,27 +45,6 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
             abort();
     }
     return 0;
-}
-
-static void check_stream(const struct llmem_tokenizer *tok, const int32_t *ids, int64_t n,
-                         const char *full, size_t full_len) {
-    struct llmem_detok *d = NULL;
-    if (llmem_detok_create(tok, 0, &d) != LLMEM_OK)
-        abort();
-    size_t at = 0;
-    for (int64_t i = 0; i <= n; i++) {
-        char *piece = NULL;
-        int st = i < n ? llmem_detok_push(d, ids[i], &piece) : llmem_detok_finish(d, &piece);
-        if (st != LLMEM_OK)
-            abort();
-        size_t pn = strlen(piece);
-        if (memchr(full, '\0', full_len) == NULL &&
-            (at + pn > full_len || memcmp(full + at, piece, pn) != 0))
-            abort();
-        at += pn;
-        free(piece);
-    }
-    llmem_detok_free(d);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

@@ -24,6 +24,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "check_stream.h"
 #include "llmem/tokenizer.h"
 
 static char dir[256], tok_json[300], tok_config[300], gguf[300];
@@ -55,27 +56,6 @@ static void put(const char *path, const uint8_t *data, size_t size) {
     FILE *f = fopen(path, "wb");
     if (f == NULL || (size > 0 && fwrite(data, 1, size, f) != size) || fclose(f) != 0)
         abort();
-}
-
-/* The ids decoded as a stream: the pieces add up to the whole decode (text, len). */
-static void check_stream(const struct llmem_tokenizer *tok, const int32_t *ids, int64_t n,
-                         const char *text, size_t len) {
-    struct llmem_detok *d = NULL;
-    if (llmem_detok_create(tok, 0, &d) != LLMEM_OK)
-        abort();
-    size_t at = 0;
-    for (int64_t i = 0; i <= n; i++) {
-        char *piece = NULL;
-        if ((i < n ? llmem_detok_push(d, ids[i], &piece) : llmem_detok_finish(d, &piece)) !=
-            LLMEM_OK)
-            abort();
-        const size_t pn = strlen(piece);
-        if (memchr(text, '\0', len) == NULL && (at + pn > len || memcmp(text + at, piece, pn) != 0))
-            abort();
-        at += pn;
-        free(piece);
-    }
-    llmem_detok_free(d);
 }
 
 static void use(const struct llmem_tokenizer *tok) {
