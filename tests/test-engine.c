@@ -622,7 +622,7 @@ static struct llmem_engine *open_banked(struct fake_pressure *f, int stride, int
 
 static void test_guard_actions(void **state) {
     (void)state;
-    struct fake_pressure f = {LLMEM_GUARD_CLEAR};
+    struct fake_pressure f = {.level = LLMEM_GUARD_CLEAR};
     int64_t banked = 0;
     struct llmem_engine *e = open_banked(&f, 13, 0, &banked);
     struct llmem_bank_stats bs;

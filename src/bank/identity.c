@@ -98,8 +98,10 @@ static void cache_save(const struct cache *c, const char *cache_path) {
     if (ok && c->text != NULL)
         ok = fputs(c->text, f) >= 0;
     ok = ok && fwrite(c->added, 1, c->added_len, f) == c->added_len;
-    if (f != NULL)
-        ok = (fflush(f) == 0 && fsync(fileno(f)) == 0) & (fclose(f) == 0) & ok;
+    if (f != NULL) { /* (closed whatever the flush did) */
+        const int flushed = fflush(f) == 0 && fsync(fileno(f)) == 0;
+        ok = (fclose(f) == 0) && flushed && ok;
+    }
     if (!ok || rename(tmp, cache_path) != 0) {
         LLMEM_WARN("%s: cannot update the digest cache: %s", cache_path, strerror(errno));
         unlink(tmp);

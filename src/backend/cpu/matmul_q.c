@@ -124,15 +124,6 @@ static ALWAYS_INLINE void scales_k4(const uint8_t *q, uint64_t *sc, uint64_t *m)
     *m = (uint64_t)m0 | (uint64_t)m1 << 32;
 }
 
-static ALWAYS_INLINE float reduce8(const float *l) {
-    float h4[4], h2[2];
-    for (int i = 0; i < 4; i++)
-        h4[i] = l[i] + l[i + 4];
-    for (int i = 0; i < 2; i++)
-        h2[i] = h4[i] + h4[i + 2];
-    return h2[0] + h2[1];
-}
-
 /* Block bytes and values, by type. */
 static int64_t q_block_bytes(int type) {
     switch (type) {
@@ -244,12 +235,6 @@ TARGET_AVX2 static ALWAYS_INLINE int hsum_i32_avx2(__m256i v) {
     return _mm_cvtsi128_si32(h);
 }
 
-/* The canonical tree over 8 lanes. */
-TARGET_AVX2 static ALWAYS_INLINE float reduce8_avx2(__m256 v) {
-    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
-    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-}
 #endif
 
 /* ---- portable kernels -------------------------------------------------------------------------
