@@ -96,16 +96,15 @@ int cli_bandwidth(struct llmem_mem *mem, struct llmem_pool *pool, int64_t bytes,
         j->chunk = ((j->bytes + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
         double t0 = llmem_clock_s();
         llmem_pool_run(pool, tasks, bw_task, j);
-        double t_read = llmem_clock_s() - t0;
-        /* copy: half onto half, bytes read + bytes written */
-        j->copy = 1;
-        j->chunk = ((j->bytes / 2 + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
-        t0 = llmem_clock_s();
-        llmem_pool_run(pool, tasks, bw_task, j);
-        double t_copy = llmem_clock_s() - t0;
-        if (p >= 0) { /* the first pass warms up */
-            read_gbps[p] = (double)j->bytes / t_read * 1e-9;
-            copy_gbps[p] = (double)j->bytes / t_copy * 1e-9;
+        if (p >= 0) /* the first pass warms up */
+            read_gbps[p] = (double)j->bytes / (llmem_clock_s() - t0) * 1e-9;
+        if (copy_gbps != NULL) { /* copy: half onto half, bytes read + bytes written */
+            j->copy = 1;
+            j->chunk = ((j->bytes / 2 + (size_t)tasks - 1) / (size_t)tasks + 63) & ~(size_t)63;
+            t0 = llmem_clock_s();
+            llmem_pool_run(pool, tasks, bw_task, j);
+            if (p >= 0)
+                copy_gbps[p] = (double)j->bytes / (llmem_clock_s() - t0) * 1e-9;
         }
         if (tick != NULL)
             tick(tick_arg);
@@ -127,8 +126,8 @@ int cli_read_bandwidth(int threads, int64_t bytes, double *read_gbps) {
     struct llmem_pool *pool = NULL;
     if (llmem_pool_create(threads, &pool) != LLMEM_OK)
         return CLI_FAIL;
-    double read[2], copy[2];
-    const int rc = cli_bandwidth(NULL, pool, bytes, 2, read, copy, NULL, NULL);
+    double read[2];
+    const int rc = cli_bandwidth(NULL, pool, bytes, 2, read, NULL, NULL, NULL);
     llmem_pool_destroy(pool);
     if (rc == CLI_OK)
         *read_gbps = read[0] > read[1] ? read[0] : read[1];

@@ -10,9 +10,10 @@
 struct llmem_mem;
 struct llmem_pool;
 
-/* Appends `passes` read and copy bandwidth measurements (GB/s) to read_gbps / copy_gbps, with a
- * multithreaded pass over a `bytes` buffer from mem (tag scratch; NULL: malloc); tick (optional)
- * is called after every pass. CLI_FAIL when the buffer cannot be allocated. */
+/* Appends `passes` read and copy bandwidth measurements (GB/s) to read_gbps / copy_gbps (NULL:
+ * no copies), with a multithreaded pass over a `bytes` buffer from mem (tag scratch; NULL:
+ * malloc); tick (optional) is called after every pass. CLI_FAIL when the buffer cannot be
+ * allocated. */
 int cli_bandwidth(struct llmem_mem *mem, struct llmem_pool *pool, int64_t bytes, int passes,
                   double *read_gbps, double *copy_gbps, void (*tick)(void *), void *tick_arg);
 /* The read bandwidth (GB/s) of `threads` threads over a `bytes` buffer: the better of two passes

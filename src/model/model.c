@@ -746,12 +746,11 @@ const struct llmem_model_config *llmem_model_get_config(const struct llmem_model
 
 int llmem_model_limit_vocab(struct llmem_model *m, int64_t n) {
     LLMEM_ASSERT(m != NULL);
-    if (n < 1 || m->vocab_first != 0 || m->lm_head.rows != m->cfg.geom.vocab_size) {
-        LLMEM_ERROR("the logits of %s end at the vocabulary's rows: %lld ids asked for",
-                    m->vocab_first != 0 || m->lm_head.rows != m->cfg.geom.vocab_size
-                        ? "a share of a split model"
-                        : "a model",
-                    (long long)n);
+    const int share = m->vocab_first != 0 || m->lm_head.rows != m->cfg.geom.vocab_size;
+    if (n < 1 || share) {
+        LLMEM_ERROR("cannot end the logits at %lld ids%s", (long long)n,
+                    share ? ": a share of a split model holds only its part of the vocabulary"
+                          : "");
         return LLMEM_EINVAL;
     }
     if (n < m->cfg.geom.vocab_size)

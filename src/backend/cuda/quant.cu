@@ -344,8 +344,8 @@ template <int QT> __device__ __forceinline__ int64_t block_at(const struct qmat 
 /* A mixture's experts for the matrix-vector kernels (ids NULL: one matrix, as given): block
  * (x, y, z) takes the rows of block x of expert ids[order[y]] (order NULL: ids[y]) of stack z (0:
  * the kernel's m and y; 1: codes1, scales1, biases1 and y1), for the row order[y] / k of x (k 0:
- * row y), into row y of the output. The stacks hold their experts `stride` bytes apart (an MLX type's scales and biases
- * `side` bytes apart). */
+ * row y), into row y of the output. The stacks hold their experts `stride` bytes apart (an MLX
+ * type's scales and biases `side` bytes apart). */
 struct qexperts {
     const int32_t *ids, *order;
     int k;
