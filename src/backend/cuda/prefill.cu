@@ -261,8 +261,8 @@ __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(co
             load_q8(kt);
         } else {
             const uint32_t kdst = sbase + (kt & 1) * 2 * TILE;
-            copy_tile<D, BN, W * 32>(p, table, kvh, kt * BN, end, kdst, kdst + TILE,
-                                     [](int tt, int ch) { return tt * ROWB + ((ch ^ (tt & 7)) * 16); });
+            const auto at = [](int tt, int ch) { return tt * ROWB + ((ch ^ (tt & 7)) * 16); };
+            copy_tile<D, BN, W * 32>(p, table, kvh, kt * BN, end, kdst, kdst + TILE, at);
         }
     };
     load(0);
@@ -538,9 +538,10 @@ __global__ void __launch_bounds__(WG * 128, 1) prefill_wg_kernel(const Params p)
 
     auto load = [&](int kt) {
         const uint32_t kdst = sbase + (kt & 1) * 2 * TILE;
-        copy_tile<D, BN, WG * 128>(p, table, kvh, kt * BN, end, kdst, kdst + TILE, [](int tt, int ch) {
+        const auto at = [](int tt, int ch) {
             return (ch / 8) * SLAB + tt * 128 + ((ch % 8) ^ (tt & 7)) * 16;
-        });
+        };
+        copy_tile<D, BN, WG * 128>(p, table, kvh, kt * BN, end, kdst, kdst + TILE, at);
     };
     load(0);
 
