@@ -767,7 +767,8 @@ __device__ __forceinline__ void qrow_q4k(const struct qmat &m, int64_t r, const 
 /* acc[j] = this lane's part of row r of m · row j of the quantized x (xq), for j < NX: a lane a
  * unit at a time, QGEMV_UNROLL units (the lane's, 32 apart) read before any is multiplied. The
  * kernel's pdl_begin comes in here, after the first units were asked for (the weights do not
- * wait for the kernel before; x does: launch.h); the first batch outside the loop, as gemv_row's. */
+ * wait for the kernel before; x does: launch.h); the first batch outside the loop, as
+ * gemv_row's. */
 template <int QT, int NX>
 __device__ __forceinline__ void qrow_int(const struct qmat &m, int64_t r, const uint8_t *xq,
                                          int lane, float *acc) {
