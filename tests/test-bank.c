@@ -136,6 +136,25 @@ static void test_identity(void **state) {
     assert_memory_equal(d.weights, e.weights, 16);
     assert_memory_not_equal(d.tokenizer, e.tokenizer, 16);
     assert_memory_not_equal(d.root, e.root, 32);
+    /* other numbers in config.json (here rms_norm_eps) are another model */
+    char config[600];
+    snprintf(config, sizeof(config), "%s/config.json", dir);
+    long config_len = 0;
+    char *text_config = slurp(config, &config_len);
+    char *eps = strstr(text_config, "rms_norm_eps");
+    assert_non_null(eps);
+    char *digit = strpbrk(eps, "123456789");
+    assert_non_null(digit);
+    *digit = *digit == '9' ? '8' : (char)(*digit + 1);
+    free(tu_write_file(dir, "config.json", text_config, config_len));
+    free(text_config);
+    assert_int_equal(
+        llmem_bank_identity(dir, LLMEM_KV_FORMAT_F16, LLMEM_KV_LAYOUT_PAGED, NULL, cache, &d),
+        LLMEM_OK);
+    assert_memory_not_equal(d.weights, e.weights, 16);
+    assert_memory_equal(d.tokenizer, e.tokenizer, 16);
+    assert_memory_not_equal(d.root, e.root, 32);
+    e = d;
     /* a garbage cache is ignored and rewritten */
     free(tu_write_file(dir, "digests", "garbage\n1 2 zz\n", -1));
     assert_int_equal(

@@ -953,6 +953,51 @@ static void test_dummy_load(void **state) {
     }
 }
 
+/* A configuration far past what random weights are made for is refused by its size, in the
+ * geometry and in the load alike (the bytes and offsets would overflow). */
+static void test_dummy_too_large(void **state) {
+    const char *dir = *state;
+    write_config(dir, base_config, "hidden_size", "1048576", "num_attention_heads", "1024",
+                 "num_key_value_heads", "1024", "intermediate_size", "4194304", "num_hidden_layers",
+                 "65536", "vocab_size", "16777216", NULL);
+    struct llmem_model_geometry g;
+    tu_expect_failure(llmem_model_geometry_load_dummy(dir, &g), LLMEM_ERANGE,
+                      "random weights are made for at most 2^44");
+    struct llmem_mem_config mc = {.cache_limit_bytes = -1};
+    struct llmem_mem *mem = NULL;
+    assert_int_equal(llmem_mem_create(&mc, &mem), LLMEM_OK);
+    struct llmem_model *m = NULL;
+    tu_expect_failure(llmem_model_load(dir, mem, LLMEM_MODEL_LOAD_DUMMY, NULL, NULL, &m),
+                      LLMEM_ERANGE, "random weights are made for at most 2^44");
+    assert_int_equal(llmem_mem_active(mem), 0);
+    llmem_mem_destroy(mem);
+}
+
+/* Weights holding more layers than config.json declares are refused by the first tensor of a
+ * layer past them: running the first layers alone would be a silently different model. */
+static void test_layers_past_config(void **state) {
+    const char *dir = *state;
+    char *text = NULL;
+    size_t len = 0;
+    assert_int_equal(llmem_file_read(PYCODER_DIR "/config.json", 1 << 20, &text, &len), LLMEM_OK);
+    write_config(dir, text, "num_hidden_layers", "3", NULL);
+    char link[4096];
+    snprintf(link, sizeof(link), "%s/model.safetensors", dir);
+    assert_int_equal(symlink(PYCODER_DIR "/model.safetensors", link), 0);
+    struct llmem_mem_config mc = {.cache_limit_bytes = -1};
+    struct llmem_mem *mem = NULL;
+    assert_int_equal(llmem_mem_create(&mc, &mem), LLMEM_OK);
+    struct llmem_model *m = NULL;
+    tu_expect_failure(llmem_model_load(dir, mem, 0, NULL, NULL, &m), LLMEM_EFORMAT,
+                      "belongs to a layer past the 3 the configuration declares");
+    assert_int_equal(llmem_mem_active(mem), 0);
+    write_config(dir, text, NULL); /* its own 6 layers: loads */
+    free(text);
+    assert_int_equal(llmem_model_load(dir, mem, 0, NULL, NULL, &m), LLMEM_OK);
+    llmem_model_free(m);
+    llmem_mem_destroy(mem);
+}
+
 static void test_config_text_config(void **state) {
     const char *dir = *state;
     /* A multimodal wrapper: the text model's fields under text_config, tie at the top. */
@@ -1086,6 +1131,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_config_families, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_config_moe, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_dummy_load, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_dummy_too_large, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test_setup_teardown(test_layers_past_config, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_config_text_config, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_config_sliding_window, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_geometry_name_source_tied, tu_setup_dir,

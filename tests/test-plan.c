@@ -355,9 +355,26 @@ static void test_steady_state_fits_sweep(void **state) {
         assert_true(p.bank_steady_bytes <= p.bank_idle_max_bytes);
         assert_true(p.bank_idle_max_bytes <= 48 * GiB);
         assert_true(p.kv_budget_bytes >= 0);
+        if (p.model_fits && !p.overcommitted)
+            assert_false(llmem_plan_limits_check(&p, NULL, 0) & LLMEM_PLAN_BREAKS_FOOTPRINT);
         checked += p.model_fits && !p.overcommitted;
     }
     assert_true(checked > 1000);
+}
+
+/* A budget that the windows' KV divides exactly: the fit leaves the footprint strictly below the
+ * allocation limit, as the limits' chain asks (it equalled it). */
+static void test_fit_inside_exact_budget(void **state) {
+    (void)state;
+    struct llmem_plan_params params = {.total_bytes = 48 * GiB,
+                                       .weights_bytes = 10 * GiB,
+                                       .kv_bytes_per_token = 65536,
+                                       .kv_format = LLMEM_KV_FORMAT_F16};
+    struct llmem_plan p = compute(&params);
+    assert_true(p.model_fits && p.machine_bound);
+    assert_true(p.footprint_bytes < p.allocation_limit_bytes);
+    assert_int_equal(llmem_plan_limits_check(&p, NULL, 0), 0);
+    assert_int_equal(p.context_window_resolved, 360448 - 4096);
 }
 
 static void test_windows_aligned_or_model_capped(void **state) {
@@ -842,6 +859,7 @@ int main(void) {
         cmocka_unit_test(test_util_band_empty_seed_trap),
         cmocka_unit_test(test_fit_monotonic_in_memory),
         cmocka_unit_test(test_steady_state_fits_sweep),
+        cmocka_unit_test(test_fit_inside_exact_budget),
         cmocka_unit_test(test_windows_aligned_or_model_capped),
         cmocka_unit_test(test_overcommit),
         cmocka_unit_test(test_small_context_models),

@@ -538,7 +538,9 @@ static void test_reconcile(void **state) {
     char cmd[9000];
     snprintf(cmd, sizeof(cmd), "cp '%s' '%s'", p, orphan);
     assert_int_equal(system(cmd), 0);
-    free(tu_write_file(dir, "0123.kv.tmp", "half a chunk", -1));
+    char temp[128]; /* a chunk file's name while written */
+    snprintf(temp, sizeof(temp), "%064d.kv.tmp", 123);
+    free(tu_write_file(dir, temp, "half a chunk", -1));
     chunk_path(dir, ROOT_A, u, 32, p, sizeof(p));
     assert_int_equal(unlink(p), 0);
     free(tu_write_file(dir, "notes.txt", "someone else's file", -1));
@@ -556,6 +558,8 @@ static void test_reconcile(void **state) {
     assert_int_equal(n_chunks, 4);
     assert_int_equal(n_tmp, 0);
     assert_int_equal(st.bytes, bytes); /* every file counted, the foreign one included */
+    snprintf(p, sizeof(p), "%s/notes.txt", dir); /* and left alone */
+    assert_int_equal(access(p, F_OK), 0);
     assert_int_equal(load_check(s, kv, ROOT_A, u, 1000, 0, 62), 16);
     llmem_spill_close(s);
 
@@ -572,6 +576,58 @@ static void test_reconcile(void **state) {
     assert_int_equal(load_check(s, kv, ROOT_A, t, 1000, 0, 62), 48);
     llmem_spill_close(s);
     llmem_kv_destroy(kv);
+    tu_rmtree(dir);
+    free(dir);
+}
+
+/* A directory without a manifest is taken as the store only when it holds nothing but the
+ * store's files (a store whose manifest was lost: rebuilt): one holding anything else is refused
+ * by open and by gc, and nothing in it is touched; gc makes no store where there is none. */
+static void test_not_a_store(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    char chunk[128], temp[128];
+    snprintf(chunk, sizeof(chunk), "%064d.kv", 0);
+    snprintf(temp, sizeof(temp), "%064d.kv.tmp", 0);
+    free(tu_write_file(dir, "notes.txt", "keep", -1));
+    free(tu_write_file(dir, "report.tmp", "draft", -1));
+    free(tu_write_file(dir, chunk, "data", -1));
+    struct llmem_spill_config c;
+    llmem_spill_config_default(&c);
+    c.dir = dir;
+    c.min_free_bytes = -1;
+    struct llmem_spill *s = NULL;
+    struct llmem_spill_stats st;
+    for (int gc = 0; gc < 2; gc++) {
+        tu_count_errors(LLMEM_LOG_ERROR);
+        if (gc)
+            tu_expect_failure(llmem_spill_gc(&c, &st), LLMEM_EINVAL, "not a spill store");
+        else
+            tu_expect_failure(llmem_spill_open(&c, &s), LLMEM_EINVAL, "not a spill store");
+        tu_count_errors_stop();
+        int n_chunks, n_tmp;
+        dir_bytes(dir, &n_chunks, &n_tmp);
+        assert_int_equal(n_chunks, 1);
+        assert_int_equal(n_tmp, 1);
+        char p[4200];
+        snprintf(p, sizeof(p), "%s/manifest.sqlite", dir);
+        assert_int_not_equal(access(p, F_OK), 0);
+    }
+    /* the store's own files alone: a store that lost its manifest (the stale chunk's row
+     * dropped, the temp file removed) */
+    tu_rmtree(dir);
+    free(dir);
+    dir = tu_mkdtemp();
+    c.dir = dir;
+    tu_count_errors(LLMEM_LOG_ERROR);
+    tu_expect_failure(llmem_spill_gc(&c, &st), LLMEM_ENOENT, "no spill store there");
+    tu_count_errors_stop();
+    free(tu_write_file(dir, temp, "half", -1));
+    capture_start();
+    s = open_store(dir, 0);
+    capture_stop();
+    assert_int_equal(stats_of(s).temps_removed, 1);
+    llmem_spill_close(s);
     tu_rmtree(dir);
     free(dir);
 }
@@ -1250,6 +1306,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_corrupt_and_truncated),
         cmocka_unit_test(test_identity_and_format),
         cmocka_unit_test(test_reconcile),
+        cmocka_unit_test(test_not_a_store),
         cmocka_unit_test(test_all_files_gone),
         cmocka_unit_test(test_fifo_in_store),
         cmocka_unit_test(test_size_cap_lru),

@@ -813,6 +813,11 @@ static void test_load_errors(void **state) {
                         "{" BPE_MODEL ", \"normalizer\": {\"type\": \"Replace\", \"pattern\": "
                         "{\"Regex\": \" +\"}, \"content\": \" \"}}",
                         LLMEM_EUNSUPPORTED, "Regex pattern");
+    /* ids index the tables: one far from the rest would size them by itself */
+    expect_load_failure(dir, "sparse-ids",
+                        "{" BPE_MODEL ", \"added_tokens\": [{\"id\": 67108863, \"content\": "
+                        "\"<big>\"}]}",
+                        LLMEM_EFORMAT, "ids go up to 67108863 for 3 vocabulary entries");
     expect_load_failure(dir, "unknown-merge-token",
                         "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, "
                         "\"merges\": [\"a a b\"]}}",

@@ -28,7 +28,8 @@ extern "C" {
 #define LLMEM_BANK_NUMERICS_VERSION 1
 
 struct llmem_bank_identity {
-    uint8_t weights[16];   /* XXH3-128 over the per-file digests of the weight files */
+    uint8_t weights[16];   /* XXH3-128 over the per-file digests of the weight files and
+                            * config.json (a GGUF file: its one digest) */
     uint8_t tokenizer[16]; /* XXH3-128 of tokenizer.json */
     uint8_t root[32];      /* h_0 */
 };

@@ -1,6 +1,7 @@
 /*
  * bank/identity.c — the root of the session bank's hash chains (see llmem/bank.h): what makes KV
- * computed by one model, tokenizer and KV format unusable by any other.
+ * computed by one model (its weights and config.json), tokenizer and KV format unusable by any
+ * other.
  *
  * The digest cache is a text file of lines "<size> <mtime_ns> <32 hex digits> <path>": a line is
  * used only when the file's size and modification time still match, so a file rewritten in place
@@ -154,15 +155,23 @@ int llmem_bank_identity(const char *model_dir, enum llmem_kv_format format,
             goto out;
         XXH3_128bits_update(xs, d, sizeof(d));
     }
+    char path[4200];
+    if (!gguf) { /* config.json: the same weights under other numbers (rope, norms) are not the
+                  * same model */
+        uint8_t d[16];
+        if ((status = llmem_path_join(path, sizeof(path), model_dir, "config.json")) != LLMEM_OK ||
+            (status = file_digest(&c, path, d)) != LLMEM_OK)
+            goto out;
+        XXH3_128bits_update(xs, d, sizeof(d));
+    }
     XXH128_canonical_t canon;
     XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(xs));
     memcpy(id.weights, canon.digest, 16);
-    char tok[4200];
     if (gguf)
         memcpy(id.tokenizer, id.weights, 16);
-    else if ((status = llmem_path_join(tok, sizeof(tok), model_dir, "tokenizer.json")) !=
+    else if ((status = llmem_path_join(path, sizeof(path), model_dir, "tokenizer.json")) !=
                  LLMEM_OK ||
-             (status = file_digest(&c, tok, id.tokenizer)) != LLMEM_OK)
+             (status = file_digest(&c, path, id.tokenizer)) != LLMEM_OK)
         goto out;
 
     uint32_t numbers[3] = {(uint32_t)format, (uint32_t)layout, LLMEM_BANK_NUMERICS_VERSION};

@@ -91,6 +91,47 @@ static int adopt(struct llmem_spill *s, struct dir_entry *e) {
     return llmem_spill_db_insert(s, &h, size, when) == 0;
 }
 
+/* A chunk file's name while it is written ("<64 hex>.kv.tmp", spill_writer.c). */
+static int is_temp_name(const char *name) {
+    char chunk[NAME_LEN + 1];
+    uint8_t key[32];
+    if (strlen(name) != NAME_LEN + 4 || strcmp(name + NAME_LEN, ".tmp") != 0)
+        return 0;
+    memcpy(chunk, name, NAME_LEN);
+    chunk[NAME_LEN] = '\0';
+    return llmem_spill_parse_chunk_name(chunk, key);
+}
+
+/* A directory without a manifest is the store's only when it holds nothing but the store's own
+ * files (a store whose manifest was lost): the first other entry's name into `other` ("" when
+ * none), and whether it holds chunk files. */
+static int find_foreign(struct llmem_spill *s, const char *func, char *other, size_t other_size,
+                        int *chunks) {
+    int fd = dup(s->dir_fd);
+    DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+    if (d == NULL) {
+        if (fd >= 0)
+            close(fd);
+        open_fail(s, func, "%s: cannot list: %s", s->dir, strerror(errno));
+        return LLMEM_EIO;
+    }
+    other[0] = '\0';
+    *chunks = 0;
+    uint8_t key[32];
+    for (struct dirent *de; other[0] == '\0' && (de = readdir(d)) != NULL;) {
+        const char *n = de->d_name;
+        if (strcmp(n, ".") == 0 || strcmp(n, "..") == 0 || is_temp_name(n) ||
+            llmem_spill_is_manifest_name(n))
+            continue;
+        if (llmem_spill_parse_chunk_name(n, key))
+            *chunks = 1;
+        else
+            snprintf(other, other_size, "%s", n);
+    }
+    closedir(d);
+    return LLMEM_OK;
+}
+
 /* Lists the directory: stale temp files removed, chunk files into *out (sorted by key), the
  * bytes of anything else in other_bytes. */
 static int list_dir(struct llmem_spill *s, struct dir_entry **out, int64_t *n_out) {
@@ -113,9 +154,8 @@ static int list_dir(struct llmem_spill *s, struct dir_entry **out, int64_t *n_ou
             continue;
         if (fstatat(s->dir_fd, de->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode))
             continue;
-        size_t len = strlen(de->d_name);
         uint8_t key[32];
-        if (len > 4 && strcmp(de->d_name + len - 4, ".tmp") == 0) {
+        if (is_temp_name(de->d_name)) {
             if (unlinkat(s->dir_fd, de->d_name, 0) == 0)
                 s->st.temps_removed++;
             else
@@ -396,6 +436,26 @@ static int spill_open(const struct llmem_spill_config *c, int for_gc, struct llm
     s->owned = 1;
     s->st.owned = 1;
 
+    const char *func = for_gc ? "llmem_spill_gc" : "llmem_spill_open";
+    if (faccessat(s->dir_fd, MANIFEST, F_OK, 0) != 0) { /* never a store, or one that lost it */
+        char other[NAME_MAX + 1];
+        int chunks;
+        if ((status = find_foreign(s, func, other, sizeof(other), &chunks)) != LLMEM_OK)
+            goto fail;
+        if (other[0] != '\0') {
+            open_fail(s, func,
+                      "%s: not a spill store (no %s) and it holds '%s', which is not the store's: "
+                      "give an empty or new directory",
+                      s->dir, MANIFEST, other);
+            status = LLMEM_EINVAL;
+            goto fail;
+        }
+        if (for_gc && !chunks) {
+            open_fail(s, func, "%s: not collected: no spill store there (no %s)", s->dir, MANIFEST);
+            status = LLMEM_ENOENT;
+            goto fail;
+        }
+    }
     char why[512] = "";
     int rebuild = 0;
     int rc = llmem_spill_db_open(s, why, sizeof(why));

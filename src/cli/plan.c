@@ -166,8 +166,8 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
     int c, rc = CLI_OK;
     while (rc == CLI_OK && (c = getopt_long(argc, argv, ":h", plan_options, NULL)) != -1) {
         switch (c) {
-        case OPT_TOTAL: rc = cli_parse_size("--total", optarg, &a->total); break;
-        case OPT_CEILING: rc = cli_parse_size("--ceiling", optarg, &a->ceiling); break;
+        case OPT_TOTAL: rc = cli_parse_positive_size("--total", optarg, &a->total); break;
+        case OPT_CEILING: rc = cli_parse_positive_size("--ceiling", optarg, &a->ceiling); break;
         case OPT_WEIGHTS: rc = cli_parse_size("--weights", optarg, &a->weights); break;
         case OPT_KV_BYTES:
             rc = cli_parse_int("--kv-bytes-per-token", optarg, 1, INT64_MAX / 4, &a->kv_bytes);
@@ -176,7 +176,7 @@ static int parse_args(int argc, char **argv, struct plan_args *a) {
             rc = cli_parse_int("--max-context", optarg, 1, MAX_CONTEXT_TOKENS, &a->max_context);
             break;
         case OPT_CONTEXT:
-            rc = cli_parse_int("--context", optarg, 1, MAX_CONTEXT_TOKENS,
+            rc = cli_parse_int("--context", optarg, 2, MAX_CONTEXT_TOKENS,
                                &a->params.requested_context);
             break;
         case OPT_BUDGET:
@@ -663,6 +663,15 @@ int cli_plan(int argc, char **argv) {
             return rc;
         if (a.ceiling > 0)
             m.ceiling = a.ceiling;
+    }
+    if (a.ceiling > m.total) {
+        char c1[32], c2[32];
+        return cli_usage_error("plan",
+                               "--ceiling %s is above the %s memory total %s: the ceiling "
+                               "is what the process may have of it",
+                               llmem_size_format_short(a.ceiling, c1, sizeof(c1)),
+                               a.total > 0 ? "given" : "machine's",
+                               llmem_size_format_short(m.total, c2, sizeof(c2)));
     }
 
     struct llmem_engine_config cfg;

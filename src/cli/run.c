@@ -522,6 +522,26 @@ static void conversation_keep(const struct llmem_tokenizer *tok, struct conversa
     c->text_len = text_len + r->text_len;
 }
 
+/* Room for `need` messages and their owned texts (doubling). */
+static int grow_messages(struct llmem_chat_message **msgs, char ***owned, int *cap, int need) {
+    if (need <= *cap)
+        return CLI_OK;
+    int n = *cap > 0 ? *cap : 16;
+    while (n < need)
+        n *= 2;
+    struct llmem_chat_message *m = realloc(*msgs, (size_t)n * sizeof(*m));
+    if (m != NULL)
+        *msgs = m;
+    char **o = m != NULL ? realloc(*owned, (size_t)n * sizeof(*o)) : NULL;
+    if (o == NULL) {
+        fprintf(stderr, "llmem chat: out of memory\n");
+        return CLI_FAIL;
+    }
+    *owned = o;
+    *cap = n;
+    return CLI_OK;
+}
+
 static const char chat_usage[] =
     "usage: llmem chat MODEL [options]\n"
     "\n"
@@ -567,12 +587,20 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
     if (a->gen.max_tokens == 0)
         a->gen.max_tokens = 512;
 
-    struct llmem_chat_message msgs[256];
+    /* the messages so far (system, then user and assistant turns), grown as the turns come;
+     * owned[i] is the text of msgs[i] where this loop allocated it, else NULL */
+    struct llmem_chat_message *msgs = NULL;
+    char **owned = NULL;
+    int n_msgs = 0, cap = 0;
     struct conversation conv = {0};
-    char *owned[256];
-    int n_msgs = 0, n_owned = 0;
-    if (a->system != NULL)
+    if (a->system != NULL) {
+        if (grow_messages(&msgs, &owned, &cap, 1) != CLI_OK) {
+            llmem_engine_close(e);
+            return CLI_FAIL;
+        }
+        owned[n_msgs] = NULL;
         msgs[n_msgs++] = (struct llmem_chat_message){"system", a->system, 0};
+    }
     /* A line is read whole, whatever its length, with every byte (a NUL is a character of the
      * message like any other, as in a request's content). */
     char *line = NULL;
@@ -587,18 +615,25 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
         size_t len = (size_t)got;
         if (len > 0 && line[len - 1] == '\n')
             line[--len] = '\0';
-        if (len == 0 || n_msgs + 2 > 256 || n_owned + 2 > 256)
+        if (len == 0)
             break;
+        if (grow_messages(&msgs, &owned, &cap, n_msgs + 2) != CLI_OK) {
+            rc = CLI_FAIL;
+            break;
+        }
         if (llmem_tok_utf8_check(line, len) != len) { /* the session goes on without it */
             fprintf(stderr, "llmem chat: that line is not valid UTF-8 (byte %zu); type it again\n",
                     llmem_tok_utf8_check(line, len) + 1);
             continue;
         }
-        owned[n_owned] = malloc(len + 1);
-        if (owned[n_owned] == NULL)
+        if ((owned[n_msgs] = malloc(len + 1)) == NULL) {
+            fprintf(stderr, "llmem chat: out of memory\n");
+            rc = CLI_FAIL;
             break;
-        memcpy(owned[n_owned], line, len + 1);
-        msgs[n_msgs++] = (struct llmem_chat_message){"user", owned[n_owned++], len};
+        }
+        memcpy(owned[n_msgs], line, len + 1);
+        msgs[n_msgs] = (struct llmem_chat_message){"user", owned[n_msgs], len};
+        n_msgs++;
         char *text = NULL;
         size_t text_len = 0;
         int32_t *ids = NULL;
@@ -622,15 +657,18 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
         fflush(stdout);
         if (a->stats)
             print_stats(e, &r);
-        owned[n_owned] = r.text;
+        owned[n_msgs] = r.text;
         r.text = NULL;
-        msgs[n_msgs++] = (struct llmem_chat_message){"assistant", owned[n_owned++], r.text_len};
+        msgs[n_msgs] = (struct llmem_chat_message){"assistant", owned[n_msgs], r.text_len};
+        n_msgs++;
         llmem_generate_result_free(&r);
     }
     free(line);
     conversation_free(&conv);
-    for (int i = 0; i < n_owned; i++)
+    for (int i = 0; i < n_msgs; i++)
         free(owned[i]);
+    free(owned);
+    free(msgs);
     llmem_engine_close(e);
     return rc;
 }

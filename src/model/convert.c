@@ -38,7 +38,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "core/file.h"
@@ -994,6 +996,33 @@ static int write_rows(struct conv *c, struct llmem_gguf_writer *w, const struct 
 
 /* ---- the conversion ------------------------------------------------------------------------- */
 
+/* LLMEM_EINVAL (logged) when out cannot be the file written: empty, a directory, or one of dir's
+ * own files (the model it reads, which the finished file would replace). */
+static int check_output(const char *dir, const char *out) {
+    struct stat o;
+    if (out[0] == '\0' || (stat(out, &o) == 0 && S_ISDIR(o.st_mode))) {
+        ERR("the output '%s' is %s, not a file's path", out, out[0] ? "a directory" : "empty");
+        return LLMEM_EINVAL;
+    }
+    DIR *d = opendir(dir);
+    if (d == NULL || stat(out, &o) != 0) { /* no such output yet: nothing of dir's to replace */
+        if (d != NULL)
+            closedir(d);
+        return LLMEM_OK;
+    }
+    int st = LLMEM_OK;
+    struct stat e;
+    for (struct dirent *de; st == LLMEM_OK && (de = readdir(d)) != NULL;)
+        if (fstatat(dirfd(d), de->d_name, &e, 0) == 0 && S_ISREG(e.st_mode) &&
+            e.st_dev == o.st_dev && e.st_ino == o.st_ino) {
+            ERR("the output '%s' is the model's own %s: writing it would destroy the model", out,
+                de->d_name);
+            st = LLMEM_EINVAL;
+        }
+    closedir(d);
+    return st;
+}
+
 int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *name, int n_threads,
                        int dummy, llmem_gguf_progress_fn progress, void *progress_arg) {
     struct conv c = {.dir = dir, .dummy = dummy};
@@ -1003,7 +1032,8 @@ int llmem_gguf_convert(const char *dir, const char *out, int ftype, const char *
     uint8_t *q = NULL;
     int st;
     LLMEM_ASSERT(ftype_base(ftype) >= 0);
-    if ((st = llmem_model_config_load(dir, &c.cfg)) != LLMEM_OK)
+    if ((st = check_output(dir, out)) != LLMEM_OK ||
+        (st = llmem_model_config_load(dir, &c.cfg)) != LLMEM_OK)
         return st;
     const struct llmem_model_geometry *geom = &c.cfg.geom;
     if (strcmp(geom->arch, "llama") == 0 || strcmp(geom->arch, "mistral") == 0) {

@@ -20,6 +20,7 @@
 
 #include "core/log.h"
 #include "core/rng.h"
+#include "llmem/plan.h"
 #include "model/model_int.h"
 
 #define DUMMY_FUNC "llmem_model_load"
@@ -98,7 +99,22 @@ static int list_tensors(const struct llmem_model_config *cfg, struct llmem_safet
     return s;
 }
 
+int llmem_model_dummy_check(const struct llmem_model_geometry *g) {
+    const int64_t n = llmem_geometry_param_count(g);
+    if (n > LLMEM_MODEL_DUMMY_MAX_PARAMS) {
+        LLMEM_ERROR_AS(DUMMY_FUNC,
+                       "%s: the configuration's model has %s%.3g parameters; random weights "
+                       "are made for at most 2^44 (1.76e+13)",
+                       g->source, n == INT64_MAX ? "more than " : "", (double)n);
+        return LLMEM_ERANGE;
+    }
+    return LLMEM_OK;
+}
+
 int llmem_model_dummy_table(const struct llmem_model_config *cfg, struct llmem_safetensors **out) {
+    int status = llmem_model_dummy_check(&cfg->geom);
+    if (status != LLMEM_OK)
+        return status;
     struct llmem_safetensors *st = llmem_st_table_new(DUMMY_FUNC);
     if (st == NULL)
         return LLMEM_ENOMEM;
@@ -109,7 +125,7 @@ int llmem_model_dummy_table(const struct llmem_model_config *cfg, struct llmem_s
         return LLMEM_ENOMEM;
     }
     st->n_files = 1;
-    int status = list_tensors(cfg, st);
+    status = list_tensors(cfg, st);
     if (status == LLMEM_OK) {
         st->files[0].file_bytes = st->tensors[st->n_tensors - 1].offset_end;
         status = llmem_st_table_finish(st, DUMMY_FUNC);

@@ -19,7 +19,9 @@
 #include <unistd.h>
 
 #include "core/log.h"
+#include "llmem/size.h"
 #include "llmem/status.h"
+#include "llmem/sys.h"
 #include "model/gguf.h"
 #include "quant/quant.h"
 
@@ -308,6 +310,18 @@ static int start(struct llmem_gguf_writer *w, const char *func) {
         LLMEM_ERROR_AS(func, "out of memory");
         free(h.p);
         return st;
+    }
+    /* the whole file's size is known now: refused before its first byte where it cannot fit */
+    const uint64_t whole = align_up(h.n) + w->data_bytes;
+    const int64_t free_bytes = llmem_sys_disk_free(w->part);
+    if (free_bytes != LLMEM_SYS_UNKNOWN && whole > (uint64_t)free_bytes) {
+        char need[32], have[32];
+        LLMEM_ERROR_AS(func, "%s: the file needs %s but its file system has %s free", w->path,
+                       llmem_size_format((int64_t)whole, need, sizeof(need)),
+                       llmem_size_format(free_bytes, have, sizeof(have)));
+        free(h.p);
+        w->failed = 1;
+        return LLMEM_EIO;
     }
     st = put(w, func, h.p, h.n);
     if (st == LLMEM_OK)

@@ -568,6 +568,23 @@ static int bind_layer(struct llmem_model *m, int64_t i) {
     return LLMEM_OK;
 }
 
+int llmem_model_check_layer_of(const char *path, const char *name, const char *prefix,
+                               int64_t n_layers) {
+    const size_t n = strlen(prefix);
+    if (strncmp(name, prefix, n) != 0 || name[n] < '0' || name[n] > '9')
+        return LLMEM_OK;
+    int64_t layer = 0; /* grown while below n_layers (more digits only make it larger) */
+    const char *c = name + n;
+    for (; *c >= '0' && *c <= '9'; c++)
+        layer = layer < n_layers ? layer * 10 + (*c - '0') : layer;
+    if (*c != '.' || layer < n_layers)
+        return LLMEM_OK;
+    LOAD_ERROR("%s: tensor '%s' belongs to a layer past the %" PRId64
+               " the configuration declares: the weights hold more layers than it says",
+               path, name, n_layers);
+    return LLMEM_EFORMAT;
+}
+
 int llmem_model_check_supported(const struct llmem_model *m) {
     const struct llmem_model_config *c = &m->cfg;
     if (strcmp(c->hidden_act, "silu") != 0) {
@@ -640,6 +657,10 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
     g->weights_bytes = m->st->n_bytes;
     g->quantized = m->cfg.quant_bits != 0;
     g->expert_bytes = g->n_experts > 0 ? llmem_model_expert_bytes(m->st) : 0;
+    for (int i = 0; i < m->st->n_tensors; i++)
+        if ((status = llmem_model_check_layer_of(model_dir, m->st->tensors[i].name, "model.layers.",
+                                                 g->n_layers)) != LLMEM_OK)
+            goto fail;
 
     if ((status = bind_matrix(m, "model.embed_tokens.weight", g->vocab_size, g->hidden_size,
                               &m->embed)) != LLMEM_OK)

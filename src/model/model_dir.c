@@ -259,7 +259,7 @@ int llmem_model_gguf_geometry(const char *path, struct llmem_model_geometry *geo
 int llmem_model_geometry_load_dummy(const char *model_dir, struct llmem_model_geometry *geom) {
     struct llmem_model_geometry g;
     int status = llmem_model_geometry_load_config(model_dir, &g);
-    if (status != LLMEM_OK)
+    if (status != LLMEM_OK || (status = llmem_model_dummy_check(&g)) != LLMEM_OK)
         return status;
     g.n_params = llmem_geometry_param_count(&g);
     g.weights_bytes = 2 * g.n_params;

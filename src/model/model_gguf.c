@@ -24,6 +24,7 @@
  *                                             E-th slice of the stacked tensor
  */
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -186,7 +187,7 @@ static int bind_layer(struct llmem_model *m, int64_t i) {
     status = bind_matrix(m, NAME("ffn_down.weight"), g->hidden_size, g->intermediate_size,
                          &L->w_down);
 #undef NAME
-    return LLMEM_OK;
+    return status;
 }
 
 /* The whole file in anonymous memory (LLMEM_MODEL_LOAD_NO_MMAP), then parsed in place. */
@@ -247,13 +248,25 @@ int llmem_model_load_gguf(struct llmem_model *m, const char *path, int flags,
         float *factors = NULL;
         if ((status = bind_vector(m, "rope_freqs.weight", g->head_dim / 2, 1, &factors)))
             return status;
-        for (int64_t i = 0; i < g->head_dim / 2; i++)
+        for (int64_t i = 0; i < g->head_dim / 2; i++) {
+            if (!(isfinite(factors[i]) && factors[i] > 0.0f)) {
+                LOAD_ERROR("%s: rope_freqs.weight[%" PRId64
+                           "] is %g: a factor must be positive and finite",
+                           path, i, (double)factors[i]);
+                llmem_mem_free(m->mem, factors);
+                return LLMEM_EFORMAT;
+            }
             m->inv_freq[i] /= factors[i];
+        }
         llmem_mem_free(m->mem, factors);
         m->vector_bytes -= g->head_dim / 2 * (int64_t)sizeof(float);
     }
     for (int64_t i = 0; i < g->n_layers; i++)
         if ((status = bind_layer(m, i)) != LLMEM_OK)
+            return status;
+    for (int64_t i = 0; i < m->gguf->n_tensors; i++)
+        if ((status = llmem_model_check_layer_of(path, m->gguf->tensors[i].name, "blk.",
+                                                 g->n_layers)) != LLMEM_OK)
             return status;
     return LLMEM_OK;
 }

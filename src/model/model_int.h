@@ -78,11 +78,20 @@ void llmem_model_fault_in(const void *p, size_t size, int64_t done, int64_t tota
 /* LLMEM_EUNSUPPORTED (logged) for an activation, rope type or head_dim llmem does not run. */
 struct llmem_model;
 int llmem_model_check_supported(const struct llmem_model *m);
+/* LLMEM_EFORMAT (logged) when `name` is a layer's tensor — `prefix`, a decimal index, '.' — of a
+ * layer at or past n_layers: a configuration declaring fewer layers than the weights hold would
+ * run a truncated model. LLMEM_OK for any other name. In model.c. */
+int llmem_model_check_layer_of(const char *path, const char *name, const char *prefix,
+                               int64_t n_layers);
 /* Loads the GGUF file at path into m (model_gguf.c): config, mapping, tensors bound. On failure m
  * holds what was made (llmem_model_free releases it). */
 int llmem_model_load_gguf(struct llmem_model *m, const char *path, int flags,
                           llmem_progress_fn progress, void *progress_arg);
 
+/* LLMEM_ERANGE (logged) for a geometry of more parameters than seeded random weights are made for
+ * (their bytes and offsets stay far inside int64_t). In model/dummy.c. */
+#define LLMEM_MODEL_DUMMY_MAX_PARAMS ((int64_t)1 << 44)
+int llmem_model_dummy_check(const struct llmem_model_geometry *g);
 /* The tensor table of a bf16 checkpoint of cfg's model, laid out as one file standing for the
  * memory that llmem_model_dummy_fill fills (model/dummy.c: LLMEM_MODEL_LOAD_DUMMY; with
  * vectors_only the 1-D tensors alone, LLMEM_MODEL_LOAD_DUMMY_DEFERRED). */

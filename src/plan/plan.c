@@ -181,7 +181,8 @@ static void plan_context(const struct llmem_plan_params *p, struct llmem_plan *p
 
     int64_t left = play_after(plan, plan->runtime_transients_bytes);
     plan->kv_budget_bytes = max64(0, sub_sat(left, plan->bank_floor_bytes));
-    int64_t raw = plan->kv_budget_bytes / plan->per_token_bytes;
+    /* the windows whose KV stays strictly inside the budget: footprint < allocation limit */
+    int64_t raw = max64(0, plan->kv_budget_bytes - 1) / plan->per_token_bytes;
     int64_t fit = raw >= CONTEXT_ALIGN ? raw / CONTEXT_ALIGN * CONTEXT_ALIGN : raw;
     int64_t model_max = p->model_max_context > 0 ? p->model_max_context : INT64_MAX;
     int64_t minimum =

@@ -26,6 +26,7 @@
 #define TOK_MAX_BYTES   ((int64_t)512 << 20)
 #define CFG_MAX_BYTES   ((int64_t)16 << 20)
 #define MAX_VOCAB       ((int64_t)1 << 26)
+#define MAX_ID_GAP      65536 /* ids allowed past twice the entries (added tokens, reserved) */
 #define PATH_MAX_LEN    4096
 
 struct loader {
@@ -184,6 +185,14 @@ static int add_vocab(struct loader *l, const cJSON *vocab, int64_t max_added_id)
         if (id > max_id)
             max_id = id;
         n++;
+    }
+    /* the tables are indexed by id: a few entries with ids far apart would size them by the
+     * largest (real vocabularies are dense, at most a few reserved ids left out) */
+    if (max_id >= 2 * (int64_t)n + MAX_ID_GAP) {
+        LOAD_ERROR("%s: ids go up to %lld for %zu vocabulary entries: an id space that sparse is "
+                   "refused",
+                   l->path, (long long)max_id, n);
+        return LLMEM_EFORMAT;
     }
     tok->n_vocab = (int32_t)(max_id + 1);
     size_t n_alloc = tok->n_vocab > 0 ? (size_t)tok->n_vocab : 1; /* an empty vocabulary is valid */

@@ -329,8 +329,8 @@ static void test_gc(void **state) {
     assert_true(second_chunk[0] != '\0' && third_chunk[0] != '\0');
     snprintf(cmd, sizeof(cmd),
              "printf '\\377\\377' | dd of='%s' bs=1 seek=70000 conv=notrunc 2>/dev/null && "
-             "truncate -s 5000 '%s' && cp '%s' '%s/%064d.kv' && echo partial > '%s/x.kv.tmp'",
-             second_chunk, third_chunk, third_chunk, dir, 42, dir);
+             "truncate -s 5000 '%s' && cp '%s' '%s/%064d.kv' && echo partial > '%s/%064d.kv.tmp'",
+             second_chunk, third_chunk, third_chunk, dir, 42, dir, 43);
     assert_int_equal(system(cmd), 0);
     struct tu_run g = tu_llmem("gc", "--bank-dir", dir, "--json", NULL);
     assert_int_equal(g.exit_code, 0);

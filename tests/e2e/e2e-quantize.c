@@ -693,6 +693,111 @@ static void test_bad_input(void **state) {
     assert_int_not_equal(access(out, F_OK), 0);
 }
 
+static int files_equal(const char *a, const char *b) {
+    struct tu_run r = tu_exec("cmp", NULL, 2, (const char *[]){a, b});
+    int eq = r.exit_code == 0;
+    tu_run_free(&r);
+    return eq;
+}
+
+/* The model's own files are never the output: each is refused before anything is written, and
+ * stays as it was; so are an empty path and a directory. */
+static void test_output_not_the_input(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    struct tu_run cp = tu_exec("cp", NULL, 3, (const char *[]){"-r", PYCODER "/.", dir});
+    assert_int_equal(cp.exit_code, 0);
+    tu_run_free(&cp);
+    static const char *const own[] = {"model.safetensors", "config.json", "tokenizer.json"};
+    for (size_t i = 0; i < sizeof(own) / sizeof(own[0]); i++) {
+        char out[1100], before[1100];
+        snprintf(out, sizeof(out), "%s/%s", dir, own[i]);
+        snprintf(before, sizeof(before), "%s/%s", PYCODER, own[i]);
+        struct tu_run r = tu_llmem("quantize", dir, out, "--type", "q8_0", NULL);
+        assert_int_equal(r.exit_code, 1);
+        assert_non_null(strstr(r.err, own[i]));
+        assert_non_null(strstr(r.err, "would destroy the model"));
+        tu_run_free(&r);
+        assert_true(files_equal(out, before));
+    }
+    struct tu_run r = tu_llmem("quantize", dir, "", "--type", "q8_0", NULL);
+    assert_int_equal(r.exit_code, 1);
+    assert_non_null(strstr(r.err, "is empty"));
+    tu_run_free(&r);
+    r = tu_llmem("quantize", PYCODER, dir, "--type", "q8_0", NULL);
+    assert_int_equal(r.exit_code, 1);
+    assert_non_null(strstr(r.err, "is a directory"));
+    tu_run_free(&r);
+    tu_rmtree(dir);
+    free(dir);
+}
+
+/* A copy of the GGUF file at `from` with `edit` applied to its bytes, run: refused with one line
+ * holding `phrase`, exit 1. */
+static void expect_run_refused(const char *from, void (*edit)(uint8_t *, size_t, const void *),
+                               const void *arg, const char *phrase) {
+    char *bytes = tu_read_file(from);
+    struct llmem_gguf *g = NULL;
+    assert_int_equal(llmem_gguf_open(from, &g), LLMEM_OK);
+    const size_t size = g->size;
+    llmem_gguf_free(g);
+    edit((uint8_t *)bytes, size, arg);
+    char *path = tu_write_file(tmp_dir, "edited.gguf", bytes, (long)size);
+    struct tu_run r = tu_llmem("run", path, "-p", "def", "-n", "2", NULL);
+    if (r.exit_code != 1 || strstr(r.err, phrase) == NULL)
+        fail_msg("exit %d, stderr: %s (wanted '%s')", r.exit_code, r.err, phrase);
+    tu_run_free(&r);
+    free(path);
+    free(bytes);
+}
+
+/* Where the GGUF string s (a u64 length, then its bytes) starts its bytes. */
+static size_t gguf_string_at(const uint8_t *b, size_t size, const char *s) {
+    const uint64_t len = strlen(s);
+    for (size_t i = 8; i + len <= size; i++)
+        if (memcmp(b + i, s, len) == 0 && memcmp(b + i - 8, &len, 8) == 0)
+            return i;
+    fail_msg("'%s' not found", s);
+    return 0;
+}
+
+static void rename_tensor(uint8_t *b, size_t size, const void *name) {
+    b[gguf_string_at(b, size, name) + strlen(name) - 1] = 'X';
+}
+
+static void fewer_blocks(uint8_t *b, size_t size, const void *key) {
+    uint32_t v; /* the key, its u32 type, its value */
+    const size_t at = gguf_string_at(b, size, key) + strlen(key) + 4;
+    memcpy(&v, b + at, 4);
+    v--;
+    memcpy(b + at, &v, 4);
+}
+
+static void zero_factor(uint8_t *b, size_t size, const void *offset) {
+    (void)size;
+    memset(b + *(const size_t *)offset, 0, 4);
+}
+
+/* A file that lacks a layer's tensor, holds more layers than its metadata says, or whose Llama 3
+ * rope factors are not positive: refused at load, never run. */
+static void test_hostile_files(void **state) {
+    (void)state;
+    const char *file = quantized(&models[1], "q8_0"); /* tiny-llama3: rope_freqs.weight */
+    expect_run_refused(file, rename_tensor, "blk.0.ffn_down.weight",
+                       "tensor 'blk.0.ffn_down.weight' is missing");
+    expect_run_refused(file, rename_tensor, "blk.1.attn_q.weight",
+                       "tensor 'blk.1.attn_q.weight' is missing");
+    expect_run_refused(file, fewer_blocks, "llama.block_count", "belongs to a layer past the");
+    struct llmem_gguf *g = NULL;
+    assert_int_equal(llmem_gguf_open(file, &g), LLMEM_OK);
+    const struct llmem_gguf_tensor *t = llmem_gguf_find_tensor(g, "rope_freqs.weight");
+    assert_non_null(t);
+    const size_t offset = (size_t)((const uint8_t *)t->data - g->base) + 4 * 3;
+    llmem_gguf_free(g);
+    expect_run_refused(file, zero_factor, &offset,
+                       "rope_freqs.weight[3] is 0: a factor must be positive and finite");
+}
+
 /* ---- memory ---------------------------------------------------------------------------------- */
 
 /* A llama of 69M parameters (138 MB of bf16, 276 MB as f32: hidden 2048, intermediate 8192, one
@@ -814,13 +919,6 @@ static const char *no_gguf_py(void) {
     int ok = r.exit_code == 0;
     tu_run_free(&r);
     return ok ? NULL : "no numpy for " PYTHON;
-}
-
-static int files_equal(const char *a, const char *b) {
-    struct tu_run r = tu_exec("cmp", NULL, 2, (const char *[]){a, b});
-    int eq = r.exit_code == 0;
-    tu_run_free(&r);
-    return eq;
 }
 
 /* gguf-py reads what we write, and writing the same key/values and tensors itself gives the
@@ -1000,6 +1098,8 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_moe),
         cmocka_unit_test(test_dummy),
         cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_output_not_the_input),
+        cmocka_unit_test(test_hostile_files),
     };
     const struct CMUnitTest memory_tests[] = {
         cmocka_unit_test(test_memory_stays_bounded),
