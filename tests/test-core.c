@@ -180,6 +180,21 @@ static void test_json_reads(void **state) {
     const char *spaces = "{\"a\": 1}\n  ";
     assert_int_equal(llmem_json_parse(spaces, strlen(spaces), "s.json", &root), LLMEM_OK);
     cJSON_Delete(root);
+
+    /* a key twice in one object, small or large, at any depth: refused (Python keeps the last,
+     * cJSON the first); the same key in two objects is fine */
+    const char *twice = "{\"x\": {\"a\": 1}, \"y\": [{\"a\": 2, \"b\": 3, \"a\": 4}]}";
+    assert_int_equal(llmem_json_parse(twice, strlen(twice), "d.json", &root), LLMEM_EFORMAT);
+    assert_non_null(strstr(llmem_last_error(), "d.json: the key \"a\" appears twice"));
+    char big[64 * 16 + 64] = "{";
+    for (int k = 0; k < 64; k++)
+        snprintf(big + strlen(big), sizeof(big) - strlen(big), "\"k%d\": %d,", k, k);
+    snprintf(big + strlen(big), sizeof(big) - strlen(big), "\"k%d\": 0}", 37);
+    assert_int_equal(llmem_json_parse(big, strlen(big), "big.json", &root), LLMEM_EFORMAT);
+    assert_non_null(strstr(llmem_last_error(), "the key \"k37\" appears twice"));
+    big[strlen(big) - 7] = '9'; /* the last key "k97": all distinct */
+    assert_int_equal(llmem_json_parse(big, strlen(big), "big.json", &root), LLMEM_OK);
+    cJSON_Delete(root);
 }
 
 static void test_json_writes_exact_integers(void **state) {

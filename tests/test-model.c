@@ -354,10 +354,10 @@ static void test_hostile_headers(void **state) {
          4, "overlap"},
         {"{\"x\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]},"
          " \"x\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [4, 8]}}",
-         8, "tensor 'x' appears twice (duplicate name)"},
+         8, "the key \"x\" appears twice in one object"},
         {"{\"x\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]},"
          " \"x\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}}",
-         4, "duplicate name"},
+         4, "the key \"x\" appears twice"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         int status = load_header(dir, cases[i].header, cases[i].data_bytes);

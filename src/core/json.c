@@ -10,11 +10,60 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "core/file.h"
+#include "core/hash.h"
 #include "core/log.h"
 
 #define JSON_EXACT_LIMIT 9007199254740992.0 /* 2^53 */
+
+/* Whether the object's members hold a key twice (the first such key into *dup): small objects
+ * pairwise, large ones through an open-addressing table of the keys. LLMEM_ENOMEM when the table
+ * cannot be made. */
+static int object_duplicate(const cJSON *obj, const char **dup) {
+    size_t n = 0;
+    for (const cJSON *c = obj->child; c != NULL; c = c->next)
+        n++;
+    if (n <= 16) {
+        for (const cJSON *a = obj->child; a != NULL; a = a->next)
+            for (const cJSON *b = a->next; b != NULL; b = b->next)
+                if (strcmp(a->string, b->string) == 0) {
+                    *dup = a->string;
+                    return LLMEM_OK;
+                }
+        return LLMEM_OK;
+    }
+    size_t size = 64;
+    while (size < 2 * n)
+        size *= 2;
+    const char **slots = calloc(size, sizeof(*slots));
+    if (slots == NULL)
+        return LLMEM_ENOMEM;
+    for (const cJSON *c = obj->child; c != NULL && *dup == NULL; c = c->next) {
+        size_t i = (size_t)llmem_hash64(c->string, strlen(c->string), 0) & (size - 1);
+        for (; slots[i] != NULL; i = (i + 1) & (size - 1))
+            if (strcmp(slots[i], c->string) == 0) {
+                *dup = c->string;
+                break;
+            }
+        slots[i] = c->string;
+    }
+    free(slots);
+    return LLMEM_OK;
+}
+
+/* The first key held twice by one object of the tree (cJSON keeps both; Python's json and
+ * serde keep the last), into *dup. Nesting is bounded by cJSON's limit. */
+static int find_duplicate(const cJSON *item, const char **dup) {
+    int status = LLMEM_OK;
+    if (cJSON_IsObject(item))
+        status = object_duplicate(item, dup);
+    for (const cJSON *c = item->child; c != NULL && status == LLMEM_OK && *dup == NULL; c = c->next)
+        if (c->child != NULL)
+            status = find_duplicate(c, dup);
+    return status;
+}
 
 int llmem_json_parse_msg(const char *text, size_t len, const char *what, cJSON **out, char *msg,
                          size_t msg_size) {
@@ -34,6 +83,18 @@ int llmem_json_parse_msg(const char *text, size_t len, const char *what, cJSON *
             cJSON_Delete(root);
             return LLMEM_EFORMAT;
         }
+    }
+    /* a key given twice would read as its first value here and as its last in the programs
+     * that wrote the file or the request: refused rather than read either way */
+    const char *dup = NULL;
+    if (find_duplicate(root, &dup) != LLMEM_OK || dup != NULL) {
+        if (dup != NULL)
+            snprintf(msg, msg_size, "%s: the key \"%.200s\" appears twice in one object", what,
+                     dup);
+        else
+            snprintf(msg, msg_size, "%s: out of memory checking the keys", what);
+        cJSON_Delete(root);
+        return dup != NULL ? LLMEM_EFORMAT : LLMEM_ENOMEM;
     }
     *out = root;
     return LLMEM_OK;
