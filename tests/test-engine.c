@@ -337,6 +337,18 @@ static void test_generate_stops(void **state) {
     assert_memory_equal(r.text, full.text, r.text_len);
     assert_string_equal(c2.text, r.text); /* nothing of the stop string was streamed */
     llmem_generate_result_free(&r);
+    /* of several, the earliest match ends the text, whichever is listed first */
+    char late[8], early[8];
+    snprintf(late, sizeof(late), "%.3s", full.text + 3 * full.text_len / 4);
+    snprintf(early, sizeof(early), "%.3s", full.text + full.text_len / 4);
+    const char *at_late = strstr(full.text, late), *at_early = strstr(full.text, early);
+    assert_true(at_early < at_late); /* the case tells the two rules apart */
+    const char *two[] = {late, early};
+    p.stop = two;
+    assert_int_equal(llmem_engine_generate(e, ids, n, &p, NULL, NULL, &r), LLMEM_OK);
+    assert_string_equal(r.finish_reason, "stop");
+    assert_int_equal(r.text_len, (size_t)(at_early - full.text));
+    llmem_generate_result_free(&r);
 
     /* a stop id, and cancellation from the callback */
     p.n_stop = 0;

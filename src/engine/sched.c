@@ -77,18 +77,20 @@ static int stream_append(struct stream *s, const char *piece) {
     return LLMEM_OK;
 }
 
-/* Where a stop string starts in the text (searching only where a new one can be), or −1; and
- * through *safe how much of the text can be emitted without splitting a possible stop string. */
+/* Where the earliest stop string starts in the text (searching only where a new one can be), or
+ * −1; and through *safe how much of the text can be emitted without splitting a possible stop
+ * string. */
 static int64_t find_stop(const struct stream *s, const struct llmem_generate_params *p,
                          size_t *safe) {
     *safe = s->len;
+    int64_t first = -1; /* the earliest match of any of them, not the first listed that matches */
     for (int i = 0; i < p->n_stop; i++) {
         size_t n = strlen(p->stop[i]);
         if (n == 0)
             continue;
-        const char *hit = strstr(s->text + s->emitted, p->stop[i]);
-        if (hit != NULL)
-            return hit - s->text;
+        const char *hit = memmem(s->text + s->emitted, s->len - s->emitted, p->stop[i], n);
+        if (hit != NULL && (first < 0 || hit - s->text < first))
+            first = hit - s->text;
         /* the longest tail of the text that begins the stop string */
         for (size_t k = n - 1; k > 0; k--) {
             if (k <= s->len - s->emitted && memcmp(s->text + s->len - k, p->stop[i], k) == 0) {
@@ -98,7 +100,7 @@ static int64_t find_stop(const struct stream *s, const struct llmem_generate_par
             }
         }
     }
-    return -1;
+    return first;
 }
 
 /* An end-of-sequence id ends the output unless ignore_eos; under a grammar always (it comes only
