@@ -118,8 +118,8 @@ static void test_parse_nul(void **state) {
     struct srv_request r;
     struct srv_error e;
     assert_int_equal(parse(SRV_COMPLETIONS,
-                           "{\"prompt\": \"def foo():\\u0000 return 1\", \"k\\u0000\": \"\\u0000\"}",
-                           &r, &e),
+                           "{\"prompt\": \"def foo():\\u0000 return 1\", \"k\": \"\\u0000\"}", &r,
+                           &e),
                      0);
     assert_int_equal(r.prompt_len, 20);
     assert_memory_equal(r.prompt_text, "def foo():\0 return 1", 20);
@@ -252,16 +252,16 @@ static void test_parse_errors(void **state) {
          "repetition_penalty", "invalid_value"},
         {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": [1]}", 400, "logit_bias",
          "invalid_type"},
-        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"abc\": 5}}", 400,
-         "logit_bias", "invalid_value"},
-        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"-1\": 5}}", 400,
-         "logit_bias", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"abc\": 5}}", 400, "logit_bias",
+         "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"-1\": 5}}", 400, "logit_bias",
+         "invalid_value"},
         {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"99999999\": 5}}", 400,
          "logit_bias", "invalid_value"},
-        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"1\": 101}}", 400,
-         "logit_bias", "invalid_value"},
-        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"1\": \"5\"}}", 400,
-         "logit_bias", "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"1\": 101}}", 400, "logit_bias",
+         "invalid_value"},
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"logit_bias\": {\"1\": \"5\"}}", 400, "logit_bias",
+         "invalid_value"},
         {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"ignore_eos\": \"y\"}", 400, "ignore_eos",
          "invalid_type"},
         {SRV_CHAT, "{}", 400, "messages", "missing_required_parameter"},
@@ -272,11 +272,12 @@ static void test_parse_errors(void **state) {
         {SRV_CHAT, "{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}", 400, "messages",
          "invalid_value"},
         {SRV_CHAT,
-         "{\"messages\": [{\"role\": \"assistant\", \"tool_calls\": [{\"function\": {}}]}]}",
-         400, "messages", "invalid_value"},
+         "{\"messages\": [{\"role\": \"assistant\", \"tool_calls\": [{\"function\": {}}]}]}", 400,
+         "messages", "invalid_value"},
         /* tools */
-        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"tools\": [{\"type\": \"function\", \"function\": "
-                          "{\"name\": \"f\"}}]}",
+        {SRV_COMPLETIONS,
+         "{\"prompt\": \"x\", \"tools\": [{\"type\": \"function\", \"function\": "
+         "{\"name\": \"f\"}}]}",
          400, "tools", "unsupported_value"},
         {SRV_CHAT,
          "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": "
@@ -347,6 +348,43 @@ static void test_parse_errors(void **state) {
          "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": "
          "{\"type\": \"text\\u0000\"}}",
          400, "response_format", "invalid_type"},
+        /* ... nor in a key, a schema's strings, a tool's parameters or a named tool_choice */
+        {SRV_COMPLETIONS, "{\"prompt\": \"x\", \"k\\u0000ey\": 1}", 400, "k", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": "
+         "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": {\"const\": "
+         "\"a\\u0000b\"}}}}",
+         400, "response_format", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": "
+         "\"function\", \"function\": {\"name\": \"f\", \"parameters\": {\"type\": "
+         "\"object\", \"properties\": {\"a\": {\"enum\": [\"x\\u0000\"]}}}}}]}",
+         400, "tools", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": "
+         "\"function\", \"function\": {\"name\": \"f\"}}], \"tool_choice\": {\"type\": "
+         "\"function\", \"function\": {\"name\": \"f\\u0000zz\"}}}",
+         400, "tool_choice", "invalid_value"},
+        /* two tools of one name; a tool message without its call's id */
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": "
+         "\"function\", \"function\": {\"name\": \"f\"}}, {\"type\": \"function\", "
+         "\"function\": {\"name\": \"f\"}}]}",
+         400, "tools", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"tool\", "
+         "\"content\": \"42\"}]}",
+         400, "messages", "invalid_value"},
+        /* stop strings beside a grammar that keeps the output whole */
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"stop\": \":\", "
+         "\"response_format\": {\"type\": \"json_object\"}}",
+         400, "stop", "invalid_value"},
+        {SRV_CHAT,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"stop\": [\"city\"], "
+         "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"f\"}}], "
+         "\"tool_choice\": \"required\"}",
+         400, "stop", "invalid_value"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         struct srv_request r;
@@ -361,6 +399,26 @@ static void test_parse_errors(void **state) {
         assert_string_equal(e.type, "invalid_request_error");
         llmem_srv_request_free(&r); /* a failed parse leaves nothing behind but what free frees */
     }
+    /* a NUL byte after the document is text after it, not its end */
+    static const char nul_after[] = "{\"prompt\": \"x\"}\0 trailing";
+    struct srv_request r0;
+    struct srv_error e0;
+    memset(&e0, 0, sizeof(e0));
+    assert_int_equal(llmem_srv_request_parse(SRV_COMPLETIONS, nul_after, sizeof(nul_after) - 1,
+                                             &model, &r0, &e0),
+                     -1);
+    assert_string_equal(e0.code, "invalid_json");
+    llmem_srv_request_free(&r0);
+    /* more choices than the server's queue holds could never all start: refused by name */
+    struct srv_model small = model;
+    small.max_choices = 2;
+    memset(&e0, 0, sizeof(e0));
+    static const char three[] = "{\"prompt\": \"x\", \"n\": 3}";
+    assert_int_equal(
+        llmem_srv_request_parse(SRV_COMPLETIONS, three, sizeof(three) - 1, &small, &r0, &e0), -1);
+    assert_string_equal(e0.param, "n");
+    assert_non_null(strstr(e0.message, "it must be 1 to 2 (this server's --max-queue)"));
+    llmem_srv_request_free(&r0);
     /* a schema whose grammar outgrows what the plan holds for a request's (an enum of 40,000
      * strings): refused by name before anything is queued */
     char *big = malloc(40000 * 11 + 256);

@@ -74,9 +74,9 @@ int llmem_json_parse_msg(const char *text, size_t len, const char *what, cJSON *
         snprintf(msg, msg_size, "%s: invalid JSON at byte %zu of %zu", what, at, len);
         return LLMEM_EFORMAT;
     }
-    /* One document: only whitespace (or the terminator) may follow it. */
-    for (const char *p = end; p != NULL && p < text + len && *p != '\0'; p++) {
-        if (!isspace((unsigned char)*p)) {
+    /* One document: only whitespace (or the terminator, as the last byte) may follow it. */
+    for (const char *p = end; p != NULL && p < text + len; p++) {
+        if (!isspace((unsigned char)*p) && !(*p == '\0' && p == text + len - 1)) {
             snprintf(msg, msg_size,
                      "%s: unexpected text after the JSON document at byte %zu of %zu", what,
                      (size_t)(p - text), len);

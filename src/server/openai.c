@@ -267,9 +267,15 @@ static int add_span(struct srv_request *r, const char *s, size_t n) {
 /* Walks the tree in document order beside the body's strings. */
 static int measure(const cJSON *item, struct string_walk *w, struct srv_request *r,
                    struct srv_error *e) {
-    if (item->string != NULL && next_string(w) < 0)
-        return llmem_srv_fail(e, 500, "server_error", NULL, NULL,
-                              "the request body's strings could not be measured");
+    if (item->string != NULL) {
+        int64_t n = next_string(w);
+        if (n < 0)
+            return llmem_srv_fail(e, 500, "server_error", NULL, NULL,
+                                  "the request body's strings could not be measured");
+        if ((size_t)n != strlen(item->string)) /* no key names anything with a NUL in it */
+            return bad(e, item->string, "invalid_value", "the key \"%.64s\\u0000…\" holds U+0000",
+                       item->string);
+    }
     if (cJSON_IsString(item)) {
         int64_t n = next_string(w);
         size_t c = strlen(item->valuestring);
@@ -297,6 +303,17 @@ static size_t str_len(const struct srv_request *r, const char *s) {
  * stop string, a type) is then never read as the prefix before it. */
 static int has_nul(const struct srv_request *r, const char *s) {
     return str_len(r, s) != strlen(s);
+}
+
+/* Whether a string anywhere under item holds a NUL: a schema's const, enum or pattern would be
+ * compiled from its C string, cut short. */
+static int tree_has_nul(const struct srv_request *r, const cJSON *item) {
+    if (cJSON_IsString(item) && has_nul(r, item->valuestring))
+        return 1;
+    for (const cJSON *c = item->child; c != NULL; c = c->next)
+        if (tree_has_nul(r, c))
+            return 1;
+    return 0;
 }
 
 /* ---- the prompt and the messages ------------------------------------------------------------- */
@@ -481,6 +498,11 @@ static int tool_turn(const cJSON *msg, const char **role, int i, enum llmem_tool
     if (!tool && (strcmp(*role, "assistant") != 0 || !cJSON_IsArray(calls)))
         return bad(e, "messages", "invalid_value",
                    "messages[%d].tool_calls must be an array on an assistant message", i);
+    const char *call_id = NULL;
+    if (tool &&
+        (llmem_json_get_string(msg, "tool_call_id", &call_id) != LLMEM_OK || has_nul(r, call_id)))
+        return bad(e, "messages", "invalid_value",
+                   "messages[%d] is a tool message without a 'tool_call_id' string", i);
     if (tool && format == LLMEM_TOOL_FORMAT_LLAMA3) {
         *role = "ipython";
         return 0;
@@ -489,10 +511,6 @@ static int tool_turn(const cJSON *msg, const char **role, int i, enum llmem_tool
         return bad(e, "messages", "invalid_value",
                    "messages[%d].tool_calls holds %d calls; Llama 3 writes one a message", i,
                    cJSON_GetArraySize(calls));
-    const char *call_id = NULL;
-    if (tool && mistral && llmem_json_get_string(msg, "tool_call_id", &call_id) != LLMEM_OK)
-        return bad(e, "messages", "invalid_value",
-                   "messages[%d] is a tool message without a 'tool_call_id' string", i);
     struct srv_buf b = {0};
     if (tool && mistral) {
         APPEND_LIT(&b, "[TOOL_RESULTS] {\"content\": ");
@@ -812,7 +830,8 @@ static int parse_tools(const cJSON *root, const struct srv_model *m, struct srv_
             (strcmp(choice->valuestring, "none") == 0 || strcmp(choice->valuestring, "auto") == 0 ||
              strcmp(choice->valuestring, "required") == 0))
             mode = choice->valuestring;
-        else if (cJSON_IsObject(choice) && llmem_json_get_string(f, "name", &named) == LLMEM_OK)
+        else if (cJSON_IsObject(choice) && llmem_json_get_string(f, "name", &named) == LLMEM_OK &&
+                 !has_nul(r, named))
             mode = "named";
         else
             return bad(e, "tool_choice", "invalid_value",
@@ -851,6 +870,18 @@ static int parse_tools(const cJSON *root, const struct srv_model *m, struct srv_
                          k);
             break;
         }
+        for (int i = 0; i < k && status == 0; i++)
+            if (strcmp(gt[i].name, name) == 0)
+                status = bad(e, "tools", "invalid_value",
+                             "tools[%d] and tools[%d] are both named '%s'; a name must be unique",
+                             i, k, name);
+        if (status == 0 && params != NULL && tree_has_nul(r, params))
+            status = bad(e, "tools", "invalid_value",
+                         "tools[%d]'s parameters hold a string with U+0000 (\\u0000), which "
+                         "they cannot constrain to",
+                         k);
+        if (status != 0)
+            break;
         const int take = named == NULL || strcmp(named, name) == 0;
         found |= take;
         gt[k] = (struct llmem_grammar_tool){name, NULL, 0};
@@ -959,6 +990,10 @@ static int parse_response_format(const cJSON *root, struct srv_request *r, struc
         if (!cJSON_IsObject(js) || schema == NULL)
             return bad(e, "response_format", "invalid_value",
                        "'response_format.json_schema.schema' is missing");
+        if (tree_has_nul(r, schema))
+            return bad(e, "response_format", "invalid_value",
+                       "the schema holds a string with U+0000 (\\u0000), which it cannot "
+                       "constrain to");
         if ((text = cJSON_PrintUnformatted(schema)) == NULL)
             return llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
         status = llmem_grammar_compile(text, strlen(text), why, sizeof(why), &r->grammar);
@@ -1160,9 +1195,10 @@ int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
     int64_t n = 1;
     if (field_int(root, "n", &n, e) < 0)
         return -1;
-    if (n < 1 || n > SRV_MAX_N)
-        return bad(e, "n", "invalid_value", "'n' is %" PRId64 "; it must be 1 to %d", n,
-                   SRV_MAX_N);
+    const int max_n = m->max_choices > 0 && m->max_choices < SRV_MAX_N ? m->max_choices : SRV_MAX_N;
+    if (n < 1 || n > max_n)
+        return bad(e, "n", "invalid_value", "'n' is %" PRId64 "; it must be 1 to %d%s", n, max_n,
+                   max_n < SRV_MAX_N ? " (this server's --max-queue)" : "");
     r->n = (int)n;
     if (unsupported(root, r, e) != 0)
         return -1;
@@ -1208,9 +1244,18 @@ int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
         return -1;
     if (field_bool(root, "ignore_eos", &r->ignore_eos, e) < 0)
         return -1;
-    if (kind == SRV_COMPLETIONS)
-        return parse_prompt(root, m, r, e) != 0 || parse_tools(root, m, r, e) != 0 ? -1 : 0;
-    return parse_messages(root, m, r, e) != 0 || parse_tools(root, m, r, e) != 0 ? -1 : 0;
+    if ((kind == SRV_COMPLETIONS ? parse_prompt(root, m, r, e) : parse_messages(root, m, r, e)) !=
+            0 ||
+        parse_tools(root, m, r, e) != 0)
+        return -1;
+    /* a stop string would cut the output a grammar keeps whole (valid JSON, a complete call) */
+    if (r->n_stop > 0 && r->sampling.grammar != NULL)
+        return bad(e, "stop", "invalid_value",
+                   "'stop' cannot be combined with %s: a stop string would cut the output it "
+                   "keeps whole",
+                   r->tool_mode == SRV_TOOLS_REQUIRED ? "a required tool call"
+                                                      : "'response_format'");
+    return 0;
 }
 
 void llmem_srv_request_free(struct srv_request *r) {

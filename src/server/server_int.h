@@ -61,6 +61,7 @@ struct srv_model {
     const char *name; /* the only model id served */
     int64_t vocab;
     int64_t context; /* the engine's context window: max_tokens above it is refused */
+    int max_choices; /* the waiting queue's length: more choices than it could never start */
     int tools;       /* its chat template has a tool-call convention: */
     enum llmem_tool_format
         tool_format; /* chatml Hermes-style, llama3 Llama 3.1's, mistral v0.3's */
