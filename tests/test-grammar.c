@@ -556,6 +556,139 @@ static void test_split_walk(void **state) {
     llmem_pool_destroy(pool);
 }
 
+/* One step of a draw from random logits, forced where `force` ≥ 0 (its logit far above the rest,
+ * which a mask can still take away): the token drawn, accepted. */
+static int32_t lazy_step(struct llmem_sampler *s, float *logits, int32_t force, uint64_t *x) {
+    const int32_t vocab_n = llmem_tokenizer_vocab_size(tok), eos = llmem_tokenizer_eos(tok);
+    for (int32_t i = 0; i < vocab_n; i++) {
+        *x = *x * 6364136223846793005ull + 1442695040888963407ull;
+        logits[i] = (float)((*x >> 40) % 1000) / 100.0f;
+    }
+    logits[eos] = -INFINITY;
+    if (force >= 0)
+        logits[force] = 1000.0f;
+    const int32_t id = llmem_sampler_sample(s, logits);
+    llmem_sampler_accept(s, id);
+    return id;
+}
+
+static size_t utf8_chars(const char *s) {
+    size_t n = 0;
+    for (; *s; s++)
+        n += ((unsigned char)*s & 0xC0) != 0x80;
+    return n;
+}
+
+/* The ids of text (pycoder's BPE), at most 8. */
+static int ids_of(const char *text, int32_t *out) {
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    assert_int_equal(llmem_tokenizer_encode(tok, text, strlen(text), &ids, &n), LLMEM_OK);
+    assert_true(n >= 1 && n <= 8);
+    memcpy(out, ids, (size_t)n * sizeof(int32_t));
+    free(ids);
+    return (int)n;
+}
+
+/* A tools grammar for a part of the output (auto tool choice): free text until the convention's
+ * marker, the call under the grammar from it on (a token it does not allow is masked, however
+ * likely), free again after a Hermes-style call closes; Llama 3's marker counts only at the
+ * start, so an answer that opens otherwise stays free. */
+static void test_lazy_tools(void **state) {
+    (void)state;
+    static const char params[] = "{\"type\":\"object\",\"properties\":{\"city\":{\"type\":"
+                                 "\"string\",\"maxLength\":8}},\"required\":[\"city\"],"
+                                 "\"additionalProperties\":false}";
+    const struct llmem_grammar_tool tool = {"get_weather", params, sizeof(params) - 1};
+    const int32_t vocab_n = llmem_tokenizer_vocab_size(tok), eos = llmem_tokenizer_eos(tok);
+    float *logits = malloc((size_t)vocab_n * sizeof(float));
+    assert_non_null(logits);
+    int32_t opener[8], bang[8];
+    const int n_opener = ids_of("<tool_call>", opener);
+    ids_of("!!", bang);
+    uint64_t x = 5;
+    for (int seed = 0; seed < 20; seed++) {
+        char why[256];
+        struct llmem_grammar *g = NULL;
+        assert_int_equal(
+            llmem_grammar_compile_tools(&tool, 1, LLMEM_TOOL_FORMAT_HERMES, why, sizeof(why), &g),
+            LLMEM_OK);
+        struct llmem_sampling p;
+        llmem_sampling_default(&p);
+        p.temperature = 1.0, p.seed = (uint64_t)seed;
+        p.grammar = g, p.grammar_vocab = vocab, p.end_ids = &eos, p.n_end_ids = 1;
+        p.max_tokens = 120;
+        p.grammar_trigger = "<tool_call>", p.rearm = 1;
+        struct llmem_sampler *s = NULL;
+        assert_int_equal(llmem_sampler_create(&p, vocab_n, &s), LLMEM_OK);
+        int32_t ids[200];
+        int n = 0;
+        ids[n++] = lazy_step(s, logits, bang[0], &x); /* free: taken */
+        assert_int_equal(ids[0], bang[0]);
+        for (int i = 0; i < 3; i++)
+            ids[n++] = lazy_step(s, logits, -1, &x);
+        for (int i = 0; i < n_opener; i++)
+            ids[n++] = lazy_step(s, logits, opener[i], &x);
+        const int32_t masked = lazy_step(s, logits, bang[0], &x); /* the call's first: not "!!" */
+        assert_int_not_equal(masked, bang[0]);
+        ids[n++] = masked;
+        char *text = NULL;
+        for (;;) { /* until the call has closed */
+            assert_true(n < 120);
+            ids[n++] = lazy_step(s, logits, -1, &x);
+            assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &text, NULL), LLMEM_OK);
+            const int closed = strstr(text, "</tool_call>") != NULL;
+            if (!closed)
+                free(text);
+            if (closed)
+                break;
+        }
+        ids[n++] = lazy_step(s, logits, bang[0], &x); /* free again */
+        assert_int_equal(ids[n - 1], bang[0]);
+        const char *body = strstr(text, "<tool_call>") + strlen("<tool_call>");
+        const char *end = strstr(body, "</tool_call>");
+        cJSON *call = cJSON_ParseWithLength(body, (size_t)(end - body));
+        const cJSON *args = cJSON_GetObjectItem(call, "arguments");
+        const cJSON *city = cJSON_GetObjectItem(args, "city");
+        if (!cJSON_IsString(cJSON_GetObjectItem(call, "name")) ||
+            strcmp(cJSON_GetObjectItem(call, "name")->valuestring, "get_weather") != 0 ||
+            !cJSON_IsString(city) || utf8_chars(city->valuestring) > 8 ||
+            cJSON_GetArraySize((cJSON *)args) != 1)
+            fail_msg("seed %d: '%s' holds no valid call", seed, text);
+        cJSON_Delete(call);
+        free(text);
+        llmem_sampler_free(s);
+        llmem_grammar_free(g);
+    }
+
+    /* Llama 3: an answer that opens with '{' is the call; one that opens otherwise stays free */
+    int32_t brace[8];
+    ids_of("{", brace);
+    for (int open = 0; open < 2; open++) {
+        char why[256];
+        struct llmem_grammar *g = NULL;
+        assert_int_equal(
+            llmem_grammar_compile_tools(&tool, 1, LLMEM_TOOL_FORMAT_LLAMA3, why, sizeof(why), &g),
+            LLMEM_OK);
+        struct llmem_sampling p;
+        llmem_sampling_default(&p);
+        p.temperature = 1.0, p.seed = 9;
+        p.grammar = g, p.grammar_vocab = vocab, p.end_ids = &eos, p.n_end_ids = 1;
+        p.max_tokens = 80;
+        p.grammar_trigger = "{", p.trigger_at_start = 1;
+        struct llmem_sampler *s = NULL;
+        assert_int_equal(llmem_sampler_create(&p, vocab_n, &s), LLMEM_OK);
+        if (!open)
+            assert_int_equal(lazy_step(s, logits, bang[0], &x), bang[0]);
+        assert_int_equal(lazy_step(s, logits, brace[0], &x), brace[0]);
+        const int32_t next = lazy_step(s, logits, bang[0], &x);
+        assert_true(open ? next != bang[0] : next == bang[0]);
+        llmem_sampler_free(s);
+        llmem_grammar_free(g);
+    }
+    free(logits);
+}
+
 static int setup(void **state) {
     (void)state;
     if (llmem_tokenizer_load(LLMEM_SOURCE_DIR "/models/pycoder", &tok) != LLMEM_OK ||
@@ -577,7 +710,7 @@ int main(void) {
         cmocka_unit_test(test_refused),      cmocka_unit_test(test_planned_bytes),
         cmocka_unit_test(test_allowed),      cmocka_unit_test(test_sampled_outputs),
         cmocka_unit_test(test_tight_budget), cmocka_unit_test(test_masks_exact),
-        cmocka_unit_test(test_split_walk),
+        cmocka_unit_test(test_split_walk),   cmocka_unit_test(test_lazy_tools),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

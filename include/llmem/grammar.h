@@ -87,6 +87,10 @@ LLMEM_API int llmem_grammar_vocab_create(const struct llmem_tokenizer *tok,
                                          struct llmem_grammar_vocab **out);
 /* The tokenizer's vocabulary size (the allowed array's length). */
 LLMEM_API int32_t llmem_grammar_vocab_size(const struct llmem_grammar_vocab *v);
+/* Token id's bytes as the matcher reads them (*len of them), or NULL for a token it never walks
+ * (special, empty). */
+LLMEM_API const char *llmem_grammar_vocab_token(const struct llmem_grammar_vocab *v, int32_t id,
+                                                size_t *len);
 LLMEM_API void llmem_grammar_vocab_free(struct llmem_grammar_vocab *v);
 
 /* A matcher: where one output stands in a grammar. */

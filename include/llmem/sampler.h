@@ -48,6 +48,14 @@ struct llmem_sampling {
     int n_end_ids;
     int64_t max_tokens;
     int end_last;
+    /* A grammar for a part of the output (a tool call among free text): grammar_trigger (NUL-
+     * terminated, outliving the sampler) is the bytes that open it, and the grammar begins with
+     * them. Until they come the output runs free; from them on the grammar constrains it. With
+     * trigger_at_start they count only as the output's first bytes after spaces and newlines;
+     * with rearm a complete part leaves the output free again until they come anew (else the
+     * grammar ends the output). NULL: the grammar constrains the whole output. */
+    const char *grammar_trigger;
+    int trigger_at_start, rearm;
 };
 /* Greedy. */
 LLMEM_API void llmem_sampling_default(struct llmem_sampling *s);

@@ -50,7 +50,7 @@ struct gel {
     uint32_t v; /* G_REF: the rule; G_SET: the set */
 };
 
-#define WS_MAX        12   /* whitespace bytes between two tokens of the JSON */
+#define WS_INDENT     20   /* spaces or tabs after a newline between two tokens of the JSON */
 #define STACK_MAX     512  /* positions of one stack; a deeper parse is dropped */
 #define REPEAT_MAX    256  /* counts a schema may bound (items, string length) */
 #define TOKEN_MAX     256  /* bytes of the longest token the matcher walks */
@@ -226,16 +226,22 @@ static void push_alt(struct builder *b, struct seq *s) {
 
 static void json_rules(struct builder *b) {
     struct seq s = {0};
-    /* ws: up to WS_MAX of space, tab, newline */
-    int32_t next = -1;
-    for (int i = 0; i < WS_MAX; i++) {
+    /* ws: nothing, or a space or newline then up to WS_INDENT spaces or tabs: a model's
+     * pretty-printing fits, and a random one's runs of blank lines do not eat its tokens (two
+     * alternatives, as few parses alive as any whitespace rule allows) */
+    int32_t indent = -1;
+    for (int i = 0; i < WS_INDENT; i++) {
         int32_t r = new_rule(b);
         push_alt(b, &s); /* ε first */
-        push_ranges(b, &s, "  \t\t\n\n\r\r");
-        push_ref(b, &s, next);
-        next = define(b, r, &s);
+        push_ranges(b, &s, "  \t\t");
+        push_ref(b, &s, indent);
+        indent = define(b, r, &s);
     }
-    b->ws = next;
+    int32_t ws = new_rule(b);
+    push_alt(b, &s); /* ε first */
+    push_ranges(b, &s, "  \n\n");
+    push_ref(b, &s, indent);
+    b->ws = define(b, ws, &s);
     /* a string's character: UTF-8 as RFC 3629 allows it, or an escape */
     int32_t esc = new_rule(b), ch = new_rule(b), chars = new_rule(b);
     push_ranges(b, &s, "\"\"\\\\//bbffnnrrtt");
@@ -921,6 +927,14 @@ static int32_t child_of(struct llmem_grammar_vocab *v, int32_t node, uint8_t byt
 
 int32_t llmem_grammar_vocab_size(const struct llmem_grammar_vocab *v) {
     return v->n_vocab;
+}
+
+const char *llmem_grammar_vocab_token(const struct llmem_grammar_vocab *v, int32_t id,
+                                      size_t *len) {
+    if (id < 0 || id >= v->n_vocab || v->len[id] <= 0)
+        return NULL;
+    *len = (size_t)v->len[id];
+    return v->bytes + v->off[id];
 }
 
 /* A byte that stands for itself inside a JSON string (printable ASCII but for '"' and '\\', and

@@ -39,6 +39,11 @@ struct llmem_sampler {
     int32_t *end_ids;
     int64_t n_out;
     int64_t n_allowed; /* ≥ 0: allowed holds the next draw's mask (llmem_sampler_prepare) */
+    /* a grammar for a part of the output (p.grammar_trigger): gs is made when the trigger has
+     * come; armed: it may still come; matched: how many of its bytes end the output so far */
+    int armed;
+    size_t matched;
+    int lazy_status; /* LLMEM_ENOMEM: a matcher could not be made */
 };
 
 void llmem_sampling_default(struct llmem_sampling *s) {
@@ -123,7 +128,9 @@ int llmem_sampler_create(const struct llmem_sampling *p, int64_t vocab,
         s->allowed = malloc((size_t)llmem_grammar_vocab_size(p->grammar_vocab));
         s->end_ids = malloc((size_t)(p->n_end_ids > 0 ? p->n_end_ids : 1) * sizeof(int32_t));
         ok = s->allowed != NULL && s->end_ids != NULL &&
-             llmem_grammar_state_create(p->grammar, p->grammar_vocab, &s->gs) == LLMEM_OK;
+             (p->grammar_trigger != NULL ||
+              llmem_grammar_state_create(p->grammar, p->grammar_vocab, &s->gs) == LLMEM_OK);
+        s->armed = p->grammar_trigger != NULL && p->grammar_trigger[0] != '\0';
         if (ok && p->n_end_ids > 0)
             memcpy(s->end_ids, p->end_ids, (size_t)p->n_end_ids * sizeof(int32_t));
     }
@@ -178,20 +185,80 @@ void llmem_sampler_prompt(struct llmem_sampler *s, const int32_t *ids, int64_t n
         }
 }
 
+/* How many of t's bytes end the text once c follows the m that did: the longest prefix of t that
+ * is a suffix of t[0, m) then c. */
+static size_t next_match(const char *t, size_t m, char c) {
+    if (t[m] == c)
+        return m + 1;
+    for (size_t k = m; k > 0; k--)
+        if (t[k - 1] == c && memcmp(t, t + m - k + 1, k - 1) == 0)
+            return k;
+    return 0;
+}
+
+/* The trigger has come, rest[0, n) after it in the same token: the grammar's matcher from its
+ * start, past the trigger and the rest; where the grammar does not take them the output stays
+ * free (an anchored trigger then never comes). */
+static void trigger(struct llmem_sampler *s, const char *rest, size_t n) {
+    const char *t = s->p.grammar_trigger;
+    s->matched = 0;
+    if (llmem_grammar_state_create(s->p.grammar, s->p.grammar_vocab, &s->gs) != LLMEM_OK) {
+        s->lazy_status = LLMEM_ENOMEM;
+        s->armed = 0;
+        return;
+    }
+    if (llmem_grammar_accept_bytes(s->gs, t, strlen(t)) != LLMEM_OK ||
+        (n > 0 && llmem_grammar_accept_bytes(s->gs, rest, n) != LLMEM_OK)) {
+        llmem_grammar_state_free(s->gs);
+        s->gs = NULL;
+        s->armed = !s->p.trigger_at_start;
+    }
+}
+
+/* A token of the free output: whether it brings the trigger. */
+static void watch(struct llmem_sampler *s, int32_t id) {
+    size_t n = 0;
+    const char *b = llmem_grammar_vocab_token(s->p.grammar_vocab, id, &n),
+               *t = s->p.grammar_trigger;
+    for (size_t i = 0; b != NULL && i < n && s->armed && s->gs == NULL; i++) {
+        if (!s->p.trigger_at_start)
+            s->matched = next_match(t, s->matched, b[i]);
+        else if (s->matched == 0 && (b[i] == ' ' || b[i] == '\n'))
+            continue;
+        else if (b[i] == t[s->matched])
+            s->matched++;
+        else
+            s->armed = 0;
+        if (s->armed && t[s->matched] == '\0')
+            trigger(s, b + i + 1, n - i - 1);
+    }
+}
+
 void llmem_sampler_accept(struct llmem_sampler *s, int32_t id) {
     if (!s->adjusts || id < 0 || id >= s->vocab)
         return;
     see(s, id);
     s->counts[id]++;
-    if (s->gs != NULL) {
-        s->n_out++;
-        s->n_allowed = -1;
-        (void)llmem_grammar_accept(s->gs, id); /* (an end id, or one the mask allowed) */
+    if (s->p.grammar == NULL)
+        return;
+    s->n_out++;
+    s->n_allowed = -1;
+    if (s->gs == NULL) {
+        if (s->armed)
+            watch(s, id);
+        return;
+    }
+    (void)llmem_grammar_accept(s->gs, id); /* (an end id, or one the mask allowed) */
+    if (s->p.grammar_trigger != NULL && s->p.rearm && llmem_grammar_must_end(s->gs)) {
+        llmem_grammar_state_free(s->gs); /* the part is whole: free again until the next */
+        s->gs = NULL;
     }
 }
 
 int llmem_sampler_status(const struct llmem_sampler *s) {
-    return s->gs != NULL ? llmem_grammar_state_status(s->gs) : LLMEM_OK;
+    return s->lazy_status != LLMEM_OK ? s->lazy_status
+           : s->gs != NULL            ? llmem_grammar_state_status(s->gs)
+                                      : LLMEM_OK;
 }
 
 /* The grammar's mask on s->row: the tokens it does not allow at −∞, the end ids only where the

@@ -907,11 +907,14 @@ static int parse_tools(const cJSON *root, const struct srv_model *m, struct srv_
                      "'tool_choice' names function '%.64s', which is not among the tools", named);
     char why[256];
     int st = LLMEM_OK;
-    if (status == 0 && (strcmp(mode, "required") == 0 || named != NULL)) {
+    /* the calls under the tools' grammar: the whole output where one is required; in auto from
+     * the convention's marker on (the text before it free), and for Hermes-style calls again
+     * after each one closes */
+    if (status == 0 && strcmp(mode, "none") != 0) {
         if (r->grammar != NULL)
             status = bad(e, "response_format", "invalid_value",
-                         "'response_format' and a required tool call cannot both constrain the "
-                         "output");
+                         "'response_format' and tool calls cannot both constrain the output "
+                         "(leave one out, or give tool_choice none)");
         else if ((st = llmem_grammar_compile_tools(gt, taken, m->tool_format, why, sizeof(why),
                                                    &r->grammar)) == LLMEM_ENOMEM)
             status = llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory");
@@ -919,16 +922,13 @@ static int parse_tools(const cJSON *root, const struct srv_model *m, struct srv_
             status = bad(e, "tools", "invalid_value", "a tool's parameters are not supported: %s",
                          why);
         r->sampling.grammar = r->grammar;
-    } else if (status == 0 && strcmp(mode, "auto") == 0) { /* checked, generated freely */
-        for (int i = 0; status == 0 && i < taken; i++) {
-            struct llmem_grammar *g = NULL;
-            if ((st = llmem_grammar_compile_tools(&gt[i], 1, m->tool_format, why, sizeof(why),
-                                                  &g)) != LLMEM_OK)
-                status = st == LLMEM_ENOMEM
-                             ? llmem_srv_fail(e, 500, "server_error", NULL, NULL, "out of memory")
-                             : bad(e, "tools", "invalid_value",
-                                   "a tool's parameters are not supported: %s", why);
-            llmem_grammar_free(g);
+        if (status == 0 && strcmp(mode, "auto") == 0) {
+            const enum llmem_tool_format f = m->tool_format;
+            r->sampling.grammar_trigger = f == LLMEM_TOOL_FORMAT_HERMES    ? "<tool_call>"
+                                          : f == LLMEM_TOOL_FORMAT_MISTRAL ? "[TOOL_CALLS]"
+                                                                           : "{";
+            r->sampling.trigger_at_start = f == LLMEM_TOOL_FORMAT_LLAMA3;
+            r->sampling.rearm = f == LLMEM_TOOL_FORMAT_HERMES;
         }
     }
     for (int i = 0; i < LLMEM_GRAMMAR_MAX_TOOLS; i++)
@@ -1249,7 +1249,7 @@ int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
         parse_tools(root, m, r, e) != 0)
         return -1;
     /* a stop string would cut the output a grammar keeps whole (valid JSON, a complete call) */
-    if (r->n_stop > 0 && r->sampling.grammar != NULL)
+    if (r->n_stop > 0 && r->sampling.grammar != NULL && r->sampling.grammar_trigger == NULL)
         return bad(e, "stop", "invalid_value",
                    "'stop' cannot be combined with %s: a stop string would cut the output it "
                    "keeps whole",
