@@ -462,13 +462,17 @@ static char *fake_piece(void *arg, int32_t id) {
     return s;
 }
 
+static const char *const declared[] = {"get", "f", "g"}; /* the tools a call may name */
+
 static struct srv_render render(enum srv_kind kind, int logprobs) {
     return (struct srv_render){.kind = kind,
                                .id = "cmpl-1",
                                .model = "pycoder",
                                .created = 1700000000,
                                .logprobs = logprobs,
-                               .piece = fake_piece};
+                               .piece = fake_piece,
+                               .tool_names = declared,
+                               .n_tools = 3};
 }
 
 static cJSON *parsed(char *text) {
@@ -632,6 +636,19 @@ static void test_tool_conventions(void **state) {
     m = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0), "message");
     assert_string_equal(cJSON_GetObjectItem(m, "content")->valuestring, "Let me look.");
     assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(m, "tool_calls")), 1);
+    cJSON_Delete(o);
+    /* a call of a function the request did not declare is no call: the text is the content */
+    rr = render(SRV_CHAT, -1);
+    rr.tools = 1;
+    rr.n_tools = 2; /* "get" and "f" */
+    const char *other = "<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>";
+    const struct srv_choice un = {other, strlen(other), NULL, 0, "stop"};
+    o = parsed(llmem_srv_render_response(&rr, &un, 1, 10, 20));
+    c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
+    m = cJSON_GetObjectItem(c, "message");
+    assert_string_equal(cJSON_GetObjectItem(m, "content")->valuestring, other);
+    assert_null(cJSON_GetObjectItem(m, "tool_calls"));
+    assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "stop");
     cJSON_Delete(o);
 }
 

@@ -885,6 +885,7 @@ static int parse_tools(const cJSON *root, const struct srv_model *m, struct srv_
         const int take = named == NULL || strcmp(named, name) == 0;
         found |= take;
         gt[k] = (struct llmem_grammar_tool){name, NULL, 0};
+        r->tool_names[k] = name;
         if (!take) {
             k++;
             continue;
@@ -1448,7 +1449,10 @@ static cJSON *call_of(const struct srv_render *r, const cJSON *call, int k, int 
     } else {
         snprintf(id, sizeof(id), "call_%016" PRIx64, h);
     }
-    const int ok = cJSON_IsString(name) && a != NULL && f != NULL &&
+    int declared = 0; /* a call of a function the request did not declare is no call */
+    for (int i = 0; cJSON_IsString(name) && i < r->n_tools && !declared; i++)
+        declared = strcmp(r->tool_names[i], name->valuestring) == 0;
+    const int ok = declared && a != NULL && f != NULL &&
                    (!chunk || llmem_json_add_int(o, "index", r->n_calls + k) == 0) &&
                    llmem_json_add_string(o, "id", id) == 0 &&
                    llmem_json_add_string(o, "type", "function") == 0 &&

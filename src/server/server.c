@@ -750,6 +750,8 @@ static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c
                                     .piece = token_piece,
                                     .piece_arg = (void *)s->tok,
                                     .tools = j->req.tool_mode != SRV_TOOLS_NONE,
+                                    .tool_names = j->req.tool_names,
+                                    .n_tools = j->req.n_tools,
                                     .tool_format = s->model.tool_format,
                                     .call_seed = llmem_splitmix64(s->salt + j->id)};
     /* n > 1: a request a choice, each after the first's prompt is in the cache (follow) */

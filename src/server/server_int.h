@@ -99,6 +99,7 @@ struct srv_request {
     /* tools (chat): how many, and whether the model may (auto) or must (required, or one named
      * function) call one; the tools are rendered into the system message */
     int n_tools;
+    const char *tool_names[LLMEM_GRAMMAR_MAX_TOOLS]; /* (n_tools) the functions declared */
     enum { SRV_TOOLS_NONE, SRV_TOOLS_AUTO, SRV_TOOLS_REQUIRED } tool_mode;
     int have_seed; /* 0: the server picks a seed */
     int n;         /* choices (1 to SRV_MAX_N), each its own request after the first's prompt */
@@ -148,6 +149,8 @@ struct srv_render {
     void *piece_arg;
     int64_t text_offset; /* completions logprobs: where the next token's text starts */
     int tools;           /* the text may hold tool calls: answered as tool_calls */
+    const char *const *tool_names; /* (n_tools) the functions a call may name; any other is text */
+    int n_tools;
     enum llmem_tool_format tool_format; /* as the model writes them */
     uint64_t call_seed;  /* the tool calls' ids are drawn from it */
     int called;          /* a choice or chunk rendered held tool calls */
