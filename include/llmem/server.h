@@ -42,7 +42,12 @@ struct llmem_server_config {
     enum llmem_chat_template chat_template; /* LLMEM_CHAT_NONE: the tokenizer's own, if any */
     int64_t max_queue;      /* waiting requests beyond which a request gets 503 (0: 256) */
     int64_t max_body_bytes; /* 0: LLMEM_SERVER_MAX_BODY_BYTES */
+    int body_timeout_s;     /* a request body arrives within this many seconds of its headers,
+                             * with no pause of more than a third of it, or its connection is
+                             * closed and its bytes released: slow clients cannot hold the
+                             * bodies' budget (0: LLMEM_SERVER_BODY_TIMEOUT_S) */
 };
+#define LLMEM_SERVER_BODY_TIMEOUT_S 60
 LLMEM_API void llmem_server_config_default(struct llmem_server_config *c);
 
 /* Request bodies the server holds at once, in bytes of the largest body: a body arriving beyond

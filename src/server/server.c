@@ -67,6 +67,7 @@ struct llmem_server {
     int n_chat_stops;
     int64_t max_body;
     int64_t bodies_max; /* LLMEM_SERVER_BODIES_IN_FLIGHT × max_body */
+    int body_timeout_s;
     int port;
     char url[160];
     uint64_t salt; /* random: response ids and default seeds differ between runs */
@@ -890,6 +891,7 @@ struct conn {
     int too_large;
     int busy;     /* the bodies in flight reached the server's budget */
     int answered; /* a response was queued before the body was read */
+    uint64_t start_ns; /* the headers' arrival: the body's deadline runs from it */
 };
 
 static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url,
@@ -914,7 +916,17 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
                            llmem_size_format(s->max_body, b, sizeof(b)));
             return respond_error(s, c, &err);
         }
+        /* while the body comes, a pause of a third of its time closes the connection */
+        cn->start_ns = llmem_clock_ns();
+        MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT,
+                                  (unsigned)(s->body_timeout_s > 3 ? s->body_timeout_s / 3 : 1));
         return MHD_YES;
+    }
+    if (*upload_size > 0 &&
+        llmem_clock_ns() - cn->start_ns > (uint64_t)s->body_timeout_s * 1000000000u) {
+        LLMEM_WARN("a request body took over %d s to arrive; its connection is closed",
+                   s->body_timeout_s);
+        return MHD_NO; /* (completed() releases what it held) */
     }
     if (*upload_size > 0) { /* a piece of the body */
         if (!cn->answered && !cn->too_large && !cn->busy) {
@@ -938,6 +950,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     if (cn->answered)
         return MHD_YES;
     cn->answered = 1;
+    MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned)CONN_TIMEOUT_S);
 
     enum route r = cn->route;
     const char *want = cn->method;
@@ -1105,6 +1118,7 @@ int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config 
     s->api_key = cfg->api_key != NULL && *cfg->api_key ? strdup(cfg->api_key) : NULL;
     s->max_body = cfg->max_body_bytes > 0 ? cfg->max_body_bytes : LLMEM_SERVER_MAX_BODY_BYTES;
     s->bodies_max = LLMEM_SERVER_BODIES_IN_FLIGHT * s->max_body;
+    s->body_timeout_s = cfg->body_timeout_s > 0 ? cfg->body_timeout_s : LLMEM_SERVER_BODY_TIMEOUT_S;
     s->model =
         (struct srv_model){.name = s->name,
                            .vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size,

@@ -29,6 +29,9 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
 
 #define PYCODER LLMEM_SOURCE_DIR "/models/pycoder"
 #define REFS    LLMEM_TEST_DATA "/models/pycoder"
@@ -1364,6 +1367,61 @@ static void test_bodies_in_flight(void **state) {
     llmem_engine_close(e);
 }
 
+/* Whether the server closed fd (a read gives end of file or a reset), waiting up to ms. */
+static int closed_by_server(int fd, int ms) {
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, ms) <= 0)
+        return 0;
+    char b[256];
+    ssize_t n = recv(fd, b, sizeof(b), 0);
+    return n == 0 || (n < 0 && errno == ECONNRESET);
+}
+
+/* Clients that stop sending their bodies, or trickle them, cannot hold the bodies' budget: a
+ * pause of a third of body_timeout_s, or a body still coming after it, closes the connection and
+ * releases its bytes, and a whole body is taken again. */
+static void test_slow_bodies_closed(void **state) {
+    (void)state;
+    struct llmem_server_config sc;
+    llmem_server_config_default(&sc);
+    sc.max_body_bytes = 4096;
+    sc.body_timeout_s = 3;
+    struct llmem_engine *e = NULL;
+    struct llmem_server *s = NULL;
+    struct tu_server view;
+    tu_library_serve(PYCODER, NULL, &sc, &e, &s, &view);
+    enum { LEN = 4000, HALF = 3000 };
+    static char body[LEN + 1];
+    const char json[] = "{\"prompt\": \"def f():\", \"max_tokens\": 2, \"temperature\": 0}";
+    memset(body, ' ', LEN);
+    memcpy(body + LEN - strlen(json), json, strlen(json));
+    /* two stalled halves hold the budget, a third body is refused for now */
+    int stalled[2] = {body_socket(view.url, body, LEN, HALF),
+                      body_socket(view.url, body, LEN, HALF)};
+    usleep(300 * 1000);
+    struct tu_http h = body_finish(body_socket(view.url, body, LEN, HALF), body, LEN, HALF);
+    assert_int_equal(h.status, 503);
+    tu_http_free(&h);
+    /* a trickle: a byte every 400 ms is no pause, but the body is not whole in time */
+    int trickle = body_socket(view.url, body, LEN, 10);
+    int closed = 0;
+    for (int i = 0; i < 20 && !closed; i++) {
+        usleep(400 * 1000);
+        closed = send(trickle, " ", 1, MSG_NOSIGNAL) != 1 || closed_by_server(trickle, 0);
+    }
+    assert_true(closed || closed_by_server(trickle, 2000));
+    close(trickle);
+    for (int i = 0; i < 2; i++) { /* the stalled ones: closed after their pause */
+        assert_true(closed_by_server(stalled[i], 3000));
+        close(stalled[i]);
+    }
+    h = body_finish(body_socket(view.url, body, LEN, HALF), body, LEN, HALF);
+    assert_int_equal(h.status, 200);
+    tu_http_free(&h);
+    llmem_server_stop(s);
+    llmem_engine_close(e);
+}
+
 static void test_library_507_and_stop(void **state) {
     (void)state;
     struct llmem_engine *e = NULL;
@@ -1666,6 +1724,7 @@ int main(void) {
         cmocka_unit_test(test_util_matches_plan),
         cmocka_unit_test(test_memory_burst),
         cmocka_unit_test(test_bodies_in_flight),
+        cmocka_unit_test(test_slow_bodies_closed),
         cmocka_unit_test(test_library_507_and_stop),
         cmocka_unit_test(test_out_of_memory_everywhere),
     };
