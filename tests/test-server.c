@@ -409,6 +409,21 @@ static void test_parse_errors(void **state) {
                      -1);
     assert_string_equal(e0.code, "invalid_json");
     llmem_srv_request_free(&r0);
+    /* a tool nesting deeper than its indented rendering should grow (quadratically): refused */
+    char deep[2048];
+    int d = snprintf(deep, sizeof(deep),
+                     "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": "
+                     "[{\"type\": \"function\", \"function\": {\"name\": \"f\", "
+                     "\"parameters\": {\"type\": \"object\", \"x\": ");
+    for (int i = 0; i < 40; i++)
+        d += snprintf(deep + d, sizeof(deep) - (size_t)d, "[");
+    for (int i = 0; i < 40; i++)
+        d += snprintf(deep + d, sizeof(deep) - (size_t)d, "]");
+    snprintf(deep + d, sizeof(deep) - (size_t)d, "}}}]}");
+    assert_int_equal(parse(SRV_CHAT, deep, &r0, &e0), -1);
+    assert_string_equal(e0.param, "tools");
+    assert_non_null(strstr(e0.message, "levels deep; at most 32"));
+    llmem_srv_request_free(&r0);
     /* more choices than the server's queue holds could never all start: refused by name */
     struct srv_model small = model;
     small.max_choices = 2;

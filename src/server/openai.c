@@ -316,6 +316,16 @@ static int tree_has_nul(const struct srv_request *r, const cJSON *item) {
     return 0;
 }
 
+/* How deep item nests (a scalar: 1). */
+static int depth_of(const cJSON *item) {
+    int d = 0;
+    for (const cJSON *c = item->child; c != NULL; c = c->next) {
+        const int k = depth_of(c);
+        d = k > d ? k : d;
+    }
+    return d + 1;
+}
+
 /* ---- the prompt and the messages ------------------------------------------------------------- */
 
 static int ids_from_array(const cJSON *arr, const struct srv_model *m, struct srv_request *r,
@@ -875,6 +885,9 @@ static int parse_tools(const cJSON *root, const struct srv_model *m, struct srv_
                 status = bad(e, "tools", "invalid_value",
                              "tools[%d] and tools[%d] are both named '%s'; a name must be unique",
                              i, k, name);
+        if (status == 0 && depth_of(t) > SRV_MAX_TOOL_DEPTH) /* (rendered indented: depth²) */
+            status = bad(e, "tools", "invalid_value", "tools[%d] nests %d levels deep; at most %d",
+                         k, depth_of(t), SRV_MAX_TOOL_DEPTH);
         if (status == 0 && params != NULL && tree_has_nul(r, params))
             status = bad(e, "tools", "invalid_value",
                          "tools[%d]'s parameters hold a string with U+0000 (\\u0000), which "

@@ -54,6 +54,7 @@ enum srv_kind { SRV_COMPLETIONS, SRV_CHAT };
 
 #define SRV_MAX_STOP     16
 #define SRV_MAX_N        16 /* choices of one request */
+#define SRV_MAX_TOOL_DEPTH 32 /* levels a tool's JSON nests (its prompt is indented) */
 #define SRV_MAX_MESSAGES 1024
 
 /* What a request may ask of this model. */
