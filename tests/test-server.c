@@ -479,6 +479,17 @@ static char *fake_piece(void *arg, int32_t id) {
 
 static const char *const declared[] = {"get", "f", "g"}; /* the tools a call may name */
 
+/* A real tokenizer's pieces and bytes, as the server gives them. */
+static char *tok_piece(void *arg, int32_t id) {
+    char *text = NULL;
+    size_t len = 0;
+    return llmem_tokenizer_decode(arg, &id, 1, 0, &text, &len) == LLMEM_OK ? text : strdup("");
+}
+
+static int tok_bytes(void *arg, int32_t id, char *buf, size_t cap, size_t *len) {
+    return llmem_tokenizer_token_bytes(arg, id, buf, cap, len) == LLMEM_OK ? 0 : -1;
+}
+
 static struct srv_render render(enum srv_kind kind, int logprobs) {
     return (struct srv_render){.kind = kind,
                                .id = "cmpl-1",
@@ -848,6 +859,35 @@ static void test_render_chat(void **state) {
     assert_int_equal(cJSON_GetArrayItem(cJSON_GetObjectItem(entry, "bytes"), 0)->valueint, '<');
     assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(entry, "top_logprobs")), 1);
     cJSON_Delete(o);
+
+    /* a token that is a piece of a character: its text U+FFFD, its bytes its own */
+    struct llmem_tokenizer *tk = NULL;
+    assert_int_equal(llmem_tokenizer_load(LLMEM_SOURCE_DIR "/models/pycoder", &tk), LLMEM_OK);
+    int32_t piece_id = -1;
+    char b[16];
+    size_t bn = 0;
+    for (int32_t id = 0; id < llmem_tokenizer_vocab_size(tk) && piece_id < 0; id++)
+        if (llmem_tokenizer_token_bytes(tk, id, b, sizeof(b), &bn) == LLMEM_OK && bn == 1 &&
+            (unsigned char)b[0] >= 0xC2)
+            piece_id = id;
+    assert_true(piece_id >= 0);
+    struct srv_token pt = {.id = piece_id, .logprob = -1.0f};
+    struct srv_render rb = render(SRV_CHAT, 0);
+    rb.piece = tok_piece, rb.bytes = tok_bytes, rb.piece_arg = tk;
+    const struct srv_choice one = {"x", 1, &pt, 1, "stop"};
+    o = parsed(llmem_srv_render_response(&rb, &one, 1, 10, 1));
+    entry = cJSON_GetArrayItem(
+        cJSON_GetObjectItem(
+            cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0),
+                                "logprobs"),
+            "content"),
+        0);
+    assert_string_equal(cJSON_GetObjectItem(entry, "token")->valuestring, "\xef\xbf\xbd");
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(entry, "bytes")), 1);
+    assert_int_equal(cJSON_GetArrayItem(cJSON_GetObjectItem(entry, "bytes"), 0)->valueint,
+                     (unsigned char)b[0]);
+    cJSON_Delete(o);
+    llmem_tokenizer_free(tk);
 
     /* chunks: the first carries the role, later ones only content, the last the reason */
     r.logprobs = -1;

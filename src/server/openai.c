@@ -1346,12 +1346,19 @@ static int add_usage(cJSON *o, int64_t prompt, int64_t completion) {
            llmem_json_add_int(u, "total_tokens", prompt + completion);
 }
 
-static int add_bytes(cJSON *o, const char *text) {
+/* OpenAI's "bytes": the token's own (a piece of a character is not its text's U+FFFD), or, where
+ * the renderer has no way to them, its text's. */
+static int add_bytes(cJSON *o, const struct srv_render *r, int32_t id, const char *text) {
     cJSON *arr = cJSON_AddArrayToObject(o, "bytes");
     if (arr == NULL)
         return -1;
-    for (const unsigned char *p = (const unsigned char *)text; *p; p++) {
-        cJSON *n = cJSON_CreateNumber(*p);
+    char raw[1024];
+    size_t n_raw = 0;
+    const int own = r->bytes != NULL && r->bytes(r->piece_arg, id, raw, sizeof(raw), &n_raw) == 0;
+    const unsigned char *p = (const unsigned char *)(own ? raw : text);
+    const size_t len = own ? n_raw : strlen(text);
+    for (size_t i = 0; i < len; i++) {
+        cJSON *n = cJSON_CreateNumber(p[i]);
         if (n == NULL)
             return -1;
         cJSON_AddItemToArray(arr, n);
@@ -1370,7 +1377,8 @@ static cJSON *chat_logprobs(struct srv_render *r, const struct srv_token *toks, 
         if (!bad_) {
             cJSON_AddItemToArray(content, entry);
             bad_ = llmem_json_add_string(entry, "token", text) ||
-                   add_logprob(entry, "logprob", toks[i].logprob) || add_bytes(entry, text);
+                   add_logprob(entry, "logprob", toks[i].logprob) ||
+                   add_bytes(entry, r, toks[i].id, text);
         } else {
             cJSON_Delete(entry);
         }
@@ -1384,7 +1392,8 @@ static cJSON *chat_logprobs(struct srv_render *r, const struct srv_token *toks, 
             if (!bad_) {
                 cJSON_AddItemToArray(top, t);
                 bad_ = llmem_json_add_string(t, "token", tt) ||
-                       add_logprob(t, "logprob", toks[i].top_logprobs[k]) || add_bytes(t, tt);
+                       add_logprob(t, "logprob", toks[i].top_logprobs[k]) ||
+                       add_bytes(t, r, toks[i].top_ids[k], tt);
             } else {
                 cJSON_Delete(t);
             }

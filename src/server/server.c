@@ -525,6 +525,10 @@ static char *token_piece(void *arg, int32_t id) {
     return text;
 }
 
+static int token_bytes(void *arg, int32_t id, char *buf, size_t cap, size_t *len) {
+    return llmem_tokenizer_token_bytes(arg, id, buf, cap, len) == LLMEM_OK ? 0 : -1;
+}
+
 /* The prompt's token ids (malloc'ed) from the request. */
 static int tokenize(struct llmem_server *s, const struct srv_request *req, int32_t **ids,
                     int64_t *n, struct srv_error *err) {
@@ -749,6 +753,7 @@ static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c
                                     .logprobs = j->req.logprobs,
                                     .include_usage = j->req.include_usage,
                                     .piece = token_piece,
+                                    .bytes = token_bytes,
                                     .piece_arg = (void *)s->tok,
                                     .tools = j->req.tool_mode != SRV_TOOLS_NONE,
                                     .tool_names = j->req.tool_names,

@@ -137,6 +137,9 @@ struct srv_token {
 
 /* The text of one token (malloc'ed; NULL on out of memory), for logprobs. */
 typedef char *(*srv_piece_fn)(void *arg, int32_t id);
+/* A token's bytes as they are (a piece of a character as its bytes, not U+FFFD), into buf (cap
+ * bytes; *len set): 0, or −1 when it has none or they do not fit. */
+typedef int (*srv_bytes_fn)(void *arg, int32_t id, char *buf, size_t cap, size_t *len);
 
 /* What every response of one request shares. */
 struct srv_render {
@@ -147,6 +150,7 @@ struct srv_render {
     int logprobs;    /* as in the request */
     int include_usage;
     srv_piece_fn piece;
+    srv_bytes_fn bytes; /* for logprobs' "bytes" (NULL: the piece's UTF-8) */
     void *piece_arg;
     int64_t text_offset; /* completions logprobs: where the next token's text starts */
     int tools;           /* the text may hold tool calls: answered as tool_calls */
