@@ -457,14 +457,21 @@ static void test_parse_errors(void **state) {
 static void test_check_prompt(void **state) {
     (void)state;
     struct srv_error e;
-    assert_int_equal(llmem_srv_check_prompt(SRV_COMPLETIONS, 1, &model, &e), 0);
-    assert_int_equal(llmem_srv_check_prompt(SRV_COMPLETIONS, 2047, &model, &e), 0);
-    assert_int_equal(llmem_srv_check_prompt(SRV_CHAT, 2048, &model, &e), -1);
+    assert_int_equal(llmem_srv_check_prompt(SRV_COMPLETIONS, 1, 16, &model, &e), 0);
+    assert_int_equal(llmem_srv_check_prompt(SRV_COMPLETIONS, 2047, 0, &model, &e), 0);
+    assert_int_equal(llmem_srv_check_prompt(SRV_CHAT, 2048, 0, &model, &e), -1);
     assert_string_equal(e.code, "context_length_exceeded");
     assert_string_equal(e.param, "messages");
     assert_non_null(strstr(e.message, "2048"));
-    assert_int_equal(llmem_srv_check_prompt(SRV_COMPLETIONS, 0, &model, &e), -1);
+    assert_int_equal(llmem_srv_check_prompt(SRV_COMPLETIONS, 0, 16, &model, &e), -1);
     assert_string_equal(e.param, "prompt");
+    /* the prompt and max_tokens together: the whole window, not one token more */
+    assert_int_equal(llmem_srv_check_prompt(SRV_CHAT, 2000, 48, &model, &e), 0);
+    assert_int_equal(llmem_srv_check_prompt(SRV_CHAT, 2000, 49, &model, &e), -1);
+    assert_string_equal(e.code, "context_length_exceeded");
+    assert_string_equal(e.param, "max_tokens");
+    assert_non_null(
+        strstr(e.message, "2000 in the messages and 49 for the completion ask for 2049"));
 }
 
 /* ---- rendering ------------------------------------------------------------------------------- */

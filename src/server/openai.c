@@ -1287,8 +1287,8 @@ void llmem_srv_request_free(struct srv_request *r) {
     memset(r, 0, sizeof(*r));
 }
 
-int llmem_srv_check_prompt(enum srv_kind kind, int64_t n_prompt, const struct srv_model *m,
-                           struct srv_error *e) {
+int llmem_srv_check_prompt(enum srv_kind kind, int64_t n_prompt, int64_t max_tokens,
+                           const struct srv_model *m, struct srv_error *e) {
     const char *param = kind == SRV_CHAT ? "messages" : "prompt";
     if (n_prompt <= 0)
         return bad(e, param, "invalid_value", "the prompt is empty (no tokens)");
@@ -1298,6 +1298,12 @@ int llmem_srv_check_prompt(enum srv_kind kind, int64_t n_prompt, const struct sr
                    " tokens; the prompt has %" PRId64
                    " tokens, which leaves no room for a completion",
                    m->context, n_prompt);
+    if (max_tokens > m->context - n_prompt)
+        return bad(e, "max_tokens", "context_length_exceeded",
+                   "This model's maximum context length is %" PRId64 " tokens; %" PRId64
+                   " in the %s and %" PRId64 " for the completion ask for %" PRId64
+                   ": lower max_tokens or shorten the %s",
+                   m->context, n_prompt, param, max_tokens, n_prompt + max_tokens, param);
     return 0;
 }
 

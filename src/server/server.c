@@ -740,7 +740,8 @@ static enum MHD_Result generate(struct llmem_server *s, struct MHD_Connection *c
     enum MHD_Result ok;
     if (llmem_srv_request_parse(kind, body, len, &s->model, &j->req, &err) != 0 ||
         tokenize(s, &j->req, &ids, &n, &err) != 0 ||
-        llmem_srv_check_prompt(kind, n, &s->model, &err) != 0 || submit(s, j, ids, n, &err) != 0) {
+        llmem_srv_check_prompt(kind, n, j->req.max_tokens, &s->model, &err) != 0 ||
+        submit(s, j, ids, n, &err) != 0) {
         ok = respond_error(s, c, &err);
         goto out;
     }

@@ -120,9 +120,11 @@ int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
                             struct srv_error *err);
 void llmem_srv_request_free(struct srv_request *req);
 
-/* The prompt's length against the context: 0, or -1 with a 400 (context_length_exceeded). */
-int llmem_srv_check_prompt(enum srv_kind kind, int64_t n_prompt, const struct srv_model *m,
-                           struct srv_error *err);
+/* The prompt's length, and with it the completion's max_tokens (0: the rest of the context),
+ * against the context: 0, or -1 with a 400 (context_length_exceeded), as OpenAI and vLLM answer
+ * rather than a completion cut short. */
+int llmem_srv_check_prompt(enum srv_kind kind, int64_t n_prompt, int64_t max_tokens,
+                           const struct srv_model *m, struct srv_error *err);
 
 /* ---- responses ------------------------------------------------------------------------------- */
 

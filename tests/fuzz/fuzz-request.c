@@ -49,7 +49,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         for (int i = 0; i < req.n_stop; i++)
             if (req.stop[i] == NULL)
                 abort();
-        llmem_srv_check_prompt(kind, req.n_prompt_ids, &model, &err);
+        llmem_srv_check_prompt(kind, req.n_prompt_ids, req.max_tokens, &model, &err);
     } else {
         if (err.http < 400 || err.http > 599 || err.type == NULL || err.message[0] == '\0')
             abort();
