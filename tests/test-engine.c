@@ -15,6 +15,7 @@
 #include "engine/sampler.h"
 #include "llmem/bank.h"
 #include "llmem/engine.h"
+#include "llmem/grammar.h"
 #include "llmem/spill.h"
 #include "llmem/tokenizer.h"
 #include "testutil.h"
@@ -365,6 +366,27 @@ static void test_generate_stops(void **state) {
     assert_int_equal(r.n_ids, 3);
     llmem_generate_result_free(&r);
     llmem_generate_result_free(&full);
+
+    /* under a grammar that allows nothing after a complete output, the output ends there as a
+     * stop, also on its budget's last token */
+    char why[128];
+    struct llmem_grammar *g = NULL;
+    assert_int_equal(llmem_grammar_compile("{\"const\": \"ok\"}", 15, why, sizeof(why), &g),
+                     LLMEM_OK);
+    struct llmem_generate_params gp;
+    llmem_generate_params_default(&gp);
+    gp.max_tokens = 64;
+    gp.sampling.grammar = g;
+    assert_int_equal(llmem_engine_generate(e, ids, n, &gp, NULL, NULL, &r), LLMEM_OK);
+    assert_string_equal(r.text, "\"ok\"");
+    assert_string_equal(r.finish_reason, "stop");
+    gp.max_tokens = r.n_ids;
+    llmem_generate_result_free(&r);
+    assert_int_equal(llmem_engine_generate(e, ids, n, &gp, NULL, NULL, &r), LLMEM_OK);
+    assert_string_equal(r.text, "\"ok\"");
+    assert_string_equal(r.finish_reason, "stop");
+    llmem_generate_result_free(&r);
+    llmem_grammar_free(g);
 
     /* bad requests */
     assert_int_equal(llmem_engine_generate(e, ids, 0, &p, NULL, NULL, &r), LLMEM_EINVAL);

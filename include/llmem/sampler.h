@@ -96,6 +96,9 @@ LLMEM_API void llmem_sampler_prepare_on(struct llmem_sampler *s,
  * (llmem_grammar_state_status): the tokens drawn since may break the grammar, and the output
  * ends as an error. */
 LLMEM_API int llmem_sampler_status(const struct llmem_sampler *s);
+/* Whether the output is complete under its grammar and nothing else may come: it ends here (an
+ * end id would be the only draw left). */
+LLMEM_API int llmem_sampler_must_end(const struct llmem_sampler *s);
 
 #ifdef __cplusplus
 }

@@ -255,6 +255,11 @@ void llmem_sampler_accept(struct llmem_sampler *s, int32_t id) {
     }
 }
 
+int llmem_sampler_must_end(const struct llmem_sampler *s) {
+    return s->gs != NULL && llmem_grammar_state_status(s->gs) == LLMEM_OK &&
+           llmem_grammar_must_end(s->gs);
+}
+
 int llmem_sampler_status(const struct llmem_sampler *s) {
     return s->lazy_status != LLMEM_OK ? s->lazy_status
            : s->gs != NULL            ? llmem_grammar_state_status(s->gs)

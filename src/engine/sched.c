@@ -360,7 +360,9 @@ const char *llmem_sched_sample(struct llmem_sched *s, struct request *r, struct 
     llmem_sampler_accept(r->sampler, id);
     s->counters.generated_tokens++;
     r->pending = 1;
-    if (r->n_toks - r->n_prompt == r->max_tokens)
+    if (llmem_sampler_must_end(r->sampler)) /* complete, and only an end could follow */
+        r->ending = "stop";
+    else if (r->n_toks - r->n_prompt == r->max_tokens)
         r->ending = "length";
     return NULL;
 }
