@@ -667,11 +667,7 @@ int llmem_model_load(const char *model_dir, struct llmem_mem *mem, int flags,
         goto fail;
     if (find(m, "lm_head.weight", 0) != NULL && !g->tied_embeddings) {
         status = bind_matrix(m, "lm_head.weight", g->vocab_size, g->hidden_size, &m->lm_head);
-    } else {
-        if (!g->tied_embeddings)
-            LLMEM_WARN("%s: no lm_head.weight although tie_word_embeddings is not true; the "
-                       "embeddings are used as lm_head (tied)",
-                       model_dir);
+    } else { /* (llmem_model_geometry_load, which plans it first, warns of a missing lm_head) */
         g->tied_embeddings = 1;
         m->lm_head = m->embed;
     }
