@@ -590,6 +590,29 @@ static int ids_of(const char *text, int32_t *out) {
     return (int)n;
 }
 
+/* A sampler at temperature 1 under tool's grammar for a part of the output, triggered as the
+ * server triggers it for `format` (Hermes-style: "<tool_call>", again after each call; Llama 3:
+ * '{' at the start); *g the grammar, freed by the caller. */
+static struct llmem_sampler *lazy_sampler(const struct llmem_grammar_tool *tool,
+                                          enum llmem_tool_format format, uint64_t seed,
+                                          int64_t max_tokens, struct llmem_grammar **g) {
+    static int32_t eos;
+    eos = llmem_tokenizer_eos(tok);
+    char why[256];
+    assert_int_equal(llmem_grammar_compile_tools(tool, 1, format, why, sizeof(why), g), LLMEM_OK);
+    struct llmem_sampling p;
+    llmem_sampling_default(&p);
+    p.temperature = 1.0, p.seed = seed;
+    p.grammar = *g, p.grammar_vocab = vocab, p.end_ids = &eos, p.n_end_ids = 1;
+    p.max_tokens = max_tokens;
+    const int hermes = format == LLMEM_TOOL_FORMAT_HERMES;
+    p.grammar_trigger = hermes ? "<tool_call>" : "{";
+    p.trigger_at_start = !hermes, p.rearm = hermes;
+    struct llmem_sampler *s = NULL;
+    assert_int_equal(llmem_sampler_create(&p, llmem_tokenizer_vocab_size(tok), &s), LLMEM_OK);
+    return s;
+}
+
 /* A tools grammar for a part of the output (auto tool choice): free text until the convention's
  * marker, the call under the grammar from it on (a token it does not allow is masked, however
  * likely), free again after a Hermes-style call closes; Llama 3's marker counts only at the
@@ -600,27 +623,16 @@ static void test_lazy_tools(void **state) {
                                  "\"string\",\"maxLength\":8}},\"required\":[\"city\"],"
                                  "\"additionalProperties\":false}";
     const struct llmem_grammar_tool tool = {"get_weather", params, sizeof(params) - 1};
-    const int32_t vocab_n = llmem_tokenizer_vocab_size(tok), eos = llmem_tokenizer_eos(tok);
-    float *logits = malloc((size_t)vocab_n * sizeof(float));
+    float *logits = malloc((size_t)llmem_tokenizer_vocab_size(tok) * sizeof(float));
     assert_non_null(logits);
     int32_t opener[8], bang[8];
     const int n_opener = ids_of("<tool_call>", opener);
     ids_of("!!", bang);
     uint64_t x = 5;
     for (int seed = 0; seed < 20; seed++) {
-        char why[256];
         struct llmem_grammar *g = NULL;
-        assert_int_equal(
-            llmem_grammar_compile_tools(&tool, 1, LLMEM_TOOL_FORMAT_HERMES, why, sizeof(why), &g),
-            LLMEM_OK);
-        struct llmem_sampling p;
-        llmem_sampling_default(&p);
-        p.temperature = 1.0, p.seed = (uint64_t)seed;
-        p.grammar = g, p.grammar_vocab = vocab, p.end_ids = &eos, p.n_end_ids = 1;
-        p.max_tokens = 120;
-        p.grammar_trigger = "<tool_call>", p.rearm = 1;
-        struct llmem_sampler *s = NULL;
-        assert_int_equal(llmem_sampler_create(&p, vocab_n, &s), LLMEM_OK);
+        struct llmem_sampler *s =
+            lazy_sampler(&tool, LLMEM_TOOL_FORMAT_HERMES, (uint64_t)seed, 120, &g);
         int32_t ids[200];
         int n = 0;
         ids[n++] = lazy_step(s, logits, bang[0], &x); /* free: taken */
@@ -665,19 +677,8 @@ static void test_lazy_tools(void **state) {
     int32_t brace[8];
     ids_of("{", brace);
     for (int open = 0; open < 2; open++) {
-        char why[256];
         struct llmem_grammar *g = NULL;
-        assert_int_equal(
-            llmem_grammar_compile_tools(&tool, 1, LLMEM_TOOL_FORMAT_LLAMA3, why, sizeof(why), &g),
-            LLMEM_OK);
-        struct llmem_sampling p;
-        llmem_sampling_default(&p);
-        p.temperature = 1.0, p.seed = 9;
-        p.grammar = g, p.grammar_vocab = vocab, p.end_ids = &eos, p.n_end_ids = 1;
-        p.max_tokens = 80;
-        p.grammar_trigger = "{", p.trigger_at_start = 1;
-        struct llmem_sampler *s = NULL;
-        assert_int_equal(llmem_sampler_create(&p, vocab_n, &s), LLMEM_OK);
+        struct llmem_sampler *s = lazy_sampler(&tool, LLMEM_TOOL_FORMAT_LLAMA3, 9, 80, &g);
         if (!open)
             assert_int_equal(lazy_step(s, logits, bang[0], &x), bang[0]);
         assert_int_equal(lazy_step(s, logits, brace[0], &x), brace[0]);
