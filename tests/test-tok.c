@@ -823,6 +823,36 @@ static void test_load_errors(void **state) {
                         "\"merges\": [\"a a b\"]}}",
                         LLMEM_EFORMAT, "two tokens");
 
+    /* Ids between the vocabulary's tokens that no token has (3 and 4, before an added 5) decode
+     * to nothing, whole and streamed, as tokenizers decodes them; past the last id, an error */
+    {
+        char gap[1024];
+        snprintf(gap, sizeof(gap), "%s/gap", dir);
+        assert_int_equal(mkdir(gap, 0755), 0);
+        free(tu_write_file(gap, "tokenizer.json",
+                           "{" BPE_MODEL ", \"added_tokens\": [{\"id\": 5, \"content\": "
+                           "\"<x>\", \"special\": true}]}",
+                           -1));
+        struct llmem_tokenizer *g = load_dir(gap);
+        char *with = NULL, *without = NULL;
+        assert_int_equal(
+            llmem_tokenizer_decode(g, (const int32_t[]){0, 3, 1, 4}, 4, 0, &with, NULL), LLMEM_OK);
+        assert_int_equal(llmem_tokenizer_decode(g, (const int32_t[]){0, 1}, 2, 0, &without, NULL),
+                         LLMEM_OK);
+        assert_string_equal(with, without);
+        free(with), free(without);
+        struct llmem_detok *d = NULL;
+        assert_int_equal(llmem_detok_create(g, 0, &d), LLMEM_OK);
+        char *piece = NULL;
+        assert_int_equal(llmem_detok_push(d, 3, &piece), LLMEM_OK);
+        assert_string_equal(piece != NULL ? piece : "", "");
+        free(piece);
+        llmem_detok_free(d);
+        tu_expect_failure(llmem_tokenizer_decode(g, (const int32_t[]){6}, 1, 0, &with, NULL),
+                          LLMEM_EINVAL, "id 6");
+        llmem_tokenizer_free(g);
+    }
+
     /* An empty vocabulary loads and encodes to nothing; without a decoder tokens join with
      * spaces, as tokenizers does. */
     char sub[1024];

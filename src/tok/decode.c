@@ -216,12 +216,13 @@ static const struct tok_str *token_text(const struct llmem_tokenizer *tok, int32
     return a >= 0 ? &tok->added[a].content : &tok->pieces[id];
 }
 
-/* Checks the ids; logs as `func`. */
+/* Checks the ids; logs as `func`. An id inside the vocabulary's range that no token has (a gap in
+ * its ids) decodes to nothing, as tokenizers decodes it. */
 static int check_ids(const struct llmem_tokenizer *tok, const int32_t *ids, int64_t n,
                      const char *func) {
     for (int64_t i = 0; i < n; i++) {
         int32_t id = ids[i];
-        if (id < 0 || id >= tok->n_vocab || token_text(tok, id)->p == NULL) {
+        if (id < 0 || id >= tok->n_vocab) {
             LLMEM_ERROR_AS(func, "id %d (at %lld) is not in the vocabulary of %d tokens", id,
                            (long long)i, tok->n_vocab);
             return LLMEM_EINVAL;
@@ -241,9 +242,9 @@ static int decode_into(const struct llmem_tokenizer *tok, const int32_t *ids, in
     static const struct tok_str space = {" ", 1};
     int status = llmem_tok_buf_reserve(&a.text, 0);
     for (int64_t i = 0; i < n && status == LLMEM_OK; i++) {
-        if (skip_special && tok->kind[ids[i]] == TOK_KIND_SPECIAL)
-            continue;
         const struct tok_str *t = token_text(tok, ids[i]);
+        if ((skip_special && tok->kind[ids[i]] == TOK_KIND_SPECIAL) || t->p == NULL)
+            continue;
         status = strs_push(&a, t->p, t->n);
     }
     for (int k = 0; k < tok->n_decs && status == LLMEM_OK; k++) {
@@ -478,7 +479,8 @@ int llmem_detok_push(struct llmem_detok *d, int32_t id, char **piece) {
     int status = check_ids(d->tok, &id, 1, __func__);
     if (status != LLMEM_OK)
         return status;
-    if (!(d->skip_special && d->tok->kind[id] == TOK_KIND_SPECIAL)) {
+    if (!(d->skip_special && d->tok->kind[id] == TOK_KIND_SPECIAL) &&
+        token_text(d->tok, id)->p != NULL) {
         if (d->n == d->cap) {
             size_t cap = d->cap ? 2 * d->cap : 64;
             int32_t *p = realloc(d->ids, cap * sizeof(*p));
