@@ -491,6 +491,61 @@ static void test_tools(void **state) {
     tu_http_free(&h);
 }
 
+/* tools with tool_choice auto, Llama 3's convention: an answer opening with '{' (the bias makes
+ * it open so) is the call, generated under the tools' grammar from there on — a declared function
+ * and arguments that hold to its schema, whatever the model would write — and an answer that
+ * opens otherwise is content. */
+static void test_auto_tool_calls(void **state) {
+    (void)state;
+    const char *args[] = {PYCODER, "--chat-template", "llama3", "--threads", "2"};
+    struct tu_server s;
+    tu_serve_start(&s, 5, args);
+    struct tu_run t = tu_llmem("tokenize", PYCODER, "--text", "{", NULL);
+    assert_int_equal(t.exit_code, 0);
+    const int brace = atoi(t.out);
+    tu_run_free(&t);
+    static const char tools[] =
+        "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", "
+        "\"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": "
+        "\"string\", \"maxLength\": 12}, \"unit\": {\"enum\": [\"c\", \"f\"]}}, \"required\": "
+        "[\"city\", \"unit\"], \"additionalProperties\": false}}}]";
+    int calls_seen = 0;
+    for (int seed = 0; seed < 8; seed++) {
+        char body[2048], bias[64] = "";
+        if (seed < 6)
+            snprintf(bias, sizeof(bias), ", \"logit_bias\": {\"%d\": 100}", brace);
+        snprintf(body, sizeof(body),
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"Weather in Oslo?\"}], "
+                 "%s, \"tool_choice\": \"auto\", \"temperature\": 1, \"seed\": %d, "
+                 "\"max_tokens\": 80%s}",
+                 tools, seed, bias);
+        struct tu_http h = post(&s, "/v1/chat/completions", body);
+        assert_int_equal(h.status, 200);
+        cJSON *root = tu_http_json(&h);
+        const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0);
+        const cJSON *calls = cJSON_GetObjectItem(cJSON_GetObjectItem(c, "message"), "tool_calls");
+        const char *finish = cJSON_GetObjectItem(c, "finish_reason")->valuestring;
+        if (seed < 6 && cJSON_GetArraySize(calls) != 1)
+            fail_msg("seed %d: no call in %s", seed, h.body);
+        if (cJSON_IsArray(calls)) {
+            const cJSON *f = cJSON_GetObjectItem(cJSON_GetArrayItem(calls, 0), "function");
+            cJSON *a = cJSON_Parse(cJSON_GetObjectItem(f, "arguments")->valuestring);
+            const cJSON *unit = cJSON_GetObjectItem(a, "unit");
+            if (strcmp(cJSON_GetObjectItem(f, "name")->valuestring, "get_weather") != 0 ||
+                !cJSON_IsString(cJSON_GetObjectItem(a, "city")) || !cJSON_IsString(unit) ||
+                (strcmp(unit->valuestring, "c") != 0 && strcmp(unit->valuestring, "f") != 0) ||
+                cJSON_GetArraySize(a) != 2 || strcmp(finish, "tool_calls") != 0)
+                fail_msg("seed %d: %s", seed, h.body);
+            cJSON_Delete(a);
+            calls_seen++;
+        }
+        cJSON_Delete(root);
+        tu_http_free(&h);
+    }
+    assert_true(calls_seen >= 6);
+    assert_int_equal(tu_serve_stop(&s), 0);
+}
+
 /* ---- chat ------------------------------------------------------------------------------------ */
 
 static const char chat_body[] =
@@ -1720,6 +1775,7 @@ int main(void) {
     };
     const struct CMUnitTest own[] = {
         cmocka_unit_test(test_api_key_and_no_template),
+        cmocka_unit_test(test_auto_tool_calls),
         cmocka_unit_test(test_queue_full),
         cmocka_unit_test(test_util_matches_plan),
         cmocka_unit_test(test_memory_burst),
