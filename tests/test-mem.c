@@ -269,7 +269,18 @@ static void test_waste_bound(void **state) {
             assert_int_equal(c % page, 0);
         if (n >= (size_t)1 << 30)
             assert_true(c - n < 2 * MiB); /* big buffers waste under 2 MiB */
+        /* a large buffer of weights or KV: whole pages, never more than its class */
+        const size_t kv = llmem_mem_alloc_size(m, n, LLMEM_TAG_KV);
+        assert_int_equal(llmem_mem_alloc_size(m, n, LLMEM_TAG_SCRATCH), c);
+        assert_true(kv >= n && kv <= c);
+        if (n >= 32768)
+            assert_true(kv % page == 0 && kv - n < page);
     }
+    /* one layer's KV of 4.25 MiB is held in 4.25 MiB, not its class's 4.5 */
+    void *layer = llmem_mem_alloc(m, 4 * MiB + MiB / 4, LLMEM_TAG_KV);
+    assert_non_null(layer);
+    assert_int_equal(llmem_mem_active(m), 4 * MiB + MiB / 4);
+    llmem_mem_free(m, layer);
     /* Measured on real allocations: requested vs held. */
     void *p[64];
     for (int i = 0; i < 64; i++)
@@ -566,9 +577,10 @@ static void test_stress(void **state) {
                 /* log-uniform sizes from 1 byte to 16 MiB */
                 size_t n = 1 + (size_t)((r >> 24) % ((size_t)1 << ((r >> 56) % 25)));
                 trimmed = 1;
-                live[k] = llmem_mem_alloc(m, n, (enum llmem_mem_tag)((r >> 8) % LLMEM_TAG_COUNT));
+                const enum llmem_mem_tag tag = (enum llmem_mem_tag)((r >> 8) % LLMEM_TAG_COUNT);
+                live[k] = llmem_mem_alloc(m, n, tag);
                 if (live[k] != NULL) {
-                    held[k] = llmem_mem_size_class(m, n);
+                    held[k] = llmem_mem_alloc_size(m, n, tag);
                     ((char *)live[k])[0] = 1;
                     ((char *)live[k])[n - 1] = 1;
                 }

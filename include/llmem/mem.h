@@ -12,6 +12,8 @@
  *                           waste class(n) − n is below n / 8: at most 12.5 %
  *   n ≥ large_min (32 KiB)  the step is also at least one page (the buffer is page-aligned, from
  *                           mmap) and at most 2 MiB, so a 10 GiB buffer wastes under 2 MiB
+ * but a large buffer of weights or KV is whole pages where that is less than its class
+ * (llmem_mem_alloc_size): made once for a model's life, it never needs a class's reuse.
  * Small buffers are 64-byte aligned (posix_memalign); large ones are page-aligned (mmap).
  *
  * Limits: the memory limit bounds active + cached bytes. An allocation that would pass it first
@@ -102,6 +104,11 @@ LLMEM_API void llmem_mem_untrack(struct llmem_mem *mem, void *ptr);
 
 /* The class size a request of `bytes` is served from (see the top of this file). */
 LLMEM_API size_t llmem_mem_size_class(const struct llmem_mem *mem, size_t bytes);
+/* The bytes a request of `bytes` under `tag` takes: its class size, but for a large buffer of
+ * weights or KV (made once for a model's life, never reused at another size) whole pages, where
+ * that is less: the plan's weights and KV are what they hold, not up to 12.5 % more. */
+LLMEM_API size_t llmem_mem_alloc_size(const struct llmem_mem *mem, size_t bytes,
+                                      enum llmem_mem_tag tag);
 
 /* Limits. Each setter returns the previous value. */
 LLMEM_API int64_t llmem_mem_set_cache_limit(struct llmem_mem *mem,

@@ -107,7 +107,7 @@ static uint8_t *kv_alloc(struct llmem_kv *kv, int l, size_t bytes) {
     struct llmem_mem *mem = llmem_kv_layer_mem(kv, l);
     uint8_t *p = llmem_mem_alloc(mem, bytes, LLMEM_TAG_KV);
     if (p != NULL)
-        kv->st.bytes += (int64_t)llmem_mem_size_class(mem, bytes);
+        kv->st.bytes += (int64_t)llmem_mem_alloc_size(mem, bytes, LLMEM_TAG_KV);
     return p;
 }
 
@@ -116,7 +116,7 @@ static void kv_release(struct llmem_kv *kv, int l, void *p, size_t bytes) {
         return;
     struct llmem_mem *mem = llmem_kv_layer_mem(kv, l);
     llmem_mem_free(mem, p);
-    kv->st.bytes -= (int64_t)llmem_mem_size_class(mem, bytes);
+    kv->st.bytes -= (int64_t)llmem_mem_alloc_size(mem, bytes, LLMEM_TAG_KV);
 }
 
 /* memcpy for layer l's memory: host or, with a device backend, through it. */

@@ -317,6 +317,14 @@ size_t llmem_mem_size_class(const struct llmem_mem *m, size_t n) {
     return (n + step - 1) / step * step;
 }
 
+size_t llmem_mem_alloc_size(const struct llmem_mem *m, size_t n, enum llmem_mem_tag tag) {
+    const size_t cls = llmem_mem_size_class(m, n);
+    if ((tag != LLMEM_TAG_WEIGHTS && tag != LLMEM_TAG_KV) || n < m->large_min || cls == 0)
+        return cls;
+    const size_t pages = (n + m->page - 1) / m->page * m->page;
+    return pages < cls ? pages : cls;
+}
+
 /* ---- accounting -------------------------------------------------------------------------------
  */
 
@@ -543,7 +551,7 @@ void llmem_mem_destroy(struct llmem_mem *m) {
 
 void *llmem_mem_alloc(struct llmem_mem *m, size_t bytes, enum llmem_mem_tag tag) {
     LLMEM_ASSERT(m != NULL && (unsigned)tag < LLMEM_TAG_COUNT);
-    size_t size = llmem_mem_size_class(m, bytes);
+    size_t size = llmem_mem_alloc_size(m, bytes, tag);
     if (bytes == 0 || size == 0 || size > (size_t)INT64_MAX / 2) {
         LLMEM_ERROR("%s: cannot allocate %zu bytes for %s", m->ops.name, bytes,
                     llmem_mem_tag_name(tag));
@@ -806,7 +814,8 @@ int llmem_mem_check(struct llmem_mem *m) {
         LLMEM_INVARIANT(b->state == BLOCK_ACTIVE || b->state == BLOCK_TRACKED,
                         "a mapped block is cached");
         LLMEM_INVARIANT(
-            b->state == BLOCK_TRACKED || b->size == llmem_mem_size_class(m, b->requested),
+            b->state == BLOCK_TRACKED ||
+                b->size == llmem_mem_alloc_size(m, b->requested, (enum llmem_mem_tag)b->tag),
             "a buffer of %zu bytes is not the class of its request %zu", b->size, b->requested);
         LLMEM_INVARIANT(b->tag < LLMEM_TAG_COUNT, "bad tag %d", b->tag);
         tag_bytes[b->tag] += (int64_t)b->size;
