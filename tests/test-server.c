@@ -424,6 +424,25 @@ static void test_parse_errors(void **state) {
     assert_string_equal(e0.param, "tools");
     assert_non_null(strstr(e0.message, "levels deep; at most 32"));
     llmem_srv_request_free(&r0);
+    /* a body of more JSON values than the server plans parse trees for: refused before it is
+     * parsed (the strings' commas and brackets are not values) */
+    struct srv_model few = model;
+    few.max_values = 70;
+    char ids[1024];
+    int ia = snprintf(ids, sizeof(ids), "{\"prompt\": [1");
+    for (int i = 1; i < 62; i++)
+        ia += snprintf(ids + ia, sizeof(ids) - (size_t)ia, ",%d", i);
+    snprintf(ids + ia, sizeof(ids) - (size_t)ia, "], \"stop\": \"[,,,,{{{\"}");
+    memset(&e0, 0, sizeof(e0));
+    assert_int_equal(llmem_srv_request_parse(SRV_COMPLETIONS, ids, strlen(ids), &few, &r0, &e0), 0);
+    llmem_srv_request_free(&r0);
+    snprintf(ids + ia, sizeof(ids) - (size_t)ia, ",1,2,3,4,5,6,7,8]}");
+    memset(&e0, 0, sizeof(e0));
+    assert_int_equal(llmem_srv_request_parse(SRV_COMPLETIONS, ids, strlen(ids), &few, &r0, &e0),
+                     -1);
+    assert_int_equal(e0.http, 400);
+    assert_non_null(strstr(e0.message, "holds 72 JSON values; at most 70"));
+    llmem_srv_request_free(&r0);
     /* more choices than the server's queue holds could never all start: refused by name */
     struct srv_model small = model;
     small.max_choices = 2;

@@ -343,6 +343,38 @@ static void test_round_trip_random(void **state) {
     }
 }
 
+/* Encoding in batches of the first step's pieces gives the ids of the whole text: batches of 1,
+ * 7 and 64 bytes against none, on every tokenizer, random texts of up to 800 bytes. */
+static void test_encode_batches(void **state) {
+    (void)state;
+    char text[4 * 200 + 1];
+    const size_t batch = llmem_tok_encode_batch;
+    for (size_t t = 0; t < N_TOKENIZERS; t++) {
+        struct llmem_tokenizer *tok = load(all_tokenizers[t]);
+        for (int iter = 0; iter < 100; iter++) {
+            size_t len = random_text(text, 1 + rng() % 200);
+            int32_t *want = NULL;
+            int64_t n_want = 0;
+            llmem_tok_encode_batch = SIZE_MAX;
+            assert_int_equal(llmem_tokenizer_encode(tok, text, len, &want, &n_want), LLMEM_OK);
+            static const size_t sizes[] = {1, 7, 64};
+            for (size_t k = 0; k < 3; k++) {
+                int32_t *ids = NULL;
+                int64_t n = 0;
+                llmem_tok_encode_batch = sizes[k];
+                assert_int_equal(llmem_tokenizer_encode(tok, text, len, &ids, &n), LLMEM_OK);
+                if (n != n_want || memcmp(ids, want, (size_t)n * sizeof(int32_t)) != 0)
+                    fail_msg("%s: batches of %zu bytes change the ids of '%.*s'", all_tokenizers[t],
+                             sizes[k], (int)len, text);
+                free(ids);
+            }
+            free(want);
+        }
+        llmem_tokenizer_free(tok);
+    }
+    llmem_tok_encode_batch = batch;
+}
+
 static void check_random_ids(const struct llmem_tokenizer *tok);
 
 /* Random bytes: invalid UTF-8 is refused, valid stretches round trip; random ids always decode to
@@ -994,6 +1026,16 @@ static void time_encode(const char *name, const char *text, size_t len, const ch
     size_t out_len = 0;
     assert_int_equal(llmem_tokenizer_decode(tok, ids, n, 0, &out, &out_len), LLMEM_OK);
     double t2 = llmem_clock_s();
+    /* cut in batches (64 KiB of the first step's pieces at a time), the ids of the whole */
+    const size_t batch = llmem_tok_encode_batch;
+    llmem_tok_encode_batch = SIZE_MAX;
+    int32_t *whole = NULL;
+    int64_t n_whole = 0;
+    assert_int_equal(llmem_tokenizer_encode(tok, text, len, &whole, &n_whole), LLMEM_OK);
+    llmem_tok_encode_batch = batch;
+    assert_int_equal(n_whole, n);
+    assert_memory_equal(whole, ids, (size_t)n * sizeof(int32_t));
+    free(whole);
     print_message("%-20s %s: %zu bytes → %lld ids, encode %.3f s, decode %.3f s\n", name, what, len,
                   (long long)n, t1 - t0, t2 - t1);
     assert_int_equal(out_len, len);
@@ -1048,6 +1090,7 @@ static void test_encode_megabyte(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_reference_cases, tu_setup_dir, tu_teardown_dir),
+        cmocka_unit_test(test_encode_batches),
         cmocka_unit_test_setup_teardown(test_round_trip_random, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_random_bytes, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_added_tokens, tu_setup_dir, tu_teardown_dir),

@@ -48,6 +48,11 @@ struct llmem_server_config {
                              * bodies' budget (0: LLMEM_SERVER_BODY_TIMEOUT_S) */
 };
 #define LLMEM_SERVER_BODY_TIMEOUT_S 60
+/* The JSON values a body may hold: one every 24 of its largest bytes (a 4 MiB body: 174,762, a
+ * prompt of as many token ids), so that its parse tree — LLMEM_SERVER_VALUE_BYTES a value — is
+ * bounded and planned; a body of more is refused before it is parsed. */
+#define LLMEM_SERVER_BODY_VALUES(max_body) ((max_body) / 24)
+#define LLMEM_SERVER_VALUE_BYTES           80
 LLMEM_API void llmem_server_config_default(struct llmem_server_config *c);
 
 /* Request bodies the server holds at once, in bytes of the largest body: a body arriving beyond
@@ -55,7 +60,8 @@ LLMEM_API void llmem_server_config_default(struct llmem_server_config *c);
 #define LLMEM_SERVER_BODIES_IN_FLIGHT 2
 /* What a server of this configuration holds outside the engine's allocator at most, for the
  * engine's runtime baseline (llmem_engine_config.runtime_reserve_bytes): the bodies in flight
- * three times over (as received, parsed, and as the prompt they render) and the stacks of the
+ * three times over (as received, parsed, and as the prompt they render) with their parse trees,
+ * and the stacks of the
  * connection threads that work at once (one per running sequence and a few more). */
 LLMEM_API int64_t llmem_server_runtime_reserve(const struct llmem_server_config *c,
                                                int64_t max_sequences);

@@ -56,6 +56,11 @@ LLMEM_API int llmem_tokenizer_is_special(const struct llmem_tokenizer *tok, int3
  * not valid UTF-8, LLMEM_ENOMEM. */
 LLMEM_API int llmem_tokenizer_encode(const struct llmem_tokenizer *tok, const char *text,
                                      size_t len, int32_t **ids, int64_t *n);
+/* The same, stopping once the text has more than max_ids tokens: LLMEM_ERANGE (logged, "more
+ * than max_ids tokens"), so that a text far longer than a context costs no more memory than one
+ * that fills it. */
+LLMEM_API int llmem_tokenizer_encode_max(const struct llmem_tokenizer *tok, const char *text,
+                                         size_t len, int64_t max_ids, int32_t **ids, int64_t *n);
 
 /* Decodes ids to UTF-8 text, the inverse of encode (special tokens are written as their text
  * unless skip_special). *text is malloc'ed and NUL-terminated; *len excludes the NUL. Invalid

@@ -381,8 +381,10 @@ static int run_main(int argc, char **argv, struct run_args *a) {
     int rc = open_engine(argv[optind], a, &e);
     if (rc != CLI_OK)
         goto out;
-    if (text != NULL &&
-        llmem_tokenizer_encode(llmem_engine_tokenizer(e), text, text_len, &ids, &n) != LLMEM_OK) {
+    /* (a text longer than the context is refused once it is: its ids are never all made) */
+    if (text != NULL && llmem_tokenizer_encode_max(llmem_engine_tokenizer(e), text, text_len,
+                                                   llmem_engine_plan(e)->context_window_resolved,
+                                                   &ids, &n) != LLMEM_OK) {
         rc = CLI_FAIL;
         goto out;
     }
@@ -465,15 +467,18 @@ static void conversation_free(struct conversation *c) {
 }
 
 /* The ids of the rendered text: the conversation's ids + the rest encoded when the text
- * continues the conversation, else the whole text encoded. */
+ * continues the conversation, else the whole text encoded; more than `max` in all: LLMEM_ERANGE
+ * (logged). */
 static int conversation_ids(const struct llmem_tokenizer *tok, const struct conversation *c,
-                            const char *text, size_t text_len, int32_t **ids, int64_t *n) {
+                            const char *text, size_t text_len, int64_t max, int32_t **ids,
+                            int64_t *n) {
     size_t len = c->text_len;
     if (c->text == NULL || len > text_len || memcmp(text, c->text, len) != 0)
-        return llmem_tokenizer_encode(tok, text, text_len, ids, n);
+        return llmem_tokenizer_encode_max(tok, text, text_len, max, ids, n);
     int32_t *rest = NULL;
     int64_t n_rest = 0;
-    int status = llmem_tokenizer_encode(tok, text + len, text_len - len, &rest, &n_rest);
+    int status = llmem_tokenizer_encode_max(tok, text + len, text_len - len,
+                                            max > c->n ? max - c->n : 0, &rest, &n_rest);
     if (status != LLMEM_OK)
         return status;
     *ids = malloc((size_t)(c->n + n_rest + 1) * sizeof(int32_t));
@@ -589,6 +594,7 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
 
     /* the messages so far (system, then user and assistant turns), grown as the turns come;
      * owned[i] is the text of msgs[i] where this loop allocated it, else NULL */
+    const int64_t context = llmem_engine_plan(e)->context_window_resolved;
     struct llmem_chat_message *msgs = NULL;
     char **owned = NULL;
     int n_msgs = 0, cap = 0;
@@ -639,7 +645,7 @@ static int chat_main(int argc, char **argv, struct run_args *a) {
         int32_t *ids = NULL;
         int64_t n = 0;
         if (llmem_chat_render(tok, tmpl, msgs, n_msgs, 1, &text, &text_len) != LLMEM_OK ||
-            conversation_ids(tok, &conv, text, text_len, &ids, &n) != LLMEM_OK) {
+            conversation_ids(tok, &conv, text, text_len, context, &ids, &n) != LLMEM_OK) {
             free(text);
             rc = CLI_FAIL;
             break;

@@ -239,6 +239,26 @@ static size_t string_len(const char *body, size_t len, size_t *at) {
     return n;
 }
 
+/* At least as many as the JSON values the body holds (its parse tree's nodes): one, and one
+ * more a comma and an opening bracket or brace outside strings. */
+static int64_t count_values(const char *body, size_t len) {
+    int64_t n = 1;
+    int in_string = 0;
+    for (size_t i = 0; i < len; i++) {
+        const char c = body[i];
+        if (in_string) {
+            if (c == '\\')
+                i++;
+            else if (c == '"')
+                in_string = 0;
+        } else {
+            n += c == ',' || c == '[' || c == '{';
+            in_string = c == '"';
+        }
+    }
+    return n;
+}
+
 struct string_walk {
     const char *body;
     size_t len, at;
@@ -1188,6 +1208,12 @@ int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
     r->logprobs = -1;
     if (!llmem_srv_utf8_valid(body, len))
         return bad(e, NULL, "invalid_encoding", "the request body is not valid UTF-8");
+    const int64_t values = count_values(body, len);
+    if (m->max_values > 0 && values > m->max_values)
+        return bad(e, NULL, "invalid_value",
+                   "the request body holds %" PRId64 " JSON values; at most %" PRId64
+                   " (a prompt of as many token ids)",
+                   values, m->max_values);
     char msg[256];
     if (llmem_json_parse_msg(body, len, "the request body", &r->root, msg, sizeof(msg)) != LLMEM_OK)
         return bad(e, NULL, "invalid_json", "%s", msg);

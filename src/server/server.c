@@ -104,7 +104,8 @@ void llmem_server_config_default(struct llmem_server_config *c) {
 
 int64_t llmem_server_runtime_reserve(const struct llmem_server_config *c, int64_t max_sequences) {
     int64_t body = c->max_body_bytes > 0 ? c->max_body_bytes : LLMEM_SERVER_MAX_BODY_BYTES;
-    return 3 * LLMEM_SERVER_BODIES_IN_FLIGHT * body +
+    return LLMEM_SERVER_BODIES_IN_FLIGHT *
+               (3 * body + LLMEM_SERVER_BODY_VALUES(body) * LLMEM_SERVER_VALUE_BYTES) +
            (max_sequences + CONN_THREADS_EXTRA) * CONN_STACK_TOUCHED;
 }
 
@@ -556,8 +557,15 @@ static int tokenize(struct llmem_server *s, const struct srv_request *req, int32
                                   llmem_last_error());
         text = rendered;
     }
-    int status = llmem_tokenizer_encode(s->tok, text, len, ids, n);
+    /* (a prompt longer than the context is refused once it is: its ids are never all made) */
+    int status = llmem_tokenizer_encode_max(s->tok, text, len, s->model.context, ids, n);
     free(rendered);
+    if (status == LLMEM_ERANGE)
+        return llmem_srv_fail(
+            err, 400, "invalid_request_error", req->kind == SRV_CHAT ? "messages" : "prompt",
+            "context_length_exceeded",
+            "This model's maximum context length is %" PRId64 " tokens; the prompt has more",
+            s->model.context);
     if (status != LLMEM_OK)
         return llmem_srv_fail(err, status == LLMEM_ENOMEM ? 500 : 400,
                               status == LLMEM_ENOMEM ? "server_error" : "invalid_request_error",
@@ -1129,7 +1137,8 @@ int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config 
         (struct srv_model){.name = s->name,
                            .vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size,
                            .context = llmem_engine_plan(e)->context_window_resolved,
-                           .max_choices = (int)(cfg->max_queue > 0 ? cfg->max_queue : 256)};
+                           .max_choices = (int)(cfg->max_queue > 0 ? cfg->max_queue : 256),
+                           .max_values = LLMEM_SERVER_BODY_VALUES(s->max_body)};
     if (getrandom(&s->salt, sizeof(s->salt), 0) != (ssize_t)sizeof(s->salt))
         s->salt = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)s;
     if (s->name == NULL || (cfg->api_key != NULL && *cfg->api_key && s->api_key == NULL)) {

@@ -63,6 +63,7 @@ struct srv_model {
     int64_t vocab;
     int64_t context; /* the engine's context window: max_tokens above it is refused */
     int max_choices; /* the waiting queue's length: more choices than it could never start */
+    int64_t max_values; /* the JSON values a body may hold (0: no bound) */
     int tools;       /* its chat template has a tool-call convention: */
     enum llmem_tool_format
         tool_format; /* chatml Hermes-style, llama3 Llama 3.1's, mistral v0.3's */

@@ -22,14 +22,19 @@
 
 #define ENCODE_FUNC "llmem_tokenizer_encode"
 
+size_t llmem_tok_encode_batch = (size_t)64 << 10;
+
 /* ---- output and pieces ---------------------------------------------------------------------- */
 
 struct ids {
     int32_t *p;
     int64_t n, cap;
+    int64_t max; /* LLMEM_ERANGE past it */
 };
 
 static int ids_push(struct ids *v, int32_t id) {
+    if (v->n == v->max)
+        return LLMEM_ERANGE;
     if (v->n == v->cap) {
         int64_t cap = v->cap ? 2 * v->cap : 64;
         int32_t *p = realloc(v->p, (size_t)cap * sizeof(*p));
@@ -92,7 +97,7 @@ struct encoder {
     const struct llmem_tokenizer *tok;
     struct ids out;
     struct pieces a, b; /* the pieces, before and after a step */
-    struct tok_buf norm, tmp;
+    struct tok_buf norm, tmp, src0; /* src0: the first step's input, when it copies it */
     pcre2_match_data *md;
     struct sym *syms;
     size_t n_syms_cap;
@@ -194,6 +199,7 @@ static int push_scored_pair(struct encoder *e, const char *s, int32_t pos) {
  * grown since it was pushed (symbols only grow). */
 static int spm(struct encoder *e, const char *s, size_t len) {
     const struct llmem_tokenizer *tok = e->tok;
+    int st;
     size_t n = 0;
     for (size_t i = 0; i < len;) {
         uint32_t cp;
@@ -235,16 +241,16 @@ static int spm(struct encoder *e, const char *s, size_t len) {
         int32_t id =
             y->id >= 0 ? y->id : llmem_tok_strmap_get(&tok->vocab, s + y->start, (size_t)y->len);
         if (id >= 0) {
-            if (ids_push(&e->out, id) != LLMEM_OK)
-                return LLMEM_ENOMEM;
+            if ((st = ids_push(&e->out, id)) != LLMEM_OK)
+                return st;
             continue;
         }
         for (int32_t k = 0; k < y->len; k++) {
             int32_t b = tok->byte_ids[(unsigned char)s[y->start + k]];
             if (b < 0)
                 b = tok->unk_id;
-            if (b >= 0 && ids_push(&e->out, b) != LLMEM_OK)
-                return LLMEM_ENOMEM;
+            if (b >= 0 && (st = ids_push(&e->out, b)) != LLMEM_OK)
+                return st;
         }
     }
     return LLMEM_OK;
@@ -254,6 +260,7 @@ static int spm(struct encoder *e, const char *s, size_t len) {
 
 static int bpe(struct encoder *e, const char *s, size_t len) {
     const struct llmem_tokenizer *tok = e->tok;
+    int st;
     if (len == 0)
         return LLMEM_OK;
     if (tok->score_rank != NULL)
@@ -318,8 +325,8 @@ static int bpe(struct encoder *e, const char *s, size_t len) {
             return LLMEM_ENOMEM;
     }
     for (int32_t i = 0; i >= 0; i = e->syms[i].next)
-        if (ids_push(&e->out, e->syms[i].id) != LLMEM_OK)
-            return LLMEM_ENOMEM;
+        if ((st = ids_push(&e->out, e->syms[i].id)) != LLMEM_OK)
+            return st;
     return LLMEM_OK;
 }
 
@@ -380,11 +387,24 @@ static int normalize(struct encoder *e, const char *s, size_t len) {
 
 /* ---- pre-tokenizer steps -------------------------------------------------------------------- */
 
-/* Cuts [s, s + len) at the matches of re, keeping both the matches and the text between them. */
+/* Where a step stands in its input when it stops after a batch of pieces (the first step
+ * only, see encode_stretch): the next match's start, the end of the last piece, and whether the
+ * whole input is done. */
+struct cursor {
+    size_t at, last;
+    int done;
+};
+
+/* Cuts [s, s + len) at the matches of re, keeping both the matches and the text between them;
+ * from cur on, stopping once out holds `batch` bytes (SIZE_MAX: the whole input). */
 static int split_regex(struct encoder *e, const pcre2_code *re, const char *s, size_t len,
-                       struct pieces *out) {
-    size_t at = 0, last = 0;
+                       struct pieces *out, struct cursor *cur, size_t batch) {
+    size_t at = cur->at, last = cur->last;
     while (at < len) {
+        if (out->text.n >= batch) {
+            cur->at = at, cur->last = last;
+            return LLMEM_OK;
+        }
         int rc = pcre2_match(re, (PCRE2_SPTR)s, len, at, PCRE2_NO_UTF_CHECK, e->md, NULL);
         if (rc == PCRE2_ERROR_NOMATCH)
             break;
@@ -410,25 +430,33 @@ static int split_regex(struct encoder *e, const pcre2_code *re, const char *s, s
     }
     if (len > last && (llmem_tok_buf_add(&out->text, s + last, len - last) || pieces_end(out)))
         return LLMEM_ENOMEM;
+    cur->at = cur->last = len;
+    cur->done = 1;
     return LLMEM_OK;
 }
 
 static int byte_level(struct encoder *e, const struct tok_pre *pre, const char *s, size_t len,
-                      struct pieces *out) {
-    /* The optional space and regex cut first (into tmp pieces), then the byte map. */
+                      struct pieces *out, struct cursor *cur, size_t batch) {
+    /* The optional space and regex cut first (into tmp pieces), then the byte map. The first
+     * step's input (cut in batches) is kept in src0 between them. */
+    struct tok_buf *in = batch == SIZE_MAX ? &e->tmp : &e->src0;
     struct pieces cut = {0};
     int status = LLMEM_OK;
-    e->tmp.n = 0;
-    if (pre->add_prefix_space && (len == 0 || s[0] != ' ')) {
-        if (llmem_tok_buf_add(&e->tmp, " ", 1) != LLMEM_OK)
+    if (cur->at == 0 && cur->last == 0) {
+        in->n = 0;
+        if (pre->add_prefix_space && (len == 0 || s[0] != ' ')) {
+            if (llmem_tok_buf_add(in, " ", 1) != LLMEM_OK)
+                return LLMEM_ENOMEM;
+        }
+        if (llmem_tok_buf_add(in, s, len) != LLMEM_OK)
             return LLMEM_ENOMEM;
     }
-    if (llmem_tok_buf_add(&e->tmp, s, len) != LLMEM_OK)
-        return LLMEM_ENOMEM;
     if (pre->re != NULL) {
-        status = split_regex(e, pre->re, e->tmp.p, e->tmp.n, &cut);
-    } else if (llmem_tok_buf_add(&cut.text, e->tmp.p, e->tmp.n) != LLMEM_OK || pieces_end(&cut)) {
+        status = split_regex(e, pre->re, in->p, in->n, &cut, cur, batch);
+    } else if (llmem_tok_buf_add(&cut.text, in->p, in->n) != LLMEM_OK || pieces_end(&cut)) {
         status = LLMEM_ENOMEM;
+    } else {
+        cur->done = 1;
     }
     for (size_t i = 0, start = 0; status == LLMEM_OK && i < cut.n; start = cut.ends[i++]) {
         for (size_t k = start; k < cut.ends[i] && status == LLMEM_OK; k++)
@@ -441,12 +469,22 @@ static int byte_level(struct encoder *e, const struct tok_pre *pre, const char *
     return status;
 }
 
-static int metaspace(struct encoder *e, const struct tok_pre *pre, const char *s, size_t len,
-                     int at_start, struct pieces *out) {
+static int metaspace(const struct tok_pre *pre, const char *s, size_t len, int at_start,
+                     struct pieces *out, struct cursor *cur, size_t batch) {
     const struct tok_str *r = &pre->repl;
     size_t base = out->text.n;
-    int prepend =
-        pre->prepend == TOK_PREPEND_ALWAYS || (pre->prepend == TOK_PREPEND_FIRST && at_start);
+    /* with split every space begins a piece: a batch ends before one, past `batch` bytes */
+    const size_t from = cur->at;
+    size_t to = len;
+    if (pre->split && batch != SIZE_MAX && len - from > batch) {
+        const char *sp = memchr(s + from + batch, ' ', len - from - batch);
+        to = sp != NULL ? (size_t)(sp - s) : len;
+    }
+    cur->at = cur->last = to;
+    cur->done = to == len;
+    const int prepend = from == 0 && (pre->prepend == TOK_PREPEND_ALWAYS ||
+                                      (pre->prepend == TOK_PREPEND_FIRST && at_start));
+    s += from, len = to - from;
     if (prepend && !(len > 0 && s[0] == ' ') && !(len >= r->n && memcmp(s, r->p, r->n) == 0)) {
         if (llmem_tok_buf_add(&out->text, r->p, r->n) != LLMEM_OK)
             return LLMEM_ENOMEM;
@@ -475,37 +513,57 @@ static int metaspace(struct encoder *e, const struct tok_pre *pre, const char *s
     return pieces_end(out);
 }
 
+/* One pre-tokenizer step over s[0, len) into out, from cur on (batch: see split_regex). */
+static int pre_step(struct encoder *e, const struct tok_pre *pre, const char *s, size_t len,
+                    int at_start, struct pieces *out, struct cursor *cur, size_t batch) {
+    if (pre->kind == TOK_PRE_SPLIT)
+        return split_regex(e, pre->re, s, len, out, cur, batch);
+    if (pre->kind == TOK_PRE_BYTELEVEL)
+        return byte_level(e, pre, s, len, out, cur, batch);
+    return metaspace(pre, s, len, at_start, out, cur, batch);
+}
+
 /* One stretch of text between added tokens. at_start: it begins the text. */
 static int encode_stretch(struct encoder *e, const char *s, size_t len, int at_start) {
     const struct llmem_tokenizer *tok = e->tok;
     int status = normalize(e, s, len);
     if (status != LLMEM_OK || e->norm.n == 0)
         return status;
-    pieces_reset(&e->a);
-    if (llmem_tok_buf_add(&e->a.text, e->norm.p, e->norm.n) != LLMEM_OK || pieces_end(&e->a))
-        return LLMEM_ENOMEM;
-    for (int k = 0; k < tok->n_pres; k++) {
-        const struct tok_pre *pre = &tok->pres[k];
-        pieces_reset(&e->b);
-        for (size_t i = 0, start = 0; i < e->a.n; start = e->a.ends[i++]) {
-            const char *p = e->a.text.p + start;
-            size_t n = e->a.ends[i] - start;
-            if (pre->kind == TOK_PRE_SPLIT)
-                status = split_regex(e, pre->re, p, n, &e->b);
-            else if (pre->kind == TOK_PRE_BYTELEVEL)
-                status = byte_level(e, pre, p, n, &e->b);
-            else
-                status = metaspace(e, pre, p, n, at_start && i == 0, &e->b);
-            if (status != LLMEM_OK)
-                return status;
-        }
-        struct pieces t = e->a;
-        e->a = e->b;
-        e->b = t;
-    }
-    for (size_t i = 0, start = 0; i < e->a.n; start = e->a.ends[i++])
-        if ((status = bpe(e, e->a.text.p + start, e->a.ends[i] - start)) != LLMEM_OK)
+    /* The first step cuts the normalized text a batch of pieces at a time, and each batch goes
+     * through the other steps and BPE before the next is cut: what is held at once is a batch's
+     * pieces, not the whole text's (a text far longer than any context, refused once its ids
+     * pass the limit, costs the memory of one batch). Every step cuts each of its input's
+     * pieces on its own, so batches give the pieces the whole text gives. */
+    struct cursor first = {0};
+    while (!first.done) {
+        const int first_batch = first.at == 0 && first.last == 0;
+        pieces_reset(&e->a);
+        if (tok->n_pres == 0) {
+            if (llmem_tok_buf_add(&e->a.text, e->norm.p, e->norm.n) != LLMEM_OK ||
+                pieces_end(&e->a))
+                return LLMEM_ENOMEM;
+            first.done = 1;
+        } else if ((status = pre_step(e, &tok->pres[0], e->norm.p, e->norm.n, at_start, &e->a,
+                                      &first, llmem_tok_encode_batch)) != LLMEM_OK) {
             return status;
+        }
+        for (int k = 1; k < tok->n_pres; k++) {
+            pieces_reset(&e->b);
+            for (size_t i = 0, start = 0; i < e->a.n; start = e->a.ends[i++]) {
+                struct cursor whole = {0};
+                if ((status = pre_step(e, &tok->pres[k], e->a.text.p + start, e->a.ends[i] - start,
+                                       at_start && first_batch && i == 0, &e->b, &whole,
+                                       SIZE_MAX)) != LLMEM_OK)
+                    return status;
+            }
+            struct pieces t = e->a;
+            e->a = e->b;
+            e->b = t;
+        }
+        for (size_t i = 0, start = 0; i < e->a.n; start = e->a.ends[i++])
+            if ((status = bpe(e, e->a.text.p + start, e->a.ends[i] - start)) != LLMEM_OK)
+                return status;
+    }
     return LLMEM_OK;
 }
 
@@ -553,7 +611,13 @@ static int encode_text(struct encoder *e, const char *text, size_t len) {
 
 int llmem_tokenizer_encode(const struct llmem_tokenizer *tok, const char *text, size_t len,
                            int32_t **ids, int64_t *n) {
-    LLMEM_ASSERT(tok != NULL && (text != NULL || len == 0) && ids != NULL && n != NULL);
+    return llmem_tokenizer_encode_max(tok, text, len, INT64_MAX, ids, n);
+}
+
+int llmem_tokenizer_encode_max(const struct llmem_tokenizer *tok, const char *text, size_t len,
+                               int64_t max_ids, int32_t **ids, int64_t *n) {
+    LLMEM_ASSERT(tok != NULL && (text != NULL || len == 0) && ids != NULL && n != NULL &&
+                 max_ids >= 0);
     *ids = NULL;
     *n = 0;
     size_t bad = llmem_tok_utf8_check(text, len);
@@ -562,7 +626,7 @@ int llmem_tokenizer_encode(const struct llmem_tokenizer *tok, const char *text, 
                     (unsigned char)text[bad]);
         return LLMEM_EINVAL;
     }
-    struct encoder e = {.tok = tok};
+    struct encoder e = {.tok = tok, .out = {.max = max_ids}};
     int status = LLMEM_OK;
     for (int k = 0; k < tok->n_pres && e.md == NULL; k++) {
         if (tok->pres[k].re != NULL) {
@@ -575,11 +639,14 @@ int llmem_tokenizer_encode(const struct llmem_tokenizer *tok, const char *text, 
         status = encode_text(&e, text, len);
     if (status == LLMEM_ENOMEM)
         LLMEM_ERROR("out of memory encoding %zu bytes", len);
+    else if (status == LLMEM_ERANGE)
+        LLMEM_ERROR("the text has more than %lld tokens", (long long)max_ids);
     pcre2_match_data_free(e.md);
     pieces_free(&e.a);
     pieces_free(&e.b);
     llmem_tok_buf_free(&e.norm);
     llmem_tok_buf_free(&e.tmp);
+    llmem_tok_buf_free(&e.src0);
     free(e.syms);
     free(e.heap);
     if (status != LLMEM_OK) {

@@ -195,4 +195,8 @@ int32_t llmem_tok_piece_id(const struct llmem_tokenizer *tok, const char *s, siz
 /* The tokenizer of the GGUF file at path (gguf_load.c): its tokenizer.ggml.* keys. */
 int llmem_tok_load_gguf(const char *path, struct llmem_tokenizer **out);
 
+/* Bytes of the first pre-tokenizer step's pieces encode cuts at a time (encode.c; 64 KiB):
+ * tests set it small, or SIZE_MAX for the whole text at once, to check batches change nothing. */
+extern size_t llmem_tok_encode_batch;
+
 #endif

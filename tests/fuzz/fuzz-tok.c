@@ -2,7 +2,8 @@
  * tests/fuzz/fuzz-tok.c — libFuzzer target for tok/: encode and decode on arbitrary bytes with the
  * reference tokenizers of tests/data (models/ and tok/). The first input byte picks the tokenizer
  * and the mode: encode the rest as text (invalid UTF-8 must be refused cleanly; valid text that the
- * tokenizer inverts must come back from decode unchanged), or read it as ids to decode and stream
+ * tokenizer inverts must come back from decode unchanged, and encoding it in batches of a few
+ * bytes must give the same ids), or read it as ids to decode and stream
  * (the stream must add up to the full decode). Any crash, sanitizer report, leak or hang is a bug.
  *
  * Built as a libFuzzer program with -DLLMEM_FUZZ=ON (`make fuzz`, or by hand from the repository
@@ -20,6 +21,7 @@
 
 #include "check_stream.h"
 #include "llmem/tokenizer.h"
+#include "tok/tok_int.h"
 
 #ifndef LLMEM_FUZZ_DATA
 #define LLMEM_FUZZ_DATA "tests/data"
@@ -58,6 +60,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         int64_t n = 0;
         if (llmem_tokenizer_encode(tok, (const char *)data, size, &ids, &n) != LLMEM_OK)
             return 0;
+        /* in batches of a few bytes of the first step's pieces: the same ids */
+        const size_t batch = llmem_tok_encode_batch;
+        llmem_tok_encode_batch = 1 + size % 13;
+        int32_t *again = NULL;
+        int64_t n_again = 0;
+        if (llmem_tokenizer_encode(tok, (const char *)data, size, &again, &n_again) != LLMEM_OK ||
+            n_again != n || memcmp(again, ids, (size_t)n * sizeof(*ids)) != 0)
+            abort();
+        llmem_tok_encode_batch = batch;
+        free(again);
         char *text = NULL;
         size_t len = 0;
         if (llmem_tokenizer_decode(tok, ids, n, 0, &text, &len) != LLMEM_OK)
