@@ -304,10 +304,62 @@ static void test_submit_checks(void **state) {
     assert_int_equal(llmem_engine_submit(e, prompt, 0, &p, NULL, &id), LLMEM_EINVAL);
     p.logprobs = LLMEM_MAX_TOP_LOGPROBS + 1;
     assert_int_equal(llmem_engine_submit(e, prompt, 4, &p, NULL, &id), LLMEM_EINVAL);
+    p.logprobs = -1;
+    struct llmem_generate_params q = p; /* parameters no request could have */
+    q.max_tokens = -5;
+    assert_int_equal(llmem_engine_submit(e, prompt, 4, &q, NULL, &id), LLMEM_EINVAL);
+    q = p, q.n_stop = 3; /* and no strings */
+    assert_int_equal(llmem_engine_submit(e, prompt, 4, &q, NULL, &id), LLMEM_EINVAL);
+    const int32_t minus[1] = {-7};
+    q = p, q.stop_ids = minus, q.n_stop_ids = 1;
+    assert_int_equal(llmem_engine_submit(e, prompt, 4, &q, NULL, &id), LLMEM_EINVAL);
+    /* a synchronous generate while serving is refused, not an assertion */
+    struct llmem_generate_result r;
+    assert_int_equal(llmem_engine_generate(e, prompt, 4, &p, NULL, NULL, &r), LLMEM_EINVAL);
     llmem_engine_close(e);
     assert_int_equal(n_done, 3);
     for (int i = 0; i < 3; i++)
         assert_string_equal(out[i].reason, "cancelled");
+
+    /* a cancel of an id never submitted (0 is a synchronous generate's) is ignored: it does not
+     * wait for the next generate and cancel that */
+    e = open_pycoder(1);
+    llmem_engine_cancel(e, 0);
+    llmem_engine_cancel(e, 12345);
+    p.max_tokens = 4;
+    assert_int_equal(llmem_engine_generate(e, prompt, 4, &p, NULL, NULL, &r), LLMEM_OK);
+    assert_string_equal(r.finish_reason, "length");
+    assert_int_equal(r.n_ids, 4);
+    llmem_generate_result_free(&r);
+    llmem_engine_close(e);
+}
+
+/* A configuration no run could have is refused at open, naming the field, before anything is
+ * loaded; NULL arguments alike. */
+static void test_open_checks(void **state) {
+    (void)state;
+    struct llmem_engine *e = NULL;
+    tu_count_errors(LLMEM_LOG_ERROR);
+    tu_expect_failure(llmem_engine_open(NULL, NULL, NULL, &e), LLMEM_EINVAL, "config is NULL");
+    struct llmem_engine_config c;
+    llmem_engine_config_default(&c);
+    tu_expect_failure(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_EINVAL, "config->model_dir");
+    c.model_dir = PYCODER;
+    tu_expect_failure(llmem_engine_open(&c, NULL, NULL, NULL), LLMEM_EINVAL, "out is NULL");
+    c.backend = (enum llmem_backend_kind)42;
+    tu_expect_failure(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_EINVAL, "config->backend");
+    llmem_engine_config_default(&c);
+    c.model_dir = PYCODER;
+    c.max_batch_tokens = -7;
+    tu_expect_failure(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_EINVAL,
+                      "config->max_batch_tokens");
+    c.max_batch_tokens = 0, c.runtime_baseline_bytes = -12345;
+    tu_expect_failure(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_EINVAL,
+                      "config->runtime_baseline_bytes");
+    c.runtime_baseline_bytes = LLMEM_ENGINE_BASELINE_MEASURE, c.n_threads = 100000;
+    tu_expect_failure(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_EINVAL, "config->n_threads");
+    tu_count_errors_stop();
+    assert_null(e);
 }
 
 int main(void) {
@@ -316,6 +368,7 @@ int main(void) {
         cmocka_unit_test(test_preemption_resumes),
         cmocka_unit_test(test_cancel_and_refuse),
         cmocka_unit_test(test_submit_checks),
+        cmocka_unit_test(test_open_checks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

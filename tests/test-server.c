@@ -451,7 +451,8 @@ static void test_parse_errors(void **state) {
     assert_int_equal(
         llmem_srv_request_parse(SRV_COMPLETIONS, three, sizeof(three) - 1, &small, &r0, &e0), -1);
     assert_string_equal(e0.param, "n");
-    assert_non_null(strstr(e0.message, "it must be 1 to 2 (this server's --max-queue)"));
+    assert_non_null(
+        strstr(e0.message, "it must be 1 to 2 (this server's --max-queue and --max-sequences)"));
     llmem_srv_request_free(&r0);
     /* a schema whose grammar outgrows what the plan holds for a request's (an enum of 40,000
      * strings): refused by name before anything is queued */

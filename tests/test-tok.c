@@ -375,6 +375,37 @@ static void test_encode_batches(void **state) {
     llmem_tok_encode_batch = batch;
 }
 
+/* encode_max: a text of exactly max ids encodes, one id more is refused; and a text far past the
+ * limit is refused without its ids being made, on every tokenizer (those without a pre-tokenizer,
+ * whose whole text is one BPE piece, by its length against the longest token). */
+static void test_encode_max(void **state) {
+    (void)state;
+    const size_t big = 4 << 20;
+    char *huge = malloc(big);
+    assert_non_null(huge);
+    for (size_t i = 0; i < big; i++)
+        huge[i] = "abc def ghi"[i % 11];
+    for (size_t t = 0; t < N_TOKENIZERS; t++) {
+        struct llmem_tokenizer *tok = load(all_tokenizers[t]);
+        static const char text[] = "def fibonacci(n):\n    return n if n < 2 else fib(n - 1)";
+        int32_t *ids = NULL;
+        int64_t n = 0;
+        assert_int_equal(llmem_tokenizer_encode(tok, text, strlen(text), &ids, &n), LLMEM_OK);
+        free(ids);
+        assert_int_equal(llmem_tokenizer_encode_max(tok, text, strlen(text), n, &ids, &n),
+                         LLMEM_OK);
+        free(ids);
+        tu_count_errors(LLMEM_LOG_ERROR);
+        tu_expect_failure(llmem_tokenizer_encode_max(tok, text, strlen(text), n - 1, &ids, &n),
+                          LLMEM_ERANGE, "more than");
+        tu_expect_failure(llmem_tokenizer_encode_max(tok, huge, big, 100, &ids, &n), LLMEM_ERANGE,
+                          "more than 100 tokens");
+        tu_count_errors_stop();
+        llmem_tokenizer_free(tok);
+    }
+    free(huge);
+}
+
 static void check_random_ids(const struct llmem_tokenizer *tok);
 
 /* Random bytes: invalid UTF-8 is refused, valid stretches round trip; random ids always decode to
@@ -1091,6 +1122,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_reference_cases, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test(test_encode_batches),
+        cmocka_unit_test(test_encode_max),
         cmocka_unit_test_setup_teardown(test_round_trip_random, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_random_bytes, tu_setup_dir, tu_teardown_dir),
         cmocka_unit_test_setup_teardown(test_added_tokens, tu_setup_dir, tu_teardown_dir),

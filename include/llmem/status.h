@@ -42,13 +42,17 @@ enum llmem_log_level {
 
 typedef void (*llmem_log_fn)(enum llmem_log_level level, const char *line, void *user);
 
-/* Installs the process-wide log callback; lines above max_level are dropped. NULL removes it. */
+/* Installs the process-wide log callback; lines above max_level are dropped. NULL removes it.
+ * A line being logged on another thread as it is replaced may still reach the old callback: keep
+ * what its `user` points at alive until the threads that log (an engine, a server) are closed. */
 LLMEM_API void llmem_log_set_callback(llmem_log_fn fn, void *user, enum llmem_log_level max_level);
 
 /* The last line this thread logged at LLMEM_LOG_ERROR ("" when none); valid until the next. */
 LLMEM_API const char *llmem_last_error(void);
 
-/* Called on API misuse (LLMEM_ASSERT); the default prints file:line to stderr and aborts. */
+/* Called on API misuse (LLMEM_ASSERT); the default prints file:line to stderr and aborts. A
+ * callback may report and jump out (longjmp, as a test harness does); if it returns, the process
+ * aborts: nothing past a failed check is safe to run. */
 typedef void (*llmem_assert_fn)(const char *file, int line, const char *expr);
 LLMEM_API void llmem_set_assert_callback(llmem_assert_fn fn);
 

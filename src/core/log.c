@@ -94,10 +94,9 @@ void llmem_set_assert_callback(llmem_assert_fn fn) {
 
 void llmem_assert_fail(const char *file, int line, const char *expr) {
     llmem_assert_fn fn = atomic_load(&assert_fn);
-    if (fn != NULL) {
-        fn(file, line, expr);
-        return;
-    }
-    fprintf(stderr, "%s:%d: llmem assertion failed: %s\n", file, line, expr);
+    if (fn != NULL)
+        fn(file, line, expr); /* (it may jump out; past a failed check nothing is safe to run) */
+    else
+        fprintf(stderr, "%s:%d: llmem assertion failed: %s\n", file, line, expr);
     abort();
 }

@@ -22,7 +22,7 @@ extern "C" {
 
 void llmem_log_line(enum llmem_log_level level, const char *func, const char *fmt, ...)
     LLMEM_PRINTF(3, 4);
-void llmem_assert_fail(const char *file, int line, const char *expr);
+void llmem_assert_fail(const char *file, int line, const char *expr) __attribute__((noreturn));
 /* Makes `line` the calling thread's last error (llmem_last_error) without logging it again: a
  * failure another thread logged, handed to the thread that reports it. */
 void llmem_log_set_last_error(const char *line);

@@ -39,6 +39,9 @@
 /* The default prefill chunk: the tokens of one forward pass at most (SPEC §2.1); more on a device
  * where the plan's transient reserve holds it (default_batch_tokens). */
 #define PREFILL_CHUNK 512
+#define ENGINE_MAX_THREADS 4096               /* n_threads */
+#define ENGINE_MAX_COUNT   ((int64_t)1 << 30) /* max_batch_tokens, max_sequences */
+#define ENGINE_MAX_BYTES   ((int64_t)1 << 50) /* runtime_reserve_bytes */
 /* The runtime baseline beyond the resident memory measured at open: code and library pages that
  * the first steps touch later, and the stack each worker thread touches in the kernels. */
 #define BASELINE_GROWTH     ((int64_t)2 << 20)
@@ -442,9 +445,46 @@ static int open_split(struct llmem_engine *e, llmem_progress_fn progress, void *
 
 static int open_sched(struct llmem_engine *e);
 
+/* LLMEM_EINVAL (one line naming the field) for a configuration no run could have. */
+static int check_config(const struct llmem_engine_config *c, struct llmem_engine **out) {
+    const char *bad =
+        c == NULL                                                             ? "config"
+        : out == NULL                                                         ? "out"
+        : c->model_dir == NULL || c->model_dir[0] == '\0'                     ? "config->model_dir"
+        : (unsigned)c->kv_layout >= LLMEM_KV_LAYOUT_COUNT                     ? "config->kv_layout"
+        : (unsigned)c->kv_format >= LLMEM_KV_FORMAT_COUNT                     ? "config->kv_format"
+        : c->backend != LLMEM_BACKEND_CPU && c->backend != LLMEM_BACKEND_CUDA ? "config->backend"
+        : c->precision != LLMEM_PRECISION_FAST && c->precision != LLMEM_PRECISION_F32
+            ? "config->precision"
+        : c->context < 0                    ? "config->context"
+        : c->budget_bytes < 0               ? "config->budget_bytes"
+        : c->memory_limit_bytes < 0         ? "config->memory_limit_bytes"
+        : !(c->util >= 0 && c->util <= 1)   ? "config->util"
+        : c->n_threads > ENGINE_MAX_THREADS ? "config->n_threads"
+        : c->max_batch_tokens < 0 || c->max_batch_tokens > ENGINE_MAX_COUNT
+            ? "config->max_batch_tokens"
+        : c->max_sequences < 0 || c->max_sequences > ENGINE_MAX_COUNT ? "config->max_sequences"
+        : c->bank_max_bytes < 0                                       ? "config->bank_max_bytes"
+        : c->spill_max_bytes < 0                                      ? "config->spill_max_bytes"
+        : c->experts_on_host < -1                                     ? "config->experts_on_host"
+        : c->tensor_parallel < 0                                      ? "config->tensor_parallel"
+        : c->runtime_baseline_bytes < LLMEM_ENGINE_BASELINE_MEASURE
+            ? "config->runtime_baseline_bytes"
+        : c->runtime_reserve_bytes < 0 || c->runtime_reserve_bytes > ENGINE_MAX_BYTES
+            ? "config->runtime_reserve_bytes"
+            : NULL;
+    if (bad == NULL)
+        return LLMEM_OK;
+    LLMEM_ERROR_AS("llmem_engine_open", "%s is NULL or out of its range (llmem/engine.h)", bad);
+    return LLMEM_EINVAL;
+}
+
 int llmem_engine_open_hooked(const struct llmem_engine_config *config,
                              const struct llmem_engine_hooks *hooks, llmem_progress_fn progress,
                              void *progress_arg, struct llmem_engine **out) {
+    int status = check_config(config, out);
+    if (status != LLMEM_OK)
+        return status;
     struct llmem_engine *e = calloc(1, sizeof(*e));
     if (e == NULL) {
         LLMEM_ERROR_AS("llmem_engine_open", "out of memory");
@@ -462,8 +502,8 @@ int llmem_engine_open_hooked(const struct llmem_engine_config *config,
     struct llmem_model_geometry g;
     if (e->cfg.load_dummy)
         e->cfg.no_bank = 1;
-    int status = config->load_dummy ? llmem_model_geometry_load_dummy(config->model_dir, &g)
-                                    : llmem_model_geometry_load(config->model_dir, &g);
+    status = config->load_dummy ? llmem_model_geometry_load_dummy(config->model_dir, &g)
+                                : llmem_model_geometry_load(config->model_dir, &g);
     e->n_ranks = config->tensor_parallel > 1 ? config->tensor_parallel : 1;
     if (status == LLMEM_OK && e->n_ranks > 1 && (status = check_split(config, &g)) != LLMEM_OK)
         goto fail;

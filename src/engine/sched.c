@@ -158,7 +158,24 @@ static int request_new(struct llmem_sched *s, const int32_t *prompt, int64_t n_p
                     LLMEM_MAX_TOP_LOGPROBS);
         return LLMEM_EINVAL;
     }
+    if (p->max_tokens < 0 || p->n_stop < 0 || p->n_stop_ids < 0 ||
+        (p->n_stop > 0 && p->stop == NULL) || (p->n_stop_ids > 0 && p->stop_ids == NULL)) {
+        LLMEM_ERROR("bad generate parameters: max_tokens %" PRId64 " (≥ 0), %d stop strings and "
+                    "%d stop ids (≥ 0, with their arrays)",
+                    p->max_tokens, p->n_stop, p->n_stop_ids);
+        return LLMEM_EINVAL;
+    }
+    for (int i = 0; i < p->n_stop_ids; i++)
+        if (p->stop_ids[i] < 0 || p->stop_ids[i] >= s->cfg.vocab) {
+            LLMEM_ERROR("stop id %d is %d, outside the vocabulary (0 to %" PRId64 ")", i + 1,
+                        p->stop_ids[i], s->cfg.vocab - 1);
+            return LLMEM_EINVAL;
+        }
     for (int i = 0; i < p->n_stop; i++) { /* the text it is looked for in is valid UTF-8 */
+        if (p->stop[i] == NULL) {
+            LLMEM_ERROR("stop string %d is NULL", i + 1);
+            return LLMEM_EINVAL;
+        }
         size_t n = strlen(p->stop[i]);
         if (llmem_tok_utf8_check(p->stop[i], n) != n) {
             LLMEM_ERROR("stop string %d is not valid UTF-8: it could never match", i + 1);
@@ -538,7 +555,10 @@ int llmem_sched_generate(struct llmem_sched *s, const int32_t *prompt, int64_t n
                          const struct llmem_generate_params *p, llmem_token_fn on_token, void *arg,
                          struct llmem_generate_result *result) {
     memset(result, 0, sizeof(*result));
-    LLMEM_ASSERT(!s->serving);
+    if (s->serving) {
+        LLMEM_ERROR("the engine is serving: its requests go through llmem_engine_submit");
+        return LLMEM_EINVAL;
+    }
     struct sync_call call = {.on_token = on_token, .arg = arg, .out = result};
     struct llmem_request_events ev = {.on_token = sync_token, .on_done = sync_done, .arg = &call};
     struct request *r = NULL;
@@ -684,6 +704,12 @@ int llmem_sched_submit(struct llmem_sched *s, const int32_t *prompt, int64_t n_p
 
 void llmem_sched_cancel(struct llmem_sched *s, uint64_t id) {
     pthread_mutex_lock(&s->mu);
+    /* only a submitted request can be cancelled by id: another (0 is a synchronous generate's,
+     * which its callback cancels) would wait for a request that never comes */
+    if (id == 0 || id >= s->next_id || !s->serving) {
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
     if (s->n_cancels == s->cap_cancels) {
         int64_t cap = s->cap_cancels ? 2 * s->cap_cancels : 16;
         uint64_t *c = realloc(s->cancels, (size_t)cap * sizeof(uint64_t));

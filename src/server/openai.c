@@ -1238,7 +1238,7 @@ int llmem_srv_request_parse(enum srv_kind kind, const char *body, size_t len,
     const int max_n = m->max_choices > 0 && m->max_choices < SRV_MAX_N ? m->max_choices : SRV_MAX_N;
     if (n < 1 || n > max_n)
         return bad(e, "n", "invalid_value", "'n' is %" PRId64 "; it must be 1 to %d%s", n, max_n,
-                   max_n < SRV_MAX_N ? " (this server's --max-queue)" : "");
+                   max_n < SRV_MAX_N ? " (this server's --max-queue and --max-sequences)" : "");
     r->n = (int)n;
     if (unsupported(root, r, e) != 0)
         return -1;

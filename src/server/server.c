@@ -1137,7 +1137,8 @@ int llmem_server_start(struct llmem_engine *e, const struct llmem_server_config 
         (struct srv_model){.name = s->name,
                            .vocab = llmem_model_get_config(llmem_engine_model(e))->geom.vocab_size,
                            .context = llmem_engine_plan(e)->context_window_resolved,
-                           .max_choices = (int)(cfg->max_queue > 0 ? cfg->max_queue : 256),
+                           .max_choices = (int)((cfg->max_queue > 0 ? cfg->max_queue : 256) +
+                                                llmem_engine_plan(e)->max_sequences),
                            .max_values = LLMEM_SERVER_BODY_VALUES(s->max_body)};
     if (getrandom(&s->salt, sizeof(s->salt), 0) != (ssize_t)sizeof(s->salt))
         s->salt = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)s;

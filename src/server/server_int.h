@@ -62,7 +62,7 @@ struct srv_model {
     const char *name; /* the only model id served */
     int64_t vocab;
     int64_t context; /* the engine's context window: max_tokens above it is refused */
-    int max_choices; /* the waiting queue's length: more choices than it could never start */
+    int max_choices; /* the requests the engine holds (queued and running): more never start */
     int64_t max_values; /* the JSON values a body may hold (0: no bound) */
     int tools;       /* its chat template has a tool-call convention: */
     enum llmem_tool_format

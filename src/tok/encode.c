@@ -538,7 +538,10 @@ static int encode_stretch(struct encoder *e, const char *s, size_t len, int at_s
     while (!first.done) {
         const int first_batch = first.at == 0 && first.last == 0;
         pieces_reset(&e->a);
-        if (tok->n_pres == 0) {
+        if (tok->n_pres == 0) { /* one piece: too long for the ids left is known at once */
+            if (tok->max_token_bytes > 0 &&
+                e->norm.n / tok->max_token_bytes > (size_t)(e->out.max - e->out.n))
+                return LLMEM_ERANGE;
             if (llmem_tok_buf_add(&e->a.text, e->norm.p, e->norm.n) != LLMEM_OK ||
                 pieces_end(&e->a))
                 return LLMEM_ENOMEM;

@@ -388,7 +388,7 @@ static int added_max_id(const struct loader *l, const cJSON *added, int64_t *max
 static int load_added(struct loader *l, const cJSON *added) {
     struct llmem_tokenizer *tok = l->tok;
     if (added == NULL || cJSON_IsNull(added))
-        return LLMEM_OK;
+        return llmem_tok_index_added(tok); /* (none: nothing to allocate) */
     int n = cJSON_GetArraySize(added);
     tok->added = calloc((size_t)n + 1, sizeof(*tok->added));
     if (tok->added == NULL) {
@@ -885,6 +885,13 @@ static int cmp_added_len(const void *pa, const void *pb, void *ctx) {
 }
 
 int llmem_tok_index_added(struct llmem_tokenizer *tok) {
+    tok->max_token_bytes = 1;
+    for (int32_t i = 0; tok->pieces != NULL && i < tok->n_vocab; i++)
+        if (tok->pieces[i].n > tok->max_token_bytes)
+            tok->max_token_bytes = tok->pieces[i].n;
+    for (int i = 0; i < tok->n_added; i++)
+        if (tok->added[i].content.n > tok->max_token_bytes)
+            tok->max_token_bytes = tok->added[i].content.n;
     int counts[256] = {0};
     for (int i = 0; i < tok->n_added; i++)
         counts[(unsigned char)tok->added[i].content.p[0]]++;

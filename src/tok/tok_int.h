@@ -139,6 +139,7 @@ struct llmem_tokenizer {
     struct tok_str *pieces;  /* (n_vocab) the model vocabulary's strings; p NULL for a gap */
     uint8_t *kind;           /* (n_vocab) enum tok_kind */
     int32_t *added_of;       /* (n_vocab) index into added[] for added ids, else −1 */
+    size_t max_token_bytes;  /* the longest token's string: a text of n bytes is ≥ n / it ids */
     struct tok_strmap vocab; /* model vocabulary: string → id */
     struct tok_mergemap merges;
     int32_t n_merges;
