@@ -1122,6 +1122,21 @@ static void test_config_api_key(void **state) {
     assert_int_equal(llmem_server_config_check(&c), LLMEM_OK);
     c.api_key = "";
     assert_int_equal(llmem_server_config_check(&c), LLMEM_OK); /* none, on loopback */
+    /* negative sizes and an unknown template are refused, not read as the defaults */
+    for (int k = 0; k < 4; k++) {
+        struct llmem_server_config d = c;
+        if (k == 0)
+            d.max_queue = -5;
+        else if (k == 1)
+            d.max_body_bytes = -1;
+        else if (k == 2)
+            d.body_timeout_s = -1;
+        else
+            d.chat_template = (enum llmem_chat_template)42;
+        tu_count_errors(LLMEM_LOG_ERROR);
+        assert_int_equal(llmem_server_config_check(&d), LLMEM_EINVAL);
+        tu_count_errors_stop();
+    }
 }
 
 static void test_buf(void **state) {

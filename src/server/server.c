@@ -1070,6 +1070,15 @@ static int resolve(const struct llmem_server_config *cfg, struct addrinfo **ai) 
                            "word of printable characters");
             return LLMEM_EINVAL;
         }
+    if (cfg->max_queue < 0 || cfg->max_body_bytes < 0 || cfg->body_timeout_s < 0 ||
+        (unsigned)cfg->chat_template > LLMEM_CHAT_MISTRAL) {
+        LLMEM_ERROR_AS("llmem_server_start",
+                       "max_queue %" PRId64 ", max_body_bytes %" PRId64
+                       " and body_timeout_s %d must be ≥ 0 (0: the default), and chat_template "
+                       "one of enum llmem_chat_template",
+                       cfg->max_queue, cfg->max_body_bytes, cfg->body_timeout_s);
+        return LLMEM_EINVAL;
+    }
     const char *host = cfg->host != NULL ? cfg->host : "127.0.0.1";
     if (cfg->port < 0 || cfg->port > 65535) {
         LLMEM_ERROR_AS("llmem_server_start", "port %d is out of range [0, 65535]", cfg->port);
