@@ -197,6 +197,19 @@ static void test_refused(void **state) {
         if (strstr(why, bad[i].names) == NULL)
             fail_msg("%s: '%s' does not name %s", bad[i].schema, why, bad[i].names);
     }
+    /* a tool whose name no model could write, or a format that is none */
+    static const char *const names[] = {"", "say \"hi\"", "back\\slash", "tab\t"};
+    for (int i = 0; i < 5; i++) {
+        char why[256];
+        struct llmem_grammar *g = NULL;
+        const struct llmem_grammar_tool t = {i < 4 ? names[i] : "f", NULL, 0};
+        assert_int_equal(llmem_grammar_compile_tools(
+                             &t, 1, i < 4 ? LLMEM_TOOL_FORMAT_HERMES : (enum llmem_tool_format)9,
+                             why, sizeof(why), &g),
+                         LLMEM_EINVAL);
+        assert_null(g);
+        assert_non_null(strstr(why, i < 4 ? "name" : "tool format 9"));
+    }
 }
 
 /* The plan's bounds on a request's grammar: a schema whose tables would outgrow them is refused

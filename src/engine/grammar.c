@@ -862,11 +862,29 @@ int llmem_grammar_compile(const char *schema, size_t len, char *why, size_t why_
 int llmem_grammar_compile_tools(const struct llmem_grammar_tool *tools, int n,
                                 enum llmem_tool_format format, char *why, size_t why_size,
                                 struct llmem_grammar **out) {
-    LLMEM_ASSERT(tools != NULL && n >= 1 && n <= LLMEM_GRAMMAR_MAX_TOOLS);
+    LLMEM_ASSERT(tools != NULL && n >= 1 && n <= LLMEM_GRAMMAR_MAX_TOOLS && why != NULL &&
+                 why_size > 0);
     const char *docs[LLMEM_GRAMMAR_MAX_TOOLS], *names[LLMEM_GRAMMAR_MAX_TOOLS];
     size_t lens[LLMEM_GRAMMAR_MAX_TOOLS];
-    for (int i = 0; i < n; i++)
+    if ((unsigned)format > LLMEM_TOOL_FORMAT_MISTRAL) {
+        snprintf(why, why_size, "tool format %d is not one of enum llmem_tool_format", format);
+        return LLMEM_EINVAL;
+    }
+    for (int i = 0; i < n; i++) {
         docs[i] = tools[i].parameters, lens[i] = tools[i].len, names[i] = tools[i].name;
+        /* a name is written into the grammar as a JSON string's characters: one that needs an
+         * escape, or none, names no function a model could call */
+        const char *c = names[i];
+        for (; c != NULL && *c != '\0' && *c != '"' && *c != '\\' && (unsigned char)*c >= ' '; c++)
+            ;
+        if (names[i] == NULL || names[i][0] == '\0' || *c != '\0') {
+            snprintf(why, why_size,
+                     "tool %d's name is empty or holds a quote, a backslash or a "
+                     "control character",
+                     i);
+            return LLMEM_EINVAL;
+        }
+    }
     return compile(docs, lens, names, n, format, why, why_size, out);
 }
 

@@ -234,7 +234,8 @@ static int render_mistral(const struct llmem_tokenizer *tok, const struct llmem_
 int llmem_chat_render(const struct llmem_tokenizer *tok, enum llmem_chat_template t,
                       const struct llmem_chat_message *messages, int n_messages,
                       int add_generation_prompt, char **text, size_t *len) {
-    LLMEM_ASSERT(tok != NULL && text != NULL && (messages != NULL || n_messages == 0));
+    LLMEM_ASSERT(tok != NULL && text != NULL && n_messages >= 0 &&
+                 (messages != NULL || n_messages == 0));
     *text = NULL;
     if (len != NULL)
         *len = 0;
