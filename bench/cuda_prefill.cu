@@ -26,6 +26,7 @@
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/prefill.h"
+#include "core/options.h"
 #include "cuda_check.h"
 
 __device__ uint32_t hash32(uint64_t x) {
@@ -67,6 +68,8 @@ static double median(std::vector<float> v) {
 }
 
 int main(int argc, char **argv) {
+    if (getenv("LLMEM_CUDA_PREFILL_WGMMA") == NULL) /* both kernels timed, unless told */
+        llmem_option_set(LLMEM_OPT_CUDA_PREFILL_WGMMA, "1");
     int tokens = 32768, chunk = 4096, heads = 32, kv = 8, dim = 128, reps = 3, decode = 1;
     enum llmem_kv_format format = LLMEM_KV_FORMAT_BF16;
     for (int i = 1; i < argc; i++) {

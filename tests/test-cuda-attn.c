@@ -640,6 +640,8 @@ int main(void) {
     /* every call with counters and at most 32 splits merges them inside the kernel (run_gpu
      * compares that with the merge kernel), whatever the default threshold */
     llmem_option_set(LLMEM_OPT_CUDA_ATTN_FUSE, "256");
+    /* the prefill's warpgroup kernel is checked against the CPU wherever the device has it */
+    llmem_option_set(LLMEM_OPT_CUDA_PREFILL_WGMMA, "1");
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_formats_groups_dims),
         cmocka_unit_test(test_bf16_query_and_dim256),

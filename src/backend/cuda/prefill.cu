@@ -699,8 +699,8 @@ static bool wgmma_device() {
 
 extern "C" int llmem_cuda_prefill_wgmma(enum llmem_kv_format format, int head_dim) {
     static const int on = [] { /* read once, as the m-blocks */
-        int v = 1;
-        return llmem_option_bool(LLMEM_OPT_CUDA_PREFILL_WGMMA, &v) == LLMEM_OK ? v : 1;
+        int v = 0;
+        return llmem_option_bool(LLMEM_OPT_CUDA_PREFILL_WGMMA, &v) == LLMEM_OK ? v : 0;
     }();
     return on && head_dim == 128 &&
            (format == LLMEM_KV_FORMAT_F16 || format == LLMEM_KV_FORMAT_BF16) && wgmma_device();

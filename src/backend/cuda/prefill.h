@@ -68,7 +68,7 @@ int llmem_cuda_prefill_mblocks(int group, int n_kv_heads, int64_t queries);
 int llmem_cuda_prefill_tile_queries(int group, int mblocks);
 /* Whether a call of this format and head_dim on the current device takes the warpgroup kernel
  * (Hopper's wgmma; unless warp_mma): head_dim 128, f16 or bf16, a device of compute capability
- * 9.0 running the build's sm_90a code, and LLMEM_CUDA_PREFILL_WGMMA on (the default). */
+ * 9.0 running the build's sm_90a code, and LLMEM_CUDA_PREFILL_WGMMA on (off by default). */
 int llmem_cuda_prefill_wgmma(enum llmem_kv_format format, int head_dim);
 /* Launches the attention on the stream (asynchronous). LLMEM_EINVAL (logged) for parameters out
  * of the supported set; LLMEM_EIO (logged) when the launch fails. */
