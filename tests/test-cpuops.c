@@ -32,6 +32,7 @@
 #include "backend/ops.h"
 #include "llmem/pool.h"
 #include "llmem/dtype.h"
+#include "llmem/sys.h"
 #include "quant/quant.h"
 #include "testutil.h"
 
@@ -831,6 +832,90 @@ static void test_matmul_bf16_fast(void **state) {
     free(x), free(yf), free(ye), free((void *)w.data), free(wv);
 }
 
+/* On a CPU with AMX-BF16 (else skipped), bf16 weights at fast precision take the tiles for every
+ * row count: a row of x gives the same bits alone, in any batch, beside other matrices of the same
+ * x (matmul_multi) or of their own (matmul_many); the results keep the bound of x rounded to bf16,
+ * as do the AVX512-BF16 kernels a backend without AMX runs. Shapes with partial tiles: 100 rows
+ * (32 · 3 + 4), 2,050 columns (a chunk of 2). */
+static void test_matmul_amx(void **state) {
+    (void)state;
+    if (!(llmem_sys_isa_features() & LLMEM_ISA_AMX_BF16))
+        skip();
+    enum { ROWS = 100, COLS = 2050, N = 37, ROWS2 = 33 };
+    double *wv = malloc(sizeof(double) * ROWS * COLS), *wv2 = malloc(sizeof(double) * ROWS2 * COLS);
+    assert_true(wv != NULL && wv2 != NULL);
+    struct llmem_weight w = {make_weight(LLMEM_DTYPE_BF16, ROWS * COLS, wv),
+                             LLMEM_DTYPE_BF16,
+                             ROWS,
+                             COLS,
+                             0,
+                             NULL,
+                             NULL,
+                             0};
+    struct llmem_weight w2 = {make_weight(LLMEM_DTYPE_BF16, ROWS2 * COLS, wv2),
+                              LLMEM_DTYPE_BF16,
+                              ROWS2,
+                              COLS,
+                              0,
+                              NULL,
+                              NULL,
+                              0};
+    float *x = make_floats(N * COLS), *bias = make_floats(ROWS);
+    float *yb = malloc(sizeof(float) * N * ROWS), *y1 = malloc(sizeof(float) * N * ROWS);
+    float *yb2 = malloc(sizeof(float) * N * ROWS2), *y2 = malloc(sizeof(float) * N * ROWS2);
+    assert_true(yb != NULL && y1 != NULL && yb2 != NULL && y2 != NULL);
+    struct llmem_backend *b = make_backend(3);
+    assert_true(llmem_cpu_amx_takes(b->ctx, &w));
+    assert_string_equal(llmem_backend_cpu_bf16_kernels(), "amx_bf16");
+    b->ops->matmul(b->ctx, &w, x, N, yb, bias);
+    b->ops->matmul(b->ctx, &w2, x, N, yb2, NULL);
+    for (int t = 0; t < N; t++) {
+        b->ops->matmul(b->ctx, &w, x + t * COLS, 1, y1, bias);
+        assert_memory_equal(y1, yb + t * ROWS, sizeof(float) * ROWS);
+    }
+    for (int t = 0; t + 5 <= N; t += 7) {
+        b->ops->matmul(b->ctx, &w, x + t * COLS, 5, y1, bias);
+        assert_memory_equal(y1, yb + t * ROWS, sizeof(float) * ROWS * 5);
+    }
+    const struct llmem_weight *ws[2] = {&w, &w2};
+    const float *biases[2] = {bias, NULL};
+    for (int64_t n = 1; n <= N; n += 18) {
+        float *ys[2] = {y1, y2};
+        b->ops->matmul_multi(b->ctx, 2, ws, x, n, ys, biases);
+        assert_memory_equal(y1, yb, sizeof(float) * (size_t)n * ROWS);
+        assert_memory_equal(y2, yb2, sizeof(float) * (size_t)n * ROWS2);
+    }
+    /* matmul_many: w2 on rows 3.. of x, w on rows 0..1 (no bias there) */
+    const float *xs[2] = {x + 3 * COLS, x};
+    const int64_t ns[2] = {4, 2};
+    const struct llmem_weight *wm[2] = {&w2, &w};
+    float *ym[2] = {y2, y1};
+    llmem_cpu_matmul_many(b->ctx, 2, wm, xs, ns, ym);
+    assert_memory_equal(y2, yb2 + 3 * ROWS2, sizeof(float) * 4 * ROWS2);
+    for (int t = 0; t < 2; t++)
+        for (int r = 0; r < ROWS; r++)
+            assert_true(y1[t * ROWS + r] + bias[r] == yb[t * ROWS + r]);
+    /* The bound of x rounded to bf16, on the tiles and on the AVX512-BF16 kernels. */
+    for (int amx = 1; amx >= 0; amx--) {
+        llmem_backend_cpu_set_amx(b, amx);
+        assert_int_equal(llmem_cpu_amx_takes(b->ctx, &w), amx);
+        b->ops->matmul(b->ctx, &w, x, N, y1, NULL);
+        for (int t = 0; t < N; t++)
+            for (int r = 0; r < ROWS; r++) {
+                double ref = 0.0, mag = 0.0;
+                for (int k = 0; k < COLS; k++) {
+                    double p = bf16_round(x[t * COLS + k]) * wv[r * COLS + k];
+                    ref += p;
+                    mag += fabs(p);
+                }
+                assert_true(fabs((double)y1[t * ROWS + r] - ref) <= 1e-6 * mag + 1e-30);
+            }
+    }
+    llmem_backend_destroy(b);
+    free(x), free(bias), free(yb), free(y1), free(yb2), free(y2);
+    free((void *)w.data), free((void *)w2.data), free(wv), free(wv2);
+}
+
 /* rope_pairs on rows permuted as the GGUF converter permutes q and k (pair i moved from
  * (i, i + half) to (2i, 2i + 1)) gives, bit for bit and in the same layout, what `rope` gives on
  * the rows before the permutation. */
@@ -882,6 +967,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_quantized),
         cmocka_unit_test(test_matmul_fast),
         cmocka_unit_test(test_matmul_bf16_fast),
+        cmocka_unit_test(test_matmul_amx),
         cmocka_unit_test(test_rope_pairs),
         cmocka_unit_test(test_destroy_null),
     };

@@ -513,6 +513,8 @@ static void test_isa_matches_compiler(void **state) {
     assert_int_equal(!!(f & LLMEM_ISA_AVX512_VNNI), !!__builtin_cpu_supports("avx512vnni"));
     assert_int_equal(has_word(list, "avx512f"), !!__builtin_cpu_supports("avx512f"));
     assert_false(f & (LLMEM_ISA_NEON | LLMEM_ISA_SVE));
+    if (f & LLMEM_ISA_AMX_BF16) /* (the tiles run: test-cpuops) */
+        assert_true(has_word(list, "amx_bf16") && (f & LLMEM_ISA_AVX512F));
 #elif defined(__aarch64__)
     assert_true(f & LLMEM_ISA_NEON);
     assert_true(has_word(list, "neon"));

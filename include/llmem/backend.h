@@ -94,9 +94,9 @@ LLMEM_API void llmem_backend_cpu_set_precision(struct llmem_backend *backend,
 /* The instruction set of the CPU's integer kernels for quantized weights at fast precision:
  * "avx512_vnni", "avx2" or "scalar" (portable C). */
 LLMEM_API const char *llmem_backend_cpu_matmul_kernels(void);
-/* The kernels of the CPU's bf16 weights at fast precision: "avx512_bf16" (VDPBF16PS on the
- * activations rounded to bf16), else those of f32 precision: "avx512", "avx2" or "scalar" (f32
- * FMAs on the weights widened exactly). */
+/* The kernels of the CPU's bf16 weights at fast precision: "amx_bf16" (AMX tiles, TDPBF16PS) or
+ * "avx512_bf16" (VDPBF16PS) on the activations rounded to bf16, else those of f32 precision:
+ * "avx512", "avx2" or "scalar" (f32 FMAs on the weights widened exactly). */
 LLMEM_API const char *llmem_backend_cpu_bf16_kernels(void);
 /* The fixed scratch of the CPU backend's GEMM on n_threads threads: packed activations and one
  * panel of converted weights per thread. */

@@ -128,7 +128,10 @@ enum llmem_isa_feature {
     LLMEM_ISA_NEON = 1u << 11,
     LLMEM_ISA_NEON_FP16 = 1u << 12,    /* asimdhp */
     LLMEM_ISA_NEON_DOTPROD = 1u << 13, /* asimddp */
-    LLMEM_ISA_SVE = 1u << 14
+    LLMEM_ISA_SVE = 1u << 14,
+    /* AMX tiles with bf16 products: the CPU has them, the OS enables their state and granted
+     * this process their use (Linux's arch_prctl(ARCH_REQ_XCOMP_PERM), asked once) */
+    LLMEM_ISA_AMX_BF16 = 1u << 15
 };
 
 /* The features usable in this process (a mask of enum llmem_isa_feature), detected once. */

@@ -38,8 +38,11 @@ struct llmem_weight {
     const void *scales; /* MLX types: (rows, cols / group) of the type's scale dtype; else NULL */
     const void *biases; /* MLX types: (rows, cols / group); else NULL */
     int f32_x;          /* its activations stay f32 at fast precision too, where a backend would
-                         * round them to 16 bits (the CPU's bf16 kernels): the down projections,
-                         * routers and LM head, whose inputs' rounding moves the logits the most */
+                         * round them to 16 bits (the CPU's bf16 kernels): 1 for the down
+                         * projections and LM head, whose inputs' rounding moves the logits the
+                         * most (the CPU's AMX tiles take x as two bf16 parts, within 2⁻¹⁸); 2 for
+                         * the routers, multiplied exactly as at f32 precision (a choice of
+                         * experts must not depend on how a file stores its router) */
 };
 
 /* Bytes of one row of w (for an MLX type, of its codes). */

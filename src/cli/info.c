@@ -35,7 +35,8 @@ static const char info_usage[] =
     "              under \"host\", \"attention_kernels\" (avx512, avx2 or scalar),\n"
     "              \"matmul_kernels\" (quantized weights at fast precision: avx512_vnni,\n"
     "              avx2 or scalar), \"bf16_matmul_kernels\" (bf16 weights at fast precision:\n"
-    "              avx512_bf16, else the f32 kernels: avx512, avx2 or scalar),\n"
+    "              amx_bf16 or avx512_bf16, else the f32 kernels: avx512, avx2 or\n"
+    "              scalar),\n"
     "              \"cuda_built\" and \"nccl_built\" (a model splits over devices),\n"
     "              \"devices\": one object per CUDA device, and \"options\": the LLMEM_*\n"
     "              variables set, by name, with their values as text\n"
@@ -66,8 +67,9 @@ static void print_host(const struct llmem_device_info *h) {
            llmem_backend_cpu_matmul_kernels());
     const char *bf16 = llmem_backend_cpu_bf16_kernels();
     printf(LABEL "%s kernels (bf16 weights, fast precision: %s)\n", "", bf16,
-           strcmp(bf16, "avx512_bf16") == 0 ? "activations rounded to bf16"
-                                            : "f32 FMAs, no AVX512-BF16");
+           strcmp(bf16, "amx_bf16") == 0      ? "activations rounded to bf16, AMX tiles"
+           : strcmp(bf16, "avx512_bf16") == 0 ? "activations rounded to bf16"
+                                              : "f32 FMAs, no AVX512-BF16");
     printf(LABEL "%s (physical RAM)\n", "memory", fmt_size(h->memory_size, "", a, sizeof(a)));
 
     /* The ceiling, and why. */

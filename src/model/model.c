@@ -607,15 +607,16 @@ int llmem_model_check_supported(const struct llmem_model *m) {
 }
 
 /* The matrices whose activations stay f32 at fast precision (llmem_weight.f32_x): the down
- * projections (dense and every expert's), the LM head, and the routers (whose rounding would move
- * a token to other experts; a GGUF file keeps them f32 anyway). */
+ * projections (dense and every expert's), the LM head, and the routers, exactly (their rounding
+ * would move a token to other experts; a GGUF file keeps them f32 anyway, and a bf16 router must
+ * route as that f32 copy does). */
 static void keep_f32_inputs(struct llmem_model *m) {
     const struct llmem_model_geometry *g = &m->cfg.geom;
     m->lm_head.f32_x = 1;
     for (int64_t i = 0; i < g->n_layers; i++) {
         struct model_layer *L = &m->layers[i];
         L->w_down.f32_x = 1;
-        L->router.f32_x = 1;
+        L->router.f32_x = 2;
         for (int64_t e = 0; L->experts != NULL && e < g->n_experts; e++)
             L->experts[2 * g->n_experts + e].f32_x = 1;
     }

@@ -3,7 +3,8 @@
  *
  * x86-64: a feature counts only when the CPU reports it (CPUID) *and* the OS saves the registers
  * it uses (XGETBV of XCR0: SSE+AVX state for AVX, AVX2, FMA, F16C and AVX-VNNI; additionally
- * opmask+ZMM state for AVX-512), so a kernel that disabled AVX-512 gets no AVX-512 kernels.
+ * opmask+ZMM state for AVX-512, tile state for AMX), so a kernel that disabled AVX-512 gets no
+ * AVX-512 kernels; AMX also needs the kernel's permission, asked for here.
  * aarch64: the auxiliary vector's hardware capabilities. Other targets report no features.
  * The result is computed once per process.
  */
@@ -15,6 +16,10 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #elif defined(__aarch64__)
 #include <sys/auxv.h>
 #if __has_include(<asm/hwcap.h>)
@@ -23,11 +28,11 @@
 #endif
 
 static const char *const isa_names[] = {
-    "sse4_2",   "avx",      "avx2",      "fma",          "f16c",
-    "avx512f",  "avx512bw", "avx512vl",  "avx512_vnni",  "avx512_bf16",
-    "avx_vnni", "neon",     "neon_fp16", "neon_dotprod", "sve",
+    "sse4_2",    "avx",          "avx2",        "fma",         "f16c",     "avx512f",
+    "avx512bw",  "avx512vl",     "avx512_vnni", "avx512_bf16", "avx_vnni", "neon",
+    "neon_fp16", "neon_dotprod", "sve",         "amx_bf16",
 }; /* indexed by the bit position of enum llmem_isa_feature */
-_Static_assert(sizeof(isa_names) / sizeof(isa_names[0]) == 15 && LLMEM_ISA_SVE == 1u << 14,
+_Static_assert(sizeof(isa_names) / sizeof(isa_names[0]) == 16 && LLMEM_ISA_AMX_BF16 == 1u << 15,
                "isa_names must list every enum llmem_isa_feature in bit order");
 
 #if defined(__x86_64__)
@@ -35,6 +40,14 @@ static uint64_t read_xcr0(void) {
     uint32_t eax, edx;
     __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
     return ((uint64_t)edx << 32) | eax;
+}
+
+static int amx_permitted(void) {
+#if defined(__linux__)
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
 }
 
 static uint32_t detect(void) {
@@ -72,6 +85,13 @@ static uint32_t detect(void) {
         if (c & (1u << 11))
             f |= LLMEM_ISA_AVX512_VNNI;
     }
+    /* AMX: tiles and their bf16 products (EDX bits 24 and 22), the tile configuration and data
+     * in XCR0 (bits 17 and 18), and the kernel's permission for the tile data, which Linux gives
+     * a process only on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); once granted it
+     * holds for every thread of the process. */
+    if ((f & LLMEM_ISA_AVX512F) && (d & (1u << 24)) && (d & (1u << 22)) &&
+        (xcr0 & 0x60000) == 0x60000 && amx_permitted())
+        f |= LLMEM_ISA_AMX_BF16;
     if (max_subleaf >= 1) {
         __cpuid_count(7, 1, a, b, c, d);
         if (a & (1u << 4))

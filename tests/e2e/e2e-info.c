@@ -73,12 +73,15 @@ static void test_json(void **state) {
     assert_int_equal(llmem_json_get_string(root, "attention_kernels", &kernels), LLMEM_OK);
     assert_true(strcmp(kernels, "avx512") == 0 || strcmp(kernels, "avx2") == 0 ||
                 strcmp(kernels, "scalar") == 0);
-    /* bf16 weights at fast precision: AVX512-BF16 where the CPU has it, else the f32 kernels */
+    /* bf16 weights at fast precision: AMX tiles or AVX512-BF16 where the CPU has them, else the
+     * f32 kernels */
     const char *bf16 = NULL;
     assert_int_equal(llmem_json_get_string(root, "bf16_matmul_kernels", &bf16), LLMEM_OK);
-    const uint32_t want =
-        LLMEM_ISA_AVX512F | LLMEM_ISA_AVX512BW | LLMEM_ISA_AVX512VL | LLMEM_ISA_AVX512_BF16;
-    assert_int_equal(strcmp(bf16, "avx512_bf16") == 0, (llmem_sys_isa_features() & want) == want);
+    const uint32_t f = llmem_sys_isa_features(), want = LLMEM_ISA_AVX512F | LLMEM_ISA_AVX512BW |
+                                                        LLMEM_ISA_AVX512VL | LLMEM_ISA_AVX512_BF16;
+    const int amx = (f & want) == want && (f & LLMEM_ISA_AMX_BF16) != 0;
+    assert_int_equal(strcmp(bf16, "amx_bf16") == 0, amx);
+    assert_int_equal(strcmp(bf16, "avx512_bf16") == 0, (f & want) == want && !amx);
 
     /* NCCL only in a CUDA build: what --tensor-parallel over devices needs */
     const cJSON *cuda = cJSON_GetObjectItemCaseSensitive(root, "cuda_built");

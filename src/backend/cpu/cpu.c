@@ -470,13 +470,19 @@ void llmem_backend_cpu_set_vnni(struct llmem_backend *backend, int on) {
     ((struct cpu_ctx *)backend->ctx)->no_vnni = !on;
 }
 
+void llmem_backend_cpu_set_amx(struct llmem_backend *backend, int on) {
+    ((struct cpu_ctx *)backend->ctx)->no_amx = !on;
+}
+
 const char *llmem_backend_cpu_matmul_kernels(void) {
     return llmem_cpu_q_kernels_name(llmem_cpu_isa_best());
 }
 
 const char *llmem_backend_cpu_bf16_kernels(void) {
     const enum cpu_isa isa = llmem_cpu_isa_best();
-    return llmem_cpu_bf16_isa(isa) ? "avx512_bf16" : llmem_cpu_isa_name(isa);
+    if (!llmem_cpu_bf16_isa(isa))
+        return llmem_cpu_isa_name(isa);
+    return llmem_sys_isa_features() & LLMEM_ISA_AMX_BF16 ? "amx_bf16" : "avx512_bf16";
 }
 
 void llmem_backend_cpu_set_matmul_path(struct llmem_backend *backend, enum cpu_matmul_path path) {

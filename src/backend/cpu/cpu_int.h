@@ -59,6 +59,7 @@ struct cpu_ctx {
     int64_t gemm_min_n; /* AUTO: n at or above this takes the GEMM path */
     enum llmem_backend_precision precision; /* fast: quantized weights take matmul_q.c */
     int no_vnni; /* matmul_q.c's AVX-512 kernels without VNNI (tests; else VNNI where present) */
+    int no_amx;  /* bf16 weights at fast precision without AMX (tests; else AMX where present) */
     float *xt;          /* (CPU_GEMM_XT_BYTES) a block of x, packed (AVX-512 GEMM) */
     float *wpanel;      /* (n_threads, CPU_GEMM_THREAD_FLOATS): W converted to f32, sums */
     int64_t weight_bytes; /* bytes of the weight matrices the matmuls were handed (counters) */
@@ -102,6 +103,18 @@ void llmem_backend_cpu_set_vnni(struct llmem_backend *backend, int on);
  * VDPBF16PS) on this CPU, and whether a backend's bf16 weights take them (fast precision). */
 int llmem_cpu_bf16_isa(enum cpu_isa isa);
 int llmem_cpu_bf16_fast(const struct cpu_ctx *c);
+
+/* bf16 weights at fast precision on the AMX tiles (matmul_amx.c): whether a matrix takes them
+ * (for every row count, a matter of the matrix and the backend alone), and count products
+ * y[i] = x[i] · w[i]ᵀ (+ bias[i]) of matrices that do, of n[i] > 0 rows each, as
+ * llmem_cpu_matmul computes each; with count > 1 LLMEM_ENOMEM, having done nothing, when the
+ * inputs' packed forms do not fit the packed-x scratch together. */
+int llmem_cpu_amx_takes(const struct cpu_ctx *c, const struct llmem_weight *w);
+int llmem_cpu_matmul_amx(struct cpu_ctx *c, int count, const struct llmem_weight *const *w,
+                         const float *const *x, const int64_t *n, float *const *y,
+                         const float *const *bias);
+/* Test hook: 0 makes a backend's bf16 weights at fast precision skip AMX (as on a CPU without). */
+void llmem_backend_cpu_set_amx(struct llmem_backend *backend, int on);
 
 /* The best ISA of this CPU for the kernels. */
 enum cpu_isa llmem_cpu_isa_best(void);

@@ -31,19 +31,11 @@
 #include <string.h>
 
 #include "backend/cpu/cpu_int.h"
+#include "backend/cpu/x86_int.h"
 #include "core/log.h"
 #include "llmem/pool.h"
 #include "llmem/sys.h"
 #include "llmem/dtype.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define CPU_X86 1
-#include <immintrin.h>
-#else
-#define CPU_X86 0
-#endif
-
-#define ALWAYS_INLINE inline __attribute__((always_inline))
 
 /* ---- the ISA ----------------------------------------------------------------------------------
  */
@@ -293,8 +285,6 @@ TARGET_AVX2 static void convert_avx2(const void *row, enum llmem_dtype dt, int64
 /* ---- AVX-512 ----------------------------------------------------------------------------------
  */
 
-#define TARGET_AVX512 __attribute__((target("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
-
 /* 16 weights from k as f32; lanes outside the mask read as zero. */
 TARGET_AVX512 static ALWAYS_INLINE __m512 load16_avx512(const void *row, enum llmem_dtype dt,
                                                         int64_t k, __mmask16 m) {
@@ -493,32 +483,6 @@ TARGET_AVX512 static void finish_tile_avx512(const float *st, int mr, int nt, fl
     }
 }
 
-/* 16 × 16 transpose: out[c][r] = in[r][c]. */
-TARGET_AVX512 static ALWAYS_INLINE void transpose16_avx512(__m512 r[16]) {
-    __m512 a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        b[4 * i + 0] = _mm512_shuffle_ps(a[4 * i], a[4 * i + 2], 0x44);
-        b[4 * i + 1] = _mm512_shuffle_ps(a[4 * i], a[4 * i + 2], 0xEE);
-        b[4 * i + 2] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0x44);
-        b[4 * i + 3] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0xEE);
-    }
-    /* b[4i + c], 128-bit lane q: rows 4i … 4i+3 of column 4q + c */
-    for (int c = 0; c < 4; c++) {
-        __m512 e0 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0x88);
-        __m512 e1 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0xDD);
-        __m512 e2 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0x88);
-        __m512 e3 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0xDD);
-        r[c] = _mm512_shuffle_f32x4(e0, e2, 0x88);
-        r[8 + c] = _mm512_shuffle_f32x4(e0, e2, 0xDD);
-        r[4 + c] = _mm512_shuffle_f32x4(e1, e3, 0x88);
-        r[12 + c] = _mm512_shuffle_f32x4(e1, e3, 0xDD);
-    }
-}
-
 /* Converts columns [16 · s0, 16 · (s0 + ns)) of mr ≤ 32 weight rows (ld apart) into wp as
  * [l][ns][32]: zero past cols and past mr. */
 TARGET_AVX512 static ALWAYS_INLINE void pack_w_avx512_dt(const void *w, enum llmem_dtype dt,
@@ -564,24 +528,6 @@ TARGET_AVX512 static void pack_w_avx512(const void *w, enum llmem_dtype dt, int6
  * The decode kernels (a row of 32 weights a vector) and the GEMM (lane by lane, as the f32 GEMM,
  * pairs in place of single values) both compute exactly this, so a row of x gives the same bits
  * alone or in any batch at this precision. */
-
-#define TARGET_BF16                                                                                \
-    __attribute__((target("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")))
-
-/* 32 activations from k as bf16 pairs; lanes at or past `left` read as zero. */
-TARGET_BF16 static ALWAYS_INLINE __m512bh x32_bf16(const float *x, int64_t left) {
-    __m512 lo, hi;
-    if (left >= 32) {
-        lo = _mm512_loadu_ps(x);
-        hi = _mm512_loadu_ps(x + 16);
-    } else {
-        __mmask16 m0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        __mmask16 m1 = left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : (__mmask16)0;
-        lo = _mm512_maskz_loadu_ps(m0, x);
-        hi = _mm512_maskz_loadu_ps(m1, x + 16);
-    }
-    return _mm512_cvtne2ps_pbh(hi, lo);
-}
 
 /* 32 bf16 weights from k (as 16 pairs); past `left` zero. */
 TARGET_BF16 static ALWAYS_INLINE __m512i w32_bf16(const void *row, int64_t k, int64_t left) {
@@ -1065,10 +1011,20 @@ void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *con
                             const float *x, int64_t n, float *const *y, const float *const *bias) {
     struct cpu_ctx *c = ctx;
     LLMEM_ASSERT(count >= 1 && count <= 4);
+    int amx = n > 0;
+    for (int i = 0; i < count && amx; i++)
+        amx = w[i]->rows > 0 && llmem_cpu_amx_takes(c, w[i]);
+    const float *xs[4] = {x, x, x, x};
+    const int64_t ns[4] = {n, n, n, n};
+    if (amx && count > 1 && llmem_cpu_matmul_amx(c, count, w, xs, ns, y, bias) == LLMEM_OK) {
+        for (int i = 0; i < count; i++)
+            c->weight_bytes += w[i]->rows * llmem_weight_row_bytes(w[i]);
+        return;
+    }
     int decode = c->path == CPU_MATMUL_DECODE || (c->path == CPU_MATMUL_AUTO && n < c->gemm_min_n);
     for (int i = 0; i < count && decode; i++)
         decode = w[i]->rows > 0 && w[i]->cols > 0 && n > 0 && w[i]->quant == 0 &&
-                 kernels_of(c, w[i]) == kernels_of(c, w[0]);
+                 !llmem_cpu_amx_takes(c, w[i]) && kernels_of(c, w[i]) == kernels_of(c, w[0]);
     if (!decode || count == 1) {
         for (int i = 0; i < count; i++)
             llmem_cpu_matmul(ctx, w[i], x, n, y[i], bias != NULL ? bias[i] : NULL);
@@ -1076,8 +1032,6 @@ void llmem_cpu_matmul_multi(void *ctx, int count, const struct llmem_weight *con
     }
     for (int i = 0; i < count; i++)
         c->weight_bytes += w[i]->rows * llmem_weight_row_bytes(w[i]);
-    const float *xs[4] = {x, x, x, x};
-    const int64_t ns[4] = {n, n, n, n};
     matmul_decode_multi(c, kernels_of(c, w[0]), count, w, xs, ns, y, bias);
 }
 
@@ -1130,12 +1084,19 @@ void llmem_cpu_matmul_many(void *ctx, int count, const struct llmem_weight *cons
                            const float *const *x, const int64_t *n, float *const *y) {
     struct cpu_ctx *c = ctx;
     LLMEM_ASSERT(count >= 1 && count <= CPU_MATMUL_MANY_MAX);
-    int floats = 1, quant = c->precision == LLMEM_PRECISION_FAST;
+    int floats = 1, quant = c->precision == LLMEM_PRECISION_FAST, amx = 1;
     for (int i = 0; i < count; i++) {
+        amx &= n[i] > 0 && w[i]->rows > 0 && llmem_cpu_amx_takes(c, w[i]);
         floats &= w[i]->quant == 0 && n[i] > 0 && n[i] < c->gemm_min_n && w[i]->rows > 0 &&
-                  w[i]->cols > 0 && kernels_of(c, w[i]) == kernels_of(c, w[0]);
+                  w[i]->cols > 0 && !llmem_cpu_amx_takes(c, w[i]) &&
+                  kernels_of(c, w[i]) == kernels_of(c, w[0]);
         quant &= w[i]->quant != 0 && llmem_cpu_matmul_q_supported(w[i]->quant, w[i]->cols) &&
                  n[i] > 0 && n[i] < c->gemm_min_n;
+    }
+    if (amx && llmem_cpu_matmul_amx(c, count, w, x, n, y, NULL) == LLMEM_OK) {
+        for (int i = 0; i < count; i++)
+            c->weight_bytes += w[i]->rows * llmem_weight_row_bytes(w[i]);
+        return;
     }
     if (floats && c->path != CPU_MATMUL_GEMM) {
         for (int i = 0; i < count; i++)
@@ -1173,6 +1134,10 @@ void llmem_cpu_matmul(void *ctx, const struct llmem_weight *w, const float *x, i
             llmem_cpu_matmul_q(c, w, x, n, y, bias);
         else
             matmul_quant(c, k, w, x, n, y, bias);
+        return;
+    }
+    if (llmem_cpu_amx_takes(c, w)) { /* every row count, the same arithmetic */
+        llmem_cpu_matmul_amx(c, 1, &w, &x, &n, &y, &bias);
         return;
     }
     k = kernels_of(c, w);
