@@ -214,9 +214,12 @@ TARGET_AMX static void amx_part_task(void *arg, int task, int thread) {
     _Alignas(64) float acc[4][256];
     _Alignas(64) uint16_t buf[2][16 * 32];
     amx_configure();
-    for (int64_t r = r_begin; r < r_end; r += 32) {
+    const int64_t rstep = blocked ? 32 : 16;
+    for (int64_t r = r_begin; r < r_end; r += rstep) {
         const int m0 = r_end - r < 16 ? (int)(r_end - r) : 16;
-        const int m1 = r_end - r - 16 <= 0 ? 0 : r_end - r - 16 < 16 ? (int)(r_end - r - 16) : 16;
+        const int m1 = !blocked || r_end - r - 16 <= 0 ? 0
+                       : r_end - r - 16 < 16          ? (int)(r_end - r - 16)
+                                                      : 16;
         const int tiles = m1 > 0 ? 2 : 1;
         const uint8_t *a0 = (const uint8_t *)w->data + r * ld, *a1 = a0 + 16 * ld;
         for (int64_t s0 = 0; s0 < nk; s0 += kc) {
