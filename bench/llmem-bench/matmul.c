@@ -10,9 +10,11 @@
  *   prefill    n = 512 on the same shapes; GFLOP/s = 2 · n · rows · cols / time, for the GEMM
  *              path (at f32 precision) and, for f32 weights, OpenBLAS sgemm on the same data when
  *              llmem-bench is built with it (-DLLMEM_BENCH_OPENBLAS=ON; the library itself never
- *              uses BLAS), for bf16 weights also at fast precision (dpbf16, AVX512-BF16);
+ *              uses BLAS), for bf16 weights also at fast precision (amx on AMX tiles, else
+ *              dpbf16, AVX512-BF16);
  *   peak       the FMA rate of the vector unit (independent FMA chains, no memory), the bound of
- *              prefill, and the VDPBF16PS rate where the CPU has AVX512_BF16;
+ *              prefill, and the TDPBF16PS rate where bf16 weights run on AMX tiles, else the
+ *              VDPBF16PS rate where the CPU has AVX512_BF16 (JSON: peak_dpbf16_gflops);
  *   dispatch   the latency of one pool run of trivial tasks (what every threaded op pays).
  * Every figure is the median of repeated runs.
  */
@@ -101,13 +103,50 @@ __attribute__((target("avx512f,avx512bf16"))) static float peak_dpbf16(void) {
         s = _mm512_add_ps(s, a[i]);
     return _mm512_reduce_add_ps(s);
 }
+
+/* TDPBF16PS on four accumulator tiles from two tiles of each operand, in registers (the tile
+ * configuration is the thread's; the process's permission was asked for by the ISA detection). */
+__attribute__((target("amx-tile,amx-bf16"))) static float peak_amx(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _Alignas(64) static const uint16_t ones[512] = {0};
+    _Alignas(64) float out[256];
+    _tile_loadconfig(&cfg);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, ones, 64);
+    _tile_loadd(5, ones, 64);
+    _tile_loadd(6, ones, 64);
+    _tile_loadd(7, ones, 64);
+    for (int it = 0; it < PEAK_ITERS / 4; it++) {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, out, 64);
+    _tile_release();
+    return out[0];
+}
 #endif
 
 static void peak_task(void *arg, int task, int thread) {
     (void)thread;
     struct peak_job *j = arg;
 #if BENCH_X86
-    float r = j->kind == 1               ? peak_dpbf16()
+    float r = j->kind == 2               ? peak_amx()
+              : j->kind == 1             ? peak_dpbf16()
               : j->isa == CPU_ISA_AVX512 ? peak_fma512()
                                          : peak_fma256();
     j->sink[task % 64] = r;
@@ -117,14 +156,18 @@ static void peak_task(void *arg, int task, int thread) {
 }
 
 /* FLOP/s of `threads` threads running the loop at once (one task each). Per iteration 16 zmm
- * FMAs (32 FLOP each), 12 ymm FMAs (16 each) or 16 VDPBF16PS (64 each). */
+ * FMAs (32 FLOP each), 12 ymm FMAs (16 each), 16 VDPBF16PS (64 each) or, for AMX, a quarter of
+ * its iterations, one TDPBF16PS (16 · 16 · 32 · 2). */
 static double peak_gflops(struct llmem_pool *pool, int kind, enum cpu_isa isa) {
     struct peak_job j = {.kind = kind, .isa = isa};
     int threads = llmem_pool_threads(pool);
     double t0 = llmem_clock_s();
     llmem_pool_run(pool, threads, peak_task, &j);
     double t = llmem_clock_s() - t0;
-    double per_iter = kind == 1 ? 16.0 * 64 : isa == CPU_ISA_AVX512 ? 16.0 * 32 : 12.0 * 16;
+    double per_iter = kind == 2               ? 16.0 * 16 * 32 * 2 /* a TDPBF16PS a 4th */
+                      : kind == 1             ? 16.0 * 64
+                      : isa == CPU_ISA_AVX512 ? 16.0 * 32
+                                              : 12.0 * 16;
     return (double)PEAK_ITERS * per_iter * threads / t * 1e-9;
 }
 
@@ -204,8 +247,9 @@ static const char matmul_usage[] =
     "a\n"
     "fraction of the streaming read bandwidth probed before and after in the same run; prefill\n"
     "(n = 512) in GFLOP/s, against the measured FMA peak (f32 also through OpenBLAS when built\n"
-    "with -DLLMEM_BENCH_OPENBLAS=ON; bf16 also at fast precision, path dpbf16, against the\n"
-    "VDPBF16PS peak, where the CPU has AVX512-BF16); the pool's dispatch latency. Medians\n"
+    "with -DLLMEM_BENCH_OPENBLAS=ON; bf16 also at fast precision, path amx against the\n"
+    "TDPBF16PS peak where the CPU has AMX, else dpbf16 against the VDPBF16PS peak where it\n"
+    "has AVX512-BF16); the pool's dispatch latency. Medians\n"
     "of N runs (default 5, quick 3). --threads N (default: the online CPUs); --quick streams\n"
     "less memory and skips n = 4; --json prints one object.\n";
 
@@ -293,6 +337,8 @@ int bench_matmul(int argc, char **argv) {
     int n_threads = be->ops->threads(be->ctx);
     enum cpu_isa isa = llmem_cpu_isa_best();
     int has_bf16 = (llmem_sys_isa_features() & LLMEM_ISA_AVX512_BF16) != 0;
+    /* bf16 weights at fast precision run on the AMX tiles where the CPU has them */
+    int has_amx = has_bf16 && strcmp(llmem_backend_cpu_bf16_kernels(), "amx_bf16") == 0;
     size_t wbuf_bytes = (size_t)stream_bytes + ((size_t)64 << 20);
     wbuf = malloc(wbuf_bytes);
     x = malloc((size_t)PREFILL_N * 8192 * sizeof(float));
@@ -320,7 +366,7 @@ int bench_matmul(int argc, char **argv) {
             peak256 = p256 > peak256 ? p256 : peak256;
         }
         if (has_bf16)
-            peak_dp = peak_gflops(pool, 1, isa);
+            peak_dp = peak_gflops(pool, has_amx ? 2 : 1, isa);
     }
     disp = dispatch_us(pool);
     tick(NULL);
@@ -419,7 +465,7 @@ int bench_matmul(int argc, char **argv) {
                                                          cols,
                                                          bench_dtypes[d],
                                                          p == 0 ? "gemm"
-                                                         : fast ? "dpbf16"
+                                                         : fast ? (has_amx ? "amx" : "dpbf16")
                                                                 : "openblas",
                                                          gf,
                                                          of > 0 ? gf / of : 0};
@@ -495,7 +541,7 @@ int bench_matmul(int argc, char **argv) {
                bw_read, bw_copy);
         printf("peak f32 FMA %.1f GFLOP/s (256-bit: %.1f)", peak, peak256);
         if (has_bf16)
-            printf(", VDPBF16PS %.1f GFLOP/s", peak_dp);
+            printf(", %s %.1f GFLOP/s", has_amx ? "TDPBF16PS (AMX)" : "VDPBF16PS", peak_dp);
 #if BENCH_OPENBLAS
         printf("; pool dispatch %.2f us; OpenBLAS core %s\n\n", disp, openblas_get_corename());
 #else
@@ -511,9 +557,9 @@ int bench_matmul(int argc, char **argv) {
             printf("%-6s %-11s %3lld %9.1f %8.0f%%\n", llmem_dtype_name(dres[i].dtype), shape,
                    (long long)dres[i].n, dres[i].gbps, 100 * dres[i].fraction);
         }
-        printf("\nprefill, n = %d (GFLOP/s; fraction of the FMA peak, of VDPBF16PS's for "
-               "dpbf16: bf16 weights at fast precision)\n",
-               PREFILL_N);
+        printf("\nprefill, n = %d (GFLOP/s; fraction of the FMA peak, for bf16 weights at fast "
+               "precision of %s's)\n",
+               PREFILL_N, has_amx ? "TDPBF16PS" : "VDPBF16PS");
         printf("%-6s %-11s %-9s %9s %8s\n", "dtype", "shape", "path", "GFLOP/s", "of peak");
         for (int i = 0; i < n_pres; i++) {
             char shape[32];
