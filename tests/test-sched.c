@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/hooks.h"
 #include "llmem/engine.h"
 #include "testutil.h"
 
@@ -206,6 +207,89 @@ static void test_preemption_resumes(void **state) {
     llmem_engine_close(e);
 }
 
+static int critical; /* 1: the guard's source reads critical memory pressure */
+
+static void critical_guard(void *arg, struct llmem_guard_reading *r) {
+    (void)arg;
+    if (__atomic_load_n(&critical, __ATOMIC_SEQ_CST))
+        r->resident_bytes = r->ceiling_bytes; /* ≥ 0.95 × the ceiling: critical */
+    else
+        r->resident_bytes = 0, r->psi_some = r->psi_full = 0;
+}
+
+/* Its first GEN / 2 + 4 tokens in, a request turns the machine's memory pressure critical. */
+static int on_token_then_critical(void *arg, const struct llmem_token_event *ev) {
+    const struct outcome *o = arg;
+    if (o->n_ids + 1 >= GEN / 2 + 4)
+        __atomic_store_n(&critical, 1, __ATOMIC_SEQ_CST);
+    return on_token(arg, ev);
+}
+
+/* A critical memory pressure admits nothing new, but a preempted request is not new: in the pool
+ * of test_preemption_resumes, the pressure turns critical while the preempted requests wait to
+ * resume; the requests never admitted are refused before their first token, and every request
+ * that had tokens completes. */
+static void test_critical_resumes_preempted(void **state) {
+    (void)state;
+    struct llmem_engine_config c;
+    llmem_engine_config_default(&c);
+    c.model_dir = PYCODER;
+    c.max_sequences = N_REQ;
+    c.n_threads = 2;
+    c.context = 1024;
+    struct llmem_engine_hooks hooks = {.guard_source = critical_guard};
+    struct llmem_engine *e = NULL;
+    assert_int_equal(llmem_engine_open_hooked(&c, &hooks, NULL, NULL, &e), LLMEM_OK);
+    struct llmem_kv *kv = llmem_engine_kv(e);
+    int other;
+    assert_int_equal(llmem_kv_seq_new(kv, &other), LLMEM_OK);
+    assert_int_equal(llmem_kv_reserve(kv, other, (llmem_kv_blocks_free(kv) - 30) * 16), LLMEM_OK);
+    __atomic_store_n(&critical, 0, __ATOMIC_SEQ_CST);
+    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+    int n_done = 0;
+    struct outcome out[N_REQ];
+    assert_int_equal(llmem_engine_serve_start(e, NULL), LLMEM_OK);
+    for (int i = 0; i < N_REQ; i++) {
+        int32_t prompt[100];
+        prompt_of(i, prompt, 100);
+        struct llmem_generate_params p;
+        params_of(i, &p);
+        out[i] = (struct outcome){.mu = &mu, .cv = &cv, .n_done = &n_done, .logprobs_ok = 1};
+        struct llmem_request_events ev = {
+            .on_token = on_token_then_critical, .on_done = on_done, .arg = &out[i]};
+        uint64_t id;
+        assert_int_equal(llmem_engine_submit(e, prompt, 100, &p, &ev, &id), LLMEM_OK);
+    }
+    pthread_mutex_lock(&mu);
+    while (n_done < N_REQ)
+        pthread_cond_wait(&cv, &mu);
+    pthread_mutex_unlock(&mu);
+    struct llmem_engine_metrics m;
+    llmem_engine_metrics(e, &m);
+    llmem_engine_serve_stop(e);
+    int ok = 0;
+    for (int i = 0; i < N_REQ; i++) {
+        if (out[i].status == LLMEM_OK) {
+            assert_int_equal(out[i].n_ids, GEN);
+            ok++;
+        } else {
+            assert_int_equal(out[i].status, LLMEM_ENOMEM);
+            assert_int_equal(out[i].n_ids, 0); /* refused before its first token */
+            assert_non_null(strstr(out[i].message, "critical memory pressure"));
+        }
+    }
+    printf("  %lld preemptions, %d completed, %lld refused\n", (long long)m.preemptions, ok,
+           (long long)m.requests_refused);
+    assert_true(m.preemptions > 0);
+    assert_int_equal(m.requests_failed, 0);
+    assert_int_equal(m.requests_refused, N_REQ - ok);
+    assert_true(m.requests_refused > 0);
+    assert_int_equal(llmem_kv_check(kv), LLMEM_OK);
+    llmem_kv_seq_free(kv, other);
+    llmem_engine_close(e);
+}
+
 /* Cancelling: from the request's own callback, and from another thread while it waits or runs;
  * either way its blocks come back. A request larger than the whole pool is refused up front. */
 static void test_cancel_and_refuse(void **state) {
@@ -366,6 +450,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_concurrent_equals_single),
         cmocka_unit_test(test_preemption_resumes),
+        cmocka_unit_test(test_critical_resumes_preempted),
         cmocka_unit_test(test_cancel_and_refuse),
         cmocka_unit_test(test_submit_checks),
         cmocka_unit_test(test_open_checks),

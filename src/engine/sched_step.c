@@ -110,15 +110,21 @@ static void admit(struct llmem_sched *s) {
     const struct llmem_sched_ops *ops = &s->cfg.ops;
     struct llmem_kv *kv = s->cfg.kv;
     const int paged = s->cfg.paged;
-    while (s->waiting != NULL && s->n_running < s->cfg.max_sequences) {
-        struct request *r = s->waiting;
-        if (s->refusing) {
-            s->waiting = r->next;
-            llmem_sched_finish(s, r, "error", LLMEM_ENOMEM,
-                               "refused: the machine is under critical memory pressure; no new "
-                               "request is admitted until it clears");
+    /* Under a critical memory pressure nothing new is admitted; a preempted request is not new
+     * (its client has its first tokens): it waits for room as before. */
+    for (struct request **at = &s->waiting; s->refusing && *at != NULL;) {
+        struct request *r = *at;
+        if (r->t_admit != 0) {
+            at = &r->next;
             continue;
         }
+        *at = r->next;
+        llmem_sched_finish(s, r, "error", LLMEM_ENOMEM,
+                           "refused: the machine is under critical memory pressure; no new "
+                           "request is admitted until it clears");
+    }
+    while (s->waiting != NULL && s->n_running < s->cfg.max_sequences) {
+        struct request *r = s->waiting;
         if (r->p.follow != 0) { /* n > 1: after its leader's prompt is in the cache */
             struct request *lead = s->running;
             while (lead != NULL && lead->id != r->p.follow)
