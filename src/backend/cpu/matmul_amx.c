@@ -37,6 +37,8 @@ static int parts_of(const struct llmem_weight *w) {
  * strips of x a part multiplies at once (their accumulators wait in the thread's scratch between
  * blocks: 4 KiB a pair). */
 #define AMX_KC 8
+/* Decode reads its weight tiles in place: the chunks it prefetches ahead of the one it loads. */
+#define AMX_AHEAD 8
 #ifndef AMX_XBLOCK_BYTES
 #define AMX_XBLOCK_BYTES ((size_t)1 << 20)
 #endif
@@ -244,6 +246,16 @@ TARGET_AMX static void amx_part_task(void *arg, int task, int thread) {
                 for (int64_t s = s0; s < s1; s++) {
                     int64_t l0 = 64, l1 = 64;
                     const uint16_t *p0 = blk + (size_t)(s - s0) * (size_t)tiles * 512;
+                    if (!blocked) { /* the tile AMX_AHEAD chunks on (in the next strip at the
+                                     * end of this one) into L2, where the 16 rows of a 4 KiB
+                                     * pitch fit (in L1 they share a set) */
+                        const int64_t sa = s + AMX_AHEAD;
+                        const uint8_t *pa = sa < nk          ? a0 + sa * 64
+                                            : r + 16 < r_end ? a0 + 16 * ld + (sa - nk) * 64
+                                                             : NULL;
+                        for (int ii = 0; pa != NULL && ii < 16; ii++)
+                            _mm_prefetch((const char *)pa + ii * ld, _MM_HINT_T1);
+                    }
                     _tile_loadd(4, blocked ? p0 : weight_tile(a0, ld, m0, s, cols, buf[0], &l0),
                                 l0);
                     if (m1 > 0)
