@@ -84,7 +84,8 @@ static void prompt_of(int i, int32_t *p, int n) {
         p[k] = (int32_t)(5 + (i * 131 + k * 17) % 3000);
 }
 
-static struct llmem_engine *open_pycoder(int max_sequences) {
+/* (hooks: NULL, or the guard's source) */
+static struct llmem_engine *open_hooked(int max_sequences, const struct llmem_engine_hooks *hooks) {
     struct llmem_engine_config c;
     llmem_engine_config_default(&c);
     c.model_dir = PYCODER;
@@ -92,8 +93,12 @@ static struct llmem_engine *open_pycoder(int max_sequences) {
     c.n_threads = 2;
     c.context = 1024;
     struct llmem_engine *e = NULL;
-    assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_OK);
+    assert_int_equal(llmem_engine_open_hooked(&c, hooks, NULL, NULL, &e), LLMEM_OK);
     return e;
+}
+
+static struct llmem_engine *open_pycoder(int max_sequences) {
+    return open_hooked(max_sequences, NULL);
 }
 
 /* Request i's parameters: GEN tokens, greedy for even i, drawn at a temperature with a seed of
@@ -119,20 +124,14 @@ static void single_run(struct llmem_engine *e, int i, int n, int32_t *ids, int *
     llmem_generate_result_free(&r);
 }
 
-/* Serves N_REQ requests at once (prompt i of len[i] tokens) and checks each against its single
- * run (other_sequences: those the test holds itself). Returns the preemptions counted. */
-static int64_t serve_and_compare(struct llmem_engine *e, const int *len, int logprobs,
-                                 int64_t other_sequences) {
-    int32_t want[N_REQ][GEN];
-    int n_want[N_REQ];
-    for (int i = 0; i < N_REQ; i++)
-        single_run(e, i, len[i], want[i], &n_want[i]);
-    llmem_engine_clear_cache(e); /* no bank hits from the single runs */
-
+/* Serves N_REQ requests at once (prompt i of len[i] tokens, its events through tok), each one's
+ * outcome into out[i], and the engine's metrics after them into m. */
+static void serve_all(struct llmem_engine *e, const int *len, int logprobs,
+                      int (*tok)(void *, const struct llmem_token_event *), struct outcome *out,
+                      struct llmem_engine_metrics *m) {
     pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
     pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
     int n_done = 0;
-    struct outcome out[N_REQ];
     assert_int_equal(llmem_engine_serve_start(e, NULL), LLMEM_OK);
     for (int i = 0; i < N_REQ; i++) {
         int32_t prompt[512];
@@ -145,7 +144,7 @@ static int64_t serve_and_compare(struct llmem_engine *e, const int *len, int log
                                   .logprobs_ok = 1,
                                   .drawn = p.sampling.temperature > 0};
         p.logprobs = logprobs;
-        struct llmem_request_events ev = {.on_token = on_token, .on_done = on_done, .arg = &out[i]};
+        struct llmem_request_events ev = {.on_token = tok, .on_done = on_done, .arg = &out[i]};
         uint64_t id;
         assert_int_equal(llmem_engine_submit(e, prompt, len[i], &p, &ev, &id), LLMEM_OK);
     }
@@ -153,9 +152,22 @@ static int64_t serve_and_compare(struct llmem_engine *e, const int *len, int log
     while (n_done < N_REQ)
         pthread_cond_wait(&cv, &mu);
     pthread_mutex_unlock(&mu);
-    struct llmem_engine_metrics m;
-    llmem_engine_metrics(e, &m);
+    llmem_engine_metrics(e, m);
     llmem_engine_serve_stop(e);
+}
+
+/* Serves N_REQ requests at once (prompt i of len[i] tokens) and checks each against its single
+ * run (other_sequences: those the test holds itself). Returns the preemptions counted. */
+static int64_t serve_and_compare(struct llmem_engine *e, const int *len, int logprobs,
+                                 int64_t other_sequences) {
+    int32_t want[N_REQ][GEN];
+    int n_want[N_REQ];
+    for (int i = 0; i < N_REQ; i++)
+        single_run(e, i, len[i], want[i], &n_want[i]);
+    llmem_engine_clear_cache(e); /* no bank hits from the single runs */
+    struct outcome out[N_REQ];
+    struct llmem_engine_metrics m;
+    serve_all(e, len, logprobs, on_token, out, &m);
     for (int i = 0; i < N_REQ; i++) {
         if (out[i].status != LLMEM_OK)
             printf("  request %d: %s\n", i, out[i].message);
@@ -231,43 +243,17 @@ static int on_token_then_critical(void *arg, const struct llmem_token_event *ev)
  * that had tokens completes. */
 static void test_critical_resumes_preempted(void **state) {
     (void)state;
-    struct llmem_engine_config c;
-    llmem_engine_config_default(&c);
-    c.model_dir = PYCODER;
-    c.max_sequences = N_REQ;
-    c.n_threads = 2;
-    c.context = 1024;
-    struct llmem_engine_hooks hooks = {.guard_source = critical_guard};
-    struct llmem_engine *e = NULL;
-    assert_int_equal(llmem_engine_open_hooked(&c, &hooks, NULL, NULL, &e), LLMEM_OK);
+    const struct llmem_engine_hooks hooks = {.guard_source = critical_guard};
+    struct llmem_engine *e = open_hooked(N_REQ, &hooks);
     struct llmem_kv *kv = llmem_engine_kv(e);
-    int other;
+    int other; /* as in test_preemption_resumes */
     assert_int_equal(llmem_kv_seq_new(kv, &other), LLMEM_OK);
     assert_int_equal(llmem_kv_reserve(kv, other, (llmem_kv_blocks_free(kv) - 30) * 16), LLMEM_OK);
     __atomic_store_n(&critical, 0, __ATOMIC_SEQ_CST);
-    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-    pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
-    int n_done = 0;
+    const int len[N_REQ] = {100, 100, 100, 100, 100, 100, 100, 100};
     struct outcome out[N_REQ];
-    assert_int_equal(llmem_engine_serve_start(e, NULL), LLMEM_OK);
-    for (int i = 0; i < N_REQ; i++) {
-        int32_t prompt[100];
-        prompt_of(i, prompt, 100);
-        struct llmem_generate_params p;
-        params_of(i, &p);
-        out[i] = (struct outcome){.mu = &mu, .cv = &cv, .n_done = &n_done, .logprobs_ok = 1};
-        struct llmem_request_events ev = {
-            .on_token = on_token_then_critical, .on_done = on_done, .arg = &out[i]};
-        uint64_t id;
-        assert_int_equal(llmem_engine_submit(e, prompt, 100, &p, &ev, &id), LLMEM_OK);
-    }
-    pthread_mutex_lock(&mu);
-    while (n_done < N_REQ)
-        pthread_cond_wait(&cv, &mu);
-    pthread_mutex_unlock(&mu);
     struct llmem_engine_metrics m;
-    llmem_engine_metrics(e, &m);
-    llmem_engine_serve_stop(e);
+    serve_all(e, len, 0, on_token_then_critical, out, &m);
     int ok = 0;
     for (int i = 0; i < N_REQ; i++) {
         if (out[i].status == LLMEM_OK) {
