@@ -1145,8 +1145,12 @@ static void test_refused_before_loading(void **state) {
     struct llmem_engine *e = NULL;
     assert_int_equal(llmem_engine_open(&c, NULL, NULL, &e), LLMEM_ENOMEM);
     assert_null(e);
+    /* one line, with the reason: what does not fit, and what would */
+    const char *nl = strchr(last_errors, '\n');
+    assert_true(nl != NULL && nl[1] == '\0');
     assert_non_null(strstr(last_errors, "refused before loading"));
-    assert_non_null(strstr(last_errors, "DOES NOT FIT"));
+    assert_non_null(strstr(last_errors, "DOES NOT FIT: weights"));
+    assert_non_null(strstr(last_errors, "a smaller model"));
 
     /* the full context in f32 KV does not fit a 24 MiB budget either (named); in q8 a 32 MiB
      * budget fits it */

@@ -175,6 +175,8 @@ struct llmem_plan_params {
     int64_t runtime_baseline_bytes;
 };
 
+/* The verdict of a plan whose model does not fit (its describe line, its note, llmem plan). */
+#define LLMEM_PLAN_NO_FIT    "MODEL DOES NOT FIT"
 #define LLMEM_PLAN_MAX_NOTES 12
 #define LLMEM_PLAN_NOTE_MAX  400
 
@@ -242,6 +244,7 @@ struct llmem_plan {
 
     int n_notes;
     char notes[LLMEM_PLAN_MAX_NOTES][LLMEM_PLAN_NOTE_MAX];
+    int verdict_note; /* the note that says why the model does not fit, or −1 */
 };
 
 /* Where a mixture's experts live when the model runs on a device (SPEC §2.2, "experts"): the

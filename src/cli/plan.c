@@ -614,7 +614,7 @@ static void print_human(const struct llmem_plan *p, const struct llmem_model_geo
            : p->util_in_band ? ": inside"
                              : ": OUTSIDE");
     const char *verdict = p->overcommitted ? "OVERCOMMITTED"
-                          : !p->model_fits ? "MODEL DOES NOT FIT"
+                          : !p->model_fits ? LLMEM_PLAN_NO_FIT
                           : !ok            ? "fits, but the limits are unsafe"
                                            : "fits";
     printf("  verdict  %s\n", verdict);

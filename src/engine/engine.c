@@ -184,9 +184,16 @@ static int plan_model(struct llmem_engine *e, const struct llmem_model_geometry 
     char line[512];
     llmem_plan_describe(&e->plan, line, sizeof(line));
     if (!e->plan.model_fits || e->plan.overcommitted) {
-        LLMEM_ERROR_AS("llmem_engine_open", "%s: refused before loading: %s", c->model_dir, line);
+        /* one line says why; the plan's other notes follow as information */
+        const int v = e->plan.verdict_note;
+        const char *why = v >= 0 && v < e->plan.n_notes ? e->plan.notes[v] : "";
+        if (strncmp(why, LLMEM_PLAN_NO_FIT ": ", strlen(LLMEM_PLAN_NO_FIT) + 2) == 0)
+            why += strlen(LLMEM_PLAN_NO_FIT) + 2; /* (the line ends with the verdict) */
+        LLMEM_ERROR_AS("llmem_engine_open", "%s: refused before loading: %s%s%s", c->model_dir,
+                       line, *why ? ": " : "", why);
         for (int i = 0; i < e->plan.n_notes; i++)
-            LLMEM_ERROR_AS("llmem_engine_open", "%s", e->plan.notes[i]);
+            if (i != v)
+                llmem_log_line(LLMEM_LOG_INFO, "llmem_engine_open", "%s", e->plan.notes[i]);
         return LLMEM_ENOMEM;
     }
     /* §3.1: an allocation limit or a trip at or above the ceiling leaves the guard no room to

@@ -267,6 +267,7 @@ static void plan_notes(const struct llmem_plan_params *p, struct llmem_plan *pla
         note(plan, "requested context %lld is above the model's maximum %lld; using %lld",
              (long long)p->requested_context, (long long)model_max, (long long)model_max);
 
+    plan->verdict_note = plan->overcommitted || !plan->model_fits ? plan->n_notes : -1;
     if (plan->overcommitted) {
         note(plan,
              "requested context %lld exceeds the machine fit %lld: KV at the full window needs %s"
@@ -285,7 +286,8 @@ static void plan_notes(const struct llmem_plan_params *p, struct llmem_plan *pla
             snprintf(baseline, sizeof(baseline), " (%s of it the runtime baseline)",
                      GIB(plan->runtime_baseline_bytes));
         note(plan,
-             "MODEL DOES NOT FIT: weights + minimum runtime (%lld tokens of context) need %s%s but"
+             LLMEM_PLAN_NO_FIT
+             ": weights + minimum runtime (%lld tokens of context) need %s%s but"
              " the engine budget is %s; use fewer bits per weight or a smaller model%s",
              (long long)resolved, GIB(need), baseline, GIB(plan->usable_bytes),
              formula && need <= plan->planning_bytes
@@ -356,6 +358,7 @@ static void plan_notes(const struct llmem_plan_params *p, struct llmem_plan *pla
 
 int llmem_plan_compute(const struct llmem_plan_params *params, struct llmem_plan *plan) {
     memset(plan, 0, sizeof(*plan));
+    plan->verdict_note = -1;
     plan->unavailable_reason = "";
     int status = check_params(params);
     if (status != LLMEM_OK)
@@ -413,7 +416,7 @@ char *llmem_plan_describe(const struct llmem_plan *plan, char *buf, size_t buf_s
              GIB(plan->usable_bytes), GIB(plan->weights_bytes),
              (long long)plan->context_window_resolved, why, GIB(plan->bank_idle_max_bytes),
              GIB(plan->bank_steady_bytes),
-             !plan->model_fits && !plan->overcommitted ? " — MODEL DOES NOT FIT" : "");
+             !plan->model_fits && !plan->overcommitted ? " — " LLMEM_PLAN_NO_FIT : "");
     return buf;
 }
 
