@@ -389,7 +389,8 @@ static int run_main(int argc, char **argv, struct run_args *a) {
         goto out;
     }
     if (n == 0) {
-        rc = cli_usage_error(a->cmd, "the prompt is empty");
+        rc = cli_usage_error(a->cmd, text_len > 0 ? "the prompt encodes to no tokens"
+                                                  : "the prompt is empty");
         goto out;
     }
     if (a->gen.max_tokens == 0)

@@ -719,6 +719,28 @@ static void test_bad_input(void **state) {
     edit(dir, "tokenizer.json", "\"type\": \"BPE\"", "\"type\": \"Unigram\"");
     expect_failure(dir, "Unigram");
 
+    /* a tokenizer whose vocabulary holds only its special tokens: the prompt encodes to
+     * nothing, and the run says so */
+    dir = copy_pycoder();
+    snprintf(path, sizeof(path), "%s/tokenizer.json", dir);
+    long len = 0;
+    char *text = read_all(path, &len);
+    cJSON *tj = cJSON_Parse(text);
+    cJSON *model = cJSON_GetObjectItem(tj, "model");
+    cJSON_ReplaceItemInObject(model, "vocab", cJSON_CreateObject());
+    cJSON_ReplaceItemInObject(model, "merges", cJSON_CreateArray());
+    char *emptied = cJSON_PrintUnformatted(tj);
+    free(tu_write_file(dir, "tokenizer.json", emptied, -1));
+    cJSON_free(emptied);
+    cJSON_Delete(tj);
+    free(text);
+    r = tu_llmem("run", dir, "-p", "def", "-n", "2", NULL);
+    assert_int_equal(r.exit_code, 2);
+    assert_non_null(strstr(r.err, "the prompt encodes to no tokens"));
+    tu_run_free(&r);
+    tu_rmtree(dir);
+    free(dir);
+
     /* bad option values */
     r = tu_llmem("run", PYCODER, "--ids", "1,x,3", NULL);
     assert_int_equal(r.exit_code, 2);
