@@ -1027,7 +1027,8 @@ static int make_tasks(struct llmem_grammar_vocab *v) {
     if (status == 0 && n > 0 && (v->tasks = malloc((size_t)n * sizeof(*v->tasks))) == NULL)
         status = -1;
     if (status == 0) {
-        qsort(list, (size_t)n, sizeof(*list), by_size);
+        if (n > 1) /* (no tasks at all where the vocabulary holds only special tokens) */
+            qsort(list, (size_t)n, sizeof(*list), by_size);
         for (int32_t i = 0; i < n; i++)
             v->tasks[i] = list[i].t;
         v->n_tasks = n;
