@@ -229,28 +229,31 @@ static void critical_guard(void *arg, struct llmem_guard_reading *r) {
         r->resident_bytes = 0, r->psi_some = r->psi_full = 0;
 }
 
-/* Its first GEN / 2 + 4 tokens in, a request turns the machine's memory pressure critical. */
+/* Two tokens before its last, a request turns the machine's memory pressure critical. */
 static int on_token_then_critical(void *arg, const struct llmem_token_event *ev) {
     const struct outcome *o = arg;
-    if (o->n_ids + 1 >= GEN / 2 + 4)
+    if (o->n_ids + 1 >= GEN - 2)
         __atomic_store_n(&critical, 1, __ATOMIC_SEQ_CST);
     return on_token(arg, ev);
 }
 
-/* A critical memory pressure admits nothing new, but a preempted request is not new: in the pool
- * of test_preemption_resumes, the pressure turns critical while the preempted requests wait to
- * resume; the requests never admitted are refused before their first token, and every request
- * that had tokens completes. */
+/* A critical memory pressure admits nothing new, but a preempted request is not new: in a pool
+ * too small for the requests admitted, the pressure turns critical while the preempted requests
+ * wait to resume; the requests never admitted are refused before their first token, and every
+ * request that had tokens completes. */
 static void test_critical_resumes_preempted(void **state) {
     (void)state;
     const struct llmem_engine_hooks hooks = {.guard_source = critical_guard};
     struct llmem_engine *e = open_hooked(N_REQ, &hooks);
     struct llmem_kv *kv = llmem_engine_kv(e);
-    int other; /* as in test_preemption_resumes */
+    /* 34 blocks for the requests: four are admitted (7 blocks each for 110 tokens, a block of
+     * headroom for each running one) and need 9 blocks each by their 18th token, so the newest
+     * is preempted before the first of them turns the pressure critical at its 22nd */
+    int other;
     assert_int_equal(llmem_kv_seq_new(kv, &other), LLMEM_OK);
-    assert_int_equal(llmem_kv_reserve(kv, other, (llmem_kv_blocks_free(kv) - 30) * 16), LLMEM_OK);
+    assert_int_equal(llmem_kv_reserve(kv, other, (llmem_kv_blocks_free(kv) - 34) * 16), LLMEM_OK);
     __atomic_store_n(&critical, 0, __ATOMIC_SEQ_CST);
-    const int len[N_REQ] = {100, 100, 100, 100, 100, 100, 100, 100};
+    const int len[N_REQ] = {110, 110, 110, 110, 110, 110, 110, 110};
     struct outcome out[N_REQ];
     struct llmem_engine_metrics m;
     serve_all(e, len, 0, on_token_then_critical, out, &m);
