@@ -22,6 +22,7 @@
 
 #include "testutil.h"
 
+#include "backend/cuda/backend.h"
 #include "backend/ops.h"
 #include "core/options.h"
 #include "llmem/backend.h"
@@ -123,6 +124,32 @@ static double rel_diff(const float *a, const float *b, int64_t n) {
 
 /* ---- builds without CUDA ---------------------------------------------------------------------
  */
+
+/* Whether a library whose file name holds `name` is mapped into this process. */
+static int mapped(const char *name) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    assert_non_null(f);
+    char line[4096];
+    int found = 0;
+    while (!found && fgets(line, sizeof(line), f) != NULL)
+        found = strstr(line, name) != NULL;
+    fclose(f);
+    return found;
+}
+
+/* cuBLAS is opened with the first CUDA backend, not at start: a CPU backend of a CUDA build does
+ * not map it (cuBLASLt alone holds about 150 MB resident once loaded). Then the loader finds every
+ * function it needs, with or without a GPU, and says the same the second time. */
+static void test_blas_opened_late(void **state) {
+    (void)state;
+    struct llmem_backend *c = NULL;
+    assert_int_equal(llmem_backend_cpu_create(1, &c), LLMEM_OK);
+    llmem_backend_destroy(c);
+    assert_false(mapped("libcublas"));
+    assert_int_equal(llmem_cuda_blas_load(), LLMEM_OK);
+    assert_true(mapped("libcublasLt.so"));
+    assert_int_equal(llmem_cuda_blas_load(), LLMEM_OK);
+}
 
 static void test_build(void **state) {
     (void)state;
@@ -2279,7 +2306,8 @@ static int teardown(void **state) {
 int main(int argc, char **argv) {
     /* test_split_one_device's ranks on this device (read once, at the first option asked for) */
     setenv("LLMEM_SPLIT_ONE_DEVICE", "1", 1);
-    const struct CMUnitTest build[] = {cmocka_unit_test(test_build)};
+    const struct CMUnitTest build[] = {cmocka_unit_test(test_blas_opened_late),
+                                       cmocka_unit_test(test_build)};
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_device_memory),
         cmocka_unit_test(test_rmsnorm),

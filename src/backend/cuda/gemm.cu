@@ -449,7 +449,7 @@ static void gemm_ex(struct cuda_ctx *c, int64_t m, int64_t n, int64_t k, const v
                     const void *b, cudaDataType_t t, float *y, int64_t ldc) {
     const float one = 1.0f, zero = 0.0f;
     check_blas(c,
-               cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, (int)n, (int)k, &one, a, t,
+               llmem_cuda_blas.gemm_ex(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, (int)n, (int)k, &one, a, t,
                             (int)k, b, t, (int)k, &zero, y, CUDA_R_32F, (int)ldc,
                             t == CUDA_R_32F ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F,
                             CUBLAS_GEMM_DEFAULT),
@@ -496,10 +496,10 @@ static const void *rounded(struct cuda_ctx *c, const float *x, int64_t n, int64_
 void lt_plan_free(struct lt_plan *p) {
     if (!p->ready)
         return;
-    cublasLtMatrixLayoutDestroy(p->a);
-    cublasLtMatrixLayoutDestroy(p->b);
-    cublasLtMatrixLayoutDestroy(p->c);
-    cublasLtMatmulDescDestroy(p->op);
+    llmem_cuda_blas.lt_layout_destroy(p->a);
+    llmem_cuda_blas.lt_layout_destroy(p->b);
+    llmem_cuda_blas.lt_layout_destroy(p->c);
+    llmem_cuda_blas.lt_desc_destroy(p->op);
     p->ready = 0;
 }
 
@@ -511,18 +511,18 @@ static int lt_plan_make(struct cuda_ctx *c, struct lt_plan *p, size_t workspace)
     cublasLtMatmulHeuristicResult_t res = {};
     int found = 0;
     p->op = NULL, p->a = p->b = p->c = NULL, p->ready = 1;
-    cublasStatus_t st = cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    cublasStatus_t st = llmem_cuda_blas.lt_desc_create(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
+        st = llmem_cuda_blas.lt_desc_set(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
+        st = llmem_cuda_blas.lt_desc_set(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatrixLayoutCreate(&p->a, p->type, (uint64_t)p->cols, (uint64_t)p->rows,
+        st = llmem_cuda_blas.lt_layout_create(&p->a, p->type, (uint64_t)p->cols, (uint64_t)p->rows,
                                         p->cols);
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatrixLayoutCreate(&p->b, p->type, (uint64_t)p->cols, (uint64_t)p->n, p->cols);
+        st = llmem_cuda_blas.lt_layout_create(&p->b, p->type, (uint64_t)p->cols, (uint64_t)p->n, p->cols);
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, (uint64_t)p->rows, (uint64_t)p->n,
+        st = llmem_cuda_blas.lt_layout_create(&p->c, CUDA_R_32F, (uint64_t)p->rows, (uint64_t)p->n,
                                         p->rows);
     /* a batch: the matrices one after the other, one x (stride 0), the outputs stride_c apart */
     const int32_t batch = (int32_t)p->batch;
@@ -530,25 +530,25 @@ static int lt_plan_make(struct cuda_ctx *c, struct lt_plan *p, size_t workspace)
     const int64_t strides[3] = {p->rows * p->cols, 0, p->stride_c};
     for (int i = 0; batch > 1 && i < 3; i++) {
         if (st == CUBLAS_STATUS_SUCCESS)
-            st = cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+            st = llmem_cuda_blas.lt_layout_set(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
                                                   &batch, sizeof(batch));
         if (st == CUBLAS_STATUS_SUCCESS)
-            st = cublasLtMatrixLayoutSetAttribute(layouts[i],
+            st = llmem_cuda_blas.lt_layout_set(layouts[i],
                                                   CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
                                                   &strides[i], sizeof(strides[i]));
     }
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulPreferenceCreate(&pref);
+        st = llmem_cuda_blas.lt_pref_create(&pref);
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+        st = llmem_cuda_blas.lt_pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                   &workspace, sizeof(workspace));
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &res,
+        st = llmem_cuda_blas.lt_algo_heuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &res,
                                             &found);
     if (st == CUBLAS_STATUS_SUCCESS && found == 0)
         st = CUBLAS_STATUS_NOT_SUPPORTED;
     if (pref != NULL)
-        cublasLtMatmulPreferenceDestroy(pref);
+        llmem_cuda_blas.lt_pref_destroy(pref);
     p->algo = res.algo;
     p->workspace = res.workspaceSize;
     return check_blas(c, st, "cublasLt plan");
@@ -680,7 +680,7 @@ static void matmul(struct cuda_ctx *c, const struct llmem_weight *w, const float
             return;
         profile_begin(c->stream);
         check_blas(c,
-                   cublasLtMatmul(c->lt, p->op, &one, w->data, p->a, xr, p->b, &zero, y, p->c, y,
+                   llmem_cuda_blas.lt_matmul(c->lt, p->op, &one, w->data, p->a, xr, p->b, &zero, y, p->c, y,
                                   p->c, &p->algo, p->workspace > 0 ? c->lt_ws : NULL, p->workspace,
                                   c->stream),
                    "cublasLtMatmul");
@@ -777,7 +777,7 @@ void cuda_matmul_multi(void *ctx, int count, const struct llmem_weight *const *w
                     return;
                 profile_begin(c->stream);
                 check_blas(c,
-                           cublasLtMatmul(c->lt, p->op, &one, w[i]->data, p->a, xr, p->b, &zero,
+                           llmem_cuda_blas.lt_matmul(c->lt, p->op, &one, w[i]->data, p->a, xr, p->b, &zero,
                                           y[i], p->c, y[i], p->c, &p->algo,
                                           p->workspace > 0 ? c->lt_ws : NULL, p->workspace,
                                           c->stream),

@@ -250,12 +250,12 @@ static void cuda_destroy(void *ctx) {
         cudaFreeHost(c->small_host);
     free(c->staging);
     if (c->blas != NULL)
-        cublasDestroy(c->blas);
+        llmem_cuda_blas.destroy(c->blas);
     for (int i = 0; c->lt_plans != NULL && i < LT_PLANS; i++)
         lt_plan_free(&c->lt_plans[i]);
     free(c->lt_plans);
     if (c->lt != NULL)
-        cublasLtDestroy(c->lt);
+        llmem_cuda_blas.lt_destroy(c->lt);
     dev_free(c, c->lt_ws);
     if (c->stream != NULL)
         cudaStreamDestroy(c->stream);
@@ -317,6 +317,8 @@ static const struct llmem_backend_ops cuda_ops = make_ops();
 extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precision precision,
                                          struct llmem_mem *mem, struct llmem_backend **out) {
     *out = NULL;
+    if (llmem_cuda_blas_load() != LLMEM_OK)
+        return LLMEM_EIO;
     struct cuda_ctx *c = (struct cuda_ctx *)calloc(1, sizeof(*c));
     struct llmem_backend *b = (struct llmem_backend *)calloc(1, sizeof(*b));
     if (c == NULL || b == NULL) {
@@ -364,9 +366,9 @@ extern "C" int llmem_cuda_backend_create(int device, enum llmem_backend_precisio
             "cudaMemset") != LLMEM_OK ||
         check(c, cudaHostAlloc(&c->small_host, c->small_bytes * SMALL_SLOTS, cudaHostAllocDefault),
               "cudaHostAlloc") != LLMEM_OK ||
-        check_blas(c, cublasCreate(&c->blas), "cublasCreate") != LLMEM_OK ||
-        check_blas(c, cublasLtCreate(&c->lt), "cublasLtCreate") != LLMEM_OK ||
-        check_blas(c, cublasSetStream(c->blas, c->stream), "cublasSetStream") != LLMEM_OK)
+        check_blas(c, llmem_cuda_blas.create(&c->blas), "cublasCreate") != LLMEM_OK ||
+        check_blas(c, llmem_cuda_blas.lt_create(&c->lt), "cublasLtCreate") != LLMEM_OK ||
+        check_blas(c, llmem_cuda_blas.set_stream(c->blas, c->stream), "cublasSetStream") != LLMEM_OK)
         status = LLMEM_EIO;
     if (status == LLMEM_OK &&
         (c->lt_plans = (struct lt_plan *)calloc(LT_PLANS, sizeof(struct lt_plan))) == NULL) {

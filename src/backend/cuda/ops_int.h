@@ -10,12 +10,11 @@
 
 #include "backend/cuda/backend.h"
 #include "backend/cuda/attention.h"
+#include "backend/cuda/blas.h"
 #include "backend/cuda/kv.h"
 #include "backend/cuda/launch.h"
 #include "backend/cuda/prefill.h"
 
-#include <cublasLt.h>
-#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -344,7 +343,7 @@ static inline int check(struct cuda_ctx *c, cudaError_t err, const char *what) {
 static inline int check_blas(struct cuda_ctx *c, cublasStatus_t st, const char *what) {
     if (st == CUBLAS_STATUS_SUCCESS)
         return LLMEM_OK;
-    fail(c, LLMEM_EIO, what, cublasGetStatusString(st));
+    fail(c, LLMEM_EIO, what, llmem_cuda_blas.status_string(st));
     return LLMEM_EIO;
 }
 
