@@ -728,7 +728,7 @@ TARGET_512 static ALWAYS_INLINE __m512i k4_scales_pick(int i) {
  * the last nb mod 4 blocks to the sets as 8-lane halves. */
 
 /* The sums of the 8-lane halves of a and b: [a low, a high, b low, b high]. */
-TARGET_VNNI static ALWAYS_INLINE __m128i sums4_512(__m512i a, __m512i b) {
+TARGET_512 static ALWAYS_INLINE __m128i sums4_512(__m512i a, __m512i b) {
     /* 4 lanes a half: lanes 0–3 and 8–11 of each plus lanes 4–7 and 12–15 */
     const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
     const __m512i hi =
@@ -853,6 +853,90 @@ TARGET_512 static ALWAYS_INLINE
         out[j] = acc[j];
 }
 
+/* The sums of the 16 lanes of each of s[0] … s[3], in lanes 0 … 3. */
+TARGET_512 static ALWAYS_INLINE __m128i sums_of4_512(const __m512i s[4]) {
+    const __m512i t0 = _mm512_add_epi32(_mm512_shuffle_i32x4(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                        _mm512_shuffle_i32x4(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512i t1 = _mm512_add_epi32(_mm512_shuffle_i32x4(s[2], s[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                        _mm512_shuffle_i32x4(s[2], s[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* 128-bit lane k: four partial sums of s[k] */
+    __m512i u = _mm512_add_epi32(_mm512_shuffle_i32x4(t0, t1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_i32x4(t0, t1, _MM_SHUFFLE(3, 1, 3, 1)));
+    u = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, _MM_PERM_BADC));
+    u = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, _MM_PERM_CDAB));
+    return _mm512_castsi512_si128(_mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), u));
+}
+
+/* Decode (one row of x) by four rows of W at once, out[h · Q_NX] for row h: each row's integers
+ * and float steps are dot_k45_512_nx's (the same bits, the float steps in the lanes of one
+ * register). x's values and sub-block sums are loaded once for the four rows, and the four rows'
+ * sums reduced by shared shuffles. The next four rows are prefetched as these are read. */
+TARGET_512 static ALWAYS_INLINE void dot_k45_512_r4(const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                                    const struct q_x *x, int64_t t, float *out,
+                                                    const int five, const int vnni) {
+    const int64_t bb = five ? 176 : 144;
+    const int8_t *xq = x->q + t * x->cols;
+    const float *xd = x->d + t * (x->cols / LLMEM_QK_K);
+    const int16_t *xs = x->s + t * (x->cols / 16);
+    const __m512i m4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
+    const __m512i sh = halves_epi16(0, 4);
+    const __m512i pick[4] = {k4_scales_pick(0), k4_scales_pick(1), k4_scales_pick(2),
+                             k4_scales_pick(3)};
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m128i *bs = (const __m128i *)(xs + b * 16);
+        const __m128i xsum = _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1));
+        const uint8_t *blk[4];
+        __m512i scb[4], qh[4], s32[4];
+        __m128i mk[4];
+        for (int h = 0; h < 4; h++) {
+            blk[h] = w + h * row_bytes + b * bb;
+            for (int64_t p = 0; p < bb; p += 64)
+                _mm_prefetch((const char *)blk[h] + 4 * row_bytes + p, _MM_HINT_T0);
+            uint64_t sc64, m64;
+            scales_k4(blk[h] + 4, &sc64, &m64);
+            scb[h] = _mm512_set1_epi64((long long)sc64);
+            mk[h] = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64)), xsum);
+            qh[h] = five
+                        ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk[h] + 16)))
+                        : _mm512_setzero_si512();
+            s32[h] = _mm512_setzero_si512();
+        }
+        for (int i = 0; i < 4; i++) {
+            const __m512i xv = _mm512_loadu_si512(xq + b * LLMEM_QK_K + 64 * i);
+            for (int h = 0; h < 4; h++) {
+                const uint8_t *qs = blk[h] + (five ? 48 : 16);
+                __m512i q =
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
+                __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(q, sh), m4);
+                if (five) {
+                    const __m512i shq = halves_epi16((short)(2 * i), (short)(2 * i + 1));
+                    wv = _mm512_or_si512(
+                        wv,
+                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh[h], shq), one), 4));
+                }
+                const __m512i sv = _mm512_shuffle_epi8(scb[h], pick[i]);
+                s32[h] = dot2(s32[h], _mm512_maddubs_epi16(wv, xv), sv, vnni);
+            }
+        }
+        const __m128i m =
+            _mm_hadd_epi32(_mm_hadd_epi32(mk[0], mk[1]), _mm_hadd_epi32(mk[2], mk[3]));
+        const __m128 xdb = _mm_set1_ps(xd[b]);
+        const __m128 d =
+            _mm_setr_ps(f16_at_c(blk[0]), f16_at_c(blk[1]), f16_at_c(blk[2]), f16_at_c(blk[3]));
+        const __m128 dmin = _mm_setr_ps(f16_at_c(blk[0] + 2), f16_at_c(blk[1] + 2),
+                                        f16_at_c(blk[2] + 2), f16_at_c(blk[3] + 2));
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums_of4_512(s32)), _mm_mul_ps(d, xdb), acc);
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(m),
+                           _mm_xor_ps(_mm_mul_ps(dmin, xdb), _mm_set1_ps(-0.0f)), acc);
+    }
+    _Alignas(16) float a[4];
+    _mm_store_ps(a, acc);
+    for (int h = 0; h < 4; h++)
+        out[h * Q_NX] = a[h];
+}
+
 TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t nb,
                                                      const struct q_x *x, int64_t t, float *out,
                                                      const int vnni, const int NX) {
@@ -919,25 +1003,103 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t n
         out[j] = acc[j];
 }
 
-/* The entry points, with VNNI and without. */
-#define K_ENTRY(NAME, TARGET, CALL_NX)                                                             \
-    TARGET static void NAME(DOT_ARGS) {                                                            \
+/* Decode by four rows of W, as dot_k45_512_r4 (the same bits as dot_q6_k_512_nx). */
+TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_r4(const uint8_t *w, int64_t row_bytes,
+                                                     int64_t nb, const struct q_x *x, int64_t t,
+                                                     float *out, const int vnni) {
+    const int8_t *xq = x->q + t * x->cols;
+    const float *xd = x->d + t * (x->cols / LLMEM_QK_K);
+    const int16_t *xs = x->s + t * (x->cols / 16);
+    const __m512i m4 = _mm512_set1_epi8(0xf), m3 = _mm512_set1_epi8(3);
+    const __m512i sh01 = halves_epi16(0, 2), sh23 = halves_epi16(4, 6);
+    __m512i idx[2][2];
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 2; g++) {
+            short v[32];
+            for (int k = 0; k < 32; k++)
+                v[k] = (short)(8 * h + 4 * g + k / 8);
+            idx[h][g] = _mm512_loadu_si512(v);
+        }
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i xsv = _mm256_loadu_si256((const __m256i *)(xs + b * 16));
+        const uint8_t *blk[4];
+        __m512i sc16[4], s32[4];
+        __m256i c[4];
+        for (int r = 0; r < 4; r++) {
+            blk[r] = w + r * row_bytes + b * 210;
+            for (int64_t p = 0; p < 210; p += 64)
+                _mm_prefetch((const char *)blk[r] + 4 * row_bytes + p, _MM_HINT_T0);
+            const __m256i sc16y =
+                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk[r] + 192)));
+            sc16[r] = _mm512_castsi256_si512(sc16y);
+            c[r] = _mm256_madd_epi16(sc16y, xsv);
+            s32[r] = _mm512_setzero_si512();
+        }
+        for (int h = 0; h < 2; h++) {
+            const int8_t *xb = xq + b * LLMEM_QK_K + 128 * h;
+            const __m512i x01 = _mm512_loadu_si512(xb), x23 = _mm512_loadu_si512(xb + 64);
+            for (int r = 0; r < 4; r++) {
+                const __m512i ql = _mm512_loadu_si512(blk[r] + 64 * h);
+                const __m512i qh = _mm512_broadcast_i64x4(
+                    _mm256_loadu_si256((const __m256i *)(blk[r] + 128 + 32 * h)));
+                const __m512i g01 = _mm512_or_si512(
+                    _mm512_and_si512(ql, m4),
+                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh01), m3), 4));
+                const __m512i g23 = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh23), m3), 4));
+                s32[r] = dot2(s32[r], _mm512_maddubs_epi16(g01, x01),
+                              _mm512_permutexvar_epi16(idx[h][0], sc16[r]), vnni);
+                s32[r] = dot2(s32[r], _mm512_maddubs_epi16(g23, x23),
+                              _mm512_permutexvar_epi16(idx[h][1], sc16[r]), vnni);
+            }
+        }
+        const __m128i m = sums4_512(_mm512_inserti64x4(_mm512_castsi256_si512(c[0]), c[1], 1),
+                                    _mm512_inserti64x4(_mm512_castsi256_si512(c[2]), c[3], 1));
+        const __m128i sum = _mm_sub_epi32(sums_of4_512(s32), _mm_slli_epi32(m, 5));
+        const __m128 d = _mm_setr_ps(f16_at_c(blk[0] + 208), f16_at_c(blk[1] + 208),
+                                     f16_at_c(blk[2] + 208), f16_at_c(blk[3] + 208));
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sum), _mm_mul_ps(d, _mm_set1_ps(xd[b])), acc);
+    }
+    _Alignas(16) float a[4];
+    _mm_store_ps(a, acc);
+    for (int r = 0; r < 4; r++)
+        out[r * Q_NX] = a[r];
+}
+
+/* The entry points, with VNNI and without: decode (one row of x) by four rows of W (R4), the
+ * rest row by row (CALL_NX). */
+#define K_ENTRY(NAME, R4, CALL_NX)                                                                 \
+    TARGET_512 static void NAME(DOT_ARGS) {                                                        \
+        int r = 0;                                                                                 \
+        for (; nx == 1 && r + 4 <= nr; r += 4)                                                     \
+            R4(w0 + (size_t)r * (size_t)row_bytes, out0 + r * Q_NX);                               \
+        w0 += (size_t)r * (size_t)row_bytes, out0 += r * Q_NX, nr -= r;                            \
         DISPATCH_ROWS_NX(CALL_NX)                                                                  \
     }
-#define D45(FIVE, VNNI, N) dot_k45_512_nx(w, nb, x, t, out, FIVE, VNNI, N)
-#define D6(VNNI, N)        dot_q6_k_512_nx(w, nb, x, t, out, VNNI, N)
-#define Q4K_512(N)         D45(0, 0, N)
-#define Q5K_512(N)         D45(1, 0, N)
-#define Q6K_512(N)         D6(0, N)
-#define Q4K_VNNI(N)        D45(0, 1, N)
-#define Q5K_VNNI(N)        D45(1, 1, N)
-#define Q6K_VNNI(N)        D6(1, N)
-K_ENTRY(dot_q4_k_512, TARGET_512, Q4K_512)
-K_ENTRY(dot_q5_k_512, TARGET_512, Q5K_512)
-K_ENTRY(dot_q6_k_512, TARGET_512, Q6K_512)
-K_ENTRY(dot_q4_k_vnni, TARGET_512, Q4K_VNNI)
-K_ENTRY(dot_q5_k_vnni, TARGET_512, Q5K_VNNI)
-K_ENTRY(dot_q6_k_vnni, TARGET_512, Q6K_VNNI)
+#define D45(FIVE, VNNI, N)      dot_k45_512_nx(w, nb, x, t, out, FIVE, VNNI, N)
+#define D6(VNNI, N)             dot_q6_k_512_nx(w, nb, x, t, out, VNNI, N)
+#define R45(FIVE, VNNI, W, OUT) dot_k45_512_r4(W, row_bytes, nb, x, t, OUT, FIVE, VNNI)
+#define R6(VNNI, W, OUT)        dot_q6_k_512_r4(W, row_bytes, nb, x, t, OUT, VNNI)
+#define Q4K_512(N)              D45(0, 0, N)
+#define Q5K_512(N)              D45(1, 0, N)
+#define Q6K_512(N)              D6(0, N)
+#define Q4K_VNNI(N)             D45(0, 1, N)
+#define Q5K_VNNI(N)             D45(1, 1, N)
+#define Q6K_VNNI(N)             D6(1, N)
+#define Q4K_512_R4(W, OUT)      R45(0, 0, W, OUT)
+#define Q5K_512_R4(W, OUT)      R45(1, 0, W, OUT)
+#define Q6K_512_R4(W, OUT)      R6(0, W, OUT)
+#define Q4K_VNNI_R4(W, OUT)     R45(0, 1, W, OUT)
+#define Q5K_VNNI_R4(W, OUT)     R45(1, 1, W, OUT)
+#define Q6K_VNNI_R4(W, OUT)     R6(1, W, OUT)
+K_ENTRY(dot_q4_k_512, Q4K_512_R4, Q4K_512)
+K_ENTRY(dot_q5_k_512, Q5K_512_R4, Q5K_512)
+K_ENTRY(dot_q6_k_512, Q6K_512_R4, Q6K_512)
+K_ENTRY(dot_q4_k_vnni, Q4K_VNNI_R4, Q4K_VNNI)
+K_ENTRY(dot_q5_k_vnni, Q5K_VNNI_R4, Q5K_VNNI)
+K_ENTRY(dot_q6_k_vnni, Q6K_VNNI_R4, Q6K_VNNI)
 
 #endif
 
