@@ -674,18 +674,93 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
         out[j] = a[j];
 }
 
-TARGET_AVX2 static void dot_q4_k_avx2(DOT_ARGS){
-#define CALL(N) dot_k45_avx2_nx(w, nb, x, t, out, 0, N)
-    DISPATCH_ROWS_NX(CALL)
-#undef CALL
+/* Decode (one row of x) by four rows of W at once, out[r · Q_NX] for row r: the lanes that hold
+ * the rows of x in dot_k45_avx2_nx hold four rows of W, each with its own scales (the same
+ * integers and float steps: the same bits); x's values loaded once for the four. The next four
+ * rows are prefetched as these are read. */
+TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_r4(const uint8_t *w, int64_t row_bytes,
+                                                      int64_t nb, const struct q_x *x, int64_t t,
+                                                      float *out, const int five) {
+    const int64_t bb = five ? 176 : 144;
+    const int8_t *xq = x->q + t * x->cols;
+    const float *xd = x->d + t * (x->cols / LLMEM_QK_K);
+    const int16_t *xs = x->s + t * (x->cols / 16);
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m128i *bs = (const __m128i *)(xs + b * 16);
+        const __m128i xsum = _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1));
+        const uint8_t *blk[4];
+        __m256i scv[4], qhv[4], sl[4];
+        __m128i s2[4];
+        for (int r = 0; r < 4; r++) {
+            blk[r] = w + r * row_bytes + b * bb;
+            for (int64_t p = 0; p < bb; p += 64)
+                _mm_prefetch((const char *)blk[r] + 4 * row_bytes + p, _MM_HINT_T0);
+            uint64_t sc64, m64;
+            scales_k4(blk[r] + 4, &sc64, &m64);
+            scv[r] = _mm256_set1_epi64x((long long)sc64);
+            s2[r] = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64)), xsum);
+            qhv[r] =
+                five ? _mm256_loadu_si256((const __m256i *)(blk[r] + 16)) : _mm256_setzero_si256();
+            sl[r] = _mm256_setzero_si256();
+        }
+        for (int i = 0; i < 4; i++) {
+            const int8_t *xb = xq + b * LLMEM_QK_K + 64 * i;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xb);
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
+            for (int r = 0; r < 4; r++) {
+                __m256i wl, wh;
+                k45_pair_avx2(blk[r] + (five ? 48 : 16), i, five, &qhv[r], &wl, &wh);
+                const __m256i scl = _mm256_shuffle_epi8(scv[r], k4_scale_pick(2 * i));
+                const __m256i sch = _mm256_shuffle_epi8(scv[r], k4_scale_pick(2 * i + 1));
+                sl[r] = _mm256_add_epi32(
+                    sl[r], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(wl, x0), scl),
+                                            _mm256_madd_epi16(_mm256_maddubs_epi16(wh, x1), sch)));
+            }
+        }
+        __m128i s1[4];
+        for (int r = 0; r < 4; r++)
+            s1[r] =
+                _mm_add_epi32(_mm256_castsi256_si128(sl[r]), _mm256_extracti128_si256(sl[r], 1));
+        const __m128 dx = _mm_set1_ps(xd[b]);
+        const __m128 d =
+            _mm_setr_ps(f16_at_c(blk[0]), f16_at_c(blk[1]), f16_at_c(blk[2]), f16_at_c(blk[3]));
+        const __m128 dmin = _mm_setr_ps(f16_at_c(blk[0] + 2), f16_at_c(blk[1] + 2),
+                                        f16_at_c(blk[2] + 2), f16_at_c(blk[3] + 2));
+        const __m128 p1 = _mm_cvtepi32_ps(hsum4_i32(s1[0], s1[1], s1[2], s1[3]));
+        const __m128 p2 = _mm_cvtepi32_ps(hsum4_i32(s2[0], s2[1], s2[2], s2[3]));
+        acc = _mm_fmadd_ps(_mm_mul_ps(d, dx), p1, acc);
+        acc = _mm_fmadd_ps(_mm_xor_ps(_mm_mul_ps(dmin, dx), _mm_set1_ps(-0.0f)), p2, acc);
+    }
+    float a[4];
+    _mm_storeu_ps(a, acc);
+    for (int r = 0; r < 4; r++)
+        out[r * Q_NX] = a[r];
 }
 
-TARGET_AVX2 static void dot_q5_k_avx2(DOT_ARGS){
-#define CALL(N) dot_k45_avx2_nx(w, nb, x, t, out, 1, N)
-    DISPATCH_ROWS_NX(CALL)
-#undef CALL
-}
+/* Decode (one row of x) by four rows of W (R4, the dot_*_r4 kernels), the rest row by row
+ * (CALL_NX). */
+#define DISPATCH_R4(R4, CALL_NX)                                                                   \
+    int r = 0;                                                                                     \
+    for (; nx == 1 && r + 4 <= nr; r += 4)                                                         \
+        R4(w0 + (size_t)r * (size_t)row_bytes, out0 + r * Q_NX);                                   \
+    w0 += (size_t)r * (size_t)row_bytes, out0 += r * Q_NX, nr -= r;                                \
+    DISPATCH_ROWS_NX(CALL_NX)
 
+#define K_ENTRY(NAME, TARGET, R4, CALL_NX)                                                         \
+    TARGET static void NAME(DOT_ARGS) {                                                            \
+        DISPATCH_R4(R4, CALL_NX)                                                                   \
+    }
+#define K45_AVX2(FIVE, N)         dot_k45_avx2_nx(w, nb, x, t, out, FIVE, N)
+#define K45_AVX2_R4(FIVE, W, OUT) dot_k45_avx2_r4(W, row_bytes, nb, x, t, OUT, FIVE)
+#define Q4K_AVX2(N)               K45_AVX2(0, N)
+#define Q5K_AVX2(N)               K45_AVX2(1, N)
+#define Q4K_AVX2_R4(W, OUT)       K45_AVX2_R4(0, W, OUT)
+#define Q5K_AVX2_R4(W, OUT)       K45_AVX2_R4(1, W, OUT)
+K_ENTRY(dot_q4_k_avx2, TARGET_AVX2, Q4K_AVX2_R4, Q4K_AVX2)
+K_ENTRY(dot_q5_k_avx2, TARGET_AVX2, Q5K_AVX2_R4, Q5K_AVX2)
+
+/* (Q6_K by four rows at once gains nothing with AVX2: row by row) */
 TARGET_AVX2 static void dot_q6_k_avx2(DOT_ARGS){
 #define CALL(N) dot_q6_k_avx2_nx(w, nb, x, t, out, N)
     DISPATCH_ROWS_NX(CALL)
@@ -1068,16 +1143,7 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_r4(const uint8_t *w, int64_t r
         out[r * Q_NX] = a[r];
 }
 
-/* The entry points, with VNNI and without: decode (one row of x) by four rows of W (R4), the
- * rest row by row (CALL_NX). */
-#define K_ENTRY(NAME, R4, CALL_NX)                                                                 \
-    TARGET_512 static void NAME(DOT_ARGS) {                                                        \
-        int r = 0;                                                                                 \
-        for (; nx == 1 && r + 4 <= nr; r += 4)                                                     \
-            R4(w0 + (size_t)r * (size_t)row_bytes, out0 + r * Q_NX);                               \
-        w0 += (size_t)r * (size_t)row_bytes, out0 += r * Q_NX, nr -= r;                            \
-        DISPATCH_ROWS_NX(CALL_NX)                                                                  \
-    }
+/* The entry points, with VNNI and without. */
 #define D45(FIVE, VNNI, N)      dot_k45_512_nx(w, nb, x, t, out, FIVE, VNNI, N)
 #define D6(VNNI, N)             dot_q6_k_512_nx(w, nb, x, t, out, VNNI, N)
 #define R45(FIVE, VNNI, W, OUT) dot_k45_512_r4(W, row_bytes, nb, x, t, OUT, FIVE, VNNI)
@@ -1094,12 +1160,12 @@ TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_r4(const uint8_t *w, int64_t r
 #define Q4K_VNNI_R4(W, OUT)     R45(0, 1, W, OUT)
 #define Q5K_VNNI_R4(W, OUT)     R45(1, 1, W, OUT)
 #define Q6K_VNNI_R4(W, OUT)     R6(1, W, OUT)
-K_ENTRY(dot_q4_k_512, Q4K_512_R4, Q4K_512)
-K_ENTRY(dot_q5_k_512, Q5K_512_R4, Q5K_512)
-K_ENTRY(dot_q6_k_512, Q6K_512_R4, Q6K_512)
-K_ENTRY(dot_q4_k_vnni, Q4K_VNNI_R4, Q4K_VNNI)
-K_ENTRY(dot_q5_k_vnni, Q5K_VNNI_R4, Q5K_VNNI)
-K_ENTRY(dot_q6_k_vnni, Q6K_VNNI_R4, Q6K_VNNI)
+K_ENTRY(dot_q4_k_512, TARGET_512, Q4K_512_R4, Q4K_512)
+K_ENTRY(dot_q5_k_512, TARGET_512, Q5K_512_R4, Q5K_512)
+K_ENTRY(dot_q6_k_512, TARGET_512, Q6K_512_R4, Q6K_512)
+K_ENTRY(dot_q4_k_vnni, TARGET_512, Q4K_VNNI_R4, Q4K_VNNI)
+K_ENTRY(dot_q5_k_vnni, TARGET_512, Q5K_VNNI_R4, Q5K_VNNI)
+K_ENTRY(dot_q6_k_vnni, TARGET_512, Q6K_VNNI_R4, Q6K_VNNI)
 
 #endif
 
