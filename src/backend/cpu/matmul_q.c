@@ -674,6 +674,38 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_q6_k_avx2_nx(const uint8_t *w, int64_t
         out[j] = a[j];
 }
 
+/* The four-row decode kernels' (dot_k45_*_r4) start of super-block b of rows w + r · row_bytes,
+ * r < 4: the blocks, their next four rows prefetched, the eight scales of each (bytes of sc[r])
+ * and the mins' integer sums with x's sub-block sums (xsum; four lanes to add, mk[r]). */
+TARGET_AVX2 static ALWAYS_INLINE void k45_r4_begin(const uint8_t *w, int64_t row_bytes, int64_t b,
+                                                   int64_t bb, __m128i xsum, const uint8_t *blk[4],
+                                                   uint64_t sc[4], __m128i mk[4]) {
+    for (int r = 0; r < 4; r++) {
+        blk[r] = w + r * row_bytes + b * bb;
+        for (int64_t p = 0; p < bb; p += 64)
+            _mm_prefetch((const char *)blk[r] + 4 * row_bytes + p, _MM_HINT_T0);
+        uint64_t m64;
+        scales_k4(blk[r] + 4, &sc[r], &m64);
+        mk[r] = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64)), xsum);
+    }
+}
+
+/* Their float steps for super-block b, row r in lane r: acc + S · (d · xd) − M · (dmin · xd), as
+ * two fused multiply-adds (the single-row kernels' order), S the rows' scaled sums and M their
+ * mins' sums. */
+TARGET_AVX2 static ALWAYS_INLINE __m128 k45_r4_finish(const uint8_t *const blk[4], __m128i S,
+                                                      const __m128i mk[4], float xd, __m128 acc) {
+    const __m128i m = _mm_hadd_epi32(_mm_hadd_epi32(mk[0], mk[1]), _mm_hadd_epi32(mk[2], mk[3]));
+    const __m128 x = _mm_set1_ps(xd);
+    const __m128 d =
+        _mm_setr_ps(f16_at_c(blk[0]), f16_at_c(blk[1]), f16_at_c(blk[2]), f16_at_c(blk[3]));
+    const __m128 dmin = _mm_setr_ps(f16_at_c(blk[0] + 2), f16_at_c(blk[1] + 2),
+                                    f16_at_c(blk[2] + 2), f16_at_c(blk[3] + 2));
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(S), _mm_mul_ps(d, x), acc);
+    return _mm_fmadd_ps(_mm_cvtepi32_ps(m), _mm_xor_ps(_mm_mul_ps(dmin, x), _mm_set1_ps(-0.0f)),
+                        acc);
+}
+
 /* Decode (one row of x) by four rows of W at once, out[r · Q_NX] for row r: the lanes that hold
  * the rows of x in dot_k45_avx2_nx hold four rows of W, each with its own scales (the same
  * integers and float steps: the same bits); x's values loaded once for the four. The next four
@@ -688,18 +720,14 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_r4(const uint8_t *w, int64_t 
     __m128 acc = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const __m128i *bs = (const __m128i *)(xs + b * 16);
-        const __m128i xsum = _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1));
         const uint8_t *blk[4];
+        uint64_t sc[4];
+        __m128i mk[4];
+        k45_r4_begin(w, row_bytes, b, bb,
+                     _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1)), blk, sc, mk);
         __m256i scv[4], qhv[4], sl[4];
-        __m128i s2[4];
         for (int r = 0; r < 4; r++) {
-            blk[r] = w + r * row_bytes + b * bb;
-            for (int64_t p = 0; p < bb; p += 64)
-                _mm_prefetch((const char *)blk[r] + 4 * row_bytes + p, _MM_HINT_T0);
-            uint64_t sc64, m64;
-            scales_k4(blk[r] + 4, &sc64, &m64);
-            scv[r] = _mm256_set1_epi64x((long long)sc64);
-            s2[r] = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64)), xsum);
+            scv[r] = _mm256_set1_epi64x((long long)sc[r]);
             qhv[r] =
                 five ? _mm256_loadu_si256((const __m256i *)(blk[r] + 16)) : _mm256_setzero_si256();
             sl[r] = _mm256_setzero_si256();
@@ -722,15 +750,7 @@ TARGET_AVX2 static ALWAYS_INLINE void dot_k45_avx2_r4(const uint8_t *w, int64_t 
         for (int r = 0; r < 4; r++)
             s1[r] =
                 _mm_add_epi32(_mm256_castsi256_si128(sl[r]), _mm256_extracti128_si256(sl[r], 1));
-        const __m128 dx = _mm_set1_ps(xd[b]);
-        const __m128 d =
-            _mm_setr_ps(f16_at_c(blk[0]), f16_at_c(blk[1]), f16_at_c(blk[2]), f16_at_c(blk[3]));
-        const __m128 dmin = _mm_setr_ps(f16_at_c(blk[0] + 2), f16_at_c(blk[1] + 2),
-                                        f16_at_c(blk[2] + 2), f16_at_c(blk[3] + 2));
-        const __m128 p1 = _mm_cvtepi32_ps(hsum4_i32(s1[0], s1[1], s1[2], s1[3]));
-        const __m128 p2 = _mm_cvtepi32_ps(hsum4_i32(s2[0], s2[1], s2[2], s2[3]));
-        acc = _mm_fmadd_ps(_mm_mul_ps(d, dx), p1, acc);
-        acc = _mm_fmadd_ps(_mm_xor_ps(_mm_mul_ps(dmin, dx), _mm_set1_ps(-0.0f)), p2, acc);
+        acc = k45_r4_finish(blk, hsum4_i32(s1[0], s1[1], s1[2], s1[3]), mk, xd[b], acc);
     }
     float a[4];
     _mm_storeu_ps(a, acc);
@@ -961,27 +981,23 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_r4(const uint8_t *w, int64_t ro
     __m128 acc = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const __m128i *bs = (const __m128i *)(xs + b * 16);
-        const __m128i xsum = _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1));
         const uint8_t *blk[4];
-        __m512i scb[4], qh[4], s32[4];
+        uint64_t sc[4];
         __m128i mk[4];
-        for (int h = 0; h < 4; h++) {
-            blk[h] = w + h * row_bytes + b * bb;
-            for (int64_t p = 0; p < bb; p += 64)
-                _mm_prefetch((const char *)blk[h] + 4 * row_bytes + p, _MM_HINT_T0);
-            uint64_t sc64, m64;
-            scales_k4(blk[h] + 4, &sc64, &m64);
-            scb[h] = _mm512_set1_epi64((long long)sc64);
-            mk[h] = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m64)), xsum);
-            qh[h] = five
-                        ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk[h] + 16)))
+        k45_r4_begin(w, row_bytes, b, bb,
+                     _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1)), blk, sc, mk);
+        __m512i scb[4], qh[4], s32[4];
+        for (int r = 0; r < 4; r++) {
+            scb[r] = _mm512_set1_epi64((long long)sc[r]);
+            qh[r] = five
+                        ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk[r] + 16)))
                         : _mm512_setzero_si512();
-            s32[h] = _mm512_setzero_si512();
+            s32[r] = _mm512_setzero_si512();
         }
         for (int i = 0; i < 4; i++) {
             const __m512i xv = _mm512_loadu_si512(xq + b * LLMEM_QK_K + 64 * i);
-            for (int h = 0; h < 4; h++) {
-                const uint8_t *qs = blk[h] + (five ? 48 : 16);
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *qs = blk[r] + (five ? 48 : 16);
                 __m512i q =
                     _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
                 __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(q, sh), m4);
@@ -989,27 +1005,18 @@ TARGET_512 static ALWAYS_INLINE void dot_k45_512_r4(const uint8_t *w, int64_t ro
                     const __m512i shq = halves_epi16((short)(2 * i), (short)(2 * i + 1));
                     wv = _mm512_or_si512(
                         wv,
-                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh[h], shq), one), 4));
+                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh[r], shq), one), 4));
                 }
-                const __m512i sv = _mm512_shuffle_epi8(scb[h], pick[i]);
-                s32[h] = dot2(s32[h], _mm512_maddubs_epi16(wv, xv), sv, vnni);
+                const __m512i sv = _mm512_shuffle_epi8(scb[r], pick[i]);
+                s32[r] = dot2(s32[r], _mm512_maddubs_epi16(wv, xv), sv, vnni);
             }
         }
-        const __m128i m =
-            _mm_hadd_epi32(_mm_hadd_epi32(mk[0], mk[1]), _mm_hadd_epi32(mk[2], mk[3]));
-        const __m128 xdb = _mm_set1_ps(xd[b]);
-        const __m128 d =
-            _mm_setr_ps(f16_at_c(blk[0]), f16_at_c(blk[1]), f16_at_c(blk[2]), f16_at_c(blk[3]));
-        const __m128 dmin = _mm_setr_ps(f16_at_c(blk[0] + 2), f16_at_c(blk[1] + 2),
-                                        f16_at_c(blk[2] + 2), f16_at_c(blk[3] + 2));
-        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums_of4_512(s32)), _mm_mul_ps(d, xdb), acc);
-        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(m),
-                           _mm_xor_ps(_mm_mul_ps(dmin, xdb), _mm_set1_ps(-0.0f)), acc);
+        acc = k45_r4_finish(blk, sums_of4_512(s32), mk, xd[b], acc);
     }
     _Alignas(16) float a[4];
     _mm_store_ps(a, acc);
-    for (int h = 0; h < 4; h++)
-        out[h * Q_NX] = a[h];
+    for (int r = 0; r < 4; r++)
+        out[r * Q_NX] = a[r];
 }
 
 TARGET_512 static ALWAYS_INLINE void dot_q6_k_512_nx(const uint8_t *w, int64_t nb,
