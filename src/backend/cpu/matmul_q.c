@@ -852,6 +852,8 @@ TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
         const uint8_t *b0 = w + b * bb;
+        for (int64_t p = 0; p < 4 * bb; p += 64) /* (as the K kernels) */
+            _mm_prefetch((const char *)b0 + Q_PF_BYTES + p, _MM_HINT_T0);
         __m512i aw[2];
         __mmask64 neg[2];
         for (int h = 0; h < 2; h++) {
