@@ -919,6 +919,64 @@ static void test_matmul_amx(void **state) {
 /* rope_pairs on rows permuted as the GGUF converter permutes q and k (pair i moved from
  * (i, i + half) to (2i, 2i + 1)) gives, bit for bit and in the same layout, what `rope` gives on
  * the rows before the permutation. */
+/* MLX's groups dequantized with each ISA's vectors give the reference's bits (quant/dequant.c,
+ * as mx.dequantize): every bits × group × scale type, over scales and biases that round normally,
+ * overflow f16, fall to its subnormals, or are infinite or NaN, quiet or with a payload (a group
+ * with a NaN rounded to f16 goes to the reference, whose NaN it returns). */
+static void test_dequantize_mlx(void **state) {
+    (void)state;
+    const int scale_types[] = {LLMEM_QTYPE_BF16, LLMEM_QTYPE_F16, LLMEM_QTYPE_F32};
+    const float specials[] = {70000.0f, 3e-7f, -1e-5f, INFINITY, NAN, 0.0f, -65504.0f};
+    enum { ROWS = 3, COLS = 512 };
+    uint64_t seed = 0x9e3779b97f4a7c15ull;
+    for (int bits = 4; bits <= 8; bits += 4)
+        for (int gi = 0; gi < 3; gi++)
+            for (int si = 0; si < 3; si++) {
+                const int group = 32 << gi, st = scale_types[si];
+                const int groups = COLS / group, ssize = st == LLMEM_QTYPE_F32 ? 4 : 2;
+                uint8_t codes[ROWS * COLS], scales[ROWS * COLS / 32 * 4], biases[sizeof(scales)];
+                for (size_t i = 0; i < sizeof(codes); i++)
+                    codes[i] = (uint8_t)((seed = seed * 6364136223846793005ull + 1) >> 56);
+                for (int i = 0; i < ROWS * groups; i++)
+                    for (int k = 0; k < 2; k++) {
+                        seed = seed * 6364136223846793005ull + 1;
+                        float v = (float)((double)(seed >> 40) / (double)(1 << 24) - 0.5) * 0.1f;
+                        if ((seed >> 20) % 5 == 0) /* one in five special */
+                            v = specials[(seed >> 8) % (sizeof(specials) / sizeof(specials[0]))];
+                        uint8_t *p = (k ? biases : scales) + (size_t)i * (size_t)ssize;
+                        if (st == LLMEM_QTYPE_F32) {
+                            memcpy(p, &v, 4);
+                        } else {
+                            uint16_t h = st == LLMEM_QTYPE_BF16 ? llmem_quant_f32_to_bf16(v)
+                                                                : llmem_quant_f32_to_f16(v);
+                            if ((seed >> 12) % 13 == 0) /* a NaN with a payload, as a file may */
+                                h = st == LLMEM_QTYPE_BF16 ? 0xff81 : 0x7d01;
+                            memcpy(p, &h, 2);
+                        }
+                    }
+                const struct llmem_weight w = {.data = codes,
+                                               .scales = scales,
+                                               .biases = biases,
+                                               .dtype = LLMEM_DTYPE_F32,
+                                               .quant = llmem_qtype_mlx(bits, group, st),
+                                               .rows = ROWS,
+                                               .cols = COLS};
+                assert_true(w.quant > 0);
+                for (int r = 0; r < ROWS; r++) {
+                    float want[COLS], got[COLS];
+                    assert_int_equal(llmem_weight_dequantize_row(&w, r, want), LLMEM_OK);
+                    for (int isa = CPU_ISA_SCALAR; isa <= (int)llmem_cpu_isa_best(); isa++) {
+                        memset(got, 0xa5, sizeof(got));
+                        assert_int_equal(llmem_cpu_dequantize_row((enum cpu_isa)isa, &w, r, got),
+                                         LLMEM_OK);
+                        if (memcmp(got, want, sizeof(got)) != 0)
+                            fail_msg("bits %d group %d scale type %d row %d isa %d differ", bits,
+                                     group, st, r, isa);
+                    }
+                }
+            }
+}
+
 static void test_rope_pairs(void **state) {
     (void)state;
     struct llmem_backend *b = make_backend(2);
@@ -968,6 +1026,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_fast),
         cmocka_unit_test(test_matmul_bf16_fast),
         cmocka_unit_test(test_matmul_amx),
+        cmocka_unit_test(test_dequantize_mlx),
         cmocka_unit_test(test_rope_pairs),
         cmocka_unit_test(test_destroy_null),
     };

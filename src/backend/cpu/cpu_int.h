@@ -96,6 +96,9 @@ void llmem_cpu_matmul_q(struct cpu_ctx *c, const struct llmem_weight *w, const f
 /* The instruction set of the kernels matmul_q.c runs at this ISA: "avx512_vnni", "avx2" or
  * "scalar". */
 const char *llmem_cpu_q_kernels_name(enum cpu_isa isa);
+/* Row r of a quantized w dequantized exactly into dst[cols], as llmem_weight_dequantize_row (the
+ * same bits), MLX's groups with the ISA's vectors (dequant_mlx.c). */
+int llmem_cpu_dequantize_row(enum cpu_isa isa, const struct llmem_weight *w, int64_t r, float *dst);
 /* Test hook: 0 makes the AVX-512 integer kernels of a backend skip VNNI (as on a CPU without). */
 void llmem_backend_cpu_set_vnni(struct llmem_backend *backend, int on);
 

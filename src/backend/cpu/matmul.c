@@ -1061,7 +1061,7 @@ static void quant_task(void *arg, int task, int thread) {
     for (int64_t r0 = r_begin; r0 < r_end; r0 += CPU_GEMM_MR) {
         int64_t mr = r_end - r0 < CPU_GEMM_MR ? r_end - r0 : CPU_GEMM_MR;
         for (int64_t i = 0; i < mr; i++) {
-            llmem_weight_dequantize_row(w, r0 + i, a + i * ld);
+            llmem_cpu_dequantize_row(j->c->isa, w, r0 + i, a + i * ld);
             memset(a + i * ld + cols, 0, (size_t)(ld - cols) * sizeof(float));
         }
         j->k->gemv(a, LLMEM_DTYPE_F32, ld, mr, j->x, cols, j->n, j->y + r0, rows,
