@@ -46,7 +46,7 @@ static ALWAYS_INLINE float scale_at(const uint8_t *p, int st, int64_t i) {
             !GROUP(codes + g * group * bits / 8, bits, group, st, scale_at(scales, st, g),         \
                    scale_at(biases, st, g), dst + g * group))                                      \
             return 0;                                                                              \
-    return 1;
+    return 1
 
 #if CPU_X86
 #define TARGET_AVX2_F16C __attribute__((target("avx,avx2,fma,f16c")))
@@ -101,8 +101,9 @@ TARGET_AVX512 static ALWAYS_INLINE int group_512(const uint8_t *codes, int bits,
 }
 
 TARGET_AVX512 static int row_512(const uint8_t *codes, const uint8_t *scales, const uint8_t *biases,
-                                 int64_t groups, int bits, int group, int st,
-                                 float *dst){DEQUANT_ROW(group_512)}
+                                 int64_t groups, int bits, int group, int st, float *dst) {
+    DEQUANT_ROW(group_512);
+}
 
 /* ---- AVX2: 8 lanes -------------------------------------------------------------------------- */
 
@@ -160,7 +161,7 @@ TARGET_AVX2_F16C static ALWAYS_INLINE int group_256(const uint8_t *codes, int bi
 TARGET_AVX2_F16C static int row_256(const uint8_t *codes, const uint8_t *scales,
                                     const uint8_t *biases, int64_t groups, int bits, int group,
                                     int st, float *dst) {
-    DEQUANT_ROW(group_256)
+    DEQUANT_ROW(group_256);
 }
 #endif
 
