@@ -38,15 +38,15 @@ static ALWAYS_INLINE float scale_at(const uint8_t *p, int st, int64_t i) {
 /* How far ahead the codes are asked for: the rows of a task follow each other. */
 #define MLX_PF_BYTES 2048
 
-/* A row of `groups` groups into dst, each by GROUP (group_512 or group_256); 0 when a NaN needs
- * the reference. */
+/* A row of `groups` groups into dst, each by GROUP (group_512 or group_256), the lanes that held a
+ * NaN marked in nan: 0 when there is one, for the reference to compute the row. */
 #define DEQUANT_ROW(GROUP)                                                                         \
-    for (int64_t g = 0; g < groups; g++)                                                           \
-        if (_mm_prefetch((const char *)codes + g * group * bits / 8 + MLX_PF_BYTES, _MM_HINT_T0),  \
-            !GROUP(codes + g * group * bits / 8, bits, group, st, scale_at(scales, st, g),         \
-                   scale_at(biases, st, g), dst + g * group))                                      \
-            return 0;                                                                              \
-    return 1
+    for (int64_t g = 0; g < groups; g++) {                                                         \
+        _mm_prefetch((const char *)codes + g * group * bits / 8 + MLX_PF_BYTES, _MM_HINT_T0);      \
+        GROUP(codes + g * group * bits / 8, bits, group, st, scale_at(scales, st, g),              \
+              scale_at(biases, st, g), dst + g * group, &nan);                                     \
+    }                                                                                              \
+    return nan == 0
 
 #if CPU_X86
 #define TARGET_AVX2_F16C __attribute__((target("avx,avx2,fma,f16c")))
@@ -70,15 +70,14 @@ TARGET_AVX512 static ALWAYS_INLINE __m512 round_to_512(__m512 v, int st, __mmask
     return v;
 }
 
-/* Group g's values into dst[0, group); 0 when a NaN needs the reference. */
-TARGET_AVX512 static ALWAYS_INLINE int group_512(const uint8_t *codes, int bits, int group, int st,
-                                                 float s, float b, float *dst) {
+/* A group's values into dst[0, group), the lanes that held a NaN marked in *nan. */
+TARGET_AVX512 static ALWAYS_INLINE void group_512(const uint8_t *codes, int bits, int group, int st,
+                                                  float s, float b, float *dst, __mmask16 *nan) {
     const __m512 sv = _mm512_set1_ps(s), bv = _mm512_set1_ps(b);
-    __mmask16 nan = 0;
     if (bits == 4) {
         const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const __m512 lut =
-            round_to_512(_mm512_add_ps(round_to_512(_mm512_mul_ps(q, sv), st, &nan), bv), st, &nan);
+            round_to_512(_mm512_add_ps(round_to_512(_mm512_mul_ps(q, sv), st, nan), bv), st, nan);
         const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
         for (int i = 0; i < group; i += 16) {
             const __m128i c = _mm_loadl_epi64((const __m128i *)(codes + i / 2));
@@ -93,15 +92,15 @@ TARGET_AVX512 static ALWAYS_INLINE int group_512(const uint8_t *codes, int bits,
                 _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i))));
             _mm512_storeu_ps(
                 dst + i,
-                round_to_512(_mm512_add_ps(round_to_512(_mm512_mul_ps(q, sv), st, &nan), bv), st,
-                             &nan));
+                round_to_512(_mm512_add_ps(round_to_512(_mm512_mul_ps(q, sv), st, nan), bv), st,
+                             nan));
         }
     }
-    return nan == 0;
 }
 
 TARGET_AVX512 static int row_512(const uint8_t *codes, const uint8_t *scales, const uint8_t *biases,
                                  int64_t groups, int bits, int group, int st, float *dst) {
+    __mmask16 nan = 0;
     DEQUANT_ROW(group_512);
 }
 
@@ -121,18 +120,18 @@ TARGET_AVX2_F16C static ALWAYS_INLINE __m256 round_to_256(__m256 v, int st, int 
     return v;
 }
 
-TARGET_AVX2_F16C static ALWAYS_INLINE int group_256(const uint8_t *codes, int bits, int group,
-                                                    int st, float s, float b, float *dst) {
+TARGET_AVX2_F16C static ALWAYS_INLINE void group_256(const uint8_t *codes, int bits, int group,
+                                                     int st, float s, float b, float *dst,
+                                                     int *nan) {
     const __m256 sv = _mm256_set1_ps(s), bv = _mm256_set1_ps(b);
-    int nan = 0;
     if (bits == 4) { /* the table in two halves, a code's bit 3 choosing between them */
         const __m256 q = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256 lo =
-            round_to_256(_mm256_add_ps(round_to_256(_mm256_mul_ps(q, sv), st, &nan), bv), st, &nan);
+            round_to_256(_mm256_add_ps(round_to_256(_mm256_mul_ps(q, sv), st, nan), bv), st, nan);
         const __m256 hi = round_to_256(
             _mm256_add_ps(
-                round_to_256(_mm256_mul_ps(_mm256_add_ps(q, _mm256_set1_ps(8)), sv), st, &nan), bv),
-            st, &nan);
+                round_to_256(_mm256_mul_ps(_mm256_add_ps(q, _mm256_set1_ps(8)), sv), st, nan), bv),
+            st, nan);
         const __m256i shift = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
         for (int i = 0; i < group; i += 8) {
             uint32_t w;
@@ -151,16 +150,16 @@ TARGET_AVX2_F16C static ALWAYS_INLINE int group_256(const uint8_t *codes, int bi
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i))));
             _mm256_storeu_ps(
                 dst + i,
-                round_to_256(_mm256_add_ps(round_to_256(_mm256_mul_ps(q, sv), st, &nan), bv), st,
-                             &nan));
+                round_to_256(_mm256_add_ps(round_to_256(_mm256_mul_ps(q, sv), st, nan), bv), st,
+                             nan));
         }
     }
-    return nan == 0;
 }
 
 TARGET_AVX2_F16C static int row_256(const uint8_t *codes, const uint8_t *scales,
                                     const uint8_t *biases, int64_t groups, int bits, int group,
                                     int st, float *dst) {
+    int nan = 0;
     DEQUANT_ROW(group_256);
 }
 #endif
