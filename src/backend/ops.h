@@ -313,4 +313,9 @@ int llmem_backend_cuda_group_create(int n, const struct llmem_backend *const *ra
                                     struct llmem_backend_group *group);
 void llmem_backend_cuda_group_free(struct llmem_backend_group *group);
 
+/* Opens cuBLAS and cuBLASLt, as the first llmem_backend_cuda_create does (backend/cuda/blas.h):
+ * LLMEM_OK, LLMEM_EIO (logged, naming the library missing), or LLMEM_EUNSUPPORTED in a build
+ * without CUDA. In backend/registry.c. */
+int llmem_backend_cuda_blas_load(void);
+
 #endif

@@ -116,6 +116,14 @@ int llmem_backend_cuda_create(int device, enum llmem_backend_precision precision
 #endif
 }
 
+int llmem_backend_cuda_blas_load(void) {
+#ifdef LLMEM_CUDA
+    return llmem_cuda_blas_load();
+#else
+    return LLMEM_EUNSUPPORTED;
+#endif
+}
+
 const struct llmem_mem_raw_ops *llmem_backend_cuda_memory(int device) {
 #ifdef LLMEM_CUDA
     return llmem_cuda_mem_ops(device);

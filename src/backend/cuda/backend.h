@@ -1,7 +1,6 @@
 /*
  * backend/cuda/backend.h — the CUDA backend's entry points, callable from C (implemented in the
- * .cu files beside it). Only backend/registry.c includes this, and only in a CUDA build (and
- * test-cuda, built only there).
+ * .cu files beside it). Only backend/registry.c includes this, and only in a CUDA build.
  */
 #ifndef LLMEM_BACKEND_CUDA_BACKEND_H
 #define LLMEM_BACKEND_CUDA_BACKEND_H
@@ -19,8 +18,8 @@ const struct llmem_mem_raw_ops *llmem_cuda_mem_ops(int device);
 /* Page-locked host memory (cudaHostAlloc/cudaFreeHost): staging for transfers. */
 const struct llmem_mem_raw_ops *llmem_cuda_pinned_ops(void);
 
-/* Opens cuBLAS and cuBLASLt (blas.h) once per process: LLMEM_OK, or LLMEM_EIO with an error
- * logged naming the library missing. llmem_cuda_backend_create calls it first. */
+/* See llmem_backend_cuda_blas_load (backend/ops.h); in blas.cu, once per process.
+ * llmem_cuda_backend_create calls it first. */
 int llmem_cuda_blas_load(void);
 
 /* See llmem_backend_cuda_create (backend/ops.h). */
