@@ -68,8 +68,6 @@ static double median(std::vector<float> v) {
 }
 
 int main(int argc, char **argv) {
-    if (llmem_option_text(LLMEM_OPT_CUDA_PREFILL_WGMMA) == NULL) /* both kernels, unless told */
-        llmem_option_set(LLMEM_OPT_CUDA_PREFILL_WGMMA, "1");
     int tokens = 32768, chunk = 4096, heads = 32, kv = 8, dim = 128, reps = 3, decode = 1;
     enum llmem_kv_format format = LLMEM_KV_FORMAT_BF16;
     for (int i = 1; i < argc; i++) {

@@ -108,10 +108,10 @@ static const struct llmem_option_info table[LLMEM_OPT_COUNT] = {
     [LLMEM_OPT_CUDA_PREFILL_MBLOCKS] = {"LLMEM_CUDA_PREFILL_MBLOCKS", INT("0", 0, 2),
                                         "blocks of 16 (query, head) rows a warp of the CUDA "
                                         "prefill attention takes, 1 or 2 (0: chosen per call)"},
-    [LLMEM_OPT_CUDA_PREFILL_WGMMA] = {"LLMEM_CUDA_PREFILL_WGMMA", BOOL("0"),
+    [LLMEM_OPT_CUDA_PREFILL_WGMMA] = {"LLMEM_CUDA_PREFILL_WGMMA", BOOL("1"),
                                       "the CUDA prefill attention on Hopper's warpgroup products "
-                                      "(wgmma) where the device and shape allow (off until "
-                                      "test-cuda-attn has passed on a Hopper device)"},
+                                      "(wgmma) where the device and shape allow (0: mma.sync "
+                                      "everywhere)"},
 };
 
 #undef BOOL
