@@ -427,8 +427,8 @@ static void print_row(const char *label, const struct stats *s) {
            s->prefill_steps, s->step_ms, s->sched_ms, s->forward_ms, s->forward_prefill_ms, dev,
            s->replayed, s->failed ? "  (some failed)" : "");
     if (s->masked > 0)
-        printf("%-9s masks made while the device computed: %" PRId64 " steps, %" PRId64
-               " of them ready only after it had finished\n",
+        printf("%-9s grammars' masks on the device: %" PRId64 " steps, %" PRId64
+               " of them ready only after it had finished the step\n",
                "", s->masked, s->masks_late);
 }
 

@@ -284,7 +284,8 @@ struct llmem_engine_metrics {
     int64_t running, waiting, preemptions, steps;
     int64_t ahead_steps;    /* greedy decode steps queued behind the one in flight, their tokens
                              * fed on the device (of steps) */
-    int64_t masked_steps;   /* steps on a device with grammars' masks to make while it computed */
+    int64_t masked_steps;   /* steps on a device with grammars' masks (made while it computes a
+                             * replayed decode step, before the pass otherwise) */
     int64_t masks_late;     /* of which the device finished first (the masks made it wait) */
     double step_seconds;    /* in scheduler steps, all told */
     double forward_seconds; /* of which in forward passes (on a device: until its results) */

@@ -1,13 +1,15 @@
 /*
  * core/pool.c — the thread pool. A run bumps a generation counter, and every participant (the
- * caller included) takes task indices from one atomic counter until none are left; the caller
- * waits until every worker has finished its part.
+ * caller included) takes task indices from one atomic counter until none are left. A worker joins
+ * a run only while it is open; the caller closes it once every task is taken and waits for the
+ * workers that joined, not for the others: a worker the OS has not run yet (more runnable threads
+ * than CPUs, a sleeping worker's wake-up) delays no run, its tasks taken by those that came.
  *
  * Dispatch latency: a forward pass issues one run per operation, ~100 per decode step, so waking
  * workers through a condition variable alone (a futex wake and a reschedule, tens of µs) would
  * cost more than the small operations themselves. Workers therefore spin on the generation
  * counter for a short while after each run (POOL_SPIN_NS) before sleeping on the condition
- * variable, and the caller spins on the count of busy workers before sleeping on its own. After
+ * variable, and the caller spins on the count of joined workers before sleeping on its own. After
  * POOL_YIELD_NS a spinning thread yields at every check, so that on an oversubscribed machine it
  * does not hold the CPU that the thread it waits for needs. The generation is published with
  * release order after the run's fields, and read with acquire, so the fields need no lock; the
@@ -44,7 +46,8 @@ struct llmem_pool {
     pthread_cond_t wake, done;
     _Atomic unsigned long generation;
     _Atomic int stopping;
-    _Atomic int busy; /* workers still in the current run */
+    _Atomic uint64_t run; /* the current run: its generation's low 32 bits, RUN_CLOSED, and the
+                           * workers in it (RUN_JOINED) */
     void (*fn)(void *, int, int);
     void *arg;
     int n_tasks;
@@ -64,6 +67,9 @@ static void take_tasks(struct llmem_pool *p, int thread) {
         p->fn(p->arg, t, thread);
     }
 }
+
+#define RUN_CLOSED ((uint64_t)1 << 31)
+#define RUN_JOINED (RUN_CLOSED - 1)
 
 /* How long a worker (or the waiting caller) spins before it sleeps. */
 #define POOL_SPIN_NS  100000
@@ -98,7 +104,18 @@ static int run_posted(struct llmem_pool *p, unsigned long seen) {
 
 static int run_done(struct llmem_pool *p, unsigned long unused) {
     (void)unused;
-    return atomic_load_explicit(&p->busy, memory_order_acquire) == 0;
+    return (atomic_load_explicit(&p->run, memory_order_acquire) & RUN_JOINED) == 0;
+}
+
+/* A worker into run `generation` while it is open; whether it joined (its fields then stay as
+ * they are until it leaves). */
+static int join(struct llmem_pool *p, unsigned long generation) {
+    uint64_t s = atomic_load_explicit(&p->run, memory_order_acquire);
+    while ((uint32_t)(s >> 32) == (uint32_t)generation && !(s & RUN_CLOSED))
+        if (atomic_compare_exchange_weak_explicit(&p->run, &s, s + 1, memory_order_acq_rel,
+                                                  memory_order_acquire))
+            return 1;
+    return 0;
 }
 
 static void *worker(void *a) {
@@ -116,8 +133,11 @@ static void *worker(void *a) {
         if (atomic_load_explicit(&p->stopping, memory_order_acquire))
             break;
         seen = atomic_load_explicit(&p->generation, memory_order_acquire);
+        if (!join(p, seen))
+            continue; /* (closed: every task taken without it) */
         take_tasks(p, index);
-        if (atomic_fetch_sub_explicit(&p->busy, 1, memory_order_acq_rel) == 1) {
+        const uint64_t s = atomic_fetch_sub_explicit(&p->run, 1, memory_order_acq_rel);
+        if ((s & RUN_CLOSED) && (s & RUN_JOINED) == 1) { /* the last out of a closed run */
             pthread_mutex_lock(&p->lock);
             pthread_cond_signal(&p->done);
             pthread_mutex_unlock(&p->lock);
@@ -198,13 +218,16 @@ void llmem_pool_run(struct llmem_pool *p, int n_tasks, void (*fn)(void *, int, i
     p->arg = arg;
     p->n_tasks = n_tasks;
     atomic_store_explicit(&p->next, 0, memory_order_relaxed);
-    atomic_store_explicit(&p->busy, p->n_threads - 1, memory_order_relaxed);
+    const unsigned long generation = atomic_load_explicit(&p->generation, memory_order_relaxed) + 1;
+    atomic_store_explicit(&p->run, (uint64_t)(uint32_t)generation << 32, memory_order_relaxed);
     pthread_mutex_lock(&p->lock);
-    atomic_fetch_add_explicit(&p->generation, 1, memory_order_release);
+    atomic_store_explicit(&p->generation, generation, memory_order_release);
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->lock);
     take_tasks(p, 0);
-    if (!spin_until(p, run_done, 0)) {
+    /* every task taken: closed to latecomers, then the joined ones' tasks awaited */
+    if ((atomic_fetch_or_explicit(&p->run, RUN_CLOSED, memory_order_acq_rel) & RUN_JOINED) != 0 &&
+        !spin_until(p, run_done, 0)) {
         pthread_mutex_lock(&p->lock);
         while (!run_done(p, 0))
             pthread_cond_wait(&p->done, &p->lock);

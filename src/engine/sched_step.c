@@ -309,10 +309,11 @@ void llmem_sched_drop_ahead(struct llmem_sched *s) {
 /* ---- the step -------------------------------------------------------------------------------- */
 
 /* One scheduler step: intake, the requests that ended last step finished, admission, one forward
- * pass started; while the device computes it, the tokens sampled last step handed to the clients
- * (detokenized, stop strings, on_token; before the pass when it prefills); then the pass's tokens
- * sampled. A request whose stop string or cancel shows while it is in the pass ends after it (the
- * pass's token discarded). Returns the requests still waiting or running. */
+ * pass started; while the device computes it, the grammars' masks for its rows made, then the
+ * tokens sampled last step handed to the clients (detokenized, stop strings, on_token; both
+ * before the pass when it is not a replayed decode step); then the pass's tokens sampled. A request
+ * whose stop string or cancel shows while it is in the pass ends after it (the pass's token
+ * discarded). Returns the requests still waiting or running. */
 int64_t llmem_sched_step(struct llmem_sched *s) {
     struct llmem_forward *fwd = s->cfg.fwd;
     const double t_step = llmem_clock_s();
@@ -343,6 +344,7 @@ int64_t llmem_sched_step(struct llmem_sched *s) {
         double t_forward = llmem_clock_s();
         int n, k, status = LLMEM_OK;
         int top = 0;          /* which of s->top the pass's ids and values go to */
+        int early = 0;        /* the masks made before the pass started */
         if (s->n_ahead > 0) { /* queued during the last step */
             n = s->n_ahead, k = 1, top = s->ahead_top;
             for (int i = 0; i < n; i++)
@@ -351,6 +353,11 @@ int64_t llmem_sched_step(struct llmem_sched *s) {
         } else {
             n = plan_batch(s);
             k = n > 0 ? top_k_for(s, slots, n) : 0;
+            if (!overlap && n > 0) { /* (queueing the pass takes the host longer than they do) */
+                const double t_masks = llmem_clock_s();
+                early = prepare_masks(s, slots, n) > 0;
+                t_forward += llmem_clock_s() - t_masks;
+            }
             status = n <= 0  ? LLMEM_ENOMEM
                      : k > 0 ? llmem_forward_start_top(fwd, s->tokens, s->seqs, n, k, s->top[0].ids,
                                                        s->top[0].vals)
@@ -372,12 +379,13 @@ int64_t llmem_sched_step(struct llmem_sched *s) {
             }
         }
         double forward_s = llmem_clock_s() - t_forward;
+        /* the masks first: the rows wait for them, the clients' tokens wait for nothing */
+        if (status == LLMEM_OK && (early || prepare_masks(s, slots, n) > 0) && s->top_ok) {
+            s->counters.masked_steps++; /* on a device: were the masks ready first? */
+            s->counters.masks_late += !early && !llmem_forward_busy(fwd);
+        }
         llmem_sched_hand_over_all(s, &s->running); /* (none pending if they went first) */
         llmem_sched_hand_over_all(s, &s->waiting);
-        if (status == LLMEM_OK && prepare_masks(s, slots, n) > 0 && s->top_ok) {
-            s->counters.masked_steps++; /* on a device: were the masks ready first? */
-            s->counters.masks_late += !llmem_forward_busy(fwd);
-        }
         t_forward = llmem_clock_s();
         if (status == LLMEM_OK)
             status = llmem_forward_wait(fwd);

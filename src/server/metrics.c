@@ -139,7 +139,8 @@ char *llmem_srv_render_metrics(const struct llmem_engine_metrics *m, const struc
            "Greedy decode steps queued on the device before the step ahead of them had finished.",
            m->ahead_steps);
     metric(&b, "llmem_scheduler_masked_steps_total", "counter",
-           "Steps on a device whose grammars' token masks were made while it computed.",
+           "Steps on a device with grammars' token masks: made while it computed a replayed "
+           "decode step, before the pass otherwise.",
            m->masked_steps);
     metric(&b, "llmem_scheduler_masks_late_total", "counter",
            "Of those, the steps whose masks were ready only after the device had finished.",
