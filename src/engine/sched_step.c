@@ -26,9 +26,10 @@
 #include "llmem/kv.h"
 #include "llmem/size.h"
 
-/* The grammars' masks for the tokens this step's rows give, on the pool's threads while a
- * device's pass runs (a host's pass has run by now): ready before the rows are. Several: a
- * thread a mask; one: its walk over the vocabulary split over the threads. */
+/* The grammars' masks for the tokens this step's rows give, on the pool's threads: while a
+ * device computes a replayed decode step, before any other pass (which the host queues kernel by
+ * kernel, or records, for longer than a step takes the device): ready before the rows are.
+ * Several: a thread a mask; one: its walk over the vocabulary split over the threads. */
 static void prepare_one(void *arg, int task, int thread) {
     (void)thread;
     llmem_sampler_prepare(((struct llmem_sampler **)arg)[task]);
