@@ -1,9 +1,10 @@
 /*
  * tests/test-core.c — status codes, the log callback, the size parser and formatter, the JSON
- * helper, bounded file reads, the options table and the cache directory, the monotonic clock and
- * splitmix64.
+ * helper, bounded file reads, the options table and the cache directory, the monotonic clock,
+ * splitmix64 and the thread pool.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +21,7 @@
 #include "core/log.h"
 #include "core/options.h"
 #include "core/rng.h"
+#include "llmem/pool.h"
 #include "llmem/size.h"
 #include "llmem/status.h"
 #include "testutil.h"
@@ -609,6 +611,44 @@ static void test_splitmix64(void **state) {
     assert_true(llmem_splitmix64_next(&x) == first);
 }
 
+struct pool_count {
+    _Atomic int hits[64];
+    _Atomic int bad_thread;
+    int threads;
+};
+
+static void count_task(void *arg, int task, int thread) {
+    struct pool_count *c = arg;
+    atomic_fetch_add(&c->hits[task], 1);
+    if (thread < 0 || thread >= c->threads)
+        atomic_store(&c->bad_thread, 1);
+}
+
+/* Every task runs exactly once per run, with a valid thread index, whether the workers are
+ * spinning (back-to-back runs), asleep (a pause longer than the spin between runs) or not yet
+ * run by the OS when the caller has taken every task (more threads than CPUs). */
+static void test_pool_runs(void **state) {
+    (void)state;
+    for (int threads = 1; threads <= 16; threads += threads < 4 ? 1 : 4) {
+        struct llmem_pool *pool = NULL;
+        assert_int_equal(llmem_pool_create(threads, &pool), LLMEM_OK);
+        assert_int_equal(llmem_pool_threads(pool), threads);
+        for (int run = 0; run < 400; run++) {
+            struct pool_count c = {.threads = threads};
+            int n_tasks = 1 + run % 64;
+            llmem_pool_run(pool, n_tasks, count_task, &c);
+            for (int t = 0; t < 64; t++)
+                assert_int_equal(atomic_load(&c.hits[t]), t < n_tasks ? 1 : 0);
+            assert_int_equal(atomic_load(&c.bad_thread), 0);
+            if (run % 100 == 99) {
+                struct timespec pause = {0, 2 * 1000 * 1000}; /* 2 ms: the workers sleep */
+                nanosleep(&pause, NULL);
+            }
+        }
+        llmem_pool_destroy(pool);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_status_strings),
@@ -628,6 +668,7 @@ int main(void) {
         cmocka_unit_test(test_cache_dir),
         cmocka_unit_test(test_clock),
         cmocka_unit_test(test_splitmix64),
+        cmocka_unit_test(test_pool_runs),
     };
     setenv("LLMEM_CUDA_ATTN_FUSE", ENV_FUSE, 1); /* before the first read of any option */
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -25,12 +25,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <stdatomic.h>
 #include <time.h>
 
 #include "backend/cpu/cpu_int.h"
 #include "backend/ops.h"
-#include "llmem/pool.h"
 #include "llmem/dtype.h"
 #include "llmem/sys.h"
 #include "quant/quant.h"
@@ -564,47 +562,6 @@ static void test_embedding(void **state) {
     }
 }
 
-/* ---- the pool the backend runs on --------------------------------------------------------------
- */
-
-struct pool_count {
-    _Atomic int hits[64];
-    _Atomic int bad_thread;
-    int threads;
-};
-
-static void count_task(void *arg, int task, int thread) {
-    struct pool_count *c = arg;
-    atomic_fetch_add(&c->hits[task], 1);
-    if (thread < 0 || thread >= c->threads)
-        atomic_store(&c->bad_thread, 1);
-}
-
-/* Every task runs exactly once per run, with a valid thread index, whether the workers are
- * spinning (back-to-back runs), asleep (a pause longer than the spin between runs) or not yet
- * run by the OS when the caller has taken every task (more threads than CPUs). */
-static void test_pool_runs(void **state) {
-    (void)state;
-    for (int threads = 1; threads <= 16; threads += threads < 4 ? 1 : 4) {
-        struct llmem_pool *pool = NULL;
-        assert_int_equal(llmem_pool_create(threads, &pool), LLMEM_OK);
-        assert_int_equal(llmem_pool_threads(pool), threads);
-        for (int run = 0; run < 400; run++) {
-            struct pool_count c = {.threads = threads};
-            int n_tasks = 1 + run % 64;
-            llmem_pool_run(pool, n_tasks, count_task, &c);
-            for (int t = 0; t < 64; t++)
-                assert_int_equal(atomic_load(&c.hits[t]), t < n_tasks ? 1 : 0);
-            assert_int_equal(atomic_load(&c.bad_thread), 0);
-            if (run % 100 == 99) {
-                struct timespec pause = {0, 2 * 1000 * 1000}; /* 2 ms: the workers sleep */
-                nanosleep(&pause, NULL);
-            }
-        }
-        llmem_pool_destroy(pool);
-    }
-}
-
 /* Quantized weights (GGUF's blocks) multiply as f32 weights holding their exactly dequantized
  * values do, bit for bit, at every n and thread count, with and without a bias; the embedding
  * of a quantized table is the dequantized row. */
@@ -1022,7 +979,6 @@ int main(void) {
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_embedding),
-        cmocka_unit_test(test_pool_runs),
         cmocka_unit_test(test_matmul_quantized),
         cmocka_unit_test(test_matmul_fast),
         cmocka_unit_test(test_matmul_bf16_fast),
