@@ -8,7 +8,8 @@
  * q over each 16 values. A row's quantization depends on that row alone.
  *
  * The products, per type, with every integer sum exact (no saturation: the bounds are below):
- *   Q8_0, Q4_0   per block b: p = Σ w·q over its 32 values (Q4_0's w = nibble − 8);
+ *   Q8_0, Q4_0,  per block b: p = Σ w·q over its 32 values (Q4_0's w = nibble − 8, Q5_0's
+ *   Q5_0         the 5-bit value − 16);
  *                set_{b mod 4} ← fma((float)p, dw_b · dx_b, set_{b mod 4}) in block order;
  *                s = (set0 + set1) + (set2 + set3).
  *   Q4_K, Q5_K   per super-block: S1 = Σ_j sc_j · Σ w·q over sub-block j (w the 4/5-bit value),
@@ -17,7 +18,8 @@
  *   Q6_K         per super-block: S = Σ_j sc_j · (Σ w·q − 32 · sum of q) over the 16-value
  *                sub-blocks (w the 6-bit value 0…63); s ← fma(d·dx, (float)S, s).
  * then y = s + bias. The portable C, AVX2 (vpmaddubsw), AVX-512BW (the K types, 64 values an
- * instruction) and AVX-512 VNNI (vpdpbusd, Q8_0/Q4_0) kernels compute these very operations, so
+ * instruction) and AVX-512 VNNI (vpdpbusd, the 32-value types) kernels compute these very
+ * operations, so
  * they give the same bits, and a row of x gives the same bits alone or in any batch, on any thread
  * count (the decode and prefill loops call the same kernels).
  *
@@ -129,6 +131,7 @@ static int64_t q_block_bytes(int type) {
     switch (type) {
     case LLMEM_QTYPE_Q8_0: return 34;
     case LLMEM_QTYPE_Q4_0: return 18;
+    case LLMEM_QTYPE_Q5_0: return 22;
     case LLMEM_QTYPE_Q4_K: return 144;
     case LLMEM_QTYPE_Q5_K: return 176;
     case LLMEM_QTYPE_Q6_K: return 210;
@@ -137,7 +140,17 @@ static int64_t q_block_bytes(int type) {
 }
 
 static int64_t q_block_elems(int type) {
-    return type == LLMEM_QTYPE_Q8_0 || type == LLMEM_QTYPE_Q4_0 ? 32 : LLMEM_QK_K;
+    return type == LLMEM_QTYPE_Q8_0 || type == LLMEM_QTYPE_Q4_0 || type == LLMEM_QTYPE_Q5_0
+               ? 32
+               : LLMEM_QK_K;
+}
+
+/* The 32-value types' kernels take their type as `kind`: Q32_8 (Q8_0: d, 32 signed bytes),
+ * Q32_4 (Q4_0: d, 16 bytes of nibbles, value − 8) or Q32_5 (Q5_0: d, the 32 fifth bits, 16 bytes
+ * of nibbles, value − 16); a block's bytes. */
+enum { Q32_8, Q32_4, Q32_5 };
+static ALWAYS_INLINE int64_t q32_bytes(const int kind) {
+    return kind == Q32_8 ? 34 : kind == Q32_4 ? 18 : 22;
 }
 
 /* ---- quantizing x -----------------------------------------------------------------------------
@@ -240,10 +253,21 @@ TARGET_AVX2 static ALWAYS_INLINE int hsum_i32_avx2(__m256i v) {
 /* ---- portable kernels -------------------------------------------------------------------------
  */
 
-/* Q8_0 (q4 0) and Q4_0 (q4 1). */
+/* Value i of a 32-value block of `kind`. */
+static ALWAYS_INLINE int w32_at(const uint8_t *blk, int i, const int kind) {
+    if (kind == Q32_8)
+        return (int8_t)blk[2 + i];
+    if (kind == Q32_4)
+        return (i < 16 ? blk[2 + i] & 0xf : blk[2 + i - 16] >> 4) - 8;
+    const uint32_t qh =
+        (uint32_t)blk[2] | (uint32_t)blk[3] << 8 | (uint32_t)blk[4] << 16 | (uint32_t)blk[5] << 24;
+    const int lo = i < 16 ? blk[6 + i] & 0xf : blk[6 + i - 16] >> 4;
+    return (lo | (int)((qh >> i) & 1) << 4) - 16;
+}
+
 static ALWAYS_INLINE void dot32_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x,
-                                           int64_t t, int nx, float *out, const int q4) {
-    const int64_t bb = q4 ? 18 : 34;
+                                           int64_t t, int nx, float *out, const int kind) {
+    const int64_t bb = q32_bytes(kind);
     for (int j = 0; j < nx; j++) {
         const int8_t *xq = x->q + (t + j) * x->cols;
         const float *xd = x->d + (t + j) * (x->cols / 32);
@@ -252,9 +276,7 @@ static ALWAYS_INLINE void dot32_scalar_row(const uint8_t *w, int64_t nb, const s
             const uint8_t *blk = w + b * bb;
             int p = 0;
             for (int i = 0; i < 32; i++) {
-                const int wv = !q4 ? (int8_t)blk[2 + i]
-                                   : (i < 16 ? blk[2 + i] & 0xf : blk[2 + i - 16] >> 4) - 8;
-                p += wv * xq[b * 32 + i];
+                p += w32_at(blk, i, kind) * xq[b * 32 + i];
             }
             set[b % 4] = fmaf((float)p, f16_at(blk) * xd[b], set[b % 4]);
         }
@@ -264,12 +286,17 @@ static ALWAYS_INLINE void dot32_scalar_row(const uint8_t *w, int64_t nb, const s
 
 static void dot_q8_0_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
                                 int nx, float *out) {
-    dot32_scalar_row(w, nb, x, t, nx, out, 0);
+    dot32_scalar_row(w, nb, x, t, nx, out, Q32_8);
 }
 
 static void dot_q4_0_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
                                 int nx, float *out) {
-    dot32_scalar_row(w, nb, x, t, nx, out, 1);
+    dot32_scalar_row(w, nb, x, t, nx, out, Q32_4);
+}
+
+static void dot_q5_0_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
+                                int nx, float *out) {
+    dot32_scalar_row(w, nb, x, t, nx, out, Q32_5);
 }
 
 /* Q4_K (hbits NULL) and Q5_K: the values of super-block `blk` as 0…31. */
@@ -368,6 +395,10 @@ static void dot_q4_0_scalar(DOT_ARGS) {
     ROWS(dot_q4_0_scalar_row(w, nb, x, t, nx, out));
 }
 
+static void dot_q5_0_scalar(DOT_ARGS) {
+    ROWS(dot_q5_0_scalar_row(w, nb, x, t, nx, out));
+}
+
 static void dot_q4_k_scalar(DOT_ARGS) {
     ROWS(dot_q4_k_scalar_row(w, nb, x, t, nx, out));
 }
@@ -393,15 +424,27 @@ TARGET_AVX2 static ALWAYS_INLINE __m256i dot4_avx2(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-/* The 32 values of a Q8_0 or Q4_0 block (q4) as signed bytes. */
-TARGET_AVX2 static ALWAYS_INLINE __m256i w32(const uint8_t *blk, const int q4) {
-    if (q4) {
-        __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
-        __m128i lo = _mm_and_si128(qs, _mm_set1_epi8(0xf));
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0xf));
-        return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+/* The 32 values of a block of `kind` as signed bytes. */
+TARGET_AVX2 static ALWAYS_INLINE __m256i w32(const uint8_t *blk, const int kind) {
+    if (kind == Q32_8)
+        return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const int q5 = kind == Q32_5;
+    __m128i qs = _mm_loadu_si128((const __m128i *)(blk + (q5 ? 6 : 2)));
+    __m128i lo = _mm_and_si128(qs, _mm_set1_epi8(0xf));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0xf));
+    __m256i v = _mm256_set_m128i(hi, lo);
+    if (q5) { /* byte i takes bit i of qh as 16: qh's byte i / 8 to byte i, tested by bit i % 8 */
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        const __m256i spread =
+            _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2,
+                                                 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(16)));
     }
-    return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    return _mm256_sub_epi8(v, _mm256_set1_epi8(q5 ? 16 : 8));
 }
 
 /* The d of four blocks from b0, bb bytes apart, as f32. */
@@ -422,13 +465,13 @@ TARGET_AVX2 static ALWAYS_INLINE __m128i sums4_avx2(__m256i a, __m256i b, __m256
 /* The end of a Q8_0/Q4_0 row of x: the four sets (lanes of acc) after the blocks from b on, one
  * at a time, then (set0 + set1) + (set2 + set3). */
 TARGET_AVX2 static ALWAYS_INLINE float dot32_finish(const uint8_t *w, int64_t bb, int64_t b,
-                                                    int64_t nb, const int q4, const int8_t *xq,
+                                                    int64_t nb, const int kind, const int8_t *xq,
                                                     const float *xd, __m128 acc) {
     float set[4];
     _mm_storeu_ps(set, acc);
     for (; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
-        const __m256i wv = w32(blk, q4);
+        const __m256i wv = w32(blk, kind);
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
         const int p = hsum_i32_avx2(dot4_avx2(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
         set[b & 3] = fmaf((float)p, f16_at_c(blk) * xd[b], set[b & 3]);
@@ -436,12 +479,12 @@ TARGET_AVX2 static ALWAYS_INLINE float dot32_finish(const uint8_t *w, int64_t bb
     return (set[0] + set[1]) + (set[2] + set[3]);
 }
 
-/* Q8_0 and Q4_0 (q4): blocks 4k … 4k+3 at once, their sums in the lanes of one register (lane i:
- * set i); the blocks after the last four one by one. */
+/* The 32-value types (kind): blocks 4k … 4k+3 at once, their sums in the lanes of one register
+ * (lane i: set i); the blocks after the last four one by one. */
 TARGET_AVX2 static ALWAYS_INLINE void dot32_avx2_nx(const uint8_t *w, int64_t nb,
                                                     const struct q_x *x, int64_t t, float *out,
-                                                    const int q4, const int NX) {
-    const int64_t bb = q4 ? 18 : 34;
+                                                    const int kind, const int NX) {
+    const int64_t bb = q32_bytes(kind);
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     __m128 acc[Q_NX];
@@ -456,7 +499,7 @@ TARGET_AVX2 static ALWAYS_INLINE void dot32_avx2_nx(const uint8_t *w, int64_t nb
             _mm_prefetch((const char *)w + b * bb + Q_PF_BYTES + p, _MM_HINT_T0);
         __m256i wv[4], aw[4];
         for (int k = 0; k < 4; k++) {
-            wv[k] = w32(w + (b + k) * bb, q4);
+            wv[k] = w32(w + (b + k) * bb, kind);
             aw[k] = _mm256_sign_epi8(wv[k], wv[k]);
         }
         const __m128 dw = d4(w + b * bb, bb);
@@ -471,18 +514,24 @@ TARGET_AVX2 static ALWAYS_INLINE void dot32_avx2_nx(const uint8_t *w, int64_t nb
         }
     }
     for (int j = 0; j < NX; j++) {
-        out[j] = dot32_finish(w, bb, b, nb, q4, xq[j], xd[j], acc[j]);
+        out[j] = dot32_finish(w, bb, b, nb, kind, xq[j], xd[j], acc[j]);
     }
 }
 
 TARGET_AVX2 static void dot32_avx2_q8_0(DOT_ARGS){
-#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, 0, N)
+#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, Q32_8, N)
     DISPATCH_ROWS_NX(CALL)
 #undef CALL
 }
 
 TARGET_AVX2 static void dot32_avx2_q4_0(DOT_ARGS){
-#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, 1, N)
+#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, Q32_4, N)
+    DISPATCH_ROWS_NX(CALL)
+#undef CALL
+}
+
+TARGET_AVX2 static void dot32_avx2_q5_0(DOT_ARGS){
+#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, Q32_5, N)
     DISPATCH_ROWS_NX(CALL)
 #undef CALL
 }
@@ -818,8 +867,8 @@ TARGET_512 static ALWAYS_INLINE __m512i k4_scales_pick(int i) {
     return _mm512_loadu_si512(c);
 }
 
-/* Q8_0 and Q4_0 with AVX-512 VNNI: two blocks a register. Blocks 4k and 4k+1 go to the halves of
- * one accumulator (sets 0 and 1 of the canonical order), 4k+2 and 4k+3 to another (sets 2, 3);
+/* The 32-value types with AVX-512 VNNI: two blocks a register. Blocks 4k and 4k+1 go to the halves
+ * of one accumulator (sets 0 and 1 of the canonical order), 4k+2 and 4k+3 to another (sets 2, 3);
  * the last nb mod 4 blocks to the sets as 8-lane halves. */
 
 /* The sums of the 8-lane halves of a and b: [a low, a high, b low, b high]. */
@@ -839,8 +888,8 @@ TARGET_512 static ALWAYS_INLINE __m128i sums4_512(__m512i a, __m512i b) {
 /* Blocks 4k … 4k+3 at once: their sums in the lanes of one register, lane i set i. */
 TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t nb,
                                                        const struct q_x *x, int64_t t, float *out,
-                                                       const int q4, const int NX) {
-    const int64_t bb = q4 ? 18 : 34;
+                                                       const int kind, const int NX) {
+    const int64_t bb = q32_bytes(kind);
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     __m128 acc[Q_NX];
@@ -857,8 +906,9 @@ TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t
         __m512i aw[2];
         __mmask64 neg[2];
         for (int h = 0; h < 2; h++) {
-            const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(w32(b0 + 2 * h * bb, q4)),
-                                                  w32(b0 + (2 * h + 1) * bb, q4), 1);
+            const __m512i wv =
+                _mm512_inserti64x4(_mm512_castsi256_si512(w32(b0 + 2 * h * bb, kind)),
+                                   w32(b0 + (2 * h + 1) * bb, kind), 1);
             aw[h] = _mm512_abs_epi8(wv);
             neg[h] = _mm512_movepi8_mask(wv);
         }
@@ -875,18 +925,24 @@ TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t
         }
     }
     for (int j = 0; j < NX; j++) {
-        out[j] = dot32_finish(w, bb, b, nb, q4, xq[j], xd[j], acc[j]);
+        out[j] = dot32_finish(w, bb, b, nb, kind, xq[j], xd[j], acc[j]);
     }
 }
 
 TARGET_VNNI static void dot_q8_0_vnni512(DOT_ARGS){
-#define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, 0, N)
+#define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, Q32_8, N)
     DISPATCH_ROWS_NX(CALL)
 #undef CALL
 }
 
 TARGET_VNNI static void dot_q4_0_vnni512(DOT_ARGS){
-#define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, 1, N)
+#define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, Q32_4, N)
+    DISPATCH_ROWS_NX(CALL)
+#undef CALL
+}
+
+TARGET_VNNI static void dot_q5_0_vnni512(DOT_ARGS){
+#define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, Q32_5, N)
     DISPATCH_ROWS_NX(CALL)
 #undef CALL
 }
@@ -1357,7 +1413,7 @@ TARGET_VNNI static ALWAYS_INLINE void panel_mul_nx(const uint8_t *pk, int64_t nb
         _mm512_storeu_ps(out + j * Q_MR, acc[j]);
 }
 
-/* Q8_0 and Q4_0 panels: per block, the 32 values (signed) as 8 groups of 64 bytes, then
+/* The 32-value types' panels: per block, the 32 values (signed) as 8 groups of 64 bytes, then
  * −128 · Σw of each row and d. x is made unsigned (x + 128, an xor with 0x80) so that vpdpbusd
  * takes W signed as it lies; the accumulator starts at −128 · Σw, which leaves Σ w·x exactly. */
 #define PANEL_32_BYTES (8 * 64 + 64 + 64)
@@ -1365,9 +1421,9 @@ _Static_assert((size_t)(CPU_GEMM_K_MAX / 32) * PANEL_32_BYTES <=
                    CPU_GEMM_THREAD_FLOATS * sizeof(float),
                "a panel of the longest row fits the thread's scratch");
 
-TARGET_VNNI static void panel_pack_32(const uint8_t *w, int64_t row_bytes, int64_t nb, const int q4,
-                                      uint8_t *pk) {
-    const int64_t bb = q4 ? 18 : 34;
+TARGET_VNNI static void panel_pack_32(const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                      const int kind, uint8_t *pk) {
+    const int64_t bb = q32_bytes(kind);
     const __m512i rows =
         _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                            _mm512_set1_epi32(8));
@@ -1378,7 +1434,7 @@ TARGET_VNNI static void panel_pack_32(const uint8_t *w, int64_t row_bytes, int64
         float *dv = (float *)(corr + 16);
         for (int r = 0; r < Q_MR; r++) {
             const uint8_t *blk = w + r * row_bytes + b * bb;
-            const __m256i wv = w32(blk, q4);
+            const __m256i wv = w32(blk, kind);
             _mm256_storeu_si256((__m256i *)(v + 32 * r), wv);
             corr[r] = -128 * hsum_i32_avx2(_mm256_dpbusd_epi32(_mm256_setzero_si256(),
                                                                _mm256_set1_epi8(1), wv));
@@ -1457,7 +1513,7 @@ TARGET_VNNI static void panel_mul_k6(const uint8_t *pk, int64_t nb, const struct
 
 struct q_kernels {
     void (*quantize)(const float *x, int64_t cols, int64_t blk, int8_t *q, float *d, int16_t *s);
-    q_dot_fn q8_0, q4_0, q4_k, q5_k, q6_k;
+    q_dot_fn q8_0, q4_0, q5_0, q4_k, q5_k, q6_k;
     const char *name;
     int panels; /* the K types' prefill by panels (AVX-512 VNNI) */
 };
@@ -1466,6 +1522,7 @@ struct q_kernels {
 static const struct q_kernels q_scalar = {.quantize = quantize_x_scalar,
                                           .q8_0 = dot_q8_0_scalar,
                                           .q4_0 = dot_q4_0_scalar,
+                                          .q5_0 = dot_q5_0_scalar,
                                           .q4_k = dot_q4_k_scalar,
                                           .q5_k = dot_q5_k_scalar,
                                           .q6_k = dot_q6_k_scalar,
@@ -1474,6 +1531,7 @@ static const struct q_kernels q_scalar = {.quantize = quantize_x_scalar,
 static const struct q_kernels q_avx2 = {.quantize = quantize_x_avx2,
                                         .q8_0 = dot32_avx2_q8_0,
                                         .q4_0 = dot32_avx2_q4_0,
+                                        .q5_0 = dot32_avx2_q5_0,
                                         .q4_k = dot_q4_k_avx2,
                                         .q5_k = dot_q5_k_avx2,
                                         .q6_k = dot_q6_k_avx2,
@@ -1481,6 +1539,7 @@ static const struct q_kernels q_avx2 = {.quantize = quantize_x_avx2,
 static const struct q_kernels q_512 = {.quantize = quantize_x_avx2,
                                        .q8_0 = dot32_avx2_q8_0,
                                        .q4_0 = dot32_avx2_q4_0,
+                                       .q5_0 = dot32_avx2_q5_0,
                                        .q4_k = dot_q4_k_512,
                                        .q5_k = dot_q5_k_512,
                                        .q6_k = dot_q6_k_512,
@@ -1488,6 +1547,7 @@ static const struct q_kernels q_512 = {.quantize = quantize_x_avx2,
 static const struct q_kernels q_vnni = {.quantize = quantize_x_avx2,
                                         .q8_0 = dot_q8_0_vnni512,
                                         .q4_0 = dot_q4_0_vnni512,
+                                        .q5_0 = dot_q5_0_vnni512,
                                         .q4_k = dot_q4_k_vnni,
                                         .q5_k = dot_q5_k_vnni,
                                         .q6_k = dot_q6_k_vnni,
@@ -1514,6 +1574,7 @@ static q_dot_fn q_dot_for(const struct q_kernels *k, int type) {
     switch (type) {
     case LLMEM_QTYPE_Q8_0: return k->q8_0;
     case LLMEM_QTYPE_Q4_0: return k->q4_0;
+    case LLMEM_QTYPE_Q5_0: return k->q5_0;
     case LLMEM_QTYPE_Q4_K: return k->q4_k;
     case LLMEM_QTYPE_Q5_K: return k->q5_k;
     case LLMEM_QTYPE_Q6_K: return k->q6_k;
@@ -1566,7 +1627,11 @@ static void q_panel_rows(const struct q_job *j, const struct q_x *xv, int64_t r0
     else if (type == LLMEM_QTYPE_Q4_K || type == LLMEM_QTYPE_Q5_K)
         panel_pack_k45(wr, j->row_bytes, j->nb, type == LLMEM_QTYPE_Q5_K, pk);
     else
-        panel_pack_32(wr, j->row_bytes, j->nb, type == LLMEM_QTYPE_Q4_0, pk);
+        panel_pack_32(wr, j->row_bytes, j->nb,
+                      type == LLMEM_QTYPE_Q4_0   ? Q32_4
+                      : type == LLMEM_QTYPE_Q5_0 ? Q32_5
+                                                 : Q32_8,
+                      pk);
     void (*mul)(const uint8_t *, int64_t, const struct q_x *, int64_t, int, float *) =
         type == LLMEM_QTYPE_Q6_K                               ? panel_mul_k6
         : type == LLMEM_QTYPE_Q4_K || type == LLMEM_QTYPE_Q5_K ? panel_mul_k45
