@@ -253,16 +253,23 @@ TARGET_AVX2 static ALWAYS_INLINE int hsum_i32_avx2(__m256i v) {
 /* ---- portable kernels -------------------------------------------------------------------------
  */
 
-/* Value i of a 32-value block of `kind`. */
-static ALWAYS_INLINE int w32_at(const uint8_t *blk, int i, const int kind) {
-    if (kind == Q32_8)
-        return (int8_t)blk[2 + i];
-    if (kind == Q32_4)
-        return (i < 16 ? blk[2 + i] & 0xf : blk[2 + i - 16] >> 4) - 8;
-    const uint32_t qh =
-        (uint32_t)blk[2] | (uint32_t)blk[3] << 8 | (uint32_t)blk[4] << 16 | (uint32_t)blk[5] << 24;
-    const int lo = i < 16 ? blk[6 + i] & 0xf : blk[6 + i - 16] >> 4;
-    return (lo | (int)((qh >> i) & 1) << 4) - 16;
+/* The 32 values of a block of `kind` into v. */
+static ALWAYS_INLINE void unpack32(const uint8_t *blk, const int kind, int v[32]) {
+    if (kind == Q32_8) {
+        for (int i = 0; i < 32; i++)
+            v[i] = (int8_t)blk[2 + i];
+        return;
+    }
+    const uint8_t *qs = blk + (kind == Q32_5 ? 6 : 2);
+    const uint32_t qh = kind == Q32_5 ? (uint32_t)blk[2] | (uint32_t)blk[3] << 8 |
+                                            (uint32_t)blk[4] << 16 | (uint32_t)blk[5] << 24
+                                      : 0;
+    for (int i = 0; i < 16; i++) {
+        v[i] = (qs[i] & 0xf) | (int)((qh >> i) & 1) << 4;
+        v[i + 16] = (qs[i] >> 4) | (int)((qh >> (i + 16)) & 1) << 4;
+    }
+    for (int i = 0; i < 32; i++)
+        v[i] -= kind == Q32_5 ? 16 : 8;
 }
 
 static ALWAYS_INLINE void dot32_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x,
@@ -274,10 +281,10 @@ static ALWAYS_INLINE void dot32_scalar_row(const uint8_t *w, int64_t nb, const s
         float set[4] = {0, 0, 0, 0};
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w + b * bb;
-            int p = 0;
-            for (int i = 0; i < 32; i++) {
-                p += w32_at(blk, i, kind) * xq[b * 32 + i];
-            }
+            int v[32], p = 0;
+            unpack32(blk, kind, v);
+            for (int i = 0; i < 32; i++)
+                p += v[i] * xq[b * 32 + i];
             set[b % 4] = fmaf((float)p, f16_at(blk) * xd[b], set[b % 4]);
         }
         out[j] = (set[0] + set[1]) + (set[2] + set[3]);
