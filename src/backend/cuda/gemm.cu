@@ -353,12 +353,14 @@ static __global__ void gemv_any_experts_kernel(const void *w0, const void *w1, e
 }
 
 void gemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
-                  const int32_t *ids, const int32_t *order, int k, const float *x, int64_t x_rows,
-                  int64_t pairs, float *y, float *y1) {
+                  const int32_t *ids, const int32_t *order, int k, const float *x, const float *up,
+                  int64_t x_rows, int64_t pairs, float *y, float *y1) {
     if (w->quant != 0) {
-        qgemv_experts(c, w, w1, ids, order, k, x, x_rows, pairs, y, y1);
+        qgemv_experts(c, w, w1, ids, order, k, x, up, x_rows, pairs, y, y1);
         return;
     }
+    if (up != NULL)
+        swiglu_launch(c, x, up, x_rows * w->cols, (float *)x);
     const int64_t rows = w->rows, cols = w->cols;
     const unsigned z = w1 != NULL ? 2 : 1;
     const void *d1 = w1 != NULL ? w1->data : w->data;

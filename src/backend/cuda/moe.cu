@@ -5,8 +5,9 @@
  *     k largest, renormalized when asked) and their weights, on the device;
  *   - sort: one block groups the (token, slot) pairs by expert, in token order within an expert;
  *   - a few pairs (a decode step, and every pass recorded as a graph): the matrix-vector kernels
- *     take each pair's expert from the device (gemv_experts; gate and up in one launch), so that a
- *     step reads only the chosen experts' rows and never waits for the host;
+ *     take each pair's expert from the device (gemv_experts; gate and up in one launch, silu(gate)
+ *     · up formed as the down projection reads it), so that a step reads only the chosen experts'
+ *     rows and never waits for the host;
  *   - many pairs (prefill): the expert offsets come to the host once a layer and each expert with
  *     rows runs as a GEMM over its gathered rows, as the dense layers do;
  *   - combine: each token's outputs weighted and summed in increasing expert order (the CPU's).
@@ -22,15 +23,21 @@ namespace llmem_cuda {
 #define MOE_GEMV_PAIRS   256
 #define MOE_UNSORTED_MAX 32
 
-/* v, NaN as −∞: the order route ranks logits in (the CPU's top_k never picks a NaN over a
- * number). */
-__device__ __forceinline__ float rank_of(float v) {
-    return isnan(v) ? -INFINITY : v;
+/* v's place in the order route ranks logits in, as an unsigned integer above 0: NaN as −∞ (the
+ * CPU's top_k never picks a NaN over a number), −0 as +0, so that equal keys are equal values. */
+__device__ __forceinline__ uint32_t order_key(float v) {
+    const uint32_t b = __float_as_uint(isnan(v) ? -INFINITY : v + 0.0f);
+    return b & 0x80000000u ? ~b : b | 0x80000000u;
 }
 
 /* A warp per token: ids and probs of its k experts (largest logit first, the lower index first
  * among equals), p = softmax(logits)[e], renormalized over the k when norm; and identity slots
- * when `slot` is not NULL (pairs left unsorted: the kernels after take them as routed). */
+ * when `slot` is not NULL (pairs left unsorted: the kernels after take them as routed). Lane l
+ * holds logits l, l + 32, … (PER of them, E ≤ 32·PER) in registers: each of the k rounds is a pass
+ * over them and two of the warp's integer reductions (the largest key, then the lowest expert
+ * holding it), with no memory between (the logits read again and five rounds of shuffles a
+ * pick took a decode's routing 9 µs on an H100, a third of its layer's matrix products). */
+template <int PER>
 static __global__ void route_kernel(const float *logits, int64_t T, int64_t E, int k, int norm,
                                     int32_t *ids, float *probs, int32_t *slot) {
     pdl_begin();
@@ -38,35 +45,42 @@ static __global__ void route_kernel(const float *logits, int64_t T, int64_t E, i
     const int64_t t = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
     if (t >= T)
         return;
-    const float *l = logits + t * E;
+    float l[PER];
     float mx = -INFINITY, sum = 0.0f;
-    for (int64_t e = lane; e < E; e += 32)
-        mx = fmaxf(mx, l[e]);
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        l[i] = lane + 32 * i < E ? logits[t * E + lane + 32 * i] : -INFINITY;
+        mx = fmaxf(mx, l[i]);
+    }
     for (int o = 16; o > 0; o /= 2)
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    for (int64_t e = lane; e < E; e += 32)
-        sum += expf(l[e] - mx);
+#pragma unroll
+    for (int i = 0; i < PER; i++)
+        if (lane + 32 * i < E)
+            sum += expf(l[i] - mx);
     for (int o = 16; o > 0; o /= 2)
         sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    uint32_t key[PER]; /* the logits' order as unsigned integers, 0 for none */
+#pragma unroll
+    for (int i = 0; i < PER; i++)
+        key[i] = lane + 32 * i < E ? order_key(l[i]) : 0;
     uint32_t taken = 0; /* bit i: expert lane + 32·i */
     float total = 0.0f;
     for (int j = 0; j < k; j++) {
-        float bv = -INFINITY;
-        int be = INT_MAX;
-        for (int i = 0; lane + 32 * i < E; i++) {
-            const float v = rank_of(l[lane + 32 * i]);
-            if (!(taken >> i & 1) && (be == INT_MAX || v > bv))
-                bv = v, be = lane + 32 * i;
-        }
-        for (int o = 16; o > 0; o /= 2) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-            if (oe != INT_MAX && (be == INT_MAX || ov > bv || (ov == bv && oe < be)))
-                bv = ov, be = oe;
-        }
+        uint32_t best = 0; /* the lane's largest key not taken, its first among equals */
+        float raw = 0.0f;
+        int bi = 0;
+#pragma unroll
+        for (int i = 0; i < PER; i++)
+            if (!(taken >> i & 1) && key[i] > best)
+                best = key[i], raw = l[i], bi = i;
+        const uint32_t top = __reduce_max_sync(0xffffffffu, best);
+        const int be = (int)__reduce_min_sync(
+            0xffffffffu, best == top && best != 0 ? (uint32_t)(lane + 32 * bi) : 0xffffffffu);
+        const float braw = __shfl_sync(0xffffffffu, raw, be % 32);
         if (be % 32 == lane)
             taken |= 1u << (be / 32);
-        const float p = expf(l[be] - mx) / sum;
+        const float p = expf(braw - mx) / sum;
         total += p;
         if (lane == 0)
             ids[t * k + j] = be, probs[t * k + j] = p;
@@ -138,28 +152,27 @@ static __global__ void gather_kernel(const float *x, const int32_t *order, int k
         out[i] = x[(order[i / hidden] / k) * hidden + i % hidden];
 }
 
-/* A block per token: y = Σ p_j · out[slot_j] over its k pairs in increasing expert order. */
+/* y = Σ p_j · out[slot_j] over a token's k pairs in increasing expert order: block (x, y) takes
+ * 256 columns of token y (a block a token kept a decode's combining on one multiprocessor). */
 static __global__ void combine_kernel(const int32_t *ids, const float *probs, const int32_t *slot,
                                       const float *out, int k, int64_t hidden, float *y) {
     pdl_begin();
-    __shared__ int32_t s[LLMEM_MOE_MAX_K];
+    __shared__ int32_t e[LLMEM_MOE_MAX_K], s[LLMEM_MOE_MAX_K];
     __shared__ float p[LLMEM_MOE_MAX_K];
-    const int64_t t = blockIdx.x;
-    if (threadIdx.x == 0) { /* the token's pairs by expert (insertion sort, stable) */
-        int32_t j_of[LLMEM_MOE_MAX_K];
-        for (int j = 0; j < k; j++) {
-            int i = j;
-            while (i > 0 && ids[t * k + j_of[i - 1]] > ids[t * k + j]) {
-                j_of[i] = j_of[i - 1];
-                i--;
-            }
-            j_of[i] = j;
-        }
-        for (int j = 0; j < k; j++)
-            s[j] = slot[t * k + j_of[j]], p[j] = probs[t * k + j_of[j]];
+    const int64_t t = blockIdx.y;
+    const int j = threadIdx.x;
+    if (j < k)
+        e[j] = ids[t * k + j];
+    __syncthreads();
+    if (j < k) { /* pair j's place among the token's by expert, the earlier first among equals */
+        int rank = 0;
+        for (int i = 0; i < k; i++)
+            rank += e[i] < e[j] || (e[i] == e[j] && i < j);
+        s[rank] = slot[t * k + j], p[rank] = probs[t * k + j];
     }
     __syncthreads();
-    for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
+    const int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (c < hidden) {
         float acc = 0.0f;
         for (int j = 0; j < k; j++)
             acc = fmaf(p[j], out[s[j] * hidden + c], acc);
@@ -201,16 +214,25 @@ void cuda_moe(void *ctx, const struct llmem_backend_moe *m, const float *logits,
     struct llmem_moe_work w;
     llmem_moe_work_layout(T, hidden, inter, E, k, work, &w);
     const int sort = grouped || pairs > MOE_UNSORTED_MAX;
-    pdl_launch(c->stream, route_kernel, dim3((unsigned)((T + 7) / 8)), dim3(256), 0, logits, T, E,
-               (int)k, m->norm_topk, w.ids, w.probs, sort ? NULL : w.slot);
+    const dim3 rgrid((unsigned)((T + 7) / 8));
+    int32_t *slot = sort ? NULL : w.slot;
+    if (E <= 128)
+        pdl_launch(c->stream, route_kernel<4>, rgrid, dim3(256), 0, logits, T, E, (int)k,
+                   m->norm_topk, w.ids, w.probs, slot);
+    else if (E <= 256)
+        pdl_launch(c->stream, route_kernel<8>, rgrid, dim3(256), 0, logits, T, E, (int)k,
+                   m->norm_topk, w.ids, w.probs, slot);
+    else
+        pdl_launch(c->stream, route_kernel<LLMEM_CUDA_MOE_MAX_EXPERTS / 32>, rgrid, dim3(256), 0,
+                   logits, T, E, (int)k, m->norm_topk, w.ids, w.probs, slot);
     if (sort)
         pdl_launch(c->stream, sort_kernel, dim3(1), dim3(1024), 0, (const int32_t *)w.ids, pairs, E,
                    w.offsets, w.order, w.slot);
     if (!grouped) { /* (unsorted: the pairs as routed) */
         const int32_t *order = sort ? w.order : NULL;
-        gemv_experts(c, &m->gate[0], &m->up[0], w.ids, order, (int)k, x, T, pairs, w.gate, w.up);
-        swiglu_launch(c, w.gate, w.up, pairs * inter, w.gate);
-        gemv_experts(c, &m->down[0], NULL, w.ids, order, 0, w.gate, pairs, pairs, w.x, NULL);
+        gemv_experts(c, &m->gate[0], &m->up[0], w.ids, order, (int)k, x, NULL, T, pairs, w.gate,
+                     w.up);
+        gemv_experts(c, &m->down[0], NULL, w.ids, order, 0, w.gate, w.up, pairs, pairs, w.x, NULL);
     } else {
         pdl_launch(c->stream, gather_kernel, dim3(grid_for(pairs * hidden, 256)), dim3(256), 0, x,
                    (const int32_t *)w.order, (int)k, pairs, hidden, w.x);
@@ -234,7 +256,8 @@ void cuda_moe(void *ctx, const struct llmem_backend_moe *m, const float *logits,
                 cuda_matmul(c, &m->down[e], w.gate + at * inter, n, w.x + at * hidden, NULL);
         }
     }
-    pdl_launch(c->stream, combine_kernel, dim3((unsigned)T), dim3(256), 0, (const int32_t *)w.ids,
+    pdl_launch(c->stream, combine_kernel, dim3((unsigned)((hidden + 255) / 256), (unsigned)T),
+               dim3(256), 0, (const int32_t *)w.ids,
                (const float *)w.probs, (const int32_t *)w.slot, (const float *)w.x, (int)k, hidden,
                y);
     launched(c, "moe");

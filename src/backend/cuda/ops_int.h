@@ -269,14 +269,16 @@ void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate, const struct
  * expert ids[order[r]] of the stack whose expert 0 is w (the experts one after the other, as
  * model/device.c uploads them; an MLX type's scales and biases too), for r < pairs, and the same
  * of w1 into y1 in the same launch when w1 is not NULL (gate and up); x has x_rows rows; order
- * NULL: the pairs as routed (order[r] = r, one load fewer before a block's weights). The
- * matrix-vector kernels' products (gemm.cu for float weights, quant.cu's for quantized ones). */
+ * NULL: the pairs as routed (order[r] = r, one load fewer before a block's weights); with up
+ * not NULL, x is silu(x) · up (a mixture's down projection after its gate and up: x written over
+ * with it, or at fast precision rounded to 8 bits straight from the two). The matrix-vector
+ * kernels' products (gemm.cu for float weights, quant.cu's for quantized ones). */
 void gemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
-                  const int32_t *ids, const int32_t *order, int k, const float *x, int64_t x_rows,
-                  int64_t pairs, float *y, float *y1);
+                  const int32_t *ids, const int32_t *order, int k, const float *x, const float *up,
+                  int64_t x_rows, int64_t pairs, float *y, float *y1);
 void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
-                   const int32_t *ids, const int32_t *order, int k, const float *x, int64_t x_rows,
-                   int64_t pairs, float *y, float *y1);
+                   const int32_t *ids, const int32_t *order, int k, const float *x, const float *up,
+                   int64_t x_rows, int64_t pairs, float *y, float *y1);
 
 /* quant.cu: quantized weights (w->quant != 0): y = x · Wᵀ (+ bias) for n rows of x by the
  * matrix-vector kernel; rows r0 … r0 + n of w dequantized into out (dt: F16 or F32); the rows of a

@@ -504,14 +504,17 @@ __host__ __device__ constexpr int64_t xq_row_bytes(int64_t cols) {
     return (cols + cols / 32 * 4 + cols / 16 * 4 + 15) / 16 * 16;
 }
 
-/* A warp per 32 values of a row of x (blockIdx.y). */
-static __global__ void quantize_x_kernel(const float *x, int64_t cols, uint8_t *out) {
+/* A warp per 32 values of a row of x (blockIdx.y); of silu(x) · up where up is not NULL (a
+ * mixture's gate and up products, into its down projection's x). */
+static __global__ void quantize_x_kernel(const float *x, const float *up, int64_t cols,
+                                         uint8_t *out) {
     pdl_begin();
     const int lane = threadIdx.x & 31;
     const int64_t u = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32, t = blockIdx.y;
     if (u >= cols / 32)
         return;
-    const float v = x[t * cols + 32 * u + lane];
+    const int64_t i = t * cols + 32 * u + lane;
+    const float v = up != NULL ? silu_mul(x[i], up[i]) : x[i];
     float amax = fabsf(v), sum = v;
     for (int o = 16; o > 0; o /= 2)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -533,25 +536,29 @@ __device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
     return d;
 }
 
-/* The 32 bytes at p (2-byte aligned) as 8 little-endian words: five 8-byte loads from p rounded
- * down to 8 bytes, and funnel shifts (Q6_K's 210-byte blocks leave every other block 2 bytes off a
- * word, where 16-bit loads took twice the instructions of the whole unit). Reads
- * [p & ~7, (p & ~7) + 40): within the block for every unit of a Q6_K block (its codes end 18 bytes
- * before the block), and after the start of the row before (a row's blocks follow the previous
- * row's; row 0 starts aligned). */
-template <bool SH = false> __device__ __forceinline__ void bytes32_a2(const uint8_t *p, uint32_t *w) {
+/* The 4·W bytes at p (2-byte aligned; W 4 or 8) as W little-endian words: 8-byte loads from p
+ * rounded down to 8 bytes (W / 2, one more when p is not 8-byte aligned) and funnel shifts (a
+ * 2-byte load for every two bytes asked the cache for a line of each lane's block every time:
+ * Q6_K's 210-byte blocks leave every other block 2 bytes off a word, Q8_0's 34 and Q4_0's 18 every
+ * other unit). Each load begins inside [p − 6, p + 4·W), and an aligned load that holds a byte of
+ * an allocation lies inside its pages: the up to 6 bytes before p and 6 after those asked for
+ * (the blocks beside it, or past a matrix's last block) are read, not used. */
+template <int W, bool SH = false>
+__device__ __forceinline__ void bytes_a2(const uint8_t *p, uint32_t *w) {
     const uint32_t o = (uint32_t)((uintptr_t)p & 7);
     const uint2 *a = (const uint2 *)(p - o);
-    uint32_t t[10];
+    uint32_t t[W + 2];
+    t[W] = t[W + 1] = 0;
 #pragma unroll
-    for (int i = 0; i < 5; i++) {
-        const uint2 v = ld<SH>(a + i);
-        t[2 * i] = v.x, t[2 * i + 1] = v.y;
-    }
+    for (int i = 0; i < W / 2 + 1; i++)
+        if (i < W / 2 || o != 0) {
+            const uint2 v = ld<SH>(a + i);
+            t[2 * i] = v.x, t[2 * i + 1] = v.y;
+        }
     const bool hi = (o & 4) != 0;
     const uint32_t sh = (o & 2) * 8;
 #pragma unroll
-    for (int i = 0; i < 8; i++)
+    for (int i = 0; i < W; i++)
         w[i] = __funnelshift_r(hi ? t[i + 1] : t[i], hi ? t[i + 2] : t[i + 1], sh);
 }
 
@@ -566,14 +573,22 @@ __device__ __forceinline__ void qunit_codes(const uint8_t *row, int64_t u, uint3
         const uint8_t *b = row + u * qt<QT>::BB;
         sc[0] = sc[1] = f16_at<SH>(b);
         if constexpr (QT == LLMEM_QTYPE_Q8_0) {
+            if constexpr (SH) {
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                bytes8<2, SH>(b + 2 + 8 * i, w + 2 * i);
-                w[2 * i] ^= 0x80808080u, w[2 * i + 1] ^= 0x80808080u;
+                for (int i = 0; i < 4; i++)
+                    bytes8<2, SH>(b + 2 + 8 * i, w + 2 * i);
+            } else {
+                bytes_a2<8>(b + 2, w);
             }
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                w[i] ^= 0x80808080u;
         } else {
             uint32_t q[4];
-            bytes8<2, SH>(b + 2, q), bytes8<2, SH>(b + 10, q + 2);
+            if constexpr (SH)
+                bytes8<2, SH>(b + 2, q), bytes8<2, SH>(b + 10, q + 2);
+            else
+                bytes_a2<4>(b + 2, q);
 #pragma unroll
             for (int i = 0; i < 4; i++)
                 w[i] = q[i] & 0x0f0f0f0fu, w[4 + i] = (q[i] >> 4) & 0x0f0f0f0fu;
@@ -607,8 +622,8 @@ __device__ __forceinline__ void qunit_codes(const uint8_t *row, int64_t u, uint3
         sc[0] = __fmul_rn(d, __fsub_rn(small_f((s2 & 0xffu) ^ 0x80u), 128.0f));
         sc[1] = __fmul_rn(d, __fsub_rn(small_f((uint32_t)(s2 >> 8) ^ 0x80u), 128.0f));
         uint32_t ql[8], qh[8];
-        bytes32_a2<SH>(b + 64 * h + 32 * (j & 1), ql);
-        bytes32_a2<SH>(b + 128 + 32 * h, qh);
+        bytes_a2<8, SH>(b + 64 * h + 32 * (j & 1), ql);
+        bytes_a2<8, SH>(b + 128 + 32 * h, qh);
 #pragma unroll
         for (int i = 0; i < 8; i++)
             w[i] = ((ql[i] >> (4 * (j >> 1))) & 0x0f0f0f0fu) |
@@ -1681,7 +1696,7 @@ void qgemv_set(struct cuda_ctx *c, int count, const struct llmem_weight *const *
     if (xq == NULL)
         return;
     pdl_launch(c->stream, quantize_x_kernel, dim3((unsigned)((cols / 32 + 7) / 8), (unsigned)n),
-               dim3(256), 0, x, cols, xq);
+               dim3(256), 0, x, (const float *)NULL, cols, xq);
     struct qset s = {};
     for (int i = 0; i < count; i++) {
         LLMEM_ASSERT(qgemv_int(c, w[i]) && w[i]->cols == cols);
@@ -1895,8 +1910,8 @@ void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int
 }
 
 void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
-                   const int32_t *ids, const int32_t *order, int k, const float *x, int64_t x_rows,
-                   int64_t pairs, float *y, float *y1) {
+                   const int32_t *ids, const int32_t *order, int k, const float *x,
+                   const float *up, int64_t x_rows, int64_t pairs, float *y, float *y1) {
     const struct qmat m = qmat_of(w);
     struct qexperts ex = {ids, order, k, m.rows * m.row_bytes, 0, NULL, NULL, NULL, y1};
     if (m.scales != NULL)
@@ -1912,13 +1927,15 @@ void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struc
             return;
         pdl_launch(c->stream, quantize_x_kernel,
                    dim3((unsigned)((m.cols / 32 + 7) / 8), (unsigned)x_rows), dim3(256), 0, x,
-                   m.cols, xw);
+                   up, m.cols, xw);
 #define QGEMV_INT(QT)                                                                              \
     pdl_launch(c->stream, qgemv_int_kernel<QT, 1>, grid, dim3(256), 0, m, xq, y,                   \
                (const float *)NULL, ex)
         QT_INT_DISPATCH(w->quant, QGEMV_INT)
 #undef QGEMV_INT
     } else {
+        if (up != NULL)
+            swiglu_launch(c, x, up, x_rows * m.cols, (float *)x);
 #define QGEMV(QT)                                                                                  \
     pdl_launch(c->stream, qgemv_kernel<QT, 1>, grid, dim3(256), 0, m, x, y, (const float *)NULL, ex)
         QT_DISPATCH(w->quant, QGEMV)
