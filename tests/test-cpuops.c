@@ -626,18 +626,21 @@ static void test_matmul_quantized(void **state) {
 /* ---- quantized weights at fast precision ------------------------------------------------------
  *
  * The integer kernels (matmul_q.c) against the exact product of the dequantized weights with x,
- * in double. The activations are quantized per block of B values (32 for Q8_0/Q4_0/Q5_0, 256 for
- * the K types) with d = max|x| / 127, so each value moves by at most d/2 = max|x_b| / 254, and |y −
- * ref| ≤ Σ_b max|x_b| / 254 · Σ_{i∈b} |w_i| · (1 + 1e-5) + 1e-5 · Σ_i |w_i · x_i| + 1e-6 (the
- * second term the f32 scalings and sums). Every ISA, thread count and n gives the bits of the
+ * in double. The activations are quantized per block of B values (32 for the 32-value types,
+ * 256 for the K types) with d = max|x| / 127, so each value moves by at most d/2 = max|x_b| / 254,
+ * and |y − ref| ≤ Σ_b max|x_b| / 254 · Σ_{i∈b} |w_i| · (1 + 1e-5) + 1e-5 · Σ_i |w_i · x_i| + 1e-6
+ * (the second term the f32 scalings and sums). Every ISA, thread count and n gives the bits of the
  * portable kernel on the row alone: integer sums are exact and the float operations are the same
  * ones in the same order. */
 static double worst_fast_ratio;
 
 static void fast_case(int type, int64_t rows, int64_t cols, const int64_t *ns, int n_ns,
                       int max_threads) {
-    const int64_t blk =
-        type == LLMEM_QTYPE_Q8_0 || type == LLMEM_QTYPE_Q4_0 || type == LLMEM_QTYPE_Q5_0 ? 32 : 256;
+    const int64_t blk = type == LLMEM_QTYPE_Q8_0 || type == LLMEM_QTYPE_Q4_0 ||
+                                type == LLMEM_QTYPE_Q5_0 || type == LLMEM_QTYPE_Q4_1 ||
+                                type == LLMEM_QTYPE_Q5_1
+                            ? 32
+                            : 256;
     const int64_t row_bytes = llmem_qtype_bytes(type, cols);
     int64_t n_max = 0;
     for (int i = 0; i < n_ns; i++)
@@ -720,8 +723,8 @@ static void fast_case(int type, int64_t rows, int64_t cols, const int64_t *ns, i
 
 static void test_matmul_fast(void **state) {
     (void)state;
-    const int types[] = {LLMEM_QTYPE_Q8_0, LLMEM_QTYPE_Q4_0, LLMEM_QTYPE_Q5_0,
-                         LLMEM_QTYPE_Q4_K, LLMEM_QTYPE_Q5_K, LLMEM_QTYPE_Q6_K};
+    const int types[] = {LLMEM_QTYPE_Q8_0, LLMEM_QTYPE_Q4_0, LLMEM_QTYPE_Q5_0, LLMEM_QTYPE_Q4_1,
+                         LLMEM_QTYPE_Q5_1, LLMEM_QTYPE_Q4_K, LLMEM_QTYPE_Q5_K, LLMEM_QTYPE_Q6_K};
     const int64_t ns[] = {1, 2, 3, 4, 5, 7, 16, 18, 23, 24, 25, 64, 101};
     for (size_t ti = 0; ti < sizeof(types) / sizeof(types[0]); ti++) {
         fast_case(types[ti], 37, 512, ns, (int)(sizeof(ns) / sizeof(ns[0])), 3);
@@ -735,11 +738,14 @@ static void test_matmul_fast(void **state) {
     fast_case(LLMEM_QTYPE_Q8_0, 9, 224, ns, 6, 2);
     fast_case(LLMEM_QTYPE_Q4_0, 9, 224, ns, 6, 2);
     fast_case(LLMEM_QTYPE_Q5_0, 9, 224, ns, 6, 2);
+    fast_case(LLMEM_QTYPE_Q4_1, 9, 224, ns, 6, 2);
+    fast_case(LLMEM_QTYPE_Q5_1, 9, 224, ns, 6, 2);
     /* W too large to stay in the caches: decode by the dot kernels, prefill by the tiles and
      * (the K types, 16 rows of x or more) the panels */
     const int64_t two[] = {1, 5, 17};
     fast_case(LLMEM_QTYPE_Q8_0, 1040, 512, two, 3, 2);
     fast_case(LLMEM_QTYPE_Q5_0, 1040, 512, two, 3, 2);
+    fast_case(LLMEM_QTYPE_Q5_1, 1040, 512, two, 3, 2);
     fast_case(LLMEM_QTYPE_Q4_K, 1040, 512, two, 3, 2);
     fast_case(LLMEM_QTYPE_Q6_K, 1040, 256, two, 3, 2);
     printf("fast matmul: worst |err| / bound = %.3f (kernels: %s)\n", worst_fast_ratio,

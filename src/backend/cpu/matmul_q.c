@@ -12,6 +12,8 @@
  *   Q5_0         the 5-bit value − 16);
  *                set_{b mod 4} ← fma((float)p, dw_b · dx_b, set_{b mod 4}) in block order;
  *                s = (set0 + set1) + (set2 + set3).
+ *   Q4_1, Q5_1   the same with w the unsigned 4/5-bit value, and after each block's p its
+ *                offset: set_{b mod 4} ← fma((float)Σq, mw_b · dx_b, set_{b mod 4}).
  *   Q4_K, Q5_K   per super-block: S1 = Σ_j sc_j · Σ w·q over sub-block j (w the 4/5-bit value),
  *                S2 = Σ_j m_j · (sum of q over sub-block j); s ← fma(d·dx, (float)S1, s), then
  *                s ← fma(−(dmin·dx), (float)S2, s), super-blocks in order.
@@ -132,6 +134,8 @@ static int64_t q_block_bytes(int type) {
     case LLMEM_QTYPE_Q8_0: return 34;
     case LLMEM_QTYPE_Q4_0: return 18;
     case LLMEM_QTYPE_Q5_0: return 22;
+    case LLMEM_QTYPE_Q4_1: return 20;
+    case LLMEM_QTYPE_Q5_1: return 24;
     case LLMEM_QTYPE_Q4_K: return 144;
     case LLMEM_QTYPE_Q5_K: return 176;
     case LLMEM_QTYPE_Q6_K: return 210;
@@ -140,17 +144,30 @@ static int64_t q_block_bytes(int type) {
 }
 
 static int64_t q_block_elems(int type) {
-    return type == LLMEM_QTYPE_Q8_0 || type == LLMEM_QTYPE_Q4_0 || type == LLMEM_QTYPE_Q5_0
+    return type == LLMEM_QTYPE_Q8_0 || type == LLMEM_QTYPE_Q4_0 || type == LLMEM_QTYPE_Q5_0 ||
+                   type == LLMEM_QTYPE_Q4_1 || type == LLMEM_QTYPE_Q5_1
                ? 32
                : LLMEM_QK_K;
 }
 
 /* The 32-value types' kernels take their type as `kind`: Q32_8 (Q8_0: d, 32 signed bytes),
- * Q32_4 (Q4_0: d, 16 bytes of nibbles, value − 8) or Q32_5 (Q5_0: d, the 32 fifth bits, 16 bytes
- * of nibbles, value − 16); a block's bytes. */
-enum { Q32_8, Q32_4, Q32_5 };
+ * Q32_4 (Q4_0: d, 16 bytes of nibbles, value − 8), Q32_5 (Q5_0: d, the 32 fifth bits, 16 bytes
+ * of nibbles, value − 16), Q32_4M and Q32_5M (Q4_1, Q5_1: d, m, then as Q4_0 and Q5_0 with the
+ * values unsigned, d · value + m); a block's bytes. */
+enum { Q32_8, Q32_4, Q32_5, Q32_4M, Q32_5M };
 static ALWAYS_INLINE int64_t q32_bytes(const int kind) {
-    return kind == Q32_8 ? 34 : kind == Q32_4 ? 18 : 22;
+    return kind == Q32_8 ? 34 : kind == Q32_4 ? 18 : kind == Q32_5 ? 22 : kind == Q32_4M ? 20 : 24;
+}
+/* Whether a kind's blocks have an offset m (after d), fifth bits (after d and m), and the bias its
+ * codes take off. */
+static ALWAYS_INLINE int q32_min(const int kind) {
+    return kind == Q32_4M || kind == Q32_5M;
+}
+static ALWAYS_INLINE int q32_five(const int kind) {
+    return kind == Q32_5 || kind == Q32_5M;
+}
+static ALWAYS_INLINE int q32_bias(const int kind) {
+    return kind == Q32_4 ? 8 : kind == Q32_5 ? 16 : 0;
 }
 
 /* ---- quantizing x -----------------------------------------------------------------------------
@@ -260,16 +277,16 @@ static ALWAYS_INLINE void unpack32(const uint8_t *blk, const int kind, int v[32]
             v[i] = (int8_t)blk[2 + i];
         return;
     }
-    const uint8_t *qs = blk + (kind == Q32_5 ? 6 : 2);
-    const uint32_t qh = kind == Q32_5 ? (uint32_t)blk[2] | (uint32_t)blk[3] << 8 |
-                                            (uint32_t)blk[4] << 16 | (uint32_t)blk[5] << 24
-                                      : 0;
+    const uint8_t *h = blk + (q32_min(kind) ? 4 : 2), *qs = h + (q32_five(kind) ? 4 : 0);
+    const uint32_t qh = q32_five(kind) ? (uint32_t)h[0] | (uint32_t)h[1] << 8 |
+                                             (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24
+                                       : 0;
     for (int i = 0; i < 16; i++) {
         v[i] = (qs[i] & 0xf) | (int)((qh >> i) & 1) << 4;
         v[i + 16] = (qs[i] >> 4) | (int)((qh >> (i + 16)) & 1) << 4;
     }
     for (int i = 0; i < 32; i++)
-        v[i] -= kind == Q32_5 ? 16 : 8;
+        v[i] -= q32_bias(kind);
 }
 
 static ALWAYS_INLINE void dot32_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x,
@@ -281,11 +298,13 @@ static ALWAYS_INLINE void dot32_scalar_row(const uint8_t *w, int64_t nb, const s
         float set[4] = {0, 0, 0, 0};
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w + b * bb;
-            int v[32], p = 0;
+            int v[32], p = 0, sq = 0;
             unpack32(blk, kind, v);
             for (int i = 0; i < 32; i++)
-                p += v[i] * xq[b * 32 + i];
+                p += v[i] * xq[b * 32 + i], sq += xq[b * 32 + i];
             set[b % 4] = fmaf((float)p, f16_at(blk) * xd[b], set[b % 4]);
+            if (q32_min(kind))
+                set[b % 4] = fmaf((float)sq, f16_at(blk + 2) * xd[b], set[b % 4]);
         }
         out[j] = (set[0] + set[1]) + (set[2] + set[3]);
     }
@@ -304,6 +323,16 @@ static void dot_q4_0_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *
 static void dot_q5_0_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
                                 int nx, float *out) {
     dot32_scalar_row(w, nb, x, t, nx, out, Q32_5);
+}
+
+static void dot_q4_1_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
+                                int nx, float *out) {
+    dot32_scalar_row(w, nb, x, t, nx, out, Q32_4M);
+}
+
+static void dot_q5_1_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
+                                int nx, float *out) {
+    dot32_scalar_row(w, nb, x, t, nx, out, Q32_5M);
 }
 
 /* Q4_K (hbits NULL) and Q5_K: the values of super-block `blk` as 0…31. */
@@ -406,6 +435,14 @@ static void dot_q5_0_scalar(DOT_ARGS) {
     ROWS(dot_q5_0_scalar_row(w, nb, x, t, nx, out));
 }
 
+static void dot_q4_1_scalar(DOT_ARGS) {
+    ROWS(dot_q4_1_scalar_row(w, nb, x, t, nx, out));
+}
+
+static void dot_q5_1_scalar(DOT_ARGS) {
+    ROWS(dot_q5_1_scalar_row(w, nb, x, t, nx, out));
+}
+
 static void dot_q4_k_scalar(DOT_ARGS) {
     ROWS(dot_q4_k_scalar_row(w, nb, x, t, nx, out));
 }
@@ -435,14 +472,15 @@ TARGET_AVX2 static ALWAYS_INLINE __m256i dot4_avx2(__m256i u, __m256i s) {
 TARGET_AVX2 static ALWAYS_INLINE __m256i w32(const uint8_t *blk, const int kind) {
     if (kind == Q32_8)
         return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    const int q5 = kind == Q32_5;
-    __m128i qs = _mm_loadu_si128((const __m128i *)(blk + (q5 ? 6 : 2)));
+    const int q5 = q32_five(kind);
+    const uint8_t *h = blk + (q32_min(kind) ? 4 : 2);
+    __m128i qs = _mm_loadu_si128((const __m128i *)(h + (q5 ? 4 : 0)));
     __m128i lo = _mm_and_si128(qs, _mm_set1_epi8(0xf));
     __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0xf));
     __m256i v = _mm256_set_m128i(hi, lo);
     if (q5) { /* byte i takes bit i of qh as 16: qh's byte i / 8 to byte i, tested by bit i % 8 */
         uint32_t qh;
-        memcpy(&qh, blk + 2, 4);
+        memcpy(&qh, h, 4);
         const __m256i spread =
             _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
                                 _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2,
@@ -451,7 +489,7 @@ TARGET_AVX2 static ALWAYS_INLINE __m256i w32(const uint8_t *blk, const int kind)
         const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
         v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(16)));
     }
-    return _mm256_sub_epi8(v, _mm256_set1_epi8(q5 ? 16 : 8));
+    return _mm256_sub_epi8(v, _mm256_set1_epi8((char)q32_bias(kind)));
 }
 
 /* The d of four blocks from b0, bb bytes apart, as f32. */
@@ -469,8 +507,8 @@ TARGET_AVX2 static ALWAYS_INLINE __m128i sums4_avx2(__m256i a, __m256i b, __m256
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-/* The end of a Q8_0/Q4_0 row of x: the four sets (lanes of acc) after the blocks from b on, one
- * at a time, then (set0 + set1) + (set2 + set3). */
+/* The end of a 32-value type's row of x: the four sets (lanes of acc) after the blocks from b on,
+ * one at a time, then (set0 + set1) + (set2 + set3). */
 TARGET_AVX2 static ALWAYS_INLINE float dot32_finish(const uint8_t *w, int64_t bb, int64_t b,
                                                     int64_t nb, const int kind, const int8_t *xq,
                                                     const float *xd, __m128 acc) {
@@ -482,6 +520,10 @@ TARGET_AVX2 static ALWAYS_INLINE float dot32_finish(const uint8_t *w, int64_t bb
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
         const int p = hsum_i32_avx2(dot4_avx2(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
         set[b & 3] = fmaf((float)p, f16_at_c(blk) * xd[b], set[b & 3]);
+        if (q32_min(kind)) {
+            const int sq = hsum_i32_avx2(dot4_avx2(_mm256_set1_epi8(1), xv));
+            set[b & 3] = fmaf((float)sq, f16_at_c(blk + 2) * xd[b], set[b & 3]);
+        }
     }
     return (set[0] + set[1]) + (set[2] + set[3]);
 }
@@ -510,14 +552,21 @@ TARGET_AVX2 static ALWAYS_INLINE void dot32_avx2_nx(const uint8_t *w, int64_t nb
             aw[k] = _mm256_sign_epi8(wv[k], wv[k]);
         }
         const __m128 dw = d4(w + b * bb, bb);
+        const __m128 mw = q32_min(kind) ? d4(w + b * bb + 2, bb) : _mm_setzero_ps();
         for (int j = 0; j < NX; j++) {
-            __m256i p[4];
-            for (int k = 0; k < 4; k++)
-                p[k] = dot4_avx2(
-                    aw[k], _mm256_sign_epi8(
-                               _mm256_loadu_si256((const __m256i *)(xq[j] + (b + k) * 32)), wv[k]));
+            __m256i p[4], sq[4];
+            for (int k = 0; k < 4; k++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[j] + (b + k) * 32));
+                p[k] = dot4_avx2(aw[k], _mm256_sign_epi8(xv, wv[k]));
+                if (q32_min(kind))
+                    sq[k] = dot4_avx2(_mm256_set1_epi8(1), xv);
+            }
+            const __m128 dx = _mm_loadu_ps(xd[j] + b);
             acc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums4_avx2(p[0], p[1], p[2], p[3])),
-                                  _mm_mul_ps(dw, _mm_loadu_ps(xd[j] + b)), acc[j]);
+                                  _mm_mul_ps(dw, dx), acc[j]);
+            if (q32_min(kind))
+                acc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums4_avx2(sq[0], sq[1], sq[2], sq[3])),
+                                      _mm_mul_ps(mw, dx), acc[j]);
         }
     }
     for (int j = 0; j < NX; j++) {
@@ -539,6 +588,20 @@ TARGET_AVX2 static void dot32_avx2_q4_0(DOT_ARGS){
 
 TARGET_AVX2 static void dot32_avx2_q5_0(DOT_ARGS){
 #define CALL(N) dot32_avx2_nx(w, nb, x, t, out, Q32_5, N)
+    DISPATCH_ROWS_NX(CALL)
+#undef CALL
+}
+
+/* (Q4_1 and Q5_1 take these on AVX-512 too, and no panels: llama-quantize's fallback for Q5_K,
+ * they hold a few matrices of a file at most.) */
+TARGET_AVX2 static void dot32_avx2_q4_1(DOT_ARGS){
+#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, Q32_4M, N)
+    DISPATCH_ROWS_NX(CALL)
+#undef CALL
+}
+
+TARGET_AVX2 static void dot32_avx2_q5_1(DOT_ARGS){
+#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, Q32_5M, N)
     DISPATCH_ROWS_NX(CALL)
 #undef CALL
 }
@@ -1520,7 +1583,7 @@ TARGET_VNNI static void panel_mul_k6(const uint8_t *pk, int64_t nb, const struct
 
 struct q_kernels {
     void (*quantize)(const float *x, int64_t cols, int64_t blk, int8_t *q, float *d, int16_t *s);
-    q_dot_fn q8_0, q4_0, q5_0, q4_k, q5_k, q6_k;
+    q_dot_fn q8_0, q4_0, q5_0, q4_1, q5_1, q4_k, q5_k, q6_k;
     const char *name;
     int panels; /* the K types' prefill by panels (AVX-512 VNNI) */
 };
@@ -1530,6 +1593,8 @@ static const struct q_kernels q_scalar = {.quantize = quantize_x_scalar,
                                           .q8_0 = dot_q8_0_scalar,
                                           .q4_0 = dot_q4_0_scalar,
                                           .q5_0 = dot_q5_0_scalar,
+                                          .q4_1 = dot_q4_1_scalar,
+                                          .q5_1 = dot_q5_1_scalar,
                                           .q4_k = dot_q4_k_scalar,
                                           .q5_k = dot_q5_k_scalar,
                                           .q6_k = dot_q6_k_scalar,
@@ -1539,6 +1604,8 @@ static const struct q_kernels q_avx2 = {.quantize = quantize_x_avx2,
                                         .q8_0 = dot32_avx2_q8_0,
                                         .q4_0 = dot32_avx2_q4_0,
                                         .q5_0 = dot32_avx2_q5_0,
+                                        .q4_1 = dot32_avx2_q4_1,
+                                        .q5_1 = dot32_avx2_q5_1,
                                         .q4_k = dot_q4_k_avx2,
                                         .q5_k = dot_q5_k_avx2,
                                         .q6_k = dot_q6_k_avx2,
@@ -1547,6 +1614,8 @@ static const struct q_kernels q_512 = {.quantize = quantize_x_avx2,
                                        .q8_0 = dot32_avx2_q8_0,
                                        .q4_0 = dot32_avx2_q4_0,
                                        .q5_0 = dot32_avx2_q5_0,
+                                       .q4_1 = dot32_avx2_q4_1,
+                                       .q5_1 = dot32_avx2_q5_1,
                                        .q4_k = dot_q4_k_512,
                                        .q5_k = dot_q5_k_512,
                                        .q6_k = dot_q6_k_512,
@@ -1555,6 +1624,8 @@ static const struct q_kernels q_vnni = {.quantize = quantize_x_avx2,
                                         .q8_0 = dot_q8_0_vnni512,
                                         .q4_0 = dot_q4_0_vnni512,
                                         .q5_0 = dot_q5_0_vnni512,
+                                        .q4_1 = dot32_avx2_q4_1,
+                                        .q5_1 = dot32_avx2_q5_1,
                                         .q4_k = dot_q4_k_vnni,
                                         .q5_k = dot_q5_k_vnni,
                                         .q6_k = dot_q6_k_vnni,
@@ -1582,11 +1653,19 @@ static q_dot_fn q_dot_for(const struct q_kernels *k, int type) {
     case LLMEM_QTYPE_Q8_0: return k->q8_0;
     case LLMEM_QTYPE_Q4_0: return k->q4_0;
     case LLMEM_QTYPE_Q5_0: return k->q5_0;
+    case LLMEM_QTYPE_Q4_1: return k->q4_1;
+    case LLMEM_QTYPE_Q5_1: return k->q5_1;
     case LLMEM_QTYPE_Q4_K: return k->q4_k;
     case LLMEM_QTYPE_Q5_K: return k->q5_k;
     case LLMEM_QTYPE_Q6_K: return k->q6_k;
     default: return NULL;
     }
+}
+
+/* Whether n rows of x times a matrix of `type` take the panels: they pay for their packing over
+ * several rows of x (Q4_1 and Q5_1 have none: the dot kernels at every n). */
+static int q_panels(const struct q_kernels *k, int type, int64_t n) {
+    return k->panels && n >= Q_PANEL_MIN_N && type != LLMEM_QTYPE_Q4_1 && type != LLMEM_QTYPE_Q5_1;
 }
 
 int llmem_cpu_matmul_q_supported(int type, int64_t cols) {
@@ -1748,7 +1827,7 @@ int llmem_cpu_matmul_q_many(struct cpu_ctx *c, int count, const struct llmem_wei
         j->w = w[i], j->x = x[i], j->y = y[i];
         j->blk = q_block_elems(w[i]->quant);
         j->nb = w[i]->cols / j->blk, j->row_bytes = llmem_weight_row_bytes(w[i]);
-        j->panel = k->panels && n[i] >= Q_PANEL_MIN_N;
+        j->panel = q_panels(k, w[i]->quant, n[i]);
         j->scratch = c->wpanel;
         j->t0 = 0, j->nt = n[i];
         /* an input already quantized with this block size: shared */
@@ -1812,8 +1891,7 @@ void llmem_cpu_matmul_q(struct cpu_ctx *c, const struct llmem_weight *w, const f
     job.dot = q_dot_for(job.k, w->quant);
     job.w = w, job.x = x, job.bias = bias, job.y = y;
     job.blk = blk, job.nb = cols / blk, job.row_bytes = llmem_weight_row_bytes(w);
-    /* panels pay for their packing over several rows of x */
-    job.panel = job.k->panels && n >= Q_PANEL_MIN_N;
+    job.panel = q_panels(job.k, w->quant, n);
     job.scratch = c->wpanel;
     /* the chunk: rows of x whose quantized form fits the packed-x scratch */
     const size_t q_bytes = ((size_t)cols + 63) & ~(size_t)63;
