@@ -592,8 +592,8 @@ TARGET_AVX2 static void dot32_avx2_q5_0(DOT_ARGS){
 #undef CALL
 }
 
-/* (Q4_1 and Q5_1 take these on AVX-512 too, and no panels: llama-quantize's fallback for Q5_K,
- * they hold a few matrices of a file at most.) */
+/* (Q4_1 and Q5_1 take these on AVX-512 too: llama-quantize's fallback for Q5_K, they hold a few
+ * matrices of a file at most; their prefill takes the panels.) */
 TARGET_AVX2 static void dot32_avx2_q4_1(DOT_ARGS){
 #define CALL(N) dot32_avx2_nx(w, nb, x, t, out, Q32_4M, N)
     DISPATCH_ROWS_NX(CALL)
@@ -1484,10 +1484,13 @@ TARGET_VNNI static ALWAYS_INLINE void panel_mul_nx(const uint8_t *pk, int64_t nb
 }
 
 /* The 32-value types' panels: per block, the 32 values (signed) as 8 groups of 64 bytes, then
- * −128 · Σw of each row and d. x is made unsigned (x + 128, an xor with 0x80) so that vpdpbusd
- * takes W signed as it lies; the accumulator starts at −128 · Σw, which leaves Σ w·x exactly. */
-#define PANEL_32_BYTES (8 * 64 + 64 + 64)
-_Static_assert((size_t)(CPU_GEMM_K_MAX / 32) * PANEL_32_BYTES <=
+ * −128 · Σw of each row, d, and (Q4_1, Q5_1) m. x is made unsigned (x + 128, an xor with 0x80) so
+ * that vpdpbusd takes W signed as it lies; the accumulator starts at −128 · Σw, which leaves Σ w·x
+ * exactly. */
+static ALWAYS_INLINE int64_t panel32_bytes(const int kind) {
+    return 8 * 64 + 64 + 64 + (q32_min(kind) ? 64 : 0);
+}
+_Static_assert((size_t)(CPU_GEMM_K_MAX / 32) * (8 * 64 + 3 * 64) <=
                    CPU_GEMM_THREAD_FLOATS * sizeof(float),
                "a panel of the longest row fits the thread's scratch");
 
@@ -1499,9 +1502,9 @@ TARGET_VNNI static void panel_pack_32(const uint8_t *w, int64_t row_bytes, int64
                            _mm512_set1_epi32(8));
     uint8_t v[Q_MR * 32];
     for (int64_t b = 0; b < nb; b++) {
-        uint8_t *dst = pk + b * PANEL_32_BYTES;
+        uint8_t *dst = pk + b * panel32_bytes(kind);
         int32_t *corr = (int32_t *)(dst + 8 * 64);
-        float *dv = (float *)(corr + 16);
+        float *dv = (float *)(corr + 16), *mv = dv + 16;
         for (int r = 0; r < Q_MR; r++) {
             const uint8_t *blk = w + r * row_bytes + b * bb;
             const __m256i wv = w32(blk, kind);
@@ -1509,6 +1512,8 @@ TARGET_VNNI static void panel_pack_32(const uint8_t *w, int64_t row_bytes, int64
             corr[r] = -128 * hsum_i32_avx2(_mm256_dpbusd_epi32(_mm256_setzero_si256(),
                                                                _mm256_set1_epi8(1), wv));
             dv[r] = f16_at_c(blk);
+            if (q32_min(kind))
+                mv[r] = f16_at_c(blk + 2);
         }
         for (int g = 0; g < 8; g++)
             _mm512_storeu_si512(dst + 64 * g,
@@ -1519,7 +1524,7 @@ TARGET_VNNI static void panel_pack_32(const uint8_t *w, int64_t row_bytes, int64
 
 TARGET_VNNI static ALWAYS_INLINE void panel32_mul_nx(const uint8_t *pk, int64_t nb,
                                                      const struct q_x *x, int64_t t, float *out,
-                                                     const int NX) {
+                                                     const int kind, const int NX) {
     const int8_t *xq[Q_NX];
     const float *xd[Q_NX];
     __m512 set[4][Q_NX];
@@ -1532,7 +1537,7 @@ TARGET_VNNI static ALWAYS_INLINE void panel32_mul_nx(const uint8_t *pk, int64_t 
     for (int64_t b0 = 0; b0 < nb; b0 += 4)
         for (int k = 0; k < 4 && b0 + k < nb; k++) { /* block b into set k = b mod 4 */
             const int64_t b = b0 + k;
-            const uint8_t *blk = pk + b * PANEL_32_BYTES;
+            const uint8_t *blk = pk + b * panel32_bytes(kind);
             __m512i p[2][Q_NX];
             for (int j = 0; j < NX; j++) {
                 p[0][j] = _mm512_loadu_si512(blk + 8 * 64);
@@ -1550,6 +1555,17 @@ TARGET_VNNI static ALWAYS_INLINE void panel32_mul_nx(const uint8_t *pk, int64_t 
             for (int j = 0; j < NX; j++)
                 set[k][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(p[0][j], p[1][j])),
                                             _mm512_mul_ps(dv, _mm512_set1_ps(xd[j][b])), set[k][j]);
+            if (q32_min(kind)) {
+                const __m512 mv = _mm512_loadu_ps((const float *)(blk + 8 * 64 + 128));
+                for (int j = 0; j < NX; j++) {
+                    const int sq = hsum_i32_avx2(
+                        dot4_avx2(_mm256_set1_epi8(1),
+                                  _mm256_loadu_si256((const __m256i *)(xq[j] + b * 32))));
+                    set[k][j] =
+                        _mm512_fmadd_ps(_mm512_set1_ps((float)sq),
+                                        _mm512_mul_ps(mv, _mm512_set1_ps(xd[j][b])), set[k][j]);
+                }
+            }
         }
     for (int j = 0; j < NX; j++)
         _mm512_storeu_ps(out + j * Q_MR, _mm512_add_ps(_mm512_add_ps(set[0][j], set[1][j]),
@@ -1558,7 +1574,14 @@ TARGET_VNNI static ALWAYS_INLINE void panel32_mul_nx(const uint8_t *pk, int64_t 
 
 TARGET_VNNI static void panel_mul_32(const uint8_t *pk, int64_t nb, const struct q_x *x, int64_t t,
                                      int nx, float *out){
-#define CALL(N) panel32_mul_nx(pk, nb, x, t, out, N)
+#define CALL(N) panel32_mul_nx(pk, nb, x, t, out, Q32_8, N)
+    DISPATCH_NX(CALL)
+#undef CALL
+}
+
+TARGET_VNNI static void panel_mul_32m(const uint8_t *pk, int64_t nb, const struct q_x *x, int64_t t,
+                                      int nx, float *out){
+#define CALL(N) panel32_mul_nx(pk, nb, x, t, out, Q32_4M, N)
     DISPATCH_NX(CALL)
 #undef CALL
 }
@@ -1662,12 +1685,6 @@ static q_dot_fn q_dot_for(const struct q_kernels *k, int type) {
     }
 }
 
-/* Whether n rows of x times a matrix of `type` take the panels: they pay for their packing over
- * several rows of x (Q4_1 and Q5_1 have none: the dot kernels at every n). */
-static int q_panels(const struct q_kernels *k, int type, int64_t n) {
-    return k->panels && n >= Q_PANEL_MIN_N && type != LLMEM_QTYPE_Q4_1 && type != LLMEM_QTYPE_Q5_1;
-}
-
 int llmem_cpu_matmul_q_supported(int type, int64_t cols) {
     return q_block_bytes(type) > 0 && cols > 0 && cols % q_block_elems(type) == 0 &&
            cols <= CPU_GEMM_K_MAX;
@@ -1716,11 +1733,14 @@ static void q_panel_rows(const struct q_job *j, const struct q_x *xv, int64_t r0
         panel_pack_32(wr, j->row_bytes, j->nb,
                       type == LLMEM_QTYPE_Q4_0   ? Q32_4
                       : type == LLMEM_QTYPE_Q5_0 ? Q32_5
+                      : type == LLMEM_QTYPE_Q4_1 ? Q32_4M
+                      : type == LLMEM_QTYPE_Q5_1 ? Q32_5M
                                                  : Q32_8,
                       pk);
     void (*mul)(const uint8_t *, int64_t, const struct q_x *, int64_t, int, float *) =
         type == LLMEM_QTYPE_Q6_K                               ? panel_mul_k6
         : type == LLMEM_QTYPE_Q4_K || type == LLMEM_QTYPE_Q5_K ? panel_mul_k45
+        : type == LLMEM_QTYPE_Q4_1 || type == LLMEM_QTYPE_Q5_1 ? panel_mul_32m
                                                                : panel_mul_32;
     float out[Q_NX * Q_MR];
     for (int64_t t = 0; t < j->nt; t += Q_NX) {
@@ -1827,7 +1847,7 @@ int llmem_cpu_matmul_q_many(struct cpu_ctx *c, int count, const struct llmem_wei
         j->w = w[i], j->x = x[i], j->y = y[i];
         j->blk = q_block_elems(w[i]->quant);
         j->nb = w[i]->cols / j->blk, j->row_bytes = llmem_weight_row_bytes(w[i]);
-        j->panel = q_panels(k, w[i]->quant, n[i]);
+        j->panel = k->panels && n[i] >= Q_PANEL_MIN_N;
         j->scratch = c->wpanel;
         j->t0 = 0, j->nt = n[i];
         /* an input already quantized with this block size: shared */
@@ -1891,7 +1911,8 @@ void llmem_cpu_matmul_q(struct cpu_ctx *c, const struct llmem_weight *w, const f
     job.dot = q_dot_for(job.k, w->quant);
     job.w = w, job.x = x, job.bias = bias, job.y = y;
     job.blk = blk, job.nb = cols / blk, job.row_bytes = llmem_weight_row_bytes(w);
-    job.panel = q_panels(job.k, w->quant, n);
+    /* panels pay for their packing over several rows of x */
+    job.panel = job.k->panels && n >= Q_PANEL_MIN_N;
     job.scratch = c->wpanel;
     /* the chunk: rows of x whose quantized form fits the packed-x scratch */
     const size_t q_bytes = ((size_t)cols + 63) & ~(size_t)63;
