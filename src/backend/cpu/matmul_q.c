@@ -310,31 +310,6 @@ static ALWAYS_INLINE void dot32_scalar_row(const uint8_t *w, int64_t nb, const s
     }
 }
 
-static void dot_q8_0_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
-                                int nx, float *out) {
-    dot32_scalar_row(w, nb, x, t, nx, out, Q32_8);
-}
-
-static void dot_q4_0_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
-                                int nx, float *out) {
-    dot32_scalar_row(w, nb, x, t, nx, out, Q32_4);
-}
-
-static void dot_q5_0_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
-                                int nx, float *out) {
-    dot32_scalar_row(w, nb, x, t, nx, out, Q32_5);
-}
-
-static void dot_q4_1_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
-                                int nx, float *out) {
-    dot32_scalar_row(w, nb, x, t, nx, out, Q32_4M);
-}
-
-static void dot_q5_1_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t,
-                                int nx, float *out) {
-    dot32_scalar_row(w, nb, x, t, nx, out, Q32_5M);
-}
-
 /* Q4_K (hbits NULL) and Q5_K: the values of super-block `blk` as 0…31. */
 static void unpack_k45(const uint8_t *qs, const uint8_t *qh, uint8_t *v) {
     for (int i = 0; i < 4; i++)
@@ -424,23 +399,23 @@ static void dot_q6_k_scalar_row(const uint8_t *w, int64_t nb, const struct q_x *
 }
 
 static void dot_q8_0_scalar(DOT_ARGS) {
-    ROWS(dot_q8_0_scalar_row(w, nb, x, t, nx, out));
+    ROWS(dot32_scalar_row(w, nb, x, t, nx, out, Q32_8));
 }
 
 static void dot_q4_0_scalar(DOT_ARGS) {
-    ROWS(dot_q4_0_scalar_row(w, nb, x, t, nx, out));
+    ROWS(dot32_scalar_row(w, nb, x, t, nx, out, Q32_4));
 }
 
 static void dot_q5_0_scalar(DOT_ARGS) {
-    ROWS(dot_q5_0_scalar_row(w, nb, x, t, nx, out));
+    ROWS(dot32_scalar_row(w, nb, x, t, nx, out, Q32_5));
 }
 
 static void dot_q4_1_scalar(DOT_ARGS) {
-    ROWS(dot_q4_1_scalar_row(w, nb, x, t, nx, out));
+    ROWS(dot32_scalar_row(w, nb, x, t, nx, out, Q32_4M));
 }
 
 static void dot_q5_1_scalar(DOT_ARGS) {
-    ROWS(dot_q5_1_scalar_row(w, nb, x, t, nx, out));
+    ROWS(dot32_scalar_row(w, nb, x, t, nx, out, Q32_5M));
 }
 
 static void dot_q4_k_scalar(DOT_ARGS) {
