@@ -567,8 +567,8 @@ TARGET_AVX2 static void dot32_avx2_q5_0(DOT_ARGS){
 #undef CALL
 }
 
-/* (Q4_1 and Q5_1 take these on AVX-512 too: llama-quantize's fallback for Q5_K, they hold a few
- * matrices of a file at most; their prefill takes the panels.) */
+/* (Q4_1 and Q5_1 take these on AVX-512 too: rare types, Q5_1 only where llama-quantize falls back
+ * from Q5_K, the decode is the memory's; their prefill takes the panels.) */
 TARGET_AVX2 static void dot32_avx2_q4_1(DOT_ARGS){
 #define CALL(N) dot32_avx2_nx(w, nb, x, t, out, Q32_4M, N)
     DISPATCH_ROWS_NX(CALL)
@@ -1554,6 +1554,7 @@ TARGET_VNNI static void panel_mul_32(const uint8_t *pk, int64_t nb, const struct
 #undef CALL
 }
 
+/* (Q4_1's and Q5_1's panels: the same layout, m after d) */
 TARGET_VNNI static void panel_mul_32m(const uint8_t *pk, int64_t nb, const struct q_x *x, int64_t t,
                                       int nx, float *out){
 #define CALL(N) panel32_mul_nx(pk, nb, x, t, out, Q32_4M, N)
