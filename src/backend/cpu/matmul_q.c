@@ -94,6 +94,16 @@ typedef void (*q_dot_fn)(const uint8_t *w, int64_t row_bytes, int nr, int64_t nb
 #define DOT_ARGS                                                                                   \
     const uint8_t *w0, int64_t row_bytes, int nr, int64_t nb, const struct q_x *x, int64_t t,      \
         int nx, float *out0
+/* The entry point NAME of a 32-value kind: KERNEL(…, KIND, nx) for each of the nr rows. */
+#define DOT32_ENTRY(TARGET, NAME, KERNEL, KIND)                                                    \
+    TARGET static void NAME(DOT_ARGS) {                                                            \
+        switch (nx) {                                                                              \
+        case 1: ROWS(KERNEL(w, nb, x, t, out, KIND, 1)); break;                                    \
+        case 2: ROWS(KERNEL(w, nb, x, t, out, KIND, 2)); break;                                    \
+        case 3: ROWS(KERNEL(w, nb, x, t, out, KIND, 3)); break;                                    \
+        default: ROWS(KERNEL(w, nb, x, t, out, KIND, 4));                                          \
+        }                                                                                          \
+    }
 
 /* ---- helpers ----------------------------------------------------------------------------------
  */
@@ -549,37 +559,13 @@ TARGET_AVX2 static ALWAYS_INLINE void dot32_avx2_nx(const uint8_t *w, int64_t nb
     }
 }
 
-TARGET_AVX2 static void dot32_avx2_q8_0(DOT_ARGS){
-#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, Q32_8, N)
-    DISPATCH_ROWS_NX(CALL)
-#undef CALL
-}
-
-TARGET_AVX2 static void dot32_avx2_q4_0(DOT_ARGS){
-#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, Q32_4, N)
-    DISPATCH_ROWS_NX(CALL)
-#undef CALL
-}
-
-TARGET_AVX2 static void dot32_avx2_q5_0(DOT_ARGS){
-#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, Q32_5, N)
-    DISPATCH_ROWS_NX(CALL)
-#undef CALL
-}
-
+DOT32_ENTRY(TARGET_AVX2, dot32_avx2_q8_0, dot32_avx2_nx, Q32_8)
+DOT32_ENTRY(TARGET_AVX2, dot32_avx2_q4_0, dot32_avx2_nx, Q32_4)
+DOT32_ENTRY(TARGET_AVX2, dot32_avx2_q5_0, dot32_avx2_nx, Q32_5)
 /* (Q4_1 and Q5_1 take these on AVX-512 too: rare types, Q5_1 only where llama-quantize falls back
  * from Q5_K, the decode is the memory's; their prefill takes the panels.) */
-TARGET_AVX2 static void dot32_avx2_q4_1(DOT_ARGS){
-#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, Q32_4M, N)
-    DISPATCH_ROWS_NX(CALL)
-#undef CALL
-}
-
-TARGET_AVX2 static void dot32_avx2_q5_1(DOT_ARGS){
-#define CALL(N) dot32_avx2_nx(w, nb, x, t, out, Q32_5M, N)
-    DISPATCH_ROWS_NX(CALL)
-#undef CALL
-}
+DOT32_ENTRY(TARGET_AVX2, dot32_avx2_q4_1, dot32_avx2_nx, Q32_4M)
+DOT32_ENTRY(TARGET_AVX2, dot32_avx2_q5_1, dot32_avx2_nx, Q32_5M)
 
 /* Values 64i … 64i+63 of a Q4_K/Q5_K super-block as bytes 0…31: lo (sub-block 2i, the low nibbles
  * of qs[32i…]) and hi (2i+1, the high ones); for Q5_K the fifth bits from qh, which moves on by
@@ -974,23 +960,9 @@ TARGET_VNNI static ALWAYS_INLINE void dot32_vnni512_nx(const uint8_t *w, int64_t
     }
 }
 
-TARGET_VNNI static void dot_q8_0_vnni512(DOT_ARGS){
-#define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, Q32_8, N)
-    DISPATCH_ROWS_NX(CALL)
-#undef CALL
-}
-
-TARGET_VNNI static void dot_q4_0_vnni512(DOT_ARGS){
-#define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, Q32_4, N)
-    DISPATCH_ROWS_NX(CALL)
-#undef CALL
-}
-
-TARGET_VNNI static void dot_q5_0_vnni512(DOT_ARGS){
-#define CALL(N) dot32_vnni512_nx(w, nb, x, t, out, Q32_5, N)
-    DISPATCH_ROWS_NX(CALL)
-#undef CALL
-}
+DOT32_ENTRY(TARGET_VNNI, dot_q8_0_vnni512, dot32_vnni512_nx, Q32_8)
+DOT32_ENTRY(TARGET_VNNI, dot_q4_0_vnni512, dot32_vnni512_nx, Q32_4)
+DOT32_ENTRY(TARGET_VNNI, dot_q5_0_vnni512, dot32_vnni512_nx, Q32_5)
 
 TARGET_512 static ALWAYS_INLINE
     void dot_k45_512_nx(const uint8_t *w, int64_t nb, const struct q_x *x, int64_t t, float *out,
