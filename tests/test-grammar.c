@@ -215,6 +215,38 @@ static void test_refused(void **state) {
 /* The plan's bounds on a request's grammar: a schema whose tables would outgrow them is refused
  * as too large, and a matcher whose parses outgrow their stack bytes fails (status ENOMEM)
  * instead of growing on. */
+/* Thirty rules each of four alternatives that all refer to the next: 4^30 ways to the same parse
+ * stacks, each reached once (a matcher that walked every way would not finish). */
+static void test_alternatives_meet(void **state) {
+    (void)state;
+    enum { LEVELS = 30 };
+    char schema[8192];
+    int at = snprintf(schema, sizeof(schema), "{\"$defs\":{");
+    for (int i = 0; i < LEVELS; i++) {
+        at += snprintf(schema + at, sizeof(schema) - (size_t)at, "\"r%d\":{\"anyOf\":[", i);
+        for (int k = 0; k < 4; k++)
+            at += snprintf(schema + at, sizeof(schema) - (size_t)at, "%s{\"$ref\":\"#/$defs/r%d\"}",
+                           k > 0 ? "," : "", i + 1);
+        at += snprintf(schema + at, sizeof(schema) - (size_t)at, "]},");
+    }
+    snprintf(schema + at, sizeof(schema) - (size_t)at,
+             "\"r%d\":{\"type\":\"string\"}},\"$ref\":\"#/$defs/r0\"}", LEVELS);
+    struct llmem_grammar *g = compile(schema);
+    assert_true(takes(g, "\"ab\"") && takes(g, "\"\""));
+    assert_false(takes(g, "1") || takes(g, "\"ab"));
+    struct llmem_grammar_state *s = NULL;
+    assert_int_equal(llmem_grammar_state_create(g, vocab, &s), LLMEM_OK);
+    uint8_t *allowed = malloc((size_t)llmem_grammar_vocab_size(vocab));
+    assert_non_null(allowed);
+    assert_true(llmem_grammar_allowed(s, 8, allowed) > 0);
+    assert_int_equal(llmem_grammar_accept_bytes(s, "\"x", 2), LLMEM_OK);
+    assert_true(llmem_grammar_allowed(s, 8, allowed) > 0);
+    assert_int_equal(llmem_grammar_state_status(s), LLMEM_OK);
+    free(allowed);
+    llmem_grammar_state_free(s);
+    llmem_grammar_free(g);
+}
+
 static void test_planned_bytes(void **state) {
     (void)state;
     /* an enum of 40,000 strings of 8 characters: 12 bytes an element outgrow a megabyte */
@@ -720,11 +752,12 @@ static int teardown(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_strings),      cmocka_unit_test(test_mistral_control_token),
-        cmocka_unit_test(test_refused),      cmocka_unit_test(test_planned_bytes),
-        cmocka_unit_test(test_allowed),      cmocka_unit_test(test_sampled_outputs),
-        cmocka_unit_test(test_tight_budget), cmocka_unit_test(test_masks_exact),
-        cmocka_unit_test(test_split_walk),   cmocka_unit_test(test_lazy_tools),
+        cmocka_unit_test(test_strings),         cmocka_unit_test(test_mistral_control_token),
+        cmocka_unit_test(test_refused),         cmocka_unit_test(test_alternatives_meet),
+        cmocka_unit_test(test_planned_bytes),   cmocka_unit_test(test_allowed),
+        cmocka_unit_test(test_sampled_outputs), cmocka_unit_test(test_tight_budget),
+        cmocka_unit_test(test_masks_exact),     cmocka_unit_test(test_split_walk),
+        cmocka_unit_test(test_lazy_tools),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

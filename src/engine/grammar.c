@@ -47,7 +47,9 @@ enum { G_END, G_ALT, G_REF, G_SET };
 
 struct gel {
     uint8_t type;
-    uint32_t v; /* G_REF: the rule; G_SET: the set */
+    uint8_t meets; /* G_REF: the rule's alternatives may be pushed on the same stack from two
+                    * references (mark_meets) */
+    uint32_t v;    /* G_REF: the rule; G_SET: the set */
 };
 
 #define WS_INDENT     20   /* spaces or tabs after a newline between two tokens of the JSON */
@@ -151,7 +153,7 @@ static void seq_push(struct builder *b, struct seq *s, uint8_t type, uint32_t v)
         fail_enomem(b);
         return;
     }
-    s->el[s->n++] = (struct gel){type, v};
+    s->el[s->n++] = (struct gel){.type = type, .v = v};
 }
 
 static int32_t new_rule(struct builder *b) {
@@ -173,7 +175,7 @@ static int32_t define(struct builder *b, int32_t rule, struct seq *s) {
         if (s->n > 0) /* (an empty rule, ε, has no elements) */
             memcpy(g->el + g->n_el, s->el, (size_t)s->n * sizeof(*s->el));
         g->n_el += s->n;
-        g->el[g->n_el++] = (struct gel){G_END, 0};
+        g->el[g->n_el++] = (struct gel){.type = G_END};
     } else if (!b->failed) {
         fail_enomem(b);
     }
@@ -739,6 +741,28 @@ static int compute_min_len(struct llmem_grammar *g) {
     return LLMEM_OK;
 }
 
+/* Marks the references to a rule whose alternatives expand may push on the same stack twice. A
+ * reference that ends its sequence pushes them in its place (the stack below, then the
+ * alternative), any other one above the element after it: two references to the rule push the
+ * same stack only if one of them ends its sequence (two others differ in the element below). */
+static int mark_meets(struct llmem_grammar *g) {
+    uint8_t *refs = calloc((size_t)g->n_rules, 1), *tails = calloc((size_t)g->n_rules, 1);
+    if (refs == NULL || tails == NULL) {
+        free(refs), free(tails);
+        return LLMEM_ENOMEM;
+    }
+    for (int32_t i = 0; i < g->n_el; i++)
+        if (g->el[i].type == G_REF) {
+            const uint32_t r = g->el[i].v;
+            refs[r] += refs[r] < 2;
+            tails[r] |= g->el[i + 1].type == G_END || g->el[i + 1].type == G_ALT;
+        }
+    for (int32_t i = 0; i < g->n_el; i++)
+        g->el[i].meets = g->el[i].type == G_REF && refs[g->el[i].v] == 2 && tails[g->el[i].v];
+    free(refs), free(tails);
+    return LLMEM_OK;
+}
+
 void llmem_grammar_free(struct llmem_grammar *g) {
     if (g == NULL)
         return;
@@ -835,7 +859,8 @@ static int compile(const char *const *docs, const size_t *lens, const char *cons
         if (g->rule_at[r] < 0)
             fail_enomem(b); /* (every rule made is defined; a failure left one undefined) */
     int status = b->failed;
-    if (status == LLMEM_OK && (status = compute_min_len(g)) != LLMEM_OK)
+    if (status == LLMEM_OK &&
+        ((status = compute_min_len(g)) != LLMEM_OK || (status = mark_meets(g)) != LLMEM_OK))
         snprintf(why, why_size, "out of memory");
     if (status == LLMEM_OK && g->min_len[g->rule_at[g->root]] >= UNREACHABLE) {
         snprintf(why, why_size, "the schema admits no finite value");
@@ -1187,6 +1212,14 @@ struct walker {
     int failed;          /* out of memory (or of the stacks' planned bytes) while moving */
     int depth;           /* expand's nesting: references without bytes between are dropped
                           * past EXPAND_MAX (a schema that refers to itself at once) */
+    /* the stacks expand reached that more than one way may lead to (its shared ones) since the
+     * set moved last (advance), each expanded once: a schema whose alternatives meet again
+     * without a byte between (anyOf of the same $ref, nested) would otherwise walk every way to
+     * them, 2^depth; seen_slot indexes them by hash (open addressing, 1 + the stack's index, 0
+     * empty; seen_cap a power of two) */
+    struct stacks seen;
+    int32_t *seen_slot;
+    int32_t seen_cap;
 };
 
 struct llmem_grammar_state {
@@ -1224,17 +1257,18 @@ static int stacks_grow(struct walker *w, int32_t **p, int32_t *cap, int32_t need
     return 0;
 }
 
-/* Adds a stack unless the set holds it. */
-static int stacks_add(struct walker *w, struct stacks *s, const int32_t *p, int32_t n) {
+static int same_stack(const struct stacks *s, int32_t i, const int32_t *p, int32_t n) {
+    return s->at[i + 1] - s->at[i] == n && memcmp(s->pos + s->at[i], p, (size_t)n * 4) == 0;
+}
+
+/* Adds a stack, the caller knowing the set does not hold it. */
+static int stacks_push(struct walker *w, struct stacks *s, const int32_t *p, int32_t n) {
     /* pos is never NULL once a set holds a stack, even an empty one (pos + 0 must be valid) */
     if (s->n == 0 && (stacks_grow(w, &s->at, &s->cap_at, 1) != 0 ||
                       stacks_grow(w, &s->pos, &s->cap_pos, 1) != 0))
         return w->failed = LLMEM_ENOMEM;
     if (s->n == 0)
         s->at[0] = 0;
-    for (int32_t i = 0; i < s->n; i++)
-        if (s->at[i + 1] - s->at[i] == n && memcmp(s->pos + s->at[i], p, (size_t)n * 4) == 0)
-            return LLMEM_OK;
     if (stacks_grow(w, &s->pos, &s->cap_pos, s->n_pos + n) != 0 ||
         stacks_grow(w, &s->at, &s->cap_at, s->n + 2) != 0)
         return w->failed = LLMEM_ENOMEM;
@@ -1243,6 +1277,67 @@ static int stacks_add(struct walker *w, struct stacks *s, const int32_t *p, int3
     s->n_pos += n;
     s->at[++s->n] = s->n_pos;
     return LLMEM_OK;
+}
+
+/* Adds a stack unless the set holds it. */
+static int stacks_add(struct walker *w, struct stacks *s, const int32_t *p, int32_t n) {
+    for (int32_t i = 0; i < s->n; i++)
+        if (same_stack(s, i, p, n))
+            return LLMEM_OK;
+    return stacks_push(w, s, p, n);
+}
+
+static uint32_t stack_hash(const int32_t *p, int32_t n) {
+    uint32_t h = 2166136261u; /* FNV-1a over the positions */
+    for (int32_t i = 0; i < n; i++)
+        h = (h ^ (uint32_t)p[i]) * 16777619u;
+    return h;
+}
+
+/* The slot of walker's seen stack p[0, n): the one holding it, or the empty one it would take. */
+static int32_t seen_find(const struct walker *w, const int32_t *p, int32_t n) {
+    int32_t k = (int32_t)(stack_hash(p, n) & (uint32_t)(w->seen_cap - 1));
+    while (w->seen_slot[k] != 0 && !same_stack(&w->seen, w->seen_slot[k] - 1, p, n))
+        k = (k + 1) & (w->seen_cap - 1);
+    return k;
+}
+
+/* Whether expand reached p[0, n) before since the last seen_clear; records it if not. Out of the
+ * stacks' bytes, says yes (nothing more is expanded; w->failed tells). */
+static int seen_before(struct walker *w, const int32_t *p, int32_t n) {
+    if (w->seen_cap < 2 * (w->seen.n + 1)) { /* at most half full: grown, and every stack again */
+        const int32_t cap = w->seen_cap;
+        if (stacks_grow(w, &w->seen_slot, &w->seen_cap, 2 * cap > 64 ? 2 * cap : 64) != 0) {
+            w->failed = LLMEM_ENOMEM;
+            return 1;
+        }
+        memset(w->seen_slot, 0, (size_t)w->seen_cap * sizeof(*w->seen_slot));
+        for (int32_t i = 0; i < w->seen.n; i++) {
+            const int32_t *q = w->seen.pos + w->seen.at[i];
+            w->seen_slot[seen_find(w, q, w->seen.at[i + 1] - w->seen.at[i])] = i + 1;
+        }
+    }
+    const int32_t k = seen_find(w, p, n);
+    if (w->seen_slot[k] != 0)
+        return 1;
+    if (stacks_push(w, &w->seen, p, n) != LLMEM_OK)
+        return 1;
+    w->seen_slot[k] = w->seen.n;
+    return 0;
+}
+
+/* Forgets the seen stacks, emptying only the slots they took (each found by its index: a slot
+ * emptied before may lie on its probe's way). */
+static void seen_clear(struct walker *w) {
+    for (int32_t i = 0; i < w->seen.n; i++) {
+        const int32_t *q = w->seen.pos + w->seen.at[i];
+        int32_t k = (int32_t)(stack_hash(q, w->seen.at[i + 1] - w->seen.at[i]) &
+                              (uint32_t)(w->seen_cap - 1));
+        while (w->seen_slot[k] != i + 1)
+            k = (k + 1) & (w->seen_cap - 1);
+        w->seen_slot[k] = 0;
+    }
+    stacks_clear(&w->seen);
 }
 
 /* dst = src (dst cleared first). */
@@ -1260,9 +1355,14 @@ static void add_byte(uint8_t bits[32], uint8_t c) {
     bits[c >> 3] |= (uint8_t)(1u << (c & 7));
 }
 
-/* The stack p[0, n) (in w->scratch) with its top expanded to byte sets, into out. */
+/* The stack p[0, n) (in w->scratch) with its top expanded to byte sets, into out. shared: the
+ * stack may be reached more than one way in this expansion (pushed by a reference that meets
+ * another, or an empty alternative pushed: what is left when it is popped, its parent's
+ * continuation, may be left by others); any other comes from its parent alone, which was
+ * expanded once, so only the shared ones are remembered. A stack expanded from the outside
+ * (advance's, one a stack of the set moved) is not, the same one from two at most twice. */
 static void expand(const struct llmem_grammar *g, struct walker *w, struct stacks *out, int32_t *p,
-                   int32_t n) {
+                   int32_t n, int shared) {
     while (n > 0 && (g->el[p[n - 1]].type == G_END || g->el[p[n - 1]].type == G_ALT))
         n--; /* a finished sequence: on with the one below */
     if (n == 0 || g->el[p[n - 1]].type == G_SET) {
@@ -1271,6 +1371,8 @@ static void expand(const struct llmem_grammar *g, struct walker *w, struct stack
     }
     if (n >= STACK_MAX || w->depth >= EXPAND_MAX)
         return; /* too deep: this parse is dropped */
+    if (shared && seen_before(w, p, n))
+        return; /* what it expands to is in out already */
     w->depth++;
     const int32_t top = p[n - 1], rule = (int32_t)g->el[top].v;
     const int tail = g->el[top + 1].type == G_END || g->el[top + 1].type == G_ALT;
@@ -1279,7 +1381,8 @@ static void expand(const struct llmem_grammar *g, struct walker *w, struct stack
         if (i == g->rule_at[rule] || g->el[i - 1].type == G_ALT) {
             p[n - 1] = top + 1;
             p[base] = i;
-            expand(g, w, out, p, base + 1);
+            expand(g, w, out, p, base + 1,
+                   g->el[top].meets || g->el[i].type == G_END || g->el[i].type == G_ALT);
             p[n - 1] = top; /* (restored for the next alternative) */
         }
         if (g->el[i].type == G_END)
@@ -1292,6 +1395,7 @@ static void expand(const struct llmem_grammar *g, struct walker *w, struct stack
 static void advance(const struct llmem_grammar *g, struct walker *w, const struct stacks *in,
                     uint8_t c, struct stacks *out) {
     stacks_clear(out);
+    seen_clear(w);
     for (int32_t i = 0; i < in->n; i++) {
         const int32_t n = in->at[i + 1] - in->at[i];
         if (n == 0)
@@ -1302,7 +1406,7 @@ static void advance(const struct llmem_grammar *g, struct walker *w, const struc
             continue;
         memcpy(w->scratch, p, (size_t)n * 4);
         w->scratch[n - 1]++;
-        expand(g, w, out, w->scratch, n);
+        expand(g, w, out, w->scratch, n, 0);
     }
 }
 
@@ -1340,8 +1444,8 @@ static void walker_free(struct walker *w) {
         stacks_free(&w->level[i]);
     for (int i = 0; w->chain != NULL && i <= TOKEN_MAX; i++)
         stacks_free(&w->chain[i]);
-    stacks_free(&w->loop);
-    free(w->level), free(w->chain), free(w->chain_dist), free(w->scratch);
+    stacks_free(&w->loop), stacks_free(&w->seen);
+    free(w->seen_slot), free(w->level), free(w->chain), free(w->chain_dist), free(w->scratch);
 }
 
 int llmem_grammar_state_create(const struct llmem_grammar *g, const struct llmem_grammar_vocab *v,
@@ -1356,7 +1460,7 @@ int llmem_grammar_state_create(const struct llmem_grammar *g, const struct llmem
         return LLMEM_ENOMEM;
     }
     st->w.scratch[0] = g->rule_at[g->root];
-    expand(g, &st->w, &st->cur, st->w.scratch, 1);
+    expand(g, &st->w, &st->cur, st->w.scratch, 1, 0);
     if (st->w.failed) {
         llmem_grammar_state_free(st);
         LLMEM_ERROR("out of memory");
