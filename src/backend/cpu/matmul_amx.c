@@ -284,10 +284,13 @@ TARGET_AMX static void amx_part_task(void *arg, int task, int thread) {
                     _tile_stored(3, wq + 768, 64);
                     continue;
                 }
-                _tile_stored(0, acc[0], 64);
-                _tile_stored(1, acc[1], 64);
-                _tile_stored(2, acc[2], 64);
-                _tile_stored(3, acc[3], 64);
+                _tile_stored(0, acc[0], 64); /* (those that hold outputs) */
+                if (two)
+                    _tile_stored(1, acc[1], 64);
+                if (m1 > 0)
+                    _tile_stored(2, acc[2], 64);
+                if (two && m1 > 0)
+                    _tile_stored(3, acc[3], 64);
                 /* acc[h · 2 + g]: weight rows r + 16 h + ii (the tile's rows), rows of x
                  * 16 (q + g) + jj (its columns); transposed, a row of x is 16 outputs */
                 for (int h = 0; h < 2; h++) {
