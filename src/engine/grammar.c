@@ -1359,8 +1359,9 @@ static void add_byte(uint8_t bits[32], uint8_t c) {
  * stack may be reached more than one way in this expansion (pushed by a reference that meets
  * another, or an empty alternative pushed: what is left when it is popped, its parent's
  * continuation, may be left by others); any other comes from its parent alone, which was
- * expanded once, so only the shared ones are remembered. A stack expanded from the outside
- * (advance's, one a stack of the set moved) is not, the same one from two at most twice. */
+ * expanded once, so only the shared ones are remembered. The stacks advance starts from (one a
+ * stack of the set moved) are not: one that another's expansion reaches as well is expanded
+ * again, work repeated once for each such start, never doubled level after level. */
 static void expand(const struct llmem_grammar *g, struct walker *w, struct stacks *out, int32_t *p,
                    int32_t n, int shared) {
     while (n > 0 && (g->el[p[n - 1]].type == G_END || g->el[p[n - 1]].type == G_ALT))
