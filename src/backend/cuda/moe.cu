@@ -214,17 +214,11 @@ void cuda_moe(void *ctx, const struct llmem_backend_moe *m, const float *logits,
     struct llmem_moe_work w;
     llmem_moe_work_layout(T, hidden, inter, E, k, work, &w);
     const int sort = grouped || pairs > MOE_UNSORTED_MAX;
-    const dim3 rgrid((unsigned)((T + 7) / 8));
-    int32_t *slot = sort ? NULL : w.slot;
-    if (E <= 128)
-        pdl_launch(c->stream, route_kernel<4>, rgrid, dim3(256), 0, logits, T, E, (int)k,
-                   m->norm_topk, w.ids, w.probs, slot);
-    else if (E <= 256)
-        pdl_launch(c->stream, route_kernel<8>, rgrid, dim3(256), 0, logits, T, E, (int)k,
-                   m->norm_topk, w.ids, w.probs, slot);
-    else
-        pdl_launch(c->stream, route_kernel<LLMEM_CUDA_MOE_MAX_EXPERTS / 32>, rgrid, dim3(256), 0,
-                   logits, T, E, (int)k, m->norm_topk, w.ids, w.probs, slot);
+    auto *route = E <= 128   ? route_kernel<4>
+                  : E <= 256 ? route_kernel<8>
+                             : route_kernel<LLMEM_CUDA_MOE_MAX_EXPERTS / 32>;
+    pdl_launch(c->stream, route, dim3((unsigned)((T + 7) / 8)), dim3(256), 0, logits, T, E, (int)k,
+               m->norm_topk, w.ids, w.probs, sort ? NULL : w.slot);
     if (sort)
         pdl_launch(c->stream, sort_kernel, dim3(1), dim3(1024), 0, (const int32_t *)w.ids, pairs, E,
                    w.offsets, w.order, w.slot);
