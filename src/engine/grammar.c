@@ -1294,9 +1294,14 @@ static uint32_t stack_hash(const int32_t *p, int32_t n) {
     return h;
 }
 
+/* Where the probe for stack p[0, n) starts in seen_slot. */
+static int32_t seen_home(const struct walker *w, const int32_t *p, int32_t n) {
+    return (int32_t)(stack_hash(p, n) & (uint32_t)(w->seen_cap - 1));
+}
+
 /* The slot of walker's seen stack p[0, n): the one holding it, or the empty one it would take. */
 static int32_t seen_find(const struct walker *w, const int32_t *p, int32_t n) {
-    int32_t k = (int32_t)(stack_hash(p, n) & (uint32_t)(w->seen_cap - 1));
+    int32_t k = seen_home(w, p, n);
     while (w->seen_slot[k] != 0 && !same_stack(&w->seen, w->seen_slot[k] - 1, p, n))
         k = (k + 1) & (w->seen_cap - 1);
     return k;
@@ -1312,10 +1317,9 @@ static int seen_before(struct walker *w, const int32_t *p, int32_t n) {
             return 1;
         }
         memset(w->seen_slot, 0, (size_t)w->seen_cap * sizeof(*w->seen_slot));
-        for (int32_t i = 0; i < w->seen.n; i++) {
-            const int32_t *q = w->seen.pos + w->seen.at[i];
-            w->seen_slot[seen_find(w, q, w->seen.at[i + 1] - w->seen.at[i])] = i + 1;
-        }
+        for (int32_t i = 0; i < w->seen.n; i++)
+            w->seen_slot[seen_find(w, w->seen.pos + w->seen.at[i],
+                                   w->seen.at[i + 1] - w->seen.at[i])] = i + 1;
     }
     const int32_t k = seen_find(w, p, n);
     if (w->seen_slot[k] != 0)
@@ -1330,9 +1334,7 @@ static int seen_before(struct walker *w, const int32_t *p, int32_t n) {
  * emptied before may lie on its probe's way). */
 static void seen_clear(struct walker *w) {
     for (int32_t i = 0; i < w->seen.n; i++) {
-        const int32_t *q = w->seen.pos + w->seen.at[i];
-        int32_t k = (int32_t)(stack_hash(q, w->seen.at[i + 1] - w->seen.at[i]) &
-                              (uint32_t)(w->seen_cap - 1));
+        int32_t k = seen_home(w, w->seen.pos + w->seen.at[i], w->seen.at[i + 1] - w->seen.at[i]);
         while (w->seen_slot[k] != i + 1)
             k = (k + 1) & (w->seen_cap - 1);
         w->seen_slot[k] = 0;
