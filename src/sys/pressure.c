@@ -52,9 +52,13 @@ static void events_path(const char *root, char *path, size_t size) {
     if (!cached || strcmp(cached_root, root) != 0) {
         char dir[PATH_MAX];
         cached_path[0] = '\0';
+        static const char name[] = "/memory.events";
         if (llmem_sys_cgroup_v2_dir(root, dir, sizeof(dir)) &&
-            strlen(dir) + sizeof("/memory.events") <= sizeof(cached_path))
-            snprintf(cached_path, sizeof(cached_path), "%s/memory.events", dir);
+            strlen(dir) + sizeof(name) <= sizeof(cached_path)) {
+            const size_t n = strlen(dir); /* (a copy, not snprintf: the length is checked) */
+            memcpy(cached_path, dir, n);
+            memcpy(cached_path + n, name, sizeof(name));
+        }
         snprintf(cached_root, sizeof(cached_root), "%s", root);
         cached = strlen(root) < sizeof(cached_root);
     }
