@@ -44,6 +44,7 @@ namespace {
 constexpr int BN = 64;    /* tokens of a KV tile */
 constexpr int BLOCK = 16; /* tokens of a cache block */
 constexpr float LOG2E = 1.4426950408889634f;
+constexpr int WG_STAGES = 3; /* prefill_wg_kernel's tiles of keys and values in shared memory */
 
 struct Params {
     const float *q;
@@ -120,21 +121,44 @@ __device__ __forceinline__ uint4 query_chunk(const Params &p, const llmem_cuda_p
         pack2<BF>(b.x * p.qscale, b.y * p.qscale), pack2<BF>(b.z * p.qscale, b.w * p.qscale));
 }
 
+/* Chunk ch of token t of KV head kvh (cache block blk) into shared memory at kd and vd: a
+ * cp.async of 16 bytes each, zeros from `end` on. */
+template <int D>
+__device__ __forceinline__ void copy_chunk(const Params &p, int kvh, int t, int end, int ch,
+                                           long long blk, uint32_t kd, uint32_t vd) {
+    const bool in = t < end;
+    if (!in)
+        blk = 0;
+    const size_t off = (size_t)(t % BLOCK) * p.tok_bytes + (size_t)kvh * 2 * D + ch * 16;
+    cp_async16<false>(kd, p.k_pool + blk * p.k_bstride + off, in ? 16 : 0);
+    cp_async16<false>(vd, p.v_pool + blk * p.v_bstride + off, in ? 16 : 0);
+}
+
 /* Copies of the keys and values of tokens t0 … t0 + TOKENS − 1 of KV head kvh (16-bit rows;
  * zeros from `end` on) into shared memory at kdst and vdst, chunk ch of token tt at at(tt, ch):
- * THREADS threads a 16-byte chunk at a time, as one cp.async group. */
-template <int D, int TOKENS, int THREADS, class At>
-__device__ __forceinline__ void copy_tile(const Params &p, const int32_t *table, int kvh, int t0,
-                                          int end, uint32_t kdst, uint32_t vdst, At at) {
+ * THREADS threads a 16-byte chunk at a time, as one cp.async group. The cache blocks from the
+ * block table, or (PRE) from blocks[], the tile's blocks read ahead into registers: the loop then
+ * unrolled, so that the thread's j-th copy, whose tokens lie in block (j · THREADS / NCH) / BLOCK
+ * of the tile (THREADS / NCH and BLOCK powers of two), reads it from a register. */
+template <int D, int TOKENS, int THREADS, bool PRE, class At>
+__device__ __forceinline__ void copy_tile(const Params &p, const int32_t *table,
+                                          const int32_t *blocks, int kvh, int t0, int end,
+                                          uint32_t kdst, uint32_t vdst, At at) {
     constexpr int NCH = D / 8;
-    for (int i = threadIdx.x; i < TOKENS * NCH; i += THREADS) {
-        const int tt = i / NCH, ch = i % NCH, t = t0 + tt;
-        const bool in = t < end;
-        const long long blk = in ? table[t / BLOCK] : 0;
-        const size_t off = (size_t)(t % BLOCK) * p.tok_bytes + (size_t)kvh * 2 * D + ch * 16;
-        const uint32_t d = at(tt, ch);
-        cp_async16<false>(kdst + d, p.k_pool + blk * p.k_bstride + off, in ? 16 : 0);
-        cp_async16<false>(vdst + d, p.v_pool + blk * p.v_bstride + off, in ? 16 : 0);
+    if constexpr (PRE) {
+        static_assert(TOKENS * NCH % THREADS == 0, "copy_tile's copies");
+#pragma unroll
+        for (int j = 0; j < TOKENS * NCH / THREADS; j++) {
+            const int i = threadIdx.x + j * THREADS;
+            copy_chunk<D>(p, kvh, t0 + i / NCH, end, i % NCH, blocks[j * (THREADS / NCH) / BLOCK],
+                          kdst + at(i / NCH, i % NCH), vdst + at(i / NCH, i % NCH));
+        }
+    } else {
+        for (int i = threadIdx.x; i < TOKENS * NCH; i += THREADS) {
+            const int t = t0 + i / NCH;
+            copy_chunk<D>(p, kvh, t, end, i % NCH, t < end ? table[t / BLOCK] : 0,
+                          kdst + at(i / NCH, i % NCH), vdst + at(i / NCH, i % NCH));
+        }
     }
     cp_commit();
 }
@@ -262,7 +286,8 @@ __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(co
         } else {
             const uint32_t kdst = sbase + (kt & 1) * 2 * TILE;
             const auto at = [](int tt, int ch) { return tt * ROWB + ((ch ^ (tt & 7)) * 16); };
-            copy_tile<D, BN, W * 32>(p, table, kvh, kt * BN, end, kdst, kdst + TILE, at);
+            copy_tile<D, BN, W * 32, false>(p, table, NULL, kvh, kt * BN, end, kdst, kdst + TILE,
+                                            at);
         }
     };
     load(0);
@@ -413,7 +438,11 @@ __global__ void __launch_bounds__(W * 32, W * MB <= 4 ? 2 : 1) prefill_kernel(co
  * hardware's 128-byte swizzle, slabs on 1024-byte boundaries). S = Q·Kᵀ takes both operands from
  * shared memory (K-major), O += P·V the probabilities from the score registers (the accumulator's
  * layout is mma.sync's m16n8 one per warp, so the softmax and the packing are prefill_kernel's)
- * and V as stored (N-major, transposed by the product). */
+ * and V as stored (N-major, transposed by the product). The products are asynchronous, and a
+ * warpgroup keeps the tensor cores busy through its softmax: each step issues the next tile's
+ * scores, then this tile's P·V, waits for the scores alone and makes them probabilities while P·V
+ * runs, then rescales the output. Three stages of tiles in shared memory: while step kt reads
+ * tiles kt and kt + 1, tile kt + 2's copies land in the stage step kt − 1 finished with. */
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) /* (the helpers of the sm_90a image's kernels) */
 /* A shared-memory operand: its start, the byte offsets between its 64-value slabs (lead, read
@@ -431,8 +460,9 @@ __device__ __forceinline__ void wg_fence() {
 __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+/* (at most N of the groups committed last still pending) */
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 /* The threads' shared-memory writes (cp.async, stores) made visible to the products. */
 __device__ __forceinline__ void fence_proxy_async() {
@@ -522,7 +552,8 @@ __global__ void __launch_bounds__(WG * 128, 1) prefill_wg_kernel(const Params p)
     constexpr int SLAB = BN * 128;  /* of a slab of a tile's keys (or values) */
     constexpr int TILE = 2 * SLAB;  /* of a tile's keys (or values) */
     constexpr int NT = BN / 8;      /* n-blocks of 8 of the scores */
-    extern __shared__ uint8_t smem_raw[]; /* the queries, then 2 stages of [K | V], from 1024 */
+    constexpr int STAGES = WG_STAGES;
+    extern __shared__ uint8_t smem_raw[]; /* the queries, then STAGES of [K | V], from 1024 */
     const uint32_t raw = smem_addr(smem_raw), qbase = (raw + 1023u) & ~1023u;
     uint8_t *const smem = smem_raw + (qbase - raw);
     const uint32_t sbase = qbase + 2 * QSLAB;
@@ -536,14 +567,30 @@ __global__ void __launch_bounds__(WG * 128, 1) prefill_wg_kernel(const Params p)
     const int end = tile.pos + tile.n_q; /* tokens the tile's last query sees */
     const int n_kt = (end + BN - 1) / BN;
 
-    auto load = [&](int kt) {
-        const uint32_t kdst = sbase + (kt & 1) * 2 * TILE;
+    const auto stage = [&](int kt) { return sbase + (kt % STAGES) * 2 * TILE; };
+    /* the cache blocks of a tile, read ahead of its copies (whose addresses would otherwise wait
+     * on these loads, with the warp's softmax behind them) */
+    static_assert((WG * 128 / NCH) % BLOCK == 0 || BLOCK % (WG * 128 / NCH) == 0, "rounds");
+    int32_t blocks[BN / BLOCK];
+    const auto fetch = [&](int kt) {
+#pragma unroll
+        for (int b = 0; b < BN / BLOCK; b++)
+            blocks[b] = kt * BN + b * BLOCK < end ? table[kt * BN / BLOCK + b] : 0;
+    };
+    const auto load = [&](int kt) {
+        const uint32_t kdst = stage(kt);
         const auto at = [](int tt, int ch) {
             return (ch / 8) * SLAB + tt * 128 + ((ch % 8) ^ (tt & 7)) * 16;
         };
-        copy_tile<D, BN, WG * 128>(p, table, kvh, kt * BN, end, kdst, kdst + TILE, at);
+        copy_tile<D, BN, WG * 128, true>(p, table, blocks, kvh, kt * BN, end, kdst, kdst + TILE,
+                                         at);
     };
+    fetch(0);
     load(0);
+    if (n_kt > 1)
+        fetch(1), load(1);
+    else
+        cp_commit(); /* (an empty group: tile 0's is then always the older of two) */
 
     /* the queries as prefill_kernel rounds them, in the slabs */
     for (int i = threadIdx.x; i < BM * NCH; i += WG * 128) {
@@ -553,7 +600,8 @@ __global__ void __launch_bounds__(WG * 128, 1) prefill_wg_kernel(const Params p)
     }
 
     /* this thread's rows g and g + 8 of its warp's 16: position (−1: none); the warpgroup's
-     * first and last query (the same in its every thread: its products are collective) */
+     * first and last query (the same in its every thread: its products are collective) and the
+     * tiles it sees a token of */
     const int row0 = 64 * wg + 16 * warp + g;
     int pos[2];
 #pragma unroll
@@ -562,65 +610,109 @@ __global__ void __launch_bounds__(WG * 128, 1) prefill_wg_kernel(const Params p)
         pos[i] = qi < tile.n_q ? tile.pos + qi : -1;
     }
     const int q_first = 64 * wg / p.group, q_last = min(tile.n_q - 1, (64 * wg + 63) / p.group);
-    const bool live = q_first < tile.n_q;
     const int lo = tile.pos + q_first, hi = tile.pos + q_last;
+    const int wg_kt = q_first < tile.n_q ? min(n_kt, hi / BN + 1) : 0;
 
     float o[D / 2]; /* n-block nd (dims 8nd …): o[4nd … 4nd + 3], as mma.sync's */
 #pragma unroll
     for (int i = 0; i < D / 2; i++)
         o[i] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float s[BN / 2];
+    float(*const s4)[4] = reinterpret_cast<float(*)[4]>(s);
+    uint32_t pa[BN / 16][4]; /* the probabilities of tokens 16kk … 16kk + 15 as A fragments */
 
-    for (int kt = 0; kt < n_kt; kt++) {
-        if (kt + 1 < n_kt) {
-            load(kt + 1);
-            cp_wait<1>();
-        } else {
-            cp_wait<0>();
-        }
-        fence_proxy_async();
-        __syncthreads(); /* the tile (and, the first time, the queries) for every warpgroup */
+    /* S = Q·Kᵀ of tile kt, issued */
+    const auto scores = [&](int kt) {
+        const uint32_t kbase = stage(kt);
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++)
+            wgmma_ss<BN, BF>(
+                s, wg_desc(qbase + (ks / 4) * QSLAB + wg * 64 * 128 + (ks % 4) * 32, 16, 1024),
+                wg_desc(kbase + (ks / 4) * SLAB + (ks % 4) * 32, 16, 1024), ks > 0);
+        wg_commit();
+    };
+    /* tile kt's scores masked and made probabilities; the output's factors returned in corr */
+    const auto softmax = [&](int kt, float corr[2]) {
         const int t0 = kt * BN;
-        if (live && hi >= t0) { /* some row of the warpgroup sees a token of the tile */
-            const uint32_t kbase = sbase + (kt & 1) * 2 * TILE, vbase = kbase + TILE;
-            float s[BN / 2];
-            wg_fence();
+        if (lo < t0 + BN - 1) /* some row's position inside the tile */
+            causal_mask<NT>(s4, t0, c, pos);
 #pragma unroll
-            for (int ks = 0; ks < D / 16; ks++)
-                wgmma_ss<BN, BF>(
-                    s, wg_desc(qbase + (ks / 4) * QSLAB + wg * 64 * 128 + (ks % 4) * 32, 16, 1024),
-                    wg_desc(kbase + (ks / 4) * SLAB + (ks % 4) * 32, 16, 1024), ks > 0);
-            wg_commit();
-            wg_wait();
-            wg_keep<BN / 2>(s);
-            float(*const s4)[4] = reinterpret_cast<float(*)[4]>(s);
-            if (lo < t0 + BN - 1) /* some row's position inside the tile */
-                causal_mask<NT>(s4, t0, c, pos);
+        for (int i = 0; i < 2; i++)
+            corr[i] = softmax_row<NT>(s4, i, m[i], l[i]);
+    };
+    const auto pack = [&] {
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const float corr = softmax_row<NT>(s4, i, m[i], l[i]);
+        for (int kk = 0; kk < BN / 16; kk++)
 #pragma unroll
-                for (int nd = 0; nd < D / 8; nd++)
-                    o[4 * nd + 2 * i] *= corr, o[4 * nd + 2 * i + 1] *= corr;
-            }
-            /* the probabilities of tokens 16kk … 16kk + 15 as A fragments */
-            uint32_t pa[BN / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++)
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-                    pa[kk][j] = pack2<BF>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
-            wg_keep<D / 2>(o);
-            wg_fence();
+            for (int j = 0; j < 4; j++)
+                pa[kk][j] = pack2<BF>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+    };
+
+    cp_wait<1>();
+    fence_proxy_async();
+    __syncthreads(); /* the queries and tile 0 for every warpgroup */
+    if (wg_kt > 0) {
+        float corr[2];
+        wg_fence();
+        scores(0);
+        wg_wait<0>();
+        wg_keep<BN / 2>(s);
+        softmax(0, corr); /* (the output is still 0) */
+        pack();
+    }
+
+    /* Step kt: O += P·V of tile kt, issued behind the next tile's scores, whose softmax then
+     * runs while the tensor cores work on that product. Tile kt + 2's copies go to the stage
+     * step kt − 1's product read, which every warpgroup finished before this step's barrier. */
+    for (int kt = 0; kt < n_kt; kt++) {
+        if (kt + 2 < n_kt)
+            fetch(kt + 2);
+        cp_wait<0>();
+        fence_proxy_async();
+        __syncthreads(); /* tile kt + 1 for every warpgroup, and step kt − 1 done by each */
+        const auto load_next = [&] { /* (behind the products' issue) */
+            if (kt + 2 < n_kt)
+                load(kt + 2);
+        };
+        const uint32_t vbase = stage(kt) + TILE;
+        const auto values = [&] {
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++)
                 wgmma_rs<BF>(o, pa[kk], wg_desc(vbase + kk * 16 * 128, SLAB, 1024));
             wg_commit();
-            wg_wait();
+        };
+        if (kt + 1 < wg_kt) {
+            wg_keep<BN / 4>(&pa[0][0]);
+            wg_keep<D / 2>(o);
+            wg_fence();
+            scores(kt + 1);
+            values();
+            load_next();
+            wg_wait<1>(); /* the scores (committed first) */
+            wg_keep<BN / 2>(s);
+            float corr[2];
+            softmax(kt + 1, corr);
+            wg_wait<0>();
             wg_keep<D / 2>(o);
             wg_keep<BN / 4>(&pa[0][0]);
+#pragma unroll
+            for (int nd = 0; nd < D / 8; nd++)
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    o[4 * nd + 2 * i] *= corr[i], o[4 * nd + 2 * i + 1] *= corr[i];
+            pack();
+        } else if (kt + 1 == wg_kt) { /* the warpgroup's last tile */
+            wg_keep<BN / 4>(&pa[0][0]);
+            wg_keep<D / 2>(o);
+            wg_fence();
+            values();
+            load_next();
+            wg_wait<0>();
+            wg_keep<D / 2>(o);
+        } else {
+            load_next();
         }
-        __syncthreads(); /* every warpgroup done with the stage the next copies overwrite */
     }
 
 #pragma unroll
@@ -728,14 +820,14 @@ extern "C" int llmem_cuda_prefill(const struct llmem_cuda_prefill *a) {
     int smem, threads = WARPS * 32;
     if (!a->warp_mma && llmem_cuda_prefill_wgmma(a->format, a->head_dim)) {
         /* a warpgroup per 64 rows: two with tiles of 128 tokens, one with tiles of 64; the
-         * queries' rows, then two stages of a tile's keys and values, from 1024 bytes on */
+         * queries' rows, then WG_STAGES of a tile's keys and values, from 1024 bytes on */
         const bool bf = a->format == LLMEM_KV_FORMAT_BF16;
         if (a->mblocks == 2)
             fn = bf ? prefill_wg_kernel<2, 128, true> : prefill_wg_kernel<2, 128, false>;
         else
             fn = bf ? prefill_wg_kernel<1, 64, true> : prefill_wg_kernel<1, 64, false>;
         const int bn = a->mblocks == 2 ? 128 : 64;
-        smem = 1024 + (64 * a->mblocks + 2 * 2 * bn) * 2 * a->head_dim;
+        smem = 1024 + (64 * a->mblocks + WG_STAGES * 2 * bn) * 2 * a->head_dim;
         threads = 128 * a->mblocks;
     } else {
         fn = a->mblocks == 2 ? pick<2>(a->head_dim, a->format) : pick<1>(a->head_dim, a->format);
