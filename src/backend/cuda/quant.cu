@@ -866,75 +866,147 @@ struct qset {
     unsigned first[4];
 };
 
-/* Rows a warp of qgemv_set_kernel<NX, QT> takes: Q4_K one row of x, two (whose loads it issues
- * together, and whose x it reads once). */
-template <int NX, int QT> struct qgemv_rows {
-    static constexpr int R = QT == LLMEM_QTYPE_Q4_K && NX == 1 ? 2 : 1;
-};
-
-/* (Q4_K at one row of x: 80 registers, three blocks an SM; measured on the H200 against two
- * blocks at 123: 12.1 against 13.7 µs for 14336 × 4096, 13.8 against 11.7 for 4096 × 14336) */
-#define QGEMV_BLOCKS(NX, QT) ((QT) != LLMEM_QTYPE_Q4_K ? 0 : (NX) == 1 ? 3 : (NX) == 2 ? 2 : 0)
-
+/* (Q4_K at two rows of x: two blocks an SM) */
 template <int NX, int QT>
-static __global__ void __launch_bounds__(256, QGEMV_BLOCKS(NX, QT))
+static __global__ void __launch_bounds__(256, QT == LLMEM_QTYPE_Q4_K && NX == 2 ? 2 : 0)
     qgemv_set_kernel(struct qset s, const uint8_t *xq, int swiglu) {
     static_assert(QT == QT_ANY || QT == LLMEM_QTYPE_Q4_K, "qgemv_set_kernel's instances");
-    constexpr int R = qgemv_rows<NX, QT>::R;
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     int i = 0;
     int64_t r;
     if (swiglu) {
-        i = warp / 4, r = (blockIdx.x * 4 + warp % 4) * R;
+        i = warp / 4, r = blockIdx.x * 4 + warp % 4;
     } else {
         while (i < 2 && blockIdx.x >= s.first[i + 1])
             i++;
-        r = ((blockIdx.x - s.first[i]) * 8 + warp) * R;
+        r = (blockIdx.x - s.first[i]) * 8 + warp;
     }
     const int64_t rows = s.m[i].rows;
-    float acc[R][NX];
+    float acc[NX];
     if (r < rows) {
         if constexpr (QT == QT_ANY)
-            qrow_int_any<NX>(s.type[i], s.m[i], r, xq, lane, acc[0]);
+            qrow_int_any<NX>(s.type[i], s.m[i], r, xq, lane, acc);
         else
-            qrow_q4k<NX, R>(s.m[i], r, xq, lane, acc);
-#pragma unroll
-        for (int k = 0; k < R; k++)
-            warp_sum<NX>(acc[k]);
+            qrow_q4k<NX, 1>(s.m[i], r, xq, lane, (float(*)[NX])acc);
+        warp_sum<NX>(acc);
     } else {
 #pragma unroll
-        for (int k = 0; k < R; k++)
-#pragma unroll
-            for (int j = 0; j < NX; j++)
-                acc[k][j] = 0;
+        for (int j = 0; j < NX; j++)
+            acc[j] = 0;
         pdl_begin();
     }
     if (!swiglu) {
-        if (lane == 0)
-#pragma unroll
-            for (int k = 0; k < R; k++)
-                if (r + k < rows)
-#pragma unroll
-                    for (int j = 0; j < NX; j++)
-                        s.y[i][j * rows + r + k] =
-                            s.bias[i] != NULL ? acc[k][j] + s.bias[i][r + k] : acc[k][j];
-        return;
-    }
-    __shared__ float part[8][R][NX];
-    if (lane == 0)
-#pragma unroll
-        for (int k = 0; k < R; k++)
+        if (lane == 0 && r < rows)
 #pragma unroll
             for (int j = 0; j < NX; j++)
-                part[warp][k][j] = acc[k][j];
+                s.y[i][j * rows + r] = s.bias[i] != NULL ? acc[j] + s.bias[i][r] : acc[j];
+        return;
+    }
+    __shared__ float part[8][NX];
+    if (lane == 0)
+#pragma unroll
+        for (int j = 0; j < NX; j++)
+            part[warp][j] = acc[j];
     __syncthreads();
-    if (warp < 4 && lane == 0)
+    if (warp < 4 && lane == 0 && r < rows)
 #pragma unroll
-        for (int k = 0; k < R; k++)
-            if (r + k < rows)
+        for (int j = 0; j < NX; j++)
+            s.y[0][j * rows + r] = silu_mul(part[warp][j], part[warp + 4][j]);
+}
+
+/* Q4_K at one row of x, streamed: a grid of two blocks an SM, whose warps take the set's items in
+ * turn (item i: rows 2i and 2i + 1 of a matrix, the matrices' items one after another from first[];
+ * with swiglu row i of gate and row i of up), a batch of a pair a lane at a time, QSTREAM_STAGES
+ * batches of each warp in flight: the weights of the next batches, of this item or the next, are
+ * asked for before the current batch is multiplied, so that a warp never waits on the memory with
+ * nothing else asked for, and no wave of short-lived blocks ends with the device half idle. */
+#define QSTREAM_STAGES 3
+struct qstream {
+    unsigned first[4]; /* matrix i's items [first[i], first[i + 1]) */
+};
+
+static __global__ void __launch_bounds__(256, 2)
+    qgemv_q4k_stream_kernel(struct qset s, struct qstream q, const uint8_t *xq, int swiglu) {
+    constexpr int S = QSTREAM_STAGES;
+    const int lane = threadIdx.x & 31;
+    const unsigned gw = blockIdx.x * 8 + threadIdx.x / 32, tw = gridDim.x * 8;
+    const int64_t cols = s.m[0].cols, rb = s.m[0].row_bytes;
+    const int pairs = (int)(cols / 64), kb = (pairs + 31) / 32; /* a lane's batches an item */
+    const unsigned items = q.first[3];
+    const int total = gw < items ? (int)((items - gw + tw - 1) / tw) * kb : 0;
+
+    /* item `it`'s matrix and first row */
+    const auto item_at = [&](unsigned it, int *i, int64_t *r) {
+        if (swiglu) {
+            *i = 0, *r = it;
+            return;
+        }
+        int m = 0;
+        while (m < 2 && it >= q.first[m + 1])
+            m++;
+        *i = m, *r = 2 * (int64_t)(it - q.first[m]);
+    };
+    /* the loads of batch f (item f / kb of the warp's, pair lane + 32 (f mod kb)) into b */
+    int li = 0, lk = 0; /* the next batch to ask for: the warp's item li, its batch lk */
+    const auto issue = [&](struct q4k_pair *b) {
+        if (li * kb + lk >= total)
+            return;
+        const int p = lane + 32 * lk;
+        if (p < pairs) {
+            int i;
+            int64_t r;
+            item_at(gw + (unsigned)li * tw, &i, &r);
+            const uint8_t *r0, *r1;
+            if (swiglu) {
+                r0 = s.m[0].codes + r * rb, r1 = s.m[1].codes + r * rb;
+            } else {
+                const int64_t rows = s.m[i].rows;
+                r0 = s.m[i].codes + r * s.m[i].row_bytes;
+                r1 = s.m[i].codes + (r + 1 < rows ? r + 1 : r) * s.m[i].row_bytes;
+            }
+            q4k_pair_load(r0, p, &b[0]);
+            q4k_pair_load(r1, p, &b[1]);
+        }
+        if (++lk == kb)
+            lk = 0, li++;
+    };
+
+    struct q4k_pair v[S][2];
 #pragma unroll
-                for (int j = 0; j < NX; j++)
-                    s.y[0][j * rows + r + k] = silu_mul(part[warp][k][j], part[warp + 4][k][j]);
+    for (int st = 0; st < S - 1; st++)
+        issue(v[st]);
+    pdl_begin(); /* (the weights before: launch.h) */
+    float acc[2][1] = {{0.0f}, {0.0f}};
+    int ci = 0, ck = 0; /* the batch to multiply */
+    for (int f0 = 0; f0 < total; f0 += S) {
+#pragma unroll
+        for (int st = 0; st < S; st++) {
+            if (f0 + st >= total)
+                break;
+            issue(v[(st + S - 1) % S]);
+            const int p = lane + 32 * ck;
+            if (p < pairs)
+                q4k_pair_dot<1, 2>(v[st], p, xq, cols, acc);
+            if (++ck < kb)
+                continue;
+            warp_sum<1>(acc[0]), warp_sum<1>(acc[1]);
+            int i;
+            int64_t r;
+            item_at(gw + (unsigned)ci * tw, &i, &r);
+            if (lane == 0) {
+                if (swiglu) {
+                    s.y[0][r] = silu_mul(acc[0][0], acc[1][0]);
+                } else {
+                    const float *bias = s.bias[i];
+                    s.y[i][r] = bias != NULL ? acc[0][0] + bias[r] : acc[0][0];
+                    if (r + 1 < s.m[i].rows)
+                        s.y[i][r + 1] = bias != NULL ? acc[1][0] + bias[r + 1] : acc[1][0];
+                }
+            }
+            acc[0][0] = acc[1][0] = 0.0f;
+            ck = 0, ci++;
+        }
+    }
 }
 
 /* ---- fast precision, more rows of x: integer products on the tensor cores ---------------------
@@ -1662,26 +1734,47 @@ int qgemv_int(const struct cuda_ctx *c, const struct llmem_weight *w) {
             w->quant == LLMEM_QTYPE_Q6_K);
 }
 
-/* qgemv_set_kernel<NX, QT> over the count matrices of s (blocks of 8·R rows, or with swiglu
- * 4·R rows of gate and of up). */
+/* qgemv_set_kernel<NX, QT> over the count matrices of s (blocks of 8 rows, or with swiglu 4 rows
+ * of gate and of up). */
 template <int NX, int QT>
 static void qgemv_set_go(struct cuda_ctx *c, int count, struct qset s, const uint8_t *xq,
                          int swiglu) {
-    constexpr int R = qgemv_rows<NX, QT>::R;
     s.first[0] = 0;
     for (int i = 0; i < 3; i++)
-        s.first[i + 1] =
-            s.first[i] + (i < count ? (unsigned)((s.m[i].rows + 8 * R - 1) / (8 * R)) : 0);
-    const dim3 grid(swiglu ? (unsigned)((s.m[0].rows + 4 * R - 1) / (4 * R)) : s.first[3]);
+        s.first[i + 1] = s.first[i] + (i < count ? (unsigned)((s.m[i].rows + 7) / 8) : 0);
+    const dim3 grid(swiglu ? (unsigned)((s.m[0].rows + 3) / 4) : s.first[3]);
     pdl_launch(c->stream, qgemv_set_kernel<NX, QT>, grid, dim3(256), 0, s, xq, swiglu);
 }
 
-/* qgemv_set_go for nx rows of x, of one type QT or any (QT_ANY). */
+/* qgemv_q4k_stream_kernel over the count matrices of s. */
+static void qgemv_q4k_stream_go(struct cuda_ctx *c, int count, const struct qset &s,
+                                const uint8_t *xq, int swiglu) {
+    struct qstream q = {};
+    for (int i = 0; i < 3; i++)
+        q.first[i + 1] =
+            q.first[i] +
+            (unsigned)(swiglu ? (i == 0 ? s.m[0].rows : 0)
+                              : (i < count ? (s.m[i].rows + 1) / 2 : 0));
+    /* as many items each warp (no warp's last item the device's tail alone), in up to
+     * two blocks an SM */
+    const unsigned items = q.first[3] > 0 ? q.first[3] : 1;
+    const unsigned most = 16u * (unsigned)(sm_count() > 0 ? sm_count() : 132);
+    const unsigned each = (items + most - 1) / most, warps = (items + each - 1) / each;
+    pdl_launch(c->stream, qgemv_q4k_stream_kernel, dim3((warps + 7) / 8), dim3(256), 0, s, q,
+               xq, swiglu);
+}
+
+/* qgemv_set_go for nx rows of x, of one type QT or any (QT_ANY); Q4_K at one row streamed. */
 template <int QT>
 static void qgemv_set_launch(struct cuda_ctx *c, int count, int nx, const struct qset &s,
                              const uint8_t *xq, int swiglu) {
     switch (nx) {
-    case 1: qgemv_set_go<1, QT>(c, count, s, xq, swiglu); break;
+    case 1:
+        if constexpr (QT == LLMEM_QTYPE_Q4_K)
+            qgemv_q4k_stream_go(c, count, s, xq, swiglu);
+        else
+            qgemv_set_go<1, QT>(c, count, s, xq, swiglu);
+        break;
     case 2: qgemv_set_go<2, QT>(c, count, s, xq, swiglu); break;
     case 3: qgemv_set_go<3, QT>(c, count, s, xq, swiglu); break;
     default: qgemv_set_go<4, QT>(c, count, s, xq, swiglu);
