@@ -733,74 +733,78 @@ static void test_matmul_multi(void **state) {
  * matmul_multi's one launch gives each matrix's own matmul bit for bit, and matmul_swiglu gives
  * matmul_multi then swiglu bit for bit, for a decode's rows of x (launches of up to 4) and a
  * batch's (the tensor cores' integer products); a row's products do not depend on the rows beside
- * it. */
+ * it. Rows of 2,304 and 4,352 values: Q4_K at one row of x streams the short ones. */
 static void test_quantized_sets(void **state) {
     (void)state;
-    const int64_t cols = 4352, rows[3] = {300, 40, 72}, ns[4] = {1, 3, 6, 45};
-    const int types[3] = {LLMEM_QTYPE_Q4_K, LLMEM_QTYPE_Q8_0, LLMEM_QTYPE_Q6_K};
-    struct llmem_weight wd[3], wh[3];
-    const struct llmem_weight *pd[3];
-    void *w[3];
-    for (int i = 0; i < 3; i++) {
-        size_t bytes, side;
-        void *scales, *biases;
-        w[i] = random_quantized(types[i], rows[i], cols, &bytes, &scales, &biases, &side);
-        wd[i] = (struct llmem_weight){
-            to_device(w[i], bytes), LLMEM_DTYPE_F32, rows[i], cols, types[i], NULL, NULL, 0};
-        wh[i] = wd[i], wh[i].data = w[i];
-        pd[i] = &wd[i];
-    }
-    for (int k = 0; k < 4; k++) {
-        const int64_t n = ns[k];
-        float *x = random_floats(n * cols, 1.0f), *dx = to_device(x, (size_t)(n * cols) * 4);
-        float *dy[3], *one = llmem_mem_alloc(dmem, (size_t)(n * rows[0]) * 4, LLMEM_TAG_SCRATCH);
-        for (int i = 0; i < 3; i++)
-            dy[i] = llmem_mem_alloc(dmem, (size_t)(n * rows[i]) * 4, LLMEM_TAG_SCRATCH);
-        gpu->ops->matmul_multi(gpu->ctx, 3, pd, dx, n, dy, NULL);
+    const int64_t rows[3] = {300, 40, 72}, ns[4] = {1, 3, 6, 45};
+    for (int c = 0; c < 2; c++) {
+        const int64_t cols = c == 0 ? 2304 : 4352;
+        const int types[3] = {LLMEM_QTYPE_Q4_K, LLMEM_QTYPE_Q8_0, LLMEM_QTYPE_Q6_K};
+        struct llmem_weight wd[3], wh[3];
+        const struct llmem_weight *pd[3];
+        void *w[3];
         for (int i = 0; i < 3; i++) {
-            gpu->ops->matmul(gpu->ctx, pd[i], dx, n, one, NULL);
-            float *a = to_host(dy[i], n * rows[i]), *b = to_host(one, n * rows[i]);
-            assert_memory_equal(a, b, (size_t)(n * rows[i]) * 4);
-            cpu->ops->matmul(cpu->ctx, &wh[i], x, n, b, NULL); /* (x in 8 bits or f16: 1e-2) */
-            assert_true(rel_diff(b, a, n * rows[i]) <= 1e-2);
-            for (int64_t t = 0; n <= QGEMV_MAX_ROWS && t < n; t += 2) { /* row t alone */
-                gpu->ops->matmul(gpu->ctx, pd[i], dx + t * cols, 1, one, NULL);
-                float *alone = to_host(one, rows[i]);
-                assert_memory_equal(a + t * rows[i], alone, (size_t)rows[i] * 4);
-                free(alone);
-            }
-            if (n > QGEMV_MAX_ROWS) { /* the tensor cores: the last 9 rows by themselves */
-                const int64_t t = n - (QGEMV_MAX_ROWS + 1);
-                gpu->ops->matmul(gpu->ctx, pd[i], dx + t * cols, QGEMV_MAX_ROWS + 1, one, NULL);
-                float *few = to_host(one, (QGEMV_MAX_ROWS + 1) * rows[i]);
-                assert_memory_equal(a + t * rows[i], few,
-                                    (size_t)((QGEMV_MAX_ROWS + 1) * rows[i]) * 4);
-                free(few);
-            }
-            free(a), free(b);
+            size_t bytes, side;
+            void *scales, *biases;
+            w[i] = random_quantized(types[i], rows[i], cols, &bytes, &scales, &biases, &side);
+            wd[i] = (struct llmem_weight){
+                to_device(w[i], bytes), LLMEM_DTYPE_F32, rows[i], cols, types[i], NULL, NULL, 0};
+            wh[i] = wd[i], wh[i].data = w[i];
+            pd[i] = &wd[i];
         }
-        /* gate and up: the Q4_K matrix twice, then Q6_K's */
-        for (int p = 0; p < 2; p++) {
-            const struct llmem_weight *gu = p == 0 ? &wd[0] : &wd[2];
-            const struct llmem_weight *pair[2] = {gu, gu};
-            const int64_t r = gu->rows;
-            float *y[2] = {dy[0], one};
-            float *o = llmem_mem_alloc(dmem, (size_t)(n * r) * 4, LLMEM_TAG_SCRATCH);
-            gpu->ops->matmul_multi(gpu->ctx, 2, pair, dx, n, y, NULL);
-            gpu->ops->swiglu(gpu->ctx, y[0], y[1], n * r, y[0]);
-            float *want = to_host(y[0], n * r);
-            gpu->ops->matmul_swiglu(gpu->ctx, gu, gu, dx, n, y[0], y[1], o);
-            float *got = to_host(o, n * r);
-            assert_memory_equal(want, got, (size_t)(n * r) * 4);
-            free(want), free(got), llmem_mem_free(dmem, o);
+        for (int k = 0; k < 4; k++) {
+            const int64_t n = ns[k];
+            float *x = random_floats(n * cols, 1.0f), *dx = to_device(x, (size_t)(n * cols) * 4);
+            float *dy[3],
+                *one = llmem_mem_alloc(dmem, (size_t)(n * rows[0]) * 4, LLMEM_TAG_SCRATCH);
+            for (int i = 0; i < 3; i++)
+                dy[i] = llmem_mem_alloc(dmem, (size_t)(n * rows[i]) * 4, LLMEM_TAG_SCRATCH);
+            gpu->ops->matmul_multi(gpu->ctx, 3, pd, dx, n, dy, NULL);
+            for (int i = 0; i < 3; i++) {
+                gpu->ops->matmul(gpu->ctx, pd[i], dx, n, one, NULL);
+                float *a = to_host(dy[i], n * rows[i]), *b = to_host(one, n * rows[i]);
+                assert_memory_equal(a, b, (size_t)(n * rows[i]) * 4);
+                cpu->ops->matmul(cpu->ctx, &wh[i], x, n, b, NULL); /* (x in 8 bits or f16: 1e-2) */
+                assert_true(rel_diff(b, a, n * rows[i]) <= 1e-2);
+                for (int64_t t = 0; n <= QGEMV_MAX_ROWS && t < n; t += 2) { /* row t alone */
+                    gpu->ops->matmul(gpu->ctx, pd[i], dx + t * cols, 1, one, NULL);
+                    float *alone = to_host(one, rows[i]);
+                    assert_memory_equal(a + t * rows[i], alone, (size_t)rows[i] * 4);
+                    free(alone);
+                }
+                if (n > QGEMV_MAX_ROWS) { /* the tensor cores: the last 9 rows by themselves */
+                    const int64_t t = n - (QGEMV_MAX_ROWS + 1);
+                    gpu->ops->matmul(gpu->ctx, pd[i], dx + t * cols, QGEMV_MAX_ROWS + 1, one, NULL);
+                    float *few = to_host(one, (QGEMV_MAX_ROWS + 1) * rows[i]);
+                    assert_memory_equal(a + t * rows[i], few,
+                                        (size_t)((QGEMV_MAX_ROWS + 1) * rows[i]) * 4);
+                    free(few);
+                }
+                free(a), free(b);
+            }
+            /* gate and up: the Q4_K matrix twice, then Q6_K's */
+            for (int p = 0; p < 2; p++) {
+                const struct llmem_weight *gu = p == 0 ? &wd[0] : &wd[2];
+                const struct llmem_weight *pair[2] = {gu, gu};
+                const int64_t r = gu->rows;
+                float *y[2] = {dy[0], one};
+                float *o = llmem_mem_alloc(dmem, (size_t)(n * r) * 4, LLMEM_TAG_SCRATCH);
+                gpu->ops->matmul_multi(gpu->ctx, 2, pair, dx, n, y, NULL);
+                gpu->ops->swiglu(gpu->ctx, y[0], y[1], n * r, y[0]);
+                float *want = to_host(y[0], n * r);
+                gpu->ops->matmul_swiglu(gpu->ctx, gu, gu, dx, n, y[0], y[1], o);
+                float *got = to_host(o, n * r);
+                assert_memory_equal(want, got, (size_t)(n * r) * 4);
+                free(want), free(got), llmem_mem_free(dmem, o);
+            }
+            for (int i = 0; i < 3; i++)
+                llmem_mem_free(dmem, dy[i]);
+            llmem_mem_free(dmem, one), llmem_mem_free(dmem, dx);
+            free(x);
         }
         for (int i = 0; i < 3; i++)
-            llmem_mem_free(dmem, dy[i]);
-        llmem_mem_free(dmem, one), llmem_mem_free(dmem, dx);
-        free(x);
+            llmem_mem_free(dmem, (void *)wd[i].data), free(w[i]);
     }
-    for (int i = 0; i < 3; i++)
-        llmem_mem_free(dmem, (void *)wd[i].data), free(w[i]);
 }
 
 /* Two matrices in one buffer (the second right after the first, as a device model's k and v,

@@ -866,52 +866,75 @@ struct qset {
     unsigned first[4];
 };
 
-/* (Q4_K at two rows of x: two blocks an SM) */
+/* Rows a warp of qgemv_set_kernel<NX, QT> takes: Q4_K one row of x, two (whose loads it issues
+ * together, and whose x it reads once). */
+template <int NX, int QT> struct qgemv_rows {
+    static constexpr int R = QT == LLMEM_QTYPE_Q4_K && NX == 1 ? 2 : 1;
+};
+
+/* (Q4_K at one row of x: 80 registers, three blocks an SM; measured on the H200 against two
+ * blocks at 123: 12.1 against 13.7 µs for 14336 × 4096, 13.8 against 11.7 for 4096 × 14336) */
+#define QGEMV_BLOCKS(NX, QT) ((QT) != LLMEM_QTYPE_Q4_K ? 0 : (NX) == 1 ? 3 : (NX) == 2 ? 2 : 0)
+
 template <int NX, int QT>
-static __global__ void __launch_bounds__(256, QT == LLMEM_QTYPE_Q4_K && NX == 2 ? 2 : 0)
+static __global__ void __launch_bounds__(256, QGEMV_BLOCKS(NX, QT))
     qgemv_set_kernel(struct qset s, const uint8_t *xq, int swiglu) {
     static_assert(QT == QT_ANY || QT == LLMEM_QTYPE_Q4_K, "qgemv_set_kernel's instances");
+    constexpr int R = qgemv_rows<NX, QT>::R;
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     int i = 0;
     int64_t r;
     if (swiglu) {
-        i = warp / 4, r = blockIdx.x * 4 + warp % 4;
+        i = warp / 4, r = (blockIdx.x * 4 + warp % 4) * R;
     } else {
         while (i < 2 && blockIdx.x >= s.first[i + 1])
             i++;
-        r = (blockIdx.x - s.first[i]) * 8 + warp;
+        r = ((blockIdx.x - s.first[i]) * 8 + warp) * R;
     }
     const int64_t rows = s.m[i].rows;
-    float acc[NX];
+    float acc[R][NX];
     if (r < rows) {
         if constexpr (QT == QT_ANY)
-            qrow_int_any<NX>(s.type[i], s.m[i], r, xq, lane, acc);
+            qrow_int_any<NX>(s.type[i], s.m[i], r, xq, lane, acc[0]);
         else
-            qrow_q4k<NX, 1>(s.m[i], r, xq, lane, (float(*)[NX])acc);
-        warp_sum<NX>(acc);
+            qrow_q4k<NX, R>(s.m[i], r, xq, lane, acc);
+#pragma unroll
+        for (int k = 0; k < R; k++)
+            warp_sum<NX>(acc[k]);
     } else {
 #pragma unroll
-        for (int j = 0; j < NX; j++)
-            acc[j] = 0;
+        for (int k = 0; k < R; k++)
+#pragma unroll
+            for (int j = 0; j < NX; j++)
+                acc[k][j] = 0;
         pdl_begin();
     }
     if (!swiglu) {
-        if (lane == 0 && r < rows)
+        if (lane == 0)
 #pragma unroll
-            for (int j = 0; j < NX; j++)
-                s.y[i][j * rows + r] = s.bias[i] != NULL ? acc[j] + s.bias[i][r] : acc[j];
+            for (int k = 0; k < R; k++)
+                if (r + k < rows)
+#pragma unroll
+                    for (int j = 0; j < NX; j++)
+                        s.y[i][j * rows + r + k] =
+                            s.bias[i] != NULL ? acc[k][j] + s.bias[i][r + k] : acc[k][j];
         return;
     }
-    __shared__ float part[8][NX];
+    __shared__ float part[8][R][NX];
     if (lane == 0)
 #pragma unroll
-        for (int j = 0; j < NX; j++)
-            part[warp][j] = acc[j];
-    __syncthreads();
-    if (warp < 4 && lane == 0 && r < rows)
+        for (int k = 0; k < R; k++)
 #pragma unroll
-        for (int j = 0; j < NX; j++)
-            s.y[0][j * rows + r] = silu_mul(part[warp][j], part[warp + 4][j]);
+            for (int j = 0; j < NX; j++)
+                part[warp][k][j] = acc[k][j];
+    __syncthreads();
+    if (warp < 4 && lane == 0)
+#pragma unroll
+        for (int k = 0; k < R; k++)
+            if (r + k < rows)
+#pragma unroll
+                for (int j = 0; j < NX; j++)
+                    s.y[0][j * rows + r + k] = silu_mul(part[warp][k][j], part[warp + 4][k][j]);
 }
 
 /* Q4_K at one row of x, streamed: a grid of two blocks an SM, whose warps take the set's items in
@@ -1734,16 +1757,28 @@ int qgemv_int(const struct cuda_ctx *c, const struct llmem_weight *w) {
             w->quant == LLMEM_QTYPE_Q6_K);
 }
 
-/* qgemv_set_kernel<NX, QT> over the count matrices of s (blocks of 8 rows, or with swiglu 4 rows
- * of gate and of up). */
+/* qgemv_set_kernel<NX, QT> over the count matrices of s (blocks of 8·R rows, or with swiglu
+ * 4·R rows of gate and of up). */
 template <int NX, int QT>
 static void qgemv_set_go(struct cuda_ctx *c, int count, struct qset s, const uint8_t *xq,
                          int swiglu) {
+    constexpr int R = qgemv_rows<NX, QT>::R;
     s.first[0] = 0;
     for (int i = 0; i < 3; i++)
-        s.first[i + 1] = s.first[i] + (i < count ? (unsigned)((s.m[i].rows + 7) / 8) : 0);
-    const dim3 grid(swiglu ? (unsigned)((s.m[0].rows + 3) / 4) : s.first[3]);
+        s.first[i + 1] =
+            s.first[i] + (i < count ? (unsigned)((s.m[i].rows + 8 * R - 1) / (8 * R)) : 0);
+    const dim3 grid(swiglu ? (unsigned)((s.m[0].rows + 4 * R - 1) / (4 * R)) : s.first[3]);
     pdl_launch(c->stream, qgemv_set_kernel<NX, QT>, grid, dim3(256), 0, s, xq, swiglu);
+}
+
+/* Whether Q4_K at one row of x takes qgemv_q4k_stream_kernel: rows shorter than 4,096 values, of
+ * fewer than two pairs a lane, which qgemv_set_kernel's warps read a pair at a time (no batch of
+ * loads in flight). Longer rows it reads two pairs a lane at once, three blocks an SM, and there
+ * the stream was slower (H100: the 8B shape at Q4_K_M 414.0 tokens/s with qgemv_set_kernel, 406.5
+ * with the stream everywhere; the 1B shape, rows of 2,048 but the down projection's, 1,629 ->
+ * 1,682-1,686 with the stream everywhere, 1,602 with it for the down projection alone). */
+static bool q4k_streams(const struct qset &s) {
+    return s.m[0].cols < 4096;
 }
 
 /* qgemv_q4k_stream_kernel over the count matrices of s. */
@@ -1764,13 +1799,14 @@ static void qgemv_q4k_stream_go(struct cuda_ctx *c, int count, const struct qset
                xq, swiglu);
 }
 
-/* qgemv_set_go for nx rows of x, of one type QT or any (QT_ANY); Q4_K at one row streamed. */
+/* qgemv_set_go for nx rows of x, of one type QT or any (QT_ANY); Q4_K's short rows at one row of
+ * x streamed. */
 template <int QT>
 static void qgemv_set_launch(struct cuda_ctx *c, int count, int nx, const struct qset &s,
                              const uint8_t *xq, int swiglu) {
     switch (nx) {
     case 1:
-        if constexpr (QT == LLMEM_QTYPE_Q4_K)
+        if (QT == LLMEM_QTYPE_Q4_K && q4k_streams(s))
             qgemv_q4k_stream_go(c, count, s, xq, swiglu);
         else
             qgemv_set_go<1, QT>(c, count, s, xq, swiglu);
