@@ -146,7 +146,9 @@ __device__ __forceinline__ void copy_tile(const Params &p, const int32_t *table,
                                           uint32_t kdst, uint32_t vdst, At at) {
     constexpr int NCH = D / 8;
     if constexpr (PRE) {
-        static_assert(TOKENS * NCH % THREADS == 0, "copy_tile's copies");
+        static_assert(TOKENS * NCH % THREADS == 0 &&
+                          ((THREADS / NCH) % BLOCK == 0 || BLOCK % (THREADS / NCH) == 0),
+                      "copy_tile's rounds of copies and the cache blocks");
 #pragma unroll
         for (int j = 0; j < TOKENS * NCH / THREADS; j++) {
             const int i = threadIdx.x + j * THREADS;
@@ -552,8 +554,7 @@ __global__ void __launch_bounds__(WG * 128, 1) prefill_wg_kernel(const Params p)
     constexpr int SLAB = BN * 128;  /* of a slab of a tile's keys (or values) */
     constexpr int TILE = 2 * SLAB;  /* of a tile's keys (or values) */
     constexpr int NT = BN / 8;      /* n-blocks of 8 of the scores */
-    constexpr int STAGES = WG_STAGES;
-    extern __shared__ uint8_t smem_raw[]; /* the queries, then STAGES of [K | V], from 1024 */
+    extern __shared__ uint8_t smem_raw[]; /* the queries, then WG_STAGES of [K | V] */
     const uint32_t raw = smem_addr(smem_raw), qbase = (raw + 1023u) & ~1023u;
     uint8_t *const smem = smem_raw + (qbase - raw);
     const uint32_t sbase = qbase + 2 * QSLAB;
@@ -567,10 +568,9 @@ __global__ void __launch_bounds__(WG * 128, 1) prefill_wg_kernel(const Params p)
     const int end = tile.pos + tile.n_q; /* tokens the tile's last query sees */
     const int n_kt = (end + BN - 1) / BN;
 
-    const auto stage = [&](int kt) { return sbase + (kt % STAGES) * 2 * TILE; };
+    const auto stage = [&](int kt) { return sbase + (kt % WG_STAGES) * 2 * TILE; };
     /* the cache blocks of a tile, read ahead of its copies (whose addresses would otherwise wait
      * on these loads, with the warp's softmax behind them) */
-    static_assert((WG * 128 / NCH) % BLOCK == 0 || BLOCK % (WG * 128 / NCH) == 0, "rounds");
     int32_t blocks[BN / BLOCK];
     const auto fetch = [&](int kt) {
 #pragma unroll
