@@ -659,13 +659,16 @@ static void moe_case(struct llmem_backend *ref, int type, int64_t E, int64_t hid
  * a prefill's (the GEMMs), in place (y = x) or not: the CPU's routing, and its outputs within the
  * matmuls' bounds (f32 precision 1e-5 of the largest output; fast 4e-2: two products in a row, the
  * K types' x one scale a 256 values from 9 rows on, as the CPU's fast path; Q6_K reached
- * 3.09e-2). Then 200 and 1,000 experts, top 8 (the routing's registers: 8 and 32 logits a lane),
- * for a decode and a batch. */
+ * 3.09e-2). Wider experts at Q8_0 and Q6_K, a decode and a batch: rows of 2,048, 1,280 and 768
+ * values, so that a lane takes two units of a row, one and a part, or one with lanes idle. Then
+ * 200 and 1,000 experts, top 8 (the routing's registers: 8 and 32 logits a lane), for a decode
+ * and a batch. */
 static void test_moe(void **state) {
     (void)state;
     const int types[] = {0, LLMEM_QTYPE_Q8_0, LLMEM_QTYPE_Q4_K, LLMEM_QTYPE_Q6_K,
                          llmem_qtype_mlx(4, 64, LLMEM_QTYPE_BF16)};
-    const int64_t Ts[] = {1, 5, 20, 150}, ks[] = {3, 2}, many_ks[] = {8}, many_Ts[] = {1, 5};
+    const int64_t Ts[] = {1, 5, 20, 150}, ks[] = {3, 2}, many_ks[] = {8}, many_Ts[] = {1, 5},
+                  wide_Ts[] = {1, 20};
     const double bound[2] = {1e-5, 4e-2};
     struct llmem_backend *ref = NULL;
     assert_int_equal(llmem_backend_cpu_create(2, &ref), LLMEM_OK);
@@ -673,6 +676,8 @@ static void test_moe(void **state) {
     double worst[2] = {0, 0};
     for (size_t ti = 0; ti < sizeof(types) / sizeof(types[0]); ti++)
         moe_case(ref, types[ti], 8, 512, 256, ks, 2, Ts, 4, bound, worst);
+    moe_case(ref, LLMEM_QTYPE_Q8_0, 8, 2048, 768, ks, 2, wide_Ts, 2, bound, worst);
+    moe_case(ref, LLMEM_QTYPE_Q6_K, 8, 1280, 768, ks, 1, wide_Ts, 2, bound, worst);
     moe_case(ref, 0, 200, 256, 64, many_ks, 1, many_Ts, 2, bound, worst);
     moe_case(ref, 0, 1000, 256, 32, many_ks, 1, many_Ts, 2, bound, worst);
     printf("  moe: f32 %.2e, fast %.2e of the largest output\n", worst[0], worst[1]);
