@@ -354,11 +354,12 @@ static __global__ void gemv_any_experts_kernel(const void *w0, const void *w1, e
 
 void gemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
                   const int32_t *ids, const int32_t *order, int k, const float *x, const float *up,
-                  int64_t x_rows, int64_t pairs, float *y, float *y1) {
+                  const uint8_t *xq, int64_t x_rows, int64_t pairs, float *y, float *y1) {
     if (w->quant != 0) {
-        qgemv_experts(c, w, w1, ids, order, k, x, up, x_rows, pairs, y, y1);
+        qgemv_experts(c, w, w1, ids, order, k, x, up, xq, x_rows, pairs, y, y1);
         return;
     }
+    LLMEM_ASSERT(xq == NULL);
     if (up != NULL)
         swiglu_launch(c, x, up, x_rows * w->cols, (float *)x);
     const int64_t rows = w->rows, cols = w->cols;

@@ -2,7 +2,8 @@
  * backend/cuda/moe.cu — a mixture-of-experts MLP on the device (ops.h `moe`), with the experts of
  * each stack one after the other (model/device.c):
  *   - route: a warp per token picks its k experts from the router's logits (softmax in f32, the
- *     k largest, renormalized when asked) and their weights, on the device;
+ *     k largest, renormalized when asked) and their weights, on the device; in the same launch,
+ *     when the experts multiply integers, x rounded to 8 bits for them;
  *   - sort: one block groups the (token, slot) pairs by expert, in token order within an expert;
  *   - a few pairs (a decode step, and every pass recorded as a graph): the matrix-vector kernels
  *     take each pair's expert from the device (gemv_experts; gate and up in one launch, silu(gate)
@@ -30,18 +31,36 @@ __device__ __forceinline__ uint32_t order_key(float v) {
     return b & 0x80000000u ? ~b : b | 0x80000000u;
 }
 
+/* Rows of x the routing launch rounds to 8 bits for the experts' integer kernels after it
+ * (quantize_x_unit's rows; blocks of route_kernel past the tokens'), so that x needs no launch
+ * of its own between the routing and the experts. */
+struct route_x {
+    const float *x;
+    int64_t cols;
+    uint8_t *xq; /* NULL: none */
+};
+
 /* A warp per token: ids and probs of its k experts (largest logit first, the lower index first
  * among equals), p = softmax(logits)[e], renormalized over the k when norm; and identity slots
- * when `slot` is not NULL (pairs left unsorted: the kernels after take them as routed). Lane l
+ * when `slot` is not NULL (pairs left unsorted: the kernels after take them as routed). Blocks
+ * past the tokens' ((T + 7) / 8 of them) round the T rows of rx.x to 8 bits, a warp a unit. Lane l
  * holds logits l, l + 32, … (PER of them, E ≤ 32·PER) in registers: each of the k rounds is a pass
  * over them and two of the warp's integer reductions (the largest key, then the lowest expert
  * holding it), with no memory between (the logits read again and five rounds of shuffles a
  * pick took a decode's routing 9 µs on an H100, a third of its layer's matrix products). */
 template <int PER>
 static __global__ void route_kernel(const float *logits, int64_t T, int64_t E, int k, int norm,
-                                    int32_t *ids, float *probs, int32_t *slot) {
+                                    int32_t *ids, float *probs, int32_t *slot, struct route_x rx) {
     pdl_begin();
     const int lane = threadIdx.x & 31;
+    const int64_t routing = (T + 7) / 8;
+    if (blockIdx.x >= routing) { /* x's units: (cols / 32 + 7) / 8 blocks a row */
+        const int64_t b = blockIdx.x - routing, per = (rx.cols / 32 + 7) / 8;
+        const int64_t u = b % per * 8 + threadIdx.x / 32;
+        if (u < rx.cols / 32)
+            quantize_x_unit(rx.x, NULL, rx.cols, b / per, u, lane, rx.xq);
+        return;
+    }
     const int64_t t = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
     if (t >= T)
         return;
@@ -217,16 +236,22 @@ void cuda_moe(void *ctx, const struct llmem_backend_moe *m, const float *logits,
     auto *route = E <= 128   ? route_kernel<4>
                   : E <= 256 ? route_kernel<8>
                              : route_kernel<LLMEM_CUDA_MOE_MAX_EXPERTS / 32>;
-    pdl_launch(c->stream, route, dim3((unsigned)((T + 7) / 8)), dim3(256), 0, logits, T, E, (int)k,
-               m->norm_topk, w.ids, w.probs, sort ? NULL : w.slot);
+    struct route_x rx = {x, hidden, NULL}; /* (x rounded here for the experts' integer kernels) */
+    if (!grouped && qgemv_int(c, &m->gate[0]) &&
+        (rx.xq = (uint8_t *)wslice(c, (size_t)(T * xq_row_bytes(hidden)))) == NULL)
+        return;
+    const int64_t x_blocks = rx.xq != NULL ? T * ((hidden / 32 + 7) / 8) : 0;
+    pdl_launch(c->stream, route, dim3((unsigned)((T + 7) / 8 + x_blocks)), dim3(256), 0, logits, T,
+               E, (int)k, m->norm_topk, w.ids, w.probs, sort ? NULL : w.slot, rx);
     if (sort)
         pdl_launch(c->stream, sort_kernel, dim3(1), dim3(1024), 0, (const int32_t *)w.ids, pairs, E,
                    w.offsets, w.order, w.slot);
     if (!grouped) { /* (unsorted: the pairs as routed) */
         const int32_t *order = sort ? w.order : NULL;
-        gemv_experts(c, &m->gate[0], &m->up[0], w.ids, order, (int)k, x, NULL, T, pairs, w.gate,
-                     w.up);
-        gemv_experts(c, &m->down[0], NULL, w.ids, order, 0, w.gate, w.up, pairs, pairs, w.x, NULL);
+        gemv_experts(c, &m->gate[0], &m->up[0], w.ids, order, (int)k, x, NULL, rx.xq, T, pairs,
+                     w.gate, w.up);
+        gemv_experts(c, &m->down[0], NULL, w.ids, order, 0, w.gate, w.up, NULL, pairs, pairs, w.x,
+                     NULL);
     } else {
         pdl_launch(c->stream, gather_kernel, dim3(grid_for(pairs * hidden, 256)), dim3(256), 0, x,
                    (const int32_t *)w.order, (int)k, pairs, hidden, w.x);

@@ -271,14 +271,16 @@ void cuda_matmul_swiglu(void *ctx, const struct llmem_weight *gate, const struct
  * of w1 into y1 in the same launch when w1 is not NULL (gate and up); x has x_rows rows; order
  * NULL: the pairs as routed (order[r] = r, one load fewer before a block's weights); with up
  * not NULL, x is silu(x) · up (a mixture's down projection after its gate and up: x written over
- * with it, or at fast precision rounded to 8 bits straight from the two). The matrix-vector
- * kernels' products (gemm.cu for float weights, quant.cu's for quantized ones). */
+ * with it, or at fast precision rounded to 8 bits straight from the two); xq not NULL: x already
+ * rounded to 8 bits where qgemv_int(c, w) (quantize_x_unit's rows; moe.cu's routing launch), NULL
+ * otherwise. The matrix-vector kernels' products (gemm.cu for float weights, quant.cu's for
+ * quantized ones). */
 void gemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
                   const int32_t *ids, const int32_t *order, int k, const float *x, const float *up,
-                  int64_t x_rows, int64_t pairs, float *y, float *y1);
+                  const uint8_t *xq, int64_t x_rows, int64_t pairs, float *y, float *y1);
 void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
                    const int32_t *ids, const int32_t *order, int k, const float *x, const float *up,
-                   int64_t x_rows, int64_t pairs, float *y, float *y1);
+                   const uint8_t *xq, int64_t x_rows, int64_t pairs, float *y, float *y1);
 
 /* quant.cu: quantized weights (w->quant != 0): y = x · Wᵀ (+ bias) for n rows of x by the
  * matrix-vector kernel; rows r0 … r0 + n of w dequantized into out (dt: F16 or F32); the rows of a
@@ -444,6 +446,34 @@ __device__ __forceinline__ float weight_at(const void *w, enum llmem_dtype dt, i
 /* silu(g) · u = g / (1 + e^−g) · u */
 __device__ __forceinline__ float silu_mul(float g, float u) {
     return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
+/* Rows of x rounded to 8 bits for quant.cu's integer matrix-vector kernels: per row, cols int8
+ * codes, then cols / 32 scales and cols / 16 sums (floats), rows 16-byte aligned. */
+__host__ __device__ constexpr int64_t xq_row_bytes(int64_t cols) {
+    return (cols + cols / 32 * 4 + cols / 16 * 4 + 15) / 16 * 16;
+}
+
+/* Values 32u … 32u + 31 of row t of x rounded to 8 bits into row t of out (xq_row_bytes) by a
+ * warp, lane l value 32u + l (d = max|v| / 127, q = round(v / d), the f32 sums of each 16), v = x,
+ * or silu(x) · up where up is not NULL (a mixture's gate and up products, into its down
+ * projection's x). */
+__device__ __forceinline__ void quantize_x_unit(const float *x, const float *up, int64_t cols,
+                                                int64_t t, int64_t u, int lane, uint8_t *out) {
+    const int64_t i = t * cols + 32 * u + lane;
+    const float v = up != NULL ? silu_mul(x[i], up[i]) : x[i];
+    float amax = fabsf(v), sum = v;
+    for (int o = 16; o > 0; o /= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    for (int o = 8; o > 0; o /= 2) /* sums of each 16 lanes */
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    uint8_t *row = out + t * xq_row_bytes(cols);
+    row[32 * u + lane] = (uint8_t)(int8_t)__float2int_rn(v * id);
+    if (lane == 0)
+        reinterpret_cast<float *>(row + cols)[u] = d;
+    if (lane % 16 == 0)
+        reinterpret_cast<float *>(row + cols + cols / 32 * 4)[2 * u + lane / 16] = sum;
 }
 
 } // namespace llmem_cuda

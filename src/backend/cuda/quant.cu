@@ -498,35 +498,13 @@ static __global__ void qembedding_kernel(struct qmat m, const int32_t *ids, floa
  * value·x summed over a half h ≈ sc_h · d · Σ code·q − (off_h + sc_h·B) · Σ x.
  */
 
-/* Rows of x quantized for qgemv_int_kernel: per row, cols int8 codes, then cols / 32 scales and
- * cols / 16 sums (floats), rows 16-byte aligned. */
-__host__ __device__ constexpr int64_t xq_row_bytes(int64_t cols) {
-    return (cols + cols / 32 * 4 + cols / 16 * 4 + 15) / 16 * 16;
-}
-
-/* A warp per 32 values of a row of x (blockIdx.y); of silu(x) · up where up is not NULL (a
- * mixture's gate and up products, into its down projection's x). */
+/* A warp per 32 values of a row of x (blockIdx.y): quantize_x_unit's rows (ops_int.h). */
 static __global__ void quantize_x_kernel(const float *x, const float *up, int64_t cols,
                                          uint8_t *out) {
     pdl_begin();
-    const int lane = threadIdx.x & 31;
-    const int64_t u = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32, t = blockIdx.y;
-    if (u >= cols / 32)
-        return;
-    const int64_t i = t * cols + 32 * u + lane;
-    const float v = up != NULL ? silu_mul(x[i], up[i]) : x[i];
-    float amax = fabsf(v), sum = v;
-    for (int o = 16; o > 0; o /= 2)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    for (int o = 8; o > 0; o /= 2) /* sums of each 16 lanes */
-        sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    uint8_t *row = out + t * xq_row_bytes(cols);
-    row[32 * u + lane] = (uint8_t)(int8_t)__float2int_rn(v * id);
-    if (lane == 0)
-        reinterpret_cast<float *>(row + cols)[u] = d;
-    if (lane % 16 == 0)
-        reinterpret_cast<float *>(row + cols + cols / 32 * 4)[2 * u + lane / 16] = sum;
+    const int64_t u = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    if (u < cols / 32)
+        quantize_x_unit(x, up, cols, blockIdx.y, u, threadIdx.x & 31, out);
 }
 
 /* d = Σ_k a_k · b_k + c over the four bytes, a unsigned, b signed. */
@@ -2040,7 +2018,8 @@ void qgemv(struct cuda_ctx *c, const struct llmem_weight *w, const float *x, int
 
 void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struct llmem_weight *w1,
                    const int32_t *ids, const int32_t *order, int k, const float *x,
-                   const float *up, int64_t x_rows, int64_t pairs, float *y, float *y1) {
+                   const float *up, const uint8_t *xq, int64_t x_rows, int64_t pairs, float *y,
+                   float *y1) {
     const struct qmat m = qmat_of(w);
     struct qexperts ex = {ids, order, k, m.rows * m.row_bytes, 0, NULL, NULL, NULL, y1};
     if (m.scales != NULL)
@@ -2050,13 +2029,15 @@ void qgemv_experts(struct cuda_ctx *c, const struct llmem_weight *w, const struc
         ex.biases1 = (const uint8_t *)w1->biases;
     const dim3 grid((unsigned)((m.rows + 7) / 8), (unsigned)pairs, w1 != NULL ? 2 : 1);
     if (qgemv_int(c, w)) {
-        uint8_t *xw = (uint8_t *)wslice(c, (size_t)(x_rows * xq_row_bytes(m.cols)));
-        const uint8_t *xq = xw;
-        if (xw == NULL)
-            return;
-        pdl_launch(c->stream, quantize_x_kernel,
-                   dim3((unsigned)((m.cols / 32 + 7) / 8), (unsigned)x_rows), dim3(256), 0, x,
-                   up, m.cols, xw);
+        if (xq == NULL) {
+            uint8_t *xw = (uint8_t *)wslice(c, (size_t)(x_rows * xq_row_bytes(m.cols)));
+            if (xw == NULL)
+                return;
+            pdl_launch(c->stream, quantize_x_kernel,
+                       dim3((unsigned)((m.cols / 32 + 7) / 8), (unsigned)x_rows), dim3(256), 0, x,
+                       up, m.cols, xw);
+            xq = xw;
+        }
 #define QGEMV_INT(QT)                                                                              \
     pdl_launch(c->stream, qgemv_int_kernel<QT, 1>, grid, dim3(256), 0, m, xq, y,                   \
                (const float *)NULL, ex)
