@@ -47,8 +47,9 @@ namespace llmem_cuda {
 /* x rows up to which, at fast precision, the integer types (qgemv_int) take the tensor cores'
  * integer products (quant.cu qmma) instead of the dequantized weights' GEMMs */
 #define QMMA_MAX_ROWS 64
-/* The fast GEMMs' plans (cublasLt: the algorithm its heuristic ranks first for a shape, given up
- * to LT_WORKSPACE_MAX of workspace), kept in a table of LT_PLANS by shape. */
+/* The fast GEMMs' plans (cublasLt: an algorithm of those its heuristic ranks first for a shape,
+ * given up to LT_WORKSPACE_MAX of workspace: gemm.cu lt_pick), kept in a table of LT_PLANS by
+ * shape. */
 #define LT_PLANS         1024
 #define LT_WORKSPACE_MAX ((size_t)32 << 20)
 /* RoPE's cosines and sines are computed once per token and block up to this head_dim / 2, in
